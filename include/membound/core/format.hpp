@@ -1,0 +1,33 @@
+// Human-readable byte counts for messages, tables and logs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "membound/core/config.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// "1.50 GiB (1610612736 B)": the binary unit for people, the exact count for tools and tests.
+inline std::string format_bytes(std::size_t bytes, bool exact = true) {
+  static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 5) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char buf[96];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  } else if (exact) {
+    std::snprintf(buf, sizeof buf, "%.2f %s (%zu B)", value, units[unit], bytes);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", value, units[unit]);
+  }
+  return buf;
+}
+
+MEMBOUND_NAMESPACE_END

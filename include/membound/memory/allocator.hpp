@@ -1,0 +1,125 @@
+// The allocator concept every membound allocator policy models, with readable diagnostics.
+//
+// Required members (A is the allocator, a an lvalue of it):
+//   void* a.allocate(std::size_t bytes, std::size_t alignment, memory_tag tag);
+//       Returns storage aligned to `alignment` (a power of two), nullptr when bytes == 0.
+//       Throws membound::out_of_memory when it cannot, membound::invalid_argument on bad input;
+//       either way its state is unchanged.
+//   void a.deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag);
+//       Sized deallocation, as std::pmr does it: the same bytes, alignment and tag as allocate.
+//   memory_stats a.stats() const;
+//   static constexpr memory_space space;  // host or device
+//
+// Optional members, detected and used by adaptors when present:
+//   void a.release_cached();                 hand free cached memory back to the upstream
+//   std::size_t a.growth_for(bytes, alignment) const;
+//       bytes the reserve would grow by to serve this request (0 when a free block fits);
+//       lets a budget refuse a request before any upstream call.
+//   void a.reset_peaks();                    restart peak statistics from current values
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <type_traits>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/memory/memory_stats.hpp"
+#include "membound/memory/memory_tag.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// 256 bytes, as CUB uses for temporary storage: enough for every vector width and for TMA.
+inline constexpr std::size_t default_alignment = 256;
+
+namespace detail {
+template <typename A>
+concept has_allocate = requires(A& a, std::size_t n, memory_tag t) {
+  { a.allocate(n, n, t) } -> std::same_as<void*>;
+};
+template <typename A>
+concept has_deallocate = requires(A& a, void* p, std::size_t n, memory_tag t) {
+  a.deallocate(p, n, n, t);
+};
+template <typename A>
+concept has_stats = requires(const A& a) {
+  { a.stats() } -> std::convertible_to<memory_stats>;
+};
+template <typename A>
+concept has_space = requires {
+  { A::space } -> std::convertible_to<memory_space>;
+};
+}  // namespace detail
+
+template <typename A>
+concept allocator = detail::has_allocate<A> && detail::has_deallocate<A> &&
+                    detail::has_stats<A> && detail::has_space<A>;
+
+template <typename A>
+concept caching_allocator_like = allocator<A> && requires(A& a) { a.release_cached(); };
+
+template <typename A>
+concept reports_growth = allocator<A> && requires(const A& a, std::size_t n) {
+  { a.growth_for(n, n) } -> std::convertible_to<std::size_t>;
+};
+
+template <typename A>
+concept host_allocator = allocator<A> && (A::space == memory_space::host);
+
+// Use as `static_assert(check_allocator<Upstream>())` in templates that take an allocator: the
+// compiler then prints the one sentence that names the missing member, not a concept dump.
+template <typename A>
+consteval bool check_allocator() {
+  static_assert(detail::has_allocate<A>,
+                "membound: this type is not an allocator: it needs a member function "
+                "`void* allocate(std::size_t bytes, std::size_t alignment, membound::memory_tag tag)`.");
+  static_assert(detail::has_deallocate<A>,
+                "membound: this type is not an allocator: it needs a member function "
+                "`void deallocate(void* p, std::size_t bytes, std::size_t alignment, "
+                "membound::memory_tag tag)`.");
+  static_assert(detail::has_stats<A>,
+                "membound: this type is not an allocator: it needs a member function "
+                "`membound::memory_stats stats() const`.");
+  static_assert(detail::has_space<A>,
+                "membound: this type is not an allocator: it needs a member "
+                "`static constexpr membound::memory_space space` (host or device).");
+  return allocator<A>;
+}
+
+constexpr bool is_power_of_two(std::size_t x) noexcept { return x != 0 && (x & (x - 1)) == 0; }
+
+constexpr std::size_t align_up(std::size_t x, std::size_t alignment) noexcept {
+  return (x + alignment - 1) & ~(alignment - 1);
+}
+
+namespace detail {
+// Shared argument checks, so every policy rejects the same inputs with the same words.
+inline void check_alignment(std::size_t alignment, std::size_t max_alignment, const char* who) {
+  if (!is_power_of_two(alignment) || alignment > max_alignment) {
+    throw invalid_argument("alignment", "a power of two no larger than " +
+                                            std::to_string(max_alignment) + " for " + who,
+                           std::to_string(alignment),
+                           "Pass a power-of-two alignment, e.g. membound::default_alignment (256)");
+  }
+}
+inline void check_tag(memory_tag tag) {
+  if (!is_valid(tag)) {
+    throw invalid_argument("tag", "one of the membound::memory_tag values",
+                           std::to_string(static_cast<unsigned>(tag)),
+                           "Pass memory_tag::other when no category fits");
+  }
+}
+}  // namespace detail
+
+// Copies the usage part of an out-of-memory report from an allocator's statistics.
+inline void fill_usage(oom_report& r, const memory_stats& s) noexcept {
+  r.allocated = s.allocated;
+  r.reserved_unallocated = s.free_bytes();
+  r.largest_free_block = s.largest_free_block;
+  for (memory_tag t : all_memory_tags) {
+    r.tag_current[index_of(t)] = s.tag(t).current;
+    r.tag_peak[index_of(t)] = s.tag(t).peak;
+  }
+}
+
+MEMBOUND_NAMESPACE_END
