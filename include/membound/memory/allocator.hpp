@@ -16,10 +16,14 @@
 //       bytes the reserve would grow by to serve this request (0 when a free block fits);
 //       lets a budget refuse a request before any upstream call.
 //   void a.reset_peaks();                    restart peak statistics from current values
+//   void a.set_reserve_limit(std::size_t bytes);
+//       a ceiling on the reserve, set by a budget above: rather than cross it with a preferred
+//       (larger) segment, the allocator grows by just what the request needs.
 #pragma once
 
 #include <concepts>
 #include <cstddef>
+#include <limits>
 #include <type_traits>
 
 #include "membound/core/config.hpp"
@@ -109,6 +113,57 @@ inline void check_tag(memory_tag tag) {
                            "Pass memory_tag::other when no category fits");
   }
 }
+}  // namespace detail
+
+// What a pressure monitor needs from a budget: the footprint it counts and the cap on it.
+// Adaptors above a budget (traced_allocator, synchronized) forward both, so they model it too.
+template <typename B>
+concept budgeted = requires(const B& b) {
+  { b.usage() } -> std::convertible_to<std::size_t>;
+  { b.limit() } -> std::convertible_to<std::size_t>;
+};
+
+namespace detail {
+
+constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept {
+  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                         : a + b;
+}
+
+constexpr std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept {
+  return a > b ? a - b : 0;
+}
+
+// An upstream that declares its largest alignment gets it checked here, before growth_for sees
+// the request; otherwise any power of two passes and the upstream judges it.
+template <typename A>
+constexpr std::size_t max_alignment_of() noexcept {
+  if constexpr (requires {
+                  { A::max_alignment } -> std::convertible_to<std::size_t>;
+                }) {
+    return A::max_alignment;
+  } else {
+    return std::size_t{1} << (std::numeric_limits<std::size_t>::digits - 1);
+  }
+}
+
+template <typename A>
+concept has_reset_peaks = requires(A& a) { a.reset_peaks(); };
+template <typename A>
+concept has_reserve_limit = requires(A& a, std::size_t n) { a.set_reserve_limit(n); };
+template <typename A>
+concept has_headroom = requires(const A& a) {
+  { a.headroom() } -> std::convertible_to<std::size_t>;
+};
+template <typename A>
+concept has_external = requires(const A& a) {
+  { a.external() } -> std::convertible_to<std::size_t>;
+};
+template <typename A>
+concept has_set_limit = requires(A& a, std::size_t n) { a.set_limit(n); };
+template <typename A>
+concept has_set_external = requires(A& a, std::size_t n) { a.set_external(n); };
+
 }  // namespace detail
 
 // Copies the usage part of an out-of-memory report from an allocator's statistics.

@@ -1,0 +1,136 @@
+// The CUDA device allocator policy: cudaMalloc/cudaFree, the device twin of system_allocator.
+// Every request is an upstream call; wrap it in caching_allocator to keep freed blocks.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "membound/backend/cuda/cuda_check.cuh"
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/format.hpp"
+#include "membound/memory/allocator.hpp"
+#include "membound/memory/memory_stats.hpp"
+#include "membound/memory/memory_tag.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+class cuda_device_allocator {
+ public:
+  static constexpr memory_space space = memory_space::device;
+  // cudaMalloc documents 256-byte alignment. Larger alignments (caching_allocator asks for 512
+  // per segment) are honoured by checking the pointer and, only if it falls short,
+  // over-allocating; the limit matches system_allocator's.
+  static constexpr std::size_t guaranteed_alignment = 256;
+  static constexpr std::size_t max_alignment = std::size_t{1} << 21;
+
+  // Binds to the device current on the calling thread.
+  cuda_device_allocator() : device_(cuda_current_device()) {}
+  explicit cuda_device_allocator(int device) : device_(device) {}
+  // Owning statistics makes it non-copyable: a copy would double-count.
+  cuda_device_allocator(const cuda_device_allocator&) = delete;
+  cuda_device_allocator& operator=(const cuda_device_allocator&) = delete;
+
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
+                 memory_tag tag = memory_tag::other) {
+    detail::check_alignment(alignment, max_alignment, "cuda_device_allocator");
+    detail::check_tag(tag);
+    if (bytes == 0) return nullptr;
+    cuda_device_guard guard(device_);
+    void* p = malloc_or_throw(bytes, bytes);
+    std::size_t reserved = bytes;
+    if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0) {
+      (void)cudaFree(p);
+      reserved = bytes + (alignment - guaranteed_alignment);
+      void* raw = malloc_or_throw(bytes, reserved);
+      p = reinterpret_cast<void*>(align_up(reinterpret_cast<std::uintptr_t>(raw), alignment));
+      try {
+        over_aligned_.emplace(p, over_aligned{raw, reserved});
+      } catch (...) {
+        (void)cudaFree(raw);
+        stats_.on_failure();
+        throw;
+      }
+    }
+    stats_.on_reserve(reserved);
+    stats_.on_allocate(bytes, reserved, tag);
+    return p;
+  }
+
+  void deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/ = default_alignment,
+                  memory_tag tag = memory_tag::other) noexcept {
+    if (p == nullptr) return;
+    void* raw = p;
+    std::size_t reserved = bytes;
+    if (!over_aligned_.empty()) {
+      if (const auto it = over_aligned_.find(p); it != over_aligned_.end()) {
+        raw = it->second.raw;
+        reserved = it->second.reserved;
+        over_aligned_.erase(it);
+      }
+    }
+    // cudaFree needs no particular current device. Its errors (e.g. cudartUnloading at exit)
+    // cannot be reported from a noexcept path; the bytes are gone either way.
+    if (cudaFree(raw) != cudaSuccess) (void)cudaGetLastError();
+    stats_.on_deallocate(bytes, reserved, tag);
+    stats_.on_release(reserved);
+  }
+
+  std::size_t growth_for(std::size_t bytes, std::size_t /*alignment*/) const noexcept {
+    return bytes;  // exact unless the rare over-aligned fallback is taken
+  }
+  memory_stats stats() const noexcept { return stats_.stats(); }
+  void reset_peaks() noexcept { stats_.reset_peaks(); }
+  int device() const noexcept { return device_; }
+
+ private:
+  struct over_aligned {
+    void* raw;              // what cudaMalloc returned, for cudaFree
+    std::size_t reserved;   // bytes asked of cudaMalloc
+  };
+
+  // Called with device_ current. cudaErrorMemoryAllocation is an out_of_memory, the rest are
+  // backend errors.
+  void* malloc_or_throw(std::size_t requested, std::size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t status = cudaMalloc(&p, bytes);
+    if (status == cudaSuccess) return p;
+    stats_.on_failure();
+    if (status != cudaErrorMemoryAllocation) cuda_check(status, "cudaMalloc");
+    throw out_of_memory(oom(requested, bytes, status));
+  }
+
+  oom_report oom(std::size_t requested, std::size_t bytes, cudaError_t status) const {
+    (void)cudaGetLastError();  // an OOM is not sticky: clear it so the caller can go on
+    oom_report r;
+    r.source = "cuda_device_allocator";
+    r.requested = requested;
+    r.growth_needed = bytes;
+    fill_usage(r, stats_.stats());
+    r.detail = std::string("cudaMalloc: ") + cudaGetErrorString(status);
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      r.detail += "; device " + std::to_string(device_) + " has " + format_bytes(free_bytes) +
+                  " free of " + format_bytes(total_bytes);
+    } else {
+      (void)cudaGetLastError();
+    }
+    r.hint = "the device is full: free other allocations (or other processes' memory), lower the "
+             "batch or sequence length, or cache freed blocks with caching_allocator so "
+             "fragmentation does not force new cudaMalloc calls";
+    return r;
+  }
+
+  int device_;
+  stats_tracker stats_;
+  std::unordered_map<void*, over_aligned> over_aligned_;  // usually empty
+};
+
+static_assert(check_allocator<cuda_device_allocator>());
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,312 @@
+// The caching allocator policy: keeps memory it got from its upstream in segments and serves
+// later requests from them, so a training loop that repeats the same allocations stops calling
+// the upstream (cudaMalloc, operator new) after its first step.
+//
+// Design, after PyTorch's CUDA caching allocator (our own implementation):
+//   * requests round up to a 512-byte granule, optionally to power-of-two divisions above 1 MiB;
+//   * a small pool (requests <= 1 MiB, 2 MiB segments) and a large pool (requests < 10 MiB share
+//     20 MiB segments, larger ones get a segment of their own rounded to 2 MiB). The pools never
+//     share a segment, so long-lived small tensors cannot pin down large segments;
+//   * placement: the oldest segment with a fitting free block, best fit by (size, address)
+//     inside it (block_pool.hpp explains why: a repeated training step then makes no upstream
+//     call after its first pass); split when the remainder is worth keeping; coalesce on free;
+//   * when the upstream runs out, release the cache and retry once before giving up.
+//
+// Threading: not thread-safe. Use one allocator per thread or stream (as llm.c does), or put a
+// lock around it.
+//
+// The bookkeeping lives on the host and never reads or writes block memory, so the same class
+// caches device memory when Upstream::space is memory_space::device.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/format.hpp"
+#include "membound/memory/allocator.hpp"
+#include "membound/memory/detail/block_pool.hpp"
+#include "membound/memory/memory_stats.hpp"
+#include "membound/memory/memory_tag.hpp"
+#include "membound/memory/system_allocator.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// Tuning knobs of caching_allocator. The defaults are PyTorch's, which are tuned for training.
+// All sizes are in bytes; the constructor rejects inconsistent values with invalid_argument
+// naming the field.
+struct caching_options {
+  // Requests up to this size go to the small pool. Multiple of 512, at most small_segment_size.
+  std::size_t small_request_limit = std::size_t{1} << 20;  // 1 MiB
+  // Segment size of the small pool. Multiple of 512.
+  std::size_t small_segment_size = std::size_t{2} << 20;  // 2 MiB
+  // Large requests below this size share large_segment_size segments; from this size on a
+  // request gets a segment of its own. At most large_segment_size.
+  std::size_t large_segment_limit = std::size_t{10} << 20;  // 10 MiB
+  // Segment size shared by large requests below large_segment_limit. Multiple of 512.
+  std::size_t large_segment_size = std::size_t{20} << 20;  // 20 MiB
+  // A request of its own segment is rounded up to a multiple of this. Power of two, >= 512.
+  std::size_t segment_rounding = std::size_t{2} << 20;  // 2 MiB
+  // Small pool: split a block when the remainder is at least this many bytes.
+  std::size_t small_split_min = 512;
+  // Large pool: split a block only when the remainder is larger than this. Keeping remainders
+  // of up to 1 MiB inside the block avoids slivers that no large request can use.
+  std::size_t large_split_above = std::size_t{1} << 20;  // 1 MiB
+  // 0 = off. Otherwise a power of two N: large requests round up to the next of N equal steps
+  // between the enclosing powers of two (with 4, 1.3 MiB becomes 1.5 MiB). Fewer distinct sizes
+  // make blocks reusable across steps whose sizes vary a little, at the cost of some padding.
+  std::size_t roundup_power2_divisions = 0;
+  // Alignment passed to the upstream for each segment. Power of two, >= 512, so that every
+  // block (a multiple of 512 bytes from the segment start) is 512-aligned.
+  std::size_t segment_alignment = 512;
+};
+
+template <typename Upstream = system_allocator>
+class caching_allocator {
+  static_assert(check_allocator<Upstream>());
+
+ public:
+  static constexpr memory_space space = Upstream::space;
+  // Every block size is a multiple of this, and every block starts on it.
+  static constexpr std::size_t block_granule = 512;
+  static constexpr std::size_t max_alignment = block_granule;
+
+  caching_allocator() : caching_allocator(caching_options{}) {}  // not explicit: `= {}` works
+  template <typename... Args>
+  explicit caching_allocator(caching_options opts, Args&&... upstream_args)
+      : opts_(validated(opts)), upstream_(std::forward<Args>(upstream_args)...) {}
+
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+
+  // Gives every segment back to the upstream. Blocks still allocated at this point are a bug in
+  // the caller; their segments are freed anyway so leak checkers stay quiet about the cache.
+  ~caching_allocator() {
+    auto give_back = [this](detail::block_pool::segment& s) noexcept {
+      upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
+    };
+    small_.remove_all_segments(give_back);
+    large_.remove_all_segments(give_back);
+  }
+
+  // Serves `bytes` aligned to `alignment` (a power of two <= 512). Returns nullptr for 0 bytes.
+  // Throws invalid_argument for a bad alignment or tag, out_of_memory when the upstream fails even
+  // after the cache was released. On any throw the live blocks and the statistics of live memory
+  // are unchanged (the retry may have released cached segments, which is the point of it).
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
+                 memory_tag tag = memory_tag::other) {
+    detail::check_alignment(alignment, max_alignment, "caching_allocator");
+    detail::check_tag(tag);
+    if (bytes == 0) return nullptr;
+    try {
+      if (bytes > max_request) throw_too_large(bytes);
+      const std::size_t size = round_size(bytes);
+      detail::block_pool& pool = pool_for(size);
+      detail::block_pool::block* b = pool.best_fit(size);
+      detail::block_pool::segment* fresh = nullptr;
+      if (b == nullptr) {
+        fresh = new_segment(pool, bytes, segment_size_for(size), tag);
+        b = fresh->first;
+      }
+      try {
+        b = pool.allocate_block(b, size, split_min_for(pool), bytes, alignment, tag);
+      } catch (...) {
+        if (fresh != nullptr) {
+          upstream_.deallocate(fresh->ptr(), fresh->size, opts_.segment_alignment, fresh->tag);
+          pool.remove_segment(fresh);
+        }
+        throw;
+      }
+      // Statistics change only once nothing can fail any more.
+      if (fresh != nullptr) stats_.on_reserve(fresh->size);
+      stats_.on_allocate(bytes, b->size, tag);
+      update_largest();
+      return b->ptr();
+    } catch (...) {
+      stats_.on_failure();
+      throw;
+    }
+  }
+
+  // Sized deallocation: p, bytes, alignment and tag must be exactly what allocate got and
+  // returned. Anything else throws invalid_argument naming the argument, with no change.
+  // nullptr with 0 bytes is a no-op.
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
+                  memory_tag tag = memory_tag::other) {
+    if (p == nullptr && bytes == 0) return;
+    auto [pool, b] = find_live(p);
+    detail::check_deallocate(b, p, bytes, alignment, tag, "caching_allocator");
+    stats_.on_deallocate(b->requested, b->size, b->tag);
+    pool->free_block(b);
+    update_largest();
+  }
+
+  // Gives every fully free segment back to the upstream. Live blocks never move.
+  void release_cached() noexcept {
+    auto give_back = [this](detail::block_pool::segment& s) noexcept {
+      upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
+      stats_.on_release(s.size);
+    };
+    small_.remove_free_segments(give_back);
+    large_.remove_free_segments(give_back);
+    update_largest();
+  }
+
+  // Bytes the next allocate(bytes, alignment) would ask the upstream for: 0 when a free block of
+  // the right pool fits, else the size of the new segment. Exact, so a budget can refuse before
+  // any upstream call. Saturates to SIZE_MAX for requests that can never be served.
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const {
+    detail::check_alignment(alignment, max_alignment, "caching_allocator");
+    if (bytes == 0) return 0;
+    if (bytes > max_request) return std::numeric_limits<std::size_t>::max();
+    const std::size_t size = round_size(bytes);
+    if (pool_for(size).best_fit(size) != nullptr) return 0;
+    return segment_size_for(size);
+  }
+
+  // A ceiling on reserved bytes, normally set by a budget_allocator above. When the preferred
+  // segment (2 MiB or 20 MiB) would cross it, the segment shrinks to the rounded request: near a
+  // hard budget, the slack of a shared segment must not decide between fitting and failing.
+  // growth_for reports the shrunk size, so the budget's check stays exact.
+  void set_reserve_limit(std::size_t bytes) noexcept { reserve_limit_ = bytes; }
+  std::size_t reserve_limit() const noexcept { return reserve_limit_; }
+
+  // requested: sum of callers' bytes; allocated: sum of block sizes (after rounding, including
+  // a remainder too small to split off); reserved: segment bytes held from the upstream.
+  memory_stats stats() const noexcept { return stats_.stats(); }
+  void reset_peaks() noexcept { stats_.reset_peaks(); }
+
+  // The size class a request of `bytes` is served with (bytes > 0).
+  std::size_t round_size(std::size_t bytes) const noexcept {
+    std::size_t size = align_up(bytes, block_granule);
+    if (opts_.roundup_power2_divisions != 0 && size > opts_.small_request_limit) {
+      const std::size_t floor = std::bit_floor(size);
+      if (floor != size) {
+        const std::size_t step = floor / opts_.roundup_power2_divisions;
+        size = align_up(size, step > block_granule ? step : block_granule);
+      }
+    }
+    return size;
+  }
+
+  const caching_options& options() const noexcept { return opts_; }
+  Upstream& upstream() noexcept { return upstream_; }
+  const Upstream& upstream() const noexcept { return upstream_; }
+
+  // O(blocks) consistency check of the internal structures, for tests and debugging.
+  bool check_invariants() const noexcept {
+    return small_.check_invariants(block_granule) && large_.check_invariants(block_granule);
+  }
+
+ private:
+  // Larger requests cannot be rounded without overflow; nothing could serve them anyway.
+  static constexpr std::size_t max_request = std::numeric_limits<std::size_t>::max() / 4;
+
+  static caching_options validated(const caching_options& o) {
+    auto bad = [](const char* field, const std::string& expected, std::size_t got) {
+      throw invalid_argument(std::string("caching_options::") + field, expected,
+                             std::to_string(got), "Fix the field or keep its default");
+    };
+    auto granular = [](std::size_t v) { return v != 0 && v % block_granule == 0; };
+    if (!granular(o.small_segment_size))
+      bad("small_segment_size", "a nonzero multiple of 512", o.small_segment_size);
+    if (!granular(o.small_request_limit) || o.small_request_limit > o.small_segment_size)
+      bad("small_request_limit", "a nonzero multiple of 512 no larger than small_segment_size",
+          o.small_request_limit);
+    if (!granular(o.large_segment_size))
+      bad("large_segment_size", "a nonzero multiple of 512", o.large_segment_size);
+    if (o.large_segment_limit > o.large_segment_size)
+      bad("large_segment_limit", "at most large_segment_size", o.large_segment_limit);
+    if (!is_power_of_two(o.segment_rounding) || o.segment_rounding < block_granule)
+      bad("segment_rounding", "a power of two of at least 512", o.segment_rounding);
+    if (o.roundup_power2_divisions != 0 && !is_power_of_two(o.roundup_power2_divisions))
+      bad("roundup_power2_divisions", "0 (off) or a power of two", o.roundup_power2_divisions);
+    if (!is_power_of_two(o.segment_alignment) || o.segment_alignment < block_granule)
+      bad("segment_alignment", "a power of two of at least 512", o.segment_alignment);
+    if (o.large_split_above == std::numeric_limits<std::size_t>::max())
+      bad("large_split_above", "less than SIZE_MAX", o.large_split_above);
+    return o;
+  }
+
+  detail::block_pool& pool_for(std::size_t size) noexcept {
+    return size <= opts_.small_request_limit ? small_ : large_;
+  }
+  const detail::block_pool& pool_for(std::size_t size) const noexcept {
+    return size <= opts_.small_request_limit ? small_ : large_;
+  }
+  std::size_t split_min_for(const detail::block_pool& pool) const noexcept {
+    return &pool == &small_ ? opts_.small_split_min : opts_.large_split_above + 1;
+  }
+  std::size_t segment_size_for(std::size_t size) const noexcept {
+    std::size_t preferred = align_up(size, opts_.segment_rounding);
+    if (size <= opts_.small_request_limit) preferred = opts_.small_segment_size;
+    else if (size < opts_.large_segment_limit) preferred = opts_.large_segment_size;
+    // Under a reserve limit, a segment exactly the size of the request beats a refusal.
+    const std::size_t reserved = stats_.stats().reserved;
+    if (reserved <= reserve_limit_ && preferred > reserve_limit_ - reserved) return size;
+    return preferred;
+  }
+
+  // Asks the upstream for a segment; on out_of_memory releases the cache and asks once more.
+  // Statistics are updated by the caller once the whole allocation has succeeded.
+  detail::block_pool::segment* new_segment(detail::block_pool& pool, std::size_t bytes,
+                                           std::size_t seg_bytes, memory_tag tag) {
+    void* p = nullptr;
+    try {
+      p = upstream_.allocate(seg_bytes, opts_.segment_alignment, tag);
+    } catch (const out_of_memory&) {
+      release_cached();
+      try {
+        p = upstream_.allocate(seg_bytes, opts_.segment_alignment, tag);
+      } catch (const out_of_memory& again) {
+        oom_report r = again.report();  // keeps the upstream's requested, budget and detail
+        r.source = "caching_allocator";
+        fill_usage(r, stats_.stats());
+        r.hint = "a request of " + format_bytes(bytes) + " needed a new segment of " +
+                 format_bytes(seg_bytes) + ", which the upstream refused even after the cache " +
+                 "was released" + (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+        throw out_of_memory(std::move(r));
+      }
+    }
+    try {
+      return pool.add_segment(p, seg_bytes, tag);
+    } catch (...) {
+      upstream_.deallocate(p, seg_bytes, opts_.segment_alignment, tag);
+      throw;
+    }
+  }
+
+  [[noreturn]] void throw_too_large(std::size_t bytes) const {
+    oom_report r;
+    r.source = "caching_allocator";
+    r.requested = bytes;
+    r.growth_needed = std::numeric_limits<std::size_t>::max();
+    fill_usage(r, stats_.stats());
+    r.detail = "the request is larger than any address range can hold";
+    r.hint = "check the size computation that produced this request";
+    throw out_of_memory(std::move(r));
+  }
+
+  std::pair<detail::block_pool*, detail::block_pool::block*> find_live(void* p) noexcept {
+    if (auto* b = small_.find_live(p)) return {&small_, b};
+    return {&large_, large_.find_live(p)};
+  }
+
+  void update_largest() noexcept {
+    const std::size_t s = small_.largest_free(), l = large_.largest_free();
+    stats_.set_largest_free_block(s > l ? s : l);
+  }
+
+  caching_options opts_;
+  std::size_t reserve_limit_ = std::numeric_limits<std::size_t>::max();
+  Upstream upstream_;
+  detail::block_pool small_, large_;
+  stats_tracker stats_;
+};
+
+MEMBOUND_NAMESPACE_END

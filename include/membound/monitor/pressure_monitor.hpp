@@ -1,0 +1,168 @@
+// The pressure monitor: at chosen check points of a training step, compares a budget's usage with
+// its limit, maps the fraction to a pressure level, and on a rising level runs that level's
+// actions (a callback, releasing cached memory, asking the trainer for a stricter plan).
+//
+//   pressure_monitor<check_points<check_point::after_backward>> m;
+//   m.check<check_point::after_backward>(budget);  // acts when usage crosses a threshold
+//   m.check<check_point::before_forward>(budget);  // not in the set: compiles to `return level`
+//   if (m.stricter_plan_requested()) { replan(); m.clear_stricter_plan_request(); }
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/memory/allocator.hpp"
+#include "membound/memory/trace.hpp"
+#include "membound/monitor/check_point.hpp"
+#include "membound/monitor/pressure_level.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// Fractions of the budget at which each level starts.
+struct pressure_thresholds {
+  double warning = 0.90;
+  double critical = 0.95;
+  double emergency = 0.97;
+};
+
+struct pressure_event {
+  check_point point = check_point::before_forward;
+  pressure_level previous = pressure_level::normal;
+  pressure_level current = pressure_level::normal;
+  std::size_t usage = 0;
+  std::size_t limit = 0;
+};
+
+// What to do on entering a level from below.
+struct pressure_actions {
+  std::function<void(const pressure_event&)> callback;
+  bool release_cached = false;         // on the budget, when its stack caches
+  bool request_stricter_plan = false;  // sets the flag the trainer polls between steps
+};
+
+template <typename CheckPoints = all_check_points>
+class pressure_monitor {
+  static_assert(is_check_points_v<CheckPoints>,
+                "membound: pressure_monitor takes a check_points<...> set, e.g. "
+                "membound::all_check_points or check_points<check_point::after_backward>.");
+
+ public:
+  explicit pressure_monitor(pressure_thresholds thresholds = {})
+      : thresholds_(validated(thresholds)) {
+    actions_[index_of(pressure_level::critical)].release_cached = true;
+    actions_[index_of(pressure_level::emergency)].release_cached = true;
+    actions_[index_of(pressure_level::emergency)].request_stricter_plan = true;
+  }
+
+  const pressure_thresholds& thresholds() const noexcept { return thresholds_; }
+  void set_thresholds(pressure_thresholds t) { thresholds_ = validated(t); }
+
+  // Editable in place: m.actions(pressure_level::warning).callback = ...;
+  pressure_actions& actions(pressure_level l) { return actions_.at(index_of(l)); }
+  const pressure_actions& actions(pressure_level l) const { return actions_.at(index_of(l)); }
+  void set_actions(pressure_level l, pressure_actions a) {
+    actions_.at(index_of(l)) = std::move(a);
+  }
+
+  // Level changes go to this recorder too; the recorder must outlive the monitor or be detached.
+  void attach(trace_recorder& recorder) noexcept { recorder_ = &recorder; }
+  void detach() noexcept { recorder_ = nullptr; }
+
+  // The level for a usage fraction, without acting on it.
+  pressure_level classify(std::size_t usage, std::size_t limit) const noexcept {
+    if (limit == 0) return usage == 0 ? pressure_level::normal : pressure_level::emergency;
+    // Exact at the thresholds: usage / limit is correctly rounded, as the threshold literals are.
+    const double f = static_cast<double>(usage) / static_cast<double>(limit);
+    if (f >= thresholds_.emergency) return pressure_level::emergency;
+    if (f >= thresholds_.critical) return pressure_level::critical;
+    if (f >= thresholds_.warning) return pressure_level::warning;
+    return pressure_level::normal;
+  }
+
+  // At a check point outside CheckPoints this is `return level();` and nothing else.
+  // A callback that throws leaves the new level entered and the remaining actions not run.
+  template <check_point P, typename Budget>
+  pressure_level check(Budget& budget) {
+    if constexpr (!CheckPoints::contains(P)) {
+      return level_;
+    } else {
+      static_assert(budgeted<Budget>,
+                    "membound: pressure_monitor::check needs a budget: a type with "
+                    "`std::size_t usage() const` and `std::size_t limit() const`, such as "
+                    "budget_allocator<...> or an adaptor over one.");
+      std::size_t usage = budget.usage();
+      const std::size_t limit = budget.limit();
+      const pressure_level next = classify(usage, limit);
+      if (next == level_) return level_;
+      const pressure_level previous = level_;
+      enter(P, previous, next, usage, limit);
+      if (next < previous) return level_;
+
+      const pressure_actions& a = actions_[index_of(next)];
+      if (a.callback) a.callback(pressure_event{P, previous, next, usage, limit});
+      if (a.request_stricter_plan) stricter_plan_requested_ = true;
+      // Any budget with release_cached() qualifies (caching_allocator_like ones and plain fakes).
+      if constexpr (requires { budget.release_cached(); }) {
+        if (a.release_cached) {
+          budget.release_cached();
+          // Releasing may have brought usage under a threshold: record the drop, act on nothing.
+          usage = budget.usage();
+          const pressure_level after = classify(usage, limit);
+          if (after < level_) enter(P, level_, after, usage, limit);
+        }
+      }
+      return level_;
+    }
+  }
+
+  pressure_level level() const noexcept { return level_; }
+  bool stricter_plan_requested() const noexcept { return stricter_plan_requested_; }
+  void clear_stricter_plan_request() noexcept { stricter_plan_requested_ = false; }
+  // How many times each level was entered (a change into it, up or down).
+  std::uint64_t entered(pressure_level l) const noexcept { return entered_[index_of(l)]; }
+
+ private:
+  static pressure_thresholds validated(const pressure_thresholds& t) {
+    // Written as !(a < b) so NaN fails too.
+    if (!(t.warning > 0.0) || !(t.warning < t.critical)) {
+      throw invalid_argument("warning", "a fraction in (0, critical)", std::to_string(t.warning),
+                             "Thresholds are fractions of the budget: 0 < warning < critical < "
+                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+    }
+    if (!(t.critical < t.emergency)) {
+      throw invalid_argument("critical", "a fraction in (warning, emergency)",
+                             std::to_string(t.critical),
+                             "Thresholds are fractions of the budget: 0 < warning < critical < "
+                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+    }
+    if (!(t.emergency <= 1.0)) {
+      throw invalid_argument("emergency", "a fraction in (critical, 1]",
+                             std::to_string(t.emergency),
+                             "Thresholds are fractions of the budget: 0 < warning < critical < "
+                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+    }
+    return t;
+  }
+
+  void enter(check_point p, pressure_level previous, pressure_level next, std::size_t usage,
+             std::size_t limit) noexcept {
+    if (recorder_ != nullptr) recorder_->record_pressure(p, previous, next, usage, limit);
+    level_ = next;
+    ++entered_[index_of(next)];
+  }
+
+  pressure_thresholds thresholds_;
+  std::array<pressure_actions, pressure_level_count> actions_{};
+  trace_recorder* recorder_ = nullptr;
+  pressure_level level_ = pressure_level::normal;
+  bool stricter_plan_requested_ = false;
+  std::array<std::uint64_t, pressure_level_count> entered_{};
+};
+
+MEMBOUND_NAMESPACE_END

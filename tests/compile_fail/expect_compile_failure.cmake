@@ -1,0 +1,17 @@
+# cmake -DCOMPILER=... -DSOURCE=... -DINCLUDE_DIR=... -P expect_compile_failure.cmake
+# Prints the compiler's diagnostics when it rejects SOURCE (ctest then matches the expected
+# sentence), and a marker that the FAIL regex catches when it accepts it.
+foreach(var COMPILER SOURCE INCLUDE_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "expect_compile_failure.cmake: -D${var}=... is required")
+  endif()
+endforeach()
+execute_process(
+  COMMAND ${COMPILER} -std=c++20 -fsyntax-only -I${INCLUDE_DIR} ${SOURCE}
+  RESULT_VARIABLE rc
+  OUTPUT_VARIABLE out
+  ERROR_VARIABLE out)
+if(rc EQUAL 0)
+  message(FATAL_ERROR "MEMBOUND_UNEXPECTEDLY_COMPILED: ${SOURCE} compiled, but it must not")
+endif()
+message("${out}")

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Structural checks on include/membound, run by ctest.
+
+  --no-cuda-in-host  no header outside backend/cuda/*.cuh includes a CUDA header, so the host
+                     API always builds with a plain C++ compiler
+  --umbrella         every host header is reachable from membound/membound.hpp and every .cuh
+                     from membound/backend/cuda.cuh, so new headers cannot be forgotten there
+
+Exits 1 listing every offending file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INCLUDE_DIR = ROOT / "include"
+HOST_UMBRELLA = "membound/membound.hpp"
+CUDA_UMBRELLA = "membound/backend/cuda.cuh"
+
+INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+# <cuda.h>, <cuda_runtime.h>, <cudaTypedefs.h>, <cuda/std/...>, "x/cuda_fp16.h", and any .cuh
+CUDA_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]((?:[^>"]*/)?cuda[^>"]*|[^>"]*\.cuh)[>"]',
+                             re.M)
+
+
+def headers() -> list[str]:
+    return sorted(p.relative_to(INCLUDE_DIR).as_posix()
+                  for p in (INCLUDE_DIR / "membound").rglob("*")
+                  if p.suffix in (".hpp", ".cuh") and p.is_file())
+
+
+def is_cuda_backend(name: str) -> bool:
+    return name.endswith(".cuh")
+
+
+def check_no_cuda_in_host() -> list[str]:
+    problems = []
+    for name in headers():
+        if is_cuda_backend(name):
+            continue
+        text = (INCLUDE_DIR / name).read_text(encoding="utf-8")
+        for m in CUDA_INCLUDE_RE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            problems.append(f"include/{name}:{line}: host header includes <{m.group(1)}>; "
+                            "CUDA headers belong in backend/cuda/*.cuh only")
+    return problems
+
+
+def reachable(start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or not (INCLUDE_DIR / name).is_file():
+            continue
+        seen.add(name)
+        text = (INCLUDE_DIR / name).read_text(encoding="utf-8")
+        todo.extend(t for t in INCLUDE_RE.findall(text) if t.startswith("membound/"))
+    return seen
+
+
+def check_umbrella() -> list[str]:
+    problems = []
+    host = reachable(HOST_UMBRELLA)
+    cuda = reachable(CUDA_UMBRELLA)
+    for name in headers():
+        if name in (HOST_UMBRELLA, CUDA_UMBRELLA):
+            continue
+        if is_cuda_backend(name):
+            if name not in cuda:
+                problems.append(f"include/{name} is not reachable from include/{CUDA_UMBRELLA}: "
+                                "add an #include there")
+        elif name not in host:
+            problems.append(f"include/{name} is not reachable from include/{HOST_UMBRELLA}: "
+                            "add an #include there, then run tools/amalgamate.py")
+    for name in sorted(host):
+        if is_cuda_backend(name):
+            problems.append(f"include/{HOST_UMBRELLA} reaches CUDA header include/{name}")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-cuda-in-host", action="store_true")
+    parser.add_argument("--umbrella", action="store_true")
+    args = parser.parse_args()
+    if not (args.no_cuda_in_host or args.umbrella):
+        parser.error("pass --no-cuda-in-host and/or --umbrella")
+    problems = []
+    if args.no_cuda_in_host:
+        problems += check_no_cuda_in_host()
+    if args.umbrella:
+        problems += check_umbrella()
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        return 1
+    print(f"check_headers.py: {len(headers())} headers OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
