@@ -163,6 +163,10 @@ class trace_recorder {
   }
 
   void record_deallocation(memory_tag tag, std::size_t bytes, const void* address) noexcept {
+    record_deallocation(tag, bytes, reinterpret_cast<std::uintptr_t>(address));
+  }
+  // By address value: callers that record after the free must not hold a freed pointer.
+  void record_deallocation(memory_tag tag, std::size_t bytes, std::uintptr_t address) noexcept {
     std::size_t& cur = current_[index_of(tag)];
     // Floored: a block allocated before tracing started may be freed while tracing.
     cur = cur > bytes ? cur - bytes : 0;
@@ -170,7 +174,7 @@ class trace_recorder {
     e.kind = trace_event_kind::deallocation;
     e.tag = tag;
     e.bytes = bytes;
-    e.address = reinterpret_cast<std::uintptr_t>(address);
+    e.address = address;
     e.tag_current = cur;
     push(std::move(e));
   }
@@ -389,8 +393,11 @@ class traced_allocator {
                   memory_tag tag = memory_tag::other) noexcept(noexcept(
       std::declval<Upstream&>().deallocate(p, bytes, alignment, tag))) {
     if (p == nullptr) return;
+    // The address is kept as a number: p must not be read once freed, and the event is recorded
+    // only after the upstream accepted the free (it throws on a pointer it does not own).
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
     upstream_.deallocate(p, bytes, alignment, tag);
-    recorder_->record_deallocation(tag, bytes, p);
+    recorder_->record_deallocation(tag, bytes, address);
   }
 
   memory_stats stats() const { return upstream_.stats(); }
