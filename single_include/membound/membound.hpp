@@ -635,10 +635,14 @@ MEMBOUND_NAMESPACE_END
 //
 // Exception safety: every mutating operation either completes or throws with the pool
 // unchanged (strong guarantee), and the operations an allocator runs on its release paths
-// (free_block, shrink_segment, remove_segment) never allocate and never throw. To make freeing
-// allocation-free, every block owns exactly one node of its segment's free index at all times:
-// the node sits in the index while the block is free and is parked in the block while it is
-// allocated.
+// (free_block, shrink_segment, remove_segment) never allocate and never throw.
+//
+// No heap traffic in a steady state: a block keeps, for its whole life, one node of the free
+// index and one node of the live map; exactly one of them is in its container at any time (the
+// free-index node while the block is free, the live-map node while it is allocated) and the other
+// is parked in the block. Blocks that disappear in a merge go to a spare list with their nodes,
+// and a split takes its new block from there. Once a workload has been seen, allocate and free
+// only move nodes between containers.
 //
 // Not thread-safe; the owning allocator documents its own threading rules.
 
@@ -675,6 +679,7 @@ class block_pool {
     }
   };
   using free_index = std::set<block*, by_size_then_addr>;
+  using live_index = std::unordered_map<std::uintptr_t, block*>;
 
  public:
   struct block {
@@ -687,7 +692,8 @@ class block_pool {
     segment* seg = nullptr;
     block* prev = nullptr;       // address-order neighbours within the segment
     block* next = nullptr;
-    free_index::node_type parked;  // this block's index node while it is allocated
+    free_index::node_type parked;    // this block's free-index node while it is allocated
+    live_index::node_type live_node;  // this block's live-map node while it is free
 
     void* ptr() const noexcept { return reinterpret_cast<void*>(addr); }
   };
@@ -755,17 +761,23 @@ class block_pool {
     seg->base = reinterpret_cast<std::uintptr_t>(base);
     seg->size = size;
     seg->tag = tag;
-    std::unique_ptr<block> b;
-    if (size != 0) {
-      b = std::make_unique<block>();
-      b->addr = seg->base;
-      b->size = size;
-      b->seg = seg.get();
-      seg->free.insert(b.get());
+    block* b = nullptr;
+    try {
+      segments_.reserve(segments_.size() + 1);
+      if (size != 0) {
+        b = take_spare();
+        b->addr = seg->base;
+        b->size = size;
+        b->seg = seg.get();
+        insert_free(seg.get(), b);
+      }
+    } catch (...) {
+      if (b != nullptr) recycle(b);
+      throw;
     }
-    segments_.push_back(std::move(seg));  // the last step that can throw
+    segments_.push_back(std::move(seg));  // cannot throw after the reserve
     segment* s = segments_.back().get();
-    if (b) s->first = s->last = b.release();
+    if (b != nullptr) s->first = s->last = b;
     return s;
   }
 
@@ -779,12 +791,17 @@ class block_pool {
       tail->size += bytes;
       s->free.insert(std::move(node));
     } else {
-      auto b = std::make_unique<block>();
+      block* b = take_spare();
       b->addr = s->base + s->size;
       b->size = bytes;
       b->seg = s;
-      s->free.insert(b.get());  // the only step that can throw; nothing is linked yet
-      link_after(s, tail, b.release());
+      try {
+        insert_free(s, b);  // nothing is linked yet
+      } catch (...) {
+        recycle(b);
+        throw;
+      }
+      link_after(s, tail, b);
     }
     s->size += bytes;
   }
@@ -796,8 +813,9 @@ class block_pool {
     block* tail = s->last;
     auto node = s->free.extract(tail);
     if (tail->size == bytes) {
+      tail->parked = std::move(node);
       unlink(tail);
-      delete tail;
+      recycle(tail);
     } else {
       tail->size -= bytes;
       s->free.insert(std::move(node));
@@ -847,18 +865,35 @@ class block_pool {
                         std::size_t alignment, memory_tag tag) {
     segment* s = b->seg;
     const std::size_t rest_size = b->size - n;
-    std::unique_ptr<block> rest;
-    if (rest_size != 0 && rest_size >= min_split) {
-      rest = std::make_unique<block>();
-      rest->addr = b->addr + n;
-      rest->size = rest_size;
-      rest->seg = s;
-      s->free.insert(rest.get());  // keyed by its final (size, addr), distinct from b's
-    }
+    block* rest = nullptr;
+    bool rest_indexed = false;
     try {
-      live_.emplace(b->addr, b);
+      if (rest_size != 0 && rest_size >= min_split) {
+        rest = take_spare();
+        rest->addr = b->addr + n;
+        rest->size = rest_size;
+        rest->seg = s;
+        insert_free(s, rest);  // keyed by its final (size, addr), distinct from b's
+        rest_indexed = true;
+      }
+      // Grow the buckets first, so the insert below cannot rehash, hence cannot throw. Checked
+      // by hand: reserve() itself costs a prime-table search on every call.
+      if (static_cast<float>(live_.size() + 1) >
+          live_.max_load_factor() * static_cast<float>(live_.bucket_count())) {
+        live_.reserve(live_.size() + 1);
+      }
+      if (b->live_node.empty()) {
+        live_.emplace(b->addr, b);
+      } else {
+        b->live_node.key() = b->addr;
+        b->live_node.mapped() = b;
+        live_.insert(std::move(b->live_node));
+      }
     } catch (...) {
-      if (rest) s->free.erase(rest.get());
+      if (rest != nullptr) {
+        if (rest_indexed) rest->parked = s->free.extract(rest);
+        recycle(rest);
+      }
       throw;
     }
     // Nothing below allocates or throws.
@@ -867,9 +902,9 @@ class block_pool {
     b->requested = requested;
     b->alignment = alignment;
     b->tag = tag;
-    if (rest) {
+    if (rest != nullptr) {
       b->size = n;
-      link_after(s, b, rest.release());
+      link_after(s, b, rest);
     }
     return b;
   }
@@ -878,24 +913,24 @@ class block_pool {
   // Returns the merged free block.
   block* free_block(block* b) noexcept {
     segment* s = b->seg;
-    live_.erase(b->addr);
+    b->live_node = live_.extract(b->addr);
     auto node = std::move(b->parked);
     b->free = true;
     b->requested = 0;
     b->alignment = 0;
     b->tag = memory_tag::other;
     if (block* p = b->prev; p != nullptr && p->free) {
-      s->free.erase(p);
+      p->parked = s->free.extract(p);
       b->addr = p->addr;
       b->size += p->size;
       unlink(p);
-      delete p;
+      recycle(p);
     }
     if (block* n = b->next; n != nullptr && n->free) {
-      s->free.erase(n);
+      n->parked = s->free.extract(n);
       b->size += n->size;
       unlink(n);
-      delete n;
+      recycle(n);
     }
     node.value() = b;
     s->free.insert(std::move(node));
@@ -932,6 +967,36 @@ class block_pool {
   }
 
  private:
+  // A block for a split or a new segment: a spare one (with its nodes) when there is one.
+  block* take_spare() {
+    if (spare_ == nullptr) return new block();
+    block* b = spare_;
+    spare_ = b->next;
+    b->next = nullptr;
+    return b;
+  }
+  // An unlinked block goes to the spare list; its parked nodes go with it.
+  void recycle(block* b) noexcept {
+    b->addr = 0;
+    b->size = 0;
+    b->free = true;
+    b->requested = 0;
+    b->alignment = 0;
+    b->tag = memory_tag::other;
+    b->seg = nullptr;
+    b->prev = nullptr;
+    b->next = spare_;
+    spare_ = b;
+  }
+  // Puts a free block into its segment's index, reusing its parked node when it has one.
+  static void insert_free(segment* s, block* b) {
+    if (b->parked.empty()) {
+      s->free.insert(b);
+    } else {
+      b->parked.value() = b;
+      s->free.insert(std::move(b->parked));
+    }
+  }
   static void link_after(segment* s, block* after, block* b) noexcept {
     b->prev = after;
     b->next = after != nullptr ? after->next : s->first;
@@ -958,9 +1023,15 @@ class block_pool {
     for (auto& s : segments_) delete_blocks(*s);
     segments_.clear();
     live_.clear();
+    while (spare_ != nullptr) {
+      block* n = spare_->next;
+      delete spare_;
+      spare_ = n;
+    }
   }
 
-  std::unordered_map<std::uintptr_t, block*> live_;
+  live_index live_;
+  block* spare_ = nullptr;  // recycled blocks, linked through next
   std::vector<std::unique_ptr<segment>> segments_;  // oldest first
 };
 
