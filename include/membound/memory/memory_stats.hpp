@@ -14,6 +14,7 @@ MEMBOUND_NAMESPACE_BEGIN
 struct tag_usage {
   std::size_t current = 0;  // requested bytes live now
   std::size_t peak = 0;     // highest value of current
+  friend constexpr bool operator==(const tag_usage&, const tag_usage&) = default;
 };
 
 // Three levels of bytes, because each answers a different question:
@@ -45,6 +46,8 @@ struct memory_stats {
     return 1.0 - static_cast<double>(std::min(largest_free_block, f)) / static_cast<double>(f);
   }
   constexpr const tag_usage& tag(memory_tag t) const noexcept { return tags[index_of(t)]; }
+  // Field by field, so tests can say "nothing changed" in one comparison.
+  friend constexpr bool operator==(const memory_stats&, const memory_stats&) = default;
 };
 
 // Owned by each allocator; the allocator calls it at every event so stats() is O(1).
