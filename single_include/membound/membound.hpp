@@ -219,7 +219,11 @@ struct oom_report {
 
   std::string message() const {
     std::string m = "membound: out of memory in " + source + ": requested " + format_bytes(requested);
-    if (growth_needed != requested) m += " (needs " + format_bytes(growth_needed) + " of new reserve)";
+    if (growth_needed == static_cast<std::size_t>(-1)) {
+      m += " (no reserve can serve it)";  // the upstream's marker for an impossible size
+    } else if (growth_needed != requested) {
+      m += " (needs " + format_bytes(growth_needed) + " of new reserve)";
+    }
     if (budget != 0) {
       m += "; budget " + format_bytes(budget) + ", free under budget " +
            format_bytes(free_under_budget);
@@ -252,16 +256,23 @@ class out_of_memory : public error {
 // A backend call (mmap, CUDA driver) failed for a reason other than lack of memory.
 class backend_error : public error {
  public:
-  backend_error(std::string call, int code, std::string detail)
-      : error("membound: " + call + " failed with code " + std::to_string(code) + ": " + detail),
+  backend_error(std::string call, int code, std::string detail,
+                std::string what_to_do = "This is the backend's own failure, not a membound "
+                                         "limit: check the device and driver state, and report it "
+                                         "with this message if it persists")
+      : error("membound: " + call + " failed with code " + std::to_string(code) + ": " + detail +
+              ". " + what_to_do),
         call_(std::move(call)),
-        code_(code) {}
+        code_(code),
+        what_to_do_(std::move(what_to_do)) {}
   const std::string& call() const noexcept { return call_; }
   int code() const noexcept { return code_; }
+  const std::string& what_to_do() const noexcept { return what_to_do_; }
 
  private:
   std::string call_;
   int code_;
+  std::string what_to_do_;
 };
 
 MEMBOUND_NAMESPACE_END
@@ -766,7 +777,8 @@ class block_pool {
     seg->tag = tag;
     block* b = nullptr;
     try {
-      segments_.reserve(segments_.size() + 1);
+      // Geometric growth (reserve(size + 1) would copy the vector on every new segment).
+      if (segments_.size() == segments_.capacity()) segments_.reserve(2 * segments_.size() + 4);
       if (size != 0) {
         b = take_spare();
         b->addr = seg->base;
@@ -879,8 +891,10 @@ class block_pool {
         insert_free(s, rest);  // keyed by its final (size, addr), distinct from b's
         rest_indexed = true;
       }
-      // Grow the buckets first, so the insert below cannot rehash, hence cannot throw. Checked
-      // by hand: reserve() itself costs a prime-table search on every call.
+      // Grow the buckets here when the load factor says the insert would, so that in a steady
+      // state the insert does not rehash. (An implementation may still rehash, e.g. on the first
+      // insert; that can only throw, which the catch below undoes.) Checked by hand because
+      // reserve() itself costs a prime-table search on every call.
       if (static_cast<float>(live_.size() + 1) >
           live_.max_load_factor() * static_cast<float>(live_.bucket_count())) {
         live_.reserve(live_.size() + 1);
@@ -1514,12 +1528,19 @@ class host_virtual_memory {
     // Trimming cannot fail for ranges we just mapped; if it did, the bytes stay reserved harmlessly.
     if (head != 0) ::munmap(raw, head);
     if (tail != 0) ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+    try {
+      ranges_.push_back({aligned, bytes});
+    } catch (...) {
+      ::munmap(reinterpret_cast<void*>(aligned), bytes);
+      throw;
+    }
     return reinterpret_cast<void*>(aligned);
   }
 
   void commit(void* p, std::size_t bytes) {
     check_multiple("p", reinterpret_cast<std::uintptr_t>(p), "commit");
     check_multiple("bytes", bytes, "commit");
+    check_reserved(p, bytes);  // else mprotect's ENOMEM would pass for an out-of-memory
     if (::mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) {
       const int e = errno;
       if (e == ENOMEM) fail_oom("mprotect(PROT_READ|PROT_WRITE)", e, bytes);
@@ -1535,7 +1556,11 @@ class host_virtual_memory {
     ::mprotect(p, bytes, PROT_NONE);
   }
 
-  void release(void* p, std::size_t bytes) noexcept { ::munmap(p, bytes); }
+  void release(void* p, std::size_t bytes) noexcept {
+    ::munmap(p, bytes);
+    const auto base = reinterpret_cast<std::uintptr_t>(p);
+    std::erase_if(ranges_, [base](const range& r) { return r.base == base; });
+  }
 
   static std::size_t page_size() noexcept {
     const long v = ::sysconf(_SC_PAGESIZE);
@@ -1543,6 +1568,24 @@ class host_virtual_memory {
   }
 
  private:
+  struct range {
+    std::uintptr_t base;
+    std::size_t size;
+  };
+
+  void check_reserved(void* p, std::size_t bytes) const {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    for (const range& r : ranges_) {
+      if (at >= r.base && at - r.base <= r.size && bytes <= r.size - (at - r.base)) return;
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", p);
+    throw invalid_argument("p", "a range inside one reserved by this host_virtual_memory's "
+                                "reserve() and not yet released",
+                           std::string(buf) + " + " + std::to_string(bytes) + " B",
+                           "Commit only addresses returned by reserve(), within the reserved size");
+  }
+
   void check_multiple(const char* argument, std::size_t v, const char* call) const {
     if (v == 0 || v % granularity_ != 0) {
       throw invalid_argument(argument,
@@ -1563,6 +1606,7 @@ class host_virtual_memory {
   }
 
   std::size_t granularity_;
+  std::vector<range> ranges_;  // what reserve() handed out, so commit can reject foreign ranges
 };
 
 static_assert(check_virtual_memory<host_virtual_memory>());
@@ -1821,6 +1865,11 @@ namespace detail {
 // The hint that ends a budget's out-of-memory report: which policy to change and by how much.
 // `usage` is reserved + external when the request was refused.
 inline std::string budget_hint(const oom_report& r, std::size_t usage) {
+  if (r.growth_needed == std::numeric_limits<std::size_t>::max()) {
+    return "no allocator can serve " + format_bytes(r.requested) +
+           ": check the size computation that produced this request (an overflow or a negative "
+           "size converted to std::size_t)";
+  }
   const std::size_t need = saturating_sub(r.growth_needed, r.free_under_budget);
   const std::string raise =
       "or raise the budget to at least " + format_bytes(saturating_add(usage, r.growth_needed));
@@ -1896,6 +1945,13 @@ inline std::string budget_hint(const oom_report& r, std::size_t usage) {
 template <typename Upstream>
 class budget_allocator {
   static_assert(check_allocator<Upstream>());
+  // Refusing *before* the upstream call is what makes the cap hard: a budget that learned of the
+  // growth afterwards would already have crossed it (and its peak statistics would show that).
+  static_assert(reports_growth<Upstream>,
+                "membound: budget_allocator needs an upstream that predicts its growth: give it a "
+                "member `std::size_t growth_for(std::size_t bytes, std::size_t alignment) const` "
+                "returning exactly how many bytes its reserve would grow by (0 when a free block "
+                "fits), as system_allocator, caching_allocator and expandable_arena do.");
 
  public:
   static constexpr memory_space space = Upstream::space;
@@ -1913,19 +1969,25 @@ class budget_allocator {
   // Refuses (out_of_memory, nothing allocated) when the reserve would have to grow past the
   // budget even after the upstream's cache was released.
   //
-  // An upstream without growth_for is assumed to grow by at most the requested bytes: the budget
-  // then caps requests, and the check after the call below catches an upstream that grew more.
+  // An upstream whose growth_for is wrong is caught after the call: the block is given back and
+  // the refusal says so. Live state is then as before, but the upstream's statistics keep the
+  // record of the attempt (its call counts, and a peak that crossed the budget): they are true.
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
                  memory_tag tag = memory_tag::other) {
     detail::check_alignment(alignment, detail::max_alignment_of<Upstream>(), "budget_allocator");
     detail::check_tag(tag);
     if (bytes == 0) return upstream_.allocate(0, alignment, tag);
 
-    std::size_t growth = predicted_growth(bytes, alignment);
+    std::size_t growth = upstream_.growth_for(bytes, alignment);
+    if (growth == std::numeric_limits<std::size_t>::max()) {
+      // No reserve could serve it (the upstream's marker): the size itself is the bug, so no
+      // policy advice, and no reason to drop the cache.
+      refuse(bytes, growth, usage(), {});
+    }
     if (growth > headroom()) {
       if constexpr (caching_allocator_like<Upstream>) {
         upstream_.release_cached();  // cached bytes count against the budget: drop them first
-        growth = predicted_growth(bytes, alignment);
+        growth = upstream_.growth_for(bytes, alignment);
       }
       if (growth > headroom()) refuse(bytes, growth, usage(), {});
     }
@@ -1938,17 +2000,10 @@ class budget_allocator {
       const std::size_t grew = detail::saturating_sub(reserved(), reserved_before);
       upstream_.deallocate(p, bytes, alignment, tag);
       if constexpr (caching_allocator_like<Upstream>) upstream_.release_cached();
-      std::string why;
-      if constexpr (reports_growth<Upstream>) {
-        why = "upstream growth_for(" + std::to_string(bytes) + ", " + std::to_string(alignment) +
-              ") was wrong: it predicted " + format_bytes(growth) +
-              " of new reserve but the reserve grew by " + format_bytes(grew) +
-              "; the block was given back";
-      } else {
-        why = "the upstream does not report growth_for, so the budget assumed growth of at most "
-              "the requested " + format_bytes(bytes) + ", but the reserve grew by " +
-              format_bytes(grew) + "; the block was given back";
-      }
+      std::string why = "upstream growth_for(" + std::to_string(bytes) + ", " +
+                        std::to_string(alignment) + ") was wrong: it predicted " +
+                        format_bytes(growth) + " of new reserve but the reserve grew by " +
+                        format_bytes(grew) + "; the block was given back";
       refuse(bytes, grew, usage_before, std::move(why));
     }
     return p;
@@ -2047,14 +2102,6 @@ class budget_allocator {
     if constexpr (detail::has_reserve_limit<Upstream>) {
       upstream_.set_reserve_limit(
           std::min(detail::saturating_sub(limit_, external_), outer_reserve_limit_));
-    }
-  }
-
-  std::size_t predicted_growth(std::size_t bytes, std::size_t alignment) const {
-    if constexpr (reports_growth<Upstream>) {
-      return upstream_.growth_for(bytes, alignment);
-    } else {
-      return bytes;
     }
   }
 
@@ -2536,7 +2583,9 @@ class trace_recorder {
   const trace_event& event(std::size_t i) const {
     if (i >= events_.size()) {
       throw invalid_argument("i", "an index below size() = " + std::to_string(events_.size()),
-                             std::to_string(i), "");
+                             std::to_string(i),
+                             "Events are indexed oldest first from 0; older ones were dropped "
+                             "when the ring was full (see dropped())");
     }
     return (*this)[i];
   }
@@ -2810,14 +2859,18 @@ class workspace_layout {
       throw invalid_argument("lifetime", "first <= last (an inclusive phase range)",
                              "[" + std::to_string(lifetime.first) + ", " +
                                  std::to_string(lifetime.last) + "]",
-                             "");
+                             "Give the first and last phase in which the slot is live, e.g. {0, 2}");
     }
     // Every slot ends below the sum of all (bytes + alignment), so bounding that sum rules out
     // overflow in the placement.
     constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
     if (bytes > max - alignment || worst_case_ > max - (bytes + alignment)) {
-      throw invalid_argument("bytes", "a total workspace that fits in std::size_t",
-                             std::to_string(bytes), "");
+      // Named after the larger of the two, which is the one that overflowed.
+      throw invalid_argument(bytes >= alignment ? "bytes" : "alignment",
+                             "slots whose bytes plus alignment sum to less than SIZE_MAX",
+                             std::to_string(bytes) + " B aligned to " + std::to_string(alignment),
+                             "Check the size computation of this slot (an overflow or a negative "
+                             "value converted to std::size_t)");
     }
     worst_case_ += bytes + alignment;
     slots_[count_] = slot{bytes, alignment, lifetime, 0};
@@ -3226,10 +3279,10 @@ class pressure_monitor {
   void set_thresholds(pressure_thresholds t) { thresholds_ = validated(t); }
 
   // Editable in place: m.actions(pressure_level::warning).callback = ...;
-  pressure_actions& actions(pressure_level l) { return actions_.at(index_of(l)); }
-  const pressure_actions& actions(pressure_level l) const { return actions_.at(index_of(l)); }
+  pressure_actions& actions(pressure_level l) { return actions_[checked_level(l)]; }
+  const pressure_actions& actions(pressure_level l) const { return actions_[checked_level(l)]; }
   void set_actions(pressure_level l, pressure_actions a) {
-    actions_.at(index_of(l)) = std::move(a);
+    actions_[checked_level(l)] = std::move(a);
   }
 
   // Level changes go to this recorder too; the recorder must outlive the monitor or be detached.
@@ -3291,25 +3344,37 @@ class pressure_monitor {
 
  private:
   static pressure_thresholds validated(const pressure_thresholds& t) {
-    // Written as !(a < b) so NaN fails too.
-    if (!(t.warning > 0.0) || !(t.warning < t.critical)) {
-      throw invalid_argument("warning", "a fraction in (0, critical)", std::to_string(t.warning),
-                             "Thresholds are fractions of the budget: 0 < warning < critical < "
-                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+    static constexpr const char* rule =
+        "Thresholds are fractions of the budget: 0 < warning < critical < emergency <= 1, "
+        "e.g. 0.90, 0.95, 0.97";
+    // Each value on its own first, so a NaN or out-of-range value is the one named.
+    // Written as !(0 < v && v <= 1) so NaN fails too.
+    const auto fraction = [](const char* name, double v) {
+      if (!(v > 0.0 && v <= 1.0)) {
+        throw invalid_argument(name, "a fraction of the budget in (0, 1]", std::to_string(v), rule);
+      }
+    };
+    fraction("warning", t.warning);
+    fraction("critical", t.critical);
+    fraction("emergency", t.emergency);
+    // Out of order: the lower threshold of the pair is named.
+    if (!(t.warning < t.critical)) {
+      throw invalid_argument("warning", "below critical (" + std::to_string(t.critical) + ")",
+                             std::to_string(t.warning), rule);
     }
     if (!(t.critical < t.emergency)) {
-      throw invalid_argument("critical", "a fraction in (warning, emergency)",
-                             std::to_string(t.critical),
-                             "Thresholds are fractions of the budget: 0 < warning < critical < "
-                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
-    }
-    if (!(t.emergency <= 1.0)) {
-      throw invalid_argument("emergency", "a fraction in (critical, 1]",
-                             std::to_string(t.emergency),
-                             "Thresholds are fractions of the budget: 0 < warning < critical < "
-                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+      throw invalid_argument("critical", "below emergency (" + std::to_string(t.emergency) + ")",
+                             std::to_string(t.critical), rule);
     }
     return t;
+  }
+
+  static std::size_t checked_level(pressure_level l) {
+    if (index_of(l) >= pressure_level_count) {
+      throw invalid_argument("level", "one of pressure_level::normal, warning, critical, emergency",
+                             std::to_string(index_of(l)), "Pass a pressure_level enumerator");
+    }
+    return index_of(l);
   }
 
   void enter(check_point p, pressure_level previous, pressure_level next, std::size_t usage,

@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <limits>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -65,23 +67,6 @@ invalid_argument expect_invalid(F&& f) {
   return invalid_argument("", "", "", "");
 }
 
-// An allocator without growth_for: the budget must fall back to capping requested bytes.
-class no_growth_allocator {
- public:
-  static constexpr memory_space space = memory_space::host;
-  void* allocate(std::size_t bytes, std::size_t alignment, memory_tag tag) {
-    return inner_.allocate(bytes, alignment, tag);
-  }
-  void deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag) noexcept {
-    inner_.deallocate(p, bytes, alignment, tag);
-  }
-  memory_stats stats() const noexcept { return inner_.stats(); }
-
- private:
-  system_allocator inner_;
-};
-static_assert(check_allocator<no_growth_allocator>());
-static_assert(!reports_growth<no_growth_allocator>);
 
 }  // namespace
 
@@ -92,7 +77,6 @@ static_assert(!caching_allocator_like<budget_allocator<system_allocator>>);
 static_assert(reports_growth<budget_allocator<system_allocator>>);
 static_assert(caching_allocator_like<budget_allocator<fake_caching_allocator>>);
 static_assert(caching_allocator_like<budget_allocator<caching_allocator<>>>);
-static_assert(!reports_growth<budget_allocator<no_growth_allocator>>);
 // Budgets stack: the outer one sees the inner's growth and cache.
 static_assert(reports_growth<budget_allocator<budget_allocator<caching_allocator<>>>>);
 
@@ -367,17 +351,22 @@ TEST_CASE("budget: an upstream that grows more than it predicted is caught and u
   CHECK(b.stats().failed_allocations == 1);
 }
 
-TEST_CASE("budget over an upstream without growth_for caps requested bytes") {
-  budget_allocator<no_growth_allocator> b(1000);
-  void* p = b.allocate(600, 64, memory_tag::gradients);
-  const oom_report r = expect_oom([&] { (void)b.allocate(500, 64, memory_tag::gradients); });
-  CHECK(r.growth_needed == 500);
-  CHECK(r.free_under_budget == 400);
-  CHECK(contains(r.hint, "gradients hold the most"));
-  void* q = b.allocate(400, 64, memory_tag::gradients);
-  CHECK(b.usage() == 1000);
-  b.deallocate(q, 400, 64, memory_tag::gradients);
-  b.deallocate(p, 600, 64, memory_tag::gradients);
+TEST_CASE("budget: a request no allocator can serve is refused at once, with the right advice") {
+  budget_allocator<caching_allocator<>> b(1 * MiB);
+  void* keep = b.allocate(1000, 256, memory_tag::weights);
+  void* cached = b.allocate(1000, 256, memory_tag::activations);
+  b.deallocate(cached, 1000, 256, memory_tag::activations);
+  const memory_stats before = b.stats();
+  const std::size_t huge = std::numeric_limits<std::size_t>::max() / 2;
+  const oom_report r = expect_oom([&] { (void)b.allocate(huge, 256, memory_tag::weights); });
+  CHECK(r.requested == huge);
+  CHECK(contains(r.hint, "check the size computation"));
+  CHECK(!contains(r.hint, "bf16"));              // no policy advice for an impossible size
+  CHECK(contains(r.message(), "no reserve can serve it"));
+  CHECK(!contains(r.message(), "PiB of new reserve"));
+  check_same_except_failures(before, b.stats());  // the cache was not dropped for nothing
+  CHECK(b.stats().failed_allocations == before.failed_allocations + 1);
+  b.deallocate(keep, 1000, 256, memory_tag::weights);
 }
 
 TEST_CASE("budget over caching_allocator: exact segment growth, release, fragmentation") {

@@ -343,3 +343,22 @@ TEST_CASE("expandable_arena: works over a device backend without touching block 
   a.release_cached();
   CHECK(a.vm().committed == 0);
 }
+
+TEST_CASE("host_virtual_memory: committing outside a reservation names p, not out of memory") {
+  host_virtual_memory vm;
+  const std::size_t g = vm.granularity();
+  void* base = vm.reserve(4 * g);
+  vm.commit(base, g);
+  static_cast<char*>(base)[0] = 1;  // committed memory is writable
+  char* beyond = static_cast<char*>(base) + 4 * g;
+  try {
+    vm.commit(beyond, g);
+    FAIL("expected invalid_argument");
+  } catch (const invalid_argument& e) {
+    CHECK(e.argument() == "p");
+  }
+  CHECK_THROWS_AS(vm.commit(static_cast<char*>(base) + 3 * g, 2 * g), invalid_argument);
+  vm.decommit(base, g);
+  vm.release(base, 4 * g);
+  CHECK_THROWS_AS(vm.commit(base, g), invalid_argument);  // released: no longer ours
+}

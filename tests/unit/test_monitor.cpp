@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -275,4 +276,28 @@ TEST_CASE("pressure_monitor: thresholds are validated and named") {
   CHECK(m.thresholds().critical == 0.95);  // unchanged
   m.set_thresholds({0.5, 0.6, 0.7});
   CHECK(m.thresholds().warning == 0.5);
+}
+
+TEST_CASE("pressure_monitor: a bad threshold or level is named in a typed error") {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  try {
+    pressure_monitor<> m(pressure_thresholds{0.90, 0.95, nan});
+    FAIL("expected invalid_argument");
+  } catch (const invalid_argument& e) {
+    CHECK(e.argument() == "emergency");  // the NaN one, not its neighbour
+    CHECK(!e.what_to_do().empty());
+  }
+  try {
+    pressure_monitor<> m(pressure_thresholds{0.90, 0.95, 2.0});
+    FAIL("expected invalid_argument");
+  } catch (const invalid_argument& e) {
+    CHECK(e.argument() == "emergency");
+  }
+  pressure_monitor<> m;
+  try {
+    (void)m.actions(static_cast<pressure_level>(7));
+    FAIL("expected invalid_argument");
+  } catch (const invalid_argument& e) {
+    CHECK(e.argument() == "level");
+  }
 }

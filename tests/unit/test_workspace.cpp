@@ -227,6 +227,12 @@ TEST_CASE("workspace: bad layout input is named and leaves the layout unchanged"
   const auto ws = carve(l, buf.p, size);
   CHECK(expect_invalid([&] { (void)ws.get<double>(1); }).argument() == "T");  // 1-aligned slot
   CHECK(expect_invalid([&] { (void)ws.get<char>(5); }).argument() == "slot");
+  {
+    workspace_layout<4> big;
+    big.add(16, std::size_t{1} << 63);
+    CHECK(expect_invalid([&] { big.add(16, std::size_t{1} << 63); }).argument() == "alignment");
+    CHECK(big.slots() == 1);
+  }
 }
 
 TEST_CASE("workspace: the two-phase operation queries, then runs without allocating") {

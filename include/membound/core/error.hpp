@@ -82,7 +82,11 @@ struct oom_report {
 
   std::string message() const {
     std::string m = "membound: out of memory in " + source + ": requested " + format_bytes(requested);
-    if (growth_needed != requested) m += " (needs " + format_bytes(growth_needed) + " of new reserve)";
+    if (growth_needed == static_cast<std::size_t>(-1)) {
+      m += " (no reserve can serve it)";  // the upstream's marker for an impossible size
+    } else if (growth_needed != requested) {
+      m += " (needs " + format_bytes(growth_needed) + " of new reserve)";
+    }
     if (budget != 0) {
       m += "; budget " + format_bytes(budget) + ", free under budget " +
            format_bytes(free_under_budget);
@@ -115,16 +119,23 @@ class out_of_memory : public error {
 // A backend call (mmap, CUDA driver) failed for a reason other than lack of memory.
 class backend_error : public error {
  public:
-  backend_error(std::string call, int code, std::string detail)
-      : error("membound: " + call + " failed with code " + std::to_string(code) + ": " + detail),
+  backend_error(std::string call, int code, std::string detail,
+                std::string what_to_do = "This is the backend's own failure, not a membound "
+                                         "limit: check the device and driver state, and report it "
+                                         "with this message if it persists")
+      : error("membound: " + call + " failed with code " + std::to_string(code) + ": " + detail +
+              ". " + what_to_do),
         call_(std::move(call)),
-        code_(code) {}
+        code_(code),
+        what_to_do_(std::move(what_to_do)) {}
   const std::string& call() const noexcept { return call_; }
   int code() const noexcept { return code_; }
+  const std::string& what_to_do() const noexcept { return what_to_do_; }
 
  private:
   std::string call_;
   int code_;
+  std::string what_to_do_;
 };
 
 MEMBOUND_NAMESPACE_END

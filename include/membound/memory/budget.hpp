@@ -32,6 +32,11 @@ namespace detail {
 // The hint that ends a budget's out-of-memory report: which policy to change and by how much.
 // `usage` is reserved + external when the request was refused.
 inline std::string budget_hint(const oom_report& r, std::size_t usage) {
+  if (r.growth_needed == std::numeric_limits<std::size_t>::max()) {
+    return "no allocator can serve " + format_bytes(r.requested) +
+           ": check the size computation that produced this request (an overflow or a negative "
+           "size converted to std::size_t)";
+  }
   const std::size_t need = saturating_sub(r.growth_needed, r.free_under_budget);
   const std::string raise =
       "or raise the budget to at least " + format_bytes(saturating_add(usage, r.growth_needed));
@@ -107,6 +112,13 @@ inline std::string budget_hint(const oom_report& r, std::size_t usage) {
 template <typename Upstream>
 class budget_allocator {
   static_assert(check_allocator<Upstream>());
+  // Refusing *before* the upstream call is what makes the cap hard: a budget that learned of the
+  // growth afterwards would already have crossed it (and its peak statistics would show that).
+  static_assert(reports_growth<Upstream>,
+                "membound: budget_allocator needs an upstream that predicts its growth: give it a "
+                "member `std::size_t growth_for(std::size_t bytes, std::size_t alignment) const` "
+                "returning exactly how many bytes its reserve would grow by (0 when a free block "
+                "fits), as system_allocator, caching_allocator and expandable_arena do.");
 
  public:
   static constexpr memory_space space = Upstream::space;
@@ -124,19 +136,25 @@ class budget_allocator {
   // Refuses (out_of_memory, nothing allocated) when the reserve would have to grow past the
   // budget even after the upstream's cache was released.
   //
-  // An upstream without growth_for is assumed to grow by at most the requested bytes: the budget
-  // then caps requests, and the check after the call below catches an upstream that grew more.
+  // An upstream whose growth_for is wrong is caught after the call: the block is given back and
+  // the refusal says so. Live state is then as before, but the upstream's statistics keep the
+  // record of the attempt (its call counts, and a peak that crossed the budget): they are true.
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
                  memory_tag tag = memory_tag::other) {
     detail::check_alignment(alignment, detail::max_alignment_of<Upstream>(), "budget_allocator");
     detail::check_tag(tag);
     if (bytes == 0) return upstream_.allocate(0, alignment, tag);
 
-    std::size_t growth = predicted_growth(bytes, alignment);
+    std::size_t growth = upstream_.growth_for(bytes, alignment);
+    if (growth == std::numeric_limits<std::size_t>::max()) {
+      // No reserve could serve it (the upstream's marker): the size itself is the bug, so no
+      // policy advice, and no reason to drop the cache.
+      refuse(bytes, growth, usage(), {});
+    }
     if (growth > headroom()) {
       if constexpr (caching_allocator_like<Upstream>) {
         upstream_.release_cached();  // cached bytes count against the budget: drop them first
-        growth = predicted_growth(bytes, alignment);
+        growth = upstream_.growth_for(bytes, alignment);
       }
       if (growth > headroom()) refuse(bytes, growth, usage(), {});
     }
@@ -149,17 +167,10 @@ class budget_allocator {
       const std::size_t grew = detail::saturating_sub(reserved(), reserved_before);
       upstream_.deallocate(p, bytes, alignment, tag);
       if constexpr (caching_allocator_like<Upstream>) upstream_.release_cached();
-      std::string why;
-      if constexpr (reports_growth<Upstream>) {
-        why = "upstream growth_for(" + std::to_string(bytes) + ", " + std::to_string(alignment) +
-              ") was wrong: it predicted " + format_bytes(growth) +
-              " of new reserve but the reserve grew by " + format_bytes(grew) +
-              "; the block was given back";
-      } else {
-        why = "the upstream does not report growth_for, so the budget assumed growth of at most "
-              "the requested " + format_bytes(bytes) + ", but the reserve grew by " +
-              format_bytes(grew) + "; the block was given back";
-      }
+      std::string why = "upstream growth_for(" + std::to_string(bytes) + ", " +
+                        std::to_string(alignment) + ") was wrong: it predicted " +
+                        format_bytes(growth) + " of new reserve but the reserve grew by " +
+                        format_bytes(grew) + "; the block was given back";
       refuse(bytes, grew, usage_before, std::move(why));
     }
     return p;
@@ -258,14 +269,6 @@ class budget_allocator {
     if constexpr (detail::has_reserve_limit<Upstream>) {
       upstream_.set_reserve_limit(
           std::min(detail::saturating_sub(limit_, external_), outer_reserve_limit_));
-    }
-  }
-
-  std::size_t predicted_growth(std::size_t bytes, std::size_t alignment) const {
-    if constexpr (reports_growth<Upstream>) {
-      return upstream_.growth_for(bytes, alignment);
-    } else {
-      return bytes;
     }
   }
 

@@ -12,9 +12,11 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
@@ -62,12 +64,19 @@ class host_virtual_memory {
     // Trimming cannot fail for ranges we just mapped; if it did, the bytes stay reserved harmlessly.
     if (head != 0) ::munmap(raw, head);
     if (tail != 0) ::munmap(reinterpret_cast<void*>(aligned + bytes), tail);
+    try {
+      ranges_.push_back({aligned, bytes});
+    } catch (...) {
+      ::munmap(reinterpret_cast<void*>(aligned), bytes);
+      throw;
+    }
     return reinterpret_cast<void*>(aligned);
   }
 
   void commit(void* p, std::size_t bytes) {
     check_multiple("p", reinterpret_cast<std::uintptr_t>(p), "commit");
     check_multiple("bytes", bytes, "commit");
+    check_reserved(p, bytes);  // else mprotect's ENOMEM would pass for an out-of-memory
     if (::mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) {
       const int e = errno;
       if (e == ENOMEM) fail_oom("mprotect(PROT_READ|PROT_WRITE)", e, bytes);
@@ -83,7 +92,11 @@ class host_virtual_memory {
     ::mprotect(p, bytes, PROT_NONE);
   }
 
-  void release(void* p, std::size_t bytes) noexcept { ::munmap(p, bytes); }
+  void release(void* p, std::size_t bytes) noexcept {
+    ::munmap(p, bytes);
+    const auto base = reinterpret_cast<std::uintptr_t>(p);
+    std::erase_if(ranges_, [base](const range& r) { return r.base == base; });
+  }
 
   static std::size_t page_size() noexcept {
     const long v = ::sysconf(_SC_PAGESIZE);
@@ -91,6 +104,24 @@ class host_virtual_memory {
   }
 
  private:
+  struct range {
+    std::uintptr_t base;
+    std::size_t size;
+  };
+
+  void check_reserved(void* p, std::size_t bytes) const {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    for (const range& r : ranges_) {
+      if (at >= r.base && at - r.base <= r.size && bytes <= r.size - (at - r.base)) return;
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", p);
+    throw invalid_argument("p", "a range inside one reserved by this host_virtual_memory's "
+                                "reserve() and not yet released",
+                           std::string(buf) + " + " + std::to_string(bytes) + " B",
+                           "Commit only addresses returned by reserve(), within the reserved size");
+  }
+
   void check_multiple(const char* argument, std::size_t v, const char* call) const {
     if (v == 0 || v % granularity_ != 0) {
       throw invalid_argument(argument,
@@ -111,6 +142,7 @@ class host_virtual_memory {
   }
 
   std::size_t granularity_;
+  std::vector<range> ranges_;  // what reserve() handed out, so commit can reject foreign ranges
 };
 
 static_assert(check_virtual_memory<host_virtual_memory>());

@@ -213,7 +213,9 @@ class trace_recorder {
   const trace_event& event(std::size_t i) const {
     if (i >= events_.size()) {
       throw invalid_argument("i", "an index below size() = " + std::to_string(events_.size()),
-                             std::to_string(i), "");
+                             std::to_string(i),
+                             "Events are indexed oldest first from 0; older ones were dropped "
+                             "when the ring was full (see dropped())");
     }
     return (*this)[i];
   }

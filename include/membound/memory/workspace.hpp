@@ -57,14 +57,18 @@ class workspace_layout {
       throw invalid_argument("lifetime", "first <= last (an inclusive phase range)",
                              "[" + std::to_string(lifetime.first) + ", " +
                                  std::to_string(lifetime.last) + "]",
-                             "");
+                             "Give the first and last phase in which the slot is live, e.g. {0, 2}");
     }
     // Every slot ends below the sum of all (bytes + alignment), so bounding that sum rules out
     // overflow in the placement.
     constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
     if (bytes > max - alignment || worst_case_ > max - (bytes + alignment)) {
-      throw invalid_argument("bytes", "a total workspace that fits in std::size_t",
-                             std::to_string(bytes), "");
+      // Named after the larger of the two, which is the one that overflowed.
+      throw invalid_argument(bytes >= alignment ? "bytes" : "alignment",
+                             "slots whose bytes plus alignment sum to less than SIZE_MAX",
+                             std::to_string(bytes) + " B aligned to " + std::to_string(alignment),
+                             "Check the size computation of this slot (an overflow or a negative "
+                             "value converted to std::size_t)");
     }
     worst_case_ += bytes + alignment;
     slots_[count_] = slot{bytes, alignment, lifetime, 0};

@@ -64,10 +64,10 @@ class pressure_monitor {
   void set_thresholds(pressure_thresholds t) { thresholds_ = validated(t); }
 
   // Editable in place: m.actions(pressure_level::warning).callback = ...;
-  pressure_actions& actions(pressure_level l) { return actions_.at(index_of(l)); }
-  const pressure_actions& actions(pressure_level l) const { return actions_.at(index_of(l)); }
+  pressure_actions& actions(pressure_level l) { return actions_[checked_level(l)]; }
+  const pressure_actions& actions(pressure_level l) const { return actions_[checked_level(l)]; }
   void set_actions(pressure_level l, pressure_actions a) {
-    actions_.at(index_of(l)) = std::move(a);
+    actions_[checked_level(l)] = std::move(a);
   }
 
   // Level changes go to this recorder too; the recorder must outlive the monitor or be detached.
@@ -129,25 +129,37 @@ class pressure_monitor {
 
  private:
   static pressure_thresholds validated(const pressure_thresholds& t) {
-    // Written as !(a < b) so NaN fails too.
-    if (!(t.warning > 0.0) || !(t.warning < t.critical)) {
-      throw invalid_argument("warning", "a fraction in (0, critical)", std::to_string(t.warning),
-                             "Thresholds are fractions of the budget: 0 < warning < critical < "
-                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+    static constexpr const char* rule =
+        "Thresholds are fractions of the budget: 0 < warning < critical < emergency <= 1, "
+        "e.g. 0.90, 0.95, 0.97";
+    // Each value on its own first, so a NaN or out-of-range value is the one named.
+    // Written as !(0 < v && v <= 1) so NaN fails too.
+    const auto fraction = [](const char* name, double v) {
+      if (!(v > 0.0 && v <= 1.0)) {
+        throw invalid_argument(name, "a fraction of the budget in (0, 1]", std::to_string(v), rule);
+      }
+    };
+    fraction("warning", t.warning);
+    fraction("critical", t.critical);
+    fraction("emergency", t.emergency);
+    // Out of order: the lower threshold of the pair is named.
+    if (!(t.warning < t.critical)) {
+      throw invalid_argument("warning", "below critical (" + std::to_string(t.critical) + ")",
+                             std::to_string(t.warning), rule);
     }
     if (!(t.critical < t.emergency)) {
-      throw invalid_argument("critical", "a fraction in (warning, emergency)",
-                             std::to_string(t.critical),
-                             "Thresholds are fractions of the budget: 0 < warning < critical < "
-                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
-    }
-    if (!(t.emergency <= 1.0)) {
-      throw invalid_argument("emergency", "a fraction in (critical, 1]",
-                             std::to_string(t.emergency),
-                             "Thresholds are fractions of the budget: 0 < warning < critical < "
-                             "emergency <= 1, e.g. 0.90, 0.95, 0.97");
+      throw invalid_argument("critical", "below emergency (" + std::to_string(t.emergency) + ")",
+                             std::to_string(t.critical), rule);
     }
     return t;
+  }
+
+  static std::size_t checked_level(pressure_level l) {
+    if (index_of(l) >= pressure_level_count) {
+      throw invalid_argument("level", "one of pressure_level::normal, warning, critical, emergency",
+                             std::to_string(index_of(l)), "Pass a pressure_level enumerator");
+    }
+    return index_of(l);
   }
 
   void enter(check_point p, pressure_level previous, pressure_level next, std::size_t usage,

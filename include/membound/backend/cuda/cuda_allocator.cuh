@@ -24,8 +24,8 @@ class cuda_device_allocator {
  public:
   static constexpr memory_space space = memory_space::device;
   // cudaMalloc documents 256-byte alignment. Larger alignments (caching_allocator asks for 512
-  // per segment) are honoured by checking the pointer and, only if it falls short,
-  // over-allocating; the limit matches system_allocator's.
+  // per segment) always over-allocate by alignment - 256 bytes, so that growth_for is exact and a
+  // budget above can refuse before calling cudaMalloc; the limit matches system_allocator's.
   static constexpr std::size_t guaranteed_alignment = 256;
   static constexpr std::size_t max_alignment = std::size_t{1} << 21;
 
@@ -42,11 +42,11 @@ class cuda_device_allocator {
     detail::check_tag(tag);
     if (bytes == 0) return nullptr;
     cuda_device_guard guard(device_);
-    void* p = malloc_or_throw(bytes, bytes);
-    std::size_t reserved = bytes;
-    if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0) {
-      (void)cudaFree(p);
-      reserved = bytes + (alignment - guaranteed_alignment);
+    const std::size_t reserved = growth_for(bytes, alignment);
+    void* p = nullptr;
+    if (alignment <= guaranteed_alignment) {
+      p = malloc_or_throw(bytes, reserved);
+    } else {
       void* raw = malloc_or_throw(bytes, reserved);
       p = reinterpret_cast<void*>(align_up(reinterpret_cast<std::uintptr_t>(raw), alignment));
       try {
@@ -62,12 +62,12 @@ class cuda_device_allocator {
     return p;
   }
 
-  void deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/ = default_alignment,
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) noexcept {
     if (p == nullptr) return;
     void* raw = p;
     std::size_t reserved = bytes;
-    if (!over_aligned_.empty()) {
+    if (alignment > guaranteed_alignment) {
       if (const auto it = over_aligned_.find(p); it != over_aligned_.end()) {
         raw = it->second.raw;
         reserved = it->second.reserved;
@@ -81,8 +81,9 @@ class cuda_device_allocator {
     stats_.on_release(reserved);
   }
 
-  std::size_t growth_for(std::size_t bytes, std::size_t /*alignment*/) const noexcept {
-    return bytes;  // exact unless the rare over-aligned fallback is taken
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const noexcept {
+    if (bytes == 0) return 0;
+    return alignment <= guaranteed_alignment ? bytes : bytes + (alignment - guaranteed_alignment);
   }
   memory_stats stats() const noexcept { return stats_.stats(); }
   void reset_peaks() noexcept { stats_.reset_peaks(); }

@@ -116,6 +116,9 @@ class cuda_virtual_memory {
         CUmemGenericAllocationHandle handle{};
         const CUresult created = drv.mem_create(&handle, granularity_, &prop_, 0);
         if (created == CUDA_ERROR_OUT_OF_MEMORY) {
+          // Roll back first, so the report describes the state the caller is left with.
+          unmap_granules(*r, first, done, base - first * granularity_);
+          done = 0;
           throw out_of_memory(oom("cuMemCreate", bytes, created,
                                   "the device has no free physical memory: lower the "
                                   "batch/sequence length or the arena's other users"));

@@ -154,7 +154,8 @@ class block_pool {
     seg->tag = tag;
     block* b = nullptr;
     try {
-      segments_.reserve(segments_.size() + 1);
+      // Geometric growth (reserve(size + 1) would copy the vector on every new segment).
+      if (segments_.size() == segments_.capacity()) segments_.reserve(2 * segments_.size() + 4);
       if (size != 0) {
         b = take_spare();
         b->addr = seg->base;
@@ -267,8 +268,10 @@ class block_pool {
         insert_free(s, rest);  // keyed by its final (size, addr), distinct from b's
         rest_indexed = true;
       }
-      // Grow the buckets first, so the insert below cannot rehash, hence cannot throw. Checked
-      // by hand: reserve() itself costs a prime-table search on every call.
+      // Grow the buckets here when the load factor says the insert would, so that in a steady
+      // state the insert does not rehash. (An implementation may still rehash, e.g. on the first
+      // insert; that can only throw, which the catch below undoes.) Checked by hand because
+      // reserve() itself costs a prime-table search on every call.
       if (static_cast<float>(live_.size() + 1) >
           live_.max_load_factor() * static_cast<float>(live_.bucket_count())) {
         live_.reserve(live_.size() + 1);
