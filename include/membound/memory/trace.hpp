@@ -32,7 +32,7 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
-enum class trace_event_kind : std::uint8_t { allocation, deallocation, pressure, mark };
+enum class trace_event_kind : std::uint8_t { allocation, deallocation, pressure, mark, reserve };
 
 constexpr std::string_view to_string(trace_event_kind k) noexcept {
   switch (k) {
@@ -40,6 +40,7 @@ constexpr std::string_view to_string(trace_event_kind k) noexcept {
     case trace_event_kind::deallocation: return "deallocation";
     case trace_event_kind::pressure: return "pressure";
     case trace_event_kind::mark: return "mark";
+    case trace_event_kind::reserve: return "reserve";
   }
   return "invalid";
 }
@@ -56,6 +57,10 @@ struct trace_event {
   check_point point = check_point::before_forward;  // pressure: where it was observed
   std::size_t usage = 0, limit = 0;                 // pressure: footprint and budget then
   std::string name;                                 // mark
+  // The allocator's reserved bytes after this event, when the recorder was told (traced_allocator
+  // tells it); unknown_reserved otherwise. Absolute, so it survives the ring wrapping.
+  std::size_t reserved = unknown_reserved;
+  static constexpr std::size_t unknown_reserved = static_cast<std::size_t>(-1);
 };
 
 namespace detail {
@@ -150,7 +155,8 @@ class trace_recorder {
   trace_recorder(const trace_recorder&) = delete;
   trace_recorder& operator=(const trace_recorder&) = delete;
 
-  void record_allocation(memory_tag tag, std::size_t bytes, const void* address) noexcept {
+  void record_allocation(memory_tag tag, std::size_t bytes, const void* address,
+                         std::size_t reserved = trace_event::unknown_reserved) noexcept {
     std::size_t& cur = current_[index_of(tag)];
     cur += bytes;
     trace_event e;
@@ -159,14 +165,25 @@ class trace_recorder {
     e.bytes = bytes;
     e.address = reinterpret_cast<std::uintptr_t>(address);
     e.tag_current = cur;
+    e.reserved = reserved;
     push(std::move(e));
   }
 
-  void record_deallocation(memory_tag tag, std::size_t bytes, const void* address) noexcept {
-    record_deallocation(tag, bytes, reinterpret_cast<std::uintptr_t>(address));
+  // The reserve changed without an allocation or free (e.g. release_cached()).
+  void record_reserved(std::size_t reserved) noexcept {
+    trace_event e;
+    e.kind = trace_event_kind::reserve;
+    e.reserved = reserved;
+    push(std::move(e));
+  }
+
+  void record_deallocation(memory_tag tag, std::size_t bytes, const void* address,
+                           std::size_t reserved = trace_event::unknown_reserved) noexcept {
+    record_deallocation(tag, bytes, reinterpret_cast<std::uintptr_t>(address), reserved);
   }
   // By address value: callers that record after the free must not hold a freed pointer.
-  void record_deallocation(memory_tag tag, std::size_t bytes, std::uintptr_t address) noexcept {
+  void record_deallocation(memory_tag tag, std::size_t bytes, std::uintptr_t address,
+                           std::size_t reserved = trace_event::unknown_reserved) noexcept {
     std::size_t& cur = current_[index_of(tag)];
     // Floored: a block allocated before tracing started may be freed while tracing.
     cur = cur > bytes ? cur - bytes : 0;
@@ -176,6 +193,7 @@ class trace_recorder {
     e.bytes = bytes;
     e.address = address;
     e.tag_current = cur;
+    e.reserved = reserved;
     push(std::move(e));
   }
 
@@ -267,7 +285,9 @@ class trace_recorder {
         case trace_event_kind::deallocation:
           running[index_of(e.tag)] = e.tag_current;
           append_counter(out, e.timestamp_ns, running);
+          append_reserved(out, e);
           break;
+        case trace_event_kind::reserve: append_reserved(out, e); break;
         case trace_event_kind::pressure: append_pressure(out, e); break;
         case trace_event_kind::mark: append_mark(out, e); break;
       }
@@ -337,6 +357,17 @@ class trace_recorder {
     out += "}}";
   }
 
+  // A second counter track beside the tags: the gap between it and their sum is the cache and
+  // fragmentation, which is what a person opening the trace usually came to find.
+  static void append_reserved(std::string& out, const trace_event& e) {
+    if (e.reserved == trace_event::unknown_reserved) return;
+    out += ",\n{\"name\":\"reserved\",\"cat\":\"memory\",\"ph\":\"C\",\"ts\":";
+    detail::append_timestamp_us(out, e.timestamp_ns);
+    out += ",\"pid\":1,\"tid\":1,\"args\":{\"bytes\":";
+    out += std::to_string(e.reserved);
+    out += "}}";
+  }
+
   static void append_pressure(std::string& out, const trace_event& e) {
     out += ",\n{\"name\":";
     detail::append_json_string(out, std::string("pressure ") + std::string(to_string(e.level)));
@@ -387,7 +418,7 @@ class traced_allocator {
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
                  memory_tag tag = memory_tag::other) {
     void* p = upstream_.allocate(bytes, alignment, tag);
-    if (p != nullptr) recorder_->record_allocation(tag, bytes, p);
+    if (p != nullptr) recorder_->record_allocation(tag, bytes, p, upstream_.stats().reserved);
     return p;
   }
 
@@ -399,13 +430,16 @@ class traced_allocator {
     // only after the upstream accepted the free (it throws on a pointer it does not own).
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     upstream_.deallocate(p, bytes, alignment, tag);
-    recorder_->record_deallocation(tag, bytes, address);
+    recorder_->record_deallocation(tag, bytes, address, upstream_.stats().reserved);
   }
 
   memory_stats stats() const { return upstream_.stats(); }
 
   // Forwarded where the upstream has them, so a traced stack keeps its budget and cache controls.
-  void release_cached() requires caching_allocator_like<Upstream> { upstream_.release_cached(); }
+  void release_cached() requires caching_allocator_like<Upstream> {
+    upstream_.release_cached();
+    recorder_->record_reserved(upstream_.stats().reserved);
+  }
   std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
     requires reports_growth<Upstream>
   {
