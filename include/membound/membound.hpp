@@ -6,6 +6,8 @@
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
+#include "membound/core/type_list.hpp"
+#include "membound/core/dtype.hpp"
 
 #include "membound/memory/memory_tag.hpp"
 #include "membound/memory/memory_stats.hpp"
@@ -25,3 +27,9 @@
 #include "membound/monitor/null_monitor.hpp"
 #include "membound/monitor/pressure_level.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
+
+#include "membound/policy/policy_kind.hpp"
+#include "membound/policy/precision.hpp"
+#include "membound/policy/chunking.hpp"
+#include "membound/policy/checkpoint.hpp"
+#include "membound/policy/policy_set.hpp"

@@ -277,6 +277,186 @@ class backend_error : public error {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/error.hpp ----
+// ---- begin membound/core/type_list.hpp ----
+// A list of types as a type: how a layer names its default policies (policy_set's Defaults).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <typename... Ts>
+struct type_list {
+  static constexpr std::size_t size = sizeof...(Ts);
+};
+
+template <typename T>
+inline constexpr bool is_type_list_v = false;
+template <typename... Ts>
+inline constexpr bool is_type_list_v<type_list<Ts...>> = true;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/type_list.hpp ----
+// ---- begin membound/core/dtype.hpp ----
+// Scalar types: what tensors are stored in (storage_scalar), what sums are carried in
+// (accumulation_scalar), and conversions between them that round exactly once.
+//
+//   float acc = to_accum<float>(x);        // exact: an accumulator is at least as wide
+//   bf16 y = from_accum<bf16>(acc);        // one round-to-nearest-even
+//   std::size_t b = bytes_of<bf16>(batch, seq, width);   // for size functions
+
+#include <bit>
+#include <concepts>
+#include <limits>
+#include <type_traits>
+
+// Under nvcc, Eigen 3.4's own headers warn (#20012: __host__ __device__ on defaulted functions),
+// which fails builds with `-Werror all-warnings`; the suppression ends with the include.
+// (Eigen under nvcc also needs --expt-relaxed-constexpr, or it warns #20015, which no pragma
+// reaches: that flag belongs on the command line.)
+#if defined(__NVCC__)
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 20012
+#endif
+#include <Eigen/Core>
+#if defined(__NVCC__)
+#pragma nv_diagnostic pop
+#endif
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// Eigen's types: plain g++ compiles them, and the CPU backend's Eigen kernels take them as-is.
+using bf16 = Eigen::bfloat16;
+using fp16 = Eigen::half;
+
+// Sizes and bit-level conversions below rely on these; a toolchain that breaks them must fail here.
+static_assert(sizeof(bf16) == 2 && sizeof(fp16) == 2 && std::is_trivially_copyable_v<bf16> &&
+                  std::is_trivially_copyable_v<fp16>,
+              "membound: bf16 and fp16 must be 2-byte trivially copyable types.");
+static_assert(std::numeric_limits<float>::is_iec559 && std::numeric_limits<double>::is_iec559,
+              "membound: the conversions assume IEEE-754 float and double.");
+
+template <typename T>
+concept storage_scalar = std::same_as<T, float> || std::same_as<T, double> ||
+                         std::same_as<T, bf16> || std::same_as<T, fp16>;
+
+// bf16 and fp16 are not here on purpose: their 8 or 11 significant bits lose the sums.
+template <typename T>
+concept accumulation_scalar = std::same_as<T, float> || std::same_as<T, double>;
+
+template <storage_scalar T>
+constexpr std::string_view dtype_name() noexcept {
+  if constexpr (std::same_as<T, float>) {
+    return "fp32";
+  } else if constexpr (std::same_as<T, double>) {
+    return "fp64";
+  } else if constexpr (std::same_as<T, bf16>) {
+    return "bf16";
+  } else {
+    return "fp16";
+  }
+}
+
+template <storage_scalar T>
+inline constexpr std::size_t dtype_bytes = sizeof(T);
+
+// Bytes of an array of T with these extents (their product; none means one element). Saturates
+// at SIZE_MAX, so an absurd shape (an overflow, a negative extent converted to std::size_t)
+// becomes a request no budget serves, never a small wrapped-around one.
+template <typename T>
+constexpr std::size_t bytes_of(std::convertible_to<std::size_t> auto... extents) noexcept {
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  const std::size_t dims[] = {static_cast<std::size_t>(extents)..., 1};  // 1: never empty
+  std::size_t bytes = sizeof(T);
+  for (std::size_t e : dims) bytes = (e != 0 && bytes > max / e) ? max : bytes * e;
+  return bytes;
+}
+
+// How many T fit in a buffer of `bytes` (the inverse of bytes_of, rounded down).
+template <typename T>
+constexpr std::size_t elements_in(std::size_t bytes) noexcept {
+  return bytes / sizeof(T);
+}
+
+namespace detail {
+
+// Round-to-nearest-even of a double to a binary format with ExpBits exponent bits and ManBits
+// fraction bits (bf16: 8, 7; fp16: 5, 10), returned as its bit pattern. Straight from the double:
+// Eigen's bf16(double) and half(double) go through float and round twice, so
+// 1 + 2^-8 + 2^-40 would land on the bf16 tie 1 + 2^-8 and round down instead of up.
+template <int ExpBits, int ManBits>
+constexpr std::uint16_t round_double_rne(double x) noexcept {
+  constexpr int bias = (1 << (ExpBits - 1)) - 1;
+  constexpr int max_field = (1 << ExpBits) - 1;  // the exponent field of inf and NaN
+  constexpr std::uint64_t inf_bits = std::uint64_t{max_field} << ManBits;
+  constexpr std::uint64_t quiet_bit = std::uint64_t{1} << (ManBits - 1);
+
+  const std::uint64_t b = std::bit_cast<std::uint64_t>(x);
+  const std::uint64_t sign = (b >> 63) << (ExpBits + ManBits);
+  const int exp = static_cast<int>((b >> 52) & 0x7ff);
+  const std::uint64_t frac = b & ((std::uint64_t{1} << 52) - 1);
+  const auto out = [sign](std::uint64_t magnitude) {
+    return static_cast<std::uint16_t>(sign | magnitude);
+  };
+
+  if (exp == 0x7ff) return out(frac == 0 ? inf_bits : inf_bits | quiet_bit);  // inf; quiet NaN
+  // Zero, or a double subnormal: far below half the target's smallest subnormal.
+  if (exp == 0) return out(0);
+
+  const std::uint64_t sig = frac | (std::uint64_t{1} << 52);  // x = sig * 2^(exp - 1075)
+  int field = exp - 1023 + bias;                               // the target's biased exponent
+  if (field >= max_field) return out(inf_bits);                // at least twice the largest finite
+  int shift = 52 - ManBits;                                    // fraction bits the target lacks
+  if (field < 1) {  // below the normal range: count in steps of the smallest subnormal
+    shift += 1 - field;
+    field = 0;
+  }
+  if (shift > 53) return out(0);  // below half the smallest subnormal (sig < 2^53)
+
+  std::uint64_t kept = sig >> shift;
+  const std::uint64_t rest = sig & ((std::uint64_t{1} << shift) - 1);
+  const std::uint64_t half = std::uint64_t{1} << (shift - 1);
+  if (rest > half || (rest == half && (kept & 1) != 0)) ++kept;
+  // kept carries the leading bit at position ManBits, so adding it to (field - 1) lets a
+  // rounded-up significand carry into the exponent: the next binade, subnormal to normal, or inf.
+  const std::uint64_t bits = (field == 0 ? 0 : std::uint64_t(field - 1) << ManBits) + kept;
+  return out(bits >= inf_bits ? inf_bits : bits);
+}
+
+}  // namespace detail
+
+// Exact: an accumulator is at least as wide as what it reads.
+template <accumulation_scalar A, storage_scalar T>
+constexpr A to_accum(T x) noexcept {
+  static_assert(sizeof(T) <= sizeof(A),
+                "membound: to_accum<float>(double) would round the double: accumulate in double "
+                "(fp64_precision), or store in float.");
+  if constexpr (std::same_as<T, A>) {
+    return x;
+  } else if constexpr (std::same_as<T, bf16> || std::same_as<T, fp16>) {
+    return static_cast<A>(static_cast<float>(x));  // every bf16/fp16 value is a float
+  } else {
+    return static_cast<A>(x);  // float to double
+  }
+}
+
+// One round-to-nearest-even (ties to even, overflow to inf, NaN stays a quiet NaN of that sign).
+// From float, Eigen's conversions do it; from double, detail::round_double_rne, for the reason
+// given there.
+template <storage_scalar T, accumulation_scalar A>
+constexpr T from_accum(A x) noexcept {
+  if constexpr (std::same_as<T, A>) {
+    return x;
+  } else if constexpr (std::same_as<T, float> || std::same_as<T, double>) {
+    return static_cast<T>(x);  // double to float is one IEEE rounding; float to double is exact
+  } else if constexpr (std::same_as<A, float>) {
+    return T(x);
+  } else if constexpr (std::same_as<T, bf16>) {
+    return std::bit_cast<bf16>(detail::round_double_rne<8, 7>(x));
+  } else {
+    return std::bit_cast<fp16>(detail::round_double_rne<5, 10>(x));
+  }
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/dtype.hpp ----
 
 // ---- begin membound/memory/memory_stats.hpp ----
 // The statistics every allocator reports, and the tracker that keeps them.
@@ -391,10 +571,6 @@ MEMBOUND_NAMESPACE_END
 //   void a.set_reserve_limit(std::size_t bytes);
 //       a ceiling on the reserve, set by a budget above: rather than cross it with a preferred
 //       (larger) segment, the allocator grows by just what the request needs.
-
-#include <concepts>
-#include <limits>
-#include <type_traits>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -627,8 +803,6 @@ MEMBOUND_NAMESPACE_END
 //
 // The bookkeeping lives on the host and never reads or writes block memory, so the same class
 // caches device memory when Upstream::space is memory_space::device.
-
-#include <bit>
 
 // ---- begin membound/memory/detail/block_pool.hpp ----
 // The block engine shared by caching_allocator and expandable_arena: blocks carved out of
@@ -3428,4 +3602,363 @@ class pressure_monitor {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/monitor/pressure_monitor.hpp ----
+
+// ---- begin membound/policy/policy_kind.hpp ----
+// What makes a type a policy: a nested `using policy_kind = <kind tag>;`. A kind tag names one
+// axis a layer can be configured along (precision, chunking, checkpoint), so that policy_set can
+// pick one policy per axis. Declare kind tags with MEMBOUND_POLICY_KIND.
+
+// Declares `struct tag` with `static constexpr const char* name` and the checks policy_set runs
+// per kind. A macro because C++20 static_assert messages must be string literals: `tag::name`
+// cannot be read into a message, so the name is pasted into each sentence here instead.
+#define MEMBOUND_POLICY_KIND(tag, kind_name)                                                    \
+  struct tag {                                                                                  \
+    static constexpr const char* name = kind_name;                                              \
+    template <std::size_t Given>                                                                \
+    static consteval bool check_at_most_one() {                                                 \
+      static_assert(Given <= 1, "membound: at most one policy per kind: two " kind_name        \
+                                " policies were given; keep one.");                             \
+      return Given <= 1;                                                                        \
+    }                                                                                           \
+    template <bool Accepted>                                                                    \
+    static consteval bool check_accepted() {                                                    \
+      static_assert(Accepted, "membound: this layer does not accept a " kind_name              \
+                              " policy; remove it from the layer's policies.");                 \
+      return Accepted;                                                                          \
+    }                                                                                           \
+  }
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// A tag declared with MEMBOUND_POLICY_KIND (or one that spells the same members).
+template <typename K>
+concept policy_kind_tag = requires {
+  { K::name } -> std::convertible_to<const char*>;
+  { K::template check_at_most_one<1>() } -> std::same_as<bool>;
+  { K::template check_accepted<true>() } -> std::same_as<bool>;
+};
+
+template <typename P>
+concept policy = requires { typename P::policy_kind; } && policy_kind_tag<typename P::policy_kind>;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/policy_kind.hpp ----
+// ---- begin membound/policy/precision.hpp ----
+// Precision policy: the scalar type tensors are stored in and the one sums are carried in. A
+// layer reads Storage, accumulates in Accum (to_accum, exact) and writes Storage back with one
+// rounding (from_accum).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+MEMBOUND_POLICY_KIND(precision_kind, "precision");
+
+namespace detail {
+template <typename Storage, typename Accum>
+consteval bool check_precision() {
+  static_assert(storage_scalar<Storage>,
+                "membound: precision<Storage, Accum>: Storage must be float, double, "
+                "membound::bf16 or membound::fp16.");
+  static_assert(accumulation_scalar<Accum>,
+                "membound: precision<Storage, Accum>: Accum must be float or double; a narrower "
+                "accumulator (bf16, fp16) loses the sums. Accumulate in float, e.g. "
+                "precision<bf16, float> (bf16_precision).");
+  if constexpr (storage_scalar<Storage> && accumulation_scalar<Accum>) {
+    static_assert(sizeof(Storage) <= sizeof(Accum),
+                  "membound: precision<Storage, Accum>: Storage is wider than Accum (double "
+                  "storage with float accumulation), so every read would round. Accumulate in "
+                  "double (fp64_precision = precision<double, double>) or store in float "
+                  "(fp32_precision).");
+    return sizeof(Storage) <= sizeof(Accum);
+  } else {
+    return false;
+  }
+}
+}  // namespace detail
+
+// Storage must model storage_scalar and Accum accumulation_scalar, at least as wide as Storage.
+// Checked by static_assert rather than in the template head, so that a wrong pair gets a
+// sentence saying what to use instead of a constraint dump.
+template <typename Storage, typename Accum>
+struct precision {
+  static_assert(detail::check_precision<Storage, Accum>());
+
+  using policy_kind = precision_kind;
+  using storage_type = Storage;
+  using accum_type = Accum;
+
+  // For size functions: bytes of a stored or an accumulator array with these extents.
+  static constexpr std::size_t storage_bytes(
+      std::convertible_to<std::size_t> auto... extents) noexcept {
+    return bytes_of<Storage>(extents...);
+  }
+  static constexpr std::size_t accum_bytes(
+      std::convertible_to<std::size_t> auto... extents) noexcept {
+    return bytes_of<Accum>(extents...);
+  }
+};
+
+using fp32_precision = precision<float, float>;
+using bf16_precision = precision<bf16, float>;
+using fp16_precision = precision<fp16, float>;
+using fp64_precision = precision<double, double>;  // the reference that tests compare against
+
+template <typename T>
+inline constexpr bool is_precision_v = false;
+template <typename Storage, typename Accum>
+inline constexpr bool is_precision_v<precision<Storage, Accum>> = true;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/precision.hpp ----
+// ---- begin membound/policy/chunking.hpp ----
+// Chunking policies: how far a layer walks the sequence in one step, which sets the size of its
+// tiles and per-chunk state. All three share one kind, so a layer takes one of them; each layer
+// checks it got its own variety (is_attention_tiles_v, is_scan_chunk_v, is_ttt_mini_batch_v).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+MEMBOUND_POLICY_KIND(chunking_kind, "chunking");
+
+// Attention tiles: QTile query rows against KVTile key/value rows at a time. Multiples of 8, the
+// row granularity of tensor-core fragments and of 16-byte bf16/fp16 vector loads.
+template <std::size_t QTile, std::size_t KVTile>
+struct attention_tiles {
+  static_assert(QTile > 0 && QTile % 8 == 0,
+                "membound: attention_tiles<QTile, KVTile>: QTile must be a positive multiple of 8 "
+                "(the tensor-core fragment granularity), e.g. 64.");
+  static_assert(KVTile > 0 && KVTile % 8 == 0,
+                "membound: attention_tiles<QTile, KVTile>: KVTile must be a positive multiple of "
+                "8 (the tensor-core fragment granularity), e.g. 64.");
+
+  using policy_kind = chunking_kind;
+  static constexpr std::size_t q_tile = QTile;
+  static constexpr std::size_t kv_tile = KVTile;
+};
+
+// Mamba: the selective scan runs Chunk time steps per chunk and carries the state between chunks.
+template <std::size_t Chunk>
+struct scan_chunk {
+  static_assert(Chunk > 0,
+                "membound: scan_chunk<Chunk>: Chunk (time steps per scan chunk) must be at least "
+                "1, e.g. 64.");
+
+  using policy_kind = chunking_kind;
+  static constexpr std::size_t chunk = Chunk;
+};
+
+// TTT: the inner model takes one gradient step per MiniBatch tokens.
+template <std::size_t MiniBatch>
+struct ttt_mini_batch {
+  static_assert(MiniBatch > 0,
+                "membound: ttt_mini_batch<MiniBatch>: MiniBatch (tokens per inner-loop step) must "
+                "be at least 1; the TTT paper uses 16 (default_ttt_mini_batch).");
+
+  using policy_kind = chunking_kind;
+  static constexpr std::size_t mini_batch = MiniBatch;
+};
+
+using default_ttt_mini_batch = ttt_mini_batch<16>;
+
+template <typename T>
+inline constexpr bool is_attention_tiles_v = false;
+template <std::size_t Q, std::size_t KV>
+inline constexpr bool is_attention_tiles_v<attention_tiles<Q, KV>> = true;
+
+template <typename T>
+inline constexpr bool is_scan_chunk_v = false;
+template <std::size_t C>
+inline constexpr bool is_scan_chunk_v<scan_chunk<C>> = true;
+
+template <typename T>
+inline constexpr bool is_ttt_mini_batch_v = false;
+template <std::size_t M>
+inline constexpr bool is_ttt_mini_batch_v<ttt_mini_batch<M>> = true;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/chunking.hpp ----
+// ---- begin membound/policy/checkpoint.hpp ----
+// Checkpoint policies at the sequence level: what one layer keeps from forward for backward.
+// Block-level schedules across layers (which blocks to checkpoint) belong to the planner and
+// have their own names.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+MEMBOUND_POLICY_KIND(checkpoint_kind, "checkpoint");
+
+// Keep everything forward produces: the most memory, no recomputation.
+struct save_all {
+  using policy_kind = checkpoint_kind;
+};
+
+// Keep the minimum (the layer's inputs and small per-row statistics) and recompute the rest in
+// backward: the least memory, one more forward's work.
+struct recompute {
+  using policy_kind = checkpoint_kind;
+};
+
+// TTT: keep the inner model's state at the start of every group of G consecutive mini-batches
+// and recompute the states inside a group in backward (G is ttt-lm's scan_checkpoint_group_size).
+// G = 1 keeps every state; a larger G keeps 1/G of them and recomputes the rest.
+template <std::size_t G>
+struct ttt_checkpoint_groups {
+  static_assert(G >= 1,
+                "membound: ttt_checkpoint_groups<G>: G (mini-batches per checkpoint group) must "
+                "be at least 1; G = 1 keeps every inner state.");
+
+  using policy_kind = checkpoint_kind;
+  static constexpr std::size_t group_size = G;
+};
+
+template <typename T>
+inline constexpr bool is_ttt_checkpoint_groups_v = false;
+template <std::size_t G>
+inline constexpr bool is_ttt_checkpoint_groups_v<ttt_checkpoint_groups<G>> = true;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/checkpoint.hpp ----
+// ---- begin membound/policy/policy_set.hpp ----
+// A layer's policies, in the style of dragonbox's policy holder: the layer names one default per
+// kind, the user passes any policies in any order, and get<Kind> is the user's policy of that
+// kind, else the default.
+//
+//   policy_set<type_list<fp32_precision, attention_tiles<64, 64>>, bf16_precision>
+//       ::get<precision_kind>    is bf16_precision
+//       ::get<chunking_kind>     is attention_tiles<64, 64>
+//
+//   template <typename... Policies>
+//   struct attention {
+//     using policies = policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute>,
+//                                 Policies...>;
+//     using prec = get_policy<policies, precision_kind>;   // in a template, instead of
+//                                                          // typename policies::template get<...>
+//   };
+//   attention<recompute, bf16_precision> a;   // order does not matter
+//
+// Each mistake stops the build with one sentence: a type that is not a policy, a policy of a
+// kind the layer does not take, two policies of one kind.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+
+// The kind of anything that is not a policy, so that after the first sentence the remaining
+// checks and get<> still compile instead of cascading errors.
+struct not_a_policy_kind {};
+
+template <typename P>
+struct kind_of {
+  using type = not_a_policy_kind;
+};
+template <policy P>
+struct kind_of<P> {
+  using type = typename P::policy_kind;
+};
+template <typename P>
+using kind_of_t = typename kind_of<P>::type;
+
+template <typename Kind, typename... Ps>
+inline constexpr std::size_t count_of_kind =
+    (std::size_t{0} + ... + std::size_t{std::is_same_v<kind_of_t<Ps>, Kind>});
+
+// The first of Ps whose kind is Kind, else Fallback. Only the chosen branch is instantiated.
+template <typename Kind, typename Fallback, typename... Ps>
+struct first_of_kind : std::type_identity<Fallback> {};
+template <typename Kind, typename Fallback, typename P, typename... Ps>
+struct first_of_kind<Kind, Fallback, P, Ps...>
+    : std::conditional_t<std::is_same_v<kind_of_t<P>, Kind>, std::type_identity<P>,
+                         first_of_kind<Kind, Fallback, Ps...>> {};
+
+template <typename Policy>
+consteval bool check_policy() {
+  // `Policy` is named in the compiler's "In instantiation of ... [with Policy = ...]" line.
+  static_assert(requires { typename Policy::policy_kind; },
+                "membound: invalid policy: Policy has no policy_kind; pass a precision<>, a "
+                "chunking policy (attention_tiles<>, scan_chunk<>, ttt_mini_batch<>) or a "
+                "checkpoint policy (save_all, recompute, ttt_checkpoint_groups<>).");
+  if constexpr (requires { typename Policy::policy_kind; }) {
+    static_assert(policy_kind_tag<typename Policy::policy_kind>,
+                  "membound: invalid policy: Policy::policy_kind is not a policy kind tag; "
+                  "declare kinds with MEMBOUND_POLICY_KIND(tag, \"name\").");
+  }
+  return policy<Policy>;
+}
+
+template <typename Kind, typename... Defaults>
+struct default_of {
+  static_assert(count_of_kind<Kind, Defaults...> != 0,
+                "membound: policy_set::get<Kind>: the layer has no default of this kind; add one "
+                "to its Defaults (a layer names a default for every kind it reads).");
+  using type = typename first_of_kind<Kind, void, Defaults...>::type;
+};
+
+template <typename Defaults, typename... Policies>
+struct policy_set_checks {
+  static consteval bool run() { return true; }  // policy_set reports the malformed Defaults
+};
+
+template <typename... Defaults, typename... Policies>
+struct policy_set_checks<type_list<Defaults...>, Policies...> {
+  static consteval bool run() {
+    // Counted rather than &&-ed, so every argument is checked and each mistake gets its sentence.
+    constexpr std::size_t policies = (std::size_t{0} + ... + std::size_t{check_policy<Defaults>()}) +
+                                     (std::size_t{0} + ... + std::size_t{check_policy<Policies>()});
+    if constexpr (policies != sizeof...(Defaults) + sizeof...(Policies)) {
+      return false;
+    } else {
+      constexpr bool defaults_distinct = ((count_of_kind<kind_of_t<Defaults>, Defaults...> == 1) && ...);
+      static_assert(defaults_distinct,
+                    "membound: a layer's Defaults must hold exactly one policy per kind; two of "
+                    "them share a kind.");
+      constexpr std::size_t accepted =
+          (std::size_t{0} + ... +
+           std::size_t{kind_of_t<Policies>::template check_accepted<
+               (count_of_kind<kind_of_t<Policies>, Defaults...> != 0)>()});
+      if constexpr (!defaults_distinct || accepted != sizeof...(Policies)) {
+        return false;
+      } else {
+        return (true && ... &&
+                kind_of_t<Policies>::template check_at_most_one<
+                    count_of_kind<kind_of_t<Policies>, Policies...>>());
+      }
+    }
+  }
+};
+
+}  // namespace detail
+
+// Defaults: a type_list of the layer's default policies, one per kind it reads.
+// Policies: the user's, in any order, at most one per kind, each of a kind among the Defaults'.
+template <typename Defaults, typename... Policies>
+struct policy_set {
+  static_assert(dependent_false<Defaults>,
+                "membound: policy_set<Defaults, Policies...>: Defaults must be a type_list<...> "
+                "of the layer's default policies, one per kind.");
+  template <typename Kind>
+  using get = void;  // so that the sentence above is the only error
+};
+
+template <typename... Defaults, typename... Policies>
+struct policy_set<type_list<Defaults...>, Policies...> {
+  static_assert(detail::policy_set_checks<type_list<Defaults...>, Policies...>::run());
+
+  using defaults = type_list<Defaults...>;
+  using given = type_list<Policies...>;
+
+  template <typename Kind>
+  using get = typename detail::first_of_kind<
+      Kind, typename detail::default_of<Kind, Defaults...>::type, Policies...>::type;
+
+  // Whether the user chose this kind's policy (rather than leaving the default).
+  template <typename Kind>
+  static constexpr bool is_given = detail::count_of_kind<Kind, Policies...> != 0;
+
+  // The policy in effect for every kind, in the Defaults' order.
+  using resolved = type_list<get<detail::kind_of_t<Defaults>>...>;
+};
+
+// get<Kind> without `typename Set::template` where Set is a dependent type.
+template <typename Set, typename Kind>
+using get_policy = typename Set::template get<Kind>;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/policy_set.hpp ----
 // ---- end membound/membound.hpp ----
