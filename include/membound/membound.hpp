@@ -8,6 +8,7 @@
 #include "membound/core/format.hpp"
 #include "membound/core/type_list.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/core/parallel.hpp"
 
 #include "membound/memory/memory_tag.hpp"
 #include "membound/memory/memory_stats.hpp"
@@ -33,3 +34,7 @@
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/checkpoint.hpp"
 #include "membound/policy/policy_set.hpp"
+
+#include "membound/layers/attention_shape.hpp"
+#include "membound/backend/cpu/attention_cpu.hpp"
+#include "membound/layers/attention.hpp"

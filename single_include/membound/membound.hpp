@@ -457,6 +457,129 @@ constexpr T from_accum(A x) noexcept {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/dtype.hpp ----
+// ---- begin membound/core/parallel.hpp ----
+// A small fixed-size thread pool for the CPU backend's kernels.
+//
+//   membound::thread_pool pool(4);                     // or thread_pool{} for every core
+//   pool.parallel_for(n, [&](std::size_t task, std::size_t thread) { ... });
+//
+// `thread` is in [0, size()) and indexes per-thread scratch. Tasks are handed out dynamically,
+// so kernels make each task's result depend only on the task (never on which thread ran it or
+// in what order): results are then the same for every thread count. The calling thread works
+// too; parallel_for is not reentrant (no nested calls from inside a task).
+
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+class thread_pool {
+ public:
+  static std::size_t default_threads() noexcept {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 1 : n;  // 0 means "unknown"
+  }
+
+  explicit thread_pool(std::size_t threads = default_threads()) {
+    if (threads == 0) {
+      throw invalid_argument("threads", "at least 1", "0",
+                             "Pass 1 to run every task on the calling thread");
+    }
+    workers_.reserve(threads - 1);
+    for (std::size_t t = 1; t < threads; ++t) workers_.emplace_back([this, t] { work(t); });
+  }
+
+  thread_pool(const thread_pool&) = delete;
+  thread_pool& operator=(const thread_pool&) = delete;
+
+  ~thread_pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& w : workers_) w.join();
+  }
+
+  std::size_t size() const noexcept { return workers_.size() + 1; }
+
+  // Runs f(task, thread) for every task in [0, n) and returns when all are done. The first
+  // exception a task throws is rethrown here (tasks not yet started are skipped).
+  template <typename F>
+  void parallel_for(std::size_t n, F&& f) {
+    if (n == 0) return;
+    if (workers_.empty() || n == 1) {
+      for (std::size_t i = 0; i < n; ++i) f(i, std::size_t{0});
+      return;
+    }
+    using fn = std::remove_reference_t<F>;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      context_ = const_cast<void*>(static_cast<const void*>(std::addressof(f)));
+      invoke_ = [](void* c, std::size_t i, std::size_t t) { (*static_cast<fn*>(c))(i, t); };
+      tasks_ = n;
+      next_.store(0);
+      pending_ = workers_.size();
+      error_ = nullptr;
+      ++generation_;
+    }
+    wake_.notify_all();
+    run_tasks(0);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void run_tasks(std::size_t thread) {
+    for (;;) {
+      const std::size_t i = next_.fetch_add(1);
+      if (i >= tasks_) return;
+      try {
+        invoke_(context_, i, thread);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(tasks_);
+      }
+    }
+  }
+
+  void work(std::size_t thread) {
+    std::size_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      run_tasks(thread);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  bool stop_ = false;
+  std::size_t generation_ = 0;
+  std::size_t pending_ = 0;
+  std::size_t tasks_ = 0;
+  std::atomic<std::size_t> next_{0};
+  void* context_ = nullptr;
+  void (*invoke_)(void*, std::size_t, std::size_t) = nullptr;
+  std::exception_ptr error_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/parallel.hpp ----
 
 // ---- begin membound/memory/memory_stats.hpp ----
 // The statistics every allocator reports, and the tracker that keeps them.
@@ -835,10 +958,8 @@ MEMBOUND_NAMESPACE_END
 // Not thread-safe; the owning allocator documents its own threading rules.
 
 #include <iterator>
-#include <memory>
 #include <set>
 #include <unordered_map>
-#include <vector>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -3314,8 +3435,6 @@ MEMBOUND_NAMESPACE_END
 //
 //   synchronized<budget_allocator<caching_allocator<>>> shared(limit);
 
-#include <mutex>
-
 MEMBOUND_NAMESPACE_BEGIN
 
 template <typename Upstream>
@@ -3961,4 +4080,919 @@ using get_policy = typename Set::template get<Kind>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/policy/policy_set.hpp ----
+
+// ---- begin membound/layers/attention_shape.hpp ----
+// The sizes of one attention layer call, shared by the front end (layers/attention.hpp) and the
+// CPU kernels (backend/cpu/attention_cpu.hpp).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct attention_shape {
+  std::size_t batch = 1;     // B
+  std::size_t seq = 1;       // T (step ignores it: the cache holds the positions)
+  std::size_t d_model = 0;   // C
+  std::size_t heads = 0;     // H, query heads
+  std::size_t kv_heads = 0;  // Hkv, divides H: head h reads kv head h / (H / Hkv)
+  std::size_t head_dim = 0;  // D, a multiple of 8 up to 256
+  bool causal = true;
+  double rope_base = 10000.0;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/attention_shape.hpp ----
+// ---- begin membound/backend/cpu/attention_cpu.hpp ----
+// CPU kernels of the attention layer: projections, RoPE, and the flash-style tiled forward and
+// backward. Everything here works in the accumulator type A on buffers the front end
+// (layers/attention.hpp) has already carved and converted; nothing allocates except Eigen's own
+// GEMM packing buffers. Each parallel task writes a disjoint region and computes it in a fixed
+// order, so results do not depend on the thread count.
+//
+// Layouts (row-major): x [B·T, C]; q [B·T, H·D] and k, v [B·T, Hkv·D] after projection, so head
+// h of token t is the D-wide slice at column h·D of row b·T + t (tiles are strided Eigen maps:
+// no transposition copies); lse and the backward's row sums Δ are [B, H, T].
+
+#include <cmath>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+template <typename A>
+using row_matrix = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename A>
+using strided_map = Eigen::Map<row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename A>
+using const_strided_map = Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+template <typename A>
+strided_map<A> view(A* p, std::size_t rows, std::size_t cols, std::size_t stride) {
+  return strided_map<A>(p, static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols),
+                        Eigen::OuterStride<>(static_cast<Eigen::Index>(stride)));
+}
+template <typename A>
+const_strided_map<A> cview(const A* p, std::size_t rows, std::size_t cols, std::size_t stride) {
+  return const_strided_map<A>(p, static_cast<Eigen::Index>(rows),
+                              static_cast<Eigen::Index>(cols),
+                              Eigen::OuterStride<>(static_cast<Eigen::Index>(stride)));
+}
+
+// Rows per parallel task in the projections: large enough for Eigen's GEMM to be efficient.
+inline constexpr std::size_t row_block = 64;
+
+constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
+  return (n + block - 1) / block;
+}
+
+// Accumulator elements of per-thread scratch.
+constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
+                                      std::size_t head_dim) noexcept {
+  return q_tile * kv_tile + q_tile * head_dim + 2 * q_tile;  // S/P, O accumulator, m, l
+}
+constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
+  return 2 * q_tile * kv_tile;  // S/P and dP/dS
+}
+
+template <typename A, typename S>
+void widen(const S* src, std::size_t n, A* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = to_accum<A>(src[i]);
+}
+template <typename S, typename A>
+void narrow(const A* src, std::size_t n, S* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(src[i]);
+}
+// dst += src with one rounding per element (gradients are accumulated by contract).
+template <typename S, typename A>
+void narrow_add(const A* src, std::size_t n, S* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + src[i]);
+}
+
+// y[N, M] (+)= x[N, K] · w[K, M]
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
+    auto Y = view(y + r0 * M, r, M, M);
+    const auto X = cview(x + r0 * K, r, K, K);
+    const auto W = cview(w, K, M, M);
+    if (accumulate) {
+      Y.noalias() += X * W;
+    } else {
+      Y.noalias() = X * W;
+    }
+  });
+}
+
+// y[N, M] (+)= x[N, K] · w[M, K]ᵀ   (input gradients: dx = dq · Wqᵀ)
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
+    auto Y = view(y + r0 * M, r, M, M);
+    const auto X = cview(x + r0 * K, r, K, K);
+    const auto W = cview(w, M, K, K);
+    if (accumulate) {
+      Y.noalias() += X * W.transpose();
+    } else {
+      Y.noalias() = X * W.transpose();
+    }
+  });
+}
+
+// g[K, M] (+)= x[N, K]ᵀ · d[N, M]   (weight gradients), in blocks of rows of g.
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  pool.parallel_for(blocks(K, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t c0 = blk * row_block, r = std::min(row_block, K - c0);
+    auto G = view(g + c0 * M, r, M, M);
+    const auto X = cview(x + c0, N, r, K);
+    const auto Dm = cview(d, N, M, M);
+    if (accumulate) {
+      G.noalias() += X.transpose() * Dm;
+    } else {
+      G.noalias() = X.transpose() * Dm;
+    }
+  });
+}
+
+// RoPE (rotate-half) in place on every D-wide head of rows [N, heads·D]; row n is token n % T,
+// at position n % T + position0. inverse rotates by -angle (the transpose, for gradients).
+// Angles are computed in double as the reference does, then applied in A.
+template <typename A>
+void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
+               std::size_t D, double base, std::size_t position0, bool inverse) {
+  const std::size_t half = D / 2, width = heads * D;
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      const double position = static_cast<double>(n % T + position0);
+      A* row = x + n * width;
+      for (std::size_t i = 0; i < half; ++i) {
+        const double inv_freq =
+            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+        const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
+        const A c = static_cast<A>(std::cos(angle)), s = static_cast<A>(std::sin(angle));
+        for (std::size_t h = 0; h < heads; ++h) {
+          A* head = row + h * D;
+          const A x1 = head[i], x2 = head[i + half];
+          head[i] = x1 * c - x2 * s;
+          head[i + half] = x2 * c + x1 * s;
+        }
+      }
+    }
+  });
+}
+
+// Flash forward: o [B·T, H·D] and lse [B, H, T] from rotated q, k and v. One task per
+// (b, h, query tile); key tiles entirely above the diagonal are skipped when causal, and the
+// diagonal tile is masked. Online softmax: running max m, running sum l, rescaled accumulator.
+template <typename A>
+void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
+                   const A* q, const A* k, const A* v, A* o, A* lse, A* scratch) {
+  const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv, nq = blocks(T, qt);
+  const std::size_t per = forward_scratch(qt, kt, D);
+  const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
+    const std::size_t g = h / group, ni = std::min(qt, T - i0);
+    A* s_buf = scratch + thread * per;
+    auto acc = view(s_buf + qt * kt, ni, D, D);
+    A* m = s_buf + qt * kt + qt * D;
+    A* l = m + qt;
+    const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+    acc.setZero();
+    std::fill(m, m + ni, neg_inf);
+    std::fill(l, l + ni, A(0));
+    // Keys past the tile's last query are masked for every row: the loop stops there.
+    const std::size_t kv_end = sh.causal ? i0 + ni : T;
+    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+      const std::size_t nk = std::min(kt, kv_end - j0);
+      const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+      const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+      auto St = view(s_buf, ni, nk, nk);
+      St.noalias() = Q * K.transpose();
+      St *= scale;
+      if (sh.causal && j0 + nk > i0 + 1) {  // the tile crosses the diagonal
+        for (std::size_t r = 0; r < ni; ++r)
+          for (std::size_t c = (i0 + r >= j0 ? i0 + r - j0 + 1 : 0); c < nk; ++c)
+            St(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(c)) = neg_inf;
+      }
+      for (std::size_t r = 0; r < ni; ++r) {
+        const auto ri = static_cast<Eigen::Index>(r);
+        // Tile 0 holds key 0, which no query masks, so m is finite from the first tile on.
+        const A mn = std::max(m[r], St.row(ri).maxCoeff());
+        const A alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first tile
+        A sum = 0;
+        for (std::size_t c = 0; c < nk; ++c) {
+          A& e = St(ri, static_cast<Eigen::Index>(c));
+          e = std::exp(e - mn);
+          sum += e;
+        }
+        l[r] = l[r] * alpha + sum;
+        acc.row(ri) *= alpha;
+        m[r] = mn;
+      }
+      acc.noalias() += St * V;
+    }
+    auto O = view(o + (b * T + i0) * HD + h * D, ni, D, HD);
+    A* lse_row = lse + (b * H + h) * T + i0;
+    for (std::size_t r = 0; r < ni; ++r) {
+      const auto ri = static_cast<Eigen::Index>(r);
+      O.row(ri) = acc.row(ri) / l[r];
+      lse_row[r] = m[r] + std::log(l[r]);
+    }
+  });
+}
+
+// Δ[b, h, t] = Σ_d dO[b·T + t, h·D + d] · O[b·T + t, h·D + d]
+template <typename A>
+void row_dot(thread_pool& pool, const attention_shape& sh, const A* d_out, const A* o, A* delta) {
+  const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, D = sh.head_dim, HD = H * D;
+  pool.parallel_for(blocks(B * T, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(B * T, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      const std::size_t b = n / T, t = n % T;
+      for (std::size_t h = 0; h < H; ++h) {
+        A s = 0;
+        for (std::size_t d = 0; d < D; ++d) s += d_out[n * HD + h * D + d] * o[n * HD + h * D + d];
+        delta[(b * H + h) * T + t] = s;
+      }
+    }
+  });
+}
+
+// P = exp(S - lse) over a (query tile, key tile), 0 where masked; S recomputed from q and k.
+template <typename A, typename QMap, typename KMap, typename PMap>
+void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
+                 std::size_t i0, std::size_t j0) {
+  P.noalias() = Q * K.transpose();
+  for (Eigen::Index r = 0; r < P.rows(); ++r)
+    for (Eigen::Index c = 0; c < P.cols(); ++c) {
+      const bool masked = causal && j0 + static_cast<std::size_t>(c) > i0 + static_cast<std::size_t>(r);
+      P(r, c) = masked ? A(0) : std::exp(P(r, c) * scale - lse_row[r]);
+    }
+}
+
+// FlashAttention-2 backward in two race-free passes (Δ precomputed by row_dot):
+//   pass 1, one task per (b, kv head, key tile): dV_j = Σ Pᵀ dO, dK_j = Σ dSᵀ Q / √D over the
+//           query heads of the kv head (GQA sum) and the query tiles at or below the diagonal;
+//   pass 2, one task per (b, h, query tile): dQ_i = Σ dS K / √D over the key tiles.
+// dq [B·T, H·D], dk and dv [B·T, Hkv·D] are written (=), with respect to rotated q and k.
+template <typename A>
+void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
+                    const A* q, const A* k, const A* v, const A* d_out, const A* lse,
+                    const A* delta, A* dq, A* dk, A* dv, A* scratch) {
+  const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv;
+  const std::size_t nq = blocks(T, qt), nkv = blocks(T, kt), per = backward_scratch(qt, kt);
+  const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+
+  pool.parallel_for(B * Hkv * nkv, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / (Hkv * nkv), g = (task / nkv) % Hkv, j0 = (task % nkv) * kt;
+    const std::size_t nk = std::min(kt, T - j0);
+    A* s_buf = scratch + thread * per;
+    auto dK = view(dk + (b * T + j0) * KD + g * D, nk, D, KD);
+    auto dV = view(dv + (b * T + j0) * KD + g * D, nk, D, KD);
+    dK.setZero();
+    dV.setZero();
+    const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+    const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+    const std::size_t i_first = sh.causal ? (j0 / qt) * qt : 0;  // earlier queries see no key here
+    for (std::size_t h = g * group; h < (g + 1) * group; ++h) {
+      for (std::size_t i0 = i_first; i0 < T; i0 += qt) {
+        const std::size_t ni = std::min(qt, T - i0);
+        const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+        const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
+        auto P = view(s_buf, ni, nk, nk);
+        auto dS = view(s_buf + qt * kt, ni, nk, nk);
+        recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0);
+        dV.noalias() += P.transpose() * dO;
+        dS.noalias() = dO * V.transpose();  // dP
+        const A* delta_row = delta + (b * H + h) * T + i0;
+        for (Eigen::Index r = 0; r < dS.rows(); ++r)
+          for (Eigen::Index c = 0; c < dS.cols(); ++c)
+            dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
+        dK.noalias() += scale * (dS.transpose() * Q);
+      }
+    }
+  });
+
+  pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
+    const std::size_t g = h / group, ni = std::min(qt, T - i0);
+    A* s_buf = scratch + thread * per;
+    auto dQ = view(dq + (b * T + i0) * HD + h * D, ni, D, HD);
+    dQ.setZero();
+    const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+    const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
+    const A* lse_row = lse + (b * H + h) * T + i0;
+    const A* delta_row = delta + (b * H + h) * T + i0;
+    const std::size_t kv_end = sh.causal ? i0 + ni : T;
+    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+      const std::size_t nk = std::min(kt, kv_end - j0);
+      const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+      const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+      auto P = view(s_buf, ni, nk, nk);
+      auto dS = view(s_buf + qt * kt, ni, nk, nk);
+      recompute_p(Q, K, P, scale, lse_row, sh.causal, i0, j0);
+      dS.noalias() = dO * V.transpose();
+      for (Eigen::Index r = 0; r < dS.rows(); ++r)
+        for (Eigen::Index c = 0; c < dS.cols(); ++c)
+          dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
+      dQ.noalias() += scale * (dS * K);
+    }
+  });
+}
+
+// One decoding position per sequence: o [B, H·D] from rotated q [B, H·D] against the cache's
+// first `len` rotated keys and values ([B, Hkv, max_len, D] in storage S). One task per (b, h).
+template <typename A, typename S>
+void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_len,
+                  std::size_t len, const A* q, const S* cache_k, const S* cache_v, A* o,
+                  A* scratch) {
+  const std::size_t B = sh.batch, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const std::size_t HD = H * D, group = H / Hkv;
+  const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+  pool.parallel_for(B * H, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / H, h = task % H, g = h / group;
+    A* s = scratch + thread * max_len;
+    const A* qh = q + b * HD + h * D;
+    const S* kc = cache_k + (b * Hkv + g) * max_len * D;
+    const S* vc = cache_v + (b * Hkv + g) * max_len * D;
+    A m = -std::numeric_limits<A>::infinity();
+    for (std::size_t j = 0; j < len; ++j) {
+      A dot = 0;
+      for (std::size_t d = 0; d < D; ++d) dot += qh[d] * to_accum<A>(kc[j * D + d]);
+      s[j] = dot * scale;
+      m = std::max(m, s[j]);
+    }
+    A sum = 0;
+    for (std::size_t j = 0; j < len; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    A* oh = o + b * HD + h * D;
+    std::fill(oh, oh + D, A(0));
+    for (std::size_t j = 0; j < len; ++j) {
+      const A p = s[j] / sum;
+      for (std::size_t d = 0; d < D; ++d) oh[d] += p * to_accum<A>(vc[j * D + d]);
+    }
+  });
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/attention_cpu.hpp ----
+// ---- begin membound/layers/attention.hpp ----
+// The attention layer: causal or bidirectional multi-head attention with GQA/MQA and RoPE, whose
+// memory is known before it runs. Semantics are those of tests/support/attention_reference.hpp:
+//   q = x·Wq, k = x·Wk, v = x·Wv (W is [in, out], row-major), RoPE rotate-half on q and k at
+//   position t, head h reads kv head h / (H / Hkv), S = q·kᵀ/√D, P = softmax (causal mask),
+//   o = P·v with heads concatenated, y = o·Wo; lse is the natural-log logsumexp of S's rows.
+//
+//   using attn = membound::attention<membound::bf16_precision>;
+//   attn::check(shape);                                          // throws, naming the argument
+//   std::size_t saved = attn::saved_bytes(shape);                // kept from forward for backward
+//   std::size_t fws = attn::forward_workspace_bytes(shape, pool.size());
+//   attn::forward(shape, w, x, y, saved_buf, saved, ws, fws, pool);
+//   attn::backward(shape, w, x, saved_buf, saved, dy, dx, grads, ws, bws, pool);
+//
+// Forward keeps only O ([B, T, H·D], storage) and lse ([B, H, T], accumulator); backward
+// recomputes q, k, v from x and every score tile from q, k and lse, so no T×T matrix ever
+// exists and every buffer grows linearly in T. Nothing allocates: all scratch is carved from
+// the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
+// sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// can_implement's answer: which argument fails, what it expected and what it got. Never throws.
+struct attention_support {
+  bool ok = true;
+  const char* argument = "";
+  const char* expected = "";
+  double actual = 0.0;
+  constexpr explicit operator bool() const noexcept { return ok; }
+};
+
+namespace detail {
+
+constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
+  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                         : a + b;
+}
+
+// Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
+// them instead (a request no budget serves) so that they can stay noexcept.
+inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
+
+template <std::size_t N>
+constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
+  for (std::size_t b : bytes)
+    if (b >= huge_slot) return false;
+  return true;
+}
+
+}  // namespace detail
+
+template <typename... Policies>
+class attention {
+ public:
+  using policies = policy_set<type_list<fp32_precision, attention_tiles<64, 64>>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using tiles = get_policy<policies, chunking_kind>;
+  static_assert(is_attention_tiles_v<tiles>,
+                "membound: attention takes attention_tiles<QTile, KVTile> as its chunking policy "
+                "(scan_chunk and ttt_mini_batch belong to Mamba and TTT).");
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;  // bf16/fp16: convert to A first
+  static constexpr std::size_t qt = tiles::q_tile, kt = tiles::kv_tile;
+
+ public:
+  // ---- Checks --------------------------------------------------------------------------------
+  static constexpr attention_support can_implement(const attention_shape& s) noexcept {
+    auto no = [](const char* arg, const char* expected, double actual) {
+      return attention_support{false, arg, expected, actual};
+    };
+    const auto d = [](std::size_t v) { return static_cast<double>(v); };
+    if (s.batch == 0) return no("shape.batch", "at least 1", 0.0);
+    if (s.seq == 0) return no("shape.seq", "at least 1", 0.0);
+    if (s.d_model == 0) return no("shape.d_model", "at least 1", 0.0);
+    if (s.heads == 0) return no("shape.heads", "at least 1", 0.0);
+    if (s.kv_heads == 0) return no("shape.kv_heads", "at least 1", 0.0);
+    if (s.head_dim == 0 || s.head_dim % 8 != 0 || s.head_dim > 256) {
+      return no("shape.head_dim", "a multiple of 8 up to 256", d(s.head_dim));
+    }
+    if (s.heads % s.kv_heads != 0) {
+      return no("shape.kv_heads", "a divisor of shape.heads", d(s.kv_heads));
+    }
+    // NaN fails the first comparison, +inf the second.
+    if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
+      return no("shape.rope_base", "a finite value above 0", s.rope_base);
+    }
+    return {};
+  }
+
+  static void check(const attention_shape& s) {
+    const attention_support r = can_implement(s);
+    if (!r.ok) {
+      const bool integral = std::string(r.argument) != "shape.rope_base";
+      throw invalid_argument(r.argument, r.expected,
+                             integral ? std::to_string(static_cast<std::size_t>(r.actual))
+                                      : std::to_string(r.actual),
+                             "Fix the attention_shape before sizing or running the layer");
+    }
+  }
+
+  // ---- Memory known before running ------------------------------------------------------------
+  static constexpr std::size_t weight_elements(const attention_shape& s) noexcept {
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model;
+  }
+
+  // O ([B, T, H·D], storage) and lse ([B, H, T], accumulator: fp64 keeps a double lse so that
+  // backward recomputes P to fp64 accuracy).
+  static constexpr std::size_t saved_bytes(const attention_shape& s) noexcept {
+    const std::size_t b[] = {o_bytes(s), lse_bytes(s)};
+    return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
+                                                       std::size_t threads) noexcept {
+    const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
+                             bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
+                             y_acc_bytes(s)};
+    return detail::fits_layout(b) ? forward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
+                                                        std::size_t threads) noexcept {
+    const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
+                             bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
+                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim)};
+    return detail::fits_layout(b) ? backward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+  // Rotated keys then values, each [B, Hkv, max_len, D] in storage_type.
+  static constexpr std::size_t kv_cache_bytes(const attention_shape& s,
+                                              std::size_t max_len) noexcept {
+    const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, max_len, s.head_dim);
+    return detail::sat_add(half, half);
+  }
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) noexcept {
+    const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
+                             bytes_of<A>(s.batch, s.heads, s.head_dim)};
+    return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+
+  struct weights {
+    const S* wq;  // [C, H·D]
+    const S* wk;  // [C, Hkv·D]
+    const S* wv;  // [C, Hkv·D]
+    const S* wo;  // [H·D, C]
+  };
+  struct gradients {  // accumulated (+=): the caller zeroes them
+    S* wq;
+    S* wk;
+    S* wv;
+    S* wo;
+  };
+
+  // A KV cache over the caller's bytes (kv_cache_bytes(shape, max_len) of them, aligned to
+  // storage_type): rotated keys [B, Hkv, max_len, D], then values. `length` positions are
+  // filled; the next step runs at position `length`. Reset by setting length = 0.
+  struct kv_cache {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    std::size_t max_len = 0;
+    std::size_t length = 0;
+
+    S* keys() const noexcept { return static_cast<S*>(data); }
+    S* values(std::size_t half_elements) const noexcept { return keys() + half_elements; }
+  };
+
+  static kv_cache make_kv_cache(const attention_shape& s, void* data, std::size_t bytes,
+                                std::size_t max_len) {
+    check(s);
+    if (max_len == 0) {
+      throw invalid_argument("max_len", "at least 1", "0",
+                             "A cache holds at least the position being generated");
+    }
+    const std::size_t need = kv_cache_bytes(s, max_len);
+    if (data == nullptr || bytes < need) {
+      throw workspace_too_small("cache", need, data == nullptr ? 0 : bytes);
+    }
+    check_aligned(data, alignof(S), "cache");
+    return kv_cache{data, bytes, max_len, 0};
+  }
+
+  // Where forward put lse ([B, H, T], accum_type) inside `saved`: for tests and diagnostics.
+  static const A* saved_lse(const attention_shape& s, const void* saved) {
+    return static_cast<const A*>(static_cast<const void*>(static_cast<const std::byte*>(saved) +
+                                                          saved_layout(s).offset(s_lse)));
+  }
+
+  // ---- Forward -------------------------------------------------------------------------------
+  static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
+                      std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                      thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    not_null(x, "x");
+    not_null(y, "y");
+    const std::size_t threads = pool.size();
+    const auto sv = carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
+                                workspace, workspace_size, "workspace");
+    // Nothing below throws: every output is written after every check.
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    A* q = ws.template get<A>(f_q);
+    A* k = ws.template get<A>(f_k);
+    A* v = ws.template get<A>(f_v);
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
+    cpu::rope_rows(pool, q, N, T, s.heads, s.head_dim, s.rope_base, 0, false);
+    cpu::rope_rows(pool, k, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+
+    S* o_saved = sv.template get<S>(s_o);
+    A* o = accum_target(o_saved, ws.template get<A>(f_o));
+    cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
+                       ws.template get<A>(f_scratch));
+    if constexpr (widened) cpu::narrow(o, N * HD, o_saved);
+
+    A* ya = accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
+    if constexpr (widened) cpu::narrow(ya, N * C, y);
+  }
+
+  // ---- Backward ------------------------------------------------------------------------------
+  static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    not_null(x, "x");
+    not_null(dy, "dy");
+    not_null(dx, "dx");
+    not_null(g.wq, "gradients.wq");
+    not_null(g.wk, "gradients.wk");
+    not_null(g.wv, "gradients.wv");
+    not_null(g.wo, "gradients.wo");
+    const std::size_t threads = pool.size();
+    const auto sv = carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                saved_size, "saved");
+    const auto ws = carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
+                                workspace, workspace_size, "workspace");
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+
+    // Phase 0: recompute q, k, v; dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
+    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    A* q = ws.template get<A>(b_q);
+    A* k = ws.template get<A>(b_k);
+    A* v = ws.template get<A>(b_v);
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
+    cpu::rope_rows(pool, q, N, T, s.heads, s.head_dim, s.rope_base, 0, false);
+    cpu::rope_rows(pool, k, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+    const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
+                                ws.template get<A>(b_o));
+    const A* lse = sv.template get<A>(s_lse);
+    A* d_out = ws.template get<A>(b_dout);
+    A* delta = ws.template get<A>(b_delta);
+    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false);
+    cpu::row_dot(pool, s, static_cast<const A*>(d_out), o, delta);
+
+    // Phase 1: the tiled attention backward.
+    A* dq = ws.template get<A>(b_dq);
+    A* dk = ws.template get<A>(b_dk);
+    A* dv = ws.template get<A>(b_dv);
+    cpu::flash_backward(pool, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
+                        static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
+                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch));
+
+    // Phase 2: undo RoPE (its transpose) and the weight gradients.
+    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, s.rope_base, 0, true);
+    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, true);
+    A* tmp = ws.template get<A>(b_dw);
+    weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
+    weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
+    weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
+    weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
+
+    // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
+    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false);
+    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
+    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+  }
+
+  // ---- Decoding ------------------------------------------------------------------------------
+  // One causal position per sequence: x_t [B, C] -> y_t [B, C] at position cache.length, whose
+  // rotated key and value are appended to the cache. shape.seq is ignored. Checks everything
+  // (including room in the cache) before touching the cache or y_t.
+  static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
+                   S* y_t, void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    if (!s.causal) {
+      throw invalid_argument("shape.causal", "true", "false",
+                             "Single-step decoding reproduces only causal attention");
+    }
+    check_weights(w);
+    not_null(x_t, "x_t");
+    not_null(y_t, "y_t");
+    const std::size_t L = cache.max_len;
+    if (L == 0 || cache.data == nullptr || cache.bytes < kv_cache_bytes(s, L)) {
+      throw workspace_too_small("cache", kv_cache_bytes(s, L),
+                                cache.data == nullptr ? 0 : cache.bytes);
+    }
+    check_aligned(cache.data, alignof(S), "cache");
+    if (cache.length >= L) {
+      throw invalid_argument("cache", "room for one more position (max_len " + std::to_string(L) + ")",
+                             "length " + std::to_string(cache.length),
+                             "Make the cache with a larger max_len");
+    }
+    const std::size_t threads = pool.size();
+    const auto ws = carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
+                                workspace, workspace_size, "workspace");
+    const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
+    const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
+
+    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
+    A* q = ws.template get<A>(st_q);
+    A* k = ws.template get<A>(st_k);
+    A* v = ws.template get<A>(st_v);
+    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false);
+    cpu::rope_rows(pool, q, B, 1, s.heads, D, s.rope_base, t, false);
+    cpu::rope_rows(pool, k, B, 1, Hkv, D, s.rope_base, t, false);
+    const std::size_t half = B * Hkv * L * D;
+    S* ck = cache.keys();
+    S* cv = cache.values(half);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t g = 0; g < Hkv; ++g)
+        for (std::size_t d = 0; d < D; ++d) {
+          ck[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
+          cv[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
+        }
+    cache.length = t + 1;
+    A* o = ws.template get<A>(st_o);
+    cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
+                      static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
+    A* ya = accum_target(y_t, ws.template get<A>(st_y));
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+  }
+
+ private:
+  // ---- Layouts (shared by the size functions and the carving) ----------------------------------
+  static constexpr std::size_t o_bytes(const attention_shape& s) noexcept {
+    return bytes_of<S>(s.batch, s.seq, s.heads, s.head_dim);
+  }
+  static constexpr std::size_t lse_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.heads, s.seq);
+  }
+  static constexpr std::size_t q_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.heads, s.head_dim);
+  }
+  static constexpr std::size_t kv_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.kv_heads, s.head_dim);
+  }
+  // Accumulator copies that only bf16/fp16 storage needs (fp32/fp64 read the caller's buffers).
+  static constexpr std::size_t x_acc_bytes(const attention_shape& s) noexcept {
+    return widened ? bytes_of<A>(s.batch, s.seq, s.d_model) : 0;
+  }
+  static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
+    return widened ? bytes_of<A>(weight_elements(s)) : 0;
+  }
+  static constexpr std::size_t y_acc_bytes(const attention_shape& s) noexcept {
+    return x_acc_bytes(s);
+  }
+  static constexpr std::size_t o_acc_bytes(const attention_shape& s) noexcept {
+    return widened ? q_bytes(s) : 0;
+  }
+
+  enum saved_slot : std::size_t { s_o, s_lse };
+  static constexpr workspace_layout<2> saved_layout(const attention_shape& s) {
+    workspace_layout<2> l;
+    l.add(o_bytes(s));
+    l.add(lse_bytes(s));
+    return l;
+  }
+
+  // Phases: 0 projections, 1 tiled attention, 2 output projection.
+  enum forward_slot : std::size_t { f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y };
+  static constexpr workspace_layout<8> forward_layout(const attention_shape& s,
+                                                      std::size_t threads) {
+    workspace_layout<8> l;
+    l.add(x_acc_bytes(s), default_alignment, {0, 0});
+    l.add(w_acc_bytes(s), default_alignment, {0, 2});
+    l.add(q_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)), default_alignment,
+          {1, 1});
+    l.add(o_acc_bytes(s), default_alignment, {1, 2});
+    l.add(y_acc_bytes(s), default_alignment, {2, 2});
+    return l;
+  }
+
+  // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
+  // 3 dx.
+  enum backward_slot : std::size_t {
+    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx
+  };
+  static constexpr workspace_layout<16> backward_layout(const attention_shape& s,
+                                                        std::size_t threads) {
+    workspace_layout<16> l;
+    l.add(x_acc_bytes(s), default_alignment, {0, 2});
+    l.add(w_acc_bytes(s), default_alignment, {0, 3});
+    l.add(q_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(y_acc_bytes(s), default_alignment, {0, 2});  // dy
+    l.add(o_acc_bytes(s), default_alignment, {0, 2});
+    l.add(q_bytes(s), default_alignment, {0, 1});  // dO
+    l.add(lse_bytes(s), default_alignment, {0, 1});  // Δ
+    l.add(q_bytes(s), default_alignment, {1, 3});
+    l.add(kv_bytes(s), default_alignment, {1, 3});
+    l.add(kv_bytes(s), default_alignment, {1, 3});
+    l.add(bytes_of<A>(threads, cpu::backward_scratch(qt, kt)), default_alignment, {1, 1});
+    // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
+    l.add(widened ? bytes_of<A>(s.d_model, s.heads * s.head_dim) : 0, default_alignment, {2, 2});
+    l.add(x_acc_bytes(s), default_alignment, {3, 3});  // dx
+    return l;
+  }
+
+  // Phases: 0 projections, 1 attention over the cache, 2 output projection.
+  enum step_slot : std::size_t { st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y };
+  static constexpr workspace_layout<8> step_layout(const attention_shape& s, std::size_t max_len,
+                                                   std::size_t threads) {
+    workspace_layout<8> l;
+    l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {0, 0});
+    l.add(w_acc_bytes(s), default_alignment, {0, 2});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
+    l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {2, 2});
+    return l;
+  }
+
+  // ---- Helpers -------------------------------------------------------------------------------
+  template <typename P>
+  static void not_null(const P* p, const char* name) {
+    if (p == nullptr) {
+      throw invalid_argument(name, "a non-null pointer", "nullptr",
+                             "Pass the buffer (see the layer's header for its shape)");
+    }
+  }
+  static void check_weights(const weights& w) {
+    not_null(w.wq, "weights.wq");
+    not_null(w.wk, "weights.wk");
+    not_null(w.wv, "weights.wv");
+    not_null(w.wo, "weights.wo");
+  }
+  static void check_aligned(const void* p, std::size_t alignment, const char* name) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    if (addr % alignment != 0) {
+      throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
+                             "an address " + std::to_string(addr % alignment) +
+                                 " bytes past such a boundary",
+                             "Allocate it with at least that alignment");
+    }
+  }
+  // carve, but the errors name `name` (saved or workspace).
+  template <std::size_t N>
+  static workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need,
+                                       void* base, std::size_t bytes, const char* name) {
+    if (need != 0 && (base == nullptr || bytes < need)) {
+      throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
+    }
+    check_aligned(base, layout.alignment(), name);
+    return carve(layout, base, bytes);
+  }
+
+  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
+    if constexpr (widened) {
+      cpu::widen(src, n, slot);
+      return slot;
+    } else {
+      (void)n;
+      (void)slot;
+      return src;
+    }
+  }
+
+  // Where a result is computed in A: the caller's buffer itself when it already holds A
+  // (fp32/fp64), else the workspace slot that is rounded into it afterwards.
+  static A* accum_target(S* caller, A* slot) {
+    if constexpr (widened) {
+      (void)caller;
+      return slot;
+    } else {
+      (void)slot;
+      return caller;
+    }
+  }
+
+  struct wptrs {
+    const A *q, *k, *v, *o;
+  };
+  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot) {
+    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    if constexpr (widened) {
+      A* q = slot;
+      A* k = q + C * HD;
+      A* v = k + C * KD;
+      A* o = v + C * KD;
+      cpu::widen(w.wq, C * HD, q);
+      cpu::widen(w.wk, C * KD, k);
+      cpu::widen(w.wv, C * KD, v);
+      cpu::widen(w.wo, HD * C, o);
+      return {q, k, v, o};
+    } else {
+      (void)slot;
+      (void)C;
+      (void)HD;
+      (void)KD;
+      return {w.wq, w.wk, w.wv, w.wo};
+    }
+  }
+
+  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
+  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                          std::size_t K, std::size_t M) {
+    if constexpr (widened) {
+      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
+      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
+    } else {
+      cpu::matmul_at(pool, x, d, accum_target(g, tmp), N, K, M, true);
+    }
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/attention.hpp ----
 // ---- end membound/membound.hpp ----

@@ -1,0 +1,355 @@
+// CPU kernels of the attention layer: projections, RoPE, and the flash-style tiled forward and
+// backward. Everything here works in the accumulator type A on buffers the front end
+// (layers/attention.hpp) has already carved and converted; nothing allocates except Eigen's own
+// GEMM packing buffers. Each parallel task writes a disjoint region and computes it in a fixed
+// order, so results do not depend on the thread count.
+//
+// Layouts (row-major): x [B·T, C]; q [B·T, H·D] and k, v [B·T, Hkv·D] after projection, so head
+// h of token t is the D-wide slice at column h·D of row b·T + t (tiles are strided Eigen maps:
+// no transposition copies); lse and the backward's row sums Δ are [B, H, T].
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/parallel.hpp"
+#include "membound/layers/attention_shape.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+template <typename A>
+using row_matrix = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename A>
+using strided_map = Eigen::Map<row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename A>
+using const_strided_map = Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+template <typename A>
+strided_map<A> view(A* p, std::size_t rows, std::size_t cols, std::size_t stride) {
+  return strided_map<A>(p, static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols),
+                        Eigen::OuterStride<>(static_cast<Eigen::Index>(stride)));
+}
+template <typename A>
+const_strided_map<A> cview(const A* p, std::size_t rows, std::size_t cols, std::size_t stride) {
+  return const_strided_map<A>(p, static_cast<Eigen::Index>(rows),
+                              static_cast<Eigen::Index>(cols),
+                              Eigen::OuterStride<>(static_cast<Eigen::Index>(stride)));
+}
+
+// Rows per parallel task in the projections: large enough for Eigen's GEMM to be efficient.
+inline constexpr std::size_t row_block = 64;
+
+constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
+  return (n + block - 1) / block;
+}
+
+// Accumulator elements of per-thread scratch.
+constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
+                                      std::size_t head_dim) noexcept {
+  return q_tile * kv_tile + q_tile * head_dim + 2 * q_tile;  // S/P, O accumulator, m, l
+}
+constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
+  return 2 * q_tile * kv_tile;  // S/P and dP/dS
+}
+
+template <typename A, typename S>
+void widen(const S* src, std::size_t n, A* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = to_accum<A>(src[i]);
+}
+template <typename S, typename A>
+void narrow(const A* src, std::size_t n, S* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(src[i]);
+}
+// dst += src with one rounding per element (gradients are accumulated by contract).
+template <typename S, typename A>
+void narrow_add(const A* src, std::size_t n, S* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + src[i]);
+}
+
+// y[N, M] (+)= x[N, K] · w[K, M]
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
+    auto Y = view(y + r0 * M, r, M, M);
+    const auto X = cview(x + r0 * K, r, K, K);
+    const auto W = cview(w, K, M, M);
+    if (accumulate) {
+      Y.noalias() += X * W;
+    } else {
+      Y.noalias() = X * W;
+    }
+  });
+}
+
+// y[N, M] (+)= x[N, K] · w[M, K]ᵀ   (input gradients: dx = dq · Wqᵀ)
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
+    auto Y = view(y + r0 * M, r, M, M);
+    const auto X = cview(x + r0 * K, r, K, K);
+    const auto W = cview(w, M, K, K);
+    if (accumulate) {
+      Y.noalias() += X * W.transpose();
+    } else {
+      Y.noalias() = X * W.transpose();
+    }
+  });
+}
+
+// g[K, M] (+)= x[N, K]ᵀ · d[N, M]   (weight gradients), in blocks of rows of g.
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  pool.parallel_for(blocks(K, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t c0 = blk * row_block, r = std::min(row_block, K - c0);
+    auto G = view(g + c0 * M, r, M, M);
+    const auto X = cview(x + c0, N, r, K);
+    const auto Dm = cview(d, N, M, M);
+    if (accumulate) {
+      G.noalias() += X.transpose() * Dm;
+    } else {
+      G.noalias() = X.transpose() * Dm;
+    }
+  });
+}
+
+// RoPE (rotate-half) in place on every D-wide head of rows [N, heads·D]; row n is token n % T,
+// at position n % T + position0. inverse rotates by -angle (the transpose, for gradients).
+// Angles are computed in double as the reference does, then applied in A.
+template <typename A>
+void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
+               std::size_t D, double base, std::size_t position0, bool inverse) {
+  const std::size_t half = D / 2, width = heads * D;
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      const double position = static_cast<double>(n % T + position0);
+      A* row = x + n * width;
+      for (std::size_t i = 0; i < half; ++i) {
+        const double inv_freq =
+            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+        const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
+        const A c = static_cast<A>(std::cos(angle)), s = static_cast<A>(std::sin(angle));
+        for (std::size_t h = 0; h < heads; ++h) {
+          A* head = row + h * D;
+          const A x1 = head[i], x2 = head[i + half];
+          head[i] = x1 * c - x2 * s;
+          head[i + half] = x2 * c + x1 * s;
+        }
+      }
+    }
+  });
+}
+
+// Flash forward: o [B·T, H·D] and lse [B, H, T] from rotated q, k and v. One task per
+// (b, h, query tile); key tiles entirely above the diagonal are skipped when causal, and the
+// diagonal tile is masked. Online softmax: running max m, running sum l, rescaled accumulator.
+template <typename A>
+void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
+                   const A* q, const A* k, const A* v, A* o, A* lse, A* scratch) {
+  const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv, nq = blocks(T, qt);
+  const std::size_t per = forward_scratch(qt, kt, D);
+  const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
+    const std::size_t g = h / group, ni = std::min(qt, T - i0);
+    A* s_buf = scratch + thread * per;
+    auto acc = view(s_buf + qt * kt, ni, D, D);
+    A* m = s_buf + qt * kt + qt * D;
+    A* l = m + qt;
+    const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+    acc.setZero();
+    std::fill(m, m + ni, neg_inf);
+    std::fill(l, l + ni, A(0));
+    // Keys past the tile's last query are masked for every row: the loop stops there.
+    const std::size_t kv_end = sh.causal ? i0 + ni : T;
+    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+      const std::size_t nk = std::min(kt, kv_end - j0);
+      const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+      const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+      auto St = view(s_buf, ni, nk, nk);
+      St.noalias() = Q * K.transpose();
+      St *= scale;
+      if (sh.causal && j0 + nk > i0 + 1) {  // the tile crosses the diagonal
+        for (std::size_t r = 0; r < ni; ++r)
+          for (std::size_t c = (i0 + r >= j0 ? i0 + r - j0 + 1 : 0); c < nk; ++c)
+            St(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(c)) = neg_inf;
+      }
+      for (std::size_t r = 0; r < ni; ++r) {
+        const auto ri = static_cast<Eigen::Index>(r);
+        // Tile 0 holds key 0, which no query masks, so m is finite from the first tile on.
+        const A mn = std::max(m[r], St.row(ri).maxCoeff());
+        const A alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first tile
+        A sum = 0;
+        for (std::size_t c = 0; c < nk; ++c) {
+          A& e = St(ri, static_cast<Eigen::Index>(c));
+          e = std::exp(e - mn);
+          sum += e;
+        }
+        l[r] = l[r] * alpha + sum;
+        acc.row(ri) *= alpha;
+        m[r] = mn;
+      }
+      acc.noalias() += St * V;
+    }
+    auto O = view(o + (b * T + i0) * HD + h * D, ni, D, HD);
+    A* lse_row = lse + (b * H + h) * T + i0;
+    for (std::size_t r = 0; r < ni; ++r) {
+      const auto ri = static_cast<Eigen::Index>(r);
+      O.row(ri) = acc.row(ri) / l[r];
+      lse_row[r] = m[r] + std::log(l[r]);
+    }
+  });
+}
+
+// Δ[b, h, t] = Σ_d dO[b·T + t, h·D + d] · O[b·T + t, h·D + d]
+template <typename A>
+void row_dot(thread_pool& pool, const attention_shape& sh, const A* d_out, const A* o, A* delta) {
+  const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, D = sh.head_dim, HD = H * D;
+  pool.parallel_for(blocks(B * T, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(B * T, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      const std::size_t b = n / T, t = n % T;
+      for (std::size_t h = 0; h < H; ++h) {
+        A s = 0;
+        for (std::size_t d = 0; d < D; ++d) s += d_out[n * HD + h * D + d] * o[n * HD + h * D + d];
+        delta[(b * H + h) * T + t] = s;
+      }
+    }
+  });
+}
+
+// P = exp(S - lse) over a (query tile, key tile), 0 where masked; S recomputed from q and k.
+template <typename A, typename QMap, typename KMap, typename PMap>
+void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
+                 std::size_t i0, std::size_t j0) {
+  P.noalias() = Q * K.transpose();
+  for (Eigen::Index r = 0; r < P.rows(); ++r)
+    for (Eigen::Index c = 0; c < P.cols(); ++c) {
+      const bool masked = causal && j0 + static_cast<std::size_t>(c) > i0 + static_cast<std::size_t>(r);
+      P(r, c) = masked ? A(0) : std::exp(P(r, c) * scale - lse_row[r]);
+    }
+}
+
+// FlashAttention-2 backward in two race-free passes (Δ precomputed by row_dot):
+//   pass 1, one task per (b, kv head, key tile): dV_j = Σ Pᵀ dO, dK_j = Σ dSᵀ Q / √D over the
+//           query heads of the kv head (GQA sum) and the query tiles at or below the diagonal;
+//   pass 2, one task per (b, h, query tile): dQ_i = Σ dS K / √D over the key tiles.
+// dq [B·T, H·D], dk and dv [B·T, Hkv·D] are written (=), with respect to rotated q and k.
+template <typename A>
+void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
+                    const A* q, const A* k, const A* v, const A* d_out, const A* lse,
+                    const A* delta, A* dq, A* dk, A* dv, A* scratch) {
+  const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv;
+  const std::size_t nq = blocks(T, qt), nkv = blocks(T, kt), per = backward_scratch(qt, kt);
+  const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+
+  pool.parallel_for(B * Hkv * nkv, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / (Hkv * nkv), g = (task / nkv) % Hkv, j0 = (task % nkv) * kt;
+    const std::size_t nk = std::min(kt, T - j0);
+    A* s_buf = scratch + thread * per;
+    auto dK = view(dk + (b * T + j0) * KD + g * D, nk, D, KD);
+    auto dV = view(dv + (b * T + j0) * KD + g * D, nk, D, KD);
+    dK.setZero();
+    dV.setZero();
+    const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+    const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+    const std::size_t i_first = sh.causal ? (j0 / qt) * qt : 0;  // earlier queries see no key here
+    for (std::size_t h = g * group; h < (g + 1) * group; ++h) {
+      for (std::size_t i0 = i_first; i0 < T; i0 += qt) {
+        const std::size_t ni = std::min(qt, T - i0);
+        const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+        const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
+        auto P = view(s_buf, ni, nk, nk);
+        auto dS = view(s_buf + qt * kt, ni, nk, nk);
+        recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0);
+        dV.noalias() += P.transpose() * dO;
+        dS.noalias() = dO * V.transpose();  // dP
+        const A* delta_row = delta + (b * H + h) * T + i0;
+        for (Eigen::Index r = 0; r < dS.rows(); ++r)
+          for (Eigen::Index c = 0; c < dS.cols(); ++c)
+            dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
+        dK.noalias() += scale * (dS.transpose() * Q);
+      }
+    }
+  });
+
+  pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
+    const std::size_t g = h / group, ni = std::min(qt, T - i0);
+    A* s_buf = scratch + thread * per;
+    auto dQ = view(dq + (b * T + i0) * HD + h * D, ni, D, HD);
+    dQ.setZero();
+    const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+    const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
+    const A* lse_row = lse + (b * H + h) * T + i0;
+    const A* delta_row = delta + (b * H + h) * T + i0;
+    const std::size_t kv_end = sh.causal ? i0 + ni : T;
+    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+      const std::size_t nk = std::min(kt, kv_end - j0);
+      const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+      const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+      auto P = view(s_buf, ni, nk, nk);
+      auto dS = view(s_buf + qt * kt, ni, nk, nk);
+      recompute_p(Q, K, P, scale, lse_row, sh.causal, i0, j0);
+      dS.noalias() = dO * V.transpose();
+      for (Eigen::Index r = 0; r < dS.rows(); ++r)
+        for (Eigen::Index c = 0; c < dS.cols(); ++c)
+          dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
+      dQ.noalias() += scale * (dS * K);
+    }
+  });
+}
+
+// One decoding position per sequence: o [B, H·D] from rotated q [B, H·D] against the cache's
+// first `len` rotated keys and values ([B, Hkv, max_len, D] in storage S). One task per (b, h).
+template <typename A, typename S>
+void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_len,
+                  std::size_t len, const A* q, const S* cache_k, const S* cache_v, A* o,
+                  A* scratch) {
+  const std::size_t B = sh.batch, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
+  const std::size_t HD = H * D, group = H / Hkv;
+  const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+  pool.parallel_for(B * H, [&](std::size_t task, std::size_t thread) {
+    const std::size_t b = task / H, h = task % H, g = h / group;
+    A* s = scratch + thread * max_len;
+    const A* qh = q + b * HD + h * D;
+    const S* kc = cache_k + (b * Hkv + g) * max_len * D;
+    const S* vc = cache_v + (b * Hkv + g) * max_len * D;
+    A m = -std::numeric_limits<A>::infinity();
+    for (std::size_t j = 0; j < len; ++j) {
+      A dot = 0;
+      for (std::size_t d = 0; d < D; ++d) dot += qh[d] * to_accum<A>(kc[j * D + d]);
+      s[j] = dot * scale;
+      m = std::max(m, s[j]);
+    }
+    A sum = 0;
+    for (std::size_t j = 0; j < len; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    A* oh = o + b * HD + h * D;
+    std::fill(oh, oh + D, A(0));
+    for (std::size_t j = 0; j < len; ++j) {
+      const A p = s[j] / sum;
+      for (std::size_t d = 0; d < D; ++d) oh[d] += p * to_accum<A>(vc[j * D + d]);
+    }
+  });
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,565 @@
+// The attention layer: causal or bidirectional multi-head attention with GQA/MQA and RoPE, whose
+// memory is known before it runs. Semantics are those of tests/support/attention_reference.hpp:
+//   q = x·Wq, k = x·Wk, v = x·Wv (W is [in, out], row-major), RoPE rotate-half on q and k at
+//   position t, head h reads kv head h / (H / Hkv), S = q·kᵀ/√D, P = softmax (causal mask),
+//   o = P·v with heads concatenated, y = o·Wo; lse is the natural-log logsumexp of S's rows.
+//
+//   using attn = membound::attention<membound::bf16_precision>;
+//   attn::check(shape);                                          // throws, naming the argument
+//   std::size_t saved = attn::saved_bytes(shape);                // kept from forward for backward
+//   std::size_t fws = attn::forward_workspace_bytes(shape, pool.size());
+//   attn::forward(shape, w, x, y, saved_buf, saved, ws, fws, pool);
+//   attn::backward(shape, w, x, saved_buf, saved, dy, dx, grads, ws, bws, pool);
+//
+// Forward keeps only O ([B, T, H·D], storage) and lse ([B, H, T], accumulator); backward
+// recomputes q, k, v from x and every score tile from q, k and lse, so no T×T matrix ever
+// exists and every buffer grows linearly in T. Nothing allocates: all scratch is carved from
+// the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
+// sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "membound/backend/cpu/attention_cpu.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/parallel.hpp"
+#include "membound/core/type_list.hpp"
+#include "membound/layers/attention_shape.hpp"
+#include "membound/memory/workspace.hpp"
+#include "membound/policy/chunking.hpp"
+#include "membound/policy/policy_set.hpp"
+#include "membound/policy/precision.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// can_implement's answer: which argument fails, what it expected and what it got. Never throws.
+struct attention_support {
+  bool ok = true;
+  const char* argument = "";
+  const char* expected = "";
+  double actual = 0.0;
+  constexpr explicit operator bool() const noexcept { return ok; }
+};
+
+namespace detail {
+
+constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
+  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                         : a + b;
+}
+
+// Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
+// them instead (a request no budget serves) so that they can stay noexcept.
+inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
+
+template <std::size_t N>
+constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
+  for (std::size_t b : bytes)
+    if (b >= huge_slot) return false;
+  return true;
+}
+
+}  // namespace detail
+
+template <typename... Policies>
+class attention {
+ public:
+  using policies = policy_set<type_list<fp32_precision, attention_tiles<64, 64>>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using tiles = get_policy<policies, chunking_kind>;
+  static_assert(is_attention_tiles_v<tiles>,
+                "membound: attention takes attention_tiles<QTile, KVTile> as its chunking policy "
+                "(scan_chunk and ttt_mini_batch belong to Mamba and TTT).");
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;  // bf16/fp16: convert to A first
+  static constexpr std::size_t qt = tiles::q_tile, kt = tiles::kv_tile;
+
+ public:
+  // ---- Checks --------------------------------------------------------------------------------
+  static constexpr attention_support can_implement(const attention_shape& s) noexcept {
+    auto no = [](const char* arg, const char* expected, double actual) {
+      return attention_support{false, arg, expected, actual};
+    };
+    const auto d = [](std::size_t v) { return static_cast<double>(v); };
+    if (s.batch == 0) return no("shape.batch", "at least 1", 0.0);
+    if (s.seq == 0) return no("shape.seq", "at least 1", 0.0);
+    if (s.d_model == 0) return no("shape.d_model", "at least 1", 0.0);
+    if (s.heads == 0) return no("shape.heads", "at least 1", 0.0);
+    if (s.kv_heads == 0) return no("shape.kv_heads", "at least 1", 0.0);
+    if (s.head_dim == 0 || s.head_dim % 8 != 0 || s.head_dim > 256) {
+      return no("shape.head_dim", "a multiple of 8 up to 256", d(s.head_dim));
+    }
+    if (s.heads % s.kv_heads != 0) {
+      return no("shape.kv_heads", "a divisor of shape.heads", d(s.kv_heads));
+    }
+    // NaN fails the first comparison, +inf the second.
+    if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
+      return no("shape.rope_base", "a finite value above 0", s.rope_base);
+    }
+    return {};
+  }
+
+  static void check(const attention_shape& s) {
+    const attention_support r = can_implement(s);
+    if (!r.ok) {
+      const bool integral = std::string(r.argument) != "shape.rope_base";
+      throw invalid_argument(r.argument, r.expected,
+                             integral ? std::to_string(static_cast<std::size_t>(r.actual))
+                                      : std::to_string(r.actual),
+                             "Fix the attention_shape before sizing or running the layer");
+    }
+  }
+
+  // ---- Memory known before running ------------------------------------------------------------
+  static constexpr std::size_t weight_elements(const attention_shape& s) noexcept {
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model;
+  }
+
+  // O ([B, T, H·D], storage) and lse ([B, H, T], accumulator: fp64 keeps a double lse so that
+  // backward recomputes P to fp64 accuracy).
+  static constexpr std::size_t saved_bytes(const attention_shape& s) noexcept {
+    const std::size_t b[] = {o_bytes(s), lse_bytes(s)};
+    return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
+                                                       std::size_t threads) noexcept {
+    const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
+                             bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
+                             y_acc_bytes(s)};
+    return detail::fits_layout(b) ? forward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
+                                                        std::size_t threads) noexcept {
+    const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
+                             bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
+                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim)};
+    return detail::fits_layout(b) ? backward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+  // Rotated keys then values, each [B, Hkv, max_len, D] in storage_type.
+  static constexpr std::size_t kv_cache_bytes(const attention_shape& s,
+                                              std::size_t max_len) noexcept {
+    const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, max_len, s.head_dim);
+    return detail::sat_add(half, half);
+  }
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) noexcept {
+    const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
+                             bytes_of<A>(s.batch, s.heads, s.head_dim)};
+    return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+
+  struct weights {
+    const S* wq;  // [C, H·D]
+    const S* wk;  // [C, Hkv·D]
+    const S* wv;  // [C, Hkv·D]
+    const S* wo;  // [H·D, C]
+  };
+  struct gradients {  // accumulated (+=): the caller zeroes them
+    S* wq;
+    S* wk;
+    S* wv;
+    S* wo;
+  };
+
+  // A KV cache over the caller's bytes (kv_cache_bytes(shape, max_len) of them, aligned to
+  // storage_type): rotated keys [B, Hkv, max_len, D], then values. `length` positions are
+  // filled; the next step runs at position `length`. Reset by setting length = 0.
+  struct kv_cache {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    std::size_t max_len = 0;
+    std::size_t length = 0;
+
+    S* keys() const noexcept { return static_cast<S*>(data); }
+    S* values(std::size_t half_elements) const noexcept { return keys() + half_elements; }
+  };
+
+  static kv_cache make_kv_cache(const attention_shape& s, void* data, std::size_t bytes,
+                                std::size_t max_len) {
+    check(s);
+    if (max_len == 0) {
+      throw invalid_argument("max_len", "at least 1", "0",
+                             "A cache holds at least the position being generated");
+    }
+    const std::size_t need = kv_cache_bytes(s, max_len);
+    if (data == nullptr || bytes < need) {
+      throw workspace_too_small("cache", need, data == nullptr ? 0 : bytes);
+    }
+    check_aligned(data, alignof(S), "cache");
+    return kv_cache{data, bytes, max_len, 0};
+  }
+
+  // Where forward put lse ([B, H, T], accum_type) inside `saved`: for tests and diagnostics.
+  static const A* saved_lse(const attention_shape& s, const void* saved) {
+    return static_cast<const A*>(static_cast<const void*>(static_cast<const std::byte*>(saved) +
+                                                          saved_layout(s).offset(s_lse)));
+  }
+
+  // ---- Forward -------------------------------------------------------------------------------
+  static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
+                      std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                      thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    not_null(x, "x");
+    not_null(y, "y");
+    const std::size_t threads = pool.size();
+    const auto sv = carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
+                                workspace, workspace_size, "workspace");
+    // Nothing below throws: every output is written after every check.
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    A* q = ws.template get<A>(f_q);
+    A* k = ws.template get<A>(f_k);
+    A* v = ws.template get<A>(f_v);
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
+    cpu::rope_rows(pool, q, N, T, s.heads, s.head_dim, s.rope_base, 0, false);
+    cpu::rope_rows(pool, k, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+
+    S* o_saved = sv.template get<S>(s_o);
+    A* o = accum_target(o_saved, ws.template get<A>(f_o));
+    cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
+                       ws.template get<A>(f_scratch));
+    if constexpr (widened) cpu::narrow(o, N * HD, o_saved);
+
+    A* ya = accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
+    if constexpr (widened) cpu::narrow(ya, N * C, y);
+  }
+
+  // ---- Backward ------------------------------------------------------------------------------
+  static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    not_null(x, "x");
+    not_null(dy, "dy");
+    not_null(dx, "dx");
+    not_null(g.wq, "gradients.wq");
+    not_null(g.wk, "gradients.wk");
+    not_null(g.wv, "gradients.wv");
+    not_null(g.wo, "gradients.wo");
+    const std::size_t threads = pool.size();
+    const auto sv = carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                saved_size, "saved");
+    const auto ws = carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
+                                workspace, workspace_size, "workspace");
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+
+    // Phase 0: recompute q, k, v; dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
+    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    A* q = ws.template get<A>(b_q);
+    A* k = ws.template get<A>(b_k);
+    A* v = ws.template get<A>(b_v);
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
+    cpu::rope_rows(pool, q, N, T, s.heads, s.head_dim, s.rope_base, 0, false);
+    cpu::rope_rows(pool, k, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+    const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
+                                ws.template get<A>(b_o));
+    const A* lse = sv.template get<A>(s_lse);
+    A* d_out = ws.template get<A>(b_dout);
+    A* delta = ws.template get<A>(b_delta);
+    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false);
+    cpu::row_dot(pool, s, static_cast<const A*>(d_out), o, delta);
+
+    // Phase 1: the tiled attention backward.
+    A* dq = ws.template get<A>(b_dq);
+    A* dk = ws.template get<A>(b_dk);
+    A* dv = ws.template get<A>(b_dv);
+    cpu::flash_backward(pool, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
+                        static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
+                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch));
+
+    // Phase 2: undo RoPE (its transpose) and the weight gradients.
+    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, s.rope_base, 0, true);
+    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, true);
+    A* tmp = ws.template get<A>(b_dw);
+    weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
+    weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
+    weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
+    weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
+
+    // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
+    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false);
+    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
+    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+  }
+
+  // ---- Decoding ------------------------------------------------------------------------------
+  // One causal position per sequence: x_t [B, C] -> y_t [B, C] at position cache.length, whose
+  // rotated key and value are appended to the cache. shape.seq is ignored. Checks everything
+  // (including room in the cache) before touching the cache or y_t.
+  static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
+                   S* y_t, void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    if (!s.causal) {
+      throw invalid_argument("shape.causal", "true", "false",
+                             "Single-step decoding reproduces only causal attention");
+    }
+    check_weights(w);
+    not_null(x_t, "x_t");
+    not_null(y_t, "y_t");
+    const std::size_t L = cache.max_len;
+    if (L == 0 || cache.data == nullptr || cache.bytes < kv_cache_bytes(s, L)) {
+      throw workspace_too_small("cache", kv_cache_bytes(s, L),
+                                cache.data == nullptr ? 0 : cache.bytes);
+    }
+    check_aligned(cache.data, alignof(S), "cache");
+    if (cache.length >= L) {
+      throw invalid_argument("cache", "room for one more position (max_len " + std::to_string(L) + ")",
+                             "length " + std::to_string(cache.length),
+                             "Make the cache with a larger max_len");
+    }
+    const std::size_t threads = pool.size();
+    const auto ws = carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
+                                workspace, workspace_size, "workspace");
+    const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
+    const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
+
+    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
+    A* q = ws.template get<A>(st_q);
+    A* k = ws.template get<A>(st_k);
+    A* v = ws.template get<A>(st_v);
+    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false);
+    cpu::rope_rows(pool, q, B, 1, s.heads, D, s.rope_base, t, false);
+    cpu::rope_rows(pool, k, B, 1, Hkv, D, s.rope_base, t, false);
+    const std::size_t half = B * Hkv * L * D;
+    S* ck = cache.keys();
+    S* cv = cache.values(half);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t g = 0; g < Hkv; ++g)
+        for (std::size_t d = 0; d < D; ++d) {
+          ck[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
+          cv[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
+        }
+    cache.length = t + 1;
+    A* o = ws.template get<A>(st_o);
+    cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
+                      static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
+    A* ya = accum_target(y_t, ws.template get<A>(st_y));
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+  }
+
+ private:
+  // ---- Layouts (shared by the size functions and the carving) ----------------------------------
+  static constexpr std::size_t o_bytes(const attention_shape& s) noexcept {
+    return bytes_of<S>(s.batch, s.seq, s.heads, s.head_dim);
+  }
+  static constexpr std::size_t lse_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.heads, s.seq);
+  }
+  static constexpr std::size_t q_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.heads, s.head_dim);
+  }
+  static constexpr std::size_t kv_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.kv_heads, s.head_dim);
+  }
+  // Accumulator copies that only bf16/fp16 storage needs (fp32/fp64 read the caller's buffers).
+  static constexpr std::size_t x_acc_bytes(const attention_shape& s) noexcept {
+    return widened ? bytes_of<A>(s.batch, s.seq, s.d_model) : 0;
+  }
+  static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
+    return widened ? bytes_of<A>(weight_elements(s)) : 0;
+  }
+  static constexpr std::size_t y_acc_bytes(const attention_shape& s) noexcept {
+    return x_acc_bytes(s);
+  }
+  static constexpr std::size_t o_acc_bytes(const attention_shape& s) noexcept {
+    return widened ? q_bytes(s) : 0;
+  }
+
+  enum saved_slot : std::size_t { s_o, s_lse };
+  static constexpr workspace_layout<2> saved_layout(const attention_shape& s) {
+    workspace_layout<2> l;
+    l.add(o_bytes(s));
+    l.add(lse_bytes(s));
+    return l;
+  }
+
+  // Phases: 0 projections, 1 tiled attention, 2 output projection.
+  enum forward_slot : std::size_t { f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y };
+  static constexpr workspace_layout<8> forward_layout(const attention_shape& s,
+                                                      std::size_t threads) {
+    workspace_layout<8> l;
+    l.add(x_acc_bytes(s), default_alignment, {0, 0});
+    l.add(w_acc_bytes(s), default_alignment, {0, 2});
+    l.add(q_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)), default_alignment,
+          {1, 1});
+    l.add(o_acc_bytes(s), default_alignment, {1, 2});
+    l.add(y_acc_bytes(s), default_alignment, {2, 2});
+    return l;
+  }
+
+  // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
+  // 3 dx.
+  enum backward_slot : std::size_t {
+    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx
+  };
+  static constexpr workspace_layout<16> backward_layout(const attention_shape& s,
+                                                        std::size_t threads) {
+    workspace_layout<16> l;
+    l.add(x_acc_bytes(s), default_alignment, {0, 2});
+    l.add(w_acc_bytes(s), default_alignment, {0, 3});
+    l.add(q_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(y_acc_bytes(s), default_alignment, {0, 2});  // dy
+    l.add(o_acc_bytes(s), default_alignment, {0, 2});
+    l.add(q_bytes(s), default_alignment, {0, 1});  // dO
+    l.add(lse_bytes(s), default_alignment, {0, 1});  // Δ
+    l.add(q_bytes(s), default_alignment, {1, 3});
+    l.add(kv_bytes(s), default_alignment, {1, 3});
+    l.add(kv_bytes(s), default_alignment, {1, 3});
+    l.add(bytes_of<A>(threads, cpu::backward_scratch(qt, kt)), default_alignment, {1, 1});
+    // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
+    l.add(widened ? bytes_of<A>(s.d_model, s.heads * s.head_dim) : 0, default_alignment, {2, 2});
+    l.add(x_acc_bytes(s), default_alignment, {3, 3});  // dx
+    return l;
+  }
+
+  // Phases: 0 projections, 1 attention over the cache, 2 output projection.
+  enum step_slot : std::size_t { st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y };
+  static constexpr workspace_layout<8> step_layout(const attention_shape& s, std::size_t max_len,
+                                                   std::size_t threads) {
+    workspace_layout<8> l;
+    l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {0, 0});
+    l.add(w_acc_bytes(s), default_alignment, {0, 2});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
+    l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {2, 2});
+    return l;
+  }
+
+  // ---- Helpers -------------------------------------------------------------------------------
+  template <typename P>
+  static void not_null(const P* p, const char* name) {
+    if (p == nullptr) {
+      throw invalid_argument(name, "a non-null pointer", "nullptr",
+                             "Pass the buffer (see the layer's header for its shape)");
+    }
+  }
+  static void check_weights(const weights& w) {
+    not_null(w.wq, "weights.wq");
+    not_null(w.wk, "weights.wk");
+    not_null(w.wv, "weights.wv");
+    not_null(w.wo, "weights.wo");
+  }
+  static void check_aligned(const void* p, std::size_t alignment, const char* name) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    if (addr % alignment != 0) {
+      throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
+                             "an address " + std::to_string(addr % alignment) +
+                                 " bytes past such a boundary",
+                             "Allocate it with at least that alignment");
+    }
+  }
+  // carve, but the errors name `name` (saved or workspace).
+  template <std::size_t N>
+  static workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need,
+                                       void* base, std::size_t bytes, const char* name) {
+    if (need != 0 && (base == nullptr || bytes < need)) {
+      throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
+    }
+    check_aligned(base, layout.alignment(), name);
+    return carve(layout, base, bytes);
+  }
+
+  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
+    if constexpr (widened) {
+      cpu::widen(src, n, slot);
+      return slot;
+    } else {
+      (void)n;
+      (void)slot;
+      return src;
+    }
+  }
+
+  // Where a result is computed in A: the caller's buffer itself when it already holds A
+  // (fp32/fp64), else the workspace slot that is rounded into it afterwards.
+  static A* accum_target(S* caller, A* slot) {
+    if constexpr (widened) {
+      (void)caller;
+      return slot;
+    } else {
+      (void)slot;
+      return caller;
+    }
+  }
+
+  struct wptrs {
+    const A *q, *k, *v, *o;
+  };
+  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot) {
+    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    if constexpr (widened) {
+      A* q = slot;
+      A* k = q + C * HD;
+      A* v = k + C * KD;
+      A* o = v + C * KD;
+      cpu::widen(w.wq, C * HD, q);
+      cpu::widen(w.wk, C * KD, k);
+      cpu::widen(w.wv, C * KD, v);
+      cpu::widen(w.wo, HD * C, o);
+      return {q, k, v, o};
+    } else {
+      (void)slot;
+      (void)C;
+      (void)HD;
+      (void)KD;
+      return {w.wq, w.wk, w.wv, w.wo};
+    }
+  }
+
+  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
+  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                          std::size_t K, std::size_t M) {
+    if constexpr (widened) {
+      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
+      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
+    } else {
+      cpu::matmul_at(pool, x, d, accum_target(g, tmp), N, K, M, true);
+    }
+  }
+};
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,578 @@
+// The attention layer against the naive double reference (tests/support/attention_reference.hpp):
+// the front end's checks and sizes, fp64 to 1e-10, fp32 and bf16/fp16 to stated tolerances,
+// single-step decoding against the causal forward, and the memory it takes from an allocator.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "../support/attention_reference.hpp"
+#include "membound/membound.hpp"
+
+namespace ref = membound::reference;
+using membound::attention;
+using membound::attention_shape;
+using membound::thread_pool;
+
+namespace {
+
+struct rng {
+  std::uint64_t s;
+  double uniform(double lo, double hi) {
+    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * static_cast<double>(z >> 11) * 0x1.0p-53;
+  }
+  std::vector<double> fill(std::size_t n, double scale) {
+    std::vector<double> v(n);
+    for (double& e : v) e = uniform(-scale, scale);
+    return v;
+  }
+};
+
+// A buffer aligned to 256 bytes (membound::default_alignment), as carve requires.
+struct aligned_buffer {
+  struct deleter {
+    void operator()(std::byte* p) const { ::operator delete(p, std::align_val_t{256}); }
+  };
+  std::unique_ptr<std::byte, deleter> p;
+  std::size_t bytes = 0;
+  explicit aligned_buffer(std::size_t n)
+      : p(static_cast<std::byte*>(::operator new(n == 0 ? 1 : n, std::align_val_t{256}))),
+        bytes(n) {}
+  void* get() const { return p.get(); }
+};
+
+ref::attention_config to_config(const attention_shape& s) {
+  return ref::attention_config{s.batch, s.seq, s.d_model, s.heads, s.kv_heads, s.head_dim,
+                               s.causal, s.rope_base};
+}
+
+ref::attention_weights random_weights(const attention_shape& c, rng& r) {
+  const std::size_t HD = c.heads * c.head_dim, KD = c.kv_heads * c.head_dim;
+  ref::attention_weights w;
+  w.wq = r.fill(c.d_model * HD, 1.5 / std::sqrt(static_cast<double>(c.d_model)));
+  w.wk = r.fill(c.d_model * KD, 1.5 / std::sqrt(static_cast<double>(c.d_model)));
+  w.wv = r.fill(c.d_model * KD, 1.0 / std::sqrt(static_cast<double>(c.d_model)));
+  w.wo = r.fill(HD * c.d_model, 1.0 / std::sqrt(static_cast<double>(HD)));
+  return w;
+}
+
+double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double d = 0.0, s = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    d = std::max(d, std::abs(a[i] - b[i]));
+    s = std::max(s, std::abs(b[i]));
+  }
+  return s == 0.0 ? d : d / s;
+}
+
+template <typename S>
+std::vector<S> to_storage(const std::vector<double>& v) {
+  std::vector<S> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = membound::from_accum<S>(v[i]);
+  return out;
+}
+template <typename S>
+std::vector<double> to_double(const S* p, std::size_t n) {
+  std::vector<double> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(p[i]));
+  return out;
+}
+template <>
+std::vector<double> to_double<double>(const double* p, std::size_t n) {
+  return std::vector<double>(p, p + n);
+}
+// The value a storage type holds for v (what the layer really sees as input).
+template <typename S>
+std::vector<double> rounded(const std::vector<double>& v) {
+  const std::vector<S> s = to_storage<S>(v);
+  return to_double(s.data(), s.size());
+}
+
+struct problem {
+  attention_shape shape;
+  ref::attention_weights w;
+  std::vector<double> x, dy;
+};
+
+problem make_problem(const attention_shape& s, std::uint64_t seed) {
+  rng r{seed};
+  problem p{s, random_weights(s, r), {}, {}};
+  p.x = r.fill(s.batch * s.seq * s.d_model, 1.0);
+  p.dy = r.fill(s.batch * s.seq * s.d_model, 1.0);
+  return p;
+}
+
+// Rounds the problem's inputs to S, so that layers of different precisions see the same values.
+template <typename S>
+problem rounded_problem(problem p) {
+  p.w.wq = rounded<S>(p.w.wq);
+  p.w.wk = rounded<S>(p.w.wk);
+  p.w.wv = rounded<S>(p.w.wv);
+  p.w.wo = rounded<S>(p.w.wo);
+  p.x = rounded<S>(p.x);
+  p.dy = rounded<S>(p.dy);
+  return p;
+}
+
+struct outputs {
+  std::vector<double> y, lse, dx, dwq, dwk, dwv, dwo;
+};
+
+template <typename Attn>
+outputs run_layer(const problem& p, std::size_t threads) {
+  using S = typename Attn::storage_type;
+  const attention_shape& s = p.shape;
+  thread_pool pool(threads);
+  const std::vector<S> wq = to_storage<S>(p.w.wq), wk = to_storage<S>(p.w.wk),
+                       wv = to_storage<S>(p.w.wv), wo = to_storage<S>(p.w.wo);
+  const std::vector<S> x = to_storage<S>(p.x), dy = to_storage<S>(p.dy);
+  std::vector<S> y(x.size()), dx(x.size());
+  std::vector<S> gq(wq.size(), S(0.0f)), gk(wk.size(), S(0.0f)), gv(wv.size(), S(0.0f)),
+      go(wo.size(), S(0.0f));
+  const typename Attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  aligned_buffer saved(Attn::saved_bytes(s));
+  {
+    aligned_buffer ws(Attn::forward_workspace_bytes(s, pool.size()));
+    Attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool);
+  }
+  {
+    aligned_buffer ws(Attn::backward_workspace_bytes(s, pool.size()));
+    Attn::backward(s, w, x.data(), saved.get(), saved.bytes, dy.data(), dx.data(),
+                   typename Attn::gradients{gq.data(), gk.data(), gv.data(), go.data()}, ws.get(),
+                   ws.bytes, pool);
+  }
+  outputs o;
+  o.y = to_double(y.data(), y.size());
+  const auto* lse = Attn::saved_lse(s, saved.get());
+  o.lse.assign(lse, lse + s.batch * s.heads * s.seq);
+  o.dx = to_double(dx.data(), dx.size());
+  o.dwq = to_double(gq.data(), gq.size());
+  o.dwk = to_double(gk.data(), gk.size());
+  o.dwv = to_double(gv.data(), gv.size());
+  o.dwo = to_double(go.data(), go.size());
+  return o;
+}
+
+outputs run_reference(const problem& p) {
+  const ref::attention_config c = to_config(p.shape);
+  const ref::attention_forward_result f = ref::attention_forward(c, p.w, p.x);
+  const ref::attention_grads g = ref::attention_backward(c, p.w, p.x, f, p.dy);
+  return outputs{f.y, f.lse, g.dx, g.dwq, g.dwk, g.dwv, g.dwo};
+}
+
+// The largest per-tensor relative error, and CHECKs each against tol.
+double compare(const outputs& a, const outputs& b, double tol) {
+  const std::vector<double>* pa[] = {&a.y, &a.lse, &a.dx, &a.dwq, &a.dwk, &a.dwv, &a.dwo};
+  const std::vector<double>* pb[] = {&b.y, &b.lse, &b.dx, &b.dwq, &b.dwk, &b.dwv, &b.dwo};
+  const char* names[] = {"y", "lse", "dx", "dwq", "dwk", "dwv", "dwo"};
+  double worst = 0.0;
+  for (int i = 0; i < 7; ++i) {
+    const double e = rel_err(*pa[i], *pb[i]);
+    INFO(names[i] << " relative error " << e);
+    CHECK(e <= tol);
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
+attention_shape shape_of(std::size_t B, std::size_t T, std::size_t C, std::size_t H,
+                         std::size_t Hkv, std::size_t D, bool causal) {
+  attention_shape s;
+  s.batch = B;
+  s.seq = T;
+  s.d_model = C;
+  s.heads = H;
+  s.kv_heads = Hkv;
+  s.head_dim = D;
+  s.causal = causal;
+  return s;
+}
+
+}  // namespace
+
+// ---- Milestone 1: front end ------------------------------------------------------------------
+
+TEST_CASE("attention: the size functions are constexpr and exact") {
+  constexpr attention_shape s{1, 16, 32, 4, 2, 8, true, 10000.0};
+  static_assert(attention<>::can_implement(s).ok);
+  static_assert(attention<>::weight_elements(s) == 32 * 32 + 2 * 32 * 16 + 32 * 32);
+  // O: 16·32 floats = 2048 B at offset 0; lse: 4·16 floats = 256 B at the next 256-B boundary.
+  static_assert(attention<>::saved_bytes(s) == 2048 + 256);
+  static_assert(attention<membound::fp64_precision>::saved_bytes(s) == 4096 + 512);
+  static_assert(attention<>::kv_cache_bytes(s, 10) == 2 * 1 * 2 * 10 * 8 * 4);
+  static_assert(attention<>::forward_workspace_bytes(s, 2) > 0);
+  static_assert(attention<>::backward_workspace_bytes(s, 2) > 0);
+  static_assert(attention<>::step_workspace_bytes(s, 10, 2) > 0);
+  // Absurd shapes saturate to SIZE_MAX instead of wrapping around.
+  constexpr attention_shape huge{1u << 20, 1u << 30, 1u << 20, 64, 64, 256, true, 10000.0};
+  static_assert(attention<>::saved_bytes(huge) == static_cast<std::size_t>(-1));
+  static_assert(attention<>::backward_workspace_bytes(huge, 4) == static_cast<std::size_t>(-1));
+}
+
+TEST_CASE("attention: check names the argument at fault") {
+  const attention_shape good = shape_of(1, 4, 16, 4, 2, 8, true);
+  CHECK(attention<>::can_implement(good).ok);
+  CHECK_NOTHROW(attention<>::check(good));
+  struct bad_case {
+    attention_shape s;
+    const char* argument;
+  };
+  std::vector<bad_case> cases;
+  auto with = [&](auto f, const char* arg) {
+    attention_shape s = good;
+    f(s);
+    cases.push_back({s, arg});
+  };
+  with([](attention_shape& s) { s.batch = 0; }, "shape.batch");
+  with([](attention_shape& s) { s.seq = 0; }, "shape.seq");
+  with([](attention_shape& s) { s.d_model = 0; }, "shape.d_model");
+  with([](attention_shape& s) { s.heads = 0; }, "shape.heads");
+  with([](attention_shape& s) { s.kv_heads = 0; }, "shape.kv_heads");
+  with([](attention_shape& s) { s.kv_heads = 3; }, "shape.kv_heads");
+  with([](attention_shape& s) { s.head_dim = 12; }, "shape.head_dim");
+  with([](attention_shape& s) { s.head_dim = 264; }, "shape.head_dim");
+  with([](attention_shape& s) { s.head_dim = 0; }, "shape.head_dim");
+  with([](attention_shape& s) { s.rope_base = 0.0; }, "shape.rope_base");
+  with([](attention_shape& s) { s.rope_base = std::nan(""); }, "shape.rope_base");
+  with([](attention_shape& s) { s.rope_base = HUGE_VAL; }, "shape.rope_base");
+  for (const bad_case& c : cases) {
+    INFO(c.argument);
+    const auto r = attention<>::can_implement(c.s);
+    CHECK_FALSE(r.ok);
+    CHECK(std::string(r.argument) == c.argument);
+    try {
+      attention<>::check(c.s);
+      FAIL("check did not throw");
+    } catch (const membound::invalid_argument& e) {
+      CHECK(e.argument() == c.argument);
+    }
+  }
+}
+
+TEST_CASE("attention: a refused call leaves y untouched") {
+  using attn = attention<>;
+  const attention_shape s = shape_of(2, 5, 16, 4, 2, 8, true);
+  const problem p = make_problem(s, 1);
+  thread_pool pool(2);
+  const auto wq = to_storage<float>(p.w.wq), wk = to_storage<float>(p.w.wk),
+             wv = to_storage<float>(p.w.wv), wo = to_storage<float>(p.w.wo);
+  const auto x = to_storage<float>(p.x);
+  const attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  const float sentinel = 12345.0f;
+  std::vector<float> y(x.size(), sentinel);
+  aligned_buffer saved(attn::saved_bytes(s));
+  aligned_buffer ws(attn::forward_workspace_bytes(s, pool.size()));
+  auto untouched = [&] {
+    return std::all_of(y.begin(), y.end(), [&](float e) { return e == sentinel; });
+  };
+  auto expect = [&](auto call, const char* argument) {
+    INFO(argument);
+    try {
+      call();
+      FAIL("no throw");
+    } catch (const membound::invalid_argument& e) {
+      CHECK(e.argument() == argument);
+    }
+    CHECK(untouched());
+  };
+  expect([&] { attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes, ws.get(),
+                             ws.bytes - 1, pool); }, "workspace");
+  expect([&] { attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes, nullptr,
+                             ws.bytes, pool); }, "workspace");
+  expect([&] { attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes - 1, ws.get(),
+                             ws.bytes, pool); }, "saved");
+  expect([&] { attn::forward(s, w, nullptr, y.data(), saved.get(), saved.bytes, ws.get(),
+                             ws.bytes, pool); }, "x");
+  expect([&] { attn::forward(s, attn::weights{wq.data(), nullptr, wv.data(), wo.data()}, x.data(),
+                             y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool); },
+         "weights.wk");
+  attention_shape bad = s;
+  bad.head_dim = 10;
+  expect([&] { attn::forward(bad, w, x.data(), y.data(), saved.get(), saved.bytes, ws.get(),
+                             ws.bytes, pool); }, "shape.head_dim");
+  try {
+    attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes, ws.get(), 7, pool);
+  } catch (const membound::workspace_too_small& e) {
+    CHECK(e.required() == attn::forward_workspace_bytes(s, pool.size()));
+    CHECK(e.given() == 7);
+  }
+  CHECK(untouched());
+  CHECK_NOTHROW(attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes, ws.get(),
+                              ws.bytes, pool));
+  CHECK_FALSE(untouched());
+}
+
+TEST_CASE("thread_pool: every task runs once and exceptions come back") {
+  for (std::size_t threads : {1u, 2u, 3u}) {
+    thread_pool pool(threads);
+    CHECK(pool.size() == threads);
+    std::vector<int> hits(1000, 0);
+    for (int round = 0; round < 3; ++round)
+      pool.parallel_for(hits.size(), [&](std::size_t i, std::size_t t) {
+        CHECK(t < threads);
+        ++hits[i];
+      });
+    CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 3; }));
+    CHECK_THROWS_AS(pool.parallel_for(10, [](std::size_t i, std::size_t) {
+                      if (i == 7) throw std::runtime_error("task 7");
+                    }),
+                    std::runtime_error);
+  }
+  CHECK_THROWS_AS(thread_pool(0), membound::invalid_argument);
+}
+
+// ---- Milestone 2: fp64 against the reference ----------------------------------------------------
+
+namespace {
+struct fp64_case {
+  const char* name;
+  attention_shape shape;
+};
+}  // namespace
+
+template <typename Attn>
+void fp64_cases(const std::vector<fp64_case>& cases) {
+  for (const fp64_case& c : cases) {
+    INFO(c.name);
+    const problem p = make_problem(c.shape, 42);
+    const outputs want = run_reference(p);
+    const outputs one = run_layer<Attn>(p, 1);
+    const double e = compare(one, want, 1e-10);
+    MESSAGE(std::string(c.name) << ": worst relative error " << e);
+    // Identical, not merely close: each task's result does not depend on the thread count.
+    const outputs two = run_layer<Attn>(p, 2);
+    compare(two, one, 0.0);
+    const outputs three = run_layer<Attn>(p, 3);
+    compare(three, one, 0.0);
+  }
+}
+
+TEST_CASE("attention<fp64_precision> matches the reference to 1e-10") {
+  using membound::attention_tiles;
+  using membound::fp64_precision;
+  // Tiles 16×16: T = 37 ends in a partial tile and the causal diagonal crosses tiles.
+  fp64_cases<attention<fp64_precision, attention_tiles<16, 16>>>({
+      {"causal GQA H4/Hkv2 T37", shape_of(2, 37, 24, 4, 2, 8, true)},
+      {"non-causal GQA T37", shape_of(2, 37, 24, 4, 2, 8, false)},
+      {"causal MQA Hkv1 T37", shape_of(1, 37, 24, 4, 1, 8, true)},
+      {"non-causal MHA T37", shape_of(1, 37, 24, 2, 2, 8, false)},
+      {"causal T1", shape_of(2, 1, 16, 2, 1, 8, true)},
+      {"non-causal T1", shape_of(1, 1, 16, 2, 2, 8, false)},
+      {"head_dim 64 T20", shape_of(1, 20, 32, 2, 1, 64, true)},
+  });
+  // Unequal tiles, and tiles larger than T.
+  fp64_cases<attention<fp64_precision, attention_tiles<8, 24>>>({
+      {"q8 kv24 causal T37", shape_of(1, 37, 16, 4, 2, 8, true)},
+      {"q8 kv24 non-causal T37", shape_of(1, 37, 16, 4, 2, 8, false)},
+  });
+  fp64_cases<attention<fp64_precision, attention_tiles<24, 8>>>({
+      {"q24 kv8 causal T37", shape_of(1, 37, 16, 4, 4, 8, true)},
+  });
+  fp64_cases<attention<fp64_precision>>({  // 64×64 tiles
+      {"tile > T causal, head_dim 128", shape_of(1, 13, 32, 2, 1, 128, true)},
+      {"tile > T non-causal GQA", shape_of(2, 11, 16, 4, 2, 16, false)},
+  });
+}
+
+// ---- Milestone 3: fp32, bf16, fp16 ----------------------------------------------------------------
+
+// fp32: unit roundoff u = 2^-24 ≈ 6e-8. The longest sums here are C = 32 and T = 37 terms, each
+// error bound ~ n·u ≈ 2e-6 worst case and ~ √n·u in practice, and softmax/lse add a few u:
+// 1e-5 relative (per tensor) leaves a margin of ~5 over the worst case.
+TEST_CASE("attention<> (fp32) matches the reference to 1e-5") {
+  const attention_shape shapes[] = {shape_of(2, 37, 32, 4, 2, 16, true),
+                                    shape_of(2, 37, 32, 4, 1, 8, false)};
+  for (const attention_shape& s : shapes) {
+    const problem p = make_problem(s, 7);
+    const double e = compare(run_layer<attention<membound::attention_tiles<16, 16>>>(p, 2),
+                             run_reference(p), 1e-5);
+    MESSAGE("fp32 worst relative error " << e);
+  }
+}
+
+// bf16/fp16 against fp32 on the same (rounded) inputs: only the layer's own roundings differ.
+// Those are one rounding of each stored output (y, dx, the weight gradients, saved O), each
+// ≤ u relative, plus the rounded O feeding y (through Wo) and dWo, and dO·O in backward: a
+// handful of u-sized terms, so 4u (bf16: u = 2^-8, 4u ≈ 1.6e-2; fp16: u = 2^-11, 4u ≈ 2e-3).
+// lse is kept in float for both, so it matches fp32 to float accuracy.
+template <typename Prec>
+void low_precision_case(double u) {
+  using S = typename Prec::storage_type;
+  const attention_shape s = shape_of(2, 37, 32, 4, 2, 16, true);
+  const problem p = rounded_problem<S>(make_problem(s, 11));
+  const outputs want = run_layer<attention<membound::attention_tiles<16, 16>>>(p, 2);
+  const outputs got = run_layer<attention<Prec, membound::attention_tiles<16, 16>>>(p, 2);
+  const double e = compare(got, want, 4 * u);
+  MESSAGE(membound::dtype_name<S>() << " worst relative error vs fp32 " << e << " (u = " << u
+                                    << ")");
+  CHECK(rel_err(got.lse, want.lse) <= 1e-5);
+}
+
+TEST_CASE("attention<bf16_precision> matches fp32 to 4u") {
+  low_precision_case<membound::bf16_precision>(0x1.0p-8);
+}
+TEST_CASE("attention<fp16_precision> matches fp32 to 4u") {
+  low_precision_case<membound::fp16_precision>(0x1.0p-11);
+}
+
+// ---- Milestone 4: decoding with the KV cache ------------------------------------------------------
+
+TEST_CASE("attention::step reproduces the rows of the causal forward") {
+  using attn = attention<membound::fp64_precision>;
+  const attention_shape s = shape_of(2, 19, 24, 4, 2, 16, true);
+  const problem p = make_problem(s, 5);
+  const ref::attention_forward_result f = ref::attention_forward(to_config(s), p.w, p.x);
+  thread_pool pool(2);
+  const std::size_t B = s.batch, T = s.seq, C = s.d_model;
+  const std::size_t max_len = T;
+  aligned_buffer cache_bytes(attn::kv_cache_bytes(s, max_len));
+  CHECK(cache_bytes.bytes == 2 * B * s.kv_heads * max_len * s.head_dim * sizeof(double));
+  attn::kv_cache cache = attn::make_kv_cache(s, cache_bytes.get(), cache_bytes.bytes, max_len);
+  aligned_buffer ws(attn::step_workspace_bytes(s, max_len, pool.size()));
+  const attn::weights w{p.w.wq.data(), p.w.wk.data(), p.w.wv.data(), p.w.wo.data()};
+  std::vector<double> x_t(B * C), y_t(B * C), got(B * T * C);
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t b = 0; b < B; ++b)
+      std::copy_n(&p.x[(b * T + t) * C], C, &x_t[b * C]);
+    attn::step(s, w, cache, x_t.data(), y_t.data(), ws.get(), ws.bytes, pool);
+    CHECK(cache.length == t + 1);
+    for (std::size_t b = 0; b < B; ++b) std::copy_n(&y_t[b * C], C, &got[(b * T + t) * C]);
+  }
+  CHECK(rel_err(got, f.y) <= 1e-10);
+  // A full cache refuses, and neither it nor y_t changes.
+  const std::vector<double> before = y_t;
+  CHECK_THROWS_AS(attn::step(s, w, cache, x_t.data(), y_t.data(), ws.get(), ws.bytes, pool),
+                  membound::invalid_argument);
+  CHECK(cache.length == T);
+  CHECK(y_t == before);
+  CHECK_THROWS_AS(attn::make_kv_cache(s, cache_bytes.get(), cache_bytes.bytes - 1, max_len),
+                  membound::workspace_too_small);
+}
+
+// ---- Milestone 5: memory ----------------------------------------------------------------------
+
+// Forward then backward with saved (tag activations) and each workspace (tag workspace) from a
+// budget over a caching allocator; the forward workspace is freed before backward's is taken.
+// So the peak of requested bytes is exactly saved + max(forward, backward workspace).
+TEST_CASE("attention: peak memory is as reported, linear in T, far below T×T") {
+  using attn = attention<>;
+  using alloc_t = membound::budget_allocator<membound::caching_allocator<membound::system_allocator>>;
+  thread_pool pool(2);
+  std::size_t peaks[3] = {};
+  const std::size_t seqs[3] = {1024, 2048, 4096};
+  for (int i = 0; i < 3; ++i) {
+    const attention_shape s = shape_of(1, seqs[i], 64, 8, 8, 64, true);
+    rng r{3};
+    const std::size_t HD = s.heads * s.head_dim, C = s.d_model, N = s.seq;
+    std::vector<float> wq(C * HD), wk(C * HD), wv(C * HD), wo(HD * C), x(N * C), dy(N * C),
+        y(N * C), dx(N * C), gq(C * HD), gk(C * HD), gv(C * HD), go(HD * C);
+    for (auto* v : {&wq, &wk, &wv, &wo})
+      for (float& e : *v) e = static_cast<float>(r.uniform(-0.2, 0.2));
+    for (auto* v : {&x, &dy})
+      for (float& e : *v) e = static_cast<float>(r.uniform(-1.0, 1.0));
+    const attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+    alloc_t alloc(std::size_t{1} << 30);
+    const std::size_t saved_n = attn::saved_bytes(s);
+    const std::size_t fws = attn::forward_workspace_bytes(s, pool.size());
+    const std::size_t bws = attn::backward_workspace_bytes(s, pool.size());
+    void* saved = alloc.allocate(saved_n, membound::default_alignment, membound::memory_tag::activations);
+    void* ws = alloc.allocate(fws, membound::default_alignment, membound::memory_tag::workspace);
+    attn::forward(s, w, x.data(), y.data(), saved, saved_n, ws, fws, pool);
+    alloc.deallocate(ws, fws, membound::default_alignment, membound::memory_tag::workspace);
+    ws = alloc.allocate(bws, membound::default_alignment, membound::memory_tag::workspace);
+    attn::backward(s, w, x.data(), saved, saved_n, dy.data(), dx.data(),
+                   attn::gradients{gq.data(), gk.data(), gv.data(), go.data()}, ws, bws, pool);
+    alloc.deallocate(ws, bws, membound::default_alignment, membound::memory_tag::workspace);
+    alloc.deallocate(saved, saved_n, membound::default_alignment, membound::memory_tag::activations);
+    const membound::memory_stats st = alloc.stats();
+    CHECK(st.peak_requested == saved_n + std::max(fws, bws));
+    CHECK(std::isfinite(dx[0]));
+    peaks[i] = st.peak_requested;
+    MESSAGE("T = " << seqs[i] << ": peak requested " << st.peak_requested << " B (saved "
+                   << saved_n << ", forward ws " << fws << ", backward ws " << bws << ")");
+  }
+  // Linear in T: doubling T doubles everything but the per-thread tile scratch (constant).
+  for (int i = 1; i < 3; ++i) {
+    const double ratio = static_cast<double>(peaks[i]) / static_cast<double>(peaks[i - 1]);
+    CHECK(ratio > 1.95);
+    CHECK(ratio <= 2.0);
+  }
+  // The naive layer keeps P and needs dP in backward: B·H·T² floats each.
+  const double T = 4096.0, naive = 1.0 * 8.0 * T * T * 4.0 * 2.0;
+  CHECK(static_cast<double>(peaks[2]) <= naive / 10.0);
+}
+
+TEST_CASE("attention: backward accumulates weight gradients and writes dx") {
+  using attn = attention<membound::fp64_precision, membound::attention_tiles<16, 16>>;
+  const attention_shape s = shape_of(1, 21, 16, 4, 2, 8, true);
+  const problem p = make_problem(s, 9);
+  thread_pool pool(2);
+  const attn::weights w{p.w.wq.data(), p.w.wk.data(), p.w.wv.data(), p.w.wo.data()};
+  std::vector<double> y(p.x.size()), dx(p.x.size(), 7.0);
+  std::vector<double> gq(p.w.wq.size()), gk(p.w.wk.size()), gv(p.w.wv.size()), go(p.w.wo.size());
+  aligned_buffer saved(attn::saved_bytes(s));
+  aligned_buffer ws(std::max(attn::forward_workspace_bytes(s, 2), attn::backward_workspace_bytes(s, 2)));
+  attn::forward(s, w, p.x.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool);
+  const attn::gradients g{gq.data(), gk.data(), gv.data(), go.data()};
+  attn::backward(s, w, p.x.data(), saved.get(), saved.bytes, p.dy.data(), dx.data(), g, ws.get(),
+                 ws.bytes, pool);
+  const std::vector<double> dx1 = dx, gq1 = gq, go1 = go;
+  attn::backward(s, w, p.x.data(), saved.get(), saved.bytes, p.dy.data(), dx.data(), g, ws.get(),
+                 ws.bytes, pool);
+  CHECK(dx == dx1);  // written, not accumulated
+  std::vector<double> twice_q(gq1.size()), twice_o(go1.size());
+  for (std::size_t i = 0; i < gq1.size(); ++i) twice_q[i] = 2.0 * gq1[i];
+  for (std::size_t i = 0; i < go1.size(); ++i) twice_o[i] = 2.0 * go1[i];
+  CHECK(rel_err(gq, twice_q) <= 1e-14);
+  CHECK(rel_err(go, twice_o) <= 1e-14);
+  // Decoding is causal only: a bidirectional shape is refused by name.
+  attention_shape bidir = s;
+  bidir.causal = false;
+  aligned_buffer cache_bytes(attn::kv_cache_bytes(s, 4));
+  attn::kv_cache cache = attn::make_kv_cache(s, cache_bytes.get(), cache_bytes.bytes, 4);
+  try {
+    attn::step(bidir, w, cache, p.x.data(), y.data(), ws.get(), ws.bytes, pool);
+    FAIL("no throw");
+  } catch (const membound::invalid_argument& e) {
+    CHECK(e.argument() == "shape.causal");
+  }
+  CHECK(cache.length == 0);
+}
+
+TEST_CASE("attention<bf16_precision>::step follows the bf16 forward") {
+  using attn = attention<membound::bf16_precision, membound::attention_tiles<8, 8>>;
+  using membound::bf16;
+  const attention_shape s = shape_of(1, 9, 16, 2, 1, 16, true);
+  const problem p = make_problem(s, 13);
+  thread_pool pool(2);
+  const auto wq = to_storage<bf16>(p.w.wq), wk = to_storage<bf16>(p.w.wk),
+             wv = to_storage<bf16>(p.w.wv), wo = to_storage<bf16>(p.w.wo);
+  const auto x = to_storage<bf16>(p.x);
+  const attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  std::vector<bf16> y(x.size()), y_steps(x.size());
+  aligned_buffer saved(attn::saved_bytes(s));
+  aligned_buffer ws(attn::forward_workspace_bytes(s, 2));
+  attn::forward(s, w, x.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool);
+  aligned_buffer cache_bytes(attn::kv_cache_bytes(s, s.seq));
+  attn::kv_cache cache = attn::make_kv_cache(s, cache_bytes.get(), cache_bytes.bytes, s.seq);
+  aligned_buffer sws(attn::step_workspace_bytes(s, s.seq, 2));
+  for (std::size_t t = 0; t < s.seq; ++t)
+    attn::step(s, w, cache, &x[t * s.d_model], &y_steps[t * s.d_model], sws.get(), sws.bytes,
+               pool);
+  // The cache holds bf16 keys and values (one rounding each), the forward float ones, and O is
+  // rounded only by the forward: a few u apart (u = 2^-8).
+  CHECK(rel_err(to_double(y_steps.data(), y_steps.size()), to_double(y.data(), y.size())) <=
+        4 * 0x1.0p-8);
+}
