@@ -4139,6 +4139,38 @@ const_strided_map<A> cview(const A* p, std::size_t rows, std::size_t cols, std::
 // Rows per parallel task in the projections: large enough for Eigen's GEMM to be efficient.
 inline constexpr std::size_t row_block = 64;
 
+// Every product goes through gemm(): Eigen's GEMM takes its packing buffers from the stack when
+// they fit under EIGEN_STACK_ALLOCATION_LIMIT (128 KiB) and from the heap otherwise. Blocks of at
+// most 64 rows x 64 columns x 128 depth keep each buffer at or under 64 KiB even in double, so no
+// product touches the heap and the layer's memory is exactly its workspace (test_attention checks
+// this with Eigen's EIGEN_RUNTIME_NO_MALLOC guard). The depth chunks are summed in a fixed order,
+// so results stay independent of the thread count.
+inline constexpr Eigen::Index gemm_rows = 64, gemm_cols = 64, gemm_depth = 128;
+
+// y (+)= alpha · l · r, for Eigen expressions (maps, transposes of maps) of matching shapes.
+template <typename Y, typename L, typename R, typename Scalar>
+void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate) {
+  const Eigen::Index m = y.rows(), n = y.cols(), k = l.cols();
+  for (Eigen::Index i0 = 0; i0 < m; i0 += gemm_rows) {
+    const Eigen::Index mi = std::min(gemm_rows, m - i0);
+    for (Eigen::Index j0 = 0; j0 < n; j0 += gemm_cols) {
+      const Eigen::Index nj = std::min(gemm_cols, n - j0);
+      auto yb = y.block(i0, j0, mi, nj);
+      if (!accumulate) yb.setZero();
+      for (Eigen::Index k0 = 0; k0 < k; k0 += gemm_depth) {
+        const Eigen::Index kk = std::min(gemm_depth, k - k0);
+        if (mi == 1 || nj == 1) {
+          // A vector: Eigen's GEMV would copy a strided operand into a heap temporary, and a
+          // coefficient-wise product needs none (nor does a vector gain from packing).
+          yb.noalias() += alpha * l.block(i0, k0, mi, kk).lazyProduct(r.block(k0, j0, kk, nj));
+        } else {
+          yb.noalias() += alpha * (l.block(i0, k0, mi, kk) * r.block(k0, j0, kk, nj));
+        }
+      }
+    }
+  }
+}
+
 constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return (n + block - 1) / block;
 }
@@ -4175,11 +4207,7 @@ void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std:
     auto Y = view(y + r0 * M, r, M, M);
     const auto X = cview(x + r0 * K, r, K, K);
     const auto W = cview(w, K, M, M);
-    if (accumulate) {
-      Y.noalias() += X * W;
-    } else {
-      Y.noalias() = X * W;
-    }
+    gemm(Y, X, W, A(1), accumulate);
   });
 }
 
@@ -4192,11 +4220,7 @@ void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, s
     auto Y = view(y + r0 * M, r, M, M);
     const auto X = cview(x + r0 * K, r, K, K);
     const auto W = cview(w, M, K, K);
-    if (accumulate) {
-      Y.noalias() += X * W.transpose();
-    } else {
-      Y.noalias() = X * W.transpose();
-    }
+    gemm(Y, X, W.transpose(), A(1), accumulate);
   });
 }
 
@@ -4209,11 +4233,7 @@ void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, s
     auto G = view(g + c0 * M, r, M, M);
     const auto X = cview(x + c0, N, r, K);
     const auto Dm = cview(d, N, M, M);
-    if (accumulate) {
-      G.noalias() += X.transpose() * Dm;
-    } else {
-      G.noalias() = X.transpose() * Dm;
-    }
+    gemm(G, X.transpose(), Dm, A(1), accumulate);
   });
 }
 
@@ -4274,8 +4294,7 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
       const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
       const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
       auto St = view(s_buf, ni, nk, nk);
-      St.noalias() = Q * K.transpose();
-      St *= scale;
+      gemm(St, Q, K.transpose(), scale, false);
       if (sh.causal && j0 + nk > i0 + 1) {  // the tile crosses the diagonal
         for (std::size_t r = 0; r < ni; ++r)
           for (std::size_t c = (i0 + r >= j0 ? i0 + r - j0 + 1 : 0); c < nk; ++c)
@@ -4296,7 +4315,7 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
         acc.row(ri) *= alpha;
         m[r] = mn;
       }
-      acc.noalias() += St * V;
+      gemm(acc, St, V, A(1), true);
     }
     auto O = view(o + (b * T + i0) * HD + h * D, ni, D, HD);
     A* lse_row = lse + (b * H + h) * T + i0;
@@ -4329,7 +4348,7 @@ void row_dot(thread_pool& pool, const attention_shape& sh, const A* d_out, const
 template <typename A, typename QMap, typename KMap, typename PMap>
 void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
                  std::size_t i0, std::size_t j0) {
-  P.noalias() = Q * K.transpose();
+  gemm(P, Q, K.transpose(), A(1), false);
   for (Eigen::Index r = 0; r < P.rows(); ++r)
     for (Eigen::Index c = 0; c < P.cols(); ++c) {
       const bool masked = causal && j0 + static_cast<std::size_t>(c) > i0 + static_cast<std::size_t>(r);
@@ -4370,13 +4389,13 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
         auto P = view(s_buf, ni, nk, nk);
         auto dS = view(s_buf + qt * kt, ni, nk, nk);
         recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0);
-        dV.noalias() += P.transpose() * dO;
-        dS.noalias() = dO * V.transpose();  // dP
+        gemm(dV, P.transpose(), dO, A(1), true);
+        gemm(dS, dO, V.transpose(), A(1), false);  // dP
         const A* delta_row = delta + (b * H + h) * T + i0;
         for (Eigen::Index r = 0; r < dS.rows(); ++r)
           for (Eigen::Index c = 0; c < dS.cols(); ++c)
             dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
-        dK.noalias() += scale * (dS.transpose() * Q);
+        gemm(dK, dS.transpose(), Q, scale, true);
       }
     }
   });
@@ -4399,11 +4418,11 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
       auto P = view(s_buf, ni, nk, nk);
       auto dS = view(s_buf + qt * kt, ni, nk, nk);
       recompute_p(Q, K, P, scale, lse_row, sh.causal, i0, j0);
-      dS.noalias() = dO * V.transpose();
+      gemm(dS, dO, V.transpose(), A(1), false);
       for (Eigen::Index r = 0; r < dS.rows(); ++r)
         for (Eigen::Index c = 0; c < dS.cols(); ++c)
           dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
-      dQ.noalias() += scale * (dS * K);
+      gemm(dQ, dS, K, scale, true);
     }
   });
 }

@@ -1,0 +1,102 @@
+// "Every allocation in a layer goes through the caller's workspace": checked with Eigen's own
+// guard. EIGEN_RUNTIME_NO_MALLOC makes every Eigen heap allocation call eigen_assert(false) while
+// malloc is disallowed; eigen_assert is redirected to a recorder (not abort, and active in Release
+// builds too, where NDEBUG would otherwise remove it), so the test reports what allocated.
+#include <atomic>
+#include <cstdio>
+#include <string>
+
+namespace membound_test {
+inline std::atomic<int> eigen_assert_failures{0};
+inline std::string first_eigen_assert;
+inline void record_eigen_assert(const char* what) {
+  if (eigen_assert_failures.fetch_add(1) == 0) first_eigen_assert = what;
+}
+}  // namespace membound_test
+
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x) \
+  do {                  \
+    if (!(x)) ::membound_test::record_eigen_assert(#x); \
+  } while (false)
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "membound/membound.hpp"
+
+using namespace membound;
+
+namespace {
+
+// Buffers are allocated before the guard is armed, as a trainer's would be.
+struct aligned_bytes {
+  explicit aligned_bytes(std::size_t n) : raw(n + 256) {}
+  void* get() {
+    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(raw.data()) + 255) &
+                                   ~std::uintptr_t{255});
+  }
+  std::vector<unsigned char> raw;
+};
+
+template <typename Attention>
+void run_without_heap(const attention_shape& s, std::size_t threads) {
+  using S = typename Attention::storage_type;
+  const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  const std::size_t N = s.batch * s.seq, max_len = s.seq;
+  auto fill = [](std::size_t n, float v) { return std::vector<S>(n, S(v)); };
+  std::vector<S> wq = fill(C * HD, 0.01f), wk = fill(C * KD, 0.02f), wv = fill(C * KD, 0.03f),
+                 wo = fill(HD * C, 0.01f);
+  std::vector<S> x = fill(N * C, 0.5f), y = fill(N * C, 0), dy = fill(N * C, 0.1f),
+                 dx = fill(N * C, 0);
+  std::vector<S> gq = fill(wq.size(), 0), gk = fill(wk.size(), 0), gv = fill(wv.size(), 0),
+                 go = fill(wo.size(), 0);
+  std::vector<S> xt = fill(s.batch * C, 0.5f), yt = fill(s.batch * C, 0);
+  thread_pool pool(threads);
+  const std::size_t saved_n = Attention::saved_bytes(s);
+  const std::size_t fws_n = Attention::forward_workspace_bytes(s, threads);
+  const std::size_t bws_n = Attention::backward_workspace_bytes(s, threads);
+  const std::size_t cache_n = Attention::kv_cache_bytes(s, max_len);
+  const std::size_t sws_n = Attention::step_workspace_bytes(s, max_len, threads);
+  aligned_bytes saved(saved_n), fws(fws_n), bws(bws_n), cache_mem(cache_n), sws(sws_n);
+  const typename Attention::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  const typename Attention::gradients g{gq.data(), gk.data(), gv.data(), go.data()};
+  auto cache = Attention::make_kv_cache(s, cache_mem.get(), cache_n, max_len);
+
+  membound_test::eigen_assert_failures = 0;
+  Eigen::internal::set_is_malloc_allowed(false);
+  Attention::forward(s, w, x.data(), y.data(), saved.get(), saved_n, fws.get(), fws_n, pool);
+  const int after_forward = membound_test::eigen_assert_failures.load();
+  Attention::backward(s, w, x.data(), saved.get(), saved_n, dy.data(), dx.data(), g, bws.get(),
+                      bws_n, pool);
+  const int after_backward = membound_test::eigen_assert_failures.load();
+  for (std::size_t t = 0; t < 3; ++t) {
+    Attention::step(s, w, cache, xt.data(), yt.data(), sws.get(), sws_n, pool);
+  }
+  Eigen::internal::set_is_malloc_allowed(true);
+  INFO("first Eigen assertion: " << membound_test::first_eigen_assert);
+  CHECK(after_forward == 0);
+  CHECK(after_backward - after_forward == 0);
+  CHECK(membound_test::eigen_assert_failures.load() - after_backward == 0);
+}
+
+}  // namespace
+
+TEST_CASE("attention allocates nothing beyond its workspace: forward, backward and step") {
+  // Sizes chosen so that unsplit products would need heap packing buffers (> 128 KiB):
+  // C = 256 projections over 2·300 rows, and head_dim 256 score tiles.
+  attention_shape wide;
+  wide.batch = 2; wide.seq = 300; wide.d_model = 256; wide.heads = 8; wide.kv_heads = 4;
+  wide.head_dim = 32;
+  attention_shape deep;
+  deep.batch = 1; deep.seq = 130; deep.d_model = 512; deep.heads = 2; deep.kv_heads = 1;
+  deep.head_dim = 256;
+  for (std::size_t threads : {1u, 2u}) {
+    run_without_heap<attention<>>(wide, threads);
+    run_without_heap<attention<fp64_precision>>(deep, threads);
+    run_without_heap<attention<bf16_precision>>(wide, threads);
+    run_without_heap<attention<fp64_precision, attention_tiles<64, 128>>>(deep, threads);
+  }
+}
