@@ -4675,17 +4675,13 @@ class attention {
                                 workspace, workspace_size, "workspace");
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    const std::size_t HD = s.heads * s.head_dim;
     const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
     A* q = ws.template get<A>(f_q);
     A* k = ws.template get<A>(f_k);
     A* v = ws.template get<A>(f_v);
-    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
-    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
-    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
-    cpu::rope_rows(pool, q, N, T, s.heads, s.head_dim, s.rope_base, 0, false);
-    cpu::rope_rows(pool, k, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+    project_qkv(s, xa, wa, q, k, v, pool);
 
     S* o_saved = sv.template get<S>(s_o);
     A* o = accum_target(o_saved, ws.template get<A>(f_o));
@@ -4725,11 +4721,7 @@ class attention {
     A* q = ws.template get<A>(b_q);
     A* k = ws.template get<A>(b_k);
     A* v = ws.template get<A>(b_v);
-    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
-    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
-    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
-    cpu::rope_rows(pool, q, N, T, s.heads, s.head_dim, s.rope_base, 0, false);
-    cpu::rope_rows(pool, k, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+    project_qkv(s, xa, wa, q, k, v, pool);
     const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
     const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
                                 ws.template get<A>(b_o));
@@ -4979,6 +4971,19 @@ class attention {
   struct wptrs {
     const A *q, *k, *v, *o;
   };
+  // q, k, v = x·Wq, x·Wk, x·Wv, with RoPE on q and k: forward computes them, backward recomputes
+  // them the same way (bit for bit, so P recomputed from the saved lse matches forward's).
+  static void project_qkv(const attention_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v,
+                          thread_pool& pool) {
+    const std::size_t N = s.batch * s.seq, C = s.d_model;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
+    cpu::rope_rows(pool, q, N, s.seq, s.heads, s.head_dim, s.rope_base, 0, false);
+    cpu::rope_rows(pool, k, N, s.seq, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+  }
+
   static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot) {
     const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
     if constexpr (widened) {

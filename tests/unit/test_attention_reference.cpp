@@ -10,27 +10,13 @@
 #include <vector>
 
 #include "../support/attention_reference.hpp"
+#include "../support/test_rng.hpp"
 
 using namespace membound::reference;
 
 namespace {
 
-// splitmix64: the same numbers with every standard library (std:: distributions are not).
-struct rng {
-  std::uint64_t s;
-  double uniform(double lo, double hi) {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * static_cast<double>(z >> 11) * 0x1.0p-53;
-  }
-  std::vector<double> fill(std::size_t n, double scale) {
-    std::vector<double> v(n);
-    for (double& e : v) e = uniform(-scale, scale);
-    return v;
-  }
-};
+using membound_test::rng;
 
 // Weights at ~1/sqrt(fan_in) so scores are O(1): the softmax is neither one-hot nor uniform, and
 // every branch of the backward carries weight.
