@@ -256,7 +256,7 @@ TEST_CASE("attention: a refused call leaves y untouched") {
   const auto wq = to_storage<float>(p.w.wq), wk = to_storage<float>(p.w.wk),
              wv = to_storage<float>(p.w.wv), wo = to_storage<float>(p.w.wo);
   const auto x = to_storage<float>(p.x);
-  const attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  const typename attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
   const float sentinel = 12345.0f;
   std::vector<float> y(x.size(), sentinel);
   aligned_buffer saved(attn::saved_bytes(s));
@@ -453,43 +453,52 @@ TEST_CASE("attention::step reproduces the rows of the causal forward") {
 // Forward then backward with saved (tag activations) and each workspace (tag workspace) from a
 // budget over a caching allocator; the forward workspace is freed before backward's is taken.
 // So the peak of requested bytes is exactly saved + max(forward, backward workspace).
-TEST_CASE("attention: peak memory is as reported, linear in T, far below T×T") {
-  using attn = attention<>;
+namespace {
+
+// One forward+backward with saved and workspace from a budget allocator; returns its peak
+// requested bytes after checking it equals the reported sizes.
+template <typename attn>
+std::size_t measured_peak(const attention_shape& s, thread_pool& pool) {
   using alloc_t = membound::budget_allocator<membound::caching_allocator<membound::system_allocator>>;
+  rng r{3};
+  const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim, C = s.d_model,
+                    N = s.batch * s.seq;
+  std::vector<float> wq(C * HD), wk(C * KD), wv(C * KD), wo(HD * C), x(N * C), dy(N * C),
+      y(N * C), dx(N * C), gq(C * HD), gk(C * KD), gv(C * KD), go(HD * C);
+  for (auto* v : {&wq, &wk, &wv, &wo})
+    for (float& e : *v) e = static_cast<float>(r.uniform(-0.2, 0.2));
+  for (auto* v : {&x, &dy})
+    for (float& e : *v) e = static_cast<float>(r.uniform(-1.0, 1.0));
+  const typename attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  alloc_t alloc(std::size_t{1} << 30);
+  const std::size_t saved_n = attn::saved_bytes(s);
+  const std::size_t fws = attn::forward_workspace_bytes(s, pool.size());
+  const std::size_t bws = attn::backward_workspace_bytes(s, pool.size());
+  void* saved = alloc.allocate(saved_n, membound::default_alignment, membound::memory_tag::activations);
+  void* ws = alloc.allocate(fws, membound::default_alignment, membound::memory_tag::workspace);
+  attn::forward(s, w, x.data(), y.data(), saved, saved_n, ws, fws, pool);
+  alloc.deallocate(ws, fws, membound::default_alignment, membound::memory_tag::workspace);
+  ws = alloc.allocate(bws, membound::default_alignment, membound::memory_tag::workspace);
+  attn::backward(s, w, x.data(), saved, saved_n, dy.data(), dx.data(),
+                 typename attn::gradients{gq.data(), gk.data(), gv.data(), go.data()}, ws, bws, pool);
+  alloc.deallocate(ws, bws, membound::default_alignment, membound::memory_tag::workspace);
+  alloc.deallocate(saved, saved_n, membound::default_alignment, membound::memory_tag::activations);
+  const membound::memory_stats st = alloc.stats();
+  CHECK(st.peak_requested == saved_n + std::max(fws, bws));
+  CHECK(std::isfinite(dx[0]));
+  MESSAGE("T = " << s.seq << ": peak requested " << st.peak_requested << " B (saved "
+                 << saved_n << ", forward ws " << fws << ", backward ws " << bws << ")");
+  return st.peak_requested;
+}
+
+}  // namespace
+
+TEST_CASE("attention: peak memory is as reported, linear in T, far below T×T") {
   thread_pool pool(2);
   std::size_t peaks[3] = {};
   const std::size_t seqs[3] = {1024, 2048, 4096};
-  for (int i = 0; i < 3; ++i) {
-    const attention_shape s = shape_of(1, seqs[i], 64, 8, 8, 64, true);
-    rng r{3};
-    const std::size_t HD = s.heads * s.head_dim, C = s.d_model, N = s.seq;
-    std::vector<float> wq(C * HD), wk(C * HD), wv(C * HD), wo(HD * C), x(N * C), dy(N * C),
-        y(N * C), dx(N * C), gq(C * HD), gk(C * HD), gv(C * HD), go(HD * C);
-    for (auto* v : {&wq, &wk, &wv, &wo})
-      for (float& e : *v) e = static_cast<float>(r.uniform(-0.2, 0.2));
-    for (auto* v : {&x, &dy})
-      for (float& e : *v) e = static_cast<float>(r.uniform(-1.0, 1.0));
-    const attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
-    alloc_t alloc(std::size_t{1} << 30);
-    const std::size_t saved_n = attn::saved_bytes(s);
-    const std::size_t fws = attn::forward_workspace_bytes(s, pool.size());
-    const std::size_t bws = attn::backward_workspace_bytes(s, pool.size());
-    void* saved = alloc.allocate(saved_n, membound::default_alignment, membound::memory_tag::activations);
-    void* ws = alloc.allocate(fws, membound::default_alignment, membound::memory_tag::workspace);
-    attn::forward(s, w, x.data(), y.data(), saved, saved_n, ws, fws, pool);
-    alloc.deallocate(ws, fws, membound::default_alignment, membound::memory_tag::workspace);
-    ws = alloc.allocate(bws, membound::default_alignment, membound::memory_tag::workspace);
-    attn::backward(s, w, x.data(), saved, saved_n, dy.data(), dx.data(),
-                   attn::gradients{gq.data(), gk.data(), gv.data(), go.data()}, ws, bws, pool);
-    alloc.deallocate(ws, bws, membound::default_alignment, membound::memory_tag::workspace);
-    alloc.deallocate(saved, saved_n, membound::default_alignment, membound::memory_tag::activations);
-    const membound::memory_stats st = alloc.stats();
-    CHECK(st.peak_requested == saved_n + std::max(fws, bws));
-    CHECK(std::isfinite(dx[0]));
-    peaks[i] = st.peak_requested;
-    MESSAGE("T = " << seqs[i] << ": peak requested " << st.peak_requested << " B (saved "
-                   << saved_n << ", forward ws " << fws << ", backward ws " << bws << ")");
-  }
+  for (int i = 0; i < 3; ++i)
+    peaks[i] = measured_peak<attention<>>(shape_of(1, seqs[i], 64, 8, 8, 64, true), pool);
   // Linear in T: doubling T doubles everything but the per-thread tile scratch (constant).
   for (int i = 1; i < 3; ++i) {
     const double ratio = static_cast<double>(peaks[i]) / static_cast<double>(peaks[i - 1]);
@@ -499,6 +508,25 @@ TEST_CASE("attention: peak memory is as reported, linear in T, far below T×T") 
   // The naive layer keeps P and needs dP in backward: B·H·T² floats each.
   const double T = 4096.0, naive = 1.0 * 8.0 * T * T * 4.0 * 2.0;
   CHECK(static_cast<double>(peaks[2]) <= naive / 10.0);
+}
+
+TEST_CASE("attention<save_all> keeps q, k, v: more saved bytes, as reported, same results") {
+  using membound::save_all;
+  thread_pool pool(2);
+  const attention_shape s = shape_of(1, 1024, 64, 8, 2, 64, true);
+  measured_peak<attention<save_all>>(s, pool);
+  const std::size_t qkv = (1024 * 8 * 64 + 2 * 1024 * 2 * 64) * sizeof(float);
+  CHECK(attention<save_all>::saved_bytes(s) == attention<>::saved_bytes(s) + qkv);
+  CHECK(attention<save_all>::backward_workspace_bytes(s, 2) <
+        attention<>::backward_workspace_bytes(s, 2));
+  // Kept q, k, v are the ones backward would recompute, bit for bit.
+  using membound::attention_tiles;
+  using membound::fp64_precision;
+  const problem p = make_problem(shape_of(2, 37, 24, 4, 2, 8, true), 5);
+  const outputs kept = run_layer<attention<fp64_precision, save_all, attention_tiles<16, 16>>>(p, 2);
+  const outputs again = run_layer<attention<fp64_precision, attention_tiles<16, 16>>>(p, 2);
+  compare(kept, again, 0.0);
+  compare(kept, run_reference(p), 1e-10);
 }
 
 TEST_CASE("attention: backward accumulates weight gradients and writes dx") {
@@ -547,7 +575,7 @@ TEST_CASE("attention<bf16_precision>::step follows the bf16 forward") {
   const auto wq = to_storage<bf16>(p.w.wq), wk = to_storage<bf16>(p.w.wk),
              wv = to_storage<bf16>(p.w.wv), wo = to_storage<bf16>(p.w.wo);
   const auto x = to_storage<bf16>(p.x);
-  const attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
+  const typename attn::weights w{wq.data(), wk.data(), wv.data(), wo.data()};
   std::vector<bf16> y(x.size()), y_steps(x.size());
   aligned_buffer saved(attn::saved_bytes(s));
   aligned_buffer ws(attn::forward_workspace_bytes(s, 2));

@@ -13,7 +13,10 @@
 //
 // Forward keeps only O ([B, T, H·D], storage) and lse ([B, H, T], accumulator); backward
 // recomputes q, k, v from x and every score tile from q, k and lse, so no T×T matrix ever
-// exists and every buffer grows linearly in T. Nothing allocates: all scratch is carved from
+// exists and every buffer grows linearly in T. The checkpoint policy chooses what q, k, v cost:
+// `recompute` (the default) projects them again in backward, `save_all` keeps them (rotated, in
+// the accumulator type, so backward sees forward's exact values) for 2·(H + 2·Hkv)·D more bytes
+// per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
 // sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
 #pragma once
@@ -33,6 +36,7 @@
 #include "membound/core/type_list.hpp"
 #include "membound/layers/attention_shape.hpp"
 #include "membound/memory/workspace.hpp"
+#include "membound/policy/checkpoint.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
@@ -71,12 +75,18 @@ constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
 template <typename... Policies>
 class attention {
  public:
-  using policies = policy_set<type_list<fp32_precision, attention_tiles<64, 64>>, Policies...>;
+  using policies =
+      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
   using tiles = get_policy<policies, chunking_kind>;
+  using checkpoint = get_policy<policies, checkpoint_kind>;
   static_assert(is_attention_tiles_v<tiles>,
                 "membound: attention takes attention_tiles<QTile, KVTile> as its chunking policy "
                 "(scan_chunk and ttt_mini_batch belong to Mamba and TTT).");
+  static_assert(std::is_same_v<checkpoint, recompute> || std::is_same_v<checkpoint, save_all>,
+                "membound: attention takes `recompute` (keep O and lse, project q, k, v again in "
+                "backward) or `save_all` (keep q, k, v too) as its checkpoint policy; "
+                "ttt_checkpoint_groups belongs to the TTT layer.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
 
@@ -85,6 +95,7 @@ class attention {
   using A = accum_type;
   static constexpr bool widened = !std::is_same_v<S, A>;  // bf16/fp16: convert to A first
   static constexpr std::size_t qt = tiles::q_tile, kt = tiles::kv_tile;
+  static constexpr bool keep_qkv = std::is_same_v<checkpoint, save_all>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -131,7 +142,7 @@ class attention {
   // O ([B, T, H·D], storage) and lse ([B, H, T], accumulator: fp64 keeps a double lse so that
   // backward recomputes P to fp64 accuracy).
   static constexpr std::size_t saved_bytes(const attention_shape& s) noexcept {
-    const std::size_t b[] = {o_bytes(s), lse_bytes(s)};
+    const std::size_t b[] = {o_bytes(s), lse_bytes(s), q_bytes(s), kv_bytes(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
@@ -228,9 +239,9 @@ class attention {
     const std::size_t HD = s.heads * s.head_dim;
     const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
-    A* q = ws.template get<A>(f_q);
-    A* k = ws.template get<A>(f_k);
-    A* v = ws.template get<A>(f_v);
+    A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(f_q);
+    A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(f_k);
+    A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(f_v);
     project_qkv(s, xa, wa, q, k, v, pool);
 
     S* o_saved = sv.template get<S>(s_o);
@@ -265,13 +276,13 @@ class attention {
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
 
-    // Phase 0: recompute q, k, v; dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
+    // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
     const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
-    A* q = ws.template get<A>(b_q);
-    A* k = ws.template get<A>(b_k);
-    A* v = ws.template get<A>(b_v);
-    project_qkv(s, xa, wa, q, k, v, pool);
+    A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(b_q);
+    A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(b_k);
+    A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(b_v);
+    if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, pool);
     const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
     const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
                                 ws.template get<A>(b_o));
@@ -393,12 +404,23 @@ class attention {
     return widened ? q_bytes(s) : 0;
   }
 
-  enum saved_slot : std::size_t { s_o, s_lse };
-  static constexpr workspace_layout<2> saved_layout(const attention_shape& s) {
-    workspace_layout<2> l;
+  // q, k, v: only under save_all (0 bytes otherwise).
+  enum saved_slot : std::size_t { s_o, s_lse, s_q, s_k, s_v };
+  static constexpr workspace_layout<5> saved_layout(const attention_shape& s) {
+    workspace_layout<5> l;
     l.add(o_bytes(s));
     l.add(lse_bytes(s));
+    l.add(keep_qkv ? q_bytes(s) : 0);
+    l.add(keep_qkv ? kv_bytes(s) : 0);
+    l.add(keep_qkv ? kv_bytes(s) : 0);
     return l;
+  }
+  // q, k, v in the workspace: only under recompute.
+  static constexpr std::size_t ws_q_bytes(const attention_shape& s) noexcept {
+    return keep_qkv ? 0 : q_bytes(s);
+  }
+  static constexpr std::size_t ws_kv_bytes(const attention_shape& s) noexcept {
+    return keep_qkv ? 0 : kv_bytes(s);
   }
 
   // Phases: 0 projections, 1 tiled attention, 2 output projection.
@@ -408,9 +430,9 @@ class attention {
     workspace_layout<8> l;
     l.add(x_acc_bytes(s), default_alignment, {0, 0});
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(q_bytes(s), default_alignment, {0, 1});
-    l.add(kv_bytes(s), default_alignment, {0, 1});
-    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(ws_q_bytes(s), default_alignment, {0, 1});
+    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
+    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
     l.add(bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)), default_alignment,
           {1, 1});
     l.add(o_acc_bytes(s), default_alignment, {1, 2});
@@ -428,9 +450,9 @@ class attention {
     workspace_layout<16> l;
     l.add(x_acc_bytes(s), default_alignment, {0, 2});
     l.add(w_acc_bytes(s), default_alignment, {0, 3});
-    l.add(q_bytes(s), default_alignment, {0, 1});
-    l.add(kv_bytes(s), default_alignment, {0, 1});
-    l.add(kv_bytes(s), default_alignment, {0, 1});
+    l.add(ws_q_bytes(s), default_alignment, {0, 1});
+    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
+    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
     l.add(y_acc_bytes(s), default_alignment, {0, 2});  // dy
     l.add(o_acc_bytes(s), default_alignment, {0, 2});
     l.add(q_bytes(s), default_alignment, {0, 1});  // dO

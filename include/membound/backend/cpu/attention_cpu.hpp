@@ -181,7 +181,7 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
   const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv, nq = blocks(T, qt);
   const std::size_t per = forward_scratch(qt, kt, D);
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
-  constexpr A neg_inf = -std::numeric_limits<A>::infinity();
+  constexpr A neg_inf = -std::numeric_limits<A>::infinity();  // m before any key
   pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
     const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
     const std::size_t g = h / group, ni = std::min(qt, T - i0);
@@ -201,22 +201,19 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
       const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
       auto St = view(s_buf, ni, nk, nk);
       gemm(St, Q, K.transpose(), scale, false);
-      if (sh.causal && j0 + nk > i0 + 1) {  // the tile crosses the diagonal
-        for (std::size_t r = 0; r < ni; ++r)
-          for (std::size_t c = (i0 + r >= j0 ? i0 + r - j0 + 1 : 0); c < nk; ++c)
-            St(static_cast<Eigen::Index>(r), static_cast<Eigen::Index>(c)) = neg_inf;
-      }
       for (std::size_t r = 0; r < ni; ++r) {
         const auto ri = static_cast<Eigen::Index>(r);
+        // Keys after query i = i0 + r are masked: the row's tail from column i + 1 - j0 on.
+        const std::size_t i = i0 + r;
+        const std::size_t live = !sh.causal ? nk : (i < j0 ? 0 : std::min(nk, i + 1 - j0));
+        St.row(ri).tail(static_cast<Eigen::Index>(nk - live)).setZero();  // exp(-inf)
+        if (live == 0) continue;  // a key tile wholly after this query: m, l, acc unchanged
+        auto row = St.row(ri).head(static_cast<Eigen::Index>(live)).array();
         // Tile 0 holds key 0, which no query masks, so m is finite from the first tile on.
-        const A mn = std::max(m[r], St.row(ri).maxCoeff());
+        const A mn = std::max(m[r], row.maxCoeff());
         const A alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first tile
-        A sum = 0;
-        for (std::size_t c = 0; c < nk; ++c) {
-          A& e = St(ri, static_cast<Eigen::Index>(c));
-          e = std::exp(e - mn);
-          sum += e;
-        }
+        row = (row - mn).exp();  // Eigen's vectorized exp: the scalar one costs more than the GEMMs
+        const A sum = row.sum();
         l[r] = l[r] * alpha + sum;
         acc.row(ri) *= alpha;
         m[r] = mn;
@@ -255,17 +252,35 @@ template <typename A, typename QMap, typename KMap, typename PMap>
 void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
                  std::size_t i0, std::size_t j0) {
   gemm(P, Q, K.transpose(), A(1), false);
-  for (Eigen::Index r = 0; r < P.rows(); ++r)
-    for (Eigen::Index c = 0; c < P.cols(); ++c) {
-      const bool masked = causal && j0 + static_cast<std::size_t>(c) > i0 + static_cast<std::size_t>(r);
-      P(r, c) = masked ? A(0) : std::exp(P(r, c) * scale - lse_row[r]);
-    }
+  const std::size_t nk = static_cast<std::size_t>(P.cols());
+  for (Eigen::Index r = 0; r < P.rows(); ++r) {
+    const std::size_t i = i0 + static_cast<std::size_t>(r);
+    // Keys after query i are masked (P = 0); a row may be fully masked in a diagonal tile.
+    const std::size_t live = !causal ? nk : (i < j0 ? 0 : std::min(nk, i + 1 - j0));
+    auto row = P.row(r).head(static_cast<Eigen::Index>(live)).array();
+    row = (row * scale - lse_row[r]).exp();
+    P.row(r).tail(static_cast<Eigen::Index>(nk - live)).setZero();
+  }
 }
 
-// FlashAttention-2 backward in two race-free passes (Δ precomputed by row_dot):
-//   pass 1, one task per (b, kv head, key tile): dV_j = Σ Pᵀ dO, dK_j = Σ dSᵀ Q / √D over the
-//           query heads of the kv head (GQA sum) and the query tiles at or below the diagonal;
-//   pass 2, one task per (b, h, query tile): dQ_i = Σ dS K / √D over the key tiles.
+// dS = P ⊙ (dP − Δ) in place over dP, row by row (vectorized).
+template <typename A, typename PMap, typename DMap>
+void softmax_grad(const PMap& P, DMap& dS, const A* delta_row) {
+  for (Eigen::Index r = 0; r < dS.rows(); ++r)
+    dS.row(r).array() = P.row(r).array() * (dS.row(r).array() - delta_row[r]);
+}
+
+// FlashAttention-2 backward (Δ precomputed by row_dot). Per (query tile i, key tile j) pair:
+//   P = exp(S − lse), dV_j += Pᵀ·dO_i, dP = dO_i·V_jᵀ, dS = P ⊙ (dP − Δ),
+//   dK_j += dSᵀ·Q_i / √D, dQ_i += dS·K_j / √D.
+// dK_j and dV_j sum over the query heads of a kv head (GQA) and the query tiles at or below the
+// diagonal; dQ_i over the key tiles. Two schedules, bit-identical (every sum runs in the same
+// order: heads, then query tiles for dK/dV; key tiles ascending for dQ):
+//   fused, one task per (b, kv head) sweeping every tile pair: 5 products per pair, but only
+//          B·Hkv tasks;
+//   split, when B·Hkv tasks would leave threads idle: pass 1, one task per (b, kv head, key
+//          tile), computes dK, dV; pass 2, one task per (b, h, query tile), recomputes P and dP
+//          for dQ: 7 products per pair, B·Hkv·T/kv_tile then B·H·T/q_tile tasks.
 // dq [B·T, H·D], dk and dv [B·T, Hkv·D] are written (=), with respect to rotated q and k.
 template <typename A>
 void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
@@ -275,60 +290,76 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
   const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv;
   const std::size_t nq = blocks(T, qt), nkv = blocks(T, kt), per = backward_scratch(qt, kt);
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
+  // Earlier query tiles see no key of tile j0 when causal.
+  const auto first_query_tile = [&](std::size_t j0) { return sh.causal ? (j0 / qt) * qt : 0; };
+
+  // One tile pair for query head h: P and dS into the thread's scratch, dV and dK accumulated;
+  // returns dS (its P is still beside it) for the caller's dQ.
+  const auto pair = [&](A* s_buf, std::size_t b, std::size_t h, std::size_t i0, std::size_t j0,
+                        auto& dK, auto& dV, bool want_dkv) {
+    const std::size_t g = h / group, ni = std::min(qt, T - i0), nk = std::min(kt, T - j0);
+    const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
+    const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
+    const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+    const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
+    auto P = view(s_buf, ni, nk, nk);
+    auto dS = view(s_buf + qt * kt, ni, nk, nk);
+    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0);
+    if (want_dkv) gemm(dV, P.transpose(), dO, A(1), true);
+    gemm(dS, dO, V.transpose(), A(1), false);  // dP
+    softmax_grad(P, dS, delta + (b * H + h) * T + i0);
+    if (want_dkv) gemm(dK, dS.transpose(), Q, scale, true);
+    return dS;
+  };
+
+  const std::size_t kv_tasks = B * Hkv, threads = pool.size();
+  if (kv_tasks >= 2 * threads || kv_tasks % threads == 0) {
+    pool.parallel_for(kv_tasks, [&](std::size_t task, std::size_t thread) {
+      const std::size_t b = task / Hkv, g = task % Hkv;
+      A* s_buf = scratch + thread * per;
+      for (std::size_t h = g * group; h < (g + 1) * group; ++h)
+        view(dq + b * T * HD + h * D, T, D, HD).setZero();
+      for (std::size_t j0 = 0; j0 < T; j0 += kt) {
+        const std::size_t nk = std::min(kt, T - j0);
+        auto dK = view(dk + (b * T + j0) * KD + g * D, nk, D, KD);
+        auto dV = view(dv + (b * T + j0) * KD + g * D, nk, D, KD);
+        dK.setZero();
+        dV.setZero();
+        const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+        for (std::size_t h = g * group; h < (g + 1) * group; ++h)
+          for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt) {
+            const auto dS = pair(s_buf, b, h, i0, j0, dK, dV, true);
+            auto dQ = view(dq + (b * T + i0) * HD + h * D, std::min(qt, T - i0), D, HD);
+            gemm(dQ, dS, K, scale, true);
+          }
+      }
+    });
+    return;
+  }
 
   pool.parallel_for(B * Hkv * nkv, [&](std::size_t task, std::size_t thread) {
     const std::size_t b = task / (Hkv * nkv), g = (task / nkv) % Hkv, j0 = (task % nkv) * kt;
     const std::size_t nk = std::min(kt, T - j0);
-    A* s_buf = scratch + thread * per;
     auto dK = view(dk + (b * T + j0) * KD + g * D, nk, D, KD);
     auto dV = view(dv + (b * T + j0) * KD + g * D, nk, D, KD);
     dK.setZero();
     dV.setZero();
-    const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
-    const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
-    const std::size_t i_first = sh.causal ? (j0 / qt) * qt : 0;  // earlier queries see no key here
-    for (std::size_t h = g * group; h < (g + 1) * group; ++h) {
-      for (std::size_t i0 = i_first; i0 < T; i0 += qt) {
-        const std::size_t ni = std::min(qt, T - i0);
-        const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
-        const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
-        auto P = view(s_buf, ni, nk, nk);
-        auto dS = view(s_buf + qt * kt, ni, nk, nk);
-        recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0);
-        gemm(dV, P.transpose(), dO, A(1), true);
-        gemm(dS, dO, V.transpose(), A(1), false);  // dP
-        const A* delta_row = delta + (b * H + h) * T + i0;
-        for (Eigen::Index r = 0; r < dS.rows(); ++r)
-          for (Eigen::Index c = 0; c < dS.cols(); ++c)
-            dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
-        gemm(dK, dS.transpose(), Q, scale, true);
-      }
-    }
+    for (std::size_t h = g * group; h < (g + 1) * group; ++h)
+      for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt)
+        pair(scratch + thread * per, b, h, i0, j0, dK, dV, true);
   });
 
   pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
     const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
     const std::size_t g = h / group, ni = std::min(qt, T - i0);
-    A* s_buf = scratch + thread * per;
     auto dQ = view(dq + (b * T + i0) * HD + h * D, ni, D, HD);
     dQ.setZero();
-    const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
-    const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
-    const A* lse_row = lse + (b * H + h) * T + i0;
-    const A* delta_row = delta + (b * H + h) * T + i0;
     const std::size_t kv_end = sh.causal ? i0 + ni : T;
     for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
-      const std::size_t nk = std::min(kt, kv_end - j0);
-      const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
-      const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
-      auto P = view(s_buf, ni, nk, nk);
-      auto dS = view(s_buf + qt * kt, ni, nk, nk);
-      recompute_p(Q, K, P, scale, lse_row, sh.causal, i0, j0);
-      gemm(dS, dO, V.transpose(), A(1), false);
-      for (Eigen::Index r = 0; r < dS.rows(); ++r)
-        for (Eigen::Index c = 0; c < dS.cols(); ++c)
-          dS(r, c) = P(r, c) * (dS(r, c) - delta_row[r]);
-      gemm(dQ, dS, K, scale, true);
+      const std::size_t nk = std::min(kt, T - j0);
+      auto unused = view(dk, 0, D, KD);
+      const auto dS = pair(scratch + thread * per, b, h, i0, j0, unused, unused, false);
+      gemm(dQ, dS, cview(k + (b * T + j0) * KD + g * D, nk, D, KD), scale, true);
     }
   });
 }
