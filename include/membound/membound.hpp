@@ -38,3 +38,8 @@
 #include "membound/layers/attention_shape.hpp"
 #include "membound/backend/cpu/attention_cpu.hpp"
 #include "membound/layers/attention.hpp"
+#include "membound/layers/mamba_shape.hpp"
+#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/mamba_cpu.hpp"
+#include "membound/layers/mamba.hpp"
+#include "membound/layers/layer_support.hpp"

@@ -4101,8 +4101,8 @@ struct attention_shape {
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/attention_shape.hpp ----
 // ---- begin membound/backend/cpu/attention_cpu.hpp ----
-// CPU kernels of the attention layer: projections, RoPE, and the flash-style tiled forward and
-// backward. Everything here works in the accumulator type A on buffers the front end
+// CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
+// (projections are linalg.hpp's). Everything here works in the accumulator type A on buffers the front end
 // (layers/attention.hpp) has already carved and converted; nothing allocates except Eigen's own
 // GEMM packing buffers. Each parallel task writes a disjoint region and computes it in a fixed
 // order, so results do not depend on the thread count.
@@ -4112,6 +4112,12 @@ MEMBOUND_NAMESPACE_END
 // no transposition copies); lse and the backward's row sums Δ are [B, H, T].
 
 #include <cmath>
+
+// ---- begin membound/backend/cpu/linalg.hpp ----
+// Dense linear algebra shared by the CPU layers: strided Eigen maps over the caller's buffers,
+// a GEMM that never touches the heap, row-parallel products with their transposes (for input and
+// weight gradients), and the storage <-> accumulator conversions. Each parallel task writes a
+// disjoint block and computes it in a fixed order, so results do not depend on the thread count.
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -4175,15 +4181,6 @@ constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return (n + block - 1) / block;
 }
 
-// Accumulator elements of per-thread scratch.
-constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
-                                      std::size_t head_dim) noexcept {
-  return q_tile * kv_tile + q_tile * head_dim + 2 * q_tile;  // S/P, O accumulator, m, l
-}
-constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
-  return 2 * q_tile * kv_tile;  // S/P and dP/dS
-}
-
 template <typename A, typename S>
 void widen(const S* src, std::size_t n, A* dst) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = to_accum<A>(src[i]);
@@ -4198,43 +4195,82 @@ void narrow_add(const A* src, std::size_t n, S* dst) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + src[i]);
 }
 
+// Row-major operands with leading dimensions (elements between rows), for column slices such
+// as Mamba's dt_low = x_dbl[:, 0:R]. The overloads without them take contiguous rows.
+struct ld3 {
+  std::size_t x, w, y;
+};
+
 // y[N, M] (+)= x[N, K] · w[K, M]
 template <typename A>
 void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-            std::size_t M, bool accumulate) {
+            std::size_t M, bool accumulate, ld3 ld) {
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
-    auto Y = view(y + r0 * M, r, M, M);
-    const auto X = cview(x + r0 * K, r, K, K);
-    const auto W = cview(w, K, M, M);
+    auto Y = view(y + r0 * ld.y, r, M, ld.y);
+    const auto X = cview(x + r0 * ld.x, r, K, ld.x);
+    const auto W = cview(w, K, M, ld.w);
     gemm(Y, X, W, A(1), accumulate);
   });
+}
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate) {
+  matmul(pool, x, w, y, N, K, M, accumulate, ld3{K, M, M});
 }
 
 // y[N, M] (+)= x[N, K] · w[M, K]ᵀ   (input gradients: dx = dq · Wqᵀ)
 template <typename A>
 void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-               std::size_t M, bool accumulate) {
+               std::size_t M, bool accumulate, ld3 ld) {
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
-    auto Y = view(y + r0 * M, r, M, M);
-    const auto X = cview(x + r0 * K, r, K, K);
-    const auto W = cview(w, M, K, K);
+    auto Y = view(y + r0 * ld.y, r, M, ld.y);
+    const auto X = cview(x + r0 * ld.x, r, K, ld.x);
+    const auto W = cview(w, M, K, ld.w);
     gemm(Y, X, W.transpose(), A(1), accumulate);
   });
 }
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  matmul_bt(pool, x, w, y, N, K, M, accumulate, ld3{K, K, M});
+}
 
-// g[K, M] (+)= x[N, K]ᵀ · d[N, M]   (weight gradients), in blocks of rows of g.
+// g[K, M] (+)= x[N, K]ᵀ · d[N, M]   (weight gradients), in blocks of rows of g. ld.w is d's.
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld) {
+  pool.parallel_for(blocks(K, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t c0 = blk * row_block, r = std::min(row_block, K - c0);
+    auto G = view(g + c0 * ld.y, r, M, ld.y);
+    const auto X = cview(x + c0, N, r, ld.x);
+    const auto Dm = cview(d, N, M, ld.w);
+    gemm(G, X.transpose(), Dm, A(1), accumulate);
+  });
+}
 template <typename A>
 void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
                std::size_t M, bool accumulate) {
-  pool.parallel_for(blocks(K, row_block), [&](std::size_t blk, std::size_t) {
-    const std::size_t c0 = blk * row_block, r = std::min(row_block, K - c0);
-    auto G = view(g + c0 * M, r, M, M);
-    const auto X = cview(x + c0, N, r, K);
-    const auto Dm = cview(d, N, M, M);
-    gemm(G, X.transpose(), Dm, A(1), accumulate);
-  });
+  matmul_at(pool, x, d, g, N, K, M, accumulate, ld3{K, M, M});
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/linalg.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+// Accumulator elements of per-thread scratch.
+constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
+                                      std::size_t head_dim) noexcept {
+  return q_tile * kv_tile + q_tile * head_dim + 2 * q_tile;  // S/P, O accumulator, m, l
+}
+constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
+  return 2 * q_tile * kv_tile;  // S/P and dP/dS
 }
 
 // RoPE (rotate-half) in place on every D-wide head of rows [N, heads·D]; row n is token n % T,
@@ -4521,10 +4557,14 @@ MEMBOUND_NAMESPACE_END
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
 // sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
 
+// ---- begin membound/layers/layer_support.hpp ----
+// What every layer front end shares: can_implement's answer, the argument checks that name what
+// is wrong, carving the caller's saved/workspace bytes, and overflow-safe size arithmetic.
+
 MEMBOUND_NAMESPACE_BEGIN
 
 // can_implement's answer: which argument fails, what it expected and what it got. Never throws.
-struct attention_support {
+struct layer_support {
   bool ok = true;
   const char* argument = "";
   const char* expected = "";
@@ -4550,7 +4590,52 @@ constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
   return true;
 }
 
+// Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
+// their value as a real number, the others as an integer.
+inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
+  throw invalid_argument(r.argument, r.expected,
+                         real_valued ? std::to_string(r.actual)
+                                     : std::to_string(static_cast<std::size_t>(r.actual)),
+                         what_to_do);
+}
+
+template <typename P>
+void not_null(const P* p, const char* name) {
+  if (p == nullptr) {
+    throw invalid_argument(name, "a non-null pointer", "nullptr",
+                           "Pass the buffer (see the layer's header for its shape)");
+  }
+}
+
+inline void check_aligned(const void* p, std::size_t alignment, const char* name) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  if (addr % alignment != 0) {
+    throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
+                           "an address " + std::to_string(addr % alignment) +
+                               " bytes past such a boundary",
+                           "Allocate it with at least that alignment");
+  }
+}
+
+// carve, but the errors name `name` (saved, workspace, state...).
+template <std::size_t N>
+workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need, void* base,
+                              std::size_t bytes, const char* name) {
+  if (need != 0 && (base == nullptr || bytes < need)) {
+    throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
+  }
+  check_aligned(base, layout.alignment(), name);
+  return carve(layout, base, bytes);
+}
+
 }  // namespace detail
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/layer_support.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+using attention_support = layer_support;
 
 template <typename... Policies>
 class attention {
@@ -4605,11 +4690,8 @@ class attention {
   static void check(const attention_shape& s) {
     const attention_support r = can_implement(s);
     if (!r.ok) {
-      const bool integral = std::string(r.argument) != "shape.rope_base";
-      throw invalid_argument(r.argument, r.expected,
-                             integral ? std::to_string(static_cast<std::size_t>(r.actual))
-                                      : std::to_string(r.actual),
-                             "Fix the attention_shape before sizing or running the layer");
+      detail::throw_unsupported(r, std::string(r.argument) == "shape.rope_base",
+                                "Fix the attention_shape before sizing or running the layer");
     }
   }
 
@@ -4692,7 +4774,7 @@ class attention {
     if (data == nullptr || bytes < need) {
       throw workspace_too_small("cache", need, data == nullptr ? 0 : bytes);
     }
-    check_aligned(data, alignof(S), "cache");
+    detail::check_aligned(data, alignof(S), "cache");
     return kv_cache{data, bytes, max_len, 0};
   }
 
@@ -4708,11 +4790,11 @@ class attention {
                       thread_pool& pool) {
     check(s);
     check_weights(w);
-    not_null(x, "x");
-    not_null(y, "y");
+    detail::not_null(x, "x");
+    detail::not_null(y, "y");
     const std::size_t threads = pool.size();
-    const auto sv = carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    const auto ws = carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = detail::carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
@@ -4741,17 +4823,17 @@ class attention {
                        void* workspace, std::size_t workspace_size, thread_pool& pool) {
     check(s);
     check_weights(w);
-    not_null(x, "x");
-    not_null(dy, "dy");
-    not_null(dx, "dx");
-    not_null(g.wq, "gradients.wq");
-    not_null(g.wk, "gradients.wk");
-    not_null(g.wv, "gradients.wv");
-    not_null(g.wo, "gradients.wo");
+    detail::not_null(x, "x");
+    detail::not_null(dy, "dy");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.wq, "gradients.wq");
+    detail::not_null(g.wk, "gradients.wk");
+    detail::not_null(g.wv, "gradients.wv");
+    detail::not_null(g.wo, "gradients.wo");
     const std::size_t threads = pool.size();
-    const auto sv = carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                 saved_size, "saved");
-    const auto ws = carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
+    const auto ws = detail::carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
@@ -4809,21 +4891,21 @@ class attention {
                              "Single-step decoding reproduces only causal attention");
     }
     check_weights(w);
-    not_null(x_t, "x_t");
-    not_null(y_t, "y_t");
+    detail::not_null(x_t, "x_t");
+    detail::not_null(y_t, "y_t");
     const std::size_t L = cache.max_len;
     if (L == 0 || cache.data == nullptr || cache.bytes < kv_cache_bytes(s, L)) {
       throw workspace_too_small("cache", kv_cache_bytes(s, L),
                                 cache.data == nullptr ? 0 : cache.bytes);
     }
-    check_aligned(cache.data, alignof(S), "cache");
+    detail::check_aligned(cache.data, alignof(S), "cache");
     if (cache.length >= L) {
       throw invalid_argument("cache", "room for one more position (max_len " + std::to_string(L) + ")",
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
     const std::size_t threads = pool.size();
-    const auto ws = carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
+    const auto ws = detail::carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
                                 workspace, workspace_size, "workspace");
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
@@ -4964,37 +5046,11 @@ class attention {
   }
 
   // ---- Helpers -------------------------------------------------------------------------------
-  template <typename P>
-  static void not_null(const P* p, const char* name) {
-    if (p == nullptr) {
-      throw invalid_argument(name, "a non-null pointer", "nullptr",
-                             "Pass the buffer (see the layer's header for its shape)");
-    }
-  }
   static void check_weights(const weights& w) {
-    not_null(w.wq, "weights.wq");
-    not_null(w.wk, "weights.wk");
-    not_null(w.wv, "weights.wv");
-    not_null(w.wo, "weights.wo");
-  }
-  static void check_aligned(const void* p, std::size_t alignment, const char* name) {
-    const auto addr = reinterpret_cast<std::uintptr_t>(p);
-    if (addr % alignment != 0) {
-      throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
-                             "an address " + std::to_string(addr % alignment) +
-                                 " bytes past such a boundary",
-                             "Allocate it with at least that alignment");
-    }
-  }
-  // carve, but the errors name `name` (saved or workspace).
-  template <std::size_t N>
-  static workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need,
-                                       void* base, std::size_t bytes, const char* name) {
-    if (need != 0 && (base == nullptr || bytes < need)) {
-      throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
-    }
-    check_aligned(base, layout.alignment(), name);
-    return carve(layout, base, bytes);
+    detail::not_null(w.wq, "weights.wq");
+    detail::not_null(w.wk, "weights.wk");
+    detail::not_null(w.wv, "weights.wv");
+    detail::not_null(w.wo, "weights.wo");
   }
 
   static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
@@ -5071,4 +5127,1034 @@ class attention {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/attention.hpp ----
+// ---- begin membound/layers/mamba_shape.hpp ----
+// The sizes of one Mamba block call, shared by the front end (layers/mamba.hpp) and the CPU
+// kernels (backend/cpu/mamba_cpu.hpp).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct mamba_shape {
+  std::size_t batch = 1;     // B
+  std::size_t seq = 1;       // T (step ignores it: the state carries the past)
+  std::size_t d_model = 0;   // C
+  std::size_t d_inner = 0;   // Di = expand · C
+  std::size_t d_state = 16;  // N
+  std::size_t d_conv = 4;    // K, the causal depthwise convolution's width
+  std::size_t dt_rank = 0;   // R, the rank of Δ's projection
+
+  // mamba_simple's defaults: expand 2, d_state 16, d_conv 4, dt_rank ceil(C / 16).
+  static constexpr mamba_shape defaults(std::size_t batch, std::size_t seq,
+                                        std::size_t d_model) noexcept {
+    mamba_shape s;
+    s.batch = batch;
+    s.seq = seq;
+    s.d_model = d_model;
+    s.d_inner = 2 * d_model;
+    s.dt_rank = (d_model + 15) / 16;
+    return s;
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/mamba_shape.hpp ----
+// ---- begin membound/backend/cpu/mamba_cpu.hpp ----
+// CPU kernels of the Mamba block: the causal depthwise convolution, softplus/SiLU, and the
+// chunked selective scan forward and backward. Everything works in the accumulator type A on
+// buffers the front end (layers/mamba.hpp) has carved; nothing allocates.
+//
+// Layouts (row-major, n = b·T + t): xz [N, 2·Di] (x half, then z half); c, u, Δ, y [N, Di];
+// x_dbl [N, R + 2·Ns] (dt_low, B, C); A = −exp(A_log) and dA [Di, Ns]; saved chunk states
+// [B, chunks − 1, Di, Ns] (the state entering every chunk but the first, which starts at 0).
+//
+// The scan runs one task per block of scan_channels channels (a fixed partition, so results do
+// not depend on the thread count), each sweeping every batch row and time step in order. The
+// state update over d_state is vectorized through Eigen arrays (exp included).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+// Channels per scan task.
+inline constexpr std::size_t scan_channels = 64;
+// The largest d_state: the backward keeps one channel's exp(Δ·a) in a stack array of this size.
+inline constexpr std::size_t max_d_state = 256;
+
+constexpr std::size_t scan_chunks(std::size_t T, std::size_t L) noexcept { return blocks(T, L); }
+
+// Accumulator elements of per-thread scratch: forward keeps one state block; backward keeps the
+// states of a whole chunk (recomputed from its saved entry state) plus the running dL/dh.
+constexpr std::size_t scan_forward_scratch(std::size_t d_state) noexcept {
+  return scan_channels * d_state;
+}
+constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_state) noexcept {
+  return (chunk + 1) * scan_channels * d_state;
+}
+
+template <typename A>
+using vec_map = Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>>;
+template <typename A>
+using cvec_map = Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>;
+template <typename A>
+vec_map<A> vec(A* p, std::size_t n) {
+  return vec_map<A>(p, static_cast<Eigen::Index>(n));
+}
+template <typename A>
+cvec_map<A> cvec(const A* p, std::size_t n) {
+  return cvec_map<A>(p, static_cast<Eigen::Index>(n));
+}
+
+template <typename A>
+A sigmoid(A v) {
+  return A(1) / (A(1) + std::exp(-v));
+}
+template <typename A>
+A silu(A v) {
+  return v * sigmoid(v);
+}
+template <typename A>
+A silu_grad(A v) {  // d/dv v·σ(v) = σ(v)·(1 + v·(1 − σ(v)))
+  const A s = sigmoid(v);
+  return s * (A(1) + v * (A(1) - s));
+}
+template <typename A>
+A softplus(A v) {  // log(1 + e^v) without overflow for large v
+  return v > A(0) ? v + std::log1p(std::exp(-v)) : std::log1p(std::exp(v));
+}
+
+// Rounds A values through storage S in place: a value that forward stores is used as stored, so
+// backward's recomputation and the kept copy agree bit for bit. A no-op when S is A.
+template <typename S, typename A>
+void round_through(A* p, std::size_t n) {
+  if constexpr (!std::is_same_v<S, A>) {
+    for (std::size_t i = 0; i < n; ++i) p[i] = to_accum<A>(from_accum<S>(p[i]));
+  } else {
+    (void)p;
+    (void)n;
+  }
+}
+
+// One step of one channel's state: h = exp(Δ·a) ⊙ h + Δ·u·B; returns C·h. The forward, the
+// backward's recomputation and single-step decoding all go through it, so they agree bit for bit.
+template <typename A>
+A scan_update(A* h, const A* a, A delta, A u, const A* b, const A* c, std::size_t ns) {
+  auto hv = vec(h, ns);
+  hv = (cvec(a, ns) * delta).exp() * hv + (delta * u) * cvec(b, ns);
+  return (cvec(c, ns) * hv).sum();
+}
+
+// c[n, i] = bias[i] + Σ_k w[i, k] · xi[b, t − (K−1) + k, i], xi read with row stride ldx (it is
+// the x half of xz). Zero before the sequence's start.
+template <typename A>
+void causal_conv(thread_pool& pool, const mamba_shape& s, const A* xi, std::size_t ldx,
+                 const A* w, const A* bias, A* c) {
+  const std::size_t T = s.seq, Di = s.d_inner, K = s.d_conv, N = s.batch * T;
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      const std::size_t t = n % T;
+      A* out = c + n * Di;
+      std::copy(bias, bias + Di, out);
+      for (std::size_t k = 0; k < K; ++k) {
+        if (t + k < K - 1) continue;  // before the sequence's start
+        const A* src = xi + (n + k + 1 - K) * ldx;
+        for (std::size_t i = 0; i < Di; ++i) out[i] += w[i * K + k] * src[i];
+      }
+    }
+  });
+}
+
+// The convolution's transpose: dxi[b, t', i] = Σ_k w[i, k] · dc[b, t' + K−1 − k, i] (written with
+// row stride lddx), dw[i, k] = Σ_{b,t} dc · xi[t − (K−1) + k], dbias[i] = Σ dc (both written).
+// One task per channel block, so the sums over b and t run in a fixed order.
+template <typename A>
+void causal_conv_backward(thread_pool& pool, const mamba_shape& s, const A* xi, std::size_t ldx,
+                          const A* w, const A* dc, A* dxi, std::size_t lddx, A* dw, A* dbias) {
+  const std::size_t B = s.batch, T = s.seq, Di = s.d_inner, K = s.d_conv;
+  pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t) {
+    const std::size_t i0 = blk * scan_channels, i1 = std::min(Di, i0 + scan_channels);
+    for (std::size_t i = i0; i < i1; ++i) {
+      std::fill(dw + i * K, dw + (i + 1) * K, A(0));
+      dbias[i] = A(0);
+    }
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t t = 0; t < T; ++t) {
+        const std::size_t n = b * T + t;
+        const A* g = dc + n * Di;
+        A* out = dxi + n * lddx;
+        for (std::size_t i = i0; i < i1; ++i) {
+          dbias[i] += g[i];
+          out[i] = A(0);
+        }
+        for (std::size_t k = 0; k < K; ++k) {
+          if (t + k >= K - 1) {  // dw: tap k saw xi at t − (K−1) + k
+            const A* src = xi + (n + k + 1 - K) * ldx;
+            for (std::size_t i = i0; i < i1; ++i) dw[i * K + k] += g[i] * src[i];
+          }
+          if (t + K - 1 - k < T) {  // dxi: xi at t fed output t + K−1 − k through tap k
+            const A* later = dc + (n + K - 1 - k) * Di;
+            for (std::size_t i = i0; i < i1; ++i) out[i] += w[i * K + k] * later[i];
+          }
+        }
+      }
+  });
+}
+
+// Selective scan forward over chunks of L steps: y[n, i] = C_t·h_t[i] + D[i]·u[n, i]. When
+// `states` is not null, the state entering chunk c (c ≥ 1) is stored at states[b, c − 1].
+template <typename A>
+void scan_forward(thread_pool& pool, const mamba_shape& s, std::size_t L, const A* u,
+                  const A* delta, const A* xdbl, const A* a, const A* dskip, A* y, A* states,
+                  A* scratch) {
+  const std::size_t B = s.batch, T = s.seq, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+  const std::size_t ldx = R + 2 * Ns, nch = scan_chunks(T, L);
+  pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t thread) {
+    const std::size_t i0 = blk * scan_channels, ni = std::min(scan_channels, Di - i0);
+    A* h = scratch + thread * scan_forward_scratch(Ns);
+    for (std::size_t b = 0; b < B; ++b) {
+      std::fill(h, h + ni * Ns, A(0));
+      for (std::size_t t = 0; t < T; ++t) {
+        if (states != nullptr && t > 0 && t % L == 0) {
+          A* dst = states + ((b * (nch - 1) + t / L - 1) * Di + i0) * Ns;
+          std::copy(h, h + ni * Ns, dst);
+        }
+        const std::size_t n = b * T + t;
+        const A* bt = xdbl + n * ldx + R;
+        const A* ct = bt + Ns;
+        for (std::size_t i = 0; i < ni; ++i) {
+          const std::size_t ch = i0 + i;
+          const A ui = u[n * Di + ch];
+          y[n * Di + ch] =
+              scan_update(h + i * Ns, a + ch * Ns, delta[n * Di + ch], ui, bt, ct, Ns) +
+              dskip[ch] * ui;
+        }
+      }
+    }
+  });
+}
+
+// Selective scan backward. Per chunk, last to first: recompute the chunk's states from its saved
+// entry state (forward order, through scan_update, so they equal forward's), then run the
+// reverse recurrence with the running dL/dh. Given dy = dL/dy [N, Di], writes y (recomputed),
+// du (the scan's part), dΔ, dA [Di, Ns] and dD [Di], and per channel block the partial sums of
+// dB and dC into part[blk, N, 2·Ns] (reduced by reduce_bc in a fixed order).
+template <typename A>
+void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const A* u,
+                   const A* delta, const A* xdbl, const A* a, const A* dskip, const A* states,
+                   const A* dy, A* y, A* du, A* ddelta, A* da, A* dd, A* part, A* scratch) {
+  const std::size_t B = s.batch, T = s.seq, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+  const std::size_t ldx = R + 2 * Ns, nch = scan_chunks(T, L), N = B * T;
+  const std::size_t Lc = std::min(L, T);  // states per chunk actually held
+  pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t thread) {
+    const std::size_t i0 = blk * scan_channels, ni = std::min(scan_channels, Di - i0);
+    A* hs = scratch + thread * scan_backward_scratch(Lc, Ns);  // [Lc, scan_channels, Ns]
+    A* dh = hs + Lc * scan_channels * Ns;                       // [scan_channels, Ns]
+    A* pblk = part + blk * N * 2 * Ns;
+    std::fill(da + i0 * Ns, da + (i0 + ni) * Ns, A(0));
+    std::fill(dd + i0, dd + i0 + ni, A(0));
+    for (std::size_t b = 0; b < B; ++b) {
+      std::fill(dh, dh + ni * Ns, A(0));
+      for (std::size_t c = nch; c-- > 0;) {
+        const std::size_t t0 = c * L, t1 = std::min(T, t0 + L);
+        const A* entry = c == 0 ? nullptr : states + ((b * (nch - 1) + c - 1) * Di + i0) * Ns;
+        const auto state_at = [&](std::size_t t) { return hs + (t - t0) * scan_channels * Ns; };
+        for (std::size_t t = t0; t < t1; ++t) {
+          const std::size_t n = b * T + t;
+          A* hc = state_at(t);
+          if (t == t0) {
+            if (entry) std::copy(entry, entry + ni * Ns, hc);
+            else std::fill(hc, hc + ni * Ns, A(0));
+          } else {
+            std::copy(state_at(t - 1), state_at(t - 1) + ni * Ns, hc);
+          }
+          const A* bt = xdbl + n * ldx + R;
+          for (std::size_t i = 0; i < ni; ++i) {
+            const std::size_t ch = i0 + i;
+            const A ui = u[n * Di + ch];
+            y[n * Di + ch] =
+                scan_update(hc + i * Ns, a + ch * Ns, delta[n * Di + ch], ui, bt, bt + Ns, Ns) +
+                dskip[ch] * ui;
+          }
+        }
+        for (std::size_t t = t1; t-- > t0;) {
+          const std::size_t n = b * T + t;
+          const A* bt = xdbl + n * ldx + R;
+          const auto Bv = cvec(bt, Ns);
+          const auto Cv = cvec(bt + Ns, Ns);
+          auto pB = vec(pblk + n * 2 * Ns, Ns);
+          auto pC = vec(pblk + n * 2 * Ns + Ns, Ns);
+          pB.setZero();
+          pC.setZero();
+          const A* hprev_base = t > t0 ? state_at(t - 1) : entry;  // null: h_{-1} = 0
+          for (std::size_t i = 0; i < ni; ++i) {
+            const std::size_t ch = i0 + i;
+            const A g = dy[n * Di + ch], ui = u[n * Di + ch], d = delta[n * Di + ch];
+            auto dhv = vec(dh + i * Ns, Ns);
+            const auto hv = cvec(state_at(t) + i * Ns, Ns);
+            const auto av = cvec(a + ch * Ns, Ns);
+            dd[ch] += g * ui;
+            dhv += g * Cv;  // y_t = C_t·h_t
+            pC += g * hv;
+            const Eigen::Array<A, Eigen::Dynamic, 1, Eigen::ColMajor, max_d_state, 1> e =
+                (av * d).exp();  // used three times: evaluate once (on the stack)
+            A dd_t, du_t;
+            if (hprev_base) {
+              const auto hp = cvec(hprev_base + i * Ns, Ns);
+              dd_t = (dhv * (av * e * hp + Bv * ui)).sum();
+              vec(da + ch * Ns, Ns) += dhv * d * e * hp;
+            } else {
+              dd_t = (dhv * Bv).sum() * ui;
+            }
+            du_t = g * dskip[ch] + d * (dhv * Bv).sum();
+            pB += dhv * (d * ui);
+            ddelta[n * Di + ch] = dd_t;
+            du[n * Di + ch] = du_t;
+            dhv *= e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
+          }
+        }
+      }
+    }
+  });
+}
+
+// dB, dC [N, Ns] each, written into x_dbl's gradient at columns R and R + Ns (row stride ldx):
+// the per-block partials summed in block order.
+template <typename A>
+void reduce_bc(thread_pool& pool, const mamba_shape& s, const A* part, A* dxdbl) {
+  const std::size_t N = s.batch * s.seq, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+  const std::size_t ldx = R + 2 * Ns, nblk = blocks(Di, scan_channels);
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t rb, std::size_t) {
+    const std::size_t r0 = rb * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      A* out = dxdbl + n * ldx + R;
+      std::copy(part + n * 2 * Ns, part + (n + 1) * 2 * Ns, out);
+      for (std::size_t blk = 1; blk < nblk; ++blk) {
+        const A* p = part + (blk * N + n) * 2 * Ns;
+        for (std::size_t j = 0; j < 2 * Ns; ++j) out[j] += p[j];
+      }
+    }
+  });
+}
+
+// Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
+template <typename F>
+void for_rows(thread_pool& pool, std::size_t N, F&& f) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) f(n);
+  });
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/mamba_cpu.hpp ----
+// ---- begin membound/layers/mamba.hpp ----
+// The Mamba-1 block (Gu & Dao 2023; the `Mamba` module of state-spaces/mamba with its reference
+// path), whose saved memory is set by the scan chunk, not by the sequence length. Semantics are
+// those of tests/support/mamba_reference.hpp (W is [in, out], row-major: y = x·W):
+//   xz = x·in_proj -> xi, z;  c = causal depthwise conv(xi) + conv_b;  u = SiLU(c)
+//   x_dbl = u·x_proj -> dt_low [R], B [Ns], C [Ns];  Δ = softplus(dt_low·dt_proj + dt_bias)
+//   h_t = exp(Δ_t·A) ⊙ h_{t−1} + Δ_t·B_t·u_t,  A = −exp(A_log);  y_t = C_t·h_t + D ⊙ u_t
+//   out = (y ⊙ SiLU(z))·out_proj
+//
+//   using block = membound::mamba<membound::bf16_precision, membound::scan_chunk<128>>;
+//   block::check(shape);                                       // throws, naming the argument
+//   std::size_t saved = block::saved_bytes(shape);             // kept from forward for backward
+//   block::forward(shape, w, x, out, saved_buf, saved, ws, block::forward_workspace_bytes(shape, t), pool);
+//   block::backward(shape, w, x, saved_buf, saved, dout, dx, grads, ws, bws, pool);
+//
+// Forward keeps xz, x_dbl (storage type) and the scan state entering every chunk after the first
+// (accumulator type): O(B·Di·Ns·T/chunk) state bytes, not O(B·Di·Ns·T). Backward recomputes the
+// states inside each chunk from its entry state and runs the reverse scan. The checkpoint policy
+// mirrors mamba_ssm's checkpoint_lvl: `recompute` (default, lvl 1) recomputes the conv output and
+// Δ in backward, `save_all` (lvl 0) keeps them. Values forward stores (xz, the conv output, x_dbl,
+// Δ) are rounded to the storage type once and then used as stored, so both policies give the
+// same gradients bit for bit. The scan state is accumulated in the accumulator type (float or
+// double). Nothing allocates: every buffer is carved from the caller's saved/workspace bytes.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <typename... Policies>
+class mamba {
+ public:
+  using policies = policy_set<type_list<fp32_precision, scan_chunk<128>, recompute>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using chunking = get_policy<policies, chunking_kind>;
+  using checkpoint = get_policy<policies, checkpoint_kind>;
+  static_assert(is_scan_chunk_v<chunking>,
+                "membound: mamba takes scan_chunk<L> as its chunking policy (attention_tiles and "
+                "ttt_mini_batch belong to attention and TTT).");
+  static_assert(std::is_same_v<checkpoint, recompute> || std::is_same_v<checkpoint, save_all>,
+                "membound: mamba takes `recompute` (mamba_ssm checkpoint_lvl 1: recompute the conv "
+                "output and delta in backward) or `save_all` (lvl 0: keep them) as its checkpoint "
+                "policy; ttt_checkpoint_groups belongs to the TTT layer.");
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+  static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
+                "membound: mamba accumulates its scan state in float or double; choose a "
+                "precision whose accumulator is one of them.");
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;
+  static constexpr bool keep_conv_delta = std::is_same_v<checkpoint, save_all>;
+  static constexpr std::size_t L = chunking::chunk;
+
+ public:
+  static constexpr std::size_t chunk = L;
+
+  // ---- Checks --------------------------------------------------------------------------------
+  static constexpr layer_support can_implement(const mamba_shape& s) noexcept {
+    auto no = [](const char* arg, const char* expected, double actual) {
+      return layer_support{false, arg, expected, actual};
+    };
+    const auto d = [](std::size_t v) { return static_cast<double>(v); };
+    if (s.batch == 0) return no("shape.batch", "at least 1", 0.0);
+    if (s.seq == 0) return no("shape.seq", "at least 1", 0.0);
+    if (s.d_model == 0) return no("shape.d_model", "at least 1", 0.0);
+    if (s.d_inner == 0) return no("shape.d_inner", "at least 1 (mamba_shape::defaults: 2·d_model)", 0.0);
+    if (s.d_state == 0 || s.d_state > cpu::max_d_state) {
+      return no("shape.d_state", "between 1 and 256", d(s.d_state));
+    }
+    if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
+    if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
+    return {};
+  }
+
+  static void check(const mamba_shape& s) {
+    const layer_support r = can_implement(s);
+    if (!r.ok) {
+      detail::throw_unsupported(r, false, "Fix the mamba_shape before sizing or running the block");
+    }
+  }
+
+  // ---- Memory known before running ------------------------------------------------------------
+  // Parameter elements, in the order of `weights`.
+  static constexpr std::size_t weight_elements(const mamba_shape& s) noexcept {
+    const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+    return C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di + Di * Ns + Di +
+           Di * C;
+  }
+
+  static constexpr std::size_t saved_bytes(const mamba_shape& s) noexcept {
+    const std::size_t b[] = {xz_bytes(s), xdbl_bytes(s), states_bytes(s), inner_s_bytes(s)};
+    return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  // Of saved_bytes, the chunk-entry scan states: B · (ceil(T / chunk) − 1) · Di · Ns accumulators.
+  static constexpr std::size_t saved_state_bytes(const mamba_shape& s) noexcept {
+    return states_bytes(s);
+  }
+  static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s,
+                                                       std::size_t threads) noexcept {
+    const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), xdbl_acc_bytes(s),
+                             bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state))};
+    return detail::fits_layout(b) ? forward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s,
+                                                        std::size_t threads) noexcept {
+    const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), part_bytes(s),
+                             bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
+                                                                             s.d_state))};
+    return detail::fits_layout(b) ? backward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
+  }
+  // The decoding state: conv [B, Di, K − 1] (the last K − 1 inputs, oldest first), then the scan
+  // state [B, Di, Ns], in the accumulator type. Constant in the sequence length.
+  static constexpr std::size_t state_bytes(const mamba_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.d_inner, s.d_conv - 1 + s.d_state);
+  }
+  static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
+    return step_layout(s).size();
+  }
+
+  struct weights {
+    const S* in_proj;   // [C, 2·Di]   x half, then z half
+    const S* conv_w;    // [Di, K]     tap K−1 multiplies the current token
+    const S* conv_b;    // [Di]
+    const S* x_proj;    // [Di, R + 2·Ns]  dt_low, B, C
+    const S* dt_proj;   // [R, Di]
+    const S* dt_bias;   // [Di]
+    const S* a_log;     // [Di, Ns]    A = −exp(a_log)
+    const S* d;         // [Di]
+    const S* out_proj;  // [Di, C]
+  };
+  struct gradients {  // accumulated (+=): the caller zeroes them
+    S* in_proj;
+    S* conv_w;
+    S* conv_b;
+    S* x_proj;
+    S* dt_proj;
+    S* dt_bias;
+    S* a_log;
+    S* d;
+    S* out_proj;
+  };
+
+  // The decoding state over the caller's state_bytes(shape) bytes (aligned to accum_type).
+  struct state {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    std::size_t position = 0;  // tokens consumed since reset
+  };
+  static state make_state(const mamba_shape& s, void* data, std::size_t bytes) {
+    check(s);
+    const std::size_t need = state_bytes(s);
+    if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
+    detail::check_aligned(data, alignof(A), "state");
+    state st{data, bytes, 0};
+    reset(s, st);
+    return st;
+  }
+  static void reset(const mamba_shape& s, state& st) {
+    A* p = static_cast<A*>(st.data);
+    std::fill(p, p + state_bytes(s) / sizeof(A), A(0));
+    st.position = 0;
+  }
+
+  // ---- Forward -------------------------------------------------------------------------------
+  static void forward(const mamba_shape& s, const weights& w, const S* x, S* out, void* saved,
+                      std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                      thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(out, "out");
+    const std::size_t threads = pool.size();
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = detail::carve_named(forward_layout(s, threads),
+                                        forward_workspace_bytes(s, threads), workspace,
+                                        workspace_size, "workspace");
+    // Nothing below throws: every output is written after every check.
+    const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner;
+    const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    A* const a_neg = ws.template get<A>(f_a);
+    negexp(wa.a_log, Di * Ns, a_neg);
+
+    // Phase 0: xz = x·in_proj, stored (rounded) and used as stored.
+    S* xz_s = sv.template get<S>(s_xz);
+    A* xz = accum_target(xz_s, ws.template get<A>(f_xz));
+    cpu::matmul(pool, xa, wa.in_proj, xz, N, C, 2 * Di, false);
+    store(pool, xz, N * 2 * Di, xz_s);
+    // c = conv(xi) + b, then u = SiLU(c) in place.
+    A* u = ws.template get<A>(f_u);
+    conv_forward(pool, s, xz, wa, u, keep_conv_delta ? sv.template get<S>(s_c) : nullptr);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t i = 0; i < Di; ++i) u[n * Di + i] = cpu::silu(u[n * Di + i]);
+    });
+
+    // Phase 1: x_dbl = u·x_proj (stored), Δ = softplus(dt_low·dt_proj + dt_bias).
+    S* xdbl_s = sv.template get<S>(s_xdbl);
+    A* xdbl = accum_target(xdbl_s, ws.template get<A>(f_xdbl));
+    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, N, Di, ldx, false);
+    store(pool, xdbl, N * ldx, xdbl_s);
+    A* delta = ws.template get<A>(f_delta);
+    delta_forward(pool, s, xdbl, wa, delta, keep_conv_delta ? sv.template get<S>(s_delta) : nullptr);
+
+    // Phase 2: the scan, keeping the chunk-entry states; then the gate, in place.
+    A* y = ws.template get<A>(f_y);
+    cpu::scan_forward(pool, s, L, static_cast<const A*>(u), static_cast<const A*>(delta),
+                      static_cast<const A*>(xdbl), static_cast<const A*>(a_neg), wa.d, y,
+                      sv.template get<A>(s_states), ws.template get<A>(f_scratch));
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      const A* z = xz + n * 2 * Di + Di;
+      for (std::size_t i = 0; i < Di; ++i) y[n * Di + i] *= cpu::silu(z[i]);
+    });
+
+    // Phase 3: out = g·out_proj.
+    A* oa = accum_target(out, ws.template get<A>(f_out));
+    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, N, Di, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), N * C, out);
+  }
+
+  // ---- Backward ------------------------------------------------------------------------------
+  static void backward(const mamba_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dout, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(dout, "dout");
+    detail::not_null(dx, "dx");
+    check_gradients(g);
+    const std::size_t threads = pool.size();
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                        saved_size, "saved");
+    const auto ws = detail::carve_named(backward_layout(s, threads),
+                                        backward_workspace_bytes(s, threads), workspace,
+                                        workspace_size, "workspace");
+    const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner, K = s.d_conv;
+    const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    A* const a_neg = ws.template get<A>(b_a);
+    negexp(wa.a_log, Di * Ns, a_neg);
+
+    // Phase 0: the forward's values, as stored (or recomputed from what is stored).
+    const A* xz = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xz)), N * 2 * Di,
+                                 ws.template get<A>(b_xz));
+    const A* xdbl = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xdbl)), N * ldx,
+                                   ws.template get<A>(b_xdbl));
+    const A* c;
+    const A* delta;
+    if constexpr (keep_conv_delta) {
+      c = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_c)), N * Di,
+                         ws.template get<A>(b_c));
+      delta = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_delta)), N * Di,
+                             ws.template get<A>(b_delta));
+    } else {
+      A* cw = ws.template get<A>(b_c);
+      conv_forward(pool, s, xz, wa, cw, nullptr);
+      A* dw = ws.template get<A>(b_delta);
+      delta_forward(pool, s, xdbl, wa, dw, nullptr);
+      c = cw;
+      delta = dw;
+    }
+    A* u = ws.template get<A>(b_u);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t i = 0; i < Di; ++i) u[n * Di + i] = cpu::silu(c[n * Di + i]);
+    });
+    // dg = dout·out_projᵀ; the scan's output gradient dy = dg ⊙ SiLU(z).
+    const A* dya = widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
+    A* dg = ws.template get<A>(b_dg);
+    cpu::matmul_bt(pool, dya, wa.out_proj, dg, N, C, Di, false);
+    A* dys = ws.template get<A>(b_dys);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      const A* z = xz + n * 2 * Di + Di;
+      for (std::size_t i = 0; i < Di; ++i) dys[n * Di + i] = dg[n * Di + i] * cpu::silu(z[i]);
+    });
+
+    // Phase 1: the reverse scan.
+    A* y = ws.template get<A>(b_y);
+    A* du = ws.template get<A>(b_du);
+    A* ddelta = ws.template get<A>(b_ddelta);
+    A* small = ws.template get<A>(b_small);
+    A* da = small;                  // [Di, Ns] w.r.t. A
+    A* dd = da + Di * Ns;           // [Di]
+    A* dconv_w = dd + Di;           // [Di, K]
+    A* dconv_b = dconv_w + Di * K;  // [Di]
+    A* ddt_bias = dconv_b + Di;     // [Di]
+    A* dxdbl = ws.template get<A>(b_dxdbl);
+    cpu::scan_backward(pool, s, L, static_cast<const A*>(u), delta, xdbl,
+                       static_cast<const A*>(a_neg), wa.d, sv.template get<A>(s_states),
+                       static_cast<const A*>(dys), y, du, ddelta, da, dd,
+                       ws.template get<A>(b_part), ws.template get<A>(b_scratch));
+    cpu::reduce_bc(pool, s, static_cast<const A*>(ws.template get<A>(b_part)), dxdbl);
+
+    // Phase 2: dz = dg ⊙ y ⊙ SiLU'(z) into dxz's z half; g = y ⊙ SiLU(z); dout_proj = gᵀ·dout.
+    A* dxz = ws.template get<A>(b_dxz);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      const A* z = xz + n * 2 * Di + Di;
+      A* dz = dxz + n * 2 * Di + Di;
+      for (std::size_t i = 0; i < Di; ++i) {
+        dz[i] = dg[n * Di + i] * y[n * Di + i] * cpu::silu_grad(z[i]);
+        y[n * Di + i] *= cpu::silu(z[i]);
+      }
+    });
+    A* tmp = ws.template get<A>(b_wtmp);
+    weight_grad(pool, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C);
+
+    // Phase 3: dt = dt_low·dt_proj + dt_bias went through softplus, whose derivative σ(dt) is
+    // 1 − exp(−Δ) = −expm1(−Δ): the gradient follows from Δ alone, as stored.
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t i = 0; i < Di; ++i)
+        ddelta[n * Di + i] *= -std::expm1(-delta[n * Di + i]);
+    });
+    column_sums(pool, static_cast<const A*>(ddelta), N, Di, ddt_bias);
+    if constexpr (widened) {
+      cpu::matmul_at(pool, xdbl, static_cast<const A*>(ddelta), tmp, N, R, Di, false,
+                     cpu::ld3{ldx, Di, Di});
+      cpu::narrow_add(static_cast<const A*>(tmp), R * Di, g.dt_proj);
+    } else {
+      cpu::matmul_at(pool, xdbl, static_cast<const A*>(ddelta), g.dt_proj, N, R, Di, true,
+                     cpu::ld3{ldx, Di, Di});
+    }
+    cpu::matmul_bt(pool, static_cast<const A*>(ddelta), wa.dt_proj, dxdbl, N, Di, R, false,
+                   cpu::ld3{Di, Di, ldx});
+
+    // Phase 4: x_proj's gradients; dc = du ⊙ SiLU'(c); the convolution's transpose.
+    weight_grad(pool, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N,
+                Di, ldx);
+    cpu::matmul_bt(pool, static_cast<const A*>(dxdbl), wa.x_proj, du, N, ldx, Di, true);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t i = 0; i < Di; ++i) du[n * Di + i] *= cpu::silu_grad(c[n * Di + i]);
+    });
+    cpu::causal_conv_backward(pool, s, xz, 2 * Di, wa.conv_w, static_cast<const A*>(du), dxz,
+                              2 * Di, dconv_w, dconv_b);
+
+    // Phase 5: in_proj's gradients and dx = dxz·in_projᵀ.
+    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    weight_grad(pool, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di);
+    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(pool, static_cast<const A*>(dxz), wa.in_proj, dxa, N, 2 * Di, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+
+    // The small parameters, each rounded once into its gradient. dA_log = dA ⊙ A.
+    for (std::size_t j = 0; j < Di * Ns; ++j) da[j] *= a_neg[j];
+    add_grad(da, Di * Ns, g.a_log);
+    add_grad(dd, Di, g.d);
+    add_grad(dconv_w, Di * K, g.conv_w);
+    add_grad(dconv_b, Di, g.conv_b);
+    add_grad(ddt_bias, Di, g.dt_bias);
+  }
+
+  // ---- Decoding ------------------------------------------------------------------------------
+  // One token per sequence: x_t [B, C] -> out_t [B, C], carrying the conv and scan states.
+  // shape.seq is ignored. Checks everything before touching the state or out_t.
+  static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
+                   void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x_t, "x_t");
+    detail::not_null(out_t, "out_t");
+    if (st.data == nullptr || st.bytes < state_bytes(s)) {
+      throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
+    }
+    detail::check_aligned(st.data, alignof(A), "state");
+    const auto ws = detail::carve_named(step_layout(s), step_workspace_bytes(s), workspace,
+                                        workspace_size, "workspace");
+    const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;
+    const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
+    A* a_neg = ws.template get<A>(st_a);
+    negexp(wa.a_log, Di * Ns, a_neg);
+    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    A* xz = ws.template get<A>(st_xz);
+    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false);
+    cpu::round_through<S>(xz, B * 2 * Di);
+    A* conv_state = static_cast<A*>(st.data);        // [B, Di, K − 1]
+    A* ssm_state = conv_state + B * Di * (K - 1);   // [B, Di, Ns]
+    A* u = ws.template get<A>(st_u);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t i = 0; i < Di; ++i) {
+        A* cs = conv_state + (b * Di + i) * (K - 1);
+        const A xi = xz[b * 2 * Di + i];
+        A c = wa.conv_b[i];
+        for (std::size_t k = 0; k + 1 < K; ++k) c += wa.conv_w[i * K + k] * cs[k];
+        c += wa.conv_w[i * K + K - 1] * xi;
+        if (K > 1) {
+          std::copy(cs + 1, cs + (K - 1), cs);
+          cs[K - 2] = xi;
+        }
+        u[b * Di + i] = c;
+      }
+    cpu::round_through<S>(u, B * Di);
+    for (std::size_t j = 0; j < B * Di; ++j) u[j] = cpu::silu(u[j]);
+    A* xdbl = ws.template get<A>(st_xdbl);
+    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false);
+    cpu::round_through<S>(xdbl, B * ldx);
+    A* delta = ws.template get<A>(st_delta);
+    cpu::matmul(pool, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
+                cpu::ld3{ldx, Di, Di});
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t i = 0; i < Di; ++i)
+        delta[b * Di + i] = cpu::softplus(delta[b * Di + i] + wa.dt_bias[i]);
+    cpu::round_through<S>(delta, B * Di);
+    A* y = ws.template get<A>(st_y);
+    for (std::size_t b = 0; b < B; ++b) {
+      const A* bt = xdbl + b * ldx + R;
+      for (std::size_t i = 0; i < Di; ++i) {
+        const A ui = u[b * Di + i];
+        const A yi = cpu::scan_update(ssm_state + (b * Di + i) * Ns, a_neg + i * Ns,
+                                      delta[b * Di + i], ui, bt, bt + Ns, Ns) +
+                     wa.d[i] * ui;
+        y[b * Di + i] = yi * cpu::silu(xz[b * 2 * Di + Di + i]);
+      }
+    }
+    A* oa = accum_target(out_t, ws.template get<A>(st_out));
+    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
+    ++st.position;
+  }
+
+  // Where forward put the chunk-entry states ([B, chunks − 1, Di, Ns], accum_type) inside
+  // `saved`: for tests and diagnostics.
+  static const A* saved_states(const mamba_shape& s, const void* saved) {
+    return static_cast<const A*>(static_cast<const void*>(static_cast<const std::byte*>(saved) +
+                                                          saved_layout(s).offset(s_states)));
+  }
+
+ private:
+  // ---- Sizes ---------------------------------------------------------------------------------
+  static constexpr std::size_t rows(const mamba_shape& s) noexcept { return s.batch * s.seq; }
+  static constexpr std::size_t xz_bytes(const mamba_shape& s) noexcept {
+    return bytes_of<S>(rows(s), 2 * s.d_inner);
+  }
+  static constexpr std::size_t xdbl_bytes(const mamba_shape& s) noexcept {
+    return bytes_of<S>(rows(s), s.dt_rank + 2 * s.d_state);
+  }
+  static constexpr std::size_t states_bytes(const mamba_shape& s) noexcept {
+    return bytes_of<A>(s.batch, cpu::scan_chunks(s.seq, L) - 1, s.d_inner, s.d_state);
+  }
+  static constexpr std::size_t inner_s_bytes(const mamba_shape& s) noexcept {  // c or Δ, kept
+    return keep_conv_delta ? bytes_of<S>(rows(s), s.d_inner) : 0;
+  }
+  static constexpr std::size_t inner_bytes(const mamba_shape& s) noexcept {  // [N, Di] in A
+    return bytes_of<A>(rows(s), s.d_inner);
+  }
+  static constexpr std::size_t w_acc_bytes(const mamba_shape& s) noexcept {
+    return widened ? bytes_of<A>(weight_elements(s)) : 0;
+  }
+  static constexpr std::size_t xz_acc_bytes(const mamba_shape& s) noexcept {
+    return widened ? bytes_of<A>(rows(s), 2 * s.d_inner) : 0;
+  }
+  static constexpr std::size_t xdbl_acc_bytes(const mamba_shape& s) noexcept {
+    return widened ? bytes_of<A>(rows(s), s.dt_rank + 2 * s.d_state) : 0;
+  }
+  static constexpr std::size_t io_acc_bytes(const mamba_shape& s) noexcept {  // x, out, dout, dx
+    return widened ? bytes_of<A>(rows(s), s.d_model) : 0;
+  }
+  static constexpr std::size_t part_bytes(const mamba_shape& s) noexcept {
+    return bytes_of<A>(blocks_of_channels(s), rows(s), 2 * s.d_state);
+  }
+  static constexpr std::size_t blocks_of_channels(const mamba_shape& s) noexcept {
+    return cpu::blocks(s.d_inner, cpu::scan_channels);
+  }
+  // A conv output / Δ that backward reads straight from `saved` needs no workspace copy.
+  static constexpr std::size_t recomputed_inner_bytes(const mamba_shape& s) noexcept {
+    return keep_conv_delta && !widened ? 0 : inner_bytes(s);
+  }
+  static constexpr std::size_t wtmp_bytes(const mamba_shape& s) noexcept {
+    if (!widened) return 0;
+    const std::size_t C = s.d_model, Di = s.d_inner, R = s.dt_rank, Ns = s.d_state;
+    return bytes_of<A>(std::max({C * 2 * Di, Di * (R + 2 * Ns), R * Di, Di * C}));
+  }
+
+  // ---- Layouts (shared by the size functions and the carving) ----------------------------------
+  enum saved_slot : std::size_t { s_xz, s_xdbl, s_states, s_c, s_delta };
+  static constexpr workspace_layout<5> saved_layout(const mamba_shape& s) {
+    workspace_layout<5> l;
+    l.add(xz_bytes(s));
+    l.add(xdbl_bytes(s));
+    l.add(states_bytes(s));
+    l.add(inner_s_bytes(s));
+    l.add(inner_s_bytes(s));
+    return l;
+  }
+
+  // Phases: 0 in_proj and conv, 1 x_proj and Δ, 2 scan and gate, 3 out_proj.
+  enum forward_slot : std::size_t { f_w, f_a, f_x, f_xz, f_u, f_xdbl, f_delta, f_y, f_scratch, f_out };
+  static constexpr workspace_layout<10> forward_layout(const mamba_shape& s, std::size_t threads) {
+    workspace_layout<10> l;
+    l.add(w_acc_bytes(s), default_alignment, {0, 3});
+    l.add(bytes_of<A>(s.d_inner, s.d_state), default_alignment, {0, 3});
+    l.add(io_acc_bytes(s), default_alignment, {0, 0});
+    l.add(xz_acc_bytes(s), default_alignment, {0, 2});
+    l.add(inner_bytes(s), default_alignment, {0, 2});
+    l.add(xdbl_acc_bytes(s), default_alignment, {1, 2});
+    l.add(inner_bytes(s), default_alignment, {1, 2});
+    l.add(inner_bytes(s), default_alignment, {2, 3});
+    l.add(bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)), default_alignment, {2, 2});
+    l.add(io_acc_bytes(s), default_alignment, {3, 3});
+    return l;
+  }
+
+  // Phases: 0 forward values, dg and the scan's dy; 1 reverse scan; 2 gate and out_proj grads;
+  // 3 Δ's projection grads; 4 x_proj and conv grads; 5 in_proj grads and dx.
+  enum backward_slot : std::size_t {
+    b_w, b_a, b_xz, b_xdbl, b_c, b_delta, b_u, b_dout, b_dg, b_dys, b_y, b_du, b_ddelta,
+    b_small, b_part, b_scratch, b_dxdbl, b_dxz, b_wtmp, b_x, b_dx
+  };
+  static constexpr workspace_layout<21> backward_layout(const mamba_shape& s, std::size_t threads) {
+    const std::size_t Di = s.d_inner, Ns = s.d_state;
+    workspace_layout<21> l;
+    l.add(w_acc_bytes(s), default_alignment, {0, 5});
+    l.add(bytes_of<A>(Di, Ns), default_alignment, {0, 5});
+    l.add(xz_acc_bytes(s), default_alignment, {0, 4});
+    l.add(xdbl_acc_bytes(s), default_alignment, {0, 3});
+    l.add(recomputed_inner_bytes(s), default_alignment, {0, 4});  // c
+    l.add(recomputed_inner_bytes(s), default_alignment, {0, 3});  // Δ
+    l.add(inner_bytes(s), default_alignment, {0, 4});             // u
+    l.add(io_acc_bytes(s), default_alignment, {0, 2});            // dout
+    l.add(inner_bytes(s), default_alignment, {0, 2});             // dg
+    l.add(inner_bytes(s), default_alignment, {0, 1});             // the scan's dy
+    l.add(inner_bytes(s), default_alignment, {1, 2});             // y, then g
+    l.add(inner_bytes(s), default_alignment, {1, 4});             // du, then dc
+    l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
+    l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
+    l.add(part_bytes(s), default_alignment, {1, 1});
+    l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns)),
+          default_alignment, {1, 1});
+    l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
+    l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});
+    l.add(wtmp_bytes(s), default_alignment, {2, 5});
+    l.add(io_acc_bytes(s), default_alignment, {5, 5});  // x
+    l.add(io_acc_bytes(s), default_alignment, {5, 5});  // dx
+    return l;
+  }
+
+  enum step_slot : std::size_t { st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out };
+  static constexpr workspace_layout<9> step_layout(const mamba_shape& s) {
+    const std::size_t B = s.batch, Di = s.d_inner;
+    workspace_layout<9> l;
+    l.add(w_acc_bytes(s));
+    l.add(bytes_of<A>(Di, s.d_state));
+    l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
+    l.add(bytes_of<A>(B, 2 * Di));
+    l.add(bytes_of<A>(B, Di));
+    l.add(bytes_of<A>(B, s.dt_rank + 2 * s.d_state));
+    l.add(bytes_of<A>(B, Di));
+    l.add(bytes_of<A>(B, Di));
+    l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
+    return l;
+  }
+
+  // ---- Helpers -------------------------------------------------------------------------------
+  static void check_weights(const weights& w) {
+    detail::not_null(w.in_proj, "weights.in_proj");
+    detail::not_null(w.conv_w, "weights.conv_w");
+    detail::not_null(w.conv_b, "weights.conv_b");
+    detail::not_null(w.x_proj, "weights.x_proj");
+    detail::not_null(w.dt_proj, "weights.dt_proj");
+    detail::not_null(w.dt_bias, "weights.dt_bias");
+    detail::not_null(w.a_log, "weights.a_log");
+    detail::not_null(w.d, "weights.d");
+    detail::not_null(w.out_proj, "weights.out_proj");
+  }
+  static void check_gradients(const gradients& g) {
+    detail::not_null(g.in_proj, "gradients.in_proj");
+    detail::not_null(g.conv_w, "gradients.conv_w");
+    detail::not_null(g.conv_b, "gradients.conv_b");
+    detail::not_null(g.x_proj, "gradients.x_proj");
+    detail::not_null(g.dt_proj, "gradients.dt_proj");
+    detail::not_null(g.dt_bias, "gradients.dt_bias");
+    detail::not_null(g.a_log, "gradients.a_log");
+    detail::not_null(g.d, "gradients.d");
+    detail::not_null(g.out_proj, "gradients.out_proj");
+  }
+
+  struct wptrs {
+    const A *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
+  };
+  static wptrs widen_weights(const weights& w, const mamba_shape& s, A* slot) {
+    if constexpr (widened) {
+      const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+      A* p = slot;
+      const auto take = [&](const S* src, std::size_t n) {
+        cpu::widen(src, n, p);
+        const A* out = p;
+        p += n;
+        return out;
+      };
+      wptrs r;
+      r.in_proj = take(w.in_proj, C * 2 * Di);
+      r.conv_w = take(w.conv_w, Di * s.d_conv);
+      r.conv_b = take(w.conv_b, Di);
+      r.x_proj = take(w.x_proj, Di * (R + 2 * Ns));
+      r.dt_proj = take(w.dt_proj, R * Di);
+      r.dt_bias = take(w.dt_bias, Di);
+      r.a_log = take(w.a_log, Di * Ns);
+      r.d = take(w.d, Di);
+      r.out_proj = take(w.out_proj, Di * C);
+      return r;
+    } else {
+      (void)s;
+      (void)slot;
+      return {w.in_proj, w.conv_w, w.conv_b, w.x_proj, w.dt_proj, w.dt_bias, w.a_log, w.d,
+              w.out_proj};
+    }
+  }
+
+  static void negexp(const A* a_log, std::size_t n, A* out) {
+    for (std::size_t j = 0; j < n; ++j) out[j] = -std::exp(a_log[j]);
+  }
+
+  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
+    if constexpr (widened) {
+      cpu::widen(src, n, slot);
+      return slot;
+    } else {
+      (void)n;
+      (void)slot;
+      return src;
+    }
+  }
+  static A* accum_target(S* caller, A* slot) {
+    if constexpr (widened) {
+      (void)caller;
+      return slot;
+    } else {
+      (void)slot;
+      return caller;
+    }
+  }
+  // Rounds an A buffer through storage and writes it to the S slot (a no-op for S = A, where the
+  // buffer is the slot).
+  static void store(thread_pool& pool, A* values, std::size_t n, S* slot) {
+    if constexpr (widened) {
+      (void)pool;
+      cpu::narrow(static_cast<const A*>(values), n, slot);
+      cpu::widen(static_cast<const S*>(slot), n, values);
+    } else {
+      (void)pool;
+      (void)values;
+      (void)n;
+      (void)slot;
+    }
+  }
+
+  // c = conv(xi) + conv_b into `c`, rounded through storage (and kept when `keep` is not null).
+  static void conv_forward(thread_pool& pool, const mamba_shape& s, const A* xz, const wptrs& wa,
+                           A* c, S* keep) {
+    const std::size_t N = rows(s), Di = s.d_inner;
+    cpu::causal_conv(pool, s, xz, 2 * Di, wa.conv_w, wa.conv_b, c);
+    if (keep != nullptr) {
+      cpu::narrow(static_cast<const A*>(c), N * Di, keep);
+      if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, c);
+    } else {
+      cpu::round_through<S>(c, N * Di);
+    }
+  }
+
+  // Δ = softplus(dt_low·dt_proj + dt_bias), rounded through storage (kept when `keep` is set).
+  static void delta_forward(thread_pool& pool, const mamba_shape& s, const A* xdbl,
+                            const wptrs& wa, A* delta, S* keep) {
+    const std::size_t N = rows(s), Di = s.d_inner, ldx = s.dt_rank + 2 * s.d_state;
+    cpu::matmul(pool, xdbl, wa.dt_proj, delta, N, s.dt_rank, Di, false, cpu::ld3{ldx, Di, Di});
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t i = 0; i < Di; ++i)
+        delta[n * Di + i] = cpu::softplus(delta[n * Di + i] + wa.dt_bias[i]);
+    });
+    if (keep != nullptr) {
+      cpu::narrow(static_cast<const A*>(delta), N * Di, keep);
+      if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, delta);
+    } else {
+      cpu::round_through<S>(delta, N * Di);
+    }
+  }
+
+  // out[j] = Σ_n x[n, j], in row order per column block (thread-count independent).
+  static void column_sums(thread_pool& pool, const A* x, std::size_t N, std::size_t M, A* out) {
+    pool.parallel_for(cpu::blocks(M, cpu::scan_channels), [&](std::size_t blk, std::size_t) {
+      const std::size_t j0 = blk * cpu::scan_channels, j1 = std::min(M, j0 + cpu::scan_channels);
+      std::fill(out + j0, out + j1, A(0));
+      for (std::size_t n = 0; n < N; ++n)
+        for (std::size_t j = j0; j < j1; ++j) out[j] += x[n * M + j];
+    });
+  }
+
+  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
+  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                          std::size_t K, std::size_t M) {
+    if constexpr (widened) {
+      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
+      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
+    } else {
+      (void)tmp;
+      cpu::matmul_at(pool, x, d, g, N, K, M, true);
+    }
+  }
+  static void add_grad(const A* src, std::size_t n, S* g) {
+    if constexpr (widened) {
+      cpu::narrow_add(src, n, g);
+    } else {
+      for (std::size_t j = 0; j < n; ++j) g[j] += src[j];
+    }
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/mamba.hpp ----
 // ---- end membound/membound.hpp ----

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../support/attention_reference.hpp"
+#include "../support/layer_test_util.hpp"
 #include "../support/test_rng.hpp"
 #include "membound/membound.hpp"
 
@@ -24,20 +25,12 @@ using membound::thread_pool;
 
 namespace {
 
+using membound_test::aligned_buffer;
+using membound_test::rel_err;
 using membound_test::rng;
-
-// A buffer aligned to 256 bytes (membound::default_alignment), as carve requires.
-struct aligned_buffer {
-  struct deleter {
-    void operator()(std::byte* p) const { ::operator delete(p, std::align_val_t{256}); }
-  };
-  std::unique_ptr<std::byte, deleter> p;
-  std::size_t bytes = 0;
-  explicit aligned_buffer(std::size_t n)
-      : p(static_cast<std::byte*>(::operator new(n == 0 ? 1 : n, std::align_val_t{256}))),
-        bytes(n) {}
-  void* get() const { return p.get(); }
-};
+using membound_test::rounded;
+using membound_test::to_double;
+using membound_test::to_storage;
 
 ref::attention_config to_config(const attention_shape& s) {
   return ref::attention_config{s.batch, s.seq, s.d_model, s.heads, s.kv_heads, s.head_dim,
@@ -52,39 +45,6 @@ ref::attention_weights random_weights(const attention_shape& c, rng& r) {
   w.wv = r.fill(c.d_model * KD, 1.0 / std::sqrt(static_cast<double>(c.d_model)));
   w.wo = r.fill(HD * c.d_model, 1.0 / std::sqrt(static_cast<double>(HD)));
   return w;
-}
-
-double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
-  REQUIRE(a.size() == b.size());
-  double d = 0.0, s = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    d = std::max(d, std::abs(a[i] - b[i]));
-    s = std::max(s, std::abs(b[i]));
-  }
-  return s == 0.0 ? d : d / s;
-}
-
-template <typename S>
-std::vector<S> to_storage(const std::vector<double>& v) {
-  std::vector<S> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = membound::from_accum<S>(v[i]);
-  return out;
-}
-template <typename S>
-std::vector<double> to_double(const S* p, std::size_t n) {
-  std::vector<double> out(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(p[i]));
-  return out;
-}
-template <>
-std::vector<double> to_double<double>(const double* p, std::size_t n) {
-  return std::vector<double>(p, p + n);
-}
-// The value a storage type holds for v (what the layer really sees as input).
-template <typename S>
-std::vector<double> rounded(const std::vector<double>& v) {
-  const std::vector<S> s = to_storage<S>(v);
-  return to_double(s.data(), s.size());
 }
 
 struct problem {

@@ -35,6 +35,7 @@
 #include "membound/core/parallel.hpp"
 #include "membound/core/type_list.hpp"
 #include "membound/layers/attention_shape.hpp"
+#include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/checkpoint.hpp"
 #include "membound/policy/chunking.hpp"
@@ -43,34 +44,7 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
-// can_implement's answer: which argument fails, what it expected and what it got. Never throws.
-struct attention_support {
-  bool ok = true;
-  const char* argument = "";
-  const char* expected = "";
-  double actual = 0.0;
-  constexpr explicit operator bool() const noexcept { return ok; }
-};
-
-namespace detail {
-
-constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
-
-// Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
-// them instead (a request no budget serves) so that they can stay noexcept.
-inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
-
-template <std::size_t N>
-constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
-  for (std::size_t b : bytes)
-    if (b >= huge_slot) return false;
-  return true;
-}
-
-}  // namespace detail
+using attention_support = layer_support;
 
 template <typename... Policies>
 class attention {
@@ -125,11 +99,8 @@ class attention {
   static void check(const attention_shape& s) {
     const attention_support r = can_implement(s);
     if (!r.ok) {
-      const bool integral = std::string(r.argument) != "shape.rope_base";
-      throw invalid_argument(r.argument, r.expected,
-                             integral ? std::to_string(static_cast<std::size_t>(r.actual))
-                                      : std::to_string(r.actual),
-                             "Fix the attention_shape before sizing or running the layer");
+      detail::throw_unsupported(r, std::string(r.argument) == "shape.rope_base",
+                                "Fix the attention_shape before sizing or running the layer");
     }
   }
 
@@ -212,7 +183,7 @@ class attention {
     if (data == nullptr || bytes < need) {
       throw workspace_too_small("cache", need, data == nullptr ? 0 : bytes);
     }
-    check_aligned(data, alignof(S), "cache");
+    detail::check_aligned(data, alignof(S), "cache");
     return kv_cache{data, bytes, max_len, 0};
   }
 
@@ -228,11 +199,11 @@ class attention {
                       thread_pool& pool) {
     check(s);
     check_weights(w);
-    not_null(x, "x");
-    not_null(y, "y");
+    detail::not_null(x, "x");
+    detail::not_null(y, "y");
     const std::size_t threads = pool.size();
-    const auto sv = carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    const auto ws = carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = detail::carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
@@ -261,17 +232,17 @@ class attention {
                        void* workspace, std::size_t workspace_size, thread_pool& pool) {
     check(s);
     check_weights(w);
-    not_null(x, "x");
-    not_null(dy, "dy");
-    not_null(dx, "dx");
-    not_null(g.wq, "gradients.wq");
-    not_null(g.wk, "gradients.wk");
-    not_null(g.wv, "gradients.wv");
-    not_null(g.wo, "gradients.wo");
+    detail::not_null(x, "x");
+    detail::not_null(dy, "dy");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.wq, "gradients.wq");
+    detail::not_null(g.wk, "gradients.wk");
+    detail::not_null(g.wv, "gradients.wv");
+    detail::not_null(g.wo, "gradients.wo");
     const std::size_t threads = pool.size();
-    const auto sv = carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                 saved_size, "saved");
-    const auto ws = carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
+    const auto ws = detail::carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
@@ -329,21 +300,21 @@ class attention {
                              "Single-step decoding reproduces only causal attention");
     }
     check_weights(w);
-    not_null(x_t, "x_t");
-    not_null(y_t, "y_t");
+    detail::not_null(x_t, "x_t");
+    detail::not_null(y_t, "y_t");
     const std::size_t L = cache.max_len;
     if (L == 0 || cache.data == nullptr || cache.bytes < kv_cache_bytes(s, L)) {
       throw workspace_too_small("cache", kv_cache_bytes(s, L),
                                 cache.data == nullptr ? 0 : cache.bytes);
     }
-    check_aligned(cache.data, alignof(S), "cache");
+    detail::check_aligned(cache.data, alignof(S), "cache");
     if (cache.length >= L) {
       throw invalid_argument("cache", "room for one more position (max_len " + std::to_string(L) + ")",
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
     const std::size_t threads = pool.size();
-    const auto ws = carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
+    const auto ws = detail::carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
                                 workspace, workspace_size, "workspace");
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
@@ -484,37 +455,11 @@ class attention {
   }
 
   // ---- Helpers -------------------------------------------------------------------------------
-  template <typename P>
-  static void not_null(const P* p, const char* name) {
-    if (p == nullptr) {
-      throw invalid_argument(name, "a non-null pointer", "nullptr",
-                             "Pass the buffer (see the layer's header for its shape)");
-    }
-  }
   static void check_weights(const weights& w) {
-    not_null(w.wq, "weights.wq");
-    not_null(w.wk, "weights.wk");
-    not_null(w.wv, "weights.wv");
-    not_null(w.wo, "weights.wo");
-  }
-  static void check_aligned(const void* p, std::size_t alignment, const char* name) {
-    const auto addr = reinterpret_cast<std::uintptr_t>(p);
-    if (addr % alignment != 0) {
-      throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
-                             "an address " + std::to_string(addr % alignment) +
-                                 " bytes past such a boundary",
-                             "Allocate it with at least that alignment");
-    }
-  }
-  // carve, but the errors name `name` (saved or workspace).
-  template <std::size_t N>
-  static workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need,
-                                       void* base, std::size_t bytes, const char* name) {
-    if (need != 0 && (base == nullptr || bytes < need)) {
-      throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
-    }
-    check_aligned(base, layout.alignment(), name);
-    return carve(layout, base, bytes);
+    detail::not_null(w.wq, "weights.wq");
+    detail::not_null(w.wk, "weights.wk");
+    detail::not_null(w.wv, "weights.wv");
+    detail::not_null(w.wo, "weights.wo");
   }
 
   static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {

@@ -1,4 +1,5 @@
-// "Every allocation in a layer goes through the caller's workspace": checked with Eigen's own
+// "Every allocation in a layer goes through the caller's workspace": checked, for attention and
+// Mamba, with Eigen's own
 // guard. EIGEN_RUNTIME_NO_MALLOC makes every Eigen heap allocation call eigen_assert(false) while
 // malloc is disallowed; eigen_assert is redirected to a recorder (not abort, and active in Release
 // builds too, where NDEBUG would otherwise remove it), so the test reports what allocated.
@@ -98,5 +99,58 @@ TEST_CASE("attention allocates nothing beyond its workspace: forward, backward a
     run_without_heap<attention<fp64_precision>>(deep, threads);
     run_without_heap<attention<bf16_precision>>(wide, threads);
     run_without_heap<attention<fp64_precision, attention_tiles<64, 128>>>(deep, threads);
+  }
+}
+
+namespace {
+
+template <typename Block>
+void mamba_without_heap(const mamba_shape& s, std::size_t threads) {
+  using S = typename Block::storage_type;
+  const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner, Ns = s.d_state;
+  const std::size_t R = s.dt_rank, K = s.d_conv;
+  auto fill = [](std::size_t n, float v) { return std::vector<S>(n, S(v)); };
+  // One buffer per parameter, then the gradients: the order of weights/gradients.
+  const std::size_t sizes[] = {C * 2 * Di, Di * K, Di, Di * (R + 2 * Ns), R * Di, Di, Di * Ns, Di,
+                               Di * C};
+  std::vector<std::vector<S>> p, g;
+  for (std::size_t n : sizes) {
+    p.push_back(fill(n, 0.05f));
+    g.push_back(fill(n, 0));
+  }
+  const typename Block::weights w{p[0].data(), p[1].data(), p[2].data(), p[3].data(), p[4].data(),
+                                  p[5].data(), p[6].data(), p[7].data(), p[8].data()};
+  const typename Block::gradients gr{g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(),
+                                     g[5].data(), g[6].data(), g[7].data(), g[8].data()};
+  std::vector<S> x = fill(N * C, 0.5f), y = fill(N * C, 0), dy = fill(N * C, 0.1f),
+                 dx = fill(N * C, 0), xt = fill(s.batch * C, 0.5f), yt = fill(s.batch * C, 0);
+  thread_pool pool(threads);
+  const std::size_t saved_n = Block::saved_bytes(s), fws_n = Block::forward_workspace_bytes(s, threads),
+                    bws_n = Block::backward_workspace_bytes(s, threads),
+                    st_n = Block::state_bytes(s), sws_n = Block::step_workspace_bytes(s);
+  aligned_bytes saved(saved_n), fws(fws_n), bws(bws_n), st_mem(st_n), sws(sws_n);
+  auto st = Block::make_state(s, st_mem.get(), st_n);
+
+  membound_test::eigen_assert_failures = 0;
+  Eigen::internal::set_is_malloc_allowed(false);
+  Block::forward(s, w, x.data(), y.data(), saved.get(), saved_n, fws.get(), fws_n, pool);
+  Block::backward(s, w, x.data(), saved.get(), saved_n, dy.data(), dx.data(), gr, bws.get(), bws_n,
+                  pool);
+  for (std::size_t t = 0; t < 3; ++t) Block::step(s, w, st, xt.data(), yt.data(), sws.get(), sws_n, pool);
+  Eigen::internal::set_is_malloc_allowed(true);
+  INFO("first Eigen assertion: " << membound_test::first_eigen_assert);
+  CHECK(membound_test::eigen_assert_failures.load() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("mamba allocates nothing beyond its workspace: forward, backward and step") {
+  // d_model 256 over 2·300 rows: projections that unsplit would need heap packing buffers.
+  const mamba_shape s = mamba_shape::defaults(2, 300, 256);
+  for (std::size_t threads : {1u, 2u}) {
+    mamba_without_heap<mamba<scan_chunk<64>>>(s, threads);
+    mamba_without_heap<mamba<bf16_precision, save_all>>(s, threads);
+    mamba_without_heap<mamba<fp64_precision, scan_chunk<32>>>(mamba_shape::defaults(1, 100, 64),
+                                                              threads);
   }
 }

@@ -1,0 +1,152 @@
+// Dense linear algebra shared by the CPU layers: strided Eigen maps over the caller's buffers,
+// a GEMM that never touches the heap, row-parallel products with their transposes (for input and
+// weight gradients), and the storage <-> accumulator conversions. Each parallel task writes a
+// disjoint block and computes it in a fixed order, so results do not depend on the thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/parallel.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+template <typename A>
+using row_matrix = Eigen::Matrix<A, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename A>
+using strided_map = Eigen::Map<row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename A>
+using const_strided_map = Eigen::Map<const row_matrix<A>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+template <typename A>
+strided_map<A> view(A* p, std::size_t rows, std::size_t cols, std::size_t stride) {
+  return strided_map<A>(p, static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols),
+                        Eigen::OuterStride<>(static_cast<Eigen::Index>(stride)));
+}
+template <typename A>
+const_strided_map<A> cview(const A* p, std::size_t rows, std::size_t cols, std::size_t stride) {
+  return const_strided_map<A>(p, static_cast<Eigen::Index>(rows),
+                              static_cast<Eigen::Index>(cols),
+                              Eigen::OuterStride<>(static_cast<Eigen::Index>(stride)));
+}
+
+// Rows per parallel task in the projections: large enough for Eigen's GEMM to be efficient.
+inline constexpr std::size_t row_block = 64;
+
+// Every product goes through gemm(): Eigen's GEMM takes its packing buffers from the stack when
+// they fit under EIGEN_STACK_ALLOCATION_LIMIT (128 KiB) and from the heap otherwise. Blocks of at
+// most 64 rows x 64 columns x 128 depth keep each buffer at or under 64 KiB even in double, so no
+// product touches the heap and the layer's memory is exactly its workspace (test_attention checks
+// this with Eigen's EIGEN_RUNTIME_NO_MALLOC guard). The depth chunks are summed in a fixed order,
+// so results stay independent of the thread count.
+inline constexpr Eigen::Index gemm_rows = 64, gemm_cols = 64, gemm_depth = 128;
+
+// y (+)= alpha · l · r, for Eigen expressions (maps, transposes of maps) of matching shapes.
+template <typename Y, typename L, typename R, typename Scalar>
+void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate) {
+  const Eigen::Index m = y.rows(), n = y.cols(), k = l.cols();
+  for (Eigen::Index i0 = 0; i0 < m; i0 += gemm_rows) {
+    const Eigen::Index mi = std::min(gemm_rows, m - i0);
+    for (Eigen::Index j0 = 0; j0 < n; j0 += gemm_cols) {
+      const Eigen::Index nj = std::min(gemm_cols, n - j0);
+      auto yb = y.block(i0, j0, mi, nj);
+      if (!accumulate) yb.setZero();
+      for (Eigen::Index k0 = 0; k0 < k; k0 += gemm_depth) {
+        const Eigen::Index kk = std::min(gemm_depth, k - k0);
+        if (mi == 1 || nj == 1) {
+          // A vector: Eigen's GEMV would copy a strided operand into a heap temporary, and a
+          // coefficient-wise product needs none (nor does a vector gain from packing).
+          yb.noalias() += alpha * l.block(i0, k0, mi, kk).lazyProduct(r.block(k0, j0, kk, nj));
+        } else {
+          yb.noalias() += alpha * (l.block(i0, k0, mi, kk) * r.block(k0, j0, kk, nj));
+        }
+      }
+    }
+  }
+}
+
+constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
+  return (n + block - 1) / block;
+}
+
+template <typename A, typename S>
+void widen(const S* src, std::size_t n, A* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = to_accum<A>(src[i]);
+}
+template <typename S, typename A>
+void narrow(const A* src, std::size_t n, S* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(src[i]);
+}
+// dst += src with one rounding per element (gradients are accumulated by contract).
+template <typename S, typename A>
+void narrow_add(const A* src, std::size_t n, S* dst) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + src[i]);
+}
+
+// Row-major operands with leading dimensions (elements between rows), for column slices such
+// as Mamba's dt_low = x_dbl[:, 0:R]. The overloads without them take contiguous rows.
+struct ld3 {
+  std::size_t x, w, y;
+};
+
+// y[N, M] (+)= x[N, K] · w[K, M]
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate, ld3 ld) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
+    auto Y = view(y + r0 * ld.y, r, M, ld.y);
+    const auto X = cview(x + r0 * ld.x, r, K, ld.x);
+    const auto W = cview(w, K, M, ld.w);
+    gemm(Y, X, W, A(1), accumulate);
+  });
+}
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate) {
+  matmul(pool, x, w, y, N, K, M, accumulate, ld3{K, M, M});
+}
+
+// y[N, M] (+)= x[N, K] · w[M, K]ᵀ   (input gradients: dx = dq · Wqᵀ)
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r = std::min(row_block, N - r0);
+    auto Y = view(y + r0 * ld.y, r, M, ld.y);
+    const auto X = cview(x + r0 * ld.x, r, K, ld.x);
+    const auto W = cview(w, M, K, ld.w);
+    gemm(Y, X, W.transpose(), A(1), accumulate);
+  });
+}
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  matmul_bt(pool, x, w, y, N, K, M, accumulate, ld3{K, K, M});
+}
+
+// g[K, M] (+)= x[N, K]ᵀ · d[N, M]   (weight gradients), in blocks of rows of g. ld.w is d's.
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld) {
+  pool.parallel_for(blocks(K, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t c0 = blk * row_block, r = std::min(row_block, K - c0);
+    auto G = view(g + c0 * ld.y, r, M, ld.y);
+    const auto X = cview(x + c0, N, r, ld.x);
+    const auto Dm = cview(d, N, M, ld.w);
+    gemm(G, X.transpose(), Dm, A(1), accumulate);
+  });
+}
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate) {
+  matmul_at(pool, x, d, g, N, K, M, accumulate, ld3{K, M, M});
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,83 @@
+// What every layer front end shares: can_implement's answer, the argument checks that name what
+// is wrong, carving the caller's saved/workspace bytes, and overflow-safe size arithmetic.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/memory/workspace.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// can_implement's answer: which argument fails, what it expected and what it got. Never throws.
+struct layer_support {
+  bool ok = true;
+  const char* argument = "";
+  const char* expected = "";
+  double actual = 0.0;
+  constexpr explicit operator bool() const noexcept { return ok; }
+};
+
+namespace detail {
+
+constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
+  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                         : a + b;
+}
+
+// Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
+// them instead (a request no budget serves) so that they can stay noexcept.
+inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
+
+template <std::size_t N>
+constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
+  for (std::size_t b : bytes)
+    if (b >= huge_slot) return false;
+  return true;
+}
+
+// Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
+// their value as a real number, the others as an integer.
+inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
+  throw invalid_argument(r.argument, r.expected,
+                         real_valued ? std::to_string(r.actual)
+                                     : std::to_string(static_cast<std::size_t>(r.actual)),
+                         what_to_do);
+}
+
+template <typename P>
+void not_null(const P* p, const char* name) {
+  if (p == nullptr) {
+    throw invalid_argument(name, "a non-null pointer", "nullptr",
+                           "Pass the buffer (see the layer's header for its shape)");
+  }
+}
+
+inline void check_aligned(const void* p, std::size_t alignment, const char* name) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  if (addr % alignment != 0) {
+    throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
+                           "an address " + std::to_string(addr % alignment) +
+                               " bytes past such a boundary",
+                           "Allocate it with at least that alignment");
+  }
+}
+
+// carve, but the errors name `name` (saved, workspace, state...).
+template <std::size_t N>
+workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need, void* base,
+                              std::size_t bytes, const char* name) {
+  if (need != 0 && (base == nullptr || bytes < need)) {
+    throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
+  }
+  check_aligned(base, layout.alignment(), name);
+  return carve(layout, base, bytes);
+}
+
+}  // namespace detail
+
+MEMBOUND_NAMESPACE_END
