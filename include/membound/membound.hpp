@@ -42,4 +42,6 @@
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/backend/cpu/mamba_cpu.hpp"
 #include "membound/layers/mamba.hpp"
+#include "membound/backend/cpu/ttt_cpu.hpp"
+#include "membound/layers/ttt.hpp"
 #include "membound/layers/layer_support.hpp"

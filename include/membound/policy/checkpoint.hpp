@@ -36,6 +36,9 @@ struct ttt_checkpoint_groups {
   static constexpr std::size_t group_size = G;
 };
 
+// One group for the whole sequence: only the initial inner state is kept ("G = all").
+using ttt_checkpoint_all = ttt_checkpoint_groups<static_cast<std::size_t>(-1)>;
+
 template <typename T>
 inline constexpr bool is_ttt_checkpoint_groups_v = false;
 template <std::size_t G>

@@ -69,8 +69,9 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate) {
   }
 }
 
+// ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_checkpoint_all).
 constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
-  return (n + block - 1) / block;
+  return n == 0 ? 0 : (n - 1) / block + 1;
 }
 
 template <typename A, typename S>

@@ -1,0 +1,395 @@
+// The TTT-Linear layer: its hand-derived backward against central finite differences of its own
+// forward in double (every outer parameter and the input), checkpoint groups G ∈ {1, 2, all}
+// giving identical results, thread-count independence, stepping against the full forward, the
+// memory taken from an allocator (saved bytes falling with G as reported), and typed errors.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../support/layer_test_util.hpp"
+#include "../support/test_rng.hpp"
+#include "../support/ttt_reference.hpp"
+#include "membound/membound.hpp"
+
+using membound::thread_pool;
+using membound::ttt_shape;
+using membound_test::aligned_buffer;
+using membound_test::rel_err;
+using membound_test::rng;
+using membound_test::to_double;
+using membound_test::to_storage;
+
+namespace {
+
+constexpr int n_params = 14;
+const char* const param_names[n_params] = {"wq",   "wk",   "wv",   "ttt_norm_w", "ttt_norm_b",
+                                           "w1",   "b1",   "lr_w", "lr_b",       "tok_offset",
+                                           "post_w", "post_b", "wg", "wo"};
+
+// Parameters in double, in the order of the layer's weights struct.
+struct params {
+  std::vector<double> p[n_params];
+};
+
+template <std::size_t MB>
+params make_params(const ttt_shape& s, rng& r) {
+  const std::size_t C = s.width, H = s.heads, D = s.head_dim();
+  const std::size_t sizes[n_params] = {C * C, C * C, C * C, H * D, H * D, H * D * D, H * D,
+                                       H * C, H,     MB,    C,     C,     C * C, C * C};
+  params p;
+  for (int i = 0; i < n_params; ++i) p.p[i] = r.fill(sizes[i], 0.5 / std::sqrt(double(C)));
+  // Scales near 1, offsets and biases away from zero, learning rates large enough to matter.
+  for (double& v : p.p[3]) v += 1.0;
+  for (double& v : p.p[10]) v += 1.0;
+  for (double& v : p.p[5]) v *= 2.0;
+  for (double& v : p.p[7]) v *= 4.0;
+  for (double& v : p.p[8]) v = r.uniform(-0.5, 0.5);
+  for (double& v : p.p[9]) v = r.uniform(-0.2, 0.2);
+  return p;
+}
+
+struct result {
+  std::vector<double> y, dx;
+  params g;
+};
+
+template <typename Layer>
+result run(const ttt_shape& s, const params& prm, const std::vector<double>& x,
+           const std::vector<double>& dy, std::size_t threads, bool backward = true) {
+  using S = typename Layer::storage_type;
+  thread_pool pool(threads);
+  std::vector<S> w[n_params], g[n_params];
+  for (int i = 0; i < n_params; ++i) {
+    w[i] = to_storage<S>(prm.p[i]);
+    g[i].assign(prm.p[i].size(), S(0.0f));
+  }
+  const typename Layer::weights wv{w[0].data(), w[1].data(),  w[2].data(),  w[3].data(),
+                                   w[4].data(), w[5].data(),  w[6].data(),  w[7].data(),
+                                   w[8].data(), w[9].data(),  w[10].data(), w[11].data(),
+                                   w[12].data(), w[13].data()};
+  const typename Layer::gradients gv{g[0].data(), g[1].data(),  g[2].data(),  g[3].data(),
+                                     g[4].data(), g[5].data(),  g[6].data(),  g[7].data(),
+                                     g[8].data(), g[9].data(),  g[10].data(), g[11].data(),
+                                     g[12].data(), g[13].data()};
+  const std::vector<S> xs = to_storage<S>(x), dys = to_storage<S>(dy);
+  std::vector<S> y(xs.size()), dx(xs.size());
+  aligned_buffer saved(Layer::saved_bytes(s));
+  std::memset(saved.get(), 0xff, saved.bytes);  // NaN everywhere: a read before a write shows
+  {
+    aligned_buffer ws(Layer::forward_workspace_bytes(s, threads));
+    std::memset(ws.get(), 0xff, ws.bytes);
+    Layer::forward(s, wv, xs.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool);
+  }
+  result r;
+  r.y = to_double(y.data(), y.size());
+  if (!backward) return r;
+  aligned_buffer ws(Layer::backward_workspace_bytes(s, threads));
+  std::memset(ws.get(), 0xff, ws.bytes);
+  Layer::backward(s, wv, xs.data(), saved.get(), saved.bytes, dys.data(), dx.data(), gv, ws.get(),
+                  ws.bytes, pool);
+  r.dx = to_double(dx.data(), dx.size());
+  for (int i = 0; i < n_params; ++i) r.g.p[i] = to_double(g[i].data(), g[i].size());
+  return r;
+}
+
+double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Central differences of L = Σ dy ⊙ y(θ) for every element of every parameter and of x. The
+// error is O(h²)·L''' plus roundoff ~ε·|L|/h: with h = 1e-5 both stay below ~1e-9 relative to
+// the tensor's largest gradient here; 1e-6 leaves a wide margin yet catches any wrong term.
+template <typename Layer>
+void finite_difference_case(const ttt_shape& s, std::uint64_t seed) {
+  rng r{seed};
+  params prm = make_params<Layer::mini_batch>(s, r);
+  std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0);
+  const std::vector<double> dy = r.fill(x.size(), 1.0);
+  const result an = run<Layer>(s, prm, x, dy, 2);
+  const double h = 1e-5;
+  const auto loss = [&] { return dot(run<Layer>(s, prm, x, dy, 1, false).y, dy); };
+  for (int i = 0; i < n_params; ++i) {
+    if (i == 12 && !s.use_gate) continue;
+    std::vector<double> num(prm.p[i].size());
+    for (std::size_t j = 0; j < num.size(); ++j) {
+      const double keep = prm.p[i][j];
+      prm.p[i][j] = keep + h;
+      const double lp = loss();
+      prm.p[i][j] = keep - h;
+      const double lm = loss();
+      prm.p[i][j] = keep;
+      num[j] = (lp - lm) / (2 * h);
+    }
+    const double e = rel_err(an.g.p[i], num);
+    INFO(std::string(param_names[i]) << " relative error " << e);
+    CHECK(e <= 1e-6);
+  }
+  std::vector<double> num(x.size());
+  for (std::size_t j = 0; j < x.size(); ++j) {
+    const double keep = x[j];
+    x[j] = keep + h;
+    const double lp = loss();
+    x[j] = keep - h;
+    const double lm = loss();
+    x[j] = keep;
+    num[j] = (lp - lm) / (2 * h);
+  }
+  INFO("dx relative error " << rel_err(an.dx, num));
+  CHECK(rel_err(an.dx, num) <= 1e-6);
+}
+
+ttt_shape shape_of(std::size_t B, std::size_t T, std::size_t C, std::size_t H, bool gate) {
+  ttt_shape s;
+  s.batch = B;
+  s.seq = T;
+  s.width = C;
+  s.heads = H;
+  s.use_gate = gate;
+  return s;
+}
+
+template <std::size_t MB, typename G>
+using f64_layer = membound::ttt_linear<membound::fp64_precision, membound::ttt_mini_batch<MB>, G>;
+
+}  // namespace
+
+TEST_CASE("ttt_linear: backward equals finite differences of forward (double)") {
+  using membound::ttt_checkpoint_groups;
+  SUBCASE("mini-batch 3, T 8 (a short last mini-batch), gate") {
+    finite_difference_case<f64_layer<3, ttt_checkpoint_groups<2>>>(shape_of(2, 8, 8, 2, true), 1);
+  }
+  SUBCASE("mini-batch 4, T 4, no gate") {
+    finite_difference_case<f64_layer<4, ttt_checkpoint_groups<1>>>(shape_of(1, 4, 8, 2, false), 2);
+  }
+  SUBCASE("mini-batch 1") {
+    finite_difference_case<f64_layer<1, membound::ttt_checkpoint_all>>(shape_of(1, 5, 4, 1, true), 3);
+  }
+}
+
+namespace {
+
+// The reference's weights from ours (the same tensors, in a different order).
+membound::reference::ttt_weights to_reference(const params& p, bool gate) {
+  membound::reference::ttt_weights w;
+  w.wq = p.p[0];
+  w.wk = p.p[1];
+  w.wv = p.p[2];
+  w.ttt_norm_weight = p.p[3];
+  w.ttt_norm_bias = p.p[4];
+  w.w1 = p.p[5];
+  w.b1 = p.p[6];
+  w.lr_weight = p.p[7];
+  w.lr_bias = p.p[8];
+  w.token_offset = p.p[9];
+  w.post_norm_weight = p.p[10];
+  w.post_norm_bias = p.p[11];
+  if (gate) w.wg = p.p[12];
+  w.wo = p.p[13];
+  return w;
+}
+
+}  // namespace
+
+// The primal-form reference (explicit per-token W, exact gradients by dual numbers), itself
+// checked against upstream's TTTLinear in PyTorch float64. Same operations in another order:
+// agreement to a few hundred ulps of double; 1e-10 relative per tensor.
+TEST_CASE("ttt_linear<fp64> matches the primal-form reference to 1e-10") {
+  using membound::ttt_checkpoint_groups;
+  const auto check_case = [](auto tag, const ttt_shape& s, std::uint64_t seed) {
+    using Layer = typename decltype(tag)::type;
+    rng r{seed};
+    const params prm = make_params<Layer::mini_batch>(s, r);
+    const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
+    membound::reference::ttt_config c;
+    c.batch = s.batch;
+    c.seq = s.seq;
+    c.width = s.width;
+    c.heads = s.heads;
+    c.mini_batch = Layer::mini_batch;
+    c.use_gate = s.use_gate;
+    const auto w = to_reference(prm, s.use_gate);
+    const auto want_y = membound::reference::ttt_forward(c, w, x).out;
+    const auto want = membound::reference::ttt_reference_gradients(c, w, x, dy);
+    const result got = run<Layer>(s, prm, x, dy, 2);
+    CHECK(rel_err(got.y, want_y) <= 1e-10);
+    CHECK(rel_err(got.dx, want.dx) <= 1e-10);
+    const params want_g = [&] {
+      params g;
+      g.p[0] = want.dw.wq;
+      g.p[1] = want.dw.wk;
+      g.p[2] = want.dw.wv;
+      g.p[3] = want.dw.ttt_norm_weight;
+      g.p[4] = want.dw.ttt_norm_bias;
+      g.p[5] = want.dw.w1;
+      g.p[6] = want.dw.b1;
+      g.p[7] = want.dw.lr_weight;
+      g.p[8] = want.dw.lr_bias;
+      g.p[9] = want.dw.token_offset;
+      g.p[10] = want.dw.post_norm_weight;
+      g.p[11] = want.dw.post_norm_bias;
+      g.p[12] = s.use_gate ? want.dw.wg : got.g.p[12];
+      g.p[13] = want.dw.wo;
+      return g;
+    }();
+    double worst = 0;
+    for (int i = 0; i < n_params; ++i) {
+      const double e = rel_err(got.g.p[i], want_g.p[i]);
+      INFO(std::string(param_names[i]) << " relative error " << e);
+      CHECK(e <= 1e-10);
+      worst = std::max(worst, e);
+    }
+    MESSAGE("worst gradient relative error " << worst);
+  };
+  check_case(std::type_identity<f64_layer<4, ttt_checkpoint_groups<2>>>{},
+             shape_of(2, 11, 16, 2, true), 21);  // short last mini-batch, gate
+  check_case(std::type_identity<f64_layer<1, ttt_checkpoint_groups<3>>>{},
+             shape_of(1, 5, 8, 2, false), 22);   // b = 1
+  check_case(std::type_identity<f64_layer<16, membound::ttt_checkpoint_all>>{},
+             shape_of(1, 7, 8, 1, false), 23);   // T < b
+}
+
+TEST_CASE("ttt_linear: checkpoint groups and thread counts do not change the results") {
+  using membound::ttt_checkpoint_groups;
+  const ttt_shape s = shape_of(2, 23, 16, 2, true);
+  rng r{4};
+  const params prm = make_params<4>(s, r);
+  const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
+  const result g1 = run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 1);
+  const auto same = [&](const result& o) {
+    CHECK(o.y == g1.y);
+    CHECK(o.dx == g1.dx);
+    for (int i = 0; i < n_params; ++i) {
+      INFO(std::string(param_names[i]));
+      CHECK(o.g.p[i] == g1.g.p[i]);
+    }
+  };
+  same(run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 2));
+  same(run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 1));
+  same(run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2));
+  same(run<f64_layer<4, membound::ttt_checkpoint_all>>(s, prm, x, dy, 3));
+  same(run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 3));
+}
+
+TEST_CASE("ttt_linear: saved bytes fall with G as reported; peak is as reported") {
+  using membound::ttt_checkpoint_groups;
+  const ttt_shape s = shape_of(1, 256, 64, 4, false);  // 16 mini-batches of 16, D = 16
+  using g1 = membound::ttt_linear<ttt_checkpoint_groups<1>>;
+  using g4 = membound::ttt_linear<ttt_checkpoint_groups<4>>;
+  using gall = membound::ttt_linear<membound::ttt_checkpoint_all>;
+  const std::size_t per_state = (16 * 16 + 16) * sizeof(float) * 4;  // 4 heads
+  CHECK(g1::saved_state_bytes(s) == 16 * per_state);
+  CHECK(g4::saved_state_bytes(s) == 4 * per_state);
+  CHECK(gall::saved_state_bytes(s) == 1 * per_state);
+  CHECK(g1::saved_bytes(s) - g4::saved_bytes(s) == 12 * per_state);
+  static_assert(g4::saved_bytes(ttt_shape{1, 256, 64, 4}) > 0);
+  // Peak through a budget allocator: saved + the larger workspace, nothing else.
+  using alloc_t = membound::budget_allocator<membound::caching_allocator<membound::system_allocator>>;
+  rng r{6};
+  const params prm = make_params<16>(s, r);
+  std::vector<float> w[n_params], g[n_params];
+  for (int i = 0; i < n_params; ++i) {
+    w[i] = to_storage<float>(prm.p[i]);
+    g[i].assign(w[i].size(), 0.0f);
+  }
+  const g4::weights wv{w[0].data(), w[1].data(), w[2].data(), w[3].data(), w[4].data(),
+                       w[5].data(), w[6].data(), w[7].data(), w[8].data(), w[9].data(),
+                       w[10].data(), w[11].data(), w[12].data(), w[13].data()};
+  const g4::gradients gv{g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(),
+                         g[5].data(), g[6].data(), g[7].data(), g[8].data(), g[9].data(),
+                         g[10].data(), g[11].data(), g[12].data(), g[13].data()};
+  const std::vector<float> x = to_storage<float>(r.fill(256 * 64, 1.0)), dy = x;
+  std::vector<float> y(x.size()), dx(x.size());
+  thread_pool pool(2);
+  alloc_t alloc(std::size_t{1} << 30);
+  const std::size_t sn = g4::saved_bytes(s), fws = g4::forward_workspace_bytes(s, 2),
+                    bws = g4::backward_workspace_bytes(s, 2);
+  const auto act = membound::memory_tag::activations, wst = membound::memory_tag::workspace;
+  void* saved = alloc.allocate(sn, membound::default_alignment, act);
+  void* ws = alloc.allocate(fws, membound::default_alignment, wst);
+  g4::forward(s, wv, x.data(), y.data(), saved, sn, ws, fws, pool);
+  alloc.deallocate(ws, fws, membound::default_alignment, wst);
+  ws = alloc.allocate(bws, membound::default_alignment, wst);
+  g4::backward(s, wv, x.data(), saved, sn, dy.data(), dx.data(), gv, ws, bws, pool);
+  alloc.deallocate(ws, bws, membound::default_alignment, wst);
+  alloc.deallocate(saved, sn, membound::default_alignment, act);
+  CHECK(alloc.stats().peak_requested == sn + std::max(fws, bws));
+  CHECK(std::isfinite(dx[0]));
+  MESSAGE("saved " << sn << " B (states " << g4::saved_state_bytes(s) << "), forward ws " << fws
+                   << ", backward ws " << bws);
+}
+
+TEST_CASE("ttt_linear::step reproduces the full forward, token by token") {
+  using layer = f64_layer<4, membound::ttt_checkpoint_groups<2>>;
+  const ttt_shape s = shape_of(2, 11, 16, 2, true);
+  rng r{8};
+  const params prm = make_params<4>(s, r);
+  const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0);
+  const std::vector<double> full = run<layer>(s, prm, x, x, 1, false).y;
+  thread_pool pool(1);
+  const layer::weights wv{prm.p[0].data(), prm.p[1].data(), prm.p[2].data(), prm.p[3].data(),
+                          prm.p[4].data(), prm.p[5].data(), prm.p[6].data(), prm.p[7].data(),
+                          prm.p[8].data(), prm.p[9].data(), prm.p[10].data(), prm.p[11].data(),
+                          prm.p[12].data(), prm.p[13].data()};
+  aligned_buffer st_mem(layer::state_bytes(s)), ws(layer::step_workspace_bytes(s));
+  layer::state st = layer::make_state(s, wv, st_mem.get(), st_mem.bytes);
+  const std::size_t B = s.batch, T = s.seq, C = s.width;
+  std::vector<double> stepped(x.size()), xt(B * C), yt(B * C);
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t b = 0; b < B; ++b)
+      std::copy(x.begin() + static_cast<std::ptrdiff_t>((b * T + t) * C),
+                x.begin() + static_cast<std::ptrdiff_t>((b * T + t + 1) * C), xt.begin() + static_cast<std::ptrdiff_t>(b * C));
+    layer::step(s, wv, st, xt.data(), yt.data(), ws.get(), ws.bytes, pool);
+    for (std::size_t b = 0; b < B; ++b)
+      std::copy(yt.begin() + static_cast<std::ptrdiff_t>(b * C), yt.begin() + static_cast<std::ptrdiff_t>((b + 1) * C),
+                stepped.begin() + static_cast<std::ptrdiff_t>((b * T + t) * C));
+  }
+  // The same sums in a different order (running sums instead of the dual form's products).
+  CHECK(rel_err(stepped, full) <= 1e-12);
+}
+
+TEST_CASE("ttt_linear: bad input is refused by name") {
+  using layer = membound::ttt_linear<>;
+  const auto refused = [](ttt_shape s, const char* argument) {
+    INFO(argument);
+    try {
+      layer::check(s);
+      FAIL("no throw");
+    } catch (const membound::invalid_argument& e) {
+      CHECK(e.argument() == argument);
+    }
+  };
+  refused(shape_of(0, 4, 8, 2, false), "shape.batch");
+  refused(shape_of(1, 0, 8, 2, false), "shape.seq");
+  refused(shape_of(1, 4, 8, 0, false), "shape.heads");
+  refused(shape_of(1, 4, 9, 2, false), "shape.width");
+  refused(shape_of(1, 4, 6, 2, false), "shape.width");  // head_dim 3 is odd
+  ttt_shape s = shape_of(1, 4, 8, 2, false);
+  s.base_lr = -1.0;
+  refused(s, "shape.base_lr");
+  // A workspace too small names the workspace and leaves y untouched.
+  s.base_lr = 1.0;
+  rng r{9};
+  const params prm = make_params<16>(s, r);
+  std::vector<float> w[n_params];
+  for (int i = 0; i < n_params; ++i) w[i] = to_storage<float>(prm.p[i]);
+  const layer::weights wv{w[0].data(), w[1].data(), w[2].data(), w[3].data(), w[4].data(),
+                          w[5].data(), w[6].data(), w[7].data(), w[8].data(), w[9].data(),
+                          w[10].data(), w[11].data(), w[12].data(), w[13].data()};
+  std::vector<float> x(4 * 8, 0.5f), y(4 * 8, 7.0f);
+  aligned_buffer saved(layer::saved_bytes(s)), ws(layer::forward_workspace_bytes(s, 1));
+  thread_pool pool(1);
+  try {
+    layer::forward(s, wv, x.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes - 4, pool);
+    FAIL("no throw");
+  } catch (const membound::workspace_too_small& e) {
+    CHECK(e.argument() == "workspace");
+  }
+  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
+}
