@@ -154,3 +154,60 @@ TEST_CASE("mamba allocates nothing beyond its workspace: forward, backward and s
                                                               threads);
   }
 }
+
+namespace {
+
+template <typename Layer>
+void ttt_without_heap(const ttt_shape& s, std::size_t threads) {
+  using S = typename Layer::storage_type;
+  const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, D = s.head_dim();
+  const std::size_t mb = Layer::mini_batch;
+  const std::size_t sizes[] = {C * C, C * C, C * C, H * D, H * D, H * D * D, H * D,
+                               H * C, H,     mb,    C,     C,     C * C,     C * C};
+  std::vector<std::vector<S>> p, g;
+  for (std::size_t n : sizes) {
+    p.push_back(std::vector<S>(n, S(0.02f)));
+    g.push_back(std::vector<S>(n, S(0.0f)));
+  }
+  const typename Layer::weights w{p[0].data(), p[1].data(), p[2].data(),  p[3].data(),  p[4].data(),
+                                  p[5].data(), p[6].data(), p[7].data(),  p[8].data(),  p[9].data(),
+                                  p[10].data(), p[11].data(), p[12].data(), p[13].data()};
+  const typename Layer::gradients gr{g[0].data(), g[1].data(), g[2].data(),  g[3].data(),  g[4].data(),
+                                     g[5].data(), g[6].data(), g[7].data(),  g[8].data(),  g[9].data(),
+                                     g[10].data(), g[11].data(), g[12].data(), g[13].data()};
+  std::vector<S> x(N * C, S(0.5f)), y(N * C), dy(N * C, S(0.1f)), dx(N * C),
+      xt(s.batch * C, S(0.5f)), yt(s.batch * C);
+  thread_pool pool(threads);
+  const std::size_t saved_n = Layer::saved_bytes(s), fws_n = Layer::forward_workspace_bytes(s, threads),
+                    bws_n = Layer::backward_workspace_bytes(s, threads),
+                    st_n = Layer::state_bytes(s), sws_n = Layer::step_workspace_bytes(s);
+  aligned_bytes saved(saved_n), fws(fws_n), bws(bws_n), st_mem(st_n), sws(sws_n);
+  auto st = Layer::make_state(s, w, st_mem.get(), st_n);
+
+  membound_test::eigen_assert_failures = 0;
+  Eigen::internal::set_is_malloc_allowed(false);
+  Layer::forward(s, w, x.data(), y.data(), saved.get(), saved_n, fws.get(), fws_n, pool);
+  Layer::backward(s, w, x.data(), saved.get(), saved_n, dy.data(), dx.data(), gr, bws.get(), bws_n,
+                  pool);
+  for (std::size_t t = 0; t < 3; ++t) Layer::step(s, w, st, xt.data(), yt.data(), sws.get(), sws_n, pool);
+  Eigen::internal::set_is_malloc_allowed(true);
+  INFO("first Eigen assertion: " << membound_test::first_eigen_assert);
+  CHECK(membound_test::eigen_assert_failures.load() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("ttt_linear allocates nothing beyond its workspace: forward, backward and step") {
+  // Width 256 over 2·100 rows (projections past the stack-buffer limit unsplit); head_dim 128.
+  ttt_shape s;
+  s.batch = 2;
+  s.seq = 100;
+  s.width = 256;
+  s.heads = 2;
+  s.use_gate = true;
+  for (std::size_t threads : {1u, 2u}) {
+    ttt_without_heap<ttt_linear<>>(s, threads);
+    ttt_without_heap<ttt_linear<bf16_precision, ttt_checkpoint_all>>(s, threads);
+    ttt_without_heap<ttt_linear<fp64_precision, ttt_mini_batch<8>>>(s, threads);
+  }
+}

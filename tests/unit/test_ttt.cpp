@@ -255,6 +255,53 @@ TEST_CASE("ttt_linear<fp64> matches the primal-form reference to 1e-10") {
              shape_of(1, 7, 8, 1, false), 23);   // T < b
 }
 
+// fp32: u = 2^-24. The longest sums are the projections' and weight gradients' (C = 16 and
+// B·T = 22 terms) and the inner loop's D = 8-term products over 3 mini-batches; LayerNorms divide
+// by σ ~ 0.1..1. Observed errors are ~1e-6; 2e-5 relative per tensor leaves a margin of ~10.
+// bf16/fp16 (u = 2^-8, 2^-11) round x, the weights, the heads' output and y once each against
+// fp32 on the same inputs; 16u relative per tensor.
+TEST_CASE("ttt_linear: fp32 against the reference, bf16 and fp16 against fp32") {
+  using membound::ttt_checkpoint_groups;
+  using membound::ttt_mini_batch;
+  const ttt_shape s = shape_of(2, 11, 16, 2, true);
+  rng r{31};
+  params prm = make_params<4>(s, r);
+  std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
+  using f32 = membound::ttt_linear<ttt_mini_batch<4>, ttt_checkpoint_groups<2>>;
+  const auto compare = [](const result& a, const result& b, double tol) {
+    CHECK(rel_err(a.y, b.y) <= tol);
+    CHECK(rel_err(a.dx, b.dx) <= tol);
+    double worst = std::max(rel_err(a.y, b.y), rel_err(a.dx, b.dx));
+    for (int i = 0; i < n_params; ++i) {
+      const double e = rel_err(a.g.p[i], b.g.p[i]);
+      INFO(std::string(param_names[i]) << " relative error " << e);
+      CHECK(e <= tol);
+      worst = std::max(worst, e);
+    }
+    return worst;
+  };
+  // Inputs rounded to the storage type first, so every layer sees the same values.
+  const auto round_all = [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    for (auto& v : prm.p) v = membound_test::rounded<S>(v);
+    x = membound_test::rounded<S>(x);
+    dy = membound_test::rounded<S>(dy);
+  };
+  round_all(std::type_identity<float>{});
+  const result want = run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2);
+  MESSAGE("fp32 worst relative error " << compare(run<f32>(s, prm, x, dy, 2), want, 2e-5));
+  round_all(std::type_identity<membound::bf16>{});
+  const result base = run<f32>(s, prm, x, dy, 2);
+  MESSAGE("bf16 worst relative error against fp32 "
+          << compare(run<membound::ttt_linear<membound::bf16_precision, ttt_mini_batch<4>,
+                                              ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2),
+                     base, 16 * 0x1.0p-8));
+  MESSAGE("fp16 worst relative error against fp32 "
+          << compare(run<membound::ttt_linear<membound::fp16_precision, ttt_mini_batch<4>,
+                                              ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2),
+                     base, 16 * 0x1.0p-11));
+}
+
 TEST_CASE("ttt_linear: checkpoint groups and thread counts do not change the results") {
   using membound::ttt_checkpoint_groups;
   const ttt_shape s = shape_of(2, 23, 16, 2, true);
