@@ -6234,14 +6234,21 @@ void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size
   });
 }
 
-// Sizes of the per-task scratch, in accumulator elements.
-constexpr std::size_t ttt_forward_scratch(std::size_t D, std::size_t mb) noexcept {
-  return D * D + D + 4 * mb * D + 2 * mb * mb + 2 * mb;
-}
-constexpr std::size_t ttt_backward_scratch(std::size_t D, std::size_t mb,
-                                           std::size_t group) noexcept {
-  return group * (D * D + D) + 2 * (D * D + D) + 11 * mb * D + 3 * mb * mb + 4 * mb + 2 * D;
-}
+// GELU, tanh form (the reference implementation's), and its first two derivatives.
+template <typename A>
+struct gelu_tanh {
+  static constexpr A c = A(0.7978845608028654), a = A(0.044715);
+  static A f(A x) { return A(0.5) * x * (A(1) + std::tanh(c * (x + a * x * x * x))); }
+  static A d1(A x) {
+    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+    return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * u1;
+  }
+  static A d2(A x) {
+    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+    const A u2 = A(6) * a * c * x;
+    return (A(1) - t * t) * (u1 - x * t * u1 * u1 + A(0.5) * x * u2);
+  }
+};
 
 // The rows of one (b, h) mini-batch, and its learning rates.
 template <typename A>
@@ -6254,18 +6261,22 @@ struct ttt_minibatch {
   A eps;
 };
 
-// The inner gradient G = ∇_Z1 ½‖LN(Z1) − (V − K)‖² of one mini-batch at (W, w); Z1, the LN
-// statistics and the residual are left in the scratch for the backward.
+// Z = X·W + b: X [K, nin] (row stride ldx), W [nin, nout], Z [K, nout] contiguous.
 template <typename A>
-void ttt_inner_grad(const ttt_minibatch<A>& m, const A* W, const A* w, A* z1, A* xh, A* sig,
-                    A* g) {
+void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
+                     const A* W, const A* b, A* z) {
+  auto Z = view(z, K, nout, nout);
+  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false);
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
+}
+
+// G = ∇_Z ½‖γ ⊙ LN(Z) + β − (V − K)‖² row by row (Z [K, D]); keeps x̂ and σ for the backward.
+template <typename A>
+void ttt_ln_l2(const ttt_minibatch<A>& m, const A* z, A* xh, A* sig, A* g) {
   const std::size_t K = m.K, D = m.D;
-  auto Z = view(z1, K, D, D);
-  gemm(Z, cview(m.k, K, D, m.ld), cview(W, D, D, D), A(1), false);
   for (std::size_t i = 0; i < K; ++i) {
-    A* zr = z1 + i * D;
-    for (std::size_t j = 0; j < D; ++j) zr[j] += w[j];
-    sig[i] = ln_row(zr, D, m.eps, xh + i * D);
+    sig[i] = ln_row(z + i * D, D, m.eps, xh + i * D);
     // gx = (γ x̂ + β − (v − k)) ⊙ γ;  G = (gx − mean gx − x̂ mean(gx x̂)) / σ
     A* gr = g + i * D;
     A a = 0, c = 0;
@@ -6281,47 +6292,159 @@ void ttt_inner_grad(const ttt_minibatch<A>& m, const A* W, const A* w, A* z1, A*
   }
 }
 
-// P = η ⊙ (tril(XQ·XKᵀ) + 1) (lower triangle; zero above), and tril(XQ·XKᵀ) itself into `att`.
+// The backward of ttt_ln_l2 given dG: dZ (written), dγ, dβ (accumulated) and the target's
+// gradient into dk (+) and dv (−) (row stride ld). `rowd` is 3·D scratch.
 template <typename A>
-void ttt_p_matrix(const ttt_minibatch<A>& m, A* att, A* p) {
+void ttt_ln_l2_backward(const ttt_minibatch<A>& m, const A* xh, const A* sig, const A* g,
+                        const A* dg, A* pgam, A* pbet, A* dz, A* dk, A* dv, A* rowd) {
   const std::size_t K = m.K, D = m.D;
+  const A invD = A(1) / static_cast<A>(D);
+  for (std::size_t i = 0; i < K; ++i) {
+    const A* xr = xh + i * D;
+    const A* g_r = g + i * D;
+    const A* dg_r = dg + i * D;
+    A* r = rowd;
+    A* dgx = rowd + D;
+    A* dxh = rowd + 2 * D;
+    A cc = 0, m1 = 0, sdx = 0, dsig = 0;
+    for (std::size_t j = 0; j < D; ++j) {
+      r[j] = m.gamma[j] * xr[j] + m.beta[j] - (m.v[i * m.ld + j] - m.k[i * m.ld + j]);
+      cc += r[j] * m.gamma[j] * xr[j];
+      m1 += dg_r[j];
+      sdx += dg_r[j] * xr[j];
+      dsig -= dg_r[j] * g_r[j];
+    }
+    cc *= invD;
+    m1 *= invD;
+    dsig /= sig[i];
+    // G = (gx − mean gx − x̂·mean(gx x̂))/σ: its partials in gx, x̂ and σ.
+    for (std::size_t j = 0; j < D; ++j) {
+      const A gx = r[j] * m.gamma[j];
+      dgx[j] = (dg_r[j] - m1 - xr[j] * sdx * invD) / sig[i];
+      dxh[j] = -(dg_r[j] * cc) / sig[i] - sdx / sig[i] * gx * invD;
+      const A dr = dgx[j] * m.gamma[j];
+      pgam[j] += dgx[j] * r[j] + dr * xr[j];
+      pbet[j] += dr;
+      dv[i * m.ld + j] -= dr;  // the target is v − k
+      dk[i * m.ld + j] += dr;
+      dxh[j] += dr * m.gamma[j];
+    }
+    ln_row_backward(xr, sig[i], dxh, dsig, D, dz + i * D);
+  }
+}
+
+// P = η ⊙ (tril(X·Yᵀ) + 1) with η[i, s] = tok_i·lr_s (zero above the diagonal); tril(X·Yᵀ)
+// itself into att. X, Y [K, n] with row strides ldx, ldy.
+template <typename A>
+void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
+                  std::size_t n, const A* tok, const A* lr, A* att, A* p) {
   auto At = view(att, K, K, K);
-  gemm(At, cview(m.q, K, D, m.ld), cview(m.k, K, D, m.ld).transpose(), A(1), false);
+  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
         att[i * K + s] = 0;
         p[i * K + s] = 0;
       } else {
-        p[i * K + s] = m.tok[i] * m.lr[s] * (att[i * K + s] + A(1));
+        p[i * K + s] = tok[i] * lr[s] * (att[i * K + s] + A(1));
       }
     }
 }
 
-// Zbar = XQ·W + w − P·G.
+// Zbar = X·W + b − P·G: X [K, nin] (stride ldx), G and Zbar [K, nout].
 template <typename A>
-void ttt_zbar(const ttt_minibatch<A>& m, const A* W, const A* w, const A* p, const A* g, A* zb) {
-  const std::size_t K = m.K, D = m.D;
-  auto Zb = view(zb, K, D, D);
-  gemm(Zb, cview(m.q, K, D, m.ld), cview(W, D, D, D), A(1), false);
-  gemm(Zb, cview(p, K, K, K), cview(g, K, D, D), A(-1), true);
-  for (std::size_t i = 0; i < K; ++i)
-    for (std::size_t j = 0; j < D; ++j) zb[i * D + j] += w[j];
+void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
+                   const A* W, const A* b, const A* p, const A* g, A* zb) {
+  ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb);
+  auto Zb = view(zb, K, nout, nout);
+  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true);
 }
 
-// W ← W − XKᵀ·diag(e)·G, w ← w − Σ_s e_s·G_s with e_s = tok[K−1]·lr[s]; `eg` is K·D scratch.
+// The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
+// `eg` is [K, nout] scratch.
 template <typename A>
-void ttt_update(const ttt_minibatch<A>& m, const A* g, A* W, A* w, A* eg) {
-  const std::size_t K = m.K, D = m.D;
+void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
+                const A* g, A tok_last, const A* lr, A* W, A* b, A* eg) {
   for (std::size_t s = 0; s < K; ++s) {
-    const A e = m.tok[K - 1] * m.lr[s];
-    for (std::size_t j = 0; j < D; ++j) {
-      eg[s * D + j] = e * g[s * D + j];
-      w[j] -= eg[s * D + j];
+    const A e = tok_last * lr[s];
+    for (std::size_t j = 0; j < nout; ++j) {
+      eg[s * nout + j] = e * g[s * nout + j];
+      b[j] -= eg[s * nout + j];
     }
   }
-  auto Wm = view(W, D, D, D);
-  gemm(Wm, cview(m.k, K, D, m.ld).transpose(), cview(eg, K, D, D), A(-1), true);
+  auto Wm = view(W, nin, nout, nout);
+  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true);
+}
+
+// The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
+// (stride lddx), dG [K, nout] and de (dL/de_s, before e_s = tok[K−1]·lr_s is expanded).
+// s1 [K, nout] and s2 [K, nin] are scratch.
+template <typename A>
+void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
+                         std::size_t nout, const A* g, A tok_last, const A* lr, const A* dWn,
+                         const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2) {
+  auto XdW = view(s1, K, nout, nout);
+  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false);
+  auto GdWt = view(s2, K, nin, nin);
+  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false);
+  for (std::size_t i = 0; i < K; ++i) {
+    const A e = tok_last * lr[i];
+    A d = 0;
+    for (std::size_t j = 0; j < nout; ++j) {
+      const A t = s1[i * nout + j] + dbn[j];
+      d -= t * g[i * nout + j];
+      dg[i * nout + j] -= e * t;
+    }
+    de[i] += d;
+    for (std::size_t j = 0; j < nin; ++j) dx[i * lddx + j] -= e * s2[i * nin + j];
+  }
+}
+
+// The backward of Zbar = X·W + b − P·G given dZbar: accumulates dX (stride lddx), dW, db and
+// dG; writes dP = −dZbar·Gᵀ on the lower triangle (zero above).
+template <typename A>
+void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
+                            std::size_t nout, const A* W, const A* p, const A* g, const A* dzb,
+                            A* dx, std::size_t lddx, A* dW, A* db, A* dg, A* dp) {
+  const auto DZb = cview(dzb, K, nout, nout);
+  auto dX = view(dx, K, nin, lddx);
+  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true);
+  auto dWm = view(dW, nin, nout, nout);
+  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true);
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
+  auto dG = view(dg, K, nout, nout);
+  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true);
+  auto dP = view(dp, K, K, K);
+  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false);
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
+}
+
+// P = η ⊙ (att + 1), η[i, s] = tok_i·lr_s: turns dP into dL/d(att) in place and accumulates
+// dL/dtok_i (ptok) and dL/dlr_s (dl).
+template <typename A>
+void ttt_p_backward(std::size_t K, const A* tok, const A* lr, const A* att, A* dp, A* ptok,
+                    A* dl) {
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t s = 0; s <= i; ++s) {
+      const A d = dp[i * K + s], d_eta = d * (att[i * K + s] + A(1));
+      ptok[i] += d_eta * lr[s];
+      dl[s] += d_eta * tok[i];
+      dp[i * K + s] = d * tok[i] * lr[s];
+    }
+}
+
+// att = tril(X·Yᵀ): accumulates dX += dAtt·Y and dY += dAttᵀ·X (strides as given).
+template <typename A>
+void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
+                      std::size_t n, const A* datt, A* dx, std::size_t lddx, A* dy,
+                      std::size_t lddy) {
+  const auto dAtt = cview(datt, K, K, K);
+  auto dX = view(dx, K, n, lddx);
+  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true);
+  auto dY = view(dy, K, n, lddy);
+  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true);
 }
 
 }  // namespace cpu
@@ -6329,11 +6452,13 @@ void ttt_update(const ttt_minibatch<A>& m, const A* g, A* W, A* w, A* eg) {
 MEMBOUND_NAMESPACE_END
 // ---- end membound/backend/cpu/ttt_cpu.hpp ----
 // ---- begin membound/layers/ttt.hpp ----
-// The TTT-Linear layer (Sun et al. 2024; the TTTLinear module of test-time-training/
+// The TTT layers (Sun et al. 2024; the TTTLinear and TTTMLP modules of test-time-training/
 // ttt-lm-pytorch without the shared-QK convolution), trained inside a memory budget. Per head h
 // (D = width / heads) and mini-batch of b tokens (the chunking policy ttt_mini_batch<b>):
 //   XQ, XK, XV = x·Wq, x·Wk, x·Wv; RoPE on interleaved pairs of XQ, XK at position t mod b
-//   inner model f(k) = k·W + w (W [D, D], w [D], starting from the learned W1, b1)
+//   inner model, starting from learned weights: TTT-Linear f(k) = k·W1 + b1 (W1 [D, D]);
+//   TTT-MLP f(k) = GELU_tanh(k·W1 + b1)·W2 + b2 (W1 [D, 4D], W2 [4D, D]); the dual form applies
+//   to each layer in turn, with the first layer's output gradient taken through the second
 //   inner loss ½‖LN_h(f(XK_t)) − (XV_t − XK_t)‖², all gradients of a mini-batch taken at its
 //   starting (W, w); token i uses W_i = W − Σ_{s≤i} η[i, s]·∇ℓ_s with
 //   η[i, s] = max(0, 1/(i+1) + tok_offset[i]) · base_lr · σ(x_s·lr_w[h] + lr_b[h]) / D
@@ -6358,8 +6483,8 @@ struct ttt_shape {
   constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
 };
 
-template <typename... Policies>
-class ttt_linear {
+template <bool Mlp, typename... Policies>
+class basic_ttt {
  public:
   using policies = policy_set<type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>>,
                               Policies...>;
@@ -6367,17 +6492,27 @@ class ttt_linear {
   using chunking = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
   static_assert(is_ttt_mini_batch_v<chunking>,
-                "membound: ttt_linear takes ttt_mini_batch<b> as its chunking policy "
+                "membound: a TTT layer takes ttt_mini_batch<b> as its chunking policy "
                 "(attention_tiles and scan_chunk belong to attention and Mamba).");
   static_assert(is_ttt_checkpoint_groups_v<checkpoint>,
-                "membound: ttt_linear takes ttt_checkpoint_groups<G> (or ttt_checkpoint_all) as its "
+                "membound: a TTT layer takes ttt_checkpoint_groups<G> (or ttt_checkpoint_all) as its "
                 "checkpoint policy.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
-                "membound: ttt_linear accumulates its inner W in float or double.");
+                "membound: a TTT layer accumulates its inner W in float or double.");
   static constexpr std::size_t mini_batch = chunking::mini_batch;
   static constexpr std::size_t group = checkpoint::group_size;
+  static constexpr bool is_mlp = Mlp;
+  // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
+  // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
+  static constexpr std::size_t hidden(const ttt_shape& s) noexcept {
+    return Mlp ? 4 * s.head_dim() : s.head_dim();
+  }
+  static constexpr std::size_t inner_elements(const ttt_shape& s) noexcept {
+    const std::size_t D = s.head_dim(), F = hidden(s);
+    return Mlp ? 2 * D * F + F + D : D * D + D;
+  }
 
  private:
   using S = storage_type;
@@ -6429,7 +6564,7 @@ class ttt_linear {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  // Of saved_bytes, the inner-state checkpoints: B·H·ceil(ceil(T/b)/G)·(D² + D) accumulators.
+  // Of saved_bytes, the inner-state checkpoints: B·H·ceil(ceil(T/b)/G)·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
@@ -6447,13 +6582,12 @@ class ttt_linear {
   // Decoding state per (batch, head): the mini-batch's starting W, w and the running
   // Σ lr_s·XK_sᵀ·G_s, Σ lr_s·G_s of its tokens so far, in the accumulator type.
   static constexpr std::size_t state_bytes(const ttt_shape& s) noexcept {
-    const std::size_t D = s.head_dim();
-    return bytes_of<A>(s.batch, s.heads, 2 * (D * D + D));
+    return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
     ttt_shape one = s;
     one.seq = 1;
-    const std::size_t b[] = {w_acc_bytes(one), wide(one)};
+    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s))};
     return detail::fits_layout(b) ? forward_layout(one, 1, true).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -6464,8 +6598,8 @@ class ttt_linear {
     const S* wv;         // [C, C]
     const S* ttt_norm_w; // [H, D]   the inner LayerNorm's scale
     const S* ttt_norm_b; // [H, D]   and shift
-    const S* w1;         // [H, D, D] the inner W at the start of the sequence
-    const S* b1;         // [H, D]
+    const S* w1;         // [H, D, F] the inner W1 at the start of the sequence
+    const S* b1;         // [H, F]
     const S* lr_w;       // [H, C]   learning-rate gate
     const S* lr_b;       // [H]
     const S* tok_offset; // [b]      learnable offset of the token scales 1/(i+1)
@@ -6473,14 +6607,18 @@ class ttt_linear {
     const S* post_b;     // [C]
     const S* wg;         // [C, C]   the gate (read only when shape.use_gate)
     const S* wo;         // [C, C]
+    const S* w2 = nullptr;  // [H, F, D] TTT-MLP only
+    const S* b2 = nullptr;  // [H, D]    TTT-MLP only
   };
-  struct gradients {  // accumulated (+=); gradients.wg is touched only when shape.use_gate
+  struct gradients {  // accumulated (+=); wg only when shape.use_gate, w2 and b2 only for MLP
     S *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
         *post_b, *wg, *wo;
+    S* w2 = nullptr;
+    S* b2 = nullptr;
   };
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
     const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-    return 5 * C * C + 2 * H * D + H * D * D + H * D + H * C + H + mb + 2 * C;
+    return 5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb + 2 * C;
   }
 
   struct state {
@@ -6495,21 +6633,21 @@ class ttt_linear {
       throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
     }
     detail::check_aligned(data, alignof(A), "state");
-    detail::not_null(w.w1, "weights.w1");
-    detail::not_null(w.b1, "weights.b1");
+    check_weights(s, w);
     state st{data, bytes, 0};
     reset(s, w, st);
     return st;
   }
+  // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
+  // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    const std::size_t D = s.head_dim(), per = 2 * (D * D + D);
+    const std::size_t SZ = inner_elements(s);
     A* p = static_cast<A*>(st.data);
     for (std::size_t b = 0; b < s.batch; ++b)
       for (std::size_t h = 0; h < s.heads; ++h) {
-        A* q = p + (b * s.heads + h) * per;
-        cpu::widen(w.w1 + h * D * D, D * D, q);
-        cpu::widen(w.b1 + h * D, D, q + D * D);
-        std::fill(q + D * D + D, q + per, A(0));
+        A* q = p + (b * s.heads + h) * 2 * SZ;
+        load_initial(s, w, h, q);
+        std::fill(q + SZ, q + 2 * SZ, A(0));
       }
     st.position = 0;
   }
@@ -6651,19 +6789,27 @@ class ttt_linear {
     inner_backward(s, q, k, v, lr, tok, wa, sv.template get<A>(s_ckpt), d_o, dq, dk, dv, dlr,
                    part, ws.template get<A>(b_scratch), pool);
 
-    // Partials summed over the batch in order: W1, b1, γ, β per head, then the token offsets.
-    const std::size_t per = part_elements(s);
+    // Partials summed over the batch in order: the inner state per head, then γ, β per head,
+    // then the token offsets per head.
+    const std::size_t per = part_elements(s), SZ = inner_elements(s), F = hidden(s);
     A* sum = small;  // [per]
     for (std::size_t j = 0; j < per; ++j) {
       A acc = 0;
       for (std::size_t b = 0; b < B; ++b) acc += part[b * per + j];
       sum[j] = acc;
     }
-    add_grad(sum, H * D * D, g.w1);
-    add_grad(sum + H * D * D, H * D, g.b1);
-    add_grad(sum + H * D * D + H * D, H * D, g.ttt_norm_w);
-    add_grad(sum + H * D * D + 2 * H * D, H * D, g.ttt_norm_b);
-    A* dtok = sum + H * D * D + 3 * H * D;  // [H, mb]: summed over heads, masked by the clamp
+    for (std::size_t h = 0; h < H; ++h) {
+      const A* ph = sum + h * SZ;
+      add_grad(ph, D * F, g.w1 + h * D * F);
+      add_grad(ph + D * F, F, g.b1 + h * F);
+      if constexpr (Mlp) {
+        add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
+        add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
+      }
+    }
+    add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
+    add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
+    A* dtok = sum + H * SZ + 2 * H * D;  // [H, mb]: summed over heads, masked by the clamp
     for (std::size_t i = 0; i < mb; ++i) {
       A acc = 0;
       for (std::size_t h = 0; h < H; ++h) acc += dtok[h * mb + i];
@@ -6729,46 +6875,40 @@ class ttt_linear {
     A* tok = ws.template get<A>(f_tok);
     project(one, xa, wa, q, k, v, lr, sig, tok, pool, i);
     A* o = ws.template get<A>(f_o);
-    A* scratch = ws.template get<A>(f_scratch);  // [2·D + 2·D + D] per token and head
-    const std::size_t per = 2 * (D * D + D);
+    A* scratch = ws.template get<A>(f_scratch);
+    const std::size_t SZ = inner_elements(s), F = hidden(s);
+    A* weff = scratch;  // the token's effective inner state, W − tok_i·Σ
+    const mb_buffers sc = carve_mb(weff + SZ, D, F, 1, false);
     for (std::size_t b = 0; b < B; ++b)
       for (std::size_t h = 0; h < H; ++h) {
-        A* W = static_cast<A*>(st.data) + (b * H + h) * per;
-        A* wb = W + D * D;
-        A* Wg = wb + D;
-        A* wg = Wg + D * D;
-        const A* qr = q + b * C + h * D;
-        const A* kr = k + b * C + h * D;
-        const A* vr = v + b * C + h * D;
+        A* W = static_cast<A*>(st.data) + (b * H + h) * 2 * SZ;
+        A* Gs = W + SZ;
         const A lr_t = lr[b * H + h];
-        // G_t at the mini-batch's starting W (the inner gradient of this token).
-        A* z1 = scratch;
-        A* xh = z1 + D;
-        A* gt = xh + D;
-        A sigma;
-        const cpu::ttt_minibatch<A> m{qr, kr, vr, 1, D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
+        const cpu::ttt_minibatch<A> m{q + b * C + h * D, k + b * C + h * D, v + b * C + h * D, 1,
+                                      D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
                                       wa.ttt_norm_b + h * D, ln_eps};
-        cpu::ttt_inner_grad(m, W, wb, z1, xh, &sigma, gt);
-        // Sums of this mini-batch so far, this token included.
-        for (std::size_t a = 0; a < D; ++a)
-          for (std::size_t c = 0; c < D; ++c) Wg[a * D + c] += lr_t * kr[a] * gt[c];
-        for (std::size_t c = 0; c < D; ++c) wg[c] += lr_t * gt[c];
-        // Zbar = XQ·(W − tok_i·Wg) + w − tok_i·wg, then out = XQ + LN(Zbar).
-        A* zb = gt + D;
-        for (std::size_t c = 0; c < D; ++c) {
-          A acc = 0;
-          for (std::size_t a = 0; a < D; ++a) acc += qr[a] * (W[a * D + c] - tok[i] * Wg[a * D + c]);
-          zb[c] = acc + wb[c] - tok[i] * wg[c];
+        // This token's inner gradients at the mini-batch's starting state, added to the sums.
+        mb_forward(m, W, sc, false);
+        const ilayout L = layout_of(D, F);
+        accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
+        if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
+        for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
+        // The output through the effective state (the dual form's row i).
+        if constexpr (Mlp) {
+          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b);
+          for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
+          cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
+                               weff + L.b2, sc.zb);
+        } else {
+          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb);
         }
-        const A sz = cpu::ln_row(zb, D, ln_eps, xh);
-        (void)sz;
+        cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
         for (std::size_t c = 0; c < D; ++c)
           o[b * C + h * D + c] =
-              qr[c] + wa.ttt_norm_w[h * D + c] * xh[c] + wa.ttt_norm_b[h * D + c];
-        if (i == mb - 1) {  // the mini-batch ends: its last W starts the next
-          for (std::size_t e = 0; e < D * D; ++e) W[e] -= tok[i] * Wg[e];
-          for (std::size_t c = 0; c < D; ++c) wb[c] -= tok[i] * wg[c];
-          std::fill(Wg, Wg + D * D + D, A(0));
+              m.q[c] + wa.ttt_norm_w[h * D + c] * sc.xhb[c] + wa.ttt_norm_b[h * D + c];
+        if (i == mb - 1) {  // the mini-batch ends: its last state starts the next
+          std::copy(weff, weff + SZ, W);
+          std::fill(Gs, Gs + SZ, A(0));
         }
       }
     if constexpr (widened) {  // as forward: the heads' output is rounded through storage
@@ -6792,8 +6932,7 @@ class ttt_linear {
     return bytes_of<A>(rows(s), s.width);
   }
   static constexpr std::size_t ckpt_bytes(const ttt_shape& s) noexcept {
-    const std::size_t D = s.head_dim();
-    return bytes_of<A>(s.batch * s.heads, checkpoints(s), D * D + D);
+    return bytes_of<A>(s.batch * s.heads, checkpoints(s), inner_elements(s));
   }
   static constexpr std::size_t w_acc_bytes(const ttt_shape& s) noexcept {
     return widened ? bytes_of<A>(weight_elements(s)) : 0;
@@ -6804,16 +6943,19 @@ class ttt_linear {
   static constexpr std::size_t group_in_use(const ttt_shape& s) noexcept {
     return std::min(group, mini_batches(s));
   }
+  // Per thread: forward, one mini-batch's buffers plus the running state; backward, the group's
+  // entering states, the state's gradient, the running state and the buffers with gradients.
   static constexpr std::size_t task_scratch(const ttt_shape& s, std::size_t threads,
                                             bool backward) noexcept {
-    const std::size_t D = s.head_dim();
-    return bytes_of<A>(threads, backward ? cpu::ttt_backward_scratch(D, mb, group_in_use(s))
-                                         : cpu::ttt_forward_scratch(D, mb));
+    const std::size_t SZ = inner_elements(s), D = s.head_dim(), F = hidden(s);
+    const std::size_t per = backward ? (group_in_use(s) + 2) * SZ + mb_elements(D, F, mb, true)
+                                     : SZ + mb_elements(D, F, mb, false);
+    return bytes_of<A>(threads, per);
   }
-  // Per batch row: dW1 [H, D, D], db1 [H, D], dγ [H, D], dβ [H, D], dtok [H, mb].
+  // Per batch row: the inner state's gradient [H, inner_elements], dγ, dβ [H, D], dtok [H, mb].
   static constexpr std::size_t part_elements(const ttt_shape& s) noexcept {
     const std::size_t H = s.heads, D = s.head_dim();
-    return H * D * D + 3 * H * D + H * mb;
+    return H * inner_elements(s) + 2 * H * D + H * mb;
   }
   static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
     return bytes_of<A>(s.batch, part_elements(s));
@@ -6889,23 +7031,16 @@ class ttt_linear {
   }
 
   // ---- Helpers -------------------------------------------------------------------------------
-  static A gelu(A v) {  // tanh form, as the reference implementation's gate
-    const A c = A(0.7978845608028654), u = c * (v + A(0.044715) * v * v * v);
-    return A(0.5) * v * (A(1) + std::tanh(u));
-  }
-  static A gelu_grad(A v) {
-    const A c = A(0.7978845608028654), u = c * (v + A(0.044715) * v * v * v);
-    const A t = std::tanh(u);
-    return A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * c * (A(1) + A(3 * 0.044715) * v * v);
-  }
+  static A gelu(A v) { return cpu::gelu_tanh<A>::f(v); }  // the gate's, as upstream's
+  static A gelu_grad(A v) { return cpu::gelu_tanh<A>::d1(v); }
 
   struct wptrs {
     const A *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
-        *post_b, *wg, *wo;
+        *post_b, *wg, *wo, *w2, *b2;
   };
   static wptrs widen_weights(const ttt_shape& s, const weights& w, A* slot) {
     if constexpr (widened) {
-      const std::size_t C = s.width, H = s.heads, D = s.head_dim();
+      const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = hidden(s);
       A* p = slot;
       const auto take = [&](const S* src, std::size_t n) -> const A* {
         if (src == nullptr) return nullptr;
@@ -6920,8 +7055,8 @@ class ttt_linear {
       r.wv = take(w.wv, C * C);
       r.ttt_norm_w = take(w.ttt_norm_w, H * D);
       r.ttt_norm_b = take(w.ttt_norm_b, H * D);
-      r.w1 = take(w.w1, H * D * D);
-      r.b1 = take(w.b1, H * D);
+      r.w1 = take(w.w1, H * D * F);
+      r.b1 = take(w.b1, H * F);
       r.lr_w = take(w.lr_w, H * C);
       r.lr_b = take(w.lr_b, H);
       r.tok_offset = take(w.tok_offset, mb);
@@ -6929,12 +7064,14 @@ class ttt_linear {
       r.post_b = take(w.post_b, C);
       r.wg = s.use_gate ? take(w.wg, C * C) : nullptr;
       r.wo = take(w.wo, C * C);
+      r.w2 = Mlp ? take(w.w2, H * F * D) : nullptr;
+      r.b2 = Mlp ? take(w.b2, H * D) : nullptr;
       return r;
     } else {
       (void)s;
       (void)slot;
       return {w.wq, w.wk, w.wv, w.ttt_norm_w, w.ttt_norm_b, w.w1, w.b1, w.lr_w, w.lr_b,
-              w.tok_offset, w.post_w, w.post_b, w.wg, w.wo};
+              w.tok_offset, w.post_w, w.post_b, w.wg, w.wo, w.w2, w.b2};
     }
   }
   static void check_weights(const ttt_shape& s, const weights& w) {
@@ -6952,6 +7089,10 @@ class ttt_linear {
     detail::not_null(w.post_b, "weights.post_b");
     if (s.use_gate) detail::not_null(w.wg, "weights.wg");
     detail::not_null(w.wo, "weights.wo");
+    if (Mlp) {
+      detail::not_null(w.w2, "weights.w2");
+      detail::not_null(w.b2, "weights.b2");
+    }
   }
   static void check_gradients(const ttt_shape& s, const gradients& g) {
     detail::not_null(g.wq, "gradients.wq");
@@ -6968,6 +7109,10 @@ class ttt_linear {
     detail::not_null(g.post_b, "gradients.post_b");
     if (s.use_gate) detail::not_null(g.wg, "gradients.wg");
     detail::not_null(g.wo, "gradients.wo");
+    if (Mlp) {
+      detail::not_null(g.w2, "gradients.w2");
+      detail::not_null(g.b2, "gradients.b2");
+    }
   }
 
   static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
@@ -7044,6 +7189,134 @@ class ttt_linear {
     });
   }
 
+  // ---- One mini-batch ------------------------------------------------------------------------
+  // Offsets inside an inner state: W1 [D, F], b1 [F], W2 [F, D], b2 [D].
+  struct ilayout {
+    std::size_t w1, b1, w2, b2;
+  };
+  static constexpr ilayout layout_of(std::size_t D, std::size_t F) noexcept {
+    return {0, D * F, D * F + F, D * F + F + F * D};
+  }
+  static void load_initial(const ttt_shape& s, const weights& w, std::size_t h, A* dst) {
+    const std::size_t D = s.head_dim(), F = hidden(s);
+    const ilayout L = layout_of(D, F);
+    cpu::widen(w.w1 + h * D * F, D * F, dst + L.w1);
+    cpu::widen(w.b1 + h * F, F, dst + L.b1);
+    if constexpr (Mlp) {
+      cpu::widen(w.w2 + h * F * D, F * D, dst + L.w2);
+      cpu::widen(w.b2 + h * D, D, dst + L.b2);
+    }
+  }
+
+  // A mini-batch's buffers ([K ≤ mb] rows each); the second group only in backward.
+  struct mb_buffers {
+    A *z1, *x2, *g1, *z2, *xh2, *g2, *sig2, *att1, *p1, *z1b, *x2b, *att2, *p2, *zb, *xhb, *sigb,
+        *eg, *lrm;
+    A *dzb, *dx2b, *dz1b, *dg1, *dg2, *dx2, *dz1, *dz2, *s1, *s2, *dp1, *dp2, *de, *dl, *rowd;
+  };
+  static constexpr std::size_t mb_elements(std::size_t D, std::size_t F, std::size_t m,
+                                           bool backward) noexcept {
+    const std::size_t fwd = 6 * m * F + 5 * m * D + 4 * m * m + 3 * m;
+    return backward ? fwd + 7 * m * F + 3 * m * D + 2 * m * m + 2 * m + 3 * D : fwd;
+  }
+  static mb_buffers carve_mb(A* p, std::size_t D, std::size_t F, std::size_t m, bool backward) {
+    mb_buffers b{};
+    const auto take = [&](std::size_t n) {
+      A* r = p;
+      p += n;
+      return r;
+    };
+    b.z1 = take(m * F);
+    b.x2 = take(m * F);
+    b.g1 = take(m * F);
+    b.z1b = take(m * F);
+    b.x2b = take(m * F);
+    b.eg = take(m * F);
+    b.z2 = take(m * D);
+    b.xh2 = take(m * D);
+    b.g2 = take(m * D);
+    b.zb = take(m * D);
+    b.xhb = take(m * D);
+    b.att1 = take(m * m);
+    b.p1 = take(m * m);
+    b.att2 = take(m * m);
+    b.p2 = take(m * m);
+    b.sig2 = take(m);
+    b.sigb = take(m);
+    b.lrm = take(m);
+    if (backward) {
+      b.dx2b = take(m * F);
+      b.dz1b = take(m * F);
+      b.dg1 = take(m * F);
+      b.dx2 = take(m * F);
+      b.dz1 = take(m * F);
+      b.s1 = take(m * F);
+      b.s2 = take(m * F);
+      b.dzb = take(m * D);
+      b.dg2 = take(m * D);
+      b.dz2 = take(m * D);
+      b.dp1 = take(m * m);
+      b.dp2 = take(m * m);
+      b.de = take(m);
+      b.dl = take(m);
+      b.rowd = take(3 * D);
+    }
+    return b;
+  }
+  // The gradient the first layer's update uses: G1 (MLP) or the only layer's G (Linear, in g2).
+  static A* first_grad(const mb_buffers& b) { return Mlp ? b.g1 : b.g2; }
+
+  // The inner gradients at state W (and, with need_out, Zbar of the output rows).
+  static void mb_forward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
+                         bool need_out) {
+    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
+    const ilayout L = layout_of(D, F);
+    if constexpr (Mlp) {
+      cpu::ttt_linear_rows(m.k, m.ld, K, D, F, W + L.w1, W + L.b1, b.z1);
+      for (std::size_t e = 0; e < K * F; ++e) b.x2[e] = cpu::gelu_tanh<A>::f(b.z1[e]);
+      cpu::ttt_linear_rows(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, W + L.b2, b.z2);
+      cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
+      // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
+      auto G1 = cpu::view(b.g1, K, F, F);
+      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false);
+      for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
+      if (!need_out) return;
+      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1);
+      cpu::ttt_dual_rows(m.q, m.ld, K, D, F, W + L.w1, W + L.b1, b.p1, b.g1, b.z1b);
+      for (std::size_t e = 0; e < K * F; ++e) b.x2b[e] = cpu::gelu_tanh<A>::f(b.z1b[e]);
+      cpu::ttt_p_matrix(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K, F,
+                        m.tok, m.lr, b.att2, b.p2);
+      cpu::ttt_dual_rows(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, W + L.b2, b.p2,
+                         b.g2, b.zb);
+    } else {
+      cpu::ttt_linear_rows(m.k, m.ld, K, D, D, W + L.w1, W + L.b1, b.z2);
+      cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
+      if (!need_out) return;
+      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1);
+      cpu::ttt_dual_rows(m.q, m.ld, K, D, D, W + L.w1, W + L.b1, b.p1, b.g2, b.zb);
+    }
+  }
+  // The state's update at the mini-batch's end (gradients from mb_forward).
+  static void mb_update(const cpu::ttt_minibatch<A>& m, A* W, const mb_buffers& b) {
+    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
+    const ilayout L = layout_of(D, F);
+    const A tl = m.tok[K - 1];
+    cpu::ttt_update(m.k, m.ld, K, D, F, static_cast<const A*>(first_grad(b)), tl, m.lr, W + L.w1,
+                    W + L.b1, b.eg);
+    if constexpr (Mlp) {
+      cpu::ttt_update(static_cast<const A*>(b.x2), F, K, F, D, static_cast<const A*>(b.g2), tl,
+                      m.lr, W + L.w2, W + L.b2, b.eg);
+    }
+  }
+  // Gw += lr·xᵀ·g and gb += lr·g for one row (decoding's running sums).
+  static void accumulate_outer(const A* x, std::size_t nin, std::size_t nout, const A* g, A lr,
+                               A* Gw, A* gb) {
+    for (std::size_t a = 0; a < nin; ++a)
+      for (std::size_t c = 0; c < nout; ++c) Gw[a * nout + c] += lr * x[a] * g[c];
+    for (std::size_t c = 0; c < nout; ++c) gb[c] += lr * g[c];
+  }
+
   // ---- The inner loop --------------------------------------------------------------------------
   static cpu::ttt_minibatch<A> minibatch(const ttt_shape& s, const A* q, const A* k, const A* v,
                                          const A* lr_row, const A* tok, const wptrs& wa,
@@ -7058,240 +7331,198 @@ class ttt_linear {
                         std::size_t t0, std::size_t K, A* out) {
     for (std::size_t i = 0; i < K; ++i) out[i] = lr[(b * s.seq + t0 + i) * s.heads + h];
   }
+  static A* initial_state(const ttt_shape& s, const wptrs& wa, std::size_t h, A* dst) {
+    const std::size_t D = s.head_dim(), F = hidden(s);
+    const ilayout L = layout_of(D, F);
+    std::copy(wa.w1 + h * D * F, wa.w1 + (h + 1) * D * F, dst + L.w1);
+    std::copy(wa.b1 + h * F, wa.b1 + (h + 1) * F, dst + L.b1);
+    if constexpr (Mlp) {
+      std::copy(wa.w2 + h * F * D, wa.w2 + (h + 1) * F * D, dst + L.w2);
+      std::copy(wa.b2 + h * D, wa.b2 + (h + 1) * D, dst + L.b2);
+    }
+    return dst;
+  }
 
   static void inner_forward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
                             const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
                             thread_pool& pool) {
-    const std::size_t H = s.heads, D = s.head_dim(), C = s.width, nmb = mini_batches(s);
-    const std::size_t ncp = checkpoints(s), per = cpu::ttt_forward_scratch(D, mb);
+    const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
+    const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
+    const std::size_t per = SZ + mb_elements(D, F, mb, false);
     pool.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
       const std::size_t b = task / H, h = task % H;
-      A* W = scratch + thread * per;
-      A* wb = W + D * D;
-      A* z1 = wb + D;
-      A* xh = z1 + mb * D;
-      A* gm = xh + mb * D;
-      A* zb = gm + mb * D;
-      A* p = zb + mb * D;
-      A* sig = p + mb * mb;
-      A* lrm = sig + mb;
-      A* att = lrm + mb;
-      std::copy(wa.w1 + h * D * D, wa.w1 + (h + 1) * D * D, W);
-      std::copy(wa.b1 + h * D, wa.b1 + (h + 1) * D, wb);
+      A* W = initial_state(s, wa, h, scratch + thread * per);
+      const mb_buffers sc = carve_mb(W + SZ, D, F, mb, false);
       for (std::size_t m = 0; m < nmb; ++m) {
         const std::size_t t0 = m * mb;
-        if (m % group == 0) {
-          A* dst = ckpt + (task * ncp + m / group) * (D * D + D);
-          std::copy(W, W + D * D + D, dst);  // W and w are adjacent
-        }
+        if (m % group == 0) std::copy(W, W + SZ, ckpt + (task * ncp + m / group) * SZ);
         const std::size_t K = std::min(mb, s.seq - t0);
-        gather_lr(s, lr, b, h, t0, K, lrm);
-        const auto mbt = minibatch(s, q, k, v, lrm, tok, wa, b, h, t0);
-        cpu::ttt_inner_grad(mbt, W, wb, z1, xh, sig, gm);
-        cpu::ttt_p_matrix(mbt, att, p);
-        cpu::ttt_zbar(mbt, W, wb, p, gm, zb);
+        gather_lr(s, lr, b, h, t0, K, sc.lrm);
+        const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
+        mb_forward(mbt, W, sc, true);
         for (std::size_t i = 0; i < K; ++i) {
-          cpu::ln_row(zb + i * D, D, ln_eps, z1);  // z1 reused for x̂ of Zbar
+          cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
           A* out = o + (b * s.seq + t0 + i) * C + h * D;
           const A* qr = mbt.q + i * C;
-          for (std::size_t j = 0; j < D; ++j)
-            out[j] = qr[j] + mbt.gamma[j] * z1[j] + mbt.beta[j];
+          for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
         }
-        cpu::ttt_update(mbt, gm, W, wb, zb);  // zb reused as scratch
+        mb_update(mbt, W, sc);
       }
     });
   }
 
+  // dX += dZ·Wᵀ, dW += Xᵀ·dZ, db += Σ dZ for Z = X·W + b (X [K, nin] stride ldx).
+  static void linear_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
+                                   std::size_t nout, const A* W, const A* dz, A* dx,
+                                   std::size_t lddx, A* dW, A* db) {
+    const auto dZ = cpu::cview(dz, K, nout, nout);
+    auto dX = cpu::view(dx, K, nin, lddx);
+    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true);
+    auto dWm = cpu::view(dW, nin, nout, nout);
+    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true);
+    for (std::size_t i = 0; i < K; ++i)
+      for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
+  }
+
+  // One mini-batch backwards, given dL/d(out rows) and dS = dL/d(state leaving it); on return dS
+  // is dL/d(state entering it). dq, dk, dv rows (stride C) are written; ptok, pgam, pbet
+  // accumulated; returns the rates' gradients in b.dl.
+  static void mb_backward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
+                          const A* d_out, A* dq, A* dk, A* dv, A* dS, A* pgam, A* pbet,
+                          A* ptok) {
+    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D, C = m.ld;
+    const ilayout L = layout_of(D, F);
+    // out = XQ + γ ⊙ x̂(Zbar) + β
+    for (std::size_t i = 0; i < K; ++i) {
+      b.sigb[i] = cpu::ln_row(b.zb + i * D, D, m.eps, b.xhb + i * D);
+      const A* dout = d_out + i * C;
+      for (std::size_t j = 0; j < D; ++j) {
+        pgam[j] += dout[j] * b.xhb[i * D + j];
+        pbet[j] += dout[j];
+        b.rowd[j] = dout[j] * m.gamma[j];
+      }
+      cpu::ln_row_backward(b.xhb + i * D, b.sigb[i], b.rowd, A(0), D, b.dzb + i * D);
+      std::copy(dout, dout + D, dq + i * C);  // the residual XQ
+      std::fill(dk + i * C, dk + i * C + D, A(0));
+      std::fill(dv + i * C, dv + i * C + D, A(0));
+    }
+    std::fill(b.de, b.de + K, A(0));
+    std::fill(b.dl, b.dl + K, A(0));
+    std::fill(b.dg2, b.dg2 + K * D, A(0));
+    const A tl = m.tok[K - 1];
+    A* dW1 = dS + L.w1;
+    A* db1 = dS + L.b1;
+    if constexpr (Mlp) {
+      A* dW2 = dS + L.w2;
+      A* db2 = dS + L.b2;
+      std::fill(b.dg1, b.dg1 + K * F, A(0));
+      std::fill(b.dx2, b.dx2 + K * F, A(0));
+      std::fill(b.dx2b, b.dx2b + K * F, A(0));
+      // The updates read dS as dL/d(state leaving); everything after adds to it.
+      cpu::ttt_update_backward(static_cast<const A*>(b.x2), F, K, F, D,
+                               static_cast<const A*>(b.g2), tl, m.lr, dW2, db2, b.dx2, F, b.dg2,
+                               b.de, b.s1, b.s2);
+      cpu::ttt_update_backward(m.k, C, K, D, F, static_cast<const A*>(b.g1), tl, m.lr, dW1, db1,
+                               dk, C, b.dg1, b.de, b.s1, b.s2);
+      // Zbar2 = X2bar·W2 + b2 − P2·G2, P2 from tril(X2bar·X2ᵀ).
+      cpu::ttt_dual_rows_backward(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, b.p2,
+                                  b.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2);
+      cpu::ttt_p_backward(K, m.tok, m.lr, b.att2, b.dp2, ptok, b.dl);
+      cpu::ttt_att_backward(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K,
+                            F, b.dp2, b.dx2b, F, b.dx2, F);
+      for (std::size_t e = 0; e < K * F; ++e) b.dz1b[e] = b.dx2b[e] * cpu::gelu_tanh<A>::d1(b.z1b[e]);
+      // Zbar1 = XQ·W1 + b1 − P1·G1, P1 from tril(XQ·XKᵀ).
+      cpu::ttt_dual_rows_backward(m.q, C, K, D, F, W + L.w1, b.p1, b.g1, b.dz1b, dq, C, dW1, db1,
+                                  b.dg1, b.dp1);
+      cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
+      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C);
+      // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
+      auto Hm = cpu::view(b.s1, K, F, F);
+      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false);
+      for (std::size_t e = 0; e < K * F; ++e) {
+        const A z = b.z1[e];
+        b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
+        b.s2[e] = b.dg1[e] * cpu::gelu_tanh<A>::d1(z);  // dL/dHm
+      }
+      const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
+      auto dG2 = cpu::view(b.dg2, K, D, D);
+      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true);
+      auto dW2m = cpu::view(dW2, F, D, D);
+      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D), A(1),
+                true);
+      // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
+      cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
+      linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,
+                           dW2, db2);
+      for (std::size_t e = 0; e < K * F; ++e) b.dz1[e] += b.dx2[e] * cpu::gelu_tanh<A>::d1(b.z1[e]);
+      linear_rows_backward(m.k, C, K, D, F, W + L.w1, b.dz1, dk, C, dW1, db1);
+    } else {
+      cpu::ttt_update_backward(m.k, C, K, D, D, static_cast<const A*>(b.g2), tl, m.lr, dW1, db1,
+                               dk, C, b.dg2, b.de, b.s1, b.s2);
+      cpu::ttt_dual_rows_backward(m.q, C, K, D, D, W + L.w1, b.p1, b.g2, b.dzb, dq, C, dW1, db1,
+                                  b.dg2, b.dp1);
+      cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
+      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C);
+      cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
+      linear_rows_backward(m.k, C, K, D, D, W + L.w1, b.dz2, dk, C, dW1, db1);
+    }
+    // e_s = tok[K−1]·lr_s
+    for (std::size_t i = 0; i < K; ++i) {
+      ptok[K - 1] += b.de[i] * m.lr[i];
+      b.dl[i] += b.de[i] * tl;
+    }
+  }
+
   // The inner loop backwards, per (b, h). d_o = dL/d(out) [N, C]. Writes dq, dk, dv [N, C] and
-  // dlr [N, H]; part[b] gets this row's dW1, db1, dγ, dβ, dtok for head h.
+  // dlr [N, H]; part[b] gets this row's inner-state gradient, dγ, dβ and dtok for head h.
   static void inner_backward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
                              const A* tok, const wptrs& wa, const A* ckpt, const A* d_o, A* dq,
                              A* dk, A* dv, A* dlr, A* part, A* scratch, thread_pool& pool) {
-    const std::size_t H = s.heads, D = s.head_dim(), C = s.width, T = s.seq;
+    const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
     const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
-    const std::size_t per = cpu::ttt_backward_scratch(D, mb, gsz), pe = part_elements(s);
-    const std::size_t DD = D * D + D;
+    const std::size_t SZ = inner_elements(s), pe = part_elements(s);
+    const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
     pool.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
       const std::size_t b = task / H, h = task % H;
-      A* base = scratch + thread * per;
-      A* states = base;                  // [gsz, D² + D]: W, w entering each mini-batch
-      A* dW = states + gsz * DD;         // [D² + D]: dL/d(W, w) entering the next mini-batch
-      A* dwb = dW + D * D;
-      A* Wc = dW + DD;                   // [D² + D]: the running state during recomputation
-      A* z1 = Wc + DD;
-      A* xh1 = z1 + mb * D;              // x̂ of Z1
-      A* gm = xh1 + mb * D;
-      A* zb = gm + mb * D;
-      A* xhb = zb + mb * D;              // x̂ of Zbar
-      A* dzb = xhb + mb * D;
-      A* dgm = dzb + mb * D;
-      A* kdw = dgm + mb * D;             // XK·dW
-      A* gdw = kdw + mb * D;             // G·dWᵀ
-      A* dz1 = gdw + mb * D;
-      A* tmpd = dz1 + mb * D;            // [mb, D] scratch
-      A* att = tmpd + mb * D;            // [mb, mb]
-      A* p = att + mb * mb;
-      A* dp = p + mb * mb;
-      A* sig1 = dp + mb * mb;            // σ of Z1 rows
-      A* sigb = sig1 + mb;               // σ of Zbar rows
-      A* lrm = sigb + mb;
-      A* de = lrm + mb;
-      A* rowd = de + mb;                 // [2D]
-      A* pt = part + b * pe;             // this row's partials
-      A* pW1 = pt + h * D * D;
-      A* pb1 = pt + H * D * D + h * D;
-      A* pgam = pt + H * D * D + H * D + h * D;
-      A* pbet = pt + H * D * D + 2 * H * D + h * D;
-      A* ptok = pt + H * D * D + 3 * H * D + h * mb;
+      A* states = scratch + thread * per;  // [gsz, SZ]: the state entering each mini-batch
+      A* dS = states + gsz * SZ;           // dL/d(state)
+      A* Wc = dS + SZ;                     // the running state while recomputing
+      const mb_buffers sc = carve_mb(Wc + SZ, D, F, mb, true);
+      A* pt = part + b * pe;
+      A* pS = pt + h * SZ;
+      A* pgam = pt + H * SZ + h * D;
+      A* pbet = pt + H * SZ + H * D + h * D;
+      A* ptok = pt + H * SZ + 2 * H * D + h * mb;
       std::fill(pgam, pgam + D, A(0));
       std::fill(pbet, pbet + D, A(0));
       std::fill(ptok, ptok + mb, A(0));
-      std::fill(dW, dW + DD, A(0));
-      const A* gamma = wa.ttt_norm_w + h * D;
+      std::fill(dS, dS + SZ, A(0));
       for (std::size_t c = ncp; c-- > 0;) {
         const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
         // Recompute the group's entering states from its checkpoint.
-        std::copy(ckpt + (task * ncp + c) * DD, ckpt + (task * ncp + c + 1) * DD, Wc);
+        std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
         for (std::size_t m = m0; m < m1; ++m) {
-          std::copy(Wc, Wc + DD, states + (m - m0) * DD);
+          std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
           if (m + 1 == m1) break;  // the last one's update is not needed
           const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-          gather_lr(s, lr, b, h, t0, K, lrm);
-          const auto mbt = minibatch(s, q, k, v, lrm, tok, wa, b, h, t0);
-          cpu::ttt_inner_grad(mbt, Wc, Wc + D * D, z1, xh1, sig1, gm);
-          cpu::ttt_update(mbt, gm, Wc, Wc + D * D, tmpd);
+          gather_lr(s, lr, b, h, t0, K, sc.lrm);
+          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
+          mb_forward(mbt, Wc, sc, false);
+          mb_update(mbt, Wc, sc);
         }
         for (std::size_t m = m1; m-- > m0;) {
           const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-          const A* W = states + (m - m0) * DD;
-          const A* wb = W + D * D;
-          gather_lr(s, lr, b, h, t0, K, lrm);
-          const auto mbt = minibatch(s, q, k, v, lrm, tok, wa, b, h, t0);
-          cpu::ttt_inner_grad(mbt, W, wb, z1, xh1, sig1, gm);
-          cpu::ttt_p_matrix(mbt, att, p);
-          cpu::ttt_zbar(mbt, W, wb, p, gm, zb);
+          const A* W = states + (m - m0) * SZ;
+          gather_lr(s, lr, b, h, t0, K, sc.lrm);
+          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
+          mb_forward(mbt, W, sc, true);
           const std::size_t r0 = (b * T + t0) * C + h * D;
-          // out = XQ + γ ⊙ x̂(Zbar) + β
-          for (std::size_t i = 0; i < K; ++i) {
-            sigb[i] = cpu::ln_row(zb + i * D, D, mbt.eps, xhb + i * D);
-            const A* dout = d_o + r0 + i * C;
-            for (std::size_t j = 0; j < D; ++j) {
-              pgam[j] += dout[j] * xhb[i * D + j];
-              pbet[j] += dout[j];
-              rowd[j] = dout[j] * gamma[j];
-            }
-            cpu::ln_row_backward(xhb + i * D, sigb[i], rowd, A(0), D, dzb + i * D);
-            A* dqr = dq + r0 + i * C;
-            std::copy(dout, dout + D, dqr);  // the residual XQ
-          }
-          auto dQ = cpu::view(dq + r0, K, D, C);
-          auto dK = cpu::view(dk + r0, K, D, C);
-          auto dV = cpu::view(dv + r0, K, D, C);
-          dK.setZero();
-          dV.setZero();
-          const auto Q = cpu::cview(mbt.q, K, D, C);
-          const auto Kx = cpu::cview(mbt.k, K, D, C);
-          const auto DZb = cpu::cview(static_cast<const A*>(dzb), K, D, D);
-          const auto Gm = cpu::cview(static_cast<const A*>(gm), K, D, D);
-          const auto dWm = cpu::cview(static_cast<const A*>(dW), D, D, D);  // dL/dW'
-          auto dWacc = cpu::view(dW, D, D, D);
-          const auto Wm = cpu::cview(W, D, D, D);
-          // The update W' = W − XKᵀ·diag(e)·G, w' = w − Σ e_s G_s, e_s = tok[K−1]·lr_s.
-          auto KdW = cpu::view(kdw, K, D, D);
-          cpu::gemm(KdW, Kx, dWm, A(1), false);
-          auto GdWt = cpu::view(gdw, K, D, D);
-          cpu::gemm(GdWt, Gm, dWm.transpose(), A(1), false);
-          auto dG = cpu::view(dgm, K, D, D);
-          for (std::size_t i = 0; i < K; ++i) {
-            const A e = tok[K - 1] * lrm[i];
-            A dei = 0;
-            for (std::size_t j = 0; j < D; ++j) {
-              dei -= kdw[i * D + j] * gm[i * D + j] + dwb[j] * gm[i * D + j];
-              dgm[i * D + j] = -e * (kdw[i * D + j] + dwb[j]);
-            }
-            de[i] = dei;
-            for (std::size_t j = 0; j < D; ++j) dK(static_cast<Eigen::Index>(i), static_cast<Eigen::Index>(j)) -= e * gdw[i * D + j];
-            ptok[K - 1] += dei * lrm[i];
-          }
-          // Zbar = XQ·W + w − P·G: dXQ += dZbar·Wᵀ, dG −= Pᵀ·dZbar.
-          cpu::gemm(dQ, DZb, Wm.transpose(), A(1), true);
-          const auto Pm = cpu::cview(static_cast<const A*>(p), K, K, K);
-          cpu::gemm(dG, Pm.transpose(), DZb, A(-1), true);
-          // Zbar's other terms: the incoming state's gradient, W = W' + ... (dW is now dL/dW).
-          cpu::gemm(dWacc, Q.transpose(), DZb, A(1), true);
-          for (std::size_t i = 0; i < K; ++i)
-            for (std::size_t j = 0; j < D; ++j) dwb[j] += dzb[i * D + j];
-          // e_s = tok[K−1]·lr_s: de now becomes this mini-batch's dL/dlr, completed below.
-          for (std::size_t i = 0; i < K; ++i) de[i] *= tok[K - 1];
-          // dP = −dZbar·Gᵀ (lower triangle); P = η ⊙ (att + 1), η[i, s] = tok_i·lr_s.
-          auto dP = cpu::view(dp, K, K, K);
-          cpu::gemm(dP, DZb, Gm.transpose(), A(-1), false);
-          for (std::size_t i = 0; i < K; ++i)
-            for (std::size_t s2 = 0; s2 < K; ++s2) {
-              if (s2 > i) {
-                dp[i * K + s2] = 0;
-                continue;
-              }
-              const A d = dp[i * K + s2], dEta = d * (att[i * K + s2] + A(1));
-              ptok[i] += dEta * lrm[s2];
-              de[s2] += dEta * tok[i];
-              dp[i * K + s2] = d * tok[i] * lrm[s2];  // now dL/d(att)
-            }
-          for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = de[i];
-          // att = XQ·XKᵀ (lower triangle).
-          const auto dAtt = cpu::cview(static_cast<const A*>(dp), K, K, K);
-          cpu::gemm(dQ, dAtt, Kx, A(1), true);
-          cpu::gemm(dK, dAtt.transpose(), Q, A(1), true);
-          // G = ∇_Z1 ½‖γ x̂ + β − (v − k)‖² through LN(Z1): its backward, row by row.
-          const A* beta = wa.ttt_norm_b + h * D;
-          const A invD = A(1) / static_cast<A>(D);
-          for (std::size_t i = 0; i < K; ++i) {
-            const A* xr = xh1 + i * D;
-            const A* g_r = gm + i * D;
-            const A* dg_r = dgm + i * D;
-            A* r = rowd;
-            A* dgx = rowd + D;
-            A* dxh = tmpd + i * D;
-            A a = 0, cc = 0, m1 = 0, m2 = 0, sdx = 0, dsig = 0;
-            for (std::size_t j = 0; j < D; ++j) {
-              r[j] = gamma[j] * xr[j] + beta[j] - (mbt.v[i * C + j] - mbt.k[i * C + j]);
-              const A gx = r[j] * gamma[j];
-              a += gx;
-              cc += gx * xr[j];
-              m1 += dg_r[j];
-              m2 += dg_r[j] * xr[j];
-              dsig -= dg_r[j] * g_r[j];
-            }
-            a *= invD;
-            cc *= invD;
-            sdx = m2;
-            m1 *= invD;
-            m2 *= invD;
-            dsig /= sig1[i];
-            (void)a;
-            for (std::size_t j = 0; j < D; ++j) {
-              const A gx = r[j] * gamma[j];
-              dgx[j] = (dg_r[j] - m1 - xr[j] * m2) / sig1[i];
-              dxh[j] = -(dg_r[j] * cc) / sig1[i] - sdx / sig1[i] * gx * invD;
-              const A dr = dgx[j] * gamma[j];
-              pgam[j] += dgx[j] * r[j] + dr * xr[j];
-              pbet[j] += dr;
-              dV(static_cast<Eigen::Index>(i), static_cast<Eigen::Index>(j)) -= dr;  // target = v − k
-              dK(static_cast<Eigen::Index>(i), static_cast<Eigen::Index>(j)) += dr;
-              dxh[j] += dr * gamma[j];
-            }
-            cpu::ln_row_backward(xr, sig1[i], dxh, dsig, D, dz1 + i * D);
-          }
-          // Z1 = XK·W + w.
-          const auto DZ1 = cpu::cview(static_cast<const A*>(dz1), K, D, D);
-          cpu::gemm(dK, DZ1, Wm.transpose(), A(1), true);
-          cpu::gemm(dWacc, Kx.transpose(), DZ1, A(1), true);
-          for (std::size_t i = 0; i < K; ++i)
-            for (std::size_t j = 0; j < D; ++j) dwb[j] += dz1[i * D + j];
+          mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok);
+          for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
         }
       }
-      std::copy(dW, dW + D * D, pW1);
-      std::copy(dwb, dwb + D, pb1);
+      std::copy(dS, dS + SZ, pS);
     });
   }
 
@@ -7331,6 +7562,13 @@ class ttt_linear {
     }
   }
 };
+
+// TTT-Linear: the inner model is one linear map (W1 [D, D], b1 [D]).
+template <typename... Policies>
+using ttt_linear = basic_ttt<false, Policies...>;
+// TTT-MLP: the inner model is GELU_tanh(k·W1 + b1)·W2 + b2 (W1 [D, 4D], W2 [4D, D]).
+template <typename... Policies>
+using ttt_mlp = basic_ttt<true, Policies...>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/ttt.hpp ----

@@ -161,9 +161,10 @@ template <typename Layer>
 void ttt_without_heap(const ttt_shape& s, std::size_t threads) {
   using S = typename Layer::storage_type;
   const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, D = s.head_dim();
-  const std::size_t mb = Layer::mini_batch;
-  const std::size_t sizes[] = {C * C, C * C, C * C, H * D, H * D, H * D * D, H * D,
-                               H * C, H,     mb,    C,     C,     C * C,     C * C};
+  const std::size_t mb = Layer::mini_batch, F = Layer::hidden(s);
+  const std::size_t sizes[] = {C * C, C * C, C * C, H * D, H * D, H * D * F, H * F, H * C, H,
+                               mb,    C,     C,     C * C, C * C, Layer::is_mlp ? H * F * D : 0,
+                               Layer::is_mlp ? H * D : 0};
   std::vector<std::vector<S>> p, g;
   for (std::size_t n : sizes) {
     p.push_back(std::vector<S>(n, S(0.02f)));
@@ -171,10 +172,12 @@ void ttt_without_heap(const ttt_shape& s, std::size_t threads) {
   }
   const typename Layer::weights w{p[0].data(), p[1].data(), p[2].data(),  p[3].data(),  p[4].data(),
                                   p[5].data(), p[6].data(), p[7].data(),  p[8].data(),  p[9].data(),
-                                  p[10].data(), p[11].data(), p[12].data(), p[13].data()};
+                                  p[10].data(), p[11].data(), p[12].data(), p[13].data(),
+                                  p[14].data(), p[15].data()};
   const typename Layer::gradients gr{g[0].data(), g[1].data(), g[2].data(),  g[3].data(),  g[4].data(),
                                      g[5].data(), g[6].data(), g[7].data(),  g[8].data(),  g[9].data(),
-                                     g[10].data(), g[11].data(), g[12].data(), g[13].data()};
+                                     g[10].data(), g[11].data(), g[12].data(), g[13].data(),
+                                     g[14].data(), g[15].data()};
   std::vector<S> x(N * C, S(0.5f)), y(N * C), dy(N * C, S(0.1f)), dx(N * C),
       xt(s.batch * C, S(0.5f)), yt(s.batch * C);
   thread_pool pool(threads);
@@ -197,7 +200,7 @@ void ttt_without_heap(const ttt_shape& s, std::size_t threads) {
 
 }  // namespace
 
-TEST_CASE("ttt_linear allocates nothing beyond its workspace: forward, backward and step") {
+TEST_CASE("ttt_linear and ttt_mlp allocate nothing beyond its workspace: forward, backward and step") {
   // Width 256 over 2·100 rows (projections past the stack-buffer limit unsplit); head_dim 128.
   ttt_shape s;
   s.batch = 2;
@@ -209,5 +212,7 @@ TEST_CASE("ttt_linear allocates nothing beyond its workspace: forward, backward 
     ttt_without_heap<ttt_linear<>>(s, threads);
     ttt_without_heap<ttt_linear<bf16_precision, ttt_checkpoint_all>>(s, threads);
     ttt_without_heap<ttt_linear<fp64_precision, ttt_mini_batch<8>>>(s, threads);
+    ttt_without_heap<ttt_mlp<>>(s, threads);
+    ttt_without_heap<ttt_mlp<bf16_precision, ttt_checkpoint_groups<2>>>(s, threads);
   }
 }

@@ -26,27 +26,30 @@ using membound_test::to_storage;
 
 namespace {
 
-constexpr int n_params = 14;
+constexpr int n_params = 16;
 const char* const param_names[n_params] = {"wq",   "wk",   "wv",   "ttt_norm_w", "ttt_norm_b",
                                            "w1",   "b1",   "lr_w", "lr_b",       "tok_offset",
-                                           "post_w", "post_b", "wg", "wo"};
+                                           "post_w", "post_b", "wg", "wo", "w2", "b2"};
 
 // Parameters in double, in the order of the layer's weights struct.
 struct params {
   std::vector<double> p[n_params];
 };
 
-template <std::size_t MB>
+// w2 and b2 are empty for TTT-Linear (F = D); TTT-MLP's hidden width is F = 4·D.
+template <std::size_t MB, bool Mlp = false>
 params make_params(const ttt_shape& s, rng& r) {
-  const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-  const std::size_t sizes[n_params] = {C * C, C * C, C * C, H * D, H * D, H * D * D, H * D,
-                                       H * C, H,     MB,    C,     C,     C * C, C * C};
+  const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = Mlp ? 4 * D : D;
+  const std::size_t sizes[n_params] = {C * C, C * C, C * C, H * D, H * D, H * D * F, H * F,
+                                       H * C, H,     MB,    C,     C,     C * C, C * C,
+                                       Mlp ? H * F * D : 0, Mlp ? H * D : 0};
   params p;
   for (int i = 0; i < n_params; ++i) p.p[i] = r.fill(sizes[i], 0.5 / std::sqrt(double(C)));
   // Scales near 1, offsets and biases away from zero, learning rates large enough to matter.
   for (double& v : p.p[3]) v += 1.0;
   for (double& v : p.p[10]) v += 1.0;
   for (double& v : p.p[5]) v *= 2.0;
+  for (double& v : p.p[14]) v *= 2.0;
   for (double& v : p.p[7]) v *= 4.0;
   for (double& v : p.p[8]) v = r.uniform(-0.5, 0.5);
   for (double& v : p.p[9]) v = r.uniform(-0.2, 0.2);
@@ -71,11 +74,11 @@ result run(const ttt_shape& s, const params& prm, const std::vector<double>& x,
   const typename Layer::weights wv{w[0].data(), w[1].data(),  w[2].data(),  w[3].data(),
                                    w[4].data(), w[5].data(),  w[6].data(),  w[7].data(),
                                    w[8].data(), w[9].data(),  w[10].data(), w[11].data(),
-                                   w[12].data(), w[13].data()};
+                                   w[12].data(), w[13].data(), w[14].data(), w[15].data()};
   const typename Layer::gradients gv{g[0].data(), g[1].data(),  g[2].data(),  g[3].data(),
                                      g[4].data(), g[5].data(),  g[6].data(),  g[7].data(),
                                      g[8].data(), g[9].data(),  g[10].data(), g[11].data(),
-                                     g[12].data(), g[13].data()};
+                                     g[12].data(), g[13].data(), g[14].data(), g[15].data()};
   const std::vector<S> xs = to_storage<S>(x), dys = to_storage<S>(dy);
   std::vector<S> y(xs.size()), dx(xs.size());
   aligned_buffer saved(Layer::saved_bytes(s));
@@ -109,7 +112,7 @@ double dot(const std::vector<double>& a, const std::vector<double>& b) {
 template <typename Layer>
 void finite_difference_case(const ttt_shape& s, std::uint64_t seed) {
   rng r{seed};
-  params prm = make_params<Layer::mini_batch>(s, r);
+  params prm = make_params<Layer::mini_batch, Layer::is_mlp>(s, r);
   std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0);
   const std::vector<double> dy = r.fill(x.size(), 1.0);
   const result an = run<Layer>(s, prm, x, dy, 2);
@@ -157,6 +160,8 @@ ttt_shape shape_of(std::size_t B, std::size_t T, std::size_t C, std::size_t H, b
 
 template <std::size_t MB, typename G>
 using f64_layer = membound::ttt_linear<membound::fp64_precision, membound::ttt_mini_batch<MB>, G>;
+template <std::size_t MB, typename G>
+using f64_mlp = membound::ttt_mlp<membound::fp64_precision, membound::ttt_mini_batch<MB>, G>;
 
 }  // namespace
 
@@ -167,6 +172,12 @@ TEST_CASE("ttt_linear: backward equals finite differences of forward (double)") 
   }
   SUBCASE("mini-batch 4, T 4, no gate") {
     finite_difference_case<f64_layer<4, ttt_checkpoint_groups<1>>>(shape_of(1, 4, 8, 2, false), 2);
+  }
+  SUBCASE("TTT-MLP: mini-batch 3, T 8, gate") {
+    finite_difference_case<f64_mlp<3, ttt_checkpoint_groups<2>>>(shape_of(2, 8, 8, 2, true), 4);
+  }
+  SUBCASE("TTT-MLP: mini-batch 1, no gate") {
+    finite_difference_case<f64_mlp<1, membound::ttt_checkpoint_all>>(shape_of(1, 4, 4, 1, false), 5);
   }
   SUBCASE("mini-batch 1") {
     finite_difference_case<f64_layer<1, membound::ttt_checkpoint_all>>(shape_of(1, 5, 4, 1, true), 3);
@@ -192,6 +203,8 @@ membound::reference::ttt_weights to_reference(const params& p, bool gate) {
   w.post_norm_bias = p.p[11];
   if (gate) w.wg = p.p[12];
   w.wo = p.p[13];
+  w.w2 = p.p[14];
+  w.b2 = p.p[15];
   return w;
 }
 
@@ -200,14 +213,15 @@ membound::reference::ttt_weights to_reference(const params& p, bool gate) {
 // The primal-form reference (explicit per-token W, exact gradients by dual numbers), itself
 // checked against upstream's TTTLinear in PyTorch float64. Same operations in another order:
 // agreement to a few hundred ulps of double; 1e-10 relative per tensor.
-TEST_CASE("ttt_linear<fp64> matches the primal-form reference to 1e-10") {
+TEST_CASE("ttt_linear and ttt_mlp <fp64> match the primal-form reference to 1e-10") {
   using membound::ttt_checkpoint_groups;
   const auto check_case = [](auto tag, const ttt_shape& s, std::uint64_t seed) {
     using Layer = typename decltype(tag)::type;
     rng r{seed};
-    const params prm = make_params<Layer::mini_batch>(s, r);
+    const params prm = make_params<Layer::mini_batch, Layer::is_mlp>(s, r);
     const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
     membound::reference::ttt_config c;
+    c.kind = Layer::is_mlp ? membound::reference::ttt_kind::mlp : membound::reference::ttt_kind::linear;
     c.batch = s.batch;
     c.seq = s.seq;
     c.width = s.width;
@@ -236,6 +250,8 @@ TEST_CASE("ttt_linear<fp64> matches the primal-form reference to 1e-10") {
       g.p[11] = want.dw.post_norm_bias;
       g.p[12] = s.use_gate ? want.dw.wg : got.g.p[12];
       g.p[13] = want.dw.wo;
+      g.p[14] = want.dw.w2;
+      g.p[15] = want.dw.b2;
       return g;
     }();
     double worst = 0;
@@ -253,6 +269,10 @@ TEST_CASE("ttt_linear<fp64> matches the primal-form reference to 1e-10") {
              shape_of(1, 5, 8, 2, false), 22);   // b = 1
   check_case(std::type_identity<f64_layer<16, membound::ttt_checkpoint_all>>{},
              shape_of(1, 7, 8, 1, false), 23);   // T < b
+  check_case(std::type_identity<f64_mlp<4, ttt_checkpoint_groups<2>>>{},
+             shape_of(2, 11, 16, 2, true), 24);  // TTT-MLP
+  check_case(std::type_identity<f64_mlp<16, membound::ttt_checkpoint_all>>{},
+             shape_of(1, 7, 8, 1, false), 25);   // TTT-MLP, T < b
 }
 
 // fp32: u = 2^-24. The longest sums are the projections' and weight gradients' (C = 16 and
@@ -322,6 +342,15 @@ TEST_CASE("ttt_linear: checkpoint groups and thread counts do not change the res
   same(run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2));
   same(run<f64_layer<4, membound::ttt_checkpoint_all>>(s, prm, x, dy, 3));
   same(run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 3));
+  // TTT-MLP too.
+  const params pm = make_params<4, true>(s, r);
+  const result m1 = run<f64_mlp<4, ttt_checkpoint_groups<1>>>(s, pm, x, dy, 1);
+  for (const result& o : {run<f64_mlp<4, ttt_checkpoint_groups<2>>>(s, pm, x, dy, 2),
+                          run<f64_mlp<4, membound::ttt_checkpoint_all>>(s, pm, x, dy, 3)}) {
+    CHECK(o.y == m1.y);
+    CHECK(o.dx == m1.dx);
+    for (int i = 0; i < n_params; ++i) CHECK(o.g.p[i] == m1.g.p[i]);
+  }
 }
 
 TEST_CASE("ttt_linear: saved bytes fall with G as reported; peak is as reported") {
@@ -372,33 +401,45 @@ TEST_CASE("ttt_linear: saved bytes fall with G as reported; peak is as reported"
                    << ", backward ws " << bws);
 }
 
-TEST_CASE("ttt_linear::step reproduces the full forward, token by token") {
-  using layer = f64_layer<4, membound::ttt_checkpoint_groups<2>>;
+namespace {
+
+template <typename layer>
+void step_case() {
   const ttt_shape s = shape_of(2, 11, 16, 2, true);
   rng r{8};
-  const params prm = make_params<4>(s, r);
+  const params prm = make_params<4, layer::is_mlp>(s, r);
   const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0);
   const std::vector<double> full = run<layer>(s, prm, x, x, 1, false).y;
   thread_pool pool(1);
-  const layer::weights wv{prm.p[0].data(), prm.p[1].data(), prm.p[2].data(), prm.p[3].data(),
-                          prm.p[4].data(), prm.p[5].data(), prm.p[6].data(), prm.p[7].data(),
-                          prm.p[8].data(), prm.p[9].data(), prm.p[10].data(), prm.p[11].data(),
-                          prm.p[12].data(), prm.p[13].data()};
+  const typename layer::weights wv{
+      prm.p[0].data(),  prm.p[1].data(),  prm.p[2].data(),  prm.p[3].data(),
+      prm.p[4].data(),  prm.p[5].data(),  prm.p[6].data(),  prm.p[7].data(),
+      prm.p[8].data(),  prm.p[9].data(),  prm.p[10].data(), prm.p[11].data(),
+      prm.p[12].data(), prm.p[13].data(), prm.p[14].data(), prm.p[15].data()};
   aligned_buffer st_mem(layer::state_bytes(s)), ws(layer::step_workspace_bytes(s));
-  layer::state st = layer::make_state(s, wv, st_mem.get(), st_mem.bytes);
+  typename layer::state st = layer::make_state(s, wv, st_mem.get(), st_mem.bytes);
   const std::size_t B = s.batch, T = s.seq, C = s.width;
   std::vector<double> stepped(x.size()), xt(B * C), yt(B * C);
+  const auto at = [](std::size_t i) { return static_cast<std::ptrdiff_t>(i); };
   for (std::size_t t = 0; t < T; ++t) {
     for (std::size_t b = 0; b < B; ++b)
-      std::copy(x.begin() + static_cast<std::ptrdiff_t>((b * T + t) * C),
-                x.begin() + static_cast<std::ptrdiff_t>((b * T + t + 1) * C), xt.begin() + static_cast<std::ptrdiff_t>(b * C));
+      std::copy(x.begin() + at((b * T + t) * C), x.begin() + at((b * T + t + 1) * C),
+                xt.begin() + at(b * C));
     layer::step(s, wv, st, xt.data(), yt.data(), ws.get(), ws.bytes, pool);
     for (std::size_t b = 0; b < B; ++b)
-      std::copy(yt.begin() + static_cast<std::ptrdiff_t>(b * C), yt.begin() + static_cast<std::ptrdiff_t>((b + 1) * C),
-                stepped.begin() + static_cast<std::ptrdiff_t>((b * T + t) * C));
+      std::copy(yt.begin() + at(b * C), yt.begin() + at((b + 1) * C),
+                stepped.begin() + at((b * T + t) * C));
   }
   // The same sums in a different order (running sums instead of the dual form's products).
   CHECK(rel_err(stepped, full) <= 1e-12);
+  CHECK(st.position == T);
+}
+
+}  // namespace
+
+TEST_CASE("ttt_linear::step and ttt_mlp::step reproduce the full forward, token by token") {
+  step_case<f64_layer<4, membound::ttt_checkpoint_groups<2>>>();
+  step_case<f64_mlp<4, membound::ttt_checkpoint_groups<2>>>();
 }
 
 TEST_CASE("ttt_linear: bad input is refused by name") {

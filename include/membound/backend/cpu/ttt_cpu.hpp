@@ -79,14 +79,21 @@ void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size
   });
 }
 
-// Sizes of the per-task scratch, in accumulator elements.
-constexpr std::size_t ttt_forward_scratch(std::size_t D, std::size_t mb) noexcept {
-  return D * D + D + 4 * mb * D + 2 * mb * mb + 2 * mb;
-}
-constexpr std::size_t ttt_backward_scratch(std::size_t D, std::size_t mb,
-                                           std::size_t group) noexcept {
-  return group * (D * D + D) + 2 * (D * D + D) + 11 * mb * D + 3 * mb * mb + 4 * mb + 2 * D;
-}
+// GELU, tanh form (the reference implementation's), and its first two derivatives.
+template <typename A>
+struct gelu_tanh {
+  static constexpr A c = A(0.7978845608028654), a = A(0.044715);
+  static A f(A x) { return A(0.5) * x * (A(1) + std::tanh(c * (x + a * x * x * x))); }
+  static A d1(A x) {
+    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+    return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * u1;
+  }
+  static A d2(A x) {
+    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+    const A u2 = A(6) * a * c * x;
+    return (A(1) - t * t) * (u1 - x * t * u1 * u1 + A(0.5) * x * u2);
+  }
+};
 
 // The rows of one (b, h) mini-batch, and its learning rates.
 template <typename A>
@@ -99,18 +106,22 @@ struct ttt_minibatch {
   A eps;
 };
 
-// The inner gradient G = ∇_Z1 ½‖LN(Z1) − (V − K)‖² of one mini-batch at (W, w); Z1, the LN
-// statistics and the residual are left in the scratch for the backward.
+// Z = X·W + b: X [K, nin] (row stride ldx), W [nin, nout], Z [K, nout] contiguous.
 template <typename A>
-void ttt_inner_grad(const ttt_minibatch<A>& m, const A* W, const A* w, A* z1, A* xh, A* sig,
-                    A* g) {
+void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
+                     const A* W, const A* b, A* z) {
+  auto Z = view(z, K, nout, nout);
+  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false);
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
+}
+
+// G = ∇_Z ½‖γ ⊙ LN(Z) + β − (V − K)‖² row by row (Z [K, D]); keeps x̂ and σ for the backward.
+template <typename A>
+void ttt_ln_l2(const ttt_minibatch<A>& m, const A* z, A* xh, A* sig, A* g) {
   const std::size_t K = m.K, D = m.D;
-  auto Z = view(z1, K, D, D);
-  gemm(Z, cview(m.k, K, D, m.ld), cview(W, D, D, D), A(1), false);
   for (std::size_t i = 0; i < K; ++i) {
-    A* zr = z1 + i * D;
-    for (std::size_t j = 0; j < D; ++j) zr[j] += w[j];
-    sig[i] = ln_row(zr, D, m.eps, xh + i * D);
+    sig[i] = ln_row(z + i * D, D, m.eps, xh + i * D);
     // gx = (γ x̂ + β − (v − k)) ⊙ γ;  G = (gx − mean gx − x̂ mean(gx x̂)) / σ
     A* gr = g + i * D;
     A a = 0, c = 0;
@@ -126,47 +137,159 @@ void ttt_inner_grad(const ttt_minibatch<A>& m, const A* W, const A* w, A* z1, A*
   }
 }
 
-// P = η ⊙ (tril(XQ·XKᵀ) + 1) (lower triangle; zero above), and tril(XQ·XKᵀ) itself into `att`.
+// The backward of ttt_ln_l2 given dG: dZ (written), dγ, dβ (accumulated) and the target's
+// gradient into dk (+) and dv (−) (row stride ld). `rowd` is 3·D scratch.
 template <typename A>
-void ttt_p_matrix(const ttt_minibatch<A>& m, A* att, A* p) {
+void ttt_ln_l2_backward(const ttt_minibatch<A>& m, const A* xh, const A* sig, const A* g,
+                        const A* dg, A* pgam, A* pbet, A* dz, A* dk, A* dv, A* rowd) {
   const std::size_t K = m.K, D = m.D;
+  const A invD = A(1) / static_cast<A>(D);
+  for (std::size_t i = 0; i < K; ++i) {
+    const A* xr = xh + i * D;
+    const A* g_r = g + i * D;
+    const A* dg_r = dg + i * D;
+    A* r = rowd;
+    A* dgx = rowd + D;
+    A* dxh = rowd + 2 * D;
+    A cc = 0, m1 = 0, sdx = 0, dsig = 0;
+    for (std::size_t j = 0; j < D; ++j) {
+      r[j] = m.gamma[j] * xr[j] + m.beta[j] - (m.v[i * m.ld + j] - m.k[i * m.ld + j]);
+      cc += r[j] * m.gamma[j] * xr[j];
+      m1 += dg_r[j];
+      sdx += dg_r[j] * xr[j];
+      dsig -= dg_r[j] * g_r[j];
+    }
+    cc *= invD;
+    m1 *= invD;
+    dsig /= sig[i];
+    // G = (gx − mean gx − x̂·mean(gx x̂))/σ: its partials in gx, x̂ and σ.
+    for (std::size_t j = 0; j < D; ++j) {
+      const A gx = r[j] * m.gamma[j];
+      dgx[j] = (dg_r[j] - m1 - xr[j] * sdx * invD) / sig[i];
+      dxh[j] = -(dg_r[j] * cc) / sig[i] - sdx / sig[i] * gx * invD;
+      const A dr = dgx[j] * m.gamma[j];
+      pgam[j] += dgx[j] * r[j] + dr * xr[j];
+      pbet[j] += dr;
+      dv[i * m.ld + j] -= dr;  // the target is v − k
+      dk[i * m.ld + j] += dr;
+      dxh[j] += dr * m.gamma[j];
+    }
+    ln_row_backward(xr, sig[i], dxh, dsig, D, dz + i * D);
+  }
+}
+
+// P = η ⊙ (tril(X·Yᵀ) + 1) with η[i, s] = tok_i·lr_s (zero above the diagonal); tril(X·Yᵀ)
+// itself into att. X, Y [K, n] with row strides ldx, ldy.
+template <typename A>
+void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
+                  std::size_t n, const A* tok, const A* lr, A* att, A* p) {
   auto At = view(att, K, K, K);
-  gemm(At, cview(m.q, K, D, m.ld), cview(m.k, K, D, m.ld).transpose(), A(1), false);
+  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
         att[i * K + s] = 0;
         p[i * K + s] = 0;
       } else {
-        p[i * K + s] = m.tok[i] * m.lr[s] * (att[i * K + s] + A(1));
+        p[i * K + s] = tok[i] * lr[s] * (att[i * K + s] + A(1));
       }
     }
 }
 
-// Zbar = XQ·W + w − P·G.
+// Zbar = X·W + b − P·G: X [K, nin] (stride ldx), G and Zbar [K, nout].
 template <typename A>
-void ttt_zbar(const ttt_minibatch<A>& m, const A* W, const A* w, const A* p, const A* g, A* zb) {
-  const std::size_t K = m.K, D = m.D;
-  auto Zb = view(zb, K, D, D);
-  gemm(Zb, cview(m.q, K, D, m.ld), cview(W, D, D, D), A(1), false);
-  gemm(Zb, cview(p, K, K, K), cview(g, K, D, D), A(-1), true);
-  for (std::size_t i = 0; i < K; ++i)
-    for (std::size_t j = 0; j < D; ++j) zb[i * D + j] += w[j];
+void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
+                   const A* W, const A* b, const A* p, const A* g, A* zb) {
+  ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb);
+  auto Zb = view(zb, K, nout, nout);
+  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true);
 }
 
-// W ← W − XKᵀ·diag(e)·G, w ← w − Σ_s e_s·G_s with e_s = tok[K−1]·lr[s]; `eg` is K·D scratch.
+// The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
+// `eg` is [K, nout] scratch.
 template <typename A>
-void ttt_update(const ttt_minibatch<A>& m, const A* g, A* W, A* w, A* eg) {
-  const std::size_t K = m.K, D = m.D;
+void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
+                const A* g, A tok_last, const A* lr, A* W, A* b, A* eg) {
   for (std::size_t s = 0; s < K; ++s) {
-    const A e = m.tok[K - 1] * m.lr[s];
-    for (std::size_t j = 0; j < D; ++j) {
-      eg[s * D + j] = e * g[s * D + j];
-      w[j] -= eg[s * D + j];
+    const A e = tok_last * lr[s];
+    for (std::size_t j = 0; j < nout; ++j) {
+      eg[s * nout + j] = e * g[s * nout + j];
+      b[j] -= eg[s * nout + j];
     }
   }
-  auto Wm = view(W, D, D, D);
-  gemm(Wm, cview(m.k, K, D, m.ld).transpose(), cview(eg, K, D, D), A(-1), true);
+  auto Wm = view(W, nin, nout, nout);
+  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true);
+}
+
+// The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
+// (stride lddx), dG [K, nout] and de (dL/de_s, before e_s = tok[K−1]·lr_s is expanded).
+// s1 [K, nout] and s2 [K, nin] are scratch.
+template <typename A>
+void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
+                         std::size_t nout, const A* g, A tok_last, const A* lr, const A* dWn,
+                         const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2) {
+  auto XdW = view(s1, K, nout, nout);
+  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false);
+  auto GdWt = view(s2, K, nin, nin);
+  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false);
+  for (std::size_t i = 0; i < K; ++i) {
+    const A e = tok_last * lr[i];
+    A d = 0;
+    for (std::size_t j = 0; j < nout; ++j) {
+      const A t = s1[i * nout + j] + dbn[j];
+      d -= t * g[i * nout + j];
+      dg[i * nout + j] -= e * t;
+    }
+    de[i] += d;
+    for (std::size_t j = 0; j < nin; ++j) dx[i * lddx + j] -= e * s2[i * nin + j];
+  }
+}
+
+// The backward of Zbar = X·W + b − P·G given dZbar: accumulates dX (stride lddx), dW, db and
+// dG; writes dP = −dZbar·Gᵀ on the lower triangle (zero above).
+template <typename A>
+void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
+                            std::size_t nout, const A* W, const A* p, const A* g, const A* dzb,
+                            A* dx, std::size_t lddx, A* dW, A* db, A* dg, A* dp) {
+  const auto DZb = cview(dzb, K, nout, nout);
+  auto dX = view(dx, K, nin, lddx);
+  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true);
+  auto dWm = view(dW, nin, nout, nout);
+  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true);
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
+  auto dG = view(dg, K, nout, nout);
+  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true);
+  auto dP = view(dp, K, K, K);
+  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false);
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
+}
+
+// P = η ⊙ (att + 1), η[i, s] = tok_i·lr_s: turns dP into dL/d(att) in place and accumulates
+// dL/dtok_i (ptok) and dL/dlr_s (dl).
+template <typename A>
+void ttt_p_backward(std::size_t K, const A* tok, const A* lr, const A* att, A* dp, A* ptok,
+                    A* dl) {
+  for (std::size_t i = 0; i < K; ++i)
+    for (std::size_t s = 0; s <= i; ++s) {
+      const A d = dp[i * K + s], d_eta = d * (att[i * K + s] + A(1));
+      ptok[i] += d_eta * lr[s];
+      dl[s] += d_eta * tok[i];
+      dp[i * K + s] = d * tok[i] * lr[s];
+    }
+}
+
+// att = tril(X·Yᵀ): accumulates dX += dAtt·Y and dY += dAttᵀ·X (strides as given).
+template <typename A>
+void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
+                      std::size_t n, const A* datt, A* dx, std::size_t lddx, A* dy,
+                      std::size_t lddy) {
+  const auto dAtt = cview(datt, K, K, K);
+  auto dX = view(dx, K, n, lddx);
+  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true);
+  auto dY = view(dy, K, n, lddy);
+  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true);
 }
 
 }  // namespace cpu
