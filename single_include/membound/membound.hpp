@@ -4259,6 +4259,15 @@ void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, s
   matmul_at(pool, x, d, g, N, K, M, accumulate, ld3{K, M, M});
 }
 
+// Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
+template <typename F>
+void for_rows(thread_pool& pool, std::size_t N, F&& f) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) f(n);
+  });
+}
+
 }  // namespace cpu
 
 MEMBOUND_NAMESPACE_END
@@ -5436,15 +5445,6 @@ void reduce_bc(thread_pool& pool, const mamba_shape& s, const A* part, A* dxdbl)
         for (std::size_t j = 0; j < 2 * Ns; ++j) out[j] += p[j];
       }
     }
-  });
-}
-
-// Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
-template <typename F>
-void for_rows(thread_pool& pool, std::size_t N, F&& f) {
-  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
-    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
-    for (std::size_t n = r0; n < r1; ++n) f(n);
   });
 }
 
@@ -7527,19 +7527,19 @@ class basic_ttt {
   }
 
   // Σ_n a[n, j]·b[n, j] into out_ab and Σ_n a[n, j] into out_a (when not null); b may be null
-  // (then out_ab gets Σ a). Column blocks in parallel, rows in order.
+  // (then out_ab gets Σ a). Column blocks in parallel; rows outer so that each block streams
+  // contiguous memory, and each column still sums its rows in order.
   static void column_sums_product(thread_pool& pool, const A* a, const A* b, std::size_t N,
                                   std::size_t M, A* out_ab, A* out_a) {
     pool.parallel_for(cpu::blocks(M, 64), [&](std::size_t blk, std::size_t) {
       const std::size_t j0 = blk * 64, j1 = std::min(M, j0 + 64);
-      for (std::size_t j = j0; j < j1; ++j) {
-        A ab = 0, s = 0;
-        for (std::size_t n = 0; n < N; ++n) {
-          ab += a[n * M + j] * (b ? b[n * M + j] : A(1));
-          s += a[n * M + j];
-        }
-        out_ab[j] = ab;
-        if (out_a) out_a[j] = s;
+      std::fill(out_ab + j0, out_ab + j1, A(0));
+      if (out_a) std::fill(out_a + j0, out_a + j1, A(0));
+      for (std::size_t n = 0; n < N; ++n) {
+        const A* ar = a + n * M;
+        for (std::size_t j = j0; j < j1; ++j) out_ab[j] += ar[j] * (b ? b[n * M + j] : A(1));
+        if (out_a)
+          for (std::size_t j = j0; j < j1; ++j) out_a[j] += ar[j];
       }
     });
   }

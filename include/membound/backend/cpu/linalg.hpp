@@ -148,6 +148,15 @@ void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, s
   matmul_at(pool, x, d, g, N, K, M, accumulate, ld3{K, M, M});
 }
 
+// Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
+template <typename F>
+void for_rows(thread_pool& pool, std::size_t N, F&& f) {
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) f(n);
+  });
+}
+
 }  // namespace cpu
 
 MEMBOUND_NAMESPACE_END

@@ -286,15 +286,6 @@ void reduce_bc(thread_pool& pool, const mamba_shape& s, const A* part, A* dxdbl)
   });
 }
 
-// Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
-template <typename F>
-void for_rows(thread_pool& pool, std::size_t N, F&& f) {
-  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
-    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
-    for (std::size_t n = r0; n < r1; ++n) f(n);
-  });
-}
-
 }  // namespace cpu
 
 MEMBOUND_NAMESPACE_END
