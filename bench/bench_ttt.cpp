@@ -253,7 +253,7 @@ struct naive {
     mb::system_allocator alloc;
     const std::size_t B = s.batch, T = s.seq, C = s.width, H = s.heads, D = s.head_dim(),
                       N = B * T, DD = D * D, th = pool.size(), nmb = cpu::blocks(T, MBATCH);
-    const auto sizes = weight_sizes(s, mlp);
+    const auto sizes = weight_sizes(s, false);
     std::size_t wtotal = 0;
     for (std::size_t n : sizes) wtotal += n;
     // Widened copies (bf16) exist for ours too; the naive path needs the same ones.
