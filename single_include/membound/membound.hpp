@@ -4268,6 +4268,49 @@ void for_rows(thread_pool& pool, std::size_t N, F&& f) {
   });
 }
 
+// Storage S vs accumulator A, shared by every layer front end. A buffer already in A (fp32 or
+// fp64 storage) is used in place; bf16/fp16 go through the workspace slot.
+template <typename A, typename S>
+const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)n;
+    (void)slot;
+    return src;
+  } else {
+    widen(src, n, slot);
+    return slot;
+  }
+}
+// Where a result is computed in A: the caller's buffer when it holds A, else the workspace slot
+// that is rounded into it afterwards.
+template <typename A, typename S>
+A* accum_target(S* caller, A* slot) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)slot;
+    return caller;
+  } else {
+    (void)caller;
+    return slot;
+  }
+}
+// g[K, M] += x[N, K]ᵀ·d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
+template <typename A, typename S>
+void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                 std::size_t K, std::size_t M) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)tmp;
+    matmul_at(pool, x, d, g, N, K, M, true);
+  } else {
+    matmul_at(pool, x, d, tmp, N, K, M, false);
+    narrow_add(static_cast<const A*>(tmp), K * M, g);
+  }
+}
+// g += src, rounded once per element.
+template <typename A, typename S>
+void add_grad(const A* src, std::size_t n, S* g) {
+  narrow_add(src, n, g);
+}
+
 }  // namespace cpu
 
 MEMBOUND_NAMESPACE_END
@@ -4812,7 +4855,7 @@ class attention {
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim;
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(f_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(f_k);
@@ -4820,12 +4863,12 @@ class attention {
     project_qkv(s, xa, wa, q, k, v, pool);
 
     S* o_saved = sv.template get<S>(s_o);
-    A* o = accum_target(o_saved, ws.template get<A>(f_o));
+    A* o = cpu::accum_target(o_saved, ws.template get<A>(f_o));
     cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
                        ws.template get<A>(f_scratch));
     if constexpr (widened) cpu::narrow(o, N * HD, o_saved);
 
-    A* ya = accum_target(y, ws.template get<A>(f_y));
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
     if constexpr (widened) cpu::narrow(ya, N * C, y);
   }
@@ -4852,14 +4895,14 @@ class attention {
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
 
     // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(b_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(b_k);
     A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(b_v);
     if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, pool);
-    const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
+    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
                                 ws.template get<A>(b_o));
     const A* lse = sv.template get<A>(s_lse);
     A* d_out = ws.template get<A>(b_dout);
@@ -4879,13 +4922,13 @@ class attention {
     cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, s.rope_base, 0, true);
     cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, true);
     A* tmp = ws.template get<A>(b_dw);
-    weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
-    weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
-    weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
-    weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
+    cpu::weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
+    cpu::weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
+    cpu::weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
+    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
 
     // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
-    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
     cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false);
     cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
@@ -4923,7 +4966,7 @@ class attention {
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
 
-    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
     A* q = ws.template get<A>(st_q);
     A* k = ws.template get<A>(st_k);
@@ -4946,7 +4989,7 @@ class attention {
     A* o = ws.template get<A>(st_o);
     cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
                       static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
-    A* ya = accum_target(y_t, ws.template get<A>(st_y));
+    A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
   }
@@ -5066,29 +5109,6 @@ class attention {
     detail::not_null(w.wo, "weights.wo");
   }
 
-  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
-    if constexpr (widened) {
-      cpu::widen(src, n, slot);
-      return slot;
-    } else {
-      (void)n;
-      (void)slot;
-      return src;
-    }
-  }
-
-  // Where a result is computed in A: the caller's buffer itself when it already holds A
-  // (fp32/fp64), else the workspace slot that is rounded into it afterwards.
-  static A* accum_target(S* caller, A* slot) {
-    if constexpr (widened) {
-      (void)caller;
-      return slot;
-    } else {
-      (void)slot;
-      return caller;
-    }
-  }
-
   struct wptrs {
     const A *q, *k, *v, *o;
   };
@@ -5126,16 +5146,6 @@ class attention {
     }
   }
 
-  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      cpu::matmul_at(pool, x, d, accum_target(g, tmp), N, K, M, true);
-    }
-  }
 };
 
 MEMBOUND_NAMESPACE_END
@@ -5634,13 +5644,13 @@ class mamba {
     const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner;
     const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
     const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
     A* const a_neg = ws.template get<A>(f_a);
     negexp(wa.a_log, Di * Ns, a_neg);
 
     // Phase 0: xz = x·in_proj, stored (rounded) and used as stored.
     S* xz_s = sv.template get<S>(s_xz);
-    A* xz = accum_target(xz_s, ws.template get<A>(f_xz));
+    A* xz = cpu::accum_target(xz_s, ws.template get<A>(f_xz));
     cpu::matmul(pool, xa, wa.in_proj, xz, N, C, 2 * Di, false);
     store(pool, xz, N * 2 * Di, xz_s);
     // c = conv(xi) + b, then u = SiLU(c) in place.
@@ -5652,7 +5662,7 @@ class mamba {
 
     // Phase 1: x_dbl = u·x_proj (stored), Δ = softplus(dt_low·dt_proj + dt_bias).
     S* xdbl_s = sv.template get<S>(s_xdbl);
-    A* xdbl = accum_target(xdbl_s, ws.template get<A>(f_xdbl));
+    A* xdbl = cpu::accum_target(xdbl_s, ws.template get<A>(f_xdbl));
     cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, N, Di, ldx, false);
     store(pool, xdbl, N * ldx, xdbl_s);
     A* delta = ws.template get<A>(f_delta);
@@ -5669,7 +5679,7 @@ class mamba {
     });
 
     // Phase 3: out = g·out_proj.
-    A* oa = accum_target(out, ws.template get<A>(f_out));
+    A* oa = cpu::accum_target(out, ws.template get<A>(f_out));
     cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, N, Di, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), N * C, out);
   }
@@ -5697,16 +5707,16 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
 
     // Phase 0: the forward's values, as stored (or recomputed from what is stored).
-    const A* xz = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xz)), N * 2 * Di,
+    const A* xz = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xz)), N * 2 * Di,
                                  ws.template get<A>(b_xz));
-    const A* xdbl = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xdbl)), N * ldx,
+    const A* xdbl = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xdbl)), N * ldx,
                                    ws.template get<A>(b_xdbl));
     const A* c;
     const A* delta;
     if constexpr (keep_conv_delta) {
-      c = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_c)), N * Di,
+      c = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_c)), N * Di,
                          ws.template get<A>(b_c));
-      delta = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_delta)), N * Di,
+      delta = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_delta)), N * Di,
                              ws.template get<A>(b_delta));
     } else {
       A* cw = ws.template get<A>(b_c);
@@ -5721,7 +5731,7 @@ class mamba {
       for (std::size_t i = 0; i < Di; ++i) u[n * Di + i] = cpu::silu(c[n * Di + i]);
     });
     // dg = dout·out_projᵀ; the scan's output gradient dy = dg ⊙ SiLU(z).
-    const A* dya = widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
+    const A* dya = cpu::widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
     A* dg = ws.template get<A>(b_dg);
     cpu::matmul_bt(pool, dya, wa.out_proj, dg, N, C, Di, false);
     A* dys = ws.template get<A>(b_dys);
@@ -5758,7 +5768,7 @@ class mamba {
       }
     });
     A* tmp = ws.template get<A>(b_wtmp);
-    weight_grad(pool, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C);
+    cpu::weight_grad(pool, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C);
 
     // Phase 3: dt = dt_low·dt_proj + dt_bias went through softplus, whose derivative σ(dt) is
     // 1 − exp(−Δ) = −expm1(−Δ): the gradient follows from Δ alone, as stored.
@@ -5779,7 +5789,7 @@ class mamba {
                    cpu::ld3{Di, Di, ldx});
 
     // Phase 4: x_proj's gradients; dc = du ⊙ SiLU'(c); the convolution's transpose.
-    weight_grad(pool, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N,
+    cpu::weight_grad(pool, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N,
                 Di, ldx);
     cpu::matmul_bt(pool, static_cast<const A*>(dxdbl), wa.x_proj, du, N, ldx, Di, true);
     cpu::for_rows(pool, N, [&](std::size_t n) {
@@ -5789,19 +5799,19 @@ class mamba {
                               2 * Di, dconv_w, dconv_b);
 
     // Phase 5: in_proj's gradients and dx = dxz·in_projᵀ.
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    weight_grad(pool, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di);
-    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di);
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
     cpu::matmul_bt(pool, static_cast<const A*>(dxz), wa.in_proj, dxa, N, 2 * Di, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
 
     // The small parameters, each rounded once into its gradient. dA_log = dA ⊙ A.
     for (std::size_t j = 0; j < Di * Ns; ++j) da[j] *= a_neg[j];
-    add_grad(da, Di * Ns, g.a_log);
-    add_grad(dd, Di, g.d);
-    add_grad(dconv_w, Di * K, g.conv_w);
-    add_grad(dconv_b, Di, g.conv_b);
-    add_grad(ddt_bias, Di, g.dt_bias);
+    cpu::add_grad(da, Di * Ns, g.a_log);
+    cpu::add_grad(dd, Di, g.d);
+    cpu::add_grad(dconv_w, Di * K, g.conv_w);
+    cpu::add_grad(dconv_b, Di, g.conv_b);
+    cpu::add_grad(ddt_bias, Di, g.dt_bias);
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
@@ -5824,7 +5834,7 @@ class mamba {
     const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
     A* a_neg = ws.template get<A>(st_a);
     negexp(wa.a_log, Di * Ns, a_neg);
-    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
     cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false);
     cpu::round_through<S>(xz, B * 2 * Di);
@@ -5867,7 +5877,7 @@ class mamba {
         y[b * Di + i] = yi * cpu::silu(xz[b * 2 * Di + Di + i]);
       }
     }
-    A* oa = accum_target(out_t, ws.template get<A>(st_out));
+    A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
     cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
     ++st.position;
@@ -6065,25 +6075,6 @@ class mamba {
     for (std::size_t j = 0; j < n; ++j) out[j] = -std::exp(a_log[j]);
   }
 
-  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
-    if constexpr (widened) {
-      cpu::widen(src, n, slot);
-      return slot;
-    } else {
-      (void)n;
-      (void)slot;
-      return src;
-    }
-  }
-  static A* accum_target(S* caller, A* slot) {
-    if constexpr (widened) {
-      (void)caller;
-      return slot;
-    } else {
-      (void)slot;
-      return caller;
-    }
-  }
   // Rounds an A buffer through storage and writes it to the S slot (a no-op for S = A, where the
   // buffer is the slot).
   static void store(thread_pool& pool, A* values, std::size_t n, S* slot) {
@@ -6139,24 +6130,6 @@ class mamba {
     });
   }
 
-  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      (void)tmp;
-      cpu::matmul_at(pool, x, d, g, N, K, M, true);
-    }
-  }
-  static void add_grad(const A* src, std::size_t n, S* g) {
-    if constexpr (widened) {
-      cpu::narrow_add(src, n, g);
-    } else {
-      for (std::size_t j = 0; j < n; ++j) g[j] += src[j];
-    }
-  }
 };
 
 MEMBOUND_NAMESPACE_END
@@ -6667,7 +6640,7 @@ class basic_ttt {
                                         workspace_size, "workspace");
     const std::size_t N = rows(s), C = s.width;
     const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
     A* q = ws.template get<A>(f_q);
     A* k = ws.template get<A>(f_k);
     A* v = ws.template get<A>(f_v);
@@ -6678,7 +6651,7 @@ class basic_ttt {
 
     // The inner loop, one task per (b, h); its output rounded through storage into `saved`.
     S* o_s = sv.template get<S>(s_o);
-    A* o = accum_target(o_s, ws.template get<A>(f_o));
+    A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
     inner_forward(s, q, k, v, lr, tok, wa, o, sv.template get<A>(s_ckpt),
                   ws.template get<A>(f_scratch), pool);
     if constexpr (widened) {
@@ -6695,7 +6668,7 @@ class basic_ttt {
         for (std::size_t j = 0; j < C; ++j) pn[n * C + j] *= gelu(gpre[n * C + j]);
       });
     }
-    A* ya = accum_target(y, ws.template get<A>(f_y));
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
   }
@@ -6718,7 +6691,7 @@ class basic_ttt {
                                         workspace_size, "workspace");
     const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim(), B = s.batch;
     const wptrs wa = widen_weights(s, w, ws.template get<A>(b_w));
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
     A* q = ws.template get<A>(b_q);
     A* k = ws.template get<A>(b_k);
     A* v = ws.template get<A>(b_v);
@@ -6726,9 +6699,9 @@ class basic_ttt {
     A* sig = ws.template get<A>(b_sig);
     A* tok = ws.template get<A>(b_tok);
     project(s, xa, wa, q, k, v, lr, sig, tok, pool);
-    const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
+    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
                                 ws.template get<A>(b_o));
-    const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
     A* tmp = ws.template get<A>(b_wtmp);
     A* dxa = ws.template get<A>(b_dx);
 
@@ -6752,19 +6725,19 @@ class basic_ttt {
           pn[e] *= gl;                                     // now the gated value
         }
       });
-      weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
-      weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C);
+      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
+      cpu::weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C);
       cpu::matmul_bt(pool, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false);
     } else {
-      weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
+      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
       std::fill(dxa, dxa + N * C, A(0));
     }
     // Post norm: pn = x̂ ⊙ post_w + post_b. d(post_w) = Σ dpn ⊙ x̂, d(post_b) = Σ dpn.
     A* small = ws.template get<A>(b_small);
     column_sums_product(pool, static_cast<const A*>(dpn), static_cast<const A*>(xh), N, C, small,
                         small + C);
-    add_grad(small, C, g.post_w);
-    add_grad(small + C, C, g.post_b);
+    cpu::add_grad(small, C, g.post_w);
+    cpu::add_grad(small + C, C, g.post_b);
     A* d_o = ws.template get<A>(b_do);
     cpu::for_rows(pool, N, [&](std::size_t n) {
       A* dxh = d_o + n * C;  // dL/dx̂, then dL/do in place
@@ -6800,15 +6773,15 @@ class basic_ttt {
     }
     for (std::size_t h = 0; h < H; ++h) {
       const A* ph = sum + h * SZ;
-      add_grad(ph, D * F, g.w1 + h * D * F);
-      add_grad(ph + D * F, F, g.b1 + h * F);
+      cpu::add_grad(ph, D * F, g.w1 + h * D * F);
+      cpu::add_grad(ph + D * F, F, g.b1 + h * F);
       if constexpr (Mlp) {
-        add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
-        add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
+        cpu::add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
+        cpu::add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
       }
     }
-    add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
-    add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
+    cpu::add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
+    cpu::add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
     A* dtok = sum + H * SZ + 2 * H * D;  // [H, mb]: summed over heads, masked by the clamp
     for (std::size_t i = 0; i < mb; ++i) {
       A acc = 0;
@@ -6816,7 +6789,7 @@ class basic_ttt {
       const A raw = A(1) / static_cast<A>(i + 1) + wa.tok_offset[i];
       dtok[i] = raw > A(0) ? acc : A(0);  // clamp_min(·, 0): no gradient where clamped
     }
-    add_grad(dtok, mb, g.tok_offset);
+    cpu::add_grad(dtok, mb, g.tok_offset);
 
     // The learning-rate gate: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ).
     cpu::for_rows(pool, N, [&](std::size_t n) {
@@ -6830,15 +6803,15 @@ class basic_ttt {
     }
     column_sums_product(pool, static_cast<const A*>(dlr), static_cast<const A*>(nullptr), N, H,
                         sum, nullptr);
-    add_grad(sum, H, g.lr_b);
+    cpu::add_grad(sum, H, g.lr_b);
     cpu::matmul(pool, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true);
 
     // RoPE's transpose, then the projections.
     cpu::rope_pairs(pool, dq, N, s.seq, H, D, s.rope_base, mb, true);
     cpu::rope_pairs(pool, dk, N, s.seq, H, D, s.rope_base, mb, true);
-    weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C);
-    weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C);
-    weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C);
     cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true);
@@ -6866,7 +6839,7 @@ class basic_ttt {
     const std::size_t B = s.batch, C = s.width, H = s.heads, D = s.head_dim();
     const std::size_t i = st.position % mb;
     const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
     A* q = ws.template get<A>(f_q);
     A* k = ws.template get<A>(f_k);
     A* v = ws.template get<A>(f_v);
@@ -6920,7 +6893,7 @@ class basic_ttt {
       cpu::matmul(pool, xa, wa.wg, k, B, C, C, false);
       for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
     }
-    A* ya = accum_target(y_t, ws.template get<A>(f_y));
+    A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
     ++st.position;
@@ -7112,26 +7085,6 @@ class basic_ttt {
     if (Mlp) {
       detail::not_null(g.w2, "gradients.w2");
       detail::not_null(g.b2, "gradients.b2");
-    }
-  }
-
-  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
-    if constexpr (widened) {
-      cpu::widen(src, n, slot);
-      return slot;
-    } else {
-      (void)n;
-      (void)slot;
-      return src;
-    }
-  }
-  static A* accum_target(S* caller, A* slot) {
-    if constexpr (widened) {
-      (void)caller;
-      return slot;
-    } else {
-      (void)slot;
-      return caller;
     }
   }
 
@@ -7544,23 +7497,6 @@ class basic_ttt {
     });
   }
 
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      (void)tmp;
-      cpu::matmul_at(pool, x, d, g, N, K, M, true);
-    }
-  }
-  static void add_grad(const A* src, std::size_t n, S* g) {
-    if constexpr (widened) {
-      cpu::narrow_add(src, n, g);
-    } else {
-      for (std::size_t j = 0; j < n; ++j) g[j] += src[j];
-    }
-  }
 };
 
 // TTT-Linear: the inner model is one linear map (W1 [D, D], b1 [D]).

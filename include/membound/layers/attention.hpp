@@ -208,7 +208,7 @@ class attention {
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim;
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(f_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(f_k);
@@ -216,12 +216,12 @@ class attention {
     project_qkv(s, xa, wa, q, k, v, pool);
 
     S* o_saved = sv.template get<S>(s_o);
-    A* o = accum_target(o_saved, ws.template get<A>(f_o));
+    A* o = cpu::accum_target(o_saved, ws.template get<A>(f_o));
     cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
                        ws.template get<A>(f_scratch));
     if constexpr (widened) cpu::narrow(o, N * HD, o_saved);
 
-    A* ya = accum_target(y, ws.template get<A>(f_y));
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
     if constexpr (widened) cpu::narrow(ya, N * C, y);
   }
@@ -248,14 +248,14 @@ class attention {
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
 
     // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(b_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(b_k);
     A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(b_v);
     if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, pool);
-    const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
+    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
                                 ws.template get<A>(b_o));
     const A* lse = sv.template get<A>(s_lse);
     A* d_out = ws.template get<A>(b_dout);
@@ -275,13 +275,13 @@ class attention {
     cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, s.rope_base, 0, true);
     cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, true);
     A* tmp = ws.template get<A>(b_dw);
-    weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
-    weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
-    weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
-    weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
+    cpu::weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
+    cpu::weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
+    cpu::weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
+    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
 
     // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
-    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
     cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false);
     cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
@@ -319,7 +319,7 @@ class attention {
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
 
-    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
     A* q = ws.template get<A>(st_q);
     A* k = ws.template get<A>(st_k);
@@ -342,7 +342,7 @@ class attention {
     A* o = ws.template get<A>(st_o);
     cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
                       static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
-    A* ya = accum_target(y_t, ws.template get<A>(st_y));
+    A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
   }
@@ -462,28 +462,7 @@ class attention {
     detail::not_null(w.wo, "weights.wo");
   }
 
-  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
-    if constexpr (widened) {
-      cpu::widen(src, n, slot);
-      return slot;
-    } else {
-      (void)n;
-      (void)slot;
-      return src;
-    }
-  }
 
-  // Where a result is computed in A: the caller's buffer itself when it already holds A
-  // (fp32/fp64), else the workspace slot that is rounded into it afterwards.
-  static A* accum_target(S* caller, A* slot) {
-    if constexpr (widened) {
-      (void)caller;
-      return slot;
-    } else {
-      (void)slot;
-      return caller;
-    }
-  }
 
   struct wptrs {
     const A *q, *k, *v, *o;
@@ -522,16 +501,6 @@ class attention {
     }
   }
 
-  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      cpu::matmul_at(pool, x, d, accum_target(g, tmp), N, K, M, true);
-    }
-  }
 };
 
 MEMBOUND_NAMESPACE_END

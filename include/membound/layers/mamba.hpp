@@ -202,13 +202,13 @@ class mamba {
     const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner;
     const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
     const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
     A* const a_neg = ws.template get<A>(f_a);
     negexp(wa.a_log, Di * Ns, a_neg);
 
     // Phase 0: xz = x·in_proj, stored (rounded) and used as stored.
     S* xz_s = sv.template get<S>(s_xz);
-    A* xz = accum_target(xz_s, ws.template get<A>(f_xz));
+    A* xz = cpu::accum_target(xz_s, ws.template get<A>(f_xz));
     cpu::matmul(pool, xa, wa.in_proj, xz, N, C, 2 * Di, false);
     store(pool, xz, N * 2 * Di, xz_s);
     // c = conv(xi) + b, then u = SiLU(c) in place.
@@ -220,7 +220,7 @@ class mamba {
 
     // Phase 1: x_dbl = u·x_proj (stored), Δ = softplus(dt_low·dt_proj + dt_bias).
     S* xdbl_s = sv.template get<S>(s_xdbl);
-    A* xdbl = accum_target(xdbl_s, ws.template get<A>(f_xdbl));
+    A* xdbl = cpu::accum_target(xdbl_s, ws.template get<A>(f_xdbl));
     cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, N, Di, ldx, false);
     store(pool, xdbl, N * ldx, xdbl_s);
     A* delta = ws.template get<A>(f_delta);
@@ -237,7 +237,7 @@ class mamba {
     });
 
     // Phase 3: out = g·out_proj.
-    A* oa = accum_target(out, ws.template get<A>(f_out));
+    A* oa = cpu::accum_target(out, ws.template get<A>(f_out));
     cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, N, Di, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), N * C, out);
   }
@@ -265,16 +265,16 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
 
     // Phase 0: the forward's values, as stored (or recomputed from what is stored).
-    const A* xz = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xz)), N * 2 * Di,
+    const A* xz = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xz)), N * 2 * Di,
                                  ws.template get<A>(b_xz));
-    const A* xdbl = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xdbl)), N * ldx,
+    const A* xdbl = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xdbl)), N * ldx,
                                    ws.template get<A>(b_xdbl));
     const A* c;
     const A* delta;
     if constexpr (keep_conv_delta) {
-      c = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_c)), N * Di,
+      c = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_c)), N * Di,
                          ws.template get<A>(b_c));
-      delta = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_delta)), N * Di,
+      delta = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_delta)), N * Di,
                              ws.template get<A>(b_delta));
     } else {
       A* cw = ws.template get<A>(b_c);
@@ -289,7 +289,7 @@ class mamba {
       for (std::size_t i = 0; i < Di; ++i) u[n * Di + i] = cpu::silu(c[n * Di + i]);
     });
     // dg = dout·out_projᵀ; the scan's output gradient dy = dg ⊙ SiLU(z).
-    const A* dya = widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
+    const A* dya = cpu::widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
     A* dg = ws.template get<A>(b_dg);
     cpu::matmul_bt(pool, dya, wa.out_proj, dg, N, C, Di, false);
     A* dys = ws.template get<A>(b_dys);
@@ -326,7 +326,7 @@ class mamba {
       }
     });
     A* tmp = ws.template get<A>(b_wtmp);
-    weight_grad(pool, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C);
+    cpu::weight_grad(pool, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C);
 
     // Phase 3: dt = dt_low·dt_proj + dt_bias went through softplus, whose derivative σ(dt) is
     // 1 − exp(−Δ) = −expm1(−Δ): the gradient follows from Δ alone, as stored.
@@ -347,7 +347,7 @@ class mamba {
                    cpu::ld3{Di, Di, ldx});
 
     // Phase 4: x_proj's gradients; dc = du ⊙ SiLU'(c); the convolution's transpose.
-    weight_grad(pool, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N,
+    cpu::weight_grad(pool, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N,
                 Di, ldx);
     cpu::matmul_bt(pool, static_cast<const A*>(dxdbl), wa.x_proj, du, N, ldx, Di, true);
     cpu::for_rows(pool, N, [&](std::size_t n) {
@@ -357,19 +357,19 @@ class mamba {
                               2 * Di, dconv_w, dconv_b);
 
     // Phase 5: in_proj's gradients and dx = dxz·in_projᵀ.
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    weight_grad(pool, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di);
-    A* dxa = accum_target(dx, ws.template get<A>(b_dx));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di);
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
     cpu::matmul_bt(pool, static_cast<const A*>(dxz), wa.in_proj, dxa, N, 2 * Di, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
 
     // The small parameters, each rounded once into its gradient. dA_log = dA ⊙ A.
     for (std::size_t j = 0; j < Di * Ns; ++j) da[j] *= a_neg[j];
-    add_grad(da, Di * Ns, g.a_log);
-    add_grad(dd, Di, g.d);
-    add_grad(dconv_w, Di * K, g.conv_w);
-    add_grad(dconv_b, Di, g.conv_b);
-    add_grad(ddt_bias, Di, g.dt_bias);
+    cpu::add_grad(da, Di * Ns, g.a_log);
+    cpu::add_grad(dd, Di, g.d);
+    cpu::add_grad(dconv_w, Di * K, g.conv_w);
+    cpu::add_grad(dconv_b, Di, g.conv_b);
+    cpu::add_grad(ddt_bias, Di, g.dt_bias);
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
@@ -392,7 +392,7 @@ class mamba {
     const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
     A* a_neg = ws.template get<A>(st_a);
     negexp(wa.a_log, Di * Ns, a_neg);
-    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
     cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false);
     cpu::round_through<S>(xz, B * 2 * Di);
@@ -435,7 +435,7 @@ class mamba {
         y[b * Di + i] = yi * cpu::silu(xz[b * 2 * Di + Di + i]);
       }
     }
-    A* oa = accum_target(out_t, ws.template get<A>(st_out));
+    A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
     cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
     ++st.position;
@@ -633,25 +633,6 @@ class mamba {
     for (std::size_t j = 0; j < n; ++j) out[j] = -std::exp(a_log[j]);
   }
 
-  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
-    if constexpr (widened) {
-      cpu::widen(src, n, slot);
-      return slot;
-    } else {
-      (void)n;
-      (void)slot;
-      return src;
-    }
-  }
-  static A* accum_target(S* caller, A* slot) {
-    if constexpr (widened) {
-      (void)caller;
-      return slot;
-    } else {
-      (void)slot;
-      return caller;
-    }
-  }
   // Rounds an A buffer through storage and writes it to the S slot (a no-op for S = A, where the
   // buffer is the slot).
   static void store(thread_pool& pool, A* values, std::size_t n, S* slot) {
@@ -707,24 +688,6 @@ class mamba {
     });
   }
 
-  // g[K, M] += x[N, K]ᵀ · d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      (void)tmp;
-      cpu::matmul_at(pool, x, d, g, N, K, M, true);
-    }
-  }
-  static void add_grad(const A* src, std::size_t n, S* g) {
-    if constexpr (widened) {
-      cpu::narrow_add(src, n, g);
-    } else {
-      for (std::size_t j = 0; j < n; ++j) g[j] += src[j];
-    }
-  }
 };
 
 MEMBOUND_NAMESPACE_END

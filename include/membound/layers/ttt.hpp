@@ -235,7 +235,7 @@ class basic_ttt {
                                         workspace_size, "workspace");
     const std::size_t N = rows(s), C = s.width;
     const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
     A* q = ws.template get<A>(f_q);
     A* k = ws.template get<A>(f_k);
     A* v = ws.template get<A>(f_v);
@@ -246,7 +246,7 @@ class basic_ttt {
 
     // The inner loop, one task per (b, h); its output rounded through storage into `saved`.
     S* o_s = sv.template get<S>(s_o);
-    A* o = accum_target(o_s, ws.template get<A>(f_o));
+    A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
     inner_forward(s, q, k, v, lr, tok, wa, o, sv.template get<A>(s_ckpt),
                   ws.template get<A>(f_scratch), pool);
     if constexpr (widened) {
@@ -263,7 +263,7 @@ class basic_ttt {
         for (std::size_t j = 0; j < C; ++j) pn[n * C + j] *= gelu(gpre[n * C + j]);
       });
     }
-    A* ya = accum_target(y, ws.template get<A>(f_y));
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
   }
@@ -286,7 +286,7 @@ class basic_ttt {
                                         workspace_size, "workspace");
     const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim(), B = s.batch;
     const wptrs wa = widen_weights(s, w, ws.template get<A>(b_w));
-    const A* xa = widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
     A* q = ws.template get<A>(b_q);
     A* k = ws.template get<A>(b_k);
     A* v = ws.template get<A>(b_v);
@@ -294,9 +294,9 @@ class basic_ttt {
     A* sig = ws.template get<A>(b_sig);
     A* tok = ws.template get<A>(b_tok);
     project(s, xa, wa, q, k, v, lr, sig, tok, pool);
-    const A* o = widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
+    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
                                 ws.template get<A>(b_o));
-    const A* dya = widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
     A* tmp = ws.template get<A>(b_wtmp);
     A* dxa = ws.template get<A>(b_dx);
 
@@ -320,19 +320,19 @@ class basic_ttt {
           pn[e] *= gl;                                     // now the gated value
         }
       });
-      weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
-      weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C);
+      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
+      cpu::weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C);
       cpu::matmul_bt(pool, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false);
     } else {
-      weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
+      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
       std::fill(dxa, dxa + N * C, A(0));
     }
     // Post norm: pn = x̂ ⊙ post_w + post_b. d(post_w) = Σ dpn ⊙ x̂, d(post_b) = Σ dpn.
     A* small = ws.template get<A>(b_small);
     column_sums_product(pool, static_cast<const A*>(dpn), static_cast<const A*>(xh), N, C, small,
                         small + C);
-    add_grad(small, C, g.post_w);
-    add_grad(small + C, C, g.post_b);
+    cpu::add_grad(small, C, g.post_w);
+    cpu::add_grad(small + C, C, g.post_b);
     A* d_o = ws.template get<A>(b_do);
     cpu::for_rows(pool, N, [&](std::size_t n) {
       A* dxh = d_o + n * C;  // dL/dx̂, then dL/do in place
@@ -368,15 +368,15 @@ class basic_ttt {
     }
     for (std::size_t h = 0; h < H; ++h) {
       const A* ph = sum + h * SZ;
-      add_grad(ph, D * F, g.w1 + h * D * F);
-      add_grad(ph + D * F, F, g.b1 + h * F);
+      cpu::add_grad(ph, D * F, g.w1 + h * D * F);
+      cpu::add_grad(ph + D * F, F, g.b1 + h * F);
       if constexpr (Mlp) {
-        add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
-        add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
+        cpu::add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
+        cpu::add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
       }
     }
-    add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
-    add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
+    cpu::add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
+    cpu::add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
     A* dtok = sum + H * SZ + 2 * H * D;  // [H, mb]: summed over heads, masked by the clamp
     for (std::size_t i = 0; i < mb; ++i) {
       A acc = 0;
@@ -384,7 +384,7 @@ class basic_ttt {
       const A raw = A(1) / static_cast<A>(i + 1) + wa.tok_offset[i];
       dtok[i] = raw > A(0) ? acc : A(0);  // clamp_min(·, 0): no gradient where clamped
     }
-    add_grad(dtok, mb, g.tok_offset);
+    cpu::add_grad(dtok, mb, g.tok_offset);
 
     // The learning-rate gate: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ).
     cpu::for_rows(pool, N, [&](std::size_t n) {
@@ -398,15 +398,15 @@ class basic_ttt {
     }
     column_sums_product(pool, static_cast<const A*>(dlr), static_cast<const A*>(nullptr), N, H,
                         sum, nullptr);
-    add_grad(sum, H, g.lr_b);
+    cpu::add_grad(sum, H, g.lr_b);
     cpu::matmul(pool, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true);
 
     // RoPE's transpose, then the projections.
     cpu::rope_pairs(pool, dq, N, s.seq, H, D, s.rope_base, mb, true);
     cpu::rope_pairs(pool, dk, N, s.seq, H, D, s.rope_base, mb, true);
-    weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C);
-    weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C);
-    weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C);
     cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true);
@@ -434,7 +434,7 @@ class basic_ttt {
     const std::size_t B = s.batch, C = s.width, H = s.heads, D = s.head_dim();
     const std::size_t i = st.position % mb;
     const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
+    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
     A* q = ws.template get<A>(f_q);
     A* k = ws.template get<A>(f_k);
     A* v = ws.template get<A>(f_v);
@@ -488,7 +488,7 @@ class basic_ttt {
       cpu::matmul(pool, xa, wa.wg, k, B, C, C, false);
       for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
     }
-    A* ya = accum_target(y_t, ws.template get<A>(f_y));
+    A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
     ++st.position;
@@ -683,25 +683,6 @@ class basic_ttt {
     }
   }
 
-  static const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
-    if constexpr (widened) {
-      cpu::widen(src, n, slot);
-      return slot;
-    } else {
-      (void)n;
-      (void)slot;
-      return src;
-    }
-  }
-  static A* accum_target(S* caller, A* slot) {
-    if constexpr (widened) {
-      (void)caller;
-      return slot;
-    } else {
-      (void)slot;
-      return caller;
-    }
-  }
 
   // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
   // `position0` offsets the position inside the mini-batch (decoding).
@@ -1112,23 +1093,6 @@ class basic_ttt {
     });
   }
 
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      (void)tmp;
-      cpu::matmul_at(pool, x, d, g, N, K, M, true);
-    }
-  }
-  static void add_grad(const A* src, std::size_t n, S* g) {
-    if constexpr (widened) {
-      cpu::narrow_add(src, n, g);
-    } else {
-      for (std::size_t j = 0; j < n; ++j) g[j] += src[j];
-    }
-  }
 };
 
 // TTT-Linear: the inner model is one linear map (W1 [D, D], b1 [D]).

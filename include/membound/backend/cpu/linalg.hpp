@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -155,6 +156,49 @@ void for_rows(thread_pool& pool, std::size_t N, F&& f) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) f(n);
   });
+}
+
+// Storage S vs accumulator A, shared by every layer front end. A buffer already in A (fp32 or
+// fp64 storage) is used in place; bf16/fp16 go through the workspace slot.
+template <typename A, typename S>
+const A* widen_or_alias(const S* src, std::size_t n, A* slot) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)n;
+    (void)slot;
+    return src;
+  } else {
+    widen(src, n, slot);
+    return slot;
+  }
+}
+// Where a result is computed in A: the caller's buffer when it holds A, else the workspace slot
+// that is rounded into it afterwards.
+template <typename A, typename S>
+A* accum_target(S* caller, A* slot) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)slot;
+    return caller;
+  } else {
+    (void)caller;
+    return slot;
+  }
+}
+// g[K, M] += x[N, K]ᵀ·d[N, M]; for bf16/fp16 through tmp in A, rounded once per element.
+template <typename A, typename S>
+void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                 std::size_t K, std::size_t M) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)tmp;
+    matmul_at(pool, x, d, g, N, K, M, true);
+  } else {
+    matmul_at(pool, x, d, tmp, N, K, M, false);
+    narrow_add(static_cast<const A*>(tmp), K * M, g);
+  }
+}
+// g += src, rounded once per element.
+template <typename A, typename S>
+void add_grad(const A* src, std::size_t n, S* g) {
+  narrow_add(src, n, g);
 }
 
 }  // namespace cpu
