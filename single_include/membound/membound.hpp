@@ -7508,4 +7508,1138 @@ using ttt_mlp = basic_ttt<true, Policies...>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/ttt.hpp ----
+// ---- begin membound/backend/cpu/model_cpu.hpp ----
+// CPU kernels of the model's glue: RMSNorm, the SwiGLU nonlinearity, the embedding's gather and
+// scatter, and one chunk of the fused cross-entropy. Rows run in parallel; every reduction over
+// rows (norm scale gradients, embedding gradients) goes through per-row-block partials summed in
+// a fixed order, so results do not depend on which thread ran what.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+// Per-row-block partial sums of a [C] reduction over N rows: how many A values the scratch holds.
+constexpr std::size_t row_partials(std::size_t N, std::size_t C) noexcept {
+  return blocks(N, row_block) * C;
+}
+
+// y = x · rstd · g with rstd = 1/sqrt(mean(x²) + eps); rstd [N] kept for backward. Reads S,
+// computes in A, writes y as S (so a recompute from x and rstd gives the same bits).
+template <typename A, typename S>
+void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, std::size_t N,
+                     std::size_t C, double eps) {
+  for_rows(pool, N, [&](std::size_t n) {
+    const S* xr = x + n * C;
+    A ss = 0;
+    for (std::size_t c = 0; c < C; ++c) {
+      const A v = to_accum<A>(xr[c]);
+      ss += v * v;
+    }
+    const A r = A(1) / std::sqrt(ss / A(C) + A(eps));
+    rstd[n] = r;
+    for (std::size_t c = 0; c < C; ++c) y[n * C + c] = from_accum<S>(to_accum<A>(xr[c]) * r * to_accum<A>(g[c]));
+  });
+}
+
+// The same normalization from a kept rstd (backward's recompute of the norm's output).
+template <typename A, typename S>
+void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
+                   std::size_t C) {
+  for_rows(pool, N, [&](std::size_t n) {
+    const A r = rstd[n];
+    for (std::size_t c = 0; c < C; ++c)
+      y[n * C + c] = from_accum<S>(to_accum<A>(x[n * C + c]) * r * to_accum<A>(g[c]));
+  });
+}
+
+// dx = residual + rstd·(dy⊙g) − x·rstd³/C·Σ(dy⊙g⊙x)  (residual may be null), and dg += Σ_n dy⊙x·rstd.
+// partial: row_partials(N, C) values of scratch.
+template <typename A, typename S>
+void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, const S* dy,
+                      const S* residual, S* dx, S* dg, A* partial, std::size_t N, std::size_t C) {
+  const std::size_t nb = blocks(N, row_block);
+  pool.parallel_for(nb, [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    A* part = partial + blk * C;
+    std::fill(part, part + C, A(0));
+    for (std::size_t n = r0; n < r1; ++n) {
+      const S* xr = x + n * C;
+      const S* dr = dy + n * C;
+      const A r = rstd[n];
+      A dot = 0;
+      for (std::size_t c = 0; c < C; ++c) {
+        const A xv = to_accum<A>(xr[c]), dv = to_accum<A>(dr[c]);
+        dot += dv * to_accum<A>(g[c]) * xv;
+        part[c] += dv * xv * r;
+      }
+      const A k = r * r * r * dot / A(C);
+      for (std::size_t c = 0; c < C; ++c) {
+        A v = r * to_accum<A>(dr[c]) * to_accum<A>(g[c]) - to_accum<A>(xr[c]) * k;
+        if (residual != nullptr) v += to_accum<A>(residual[n * C + c]);
+        dx[n * C + c] = from_accum<S>(v);
+      }
+    }
+  });
+  for (std::size_t c = 0; c < C; ++c) {
+    A s = 0;
+    for (std::size_t b = 0; b < nb; ++b) s += partial[b * C + c];
+    dg[c] = from_accum<S>(to_accum<A>(dg[c]) + s);
+  }
+}
+
+// y = a + b elementwise, one rounding (the residual adds).
+template <typename A, typename S>
+void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
+  for_rows(pool, N, [&](std::size_t n) {
+    for (std::size_t c = 0; c < C; ++c)
+      y[n * C + c] = from_accum<S>(to_accum<A>(a[n * C + c]) + to_accum<A>(b[n * C + c]));
+  });
+}
+
+template <typename A>
+A swish(A v) {
+  return v / (A(1) + std::exp(-v));
+}
+
+// x0[n] = table[tokens[n]]; the ids were checked by the caller.
+template <typename S>
+void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x,
+                      std::size_t N, std::size_t C) {
+  for_rows(pool, N, [&](std::size_t n) {
+    const S* src = table + static_cast<std::size_t>(tokens[n]) * C;
+    std::copy(src, src + C, x + n * C);
+  });
+}
+
+// dtable[tokens[n]] += dx[n]. Parallel over column blocks, each walking the tokens in order, so
+// repeated tokens add in the same order for every thread count.
+template <typename A, typename S>
+void embedding_scatter(thread_pool& pool, const std::int32_t* tokens, const S* dx, S* dtable,
+                       std::size_t N, std::size_t C) {
+  constexpr std::size_t cols = 64;
+  pool.parallel_for(blocks(C, cols), [&](std::size_t blk, std::size_t) {
+    const std::size_t c0 = blk * cols, c1 = std::min(C, c0 + cols);
+    for (std::size_t n = 0; n < N; ++n) {
+      S* dst = dtable + static_cast<std::size_t>(tokens[n]) * C;
+      for (std::size_t c = c0; c < c1; ++c)
+        dst[c] = from_accum<S>(to_accum<A>(dst[c]) + to_accum<A>(dx[n * C + c]));
+    }
+  });
+}
+
+// One chunk of the fused cross-entropy: logits [R, V] (in place) become the gradient
+// scale·(softmax − onehot); returns Σ_rows −log softmax[target] in double.
+template <typename A>
+double cross_entropy_chunk(thread_pool& pool, A* logits, const std::int32_t* targets,
+                           std::size_t R, std::size_t V, A scale, double* row_loss) {
+  for_rows(pool, R, [&](std::size_t r) {
+    A* l = logits + r * V;
+    A m = -std::numeric_limits<A>::infinity();
+    for (std::size_t v = 0; v < V; ++v) m = std::max(m, l[v]);
+    const std::size_t t = static_cast<std::size_t>(targets[r]);
+    const A shifted_t = l[t] - m;  // log-sum-exp form: no log(0) when p[target] underflows
+    A sum = 0;
+    for (std::size_t v = 0; v < V; ++v) {
+      l[v] = std::exp(l[v] - m);
+      sum += l[v];
+    }
+    row_loss[r] = std::log(static_cast<double>(sum)) - static_cast<double>(shifted_t);
+    const A inv = scale / sum;
+    for (std::size_t v = 0; v < V; ++v) l[v] *= inv;
+    l[t] -= scale;
+  });
+  double total = 0;  // fixed order: the loss is the same for every thread count
+  for (std::size_t r = 0; r < R; ++r) total += row_loss[r];
+  return total;
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/model_cpu.hpp ----
+// ---- begin membound/layers/swiglu_mlp.hpp ----
+// The SwiGLU MLP of a block (Shazeer 2020, as in LLaMA): y = (SiLU(x·Wg) ⊙ (x·Wu))·Wd, with the
+// same front end as the sequence layers, so a block composes it exactly like a mixer:
+//
+//   using mlp = membound::swiglu_mlp<membound::bf16_precision>;
+//   mlp::forward(shape, w, x, y, saved, mlp::saved_bytes(shape), ws, fws, pool);
+//   mlp::backward(shape, w, x, saved, saved_bytes, dy, dx, grads, ws, bws, pool);
+//
+// Forward keeps the two pre-activations a = x·Wg and b = x·Wu ([B·T, F] each, storage type) and
+// backward uses them as stored; the product SiLU(a)⊙b is recomputed (elementwise, cheap) rather
+// than kept. Every buffer is the caller's.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct mlp_shape {
+  std::size_t batch = 1;
+  std::size_t seq = 1;
+  std::size_t width = 0;   // C
+  std::size_t hidden = 0;  // F
+};
+
+template <typename... Policies>
+class swiglu_mlp {
+ public:
+  using policies = policy_set<type_list<fp32_precision>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+ public:
+  static constexpr layer_support can_implement(const mlp_shape& s) noexcept {
+    if (s.batch == 0) return {false, "shape.batch", "at least 1", 0.0};
+    if (s.seq == 0) return {false, "shape.seq", "at least 1", 0.0};
+    if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
+    if (s.hidden == 0) return {false, "shape.hidden", "at least 1", 0.0};
+    return {};
+  }
+  static void check(const mlp_shape& s) {
+    const layer_support r = can_implement(s);
+    if (!r.ok) detail::throw_unsupported(r, false, "Fix the mlp_shape before sizing or running the MLP");
+  }
+
+  static constexpr std::size_t weight_elements(const mlp_shape& s) noexcept {
+    return 3 * s.width * s.hidden;
+  }
+  static constexpr std::size_t saved_bytes(const mlp_shape& s) noexcept {
+    const std::size_t b[] = {h_s(s)};
+    return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
+    return detail::fits_layout(b) ? forward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
+    return detail::fits_layout(b) ? backward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+
+  struct weights {
+    const S* w_gate;  // [C, F]
+    const S* w_up;    // [C, F]
+    const S* w_down;  // [F, C]
+  };
+  struct gradients {  // accumulated (+=)
+    S* w_gate;
+    S* w_up;
+    S* w_down;
+  };
+
+  static void forward(const mlp_shape& s, const weights& w, const S* x, S* y, void* saved,
+                      std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                      thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(y, "y");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = detail::carve_named(forward_layout(s), forward_workspace_bytes(s, 1), workspace,
+                                        workspace_size, "workspace");
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    S* a_s = sv.template get<S>(s_a);
+    S* b_s = sv.template get<S>(s_b);
+    A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
+    A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
+    cpu::matmul(pool, xa, wa.g, a, N, C, F, false);
+    cpu::matmul(pool, xa, wa.u, b, N, C, F, false);
+    if constexpr (widened) {  // backward sees the rounded values: use them here too
+      cpu::narrow(static_cast<const A*>(a), N * F, a_s);
+      cpu::narrow(static_cast<const A*>(b), N * F, b_s);
+    }
+    A* act = ws.template get<A>(f_act);
+    activation(pool, a_s, b_s, act, N, F);
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+  }
+
+  static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(dy, "dy");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.w_gate, "gradients.w_gate");
+    detail::not_null(g.w_up, "gradients.w_up");
+    detail::not_null(g.w_down, "gradients.w_down");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                        saved_size, "saved");
+    const auto ws = detail::carve_named(backward_layout(s), backward_workspace_bytes(s, 1),
+                                        workspace, workspace_size, "workspace");
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const S* a_s = sv.template get<S>(s_a);
+    const S* b_s = sv.template get<S>(s_b);
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    A* act = ws.template get<A>(b_act);
+    A* tmp = ws.template get<A>(b_tmp);
+    activation(pool, a_s, b_s, act, N, F);
+    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C);
+    // dact = dy·Wdᵀ, then da = dact·b·SiLU'(a) and db = dact·SiLU(a), in place over act's slot.
+    A* da = act;
+    A* db = ws.template get<A>(b_db);
+    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t f = 0; f < F; ++f) {
+        const std::size_t i = n * F + f;
+        const A av = to_accum<A>(a_s[i]), bv = to_accum<A>(b_s[i]), d = db[i];
+        const A sg = A(1) / (A(1) + std::exp(-av));
+        da[i] = d * bv * sg * (A(1) + av * (A(1) - sg));
+        db[i] = d * av * sg;
+      }
+    });
+    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F);
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false);
+    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+  }
+
+ private:
+  static constexpr std::size_t h_s(const mlp_shape& s) noexcept { return bytes_of<S>(s.batch * s.seq, s.hidden); }
+  static constexpr std::size_t h_a(const mlp_shape& s) noexcept { return bytes_of<A>(s.batch * s.seq, s.hidden); }
+  static constexpr std::size_t x_acc(const mlp_shape& s) noexcept {
+    return widened ? bytes_of<A>(s.batch * s.seq, s.width) : 0;
+  }
+  static constexpr std::size_t w_acc(const mlp_shape& s) noexcept {
+    return widened ? bytes_of<A>(3 * s.width, s.hidden) : 0;
+  }
+
+  enum saved_slot : std::size_t { s_a, s_b };
+  static constexpr workspace_layout<2> saved_layout(const mlp_shape& s) {
+    workspace_layout<2> l;
+    l.add(h_s(s));
+    l.add(h_s(s));
+    return l;
+  }
+  // Phases: 0 the two up projections, 1 the down projection.
+  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y };
+  static constexpr workspace_layout<6> forward_layout(const mlp_shape& s) {
+    workspace_layout<6> l;
+    l.add(x_acc(s), default_alignment, {0, 0});
+    l.add(w_acc(s), default_alignment, {0, 1});
+    l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
+    l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
+    l.add(h_a(s), default_alignment, {1, 1});
+    l.add(x_acc(s), default_alignment, {1, 1});
+    return l;
+  }
+  // Phases: 0 Wd's gradient and dact, 1 the gate's backward and Wg, Wu gradients, 2 dx.
+  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx };
+  static constexpr workspace_layout<7> backward_layout(const mlp_shape& s) {
+    workspace_layout<7> l;
+    l.add(x_acc(s), default_alignment, {0, 1});
+    l.add(x_acc(s), default_alignment, {0, 0});
+    l.add(w_acc(s), default_alignment, {0, 2});
+    l.add(h_a(s), default_alignment, {0, 2});
+    l.add(h_a(s), default_alignment, {0, 2});
+    l.add(widened ? bytes_of<A>(s.width, s.hidden) : 0, default_alignment, {0, 1});
+    l.add(x_acc(s), default_alignment, {2, 2});
+    return l;
+  }
+
+  struct wptrs {
+    const A *g, *u, *d;
+  };
+  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot) {
+    if constexpr (widened) {
+      const std::size_t CF = s.width * s.hidden;
+      cpu::widen(w.w_gate, CF, slot);
+      cpu::widen(w.w_up, CF, slot + CF);
+      cpu::widen(w.w_down, CF, slot + 2 * CF);
+      return {slot, slot + CF, slot + 2 * CF};
+    } else {
+      (void)s;
+      (void)slot;
+      return {w.w_gate, w.w_up, w.w_down};
+    }
+  }
+  static void check_weights(const weights& w) {
+    detail::not_null(w.w_gate, "weights.w_gate");
+    detail::not_null(w.w_up, "weights.w_up");
+    detail::not_null(w.w_down, "weights.w_down");
+  }
+  // act = SiLU(a)·b from the stored pre-activations.
+  static void activation(thread_pool& pool, const S* a, const S* b, A* act, std::size_t N,
+                         std::size_t F) {
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t f = 0; f < F; ++f) {
+        const std::size_t i = n * F + f;
+        act[i] = cpu::swish(to_accum<A>(a[i])) * to_accum<A>(b[i]);
+      }
+    });
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/swiglu_mlp.hpp ----
+// ---- begin membound/layers/lm_head.hpp ----
+// The LM head with chunked cross-entropy: final RMSNorm, logits = xn·Wᵀ (W [V, C], the embedding
+// table when tied), mean cross-entropy against the targets, and in the same pass its backward.
+// Logits exist only for `chunk` rows at a time ([chunk, V] in the accumulator type), so the
+// B×T×V tensor never does; each chunk is turned into its gradient in place and consumed at once
+// (dW += dlogitsᵀ·xn, dxn = dlogits·W), as llm.c's fused classifier does.
+//
+//   using head = membound::lm_head<membound::bf16_precision>;
+//   std::size_t ws = head::workspace_bytes(shape, pool.size());
+//   double loss = head::loss_backward(shape, w, x, targets, scale, dx, g, buf, ws, pool);
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct lm_head_shape {
+  std::size_t rows = 1;    // N = B·T tokens
+  std::size_t width = 0;   // C
+  std::size_t vocab = 0;   // V
+  std::size_t chunk = 256; // logit rows at a time
+  double eps = 1e-5;       // the final RMSNorm's
+};
+
+template <typename... Policies>
+class lm_head {
+ public:
+  using policies = policy_set<type_list<fp32_precision>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+ public:
+  static constexpr layer_support can_implement(const lm_head_shape& s) noexcept {
+    if (s.rows == 0) return {false, "shape.rows", "at least 1", 0.0};
+    if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
+    if (s.vocab == 0) return {false, "shape.vocab", "at least 1", 0.0};
+    if (s.chunk == 0) return {false, "shape.chunk", "at least 1 logit row per chunk", 0.0};
+    return {};
+  }
+  static void check(const lm_head_shape& s) {
+    const layer_support r = can_implement(s);
+    if (!r.ok) detail::throw_unsupported(r, false, "Fix the lm_head_shape before sizing or running the head");
+  }
+
+  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t) {
+    return layout(s).size();
+  }
+  // FLOPs of one call: logits, dW and dxn products.
+  static constexpr double flops(const lm_head_shape& s) noexcept {
+    return 6.0 * static_cast<double>(s.rows) * static_cast<double>(s.width) *
+           static_cast<double>(s.vocab);
+  }
+
+  struct weights {
+    const S* norm;  // [C]
+    const S* w;     // [V, C]
+  };
+  struct gradients {  // accumulated (+=)
+    S* norm;
+    S* w;
+  };
+
+  // Returns Σ_rows cross-entropy (natural log, in double); dx = ∂(scale·Σ loss)/∂x.
+  static double loss_backward(const lm_head_shape& s, const weights& w, const S* x,
+                              const std::int32_t* targets, double scale, S* dx,
+                              const gradients& g, void* workspace, std::size_t workspace_size,
+                              thread_pool& pool) {
+    check(s);
+    detail::not_null(w.norm, "weights.norm");
+    detail::not_null(w.w, "weights.w");
+    detail::not_null(x, "x");
+    detail::not_null(targets, "targets");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.norm, "gradients.norm");
+    detail::not_null(g.w, "gradients.w");
+    check_targets(targets, s.rows, s.vocab);
+    const auto l = layout(s);
+    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
+    S* xn = ws.template get<S>(w_xn);
+    A* rstd = ws.template get<A>(w_rstd);
+    cpu::rmsnorm_forward(pool, x, w.norm, xn, rstd, N, C, s.eps);
+    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
+    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
+    A* dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
+    if constexpr (widened) std::fill(dw, dw + V * C, A(0));
+    A* dxn = ws.template get<A>(w_dxn);
+    A* logits = ws.template get<A>(w_logits);
+    double* row_loss = ws.template get<double>(w_rowloss);
+    double total = 0;
+    for (std::size_t r0 = 0; r0 < N; r0 += R) {
+      const std::size_t r = std::min(R, N - r0);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, static_cast<A>(scale),
+                                        row_loss);
+      cpu::matmul_at(pool, static_cast<const A*>(logits), xa + r0 * C, dw, r, V, C, true);
+      cpu::matmul(pool, static_cast<const A*>(logits), wa, dxn + r0 * C, r, V, C, false);
+    }
+    if constexpr (widened) cpu::add_grad(static_cast<const A*>(dw), V * C, g.w);
+    S* dxn_s = xn;  // xn is no longer needed: dxn rounds into its slot
+    cpu::narrow(static_cast<const A*>(dxn), N * C, dxn_s);
+    cpu::rmsnorm_backward(pool, x, w.norm, rstd, static_cast<const S*>(dxn_s),
+                          static_cast<const S*>(nullptr), dx, g.norm, ws.template get<A>(w_partial),
+                          N, C);
+    return total;
+  }
+
+  // Every target in [0, V): a bad id would index outside the logits.
+  static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
+        throw invalid_argument("targets[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(vocab) + ")",
+                               std::to_string(t[i]),
+                               "Encode the data with the model's vocabulary");
+      }
+    }
+  }
+
+ private:
+  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial };
+  static constexpr workspace_layout<9> layout(const lm_head_shape& s) {
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
+    workspace_layout<9> l;
+    l.add(bytes_of<S>(N, C));
+    l.add(bytes_of<A>(N));
+    l.add(widened ? bytes_of<A>(N, C) : 0);
+    l.add(widened ? bytes_of<A>(V, C) : 0);
+    l.add(widened ? bytes_of<A>(V, C) : 0);
+    l.add(bytes_of<A>(N, C));
+    l.add(bytes_of<A>(R, V));
+    l.add(bytes_of<double>(R));
+    l.add(bytes_of<A>(cpu::row_partials(N, C)));
+    return l;
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/lm_head.hpp ----
+// ---- begin membound/train/adamw.hpp ----
+// AdamW (Loshchilov & Hutter) with decoupled weight decay, over a flat parameter array. With
+// bf16/fp16 storage it keeps fp32 master weights, so small updates are not rounded away: the
+// master is updated and the stored weight is its rounding. State is the caller's bytes
+// (state_bytes(n) of them), like every other buffer in membound.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct adamw_config {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+};
+
+template <typename S>
+class adamw {
+ public:
+  static constexpr bool has_master = !std::is_same_v<S, float> && !std::is_same_v<S, double>;
+  using moment_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
+
+  // m and v per parameter, then the fp32 master copy for 16-bit storage.
+  static constexpr std::size_t state_bytes(std::size_t n) noexcept {
+    return bytes_of<moment_type>(n) * (has_master ? 3 : 2);
+  }
+
+  // Starts the state over `state` (state_bytes(n) bytes, aligned to 4): zero moments, masters
+  // copied from the weights.
+  static void init(const S* w, std::size_t n, void* state, std::size_t bytes) {
+    if (state == nullptr || bytes < state_bytes(n)) {
+      throw workspace_too_small("optimizer state", state_bytes(n), state == nullptr ? 0 : bytes);
+    }
+    moment_type* m = static_cast<moment_type*>(state);
+    for (std::size_t i = 0; i < 2 * n; ++i) m[i] = 0;
+    if constexpr (has_master) {
+      for (std::size_t i = 0; i < n; ++i) m[2 * n + i] = to_accum<float>(w[i]);
+    }
+  }
+
+  // One update at step t (1-based) over [first, first + count) of the arrays. decay: whether the
+  // range takes weight decay (matrices do; norms and biases do not).
+  static void update(S* w, const S* g, void* state, std::size_t n, std::size_t first,
+                     std::size_t count, std::uint64_t t, double lr, const adamw_config& c,
+                     bool decay, double grad_scale, thread_pool& pool) {
+    moment_type* m = static_cast<moment_type*>(state);
+    moment_type* v = m + n;
+    moment_type* master = has_master ? m + 2 * n : nullptr;
+    const double b1t = 1.0 - std::pow(c.beta1, static_cast<double>(t));
+    const double b2t = 1.0 - std::pow(c.beta2, static_cast<double>(t));
+    const moment_type b1 = static_cast<moment_type>(c.beta1), b2 = static_cast<moment_type>(c.beta2);
+    const moment_type step = static_cast<moment_type>(lr / b1t);
+    const moment_type inv_b2t = static_cast<moment_type>(1.0 / b2t);
+    const moment_type eps = static_cast<moment_type>(c.eps);
+    const moment_type wd = decay ? static_cast<moment_type>(lr * c.weight_decay) : 0;
+    const moment_type gs = static_cast<moment_type>(grad_scale);
+    constexpr std::size_t block = 4096;
+    pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
+      const std::size_t i0 = first + b * block, i1 = std::min(first + count, i0 + block);
+      for (std::size_t i = i0; i < i1; ++i) {
+        const moment_type gi = to_accum<moment_type>(g[i]) * gs;
+        m[i] = b1 * m[i] + (1 - b1) * gi;
+        v[i] = b2 * v[i] + (1 - b2) * gi * gi;
+        moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
+        p -= wd * p;
+        p -= step * m[i] / (std::sqrt(v[i] * inv_b2t) + eps);
+        if constexpr (has_master) master[i] = p;
+        w[i] = from_accum<S>(p);
+      }
+    });
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/adamw.hpp ----
+// ---- begin membound/model/model_config.hpp ----
+// The runtime sizes of a model (its type fixes the layers and policies; these fix the widths),
+// and how each parameter tensor is named, sized and initialized.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct model_config {
+  std::size_t vocab = 256;      // byte-level by default
+  std::size_t width = 0;        // C, the residual stream
+  std::size_t heads = 0;        // attention and TTT heads; divides width
+  std::size_t kv_heads = 0;     // attention's key/value heads (0: = heads)
+  std::size_t mlp_hidden = 0;   // F of the SwiGLU MLP (0: 8/3·C rounded up to a multiple of 8)
+  bool tie_embeddings = true;   // the LM head reuses the embedding table
+  double norm_eps = 1e-5;       // RMSNorm
+  double rope_base = 10000.0;   // attention and TTT
+  double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
+
+  constexpr std::size_t hidden() const noexcept {
+    return mlp_hidden != 0 ? mlp_hidden : (8 * width / 3 + 7) / 8 * 8;
+  }
+  constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
+};
+
+// The work one micro-batch step does: batch sequences of seq tokens.
+struct batch_shape {
+  std::size_t batch = 1;
+  std::size_t seq = 1;
+  constexpr std::size_t tokens() const noexcept { return batch * seq; }
+  friend constexpr bool operator==(const batch_shape&, const batch_shape&) = default;
+};
+
+// How a parameter tensor starts. Each rule is the one its layer's reference uses.
+enum class param_init : std::uint8_t {
+  normal,         // N(0, value²)
+  constant,       // value
+  mamba_a_log,    // log(1 + j) for state index j: A = −(1 … Ns), S4D-real
+  mamba_dt_bias,  // softplus⁻¹ of Δ log-uniform in [1e-3, 0.1]: Mamba's dt initialization
+};
+
+struct param_spec {
+  const char* name = "";
+  std::size_t count = 0;
+  param_init init = param_init::normal;
+  double value = 0.0;
+  std::size_t period = 0;  // mamba_a_log: the state size Ns
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/model_config.hpp ----
+// ---- begin membound/model/mixer_traits.hpp ----
+// How a block drives its sequence mixer: the mixer's shape from the model's sizes, its parameter
+// tensors (name, size, initialization) in the order of its `weights` struct, and the binding of
+// a flat parameter list to that struct. One specialization per layer family; a new mixer plugs
+// into blocks by providing one.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <typename Mixer>
+struct mixer_traits;  // no definition: see the concept below for what to provide
+
+// What a block needs from a mixer type. A type without a mixer_traits specialization fails here
+// with the name of this concept in the message.
+template <typename M>
+concept block_mixer = requires {
+  typename mixer_traits<M>::shape_type;
+  { mixer_traits<M>::param_count } -> std::convertible_to<std::size_t>;
+  { mixer_traits<M>::name } -> std::convertible_to<const char*>;
+  typename M::storage_type;
+  typename M::accum_type;
+};
+
+namespace detail {
+// Weights are drawn N(0, 0.02²) as GPT-2 and llm.c do; output projections the same (the model is
+// shallow enough that the residual scaling does not matter for the tests' conditioning).
+inline constexpr double init_std = 0.02;
+}  // namespace detail
+
+template <typename... P>
+struct mixer_traits<attention<P...>> {
+  using layer = attention<P...>;
+  using shape_type = attention_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "attention";
+  static constexpr std::size_t param_count = 4;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    shape_type s;
+    s.batch = b.batch;
+    s.seq = b.seq;
+    s.d_model = c.width;
+    s.heads = c.heads;
+    s.kv_heads = c.kv();
+    s.head_dim = c.heads == 0 ? 0 : c.width / c.heads;
+    s.causal = true;
+    s.rope_base = c.rope_base;
+    return s;
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim, C = s.d_model;
+    return {{{"wq", C * HD, param_init::normal, detail::init_std, 0},
+             {"wk", C * KD, param_init::normal, detail::init_std, 0},
+             {"wv", C * KD, param_init::normal, detail::init_std, 0},
+             {"wo", HD * C, param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2], p[3]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2], p[3]};
+    }
+  }
+};
+
+template <typename... P>
+struct mixer_traits<mamba<P...>> {
+  using layer = mamba<P...>;
+  using shape_type = mamba_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "mamba";
+  static constexpr std::size_t param_count = 9;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    return mamba_shape::defaults(b.batch, b.seq, c.width);
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+    // conv taps: mamba_simple leaves nn.Conv1d's default, uniform ±1/√K; a normal of the same
+    // variance (1/(3K)) keeps our initializer set small.
+    const double conv_std = 1.0 / std::sqrt(3.0 * static_cast<double>(s.d_conv));
+    const double dt_std = 1.0 / std::sqrt(static_cast<double>(R));  // dt_init "random", scaled
+    return {{{"in_proj", C * 2 * Di, param_init::normal, detail::init_std, 0},
+             {"conv_w", Di * s.d_conv, param_init::normal, conv_std, 0},
+             {"conv_b", Di, param_init::constant, 0.0, 0},
+             {"x_proj", Di * (R + 2 * Ns), param_init::normal, detail::init_std, 0},
+             {"dt_proj", R * Di, param_init::normal, dt_std / std::sqrt(3.0), 0},
+             {"dt_bias", Di, param_init::mamba_dt_bias, 0.0, 0},
+             {"a_log", Di * Ns, param_init::mamba_a_log, 0.0, Ns},
+             {"d", Di, param_init::constant, 1.0, 0},
+             {"out_proj", Di * C, param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
+    }
+  }
+};
+
+template <bool Mlp, typename... P>
+struct mixer_traits<basic_ttt<Mlp, P...>> {
+  using layer = basic_ttt<Mlp, P...>;
+  using shape_type = ttt_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = Mlp ? "ttt_mlp" : "ttt_linear";
+  static constexpr std::size_t param_count = Mlp ? 16 : 14;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    shape_type s;
+    s.batch = b.batch;
+    s.seq = b.seq;
+    s.width = c.width;
+    s.heads = c.heads;
+    s.use_gate = false;
+    s.base_lr = c.ttt_base_lr;
+    s.rope_base = c.rope_base;
+    return s;
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = layer::hidden(s);
+    const std::size_t b = layer::mini_batch;
+    // The gate is unused (use_gate = false) but the layer's weights name it: zero elements.
+    std::array<param_spec, param_count> p{};
+    const param_spec common[14] = {
+        {"wq", C * C, param_init::normal, detail::init_std, 0},
+        {"wk", C * C, param_init::normal, detail::init_std, 0},
+        {"wv", C * C, param_init::normal, detail::init_std, 0},
+        {"ttt_norm_w", H * D, param_init::constant, 1.0, 0},
+        {"ttt_norm_b", H * D, param_init::constant, 0.0, 0},
+        {"w1", H * D * F, param_init::normal, detail::init_std, 0},
+        {"b1", H * F, param_init::constant, 0.0, 0},
+        {"lr_w", H * C, param_init::normal, detail::init_std, 0},
+        {"lr_b", H, param_init::constant, 0.0, 0},
+        {"tok_offset", b, param_init::constant, 0.0, 0},
+        {"post_w", C, param_init::constant, 1.0, 0},
+        {"post_b", C, param_init::constant, 0.0, 0},
+        {"wg", 0, param_init::constant, 0.0, 0},
+        {"wo", C * C, param_init::normal, detail::init_std, 0}};
+    for (std::size_t i = 0; i < 14; ++i) p[i] = common[i];
+    if constexpr (Mlp) {
+      p[14] = {"w2", H * F * D, param_init::normal, detail::init_std, 0};
+      p[15] = {"b2", H * D, param_init::constant, 0.0, 0};
+    }
+    return p;
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    using R = std::conditional_t<std::is_const_v<T>, typename layer::weights,
+                                 typename layer::gradients>;
+    R r{};
+    r.wq = p[0];
+    r.wk = p[1];
+    r.wv = p[2];
+    r.ttt_norm_w = p[3];
+    r.ttt_norm_b = p[4];
+    r.w1 = p[5];
+    r.b1 = p[6];
+    r.lr_w = p[7];
+    r.lr_b = p[8];
+    r.tok_offset = p[9];
+    r.post_w = p[10];
+    r.post_b = p[11];
+    r.wg = p[12];
+    r.wo = p[13];
+    if constexpr (Mlp) {
+      r.w2 = p[14];
+      r.b2 = p[15];
+    }
+    return r;
+  }
+};
+
+template <typename... P>
+struct mixer_traits<swiglu_mlp<P...>> {
+  using layer = swiglu_mlp<P...>;
+  using shape_type = mlp_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "swiglu";
+  static constexpr std::size_t param_count = 3;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    return {b.batch, b.seq, c.width, c.hidden()};
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    return {{{"w_gate", s.width * s.hidden, param_init::normal, detail::init_std, 0},
+             {"w_up", s.width * s.hidden, param_init::normal, detail::init_std, 0},
+             {"w_down", s.hidden * s.width, param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2]};
+    }
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/mixer_traits.hpp ----
+// ---- begin membound/model/block.hpp ----
+// A block: h = x + Mixer(RMSNorm(x)), then y = h + SwiGLU(RMSNorm(h)). Each half is a `part`
+// (pre-norm, layer, residual) with its own forward, backward and size functions; the block adds
+// the three forward modes a checkpoint schedule needs (see model/schedule.hpp):
+//   advance - x -> y, keeping nothing (the layers' saved tensors live in the workspace);
+//   tape    - x -> y, keeping `saved` for backward;
+//   retape  - x -> saved only (y is computed in the workspace and dropped).
+// Every mode computes the same values in the same order, so a recomputed block's saved tensors
+// are bit-identical to the ones a taped forward keeps, and every schedule gives the same
+// gradients. Sizes are pure functions of the shape; nothing here allocates.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+enum class forward_mode : unsigned char { advance, tape, retape };
+
+namespace detail {
+
+// Pre-norm residual around one layer: y = x + L(RMSNorm(x)).
+template <typename Layer>
+struct part {
+  using traits = mixer_traits<Layer>;
+  using shape_type = typename traits::shape_type;
+  using S = typename Layer::storage_type;
+  using A = typename Layer::accum_type;
+  static constexpr std::size_t param_count = traits::param_count + 1;  // norm scale first
+
+  struct dims {
+    std::size_t rows = 0, width = 0;
+    double eps = 1e-5;
+    shape_type layer{};
+  };
+  using weight_ptrs = std::array<const S*, param_count>;
+  using grad_ptrs = std::array<S*, param_count>;
+
+  static constexpr std::size_t act_bytes(const dims& d) noexcept { return bytes_of<S>(d.rows, d.width); }
+  static constexpr std::size_t rstd_bytes(const dims& d) noexcept { return bytes_of<A>(d.rows); }
+
+  enum saved_slot : std::size_t { s_rstd, s_layer };
+  static constexpr workspace_layout<2> saved_layout(const dims& d) {
+    workspace_layout<2> l;
+    l.add(rstd_bytes(d));
+    l.add(Layer::saved_bytes(d.layer));
+    return l;
+  }
+  static constexpr std::size_t saved_bytes(const dims& d) { return saved_layout(d).size(); }
+
+  // keep: the rstd and the layer's saved tensors go to `saved`; otherwise to the workspace.
+  // Phases: 0 the norm, 1 the layer, 2 the residual add.
+  enum forward_slot : std::size_t { f_n, f_rstd, f_saved, f_ws, f_m };
+  static constexpr workspace_layout<5> forward_layout(const dims& d, std::size_t threads, bool keep) {
+    workspace_layout<5> l;
+    l.add(act_bytes(d), default_alignment, {0, 1});
+    l.add(keep ? 0 : rstd_bytes(d), default_alignment, {0, 0});
+    l.add(keep ? 0 : Layer::saved_bytes(d.layer), default_alignment, {1, 1});
+    l.add(Layer::forward_workspace_bytes(d.layer, threads), default_alignment, {1, 1});
+    l.add(act_bytes(d), default_alignment, {1, 2});
+    return l;
+  }
+  // Phases: 0 the norm again (from x and rstd), 1 the layer's backward, 2 the norm's backward.
+  enum backward_slot : std::size_t { b_n, b_ws, b_dn, b_partial };
+  static constexpr workspace_layout<4> backward_layout(const dims& d, std::size_t threads) {
+    workspace_layout<4> l;
+    l.add(act_bytes(d), default_alignment, {0, 1});
+    l.add(Layer::backward_workspace_bytes(d.layer, threads), default_alignment, {1, 1});
+    l.add(act_bytes(d), default_alignment, {1, 2});
+    l.add(bytes_of<A>(cpu::row_partials(d.rows, d.width)), default_alignment, {2, 2});
+    return l;
+  }
+
+  static auto layer_weights(const weight_ptrs& p) noexcept {
+    std::array<const S*, traits::param_count> q{};
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = p[i + 1];
+    return traits::bind(q);
+  }
+  static auto layer_grads(const grad_ptrs& p) noexcept {
+    std::array<S*, traits::param_count> q{};
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = p[i + 1];
+    return traits::bind(q);
+  }
+
+  // y = x + L(RMSNorm(x)). `saved` is used only when keep.
+  static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
+                      void* workspace, bool keep, thread_pool& pool) {
+    const std::size_t threads = pool.size();
+    const auto fl = forward_layout(d, threads, keep);
+    const auto ws = carve(fl, workspace, fl.size());
+    S* n = ws.template get<S>(f_n);
+    A* rstd;
+    void* lsaved;
+    if (keep) {
+      const auto sl = saved_layout(d);
+      const auto sv = carve(sl, saved, sl.size());
+      rstd = sv.template get<A>(s_rstd);
+      lsaved = sv.template get<std::byte>(s_layer);
+    } else {
+      rstd = ws.template get<A>(f_rstd);
+      lsaved = ws.template get<std::byte>(f_saved);
+    }
+    cpu::rmsnorm_forward(pool, x, w[0], n, rstd, d.rows, d.width, d.eps);
+    S* m = ws.template get<S>(f_m);
+    Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer),
+                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), pool);
+    cpu::add_rows<A>(pool, x, m, y, d.rows, d.width);
+  }
+
+  // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
+  static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
+                       const void* saved, const S* dy, S* dx, void* workspace, thread_pool& pool) {
+    const std::size_t threads = pool.size();
+    const auto bl = backward_layout(d, threads);
+    const auto ws = carve(bl, workspace, bl.size());
+    const auto sl = saved_layout(d);
+    const auto sv = carve(sl, const_cast<void*>(saved), sl.size());
+    const A* rstd = sv.template get<A>(s_rstd);
+    S* n = ws.template get<S>(b_n);
+    cpu::rmsnorm_apply(pool, x, w[0], rstd, n, d.rows, d.width);
+    S* dn = ws.template get<S>(b_dn);
+    Layer::backward(d.layer, layer_weights(w), n, sv.template get<std::byte>(s_layer), Layer::saved_bytes(d.layer), dy,
+                    dn, layer_grads(g), ws.template get<std::byte>(b_ws), Layer::backward_workspace_bytes(d.layer, threads),
+                    pool);
+    cpu::rmsnorm_backward(pool, x, w[0], rstd, dn, dy, dx, g[0], ws.template get<A>(b_partial),
+                          d.rows, d.width);
+  }
+};
+
+}  // namespace detail
+
+// The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>.
+template <block_mixer Mixer>
+class block {
+ public:
+  using mixer = Mixer;
+  using storage_type = typename Mixer::storage_type;
+  using accum_type = typename Mixer::accum_type;
+  using mlp = swiglu_mlp<precision<storage_type, accum_type>>;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  using part1 = detail::part<Mixer>;
+  using part2 = detail::part<mlp>;
+
+ public:
+  static constexpr const char* name = mixer_traits<Mixer>::name;
+  static constexpr std::size_t param_count = part1::param_count + part2::param_count;
+  using weight_ptrs = std::array<const S*, param_count>;
+  using grad_ptrs = std::array<S*, param_count>;
+
+  struct dims {
+    typename part1::dims p1;
+    typename part2::dims p2;
+    batch_shape shape;
+    std::size_t width = 0;
+  };
+  static constexpr dims make_dims(const model_config& c, batch_shape b) {
+    dims d;
+    d.shape = b;
+    d.width = c.width;
+    d.p1 = {b.tokens(), c.width, c.norm_eps, mixer_traits<Mixer>::shape(c, b)};
+    d.p2 = {b.tokens(), c.width, c.norm_eps, mixer_traits<mlp>::shape(c, b)};
+    return d;
+  }
+  // Throws invalid_argument naming the mixer's or the MLP's shape argument.
+  static void check(const dims& d) {
+    Mixer::check(d.p1.layer);
+    mlp::check(d.p2.layer);
+  }
+  static constexpr layer_support can_implement(const dims& d) noexcept {
+    const layer_support r = Mixer::can_implement(d.p1.layer);
+    return r.ok ? mlp::can_implement(d.p2.layer) : r;
+  }
+
+  // Norm 1, the mixer's tensors, norm 2, the MLP's tensors.
+  static constexpr std::array<param_spec, param_count> params(const dims& d) {
+    std::array<param_spec, param_count> p{};
+    p[0] = {"norm1", d.width, param_init::constant, 1.0, 0};
+    const auto m = mixer_traits<Mixer>::params(d.p1.layer);
+    for (std::size_t i = 0; i < m.size(); ++i) p[1 + i] = m[i];
+    p[part1::param_count] = {"norm2", d.width, param_init::constant, 1.0, 0};
+    const auto f = mixer_traits<mlp>::params(d.p2.layer);
+    for (std::size_t i = 0; i < f.size(); ++i) p[part1::param_count + 1 + i] = f[i];
+    return p;
+  }
+
+  // ---- Sizes ----------------------------------------------------------------------------------
+  static constexpr std::size_t activation_bytes(const dims& d) noexcept {
+    return bytes_of<S>(d.shape.tokens(), d.width);
+  }
+  enum saved_slot : std::size_t { s_p1, s_h, s_p2 };
+  static constexpr workspace_layout<3> saved_layout(const dims& d) {
+    workspace_layout<3> l;
+    l.add(part1::saved_bytes(d.p1));
+    l.add(activation_bytes(d));
+    l.add(part2::saved_bytes(d.p2));
+    return l;
+  }
+  static constexpr std::size_t saved_bytes(const dims& d) { return saved_layout(d).size(); }
+
+  // Phase 0 the mixer half, phase 1 the MLP half.
+  enum forward_slot : std::size_t { f_p1, f_h, f_p2, f_y };
+  static constexpr workspace_layout<4> forward_layout(const dims& d, std::size_t threads,
+                                                      forward_mode mode) {
+    const bool keep = mode != forward_mode::advance;
+    workspace_layout<4> l;
+    l.add(part1::forward_layout(d.p1, threads, keep).size(), default_alignment, {0, 0});
+    l.add(keep ? 0 : activation_bytes(d), default_alignment, {0, 1});
+    l.add(part2::forward_layout(d.p2, threads, keep).size(), default_alignment, {1, 1});
+    l.add(mode == forward_mode::retape ? activation_bytes(d) : 0, default_alignment, {1, 1});
+    return l;
+  }
+  static constexpr std::size_t forward_workspace_bytes(const dims& d, std::size_t threads,
+                                                       forward_mode mode) {
+    return forward_layout(d, threads, mode).size();
+  }
+  // Phase 0 the MLP half, phase 1 the mixer half; dh lives across both.
+  enum backward_slot : std::size_t { b_dh, b_p2, b_p1 };
+  static constexpr workspace_layout<3> backward_layout(const dims& d, std::size_t threads) {
+    workspace_layout<3> l;
+    l.add(activation_bytes(d), default_alignment, {0, 1});
+    l.add(part2::backward_layout(d.p2, threads).size(), default_alignment, {0, 0});
+    l.add(part1::backward_layout(d.p1, threads).size(), default_alignment, {1, 1});
+    return l;
+  }
+  static constexpr std::size_t backward_workspace_bytes(const dims& d, std::size_t threads) {
+    return backward_layout(d, threads).size();
+  }
+
+  // ---- Run -------------------------------------------------------------------------------------
+  // y: the output (ignored under retape, which computes it in the workspace); saved: the block's
+  // saved_bytes (ignored under advance).
+  static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
+                      void* workspace, forward_mode mode, thread_pool& pool) {
+    const std::size_t threads = pool.size();
+    const bool keep = mode != forward_mode::advance;
+    const auto fl = forward_layout(d, threads, mode);
+    const auto ws = carve(fl, workspace, fl.size());
+    S* h;
+    void* sv1 = nullptr;
+    void* sv2 = nullptr;
+    if (keep) {
+      const auto sl = saved_layout(d);
+      const auto sv = carve(sl, saved, sl.size());
+      h = sv.template get<S>(s_h);
+      sv1 = sv.template get<std::byte>(s_p1);
+      sv2 = sv.template get<std::byte>(s_p2);
+    } else {
+      h = ws.template get<S>(f_h);
+    }
+    if (mode == forward_mode::retape) y = ws.template get<S>(f_y);
+    part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, pool);
+    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, pool);
+  }
+
+  static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
+                       const void* saved, const S* dy, S* dx, void* workspace, thread_pool& pool) {
+    const std::size_t threads = pool.size();
+    const auto bl = backward_layout(d, threads);
+    const auto ws = carve(bl, workspace, bl.size());
+    const auto sl = saved_layout(d);
+    const auto sv = carve(sl, const_cast<void*>(saved), sl.size());
+    S* dh = ws.template get<S>(b_dh);
+    part2::backward(d.p2, second(w), second(g), sv.template get<S>(s_h), sv.template get<std::byte>(s_p2), dy, dh,
+                    ws.template get<std::byte>(b_p2), pool);
+    part1::backward(d.p1, first(w), first(g), x, sv.template get<std::byte>(s_p1), dh, dx, ws.template get<std::byte>(b_p1), pool);
+  }
+
+ private:
+  template <typename T>
+  static std::array<T*, part1::param_count> first(const std::array<T*, param_count>& p) noexcept {
+    std::array<T*, part1::param_count> q{};
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = p[i];
+    return q;
+  }
+  template <typename T>
+  static std::array<T*, part2::param_count> second(const std::array<T*, param_count>& p) noexcept {
+    std::array<T*, part2::param_count> q{};
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = p[part1::param_count + i];
+    return q;
+  }
+};
+
+template <typename T>
+inline constexpr bool is_block_v = false;
+template <typename M>
+inline constexpr bool is_block_v<block<M>> = true;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/block.hpp ----
 // ---- end membound/membound.hpp ----

@@ -1,0 +1,159 @@
+// CPU kernels of the model's glue: RMSNorm, the SwiGLU nonlinearity, the embedding's gather and
+// scatter, and one chunk of the fused cross-entropy. Rows run in parallel; every reduction over
+// rows (norm scale gradients, embedding gradients) goes through per-row-block partials summed in
+// a fixed order, so results do not depend on which thread ran what.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "membound/backend/cpu/linalg.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/parallel.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+// Per-row-block partial sums of a [C] reduction over N rows: how many A values the scratch holds.
+constexpr std::size_t row_partials(std::size_t N, std::size_t C) noexcept {
+  return blocks(N, row_block) * C;
+}
+
+// y = x · rstd · g with rstd = 1/sqrt(mean(x²) + eps); rstd [N] kept for backward. Reads S,
+// computes in A, writes y as S (so a recompute from x and rstd gives the same bits).
+template <typename A, typename S>
+void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, std::size_t N,
+                     std::size_t C, double eps) {
+  for_rows(pool, N, [&](std::size_t n) {
+    const S* xr = x + n * C;
+    A ss = 0;
+    for (std::size_t c = 0; c < C; ++c) {
+      const A v = to_accum<A>(xr[c]);
+      ss += v * v;
+    }
+    const A r = A(1) / std::sqrt(ss / A(C) + A(eps));
+    rstd[n] = r;
+    for (std::size_t c = 0; c < C; ++c) y[n * C + c] = from_accum<S>(to_accum<A>(xr[c]) * r * to_accum<A>(g[c]));
+  });
+}
+
+// The same normalization from a kept rstd (backward's recompute of the norm's output).
+template <typename A, typename S>
+void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
+                   std::size_t C) {
+  for_rows(pool, N, [&](std::size_t n) {
+    const A r = rstd[n];
+    for (std::size_t c = 0; c < C; ++c)
+      y[n * C + c] = from_accum<S>(to_accum<A>(x[n * C + c]) * r * to_accum<A>(g[c]));
+  });
+}
+
+// dx = residual + rstd·(dy⊙g) − x·rstd³/C·Σ(dy⊙g⊙x)  (residual may be null), and dg += Σ_n dy⊙x·rstd.
+// partial: row_partials(N, C) values of scratch.
+template <typename A, typename S>
+void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, const S* dy,
+                      const S* residual, S* dx, S* dg, A* partial, std::size_t N, std::size_t C) {
+  const std::size_t nb = blocks(N, row_block);
+  pool.parallel_for(nb, [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    A* part = partial + blk * C;
+    std::fill(part, part + C, A(0));
+    for (std::size_t n = r0; n < r1; ++n) {
+      const S* xr = x + n * C;
+      const S* dr = dy + n * C;
+      const A r = rstd[n];
+      A dot = 0;
+      for (std::size_t c = 0; c < C; ++c) {
+        const A xv = to_accum<A>(xr[c]), dv = to_accum<A>(dr[c]);
+        dot += dv * to_accum<A>(g[c]) * xv;
+        part[c] += dv * xv * r;
+      }
+      const A k = r * r * r * dot / A(C);
+      for (std::size_t c = 0; c < C; ++c) {
+        A v = r * to_accum<A>(dr[c]) * to_accum<A>(g[c]) - to_accum<A>(xr[c]) * k;
+        if (residual != nullptr) v += to_accum<A>(residual[n * C + c]);
+        dx[n * C + c] = from_accum<S>(v);
+      }
+    }
+  });
+  for (std::size_t c = 0; c < C; ++c) {
+    A s = 0;
+    for (std::size_t b = 0; b < nb; ++b) s += partial[b * C + c];
+    dg[c] = from_accum<S>(to_accum<A>(dg[c]) + s);
+  }
+}
+
+// y = a + b elementwise, one rounding (the residual adds).
+template <typename A, typename S>
+void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
+  for_rows(pool, N, [&](std::size_t n) {
+    for (std::size_t c = 0; c < C; ++c)
+      y[n * C + c] = from_accum<S>(to_accum<A>(a[n * C + c]) + to_accum<A>(b[n * C + c]));
+  });
+}
+
+template <typename A>
+A swish(A v) {
+  return v / (A(1) + std::exp(-v));
+}
+
+// x0[n] = table[tokens[n]]; the ids were checked by the caller.
+template <typename S>
+void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x,
+                      std::size_t N, std::size_t C) {
+  for_rows(pool, N, [&](std::size_t n) {
+    const S* src = table + static_cast<std::size_t>(tokens[n]) * C;
+    std::copy(src, src + C, x + n * C);
+  });
+}
+
+// dtable[tokens[n]] += dx[n]. Parallel over column blocks, each walking the tokens in order, so
+// repeated tokens add in the same order for every thread count.
+template <typename A, typename S>
+void embedding_scatter(thread_pool& pool, const std::int32_t* tokens, const S* dx, S* dtable,
+                       std::size_t N, std::size_t C) {
+  constexpr std::size_t cols = 64;
+  pool.parallel_for(blocks(C, cols), [&](std::size_t blk, std::size_t) {
+    const std::size_t c0 = blk * cols, c1 = std::min(C, c0 + cols);
+    for (std::size_t n = 0; n < N; ++n) {
+      S* dst = dtable + static_cast<std::size_t>(tokens[n]) * C;
+      for (std::size_t c = c0; c < c1; ++c)
+        dst[c] = from_accum<S>(to_accum<A>(dst[c]) + to_accum<A>(dx[n * C + c]));
+    }
+  });
+}
+
+// One chunk of the fused cross-entropy: logits [R, V] (in place) become the gradient
+// scale·(softmax − onehot); returns Σ_rows −log softmax[target] in double.
+template <typename A>
+double cross_entropy_chunk(thread_pool& pool, A* logits, const std::int32_t* targets,
+                           std::size_t R, std::size_t V, A scale, double* row_loss) {
+  for_rows(pool, R, [&](std::size_t r) {
+    A* l = logits + r * V;
+    A m = -std::numeric_limits<A>::infinity();
+    for (std::size_t v = 0; v < V; ++v) m = std::max(m, l[v]);
+    const std::size_t t = static_cast<std::size_t>(targets[r]);
+    const A shifted_t = l[t] - m;  // log-sum-exp form: no log(0) when p[target] underflows
+    A sum = 0;
+    for (std::size_t v = 0; v < V; ++v) {
+      l[v] = std::exp(l[v] - m);
+      sum += l[v];
+    }
+    row_loss[r] = std::log(static_cast<double>(sum)) - static_cast<double>(shifted_t);
+    const A inv = scale / sum;
+    for (std::size_t v = 0; v < V; ++v) l[v] *= inv;
+    l[t] -= scale;
+  });
+  double total = 0;  // fixed order: the loss is the same for every thread count
+  for (std::size_t r = 0; r < R; ++r) total += row_loss[r];
+  return total;
+}
+
+}  // namespace cpu
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,160 @@
+// The LM head with chunked cross-entropy: final RMSNorm, logits = xn·Wᵀ (W [V, C], the embedding
+// table when tied), mean cross-entropy against the targets, and in the same pass its backward.
+// Logits exist only for `chunk` rows at a time ([chunk, V] in the accumulator type), so the
+// B×T×V tensor never does; each chunk is turned into its gradient in place and consumed at once
+// (dW += dlogitsᵀ·xn, dxn = dlogits·W), as llm.c's fused classifier does.
+//
+//   using head = membound::lm_head<membound::bf16_precision>;
+//   std::size_t ws = head::workspace_bytes(shape, pool.size());
+//   double loss = head::loss_backward(shape, w, x, targets, scale, dx, g, buf, ws, pool);
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/model_cpu.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/parallel.hpp"
+#include "membound/core/type_list.hpp"
+#include "membound/layers/layer_support.hpp"
+#include "membound/memory/workspace.hpp"
+#include "membound/policy/policy_set.hpp"
+#include "membound/policy/precision.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct lm_head_shape {
+  std::size_t rows = 1;    // N = B·T tokens
+  std::size_t width = 0;   // C
+  std::size_t vocab = 0;   // V
+  std::size_t chunk = 256; // logit rows at a time
+  double eps = 1e-5;       // the final RMSNorm's
+};
+
+template <typename... Policies>
+class lm_head {
+ public:
+  using policies = policy_set<type_list<fp32_precision>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+ public:
+  static constexpr layer_support can_implement(const lm_head_shape& s) noexcept {
+    if (s.rows == 0) return {false, "shape.rows", "at least 1", 0.0};
+    if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
+    if (s.vocab == 0) return {false, "shape.vocab", "at least 1", 0.0};
+    if (s.chunk == 0) return {false, "shape.chunk", "at least 1 logit row per chunk", 0.0};
+    return {};
+  }
+  static void check(const lm_head_shape& s) {
+    const layer_support r = can_implement(s);
+    if (!r.ok) detail::throw_unsupported(r, false, "Fix the lm_head_shape before sizing or running the head");
+  }
+
+  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t) {
+    return layout(s).size();
+  }
+  // FLOPs of one call: logits, dW and dxn products.
+  static constexpr double flops(const lm_head_shape& s) noexcept {
+    return 6.0 * static_cast<double>(s.rows) * static_cast<double>(s.width) *
+           static_cast<double>(s.vocab);
+  }
+
+  struct weights {
+    const S* norm;  // [C]
+    const S* w;     // [V, C]
+  };
+  struct gradients {  // accumulated (+=)
+    S* norm;
+    S* w;
+  };
+
+  // Returns Σ_rows cross-entropy (natural log, in double); dx = ∂(scale·Σ loss)/∂x.
+  static double loss_backward(const lm_head_shape& s, const weights& w, const S* x,
+                              const std::int32_t* targets, double scale, S* dx,
+                              const gradients& g, void* workspace, std::size_t workspace_size,
+                              thread_pool& pool) {
+    check(s);
+    detail::not_null(w.norm, "weights.norm");
+    detail::not_null(w.w, "weights.w");
+    detail::not_null(x, "x");
+    detail::not_null(targets, "targets");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.norm, "gradients.norm");
+    detail::not_null(g.w, "gradients.w");
+    check_targets(targets, s.rows, s.vocab);
+    const auto l = layout(s);
+    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
+    S* xn = ws.template get<S>(w_xn);
+    A* rstd = ws.template get<A>(w_rstd);
+    cpu::rmsnorm_forward(pool, x, w.norm, xn, rstd, N, C, s.eps);
+    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
+    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
+    A* dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
+    if constexpr (widened) std::fill(dw, dw + V * C, A(0));
+    A* dxn = ws.template get<A>(w_dxn);
+    A* logits = ws.template get<A>(w_logits);
+    double* row_loss = ws.template get<double>(w_rowloss);
+    double total = 0;
+    for (std::size_t r0 = 0; r0 < N; r0 += R) {
+      const std::size_t r = std::min(R, N - r0);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, static_cast<A>(scale),
+                                        row_loss);
+      cpu::matmul_at(pool, static_cast<const A*>(logits), xa + r0 * C, dw, r, V, C, true);
+      cpu::matmul(pool, static_cast<const A*>(logits), wa, dxn + r0 * C, r, V, C, false);
+    }
+    if constexpr (widened) cpu::add_grad(static_cast<const A*>(dw), V * C, g.w);
+    S* dxn_s = xn;  // xn is no longer needed: dxn rounds into its slot
+    cpu::narrow(static_cast<const A*>(dxn), N * C, dxn_s);
+    cpu::rmsnorm_backward(pool, x, w.norm, rstd, static_cast<const S*>(dxn_s),
+                          static_cast<const S*>(nullptr), dx, g.norm, ws.template get<A>(w_partial),
+                          N, C);
+    return total;
+  }
+
+  // Every target in [0, V): a bad id would index outside the logits.
+  static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
+        throw invalid_argument("targets[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(vocab) + ")",
+                               std::to_string(t[i]),
+                               "Encode the data with the model's vocabulary");
+      }
+    }
+  }
+
+ private:
+  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial };
+  static constexpr workspace_layout<9> layout(const lm_head_shape& s) {
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
+    workspace_layout<9> l;
+    l.add(bytes_of<S>(N, C));
+    l.add(bytes_of<A>(N));
+    l.add(widened ? bytes_of<A>(N, C) : 0);
+    l.add(widened ? bytes_of<A>(V, C) : 0);
+    l.add(widened ? bytes_of<A>(V, C) : 0);
+    l.add(bytes_of<A>(N, C));
+    l.add(bytes_of<A>(R, V));
+    l.add(bytes_of<double>(R));
+    l.add(bytes_of<A>(cpu::row_partials(N, C)));
+    return l;
+  }
+};
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,242 @@
+// The SwiGLU MLP of a block (Shazeer 2020, as in LLaMA): y = (SiLU(x·Wg) ⊙ (x·Wu))·Wd, with the
+// same front end as the sequence layers, so a block composes it exactly like a mixer:
+//
+//   using mlp = membound::swiglu_mlp<membound::bf16_precision>;
+//   mlp::forward(shape, w, x, y, saved, mlp::saved_bytes(shape), ws, fws, pool);
+//   mlp::backward(shape, w, x, saved, saved_bytes, dy, dx, grads, ws, bws, pool);
+//
+// Forward keeps the two pre-activations a = x·Wg and b = x·Wu ([B·T, F] each, storage type) and
+// backward uses them as stored; the product SiLU(a)⊙b is recomputed (elementwise, cheap) rather
+// than kept. Every buffer is the caller's.
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+
+#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/model_cpu.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/parallel.hpp"
+#include "membound/core/type_list.hpp"
+#include "membound/layers/layer_support.hpp"
+#include "membound/memory/workspace.hpp"
+#include "membound/policy/policy_set.hpp"
+#include "membound/policy/precision.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct mlp_shape {
+  std::size_t batch = 1;
+  std::size_t seq = 1;
+  std::size_t width = 0;   // C
+  std::size_t hidden = 0;  // F
+};
+
+template <typename... Policies>
+class swiglu_mlp {
+ public:
+  using policies = policy_set<type_list<fp32_precision>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+ public:
+  static constexpr layer_support can_implement(const mlp_shape& s) noexcept {
+    if (s.batch == 0) return {false, "shape.batch", "at least 1", 0.0};
+    if (s.seq == 0) return {false, "shape.seq", "at least 1", 0.0};
+    if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
+    if (s.hidden == 0) return {false, "shape.hidden", "at least 1", 0.0};
+    return {};
+  }
+  static void check(const mlp_shape& s) {
+    const layer_support r = can_implement(s);
+    if (!r.ok) detail::throw_unsupported(r, false, "Fix the mlp_shape before sizing or running the MLP");
+  }
+
+  static constexpr std::size_t weight_elements(const mlp_shape& s) noexcept {
+    return 3 * s.width * s.hidden;
+  }
+  static constexpr std::size_t saved_bytes(const mlp_shape& s) noexcept {
+    const std::size_t b[] = {h_s(s)};
+    return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
+    return detail::fits_layout(b) ? forward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
+    return detail::fits_layout(b) ? backward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+
+  struct weights {
+    const S* w_gate;  // [C, F]
+    const S* w_up;    // [C, F]
+    const S* w_down;  // [F, C]
+  };
+  struct gradients {  // accumulated (+=)
+    S* w_gate;
+    S* w_up;
+    S* w_down;
+  };
+
+  static void forward(const mlp_shape& s, const weights& w, const S* x, S* y, void* saved,
+                      std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                      thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(y, "y");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    const auto ws = detail::carve_named(forward_layout(s), forward_workspace_bytes(s, 1), workspace,
+                                        workspace_size, "workspace");
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    S* a_s = sv.template get<S>(s_a);
+    S* b_s = sv.template get<S>(s_b);
+    A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
+    A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
+    cpu::matmul(pool, xa, wa.g, a, N, C, F, false);
+    cpu::matmul(pool, xa, wa.u, b, N, C, F, false);
+    if constexpr (widened) {  // backward sees the rounded values: use them here too
+      cpu::narrow(static_cast<const A*>(a), N * F, a_s);
+      cpu::narrow(static_cast<const A*>(b), N * F, b_s);
+    }
+    A* act = ws.template get<A>(f_act);
+    activation(pool, a_s, b_s, act, N, F);
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+  }
+
+  static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(dy, "dy");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.w_gate, "gradients.w_gate");
+    detail::not_null(g.w_up, "gradients.w_up");
+    detail::not_null(g.w_down, "gradients.w_down");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                        saved_size, "saved");
+    const auto ws = detail::carve_named(backward_layout(s), backward_workspace_bytes(s, 1),
+                                        workspace, workspace_size, "workspace");
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const S* a_s = sv.template get<S>(s_a);
+    const S* b_s = sv.template get<S>(s_b);
+    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
+    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    A* act = ws.template get<A>(b_act);
+    A* tmp = ws.template get<A>(b_tmp);
+    activation(pool, a_s, b_s, act, N, F);
+    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C);
+    // dact = dy·Wdᵀ, then da = dact·b·SiLU'(a) and db = dact·SiLU(a), in place over act's slot.
+    A* da = act;
+    A* db = ws.template get<A>(b_db);
+    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false);
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t f = 0; f < F; ++f) {
+        const std::size_t i = n * F + f;
+        const A av = to_accum<A>(a_s[i]), bv = to_accum<A>(b_s[i]), d = db[i];
+        const A sg = A(1) / (A(1) + std::exp(-av));
+        da[i] = d * bv * sg * (A(1) + av * (A(1) - sg));
+        db[i] = d * av * sg;
+      }
+    });
+    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F);
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false);
+    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true);
+    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+  }
+
+ private:
+  static constexpr std::size_t h_s(const mlp_shape& s) noexcept { return bytes_of<S>(s.batch * s.seq, s.hidden); }
+  static constexpr std::size_t h_a(const mlp_shape& s) noexcept { return bytes_of<A>(s.batch * s.seq, s.hidden); }
+  static constexpr std::size_t x_acc(const mlp_shape& s) noexcept {
+    return widened ? bytes_of<A>(s.batch * s.seq, s.width) : 0;
+  }
+  static constexpr std::size_t w_acc(const mlp_shape& s) noexcept {
+    return widened ? bytes_of<A>(3 * s.width, s.hidden) : 0;
+  }
+
+  enum saved_slot : std::size_t { s_a, s_b };
+  static constexpr workspace_layout<2> saved_layout(const mlp_shape& s) {
+    workspace_layout<2> l;
+    l.add(h_s(s));
+    l.add(h_s(s));
+    return l;
+  }
+  // Phases: 0 the two up projections, 1 the down projection.
+  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y };
+  static constexpr workspace_layout<6> forward_layout(const mlp_shape& s) {
+    workspace_layout<6> l;
+    l.add(x_acc(s), default_alignment, {0, 0});
+    l.add(w_acc(s), default_alignment, {0, 1});
+    l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
+    l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
+    l.add(h_a(s), default_alignment, {1, 1});
+    l.add(x_acc(s), default_alignment, {1, 1});
+    return l;
+  }
+  // Phases: 0 Wd's gradient and dact, 1 the gate's backward and Wg, Wu gradients, 2 dx.
+  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx };
+  static constexpr workspace_layout<7> backward_layout(const mlp_shape& s) {
+    workspace_layout<7> l;
+    l.add(x_acc(s), default_alignment, {0, 1});
+    l.add(x_acc(s), default_alignment, {0, 0});
+    l.add(w_acc(s), default_alignment, {0, 2});
+    l.add(h_a(s), default_alignment, {0, 2});
+    l.add(h_a(s), default_alignment, {0, 2});
+    l.add(widened ? bytes_of<A>(s.width, s.hidden) : 0, default_alignment, {0, 1});
+    l.add(x_acc(s), default_alignment, {2, 2});
+    return l;
+  }
+
+  struct wptrs {
+    const A *g, *u, *d;
+  };
+  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot) {
+    if constexpr (widened) {
+      const std::size_t CF = s.width * s.hidden;
+      cpu::widen(w.w_gate, CF, slot);
+      cpu::widen(w.w_up, CF, slot + CF);
+      cpu::widen(w.w_down, CF, slot + 2 * CF);
+      return {slot, slot + CF, slot + 2 * CF};
+    } else {
+      (void)s;
+      (void)slot;
+      return {w.w_gate, w.w_up, w.w_down};
+    }
+  }
+  static void check_weights(const weights& w) {
+    detail::not_null(w.w_gate, "weights.w_gate");
+    detail::not_null(w.w_up, "weights.w_up");
+    detail::not_null(w.w_down, "weights.w_down");
+  }
+  // act = SiLU(a)·b from the stored pre-activations.
+  static void activation(thread_pool& pool, const S* a, const S* b, A* act, std::size_t N,
+                         std::size_t F) {
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      for (std::size_t f = 0; f < F; ++f) {
+        const std::size_t i = n * F + f;
+        act[i] = cpu::swish(to_accum<A>(a[i])) * to_accum<A>(b[i]);
+      }
+    });
+  }
+};
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,214 @@
+// How a block drives its sequence mixer: the mixer's shape from the model's sizes, its parameter
+// tensors (name, size, initialization) in the order of its `weights` struct, and the binding of
+// a flat parameter list to that struct. One specialization per layer family; a new mixer plugs
+// into blocks by providing one.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <type_traits>
+
+#include "membound/core/config.hpp"
+#include "membound/layers/attention.hpp"
+#include "membound/layers/mamba.hpp"
+#include "membound/layers/swiglu_mlp.hpp"
+#include "membound/layers/ttt.hpp"
+#include "membound/model/model_config.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <typename Mixer>
+struct mixer_traits;  // no definition: see the concept below for what to provide
+
+// What a block needs from a mixer type. A type without a mixer_traits specialization fails here
+// with the name of this concept in the message.
+template <typename M>
+concept block_mixer = requires {
+  typename mixer_traits<M>::shape_type;
+  { mixer_traits<M>::param_count } -> std::convertible_to<std::size_t>;
+  { mixer_traits<M>::name } -> std::convertible_to<const char*>;
+  typename M::storage_type;
+  typename M::accum_type;
+};
+
+namespace detail {
+// Weights are drawn N(0, 0.02²) as GPT-2 and llm.c do; output projections the same (the model is
+// shallow enough that the residual scaling does not matter for the tests' conditioning).
+inline constexpr double init_std = 0.02;
+}  // namespace detail
+
+template <typename... P>
+struct mixer_traits<attention<P...>> {
+  using layer = attention<P...>;
+  using shape_type = attention_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "attention";
+  static constexpr std::size_t param_count = 4;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    shape_type s;
+    s.batch = b.batch;
+    s.seq = b.seq;
+    s.d_model = c.width;
+    s.heads = c.heads;
+    s.kv_heads = c.kv();
+    s.head_dim = c.heads == 0 ? 0 : c.width / c.heads;
+    s.causal = true;
+    s.rope_base = c.rope_base;
+    return s;
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim, C = s.d_model;
+    return {{{"wq", C * HD, param_init::normal, detail::init_std, 0},
+             {"wk", C * KD, param_init::normal, detail::init_std, 0},
+             {"wv", C * KD, param_init::normal, detail::init_std, 0},
+             {"wo", HD * C, param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2], p[3]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2], p[3]};
+    }
+  }
+};
+
+template <typename... P>
+struct mixer_traits<mamba<P...>> {
+  using layer = mamba<P...>;
+  using shape_type = mamba_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "mamba";
+  static constexpr std::size_t param_count = 9;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    return mamba_shape::defaults(b.batch, b.seq, c.width);
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+    // conv taps: mamba_simple leaves nn.Conv1d's default, uniform ±1/√K; a normal of the same
+    // variance (1/(3K)) keeps our initializer set small.
+    const double conv_std = 1.0 / std::sqrt(3.0 * static_cast<double>(s.d_conv));
+    const double dt_std = 1.0 / std::sqrt(static_cast<double>(R));  // dt_init "random", scaled
+    return {{{"in_proj", C * 2 * Di, param_init::normal, detail::init_std, 0},
+             {"conv_w", Di * s.d_conv, param_init::normal, conv_std, 0},
+             {"conv_b", Di, param_init::constant, 0.0, 0},
+             {"x_proj", Di * (R + 2 * Ns), param_init::normal, detail::init_std, 0},
+             {"dt_proj", R * Di, param_init::normal, dt_std / std::sqrt(3.0), 0},
+             {"dt_bias", Di, param_init::mamba_dt_bias, 0.0, 0},
+             {"a_log", Di * Ns, param_init::mamba_a_log, 0.0, Ns},
+             {"d", Di, param_init::constant, 1.0, 0},
+             {"out_proj", Di * C, param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
+    }
+  }
+};
+
+template <bool Mlp, typename... P>
+struct mixer_traits<basic_ttt<Mlp, P...>> {
+  using layer = basic_ttt<Mlp, P...>;
+  using shape_type = ttt_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = Mlp ? "ttt_mlp" : "ttt_linear";
+  static constexpr std::size_t param_count = Mlp ? 16 : 14;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    shape_type s;
+    s.batch = b.batch;
+    s.seq = b.seq;
+    s.width = c.width;
+    s.heads = c.heads;
+    s.use_gate = false;
+    s.base_lr = c.ttt_base_lr;
+    s.rope_base = c.rope_base;
+    return s;
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = layer::hidden(s);
+    const std::size_t b = layer::mini_batch;
+    // The gate is unused (use_gate = false) but the layer's weights name it: zero elements.
+    std::array<param_spec, param_count> p{};
+    const param_spec common[14] = {
+        {"wq", C * C, param_init::normal, detail::init_std, 0},
+        {"wk", C * C, param_init::normal, detail::init_std, 0},
+        {"wv", C * C, param_init::normal, detail::init_std, 0},
+        {"ttt_norm_w", H * D, param_init::constant, 1.0, 0},
+        {"ttt_norm_b", H * D, param_init::constant, 0.0, 0},
+        {"w1", H * D * F, param_init::normal, detail::init_std, 0},
+        {"b1", H * F, param_init::constant, 0.0, 0},
+        {"lr_w", H * C, param_init::normal, detail::init_std, 0},
+        {"lr_b", H, param_init::constant, 0.0, 0},
+        {"tok_offset", b, param_init::constant, 0.0, 0},
+        {"post_w", C, param_init::constant, 1.0, 0},
+        {"post_b", C, param_init::constant, 0.0, 0},
+        {"wg", 0, param_init::constant, 0.0, 0},
+        {"wo", C * C, param_init::normal, detail::init_std, 0}};
+    for (std::size_t i = 0; i < 14; ++i) p[i] = common[i];
+    if constexpr (Mlp) {
+      p[14] = {"w2", H * F * D, param_init::normal, detail::init_std, 0};
+      p[15] = {"b2", H * D, param_init::constant, 0.0, 0};
+    }
+    return p;
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    using R = std::conditional_t<std::is_const_v<T>, typename layer::weights,
+                                 typename layer::gradients>;
+    R r{};
+    r.wq = p[0];
+    r.wk = p[1];
+    r.wv = p[2];
+    r.ttt_norm_w = p[3];
+    r.ttt_norm_b = p[4];
+    r.w1 = p[5];
+    r.b1 = p[6];
+    r.lr_w = p[7];
+    r.lr_b = p[8];
+    r.tok_offset = p[9];
+    r.post_w = p[10];
+    r.post_b = p[11];
+    r.wg = p[12];
+    r.wo = p[13];
+    if constexpr (Mlp) {
+      r.w2 = p[14];
+      r.b2 = p[15];
+    }
+    return r;
+  }
+};
+
+template <typename... P>
+struct mixer_traits<swiglu_mlp<P...>> {
+  using layer = swiglu_mlp<P...>;
+  using shape_type = mlp_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "swiglu";
+  static constexpr std::size_t param_count = 3;
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    return {b.batch, b.seq, c.width, c.hidden()};
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    return {{{"w_gate", s.width * s.hidden, param_init::normal, detail::init_std, 0},
+             {"w_up", s.width * s.hidden, param_init::normal, detail::init_std, 0},
+             {"w_down", s.hidden * s.width, param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2]};
+    }
+  }
+};
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,53 @@
+// The runtime sizes of a model (its type fixes the layers and policies; these fix the widths),
+// and how each parameter tensor is named, sized and initialized.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "membound/core/config.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct model_config {
+  std::size_t vocab = 256;      // byte-level by default
+  std::size_t width = 0;        // C, the residual stream
+  std::size_t heads = 0;        // attention and TTT heads; divides width
+  std::size_t kv_heads = 0;     // attention's key/value heads (0: = heads)
+  std::size_t mlp_hidden = 0;   // F of the SwiGLU MLP (0: 8/3·C rounded up to a multiple of 8)
+  bool tie_embeddings = true;   // the LM head reuses the embedding table
+  double norm_eps = 1e-5;       // RMSNorm
+  double rope_base = 10000.0;   // attention and TTT
+  double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
+
+  constexpr std::size_t hidden() const noexcept {
+    return mlp_hidden != 0 ? mlp_hidden : (8 * width / 3 + 7) / 8 * 8;
+  }
+  constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
+};
+
+// The work one micro-batch step does: batch sequences of seq tokens.
+struct batch_shape {
+  std::size_t batch = 1;
+  std::size_t seq = 1;
+  constexpr std::size_t tokens() const noexcept { return batch * seq; }
+  friend constexpr bool operator==(const batch_shape&, const batch_shape&) = default;
+};
+
+// How a parameter tensor starts. Each rule is the one its layer's reference uses.
+enum class param_init : std::uint8_t {
+  normal,         // N(0, value²)
+  constant,       // value
+  mamba_a_log,    // log(1 + j) for state index j: A = −(1 … Ns), S4D-real
+  mamba_dt_bias,  // softplus⁻¹ of Δ log-uniform in [1e-3, 0.1]: Mamba's dt initialization
+};
+
+struct param_spec {
+  const char* name = "";
+  std::size_t count = 0;
+  param_init init = param_init::normal;
+  double value = 0.0;
+  std::size_t period = 0;  // mamba_a_log: the state size Ns
+};
+
+MEMBOUND_NAMESPACE_END
