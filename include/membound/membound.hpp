@@ -52,3 +52,5 @@
 #include "membound/model/model_config.hpp"
 #include "membound/model/mixer_traits.hpp"
 #include "membound/model/block.hpp"
+#include "membound/train/schedule_lr.hpp"
+#include "membound/train/checkpoint_file.hpp"
