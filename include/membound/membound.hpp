@@ -54,3 +54,6 @@
 #include "membound/model/block.hpp"
 #include "membound/train/schedule_lr.hpp"
 #include "membound/train/checkpoint_file.hpp"
+#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/model/model.hpp"
+#include "membound/model/planner.hpp"

@@ -8935,4 +8935,1402 @@ class checkpoint_reader {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/train/checkpoint_file.hpp ----
+// ---- begin membound/model/checkpoint_schedule.hpp ----
+// Block-level checkpoint schedules for a chain of blocks, and the exact simulator that defines
+// what a schedule costs in bytes and FLOPs.
+//
+// A model step is a chain: x_0 → block 0 → x_1 → … → x_L → loss, then backward δ_L → … → δ_0.
+// A schedule is a list of ops over that chain:
+//   advance(i)   x_i → x_{i+1}, keeping nothing of block i
+//   tape(i)      x_i → x_{i+1} and saved_i (what backward(i) needs)
+//   retape(i)    x_i → saved_i only (the output is computed in scratch and dropped)
+//   loss         x_L → δ_L (the head: loss and its gradient), exactly once
+//   backward(i)  x_i, saved_i, δ_{i+1} → δ_i; frees saved_i and δ_{i+1}; in order L−1 … 0
+//   discard(i)   frees x_i; not while saved_i is live (backward(i) reads x_i with saved_i, so a
+//                block's input lives as long as its saved tensors: Beaumont et al.'s model)
+// Start: x_0 live. End: only δ_0 live. simulate() is the definition of a schedule's memory: live
+// bytes are base + the live values, and an op's peak is the live bytes before it plus its own
+// peak (outputs and workspace). model::forward_backward allocates in exactly this order, so the
+// allocator's measured peak equals simulate()'s.
+//
+// Generators: schedule_none (keep everything), schedule_full (keep block inputs, recompute every
+// block), schedule_every (keep every K-th input, recompute segments), schedule_binomial
+// (Griewank's Revolve: the fewest forward steps for a number of checkpoint slots) and
+// optimal_schedule (the least recompute under a byte budget, by dynamic programming over
+// segments and memory for a heterogeneous chain, after Beaumont et al. 2019).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct chain_link {               // block i
+  std::size_t input_bytes = 0;    // a_i: x_i, and δ_i, each this many bytes
+  std::size_t saved_bytes = 0;    // s_i: what tape(i) keeps for backward(i)
+  std::size_t advance_peak = 0;   // peak bytes of advance(i) above those live before it (>= a_{i+1})
+  std::size_t tape_peak = 0;      // same for tape(i) (>= a_{i+1} + s_i)
+  std::size_t retape_peak = 0;    // same for retape(i) (>= s_i)
+  std::size_t backward_peak = 0;  // same for backward(i) (>= a_i, the new δ_i)
+  double forward_cost = 1.0;      // f_i, e.g. FLOPs
+};
+
+struct chain {
+  std::vector<chain_link> links;  // L >= 1 blocks
+  std::size_t output_bytes = 0;   // a_L: x_L and δ_L
+  std::size_t loss_peak = 0;      // peak of the loss op above live (>= a_L)
+  std::size_t base_bytes = 0;     // live throughout: weights, gradients, optimizer state
+
+  std::size_t length() const noexcept { return links.size(); }
+  std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
+};
+
+enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard };
+
+struct chain_op {
+  chain_op_kind kind = chain_op_kind::advance;
+  std::uint32_t block = 0;  // loss: L
+  friend constexpr bool operator==(const chain_op&, const chain_op&) = default;
+};
+
+inline std::string to_string(const chain_op& op) {
+  const char* k = "";
+  switch (op.kind) {
+    case chain_op_kind::advance: k = "F"; break;
+    case chain_op_kind::tape: k = "T"; break;
+    case chain_op_kind::retape: k = "R"; break;
+    case chain_op_kind::loss: return "L";
+    case chain_op_kind::backward: k = "B"; break;
+    case chain_op_kind::discard: k = "D"; break;
+  }
+  return k + std::to_string(op.block);
+}
+inline std::string to_string(std::span<const chain_op> ops) {
+  std::string s;
+  for (const chain_op& op : ops) s += (s.empty() ? "" : " ") + to_string(op);
+  return s;
+}
+
+struct schedule_stats {
+  std::size_t peak_bytes = 0;
+  double recompute_cost = 0;         // forward cost beyond each block's first forward
+  std::size_t forward_ops = 0;       // advance + tape + retape
+  std::size_t advances = 0;          // Revolve's "forward steps"
+  std::size_t max_live_inputs = 0;   // most x values live at once
+};
+
+// One op: bytes live before it and its peak.
+struct phase_bytes {
+  std::size_t op = 0;
+  std::size_t live_before = 0;
+  std::size_t peak = 0;
+};
+
+// Validates every precondition and the end state (invalid_argument names the op) and returns the
+// exact peak and costs; `timeline`, when given, receives one entry per op.
+inline schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
+                               std::vector<phase_bytes>* timeline = nullptr) {
+  const std::size_t L = c.length();
+  if (L == 0) throw invalid_argument("chain", "at least one block", "none", "Build the chain from a model");
+  std::vector<char> x(L + 1, 0), saved(L, 0);
+  x[0] = 1;
+  std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
+  bool loss_done = false;
+  std::size_t live = c.base_bytes + c.a(0);
+  schedule_stats st;
+  st.peak_bytes = live;
+  st.max_live_inputs = 1;
+  double total = 0;
+  auto bad = [&](std::size_t k, const std::string& why) {
+    throw invalid_argument("ops[" + std::to_string(k) + "] (" + to_string(ops[k]) + ")", why, "",
+                           "Build schedules with the generators in model/checkpoint_schedule.hpp");
+  };
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    const chain_op& op = ops[k];
+    const std::size_t i = op.block;
+    const std::size_t before = live;
+    std::size_t peak = live;
+    if (op.kind != chain_op_kind::loss && i > (op.kind == chain_op_kind::discard ? L : L - 1)) {
+      bad(k, "a block index below " + std::to_string(L) + " (discard: up to L)");
+    }
+    switch (op.kind) {
+      case chain_op_kind::advance:
+      case chain_op_kind::tape:
+        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i + 1]) bad(k, "x_" + std::to_string(i + 1) + " not yet live");
+        if (op.kind == chain_op_kind::tape && saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
+        peak = live + (op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
+        x[i + 1] = 1;
+        live += c.a(i + 1);
+        if (op.kind == chain_op_kind::tape) {
+          saved[i] = 1;
+          live += c.links[i].saved_bytes;
+        }
+        total += c.links[i].forward_cost;
+        ++st.forward_ops;
+        st.advances += op.kind == chain_op_kind::advance;
+        break;
+      case chain_op_kind::retape:
+        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
+        peak = live + c.links[i].retape_peak;
+        saved[i] = 1;
+        live += c.links[i].saved_bytes;
+        total += c.links[i].forward_cost;
+        ++st.forward_ops;
+        break;
+      case chain_op_kind::loss:
+        if (loss_done) bad(k, "one loss op");
+        if (!x[L]) bad(k, "x_L live");
+        peak = live + c.loss_peak;
+        live += c.output_bytes;
+        loss_done = true;
+        break;
+      case chain_op_kind::backward:
+        if (!loss_done) bad(k, "the loss before any backward");
+        if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
+        if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
+        peak = live + c.links[i].backward_peak;
+        live = live + c.a(i) - c.a(i + 1) - c.links[i].saved_bytes;
+        saved[i] = 0;
+        next_backward = i;
+        break;
+      case chain_op_kind::discard:
+        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (i < L && saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
+        x[i] = 0;
+        live -= c.a(i);
+        break;
+    }
+    st.peak_bytes = std::max(st.peak_bytes, peak);
+    st.max_live_inputs = std::max<std::size_t>(st.max_live_inputs, static_cast<std::size_t>(std::count(x.begin(), x.end(), 1)));
+    if (timeline != nullptr) timeline->push_back({k, before, peak});
+  }
+  const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 1) == 0 &&
+                     std::count(saved.begin(), saved.end(), 1) == 0;
+  if (!clean) {
+    throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded, every saved used",
+                           "one that stops early (next backward " + std::to_string(next_backward) + ")",
+                           "Build schedules with the generators in model/checkpoint_schedule.hpp");
+  }
+  for (const chain_link& l : c.links) total -= l.forward_cost;
+  st.recompute_cost = total;
+  return st;
+}
+
+namespace detail {
+inline void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
+  o.push_back({k, static_cast<std::uint32_t>(i)});
+}
+inline void check_length(std::size_t L) {
+  if (L == 0 || L > std::numeric_limits<std::uint32_t>::max() / 2) {
+    throw invalid_argument("L", "between 1 and 2^31 blocks", std::to_string(L), "A chain has at least one block");
+  }
+}
+// From x_s (kept), advance to x_e, discarding what lies between.
+inline void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
+  for (std::size_t k = s; k < e; ++k) {
+    push(o, chain_op_kind::advance, k);
+    if (k > s) push(o, chain_op_kind::discard, k);
+  }
+}
+}  // namespace detail
+
+inline std::vector<chain_op> schedule_none(std::size_t L) {
+  detail::check_length(L);
+  std::vector<chain_op> o;
+  for (std::size_t i = 0; i < L; ++i) detail::push(o, chain_op_kind::tape, i);
+  detail::push(o, chain_op_kind::loss, L);
+  detail::push(o, chain_op_kind::discard, L);
+  for (std::size_t i = L; i-- > 0;) {
+    detail::push(o, chain_op_kind::backward, i);
+    detail::push(o, chain_op_kind::discard, i);
+  }
+  return o;
+}
+
+// Keep x_i where i % K == 0; backward recomputes each segment [s, e) from x_s: tape s … e−2
+// (their inputs stay for their backward), retape e−1, then backward e−1 … s.
+inline std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
+  detail::check_length(L);
+  if (K == 0) throw invalid_argument("K", "at least 1 block per segment", "0", "every<1> is full");
+  std::vector<chain_op> o;
+  for (std::size_t i = 0; i < L; ++i) {
+    detail::push(o, chain_op_kind::advance, i);
+    if (i % K != 0) detail::push(o, chain_op_kind::discard, i);
+  }
+  detail::push(o, chain_op_kind::loss, L);
+  detail::push(o, chain_op_kind::discard, L);
+  for (std::size_t s = (L - 1) / K * K;; s -= K) {
+    const std::size_t e = std::min(L, s + K);
+    for (std::size_t i = s; i + 1 < e; ++i) detail::push(o, chain_op_kind::tape, i);
+    detail::push(o, chain_op_kind::retape, e - 1);
+    for (std::size_t i = e; i-- > s;) {
+      detail::push(o, chain_op_kind::backward, i);
+      detail::push(o, chain_op_kind::discard, i);
+    }
+    if (s == 0) break;
+  }
+  return o;
+}
+
+inline std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
+
+// ---- Binomial checkpointing (Revolve) -------------------------------------------------------
+// Slots count the stored block inputs, x_0 included (Revolve's snapshots); the value being
+// advanced is not a slot. A reverse step is retape(i) + backward(i) (Revolve's "youturn"); the
+// last block is taped in the first sweep ("firsturn"). binomial_min_forwards counts advance ops.
+
+// The fewest advances to reverse l steps with s slots: Griewank & Walther, t(l, s) = r·l −
+// β(s + 1, r − 1), β(s, r) = C(s + r, s), r the least with β(s, r) >= l.
+inline std::size_t binomial_min_forwards(std::size_t l, std::size_t s) {
+  if (s == 0) {
+    if (l <= 1) return 0;
+    throw invalid_argument("slots", "at least 1 to reverse more than one step", "0", "Give one slot or more");
+  }
+  auto beta = [](std::size_t n, std::size_t r) {  // C(n + r, n), saturating
+    long double v = 1;
+    for (std::size_t k = 1; k <= r; ++k) v = v * static_cast<long double>(n + k) / static_cast<long double>(k);
+    return v;
+  };
+  std::size_t r = 0;
+  while (beta(s, r) < static_cast<long double>(l)) ++r;
+  if (r == 0) return 0;
+  return static_cast<std::size_t>(static_cast<long double>(r) * static_cast<long double>(l) - beta(s + 1, r - 1) + 0.5L);
+}
+
+namespace detail {
+// T[l][c]: fewest advances for l steps with c slots, by the recursion that chooses the first
+// checkpoint's distance j: T(l, c) = min_j j + T(l − j, c − 1) + T(j, c); T(1, c) = 0,
+// T(l, 1) = l(l − 1)/2. best[l][c] keeps the j.
+struct revolve_table {
+  std::vector<std::vector<std::size_t>> t, best;
+  revolve_table(std::size_t L, std::size_t C) : t(L + 1, std::vector<std::size_t>(C + 1, 0)), best(t) {
+    for (std::size_t l = 2; l <= L; ++l) {
+      t[l][1] = l * (l - 1) / 2;
+      for (std::size_t c = 2; c <= C; ++c) {
+        std::size_t m = std::numeric_limits<std::size_t>::max(), arg = 1;
+        for (std::size_t j = 1; j < l; ++j) {
+          const std::size_t v = j + t[l - j][c - 1] + t[j][c];
+          if (v < m) {
+            m = v;
+            arg = j;
+          }
+        }
+        t[l][c] = m;
+        best[l][c] = arg;
+      }
+    }
+  }
+};
+
+// Reverse blocks [s, e) with x_s stored and c slots (x_s's included); first: the loss is still to
+// come (e == L and δ_L does not exist yet).
+inline void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size_t s, std::size_t e,
+                    std::size_t c, bool first, std::size_t L) {
+  const std::size_t l = e - s;
+  if (l == 1) {
+    if (first) {
+      push(o, chain_op_kind::tape, s);
+      push(o, chain_op_kind::loss, L);
+      push(o, chain_op_kind::discard, L);
+    } else {
+      push(o, chain_op_kind::retape, s);
+    }
+    push(o, chain_op_kind::backward, s);
+    return;
+  }
+  if (c == 1) {
+    for (std::size_t j = e; j-- > s;) {
+      advance_to(o, s, j);
+      revolve(o, tb, j, j + 1, 1, first && j == e - 1, L);
+      if (j > s) push(o, chain_op_kind::discard, j);
+    }
+    return;
+  }
+  const std::size_t m = s + tb.best[l][c];
+  advance_to(o, s, m);
+  revolve(o, tb, m, e, c - 1, first, L);
+  push(o, chain_op_kind::discard, m);
+  revolve(o, tb, s, m, c, false, L);
+}
+}  // namespace detail
+
+inline std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
+  detail::check_length(L);
+  if (slots == 0 && L > 1) {
+    throw invalid_argument("slots", "at least 1 checkpoint slot (x_0 takes one)", "0",
+                           "Use binomial<1> for the least memory");
+  }
+  const std::size_t c = std::max<std::size_t>(1, std::min(slots, L));
+  const detail::revolve_table tb(L, c);
+  std::vector<chain_op> o;
+  detail::revolve(o, tb, 0, L, c, true, L);
+  detail::push(o, chain_op_kind::discard, 0);
+  return o;
+}
+
+// ---- The least recompute under a budget ---------------------------------------------------------
+struct optimal_result {
+  std::vector<chain_op> ops;
+  schedule_stats stats;
+  std::size_t unit = 1;  // bytes per memory cell of the DP
+};
+
+// Thrown when no schedule fits; minimum is the least peak of the generated schedules (full and
+// binomial with every slot count), the budget to ask for.
+class schedule_does_not_fit : public invalid_argument {
+ public:
+  schedule_does_not_fit(std::size_t budget, std::size_t minimum)
+      : invalid_argument("budget", "at least " + format_bytes(minimum) + " for this chain",
+                         format_bytes(budget),
+                         "Raise the budget, or use a smaller micro-batch or shorter sequence"),
+        minimum_(minimum) {}
+  std::size_t minimum() const noexcept { return minimum_; }
+
+ private:
+  std::size_t minimum_;
+};
+
+namespace detail {
+
+// The DP over segments [s, e) and memory M (cells available to the segment, its own x_s and δ_e
+// counted inside). State (first, s, e, M): reverse [s, e) with x_s live (kept for the caller)
+// and δ_e live, or, when first, with the loss still to do (e == L). Options:
+//   base (e = s + 1):   retape s (or tape s and drop x_{s+1}, if that peaks lower), backward s;
+//                       first: tape s, the loss, backward s
+//   first only:         advance s … e−1 (keeping x_s), the loss, then reverse [s, e) as non-first
+//   tape s:             keep saved_s and x_{s+1}, reverse [s+1, e), discard x_{s+1}, backward s
+//   checkpoint at m:    advance s … m−1 (keeping x_s), reverse [m, e), discard x_m, reverse [s, m)
+// Cost: forward cost of every op. Sizes are rounded up to cells, so an accepted schedule always
+// fits exactly; exact when every size is a multiple of the cell. Time O(L³·M), memory O(L²·M).
+class chain_dp {
+ public:
+  chain_dp(const chain& c, std::size_t cells, std::size_t unit) : c_(c), L_(c.length()), M_(cells), unit_(unit) {
+    a_.resize(L_ + 1);
+    for (std::size_t i = 0; i <= L_; ++i) a_[i] = up(c.a(i));
+    // A retape can also be a tape whose output is dropped at once: whichever peaks lower.
+    for (const chain_link& l : c.links)
+      u_.push_back({up(l.saved_bytes), up(l.advance_peak), up(l.tape_peak),
+                    up(std::min(l.retape_peak, l.tape_peak)), up(l.backward_peak)});
+    loss_ = up(c.loss_peak);
+    const std::size_t n = 2 * L_ * (L_ + 1) * (M_ + 1);
+    cost_.assign(n, -2.0);  // -2: not computed, -1: infeasible
+    pick_.assign(n, 0);
+  }
+
+  double solve(bool first, std::size_t s, std::size_t e, std::size_t M) {
+    const std::size_t k = idx(first, s, e, M);
+    if (cost_[k] != -2.0) return cost_[k];
+    double best = -1.0;
+    int choice = 0;
+    auto take = [&](double v, int ch) {
+      if (v >= 0 && (best < 0 || v < best)) {
+        best = v;
+        choice = ch;
+      }
+    };
+    const std::size_t as = a_[s], ae = a_[e];
+    const cell& u = u_[s];
+    const double f = c_.links[s].forward_cost;
+    const std::size_t de = first ? 0 : ae;  // δ_e, when it exists
+    if (e == s + 1) {
+      if (!first) {
+        if (as + ae + u.retape <= M && as + ae + u.saved + u.backward <= M) take(f, 1);
+      } else if (as + u.tape <= M && as + u.saved + ae + loss_ <= M && as + u.saved + ae + u.backward <= M) {
+        take(f, 1);
+      }
+    }
+    if (first) {
+      // advance through the whole segment, the loss, then reverse it as a later segment would.
+      std::size_t need = 0;
+      double cost = 0;
+      for (std::size_t k = s; k < e; ++k) {
+        need = std::max(need, as + (k > s ? a_[k] : 0) + u_[k].advance);
+        cost += c_.links[k].forward_cost;
+      }
+      if (need <= M && as + ae + loss_ <= M) {
+        const double rest = solve(false, s, e, M);
+        if (rest >= 0) take(cost + rest, 2);
+      }
+    }
+    if (e > s + 1) {
+      // tape s, then the rest with x_s and saved_s outside it.
+      if (as + de + u.tape <= M && as + u.saved + a_[s + 1] + u.backward <= M && as + u.saved <= M) {
+        const double sub = solve(first, s + 1, e, M - as - u.saved);
+        if (sub >= 0) take(f + sub, 3);
+      }
+      // checkpoint at m: the advance chain's peak grows with m; stop once it does not fit.
+      double chain_cost = 0;
+      std::size_t chain_need = 0;
+      for (std::size_t m = s + 1; m < e; ++m) {
+        const std::size_t kk = m - 1;  // the advance that produces x_m
+        chain_need = std::max(chain_need, as + (kk > s ? a_[kk] : 0) + de + u_[kk].advance);
+        chain_cost += c_.links[kk].forward_cost;
+        if (chain_need > M) break;
+        if (as > M) break;
+        const double right = solve(first, m, e, M - as);
+        if (right < 0) continue;
+        const double left = solve(false, s, m, M);
+        if (left < 0) continue;
+        take(chain_cost + right + left, 4 + static_cast<int>(m - s));
+      }
+    }
+    cost_[k] = best;
+    pick_[k] = choice;
+    return best;
+  }
+
+  void emit(std::vector<chain_op>& o, bool first, std::size_t s, std::size_t e, std::size_t M) const {
+    const int ch = pick_[idx(first, s, e, M)];
+    if (ch == 1) {
+      if (first) {
+        push(o, chain_op_kind::tape, s);
+        push(o, chain_op_kind::loss, L_);
+        push(o, chain_op_kind::discard, L_);
+      } else {
+        retape(o, s);
+      }
+      push(o, chain_op_kind::backward, s);
+    } else if (ch == 2) {
+      advance_to(o, s, e);
+      push(o, chain_op_kind::loss, L_);
+      push(o, chain_op_kind::discard, L_);
+      emit(o, false, s, e, M);
+    } else if (ch == 3) {
+      push(o, chain_op_kind::tape, s);
+      emit(o, first, s + 1, e, M - a_[s] - u_[s].saved);
+      push(o, chain_op_kind::discard, s + 1);
+      push(o, chain_op_kind::backward, s);
+    } else {
+      const std::size_t m = s + static_cast<std::size_t>(ch - 4);
+      advance_to(o, s, m);
+      emit(o, first, m, e, M - a_[s]);
+      push(o, chain_op_kind::discard, m);
+      emit(o, false, s, m, M);
+    }
+  }
+
+ private:
+  struct cell {
+    std::size_t saved, advance, tape, retape, backward;
+  };
+  std::size_t up(std::size_t b) const noexcept { return b / unit_ + (b % unit_ != 0); }
+  void retape(std::vector<chain_op>& o, std::size_t s) const {
+    if (c_.links[s].tape_peak < c_.links[s].retape_peak) {
+      push(o, chain_op_kind::tape, s);
+      push(o, chain_op_kind::discard, s + 1);
+    } else {
+      push(o, chain_op_kind::retape, s);
+    }
+  }
+  std::size_t idx(bool first, std::size_t s, std::size_t e, std::size_t M) const noexcept {
+    return ((static_cast<std::size_t>(first) * L_ + s) * (L_ + 1) + e) * (M_ + 1) + M;
+  }
+  const chain& c_;
+  std::size_t L_, M_, unit_;
+  std::vector<std::size_t> a_;
+  std::vector<cell> u_;
+  std::size_t loss_ = 0;
+  std::vector<double> cost_;
+  std::vector<int> pick_;
+};
+
+}  // namespace detail
+
+// The schedule of least recompute cost whose simulated peak is at most budget_bytes, over
+// memory discretized into at most max_cells cells. Throws schedule_does_not_fit (with the least
+// peak among the generated fallbacks, as the budget to ask for) when the DP finds none.
+inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
+  detail::check_length(c.length());
+  const std::size_t L = c.length();
+  // When the DP (whose rounding is conservative) finds nothing, the generated schedules that fit
+  // are the answer, the cheapest first; when none fits, the least peak is the budget to ask for.
+  auto fallback = [&](bool must) {
+    std::vector<std::vector<chain_op>> cands{schedule_full(L), schedule_none(L)};
+    for (std::size_t s = 1; s <= L; ++s) cands.push_back(schedule_binomial(L, s));
+    std::size_t least = std::numeric_limits<std::size_t>::max();
+    optimal_result best;
+    bool found = false;
+    for (auto& ops : cands) {
+      const schedule_stats st = simulate(c, ops);
+      least = std::min(least, st.peak_bytes);
+      if (st.peak_bytes <= budget_bytes && (!found || st.recompute_cost < best.stats.recompute_cost)) {
+        best.ops = std::move(ops);
+        best.stats = st;
+        found = true;
+      }
+    }
+    if (!found && must) throw schedule_does_not_fit(budget_bytes, least);
+    if (!found) best.stats.recompute_cost = std::numeric_limits<double>::infinity();
+    return best;
+  };
+  if (budget_bytes <= c.base_bytes) return fallback(true);
+  const std::size_t avail = budget_bytes - c.base_bytes;
+  const std::size_t unit = std::max<std::size_t>(1, avail / std::max<std::size_t>(1, max_cells) + (avail % std::max<std::size_t>(1, max_cells) != 0));
+  const std::size_t cells = avail / unit;
+  detail::chain_dp dp(c, cells, unit);
+  if (dp.solve(true, 0, L, cells) < 0) return fallback(true);
+  optimal_result r;
+  dp.emit(r.ops, true, 0, L, cells);
+  detail::push(r.ops, chain_op_kind::discard, 0);
+  r.stats = simulate(c, r.ops);
+  r.unit = unit;
+  // Rounding to cells can hide a generated schedule that fits exactly (none at its own peak):
+  // the cheaper of the two wins.
+  optimal_result g = fallback(false);
+  if (g.stats.recompute_cost < r.stats.recompute_cost) {
+    g.unit = unit;
+    return g;
+  }
+  return r;
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/checkpoint_schedule.hpp ----
+// ---- begin membound/model/model.hpp ----
+// A model assembled at compile time: an embedding, a list of blocks and an LM head.
+//
+//   using net = membound::model<membound::embedding<>,
+//                               membound::block<membound::ttt_linear<>>,
+//                               membound::block<membound::attention<>>,
+//                               membound::block<membound::mamba<>>,
+//                               membound::lm_head<>>;
+//   net m(config);                                  // runtime widths: model_config
+//   auto p = membound::make_plan(m, {batch, seq}, membound::schedules::every<2>{}, opts);
+//   double loss = m.forward_backward(w, g, tokens, targets, p, alloc, pool);
+//
+// The model owns no memory: weights and gradients are flat arrays the caller allocates
+// (weight_bytes() each), and a training step takes every activation and workspace from the
+// caller's allocator, in exactly the order model/checkpoint_schedule.hpp's simulate() assumes, so the plan's
+// predicted peak is the allocator's measured one.
+
+#include <tuple>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// The token embedding table [V, C]; its precision is the model's.
+template <typename Precision = fp32_precision>
+struct embedding {
+  static_assert(is_precision_v<Precision>,
+                "membound: embedding<P>: P is a precision policy, e.g. fp32_precision or "
+                "bf16_precision.");
+  using precision = Precision;
+};
+
+template <typename T>
+inline constexpr bool is_embedding_v = false;
+template <typename P>
+inline constexpr bool is_embedding_v<embedding<P>> = true;
+// A sequence of blocks chosen at run time from these mixers (model(config, pattern)): what a
+// trainer whose --layers flag names the pattern uses. The compile-time spelling lists blocks.
+template <block_mixer... Mixers>
+struct block_pattern {
+  static_assert(sizeof...(Mixers) >= 1, "membound: block_pattern<Mixers...> needs at least one mixer type.");
+};
+
+template <typename T>
+inline constexpr bool is_block_pattern_v = false;
+template <typename... M>
+inline constexpr bool is_block_pattern_v<block_pattern<M...>> = true;
+
+template <typename T>
+inline constexpr bool is_lm_head_v = false;
+template <typename... P>
+inline constexpr bool is_lm_head_v<lm_head<P...>> = true;
+
+// One named parameter tensor inside the flat weight array.
+struct param_entry {
+  std::string name;         // "blocks.1.attention.wq", "embedding", ...
+  std::size_t offset = 0;   // elements from the start
+  std::size_t count = 0;
+  param_spec spec{};
+  bool decay = false;       // matrices take weight decay, norms and biases do not
+};
+
+namespace detail {
+
+template <typename... Parts>
+struct model_parts {
+  static_assert(sizeof...(Parts) >= 3,
+                "membound: model<embedding<P>, block<Mixer>..., lm_head<P>> needs an embedding, at "
+                "least one block and an LM head, in that order.");
+  using tuple = std::tuple<Parts...>;
+  using first = std::tuple_element_t<0, tuple>;
+  using last = std::tuple_element_t<sizeof...(Parts) - 1, tuple>;
+  static constexpr std::size_t depth = sizeof...(Parts) - 2;
+  template <std::size_t... I>
+  static auto middle(std::index_sequence<I...>) -> std::tuple<std::tuple_element_t<I + 1, tuple>...>;
+  using listed = decltype(middle(std::make_index_sequence<depth>{}));
+  static constexpr bool runtime = depth == 1 && is_block_pattern_v<std::tuple_element_t<0, listed>>;
+  template <typename... M>
+  static auto choices(block_pattern<M...>*) -> std::tuple<block<M>...>;
+  static auto pick() {
+    if constexpr (runtime) {
+      return static_cast<decltype(choices(static_cast<std::tuple_element_t<0, listed>*>(nullptr)))*>(nullptr);
+    } else {
+      return static_cast<listed*>(nullptr);
+    }
+  }
+  // The block types a block index dispatches over: the listed blocks, or the pattern's choices.
+  using blocks = std::remove_pointer_t<decltype(pick())>;
+};
+
+// splitmix64: a counter-based generator, so every tensor's values depend only on (seed, tensor).
+inline std::uint64_t splitmix64(std::uint64_t& s) noexcept {
+  std::uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+inline double uniform01(std::uint64_t& s) noexcept {
+  return static_cast<double>(splitmix64(s) >> 11) * 0x1.0p-53;
+}
+
+}  // namespace detail
+
+template <typename... Parts>
+class model {
+  using parts = detail::model_parts<Parts...>;
+
+ public:
+  using embedding_type = typename parts::first;
+  using head_type = typename parts::last;
+  using blocks = typename parts::blocks;  // listed blocks, or a block_pattern's choices
+  static constexpr bool runtime_pattern = parts::runtime;
+  static constexpr std::size_t block_types = std::tuple_size_v<blocks>;
+
+  static_assert(is_embedding_v<embedding_type>,
+                "membound: the first part of a model is its embedding: model<embedding<P>, "
+                "block<Mixer>..., lm_head<P>>.");
+  static_assert(is_lm_head_v<head_type>,
+                "membound: the last part of a model is its head: model<embedding<P>, "
+                "block<Mixer>..., lm_head<P>>.");
+
+  using storage_type = typename embedding_type::precision::storage_type;
+  using accum_type = typename embedding_type::precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+
+  template <typename B>
+  static constexpr bool block_ok() {
+    if constexpr (!is_block_v<B>) {
+      return false;
+    } else {
+      return std::is_same_v<typename B::storage_type, S> && std::is_same_v<typename B::accum_type, A>;
+    }
+  }
+  static_assert([]<std::size_t... I>(std::index_sequence<I...>) {
+    return (block_ok<std::tuple_element_t<I, blocks>>() && ...);
+  }(std::make_index_sequence<block_types>{}),
+                "membound: every part between the embedding and the head must be a block<Mixer> "
+                "whose mixer uses the embedding's precision (e.g. embedding<bf16_precision> with "
+                "block<attention<bf16_precision>>).");
+  static_assert(std::is_same_v<typename head_type::storage_type, S> &&
+                    std::is_same_v<typename head_type::accum_type, A>,
+                "membound: lm_head<P> must use the embedding's precision P.");
+
+ public:
+  // pattern: for a block_pattern model, the index (into its mixer list) of every block; empty
+  // for a model that lists its blocks.
+  explicit model(const model_config& c, std::vector<std::size_t> pattern = {})
+      : cfg_(c), pattern_(std::move(pattern)) {
+    check_config(c);
+    if constexpr (runtime_pattern) {
+      if (pattern_.empty()) {
+        throw invalid_argument("pattern", "at least one block", "none",
+                               "Name the blocks, e.g. {0, 1, 2, 1} for block_pattern<A, B, C>");
+      }
+      for (std::size_t k = 0; k < pattern_.size(); ++k) {
+        if (pattern_[k] >= block_types) {
+          throw invalid_argument("pattern[" + std::to_string(k) + "]",
+                                 "an index below " + std::to_string(block_types) + " (the mixers of block_pattern)",
+                                 std::to_string(pattern_[k]), "Use mixer_index(name) to map names to indices");
+        }
+      }
+    } else if (!pattern_.empty()) {
+      throw invalid_argument("pattern", "empty (this model lists its blocks in its type)",
+                             std::to_string(pattern_.size()) + " entries",
+                             "Pass a pattern only to a model<embedding, block_pattern<...>, lm_head>");
+    }
+    build_params();
+  }
+
+  std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
+  const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
+  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp") among
+  // the block types, or block_types when there is none.
+  static std::size_t mixer_index(const std::string& name) {
+    std::size_t r = block_types;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((r == block_types && name == std::tuple_element_t<I, blocks>::name ? (r = I, 0) : 0), ...);
+    }(std::make_index_sequence<block_types>{});
+    return r;
+  }
+
+  const model_config& config() const noexcept { return cfg_; }
+  const std::vector<param_entry>& parameters() const noexcept { return params_; }
+  std::size_t parameter_elements() const noexcept { return elements_; }  // with alignment padding
+  std::size_t parameter_count() const noexcept {
+    std::size_t n = 0;
+    for (const auto& p : params_) n += p.count;
+    return n;
+  }
+  std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
+  const char* block_name(std::size_t i) const {
+    const char* n = "";
+    visit_block(i, [&]<typename B>(B*) { n = B::name; });
+    return n;
+  }
+
+  // Throws invalid_argument naming the first block or head argument the shape breaks.
+  void check(batch_shape b) const {
+    if (b.batch == 0 || b.seq == 0) {
+      throw invalid_argument(b.batch == 0 ? "batch" : "seq", "at least 1", "0",
+                             "A step needs at least one sequence of one token");
+    }
+    for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
+  }
+
+  // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
+  void init_weights(S* w, std::uint64_t seed) const {
+    detail::not_null(w, "weights");
+    std::fill(w, w + elements_, from_accum<S>(A(0)));
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      const param_entry& p = params_[k];
+      std::uint64_t st = seed * 0x2545f4914f6cdd1dULL + k;
+      S* dst = w + p.offset;
+      for (std::size_t i = 0; i < p.count; ++i) dst[i] = from_accum<S>(static_cast<A>(draw(p.spec, i, st)));
+    }
+  }
+
+  // ---- Sizes of one micro-batch step ------------------------------------------------------------
+  std::size_t activation_bytes(batch_shape b) const noexcept { return bytes_of<S>(b.tokens(), cfg_.width); }
+  lm_head_shape head_shape(batch_shape b, std::size_t chunk) const noexcept {
+    return {b.tokens(), cfg_.width, cfg_.vocab, chunk, cfg_.norm_eps};
+  }
+
+  // The chain model/checkpoint_schedule.hpp plans over: exact bytes of every op of this model's step.
+  chain make_chain(batch_shape b, std::size_t threads, std::size_t head_chunk,
+                   std::size_t base_bytes) const {
+    check(b);
+    head_type::check(head_shape(b, head_chunk));
+    chain c;
+    const std::size_t a = activation_bytes(b);
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      const auto d = B::make_dims(cfg_, b);
+      chain_link l;
+      l.input_bytes = a;
+      l.saved_bytes = B::saved_bytes(d);
+      l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
+      l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
+      l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
+      l.backward_peak = a + B::backward_workspace_bytes(d, threads);
+      l.forward_cost = block_flops<B>(b);
+      c.links.push_back(l);
+    });
+    c.output_bytes = a;
+    c.loss_peak = a + head_type::workspace_bytes(head_shape(b, head_chunk), threads);
+    c.base_bytes = base_bytes;
+    return c;
+  }
+
+  // ---- One micro-batch: forward, loss and backward under a schedule -----------------------------
+  // tokens and targets: [B, T] ids. Gradients accumulate into g (zero them per optimizer step).
+  // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
+  // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
+  // allocated is given back; weights are untouched (gradients may hold a partial sum).
+  template <typename Allocator>
+  double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
+                          batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
+                          double loss_scale, Allocator& alloc, thread_pool& pool) const {
+    static_assert(check_allocator<Allocator>());
+    detail::not_null(w, "weights");
+    detail::not_null(g, "gradients");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(targets, "targets");
+    check(b);
+    const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    head_type::check(hs);
+    check_tokens(tokens, N);
+    head_type::check_targets(targets, N, cfg_.vocab);
+    const std::size_t threads = pool.size();
+    const std::size_t a = activation_bytes(b);
+
+    live_set<Allocator> live(alloc, L);
+    std::vector<S*> x(L + 1, nullptr);
+    std::vector<void*> saved(L, nullptr);
+    S* delta = nullptr;
+    double loss_sum = 0;
+
+    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
+    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x[0], N, C);
+
+    for (const chain_op& op : ops) {
+      const std::size_t i = op.block;
+      switch (op.kind) {
+        case chain_op_kind::advance:
+        case chain_op_kind::tape:
+        case chain_op_kind::retape: {
+          const forward_mode mode = op.kind == chain_op_kind::advance ? forward_mode::advance
+                                    : op.kind == chain_op_kind::tape  ? forward_mode::tape
+                                                                      : forward_mode::retape;
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            if (mode != forward_mode::retape) x[i + 1] = static_cast<S*>(live.get(a, memory_tag::activations));
+            if (mode != forward_mode::advance)
+              saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
+            const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
+            void* ws = live.get(wsb, memory_tag::workspace);
+            B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, pool);
+            live.put(ws);
+          });
+          break;
+        }
+        case chain_op_kind::loss: {
+          S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
+          const std::size_t wsb = head_type::workspace_bytes(hs, threads);
+          void* ws = live.get(wsb, memory_tag::workspace);
+          const double scale = loss_scale / static_cast<double>(N);
+          loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out,
+                                              head_grads(g), ws, wsb, pool);
+          live.put(ws);
+          delta = d_out;
+          break;
+        }
+        case chain_op_kind::backward: {
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
+            void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
+            B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx,
+                        ws, pool);
+            live.put(ws);
+            live.put(delta);
+            live.put(saved[i]);
+            saved[i] = nullptr;
+            delta = dx;
+          });
+          break;
+        }
+        case chain_op_kind::discard:
+          live.put(x[i]);
+          x[i] = nullptr;
+          break;
+      }
+    }
+    if (delta == nullptr) {
+      throw invalid_argument("ops", "a complete schedule (ending with backward of block 0)",
+                             "a schedule without the loss or the backward pass",
+                             "Build it with schedule_none/full/every/binomial or optimal_schedule");
+    }
+    cpu::embedding_scatter<A>(pool, tokens, delta, g + params_[0].offset, N, C);
+    live.put(delta);
+    return loss_sum / static_cast<double>(N);
+  }
+
+  // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
+  // schedules trade against memory.
+  template <typename B>
+  double block_flops(batch_shape b) const noexcept {
+    const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg_.width);
+    const double F = static_cast<double>(cfg_.hidden()), T = static_cast<double>(b.seq);
+    double f = 2.0 * N * 3.0 * C * F;  // SwiGLU
+    using M = typename B::mixer;
+    const auto d = B::make_dims(cfg_, b);
+    std::size_t mixer_params = 0;
+    for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
+    f += 2.0 * N * static_cast<double>(mixer_params);
+    if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, attention_shape>) {
+      f += 2.0 * N * T * C;  // causal QKᵀ and PV: 2·(2·N·T·C)/2
+    } else if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, mamba_shape>) {
+      f += 9.0 * N * static_cast<double>(d.p1.layer.d_inner * d.p1.layer.d_state);
+    } else {
+      f += 8.0 * N * C * static_cast<double>(M::mini_batch);  // dual form inside mini-batches
+    }
+    return f;
+  }
+  double head_flops(batch_shape b) const noexcept {
+    return head_type::flops(head_shape(b, 1));
+  }
+
+  // Typed access for tests and tools: the weights of block i as its block type takes them.
+  template <typename B>
+  typename B::weight_ptrs block_weights(const S* w, std::size_t i) const {
+    typename B::weight_ptrs p{};
+    const std::size_t first = block_first_[i];
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      const param_entry& e = params_[first + k];
+      p[k] = e.count == 0 ? nullptr : w + e.offset;
+    }
+    return p;
+  }
+  template <typename B>
+  typename B::grad_ptrs block_grads(S* g, std::size_t i) const {
+    typename B::grad_ptrs p{};
+    const std::size_t first = block_first_[i];
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      const param_entry& e = params_[first + k];
+      p[k] = e.count == 0 ? nullptr : g + e.offset;
+    }
+    return p;
+  }
+
+  // f(i, (B*)nullptr) for every block, in order.
+  template <typename F>
+  void for_each_block(F&& f) const {
+    for (std::size_t i = 0; i < depth(); ++i)
+      visit_block(i, [&]<typename B>(B* tag) { f.template operator()<B>(i, tag); });
+  }
+  // f((B*)nullptr) with B the type of block i.
+  template <typename F>
+  void visit_block(std::size_t i, F&& f) const {
+    const std::size_t k = runtime_pattern ? pattern_[i] : i;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((k == I ? (f.template operator()<std::tuple_element_t<I, blocks>>(static_cast<std::tuple_element_t<I, blocks>*>(nullptr)), 0) : 0), ...);
+    }(std::make_index_sequence<block_types>{});
+  }
+
+ private:
+  // Every allocation of a step, so that an exception gives all of them back.
+  template <typename Allocator>
+  class live_set {
+   public:
+    live_set(Allocator& a, std::size_t depth) : a_(a) { blocks_.reserve(4 * depth + 8); }
+    live_set(const live_set&) = delete;
+    live_set& operator=(const live_set&) = delete;
+    ~live_set() {
+      for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) a_.deallocate(it->p, it->bytes, default_alignment, it->tag);
+    }
+    void* get(std::size_t bytes, memory_tag tag) {
+      void* p = a_.allocate(bytes, default_alignment, tag);
+      blocks_.push_back({p, bytes, tag});
+      return p;
+    }
+    void put(const void* p) {
+      for (std::size_t k = blocks_.size(); k-- > 0;) {
+        if (blocks_[k].p == p) {
+          a_.deallocate(blocks_[k].p, blocks_[k].bytes, default_alignment, blocks_[k].tag);
+          blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(k));
+          return;
+        }
+      }
+    }
+
+   private:
+    struct rec {
+      void* p;
+      std::size_t bytes;
+      memory_tag tag;
+    };
+    Allocator& a_;
+    std::vector<rec> blocks_;
+  };
+
+  static void check_config(const model_config& c) {
+    if (c.vocab == 0 || c.vocab > static_cast<std::size_t>(INT32_MAX)) {
+      throw invalid_argument("config.vocab", "between 1 and 2^31 − 1", std::to_string(c.vocab),
+                             "Set the vocabulary size (256 for bytes)");
+    }
+    if (c.width == 0) {
+      throw invalid_argument("config.width", "at least 1", "0", "Set the model width");
+    }
+    if (c.heads == 0 || c.width % c.heads != 0) {
+      throw invalid_argument("config.heads", "a divisor of config.width (" + std::to_string(c.width) + ")",
+                             std::to_string(c.heads), "Choose heads so that width / heads is the head size");
+    }
+    if (c.kv() == 0 || c.heads % c.kv() != 0) {
+      throw invalid_argument("config.kv_heads", "a divisor of config.heads", std::to_string(c.kv_heads),
+                             "Use 0 (= heads), or a divisor of heads for GQA");
+    }
+    if (!(c.norm_eps > 0.0)) {
+      throw invalid_argument("config.norm_eps", "above 0", std::to_string(c.norm_eps), "Use e.g. 1e-5");
+    }
+  }
+
+  void check_tokens(const std::int32_t* t, std::size_t n) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
+        throw invalid_argument("tokens[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(cfg_.vocab) + ")",
+                               std::to_string(t[i]), "Encode the data with the model's vocabulary");
+      }
+    }
+  }
+
+  void add_param(std::string name, const param_spec& s) {
+    constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);  // 64-byte rows
+    param_entry e;
+    e.name = std::move(name);
+    e.offset = elements_;
+    e.count = s.count;
+    e.spec = s;
+    e.decay = s.init == param_init::normal;
+    elements_ += (s.count + align - 1) / align * align;
+    params_.push_back(std::move(e));
+  }
+
+  void build_params() {
+    const batch_shape one{1, 1};
+    add_param("embedding", {"embedding", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+    for_each_block([&]<typename B>(std::size_t i, B*) {
+      block_first_.push_back(params_.size());
+      const auto d = B::make_dims(cfg_, one);
+      for (const param_spec& s : B::params(d))
+        add_param("blocks." + std::to_string(i) + "." + B::name + "." + s.name, s);
+    });
+    head_first_ = params_.size();
+    add_param("final_norm", {"final_norm", cfg_.width, param_init::constant, 1.0, 0});
+    if (!cfg_.tie_embeddings)
+      add_param("lm_head", {"lm_head", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+  }
+
+  typename head_type::weights head_weights(const S* w) const noexcept {
+    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
+    return {w + params_[head_first_].offset, w + params_[table].offset};
+  }
+  typename head_type::gradients head_grads(S* g) const noexcept {
+    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
+    return {g + params_[head_first_].offset, g + params_[table].offset};
+  }
+
+  static double draw(const param_spec& s, std::size_t i, std::uint64_t& st) {
+    switch (s.init) {
+      case param_init::constant:
+        return s.value;
+      case param_init::normal: {  // Box–Muller, one value per pair of uniforms
+        const double u1 = 1.0 - detail::uniform01(st), u2 = detail::uniform01(st);
+        return s.value * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+      }
+      case param_init::mamba_a_log:
+        return std::log(1.0 + static_cast<double>(i % (s.period == 0 ? 1 : s.period)));
+      case param_init::mamba_dt_bias: {
+        const double lo = std::log(1e-3), hi = std::log(0.1);
+        const double dt = std::max(1e-4, std::exp(lo + (hi - lo) * detail::uniform01(st)));
+        return dt + std::log(-std::expm1(-dt));  // softplus⁻¹(dt)
+      }
+    }
+    return 0.0;
+  }
+
+  model_config cfg_;
+  std::vector<std::size_t> pattern_;
+  std::vector<param_entry> params_;
+  std::vector<std::size_t> block_first_;
+  std::size_t head_first_ = 0;
+  std::size_t elements_ = 0;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/model.hpp ----
+// ---- begin membound/model/planner.hpp ----
+// The planner: before the first step, the exact bytes of a training step of a model, and the
+// schedule that fits a budget.
+//
+//   auto p = membound::make_plan(m, {8, 256}, membound::schedules::every<2>{}, {.threads = 2});
+//   std::cout << p.table();                           // categories, peak phase, headroom
+//   auto q = membound::fit(m, {32, 256}, 2ull << 30, {.threads = 2});  // micro-batch, schedule, chunk
+//
+// Exactness comes from construction: the step (model::forward_backward) allocates, op by op, in
+// the order model/checkpoint_schedule.hpp's simulate() counts, and every size is the layers' own pure size
+// function. The tests compare the prediction with the budget allocator's measured peak for every
+// layer type × schedule × precision.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// Block-level checkpoint schedules, as policies.
+namespace schedules {
+struct none {};    // keep everything forward produces
+struct full {};    // keep block inputs only, recompute every block in backward
+template <std::size_t K>
+struct every {     // keep the input of every K-th block
+  static_assert(K >= 1, "membound: schedules::every<K>: K (blocks per segment) must be at least 1.");
+};
+template <std::size_t Slots>
+struct binomial {  // Revolve's optimal schedule with Slots checkpoint slots
+  static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one checkpoint slot.");
+};
+struct budget {    // the least recompute whose peak fits this many bytes (the planner's DP)
+  std::size_t bytes = 0;
+};
+}  // namespace schedules
+
+// A schedule chosen at run time (what fit() returns, what a command line asks for).
+struct schedule_choice {
+  enum class kind : unsigned char { none, full, every, binomial, budget };
+  kind k = kind::none;
+  std::size_t param = 0;  // K, slots or bytes
+
+  static constexpr schedule_choice of(schedules::none) noexcept { return {kind::none, 0}; }
+  static constexpr schedule_choice of(schedules::full) noexcept { return {kind::full, 0}; }
+  template <std::size_t K>
+  static constexpr schedule_choice of(schedules::every<K>) noexcept { return {kind::every, K}; }
+  template <std::size_t N>
+  static constexpr schedule_choice of(schedules::binomial<N>) noexcept { return {kind::binomial, N}; }
+  static constexpr schedule_choice of(schedules::budget b) noexcept { return {kind::budget, b.bytes}; }
+  static constexpr schedule_choice of(schedule_choice c) noexcept { return c; }
+
+  std::string name() const {
+    switch (k) {
+      case kind::none: return "none";
+      case kind::full: return "full";
+      case kind::every: return "every<" + std::to_string(param) + ">";
+      case kind::binomial: return "binomial<" + std::to_string(param) + ">";
+      case kind::budget: return "budget(" + format_bytes(param, false) + ")";
+    }
+    return "?";
+  }
+  friend constexpr bool operator==(const schedule_choice&, const schedule_choice&) = default;
+};
+
+struct plan_options {
+  std::size_t threads = 1;
+  std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
+  std::size_t accumulation = 1;   // micro-batches per optimizer step
+  bool optimizer = true;          // count AdamW's state (m, v, and fp32 masters for 16-bit storage)
+};
+
+// One op of the step's timeline: what it is, bytes live before it and its peak.
+struct plan_phase {
+  std::string name;
+  std::size_t live_before = 0;
+  std::size_t peak = 0;
+};
+
+struct training_plan {
+  batch_shape micro;                   // one micro-batch
+  std::size_t accumulation = 1;        // micro-batches per optimizer step
+  schedule_choice schedule;
+  std::size_t head_chunk = 0;
+  std::size_t threads = 1;
+  std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
+  std::size_t workspace = 0;     // the transient bytes of the peak op
+  std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
+  std::string peak_phase;
+  std::size_t budget = 0;        // 0: none given
+  double forward_flops = 0;      // of one micro-batch's blocks
+  double recompute_flops = 0;    // of one micro-batch
+  std::vector<chain_op> ops;
+  std::vector<plan_phase> timeline;
+
+  double recompute_overhead() const noexcept {
+    return forward_flops == 0 ? 0.0 : recompute_flops / forward_flops;
+  }
+  bool fits() const noexcept { return budget == 0 || peak_bytes <= budget; }
+
+  // A table a person reads before step 1.
+  std::string table() const {
+    std::string s;
+    char line[160];
+    auto row = [&](const char* what, std::size_t bytes, const char* note) {
+      std::snprintf(line, sizeof line, "  %-22s %14s  %s\n", what, format_bytes(bytes, false).c_str(), note);
+      s += line;
+    };
+    std::snprintf(line, sizeof line,
+                  "plan: micro-batch %zu x %zu tokens, %zu micro-batch%s per step, schedule %s, "
+                  "logit chunk %zu, %zu thread%s\n",
+                  micro.batch, micro.seq, accumulation, accumulation == 1 ? "" : "es",
+                  schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
+    s += line;
+    row("weights", weights, "");
+    row("gradients", gradients, "");
+    row("optimizer", optimizer, optimizer == 0 ? "(not counted)" : "AdamW m, v (+ fp32 masters)");
+    row("activations (kept)", activations, "at most, between ops");
+    row("workspace (at peak)", workspace, "transient");
+    const std::string at = "at " + peak_phase;
+    row("predicted peak", peak_bytes, at.c_str());
+    if (budget != 0) {
+      row("budget", budget, "");
+      if (peak_bytes <= budget) {
+        std::snprintf(line, sizeof line, "  %-22s %14s  %.1f%% of the budget free\n", "headroom",
+                      format_bytes(budget - peak_bytes, false).c_str(),
+                      100.0 * static_cast<double>(budget - peak_bytes) / static_cast<double>(budget));
+      } else {
+        std::snprintf(line, sizeof line, "  %-22s %14s  OVER BUDGET\n", "headroom",
+                      ("-" + format_bytes(peak_bytes - budget, false)).c_str());
+      }
+      s += line;
+    }
+    std::snprintf(line, sizeof line, "  recompute: %.3g FLOPs per micro-batch (%.1f%% of the blocks' forward)\n",
+                  recompute_flops, 100.0 * recompute_overhead());
+    s += line;
+    return s;
+  }
+};
+
+// The smallest budget that would fit, as a typed error (fit() found nothing under `budget`).
+class budget_too_small : public invalid_argument {
+ public:
+  budget_too_small(std::size_t budget, std::size_t minimum)
+      : invalid_argument("budget", "at least " + format_bytes(minimum) + " (the least peak of any plan)",
+                         format_bytes(budget),
+                         "Raise the budget to at least " + format_bytes(minimum, false) +
+                             ", or shrink the model, the sequence or the vocabulary"),
+        budget_(budget),
+        minimum_(minimum) {}
+  std::size_t budget() const noexcept { return budget_; }
+  std::size_t minimum() const noexcept { return minimum_; }
+
+ private:
+  std::size_t budget_, minimum_;
+};
+
+namespace detail {
+
+inline std::string op_name(const chain_op& op, const char* block) {
+  const std::string b = "block " + std::to_string(op.block) + " (" + block + ")";
+  switch (op.kind) {
+    case chain_op_kind::advance: return b + " forward";
+    case chain_op_kind::tape: return b + " forward, kept";
+    case chain_op_kind::retape: return b + " recompute";
+    case chain_op_kind::loss: return "loss (head, chunked cross-entropy)";
+    case chain_op_kind::backward: return b + " backward";
+    case chain_op_kind::discard: return b + " input freed";
+  }
+  return "?";
+}
+
+}  // namespace detail
+
+// The ops of a schedule for a chain (budget: the DP, which throws when nothing fits).
+inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
+  const std::size_t L = c.links.size();
+  switch (s.k) {
+    case schedule_choice::kind::none: return schedule_none(L);
+    case schedule_choice::kind::full: return schedule_full(L);
+    case schedule_choice::kind::every: return schedule_every(L, s.param);
+    case schedule_choice::kind::binomial: return schedule_binomial(L, s.param);
+    case schedule_choice::kind::budget: return optimal_schedule(c, s.param).ops;
+  }
+  return {};
+}
+
+template <typename Model>
+std::size_t persistent_bytes(const Model& m, const plan_options& o) {
+  const std::size_t w = m.weight_bytes();
+  const std::size_t opt = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  return w + w + opt;
+}
+
+// The plan of one training step of m: micro-batch b, schedule s.
+template <typename Model, typename Schedule>
+training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_options& o = {},
+                        std::size_t budget = 0) {
+  const schedule_choice sc = schedule_choice::of(s);
+  training_plan p;
+  p.micro = b;
+  p.accumulation = o.accumulation;
+  p.schedule = sc;
+  p.head_chunk = o.head_chunk;
+  p.threads = o.threads;
+  p.weights = m.weight_bytes();
+  p.gradients = m.weight_bytes();
+  p.optimizer = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
+  const std::size_t base = p.weights + p.gradients + p.optimizer;
+  const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
+  p.ops = schedule_ops(c, sc);
+  std::vector<phase_bytes> tl;
+  const schedule_stats st = simulate(c, p.ops, &tl);
+  p.peak_bytes = st.peak_bytes;
+  p.recompute_flops = st.recompute_cost;
+  for (const chain_link& l : c.links) p.forward_flops += l.forward_cost;
+
+  // The timeline: the embedding, each op, the embedding's backward, the optimizer step.
+  const std::size_t a = m.activation_bytes(b);
+  p.timeline.push_back({"embedding forward", base, base + a});
+  std::size_t best = base + a;
+  p.peak_phase = "embedding forward";
+  p.activations = a;
+  p.workspace = 0;
+  for (const phase_bytes& ph : tl) {
+    const chain_op& op = p.ops[ph.op];
+    const char* bn = op.kind == chain_op_kind::loss ? "" : m.block_name(op.block);
+    plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
+    p.activations = std::max(p.activations, ph.live_before - base);
+    if (q.peak > best) {
+      best = q.peak;
+      p.peak_phase = q.name;
+      // what the op adds beyond its outputs: its workspace
+      const std::size_t out = [&]() -> std::size_t {
+        const std::size_t L = c.links.size();
+        const std::size_t ai = op.block < L ? c.links[op.block].input_bytes : c.output_bytes;
+        switch (op.kind) {
+          case chain_op_kind::advance: return c.links[op.block].input_bytes;
+          case chain_op_kind::tape: return ai + c.links[op.block].saved_bytes;
+          case chain_op_kind::retape: return c.links[op.block].saved_bytes;
+          case chain_op_kind::loss: return c.output_bytes;
+          case chain_op_kind::backward: return ai;
+          case chain_op_kind::discard: return 0;
+        }
+        return 0;
+      }();
+      p.workspace = q.peak - q.live_before - std::min(out, q.peak - q.live_before);
+    }
+    p.timeline.push_back(std::move(q));
+  }
+  p.timeline.push_back({"embedding backward", base + a, base + a});
+  p.timeline.push_back({"optimizer step (AdamW, in place)", base, base});
+  if (best != p.peak_bytes) {
+    throw error("membound: planner timeline and simulate() disagree on the peak (" +
+                std::to_string(best) + " vs " + std::to_string(p.peak_bytes) + "): a bug, please report it");
+  }
+  return p;
+}
+
+// Every (micro-batch, schedule, chunk) fit() considers for an effective batch.
+struct fit_options {
+  std::size_t threads = 1;
+  bool optimizer = true;
+  std::vector<std::size_t> head_chunks{256, 64};
+};
+
+// The plan with the least recompute (over the whole optimizer step: per micro-batch times the
+// accumulation) whose peak fits `budget`: micro-batch sizes dividing the batch (gradient
+// accumulation keeps the effective batch), every schedule, the logit chunk sizes given. Ties go
+// to fewer micro-batches, then to the lower peak. Throws budget_too_small naming the least peak
+// of any candidate when none fits.
+template <typename Model>
+training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
+  m.check(effective);
+  training_plan best;
+  bool found = false;
+  std::size_t minimum = std::numeric_limits<std::size_t>::max();
+  auto consider = [&](training_plan p) {
+    minimum = std::min(minimum, p.peak_bytes);
+    if (p.peak_bytes > budget) return;
+    const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
+    const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
+    if (!found || cost < best_cost ||
+        (cost == best_cost && (p.accumulation < best.accumulation ||
+                               (p.accumulation == best.accumulation && p.peak_bytes < best.peak_bytes)))) {
+      best = std::move(p);
+      found = true;
+    }
+  };
+  const std::size_t L = m.depth();
+  for (std::size_t mb = effective.batch; mb >= 1; --mb) {
+    if (effective.batch % mb != 0) continue;
+    for (std::size_t chunk : fo.head_chunks) {
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer};
+      const batch_shape b{mb, effective.seq};
+      std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
+                                         {schedule_choice::kind::full, 0}};
+      for (std::size_t k = 2; k < L; ++k) cands.push_back({schedule_choice::kind::every, k});
+      for (std::size_t s = 1; s <= L; ++s) cands.push_back({schedule_choice::kind::binomial, s});
+      for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
+      // The DP, unless nothing can fit (it would throw) or a zero-recompute plan already does.
+      try {
+        consider(make_plan(m, b, schedule_choice{schedule_choice::kind::budget, budget}, o, budget));
+      } catch (const invalid_argument&) {
+      }
+    }
+  }
+  if (!found) throw budget_too_small(budget, minimum);
+  best.budget = budget;
+  return best;
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/planner.hpp ----
 // ---- end membound/membound.hpp ----

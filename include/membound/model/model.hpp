@@ -1,0 +1,558 @@
+// A model assembled at compile time: an embedding, a list of blocks and an LM head.
+//
+//   using net = membound::model<membound::embedding<>,
+//                               membound::block<membound::ttt_linear<>>,
+//                               membound::block<membound::attention<>>,
+//                               membound::block<membound::mamba<>>,
+//                               membound::lm_head<>>;
+//   net m(config);                                  // runtime widths: model_config
+//   auto p = membound::make_plan(m, {batch, seq}, membound::schedules::every<2>{}, opts);
+//   double loss = m.forward_backward(w, g, tokens, targets, p, alloc, pool);
+//
+// The model owns no memory: weights and gradients are flat arrays the caller allocates
+// (weight_bytes() each), and a training step takes every activation and workspace from the
+// caller's allocator, in exactly the order model/checkpoint_schedule.hpp's simulate() assumes, so the plan's
+// predicted peak is the allocator's measured one.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <numbers>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/parallel.hpp"
+#include "membound/layers/lm_head.hpp"
+#include "membound/memory/allocator.hpp"
+#include "membound/memory/memory_tag.hpp"
+#include "membound/model/block.hpp"
+#include "membound/model/model_config.hpp"
+#include "membound/model/checkpoint_schedule.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// The token embedding table [V, C]; its precision is the model's.
+template <typename Precision = fp32_precision>
+struct embedding {
+  static_assert(is_precision_v<Precision>,
+                "membound: embedding<P>: P is a precision policy, e.g. fp32_precision or "
+                "bf16_precision.");
+  using precision = Precision;
+};
+
+template <typename T>
+inline constexpr bool is_embedding_v = false;
+template <typename P>
+inline constexpr bool is_embedding_v<embedding<P>> = true;
+// A sequence of blocks chosen at run time from these mixers (model(config, pattern)): what a
+// trainer whose --layers flag names the pattern uses. The compile-time spelling lists blocks.
+template <block_mixer... Mixers>
+struct block_pattern {
+  static_assert(sizeof...(Mixers) >= 1, "membound: block_pattern<Mixers...> needs at least one mixer type.");
+};
+
+template <typename T>
+inline constexpr bool is_block_pattern_v = false;
+template <typename... M>
+inline constexpr bool is_block_pattern_v<block_pattern<M...>> = true;
+
+template <typename T>
+inline constexpr bool is_lm_head_v = false;
+template <typename... P>
+inline constexpr bool is_lm_head_v<lm_head<P...>> = true;
+
+// One named parameter tensor inside the flat weight array.
+struct param_entry {
+  std::string name;         // "blocks.1.attention.wq", "embedding", ...
+  std::size_t offset = 0;   // elements from the start
+  std::size_t count = 0;
+  param_spec spec{};
+  bool decay = false;       // matrices take weight decay, norms and biases do not
+};
+
+namespace detail {
+
+template <typename... Parts>
+struct model_parts {
+  static_assert(sizeof...(Parts) >= 3,
+                "membound: model<embedding<P>, block<Mixer>..., lm_head<P>> needs an embedding, at "
+                "least one block and an LM head, in that order.");
+  using tuple = std::tuple<Parts...>;
+  using first = std::tuple_element_t<0, tuple>;
+  using last = std::tuple_element_t<sizeof...(Parts) - 1, tuple>;
+  static constexpr std::size_t depth = sizeof...(Parts) - 2;
+  template <std::size_t... I>
+  static auto middle(std::index_sequence<I...>) -> std::tuple<std::tuple_element_t<I + 1, tuple>...>;
+  using listed = decltype(middle(std::make_index_sequence<depth>{}));
+  static constexpr bool runtime = depth == 1 && is_block_pattern_v<std::tuple_element_t<0, listed>>;
+  template <typename... M>
+  static auto choices(block_pattern<M...>*) -> std::tuple<block<M>...>;
+  static auto pick() {
+    if constexpr (runtime) {
+      return static_cast<decltype(choices(static_cast<std::tuple_element_t<0, listed>*>(nullptr)))*>(nullptr);
+    } else {
+      return static_cast<listed*>(nullptr);
+    }
+  }
+  // The block types a block index dispatches over: the listed blocks, or the pattern's choices.
+  using blocks = std::remove_pointer_t<decltype(pick())>;
+};
+
+// splitmix64: a counter-based generator, so every tensor's values depend only on (seed, tensor).
+inline std::uint64_t splitmix64(std::uint64_t& s) noexcept {
+  std::uint64_t z = (s += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+inline double uniform01(std::uint64_t& s) noexcept {
+  return static_cast<double>(splitmix64(s) >> 11) * 0x1.0p-53;
+}
+
+}  // namespace detail
+
+template <typename... Parts>
+class model {
+  using parts = detail::model_parts<Parts...>;
+
+ public:
+  using embedding_type = typename parts::first;
+  using head_type = typename parts::last;
+  using blocks = typename parts::blocks;  // listed blocks, or a block_pattern's choices
+  static constexpr bool runtime_pattern = parts::runtime;
+  static constexpr std::size_t block_types = std::tuple_size_v<blocks>;
+
+  static_assert(is_embedding_v<embedding_type>,
+                "membound: the first part of a model is its embedding: model<embedding<P>, "
+                "block<Mixer>..., lm_head<P>>.");
+  static_assert(is_lm_head_v<head_type>,
+                "membound: the last part of a model is its head: model<embedding<P>, "
+                "block<Mixer>..., lm_head<P>>.");
+
+  using storage_type = typename embedding_type::precision::storage_type;
+  using accum_type = typename embedding_type::precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+
+  template <typename B>
+  static constexpr bool block_ok() {
+    if constexpr (!is_block_v<B>) {
+      return false;
+    } else {
+      return std::is_same_v<typename B::storage_type, S> && std::is_same_v<typename B::accum_type, A>;
+    }
+  }
+  static_assert([]<std::size_t... I>(std::index_sequence<I...>) {
+    return (block_ok<std::tuple_element_t<I, blocks>>() && ...);
+  }(std::make_index_sequence<block_types>{}),
+                "membound: every part between the embedding and the head must be a block<Mixer> "
+                "whose mixer uses the embedding's precision (e.g. embedding<bf16_precision> with "
+                "block<attention<bf16_precision>>).");
+  static_assert(std::is_same_v<typename head_type::storage_type, S> &&
+                    std::is_same_v<typename head_type::accum_type, A>,
+                "membound: lm_head<P> must use the embedding's precision P.");
+
+ public:
+  // pattern: for a block_pattern model, the index (into its mixer list) of every block; empty
+  // for a model that lists its blocks.
+  explicit model(const model_config& c, std::vector<std::size_t> pattern = {})
+      : cfg_(c), pattern_(std::move(pattern)) {
+    check_config(c);
+    if constexpr (runtime_pattern) {
+      if (pattern_.empty()) {
+        throw invalid_argument("pattern", "at least one block", "none",
+                               "Name the blocks, e.g. {0, 1, 2, 1} for block_pattern<A, B, C>");
+      }
+      for (std::size_t k = 0; k < pattern_.size(); ++k) {
+        if (pattern_[k] >= block_types) {
+          throw invalid_argument("pattern[" + std::to_string(k) + "]",
+                                 "an index below " + std::to_string(block_types) + " (the mixers of block_pattern)",
+                                 std::to_string(pattern_[k]), "Use mixer_index(name) to map names to indices");
+        }
+      }
+    } else if (!pattern_.empty()) {
+      throw invalid_argument("pattern", "empty (this model lists its blocks in its type)",
+                             std::to_string(pattern_.size()) + " entries",
+                             "Pass a pattern only to a model<embedding, block_pattern<...>, lm_head>");
+    }
+    build_params();
+  }
+
+  std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
+  const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
+  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp") among
+  // the block types, or block_types when there is none.
+  static std::size_t mixer_index(const std::string& name) {
+    std::size_t r = block_types;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((r == block_types && name == std::tuple_element_t<I, blocks>::name ? (r = I, 0) : 0), ...);
+    }(std::make_index_sequence<block_types>{});
+    return r;
+  }
+
+  const model_config& config() const noexcept { return cfg_; }
+  const std::vector<param_entry>& parameters() const noexcept { return params_; }
+  std::size_t parameter_elements() const noexcept { return elements_; }  // with alignment padding
+  std::size_t parameter_count() const noexcept {
+    std::size_t n = 0;
+    for (const auto& p : params_) n += p.count;
+    return n;
+  }
+  std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
+  const char* block_name(std::size_t i) const {
+    const char* n = "";
+    visit_block(i, [&]<typename B>(B*) { n = B::name; });
+    return n;
+  }
+
+  // Throws invalid_argument naming the first block or head argument the shape breaks.
+  void check(batch_shape b) const {
+    if (b.batch == 0 || b.seq == 0) {
+      throw invalid_argument(b.batch == 0 ? "batch" : "seq", "at least 1", "0",
+                             "A step needs at least one sequence of one token");
+    }
+    for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
+  }
+
+  // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
+  void init_weights(S* w, std::uint64_t seed) const {
+    detail::not_null(w, "weights");
+    std::fill(w, w + elements_, from_accum<S>(A(0)));
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      const param_entry& p = params_[k];
+      std::uint64_t st = seed * 0x2545f4914f6cdd1dULL + k;
+      S* dst = w + p.offset;
+      for (std::size_t i = 0; i < p.count; ++i) dst[i] = from_accum<S>(static_cast<A>(draw(p.spec, i, st)));
+    }
+  }
+
+  // ---- Sizes of one micro-batch step ------------------------------------------------------------
+  std::size_t activation_bytes(batch_shape b) const noexcept { return bytes_of<S>(b.tokens(), cfg_.width); }
+  lm_head_shape head_shape(batch_shape b, std::size_t chunk) const noexcept {
+    return {b.tokens(), cfg_.width, cfg_.vocab, chunk, cfg_.norm_eps};
+  }
+
+  // The chain model/checkpoint_schedule.hpp plans over: exact bytes of every op of this model's step.
+  chain make_chain(batch_shape b, std::size_t threads, std::size_t head_chunk,
+                   std::size_t base_bytes) const {
+    check(b);
+    head_type::check(head_shape(b, head_chunk));
+    chain c;
+    const std::size_t a = activation_bytes(b);
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      const auto d = B::make_dims(cfg_, b);
+      chain_link l;
+      l.input_bytes = a;
+      l.saved_bytes = B::saved_bytes(d);
+      l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
+      l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
+      l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
+      l.backward_peak = a + B::backward_workspace_bytes(d, threads);
+      l.forward_cost = block_flops<B>(b);
+      c.links.push_back(l);
+    });
+    c.output_bytes = a;
+    c.loss_peak = a + head_type::workspace_bytes(head_shape(b, head_chunk), threads);
+    c.base_bytes = base_bytes;
+    return c;
+  }
+
+  // ---- One micro-batch: forward, loss and backward under a schedule -----------------------------
+  // tokens and targets: [B, T] ids. Gradients accumulate into g (zero them per optimizer step).
+  // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
+  // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
+  // allocated is given back; weights are untouched (gradients may hold a partial sum).
+  template <typename Allocator>
+  double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
+                          batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
+                          double loss_scale, Allocator& alloc, thread_pool& pool) const {
+    static_assert(check_allocator<Allocator>());
+    detail::not_null(w, "weights");
+    detail::not_null(g, "gradients");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(targets, "targets");
+    check(b);
+    const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    head_type::check(hs);
+    check_tokens(tokens, N);
+    head_type::check_targets(targets, N, cfg_.vocab);
+    const std::size_t threads = pool.size();
+    const std::size_t a = activation_bytes(b);
+
+    live_set<Allocator> live(alloc, L);
+    std::vector<S*> x(L + 1, nullptr);
+    std::vector<void*> saved(L, nullptr);
+    S* delta = nullptr;
+    double loss_sum = 0;
+
+    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
+    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x[0], N, C);
+
+    for (const chain_op& op : ops) {
+      const std::size_t i = op.block;
+      switch (op.kind) {
+        case chain_op_kind::advance:
+        case chain_op_kind::tape:
+        case chain_op_kind::retape: {
+          const forward_mode mode = op.kind == chain_op_kind::advance ? forward_mode::advance
+                                    : op.kind == chain_op_kind::tape  ? forward_mode::tape
+                                                                      : forward_mode::retape;
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            if (mode != forward_mode::retape) x[i + 1] = static_cast<S*>(live.get(a, memory_tag::activations));
+            if (mode != forward_mode::advance)
+              saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
+            const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
+            void* ws = live.get(wsb, memory_tag::workspace);
+            B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, pool);
+            live.put(ws);
+          });
+          break;
+        }
+        case chain_op_kind::loss: {
+          S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
+          const std::size_t wsb = head_type::workspace_bytes(hs, threads);
+          void* ws = live.get(wsb, memory_tag::workspace);
+          const double scale = loss_scale / static_cast<double>(N);
+          loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out,
+                                              head_grads(g), ws, wsb, pool);
+          live.put(ws);
+          delta = d_out;
+          break;
+        }
+        case chain_op_kind::backward: {
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
+            void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
+            B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx,
+                        ws, pool);
+            live.put(ws);
+            live.put(delta);
+            live.put(saved[i]);
+            saved[i] = nullptr;
+            delta = dx;
+          });
+          break;
+        }
+        case chain_op_kind::discard:
+          live.put(x[i]);
+          x[i] = nullptr;
+          break;
+      }
+    }
+    if (delta == nullptr) {
+      throw invalid_argument("ops", "a complete schedule (ending with backward of block 0)",
+                             "a schedule without the loss or the backward pass",
+                             "Build it with schedule_none/full/every/binomial or optimal_schedule");
+    }
+    cpu::embedding_scatter<A>(pool, tokens, delta, g + params_[0].offset, N, C);
+    live.put(delta);
+    return loss_sum / static_cast<double>(N);
+  }
+
+  // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
+  // schedules trade against memory.
+  template <typename B>
+  double block_flops(batch_shape b) const noexcept {
+    const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg_.width);
+    const double F = static_cast<double>(cfg_.hidden()), T = static_cast<double>(b.seq);
+    double f = 2.0 * N * 3.0 * C * F;  // SwiGLU
+    using M = typename B::mixer;
+    const auto d = B::make_dims(cfg_, b);
+    std::size_t mixer_params = 0;
+    for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
+    f += 2.0 * N * static_cast<double>(mixer_params);
+    if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, attention_shape>) {
+      f += 2.0 * N * T * C;  // causal QKᵀ and PV: 2·(2·N·T·C)/2
+    } else if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, mamba_shape>) {
+      f += 9.0 * N * static_cast<double>(d.p1.layer.d_inner * d.p1.layer.d_state);
+    } else {
+      f += 8.0 * N * C * static_cast<double>(M::mini_batch);  // dual form inside mini-batches
+    }
+    return f;
+  }
+  double head_flops(batch_shape b) const noexcept {
+    return head_type::flops(head_shape(b, 1));
+  }
+
+  // Typed access for tests and tools: the weights of block i as its block type takes them.
+  template <typename B>
+  typename B::weight_ptrs block_weights(const S* w, std::size_t i) const {
+    typename B::weight_ptrs p{};
+    const std::size_t first = block_first_[i];
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      const param_entry& e = params_[first + k];
+      p[k] = e.count == 0 ? nullptr : w + e.offset;
+    }
+    return p;
+  }
+  template <typename B>
+  typename B::grad_ptrs block_grads(S* g, std::size_t i) const {
+    typename B::grad_ptrs p{};
+    const std::size_t first = block_first_[i];
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      const param_entry& e = params_[first + k];
+      p[k] = e.count == 0 ? nullptr : g + e.offset;
+    }
+    return p;
+  }
+
+  // f(i, (B*)nullptr) for every block, in order.
+  template <typename F>
+  void for_each_block(F&& f) const {
+    for (std::size_t i = 0; i < depth(); ++i)
+      visit_block(i, [&]<typename B>(B* tag) { f.template operator()<B>(i, tag); });
+  }
+  // f((B*)nullptr) with B the type of block i.
+  template <typename F>
+  void visit_block(std::size_t i, F&& f) const {
+    const std::size_t k = runtime_pattern ? pattern_[i] : i;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((k == I ? (f.template operator()<std::tuple_element_t<I, blocks>>(static_cast<std::tuple_element_t<I, blocks>*>(nullptr)), 0) : 0), ...);
+    }(std::make_index_sequence<block_types>{});
+  }
+
+ private:
+  // Every allocation of a step, so that an exception gives all of them back.
+  template <typename Allocator>
+  class live_set {
+   public:
+    live_set(Allocator& a, std::size_t depth) : a_(a) { blocks_.reserve(4 * depth + 8); }
+    live_set(const live_set&) = delete;
+    live_set& operator=(const live_set&) = delete;
+    ~live_set() {
+      for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) a_.deallocate(it->p, it->bytes, default_alignment, it->tag);
+    }
+    void* get(std::size_t bytes, memory_tag tag) {
+      void* p = a_.allocate(bytes, default_alignment, tag);
+      blocks_.push_back({p, bytes, tag});
+      return p;
+    }
+    void put(const void* p) {
+      for (std::size_t k = blocks_.size(); k-- > 0;) {
+        if (blocks_[k].p == p) {
+          a_.deallocate(blocks_[k].p, blocks_[k].bytes, default_alignment, blocks_[k].tag);
+          blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(k));
+          return;
+        }
+      }
+    }
+
+   private:
+    struct rec {
+      void* p;
+      std::size_t bytes;
+      memory_tag tag;
+    };
+    Allocator& a_;
+    std::vector<rec> blocks_;
+  };
+
+  static void check_config(const model_config& c) {
+    if (c.vocab == 0 || c.vocab > static_cast<std::size_t>(INT32_MAX)) {
+      throw invalid_argument("config.vocab", "between 1 and 2^31 − 1", std::to_string(c.vocab),
+                             "Set the vocabulary size (256 for bytes)");
+    }
+    if (c.width == 0) {
+      throw invalid_argument("config.width", "at least 1", "0", "Set the model width");
+    }
+    if (c.heads == 0 || c.width % c.heads != 0) {
+      throw invalid_argument("config.heads", "a divisor of config.width (" + std::to_string(c.width) + ")",
+                             std::to_string(c.heads), "Choose heads so that width / heads is the head size");
+    }
+    if (c.kv() == 0 || c.heads % c.kv() != 0) {
+      throw invalid_argument("config.kv_heads", "a divisor of config.heads", std::to_string(c.kv_heads),
+                             "Use 0 (= heads), or a divisor of heads for GQA");
+    }
+    if (!(c.norm_eps > 0.0)) {
+      throw invalid_argument("config.norm_eps", "above 0", std::to_string(c.norm_eps), "Use e.g. 1e-5");
+    }
+  }
+
+  void check_tokens(const std::int32_t* t, std::size_t n) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
+        throw invalid_argument("tokens[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(cfg_.vocab) + ")",
+                               std::to_string(t[i]), "Encode the data with the model's vocabulary");
+      }
+    }
+  }
+
+  void add_param(std::string name, const param_spec& s) {
+    constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);  // 64-byte rows
+    param_entry e;
+    e.name = std::move(name);
+    e.offset = elements_;
+    e.count = s.count;
+    e.spec = s;
+    e.decay = s.init == param_init::normal;
+    elements_ += (s.count + align - 1) / align * align;
+    params_.push_back(std::move(e));
+  }
+
+  void build_params() {
+    const batch_shape one{1, 1};
+    add_param("embedding", {"embedding", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+    for_each_block([&]<typename B>(std::size_t i, B*) {
+      block_first_.push_back(params_.size());
+      const auto d = B::make_dims(cfg_, one);
+      for (const param_spec& s : B::params(d))
+        add_param("blocks." + std::to_string(i) + "." + B::name + "." + s.name, s);
+    });
+    head_first_ = params_.size();
+    add_param("final_norm", {"final_norm", cfg_.width, param_init::constant, 1.0, 0});
+    if (!cfg_.tie_embeddings)
+      add_param("lm_head", {"lm_head", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+  }
+
+  typename head_type::weights head_weights(const S* w) const noexcept {
+    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
+    return {w + params_[head_first_].offset, w + params_[table].offset};
+  }
+  typename head_type::gradients head_grads(S* g) const noexcept {
+    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
+    return {g + params_[head_first_].offset, g + params_[table].offset};
+  }
+
+  static double draw(const param_spec& s, std::size_t i, std::uint64_t& st) {
+    switch (s.init) {
+      case param_init::constant:
+        return s.value;
+      case param_init::normal: {  // Box–Muller, one value per pair of uniforms
+        const double u1 = 1.0 - detail::uniform01(st), u2 = detail::uniform01(st);
+        return s.value * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+      }
+      case param_init::mamba_a_log:
+        return std::log(1.0 + static_cast<double>(i % (s.period == 0 ? 1 : s.period)));
+      case param_init::mamba_dt_bias: {
+        const double lo = std::log(1e-3), hi = std::log(0.1);
+        const double dt = std::max(1e-4, std::exp(lo + (hi - lo) * detail::uniform01(st)));
+        return dt + std::log(-std::expm1(-dt));  // softplus⁻¹(dt)
+      }
+    }
+    return 0.0;
+  }
+
+  model_config cfg_;
+  std::vector<std::size_t> pattern_;
+  std::vector<param_entry> params_;
+  std::vector<std::size_t> block_first_;
+  std::size_t head_first_ = 0;
+  std::size_t elements_ = 0;
+};
+
+MEMBOUND_NAMESPACE_END

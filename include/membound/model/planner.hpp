@@ -1,0 +1,324 @@
+// The planner: before the first step, the exact bytes of a training step of a model, and the
+// schedule that fits a budget.
+//
+//   auto p = membound::make_plan(m, {8, 256}, membound::schedules::every<2>{}, {.threads = 2});
+//   std::cout << p.table();                           // categories, peak phase, headroom
+//   auto q = membound::fit(m, {32, 256}, 2ull << 30, {.threads = 2});  // micro-batch, schedule, chunk
+//
+// Exactness comes from construction: the step (model::forward_backward) allocates, op by op, in
+// the order model/checkpoint_schedule.hpp's simulate() counts, and every size is the layers' own pure size
+// function. The tests compare the prediction with the budget allocator's measured peak for every
+// layer type × schedule × precision.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/format.hpp"
+#include "membound/model/model.hpp"
+#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/train/adamw.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// Block-level checkpoint schedules, as policies.
+namespace schedules {
+struct none {};    // keep everything forward produces
+struct full {};    // keep block inputs only, recompute every block in backward
+template <std::size_t K>
+struct every {     // keep the input of every K-th block
+  static_assert(K >= 1, "membound: schedules::every<K>: K (blocks per segment) must be at least 1.");
+};
+template <std::size_t Slots>
+struct binomial {  // Revolve's optimal schedule with Slots checkpoint slots
+  static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one checkpoint slot.");
+};
+struct budget {    // the least recompute whose peak fits this many bytes (the planner's DP)
+  std::size_t bytes = 0;
+};
+}  // namespace schedules
+
+// A schedule chosen at run time (what fit() returns, what a command line asks for).
+struct schedule_choice {
+  enum class kind : unsigned char { none, full, every, binomial, budget };
+  kind k = kind::none;
+  std::size_t param = 0;  // K, slots or bytes
+
+  static constexpr schedule_choice of(schedules::none) noexcept { return {kind::none, 0}; }
+  static constexpr schedule_choice of(schedules::full) noexcept { return {kind::full, 0}; }
+  template <std::size_t K>
+  static constexpr schedule_choice of(schedules::every<K>) noexcept { return {kind::every, K}; }
+  template <std::size_t N>
+  static constexpr schedule_choice of(schedules::binomial<N>) noexcept { return {kind::binomial, N}; }
+  static constexpr schedule_choice of(schedules::budget b) noexcept { return {kind::budget, b.bytes}; }
+  static constexpr schedule_choice of(schedule_choice c) noexcept { return c; }
+
+  std::string name() const {
+    switch (k) {
+      case kind::none: return "none";
+      case kind::full: return "full";
+      case kind::every: return "every<" + std::to_string(param) + ">";
+      case kind::binomial: return "binomial<" + std::to_string(param) + ">";
+      case kind::budget: return "budget(" + format_bytes(param, false) + ")";
+    }
+    return "?";
+  }
+  friend constexpr bool operator==(const schedule_choice&, const schedule_choice&) = default;
+};
+
+struct plan_options {
+  std::size_t threads = 1;
+  std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
+  std::size_t accumulation = 1;   // micro-batches per optimizer step
+  bool optimizer = true;          // count AdamW's state (m, v, and fp32 masters for 16-bit storage)
+};
+
+// One op of the step's timeline: what it is, bytes live before it and its peak.
+struct plan_phase {
+  std::string name;
+  std::size_t live_before = 0;
+  std::size_t peak = 0;
+};
+
+struct training_plan {
+  batch_shape micro;                   // one micro-batch
+  std::size_t accumulation = 1;        // micro-batches per optimizer step
+  schedule_choice schedule;
+  std::size_t head_chunk = 0;
+  std::size_t threads = 1;
+  std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
+  std::size_t workspace = 0;     // the transient bytes of the peak op
+  std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
+  std::string peak_phase;
+  std::size_t budget = 0;        // 0: none given
+  double forward_flops = 0;      // of one micro-batch's blocks
+  double recompute_flops = 0;    // of one micro-batch
+  std::vector<chain_op> ops;
+  std::vector<plan_phase> timeline;
+
+  double recompute_overhead() const noexcept {
+    return forward_flops == 0 ? 0.0 : recompute_flops / forward_flops;
+  }
+  bool fits() const noexcept { return budget == 0 || peak_bytes <= budget; }
+
+  // A table a person reads before step 1.
+  std::string table() const {
+    std::string s;
+    char line[160];
+    auto row = [&](const char* what, std::size_t bytes, const char* note) {
+      std::snprintf(line, sizeof line, "  %-22s %14s  %s\n", what, format_bytes(bytes, false).c_str(), note);
+      s += line;
+    };
+    std::snprintf(line, sizeof line,
+                  "plan: micro-batch %zu x %zu tokens, %zu micro-batch%s per step, schedule %s, "
+                  "logit chunk %zu, %zu thread%s\n",
+                  micro.batch, micro.seq, accumulation, accumulation == 1 ? "" : "es",
+                  schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
+    s += line;
+    row("weights", weights, "");
+    row("gradients", gradients, "");
+    row("optimizer", optimizer, optimizer == 0 ? "(not counted)" : "AdamW m, v (+ fp32 masters)");
+    row("activations (kept)", activations, "at most, between ops");
+    row("workspace (at peak)", workspace, "transient");
+    const std::string at = "at " + peak_phase;
+    row("predicted peak", peak_bytes, at.c_str());
+    if (budget != 0) {
+      row("budget", budget, "");
+      if (peak_bytes <= budget) {
+        std::snprintf(line, sizeof line, "  %-22s %14s  %.1f%% of the budget free\n", "headroom",
+                      format_bytes(budget - peak_bytes, false).c_str(),
+                      100.0 * static_cast<double>(budget - peak_bytes) / static_cast<double>(budget));
+      } else {
+        std::snprintf(line, sizeof line, "  %-22s %14s  OVER BUDGET\n", "headroom",
+                      ("-" + format_bytes(peak_bytes - budget, false)).c_str());
+      }
+      s += line;
+    }
+    std::snprintf(line, sizeof line, "  recompute: %.3g FLOPs per micro-batch (%.1f%% of the blocks' forward)\n",
+                  recompute_flops, 100.0 * recompute_overhead());
+    s += line;
+    return s;
+  }
+};
+
+// The smallest budget that would fit, as a typed error (fit() found nothing under `budget`).
+class budget_too_small : public invalid_argument {
+ public:
+  budget_too_small(std::size_t budget, std::size_t minimum)
+      : invalid_argument("budget", "at least " + format_bytes(minimum) + " (the least peak of any plan)",
+                         format_bytes(budget),
+                         "Raise the budget to at least " + format_bytes(minimum, false) +
+                             ", or shrink the model, the sequence or the vocabulary"),
+        budget_(budget),
+        minimum_(minimum) {}
+  std::size_t budget() const noexcept { return budget_; }
+  std::size_t minimum() const noexcept { return minimum_; }
+
+ private:
+  std::size_t budget_, minimum_;
+};
+
+namespace detail {
+
+inline std::string op_name(const chain_op& op, const char* block) {
+  const std::string b = "block " + std::to_string(op.block) + " (" + block + ")";
+  switch (op.kind) {
+    case chain_op_kind::advance: return b + " forward";
+    case chain_op_kind::tape: return b + " forward, kept";
+    case chain_op_kind::retape: return b + " recompute";
+    case chain_op_kind::loss: return "loss (head, chunked cross-entropy)";
+    case chain_op_kind::backward: return b + " backward";
+    case chain_op_kind::discard: return b + " input freed";
+  }
+  return "?";
+}
+
+}  // namespace detail
+
+// The ops of a schedule for a chain (budget: the DP, which throws when nothing fits).
+inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
+  const std::size_t L = c.links.size();
+  switch (s.k) {
+    case schedule_choice::kind::none: return schedule_none(L);
+    case schedule_choice::kind::full: return schedule_full(L);
+    case schedule_choice::kind::every: return schedule_every(L, s.param);
+    case schedule_choice::kind::binomial: return schedule_binomial(L, s.param);
+    case schedule_choice::kind::budget: return optimal_schedule(c, s.param).ops;
+  }
+  return {};
+}
+
+template <typename Model>
+std::size_t persistent_bytes(const Model& m, const plan_options& o) {
+  const std::size_t w = m.weight_bytes();
+  const std::size_t opt = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  return w + w + opt;
+}
+
+// The plan of one training step of m: micro-batch b, schedule s.
+template <typename Model, typename Schedule>
+training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_options& o = {},
+                        std::size_t budget = 0) {
+  const schedule_choice sc = schedule_choice::of(s);
+  training_plan p;
+  p.micro = b;
+  p.accumulation = o.accumulation;
+  p.schedule = sc;
+  p.head_chunk = o.head_chunk;
+  p.threads = o.threads;
+  p.weights = m.weight_bytes();
+  p.gradients = m.weight_bytes();
+  p.optimizer = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
+  const std::size_t base = p.weights + p.gradients + p.optimizer;
+  const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
+  p.ops = schedule_ops(c, sc);
+  std::vector<phase_bytes> tl;
+  const schedule_stats st = simulate(c, p.ops, &tl);
+  p.peak_bytes = st.peak_bytes;
+  p.recompute_flops = st.recompute_cost;
+  for (const chain_link& l : c.links) p.forward_flops += l.forward_cost;
+
+  // The timeline: the embedding, each op, the embedding's backward, the optimizer step.
+  const std::size_t a = m.activation_bytes(b);
+  p.timeline.push_back({"embedding forward", base, base + a});
+  std::size_t best = base + a;
+  p.peak_phase = "embedding forward";
+  p.activations = a;
+  p.workspace = 0;
+  for (const phase_bytes& ph : tl) {
+    const chain_op& op = p.ops[ph.op];
+    const char* bn = op.kind == chain_op_kind::loss ? "" : m.block_name(op.block);
+    plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
+    p.activations = std::max(p.activations, ph.live_before - base);
+    if (q.peak > best) {
+      best = q.peak;
+      p.peak_phase = q.name;
+      // what the op adds beyond its outputs: its workspace
+      const std::size_t out = [&]() -> std::size_t {
+        const std::size_t L = c.links.size();
+        const std::size_t ai = op.block < L ? c.links[op.block].input_bytes : c.output_bytes;
+        switch (op.kind) {
+          case chain_op_kind::advance: return c.links[op.block].input_bytes;
+          case chain_op_kind::tape: return ai + c.links[op.block].saved_bytes;
+          case chain_op_kind::retape: return c.links[op.block].saved_bytes;
+          case chain_op_kind::loss: return c.output_bytes;
+          case chain_op_kind::backward: return ai;
+          case chain_op_kind::discard: return 0;
+        }
+        return 0;
+      }();
+      p.workspace = q.peak - q.live_before - std::min(out, q.peak - q.live_before);
+    }
+    p.timeline.push_back(std::move(q));
+  }
+  p.timeline.push_back({"embedding backward", base + a, base + a});
+  p.timeline.push_back({"optimizer step (AdamW, in place)", base, base});
+  if (best != p.peak_bytes) {
+    throw error("membound: planner timeline and simulate() disagree on the peak (" +
+                std::to_string(best) + " vs " + std::to_string(p.peak_bytes) + "): a bug, please report it");
+  }
+  return p;
+}
+
+// Every (micro-batch, schedule, chunk) fit() considers for an effective batch.
+struct fit_options {
+  std::size_t threads = 1;
+  bool optimizer = true;
+  std::vector<std::size_t> head_chunks{256, 64};
+};
+
+// The plan with the least recompute (over the whole optimizer step: per micro-batch times the
+// accumulation) whose peak fits `budget`: micro-batch sizes dividing the batch (gradient
+// accumulation keeps the effective batch), every schedule, the logit chunk sizes given. Ties go
+// to fewer micro-batches, then to the lower peak. Throws budget_too_small naming the least peak
+// of any candidate when none fits.
+template <typename Model>
+training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
+  m.check(effective);
+  training_plan best;
+  bool found = false;
+  std::size_t minimum = std::numeric_limits<std::size_t>::max();
+  auto consider = [&](training_plan p) {
+    minimum = std::min(minimum, p.peak_bytes);
+    if (p.peak_bytes > budget) return;
+    const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
+    const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
+    if (!found || cost < best_cost ||
+        (cost == best_cost && (p.accumulation < best.accumulation ||
+                               (p.accumulation == best.accumulation && p.peak_bytes < best.peak_bytes)))) {
+      best = std::move(p);
+      found = true;
+    }
+  };
+  const std::size_t L = m.depth();
+  for (std::size_t mb = effective.batch; mb >= 1; --mb) {
+    if (effective.batch % mb != 0) continue;
+    for (std::size_t chunk : fo.head_chunks) {
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer};
+      const batch_shape b{mb, effective.seq};
+      std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
+                                         {schedule_choice::kind::full, 0}};
+      for (std::size_t k = 2; k < L; ++k) cands.push_back({schedule_choice::kind::every, k});
+      for (std::size_t s = 1; s <= L; ++s) cands.push_back({schedule_choice::kind::binomial, s});
+      for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
+      // The DP, unless nothing can fit (it would throw) or a zero-recompute plan already does.
+      try {
+        consider(make_plan(m, b, schedule_choice{schedule_choice::kind::budget, budget}, o, budget));
+      } catch (const invalid_argument&) {
+      }
+    }
+  }
+  if (!found) throw budget_too_small(budget, minimum);
+  best.budget = budget;
+  return best;
+}
+
+MEMBOUND_NAMESPACE_END
