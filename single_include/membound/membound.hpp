@@ -8977,8 +8977,8 @@ struct chain {
   std::size_t loss_peak = 0;      // peak of the loss op above live (>= a_L)
   std::size_t base_bytes = 0;     // live throughout: weights, gradients, optimizer state
 
-  std::size_t length() const noexcept { return links.size(); }
-  std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
+  constexpr std::size_t length() const noexcept { return links.size(); }
+  constexpr std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
 };
 
 enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard };
@@ -9024,7 +9024,7 @@ struct phase_bytes {
 
 // Validates every precondition and the end state (invalid_argument names the op) and returns the
 // exact peak and costs; `timeline`, when given, receives one entry per op.
-inline schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
+constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
                                std::vector<phase_bytes>* timeline = nullptr) {
   const std::size_t L = c.length();
   if (L == 0) throw invalid_argument("chain", "at least one block", "none", "Build the chain from a model");
@@ -9115,16 +9115,16 @@ inline schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
 }
 
 namespace detail {
-inline void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
+constexpr void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
   o.push_back({k, static_cast<std::uint32_t>(i)});
 }
-inline void check_length(std::size_t L) {
+constexpr void check_length(std::size_t L) {
   if (L == 0 || L > std::numeric_limits<std::uint32_t>::max() / 2) {
     throw invalid_argument("L", "between 1 and 2^31 blocks", std::to_string(L), "A chain has at least one block");
   }
 }
 // From x_s (kept), advance to x_e, discarding what lies between.
-inline void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
+constexpr void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
   for (std::size_t k = s; k < e; ++k) {
     push(o, chain_op_kind::advance, k);
     if (k > s) push(o, chain_op_kind::discard, k);
@@ -9132,7 +9132,7 @@ inline void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
 }
 }  // namespace detail
 
-inline std::vector<chain_op> schedule_none(std::size_t L) {
+constexpr std::vector<chain_op> schedule_none(std::size_t L) {
   detail::check_length(L);
   std::vector<chain_op> o;
   for (std::size_t i = 0; i < L; ++i) detail::push(o, chain_op_kind::tape, i);
@@ -9147,7 +9147,7 @@ inline std::vector<chain_op> schedule_none(std::size_t L) {
 
 // Keep x_i where i % K == 0; backward recomputes each segment [s, e) from x_s: tape s … e−2
 // (their inputs stay for their backward), retape e−1, then backward e−1 … s.
-inline std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
+constexpr std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
   detail::check_length(L);
   if (K == 0) throw invalid_argument("K", "at least 1 block per segment", "0", "every<1> is full");
   std::vector<chain_op> o;
@@ -9170,7 +9170,7 @@ inline std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
   return o;
 }
 
-inline std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
+constexpr std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
 
 // ---- Binomial checkpointing (Revolve) -------------------------------------------------------
 // Slots count the stored block inputs, x_0 included (Revolve's snapshots); the value being
@@ -9201,7 +9201,7 @@ namespace detail {
 // T(l, 1) = l(l − 1)/2. best[l][c] keeps the j.
 struct revolve_table {
   std::vector<std::vector<std::size_t>> t, best;
-  revolve_table(std::size_t L, std::size_t C) : t(L + 1, std::vector<std::size_t>(C + 1, 0)), best(t) {
+  constexpr revolve_table(std::size_t L, std::size_t C) : t(L + 1, std::vector<std::size_t>(C + 1, 0)), best(t) {
     for (std::size_t l = 2; l <= L; ++l) {
       t[l][1] = l * (l - 1) / 2;
       for (std::size_t c = 2; c <= C; ++c) {
@@ -9222,7 +9222,7 @@ struct revolve_table {
 
 // Reverse blocks [s, e) with x_s stored and c slots (x_s's included); first: the loss is still to
 // come (e == L and δ_L does not exist yet).
-inline void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size_t s, std::size_t e,
+constexpr void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size_t s, std::size_t e,
                     std::size_t c, bool first, std::size_t L) {
   const std::size_t l = e - s;
   if (l == 1) {
@@ -9252,7 +9252,7 @@ inline void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size
 }
 }  // namespace detail
 
-inline std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
+constexpr std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
   detail::check_length(L);
   if (slots == 0 && L > 1) {
     throw invalid_argument("slots", "at least 1 checkpoint slot (x_0 takes one)", "0",
@@ -9715,22 +9715,55 @@ class model {
     head_type::check(head_shape(b, head_chunk));
     chain c;
     const std::size_t a = activation_bytes(b);
-    for_each_block([&]<typename B>(std::size_t, B*) {
-      const auto d = B::make_dims(cfg_, b);
-      chain_link l;
-      l.input_bytes = a;
-      l.saved_bytes = B::saved_bytes(d);
-      l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
-      l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
-      l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
-      l.backward_peak = a + B::backward_workspace_bytes(d, threads);
-      l.forward_cost = block_flops<B>(b);
-      c.links.push_back(l);
-    });
+    for_each_block([&]<typename B>(std::size_t, B*) { c.links.push_back(link_of<B>(cfg_, b, threads)); });
     c.output_bytes = a;
     c.loss_peak = a + head_type::workspace_bytes(head_shape(b, head_chunk), threads);
     c.base_bytes = base_bytes;
     return c;
+  }
+
+  // ---- The same sizes as constant expressions (models that list their blocks) -----------------
+  // What static_plan (model/planner.hpp) evaluates at compile time: no model object, no names.
+  static constexpr std::size_t count_elements(const model_config& c)
+    requires(!runtime_pattern)
+  {
+    std::size_t n = round_param(c.vocab * c.width);
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((n += block_elements<std::tuple_element_t<I, blocks>>(c)), ...);
+    }(std::make_index_sequence<block_types>{});
+    n += round_param(c.width);
+    if (!c.tie_embeddings) n += round_param(c.vocab * c.width);
+    return n;
+  }
+  static constexpr chain static_chain(const model_config& c, batch_shape b, std::size_t threads,
+                                      std::size_t head_chunk, std::size_t base_bytes)
+    requires(!runtime_pattern)
+  {
+    chain ch;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (ch.links.push_back(link_of<std::tuple_element_t<I, blocks>>(c, b, threads)), ...);
+    }(std::make_index_sequence<block_types>{});
+    const std::size_t a = bytes_of<S>(b.tokens(), c.width);
+    ch.output_bytes = a;
+    ch.loss_peak = a + head_type::workspace_bytes({b.tokens(), c.width, c.vocab, head_chunk, c.norm_eps}, threads);
+    ch.base_bytes = base_bytes;
+    return ch;
+  }
+
+  // One block's link: its exact bytes in every forward mode and its forward FLOPs.
+  template <typename B>
+  static constexpr chain_link link_of(const model_config& c, batch_shape b, std::size_t threads) {
+    const auto d = B::make_dims(c, b);
+    const std::size_t a = bytes_of<S>(b.tokens(), c.width);
+    chain_link l;
+    l.input_bytes = a;
+    l.saved_bytes = B::saved_bytes(d);
+    l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
+    l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
+    l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
+    l.backward_peak = a + B::backward_workspace_bytes(d, threads);
+    l.forward_cost = flops_of<B>(c, b);
+    return l;
   }
 
   // ---- One micro-batch: forward, loss and backward under a schedule -----------------------------
@@ -9832,11 +9865,15 @@ class model {
   // schedules trade against memory.
   template <typename B>
   double block_flops(batch_shape b) const noexcept {
-    const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg_.width);
-    const double F = static_cast<double>(cfg_.hidden()), T = static_cast<double>(b.seq);
+    return flops_of<B>(cfg_, b);
+  }
+  template <typename B>
+  static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
+    const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
+    const double F = static_cast<double>(cfg.hidden()), T = static_cast<double>(b.seq);
     double f = 2.0 * N * 3.0 * C * F;  // SwiGLU
     using M = typename B::mixer;
-    const auto d = B::make_dims(cfg_, b);
+    const auto d = B::make_dims(cfg, b);
     std::size_t mixer_params = 0;
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
@@ -9957,15 +9994,25 @@ class model {
     }
   }
 
+  // Every tensor starts on a 64-byte boundary.
+  static constexpr std::size_t round_param(std::size_t n) noexcept {
+    constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);
+    return (n + align - 1) / align * align;
+  }
+  template <typename B>
+  static constexpr std::size_t block_elements(const model_config& c) {
+    std::size_t n = 0;
+    for (const param_spec& p : B::params(B::make_dims(c, {1, 1}))) n += round_param(p.count);
+    return n;
+  }
   void add_param(std::string name, const param_spec& s) {
-    constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);  // 64-byte rows
     param_entry e;
     e.name = std::move(name);
     e.offset = elements_;
     e.count = s.count;
     e.spec = s;
     e.decay = s.init == param_init::normal;
-    elements_ += (s.count + align - 1) / align * align;
+    elements_ += round_param(s.count);
     params_.push_back(std::move(e));
   }
 
@@ -10277,6 +10324,73 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   }
   return p;
 }
+
+// ---- Compile time ---------------------------------------------------------------------------
+// The predicted peak as a constant expression, for models that list their blocks: the same
+// chain and the same simulate() as make_plan, evaluated by the compiler. `budget` schedules run
+// the DP and are for run time only.
+template <typename Model>
+constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, schedule_choice s,
+                                     const plan_options& o = {}) {
+  using S = typename Model::storage_type;
+  const std::size_t n = Model::count_elements(c);
+  const std::size_t base = 2 * bytes_of<S>(n) + (o.optimizer ? adamw<S>::state_bytes(n) : 0);
+  const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
+  const std::size_t L = ch.length();
+  std::vector<chain_op> ops;
+  switch (s.k) {
+    case schedule_choice::kind::none: ops = schedule_none(L); break;
+    case schedule_choice::kind::full: ops = schedule_full(L); break;
+    case schedule_choice::kind::every: ops = schedule_every(L, s.param); break;
+    case schedule_choice::kind::binomial: ops = schedule_binomial(L, s.param); break;
+    case schedule_choice::kind::budget:
+      throw invalid_argument("schedule", "none, full, every<K> or binomial<N> at compile time",
+                             "budget", "Plan budget schedules at run time with make_plan or fit");
+  }
+  return simulate(ch, ops).peak_bytes;
+}
+
+namespace detail {
+// Instantiated only when a static plan does not fit, so that the compiler's "required from"
+// line shows both numbers: peak_exceeds_budget<PeakBytes, BudgetBytes>.
+template <std::size_t PeakBytes, std::size_t BudgetBytes>
+struct peak_exceeds_budget {
+  static_assert(PeakBytes <= BudgetBytes,
+                "membound: this training step does not fit the budget: its predicted peak "
+                "exceeds the budget (both in bytes: PeakBytes and BudgetBytes in the 'required "
+                "from' lines above). Choose a stricter schedule (schedules::full, "
+                "every<K>, binomial<Slots>), a smaller batch or sequence, bf16 storage, or raise "
+                "the budget.");
+  static constexpr bool value = true;
+};
+template <bool Fits, std::size_t PeakBytes, std::size_t BudgetBytes>
+constexpr bool check_fits() {
+  if constexpr (Fits) {
+    return true;
+  } else {
+    return peak_exceeds_budget<PeakBytes, BudgetBytes>::value;
+  }
+}
+}  // namespace detail
+
+// The plan of a model whose shapes are template constants:
+//
+//   constexpr membound::model_config cfg{.vocab = 256, .width = 256, .heads = 8};
+//   using plan = membound::static_plan<net, cfg, membound::batch_shape{8, 512},
+//                                      membound::schedules::every<2>, (1ull << 30)>;
+//   static_assert(plan::peak_bytes <= plan::budget);   // or just name plan::fits
+//
+// Naming `fits` (or instantiating the type with a budget it exceeds) stops the build with a
+// sentence and both numbers.
+template <typename Model, model_config Config, batch_shape Shape, typename Schedule,
+          std::size_t Budget, std::size_t Threads = 1, std::size_t HeadChunk = 256,
+          bool Optimizer = true>
+struct static_plan {
+  static constexpr std::size_t peak_bytes = predicted_peak<Model>(
+      Config, Shape, schedule_choice::of(Schedule{}), plan_options{Threads, HeadChunk, 1, Optimizer});
+  static constexpr std::size_t budget = Budget;
+  static constexpr bool fits = detail::check_fits<(peak_bytes <= Budget), peak_bytes, Budget>();
+};
 
 // Every (micro-batch, schedule, chunk) fit() considers for an effective batch.
 struct fit_options {

@@ -319,3 +319,26 @@ TEST_CASE("model: a block_pattern chosen at run time equals the same blocks list
   CHECK_THROWS_AS(dyn(c, {0, 3}), mb::invalid_argument);
   CHECK_THROWS_AS(hybrid<P>(c, {0}), mb::invalid_argument);
 }
+
+// The compile-time form: the same chain and simulator evaluated by the compiler.
+namespace {
+constexpr mb::model_config static_cfg{.vocab = 40, .width = 32, .heads = 4, .kv_heads = 2};
+using static_net = hybrid<mb::bf16_precision>;
+using static_every = mb::static_plan<static_net, static_cfg, mb::batch_shape{2, 19}, mb::schedules::every<2>,
+                                     (std::size_t{1} << 30), 2, 7>;
+static_assert(static_every::fits);
+static_assert(static_every::peak_bytes > 0 && static_every::peak_bytes <= static_every::budget);
+}  // namespace
+
+TEST_CASE("planner: static_plan's compile-time peak equals make_plan's and the measured one") {
+  const static_net m(static_cfg);
+  mb::plan_options o;
+  o.threads = 2;
+  o.head_chunk = 7;
+  const auto p = mb::make_plan(m, {2, 19}, mb::schedules::every<2>{}, o);
+  CHECK(p.peak_bytes == static_every::peak_bytes);
+  CHECK(run_step(m, p, make_data({2, 19}, 40, 4)).measured_peak == static_every::peak_bytes);
+  CHECK(static_net::count_elements(static_cfg) == m.parameter_elements());
+  for (const auto& s : all_schedules(4))
+    CHECK(mb::predicted_peak<static_net>(static_cfg, {2, 19}, s, o) == mb::make_plan(m, {2, 19}, s, o).peak_bytes);
+}

@@ -52,8 +52,8 @@ struct chain {
   std::size_t loss_peak = 0;      // peak of the loss op above live (>= a_L)
   std::size_t base_bytes = 0;     // live throughout: weights, gradients, optimizer state
 
-  std::size_t length() const noexcept { return links.size(); }
-  std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
+  constexpr std::size_t length() const noexcept { return links.size(); }
+  constexpr std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
 };
 
 enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard };
@@ -99,7 +99,7 @@ struct phase_bytes {
 
 // Validates every precondition and the end state (invalid_argument names the op) and returns the
 // exact peak and costs; `timeline`, when given, receives one entry per op.
-inline schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
+constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
                                std::vector<phase_bytes>* timeline = nullptr) {
   const std::size_t L = c.length();
   if (L == 0) throw invalid_argument("chain", "at least one block", "none", "Build the chain from a model");
@@ -190,16 +190,16 @@ inline schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
 }
 
 namespace detail {
-inline void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
+constexpr void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
   o.push_back({k, static_cast<std::uint32_t>(i)});
 }
-inline void check_length(std::size_t L) {
+constexpr void check_length(std::size_t L) {
   if (L == 0 || L > std::numeric_limits<std::uint32_t>::max() / 2) {
     throw invalid_argument("L", "between 1 and 2^31 blocks", std::to_string(L), "A chain has at least one block");
   }
 }
 // From x_s (kept), advance to x_e, discarding what lies between.
-inline void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
+constexpr void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
   for (std::size_t k = s; k < e; ++k) {
     push(o, chain_op_kind::advance, k);
     if (k > s) push(o, chain_op_kind::discard, k);
@@ -207,7 +207,7 @@ inline void advance_to(std::vector<chain_op>& o, std::size_t s, std::size_t e) {
 }
 }  // namespace detail
 
-inline std::vector<chain_op> schedule_none(std::size_t L) {
+constexpr std::vector<chain_op> schedule_none(std::size_t L) {
   detail::check_length(L);
   std::vector<chain_op> o;
   for (std::size_t i = 0; i < L; ++i) detail::push(o, chain_op_kind::tape, i);
@@ -222,7 +222,7 @@ inline std::vector<chain_op> schedule_none(std::size_t L) {
 
 // Keep x_i where i % K == 0; backward recomputes each segment [s, e) from x_s: tape s … e−2
 // (their inputs stay for their backward), retape e−1, then backward e−1 … s.
-inline std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
+constexpr std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
   detail::check_length(L);
   if (K == 0) throw invalid_argument("K", "at least 1 block per segment", "0", "every<1> is full");
   std::vector<chain_op> o;
@@ -245,7 +245,7 @@ inline std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
   return o;
 }
 
-inline std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
+constexpr std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
 
 // ---- Binomial checkpointing (Revolve) -------------------------------------------------------
 // Slots count the stored block inputs, x_0 included (Revolve's snapshots); the value being
@@ -276,7 +276,7 @@ namespace detail {
 // T(l, 1) = l(l − 1)/2. best[l][c] keeps the j.
 struct revolve_table {
   std::vector<std::vector<std::size_t>> t, best;
-  revolve_table(std::size_t L, std::size_t C) : t(L + 1, std::vector<std::size_t>(C + 1, 0)), best(t) {
+  constexpr revolve_table(std::size_t L, std::size_t C) : t(L + 1, std::vector<std::size_t>(C + 1, 0)), best(t) {
     for (std::size_t l = 2; l <= L; ++l) {
       t[l][1] = l * (l - 1) / 2;
       for (std::size_t c = 2; c <= C; ++c) {
@@ -297,7 +297,7 @@ struct revolve_table {
 
 // Reverse blocks [s, e) with x_s stored and c slots (x_s's included); first: the loss is still to
 // come (e == L and δ_L does not exist yet).
-inline void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size_t s, std::size_t e,
+constexpr void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size_t s, std::size_t e,
                     std::size_t c, bool first, std::size_t L) {
   const std::size_t l = e - s;
   if (l == 1) {
@@ -327,7 +327,7 @@ inline void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::size
 }
 }  // namespace detail
 
-inline std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
+constexpr std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
   detail::check_length(L);
   if (slots == 0 && L > 1) {
     throw invalid_argument("slots", "at least 1 checkpoint slot (x_0 takes one)", "0",

@@ -250,22 +250,55 @@ class model {
     head_type::check(head_shape(b, head_chunk));
     chain c;
     const std::size_t a = activation_bytes(b);
-    for_each_block([&]<typename B>(std::size_t, B*) {
-      const auto d = B::make_dims(cfg_, b);
-      chain_link l;
-      l.input_bytes = a;
-      l.saved_bytes = B::saved_bytes(d);
-      l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
-      l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
-      l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
-      l.backward_peak = a + B::backward_workspace_bytes(d, threads);
-      l.forward_cost = block_flops<B>(b);
-      c.links.push_back(l);
-    });
+    for_each_block([&]<typename B>(std::size_t, B*) { c.links.push_back(link_of<B>(cfg_, b, threads)); });
     c.output_bytes = a;
     c.loss_peak = a + head_type::workspace_bytes(head_shape(b, head_chunk), threads);
     c.base_bytes = base_bytes;
     return c;
+  }
+
+  // ---- The same sizes as constant expressions (models that list their blocks) -----------------
+  // What static_plan (model/planner.hpp) evaluates at compile time: no model object, no names.
+  static constexpr std::size_t count_elements(const model_config& c)
+    requires(!runtime_pattern)
+  {
+    std::size_t n = round_param(c.vocab * c.width);
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((n += block_elements<std::tuple_element_t<I, blocks>>(c)), ...);
+    }(std::make_index_sequence<block_types>{});
+    n += round_param(c.width);
+    if (!c.tie_embeddings) n += round_param(c.vocab * c.width);
+    return n;
+  }
+  static constexpr chain static_chain(const model_config& c, batch_shape b, std::size_t threads,
+                                      std::size_t head_chunk, std::size_t base_bytes)
+    requires(!runtime_pattern)
+  {
+    chain ch;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (ch.links.push_back(link_of<std::tuple_element_t<I, blocks>>(c, b, threads)), ...);
+    }(std::make_index_sequence<block_types>{});
+    const std::size_t a = bytes_of<S>(b.tokens(), c.width);
+    ch.output_bytes = a;
+    ch.loss_peak = a + head_type::workspace_bytes({b.tokens(), c.width, c.vocab, head_chunk, c.norm_eps}, threads);
+    ch.base_bytes = base_bytes;
+    return ch;
+  }
+
+  // One block's link: its exact bytes in every forward mode and its forward FLOPs.
+  template <typename B>
+  static constexpr chain_link link_of(const model_config& c, batch_shape b, std::size_t threads) {
+    const auto d = B::make_dims(c, b);
+    const std::size_t a = bytes_of<S>(b.tokens(), c.width);
+    chain_link l;
+    l.input_bytes = a;
+    l.saved_bytes = B::saved_bytes(d);
+    l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
+    l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
+    l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
+    l.backward_peak = a + B::backward_workspace_bytes(d, threads);
+    l.forward_cost = flops_of<B>(c, b);
+    return l;
   }
 
   // ---- One micro-batch: forward, loss and backward under a schedule -----------------------------
@@ -367,11 +400,15 @@ class model {
   // schedules trade against memory.
   template <typename B>
   double block_flops(batch_shape b) const noexcept {
-    const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg_.width);
-    const double F = static_cast<double>(cfg_.hidden()), T = static_cast<double>(b.seq);
+    return flops_of<B>(cfg_, b);
+  }
+  template <typename B>
+  static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
+    const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
+    const double F = static_cast<double>(cfg.hidden()), T = static_cast<double>(b.seq);
     double f = 2.0 * N * 3.0 * C * F;  // SwiGLU
     using M = typename B::mixer;
-    const auto d = B::make_dims(cfg_, b);
+    const auto d = B::make_dims(cfg, b);
     std::size_t mixer_params = 0;
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
@@ -492,15 +529,25 @@ class model {
     }
   }
 
+  // Every tensor starts on a 64-byte boundary.
+  static constexpr std::size_t round_param(std::size_t n) noexcept {
+    constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);
+    return (n + align - 1) / align * align;
+  }
+  template <typename B>
+  static constexpr std::size_t block_elements(const model_config& c) {
+    std::size_t n = 0;
+    for (const param_spec& p : B::params(B::make_dims(c, {1, 1}))) n += round_param(p.count);
+    return n;
+  }
   void add_param(std::string name, const param_spec& s) {
-    constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);  // 64-byte rows
     param_entry e;
     e.name = std::move(name);
     e.offset = elements_;
     e.count = s.count;
     e.spec = s;
     e.decay = s.init == param_init::normal;
-    elements_ += (s.count + align - 1) / align * align;
+    elements_ += round_param(s.count);
     params_.push_back(std::move(e));
   }
 

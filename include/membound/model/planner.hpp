@@ -268,6 +268,73 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   return p;
 }
 
+// ---- Compile time ---------------------------------------------------------------------------
+// The predicted peak as a constant expression, for models that list their blocks: the same
+// chain and the same simulate() as make_plan, evaluated by the compiler. `budget` schedules run
+// the DP and are for run time only.
+template <typename Model>
+constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, schedule_choice s,
+                                     const plan_options& o = {}) {
+  using S = typename Model::storage_type;
+  const std::size_t n = Model::count_elements(c);
+  const std::size_t base = 2 * bytes_of<S>(n) + (o.optimizer ? adamw<S>::state_bytes(n) : 0);
+  const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
+  const std::size_t L = ch.length();
+  std::vector<chain_op> ops;
+  switch (s.k) {
+    case schedule_choice::kind::none: ops = schedule_none(L); break;
+    case schedule_choice::kind::full: ops = schedule_full(L); break;
+    case schedule_choice::kind::every: ops = schedule_every(L, s.param); break;
+    case schedule_choice::kind::binomial: ops = schedule_binomial(L, s.param); break;
+    case schedule_choice::kind::budget:
+      throw invalid_argument("schedule", "none, full, every<K> or binomial<N> at compile time",
+                             "budget", "Plan budget schedules at run time with make_plan or fit");
+  }
+  return simulate(ch, ops).peak_bytes;
+}
+
+namespace detail {
+// Instantiated only when a static plan does not fit, so that the compiler's "required from"
+// line shows both numbers: peak_exceeds_budget<PeakBytes, BudgetBytes>.
+template <std::size_t PeakBytes, std::size_t BudgetBytes>
+struct peak_exceeds_budget {
+  static_assert(PeakBytes <= BudgetBytes,
+                "membound: this training step does not fit the budget: its predicted peak "
+                "exceeds the budget (both in bytes: PeakBytes and BudgetBytes in the 'required "
+                "from' lines above). Choose a stricter schedule (schedules::full, "
+                "every<K>, binomial<Slots>), a smaller batch or sequence, bf16 storage, or raise "
+                "the budget.");
+  static constexpr bool value = true;
+};
+template <bool Fits, std::size_t PeakBytes, std::size_t BudgetBytes>
+constexpr bool check_fits() {
+  if constexpr (Fits) {
+    return true;
+  } else {
+    return peak_exceeds_budget<PeakBytes, BudgetBytes>::value;
+  }
+}
+}  // namespace detail
+
+// The plan of a model whose shapes are template constants:
+//
+//   constexpr membound::model_config cfg{.vocab = 256, .width = 256, .heads = 8};
+//   using plan = membound::static_plan<net, cfg, membound::batch_shape{8, 512},
+//                                      membound::schedules::every<2>, (1ull << 30)>;
+//   static_assert(plan::peak_bytes <= plan::budget);   // or just name plan::fits
+//
+// Naming `fits` (or instantiating the type with a budget it exceeds) stops the build with a
+// sentence and both numbers.
+template <typename Model, model_config Config, batch_shape Shape, typename Schedule,
+          std::size_t Budget, std::size_t Threads = 1, std::size_t HeadChunk = 256,
+          bool Optimizer = true>
+struct static_plan {
+  static constexpr std::size_t peak_bytes = predicted_peak<Model>(
+      Config, Shape, schedule_choice::of(Schedule{}), plan_options{Threads, HeadChunk, 1, Optimizer});
+  static constexpr std::size_t budget = Budget;
+  static constexpr bool fits = detail::check_fits<(peak_bytes <= Budget), peak_bytes, Budget>();
+};
+
 // Every (micro-batch, schedule, chunk) fit() considers for an effective batch.
 struct fit_options {
   std::size_t threads = 1;
