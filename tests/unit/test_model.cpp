@@ -342,3 +342,27 @@ TEST_CASE("planner: static_plan's compile-time peak equals make_plan's and the m
   for (const auto& s : all_schedules(4))
     CHECK(mb::predicted_peak<static_net>(static_cfg, {2, 19}, s, o) == mb::make_plan(m, {2, 19}, s, o).peak_bytes);
 }
+
+TEST_CASE("model: next_token_logits agree with the loss path (one position, fp64)") {
+  const hybrid<mb::fp64_precision> m(small_config());
+  mb::thread_pool pool(2);
+  mb::budget_allocator<mb::system_allocator> alloc(std::size_t{1} << 30);
+  std::vector<double> w(m.parameter_elements()), g(w.size(), 0.0), logits(2 * 40);
+  m.init_weights(w.data(), 3);
+  // Two sequences of length 1: the loss path's per-row cross-entropy is the logits' own.
+  const std::vector<std::int32_t> tok{5, 17}, tgt{9, 33};
+  mb::plan_options o;
+  o.optimizer = false;
+  const auto p = mb::make_plan(m, {2, 1}, mb::schedules::none{}, o);
+  const double loss = m.forward_backward(w.data(), g.data(), tok.data(), tgt.data(), {2, 1}, p.ops, 16, 1.0, alloc, pool);
+  m.next_token_logits(w.data(), tok.data(), {2, 1}, logits.data(), alloc, pool);
+  double ce = 0;
+  for (std::size_t s = 0; s < 2; ++s) {
+    double mx = -1e300, z = 0;
+    for (std::size_t v = 0; v < 40; ++v) mx = std::max(mx, logits[s * 40 + v]);
+    for (std::size_t v = 0; v < 40; ++v) z += std::exp(logits[s * 40 + v] - mx);
+    ce += std::log(z) + mx - logits[s * 40 + static_cast<std::size_t>(tgt[s])];
+  }
+  CHECK(std::abs(ce / 2 - loss) < 1e-12);
+  CHECK(alloc.stats().requested == 0);
+}

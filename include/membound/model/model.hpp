@@ -396,6 +396,49 @@ class model {
     return loss_sum / static_cast<double>(N);
   }
 
+  // ---- Inference: the next-token logits of every sequence -------------------------------------
+  // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
+  // block runs in advance mode and its input is freed as soon as its output exists, so the peak
+  // is two activations plus one block's workspace, all from `alloc`.
+  template <typename Allocator>
+  void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
+                         Allocator& alloc, thread_pool& pool) const {
+    detail::not_null(w, "weights");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(logits, "logits");
+    check(b);
+    check_tokens(tokens, b.tokens());
+    const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
+    live_set<Allocator> live(alloc, depth());
+    S* x = static_cast<S*>(live.get(a, memory_tag::activations));
+    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
+    for (std::size_t i = 0; i < depth(); ++i) {
+      visit_block(i, [&]<typename B>(B*) {
+        const auto d = B::make_dims(cfg_, b);
+        S* y = static_cast<S*>(live.get(a, memory_tag::activations));
+        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
+        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
+        live.put(ws);
+        live.put(x);
+        x = y;
+      });
+    }
+    const auto hw = head_weights(w);
+    for (std::size_t s = 0; s < b.batch; ++s) {
+      const S* row = x + (s * b.seq + b.seq - 1) * C;
+      A ss = 0;
+      for (std::size_t c = 0; c < C; ++c) ss += to_accum<A>(row[c]) * to_accum<A>(row[c]);
+      const A r = A(1) / std::sqrt(ss / A(C) + A(cfg_.norm_eps));
+      for (std::size_t v = 0; v < cfg_.vocab; ++v) {
+        A dot = 0;
+        for (std::size_t c = 0; c < C; ++c)
+          dot += to_accum<A>(from_accum<S>(to_accum<A>(row[c]) * r * to_accum<A>(hw.norm[c]))) *
+                 to_accum<A>(hw.w[v * C + c]);
+        logits[s * cfg_.vocab + v] = static_cast<double>(dot);
+      }
+    }
+  }
+
   // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
   // schedules trade against memory.
   template <typename B>
