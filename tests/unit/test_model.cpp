@@ -151,6 +151,15 @@ TEST_CASE("model: every schedule gives none's gradients bit for bit; measured pe
   SUBCASE("mamba bf16") { check_schedules(mamba3<mb::bf16_precision>(c), b, 1); }
   SUBCASE("ttt fp32") { check_schedules(ttt3<mb::fp32_precision>(c), b, 2); }
   SUBCASE("ttt bf16") { check_schedules(ttt3<mb::bf16_precision>(c), b, 2); }
+  SUBCASE("layers' own sequence policies compose with every schedule (fp32)") {
+    using P = mb::fp32_precision;
+    using tuned = mb::model<mb::embedding<P>,
+                            mb::block<mb::ttt_linear<P, mb::ttt_mini_batch<4>, mb::ttt_checkpoint_groups<1>>>,
+                            mb::block<mb::attention<P, mb::attention_tiles<8, 16>, mb::save_all>>,
+                            mb::block<mb::mamba<P, mb::scan_chunk<5>, mb::save_all>>,
+                            mb::block<mb::ttt_mlp<P, mb::ttt_checkpoint_all>>, mb::lm_head<P>>;
+    check_schedules(tuned(c), b, 2);
+  }
   SUBCASE("untied head, fp64") {
     mb::model_config u = c;
     u.tie_embeddings = false;
