@@ -1,16 +1,19 @@
-// Runs membound::ttt_linear on inputs written by bench/peers/ttt_peer.py, for its comparison with
-// the same TTT-Linear layer in PyTorch on the CPU. Not part of ctest.
+// Runs membound::ttt_linear or membound::ttt_mlp on inputs written by bench/peers/ttt_peer.py, for
+// its comparison with the same TTT-Linear / TTT-MLP layer in PyTorch on the CPU. Not part of ctest.
 //
-//   ttt_peer_runner IN OUT --prec fp32|bf16 --pass fwd|fwdbwd [--group 1|4|all] [--reps N]
-//                   [--threads N]
+//   ttt_peer_runner IN OUT --prec fp32|bf16 --pass fwd|fwdbwd [--kind linear|mlp]
+//                   [--group 1|4|all] [--reps N] [--threads N]
 //
-// IN (little-endian): 8 uint64 B, T, C, H, b (mini-batch: 16), use_gate (0 or 1), 0, dtype
-// (0 fp32, 1 bf16), then x [B, T, C], wq, wk, wv [C, C], ttt_norm_w, ttt_norm_b [H, D],
-// w1 [H, D, D], b1 [H, D], lr_w [H, C], lr_b [H], tok_offset [b], post_w, post_b [C],
-// wg [C, C] (only when use_gate), wo [C, C], dy [B, T, C], in the storage type: the layout and
-// order of membound::ttt_linear::weights (W is [in, out], row-major; base_lr 1, RoPE base 10000).
-// OUT: y, then for fwdbwd dx and the gradients in the order above (wg only when use_gate), in the
-// storage type, from one fresh call (gradients zeroed: ours accumulate +=).
+// IN (little-endian): 8 uint64 B, T, C, H, b (mini-batch: 16), use_gate (0 or 1), kind (0
+// TTT-Linear, 1 TTT-MLP), dtype (0 fp32, 1 bf16), then x [B, T, C], wq, wk, wv [C, C],
+// ttt_norm_w, ttt_norm_b [H, D], w1 [H, D, F], b1 [H, F], lr_w [H, C], lr_b [H], tok_offset [b],
+// post_w, post_b [C], wg [C, C] (only when use_gate), wo [C, C], then for TTT-MLP w2 [H, F, D],
+// b2 [H, D], then dy [B, T, C], in the storage type (F = D for TTT-Linear, 4·D for TTT-MLP): the
+// layout and order of membound::basic_ttt::weights (W is [in, out], row-major; base_lr 1, RoPE
+// base 10000). --kind (default linear) must match the header's kind.
+// OUT: y, then for fwdbwd dx and the gradients in the order above (wg only when use_gate, w2 and
+// b2 only for TTT-MLP), in the storage type, from one fresh call (gradients zeroed: ours
+// accumulate +=).
 // --group: the checkpoint policy, ttt_checkpoint_groups<1>, <4> (default) or ttt_checkpoint_all.
 // stdout: one JSON line {"ms", "peak_alloc_bytes", "peak_rss_bytes", "threads", ...}:
 //   ms                best of --reps wall times of one call after one warm-up; a call allocates
@@ -51,10 +54,10 @@ using clock_type = std::chrono::steady_clock;
 namespace {
 
 constexpr std::size_t mini_batch = 16;
-constexpr std::size_t n_weights = 14;  // the order of ttt_linear::weights
+constexpr std::size_t n_weights = 16;  // the order of basic_ttt::weights
 const char* const weight_names[n_weights] = {
     "wq", "wk", "wv", "ttt_norm_w", "ttt_norm_b", "w1", "b1", "lr_w", "lr_b", "tok_offset",
-    "post_w", "post_b", "wg", "wo"};
+    "post_w", "post_b", "wg", "wo", "w2", "b2"};
 
 struct tracked {  // a buffer from the allocator, so that its statistics see it
   mb::system_allocator* alloc = nullptr;
@@ -91,8 +94,8 @@ void reset_hwm() {
 
 [[noreturn]] void usage(const char* prog, const std::string& why) {
   std::fprintf(stderr,
-               "%s\nusage: %s IN OUT --prec fp32|bf16 --pass fwd|fwdbwd [--group 1|4|all] "
-               "[--reps N] [--threads N]\n",
+               "%s\nusage: %s IN OUT --prec fp32|bf16 --pass fwd|fwdbwd [--kind linear|mlp] "
+               "[--group 1|4|all] [--reps N] [--threads N]\n",
                why.c_str(), prog);
   std::exit(2);
 }
@@ -110,10 +113,10 @@ void write_out(std::ofstream& f, const std::vector<S>& v) {
           static_cast<std::streamsize>(v.size() * sizeof(S)));
 }
 
-std::array<std::size_t, n_weights> weight_sizes(const mb::ttt_shape& s) {
-  const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-  return {C * C, C * C, C * C, H * D, H * D, H * D * D, H * D, H * C, H, mini_batch, C, C,
-          s.use_gate ? C * C : 0, C * C};
+std::array<std::size_t, n_weights> weight_sizes(const mb::ttt_shape& s, bool mlp) {
+  const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = mlp ? 4 * D : D;
+  return {C * C, C * C, C * C, H * D, H * D, H * D * F, H * F, H * C, H, mini_batch, C, C,
+          s.use_gate ? C * C : 0, C * C, mlp ? H * F * D : 0, mlp ? H * D : 0};
 }
 
 template <typename Layer>
@@ -121,7 +124,7 @@ int run(const mb::ttt_shape& s, std::ifstream& in, const std::string& out_path, 
         std::size_t threads) {
   using S = typename Layer::storage_type;
   const std::size_t N = s.batch * s.seq, C = s.width;
-  const auto sizes = weight_sizes(s);
+  const auto sizes = weight_sizes(s, Layer::is_mlp);
   std::vector<S> x, dy;
   std::array<std::vector<S>, n_weights> w;
   read_into(in, x, N * C, "x");
@@ -133,9 +136,10 @@ int run(const mb::ttt_shape& s, std::ifstream& in, const std::string& out_path, 
   Layer::check(s);
   mb::thread_pool pool(threads);
   const auto ptr = [](const std::vector<S>& v) -> const S* { return v.empty() ? nullptr : v.data(); };
-  const typename Layer::weights wv{ptr(w[0]), ptr(w[1]),  ptr(w[2]),  ptr(w[3]), ptr(w[4]),
-                                   ptr(w[5]), ptr(w[6]),  ptr(w[7]),  ptr(w[8]), ptr(w[9]),
-                                   ptr(w[10]), ptr(w[11]), ptr(w[12]), ptr(w[13])};
+  const typename Layer::weights wv{ptr(w[0]),  ptr(w[1]),  ptr(w[2]),  ptr(w[3]),
+                                   ptr(w[4]),  ptr(w[5]),  ptr(w[6]),  ptr(w[7]),
+                                   ptr(w[8]),  ptr(w[9]),  ptr(w[10]), ptr(w[11]),
+                                   ptr(w[12]), ptr(w[13]), ptr(w[14]), ptr(w[15])};
 
   struct outputs {
     std::vector<S> y, dx;
@@ -146,8 +150,8 @@ int run(const mb::ttt_shape& s, std::ifstream& in, const std::string& out_path, 
     }
     typename Layer::gradients grads() {
       const auto p = [](std::vector<S>& v) -> S* { return v.empty() ? nullptr : v.data(); };
-      return {p(g[0]), p(g[1]), p(g[2]),  p(g[3]),  p(g[4]),  p(g[5]),  p(g[6]),
-              p(g[7]), p(g[8]), p(g[9]), p(g[10]), p(g[11]), p(g[12]), p(g[13])};
+      return {p(g[0]), p(g[1]), p(g[2]),  p(g[3]),  p(g[4]),  p(g[5]),  p(g[6]),  p(g[7]),
+              p(g[8]), p(g[9]), p(g[10]), p(g[11]), p(g[12]), p(g[13]), p(g[14]), p(g[15])};
     }
   };
 
@@ -214,20 +218,20 @@ int run(const mb::ttt_shape& s, std::ifstream& in, const std::string& out_path, 
   return 0;
 }
 
-template <typename Prec>
+template <bool Mlp, typename Prec>
 int dispatch_group(const std::string& group, const mb::ttt_shape& s, std::ifstream& in,
                    const std::string& out, bool bwd, int reps, std::size_t threads) {
   using mb::ttt_checkpoint_groups;
   using mb::ttt_mini_batch;
   if (group == "1") {
-    return run<mb::ttt_linear<Prec, ttt_mini_batch<mini_batch>, ttt_checkpoint_groups<1>>>(
+    return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, ttt_checkpoint_groups<1>>>(
         s, in, out, bwd, reps, threads);
   }
   if (group == "4") {
-    return run<mb::ttt_linear<Prec, ttt_mini_batch<mini_batch>, ttt_checkpoint_groups<4>>>(
+    return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, ttt_checkpoint_groups<4>>>(
         s, in, out, bwd, reps, threads);
   }
-  return run<mb::ttt_linear<Prec, ttt_mini_batch<mini_batch>, mb::ttt_checkpoint_all>>(
+  return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, mb::ttt_checkpoint_all>>(
       s, in, out, bwd, reps, threads);
 }
 
@@ -235,7 +239,7 @@ int dispatch_group(const std::string& group, const mb::ttt_shape& s, std::ifstre
 
 int main(int argc, char** argv) {
   std::vector<std::string> pos;
-  std::string prec, pass, group = "4";
+  std::string prec, pass, group = "4", kind = "linear";
   int reps = 3;
   std::size_t threads = mb::thread_pool::default_threads();
   for (int i = 1; i < argc; ++i) {
@@ -247,6 +251,7 @@ int main(int argc, char** argv) {
     if (a == "--prec") prec = value();
     else if (a == "--pass") pass = value();
     else if (a == "--group") group = value();
+    else if (a == "--kind") kind = value();
     else if (a == "--reps") reps = std::max(1, std::atoi(value().c_str()));
     else if (a == "--threads") threads = static_cast<std::size_t>(std::max(1, std::atoi(value().c_str())));
     else if (a.rfind("--", 0) == 0) usage(argv[0], "unknown option " + a);
@@ -256,6 +261,7 @@ int main(int argc, char** argv) {
   if (prec != "fp32" && prec != "bf16") usage(argv[0], "--prec is fp32 or bf16");
   if (pass != "fwd" && pass != "fwdbwd") usage(argv[0], "--pass is fwd or fwdbwd");
   if (group != "1" && group != "4" && group != "all") usage(argv[0], "--group is 1, 4 or all");
+  if (kind != "linear" && kind != "mlp") usage(argv[0], "--kind is linear or mlp");
   try {
     std::ifstream in(pos[0], std::ios::binary);
     if (!in) throw std::runtime_error("cannot open " + pos[0]);
@@ -268,15 +274,25 @@ int main(int argc, char** argv) {
     s.width = h[2];
     s.heads = h[3];
     if (h[4] != mini_batch) throw std::runtime_error("IN's mini-batch is not 16");
-    if (h[5] > 1 || h[6] != 0) throw std::runtime_error("IN's header has bad flags");
+    if (h[5] > 1 || h[6] > 1) throw std::runtime_error("IN's header has bad flags");
+    const bool mlp = kind == "mlp";
+    if (h[6] != (mlp ? 1u : 0u)) {
+      throw std::runtime_error("IN's kind (word 6 of the header) does not match --kind " + kind);
+    }
     s.use_gate = h[5] == 1;
     const std::uint64_t dtype = prec == "fp32" ? 0 : 1;
     if (h[7] != dtype) throw std::runtime_error("IN's dtype code does not match --prec " + prec);
     const bool bwd = pass == "fwdbwd";
-    if (prec == "fp32") {
-      return dispatch_group<mb::fp32_precision>(group, s, in, pos[1], bwd, reps, threads);
+    if (mlp) {
+      if (prec == "fp32") {
+        return dispatch_group<true, mb::fp32_precision>(group, s, in, pos[1], bwd, reps, threads);
+      }
+      return dispatch_group<true, mb::bf16_precision>(group, s, in, pos[1], bwd, reps, threads);
     }
-    return dispatch_group<mb::bf16_precision>(group, s, in, pos[1], bwd, reps, threads);
+    if (prec == "fp32") {
+      return dispatch_group<false, mb::fp32_precision>(group, s, in, pos[1], bwd, reps, threads);
+    }
+    return dispatch_group<false, mb::bf16_precision>(group, s, in, pos[1], bwd, reps, threads);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ttt_peer_runner: %s\n", e.what());
     return 1;
