@@ -9964,6 +9964,10 @@ class model {
   // f((B*)nullptr) with B the type of block i.
   template <typename F>
   void visit_block(std::size_t i, F&& f) const {
+    if (i >= depth()) {
+      throw invalid_argument("block", "an index below " + std::to_string(depth()), std::to_string(i),
+                             "Blocks are numbered 0 to depth() - 1");
+    }
     const std::size_t k = runtime_pattern ? pattern_[i] : i;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
       ((k == I ? (f.template operator()<std::tuple_element_t<I, blocks>>(static_cast<std::tuple_element_t<I, blocks>*>(nullptr)), 0) : 0), ...);
@@ -10275,7 +10279,7 @@ inline std::string op_name(const chain_op& op, const char* block) {
     case chain_op_kind::retape: return b + " recompute";
     case chain_op_kind::loss: return "loss (head, chunked cross-entropy)";
     case chain_op_kind::backward: return b + " backward";
-    case chain_op_kind::discard: return b + " input freed";
+    case chain_op_kind::discard: return block[0] == '\0' ? "head input freed" : b + " input freed";
   }
   return "?";
 }
@@ -10335,7 +10339,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.workspace = 0;
   for (const phase_bytes& ph : tl) {
     const chain_op& op = p.ops[ph.op];
-    const char* bn = op.kind == chain_op_kind::loss ? "" : m.block_name(op.block);
+    const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
+    const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
     p.activations = std::max(p.activations, ph.live_before - base);
     if (q.peak > best) {

@@ -499,6 +499,10 @@ class model {
   // f((B*)nullptr) with B the type of block i.
   template <typename F>
   void visit_block(std::size_t i, F&& f) const {
+    if (i >= depth()) {
+      throw invalid_argument("block", "an index below " + std::to_string(depth()), std::to_string(i),
+                             "Blocks are numbered 0 to depth() - 1");
+    }
     const std::size_t k = runtime_pattern ? pattern_[i] : i;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
       ((k == I ? (f.template operator()<std::tuple_element_t<I, blocks>>(static_cast<std::tuple_element_t<I, blocks>*>(nullptr)), 0) : 0), ...);
