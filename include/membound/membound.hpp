@@ -57,3 +57,4 @@
 #include "membound/model/checkpoint_schedule.hpp"
 #include "membound/model/model.hpp"
 #include "membound/model/planner.hpp"
+#include "membound/train/trainer.hpp"

@@ -2661,6 +2661,11 @@ using all_check_points =
 // After backward is where activations and gradients coexist: the usual single check.
 using peak_check_points = check_points<check_point::after_forward, check_point::after_backward>;
 
+// The observer a step takes when nobody watches its check points.
+struct ignore_check_points {
+  constexpr void operator()(check_point) const noexcept {}
+};
+
 template <typename T>
 struct is_check_points : std::false_type {};
 template <check_point... Points>
@@ -9771,10 +9776,17 @@ class model {
   // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
   // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
   // allocated is given back; weights are untouched (gradients may hold a partial sum).
-  template <typename Allocator>
+  //
+  // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
+  // before_backward (loss and its gradient computed) and at after_backward (before the last
+  // gradient is freed): where a pressure monitor looks. An observer may throw to abandon the
+  // micro-batch; everything is given back as for any exception.
+  template <typename Allocator, typename Observer = ignore_check_points>
+    requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                          double loss_scale, Allocator& alloc, thread_pool& pool) const {
+                          double loss_scale, Allocator& alloc, thread_pool& pool,
+                          Observer observe = {}) const {
     static_assert(check_allocator<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(g, "gradients");
@@ -9820,6 +9832,7 @@ class model {
           break;
         }
         case chain_op_kind::loss: {
+          observe(check_point::after_forward);
           S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
           const std::size_t wsb = head_type::workspace_bytes(hs, threads);
           void* ws = live.get(wsb, memory_tag::workspace);
@@ -9828,6 +9841,7 @@ class model {
                                               head_grads(g), ws, wsb, pool);
           live.put(ws);
           delta = d_out;
+          observe(check_point::before_backward);
           break;
         }
         case chain_op_kind::backward: {
@@ -9857,6 +9871,7 @@ class model {
                              "Build it with schedule_none/full/every/binomial or optimal_schedule");
     }
     cpu::embedding_scatter<A>(pool, tokens, delta, g + params_[0].offset, N, C);
+    observe(check_point::after_backward);
     live.put(delta);
     return loss_sum / static_cast<double>(N);
   }
@@ -10495,4 +10510,572 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/planner.hpp ----
+// ---- begin membound/train/trainer.hpp ----
+// The training loop, written once: gradient accumulation over a plan's micro-batches, global-norm
+// clipping, cosine learning rate, AdamW, dynamic loss scaling, the pressure monitor at the step's
+// check points with a retry under a stricter plan, and checkpoints that resume the identical run.
+//
+//   membound::trainer t(model, {32, 256}, membound::fit(model, {32, 256}, budget), alloc, pool, opts,
+//                       membound::pressure_monitor<>{});
+//   for (...) { membound::step_result r = t.step(source); }   // source(request, x, y) fills T tokens
+//   t.save("run.ckpt");  ...  t.load("run.ckpt");
+//
+// What one step does is a function of (weights, optimizer state, loss scaler, step, random state,
+// data position) and the plan's micro-batch: a checkpoint holds all of them and the plan, so a
+// resumed run continues bit for bit. Weights, gradients and AdamW state come from the caller's
+// allocator (tags weights, gradients, optimizer), activations and workspace from it too, through
+// model::forward_backward.
+//
+// Pressure: the monitor looks at before_forward (each micro-batch), after_forward,
+// before_backward, after_backward and after_optimizer_step. When it enters emergency inside a
+// step, or an allocation runs out of budget, the step is abandoned (every byte given back, the
+// gradients zeroed, the random state and data position rewound, the weights untouched) and run
+// again under the least-recompute plan whose peak plus the memory others hold stays under the
+// emergency threshold (or, failing that, under the budget). Each retry lowers the peak, so a step
+// is retried at most as many times as there are smaller plans; when none is left, an emergency is
+// reported and the step goes on, and an out-of-memory becomes budget_too_small with nothing lost.
+
+#include <optional>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// splitmix64: the whole generator is one 64-bit word, so a checkpoint holds it exactly.
+struct random_state {
+  std::uint64_t state = 0;
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  friend constexpr bool operator==(const random_state&, const random_state&) = default;
+};
+
+// What the trainer asks its data for, one sequence at a time: `index` counts the sequences of the
+// run (the data position), `random` is 64 fresh bits from the run's generator. A source that
+// samples windows uses `random`; one that walks the data in order uses `index`.
+struct sequence_request {
+  std::uint64_t index = 0;
+  std::uint64_t random = 0;
+};
+
+// source(request, tokens, targets) writes T token ids and T next-token targets.
+template <typename F>
+concept sequence_source = std::invocable<F&, const sequence_request&, std::int32_t*, std::int32_t*>;
+
+// automatic: dynamic loss scaling for fp16 storage (its range needs it), none otherwise.
+enum class loss_scaling : std::uint8_t { automatic, off, dynamic };
+
+struct trainer_options {
+  adamw_config adam{};      // adam.lr is not used: `lr` gives each step's rate
+  cosine_lr lr{};
+  double clip = 1.0;        // global-norm clipping; <= 0 turns it off
+  loss_scaling scaling = loss_scaling::automatic;
+  loss_scaler scaler{};     // its starting scale and growth interval
+  std::uint64_t seed = 1;   // weights and the data generator
+  bool replan_under_pressure = true;
+  std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
+};
+
+// A change of plan, and why.
+struct replan_event {
+  std::uint64_t step = 0;         // 1-based step it happened in
+  std::string reason;             // "pressure emergency at after_forward", "out of memory", ...
+  std::size_t usage = 0;          // footprint when it was seen
+  std::size_t limit = 0;
+  std::size_t foreign = 0;        // bytes held by others when the new plan was chosen
+  std::string from, to;           // plan summaries
+  std::size_t from_peak = 0, to_peak = 0;
+  bool retried = false;           // the step was run again under `to` (else: from the next step)
+  bool stricter_found = true;     // false: no smaller plan fits; the step went on as it was
+
+  std::string describe() const {
+    std::string s = "step " + std::to_string(step) + ": " + reason;
+    if (limit != 0) {
+      char pct[32];
+      std::snprintf(pct, sizeof pct, " (%.1f%%)", 100.0 * static_cast<double>(usage) / static_cast<double>(limit));
+      s += " at " + format_bytes(usage, false) + " of " + format_bytes(limit, false) + pct;
+    }
+    if (foreign != 0) s += ", " + format_bytes(foreign, false) + " held by others";
+    if (!stricter_found) return s + "; no smaller plan fits, continuing under " + from;
+    s += retried ? "; retrying the step under " : "; from the next step: ";
+    return s + to + " (predicted peak " + format_bytes(to_peak, false) + ", was " + format_bytes(from_peak, false) + ")";
+  }
+};
+
+struct step_result {
+  std::uint64_t step = 0;       // 1-based
+  double loss = 0;              // mean cross-entropy over the effective batch
+  double lr = 0;
+  double grad_norm = 0;         // of the true (unscaled) gradient, before clipping
+  bool applied = true;          // false: the gradients held inf/NaN and the update was skipped
+  double loss_scale = 1;        // after the step
+  pressure_level pressure = pressure_level::normal;  // the highest level seen in the step
+  std::vector<replan_event> replans;
+  double ms = 0;
+  std::size_t tokens = 0;
+};
+
+// The gradient of an unscaled run is inf or NaN: training has diverged. Nothing was updated.
+class non_finite_gradient : public error {
+ public:
+  non_finite_gradient(std::uint64_t step, double loss, double norm)
+      : error("membound: step " + std::to_string(step) + ": the gradient norm is " + std::to_string(norm) +
+              " (loss " + std::to_string(loss) +
+              "); the weights were not updated. Lower the learning rate, turn on loss scaling "
+              "(trainer_options::scaling = loss_scaling::dynamic), or resume from the last checkpoint") {}
+};
+
+// One line naming a plan: "micro 4 x 2, none, chunk 256".
+inline std::string plan_summary(const training_plan& p) {
+  return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.accumulation) + ", " +
+         p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
+}
+
+// What a monitor must offer the trainer (null_monitor and pressure_monitor<...> do).
+template <typename M, typename Allocator>
+concept step_monitor = requires(M& m, Allocator& a) {
+  { m.template check<check_point::before_forward>(a) } -> std::same_as<pressure_level>;
+  { m.stricter_plan_requested() } -> std::convertible_to<bool>;
+  m.clear_stricter_plan_request();
+};
+
+namespace detail {
+// Thrown through forward_backward by the check-point observer: the step is abandoned.
+struct abandon_step {
+  std::string reason;
+  std::size_t usage = 0, limit = 0;
+};
+}  // namespace detail
+
+template <typename Model, typename Allocator, typename Monitor = null_monitor>
+class trainer {
+  static_assert(step_monitor<Monitor, Allocator>,
+                "membound: trainer's Monitor must offer check<check_point>(allocator), "
+                "stricter_plan_requested() and clear_stricter_plan_request(): use null_monitor or "
+                "pressure_monitor<check_points<...>>.");
+
+ public:
+  using S = typename Model::storage_type;
+
+  // effective: sequences per optimizer step and their length; plan: a plan for it (make_plan or
+  // fit) made for pool.size() threads. Allocates weights, gradients and optimizer state from
+  // alloc and initializes them from options.seed.
+  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
+          trainer_options o = {}, Monitor monitor = {})
+      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), pool_(pool), o_(std::move(o)),
+        monitor_(std::move(monitor)), n_(m.parameter_elements()),
+        scaling_(o_.scaling == loss_scaling::dynamic ||
+                 (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
+        scaler_(o_.scaler) {
+    m_.check(eff_);
+    check_plan(plan_, "plan");
+    const std::size_t before = usage_now();
+    w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+    try {
+      g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
+      try {
+        opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      } catch (...) {
+        alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+        throw;
+      }
+    } catch (...) {
+      alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+      throw;
+    }
+    own_bytes_ = usage_now() - before;
+    m_.init_weights(w_, o_.seed);
+    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    adamw<S>::init(w_, n_, opt_, opt_bytes());
+    rng_.state = o_.seed ^ 0x6a09e667f3bcc909ULL;
+    largest_peak_ = plan_.peak_bytes;
+  }
+
+  trainer(const trainer&) = delete;
+  trainer& operator=(const trainer&) = delete;
+  ~trainer() {
+    alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+    alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+  }
+
+  // ---- One optimizer step ---------------------------------------------------------------------
+  template <sequence_source Source>
+  step_result step(Source& source) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step_result r;
+    r.step = steps_ + 1;
+    const random_state rng0 = rng_;
+    const std::uint64_t position0 = position_;
+    bool may_abandon = o_.replan_under_pressure;
+    const double scale = scaling_ ? scaler_.scale : 1.0;
+    for (;;) {
+      try {
+        r.loss = accumulate(source, scale, may_abandon, r.pressure);
+        break;
+      } catch (const detail::abandon_step& a) {
+        rewind(rng0, position0);
+        if (!replan(r, a.reason, a.usage, a.limit, true)) may_abandon = false;  // go on as it was
+      } catch (const out_of_memory& e) {
+        rewind(rng0, position0);
+        if (!o_.replan_under_pressure) throw;
+        const oom_report& rep = e.report();
+        const std::size_t lim = rep.budget != 0 ? rep.budget : limit_now();
+        const std::size_t use = rep.budget != 0 ? rep.budget - rep.free_under_budget : usage_now();
+        if (!replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true)) {
+          throw budget_too_small(lim > foreign_now() ? lim - foreign_now() : 0, smallest_peak());
+        }
+      } catch (...) {
+        rewind(rng0, position0);  // a bad token, a null source, ...: nothing happened
+        throw;
+      }
+    }
+
+    const double scaled_norm = global_norm(g_, n_, pool_);
+    r.grad_norm = scaled_norm / scale;
+    r.lr = o_.lr(steps_);
+    if (scaling_) {
+      r.applied = scaler_.update(scaled_norm);
+    } else if (!std::isfinite(scaled_norm)) {
+      rewind(rng0, position0);
+      throw non_finite_gradient(r.step, r.loss, scaled_norm);
+    }
+    if (r.applied) {
+      const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
+      for (const param_entry& e : m_.parameters()) {
+        adamw<S>::update(w_, g_, opt_, n_, e.offset, e.count, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
+      }
+      ++updates_;
+    }
+    ++steps_;
+    r.loss_scale = scaling_ ? scaler_.scale : 1.0;
+    observe<check_point::after_optimizer_step>(r.pressure);
+    if (monitor_.stricter_plan_requested()) {
+      monitor_.clear_stricter_plan_request();
+      if (o_.replan_under_pressure) replan(r, "pressure emergency at after_optimizer_step", usage_now(), limit_now(), false);
+    }
+    r.tokens = eff_.tokens();
+    r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  }
+
+  // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
+  // (seed, k)), in the plan's micro-batches. Uses the gradient buffer as scratch (zeroed after),
+  // so its peak is the plan's.
+  template <sequence_source Source>
+  double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
+    if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
+    const std::size_t T = eff_.seq;
+    double sum = 0;
+    struct zero_after {
+      trainer& t;
+      ~zero_after() { std::memset(static_cast<void*>(t.g_), 0, t.m_.weight_bytes()); }
+    } guard{*this};
+    for (std::size_t k = 0; k < sequences; k += plan_.micro.batch) {
+      const std::size_t b = std::min(plan_.micro.batch, sequences - k);
+      fill(source, b, [&](std::size_t j) {
+        random_state h{seed ^ (0xd1b54a32d192ed03ULL * (k + j + 1))};
+        return sequence_request{k + j, h.next()};
+      });
+      sum += static_cast<double>(b) *
+             m_.forward_backward(w_, g_, x_.data(), y_.data(), batch_shape{b, T}, plan_.ops, plan_.head_chunk,
+                                 1.0, alloc_, pool_);
+    }
+    return sum / static_cast<double>(sequences);
+  }
+
+  // ---- Checkpoints ------------------------------------------------------------------------------
+  // Everything a step depends on, written atomically (see checkpoint_file.hpp).
+  void save(const std::string& path) const {
+    checkpoint_writer cw;
+    cw.add_value<std::uint64_t>("format", format_version);
+    const std::vector<std::uint64_t> fp = fingerprint();
+    cw.add("model", fp.data(), fp.size() * sizeof(std::uint64_t));
+    cw.add("weights", w_, m_.weight_bytes());
+    cw.add("optimizer", opt_, opt_bytes());
+    cw.add_value<std::uint64_t>("step", steps_);
+    cw.add_value<std::uint64_t>("updates", updates_);
+    cw.add_value<std::uint64_t>("rng", rng_.state);
+    cw.add_value<std::uint64_t>("data_position", position_);
+    cw.add_value<double>("loss_scale", scaler_.scale);
+    cw.add_value<std::uint64_t>("loss_scale_clean_steps", scaler_.clean_steps);
+    const std::uint64_t pl[5] = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk,
+                                 static_cast<std::uint64_t>(plan_.schedule.k), plan_.schedule.param};
+    cw.add("plan", pl, sizeof pl);
+    cw.commit(path);
+  }
+
+  // Reads and checks the whole file first; on any error this trainer is unchanged. The saved plan
+  // is restored when it fits the allocator's budget (the run then continues bit for bit);
+  // otherwise the current plan stays. Returns whether the saved plan was restored.
+  bool load(const std::string& path) {
+    const checkpoint_reader r(path);
+    if (r.value<std::uint64_t>("format") != format_version) {
+      throw corrupt_checkpoint(path, "it has format " + std::to_string(r.value<std::uint64_t>("format")) +
+                                         ", this build reads " + std::to_string(format_version));
+    }
+    const std::vector<std::uint64_t> fp = fingerprint();
+    std::vector<std::uint64_t> saved(r.size("model") / sizeof(std::uint64_t));
+    r.copy("model", saved.data(), saved.size() * sizeof(std::uint64_t));
+    if (saved != fp) {
+      throw corrupt_checkpoint(path, "it was written for another model (configuration, layer pattern, "
+                                     "precision, batch or sequence length differ)");
+    }
+    if (r.size("weights") != m_.weight_bytes() || r.size("optimizer") != opt_bytes()) {
+      throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
+    }
+    std::uint64_t pl[5];
+    r.copy("plan", pl, sizeof pl);
+    const auto steps = r.value<std::uint64_t>("step"), updates = r.value<std::uint64_t>("updates");
+    const random_state rng{r.value<std::uint64_t>("rng")};
+    const auto position = r.value<std::uint64_t>("data_position");
+    loss_scaler sc = scaler_;
+    sc.scale = r.value<double>("loss_scale");
+    sc.clean_steps = r.value<std::uint64_t>("loss_scale_clean_steps");
+    if (!(sc.scale > 0) || !std::isfinite(sc.scale) || updates > steps) {
+      throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
+    }
+    std::optional<training_plan> restored;
+    if (pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget) && pl[0] * pl[1] == eff_.batch) {
+      plan_options po{pool_.size(), static_cast<std::size_t>(pl[2]), static_cast<std::size_t>(pl[1]), true};
+      try {
+        training_plan p = make_plan(m_, batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq},
+                                    schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
+                                    po, plan_.budget);
+        if (p.fits() && (limit_now() == 0 || p.peak_bytes + foreign_now() <= limit_now())) restored = std::move(p);
+      } catch (const invalid_argument&) {
+      }
+    }
+    // Everything checked: commit.
+    r.copy("weights", w_, m_.weight_bytes());
+    r.copy("optimizer", opt_, opt_bytes());
+    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    steps_ = steps;
+    updates_ = updates;
+    rng_ = rng;
+    position_ = position;
+    scaler_ = sc;
+    if (restored) adopt(std::move(*restored));
+    return restored.has_value();
+  }
+
+  // ---- Plans --------------------------------------------------------------------------------------
+  // Switch plans between steps (same effective batch; a plan made for pool.size() threads).
+  void set_plan(training_plan p) {
+    check_plan(p, "plan");
+    adopt(std::move(p));
+  }
+  const training_plan& plan() const noexcept { return plan_; }
+  // The largest predicted peak of any plan this trainer ran under: what the measured peak of its
+  // own bytes stays within.
+  std::size_t largest_predicted_peak() const noexcept { return largest_peak_; }
+
+  // ---- State --------------------------------------------------------------------------------------
+  const Model& model() const noexcept { return m_; }
+  batch_shape effective_batch() const noexcept { return eff_; }
+  std::uint64_t steps_done() const noexcept { return steps_; }
+  std::uint64_t updates_applied() const noexcept { return updates_; }
+  std::uint64_t data_position() const noexcept { return position_; }
+  const random_state& rng() const noexcept { return rng_; }
+  const loss_scaler& scaler() const noexcept { return scaler_; }
+  bool loss_scaling_on() const noexcept { return scaling_; }
+  const S* weights() const noexcept { return w_; }
+  S* weights() noexcept { return w_; }
+  std::size_t parameter_elements() const noexcept { return n_; }
+  const void* optimizer_state() const noexcept { return opt_; }
+  std::size_t optimizer_bytes() const noexcept { return opt_bytes(); }
+  Monitor& monitor() noexcept { return monitor_; }
+  // Bytes held by the trainer itself between steps (weights, gradients, optimizer) as the
+  // allocator counts them, and by others (usage minus those), when the allocator has a budget.
+  std::size_t own_bytes() const noexcept { return own_bytes_; }
+  std::size_t foreign_bytes() const { return foreign_now(); }
+
+ private:
+  static constexpr std::uint64_t format_version = 1;
+
+  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(n_); }
+
+  std::size_t usage_now() const {
+    if constexpr (budgeted<Allocator>) return alloc_.usage();
+    else return 0;
+  }
+  std::size_t limit_now() const {
+    if constexpr (budgeted<Allocator>) return alloc_.limit();
+    else return 0;
+  }
+  // Between attempts nothing of the step is live, so all but the trainer's own bytes are others'.
+  std::size_t foreign_now() const {
+    const std::size_t u = usage_now();
+    return u > own_bytes_ ? u - own_bytes_ : 0;
+  }
+
+  void check_plan(const training_plan& p, const char* name) const {
+    if (p.micro.seq != eff_.seq || p.micro.batch * p.accumulation != eff_.batch) {
+      throw invalid_argument(name, "micro-batches of the effective batch " + std::to_string(eff_.batch) + " x " +
+                                       std::to_string(eff_.seq),
+                             std::to_string(p.accumulation) + " x " + std::to_string(p.micro.batch) + " x " +
+                                 std::to_string(p.micro.seq),
+                             "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
+    }
+    if (p.threads != pool_.size()) {
+      throw invalid_argument(name, "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
+                             std::to_string(p.threads) + " threads",
+                             "Pass the pool's thread count in plan_options/fit_options");
+    }
+    if (p.ops.empty()) throw invalid_argument(name, "a plan with a schedule", "no ops", "Use make_plan or fit");
+  }
+
+  void adopt(training_plan p) {
+    largest_peak_ = std::max(largest_peak_, p.peak_bytes);
+    plan_ = std::move(p);
+  }
+
+  void rewind(const random_state& rng0, std::uint64_t position0) noexcept {
+    rng_ = rng0;
+    position_ = position0;
+    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+  }
+
+  template <sequence_source Source, typename Request>
+  void fill(Source& source, std::size_t b, Request&& request) {
+    const std::size_t T = eff_.seq;
+    x_.resize(b * T);
+    y_.resize(b * T);
+    for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+  }
+
+  template <check_point P>
+  void observe(pressure_level& highest) {
+    const pressure_level l = monitor_.template check<P>(alloc_);
+    highest = std::max(highest, l);
+  }
+
+  // Checks P and abandons the step when the monitor asks for a stricter plan.
+  template <check_point P>
+  void watch(pressure_level& highest, bool may_abandon) {
+    observe<P>(highest);
+    if (may_abandon && monitor_.stricter_plan_requested()) {
+      monitor_.clear_stricter_plan_request();
+      throw detail::abandon_step{"pressure emergency at " + std::string(to_string(P)), usage_now(), limit_now()};
+    }
+  }
+
+  template <sequence_source Source>
+  double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
+    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    double loss = 0;
+    const double accum = static_cast<double>(plan_.accumulation);
+    for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
+      watch<check_point::before_forward>(highest, may_abandon);
+      fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
+      auto observer = [&](check_point p) {
+        switch (p) {
+          case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
+          case check_point::before_backward: watch<check_point::before_backward>(highest, may_abandon); break;
+          case check_point::after_backward: watch<check_point::after_backward>(highest, may_abandon); break;
+          default: break;
+        }
+      };
+      loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
+                                  scale / accum, alloc_, pool_, observer) /
+              accum;
+    }
+    return loss;
+  }
+
+  // The least-recompute plan below the current peak whose peak plus the others' bytes stays
+  // under the emergency threshold, else under the budget.
+  std::optional<training_plan> stricter_plan() const {
+    if (plan_.peak_bytes <= 1) return std::nullopt;
+    const std::size_t cap = plan_.peak_bytes - 1;
+    std::vector<std::size_t> targets;
+    if (const std::size_t limit = limit_now(); limit != 0) {
+      const std::size_t foreign = foreign_now();
+      double emergency = 1.0;
+      if constexpr (requires { monitor_.thresholds().emergency; }) emergency = monitor_.thresholds().emergency;
+      const auto soft = static_cast<std::size_t>(emergency * static_cast<double>(limit));
+      if (soft > foreign + 1) targets.push_back(std::min(cap, soft - foreign - 1));
+      if (limit > foreign) targets.push_back(std::min(cap, limit - foreign));
+    } else {
+      targets.push_back(cap);
+    }
+    fit_options fo;
+    fo.threads = pool_.size();
+    fo.head_chunks = o_.head_chunks;
+    for (std::size_t t : targets) {
+      try {
+        training_plan p = fit(m_, eff_, t, fo);
+        p.budget = plan_.budget;
+        return p;
+      } catch (const budget_too_small&) {
+      }
+    }
+    return std::nullopt;
+  }
+
+  std::size_t smallest_peak() const {
+    fit_options fo;
+    fo.threads = pool_.size();
+    fo.head_chunks = o_.head_chunks;
+    try {
+      (void)fit(m_, eff_, 0, fo);
+    } catch (const budget_too_small& e) {
+      return e.minimum();
+    }
+    return 0;
+  }
+
+  // Records the event in r; returns whether a stricter plan was adopted.
+  bool replan(step_result& r, std::string reason, std::size_t usage, std::size_t limit, bool retry) {
+    replan_event e;
+    e.step = r.step;
+    e.reason = std::move(reason);
+    e.usage = usage;
+    e.limit = limit;
+    e.foreign = foreign_now();
+    e.from = plan_summary(plan_);
+    e.from_peak = plan_.peak_bytes;
+    std::optional<training_plan> next = stricter_plan();
+    e.stricter_found = next.has_value();
+    if (next) {
+      e.to = plan_summary(*next);
+      e.to_peak = next->peak_bytes;
+      e.retried = retry;
+      adopt(std::move(*next));
+    }
+    r.replans.push_back(std::move(e));
+    return r.replans.back().stricter_found;
+  }
+
+  std::vector<std::uint64_t> fingerprint() const {
+    const model_config& c = m_.config();
+    std::vector<std::uint64_t> f{c.vocab, c.width, c.heads, c.kv(), c.hidden(), c.tie_embeddings ? 1u : 0u,
+                                 sizeof(S), n_, eff_.batch, eff_.seq, m_.depth()};
+    for (std::size_t k : m_.pattern()) f.push_back(k);
+    return f;
+  }
+
+  const Model& m_;
+  batch_shape eff_;
+  training_plan plan_;
+  Allocator& alloc_;
+  thread_pool& pool_;
+  trainer_options o_;
+  Monitor monitor_;
+  std::size_t n_;
+  bool scaling_;
+  loss_scaler scaler_;
+  S* w_ = nullptr;
+  S* g_ = nullptr;
+  void* opt_ = nullptr;
+  std::size_t own_bytes_ = 0;
+  std::size_t largest_peak_ = 0;
+  std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
+  random_state rng_{};
+  std::vector<std::int32_t> x_, y_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/trainer.hpp ----
 // ---- end membound/membound.hpp ----

@@ -18,6 +18,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <concepts>
 #include <cstdint>
 #include <numbers>
 #include <span>
@@ -37,6 +38,7 @@
 #include "membound/model/block.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
+#include "membound/monitor/check_point.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -306,10 +308,17 @@ class model {
   // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
   // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
   // allocated is given back; weights are untouched (gradients may hold a partial sum).
-  template <typename Allocator>
+  //
+  // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
+  // before_backward (loss and its gradient computed) and at after_backward (before the last
+  // gradient is freed): where a pressure monitor looks. An observer may throw to abandon the
+  // micro-batch; everything is given back as for any exception.
+  template <typename Allocator, typename Observer = ignore_check_points>
+    requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                          double loss_scale, Allocator& alloc, thread_pool& pool) const {
+                          double loss_scale, Allocator& alloc, thread_pool& pool,
+                          Observer observe = {}) const {
     static_assert(check_allocator<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(g, "gradients");
@@ -355,6 +364,7 @@ class model {
           break;
         }
         case chain_op_kind::loss: {
+          observe(check_point::after_forward);
           S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
           const std::size_t wsb = head_type::workspace_bytes(hs, threads);
           void* ws = live.get(wsb, memory_tag::workspace);
@@ -363,6 +373,7 @@ class model {
                                               head_grads(g), ws, wsb, pool);
           live.put(ws);
           delta = d_out;
+          observe(check_point::before_backward);
           break;
         }
         case chain_op_kind::backward: {
@@ -392,6 +403,7 @@ class model {
                              "Build it with schedule_none/full/every/binomial or optimal_schedule");
     }
     cpu::embedding_scatter<A>(pool, tokens, delta, g + params_[0].offset, N, C);
+    observe(check_point::after_backward);
     live.put(delta);
     return loss_sum / static_cast<double>(N);
   }
