@@ -1,12 +1,14 @@
 // membound's example trainer: a byte-level hybrid language model (TTT, attention, Mamba blocks)
 // trained on tiny-shakespeare (or any text file) inside a memory budget. Before step 1 it prints
-// the plan; every step allocates from a hard budget allocator whose measured peak is checked
-// against the plan's prediction.
+// the plan; the loop is membound::trainer (train/trainer.hpp), every step allocates from a hard
+// budget allocator whose measured peak is checked against the plan's prediction, and a pressure
+// monitor retries a step under a stricter plan when memory runs short.
 //
 //   ./build/release/examples/train                                  # the default run
 //   ./build/release/examples/train --budget 256MiB --layers ttt,attn,mamba,attn --schedule auto
 //   ./build/release/examples/train --steps 50 --save-every 25 --checkpoint /tmp/run.ckpt
 //   ./build/release/examples/train --resume /tmp/run.ckpt --steps 100 --report run.json
+//   ./build/release/examples/train --steps 60 --foreign 10MiB@30 --trace t.json  # pressure at step 30
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -20,6 +22,9 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <sys/ioctl.h>
+#include <unistd.h>
 
 #include "membound/membound.hpp"
 
@@ -39,9 +44,9 @@ struct options {
   std::string precision = "fp32";
   std::string schedule = "auto";
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
-  std::size_t warmup = 30, eval_every = 50, eval_batches = 8, sample = 200, save_every = 0;
+  std::size_t warmup = 30, eval_every = 50, eval_sequences = 32, sample = 200, save_every = 0, stop_after = 0;
   std::uint64_t seed = 1;
-  std::string checkpoint = "train.ckpt", resume, report, trace;
+  std::string checkpoint = "train.ckpt", resume, report, trace, foreign;
 };
 
 // "512MiB", "2GiB", "1e9", "300000000B" -> bytes.
@@ -83,34 +88,99 @@ mb::schedule_choice parse_schedule(const std::string& s) {
   throw mb::invalid_argument("--schedule", "none, full, every:K, binomial:S or auto", s, "e.g. --schedule auto");
 }
 
-std::uint64_t mix(std::uint64_t a, std::uint64_t b) {
-  std::uint64_t z = a * 0x9e3779b97f4a7c15ULL + b + 0x632be59bd9b4e019ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// Batch k of a stream: B windows of T + 1 bytes at positions drawn from (seed, stream, k), so a
-// resumed run sees the same data as an uninterrupted one.
-void make_batch(const std::vector<std::int32_t>& text, std::size_t B, std::size_t T, std::uint64_t seed,
-                std::uint64_t stream, std::uint64_t k, std::vector<std::int32_t>& x, std::vector<std::int32_t>& y) {
-  x.resize(B * T);
-  y.resize(B * T);
-  const std::size_t span = text.size() - T - 1;
-  for (std::size_t b = 0; b < B; ++b) {
-    const std::size_t at = mix(mix(seed, stream), k * 1000003 + b) % span;
-    for (std::size_t t = 0; t < T; ++t) {
-      x[b * T + t] = text[at + t];
-      y[b * T + t] = text[at + t + 1];
-    }
+// "8MiB@20": bytes someone else takes from the budget at step 20 (to watch the monitor act).
+struct foreign_load {
+  std::size_t bytes = 0;
+  std::uint64_t at_step = 0;
+};
+foreign_load parse_foreign(const std::string& s) {
+  const std::size_t at = s.find('@');
+  if (at == std::string::npos) {
+    throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "Give a size and the step it arrives at");
   }
+  foreign_load f;
+  f.bytes = parse_bytes(s.substr(0, at));
+  try {
+    f.at_step = std::stoull(s.substr(at + 1));
+  } catch (const std::exception&) {
+    throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "The part after @ is a step number");
+  }
+  return f;
 }
 
 double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
 
+std::string human_rate(double tok_s) {
+  char b[32];
+  if (tok_s >= 1e6) std::snprintf(b, sizeof b, "%.2fM", tok_s / 1e6);
+  else if (tok_s >= 1e3) std::snprintf(b, sizeof b, "%.1fk", tok_s / 1e3);
+  else std::snprintf(b, sizeof b, "%.0f", tok_s);
+  return b;
+}
+
+// Random windows of the training text (from the trainer's generator, so a resumed run draws the
+// same ones) and fixed windows of the validation text.
+struct windows {
+  const std::vector<std::int32_t>* text;
+  std::size_t seq;
+  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
+    const std::size_t at = r.random % (text->size() - seq - 1);
+    for (std::size_t t = 0; t < seq; ++t) {
+      x[t] = (*text)[at + t];
+      y[t] = (*text)[at + t + 1];
+    }
+  }
+};
+
+// One step's line: plain for logs, or a bar redrawn in place on a terminal.
+class progress {
+ public:
+  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stdout)) != 0) {}
+  void step(const mb::step_result& r, std::size_t used, std::size_t peak, std::size_t budget) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "step %5llu/%zu  loss %.4f  lr %.2e  |g| %6.3f%s  %6.1f ms  %6s tok/s  mem %.1f/%.1f of %.0f MiB  %s",
+                  static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm,
+                  r.applied ? "" : " (skipped)", r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(),
+                  mib(used), mib(peak), mib(budget), std::string(mb::to_string(r.pressure)).c_str());
+    if (!tty_) {
+      std::printf("%s\n", line);
+      return;
+    }
+    // The same fields, tighter, so that the bar and memory fit an 80-column terminal.
+    std::snprintf(line, sizeof line, "%llu/%zu loss %.4f lr %.1e |g| %.2f%s %.0fms %s tok/s mem %.1f/%.1f/%.0fMiB %s",
+                  static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm, r.applied ? "" : " skip",
+                  r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(), mib(used), mib(peak),
+                  mib(budget), std::string(mb::to_string(r.pressure)).c_str());
+    constexpr std::size_t width = 12;
+    const std::size_t done = total_ == 0 ? width : std::min<std::size_t>(width, r.step * width / total_);
+    std::string bar = "[" + std::string(done, '#') + std::string(width - done, '.') + "] " + line;
+    // A wrapped line cannot be redrawn with \r: cut it to the terminal's width.
+    winsize ws{};
+    if (ioctl(fileno(stdout), TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 && bar.size() >= ws.ws_col) bar.resize(ws.ws_col - 1u);
+    std::printf("\r\033[K%s", bar.c_str());
+    std::fflush(stdout);
+    open_ = true;
+  }
+  // A line that stays (eval, a change of plan): ends the bar's line first.
+  void note(const std::string& s) {
+    if (open_) std::printf("\n");
+    open_ = false;
+    std::printf("%s\n", s.c_str());
+  }
+  void finish() {
+    if (open_) std::printf("\n");
+    open_ = false;
+  }
+
+ private:
+  std::size_t total_;
+  bool tty_;
+  bool open_ = false;
+};
+
 template <typename P>
 int run(const options& o, const std::vector<std::int32_t>& text) {
-  using S = typename P::storage_type;
   using net = mb::model<mb::embedding<P>,
                         mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
                         mb::lm_head<P>>;
@@ -135,6 +205,11 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   const net m(cfg, pattern);
   const std::size_t budget = parse_bytes(o.budget);
   const mb::batch_shape eff{o.batch, o.seq};
+  const foreign_load foreign = o.foreign.empty() ? foreign_load{} : parse_foreign(o.foreign);
+  if (foreign.bytes >= budget) {
+    throw mb::invalid_argument("--foreign", "less than the budget (" + mb::format_bytes(budget, false) + ")",
+                               mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
+  }
 
   mb::training_plan plan;
   if (o.schedule == "auto") {
@@ -154,93 +229,86 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   mb::trace_recorder recorder(1 << 20);
   mb::budget_allocator<mb::traced_allocator<mb::system_allocator>> alloc(budget, recorder);
   mb::thread_pool pool(o.threads);
-  const std::size_t n = m.parameter_elements();
-  S* w = static_cast<S*>(alloc.allocate(m.weight_bytes(), mb::default_alignment, mb::memory_tag::weights));
-  S* g = static_cast<S*>(alloc.allocate(m.weight_bytes(), mb::default_alignment, mb::memory_tag::gradients));
-  void* opt = alloc.allocate(plan.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
-  m.init_weights(w, o.seed);
-  mb::adamw<S>::init(w, n, opt, plan.optimizer);
-  std::uint64_t start = 0;
+  const mb::pressure_thresholds thresholds{};
+
+  mb::trainer_options to;
+  to.adam = mb::adamw_config{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
+  to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
+  to.clip = o.clip;
+  to.seed = o.seed;
+  mb::trainer t(m, eff, plan, alloc, pool, to, mb::pressure_monitor<mb::all_check_points>(thresholds));
+  t.monitor().attach(recorder);
   if (!o.resume.empty()) {
-    const mb::checkpoint_reader r(o.resume);
-    if (r.value<std::uint64_t>("parameters") != n) throw mb::corrupt_checkpoint(o.resume, "it holds a different model");
-    r.copy("weights", w, m.weight_bytes());
-    r.copy("optimizer", opt, plan.optimizer);
-    start = r.value<std::uint64_t>("step");
-    std::printf("resumed from %s at step %llu\n", o.resume.c_str(), static_cast<unsigned long long>(start));
+    const bool same_plan = t.load(o.resume);
+    std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
+                same_plan ? "" : " (its plan does not fit this budget; continuing under the plan above)");
   }
 
   const std::size_t split = text.size() * 9 / 10;
   const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(split));
   const std::vector<std::int32_t> val(text.begin() + static_cast<std::ptrdiff_t>(split), text.end());
-  const mb::cosine_lr sched{o.lr, o.min_lr, o.warmup, o.steps};
-  const mb::adamw_config ac{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
-  std::vector<std::int32_t> x, y;
-  auto eval = [&] {
-    double sum = 0;
-    for (std::size_t k = 0; k < o.eval_batches; ++k) {
-      make_batch(val, plan.micro.batch, o.seq, o.seed, 2, k, x, y);
-      sum += m.forward_backward(w, g, x.data(), y.data(), plan.micro, plan.ops, plan.head_chunk, 1.0, alloc, pool);
-    }
-    std::memset(static_cast<void*>(g), 0, m.weight_bytes());
-    return sum / static_cast<double>(o.eval_batches);
-  };
+  windows train_src{&train, o.seq}, val_src{&val, o.seq};
+  auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
 
+  progress bar(o.steps);
+  char line[160];
   const double first_eval = eval();
-  std::printf("step %5llu/%zu  eval loss %.4f\n", static_cast<unsigned long long>(start), o.steps, first_eval);
+  std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(t.steps_done()),
+                o.steps, first_eval);
+  bar.note(line);
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
-  std::size_t tokens_done = 0;
-  for (std::uint64_t step = start; step < o.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::memset(static_cast<void*>(g), 0, m.weight_bytes());
-    double loss = 0;
-    for (std::size_t micro = 0; micro < plan.accumulation; ++micro) {
-      make_batch(train, plan.micro.batch, o.seq, o.seed, 1, step * plan.accumulation + micro, x, y);
-      loss += m.forward_backward(w, g, x.data(), y.data(), plan.micro, plan.ops, plan.head_chunk,
-                                 1.0 / static_cast<double>(plan.accumulation), alloc, pool) /
-              static_cast<double>(plan.accumulation);
+  std::size_t tokens_done = 0, skipped = 0, replans = 0;
+  const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
+  while (t.steps_done() < stop) {
+    if (foreign.bytes != 0 && t.steps_done() + 1 == foreign.at_step) {
+      if (foreign.bytes > alloc.headroom()) {
+        throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
+                                                    mb::format_bytes(alloc.headroom(), false),
+                                   mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
+      }
+      alloc.set_external(foreign.bytes);
+      // In the trace as tag "other", so that a plot shows what the budget is shared with.
+      recorder.record_allocation(mb::memory_tag::other, foreign.bytes, nullptr);
+      bar.note("step " + std::to_string(foreign.at_step) + ": " + mb::format_bytes(foreign.bytes, false) +
+               " of the budget are now held by something else (--foreign)");
     }
-    const double norm = mb::global_norm(g, n, pool);
-    const double scale = mb::clip_factor(norm, o.clip);
-    const double lr = sched(step);
-    for (const mb::param_entry& e : m.parameters())
-      mb::adamw<S>::update(w, g, opt, n, e.offset, e.count, step + 1, lr, ac, e.decay, scale, pool);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    total_ms += ms;
-    tokens_done += eff.tokens();
-    last_loss = loss;
+    const mb::step_result r = t.step(train_src);
+    for (const mb::replan_event& e : r.replans) {
+      bar.note(e.describe());
+      ++replans;
+    }
+    total_ms += r.ms;
+    tokens_done += r.tokens;
+    last_loss = r.loss;
+    skipped += r.applied ? 0 : 1;
     const auto st = alloc.stats();
-    std::printf("step %5llu/%zu  loss %.4f  lr %.2e  |g| %.3f  %6.1f ms  %7.0f tok/s  mem %.1f/%.1f MiB of %.0f MiB\n",
-                static_cast<unsigned long long>(step + 1), o.steps, loss, lr, norm, ms,
-                static_cast<double>(eff.tokens()) / (ms / 1000.0), mib(st.requested), mib(st.peak_requested), mib(budget));
-    if (o.eval_every != 0 && (step + 1) % o.eval_every == 0) {
+    bar.step(r, alloc.usage(), st.peak_requested, budget);
+    if (o.eval_every != 0 && r.step % o.eval_every == 0) {
       last_eval = eval();
-      std::printf("step %5llu/%zu  eval loss %.4f\n", static_cast<unsigned long long>(step + 1), o.steps, last_eval);
+      std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(r.step),
+                    o.steps, last_eval);
+      bar.note(line);
     }
-    if (o.save_every != 0 && (step + 1) % o.save_every == 0) {
-      mb::checkpoint_writer cw;
-      cw.add_value<std::uint64_t>("parameters", n);
-      cw.add_value<std::uint64_t>("step", step + 1);
-      cw.add("weights", w, m.weight_bytes());
-      cw.add("optimizer", opt, plan.optimizer);
-      cw.commit(o.checkpoint);
-      std::printf("saved %s\n", o.checkpoint.c_str());
+    if (o.save_every != 0 && (r.step % o.save_every == 0 || r.step == stop)) {
+      t.save(o.checkpoint);
+      bar.note("saved " + o.checkpoint);
     }
   }
-  if (o.eval_every == 0 || o.steps % o.eval_every != 0) last_eval = eval();
+  bar.finish();
+  if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
 
   if (o.sample > 0) {
     std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
     std::vector<double> logits(256);
-    std::uint64_t rs = o.seed;
+    mb::random_state rs{o.seed};
     std::string out;
     for (std::size_t i = 0; i < o.sample; ++i) {
       const std::size_t T = std::min<std::size_t>(ctx.size(), o.seq);
-      m.next_token_logits(w, ctx.data() + (ctx.size() - T), {1, T}, logits.data(), alloc, pool);
+      m.next_token_logits(t.weights(), ctx.data() + (ctx.size() - T), {1, T}, logits.data(), alloc, pool);
       double mx = -1e300, z = 0;
       for (double l : logits) mx = std::max(mx, l);
       for (double& l : logits) z += (l = std::exp((l - mx) / 0.8));
-      double u = static_cast<double>(mix(rs, i) >> 11) * 0x1.0p-53 * z;
+      double u = static_cast<double>(rs.next() >> 11) * 0x1.0p-53 * z;
       std::size_t v = 0;
       while (v + 1 < 256 && (u -= logits[v]) > 0) ++v;
       ctx.push_back(static_cast<std::int32_t>(v));
@@ -250,32 +318,40 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   }
 
   const auto st = alloc.stats();
+  const std::size_t predicted = t.largest_predicted_peak();
   std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB: %s\n",
-              first_eval, last_eval, mib(st.peak_requested), mib(plan.peak_bytes), mib(budget),
-              st.peak_requested <= plan.peak_bytes && plan.peak_bytes <= budget ? "yes" : "NO");
+              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget),
+              st.peak_requested <= predicted && predicted <= budget ? "yes" : "NO");
   if (!o.report.empty()) {
+    const mb::training_plan& p = t.plan();
     nlohmann::json j;
     j["budget_bytes"] = budget;
-    j["predicted_peak_bytes"] = plan.peak_bytes;
+    j["predicted_peak_bytes"] = predicted;
     j["measured_peak_bytes"] = st.peak_requested;
-    j["steps"] = o.steps;
+    j["steps"] = t.steps_done();
     j["final_train_loss"] = last_loss;
     j["initial_eval_loss"] = first_eval;
     j["final_eval_loss"] = last_eval;
     j["tokens_per_second"] = total_ms > 0 ? static_cast<double>(tokens_done) / (total_ms / 1000.0) : 0.0;
-    j["plan"] = {{"weights", plan.weights},       {"gradients", plan.gradients},
-                 {"optimizer", plan.optimizer},   {"activations", plan.activations},
-                 {"workspace", plan.workspace},   {"peak_phase", plan.peak_phase},
-                 {"micro_batch", plan.micro.batch}, {"accumulation", plan.accumulation}};
-    j["policies"] = {{"precision", o.precision}, {"schedule", plan.schedule.name()},
-                     {"head_chunk", plan.head_chunk}, {"layers", o.layers}, {"threads", o.threads}};
+    j["skipped_steps"] = skipped;
+    j["replans"] = replans;
+    j["foreign_bytes"] = alloc.external();
+    j["loss_scale"] = t.scaler().scale;
+    j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
+                       {"emergency", thresholds.emergency}};
+    j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
+                 {"optimizer", p.optimizer},   {"activations", p.activations},
+                 {"workspace", p.workspace},   {"peak", p.peak_bytes},
+                 {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
+                 {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
+    j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
+                     {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
+                     {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<system>>"},
+                     {"monitor", "pressure_monitor<all_check_points>"}};
     std::ofstream(o.report) << j.dump(2) << "\n";
   }
   if (!o.trace.empty()) recorder.save_chrome_trace(o.trace);
-  alloc.deallocate(opt, plan.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
-  alloc.deallocate(g, m.weight_bytes(), mb::default_alignment, mb::memory_tag::gradients);
-  alloc.deallocate(w, m.weight_bytes(), mb::default_alignment, mb::memory_tag::weights);
-  return st.peak_requested <= plan.peak_bytes ? 0 : 3;
+  return st.peak_requested <= predicted ? 0 : 3;
 }
 
 }  // namespace
@@ -291,19 +367,24 @@ int main(int argc, char** argv) {
   app.add_option("--seq", o.seq, "sequence length");
   app.add_option("--batch", o.batch, "sequences per optimizer step");
   app.add_option("--steps", o.steps, "optimizer steps");
-  app.add_option("--precision", o.precision, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--precision", o.precision, "fp32, bf16, or fp16 (with dynamic loss scaling)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_option("--schedule", o.schedule, "auto (the planner's fit), none, full, every:K, binomial:S");
   app.add_option("--threads", o.threads, "CPU threads");
   app.add_option("--lr", o.lr, "peak learning rate");
   app.add_option("--warmup", o.warmup, "warm-up steps");
   app.add_option("--eval-every", o.eval_every, "steps between validation losses (0: at the end only)");
+  app.add_option("--eval-sequences", o.eval_sequences, "validation sequences per evaluation");
   app.add_option("--sample", o.sample, "characters to sample at the end");
   app.add_option("--seed", o.seed, "random seed");
   app.add_option("--save-every", o.save_every, "steps between checkpoints (0: none)");
   app.add_option("--checkpoint", o.checkpoint, "where --save-every writes");
   app.add_option("--resume", o.resume, "checkpoint to resume from");
+  app.add_option("--stop-after", o.stop_after,
+                 "stop after this many steps of this invocation (the schedule still spans --steps; save and --resume later)");
   app.add_option("--report", o.report, "write a JSON report here");
-  app.add_option("--trace", o.trace, "write the Chrome trace of memory by tag here");
+  app.add_option("--trace", o.trace, "write the Chrome trace of memory by tag here (plot it with plot_memory)");
+  app.add_option("--foreign", o.foreign, "SIZE@STEP: something else takes SIZE of the budget from STEP on");
   CLI11_PARSE(app, argc, argv);
   try {
     std::ifstream in(o.data, std::ios::binary);
@@ -312,7 +393,9 @@ int main(int argc, char** argv) {
     if (s.size() < 4 * (o.seq + 1)) throw mb::invalid_argument("--data", "at least 4·(seq + 1) bytes", std::to_string(s.size()) + " bytes", "Use a longer file or a shorter --seq");
     std::vector<std::int32_t> text(s.size());
     for (std::size_t i = 0; i < s.size(); ++i) text[i] = static_cast<unsigned char>(s[i]);
-    return o.precision == "bf16" ? run<mb::bf16_precision>(o, text) : run<mb::fp32_precision>(o, text);
+    if (o.precision == "bf16") return run<mb::bf16_precision>(o, text);
+    if (o.precision == "fp16") return run<mb::fp16_precision>(o, text);
+    return run<mb::fp32_precision>(o, text);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -27,9 +27,47 @@ with tempfile.TemporaryDirectory() as d:
     assert r["final_eval_loss"] < r["initial_eval_loss"] - 0.5, (r["initial_eval_loss"], r["final_eval_loss"])
     assert r["tokens_per_second"] > 0
 
+    # Resume: 8 steps, stop, resume for the other 8 = 16 uninterrupted steps, to the bit (the
+    # report's losses are printed with 17 significant digits).
+    small = ["--width", "64", "--seq", "64", "--batch", "4", "--steps", "16", "--eval-every", "0",
+             "--sample", "0"]
+    def report_of(args):
+        rp = os.path.join(d, "r.json")
+        run = subprocess.run([train] + small + args + ["--report", rp], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        return json.load(open(rp)), run.stdout
+    whole, _ = report_of(["--budget", "256MiB", "--schedule", "full"])
+    ckpt = os.path.join(d, "run.ckpt")
+    half, _ = report_of(["--budget", "256MiB", "--schedule", "full", "--stop-after", "8", "--save-every", "8", "--checkpoint", ckpt])
+    assert half["steps"] == 8
+    rest, out = report_of(["--budget", "256MiB", "--schedule", "full", "--resume", ckpt])
+    assert "resumed from" in out and rest["steps"] == 16
+    for key in ["final_train_loss", "final_eval_loss"]:
+        assert rest[key] == whole[key], (key, rest[key], whole[key])
+
+    # Pressure: something else takes 1 MiB of an 8 MiB budget at step 3; the step is retried under
+    # a stricter plan and the run goes on, with the measured peak within the predictions.
+    press, out = report_of(["--budget", "8MiB", "--schedule", "auto", "--foreign", "1MiB@3"])
+    print(out[-1500:])
+    assert press["replans"] >= 1 and "retrying the step under" in out, out
+    assert press["foreign_bytes"] == 1024 * 1024
+    assert press["measured_peak_bytes"] <= press["predicted_peak_bytes"] <= press["budget_bytes"], press
+
+    # The trace of that run becomes a plot (the foreign bytes are in it as tag "other").
+    if len(sys.argv) > 2:
+        tr, rp, svg = (os.path.join(d, n) for n in ("t.json", "r.json", "mem.svg"))
+        subprocess.run([train] + small + ["--budget", "8MiB", "--foreign", "1MiB@3", "--trace", tr,
+                                          "--report", rp], check=True, capture_output=True, timeout=600)
+        p = subprocess.run([sys.argv[2], "--trace", tr, "--report", rp, "--out", svg],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "wrote" in p.stdout, p.stderr
+        text = open(svg).read()
+        assert "budget" in text and "emergency" in text and "other" in text, "plot lacks its lines"
+
     for bad, what in [(["--layers", "ttt,lstm"], "--layers"), (["--budget", "1MiB"], "budget"),
                       (["--data", os.path.join(d, "missing.txt")], "--data"),
-                      (["--budget", "12 parsecs"], "--budget")]:
+                      (["--budget", "12 parsecs"], "--budget"),
+                      (["--foreign", "500MiB@1"], "budget")]:
         b = subprocess.run([train, "--steps", "1"] + bad, capture_output=True, text=True, timeout=120)
         assert b.returncode != 0, bad
         lines = [l for l in b.stderr.splitlines() if l.strip()]

@@ -10270,9 +10270,10 @@ struct training_plan {
 // The smallest budget that would fit, as a typed error (fit() found nothing under `budget`).
 class budget_too_small : public invalid_argument {
  public:
-  budget_too_small(std::size_t budget, std::size_t minimum)
+  // context: why the budget is what it is, e.g. "32 MiB less 18 MiB held by others".
+  budget_too_small(std::size_t budget, std::size_t minimum, const std::string& context = {})
       : invalid_argument("budget", "at least " + format_bytes(minimum) + " (the least peak of any plan)",
-                         format_bytes(budget),
+                         format_bytes(budget) + (context.empty() ? "" : " (" + context + ")"),
                          "Raise the budget to at least " + format_bytes(minimum, false) +
                              ", or shrink the model, the sequence or the vocabulary"),
         budget_(budget),
@@ -10724,7 +10725,11 @@ class trainer {
         const std::size_t lim = rep.budget != 0 ? rep.budget : limit_now();
         const std::size_t use = rep.budget != 0 ? rep.budget - rep.free_under_budget : usage_now();
         if (!replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true)) {
-          throw budget_too_small(lim > foreign_now() ? lim - foreign_now() : 0, smallest_peak());
+          const std::size_t others = foreign_now();
+          throw budget_too_small(lim > others ? lim - others : 0, smallest_peak(),
+                                 others == 0 ? std::string{}
+                                             : "the budget of " + format_bytes(lim, false) + " less " +
+                                                   format_bytes(others, false) + " held by others");
         }
       } catch (...) {
         rewind(rng0, position0);  // a bad token, a null source, ...: nothing happened

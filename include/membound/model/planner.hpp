@@ -151,9 +151,10 @@ struct training_plan {
 // The smallest budget that would fit, as a typed error (fit() found nothing under `budget`).
 class budget_too_small : public invalid_argument {
  public:
-  budget_too_small(std::size_t budget, std::size_t minimum)
+  // context: why the budget is what it is, e.g. "32 MiB less 18 MiB held by others".
+  budget_too_small(std::size_t budget, std::size_t minimum, const std::string& context = {})
       : invalid_argument("budget", "at least " + format_bytes(minimum) + " (the least peak of any plan)",
-                         format_bytes(budget),
+                         format_bytes(budget) + (context.empty() ? "" : " (" + context + ")"),
                          "Raise the budget to at least " + format_bytes(minimum, false) +
                              ", or shrink the model, the sequence or the vocabulary"),
         budget_(budget),

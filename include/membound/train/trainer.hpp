@@ -236,7 +236,11 @@ class trainer {
         const std::size_t lim = rep.budget != 0 ? rep.budget : limit_now();
         const std::size_t use = rep.budget != 0 ? rep.budget - rep.free_under_budget : usage_now();
         if (!replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true)) {
-          throw budget_too_small(lim > foreign_now() ? lim - foreign_now() : 0, smallest_peak());
+          const std::size_t others = foreign_now();
+          throw budget_too_small(lim > others ? lim - others : 0, smallest_peak(),
+                                 others == 0 ? std::string{}
+                                             : "the budget of " + format_bytes(lim, false) + " less " +
+                                                   format_bytes(others, false) + " held by others");
         }
       } catch (...) {
         rewind(rng0, position0);  // a bad token, a null source, ...: nothing happened
