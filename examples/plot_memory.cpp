@@ -28,13 +28,14 @@ using json = nlohmann::json;
 
 namespace {
 
-// memory_tag's order, bottom of the stack first: the long-lived tags form a flat base and the
-// per-step saw-tooth of activations and workspace sits on top where it is easy to read. No red
-// or orange among them: those colours belong to the budget and the thresholds.
-constexpr std::array<std::string_view, 6> tag_names{"weights",     "gradients", "optimizer",
-                                                    "activations", "workspace", "other"};
+// Bottom of the stack first: the long-lived tags (and "other", which is mostly memory held by
+// others, steady between steps) form a flat base, and the per-step saw-tooth of activations and
+// workspace sits on top where it is easy to read. No red or orange among them: those colours
+// belong to the budget and the thresholds.
+constexpr std::array<std::string_view, 6> tag_names{"weights", "gradients",   "optimizer",
+                                                    "other",   "activations", "workspace"};
 constexpr std::array<std::string_view, 6> tag_colours{"#4e79a7", "#59a14f", "#edc948",
-                                                      "#b07aa1", "#76b7b2", "#bab0ac"};
+                                                      "#bab0ac", "#b07aa1", "#76b7b2"};
 constexpr std::size_t tag_count = tag_names.size();
 constexpr double mib = 1024.0 * 1024.0;
 constexpr std::size_t max_points = 4000, max_markers = 300;

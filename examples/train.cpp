@@ -336,7 +336,7 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
     j["skipped_steps"] = skipped;
     j["replans"] = replans;
     j["foreign_bytes"] = alloc.external();
-    j["loss_scale"] = t.scaler().scale;
+    j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
     j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
                        {"emergency", thresholds.emergency}};
     j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
