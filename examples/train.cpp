@@ -50,13 +50,13 @@ struct options {
 };
 
 // "512MiB", "2GiB", "1e9", "300000000B" -> bytes.
-std::size_t parse_bytes(const std::string& s) {
+std::size_t parse_bytes(const std::string& s, const char* flag = "--budget") {
   std::size_t pos = 0;
   double v = 0;
   try {
     v = std::stod(s, &pos);
   } catch (const std::exception&) {
-    throw mb::invalid_argument("--budget", "a size such as 512MiB, 2GiB or 1000000", s, "Give a number with an optional unit");
+    throw mb::invalid_argument(flag, "a size such as 512MiB, 2GiB or 1000000", s, "Give a number with an optional unit");
   }
   const std::string unit = s.substr(pos);
   double m = 1;
@@ -67,8 +67,8 @@ std::size_t parse_bytes(const std::string& s) {
   else if (unit == "KB") m = 1e3;
   else if (unit == "MB") m = 1e6;
   else if (unit == "GB") m = 1e9;
-  else throw mb::invalid_argument("--budget", "a unit among B, KiB, MiB, GiB, KB, MB, GB", unit, "e.g. --budget 512MiB");
-  if (!(v > 0)) throw mb::invalid_argument("--budget", "a positive size", s, "e.g. --budget 512MiB");
+  else throw mb::invalid_argument(flag, "a unit among B, KiB, MiB, GiB, KB, MB, GB", unit, std::string("e.g. ") + flag + " 512MiB");
+  if (!(v > 0)) throw mb::invalid_argument(flag, "a positive size", s, std::string("e.g. ") + flag + " 512MiB");
   return static_cast<std::size_t>(v * m);
 }
 
@@ -99,11 +99,14 @@ foreign_load parse_foreign(const std::string& s) {
     throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "Give a size and the step it arrives at");
   }
   foreign_load f;
-  f.bytes = parse_bytes(s.substr(0, at));
+  f.bytes = parse_bytes(s.substr(0, at), "--foreign");
   try {
-    f.at_step = std::stoull(s.substr(at + 1));
+    const std::string n = s.substr(at + 1);
+    if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos) throw std::invalid_argument(n);
+    f.at_step = std::stoull(n);
+    if (f.at_step == 0) throw std::invalid_argument(n);
   } catch (const std::exception&) {
-    throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "The part after @ is a step number");
+    throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "The part after @ is a step number, 1 or more");
   }
   return f;
 }
@@ -259,8 +262,11 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
   std::size_t tokens_done = 0, skipped = 0, replans = 0;
   const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
+  bool foreign_taken = false;
   while (t.steps_done() < stop) {
-    if (foreign.bytes != 0 && t.steps_done() + 1 == foreign.at_step) {
+    // ">=": a run resumed past STEP takes the bytes at once, as the uninterrupted run held them.
+    if (foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= foreign.at_step) {
+      foreign_taken = true;
       if (foreign.bytes > alloc.headroom()) {
         throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
                                                     mb::format_bytes(alloc.headroom(), false),
@@ -269,7 +275,7 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
       alloc.set_external(foreign.bytes);
       // In the trace as tag "other", so that a plot shows what the budget is shared with.
       recorder.record_allocation(mb::memory_tag::other, foreign.bytes, nullptr);
-      bar.note("step " + std::to_string(foreign.at_step) + ": " + mb::format_bytes(foreign.bytes, false) +
+      bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(foreign.bytes, false) +
                " of the budget are now held by something else (--foreign)");
     }
     const mb::step_result r = t.step(train_src);
@@ -289,7 +295,8 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
                     o.steps, last_eval);
       bar.note(line);
     }
-    if (o.save_every != 0 && (r.step % o.save_every == 0 || r.step == stop)) {
+    // --stop-after always saves where it stops, so that --resume can continue.
+    if ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop)) {
       t.save(o.checkpoint);
       bar.note("saved " + o.checkpoint);
     }
@@ -381,16 +388,26 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint", o.checkpoint, "where --save-every writes");
   app.add_option("--resume", o.resume, "checkpoint to resume from");
   app.add_option("--stop-after", o.stop_after,
-                 "stop after this many steps of this invocation (the schedule still spans --steps; save and --resume later)");
+                 "stop after this many steps of this invocation, saving to --checkpoint (the schedule still spans --steps; --resume it later)");
   app.add_option("--report", o.report, "write a JSON report here");
   app.add_option("--trace", o.trace, "write the Chrome trace of memory by tag here (plot it with plot_memory)");
   app.add_option("--foreign", o.foreign, "SIZE@STEP: something else takes SIZE of the budget from STEP on");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
+    return 1;
+  }
   try {
     std::ifstream in(o.data, std::ios::binary);
     if (!in) throw mb::invalid_argument("--data", "a readable text file", o.data, "Pass --data FILE");
     const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (s.size() < 4 * (o.seq + 1)) throw mb::invalid_argument("--data", "at least 4·(seq + 1) bytes", std::to_string(s.size()) + " bytes", "Use a longer file or a shorter --seq");
+    // A tenth is held out for validation; the sample at the end starts from 32 of its bytes.
+    if (s.size() / 10 < std::max<std::size_t>(o.seq + 2, 33)) {
+      throw mb::invalid_argument("--data", "at least 10·max(seq + 2, 33) bytes (a tenth is held out for validation)",
+                                 std::to_string(s.size()) + " bytes", "Use a longer file or a shorter --seq");
+    }
     std::vector<std::int32_t> text(s.size());
     for (std::size_t i = 0; i < s.size(); ++i) text[i] = static_cast<unsigned char>(s[i]);
     if (o.precision == "bf16") return run<mb::bf16_precision>(o, text);

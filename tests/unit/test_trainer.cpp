@@ -141,6 +141,43 @@ TEST_CASE("trainer: the same seed and threads give a bit-identical loss curve; a
   CHECK(a1.stats().peak_requested <= t1.largest_predicted_peak());
 }
 
+TEST_CASE("trainer: accumulation, loss scaling and evaluation do not change what a step computes") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  const text_source src(40);
+  mb::thread_pool pool(2);
+  mb::plan_options po;
+  po.threads = 2;
+  po.head_chunk = 64;
+  po.accumulation = 2;
+  const mb::training_plan halves = mb::make_plan(m, {2, effective.seq}, mb::schedules::none{}, po);
+  budget_alloc a1(1ull << 30), a2(1ull << 30), a3(1ull << 30), a4(1ull << 30);
+  mb::trainer one(m, effective, plan_none(m, 2), a1, pool, options());
+  mb::trainer two(m, effective, halves, a2, pool, options());
+  mb::trainer_options scaled = options();
+  scaled.scaling = mb::loss_scaling::dynamic;
+  scaled.scaler.scale = 1024;  // a power of two: scaling and unscaling are exact in fp32
+  mb::trainer sc(m, effective, plan_none(m, 2), a3, pool, scaled);
+  mb::trainer ev(m, effective, plan_none(m, 2), a4, pool, options());
+  auto s1 = src, s2 = src, s3 = src, s4 = src;
+  for (int k = 0; k < 4; ++k) {
+    const mb::step_result r1 = one.step(s1), r2 = two.step(s2), r3 = sc.step(s3), r4 = ev.step(s4);
+    // Two micro-batches of 2 sum the same per-sequence gradients as one of 4, in another order:
+    // equal to rounding (fp32 sums of ~1e4 terms, bound 1e-5 relative).
+    CHECK(r2.loss == doctest::Approx(r1.loss).epsilon(1e-6));
+    CHECK(r2.grad_norm == doctest::Approx(r1.grad_norm).epsilon(1e-5));
+    // A scaled loss gives the same true gradient norm once unscaled.
+    CHECK(r3.applied);
+    CHECK(r3.grad_norm == doctest::Approx(r1.grad_norm).epsilon(1e-5));
+    // Evaluating between steps leaves the run bit-identical (it borrows the gradient buffer).
+    const double e = ev.evaluate(s4, 6);
+    CHECK(std::isfinite(e));
+    CHECK(r4.loss == r1.loss);
+    CHECK(r4.grad_norm == r1.grad_norm);
+  }
+  CHECK(weight_bytes(ev) == weight_bytes(one));
+}
+
 TEST_CASE("trainer: resuming at step k continues the uninterrupted run bit for bit") {
   using P = mb::fp32_precision;
   const hybrid<P> m(small_config());
@@ -332,8 +369,6 @@ TEST_CASE("trainer: memory pressure retries the step under a stricter plan, whic
   const text_source src(40);
   mb::thread_pool pool(2);
   const mb::training_plan p0 = plan_none(m, 2);
-  // A budget twice the plan's peak; then someone else takes enough that the step's forward ends
-  // at 98.5% of it.
   // Thresholds low enough that the emergency is seen at after_forward before any allocation can
   // fail: a budget twice the plan's peak, and others take enough that the forward ends at 72%.
   const mb::pressure_thresholds th{0.5, 0.6, 0.7};
@@ -386,6 +421,34 @@ TEST_CASE("trainer: memory pressure retries the step under a stricter plan, whic
     CHECK(bits(losses) == bits(expected));
     CHECK(weight_bytes(t) == weight_bytes(ref));
   }
+}
+
+TEST_CASE("trainer: an emergency no plan can get under is retried once, then tolerated") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  const text_source src(40);
+  mb::thread_pool pool(2);
+  const mb::training_plan p0 = plan_none(m, 2);
+  // Emergency at 30%: others hold 30% of the budget, so every plan's step is an emergency.
+  const mb::pressure_thresholds th{0.1, 0.2, 0.3};
+  const std::size_t limit = 3 * p0.peak_bytes;
+  budget_alloc a(limit);
+  mb::trainer t(m, effective, p0, a, pool, options(), mb::pressure_monitor<>(th));
+  a.set_external(limit * 3 / 10);
+  auto s = src;
+  std::vector<std::size_t> events;
+  for (int k = 0; k < 4; ++k) {
+    const mb::step_result r = t.step(s);
+    events.push_back(r.replans.size());
+    for (const auto& e : r.replans) MESSAGE(e.describe());
+    CHECK(r.pressure == mb::pressure_level::emergency);
+  }
+  CHECK(events[0] == 1);  // one abandon, one smaller plan that fits the budget, then run through
+  CHECK(events[1] == 0);
+  CHECK(events[2] == 0);
+  CHECK(events[3] == 0);
+  CHECK(t.steps_done() == 4);
+  CHECK(a.stats().requested == t.own_bytes());
 }
 
 TEST_CASE("trainer: out of memory with no smaller plan is budget_too_small, and nothing is lost") {

@@ -19,8 +19,11 @@
 // gradients zeroed, the random state and data position rewound, the weights untouched) and run
 // again under the least-recompute plan whose peak plus the memory others hold stays under the
 // emergency threshold (or, failing that, under the budget). Each retry lowers the peak, so a step
-// is retried at most as many times as there are smaller plans; when none is left, an emergency is
-// reported and the step goes on, and an out-of-memory becomes budget_too_small with nothing lost.
+// is retried at most as many times as there are smaller plans. When no plan gets under the
+// threshold, emergencies are reported but no longer abandon a step while the plan and the others'
+// bytes stay as they are; an out-of-memory with no smaller plan left becomes budget_too_small
+// with nothing lost. The monitor sees usage only at its check points: a peak inside an op is
+// caught by the out-of-memory path instead.
 #pragma once
 
 #include <algorithm>
@@ -182,7 +185,6 @@ class trainer {
         scaler_(o_.scaler) {
     m_.check(eff_);
     check_plan(plan_, "plan");
-    const std::size_t before = usage_now();
     w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
     try {
       g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
@@ -196,21 +198,24 @@ class trainer {
       alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
       throw;
     }
-    own_bytes_ = usage_now() - before;
-    m_.init_weights(w_, o_.seed);
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
-    adamw<S>::init(w_, n_, opt_, opt_bytes());
+    // What the planner counts as the persistent base (requested bytes, as the budget's system
+    // upstream charges them).
+    own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
+    try {
+      m_.init_weights(w_, o_.seed);
+      std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+      adamw<S>::init(w_, n_, opt_, opt_bytes());
+    } catch (...) {
+      release();
+      throw;
+    }
     rng_.state = o_.seed ^ 0x6a09e667f3bcc909ULL;
     largest_peak_ = plan_.peak_bytes;
   }
 
   trainer(const trainer&) = delete;
   trainer& operator=(const trainer&) = delete;
-  ~trainer() {
-    alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
-    alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
-  }
+  ~trainer() { release(); }
 
   // ---- One optimizer step ---------------------------------------------------------------------
   template <sequence_source Source>
@@ -220,7 +225,9 @@ class trainer {
     r.step = steps_ + 1;
     const random_state rng0 = rng_;
     const std::uint64_t position0 = position_;
-    bool may_abandon = o_.replan_under_pressure;
+    // An emergency no plan can get under (only the budget itself) is not abandoned again while
+    // the plan and the others' bytes stay as they were.
+    bool may_abandon = o_.replan_under_pressure && !tolerating();
     const double scale = scaling_ ? scaler_.scale : 1.0;
     for (;;) {
       try {
@@ -228,14 +235,23 @@ class trainer {
         break;
       } catch (const detail::abandon_step& a) {
         rewind(rng0, position0);
-        if (!replan(r, a.reason, a.usage, a.limit, true)) may_abandon = false;  // go on as it was
+        if (replan(r, a.reason, a.usage, a.limit, true) != replan_outcome::below_emergency) {
+          tolerate();  // run it through: emergencies are all that is left
+          may_abandon = false;
+        }
       } catch (const out_of_memory& e) {
         rewind(rng0, position0);
         if (!o_.replan_under_pressure) throw;
         const oom_report& rep = e.report();
         const std::size_t lim = rep.budget != 0 ? rep.budget : limit_now();
         const std::size_t use = rep.budget != 0 ? rep.budget - rep.free_under_budget : usage_now();
-        if (!replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true)) {
+        const replan_outcome got =
+            replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true);
+        if (got == replan_outcome::below_budget) {
+          tolerate();
+          may_abandon = false;
+        }
+        if (got == replan_outcome::none) {
           const std::size_t others = foreign_now();
           throw budget_too_small(lim > others ? lim - others : 0, smallest_peak(),
                                  others == 0 ? std::string{}
@@ -269,7 +285,12 @@ class trainer {
     observe<check_point::after_optimizer_step>(r.pressure);
     if (monitor_.stricter_plan_requested()) {
       monitor_.clear_stricter_plan_request();
-      if (o_.replan_under_pressure) replan(r, "pressure emergency at after_optimizer_step", usage_now(), limit_now(), false);
+      if (o_.replan_under_pressure && !tolerating()) {
+        if (replan(r, "pressure emergency at after_optimizer_step", usage_now(), limit_now(), false) !=
+            replan_outcome::below_emergency) {
+          tolerate();
+        }
+      }
     }
     r.tokens = eff_.tokens();
     r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -324,7 +345,8 @@ class trainer {
 
   // Reads and checks the whole file first; on any error this trainer is unchanged. The saved plan
   // is restored when it fits the allocator's budget (the run then continues bit for bit);
-  // otherwise the current plan stays. Returns whether the saved plan was restored.
+  // otherwise the current plan stays. Returns whether the saved plan was restored. The monitor's
+  // level is not saved: a resumed run starts at the level its first check point sees.
   bool load(const std::string& path) {
     const checkpoint_reader r(path);
     if (r.value<std::uint64_t>("format") != format_version) {
@@ -353,14 +375,16 @@ class trainer {
       throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
     }
     std::optional<training_plan> restored;
-    if (pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget) && pl[0] * pl[1] == eff_.batch) {
+    if (pl[0] != 0 && eff_.batch % pl[0] == 0 && pl[1] == eff_.batch / pl[0] && pl[2] != 0 &&
+        pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
       plan_options po{pool_.size(), static_cast<std::size_t>(pl[2]), static_cast<std::size_t>(pl[1]), true};
       try {
         training_plan p = make_plan(m_, batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq},
                                     schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
                                     po, plan_.budget);
         if (p.fits() && (limit_now() == 0 || p.peak_bytes + foreign_now() <= limit_now())) restored = std::move(p);
-      } catch (const invalid_argument&) {
+      } catch (const error&) {
+        // A plan this build cannot make: keep the current one.
       }
     }
     // Everything checked: commit.
@@ -411,6 +435,12 @@ class trainer {
   static constexpr std::uint64_t format_version = 1;
 
   std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(n_); }
+
+  void release() noexcept {
+    alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+    alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+  }
 
   std::size_t usage_now() const {
     if constexpr (budgeted<Allocator>) return alloc_.usage();
@@ -500,30 +530,32 @@ class trainer {
     return loss;
   }
 
+  enum class replan_outcome { none, below_budget, below_emergency };
+
   // The least-recompute plan below the current peak whose peak plus the others' bytes stays
-  // under the emergency threshold, else under the budget.
-  std::optional<training_plan> stricter_plan() const {
+  // under the emergency threshold (second: true), else under the budget (second: false).
+  std::optional<std::pair<training_plan, bool>> stricter_plan() const {
     if (plan_.peak_bytes <= 1) return std::nullopt;
     const std::size_t cap = plan_.peak_bytes - 1;
-    std::vector<std::size_t> targets;
+    std::vector<std::pair<std::size_t, bool>> targets;
     if (const std::size_t limit = limit_now(); limit != 0) {
       const std::size_t foreign = foreign_now();
       double emergency = 1.0;
       if constexpr (requires { monitor_.thresholds().emergency; }) emergency = monitor_.thresholds().emergency;
       const auto soft = static_cast<std::size_t>(emergency * static_cast<double>(limit));
-      if (soft > foreign + 1) targets.push_back(std::min(cap, soft - foreign - 1));
-      if (limit > foreign) targets.push_back(std::min(cap, limit - foreign));
+      if (soft > foreign + 1) targets.push_back({std::min(cap, soft - foreign - 1), true});
+      if (limit > foreign) targets.push_back({std::min(cap, limit - foreign), false});
     } else {
-      targets.push_back(cap);
+      targets.push_back({cap, true});
     }
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
-    for (std::size_t t : targets) {
+    for (const auto& [t, below_emergency] : targets) {
       try {
         training_plan p = fit(m_, eff_, t, fo);
         p.budget = plan_.budget;
-        return p;
+        return std::pair{std::move(p), below_emergency};
       } catch (const budget_too_small&) {
       }
     }
@@ -542,8 +574,10 @@ class trainer {
     return 0;
   }
 
-  // Records the event in r; returns whether a stricter plan was adopted.
-  bool replan(step_result& r, std::string reason, std::size_t usage, std::size_t limit, bool retry) {
+  // Records the event in r; returns which kind of stricter plan was adopted, if any.
+  replan_outcome replan(step_result& r, std::string reason, std::size_t usage, std::size_t limit, bool retry) {
+    // A cache below the budget counts as usage but is nobody's: give it back before measuring.
+    if constexpr (requires { alloc_.release_cached(); }) alloc_.release_cached();
     replan_event e;
     e.step = r.step;
     e.reason = std::move(reason);
@@ -552,16 +586,24 @@ class trainer {
     e.foreign = foreign_now();
     e.from = plan_summary(plan_);
     e.from_peak = plan_.peak_bytes;
-    std::optional<training_plan> next = stricter_plan();
+    auto next = stricter_plan();
     e.stricter_found = next.has_value();
+    replan_outcome out = replan_outcome::none;
     if (next) {
-      e.to = plan_summary(*next);
-      e.to_peak = next->peak_bytes;
+      e.to = plan_summary(next->first);
+      e.to_peak = next->first.peak_bytes;
       e.retried = retry;
-      adopt(std::move(*next));
+      out = next->second ? replan_outcome::below_emergency : replan_outcome::below_budget;
+      adopt(std::move(next->first));
     }
     r.replans.push_back(std::move(e));
-    return r.replans.back().stricter_found;
+    return out;
+  }
+
+  bool tolerating() const { return tolerated_peak_ == plan_.peak_bytes && tolerated_foreign_ == foreign_now(); }
+  void tolerate() {
+    tolerated_peak_ = plan_.peak_bytes;
+    tolerated_foreign_ = foreign_now();
   }
 
   std::vector<std::uint64_t> fingerprint() const {
@@ -586,6 +628,7 @@ class trainer {
   S* g_ = nullptr;
   void* opt_ = nullptr;
   std::size_t own_bytes_ = 0;
+  std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()
   std::size_t largest_peak_ = 0;
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   random_state rng_{};
