@@ -25,13 +25,13 @@
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
 
+#include "../support/small_models.hpp"
+
 namespace mb = membound;
 
 namespace {
 
-template <typename P>
-using hybrid = mb::model<mb::embedding<P>, mb::block<mb::ttt_linear<P>>, mb::block<mb::attention<P>>,
-                         mb::block<mb::mamba<P>>, mb::block<mb::attention<P>>, mb::lm_head<P>>;
+using membound_test::hybrid;
 template <typename P>
 using attn3 = mb::model<mb::embedding<P>, mb::block<mb::attention<P>>, mb::block<mb::attention<P>>,
                         mb::block<mb::attention<P>>, mb::lm_head<P>>;
@@ -42,14 +42,7 @@ template <typename P>
 using ttt3 = mb::model<mb::embedding<P>, mb::block<mb::ttt_linear<P>>, mb::block<mb::ttt_mlp<P>>,
                        mb::block<mb::ttt_linear<P>>, mb::lm_head<P>>;
 
-mb::model_config small_config() {
-  mb::model_config c;
-  c.vocab = 40;
-  c.width = 32;
-  c.heads = 4;
-  c.kv_heads = 2;
-  return c;
-}
+using membound_test::small_config;
 
 struct data {
   std::vector<std::int32_t> tokens, targets;

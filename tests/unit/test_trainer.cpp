@@ -29,22 +29,15 @@
 #include "membound/monitor/pressure_monitor.hpp"
 #include "membound/train/trainer.hpp"
 
+#include "../support/small_models.hpp"
+
 namespace mb = membound;
 
 namespace {
 
-template <typename P>
-using hybrid = mb::model<mb::embedding<P>, mb::block<mb::ttt_linear<P>>, mb::block<mb::attention<P>>,
-                         mb::block<mb::mamba<P>>, mb::block<mb::attention<P>>, mb::lm_head<P>>;
+using membound_test::hybrid;
 
-mb::model_config small_config() {
-  mb::model_config c;
-  c.vocab = 40;
-  c.width = 32;
-  c.heads = 4;
-  c.kv_heads = 2;
-  return c;
-}
+using membound_test::small_config;
 
 constexpr mb::batch_shape effective{4, 16};
 
