@@ -8000,6 +8000,34 @@ class lm_head {
     return total;
   }
 
+  // The summed cross-entropy alone (evaluation): the same norm, chunks and row order as
+  // loss_backward, so the same value to the bit, without a gradient; the same workspace.
+  static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
+                     void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    detail::not_null(w.norm, "weights.norm");
+    detail::not_null(w.w, "weights.w");
+    detail::not_null(x, "x");
+    detail::not_null(targets, "targets");
+    check_targets(targets, s.rows, s.vocab);
+    const auto l = layout(s);
+    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
+    S* xn = ws.template get<S>(w_xn);
+    cpu::rmsnorm_forward(pool, x, w.norm, xn, ws.template get<A>(w_rstd), N, C, s.eps);
+    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
+    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
+    A* logits = ws.template get<A>(w_logits);
+    double* row_loss = ws.template get<double>(w_rowloss);
+    double total = 0;
+    for (std::size_t r0 = 0; r0 < N; r0 += R) {
+      const std::size_t r = std::min(R, N - r0);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, A(0), row_loss);
+    }
+    return total;
+  }
+
   // Every target in [0, V): a bad id would index outside the logits.
   static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
     for (std::size_t i = 0; i < n; ++i) {
@@ -9888,21 +9916,9 @@ class model {
     detail::not_null(logits, "logits");
     check(b);
     check_tokens(tokens, b.tokens());
-    const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
+    const std::size_t C = cfg_.width;
     live_set<Allocator> live(alloc, depth());
-    S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
-    for (std::size_t i = 0; i < depth(); ++i) {
-      visit_block(i, [&]<typename B>(B*) {
-        const auto d = B::make_dims(cfg_, b);
-        S* y = static_cast<S*>(live.get(a, memory_tag::activations));
-        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
-        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
-        live.put(ws);
-        live.put(x);
-        x = y;
-      });
-    }
+    const S* x = forward_only(w, tokens, b, live, pool);
     const auto hw = head_weights(w);
     for (std::size_t s = 0; s < b.batch; ++s) {
       const S* row = x + (s * b.seq + b.seq - 1) * C;
@@ -9917,6 +9933,32 @@ class model {
         logits[s * cfg_.vocab + v] = static_cast<double>(dot);
       }
     }
+  }
+
+  // ---- Evaluation: the mean cross-entropy without a backward pass ------------------------------
+  // The same value, to the bit, as forward_backward's; forward only, each block's input freed
+  // once its output exists, so the peak is two activations plus the larger of one block's
+  // forward workspace and the head's, all from `alloc` (below any training plan's for b).
+  template <typename Allocator>
+  double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+              std::size_t head_chunk, Allocator& alloc, thread_pool& pool) const {
+    detail::not_null(w, "weights");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(targets, "targets");
+    check(b);
+    const std::size_t N = b.tokens();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    head_type::check(hs);
+    check_tokens(tokens, N);
+    head_type::check_targets(targets, N, cfg_.vocab);
+    live_set<Allocator> live(alloc, depth());
+    S* x = forward_only(w, tokens, b, live, pool);
+    const std::size_t wsb = head_type::workspace_bytes(hs, pool.size());
+    void* ws = live.get(wsb, memory_tag::workspace);
+    const double total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, pool);
+    live.put(ws);
+    live.put(x);
+    return total / static_cast<double>(N);
   }
 
   // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
@@ -9991,6 +10033,26 @@ class model {
 
  private:
   // Every allocation of a step, so that an exception gives all of them back.
+  // Embedding and every block in advance mode; returns the last block's output (held by live).
+  template <typename Live>
+  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool& pool) const {
+    const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
+    S* x = static_cast<S*>(live.get(a, memory_tag::activations));
+    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
+    for (std::size_t i = 0; i < depth(); ++i) {
+      visit_block(i, [&]<typename B>(B*) {
+        const auto d = B::make_dims(cfg_, b);
+        S* y = static_cast<S*>(live.get(a, memory_tag::activations));
+        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
+        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
+        live.put(ws);
+        live.put(x);
+        x = y;
+      });
+    }
+    return x;
+  }
+
   template <typename Allocator>
   class live_set {
    public:
@@ -10787,17 +10849,13 @@ class trainer {
   }
 
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
-  // (seed, k)), in the plan's micro-batches. Uses the gradient buffer as scratch (zeroed after),
-  // so its peak is the plan's.
+  // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
+  // plan's, and nothing of the training state is touched.
   template <sequence_source Source>
   double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
     if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
     const std::size_t T = eff_.seq;
     double sum = 0;
-    struct zero_after {
-      trainer& t;
-      ~zero_after() { std::memset(static_cast<void*>(t.g_), 0, t.m_.weight_bytes()); }
-    } guard{*this};
     for (std::size_t k = 0; k < sequences; k += plan_.micro.batch) {
       const std::size_t b = std::min(plan_.micro.batch, sequences - k);
       fill(source, b, [&](std::size_t j) {
@@ -10805,8 +10863,7 @@ class trainer {
         return sequence_request{k + j, h.next()};
       });
       sum += static_cast<double>(b) *
-             m_.forward_backward(w_, g_, x_.data(), y_.data(), batch_shape{b, T}, plan_.ops, plan_.head_chunk,
-                                 1.0, alloc_, pool_);
+             m_.loss(w_, x_.data(), y_.data(), batch_shape{b, T}, plan_.head_chunk, alloc_, pool_);
     }
     return sum / static_cast<double>(sequences);
   }

@@ -375,3 +375,43 @@ TEST_CASE("model: next_token_logits agree with the loss path (one position, fp64
   CHECK(std::abs(ce / 2 - loss) < 1e-12);
   CHECK(alloc.stats().requested == 0);
 }
+
+TEST_CASE("model: loss() is forward_backward's loss to the bit, below every plan's peak, with nothing kept") {
+  const mb::batch_shape b{3, 13};
+  const data d = make_data(b, 40, 11);
+  auto check_precision = [&]<typename P>(P) {
+    using S = typename P::storage_type;
+    const hybrid<P> m(small_config());
+    for (std::size_t threads : {1, 2}) {
+      CAPTURE(threads);
+      mb::thread_pool pool(threads);
+      std::vector<S> w(m.parameter_elements()), g(w.size());
+      m.init_weights(w.data(), 5);
+      mb::plan_options o;
+      o.threads = threads;
+      o.optimizer = false;
+      o.head_chunk = 5;
+      for (const auto& s : all_schedules(m.depth())) {
+        const auto p = mb::make_plan(m, b, s, o);
+        mb::budget_allocator<mb::system_allocator> train_alloc(std::size_t{1} << 30), eval_alloc(std::size_t{1} << 30);
+        const double trained = m.forward_backward(w.data(), g.data(), d.tokens.data(), d.targets.data(), b, p.ops,
+                                                  5, 1.0, train_alloc, pool);
+        const double evaluated = m.loss(w.data(), d.tokens.data(), d.targets.data(), b, 5, eval_alloc, pool);
+        CHECK(std::memcmp(&trained, &evaluated, sizeof(double)) == 0);
+        // The plan's activations and workspace (its peak less weights and gradients) bound it.
+        CHECK(eval_alloc.stats().peak_requested <= p.peak_bytes - p.weights - p.gradients);
+        CHECK(eval_alloc.stats().requested == 0);
+      }
+    }
+  };
+  check_precision(mb::fp32_precision{});
+  check_precision(mb::bf16_precision{});
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::thread_pool pool(1);
+  mb::budget_allocator<mb::system_allocator> alloc(std::size_t{1} << 30);
+  std::vector<float> w(m.parameter_elements());
+  std::vector<std::int32_t> bad = d.targets;
+  bad[4] = 40;
+  CHECK_THROWS_AS(m.loss(w.data(), d.tokens.data(), bad.data(), b, 5, alloc, pool), mb::invalid_argument);
+  CHECK(alloc.stats().requested == 0);
+}

@@ -127,6 +127,34 @@ class lm_head {
     return total;
   }
 
+  // The summed cross-entropy alone (evaluation): the same norm, chunks and row order as
+  // loss_backward, so the same value to the bit, without a gradient; the same workspace.
+  static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
+                     void* workspace, std::size_t workspace_size, thread_pool& pool) {
+    check(s);
+    detail::not_null(w.norm, "weights.norm");
+    detail::not_null(w.w, "weights.w");
+    detail::not_null(x, "x");
+    detail::not_null(targets, "targets");
+    check_targets(targets, s.rows, s.vocab);
+    const auto l = layout(s);
+    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
+    S* xn = ws.template get<S>(w_xn);
+    cpu::rmsnorm_forward(pool, x, w.norm, xn, ws.template get<A>(w_rstd), N, C, s.eps);
+    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
+    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
+    A* logits = ws.template get<A>(w_logits);
+    double* row_loss = ws.template get<double>(w_rowloss);
+    double total = 0;
+    for (std::size_t r0 = 0; r0 < N; r0 += R) {
+      const std::size_t r = std::min(R, N - r0);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, A(0), row_loss);
+    }
+    return total;
+  }
+
   // Every target in [0, V): a bad id would index outside the logits.
   static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
     for (std::size_t i = 0; i < n; ++i) {

@@ -420,21 +420,9 @@ class model {
     detail::not_null(logits, "logits");
     check(b);
     check_tokens(tokens, b.tokens());
-    const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
+    const std::size_t C = cfg_.width;
     live_set<Allocator> live(alloc, depth());
-    S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
-    for (std::size_t i = 0; i < depth(); ++i) {
-      visit_block(i, [&]<typename B>(B*) {
-        const auto d = B::make_dims(cfg_, b);
-        S* y = static_cast<S*>(live.get(a, memory_tag::activations));
-        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
-        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
-        live.put(ws);
-        live.put(x);
-        x = y;
-      });
-    }
+    const S* x = forward_only(w, tokens, b, live, pool);
     const auto hw = head_weights(w);
     for (std::size_t s = 0; s < b.batch; ++s) {
       const S* row = x + (s * b.seq + b.seq - 1) * C;
@@ -449,6 +437,32 @@ class model {
         logits[s * cfg_.vocab + v] = static_cast<double>(dot);
       }
     }
+  }
+
+  // ---- Evaluation: the mean cross-entropy without a backward pass ------------------------------
+  // The same value, to the bit, as forward_backward's; forward only, each block's input freed
+  // once its output exists, so the peak is two activations plus the larger of one block's
+  // forward workspace and the head's, all from `alloc` (below any training plan's for b).
+  template <typename Allocator>
+  double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+              std::size_t head_chunk, Allocator& alloc, thread_pool& pool) const {
+    detail::not_null(w, "weights");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(targets, "targets");
+    check(b);
+    const std::size_t N = b.tokens();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    head_type::check(hs);
+    check_tokens(tokens, N);
+    head_type::check_targets(targets, N, cfg_.vocab);
+    live_set<Allocator> live(alloc, depth());
+    S* x = forward_only(w, tokens, b, live, pool);
+    const std::size_t wsb = head_type::workspace_bytes(hs, pool.size());
+    void* ws = live.get(wsb, memory_tag::workspace);
+    const double total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, pool);
+    live.put(ws);
+    live.put(x);
+    return total / static_cast<double>(N);
   }
 
   // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
@@ -523,6 +537,26 @@ class model {
 
  private:
   // Every allocation of a step, so that an exception gives all of them back.
+  // Embedding and every block in advance mode; returns the last block's output (held by live).
+  template <typename Live>
+  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool& pool) const {
+    const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
+    S* x = static_cast<S*>(live.get(a, memory_tag::activations));
+    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
+    for (std::size_t i = 0; i < depth(); ++i) {
+      visit_block(i, [&]<typename B>(B*) {
+        const auto d = B::make_dims(cfg_, b);
+        S* y = static_cast<S*>(live.get(a, memory_tag::activations));
+        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
+        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
+        live.put(ws);
+        live.put(x);
+        x = y;
+      });
+    }
+    return x;
+  }
+
   template <typename Allocator>
   class live_set {
    public:

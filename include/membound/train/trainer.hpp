@@ -298,17 +298,13 @@ class trainer {
   }
 
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
-  // (seed, k)), in the plan's micro-batches. Uses the gradient buffer as scratch (zeroed after),
-  // so its peak is the plan's.
+  // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
+  // plan's, and nothing of the training state is touched.
   template <sequence_source Source>
   double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
     if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
     const std::size_t T = eff_.seq;
     double sum = 0;
-    struct zero_after {
-      trainer& t;
-      ~zero_after() { std::memset(static_cast<void*>(t.g_), 0, t.m_.weight_bytes()); }
-    } guard{*this};
     for (std::size_t k = 0; k < sequences; k += plan_.micro.batch) {
       const std::size_t b = std::min(plan_.micro.batch, sequences - k);
       fill(source, b, [&](std::size_t j) {
@@ -316,8 +312,7 @@ class trainer {
         return sequence_request{k + j, h.next()};
       });
       sum += static_cast<double>(b) *
-             m_.forward_backward(w_, g_, x_.data(), y_.data(), batch_shape{b, T}, plan_.ops, plan_.head_chunk,
-                                 1.0, alloc_, pool_);
+             m_.loss(w_, x_.data(), y_.data(), batch_shape{b, T}, plan_.head_chunk, alloc_, pool_);
     }
     return sum / static_cast<double>(sequences);
   }
