@@ -10735,6 +10735,7 @@ class trainer {
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
         scaler_(o_.scaler) {
     m_.check(eff_);
+    check_options(o_);
     check_plan(plan_, "plan");
     w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
     try {
@@ -11000,6 +11001,32 @@ class trainer {
   std::size_t foreign_now() const {
     const std::size_t u = usage_now();
     return u > own_bytes_ ? u - own_bytes_ : 0;
+  }
+
+  // Each field on its own, written so that NaN fails too.
+  static void check_options(const trainer_options& o) {
+    const auto need = [](bool ok, const char* name, const char* expected, double got, const char* todo) {
+      if (!ok) throw invalid_argument(name, expected, std::to_string(got), todo);
+    };
+    const adamw_config& a = o.adam;
+    need(a.beta1 >= 0 && a.beta1 < 1, "options.adam.beta1", "a value in [0, 1)", a.beta1, "The usual value is 0.9");
+    need(a.beta2 >= 0 && a.beta2 < 1, "options.adam.beta2", "a value in [0, 1)", a.beta2, "The usual value is 0.95 or 0.999");
+    need(a.eps > 0 && std::isfinite(a.eps), "options.adam.eps", "a positive number", a.eps, "The usual value is 1e-8");
+    need(a.weight_decay >= 0 && std::isfinite(a.weight_decay), "options.adam.weight_decay", "0 or more",
+         a.weight_decay, "The usual value is 0.1; 0 turns it off");
+    need(o.lr.peak >= 0 && std::isfinite(o.lr.peak), "options.lr.peak", "a finite rate, 0 or more", o.lr.peak,
+         "e.g. 3e-4");
+    need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
+         o.lr.min_lr, "e.g. a tenth of the peak");
+    need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
+    need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
+         o.scaler.scale, "e.g. 65536");
+    need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
+         static_cast<double>(o.scaler.growth_interval), "The usual value is 2000");
+    if (o.head_chunks.empty() || std::find(o.head_chunks.begin(), o.head_chunks.end(), 0u) != o.head_chunks.end()) {
+      throw invalid_argument("options.head_chunks", "one or more positive logit chunk sizes",
+                             std::to_string(o.head_chunks.size()) + " sizes, or a 0", "e.g. {256, 64}");
+    }
   }
 
   void check_plan(const training_plan& p, const char* name) const {

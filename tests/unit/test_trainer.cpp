@@ -488,3 +488,29 @@ TEST_CASE("trainer: a plan for another batch or thread count is refused by name"
   CHECK_THROWS_AS(mb::trainer(m, effective, other, a, pool, options()), mb::invalid_argument);
   CHECK(a.stats().requested == 0);
 }
+
+TEST_CASE("trainer: bad options are refused by the field's name, before anything is allocated") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(1);
+  budget_alloc a(1ull << 30);
+  auto refused = [&](auto edit, const char* field) {
+    mb::trainer_options o = options();
+    edit(o);
+    try {
+      mb::trainer t(m, effective, plan_none(m, 1), a, pool, o);
+      FAIL("accepted a bad " << field);
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == field);
+    }
+    CHECK(a.stats().requested == 0);
+  };
+  refused([](mb::trainer_options& o) { o.adam.beta1 = 1.0; }, "options.adam.beta1");
+  refused([](mb::trainer_options& o) { o.adam.beta2 = std::nan(""); }, "options.adam.beta2");
+  refused([](mb::trainer_options& o) { o.adam.eps = 0; }, "options.adam.eps");
+  refused([](mb::trainer_options& o) { o.lr.peak = -1e-3; }, "options.lr.peak");
+  refused([](mb::trainer_options& o) { o.clip = std::nan(""); }, "options.clip");
+  refused([](mb::trainer_options& o) { o.scaler.scale = 0; }, "options.scaler.scale");
+  refused([](mb::trainer_options& o) { o.scaler.growth_interval = 0; }, "options.scaler.growth_interval");
+  refused([](mb::trainer_options& o) { o.head_chunks = {64, 0}; }, "options.head_chunks");
+}
