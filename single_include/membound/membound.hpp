@@ -7960,72 +7960,39 @@ class lm_head {
                               const std::int32_t* targets, double scale, S* dx,
                               const gradients& g, void* workspace, std::size_t workspace_size,
                               thread_pool& pool) {
-    check(s);
-    detail::not_null(w.norm, "weights.norm");
-    detail::not_null(w.w, "weights.w");
-    detail::not_null(x, "x");
-    detail::not_null(targets, "targets");
     detail::not_null(dx, "dx");
     detail::not_null(g.norm, "gradients.norm");
     detail::not_null(g.w, "gradients.w");
-    check_targets(targets, s.rows, s.vocab);
-    const auto l = layout(s);
-    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
-    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
-    S* xn = ws.template get<S>(w_xn);
-    A* rstd = ws.template get<A>(w_rstd);
-    cpu::rmsnorm_forward(pool, x, w.norm, xn, rstd, N, C, s.eps);
-    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
-    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
-    A* dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
-    if constexpr (widened) std::fill(dw, dw + V * C, A(0));
-    A* dxn = ws.template get<A>(w_dxn);
-    A* logits = ws.template get<A>(w_logits);
-    double* row_loss = ws.template get<double>(w_rowloss);
-    double total = 0;
-    for (std::size_t r0 = 0; r0 < N; r0 += R) {
-      const std::size_t r = std::min(R, N - r0);
-      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
-      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, static_cast<A>(scale),
-                                        row_loss);
-      cpu::matmul_at(pool, static_cast<const A*>(logits), xa + r0 * C, dw, r, V, C, true);
-      cpu::matmul(pool, static_cast<const A*>(logits), wa, dxn + r0 * C, r, V, C, false);
-    }
-    if constexpr (widened) cpu::add_grad(static_cast<const A*>(dw), V * C, g.w);
-    S* dxn_s = xn;  // xn is no longer needed: dxn rounds into its slot
-    cpu::narrow(static_cast<const A*>(dxn), N * C, dxn_s);
-    cpu::rmsnorm_backward(pool, x, w.norm, rstd, static_cast<const S*>(dxn_s),
-                          static_cast<const S*>(nullptr), dx, g.norm, ws.template get<A>(w_partial),
-                          N, C);
-    return total;
+    const std::size_t N = s.rows, C = s.width, V = s.vocab;
+    A* dw = nullptr;
+    A* dxn = nullptr;
+    const auto start = [&](const auto& ws) {
+      dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
+      if constexpr (widened) std::fill(dw, dw + V * C, A(0));
+      dxn = ws.template get<A>(w_dxn);
+    };
+    // Each chunk's logits, now its gradient, are consumed at once: dW += dlogitsᵀ·xn, dxn = dlogits·W.
+    const auto consume = [&](std::size_t r0, std::size_t r, const A* dlogits, const A* xa, const A* wa) {
+      cpu::matmul_at(pool, dlogits, xa + r0 * C, dw, r, V, C, true);
+      cpu::matmul(pool, dlogits, wa, dxn + r0 * C, r, V, C, false);
+    };
+    return chunked(s, w, x, targets, static_cast<A>(scale), workspace, workspace_size, pool, start, consume,
+                   [&](const auto& ws, S* xn, const A* rstd) {
+                     if constexpr (widened) cpu::add_grad(static_cast<const A*>(dw), V * C, g.w);
+                     S* dxn_s = xn;  // xn is no longer needed: dxn rounds into its slot
+                     cpu::narrow(static_cast<const A*>(dxn), N * C, dxn_s);
+                     cpu::rmsnorm_backward(pool, x, w.norm, rstd, static_cast<const S*>(dxn_s),
+                                           static_cast<const S*>(nullptr), dx, g.norm,
+                                           ws.template get<A>(w_partial), N, C);
+                   });
   }
 
   // The summed cross-entropy alone (evaluation): the same norm, chunks and row order as
   // loss_backward, so the same value to the bit, without a gradient; the same workspace.
   static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
                      void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    check(s);
-    detail::not_null(w.norm, "weights.norm");
-    detail::not_null(w.w, "weights.w");
-    detail::not_null(x, "x");
-    detail::not_null(targets, "targets");
-    check_targets(targets, s.rows, s.vocab);
-    const auto l = layout(s);
-    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
-    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
-    S* xn = ws.template get<S>(w_xn);
-    cpu::rmsnorm_forward(pool, x, w.norm, xn, ws.template get<A>(w_rstd), N, C, s.eps);
-    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
-    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
-    A* logits = ws.template get<A>(w_logits);
-    double* row_loss = ws.template get<double>(w_rowloss);
-    double total = 0;
-    for (std::size_t r0 = 0; r0 < N; r0 += R) {
-      const std::size_t r = std::min(R, N - r0);
-      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
-      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, A(0), row_loss);
-    }
-    return total;
+    const auto nothing = [](auto&&...) {};
+    return chunked(s, w, x, targets, A(0), workspace, workspace_size, pool, nothing, nothing, nothing);
   }
 
   // Every target in [0, V): a bad id would index outside the logits.
@@ -8041,6 +8008,41 @@ class lm_head {
   }
 
  private:
+  // The path both share: checks, the final RMSNorm, then for each chunk of rows its logits turned
+  // into cross-entropy and (times scale) its gradient in place, handed to consume(r0, r, dlogits,
+  // xa, wa); start(ws) runs before the chunks and finish(ws, xn, rstd) after them.
+  template <typename Start, typename Consume, typename Finish>
+  static double chunked(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
+                        A scale, void* workspace, std::size_t workspace_size, thread_pool& pool,
+                        Start&& start, Consume&& consume, Finish&& finish) {
+    check(s);
+    detail::not_null(w.norm, "weights.norm");
+    detail::not_null(w.w, "weights.w");
+    detail::not_null(x, "x");
+    detail::not_null(targets, "targets");
+    check_targets(targets, s.rows, s.vocab);
+    const auto l = layout(s);
+    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
+    S* xn = ws.template get<S>(w_xn);
+    A* rstd = ws.template get<A>(w_rstd);
+    cpu::rmsnorm_forward(pool, x, w.norm, xn, rstd, N, C, s.eps);
+    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
+    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
+    start(ws);
+    A* logits = ws.template get<A>(w_logits);
+    double* row_loss = ws.template get<double>(w_rowloss);
+    double total = 0;
+    for (std::size_t r0 = 0; r0 < N; r0 += R) {
+      const std::size_t r = std::min(R, N - r0);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, scale, row_loss);
+      consume(r0, r, static_cast<const A*>(logits), xa, wa);
+    }
+    finish(ws, xn, static_cast<const A*>(rstd));
+    return total;
+  }
+
   enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial };
   static constexpr workspace_layout<9> layout(const lm_head_shape& s) {
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
