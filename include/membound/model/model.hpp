@@ -324,88 +324,18 @@ class model {
     detail::not_null(g, "gradients");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    check(b);
-    const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
-    const lm_head_shape hs = head_shape(b, head_chunk);
-    head_type::check(hs);
-    check_tokens(tokens, N);
-    head_type::check_targets(targets, N, cfg_.vocab);
-    const std::size_t threads = pool.size();
-    const std::size_t a = activation_bytes(b);
+    return step<true>(w, g, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+  }
 
-    live_set<Allocator> live(alloc, L);
-    std::vector<S*> x(L + 1, nullptr);
-    std::vector<void*> saved(L, nullptr);
-    S* delta = nullptr;
-    double loss_sum = 0;
-
-    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x[0], N, C);
-
-    for (const chain_op& op : ops) {
-      const std::size_t i = op.block;
-      switch (op.kind) {
-        case chain_op_kind::advance:
-        case chain_op_kind::tape:
-        case chain_op_kind::retape: {
-          const forward_mode mode = op.kind == chain_op_kind::advance ? forward_mode::advance
-                                    : op.kind == chain_op_kind::tape  ? forward_mode::tape
-                                                                      : forward_mode::retape;
-          visit_block(i, [&]<typename B>(B*) {
-            const auto d = B::make_dims(cfg_, b);
-            if (mode != forward_mode::retape) x[i + 1] = static_cast<S*>(live.get(a, memory_tag::activations));
-            if (mode != forward_mode::advance)
-              saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
-            const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
-            void* ws = live.get(wsb, memory_tag::workspace);
-            B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, pool);
-            live.put(ws);
-          });
-          break;
-        }
-        case chain_op_kind::loss: {
-          observe(check_point::after_forward);
-          S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
-          const std::size_t wsb = head_type::workspace_bytes(hs, threads);
-          void* ws = live.get(wsb, memory_tag::workspace);
-          const double scale = loss_scale / static_cast<double>(N);
-          loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out,
-                                              head_grads(g), ws, wsb, pool);
-          live.put(ws);
-          delta = d_out;
-          observe(check_point::before_backward);
-          break;
-        }
-        case chain_op_kind::backward: {
-          visit_block(i, [&]<typename B>(B*) {
-            const auto d = B::make_dims(cfg_, b);
-            S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
-            void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
-            B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx,
-                        ws, pool);
-            live.put(ws);
-            live.put(delta);
-            live.put(saved[i]);
-            saved[i] = nullptr;
-            delta = dx;
-          });
-          break;
-        }
-        case chain_op_kind::discard:
-          live.put(x[i]);
-          x[i] = nullptr;
-          break;
-      }
-    }
-    if (delta == nullptr) {
-      throw invalid_argument("ops", "a complete schedule (ending with backward of block 0)",
-                             "a schedule without the loss or the backward pass",
-                             "Build it with schedule_none/full/every/binomial or optimal_schedule");
-    }
-    cpu::embedding_scatter<A>(pool, tokens, delta, g + params_[0].offset, N, C);
-    observe(check_point::after_backward);
-    live.put(delta);
-    return loss_sum / static_cast<double>(N);
+  // The requests forward_backward makes for (b, ops, head_chunk, threads), in its order, made on
+  // `alloc` without running any work: what the planner replays through a shadow of an allocator
+  // stack (model/reserve_plan.hpp) to know the reserve a step takes before the first one runs.
+  template <typename Allocator>
+  void step_requests(batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk, std::size_t threads,
+                     Allocator& alloc) const {
+    static_assert(check_allocator<Allocator>());
+    ignore_check_points none;
+    (void)step<false>(nullptr, nullptr, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -422,7 +352,7 @@ class model {
     check_tokens(tokens, b.tokens());
     const std::size_t C = cfg_.width;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only(w, tokens, b, live, pool);
+    const S* x = forward_only<true>(w, tokens, b, live, &pool, pool.size());
     const auto hw = head_weights(w);
     for (std::size_t s = 0; s < b.batch; ++s) {
       const S* row = x + (s * b.seq + b.seq - 1) * C;
@@ -449,20 +379,12 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    check(b);
-    const std::size_t N = b.tokens();
-    const lm_head_shape hs = head_shape(b, head_chunk);
-    head_type::check(hs);
-    check_tokens(tokens, N);
-    head_type::check_targets(targets, N, cfg_.vocab);
-    live_set<Allocator> live(alloc, depth());
-    S* x = forward_only(w, tokens, b, live, pool);
-    const std::size_t wsb = head_type::workspace_bytes(hs, pool.size());
-    void* ws = live.get(wsb, memory_tag::workspace);
-    const double total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, pool);
-    live.put(ws);
-    live.put(x);
-    return total / static_cast<double>(N);
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &pool, pool.size());
+  }
+  // The requests loss() makes, in its order, without running any work (see step_requests).
+  template <typename Allocator>
+  void loss_requests(batch_shape b, std::size_t head_chunk, std::size_t threads, Allocator& alloc) const {
+    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
   }
 
   // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
@@ -536,19 +458,133 @@ class model {
   }
 
  private:
-  // Every allocation of a step, so that an exception gives all of them back.
+  // One micro-batch under a schedule. Run: the work too (forward_backward); otherwise only the
+  // requests, in the same order (step_requests), so that the two cannot drift apart. The ops are
+  // checked first as simulate() checks them: a dropped backward or a duplicated tape is an
+  // invalid_argument naming the op, before anything is allocated.
+  template <bool Run, typename Allocator, typename Observer>
+  double step(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+              std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
+              thread_pool* pool, std::size_t threads, Observer& observe) const {
+    (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
+    const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    if constexpr (Run) {
+      check_tokens(tokens, N);
+      head_type::check_targets(targets, N, cfg_.vocab);
+    }
+    const std::size_t a = activation_bytes(b);
+
+    live_set<Allocator> live(alloc, L);
+    std::vector<S*> x(L + 1, nullptr);
+    std::vector<void*> saved(L, nullptr);
+    S* delta = nullptr;
+    double loss_sum = 0;
+
+    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
+    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x[0], N, C);
+
+    for (const chain_op& op : ops) {
+      const std::size_t i = op.block;
+      switch (op.kind) {
+        case chain_op_kind::advance:
+        case chain_op_kind::tape:
+        case chain_op_kind::retape: {
+          const forward_mode mode = op.kind == chain_op_kind::advance ? forward_mode::advance
+                                    : op.kind == chain_op_kind::tape  ? forward_mode::tape
+                                                                      : forward_mode::retape;
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            if (mode != forward_mode::retape) x[i + 1] = static_cast<S*>(live.get(a, memory_tag::activations));
+            if (mode != forward_mode::advance)
+              saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
+            const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
+            void* ws = live.get(wsb, memory_tag::workspace);
+            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *pool);
+            live.put(ws);
+          });
+          break;
+        }
+        case chain_op_kind::loss: {
+          if constexpr (Run) observe(check_point::after_forward);
+          S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
+          const std::size_t wsb = head_type::workspace_bytes(hs, threads);
+          void* ws = live.get(wsb, memory_tag::workspace);
+          if constexpr (Run) {
+            const double scale = loss_scale / static_cast<double>(N);
+            loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, head_grads(g), ws,
+                                                wsb, *pool);
+          }
+          live.put(ws);
+          delta = d_out;
+          if constexpr (Run) observe(check_point::before_backward);
+          break;
+        }
+        case chain_op_kind::backward: {
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
+            void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
+            if constexpr (Run)
+              B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
+            live.put(ws);
+            live.put(delta);
+            live.put(saved[i]);
+            saved[i] = nullptr;
+            delta = dx;
+          });
+          break;
+        }
+        case chain_op_kind::discard:
+          live.put(x[i]);
+          x[i] = nullptr;
+          break;
+      }
+    }
+    if constexpr (Run) {
+      cpu::embedding_scatter<A>(*pool, tokens, delta, g + params_[0].offset, N, C);
+      observe(check_point::after_backward);
+    }
+    live.put(delta);
+    return loss_sum / static_cast<double>(N);
+  }
+
+  template <bool Run, typename Allocator>
+  double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+                   std::size_t head_chunk, Allocator& alloc, thread_pool* pool, std::size_t threads) const {
+    static_assert(check_allocator<Allocator>());
+    check(b);
+    const std::size_t N = b.tokens();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    head_type::check(hs);
+    if constexpr (Run) {
+      check_tokens(tokens, N);
+      head_type::check_targets(targets, N, cfg_.vocab);
+    }
+    live_set<Allocator> live(alloc, depth());
+    S* x = forward_only<Run>(w, tokens, b, live, pool, threads);
+    const std::size_t wsb = head_type::workspace_bytes(hs, threads);
+    void* ws = live.get(wsb, memory_tag::workspace);
+    double total = 0;
+    if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *pool);
+    live.put(ws);
+    live.put(x);
+    return total / static_cast<double>(N);
+  }
+
   // Embedding and every block in advance mode; returns the last block's output (held by live).
-  template <typename Live>
-  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool& pool) const {
+  template <bool Run, typename Live>
+  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool* pool,
+                  std::size_t threads) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
+    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x, N, C);
     for (std::size_t i = 0; i < depth(); ++i) {
       visit_block(i, [&]<typename B>(B*) {
         const auto d = B::make_dims(cfg_, b);
         S* y = static_cast<S*>(live.get(a, memory_tag::activations));
-        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
-        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
+        void* ws = live.get(B::forward_workspace_bytes(d, threads, forward_mode::advance), memory_tag::workspace);
+        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *pool);
         live.put(ws);
         live.put(x);
         x = y;
@@ -557,6 +593,7 @@ class model {
     return x;
   }
 
+  // Every allocation of a step, so that an exception gives all of them back.
   template <typename Allocator>
   class live_set {
    public:

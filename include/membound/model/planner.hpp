@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -96,6 +97,10 @@ struct training_plan {
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
+  // The reserved peak on the allocator stack the plan was checked for (model/reserve_plan.hpp):
+  // rounding, segments and holes included; 0 when no stack was given (then only requested
+  // bytes were planned, which is exact over system_allocator alone).
+  std::size_t reserved_peak = 0;
   std::string peak_phase;
   std::size_t budget = 0;        // 0: none given
   double forward_flops = 0;      // of one micro-batch's blocks
@@ -106,7 +111,9 @@ struct training_plan {
   double recompute_overhead() const noexcept {
     return forward_flops == 0 ? 0.0 : recompute_flops / forward_flops;
   }
-  bool fits() const noexcept { return budget == 0 || peak_bytes <= budget; }
+  // What a budget over the planned stack counts at the peak.
+  std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
+  bool fits() const noexcept { return budget == 0 || budgeted_peak() <= budget; }
 
   // A table a person reads before step 1.
   std::string table() const {
@@ -129,15 +136,22 @@ struct training_plan {
     row("workspace (at peak)", workspace, "transient");
     const std::string at = "at " + peak_phase;
     row("predicted peak", peak_bytes, at.c_str());
+    if (reserved_peak != 0) {
+      char note[64];
+      std::snprintf(note, sizeof note, "on the allocator stack, +%.1f%% (rounding, segments)",
+                    peak_bytes == 0 ? 0.0 : 100.0 * (static_cast<double>(reserved_peak) / static_cast<double>(peak_bytes) - 1.0));
+      row("reserved peak", reserved_peak, note);
+    }
+    const std::size_t counted = budgeted_peak();
     if (budget != 0) {
       row("budget", budget, "");
-      if (peak_bytes <= budget) {
+      if (counted <= budget) {
         std::snprintf(line, sizeof line, "  %-22s %14s  %.1f%% of the budget free\n", "headroom",
-                      format_bytes(budget - peak_bytes, false).c_str(),
-                      100.0 * static_cast<double>(budget - peak_bytes) / static_cast<double>(budget));
+                      format_bytes(budget - counted, false).c_str(),
+                      100.0 * static_cast<double>(budget - counted) / static_cast<double>(budget));
       } else {
         std::snprintf(line, sizeof line, "  %-22s %14s  OVER BUDGET\n", "headroom",
-                      ("-" + format_bytes(peak_bytes - budget, false)).c_str());
+                      ("-" + format_bytes(counted - budget, false)).c_str());
       }
       s += line;
     }
@@ -147,6 +161,10 @@ struct training_plan {
     return s;
   }
 };
+
+// A plan's reserved peak on an allocator stack, or SIZE_MAX when the stack would refuse it
+// (model/reserve_plan.hpp's reserve_model builds one for a stack).
+using reserve_function = std::function<std::size_t(const training_plan&)>;
 
 // The smallest budget that would fit, as a typed error (fit() found nothing under `budget`).
 class budget_too_small : public invalid_argument {
@@ -342,6 +360,8 @@ struct fit_options {
   std::size_t threads = 1;
   bool optimizer = true;
   std::vector<std::size_t> head_chunks{256, 64};
+  // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
+  reserve_function reserve{};
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -355,14 +375,20 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();
+  // With a reserve function, what counts is the reserved peak on the stack.
+  auto reserve = [&](training_plan& p) {
+    if (fo.reserve && p.reserved_peak == 0) p.reserved_peak = fo.reserve(p);
+    return p.budgeted_peak();
+  };
   auto consider = [&](training_plan p) {
-    minimum = std::min(minimum, p.peak_bytes);
-    if (p.peak_bytes > budget) return;
+    const std::size_t counted = reserve(p);
+    minimum = std::min(minimum, counted);
+    if (counted > budget) return;
     const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
     const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
     if (!found || cost < best_cost ||
         (cost == best_cost && (p.accumulation < best.accumulation ||
-                               (p.accumulation == best.accumulation && p.peak_bytes < best.peak_bytes)))) {
+                               (p.accumulation == best.accumulation && counted < best.budgeted_peak())))) {
       best = std::move(p);
       found = true;
     }
@@ -378,10 +404,19 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       for (std::size_t k = 2; k < L; ++k) cands.push_back({schedule_choice::kind::every, k});
       for (std::size_t s = 1; s <= L; ++s) cands.push_back({schedule_choice::kind::binomial, s});
       for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
-      // The DP, unless nothing can fit (it would throw) or a zero-recompute plan already does.
-      try {
-        consider(make_plan(m, b, schedule_choice{schedule_choice::kind::budget, budget}, o, budget));
-      } catch (const invalid_argument&) {
+      // The DP, unless nothing can fit (it would throw). It plans requested bytes: when the
+      // stack's rounding takes its plan over the budget, ask again for that much less.
+      std::size_t target = budget;
+      for (int tries = 0; tries < 4; ++tries) {
+        try {
+          training_plan p = make_plan(m, b, schedule_choice{schedule_choice::kind::budget, target}, o, budget);
+          const std::size_t counted = reserve(p);
+          consider(p);
+          if (counted <= budget || counted - budget >= target) break;
+          target -= counted - budget;
+        } catch (const invalid_argument&) {
+          break;
+        }
       }
     }
   }

@@ -1,0 +1,171 @@
+// The plan of the reserve: what a training run takes from the allocator stack it runs on, not
+// only what it requests. A budget over a caching allocator or an arena caps reserved bytes
+// (512-byte rounding, shared segments, 2 MiB granules, holes), so a plan whose requested peak fits
+// can still run out of memory there. Before step 1 the planner replays the run's requests (the
+// persistent state, then steps and an evaluation, in the exact order the trainer and
+// model::forward_backward make them: model::step_requests) through a shadow of the caller's stack
+// (memory/shadow.hpp) and reads the reserved peak off the shadow's statistics. The shadow runs the
+// allocators' own code, so the prediction is exact for a stack that the run uses alone (others'
+// bytes counted as the budget's external bytes).
+//
+//   auto reserve = membound::reserve_model(m, alloc);   // alloc: the stack the trainer will use
+//   membound::fit_options fo{.threads = 2};
+//   fo.reserve = reserve;                               // fit compares reserved bytes with the budget
+//   auto plan = membound::fit(m, {8, 256}, budget, fo); // plan.reserved_peak: what the stack will hold
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/memory/allocator.hpp"
+#include "membound/memory/memory_tag.hpp"
+#include "membound/memory/shadow.hpp"
+#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/model/model_config.hpp"
+#include "membound/model/planner.hpp"
+#include "membound/train/adamw.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// One request of a recorded sequence: an allocation (id, bytes, tag) or the free of an earlier one.
+struct recorded_request {
+  std::uint32_t id = 0;
+  bool free = false;
+  std::size_t bytes = 0;
+  memory_tag tag = memory_tag::other;
+};
+
+// An allocator that hands out no memory and writes down what it was asked, in order. Model
+// functions that only make requests (model::step_requests, loss_requests) run on it.
+class request_recorder {
+ public:
+  static constexpr memory_space space = memory_space::host;
+  static constexpr std::size_t max_alignment = std::size_t{1} << 21;
+
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment, memory_tag tag = memory_tag::other) {
+    detail::check_alignment(alignment, max_alignment, "request_recorder");
+    detail::check_tag(tag);
+    if (bytes == 0) return nullptr;
+    if (alignment != default_alignment) {
+      throw invalid_argument("alignment", "default_alignment (" + std::to_string(default_alignment) + ")",
+                             std::to_string(alignment), "The step's requests all use default_alignment");
+    }
+    const auto id = static_cast<std::uint32_t>(next_id_++);
+    requests_.push_back({id, false, bytes, tag});
+    live_.push_back(id);
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id + 1) * 64);  // never dereferenced
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t = default_alignment, memory_tag tag = memory_tag::other) {
+    if (p == nullptr) return;
+    const auto id = static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(p) / 64 - 1);
+    const auto it = std::find(live_.begin(), live_.end(), id);
+    if (it == live_.end()) {
+      throw invalid_argument("p", "a live block of this recorder", "an unknown pointer", "A bug in the caller");
+    }
+    live_.erase(it);
+    requests_.push_back({id, true, bytes, tag});
+  }
+  std::size_t growth_for(std::size_t bytes, std::size_t) const noexcept { return bytes; }
+  memory_stats stats() const noexcept { return {}; }
+
+  const std::vector<recorded_request>& requests() const noexcept { return requests_; }
+  std::size_t live_blocks() const noexcept { return live_.size(); }
+
+ private:
+  std::size_t next_id_ = 0;
+  std::vector<recorded_request> requests_;
+  std::vector<std::uint32_t> live_;
+};
+
+// What a replay measured on a shadow stack.
+struct reserve_replay {
+  std::size_t peak_reserved = 0;   // the stack's reserved peak: what a budget over it counts
+  std::size_t peak_requested = 0;
+  bool fits = true;                // false: the shadow (its budget, arena capacity) refused a request
+  std::string refusal;             // the out_of_memory message when it did not fit
+};
+
+// Replays `requests` (ids as recorded) on `shadow`, a fresh stack or one that already holds state.
+template <typename Allocator>
+reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_request>& requests) {
+  std::vector<void*> ptr;
+  reserve_replay r;
+  std::size_t at = 0;
+  try {
+    for (; at < requests.size(); ++at) {
+      const recorded_request& q = requests[at];
+      if (q.id >= ptr.size()) ptr.resize(q.id + 1, nullptr);
+      if (q.free) {
+        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
+        ptr[q.id] = nullptr;
+      } else {
+        ptr[q.id] = shadow.allocate(q.bytes, default_alignment, q.tag);
+      }
+    }
+  } catch (const out_of_memory& e) {
+    r.fits = false;
+    r.refusal = e.what();
+    // Give back what is still live, in reverse, as the run's own unwinding would.
+    for (std::size_t k = at; k-- > 0;) {
+      const recorded_request& q = requests[k];
+      if (!q.free && ptr[q.id] != nullptr) {
+        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
+        ptr[q.id] = nullptr;
+      }
+    }
+  }
+  const memory_stats st = shadow.stats();
+  r.peak_reserved = st.peak_reserved;
+  r.peak_requested = st.peak_requested;
+  return r;
+}
+
+// The requests of a training run under a plan, as the trainer makes them: weights, gradients and
+// the optimizer state (constructor), then `steps` optimizer steps of `accumulation` micro-batches
+// each with an evaluation of one micro-batch after each (trainer::evaluate). Two steps reach the
+// steady state of every stack here: the second step finds the first one's free blocks.
+template <typename Model>
+std::vector<recorded_request> training_requests(const Model& m, batch_shape micro, std::span<const chain_op> ops,
+                                                std::size_t head_chunk, std::size_t threads, std::size_t accumulation,
+                                                bool optimizer, std::size_t steps = 2) {
+  request_recorder rec;
+  const std::size_t wb = m.weight_bytes();
+  void* w = rec.allocate(wb, default_alignment, memory_tag::weights);
+  void* g = rec.allocate(wb, default_alignment, memory_tag::gradients);
+  const std::size_t ob = optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  void* o = rec.allocate(ob, default_alignment, memory_tag::optimizer);
+  for (std::size_t s = 0; s < steps; ++s) {
+    for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
+    m.loss_requests(micro, head_chunk, threads, rec);
+  }
+  rec.deallocate(o, ob, default_alignment, memory_tag::optimizer);
+  rec.deallocate(g, wb, default_alignment, memory_tag::gradients);
+  rec.deallocate(w, wb, default_alignment, memory_tag::weights);
+  return rec.requests();
+}
+
+// The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
+// on a fresh shadow of `alloc`'s stack (its settings and the budget's external bytes read at each
+// call, so a retry under pressure sees the others' bytes of that moment), or SIZE_MAX when the
+// stack would refuse a request. m and alloc must outlive the function. Put it in
+// fit_options::reserve; the trainer makes its own from its allocator.
+template <typename Model, typename Allocator>
+  requires has_shadow<Allocator>
+reserve_function reserve_model(const Model& m, const Allocator& alloc) {
+  return [&m, &alloc](const training_plan& p) -> std::size_t {
+    const std::vector<recorded_request> q =
+        training_requests(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer != 0);
+    auto shadow = make_shadow(alloc);
+    const reserve_replay r = replay_requests(*shadow, q);
+    return r.fits ? r.peak_reserved : std::numeric_limits<std::size_t>::max();
+  };
+}
+
+MEMBOUND_NAMESPACE_END
