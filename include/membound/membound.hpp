@@ -23,6 +23,8 @@
 #include "membound/memory/trace.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/memory/synchronized.hpp"
+#include "membound/memory/shadow.hpp"
+#include "membound/memory/process_memory.hpp"
 
 #include "membound/monitor/check_point.hpp"
 #include "membound/monitor/null_monitor.hpp"
@@ -57,4 +59,5 @@
 #include "membound/model/checkpoint_schedule.hpp"
 #include "membound/model/model.hpp"
 #include "membound/model/planner.hpp"
+#include "membound/model/reserve_plan.hpp"
 #include "membound/train/trainer.hpp"
