@@ -93,6 +93,10 @@ template <typename Model, typename Alloc>
 void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& alloc, mb::thread_pool& pool,
                            std::size_t steps = 2) {
   using S = typename Model::storage_type;
+  // A planned stack serves the run from the plan's layout, as the trainer sets it.
+  if constexpr (mb::has_planned_layer<Alloc>) {
+    if (auto* layer = mb::planned_layer(alloc)) layer->set_layout(mb::plan_layout(m, p));
+  }
   const std::size_t wb = m.weight_bytes();
   auto* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
   auto* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
@@ -259,6 +263,13 @@ TEST_CASE("reserve: the predicted reserved peak is the real stack's, to the byte
     caching_stack a(p.peak_bytes + (std::size_t{3} << 20));
     check_stack(m, a);
   }
+  SUBCASE("budget<caching<system>> in planned mode") {
+    mb::caching_options co;
+    co.planned = true;
+    caching_stack a(std::size_t{1} << 30, co);
+    check_stack(m, a);
+    check_stack(m16, a);
+  }
   SUBCASE("budget<expandable_arena<host_virtual_memory>> with 2 MiB and 64 KiB granules") {
     arena_stack a(std::size_t{1} << 30, mb::expandable_arena_options{std::size_t{1} << 30});
     check_stack(m, a);
@@ -353,15 +364,21 @@ void trial(test_rng& rng, trial_counts& c, MakeStack make) {
 TEST_CASE("reserve: randomized, no plan that fits on its reserve runs out of memory (caching and arena stacks)") {
   // 30 trials per stack: random layer patterns, widths, heads, batches, sequences and budgets.
   test_rng rng{2026};
-  trial_counts caching, arena;
+  trial_counts caching, planned, arena;
   for (int t = 0; t < 30; ++t) {
     trial<caching_stack>(rng, caching, [](std::size_t budget) { return std::make_unique<caching_stack>(budget); });
+    trial<caching_stack>(rng, planned, [](std::size_t budget) {
+      mb::caching_options co;
+      co.planned = true;
+      return std::make_unique<caching_stack>(budget, co);
+    });
     trial<arena_stack>(rng, arena, [](std::size_t budget) {
       return std::make_unique<arena_stack>(budget, mb::expandable_arena_options{std::size_t{1} << 32},
                                            std::size_t{4} << 10);
     });
   }
   for (const auto& [name, c] : {std::pair<std::string, trial_counts>{"budget<caching<system>>", caching},
+                                std::pair<std::string, trial_counts>{"budget<caching<system>> planned", planned},
                                 std::pair<std::string, trial_counts>{"budget<expandable_arena> (4 KiB granules)", arena}}) {
     MESSAGE(name << ": " << c.fitted << " plans fitted on their reserve, " << c.oom << " ran out of memory; mean "
                  << (c.fitted ? c.sum_ratio / c.fitted : 0) << ", worst " << c.worst_ratio
@@ -373,4 +390,5 @@ TEST_CASE("reserve: randomized, no plan that fits on its reserve runs out of mem
   // The arena at page granularity holds within 5% of the requested peak; the caching allocator's
   // 2 MiB and 20 MiB segments do not at these sizes, which the plan states instead.
   CHECK(arena.worst_ratio <= 1.05);
+  CHECK(planned.worst_ratio <= 1.05);
 }

@@ -19,12 +19,15 @@
 // caches device memory when Upstream::space is memory_space::device.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
@@ -33,6 +36,7 @@
 #include "membound/memory/detail/block_pool.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/memory/memory_tag.hpp"
+#include "membound/memory/planned_layout.hpp"
 #include "membound/memory/system_allocator.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -64,6 +68,12 @@ struct caching_options {
   // Alignment passed to the upstream for each segment. Power of two, >= 512, so that every
   // block (a multiple of 512 bytes from the segment start) is 512-aligned.
   std::size_t segment_alignment = 512;
+  // Planned mode: a trainer (or any caller with a known, repeating request sequence) hands the
+  // allocator a memory_layout (set_layout); requests that follow it are served from two segments
+  // of exactly the layout's extents, at the layout's offsets, and the reserve is the layout's
+  // size instead of size classes and shared segments. Requests that do not follow it take the
+  // ordinary path, so a wrong layout costs memory, never correctness.
+  bool planned = false;
 };
 
 template <typename Upstream = system_allocator>
@@ -87,6 +97,10 @@ class caching_allocator {
   // Gives every segment back to the upstream. Blocks still allocated at this point are a bug in
   // the caller; their segments are freed anyway so leak checkers stay quiet about the cache.
   ~caching_allocator() {
+    if (plan_) {
+      plan_->live.clear();
+      release_planned(false);
+    }
     auto give_back = [this](detail::block_pool::segment& s) noexcept {
       upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
     };
@@ -103,6 +117,9 @@ class caching_allocator {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     detail::check_tag(tag);
     if (bytes == 0) return nullptr;
+    if (plan_) {
+      if (void* p = planned_allocate(bytes, tag)) return p;
+    }
     try {
       if (bytes > max_request) throw_too_large(bytes);
       const std::size_t size = round_size(bytes);
@@ -139,6 +156,7 @@ class caching_allocator {
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) {
     if (p == nullptr && bytes == 0) return;
+    if (plan_ && planned_deallocate(p, bytes, alignment, tag)) return;
     auto [pool, b] = find_live(p);
     detail::check_deallocate(b, p, bytes, alignment, tag, "caching_allocator");
     stats_.on_deallocate(b->requested, b->size, b->tag);
@@ -148,6 +166,7 @@ class caching_allocator {
 
   // Gives every fully free segment back to the upstream. Live blocks never move.
   void release_cached() noexcept {
+    if (plan_) release_planned(true);
     auto give_back = [this](detail::block_pool::segment& s) noexcept {
       upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
       stats_.on_release(s.size);
@@ -163,11 +182,55 @@ class caching_allocator {
   std::size_t growth_for(std::size_t bytes, std::size_t alignment) const {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     if (bytes == 0) return 0;
+    if (plan_) {
+      if (const auto m = planned_match(bytes)) return m->segment != nullptr ? 0 : m->extent;
+    }
     if (bytes > max_request) return std::numeric_limits<std::size_t>::max();
     const std::size_t size = round_size(bytes);
     if (pool_for(size).best_fit(size) != nullptr) return 0;
     return segment_size_for(size);
   }
+
+  // ---- Planned mode (caching_options::planned) ------------------------------------------------
+  bool planned() const noexcept { return opts_.planned; }
+  // Takes a layout; between steps (no block of the cycle live). The prefix (weights, gradients,
+  // optimizer state) cannot change once its blocks exist: a layout with another prefix throws
+  // invalid_argument then, and nothing changes. A cycle of another extent gives the old cycle
+  // segment back; the new one is taken at its first request.
+  void set_layout(memory_layout l) {
+    if (!opts_.planned) {
+      throw invalid_argument("caching_options::planned", "true to take a layout", "false",
+                             "Construct the allocator with caching_options{.planned = true}");
+    }
+    if (plan_) {
+      for (const auto& b : plan_->live) {
+        if (b.cycle) {
+          throw invalid_argument("layout", "no block of the current cycle live", "a live block of " + format_bytes(b.bytes),
+                                 "Set the layout between steps, when the step's blocks are given back");
+        }
+      }
+      if (plan_->prefix_next != 0 && l.prefix != plan_->layout.prefix) {
+        throw invalid_argument("layout.prefix", "the prefix already made (" + std::to_string(plan_->layout.prefix.size()) +
+                                                    " blocks, " + format_bytes(plan_->layout.prefix_extent) + ")",
+                               std::to_string(l.prefix.size()) + " blocks, " + format_bytes(l.prefix_extent),
+                               "Give back the prefix's blocks first, or keep the same prefix");
+      }
+      if (plan_->cycle_seg != nullptr && l.cycle_extent != plan_->layout.cycle_extent) {
+        upstream_.deallocate(plan_->cycle_seg, plan_->layout.cycle_extent, opts_.segment_alignment, memory_tag::other);
+        stats_.on_release(plan_->layout.cycle_extent);
+        plan_->cycle_seg = nullptr;
+      }
+      plan_->layout = std::move(l);
+      plan_->cursor = 0;
+    } else {
+      plan_.emplace();
+      plan_->layout = std::move(l);
+    }
+    plan_->live.reserve(plan_->layout.prefix.size() + plan_->layout.cycle.size());
+  }
+  const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
+  // Requests served from the layout, and requests that did not follow it (ordinary path).
+  std::size_t planned_hits() const noexcept { return plan_ ? plan_->hits : 0; }
 
   // A ceiling on reserved bytes, normally set by a budget_allocator above. When the preferred
   // segment (2 MiB or 20 MiB) would cross it, the segment shrinks to the rounded request: near a
@@ -302,7 +365,150 @@ class caching_allocator {
     stats_.set_largest_free_block(s > l ? s : l);
   }
 
+  struct planned_state {
+    struct live_block {
+      std::uintptr_t p;
+      std::size_t bytes, size;
+      memory_tag tag;
+      bool cycle;
+    };
+    memory_layout layout;
+    void* prefix_seg = nullptr;
+    void* cycle_seg = nullptr;
+    std::size_t prefix_next = 0, cursor = 0, hits = 0;
+    std::vector<live_block> live;
+  };
+  struct planned_choice {
+    const planned_slot* slot;
+    bool cycle;
+    std::size_t index;       // the slot's index in its part
+    void* segment;           // the part's segment, nullptr when not yet taken
+    std::size_t extent;
+  };
+
+  // The slot the next request of `bytes` takes, if it follows the layout: the next prefix slot,
+  // else the cycle's slot at the cursor (or the cycle's first, when a new step starts early,
+  // e.g. after an abandoned one), and only when no live block of the cycle overlaps it. Sizes
+  // alone decide (growth_for has no tag, and must agree with allocate); the overlap check is
+  // what keeps a request that strays from the layout from ever sharing bytes.
+  std::optional<planned_choice> planned_match(std::size_t bytes) const noexcept {
+    const planned_state& st = *plan_;
+    const memory_layout& l = st.layout;
+    auto follows = [&](const planned_slot& s) { return s.bytes == bytes; };
+    if (st.prefix_next < l.prefix.size() && follows(l.prefix[st.prefix_next])) {
+      return planned_choice{&l.prefix[st.prefix_next], false, st.prefix_next, st.prefix_seg, l.prefix_extent};
+    }
+    if (l.cycle.empty()) return std::nullopt;
+    std::size_t k = st.cursor;
+    if (!follows(l.cycle[k])) {
+      if (!follows(l.cycle[0])) return std::nullopt;
+      k = 0;
+    }
+    const planned_slot& s = l.cycle[k];
+    const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(st.cycle_seg);
+    const std::size_t size = align_up(s.bytes, memory_layout::slot_alignment);
+    for (const auto& b : st.live) {
+      if (b.cycle && b.p < base + s.offset + size && base + s.offset < b.p + b.size) return std::nullopt;
+    }
+    return planned_choice{&s, true, k, st.cycle_seg, l.cycle_extent};
+  }
+
+  void* planned_allocate(std::size_t bytes, memory_tag tag) {
+    const auto m = planned_match(bytes);
+    if (!m) return nullptr;
+    planned_state& st = *plan_;
+    void*& seg = m->cycle ? st.cycle_seg : st.prefix_seg;
+    if (seg == nullptr) {
+      try {
+        seg = new_planned_segment(m->extent, bytes);
+      } catch (...) {
+        stats_.on_failure();
+        throw;
+      }
+      stats_.on_reserve(m->extent);
+    }
+    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(seg) + m->slot->offset;
+    const std::size_t size = align_up(bytes, memory_layout::slot_alignment);
+    st.live.push_back({p, bytes, size, tag, m->cycle});  // reserved in set_layout: no heap call
+    if (m->cycle) {
+      st.cursor = m->index + 1 == st.layout.cycle.size() ? 0 : m->index + 1;
+    } else {
+      ++st.prefix_next;
+    }
+    ++st.hits;
+    stats_.on_allocate(bytes, size, tag);
+    return reinterpret_cast<void*>(p);
+  }
+
+  bool planned_deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag) {
+    planned_state& st = *plan_;
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    for (std::size_t k = st.live.size(); k-- > 0;) {
+      const auto b = st.live[k];
+      if (b.p != at) continue;
+      if (b.bytes != bytes) {
+        throw invalid_argument("bytes", std::to_string(b.bytes) + " (what allocate was given)", std::to_string(bytes),
+                               "Pass deallocate the size allocate got");
+      }
+      if (b.tag != tag) {
+        throw invalid_argument("tag", std::string(to_string(b.tag)) + " (what allocate was given)",
+                               std::string(to_string(tag)), "Pass deallocate the tag allocate got");
+      }
+      detail::check_alignment(alignment, max_alignment, "caching_allocator");
+      st.live.erase(st.live.begin() + static_cast<std::ptrdiff_t>(k));
+      stats_.on_deallocate(b.bytes, b.size, b.tag);
+      // The whole prefix given back (a trainer destroyed): the next one is made in the same place.
+      if (!b.cycle && std::none_of(st.live.begin(), st.live.end(), [](const auto& x) { return !x.cycle; }))
+        st.prefix_next = 0;
+      return true;
+    }
+    return false;
+  }
+
+  // Gives back the planned segments no live block uses (all of them when `keep_live` is false,
+  // for the destructor). A prefix given back is made again from its first slot.
+  void release_planned(bool keep_live) noexcept {
+    planned_state& st = *plan_;
+    bool cycle_live = false, prefix_live = false;
+    if (keep_live)
+      for (const auto& b : st.live) (b.cycle ? cycle_live : prefix_live) = true;
+    if (st.cycle_seg != nullptr && !cycle_live) {
+      upstream_.deallocate(st.cycle_seg, st.layout.cycle_extent, opts_.segment_alignment, memory_tag::other);
+      stats_.on_release(st.layout.cycle_extent);
+      st.cycle_seg = nullptr;
+      st.cursor = 0;
+    }
+    if (st.prefix_seg != nullptr && !prefix_live) {
+      upstream_.deallocate(st.prefix_seg, st.layout.prefix_extent, opts_.segment_alignment, memory_tag::other);
+      stats_.on_release(st.layout.prefix_extent);
+      st.prefix_seg = nullptr;
+      st.prefix_next = 0;
+    }
+  }
+
+  // One exact-size segment for a part of the layout; on out_of_memory, the cache goes back and
+  // the upstream is asked once more, as for any segment.
+  void* new_planned_segment(std::size_t extent, std::size_t bytes) {
+    try {
+      return upstream_.allocate(extent, opts_.segment_alignment, memory_tag::other);
+    } catch (const out_of_memory&) {
+      release_cached();
+      try {
+        return upstream_.allocate(extent, opts_.segment_alignment, memory_tag::other);
+      } catch (const out_of_memory& again) {
+        oom_report r = again.report();
+        r.source = "caching_allocator";
+        fill_usage(r, stats_.stats());
+        r.hint = "a request of " + format_bytes(bytes) + " needed the planned segment of " + format_bytes(extent) +
+                 ", which the upstream refused even after the cache was released" +
+                 (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+        throw out_of_memory(std::move(r));
+      }
+    }
+  }
+
   caching_options opts_;
+  std::optional<planned_state> plan_;
   std::size_t reserve_limit_ = std::numeric_limits<std::size_t>::max();
   Upstream upstream_;
   detail::block_pool small_, large_;

@@ -150,6 +150,7 @@ struct shadow_traits<caching_allocator<U>> {
   }
   static void sync(type& s, const caching_allocator<U>& a) {
     s.set_reserve_limit(a.reserve_limit());
+    if (const memory_layout* l = a.layout()) s.set_layout(*l);
     shadow_traits<U>::sync(s.upstream(), a.upstream());
   }
 };

@@ -26,6 +26,7 @@
 #include "membound/core/error.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_tag.hpp"
+#include "membound/memory/planned_layout.hpp"
 #include "membound/memory/shadow.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
 #include "membound/model/model_config.hpp"
@@ -33,14 +34,6 @@
 #include "membound/train/adamw.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
-
-// One request of a recorded sequence: an allocation (id, bytes, tag) or the free of an earlier one.
-struct recorded_request {
-  std::uint32_t id = 0;
-  bool free = false;
-  std::size_t bytes = 0;
-  memory_tag tag = memory_tag::other;
-};
 
 // An allocator that hands out no memory and writes down what it was asked, in order. Model
 // functions that only make requests (model::step_requests, loss_requests) run on it.
@@ -127,28 +120,49 @@ reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_req
   return r;
 }
 
-// The requests of a training run under a plan, as the trainer makes them: weights, gradients and
-// the optimizer state (constructor), then `steps` optimizer steps of `accumulation` micro-batches
-// each with an evaluation of one micro-batch after each (trainer::evaluate). Two steps reach the
-// steady state of every stack here: the second step finds the first one's free blocks.
+// The requests of a training run under a plan, as the trainer makes them, in two parts: the
+// prefix (weights, gradients, optimizer state: its constructor) and the cycle every optimizer step
+// repeats (`accumulation` micro-batches, then one evaluation of a micro-batch: trainer::evaluate).
+struct run_requests {
+  std::vector<recorded_request> prefix, cycle;
+};
+
 template <typename Model>
-std::vector<recorded_request> training_requests(const Model& m, batch_shape micro, std::span<const chain_op> ops,
-                                                std::size_t head_chunk, std::size_t threads, std::size_t accumulation,
-                                                bool optimizer, std::size_t steps = 2) {
+run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
+                        std::size_t threads, std::size_t accumulation, bool optimizer) {
+  run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
-  void* w = rec.allocate(wb, default_alignment, memory_tag::weights);
-  void* g = rec.allocate(wb, default_alignment, memory_tag::gradients);
+  (void)rec.allocate(wb, default_alignment, memory_tag::weights);
+  (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
   const std::size_t ob = optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  void* o = rec.allocate(ob, default_alignment, memory_tag::optimizer);
-  for (std::size_t s = 0; s < steps; ++s) {
-    for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
-    m.loss_requests(micro, head_chunk, threads, rec);
-  }
-  rec.deallocate(o, ob, default_alignment, memory_tag::optimizer);
-  rec.deallocate(g, wb, default_alignment, memory_tag::gradients);
-  rec.deallocate(w, wb, default_alignment, memory_tag::weights);
-  return rec.requests();
+  (void)rec.allocate(ob, default_alignment, memory_tag::optimizer);
+  const std::size_t k0 = rec.requests().size();
+  for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
+  m.loss_requests(micro, head_chunk, threads, rec);
+  r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
+  r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
+  return r;
+}
+template <typename Model>
+run_requests record_run(const Model& m, const training_plan& p) {
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer != 0);
+}
+
+// The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
+// the second finds the first one's free blocks), and the prefix given back.
+inline std::vector<recorded_request> training_requests(const run_requests& r, std::size_t steps = 2) {
+  std::vector<recorded_request> q = r.prefix;
+  for (std::size_t s = 0; s < steps; ++s) q.insert(q.end(), r.cycle.begin(), r.cycle.end());
+  for (std::size_t k = r.prefix.size(); k-- > 0;) q.push_back({r.prefix[k].id, true, r.prefix[k].bytes, r.prefix[k].tag});
+  return q;
+}
+
+// The layout a planned allocator (caching_options::planned) serves a plan's run from.
+template <typename Model>
+memory_layout plan_layout(const Model& m, const training_plan& p) {
+  const run_requests r = record_run(m, p);
+  return make_layout(r.prefix, r.cycle);
 }
 
 // The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
@@ -160,10 +174,13 @@ template <typename Model, typename Allocator>
   requires has_shadow<Allocator>
 reserve_function reserve_model(const Model& m, const Allocator& alloc) {
   return [&m, &alloc](const training_plan& p) -> std::size_t {
-    const std::vector<recorded_request> q =
-        training_requests(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer != 0);
+    const run_requests run = record_run(m, p);
     auto shadow = make_shadow(alloc);
-    const reserve_replay r = replay_requests(*shadow, q);
+    // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
+    if constexpr (has_planned_layer<shadow_t<Allocator>>) {
+      if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle));
+    }
+    const reserve_replay r = replay_requests(*shadow, training_requests(run));
     return r.fits ? r.peak_reserved : std::numeric_limits<std::size_t>::max();
   };
 }
