@@ -203,7 +203,7 @@ TEST_CASE("planned mode: requests that stray from the layout never share bytes")
     run_checked(a, cut, ptr);
     run_checked(a, cycle, ptr);  // and the step again, from the layout
     std::size_t allocations = 0;
-    for (const auto* seq : {&cycle, &shuffled, &cut, &cycle})
+    for (const std::vector<mb::recorded_request>* seq : {&cycle, static_cast<const std::vector<mb::recorded_request>*>(&shuffled), static_cast<const std::vector<mb::recorded_request>*>(&cut), &cycle})
       for (const auto& q : *seq) allocations += q.free ? 0 : 1;
     strayed += allocations - a.planned_hits();
     served += allocations;
