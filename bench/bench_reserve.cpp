@@ -39,8 +39,8 @@ using caching_stack = mb::budget_allocator<mb::caching_allocator<mb::system_allo
 using arena_stack = mb::budget_allocator<mb::expandable_arena<mb::host_virtual_memory>>;
 
 void table() {
-  std::printf("%-42s %12s  %22s %22s %22s\n", "model (schedule none, 2 threads)", "requested",
-              "budget<caching<sys>>", "arena, 2 MiB granule", "arena, 4 KiB granule");
+  std::printf("%-42s %12s  %22s %22s %22s %22s\n", "model (schedule none, 2 threads)", "requested",
+              "budget<caching<sys>>", "the same, planned", "arena, 2 MiB granule", "arena, 4 KiB granule");
   for (const row& r : rows) {
     mb::model_config c;
     c.vocab = 256;
@@ -52,6 +52,9 @@ void table() {
     const mb::training_plan p = mb::make_plan(m, {r.batch, r.seq}, mb::schedules::none{}, o);
     const std::size_t budget = std::size_t{64} << 30;
     caching_stack caching(budget);
+    mb::caching_options co;
+    co.planned = true;
+    caching_stack planned(budget, co);
     arena_stack arena2(budget, mb::expandable_arena_options{budget});
     arena_stack arena4(budget, mb::expandable_arena_options{budget}, mb::host_virtual_memory::page_size());
     auto cell = [&](std::size_t reserved) {
@@ -60,8 +63,9 @@ void table() {
                     100.0 * (static_cast<double>(reserved) / static_cast<double>(p.peak_bytes) - 1.0));
       return std::string(b);
     };
-    std::printf("%-42s %12s  %22s %22s %22s\n", r.name, mb::format_bytes(p.peak_bytes, false).c_str(),
-                cell(mb::reserve_model(m, caching)(p)).c_str(), cell(mb::reserve_model(m, arena2)(p)).c_str(),
+    std::printf("%-42s %12s  %22s %22s %22s %22s\n", r.name, mb::format_bytes(p.peak_bytes, false).c_str(),
+                cell(mb::reserve_model(m, caching)(p)).c_str(), cell(mb::reserve_model(m, planned)(p)).c_str(),
+                cell(mb::reserve_model(m, arena2)(p)).c_str(),
                 cell(mb::reserve_model(m, arena4)(p)).c_str());
   }
   std::printf("\n");
