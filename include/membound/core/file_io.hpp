@@ -204,6 +204,18 @@ class temporary_registry {
   std::set<std::string> names_;
 };
 
+// The file a symbolic link at `path` names (where an atomic write goes, and so its temporaries),
+// or `path` itself.
+inline std::string link_target(const std::string& path) {
+  struct stat lst {};
+  if (::lstat(path.c_str(), &lst) != 0 || !S_ISLNK(lst.st_mode)) return path;
+  char* real = ::realpath(path.c_str(), nullptr);
+  if (real == nullptr) return path;
+  std::string out = real;
+  std::free(real);
+  return out;
+}
+
 // The pid in `<base>.tmp.<pid>` or `<base>.tmp.<pid>.<n>`, or 0 when `name` is not a temporary of
 // `base` (another checkpoint's, or a file that merely starts alike).
 inline pid_t temporary_pid(const std::string& name, const std::string& base) noexcept {
@@ -250,8 +262,9 @@ inline bool process_gone(pid_t pid) noexcept {
 //     it runs in another pid namespace where its pid means nothing here.
 // Temporaries of other files in the folder, symbolic links and non-regular files stay.
 // Best effort: a folder that cannot be listed or a file that cannot be removed is left alone.
-inline void remove_stale_temporaries(const std::string& path) noexcept {
+inline void remove_stale_temporaries(const std::string& given) noexcept {
   try {
+    const std::string path = link_target(given);
     const std::string base = base_name(path);
     if (base.empty()) return;
     const std::unique_ptr<DIR, int (*)(DIR*)> dir(::opendir(parent_dir(path).c_str()), &::closedir);
@@ -372,13 +385,7 @@ inline void write_file_atomically(const std::string& path, const char* argument,
                                  "atomically");
     }
     keep_mode = st.st_mode & 07777;
-    struct stat lst {};
-    if (::lstat(path.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
-      if (char* real = ::realpath(path.c_str(), nullptr)) {
-        target = real;
-        std::free(real);
-      }
-    }
+    target = link_target(path);
   } else {
     const int e = errno;
     if (e != ENOENT) fail(errno_text(e), e, advice_for(e, true));

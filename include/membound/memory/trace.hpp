@@ -227,7 +227,12 @@ class trace_recorder {
   void mark(std::string_view name) {
     trace_event e;
     e.kind = trace_event_kind::mark;
-    e.name.assign(name.data(), name.size());  // the only step that can throw; nothing changed yet
+    try {
+      e.name.assign(name.data(), name.size());  // the only step that can throw; nothing changed yet
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory("trace_recorder::mark", name.size(),
+                                       "the mark's name is copied into the trace: pass a shorter one");
+    }
     push(std::move(e));
   }
 
