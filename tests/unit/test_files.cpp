@@ -328,9 +328,10 @@ TEST_CASE("files: a write refused by permissions or a full disk keeps the old fi
     const auto before = read_bytes(path);
     REQUIRE(before.size() > 100);
 
-    // A folder this user may not write to (as nobody when the test runs as root).
-    fs::permissions(d.path, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
-                                fs::perms::others_read | fs::perms::others_exec);
+    // A folder this user may not write to (r-x for all; as nobody when the test runs as root).
+    fs::permissions(d.path, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                                fs::perms::group_exec | fs::perms::others_read |
+                                fs::perms::others_exec);
     const std::string fresh = d / "fresh.bin";
     auto save_one = save;  // the child gets its own copy
     int rc = unprivileged([&] {
