@@ -95,6 +95,9 @@ inline std::string advice_for(int e, bool writing) {
     case ENOSPC:
     case EDQUOT: return "Free disk space (or quota) or choose another file system";
     case EIO: return "The device reported an I/O error: check it (dmesg) and try again";
+    case EFBIG:
+      return "The file would exceed the largest file this process may write (ulimit -f) or the "
+             "file system allows: raise the limit or choose another file system";
     default: return "Check the path and the file system";
   }
 }
@@ -311,7 +314,7 @@ class pending_temporary {
   ~pending_temporary() {
     if (!path_.empty() && !renamed_) ::unlink(path_.c_str());  // while still locked
     fd_.reset();
-    if (registered_) temporary_registry::instance().remove(base_name(path_));
+    if (registered_) temporary_registry::instance().remove(name_);
   }
 
   // Creates `<target>.tmp.<pid>.<n>` (O_EXCL, so never someone else's file) and locks it.
@@ -321,15 +324,15 @@ class pending_temporary {
     for (int attempt = 0; attempt < 64; ++attempt) {
       const std::string path = target + ".tmp." + std::to_string(::getpid()) + "." +
                                std::to_string(sequence.fetch_add(1));
-      temporary_registry::instance().add(base_name(path));  // before it exists: see the cleaner
+      std::string name = base_name(path);
+      temporary_registry::instance().add(name);  // before it exists: see the cleaner
       path_ = path;
+      name_ = std::move(name);
       registered_ = true;
       const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
       if (fd < 0) {
         const int e = errno;
-        temporary_registry::instance().remove(base_name(path));
-        registered_ = false;
-        path_.clear();
+        forget();
         if (e == EEXIST) continue;  // a leftover of an earlier process with this pid
         return e;
       }
@@ -338,9 +341,7 @@ class pending_temporary {
       // Only a cleaner that took it for a leftover can hold the lock: start over with a new name.
       ::unlink(path.c_str());
       fd_.reset();
-      temporary_registry::instance().remove(base_name(path));
-      registered_ = false;
-      path_.clear();
+      forget();
     }
     return EEXIST;
   }
@@ -350,7 +351,13 @@ class pending_temporary {
   void mark_renamed() noexcept { renamed_ = true; }
 
  private:
-  std::string path_;
+  void forget() noexcept {
+    temporary_registry::instance().remove(name_);
+    registered_ = false;
+    path_.clear();
+  }
+
+  std::string path_, name_;  // name_: the base name, as registered
   file_descriptor fd_;
   bool registered_ = false;
   bool renamed_ = false;
