@@ -9,6 +9,7 @@
 #include "membound/core/type_list.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
+#include "membound/core/file_io.hpp"
 
 #include "membound/memory/memory_tag.hpp"
 #include "membound/memory/memory_stats.hpp"

@@ -35,6 +35,19 @@ class invalid_argument : public error {
   const std::string& actual() const noexcept { return actual_; }
   const std::string& what_to_do() const noexcept { return what_to_do_; }
 
+ protected:
+  // For subclasses whose message reads better in their own words; the fields are the same.
+  struct own_message {};
+  // Fields by reference: the message is usually made from them in the same call.
+  invalid_argument(own_message, const std::string& message, const std::string& argument,
+                   const std::string& expected, const std::string& actual,
+                   const std::string& what_to_do)
+      : error(message),
+        argument_(argument),
+        expected_(expected),
+        actual_(actual),
+        what_to_do_(what_to_do) {}
+
  private:
   static std::string compose(const std::string& argument, const std::string& expected,
                              const std::string& actual, const std::string& what_to_do) {
@@ -61,6 +74,37 @@ class workspace_too_small : public invalid_argument {
 
  private:
   std::size_t required_, given_;
+};
+
+// A file the library was asked to read or write cannot be used for that: missing, a directory
+// or a device where a regular file belongs, without permission, in a folder that does not exist,
+// on a full disk. argument() is the parameter that named it ("path"), path() the file itself;
+// error_number() is the errno of the failing call, 0 when the problem was found without one.
+class file_error : public invalid_argument {
+ public:
+  file_error(const std::string& argument, const std::string& path, const std::string& expected,
+             const std::string& actual, const std::string& what_to_do, int error_number = 0)
+      : invalid_argument(own_message{},
+                         "membound: file '" + path + "' (argument '" + argument +
+                             "'): expected " + expected + ", got " + actual + ". " + what_to_do,
+                         argument, expected, actual, what_to_do),
+        path_(path),
+        error_number_(error_number) {}
+
+  const std::string& path() const noexcept { return path_; }
+  int error_number() const noexcept { return error_number_; }
+
+ protected:
+  file_error(own_message tag, const std::string& message, const std::string& argument,
+             const std::string& path, const std::string& expected, const std::string& actual,
+             const std::string& what_to_do, int error_number = 0)
+      : invalid_argument(tag, message, argument, expected, actual, what_to_do),
+        path_(path),
+        error_number_(error_number) {}
+
+ private:
+  std::string path_;
+  int error_number_;
 };
 
 // Everything a person needs to understand an out-of-memory, as fields (for tools and tests) and
@@ -115,6 +159,19 @@ class out_of_memory : public error {
  private:
   oom_report report_;
 };
+
+namespace detail {
+// A host allocation outside the allocators (a buffer the library sizes itself) failed.
+[[noreturn]] inline void throw_host_out_of_memory(std::string source, std::size_t bytes,
+                                                  std::string hint) {
+  oom_report r;
+  r.source = std::move(source);
+  r.requested = r.growth_needed = bytes;
+  r.detail = "std::bad_alloc from the host heap";
+  r.hint = std::move(hint);
+  throw out_of_memory(std::move(r));
+}
+}  // namespace detail
 
 // A backend call (mmap, CUDA driver) failed for a reason other than lack of memory.
 class backend_error : public error {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -27,31 +28,44 @@ MEMBOUND_NAMESPACE_BEGIN
 
 class thread_pool {
  public:
+  // More threads than this only add contention (and per-thread scratch) on any host there is.
+  static constexpr std::size_t max_threads = 1024;
+
   static std::size_t default_threads() noexcept {
     const unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 1 : n;  // 0 means "unknown"
+    if (n == 0) return 1;  // 0 means "unknown"
+    return n < max_threads ? n : max_threads;
   }
 
+  // Throws invalid_argument for 0 or more than max_threads threads, backend_error when the
+  // system refuses a thread (the ones already started are stopped first).
   explicit thread_pool(std::size_t threads = default_threads()) {
-    if (threads == 0) {
-      throw invalid_argument("threads", "at least 1", "0",
-                             "Pass 1 to run every task on the calling thread");
+    if (threads == 0 || threads > max_threads) {
+      throw invalid_argument("threads",
+                             "between 1 and " + std::to_string(max_threads) +
+                                 " (thread_pool::max_threads)",
+                             std::to_string(threads),
+                             "Pass 1 to run every task on the calling thread, or "
+                             "thread_pool::default_threads() for one per core");
     }
     workers_.reserve(threads - 1);
-    for (std::size_t t = 1; t < threads; ++t) workers_.emplace_back([this, t] { work(t); });
+    try {
+      for (std::size_t t = 1; t < threads; ++t) workers_.emplace_back([this, t] { work(t); });
+    } catch (const std::system_error& e) {
+      // Joinable threads must not outlive a constructor that throws (std::terminate otherwise).
+      stop_all();
+      throw backend_error("std::thread (worker " + std::to_string(workers_.size() + 1) + " of " +
+                              std::to_string(threads) + ")",
+                          e.code().value(), e.what(),
+                          "The system refused another thread (ulimit -u, memory): pass fewer "
+                          "threads");
+    }
   }
 
   thread_pool(const thread_pool&) = delete;
   thread_pool& operator=(const thread_pool&) = delete;
 
-  ~thread_pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (std::thread& w : workers_) w.join();
-  }
+  ~thread_pool() { stop_all(); }
 
   std::size_t size() const noexcept { return workers_.size() + 1; }
 
@@ -83,6 +97,15 @@ class thread_pool {
   }
 
  private:
+  void stop_all() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& w : workers_) w.join();
+  }
+
   void run_tasks(std::size_t thread) {
     for (;;) {
       const std::size_t i = next_.fetch_add(1);

@@ -9,14 +9,13 @@
 #pragma once
 
 #include <array>
-#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
+#include <new>
 #include <ostream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -24,6 +23,7 @@
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
+#include "membound/core/file_io.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/memory/memory_tag.hpp"
@@ -148,8 +148,21 @@ inline void append_timestamp_us(std::string& out, std::uint64_t ns) {
 // Not thread-safe, like the allocators; share one behind synchronized<> or one per thread.
 class trace_recorder {
  public:
+  // The most events one recorder keeps: their storage is reserved up front (about 100 bytes
+  // each, 1.6 GiB at this size) and a saved trace takes some 160 bytes per event.
+  static constexpr std::size_t max_capacity = std::size_t{1} << 24;
+
+  // Throws invalid_argument for a capacity of 0 or above max_capacity, out_of_memory when the
+  // host cannot hold the ring.
   explicit trace_recorder(std::size_t capacity) : capacity_(checked_capacity(capacity)) {
-    events_.reserve(capacity_);
+    try {
+      events_.reserve(capacity_);
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory(
+          "trace_recorder", capacity_ * sizeof(trace_event),
+          "the ring of " + std::to_string(capacity_) +
+              " events does not fit in host memory: pass a smaller capacity");
+    }
   }
 
   trace_recorder(const trace_recorder&) = delete;
@@ -214,7 +227,12 @@ class trace_recorder {
   void mark(std::string_view name) {
     trace_event e;
     e.kind = trace_event_kind::mark;
-    e.name.assign(name.data(), name.size());  // the only step that can throw; nothing changed yet
+    try {
+      e.name.assign(name.data(), name.size());  // the only step that can throw; nothing changed yet
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory("trace_recorder::mark", name.size(),
+                                       "the mark's name is copied into the trace: pass a shorter one");
+    }
     push(std::move(e));
   }
 
@@ -268,6 +286,29 @@ class trace_recorder {
   // at every allocation and free, global instants for pressure changes and marks. Timestamps in
   // microseconds since the recorder was made.
   void write_chrome_trace(std::ostream& os) const {
+    const std::string out = chrome_trace_json();
+    os.write(out.data(), static_cast<std::streamsize>(out.size()));
+  }
+
+  // The same, to a file, atomically as checkpoints are (see core/file_io.hpp): a failed save
+  // leaves any earlier file at `path` as it was. Throws file_error naming the path (a folder, a
+  // missing folder, no permission, a full disk), out_of_memory when the JSON does not fit.
+  void save_chrome_trace(const std::string& path) const {
+    std::string json;
+    try {
+      json = chrome_trace_json();
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory("trace_recorder::save_chrome_trace",
+                                       256 + events_.size() * 160,
+                                       "the trace is built in host memory before it is written: "
+                                       "free host memory or record fewer events");
+    }
+    const detail::byte_range part{json.data(), json.size()};
+    detail::write_file_atomically(path, "path", "Chrome trace", std::span(&part, 1));
+  }
+
+ private:
+  std::string chrome_trace_json() const {
     std::string out;
     out.reserve(256 + events_.size() * 160);
     out += "{\"traceEvents\":[\n";
@@ -300,30 +341,19 @@ class trace_recorder {
     out += ",\"retained_events\":" + std::to_string(events_.size());
     out += ",\"dropped_events\":" + std::to_string(dropped_);
     out += "}}\n";
-    os.write(out.data(), static_cast<std::streamsize>(out.size()));
+    return out;
   }
 
-  void save_chrome_trace(const std::string& path) const {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    if (!f) throw unwritable(path, errno);
-    write_chrome_trace(f);
-    f.flush();
-    if (!f) throw unwritable(path, errno);
-  }
-
- private:
   static std::size_t checked_capacity(std::size_t capacity) {
-    if (capacity == 0) {
-      throw invalid_argument("capacity", "at least 1 event", "0",
-                             "Pass how many recent events to keep, e.g. 1 << 16");
+    if (capacity == 0 || capacity > max_capacity) {
+      throw invalid_argument("capacity",
+                             "between 1 and " + std::to_string(max_capacity) +
+                                 " events (trace_recorder::max_capacity)",
+                             std::to_string(capacity),
+                             "Pass how many recent events to keep, e.g. 1 << 16; older ones are "
+                             "folded into the baseline, so a small ring still gives exact counters");
     }
     return capacity;
-  }
-
-  static invalid_argument unwritable(const std::string& path, int err) {
-    return invalid_argument("path", "a file that can be written", "'" + path + "'" +
-                                (err != 0 ? std::string(" (") + std::strerror(err) + ")" : ""),
-                            "Create the directory first or choose a writable location");
   }
 
   void push(trace_event&& e) noexcept {

@@ -9,49 +9,60 @@
 //   r.copy("weights", w_ptr, bytes);      // exact size or a typed error
 //
 // A crash at any point leaves either the previous file or the new one, never a mix: rename is
-// atomic within a folder, and the folder's fsync makes the rename itself durable. Every byte is
-// covered by a CRC-32, so truncation and bit flips are refused with a message naming the file.
+// atomic within a folder, and the folder's fsync makes the rename itself durable. The temporary a
+// killed writer leaves (`ckpt.bin.tmp.<pid>.<n>`) is removed by the next commit or read of the same
+// path (core/file_io.hpp says when it is safe). Every byte is covered by a CRC-32, so truncation
+// and bit flips are refused with a message naming the file.
 //
 // Layout (little-endian): "MBCKPT\0\1", u64 section count, per section {u64 name length, name,
 // u64 byte length, bytes}, then u32 CRC-32 of everything before it.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <iterator>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
+#include "membound/core/file_io.hpp"
+#include "membound/core/format.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
-// A checkpoint file that cannot be used: missing, truncated, corrupted, or without a section.
-class corrupt_checkpoint : public error {
+// A checkpoint file that cannot be used: missing, not a regular file, unreadable, truncated,
+// corrupted, or without a section. A file_error, so one catch covers every file problem.
+class corrupt_checkpoint : public file_error {
  public:
-  corrupt_checkpoint(const std::string& path, const std::string& why)
-      : error("membound: checkpoint '" + path + "' cannot be used: " + why +
-              ". Resume from an earlier checkpoint or start without --resume"),
-        path_(path) {}
-  const std::string& path() const noexcept { return path_; }
+  static constexpr const char* default_what_to_do =
+      "Resume from an earlier checkpoint or start without --resume";
 
- private:
-  std::string path_;
+  corrupt_checkpoint(const std::string& path, const std::string& why,
+                     const std::string& what_to_do = default_what_to_do, int error_number = 0)
+      : file_error(own_message{},
+                   "membound: checkpoint '" + path + "' cannot be used: " + why + ". " + what_to_do,
+                   "path", path, "a readable membound checkpoint", why, what_to_do,
+                   error_number) {}
+
+  // A problem with the file itself, found before its contents were read (missing, a folder, a
+  // FIFO, no permission): its fields as they are, in a checkpoint's message.
+  explicit corrupt_checkpoint(const file_error& e)
+      : file_error(own_message{},
+                   "membound: checkpoint '" + e.path() + "' cannot be used: expected " +
+                       e.expected() + ", got " + e.actual() + ". " + e.what_to_do(),
+                   "path", e.path(), e.expected(), e.actual(), e.what_to_do(), e.error_number()) {}
 };
 
 namespace detail {
 
-// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), table built once.
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), table built once. Chains: crc32(b, m,
+// crc32(a, n)) is the CRC of a followed by b.
 inline std::uint32_t crc32(const unsigned char* p, std::size_t n, std::uint32_t crc = 0) noexcept {
   static const std::array<std::uint32_t, 256> table = [] {
     std::array<std::uint32_t, 256> t{};
@@ -69,8 +80,13 @@ inline std::uint32_t crc32(const unsigned char* p, std::size_t n, std::uint32_t 
 
 inline constexpr char checkpoint_magic[8] = {'M', 'B', 'C', 'K', 'P', 'T', '\0', '\1'};
 
+inline void put_u64(unsigned char* out, std::uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
+}
 inline void put_u64(std::vector<unsigned char>& out, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<unsigned char>(v >> (8 * i)));
+  unsigned char b[8];
+  put_u64(b, v);
+  out.insert(out.end(), b, b + 8);
 }
 inline std::uint64_t get_u64(const unsigned char* p) noexcept {
   std::uint64_t v = 0;
@@ -78,17 +94,39 @@ inline std::uint64_t get_u64(const unsigned char* p) noexcept {
   return v;
 }
 
-inline std::string parent_dir(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
 }  // namespace detail
 
 class checkpoint_writer {
  public:
+  // The most bytes all sections together (names and sizes included) may hold.
+  static constexpr std::size_t max_bytes = std::size_t{1} << 48;  // 256 TiB
+
+  // Appends a section. On a throw nothing was added: invalid_argument for a null `data` with
+  // bytes, or a size beyond max_bytes; out_of_memory when host memory cannot hold the copy.
   void add(const std::string& name, const void* data, std::size_t bytes) {
+    if (data == nullptr && bytes != 0) {
+      throw invalid_argument("data", "a pointer to the section's " + std::to_string(bytes) + " bytes",
+                             "nullptr", "Pass the section's buffer, or 0 bytes for an empty section");
+    }
+    const std::size_t room = max_bytes - buf_.size();  // buf_ never exceeds max_bytes
+    if (name.size() > room || 16 > room - name.size() || bytes > room - name.size() - 16) {
+      throw invalid_argument(
+          "bytes", "at most " + format_bytes(room > 16 + name.size() ? room - 16 - name.size() : 0) +
+                       " for section '" + name + "' (a checkpoint holds at most " +
+                       format_bytes(max_bytes) + ")",
+          format_bytes(bytes),
+          "Check the size computation (a negative value converted to std::size_t?)");
+    }
+    const std::size_t need = buf_.size() + 16 + name.size() + bytes;
+    try {
+      // Geometric growth, so many small sections copy the buffer O(log n) times.
+      if (need > buf_.capacity()) buf_.reserve(std::max(need, std::min(max_bytes, 2 * buf_.capacity())));
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory(
+          "checkpoint_writer::add", need,
+          "the checkpoint is built in host memory before it is written: free host memory");
+    }
+    // Within the reserved capacity from here on: nothing below can throw.
     detail::put_u64(buf_, name.size());
     buf_.insert(buf_.end(), name.begin(), name.end());
     detail::put_u64(buf_, bytes);
@@ -102,60 +140,39 @@ class checkpoint_writer {
     add(name, &v, sizeof(T));
   }
 
-  // Writes the file atomically. Throws membound::error naming the path and the failing call;
-  // the previous file at `path` is then untouched.
+  // Writes the file atomically and removes temporaries killed writers left for this path. Throws
+  // file_error naming the path, what it expected and the failing call (a folder, a missing
+  // folder, no permission, a full disk); the previous file at `path` is then untouched.
   void commit(const std::string& path) const {
-    std::vector<unsigned char> out(detail::checkpoint_magic, detail::checkpoint_magic + 8);
-    detail::put_u64(out, sections_);
-    out.insert(out.end(), buf_.begin(), buf_.end());
-    const std::uint32_t crc = detail::crc32(out.data(), out.size());
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<unsigned char>(crc >> (8 * i)));
-
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) fail(path, "cannot create the temporary file '" + tmp + "'");
-    std::size_t done = 0;
-    while (done < out.size()) {
-      const ssize_t w = ::write(fd, out.data() + done, out.size() - done);
-      if (w <= 0) {
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        fail(path, "write to '" + tmp + "' failed (disk full?)");
-      }
-      done += static_cast<std::size_t>(w);
-    }
-    if (::fsync(fd) != 0) {
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail(path, "fsync of '" + tmp + "' failed");
-    }
-    ::close(fd);
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      ::unlink(tmp.c_str());
-      fail(path, "rename of '" + tmp + "' over it failed");
-    }
-    const int dfd = ::open(detail::parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {  // the rename is durable once the folder is synced
-      ::fsync(dfd);
-      ::close(dfd);
-    }
+    unsigned char head[16];
+    std::memcpy(head, detail::checkpoint_magic, 8);
+    detail::put_u64(head + 8, sections_);
+    const std::uint32_t crc = detail::crc32(buf_.data(), buf_.size(), detail::crc32(head, 16));
+    unsigned char tail[4];
+    for (int i = 0; i < 4; ++i) tail[i] = static_cast<unsigned char>(crc >> (8 * i));
+    // Written in three parts: the sections are not copied once more.
+    const detail::byte_range parts[] = {{head, 16}, {buf_.data(), buf_.size()}, {tail, 4}};
+    detail::write_file_atomically(path, "path", "checkpoint", parts);
   }
 
  private:
-  [[noreturn]] static void fail(const std::string& path, const std::string& why) {
-    throw error("membound: cannot write checkpoint '" + path + "': " + why +
-                "; the previous checkpoint is untouched");
-  }
   std::vector<unsigned char> buf_;
   std::uint64_t sections_ = 0;
 };
 
 class checkpoint_reader {
  public:
+  // Reads and checks the whole file; a file that is missing, not a regular file (a folder, a
+  // FIFO, a device), unreadable, empty, truncated or corrupted throws corrupt_checkpoint naming
+  // it. Also removes the temporaries killed writers left for this path.
   explicit checkpoint_reader(const std::string& path) : path_(path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw corrupt_checkpoint(path, "the file does not exist or cannot be read");
-    data_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    detail::remove_stale_temporaries(path);
+    try {
+      data_ = detail::read_regular_file(path, "path", "checkpoint");
+    } catch (const file_error& e) {
+      throw corrupt_checkpoint(e);
+    }
+    if (data_.empty()) throw corrupt_checkpoint(path, "it is empty (0 bytes)");
     if (data_.size() < 8 + 8 + 4 || std::memcmp(data_.data(), detail::checkpoint_magic, 8) != 0) {
       throw corrupt_checkpoint(path, data_.size() < 20 ? "it is truncated (" + std::to_string(data_.size()) + " bytes)"
                                                        : "it is not a membound checkpoint (bad magic)");
