@@ -364,14 +364,17 @@ int main(int argc, char** argv) {
   namespace cc = cli_checks;
   CLI::App app{"plot_memory: draw a membound memory trace as an SVG (memory by tag against the budget)"};
   std::string trace_path, report_path, budget_text, thresholds_text, title = "memory by tag", out_path;
-  app.add_option("--trace", trace_path, "Chrome trace JSON from train --trace")->required();
-  app.add_option("--report", report_path, "report JSON from train --report: budget, thresholds, predicted peak");
+  app.add_option("--trace", trace_path, "Chrome trace JSON from train --trace")->required()->type_name("FILE");
+  app.add_option("--report", report_path, "report JSON from train --report: budget, thresholds, predicted peak")
+      ->type_name("FILE");
   app.add_option("--budget", budget_text, "budget, the same units as train --budget, e.g. 32MiB (default: the "
-                                          "report's budget_bytes)");
+                                          "report's budget_bytes)")
+      ->type_name("SIZE");
   app.add_option("--thresholds", thresholds_text, "warning,critical,emergency fractions in (0, 1], in that order "
-                                                  "(default: the report's, or 0.90,0.95,0.97)");
+                                                  "(default: the report's, or 0.90,0.95,0.97)")
+      ->type_name("W,C,E");
   app.add_option("--title", title, "plot title");
-  app.add_option("--out", out_path, "SVG file to write (its folder must exist)")->required();
+  app.add_option("--out", out_path, "SVG file to write (its folder must exist)")->required()->type_name("FILE");
   try {
     try {
       app.parse(argc, argv);

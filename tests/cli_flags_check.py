@@ -80,6 +80,15 @@ class Checker:
         if problems:
             self.failures.append(f"{os.path.basename(tool)} {shown}: {'; '.join(problems)}\n    stderr: {r.stderr!r}")
 
+    def fails_late(self, tool, base, flag):
+        """The flag's file is written at the end and the write fails (/dev/full: no space left)."""
+        if not os.path.exists("/dev/full"):
+            return
+        r = run(argv(tool, base, {flag: "/dev/full"}), self.out)
+        if r.returncode != 1 or r.stderr.count("\n") != 1 or not r.stderr.startswith("error:") or flag not in r.stderr:
+            self.failures.append(f"{os.path.basename(tool)} {flag} /dev/full: exit {r.returncode}, stderr {r.stderr!r}")
+        self.clear()
+
     def accept(self, tool, base, change, check=None):
         cmd = argv(tool, base, change)
         r = run(cmd, self.out)
@@ -206,13 +215,8 @@ def main():
         c.refuse(train, base, "--report", {"--resume": ckpt, "--report": ckpt})  # would overwrite it
 
         # A write that fails at the end is an error, not a silent exit 0.
-        if os.path.exists("/dev/full"):
-            for flag in ("--report", "--trace"):
-                r = run(argv(train, base, {flag: "/dev/full"}), out)
-                if r.returncode != 1 or r.stderr.count("\n") != 1 or not r.stderr.startswith("error:") \
-                        or flag not in r.stderr:
-                    c.failures.append(f"train {flag} /dev/full: exit {r.returncode}, stderr {r.stderr!r}")
-                c.clear()
+        c.fails_late(train, base, "--report")
+        c.fails_late(train, base, "--trace")
 
         # --- plot_memory -----------------------------------------------------------------------
         trace, report = p("trace.json"), p("report.json")
@@ -256,10 +260,7 @@ def main():
         svg_written = lambda r: None if os.path.exists(os.path.join(out, "mem.svg")) else "no SVG written"
         c.accept(plot, pbase, {}, svg_written)
         c.accept(plot, pbase, {"--report": None, "--budget": "32MiB", "--thresholds": "0.5,0.5,1"}, svg_written)
-        if os.path.exists("/dev/full"):
-            r = run(argv(plot, pbase, {"--out": "/dev/full"}), out)
-            if r.returncode != 1 or r.stderr.count("\n") != 1 or "--out" not in r.stderr:
-                c.failures.append(f"plot_memory --out /dev/full: exit {r.returncode}, stderr {r.stderr!r}")
+        c.fails_late(plot, pbase, "--out")
 
         # --- memory_tour -----------------------------------------------------------------------
         if tour:
@@ -271,6 +272,7 @@ def main():
                     c.refuse(tour, tbase, flag, {flag: v})
             c.refuse(tour, tbase, "--foo", {"+": ["--foo", "1"]})
             c.refuse(tour, tbase, "--steps", {"--steps": None, "+": ["--steps"]})
+            c.fails_late(tour, tbase, "--trace")
 
     for f in c.failures:
         print(f"FAIL: {f}")
