@@ -11,11 +11,11 @@
 //   memory_tour [--budget-mib N] [--steps N] [--trace FILE]
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "cli_checks.hpp"
 #include "membound/membound.hpp"
 
 namespace mb = membound;
@@ -29,32 +29,24 @@ struct options {
   std::string trace_path = "memory_tour_trace.json";
 };
 
-std::size_t parse_count(std::string_view flag, const char* text, const char* example) {
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(text, &end, 10);
-  if (end == text || *end != '\0' || v == 0) {
-    throw mb::invalid_argument(std::string(flag), "a positive integer", text,
-                               "e.g. " + std::string(flag) + " " + example);
-  }
-  return static_cast<std::size_t>(v);
-}
-
+// Numbers by the strict rules of cli_checks.hpp; the trace's folder is checked before the tour.
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     const bool has_value = i + 1 < argc;
     if (a == "--budget-mib" && has_value) {
-      o.budget_mib = parse_count(a, argv[++i], "160");
+      o.budget_mib = cli_checks::whole(a, argv[++i], 1, std::size_t{1} << 20, "--budget-mib 160");
     } else if (a == "--steps" && has_value) {
-      o.steps = static_cast<int>(parse_count(a, argv[++i], "9"));
+      o.steps = static_cast<int>(cli_checks::whole(a, argv[++i], 1, 10000, "--steps 9"));
     } else if (a == "--trace" && has_value) {
       o.trace_path = argv[++i];
     } else {
-      throw mb::invalid_argument(std::string(a), "--budget-mib N, --steps N or --trace FILE",
+      throw mb::invalid_argument(std::string(a), "--budget-mib N, --steps N or --trace FILE, each with a value",
                                  "", "Run with no arguments for the defaults");
     }
   }
+  cli_checks::output_file("--trace", o.trace_path);
   return o;
 }
 
@@ -199,7 +191,7 @@ int main(int argc, char** argv) try {
 
   for (auto it = persistent.rbegin(); it != persistent.rend(); ++it) memory.deallocate(it->p, it->n, al, it->tag);
   memory.release_cached();
-  recorder.save_chrome_trace(opt.trace_path);
+  cli_checks::write_file("--trace", opt.trace_path, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
   const mb::memory_stats s = memory.stats();
   std::printf("\nend: requested %s, reserved %s; the run's peak reserved was %s of a %s budget, %llu refusals\n",
               mb::format_bytes(s.requested).c_str(), mb::format_bytes(s.reserved).c_str(),
@@ -209,6 +201,6 @@ int main(int argc, char** argv) try {
               opt.trace_path.c_str(), recorder.size());
   return 0;
 } catch (const mb::error& e) {
-  std::fprintf(stderr, "%s\n", e.what());
-  return 2;
+  std::fprintf(stderr, "error: %s\n", cli_checks::one_line(e.what()).c_str());
+  return 1;
 }

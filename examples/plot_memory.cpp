@@ -9,7 +9,6 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -21,6 +20,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.hpp"
 #include "membound/core/error.hpp"
 
 namespace mb = membound;
@@ -95,7 +95,12 @@ trace_data load_trace(const std::string& path) {
         for (const auto& [key, value] : e.at("args").items()) {
           // A tag unknown here (a newer trace) goes to "other" so the total stays right.
           const auto k = static_cast<std::size_t>(std::find(tag_names.begin(), tag_names.end(), key) - tag_names.begin());
-          s.bytes[std::min(k, tag_count - 1)] += value.get<double>();
+          const double b = value.get<double>();
+          if (!(b >= 0)) {
+            throw mb::invalid_argument("--trace", "byte counts of 0 or more",
+                                       "'" + path + "': " + key + " = " + value.dump(), fix);
+          }
+          s.bytes[std::min(k, tag_count - 1)] += b;
         }
         for (double b : s.bytes) s.total += b;
         d.samples.push_back(s);
@@ -131,8 +136,17 @@ report_data load_report(const std::string& path) {
   const json doc = read_json(path, "--report", fix);
   report_data r;
   try {
+    // A value that is there must be usable: a report that says 0 or -1 is not silently ignored.
     if (doc.contains("budget_bytes")) r.budget = doc.at("budget_bytes").get<double>();
+    if (r.budget && !(*r.budget > 0 && std::isfinite(*r.budget))) {
+      throw mb::invalid_argument("--report", "a positive budget_bytes",
+                                 "'" + path + "': " + doc.at("budget_bytes").dump(), fix);
+    }
     if (doc.contains("predicted_peak_bytes")) r.predicted_peak = doc.at("predicted_peak_bytes").get<double>();
+    if (r.predicted_peak && !(*r.predicted_peak >= 0 && std::isfinite(*r.predicted_peak))) {
+      throw mb::invalid_argument("--report", "a predicted_peak_bytes of 0 or more",
+                                 "'" + path + "': " + doc.at("predicted_peak_bytes").dump(), fix);
+    }
     if (doc.contains("thresholds")) {
       const json& t = doc.at("thresholds");
       r.thresholds = checked_thresholds(
@@ -146,32 +160,16 @@ report_data load_report(const std::string& path) {
   return r;
 }
 
-// "32MiB", "2GiB", "1e9", "300000000B" -> bytes; the same units as train --budget.
-double parse_bytes(const std::string& s) {
-  static const std::array<std::pair<std::string_view, double>, 8> units{
-      {{"", 1}, {"B", 1}, {"KiB", 1024.0}, {"MiB", mib}, {"GiB", mib * 1024}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}}};
-  char* end = nullptr;  // strtod, not sscanf: glibc's sscanf takes "1e" as a whole number
-  const double v = std::strtod(s.c_str(), &end);
-  const std::string unit = end == s.c_str() ? "?" : std::string(end);
-  const auto it = std::find_if(units.begin(), units.end(), [&](const auto& u) { return u.first == unit; });
-  if (it == units.end() || !(v > 0) || !std::isfinite(v)) {
-    throw mb::invalid_argument("--budget", "a positive size with a unit among B, KiB, MiB, GiB, KB, MB, GB",
-                               "'" + s + "'", "e.g. --budget 32MiB");
-  }
-  return v * it->second;
-}
-
+// Three fractions "warning,critical,emergency", each read as strictly as train's numbers.
 std::array<double, 3> parse_thresholds(const std::string& s) {
   std::array<double, 3> t{};
-  bool ok = true;
-  const char* p = s.c_str();
-  for (std::size_t i = 0; i < 3 && ok; ++i) {
-    char* end = nullptr;
-    t[i] = std::strtod(p, &end);
-    ok = end != p && *end == (i < 2 ? ',' : '\0');
-    p = end + 1;
+  std::size_t at = 0, i = 0;
+  for (; i < 3 && at <= s.size(); ++i) {
+    const std::size_t comma = std::min(s.find(',', at), s.size());
+    t[i] = cli_checks::real("--thresholds", s.substr(at, comma - at), 0, 1, true, "--thresholds 0.90,0.95,0.97");
+    at = comma + 1;
   }
-  if (!ok) {
+  if (i != 3 || at != s.size() + 1) {
     throw mb::invalid_argument("--thresholds", "three fractions warning,critical,emergency", "'" + s + "'",
                                "e.g. --thresholds 0.90,0.95,0.97");
   }
@@ -363,14 +361,20 @@ std::string render_svg(const trace_data& d, double budget, const std::array<doub
 }  // namespace
 
 int main(int argc, char** argv) {
+  namespace cc = cli_checks;
   CLI::App app{"plot_memory: draw a membound memory trace as an SVG (memory by tag against the budget)"};
   std::string trace_path, report_path, budget_text, thresholds_text, title = "memory by tag", out_path;
-  app.add_option("--trace", trace_path, "Chrome trace JSON from train --trace")->required();
-  app.add_option("--report", report_path, "report JSON from train --report: budget, thresholds, predicted peak");
-  app.add_option("--budget", budget_text, "budget with a unit, e.g. 32MiB (default: the report's budget_bytes)");
-  app.add_option("--thresholds", thresholds_text, "warning,critical,emergency fractions (default 0.90,0.95,0.97)");
+  app.add_option("--trace", trace_path, "Chrome trace JSON from train --trace")->required()->type_name("FILE");
+  app.add_option("--report", report_path, "report JSON from train --report: budget, thresholds, predicted peak")
+      ->type_name("FILE");
+  app.add_option("--budget", budget_text, "budget, the same units as train --budget, e.g. 32MiB (default: the "
+                                          "report's budget_bytes)")
+      ->type_name("SIZE");
+  app.add_option("--thresholds", thresholds_text, "warning,critical,emergency fractions in (0, 1], in that order "
+                                                  "(default: the report's, or 0.90,0.95,0.97)")
+      ->type_name("W,C,E");
   app.add_option("--title", title, "plot title");
-  app.add_option("--out", out_path, "SVG file to write")->required();
+  app.add_option("--out", out_path, "SVG file to write (its folder must exist)")->required()->type_name("FILE");
   try {
     try {
       app.parse(argc, argv);
@@ -378,31 +382,39 @@ int main(int argc, char** argv) {
       if (e.get_exit_code() == 0) return app.exit(e);  // --help
       throw std::runtime_error(std::string(e.what()) + "; run plot_memory --help for the options");
     }
+    // The numbers first, then the files: the inputs can be read, the output can be written and
+    // is neither input, all before anything is drawn.
+    const bool report_given = app.count("--report") > 0;
+    std::optional<double> budget_flag;
+    if (app.count("--budget")) budget_flag = static_cast<double>(cc::size("--budget", budget_text, "--budget 32MiB"));
+    const std::optional<std::array<double, 3>> thresholds_flag =
+        app.count("--thresholds") ? std::optional(parse_thresholds(thresholds_text)) : std::nullopt;
+    cc::input_file("--trace", trace_path, "Pass a trace written by train --trace");
+    if (report_given) cc::input_file("--report", report_path, "Pass a report written by train --report");
+    cc::output_file("--out", out_path);
+    cc::distinct("--out", out_path, "--trace", trace_path);
+    if (report_given) cc::distinct("--out", out_path, "--report", report_path);
+
     const trace_data trace = load_trace(trace_path);
-    const report_data report = report_path.empty() ? report_data{} : load_report(report_path);
-    double budget = 0;
-    if (!budget_text.empty()) budget = parse_bytes(budget_text);
-    else if (report.budget && *report.budget > 0 && std::isfinite(*report.budget)) budget = *report.budget;
-    else throw mb::invalid_argument("--budget", "a budget from --budget or the report's positive budget_bytes",
-                                    report_path.empty() ? "neither given" : "none in '" + report_path + "'",
-                                    "Pass --budget 32MiB or --report REPORT.json from train --report");
-    const std::array<double, 3> thresholds = thresholds_text.empty()
-        ? report.thresholds.value_or(std::array<double, 3>{0.90, 0.95, 0.97}) : parse_thresholds(thresholds_text);
+    const report_data report = report_given ? load_report(report_path) : report_data{};
+    if (!budget_flag && !report.budget) {
+      throw mb::invalid_argument("--budget", "a budget from --budget or the report's budget_bytes",
+                                 report_given ? "none in '" + report_path + "'" : "neither given",
+                                 "Pass --budget 32MiB or --report REPORT.json from train --report");
+    }
+    const double budget = budget_flag ? *budget_flag : *report.budget;
+    const std::array<double, 3> thresholds =
+        thresholds_flag ? *thresholds_flag : report.thresholds.value_or(std::array<double, 3>{0.90, 0.95, 0.97});
     double peak = 0;
     for (const sample& s : trace.samples) peak = std::max(peak, s.total);
 
     const std::string svg = render_svg(trace, budget, thresholds, report.predicted_peak, title, peak);
-    std::ofstream f(out_path, std::ios::binary | std::ios::trunc);
-    f << svg;
-    f.flush();
-    if (!f) throw mb::invalid_argument("--out", "a writable file", "'" + out_path + "'", "Create its directory first");
+    cc::write_file("--out", out_path, [&](std::ostream& f) { f << svg; });
     std::printf("wrote %s: %zu samples, peak %.1f MiB of %.1f MiB budget\n", out_path.c_str(),
                 trace.samples.size(), peak / mib, budget / mib);
     return 0;
   } catch (const std::exception& e) {
-    std::string m = e.what();
-    std::replace(m.begin(), m.end(), '\n', ' ');  // one line, whatever a library wrote
-    std::fprintf(stderr, "error: %s\n", m.c_str());
+    std::fprintf(stderr, "error: %s\n", cc::one_line(e.what()).c_str());  // one line, whatever a library wrote
     return 1;
   }
 }

@@ -19,13 +19,16 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
-#include <sstream>
+#include <map>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include "cli_checks.hpp"
 #include "membound/membound.hpp"
 
 namespace mb = membound;
@@ -36,79 +39,225 @@ namespace mb = membound;
 
 namespace {
 
-struct options {
-  std::string data = MEMBOUND_SOURCE_DIR "/examples/data/tinyshakespeare.txt";
-  std::string budget = "32MiB";
-  std::string layers = "ttt,attn,mamba,attn";
-  std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
-  std::string precision = "fp32";
-  std::string schedule = "auto";
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
-  std::size_t warmup = 30, eval_every = 50, eval_sequences = 32, sample = 200, save_every = 0, stop_after = 0;
-  std::uint64_t seed = 1;
-  std::string checkpoint = "train.ckpt", resume, report, trace, foreign;
-};
-
-// "512MiB", "2GiB", "1e9", "300000000B" -> bytes.
-std::size_t parse_bytes(const std::string& s, const char* flag = "--budget") {
-  std::size_t pos = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &pos);
-  } catch (const std::exception&) {
-    throw mb::invalid_argument(flag, "a size such as 512MiB, 2GiB or 1000000", s, "Give a number with an optional unit");
-  }
-  const std::string unit = s.substr(pos);
-  double m = 1;
-  if (unit == "" || unit == "B") m = 1;
-  else if (unit == "KiB") m = 1024.0;
-  else if (unit == "MiB") m = 1024.0 * 1024;
-  else if (unit == "GiB") m = 1024.0 * 1024 * 1024;
-  else if (unit == "KB") m = 1e3;
-  else if (unit == "MB") m = 1e6;
-  else if (unit == "GB") m = 1e9;
-  else throw mb::invalid_argument(flag, "a unit among B, KiB, MiB, GiB, KB, MB, GB", unit, std::string("e.g. ") + flag + " 512MiB");
-  if (!(v > 0)) throw mb::invalid_argument(flag, "a positive size", s, std::string("e.g. ") + flag + " 512MiB");
-  return static_cast<std::size_t>(v * m);
-}
-
-mb::schedule_choice parse_schedule(const std::string& s) {
-  using K = mb::schedule_choice::kind;
-  auto num = [&](std::size_t at) {
-    try {
-      return static_cast<std::size_t>(std::stoul(s.substr(at)));
-    } catch (const std::exception&) {
-      throw mb::invalid_argument("--schedule", "none, full, every:K, binomial:S or auto", s, "e.g. --schedule every:2");
-    }
-  };
-  if (s == "none") return {K::none, 0};
-  if (s == "full") return {K::full, 0};
-  if (s.rfind("every:", 0) == 0) return {K::every, num(6)};
-  if (s.rfind("binomial:", 0) == 0) return {K::binomial, num(9)};
-  throw mb::invalid_argument("--schedule", "none, full, every:K, binomial:S or auto", s, "e.g. --schedule auto");
-}
-
-// "8MiB@20": bytes someone else takes from the budget at step 20 (to watch the monitor act).
-struct foreign_load {
+struct foreign_load {  // --foreign SIZE@STEP: bytes someone else takes from the budget from STEP on
   std::size_t bytes = 0;
   std::uint64_t at_step = 0;
 };
-foreign_load parse_foreign(const std::string& s) {
-  const std::size_t at = s.find('@');
-  if (at == std::string::npos) {
-    throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "Give a size and the step it arrives at");
+
+// The run as the flags describe it, every value checked (checked_options below).
+struct options {
+  std::string data = MEMBOUND_SOURCE_DIR "/examples/data/tinyshakespeare.txt";
+  std::size_t budget = std::size_t{32} << 20;
+  std::string layers = "ttt,attn,mamba,attn";
+  std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
+  std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
+  std::string precision = "fp32";
+  std::string schedule = "auto";
+  std::optional<mb::schedule_choice> fixed_schedule;  // empty: auto, the planner's fit
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
+  std::size_t warmup = 30, eval_every = 50, eval_sequences = 32, sample = 200, save_every = 0, stop_after = 0;
+  std::uint64_t seed = 1;
+  std::string checkpoint = "train.ckpt", resume, report, trace;
+  foreign_load foreign;
+  bool saves() const { return save_every != 0 || stop_after != 0; }
+};
+
+// Every flag as the text given; CLI11 only splits the command line, so that a number is read by
+// the strict rules of cli_checks.hpp ("-1" is refused, never wrapped to 2^64 - 1).
+struct flag_texts {
+  std::map<std::string, std::string> text;
+  const CLI::App* app = nullptr;
+  bool given(const std::string& flag) const { return app->count(flag) > 0; }
+  const std::string& operator[](const std::string& flag) const { return text.at(flag); }
+};
+
+// none, full, every:K or binomial:S with K, S from 1 to the number of blocks (beyond that they
+// plan the same as at it).
+mb::schedule_choice parse_schedule(const std::string& s, std::size_t depth) {
+  using K = mb::schedule_choice::kind;
+  const std::string bound = " (at most the " + std::to_string(depth) + " blocks of --layers)";
+  if (s == "none") return {K::none, 0};
+  if (s == "full") return {K::full, 0};
+  if (s.starts_with("every:")) {
+    return {K::every, cli_checks::whole("--schedule every:K", s.substr(6), 1, depth, "--schedule every:2", bound)};
   }
-  foreign_load f;
-  f.bytes = parse_bytes(s.substr(0, at), "--foreign");
-  try {
-    const std::string n = s.substr(at + 1);
-    if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos) throw std::invalid_argument(n);
-    f.at_step = std::stoull(n);
-    if (f.at_step == 0) throw std::invalid_argument(n);
+  if (s.starts_with("binomial:")) {
+    return {K::binomial,
+            cli_checks::whole("--schedule binomial:S", s.substr(9), 1, depth, "--schedule binomial:2", bound)};
+  }
+  throw mb::invalid_argument("--schedule", "auto, none, full, every:K or binomial:S", cli_checks::in_quotes(s),
+                             "e.g. --schedule auto");
+}
+
+// Every flag, each on its own and then against the flags it depends on, in the order of those
+// dependencies (--steps before --warmup, --layers before --schedule, --budget before --foreign),
+// so that an error names the flag that is wrong. All of it before any file is read or written:
+// a malformed flag costs milliseconds, never a run. Upper bounds are far above what fits a CPU
+// budget; they are there so that no product of them overflows.
+options checked_options(const flag_texts& f) {
+  namespace cc = cli_checks;
+  options o;
+  const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,
+                         const std::string& bound = {}) {
+    if (!f.given(flag)) return;
+    using T = std::remove_reference_t<decltype(to)>;
+    to = static_cast<T>(cc::whole(flag, f[flag], lo, hi, flag + (" " + std::to_string(to)), bound));
+  };
+  const auto real = [&](const char* flag, double& to, double lo, double hi, bool lo_open) {
+    char example[64];
+    std::snprintf(example, sizeof example, "%s %g", flag, to);
+    if (f.given(flag)) to = cc::real(flag, f[flag], lo, hi, lo_open, example);
+  };
+  if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
+  whole("--threads", o.threads, 1, 256);
+  whole("--width", o.width, 1, 16384);
+  whole("--heads", o.heads, 1, 1024);
+  if (o.width % o.heads != 0) {
+    throw mb::invalid_argument("--heads", "a divisor of --width (" + std::to_string(o.width) + ")",
+                               std::to_string(o.heads),
+                               "Choose --width and --heads so that width / heads is the head size");
+  }
+  whole("--seq", o.seq, 1, 1u << 20);
+  whole("--batch", o.batch, 1, 1u << 16);
+  whole("--steps", o.steps, 1, 1'000'000'000);
+
+  if (f.given("--layers")) {
+    o.layers = f["--layers"];
+    o.blocks.clear();
+    std::size_t at = 0;
+    do {  // split on ',' keeping empty names, so that "attn," and ",attn" are refused
+      const std::size_t comma = std::min(o.layers.find(',', at), o.layers.size());
+      const std::string name = o.layers.substr(at, comma - at);
+      const std::string full = name == "ttt" ? "ttt_linear" : name == "attn" ? "attention" : name;
+      if (full != "ttt_linear" && full != "ttt_mlp" && full != "attention" && full != "mamba") {
+        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, mamba (no empty names)",
+                                   cc::in_quotes(o.layers) + " (block " + std::to_string(o.blocks.size() + 1) + ": " +
+                                       cc::in_quotes(name) + ")", "e.g. --layers ttt,attn,mamba,attn");
+      }
+      o.blocks.push_back(full);
+      at = comma + 1;
+    } while (at <= o.layers.size());
+    if (o.blocks.size() > 128) {
+      throw mb::invalid_argument("--layers", "at most 128 blocks", std::to_string(o.blocks.size()),
+                                 "List fewer blocks");
+    }
+  }
+  if (f.given("--schedule")) {
+    o.schedule = f["--schedule"];
+    if (o.schedule != "auto") o.fixed_schedule = parse_schedule(o.schedule, o.blocks.size());
+  }
+
+  real("--lr", o.lr, 0, 1, true);
+  real("--min-lr", o.min_lr, 0, o.lr, false);
+  if (!f.given("--min-lr")) o.min_lr = std::min(o.min_lr, o.lr);  // the default never exceeds a small --lr
+  real("--weight-decay", o.weight_decay, 0, 1, false);
+  real("--clip", o.clip, 0, 1e6, false);
+  // A warm-up longer than the run would never reach --lr; the default is cut to the run.
+  o.warmup = std::min(o.warmup, o.steps);
+  whole("--warmup", o.warmup, 0, o.steps, " (at most --steps)");
+  whole("--eval-every", o.eval_every, 0, o.steps, " (0: at the end only; at most --steps)");
+  whole("--eval-sequences", o.eval_sequences, 1, 4096);
+  whole("--sample", o.sample, 0, 1'000'000);
+  whole("--seed", o.seed, 0, UINT64_MAX);
+  whole("--save-every", o.save_every, 0, o.steps, " (0: none; at most --steps)");
+  whole("--stop-after", o.stop_after, 0, o.steps, " (0: run to --steps; at most --steps)");
+
+  if (f.given("--budget")) o.budget = cc::size("--budget", f["--budget"], "--budget 512MiB");
+  if (f.given("--foreign")) {
+    const std::string& s = f["--foreign"];
+    const std::size_t at = s.find('@');
+    if (at == std::string::npos) {
+      throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", cc::in_quotes(s),
+                                 "Give a size and the step it arrives at");
+    }
+    o.foreign.bytes = cc::size("--foreign SIZE", s.substr(0, at), "--foreign 8MiB@20");
+    o.foreign.at_step =
+        cc::whole("--foreign STEP", s.substr(at + 1), 1, o.steps, "--foreign 8MiB@20", " (at most --steps)");
+    if (o.foreign.bytes >= o.budget) {
+      throw mb::invalid_argument("--foreign", "less than the budget (" + mb::format_bytes(o.budget, false) + ")",
+                                 mb::format_bytes(o.foreign.bytes, false), "Take less, or raise --budget");
+    }
+  }
+
+  // Files last: inputs exist and can be read, outputs can be written, before any step is taken.
+  if (f.given("--data")) o.data = f["--data"];
+  cc::input_file("--data", o.data, "Pass --data FILE, a text file");
+  if (f.given("--resume")) {
+    o.resume = f["--resume"];
+    cc::input_file("--resume", o.resume, "Pass a checkpoint written by --save-every or --stop-after");
+  }
+  if (f.given("--checkpoint")) {
+    o.checkpoint = f["--checkpoint"];
+    if (!o.saves()) {  // it would be silently unused: no checkpoint is written without them
+      throw mb::invalid_argument("--checkpoint", "--save-every N or --stop-after N with it", "neither",
+                                 "Add --save-every N, or leave --checkpoint out");
+    }
+  }
+  if (o.saves()) cc::output_file("--checkpoint", o.checkpoint, /*replaced=*/true);
+  if (f.given("--report")) cc::output_file("--report", o.report = f["--report"]);
+  if (f.given("--trace")) cc::output_file("--trace", o.trace = f["--trace"]);
+  // An output over an input, or two outputs over each other, would lose one of them. --checkpoint
+  // may be --resume: a resumed run goes on saving where it started.
+  const std::string checkpoint = o.saves() ? o.checkpoint : "";
+  cc::distinct("--checkpoint", checkpoint, "--data", o.data);
+  cc::distinct("--report", o.report, "--data", o.data);
+  cc::distinct("--report", o.report, "--resume", o.resume);
+  cc::distinct("--report", o.report, "--checkpoint", checkpoint);
+  cc::distinct("--trace", o.trace, "--data", o.data);
+  cc::distinct("--trace", o.trace, "--resume", o.resume);
+  cc::distinct("--trace", o.trace, "--checkpoint", checkpoint);
+  cc::distinct("--trace", o.trace, "--report", o.report);
+  return o;
+}
+
+// The text of --data as tokens (bytes); a tenth is held out for validation and the sample at the
+// end starts from 32 of its bytes.
+std::vector<std::int32_t> read_data(const options& o) {
+  std::string s;
+  try {  // libstdc++ throws from the read itself on some unreadable files
+    std::ifstream in(o.data, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot open");
+    s.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (in.bad()) throw std::runtime_error("read failed");
   } catch (const std::exception&) {
-    throw mb::invalid_argument("--foreign", "SIZE@STEP, e.g. 8MiB@20", s, "The part after @ is a step number, 1 or more");
+    throw mb::invalid_argument("--data", "a readable text file", cli_checks::in_quotes(o.data), "Pass --data FILE");
   }
-  return f;
+  if (s.size() / 10 < std::max<std::size_t>(o.seq + 2, 33)) {
+    throw mb::invalid_argument("--data", "at least 10·max(--seq + 2, 33) bytes (a tenth is held out for validation)",
+                               std::to_string(s.size()) + " bytes", "Use a longer file or a shorter --seq");
+  }
+  std::vector<std::int32_t> text(s.size());
+  for (std::size_t i = 0; i < s.size(); ++i) text[i] = static_cast<unsigned char>(s[i]);
+  return text;
+}
+
+// The library refuses what the flags could not know alone: a shape a block does not take (TTT: an
+// even head size; attention: a multiple of 8 up to 256) or a budget no plan fits. Its refusal is
+// given back under the flags that set it. Call inside a catch block.
+[[noreturn]] void rethrow_under_flags(const options& o) {
+  try {
+    throw;
+  } catch (const mb::budget_too_small& e) {
+    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do());
+  } catch (const mb::invalid_argument& e) {
+    const std::string& a = e.argument();
+    const bool shape = a.starts_with("config.") || a.starts_with("shape.");
+    if (!shape || (a.find("width") == a.npos && a.find("head") == a.npos && a.find("d_model") == a.npos)) throw;
+    throw mb::invalid_argument("--width and --heads",
+                               "a shape every block of --layers " + o.layers + " takes (" + e.argument() + ": " +
+                                   e.expected() + ")",
+                               "width " + std::to_string(o.width) + ", heads " + std::to_string(o.heads) +
+                                   " (head size " + std::to_string(o.width / o.heads) + ")",
+                               "e.g. --width 128 --heads 4");
+  }
+}
+template <typename F>
+auto under_flags(const options& o, F make) -> decltype(make()) {
+  try {
+    return make();
+  } catch (...) {
+    rethrow_under_flags(o);
+  }
 }
 
 double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
@@ -188,43 +337,28 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
                         mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
                         mb::lm_head<P>>;
   std::vector<std::size_t> pattern;
-  {
-    std::stringstream ss(o.layers);
-    std::string name;
-    while (std::getline(ss, name, ',')) {
-      const std::string full = name == "ttt" ? "ttt_linear" : name == "attn" ? "attention" : name;
-      const std::size_t k = net::mixer_index(full);
-      if (k == net::block_types) {
-        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, mamba", name,
-                                   "e.g. --layers ttt,attn,mamba,attn");
-      }
-      pattern.push_back(k);
-    }
-  }
+  for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
   mb::model_config cfg;
   cfg.vocab = 256;
   cfg.width = o.width;
   cfg.heads = o.heads;
-  const net m(cfg, pattern);
-  const std::size_t budget = parse_bytes(o.budget);
+  const net m = under_flags(o, [&] { return net(cfg, pattern); });
+  const std::size_t budget = o.budget;
   const mb::batch_shape eff{o.batch, o.seq};
-  const foreign_load foreign = o.foreign.empty() ? foreign_load{} : parse_foreign(o.foreign);
-  if (foreign.bytes >= budget) {
-    throw mb::invalid_argument("--foreign", "less than the budget (" + mb::format_bytes(budget, false) + ")",
-                               mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
-  }
+  const foreign_load foreign = o.foreign;
 
-  mb::training_plan plan;
-  if (o.schedule == "auto") {
-    mb::fit_options fo;
-    fo.threads = o.threads;
-    plan = mb::fit(m, eff, budget, fo);
-  } else {
+  const mb::training_plan plan = under_flags(o, [&] {
+    if (!o.fixed_schedule) {
+      mb::fit_options fo;
+      fo.threads = o.threads;
+      return mb::fit(m, eff, budget, fo);
+    }
     mb::plan_options po;
     po.threads = o.threads;
-    plan = mb::make_plan(m, eff, parse_schedule(o.schedule), po, budget);
-    if (!plan.fits()) throw mb::budget_too_small(budget, plan.peak_bytes);
-  }
+    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, budget);
+    if (!p.fits()) throw mb::budget_too_small(budget, p.peak_bytes);
+    return p;
+  });
   std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
   std::printf("%s\n", plan.table().c_str());
@@ -241,8 +375,24 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   to.seed = o.seed;
   mb::trainer t(m, eff, plan, alloc, pool, to, mb::pressure_monitor<mb::all_check_points>(thresholds));
   t.monitor().attach(recorder);
+  // Checked here too, before any step: the trainer now holds all its own bytes between steps.
+  if (foreign.bytes > alloc.headroom()) {
+    throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
+                                                mb::format_bytes(alloc.headroom(), false),
+                               mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
+  }
   if (!o.resume.empty()) {
-    const bool same_plan = t.load(o.resume);
+    bool same_plan = false;
+    try {
+      same_plan = t.load(o.resume);
+    } catch (const mb::error& e) {
+      throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e),
+                                 "");
+    }
+    if (t.steps_done() > o.steps) {
+      throw mb::invalid_argument("--steps", "at least the " + std::to_string(t.steps_done()) + " steps of --resume",
+                                 std::to_string(o.steps), "Raise --steps to continue the run");
+    }
     std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
                 same_plan ? "" : " (its plan does not fit this budget; continuing under the plan above)");
   }
@@ -297,7 +447,11 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
     }
     // --stop-after always saves where it stops, so that --resume can continue.
     if ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop)) {
-      t.save(o.checkpoint);
+      try {
+        t.save(o.checkpoint);
+      } catch (const mb::error& e) {
+        throw mb::invalid_argument("--checkpoint", "a file that can be written", cli_checks::inner(e), "");
+      }
       bar.note("saved " + o.checkpoint);
     }
   }
@@ -355,66 +509,71 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
                      {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
                      {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<system>>"},
                      {"monitor", "pressure_monitor<all_check_points>"}};
-    std::ofstream(o.report) << j.dump(2) << "\n";
+    cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
-  if (!o.trace.empty()) recorder.save_chrome_trace(o.trace);
+  if (!o.trace.empty()) {
+    cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
+  }
   return st.peak_requested <= predicted ? 0 : 3;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  options o;
   CLI::App app{"membound example trainer: a byte-level hybrid language model inside a memory budget"};
-  app.add_option("--data", o.data, "text file to train on");
-  app.add_option("--budget", o.budget, "memory budget with a unit, e.g. 512MiB, 2GiB");
-  app.add_option("--layers", o.layers, "block pattern: ttt, ttt_mlp, attn, mamba, comma-separated");
-  app.add_option("--width", o.width, "model width");
-  app.add_option("--heads", o.heads, "attention and TTT heads");
-  app.add_option("--seq", o.seq, "sequence length");
-  app.add_option("--batch", o.batch, "sequences per optimizer step");
-  app.add_option("--steps", o.steps, "optimizer steps");
-  app.add_option("--precision", o.precision, "fp32, bf16, or fp16 (with dynamic loss scaling)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_option("--schedule", o.schedule, "auto (the planner's fit), none, full, every:K, binomial:S");
-  app.add_option("--threads", o.threads, "CPU threads");
-  app.add_option("--lr", o.lr, "peak learning rate");
-  app.add_option("--warmup", o.warmup, "warm-up steps");
-  app.add_option("--eval-every", o.eval_every, "steps between validation losses (0: at the end only)");
-  app.add_option("--eval-sequences", o.eval_sequences, "validation sequences per evaluation");
-  app.add_option("--sample", o.sample, "characters to sample at the end");
-  app.add_option("--seed", o.seed, "random seed");
-  app.add_option("--save-every", o.save_every, "steps between checkpoints (0: none)");
-  app.add_option("--checkpoint", o.checkpoint, "where --save-every writes");
-  app.add_option("--resume", o.resume, "checkpoint to resume from");
-  app.add_option("--stop-after", o.stop_after,
-                 "stop after this many steps of this invocation, saving to --checkpoint (the schedule still spans --steps; --resume it later)");
-  app.add_option("--report", o.report, "write a JSON report here");
-  app.add_option("--trace", o.trace, "write the Chrome trace of memory by tag here (plot it with plot_memory)");
-  app.add_option("--foreign", o.foreign, "SIZE@STEP: something else takes SIZE of the budget from STEP on");
+  flag_texts f;
+  f.app = &app;
+  const auto flag = [&](const std::string& name, const std::string& type, const std::string& help) {
+    app.add_option(name, f.text[name], help)->type_name(type);
+  };
+  flag("--data", "FILE", "text file to train on (default: tiny-shakespeare)");
+  flag("--budget", "SIZE",
+       "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space "
+       "(default 32MiB)");
+  flag("--layers", "LIST", "block pattern: ttt, ttt_mlp, attn, mamba, comma-separated (default ttt,attn,mamba,attn)");
+  flag("--width", "1..16384", "model width (default 128)");
+  flag("--heads", "1..1024", "attention and TTT heads, a divisor of --width (default 4)");
+  flag("--seq", "1..2^20", "sequence length (default 128)");
+  flag("--batch", "1..65536", "sequences per optimizer step (default 8)");
+  flag("--steps", "1..10^9", "optimizer steps (default 200)");
+  flag("--precision", "fp32|bf16|fp16", "storage precision; fp16 turns on dynamic loss scaling (default fp32)");
+  flag("--schedule", "SCHEDULE",
+       "auto (the planner's fit), none, full, every:K, binomial:S with K, S from 1 to the number of blocks "
+       "(default auto)");
+  flag("--threads", "1..256", "CPU threads (default 2)");
+  flag("--lr", "(0,1]", "peak learning rate (default 0.003)");
+  flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
+  flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
+  flag("--clip", "[0,10^6]", "global gradient-norm clip, 0: off (default 1)");
+  flag("--warmup", "0..steps", "warm-up steps, at most --steps (default 30, or --steps if fewer)");
+  flag("--eval-every", "0..steps", "steps between validation losses, 0: at the end only (default 50)");
+  flag("--eval-sequences", "1..4096", "validation sequences per evaluation (default 32)");
+  flag("--sample", "0..10^6", "characters to sample at the end (default 200)");
+  flag("--seed", "0..2^64-1", "random seed (default 1)");
+  flag("--save-every", "0..steps", "steps between checkpoints to --checkpoint, 0: none (default 0)");
+  flag("--checkpoint", "FILE", "where --save-every and --stop-after write (default train.ckpt)");
+  flag("--resume", "FILE", "checkpoint to resume from");
+  flag("--stop-after", "0..steps",
+       "stop after this many steps of this invocation, saving to --checkpoint (the schedule still spans --steps; "
+       "--resume it later)");
+  flag("--report", "FILE", "write a JSON report here (its folder must exist)");
+  flag("--trace", "FILE", "write the Chrome trace of memory by tag here (plot it with plot_memory)");
+  flag("--foreign", "SIZE@STEP", "something else takes SIZE of the budget from STEP (1..steps) on");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
+    std::fprintf(stderr, "error: %s (see --help)\n", cli_checks::one_line(e.what()).c_str());
     return 1;
   }
   try {
-    std::ifstream in(o.data, std::ios::binary);
-    if (!in) throw mb::invalid_argument("--data", "a readable text file", o.data, "Pass --data FILE");
-    const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    // A tenth is held out for validation; the sample at the end starts from 32 of its bytes.
-    if (s.size() / 10 < std::max<std::size_t>(o.seq + 2, 33)) {
-      throw mb::invalid_argument("--data", "at least 10·max(seq + 2, 33) bytes (a tenth is held out for validation)",
-                                 std::to_string(s.size()) + " bytes", "Use a longer file or a shorter --seq");
-    }
-    std::vector<std::int32_t> text(s.size());
-    for (std::size_t i = 0; i < s.size(); ++i) text[i] = static_cast<unsigned char>(s[i]);
+    const options o = checked_options(f);
+    const std::vector<std::int32_t> text = read_data(o);
     if (o.precision == "bf16") return run<mb::bf16_precision>(o, text);
     if (o.precision == "fp16") return run<mb::fp16_precision>(o, text);
     return run<mb::fp32_precision>(o, text);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "error: %s\n", cli_checks::one_line(e.what()).c_str());
     return 1;
   }
 }

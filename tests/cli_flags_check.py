@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Malformed command lines of the examples (ctest's cli_flags_check), by class: every flag of
+train, plot_memory and memory_tour given sizes, numbers, words and paths it must refuse. Each
+refusal must exit 1 with exactly one stderr line that starts with 'error:' and names the flag,
+before any training step, and leave nothing where an output flag pointed (the run's folder, which
+is also its working directory, stays empty). Valid edge cases must still run (sizes exact to the
+byte in the report), and a write that fails at the end (/dev/full) must be an error, not exit 0.
+
+usage: python3 tests/cli_flags_check.py TRAIN PLOT_MEMORY [MEMORY_TOUR]
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+MIB = 1 << 20
+STEP_LINE = re.compile(r"^step\s+[1-9]\d*/\d+\s+loss", re.M)  # a training step ran
+
+
+def run(cmd, cwd, timeout=60):
+    """A run that outlives its time counts as a failure of the case, not of this script."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, -9, "", f"(still running after {timeout} s: killed)\n")
+
+
+def argv(tool, base, change):
+    """base with change applied: a value replaces the flag's, None removes the flag; the key
+    '+' lists raw arguments appended as they are (unknown, repeated or value-less flags)."""
+    flags = dict(base)
+    for k, v in change.items():
+        if k == "+":
+            continue
+        if v is None:
+            flags.pop(k, None)
+        else:
+            flags[k] = v
+    out = [tool]
+    for k, v in flags.items():
+        out += [k, v]
+    return out + change.get("+", [])
+
+
+class Checker:
+    def __init__(self, out):
+        self.out = out
+        self.failures = []
+        self.refused = 0
+
+    def clear(self):
+        for name in os.listdir(self.out):
+            p = os.path.join(self.out, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
+    def refuse(self, tool, base, flag, change):
+        cmd = argv(tool, base, change)
+        r = run(cmd, self.out, timeout=20)  # a refusal takes milliseconds; 20 s means it trained
+        self.refused += 1
+        shown = " ".join(repr(a) if a == "" or " " in a else a for a in cmd[1:])
+        lines = r.stderr.split("\n")
+        problems = []
+        if r.returncode != 1:
+            problems.append(f"exit {r.returncode}, not 1")
+        if len(lines) != 2 or lines[1] != "":
+            problems.append(f"{len(r.stderr.splitlines())} stderr lines, not 1")
+        if not r.stderr.startswith("error:"):
+            problems.append("stderr does not start with 'error:'")
+        if flag not in lines[0]:
+            problems.append(f"the error does not name {flag}")
+        if STEP_LINE.search(r.stdout):
+            problems.append("a training step ran before the refusal")
+        left = os.listdir(self.out)
+        if left:
+            problems.append(f"it wrote {left}")
+            self.clear()
+        if problems:
+            self.failures.append(f"{os.path.basename(tool)} {shown}: {'; '.join(problems)}\n    stderr: {r.stderr!r}")
+
+    def fails_late(self, tool, base, flag):
+        """The flag's file is written at the end and the write fails (/dev/full: no space left)."""
+        if not os.path.exists("/dev/full"):
+            return
+        r = run(argv(tool, base, {flag: "/dev/full"}), self.out)
+        if r.returncode != 1 or r.stderr.count("\n") != 1 or not r.stderr.startswith("error:") or flag not in r.stderr:
+            self.failures.append(f"{os.path.basename(tool)} {flag} /dev/full: exit {r.returncode}, stderr {r.stderr!r}")
+        self.clear()
+
+    def accept(self, tool, base, change, check=None):
+        cmd = argv(tool, base, change)
+        r = run(cmd, self.out)
+        shown = " ".join(cmd[1:])
+        if r.returncode != 0:
+            self.failures.append(f"{os.path.basename(tool)} {shown}: exit {r.returncode}\n    stderr: {r.stderr!r}")
+        elif check is not None:
+            why = check(r)
+            if why:
+                self.failures.append(f"{os.path.basename(tool)} {shown}: {why}")
+        self.clear()
+        return r
+
+
+def main():
+    if len(sys.argv) not in (3, 4):
+        print(__doc__.strip().splitlines()[-1])
+        return 2
+    # Absolute: each run's working directory is its output folder.
+    train, plot = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    tour = os.path.abspath(sys.argv[3]) if len(sys.argv) == 4 else None
+    with tempfile.TemporaryDirectory() as tmp:
+        p = lambda *n: os.path.join(tmp, *n)
+        out = p("out")
+        for d in ("out", "adir"):
+            os.mkdir(p(d))
+        line = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
+        open(p("tiny.txt"), "w").write(line * 100)  # 8.7 KB: enough for --seq 16
+        open(p("short.txt"), "w").write(line)        # too short for a tenth of validation text
+        open(p("empty.txt"), "w").close()
+        open(p("corrupt.ckpt"), "wb").write(b"MBCKPT\0\1 not a checkpoint")
+        open(p("notjson.json"), "w").write("{not json")
+        c = Checker(out)
+        missing, adir, tiny = p("nofolder", "x"), p("adir"), p("tiny.txt")
+
+        # --- train -----------------------------------------------------------------------------
+        base = {"--data": tiny, "--steps": "2", "--eval-every": "0", "--sample": "0", "--width": "32",
+                "--heads": "4", "--seq": "16", "--batch": "2",
+                "--report": p("out", "report.json"), "--trace": p("out", "trace.json")}
+        bad = {
+            # Sizes: finite, positive, whole bytes after the unit, below 2^64, no stray text.
+            "--budget": ["inf", "nan", "1e300", "1e30GiB", "0.5", "0", "-1", "0x10", " 5", "5 MiB", "5mb", "1.5B",
+                         "1.3KiB", "1e-4KB", "18446744073709551616", "", "32MiBx", "+5MiB", "1MiB"],
+            "--foreign": ["1MiB", "1MiB@", "@1", "1MiB@0", "1MiB@-1", "1MiB@1x", "1MiB@3", "0@1", "inf@1", "0.5@1",
+                          "1e30GiB@1", "32MiB@1", "1MiB@1@2", " 1MiB@1", "1MiB@ 1"],
+            # Whole numbers: digits only, within the flag's range (some bounded by --steps 2).
+            "--warmup": ["-1", "3", "1.5", "", "99999999999999999999999", "+1", " 1", "0x1"],
+            "--seed": ["-1", "18446744073709551616", "abc", "1e3", ""],
+            "--width": ["-1", "0", "16385", "0x10", "1e2", "+32", " 32", "abc", "18446744073709551615"],
+            "--heads": ["0", "-4", "1025"],
+            "--seq": ["0", "-1", "1048577", "x"],
+            "--batch": ["0", "-2", "65537"],
+            "--steps": ["0", "-1", "1000000001", "2.5"],
+            "--threads": ["0", "-1", "257", "many"],
+            "--eval-every": ["-1", "3"],
+            "--eval-sequences": ["0", "-1", "4097"],
+            "--sample": ["-1", "1000001"],
+            "--save-every": ["-1", "3"],
+            "--stop-after": ["-1", "3", "1.0"],
+            # Reals: finite and in range.
+            "--lr": ["nan", "inf", "-inf", "0", "-0.1", "2", "1e999", "1e-400", "0x1p-3", " 0.1", "abc", ""],
+            "--min-lr": ["nan", "-1", "0.1", "inf"],
+            "--weight-decay": ["nan", "-0.1", "2", "inf"],
+            "--clip": ["nan", "-1", "inf", "1e7"],
+            # Words.
+            "--precision": ["fp64", "FP32", ""],
+            "--schedule": ["every:2x", "binomial:-1", "every:0", "binomial:0", "every:", "every:5", "every:+2", "bogus",
+                           "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
+            "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
+            # Files: inputs exist, are files, readable, not empty; outputs in an existing folder.
+            "--data": [p("missing.txt"), adir, p("empty.txt"), p("short.txt"), ""],
+            "--resume": [p("missing.ckpt"), adir, p("empty.txt"), p("corrupt.ckpt"), ""],
+            "--report": [missing, adir, "", adir + "/", tiny, p("tiny.txt", "r.json")],
+            "--trace": [missing, adir, "", tiny, p("out", "report.json")],
+        }
+        for flag, values in bad.items():
+            for v in values:
+                c.refuse(train, base, flag, {flag: v})
+        for flag, change in [
+            ("--heads", {"--width": "30"}),                         # 4 heads do not divide 30
+            ("--heads", {"--heads": "3"}),                          # nor does 3 divide 32
+            ("--width", {"--width": "36"}),                         # head size 9: no block takes it
+            ("--width", {"--width": "8", "--heads": "2"}),          # head size 4: attention needs a multiple of 8
+            ("--warmup", {"--steps": "1", "--warmup": "2"}),
+            ("--foreign", {"--budget": "8MiB", "--foreign": "7.5MiB@1"}),  # over the headroom between steps
+            ("--checkpoint", {"--checkpoint": p("out", "x.ckpt")}),        # given, but nothing saves
+            ("--checkpoint", {"--save-every": "1", "--checkpoint": adir}),
+            ("--checkpoint", {"--save-every": "1", "--checkpoint": missing}),
+            ("--checkpoint", {"--stop-after": "1", "--checkpoint": ""}),
+            ("--checkpoint", {"--save-every": "1", "--checkpoint": tiny}),  # would replace --data
+            ("--checkpoint", {"--stop-after": "1", "--checkpoint": "/dev/null"}),  # replaced by a rename
+            ("--min-lr", {"--lr": "0.001", "--min-lr": "0.002"}),
+            ("--foo", {"+": ["--foo", "1"]}),
+            ("--width", {"--width": None, "+": ["--width"]}),      # no value
+            ("--steps", {"+": ["--steps", "3"]}),                   # given twice
+        ]:
+            c.refuse(train, base, flag, change)
+
+        # Valid edge cases still run, and sizes arrive in the report exactly.
+        def report_says(**want):
+            def check(r):
+                got = json.load(open(os.path.join(out, "report.json")))
+                wrong = {k: got.get(k) for k, v in want.items() if got.get(k) != v}
+                return f"report has {wrong}, expected {want}" if wrong else None
+            return check
+        c.accept(train, base, {"--budget": "64MiB", "--steps": "1"}, report_says(budget_bytes=64 * MIB, steps=1))
+        c.accept(train, base, {"--budget": "18446744073709551615"}, report_says(budget_bytes=2**64 - 1))
+        c.accept(train, base, {"--budget": "0.5GiB"}, report_says(budget_bytes=512 * MIB))
+        c.accept(train, base, {"--budget": "1.5e9B", "--foreign": "1MiB@2"},
+                 report_says(budget_bytes=1500000000, foreign_bytes=MIB))
+        c.accept(train, base, {"--seed": "18446744073709551615", "--warmup": "2", "--schedule": "every:4",
+                               "--layers": "ttt_linear,attention,mamba,ttt_mlp", "--eval-every": "2", "--sample": "5"})
+        c.accept(train, base, {"--precision": "bf16", "--lr": "1", "--min-lr": "0", "--clip": "0",
+                               "--weight-decay": "0", "--schedule": "binomial:4", "--threads": "1"})
+        c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
+                 lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
+        # A checkpoint at step 2, kept outside the output folder for the next cases.
+        ckpt = p("run.ckpt")
+        c.accept(train, base, {"--stop-after": "2", "--checkpoint": ckpt})
+        c.accept(train, base, {"--resume": ckpt, "--steps": "3", "--save-every": "1", "--checkpoint": ckpt},
+                 report_says(steps=3))
+        c.refuse(train, base, "--steps", {"--resume": ckpt, "--steps": "1"})  # the checkpoint is past it
+        c.refuse(train, base, "--resume", {"--resume": ckpt, "--width": "64", "--heads": "8"})  # another model
+        c.refuse(train, base, "--report", {"--resume": ckpt, "--report": ckpt})  # would overwrite it
+
+        # A write that fails at the end is an error, not a silent exit 0.
+        c.fails_late(train, base, "--report")
+        c.fails_late(train, base, "--trace")
+
+        # --- plot_memory -----------------------------------------------------------------------
+        trace, report = p("trace.json"), p("report.json")
+        events = [{"name": "memory by tag", "cat": "memory", "ph": "C", "ts": t, "pid": 1, "tid": 1,
+                   "args": {"weights": 4 * MIB, "activations": a}} for t, a in [(0, 0), (100, 20 * MIB), (200, MIB)]]
+        json.dump({"traceEvents": events}, open(trace, "w"))
+        good_report = {"budget_bytes": 32 * MIB, "predicted_peak_bytes": 25 * MIB,
+                       "thresholds": {"warning": 0.9, "critical": 0.95, "emergency": 0.97}}
+        json.dump(good_report, open(report, "w"))
+
+        def json_file(name, doc):
+            path = p(name)
+            json.dump(doc, open(path, "w"))
+            return path
+        neg = json_file("neg.json", {"traceEvents": [dict(events[0], args={"weights": -5})]})
+        pbase = {"--trace": trace, "--report": report, "--out": p("out", "mem.svg")}
+        pbad = {
+            "--budget": ["inf", "0", "-1", "0.5", "5 MiB", "1e30GiB", "nan", "", "0x20"],
+            "--thresholds": ["0.9,0.95", "0.9,0.95,0.97,0.99", "0.97,0.95,0.9", "nan,0.95,0.97", "0.9,0.95,1.5",
+                             " 0.9,0.95,0.97", "0.9,,0.97", "0x1p-1,0.95,0.97", "0,0.5,0.9", "", "0.9,0.95,0.97,",
+                             "inf,inf,inf"],
+            "--trace": [p("missing.json"), adir, p("empty.txt"), p("notjson.json"), json_file("list.json", []),
+                        json_file("nocounters.json", {"traceEvents": []}), neg, ""],
+            "--report": [p("missing.json"), adir, p("empty.txt"), p("notjson.json"),
+                         json_file("b1.json", dict(good_report, budget_bytes=-1)),
+                         json_file("b2.json", dict(good_report, budget_bytes="x")),
+                         json_file("b3.json", dict(good_report, budget_bytes=0)),
+                         json_file("b4.json", dict(good_report, predicted_peak_bytes=-5)),
+                         json_file("b5.json", dict(good_report, thresholds={"warning": 0.97, "critical": 0.95,
+                                                                            "emergency": 0.9})), ""],
+            "--out": [missing, adir, "", adir + "/", trace, report, p("tiny.txt", "x.svg")],
+        }
+        for flag, values in pbad.items():
+            for v in values:
+                c.refuse(plot, pbase, flag, {flag: v})
+        nobudget = json_file("nobudget.json", {"predicted_peak_bytes": 25 * MIB})
+        for flag, change in [("--budget", {"--report": nobudget}), ("--budget", {"--report": None}),
+                             ("--trace", {"--trace": None}), ("--out", {"--out": None}),
+                             ("--foo", {"+": ["--foo", "1"]}), ("--title", {"+": ["--title"]})]:
+            c.refuse(plot, pbase, flag, change)
+        svg_written = lambda r: None if os.path.exists(os.path.join(out, "mem.svg")) else "no SVG written"
+        c.accept(plot, pbase, {}, svg_written)
+        c.accept(plot, pbase, {"--report": None, "--budget": "32MiB", "--thresholds": "0.5,0.5,1"}, svg_written)
+        c.fails_late(plot, pbase, "--out")
+
+        # --- memory_tour -----------------------------------------------------------------------
+        if tour:
+            tbase = {"--steps": "1", "--trace": p("out", "tour.json")}
+            tbad = {"--steps": ["-1", "0", "1e3", "10001", ""], "--budget-mib": ["-5", "0", "1.5", "1048577", "x"],
+                    "--trace": [missing, adir, ""]}
+            for flag, values in tbad.items():
+                for v in values:
+                    c.refuse(tour, tbase, flag, {flag: v})
+            c.refuse(tour, tbase, "--foo", {"+": ["--foo", "1"]})
+            c.refuse(tour, tbase, "--steps", {"--steps": None, "+": ["--steps"]})
+            c.fails_late(tour, tbase, "--trace")
+
+    for f in c.failures:
+        print(f"FAIL: {f}")
+    print(f"cli_flags_check: {c.refused} malformed command lines, {len(c.failures)} failures")
+    return 1 if c.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
