@@ -347,26 +347,45 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   const mb::batch_shape eff{o.batch, o.seq};
   const foreign_load foreign = o.foreign;
 
+  // The default stack: a hard budget over an expandable arena at page granularity, traced. The
+  // arena commits what the step needs at the end of one reserved range and gives whole pages
+  // back, so its reserve (what the budget counts and, touched, what the process holds) is what
+  // the plan states: the planner replays the run's requests through a shadow of this stack.
+  // Recording needs room only when a trace is asked for.
+  mb::trace_recorder recorder(o.trace.empty() ? std::size_t{4096} : std::size_t{1} << 20);
+  const std::size_t page = mb::host_virtual_memory::page_size();
+  const std::size_t capacity = mb::align_up(std::min<std::size_t>(budget, std::size_t{1} << 40), page);
+  using stack = mb::budget_allocator<mb::traced_allocator<mb::expandable_arena<mb::host_virtual_memory>>>;
+  stack alloc(budget, recorder, mb::expandable_arena_options{capacity}, page);
+  const mb::reserve_function reserve = mb::reserve_model(m, alloc);
+
   const mb::training_plan plan = under_flags(o, [&] {
     if (!o.fixed_schedule) {
       mb::fit_options fo;
       fo.threads = o.threads;
+      fo.reserve = reserve;
       return mb::fit(m, eff, budget, fo);
     }
     mb::plan_options po;
     po.threads = o.threads;
     mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, budget);
-    if (!p.fits()) throw mb::budget_too_small(budget, p.peak_bytes);
+    p.reserved_peak = reserve(p);
+    if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
     return p;
   });
   std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
   std::printf("%s\n", plan.table().c_str());
 
-  mb::trace_recorder recorder(1 << 20);
-  mb::budget_allocator<mb::traced_allocator<mb::system_allocator>> alloc(budget, recorder);
   mb::thread_pool pool(o.threads);
   const mb::pressure_thresholds thresholds{};
+  const std::size_t split = text.size() * 9 / 10;
+  const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(split));
+  const std::vector<std::int32_t> val(text.begin() + static_cast<std::ptrdiff_t>(split), text.end());
+  // The process's baseline: everything but the trainer's memory exists now (code, data, pool,
+  // the arena's empty range). The peak from here on is compared with the plan's reserve.
+  mb::reset_peak_rss();
+  const mb::process_memory_info baseline = mb::process_memory();
 
   mb::trainer_options to;
   to.adam = mb::adamw_config{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
@@ -397,9 +416,6 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
                 same_plan ? "" : " (its plan does not fit this budget; continuing under the plan above)");
   }
 
-  const std::size_t split = text.size() * 9 / 10;
-  const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(split));
-  const std::vector<std::int32_t> val(text.begin() + static_cast<std::ptrdiff_t>(split), text.end());
   windows train_src{&train, o.seq}, val_src{&val, o.seq};
   auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
 
@@ -458,6 +474,9 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
 
+  // The samples' requests are not part of the plan: give the free tail back first, so they take
+  // fresh pages below the training peak.
+  alloc.release_cached();
   if (o.sample > 0) {
     std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
     std::vector<double> logits(256);
@@ -480,15 +499,32 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
 
   const auto st = alloc.stats();
   const std::size_t predicted = t.largest_predicted_peak();
+  const std::size_t predicted_reserve = t.largest_predicted_reserve();
+  const mb::process_memory_info rss = mb::process_memory();
+  const bool requested_ok = st.peak_requested <= predicted && predicted <= budget;
+  const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= budget;
   std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB: %s\n",
-              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget),
-              st.peak_requested <= predicted && predicted <= budget ? "yes" : "NO");
+              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
+  std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
+              mib(predicted_reserve), reserve_ok ? "yes" : "NO");
+  if (rss.known && baseline.known) {
+    const std::size_t grown = rss.peak_rss > baseline.rss ? rss.peak_rss - baseline.rss : 0;
+    std::printf("; process peak RSS %.2f MiB = baseline %.2f MiB + %.2f MiB (%+.1f%% of the predicted reserve)",
+                mib(rss.peak_rss), mib(baseline.rss), mib(grown),
+                100.0 * (static_cast<double>(grown) / static_cast<double>(predicted_reserve) - 1.0));
+  }
+  std::printf("\n");
   if (!o.report.empty()) {
     const mb::training_plan& p = t.plan();
     nlohmann::json j;
     j["budget_bytes"] = budget;
     j["predicted_peak_bytes"] = predicted;
     j["measured_peak_bytes"] = st.peak_requested;
+    j["predicted_reserved_peak_bytes"] = predicted_reserve;
+    j["measured_reserved_peak_bytes"] = st.peak_reserved;
+    // What `top` sees: the process before the trainer existed, and its peak since then.
+    j["baseline_rss_bytes"] = baseline.known ? baseline.rss : 0;
+    j["peak_rss_bytes"] = rss.known ? rss.peak_rss : 0;
     j["steps"] = t.steps_done();
     j["final_train_loss"] = last_loss;
     j["initial_eval_loss"] = first_eval;
@@ -503,18 +539,19 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
     j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
                  {"optimizer", p.optimizer},   {"activations", p.activations},
                  {"workspace", p.workspace},   {"peak", p.peak_bytes},
+                 {"reserved_peak", p.reserved_peak},
                  {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
                  {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
     j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
                      {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
-                     {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<system>>"},
+                     {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<expandable_arena<host_virtual_memory>>>, " + std::to_string(page) + " B granules"},
                      {"monitor", "pressure_monitor<all_check_points>"}};
     cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
   if (!o.trace.empty()) {
     cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
   }
-  return st.peak_requested <= predicted ? 0 : 3;
+  return requested_ok && reserve_ok ? 0 : 3;
 }
 
 }  // namespace
