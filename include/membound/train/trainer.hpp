@@ -9,18 +9,20 @@
 //
 // What one step does is a function of (weights, optimizer state, loss scaler, step, random state,
 // data position) and the plan's micro-batch: a checkpoint holds all of them and the plan, so a
-// resumed run continues bit for bit. It also holds a fingerprint of everything that decides how
-// those bytes are read and what a step computes with them (every model_config field, storage and
-// accumulation types, each block's identity, the parameter layout, the optimizer state's layout,
-// the effective batch); load() refuses a file whose fingerprint differs, naming the field.
+// resumed run continues bit for bit. Weights, gradients and AdamW state come from the caller's
+// allocator (tags weights, gradients, optimizer), activations and workspace from it too, through
+// model::forward_backward.
+//
+// A checkpoint also holds a fingerprint of everything that decides how those bytes are read and
+// what a step computes with them (every model_config field, the storage and accumulation types,
+// each block's identity, the parameter layout, the optimizer state's layout, the effective
+// batch); load() refuses a file whose fingerprint differs, naming the field.
 //
 // Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
 // set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
 // for this model, the pool's threads and AdamW's state, and refused unless every field matches;
 // the plans load() restores and the retry chooses are made that way. So largest_predicted_peak()
-// is a prediction for this model, never a number someone typed. Weights, gradients and AdamW state come from the caller's
-// allocator (tags weights, gradients, optimizer), activations and workspace from it too, through
-// model::forward_backward.
+// is a prediction for this model, never a number someone typed.
 //
 // Pressure: the monitor looks at before_forward (each micro-batch), after_forward,
 // before_backward, after_backward and after_optimizer_step. When it enters emergency inside a
@@ -888,7 +890,10 @@ class trainer {
       why += (k == 0 ? "" : "; ") + std::string("checkpoint written for ") + d[k].field + " " + d[k].saved +
              ", this run uses " + d[k].current;
     }
-    if (d.size() > shown) why += "; and " + std::to_string(d.size() - shown) + " more fields differ";
+    if (d.size() > shown) {
+      const std::size_t more = d.size() - shown;
+      why += "; and " + std::to_string(more) + (more == 1 ? " more field differs" : " more fields differ");
+    }
     why += "). Build the trainer as the run that wrote it was built (" + d[0].field + " " + d[0].saved +
            ") to resume it";
     throw checkpoint_mismatch(path, d[0].field, d[0].saved, d[0].current, why);
