@@ -1,7 +1,14 @@
 // The training loop's promises (train/trainer.hpp):
 //   - the same seed and thread count give a bit-identical loss curve and weights;
 //   - a run resumed from a checkpoint at step k continues the uninterrupted run bit for bit, and a
-//     corrupt or foreign checkpoint is refused with the trainer unchanged;
+//     corrupt or foreign checkpoint is refused with the trainer unchanged: one that differs in any
+//     fingerprint field (each model_config field, storage or accumulation type, a block's family
+//     or math-changing policy, depth, layout, optimizer, batch, format) is refused by that
+//     field's name with both values; blocks that compute the same (another C++ type, a
+//     memory-only policy) load each other and continue bit for bit;
+//   - the trainer runs only its own plans: one made for another model or precision, without the
+//     optimizer, or edited by hand is refused by the constructor and set_plan (naming the field,
+//     nothing changed or allocated), and the plans it takes run within their prediction;
 //   - dynamic loss scaling: an inf in the gradients skips the update (weights and AdamW state
 //     untouched) and halves the scale; clean steps grow it;
 //   - an unscaled run whose gradient is NaN stops with a typed error and nothing updated;
@@ -14,6 +21,7 @@
 #pragma GCC diagnostic ignored "-Wfree-nonheap-object"
 #endif
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -21,12 +29,14 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "membound/memory/budget.hpp"
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
+#include "membound/train/checkpoint_file.hpp"
 #include "membound/train/trainer.hpp"
 
 #include "../support/small_models.hpp"
@@ -513,4 +523,616 @@ TEST_CASE("trainer: bad options are refused by the field's name, before anything
   refused([](mb::trainer_options& o) { o.scaler.scale = 0; }, "options.scaler.scale");
   refused([](mb::trainer_options& o) { o.scaler.growth_interval = 0; }, "options.scaler.growth_interval");
   refused([](mb::trainer_options& o) { o.head_chunks = {64, 0}; }, "options.head_chunks");
+}
+
+// ---- Checkpoints are refused unless written for this model and run --------------------------------
+
+namespace {
+
+using membound_test::mixed;
+namespace mixers = membound_test::mixers;
+
+template <typename Model>
+mb::training_plan plan_for(const Model& m, mb::batch_shape eff, std::size_t threads = 1) {
+  mb::plan_options po;
+  po.threads = threads;
+  po.head_chunk = 64;
+  return mb::make_plan(m, eff, mb::schedules::none{}, po);
+}
+
+// Everything load() or set_plan() could change, to compare before and after a refusal.
+struct trainer_state {
+  std::vector<unsigned char> weights, optimizer;
+  std::uint64_t steps = 0, updates = 0, position = 0;
+  mb::random_state rng;
+  double scale = 0;
+  std::uint64_t clean_steps = 0;
+  mb::batch_shape micro;
+  std::size_t accumulation = 0, head_chunk = 0, peak = 0, largest = 0, budget = 0;
+  mb::schedule_choice schedule;
+  std::vector<mb::chain_op> ops;
+
+  template <typename Trainer>
+  explicit trainer_state(const Trainer& t)
+      : weights(weight_bytes(t)), optimizer(optimizer_bytes(t)), steps(t.steps_done()), updates(t.updates_applied()),
+        position(t.data_position()), rng(t.rng()), scale(t.scaler().scale), clean_steps(t.scaler().clean_steps),
+        micro(t.plan().micro), accumulation(t.plan().accumulation), head_chunk(t.plan().head_chunk),
+        peak(t.plan().peak_bytes), largest(t.largest_predicted_peak()), budget(t.plan().budget),
+        schedule(t.plan().schedule), ops(t.plan().ops) {}
+  bool operator==(const trainer_state&) const = default;
+};
+
+const char* const checkpoint_sections[] = {"format", "fingerprint", "model",    "weights",
+                                           "optimizer", "step",     "updates",  "rng",
+                                           "data_position", "loss_scale", "loss_scale_clean_steps", "plan"};
+
+// A checkpoint file's sections, to write back with one of them changed.
+struct checkpoint_sections_of {
+  std::vector<std::pair<std::string, std::string>> s;
+  explicit checkpoint_sections_of(const std::string& path) {
+    const mb::checkpoint_reader r(path);
+    for (const char* n : checkpoint_sections) {
+      if (!r.has(n)) continue;
+      std::string bytes(r.size(n), '\0');
+      r.copy(n, bytes.data(), bytes.size());
+      s.emplace_back(n, std::move(bytes));
+    }
+  }
+  std::string& operator[](const std::string& name) {
+    for (auto& [n, b] : s)
+      if (n == name) return b;
+    s.emplace_back(name, std::string{});
+    return s.back().second;
+  }
+  void erase(const std::string& name) {
+    std::erase_if(s, [&](const auto& e) { return e.first == name; });
+  }
+  void write(const std::string& path) const {
+    mb::checkpoint_writer w;
+    for (const auto& [n, b] : s) w.add(n, b.data(), b.size());
+    w.commit(path);
+  }
+};
+
+std::string u64_bytes(std::uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), sizeof v); }
+
+// load(path) must throw checkpoint_mismatch naming `field` and leave t exactly as it was.
+template <typename Trainer>
+void refused(Trainer& t, const std::string& path, const std::string& field, const std::string& saved = {},
+             const std::string& current = {}) {
+  CAPTURE(field);
+  const trainer_state before(t);
+  try {
+    t.load(path);
+    FAIL("a checkpoint differing in " << field << " loaded");
+  } catch (const mb::checkpoint_mismatch& e) {
+    CHECK(e.field() == field);
+    const std::string what = e.what();
+    CHECK(what.find(field) != std::string::npos);
+    if (!saved.empty()) CHECK(e.saved() == saved);
+    if (!current.empty()) CHECK(e.current() == current);
+    if (field == "format") {
+      CHECK(what.find("format " + saved + ", this build reads format " + current) != std::string::npos);
+    } else if (!saved.empty() && !current.empty()) {
+      CHECK(what.find("checkpoint written for " + field + " " + saved + ", this run uses " + current) !=
+            std::string::npos);
+    }
+  }
+  CHECK(trainer_state(t) == before);
+}
+
+// The loading side of the fingerprint tests: a hybrid fp32 trainer a few steps in.
+struct loader {
+  const hybrid<mb::fp32_precision> m{small_config()};
+  mb::thread_pool pool{1};
+  budget_alloc a{1ull << 30};
+  mb::trainer<hybrid<mb::fp32_precision>, budget_alloc> t{m, effective, plan_none(m, 1), a, pool, options()};
+  loader() {
+    text_source src(40);
+    run_steps(t, src, 2);
+  }
+};
+
+// A trainer for `m` that saves its initial state to `path`.
+template <typename Model>
+void save_fresh(const Model& m, mb::batch_shape eff, const std::string& path) {
+  mb::thread_pool pool(1);
+  budget_alloc a(1ull << 30);
+  mb::trainer t(m, eff, plan_for(m, eff), a, pool, options());
+  t.save(path);
+}
+
+}  // namespace
+
+TEST_CASE("trainer: the fingerprint names every model_config field, the types, blocks, layout, optimizer and batch") {
+  loader l;
+  std::vector<std::string> names;
+  for (const auto& f : l.t.fingerprint()) {
+    CHECK(f.value.find('\n') == std::string::npos);
+    CHECK(f.name.find('=') == std::string::npos);
+    names.push_back(f.name);
+  }
+  const std::vector<std::string> want{"config.vocab", "config.width", "config.heads", "config.kv_heads",
+                                      "config.mlp_hidden", "config.tie_embeddings", "config.norm_eps",
+                                      "config.rope_base", "config.ttt_base_lr", "storage", "accumulation", "depth",
+                                      "blocks.0", "blocks.1", "blocks.2", "blocks.3", "parameters.elements",
+                                      "parameters.tensors", "parameters.layout", "optimizer", "effective_batch",
+                                      "sequence_length"};
+  CHECK(names == want);
+  // Blocks by identity, policies included; doubles by their bits.
+  const auto fp = l.t.fingerprint();
+  CHECK(fp[12].value == "ttt_linear<fp32/fp32, mini-batch 16, no gate> + swiglu<fp32/fp32>");
+  CHECK(fp[13].value == "attention<fp32/fp32, tiles 64x64, causal, rope> + swiglu<fp32/fp32>");
+  CHECK(fp[14].value == "mamba<fp32/fp32, scan chunk 128, d_state 16, d_conv 4, expand 2> + swiglu<fp32/fp32>");
+  CHECK(fp[7].value == "10000 (0x40c3880000000000)");
+  CHECK(fp[9].value == "fp32");
+}
+
+TEST_CASE("trainer: a checkpoint whose fingerprint differs in any one field is refused by that field's name") {
+  loader l;
+  const std::string good = temp_path("fp_good.ckpt"), bad = temp_path("fp_bad.ckpt");
+  l.t.save(good);
+  text_source src(40);
+  run_steps(l.t, src, 1);  // the trainer is now elsewhere than the file: a load would show
+  const auto fields = l.t.fingerprint();
+  std::size_t tried = 0;
+  for (std::size_t k = 0; k < fields.size(); ++k) {
+    checkpoint_sections_of c(good);
+    std::string text;
+    for (std::size_t j = 0; j < fields.size(); ++j)
+      text += fields[j].name + "=" + (j == k ? "edited " + fields[j].value : fields[j].value) + "\n";
+    c["fingerprint"] = text;
+    c.write(bad);
+    refused(l.t, bad, fields[k].name, "edited " + fields[k].value, fields[k].value);
+    ++tried;
+  }
+  SUBCASE("a field missing, or one this build does not know") {
+    checkpoint_sections_of c(good);
+    std::string text;
+    for (std::size_t j = 1; j < fields.size(); ++j) text += fields[j].name + "=" + fields[j].value + "\n";
+    c["fingerprint"] = text;
+    c.write(bad);
+    refused(l.t, bad, "config.vocab", "(none)", fields[0].value);
+    c["fingerprint"] = text + fields[0].name + "=" + fields[0].value + "\nconfig.dropout=0.1\n";
+    c.write(bad);
+    refused(l.t, bad, "config.dropout", "0.1", "(none)");
+    tried += 2;
+  }
+  SUBCASE("a malformed fingerprint is corrupt, not a mismatch") {
+    std::string text;
+    for (const auto& f : fields) text += f.name + "=" + f.value + "\n";
+    for (const std::string& broken : {text + "no equals sign\n", text + fields[3].name + "=x\n",
+                                      text.substr(0, text.size() - 1), "=" + text}) {
+      checkpoint_sections_of c(good);
+      c["fingerprint"] = broken;
+      c.write(bad);
+      const trainer_state before(l.t);
+      CHECK_THROWS_AS(l.t.load(bad), mb::corrupt_checkpoint);
+      CHECK(trainer_state(l.t) == before);
+      ++tried;
+    }
+    checkpoint_sections_of c(good);
+    c.erase("fingerprint");
+    c.write(bad);
+    const trainer_state before(l.t);
+    CHECK_THROWS_AS(l.t.load(bad), mb::corrupt_checkpoint);
+    CHECK(trainer_state(l.t) == before);
+    ++tried;
+  }
+  SUBCASE("format 1, the unnamed fingerprint, is refused as such; so is a newer format") {
+    checkpoint_sections_of c(good);
+    c.erase("fingerprint");
+    const std::uint64_t old_fp[] = {40, 32, 4, 2, 88, 1, 2, 0, 4, 16, 4};  // format 1's list: sizes only
+    c["model"] = std::string(reinterpret_cast<const char*>(old_fp), sizeof old_fp);
+    c["format"] = u64_bytes(1);
+    c.write(bad);
+    refused(l.t, bad, "format", "1", "2");
+    c["format"] = u64_bytes(3);
+    c.write(bad);
+    refused(l.t, bad, "format", "3", "2");
+    tried += 2;
+  }
+  MESSAGE(tried << " edited fingerprints refused");
+  // The good file still loads.
+  l.t.load(good);
+  CHECK(l.t.steps_done() == 2);
+  std::filesystem::remove(good);
+  std::filesystem::remove(bad);
+}
+
+TEST_CASE("trainer: a checkpoint of a model differing in one model_config field is refused naming it") {
+  loader l;
+  const std::string path = temp_path("config.ckpt");
+  struct change {
+    const char* field;
+    void (*edit)(mb::model_config&);
+    const char* saved;
+  };
+  const change changes[] = {
+      {"config.vocab", [](mb::model_config& c) { c.vocab = 41; }, "41"},
+      {"config.width", [](mb::model_config& c) { c.width = 64; }, "64"},
+      {"config.heads", [](mb::model_config& c) { c.heads = 2; }, "2"},
+      {"config.kv_heads", [](mb::model_config& c) { c.kv_heads = 0; }, "4"},  // 0 means heads
+      {"config.mlp_hidden", [](mb::model_config& c) { c.mlp_hidden = 96; }, "96"},
+      {"config.tie_embeddings", [](mb::model_config& c) { c.tie_embeddings = false; }, "false"},
+      {"config.norm_eps", [](mb::model_config& c) { c.norm_eps = 1e-6; }, nullptr},
+      {"config.rope_base", [](mb::model_config& c) { c.rope_base = 500000; }, "5e+05 (0x411e848000000000)"},
+      {"config.ttt_base_lr", [](mb::model_config& c) { c.ttt_base_lr = 0.5; }, "0.5 (0x3fe0000000000000)"},
+  };
+  for (const change& ch : changes) {
+    mb::model_config c = small_config();
+    ch.edit(c);
+    save_fresh(hybrid<mb::fp32_precision>(c), effective, path);
+    refused(l.t, path, ch.field, ch.saved == nullptr ? std::string{} : ch.saved);
+  }
+  // The batch: as many sequences of as many tokens per step.
+  save_fresh(l.m, {2, effective.seq}, path);
+  refused(l.t, path, "effective_batch", "2", "4");
+  save_fresh(l.m, {effective.batch, 32}, path);
+  refused(l.t, path, "sequence_length", "32", "16");
+  // -0.0 and 0.0 are equal numbers with other bits: the fingerprint compares bits.
+  mb::model_config z = small_config();
+  z.ttt_base_lr = 0.0;
+  mb::model_config nz = z;
+  nz.ttt_base_lr = -0.0;
+  {
+    const hybrid<mb::fp32_precision> mz(z), mnz(nz);
+    mb::thread_pool pool(1);
+    budget_alloc a(1ull << 30);
+    mb::trainer t(mz, effective, plan_none(mz, 1), a, pool, options());
+    save_fresh(mnz, effective, path);
+    refused(t, path, "config.ttt_base_lr", "-0 (0x8000000000000000)", "0 (0x0000000000000000)");
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("trainer: bf16 and fp16 checkpoints (same size, other bits) do not load into each other") {
+  using B = hybrid<mb::bf16_precision>;
+  using H = hybrid<mb::fp16_precision>;
+  const B mb16(small_config());
+  const H mh16(small_config());
+  text_source src(40);
+  mb::thread_pool pool(1);
+  budget_alloc ab(1ull << 30), ah(1ull << 30);
+  mb::trainer tb(mb16, effective, plan_none(mb16, 1), ab, pool, options());
+  mb::trainer th(mh16, effective, plan_none(mh16, 1), ah, pool, options());
+  run_steps(tb, src, 2);
+  run_steps(th, src, 2);
+  REQUIRE(tb.optimizer_bytes() == th.optimizer_bytes());  // the sizes alone cannot tell them apart
+  REQUIRE(tb.model().weight_bytes() == th.model().weight_bytes());
+  const std::string pb = temp_path("bf16.ckpt"), ph = temp_path("fp16.ckpt");
+  tb.save(pb);
+  th.save(ph);
+  refused(th, pb, "storage", "bf16", "fp16");
+  refused(tb, ph, "storage", "fp16", "bf16");
+  try {
+    th.load(pb);
+  } catch (const mb::checkpoint_mismatch& e) {
+    MESSAGE(e.what());
+  }
+  // Each loads into its own kind and trains on with finite losses.
+  CHECK_NOTHROW(th.load(ph));
+  CHECK_NOTHROW(tb.load(pb));
+  for (int k = 0; k < 3; ++k) {
+    CHECK(std::isfinite(tb.step(src).loss));
+    CHECK(std::isfinite(th.step(src).loss));
+  }
+  std::filesystem::remove(pb);
+  std::filesystem::remove(ph);
+}
+
+TEST_CASE("trainer: fp32 and fp64 accumulation (same storage, same bytes) do not load into each other") {
+  using P32 = mb::fp32_precision;
+  using P64 = mb::precision<float, double>;
+  using one32 = mb::model<mb::embedding<P32>, mb::block<mb::attention<P32>>, mb::lm_head<P32>>;
+  using one64 = mb::model<mb::embedding<P64>, mb::block<mb::attention<P64>>, mb::lm_head<P64>>;
+  const one32 m32(small_config());
+  const one64 m64(small_config());
+  mb::thread_pool pool(1);
+  budget_alloc a32(1ull << 30), a64(1ull << 30);
+  mb::trainer t32(m32, effective, plan_none(m32, 1), a32, pool, options());
+  mb::trainer t64(m64, effective, plan_none(m64, 1), a64, pool, options());
+  REQUIRE(t32.optimizer_bytes() == t64.optimizer_bytes());
+  const std::string p32 = temp_path("acc32.ckpt"), p64 = temp_path("acc64.ckpt");
+  t32.save(p32);
+  t64.save(p64);
+  refused(t32, p64, "accumulation", "fp64", "fp32");
+  refused(t64, p32, "accumulation", "fp32", "fp64");
+  std::filesystem::remove(p32);
+  std::filesystem::remove(p64);
+}
+
+TEST_CASE("trainer: a checkpoint of other blocks (family, math-changing policy, order, depth) is refused by block") {
+  using P = mb::fp32_precision;
+  using M = mixed<P>;
+  const M base(small_config(), {mixers::ttt, mixers::attn, mixers::mamba, mixers::attn});
+  mb::thread_pool pool(1);
+  budget_alloc a(1ull << 30);
+  mb::trainer t(base, effective, plan_none(base, 1), a, pool, options());
+  text_source src(40);
+  run_steps(t, src, 1);
+  const std::string path = temp_path("blocks.ckpt");
+  struct change {
+    std::vector<std::size_t> pattern;
+    const char* field;
+    const char* saved;
+  };
+  const change changes[] = {
+      {{mixers::ttt_mlp, mixers::attn, mixers::mamba, mixers::attn}, "blocks.0",
+       "ttt_mlp<fp32/fp32, mini-batch 16, no gate> + swiglu<fp32/fp32>"},
+      {{mixers::ttt_mini_batch_8, mixers::attn, mixers::mamba, mixers::attn}, "blocks.0",
+       "ttt_linear<fp32/fp32, mini-batch 8, no gate> + swiglu<fp32/fp32>"},
+      {{mixers::ttt, mixers::attn_tiles_32, mixers::mamba, mixers::attn}, "blocks.1",
+       "attention<fp32/fp32, tiles 32x32, causal, rope> + swiglu<fp32/fp32>"},
+      {{mixers::ttt, mixers::attn, mixers::mamba_chunk_8, mixers::attn}, "blocks.2",
+       "mamba<fp32/fp32, scan chunk 8, d_state 16, d_conv 4, expand 2> + swiglu<fp32/fp32>"},
+      {{mixers::ttt, mixers::mamba, mixers::attn, mixers::attn}, "blocks.1", nullptr},
+      {{mixers::ttt, mixers::attn, mixers::mamba}, "depth", "3"},
+      {{mixers::ttt, mixers::attn, mixers::mamba, mixers::attn, mixers::attn}, "depth", "5"},
+  };
+  for (const change& ch : changes) {
+    save_fresh(M(small_config(), ch.pattern), effective, path);
+    refused(t, path, ch.field, ch.saved == nullptr ? std::string{} : ch.saved);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("trainer: blocks that compute the same load each other: another C++ type, a memory-only policy") {
+  // The identity is what a block computes, not its C++ type: hybrid's checkpoint resumes in a
+  // block_pattern model of the same blocks, and in one whose blocks keep more (save_all,
+  // checkpoint groups of 1), and every run continues bit for bit.
+  using P = mb::fp32_precision;
+  const hybrid<P> h(small_config());
+  const mixed<P> same(small_config(), {mixers::ttt, mixers::attn, mixers::mamba, mixers::attn});
+  const mixed<P> kept(small_config(), {mixers::ttt_groups_1, mixers::attn_save_all, mixers::mamba_save_all,
+                                       mixers::attn_save_all});
+  const text_source src(40);
+  mb::thread_pool pool(2);
+  budget_alloc a0(1ull << 30), a1(1ull << 30), a2(1ull << 30);
+  mb::trainer th(h, effective, plan_none(h, 2), a0, pool, options());
+  auto s0 = src;
+  run_steps(th, s0, 2);
+  const std::string path = temp_path("identity.ckpt");
+  th.save(path);
+  const std::vector<double> want = run_steps(th, s0, 3);
+
+  mb::trainer ts(same, effective, plan_none(same, 2), a1, pool, options(7));
+  mb::trainer tk(kept, effective, plan_none(kept, 2), a2, pool, options(8));
+  CHECK(tk.plan().peak_bytes > th.plan().peak_bytes);  // kept really keeps more
+  CHECK(ts.load(path));
+  CHECK(tk.load(path));
+  auto s1 = src, s2 = src;
+  run_steps(th, s1, 0);
+  // The sources are stateless (windows from the request's random bits): the loaded position and
+  // generator give the same windows.
+  CHECK(bits(run_steps(ts, s1, 3)) == bits(want));
+  CHECK(bits(run_steps(tk, s2, 3)) == bits(want));
+  CHECK(weight_bytes(ts) == weight_bytes(th));
+  CHECK(weight_bytes(tk) == weight_bytes(th));
+  std::filesystem::remove(path);
+}
+
+// ---- Plans: the trainer runs only its own ----------------------------------------------------------
+
+namespace {
+
+// The constructor and set_plan refuse p with invalid_argument("plan") whose text names `field`;
+// set_plan leaves t exactly as it was, the constructor allocates nothing.
+template <typename Trainer, typename Model>
+void plan_refused(Trainer& t, const Model& m, const mb::training_plan& p, const std::string& field,
+                  std::size_t threads) {
+  CAPTURE(field);
+  const trainer_state before(t);
+  try {
+    t.set_plan(p);
+    FAIL("set_plan took a plan with a wrong " << field);
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "plan");
+    const std::string what = e.what();
+    CHECK(what.find(field) != std::string::npos);
+  }
+  CHECK(trainer_state(t) == before);
+  mb::thread_pool pool(threads);
+  budget_alloc a(1ull << 30);
+  try {
+    mb::trainer fresh(m, effective, p, a, pool, options());
+    FAIL("the constructor took a plan with a wrong " << field);
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "plan");
+    CHECK(std::string(e.what()).find(field) != std::string::npos);
+  }
+  CHECK(a.stats().requested == 0);
+}
+
+}  // namespace
+
+TEST_CASE("trainer: a plan made for another model, precision or without the optimizer is refused") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(2);
+  budget_alloc a(1ull << 30);
+  mb::trainer t(m, effective, plan_none(m, 2), a, pool, options());
+  text_source src(40);
+  run_steps(t, src, 1);
+  mb::plan_options po;
+  po.threads = 2;
+  po.head_chunk = 64;
+  std::size_t tried = 0;
+
+  // optimizer = false: 2/3 of an fp32 AdamW run's persistent bytes are missing from its peak.
+  mb::plan_options no_opt = po;
+  no_opt.optimizer = false;
+  plan_refused(t, m, mb::make_plan(m, effective, mb::schedules::none{}, no_opt), "plan.optimizer", 2);
+  mb::fit_options fo;
+  fo.threads = 2;
+  fo.optimizer = false;
+  plan_refused(t, m, mb::fit(m, effective, 1ull << 30, fo), "plan.optimizer", 2);
+  tried += 2;
+  // Another model of the same depth and batch: another width; other layer types; other
+  // precision; the same weights but layers that keep more (save_all).
+  mb::model_config wide = small_config();
+  wide.width = 64;
+  plan_refused(t, m, mb::make_plan(hybrid<P>(wide), effective, mb::schedules::none{}, po), "plan.weights", 2);
+  const mixed<P> attn4(small_config(), {mixers::attn, mixers::attn, mixers::attn, mixers::attn});
+  plan_refused(t, m, mb::make_plan(attn4, effective, mb::schedules::none{}, po), "plan.weights", 2);
+  const hybrid<mb::bf16_precision> half(small_config());
+  plan_refused(t, m, mb::make_plan(half, effective, mb::schedules::none{}, po), "plan.weights", 2);
+  const mixed<P> kept(small_config(), {mixers::ttt, mixers::attn_save_all, mixers::mamba, mixers::attn_save_all});
+  REQUIRE(kept.weight_bytes() == m.weight_bytes());
+  plan_refused(t, m, mb::make_plan(kept, effective, mb::schedules::none{}, po), "plan.activations", 2);
+  const mixed<P> chunked(small_config(), {mixers::ttt, mixers::attn, mixers::mamba_chunk_8, mixers::attn});
+  REQUIRE(chunked.weight_bytes() == m.weight_bytes());
+  // Mamba's scan in chunks of 8 keeps a state per chunk: the same weights, other bytes.
+  plan_refused(t, m, mb::make_plan(chunked, effective, mb::schedules::none{}, po), "plan.", 2);
+  tried += 5;
+  MESSAGE(tried << " plans of other models refused");
+}
+
+TEST_CASE("trainer: a plan whose fields were edited by hand is refused, naming the field") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(2);
+  budget_alloc a(1ull << 30);
+  mb::trainer t(m, effective, plan_none(m, 2), a, pool, options());
+  text_source src(40);
+  run_steps(t, src, 1);
+  mb::plan_options po;
+  po.threads = 2;
+  po.head_chunk = 64;
+  po.accumulation = 2;
+  const mb::training_plan good = mb::make_plan(m, {2, effective.seq}, mb::schedules::every<2>{}, po);
+  struct edit {
+    const char* field;
+    void (*apply)(mb::training_plan&);
+  };
+  const edit edits[] = {
+      {"plan.peak_bytes", [](mb::training_plan& p) { p.peak_bytes -= 1; }},
+      {"plan.peak_bytes", [](mb::training_plan& p) { p.peak_bytes += 4096; }},
+      {"plan.peak_bytes", [](mb::training_plan& p) { p.peak_bytes = 0; }},
+      {"plan.weights", [](mb::training_plan& p) { p.weights /= 2; }},
+      {"plan.gradients", [](mb::training_plan& p) { p.gradients = 0; }},
+      {"plan.optimizer", [](mb::training_plan& p) { p.optimizer = 0; }},
+      {"plan.activations", [](mb::training_plan& p) { p.activations -= 64; }},
+      {"plan.workspace", [](mb::training_plan& p) { p.workspace += 64; }},
+      {"plan.peak_phase", [](mb::training_plan& p) { p.peak_phase = "embedding forward"; }},
+      {"plan.forward_flops", [](mb::training_plan& p) { p.forward_flops *= 2; }},
+      {"plan.recompute_flops", [](mb::training_plan& p) { p.recompute_flops = 0; }},
+      {"plan.timeline", [](mb::training_plan& p) { p.timeline[3].peak -= 1; }},
+      {"plan.timeline", [](mb::training_plan& p) { p.timeline.pop_back(); }},
+      {"plan.ops", [](mb::training_plan& p) { p.ops.pop_back(); }},
+      {"plan.ops", [](mb::training_plan& p) { std::swap(p.ops[0], p.ops[1]); }},
+      // The schedule's label and its ops disagree: every<2>'s ops under "none".
+      {"plan.ops", [](mb::training_plan& p) { p.schedule = {mb::schedule_choice::kind::none, 0}; }},
+      {"plan.ops", [](mb::training_plan& p) { p.schedule = {mb::schedule_choice::kind::every, 3}; }},
+      {"plan.ops", [](mb::training_plan& p) { p.ops.push_back({mb::chain_op_kind::loss, 4}); }},
+      {"plan.head_chunk", [](mb::training_plan& p) { p.head_chunk = 0; }},
+      // Another chunk changes the loss op's workspace, so the peak or timeline no longer match.
+      {"plan.", [](mb::training_plan& p) { p.head_chunk = 16; }},
+      {"threads", [](mb::training_plan& p) { p.threads = 1; }},
+      {"threads", [](mb::training_plan& p) { p.threads = 0; }},
+      {"plan.schedule", [](mb::training_plan& p) { p.schedule.k = static_cast<mb::schedule_choice::kind>(9); }},
+      {"schedule every<0>", [](mb::training_plan& p) { p.schedule = {mb::schedule_choice::kind::every, 0}; }},
+      {"plan.budget", [](mb::training_plan& p) { p.budget = p.peak_bytes - 1; }},
+      {"effective batch", [](mb::training_plan& p) { p.micro.batch = 0; }},
+      {"effective batch", [](mb::training_plan& p) { p.accumulation = 0; }},
+      {"effective batch", [](mb::training_plan& p) { p.accumulation = 1; }},
+      {"effective batch", [](mb::training_plan& p) { p.micro.seq = 8; }},
+      // 2^63 + 2 sequences times 2 wraps around to 4 in 64 bits: the check divides.
+      {"effective batch", [](mb::training_plan& p) { p.micro.batch = (std::size_t{1} << 63) + 2; }},
+      {"plan.ops", [](mb::training_plan& p) { p.ops.clear(); }},
+  };
+  mb::training_plan lie = good;
+  lie.peak_bytes /= 2;
+  try {
+    t.set_plan(lie);
+  } catch (const mb::invalid_argument& e) {
+    MESSAGE(e.what());
+  }
+  for (const edit& e : edits) {
+    mb::training_plan p = good;
+    e.apply(p);
+    const std::string field = e.field;
+    // "no ops" has its own sentence; the others name the field.
+    plan_refused(t, m, p, field == "plan.ops" && p.ops.empty() ? "ops" : field, 2);
+  }
+  MESSAGE(std::size(edits) << " edited plans refused");
+  // The unedited plan is accepted, by both, and runs within its prediction.
+  CHECK_NOTHROW(t.set_plan(good));
+  budget_alloc fresh_a(1ull << 30);
+  mb::trainer fresh(m, effective, good, fresh_a, pool, options());
+  run_steps(fresh, src, 2);
+  CHECK(fresh_a.stats().peak_requested <= fresh.largest_predicted_peak());
+  CHECK(fresh.largest_predicted_peak() == good.peak_bytes);
+}
+
+TEST_CASE("trainer: plans made by fit or make_plan for this model are taken and run within their prediction") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  const text_source src(40);
+  mb::thread_pool pool(2);
+  mb::plan_options po;
+  po.threads = 2;
+  const mb::training_plan p0 = mb::make_plan(m, effective, mb::schedules::none{}, po);
+  mb::fit_options fo;
+  fo.threads = 2;
+  // Tighter than the no-recompute plan: fit picks a schedule or a smaller micro-batch.
+  const mb::training_plan tight = mb::fit(m, effective, p0.peak_bytes - 1, fo);
+  REQUIRE(tight.peak_bytes < p0.peak_bytes);
+  // The planner's DP for fit's micro-batch, under fit's peak.
+  mb::plan_options same = po;
+  same.accumulation = tight.accumulation;
+  same.head_chunk = tight.head_chunk;
+  const mb::training_plan dp =
+      mb::make_plan(m, tight.micro, mb::schedules::budget{tight.peak_bytes}, same, tight.peak_bytes);
+  for (const mb::training_plan* p : {&p0, &tight, &dp}) {
+    CAPTURE(mb::plan_summary(*p));
+    budget_alloc a(p->budget == 0 ? p->peak_bytes : p->budget);
+    mb::trainer t(m, effective, *p, a, pool, options());
+    auto s = src;
+    for (const mb::step_result& r : {t.step(s), t.step(s)}) CHECK(r.replans.empty());
+    CHECK(a.stats().peak_requested <= t.largest_predicted_peak());
+    CHECK(t.largest_predicted_peak() == p->peak_bytes);
+  }
+}
+
+TEST_CASE("trainer: the plan load() restores is the trainer's own, made again for this model") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(2);
+  mb::plan_options po;
+  po.threads = 2;
+  po.head_chunk = 16;
+  po.accumulation = 2;
+  const mb::training_plan saved_plan = mb::make_plan(m, {2, effective.seq}, mb::schedules::binomial<2>{}, po);
+  budget_alloc a1(1ull << 30), a2(1ull << 30);
+  mb::trainer t1(m, effective, saved_plan, a1, pool, options());
+  const std::string path = temp_path("plan.ckpt"), bad = temp_path("plan_bad.ckpt");
+  t1.save(path);
+  mb::trainer t2(m, effective, plan_none(m, 2), a2, pool, options());
+  CHECK(t2.load(path));
+  CHECK(t2.plan().ops == saved_plan.ops);
+  CHECK(t2.plan().peak_bytes == saved_plan.peak_bytes);
+  CHECK(t2.plan().optimizer == saved_plan.optimizer);
+  // A plan section whose choices this trainer cannot make (a micro-batch that does not divide
+  // the batch, an unknown schedule, a zero chunk) keeps the current plan, and loads the rest.
+  std::size_t tried = 0;
+  for (const std::array<std::uint64_t, 5>& pl : {std::array<std::uint64_t, 5>{3, 1, 16, 0, 0},
+                                                 std::array<std::uint64_t, 5>{2, 2, 0, 0, 0},
+                                                 std::array<std::uint64_t, 5>{2, 2, 16, 9, 0},
+                                                 std::array<std::uint64_t, 5>{2, 2, 16, 2, 0},
+                                                 std::array<std::uint64_t, 5>{0, 2, 16, 0, 0}}) {
+    checkpoint_sections_of c(path);
+    c["plan"] = std::string(reinterpret_cast<const char*>(pl.data()), sizeof pl);
+    c.write(bad);
+    budget_alloc a3(1ull << 30);
+    const mb::training_plan current = plan_none(m, 2);
+    mb::trainer t3(m, effective, current, a3, pool, options());
+    CHECK_FALSE(t3.load(bad));
+    CHECK(t3.plan().ops == current.ops);
+    CHECK(t3.plan().peak_bytes == current.peak_bytes);
+    ++tried;
+  }
+  MESSAGE(tried << " unusable saved plans kept out");
+  std::filesystem::remove(path);
+  std::filesystem::remove(bad);
 }

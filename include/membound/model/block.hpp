@@ -12,6 +12,7 @@
 #include <array>
 #include <cstddef>
 #include <limits>
+#include <string>
 
 #include "membound/backend/cpu/model_cpu.hpp"
 #include "membound/core/config.hpp"
@@ -155,6 +156,13 @@ class block {
  public:
   static constexpr const char* name = mixer_traits<Mixer>::name;
   static constexpr std::size_t param_count = part1::param_count + part2::param_count;
+
+  // What this block computes, as text: two blocks with the same identity (whatever their C++
+  // types) read the same weights the same way. "attention<bf16/fp32, tiles 64x64, causal, rope>
+  // + swiglu<bf16/fp32>".
+  static std::string identity(const model_config& c) {
+    return mixer_traits<Mixer>::identity(c) + " + " + mixer_traits<mlp>::identity(c);
+  }
   using weight_ptrs = std::array<const S*, param_count>;
   using grad_ptrs = std::array<S*, param_count>;
 

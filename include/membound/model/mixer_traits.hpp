@@ -1,15 +1,18 @@
 // How a block drives its sequence mixer: the mixer's shape from the model's sizes, its parameter
-// tensors (name, size, initialization) in the order of its `weights` struct, and the binding of
-// a flat parameter list to that struct. One specialization per layer family; a new mixer plugs
-// into blocks by providing one.
+// tensors (name, size, initialization) in the order of its `weights` struct, the binding of a
+// flat parameter list to that struct, and its identity: the family and every policy or fixed
+// setting that changes what it computes (a checkpoint's fingerprint compares it). One
+// specialization per layer family; a new mixer plugs into blocks by providing one.
 #pragma once
 
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <string>
 #include <type_traits>
 
 #include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
 #include "membound/layers/attention.hpp"
 #include "membound/layers/mamba.hpp"
 #include "membound/layers/swiglu_mlp.hpp"
@@ -28,6 +31,7 @@ concept block_mixer = requires {
   typename mixer_traits<M>::shape_type;
   { mixer_traits<M>::param_count } -> std::convertible_to<std::size_t>;
   { mixer_traits<M>::name } -> std::convertible_to<const char*>;
+  { mixer_traits<M>::identity(model_config{}) } -> std::convertible_to<std::string>;
   typename M::storage_type;
   typename M::accum_type;
 };
@@ -36,6 +40,13 @@ namespace detail {
 // Weights are drawn N(0, 0.02²) as GPT-2 and llm.c do; output projections the same (the model is
 // shallow enough that the residual scaling does not matter for the tests' conditioning).
 inline constexpr double init_std = 0.02;
+
+// "bf16/fp32": storage, then accumulation, by type (bf16 and fp16 have the same size).
+template <typename Layer>
+std::string precision_identity() {
+  return std::string(dtype_name<typename Layer::storage_type>()) + "/" +
+         std::string(dtype_name<typename Layer::accum_type>());
+}
 }  // namespace detail
 
 template <typename... P>
@@ -45,6 +56,14 @@ struct mixer_traits<attention<P...>> {
   using S = typename layer::storage_type;
   static constexpr const char* name = "attention";
   static constexpr std::size_t param_count = 4;
+
+  // The tiles set the order of the online softmax's sums. The checkpoint policy is left out on
+  // purpose: save_all keeps the q, k, v that recompute would rebuild bit for bit, so it changes
+  // memory only and a resumed run may switch it.
+  static std::string identity(const model_config&) {
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ", tiles " +
+           std::to_string(layer::tiles::q_tile) + "x" + std::to_string(layer::tiles::kv_tile) + ", causal, rope>";
+  }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     shape_type s;
@@ -83,6 +102,16 @@ struct mixer_traits<mamba<P...>> {
   static constexpr const char* name = "mamba";
   static constexpr std::size_t param_count = 9;
 
+  // The scan chunk, and the settings mamba_shape::defaults fixes (not the model_config's): state
+  // size, convolution width, expansion. The checkpoint policy changes memory only (see attention).
+  static std::string identity(const model_config& c) {
+    const shape_type s = shape(c, {1, 1});
+    const std::size_t expand = s.d_model == 0 ? 0 : s.d_inner / s.d_model;
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ", scan chunk " +
+           std::to_string(layer::chunk) + ", d_state " + std::to_string(s.d_state) + ", d_conv " +
+           std::to_string(s.d_conv) + ", expand " + std::to_string(expand) + ">";
+  }
+
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     return mamba_shape::defaults(b.batch, b.seq, c.width);
   }
@@ -119,6 +148,13 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
   using S = typename layer::storage_type;
   static constexpr const char* name = Mlp ? "ttt_mlp" : "ttt_linear";
   static constexpr std::size_t param_count = Mlp ? 16 : 14;
+
+  // The inner model (the name), its mini-batch (one inner step per b tokens) and the gate. The
+  // checkpoint groups change memory only: a group's states are recomputed bit for bit.
+  static std::string identity(const model_config& c) {
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ", mini-batch " +
+           std::to_string(layer::mini_batch) + (shape(c, {1, 1}).use_gate ? ", gated" : ", no gate") + ">";
+  }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     shape_type s;
@@ -192,6 +228,10 @@ struct mixer_traits<swiglu_mlp<P...>> {
   using S = typename layer::storage_type;
   static constexpr const char* name = "swiglu";
   static constexpr std::size_t param_count = 3;
+
+  static std::string identity(const model_config&) {
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ">";
+  }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     return {b.batch, b.seq, c.width, c.hidden()};

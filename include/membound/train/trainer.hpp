@@ -13,6 +13,17 @@
 // allocator (tags weights, gradients, optimizer), activations and workspace from it too, through
 // model::forward_backward.
 //
+// A checkpoint also holds a fingerprint of everything that decides how those bytes are read and
+// what a step computes with them (every model_config field, the storage and accumulation types,
+// each block's identity, the parameter layout, the optimizer state's layout, the effective
+// batch); load() refuses a file whose fingerprint differs, naming the field.
+//
+// Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
+// set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
+// for this model, the pool's threads and AdamW's state, and refused unless every field matches;
+// the plans load() restores and the retry chooses are made that way. So largest_predicted_peak()
+// is a prediction for this model, never a number someone typed.
+//
 // Pressure: the monitor looks at before_forward (each micro-batch), after_forward,
 // before_backward, after_backward and after_optimizer_step. When it enters emergency inside a
 // step, or an allocation runs out of budget, the step is abandoned (every byte given back, the
@@ -27,6 +38,8 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <concepts>
@@ -41,6 +54,7 @@
 #include <vector>
 
 #include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
 #include "membound/core/parallel.hpp"
@@ -157,12 +171,83 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
+// One entry of a checkpoint's fingerprint: a name ("storage", "config.rope_base", "blocks.2")
+// and its value as text. Doubles carry their bit pattern, so equal text means equal bits.
+struct fingerprint_field {
+  std::string name;
+  std::string value;
+  friend bool operator==(const fingerprint_field&, const fingerprint_field&) = default;
+};
+
+// A checkpoint this run cannot resume because it was written for something else: another model,
+// precision, batch, block type or checkpoint format. field() is the first that differs (what()
+// names every one), saved() its value in the file, current() in this run.
+class checkpoint_mismatch : public corrupt_checkpoint {
+ public:
+  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
+                      const std::string& why)
+      : corrupt_checkpoint(path, why), field_(std::move(field)), saved_(std::move(saved)), current_(std::move(current)) {}
+  const std::string& field() const noexcept { return field_; }
+  const std::string& saved() const noexcept { return saved_; }
+  const std::string& current() const noexcept { return current_; }
+
+ private:
+  std::string field_, saved_, current_;
+};
+
 namespace detail {
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
 struct abandon_step {
   std::string reason;
   std::size_t usage = 0, limit = 0;
 };
+
+// "1e-05 (0x3ee4f8b588e368f1)": the shortest text that reads back the same, and the bits.
+inline std::string exact_text(double v) {
+  char buf[40];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  char bits[24];
+  std::snprintf(bits, sizeof bits, "%016llx", static_cast<unsigned long long>(std::bit_cast<std::uint64_t>(v)));
+  return std::string(buf, r.ptr) + " (0x" + bits + ")";
+}
+
+// FNV-1a, 64 bits: a checksum of the parameter layout, not a defence against forgery (the
+// file's CRC and the other fields do the rest).
+struct fnv1a {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  void bytes(const void* p, std::size_t n) noexcept {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ULL;
+  }
+  void u64(std::uint64_t v) noexcept {
+    unsigned char b[8];
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+    bytes(b, 8);
+  }
+};
+
+// "name=value" lines; a section that is not that is corrupt.
+inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text, const std::string& path) {
+  std::vector<fingerprint_field> f;
+  std::size_t at = 0, line = 1;
+  while (at < text.size()) {
+    const std::size_t end = text.find('\n', at);
+    if (end == std::string::npos) throw corrupt_checkpoint(path, "its fingerprint does not end with a new line");
+    const std::string l = text.substr(at, end - at);
+    const std::size_t eq = l.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw corrupt_checkpoint(path, "line " + std::to_string(line) + " of its fingerprint is not name=value");
+    }
+    fingerprint_field e{l.substr(0, eq), l.substr(eq + 1)};
+    for (const fingerprint_field& g : f) {
+      if (g.name == e.name) throw corrupt_checkpoint(path, "its fingerprint names '" + e.name + "' twice");
+    }
+    f.push_back(std::move(e));
+    at = end + 1;
+    ++line;
+  }
+  return f;
+}
 }  // namespace detail
 
 template <typename Model, typename Allocator, typename Monitor = null_monitor>
@@ -175,9 +260,10 @@ class trainer {
  public:
   using S = typename Model::storage_type;
 
-  // effective: sequences per optimizer step and their length; plan: a plan for it (make_plan or
-  // fit) made for pool.size() threads. Allocates weights, gradients and optimizer state from
-  // alloc and initializes them from options.seed.
+  // effective: sequences per optimizer step and their length; plan: a plan for this model and
+  // batch (fit, or make_plan with optimizer = true) made for pool.size() threads, unedited (see
+  // check_plan). Allocates weights, gradients and optimizer state from alloc and initializes them
+  // from options.seed.
   trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
           trainer_options o = {}, Monitor monitor = {})
       : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), pool_(pool), o_(std::move(o)),
@@ -187,7 +273,7 @@ class trainer {
         scaler_(o_.scaler) {
     m_.check(eff_);
     check_options(o_);
-    check_plan(plan_, "plan");
+    check_plan(plan_);
     w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
     try {
       g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
@@ -325,8 +411,9 @@ class trainer {
   void save(const std::string& path) const {
     checkpoint_writer cw;
     cw.add_value<std::uint64_t>("format", format_version);
-    const std::vector<std::uint64_t> fp = fingerprint();
-    cw.add("model", fp.data(), fp.size() * sizeof(std::uint64_t));
+    std::string fp;
+    for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
+    cw.add("fingerprint", fp.data(), fp.size());
     cw.add("weights", w_, m_.weight_bytes());
     cw.add("optimizer", opt_, opt_bytes());
     cw.add_value<std::uint64_t>("step", steps_);
@@ -341,23 +428,27 @@ class trainer {
     cw.commit(path);
   }
 
-  // Reads and checks the whole file first; on any error this trainer is unchanged. The saved plan
-  // is restored when it fits the allocator's budget (the run then continues bit for bit);
-  // otherwise the current plan stays. Returns whether the saved plan was restored. The monitor's
-  // level is not saved: a resumed run starts at the level its first check point sees.
+  // Reads and checks the whole file first; on any error this trainer is unchanged. A file of
+  // another format, or whose fingerprint differs from fingerprint(), is checkpoint_mismatch
+  // naming the field. The saved plan is restored (made again by this trainer) when it fits the
+  // allocator's budget (the run then continues bit for bit); otherwise the current plan stays.
+  // Returns whether the saved plan was restored. The monitor's level is not saved: a resumed run
+  // starts at the level its first check point sees.
   bool load(const std::string& path) {
     const checkpoint_reader r(path);
-    if (r.value<std::uint64_t>("format") != format_version) {
-      throw corrupt_checkpoint(path, "it has format " + std::to_string(r.value<std::uint64_t>("format")) +
-                                         ", this build reads " + std::to_string(format_version));
+    if (const auto format = r.value<std::uint64_t>("format"); format != format_version) {
+      const std::string saved = std::to_string(format), current = std::to_string(format_version);
+      throw checkpoint_mismatch(
+          path, "format", saved, current,
+          "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
+              (format < format_version ? ": an older format, whose fingerprint neither named its fields nor told "
+                                         "bf16 from fp16, so this run cannot check it; resume it with the "
+                                         "membound that wrote it"
+                                       : ": a newer membound wrote it; resume it with that version"));
     }
-    const std::vector<std::uint64_t> fp = fingerprint();
-    std::vector<std::uint64_t> saved(r.size("model") / sizeof(std::uint64_t));
-    r.copy("model", saved.data(), saved.size() * sizeof(std::uint64_t));
-    if (saved != fp) {
-      throw corrupt_checkpoint(path, "it was written for another model (configuration, layer pattern, "
-                                     "precision, batch or sequence length differ)");
-    }
+    std::string text(r.size("fingerprint"), '\0');
+    r.copy("fingerprint", text.data(), text.size());
+    check_fingerprint(detail::parse_fingerprint(text, path), path);
     if (r.size("weights") != m_.weight_bytes() || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
@@ -375,11 +466,10 @@ class trainer {
     std::optional<training_plan> restored;
     if (pl[0] != 0 && eff_.batch % pl[0] == 0 && pl[1] == eff_.batch / pl[0] && pl[2] != 0 &&
         pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
-      plan_options po{pool_.size(), static_cast<std::size_t>(pl[2]), static_cast<std::size_t>(pl[1]), true};
       try {
-        training_plan p = make_plan(m_, batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq},
-                                    schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
-                                    po, plan_.budget);
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
+                                   schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
+                                   static_cast<std::size_t>(pl[2]), plan_.budget);
         if (p.fits() && (limit_now() == 0 || p.peak_bytes + foreign_now() <= limit_now())) restored = std::move(p);
       } catch (const error&) {
         // A plan this build cannot make: keep the current one.
@@ -399,9 +489,10 @@ class trainer {
   }
 
   // ---- Plans --------------------------------------------------------------------------------------
-  // Switch plans between steps (same effective batch; a plan made for pool.size() threads).
+  // Switch plans between steps: a plan check_plan accepts (this model, the same effective batch,
+  // pool.size() threads, optimizer counted, unedited). A refused plan changes nothing.
   void set_plan(training_plan p) {
-    check_plan(p, "plan");
+    check_plan(p);
     adopt(std::move(p));
   }
   const training_plan& plan() const noexcept { return plan_; }
@@ -411,6 +502,51 @@ class trainer {
 
   // ---- State --------------------------------------------------------------------------------------
   const Model& model() const noexcept { return m_; }
+  // What a checkpoint of this trainer must match to be loaded, in the order load() compares it:
+  // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits), the
+  // storage and accumulation types by name, the depth and each block's identity (its mixer's
+  // family and the policies that change what it computes), the parameter layout, the optimizer
+  // state's layout, the effective batch and sequence length.
+  std::vector<fingerprint_field> fingerprint() const {
+    const model_config& c = m_.config();
+    std::vector<fingerprint_field> f;
+    const auto add = [&](std::string name, std::string value) { f.push_back({std::move(name), std::move(value)}); };
+    const auto num = [](std::size_t v) { return std::to_string(v); };
+    add("config.vocab", num(c.vocab));
+    add("config.width", num(c.width));
+    add("config.heads", num(c.heads));
+    add("config.kv_heads", num(c.kv()));
+    add("config.mlp_hidden", num(c.hidden()));
+    add("config.tie_embeddings", c.tie_embeddings ? "true" : "false");
+    add("config.norm_eps", detail::exact_text(c.norm_eps));
+    add("config.rope_base", detail::exact_text(c.rope_base));
+    add("config.ttt_base_lr", detail::exact_text(c.ttt_base_lr));
+    // By identity: bf16 and fp16 are both 2 bytes and read each other's bits as garbage.
+    add("storage", std::string(dtype_name<S>()));
+    add("accumulation", std::string(dtype_name<typename Model::accum_type>()));
+    add("depth", num(m_.depth()));
+    for (std::size_t i = 0; i < m_.depth(); ++i) {
+      m_.visit_block(i, [&]<typename B>(B*) { add("blocks." + num(i), B::identity(c)); });
+    }
+    detail::fnv1a h;
+    for (const param_entry& e : m_.parameters()) {
+      h.bytes(e.name.data(), e.name.size() + 1);  // with its terminator, so names cannot run together
+      h.u64(e.offset);
+      h.u64(e.count);
+      h.u64(e.decay ? 1 : 0);  // which tensors AdamW decays
+    }
+    char layout[24];
+    std::snprintf(layout, sizeof layout, "%016llx", static_cast<unsigned long long>(h.h));
+    add("parameters.elements", num(n_));
+    add("parameters.tensors", num(m_.parameters().size()));
+    add("parameters.layout", std::string("fnv1a ") + layout);
+    using opt = adamw<S>;
+    add("optimizer", std::string("AdamW m, v in ") + std::string(dtype_name<typename opt::moment_type>()) +
+                         (opt::has_master ? " + fp32 masters, " : ", ") + num(opt_bytes()) + " bytes");
+    add("effective_batch", num(eff_.batch));
+    add("sequence_length", num(eff_.seq));
+    return f;
+  }
   batch_shape effective_batch() const noexcept { return eff_; }
   std::uint64_t steps_done() const noexcept { return steps_; }
   std::uint64_t updates_applied() const noexcept { return updates_; }
@@ -430,7 +566,8 @@ class trainer {
   std::size_t foreign_bytes() const { return foreign_now(); }
 
  private:
-  static constexpr std::uint64_t format_version = 1;
+  // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
+  static constexpr std::uint64_t format_version = 2;
 
   std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(n_); }
 
@@ -480,20 +617,112 @@ class trainer {
     }
   }
 
-  void check_plan(const training_plan& p, const char* name) const {
-    if (p.micro.seq != eff_.seq || p.micro.batch * p.accumulation != eff_.batch) {
-      throw invalid_argument(name, "micro-batches of the effective batch " + std::to_string(eff_.batch) + " x " +
-                                       std::to_string(eff_.seq),
+  // The plan this trainer makes for a plan's choices (micro-batch, accumulation, schedule, logit
+  // chunk): its own model, the pool's threads, AdamW's state counted.
+  training_plan own_plan(batch_shape micro, std::size_t accumulation, schedule_choice s, std::size_t head_chunk,
+                         std::size_t budget) const {
+    plan_options po;
+    po.threads = pool_.size();
+    po.head_chunk = head_chunk;
+    po.accumulation = accumulation;
+    po.optimizer = true;
+    return make_plan(m_, micro, s, po, budget);
+  }
+
+  // A plan is accepted only when it is own_plan of its own choices, field for field: anything
+  // else (a plan for another model or precision, one made with optimizer = false, an edited peak
+  // or ops list) would make the step allocate what its prediction does not say. Throws
+  // invalid_argument("plan") naming the first field that differs; changes nothing.
+  void check_plan(const training_plan& p) const {
+    const std::string remake =
+        "Make it with fit(model, effective, budget) or make_plan(model, micro, schedule, options) for this "
+        "model, with optimizer = true and the pool's thread count, and do not edit its fields";
+    const std::size_t B = eff_.batch;
+    // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
+    if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
+        B / p.micro.batch != p.accumulation) {
+      throw invalid_argument("plan", "micro-batches of the effective batch " + std::to_string(B) + " x " +
+                                         std::to_string(eff_.seq),
                              std::to_string(p.accumulation) + " x " + std::to_string(p.micro.batch) + " x " +
                                  std::to_string(p.micro.seq),
                              "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
     }
     if (p.threads != pool_.size()) {
-      throw invalid_argument(name, "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
+      throw invalid_argument("plan", "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
                              std::to_string(p.threads) + " threads",
                              "Pass the pool's thread count in plan_options/fit_options");
     }
-    if (p.ops.empty()) throw invalid_argument(name, "a plan with a schedule", "no ops", "Use make_plan or fit");
+    if (p.head_chunk == 0) {
+      throw invalid_argument("plan", "plan.head_chunk of at least 1 logit row", "plan.head_chunk = 0", remake);
+    }
+    if (p.schedule.k > schedule_choice::kind::budget) {
+      throw invalid_argument("plan", "plan.schedule of a kind schedule_choice names (none, full, every, binomial, budget)",
+                             "plan.schedule kind " + std::to_string(static_cast<unsigned>(p.schedule.k)), remake);
+    }
+    if (p.ops.empty()) throw invalid_argument("plan", "a plan with a schedule", "no ops", "Use make_plan or fit");
+    training_plan q;
+    try {
+      q = own_plan(p.micro, p.accumulation, p.schedule, p.head_chunk, p.budget);
+    } catch (const error& e) {
+      throw invalid_argument("plan", "a plan make_plan can make for this model",
+                             "schedule " + p.schedule.name() + " is refused: " + e.what(), remake);
+    }
+    const std::string made = "as make_plan gives this model for micro-batch " + std::to_string(p.micro.batch) + " x " +
+                             std::to_string(p.accumulation) + ", schedule " + p.schedule.name() + ", logit chunk " +
+                             std::to_string(p.head_chunk) + ", " + std::to_string(pool_.size()) +
+                             " threads and the optimizer counted";
+    const auto differs = [&](const char* field, const std::string& want, const std::string& got) {
+      throw invalid_argument("plan", std::string(field) + " = " + want + " (" + made + ")",
+                             std::string(field) + " = " + got, remake);
+    };
+    const auto bytes = [&](const char* field, std::size_t want, std::size_t got) {
+      if (want != got) differs(field, format_bytes(want), format_bytes(got));
+    };
+    bytes("plan.weights", q.weights, p.weights);
+    bytes("plan.gradients", q.gradients, p.gradients);
+    if (q.optimizer != p.optimizer) {
+      differs("plan.optimizer", format_bytes(q.optimizer) + " (AdamW's state)",
+              format_bytes(p.optimizer) + (p.optimizer == 0 ? " (made with optimizer = false?)" : ""));
+    }
+    if (q.ops != p.ops) {
+      std::size_t k = 0;
+      while (k < q.ops.size() && k < p.ops.size() && q.ops[k] == p.ops[k]) ++k;
+      const auto at = [&](const std::vector<chain_op>& o) {
+        return std::to_string(o.size()) + " ops" + (k < o.size() ? ", op " + std::to_string(k) + " " + to_string(o[k]) : "");
+      };
+      differs("plan.ops", at(q.ops), at(p.ops));
+    }
+    bytes("plan.activations", q.activations, p.activations);
+    bytes("plan.workspace", q.workspace, p.workspace);
+    bytes("plan.peak_bytes", q.peak_bytes, p.peak_bytes);
+    if (q.peak_phase != p.peak_phase) differs("plan.peak_phase", q.peak_phase, p.peak_phase);
+    // Bits, not values: make_plan computes them the same way every time.
+    if (std::bit_cast<std::uint64_t>(q.forward_flops) != std::bit_cast<std::uint64_t>(p.forward_flops)) {
+      differs("plan.forward_flops", detail::exact_text(q.forward_flops), detail::exact_text(p.forward_flops));
+    }
+    if (std::bit_cast<std::uint64_t>(q.recompute_flops) != std::bit_cast<std::uint64_t>(p.recompute_flops)) {
+      differs("plan.recompute_flops", detail::exact_text(q.recompute_flops), detail::exact_text(p.recompute_flops));
+    }
+    std::size_t k = 0;
+    while (k < q.timeline.size() && k < p.timeline.size() && q.timeline[k].name == p.timeline[k].name &&
+           q.timeline[k].live_before == p.timeline[k].live_before && q.timeline[k].peak == p.timeline[k].peak) {
+      ++k;
+    }
+    if (k != q.timeline.size() || k != p.timeline.size()) {
+      const auto at = [&](const std::vector<plan_phase>& t) {
+        return std::to_string(t.size()) + " phases" +
+               (k < t.size() ? ", phase " + std::to_string(k) + " '" + t[k].name + "' " + format_bytes(t[k].live_before) +
+                                   " live, peak " + format_bytes(t[k].peak)
+                             : "");
+      };
+      differs("plan.timeline", at(q.timeline), at(p.timeline));
+    }
+    // The budget is the caller's: 0 (none) or one the plan fits.
+    if (p.budget != 0 && q.peak_bytes > p.budget) {
+      throw invalid_argument("plan", "plan.budget = 0 (none) or at least the plan's peak " + format_bytes(q.peak_bytes),
+                             "plan.budget = " + format_bytes(p.budget),
+                             "Choose the plan with fit(model, effective, budget), which keeps under the budget");
+    }
   }
 
   void adopt(training_plan p) {
@@ -577,8 +806,11 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     for (const auto& [t, below_emergency] : targets) {
       try {
-        training_plan p = fit(m_, eff_, t, fo);
+        // fit chooses; the trainer makes the plan it runs itself (as for every plan it runs).
+        const training_plan chosen = fit(m_, eff_, t, fo);
+        training_plan p = own_plan(chosen.micro, chosen.accumulation, chosen.schedule, chosen.head_chunk, plan_.budget);
         p.budget = plan_.budget;
+        if (p.peak_bytes > t) continue;
         return std::pair{std::move(p), below_emergency};
       } catch (const budget_too_small&) {
       }
@@ -630,12 +862,41 @@ class trainer {
     tolerated_foreign_ = foreign_now();
   }
 
-  std::vector<std::uint64_t> fingerprint() const {
-    const model_config& c = m_.config();
-    std::vector<std::uint64_t> f{c.vocab, c.width, c.heads, c.kv(), c.hidden(), c.tie_embeddings ? 1u : 0u,
-                                 sizeof(S), n_, eff_.batch, eff_.seq, m_.depth()};
-    for (std::size_t k : m_.pattern()) f.push_back(k);
-    return f;
+  // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
+  void check_fingerprint(const std::vector<fingerprint_field>& saved, const std::string& path) const {
+    const std::vector<fingerprint_field> now = fingerprint();
+    struct diff {
+      std::string field, saved, current;
+    };
+    std::vector<diff> d;
+    const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
+      for (const fingerprint_field& e : f)
+        if (e.name == name) return &e;
+      return nullptr;
+    };
+    for (const fingerprint_field& e : now) {
+      const fingerprint_field* s = find(saved, e.name);
+      if (s == nullptr) d.push_back({e.name, "(none)", e.value});
+      else if (s->value != e.value) d.push_back({e.name, s->value, e.value});
+    }
+    for (const fingerprint_field& s : saved) {
+      if (find(now, s.name) == nullptr) d.push_back({s.name, s.value, "(none)"});
+    }
+    if (d.empty()) return;
+    // The first few: a change of precision differs in every block, and one line is enough.
+    constexpr std::size_t shown = 4;
+    std::string why = "it was written for another model or run (";
+    for (std::size_t k = 0; k < d.size() && k < shown; ++k) {
+      why += (k == 0 ? "" : "; ") + std::string("checkpoint written for ") + d[k].field + " " + d[k].saved +
+             ", this run uses " + d[k].current;
+    }
+    if (d.size() > shown) {
+      const std::size_t more = d.size() - shown;
+      why += "; and " + std::to_string(more) + (more == 1 ? " more field differs" : " more fields differ");
+    }
+    why += "). Build the trainer as the run that wrote it was built (" + d[0].field + " " + d[0].saved +
+           ") to resume it";
+    throw checkpoint_mismatch(path, d[0].field, d[0].saved, d[0].current, why);
   }
 
   const Model& m_;
