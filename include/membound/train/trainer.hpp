@@ -61,6 +61,7 @@
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_tag.hpp"
 #include "membound/model/planner.hpp"
+#include "membound/model/reserve_plan.hpp"
 #include "membound/monitor/check_point.hpp"
 #include "membound/monitor/null_monitor.hpp"
 #include "membound/monitor/pressure_level.hpp"
@@ -273,7 +274,18 @@ class trainer {
         scaler_(o_.scaler) {
     m_.check(eff_);
     check_options(o_);
+    if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
     check_plan(plan_);
+    plan_.reserved_peak = reserve_of(plan_);
+    if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
+      throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
+                                         format_bytes(limit),
+                             "a reserved peak of " + format_bytes(plan_.budgeted_peak()) + " (requested " +
+                                 format_bytes(plan_.peak_bytes) + ")",
+                             "Choose it with fit_options::reserve = reserve_model(model, allocator), which counts "
+                             "the stack's rounding and segments");
+    }
+    use_layout(plan_);
     w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
     try {
       g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
@@ -287,8 +299,8 @@ class trainer {
       alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
       throw;
     }
-    // What the planner counts as the persistent base (requested bytes, as the budget's system
-    // upstream charges them).
+    // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
+    // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
     try {
       m_.init_weights(w_, o_.seed);
@@ -300,6 +312,7 @@ class trainer {
     }
     rng_.state = o_.seed ^ 0x6a09e667f3bcc909ULL;
     largest_peak_ = plan_.peak_bytes;
+    largest_reserve_ = plan_.budgeted_peak();
   }
 
   trainer(const trainer&) = delete;
@@ -470,7 +483,8 @@ class trainer {
         training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
                                    schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
                                    static_cast<std::size_t>(pl[2]), plan_.budget);
-        if (p.fits() && (limit_now() == 0 || p.peak_bytes + foreign_now() <= limit_now())) restored = std::move(p);
+        p.reserved_peak = reserve_of(p);
+        if (p.fits() && (limit_now() == 0 || p.budgeted_peak() + foreign_now() <= limit_now())) restored = std::move(p);
       } catch (const error&) {
         // A plan this build cannot make: keep the current one.
       }
@@ -499,6 +513,10 @@ class trainer {
   // The largest predicted peak of any plan this trainer ran under: what the measured peak of its
   // own bytes stays within.
   std::size_t largest_predicted_peak() const noexcept { return largest_peak_; }
+  // The largest predicted reserve of those plans on the trainer's allocator stack (what its
+  // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
+  // (memory/shadow.hpp), else their requested peaks.
+  std::size_t largest_predicted_reserve() const noexcept { return largest_reserve_; }
 
   // ---- State --------------------------------------------------------------------------------------
   const Model& model() const noexcept { return m_; }
@@ -586,9 +604,24 @@ class trainer {
     else return 0;
   }
   // Between attempts nothing of the step is live, so all but the trainer's own bytes are others'.
+  // Between attempts nothing of the step is live: what the allocator serves beyond the trainer's
+  // own requests, and what the budget counts as held outside it, is others'. Requested bytes, not
+  // reserved ones, so that the stack's own cache and rounding never pass for someone else's.
   std::size_t foreign_now() const {
-    const std::size_t u = usage_now();
-    return u > own_bytes_ ? u - own_bytes_ : 0;
+    std::size_t external = 0;
+    if constexpr (requires { alloc_.external(); }) external = alloc_.external();
+    const std::size_t requested = alloc_.stats().requested;
+    return detail::saturating_add(external, requested > own_bytes_ ? requested - own_bytes_ : 0);
+  }
+
+  // The plan's reserved peak on this stack (0 where the stack has no shadow).
+  std::size_t reserve_of(const training_plan& p) const { return reserve_ ? reserve_(p) : 0; }
+
+  // A planned stack (caching_options::planned) serves the run from the plan's layout.
+  void use_layout(const training_plan& p) {
+    if constexpr (has_planned_layer<Allocator>) {
+      if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
+    }
   }
 
   // Each field on its own, written so that NaN fails too.
@@ -717,6 +750,15 @@ class trainer {
       };
       differs("plan.timeline", at(q.timeline), at(p.timeline));
     }
+    // A reserve, when the plan states one, is this stack's for this plan.
+    if (p.reserved_peak != 0) {
+      const std::size_t want = reserve_of(q);
+      if (want != p.reserved_peak) {
+        differs("plan.reserved_peak",
+                want == 0 ? std::string("0 (this allocator stack has no shadow to predict it)") : format_bytes(want),
+                format_bytes(p.reserved_peak) + " (made for another allocator stack or budget?)");
+      }
+    }
     // The budget is the caller's: 0 (none) or one the plan fits.
     if (p.budget != 0 && q.peak_bytes > p.budget) {
       throw invalid_argument("plan", "plan.budget = 0 (none) or at least the plan's peak " + format_bytes(q.peak_bytes),
@@ -726,7 +768,10 @@ class trainer {
   }
 
   void adopt(training_plan p) {
+    if (p.reserved_peak == 0) p.reserved_peak = reserve_of(p);
+    use_layout(p);
     largest_peak_ = std::max(largest_peak_, p.peak_bytes);
+    largest_reserve_ = std::max(largest_reserve_, p.budgeted_peak());
     plan_ = std::move(p);
   }
 
@@ -788,8 +833,8 @@ class trainer {
   // The least-recompute plan below the current peak whose peak plus the others' bytes stays
   // under the emergency threshold (second: true), else under the budget (second: false).
   std::optional<std::pair<training_plan, bool>> stricter_plan() const {
-    if (plan_.peak_bytes <= 1) return std::nullopt;
-    const std::size_t cap = plan_.peak_bytes - 1;
+    if (plan_.budgeted_peak() <= 1) return std::nullopt;
+    const std::size_t cap = plan_.budgeted_peak() - 1;
     std::vector<std::pair<std::size_t, bool>> targets;
     if (const std::size_t limit = limit_now(); limit != 0) {
       const std::size_t foreign = foreign_now();
@@ -804,13 +849,15 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
         // fit chooses; the trainer makes the plan it runs itself (as for every plan it runs).
         const training_plan chosen = fit(m_, eff_, t, fo);
         training_plan p = own_plan(chosen.micro, chosen.accumulation, chosen.schedule, chosen.head_chunk, plan_.budget);
         p.budget = plan_.budget;
-        if (p.peak_bytes > t) continue;
+        p.reserved_peak = reserve_of(p);
+        if (p.budgeted_peak() > t) continue;
         return std::pair{std::move(p), below_emergency};
       } catch (const budget_too_small&) {
       }
@@ -822,6 +869,7 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.reserve = reserve_;
     try {
       (void)fit(m_, eff_, 0, fo);
     } catch (const budget_too_small& e) {
@@ -841,13 +889,13 @@ class trainer {
     e.limit = limit;
     e.foreign = foreign_now();
     e.from = plan_summary(plan_);
-    e.from_peak = plan_.peak_bytes;
+    e.from_peak = plan_.budgeted_peak();
     auto next = stricter_plan();
     e.stricter_found = next.has_value();
     replan_outcome out = replan_outcome::none;
     if (next) {
       e.to = plan_summary(next->first);
-      e.to_peak = next->first.peak_bytes;
+      e.to_peak = next->first.budgeted_peak();
       e.retried = retry;
       out = next->second ? replan_outcome::below_emergency : replan_outcome::below_budget;
       adopt(std::move(next->first));
@@ -915,6 +963,8 @@ class trainer {
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()
   std::size_t largest_peak_ = 0;
+  std::size_t largest_reserve_ = 0;
+  reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
