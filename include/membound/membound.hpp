@@ -4,6 +4,7 @@
 #pragma once
 
 #include "membound/core/config.hpp"
+#include "membound/core/checked_math.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
 #include "membound/core/type_list.hpp"

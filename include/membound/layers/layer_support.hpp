@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/workspace.hpp"
@@ -24,10 +25,9 @@ struct layer_support {
 
 namespace detail {
 
-constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
+// The layers' size sums saturate with the rest of the library's (core/checked_math.hpp).
+using ::membound::sat_add;
+using ::membound::sat_mul;
 
 // Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
 // them instead (a request no budget serves) so that they can stay noexcept.

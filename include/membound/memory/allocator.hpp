@@ -26,6 +26,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/memory_stats.hpp"
@@ -125,14 +126,9 @@ concept budgeted = requires(const B& b) {
 
 namespace detail {
 
-constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
-
-constexpr std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept {
-  return a > b ? a - b : 0;
-}
+// The memory core's names for core/checked_math.hpp's.
+constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept { return sat_add(a, b); }
+constexpr std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept { return sat_sub(a, b); }
 
 // An upstream that declares its largest alignment gets it checked here, before growth_for sees
 // the request; otherwise any power of two passes and the upstream judges it.

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
@@ -107,7 +108,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   x[0] = 1;
   std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
   bool loss_done = false;
-  std::size_t live = c.base_bytes + c.a(0);
+  std::size_t live = sat_add(c.base_bytes, c.a(0));
   schedule_stats st;
   st.peak_bytes = live;
   st.max_live_inputs = 1;
@@ -130,12 +131,12 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
         if (x[i + 1]) bad(k, "x_" + std::to_string(i + 1) + " not yet live");
         if (op.kind == chain_op_kind::tape && saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
-        peak = live + (op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
+        peak = sat_add(live, op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
         x[i + 1] = 1;
-        live += c.a(i + 1);
+        live = sat_add(live, c.a(i + 1));
         if (op.kind == chain_op_kind::tape) {
           saved[i] = 1;
-          live += c.links[i].saved_bytes;
+          live = sat_add(live, c.links[i].saved_bytes);
         }
         total += c.links[i].forward_cost;
         ++st.forward_ops;
@@ -144,25 +145,26 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
       case chain_op_kind::retape:
         if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
         if (saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
-        peak = live + c.links[i].retape_peak;
+        peak = sat_add(live, c.links[i].retape_peak);
         saved[i] = 1;
-        live += c.links[i].saved_bytes;
+        live = sat_add(live, c.links[i].saved_bytes);
         total += c.links[i].forward_cost;
         ++st.forward_ops;
         break;
       case chain_op_kind::loss:
         if (loss_done) bad(k, "one loss op");
         if (!x[L]) bad(k, "x_L live");
-        peak = live + c.loss_peak;
-        live += c.output_bytes;
+        peak = sat_add(live, c.loss_peak);
+        live = sat_add(live, c.output_bytes);
         loss_done = true;
         break;
       case chain_op_kind::backward:
         if (!loss_done) bad(k, "the loss before any backward");
         if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
         if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
-        peak = live + c.links[i].backward_peak;
-        live = live + c.a(i) - c.a(i + 1) - c.links[i].saved_bytes;
+        peak = sat_add(live, c.links[i].backward_peak);
+        // Exact unless a size saturated, and then the peak is SIZE_MAX already.
+        live = sat_sub(sat_sub(sat_add(live, c.a(i)), c.a(i + 1)), c.links[i].saved_bytes);
         saved[i] = 0;
         next_backward = i;
         break;
@@ -170,7 +172,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
         if (i < L && saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
         x[i] = 0;
-        live -= c.a(i);
+        live = sat_sub(live, c.a(i));
         break;
     }
     st.peak_bytes = std::max(st.peak_bytes, peak);
@@ -193,9 +195,15 @@ namespace detail {
 constexpr void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
   o.push_back({k, static_cast<std::uint32_t>(i)});
 }
+// The most blocks a chain may have: its op lists, Revolve's table and the DP's are sized from
+// it, and must stay far from what a vector can hold (a typed error, never std::length_error).
+inline constexpr std::size_t max_chain_length = std::size_t{1} << 16;
+// The most entries Revolve's table and the budget DP's table may have (each a few bytes).
+inline constexpr std::size_t max_table_entries = std::size_t{1} << 25;
 constexpr void check_length(std::size_t L) {
-  if (L == 0 || L > std::numeric_limits<std::uint32_t>::max() / 2) {
-    throw invalid_argument("L", "between 1 and 2^31 blocks", std::to_string(L), "A chain has at least one block");
+  if (L == 0 || L > max_chain_length) {
+    throw invalid_argument("L", "between 1 and " + std::to_string(max_chain_length) + " blocks", std::to_string(L),
+                           "A chain has at least one block; split a deeper model into stages");
   }
 }
 // From x_s (kept), advance to x_e, discarding what lies between.
@@ -334,6 +342,11 @@ constexpr std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slo
                            "Use binomial<1> for the least memory");
   }
   const std::size_t c = std::max<std::size_t>(1, std::min(slots, L));
+  if ((L + 1) * (c + 1) > detail::max_table_entries) {
+    throw invalid_argument("slots", "at most " + std::to_string(detail::max_table_entries / (L + 1) - 1) + " for " +
+                                        std::to_string(L) + " blocks (Revolve's table grows with blocks x slots)",
+                           std::to_string(slots), "Use fewer slots, or every<K> for a chain this long");
+  }
   const detail::revolve_table tb(L, c);
   std::vector<chain_op> o;
   detail::revolve(o, tb, 0, L, c, true, L);
@@ -407,8 +420,9 @@ class chain_dp {
     const std::size_t de = first ? 0 : ae;  // δ_e, when it exists
     if (e == s + 1) {
       if (!first) {
-        if (as + ae + u.retape <= M && as + ae + u.saved + u.backward <= M) take(f, 1);
-      } else if (as + u.tape <= M && as + u.saved + ae + loss_ <= M && as + u.saved + ae + u.backward <= M) {
+        if (sat_add(as, ae, u.retape) <= M && sat_add(as, ae, u.saved, u.backward) <= M) take(f, 1);
+      } else if (sat_add(as, u.tape) <= M && sat_add(as, u.saved, ae, loss_) <= M &&
+                 sat_add(as, u.saved, ae, u.backward) <= M) {
         take(f, 1);
       }
     }
@@ -417,17 +431,17 @@ class chain_dp {
       std::size_t need = 0;
       double cost = 0;
       for (std::size_t k = s; k < e; ++k) {
-        need = std::max(need, as + (k > s ? a_[k] : 0) + u_[k].advance);
+        need = std::max(need, sat_add(as, k > s ? a_[k] : 0, u_[k].advance));
         cost += c_.links[k].forward_cost;
       }
-      if (need <= M && as + ae + loss_ <= M) {
+      if (need <= M && sat_add(as, ae, loss_) <= M) {
         const double rest = solve(false, s, e, M);
         if (rest >= 0) take(cost + rest, 2);
       }
     }
     if (e > s + 1) {
       // tape s, then the rest with x_s and saved_s outside it.
-      if (as + de + u.tape <= M && as + u.saved + a_[s + 1] + u.backward <= M && as + u.saved <= M) {
+      if (sat_add(as, de, u.tape) <= M && sat_add(as, u.saved, a_[s + 1], u.backward) <= M && sat_add(as, u.saved) <= M) {
         const double sub = solve(first, s + 1, e, M - as - u.saved);
         if (sub >= 0) take(f + sub, 3);
       }
@@ -436,7 +450,7 @@ class chain_dp {
       std::size_t chain_need = 0;
       for (std::size_t m = s + 1; m < e; ++m) {
         const std::size_t kk = m - 1;  // the advance that produces x_m
-        chain_need = std::max(chain_need, as + (kk > s ? a_[kk] : 0) + de + u_[kk].advance);
+        chain_need = std::max(chain_need, sat_add(as, kk > s ? a_[kk] : 0, de, u_[kk].advance));
         chain_cost += c_.links[kk].forward_cost;
         if (chain_need > M) break;
         if (as > M) break;
@@ -517,9 +531,13 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   const std::size_t L = c.length();
   // When the DP (whose rounding is conservative) finds nothing, the generated schedules that fit
   // are the answer, the cheapest first; when none fits, the least peak is the budget to ask for.
+  // Every schedule a generator makes: none, every<k> (full is every<1>) and binomial<s>, as far
+  // as Revolve's table allows.
   auto fallback = [&](bool must) {
-    std::vector<std::vector<chain_op>> cands{schedule_full(L), schedule_none(L)};
-    for (std::size_t s = 1; s <= L; ++s) cands.push_back(schedule_binomial(L, s));
+    std::vector<std::vector<chain_op>> cands{schedule_none(L)};
+    for (std::size_t k = 1; k <= L; ++k) cands.push_back(schedule_every(L, k));
+    for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
+      cands.push_back(schedule_binomial(L, s));
     std::size_t least = std::numeric_limits<std::size_t>::max();
     optimal_result best;
     bool found = false;
@@ -536,6 +554,13 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
     if (!found) best.stats.recompute_cost = std::numeric_limits<double>::infinity();
     return best;
   };
+  if (max_cells == 0 || max_cells > detail::max_table_entries) {
+    throw invalid_argument("max_cells", "between 1 and " + std::to_string(detail::max_table_entries), std::to_string(max_cells),
+                           "The default of 512 plans to within 0.2% of the budget");
+  }
+  // The DP's table has 2·L·(L + 1)·(cells + 1) entries: fewer cells for long chains.
+  max_cells = std::min(max_cells, detail::max_table_entries / (2 * L * (L + 1)));
+  if (max_cells < 8) return fallback(true);  // a chain too long for the DP: the generators decide
   if (budget_bytes <= c.base_bytes) return fallback(true);
   const std::size_t avail = budget_bytes - c.base_bytes;
   const std::size_t unit = std::max<std::size_t>(1, avail / std::max<std::size_t>(1, max_cells) + (avail % std::max<std::size_t>(1, max_cells) != 0));

@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/layers/attention.hpp"
@@ -78,11 +79,11 @@ struct mixer_traits<attention<P...>> {
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim, C = s.d_model;
-    return {{{"wq", C * HD, param_init::normal, detail::init_std, 0},
-             {"wk", C * KD, param_init::normal, detail::init_std, 0},
-             {"wv", C * KD, param_init::normal, detail::init_std, 0},
-             {"wo", HD * C, param_init::normal, detail::init_std, 0}}};
+    const std::size_t HD = sat_mul(s.heads, s.head_dim), KD = sat_mul(s.kv_heads, s.head_dim), C = s.d_model;
+    return {{{"wq", sat_mul(C, HD), param_init::normal, detail::init_std, 0},
+             {"wk", sat_mul(C, KD), param_init::normal, detail::init_std, 0},
+             {"wv", sat_mul(C, KD), param_init::normal, detail::init_std, 0},
+             {"wo", sat_mul(HD, C), param_init::normal, detail::init_std, 0}}};
   }
   template <typename T>
   static auto bind(const std::array<T*, param_count>& p) noexcept {
@@ -121,15 +122,15 @@ struct mixer_traits<mamba<P...>> {
     // variance (1/(3K)) keeps our initializer set small.
     const double conv_std = 1.0 / std::sqrt(3.0 * static_cast<double>(s.d_conv));
     const double dt_std = 1.0 / std::sqrt(static_cast<double>(R));  // dt_init "random", scaled
-    return {{{"in_proj", C * 2 * Di, param_init::normal, detail::init_std, 0},
-             {"conv_w", Di * s.d_conv, param_init::normal, conv_std, 0},
+    return {{{"in_proj", sat_mul(sat_mul(C, 2), Di), param_init::normal, detail::init_std, 0},
+             {"conv_w", sat_mul(Di, s.d_conv), param_init::normal, conv_std, 0},
              {"conv_b", Di, param_init::constant, 0.0, 0},
-             {"x_proj", Di * (R + 2 * Ns), param_init::normal, detail::init_std, 0},
-             {"dt_proj", R * Di, param_init::normal, dt_std / std::sqrt(3.0), 0},
+             {"x_proj", sat_mul(Di, sat_add(R, sat_mul(2, Ns))), param_init::normal, detail::init_std, 0},
+             {"dt_proj", sat_mul(R, Di), param_init::normal, dt_std / std::sqrt(3.0), 0},
              {"dt_bias", Di, param_init::mamba_dt_bias, 0.0, 0},
-             {"a_log", Di * Ns, param_init::mamba_a_log, 0.0, Ns},
+             {"a_log", sat_mul(Di, Ns), param_init::mamba_a_log, 0.0, Ns},
              {"d", Di, param_init::constant, 1.0, 0},
-             {"out_proj", Di * C, param_init::normal, detail::init_std, 0}}};
+             {"out_proj", sat_mul(Di, C), param_init::normal, detail::init_std, 0}}};
   }
   template <typename T>
   static auto bind(const std::array<T*, param_count>& p) noexcept {
@@ -173,24 +174,24 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
     // The gate is unused (use_gate = false) but the layer's weights name it: zero elements.
     std::array<param_spec, param_count> p{};
     const param_spec common[14] = {
-        {"wq", C * C, param_init::normal, detail::init_std, 0},
-        {"wk", C * C, param_init::normal, detail::init_std, 0},
-        {"wv", C * C, param_init::normal, detail::init_std, 0},
-        {"ttt_norm_w", H * D, param_init::constant, 1.0, 0},
-        {"ttt_norm_b", H * D, param_init::constant, 0.0, 0},
-        {"w1", H * D * F, param_init::normal, detail::init_std, 0},
-        {"b1", H * F, param_init::constant, 0.0, 0},
-        {"lr_w", H * C, param_init::normal, detail::init_std, 0},
+        {"wq", sat_mul(C, C), param_init::normal, detail::init_std, 0},
+        {"wk", sat_mul(C, C), param_init::normal, detail::init_std, 0},
+        {"wv", sat_mul(C, C), param_init::normal, detail::init_std, 0},
+        {"ttt_norm_w", sat_mul(H, D), param_init::constant, 1.0, 0},
+        {"ttt_norm_b", sat_mul(H, D), param_init::constant, 0.0, 0},
+        {"w1", sat_mul(sat_mul(H, D), F), param_init::normal, detail::init_std, 0},
+        {"b1", sat_mul(H, F), param_init::constant, 0.0, 0},
+        {"lr_w", sat_mul(H, C), param_init::normal, detail::init_std, 0},
         {"lr_b", H, param_init::constant, 0.0, 0},
         {"tok_offset", b, param_init::constant, 0.0, 0},
         {"post_w", C, param_init::constant, 1.0, 0},
         {"post_b", C, param_init::constant, 0.0, 0},
         {"wg", 0, param_init::constant, 0.0, 0},
-        {"wo", C * C, param_init::normal, detail::init_std, 0}};
+        {"wo", sat_mul(C, C), param_init::normal, detail::init_std, 0}};
     for (std::size_t i = 0; i < 14; ++i) p[i] = common[i];
     if constexpr (Mlp) {
-      p[14] = {"w2", H * F * D, param_init::normal, detail::init_std, 0};
-      p[15] = {"b2", H * D, param_init::constant, 0.0, 0};
+      p[14] = {"w2", sat_mul(sat_mul(H, F), D), param_init::normal, detail::init_std, 0};
+      p[15] = {"b2", sat_mul(H, D), param_init::constant, 0.0, 0};
     }
     return p;
   }
@@ -237,9 +238,9 @@ struct mixer_traits<swiglu_mlp<P...>> {
     return {b.batch, b.seq, c.width, c.hidden()};
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
-    return {{{"w_gate", s.width * s.hidden, param_init::normal, detail::init_std, 0},
-             {"w_up", s.width * s.hidden, param_init::normal, detail::init_std, 0},
-             {"w_down", s.hidden * s.width, param_init::normal, detail::init_std, 0}}};
+    return {{{"w_gate", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
+             {"w_up", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
+             {"w_down", sat_mul(s.hidden, s.width), param_init::normal, detail::init_std, 0}}};
   }
   template <typename T>
   static auto bind(const std::array<T*, param_count>& p) noexcept {

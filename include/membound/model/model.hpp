@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -208,7 +209,7 @@ class model {
   std::size_t parameter_elements() const noexcept { return elements_; }  // with alignment padding
   std::size_t parameter_count() const noexcept {
     std::size_t n = 0;
-    for (const auto& p : params_) n += p.count;
+    for (const auto& p : params_) n = sat_add(n, p.count);
     return n;
   }
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
@@ -254,7 +255,7 @@ class model {
     const std::size_t a = activation_bytes(b);
     for_each_block([&]<typename B>(std::size_t, B*) { c.links.push_back(link_of<B>(cfg_, b, threads)); });
     c.output_bytes = a;
-    c.loss_peak = a + head_type::workspace_bytes(head_shape(b, head_chunk), threads);
+    c.loss_peak = sat_add(a, head_type::workspace_bytes(head_shape(b, head_chunk), threads));
     c.base_bytes = base_bytes;
     return c;
   }
@@ -264,12 +265,12 @@ class model {
   static constexpr std::size_t count_elements(const model_config& c)
     requires(!runtime_pattern)
   {
-    std::size_t n = round_param(c.vocab * c.width);
+    std::size_t n = round_param(sat_mul(c.vocab, c.width));
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((n += block_elements<std::tuple_element_t<I, blocks>>(c)), ...);
+      ((n = sat_add(n, block_elements<std::tuple_element_t<I, blocks>>(c))), ...);
     }(std::make_index_sequence<block_types>{});
-    n += round_param(c.width);
-    if (!c.tie_embeddings) n += round_param(c.vocab * c.width);
+    n = sat_add(n, round_param(c.width));
+    if (!c.tie_embeddings) n = sat_add(n, round_param(sat_mul(c.vocab, c.width)));
     return n;
   }
   static constexpr chain static_chain(const model_config& c, batch_shape b, std::size_t threads,
@@ -282,7 +283,7 @@ class model {
     }(std::make_index_sequence<block_types>{});
     const std::size_t a = bytes_of<S>(b.tokens(), c.width);
     ch.output_bytes = a;
-    ch.loss_peak = a + head_type::workspace_bytes({b.tokens(), c.width, c.vocab, head_chunk, c.norm_eps}, threads);
+    ch.loss_peak = sat_add(a, head_type::workspace_bytes({b.tokens(), c.width, c.vocab, head_chunk, c.norm_eps}, threads));
     ch.base_bytes = base_bytes;
     return ch;
   }
@@ -295,10 +296,10 @@ class model {
     chain_link l;
     l.input_bytes = a;
     l.saved_bytes = B::saved_bytes(d);
-    l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
-    l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
-    l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
-    l.backward_peak = a + B::backward_workspace_bytes(d, threads);
+    l.advance_peak = sat_add(a, B::forward_workspace_bytes(d, threads, forward_mode::advance));
+    l.tape_peak = sat_add(a, l.saved_bytes, B::forward_workspace_bytes(d, threads, forward_mode::tape));
+    l.retape_peak = sat_add(l.saved_bytes, B::forward_workspace_bytes(d, threads, forward_mode::retape));
+    l.backward_peak = sat_add(a, B::backward_workspace_bytes(d, threads));
     l.forward_cost = flops_of<B>(c, b);
     return l;
   }
@@ -662,12 +663,12 @@ class model {
   // Every tensor starts on a 64-byte boundary.
   static constexpr std::size_t round_param(std::size_t n) noexcept {
     constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);
-    return (n + align - 1) / align * align;
+    return sat_round_up(n, align);
   }
   template <typename B>
   static constexpr std::size_t block_elements(const model_config& c) {
     std::size_t n = 0;
-    for (const param_spec& p : B::params(B::make_dims(c, {1, 1}))) n += round_param(p.count);
+    for (const param_spec& p : B::params(B::make_dims(c, {1, 1}))) n = sat_add(n, round_param(p.count));
     return n;
   }
   void add_param(std::string name, const param_spec& s) {
@@ -677,13 +678,13 @@ class model {
     e.count = s.count;
     e.spec = s;
     e.decay = s.init == param_init::normal;
-    elements_ += round_param(s.count);
+    elements_ = sat_add(elements_, round_param(s.count));
     params_.push_back(std::move(e));
   }
 
   void build_params() {
     const batch_shape one{1, 1};
-    add_param("embedding", {"embedding", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+    add_param("embedding", {"embedding", sat_mul(cfg_.vocab, cfg_.width), param_init::normal, detail::init_std, 0});
     for_each_block([&]<typename B>(std::size_t i, B*) {
       block_first_.push_back(params_.size());
       const auto d = B::make_dims(cfg_, one);
@@ -693,7 +694,7 @@ class model {
     head_first_ = params_.size();
     add_param("final_norm", {"final_norm", cfg_.width, param_init::constant, 1.0, 0});
     if (!cfg_.tie_embeddings)
-      add_param("lm_head", {"lm_head", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+      add_param("lm_head", {"lm_head", sat_mul(cfg_.vocab, cfg_.width), param_init::normal, detail::init_std, 0});
   }
 
   typename head_type::weights head_weights(const S* w) const noexcept {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -21,7 +22,8 @@ struct model_config {
   double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
 
   constexpr std::size_t hidden() const noexcept {
-    return mlp_hidden != 0 ? mlp_hidden : (8 * width / 3 + 7) / 8 * 8;
+    // 8/3·C up to a multiple of 8, saturating (a width near SIZE_MAX is refused by its sizes).
+    return mlp_hidden != 0 ? mlp_hidden : sat_round_up(sat_mul(width, 8) / 3, 8);
   }
   constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
 };
@@ -30,7 +32,7 @@ struct model_config {
 struct batch_shape {
   std::size_t batch = 1;
   std::size_t seq = 1;
-  constexpr std::size_t tokens() const noexcept { return batch * seq; }
+  constexpr std::size_t tokens() const noexcept { return sat_mul(batch, seq); }
   friend constexpr bool operator==(const batch_shape&, const batch_shape&) = default;
 };
 

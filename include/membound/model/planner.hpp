@@ -16,9 +16,11 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
@@ -113,7 +115,8 @@ struct training_plan {
   }
   // What a budget over the planned stack counts at the peak.
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
-  bool fits() const noexcept { return budget == 0 || budgeted_peak() <= budget; }
+  // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
+  bool fits() const noexcept { return !saturated(budgeted_peak()) && (budget == 0 || budgeted_peak() <= budget); }
 
   // A table a person reads before step 1.
   std::string table() const {
@@ -218,7 +221,7 @@ template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
   const std::size_t opt = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  return w + w + opt;
+  return sat_add(w, w, opt);
 }
 
 // The plan of one training step of m: micro-batch b, schedule s.
@@ -236,7 +239,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.gradients = m.weight_bytes();
   p.optimizer = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
-  const std::size_t base = p.weights + p.gradients + p.optimizer;
+  const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
   const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
   p.ops = schedule_ops(c, sc);
   std::vector<phase_bytes> tl;
@@ -247,8 +250,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
 
   // The timeline: the embedding, each op, the embedding's backward, the optimizer step.
   const std::size_t a = m.activation_bytes(b);
-  p.timeline.push_back({"embedding forward", base, base + a});
-  std::size_t best = base + a;
+  p.timeline.push_back({"embedding forward", base, sat_add(base, a)});
+  std::size_t best = sat_add(base, a);
   p.peak_phase = "embedding forward";
   p.activations = a;
   p.workspace = 0;
@@ -257,7 +260,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
     const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
-    p.activations = std::max(p.activations, ph.live_before - base);
+    p.activations = std::max(p.activations, sat_sub(ph.live_before, base));
     if (q.peak > best) {
       best = q.peak;
       p.peak_phase = q.name;
@@ -267,7 +270,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
         const std::size_t ai = op.block < L ? c.links[op.block].input_bytes : c.output_bytes;
         switch (op.kind) {
           case chain_op_kind::advance: return c.links[op.block].input_bytes;
-          case chain_op_kind::tape: return ai + c.links[op.block].saved_bytes;
+          case chain_op_kind::tape: return sat_add(ai, c.links[op.block].saved_bytes);
           case chain_op_kind::retape: return c.links[op.block].saved_bytes;
           case chain_op_kind::loss: return c.output_bytes;
           case chain_op_kind::backward: return ai;
@@ -275,11 +278,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
         }
         return 0;
       }();
-      p.workspace = q.peak - q.live_before - std::min(out, q.peak - q.live_before);
+      p.workspace = sat_sub(sat_sub(q.peak, q.live_before), out);
     }
     p.timeline.push_back(std::move(q));
   }
-  p.timeline.push_back({"embedding backward", base + a, base + a});
+  p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
   p.timeline.push_back({"optimizer step (AdamW, in place)", base, base});
   if (best != p.peak_bytes) {
     throw error("membound: planner timeline and simulate() disagree on the peak (" +
@@ -297,7 +300,7 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
                                      const plan_options& o = {}) {
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
-  const std::size_t base = 2 * bytes_of<S>(n) + (o.optimizer ? adamw<S>::state_bytes(n) : 0);
+  const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n), o.optimizer ? adamw<S>::state_bytes(n) : 0);
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
   std::vector<chain_op> ops;
@@ -383,7 +386,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   auto consider = [&](training_plan p) {
     const std::size_t counted = reserve(p);
     minimum = std::min(minimum, counted);
-    if (counted > budget) return;
+    if (saturated(counted) || counted > budget) return;
     const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
     const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
     if (!found || cost < best_cost ||
@@ -393,34 +396,70 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       found = true;
     }
   };
+  // The budget DP at budget B: it plans requested bytes, so when the stack's rounding takes its
+  // plan over B, it asks again for that much less. nullopt when it finds nothing under B.
+  auto dp_plan = [&](batch_shape b, const plan_options& o, std::size_t B) -> std::optional<training_plan> {
+    std::size_t target = B;
+    std::optional<training_plan> last;
+    for (int tries = 0; tries < 4; ++tries) {
+      try {
+        training_plan p = make_plan(m, b, schedule_choice{schedule_choice::kind::budget, target}, o, budget);
+        const std::size_t counted = reserve(p);
+        const bool under = counted <= B;
+        last = std::move(p);
+        if (under || counted - B >= target) break;
+        target -= counted - B;
+      } catch (const invalid_argument&) {
+        break;
+      }
+    }
+    return last;
+  };
+  struct combo {
+    batch_shape b;
+    plan_options o;
+  };
+  std::vector<combo> combos;
   const std::size_t L = m.depth();
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer};
       const batch_shape b{mb, effective.seq};
+      combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
                                          {schedule_choice::kind::full, 0}};
-      for (std::size_t k = 2; k < L; ++k) cands.push_back({schedule_choice::kind::every, k});
-      for (std::size_t s = 1; s <= L; ++s) cands.push_back({schedule_choice::kind::binomial, s});
+      // every<k> for every segment length up to L (every<L> keeps only the chain's ends), and
+      // binomial<s> for every slot count Revolve's table allows.
+      for (std::size_t k = 2; k <= L; ++k) cands.push_back({schedule_choice::kind::every, k});
+      for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
+        cands.push_back({schedule_choice::kind::binomial, s});
       for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
-      // The DP, unless nothing can fit (it would throw). It plans requested bytes: when the
-      // stack's rounding takes its plan over the budget, ask again for that much less.
-      std::size_t target = budget;
-      for (int tries = 0; tries < 4; ++tries) {
-        try {
-          training_plan p = make_plan(m, b, schedule_choice{schedule_choice::kind::budget, target}, o, budget);
-          const std::size_t counted = reserve(p);
-          consider(p);
-          if (counted <= budget || counted - budget >= target) break;
-          target -= counted - budget;
-        } catch (const invalid_argument&) {
-          break;
-        }
-      }
+      if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
     }
   }
-  if (!found) throw budget_too_small(budget, minimum);
+  if (!found) {
+    // The DP can meet budgets below every generated schedule's peak. Search, per micro-batch and
+    // chunk, the least budget it meets, so that minimum() is a budget fit() meets and one byte
+    // less is not.
+    const auto dp_fits = [&](const combo& c, std::size_t B) {
+      const auto p = dp_plan(c.b, c.o, B);
+      return p && !saturated(p->budgeted_peak()) && p->budgeted_peak() <= B;
+    };
+    for (const combo& c : combos) {
+      if (saturated(minimum) || minimum == 0 || !dp_fits(c, minimum - 1)) continue;
+      std::size_t lo = 0, hi = minimum - 1;  // dp_fits(c, hi) holds
+      while (lo < hi) {
+        const std::size_t mid = lo + (hi - lo) / 2;
+        if (dp_fits(c, mid)) hi = mid;
+        else lo = mid + 1;
+      }
+      minimum = hi;
+    }
+    throw budget_too_small(budget, minimum,
+                           saturated(minimum) ? "the model's sizes pass any address space: shrink the model or the batch"
+                                              : std::string{});
+  }
   best.budget = budget;
   return best;
 }

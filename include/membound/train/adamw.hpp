@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -32,7 +33,7 @@ class adamw {
 
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
-    return bytes_of<moment_type>(n) * (has_master ? 3 : 2);
+    return sat_mul(bytes_of<moment_type>(n), has_master ? 3 : 2);
   }
 
   // Starts the state over `state` (state_bytes(n) bytes, aligned to 4): zero moments, masters
