@@ -54,7 +54,7 @@ options parse(int argc, char** argv) {
 constexpr std::size_t layers = 4, width = 256, vocab = 256, f32 = sizeof(float);
 constexpr std::size_t al = mb::default_alignment;
 
-using stack_t = mb::budget_allocator<mb::traced_allocator<mb::caching_allocator<mb::system_allocator>>>;
+using memory_stack = mb::budget_allocator<mb::traced_allocator<mb::caching_allocator<mb::system_allocator>>>;
 
 struct buffer {
   void* p;
@@ -66,7 +66,7 @@ struct buffer {
 // so an out-of-memory leaves the allocator exactly as it was before the step.
 class step_memory {
  public:
-  explicit step_memory(stack_t& a) : a_(a) {}
+  explicit step_memory(memory_stack& a) : a_(a) {}
   step_memory(const step_memory&) = delete;
   step_memory& operator=(const step_memory&) = delete;
   ~step_memory() { release_all(); }
@@ -85,7 +85,7 @@ class step_memory {
   std::size_t count() const { return live_.size(); }
 
  private:
-  stack_t& a_;
+  memory_stack& a_;
   std::vector<buffer> live_;
 };
 
@@ -120,7 +120,7 @@ void backward(step_memory& mem) {
 int main(int argc, char** argv) try {
   const options opt = parse(argc, argv);
   mb::trace_recorder recorder(1 << 16);
-  stack_t memory(opt.budget_mib << 20, recorder);
+  memory_stack memory(opt.budget_mib << 20, recorder);
   mb::pressure_monitor<mb::peak_check_points> monitor;
   monitor.attach(recorder);
   // The monitor returns the level after its actions ran (releasing the cache may lower it), so

@@ -63,12 +63,44 @@ inline constexpr bool dependent_false = false;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/config.hpp ----
+// ---- begin membound/core/checked_math.hpp ----
+// Size arithmetic that cannot wrap: sums and products of byte and element counts saturate at
+// SIZE_MAX, so an absurd model or shape becomes a size no budget holds (plans with it never fit)
+// instead of a small wrapped-around number that seems to. Every size sum in the model, the
+// planner and the optimizer goes through these; the layers' sizes use bytes_of (core/dtype.hpp),
+// which saturates the same way.
+
+#include <cstddef>
+#include <limits>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+inline constexpr std::size_t size_max = std::numeric_limits<std::size_t>::max();
+
+constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept { return a > size_max - b ? size_max : a + b; }
+template <typename... R>
+constexpr std::size_t sat_add(std::size_t a, std::size_t b, R... rest) noexcept {
+  return sat_add(sat_add(a, b), static_cast<std::size_t>(rest)...);
+}
+constexpr std::size_t sat_mul(std::size_t a, std::size_t b) noexcept {
+  return b != 0 && a > size_max / b ? size_max : a * b;
+}
+constexpr std::size_t sat_sub(std::size_t a, std::size_t b) noexcept { return a > b ? a - b : 0; }
+// Up to a multiple of `m` (> 0), saturating.
+constexpr std::size_t sat_round_up(std::size_t n, std::size_t m) noexcept {
+  const std::size_t r = n % m;
+  return r == 0 ? n : sat_add(n, m - r);
+}
+// Whether a size saturated: it stands for "more than any address space", not a byte count.
+constexpr bool saturated(std::size_t n) noexcept { return n == size_max; }
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/checked_math.hpp ----
 // ---- begin membound/core/error.hpp ----
 // Typed errors. Each names the argument or resource, what was expected, and what to do.
 // Every membound error derives from membound::error so callers can catch the whole family.
 
 #include <array>
-#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -172,6 +204,19 @@ class invalid_argument : public error {
   const std::string& actual() const noexcept { return actual_; }
   const std::string& what_to_do() const noexcept { return what_to_do_; }
 
+ protected:
+  // For subclasses whose message reads better in their own words; the fields are the same.
+  struct own_message {};
+  // Fields by reference: the message is usually made from them in the same call.
+  invalid_argument(own_message, const std::string& message, const std::string& argument,
+                   const std::string& expected, const std::string& actual,
+                   const std::string& what_to_do)
+      : error(message),
+        argument_(argument),
+        expected_(expected),
+        actual_(actual),
+        what_to_do_(what_to_do) {}
+
  private:
   static std::string compose(const std::string& argument, const std::string& expected,
                              const std::string& actual, const std::string& what_to_do) {
@@ -198,6 +243,37 @@ class workspace_too_small : public invalid_argument {
 
  private:
   std::size_t required_, given_;
+};
+
+// A file the library was asked to read or write cannot be used for that: missing, a directory
+// or a device where a regular file belongs, without permission, in a folder that does not exist,
+// on a full disk. argument() is the parameter that named it ("path"), path() the file itself;
+// error_number() is the errno of the failing call, 0 when the problem was found without one.
+class file_error : public invalid_argument {
+ public:
+  file_error(const std::string& argument, const std::string& path, const std::string& expected,
+             const std::string& actual, const std::string& what_to_do, int error_number = 0)
+      : invalid_argument(own_message{},
+                         "membound: file '" + path + "' (argument '" + argument +
+                             "'): expected " + expected + ", got " + actual + ". " + what_to_do,
+                         argument, expected, actual, what_to_do),
+        path_(path),
+        error_number_(error_number) {}
+
+  const std::string& path() const noexcept { return path_; }
+  int error_number() const noexcept { return error_number_; }
+
+ protected:
+  file_error(own_message tag, const std::string& message, const std::string& argument,
+             const std::string& path, const std::string& expected, const std::string& actual,
+             const std::string& what_to_do, int error_number = 0)
+      : invalid_argument(tag, message, argument, expected, actual, what_to_do),
+        path_(path),
+        error_number_(error_number) {}
+
+ private:
+  std::string path_;
+  int error_number_;
 };
 
 // Everything a person needs to understand an out-of-memory, as fields (for tools and tests) and
@@ -253,6 +329,19 @@ class out_of_memory : public error {
   oom_report report_;
 };
 
+namespace detail {
+// A host allocation outside the allocators (a buffer the library sizes itself) failed.
+[[noreturn]] inline void throw_host_out_of_memory(std::string source, std::size_t bytes,
+                                                  std::string hint) {
+  oom_report r;
+  r.source = std::move(source);
+  r.requested = r.growth_needed = bytes;
+  r.detail = "std::bad_alloc from the host heap";
+  r.hint = std::move(hint);
+  throw out_of_memory(std::move(r));
+}
+}  // namespace detail
+
 // A backend call (mmap, CUDA driver) failed for a reason other than lack of memory.
 class backend_error : public error {
  public:
@@ -304,7 +393,6 @@ MEMBOUND_NAMESPACE_END
 
 #include <bit>
 #include <concepts>
-#include <limits>
 #include <type_traits>
 
 // Under nvcc, Eigen 3.4's own headers warn (#20012: __host__ __device__ on defaulted functions),
@@ -473,6 +561,7 @@ MEMBOUND_NAMESPACE_END
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -480,31 +569,44 @@ MEMBOUND_NAMESPACE_BEGIN
 
 class thread_pool {
  public:
+  // More threads than this only add contention (and per-thread scratch) on any host there is.
+  static constexpr std::size_t max_threads = 1024;
+
   static std::size_t default_threads() noexcept {
     const unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 1 : n;  // 0 means "unknown"
+    if (n == 0) return 1;  // 0 means "unknown"
+    return n < max_threads ? n : max_threads;
   }
 
+  // Throws invalid_argument for 0 or more than max_threads threads, backend_error when the
+  // system refuses a thread (the ones already started are stopped first).
   explicit thread_pool(std::size_t threads = default_threads()) {
-    if (threads == 0) {
-      throw invalid_argument("threads", "at least 1", "0",
-                             "Pass 1 to run every task on the calling thread");
+    if (threads == 0 || threads > max_threads) {
+      throw invalid_argument("threads",
+                             "between 1 and " + std::to_string(max_threads) +
+                                 " (thread_pool::max_threads)",
+                             std::to_string(threads),
+                             "Pass 1 to run every task on the calling thread, or "
+                             "thread_pool::default_threads() for one per core");
     }
     workers_.reserve(threads - 1);
-    for (std::size_t t = 1; t < threads; ++t) workers_.emplace_back([this, t] { work(t); });
+    try {
+      for (std::size_t t = 1; t < threads; ++t) workers_.emplace_back([this, t] { work(t); });
+    } catch (const std::system_error& e) {
+      // Joinable threads must not outlive a constructor that throws (std::terminate otherwise).
+      stop_all();
+      throw backend_error("std::thread (worker " + std::to_string(workers_.size() + 1) + " of " +
+                              std::to_string(threads) + ")",
+                          e.code().value(), e.what(),
+                          "The system refused another thread (ulimit -u, memory): pass fewer "
+                          "threads");
+    }
   }
 
   thread_pool(const thread_pool&) = delete;
   thread_pool& operator=(const thread_pool&) = delete;
 
-  ~thread_pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (std::thread& w : workers_) w.join();
-  }
+  ~thread_pool() { stop_all(); }
 
   std::size_t size() const noexcept { return workers_.size() + 1; }
 
@@ -536,6 +638,15 @@ class thread_pool {
   }
 
  private:
+  void stop_all() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& w : workers_) w.join();
+  }
+
   void run_tasks(std::size_t thread) {
     for (;;) {
       const std::size_t i = next_.fetch_add(1);
@@ -580,6 +691,441 @@ class thread_pool {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/parallel.hpp ----
+// ---- begin membound/core/file_io.hpp ----
+// Files the library reads and writes itself (checkpoints, traces). Every failure is one
+// file_error naming the path, what was expected and what to do: nothing from <fstream> or
+// <filesystem> escapes, and nothing but a regular file is ever opened (reading a FIFO blocks
+// until a writer comes; opening a device can have side effects).
+//
+//   std::vector<unsigned char> b = detail::read_regular_file(path, "path", "checkpoint");
+//   const detail::byte_range parts[] = {{header, 16}, {body, n}};
+//   detail::write_file_atomically(path, "path", "checkpoint", parts);
+//
+// An atomic write goes to `<path>.tmp.<pid>.<n>` in the same folder, under an exclusive flock held
+// until it has been renamed over `path`, so a crash leaves the old file and at worst that
+// temporary. The next write or read of the same path removes such leftovers:
+// remove_stale_temporaries() takes only those whose writer is gone (see there).
+// POSIX only, as the rest of the host side.
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <set>
+#include <span>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+
+struct byte_range {
+  const void* data = nullptr;
+  std::size_t size = 0;
+};
+
+inline std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+inline std::string base_name(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+inline std::string errno_text(int e) {
+  return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")";
+}
+
+inline const char* file_kind(mode_t m) noexcept {
+  if (S_ISREG(m)) return "a regular file";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "a special file";
+}
+
+// What a failed open, stat, write or rename means for the person who chose the path.
+inline std::string advice_for(int e, bool writing) {
+  switch (e) {
+    case ENOENT:
+      return writing ? "Create the folder first (mkdir -p) or choose another path"
+                     : "Check the path (a relative path starts at the working directory)";
+    case EACCES:
+    case EPERM:
+      return writing ? "Choose a folder this user may write to, or fix its permissions (chmod u+w)"
+                     : "Make the file and its folders readable by this user (chmod u+r), or run "
+                       "as its owner";
+    case EROFS: return "Choose a path on a writable file system";
+    case ENOTDIR: return "Fix the path: one of its folders is a file";
+    case EISDIR: return "Pass a file path, not a folder";
+    case ENAMETOOLONG: return "Use a shorter path";
+    case ELOOP: return "Fix the symbolic links in the path (there is a loop)";
+    case ENOSPC:
+    case EDQUOT: return "Free disk space (or quota) or choose another file system";
+    case EIO: return "The device reported an I/O error: check it (dmesg) and try again";
+    case EFBIG:
+      return "The file would exceed the largest file this process may write (ulimit -f) or the "
+             "file system allows: raise the limit or choose another file system";
+    default: return "Check the path and the file system";
+  }
+}
+
+// An open descriptor, closed on every path.
+class file_descriptor {
+ public:
+  explicit file_descriptor(int fd = -1) noexcept : fd_(fd) {}
+  file_descriptor(file_descriptor&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  file_descriptor& operator=(file_descriptor&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  ~file_descriptor() { reset(); }
+  int get() const noexcept { return fd_; }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// Reads a whole regular file. `role` names what it holds, for messages ("checkpoint"). A file
+// that shrinks while being read returns what was there: its own format check decides.
+inline std::vector<unsigned char> read_regular_file(const std::string& path, const char* argument,
+                                                    const std::string& role) {
+  const std::string expected = "an existing regular file holding a " + role;
+  if (path.empty()) {
+    throw file_error(argument, path, expected, "an empty path", "Pass the " + role + " file's path");
+  }
+  auto not_regular = [&](mode_t m) {
+    return file_error(argument, path, expected, file_kind(m),
+                      S_ISDIR(m) ? "Pass the " + role + " file inside that folder, not the folder"
+                                 : "Pass a regular file; a " + role +
+                                       " is not read from pipes or devices (copy it to a file)");
+  };
+  // stat first, so that a FIFO or a device is refused without being opened.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int e = errno;
+    throw file_error(argument, path, expected, errno_text(e), advice_for(e, false), e);
+  }
+  if (!S_ISREG(st.st_mode)) throw not_regular(st.st_mode);
+  const file_descriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
+  if (!fd) {
+    const int e = errno;
+    throw file_error(argument, path, expected, errno_text(e), advice_for(e, false), e);
+  }
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) throw not_regular(st.st_mode);  // replaced meanwhile
+
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  std::vector<unsigned char> bytes;
+  try {
+    if (size > bytes.max_size()) throw std::bad_alloc();
+    bytes.resize(static_cast<std::size_t>(size));
+  } catch (const std::bad_alloc&) {
+    throw_host_out_of_memory("read of '" + path + "'", static_cast<std::size_t>(size),
+                             "the " + role + " file does not fit in host memory at once: free "
+                             "host memory and read it again");
+  }
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      throw file_error(argument, path, "a " + role + " file that can be read to its end",
+                       "a read error after " + std::to_string(done) + " bytes: " + errno_text(e),
+                       advice_for(e, false), e);
+    }
+    if (n == 0) break;
+    done += static_cast<std::size_t>(n);
+  }
+  bytes.resize(done);
+  return bytes;
+}
+
+// The base names of the temporaries this process is writing now, so that its own cleaner (same
+// pid in the name) can tell them from leftovers of an earlier process that had the same pid.
+class temporary_registry {
+ public:
+  static temporary_registry& instance() {
+    static temporary_registry r;
+    return r;
+  }
+  void add(const std::string& name) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    names_.insert(name);
+  }
+  void remove(const std::string& name) noexcept {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    names_.erase(name);
+  }
+  bool contains(const std::string& name) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return names_.count(name) != 0;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::set<std::string> names_;
+};
+
+// The file a symbolic link at `path` names (where an atomic write goes, and so its temporaries),
+// or `path` itself.
+inline std::string link_target(const std::string& path) {
+  struct stat lst {};
+  if (::lstat(path.c_str(), &lst) != 0 || !S_ISLNK(lst.st_mode)) return path;
+  char* real = ::realpath(path.c_str(), nullptr);
+  if (real == nullptr) return path;
+  std::string out = real;
+  std::free(real);
+  return out;
+}
+
+// The pid in `<base>.tmp.<pid>` or `<base>.tmp.<pid>.<n>`, or 0 when `name` is not a temporary of
+// `base` (another checkpoint's, or a file that merely starts alike).
+inline pid_t temporary_pid(const std::string& name, const std::string& base) noexcept {
+  const std::string prefix = base + ".tmp.";
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return 0;
+  long long pid = 0;
+  std::size_t i = prefix.size();
+  for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i) {
+    pid = pid * 10 + (name[i] - '0');
+    if (pid > INT_MAX) return 0;
+  }
+  if (i == prefix.size()) return 0;
+  if (i < name.size()) {  // an optional ".<n>"
+    if (name[i] != '.' || i + 1 == name.size()) return 0;
+    for (++i; i < name.size(); ++i)
+      if (name[i] < '0' || name[i] > '9') return 0;
+  }
+  return static_cast<pid_t>(pid);
+}
+
+// Whether no process `pid` runs any more. A zombie counts as gone: a writer killed with -9 whose
+// parent has not reaped it yet writes nothing.
+inline bool process_gone(pid_t pid) noexcept {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0) return errno == ESRCH;  // EPERM: alive, someone else's
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  const file_descriptor fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd) return false;
+  char buf[512];
+  const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  // "pid (comm) S ...": the state follows the last ')', as comm may itself hold one.
+  const char* close = std::strrchr(buf, ')');
+  return close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
+// Removes the temporaries `<path>.tmp.<pid>[.<n>]` that writers left when they were killed
+// mid-write. One goes only when nobody can still be writing it:
+//   * its pid is another process that is gone (kill(pid, 0) fails with ESRCH, or a zombie), or
+//     this process but not one of the writes it has in flight (an earlier process had this pid);
+//   * and its flock can be taken, which a live writer holds from creation to rename, also when
+//     it runs in another pid namespace where its pid means nothing here.
+// Temporaries of other files in the folder, symbolic links and non-regular files stay.
+// Best effort: a folder that cannot be listed or a file that cannot be removed is left alone.
+inline void remove_stale_temporaries(const std::string& given) noexcept {
+  try {
+    const std::string path = link_target(given);
+    const std::string base = base_name(path);
+    if (base.empty()) return;
+    const std::unique_ptr<DIR, int (*)(DIR*)> dir(::opendir(parent_dir(path).c_str()), &::closedir);
+    if (dir == nullptr) return;
+    const int dfd = ::dirfd(dir.get());
+    const pid_t self = ::getpid();
+    std::vector<std::string> stale;
+    while (const dirent* d = ::readdir(dir.get())) {
+      const std::string name = d->d_name;
+      const pid_t pid = temporary_pid(name, base);
+      if (pid == 0) continue;
+      if (pid != self && !process_gone(pid)) continue;
+      stale.push_back(name);
+    }
+    temporary_registry& ours = temporary_registry::instance();
+    for (const std::string& name : stale) {
+      struct stat before {}, now {};
+      if (::fstatat(dfd, name.c_str(), &before, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(before.st_mode))
+        continue;
+      const file_descriptor fd(
+          ::openat(dfd, name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY));
+      if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) continue;  // a live writer holds it
+      // Unlink only the file that was locked, not one created under the name since.
+      if (::fstat(fd.get(), &now) == 0 && now.st_dev == before.st_dev && now.st_ino == before.st_ino &&
+          ::fstatat(dfd, name.c_str(), &before, AT_SYMLINK_NOFOLLOW) == 0 &&
+          before.st_ino == now.st_ino && before.st_dev == now.st_dev &&
+          // Asked only now: a writer of this process registers the name before creating the
+          // file, so a file of ours that exists is registered here, locked yet or not.
+          !ours.contains(name)) {
+        ::unlinkat(dfd, name.c_str(), 0);
+      }
+    }
+  } catch (...) {
+    // Only std::string and std::vector can throw here (out of memory): cleaning is optional.
+  }
+}
+
+// A temporary being written: unlinked (unless renamed), closed and unregistered on every path.
+class pending_temporary {
+ public:
+  pending_temporary() = default;
+  pending_temporary(const pending_temporary&) = delete;
+  pending_temporary& operator=(const pending_temporary&) = delete;
+  ~pending_temporary() {
+    if (!path_.empty() && !renamed_) ::unlink(path_.c_str());  // while still locked
+    fd_.reset();
+    if (registered_) temporary_registry::instance().remove(name_);
+  }
+
+  // Creates `<target>.tmp.<pid>.<n>` (O_EXCL, so never someone else's file) and locks it.
+  // Returns errno, 0 on success.
+  int create(const std::string& target) {
+    static std::atomic<std::uint64_t> sequence{0};
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      const std::string path = target + ".tmp." + std::to_string(::getpid()) + "." +
+                               std::to_string(sequence.fetch_add(1));
+      std::string name = base_name(path);
+      temporary_registry::instance().add(name);  // before it exists: see the cleaner
+      path_ = path;
+      name_ = std::move(name);
+      registered_ = true;
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+      if (fd < 0) {
+        const int e = errno;
+        forget();
+        if (e == EEXIST) continue;  // a leftover of an earlier process with this pid
+        return e;
+      }
+      fd_ = file_descriptor(fd);
+      if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return 0;
+      // Only a cleaner that took it for a leftover can hold the lock: start over with a new name.
+      ::unlink(path.c_str());
+      fd_.reset();
+      forget();
+    }
+    return EEXIST;
+  }
+
+  int fd() const noexcept { return fd_.get(); }
+  const std::string& path() const noexcept { return path_; }
+  void mark_renamed() noexcept { renamed_ = true; }
+
+ private:
+  void forget() noexcept {
+    temporary_registry::instance().remove(name_);
+    registered_ = false;
+    path_.clear();
+  }
+
+  std::string path_, name_;  // name_: the base name, as registered
+  file_descriptor fd_;
+  bool registered_ = false;
+  bool renamed_ = false;
+};
+
+// Writes `parts`, one after the other, as the file at `path`, atomically: a temporary in the same
+// folder, fsync, rename over `path`, fsync of the folder. On any failure it throws file_error and
+// the file at `path`, if any, is as it was. A symbolic link at `path` stays and the file it names
+// is replaced. `path` must be absent or a regular file; a folder, FIFO or device is refused before
+// anything is created.
+inline void write_file_atomically(const std::string& path, const char* argument,
+                                  const std::string& role, std::span<const byte_range> parts) {
+  const std::string expected =
+      "a path where a " + role + " file can be written (absent, or a regular file to replace)";
+  const std::string unchanged = ". Any file already at the path is unchanged";
+  auto fail = [&](const std::string& actual, int e, const std::string& what_to_do) {
+    throw file_error(argument, path, expected, actual, what_to_do + unchanged, e);
+  };
+  if (path.empty()) fail("an empty path", 0, "Pass the " + role + " file's path");
+  if (path.back() == '/') {
+    fail("a path ending in '/', which names a folder", EISDIR, "Add the file's name after the '/'");
+  }
+
+  std::string target = path;
+  mode_t keep_mode = 0;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) {
+      fail(file_kind(st.st_mode), S_ISDIR(st.st_mode) ? EISDIR : 0,
+           S_ISDIR(st.st_mode) ? "Pass the path of a file inside that folder, not the folder"
+                               : "Write to a regular file; pipes and devices cannot be replaced "
+                                 "atomically");
+    }
+    keep_mode = st.st_mode & 07777;
+    target = link_target(path);
+  } else {
+    const int e = errno;
+    if (e != ENOENT) fail(errno_text(e), e, advice_for(e, true));
+    // Name a missing folder plainly rather than through the temporary that could not be made.
+    const std::string dir = parent_dir(path);
+    struct stat dst {};
+    if (::stat(dir.c_str(), &dst) != 0) {
+      const int de = errno;
+      fail("its folder '" + dir + "': " + errno_text(de), de, advice_for(de, true));
+    }
+    if (!S_ISDIR(dst.st_mode)) {
+      fail("its folder '" + dir + "', which is " + file_kind(dst.st_mode), ENOTDIR,
+           advice_for(ENOTDIR, true));
+    }
+  }
+
+  remove_stale_temporaries(target);
+  pending_temporary tmp;
+  if (const int e = tmp.create(target); e != 0) {
+    fail("no temporary file in its folder: " + errno_text(e), e, advice_for(e, true));
+  }
+  if (keep_mode != 0) (void)::fchmod(tmp.fd(), keep_mode);  // replacing keeps the permissions
+  for (const byte_range& part : parts) {
+    const auto* p = static_cast<const unsigned char*>(part.data);
+    std::size_t done = 0;
+    while (done < part.size) {
+      const ssize_t w = ::write(tmp.fd(), p + done, part.size - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        const int e = w < 0 ? errno : ENOSPC;
+        fail("a failed write to '" + tmp.path() + "': " + errno_text(e), e, advice_for(e, true));
+      }
+      done += static_cast<std::size_t>(w);
+    }
+  }
+  if (::fsync(tmp.fd()) != 0) {
+    const int e = errno;
+    fail("a failed fsync of '" + tmp.path() + "': " + errno_text(e), e, advice_for(e, true));
+  }
+  if (::rename(tmp.path().c_str(), target.c_str()) != 0) {
+    const int e = errno;
+    fail("a failed rename of '" + tmp.path() + "' over it: " + errno_text(e), e,
+         advice_for(e, true));
+  }
+  tmp.mark_renamed();
+  const file_descriptor dfd(::open(parent_dir(target).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd) (void)::fsync(dfd.get());  // the rename is durable once the folder is synced
+}
+
+}  // namespace detail
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/file_io.hpp ----
 
 // ---- begin membound/memory/memory_stats.hpp ----
 // The statistics every allocator reports, and the tracker that keeps them.
@@ -789,14 +1335,9 @@ concept budgeted = requires(const B& b) {
 
 namespace detail {
 
-constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
-
-constexpr std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept {
-  return a > b ? a - b : 0;
-}
+// The memory core's names for core/checked_math.hpp's.
+constexpr std::size_t saturating_add(std::size_t a, std::size_t b) noexcept { return sat_add(a, b); }
+constexpr std::size_t saturating_sub(std::size_t a, std::size_t b) noexcept { return sat_sub(a, b); }
 
 // An upstream that declares its largest alignment gets it checked here, before growth_for sees
 // the request; otherwise any power of two passes and the upstream judges it.
@@ -847,8 +1388,6 @@ MEMBOUND_NAMESPACE_END
 // The system allocator policy: aligned host memory straight from the C++ runtime.
 // Every request is an upstream call; it caches nothing. The CUDA twin (cudaMalloc/cudaFree)
 // is cuda_device_allocator in backend/cuda/cuda_allocator.cuh.
-
-#include <new>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -927,6 +1466,8 @@ MEMBOUND_NAMESPACE_END
 // The bookkeeping lives on the host and never reads or writes block memory, so the same class
 // caches device memory when Upstream::space is memory_space::device.
 
+#include <optional>
+
 // ---- begin membound/memory/detail/block_pool.hpp ----
 // The block engine shared by caching_allocator and expandable_arena: blocks carved out of
 // segments (contiguous address ranges), best-fit free-block indexes, split and coalesce.
@@ -958,7 +1499,6 @@ MEMBOUND_NAMESPACE_END
 // Not thread-safe; the owning allocator documents its own threading rules.
 
 #include <iterator>
-#include <set>
 #include <unordered_map>
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -1384,6 +1924,159 @@ inline void check_deallocate(const block_pool::block* b, const void* p, std::siz
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/detail/block_pool.hpp ----
+// ---- begin membound/memory/planned_layout.hpp ----
+// A memory layout computed before the first step: where every request of a known, repeating
+// sequence lives inside one block of memory, so that an allocator can serve the sequence from
+// two exact-size segments instead of size classes and shared segments (caching_allocator's
+// planned mode). A training step makes the same requests in the same order every time (the
+// planner records them: model/reserve_plan.hpp), which is what static memory planners (llm.c's
+// one activation block, TVM's and XLA's buffer assignment) use too.
+//
+// The sequence has two parts: a prefix made once and kept (weights, gradients, optimizer state),
+// and a cycle repeated for ever (one optimizer step and one evaluation), whose blocks are all
+// freed inside the cycle. Offsets come from a greedy placement by size (largest first, lowest
+// offset whose bytes no block alive at the same time uses), which lands within a few percent of
+// the most bytes ever alive at once for a training step's chain-shaped lifetimes; the extent
+// is stated, so the plan's reserve stays exact either way.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// One request of a recorded sequence: the allocation of block `id` (bytes, tag), or its free.
+struct recorded_request {
+  std::uint32_t id = 0;
+  bool free = false;
+  std::size_t bytes = 0;
+  memory_tag tag = memory_tag::other;
+  friend constexpr bool operator==(const recorded_request&, const recorded_request&) = default;
+};
+
+struct planned_slot {
+  std::size_t bytes = 0;
+  memory_tag tag = memory_tag::other;
+  std::size_t offset = 0;  // from the start of its part's segment
+  friend constexpr bool operator==(const planned_slot&, const planned_slot&) = default;
+};
+
+struct memory_layout {
+  // Every slot starts on this boundary (a multiple of default_alignment and of 512).
+  static constexpr std::size_t slot_alignment = 512;
+  std::vector<planned_slot> prefix;  // in request order
+  std::vector<planned_slot> cycle;   // in request order
+  std::size_t prefix_extent = 0;     // bytes of the prefix's segment
+  std::size_t cycle_extent = 0;      // bytes of the cycle's segment
+  std::size_t cycle_live_peak = 0;   // most slot bytes alive at once in the cycle (the extent's floor)
+  friend bool operator==(const memory_layout&, const memory_layout&) = default;
+};
+
+namespace detail {
+inline std::size_t slot_bytes(std::size_t bytes) {
+  if (bytes > std::numeric_limits<std::size_t>::max() / 2) {
+    throw invalid_argument("request bytes", "a size an address range can hold", std::to_string(bytes),
+                           "Check the size computation that produced this request");
+  }
+  return align_up(bytes, memory_layout::slot_alignment);
+}
+}  // namespace detail
+
+// prefix: allocations only (kept for the whole run). cycle: every allocation freed again inside
+// it. Throws invalid_argument naming the request that breaks either rule.
+inline memory_layout make_layout(std::span<const recorded_request> prefix, std::span<const recorded_request> cycle) {
+  memory_layout l;
+  for (std::size_t k = 0; k < prefix.size(); ++k) {
+    const recorded_request& q = prefix[k];
+    if (q.free) {
+      throw invalid_argument("prefix[" + std::to_string(k) + "]", "an allocation (the prefix is kept for the run)",
+                             "a free", "Put blocks that are freed again into the cycle");
+    }
+    if (q.bytes == 0) continue;
+    l.prefix.push_back({q.bytes, q.tag, l.prefix_extent});
+    l.prefix_extent += detail::slot_bytes(q.bytes);
+  }
+  // Lifetimes in request-index time: [alloc, free).
+  struct life {
+    std::size_t bytes, size, from, to, order;
+  };
+  std::vector<life> lives;
+  std::vector<std::size_t> slot_of;  // id -> index into lives
+  for (std::size_t k = 0; k < cycle.size(); ++k) {
+    const recorded_request& q = cycle[k];
+    if (q.id >= slot_of.size()) slot_of.resize(q.id + 1, SIZE_MAX);
+    if (!q.free) {
+      if (slot_of[q.id] != SIZE_MAX && lives[slot_of[q.id]].to == SIZE_MAX) {
+        throw invalid_argument("cycle[" + std::to_string(k) + "]", "a new block id", "block " + std::to_string(q.id) + " again while live",
+                               "Record the sequence with request_recorder");
+      }
+      slot_of[q.id] = lives.size();
+      lives.push_back({q.bytes, detail::slot_bytes(q.bytes), k, SIZE_MAX, lives.size()});
+      l.cycle.push_back({q.bytes, q.tag, 0});
+    } else {
+      if (slot_of[q.id] == SIZE_MAX || lives[slot_of[q.id]].to != SIZE_MAX) {
+        throw invalid_argument("cycle[" + std::to_string(k) + "]", "the free of a live block",
+                               "block " + std::to_string(q.id), "Record the sequence with request_recorder");
+      }
+      lives[slot_of[q.id]].to = k;
+    }
+  }
+  std::size_t live = 0;
+  for (std::size_t k = 0; k < cycle.size(); ++k) {
+    const life& f = lives[slot_of[cycle[k].id]];
+    if (f.to == SIZE_MAX) {
+      throw invalid_argument("cycle", "every block freed inside the cycle",
+                             "block " + std::to_string(cycle[k].id) + " still live at its end",
+                             "Keep long-lived blocks in the prefix");
+    }
+    live = cycle[k].free ? live - f.size : live + f.size;
+    l.cycle_live_peak = std::max(l.cycle_live_peak, live);
+  }
+  // Largest first, then earliest: the big activations settle low and small workspaces fill gaps.
+  std::vector<std::size_t> order(lives.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return lives[a].size != lives[b].size ? lives[a].size > lives[b].size : lives[a].from < lives[b].from;
+  });
+  std::vector<std::size_t> offset(lives.size(), 0);
+  std::vector<std::size_t> placed;
+  std::vector<std::pair<std::size_t, std::size_t>> busy;  // [offset, end) of overlapping placed blocks
+  for (std::size_t i : order) {
+    const life& f = lives[i];
+    busy.clear();
+    for (std::size_t j : placed) {
+      const life& g = lives[j];
+      if (g.from < f.to && f.from < g.to) busy.push_back({offset[j], offset[j] + g.size});
+    }
+    std::sort(busy.begin(), busy.end());
+    std::size_t at = 0;
+    for (const auto& [b, e] : busy) {
+      if (b >= at + f.size) break;  // the gap below this block holds f
+      at = std::max(at, e);
+    }
+    offset[i] = at;
+    placed.push_back(i);
+    l.cycle_extent = std::max(l.cycle_extent, at + f.size);
+  }
+  for (std::size_t i = 0; i < lives.size(); ++i) l.cycle[lives[i].order].offset = offset[i];
+  return l;
+}
+
+// The first layer of an allocator stack that can take a layout and was asked to
+// (caching_options::planned), found through the layers' upstream(); nullptr when there is none.
+template <typename A>
+auto planned_layer(A& a) noexcept {
+  if constexpr (requires { a.set_layout(memory_layout{}); a.planned(); }) {
+    return a.planned() ? &a : nullptr;
+  } else if constexpr (requires { a.upstream(); }) {
+    return planned_layer(a.upstream());
+  } else {
+    return nullptr;
+  }
+}
+// Whether some layer of A's stack can take a layout (then planned_layer returns a pointer to it).
+template <typename A>
+inline constexpr bool has_planned_layer =
+    !std::is_null_pointer_v<decltype(planned_layer(std::declval<A&>()))>;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/planned_layout.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -1414,6 +2107,12 @@ struct caching_options {
   // Alignment passed to the upstream for each segment. Power of two, >= 512, so that every
   // block (a multiple of 512 bytes from the segment start) is 512-aligned.
   std::size_t segment_alignment = 512;
+  // Planned mode: a trainer (or any caller with a known, repeating request sequence) hands the
+  // allocator a memory_layout (set_layout); requests that follow it are served from two segments
+  // of exactly the layout's extents, at the layout's offsets, and the reserve is the layout's
+  // size instead of size classes and shared segments. Requests that do not follow it take the
+  // ordinary path, so a wrong layout costs memory, never correctness.
+  bool planned = false;
 };
 
 template <typename Upstream = system_allocator>
@@ -1437,6 +2136,10 @@ class caching_allocator {
   // Gives every segment back to the upstream. Blocks still allocated at this point are a bug in
   // the caller; their segments are freed anyway so leak checkers stay quiet about the cache.
   ~caching_allocator() {
+    if (plan_) {
+      plan_->live.clear();
+      release_planned(false);
+    }
     auto give_back = [this](detail::block_pool::segment& s) noexcept {
       upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
     };
@@ -1453,6 +2156,9 @@ class caching_allocator {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     detail::check_tag(tag);
     if (bytes == 0) return nullptr;
+    if (plan_) {
+      if (void* p = planned_allocate(bytes, tag)) return p;
+    }
     try {
       if (bytes > max_request) throw_too_large(bytes);
       const std::size_t size = round_size(bytes);
@@ -1489,6 +2195,7 @@ class caching_allocator {
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) {
     if (p == nullptr && bytes == 0) return;
+    if (plan_ && planned_deallocate(p, bytes, alignment, tag)) return;
     auto [pool, b] = find_live(p);
     detail::check_deallocate(b, p, bytes, alignment, tag, "caching_allocator");
     stats_.on_deallocate(b->requested, b->size, b->tag);
@@ -1498,6 +2205,7 @@ class caching_allocator {
 
   // Gives every fully free segment back to the upstream. Live blocks never move.
   void release_cached() noexcept {
+    if (plan_) release_planned(true);
     auto give_back = [this](detail::block_pool::segment& s) noexcept {
       upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
       stats_.on_release(s.size);
@@ -1513,11 +2221,55 @@ class caching_allocator {
   std::size_t growth_for(std::size_t bytes, std::size_t alignment) const {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     if (bytes == 0) return 0;
+    if (plan_) {
+      if (const auto m = planned_match(bytes)) return m->segment != nullptr ? 0 : m->extent;
+    }
     if (bytes > max_request) return std::numeric_limits<std::size_t>::max();
     const std::size_t size = round_size(bytes);
     if (pool_for(size).best_fit(size) != nullptr) return 0;
     return segment_size_for(size);
   }
+
+  // ---- Planned mode (caching_options::planned) ------------------------------------------------
+  bool planned() const noexcept { return opts_.planned; }
+  // Takes a layout; between steps (no block of the cycle live). The prefix (weights, gradients,
+  // optimizer state) cannot change once its blocks exist: a layout with another prefix throws
+  // invalid_argument then, and nothing changes. A cycle of another extent gives the old cycle
+  // segment back; the new one is taken at its first request.
+  void set_layout(memory_layout l) {
+    if (!opts_.planned) {
+      throw invalid_argument("caching_options::planned", "true to take a layout", "false",
+                             "Construct the allocator with caching_options{.planned = true}");
+    }
+    if (plan_) {
+      for (const auto& b : plan_->live) {
+        if (b.cycle) {
+          throw invalid_argument("layout", "no block of the current cycle live", "a live block of " + format_bytes(b.bytes),
+                                 "Set the layout between steps, when the step's blocks are given back");
+        }
+      }
+      if (plan_->prefix_next != 0 && l.prefix != plan_->layout.prefix) {
+        throw invalid_argument("layout.prefix", "the prefix already made (" + std::to_string(plan_->layout.prefix.size()) +
+                                                    " blocks, " + format_bytes(plan_->layout.prefix_extent) + ")",
+                               std::to_string(l.prefix.size()) + " blocks, " + format_bytes(l.prefix_extent),
+                               "Give back the prefix's blocks first, or keep the same prefix");
+      }
+      if (plan_->cycle_seg != nullptr && l.cycle_extent != plan_->layout.cycle_extent) {
+        upstream_.deallocate(plan_->cycle_seg, plan_->layout.cycle_extent, opts_.segment_alignment, memory_tag::other);
+        stats_.on_release(plan_->layout.cycle_extent);
+        plan_->cycle_seg = nullptr;
+      }
+      plan_->layout = std::move(l);
+      plan_->cursor = 0;
+    } else {
+      plan_.emplace();
+      plan_->layout = std::move(l);
+    }
+    plan_->live.reserve(plan_->layout.prefix.size() + plan_->layout.cycle.size());
+  }
+  const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
+  // Requests served from the layout, and requests that did not follow it (ordinary path).
+  std::size_t planned_hits() const noexcept { return plan_ ? plan_->hits : 0; }
 
   // A ceiling on reserved bytes, normally set by a budget_allocator above. When the preferred
   // segment (2 MiB or 20 MiB) would cross it, the segment shrinks to the rounded request: near a
@@ -1652,7 +2404,150 @@ class caching_allocator {
     stats_.set_largest_free_block(s > l ? s : l);
   }
 
+  struct planned_state {
+    struct live_block {
+      std::uintptr_t p;
+      std::size_t bytes, size;
+      memory_tag tag;
+      bool cycle;
+    };
+    memory_layout layout;
+    void* prefix_seg = nullptr;
+    void* cycle_seg = nullptr;
+    std::size_t prefix_next = 0, cursor = 0, hits = 0;
+    std::vector<live_block> live;
+  };
+  struct planned_choice {
+    const planned_slot* slot;
+    bool cycle;
+    std::size_t index;       // the slot's index in its part
+    void* segment;           // the part's segment, nullptr when not yet taken
+    std::size_t extent;
+  };
+
+  // The slot the next request of `bytes` takes, if it follows the layout: the next prefix slot,
+  // else the cycle's slot at the cursor (or the cycle's first, when a new step starts early,
+  // e.g. after an abandoned one), and only when no live block of the cycle overlaps it. Sizes
+  // alone decide (growth_for has no tag, and must agree with allocate); the overlap check is
+  // what keeps a request that strays from the layout from ever sharing bytes.
+  std::optional<planned_choice> planned_match(std::size_t bytes) const noexcept {
+    const planned_state& st = *plan_;
+    const memory_layout& l = st.layout;
+    auto follows = [&](const planned_slot& s) { return s.bytes == bytes; };
+    if (st.prefix_next < l.prefix.size() && follows(l.prefix[st.prefix_next])) {
+      return planned_choice{&l.prefix[st.prefix_next], false, st.prefix_next, st.prefix_seg, l.prefix_extent};
+    }
+    if (l.cycle.empty()) return std::nullopt;
+    std::size_t k = st.cursor;
+    if (!follows(l.cycle[k])) {
+      if (!follows(l.cycle[0])) return std::nullopt;
+      k = 0;
+    }
+    const planned_slot& s = l.cycle[k];
+    const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(st.cycle_seg);
+    const std::size_t size = align_up(s.bytes, memory_layout::slot_alignment);
+    for (const auto& b : st.live) {
+      if (b.cycle && b.p < base + s.offset + size && base + s.offset < b.p + b.size) return std::nullopt;
+    }
+    return planned_choice{&s, true, k, st.cycle_seg, l.cycle_extent};
+  }
+
+  void* planned_allocate(std::size_t bytes, memory_tag tag) {
+    const auto m = planned_match(bytes);
+    if (!m) return nullptr;
+    planned_state& st = *plan_;
+    void*& seg = m->cycle ? st.cycle_seg : st.prefix_seg;
+    if (seg == nullptr) {
+      try {
+        seg = new_planned_segment(m->extent, bytes);
+      } catch (...) {
+        stats_.on_failure();
+        throw;
+      }
+      stats_.on_reserve(m->extent);
+    }
+    const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(seg) + m->slot->offset;
+    const std::size_t size = align_up(bytes, memory_layout::slot_alignment);
+    st.live.push_back({p, bytes, size, tag, m->cycle});  // reserved in set_layout: no heap call
+    if (m->cycle) {
+      st.cursor = m->index + 1 == st.layout.cycle.size() ? 0 : m->index + 1;
+    } else {
+      ++st.prefix_next;
+    }
+    ++st.hits;
+    stats_.on_allocate(bytes, size, tag);
+    return reinterpret_cast<void*>(p);
+  }
+
+  bool planned_deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag) {
+    planned_state& st = *plan_;
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    for (std::size_t k = st.live.size(); k-- > 0;) {
+      const auto b = st.live[k];
+      if (b.p != at) continue;
+      if (b.bytes != bytes) {
+        throw invalid_argument("bytes", std::to_string(b.bytes) + " (what allocate was given)", std::to_string(bytes),
+                               "Pass deallocate the size allocate got");
+      }
+      if (b.tag != tag) {
+        throw invalid_argument("tag", std::string(to_string(b.tag)) + " (what allocate was given)",
+                               std::string(to_string(tag)), "Pass deallocate the tag allocate got");
+      }
+      detail::check_alignment(alignment, max_alignment, "caching_allocator");
+      st.live.erase(st.live.begin() + static_cast<std::ptrdiff_t>(k));
+      stats_.on_deallocate(b.bytes, b.size, b.tag);
+      // The whole prefix given back (a trainer destroyed): the next one is made in the same place.
+      if (!b.cycle && std::none_of(st.live.begin(), st.live.end(), [](const auto& x) { return !x.cycle; }))
+        st.prefix_next = 0;
+      return true;
+    }
+    return false;
+  }
+
+  // Gives back the planned segments no live block uses (all of them when `keep_live` is false,
+  // for the destructor). A prefix given back is made again from its first slot.
+  void release_planned(bool keep_live) noexcept {
+    planned_state& st = *plan_;
+    bool cycle_live = false, prefix_live = false;
+    if (keep_live)
+      for (const auto& b : st.live) (b.cycle ? cycle_live : prefix_live) = true;
+    if (st.cycle_seg != nullptr && !cycle_live) {
+      upstream_.deallocate(st.cycle_seg, st.layout.cycle_extent, opts_.segment_alignment, memory_tag::other);
+      stats_.on_release(st.layout.cycle_extent);
+      st.cycle_seg = nullptr;
+      st.cursor = 0;
+    }
+    if (st.prefix_seg != nullptr && !prefix_live) {
+      upstream_.deallocate(st.prefix_seg, st.layout.prefix_extent, opts_.segment_alignment, memory_tag::other);
+      stats_.on_release(st.layout.prefix_extent);
+      st.prefix_seg = nullptr;
+      st.prefix_next = 0;
+    }
+  }
+
+  // One exact-size segment for a part of the layout; on out_of_memory, the cache goes back and
+  // the upstream is asked once more, as for any segment.
+  void* new_planned_segment(std::size_t extent, std::size_t bytes) {
+    try {
+      return upstream_.allocate(extent, opts_.segment_alignment, memory_tag::other);
+    } catch (const out_of_memory&) {
+      release_cached();
+      try {
+        return upstream_.allocate(extent, opts_.segment_alignment, memory_tag::other);
+      } catch (const out_of_memory& again) {
+        oom_report r = again.report();
+        r.source = "caching_allocator";
+        fill_usage(r, stats_.stats());
+        r.hint = "a request of " + format_bytes(bytes) + " needed the planned segment of " + format_bytes(extent) +
+                 ", which the upstream refused even after the cache was released" +
+                 (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+        throw out_of_memory(std::move(r));
+      }
+    }
+  }
+
   caching_options opts_;
+  std::optional<planned_state> plan_;
   std::size_t reserve_limit_ = std::numeric_limits<std::size_t>::max();
   Upstream upstream_;
   detail::block_pool small_, large_;
@@ -1778,10 +2673,6 @@ MEMBOUND_NAMESPACE_END
 // the footprint. Linux and other POSIX systems only.
 
 #include <sys/mman.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -2616,7 +3507,6 @@ MEMBOUND_NAMESPACE_END
 //   rec.save_chrome_trace("step.json");  // one counter track "memory by tag", pressure instants
 
 #include <chrono>
-#include <fstream>
 #include <ostream>
 
 // ---- begin membound/monitor/check_point.hpp ----
@@ -2818,8 +3708,21 @@ inline void append_timestamp_us(std::string& out, std::uint64_t ns) {
 // Not thread-safe, like the allocators; share one behind synchronized<> or one per thread.
 class trace_recorder {
  public:
+  // The most events one recorder keeps: their storage is reserved up front (about 100 bytes
+  // each, 1.6 GiB at this size) and a saved trace takes some 160 bytes per event.
+  static constexpr std::size_t max_capacity = std::size_t{1} << 24;
+
+  // Throws invalid_argument for a capacity of 0 or above max_capacity, out_of_memory when the
+  // host cannot hold the ring.
   explicit trace_recorder(std::size_t capacity) : capacity_(checked_capacity(capacity)) {
-    events_.reserve(capacity_);
+    try {
+      events_.reserve(capacity_);
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory(
+          "trace_recorder", capacity_ * sizeof(trace_event),
+          "the ring of " + std::to_string(capacity_) +
+              " events does not fit in host memory: pass a smaller capacity");
+    }
   }
 
   trace_recorder(const trace_recorder&) = delete;
@@ -2884,7 +3787,12 @@ class trace_recorder {
   void mark(std::string_view name) {
     trace_event e;
     e.kind = trace_event_kind::mark;
-    e.name.assign(name.data(), name.size());  // the only step that can throw; nothing changed yet
+    try {
+      e.name.assign(name.data(), name.size());  // the only step that can throw; nothing changed yet
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory("trace_recorder::mark", name.size(),
+                                       "the mark's name is copied into the trace: pass a shorter one");
+    }
     push(std::move(e));
   }
 
@@ -2938,6 +3846,29 @@ class trace_recorder {
   // at every allocation and free, global instants for pressure changes and marks. Timestamps in
   // microseconds since the recorder was made.
   void write_chrome_trace(std::ostream& os) const {
+    const std::string out = chrome_trace_json();
+    os.write(out.data(), static_cast<std::streamsize>(out.size()));
+  }
+
+  // The same, to a file, atomically as checkpoints are (see core/file_io.hpp): a failed save
+  // leaves any earlier file at `path` as it was. Throws file_error naming the path (a folder, a
+  // missing folder, no permission, a full disk), out_of_memory when the JSON does not fit.
+  void save_chrome_trace(const std::string& path) const {
+    std::string json;
+    try {
+      json = chrome_trace_json();
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory("trace_recorder::save_chrome_trace",
+                                       256 + events_.size() * 160,
+                                       "the trace is built in host memory before it is written: "
+                                       "free host memory or record fewer events");
+    }
+    const detail::byte_range part{json.data(), json.size()};
+    detail::write_file_atomically(path, "path", "Chrome trace", std::span(&part, 1));
+  }
+
+ private:
+  std::string chrome_trace_json() const {
     std::string out;
     out.reserve(256 + events_.size() * 160);
     out += "{\"traceEvents\":[\n";
@@ -2970,30 +3901,19 @@ class trace_recorder {
     out += ",\"retained_events\":" + std::to_string(events_.size());
     out += ",\"dropped_events\":" + std::to_string(dropped_);
     out += "}}\n";
-    os.write(out.data(), static_cast<std::streamsize>(out.size()));
+    return out;
   }
 
-  void save_chrome_trace(const std::string& path) const {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    if (!f) throw unwritable(path, errno);
-    write_chrome_trace(f);
-    f.flush();
-    if (!f) throw unwritable(path, errno);
-  }
-
- private:
   static std::size_t checked_capacity(std::size_t capacity) {
-    if (capacity == 0) {
-      throw invalid_argument("capacity", "at least 1 event", "0",
-                             "Pass how many recent events to keep, e.g. 1 << 16");
+    if (capacity == 0 || capacity > max_capacity) {
+      throw invalid_argument("capacity",
+                             "between 1 and " + std::to_string(max_capacity) +
+                                 " events (trace_recorder::max_capacity)",
+                             std::to_string(capacity),
+                             "Pass how many recent events to keep, e.g. 1 << 16; older ones are "
+                             "folded into the baseline, so a small ring still gives exact counters");
     }
     return capacity;
-  }
-
-  static invalid_argument unwritable(const std::string& path, int err) {
-    return invalid_argument("path", "a file that can be written", "'" + path + "'" +
-                                (err != 0 ? std::string(" (") + std::strerror(err) + ")" : ""),
-                            "Create the directory first or choose a writable location");
   }
 
   void push(trace_event&& e) noexcept {
@@ -3155,8 +4075,6 @@ MEMBOUND_NAMESPACE_END
 //   void op(void* workspace, std::size_t& bytes, ...);
 //   op(nullptr, bytes, ...);        // query: writes the bytes needed, does nothing else
 //   op(buffer, bytes, ...);         // run inside buffer, which holds at least `bytes`
-
-#include <span>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -3533,6 +4451,253 @@ class synchronized {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/synchronized.hpp ----
+// ---- begin membound/memory/shadow.hpp ----
+// Shadows of allocator stacks: the same bookkeeping over addresses that are never backed, so
+// that the reserve a known sequence of requests takes on a stack is known before any memory
+// exists. The planner replays a training step's requests through the shadow of the caller's
+// stack (model/reserve_plan.hpp) to predict the reserved peak: the bytes a budget over a caching
+// allocator or an arena really counts, rounding and segments included.
+//
+// A shadow is exact because the allocators' bookkeeping never reads or writes block memory
+// (detail/block_pool.hpp): the shadow makes the same decisions in the same order and keeps the
+// same statistics. Layers that do not change the reserve (traced_allocator, fault_injecting)
+// are dropped; a stack with a layer that has no shadow has no reserve prediction
+// (has_shadow<A> is false) and plans fall back to the requested bytes.
+//
+//   auto s = membound::make_shadow(alloc);   // std::unique_ptr<shadow_t<decltype(alloc)>>
+//   void* p = s->allocate(1 << 20, 64, membound::memory_tag::activations);  // no memory behind p
+
+#include <tuple>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+// Addresses far from where a real process maps memory on x86-64 and AArch64 Linux, handed out
+// upwards and never dereferenced.
+inline constexpr std::uintptr_t shadow_address_base = std::uintptr_t{1} << 44;
+}  // namespace detail
+
+// The shadow of system_allocator (and of any leaf whose reserve equals its requests, such as
+// cuda_device_allocator): distinct aligned addresses, the same statistics, no memory.
+template <memory_space Space = memory_space::host>
+class address_only_allocator {
+ public:
+  static constexpr memory_space space = Space;
+  static constexpr std::size_t max_alignment = std::size_t{1} << 21;
+
+  address_only_allocator() = default;
+  address_only_allocator(const address_only_allocator&) = delete;
+  address_only_allocator& operator=(const address_only_allocator&) = delete;
+
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
+                 memory_tag tag = memory_tag::other) {
+    detail::check_alignment(alignment, max_alignment, "address_only_allocator");
+    detail::check_tag(tag);
+    if (bytes == 0) return nullptr;
+    const std::uintptr_t p = align_up(next_, alignment);
+    if (p < next_ || bytes > std::numeric_limits<std::uintptr_t>::max() - p) {
+      stats_.on_failure();
+      oom_report r;
+      r.source = "address_only_allocator";
+      r.requested = r.growth_needed = bytes;
+      fill_usage(r, stats_.stats());
+      r.detail = "the shadow's address range is exhausted";
+      r.hint = "check the size computation that produced this request";
+      throw out_of_memory(std::move(r));
+    }
+    next_ = p + bytes;
+    stats_.on_reserve(bytes);
+    stats_.on_allocate(bytes, bytes, tag);
+    return reinterpret_cast<void*>(p);
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/ = default_alignment,
+                  memory_tag tag = memory_tag::other) noexcept {
+    if (p == nullptr) return;
+    stats_.on_deallocate(bytes, bytes, tag);
+    stats_.on_release(bytes);
+  }
+  std::size_t growth_for(std::size_t bytes, std::size_t /*alignment*/) const noexcept { return bytes; }
+  memory_stats stats() const noexcept { return stats_.stats(); }
+  void reset_peaks() noexcept { stats_.reset_peaks(); }
+
+ private:
+  std::uintptr_t next_ = detail::shadow_address_base;
+  stats_tracker stats_;
+};
+
+// The shadow of a virtual-memory backend: the same granularity, an address range that is
+// reserved in name only, commits that cost nothing.
+template <memory_space Space = memory_space::host>
+class address_only_vm {
+ public:
+  static constexpr memory_space space = Space;
+  explicit address_only_vm(std::size_t granularity) : granularity_(granularity) {}
+  std::size_t granularity() const noexcept { return granularity_; }
+  void* reserve(std::size_t bytes) {
+    const std::uintptr_t p = align_up(detail::shadow_address_base, granularity_);
+    if (bytes > std::numeric_limits<std::uintptr_t>::max() - p) {
+      throw invalid_argument("capacity", "an address range the shadow can represent", format_bytes(bytes),
+                             "Use a smaller expandable_arena_options::capacity");
+    }
+    return reinterpret_cast<void*>(p);
+  }
+  void commit(void*, std::size_t) {}
+  void decommit(void*, std::size_t) noexcept {}
+  void release(void*, std::size_t) noexcept {}
+
+ private:
+  std::size_t granularity_;
+};
+
+// shadow_traits<A>: `type` (the shadow stack), `args(a)` (its constructor arguments, read from the
+// real stack's settings) and `sync(s, a)` (state that is set after construction, such as a
+// budget's external bytes). No primary definition: a stack with an unknown layer has no shadow.
+template <typename A>
+struct shadow_traits;
+
+template <typename A>
+concept has_shadow = requires(const A& a) {
+  typename shadow_traits<A>::type;
+  shadow_traits<A>::args(a);
+};
+
+template <typename A>
+using shadow_t = typename shadow_traits<A>::type;
+
+template <>
+struct shadow_traits<system_allocator> {
+  using type = address_only_allocator<memory_space::host>;
+  static std::tuple<> args(const system_allocator&) { return {}; }
+  static void sync(type&, const system_allocator&) noexcept {}
+};
+
+template <memory_space S>
+struct shadow_traits<address_only_allocator<S>> {
+  using type = address_only_allocator<S>;
+  static std::tuple<> args(const address_only_allocator<S>&) { return {}; }
+  static void sync(type&, const address_only_allocator<S>&) noexcept {}
+};
+
+template <typename U>
+  requires has_shadow<U>
+struct shadow_traits<caching_allocator<U>> {
+  using type = caching_allocator<shadow_t<U>>;
+  static auto args(const caching_allocator<U>& a) {
+    return std::tuple_cat(std::tuple<caching_options>{a.options()}, shadow_traits<U>::args(a.upstream()));
+  }
+  static void sync(type& s, const caching_allocator<U>& a) {
+    s.set_reserve_limit(a.reserve_limit());
+    if (const memory_layout* l = a.layout()) s.set_layout(*l);
+    shadow_traits<U>::sync(s.upstream(), a.upstream());
+  }
+};
+
+template <typename VM>
+struct shadow_traits<expandable_arena<VM>> {
+  using type = expandable_arena<address_only_vm<VM::space>>;
+  static auto args(const expandable_arena<VM>& a) {
+    return std::tuple<expandable_arena_options, std::size_t>{expandable_arena_options{a.capacity()}, a.granularity()};
+  }
+  static void sync(type&, const expandable_arena<VM>&) noexcept {}
+};
+
+template <typename U>
+  requires has_shadow<U>
+struct shadow_traits<budget_allocator<U>> {
+  using type = budget_allocator<shadow_t<U>>;
+  static auto args(const budget_allocator<U>& a) {
+    return std::tuple_cat(std::tuple<std::size_t>{a.limit()}, shadow_traits<U>::args(a.upstream()));
+  }
+  static void sync(type& s, const budget_allocator<U>& a) {
+    shadow_traits<U>::sync(s.upstream(), a.upstream());
+    s.set_external(a.external());  // after the upstream: it pushes the reserve limit down
+  }
+};
+
+// Layers that record or inject faults do not change what is reserved: their shadow is their
+// upstream's.
+template <typename U>
+  requires has_shadow<U>
+struct shadow_traits<traced_allocator<U>> {
+  using type = shadow_t<U>;
+  static auto args(const traced_allocator<U>& a) { return shadow_traits<U>::args(a.upstream()); }
+  static void sync(type& s, const traced_allocator<U>& a) { shadow_traits<U>::sync(s, a.upstream()); }
+};
+template <typename U>
+  requires has_shadow<U>
+struct shadow_traits<fault_injecting<U>> {
+  using type = shadow_t<U>;
+  static auto args(const fault_injecting<U>& a) { return shadow_traits<U>::args(a.upstream()); }
+  static void sync(type& s, const fault_injecting<U>& a) { shadow_traits<U>::sync(s, a.upstream()); }
+};
+
+// A fresh shadow of `a`'s stack with its settings (options, capacity, granularity, budget limit
+// and external bytes), holding nothing: what `a` would do from empty.
+template <typename A>
+std::unique_ptr<shadow_t<A>> make_shadow(const A& a) {
+  static_assert(has_shadow<A>,
+                "membound: make_shadow: this allocator stack has a layer with no shadow. "
+                "Specialize membound::shadow_traits for it (type, args, sync), or plan with "
+                "requested bytes only.");
+  auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_traits<A>::args(a));
+  shadow_traits<A>::sync(*s, a);
+  return s;
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/shadow.hpp ----
+// ---- begin membound/memory/process_memory.hpp ----
+// What the operating system says this process holds: the resident set now and at its peak, the
+// numbers a user sees in `top`. A plan states what its allocator stack reserves; this is how a
+// program checks that the process as a whole stays near it (the example trainer reports both).
+//
+//   membound::reset_peak_rss();                       // where supported: the peak restarts here
+//   auto before = membound::process_memory();
+//   ... train ...
+//   auto after = membound::process_memory();          // after.peak_rss - before.rss: the run's growth
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct process_memory_info {
+  std::size_t rss = 0;       // resident bytes now
+  std::size_t peak_rss = 0;  // the most resident bytes since start, or since reset_peak_rss()
+  bool known = false;        // false where the system does not say (then both are 0)
+};
+
+// Reads /proc/self/status (VmRSS, VmHWM) on Linux; elsewhere reports nothing. (No <sys/resource.h>:
+// it would put POSIX names such as stack_t into every includer's global namespace.)
+inline process_memory_info process_memory() noexcept {
+  process_memory_info m;
+#if defined(__linux__)
+  if (std::FILE* f = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof line, f) != nullptr) {
+      unsigned long long kib = 0;
+      if (std::sscanf(line, "VmRSS: %llu kB", &kib) == 1) m.rss = static_cast<std::size_t>(kib) * 1024;
+      if (std::sscanf(line, "VmHWM: %llu kB", &kib) == 1) m.peak_rss = static_cast<std::size_t>(kib) * 1024;
+    }
+    std::fclose(f);
+    m.known = m.rss != 0 && m.peak_rss != 0;
+  }
+#endif
+  return m;
+}
+
+// Restarts the peak (VmHWM) at the current resident set, so that a later peak_rss belongs to what
+// ran after this call. Linux 4.0 and later (/proc/self/clear_refs); returns false where it could
+// not, and then peak_rss keeps counting from the start of the process.
+inline bool reset_peak_rss() noexcept {
+#if defined(__linux__)
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    const bool ok = std::fputs("5", f) >= 0;
+    return std::fclose(f) == 0 && ok;
+  }
+#endif
+  return false;
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/process_memory.hpp ----
 
 // ---- begin membound/monitor/null_monitor.hpp ----
 // The monitor that does nothing, at no cost: an empty type whose check is a constant, so a
@@ -4635,10 +5800,9 @@ struct layer_support {
 
 namespace detail {
 
-constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
+// The layers' size sums saturate with the rest of the library's (core/checked_math.hpp).
+using ::membound::sat_add;
+using ::membound::sat_mul;
 
 // Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
 // them instead (a request no budget serves) so that they can stay noexcept.
@@ -8086,7 +9250,7 @@ class adamw {
 
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
-    return bytes_of<moment_type>(n) * (has_master ? 3 : 2);
+    return sat_mul(bytes_of<moment_type>(n), has_master ? 3 : 2);
   }
 
   // Starts the state over `state` (state_bytes(n) bytes, aligned to 4): zero moments, masters
@@ -8155,7 +9319,8 @@ struct model_config {
   double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
 
   constexpr std::size_t hidden() const noexcept {
-    return mlp_hidden != 0 ? mlp_hidden : (8 * width / 3 + 7) / 8 * 8;
+    // 8/3·C up to a multiple of 8, saturating (a width near SIZE_MAX is refused by its sizes).
+    return mlp_hidden != 0 ? mlp_hidden : sat_round_up(sat_mul(width, 8) / 3, 8);
   }
   constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
 };
@@ -8164,7 +9329,7 @@ struct model_config {
 struct batch_shape {
   std::size_t batch = 1;
   std::size_t seq = 1;
-  constexpr std::size_t tokens() const noexcept { return batch * seq; }
+  constexpr std::size_t tokens() const noexcept { return sat_mul(batch, seq); }
   friend constexpr bool operator==(const batch_shape&, const batch_shape&) = default;
 };
 
@@ -8188,9 +9353,10 @@ MEMBOUND_NAMESPACE_END
 // ---- end membound/model/model_config.hpp ----
 // ---- begin membound/model/mixer_traits.hpp ----
 // How a block drives its sequence mixer: the mixer's shape from the model's sizes, its parameter
-// tensors (name, size, initialization) in the order of its `weights` struct, and the binding of
-// a flat parameter list to that struct. One specialization per layer family; a new mixer plugs
-// into blocks by providing one.
+// tensors (name, size, initialization) in the order of its `weights` struct, the binding of a
+// flat parameter list to that struct, and its identity: the family and every policy or fixed
+// setting that changes what it computes (a checkpoint's fingerprint compares it). One
+// specialization per layer family; a new mixer plugs into blocks by providing one.
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -8204,6 +9370,7 @@ concept block_mixer = requires {
   typename mixer_traits<M>::shape_type;
   { mixer_traits<M>::param_count } -> std::convertible_to<std::size_t>;
   { mixer_traits<M>::name } -> std::convertible_to<const char*>;
+  { mixer_traits<M>::identity(model_config{}) } -> std::convertible_to<std::string>;
   typename M::storage_type;
   typename M::accum_type;
 };
@@ -8212,6 +9379,13 @@ namespace detail {
 // Weights are drawn N(0, 0.02²) as GPT-2 and llm.c do; output projections the same (the model is
 // shallow enough that the residual scaling does not matter for the tests' conditioning).
 inline constexpr double init_std = 0.02;
+
+// "bf16/fp32": storage, then accumulation, by type (bf16 and fp16 have the same size).
+template <typename Layer>
+std::string precision_identity() {
+  return std::string(dtype_name<typename Layer::storage_type>()) + "/" +
+         std::string(dtype_name<typename Layer::accum_type>());
+}
 }  // namespace detail
 
 template <typename... P>
@@ -8221,6 +9395,14 @@ struct mixer_traits<attention<P...>> {
   using S = typename layer::storage_type;
   static constexpr const char* name = "attention";
   static constexpr std::size_t param_count = 4;
+
+  // The tiles set the order of the online softmax's sums. The checkpoint policy is left out on
+  // purpose: save_all keeps the q, k, v that recompute would rebuild bit for bit, so it changes
+  // memory only and a resumed run may switch it.
+  static std::string identity(const model_config&) {
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ", tiles " +
+           std::to_string(layer::tiles::q_tile) + "x" + std::to_string(layer::tiles::kv_tile) + ", causal, rope>";
+  }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     shape_type s;
@@ -8235,11 +9417,11 @@ struct mixer_traits<attention<P...>> {
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim, C = s.d_model;
-    return {{{"wq", C * HD, param_init::normal, detail::init_std, 0},
-             {"wk", C * KD, param_init::normal, detail::init_std, 0},
-             {"wv", C * KD, param_init::normal, detail::init_std, 0},
-             {"wo", HD * C, param_init::normal, detail::init_std, 0}}};
+    const std::size_t HD = sat_mul(s.heads, s.head_dim), KD = sat_mul(s.kv_heads, s.head_dim), C = s.d_model;
+    return {{{"wq", sat_mul(C, HD), param_init::normal, detail::init_std, 0},
+             {"wk", sat_mul(C, KD), param_init::normal, detail::init_std, 0},
+             {"wv", sat_mul(C, KD), param_init::normal, detail::init_std, 0},
+             {"wo", sat_mul(HD, C), param_init::normal, detail::init_std, 0}}};
   }
   template <typename T>
   static auto bind(const std::array<T*, param_count>& p) noexcept {
@@ -8259,6 +9441,16 @@ struct mixer_traits<mamba<P...>> {
   static constexpr const char* name = "mamba";
   static constexpr std::size_t param_count = 9;
 
+  // The scan chunk, and the settings mamba_shape::defaults fixes (not the model_config's): state
+  // size, convolution width, expansion. The checkpoint policy changes memory only (see attention).
+  static std::string identity(const model_config& c) {
+    const shape_type s = shape(c, {1, 1});
+    const std::size_t expand = s.d_model == 0 ? 0 : s.d_inner / s.d_model;
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ", scan chunk " +
+           std::to_string(layer::chunk) + ", d_state " + std::to_string(s.d_state) + ", d_conv " +
+           std::to_string(s.d_conv) + ", expand " + std::to_string(expand) + ">";
+  }
+
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     return mamba_shape::defaults(b.batch, b.seq, c.width);
   }
@@ -8268,15 +9460,15 @@ struct mixer_traits<mamba<P...>> {
     // variance (1/(3K)) keeps our initializer set small.
     const double conv_std = 1.0 / std::sqrt(3.0 * static_cast<double>(s.d_conv));
     const double dt_std = 1.0 / std::sqrt(static_cast<double>(R));  // dt_init "random", scaled
-    return {{{"in_proj", C * 2 * Di, param_init::normal, detail::init_std, 0},
-             {"conv_w", Di * s.d_conv, param_init::normal, conv_std, 0},
+    return {{{"in_proj", sat_mul(sat_mul(C, 2), Di), param_init::normal, detail::init_std, 0},
+             {"conv_w", sat_mul(Di, s.d_conv), param_init::normal, conv_std, 0},
              {"conv_b", Di, param_init::constant, 0.0, 0},
-             {"x_proj", Di * (R + 2 * Ns), param_init::normal, detail::init_std, 0},
-             {"dt_proj", R * Di, param_init::normal, dt_std / std::sqrt(3.0), 0},
+             {"x_proj", sat_mul(Di, sat_add(R, sat_mul(2, Ns))), param_init::normal, detail::init_std, 0},
+             {"dt_proj", sat_mul(R, Di), param_init::normal, dt_std / std::sqrt(3.0), 0},
              {"dt_bias", Di, param_init::mamba_dt_bias, 0.0, 0},
-             {"a_log", Di * Ns, param_init::mamba_a_log, 0.0, Ns},
+             {"a_log", sat_mul(Di, Ns), param_init::mamba_a_log, 0.0, Ns},
              {"d", Di, param_init::constant, 1.0, 0},
-             {"out_proj", Di * C, param_init::normal, detail::init_std, 0}}};
+             {"out_proj", sat_mul(Di, C), param_init::normal, detail::init_std, 0}}};
   }
   template <typename T>
   static auto bind(const std::array<T*, param_count>& p) noexcept {
@@ -8296,6 +9488,13 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
   static constexpr const char* name = Mlp ? "ttt_mlp" : "ttt_linear";
   static constexpr std::size_t param_count = Mlp ? 16 : 14;
 
+  // The inner model (the name), its mini-batch (one inner step per b tokens) and the gate. The
+  // checkpoint groups change memory only: a group's states are recomputed bit for bit.
+  static std::string identity(const model_config& c) {
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ", mini-batch " +
+           std::to_string(layer::mini_batch) + (shape(c, {1, 1}).use_gate ? ", gated" : ", no gate") + ">";
+  }
+
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     shape_type s;
     s.batch = b.batch;
@@ -8313,24 +9512,24 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
     // The gate is unused (use_gate = false) but the layer's weights name it: zero elements.
     std::array<param_spec, param_count> p{};
     const param_spec common[14] = {
-        {"wq", C * C, param_init::normal, detail::init_std, 0},
-        {"wk", C * C, param_init::normal, detail::init_std, 0},
-        {"wv", C * C, param_init::normal, detail::init_std, 0},
-        {"ttt_norm_w", H * D, param_init::constant, 1.0, 0},
-        {"ttt_norm_b", H * D, param_init::constant, 0.0, 0},
-        {"w1", H * D * F, param_init::normal, detail::init_std, 0},
-        {"b1", H * F, param_init::constant, 0.0, 0},
-        {"lr_w", H * C, param_init::normal, detail::init_std, 0},
+        {"wq", sat_mul(C, C), param_init::normal, detail::init_std, 0},
+        {"wk", sat_mul(C, C), param_init::normal, detail::init_std, 0},
+        {"wv", sat_mul(C, C), param_init::normal, detail::init_std, 0},
+        {"ttt_norm_w", sat_mul(H, D), param_init::constant, 1.0, 0},
+        {"ttt_norm_b", sat_mul(H, D), param_init::constant, 0.0, 0},
+        {"w1", sat_mul(sat_mul(H, D), F), param_init::normal, detail::init_std, 0},
+        {"b1", sat_mul(H, F), param_init::constant, 0.0, 0},
+        {"lr_w", sat_mul(H, C), param_init::normal, detail::init_std, 0},
         {"lr_b", H, param_init::constant, 0.0, 0},
         {"tok_offset", b, param_init::constant, 0.0, 0},
         {"post_w", C, param_init::constant, 1.0, 0},
         {"post_b", C, param_init::constant, 0.0, 0},
         {"wg", 0, param_init::constant, 0.0, 0},
-        {"wo", C * C, param_init::normal, detail::init_std, 0}};
+        {"wo", sat_mul(C, C), param_init::normal, detail::init_std, 0}};
     for (std::size_t i = 0; i < 14; ++i) p[i] = common[i];
     if constexpr (Mlp) {
-      p[14] = {"w2", H * F * D, param_init::normal, detail::init_std, 0};
-      p[15] = {"b2", H * D, param_init::constant, 0.0, 0};
+      p[14] = {"w2", sat_mul(sat_mul(H, F), D), param_init::normal, detail::init_std, 0};
+      p[15] = {"b2", sat_mul(H, D), param_init::constant, 0.0, 0};
     }
     return p;
   }
@@ -8369,13 +9568,17 @@ struct mixer_traits<swiglu_mlp<P...>> {
   static constexpr const char* name = "swiglu";
   static constexpr std::size_t param_count = 3;
 
+  static std::string identity(const model_config&) {
+    return std::string(name) + "<" + detail::precision_identity<layer>() + ">";
+  }
+
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     return {b.batch, b.seq, c.width, c.hidden()};
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
-    return {{{"w_gate", s.width * s.hidden, param_init::normal, detail::init_std, 0},
-             {"w_up", s.width * s.hidden, param_init::normal, detail::init_std, 0},
-             {"w_down", s.hidden * s.width, param_init::normal, detail::init_std, 0}}};
+    return {{{"w_gate", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
+             {"w_up", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
+             {"w_down", sat_mul(s.hidden, s.width), param_init::normal, detail::init_std, 0}}};
   }
   template <typename T>
   static auto bind(const std::array<T*, param_count>& p) noexcept {
@@ -8534,6 +9737,13 @@ class block {
  public:
   static constexpr const char* name = mixer_traits<Mixer>::name;
   static constexpr std::size_t param_count = part1::param_count + part2::param_count;
+
+  // What this block computes, as text: two blocks with the same identity (whatever their C++
+  // types) read the same weights the same way. "attention<bf16/fp32, tiles 64x64, causal, rope>
+  // + swiglu<bf16/fp32>".
+  static std::string identity(const model_config& c) {
+    return mixer_traits<Mixer>::identity(c) + " + " + mixer_traits<mlp>::identity(c);
+  }
   using weight_ptrs = std::array<const S*, param_count>;
   using grad_ptrs = std::array<S*, param_count>;
 
@@ -8768,32 +9978,43 @@ MEMBOUND_NAMESPACE_END
 //   r.copy("weights", w_ptr, bytes);      // exact size or a typed error
 //
 // A crash at any point leaves either the previous file or the new one, never a mix: rename is
-// atomic within a folder, and the folder's fsync makes the rename itself durable. Every byte is
-// covered by a CRC-32, so truncation and bit flips are refused with a message naming the file.
+// atomic within a folder, and the folder's fsync makes the rename itself durable. The temporary a
+// killed writer leaves (`ckpt.bin.tmp.<pid>.<n>`) is removed by the next commit or read of the same
+// path (core/file_io.hpp says when it is safe). Every byte is covered by a CRC-32, so truncation
+// and bit flips are refused with a message naming the file.
 //
 // Layout (little-endian): "MBCKPT\0\1", u64 section count, per section {u64 name length, name,
 // u64 byte length, bytes}, then u32 CRC-32 of everything before it.
 
-#include <fcntl.h>
-
 MEMBOUND_NAMESPACE_BEGIN
 
-// A checkpoint file that cannot be used: missing, truncated, corrupted, or without a section.
-class corrupt_checkpoint : public error {
+// A checkpoint file that cannot be used: missing, not a regular file, unreadable, truncated,
+// corrupted, or without a section. A file_error, so one catch covers every file problem.
+class corrupt_checkpoint : public file_error {
  public:
-  corrupt_checkpoint(const std::string& path, const std::string& why)
-      : error("membound: checkpoint '" + path + "' cannot be used: " + why +
-              ". Resume from an earlier checkpoint or start without --resume"),
-        path_(path) {}
-  const std::string& path() const noexcept { return path_; }
+  static constexpr const char* default_what_to_do =
+      "Resume from an earlier checkpoint or start without --resume";
 
- private:
-  std::string path_;
+  corrupt_checkpoint(const std::string& path, const std::string& why,
+                     const std::string& what_to_do = default_what_to_do, int error_number = 0)
+      : file_error(own_message{},
+                   "membound: checkpoint '" + path + "' cannot be used: " + why + ". " + what_to_do,
+                   "path", path, "a readable membound checkpoint", why, what_to_do,
+                   error_number) {}
+
+  // A problem with the file itself, found before its contents were read (missing, a folder, a
+  // FIFO, no permission): its fields as they are, in a checkpoint's message.
+  explicit corrupt_checkpoint(const file_error& e)
+      : file_error(own_message{},
+                   "membound: checkpoint '" + e.path() + "' cannot be used: expected " +
+                       e.expected() + ", got " + e.actual() + ". " + e.what_to_do(),
+                   "path", e.path(), e.expected(), e.actual(), e.what_to_do(), e.error_number()) {}
 };
 
 namespace detail {
 
-// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), table built once.
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), table built once. Chains: crc32(b, m,
+// crc32(a, n)) is the CRC of a followed by b.
 inline std::uint32_t crc32(const unsigned char* p, std::size_t n, std::uint32_t crc = 0) noexcept {
   static const std::array<std::uint32_t, 256> table = [] {
     std::array<std::uint32_t, 256> t{};
@@ -8811,8 +10032,13 @@ inline std::uint32_t crc32(const unsigned char* p, std::size_t n, std::uint32_t 
 
 inline constexpr char checkpoint_magic[8] = {'M', 'B', 'C', 'K', 'P', 'T', '\0', '\1'};
 
+inline void put_u64(unsigned char* out, std::uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
+}
 inline void put_u64(std::vector<unsigned char>& out, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<unsigned char>(v >> (8 * i)));
+  unsigned char b[8];
+  put_u64(b, v);
+  out.insert(out.end(), b, b + 8);
 }
 inline std::uint64_t get_u64(const unsigned char* p) noexcept {
   std::uint64_t v = 0;
@@ -8820,17 +10046,39 @@ inline std::uint64_t get_u64(const unsigned char* p) noexcept {
   return v;
 }
 
-inline std::string parent_dir(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
 }  // namespace detail
 
 class checkpoint_writer {
  public:
+  // The most bytes all sections together (names and sizes included) may hold.
+  static constexpr std::size_t max_bytes = std::size_t{1} << 48;  // 256 TiB
+
+  // Appends a section. On a throw nothing was added: invalid_argument for a null `data` with
+  // bytes, or a size beyond max_bytes; out_of_memory when host memory cannot hold the copy.
   void add(const std::string& name, const void* data, std::size_t bytes) {
+    if (data == nullptr && bytes != 0) {
+      throw invalid_argument("data", "a pointer to the section's " + std::to_string(bytes) + " bytes",
+                             "nullptr", "Pass the section's buffer, or 0 bytes for an empty section");
+    }
+    const std::size_t room = max_bytes - buf_.size();  // buf_ never exceeds max_bytes
+    if (name.size() > room || 16 > room - name.size() || bytes > room - name.size() - 16) {
+      throw invalid_argument(
+          "bytes", "at most " + format_bytes(room > 16 + name.size() ? room - 16 - name.size() : 0) +
+                       " for section '" + name + "' (a checkpoint holds at most " +
+                       format_bytes(max_bytes) + ")",
+          format_bytes(bytes),
+          "Check the size computation (a negative value converted to std::size_t?)");
+    }
+    const std::size_t need = buf_.size() + 16 + name.size() + bytes;
+    try {
+      // Geometric growth, so many small sections copy the buffer O(log n) times.
+      if (need > buf_.capacity()) buf_.reserve(std::max(need, std::min(max_bytes, 2 * buf_.capacity())));
+    } catch (const std::bad_alloc&) {
+      detail::throw_host_out_of_memory(
+          "checkpoint_writer::add", need,
+          "the checkpoint is built in host memory before it is written: free host memory");
+    }
+    // Within the reserved capacity from here on: nothing below can throw.
     detail::put_u64(buf_, name.size());
     buf_.insert(buf_.end(), name.begin(), name.end());
     detail::put_u64(buf_, bytes);
@@ -8844,60 +10092,39 @@ class checkpoint_writer {
     add(name, &v, sizeof(T));
   }
 
-  // Writes the file atomically. Throws membound::error naming the path and the failing call;
-  // the previous file at `path` is then untouched.
+  // Writes the file atomically and removes temporaries killed writers left for this path. Throws
+  // file_error naming the path, what it expected and the failing call (a folder, a missing
+  // folder, no permission, a full disk); the previous file at `path` is then untouched.
   void commit(const std::string& path) const {
-    std::vector<unsigned char> out(detail::checkpoint_magic, detail::checkpoint_magic + 8);
-    detail::put_u64(out, sections_);
-    out.insert(out.end(), buf_.begin(), buf_.end());
-    const std::uint32_t crc = detail::crc32(out.data(), out.size());
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<unsigned char>(crc >> (8 * i)));
-
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) fail(path, "cannot create the temporary file '" + tmp + "'");
-    std::size_t done = 0;
-    while (done < out.size()) {
-      const ssize_t w = ::write(fd, out.data() + done, out.size() - done);
-      if (w <= 0) {
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        fail(path, "write to '" + tmp + "' failed (disk full?)");
-      }
-      done += static_cast<std::size_t>(w);
-    }
-    if (::fsync(fd) != 0) {
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail(path, "fsync of '" + tmp + "' failed");
-    }
-    ::close(fd);
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      ::unlink(tmp.c_str());
-      fail(path, "rename of '" + tmp + "' over it failed");
-    }
-    const int dfd = ::open(detail::parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {  // the rename is durable once the folder is synced
-      ::fsync(dfd);
-      ::close(dfd);
-    }
+    unsigned char head[16];
+    std::memcpy(head, detail::checkpoint_magic, 8);
+    detail::put_u64(head + 8, sections_);
+    const std::uint32_t crc = detail::crc32(buf_.data(), buf_.size(), detail::crc32(head, 16));
+    unsigned char tail[4];
+    for (int i = 0; i < 4; ++i) tail[i] = static_cast<unsigned char>(crc >> (8 * i));
+    // Written in three parts: the sections are not copied once more.
+    const detail::byte_range parts[] = {{head, 16}, {buf_.data(), buf_.size()}, {tail, 4}};
+    detail::write_file_atomically(path, "path", "checkpoint", parts);
   }
 
  private:
-  [[noreturn]] static void fail(const std::string& path, const std::string& why) {
-    throw error("membound: cannot write checkpoint '" + path + "': " + why +
-                "; the previous checkpoint is untouched");
-  }
   std::vector<unsigned char> buf_;
   std::uint64_t sections_ = 0;
 };
 
 class checkpoint_reader {
  public:
+  // Reads and checks the whole file; a file that is missing, not a regular file (a folder, a
+  // FIFO, a device), unreadable, empty, truncated or corrupted throws corrupt_checkpoint naming
+  // it. Also removes the temporaries killed writers left for this path.
   explicit checkpoint_reader(const std::string& path) : path_(path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw corrupt_checkpoint(path, "the file does not exist or cannot be read");
-    data_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    detail::remove_stale_temporaries(path);
+    try {
+      data_ = detail::read_regular_file(path, "path", "checkpoint");
+    } catch (const file_error& e) {
+      throw corrupt_checkpoint(e);
+    }
+    if (data_.empty()) throw corrupt_checkpoint(path, "it is empty (0 bytes)");
     if (data_.size() < 8 + 8 + 4 || std::memcmp(data_.data(), detail::checkpoint_magic, 8) != 0) {
       throw corrupt_checkpoint(path, data_.size() < 20 ? "it is truncated (" + std::to_string(data_.size()) + " bytes)"
                                                        : "it is not a membound checkpoint (bad magic)");
@@ -9067,7 +10294,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   x[0] = 1;
   std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
   bool loss_done = false;
-  std::size_t live = c.base_bytes + c.a(0);
+  std::size_t live = sat_add(c.base_bytes, c.a(0));
   schedule_stats st;
   st.peak_bytes = live;
   st.max_live_inputs = 1;
@@ -9090,12 +10317,12 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
         if (x[i + 1]) bad(k, "x_" + std::to_string(i + 1) + " not yet live");
         if (op.kind == chain_op_kind::tape && saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
-        peak = live + (op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
+        peak = sat_add(live, op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
         x[i + 1] = 1;
-        live += c.a(i + 1);
+        live = sat_add(live, c.a(i + 1));
         if (op.kind == chain_op_kind::tape) {
           saved[i] = 1;
-          live += c.links[i].saved_bytes;
+          live = sat_add(live, c.links[i].saved_bytes);
         }
         total += c.links[i].forward_cost;
         ++st.forward_ops;
@@ -9104,25 +10331,26 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
       case chain_op_kind::retape:
         if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
         if (saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
-        peak = live + c.links[i].retape_peak;
+        peak = sat_add(live, c.links[i].retape_peak);
         saved[i] = 1;
-        live += c.links[i].saved_bytes;
+        live = sat_add(live, c.links[i].saved_bytes);
         total += c.links[i].forward_cost;
         ++st.forward_ops;
         break;
       case chain_op_kind::loss:
         if (loss_done) bad(k, "one loss op");
         if (!x[L]) bad(k, "x_L live");
-        peak = live + c.loss_peak;
-        live += c.output_bytes;
+        peak = sat_add(live, c.loss_peak);
+        live = sat_add(live, c.output_bytes);
         loss_done = true;
         break;
       case chain_op_kind::backward:
         if (!loss_done) bad(k, "the loss before any backward");
         if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
         if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
-        peak = live + c.links[i].backward_peak;
-        live = live + c.a(i) - c.a(i + 1) - c.links[i].saved_bytes;
+        peak = sat_add(live, c.links[i].backward_peak);
+        // Exact unless a size saturated, and then the peak is SIZE_MAX already.
+        live = sat_sub(sat_sub(sat_add(live, c.a(i)), c.a(i + 1)), c.links[i].saved_bytes);
         saved[i] = 0;
         next_backward = i;
         break;
@@ -9130,7 +10358,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
         if (i < L && saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
         x[i] = 0;
-        live -= c.a(i);
+        live = sat_sub(live, c.a(i));
         break;
     }
     st.peak_bytes = std::max(st.peak_bytes, peak);
@@ -9153,9 +10381,15 @@ namespace detail {
 constexpr void push(std::vector<chain_op>& o, chain_op_kind k, std::size_t i) {
   o.push_back({k, static_cast<std::uint32_t>(i)});
 }
+// The most blocks a chain may have: its op lists, Revolve's table and the DP's are sized from
+// it, and must stay far from what a vector can hold (a typed error, never std::length_error).
+inline constexpr std::size_t max_chain_length = std::size_t{1} << 16;
+// The most entries Revolve's table and the budget DP's table may have (each a few bytes).
+inline constexpr std::size_t max_table_entries = std::size_t{1} << 25;
 constexpr void check_length(std::size_t L) {
-  if (L == 0 || L > std::numeric_limits<std::uint32_t>::max() / 2) {
-    throw invalid_argument("L", "between 1 and 2^31 blocks", std::to_string(L), "A chain has at least one block");
+  if (L == 0 || L > max_chain_length) {
+    throw invalid_argument("L", "between 1 and " + std::to_string(max_chain_length) + " blocks", std::to_string(L),
+                           "A chain has at least one block; split a deeper model into stages");
   }
 }
 // From x_s (kept), advance to x_e, discarding what lies between.
@@ -9294,6 +10528,11 @@ constexpr std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slo
                            "Use binomial<1> for the least memory");
   }
   const std::size_t c = std::max<std::size_t>(1, std::min(slots, L));
+  if ((L + 1) * (c + 1) > detail::max_table_entries) {
+    throw invalid_argument("slots", "at most " + std::to_string(detail::max_table_entries / (L + 1) - 1) + " for " +
+                                        std::to_string(L) + " blocks (Revolve's table grows with blocks x slots)",
+                           std::to_string(slots), "Use fewer slots, or every<K> for a chain this long");
+  }
   const detail::revolve_table tb(L, c);
   std::vector<chain_op> o;
   detail::revolve(o, tb, 0, L, c, true, L);
@@ -9367,8 +10606,9 @@ class chain_dp {
     const std::size_t de = first ? 0 : ae;  // δ_e, when it exists
     if (e == s + 1) {
       if (!first) {
-        if (as + ae + u.retape <= M && as + ae + u.saved + u.backward <= M) take(f, 1);
-      } else if (as + u.tape <= M && as + u.saved + ae + loss_ <= M && as + u.saved + ae + u.backward <= M) {
+        if (sat_add(as, ae, u.retape) <= M && sat_add(as, ae, u.saved, u.backward) <= M) take(f, 1);
+      } else if (sat_add(as, u.tape) <= M && sat_add(as, u.saved, ae, loss_) <= M &&
+                 sat_add(as, u.saved, ae, u.backward) <= M) {
         take(f, 1);
       }
     }
@@ -9377,17 +10617,17 @@ class chain_dp {
       std::size_t need = 0;
       double cost = 0;
       for (std::size_t k = s; k < e; ++k) {
-        need = std::max(need, as + (k > s ? a_[k] : 0) + u_[k].advance);
+        need = std::max(need, sat_add(as, k > s ? a_[k] : 0, u_[k].advance));
         cost += c_.links[k].forward_cost;
       }
-      if (need <= M && as + ae + loss_ <= M) {
+      if (need <= M && sat_add(as, ae, loss_) <= M) {
         const double rest = solve(false, s, e, M);
         if (rest >= 0) take(cost + rest, 2);
       }
     }
     if (e > s + 1) {
       // tape s, then the rest with x_s and saved_s outside it.
-      if (as + de + u.tape <= M && as + u.saved + a_[s + 1] + u.backward <= M && as + u.saved <= M) {
+      if (sat_add(as, de, u.tape) <= M && sat_add(as, u.saved, a_[s + 1], u.backward) <= M && sat_add(as, u.saved) <= M) {
         const double sub = solve(first, s + 1, e, M - as - u.saved);
         if (sub >= 0) take(f + sub, 3);
       }
@@ -9396,7 +10636,7 @@ class chain_dp {
       std::size_t chain_need = 0;
       for (std::size_t m = s + 1; m < e; ++m) {
         const std::size_t kk = m - 1;  // the advance that produces x_m
-        chain_need = std::max(chain_need, as + (kk > s ? a_[kk] : 0) + de + u_[kk].advance);
+        chain_need = std::max(chain_need, sat_add(as, kk > s ? a_[kk] : 0, de, u_[kk].advance));
         chain_cost += c_.links[kk].forward_cost;
         if (chain_need > M) break;
         if (as > M) break;
@@ -9477,9 +10717,13 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   const std::size_t L = c.length();
   // When the DP (whose rounding is conservative) finds nothing, the generated schedules that fit
   // are the answer, the cheapest first; when none fits, the least peak is the budget to ask for.
+  // Every schedule a generator makes: none, every<k> (full is every<1>) and binomial<s>, as far
+  // as Revolve's table allows.
   auto fallback = [&](bool must) {
-    std::vector<std::vector<chain_op>> cands{schedule_full(L), schedule_none(L)};
-    for (std::size_t s = 1; s <= L; ++s) cands.push_back(schedule_binomial(L, s));
+    std::vector<std::vector<chain_op>> cands{schedule_none(L)};
+    for (std::size_t k = 1; k <= L; ++k) cands.push_back(schedule_every(L, k));
+    for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
+      cands.push_back(schedule_binomial(L, s));
     std::size_t least = std::numeric_limits<std::size_t>::max();
     optimal_result best;
     bool found = false;
@@ -9496,6 +10740,13 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
     if (!found) best.stats.recompute_cost = std::numeric_limits<double>::infinity();
     return best;
   };
+  if (max_cells == 0 || max_cells > detail::max_table_entries) {
+    throw invalid_argument("max_cells", "between 1 and " + std::to_string(detail::max_table_entries), std::to_string(max_cells),
+                           "The default of 512 plans to within 0.2% of the budget");
+  }
+  // The DP's table has 2·L·(L + 1)·(cells + 1) entries: fewer cells for long chains.
+  max_cells = std::min(max_cells, detail::max_table_entries / (2 * L * (L + 1)));
+  if (max_cells < 8) return fallback(true);  // a chain too long for the DP: the generators decide
   if (budget_bytes <= c.base_bytes) return fallback(true);
   const std::size_t avail = budget_bytes - c.base_bytes;
   const std::size_t unit = std::max<std::size_t>(1, avail / std::max<std::size_t>(1, max_cells) + (avail % std::max<std::size_t>(1, max_cells) != 0));
@@ -9535,8 +10786,6 @@ MEMBOUND_NAMESPACE_END
 // (weight_bytes() each), and a training step takes every activation and workspace from the
 // caller's allocator, in exactly the order model/checkpoint_schedule.hpp's simulate() assumes, so the plan's
 // predicted peak is the allocator's measured one.
-
-#include <tuple>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -9706,7 +10955,7 @@ class model {
   std::size_t parameter_elements() const noexcept { return elements_; }  // with alignment padding
   std::size_t parameter_count() const noexcept {
     std::size_t n = 0;
-    for (const auto& p : params_) n += p.count;
+    for (const auto& p : params_) n = sat_add(n, p.count);
     return n;
   }
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
@@ -9752,7 +11001,7 @@ class model {
     const std::size_t a = activation_bytes(b);
     for_each_block([&]<typename B>(std::size_t, B*) { c.links.push_back(link_of<B>(cfg_, b, threads)); });
     c.output_bytes = a;
-    c.loss_peak = a + head_type::workspace_bytes(head_shape(b, head_chunk), threads);
+    c.loss_peak = sat_add(a, head_type::workspace_bytes(head_shape(b, head_chunk), threads));
     c.base_bytes = base_bytes;
     return c;
   }
@@ -9762,12 +11011,12 @@ class model {
   static constexpr std::size_t count_elements(const model_config& c)
     requires(!runtime_pattern)
   {
-    std::size_t n = round_param(c.vocab * c.width);
+    std::size_t n = round_param(sat_mul(c.vocab, c.width));
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((n += block_elements<std::tuple_element_t<I, blocks>>(c)), ...);
+      ((n = sat_add(n, block_elements<std::tuple_element_t<I, blocks>>(c))), ...);
     }(std::make_index_sequence<block_types>{});
-    n += round_param(c.width);
-    if (!c.tie_embeddings) n += round_param(c.vocab * c.width);
+    n = sat_add(n, round_param(c.width));
+    if (!c.tie_embeddings) n = sat_add(n, round_param(sat_mul(c.vocab, c.width)));
     return n;
   }
   static constexpr chain static_chain(const model_config& c, batch_shape b, std::size_t threads,
@@ -9780,7 +11029,7 @@ class model {
     }(std::make_index_sequence<block_types>{});
     const std::size_t a = bytes_of<S>(b.tokens(), c.width);
     ch.output_bytes = a;
-    ch.loss_peak = a + head_type::workspace_bytes({b.tokens(), c.width, c.vocab, head_chunk, c.norm_eps}, threads);
+    ch.loss_peak = sat_add(a, head_type::workspace_bytes({b.tokens(), c.width, c.vocab, head_chunk, c.norm_eps}, threads));
     ch.base_bytes = base_bytes;
     return ch;
   }
@@ -9793,10 +11042,10 @@ class model {
     chain_link l;
     l.input_bytes = a;
     l.saved_bytes = B::saved_bytes(d);
-    l.advance_peak = a + B::forward_workspace_bytes(d, threads, forward_mode::advance);
-    l.tape_peak = a + l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::tape);
-    l.retape_peak = l.saved_bytes + B::forward_workspace_bytes(d, threads, forward_mode::retape);
-    l.backward_peak = a + B::backward_workspace_bytes(d, threads);
+    l.advance_peak = sat_add(a, B::forward_workspace_bytes(d, threads, forward_mode::advance));
+    l.tape_peak = sat_add(a, l.saved_bytes, B::forward_workspace_bytes(d, threads, forward_mode::tape));
+    l.retape_peak = sat_add(l.saved_bytes, B::forward_workspace_bytes(d, threads, forward_mode::retape));
+    l.backward_peak = sat_add(a, B::backward_workspace_bytes(d, threads));
     l.forward_cost = flops_of<B>(c, b);
     return l;
   }
@@ -9822,88 +11071,18 @@ class model {
     detail::not_null(g, "gradients");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    check(b);
-    const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
-    const lm_head_shape hs = head_shape(b, head_chunk);
-    head_type::check(hs);
-    check_tokens(tokens, N);
-    head_type::check_targets(targets, N, cfg_.vocab);
-    const std::size_t threads = pool.size();
-    const std::size_t a = activation_bytes(b);
+    return step<true>(w, g, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+  }
 
-    live_set<Allocator> live(alloc, L);
-    std::vector<S*> x(L + 1, nullptr);
-    std::vector<void*> saved(L, nullptr);
-    S* delta = nullptr;
-    double loss_sum = 0;
-
-    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x[0], N, C);
-
-    for (const chain_op& op : ops) {
-      const std::size_t i = op.block;
-      switch (op.kind) {
-        case chain_op_kind::advance:
-        case chain_op_kind::tape:
-        case chain_op_kind::retape: {
-          const forward_mode mode = op.kind == chain_op_kind::advance ? forward_mode::advance
-                                    : op.kind == chain_op_kind::tape  ? forward_mode::tape
-                                                                      : forward_mode::retape;
-          visit_block(i, [&]<typename B>(B*) {
-            const auto d = B::make_dims(cfg_, b);
-            if (mode != forward_mode::retape) x[i + 1] = static_cast<S*>(live.get(a, memory_tag::activations));
-            if (mode != forward_mode::advance)
-              saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
-            const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
-            void* ws = live.get(wsb, memory_tag::workspace);
-            B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, pool);
-            live.put(ws);
-          });
-          break;
-        }
-        case chain_op_kind::loss: {
-          observe(check_point::after_forward);
-          S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
-          const std::size_t wsb = head_type::workspace_bytes(hs, threads);
-          void* ws = live.get(wsb, memory_tag::workspace);
-          const double scale = loss_scale / static_cast<double>(N);
-          loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out,
-                                              head_grads(g), ws, wsb, pool);
-          live.put(ws);
-          delta = d_out;
-          observe(check_point::before_backward);
-          break;
-        }
-        case chain_op_kind::backward: {
-          visit_block(i, [&]<typename B>(B*) {
-            const auto d = B::make_dims(cfg_, b);
-            S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
-            void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
-            B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx,
-                        ws, pool);
-            live.put(ws);
-            live.put(delta);
-            live.put(saved[i]);
-            saved[i] = nullptr;
-            delta = dx;
-          });
-          break;
-        }
-        case chain_op_kind::discard:
-          live.put(x[i]);
-          x[i] = nullptr;
-          break;
-      }
-    }
-    if (delta == nullptr) {
-      throw invalid_argument("ops", "a complete schedule (ending with backward of block 0)",
-                             "a schedule without the loss or the backward pass",
-                             "Build it with schedule_none/full/every/binomial or optimal_schedule");
-    }
-    cpu::embedding_scatter<A>(pool, tokens, delta, g + params_[0].offset, N, C);
-    observe(check_point::after_backward);
-    live.put(delta);
-    return loss_sum / static_cast<double>(N);
+  // The requests forward_backward makes for (b, ops, head_chunk, threads), in its order, made on
+  // `alloc` without running any work: what the planner replays through a shadow of an allocator
+  // stack (model/reserve_plan.hpp) to know the reserve a step takes before the first one runs.
+  template <typename Allocator>
+  void step_requests(batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk, std::size_t threads,
+                     Allocator& alloc) const {
+    static_assert(check_allocator<Allocator>());
+    ignore_check_points none;
+    (void)step<false>(nullptr, nullptr, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -9920,7 +11099,7 @@ class model {
     check_tokens(tokens, b.tokens());
     const std::size_t C = cfg_.width;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only(w, tokens, b, live, pool);
+    const S* x = forward_only<true>(w, tokens, b, live, &pool, pool.size());
     const auto hw = head_weights(w);
     for (std::size_t s = 0; s < b.batch; ++s) {
       const S* row = x + (s * b.seq + b.seq - 1) * C;
@@ -9947,20 +11126,12 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    check(b);
-    const std::size_t N = b.tokens();
-    const lm_head_shape hs = head_shape(b, head_chunk);
-    head_type::check(hs);
-    check_tokens(tokens, N);
-    head_type::check_targets(targets, N, cfg_.vocab);
-    live_set<Allocator> live(alloc, depth());
-    S* x = forward_only(w, tokens, b, live, pool);
-    const std::size_t wsb = head_type::workspace_bytes(hs, pool.size());
-    void* ws = live.get(wsb, memory_tag::workspace);
-    const double total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, pool);
-    live.put(ws);
-    live.put(x);
-    return total / static_cast<double>(N);
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &pool, pool.size());
+  }
+  // The requests loss() makes, in its order, without running any work (see step_requests).
+  template <typename Allocator>
+  void loss_requests(batch_shape b, std::size_t head_chunk, std::size_t threads, Allocator& alloc) const {
+    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
   }
 
   // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
@@ -10034,19 +11205,133 @@ class model {
   }
 
  private:
-  // Every allocation of a step, so that an exception gives all of them back.
+  // One micro-batch under a schedule. Run: the work too (forward_backward); otherwise only the
+  // requests, in the same order (step_requests), so that the two cannot drift apart. The ops are
+  // checked first as simulate() checks them: a dropped backward or a duplicated tape is an
+  // invalid_argument naming the op, before anything is allocated.
+  template <bool Run, typename Allocator, typename Observer>
+  double step(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+              std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
+              thread_pool* pool, std::size_t threads, Observer& observe) const {
+    (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
+    const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    if constexpr (Run) {
+      check_tokens(tokens, N);
+      head_type::check_targets(targets, N, cfg_.vocab);
+    }
+    const std::size_t a = activation_bytes(b);
+
+    live_set<Allocator> live(alloc, L);
+    std::vector<S*> x(L + 1, nullptr);
+    std::vector<void*> saved(L, nullptr);
+    S* delta = nullptr;
+    double loss_sum = 0;
+
+    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
+    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x[0], N, C);
+
+    for (const chain_op& op : ops) {
+      const std::size_t i = op.block;
+      switch (op.kind) {
+        case chain_op_kind::advance:
+        case chain_op_kind::tape:
+        case chain_op_kind::retape: {
+          const forward_mode mode = op.kind == chain_op_kind::advance ? forward_mode::advance
+                                    : op.kind == chain_op_kind::tape  ? forward_mode::tape
+                                                                      : forward_mode::retape;
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            if (mode != forward_mode::retape) x[i + 1] = static_cast<S*>(live.get(a, memory_tag::activations));
+            if (mode != forward_mode::advance)
+              saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
+            const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
+            void* ws = live.get(wsb, memory_tag::workspace);
+            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *pool);
+            live.put(ws);
+          });
+          break;
+        }
+        case chain_op_kind::loss: {
+          if constexpr (Run) observe(check_point::after_forward);
+          S* d_out = static_cast<S*>(live.get(a, memory_tag::activations));
+          const std::size_t wsb = head_type::workspace_bytes(hs, threads);
+          void* ws = live.get(wsb, memory_tag::workspace);
+          if constexpr (Run) {
+            const double scale = loss_scale / static_cast<double>(N);
+            loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, head_grads(g), ws,
+                                                wsb, *pool);
+          }
+          live.put(ws);
+          delta = d_out;
+          if constexpr (Run) observe(check_point::before_backward);
+          break;
+        }
+        case chain_op_kind::backward: {
+          visit_block(i, [&]<typename B>(B*) {
+            const auto d = B::make_dims(cfg_, b);
+            S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
+            void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
+            if constexpr (Run)
+              B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
+            live.put(ws);
+            live.put(delta);
+            live.put(saved[i]);
+            saved[i] = nullptr;
+            delta = dx;
+          });
+          break;
+        }
+        case chain_op_kind::discard:
+          live.put(x[i]);
+          x[i] = nullptr;
+          break;
+      }
+    }
+    if constexpr (Run) {
+      cpu::embedding_scatter<A>(*pool, tokens, delta, g + params_[0].offset, N, C);
+      observe(check_point::after_backward);
+    }
+    live.put(delta);
+    return loss_sum / static_cast<double>(N);
+  }
+
+  template <bool Run, typename Allocator>
+  double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+                   std::size_t head_chunk, Allocator& alloc, thread_pool* pool, std::size_t threads) const {
+    static_assert(check_allocator<Allocator>());
+    check(b);
+    const std::size_t N = b.tokens();
+    const lm_head_shape hs = head_shape(b, head_chunk);
+    head_type::check(hs);
+    if constexpr (Run) {
+      check_tokens(tokens, N);
+      head_type::check_targets(targets, N, cfg_.vocab);
+    }
+    live_set<Allocator> live(alloc, depth());
+    S* x = forward_only<Run>(w, tokens, b, live, pool, threads);
+    const std::size_t wsb = head_type::workspace_bytes(hs, threads);
+    void* ws = live.get(wsb, memory_tag::workspace);
+    double total = 0;
+    if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *pool);
+    live.put(ws);
+    live.put(x);
+    return total / static_cast<double>(N);
+  }
+
   // Embedding and every block in advance mode; returns the last block's output (held by live).
-  template <typename Live>
-  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool& pool) const {
+  template <bool Run, typename Live>
+  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool* pool,
+                  std::size_t threads) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    cpu::embedding_gather(pool, tokens, w + params_[0].offset, x, N, C);
+    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x, N, C);
     for (std::size_t i = 0; i < depth(); ++i) {
       visit_block(i, [&]<typename B>(B*) {
         const auto d = B::make_dims(cfg_, b);
         S* y = static_cast<S*>(live.get(a, memory_tag::activations));
-        void* ws = live.get(B::forward_workspace_bytes(d, pool.size(), forward_mode::advance), memory_tag::workspace);
-        B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, pool);
+        void* ws = live.get(B::forward_workspace_bytes(d, threads, forward_mode::advance), memory_tag::workspace);
+        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *pool);
         live.put(ws);
         live.put(x);
         x = y;
@@ -10055,6 +11340,7 @@ class model {
     return x;
   }
 
+  // Every allocation of a step, so that an exception gives all of them back.
   template <typename Allocator>
   class live_set {
    public:
@@ -10123,12 +11409,12 @@ class model {
   // Every tensor starts on a 64-byte boundary.
   static constexpr std::size_t round_param(std::size_t n) noexcept {
     constexpr std::size_t align = 64 / sizeof(S) == 0 ? 1 : 64 / sizeof(S);
-    return (n + align - 1) / align * align;
+    return sat_round_up(n, align);
   }
   template <typename B>
   static constexpr std::size_t block_elements(const model_config& c) {
     std::size_t n = 0;
-    for (const param_spec& p : B::params(B::make_dims(c, {1, 1}))) n += round_param(p.count);
+    for (const param_spec& p : B::params(B::make_dims(c, {1, 1}))) n = sat_add(n, round_param(p.count));
     return n;
   }
   void add_param(std::string name, const param_spec& s) {
@@ -10138,13 +11424,13 @@ class model {
     e.count = s.count;
     e.spec = s;
     e.decay = s.init == param_init::normal;
-    elements_ += round_param(s.count);
+    elements_ = sat_add(elements_, round_param(s.count));
     params_.push_back(std::move(e));
   }
 
   void build_params() {
     const batch_shape one{1, 1};
-    add_param("embedding", {"embedding", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+    add_param("embedding", {"embedding", sat_mul(cfg_.vocab, cfg_.width), param_init::normal, detail::init_std, 0});
     for_each_block([&]<typename B>(std::size_t i, B*) {
       block_first_.push_back(params_.size());
       const auto d = B::make_dims(cfg_, one);
@@ -10154,7 +11440,7 @@ class model {
     head_first_ = params_.size();
     add_param("final_norm", {"final_norm", cfg_.width, param_init::constant, 1.0, 0});
     if (!cfg_.tie_embeddings)
-      add_param("lm_head", {"lm_head", cfg_.vocab * cfg_.width, param_init::normal, detail::init_std, 0});
+      add_param("lm_head", {"lm_head", sat_mul(cfg_.vocab, cfg_.width), param_init::normal, detail::init_std, 0});
   }
 
   typename head_type::weights head_weights(const S* w) const noexcept {
@@ -10279,6 +11565,10 @@ struct training_plan {
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
+  // The reserved peak on the allocator stack the plan was checked for (model/reserve_plan.hpp):
+  // rounding, segments and holes included; 0 when no stack was given (then only requested
+  // bytes were planned, which is exact over system_allocator alone).
+  std::size_t reserved_peak = 0;
   std::string peak_phase;
   std::size_t budget = 0;        // 0: none given
   double forward_flops = 0;      // of one micro-batch's blocks
@@ -10289,7 +11579,10 @@ struct training_plan {
   double recompute_overhead() const noexcept {
     return forward_flops == 0 ? 0.0 : recompute_flops / forward_flops;
   }
-  bool fits() const noexcept { return budget == 0 || peak_bytes <= budget; }
+  // What a budget over the planned stack counts at the peak.
+  std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
+  // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
+  bool fits() const noexcept { return !saturated(budgeted_peak()) && (budget == 0 || budgeted_peak() <= budget); }
 
   // A table a person reads before step 1.
   std::string table() const {
@@ -10312,15 +11605,22 @@ struct training_plan {
     row("workspace (at peak)", workspace, "transient");
     const std::string at = "at " + peak_phase;
     row("predicted peak", peak_bytes, at.c_str());
+    if (reserved_peak != 0) {
+      char note[64];
+      std::snprintf(note, sizeof note, "on the allocator stack, +%.1f%% (rounding, segments)",
+                    peak_bytes == 0 ? 0.0 : 100.0 * (static_cast<double>(reserved_peak) / static_cast<double>(peak_bytes) - 1.0));
+      row("reserved peak", reserved_peak, note);
+    }
+    const std::size_t counted = budgeted_peak();
     if (budget != 0) {
       row("budget", budget, "");
-      if (peak_bytes <= budget) {
+      if (counted <= budget) {
         std::snprintf(line, sizeof line, "  %-22s %14s  %.1f%% of the budget free\n", "headroom",
-                      format_bytes(budget - peak_bytes, false).c_str(),
-                      100.0 * static_cast<double>(budget - peak_bytes) / static_cast<double>(budget));
+                      format_bytes(budget - counted, false).c_str(),
+                      100.0 * static_cast<double>(budget - counted) / static_cast<double>(budget));
       } else {
         std::snprintf(line, sizeof line, "  %-22s %14s  OVER BUDGET\n", "headroom",
-                      ("-" + format_bytes(peak_bytes - budget, false)).c_str());
+                      ("-" + format_bytes(counted - budget, false)).c_str());
       }
       s += line;
     }
@@ -10330,6 +11630,10 @@ struct training_plan {
     return s;
   }
 };
+
+// A plan's reserved peak on an allocator stack, or SIZE_MAX when the stack would refuse it
+// (model/reserve_plan.hpp's reserve_model builds one for a stack).
+using reserve_function = std::function<std::size_t(const training_plan&)>;
 
 // The smallest budget that would fit, as a typed error (fit() found nothing under `budget`).
 class budget_too_small : public invalid_argument {
@@ -10383,7 +11687,7 @@ template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
   const std::size_t opt = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  return w + w + opt;
+  return sat_add(w, w, opt);
 }
 
 // The plan of one training step of m: micro-batch b, schedule s.
@@ -10401,7 +11705,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.gradients = m.weight_bytes();
   p.optimizer = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
-  const std::size_t base = p.weights + p.gradients + p.optimizer;
+  const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
   const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
   p.ops = schedule_ops(c, sc);
   std::vector<phase_bytes> tl;
@@ -10412,8 +11716,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
 
   // The timeline: the embedding, each op, the embedding's backward, the optimizer step.
   const std::size_t a = m.activation_bytes(b);
-  p.timeline.push_back({"embedding forward", base, base + a});
-  std::size_t best = base + a;
+  p.timeline.push_back({"embedding forward", base, sat_add(base, a)});
+  std::size_t best = sat_add(base, a);
   p.peak_phase = "embedding forward";
   p.activations = a;
   p.workspace = 0;
@@ -10422,7 +11726,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
     const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
-    p.activations = std::max(p.activations, ph.live_before - base);
+    p.activations = std::max(p.activations, sat_sub(ph.live_before, base));
     if (q.peak > best) {
       best = q.peak;
       p.peak_phase = q.name;
@@ -10432,7 +11736,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
         const std::size_t ai = op.block < L ? c.links[op.block].input_bytes : c.output_bytes;
         switch (op.kind) {
           case chain_op_kind::advance: return c.links[op.block].input_bytes;
-          case chain_op_kind::tape: return ai + c.links[op.block].saved_bytes;
+          case chain_op_kind::tape: return sat_add(ai, c.links[op.block].saved_bytes);
           case chain_op_kind::retape: return c.links[op.block].saved_bytes;
           case chain_op_kind::loss: return c.output_bytes;
           case chain_op_kind::backward: return ai;
@@ -10440,11 +11744,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
         }
         return 0;
       }();
-      p.workspace = q.peak - q.live_before - std::min(out, q.peak - q.live_before);
+      p.workspace = sat_sub(sat_sub(q.peak, q.live_before), out);
     }
     p.timeline.push_back(std::move(q));
   }
-  p.timeline.push_back({"embedding backward", base + a, base + a});
+  p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
   p.timeline.push_back({"optimizer step (AdamW, in place)", base, base});
   if (best != p.peak_bytes) {
     throw error("membound: planner timeline and simulate() disagree on the peak (" +
@@ -10462,7 +11766,7 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
                                      const plan_options& o = {}) {
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
-  const std::size_t base = 2 * bytes_of<S>(n) + (o.optimizer ? adamw<S>::state_bytes(n) : 0);
+  const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n), o.optimizer ? adamw<S>::state_bytes(n) : 0);
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
   std::vector<chain_op> ops;
@@ -10525,6 +11829,8 @@ struct fit_options {
   std::size_t threads = 1;
   bool optimizer = true;
   std::vector<std::size_t> head_chunks{256, 64};
+  // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
+  reserve_function reserve{};
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -10538,43 +11844,264 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();
+  // With a reserve function, what counts is the reserved peak on the stack.
+  auto reserve = [&](training_plan& p) {
+    if (fo.reserve && p.reserved_peak == 0) p.reserved_peak = fo.reserve(p);
+    return p.budgeted_peak();
+  };
   auto consider = [&](training_plan p) {
-    minimum = std::min(minimum, p.peak_bytes);
-    if (p.peak_bytes > budget) return;
+    const std::size_t counted = reserve(p);
+    minimum = std::min(minimum, counted);
+    if (saturated(counted) || counted > budget) return;
     const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
     const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
     if (!found || cost < best_cost ||
         (cost == best_cost && (p.accumulation < best.accumulation ||
-                               (p.accumulation == best.accumulation && p.peak_bytes < best.peak_bytes)))) {
+                               (p.accumulation == best.accumulation && counted < best.budgeted_peak())))) {
       best = std::move(p);
       found = true;
     }
   };
+  // The budget DP at budget B: it plans requested bytes, so when the stack's rounding takes its
+  // plan over B, it asks again for that much less. nullopt when it finds nothing under B.
+  auto dp_plan = [&](batch_shape b, const plan_options& o, std::size_t B) -> std::optional<training_plan> {
+    std::size_t target = B;
+    std::optional<training_plan> last;
+    for (int tries = 0; tries < 4; ++tries) {
+      try {
+        training_plan p = make_plan(m, b, schedule_choice{schedule_choice::kind::budget, target}, o, budget);
+        const std::size_t counted = reserve(p);
+        const bool under = counted <= B;
+        last = std::move(p);
+        if (under || counted - B >= target) break;
+        target -= counted - B;
+      } catch (const invalid_argument&) {
+        break;
+      }
+    }
+    return last;
+  };
+  struct combo {
+    batch_shape b;
+    plan_options o;
+  };
+  std::vector<combo> combos;
   const std::size_t L = m.depth();
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer};
       const batch_shape b{mb, effective.seq};
+      combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
                                          {schedule_choice::kind::full, 0}};
-      for (std::size_t k = 2; k < L; ++k) cands.push_back({schedule_choice::kind::every, k});
-      for (std::size_t s = 1; s <= L; ++s) cands.push_back({schedule_choice::kind::binomial, s});
+      // every<k> for every segment length up to L (every<L> keeps only the chain's ends), and
+      // binomial<s> for every slot count Revolve's table allows.
+      for (std::size_t k = 2; k <= L; ++k) cands.push_back({schedule_choice::kind::every, k});
+      for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
+        cands.push_back({schedule_choice::kind::binomial, s});
       for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
-      // The DP, unless nothing can fit (it would throw) or a zero-recompute plan already does.
-      try {
-        consider(make_plan(m, b, schedule_choice{schedule_choice::kind::budget, budget}, o, budget));
-      } catch (const invalid_argument&) {
-      }
+      if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
     }
   }
-  if (!found) throw budget_too_small(budget, minimum);
+  if (!found) {
+    // The DP can meet budgets below every generated schedule's peak. Search, per micro-batch and
+    // chunk, the least budget it meets, so that minimum() is a budget fit() meets and one byte
+    // less is not.
+    const auto dp_fits = [&](const combo& c, std::size_t B) {
+      const auto p = dp_plan(c.b, c.o, B);
+      return p && !saturated(p->budgeted_peak()) && p->budgeted_peak() <= B;
+    };
+    for (const combo& c : combos) {
+      if (saturated(minimum) || minimum == 0 || !dp_fits(c, minimum - 1)) continue;
+      std::size_t lo = 0, hi = minimum - 1;  // dp_fits(c, hi) holds
+      while (lo < hi) {
+        const std::size_t mid = lo + (hi - lo) / 2;
+        if (dp_fits(c, mid)) hi = mid;
+        else lo = mid + 1;
+      }
+      minimum = hi;
+    }
+    throw budget_too_small(budget, minimum,
+                           saturated(minimum) ? "the model's sizes pass any address space: shrink the model or the batch"
+                                              : std::string{});
+  }
   best.budget = budget;
   return best;
 }
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/planner.hpp ----
+// ---- begin membound/model/reserve_plan.hpp ----
+// The plan of the reserve: what a training run takes from the allocator stack it runs on, not
+// only what it requests. A budget over a caching allocator or an arena caps reserved bytes
+// (512-byte rounding, shared segments, 2 MiB granules, holes), so a plan whose requested peak fits
+// can still run out of memory there. Before step 1 the planner replays the run's requests (the
+// persistent state, then steps and an evaluation, in the exact order the trainer and
+// model::forward_backward make them: model::step_requests) through a shadow of the caller's stack
+// (memory/shadow.hpp) and reads the reserved peak off the shadow's statistics. The shadow runs the
+// allocators' own code, so the prediction is exact for a stack that the run uses alone (others'
+// bytes counted as the budget's external bytes).
+//
+//   auto reserve = membound::reserve_model(m, alloc);   // alloc: the stack the trainer will use
+//   membound::fit_options fo{.threads = 2};
+//   fo.reserve = reserve;                               // fit compares reserved bytes with the budget
+//   auto plan = membound::fit(m, {8, 256}, budget, fo); // plan.reserved_peak: what the stack will hold
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// An allocator that hands out no memory and writes down what it was asked, in order. Model
+// functions that only make requests (model::step_requests, loss_requests) run on it.
+class request_recorder {
+ public:
+  static constexpr memory_space space = memory_space::host;
+  static constexpr std::size_t max_alignment = std::size_t{1} << 21;
+
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment, memory_tag tag = memory_tag::other) {
+    detail::check_alignment(alignment, max_alignment, "request_recorder");
+    detail::check_tag(tag);
+    if (bytes == 0) return nullptr;
+    if (alignment != default_alignment) {
+      throw invalid_argument("alignment", "default_alignment (" + std::to_string(default_alignment) + ")",
+                             std::to_string(alignment), "The step's requests all use default_alignment");
+    }
+    const auto id = static_cast<std::uint32_t>(next_id_++);
+    requests_.push_back({id, false, bytes, tag});
+    live_.push_back(id);
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id + 1) * 64);  // never dereferenced
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t = default_alignment, memory_tag tag = memory_tag::other) {
+    if (p == nullptr) return;
+    const auto id = static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(p) / 64 - 1);
+    const auto it = std::find(live_.begin(), live_.end(), id);
+    if (it == live_.end()) {
+      throw invalid_argument("p", "a live block of this recorder", "an unknown pointer", "A bug in the caller");
+    }
+    live_.erase(it);
+    requests_.push_back({id, true, bytes, tag});
+  }
+  std::size_t growth_for(std::size_t bytes, std::size_t) const noexcept { return bytes; }
+  memory_stats stats() const noexcept { return {}; }
+
+  const std::vector<recorded_request>& requests() const noexcept { return requests_; }
+  std::size_t live_blocks() const noexcept { return live_.size(); }
+
+ private:
+  std::size_t next_id_ = 0;
+  std::vector<recorded_request> requests_;
+  std::vector<std::uint32_t> live_;
+};
+
+// What a replay measured on a shadow stack.
+struct reserve_replay {
+  std::size_t peak_reserved = 0;   // the stack's reserved peak: what a budget over it counts
+  std::size_t peak_requested = 0;
+  bool fits = true;                // false: the shadow (its budget, arena capacity) refused a request
+  std::string refusal;             // the out_of_memory message when it did not fit
+};
+
+// Replays `requests` (ids as recorded) on `shadow`, a fresh stack or one that already holds state.
+template <typename Allocator>
+reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_request>& requests) {
+  std::vector<void*> ptr;
+  reserve_replay r;
+  std::size_t at = 0;
+  try {
+    for (; at < requests.size(); ++at) {
+      const recorded_request& q = requests[at];
+      if (q.id >= ptr.size()) ptr.resize(q.id + 1, nullptr);
+      if (q.free) {
+        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
+        ptr[q.id] = nullptr;
+      } else {
+        ptr[q.id] = shadow.allocate(q.bytes, default_alignment, q.tag);
+      }
+    }
+  } catch (const out_of_memory& e) {
+    r.fits = false;
+    r.refusal = e.what();
+    // Give back what is still live, in reverse, as the run's own unwinding would.
+    for (std::size_t k = at; k-- > 0;) {
+      const recorded_request& q = requests[k];
+      if (!q.free && ptr[q.id] != nullptr) {
+        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
+        ptr[q.id] = nullptr;
+      }
+    }
+  }
+  const memory_stats st = shadow.stats();
+  r.peak_reserved = st.peak_reserved;
+  r.peak_requested = st.peak_requested;
+  return r;
+}
+
+// The requests of a training run under a plan, as the trainer makes them, in two parts: the
+// prefix (weights, gradients, optimizer state: its constructor) and the cycle every optimizer step
+// repeats (`accumulation` micro-batches, then one evaluation of a micro-batch: trainer::evaluate).
+struct run_requests {
+  std::vector<recorded_request> prefix, cycle;
+};
+
+template <typename Model>
+run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
+                        std::size_t threads, std::size_t accumulation, bool optimizer) {
+  run_requests r;
+  request_recorder rec;
+  const std::size_t wb = m.weight_bytes();
+  (void)rec.allocate(wb, default_alignment, memory_tag::weights);
+  (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
+  const std::size_t ob = optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  (void)rec.allocate(ob, default_alignment, memory_tag::optimizer);
+  const std::size_t k0 = rec.requests().size();
+  for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
+  m.loss_requests(micro, head_chunk, threads, rec);
+  r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
+  r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
+  return r;
+}
+template <typename Model>
+run_requests record_run(const Model& m, const training_plan& p) {
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer != 0);
+}
+
+// The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
+// the second finds the first one's free blocks), and the prefix given back.
+inline std::vector<recorded_request> training_requests(const run_requests& r, std::size_t steps = 2) {
+  std::vector<recorded_request> q = r.prefix;
+  for (std::size_t s = 0; s < steps; ++s) q.insert(q.end(), r.cycle.begin(), r.cycle.end());
+  for (std::size_t k = r.prefix.size(); k-- > 0;) q.push_back({r.prefix[k].id, true, r.prefix[k].bytes, r.prefix[k].tag});
+  return q;
+}
+
+// The layout a planned allocator (caching_options::planned) serves a plan's run from.
+template <typename Model>
+memory_layout plan_layout(const Model& m, const training_plan& p) {
+  const run_requests r = record_run(m, p);
+  return make_layout(r.prefix, r.cycle);
+}
+
+// The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
+// on a fresh shadow of `alloc`'s stack (its settings and the budget's external bytes read at each
+// call, so a retry under pressure sees the others' bytes of that moment), or SIZE_MAX when the
+// stack would refuse a request. m and alloc must outlive the function. Put it in
+// fit_options::reserve; the trainer makes its own from its allocator.
+template <typename Model, typename Allocator>
+  requires has_shadow<Allocator>
+reserve_function reserve_model(const Model& m, const Allocator& alloc) {
+  return [&m, &alloc](const training_plan& p) -> std::size_t {
+    const run_requests run = record_run(m, p);
+    auto shadow = make_shadow(alloc);
+    // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
+    if constexpr (has_planned_layer<shadow_t<Allocator>>) {
+      if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle));
+    }
+    const reserve_replay r = replay_requests(*shadow, training_requests(run));
+    return r.fits ? r.peak_reserved : std::numeric_limits<std::size_t>::max();
+  };
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/reserve_plan.hpp ----
 // ---- begin membound/train/trainer.hpp ----
 // The training loop, written once: gradient accumulation over a plan's micro-batches, global-norm
 // clipping, cosine learning rate, AdamW, dynamic loss scaling, the pressure monitor at the step's
@@ -10591,6 +12118,17 @@ MEMBOUND_NAMESPACE_END
 // allocator (tags weights, gradients, optimizer), activations and workspace from it too, through
 // model::forward_backward.
 //
+// A checkpoint also holds a fingerprint of everything that decides how those bytes are read and
+// what a step computes with them (every model_config field, the storage and accumulation types,
+// each block's identity, the parameter layout, the optimizer state's layout, the effective
+// batch); load() refuses a file whose fingerprint differs, naming the field.
+//
+// Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
+// set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
+// for this model, the pool's threads and AdamW's state, and refused unless every field matches;
+// the plans load() restores and the retry chooses are made that way. So largest_predicted_peak()
+// is a prediction for this model, never a number someone typed.
+//
 // Pressure: the monitor looks at before_forward (each micro-batch), after_forward,
 // before_backward, after_backward and after_optimizer_step. When it enters emergency inside a
 // step, or an allocation runs out of budget, the step is abandoned (every byte given back, the
@@ -10603,7 +12141,7 @@ MEMBOUND_NAMESPACE_END
 // with nothing lost. The monitor sees usage only at its check points: a peak inside an op is
 // caught by the out-of-memory path instead.
 
-#include <optional>
+#include <charconv>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -10708,12 +12246,83 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
+// One entry of a checkpoint's fingerprint: a name ("storage", "config.rope_base", "blocks.2")
+// and its value as text. Doubles carry their bit pattern, so equal text means equal bits.
+struct fingerprint_field {
+  std::string name;
+  std::string value;
+  friend bool operator==(const fingerprint_field&, const fingerprint_field&) = default;
+};
+
+// A checkpoint this run cannot resume because it was written for something else: another model,
+// precision, batch, block type or checkpoint format. field() is the first that differs (what()
+// names every one), saved() its value in the file, current() in this run.
+class checkpoint_mismatch : public corrupt_checkpoint {
+ public:
+  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
+                      const std::string& why)
+      : corrupt_checkpoint(path, why), field_(std::move(field)), saved_(std::move(saved)), current_(std::move(current)) {}
+  const std::string& field() const noexcept { return field_; }
+  const std::string& saved() const noexcept { return saved_; }
+  const std::string& current() const noexcept { return current_; }
+
+ private:
+  std::string field_, saved_, current_;
+};
+
 namespace detail {
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
 struct abandon_step {
   std::string reason;
   std::size_t usage = 0, limit = 0;
 };
+
+// "1e-05 (0x3ee4f8b588e368f1)": the shortest text that reads back the same, and the bits.
+inline std::string exact_text(double v) {
+  char buf[40];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  char bits[24];
+  std::snprintf(bits, sizeof bits, "%016llx", static_cast<unsigned long long>(std::bit_cast<std::uint64_t>(v)));
+  return std::string(buf, r.ptr) + " (0x" + bits + ")";
+}
+
+// FNV-1a, 64 bits: a checksum of the parameter layout, not a defence against forgery (the
+// file's CRC and the other fields do the rest).
+struct fnv1a {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  void bytes(const void* p, std::size_t n) noexcept {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ULL;
+  }
+  void u64(std::uint64_t v) noexcept {
+    unsigned char b[8];
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+    bytes(b, 8);
+  }
+};
+
+// "name=value" lines; a section that is not that is corrupt.
+inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text, const std::string& path) {
+  std::vector<fingerprint_field> f;
+  std::size_t at = 0, line = 1;
+  while (at < text.size()) {
+    const std::size_t end = text.find('\n', at);
+    if (end == std::string::npos) throw corrupt_checkpoint(path, "its fingerprint does not end with a new line");
+    const std::string l = text.substr(at, end - at);
+    const std::size_t eq = l.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw corrupt_checkpoint(path, "line " + std::to_string(line) + " of its fingerprint is not name=value");
+    }
+    fingerprint_field e{l.substr(0, eq), l.substr(eq + 1)};
+    for (const fingerprint_field& g : f) {
+      if (g.name == e.name) throw corrupt_checkpoint(path, "its fingerprint names '" + e.name + "' twice");
+    }
+    f.push_back(std::move(e));
+    at = end + 1;
+    ++line;
+  }
+  return f;
+}
 }  // namespace detail
 
 template <typename Model, typename Allocator, typename Monitor = null_monitor>
@@ -10726,9 +12335,10 @@ class trainer {
  public:
   using S = typename Model::storage_type;
 
-  // effective: sequences per optimizer step and their length; plan: a plan for it (make_plan or
-  // fit) made for pool.size() threads. Allocates weights, gradients and optimizer state from
-  // alloc and initializes them from options.seed.
+  // effective: sequences per optimizer step and their length; plan: a plan for this model and
+  // batch (fit, or make_plan with optimizer = true) made for pool.size() threads, unedited (see
+  // check_plan). Allocates weights, gradients and optimizer state from alloc and initializes them
+  // from options.seed.
   trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
           trainer_options o = {}, Monitor monitor = {})
       : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), pool_(pool), o_(std::move(o)),
@@ -10738,7 +12348,18 @@ class trainer {
         scaler_(o_.scaler) {
     m_.check(eff_);
     check_options(o_);
-    check_plan(plan_, "plan");
+    if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
+    check_plan(plan_);
+    plan_.reserved_peak = reserve_of(plan_);
+    if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
+      throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
+                                         format_bytes(limit),
+                             "a reserved peak of " + format_bytes(plan_.budgeted_peak()) + " (requested " +
+                                 format_bytes(plan_.peak_bytes) + ")",
+                             "Choose it with fit_options::reserve = reserve_model(model, allocator), which counts "
+                             "the stack's rounding and segments");
+    }
+    use_layout(plan_);
     w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
     try {
       g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
@@ -10752,8 +12373,8 @@ class trainer {
       alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
       throw;
     }
-    // What the planner counts as the persistent base (requested bytes, as the budget's system
-    // upstream charges them).
+    // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
+    // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
     try {
       m_.init_weights(w_, o_.seed);
@@ -10765,6 +12386,7 @@ class trainer {
     }
     rng_.state = o_.seed ^ 0x6a09e667f3bcc909ULL;
     largest_peak_ = plan_.peak_bytes;
+    largest_reserve_ = plan_.budgeted_peak();
   }
 
   trainer(const trainer&) = delete;
@@ -10876,8 +12498,9 @@ class trainer {
   void save(const std::string& path) const {
     checkpoint_writer cw;
     cw.add_value<std::uint64_t>("format", format_version);
-    const std::vector<std::uint64_t> fp = fingerprint();
-    cw.add("model", fp.data(), fp.size() * sizeof(std::uint64_t));
+    std::string fp;
+    for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
+    cw.add("fingerprint", fp.data(), fp.size());
     cw.add("weights", w_, m_.weight_bytes());
     cw.add("optimizer", opt_, opt_bytes());
     cw.add_value<std::uint64_t>("step", steps_);
@@ -10892,23 +12515,27 @@ class trainer {
     cw.commit(path);
   }
 
-  // Reads and checks the whole file first; on any error this trainer is unchanged. The saved plan
-  // is restored when it fits the allocator's budget (the run then continues bit for bit);
-  // otherwise the current plan stays. Returns whether the saved plan was restored. The monitor's
-  // level is not saved: a resumed run starts at the level its first check point sees.
+  // Reads and checks the whole file first; on any error this trainer is unchanged. A file of
+  // another format, or whose fingerprint differs from fingerprint(), is checkpoint_mismatch
+  // naming the field. The saved plan is restored (made again by this trainer) when it fits the
+  // allocator's budget (the run then continues bit for bit); otherwise the current plan stays.
+  // Returns whether the saved plan was restored. The monitor's level is not saved: a resumed run
+  // starts at the level its first check point sees.
   bool load(const std::string& path) {
     const checkpoint_reader r(path);
-    if (r.value<std::uint64_t>("format") != format_version) {
-      throw corrupt_checkpoint(path, "it has format " + std::to_string(r.value<std::uint64_t>("format")) +
-                                         ", this build reads " + std::to_string(format_version));
+    if (const auto format = r.value<std::uint64_t>("format"); format != format_version) {
+      const std::string saved = std::to_string(format), current = std::to_string(format_version);
+      throw checkpoint_mismatch(
+          path, "format", saved, current,
+          "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
+              (format < format_version ? ": an older format, whose fingerprint neither named its fields nor told "
+                                         "bf16 from fp16, so this run cannot check it; resume it with the "
+                                         "membound that wrote it"
+                                       : ": a newer membound wrote it; resume it with that version"));
     }
-    const std::vector<std::uint64_t> fp = fingerprint();
-    std::vector<std::uint64_t> saved(r.size("model") / sizeof(std::uint64_t));
-    r.copy("model", saved.data(), saved.size() * sizeof(std::uint64_t));
-    if (saved != fp) {
-      throw corrupt_checkpoint(path, "it was written for another model (configuration, layer pattern, "
-                                     "precision, batch or sequence length differ)");
-    }
+    std::string text(r.size("fingerprint"), '\0');
+    r.copy("fingerprint", text.data(), text.size());
+    check_fingerprint(detail::parse_fingerprint(text, path), path);
     if (r.size("weights") != m_.weight_bytes() || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
@@ -10926,12 +12553,12 @@ class trainer {
     std::optional<training_plan> restored;
     if (pl[0] != 0 && eff_.batch % pl[0] == 0 && pl[1] == eff_.batch / pl[0] && pl[2] != 0 &&
         pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
-      plan_options po{pool_.size(), static_cast<std::size_t>(pl[2]), static_cast<std::size_t>(pl[1]), true};
       try {
-        training_plan p = make_plan(m_, batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq},
-                                    schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
-                                    po, plan_.budget);
-        if (p.fits() && (limit_now() == 0 || p.peak_bytes + foreign_now() <= limit_now())) restored = std::move(p);
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
+                                   schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
+                                   static_cast<std::size_t>(pl[2]), plan_.budget);
+        p.reserved_peak = reserve_of(p);
+        if (p.fits() && (limit_now() == 0 || p.budgeted_peak() + foreign_now() <= limit_now())) restored = std::move(p);
       } catch (const error&) {
         // A plan this build cannot make: keep the current one.
       }
@@ -10950,18 +12577,68 @@ class trainer {
   }
 
   // ---- Plans --------------------------------------------------------------------------------------
-  // Switch plans between steps (same effective batch; a plan made for pool.size() threads).
+  // Switch plans between steps: a plan check_plan accepts (this model, the same effective batch,
+  // pool.size() threads, optimizer counted, unedited). A refused plan changes nothing.
   void set_plan(training_plan p) {
-    check_plan(p, "plan");
+    check_plan(p);
     adopt(std::move(p));
   }
   const training_plan& plan() const noexcept { return plan_; }
   // The largest predicted peak of any plan this trainer ran under: what the measured peak of its
   // own bytes stays within.
   std::size_t largest_predicted_peak() const noexcept { return largest_peak_; }
+  // The largest predicted reserve of those plans on the trainer's allocator stack (what its
+  // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
+  // (memory/shadow.hpp), else their requested peaks.
+  std::size_t largest_predicted_reserve() const noexcept { return largest_reserve_; }
 
   // ---- State --------------------------------------------------------------------------------------
   const Model& model() const noexcept { return m_; }
+  // What a checkpoint of this trainer must match to be loaded, in the order load() compares it:
+  // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits), the
+  // storage and accumulation types by name, the depth and each block's identity (its mixer's
+  // family and the policies that change what it computes), the parameter layout, the optimizer
+  // state's layout, the effective batch and sequence length.
+  std::vector<fingerprint_field> fingerprint() const {
+    const model_config& c = m_.config();
+    std::vector<fingerprint_field> f;
+    const auto add = [&](std::string name, std::string value) { f.push_back({std::move(name), std::move(value)}); };
+    const auto num = [](std::size_t v) { return std::to_string(v); };
+    add("config.vocab", num(c.vocab));
+    add("config.width", num(c.width));
+    add("config.heads", num(c.heads));
+    add("config.kv_heads", num(c.kv()));
+    add("config.mlp_hidden", num(c.hidden()));
+    add("config.tie_embeddings", c.tie_embeddings ? "true" : "false");
+    add("config.norm_eps", detail::exact_text(c.norm_eps));
+    add("config.rope_base", detail::exact_text(c.rope_base));
+    add("config.ttt_base_lr", detail::exact_text(c.ttt_base_lr));
+    // By identity: bf16 and fp16 are both 2 bytes and read each other's bits as garbage.
+    add("storage", std::string(dtype_name<S>()));
+    add("accumulation", std::string(dtype_name<typename Model::accum_type>()));
+    add("depth", num(m_.depth()));
+    for (std::size_t i = 0; i < m_.depth(); ++i) {
+      m_.visit_block(i, [&]<typename B>(B*) { add("blocks." + num(i), B::identity(c)); });
+    }
+    detail::fnv1a h;
+    for (const param_entry& e : m_.parameters()) {
+      h.bytes(e.name.data(), e.name.size() + 1);  // with its terminator, so names cannot run together
+      h.u64(e.offset);
+      h.u64(e.count);
+      h.u64(e.decay ? 1 : 0);  // which tensors AdamW decays
+    }
+    char layout[24];
+    std::snprintf(layout, sizeof layout, "%016llx", static_cast<unsigned long long>(h.h));
+    add("parameters.elements", num(n_));
+    add("parameters.tensors", num(m_.parameters().size()));
+    add("parameters.layout", std::string("fnv1a ") + layout);
+    using opt = adamw<S>;
+    add("optimizer", std::string("AdamW m, v in ") + std::string(dtype_name<typename opt::moment_type>()) +
+                         (opt::has_master ? " + fp32 masters, " : ", ") + num(opt_bytes()) + " bytes");
+    add("effective_batch", num(eff_.batch));
+    add("sequence_length", num(eff_.seq));
+    return f;
+  }
   batch_shape effective_batch() const noexcept { return eff_; }
   std::uint64_t steps_done() const noexcept { return steps_; }
   std::uint64_t updates_applied() const noexcept { return updates_; }
@@ -10981,7 +12658,8 @@ class trainer {
   std::size_t foreign_bytes() const { return foreign_now(); }
 
  private:
-  static constexpr std::uint64_t format_version = 1;
+  // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
+  static constexpr std::uint64_t format_version = 2;
 
   std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(n_); }
 
@@ -11000,9 +12678,24 @@ class trainer {
     else return 0;
   }
   // Between attempts nothing of the step is live, so all but the trainer's own bytes are others'.
+  // Between attempts nothing of the step is live: what the allocator serves beyond the trainer's
+  // own requests, and what the budget counts as held outside it, is others'. Requested bytes, not
+  // reserved ones, so that the stack's own cache and rounding never pass for someone else's.
   std::size_t foreign_now() const {
-    const std::size_t u = usage_now();
-    return u > own_bytes_ ? u - own_bytes_ : 0;
+    std::size_t external = 0;
+    if constexpr (requires { alloc_.external(); }) external = alloc_.external();
+    const std::size_t requested = alloc_.stats().requested;
+    return detail::saturating_add(external, requested > own_bytes_ ? requested - own_bytes_ : 0);
+  }
+
+  // The plan's reserved peak on this stack (0 where the stack has no shadow).
+  std::size_t reserve_of(const training_plan& p) const { return reserve_ ? reserve_(p) : 0; }
+
+  // A planned stack (caching_options::planned) serves the run from the plan's layout.
+  void use_layout(const training_plan& p) {
+    if constexpr (has_planned_layer<Allocator>) {
+      if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
+    }
   }
 
   // Each field on its own, written so that NaN fails too.
@@ -11031,24 +12724,128 @@ class trainer {
     }
   }
 
-  void check_plan(const training_plan& p, const char* name) const {
-    if (p.micro.seq != eff_.seq || p.micro.batch * p.accumulation != eff_.batch) {
-      throw invalid_argument(name, "micro-batches of the effective batch " + std::to_string(eff_.batch) + " x " +
-                                       std::to_string(eff_.seq),
+  // The plan this trainer makes for a plan's choices (micro-batch, accumulation, schedule, logit
+  // chunk): its own model, the pool's threads, AdamW's state counted.
+  training_plan own_plan(batch_shape micro, std::size_t accumulation, schedule_choice s, std::size_t head_chunk,
+                         std::size_t budget) const {
+    plan_options po;
+    po.threads = pool_.size();
+    po.head_chunk = head_chunk;
+    po.accumulation = accumulation;
+    po.optimizer = true;
+    return make_plan(m_, micro, s, po, budget);
+  }
+
+  // A plan is accepted only when it is own_plan of its own choices, field for field: anything
+  // else (a plan for another model or precision, one made with optimizer = false, an edited peak
+  // or ops list) would make the step allocate what its prediction does not say. Throws
+  // invalid_argument("plan") naming the first field that differs; changes nothing.
+  void check_plan(const training_plan& p) const {
+    const std::string remake =
+        "Make it with fit(model, effective, budget) or make_plan(model, micro, schedule, options) for this "
+        "model, with optimizer = true and the pool's thread count, and do not edit its fields";
+    const std::size_t B = eff_.batch;
+    // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
+    if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
+        B / p.micro.batch != p.accumulation) {
+      throw invalid_argument("plan", "micro-batches of the effective batch " + std::to_string(B) + " x " +
+                                         std::to_string(eff_.seq),
                              std::to_string(p.accumulation) + " x " + std::to_string(p.micro.batch) + " x " +
                                  std::to_string(p.micro.seq),
                              "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
     }
     if (p.threads != pool_.size()) {
-      throw invalid_argument(name, "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
+      throw invalid_argument("plan", "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
                              std::to_string(p.threads) + " threads",
                              "Pass the pool's thread count in plan_options/fit_options");
     }
-    if (p.ops.empty()) throw invalid_argument(name, "a plan with a schedule", "no ops", "Use make_plan or fit");
+    if (p.head_chunk == 0) {
+      throw invalid_argument("plan", "plan.head_chunk of at least 1 logit row", "plan.head_chunk = 0", remake);
+    }
+    if (p.schedule.k > schedule_choice::kind::budget) {
+      throw invalid_argument("plan", "plan.schedule of a kind schedule_choice names (none, full, every, binomial, budget)",
+                             "plan.schedule kind " + std::to_string(static_cast<unsigned>(p.schedule.k)), remake);
+    }
+    if (p.ops.empty()) throw invalid_argument("plan", "a plan with a schedule", "no ops", "Use make_plan or fit");
+    training_plan q;
+    try {
+      q = own_plan(p.micro, p.accumulation, p.schedule, p.head_chunk, p.budget);
+    } catch (const error& e) {
+      throw invalid_argument("plan", "a plan make_plan can make for this model",
+                             "schedule " + p.schedule.name() + " is refused: " + e.what(), remake);
+    }
+    const std::string made = "as make_plan gives this model for micro-batch " + std::to_string(p.micro.batch) + " x " +
+                             std::to_string(p.accumulation) + ", schedule " + p.schedule.name() + ", logit chunk " +
+                             std::to_string(p.head_chunk) + ", " + std::to_string(pool_.size()) +
+                             " threads and the optimizer counted";
+    const auto differs = [&](const char* field, const std::string& want, const std::string& got) {
+      throw invalid_argument("plan", std::string(field) + " = " + want + " (" + made + ")",
+                             std::string(field) + " = " + got, remake);
+    };
+    const auto bytes = [&](const char* field, std::size_t want, std::size_t got) {
+      if (want != got) differs(field, format_bytes(want), format_bytes(got));
+    };
+    bytes("plan.weights", q.weights, p.weights);
+    bytes("plan.gradients", q.gradients, p.gradients);
+    if (q.optimizer != p.optimizer) {
+      differs("plan.optimizer", format_bytes(q.optimizer) + " (AdamW's state)",
+              format_bytes(p.optimizer) + (p.optimizer == 0 ? " (made with optimizer = false?)" : ""));
+    }
+    if (q.ops != p.ops) {
+      std::size_t k = 0;
+      while (k < q.ops.size() && k < p.ops.size() && q.ops[k] == p.ops[k]) ++k;
+      const auto at = [&](const std::vector<chain_op>& o) {
+        return std::to_string(o.size()) + " ops" + (k < o.size() ? ", op " + std::to_string(k) + " " + to_string(o[k]) : "");
+      };
+      differs("plan.ops", at(q.ops), at(p.ops));
+    }
+    bytes("plan.activations", q.activations, p.activations);
+    bytes("plan.workspace", q.workspace, p.workspace);
+    bytes("plan.peak_bytes", q.peak_bytes, p.peak_bytes);
+    if (q.peak_phase != p.peak_phase) differs("plan.peak_phase", q.peak_phase, p.peak_phase);
+    // Bits, not values: make_plan computes them the same way every time.
+    if (std::bit_cast<std::uint64_t>(q.forward_flops) != std::bit_cast<std::uint64_t>(p.forward_flops)) {
+      differs("plan.forward_flops", detail::exact_text(q.forward_flops), detail::exact_text(p.forward_flops));
+    }
+    if (std::bit_cast<std::uint64_t>(q.recompute_flops) != std::bit_cast<std::uint64_t>(p.recompute_flops)) {
+      differs("plan.recompute_flops", detail::exact_text(q.recompute_flops), detail::exact_text(p.recompute_flops));
+    }
+    std::size_t k = 0;
+    while (k < q.timeline.size() && k < p.timeline.size() && q.timeline[k].name == p.timeline[k].name &&
+           q.timeline[k].live_before == p.timeline[k].live_before && q.timeline[k].peak == p.timeline[k].peak) {
+      ++k;
+    }
+    if (k != q.timeline.size() || k != p.timeline.size()) {
+      const auto at = [&](const std::vector<plan_phase>& t) {
+        return std::to_string(t.size()) + " phases" +
+               (k < t.size() ? ", phase " + std::to_string(k) + " '" + t[k].name + "' " + format_bytes(t[k].live_before) +
+                                   " live, peak " + format_bytes(t[k].peak)
+                             : "");
+      };
+      differs("plan.timeline", at(q.timeline), at(p.timeline));
+    }
+    // A reserve, when the plan states one, is this stack's for this plan.
+    if (p.reserved_peak != 0) {
+      const std::size_t want = reserve_of(q);
+      if (want != p.reserved_peak) {
+        differs("plan.reserved_peak",
+                want == 0 ? std::string("0 (this allocator stack has no shadow to predict it)") : format_bytes(want),
+                format_bytes(p.reserved_peak) + " (made for another allocator stack or budget?)");
+      }
+    }
+    // The budget is the caller's: 0 (none) or one the plan fits.
+    if (p.budget != 0 && q.peak_bytes > p.budget) {
+      throw invalid_argument("plan", "plan.budget = 0 (none) or at least the plan's peak " + format_bytes(q.peak_bytes),
+                             "plan.budget = " + format_bytes(p.budget),
+                             "Choose the plan with fit(model, effective, budget), which keeps under the budget");
+    }
   }
 
   void adopt(training_plan p) {
+    if (p.reserved_peak == 0) p.reserved_peak = reserve_of(p);
+    use_layout(p);
     largest_peak_ = std::max(largest_peak_, p.peak_bytes);
+    largest_reserve_ = std::max(largest_reserve_, p.budgeted_peak());
     plan_ = std::move(p);
   }
 
@@ -11110,8 +12907,8 @@ class trainer {
   // The least-recompute plan below the current peak whose peak plus the others' bytes stays
   // under the emergency threshold (second: true), else under the budget (second: false).
   std::optional<std::pair<training_plan, bool>> stricter_plan() const {
-    if (plan_.peak_bytes <= 1) return std::nullopt;
-    const std::size_t cap = plan_.peak_bytes - 1;
+    if (plan_.budgeted_peak() <= 1) return std::nullopt;
+    const std::size_t cap = plan_.budgeted_peak() - 1;
     std::vector<std::pair<std::size_t, bool>> targets;
     if (const std::size_t limit = limit_now(); limit != 0) {
       const std::size_t foreign = foreign_now();
@@ -11126,10 +12923,15 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
-        training_plan p = fit(m_, eff_, t, fo);
+        // fit chooses; the trainer makes the plan it runs itself (as for every plan it runs).
+        const training_plan chosen = fit(m_, eff_, t, fo);
+        training_plan p = own_plan(chosen.micro, chosen.accumulation, chosen.schedule, chosen.head_chunk, plan_.budget);
         p.budget = plan_.budget;
+        p.reserved_peak = reserve_of(p);
+        if (p.budgeted_peak() > t) continue;
         return std::pair{std::move(p), below_emergency};
       } catch (const budget_too_small&) {
       }
@@ -11141,6 +12943,7 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.reserve = reserve_;
     try {
       (void)fit(m_, eff_, 0, fo);
     } catch (const budget_too_small& e) {
@@ -11160,13 +12963,13 @@ class trainer {
     e.limit = limit;
     e.foreign = foreign_now();
     e.from = plan_summary(plan_);
-    e.from_peak = plan_.peak_bytes;
+    e.from_peak = plan_.budgeted_peak();
     auto next = stricter_plan();
     e.stricter_found = next.has_value();
     replan_outcome out = replan_outcome::none;
     if (next) {
       e.to = plan_summary(next->first);
-      e.to_peak = next->first.peak_bytes;
+      e.to_peak = next->first.budgeted_peak();
       e.retried = retry;
       out = next->second ? replan_outcome::below_emergency : replan_outcome::below_budget;
       adopt(std::move(next->first));
@@ -11181,12 +12984,41 @@ class trainer {
     tolerated_foreign_ = foreign_now();
   }
 
-  std::vector<std::uint64_t> fingerprint() const {
-    const model_config& c = m_.config();
-    std::vector<std::uint64_t> f{c.vocab, c.width, c.heads, c.kv(), c.hidden(), c.tie_embeddings ? 1u : 0u,
-                                 sizeof(S), n_, eff_.batch, eff_.seq, m_.depth()};
-    for (std::size_t k : m_.pattern()) f.push_back(k);
-    return f;
+  // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
+  void check_fingerprint(const std::vector<fingerprint_field>& saved, const std::string& path) const {
+    const std::vector<fingerprint_field> now = fingerprint();
+    struct diff {
+      std::string field, saved, current;
+    };
+    std::vector<diff> d;
+    const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
+      for (const fingerprint_field& e : f)
+        if (e.name == name) return &e;
+      return nullptr;
+    };
+    for (const fingerprint_field& e : now) {
+      const fingerprint_field* s = find(saved, e.name);
+      if (s == nullptr) d.push_back({e.name, "(none)", e.value});
+      else if (s->value != e.value) d.push_back({e.name, s->value, e.value});
+    }
+    for (const fingerprint_field& s : saved) {
+      if (find(now, s.name) == nullptr) d.push_back({s.name, s.value, "(none)"});
+    }
+    if (d.empty()) return;
+    // The first few: a change of precision differs in every block, and one line is enough.
+    constexpr std::size_t shown = 4;
+    std::string why = "it was written for another model or run (";
+    for (std::size_t k = 0; k < d.size() && k < shown; ++k) {
+      why += (k == 0 ? "" : "; ") + std::string("checkpoint written for ") + d[k].field + " " + d[k].saved +
+             ", this run uses " + d[k].current;
+    }
+    if (d.size() > shown) {
+      const std::size_t more = d.size() - shown;
+      why += "; and " + std::to_string(more) + (more == 1 ? " more field differs" : " more fields differ");
+    }
+    why += "). Build the trainer as the run that wrote it was built (" + d[0].field + " " + d[0].saved +
+           ") to resume it";
+    throw checkpoint_mismatch(path, d[0].field, d[0].saved, d[0].current, why);
   }
 
   const Model& m_;
@@ -11205,6 +13037,8 @@ class trainer {
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()
   std::size_t largest_peak_ = 0;
+  std::size_t largest_reserve_ = 0;
+  reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;

@@ -14,10 +14,6 @@
 
 #include "membound/core/config.hpp"
 
-#if defined(__linux__)
-#include <sys/resource.h>
-#endif
-
 MEMBOUND_NAMESPACE_BEGIN
 
 struct process_memory_info {
@@ -26,7 +22,8 @@ struct process_memory_info {
   bool known = false;        // false where the system does not say (then both are 0)
 };
 
-// Reads /proc/self/status (VmRSS, VmHWM) on Linux; elsewhere reports nothing.
+// Reads /proc/self/status (VmRSS, VmHWM) on Linux; elsewhere reports nothing. (No <sys/resource.h>:
+// it would put POSIX names such as stack_t into every includer's global namespace.)
 inline process_memory_info process_memory() noexcept {
   process_memory_info m;
 #if defined(__linux__)
@@ -38,11 +35,7 @@ inline process_memory_info process_memory() noexcept {
       if (std::sscanf(line, "VmHWM: %llu kB", &kib) == 1) m.peak_rss = static_cast<std::size_t>(kib) * 1024;
     }
     std::fclose(f);
-    m.known = m.rss != 0;
-  }
-  if (m.known && m.peak_rss == 0) {
-    rusage u{};
-    if (getrusage(RUSAGE_SELF, &u) == 0) m.peak_rss = static_cast<std::size_t>(u.ru_maxrss) * 1024;
+    m.known = m.rss != 0 && m.peak_rss != 0;
   }
 #endif
   return m;
