@@ -433,6 +433,8 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
     // ">=": a run resumed past STEP takes the bytes at once, as the uninterrupted run held them.
     if (foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= foreign.at_step) {
       foreign_taken = true;
+      // What the arena holds beyond live blocks is nobody's: others can take it.
+      alloc.release_cached();
       if (foreign.bytes > alloc.headroom()) {
         throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
                                                     mb::format_bytes(alloc.headroom(), false),
@@ -508,10 +510,10 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
               mib(predicted_reserve), reserve_ok ? "yes" : "NO");
   if (rss.known && baseline.known) {
-    const std::size_t grown = rss.peak_rss > baseline.rss ? rss.peak_rss - baseline.rss : 0;
-    std::printf("; process peak RSS %.2f MiB = baseline %.2f MiB + %.2f MiB (%+.1f%% of the predicted reserve)",
-                mib(rss.peak_rss), mib(baseline.rss), mib(grown),
-                100.0 * (static_cast<double>(grown) / static_cast<double>(predicted_reserve) - 1.0));
+    // Beyond the baseline and the reserve: thread stacks and the heap's own bookkeeping.
+    const double other = mib(rss.peak_rss) - mib(baseline.rss) - mib(predicted_reserve);
+    std::printf("\nprocess peak RSS %.2f MiB = baseline %.2f MiB + predicted reserve %.2f MiB %c %.2f MiB other",
+                mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), other < 0 ? '-' : '+', std::abs(other));
   }
   std::printf("\n");
   if (!o.report.empty()) {

@@ -22,6 +22,14 @@ with tempfile.TemporaryDirectory() as d:
         assert key in r, f"report lacks {key}"
     assert r["measured_peak_bytes"] <= r["predicted_peak_bytes"] <= r["budget_bytes"], r
     assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], "the plan is exact on the CPU"
+    # The reserve: the arena's measured reserved peak is the plan's prediction, to the byte, and
+    # the process grows by that much plus a fixed runtime overhead (thread stacks, the heap's
+    # bookkeeping: about 1 MiB when measured), never by what the steps free and request again.
+    assert r["measured_reserved_peak_bytes"] == r["predicted_reserved_peak_bytes"] <= r["budget_bytes"], r
+    assert r["predicted_reserved_peak_bytes"] <= 1.05 * r["predicted_peak_bytes"], r
+    if r["peak_rss_bytes"]:
+        grown = r["peak_rss_bytes"] - r["baseline_rss_bytes"]
+        assert grown <= 1.05 * r["predicted_reserved_peak_bytes"] + 2 * 2**20, (grown, r)
     p = r["plan"]
     assert p["weights"] + p["gradients"] + p["optimizer"] + p["activations"] <= r["predicted_peak_bytes"]
     assert r["final_eval_loss"] < r["initial_eval_loss"] - 0.5, (r["initial_eval_loss"], r["final_eval_loss"])
@@ -52,6 +60,7 @@ with tempfile.TemporaryDirectory() as d:
     assert press["replans"] >= 1 and "retrying the step under" in out, out
     assert press["foreign_bytes"] == 1024 * 1024
     assert press["measured_peak_bytes"] <= press["predicted_peak_bytes"] <= press["budget_bytes"], press
+    assert press["measured_reserved_peak_bytes"] <= press["predicted_reserved_peak_bytes"] <= press["budget_bytes"], press
 
     # The trace of that run becomes a plot (the foreign bytes are in it as tag "other").
     if len(sys.argv) > 2:
