@@ -808,7 +808,7 @@ TEST_CASE("trainer: bf16 and fp16 checkpoints (same size, other bits) do not loa
   try {
     th.load(pb);
   } catch (const mb::checkpoint_mismatch& e) {
-    MESSAGE(e.what());
+    MESSAGE(std::string(e.what()));
   }
   // Each loads into its own kind and trains on with finite losses.
   CHECK_NOTHROW(th.load(ph));
@@ -1046,7 +1046,7 @@ TEST_CASE("trainer: a plan whose fields were edited by hand is refused, naming t
   try {
     t.set_plan(lie);
   } catch (const mb::invalid_argument& e) {
-    MESSAGE(e.what());
+    MESSAGE(std::string(e.what()));
   }
   for (const edit& e : edits) {
     mb::training_plan p = good;

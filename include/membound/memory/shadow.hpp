@@ -207,4 +207,25 @@ std::unique_ptr<shadow_t<A>> make_shadow(const A& a) {
   return s;
 }
 
+namespace detail {
+// Lifts every budget in a stack (for a shadow: how much a plan would reserve with no cap).
+template <typename A>
+void lift_budgets(A& a) {
+  if constexpr (requires { a.set_limit(std::size_t{}); a.limit(); }) a.set_limit(std::numeric_limits<std::size_t>::max());
+  if constexpr (requires { a.upstream(); }) lift_budgets(a.upstream());
+}
+// The smallest budget limit in a stack, and the external bytes counted against it (SIZE_MAX, 0
+// when there is no budget).
+template <typename A>
+std::pair<std::size_t, std::size_t> tightest_budget(const A& a) {
+  std::pair<std::size_t, std::size_t> r{std::numeric_limits<std::size_t>::max(), 0};
+  if constexpr (requires { a.limit(); a.external(); }) r = {a.limit(), a.external()};
+  if constexpr (requires { a.upstream(); }) {
+    const auto u = tightest_budget(a.upstream());
+    if (u.first < r.first) r = u;
+  }
+  return r;
+}
+}  // namespace detail
+
 MEMBOUND_NAMESPACE_END
