@@ -4,8 +4,12 @@
 
 #include <cstddef>
 
+#include <cstdint>
+#include <vector>
+
 #include "membound/model/model.hpp"
 #include "membound/model/model_config.hpp"
+#include "test_rng.hpp"
 
 namespace membound_test {
 
@@ -50,6 +54,42 @@ inline membound::model_config small_config() {
   c.heads = 4;
   c.kv_heads = 2;
   return c;
+}
+
+// Token ids and next-token targets from a fixed linear congruential sequence.
+struct token_data {
+  std::vector<std::int32_t> tokens, targets;
+};
+inline token_data make_token_data(membound::batch_shape b, std::size_t vocab, std::uint32_t seed) {
+  token_data d;
+  std::uint32_t s = seed;
+  for (std::size_t i = 0; i < b.tokens(); ++i) {
+    s = s * 1664525u + 1013904223u;
+    d.tokens.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
+    s = s * 1664525u + 1013904223u;
+    d.targets.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
+  }
+  return d;
+}
+
+// Every mixer, chosen at run time: what the randomized planner tests draw models from.
+template <typename P>
+using any_blocks = membound::model<
+    membound::embedding<P>,
+    membound::block_pattern<membound::ttt_linear<P>, membound::attention<P>, membound::mamba<P>, membound::ttt_mlp<P>>,
+    membound::lm_head<P>>;
+
+// A random small config (1, 2 or 4 heads of 8 to 32 wide) and a pattern of up to `max_blocks`.
+inline membound::model_config random_config(rng& r, std::size_t max_vocab, std::vector<std::size_t>& pattern,
+                                            std::size_t max_blocks) {
+  const std::size_t heads = std::size_t{1} << r.below(3);
+  membound::model_config cfg;
+  cfg.vocab = 16 + r.below(max_vocab);
+  cfg.width = heads * 8 * (1 + r.below(4));
+  cfg.heads = heads;
+  pattern.assign(1 + r.below(max_blocks), 0);
+  for (auto& k : pattern) k = r.below(4);
+  return cfg;
 }
 
 }  // namespace membound_test

@@ -44,20 +44,8 @@ using ttt3 = mb::model<mb::embedding<P>, mb::block<mb::ttt_linear<P>>, mb::block
 
 using membound_test::small_config;
 
-struct data {
-  std::vector<std::int32_t> tokens, targets;
-};
-data make_data(mb::batch_shape b, std::size_t vocab, std::uint32_t seed) {
-  data d;
-  std::uint32_t s = seed;
-  for (std::size_t i = 0; i < b.tokens(); ++i) {
-    s = s * 1664525u + 1013904223u;
-    d.tokens.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
-    s = s * 1664525u + 1013904223u;
-    d.targets.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
-  }
-  return d;
-}
+using data = membound_test::token_data;
+constexpr auto make_data = membound_test::make_token_data;
 
 struct step_result {
   double loss = 0;

@@ -19,19 +19,13 @@
 #include "membound/memory/planned_layout.hpp"
 #include "membound/memory/system_allocator.hpp"
 
+#include "../support/test_rng.hpp"
+
 namespace mb = membound;
 
 namespace {
 
-struct rng {
-  std::uint64_t s;
-  std::size_t below(std::size_t n) {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return static_cast<std::size_t>((z ^ (z >> 31)) % (n == 0 ? 1 : n));
-  }
-};
+using membound_test::rng;
 
 // A random sequence in which every block is freed again: `live` blocks at most at once.
 std::vector<mb::recorded_request> random_cycle(rng& r, std::size_t n, std::size_t max_live, std::size_t max_bytes) {

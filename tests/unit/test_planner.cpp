@@ -26,20 +26,8 @@ namespace mb = membound;
 
 namespace {
 
-struct rng {
-  std::uint64_t s;
-  std::size_t below(std::size_t n) {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return static_cast<std::size_t>((z ^ (z >> 31)) % (n == 0 ? 1 : n));
-  }
-};
-
-template <typename P>
-using any_blocks =
-    mb::model<mb::embedding<P>, mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-              mb::lm_head<P>>;
+using membound_test::any_blocks;
+using membound_test::rng;
 
 std::vector<mb::schedule_choice> generated(std::size_t L) {
   using K = mb::schedule_choice::kind;
@@ -108,13 +96,8 @@ TEST_CASE("planner: randomized, fit meets a budget equal to any generated schedu
   rng r{42};
   std::size_t cases = 0;
   for (int t = 0; t < 25; ++t) {
-    const std::size_t heads = std::size_t{1} << r.below(3);
-    mb::model_config cfg;
-    cfg.vocab = 16 + r.below(5000);
-    cfg.width = heads * 8 * (1 + r.below(4));
-    cfg.heads = heads;
-    std::vector<std::size_t> pattern(1 + r.below(5));
-    for (auto& k : pattern) k = r.below(4);
+    std::vector<std::size_t> pattern;
+    const mb::model_config cfg = membound_test::random_config(r, 5000, pattern, 5);
     const any_blocks<mb::fp32_precision> m(cfg, pattern);
     const mb::batch_shape b{1 + r.below(3), 1 + r.below(40)};
     mb::fit_options fo;

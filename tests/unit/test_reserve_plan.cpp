@@ -36,13 +36,11 @@ namespace mb = membound;
 
 namespace {
 
+using membound_test::any_blocks;
 using membound_test::hybrid;
 using membound_test::small_config;
-
-template <typename P>
-using any_blocks =
-    mb::model<mb::embedding<P>, mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-              mb::lm_head<P>>;
+using data = membound_test::token_data;
+constexpr auto make_data = membound_test::make_token_data;
 
 // Writes down every request a real allocator serves (and forwards it).
 template <typename Upstream>
@@ -71,21 +69,6 @@ struct logging {
   }
   mb::memory_stats stats() const { return up.stats(); }
 };
-
-struct data {
-  std::vector<std::int32_t> tokens, targets;
-};
-data make_data(mb::batch_shape b, std::size_t vocab, std::uint32_t seed) {
-  data d;
-  std::uint32_t s = seed;
-  for (std::size_t i = 0; i < b.tokens(); ++i) {
-    s = s * 1664525u + 1013904223u;
-    d.tokens.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
-    s = s * 1664525u + 1013904223u;
-    d.targets.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
-  }
-  return d;
-}
 
 // A trainer's requests for real, in the order training_requests() assumes: weights, gradients,
 // optimizer state, then `steps` x (accumulation micro-batches, one evaluation micro-batch).
@@ -286,16 +269,7 @@ TEST_CASE("reserve: the predicted reserved peak is the real stack's, to the byte
 
 namespace {
 
-// splitmix64, so that every standard library draws the same trials.
-struct test_rng {
-  std::uint64_t s;
-  std::size_t below(std::size_t n) {
-    std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return static_cast<std::size_t>((z ^ (z >> 31)) % (n == 0 ? 1 : n));
-  }
-};
+using test_rng = membound_test::rng;
 
 struct trial_counts {
   int fitted = 0, oom = 0, requested_only_oom = 0, requested_only_fitted = 0;
@@ -305,13 +279,8 @@ struct trial_counts {
 // One random model, batch and budget; fit with and without the stack's reserve and run both.
 template <typename Stack, typename MakeStack>
 void trial(test_rng& rng, trial_counts& c, MakeStack make) {
-  const std::size_t heads = std::size_t{1} << rng.below(3);
-  mb::model_config cfg;
-  cfg.vocab = 16 + rng.below(200);
-  cfg.width = heads * 8 * (1 + rng.below(4));
-  cfg.heads = heads;
-  std::vector<std::size_t> pattern(1 + rng.below(4));
-  for (auto& k : pattern) k = rng.below(4);
+  std::vector<std::size_t> pattern;
+  const mb::model_config cfg = membound_test::random_config(rng, 200, pattern, 4);
   const any_blocks<mb::fp32_precision> m(cfg, pattern);
   const mb::batch_shape eff{1 + rng.below(4), 4 + rng.below(40)};
   mb::fit_options fo;
