@@ -4644,6 +4644,27 @@ std::unique_ptr<shadow_t<A>> make_shadow(const A& a) {
   return s;
 }
 
+namespace detail {
+// Lifts every budget in a stack (for a shadow: how much a plan would reserve with no cap).
+template <typename A>
+void lift_budgets(A& a) {
+  if constexpr (requires { a.set_limit(std::size_t{}); a.limit(); }) a.set_limit(std::numeric_limits<std::size_t>::max());
+  if constexpr (requires { a.upstream(); }) lift_budgets(a.upstream());
+}
+// The smallest budget limit in a stack, and the external bytes counted against it (SIZE_MAX, 0
+// when there is no budget).
+template <typename A>
+std::pair<std::size_t, std::size_t> tightest_budget(const A& a) {
+  std::pair<std::size_t, std::size_t> r{std::numeric_limits<std::size_t>::max(), 0};
+  if constexpr (requires { a.limit(); a.external(); }) r = {a.limit(), a.external()};
+  if constexpr (requires { a.upstream(); }) {
+    const auto u = tightest_budget(a.upstream());
+    if (u.first < r.first) r = u;
+  }
+  return r;
+}
+}  // namespace detail
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/shadow.hpp ----
 // ---- begin membound/memory/process_memory.hpp ----
@@ -12090,13 +12111,25 @@ template <typename Model, typename Allocator>
 reserve_function reserve_model(const Model& m, const Allocator& alloc) {
   return [&m, &alloc](const training_plan& p) -> std::size_t {
     const run_requests run = record_run(m, p);
-    auto shadow = make_shadow(alloc);
-    // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
-    if constexpr (has_planned_layer<shadow_t<Allocator>>) {
-      if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle));
-    }
-    const reserve_replay r = replay_requests(*shadow, training_requests(run));
-    return r.fits ? r.peak_reserved : std::numeric_limits<std::size_t>::max();
+    const std::vector<recorded_request> q = training_requests(run);
+    auto replay = [&](bool capped) {
+      auto shadow = make_shadow(alloc);
+      if (!capped) detail::lift_budgets(*shadow);
+      // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
+      if constexpr (has_planned_layer<shadow_t<Allocator>>) {
+        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle));
+      }
+      return replay_requests(*shadow, q);
+    };
+    const reserve_replay r = replay(true);
+    if (r.fits) return r.peak_reserved;
+    // The stack's budget refused: what the plan would reserve without the cap, so that a caller
+    // learns by how much it misses (budget_too_small's minimum), and never less than one byte
+    // over what the cap leaves, so that the plan never passes for one that fits.
+    const reserve_replay u = replay(false);
+    if (!u.fits) return std::numeric_limits<std::size_t>::max();
+    const auto [limit, external] = detail::tightest_budget(alloc);
+    return std::max(u.peak_reserved, sat_add(sat_sub(limit, external), 1));
   };
 }
 
