@@ -527,6 +527,12 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
     // What `top` sees: the process before the trainer existed, and its peak since then.
     j["baseline_rss_bytes"] = baseline.known ? baseline.rss : 0;
     j["peak_rss_bytes"] = rss.known ? rss.peak_rss : 0;
+    // A sanitizer's shadow memory and quarantine are in the RSS too: the figure is not the plan's.
+#if defined(__SANITIZE_ADDRESS__)
+    j["address_sanitizer"] = true;
+#else
+    j["address_sanitizer"] = false;
+#endif
     j["steps"] = t.steps_done();
     j["final_train_loss"] = last_loss;
     j["initial_eval_loss"] = first_eval;
