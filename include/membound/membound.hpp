@@ -38,6 +38,7 @@
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/checkpoint.hpp"
 #include "membound/policy/policy_set.hpp"
+#include "membound/policy/backend.hpp"
 
 #include "membound/layers/attention_shape.hpp"
 #include "membound/backend/cpu/attention_cpu.hpp"

@@ -10,39 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "membound/backend/cuda.cuh"
+#include "cuda_test_support.cuh"
 
 namespace mb = membound;
+using mbt::failures;
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                \
-    }                                                                            \
-  } while (0)
-
-// Runs `body` and checks that it throws E; returns the exception's message.
-template <typename E, typename F>
-std::string expect_throw(F&& body, const char* what, int line) {
-  try {
-    body();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "line %d: %s threw the wrong type: %s\n", line, what, e.what());
-    ++failures;
-    return {};
-  }
-  std::fprintf(stderr, "line %d: %s did not throw\n", line, what);
-  ++failures;
-  return {};
-}
-#define EXPECT_THROW(E, stmt) expect_throw<E>([&] { stmt; }, #stmt, __LINE__)
 
 bool aligned(const void* p, std::size_t alignment) {
   return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
@@ -205,34 +178,10 @@ void test_expandable_arena() {
 }  // namespace
 
 int main() {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess || count == 0) {
-    std::printf("SKIPPED: no CUDA device: %s\n",
-                status != cudaSuccess ? cudaGetErrorString(status)
-                                      : "cudaGetDeviceCount found 0 devices");
-    return 77;
-  }
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
-    std::printf("device 0: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
-  }
-  const struct {
-    const char* name;
-    void (*run)();
-  } tests[] = {{"cuda_device_allocator", test_device_allocator},
-               {"caching_allocator<cuda_device_allocator>", test_caching_over_device},
-               {"cuda_virtual_memory", test_virtual_memory},
-               {"cuda_expandable_arena", test_expandable_arena}};
-  for (const auto& t : tests) {
-    const int before = failures;
-    try {
-      t.run();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s: unexpected exception: %s\n", t.name, e.what());
-      ++failures;
-    }
-    std::printf("%s: %s\n", t.name, failures == before ? "ok" : "FAILED");
-  }
-  return failures == 0 ? 0 : 1;
+  static constexpr mbt::test_case cases[] = {
+      {"cuda_device_allocator", test_device_allocator},
+      {"caching_allocator<cuda_device_allocator>", test_caching_over_device},
+      {"cuda_virtual_memory", test_virtual_memory},
+      {"cuda_expandable_arena", test_expandable_arena}};
+  return mbt::run_suite("test_cuda_backend", cases);
 }

@@ -1,9 +1,11 @@
 // membound with its CUDA backend: the host umbrella plus every backend/cuda header.
-// Needs the CUDA toolkit headers and CUDA::cudart; no driver library is linked (see cuda_check.cuh).
+// Needs the CUDA toolkit headers, CUDA::cudart and CUDA::cublasLt; no driver library is linked
+// (see cuda_check.cuh).
 #pragma once
 
 #include "membound/membound.hpp"
 
 #include "membound/backend/cuda/cuda_check.cuh"
+#include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_allocator.cuh"
 #include "membound/backend/cuda/cuda_virtual_memory.cuh"

@@ -1,0 +1,148 @@
+// The harness of the GPU tests: CHECK without aborting, typed-exception checks, the CPU-vs-GPU
+// comparisons, and a main() that reports "SKIPPED: no CUDA device" with exit code 77 (ctest's
+// SKIP_RETURN_CODE) on a machine without one, so the suite never passes silently there.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "membound/backend/cuda.cuh"
+
+namespace mbt {
+
+inline int failures = 0;
+
+#define CHECK(cond)                                                                  \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++::mbt::failures;                                                             \
+    }                                                                                \
+  } while (0)
+
+// Runs `body` and checks that it throws E; returns the exception's message.
+template <typename E, typename F>
+std::string expect_throw(F&& body, const char* what, int line) {
+  try {
+    body();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "line %d: %s threw the wrong type: %s\n", line, what, e.what());
+    ++failures;
+    return {};
+  }
+  std::fprintf(stderr, "line %d: %s did not throw\n", line, what);
+  ++failures;
+  return {};
+}
+#define EXPECT_THROW(E, stmt) ::mbt::expect_throw<E>([&] { stmt; }, #stmt, __LINE__)
+
+// Largest |got − want| / (|want| + floor) over two host arrays, printed with its name and index
+// when it is above `tolerance`. floor keeps values near zero from dominating a relative check.
+inline bool close(const char* name, const std::vector<double>& got, const std::vector<double>& want,
+                  double tolerance, double floor = 1e-6) {
+  if (got.size() != want.size()) {
+    std::fprintf(stderr, "%s: %zu values, expected %zu\n", name, got.size(), want.size());
+    ++failures;
+    return false;
+  }
+  double worst = 0;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double e = std::abs(got[i] - want[i]) / (std::abs(want[i]) + floor);
+    if (!(e <= worst)) {  // NaN counts as the worst
+      worst = e;
+      at = i;
+      if (std::isnan(e)) break;
+    }
+  }
+  if (!(worst <= tolerance)) {
+    std::fprintf(stderr, "%s: relative error %.3g at [%zu] (got %.9g, want %.9g), tolerance %.3g\n",
+                 name, worst, at, got[at], want[at], tolerance);
+    ++failures;
+    return false;
+  }
+  return true;
+}
+
+// A device buffer for tests: allocated with cudaMalloc outside any membound allocator (the tests
+// compare the library against plain CUDA), freed on scope exit.
+template <typename T>
+class device_buffer {
+ public:
+  explicit device_buffer(std::size_t n) : n_(n) {
+    if (n_ != 0) membound::cuda_check(cudaMalloc(&p_, n_ * sizeof(T)), "cudaMalloc");
+  }
+  explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size()) { upload(host); }
+  ~device_buffer() {
+    if (p_ != nullptr) (void)cudaFree(p_);
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  T* get() const noexcept { return p_; }
+  std::size_t size() const noexcept { return n_; }
+  void upload(const std::vector<T>& host) {
+    membound::cuda_check(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice),
+                         "cudaMemcpy");
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n_);
+    membound::cuda_check(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost),
+                         "cudaMemcpy");
+    return host;
+  }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+struct test_case {
+  const char* name;
+  void (*run)();
+};
+
+// The main() of every GPU test file: skip (77) without a device, else run each case and print
+// "name: ok|FAILED"; exit 1 when anything failed.
+template <std::size_t N>
+int run_suite(const char* suite, const test_case (&cases)[N]) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0) {
+    std::printf("SKIPPED: no CUDA device (%s): %s\n", suite,
+                status != cudaSuccess ? cudaGetErrorString(status)
+                                      : "cudaGetDeviceCount found 0 devices");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
+    std::printf("%s on device 0: %s (sm_%d%d)\n", suite, prop.name, prop.major, prop.minor);
+  }
+  for (const auto& t : cases) {
+    const int before = failures;
+    try {
+      t.run();
+      const cudaError_t sticky = cudaDeviceSynchronize();  // a kernel fault surfaces here
+      if (sticky != cudaSuccess) {
+        std::fprintf(stderr, "%s: device error after the case: %s\n", t.name,
+                     cudaGetErrorString(sticky));
+        ++failures;
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: unexpected exception: %s\n", t.name, e.what());
+      ++failures;
+    }
+    std::printf("%s: %s\n", t.name, failures == before ? "ok" : "FAILED");
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace mbt
