@@ -5,6 +5,9 @@
                      API always builds with a plain C++ compiler
   --umbrella         every host header is reachable from membound/membound.hpp and every .cuh
                      from membound/backend/cuda.cuh, so new headers cannot be forgotten there
+  --layering         each folder includes only the folders below it (LAYERS), so the memory core
+                     never depends on the monitor, backends never on the layers, the planner
+                     never on the trainer
 
 Exits 1 listing every offending file.
 """
@@ -83,18 +86,76 @@ def check_umbrella() -> list[str]:
     return problems
 
 
+# What each folder of include/membound may include besides itself, lowest first. A backend's
+# kernels see shapes and vocabulary, never the layer front ends (which call them through
+# backend_kernels); the model and its planner see layers and the optimizer, never train/.
+LAYERS = {
+    "core": set(),
+    "memory": {"core"},
+    "monitor": {"core", "memory"},
+    "policy": {"core", "memory"},
+    "shape": {"core"},
+    "optimizer": {"core"},
+    "backend/cpu": {"core", "memory", "policy", "shape"},
+    "backend/cuda": {"core", "memory", "policy", "shape", "optimizer", "backend/cpu"},
+    "layers": {"core", "memory", "policy", "shape", "backend/cpu"},
+    "model": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
+              "layers"},
+    "train": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
+              "layers", "model"},
+}
+
+
+def folder_of(name: str) -> str | None:
+    """The LAYERS key of include/<name>, None for the umbrellas (which include everything)."""
+    parts = name.split("/")[1:]  # drop "membound"
+    if len(parts) < 2:
+        return None
+    if parts[0] == "backend":
+        return "backend/" + parts[1] if len(parts) > 2 else None
+    return parts[0]
+
+
+def check_layering() -> list[str]:
+    problems = []
+    for name in headers():
+        folder = folder_of(name)
+        if folder is None:
+            continue
+        if folder not in LAYERS:
+            problems.append(f"include/{name}: folder {folder}/ has no place in LAYERS "
+                            "(tools/check_headers.py): add it with the folders it may include")
+            continue
+        text = (INCLUDE_DIR / name).read_text(encoding="utf-8")
+        for m in INCLUDE_RE.finditer(text):
+            target = m.group(1)
+            if not target.startswith("membound/"):
+                continue
+            to = folder_of(target)
+            if to is None or to == folder or to in LAYERS[folder]:
+                continue
+            line = text.count("\n", 0, m.start()) + 1
+            problems.append(f"include/{name}:{line}: {folder}/ includes {target}, but {folder}/ "
+                            f"may include only {sorted(LAYERS[folder])}: move the shared part "
+                            "down a layer")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cuda-in-host", action="store_true")
     parser.add_argument("--umbrella", action="store_true")
+    parser.add_argument("--layering", action="store_true")
     args = parser.parse_args()
-    if not (args.no_cuda_in_host or args.umbrella):
-        parser.error("pass --no-cuda-in-host and/or --umbrella")
+    if not (args.no_cuda_in_host or args.umbrella or args.layering):
+        parser.error("pass --no-cuda-in-host, --umbrella and/or --layering")
     problems = []
     if args.no_cuda_in_host:
         problems += check_no_cuda_in_host()
     if args.umbrella:
         problems += check_umbrella()
+    if args.layering:
+        problems += check_layering()
     for p in problems:
         print(p, file=sys.stderr)
     if problems:

@@ -12,7 +12,7 @@
 #include "membound/core/parallel.hpp"
 #include "membound/core/file_io.hpp"
 
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/system_allocator.hpp"
@@ -28,9 +28,9 @@
 #include "membound/memory/shadow.hpp"
 #include "membound/memory/process_memory.hpp"
 
-#include "membound/monitor/check_point.hpp"
+#include "membound/core/check_point.hpp"
 #include "membound/monitor/null_monitor.hpp"
-#include "membound/monitor/pressure_level.hpp"
+#include "membound/core/pressure_level.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
 
 #include "membound/policy/policy_kind.hpp"
@@ -40,10 +40,14 @@
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/backend.hpp"
 
-#include "membound/layers/attention_shape.hpp"
+#include "membound/shape/attention_shape.hpp"
+#include "membound/shape/mamba_shape.hpp"
+#include "membound/shape/ttt_shape.hpp"
+#include "membound/shape/mlp_shape.hpp"
+#include "membound/shape/lm_head_shape.hpp"
+
 #include "membound/backend/cpu/attention_cpu.hpp"
 #include "membound/layers/attention.hpp"
-#include "membound/layers/mamba_shape.hpp"
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/backend/cpu/mamba_cpu.hpp"
 #include "membound/layers/mamba.hpp"
@@ -53,7 +57,7 @@
 #include "membound/backend/cpu/model_cpu.hpp"
 #include "membound/layers/swiglu_mlp.hpp"
 #include "membound/layers/lm_head.hpp"
-#include "membound/train/adamw.hpp"
+#include "membound/optimizer/adamw.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/mixer_traits.hpp"
 #include "membound/model/block.hpp"

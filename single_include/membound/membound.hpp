@@ -135,7 +135,7 @@ inline std::string format_bytes(std::size_t bytes, bool exact = true) {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/format.hpp ----
-// ---- begin membound/memory/memory_tag.hpp ----
+// ---- begin membound/core/memory_tag.hpp ----
 // What an allocation is for. Tags let statistics, traces and the planner speak the same language.
 
 #include <string_view>
@@ -179,7 +179,7 @@ constexpr std::string_view to_string(memory_tag tag) noexcept {
 enum class memory_space : std::uint8_t { host, device };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/memory/memory_tag.hpp ----
+// ---- end membound/core/memory_tag.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -3509,7 +3509,7 @@ MEMBOUND_NAMESPACE_END
 #include <chrono>
 #include <ostream>
 
-// ---- begin membound/monitor/check_point.hpp ----
+// ---- begin membound/core/check_point.hpp ----
 // Where in a training step memory pressure is checked. A monitor checks only at the points in
 // its compile-time set; a check at any other point compiles to nothing.
 
@@ -3564,8 +3564,8 @@ template <typename T>
 inline constexpr bool is_check_points_v = is_check_points<T>::value;
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/monitor/check_point.hpp ----
-// ---- begin membound/monitor/pressure_level.hpp ----
+// ---- end membound/core/check_point.hpp ----
+// ---- begin membound/core/pressure_level.hpp ----
 // How close usage is to the budget, in four steps a trainer can act on.
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -3588,7 +3588,7 @@ constexpr std::string_view to_string(pressure_level l) noexcept {
 }
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/monitor/pressure_level.hpp ----
+// ---- end membound/core/pressure_level.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -5274,10 +5274,63 @@ using get_policy = typename Set::template get<Kind>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/policy/policy_set.hpp ----
+// ---- begin membound/policy/backend.hpp ----
+// Backend policy: where a layer's kernels run and what drives them. It is chosen like precision or
+// chunking, in the same policy set, and changes nothing in the call shape: the size functions are
+// the same and the last argument of forward/backward/step is the backend's executor.
+//
+//   membound::swiglu_mlp<bf16_precision>                 // cpu_backend: executor is thread_pool
+//   membound::swiglu_mlp<bf16_precision, cuda_backend>   // executor is cuda_executor (a stream
+//                                                        // and its cuBLASLt handle)
+//
+// cuda_backend is declared in membound/backend/cuda/cuda_backend.cuh: host headers name only the
+// backend_kind and cpu_backend, so they never need a CUDA header. A layer finds the device code
+// of a backend through backend_kernels<Backend, Layer>, which the CUDA headers specialize.
 
-// ---- begin membound/layers/attention_shape.hpp ----
+MEMBOUND_NAMESPACE_BEGIN
+
+MEMBOUND_POLICY_KIND(backend_kind, "backend");
+
+// A backend names its executor (what the caller passes to run kernels), the memory space its
+// buffers live in (every pointer given to a layer with this backend is in that space) and a name
+// for messages and plan tables.
+template <typename B>
+concept backend_policy = policy<B> && std::same_as<typename B::policy_kind, backend_kind> &&
+                         requires {
+                           typename B::executor;
+                           { B::space } -> std::convertible_to<memory_space>;
+                           { B::name } -> std::convertible_to<const char*>;
+                         };
+
+// The host backend: Eigen over the caller's buffers, parallel over a thread_pool.
+struct cpu_backend {
+  using policy_kind = backend_kind;
+  using executor = thread_pool;
+  static constexpr memory_space space = memory_space::host;
+  static constexpr const char* name = "cpu";
+};
+static_assert(backend_policy<cpu_backend>);
+
+template <typename B>
+inline constexpr bool is_cpu_backend_v = std::same_as<B, cpu_backend>;
+
+// The device code of `Layer` on `Backend`. Only declared here: backend/cuda/*.cuh defines the
+// specializations, so a host-only translation unit that names cuda_backend gets the sentence
+// below instead of an incomplete-type error deep inside a layer.
+template <typename Backend, typename Layer>
+struct backend_kernels {
+  static_assert(dependent_false<Backend, Layer>,
+                "membound: this layer has no kernels for the chosen backend in this translation "
+                "unit. For cuda_backend, include \"membound/backend/cuda.cuh\" and compile the file "
+                "with nvcc; for the host, use cpu_backend (the default).");
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/backend.hpp ----
+
+// ---- begin membound/shape/attention_shape.hpp ----
 // The sizes of one attention layer call, shared by the front end (layers/attention.hpp) and the
-// CPU kernels (backend/cpu/attention_cpu.hpp).
+// backends' kernels (backend/cpu/attention_cpu.hpp).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -5293,7 +5346,88 @@ struct attention_shape {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/layers/attention_shape.hpp ----
+// ---- end membound/shape/attention_shape.hpp ----
+// ---- begin membound/shape/mamba_shape.hpp ----
+// The sizes of one Mamba block call, shared by the front end (layers/mamba.hpp) and the CPU
+// kernels (backend/cpu/mamba_cpu.hpp).
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct mamba_shape {
+  std::size_t batch = 1;     // B
+  std::size_t seq = 1;       // T (step ignores it: the state carries the past)
+  std::size_t d_model = 0;   // C
+  std::size_t d_inner = 0;   // Di = expand · C
+  std::size_t d_state = 16;  // N
+  std::size_t d_conv = 4;    // K, the causal depthwise convolution's width
+  std::size_t dt_rank = 0;   // R, the rank of Δ's projection
+
+  // mamba_simple's defaults: expand 2, d_state 16, d_conv 4, dt_rank ceil(C / 16).
+  static constexpr mamba_shape defaults(std::size_t batch, std::size_t seq,
+                                        std::size_t d_model) noexcept {
+    mamba_shape s;
+    s.batch = batch;
+    s.seq = seq;
+    s.d_model = d_model;
+    s.d_inner = 2 * d_model;
+    s.dt_rank = (d_model + 15) / 16;
+    return s;
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/mamba_shape.hpp ----
+// ---- begin membound/shape/ttt_shape.hpp ----
+// The sizes of one TTT layer call, shared by the front end (layers/ttt.hpp) and the backends'
+// kernels.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct ttt_shape {
+  std::size_t batch = 1;  // B
+  std::size_t seq = 1;    // T (step ignores it)
+  std::size_t width = 0;  // C
+  std::size_t heads = 0;  // H, divides C; D = C / H
+  bool use_gate = false;
+  double base_lr = 1.0;
+  double rope_base = 10000.0;
+  constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/ttt_shape.hpp ----
+// ---- begin membound/shape/mlp_shape.hpp ----
+// The sizes of one SwiGLU MLP call, shared by the front end (layers/swiglu_mlp.hpp) and the
+// backends' kernels.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct mlp_shape {
+  std::size_t batch = 1;
+  std::size_t seq = 1;
+  std::size_t width = 0;   // C
+  std::size_t hidden = 0;  // F
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/mlp_shape.hpp ----
+// ---- begin membound/shape/lm_head_shape.hpp ----
+// The sizes of one LM head call (final RMSNorm, chunked logits, fused cross-entropy), shared by
+// the front end (layers/lm_head.hpp) and the backends' kernels.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct lm_head_shape {
+  std::size_t rows = 1;    // N = B·T tokens
+  std::size_t width = 0;   // C
+  std::size_t vocab = 0;   // V
+  std::size_t chunk = 256; // logit rows at a time
+  double eps = 1e-5;       // the final RMSNorm's
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/lm_head_shape.hpp ----
+
 // ---- begin membound/backend/cpu/attention_cpu.hpp ----
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
 // (projections are linalg.hpp's). Everything here works in the accumulator type A on buffers the front end
@@ -6340,36 +6474,6 @@ class attention {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/attention.hpp ----
-// ---- begin membound/layers/mamba_shape.hpp ----
-// The sizes of one Mamba block call, shared by the front end (layers/mamba.hpp) and the CPU
-// kernels (backend/cpu/mamba_cpu.hpp).
-
-MEMBOUND_NAMESPACE_BEGIN
-
-struct mamba_shape {
-  std::size_t batch = 1;     // B
-  std::size_t seq = 1;       // T (step ignores it: the state carries the past)
-  std::size_t d_model = 0;   // C
-  std::size_t d_inner = 0;   // Di = expand · C
-  std::size_t d_state = 16;  // N
-  std::size_t d_conv = 4;    // K, the causal depthwise convolution's width
-  std::size_t dt_rank = 0;   // R, the rank of Δ's projection
-
-  // mamba_simple's defaults: expand 2, d_state 16, d_conv 4, dt_rank ceil(C / 16).
-  static constexpr mamba_shape defaults(std::size_t batch, std::size_t seq,
-                                        std::size_t d_model) noexcept {
-    mamba_shape s;
-    s.batch = batch;
-    s.seq = seq;
-    s.d_model = d_model;
-    s.d_inner = 2 * d_model;
-    s.dt_rank = (d_model + 15) / 16;
-    return s;
-  }
-};
-
-MEMBOUND_NAMESPACE_END
-// ---- end membound/layers/mamba_shape.hpp ----
 // ---- begin membound/backend/cpu/mamba_cpu.hpp ----
 // CPU kernels of the Mamba block: the causal depthwise convolution, softplus/SiLU, and the
 // chunked selective scan forward and backward. Everything works in the accumulator type A on
@@ -7635,17 +7739,6 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
-struct ttt_shape {
-  std::size_t batch = 1;  // B
-  std::size_t seq = 1;    // T (step ignores it)
-  std::size_t width = 0;  // C
-  std::size_t heads = 0;  // H, divides C; D = C / H
-  bool use_gate = false;
-  double base_lr = 1.0;
-  double rope_base = 10000.0;
-  constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
-};
-
 template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
@@ -8861,13 +8954,6 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
-struct mlp_shape {
-  std::size_t batch = 1;
-  std::size_t seq = 1;
-  std::size_t width = 0;   // C
-  std::size_t hidden = 0;  // F
-};
-
 template <typename... Policies>
 class swiglu_mlp {
  public:
@@ -9088,14 +9174,6 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
-struct lm_head_shape {
-  std::size_t rows = 1;    // N = B·T tokens
-  std::size_t width = 0;   // C
-  std::size_t vocab = 0;   // V
-  std::size_t chunk = 256; // logit rows at a time
-  double eps = 1e-5;       // the final RMSNorm's
-};
-
 template <typename... Policies>
 class lm_head {
  public:
@@ -9247,7 +9325,7 @@ class lm_head {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/lm_head.hpp ----
-// ---- begin membound/train/adamw.hpp ----
+// ---- begin membound/optimizer/adamw.hpp ----
 // AdamW (Loshchilov & Hutter) with decoupled weight decay, over a flat parameter array. With
 // bf16/fp16 storage it keeps fp32 master weights, so small updates are not rounded away: the
 // master is updated and the stored weight is its rounding. State is the caller's bytes
@@ -9321,7 +9399,7 @@ class adamw {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/train/adamw.hpp ----
+// ---- end membound/optimizer/adamw.hpp ----
 // ---- begin membound/model/model_config.hpp ----
 // The runtime sizes of a model (its type fixes the layers and policies; these fix the widths),
 // and how each parameter tensor is named, sized and initialized.

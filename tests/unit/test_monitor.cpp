@@ -11,7 +11,7 @@
 #include "membound/memory/caching_allocator.hpp"
 #include "membound/memory/system_allocator.hpp"
 #include "membound/memory/trace.hpp"
-#include "membound/monitor/check_point.hpp"
+#include "membound/core/check_point.hpp"
 #include "membound/monitor/null_monitor.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
 

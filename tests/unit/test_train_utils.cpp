@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "membound/train/adamw.hpp"
+#include "membound/optimizer/adamw.hpp"
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/train/schedule_lr.hpp"
 

@@ -10,7 +10,7 @@
 
 #include "membound/core/config.hpp"
 #include "membound/core/format.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -34,7 +34,7 @@
 #include "membound/core/error.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/core/type_list.hpp"
-#include "membound/layers/attention_shape.hpp"
+#include "membound/shape/attention_shape.hpp"
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/checkpoint.hpp"

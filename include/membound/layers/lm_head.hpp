@@ -27,16 +27,9 @@
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
+#include "membound/shape/lm_head_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
-
-struct lm_head_shape {
-  std::size_t rows = 1;    // N = B·T tokens
-  std::size_t width = 0;   // C
-  std::size_t vocab = 0;   // V
-  std::size_t chunk = 256; // logit rows at a time
-  double eps = 1e-5;       // the final RMSNorm's
-};
 
 template <typename... Policies>
 class lm_head {

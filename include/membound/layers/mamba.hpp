@@ -37,7 +37,7 @@
 #include "membound/core/parallel.hpp"
 #include "membound/core/type_list.hpp"
 #include "membound/layers/layer_support.hpp"
-#include "membound/layers/mamba_shape.hpp"
+#include "membound/shape/mamba_shape.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/checkpoint.hpp"
 #include "membound/policy/chunking.hpp"

@@ -24,15 +24,9 @@
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
+#include "membound/shape/mlp_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
-
-struct mlp_shape {
-  std::size_t batch = 1;
-  std::size_t seq = 1;
-  std::size_t width = 0;   // C
-  std::size_t hidden = 0;  // F
-};
 
 template <typename... Policies>
 class swiglu_mlp {

@@ -37,19 +37,9 @@
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
+#include "membound/shape/ttt_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
-
-struct ttt_shape {
-  std::size_t batch = 1;  // B
-  std::size_t seq = 1;    // T (step ignores it)
-  std::size_t width = 0;  // C
-  std::size_t heads = 0;  // H, divides C; D = C / H
-  bool use_gate = false;
-  double base_lr = 1.0;
-  double rope_base = 10000.0;
-  constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
-};
 
 template <bool Mlp, typename... Policies>
 class basic_ttt {

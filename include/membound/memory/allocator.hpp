@@ -30,7 +30,7 @@
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/memory_stats.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -23,7 +23,7 @@
 #include "membound/core/format.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

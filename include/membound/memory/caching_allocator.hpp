@@ -35,7 +35,7 @@
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/detail/block_pool.hpp"
 #include "membound/memory/memory_stats.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/memory/planned_layout.hpp"
 #include "membound/memory/system_allocator.hpp"
 

@@ -25,7 +25,7 @@
 #include "membound/memory/detail/block_pool.hpp"
 #include "membound/memory/host_virtual_memory.hpp"
 #include "membound/memory/memory_stats.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/memory/virtual_memory.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "membound/core/config.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

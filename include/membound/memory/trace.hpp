@@ -26,9 +26,9 @@
 #include "membound/core/file_io.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
-#include "membound/memory/memory_tag.hpp"
-#include "membound/monitor/check_point.hpp"
-#include "membound/monitor/pressure_level.hpp"
+#include "membound/core/memory_tag.hpp"
+#include "membound/core/check_point.hpp"
+#include "membound/core/pressure_level.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -50,7 +50,7 @@
 #include <cstddef>
 
 #include "membound/core/config.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

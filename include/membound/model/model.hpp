@@ -35,11 +35,11 @@
 #include "membound/core/parallel.hpp"
 #include "membound/layers/lm_head.hpp"
 #include "membound/memory/allocator.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/model/block.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
-#include "membound/monitor/check_point.hpp"
+#include "membound/core/check_point.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -26,7 +26,7 @@
 #include "membound/core/format.hpp"
 #include "membound/model/model.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
-#include "membound/train/adamw.hpp"
+#include "membound/optimizer/adamw.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

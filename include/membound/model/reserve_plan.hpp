@@ -25,13 +25,13 @@
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/allocator.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/memory/planned_layout.hpp"
 #include "membound/memory/shadow.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/planner.hpp"
-#include "membound/train/adamw.hpp"
+#include "membound/optimizer/adamw.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -3,8 +3,8 @@
 #pragma once
 
 #include "membound/core/config.hpp"
-#include "membound/monitor/check_point.hpp"
-#include "membound/monitor/pressure_level.hpp"
+#include "membound/core/check_point.hpp"
+#include "membound/core/pressure_level.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -19,8 +19,8 @@
 #include "membound/core/error.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/trace.hpp"
-#include "membound/monitor/check_point.hpp"
-#include "membound/monitor/pressure_level.hpp"
+#include "membound/core/check_point.hpp"
+#include "membound/core/pressure_level.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

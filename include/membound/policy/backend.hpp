@@ -15,7 +15,7 @@
 
 #include "membound/core/config.hpp"
 #include "membound/core/parallel.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/policy/policy_kind.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN

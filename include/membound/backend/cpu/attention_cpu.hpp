@@ -18,7 +18,7 @@
 #include "membound/core/dtype.hpp"
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/parallel.hpp"
-#include "membound/layers/attention_shape.hpp"
+#include "membound/shape/attention_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -19,7 +19,7 @@
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
-#include "membound/layers/mamba_shape.hpp"
+#include "membound/shape/mamba_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 

@@ -19,7 +19,7 @@
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/policy/backend.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN

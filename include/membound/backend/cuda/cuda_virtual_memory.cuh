@@ -21,7 +21,7 @@
 #include "membound/core/format.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/expandable_arena.hpp"
-#include "membound/memory/memory_tag.hpp"
+#include "membound/core/memory_tag.hpp"
 #include "membound/memory/virtual_memory.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
