@@ -10,7 +10,15 @@
 //   * placement: the oldest segment with a fitting free block, best fit by (size, address)
 //     inside it (block_pool.hpp explains why: a repeated training step then makes no upstream
 //     call after its first pass); split when the remainder is worth keeping; coalesce on free;
-//   * when the upstream runs out, release the cache and retry once before giving up.
+//   * when the upstream runs out, release the cache and retry once before giving up;
+//   * stream-ordered (memory/stream.hpp): a block belongs to the stream it was allocated on,
+//     segments and free blocks are per stream (blocks never coalesce across streams), and a
+//     freed block is reusable at once on its own stream, where later work is ordered after the
+//     work that used it. record_stream(p, s) marks a live block as used on another stream too;
+//     freeing it then records an event on each such stream, and the block stays *pending* (not
+//     reusable, its segment not releasable) until every event is done. process_events() polls;
+//     allocate polls before it grows the reserve. Host upstreams (no events) use host_stream
+//     and see no difference.
 //
 // Threading: not thread-safe. Use one allocator per thread or stream (as llm.c does), or put a
 // lock around it.
@@ -25,7 +33,9 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <cstdio>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -37,6 +47,7 @@
 #include "membound/memory/memory_stats.hpp"
 #include "membound/core/memory_tag.hpp"
 #include "membound/memory/planned_layout.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/memory/system_allocator.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -97,6 +108,20 @@ class caching_allocator {
   // Gives every segment back to the upstream. Blocks still allocated at this point are a bug in
   // the caller; their segments are freed anyway so leak checkers stay quiet about the cache.
   ~caching_allocator() {
+    if constexpr (stream_event_source<Upstream>) {
+      // Pending blocks may still be in use by another stream: wait for their events before the
+      // segments go back (a failed query stops the wait, there is nothing else to do here).
+      for (auto& [addr, u] : uses_) {
+        for (const event_id e : u.events) {
+          try {
+            while (!upstream_.event_done(e)) {
+            }
+          } catch (...) {
+          }
+          upstream_.destroy_event(e);
+        }
+      }
+    }
     if (plan_) {
       plan_->live.clear();
       release_planned(false);
@@ -112,22 +137,31 @@ class caching_allocator {
   // Throws invalid_argument for a bad alignment or tag, out_of_memory when the upstream fails even
   // after the cache was released. On any throw the live blocks and the statistics of live memory
   // are unchanged (the retry may have released cached segments, which is the point of it).
+  //
+  // `stream` is where the block will be used (host_stream for host memory): it is served from
+  // that stream's free blocks only. In planned mode, with a layout set, only the layout's stream
+  // is accepted (invalid_argument naming `stream` otherwise).
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     detail::check_tag(tag);
     if (bytes == 0) return nullptr;
     if (plan_) {
+      check_planned_stream(stream);
       if (void* p = planned_allocate(bytes, tag)) return p;
     }
     try {
       if (bytes > max_request) throw_too_large(bytes);
       const std::size_t size = round_size(bytes);
       detail::block_pool& pool = pool_for(size);
-      detail::block_pool::block* b = pool.best_fit(size);
+      detail::block_pool::block* b = pool.best_fit(size, stream);
+      if (b == nullptr && pending_blocks_ != 0) {
+        process_events();  // a pending block whose streams are done beats a new segment
+        b = pool.best_fit(size, stream);
+      }
       detail::block_pool::segment* fresh = nullptr;
       if (b == nullptr) {
-        fresh = new_segment(pool, bytes, segment_size_for(size), tag);
+        fresh = new_segment(pool, bytes, segment_size_for(size), tag, stream);
         b = fresh->first;
       }
       try {
@@ -152,20 +186,104 @@ class caching_allocator {
 
   // Sized deallocation: p, bytes, alignment and tag must be exactly what allocate got and
   // returned. Anything else throws invalid_argument naming the argument, with no change.
-  // nullptr with 0 bytes is a no-op.
+  // nullptr with 0 bytes is a no-op. A block marked with record_stream becomes pending (see the
+  // top of the file); its allocated bytes leave the statistics now, as for any other block.
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) {
     if (p == nullptr && bytes == 0) return;
     if (plan_ && planned_deallocate(p, bytes, alignment, tag)) return;
     auto [pool, b] = find_live(p);
+    stream_uses* uses = nullptr;
+    if (!uses_.empty()) {
+      if (auto it = uses_.find(reinterpret_cast<std::uintptr_t>(p)); it != uses_.end()) {
+        if (it->second.pending) b = nullptr;  // freed already: a double free
+        else uses = &it->second;
+      }
+    }
     detail::check_deallocate(b, p, bytes, alignment, tag, "caching_allocator");
+    if (uses != nullptr) {
+      record_events(*uses);  // may throw (the upstream's event calls); nothing changed then
+      ++pending_blocks_;
+      pending_bytes_ += b->size;
+      stats_.on_deallocate(b->requested, b->size, b->tag);
+      return;
+    }
     stats_.on_deallocate(b->requested, b->size, b->tag);
     pool->free_block(b);
     update_largest();
   }
 
+  // Marks the live block p as used on `stream` as well as on the stream it was allocated on, so
+  // that deallocate defers its reuse until the work queued on `stream` so far is done. Call it
+  // when handing the block to work on another stream; the stream it was allocated on, or a
+  // stream already recorded, is a no-op. Upstreams without events (host memory) have nothing to
+  // wait for: only p is checked. Planned blocks are bound to the layout's stream (invalid_argument
+  // naming `stream` for any other).
+  void record_stream(void* p, stream_id stream) {
+    if (plan_ && planned_live(p)) {
+      check_planned_stream(stream);
+      return;
+    }
+    auto [pool, b] = find_live(p);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    auto it = uses_.find(addr);
+    if (b == nullptr || (it != uses_.end() && it->second.pending)) {
+      throw invalid_argument("p", "a live block of this caching_allocator", address_string(p),
+                             "Call record_stream between allocate and deallocate, with the "
+                             "pointer allocate returned");
+    }
+    if constexpr (stream_event_source<Upstream>) {
+      if (stream == b->seg->stream) return;
+      if (it == uses_.end()) it = uses_.emplace(addr, stream_uses{pool, b, {}, {}, false}).first;
+      stream_uses& u = it->second;
+      if (std::find(u.streams.begin(), u.streams.end(), stream) != u.streams.end()) return;
+      u.streams.push_back(stream);
+      u.events.reserve(u.streams.size());  // so deallocate need not allocate for the events
+    }
+  }
+
+  // Makes every pending block whose events are all done reusable on its stream. Returns how
+  // many it made reusable. Throws what the upstream's event query throws (the block then stays
+  // pending). allocate calls it before growing the reserve; call it yourself to see the
+  // statistics settle, e.g. once per step.
+  std::size_t process_events() {
+    std::size_t done_blocks = 0;
+    if constexpr (stream_event_source<Upstream>) {
+      if (pending_blocks_ == 0) return 0;
+      for (auto it = uses_.begin(); it != uses_.end();) {
+        stream_uses& u = it->second;
+        bool done = u.pending;
+        for (std::size_t k = 0; done && k < u.events.size(); ++k) done = upstream_.event_done(u.events[k]);
+        if (!done) {
+          ++it;
+          continue;
+        }
+        for (const event_id e : u.events) upstream_.destroy_event(e);
+        --pending_blocks_;
+        pending_bytes_ -= u.b->size;
+        u.pool->free_block(u.b);
+        it = uses_.erase(it);
+        ++done_blocks;
+      }
+      if (done_blocks != 0) update_largest();
+    }
+    return done_blocks;
+  }
+
+  // Freed blocks waiting for other streams' events, and their bytes (block sizes). They count
+  // as reserved, not allocated.
+  std::size_t pending_blocks() const noexcept { return pending_blocks_; }
+  std::size_t pending_bytes() const noexcept { return pending_bytes_; }
+
   // Gives every fully free segment back to the upstream. Live blocks never move.
+  // Segments with a pending block stay (their memory may still be in use on another stream);
+  // the events are polled first, so those already done do not hold a segment back.
   void release_cached() noexcept {
+    try {
+      process_events();
+    } catch (...) {
+      // A failed query leaves its block pending: its segment stays, the safe side.
+    }
     if (plan_) release_planned(true);
     auto give_back = [this](detail::block_pool::segment& s) noexcept {
       upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
@@ -176,18 +294,31 @@ class caching_allocator {
     update_largest();
   }
 
-  // Bytes the next allocate(bytes, alignment) would ask the upstream for: 0 when a free block of
-  // the right pool fits, else the size of the new segment. Exact, so a budget can refuse before
-  // any upstream call. Saturates to SIZE_MAX for requests that can never be served.
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const {
+  // Bytes the next allocate(bytes, alignment, tag, stream) would ask the upstream for: 0 when a
+  // free block of the right pool and stream fits, else the size of the new segment. Exact, so a
+  // budget can refuse before any upstream call. Saturates to SIZE_MAX for requests that can
+  // never be served.
+  //
+  // With pending blocks, this (non-const) overload polls the events first, as allocate does; an
+  // event that completes between the two calls can only make allocate grow less than predicted,
+  // never more. The const overload does not poll, so it may over-predict while blocks are pending.
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream) {
+    if (pending_blocks_ != 0 && bytes != 0 && bytes <= max_request) {
+      const std::size_t size = round_size(bytes);
+      if (pool_for(size).best_fit(size, stream) == nullptr) process_events();
+    }
+    return std::as_const(*this).growth_for(bytes, alignment, stream);
+  }
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream) const {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     if (bytes == 0) return 0;
     if (plan_) {
+      check_planned_stream(stream);
       if (const auto m = planned_match(bytes)) return m->segment != nullptr ? 0 : m->extent;
     }
     if (bytes > max_request) return std::numeric_limits<std::size_t>::max();
     const std::size_t size = round_size(bytes);
-    if (pool_for(size).best_fit(size) != nullptr) return 0;
+    if (pool_for(size).best_fit(size, stream) != nullptr) return 0;
     return segment_size_for(size);
   }
 
@@ -197,10 +328,20 @@ class caching_allocator {
   // optimizer state) cannot change once its blocks exist: a layout with another prefix throws
   // invalid_argument then, and nothing changes. A cycle of another extent gives the old cycle
   // segment back; the new one is taken at its first request.
-  void set_layout(memory_layout l) {
+  //
+  // The layout's blocks are used on one stream, `stream`: allocate, growth_for and record_stream
+  // refuse any other while a layout is set. The stream can change only when no planned block is
+  // live (invalid_argument naming `stream` otherwise).
+  void set_layout(memory_layout l, stream_id stream = host_stream) {
     if (!opts_.planned) {
       throw invalid_argument("caching_options::planned", "true to take a layout", "false",
                              "Construct the allocator with caching_options{.planned = true}");
+    }
+    if (plan_ && stream != plan_->stream && !plan_->live.empty()) {
+      throw invalid_argument("stream", "the layout's stream " + std::to_string(plan_->stream) +
+                                           " while planned blocks are live",
+                             std::to_string(stream),
+                             "Give back every planned block before moving the layout to another stream");
     }
     if (plan_) {
       for (const auto& b : plan_->live) {
@@ -226,6 +367,7 @@ class caching_allocator {
       plan_.emplace();
       plan_->layout = std::move(l);
     }
+    plan_->stream = stream;
     plan_->live.reserve(plan_->layout.prefix.size() + plan_->layout.cycle.size());
   }
   const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
@@ -262,8 +404,19 @@ class caching_allocator {
   const Upstream& upstream() const noexcept { return upstream_; }
 
   // O(blocks) consistency check of the internal structures, for tests and debugging.
+  // Pending blocks are allocated in their pool (not free, not reusable) and counted once.
   bool check_invariants() const noexcept {
-    return small_.check_invariants(block_granule) && large_.check_invariants(block_granule);
+    std::size_t blocks = 0, bytes = 0;
+    for (const auto& [addr, u] : uses_) {
+      if (u.b->addr != addr || u.b->free || u.pool->find_live(u.b->ptr()) != u.b) return false;
+      if (u.pending != (u.events.size() == u.streams.size() && !u.streams.empty())) return false;
+      if (u.pending) {
+        ++blocks;
+        bytes += u.b->size;
+      }
+    }
+    return blocks == pending_blocks_ && bytes == pending_bytes_ &&
+           small_.check_invariants(block_granule) && large_.check_invariants(block_granule);
   }
 
  private:
@@ -318,7 +471,7 @@ class caching_allocator {
   // Asks the upstream for a segment; on out_of_memory releases the cache and asks once more.
   // Statistics are updated by the caller once the whole allocation has succeeded.
   detail::block_pool::segment* new_segment(detail::block_pool& pool, std::size_t bytes,
-                                           std::size_t seg_bytes, memory_tag tag) {
+                                           std::size_t seg_bytes, memory_tag tag, stream_id stream) {
     void* p = nullptr;
     try {
       p = upstream_.allocate(seg_bytes, opts_.segment_alignment, tag);
@@ -332,12 +485,13 @@ class caching_allocator {
         fill_usage(r, stats_.stats());
         r.hint = "a request of " + format_bytes(bytes) + " needed a new segment of " +
                  format_bytes(seg_bytes) + ", which the upstream refused even after the cache " +
-                 "was released" + (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+                 "was released" + (r.hint.empty() ? std::string{} : "; upstream: " + r.hint) +
+                 pending_hint();
         throw out_of_memory(std::move(r));
       }
     }
     try {
-      return pool.add_segment(p, seg_bytes, tag);
+      return pool.add_segment(p, seg_bytes, tag, stream);
     } catch (...) {
       upstream_.deallocate(p, seg_bytes, opts_.segment_alignment, tag);
       throw;
@@ -360,6 +514,63 @@ class caching_allocator {
     return {&large_, large_.find_live(p)};
   }
 
+  // A block marked with record_stream: the other streams, and once it is freed (pending) one
+  // event per stream. Only such blocks have an entry, so the map is empty for one-stream use.
+  struct stream_uses {
+    detail::block_pool* pool;
+    detail::block_pool::block* b;
+    std::vector<stream_id> streams;
+    std::vector<event_id> events;
+    bool pending;
+  };
+
+  // Records one event per stream of u; all or nothing, so a throwing upstream leaves u live.
+  void record_events(stream_uses& u) {
+    if constexpr (stream_event_source<Upstream>) {
+      try {
+        for (const stream_id s : u.streams) {
+          const event_id e = upstream_.create_event();
+          u.events.push_back(e);  // reserved by record_stream: cannot throw
+          upstream_.record_event(e, s);
+        }
+      } catch (...) {
+        for (const event_id e : u.events) upstream_.destroy_event(e);
+        u.events.clear();
+        throw;
+      }
+      u.pending = true;
+    }
+  }
+
+  void check_planned_stream(stream_id stream) const {
+    if (stream != plan_->stream) {
+      throw invalid_argument("stream", "the layout's stream " + std::to_string(plan_->stream) +
+                                           " (planned mode serves one stream)",
+                             std::to_string(stream),
+                             "Use the stream given to set_layout, or a caching_allocator without "
+                             "planned mode for work on other streams");
+    }
+  }
+
+  bool planned_live(const void* p) const noexcept {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    return std::any_of(plan_->live.begin(), plan_->live.end(), [at](const auto& b) { return b.p == at; });
+  }
+
+  static std::string address_string(const void* p) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", p);
+    return buf;
+  }
+
+  // Appended to out-of-memory hints: memory that only waits for other streams.
+  std::string pending_hint() const {
+    if (pending_bytes_ == 0) return {};
+    return "; " + format_bytes(pending_bytes_) + " in " + std::to_string(pending_blocks_) +
+           " freed block(s) still wait for other streams' events (record_stream): synchronize "
+           "those streams and call process_events(), or free such blocks later";
+  }
+
   void update_largest() noexcept {
     const std::size_t s = small_.largest_free(), l = large_.largest_free();
     stats_.set_largest_free_block(s > l ? s : l);
@@ -377,6 +588,7 @@ class caching_allocator {
     void* cycle_seg = nullptr;
     std::size_t prefix_next = 0, cursor = 0, hits = 0;
     std::vector<live_block> live;
+    stream_id stream = host_stream;
   };
   struct planned_choice {
     const planned_slot* slot;
@@ -501,7 +713,7 @@ class caching_allocator {
         fill_usage(r, stats_.stats());
         r.hint = "a request of " + format_bytes(bytes) + " needed the planned segment of " + format_bytes(extent) +
                  ", which the upstream refused even after the cache was released" +
-                 (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+                 (r.hint.empty() ? std::string{} : "; upstream: " + r.hint) + pending_hint();
         throw out_of_memory(std::move(r));
       }
     }
@@ -513,6 +725,8 @@ class caching_allocator {
   Upstream upstream_;
   detail::block_pool small_, large_;
   stats_tracker stats_;
+  std::unordered_map<std::uintptr_t, stream_uses> uses_;  // by block address
+  std::size_t pending_blocks_ = 0, pending_bytes_ = 0;
 };
 
 MEMBOUND_NAMESPACE_END

@@ -1,5 +1,9 @@
 // The CUDA device allocator policy: cudaMalloc/cudaFree, the device twin of system_allocator.
 // Every request is an upstream call; wrap it in caching_allocator to keep freed blocks.
+//
+// It is also the event source (memory/stream.hpp) that makes caching_allocator stream-ordered:
+// stream_id is reinterpret_cast<stream_id>(cudaStream_t) (0 = the legacy default stream), events
+// are cudaEvent_t made with cudaEventDisableTiming (cheaper to record and query) and recycled.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,6 +13,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/core/config.hpp"
@@ -16,6 +21,7 @@
 #include "membound/core/format.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -35,6 +41,10 @@ class cuda_device_allocator {
   // Owning statistics makes it non-copyable: a copy would double-count.
   cuda_device_allocator(const cuda_device_allocator&) = delete;
   cuda_device_allocator& operator=(const cuda_device_allocator&) = delete;
+  ~cuda_device_allocator() {
+    for (const event_id e : spare_events_) (void)cudaEventDestroy(to_event(e));
+    (void)cudaGetLastError();  // e.g. cudartUnloading at exit: nothing to report from here
+  }
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
                  memory_tag tag = memory_tag::other) {
@@ -89,6 +99,50 @@ class cuda_device_allocator {
   void reset_peaks() noexcept { stats_.reset_peaks(); }
   int device() const noexcept { return device_; }
 
+  // ---- events (stream_event_source) ------------------------------------------------------------
+  // An event of this allocator's device: a recycled one when there is one.
+  event_id create_event() {
+    if (!spare_events_.empty()) {
+      const event_id e = spare_events_.back();
+      spare_events_.pop_back();
+      return e;
+    }
+    cuda_device_guard guard(device_);
+    cudaEvent_t e = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    return reinterpret_cast<event_id>(e);
+  }
+  // The stream must belong to this allocator's device (CUDA requires event and stream to share
+  // a context).
+  void record_event(event_id e, stream_id stream) {
+    cuda_device_guard guard(device_);
+    cuda_check(cudaEventRecord(to_event(e), to_stream(stream)), "cudaEventRecord");
+  }
+  // Non-blocking. cudaErrorNotReady is the normal "not yet"; any other failure (a kernel fault
+  // reported here) is a backend_error.
+  bool event_done(event_id e) const {
+    const cudaError_t status = cudaEventQuery(to_event(e));
+    if (status == cudaSuccess) return true;
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: keep it out of later checks
+      return false;
+    }
+    cuda_check(status, "cudaEventQuery");
+    return false;
+  }
+  // Keeps the event for the next create_event. A completed event can be recorded again.
+  void destroy_event(event_id e) noexcept {
+    try {
+      spare_events_.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(to_event(e));  // no room to keep it: really destroy it
+    }
+  }
+  std::size_t spare_events() const noexcept { return spare_events_.size(); }
+
+  static cudaStream_t to_stream(stream_id s) noexcept { return reinterpret_cast<cudaStream_t>(s); }
+  static stream_id to_stream_id(cudaStream_t s) noexcept { return reinterpret_cast<stream_id>(s); }
+
  private:
   struct over_aligned {
     void* raw;              // what cudaMalloc returned, for cudaFree
@@ -128,10 +182,14 @@ class cuda_device_allocator {
   }
 
   int device_;
+  static cudaEvent_t to_event(event_id e) noexcept { return reinterpret_cast<cudaEvent_t>(e); }
+
   stats_tracker stats_;
   std::unordered_map<void*, over_aligned> over_aligned_;  // usually empty
+  std::vector<event_id> spare_events_;                     // recycled events of device_
 };
 
 static_assert(check_allocator<cuda_device_allocator>());
+static_assert(stream_event_source<cuda_device_allocator>);
 
 MEMBOUND_NAMESPACE_END

@@ -14,6 +14,10 @@
 // Addresses are plain integers: the pool only does arithmetic on them and never touches the
 // memory, so it serves device memory exactly as it serves host memory.
 //
+// Streams: each segment belongs to one stream (an opaque integer, 0 for owners without streams).
+// All its blocks inherit it, so blocks never coalesce across streams, and best_fit(n, stream)
+// only looks at that stream's segments.
+//
 // Exception safety: every mutating operation either completes or throws with the pool
 // unchanged (strong guarantee), and the operations an allocator runs on its release paths
 // (free_block, shrink_segment, remove_segment) never allocate and never throw.
@@ -93,6 +97,7 @@ class block_pool {
     std::uintptr_t base = 0;
     std::size_t size = 0;
     memory_tag tag = memory_tag::other;  // the owner's note, e.g. the tag it gave the upstream
+    std::uintptr_t stream = 0;           // the stream every block of this segment is used on
     block* first = nullptr;
     block* last = nullptr;
     free_index free;  // this segment's free blocks
@@ -128,6 +133,13 @@ class block_pool {
     }
     return nullptr;
   }
+  // The same, among the segments of one stream only.
+  block* best_fit(std::size_t n, std::uintptr_t stream) const noexcept {
+    for (const auto& s : segments_) {
+      if (s->stream == stream && s->largest_free() >= n) return s->best_fit(n);
+    }
+    return nullptr;
+  }
   std::size_t largest_free() const noexcept {
     std::size_t m = 0;
     for (const auto& s : segments_) m = s->largest_free() > m ? s->largest_free() : m;
@@ -147,11 +159,12 @@ class block_pool {
   // ---- segments ------------------------------------------------------------------------------
 
   // Adds [base, base+size) as the youngest segment, holding one free block (none when size is 0).
-  segment* add_segment(void* base, std::size_t size, memory_tag tag) {
+  segment* add_segment(void* base, std::size_t size, memory_tag tag, std::uintptr_t stream = 0) {
     auto seg = std::make_unique<segment>();
     seg->base = reinterpret_cast<std::uintptr_t>(base);
     seg->size = size;
     seg->tag = tag;
+    seg->stream = stream;
     block* b = nullptr;
     try {
       // Geometric growth (reserve(size + 1) would copy the vector on every new segment).

@@ -1,0 +1,54 @@
+// What the device itself says about its memory (cudaMemGetInfo), and the bridge from it to a
+// budget's external bytes: memory on the device that membound does not hold (the CUDA context,
+// cuBLAS workspaces, another library's or another process's allocations) still fills the device,
+// so the budget, and the pressure monitor that reads budget.usage(), must count it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "membound/backend/cuda/cuda_check.cuh"
+#include "membound/core/config.hpp"
+#include "membound/memory/allocator.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct device_memory {
+  std::size_t free = 0;   // bytes the device can still hand out
+  std::size_t total = 0;  // bytes of device memory
+  std::size_t used() const noexcept { return total >= free ? total - free : 0; }
+};
+
+// cudaMemGetInfo for `device` (the current device is restored afterwards). Creates the device's
+// context if there is none yet, which itself takes some hundreds of MiB.
+inline device_memory device_memory_info(int device) {
+  cuda_device_guard guard(device);
+  device_memory m;
+  cuda_check(cudaMemGetInfo(&m.free, &m.total), "cudaMemGetInfo");
+  return m;
+}
+
+// Bytes in use on the device that are not `held` (what our allocators reserved there). Saturates
+// at 0: cudaMalloc rounds each allocation up (to 2 MiB pages for large ones), so our reserve can
+// look slightly larger than the device's own count when nothing else is there.
+inline std::size_t others_bytes(const device_memory& m, std::size_t held) noexcept {
+  return detail::saturating_sub(m.used(), held);
+}
+
+// Sets budget.set_external to the device's used bytes minus what the budget's stack holds
+// (budget.usage() - budget.external()), and returns that value. Call it between steps, or before
+// a pressure_monitor check, so that usage() sees everything on the device. Throws out_of_memory
+// (from set_external, after the budget released its cache) when the others already leave no room
+// for what the stack holds; the external value is then unchanged.
+template <typename Budget>
+  requires detail::has_set_external<Budget> && detail::has_external<Budget> && budgeted<Budget>
+std::size_t update_external_from_device(Budget& budget, int device) {
+  const device_memory m = device_memory_info(device);
+  const std::size_t held = detail::saturating_sub(budget.usage(), budget.external());
+  const std::size_t others = others_bytes(m, held);
+  budget.set_external(others);
+  return others;
+}
+
+MEMBOUND_NAMESPACE_END
