@@ -13,6 +13,7 @@
 #include "membound/core/file_io.hpp"
 
 #include "membound/core/memory_tag.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/system_allocator.hpp"

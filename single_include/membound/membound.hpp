@@ -1127,6 +1127,87 @@ inline void write_file_atomically(const std::string& path, const char* argument,
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/file_io.hpp ----
 
+// ---- begin membound/memory/stream.hpp ----
+// Streams and events as the memory core sees them: opaque integers, so that caching_allocator
+// can be stream-ordered (like PyTorch's CUDA caching allocator) without including a CUDA header.
+// A CUDA upstream passes reinterpret_cast<stream_id>(cudaStream_t); host upstreams use
+// host_stream only.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+using stream_id = std::uintptr_t;
+using event_id = std::uintptr_t;
+
+// The default (legacy) stream of a device, and the only stream of host memory.
+inline constexpr stream_id host_stream = 0;
+
+// An upstream whose memory is used by asynchronous streams, and which can mark points in them:
+//   event_id create_event();                       a fresh (or recycled) event
+//   void record_event(event_id, stream_id);        completes once the stream's prior work has
+//   bool event_done(event_id);                     non-blocking query
+//   void destroy_event(event_id);                  gives the event back (may recycle it)
+// caching_allocator uses it to defer reuse of a block freed while other streams still use it
+// (record_stream). Upstreams without it (host memory) have nothing to wait for.
+template <typename U>
+concept stream_event_source = requires(U& u, event_id e, stream_id s) {
+  { u.create_event() } -> std::same_as<event_id>;
+  u.record_event(e, s);
+  { u.event_done(e) } -> std::convertible_to<bool>;
+  u.destroy_event(e);
+};
+
+// An allocator that serves requests per stream (caching_allocator, and the wrappers above it):
+//   void* allocate(bytes, alignment, tag, stream);  growth_for(bytes, alignment, stream);
+//   record_stream(p, stream).
+template <typename A>
+concept stream_ordered_allocator =
+    requires(A& a, void* p, std::size_t n, memory_tag t, stream_id s) {
+      { a.allocate(n, n, t, s) } -> std::same_as<void*>;
+      { a.growth_for(n, n, s) } -> std::convertible_to<std::size_t>;
+      a.record_stream(p, s);
+    };
+
+namespace detail {
+
+// The wrappers (budget, traced, synchronized, fault injection) take a stream whatever their
+// upstream is, so one stack type reads the same on host and device; a stream other than
+// host_stream over an upstream without streams would silently lose the ordering, so it is refused.
+inline void check_host_stream(stream_id stream, const char* who) {
+  if (stream == host_stream) return;
+  throw invalid_argument(
+      "stream", std::string("host_stream (0): the allocator under ") + who + " has no streams",
+      std::to_string(stream),
+      "Put a stream-ordered allocator (caching_allocator<cuda_device_allocator>) under it, or "
+      "allocate without a stream");
+}
+
+template <typename U>
+void* allocate_on(U& u, std::size_t bytes, std::size_t alignment, memory_tag tag, stream_id stream,
+                  const char* who) {
+  if constexpr (stream_ordered_allocator<U>) {
+    return u.allocate(bytes, alignment, tag, stream);
+  } else {
+    check_host_stream(stream, who);
+    return u.allocate(bytes, alignment, tag);
+  }
+}
+
+// U may be const: a const upstream's growth_for does not poll events (see caching_allocator).
+template <typename U>
+std::size_t growth_on(U& u, std::size_t bytes, std::size_t alignment, stream_id stream,
+                      const char* who) {
+  if constexpr (requires { u.growth_for(bytes, alignment, stream); }) {
+    return u.growth_for(bytes, alignment, stream);
+  } else {
+    check_host_stream(stream, who);
+    return u.growth_for(bytes, alignment);
+  }
+}
+
+}  // namespace detail
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/stream.hpp ----
 // ---- begin membound/memory/memory_stats.hpp ----
 // The statistics every allocator reports, and the tracker that keeps them.
 
@@ -1458,7 +1539,15 @@ MEMBOUND_NAMESPACE_END
 //   * placement: the oldest segment with a fitting free block, best fit by (size, address)
 //     inside it (block_pool.hpp explains why: a repeated training step then makes no upstream
 //     call after its first pass); split when the remainder is worth keeping; coalesce on free;
-//   * when the upstream runs out, release the cache and retry once before giving up.
+//   * when the upstream runs out, release the cache and retry once before giving up;
+//   * stream-ordered (memory/stream.hpp): a block belongs to the stream it was allocated on,
+//     segments and free blocks are per stream (blocks never coalesce across streams), and a
+//     freed block is reusable at once on its own stream, where later work is ordered after the
+//     work that used it. record_stream(p, s) marks a live block as used on another stream too;
+//     freeing it then records an event on each such stream, and the block stays *pending* (not
+//     reusable, its segment not releasable) until every event is done. process_events() polls;
+//     allocate polls before it grows the reserve. Host upstreams (no events) use host_stream
+//     and see no difference.
 //
 // Threading: not thread-safe. Use one allocator per thread or stream (as llm.c does), or put a
 // lock around it.
@@ -1467,6 +1556,7 @@ MEMBOUND_NAMESPACE_END
 // caches device memory when Upstream::space is memory_space::device.
 
 #include <optional>
+#include <unordered_map>
 
 // ---- begin membound/memory/detail/block_pool.hpp ----
 // The block engine shared by caching_allocator and expandable_arena: blocks carved out of
@@ -1485,6 +1575,10 @@ MEMBOUND_NAMESPACE_END
 // Addresses are plain integers: the pool only does arithmetic on them and never touches the
 // memory, so it serves device memory exactly as it serves host memory.
 //
+// Streams: each segment belongs to one stream (an opaque integer, 0 for owners without streams).
+// All its blocks inherit it, so blocks never coalesce across streams, and best_fit(n, stream)
+// only looks at that stream's segments.
+//
 // Exception safety: every mutating operation either completes or throws with the pool
 // unchanged (strong guarantee), and the operations an allocator runs on its release paths
 // (free_block, shrink_segment, remove_segment) never allocate and never throw.
@@ -1499,7 +1593,6 @@ MEMBOUND_NAMESPACE_END
 // Not thread-safe; the owning allocator documents its own threading rules.
 
 #include <iterator>
-#include <unordered_map>
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -1551,6 +1644,7 @@ class block_pool {
     std::uintptr_t base = 0;
     std::size_t size = 0;
     memory_tag tag = memory_tag::other;  // the owner's note, e.g. the tag it gave the upstream
+    std::uintptr_t stream = 0;           // the stream every block of this segment is used on
     block* first = nullptr;
     block* last = nullptr;
     free_index free;  // this segment's free blocks
@@ -1586,6 +1680,13 @@ class block_pool {
     }
     return nullptr;
   }
+  // The same, among the segments of one stream only.
+  block* best_fit(std::size_t n, std::uintptr_t stream) const noexcept {
+    for (const auto& s : segments_) {
+      if (s->stream == stream && s->largest_free() >= n) return s->best_fit(n);
+    }
+    return nullptr;
+  }
   std::size_t largest_free() const noexcept {
     std::size_t m = 0;
     for (const auto& s : segments_) m = s->largest_free() > m ? s->largest_free() : m;
@@ -1605,11 +1706,12 @@ class block_pool {
   // ---- segments ------------------------------------------------------------------------------
 
   // Adds [base, base+size) as the youngest segment, holding one free block (none when size is 0).
-  segment* add_segment(void* base, std::size_t size, memory_tag tag) {
+  segment* add_segment(void* base, std::size_t size, memory_tag tag, std::uintptr_t stream = 0) {
     auto seg = std::make_unique<segment>();
     seg->base = reinterpret_cast<std::uintptr_t>(base);
     seg->size = size;
     seg->tag = tag;
+    seg->stream = stream;
     block* b = nullptr;
     try {
       // Geometric growth (reserve(size + 1) would copy the vector on every new segment).
@@ -2136,6 +2238,20 @@ class caching_allocator {
   // Gives every segment back to the upstream. Blocks still allocated at this point are a bug in
   // the caller; their segments are freed anyway so leak checkers stay quiet about the cache.
   ~caching_allocator() {
+    if constexpr (stream_event_source<Upstream>) {
+      // Pending blocks may still be in use by another stream: wait for their events before the
+      // segments go back (a failed query stops the wait, there is nothing else to do here).
+      for (auto& [addr, u] : uses_) {
+        for (const event_id e : u.events) {
+          try {
+            while (!upstream_.event_done(e)) {
+            }
+          } catch (...) {
+          }
+          upstream_.destroy_event(e);
+        }
+      }
+    }
     if (plan_) {
       plan_->live.clear();
       release_planned(false);
@@ -2151,22 +2267,31 @@ class caching_allocator {
   // Throws invalid_argument for a bad alignment or tag, out_of_memory when the upstream fails even
   // after the cache was released. On any throw the live blocks and the statistics of live memory
   // are unchanged (the retry may have released cached segments, which is the point of it).
+  //
+  // `stream` is where the block will be used (host_stream for host memory): it is served from
+  // that stream's free blocks only. In planned mode, with a layout set, only the layout's stream
+  // is accepted (invalid_argument naming `stream` otherwise).
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     detail::check_tag(tag);
     if (bytes == 0) return nullptr;
     if (plan_) {
+      check_planned_stream(stream);
       if (void* p = planned_allocate(bytes, tag)) return p;
     }
     try {
       if (bytes > max_request) throw_too_large(bytes);
       const std::size_t size = round_size(bytes);
       detail::block_pool& pool = pool_for(size);
-      detail::block_pool::block* b = pool.best_fit(size);
+      detail::block_pool::block* b = pool.best_fit(size, stream);
+      if (b == nullptr && pending_blocks_ != 0) {
+        process_events();  // a pending block whose streams are done beats a new segment
+        b = pool.best_fit(size, stream);
+      }
       detail::block_pool::segment* fresh = nullptr;
       if (b == nullptr) {
-        fresh = new_segment(pool, bytes, segment_size_for(size), tag);
+        fresh = new_segment(pool, bytes, segment_size_for(size), tag, stream);
         b = fresh->first;
       }
       try {
@@ -2191,20 +2316,104 @@ class caching_allocator {
 
   // Sized deallocation: p, bytes, alignment and tag must be exactly what allocate got and
   // returned. Anything else throws invalid_argument naming the argument, with no change.
-  // nullptr with 0 bytes is a no-op.
+  // nullptr with 0 bytes is a no-op. A block marked with record_stream becomes pending (see the
+  // top of the file); its allocated bytes leave the statistics now, as for any other block.
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) {
     if (p == nullptr && bytes == 0) return;
     if (plan_ && planned_deallocate(p, bytes, alignment, tag)) return;
     auto [pool, b] = find_live(p);
+    stream_uses* uses = nullptr;
+    if (!uses_.empty()) {
+      if (auto it = uses_.find(reinterpret_cast<std::uintptr_t>(p)); it != uses_.end()) {
+        if (it->second.pending) b = nullptr;  // freed already: a double free
+        else uses = &it->second;
+      }
+    }
     detail::check_deallocate(b, p, bytes, alignment, tag, "caching_allocator");
+    if (uses != nullptr) {
+      record_events(*uses);  // may throw (the upstream's event calls); nothing changed then
+      ++pending_blocks_;
+      pending_bytes_ += b->size;
+      stats_.on_deallocate(b->requested, b->size, b->tag);
+      return;
+    }
     stats_.on_deallocate(b->requested, b->size, b->tag);
     pool->free_block(b);
     update_largest();
   }
 
+  // Marks the live block p as used on `stream` as well as on the stream it was allocated on, so
+  // that deallocate defers its reuse until the work queued on `stream` so far is done. Call it
+  // when handing the block to work on another stream; the stream it was allocated on, or a
+  // stream already recorded, is a no-op. Upstreams without events (host memory) have nothing to
+  // wait for: only p is checked. Planned blocks are bound to the layout's stream (invalid_argument
+  // naming `stream` for any other).
+  void record_stream(void* p, stream_id stream) {
+    if (plan_ && planned_live(p)) {
+      check_planned_stream(stream);
+      return;
+    }
+    auto [pool, b] = find_live(p);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    auto it = uses_.find(addr);
+    if (b == nullptr || (it != uses_.end() && it->second.pending)) {
+      throw invalid_argument("p", "a live block of this caching_allocator", address_string(p),
+                             "Call record_stream between allocate and deallocate, with the "
+                             "pointer allocate returned");
+    }
+    if constexpr (stream_event_source<Upstream>) {
+      if (stream == b->seg->stream) return;
+      if (it == uses_.end()) it = uses_.emplace(addr, stream_uses{pool, b, {}, {}, false}).first;
+      stream_uses& u = it->second;
+      if (std::find(u.streams.begin(), u.streams.end(), stream) != u.streams.end()) return;
+      u.streams.push_back(stream);
+      u.events.reserve(u.streams.size());  // so deallocate need not allocate for the events
+    }
+  }
+
+  // Makes every pending block whose events are all done reusable on its stream. Returns how
+  // many it made reusable. Throws what the upstream's event query throws (the block then stays
+  // pending). allocate calls it before growing the reserve; call it yourself to see the
+  // statistics settle, e.g. once per step.
+  std::size_t process_events() {
+    std::size_t done_blocks = 0;
+    if constexpr (stream_event_source<Upstream>) {
+      if (pending_blocks_ == 0) return 0;
+      for (auto it = uses_.begin(); it != uses_.end();) {
+        stream_uses& u = it->second;
+        bool done = u.pending;
+        for (std::size_t k = 0; done && k < u.events.size(); ++k) done = upstream_.event_done(u.events[k]);
+        if (!done) {
+          ++it;
+          continue;
+        }
+        for (const event_id e : u.events) upstream_.destroy_event(e);
+        --pending_blocks_;
+        pending_bytes_ -= u.b->size;
+        u.pool->free_block(u.b);
+        it = uses_.erase(it);
+        ++done_blocks;
+      }
+      if (done_blocks != 0) update_largest();
+    }
+    return done_blocks;
+  }
+
+  // Freed blocks waiting for other streams' events, and their bytes (block sizes). They count
+  // as reserved, not allocated.
+  std::size_t pending_blocks() const noexcept { return pending_blocks_; }
+  std::size_t pending_bytes() const noexcept { return pending_bytes_; }
+
   // Gives every fully free segment back to the upstream. Live blocks never move.
+  // Segments with a pending block stay (their memory may still be in use on another stream);
+  // the events are polled first, so those already done do not hold a segment back.
   void release_cached() noexcept {
+    try {
+      process_events();
+    } catch (...) {
+      // A failed query leaves its block pending: its segment stays, the safe side.
+    }
     if (plan_) release_planned(true);
     auto give_back = [this](detail::block_pool::segment& s) noexcept {
       upstream_.deallocate(s.ptr(), s.size, opts_.segment_alignment, s.tag);
@@ -2215,18 +2424,31 @@ class caching_allocator {
     update_largest();
   }
 
-  // Bytes the next allocate(bytes, alignment) would ask the upstream for: 0 when a free block of
-  // the right pool fits, else the size of the new segment. Exact, so a budget can refuse before
-  // any upstream call. Saturates to SIZE_MAX for requests that can never be served.
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const {
+  // Bytes the next allocate(bytes, alignment, tag, stream) would ask the upstream for: 0 when a
+  // free block of the right pool and stream fits, else the size of the new segment. Exact, so a
+  // budget can refuse before any upstream call. Saturates to SIZE_MAX for requests that can
+  // never be served.
+  //
+  // With pending blocks, this (non-const) overload polls the events first, as allocate does; an
+  // event that completes between the two calls can only make allocate grow less than predicted,
+  // never more. The const overload does not poll, so it may over-predict while blocks are pending.
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream) {
+    if (pending_blocks_ != 0 && bytes != 0 && bytes <= max_request) {
+      const std::size_t size = round_size(bytes);
+      if (pool_for(size).best_fit(size, stream) == nullptr) process_events();
+    }
+    return std::as_const(*this).growth_for(bytes, alignment, stream);
+  }
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream) const {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     if (bytes == 0) return 0;
     if (plan_) {
+      check_planned_stream(stream);
       if (const auto m = planned_match(bytes)) return m->segment != nullptr ? 0 : m->extent;
     }
     if (bytes > max_request) return std::numeric_limits<std::size_t>::max();
     const std::size_t size = round_size(bytes);
-    if (pool_for(size).best_fit(size) != nullptr) return 0;
+    if (pool_for(size).best_fit(size, stream) != nullptr) return 0;
     return segment_size_for(size);
   }
 
@@ -2236,10 +2458,20 @@ class caching_allocator {
   // optimizer state) cannot change once its blocks exist: a layout with another prefix throws
   // invalid_argument then, and nothing changes. A cycle of another extent gives the old cycle
   // segment back; the new one is taken at its first request.
-  void set_layout(memory_layout l) {
+  //
+  // The layout's blocks are used on one stream, `stream`: allocate, growth_for and record_stream
+  // refuse any other while a layout is set. The stream can change only when no planned block is
+  // live (invalid_argument naming `stream` otherwise).
+  void set_layout(memory_layout l, stream_id stream = host_stream) {
     if (!opts_.planned) {
       throw invalid_argument("caching_options::planned", "true to take a layout", "false",
                              "Construct the allocator with caching_options{.planned = true}");
+    }
+    if (plan_ && stream != plan_->stream && !plan_->live.empty()) {
+      throw invalid_argument("stream", "the layout's stream " + std::to_string(plan_->stream) +
+                                           " while planned blocks are live",
+                             std::to_string(stream),
+                             "Give back every planned block before moving the layout to another stream");
     }
     if (plan_) {
       for (const auto& b : plan_->live) {
@@ -2265,6 +2497,7 @@ class caching_allocator {
       plan_.emplace();
       plan_->layout = std::move(l);
     }
+    plan_->stream = stream;
     plan_->live.reserve(plan_->layout.prefix.size() + plan_->layout.cycle.size());
   }
   const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
@@ -2301,8 +2534,19 @@ class caching_allocator {
   const Upstream& upstream() const noexcept { return upstream_; }
 
   // O(blocks) consistency check of the internal structures, for tests and debugging.
+  // Pending blocks are allocated in their pool (not free, not reusable) and counted once.
   bool check_invariants() const noexcept {
-    return small_.check_invariants(block_granule) && large_.check_invariants(block_granule);
+    std::size_t blocks = 0, bytes = 0;
+    for (const auto& [addr, u] : uses_) {
+      if (u.b->addr != addr || u.b->free || u.pool->find_live(u.b->ptr()) != u.b) return false;
+      if (u.pending != (u.events.size() == u.streams.size() && !u.streams.empty())) return false;
+      if (u.pending) {
+        ++blocks;
+        bytes += u.b->size;
+      }
+    }
+    return blocks == pending_blocks_ && bytes == pending_bytes_ &&
+           small_.check_invariants(block_granule) && large_.check_invariants(block_granule);
   }
 
  private:
@@ -2357,7 +2601,7 @@ class caching_allocator {
   // Asks the upstream for a segment; on out_of_memory releases the cache and asks once more.
   // Statistics are updated by the caller once the whole allocation has succeeded.
   detail::block_pool::segment* new_segment(detail::block_pool& pool, std::size_t bytes,
-                                           std::size_t seg_bytes, memory_tag tag) {
+                                           std::size_t seg_bytes, memory_tag tag, stream_id stream) {
     void* p = nullptr;
     try {
       p = upstream_.allocate(seg_bytes, opts_.segment_alignment, tag);
@@ -2371,12 +2615,13 @@ class caching_allocator {
         fill_usage(r, stats_.stats());
         r.hint = "a request of " + format_bytes(bytes) + " needed a new segment of " +
                  format_bytes(seg_bytes) + ", which the upstream refused even after the cache " +
-                 "was released" + (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+                 "was released" + (r.hint.empty() ? std::string{} : "; upstream: " + r.hint) +
+                 pending_hint();
         throw out_of_memory(std::move(r));
       }
     }
     try {
-      return pool.add_segment(p, seg_bytes, tag);
+      return pool.add_segment(p, seg_bytes, tag, stream);
     } catch (...) {
       upstream_.deallocate(p, seg_bytes, opts_.segment_alignment, tag);
       throw;
@@ -2399,6 +2644,63 @@ class caching_allocator {
     return {&large_, large_.find_live(p)};
   }
 
+  // A block marked with record_stream: the other streams, and once it is freed (pending) one
+  // event per stream. Only such blocks have an entry, so the map is empty for one-stream use.
+  struct stream_uses {
+    detail::block_pool* pool;
+    detail::block_pool::block* b;
+    std::vector<stream_id> streams;
+    std::vector<event_id> events;
+    bool pending;
+  };
+
+  // Records one event per stream of u; all or nothing, so a throwing upstream leaves u live.
+  void record_events(stream_uses& u) {
+    if constexpr (stream_event_source<Upstream>) {
+      try {
+        for (const stream_id s : u.streams) {
+          const event_id e = upstream_.create_event();
+          u.events.push_back(e);  // reserved by record_stream: cannot throw
+          upstream_.record_event(e, s);
+        }
+      } catch (...) {
+        for (const event_id e : u.events) upstream_.destroy_event(e);
+        u.events.clear();
+        throw;
+      }
+      u.pending = true;
+    }
+  }
+
+  void check_planned_stream(stream_id stream) const {
+    if (stream != plan_->stream) {
+      throw invalid_argument("stream", "the layout's stream " + std::to_string(plan_->stream) +
+                                           " (planned mode serves one stream)",
+                             std::to_string(stream),
+                             "Use the stream given to set_layout, or a caching_allocator without "
+                             "planned mode for work on other streams");
+    }
+  }
+
+  bool planned_live(const void* p) const noexcept {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    return std::any_of(plan_->live.begin(), plan_->live.end(), [at](const auto& b) { return b.p == at; });
+  }
+
+  static std::string address_string(const void* p) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%p", p);
+    return buf;
+  }
+
+  // Appended to out-of-memory hints: memory that only waits for other streams.
+  std::string pending_hint() const {
+    if (pending_bytes_ == 0) return {};
+    return "; " + format_bytes(pending_bytes_) + " in " + std::to_string(pending_blocks_) +
+           " freed block(s) still wait for other streams' events (record_stream): synchronize "
+           "those streams and call process_events(), or free such blocks later";
+  }
+
   void update_largest() noexcept {
     const std::size_t s = small_.largest_free(), l = large_.largest_free();
     stats_.set_largest_free_block(s > l ? s : l);
@@ -2416,6 +2718,7 @@ class caching_allocator {
     void* cycle_seg = nullptr;
     std::size_t prefix_next = 0, cursor = 0, hits = 0;
     std::vector<live_block> live;
+    stream_id stream = host_stream;
   };
   struct planned_choice {
     const planned_slot* slot;
@@ -2540,7 +2843,7 @@ class caching_allocator {
         fill_usage(r, stats_.stats());
         r.hint = "a request of " + format_bytes(bytes) + " needed the planned segment of " + format_bytes(extent) +
                  ", which the upstream refused even after the cache was released" +
-                 (r.hint.empty() ? std::string{} : "; upstream: " + r.hint);
+                 (r.hint.empty() ? std::string{} : "; upstream: " + r.hint) + pending_hint();
         throw out_of_memory(std::move(r));
       }
     }
@@ -2552,6 +2855,8 @@ class caching_allocator {
   Upstream upstream_;
   detail::block_pool small_, large_;
   stats_tracker stats_;
+  std::unordered_map<std::uintptr_t, stream_uses> uses_;  // by block address
+  std::size_t pending_blocks_ = 0, pending_bytes_ = 0;
 };
 
 MEMBOUND_NAMESPACE_END
@@ -3158,13 +3463,16 @@ class budget_allocator {
   // An upstream whose growth_for is wrong is caught after the call: the block is given back and
   // the refusal says so. Live state is then as before, but the upstream's statistics keep the
   // record of the attempt (its call counts, and a peak that crossed the budget): they are true.
+  //
+  // `stream` reaches a stream-ordered upstream (caching_allocator over device memory); over any
+  // other upstream only host_stream is accepted.
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     detail::check_alignment(alignment, detail::max_alignment_of<Upstream>(), "budget_allocator");
     detail::check_tag(tag);
-    if (bytes == 0) return upstream_.allocate(0, alignment, tag);
+    if (bytes == 0) return detail::allocate_on(upstream_, 0, alignment, tag, stream, "budget_allocator");
 
-    std::size_t growth = upstream_.growth_for(bytes, alignment);
+    std::size_t growth = detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
     if (growth == std::numeric_limits<std::size_t>::max()) {
       // No reserve could serve it (the upstream's marker): the size itself is the bug, so no
       // policy advice, and no reason to drop the cache.
@@ -3173,14 +3481,14 @@ class budget_allocator {
     if (growth > headroom()) {
       if constexpr (caching_allocator_like<Upstream>) {
         upstream_.release_cached();  // cached bytes count against the budget: drop them first
-        growth = upstream_.growth_for(bytes, alignment);
+        growth = detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
       }
       if (growth > headroom()) refuse(bytes, growth, usage(), {});
     }
 
     const std::size_t usage_before = usage();
     const std::size_t reserved_before = reserved();
-    void* p = upstream_.allocate(bytes, alignment, tag);
+    void* p = detail::allocate_on(upstream_, bytes, alignment, tag, stream, "budget_allocator");
     if (usage() > limit_) {
       // The upstream grew more than it said: give the block back so the cap still holds.
       const std::size_t grew = detail::saturating_sub(reserved(), reserved_before);
@@ -3253,10 +3561,16 @@ class budget_allocator {
   void release_cached() requires caching_allocator_like<Upstream> { upstream_.release_cached(); }
 
   // Forwarded, so that budgets stack: an outer budget asks through an inner one.
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
+  }
+  // A live block is also used on `stream`: its reuse waits for that stream's work (see
+  // caching_allocator::record_stream).
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    upstream_.record_stream(p, stream);
   }
 
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
@@ -3410,12 +3724,12 @@ class fault_injecting {
   std::uint64_t failures() const noexcept { return plan_.failures(); }
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     if (const std::uint64_t k = plan_.next(); k != 0) {
       const memory_stats s = upstream_.stats();
       detail::fault_plan::fail(k, bytes, &s);
     }
-    return upstream_.allocate(bytes, alignment, tag);
+    return detail::allocate_on(upstream_, bytes, alignment, tag, stream, "fault_injection");
   }
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) {
@@ -3433,10 +3747,14 @@ class fault_injecting {
   {
     upstream_.release_cached();
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "fault_injection");
+  }
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    upstream_.record_stream(p, stream);
   }
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
   void set_reserve_limit(std::size_t bytes) requires detail::has_reserve_limit<Upstream> {
@@ -4006,8 +4324,8 @@ class traced_allocator {
   traced_allocator& operator=(const traced_allocator&) = delete;
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
-    void* p = upstream_.allocate(bytes, alignment, tag);
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
+    void* p = detail::allocate_on(upstream_, bytes, alignment, tag, stream, "traced_allocator");
     if (p != nullptr) recorder_->record_allocation(tag, bytes, p, upstream_.stats().reserved);
     return p;
   }
@@ -4030,10 +4348,14 @@ class traced_allocator {
     upstream_.release_cached();
     recorder_->record_reserved(upstream_.stats().reserved);
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "traced_allocator");
+  }
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    upstream_.record_stream(p, stream);
   }
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
   void set_reserve_limit(std::size_t bytes) requires detail::has_reserve_limit<Upstream> {
@@ -4376,9 +4698,9 @@ class synchronized {
   synchronized& operator=(const synchronized&) = delete;
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     std::lock_guard lock(mutex_);
-    return upstream_.allocate(bytes, alignment, tag);
+    return detail::allocate_on(upstream_, bytes, alignment, tag, stream, "synchronized");
   }
 
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
@@ -4396,11 +4718,16 @@ class synchronized {
     std::lock_guard lock(mutex_);
     upstream_.release_cached();
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
     std::lock_guard lock(mutex_);
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "synchronized");
+  }
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    std::lock_guard lock(mutex_);
+    upstream_.record_stream(p, stream);
   }
   void reset_peaks() requires detail::has_reset_peaks<Upstream> {
     std::lock_guard lock(mutex_);

@@ -9,7 +9,11 @@
 #include <map>
 #include <vector>
 
+#include "membound/memory/budget.hpp"
 #include "membound/memory/caching_allocator.hpp"
+#include "membound/memory/fault_injection.hpp"
+#include "membound/memory/synchronized.hpp"
+#include "membound/memory/trace.hpp"
 #include "membound/memory/stream.hpp"
 #include "membound/memory/system_allocator.hpp"
 
@@ -352,4 +356,45 @@ TEST_CASE("stream-ordered cache: a host upstream without events is unchanged") {
   a.release_cached();
   CHECK(a.stats().reserved == 0);
   CHECK(a.check_invariants());
+}
+
+TEST_CASE("stream-ordered cache: budget, traced, synchronized and fault injection pass the stream on") {
+  // The stack a GPU trainer uses; every layer must keep the stream, or ordering is lost silently.
+  using stack = budget_allocator<traced_allocator<fault_injecting<cache>>>;
+  static_assert(stream_ordered_allocator<cache>);
+  static_assert(stream_ordered_allocator<stack>);
+  static_assert(stream_ordered_allocator<synchronized<stack>>);
+  trace_recorder rec(64);
+  stack a(16 * MiB, rec);
+  auto& inner = a.upstream().upstream().upstream();
+  void* p = a.allocate(64 * KiB, 256, memory_tag::activations, stream_a);
+  a.deallocate(p, 64 * KiB, 256, memory_tag::activations);
+  // The block stays with stream a: stream b has to grow, and the budget sees that growth.
+  CHECK(a.growth_for(64 * KiB, 256, stream_a) == 0);
+  CHECK(a.growth_for(64 * KiB, 256, stream_b) == 2 * MiB);
+  void* q = a.allocate(64 * KiB, 256, memory_tag::activations, stream_b);
+  CHECK(q != p);
+  a.record_stream(q, stream_c);
+  a.deallocate(q, 64 * KiB, 256, memory_tag::activations);
+  CHECK(inner.pending_blocks() == 1);
+  inner.upstream().complete(stream_c);
+  CHECK(inner.process_events() == 1);
+  CHECK(a.stats().reserved == 4 * MiB);
+}
+
+TEST_CASE("stream-ordered cache: a wrapper over an allocator without streams refuses a stream") {
+  budget_allocator<system_allocator> a(1 * MiB);
+  static_assert(!stream_ordered_allocator<system_allocator>);
+  void* p = a.allocate(4 * KiB, 64, memory_tag::other, host_stream);
+  a.deallocate(p, 4 * KiB, 64, memory_tag::other);
+  try {
+    (void)a.allocate(4 * KiB, 64, memory_tag::other, stream_a);
+    FAIL("a stream over system_allocator was accepted");
+  } catch (const invalid_argument& e) {
+    CHECK(e.argument() == "stream");
+    CHECK(std::string(e.what()).find("budget_allocator") != std::string::npos);
+  }
+  CHECK_THROWS_AS((void)a.growth_for(4 * KiB, 64, stream_a), invalid_argument);
+  CHECK(a.stats().allocated == 0);
+  CHECK(a.stats().reserved == 0);
 }

@@ -22,6 +22,7 @@
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/core/memory_tag.hpp"
 
@@ -139,13 +140,16 @@ class budget_allocator {
   // An upstream whose growth_for is wrong is caught after the call: the block is given back and
   // the refusal says so. Live state is then as before, but the upstream's statistics keep the
   // record of the attempt (its call counts, and a peak that crossed the budget): they are true.
+  //
+  // `stream` reaches a stream-ordered upstream (caching_allocator over device memory); over any
+  // other upstream only host_stream is accepted.
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     detail::check_alignment(alignment, detail::max_alignment_of<Upstream>(), "budget_allocator");
     detail::check_tag(tag);
-    if (bytes == 0) return upstream_.allocate(0, alignment, tag);
+    if (bytes == 0) return detail::allocate_on(upstream_, 0, alignment, tag, stream, "budget_allocator");
 
-    std::size_t growth = upstream_.growth_for(bytes, alignment);
+    std::size_t growth = detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
     if (growth == std::numeric_limits<std::size_t>::max()) {
       // No reserve could serve it (the upstream's marker): the size itself is the bug, so no
       // policy advice, and no reason to drop the cache.
@@ -154,14 +158,14 @@ class budget_allocator {
     if (growth > headroom()) {
       if constexpr (caching_allocator_like<Upstream>) {
         upstream_.release_cached();  // cached bytes count against the budget: drop them first
-        growth = upstream_.growth_for(bytes, alignment);
+        growth = detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
       }
       if (growth > headroom()) refuse(bytes, growth, usage(), {});
     }
 
     const std::size_t usage_before = usage();
     const std::size_t reserved_before = reserved();
-    void* p = upstream_.allocate(bytes, alignment, tag);
+    void* p = detail::allocate_on(upstream_, bytes, alignment, tag, stream, "budget_allocator");
     if (usage() > limit_) {
       // The upstream grew more than it said: give the block back so the cap still holds.
       const std::size_t grew = detail::saturating_sub(reserved(), reserved_before);
@@ -234,10 +238,16 @@ class budget_allocator {
   void release_cached() requires caching_allocator_like<Upstream> { upstream_.release_cached(); }
 
   // Forwarded, so that budgets stack: an outer budget asks through an inner one.
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
+  }
+  // A live block is also used on `stream`: its reuse waits for that stream's work (see
+  // caching_allocator::record_stream).
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    upstream_.record_stream(p, stream);
   }
 
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }

@@ -20,6 +20,7 @@
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/core/memory_tag.hpp"
 #include "membound/memory/virtual_memory.hpp"
@@ -99,12 +100,12 @@ class fault_injecting {
   std::uint64_t failures() const noexcept { return plan_.failures(); }
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     if (const std::uint64_t k = plan_.next(); k != 0) {
       const memory_stats s = upstream_.stats();
       detail::fault_plan::fail(k, bytes, &s);
     }
-    return upstream_.allocate(bytes, alignment, tag);
+    return detail::allocate_on(upstream_, bytes, alignment, tag, stream, "fault_injection");
   }
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) {
@@ -122,10 +123,14 @@ class fault_injecting {
   {
     upstream_.release_cached();
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "fault_injection");
+  }
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    upstream_.record_stream(p, stream);
   }
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
   void set_reserve_limit(std::size_t bytes) requires detail::has_reserve_limit<Upstream> {

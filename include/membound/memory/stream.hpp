@@ -5,9 +5,13 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/core/memory_tag.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -31,5 +35,55 @@ concept stream_event_source = requires(U& u, event_id e, stream_id s) {
   { u.event_done(e) } -> std::convertible_to<bool>;
   u.destroy_event(e);
 };
+
+// An allocator that serves requests per stream (caching_allocator, and the wrappers above it):
+//   void* allocate(bytes, alignment, tag, stream);  growth_for(bytes, alignment, stream);
+//   record_stream(p, stream).
+template <typename A>
+concept stream_ordered_allocator =
+    requires(A& a, void* p, std::size_t n, memory_tag t, stream_id s) {
+      { a.allocate(n, n, t, s) } -> std::same_as<void*>;
+      { a.growth_for(n, n, s) } -> std::convertible_to<std::size_t>;
+      a.record_stream(p, s);
+    };
+
+namespace detail {
+
+// The wrappers (budget, traced, synchronized, fault injection) take a stream whatever their
+// upstream is, so one stack type reads the same on host and device; a stream other than
+// host_stream over an upstream without streams would silently lose the ordering, so it is refused.
+inline void check_host_stream(stream_id stream, const char* who) {
+  if (stream == host_stream) return;
+  throw invalid_argument(
+      "stream", std::string("host_stream (0): the allocator under ") + who + " has no streams",
+      std::to_string(stream),
+      "Put a stream-ordered allocator (caching_allocator<cuda_device_allocator>) under it, or "
+      "allocate without a stream");
+}
+
+template <typename U>
+void* allocate_on(U& u, std::size_t bytes, std::size_t alignment, memory_tag tag, stream_id stream,
+                  const char* who) {
+  if constexpr (stream_ordered_allocator<U>) {
+    return u.allocate(bytes, alignment, tag, stream);
+  } else {
+    check_host_stream(stream, who);
+    return u.allocate(bytes, alignment, tag);
+  }
+}
+
+// U may be const: a const upstream's growth_for does not poll events (see caching_allocator).
+template <typename U>
+std::size_t growth_on(U& u, std::size_t bytes, std::size_t alignment, stream_id stream,
+                      const char* who) {
+  if constexpr (requires { u.growth_for(bytes, alignment, stream); }) {
+    return u.growth_for(bytes, alignment, stream);
+  } else {
+    check_host_stream(stream, who);
+    return u.growth_for(bytes, alignment);
+  }
+}
+
+}  // namespace detail
 
 MEMBOUND_NAMESPACE_END

@@ -12,6 +12,7 @@
 
 #include "membound/core/config.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/core/memory_tag.hpp"
 
@@ -33,9 +34,9 @@ class synchronized {
   synchronized& operator=(const synchronized&) = delete;
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
     std::lock_guard lock(mutex_);
-    return upstream_.allocate(bytes, alignment, tag);
+    return detail::allocate_on(upstream_, bytes, alignment, tag, stream, "synchronized");
   }
 
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
@@ -53,11 +54,16 @@ class synchronized {
     std::lock_guard lock(mutex_);
     upstream_.release_cached();
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
     std::lock_guard lock(mutex_);
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "synchronized");
+  }
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    std::lock_guard lock(mutex_);
+    upstream_.record_stream(p, stream);
   }
   void reset_peaks() requires detail::has_reset_peaks<Upstream> {
     std::lock_guard lock(mutex_);

@@ -25,6 +25,7 @@
 #include "membound/core/error.hpp"
 #include "membound/core/file_io.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/core/memory_tag.hpp"
 #include "membound/core/check_point.hpp"
@@ -446,8 +447,8 @@ class traced_allocator {
   traced_allocator& operator=(const traced_allocator&) = delete;
 
   void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
-                 memory_tag tag = memory_tag::other) {
-    void* p = upstream_.allocate(bytes, alignment, tag);
+                 memory_tag tag = memory_tag::other, stream_id stream = host_stream) {
+    void* p = detail::allocate_on(upstream_, bytes, alignment, tag, stream, "traced_allocator");
     if (p != nullptr) recorder_->record_allocation(tag, bytes, p, upstream_.stats().reserved);
     return p;
   }
@@ -470,10 +471,14 @@ class traced_allocator {
     upstream_.release_cached();
     recorder_->record_reserved(upstream_.stats().reserved);
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment,
+                         stream_id stream = host_stream) const
     requires reports_growth<Upstream>
   {
-    return upstream_.growth_for(bytes, alignment);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "traced_allocator");
+  }
+  void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
+    upstream_.record_stream(p, stream);
   }
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
   void set_reserve_limit(std::size_t bytes) requires detail::has_reserve_limit<Upstream> {
