@@ -88,7 +88,10 @@ struct host_matrix {
   std::size_t rows, cols, ld, offset;
   std::vector<T> data;
   host_matrix(std::size_t r, std::size_t c, std::size_t l, std::size_t off)
-      : rows(r), cols(c), ld(l), offset(off),
+      : rows(r),
+        cols(c),
+        ld(l),
+        offset(off),
         data(off + r * l, from_double<T>(std::numeric_limits<double>::quiet_NaN())) {}
   T& at(std::size_t i, std::size_t j) { return data[offset + i * ld + j]; }
   void fill(lcg& g) {
@@ -128,8 +131,8 @@ dims operand_dims(gpu::gemm_op op, shape s) {
 }
 
 template <typename T, typename Out>
-void launch(const gpu::gemm_context& ctx, gpu::gemm_op op, const T* x, const T* w, Out* y,
-            shape s, bool accumulate, mb::cpu::ld3 ld) {
+void launch(const gpu::gemm_context& ctx, gpu::gemm_op op, const T* x, const T* w, Out* y, shape s,
+            bool accumulate, mb::cpu::ld3 ld) {
   switch (op) {
     case gpu::gemm_op::nn:
       gpu::matmul(ctx, x, w, y, s.N, s.K, s.M, accumulate, ld);
@@ -143,8 +146,8 @@ void launch(const gpu::gemm_context& ctx, gpu::gemm_op op, const T* x, const T* 
   }
 }
 
-void reference(mb::thread_pool& pool, gpu::gemm_op op, const double* x, const double* w,
-               double* y, shape s, mb::cpu::ld3 ld) {
+void reference(mb::thread_pool& pool, gpu::gemm_op op, const double* x, const double* w, double* y,
+               shape s, mb::cpu::ld3 ld) {
   switch (op) {
     case gpu::gemm_op::nn:
       mb::cpu::matmul(pool, x, w, y, s.N, s.K, s.M, false, ld);
@@ -211,10 +214,10 @@ void check_case(gemm_env& e, gpu::gemm_op op, shape s, case_options o, std::uint
       const double err = std::abs(to_double(got[at]) - want);
       if (!(err <= bound)) {
         if (bad++ == 0) {
-          std::fprintf(stderr, "%s %s->%s N=%zu K=%zu M=%zu: [%zu,%zu] got %.9g want %.9g (bound %.3g)\n",
-                       gpu::gemm_op_name(op), mb::dtype_name<T>().data(),
-                       mb::dtype_name<Out>().data(), s.N, s.K, s.M, i, j, to_double(got[at]), want,
-                       bound);
+          std::fprintf(
+              stderr, "%s %s->%s N=%zu K=%zu M=%zu: [%zu,%zu] got %.9g want %.9g (bound %.3g)\n",
+              gpu::gemm_op_name(op), mb::dtype_name<T>().data(), mb::dtype_name<Out>().data(), s.N,
+              s.K, s.M, i, j, to_double(got[at]), want, bound);
         }
       }
     }
@@ -351,8 +354,10 @@ void test_errors() {
   CHECK(EXPECT_THROW(mb::invalid_argument,
                      gpu::matmul(ctx, x.get(), w.get(), y.get(), 0, 8, 8, false))
             .find("'matmul: N'") != std::string::npos);
-  EXPECT_THROW(mb::invalid_argument, gpu::matmul_bt(ctx, x.get(), w.get(), y.get(), 8, 0, 8, false));
-  EXPECT_THROW(mb::invalid_argument, gpu::matmul_at(ctx, x.get(), w.get(), y.get(), 8, 8, huge, false));
+  EXPECT_THROW(mb::invalid_argument,
+               gpu::matmul_bt(ctx, x.get(), w.get(), y.get(), 8, 0, 8, false));
+  EXPECT_THROW(mb::invalid_argument,
+               gpu::matmul_at(ctx, x.get(), w.get(), y.get(), 8, 8, huge, false));
 
   // Leading dimensions below the row width, per form.
   CHECK(EXPECT_THROW(mb::invalid_argument,
@@ -366,12 +371,10 @@ void test_errors() {
                gpu::matmul_at(ctx, x.get(), w.get(), y.get(), 8, 16, 8, false, {16, 8, 7}));
 
   // Null and misaligned operands.
-  EXPECT_THROW(mb::invalid_argument,
-               gpu::matmul(ctx, static_cast<const mb::bf16*>(nullptr), w.get(), y.get(), 8, 8, 8,
-                           false));
+  EXPECT_THROW(mb::invalid_argument, gpu::matmul(ctx, static_cast<const mb::bf16*>(nullptr),
+                                                 w.get(), y.get(), 8, 8, 8, false));
   const auto* odd = reinterpret_cast<const mb::bf16*>(reinterpret_cast<const char*>(x.get()) + 1);
-  CHECK(EXPECT_THROW(mb::invalid_argument,
-                     gpu::matmul(ctx, odd, w.get(), y.get(), 8, 8, 8, false))
+  CHECK(EXPECT_THROW(mb::invalid_argument, gpu::matmul(ctx, odd, w.get(), y.get(), 8, 8, 8, false))
             .find("aligned") != std::string::npos);
 
   // The output may not overlap an input.

@@ -75,11 +75,13 @@ concept gemm_element = std::same_as<T, float> || std::same_as<T, bf16> || std::s
 
 // The output of a GEMM over T: T itself, or float (e.g. bf16 products kept in fp32).
 template <typename Out, typename T>
-concept gemm_output = gemm_element<T> && (std::same_as<Out, T> || std::same_as<Out, float>);
+concept gemm_output = gemm_element<T> &&(std::same_as<Out, T> || std::same_as<Out, float>);
 
 template <gemm_element T>
-inline constexpr cudaDataType_t cuda_data_type_v =
-    std::same_as<T, float> ? CUDA_R_32F : (std::same_as<T, bf16> ? CUDA_R_16BF : CUDA_R_16F);
+inline constexpr cudaDataType_t cuda_data_type_v = std::same_as<T, float>
+                                                       ? CUDA_R_32F
+                                                       : (std::same_as<T, bf16> ? CUDA_R_16BF
+                                                                                : CUDA_R_16F);
 
 // Workspace handed to cuBLASLt: the sizes cuBLAS recommends (cublasSetWorkspace), 32 MiB on
 // Hopper and later, 4 MiB before. A fixed cap per architecture rather than the chosen algorithm's
@@ -251,8 +253,7 @@ void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const
                "cublasLtMatmulDescSetAttribute");
 }
 template <typename V>
-void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
-              const V& v) {
+void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr, const V& v) {
   cublas_check(cublasLtMatmulPreferenceSetAttribute(p, attr, &v, sizeof(v)),
                "cublasLtMatmulPreferenceSetAttribute");
 }
@@ -293,9 +294,9 @@ class gemm_plan {
       if (o->ld < o->cols || o->ld > dim_max) {
         throw invalid_argument(
             where(o->ld_name),
-            "a leading dimension of at least the row width " + std::to_string(o->cols) +
-                " of " + o->pointer_name + " (" + std::to_string(o->rows) + "x" +
-                std::to_string(o->cols) + ", row-major) and at most INT32_MAX",
+            "a leading dimension of at least the row width " + std::to_string(o->cols) + " of " +
+                o->pointer_name + " (" + std::to_string(o->rows) + "x" + std::to_string(o->cols) +
+                ", row-major) and at most INT32_MAX",
             std::to_string(o->ld),
             "Pass the distance in elements between consecutive rows of the full buffer");
       }
@@ -305,13 +306,12 @@ class gemm_plan {
                                "Allocate the operand before the call");
       }
       if (reinterpret_cast<std::uintptr_t>(ptr) % element != 0) {
-        throw invalid_argument(where(o->pointer_name),
-                               "a pointer aligned to its element (" + std::to_string(element) +
-                                   " bytes)",
-                               "an address " + std::to_string(detail::address_alignment(ptr)) +
-                                   "-byte aligned",
-                               "Offset views by whole elements; cuBLASLt cannot read a "
-                               "misaligned array");
+        throw invalid_argument(
+            where(o->pointer_name),
+            "a pointer aligned to its element (" + std::to_string(element) + " bytes)",
+            "an address " + std::to_string(detail::address_alignment(ptr)) + "-byte aligned",
+            "Offset views by whole elements; cuBLASLt cannot read a "
+            "misaligned array");
       }
     }
     const std::size_t y_span = detail::span_bytes(ops.y, out_bytes);
@@ -326,12 +326,11 @@ class gemm_plan {
                                 workspace == nullptr ? 0 : workspace_bytes);
     }
     if (reinterpret_cast<std::uintptr_t>(workspace) % gemm_workspace_alignment != 0) {
-      throw invalid_argument(where("workspace"), "a 256-byte aligned device pointer",
-                             "an address " +
-                                 std::to_string(detail::address_alignment(workspace)) +
-                                 "-byte aligned",
-                             "Hand the start of an allocation (cudaMalloc and membound's "
-                             "allocators align to 256 bytes)");
+      throw invalid_argument(
+          where("workspace"), "a 256-byte aligned device pointer",
+          "an address " + std::to_string(detail::address_alignment(workspace)) + "-byte aligned",
+          "Hand the start of an allocation (cudaMalloc and membound's "
+          "allocators align to 256 bytes)");
     }
   }
 
@@ -402,9 +401,9 @@ class gemm_plan {
           std::string("no algorithm for ") + gemm_op_name(p.op) + " N=" + std::to_string(p.N) +
               " K=" + std::to_string(p.K) + " M=" + std::to_string(p.M) + " " +
               detail::gemm_type_name(p.in) + "->" + detail::gemm_type_name(p.out) +
-              " with alignments x/w/y " + std::to_string(align_x) + "/" +
-              std::to_string(align_w) + "/" + std::to_string(align_y) +
-              " bytes, no split-K, workspace " + format_bytes(workspace_cap),
+              " with alignments x/w/y " + std::to_string(align_x) + "/" + std::to_string(align_w) +
+              "/" + std::to_string(align_y) + " bytes, no split-K, workspace " +
+              format_bytes(workspace_cap),
           "Use 16-byte aligned operands and leading dimensions that are multiples of 16 bytes, "
           "or report the shape");
     }
@@ -421,10 +420,10 @@ class gemm_plan {
            bool accumulate, void* workspace, std::size_t workspace_bytes) const {
     // beta = 0 means C is not read, so garbage (even NaN) in y is overwritten, as on the CPU.
     const float beta = accumulate ? 1.0f : 0.0f;
-    cublas_check(cublasLtMatmul(exec.lt(), desc_.get(), &alpha, w, a_.get(), x, b_.get(), &beta, y,
-                                c_.get(), y, c_.get(), &algo_, workspace, workspace_bytes,
-                                exec.stream()),
-                 "cublasLtMatmul");
+    cublas_check(
+        cublasLtMatmul(exec.lt(), desc_.get(), &alpha, w, a_.get(), x, b_.get(), &beta, y, c_.get(),
+                       y, c_.get(), &algo_, workspace, workspace_bytes, exec.stream()),
+        "cublasLtMatmul");
   }
 
  private:
@@ -528,8 +527,7 @@ inline void gemm(const gemm_context& ctx, const gemm_problem& p, const void* x, 
   std::optional<cuda_device_guard> guard;
   if (cuda_current_device() != exec.device()) guard.emplace(exec.device());
   const gemm_plan& plan = ctx.cache().plan(exec, p, x, w, y);
-  plan.run(exec, x, w, y, ctx.options().alpha, accumulate, ctx.workspace(),
-           ctx.workspace_bytes());
+  plan.run(exec, x, w, y, ctx.options().alpha, accumulate, ctx.workspace(), ctx.workspace_bytes());
 }
 
 namespace detail {
