@@ -279,10 +279,11 @@ class gemm_plan {
     const std::pair<const char*, std::size_t> dims[] = {{"N", p.N}, {"K", p.K}, {"M", p.M}};
     for (const auto& [name, v] : dims) {
       if (v == 0 || v > dim_max) {
-        throw invalid_argument(where(name), "a dimension in [1, INT32_MAX]",
-                               v == 0 ? std::string("0") : std::to_string(v) + " (negative?)",
-                               "Skip empty products before the call; pass sizes as std::size_t, "
-                               "not negative ints");
+        throw invalid_argument(
+            where(name), "a dimension in [1, INT32_MAX]",
+            v == 0 ? std::string("0") : std::to_string(v) + " (a negative int converted?)",
+            "Skip empty products before the call; pass sizes as std::size_t, "
+            "not negative ints");
       }
     }
     const detail::gemm_operands ops = detail::row_major_operands(p);
@@ -322,8 +323,9 @@ class gemm_plan {
                              "Write the product to a separate buffer");
     }
     if (workspace == nullptr || workspace_bytes < workspace_required) {
-      throw workspace_too_small(where("workspace"), workspace_required,
-                                workspace == nullptr ? 0 : workspace_bytes);
+      // The size to hand is gemm_workspace_bytes(exec), whatever the shape.
+      throw workspace_too_small(where("workspace (size it with gpu::gemm_workspace_bytes)"),
+                                workspace_required, workspace == nullptr ? 0 : workspace_bytes);
     }
     if (reinterpret_cast<std::uintptr_t>(workspace) % gemm_workspace_alignment != 0) {
       throw invalid_argument(
@@ -392,10 +394,13 @@ class gemm_plan {
 
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    cublas_check(cublasLtMatmulAlgoGetHeuristic(lt, desc_.get(), a_.get(), b_.get(), c_.get(),
-                                                c_.get(), pref.get(), 1, &result, &found),
-                 "cublasLtMatmulAlgoGetHeuristic");
-    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        lt, desc_.get(), a_.get(), b_.get(), c_.get(), c_.get(), pref.get(), 1, &result, &found);
+    // cuBLASLt reports "nothing fits" as NOT_SUPPORTED rather than as zero results.
+    if (status != CUBLAS_STATUS_NOT_SUPPORTED)
+      cublas_check(status, "cublasLtMatmulAlgoGetHeuristic");
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 ||
+        result.state != CUBLAS_STATUS_SUCCESS) {
       throw backend_error(
           "cublasLtMatmulAlgoGetHeuristic", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED),
           std::string("no algorithm for ") + gemm_op_name(p.op) + " N=" + std::to_string(p.N) +
