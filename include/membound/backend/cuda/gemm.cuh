@@ -397,8 +397,9 @@ class gemm_plan {
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         lt, desc_.get(), a_.get(), b_.get(), c_.get(), c_.get(), pref.get(), 1, &result, &found);
     // cuBLASLt reports "nothing fits" as NOT_SUPPORTED rather than as zero results.
-    if (status != CUBLAS_STATUS_NOT_SUPPORTED)
+    if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
       cublas_check(status, "cublasLtMatmulAlgoGetHeuristic");
+    }
     if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 ||
         result.state != CUBLAS_STATUS_SUCCESS) {
       throw backend_error(
