@@ -11,3 +11,4 @@
 #include "membound/backend/cuda/cuda_virtual_memory.cuh"
 #include "membound/backend/cuda/cuda_pinned_allocator.cuh"
 #include "membound/backend/cuda/cuda_memory_info.cuh"
+#include "membound/backend/cuda/gemm.cuh"
