@@ -9,3 +9,4 @@
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_allocator.cuh"
 #include "membound/backend/cuda/cuda_virtual_memory.cuh"
+#include "membound/backend/cuda/model_kernels.cuh"
