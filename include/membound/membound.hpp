@@ -9,6 +9,7 @@
 #include "membound/core/format.hpp"
 #include "membound/core/type_list.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/core/file_io.hpp"
 

@@ -12,3 +12,4 @@
 #include "membound/backend/cuda/cuda_pinned_allocator.cuh"
 #include "membound/backend/cuda/cuda_memory_info.cuh"
 #include "membound/backend/cuda/gemm.cuh"
+#include "membound/backend/cuda/model_kernels.cuh"

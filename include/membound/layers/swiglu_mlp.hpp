@@ -18,6 +18,7 @@
 #include "membound/backend/cpu/model_cpu.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/core/type_list.hpp"
 #include "membound/layers/layer_support.hpp"
@@ -143,10 +144,7 @@ class swiglu_mlp {
     cpu::for_rows(pool, N, [&](std::size_t n) {
       for (std::size_t f = 0; f < F; ++f) {
         const std::size_t i = n * F + f;
-        const A av = to_accum<A>(a_s[i]), bv = to_accum<A>(b_s[i]), d = db[i];
-        const A sg = A(1) / (A(1) + std::exp(-av));
-        da[i] = d * bv * sg * (A(1) + av * (A(1) - sg));
-        db[i] = d * av * sg;
+        swiglu_backward(to_accum<A>(a_s[i]), to_accum<A>(b_s[i]), db[i], da[i], db[i]);
       }
     });
     cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F);
@@ -227,7 +225,7 @@ class swiglu_mlp {
     cpu::for_rows(pool, N, [&](std::size_t n) {
       for (std::size_t f = 0; f < F; ++f) {
         const std::size_t i = n * F + f;
-        act[i] = cpu::swish(to_accum<A>(a[i])) * to_accum<A>(b[i]);
+        act[i] = swiglu(to_accum<A>(a[i]), to_accum<A>(b[i]));
       }
     });
   }

@@ -12,6 +12,7 @@
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/core/element_math.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/parallel.hpp"
 
@@ -57,24 +58,15 @@ class adamw {
     moment_type* m = static_cast<moment_type*>(state);
     moment_type* v = m + n;
     moment_type* master = has_master ? m + 2 * n : nullptr;
-    const double b1t = 1.0 - std::pow(c.beta1, static_cast<double>(t));
-    const double b2t = 1.0 - std::pow(c.beta2, static_cast<double>(t));
-    const moment_type b1 = static_cast<moment_type>(c.beta1), b2 = static_cast<moment_type>(c.beta2);
-    const moment_type step = static_cast<moment_type>(lr / b1t);
-    const moment_type inv_b2t = static_cast<moment_type>(1.0 / b2t);
-    const moment_type eps = static_cast<moment_type>(c.eps);
-    const moment_type wd = decay ? static_cast<moment_type>(lr * c.weight_decay) : 0;
+    const auto k = adamw_coefficients<moment_type>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, decay);
     const moment_type gs = static_cast<moment_type>(grad_scale);
     constexpr std::size_t block = 4096;
     pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
       const std::size_t i0 = first + b * block, i1 = std::min(first + count, i0 + block);
       for (std::size_t i = i0; i < i1; ++i) {
         const moment_type gi = to_accum<moment_type>(g[i]) * gs;
-        m[i] = b1 * m[i] + (1 - b1) * gi;
-        v[i] = b2 * v[i] + (1 - b2) * gi * gi;
         moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
-        p -= wd * p;
-        p -= step * m[i] / (std::sqrt(v[i] * inv_b2t) + eps);
+        adamw_step(k, gi, m[i], v[i], p);
         if constexpr (has_master) master[i] = p;
         w[i] = from_accum<S>(p);
       }

@@ -13,6 +13,7 @@
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -95,11 +96,6 @@ void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, st
     for (std::size_t c = 0; c < C; ++c)
       y[n * C + c] = from_accum<S>(to_accum<A>(a[n * C + c]) + to_accum<A>(b[n * C + c]));
   });
-}
-
-template <typename A>
-A swish(A v) {
-  return v / (A(1) + std::exp(-v));
 }
 
 // x0[n] = table[tokens[n]]; the ids were checked by the caller.

@@ -1,0 +1,702 @@
+// The model's non-GEMM pieces on the GPU: the device twins of backend/cpu/model_cpu.hpp plus the
+// trainer's optimizer step, gradient norm and non-finite check.
+//
+//   cuda_executor ex;
+//   cuda::rmsnorm_forward(ex, x, g, y, rstd, N, C, eps);
+//   cuda::rmsnorm_backward(ex, x, g, rstd, dy, nullptr, dx, dg, ws,
+//                          cuda::rmsnorm_backward_workspace_bytes(N, C), N, C);
+//   cuda::global_norm(ex, grads, n, norm_dev, ws, cuda::global_norm_workspace_bytes(n));
+//   cuda::adamw_update(ex, w, grads, state, state_bytes, n, segments, t, lr, cfg, 1.0, {norm_dev, 1.0});
+//
+// Storage S is float, bf16 or fp16; everything is computed and accumulated in float (the loss and
+// the gradient norm in double), as the CPU backend does with fp32 accumulation. Arguments are
+// checked on the host before any launch (typed invalid_argument); kernels go on the executor's
+// stream and nothing synchronizes. Every reduction has a fixed shape that depends only on the
+// sizes (never on the device or on timing) and no float atomics, so repeated runs give the same
+// bits. Device results differ from the CPU's in the last bits only: sums run in another order,
+// nvcc contracts a·b + c into FMAs, and the device's expf/logf are not the host's.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstddef>
+#include <concepts>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "membound/backend/cuda/cuda_backend.cuh"
+#include "membound/core/checked_math.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/element_math.hpp"
+#include "membound/core/error.hpp"
+#include "membound/optimizer/adamw.hpp"
+
+#if MEMBOUND_CUDA_COMPILER
+#include <cuda_fp16.h>
+#endif
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cuda {
+
+// The storage types the kernels take (fp64 stays on the CPU backend).
+template <typename S>
+concept kernel_storage = std::same_as<S, float> || std::same_as<S, bf16> || std::same_as<S, fp16>;
+
+// --- Sizes ---------------------------------------------------------------------------------------
+
+// RMSNorm backward reduces dweight over rows in blocks of this many rows: one [C] partial per block.
+inline constexpr std::size_t rmsnorm_rows_per_block = 32;
+
+constexpr std::size_t rmsnorm_backward_partials(std::size_t N) noexcept {
+  return (N + rmsnorm_rows_per_block - 1) / rmsnorm_rows_per_block;
+}
+// Scratch of rmsnorm_backward: the per-row-block float partials of dweight.
+constexpr std::size_t rmsnorm_backward_workspace_bytes(std::size_t N, std::size_t C) noexcept {
+  return bytes_of<float>(rmsnorm_backward_partials(N), C);
+}
+
+// Scratch of cross_entropy_chunk: one double loss per row, summed in row order afterwards.
+constexpr std::size_t cross_entropy_workspace_bytes(std::size_t rows) noexcept {
+  return bytes_of<double>(rows);
+}
+
+// The gradient norm's first pass: a grid that depends on n alone (so the sum's shape does too).
+inline constexpr std::size_t norm_threads = 256;
+inline constexpr std::size_t norm_max_blocks = 1024;
+constexpr std::size_t global_norm_blocks(std::size_t n) noexcept {
+  const std::size_t b = (n + norm_threads * 8 - 1) / (norm_threads * 8);
+  return b == 0 ? 1 : (b < norm_max_blocks ? b : norm_max_blocks);
+}
+// Scratch of global_norm: one double partial per first-pass block.
+constexpr std::size_t global_norm_workspace_bytes(std::size_t n) noexcept {
+  return bytes_of<double>(global_norm_blocks(n));
+}
+
+// Embedding backward: vocabulary rows are split among this many owner threads per column (row v
+// belongs to owner v mod G). Enough owners to fill the device when C is small; the result does
+// not depend on G, since every (row, column) is still added in token order.
+constexpr std::size_t embedding_scatter_owners(std::size_t C) noexcept {
+  if (C == 0) return 1;
+  const std::size_t g = (std::size_t{1} << 15) / C;
+  return g < 1 ? 1 : (g > 64 ? 64 : g);
+}
+
+// One parameter range of the flat weight/gradient/state arrays, as model::parameters() lists them.
+struct adamw_segment {
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  bool decay = true;  // matrices decay; norms and biases do not
+};
+
+// Device-side inputs of adamw_update, so a step needs no host round trip. With `norm` (the global
+// norm of the gradients as stored, e.g. from global_norm) the gradient factor is
+// clip_factor(*norm / loss_scale, max_norm) / loss_scale · grad_scale, the trainer's formula;
+// without it, grad_scale alone. With `skip` the update does nothing while *skip != 0 (a
+// non-finite flag from check_finite).
+struct adamw_device_inputs {
+  const double* norm = nullptr;
+  double max_norm = 0;  // <= 0: no clipping
+  double loss_scale = 1;
+  const unsigned* skip = nullptr;
+};
+
+// At most this many segments go into one launch (a kernel parameter); more take several.
+inline constexpr std::size_t adamw_segments_per_launch = 32;
+
+// --- Host-side argument checks --------------------------------------------------------------------
+
+namespace detail {
+
+inline void need_pointer(const void* p, const char* name) {
+  if (p == nullptr) {
+    throw invalid_argument(name, "a device pointer", "nullptr",
+                           "Allocate the buffer on the executor's device before the call");
+  }
+}
+
+inline void need_aligned(const void* p, std::size_t alignment, const char* name) {
+  if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0) {
+    throw invalid_argument(name, "an address aligned to " + std::to_string(alignment) + " bytes",
+                           "an unaligned address", "Carve the buffer at a multiple of its element size");
+  }
+}
+
+inline void need_workspace(const void* ws, std::size_t given, std::size_t required, const char* name) {
+  if (required == 0) return;
+  if (ws == nullptr || given < required) throw workspace_too_small(name, required, ws == nullptr ? 0 : given);
+}
+
+// Rows index the grid's x dimension and elements are addressed in size_t: keep both in range.
+inline void need_extent(std::size_t n, std::size_t max, const char* name) {
+  if (n > max) {
+    throw invalid_argument(name, "at most " + std::to_string(max), std::to_string(n),
+                           "Split the call into smaller pieces");
+  }
+}
+
+inline void need_matrix(std::size_t N, std::size_t C, const char* rows, const char* cols) {
+  need_extent(N, static_cast<std::size_t>(std::numeric_limits<int>::max()), rows);
+  if (N != 0 && C == 0) {
+    throw invalid_argument(cols, "at least 1", "0", "Every row needs at least one column");
+  }
+  if (bytes_of<float>(N, C) == std::numeric_limits<std::size_t>::max()) {
+    throw invalid_argument(cols, "a size whose rows·columns fit in memory",
+                           std::to_string(N) + "·" + std::to_string(C), "Check the shape");
+  }
+}
+
+// Blocks for a grid-stride loop over n elements.
+inline unsigned grid_for(std::size_t n, std::size_t threads) {
+  const std::size_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
+}
+
+}  // namespace detail
+
+#if MEMBOUND_CUDA_COMPILER
+
+// --- Device building blocks -----------------------------------------------------------------------
+
+namespace detail {
+
+// Loads and stores through the raw bits, so device code depends on no host type's conversions.
+template <typename S>
+__device__ inline float ld(const S* p, std::size_t i) {
+  if constexpr (std::is_same_v<S, float>) {
+    return p[i];
+  } else if constexpr (std::is_same_v<S, bf16>) {
+    const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[i];
+    return __uint_as_float(static_cast<unsigned>(bits) << 16);  // exact: bf16 is a float's top half
+  } else {
+    return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(p)[i]));
+  }
+}
+
+template <typename S>
+__device__ inline void st(S* p, std::size_t i, float v) {
+  if constexpr (std::is_same_v<S, float>) {
+    p[i] = v;
+  } else if constexpr (std::is_same_v<S, bf16>) {
+    unsigned u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      u = (u >> 16) | 0x40u;  // NaN stays a quiet NaN of its sign
+    } else {
+      u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even; overflow reaches inf
+    }
+    reinterpret_cast<unsigned short*>(p)[i] = static_cast<unsigned short>(u);
+  } else {
+    reinterpret_cast<unsigned short*>(p)[i] = __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+struct op_sum {
+  template <typename T>
+  __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct op_max {
+  template <typename T>
+  __device__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+
+// Reduces one value per thread over the block (blockDim.x a multiple of 32, at most 1024) in a
+// fixed tree: lanes, then warps in order. Every thread gets the result; smem holds 32 T.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op, T identity, T* smem) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x >> 5) ? smem[lane] : identity;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
+    if (lane == 0) smem[0] = v;
+  }
+  __syncthreads();
+  const T r = smem[0];
+  __syncthreads();  // smem may be reused at once
+  return r;
+}
+
+inline constexpr unsigned row_threads = 256;
+
+// --- Kernels -------------------------------------------------------------------------------------
+
+template <typename S>
+__global__ void rmsnorm_forward_kernel(const S* x, const S* g, S* y, float* rstd, std::size_t C, float eps) {
+  __shared__ float smem[32];
+  const std::size_t row = blockIdx.x * C;
+  float ss = 0;
+  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float v = ld(x, row + c);
+    ss += v * v;
+  }
+  ss = block_reduce(ss, op_sum{}, 0.0f, smem);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) st(y, row + c, ld(x, row + c) * r * ld(g, c));
+}
+
+// Block b takes rows [32b, 32b + 32): dx row by row, and its own [C] partial of dweight. Each
+// column's partial is read and written by one thread only, so no atomics.
+template <typename S>
+__global__ void rmsnorm_backward_kernel(const S* x, const S* g, const float* rstd, const S* dy, const S* residual,
+                                        S* dx, float* partial, std::size_t N, std::size_t C) {
+  __shared__ float smem[32];
+  const std::size_t r0 = blockIdx.x * rmsnorm_rows_per_block;
+  const std::size_t r1 = r0 + rmsnorm_rows_per_block < N ? r0 + rmsnorm_rows_per_block : N;
+  float* part = partial + blockIdx.x * C;
+  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) part[c] = 0;
+  for (std::size_t n = r0; n < r1; ++n) {
+    const std::size_t row = n * C;
+    const float r = rstd[n];
+    float dot = 0;
+    for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float xv = ld(x, row + c), dv = ld(dy, row + c);
+      dot += dv * ld(g, c) * xv;
+      part[c] += dv * xv * r;
+    }
+    dot = block_reduce(dot, op_sum{}, 0.0f, smem);
+    const float k = r * r * r * dot / static_cast<float>(C);
+    for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) {
+      float v = r * ld(dy, row + c) * ld(g, c) - ld(x, row + c) * k;
+      if (residual != nullptr) v += ld(residual, row + c);
+      st(dx, row + c, v);
+    }
+  }
+}
+
+// dweight[c] += Σ_b partial[b][c], the blocks in order.
+template <typename S>
+__global__ void rmsnorm_dweight_kernel(const float* partial, S* dg, std::size_t blocks, std::size_t C) {
+  for (std::size_t c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += std::size_t{gridDim.x} * blockDim.x) {
+    float s = 0;
+    for (std::size_t b = 0; b < blocks; ++b) s += partial[b * C + c];
+    st(dg, c, ld(dg, c) + s);
+  }
+}
+
+template <typename S>
+__global__ void add_kernel(const S* a, const S* b, S* y, std::size_t n) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    st(y, i, ld(a, i) + ld(b, i));
+}
+
+template <typename S, typename T>
+__global__ void swiglu_forward_kernel(const S* a, const S* b, T* act, std::size_t n) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    st(act, i, membound::swiglu(ld(a, i), ld(b, i)));
+}
+
+template <typename S, typename T>
+__global__ void swiglu_backward_kernel(const S* a, const S* b, const T* dact, T* da, T* db, std::size_t n) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+    float ga, gb;
+    membound::swiglu_backward(ld(a, i), ld(b, i), ld(dact, i), ga, gb);
+    st(da, i, ga);  // dact[i] was read above, so da or db may be dact itself
+    st(db, i, gb);
+  }
+}
+
+// One block per row: a straight copy of the table row (bits, no rounding). A token outside
+// [0, V) gives a zero row and raises *bad (when given).
+template <typename S>
+__global__ void embedding_gather_kernel(const std::int32_t* tokens, const S* table, S* x, std::size_t C,
+                                        std::size_t V, unsigned* bad) {
+  const std::int32_t t = tokens[blockIdx.x];
+  const bool ok = t >= 0 && static_cast<std::size_t>(t) < V;
+  if (!ok && bad != nullptr && threadIdx.x == 0) *bad = 1;
+  const S* src = table + (ok ? static_cast<std::size_t>(t) : 0) * C;
+  S* dst = x + std::size_t{blockIdx.x} * C;
+  // Bits, not values: copy as unsigned integers of the element's size.
+  using raw = std::conditional_t<sizeof(S) == 4, unsigned, unsigned short>;
+  const raw* from = reinterpret_cast<const raw*>(src);
+  raw* to = reinterpret_cast<raw*>(dst);
+  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) to[c] = ok ? from[c] : raw(0);
+}
+
+// Thread (owner o, column c) walks all tokens in order and adds the rows whose id ≡ o (mod G):
+// every dtable element has exactly one writer and sees its tokens in token order, as on the CPU
+// (embedding_scatter there walks the tokens in order per column block), so the sums are the
+// CPU's to the bit and need no atomics. Cost: each thread reads all N ids (broadcast in a warp).
+template <typename S>
+__global__ void embedding_scatter_kernel(const std::int32_t* tokens, const S* dx, S* dtable, std::size_t N,
+                                         std::size_t C, std::size_t V, std::size_t owners, unsigned* bad) {
+  const std::size_t id = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (id >= owners * C) return;
+  const std::size_t c = id % C, o = id / C;
+  for (std::size_t n = 0; n < N; ++n) {
+    const std::int32_t t = tokens[n];
+    if (t < 0 || static_cast<std::size_t>(t) >= V) {
+      if (bad != nullptr && id == 0) *bad = 1;
+      continue;
+    }
+    if (static_cast<std::size_t>(t) % owners != o) continue;
+    const std::size_t at = static_cast<std::size_t>(t) * C + c;
+    st(dtable, at, ld(dtable, at) + ld(dx, n * C + c));
+  }
+}
+
+// One block per row of logits: log-sum-exp, then the row becomes scale·(softmax − onehot). A
+// target outside [0, V) makes the row's loss NaN (the non-finite check then catches it).
+template <int = 0>
+__global__ void cross_entropy_kernel(float* logits, const std::int32_t* targets, std::size_t V, float scale,
+                                            double* row_loss) {
+  __shared__ float smem[32];
+  float* l = logits + std::size_t{blockIdx.x} * V;
+  const std::int32_t t = targets[blockIdx.x];
+  const bool ok = t >= 0 && static_cast<std::size_t>(t) < V;
+  const float lt = ok ? l[t] : 0.0f;  // read before any thread overwrites the row
+  float m = -INFINITY;
+  for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, l[v]);
+  m = block_reduce(m, op_max{}, -INFINITY, smem);
+  float sum = 0;
+  for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) {
+    const float e = expf(l[v] - m);
+    l[v] = e;
+    sum += e;
+  }
+  sum = block_reduce(sum, op_sum{}, 0.0f, smem);
+  if (threadIdx.x == 0) {
+    // log-sum-exp form: no log(0) when p[target] underflows
+    row_loss[blockIdx.x] = ok ? log(static_cast<double>(sum)) - static_cast<double>(lt - m) : NAN;
+  }
+  const float inv = scale / sum;
+  for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) l[v] *= inv;
+  // The thread that scaled l[t] subtracts: program order, no barrier needed.
+  if (ok && static_cast<std::size_t>(t) % blockDim.x == threadIdx.x) l[t] -= scale;
+}
+
+// *total += Σ row_loss in row order (one thread: the CPU's order, so the same double).
+template <int = 0>
+__global__ void row_sum_kernel(const double* row_loss, std::size_t R, double* total) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double s = 0;
+  for (std::size_t r = 0; r < R; ++r) s += row_loss[r];
+  *total += s;
+}
+
+struct adamw_batch {
+  std::size_t offset[adamw_segments_per_launch];
+  std::size_t count[adamw_segments_per_launch];
+  std::size_t first_block[adamw_segments_per_launch + 1];
+  float wd[adamw_segments_per_launch];
+  unsigned segments;
+};
+
+inline constexpr unsigned adamw_threads = 256, adamw_per_thread = 4;
+
+// Block b updates its segment's elements [base, base + 1024); the block → segment map is a prefix
+// sum over the (few) segments of this launch.
+template <typename S>
+__global__ void adamw_kernel(S* w, const S* g, float* m, float* v, float* master, adamw_batch batch,
+                             adamw_coefficients<float> k, double grad_scale, adamw_device_inputs dev) {
+  if (dev.skip != nullptr && *dev.skip != 0) return;
+  unsigned s = 0;
+  while (s + 1 < batch.segments && batch.first_block[s + 1] <= blockIdx.x) ++s;
+  double gsd = grad_scale;
+  if (dev.norm != nullptr) {
+    const double norm = *dev.norm / dev.loss_scale;
+    const double clip = (dev.max_norm <= 0.0 || !(norm > dev.max_norm)) ? 1.0 : dev.max_norm / norm;
+    gsd = clip / dev.loss_scale * grad_scale;
+  }
+  const float gs = static_cast<float>(gsd);
+  k.wd = batch.wd[s];
+  const std::size_t end = batch.offset[s] + batch.count[s];
+  const std::size_t base =
+      batch.offset[s] + (blockIdx.x - batch.first_block[s]) * std::size_t{adamw_threads * adamw_per_thread};
+  for (unsigned j = 0; j < adamw_per_thread; ++j) {
+    const std::size_t i = base + j * adamw_threads + threadIdx.x;
+    if (i >= end) break;
+    float p = master != nullptr ? master[i] : ld(w, i);
+    adamw_step(k, ld(g, i) * gs, m[i], v[i], p);
+    if (master != nullptr) master[i] = p;
+    st(w, i, p);
+  }
+}
+
+template <typename S>
+__global__ void norm_partial_kernel(const S* g, std::size_t n, double* partial) {
+  __shared__ double smem[32];
+  double s = 0;
+  for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+    const double v = ld(g, i);
+    s += v * v;
+  }
+  s = block_reduce(s, op_sum{}, 0.0, smem);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+template <int = 0>
+__global__ void norm_final_kernel(const double* partial, std::size_t blocks, double* norm) {
+  __shared__ double smem[32];
+  double s = 0;
+  for (std::size_t b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
+  s = block_reduce(s, op_sum{}, 0.0, smem);
+  if (threadIdx.x == 0) *norm = sqrt(s);
+}
+
+// Only ever writes 1 (every writer the same value), so the race is benign and no atomic is needed.
+template <typename S>
+__global__ void check_finite_kernel(const S* data, std::size_t n, unsigned* flag) {
+  for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+    if (!isfinite(ld(data, i))) *flag = 1;
+  }
+}
+
+}  // namespace detail
+
+// --- Launchers -------------------------------------------------------------------------------------
+
+// y = x·rstd·g per row with rstd = 1/sqrt(mean(x²) + eps) (float), kept [N] for backward.
+template <kernel_storage S>
+void rmsnorm_forward(const cuda_executor& ex, const S* x, const S* g, S* y, float* rstd, std::size_t N,
+                     std::size_t C, double eps) {
+  detail::need_matrix(N, C, "N", "C");
+  if (!(eps > 0.0) || !std::isfinite(eps)) {
+    throw invalid_argument("eps", "a finite value above 0", std::to_string(eps), "Use e.g. 1e-5");
+  }
+  if (N == 0) return;
+  detail::need_pointer(x, "x");
+  detail::need_pointer(g, "g");
+  detail::need_pointer(y, "y");
+  detail::need_pointer(rstd, "rstd");
+  detail::rmsnorm_forward_kernel<<<static_cast<unsigned>(N), detail::row_threads, 0, ex.stream()>>>(
+      x, g, y, rstd, C, static_cast<float>(eps));
+  cuda_executor::check_launch("rmsnorm_forward_kernel");
+}
+
+// dx = residual + rstd·(dy⊙g) − x·rstd³/C·Σ(dy⊙g⊙x) (residual may be null), dg += Σ_n dy⊙x·rstd,
+// reduced through rmsnorm_backward_workspace_bytes(N, C) of per-row-block partials in block order.
+template <kernel_storage S>
+void rmsnorm_backward(const cuda_executor& ex, const S* x, const S* g, const float* rstd, const S* dy,
+                      const S* residual, S* dx, S* dg, void* workspace, std::size_t workspace_bytes,
+                      std::size_t N, std::size_t C) {
+  detail::need_matrix(N, C, "N", "C");
+  if (N == 0) return;
+  detail::need_pointer(x, "x");
+  detail::need_pointer(g, "g");
+  detail::need_pointer(rstd, "rstd");
+  detail::need_pointer(dy, "dy");
+  detail::need_pointer(dx, "dx");
+  detail::need_pointer(dg, "dg");
+  detail::need_workspace(workspace, workspace_bytes, rmsnorm_backward_workspace_bytes(N, C), "workspace");
+  detail::need_aligned(workspace, alignof(float), "workspace");
+  const std::size_t blocks = rmsnorm_backward_partials(N);
+  float* partial = static_cast<float*>(workspace);
+  detail::rmsnorm_backward_kernel<<<static_cast<unsigned>(blocks), detail::row_threads, 0, ex.stream()>>>(
+      x, g, rstd, dy, residual, dx, partial, N, C);
+  cuda_executor::check_launch("rmsnorm_backward_kernel");
+  detail::rmsnorm_dweight_kernel<<<detail::grid_for(C, 256), 256, 0, ex.stream()>>>(partial, dg, blocks, C);
+  cuda_executor::check_launch("rmsnorm_dweight_kernel");
+}
+
+// y = a + b elementwise over n values, one rounding (the residual adds).
+template <kernel_storage S>
+void add_rows(const cuda_executor& ex, const S* a, const S* b, S* y, std::size_t n) {
+  if (n == 0) return;
+  detail::need_pointer(a, "a");
+  detail::need_pointer(b, "b");
+  detail::need_pointer(y, "y");
+  detail::add_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, y, n);
+  cuda_executor::check_launch("add_kernel");
+}
+
+// act = silu(a)·b from the stored pre-activations; act is float or S.
+template <kernel_storage S, typename T>
+  requires(std::same_as<T, float> || std::same_as<T, S>)
+void swiglu_forward(const cuda_executor& ex, const S* a, const S* b, T* act, std::size_t n) {
+  if (n == 0) return;
+  detail::need_pointer(a, "a");
+  detail::need_pointer(b, "b");
+  detail::need_pointer(act, "act");
+  detail::swiglu_forward_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, act, n);
+  cuda_executor::check_launch("swiglu_forward_kernel");
+}
+
+// da = dact·b·silu'(a), db = dact·silu(a); da or db may be dact (in place, as the CPU MLP does).
+template <kernel_storage S, typename T>
+  requires(std::same_as<T, float> || std::same_as<T, S>)
+void swiglu_backward(const cuda_executor& ex, const S* a, const S* b, const T* dact, T* da, T* db, std::size_t n) {
+  if (n == 0) return;
+  detail::need_pointer(a, "a");
+  detail::need_pointer(b, "b");
+  detail::need_pointer(dact, "dact");
+  detail::need_pointer(da, "da");
+  detail::need_pointer(db, "db");
+  if (da == db) {
+    throw invalid_argument("db", "a buffer apart from da", "the same pointer as da",
+                           "Give the two gradients separate buffers (one may be dact)");
+  }
+  detail::swiglu_backward_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, dact, da, db, n);
+  cuda_executor::check_launch("swiglu_backward_kernel");
+}
+
+// x[n] = table[tokens[n]] for N device token ids over a [V, C] table. Ids live on the device, so
+// they cannot be checked here without a sync: check them on the host before the upload (as
+// model::check_tokens does); a bad id still never reads outside the table: its row is zero and
+// *bad_token (optional device flag) becomes 1.
+template <kernel_storage S>
+void embedding_gather(const cuda_executor& ex, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
+                      std::size_t C, std::size_t V, unsigned* bad_token = nullptr) {
+  detail::need_matrix(N, C, "N", "C");
+  detail::need_matrix(V, C, "V", "C");
+  if (N == 0) return;
+  if (V == 0) throw invalid_argument("V", "at least 1", "0", "The table needs at least one row");
+  detail::need_pointer(tokens, "tokens");
+  detail::need_pointer(table, "table");
+  detail::need_pointer(x, "x");
+  detail::embedding_gather_kernel<<<static_cast<unsigned>(N), detail::row_threads, 0, ex.stream()>>>(
+      tokens, table, x, C, V, bad_token);
+  cuda_executor::check_launch("embedding_gather_kernel");
+}
+
+// dtable[tokens[n]] += dx[n], deterministic and without atomics (see embedding_scatter_kernel).
+template <kernel_storage S>
+void embedding_scatter(const cuda_executor& ex, const std::int32_t* tokens, const S* dx, S* dtable, std::size_t N,
+                       std::size_t C, std::size_t V, unsigned* bad_token = nullptr) {
+  detail::need_matrix(N, C, "N", "C");
+  detail::need_matrix(V, C, "V", "C");
+  if (N == 0) return;
+  if (V == 0) throw invalid_argument("V", "at least 1", "0", "The table needs at least one row");
+  detail::need_pointer(tokens, "tokens");
+  detail::need_pointer(dx, "dx");
+  detail::need_pointer(dtable, "dtable");
+  const std::size_t owners = embedding_scatter_owners(C);
+  const std::size_t threads = owners * C;
+  detail::need_extent(threads, std::size_t{256} * std::numeric_limits<int>::max(), "C");
+  detail::embedding_scatter_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, ex.stream()>>>(
+      tokens, dx, dtable, N, C, V, owners, bad_token);
+  cuda_executor::check_launch("embedding_scatter_kernel");
+}
+
+// One chunk of the fused cross-entropy over R rows of float logits [R, V] (in place): each row
+// becomes scale·(softmax − onehot(target)), and *loss_total (a device double) grows by
+// Σ_rows −log softmax[target], summed in row order. Scratch: cross_entropy_workspace_bytes(R).
+inline void cross_entropy_chunk(const cuda_executor& ex, float* logits, const std::int32_t* targets, std::size_t R,
+                                std::size_t V, double scale, double* loss_total, void* workspace,
+                                std::size_t workspace_bytes) {
+  detail::need_matrix(R, V, "R", "V");
+  if (!std::isfinite(scale)) {
+    throw invalid_argument("scale", "a finite number", std::to_string(scale), "Pass e.g. 1/tokens");
+  }
+  if (R == 0) return;
+  detail::need_pointer(logits, "logits");
+  detail::need_pointer(targets, "targets");
+  detail::need_pointer(loss_total, "loss_total");
+  detail::need_workspace(workspace, workspace_bytes, cross_entropy_workspace_bytes(R), "workspace");
+  detail::need_aligned(workspace, alignof(double), "workspace");
+  double* row_loss = static_cast<double*>(workspace);
+  detail::cross_entropy_kernel<><<<static_cast<unsigned>(R), detail::row_threads, 0, ex.stream()>>>(
+      logits, targets, V, static_cast<float>(scale), row_loss);
+  cuda_executor::check_launch("cross_entropy_kernel");
+  detail::row_sum_kernel<><<<1, 1, 0, ex.stream()>>>(row_loss, R, loss_total);
+  cuda_executor::check_launch("row_sum_kernel");
+}
+
+// AdamW at step t (1-based) over the listed segments of flat arrays of n parameters; `state` is
+// adamw<S>'s layout (m, v, then the fp32 master for 16-bit S: adamw<S>::state_bytes(n) bytes), so
+// it is the CPU optimizer's state byte for byte. The math is adamw_step (core/element_math.hpp).
+template <kernel_storage S>
+void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::size_t state_bytes, std::size_t n,
+                  std::span<const adamw_segment> segments, std::uint64_t t, double lr, const adamw_config& c,
+                  double grad_scale = 1.0, const adamw_device_inputs& dev = {}) {
+  const auto finite_in = [](double x, double lo, double hi, const char* name, const char* expected) {
+    if (!(x >= lo && x <= hi)) throw invalid_argument(name, expected, std::to_string(x), "Fix the optimizer settings");
+  };
+  finite_in(lr, 0.0, std::numeric_limits<double>::max(), "lr", "a finite rate, 0 or more");
+  finite_in(c.beta1, 0.0, std::nextafter(1.0, 0.0), "config.beta1", "in [0, 1)");
+  finite_in(c.beta2, 0.0, std::nextafter(1.0, 0.0), "config.beta2", "in [0, 1)");
+  finite_in(c.eps, std::numeric_limits<double>::min(), std::numeric_limits<double>::max(), "config.eps",
+            "a positive finite number");
+  finite_in(c.weight_decay, 0.0, std::numeric_limits<double>::max(), "config.weight_decay", "0 or more, finite");
+  finite_in(grad_scale, -std::numeric_limits<double>::max(), std::numeric_limits<double>::max(), "grad_scale",
+            "a finite number");
+  finite_in(dev.loss_scale, std::numeric_limits<double>::min(), std::numeric_limits<double>::max(),
+            "dev.loss_scale", "a positive finite number");
+  if (t == 0) throw invalid_argument("t", "a step counted from 1", "0", "Pass the number of updates done plus one");
+  std::size_t prev_end = 0;  // segments in increasing order, apart: no element updated twice
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const adamw_segment& s = segments[i];
+    const std::string name = "segments[" + std::to_string(i) + "]";
+    if (s.offset < prev_end || s.count > n || s.offset > n - s.count) {
+      throw invalid_argument(name, "a range inside [0, " + std::to_string(n) + ") after the previous segment",
+                             "[" + std::to_string(s.offset) + ", +" + std::to_string(s.count) + ")",
+                             "List the segments in order, without overlap, as model::parameters() does");
+    }
+    prev_end = s.offset + s.count;
+  }
+  if (n == 0 || segments.empty()) return;
+  detail::need_pointer(w, "w");
+  detail::need_pointer(g, "g");
+  detail::need_workspace(state, state_bytes, adamw<S>::state_bytes(n), "state");
+  detail::need_aligned(state, alignof(float), "state");
+  using opt = adamw<S>;
+  static_assert(std::is_same_v<typename opt::moment_type, float>);
+  float* m = static_cast<float*>(state);
+  float* v = m + n;
+  float* master = opt::has_master ? m + 2 * n : nullptr;
+  const auto k = adamw_coefficients<float>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
+  constexpr std::size_t per_block = detail::adamw_threads * detail::adamw_per_thread;
+  for (std::size_t first = 0; first < segments.size(); first += adamw_segments_per_launch) {
+    detail::adamw_batch batch{};
+    std::size_t blocks = 0;
+    unsigned count = 0;
+    for (std::size_t i = first; i < segments.size() && count < adamw_segments_per_launch; ++i) {
+      if (segments[i].count == 0) continue;  // a block of its own would find no element
+      batch.offset[count] = segments[i].offset;
+      batch.count[count] = segments[i].count;
+      batch.first_block[count] = blocks;
+      batch.wd[count] = segments[i].decay ? k.wd : 0.0f;
+      blocks += (segments[i].count + per_block - 1) / per_block;
+      ++count;
+    }
+    if (count == 0) continue;
+    batch.first_block[count] = blocks;
+    batch.segments = count;
+    detail::need_extent(blocks, static_cast<std::size_t>(std::numeric_limits<int>::max()), "segments (total blocks)");
+    detail::adamw_kernel<<<static_cast<unsigned>(blocks), detail::adamw_threads, 0, ex.stream()>>>(
+        w, g, m, v, master, batch, k, grad_scale, dev);
+    cuda_executor::check_launch("adamw_kernel");
+  }
+}
+
+// *norm = sqrt(Σ g²) over n values (squares summed in double), in two passes of a shape fixed by
+// n: global_norm_blocks(n) block partials, then one block over them. Scratch:
+// global_norm_workspace_bytes(n). The result stays on the device for adamw_update's clipping.
+template <kernel_storage S>
+void global_norm(const cuda_executor& ex, const S* g, std::size_t n, double* norm, void* workspace,
+                 std::size_t workspace_bytes) {
+  detail::need_pointer(norm, "norm");
+  if (n != 0) detail::need_pointer(g, "g");
+  detail::need_workspace(workspace, workspace_bytes, global_norm_workspace_bytes(n), "workspace");
+  detail::need_aligned(workspace, alignof(double), "workspace");
+  const std::size_t blocks = global_norm_blocks(n);
+  double* partial = static_cast<double*>(workspace);
+  detail::norm_partial_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, ex.stream()>>>(g, n, partial);
+  cuda_executor::check_launch("norm_partial_kernel");
+  detail::norm_final_kernel<><<<1, 1024, 0, ex.stream()>>>(partial, blocks, norm);
+  cuda_executor::check_launch("norm_final_kernel");
+}
+
+// *flag = 1 when any of n values is inf or NaN; never cleared here (clear it with
+// cudaMemsetAsync before the first check of a step, so several arrays can share one flag).
+template <kernel_storage S>
+void check_finite(const cuda_executor& ex, const S* data, std::size_t n, unsigned* flag) {
+  detail::need_pointer(flag, "flag");
+  if (n == 0) return;
+  detail::need_pointer(data, "data");
+  detail::check_finite_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(data, n, flag);
+  cuda_executor::check_launch("check_finite_kernel");
+}
+
+#endif  // MEMBOUND_CUDA_COMPILER
+
+}  // namespace cuda
+
+MEMBOUND_NAMESPACE_END
