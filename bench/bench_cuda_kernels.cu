@@ -16,7 +16,7 @@
 #include "membound/backend/cuda.cuh"
 
 namespace mb = membound;
-namespace mc = membound::cuda;
+namespace mc = membound::gpu;
 
 namespace {
 

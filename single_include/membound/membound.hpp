@@ -545,6 +545,116 @@ constexpr T from_accum(A x) noexcept {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/dtype.hpp ----
+// ---- begin membound/core/element_math.hpp ----
+// Element-wise math that the CPU backend and the CUDA kernels share: SiLU and its derivative, the
+// SwiGLU gate forward and backward, and one AdamW step on one element. One definition for both
+// backends, so a GPU result differs from the CPU's only by the order of sums and the device's
+// exp/sqrt, never by a formula. Host-only header (no CUDA include); under nvcc every function is
+// __host__ __device__.
+//
+//   A act = swiglu(a, b);                       // silu(a)·b
+//   swiglu_backward(a, b, dact, da, db);         // ∂/∂a and ∂/∂b of dact·silu(a)·b
+//   const auto k = adamw_coefficients<float>::at(t, lr, beta1, beta2, eps, wd, decay);
+//   adamw_step(k, grad, m, v, p);                // p updated in place
+
+#include <cmath>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+// std::exp and std::sqrt are host functions; the device pass uses CUDA's float/double overloads.
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A exp_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::exp(v);
+#else
+  return std::exp(v);
+#endif
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A sqrt_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::sqrt(v);
+#else
+  return std::sqrt(v);
+#endif
+}
+}  // namespace detail
+
+// The logistic sigmoid 1/(1 + e^-v).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A sigmoid(A v) {
+  return A(1) / (A(1) + detail::exp_of(-v));
+}
+
+// SiLU (swish): v·sigmoid(v), as v/(1 + e^-v) (one division, no sigmoid rounding first).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A silu(A v) {
+  return v / (A(1) + detail::exp_of(-v));
+}
+
+// d silu / dv = σ(v)·(1 + v·(1 − σ(v))).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A silu_grad(A v) {
+  const A s = sigmoid(v);
+  return s * (A(1) + v * (A(1) - s));
+}
+
+// The SwiGLU gate: silu(a)·b.
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A swiglu(A a, A b) {
+  return silu(a) * b;
+}
+
+// Backward of act = silu(a)·b given dact: da = dact·b·silu'(a), db = dact·silu(a) (the latter as
+// dact·a·σ(a), sharing the one exp). da and db may alias each other's inputs: all reads come first.
+template <typename A>
+MEMBOUND_HOST_DEVICE inline void swiglu_backward(A a, A b, A dact, A& da, A& db) {
+  const A s = sigmoid(a);
+  const A ga = dact * b * s * (A(1) + a * (A(1) - s));
+  const A gb = dact * a * s;
+  da = ga;
+  db = gb;
+}
+
+// The per-step constants of AdamW with decoupled weight decay and bias correction, in the moment
+// type T, computed once on the host in double and rounded once (both backends use these values).
+template <typename T>
+struct adamw_coefficients {
+  T b1, b2;     // β1, β2
+  T step;       // lr / (1 − β1^t): the bias-corrected first moment's step size
+  T inv_b2t;    // 1 / (1 − β2^t)
+  T eps;
+  T wd;         // lr·λ when the parameter decays, else 0
+
+  // At step t (1-based).
+  static adamw_coefficients at(std::uint64_t t, double lr, double beta1, double beta2, double eps,
+                               double weight_decay, bool decay) {
+    const double b1t = 1.0 - std::pow(beta1, static_cast<double>(t));
+    const double b2t = 1.0 - std::pow(beta2, static_cast<double>(t));
+    adamw_coefficients k;
+    k.b1 = static_cast<T>(beta1);
+    k.b2 = static_cast<T>(beta2);
+    k.step = static_cast<T>(lr / b1t);
+    k.inv_b2t = static_cast<T>(1.0 / b2t);
+    k.eps = static_cast<T>(eps);
+    k.wd = decay ? static_cast<T>(lr * weight_decay) : T(0);
+    return k;
+  }
+};
+
+// One AdamW update of one parameter p with gradient g (already multiplied by the gradient scale):
+// m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², p ← p − lr·λ·p, p ← p − step·m/(√(v/(1−β2^t)) + ε).
+template <typename T>
+MEMBOUND_HOST_DEVICE inline void adamw_step(const adamw_coefficients<T>& k, T g, T& m, T& v, T& p) {
+  m = k.b1 * m + (T(1) - k.b1) * g;
+  v = k.b2 * v + (T(1) - k.b2) * g * g;
+  p -= k.wd * p;
+  p -= k.step * m / (detail::sqrt_of(v * k.inv_b2t) + k.eps);
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/element_math.hpp ----
 // ---- begin membound/core/parallel.hpp ----
 // A small fixed-size thread pool for the CPU backend's kernels.
 //
@@ -5766,8 +5876,6 @@ MEMBOUND_NAMESPACE_END
 // h of token t is the D-wide slice at column h·D of row b·T + t (tiles are strided Eigen maps:
 // no transposition copies); lse and the backward's row sums Δ are [B, H, T].
 
-#include <cmath>
-
 // ---- begin membound/backend/cpu/linalg.hpp ----
 // Dense linear algebra shared by the CPU layers: strided Eigen maps over the caller's buffers,
 // a GEMM that never touches the heap, row-parallel products with their transposes (for input and
@@ -9206,11 +9314,6 @@ void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, st
   });
 }
 
-template <typename A>
-A swish(A v) {
-  return v / (A(1) + std::exp(-v));
-}
-
 // x0[n] = table[tokens[n]]; the ids were checked by the caller.
 template <typename S>
 void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x,
@@ -9396,10 +9499,7 @@ class swiglu_mlp {
     cpu::for_rows(pool, N, [&](std::size_t n) {
       for (std::size_t f = 0; f < F; ++f) {
         const std::size_t i = n * F + f;
-        const A av = to_accum<A>(a_s[i]), bv = to_accum<A>(b_s[i]), d = db[i];
-        const A sg = A(1) / (A(1) + std::exp(-av));
-        da[i] = d * bv * sg * (A(1) + av * (A(1) - sg));
-        db[i] = d * av * sg;
+        swiglu_backward(to_accum<A>(a_s[i]), to_accum<A>(b_s[i]), db[i], da[i], db[i]);
       }
     });
     cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F);
@@ -9480,7 +9580,7 @@ class swiglu_mlp {
     cpu::for_rows(pool, N, [&](std::size_t n) {
       for (std::size_t f = 0; f < F; ++f) {
         const std::size_t i = n * F + f;
-        act[i] = cpu::swish(to_accum<A>(a[i])) * to_accum<A>(b[i]);
+        act[i] = swiglu(to_accum<A>(a[i]), to_accum<A>(b[i]));
       }
     });
   }
@@ -9700,24 +9800,15 @@ class adamw {
     moment_type* m = static_cast<moment_type*>(state);
     moment_type* v = m + n;
     moment_type* master = has_master ? m + 2 * n : nullptr;
-    const double b1t = 1.0 - std::pow(c.beta1, static_cast<double>(t));
-    const double b2t = 1.0 - std::pow(c.beta2, static_cast<double>(t));
-    const moment_type b1 = static_cast<moment_type>(c.beta1), b2 = static_cast<moment_type>(c.beta2);
-    const moment_type step = static_cast<moment_type>(lr / b1t);
-    const moment_type inv_b2t = static_cast<moment_type>(1.0 / b2t);
-    const moment_type eps = static_cast<moment_type>(c.eps);
-    const moment_type wd = decay ? static_cast<moment_type>(lr * c.weight_decay) : 0;
+    const auto k = adamw_coefficients<moment_type>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, decay);
     const moment_type gs = static_cast<moment_type>(grad_scale);
     constexpr std::size_t block = 4096;
     pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
       const std::size_t i0 = first + b * block, i1 = std::min(first + count, i0 + block);
       for (std::size_t i = i0; i < i1; ++i) {
         const moment_type gi = to_accum<moment_type>(g[i]) * gs;
-        m[i] = b1 * m[i] + (1 - b1) * gi;
-        v[i] = b2 * v[i] + (1 - b2) * gi * gi;
         moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
-        p -= wd * p;
-        p -= step * m[i] / (std::sqrt(v[i] * inv_b2t) + eps);
+        adamw_step(k, gi, m[i], v[i], p);
         if constexpr (has_master) master[i] = p;
         w[i] = from_accum<S>(p);
       }

@@ -19,7 +19,7 @@
 #include "membound/train/schedule_lr.hpp"
 
 namespace mb = membound;
-namespace mc = membound::cuda;
+namespace mc = membound::gpu;
 
 namespace {
 

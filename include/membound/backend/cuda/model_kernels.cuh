@@ -2,11 +2,11 @@
 // trainer's optimizer step, gradient norm and non-finite check.
 //
 //   cuda_executor ex;
-//   cuda::rmsnorm_forward(ex, x, g, y, rstd, N, C, eps);
-//   cuda::rmsnorm_backward(ex, x, g, rstd, dy, nullptr, dx, dg, ws,
-//                          cuda::rmsnorm_backward_workspace_bytes(N, C), N, C);
-//   cuda::global_norm(ex, grads, n, norm_dev, ws, cuda::global_norm_workspace_bytes(n));
-//   cuda::adamw_update(ex, w, grads, state, state_bytes, n, segments, t, lr, cfg, 1.0, {norm_dev, 1.0});
+//   gpu::rmsnorm_forward(ex, x, g, y, rstd, N, C, eps);
+//   gpu::rmsnorm_backward(ex, x, g, rstd, dy, nullptr, dx, dg, ws,
+//                          gpu::rmsnorm_backward_workspace_bytes(N, C), N, C);
+//   gpu::global_norm(ex, grads, n, norm_dev, ws, gpu::global_norm_workspace_bytes(n));
+//   gpu::adamw_update(ex, w, grads, state, state_bytes, n, segments, t, lr, cfg, 1.0, {norm_dev, 1.0});
 //
 // Storage S is float, bf16 or fp16; everything is computed and accumulated in float (the loss and
 // the gradient norm in double), as the CPU backend does with fp32 accumulation. Arguments are
@@ -37,12 +37,13 @@
 #include "membound/optimizer/adamw.hpp"
 
 #if MEMBOUND_CUDA_COMPILER
+#include <cub/block/block_reduce.cuh>
 #include <cuda_fp16.h>
 #endif
 
 MEMBOUND_NAMESPACE_BEGIN
 
-namespace cuda {
+namespace gpu {
 
 // The storage types the kernels take (fp64 stays on the CPU backend).
 template <typename S>
@@ -204,24 +205,26 @@ struct op_max {
   __device__ T operator()(T a, T b) const { return a > b ? a : b; }
 };
 
-// Reduces one value per thread over the block (blockDim.x a multiple of 32, at most 1024) in a
-// fixed tree: lanes, then warps in order. Every thread gets the result; smem holds 32 T.
-template <typename T, typename Op>
-__device__ T block_reduce(T v, Op op, T identity, T* smem) {
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < (blockDim.x >> 5) ? smem[lane] : identity;
-    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
-    if (lane == 0) smem[0] = v;
+// A block-wide reduction whose result every thread gets: CUB's BlockReduce (warp shuffles, then
+// the warps in a fixed order) for a block size fixed at compile time, so the same tree on every
+// run and device. Launch with exactly Threads threads.
+template <typename T, unsigned Threads>
+struct block_allreduce {
+  using reduce = cub::BlockReduce<T, static_cast<int>(Threads)>;
+  struct storage {
+    typename reduce::TempStorage temp;
+    T result;
+  };
+  template <typename Op>
+  __device__ static T run(T v, Op op, storage& s) {
+    const T r = reduce(s.temp).Reduce(v, op);  // valid in thread 0 only
+    if (threadIdx.x == 0) s.result = r;
+    __syncthreads();
+    const T out = s.result;
+    __syncthreads();  // the storage may be reused at once
+    return out;
   }
-  __syncthreads();
-  const T r = smem[0];
-  __syncthreads();  // smem may be reused at once
-  return r;
-}
+};
 
 inline constexpr unsigned row_threads = 256;
 
@@ -229,14 +232,15 @@ inline constexpr unsigned row_threads = 256;
 
 template <typename S>
 __global__ void rmsnorm_forward_kernel(const S* x, const S* g, S* y, float* rstd, std::size_t C, float eps) {
-  __shared__ float smem[32];
+  using allreduce = block_allreduce<float, row_threads>;
+  __shared__ typename allreduce::storage red;
   const std::size_t row = blockIdx.x * C;
   float ss = 0;
   for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) {
     const float v = ld(x, row + c);
     ss += v * v;
   }
-  ss = block_reduce(ss, op_sum{}, 0.0f, smem);
+  ss = allreduce::run(ss, op_sum{}, red);
   const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) st(y, row + c, ld(x, row + c) * r * ld(g, c));
@@ -247,7 +251,8 @@ __global__ void rmsnorm_forward_kernel(const S* x, const S* g, S* y, float* rstd
 template <typename S>
 __global__ void rmsnorm_backward_kernel(const S* x, const S* g, const float* rstd, const S* dy, const S* residual,
                                         S* dx, float* partial, std::size_t N, std::size_t C) {
-  __shared__ float smem[32];
+  using allreduce = block_allreduce<float, row_threads>;
+  __shared__ typename allreduce::storage red;
   const std::size_t r0 = blockIdx.x * rmsnorm_rows_per_block;
   const std::size_t r1 = r0 + rmsnorm_rows_per_block < N ? r0 + rmsnorm_rows_per_block : N;
   float* part = partial + blockIdx.x * C;
@@ -261,7 +266,7 @@ __global__ void rmsnorm_backward_kernel(const S* x, const S* g, const float* rst
       dot += dv * ld(g, c) * xv;
       part[c] += dv * xv * r;
     }
-    dot = block_reduce(dot, op_sum{}, 0.0f, smem);
+    dot = allreduce::run(dot, op_sum{}, red);
     const float k = r * r * r * dot / static_cast<float>(C);
     for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) {
       float v = r * ld(dy, row + c) * ld(g, c) - ld(x, row + c) * k;
@@ -347,21 +352,22 @@ __global__ void embedding_scatter_kernel(const std::int32_t* tokens, const S* dx
 template <int = 0>
 __global__ void cross_entropy_kernel(float* logits, const std::int32_t* targets, std::size_t V, float scale,
                                             double* row_loss) {
-  __shared__ float smem[32];
+  using allreduce = block_allreduce<float, row_threads>;
+  __shared__ typename allreduce::storage red;
   float* l = logits + std::size_t{blockIdx.x} * V;
   const std::int32_t t = targets[blockIdx.x];
   const bool ok = t >= 0 && static_cast<std::size_t>(t) < V;
   const float lt = ok ? l[t] : 0.0f;  // read before any thread overwrites the row
   float m = -INFINITY;
   for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, l[v]);
-  m = block_reduce(m, op_max{}, -INFINITY, smem);
+  m = allreduce::run(m, op_max{}, red);
   float sum = 0;
   for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) {
     const float e = expf(l[v] - m);
     l[v] = e;
     sum += e;
   }
-  sum = block_reduce(sum, op_sum{}, 0.0f, smem);
+  sum = allreduce::run(sum, op_sum{}, red);
   if (threadIdx.x == 0) {
     // log-sum-exp form: no log(0) when p[target] underflows
     row_loss[blockIdx.x] = ok ? log(static_cast<double>(sum)) - static_cast<double>(lt - m) : NAN;
@@ -422,22 +428,24 @@ __global__ void adamw_kernel(S* w, const S* g, float* m, float* v, float* master
 
 template <typename S>
 __global__ void norm_partial_kernel(const S* g, std::size_t n, double* partial) {
-  __shared__ double smem[32];
+  using allreduce = block_allreduce<double, norm_threads>;
+  __shared__ typename allreduce::storage red;
   double s = 0;
   for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
     const double v = ld(g, i);
     s += v * v;
   }
-  s = block_reduce(s, op_sum{}, 0.0, smem);
+  s = allreduce::run(s, op_sum{}, red);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 template <int = 0>
 __global__ void norm_final_kernel(const double* partial, std::size_t blocks, double* norm) {
-  __shared__ double smem[32];
+  using allreduce = block_allreduce<double, 1024>;
+  __shared__ typename allreduce::storage red;
   double s = 0;
   for (std::size_t b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
-  s = block_reduce(s, op_sum{}, 0.0, smem);
+  s = allreduce::run(s, op_sum{}, red);
   if (threadIdx.x == 0) *norm = sqrt(s);
 }
 
@@ -697,6 +705,6 @@ void check_finite(const cuda_executor& ex, const S* data, std::size_t n, unsigne
 
 #endif  // MEMBOUND_CUDA_COMPILER
 
-}  // namespace cuda
+}  // namespace gpu
 
 MEMBOUND_NAMESPACE_END
