@@ -37,7 +37,7 @@ def find_nvcc() -> str:
 def eigen_include() -> list[str]:
     for d in (os.environ.get("EIGEN3_INCLUDE_DIR"), "/usr/include/eigen3"):
         if d and Path(d, "Eigen").exists():
-            return ["-I", d]
+            return ["-isystem", d]
     return []
 
 

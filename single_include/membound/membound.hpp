@@ -9381,14 +9381,20 @@ MEMBOUND_NAMESPACE_END
 // Forward keeps the two pre-activations a = x·Wg and b = x·Wu ([B·T, F] each, storage type) and
 // backward uses them as stored; the product SiLU(a)⊙b is recomputed (elementwise, cheap) rather
 // than kept. Every buffer is the caller's.
+//
+// With cuda_backend in the policies every pointer is device memory, the executor is a
+// cuda_executor, and the kernels are backend/cuda/mlp_cuda.cuh's (include membound/backend/cuda.cuh
+// and compile with nvcc); saved_bytes is the same, the workspace holds cuBLASLt's too.
 
 MEMBOUND_NAMESPACE_BEGIN
 
 template <typename... Policies>
 class swiglu_mlp {
  public:
-  using policies = policy_set<type_list<fp32_precision>, Policies...>;
+  using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
 
@@ -9396,6 +9402,7 @@ class swiglu_mlp {
   using S = storage_type;
   using A = accum_type;
   static constexpr bool widened = !std::is_same_v<S, A>;
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  public:
   static constexpr layer_support can_implement(const mlp_shape& s) noexcept {
@@ -9418,10 +9425,12 @@ class swiglu_mlp {
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
   static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+    if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template forward_workspace_bytes<S>(s);
     const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
     return detail::fits_layout(b) ? forward_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
   static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+    if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template backward_workspace_bytes<S>(s);
     const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
     return detail::fits_layout(b) ? backward_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
@@ -9439,12 +9448,47 @@ class swiglu_mlp {
 
   static void forward(const mlp_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    if constexpr (!on_cpu) {
+      backend_kernels<backend, mlp_shape>::template forward<S, A>(
+          s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a), sv.template get<S>(s_b),
+          workspace, workspace_size, pool);
+    } else {
+      forward_cpu(s, w, x, y, sv, workspace, workspace_size, pool);
+    }
+  }
+
+  static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, executor& pool) {
+    check(s);
+    check_weights(w);
+    detail::not_null(x, "x");
+    detail::not_null(dy, "dy");
+    detail::not_null(dx, "dx");
+    detail::not_null(g.w_gate, "gradients.w_gate");
+    detail::not_null(g.w_up, "gradients.w_up");
+    detail::not_null(g.w_down, "gradients.w_down");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                        saved_size, "saved");
+    if constexpr (!on_cpu) {
+      backend_kernels<backend, mlp_shape>::template backward<S, A>(
+          s, w.w_gate, w.w_up, w.w_down, x, sv.template get<S>(s_a), sv.template get<S>(s_b), dy,
+          dx, g.w_gate, g.w_up, g.w_down, workspace, workspace_size, pool);
+    } else {
+      backward_cpu(s, w, x, sv, dy, dx, g, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  template <typename SavedView>
+  static void forward_cpu(const mlp_shape& s, const weights& w, const S* x, S* y, const SavedView& sv,
+                          void* workspace, std::size_t workspace_size, thread_pool& pool) {
     const auto ws = detail::carve_named(forward_layout(s), forward_workspace_bytes(s, 1), workspace,
                                         workspace_size, "workspace");
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
@@ -9467,19 +9511,10 @@ class swiglu_mlp {
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
   }
 
-  static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
-                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    check(s);
-    check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
-    detail::not_null(g.w_gate, "gradients.w_gate");
-    detail::not_null(g.w_up, "gradients.w_up");
-    detail::not_null(g.w_down, "gradients.w_down");
-    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
-                                        saved_size, "saved");
+  template <typename SavedView>
+  static void backward_cpu(const mlp_shape& s, const weights& w, const S* x, const SavedView& sv,
+                           const S* dy, S* dx, const gradients& g, void* workspace,
+                           std::size_t workspace_size, thread_pool& pool) {
     const auto ws = detail::carve_named(backward_layout(s), backward_workspace_bytes(s, 1),
                                         workspace, workspace_size, "workspace");
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;

@@ -13,3 +13,4 @@
 #include "membound/backend/cuda/cuda_memory_info.cuh"
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/mlp_cuda.cuh"

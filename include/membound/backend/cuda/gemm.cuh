@@ -91,6 +91,10 @@ inline constexpr std::size_t gemm_workspace_bytes_other = std::size_t{4} << 20;
 // cuBLAS requires its workspace to be 256-byte aligned (as cudaMalloc returns).
 inline constexpr std::size_t gemm_workspace_alignment = 256;
 
+// The most any architecture asks for: what a size function that cannot see the device (a layer's
+// workspace_bytes, the planner) reserves, so the plan holds on every GPU.
+inline constexpr std::size_t gemm_workspace_bytes_max = gemm_workspace_bytes_hopper;
+
 constexpr std::size_t gemm_workspace_bytes_for(int compute_capability_major) noexcept {
   return compute_capability_major >= 9 ? gemm_workspace_bytes_hopper : gemm_workspace_bytes_other;
 }
@@ -497,6 +501,13 @@ class gemm_cache {
   std::unordered_map<detail::gemm_key, std::unique_ptr<gemm_plan>, detail::gemm_key_hash> plans_;
   std::vector<std::pair<int, std::size_t>> workspace_by_device_;
 };
+
+// The plans of the layers' GEMMs: one per process, like cuBLAS's own handle-level caches. Plans
+// depend on the device and the problem only, never on the stream, so every executor shares it.
+inline gemm_cache& shared_gemm_cache() {
+  static gemm_cache cache;
+  return cache;
+}
 
 // What cpu::matmul's thread_pool is to the host: where and with what a GEMM runs. Borrows all.
 class gemm_context {

@@ -292,6 +292,12 @@ __global__ void add_kernel(const S* a, const S* b, S* y, std::size_t n) {
     st(y, i, ld(a, i) + ld(b, i));
 }
 
+template <typename S>
+__global__ void convert_kernel(const float* src, S* dst, std::size_t n) {
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
+    st(dst, i, src[i]);
+}
+
 template <typename S, typename T>
 __global__ void swiglu_forward_kernel(const S* a, const S* b, T* act, std::size_t n) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
@@ -513,6 +519,16 @@ void add_rows(const cuda_executor& ex, const S* a, const S* b, S* y, std::size_t
   detail::need_pointer(y, "y");
   detail::add_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, y, n);
   cuda_executor::check_launch("add_kernel");
+}
+
+// dst = src rounded to S (to nearest even): the one rounding of a value accumulated in fp32.
+template <kernel_storage S>
+void convert(const cuda_executor& ex, const float* src, S* dst, std::size_t n) {
+  if (n == 0) return;
+  detail::need_pointer(src, "src");
+  detail::need_pointer(dst, "dst");
+  detail::convert_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(src, dst, n);
+  cuda_executor::check_launch("convert_kernel");
 }
 
 // act = silu(a)·b from the stored pre-activations; act is float or S.
