@@ -52,6 +52,7 @@ struct backend_kernels<cuda_backend, mlp_shape> {
     return fits(s) ? backward_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
 
+#if MEMBOUND_CUDA_COMPILER
   // a_s, b_s: the saved pre-activations [N, F], written here. The layer checked the shape, the
   // pointers and the saved buffer.
   template <typename S, typename A>
@@ -99,6 +100,22 @@ struct backend_kernels<cuda_backend, mlp_shape> {
       gpu::convert(ex, static_cast<const float*>(dxf), dx, N * C);
     }
   }
+#else
+  // The launches exist only where nvcc compiles: the size functions above are all a host-only
+  // translation unit (a planner, a .cpp) can use.
+  template <typename S, typename A, typename... Args>
+  static void forward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: swiglu_mlp<..., cuda_backend>::forward launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <typename S, typename A, typename... Args>
+  static void backward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: swiglu_mlp<..., cuda_backend>::backward launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+#endif
 
  private:
   static constexpr bool fits(const mlp_shape& s) noexcept {
