@@ -91,6 +91,7 @@ struct backend_kernels<cuda_backend, lm_head_shape> {
     return fits<S>(s) ? layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
 
+#if MEMBOUND_CUDA_COMPILER
   // Σ_rows cross-entropy; dx = ∂(scale·Σ loss)/∂x, dnorm and dw accumulated (+=). The layer checked
   // the shape and the pointers.
   template <typename S, typename A>
@@ -174,6 +175,25 @@ struct backend_kernels<cuda_backend, lm_head_shape> {
     ex.synchronize();
     return loss;
   }
+
+#else
+  // A plain C++ translation unit may size the head (workspace_bytes) but not run it: the launches
+  // need nvcc.
+  template <typename S, typename A, typename... Args>
+  static double loss_backward(const lm_head_shape&, Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: lm_head on cuda_backend runs only in a file compiled with nvcc.");
+    return 0;
+  }
+  template <typename S, typename A, typename... Args>
+  static double loss(const lm_head_shape&, Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: lm_head on cuda_backend runs only in a file compiled with nvcc.");
+    return 0;
+  }
+
+ private:
+#endif  // MEMBOUND_CUDA_COMPILER
 
   // Slots this large would overflow the layout's placement (as layers' huge_slot).
   static constexpr std::size_t huge = std::numeric_limits<std::size_t>::max() / 32;
