@@ -9633,14 +9633,24 @@ MEMBOUND_NAMESPACE_END
 //   using head = membound::lm_head<membound::bf16_precision>;
 //   std::size_t ws = head::workspace_bytes(shape, pool.size());
 //   double loss = head::loss_backward(shape, w, x, targets, scale, dx, g, buf, ws, pool);
+//
+// With cuda_backend in the policies every pointer (the targets too) is device memory, the executor
+// is a cuda_executor, and the kernels are backend/cuda/lm_head_cuda.cuh's (include
+// membound/backend/cuda.cuh and compile with nvcc); workspace_bytes holds cuBLASLt's workspace too.
+// The loss comes back as a host double, so a GPU call synchronizes the executor's stream once, at
+// its end. Device targets are not checked here (that would be a copy and a sync): check the host
+// copy with check_targets before the upload, as model does; an id outside [0, V) on the device
+// reads nothing out of bounds and makes the returned loss NaN.
 
 MEMBOUND_NAMESPACE_BEGIN
 
 template <typename... Policies>
 class lm_head {
  public:
-  using policies = policy_set<type_list<fp32_precision>, Policies...>;
+  using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
 
@@ -9648,6 +9658,7 @@ class lm_head {
   using S = storage_type;
   using A = accum_type;
   static constexpr bool widened = !std::is_same_v<S, A>;
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  public:
   static constexpr layer_support can_implement(const lm_head_shape& s) noexcept {
@@ -9663,6 +9674,7 @@ class lm_head {
   }
 
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t) {
+    if constexpr (!on_cpu) return backend_kernels<backend, lm_head_shape>::template workspace_bytes<S>(s);
     return layout(s).size();
   }
   // FLOPs of one call: logits, dW and dxn products.
@@ -9684,10 +9696,50 @@ class lm_head {
   static double loss_backward(const lm_head_shape& s, const weights& w, const S* x,
                               const std::int32_t* targets, double scale, S* dx,
                               const gradients& g, void* workspace, std::size_t workspace_size,
-                              thread_pool& pool) {
+                              executor& pool) {
     detail::not_null(dx, "dx");
     detail::not_null(g.norm, "gradients.norm");
     detail::not_null(g.w, "gradients.w");
+    if constexpr (!on_cpu) {
+      check_inputs(s, w, x, targets);
+      return backend_kernels<backend, lm_head_shape>::template loss_backward<S, A>(
+          s, w.norm, w.w, x, targets, scale, dx, g.norm, g.w, workspace, workspace_size, pool);
+    } else {
+      return loss_backward_cpu(s, w, x, targets, scale, dx, g, workspace, workspace_size, pool);
+    }
+  }
+
+  // The summed cross-entropy alone (evaluation): the same norm, chunks and row order as
+  // loss_backward, so the same value to the bit, without a gradient; the same workspace.
+  static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
+                     void* workspace, std::size_t workspace_size, executor& pool) {
+    if constexpr (!on_cpu) {
+      check_inputs(s, w, x, targets);
+      return backend_kernels<backend, lm_head_shape>::template loss<S, A>(
+          s, w.norm, w.w, x, targets, workspace, workspace_size, pool);
+    } else {
+      const auto nothing = [](auto&&...) {};
+      return chunked(s, w, x, targets, A(0), workspace, workspace_size, pool, nothing, nothing, nothing);
+    }
+  }
+
+  // Every target in [0, V): a bad id would index outside the logits.
+  static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
+        throw invalid_argument("targets[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(vocab) + ")",
+                               std::to_string(t[i]),
+                               "Encode the data with the model's vocabulary");
+      }
+    }
+  }
+
+ private:
+  static double loss_backward_cpu(const lm_head_shape& s, const weights& w, const S* x,
+                                  const std::int32_t* targets, double scale, S* dx,
+                                  const gradients& g, void* workspace, std::size_t workspace_size,
+                                  thread_pool& pool) {
     const std::size_t N = s.rows, C = s.width, V = s.vocab;
     A* dw = nullptr;
     A* dxn = nullptr;
@@ -9712,27 +9764,16 @@ class lm_head {
                    });
   }
 
-  // The summed cross-entropy alone (evaluation): the same norm, chunks and row order as
-  // loss_backward, so the same value to the bit, without a gradient; the same workspace.
-  static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
-                     void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const auto nothing = [](auto&&...) {};
-    return chunked(s, w, x, targets, A(0), workspace, workspace_size, pool, nothing, nothing, nothing);
+  // The shape and the pointers, on both backends (the targets' values on the CPU only: see the top).
+  static void check_inputs(const lm_head_shape& s, const weights& w, const S* x,
+                           const std::int32_t* targets) {
+    check(s);
+    detail::not_null(w.norm, "weights.norm");
+    detail::not_null(w.w, "weights.w");
+    detail::not_null(x, "x");
+    detail::not_null(targets, "targets");
   }
 
-  // Every target in [0, V): a bad id would index outside the logits.
-  static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
-    for (std::size_t i = 0; i < n; ++i) {
-      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
-        throw invalid_argument("targets[" + std::to_string(i) + "]",
-                               "a token id in [0, " + std::to_string(vocab) + ")",
-                               std::to_string(t[i]),
-                               "Encode the data with the model's vocabulary");
-      }
-    }
-  }
-
- private:
   // The path both share: checks, the final RMSNorm, then for each chunk of rows its logits turned
   // into cross-entropy and (times scale) its gradient in place, handed to consume(r0, r, dlogits,
   // xa, wa); start(ws) runs before the chunks and finish(ws, xn, rstd) after them.
@@ -9740,11 +9781,7 @@ class lm_head {
   static double chunked(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
                         A scale, void* workspace, std::size_t workspace_size, thread_pool& pool,
                         Start&& start, Consume&& consume, Finish&& finish) {
-    check(s);
-    detail::not_null(w.norm, "weights.norm");
-    detail::not_null(w.w, "weights.w");
-    detail::not_null(x, "x");
-    detail::not_null(targets, "targets");
+    check_inputs(s, w, x, targets);
     check_targets(targets, s.rows, s.vocab);
     const auto l = layout(s);
     const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
