@@ -353,7 +353,7 @@ std::string micro_text(const point& p) {
 std::string table(const std::vector<point>& pts) {
   std::string s;
   char line[256];
-  std::snprintf(line, sizeof line, "%-5s %-16s %-6s %5s %10s %10s %10s %9s %19s %10s %10s %4s %s\n", "prec", "schedule",
+  std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5s %10s %10s %10s %9s %19s %10s %10s %4s %s\n", "prec", "schedule",
                 "microx", "chunk", "pred MiB", "meas MiB", "resv MiB", "ms", "ms min-max", "tok/s", "recomp GF", "fits",
                 "marks");
   s += line;
@@ -364,12 +364,12 @@ std::string table(const std::vector<point>& pts) {
     if (p.ran) {
       char range[40];
       std::snprintf(range, sizeof range, "%.1f-%.1f", p.ms_min, p.ms_max);
-      std::snprintf(line, sizeof line, "%-5s %-16s %-6s %5zu %10.3f %10.3f %10.3f %9.1f %19s %10.0f %10.3f %4s %s\n",
+      std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5zu %10.3f %10.3f %10.3f %9.1f %19s %10.0f %10.3f %4s %s\n",
                     p.precision.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
                     mib(p.predicted), mib(p.measured), mib(p.measured_reserved), p.ms, range, p.tokens_per_s,
                     p.recompute_flops / 1e9, "yes", marks.c_str());
     } else {
-      std::snprintf(line, sizeof line, "%-5s %-16s %-6s %5zu %10.3f %10s %10s %9s %19s %10s %10.3f %4s %s\n",
+      std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5zu %10.3f %10s %10s %9s %19s %10s %10.3f %4s %s\n",
                     p.precision.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
                     mib(p.predicted), "-", "-", "-", "-", "-", p.recompute_flops / 1e9, "NO", marks.c_str());
     }
