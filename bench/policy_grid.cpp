@@ -1,0 +1,625 @@
+// policy_grid: one model (flags as the example trainer's), a grid of policy combinations, and per
+// point the plan's predicted peak, the measured peak (requested and reserved, from the budget
+// allocator's statistics over the trainer's stack), the time of a full optimizer step (median,
+// min and max over --repetitions after one warm-up step), tokens/s and the recompute FLOPs. The
+// Pareto front over (time, measured peak) among the points that fit, and fit()'s choice, are
+// marked; table on stdout, optional CSV, JSON and SVG.
+//
+//   ./build/release/bench/policy_grid --quick
+//   ./build/release/bench/policy_grid --layers ttt,attn --width 64 --budget 24MiB --json g.json --svg g.svg
+//
+// The grid:
+//   precision    compile time, from the one type list `grid_precisions` below
+//   schedule     none, full, every:K, binomial:S (--quick: every:2, binomial:1; else every K from 2
+//                to the depth, S from 1 to depth - 1) and, with --budget, the planner's DP at it
+//   micro-batch  divisors of --batch (--quick: the batch and half of it), gradient accumulation
+//                keeping the effective batch
+//   logit chunk  256 and 64 rows (fit()'s own candidates)
+// plus fit()'s choice for each precision when it is not already a point.
+//
+// With --budget, a point whose predicted (reserved) peak is over the budget is reported with
+// fits = false and NOT run (its measured fields are null in JSON, empty in CSV). Without --budget
+// every point fits and runs under a budget of its own predicted reserve.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "../examples/cli_checks.hpp"
+#include "membound/membound.hpp"
+
+namespace mb = membound;
+
+namespace {
+
+// ---- The compile-time axis: add a precision here and it is in the grid. --------------------------
+template <typename P>
+struct precision_name;
+template <>
+struct precision_name<mb::fp32_precision> {
+  static constexpr const char* value = "fp32";
+};
+template <>
+struct precision_name<mb::bf16_precision> {
+  static constexpr const char* value = "bf16";
+};
+using grid_precisions = mb::type_list<mb::fp32_precision, mb::bf16_precision>;
+
+struct options {
+  std::string layers = "ttt,attn,mamba,attn";
+  std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};
+  std::size_t width = 128, heads = 4, seq = 128, batch = 8, threads = 2, repetitions = 3;
+  std::optional<std::size_t> budget;
+  bool quick = false;
+  std::string csv, json, svg;
+};
+
+struct flag_texts {
+  std::map<std::string, std::string> text;
+  const CLI::App* app = nullptr;
+  bool given(const std::string& flag) const { return app->count(flag) > 0; }
+  const std::string& operator[](const std::string& flag) const { return text.at(flag); }
+};
+
+options checked_options(const flag_texts& f) {
+  namespace cc = cli_checks;
+  options o;
+  const auto whole = [&](const char* flag, std::size_t& to, std::uint64_t lo, std::uint64_t hi) {
+    if (f.given(flag)) to = cc::whole(flag, f[flag], lo, hi, flag + (" " + std::to_string(to)));
+  };
+  whole("--threads", o.threads, 1, 256);
+  whole("--width", o.width, 1, 16384);
+  whole("--heads", o.heads, 1, 1024);
+  if (o.width % o.heads != 0) {
+    throw mb::invalid_argument("--heads", "a divisor of --width (" + std::to_string(o.width) + ")",
+                               std::to_string(o.heads), "Choose --width and --heads so that width / heads is the head size");
+  }
+  whole("--seq", o.seq, 1, 1u << 20);
+  whole("--batch", o.batch, 1, 1u << 16);
+  whole("--repetitions", o.repetitions, 1, 1000);
+  if (f.given("--layers")) {
+    o.layers = f["--layers"];
+    o.blocks.clear();
+    std::size_t at = 0;
+    do {
+      const std::size_t comma = std::min(o.layers.find(',', at), o.layers.size());
+      const std::string name = o.layers.substr(at, comma - at);
+      const std::string full = name == "ttt" ? "ttt_linear" : name == "attn" ? "attention" : name;
+      if (full != "ttt_linear" && full != "ttt_mlp" && full != "attention" && full != "mamba") {
+        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, mamba (no empty names)",
+                                   cc::in_quotes(o.layers) + " (block " + std::to_string(o.blocks.size() + 1) + ": " +
+                                       cc::in_quotes(name) + ")",
+                                   "e.g. --layers ttt,attn,mamba,attn");
+      }
+      o.blocks.push_back(full);
+      at = comma + 1;
+    } while (at <= o.layers.size());
+    if (o.blocks.size() > 128) {
+      throw mb::invalid_argument("--layers", "at most 128 blocks", std::to_string(o.blocks.size()), "List fewer blocks");
+    }
+  }
+  if (f.given("--budget")) o.budget = cc::size("--budget", f["--budget"], "--budget 64MiB");
+  o.quick = f.given("--quick");
+  if (f.given("--csv")) cc::output_file("--csv", o.csv = f["--csv"]);
+  if (f.given("--json")) cc::output_file("--json", o.json = f["--json"]);
+  if (f.given("--svg")) cc::output_file("--svg", o.svg = f["--svg"]);
+  cc::distinct("--json", o.json, "--csv", o.csv);
+  cc::distinct("--svg", o.svg, "--csv", o.csv);
+  cc::distinct("--svg", o.svg, "--json", o.json);
+  return o;
+}
+
+// One point of the grid, planned and (when it fits) measured.
+struct point {
+  std::string precision;
+  mb::training_plan plan;
+  std::size_t predicted = 0, predicted_reserved = 0;
+  bool fits = true, ran = false, pareto = false, fit_choice = false;
+  std::size_t measured = 0, measured_reserved = 0;
+  double ms = 0, ms_min = 0, ms_max = 0, tokens_per_s = 0;
+  double recompute_flops = 0;  // per optimizer step: per micro-batch times the accumulation
+  std::string schedule() const { return plan.schedule.name(); }
+};
+
+double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
+
+// Random tokens from the trainer's per-sequence random number (the data do not change the time).
+struct random_tokens {
+  std::size_t seq;
+  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
+    std::uint64_t s = r.random | 1;
+    for (std::size_t t = 0; t < seq; ++t) {
+      s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+      x[t] = static_cast<std::int32_t>((s >> 33) % 256);
+      y[t] = static_cast<std::int32_t>((s >> 41) % 256);
+    }
+  }
+};
+
+class progress {
+ public:
+  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stderr)) != 0) {}
+  void tick(const std::string& what) {
+    ++done_;
+    if (!tty_) return;
+    constexpr std::size_t width = 24;
+    const std::size_t filled = total_ == 0 ? width : done_ * width / total_;
+    std::fprintf(stderr, "\r\033[K[%s%s] %zu/%zu %s", std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), done_, total_, what.c_str());
+    std::fflush(stderr);
+  }
+  void finish() {
+    if (tty_ && done_ > 0) std::fprintf(stderr, "\r\033[K");
+  }
+
+ private:
+  std::size_t total_, done_ = 0;
+  bool tty_;
+};
+
+using stack = mb::budget_allocator<mb::traced_allocator<mb::expandable_arena<mb::host_virtual_memory>>>;
+constexpr std::size_t no_budget_limit = std::size_t{1} << 34;  // without --budget: what a plan may reserve
+
+template <typename P>
+struct grid_model {
+  using net = mb::model<mb::embedding<P>,
+                        mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
+                        mb::lm_head<P>>;
+};
+
+// The library refuses what the flags could not know alone (a head size a block does not take).
+template <typename F>
+auto under_flags(const options& o, F make) -> decltype(make()) {
+  try {
+    return make();
+  } catch (const mb::invalid_argument& e) {
+    const std::string& a = e.argument();
+    if (!(a.starts_with("config.") || a.starts_with("shape."))) throw;
+    throw mb::invalid_argument("--width, --heads and --seq",
+                               "a shape every block of --layers " + o.layers + " takes (" + a + ": " + e.expected() + ")",
+                               "width " + std::to_string(o.width) + ", heads " + std::to_string(o.heads) + ", seq " +
+                                   std::to_string(o.seq),
+                               "e.g. --width 128 --heads 4 --seq 128");
+  }
+}
+
+// Plans every point of one precision (nothing runs yet) and marks fit()'s choice.
+template <typename P>
+void plan_points(const options& o, std::vector<point>& out) {
+  using net = typename grid_model<P>::net;
+  mb::model_config cfg;
+  cfg.vocab = 256;
+  cfg.width = o.width;
+  cfg.heads = o.heads;
+  std::vector<std::size_t> pattern;
+  for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
+  const net m = under_flags(o, [&] { return net(cfg, pattern); });
+  const mb::batch_shape eff{o.batch, o.seq};
+  under_flags(o, [&] {
+    m.check(eff);
+    return 0;
+  });
+  const std::size_t limit = o.budget.value_or(no_budget_limit);
+  const std::size_t page = mb::host_virtual_memory::page_size();
+  mb::trace_recorder recorder(4096);
+  // A stack like each point's run, for its reserve function (the shadow of its rounding).
+  stack probe(limit, recorder, mb::expandable_arena_options{mb::align_up(limit, page)}, page);
+  const mb::reserve_function reserve = mb::reserve_model(m, probe);
+
+  using K = mb::schedule_choice::kind;
+  const std::size_t L = m.depth();
+  std::vector<mb::schedule_choice> schedules{{K::none, 0}, {K::full, 0}};
+  if (o.quick) {
+    if (L >= 2) schedules.push_back({K::every, 2});
+    schedules.push_back({K::binomial, 1});
+  } else {
+    for (std::size_t k = 2; k <= L; ++k) schedules.push_back({K::every, k});
+    for (std::size_t s = 1; s < std::max<std::size_t>(L, 2); ++s) schedules.push_back({K::binomial, s});
+  }
+  if (o.budget) schedules.push_back({K::budget, *o.budget});
+  std::vector<std::size_t> micro;
+  for (std::size_t b = o.batch; b >= 1; --b) {
+    if (o.batch % b != 0) continue;
+    if (o.quick && b != o.batch && b != o.batch / 2) continue;
+    micro.push_back(b);
+  }
+  const std::vector<std::size_t> chunks{256, 64};
+
+  const std::size_t first = out.size();
+  const auto add = [&](mb::training_plan p) {
+    point q;
+    q.precision = precision_name<P>::value;
+    if (p.reserved_peak == 0) p.reserved_peak = reserve(p);
+    q.predicted = p.peak_bytes;
+    q.predicted_reserved = p.budgeted_peak();
+    q.fits = !o.budget || p.budgeted_peak() <= *o.budget;
+    q.recompute_flops = p.recompute_flops * static_cast<double>(p.accumulation);
+    q.plan = std::move(p);
+    out.push_back(std::move(q));
+  };
+  for (std::size_t b : micro) {
+    for (std::size_t chunk : chunks) {
+      mb::plan_options po{o.threads, chunk, o.batch / b, true};
+      for (const mb::schedule_choice& s : schedules) {
+        try {
+          mb::training_plan p = mb::make_plan(m, mb::batch_shape{b, o.seq}, s, po, o.budget.value_or(0));
+          // The DP's answer when nothing meets the budget: a peak past any address space, no point.
+          if (s.k == K::budget && mb::saturated(p.peak_bytes)) continue;
+          add(std::move(p));
+        } catch (const mb::invalid_argument&) {
+          // The DP finds no plan under the budget at this micro-batch and chunk: no point.
+          if (s.k != K::budget) throw;
+        }
+      }
+    }
+  }
+  // fit()'s choice at the budget (without one, at the run's limit: it then takes the least recompute).
+  mb::fit_options fo;
+  fo.threads = o.threads;
+  fo.reserve = reserve;
+  std::optional<mb::training_plan> chosen;
+  try {
+    chosen = mb::fit(m, eff, limit, fo);
+  } catch (const mb::budget_too_small&) {
+  }
+  if (!chosen) return;
+  for (std::size_t i = first; i < out.size(); ++i) {
+    const mb::training_plan& p = out[i].plan;
+    if (p.schedule == chosen->schedule && p.micro.batch == chosen->micro.batch && p.head_chunk == chosen->head_chunk) {
+      out[i].fit_choice = true;
+      return;
+    }
+  }
+  add(std::move(*chosen));
+  out.back().fit_choice = true;
+}
+
+// Runs one point: a fresh stack under the budget (or its own reserve), one warm-up step and the
+// repetitions, each a full optimizer step of the trainer.
+template <typename P>
+void run_point(const options& o, point& q) {
+  using net = typename grid_model<P>::net;
+  mb::model_config cfg;
+  cfg.vocab = 256;
+  cfg.width = o.width;
+  cfg.heads = o.heads;
+  std::vector<std::size_t> pattern;
+  for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
+  const net m(cfg, pattern);
+  const std::size_t page = mb::host_virtual_memory::page_size();
+  const std::size_t limit = o.budget.value_or(no_budget_limit);
+  mb::trace_recorder recorder(4096);
+  stack alloc(limit, recorder, mb::expandable_arena_options{mb::align_up(limit, page)}, page);
+  mb::thread_pool pool(o.threads);
+  mb::trainer_options to;
+  to.replan_under_pressure = false;  // the point's plan, never another
+  mb::trainer t(m, mb::batch_shape{o.batch, o.seq}, q.plan, alloc, pool, to);
+  random_tokens src{o.seq};
+  std::vector<double> ms;
+  std::size_t tokens = 0;
+  for (std::size_t i = 0; i <= o.repetitions; ++i) {
+    const mb::step_result r = t.step(src);
+    if (!r.replans.empty()) throw mb::error("membound: policy_grid: the trainer changed the plan of a grid point");
+    if (i > 0) {
+      ms.push_back(r.ms);
+      tokens = r.tokens;
+    }
+  }
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  q.ms = n % 2 == 1 ? ms[n / 2] : (ms[n / 2 - 1] + ms[n / 2]) / 2;
+  q.ms_min = ms.front();
+  q.ms_max = ms.back();
+  q.tokens_per_s = q.ms > 0 ? static_cast<double>(tokens) / (q.ms / 1000.0) : 0;
+  const auto st = alloc.stats();
+  q.measured = st.peak_requested;
+  q.measured_reserved = st.peak_reserved;
+  q.ran = true;
+}
+
+template <typename... Ps>
+void plan_all(const options& o, std::vector<point>& out, mb::type_list<Ps...>) {
+  (plan_points<Ps>(o, out), ...);
+}
+template <typename... Ps>
+void run_one(const options& o, point& q, mb::type_list<Ps...>) {
+  ((q.precision == precision_name<Ps>::value ? run_point<Ps>(o, q) : void()), ...);
+}
+
+void mark_pareto(std::vector<point>& pts) {
+  for (point& p : pts) {
+    if (!p.ran) continue;
+    p.pareto = std::none_of(pts.begin(), pts.end(), [&](const point& q) {
+      return q.ran && q.ms <= p.ms && q.measured <= p.measured && (q.ms < p.ms || q.measured < p.measured);
+    });
+  }
+}
+
+std::string micro_text(const point& p) {
+  return std::to_string(p.plan.micro.batch) + "x" + std::to_string(p.plan.accumulation);
+}
+
+std::string table(const std::vector<point>& pts) {
+  std::string s;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5s %10s %10s %10s %9s %19s %10s %10s %4s %s\n", "prec", "schedule",
+                "microx", "chunk", "pred MiB", "meas MiB", "resv MiB", "ms", "ms min-max", "tok/s", "recomp GF", "fits",
+                "marks");
+  s += line;
+  for (const point& p : pts) {
+    std::string marks;
+    if (p.pareto) marks += "P";
+    if (p.fit_choice) marks += "F";
+    if (p.ran) {
+      char range[40];
+      std::snprintf(range, sizeof range, "%.1f-%.1f", p.ms_min, p.ms_max);
+      std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5zu %10.3f %10.3f %10.3f %9.1f %19s %10.0f %10.3f %4s %s\n",
+                    p.precision.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
+                    mib(p.predicted), mib(p.measured), mib(p.measured_reserved), p.ms, range, p.tokens_per_s,
+                    p.recompute_flops / 1e9, "yes", marks.c_str());
+    } else {
+      std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5zu %10.3f %10s %10s %9s %19s %10s %10.3f %4s %s\n",
+                    p.precision.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
+                    mib(p.predicted), "-", "-", "-", "-", "-", p.recompute_flops / 1e9, "NO", marks.c_str());
+    }
+    s += line;
+  }
+  return s;
+}
+
+std::string csv(const std::vector<point>& pts) {
+  std::ostringstream os;
+  os << "precision,schedule,micro_batch,accumulation,logit_chunk,predicted_peak_bytes,predicted_reserved_peak_bytes,"
+        "measured_peak_bytes,measured_reserved_peak_bytes,time_ms,time_ms_min,time_ms_max,tokens_per_second,"
+        "recompute_flops,fits,pareto,fit_choice\n";
+  for (const point& p : pts) {
+    os << p.precision << ',' << p.schedule() << ',' << p.plan.micro.batch << ',' << p.plan.accumulation << ','
+       << p.plan.head_chunk << ',' << p.predicted << ',' << p.predicted_reserved << ',';
+    if (p.ran) {
+      os << p.measured << ',' << p.measured_reserved << ',' << p.ms << ',' << p.ms_min << ',' << p.ms_max << ','
+         << p.tokens_per_s << ',';
+    } else {
+      os << ",,,,,,";
+    }
+    os << p.recompute_flops << ',' << (p.fits ? "true" : "false") << ',' << (p.pareto ? "true" : "false") << ','
+       << (p.fit_choice ? "true" : "false") << '\n';
+  }
+  return os.str();
+}
+
+nlohmann::json to_json(const options& o, const std::vector<point>& pts, double wall_s) {
+  nlohmann::json j;
+  j["model"] = {{"layers", o.layers}, {"width", o.width}, {"heads", o.heads}, {"seq", o.seq},
+                {"batch", o.batch},   {"vocab", 256},     {"threads", o.threads}};
+  j["budget_bytes"] = o.budget ? nlohmann::json(*o.budget) : nlohmann::json(nullptr);
+  j["repetitions"] = o.repetitions;
+  j["quick"] = o.quick;
+  j["wall_seconds"] = wall_s;
+  j["over_budget_points"] = "not run";
+  nlohmann::json list = nlohmann::json::array();
+  const auto or_null = [](bool ran, auto v) { return ran ? nlohmann::json(v) : nlohmann::json(nullptr); };
+  for (const point& p : pts) {
+    list.push_back({{"precision", p.precision},
+                    {"schedule", p.schedule()},
+                    {"micro_batch", p.plan.micro.batch},
+                    {"accumulation", p.plan.accumulation},
+                    {"logit_chunk", p.plan.head_chunk},
+                    {"predicted_peak_bytes", p.predicted},
+                    {"predicted_reserved_peak_bytes", p.predicted_reserved},
+                    {"measured_peak_bytes", or_null(p.ran, p.measured)},
+                    {"measured_reserved_peak_bytes", or_null(p.ran, p.measured_reserved)},
+                    {"time_ms", or_null(p.ran, p.ms)},
+                    {"time_ms_min", or_null(p.ran, p.ms_min)},
+                    {"time_ms_max", or_null(p.ran, p.ms_max)},
+                    {"tokens_per_second", or_null(p.ran, p.tokens_per_s)},
+                    {"recompute_flops", p.recompute_flops},
+                    {"fits", p.fits},
+                    {"ran", p.ran},
+                    {"pareto", p.pareto},
+                    {"fit_choice", p.fit_choice}});
+  }
+  j["points"] = std::move(list);
+  return j;
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string r;
+  for (char c : s) {
+    if (c == '&') r += "&amp;";
+    else if (c == '<') r += "&lt;";
+    else if (c == '>') r += "&gt;";
+    else if (c == '"') r += "&quot;";
+    else r += c;
+  }
+  return r;
+}
+
+// Time per step (y) against the measured peak (x); points over the budget at their predicted peak
+// as hollow red marks on the axis' top; the Pareto front as a line; the budget as a vertical line.
+std::string svg(const options& o, const std::vector<point>& pts) {
+  constexpr double W = 800, H = 500, left = 70, right = 30, top = 30, bottom = 60;
+  double xmax = 0, ymax = 0;
+  for (const point& p : pts) {
+    xmax = std::max(xmax, mib(p.ran ? p.measured : p.predicted));
+    if (p.ran) ymax = std::max(ymax, p.ms_max);
+  }
+  if (o.budget) xmax = std::max(xmax, mib(*o.budget));
+  xmax = xmax > 0 ? xmax * 1.08 : 1;
+  ymax = ymax > 0 ? ymax * 1.1 : 1;
+  const auto X = [&](double v) { return left + v / xmax * (W - left - right); };
+  const auto Y = [&](double v) { return H - bottom - v / ymax * (H - top - bottom); };
+  std::ostringstream s;
+  char b[512];
+  s << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  std::snprintf(b, sizeof b,
+                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+                "font-family=\"sans-serif\" font-size=\"11\">\n",
+                W, H, W, H);
+  s << b << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  s << "<title>" << xml_escape("policy_grid: " + o.layers + ", width " + std::to_string(o.width) + ", seq " +
+                               std::to_string(o.seq) + ", batch " + std::to_string(o.batch))
+    << "</title>\n";
+  std::snprintf(b, sizeof b,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n"
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n",
+                left, H - bottom, W - right, H - bottom, left, H - bottom, left, top);
+  s << b;
+  for (int i = 0; i <= 5; ++i) {
+    const double xv = xmax * i / 5, yv = ymax * i / 5;
+    std::snprintf(b, sizeof b,
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.1f</text>\n"
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.0f</text>\n",
+                  X(xv), H - bottom + 16, xv, left - 6, Y(yv) + 4, yv);
+    s << b;
+  }
+  std::snprintf(b, sizeof b,
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">measured peak (MiB)</text>\n"
+                "<text x=\"16\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 16 %.1f)\">time per step "
+                "(ms, median)</text>\n",
+                (left + W - right) / 2, H - 18, (top + H - bottom) / 2, (top + H - bottom) / 2);
+  s << b;
+  if (o.budget) {
+    std::snprintf(b, sizeof b,
+                  "<line class=\"budget\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"red\" "
+                  "stroke-dasharray=\"6 4\"/>\n<text x=\"%.1f\" y=\"%.1f\" fill=\"red\">budget %.1f MiB</text>\n",
+                  X(mib(*o.budget)), top, X(mib(*o.budget)), H - bottom, X(mib(*o.budget)) + 4, top + 10,
+                  mib(*o.budget));
+    s << b;
+  }
+  std::vector<const point*> front;
+  for (const point& p : pts) {
+    if (p.pareto) front.push_back(&p);
+  }
+  std::sort(front.begin(), front.end(), [](const point* a, const point* c) { return a->measured < c->measured; });
+  if (!front.empty()) {
+    s << "<polyline class=\"pareto\" fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"";
+    for (const point* p : front) {
+      std::snprintf(b, sizeof b, "%.1f,%.1f ", X(mib(p->measured)), Y(p->ms));
+      s << b;
+    }
+    s << "\"/>\n";
+  }
+  for (const point& p : pts) {
+    const std::string label = p.precision + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk);
+    if (p.ran) {
+      std::snprintf(b, sizeof b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%s\" fill=\"%s\"><title>%s: %.1f ms</title></circle>\n",
+                    X(mib(p.measured)), Y(p.ms), p.fit_choice ? "6" : "3.5",
+                    p.fit_choice ? "#2ca02c" : p.pareto ? "#1f77b4" : "#999999", xml_escape(label).c_str(), p.ms);
+      s << b;
+      if (p.pareto || p.fit_choice) {
+        std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\">%s%s</text>\n", X(mib(p.measured)) + 7, Y(p.ms) - 5,
+                      xml_escape(label).c_str(), p.fit_choice ? " (fit)" : "");
+        s << b;
+      }
+    } else {
+      std::snprintf(b, sizeof b,
+                    "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"none\" stroke=\"red\"><title>%s: over the "
+                    "budget, not run</title></circle>\n",
+                    X(mib(p.predicted)), top + 4, xml_escape(label).c_str());
+      s << b;
+    }
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+int run(const options& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<point> pts;
+  plan_all(o, pts, grid_precisions{});
+  if (o.budget && std::none_of(pts.begin(), pts.end(), [](const point& p) { return p.fits; })) {
+    std::size_t least = SIZE_MAX;
+    for (const point& p : pts) least = std::min(least, p.predicted_reserved);
+    throw mb::invalid_argument("--budget", "a budget at least one point of the grid fits (the least predicted peak is " +
+                                               mb::format_bytes(least, false) + ")",
+                               mb::format_bytes(*o.budget, false), "Raise --budget, or leave it out");
+  }
+  std::size_t to_run = 0;
+  for (const point& p : pts) to_run += p.fits ? 1 : 0;
+  std::printf("policy_grid: %s, width %zu, %zu heads, seq %zu, batch %zu, %zu threads, budget %s; %zu points, %zu "
+              "to run, %zu repetitions after one warm-up\n",
+              o.layers.c_str(), o.width, o.heads, o.seq, o.batch, o.threads,
+              o.budget ? mb::format_bytes(*o.budget, false).c_str() : "none", pts.size(), to_run, o.repetitions);
+  progress bar(to_run);
+  for (point& p : pts) {
+    if (!p.fits) continue;
+    bar.tick(p.precision + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk));
+    run_one(o, p, grid_precisions{});
+  }
+  bar.finish();
+  mark_pareto(pts);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%s", table(pts).c_str());
+  std::printf("marks: P = Pareto front over (median time, measured peak) among points that ran; F = fit()'s choice%s\n",
+              o.budget ? "; fits NO = predicted reserved peak over --budget, not run" : "");
+  // fit's choice against the fastest point that ran, per precision.
+  for (const point& f : pts) {
+    if (!f.fit_choice || !f.ran) continue;
+    const point* fastest = nullptr;
+    for (const point& p : pts) {
+      if (p.ran && p.precision == f.precision && (!fastest || p.ms < fastest->ms)) fastest = &p;
+    }
+    std::printf("%s: fit's choice %s %s c%zu takes %.1f ms, the fastest fitting point (%s %s c%zu) %.1f ms: %.2fx\n",
+                f.precision.c_str(), f.schedule().c_str(), micro_text(f).c_str(), f.plan.head_chunk, f.ms,
+                fastest->schedule().c_str(), micro_text(*fastest).c_str(), fastest->plan.head_chunk, fastest->ms,
+                f.ms / fastest->ms);
+  }
+  bool exact = true;
+  for (const point& p : pts) exact = exact && (!p.ran || (p.measured == p.predicted && p.measured_reserved <= p.predicted_reserved));
+  std::printf("measured peak == predicted peak at every point that ran: %s; wall time %.1f s\n", exact ? "yes" : "NO",
+              wall);
+  if (!o.csv.empty()) cli_checks::write_file("--csv", o.csv, [&](std::ostream& os) { os << csv(pts); });
+  if (!o.json.empty())
+    cli_checks::write_file("--json", o.json, [&](std::ostream& os) { os << to_json(o, pts, wall).dump(2) << "\n"; });
+  if (!o.svg.empty()) cli_checks::write_file("--svg", o.svg, [&](std::ostream& os) { os << svg(o, pts); });
+  return exact ? 0 : 3;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"policy_grid: time and measured peak of a model's training step over a grid of policies"};
+  flag_texts f;
+  f.app = &app;
+  const auto flag = [&](const std::string& name, const std::string& type, const std::string& help) {
+    app.add_option(name, f.text[name], help)->type_name(type);
+  };
+  flag("--layers", "LIST", "block pattern: ttt, ttt_mlp, attn, mamba, comma-separated (default ttt,attn,mamba,attn)");
+  flag("--width", "1..16384", "model width (default 128)");
+  flag("--heads", "1..1024", "attention and TTT heads, a divisor of --width (default 4)");
+  flag("--seq", "1..2^20", "sequence length (default 128)");
+  flag("--batch", "1..65536", "sequences per optimizer step (default 8)");
+  flag("--threads", "1..256", "CPU threads (default 2)");
+  flag("--budget", "SIZE", "memory budget, e.g. 32MiB; points over it are marked and not run (default: none)");
+  flag("--repetitions", "1..1000", "timed steps per point after one warm-up step (default 3)");
+  flag("--csv", "FILE", "write the points as CSV here");
+  flag("--json", "FILE", "write the points as JSON here");
+  flag("--svg", "FILE", "write a plot of time against measured peak here");
+  bool quick_flag = false;
+  app.add_flag("--quick", quick_flag, "a small grid: none, full, every:2, binomial:1 (+ DP at --budget), micro-batch batch and batch/2");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "error: %s (see --help)\n", cli_checks::one_line(e.what()).c_str());
+    return 1;
+  }
+  try {
+    return run(checked_options(f));
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", cli_checks::one_line(e.what()).c_str());
+    return 1;
+  }
+}

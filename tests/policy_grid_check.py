@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""policy_grid on a tiny grid: every point that ran has measured peak == predicted peak, `pareto`
+is exactly the non-dominated set over (time_ms, measured_peak_bytes) among the points that ran,
+points over --budget are marked fits: false and not run, the SVG is well-formed XML with a budget
+line; and bad input (unknown layer, a budget no point fits, an unwritable output) exits 1 with
+one `error:` line and writes nothing.
+
+usage: policy_grid_check.py PATH/TO/policy_grid
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+TINY = ["--quick", "--width", "32", "--heads", "4", "--seq", "32", "--batch", "2", "--repetitions", "1",
+        "--threads", "1"]
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def run(exe, args):
+    return subprocess.run([exe] + args, capture_output=True, text=True, timeout=300)
+
+
+def grid(exe, tmp, name, extra):
+    paths = {k: os.path.join(tmp, f"{name}.{k}") for k in ("json", "csv", "svg")}
+    r = run(exe, TINY + extra + ["--json", paths["json"], "--csv", paths["csv"], "--svg", paths["svg"]])
+    check(r.returncode == 0, f"{name}: exit 0 (got {r.returncode}; stderr {r.stderr!r})")
+    if r.returncode != 0:
+        return None, paths
+    with open(paths["json"]) as f:
+        return json.load(f), paths
+
+
+def check_points(name, doc, budget):
+    pts = doc["points"]
+    check(len(pts) >= 4, f"{name}: at least 4 points (got {len(pts)})")
+    ran = [p for p in pts if p["measured_peak_bytes"] is not None]
+    check(len(ran) >= 2, f"{name}: at least 2 points ran")
+    for p in pts:
+        label = f"{name}: {p['precision']} {p['schedule']} {p['micro_batch']}x{p['accumulation']} c{p['logit_chunk']}"
+        for key in ("predicted_peak_bytes", "measured_peak_bytes", "measured_reserved_peak_bytes", "time_ms",
+                    "time_ms_min", "time_ms_max", "tokens_per_second", "recompute_flops", "fits", "pareto",
+                    "fit_choice"):
+            check(key in p, f"{label}: has {key}")
+        if budget is None:
+            check(p["fits"], f"{label}: fits without a budget")
+        else:
+            over = p["predicted_reserved_peak_bytes"] > budget
+            check(p["fits"] == (not over), f"{label}: fits == (predicted reserved peak <= budget)")
+            if over:
+                check(p["measured_peak_bytes"] is None and not p["pareto"], f"{label}: over the budget, not run")
+        if p["measured_peak_bytes"] is not None:
+            check(p["fits"], f"{label}: ran only when it fits")
+            check(p["measured_peak_bytes"] == p["predicted_peak_bytes"],
+                  f"{label}: measured {p['measured_peak_bytes']} == predicted {p['predicted_peak_bytes']}")
+            check(p["measured_reserved_peak_bytes"] <= p["predicted_reserved_peak_bytes"],
+                  f"{label}: measured reserved <= predicted reserved")
+            check(p["time_ms_min"] <= p["time_ms"] <= p["time_ms_max"], f"{label}: min <= median <= max")
+            if budget is not None:
+                check(p["measured_reserved_peak_bytes"] <= budget, f"{label}: measured reserved <= budget")
+    # The Pareto set, recomputed.
+    def dominated(p):
+        return any(q["time_ms"] <= p["time_ms"] and q["measured_peak_bytes"] <= p["measured_peak_bytes"] and
+                   (q["time_ms"] < p["time_ms"] or q["measured_peak_bytes"] < p["measured_peak_bytes"])
+                   for q in ran)
+    for p in pts:
+        expect = p in ran and not dominated(p)
+        check(p["pareto"] == expect, f"{name}: {p['precision']} {p['schedule']} {p['micro_batch']}x{p['accumulation']} "
+                                     f"c{p['logit_chunk']}: pareto {p['pareto']}, recomputed {expect}")
+    check(any(p["pareto"] for p in pts), f"{name}: a non-empty Pareto front")
+    check(sum(1 for p in pts if p["fit_choice"]) >= 1, f"{name}: fit's choice is marked")
+
+
+def check_svg(name, path, budget):
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as e:
+        check(False, f"{name}: SVG well-formed ({e})")
+        return
+    check(root.tag.endswith("svg"), f"{name}: root element is svg")
+    lines = [e for e in root.iter() if e.tag.endswith("line") and e.get("class") == "budget"]
+    check(len(lines) == (1 if budget is not None else 0), f"{name}: {'one' if budget else 'no'} budget line")
+    if lines:
+        check(lines[0].get("x1") == lines[0].get("x2"), f"{name}: the budget line is vertical")
+    check(any(e.tag.endswith("polyline") and e.get("class") == "pareto" for e in root.iter()),
+          f"{name}: a Pareto front line")
+
+
+def check_bad(exe, tmp, name, args):
+    out = os.path.join(tmp, f"bad_{name}.json")
+    before = set(os.listdir(tmp))
+    r = run(exe, TINY + args + (["--json", out] if "--json" not in args else []))
+    err = [l for l in r.stderr.splitlines() if l.strip()]
+    check(r.returncode == 1, f"bad {name}: exit 1 (got {r.returncode})")
+    check(len(err) == 1 and err[0].startswith("error: "), f"bad {name}: one error line (got {r.stderr!r})")
+    check(r.stdout == "", f"bad {name}: nothing on stdout (got {r.stdout[:200]!r})")
+    check(set(os.listdir(tmp)) == before, f"bad {name}: nothing written")
+
+
+def main():
+    exe = sys.argv[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        doc, paths = grid(exe, tmp, "nobudget", [])
+        if doc:
+            check_points("nobudget", doc, None)
+            check_svg("nobudget", paths["svg"], None)
+            with open(paths["csv"]) as f:
+                rows = f.read().splitlines()
+            check(len(rows) == len(doc["points"]) + 1, "nobudget: CSV has a header and one row per point")
+            # A budget between the least and the largest predicted reserve: some points over it.
+            peaks = sorted(p["predicted_reserved_peak_bytes"] for p in doc["points"])
+            budget = (peaks[0] + peaks[-1]) // 2
+            doc2, paths2 = grid(exe, tmp, "budget", ["--budget", str(budget)])
+            if doc2:
+                check_points("budget", doc2, budget)
+                check(any(not p["fits"] for p in doc2["points"]), "budget: some points over the budget")
+                check(any(p["schedule"].startswith("budget") for p in doc2["points"]), "budget: a DP point")
+                check_svg("budget", paths2["svg"], budget)
+        check_bad(exe, tmp, "layer", ["--layers", "attn,nope"])
+        check_bad(exe, tmp, "budget", ["--budget", "64KiB"])
+        check_bad(exe, tmp, "output", ["--json", os.path.join(tmp, "no_such_folder", "g.json"),
+                                       "--svg", os.path.join(tmp, "g_bad.svg")])
+        check_bad(exe, tmp, "repetitions", ["--repetitions", "0"])
+    if failures:
+        print(f"{len(failures)} check(s) failed")
+        return 1
+    print("policy_grid_check: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
