@@ -1,0 +1,540 @@
+// Adversarial review tests of caching_allocator's stream ordering: a randomized differential test
+// against a model (live blocks, pending blocks and the events they wait for, which stream ever
+// used which bytes), over a fake upstream with controllable events, a capacity, injected
+// allocate and event failures, and a variant backed by real memory whose blocks carry a pattern.
+// Plus targeted regressions for defects found in review (planned mode, event failures).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <new>
+#include <set>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "membound/memory/budget.hpp"
+#include "membound/memory/caching_allocator.hpp"
+#include "membound/memory/fault_injection.hpp"
+#include "membound/memory/planned_layout.hpp"
+#include "membound/memory/stream.hpp"
+#include "membound/memory/synchronized.hpp"
+#include "membound/memory/trace.hpp"
+
+using namespace membound;
+
+namespace {
+
+constexpr std::size_t KiB = std::size_t{1} << 10;
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+struct event_failure : std::runtime_error {
+  event_failure() : std::runtime_error("injected event failure") {}
+};
+
+// An upstream with events that complete when the test says so (complete(stream)), a capacity,
+// injected failures of chosen allocate calls and of the next event call, and a log of the
+// segments given back. Backed: real memory (addresses may be reused after a release); otherwise
+// bump addresses that are never touched and never reused.
+template <bool Backed>
+class review_upstream {
+ public:
+  static constexpr memory_space space = Backed ? memory_space::host : memory_space::device;
+
+  review_upstream() = default;
+  review_upstream(const review_upstream&) = delete;
+  review_upstream& operator=(const review_upstream&) = delete;
+  ~review_upstream() {
+    if constexpr (Backed) {
+      for (auto& [p, s] : segs_) ::operator delete(reinterpret_cast<void*>(p), std::align_val_t{s.align});
+    }
+  }
+
+  void* allocate(std::size_t bytes, std::size_t alignment, memory_tag) {
+    ++alloc_calls;
+    if (fail_alloc.erase(alloc_calls) != 0 || reserved_ + bytes > capacity) {
+      ++refusals;
+      oom_report r;
+      r.source = "review_upstream";
+      r.requested = bytes;
+      throw out_of_memory(std::move(r));
+    }
+    std::uintptr_t p;
+    if constexpr (Backed) {
+      p = reinterpret_cast<std::uintptr_t>(::operator new(bytes, std::align_val_t{alignment}));
+    } else {
+      next_ = align_up(next_, alignment);
+      p = next_;
+      next_ += bytes + 4096;  // a gap, so that no two segments touch by accident
+    }
+    segs_[p] = {bytes, alignment};
+    reserved_ += bytes;
+    stats_.on_reserve(bytes);
+    return reinterpret_cast<void*>(p);
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag) noexcept {
+    auto it = segs_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == segs_.end() || it->second.size != bytes || it->second.align != alignment) {
+      ++errors;  // a segment given back with the wrong size, or one never handed out
+      return;
+    }
+    released.emplace_back(it->first, bytes);
+    if constexpr (Backed) ::operator delete(p, std::align_val_t{alignment});
+    reserved_ -= bytes;
+    stats_.on_release(bytes);
+    segs_.erase(it);
+  }
+  memory_stats stats() const noexcept { return stats_.stats(); }
+
+  event_id create_event() {
+    maybe_fail();
+    const event_id e = ++last_event_;
+    events_[e] = {host_stream, false, false};
+    return e;
+  }
+  void record_event(event_id e, stream_id s) {
+    maybe_fail();
+    auto it = events_.find(e);
+    if (it == events_.end()) { ++errors; return; }
+    it->second.stream = s;
+    it->second.recorded = true;
+  }
+  bool event_done(event_id e) {
+    maybe_fail();
+    auto it = events_.find(e);
+    if (it == events_.end() || !it->second.recorded) { ++errors; return false; }
+    return it->second.done;
+  }
+  void destroy_event(event_id e) {
+    if (events_.erase(e) == 0) ++errors;  // a double destroy, or an event never created
+  }
+
+  void complete(stream_id s) {
+    for (auto& [e, ev] : events_) {
+      if (ev.recorded && ev.stream == s) ev.done = true;
+    }
+  }
+  std::size_t live_events() const { return events_.size(); }
+  std::size_t reserved() const { return reserved_; }
+  // The live segment holding [p, p+n), if any.
+  bool inside_segment(std::uintptr_t p, std::size_t n) const {
+    auto it = segs_.upper_bound(p);
+    if (it == segs_.begin()) return false;
+    --it;
+    return p >= it->first && p + n <= it->first + it->second.size;
+  }
+
+  std::set<std::uint64_t> fail_alloc;  // 1-based allocate calls that throw out_of_memory
+  std::uint64_t alloc_calls = 0, refusals = 0, errors = 0;
+  std::size_t capacity = std::size_t{1} << 40;
+  bool fail_next_event_call = false;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> released;
+
+ private:
+  void maybe_fail() {
+    if (fail_next_event_call) {
+      fail_next_event_call = false;
+      throw event_failure();
+    }
+  }
+  struct seg {
+    std::size_t size, align;
+  };
+  struct event {
+    stream_id stream;
+    bool recorded, done;
+  };
+  std::map<std::uintptr_t, seg> segs_;
+  std::map<event_id, event> events_;
+  std::uintptr_t next_ = std::uintptr_t{1} << 44;
+  event_id last_event_ = 0;
+  std::size_t reserved_ = 0;
+  stats_tracker stats_;
+};
+
+static_assert(stream_event_source<review_upstream<true>>);
+static_assert(stream_event_source<review_upstream<false>>);
+
+struct xorshift {
+  std::uint64_t s;
+  std::uint64_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+  std::size_t below(std::size_t n) { return static_cast<std::size_t>(next() % n); }
+  bool chance(unsigned percent) { return below(100) < percent; }
+};
+
+constexpr stream_id streams[] = {host_stream, 0x1000, 0x2000, 0x3000};
+constexpr memory_tag tags[] = {memory_tag::activations, memory_tag::workspace, memory_tag::weights,
+                               memory_tag::other};
+constexpr std::size_t aligns[] = {1, 8, 64, 256, 512};
+
+bool overlaps(std::uintptr_t a, std::size_t an, std::uintptr_t b, std::size_t bn) {
+  return a < b + bn && b < a + an;
+}
+
+// The randomized differential run. Every operation is checked against the model right after it.
+template <bool Backed>
+void run_differential(std::uint64_t seed, int ops, caching_options opts) {
+  using up_t = review_upstream<Backed>;
+  using cache_t = caching_allocator<up_t>;
+  cache_t c(opts);
+  up_t& up = c.upstream();
+  up.capacity = Backed ? 160 * MiB : 400 * MiB;
+  xorshift rng{seed * 0x9E3779B97F4A7C15ull + 1};
+
+  struct live_block {
+    std::uintptr_t p;
+    std::size_t bytes, align;
+    memory_tag tag;
+    stream_id stream;
+    std::vector<stream_id> rec;  // other streams marked with record_stream
+    std::uint64_t stamp;
+  };
+  struct pending_block {
+    std::uintptr_t p;
+    std::size_t bytes;
+    std::vector<std::pair<stream_id, std::uint64_t>> need;  // stream, completions it needs
+  };
+  struct use {
+    std::uintptr_t p;
+    std::size_t bytes;
+    stream_id stream;
+  };
+  std::vector<live_block> live;
+  std::vector<pending_block> pending;
+  std::vector<use> history;  // bytes ever handed out on a stream, in segments still held
+  std::map<stream_id, std::uint64_t> gen;  // complete() calls per stream
+  std::uint64_t stamp_counter = 1;
+
+  auto satisfied = [&](const pending_block& b) {
+    return std::all_of(b.need.begin(), b.need.end(), [&](const auto& n) { return gen[n.first] >= n.second; });
+  };
+
+  // Pattern: 8-byte stamps at the start, the end and every 4 KiB of the caller's bytes.
+  auto stamp_at = [](std::uint64_t stamp, std::size_t off) { return stamp * 0x100000001B3ull ^ off; };
+  auto for_each_stamp = [](std::size_t bytes, auto&& f) {
+    if (bytes < 8) {
+      f(std::size_t{0}, bytes);
+      return;
+    }
+    for (std::size_t off = 0; off + 8 <= bytes; off += 4096) f(off, std::size_t{8});
+    f(bytes - 8, std::size_t{8});
+  };
+  auto write_pattern = [&](const live_block& b) {
+    if constexpr (Backed) {
+      for_each_stamp(b.bytes, [&](std::size_t off, std::size_t n) {
+        const std::uint64_t v = stamp_at(b.stamp, off);
+        std::memcpy(reinterpret_cast<void*>(b.p + off), &v, n);
+      });
+    }
+  };
+  auto pattern_ok = [&](const live_block& b) {
+    bool ok = true;
+    if constexpr (Backed) {
+      for_each_stamp(b.bytes, [&](std::size_t off, std::size_t n) {
+        const std::uint64_t v = stamp_at(b.stamp, off);
+        ok = ok && std::memcmp(reinterpret_cast<const void*>(b.p + off), &v, n) == 0;
+      });
+    }
+    return ok;
+  };
+
+  // Segments given back since the last call: none may hold a live block or a pending block
+  // whose events are not done; what they held leaves the history.
+  auto drain_releases = [&] {
+    for (const auto& [base, size] : up.released) {
+      for (const auto& b : live) {
+        if (overlaps(b.p, b.bytes, base, size)) FAIL_CHECK("a segment holding a live block was released");
+      }
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (overlaps(it->p, it->bytes, base, size)) {
+          if (!satisfied(*it)) FAIL_CHECK("a segment holding a pending block was released");
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      std::erase_if(history, [&](const use& u) { return overlaps(u.p, u.bytes, base, size); });
+    }
+    up.released.clear();
+  };
+
+  auto check_state = [&](const char* where) {
+    INFO("after " << where);
+    REQUIRE(c.check_invariants());
+    REQUIRE(up.errors == 0);
+    const memory_stats s = c.stats();
+    std::size_t requested = 0, rounded = 0;
+    for (const auto& b : live) {
+      requested += b.bytes;
+      rounded += c.round_size(b.bytes);
+    }
+    CHECK(s.requested == requested);
+    CHECK(s.allocated >= rounded);
+    CHECK(s.reserved == up.reserved());
+    CHECK(s.reserved >= s.allocated + c.pending_bytes());
+    CHECK(s.largest_free_block <= s.reserved - s.allocated - c.pending_bytes());
+    // Polls happen behind the scenes: the cache may hold fewer pending blocks than the model, but
+    // never fewer than those whose events are not done.
+    const std::size_t unsatisfied =
+        static_cast<std::size_t>(std::count_if(pending.begin(), pending.end(), [&](const auto& b) { return !satisfied(b); }));
+    CHECK(c.pending_blocks() <= pending.size());
+    CHECK(c.pending_blocks() >= unsatisfied);
+  };
+
+  auto find_live = [&](std::uintptr_t p) {
+    return std::find_if(live.begin(), live.end(), [&](const live_block& b) { return b.p == p; });
+  };
+
+  auto do_allocate = [&](std::size_t bytes, std::size_t align, memory_tag tag, stream_id s) {
+    const memory_stats before = c.stats();
+    const std::size_t live_before = live.size();
+    std::size_t predicted_const = 0, predicted = 0;
+    bool event_fault = false;
+    if (rng.chance(3)) up.fail_next_event_call = true;  // hits a poll, if there is one
+    try {
+      predicted_const = std::as_const(c).growth_for(bytes, align, s);
+      predicted = c.growth_for(bytes, align, s);
+    } catch (const event_failure&) {
+      event_fault = true;
+    }
+    up.fail_next_event_call = false;
+    drain_releases();
+    if (event_fault) {
+      check_state("growth_for with a failing event query");
+      return;
+    }
+    CHECK(predicted <= predicted_const);  // polling can only lower it
+    // Injected upstream failures: the next call, or the next two (the retry after the cache is
+    // released fails too).
+    std::uint64_t injected = 0;
+    if (rng.chance(6)) {
+      injected = rng.chance(50) ? 1 : 2;
+      for (std::uint64_t k = 1; k <= injected; ++k) up.fail_alloc.insert(up.alloc_calls + k);
+    }
+    const std::uint64_t refusals_before = up.refusals;
+    const std::size_t reserved_before = c.stats().reserved;
+    void* p = nullptr;
+    const bool poll_fault = rng.chance(2);
+    if (poll_fault) up.fail_next_event_call = true;  // hits allocate's poll, if there is one
+    try {
+      p = c.allocate(bytes, align, tag, s);
+    } catch (const event_failure&) {
+      up.fail_next_event_call = false;
+      up.fail_alloc.clear();
+      drain_releases();
+      check_state("an allocate whose event query failed");
+      const memory_stats after = c.stats();
+      CHECK(after.requested == before.requested);
+      CHECK(after.allocations == before.allocations);
+      CHECK(after.failed_allocations == before.failed_allocations + 1);
+      return;
+    } catch (const out_of_memory&) {
+      up.fail_next_event_call = false;
+      up.fail_alloc.clear();
+      drain_releases();
+      check_state("a failed allocate");
+      const memory_stats after = c.stats();
+      CHECK(after.requested == before.requested);
+      CHECK(after.allocated == before.allocated);
+      CHECK(after.allocations == before.allocations);
+      CHECK(after.failed_allocations == before.failed_allocations + 1);
+      CHECK(live.size() == live_before);
+      CHECK(up.refusals > refusals_before);
+      return;
+    }
+    up.fail_next_event_call = false;
+    up.fail_alloc.clear();
+    const std::size_t grew = c.stats().reserved - std::min(c.stats().reserved, reserved_before);
+    if (up.refusals == refusals_before) {
+      CHECK(c.stats().reserved == reserved_before + predicted);  // exact, as a budget relies on
+    } else {
+      CHECK(grew <= predicted);  // the retry released the cache first
+    }
+    drain_releases();
+    REQUIRE(p != nullptr);
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    CHECK(at % align == 0);
+    CHECK(up.inside_segment(at, c.round_size(bytes)));
+    for (const auto& b : live) {
+      if (overlaps(b.p, b.bytes, at, bytes)) FAIL_CHECK("a new block overlaps a live one");
+    }
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (overlaps(it->p, it->bytes, at, bytes)) {
+        if (!satisfied(*it)) FAIL_CHECK("a pending block was reused before its events completed");
+        it = pending.erase(it);  // the cache polled it: reusable
+      } else {
+        ++it;
+      }
+    }
+    for (const auto& u : history) {
+      if (u.stream != s && overlaps(u.p, u.bytes, at, bytes)) FAIL_CHECK("bytes of another stream were handed out");
+    }
+    history.push_back({at, bytes, s});
+    live.push_back({at, bytes, align, tag, s, {}, stamp_counter++});
+    write_pattern(live.back());
+    check_state("allocate");
+  };
+
+  auto do_deallocate = [&](std::size_t k) {
+    live_block b = live[k];
+    CHECK(pattern_ok(b));
+    const memory_stats before = c.stats();
+    const bool marked = !b.rec.empty();
+    if (marked && rng.chance(10)) up.fail_next_event_call = true;
+    try {
+      c.deallocate(reinterpret_cast<void*>(b.p), b.bytes, b.align, b.tag);
+    } catch (const event_failure&) {
+      up.fail_next_event_call = false;
+      // Nothing changed: the block is still live, and the events made so far are gone.
+      const memory_stats after = c.stats();
+      CHECK(after.requested == before.requested);
+      CHECK(after.allocated == before.allocated);
+      CHECK(after.deallocations == before.deallocations);
+      check_state("a deallocate whose event failed");
+      CHECK_NOTHROW(c.record_stream(reinterpret_cast<void*>(b.p), b.stream));  // still live
+      return;
+    }
+    up.fail_next_event_call = false;
+    live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+    if (marked) {
+      pending_block pb{b.p, b.bytes, {}};
+      for (stream_id t : b.rec) pb.need.emplace_back(t, gen[t] + 1);
+      pending.push_back(std::move(pb));
+    } else {
+      // Reusable at once on its own stream.
+      CHECK(c.growth_for(b.bytes, b.align, b.stream) == 0);
+      drain_releases();
+    }
+    check_state("deallocate");
+    // A second free of the same pointer is a typed error and changes nothing.
+    if (rng.chance(10)) {
+      const memory_stats s0 = c.stats();
+      CHECK_THROWS_AS(c.deallocate(reinterpret_cast<void*>(b.p), b.bytes, b.align, b.tag), invalid_argument);
+      CHECK(c.stats().deallocations == s0.deallocations);
+      CHECK(c.stats().allocated == s0.allocated);
+      check_state("a double free");
+    }
+  };
+
+  for (int op = 0; op < ops; ++op) {
+    const std::size_t r = rng.below(100);
+    if (r < 36 || live.empty()) {
+      std::size_t bytes;
+      const std::size_t kind = rng.below(10);
+      if (kind < 6) bytes = 1 + rng.below(64 * KiB);
+      else if (kind < 8) bytes = 1 + rng.below(MiB);
+      else if (kind < 9) bytes = MiB + 1 + rng.below(9 * MiB);
+      else bytes = 10 * MiB + rng.below(14 * MiB);
+      do_allocate(bytes, aligns[rng.below(5)], tags[rng.below(4)], streams[rng.below(4)]);
+    } else if (r < 62) {
+      do_deallocate(rng.below(live.size()));
+    } else if (r < 74) {
+      auto& b = live[rng.below(live.size())];
+      const stream_id t = streams[rng.below(4)];
+      c.record_stream(reinterpret_cast<void*>(b.p), t);
+      if (t != b.stream && std::find(b.rec.begin(), b.rec.end(), t) == b.rec.end()) b.rec.push_back(t);
+      check_state("record_stream");
+    } else if (r < 83) {
+      const stream_id t = streams[rng.below(4)];
+      up.complete(t);
+      ++gen[t];
+      check_state("complete");
+    } else if (r < 88) {
+      if (rng.chance(15)) up.fail_next_event_call = true;
+      bool failed = false;
+      try {
+        c.process_events();
+      } catch (const event_failure&) {
+        failed = true;
+      }
+      up.fail_next_event_call = false;
+      check_state("process_events");
+      if (!failed) {
+        std::erase_if(pending, [&](const pending_block& b) { return satisfied(b); });
+        CHECK(c.pending_blocks() == pending.size());
+      }
+    } else if (r < 91) {
+      c.release_cached();
+      drain_releases();
+      std::erase_if(pending, [&](const pending_block& b) { return satisfied(b); });
+      CHECK(c.pending_blocks() == pending.size());
+      check_state("release_cached");
+    } else if (r < 94) {
+      // Misuse: typed errors, nothing changes.
+      const memory_stats s0 = c.stats();
+      auto& b = live[rng.below(live.size())];
+      void* p = reinterpret_cast<void*>(b.p);
+      CHECK_THROWS_AS(c.deallocate(p, b.bytes + 1, b.align, b.tag), invalid_argument);
+      CHECK_THROWS_AS(c.deallocate(p, b.bytes, b.align, b.tag == memory_tag::other ? memory_tag::weights : memory_tag::other),
+                      invalid_argument);
+      CHECK_THROWS_AS(c.record_stream(reinterpret_cast<void*>(b.p + 1), streams[2]), invalid_argument);
+      int foreign = 0;
+      CHECK_THROWS_AS(c.record_stream(&foreign, streams[2]), invalid_argument);
+      if (!pending.empty()) {
+        CHECK_THROWS_AS(c.record_stream(reinterpret_cast<void*>(pending.front().p), streams[3]), invalid_argument);
+      }
+      CHECK(c.stats().requested == s0.requested);
+      CHECK(c.stats().deallocations == s0.deallocations);
+      check_state("misuse");
+    } else if (r < 96) {
+      // A reserve limit (as a budget would push): growth_for must still agree with allocate.
+      c.set_reserve_limit(rng.chance(50) ? std::numeric_limits<std::size_t>::max()
+                                         : c.stats().reserved + rng.below(40 * MiB));
+    } else {
+      // Pattern check of everything live.
+      for (const auto& b : live) CHECK(pattern_ok(b));
+    }
+  }
+
+  // Wind down: every stream done, every block freed, the cache given back.
+  for (stream_id t : streams) {
+    up.complete(t);
+    ++gen[t];
+  }
+  while (!live.empty()) do_deallocate(live.size() - 1);
+  for (stream_id t : streams) up.complete(t);
+  c.process_events();
+  CHECK(c.pending_blocks() == 0);
+  CHECK(up.live_events() == 0);
+  c.release_cached();
+  CHECK(c.stats().reserved == 0);
+  CHECK(c.check_invariants());
+  CHECK(up.errors == 0);
+}
+
+}  // namespace
+
+TEST_CASE("stream cache review: randomized differential run, unbacked fake upstream") {
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    INFO("seed " << seed);
+    run_differential<false>(seed, 2500, caching_options{});
+  }
+}
+
+TEST_CASE("stream cache review: randomized differential run, rounding and small segments") {
+  caching_options o;
+  o.roundup_power2_divisions = 4;
+  o.small_segment_size = 1 * MiB;
+  o.small_request_limit = 256 * KiB;
+  o.large_segment_size = 8 * MiB;
+  o.large_segment_limit = 4 * MiB;
+  o.segment_rounding = 1 * MiB;
+  for (std::uint64_t seed = 11; seed <= 14; ++seed) {
+    INFO("seed " << seed);
+    run_differential<false>(seed, 2500, o);
+  }
+}
+
+TEST_CASE("stream cache review: randomized differential run, real memory with patterns") {
+  for (std::uint64_t seed = 21; seed <= 23; ++seed) {
+    INFO("seed " << seed);
+    run_differential<true>(seed, 1500, caching_options{});
+  }
+}
