@@ -703,3 +703,54 @@ TEST_CASE("stream cache review: an event query failing half-way through process_
   CHECK(up.live_events() == 0);
   CHECK(up.errors == 0);
 }
+
+TEST_CASE("stream cache review: a budget over wrappers polls pending blocks before predicting growth") {
+  // Stream a's segment is full, one of its blocks pending on stream c whose work is done; stream
+  // b holds a fully free cached segment. Under a tight budget, a request on stream a can reuse
+  // the pending block: the budget must see growth 0 (the cache polls, as allocate does) rather
+  // than release the whole cache first. Through traced/fault/synchronized wrappers, whose
+  // growth_for was const only, the cache's non-polling overload over-predicted and the budget
+  // flushed stream b's segment.
+  constexpr stream_id a = 0x1000, b = 0x2000, c = 0x3000;
+  auto scenario = [&](auto& stack, auto& cache) {
+    void* x = stack.allocate(1 * MiB, 512, memory_tag::other, a);
+    void* y = stack.allocate(1 * MiB, 512, memory_tag::other, a);
+    void* z = stack.allocate(1 * MiB, 512, memory_tag::other, b);
+    stack.deallocate(z, 1 * MiB, 512, memory_tag::other);
+    stack.record_stream(x, c);
+    stack.deallocate(x, 1 * MiB, 512, memory_tag::other);
+    REQUIRE(cache.stats().reserved == 4 * MiB);
+    cache.upstream().complete(c);
+    CHECK(stack.growth_for(1 * MiB, 512, a) == 0);
+    void* x2 = stack.allocate(1 * MiB, 512, memory_tag::other, a);
+    CHECK(x2 == x);
+    CHECK(cache.stats().reserved == 4 * MiB);  // stream b's cached segment was not given back
+    CHECK(cache.upstream().released.empty());
+    stack.deallocate(x2, 1 * MiB, 512, memory_tag::other);
+    stack.deallocate(y, 1 * MiB, 512, memory_tag::other);
+    CHECK(cache.check_invariants());
+  };
+  using cache_t = caching_allocator<review_upstream<false>>;
+  const std::size_t limit = 4 * MiB + 512 * KiB;
+  SUBCASE("budget over the cache") {
+    budget_allocator<cache_t> s(limit);
+    scenario(s, s.upstream());
+  }
+  SUBCASE("budget over traced") {
+    trace_recorder rec(64);
+    budget_allocator<traced_allocator<cache_t>> s(limit, rec);
+    scenario(s, s.upstream().upstream());
+  }
+  SUBCASE("budget over fault injection") {
+    budget_allocator<fault_injecting<cache_t>> s(limit);
+    scenario(s, s.upstream().upstream());
+  }
+  SUBCASE("budget over synchronized") {
+    budget_allocator<synchronized<cache_t>> s(limit);
+    scenario(s, s.upstream().with_lock([](auto& u) -> auto& { return u; }));
+  }
+  SUBCASE("budget over budget") {
+    budget_allocator<budget_allocator<cache_t>> s(limit, limit);
+    scenario(s, s.upstream().upstream());
+  }
+}
