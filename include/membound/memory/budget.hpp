@@ -244,6 +244,12 @@ class budget_allocator {
   {
     return detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
   }
+  // Non-const: polls a stream-ordered upstream's pending blocks, as allocate's own check does.
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
+    requires reports_growth<Upstream>
+  {
+    return detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
+  }
   // A live block is also used on `stream`: its reuse waits for that stream's work (see
   // caching_allocator::record_stream).
   void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {

@@ -129,6 +129,12 @@ class fault_injecting {
   {
     return detail::growth_on(upstream_, bytes, alignment, stream, "fault_injection");
   }
+  // Non-const: polls a stream-ordered upstream's pending blocks (see traced_allocator).
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
+    requires reports_growth<Upstream>
+  {
+    return detail::growth_on(upstream_, bytes, alignment, stream, "fault_injection");
+  }
   void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
     upstream_.record_stream(p, stream);
   }

@@ -61,6 +61,13 @@ class synchronized {
     std::lock_guard lock(mutex_);
     return detail::growth_on(upstream_, bytes, alignment, stream, "synchronized");
   }
+  // Non-const: polls a stream-ordered upstream's pending blocks (see traced_allocator).
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
+    requires reports_growth<Upstream>
+  {
+    std::lock_guard lock(mutex_);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "synchronized");
+  }
   void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
     std::lock_guard lock(mutex_);
     upstream_.record_stream(p, stream);

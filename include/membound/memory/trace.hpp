@@ -477,6 +477,14 @@ class traced_allocator {
   {
     return detail::growth_on(upstream_, bytes, alignment, stream, "traced_allocator");
   }
+  // Non-const: reaches the upstream's non-const growth_for where it has one (a stream-ordered
+  // caching_allocator polls its pending blocks there, as its allocate does, so the prediction is
+  // exact rather than an over-estimate that makes a budget release the whole cache).
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
+    requires reports_growth<Upstream>
+  {
+    return detail::growth_on(upstream_, bytes, alignment, stream, "traced_allocator");
+  }
   void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
     upstream_.record_stream(p, stream);
   }
