@@ -2388,7 +2388,7 @@ class caching_allocator {
     if (bytes == 0) return nullptr;
     if (plan_) {
       check_planned_stream(stream);
-      if (void* p = planned_allocate(bytes, tag)) return p;
+      if (void* p = planned_allocate(bytes, alignment, tag)) return p;
     }
     try {
       if (bytes > max_request) throw_too_large(bytes);
@@ -2490,20 +2490,26 @@ class caching_allocator {
     std::size_t done_blocks = 0;
     if constexpr (stream_event_source<Upstream>) {
       if (pending_blocks_ == 0) return 0;
-      for (auto it = uses_.begin(); it != uses_.end();) {
-        stream_uses& u = it->second;
-        bool done = u.pending;
-        for (std::size_t k = 0; done && k < u.events.size(); ++k) done = upstream_.event_done(u.events[k]);
-        if (!done) {
-          ++it;
-          continue;
+      try {
+        for (auto it = uses_.begin(); it != uses_.end();) {
+          stream_uses& u = it->second;
+          bool done = u.pending;
+          for (std::size_t k = 0; done && k < u.events.size(); ++k) done = upstream_.event_done(u.events[k]);
+          if (!done) {
+            ++it;
+            continue;
+          }
+          for (const event_id e : u.events) upstream_.destroy_event(e);
+          --pending_blocks_;
+          pending_bytes_ -= u.b->size;
+          u.pool->free_block(u.b);
+          it = uses_.erase(it);
+          ++done_blocks;
         }
-        for (const event_id e : u.events) upstream_.destroy_event(e);
-        --pending_blocks_;
-        pending_bytes_ -= u.b->size;
-        u.pool->free_block(u.b);
-        it = uses_.erase(it);
-        ++done_blocks;
+      } catch (...) {
+        // The blocks freed before the failing query stay freed: the statistics must show them.
+        if (done_blocks != 0) update_largest();
+        throw;
       }
       if (done_blocks != 0) update_largest();
     }
@@ -2590,16 +2596,31 @@ class caching_allocator {
                                  "Set the layout between steps, when the step's blocks are given back");
         }
       }
-      if (plan_->prefix_next != 0 && l.prefix != plan_->layout.prefix) {
+      if (plan_->prefix_next != 0 &&
+          (l.prefix != plan_->layout.prefix || l.prefix_extent != plan_->layout.prefix_extent)) {
         throw invalid_argument("layout.prefix", "the prefix already made (" + std::to_string(plan_->layout.prefix.size()) +
                                                     " blocks, " + format_bytes(plan_->layout.prefix_extent) + ")",
                                std::to_string(l.prefix.size()) + " blocks, " + format_bytes(l.prefix_extent),
                                "Give back the prefix's blocks first, or keep the same prefix");
       }
+      if (stream != plan_->stream) {
+        // No planned block is live (checked above), but work queued on the old stream may still
+        // use the segments' bytes: give them back (cudaFree waits for the device) rather than
+        // hand them to the new stream at once, which the ordinary path never does either.
+        release_planned(true);
+      }
       if (plan_->cycle_seg != nullptr && l.cycle_extent != plan_->layout.cycle_extent) {
         upstream_.deallocate(plan_->cycle_seg, plan_->layout.cycle_extent, opts_.segment_alignment, memory_tag::other);
         stats_.on_release(plan_->layout.cycle_extent);
         plan_->cycle_seg = nullptr;
+      }
+      // A prefix given back entirely (prefix_next is 0 again) keeps its segment until
+      // release_cached; a new prefix of another extent must not be placed in it.
+      if (plan_->prefix_seg != nullptr && plan_->prefix_next == 0 &&
+          l.prefix_extent != plan_->layout.prefix_extent) {
+        upstream_.deallocate(plan_->prefix_seg, plan_->layout.prefix_extent, opts_.segment_alignment, memory_tag::other);
+        stats_.on_release(plan_->layout.prefix_extent);
+        plan_->prefix_seg = nullptr;
       }
       plan_->layout = std::move(l);
       plan_->cursor = 0;
@@ -2819,7 +2840,7 @@ class caching_allocator {
   struct planned_state {
     struct live_block {
       std::uintptr_t p;
-      std::size_t bytes, size;
+      std::size_t bytes, size, alignment;
       memory_tag tag;
       bool cycle;
     };
@@ -2865,7 +2886,7 @@ class caching_allocator {
     return planned_choice{&s, true, k, st.cycle_seg, l.cycle_extent};
   }
 
-  void* planned_allocate(std::size_t bytes, memory_tag tag) {
+  void* planned_allocate(std::size_t bytes, std::size_t alignment, memory_tag tag) {
     const auto m = planned_match(bytes);
     if (!m) return nullptr;
     planned_state& st = *plan_;
@@ -2881,7 +2902,7 @@ class caching_allocator {
     }
     const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(seg) + m->slot->offset;
     const std::size_t size = align_up(bytes, memory_layout::slot_alignment);
-    st.live.push_back({p, bytes, size, tag, m->cycle});  // reserved in set_layout: no heap call
+    st.live.push_back({p, bytes, size, alignment, tag, m->cycle});  // reserved in set_layout: no heap call
     if (m->cycle) {
       st.cursor = m->index + 1 == st.layout.cycle.size() ? 0 : m->index + 1;
     } else {
@@ -2902,11 +2923,14 @@ class caching_allocator {
         throw invalid_argument("bytes", std::to_string(b.bytes) + " (what allocate was given)", std::to_string(bytes),
                                "Pass deallocate the size allocate got");
       }
+      if (b.alignment != alignment) {
+        throw invalid_argument("alignment", std::to_string(b.alignment) + " (what allocate was given)",
+                               std::to_string(alignment), "Pass deallocate the alignment allocate got");
+      }
       if (b.tag != tag) {
         throw invalid_argument("tag", std::string(to_string(b.tag)) + " (what allocate was given)",
                                std::string(to_string(tag)), "Pass deallocate the tag allocate got");
       }
-      detail::check_alignment(alignment, max_alignment, "caching_allocator");
       st.live.erase(st.live.begin() + static_cast<std::ptrdiff_t>(k));
       stats_.on_deallocate(b.bytes, b.size, b.tag);
       // The whole prefix given back (a trainer destroyed): the next one is made in the same place.
@@ -3677,6 +3701,12 @@ class budget_allocator {
   {
     return detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
   }
+  // Non-const: polls a stream-ordered upstream's pending blocks, as allocate's own check does.
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
+    requires reports_growth<Upstream>
+  {
+    return detail::growth_on(upstream_, bytes, alignment, stream, "budget_allocator");
+  }
   // A live block is also used on `stream`: its reuse waits for that stream's work (see
   // caching_allocator::record_stream).
   void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
@@ -3859,6 +3889,12 @@ class fault_injecting {
   }
   std::size_t growth_for(std::size_t bytes, std::size_t alignment,
                          stream_id stream = host_stream) const
+    requires reports_growth<Upstream>
+  {
+    return detail::growth_on(upstream_, bytes, alignment, stream, "fault_injection");
+  }
+  // Non-const: polls a stream-ordered upstream's pending blocks (see traced_allocator).
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
     requires reports_growth<Upstream>
   {
     return detail::growth_on(upstream_, bytes, alignment, stream, "fault_injection");
@@ -4464,6 +4500,14 @@ class traced_allocator {
   {
     return detail::growth_on(upstream_, bytes, alignment, stream, "traced_allocator");
   }
+  // Non-const: reaches the upstream's non-const growth_for where it has one (a stream-ordered
+  // caching_allocator polls its pending blocks there, as its allocate does, so the prediction is
+  // exact rather than an over-estimate that makes a budget release the whole cache).
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
+    requires reports_growth<Upstream>
+  {
+    return detail::growth_on(upstream_, bytes, alignment, stream, "traced_allocator");
+  }
   void record_stream(void* p, stream_id stream) requires stream_ordered_allocator<Upstream> {
     upstream_.record_stream(p, stream);
   }
@@ -4830,6 +4874,13 @@ class synchronized {
   }
   std::size_t growth_for(std::size_t bytes, std::size_t alignment,
                          stream_id stream = host_stream) const
+    requires reports_growth<Upstream>
+  {
+    std::lock_guard lock(mutex_);
+    return detail::growth_on(upstream_, bytes, alignment, stream, "synchronized");
+  }
+  // Non-const: polls a stream-ordered upstream's pending blocks (see traced_allocator).
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream)
     requires reports_growth<Upstream>
   {
     std::lock_guard lock(mutex_);
