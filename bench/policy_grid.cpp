@@ -9,13 +9,19 @@
 //   ./build/release/bench/policy_grid --layers ttt,attn --width 64 --budget 24MiB --json g.json --svg g.svg
 //
 // The grid:
-//   precision    compile time, from the one type list `grid_precisions` below
-//   schedule     none, full, every:K, binomial:S (--quick: every:2, binomial:1; else every K from 2
-//                to the depth, S from 1 to depth - 1) and, with --budget, the planner's DP at it
-//   micro-batch  divisors of --batch (--quick: the batch and half of it), gradient accumulation
-//                keeping the effective batch
-//   logit chunk  256 and 64 rows (fit()'s own candidates)
-// plus fit()'s choice for each precision when it is not already a point.
+//   compile time  the lists of bench/grid_policies.hpp: precision (fp32, bf16, fp16), attention
+//                 tiles and checkpoint (recompute, save_all), Mamba scan chunk and checkpoint, TTT
+//                 mini-batch and checkpoint groups; the base (each list's first entry) and each
+//                 other entry one axis at a time (--vary picks the axes; axes no block of --layers
+//                 takes are skipped)
+//   schedule      none, full, every:K, binomial:S (--quick: every:2, binomial:1; else every K from
+//                 2 to the depth, S from 1 to depth - 1) and the planner's DP at three budgets
+//                 (--budget, 3/4 and 1/2 of it; without one, 3/4 and 1/2 of the `none` peak)
+//   micro-batch   divisors of --batch (--quick: the batch and half of it), gradient accumulation
+//                 keeping the effective batch
+//   logit chunk   256 and 64 rows (fit()'s own candidates)
+// plus fit()'s choice for each variant when it is not already a point. --config FILE gives the
+// model and grid flags as a JSON object instead.
 //
 // With --budget, a point whose predicted (reserved) peak is over the budget is reported with
 // fits = false and NOT run (its measured fields are null in JSON, empty in CSV). Without --budget
@@ -28,8 +34,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -37,24 +45,12 @@
 #include <unistd.h>
 
 #include "../examples/cli_checks.hpp"
+#include "grid_policies.hpp"
 #include "membound/membound.hpp"
 
 namespace mb = membound;
 
 namespace {
-
-// ---- The compile-time axis: add a precision here and it is in the grid. --------------------------
-template <typename P>
-struct precision_name;
-template <>
-struct precision_name<mb::fp32_precision> {
-  static constexpr const char* value = "fp32";
-};
-template <>
-struct precision_name<mb::bf16_precision> {
-  static constexpr const char* value = "bf16";
-};
-using grid_precisions = mb::type_list<mb::fp32_precision, mb::bf16_precision>;
 
 struct options {
   std::string layers = "ttt,attn,mamba,attn";
@@ -62,22 +58,89 @@ struct options {
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, threads = 2, repetitions = 3;
   std::optional<std::size_t> budget;
   bool quick = false;
+  std::vector<std::string> vary;  // compile-time axes to vary from the base (grid::axes names)
   std::string csv, json, svg;
+  bool varies(const char* axis) const { return std::find(vary.begin(), vary.end(), axis) != vary.end(); }
+  grid::block_kinds kinds() const {
+    grid::block_kinds k;
+    for (const std::string& b : blocks) {
+      k.attention |= b == "attention";
+      k.mamba |= b == "mamba";
+      k.ttt |= b.starts_with("ttt");
+    }
+    return k;
+  }
 };
 
+// The flags' texts: from the command line, else from --config's JSON file.
 struct flag_texts {
   std::map<std::string, std::string> text;
+  std::set<std::string> configured;  // flags whose text came from --config
   const CLI::App* app = nullptr;
-  bool given(const std::string& flag) const { return app->count(flag) > 0; }
+  bool on_line(const std::string& flag) const { return app->count(flag) > 0; }
+  bool given(const std::string& flag) const { return on_line(flag) || configured.count(flag) > 0; }
   const std::string& operator[](const std::string& flag) const { return text.at(flag); }
+  // The name an error message gives: the flag, or the key of --config's file.
+  std::string label(const std::string& flag) const {
+    return on_line(flag) ? flag : "--config key \"" + flag.substr(2) + "\"";
+  }
 };
+
+// --config FILE: a JSON object whose keys are the model and grid flags without the dashes, e.g.
+// {"layers": "ttt,attn", "width": 64, "seq": 256, "budget": "24MiB"}. A flag on the command line
+// overrides its key.
+void read_config(flag_texts& f) {
+  namespace cc = cli_checks;
+  const std::string& path = f["--config"];
+  cc::input_file("--config", path, "Pass a JSON file such as {\"layers\": \"attn,mamba\", \"width\": 64}");
+  std::ifstream in(path, std::ios::binary);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw mb::invalid_argument("--config", "a JSON object of model and grid settings", cc::in_quotes(path) + ": " + e.what(),
+                               "Fix the file's JSON syntax");
+  }
+  static const std::set<std::string> keys = {"layers", "width", "heads", "seq", "batch", "threads", "budget",
+                                             "repetitions", "vary"};
+  if (!j.is_object()) {
+    throw mb::invalid_argument("--config", "a JSON object", cc::in_quotes(path) + " holds a " + j.type_name(),
+                               "Write the settings as {\"key\": value, ...}");
+  }
+  for (const auto& [key, value] : j.items()) {
+    if (keys.count(key) == 0) {
+      std::string known;
+      for (const std::string& k : keys) known += (known.empty() ? "" : ", ") + k;
+      throw mb::invalid_argument("--config", "keys among " + known, cc::in_quotes(path) + " has " + cc::in_quotes(key),
+                                 "Remove or rename the key");
+    }
+    const std::string flag = "--" + key;
+    if (f.on_line(flag)) continue;
+    if (value.is_string()) {
+      f.text[flag] = value.get<std::string>();
+    } else if (value.is_number_unsigned()) {
+      f.text[flag] = std::to_string(value.get<std::uint64_t>());
+    } else {
+      throw mb::invalid_argument("--config", "key \"" + key + "\" to be a string or a whole number",
+                                 cc::in_quotes(path) + " has " + value.dump(), "Write e.g. \"" + key + "\": 64");
+    }
+    f.configured.insert(flag);
+  }
+}
 
 options checked_options(const flag_texts& f) {
   namespace cc = cli_checks;
   options o;
   const auto whole = [&](const char* flag, std::size_t& to, std::uint64_t lo, std::uint64_t hi) {
-    if (f.given(flag)) to = cc::whole(flag, f[flag], lo, hi, flag + (" " + std::to_string(to)));
+    if (f.given(flag)) to = cc::whole(f.label(flag), f[flag], lo, hi, flag + (" " + std::to_string(to)));
   };
+  if (f.given("--backend")) {
+    // The grid times the trainer's step; the trainer runs on the CPU backend until the CUDA model exists.
+    if (f["--backend"] != "cpu") {
+      throw mb::invalid_argument(f.label("--backend"), "cpu (the model and trainer do not run on cuda_backend yet)",
+                                 cc::in_quotes(f["--backend"]), "Leave --backend out, or pass --backend cpu");
+    }
+  }
   whole("--threads", o.threads, 1, 256);
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
@@ -97,7 +160,7 @@ options checked_options(const flag_texts& f) {
       const std::string name = o.layers.substr(at, comma - at);
       const std::string full = name == "ttt" ? "ttt_linear" : name == "attn" ? "attention" : name;
       if (full != "ttt_linear" && full != "ttt_mlp" && full != "attention" && full != "mamba") {
-        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, mamba (no empty names)",
+        throw mb::invalid_argument(f.label("--layers"), "a comma-separated list of ttt, ttt_mlp, attn, mamba (no empty names)",
                                    cc::in_quotes(o.layers) + " (block " + std::to_string(o.blocks.size() + 1) + ": " +
                                        cc::in_quotes(name) + ")",
                                    "e.g. --layers ttt,attn,mamba,attn");
@@ -109,7 +172,27 @@ options checked_options(const flag_texts& f) {
       throw mb::invalid_argument("--layers", "at most 128 blocks", std::to_string(o.blocks.size()), "List fewer blocks");
     }
   }
-  if (f.given("--budget")) o.budget = cc::size("--budget", f["--budget"], "--budget 64MiB");
+  if (f.given("--budget")) o.budget = cc::size(f.label("--budget"), f["--budget"], "--budget 64MiB");
+  grid::for_each_axis([&]<typename Axis>() { o.vary.emplace_back(Axis::name); });
+  if (f.given("--vary")) {
+    const std::string& text = f["--vary"];
+    std::vector<std::string> chosen;
+    if (text != "none") {
+      std::size_t at = 0;
+      do {
+        const std::size_t comma = std::min(text.find(',', at), text.size());
+        const std::string name = text.substr(at, comma - at);
+        if (std::find(o.vary.begin(), o.vary.end(), name) == o.vary.end()) {
+          throw mb::invalid_argument(f.label("--vary"), "none, or a comma-separated list of " + grid::axis_names(),
+                                     cc::in_quotes(text) + (name == text ? "" : " (" + cc::in_quotes(name) + ")"),
+                                     "e.g. --vary precision,attention_checkpoint");
+        }
+        chosen.push_back(name);
+        at = comma + 1;
+      } while (at <= text.size());
+    }
+    o.vary = std::move(chosen);
+  }
   o.quick = f.given("--quick");
   if (f.given("--csv")) cc::output_file("--csv", o.csv = f["--csv"]);
   if (f.given("--json")) cc::output_file("--json", o.json = f["--json"]);
@@ -122,7 +205,11 @@ options checked_options(const flag_texts& f) {
 
 // One point of the grid, planned and (when it fits) measured.
 struct point {
-  std::string precision;
+  std::string precision;  // the precision's label: fp32, bf16, fp16
+  std::string variant;    // the compile-time combination: the precision and the slot off the base
+  std::string axis;       // the compile-time axis this variant varies ("" for the base)
+  std::vector<std::pair<std::string, std::string>> policies;  // every slot, by axis name
+  void (*runner)(const struct options&, point&) = nullptr;
   mb::training_plan plan;
   std::size_t predicted = 0, predicted_reserved = 0;
   bool fits = true, ran = false, pareto = false, fit_choice = false;
@@ -171,13 +258,6 @@ class progress {
 using stack = mb::budget_allocator<mb::traced_allocator<mb::expandable_arena<mb::host_virtual_memory>>>;
 constexpr std::size_t no_budget_limit = std::size_t{1} << 34;  // without --budget: what a plan may reserve
 
-template <typename P>
-struct grid_model {
-  using net = mb::model<mb::embedding<P>,
-                        mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-                        mb::lm_head<P>>;
-};
-
 // The library refuses what the flags could not know alone (a head size a block does not take).
 template <typename F>
 auto under_flags(const options& o, F make) -> decltype(make()) {
@@ -194,10 +274,13 @@ auto under_flags(const options& o, F make) -> decltype(make()) {
   }
 }
 
-// Plans every point of one precision (nothing runs yet) and marks fit()'s choice.
-template <typename P>
-void plan_points(const options& o, std::vector<point>& out) {
-  using net = typename grid_model<P>::net;
+template <typename C>
+void run_point(const options& o, point& q);
+
+// Plans every point of one compile-time combination C (nothing runs yet) and marks fit()'s choice.
+template <typename C>
+void plan_points(const options& o, std::vector<point>& out, const std::string& axis, const std::string& label) {
+  using net = typename grid::grid_model<C>::net;
   mb::model_config cfg;
   cfg.vocab = 256;
   cfg.width = o.width;
@@ -227,7 +310,14 @@ void plan_points(const options& o, std::vector<point>& out) {
     for (std::size_t k = 2; k <= L; ++k) schedules.push_back({K::every, k});
     for (std::size_t s = 1; s < std::max<std::size_t>(L, 2); ++s) schedules.push_back({K::binomial, s});
   }
-  if (o.budget) schedules.push_back({K::budget, *o.budget});
+  // The DP at a few budgets: --budget and 3/4 and 1/2 of it, or without one 3/4 and 1/2 of the
+  // peak that saves everything (none) at the full batch.
+  if (o.budget) {
+    for (std::size_t b : {*o.budget, *o.budget / 4 * 3, *o.budget / 2}) schedules.push_back({K::budget, b});
+  } else {
+    const mb::training_plan keep_all = mb::make_plan(m, eff, mb::schedule_choice{K::none, 0}, mb::plan_options{o.threads});
+    for (std::size_t b : {keep_all.peak_bytes / 4 * 3, keep_all.peak_bytes / 2}) schedules.push_back({K::budget, b});
+  }
   std::vector<std::size_t> micro;
   for (std::size_t b = o.batch; b >= 1; --b) {
     if (o.batch % b != 0) continue;
@@ -239,7 +329,11 @@ void plan_points(const options& o, std::vector<point>& out) {
   const std::size_t first = out.size();
   const auto add = [&](mb::training_plan p) {
     point q;
-    q.precision = precision_name<P>::value;
+    q.precision = grid::policy_label<grid::at_t<C, 0>>::get();
+    q.variant = label;
+    q.axis = axis;
+    grid::for_each_slot<C>([&](const char* name, std::string v) { q.policies.emplace_back(name, std::move(v)); });
+    q.runner = &run_point<C>;
     if (p.reserved_peak == 0) p.reserved_peak = reserve(p);
     q.predicted = p.peak_bytes;
     q.predicted_reserved = p.budgeted_peak();
@@ -287,9 +381,9 @@ void plan_points(const options& o, std::vector<point>& out) {
 
 // Runs one point: a fresh stack under the budget (or its own reserve), one warm-up step and the
 // repetitions, each a full optimizer step of the trainer.
-template <typename P>
+template <typename C>
 void run_point(const options& o, point& q) {
-  using net = typename grid_model<P>::net;
+  using net = typename grid::grid_model<C>::net;
   mb::model_config cfg;
   cfg.vocab = 256;
   cfg.width = o.width;
@@ -328,13 +422,18 @@ void run_point(const options& o, point& q) {
   q.ran = true;
 }
 
-template <typename... Ps>
-void plan_all(const options& o, std::vector<point>& out, mb::type_list<Ps...>) {
-  (plan_points<Ps>(o, out), ...);
-}
-template <typename... Ps>
-void run_one(const options& o, point& q, mb::type_list<Ps...>) {
-  ((q.precision == precision_name<Ps>::value ? run_point<Ps>(o, q) : void()), ...);
+// The base and, for each axis in --vary that a block of --layers takes, its other entries.
+void plan_all(const options& o, std::vector<point>& out) {
+  const grid::block_kinds kinds = o.kinds();
+  grid::for_each_variant([&]<typename C>(const char* axis, std::string label) {
+    if (*axis != '\0') {
+      if (!o.varies(axis)) return;
+      bool applies = false;
+      grid::for_each_axis([&]<typename Axis>() { applies |= std::string(Axis::name) == axis && Axis::applies(kinds); });
+      if (!applies) return;
+    }
+    plan_points<C>(o, out, axis, label);
+  });
 }
 
 void mark_pareto(std::vector<point>& pts) {
@@ -353,7 +452,7 @@ std::string micro_text(const point& p) {
 std::string table(const std::vector<point>& pts) {
   std::string s;
   char line[256];
-  std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5s %10s %10s %10s %9s %19s %10s %10s %4s %s\n", "prec", "schedule",
+  std::snprintf(line, sizeof line, "%-22s %-17s %-6s %5s %10s %10s %10s %9s %19s %10s %10s %4s %s\n", "policies", "schedule",
                 "microx", "chunk", "pred MiB", "meas MiB", "resv MiB", "ms", "ms min-max", "tok/s", "recomp GF", "fits",
                 "marks");
   s += line;
@@ -364,13 +463,13 @@ std::string table(const std::vector<point>& pts) {
     if (p.ran) {
       char range[40];
       std::snprintf(range, sizeof range, "%.1f-%.1f", p.ms_min, p.ms_max);
-      std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5zu %10.3f %10.3f %10.3f %9.1f %19s %10.0f %10.3f %4s %s\n",
-                    p.precision.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
+      std::snprintf(line, sizeof line, "%-22s %-17s %-6s %5zu %10.3f %10.3f %10.3f %9.1f %19s %10.0f %10.3f %4s %s\n",
+                    p.variant.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
                     mib(p.predicted), mib(p.measured), mib(p.measured_reserved), p.ms, range, p.tokens_per_s,
                     p.recompute_flops / 1e9, "yes", marks.c_str());
     } else {
-      std::snprintf(line, sizeof line, "%-5s %-17s %-6s %5zu %10.3f %10s %10s %9s %19s %10s %10.3f %4s %s\n",
-                    p.precision.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
+      std::snprintf(line, sizeof line, "%-22s %-17s %-6s %5zu %10.3f %10s %10s %9s %19s %10s %10.3f %4s %s\n",
+                    p.variant.c_str(), p.schedule().c_str(), micro_text(p).c_str(), p.plan.head_chunk,
                     mib(p.predicted), "-", "-", "-", "-", "-", p.recompute_flops / 1e9, "NO", marks.c_str());
     }
     s += line;
@@ -380,11 +479,11 @@ std::string table(const std::vector<point>& pts) {
 
 std::string csv(const std::vector<point>& pts) {
   std::ostringstream os;
-  os << "precision,schedule,micro_batch,accumulation,logit_chunk,predicted_peak_bytes,predicted_reserved_peak_bytes,"
+  os << "variant,precision,schedule,micro_batch,accumulation,logit_chunk,predicted_peak_bytes,predicted_reserved_peak_bytes,"
         "measured_peak_bytes,measured_reserved_peak_bytes,time_ms,time_ms_min,time_ms_max,tokens_per_second,"
         "recompute_flops,fits,pareto,fit_choice\n";
   for (const point& p : pts) {
-    os << p.precision << ',' << p.schedule() << ',' << p.plan.micro.batch << ',' << p.plan.accumulation << ','
+    os << p.variant << ',' << p.precision << ',' << p.schedule() << ',' << p.plan.micro.batch << ',' << p.plan.accumulation << ','
        << p.plan.head_chunk << ',' << p.predicted << ',' << p.predicted_reserved << ',';
     if (p.ran) {
       os << p.measured << ',' << p.measured_reserved << ',' << p.ms << ',' << p.ms_min << ',' << p.ms_max << ','
@@ -410,7 +509,12 @@ nlohmann::json to_json(const options& o, const std::vector<point>& pts, double w
   nlohmann::json list = nlohmann::json::array();
   const auto or_null = [](bool ran, auto v) { return ran ? nlohmann::json(v) : nlohmann::json(nullptr); };
   for (const point& p : pts) {
-    list.push_back({{"precision", p.precision},
+    nlohmann::json policies = nlohmann::json::object();
+    for (const auto& [axis, value] : p.policies) policies[axis] = value;
+    list.push_back({{"variant", p.variant},
+                    {"axis", p.axis},
+                    {"policies", std::move(policies)},
+                    {"precision", p.precision},
                     {"schedule", p.schedule()},
                     {"micro_batch", p.plan.micro.batch},
                     {"accumulation", p.plan.accumulation},
@@ -511,7 +615,7 @@ std::string svg(const options& o, const std::vector<point>& pts) {
     s << "\"/>\n";
   }
   for (const point& p : pts) {
-    const std::string label = p.precision + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk);
+    const std::string label = p.variant + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk);
     if (p.ran) {
       std::snprintf(b, sizeof b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%s\" fill=\"%s\"><title>%s: %.1f ms</title></circle>\n",
                     X(mib(p.measured)), Y(p.ms), p.fit_choice ? "6" : "3.5",
@@ -537,7 +641,7 @@ std::string svg(const options& o, const std::vector<point>& pts) {
 int run(const options& o) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<point> pts;
-  plan_all(o, pts, grid_precisions{});
+  plan_all(o, pts);
   if (o.budget && std::none_of(pts.begin(), pts.end(), [](const point& p) { return p.fits; })) {
     std::size_t least = SIZE_MAX;
     for (const point& p : pts) least = std::min(least, p.predicted_reserved);
@@ -554,8 +658,8 @@ int run(const options& o) {
   progress bar(to_run);
   for (point& p : pts) {
     if (!p.fits) continue;
-    bar.tick(p.precision + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk));
-    run_one(o, p, grid_precisions{});
+    bar.tick(p.variant + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk));
+    p.runner(o, p);
   }
   bar.finish();
   mark_pareto(pts);
@@ -563,17 +667,27 @@ int run(const options& o) {
   std::printf("%s", table(pts).c_str());
   std::printf("marks: P = Pareto front over (median time, measured peak) among points that ran; F = fit()'s choice%s\n",
               o.budget ? "; fits NO = predicted reserved peak over --budget, not run" : "");
-  // fit's choice against the fastest point that ran, per precision.
+  // fit's choice against the fastest point that ran in its variant (fit chooses the run-time
+  // axes only), and the base's choice against the fastest point of the whole grid.
+  const auto name = [](const point& p) {
+    return p.variant + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk);
+  };
+  const point* fastest_all = nullptr;
+  for (const point& p : pts) {
+    if (p.ran && (!fastest_all || p.ms < fastest_all->ms)) fastest_all = &p;
+  }
   for (const point& f : pts) {
     if (!f.fit_choice || !f.ran) continue;
     const point* fastest = nullptr;
     for (const point& p : pts) {
-      if (p.ran && p.precision == f.precision && (!fastest || p.ms < fastest->ms)) fastest = &p;
+      if (p.ran && p.variant == f.variant && (!fastest || p.ms < fastest->ms)) fastest = &p;
     }
-    std::printf("%s: fit's choice %s %s c%zu takes %.1f ms, the fastest fitting point (%s %s c%zu) %.1f ms: %.2fx\n",
-                f.precision.c_str(), f.schedule().c_str(), micro_text(f).c_str(), f.plan.head_chunk, f.ms,
-                fastest->schedule().c_str(), micro_text(*fastest).c_str(), fastest->plan.head_chunk, fastest->ms,
-                f.ms / fastest->ms);
+    std::printf("fit's choice %s: %.1f ms; the fastest point of %s (%s): %.1f ms; ratio %.2f\n", name(f).c_str(),
+                f.ms, f.variant.c_str(), name(*fastest).c_str(), fastest->ms, f.ms / fastest->ms);
+    if (f.axis.empty()) {
+      std::printf("the fastest point of the whole grid: %s, %.1f ms; the base's fit choice takes %.2fx its time\n",
+                  name(*fastest_all).c_str(), fastest_all->ms, f.ms / fastest_all->ms);
+    }
   }
   bool exact = true;
   for (const point& p : pts) exact = exact && (!p.ran || (p.measured == p.predicted && p.measured_reserved <= p.predicted_reserved));
@@ -603,6 +717,10 @@ int main(int argc, char** argv) {
   flag("--threads", "1..256", "CPU threads (default 2)");
   flag("--budget", "SIZE", "memory budget, e.g. 32MiB; points over it are marked and not run (default: none)");
   flag("--repetitions", "1..1000", "timed steps per point after one warm-up step (default 3)");
+  flag("--vary", "LIST", "compile-time axes varied from the base, comma-separated, or none (default: all of " +
+                             grid::axis_names() + ")");
+  flag("--config", "FILE", "a JSON object of the settings above, keys without dashes (flags override it)");
+  flag("--backend", "cpu", "where the step runs (default cpu; the CUDA model is not built yet)");
   flag("--csv", "FILE", "write the points as CSV here");
   flag("--json", "FILE", "write the points as JSON here");
   flag("--svg", "FILE", "write a plot of time against measured peak here");
@@ -616,6 +734,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
+    if (f.on_line("--config")) read_config(f);
     return run(checked_options(f));
   } catch (const std::exception& e) {
     std::fflush(stdout);

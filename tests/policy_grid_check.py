@@ -2,8 +2,10 @@
 """policy_grid on a tiny grid: every point that ran has measured peak == predicted peak, `pareto`
 is exactly the non-dominated set over (time_ms, measured_peak_bytes) among the points that ran,
 points over --budget are marked fits: false and not run, the SVG is well-formed XML with a budget
-line; and bad input (unknown layer, a budget no point fits, an unwritable output) exits 1 with
-one `error:` line and writes nothing.
+line, every compile-time variant differs from the base on its own axis only, --vary and --config
+are honoured; and bad input (unknown layer or axis, --backend cuda, a budget no point fits, an
+unwritable output, a corrupt or misspelt --config) exits 1 with one `error:` line and writes
+nothing.
 
 usage: policy_grid_check.py PATH/TO/policy_grid
 """
@@ -78,6 +80,16 @@ def check_points(name, doc, budget):
                                      f"c{p['logit_chunk']}: pareto {p['pareto']}, recomputed {expect}")
     check(any(p["pareto"] for p in pts), f"{name}: a non-empty Pareto front")
     check(sum(1 for p in pts if p["fit_choice"]) >= 1, f"{name}: fit's choice is marked")
+    # The compile-time variants: the base, and each other differing from it on its own axis only.
+    base = [p for p in pts if p["axis"] == ""]
+    check(len(base) > 0, f"{name}: the base variant has points")
+    if base:
+        axes = set(base[0]["policies"])
+        for p in pts:
+            diff = {a for a in axes if p["policies"].get(a) != base[0]["policies"][a]}
+            check(diff == ({p["axis"]} if p["axis"] else set()),
+                  f"{name}: variant {p['variant']!r} differs from the base on {sorted(diff)}, its axis is {p['axis']!r}")
+    return {p["axis"] for p in pts}
 
 
 def check_svg(name, path, budget):
@@ -111,7 +123,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         doc, paths = grid(exe, tmp, "nobudget", [])
         if doc:
-            check_points("nobudget", doc, None)
+            varied = check_points("nobudget", doc, None)
+            # The default --layers (ttt,attn,mamba,attn) takes every axis but TTT-MLP's alone.
+            check(varied == {"", "precision", "attention_tiles", "attention_checkpoint", "scan_chunk",
+                             "mamba_checkpoint", "ttt_mini_batch", "ttt_checkpoint"},
+                  f"nobudget: every axis varied (got {sorted(varied)})")
             check_svg("nobudget", paths["svg"], None)
             with open(paths["csv"]) as f:
                 rows = f.read().splitlines()
@@ -119,17 +135,40 @@ def main():
             # A budget between the least and the largest predicted reserve: some points over it.
             peaks = sorted(p["predicted_reserved_peak_bytes"] for p in doc["points"])
             budget = (peaks[0] + peaks[-1]) // 2
-            doc2, paths2 = grid(exe, tmp, "budget", ["--budget", str(budget)])
+            doc2, paths2 = grid(exe, tmp, "budget", ["--budget", str(budget), "--vary", "precision"])
             if doc2:
                 check_points("budget", doc2, budget)
                 check(any(not p["fits"] for p in doc2["points"]), "budget: some points over the budget")
                 check(any(p["schedule"].startswith("budget") for p in doc2["points"]), "budget: a DP point")
                 check_svg("budget", paths2["svg"], budget)
+                check({p["axis"] for p in doc2["points"]} == {"", "precision"}, "budget: --vary precision only")
+        # --config: the same settings from a JSON file, a flag overriding one of them.
+        cfg = os.path.join(tmp, "grid_config.json")
+        with open(cfg, "w") as f:
+            json.dump({"layers": "attn", "width": 32, "heads": 4, "seq": 16, "batch": 2, "vary": "none"}, f)
+        out = os.path.join(tmp, "config.json")
+        r = run(exe, ["--quick", "--config", cfg, "--seq", "24", "--repetitions", "1", "--json", out])
+        check(r.returncode == 0, f"config: exit 0 (got {r.returncode}; stderr {r.stderr!r})")
+        if r.returncode == 0:
+            with open(out) as f:
+                cdoc = json.load(f)
+            check(cdoc["model"]["layers"] == "attn" and cdoc["model"]["seq"] == 24 and cdoc["model"]["width"] == 32,
+                  f"config: the file's settings and the flag's override (got {cdoc['model']})")
+            check({p["axis"] for p in cdoc["points"]} == {""}, "config: vary none gives the base only")
         check_bad(exe, tmp, "layer", ["--layers", "attn,nope"])
         check_bad(exe, tmp, "budget", ["--budget", "64KiB"])
         check_bad(exe, tmp, "output", ["--json", os.path.join(tmp, "no_such_folder", "g.json"),
                                        "--svg", os.path.join(tmp, "g_bad.svg")])
         check_bad(exe, tmp, "repetitions", ["--repetitions", "0"])
+        check_bad(exe, tmp, "vary", ["--vary", "precision,nope"])
+        check_bad(exe, tmp, "backend", ["--backend", "cuda"])
+        bad_cfg = os.path.join(tmp, "bad_config.json")
+        with open(bad_cfg, "w") as f:
+            f.write('{"width": 32,')
+        check_bad(exe, tmp, "config_syntax", ["--config", bad_cfg])
+        with open(bad_cfg, "w") as f:
+            f.write('{"widht": 32}')
+        check_bad(exe, tmp, "config_key", ["--config", bad_cfg])
     if failures:
         print(f"{len(failures)} check(s) failed")
         return 1
