@@ -1,7 +1,8 @@
 // policy_grid: one model (flags as the example trainer's), a grid of policy combinations, and per
 // point the plan's predicted peak, the measured peak (requested and reserved, from the budget
 // allocator's statistics over the trainer's stack), the time of a full optimizer step (median,
-// min and max over --repetitions after one warm-up step), tokens/s and the recompute FLOPs. The
+// min and max over --repetitions; by default in interleaved rounds, each running every point
+// once after its own warm-up step), tokens/s and the recompute FLOPs. The
 // Pareto front over (time, measured peak) among the points that fit, and fit()'s choice, are
 // marked; table on stdout, optional CSV, JSON and SVG.
 //
@@ -58,6 +59,7 @@ struct options {
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, threads = 2, repetitions = 3;
   std::optional<std::size_t> budget;
   bool quick = false;
+  bool interleave = true;  // one timed step per point per round, --repetitions rounds
   std::vector<std::string> vary;  // compile-time axes to vary from the base (grid::axes names)
   std::string csv, json, svg;
   bool varies(const char* axis) const { return std::find(vary.begin(), vary.end(), axis) != vary.end(); }
@@ -102,7 +104,7 @@ void read_config(flag_texts& f) {
                                "Fix the file's JSON syntax");
   }
   static const std::set<std::string> keys = {"layers", "width", "heads", "seq", "batch", "threads", "budget",
-                                             "repetitions", "vary"};
+                                             "repetitions", "vary", "order"};
   if (!j.is_object()) {
     throw mb::invalid_argument("--config", "a JSON object", cc::in_quotes(path) + " holds a " + j.type_name(),
                                "Write the settings as {\"key\": value, ...}");
@@ -194,6 +196,9 @@ options checked_options(const flag_texts& f) {
     o.vary = std::move(chosen);
   }
   o.quick = f.given("--quick");
+  if (f.given("--order")) {
+    o.interleave = cc::one_of(f.label("--order"), f["--order"], {"interleaved", "sequential"}) == "interleaved";
+  }
   if (f.given("--csv")) cc::output_file("--csv", o.csv = f["--csv"]);
   if (f.given("--json")) cc::output_file("--json", o.json = f["--json"]);
   if (f.given("--svg")) cc::output_file("--svg", o.svg = f["--svg"]);
@@ -215,6 +220,8 @@ struct point {
   bool fits = true, ran = false, pareto = false, fit_choice = false;
   std::size_t measured = 0, measured_reserved = 0;
   double ms = 0, ms_min = 0, ms_max = 0, tokens_per_s = 0;
+  std::vector<double> samples;  // the timed steps' milliseconds
+  std::size_t tokens = 0;       // per optimizer step
   double recompute_flops = 0;  // per optimizer step: per micro-batch times the accumulation
   std::string schedule() const { return plan.schedule.name(); }
 };
@@ -400,26 +407,32 @@ void run_point(const options& o, point& q) {
   to.replan_under_pressure = false;  // the point's plan, never another
   mb::trainer t(m, mb::batch_shape{o.batch, o.seq}, q.plan, alloc, pool, to);
   random_tokens src{o.seq};
-  std::vector<double> ms;
-  std::size_t tokens = 0;
-  for (std::size_t i = 0; i <= o.repetitions; ++i) {
+  // Interleaved: this round's one timed step; sequential: every repetition, back to back.
+  const std::size_t timed = o.interleave ? 1 : o.repetitions;
+  for (std::size_t i = 0; i <= timed; ++i) {
     const mb::step_result r = t.step(src);
     if (!r.replans.empty()) throw mb::error("membound: policy_grid: the trainer changed the plan of a grid point");
     if (i > 0) {
-      ms.push_back(r.ms);
-      tokens = r.tokens;
+      q.samples.push_back(r.ms);
+      q.tokens = r.tokens;
     }
   }
+  // Every round runs the same plan on a fresh stack: the peaks are the largest seen (and equal).
+  const auto st = alloc.stats();
+  q.measured = std::max(q.measured, st.peak_requested);
+  q.measured_reserved = std::max(q.measured_reserved, st.peak_reserved);
+  q.ran = true;
+}
+
+// Median, min and max of a point's timed steps.
+void summarize(point& q) {
+  std::vector<double> ms = q.samples;
   std::sort(ms.begin(), ms.end());
   const std::size_t n = ms.size();
   q.ms = n % 2 == 1 ? ms[n / 2] : (ms[n / 2 - 1] + ms[n / 2]) / 2;
   q.ms_min = ms.front();
   q.ms_max = ms.back();
-  q.tokens_per_s = q.ms > 0 ? static_cast<double>(tokens) / (q.ms / 1000.0) : 0;
-  const auto st = alloc.stats();
-  q.measured = st.peak_requested;
-  q.measured_reserved = st.peak_reserved;
-  q.ran = true;
+  q.tokens_per_s = q.ms > 0 ? static_cast<double>(q.tokens) / (q.ms / 1000.0) : 0;
 }
 
 // The base and, for each axis in --vary that a block of --layers takes, its other entries.
@@ -503,6 +516,7 @@ nlohmann::json to_json(const options& o, const std::vector<point>& pts, double w
                 {"batch", o.batch},   {"vocab", 256},     {"threads", o.threads}};
   j["budget_bytes"] = o.budget ? nlohmann::json(*o.budget) : nlohmann::json(nullptr);
   j["repetitions"] = o.repetitions;
+  j["order"] = o.interleave ? "interleaved" : "sequential";
   j["quick"] = o.quick;
   j["wall_seconds"] = wall_s;
   j["over_budget_points"] = "not run";
@@ -652,16 +666,26 @@ int run(const options& o) {
   std::size_t to_run = 0;
   for (const point& p : pts) to_run += p.fits ? 1 : 0;
   std::printf("policy_grid: %s, width %zu, %zu heads, seq %zu, batch %zu, %zu threads, budget %s; %zu points, %zu "
-              "to run, %zu repetitions after one warm-up\n",
+              "to run, %zu repetitions (%s)\n",
               o.layers.c_str(), o.width, o.heads, o.seq, o.batch, o.threads,
-              o.budget ? mb::format_bytes(*o.budget, false).c_str() : "none", pts.size(), to_run, o.repetitions);
-  progress bar(to_run);
-  for (point& p : pts) {
-    if (!p.fits) continue;
-    bar.tick(p.variant + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk));
-    p.runner(o, p);
+              o.budget ? mb::format_bytes(*o.budget, false).c_str() : "none", pts.size(), to_run, o.repetitions,
+              o.interleave ? "interleaved rounds, each with its own warm-up step" : "back to back after one warm-up step");
+  // Interleaved rounds spread a burst of load from elsewhere over every point's samples instead
+  // of landing it on the few points that happen to run during it.
+  const std::size_t rounds = o.interleave ? o.repetitions : 1;
+  progress bar(to_run * rounds);
+  for (std::size_t r = 0; r < rounds; ++r) {
+    for (point& p : pts) {
+      if (!p.fits) continue;
+      bar.tick("round " + std::to_string(r + 1) + "/" + std::to_string(rounds) + ": " + p.variant + " " + p.schedule() +
+               " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk));
+      p.runner(o, p);
+    }
   }
   bar.finish();
+  for (point& p : pts) {
+    if (p.ran) summarize(p);
+  }
   mark_pareto(pts);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("%s", table(pts).c_str());
@@ -688,6 +712,16 @@ int run(const options& o) {
       std::printf("the fastest point of the whole grid: %s, %.1f ms; the base's fit choice takes %.2fx its time\n",
                   name(*fastest_all).c_str(), fastest_all->ms, f.ms / fastest_all->ms);
     }
+  }
+  // How far to trust a ranking: the spread of the repetitions, (max - min) / median, over points.
+  std::vector<double> spread;
+  for (const point& p : pts) {
+    if (p.ran && p.ms > 0) spread.push_back((p.ms_max - p.ms_min) / p.ms);
+  }
+  if (!spread.empty() && o.repetitions > 1) {
+    std::sort(spread.begin(), spread.end());
+    std::printf("spread of the repetitions, (max - min) / median: median %.1f%%, 90th percentile %.1f%%, worst %.1f%%\n",
+                100 * spread[spread.size() / 2], 100 * spread[spread.size() * 9 / 10], 100 * spread.back());
   }
   bool exact = true;
   for (const point& p : pts) exact = exact && (!p.ran || (p.measured == p.predicted && p.measured_reserved <= p.predicted_reserved));
@@ -716,11 +750,14 @@ int main(int argc, char** argv) {
   flag("--batch", "1..65536", "sequences per optimizer step (default 8)");
   flag("--threads", "1..256", "CPU threads (default 2)");
   flag("--budget", "SIZE", "memory budget, e.g. 32MiB; points over it are marked and not run (default: none)");
-  flag("--repetitions", "1..1000", "timed steps per point after one warm-up step (default 3)");
+  flag("--repetitions", "1..1000", "timed steps per point (default 3; see --order)");
   flag("--vary", "LIST", "compile-time axes varied from the base, comma-separated, or none (default: all of " +
                              grid::axis_names() + ")");
   flag("--config", "FILE", "a JSON object of the settings above, keys without dashes (flags override it)");
   flag("--backend", "cpu", "where the step runs (default cpu; the CUDA model is not built yet)");
+  flag("--order", "interleaved|sequential",
+       "interleaved (default): --repetitions rounds, each a fresh warm-up and one timed step of every point; "
+       "sequential: one warm-up, then every repetition of a point back to back");
   flag("--csv", "FILE", "write the points as CSV here");
   flag("--json", "FILE", "write the points as JSON here");
   flag("--svg", "FILE", "write a plot of time against measured peak here");

@@ -162,6 +162,7 @@ def main():
         check_bad(exe, tmp, "repetitions", ["--repetitions", "0"])
         check_bad(exe, tmp, "vary", ["--vary", "precision,nope"])
         check_bad(exe, tmp, "backend", ["--backend", "cuda"])
+        check_bad(exe, tmp, "order", ["--order", "random"])
         bad_cfg = os.path.join(tmp, "bad_config.json")
         with open(bad_cfg, "w") as f:
             f.write('{"width": 32,')
