@@ -563,88 +563,161 @@ std::string xml_escape(const std::string& s) {
   return r;
 }
 
-// Time per step (y) against the measured peak (x); points over the budget at their predicted peak
-// as hollow red marks on the axis' top; the Pareto front as a line; the budget as a vertical line.
+// Time per step (y) against the measured peak (x), one colour per compile-time variant; points
+// over the budget at their predicted peak as hollow red marks along the top; the Pareto front as
+// a line through numbered points, spelled out in the legend (labels next to 200 points overlap);
+// fit()'s choices ringed in green; the budget as a vertical line.
 std::string svg(const options& o, const std::vector<point>& pts) {
-  constexpr double W = 800, H = 500, left = 70, right = 30, top = 30, bottom = 60;
-  double xmax = 0, ymax = 0;
+  constexpr double W = 1240, left = 70, plot_right = 700, top = 30, bottom = 60, legend_x = 720;
+  static constexpr const char* palette[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+                                            "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+  std::vector<std::string> variants;
   for (const point& p : pts) {
-    xmax = std::max(xmax, mib(p.ran ? p.measured : p.predicted));
-    if (p.ran) ymax = std::max(ymax, p.ms_max);
-  }
-  if (o.budget) xmax = std::max(xmax, mib(*o.budget));
-  xmax = xmax > 0 ? xmax * 1.08 : 1;
-  ymax = ymax > 0 ? ymax * 1.1 : 1;
-  const auto X = [&](double v) { return left + v / xmax * (W - left - right); };
-  const auto Y = [&](double v) { return H - bottom - v / ymax * (H - top - bottom); };
-  std::ostringstream s;
-  char b[512];
-  s << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
-  std::snprintf(b, sizeof b,
-                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
-                "font-family=\"sans-serif\" font-size=\"11\">\n",
-                W, H, W, H);
-  s << b << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  s << "<title>" << xml_escape("policy_grid: " + o.layers + ", width " + std::to_string(o.width) + ", seq " +
-                               std::to_string(o.seq) + ", batch " + std::to_string(o.batch))
-    << "</title>\n";
-  std::snprintf(b, sizeof b,
-                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n"
-                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n",
-                left, H - bottom, W - right, H - bottom, left, H - bottom, left, top);
-  s << b;
-  for (int i = 0; i <= 5; ++i) {
-    const double xv = xmax * i / 5, yv = ymax * i / 5;
-    std::snprintf(b, sizeof b,
-                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.1f</text>\n"
-                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.0f</text>\n",
-                  X(xv), H - bottom + 16, xv, left - 6, Y(yv) + 4, yv);
-    s << b;
-  }
-  std::snprintf(b, sizeof b,
-                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">measured peak (MiB)</text>\n"
-                "<text x=\"16\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 16 %.1f)\">time per step "
-                "(ms, median)</text>\n",
-                (left + W - right) / 2, H - 18, (top + H - bottom) / 2, (top + H - bottom) / 2);
-  s << b;
-  if (o.budget) {
-    std::snprintf(b, sizeof b,
-                  "<line class=\"budget\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"red\" "
-                  "stroke-dasharray=\"6 4\"/>\n<text x=\"%.1f\" y=\"%.1f\" fill=\"red\">budget %.1f MiB</text>\n",
-                  X(mib(*o.budget)), top, X(mib(*o.budget)), H - bottom, X(mib(*o.budget)) + 4, top + 10,
-                  mib(*o.budget));
-    s << b;
+    if (std::find(variants.begin(), variants.end(), p.variant) == variants.end()) variants.push_back(p.variant);
   }
   std::vector<const point*> front;
   for (const point& p : pts) {
     if (p.pareto) front.push_back(&p);
   }
   std::sort(front.begin(), front.end(), [](const point* a, const point* c) { return a->measured < c->measured; });
+  // Tall enough for the legend: a title, the variants, two marks, a title, the front.
+  const double H = std::max(560.0, top + 15.0 * static_cast<double>(variants.size() + front.size() + 6) + 40);
+  const auto colour = [&](const point& p) {
+    const auto i = static_cast<std::size_t>(std::find(variants.begin(), variants.end(), p.variant) - variants.begin());
+    return palette[i % std::size(palette)];
+  };
+  // The memory axis spans the points and the budget, with a margin: from 0 the points crowd a corner.
+  double xlo = 1e300, xhi = 0, ymax = 0;
+  for (const point& p : pts) {
+    const double x = mib(p.ran ? p.measured : p.predicted);
+    xlo = std::min(xlo, x);
+    xhi = std::max(xhi, x);
+    if (p.ran) ymax = std::max(ymax, p.ms_max);
+  }
+  if (o.budget) {
+    xlo = std::min(xlo, mib(*o.budget));
+    xhi = std::max(xhi, mib(*o.budget));
+  }
+  if (xlo > xhi) xlo = xhi = 0;
+  const double pad = std::max((xhi - xlo) * 0.06, 0.05);
+  xlo = std::max(0.0, xlo - pad);
+  xhi += pad;
+  ymax = ymax > 0 ? ymax * 1.1 : 1;
+  const auto X = [&](double v) { return left + (v - xlo) / (xhi - xlo) * (plot_right - left); };
+  const auto Y = [&](double v) { return H - bottom - v / ymax * (H - top - bottom); };
+  std::ostringstream s;
+  char b[768];
+  s << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  std::snprintf(b, sizeof b,
+                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+                "font-family=\"sans-serif\" font-size=\"11\">\n",
+                W, H, W, H);
+  s << b << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  const std::string title = "policy_grid: " + o.layers + ", width " + std::to_string(o.width) + ", seq " +
+                            std::to_string(o.seq) + ", batch " + std::to_string(o.batch) + ", " +
+                            std::to_string(o.threads) + " threads";
+  s << "<title>" << xml_escape(title) << "</title>\n";
+  std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"18\" font-size=\"13\">%s</text>\n", left, xml_escape(title).c_str());
+  s << b;
+  std::snprintf(b, sizeof b,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n"
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"black\"/>\n",
+                left, H - bottom, plot_right, H - bottom, left, H - bottom, left, top);
+  s << b;
+  for (int i = 0; i <= 5; ++i) {
+    const double xv = xlo + (xhi - xlo) * i / 5, yv = ymax * i / 5;
+    std::snprintf(b, sizeof b,
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.2f</text>\n"
+                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.0f</text>\n",
+                  X(xv), H - bottom + 16, xv, left - 6, Y(yv) + 4, yv);
+    s << b;
+  }
+  std::snprintf(b, sizeof b,
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">measured peak (MiB, requested bytes)</text>\n"
+                "<text x=\"16\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 16 %.1f)\">time per optimizer "
+                "step (ms, median)</text>\n",
+                (left + plot_right) / 2, H - 18, (top + H - bottom) / 2, (top + H - bottom) / 2);
+  s << b;
+  if (o.budget) {
+    std::snprintf(b, sizeof b,
+                  "<line class=\"budget\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"red\" "
+                  "stroke-dasharray=\"6 4\"/>\n<text x=\"%.1f\" y=\"%.1f\" fill=\"red\" text-anchor=\"end\">budget "
+                  "%.1f MiB</text>\n",
+                  X(mib(*o.budget)), top, X(mib(*o.budget)), H - bottom, X(mib(*o.budget)) - 4, H - bottom - 6,
+                  mib(*o.budget));
+    s << b;
+  }
+  const auto label = [](const point& p) {
+    return p.variant + ", " + p.schedule() + ", " + micro_text(p) + ", chunk " + std::to_string(p.plan.head_chunk);
+  };
+  for (const point& p : pts) {
+    if (p.ran) {
+      std::snprintf(b, sizeof b,
+                    "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\" fill-opacity=\"0.75\"><title>%s: %.1f ms, "
+                    "%.3f MiB</title></circle>\n",
+                    X(mib(p.measured)), Y(p.ms), colour(p), xml_escape(label(p)).c_str(), p.ms, mib(p.measured));
+    } else {
+      std::snprintf(b, sizeof b,
+                    "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"none\" stroke=\"red\"><title>%s: predicted %.3f "
+                    "MiB, over the budget, not run</title></circle>\n",
+                    X(mib(p.predicted)), top + 4, xml_escape(label(p)).c_str(), mib(p.predicted));
+    }
+    s << b;
+  }
+  for (const point& p : pts) {
+    if (!p.fit_choice || !p.ran) continue;
+    std::snprintf(b, sizeof b,
+                  "<circle class=\"fit\" cx=\"%.1f\" cy=\"%.1f\" r=\"6\" fill=\"none\" stroke=\"#2ca02c\" "
+                  "stroke-width=\"1.5\"><title>fit's choice: %s</title></circle>\n",
+                  X(mib(p.measured)), Y(p.ms), xml_escape(label(p)).c_str());
+    s << b;
+  }
   if (!front.empty()) {
-    s << "<polyline class=\"pareto\" fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"";
+    s << "<polyline class=\"pareto\" fill=\"none\" stroke=\"black\" stroke-width=\"1.2\" points=\"";
     for (const point* p : front) {
       std::snprintf(b, sizeof b, "%.1f,%.1f ", X(mib(p->measured)), Y(p->ms));
       s << b;
     }
     s << "\"/>\n";
-  }
-  for (const point& p : pts) {
-    const std::string label = p.variant + " " + p.schedule() + " " + micro_text(p) + " c" + std::to_string(p.plan.head_chunk);
-    if (p.ran) {
-      std::snprintf(b, sizeof b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%s\" fill=\"%s\"><title>%s: %.1f ms</title></circle>\n",
-                    X(mib(p.measured)), Y(p.ms), p.fit_choice ? "6" : "3.5",
-                    p.fit_choice ? "#2ca02c" : p.pareto ? "#1f77b4" : "#999999", xml_escape(label).c_str(), p.ms);
+    for (std::size_t i = 0; i < front.size(); ++i) {
+      std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\" font-weight=\"bold\">%zu</text>\n",
+                    X(mib(front[i]->measured)) + 5, Y(front[i]->ms) + 14, i + 1);
       s << b;
-      if (p.pareto || p.fit_choice) {
-        std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\">%s%s</text>\n", X(mib(p.measured)) + 7, Y(p.ms) - 5,
-                      xml_escape(label).c_str(), p.fit_choice ? " (fit)" : "");
-        s << b;
+    }
+  }
+  // The legend: the variants' colours, then the numbered front.
+  double ly = top + 4;
+  s << "<text x=\"" << legend_x << "\" y=\"" << ly << "\" font-weight=\"bold\">variants</text>\n";
+  for (const std::string& v : variants) {
+    ly += 15;
+    const point* any = nullptr;
+    for (const point& p : pts) {
+      if (p.variant == v) {
+        any = &p;
+        break;
       }
-    } else {
-      std::snprintf(b, sizeof b,
-                    "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"none\" stroke=\"red\"><title>%s: over the "
-                    "budget, not run</title></circle>\n",
-                    X(mib(p.predicted)), top + 4, xml_escape(label).c_str());
+    }
+    std::snprintf(b, sizeof b,
+                  "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\">%s</text>\n",
+                  legend_x + 4, ly - 4, colour(*any), legend_x + 14, ly, xml_escape(v).c_str());
+    s << b;
+  }
+  ly += 15;
+  std::snprintf(b, sizeof b,
+                "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"6\" fill=\"none\" stroke=\"#2ca02c\" stroke-width=\"1.5\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\">fit()'s choice</text>\n"
+                "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"none\" stroke=\"red\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\">over the budget (predicted), not run</text>\n",
+                legend_x + 4, ly - 4, legend_x + 14, ly, legend_x + 4, ly + 11, legend_x + 14, ly + 15);
+  s << b;
+  ly += 15;
+  if (!front.empty()) {
+    ly += 24;
+    s << "<text x=\"" << legend_x << "\" y=\"" << ly << "\" font-weight=\"bold\">Pareto front</text>\n";
+    for (std::size_t i = 0; i < front.size(); ++i) {
+      ly += 15;
+      std::snprintf(b, sizeof b, "<text x=\"%.1f\" y=\"%.1f\">%zu: %s: %.1f ms, %.2f MiB</text>\n", legend_x, ly,
+                    i + 1, xml_escape(label(*front[i])).c_str(), front[i]->ms, mib(front[i]->measured));
       s << b;
     }
   }
