@@ -34,7 +34,11 @@ def run(exe, args):
 
 def grid(exe, tmp, name, extra):
     paths = {k: os.path.join(tmp, f"{name}.{k}") for k in ("json", "csv", "svg")}
-    r = run(exe, TINY + extra + ["--json", paths["json"], "--csv", paths["csv"], "--svg", paths["svg"]])
+    base = TINY
+    if "--repetitions" in extra:  # the flag once: CLI11 refuses a repeat
+        i = TINY.index("--repetitions")
+        base = TINY[:i] + TINY[i + 2:]
+    r = run(exe, base + extra + ["--json", paths["json"], "--csv", paths["csv"], "--svg", paths["svg"]])
     check(r.returncode == 0, f"{name}: exit 0 (got {r.returncode}; stderr {r.stderr!r})")
     if r.returncode != 0:
         return None, paths
@@ -135,13 +139,20 @@ def main():
             # A budget between the least and the largest predicted reserve: some points over it.
             peaks = sorted(p["predicted_reserved_peak_bytes"] for p in doc["points"])
             budget = (peaks[0] + peaks[-1]) // 2
-            doc2, paths2 = grid(exe, tmp, "budget", ["--budget", str(budget), "--vary", "precision"])
+            doc2, paths2 = grid(exe, tmp, "budget", ["--budget", str(budget), "--vary", "precision",
+                                                     "--statistic", "min", "--order", "sequential",
+                                                     "--repetitions", "2"])
             if doc2:
                 check_points("budget", doc2, budget)
                 check(any(not p["fits"] for p in doc2["points"]), "budget: some points over the budget")
                 check(any(p["schedule"].startswith("budget") for p in doc2["points"]), "budget: a DP point")
                 check_svg("budget", paths2["svg"], budget)
                 check({p["axis"] for p in doc2["points"]} == {"", "precision"}, "budget: --vary precision only")
+                ran2 = [p for p in doc2["points"] if p["time_ms"] is not None]
+                check(doc2["statistic"] == "min" and all(p["time_ms"] == p["time_ms_min"] for p in ran2),
+                      "budget: --statistic min ranks by the least time")
+                check(all(p["time_ms_min"] <= p["time_ms_median"] <= p["time_ms_max"] for p in ran2),
+                      "budget: min <= median <= max")
         # --config: the same settings from a JSON file, a flag overriding one of them.
         cfg = os.path.join(tmp, "grid_config.json")
         with open(cfg, "w") as f:
@@ -163,6 +174,7 @@ def main():
         check_bad(exe, tmp, "vary", ["--vary", "precision,nope"])
         check_bad(exe, tmp, "backend", ["--backend", "cuda"])
         check_bad(exe, tmp, "order", ["--order", "random"])
+        check_bad(exe, tmp, "statistic", ["--statistic", "mean"])
         bad_cfg = os.path.join(tmp, "bad_config.json")
         with open(bad_cfg, "w") as f:
             f.write('{"width": 32,')
