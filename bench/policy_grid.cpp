@@ -602,7 +602,7 @@ std::string svg(const options& o, const std::vector<point>& pts) {
     const double x = mib(p.ran ? p.measured : p.predicted);
     xlo = std::min(xlo, x);
     xhi = std::max(xhi, x);
-    if (p.ran) ymax = std::max(ymax, p.ms_max);
+    if (p.ran) ymax = std::max(ymax, p.ms);  // the plotted statistic
   }
   if (o.budget) {
     xlo = std::min(xlo, mib(*o.budget));
