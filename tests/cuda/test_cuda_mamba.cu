@@ -1,0 +1,411 @@
+// mamba<P, ..., cuda_backend> against mamba<P, ...> (the CPU backend) on the same inputs in the
+// same process: the output, the saved chunk-entry states, dx and the nine weight gradients (the
+// ten gradients of the issue), over chunks that do not divide T, chunk 1, chunk > T, T = 1,
+// d_state 1 and 16, d_inner not a multiple of the scan block (70: neither of the forward's 8 nor
+// of the backward's 64 channels), both checkpoint policies; bit-identical repeats; no device
+// memory beyond the caller's; decoding steps equal to the forward's rows; typed errors. Without a
+// device it exits 77 (skipped).
+//
+// The metric is the CPU tests' (tests/unit/test_mamba.cpp): max |got − want| / max |want| per
+// tensor.
+//   fp32: both sides compute in fp32 (TF32 off); they differ by the order of sums (GEMM blocking,
+//         the scan's lane sums, the reductions over rows), FMA contraction and the device's
+//         expf/log1pf against the host's: a few ulps per operation, over sums of at most
+//         B·T = 74 rows: 1e-5 relative.
+//   bf16: against the CPU's fp32 block on the same bf16-rounded inputs, with the CPU's own bf16
+//         bound (16u = 6.25e-2): the device rounds u, y ⊙ SiLU(z), dΔ·σ, dx_dbl and dxz to bf16
+//         once more each than the CPU (the GEMMs take one type), which stays inside the handful
+//         of roundings that bound allows for.
+//   step: the same kernels' formulas and order as the forward row; the GEMMs over B rows instead
+//         of B·T may block differently: 1e-5 (fp32).
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cuda_test_support.cuh"
+
+namespace mb = membound;
+
+namespace {
+
+mb::mamba_shape shape_of(std::size_t B, std::size_t T, std::size_t C, std::size_t Di,
+                         std::size_t Ns, std::size_t K, std::size_t R) {
+  mb::mamba_shape s;
+  s.batch = B;
+  s.seq = T;
+  s.d_model = C;
+  s.d_inner = Di;
+  s.d_state = Ns;
+  s.d_conv = K;
+  s.dt_rank = R;
+  return s;
+}
+
+struct lcg {
+  std::uint32_t s;
+  float next() {  // uniform in [−1, 1)
+    s = s * 1664525u + 1013904223u;
+    return 2.0f * static_cast<float>(s >> 8) / static_cast<float>(1u << 24) - 1.0f;
+  }
+};
+
+// Parameters in fp32 (later rounded to the storage type): Δ = softplus(dt) lands in about
+// [0.05, 1], A = −exp(a_log) in [−Ns, −1], so every gradient is well away from zero.
+struct problem {
+  mb::mamba_shape shape;
+  std::vector<float> in_proj, conv_w, conv_b, x_proj, dt_proj, dt_bias, a_log, d, out_proj, x, dout;
+};
+
+problem make_problem(const mb::mamba_shape& s, std::uint32_t seed) {
+  lcg r{seed * 2654435761u + 11};
+  const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner, Ns = s.d_state;
+  const std::size_t R = s.dt_rank, K = s.d_conv;
+  const auto fill = [&](std::size_t n, float scale, float offset) {
+    std::vector<float> v(n);
+    for (auto& e : v) e = offset + scale * r.next();
+    return v;
+  };
+  problem p;
+  p.shape = s;
+  p.in_proj = fill(C * 2 * Di, 1.0f / std::sqrt(static_cast<float>(C)), 0);
+  p.conv_w = fill(Di * K, 0.5f, 0);
+  p.conv_b = fill(Di, 0.2f, 0);
+  p.x_proj = fill(Di * (R + 2 * Ns), 1.5f / std::sqrt(static_cast<float>(Di)), 0);
+  p.dt_proj = fill(R * Di, 0.5f / std::sqrt(static_cast<float>(R)), 0);
+  p.dt_bias = fill(Di, 1.0f, -1.0f);
+  p.a_log.resize(Di * Ns);
+  for (std::size_t i = 0; i < Di; ++i)
+    for (std::size_t j = 0; j < Ns; ++j)
+      p.a_log[i * Ns + j] = std::log(static_cast<float>(j + 1)) + 0.3f * r.next();
+  p.d = fill(Di, 0.5f, 1.0f);
+  p.out_proj = fill(Di * C, 1.0f / std::sqrt(static_cast<float>(Di)), 0);
+  p.x = fill(N * C, 1.0f, 0);
+  p.dout = fill(N * C, 1.0f, 0);
+  return p;
+}
+
+template <typename S>
+std::vector<S> to_storage(const std::vector<float>& v) {
+  std::vector<S> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = mb::from_accum<S>(v[i]);
+  return out;
+}
+template <typename S>
+std::vector<double> as_double(const std::vector<S>& v) {
+  std::vector<double> d(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(mb::to_accum<float>(v[i]));
+  return d;
+}
+
+// The CPU tests' metric: max |a − b| / max |b|.
+double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double d = 0, s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double e = std::abs(a[i] - b[i]);
+    d = std::isnan(e) ? INFINITY : std::max(d, e);
+    s = std::max(s, std::abs(b[i]));
+  }
+  return s == 0 ? d : d / s;
+}
+
+constexpr int n_fields = 12;
+const char* const field_names[n_fields] = {"out",       "dx",        "d_in_proj", "d_conv_w",
+                                           "d_conv_b",  "d_x_proj",  "d_dt_proj", "d_dt_bias",
+                                           "d_a_log",   "d_d",       "d_out_proj", "saved states"};
+
+// Everything a run produces, as doubles, plus the raw bytes for bit comparisons.
+struct outputs {
+  std::vector<double> f[n_fields];
+  std::vector<std::uint8_t> bytes;
+};
+
+void compare(const char* what, const outputs& got, const outputs& want, double tol) {
+  for (int i = 0; i < n_fields; ++i) {
+    const double e = rel_err(got.f[i], want.f[i]);
+    if (!(e <= tol)) {
+      std::fprintf(stderr, "%s: %s relative error %.3g > %.3g\n", what, field_names[i], e, tol);
+      ++mbt::failures;
+    }
+  }
+}
+
+template <typename T>
+void append_bytes(std::vector<std::uint8_t>& out, const std::vector<T>& v) {
+  const auto* p = reinterpret_cast<const std::uint8_t*>(v.data());
+  out.insert(out.end(), p, p + v.size() * sizeof(T));
+}
+
+// The CPU block on host buffers.
+template <typename Block>
+outputs run_cpu(const problem& p) {
+  using S = typename Block::storage_type;
+  using A = typename Block::accum_type;
+  const mb::mamba_shape& s = p.shape;
+  mb::thread_pool pool(1);
+  const auto in_proj = to_storage<S>(p.in_proj), conv_w = to_storage<S>(p.conv_w),
+             conv_b = to_storage<S>(p.conv_b), x_proj = to_storage<S>(p.x_proj),
+             dt_proj = to_storage<S>(p.dt_proj), dt_bias = to_storage<S>(p.dt_bias),
+             a_log = to_storage<S>(p.a_log), d = to_storage<S>(p.d), out_proj = to_storage<S>(p.out_proj),
+             x = to_storage<S>(p.x), dout = to_storage<S>(p.dout);
+  std::vector<S> g[9] = {std::vector<S>(in_proj.size()), std::vector<S>(conv_w.size()),
+                         std::vector<S>(conv_b.size()),  std::vector<S>(x_proj.size()),
+                         std::vector<S>(dt_proj.size()), std::vector<S>(dt_bias.size()),
+                         std::vector<S>(a_log.size()),   std::vector<S>(d.size()),
+                         std::vector<S>(out_proj.size())};
+  std::vector<S> out(x.size()), dx(x.size());
+  const std::size_t saved_bytes = Block::saved_bytes(s);
+  std::vector<A> saved(saved_bytes / sizeof(A) + 1);
+  const std::size_t wsn = std::max(Block::forward_workspace_bytes(s, 1), Block::backward_workspace_bytes(s, 1));
+  std::vector<std::uint8_t> ws_raw(wsn + 256);
+  void* ws = ws_raw.data();
+  std::size_t space = ws_raw.size();
+  ws = std::align(256, wsn, ws, space);
+  const typename Block::weights w{in_proj.data(), conv_w.data(), conv_b.data(), x_proj.data(),
+                                  dt_proj.data(), dt_bias.data(), a_log.data(),  d.data(),
+                                  out_proj.data()};
+  Block::forward(s, w, x.data(), out.data(), saved.data(), saved_bytes, ws, wsn, pool);
+  Block::backward(s, w, x.data(), saved.data(), saved_bytes, dout.data(), dx.data(),
+                  {g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(), g[5].data(),
+                   g[6].data(), g[7].data(), g[8].data()},
+                  ws, wsn, pool);
+  outputs o;
+  o.f[0] = as_double(out);
+  o.f[1] = as_double(dx);
+  for (int i = 0; i < 9; ++i) o.f[2 + i] = as_double(g[i]);
+  const A* st = Block::saved_states(s, saved.data());
+  o.f[11].assign(st, st + Block::saved_state_bytes(s) / sizeof(A));
+  return o;
+}
+
+// The device block; gradients start at zero as on the CPU.
+template <typename Block>
+outputs run_gpu(const problem& p, mb::cuda_executor& ex) {
+  using S = typename Block::storage_type;
+  const mb::mamba_shape& s = p.shape;
+  mbt::device_buffer<S> in_proj(to_storage<S>(p.in_proj)), conv_w(to_storage<S>(p.conv_w)),
+      conv_b(to_storage<S>(p.conv_b)), x_proj(to_storage<S>(p.x_proj)),
+      dt_proj(to_storage<S>(p.dt_proj)), dt_bias(to_storage<S>(p.dt_bias)),
+      a_log(to_storage<S>(p.a_log)), d(to_storage<S>(p.d)), out_proj(to_storage<S>(p.out_proj)),
+      x(to_storage<S>(p.x)), dout(to_storage<S>(p.dout));
+  const std::size_t sizes[9] = {p.in_proj.size(), p.conv_w.size(), p.conv_b.size(),
+                                p.x_proj.size(),  p.dt_proj.size(), p.dt_bias.size(),
+                                p.a_log.size(),   p.d.size(),       p.out_proj.size()};
+  mbt::device_buffer<S> g0(std::vector<S>(sizes[0])), g1(std::vector<S>(sizes[1])),
+      g2(std::vector<S>(sizes[2])), g3(std::vector<S>(sizes[3])), g4(std::vector<S>(sizes[4])),
+      g5(std::vector<S>(sizes[5])), g6(std::vector<S>(sizes[6])), g7(std::vector<S>(sizes[7])),
+      g8(std::vector<S>(sizes[8]));
+  mbt::device_buffer<S> out(p.x.size()), dx(p.x.size());
+  mbt::device_buffer<std::uint8_t> saved(Block::saved_bytes(s));
+  const std::size_t fws = Block::forward_workspace_bytes(s, 1);
+  const std::size_t bws = Block::backward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> ws(std::max(fws, bws));
+  const typename Block::weights w{in_proj.get(), conv_w.get(), conv_b.get(), x_proj.get(),
+                                  dt_proj.get(), dt_bias.get(), a_log.get(),  d.get(),
+                                  out_proj.get()};
+  Block::forward(s, w, x.get(), out.get(), saved.get(), saved.size(), ws.get(), fws, ex);
+  Block::backward(s, w, x.get(), saved.get(), saved.size(), dout.get(), dx.get(),
+                  {g0.get(), g1.get(), g2.get(), g3.get(), g4.get(), g5.get(), g6.get(), g7.get(),
+                   g8.get()},
+                  ws.get(), bws, ex);
+  ex.synchronize();
+  outputs o;
+  const std::vector<S> host[11] = {out.download(), dx.download(), g0.download(), g1.download(),
+                                   g2.download(),  g3.download(), g4.download(), g5.download(),
+                                   g6.download(),  g7.download(), g8.download()};
+  for (int i = 0; i < 11; ++i) {
+    o.f[i] = as_double(host[i]);
+    append_bytes(o.bytes, host[i]);
+  }
+  const std::vector<std::uint8_t> saved_host = saved.download();
+  append_bytes(o.bytes, saved_host);
+  const float* st = Block::saved_states(s, saved_host.data());
+  o.f[11].assign(st, st + Block::saved_state_bytes(s) / sizeof(float));
+  return o;
+}
+
+// GPU against CPU (the CPU block CpuBlock, maybe in another precision), twice on the GPU: the
+// same bits, and no device memory taken beyond the caller's buffers on the second run.
+template <typename GpuBlock, typename CpuBlock>
+void check_case(const char* name, const mb::mamba_shape& s, double tol, bool with_states = true) {
+  using S = typename GpuBlock::storage_type;
+  problem p = make_problem(s, 7);
+  // Both sides read the same (rounded) values.
+  for (auto* v : {&p.in_proj, &p.conv_w, &p.conv_b, &p.x_proj, &p.dt_proj, &p.dt_bias, &p.a_log,
+                  &p.d, &p.out_proj, &p.x, &p.dout}) {
+    for (float& e : *v) e = mb::to_accum<float>(mb::from_accum<S>(e));
+  }
+  mb::cuda_executor ex;
+  const outputs first = run_gpu<GpuBlock>(p, ex);
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  mb::cuda_check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
+  const outputs second = run_gpu<GpuBlock>(p, ex);
+  mb::cuda_check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo");
+  if (first.bytes != second.bytes) {
+    std::fprintf(stderr, "%s: repeated runs differ\n", name);
+    ++mbt::failures;
+  }
+  outputs want = run_cpu<CpuBlock>(p);
+  outputs got = first;
+  if (!with_states) {  // another precision's states are not comparable bit for bit in layout
+    got.f[11].clear();
+    want.f[11].clear();
+  }
+  compare(name, got, want, tol);
+  // saved_state_bytes is the planner's number and the device's: the same function.
+  CHECK(GpuBlock::saved_state_bytes(s) == CpuBlock::saved_state_bytes(s) || !with_states);
+  CHECK(GpuBlock::saved_bytes(s) == mb::mamba<typename GpuBlock::precision,
+                                              typename GpuBlock::chunking,
+                                              typename GpuBlock::checkpoint>::saved_bytes(s));
+}
+
+template <typename... P>
+using gpu_block = mb::mamba<P..., mb::cuda_backend>;
+
+void fp32_chunk_not_dividing_t() {
+  const auto s = shape_of(2, 37, 12, 70, 16, 4, 3);
+  check_case<gpu_block<mb::scan_chunk<8>>, mb::mamba<mb::scan_chunk<8>>>("chunk 8, T 37", s, 1e-5);
+  check_case<gpu_block<mb::scan_chunk<8>, mb::save_all>, mb::mamba<mb::scan_chunk<8>, mb::save_all>>(
+      "chunk 8, save_all", s, 1e-5);
+}
+
+void fp32_chunk_1_and_d_state_1() {
+  check_case<gpu_block<mb::scan_chunk<1>>, mb::mamba<mb::scan_chunk<1>>>(
+      "chunk 1, d_state 1", shape_of(2, 9, 8, 70, 1, 4, 2), 1e-5);
+  check_case<gpu_block<mb::scan_chunk<1>>, mb::mamba<mb::scan_chunk<1>>>(
+      "chunk 1, d_state 5, d_conv 1", shape_of(1, 6, 8, 33, 5, 1, 1), 1e-5);
+}
+
+void fp32_chunk_above_t_and_t_1() {
+  check_case<gpu_block<mb::scan_chunk<64>>, mb::mamba<mb::scan_chunk<64>>>(
+      "chunk 64 > T 20", shape_of(3, 20, 16, 130, 16, 4, 2), 1e-5);
+  check_case<gpu_block<mb::scan_chunk<64>>, mb::mamba<mb::scan_chunk<64>>>(
+      "T 1", shape_of(2, 1, 16, 70, 16, 4, 2), 1e-5);
+  check_case<gpu_block<mb::scan_chunk<8>>, mb::mamba<mb::scan_chunk<8>>>(
+      "T 1, chunk 8", shape_of(1, 1, 8, 20, 16, 3, 1), 1e-5);
+}
+
+void bf16_within_the_cpu_bound() {
+  const auto s = shape_of(2, 37, 12, 70, 16, 4, 3);
+  check_case<gpu_block<mb::bf16_precision, mb::scan_chunk<8>>, mb::mamba<mb::scan_chunk<8>>>(
+      "bf16 against fp32", s, 16.0 * 0x1.0p-8, false);
+}
+
+// The saved states shrink with the chunk exactly as saved_state_bytes says; they are the ones
+// the GPU wrote (check_case compares them to the CPU's value for value).
+void saved_bytes_follow_the_chunk() {
+  const auto s = shape_of(2, 64, 8, 16, 16, 4, 1);
+  CHECK(gpu_block<mb::scan_chunk<8>>::saved_state_bytes(s) == 2 * 7 * 16 * 16 * sizeof(float));
+  CHECK(gpu_block<mb::scan_chunk<16>>::saved_state_bytes(s) == 2 * 3 * 16 * 16 * sizeof(float));
+  CHECK(gpu_block<mb::scan_chunk<64>>::saved_state_bytes(s) == 0);
+  CHECK(gpu_block<mb::scan_chunk<8>>::saved_bytes(s) - gpu_block<mb::scan_chunk<16>>::saved_bytes(s) ==
+        2 * 4 * 16 * 16 * sizeof(float));
+}
+
+// Decoding T tokens one at a time equals the full forward, row by row.
+template <typename Block>
+void step_case(const mb::mamba_shape& s, double tol) {
+  using S = typename Block::storage_type;
+  problem p = make_problem(s, 9);
+  for (auto* v : {&p.in_proj, &p.conv_w, &p.conv_b, &p.x_proj, &p.dt_proj, &p.dt_bias, &p.a_log,
+                  &p.d, &p.out_proj, &p.x}) {
+    for (float& e : *v) e = mb::to_accum<float>(mb::from_accum<S>(e));
+  }
+  mb::cuda_executor ex;
+  const std::size_t B = s.batch, T = s.seq, C = s.d_model;
+  mbt::device_buffer<S> in_proj(to_storage<S>(p.in_proj)), conv_w(to_storage<S>(p.conv_w)),
+      conv_b(to_storage<S>(p.conv_b)), x_proj(to_storage<S>(p.x_proj)),
+      dt_proj(to_storage<S>(p.dt_proj)), dt_bias(to_storage<S>(p.dt_bias)),
+      a_log(to_storage<S>(p.a_log)), d(to_storage<S>(p.d)), out_proj(to_storage<S>(p.out_proj)),
+      x(to_storage<S>(p.x)), out(B * T * C);
+  const typename Block::weights w{in_proj.get(), conv_w.get(), conv_b.get(), x_proj.get(),
+                                  dt_proj.get(), dt_bias.get(), a_log.get(),  d.get(),
+                                  out_proj.get()};
+  mbt::device_buffer<std::uint8_t> saved(Block::saved_bytes(s));
+  mbt::device_buffer<std::uint8_t> fws(Block::forward_workspace_bytes(s, 1));
+  Block::forward(s, w, x.get(), out.get(), saved.get(), saved.size(), fws.get(), fws.size(), ex);
+  mbt::device_buffer<float> state(Block::state_bytes(s) / sizeof(float));
+  mbt::device_buffer<std::uint8_t> sws(Block::step_workspace_bytes(s));
+  auto st = Block::make_state(s, state.get(), Block::state_bytes(s), ex);
+  mbt::device_buffer<S> xt(B * C), yt(B * C);
+  const std::vector<S> xs = to_storage<S>(p.x);
+  std::vector<double> stepped(B * T * C);
+  for (std::size_t t = 0; t < T; ++t) {
+    std::vector<S> row(B * C);
+    for (std::size_t b = 0; b < B; ++b)
+      std::copy_n(xs.begin() + static_cast<std::ptrdiff_t>((b * T + t) * C), C,
+                  row.begin() + static_cast<std::ptrdiff_t>(b * C));
+    xt.upload(row);
+    Block::step(s, w, st, xt.get(), yt.get(), sws.get(), sws.size(), ex);
+    const std::vector<S> y = yt.download();  // synchronous: orders the next upload after the step
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c)
+        stepped[(b * T + t) * C + c] = static_cast<double>(mb::to_accum<float>(y[b * C + c]));
+  }
+  CHECK(st.position == T);
+  const double e = rel_err(stepped, as_double(out.download()));
+  if (!(e <= tol)) {
+    std::fprintf(stderr, "step against forward: relative error %.3g > %.3g\n", e, tol);
+    ++mbt::failures;
+  }
+  // reset zeroes the device state: the first token again gives the forward's first row.
+  Block::reset(s, st, ex);
+  CHECK(st.position == 0);
+}
+
+void step_equals_forward() {
+  step_case<gpu_block<mb::scan_chunk<8>>>(shape_of(2, 13, 12, 70, 16, 4, 3), 1e-5);
+  step_case<gpu_block<mb::scan_chunk<8>>>(shape_of(1, 5, 8, 20, 1, 1, 1), 1e-5);
+  step_case<gpu_block<mb::bf16_precision>>(shape_of(2, 9, 16, 32, 16, 4, 1), 2.0 * 0x1.0p-8);
+}
+
+void typed_errors() {
+  using block = gpu_block<mb::scan_chunk<8>>;
+  const auto s = shape_of(1, 4, 8, 16, 4, 4, 1);
+  mb::cuda_executor ex;
+  mbt::device_buffer<float> x(32), y(32), w(4096);
+  mbt::device_buffer<std::uint8_t> saved(block::saved_bytes(s));
+  const std::size_t fws = block::forward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> ws(fws);
+  const block::weights wt{w.get(), w.get(), w.get(), w.get(), w.get(),
+                          w.get(), w.get(), w.get(), w.get()};
+  EXPECT_THROW(mb::workspace_too_small,
+               block::forward(s, wt, x.get(), y.get(), saved.get(), saved.size(), ws.get(), fws - 1, ex));
+  EXPECT_THROW(mb::workspace_too_small,
+               block::forward(s, wt, x.get(), y.get(), saved.get(), saved.size() - 1, ws.get(), fws, ex));
+  EXPECT_THROW(mb::invalid_argument,
+               block::forward(s, wt, nullptr, y.get(), saved.get(), saved.size(), ws.get(), fws, ex));
+  block::weights bad = wt;
+  bad.a_log = nullptr;
+  const std::string msg = EXPECT_THROW(
+      mb::invalid_argument,
+      block::forward(s, bad, x.get(), y.get(), saved.get(), saved.size(), ws.get(), fws, ex));
+  CHECK(msg.find("weights.a_log") != std::string::npos);
+  EXPECT_THROW(mb::invalid_argument, block::check(shape_of(1, 4, 8, 16, 0, 4, 1)));
+  mbt::device_buffer<float> state(block::state_bytes(s) / sizeof(float));
+  EXPECT_THROW(mb::workspace_too_small,
+               block::make_state(s, state.get(), block::state_bytes(s) - 1, ex));
+  // The workspaces hold cuBLASLt's on every architecture: the plan never depends on the device.
+  CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
+  CHECK(block::backward_workspace_bytes(s, 1) >= mb::gpu::gemm_workspace_bytes(ex));
+  CHECK(block::step_workspace_bytes(s) >= mb::gpu::gemm_workspace_bytes(ex));
+}
+
+}  // namespace
+
+int main() {
+  static const mbt::test_case cases[] = {
+      {"mamba cuda_backend fp32: chunk 8 not dividing T, both checkpoint policies",
+       fp32_chunk_not_dividing_t},
+      {"mamba cuda_backend fp32: chunk 1, d_state 1, d_conv 1", fp32_chunk_1_and_d_state_1},
+      {"mamba cuda_backend fp32: chunk > T, T = 1", fp32_chunk_above_t_and_t_1},
+      {"mamba cuda_backend bf16 within the CPU's bf16 bound", bf16_within_the_cpu_bound},
+      {"mamba cuda_backend saved bytes follow the chunk", saved_bytes_follow_the_chunk},
+      {"mamba cuda_backend step equals the forward's rows", step_equals_forward},
+      {"mamba cuda_backend typed errors", typed_errors},
+  };
+  return mbt::run_suite("test_cuda_mamba", cases);
+}
