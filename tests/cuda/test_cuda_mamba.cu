@@ -194,10 +194,9 @@ outputs run_gpu(const problem& p, mb::cuda_executor& ex) {
   const std::size_t sizes[9] = {p.in_proj.size(), p.conv_w.size(), p.conv_b.size(),
                                 p.x_proj.size(),  p.dt_proj.size(), p.dt_bias.size(),
                                 p.a_log.size(),   p.d.size(),       p.out_proj.size()};
-  mbt::device_buffer<S> g0(std::vector<S>(sizes[0])), g1(std::vector<S>(sizes[1])),
-      g2(std::vector<S>(sizes[2])), g3(std::vector<S>(sizes[3])), g4(std::vector<S>(sizes[4])),
-      g5(std::vector<S>(sizes[5])), g6(std::vector<S>(sizes[6])), g7(std::vector<S>(sizes[7])),
-      g8(std::vector<S>(sizes[8]));
+  const auto zeros = [&](int i) { return std::vector<S>(sizes[i], mb::from_accum<S>(0.0f)); };
+  mbt::device_buffer<S> g0{zeros(0)}, g1{zeros(1)}, g2{zeros(2)}, g3{zeros(3)}, g4{zeros(4)},
+      g5{zeros(5)}, g6{zeros(6)}, g7{zeros(7)}, g8{zeros(8)};
   mbt::device_buffer<S> out(p.x.size()), dx(p.x.size());
   mbt::device_buffer<std::uint8_t> saved(Block::saved_bytes(s));
   const std::size_t fws = Block::forward_workspace_bytes(s, 1);
@@ -257,9 +256,9 @@ void check_case(const char* name, const mb::mamba_shape& s, double tol, bool wit
   compare(name, got, want, tol);
   // saved_state_bytes is the planner's number and the device's: the same function.
   CHECK(GpuBlock::saved_state_bytes(s) == CpuBlock::saved_state_bytes(s) || !with_states);
-  CHECK(GpuBlock::saved_bytes(s) == mb::mamba<typename GpuBlock::precision,
-                                              typename GpuBlock::chunking,
-                                              typename GpuBlock::checkpoint>::saved_bytes(s));
+  using host_twin = mb::mamba<typename GpuBlock::precision, typename GpuBlock::chunking,
+                              typename GpuBlock::checkpoint>;
+  CHECK(GpuBlock::saved_bytes(s) == host_twin::saved_bytes(s));
 }
 
 template <typename... P>
