@@ -319,7 +319,7 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
 // Writes g = (y) ⊙ SiLU(z) into gated (S); with dg, also dz = dg·y·SiLU'(z) into xz-shaped dxz's
 // z half; with states, the state entering every chunk but the first.
 template <typename S>
-__global__ void __launch_bounds__(mamba_max_d_state)
+__global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_forward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
                         const S* dskip, std::size_t T, std::size_t Di, std::size_t Ns,
                         std::size_t R, std::size_t L, std::size_t cpb, float* states, S* gated,
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(mamba_max_d_state)
 // du (the scan's part, fp32), the dB/dC partial part[blk, n, 2·Ns] (summed over the block's
 // channels in order), and small[b, ch, ·] = (dA [Ns], dD, d dt_bias) summed over this row's time.
 template <typename S>
-__global__ void __launch_bounds__(mamba_max_d_state)
+__global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_backward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
                          const S* dskip, const float* states, const float* dg, std::size_t T,
                          std::size_t Di, std::size_t Ns, std::size_t R, std::size_t L,
@@ -398,9 +398,9 @@ __global__ void __launch_bounds__(mamba_max_d_state)
     const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
     const float dk = active ? ld(dskip, ch) : 0.0f;
     float dh = 0, da = 0, dd_acc = 0, dbias = 0;
-    const auto h_at = [&](std::size_t t, std::size_t t0) -> float& {
-      return hs[((b * Lc + (t - t0)) * Di + ch) * Ns + s];
-    };
+    // This thread's slot of the chunk's states: hs[b, t − t0, ch, s] at h_slot + (t − t0)·h_step.
+    float* const h_slot = hs + (b * Lc * Di + ch) * Ns + s;
+    const std::size_t h_step = Di * Ns;
     for (std::size_t cidx = nch; cidx-- > 0;) {
       const std::size_t t0 = cidx * L, t1 = t0 + L < T ? t0 + L : T;
       const float entry =
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(mamba_max_d_state)
           const float d = ld(delta, n * Di + ch);
           const float u = membound::silu(ld(c, n * Di + ch));
           h = expf(a * d) * h + (d * u) * ld(xdbl, n * ldx + R + s);
-          h_at(t, t0) = h;
+          h_slot[(t - t0) * h_step] = h;
         }
       }
       for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
@@ -426,8 +426,8 @@ __global__ void __launch_bounds__(mamba_max_d_state)
             const float z = ld(xz, n * 2 * Di + Di + ch);
             const float gy = dg[n * Di + ch] * membound::silu(z);  // dL/dy of the scan
             const float bt = ld(xdbl, n * ldx + R + s), ct = ld(xdbl, n * ldx + R + Ns + s);
-            const float hcur = h_at(t, t0);
-            const float hp = t > t0 ? h_at(t - 1, t0) : entry;  // h_{-1} = 0 in chunk 0
+            const float hcur = h_slot[(t - t0) * h_step];
+            const float hp = t > t0 ? h_slot[(t - 1 - t0) * h_step] : entry;  // 0 before t = 0
             if (s == 0) dd_acc += gy * u;
             dh += gy * ct;  // y_t = C_t·h_t
             qc = gy * hcur;
@@ -703,6 +703,8 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
   const std::size_t Ns = s.d_state, R = s.dt_rank, K = s.d_conv, ldx = R + 2 * Ns;
   gpu::detail::need_extent(N, static_cast<std::size_t>(std::numeric_limits<int>::max()), "shape.batch·shape.seq");
   gpu::detail::need_extent(B, 65535, "shape.batch");
+  gpu::detail::need_extent(gpu::mamba_blocks(N, gpu::mamba_conv_rows), 65535,
+                           "shape.batch·shape.seq / 256 (the conv gradient's row blocks)");
   const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),
                               gpu::gemm_workspace_bytes_max);
   cudaStream_t st = ex.stream();
