@@ -195,9 +195,35 @@ outputs run_cpu(const problem& p) {
   return o;
 }
 
-// The device block; gradients start at zero as on the CPU.
+// The results in the device buffers, as doubles and as raw bytes.
+template <typename Block, typename S>
+outputs collect(const problem& p, const mbt::device_buffer<S>& out, const mbt::device_buffer<S>& dx,
+                mbt::device_buffer<S>* const (&grads)[9], const mbt::device_buffer<std::uint8_t>& saved) {
+  const mb::mamba_shape& s = p.shape;
+  outputs o;
+  const std::vector<S> host[11] = {out.download(),       dx.download(),       grads[0]->download(),
+                                   grads[1]->download(), grads[2]->download(), grads[3]->download(),
+                                   grads[4]->download(), grads[5]->download(), grads[6]->download(),
+                                   grads[7]->download(), grads[8]->download()};
+  for (int i = 0; i < 11; ++i) {
+    o.f[i] = as_double(host[i]);
+    append_bytes(o.bytes, host[i]);
+  }
+  const std::vector<std::uint8_t> saved_host = saved.download();
+  append_bytes(o.bytes, saved_host);
+  const float* st = Block::saved_states(s, saved_host.data());
+  o.f[11].assign(st, st + Block::saved_state_bytes(s) / sizeof(float));
+  return o;
+}
+
+struct gpu_runs {
+  outputs first, second;
+  bool same_free_memory = false;  // cudaMemGetInfo unchanged over the second forward + backward
+};
+
+// The device block, twice on the same buffers; gradients start at zero each time, as on the CPU.
 template <typename Block>
-outputs run_gpu(const problem& p, mb::cuda_executor& ex) {
+gpu_runs run_gpu(const problem& p, mb::cuda_executor& ex) {
   using S = typename Block::storage_type;
   const mb::mamba_shape& s = p.shape;
   mbt::device_buffer<S> in_proj(to_storage<S>(p.in_proj)), conv_w(to_storage<S>(p.conv_w)),
@@ -219,26 +245,25 @@ outputs run_gpu(const problem& p, mb::cuda_executor& ex) {
   const typename Block::weights w{in_proj.get(), conv_w.get(), conv_b.get(), x_proj.get(),
                                   dt_proj.get(), dt_bias.get(), a_log.get(),  d.get(),
                                   out_proj.get()};
-  settle();
-  Block::forward(s, w, x.get(), out.get(), saved.get(), saved.size(), ws.get(), fws, ex);
-  Block::backward(s, w, x.get(), saved.get(), saved.size(), dout.get(), dx.get(),
-                  {g0.get(), g1.get(), g2.get(), g3.get(), g4.get(), g5.get(), g6.get(), g7.get(),
-                   g8.get()},
-                  ws.get(), bws, ex);
-  ex.synchronize();
-  outputs o;
-  const std::vector<S> host[11] = {out.download(), dx.download(), g0.download(), g1.download(),
-                                   g2.download(),  g3.download(), g4.download(), g5.download(),
-                                   g6.download(),  g7.download(), g8.download()};
-  for (int i = 0; i < 11; ++i) {
-    o.f[i] = as_double(host[i]);
-    append_bytes(o.bytes, host[i]);
+  mbt::device_buffer<S>* const grads[9] = {&g0, &g1, &g2, &g3, &g4, &g5, &g6, &g7, &g8};
+  gpu_runs r;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i = 0; i < 9; ++i) grads[i]->upload(zeros(i));
+    settle();
+    // Lazy module loading may allocate on the first launch: measure the second.
+    std::size_t free_before = 0, free_after = 0, total = 0;
+    mb::cuda_check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
+    Block::forward(s, w, x.get(), out.get(), saved.get(), saved.size(), ws.get(), fws, ex);
+    Block::backward(s, w, x.get(), saved.get(), saved.size(), dout.get(), dx.get(),
+                    {g0.get(), g1.get(), g2.get(), g3.get(), g4.get(), g5.get(), g6.get(),
+                     g7.get(), g8.get()},
+                    ws.get(), bws, ex);
+    ex.synchronize();
+    mb::cuda_check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo");
+    (pass == 0 ? r.first : r.second) = collect<Block>(p, out, dx, grads, saved);
+    if (pass == 1) r.same_free_memory = free_after == free_before;
   }
-  const std::vector<std::uint8_t> saved_host = saved.download();
-  append_bytes(o.bytes, saved_host);
-  const float* st = Block::saved_states(s, saved_host.data());
-  o.f[11].assign(st, st + Block::saved_state_bytes(s) / sizeof(float));
-  return o;
+  return r;
 }
 
 // GPU against CPU (the CPU block CpuBlock, maybe in another precision), twice on the GPU: the
@@ -253,17 +278,17 @@ void check_case(const char* name, const mb::mamba_shape& s, double tol) {
     for (float& e : *v) e = mb::to_accum<float>(mb::from_accum<S>(e));
   }
   mb::cuda_executor ex;
-  const outputs first = run_gpu<GpuBlock>(p, ex);
-  std::size_t free_before = 0, free_after = 0, total = 0;
-  mb::cuda_check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
-  const outputs second = run_gpu<GpuBlock>(p, ex);
-  mb::cuda_check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo");
-  if (first.bytes != second.bytes) {
+  const gpu_runs runs = run_gpu<GpuBlock>(p, ex);
+  if (runs.first.bytes != runs.second.bytes) {
     std::fprintf(stderr, "%s: repeated runs differ\n", name);
     ++mbt::failures;
   }
+  if (!runs.same_free_memory) {
+    std::fprintf(stderr, "%s: device memory taken during forward + backward\n", name);
+    ++mbt::failures;
+  }
   const outputs want = run_cpu<CpuBlock>(p);
-  compare(name, first, want, tol);  // the states are fp32 on both sides, whatever the storage
+  compare(name, runs.first, want, tol);  // the states are fp32 on both sides, whatever the storage
   // saved_state_bytes is the planner's number and the device's: the same function.
   CHECK(GpuBlock::saved_state_bytes(s) == CpuBlock::saved_state_bytes(s));
   using host_twin = mb::mamba<typename GpuBlock::precision, typename GpuBlock::chunking,
