@@ -317,46 +317,66 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
 
 // The forward scan. Grid (channel blocks, B); block cpb·Ns threads, thread = (channel, state).
 // Writes g = (y) ⊙ SiLU(z) into gated (S); with dg, also dz = dg·y·SiLU'(z) into xz-shaped dxz's
-// z half; with states, the state entering every chunk but the first.
+// z half; with states, the state entering every chunk but the first. Per tile of TT steps: the
+// tile's inputs are loaded first (independent loads in flight together), then the recurrence;
+// then lane s of each channel finishes steps s, s + Ns, ... (each y summed over lanes in order).
 template <typename S>
 __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_forward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
                         const S* dskip, std::size_t T, std::size_t Di, std::size_t Ns,
                         std::size_t R, std::size_t L, std::size_t cpb, float* states, S* gated,
                         const float* dg, S* dxz) {
-  __shared__ float contrib[mamba_forward_tile * mamba_max_d_state];
-  const std::size_t nthr = blockDim.x, tid = threadIdx.x;
+  constexpr std::size_t TT = mamba_forward_tile;
+  // One row per step, padded by one word so that lanes reading different steps hit different banks.
+  __shared__ float contrib[TT * (mamba_max_d_state + 1)];
+  const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
   const std::size_t cl = tid / Ns, s = tid % Ns;
   const std::size_t ch = blockIdx.x * cpb + cl;
   const std::size_t b = blockIdx.y;
   const bool active = cl < cpb && ch < Di;
   const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
   const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
+  // Where the state entering the next chunk goes: [b, k, ch, s] for chunk k + 1, at t = (k + 1)·L.
+  std::size_t boundary = L, saved_chunk = 0;
   float h = 0;
-  for (std::size_t t0 = 0; t0 < T; t0 += mamba_forward_tile) {
-    const std::size_t nt = T - t0 < mamba_forward_tile ? T - t0 : mamba_forward_tile;
-    for (std::size_t tt = 0; tt < nt; ++tt) {
-      const std::size_t t = t0 + tt, n = b * T + t;
-      float q = 0;
-      if (active) {
-        if (states != nullptr && t > 0 && t % L == 0) {
-          states[((b * (nch - 1) + t / L - 1) * Di + ch) * Ns + s] = h;
-        }
-        const float d = ld(delta, n * Di + ch);
-        const float u = membound::silu(ld(c, n * Di + ch));
-        const float bt = ld(xdbl, n * ldx + R + s), ct = ld(xdbl, n * ldx + R + Ns + s);
-        h = expf(a * d) * h + (d * u) * bt;
-        q = ct * h;
+  for (std::size_t t0 = 0; t0 < T; t0 += TT) {
+    const std::size_t nt = T - t0 < TT ? T - t0 : TT;
+    float dv[TT], uv[TT], bv[TT], cv[TT];
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      dv[tt] = 0;
+      uv[tt] = 0;
+      bv[tt] = 0;
+      cv[tt] = 0;
+      if (active && tt < nt) {
+        const std::size_t n = b * T + t0 + tt;
+        dv[tt] = ld(delta, n * Di + ch);
+        uv[tt] = membound::silu(ld(c, n * Di + ch));
+        bv[tt] = ld(xdbl, n * ldx + R + s);
+        cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
       }
-      contrib[tt * nthr + tid] = q;
+    }
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      float q = 0;
+      if (active && tt < nt) {
+        if (t0 + tt == boundary) {
+          if (states != nullptr) states[((b * (nch - 1) + saved_chunk) * Di + ch) * Ns + s] = h;
+          ++saved_chunk;
+          boundary += L;
+        }
+        h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+        q = cv[tt] * h;
+      }
+      contrib[tt * pitch + tid] = q;
     }
     __syncthreads();
-    if (active && s == 0) {  // y = Σ_s C·h in lane order, then the gate
+    if (active) {  // y = Σ_s C·h in lane order, + D·u, then the gate
       const float dk = ld(dskip, ch);
-      for (std::size_t tt = 0; tt < nt; ++tt) {
+      for (std::size_t tt = s; tt < nt; tt += Ns) {
         const std::size_t n = b * T + t0 + tt;
         float y = 0;
-        for (std::size_t j = 0; j < Ns; ++j) y += contrib[tt * nthr + cl * Ns + j];
+        for (std::size_t j = 0; j < Ns; ++j) y += contrib[tt * pitch + cl * Ns + j];
         y += dk * membound::silu(ld(c, n * Di + ch));
         const float z = ld(xz, n * 2 * Di + Di + ch);
         st(gated, n * Di + ch, y * membound::silu(z));
@@ -381,11 +401,12 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
                          std::size_t cpb, float* hs, S* ddt, float* du, float* part,
                          float* small) {
   constexpr std::size_t TT = mamba_backward_tile;
-  __shared__ float q_dd[TT * mamba_max_d_state];
-  __shared__ float q_du[TT * mamba_max_d_state];
-  __shared__ float q_b[TT * mamba_max_d_state];
-  __shared__ float q_c[TT * mamba_max_d_state];
-  const std::size_t nthr = blockDim.x, tid = threadIdx.x;
+  // One row per step, padded by one word so that lanes reading different steps hit different banks.
+  __shared__ float q_dd[TT * (mamba_max_d_state + 1)];
+  __shared__ float q_du[TT * (mamba_max_d_state + 1)];
+  __shared__ float q_b[TT * (mamba_max_d_state + 1)];
+  __shared__ float q_c[TT * (mamba_max_d_state + 1)];
+  const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
   const std::size_t cl = tid / Ns, s = tid % Ns;
   const std::size_t b = blockIdx.y, B = gridDim.y, N = B * T;
   const std::size_t i0 = blockIdx.x * mamba_scan_channels;
@@ -438,19 +459,19 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
             qb = dh * (d * u);
             dh *= e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
           }
-          q_dd[tt * nthr + tid] = qdd;
-          q_du[tt * nthr + tid] = qdu;
-          q_b[tt * nthr + tid] = qb;
-          q_c[tt * nthr + tid] = qc;
+          q_dd[tt * pitch + tid] = qdd;
+          q_du[tt * pitch + tid] = qdu;
+          q_b[tt * pitch + tid] = qb;
+          q_c[tt * pitch + tid] = qc;
         }
         __syncthreads();
-        if (active && s == 0) {  // per (row, channel): Σ over the state lanes, in order
-          for (std::size_t tt = nt; tt-- > 0;) {
+        if (active) {  // per (row, channel): Σ over the state lanes in order; lane s: steps s, s + Ns, ...
+          for (std::size_t tt = s; tt < nt; tt += Ns) {
             const std::size_t n = b * T + ts + tt;
             float sdd = 0, sdu = 0;
             for (std::size_t j = 0; j < Ns; ++j) {
-              sdd += q_dd[tt * nthr + cl * Ns + j];
-              sdu += q_du[tt * nthr + cl * Ns + j];
+              sdd += q_dd[tt * pitch + cl * Ns + j];
+              sdu += q_du[tt * pitch + cl * Ns + j];
             }
             const float d = ld(delta, n * Di + ch);
             const float gy = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
@@ -465,8 +486,8 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
           const std::size_t tt = p / Ns, j = p % Ns, n = b * T + ts + tt;
           float sb = 0, sc = 0;
           for (std::size_t k = 0; k < cpb && g0 + k < i1; ++k) {
-            sb += q_b[tt * nthr + k * Ns + j];
-            sc += q_c[tt * nthr + k * Ns + j];
+            sb += q_b[tt * pitch + k * Ns + j];
+            sc += q_c[tt * pitch + k * Ns + j];
           }
           float* dst = pblk + n * 2 * Ns;
           if (g0 == i0) {
@@ -481,14 +502,20 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
         te = ts;
       }
     }
+    // d dt_bias: each lane's partial over the steps it finished, summed over the lanes in order.
+    q_dd[tid] = dbias;
+    __syncthreads();
     if (active) {
       float* out = small + (b * Di + ch) * (Ns + 2);
       out[s] = da;
       if (s == 0) {
+        float sum = 0;
+        for (std::size_t j = 0; j < Ns; ++j) sum += q_dd[cl * Ns + j];
         out[Ns] = dd_acc;
-        out[Ns + 1] = dbias;
+        out[Ns + 1] = sum;
       }
     }
+    __syncthreads();  // q_dd is the next group's tile
   }
 }
 
