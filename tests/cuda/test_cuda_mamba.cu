@@ -339,6 +339,76 @@ void saved_bytes_follow_the_chunk() {
         2 * 4 * 16 * 16 * sizeof(float));
 }
 
+// Saved and workspace from a device budget: the layer's peak is saved + the larger workspace (it
+// allocates nothing itself: the device's free memory does not move during the calls), and the
+// saved bytes of two chunk sizes differ by exactly their saved_state_bytes.
+template <typename Block>
+std::size_t budget_peak(const problem& p, mb::cuda_executor& ex) {
+  using S = typename Block::storage_type;
+  const mb::mamba_shape& s = p.shape;
+  mbt::device_buffer<S> in_proj(to_storage<S>(p.in_proj)), conv_w(to_storage<S>(p.conv_w)),
+      conv_b(to_storage<S>(p.conv_b)), x_proj(to_storage<S>(p.x_proj)),
+      dt_proj(to_storage<S>(p.dt_proj)), dt_bias(to_storage<S>(p.dt_bias)),
+      a_log(to_storage<S>(p.a_log)), d(to_storage<S>(p.d)), out_proj(to_storage<S>(p.out_proj)),
+      x(to_storage<S>(p.x)), dout(to_storage<S>(p.dout));
+  mbt::device_buffer<S> g(p.in_proj.size() + p.x_proj.size() + p.out_proj.size() + 8 * p.d.size() +
+                          p.conv_w.size() + p.a_log.size() + p.dt_proj.size());
+  mb::cuda_check(cudaMemset(g.get(), 0, g.size() * sizeof(S)), "cudaMemset");
+  mbt::device_buffer<S> out(p.x.size()), dx(p.x.size());
+  const typename Block::weights w{in_proj.get(), conv_w.get(), conv_b.get(), x_proj.get(),
+                                  dt_proj.get(), dt_bias.get(), a_log.get(),  d.get(),
+                                  out_proj.get()};
+  S* q = g.get();
+  const auto take = [&q](std::size_t n) {
+    S* r = q;
+    q += n;
+    return r;
+  };
+  const typename Block::gradients grads{take(p.in_proj.size()), take(p.conv_w.size()),
+                                        take(p.conv_b.size()),  take(p.x_proj.size()),
+                                        take(p.dt_proj.size()), take(p.dt_bias.size()),
+                                        take(p.a_log.size()),   take(p.d.size()),
+                                        take(p.out_proj.size())};
+  mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> budget(std::size_t{8} << 30);
+  const std::size_t saved_bytes = Block::saved_bytes(s);
+  const std::size_t fws = Block::forward_workspace_bytes(s, 1), bws = Block::backward_workspace_bytes(s, 1);
+  const auto call = [&] {
+    void* saved = budget.allocate(saved_bytes, 256, mb::memory_tag::activations);
+    void* ws = budget.allocate(fws, 256, mb::memory_tag::workspace);
+    Block::forward(s, w, x.get(), out.get(), saved, saved_bytes, ws, fws, ex);
+    budget.deallocate(ws, fws, 256, mb::memory_tag::workspace);
+    ws = budget.allocate(bws, 256, mb::memory_tag::workspace);
+    Block::backward(s, w, x.get(), saved, saved_bytes, dout.get(), dx.get(), grads, ws, bws, ex);
+    ex.synchronize();
+    budget.deallocate(ws, bws, 256, mb::memory_tag::workspace);
+    budget.deallocate(saved, saved_bytes, 256, mb::memory_tag::activations);
+  };
+  settle();
+  call();  // warm: the cache holds the segments, modules are loaded
+  budget.reset_peaks();
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  mb::cuda_check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
+  call();
+  mb::cuda_check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo");
+  CHECK(free_after == free_before);
+  return budget.stats().peak_requested;
+}
+
+void peak_is_saved_plus_workspace() {
+  const auto s = shape_of(2, 64, 16, 70, 16, 4, 2);
+  problem p = make_problem(s, 5);
+  mb::cuda_executor ex;
+  using b8 = gpu_block<mb::scan_chunk<8>>;
+  using b16 = gpu_block<mb::scan_chunk<16>>;
+  const std::size_t peak8 = budget_peak<b8>(p, ex), peak16 = budget_peak<b16>(p, ex);
+  CHECK(peak8 == b8::saved_bytes(s) + std::max(b8::forward_workspace_bytes(s, 1),
+                                               b8::backward_workspace_bytes(s, 1)));
+  CHECK(peak16 == b16::saved_bytes(s) + std::max(b16::forward_workspace_bytes(s, 1),
+                                                 b16::backward_workspace_bytes(s, 1)));
+  CHECK(b8::saved_bytes(s) - b16::saved_bytes(s) ==
+        b8::saved_state_bytes(s) - b16::saved_state_bytes(s));
+}
+
 // Decoding T tokens one at a time equals the full forward, row by row.
 template <typename Block>
 void step_case(const mb::mamba_shape& s, double tol) {
@@ -453,6 +523,8 @@ int main() {
       {"mamba cuda_backend fp32: chunk > T, T = 1", fp32_chunk_above_t_and_t_1},
       {"mamba cuda_backend bf16 within the CPU's bf16 bound", bf16_within_the_cpu_bound},
       {"mamba cuda_backend saved bytes follow the chunk", saved_bytes_follow_the_chunk},
+      {"mamba cuda_backend peak through a device budget is saved + the larger workspace",
+       peak_is_saved_plus_workspace},
       {"mamba cuda_backend step equals the forward's rows", step_equals_forward},
       {"mamba cuda_backend typed errors", typed_errors},
   };
