@@ -12,10 +12,10 @@
 //         the scan's lane sums, the reductions over rows), FMA contraction and the device's
 //         expf/log1pf against the host's: a few ulps per operation, over sums of at most
 //         B·T = 74 rows: 1e-5 relative.
-//   bf16: against the CPU's fp32 block on the same bf16-rounded inputs, with the CPU's own bf16
-//         bound (16u = 6.25e-2): the device rounds u, y ⊙ SiLU(z), dΔ·σ, dx_dbl and dxz to bf16
-//         once more each than the CPU (the GEMMs take one type), which stays inside the handful
-//         of roundings that bound allows for.
+//   bf16, fp16: against the CPU's fp32 block on the same rounded inputs, with the CPU's own
+//         bound (16u: 6.25e-2 bf16, 7.8e-3 fp16): the device rounds u, y ⊙ SiLU(z), dΔ·σ,
+//         dx_dbl and dxz to storage once more each than the CPU (the GEMMs take one type), which
+//         we expect to stay inside the handful of roundings that bound allows for.
 //   step: the same kernels' formulas and order as the forward row; the GEMMs over B rows instead
 //         of B·T may block differently: 1e-5 (fp32).
 #include <cuda_runtime_api.h>
@@ -322,10 +322,12 @@ void fp32_chunk_above_t_and_t_1() {
       "T 1, chunk 8", shape_of(1, 1, 8, 20, 16, 3, 1), 1e-5);
 }
 
-void bf16_within_the_cpu_bound() {
+void half_precisions_within_the_cpu_bound() {
   const auto s = shape_of(2, 37, 12, 70, 16, 4, 3);
   check_case<gpu_block<mb::bf16_precision, mb::scan_chunk<8>>, mb::mamba<mb::scan_chunk<8>>>(
       "bf16 against fp32", s, 16.0 * 0x1.0p-8);
+  check_case<gpu_block<mb::fp16_precision, mb::scan_chunk<8>>, mb::mamba<mb::scan_chunk<8>>>(
+      "fp16 against fp32", s, 16.0 * 0x1.0p-11);
 }
 
 // The saved states shrink with the chunk exactly as saved_state_bytes says; they are the ones
@@ -521,7 +523,8 @@ int main() {
        fp32_chunk_not_dividing_t},
       {"mamba cuda_backend fp32: chunk 1, d_state 1, d_conv 1", fp32_chunk_1_and_d_state_1},
       {"mamba cuda_backend fp32: chunk > T, T = 1", fp32_chunk_above_t_and_t_1},
-      {"mamba cuda_backend bf16 within the CPU's bf16 bound", bf16_within_the_cpu_bound},
+      {"mamba cuda_backend bf16 and fp16 within the CPU's bounds (16u against fp32)",
+       half_precisions_within_the_cpu_bound},
       {"mamba cuda_backend saved bytes follow the chunk", saved_bytes_follow_the_chunk},
       {"mamba cuda_backend peak through a device budget is saved + the larger workspace",
        peak_is_saved_plus_workspace},
