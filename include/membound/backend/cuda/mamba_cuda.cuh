@@ -426,32 +426,66 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
       const std::size_t t0 = cidx * L, t1 = t0 + L < T ? t0 + L : T;
       const float entry =
           (active && cidx > 0) ? states[((b * (nch - 1) + cidx - 1) * Di + ch) * Ns + s] : 0.0f;
-      if (active) {  // the chunk's states, as forward computed them
+      if (active) {  // the chunk's states, as forward computed them (inputs of TT steps loaded first)
         float h = entry;
-        for (std::size_t t = t0; t < t1; ++t) {
-          const std::size_t n = b * T + t;
-          const float d = ld(delta, n * Di + ch);
-          const float u = membound::silu(ld(c, n * Di + ch));
-          h = expf(a * d) * h + (d * u) * ld(xdbl, n * ldx + R + s);
-          h_slot[(t - t0) * h_step] = h;
+        for (std::size_t tb = t0; tb < t1; tb += TT) {
+          const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
+          float dv[TT], uv[TT], bv[TT];
+#pragma unroll
+          for (std::size_t tt = 0; tt < TT; ++tt) {
+            dv[tt] = 0;
+            uv[tt] = 0;
+            bv[tt] = 0;
+            if (tt < nt) {
+              const std::size_t n = b * T + tb + tt;
+              dv[tt] = ld(delta, n * Di + ch);
+              uv[tt] = membound::silu(ld(c, n * Di + ch));
+              bv[tt] = ld(xdbl, n * ldx + R + s);
+            }
+          }
+#pragma unroll
+          for (std::size_t tt = 0; tt < TT; ++tt) {
+            if (tt < nt) {
+              h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+              h_slot[(tb + tt - t0) * h_step] = h;
+            }
+          }
         }
       }
       for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
         const std::size_t ts = te - t0 > TT ? te - TT : t0, nt = te - ts;
-        for (std::size_t t = te; t-- > ts;) {
-          const std::size_t tt = t - ts, n = b * T + t;
+        // The tile's inputs first (tt = t − ts), then the reverse recurrence over them.
+        float dv[TT], uv[TT], gv[TT], bv[TT], cv[TT], hv[TT];
+#pragma unroll
+        for (std::size_t tt = 0; tt < TT; ++tt) {
+          dv[tt] = 0;
+          uv[tt] = 0;
+          gv[tt] = 0;
+          bv[tt] = 0;
+          cv[tt] = 0;
+          hv[tt] = 0;
+          if (active && tt < nt) {
+            const std::size_t t = ts + tt, n = b * T + t;
+            dv[tt] = ld(delta, n * Di + ch);
+            uv[tt] = membound::silu(ld(c, n * Di + ch));
+            gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));  // dL/dy
+            bv[tt] = ld(xdbl, n * ldx + R + s);
+            cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
+            hv[tt] = h_slot[(t - t0) * h_step];
+          }
+        }
+        // h_{ts−1}: the state before the tile (the chunk's entry state at its start; 0 at t = 0).
+        const float h_before = (active && ts > t0) ? h_slot[(ts - 1 - t0) * h_step] : entry;
+#pragma unroll
+        for (std::size_t k = 0; k < TT; ++k) {
+          const std::size_t tt = TT - 1 - k;  // last step first
           float qdd = 0, qdu = 0, qb = 0, qc = 0;
-          if (active) {
-            const float d = ld(delta, n * Di + ch);
-            const float u = membound::silu(ld(c, n * Di + ch));
-            const float z = ld(xz, n * 2 * Di + Di + ch);
-            const float gy = dg[n * Di + ch] * membound::silu(z);  // dL/dy of the scan
-            const float bt = ld(xdbl, n * ldx + R + s), ct = ld(xdbl, n * ldx + R + Ns + s);
-            const float hcur = h_slot[(t - t0) * h_step];
-            const float hp = t > t0 ? h_slot[(t - 1 - t0) * h_step] : entry;  // 0 before t = 0
+          if (active && tt < nt) {
+            const float d = dv[tt], u = uv[tt], gy = gv[tt], bt = bv[tt], ct = cv[tt];
+            const float hp = tt > 0 ? hv[tt - 1] : h_before;
             if (s == 0) dd_acc += gy * u;
             dh += gy * ct;  // y_t = C_t·h_t
-            qc = gy * hcur;
+            qc = gy * hv[tt];
             const float e = expf(a * d);
             qdd = dh * (a * e * hp + bt * u);
             da += dh * d * e * hp;
