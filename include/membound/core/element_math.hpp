@@ -1,5 +1,5 @@
-// Element-wise math that the CPU backend and the CUDA kernels share: SiLU and its derivative, the
-// SwiGLU gate forward and backward, and one AdamW step on one element. One definition for both
+// Element-wise math that the CPU backend and the CUDA kernels share: SiLU and its derivative,
+// softplus (Mamba's Δ), the SwiGLU gate forward and backward, and one AdamW step on one element. One definition for both
 // backends, so a GPU result differs from the CPU's only by the order of sums and the device's
 // exp/sqrt, never by a formula. Host-only header (no CUDA include); under nvcc every function is
 // __host__ __device__.
@@ -25,6 +25,22 @@ MEMBOUND_HOST_DEVICE inline A exp_of(A v) {
   return ::exp(v);
 #else
   return std::exp(v);
+#endif
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A log1p_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::log1p(v);
+#else
+  return std::log1p(v);
+#endif
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A expm1_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::expm1(v);
+#else
+  return std::expm1(v);
 #endif
 }
 template <typename A>
@@ -54,6 +70,18 @@ template <typename A>
 MEMBOUND_HOST_DEVICE inline A silu_grad(A v) {
   const A s = sigmoid(v);
   return s * (A(1) + v * (A(1) - s));
+}
+
+// softplus log(1 + e^v), without overflow for large v (the CPU Mamba's formula).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A softplus(A v) {
+  return v > A(0) ? v + detail::log1p_of(detail::exp_of(-v)) : detail::log1p_of(detail::exp_of(v));
+}
+
+// d softplus / dv = σ(v), from the output alone: 1 − e^(−softplus(v)) = −expm1(−out).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A softplus_grad_from_output(A out) {
+  return -detail::expm1_of(-out);
 }
 
 // The SwiGLU gate: silu(a)·b.

@@ -20,6 +20,13 @@
 // Δ) are rounded to the storage type once and then used as stored, so both policies give the
 // same gradients bit for bit. The scan state is accumulated in the accumulator type (float or
 // double). Nothing allocates: every buffer is carved from the caller's saved/workspace bytes.
+//
+// With cuda_backend in the policies every pointer is device memory, the executor is a
+// cuda_executor and the kernels are backend/cuda/mamba_cuda.cuh's (include membound/backend/cuda.cuh
+// and compile with nvcc). saved_bytes and saved_state_bytes are the same (the same states are
+// saved, in the same place); the workspaces are the device's own and hold cuBLASLt's; the thread
+// count the size functions take is ignored there. The decoding state lives on the device: make it
+// and reset it with the executor overloads.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +46,7 @@
 #include "membound/layers/layer_support.hpp"
 #include "membound/shape/mamba_shape.hpp"
 #include "membound/memory/workspace.hpp"
+#include "membound/policy/backend.hpp"
 #include "membound/policy/checkpoint.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
@@ -49,8 +57,11 @@ MEMBOUND_NAMESPACE_BEGIN
 template <typename... Policies>
 class mamba {
  public:
-  using policies = policy_set<type_list<fp32_precision, scan_chunk<128>, recompute>, Policies...>;
+  using policies =
+      policy_set<type_list<fp32_precision, scan_chunk<128>, recompute, cpu_backend>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using chunking = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
   static_assert(is_scan_chunk_v<chunking>,
@@ -72,6 +83,7 @@ class mamba {
   static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr bool keep_conv_delta = std::is_same_v<checkpoint, save_all>;
   static constexpr std::size_t L = chunking::chunk;
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  public:
   static constexpr std::size_t chunk = L;
@@ -119,6 +131,10 @@ class mamba {
   }
   static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s,
                                                        std::size_t threads) noexcept {
+    if constexpr (!on_cpu) {
+      return backend_kernels<backend, mamba_shape>::template forward_workspace_bytes<S>(
+          s, keep_conv_delta);
+    }
     const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), xdbl_acc_bytes(s),
                              bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state))};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
@@ -126,6 +142,10 @@ class mamba {
   }
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s,
                                                         std::size_t threads) noexcept {
+    if constexpr (!on_cpu) {
+      return backend_kernels<backend, mamba_shape>::template backward_workspace_bytes<S>(
+          s, L, keep_conv_delta);
+    }
     const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), part_bytes(s),
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
                                                                              s.d_state))};
@@ -138,6 +158,9 @@ class mamba {
     return bytes_of<A>(s.batch, s.d_inner, s.d_conv - 1 + s.d_state);
   }
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
+    if constexpr (!on_cpu) {
+      return backend_kernels<backend, mamba_shape>::template step_workspace_bytes<S>(s);
+    }
     return step_layout(s).size();
   }
 
@@ -171,6 +194,9 @@ class mamba {
     std::size_t position = 0;  // tokens consumed since reset
   };
   static state make_state(const mamba_shape& s, void* data, std::size_t bytes) {
+    static_assert(on_cpu,
+                  "membound: a device decoding state is zeroed on the executor's stream: call "
+                  "make_state(shape, data, bytes, executor) for mamba<..., cuda_backend>.");
     check(s);
     const std::size_t need = state_bytes(s);
     if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
@@ -179,7 +205,29 @@ class mamba {
     reset(s, st);
     return st;
   }
+  // The device state, zeroed on the executor's stream (cpu_backend: the same as above).
+  static state make_state(const mamba_shape& s, void* data, std::size_t bytes, executor& ex) {
+    check(s);
+    const std::size_t need = state_bytes(s);
+    if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
+    detail::check_aligned(data, alignof(A), "state");
+    state st{data, bytes, 0};
+    reset(s, st, ex);
+    return st;
+  }
+  static void reset(const mamba_shape& s, state& st, executor& ex) {
+    if constexpr (on_cpu) {
+      (void)ex;
+      reset(s, st);
+    } else {
+      backend_kernels<backend, mamba_shape>::reset_state(st.data, state_bytes(s), ex);
+      st.position = 0;
+    }
+  }
   static void reset(const mamba_shape& s, state& st) {
+    static_assert(on_cpu,
+                  "membound: a device decoding state is zeroed on the executor's stream: call "
+                  "reset(shape, state, executor) for mamba<..., cuda_backend>.");
     A* p = static_cast<A*>(st.data);
     std::fill(p, p + state_bytes(s) / sizeof(A), A(0));
     st.position = 0;
@@ -188,13 +236,27 @@ class mamba {
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const mamba_shape& s, const weights& w, const S* x, S* out, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(out, "out");
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    if constexpr (!on_cpu) {
+      using kernels = backend_kernels<backend, mamba_shape>;
+      kernels::template forward<S, A>(s, L, device_weights(w), x, out, device_saved(sv),
+                                      workspace, workspace_size, pool);
+    } else {
+      forward_cpu(s, w, x, out, sv, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  template <typename SavedView>
+  static void forward_cpu(const mamba_shape& s, const weights& w, const S* x, S* out,
+                          const SavedView& sv, void* workspace, std::size_t workspace_size,
+                          thread_pool& pool) {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(forward_layout(s, threads),
                                         forward_workspace_bytes(s, threads), workspace,
                                         workspace_size, "workspace");
@@ -243,18 +305,36 @@ class mamba {
   }
 
   // ---- Backward ------------------------------------------------------------------------------
+ public:
   static void backward(const mamba_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                       void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(dout, "dout");
     detail::not_null(dx, "dx");
     check_gradients(g);
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
+    if constexpr (!on_cpu) {
+      using kernels = backend_kernels<backend, mamba_shape>;
+      kernels::template backward<S, A>(
+          s, L, device_weights(w), x, device_saved(sv), dout, dx,
+          typename kernels::template gradients<S>{g.in_proj, g.conv_w, g.conv_b, g.x_proj,
+                                                  g.dt_proj, g.dt_bias, g.a_log, g.d, g.out_proj},
+          workspace, workspace_size, pool);
+    } else {
+      backward_cpu(s, w, x, sv, dout, dx, g, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  template <typename SavedView>
+  static void backward_cpu(const mamba_shape& s, const weights& w, const S* x, const SavedView& sv,
+                           const S* dout, S* dx, const gradients& g, void* workspace,
+                           std::size_t workspace_size, thread_pool& pool) {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(backward_layout(s, threads),
                                         backward_workspace_bytes(s, threads), workspace,
                                         workspace_size, "workspace");
@@ -373,10 +453,11 @@ class mamba {
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
+ public:
   // One token per sequence: x_t [B, C] -> out_t [B, C], carrying the conv and scan states.
   // shape.seq is ignored. Checks everything before touching the state or out_t.
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
-                   void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                   void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x_t, "x_t");
@@ -385,6 +466,19 @@ class mamba {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
+    if constexpr (!on_cpu) {
+      using kernels = backend_kernels<backend, mamba_shape>;
+      kernels::template step<S, A>(s, device_weights(w), static_cast<A*>(st.data), x_t, out_t,
+                                   workspace, workspace_size, pool);
+      ++st.position;
+    } else {
+      step_cpu(s, w, st, x_t, out_t, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void step_cpu(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
     const auto ws = detail::carve_named(step_layout(s), step_workspace_bytes(s), workspace,
                                         workspace_size, "workspace");
     const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;
@@ -441,6 +535,20 @@ class mamba {
     ++st.position;
   }
 
+  // The device kernels' views of the weights and of the saved buffers.
+  static auto device_weights(const weights& w) {
+    return typename backend_kernels<backend, mamba_shape>::template weights<S>{
+        w.in_proj, w.conv_w, w.conv_b, w.x_proj, w.dt_proj, w.dt_bias, w.a_log, w.d, w.out_proj};
+  }
+  template <typename SavedView>
+  static auto device_saved(const SavedView& sv) {
+    return typename backend_kernels<backend, mamba_shape>::template saved<S>{
+        sv.template get<S>(s_xz), sv.template get<S>(s_xdbl), sv.template get<A>(s_states),
+        keep_conv_delta ? sv.template get<S>(s_c) : nullptr,
+        keep_conv_delta ? sv.template get<S>(s_delta) : nullptr};
+  }
+
+ public:
   // Where forward put the chunk-entry states ([B, chunks − 1, Di, Ns], accum_type) inside
   // `saved`: for tests and diagnostics.
   static const A* saved_states(const mamba_shape& s, const void* saved) {

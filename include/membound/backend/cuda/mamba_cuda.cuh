@@ -1,0 +1,904 @@
+// The Mamba block on the GPU: the kernels that mamba<..., cuda_backend> runs. Same semantics,
+// saved layout and decoding state as the CPU block (layers/mamba.hpp, backend/cpu/mamba_cpu.hpp):
+//
+//   forward:  xz = x·in_proj (cuBLASLt, into saved) -> conv + SiLU kernel -> x_dbl = u·x_proj
+//             (into saved) -> dt = dt_low·dt_proj (fp32) -> Δ kernel (softplus + bias, rounded
+//             to storage) -> chunked scan kernel (gate fused) -> out = g·out_proj
+//   backward: the same values as stored or recomputed; dg = dout·out_projᵀ; the forward scan once
+//             more (no states kept) for y, with the gate's backward fused (g and dz); the reverse
+//             scan (chunk states recomputed from the saved entry states, last chunk first); fixed-
+//             order reductions of dB/dC, dA/dD/dΔ-bias and the conv weights; the GEMMs back.
+//   step:     in_proj GEMM -> conv-window kernel -> x_proj and dt GEMMs -> one scan step -> out_proj
+//
+// Keyed by the shape type (backend_kernels<cuda_backend, mamba_shape>): the layer owns the call
+// shape, the argument checks and the saved layout; this owns the device workspace and launches.
+//
+// Scan layout. A forward block holds `cpb` channels × Ns state lanes (cpb = max(1, 128 / Ns),
+// at most 64), one thread per (channel, state) pair, for one batch row; each thread carries its
+// state in an fp32 register through time in order and writes it out at every chunk boundary
+// (t % L == 0, t > 0) into the saved [B, chunks − 1, Di, Ns] states, exactly where the CPU does.
+// y = Σ_s C·h is summed per time tile through shared memory in lane order (no shuffles, no
+// atomics). The backward block covers the CPU's 64-channel partition (scan_channels) in groups
+// of cpb, one batch row; it recomputes each chunk's states from the saved entry state into a
+// workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk backward. Everything summed
+// across threads goes through per-block partials reduced in index order by a second kernel, so
+// repeated runs give the same bits.
+//
+// Precision: storage S (float, bf16, fp16), fp32 everywhere else. As in mlp_cuda.cuh, values that
+// feed a GEMM (u, the gated y, dΔ·σ, dx_dbl, dxz) are rounded to S, where the CPU keeps them in
+// fp32: no difference for fp32 storage, one more rounding each for bf16/fp16 (the tests bound it).
+// The scan itself reads u = SiLU(c) in fp32 from the stored conv output, as the CPU does.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+
+#include "membound/backend/cuda/cuda_backend.cuh"
+#include "membound/backend/cuda/cuda_check.cuh"
+#include "membound/backend/cuda/gemm.cuh"
+#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/core/checked_math.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/core/element_math.hpp"
+#include "membound/memory/workspace.hpp"
+#include "membound/policy/backend.hpp"
+#include "membound/shape/mamba_shape.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace gpu {
+
+// Channels per backward scan block: the CPU's scan_channels, so dB/dC partials have the CPU's
+// shape ([blocks, N, 2·Ns]) and size.
+inline constexpr std::size_t mamba_scan_channels = 64;
+// Threads per scan block aim at this many (channel, state) pairs.
+inline constexpr std::size_t mamba_scan_lanes = 128;
+// Time steps per shared-memory tile of the scan's cross-lane sums.
+inline constexpr std::size_t mamba_forward_tile = 16;
+inline constexpr std::size_t mamba_backward_tile = 8;
+// Rows per partial of the conv weight gradient.
+inline constexpr std::size_t mamba_conv_rows = 256;
+// The largest d_state (the CPU's max_d_state): a block then has 256 threads.
+inline constexpr std::size_t mamba_max_d_state = 256;
+
+// Channels a scan block runs at once: one thread per (channel, state).
+constexpr std::size_t mamba_channels_per_block(std::size_t d_state) noexcept {
+  if (d_state == 0) return 1;
+  const std::size_t c = mamba_scan_lanes / d_state;
+  return c == 0 ? 1 : (c > mamba_scan_channels ? mamba_scan_channels : c);
+}
+constexpr std::size_t mamba_blocks(std::size_t n, std::size_t per) noexcept {
+  return per == 0 ? 0 : (n + per - 1) / per;
+}
+
+}  // namespace gpu
+
+template <>
+struct backend_kernels<cuda_backend, mamba_shape> {
+  template <typename S, typename A>
+  static constexpr void check_types() {
+    static_assert(gpu::kernel_storage<S>,
+                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
+                  "bf16_precision or fp16_precision for a mamba block on the GPU.");
+    static_assert(std::is_same_v<A, float>,
+                  "membound: cuda_backend accumulates the scan state in fp32; use a precision "
+                  "whose accum_type is float (fp64 runs on cpu_backend only).");
+  }
+
+  // ---- Sizes (exactly what the launches carve) -------------------------------------------------
+  // keep: the save_all policy (c and Δ live in `saved`, not in the workspace). L: scan_chunk.
+  template <typename S>
+  static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s, bool keep) {
+    return fits(s) ? forward_layout<S>(s, keep).size() : std::numeric_limits<std::size_t>::max();
+  }
+  template <typename S>
+  static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s, std::size_t L,
+                                                        bool keep) {
+    return fits(s) ? backward_layout<S>(s, L, keep).size()
+                   : std::numeric_limits<std::size_t>::max();
+  }
+  template <typename S>
+  static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) {
+    return fits(s) ? step_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  // Of the backward workspace: the dB/dC partials [scan blocks, N, 2·Ns] and the chunk's states
+  // [B, min(L, T), Di, Ns], both fp32 (for tests and the plan table).
+  static constexpr std::size_t backward_partial_bytes(const mamba_shape& s) noexcept {
+    return bytes_of<float>(gpu::mamba_blocks(s.d_inner, gpu::mamba_scan_channels),
+                           s.batch * s.seq, 2 * s.d_state);
+  }
+  static constexpr std::size_t backward_chunk_state_bytes(const mamba_shape& s,
+                                                          std::size_t L) noexcept {
+    return bytes_of<float>(s.batch, std::min(L, s.seq), s.d_inner, s.d_state);
+  }
+
+  // The device pointers of the weights and gradients, in the layer's order.
+  template <typename S>
+  struct weights {
+    const S *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
+  };
+  template <typename S>
+  struct gradients {
+    S *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
+  };
+  // The saved buffers the layer carved (c and delta null unless save_all).
+  template <typename S>
+  struct saved {
+    S* xz;
+    S* xdbl;
+    float* states;
+    S* c;
+    S* delta;
+  };
+
+#if MEMBOUND_CUDA_COMPILER
+  template <typename S, typename A>
+  static void forward(const mamba_shape& s, std::size_t L, const weights<S>& w, const S* x, S* out,
+                      const saved<S>& sv, void* workspace, std::size_t workspace_size,
+                      const cuda_executor& ex);
+  template <typename S, typename A>
+  static void backward(const mamba_shape& s, std::size_t L, const weights<S>& w, const S* x,
+                       const saved<S>& sv, const S* dout, S* dx, const gradients<S>& g,
+                       void* workspace, std::size_t workspace_size, const cuda_executor& ex);
+  template <typename S, typename A>
+  static void step(const mamba_shape& s, const weights<S>& w, float* state, const S* x_t, S* out_t,
+                   void* workspace, std::size_t workspace_size, const cuda_executor& ex);
+  // Zeroes the decoding state on the executor's stream.
+  static void reset_state(void* state, std::size_t bytes, const cuda_executor& ex) {
+    if (bytes == 0) return;
+    cuda_check(cudaMemsetAsync(state, 0, bytes, ex.stream()), "cudaMemsetAsync");
+  }
+#else
+  // The launches exist only where nvcc compiles: the size functions above are all a host-only
+  // translation unit (a planner, a .cpp) can use.
+  template <typename S, typename A, typename... Args>
+  static void forward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: mamba<..., cuda_backend>::forward launches CUDA kernels; compile this "
+                  "translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <typename S, typename A, typename... Args>
+  static void backward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: mamba<..., cuda_backend>::backward launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <typename S, typename A, typename... Args>
+  static void step(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: mamba<..., cuda_backend>::step launches CUDA kernels; compile this "
+                  "translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <typename... Args>
+  static void reset_state(Args&&...) {
+    static_assert(dependent_false<Args...>,
+                  "membound: mamba<..., cuda_backend>::reset clears device memory; compile this "
+                  "translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+#endif
+
+  // ---- Layouts -------------------------------------------------------------------------------
+  // cuBLASLt's workspace first: 256-byte aligned, as cuBLAS requires. Phases (forward): 0 in_proj
+  // and the conv, 1 x_proj, 2 dt and Δ, 3 the scan, 4 out_proj.
+  enum forward_slot : std::size_t { f_gemm, f_c, f_u, f_dt, f_delta, f_g };
+  template <typename S>
+  static constexpr workspace_layout<6> forward_layout(const mamba_shape& s, bool keep) {
+    const std::size_t N = s.batch * s.seq, Di = s.d_inner;
+    workspace_layout<6> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment, {0, 4});
+    l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 3});      // c
+    l.add(bytes_of<S>(N, Di), default_alignment, {0, 1});                 // u (x_proj's input)
+    l.add(bytes_of<float>(N, Di), default_alignment, {2, 2});             // dt (pre-softplus)
+    l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {2, 3});      // Δ
+    l.add(bytes_of<S>(N, Di), default_alignment, {3, 4});                 // y ⊙ SiLU(z)
+    return l;
+  }
+
+  // Phases: 0 the forward's values (conv, Δ) and dg; 1 the scan once more (g, dz) and out_proj's
+  // gradient; 2 the reverse scan; 3 the reductions, dt_proj's and x_proj's GEMMs; 4 du's GEMM
+  // and the conv's backward; 5 in_proj's gradient and dx.
+  enum backward_slot : std::size_t {
+    b_gemm, b_c, b_u, b_dt, b_delta, b_dg, b_g, b_dxz, b_hs, b_part, b_small, b_du, b_ddt,
+    b_dxdbl, b_cpart
+  };
+  template <typename S>
+  static constexpr workspace_layout<15> backward_layout(const mamba_shape& s, std::size_t L,
+                                                        bool keep) {
+    const std::size_t N = s.batch * s.seq, Di = s.d_inner, Ns = s.d_state, K = s.d_conv;
+    const std::size_t ldx = s.dt_rank + 2 * Ns;
+    workspace_layout<15> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment, {0, 5});
+    l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 4});     // c
+    l.add(bytes_of<S>(N, Di), default_alignment, {0, 3});                // u
+    l.add(keep ? 0 : bytes_of<float>(N, Di), default_alignment, {0, 0}); // dt (pre-softplus)
+    l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 3});     // Δ
+    l.add(bytes_of<float>(N, Di), default_alignment, {0, 2});            // dg = dout·out_projᵀ
+    l.add(bytes_of<S>(N, Di), default_alignment, {1, 1});                // y ⊙ SiLU(z)
+    l.add(bytes_of<S>(N, 2 * Di), default_alignment, {1, 5});            // dxz
+    l.add(backward_chunk_state_bytes(s, L), default_alignment, {2, 2});  // a chunk's states
+    l.add(backward_partial_bytes(s), default_alignment, {2, 3});         // dB, dC partials
+    l.add(bytes_of<float>(s.batch, Di, Ns + 2), default_alignment, {2, 3});  // dA, dD, dbias per b
+    l.add(bytes_of<float>(N, Di), default_alignment, {2, 4});            // du
+    l.add(bytes_of<S>(N, Di), default_alignment, {2, 3});                // dΔ·σ(dt)
+    l.add(bytes_of<S>(N, ldx), default_alignment, {3, 4});               // dx_dbl
+    l.add(bytes_of<float>(gpu::mamba_blocks(N, gpu::mamba_conv_rows), Di, K + 1),
+          default_alignment, {4, 4});                                    // conv weight partials
+    return l;
+  }
+
+  enum step_slot : std::size_t { st_gemm, st_xz, st_us, st_uf, st_xdbl, st_dt, st_g };
+  template <typename S>
+  static constexpr workspace_layout<7> step_layout(const mamba_shape& s) {
+    const std::size_t B = s.batch, Di = s.d_inner, ldx = s.dt_rank + 2 * s.d_state;
+    workspace_layout<7> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
+    l.add(bytes_of<S>(B, 2 * Di));
+    l.add(bytes_of<S>(B, Di));
+    l.add(bytes_of<float>(B, Di));
+    l.add(bytes_of<S>(B, ldx));
+    l.add(bytes_of<float>(B, Di));
+    l.add(bytes_of<S>(B, Di));
+    return l;
+  }
+
+ private:
+  // Every [N, ·] size fits, and the backward's [B, Lc, Di, Ns] too for any L (Lc ≤ T).
+  static constexpr bool fits(const mamba_shape& s) noexcept {
+    constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+    const std::size_t N = s.batch * s.seq;
+    if (s.batch != 0 && N / s.batch != s.seq) return false;
+    const std::size_t ldx = s.dt_rank + 2 * s.d_state;
+    return bytes_of<float>(N, 2 * s.d_inner) != max && bytes_of<float>(N, ldx) != max &&
+           bytes_of<float>(N, s.d_inner, s.d_state) != max &&
+           bytes_of<float>(gpu::mamba_blocks(s.d_inner, gpu::mamba_scan_channels), N,
+                           2 * s.d_state) != max &&
+           bytes_of<float>(gpu::mamba_blocks(N, gpu::mamba_conv_rows) + 1, s.d_inner,
+                           s.d_conv + 1) != max;
+  }
+};
+
+#if MEMBOUND_CUDA_COMPILER
+
+namespace gpu {
+namespace mamba_detail {
+
+using gpu::detail::ld;
+using gpu::detail::st;
+
+// v rounded through storage S (the one rounding of a value that forward stores).
+template <typename S>
+__device__ inline float round_to(float v) {
+  S tmp;
+  st(&tmp, 0, v);
+  return ld(&tmp, 0);
+}
+
+// c = conv(xi) + conv_b (rounded to S; written to c when compute), u = SiLU(c) into u (S) and, when
+// given, uf (fp32). xi is the x half of xz (row stride 2·Di). When !compute, c is read.
+template <typename S>
+__global__ void conv_silu_kernel(const S* xz, const S* w, const S* bias, S* c, S* u,
+                                 std::size_t N, std::size_t T, std::size_t Di, std::size_t K,
+                                 bool compute) {
+  const std::size_t total = N * Di;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t n = idx / Di, i = idx % Di, t = n % T;
+    float cv;
+    if (compute) {
+      cv = ld(bias, i);
+      for (std::size_t k = 0; k < K; ++k) {
+        if (t + k < K - 1) continue;  // before the sequence's start
+        cv += ld(w, i * K + k) * ld(xz, (n + k + 1 - K) * 2 * Di + i);
+      }
+      cv = round_to<S>(cv);
+      st(c, idx, cv);
+    } else {
+      cv = ld(c, idx);
+    }
+    st(u, idx, membound::silu(cv));
+  }
+}
+
+// Δ = softplus(dt + dt_bias), rounded to S.
+template <typename S>
+__global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size_t N,
+                             std::size_t Di) {
+  const std::size_t total = N * Di;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    st(delta, idx, membound::softplus(dt[idx] + ld(bias, idx % Di)));
+  }
+}
+
+// The forward scan. Grid (channel blocks, B); block cpb·Ns threads, thread = (channel, state).
+// Writes g = (y) ⊙ SiLU(z) into gated (S); with dg, also dz = dg·y·SiLU'(z) into xz-shaped dxz's
+// z half; with states, the state entering every chunk but the first. Per tile of TT steps: the
+// tile's inputs are loaded first (independent loads in flight together), then the recurrence;
+// then lane s of each channel finishes steps s, s + Ns, ... (each y summed over lanes in order).
+template <typename S>
+__global__ void __launch_bounds__(mamba_max_d_state, 1)
+    scan_forward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
+                        const S* dskip, std::size_t T, std::size_t Di, std::size_t Ns,
+                        std::size_t R, std::size_t L, std::size_t cpb, float* states, S* gated,
+                        const float* dg, S* dxz) {
+  constexpr std::size_t TT = mamba_forward_tile;
+  // One row per step, padded by one word so that lanes reading different steps hit different banks.
+  __shared__ float contrib[TT * (mamba_max_d_state + 1)];
+  const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
+  const std::size_t cl = tid / Ns, s = tid % Ns;
+  const std::size_t ch = blockIdx.x * cpb + cl;
+  const std::size_t b = blockIdx.y;
+  const bool active = cl < cpb && ch < Di;
+  const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
+  const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
+  // Where the state entering the next chunk goes: [b, k, ch, s] for chunk k + 1, at t = (k + 1)·L.
+  std::size_t boundary = L, saved_chunk = 0;
+  float h = 0;
+  for (std::size_t t0 = 0; t0 < T; t0 += TT) {
+    const std::size_t nt = T - t0 < TT ? T - t0 : TT;
+    float dv[TT], uv[TT], bv[TT], cv[TT];
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      dv[tt] = 0;
+      uv[tt] = 0;
+      bv[tt] = 0;
+      cv[tt] = 0;
+      if (active && tt < nt) {
+        const std::size_t n = b * T + t0 + tt;
+        dv[tt] = ld(delta, n * Di + ch);
+        uv[tt] = membound::silu(ld(c, n * Di + ch));
+        bv[tt] = ld(xdbl, n * ldx + R + s);
+        cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
+      }
+    }
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      float q = 0;
+      if (active && tt < nt) {
+        if (t0 + tt == boundary) {
+          if (states != nullptr) states[((b * (nch - 1) + saved_chunk) * Di + ch) * Ns + s] = h;
+          ++saved_chunk;
+          boundary += L;
+        }
+        h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+        q = cv[tt] * h;
+      }
+      contrib[tt * pitch + tid] = q;
+    }
+    __syncthreads();
+    if (active) {  // y = Σ_s C·h in lane order, + D·u, then the gate
+      const float dk = ld(dskip, ch);
+      for (std::size_t tt = s; tt < nt; tt += Ns) {
+        const std::size_t n = b * T + t0 + tt;
+        float y = 0;
+        for (std::size_t j = 0; j < Ns; ++j) y += contrib[tt * pitch + cl * Ns + j];
+        y += dk * membound::silu(ld(c, n * Di + ch));
+        const float z = ld(xz, n * 2 * Di + Di + ch);
+        st(gated, n * Di + ch, y * membound::silu(z));
+        if (dg != nullptr) st(dxz, n * 2 * Di + Di + ch, dg[n * Di + ch] * y * membound::silu_grad(z));
+      }
+    }
+    __syncthreads();  // contrib is overwritten by the next tile
+  }
+}
+
+// The reverse scan. Grid (64-channel blocks, B); block cpb·Ns threads running the block's
+// channels in groups of cpb. Per chunk, last first: the chunk's states recomputed from the saved
+// entry state into hs [B, Lc, Di, Ns] (each thread its own slots), then the reverse recurrence
+// with the running dL/dh in a register. Writes, for its rows and channels: ddt = dΔ·σ(dt) (S),
+// du (the scan's part, fp32), the dB/dC partial part[blk, n, 2·Ns] (summed over the block's
+// channels in order), and small[b, ch, ·] = (dA [Ns], dD, d dt_bias) summed over this row's time.
+template <typename S>
+__global__ void __launch_bounds__(mamba_max_d_state, 1)
+    scan_backward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
+                         const S* dskip, const float* states, const float* dg, std::size_t T,
+                         std::size_t Di, std::size_t Ns, std::size_t R, std::size_t L,
+                         std::size_t cpb, float* hs, S* ddt, float* du, float* part,
+                         float* small) {
+  constexpr std::size_t TT = mamba_backward_tile;
+  // One row per step, padded by one word so that lanes reading different steps hit different banks.
+  __shared__ float q_dd[TT * (mamba_max_d_state + 1)];
+  __shared__ float q_du[TT * (mamba_max_d_state + 1)];
+  __shared__ float q_b[TT * (mamba_max_d_state + 1)];
+  __shared__ float q_c[TT * (mamba_max_d_state + 1)];
+  const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
+  const std::size_t cl = tid / Ns, s = tid % Ns;
+  const std::size_t b = blockIdx.y, B = gridDim.y, N = B * T;
+  const std::size_t i0 = blockIdx.x * mamba_scan_channels;
+  const std::size_t i1 = i0 + mamba_scan_channels < Di ? i0 + mamba_scan_channels : Di;
+  const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L, Lc = L < T ? L : T;
+  float* const pblk = part + blockIdx.x * N * 2 * Ns;
+  for (std::size_t g0 = i0; g0 < i1; g0 += cpb) {
+    const std::size_t ch = g0 + cl;
+    const bool active = cl < cpb && ch < i1;
+    const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
+    const float dk = active ? ld(dskip, ch) : 0.0f;
+    float dh = 0, da = 0, dd_acc = 0, dbias = 0;
+    // This thread's slot of the chunk's states: hs[b, t − t0, ch, s] at h_slot + (t − t0)·h_step.
+    float* const h_slot = hs + (b * Lc * Di + ch) * Ns + s;
+    const std::size_t h_step = Di * Ns;
+    for (std::size_t cidx = nch; cidx-- > 0;) {
+      const std::size_t t0 = cidx * L, t1 = t0 + L < T ? t0 + L : T;
+      const float entry =
+          (active && cidx > 0) ? states[((b * (nch - 1) + cidx - 1) * Di + ch) * Ns + s] : 0.0f;
+      if (active) {  // the chunk's states, as forward computed them (inputs of TT steps loaded first)
+        float h = entry;
+        for (std::size_t tb = t0; tb < t1; tb += TT) {
+          const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
+          float dv[TT], uv[TT], bv[TT];
+#pragma unroll
+          for (std::size_t tt = 0; tt < TT; ++tt) {
+            dv[tt] = 0;
+            uv[tt] = 0;
+            bv[tt] = 0;
+            if (tt < nt) {
+              const std::size_t n = b * T + tb + tt;
+              dv[tt] = ld(delta, n * Di + ch);
+              uv[tt] = membound::silu(ld(c, n * Di + ch));
+              bv[tt] = ld(xdbl, n * ldx + R + s);
+            }
+          }
+#pragma unroll
+          for (std::size_t tt = 0; tt < TT; ++tt) {
+            if (tt < nt) {
+              h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+              h_slot[(tb + tt - t0) * h_step] = h;
+            }
+          }
+        }
+      }
+      for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
+        const std::size_t ts = te - t0 > TT ? te - TT : t0, nt = te - ts;
+        // The tile's inputs first (tt = t − ts), then the reverse recurrence over them.
+        float dv[TT], uv[TT], gv[TT], bv[TT], cv[TT], hv[TT];
+#pragma unroll
+        for (std::size_t tt = 0; tt < TT; ++tt) {
+          dv[tt] = 0;
+          uv[tt] = 0;
+          gv[tt] = 0;
+          bv[tt] = 0;
+          cv[tt] = 0;
+          hv[tt] = 0;
+          if (active && tt < nt) {
+            const std::size_t t = ts + tt, n = b * T + t;
+            dv[tt] = ld(delta, n * Di + ch);
+            uv[tt] = membound::silu(ld(c, n * Di + ch));
+            gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));  // dL/dy
+            bv[tt] = ld(xdbl, n * ldx + R + s);
+            cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
+            hv[tt] = h_slot[(t - t0) * h_step];
+          }
+        }
+        // h_{ts−1}: the state before the tile (the chunk's entry state at its start; 0 at t = 0).
+        const float h_before = (active && ts > t0) ? h_slot[(ts - 1 - t0) * h_step] : entry;
+#pragma unroll
+        for (std::size_t k = 0; k < TT; ++k) {
+          const std::size_t tt = TT - 1 - k;  // last step first
+          float qdd = 0, qdu = 0, qb = 0, qc = 0;
+          if (active && tt < nt) {
+            const float d = dv[tt], u = uv[tt], gy = gv[tt], bt = bv[tt], ct = cv[tt];
+            const float hp = tt > 0 ? hv[tt - 1] : h_before;
+            if (s == 0) dd_acc += gy * u;
+            dh += gy * ct;  // y_t = C_t·h_t
+            qc = gy * hv[tt];
+            const float e = expf(a * d);
+            qdd = dh * (a * e * hp + bt * u);
+            da += dh * d * e * hp;
+            qdu = dh * bt;
+            qb = dh * (d * u);
+            dh *= e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
+          }
+          q_dd[tt * pitch + tid] = qdd;
+          q_du[tt * pitch + tid] = qdu;
+          q_b[tt * pitch + tid] = qb;
+          q_c[tt * pitch + tid] = qc;
+        }
+        __syncthreads();
+        if (active) {  // per (row, channel): Σ over the state lanes in order; lane s: steps s, s + Ns, ...
+          for (std::size_t tt = s; tt < nt; tt += Ns) {
+            const std::size_t n = b * T + ts + tt;
+            float sdd = 0, sdu = 0;
+            for (std::size_t j = 0; j < Ns; ++j) {
+              sdd += q_dd[tt * pitch + cl * Ns + j];
+              sdu += q_du[tt * pitch + cl * Ns + j];
+            }
+            const float d = ld(delta, n * Di + ch);
+            const float gy = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
+            const float v = sdd * membound::softplus_grad_from_output(d);
+            dbias += v;
+            st(ddt, n * Di + ch, v);
+            du[n * Di + ch] = gy * dk + d * sdu;
+          }
+        }
+        // per (row, state): Σ over this group's channels in order, added to the block's partial
+        for (std::size_t p = tid; p < nt * Ns; p += nthr) {
+          const std::size_t tt = p / Ns, j = p % Ns, n = b * T + ts + tt;
+          float sb = 0, sc = 0;
+          for (std::size_t k = 0; k < cpb && g0 + k < i1; ++k) {
+            sb += q_b[tt * pitch + k * Ns + j];
+            sc += q_c[tt * pitch + k * Ns + j];
+          }
+          float* dst = pblk + n * 2 * Ns;
+          if (g0 == i0) {
+            dst[j] = sb;
+            dst[Ns + j] = sc;
+          } else {
+            dst[j] += sb;
+            dst[Ns + j] += sc;
+          }
+        }
+        __syncthreads();  // the tiles are overwritten next
+        te = ts;
+      }
+    }
+    // d dt_bias: each lane's partial over the steps it finished, summed over the lanes in order.
+    q_dd[tid] = dbias;
+    __syncthreads();
+    if (active) {
+      float* out = small + (b * Di + ch) * (Ns + 2);
+      out[s] = da;
+      if (s == 0) {
+        float sum = 0;
+        for (std::size_t j = 0; j < Ns; ++j) sum += q_dd[cl * Ns + j];
+        out[Ns] = dd_acc;
+        out[Ns + 1] = sum;
+      }
+    }
+    __syncthreads();  // q_dd is the next group's tile
+  }
+}
+
+// dx_dbl[n, R + j] = Σ_blk part[blk, n, j] for j < 2·Ns, the blocks in order.
+template <typename S>
+__global__ void reduce_bc_kernel(const float* part, S* dxdbl, std::size_t N, std::size_t Ns,
+                                 std::size_t R, std::size_t nblk) {
+  const std::size_t w = 2 * Ns, total = N * w, ldx = R + w;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t n = idx / w, j = idx % w;
+    float v = 0;
+    for (std::size_t k = 0; k < nblk; ++k) v += part[(k * N + n) * w + j];
+    st(dxdbl, n * ldx + R + j, v);
+  }
+}
+
+// The small parameters' gradients: small[b, ch, ·] summed over b in order and added once:
+// dA_log = dA ⊙ A, dD, d dt_bias.
+template <typename S>
+__global__ void reduce_small_kernel(const float* small, const S* a_log, S* g_a_log, S* g_d,
+                                    S* g_dt_bias, std::size_t B, std::size_t Di, std::size_t Ns) {
+  const std::size_t w = Ns + 2, total = Di * w;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t ch = idx / w, j = idx % w;
+    float v = 0;
+    for (std::size_t b = 0; b < B; ++b) v += small[(b * Di + ch) * w + j];
+    if (j < Ns) {
+      const std::size_t at = ch * Ns + j;
+      st(g_a_log, at, ld(g_a_log, at) + v * -expf(ld(a_log, at)));
+    } else if (j == Ns) {
+      st(g_d, ch, ld(g_d, ch) + v);
+    } else {
+      st(g_dt_bias, ch, ld(g_dt_bias, ch) + v);
+    }
+  }
+}
+
+// The conv's input gradient into dxz's x half: dxi[n, i] = Σ_k w[i, k]·dc[n + K−1−k, i] within the
+// sequence, dc = du ⊙ SiLU'(c).
+template <typename S>
+__global__ void conv_backward_data_kernel(const float* du, const S* c, const S* w, S* dxz,
+                                          std::size_t N, std::size_t T, std::size_t Di,
+                                          std::size_t K) {
+  const std::size_t total = N * Di;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t n = idx / Di, i = idx % Di, t = n % T;
+    float v = 0;
+    for (std::size_t k = 0; k < K; ++k) {
+      if (t + K - 1 - k >= T) continue;  // that output lies past the sequence's end
+      const std::size_t m = (n + K - 1 - k) * Di + i;
+      v += ld(w, i * K + k) * (du[m] * membound::silu_grad(ld(c, m)));
+    }
+    st(dxz, n * 2 * Di + i, v);
+  }
+}
+
+// The conv's weight and bias gradients, first pass: grid (channel blocks, row blocks), one thread
+// per channel summing its rows in order into its own part[rb, i, 0..K] (K: the bias).
+template <typename S>
+__global__ void conv_backward_weight_kernel(const float* du, const S* c, const S* xz,
+                                            float* part, std::size_t N, std::size_t T,
+                                            std::size_t Di, std::size_t K) {
+  const std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
+  if (i >= Di) return;
+  const std::size_t r0 = blockIdx.y * mamba_conv_rows;
+  const std::size_t r1 = r0 + mamba_conv_rows < N ? r0 + mamba_conv_rows : N;
+  float* out = part + (blockIdx.y * Di + i) * (K + 1);
+  for (std::size_t k = 0; k <= K; ++k) out[k] = 0;
+  for (std::size_t n = r0; n < r1; ++n) {
+    const std::size_t t = n % T;
+    const float dc = du[n * Di + i] * membound::silu_grad(ld(c, n * Di + i));
+    out[K] += dc;
+    for (std::size_t k = 0; k < K; ++k) {
+      if (t + k < K - 1) continue;
+      out[k] += dc * ld(xz, (n + k + 1 - K) * 2 * Di + i);
+    }
+  }
+}
+
+// Second pass: Σ over the row blocks in order, added once into conv_w [Di, K] and conv_b [Di].
+template <typename S>
+__global__ void conv_reduce_kernel(const float* part, S* g_w, S* g_b, std::size_t nrb,
+                                   std::size_t Di, std::size_t K) {
+  const std::size_t w = K + 1, total = Di * w;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t i = idx / w, k = idx % w;
+    float v = 0;
+    for (std::size_t r = 0; r < nrb; ++r) v += part[(r * Di + i) * w + k];
+    if (k < K) {
+      st(g_w, i * K + k, ld(g_w, i * K + k) + v);
+    } else {
+      st(g_b, i, ld(g_b, i) + v);
+    }
+  }
+}
+
+// Decoding, conv: one thread per (b, i): c = conv_b + Σ_{k<K−1} w·window[k] + w[K−1]·xi (rounded
+// to S), the window shifted by one, u = SiLU(c) into us (S, x_proj's input) and uf (fp32).
+template <typename S>
+__global__ void step_conv_kernel(const S* xz, const S* w, const S* bias, float* window, S* us,
+                                 float* uf, std::size_t B, std::size_t Di, std::size_t K) {
+  const std::size_t total = B * Di;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t b = idx / Di, i = idx % Di;
+    float* cs = window + idx * (K - 1);
+    const float xi = ld(xz, b * 2 * Di + i);
+    float cv = ld(bias, i);
+    for (std::size_t k = 0; k + 1 < K; ++k) cv += ld(w, i * K + k) * cs[k];
+    cv += ld(w, i * K + K - 1) * xi;
+    if (K > 1) {
+      for (std::size_t k = 0; k + 2 < K; ++k) cs[k] = cs[k + 1];
+      cs[K - 2] = xi;
+    }
+    cv = round_to<S>(cv);
+    const float u = membound::silu(cv);
+    st(us, idx, u);
+    uf[idx] = u;
+  }
+}
+
+// Decoding, scan: one thread per (b, i) over its Ns states (state [B, Di, Ns] fp32), in the
+// forward's formula and summation order; the gate fused.
+template <typename S>
+__global__ void step_scan_kernel(const S* xz, const float* uf, const float* dt, const S* xdbl,
+                                 const S* a_log, const S* dt_bias, const S* dskip, float* state,
+                                 S* gated, std::size_t B, std::size_t Di, std::size_t Ns,
+                                 std::size_t R) {
+  const std::size_t total = B * Di, ldx = R + 2 * Ns;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t b = idx / Di, i = idx % Di;
+    const float d = round_to<S>(membound::softplus(dt[idx] + ld(dt_bias, i)));
+    const float u = uf[idx];
+    float* h = state + idx * Ns;
+    float y = 0;
+    for (std::size_t j = 0; j < Ns; ++j) {
+      const float a = -expf(ld(a_log, i * Ns + j));
+      const float hv = expf(a * d) * h[j] + (d * u) * ld(xdbl, b * ldx + R + j);
+      h[j] = hv;
+      y += ld(xdbl, b * ldx + R + Ns + j) * hv;
+    }
+    y += ld(dskip, i) * u;
+    st(gated, idx, y * membound::silu(ld(xz, b * 2 * Di + Di + i)));
+  }
+}
+
+inline unsigned grid_for(std::size_t n) { return gpu::detail::grid_for(n, 256); }
+
+}  // namespace mamba_detail
+}  // namespace gpu
+
+// ---- Launch code ---------------------------------------------------------------------------------
+
+template <typename S, typename A>
+void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, std::size_t L,
+                                                         const weights<S>& w, const S* x, S* out,
+                                                         const saved<S>& sv, void* workspace,
+                                                         std::size_t workspace_size,
+                                                         const cuda_executor& ex) {
+  check_types<S, A>();
+  namespace md = gpu::mamba_detail;
+  const bool keep = sv.c != nullptr;
+  const auto ws = carve(forward_layout<S>(s, keep), workspace, workspace_size);
+  const std::size_t B = s.batch, T = s.seq, N = B * T, C = s.d_model, Di = s.d_inner;
+  const std::size_t Ns = s.d_state, R = s.dt_rank, K = s.d_conv, ldx = R + 2 * Ns;
+  gpu::detail::need_extent(N, static_cast<std::size_t>(std::numeric_limits<int>::max()), "shape.batch·shape.seq");
+  gpu::detail::need_extent(B, 65535, "shape.batch");
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(f_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  S* const c = keep ? sv.c : ws.template get<S>(f_c);
+  S* const delta = keep ? sv.delta : ws.template get<S>(f_delta);
+  S* const u = ws.template get<S>(f_u);
+  float* const dt = ws.template get<float>(f_dt);
+  S* const gated = ws.template get<S>(f_g);
+  cudaStream_t st = ex.stream();
+
+  gpu::matmul(ctx, x, w.in_proj, sv.xz, N, C, 2 * Di, false);
+  md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const S*>(sv.xz), w.conv_w,
+                                                             w.conv_b, c, u, N, T, Di, K, true);
+  cuda_executor::check_launch("mamba conv_silu_kernel");
+  gpu::matmul(ctx, static_cast<const S*>(u), w.x_proj, sv.xdbl, N, Di, ldx, false);
+  gpu::matmul(ctx, static_cast<const S*>(sv.xdbl), w.dt_proj, dt, N, R, Di, false,
+              cpu::ld3{ldx, Di, Di});
+  md::delta_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const float*>(dt), w.dt_bias,
+                                                         delta, N, Di);
+  cuda_executor::check_launch("mamba delta_kernel");
+  const std::size_t cpb = gpu::mamba_channels_per_block(Ns);
+  const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, cpb)), static_cast<unsigned>(B));
+  md::scan_forward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
+      static_cast<const S*>(sv.xz), static_cast<const S*>(c), static_cast<const S*>(delta),
+      static_cast<const S*>(sv.xdbl), w.a_log, w.d, T, Di, Ns, R, L, cpb, sv.states, gated,
+      static_cast<const float*>(nullptr), static_cast<S*>(nullptr));
+  cuda_executor::check_launch("mamba scan_forward_kernel");
+  gpu::matmul(ctx, static_cast<const S*>(gated), w.out_proj, out, N, Di, C, false);
+}
+
+template <typename S, typename A>
+void backend_kernels<cuda_backend, mamba_shape>::backward(
+    const mamba_shape& s, std::size_t L, const weights<S>& w, const S* x, const saved<S>& sv,
+    const S* dout, S* dx, const gradients<S>& g, void* workspace, std::size_t workspace_size,
+    const cuda_executor& ex) {
+  check_types<S, A>();
+  namespace md = gpu::mamba_detail;
+  const bool keep = sv.c != nullptr;
+  const auto ws = carve(backward_layout<S>(s, L, keep), workspace, workspace_size);
+  const std::size_t B = s.batch, T = s.seq, N = B * T, C = s.d_model, Di = s.d_inner;
+  const std::size_t Ns = s.d_state, R = s.dt_rank, K = s.d_conv, ldx = R + 2 * Ns;
+  gpu::detail::need_extent(N, static_cast<std::size_t>(std::numeric_limits<int>::max()), "shape.batch·shape.seq");
+  gpu::detail::need_extent(B, 65535, "shape.batch");
+  gpu::detail::need_extent(gpu::mamba_blocks(N, gpu::mamba_conv_rows), 65535,
+                           "shape.batch·shape.seq / 256 (the conv gradient's row blocks)");
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  cudaStream_t st = ex.stream();
+  const S* xz = sv.xz;
+  const S* xdbl = sv.xdbl;
+  S* const u = ws.template get<S>(b_u);
+
+  // Phase 0: c and Δ as stored, or recomputed exactly as forward did; u = SiLU(c) for x_proj.
+  S* c;
+  S* delta;
+  if (keep) {
+    c = sv.c;
+    delta = sv.delta;
+    md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(xz, w.conv_w, w.conv_b, c, u, N, T,
+                                                               Di, K, false);
+    cuda_executor::check_launch("mamba conv_silu_kernel");
+  } else {
+    c = ws.template get<S>(b_c);
+    delta = ws.template get<S>(b_delta);
+    float* dt = ws.template get<float>(b_dt);
+    md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(xz, w.conv_w, w.conv_b, c, u, N, T,
+                                                               Di, K, true);
+    cuda_executor::check_launch("mamba conv_silu_kernel");
+    gpu::matmul(ctx, xdbl, w.dt_proj, dt, N, R, Di, false, cpu::ld3{ldx, Di, Di});
+    md::delta_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const float*>(dt),
+                                                           w.dt_bias, delta, N, Di);
+    cuda_executor::check_launch("mamba delta_kernel");
+  }
+  float* const dg = ws.template get<float>(b_dg);
+  gpu::matmul_bt(ctx, dout, w.out_proj, dg, N, C, Di, false);
+
+  // Phase 1: y once more, with g = y ⊙ SiLU(z) and dz = dg·y·SiLU'(z) fused; out_proj's gradient.
+  const std::size_t cpb = gpu::mamba_channels_per_block(Ns);
+  S* const gated = ws.template get<S>(b_g);
+  S* const dxz = ws.template get<S>(b_dxz);
+  {
+    const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, cpb)), static_cast<unsigned>(B));
+    md::scan_forward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
+        xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d, T, Di, Ns,
+        R, L, cpb, static_cast<float*>(nullptr), gated, static_cast<const float*>(dg), dxz);
+    cuda_executor::check_launch("mamba scan_forward_kernel");
+  }
+  gpu::matmul_at(ctx, static_cast<const S*>(gated), dout, g.out_proj, N, Di, C, true);
+
+  // Phase 2: the reverse scan.
+  const std::size_t nblk = gpu::mamba_blocks(Di, gpu::mamba_scan_channels);
+  float* const part = ws.template get<float>(b_part);
+  float* const small = ws.template get<float>(b_small);
+  float* const du = ws.template get<float>(b_du);
+  S* const ddt = ws.template get<S>(b_ddt);
+  {
+    const dim3 grid(static_cast<unsigned>(nblk), static_cast<unsigned>(B));
+    md::scan_backward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
+        xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d,
+        static_cast<const float*>(sv.states), static_cast<const float*>(dg), T, Di, Ns, R, L, cpb,
+        ws.template get<float>(b_hs), ddt, du, part, small);
+    cuda_executor::check_launch("mamba scan_backward_kernel");
+  }
+
+  // Phase 3: dB, dC and the small gradients in fixed order; dt_proj's gradient and dx_dbl's dt part.
+  S* const dxdbl = ws.template get<S>(b_dxdbl);
+  md::reduce_bc_kernel<<<md::grid_for(N * 2 * Ns), 256, 0, st>>>(static_cast<const float*>(part),
+                                                                 dxdbl, N, Ns, R, nblk);
+  cuda_executor::check_launch("mamba reduce_bc_kernel");
+  md::reduce_small_kernel<<<md::grid_for(Di * (Ns + 2)), 256, 0, st>>>(
+      static_cast<const float*>(small), w.a_log, g.a_log, g.d, g.dt_bias, B, Di, Ns);
+  cuda_executor::check_launch("mamba reduce_small_kernel");
+  gpu::matmul_at(ctx, xdbl, static_cast<const S*>(ddt), g.dt_proj, N, R, Di, true,
+                 cpu::ld3{ldx, Di, Di});
+  gpu::matmul_bt(ctx, static_cast<const S*>(ddt), w.dt_proj, dxdbl, N, Di, R, false,
+                 cpu::ld3{Di, Di, ldx});
+  gpu::matmul_at(ctx, static_cast<const S*>(u), static_cast<const S*>(dxdbl), g.x_proj, N, Di, ldx,
+                 true);
+
+  // Phase 4: du += dx_dbl·x_projᵀ; the conv's backward (dc = du ⊙ SiLU'(c) on the fly).
+  gpu::matmul_bt(ctx, static_cast<const S*>(dxdbl), w.x_proj, du, N, ldx, Di, true);
+  md::conv_backward_data_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(
+      static_cast<const float*>(du), static_cast<const S*>(c), w.conv_w, dxz, N, T, Di, K);
+  cuda_executor::check_launch("mamba conv_backward_data_kernel");
+  const std::size_t nrb = gpu::mamba_blocks(N, gpu::mamba_conv_rows);
+  float* const cpart = ws.template get<float>(b_cpart);
+  {
+    const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, 128)), static_cast<unsigned>(nrb));
+    md::conv_backward_weight_kernel<<<grid, 128, 0, st>>>(static_cast<const float*>(du),
+                                                          static_cast<const S*>(c), xz, cpart, N,
+                                                          T, Di, K);
+    cuda_executor::check_launch("mamba conv_backward_weight_kernel");
+  }
+  md::conv_reduce_kernel<<<md::grid_for(Di * (K + 1)), 256, 0, st>>>(
+      static_cast<const float*>(cpart), g.conv_w, g.conv_b, nrb, Di, K);
+  cuda_executor::check_launch("mamba conv_reduce_kernel");
+
+  // Phase 5: in_proj's gradient and dx = dxz·in_projᵀ (one GEMM, rounded once).
+  gpu::matmul_at(ctx, x, static_cast<const S*>(dxz), g.in_proj, N, C, 2 * Di, true);
+  gpu::matmul_bt(ctx, static_cast<const S*>(dxz), w.in_proj, dx, N, 2 * Di, C, false);
+}
+
+template <typename S, typename A>
+void backend_kernels<cuda_backend, mamba_shape>::step(const mamba_shape& s, const weights<S>& w,
+                                                      float* state, const S* x_t, S* out_t,
+                                                      void* workspace, std::size_t workspace_size,
+                                                      const cuda_executor& ex) {
+  check_types<S, A>();
+  namespace md = gpu::mamba_detail;
+  const auto ws = carve(step_layout<S>(s), workspace, workspace_size);
+  const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;
+  const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(st_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  cudaStream_t st = ex.stream();
+  S* const xz = ws.template get<S>(st_xz);
+  S* const us = ws.template get<S>(st_us);
+  float* const uf = ws.template get<float>(st_uf);
+  S* const xdbl = ws.template get<S>(st_xdbl);
+  float* const dt = ws.template get<float>(st_dt);
+  S* const gated = ws.template get<S>(st_g);
+  float* const window = state;                 // [B, Di, K − 1]
+  float* const ssm = state + B * Di * (K - 1);  // [B, Di, Ns]
+
+  gpu::matmul(ctx, x_t, w.in_proj, xz, B, C, 2 * Di, false);
+  md::step_conv_kernel<<<md::grid_for(B * Di), 256, 0, st>>>(static_cast<const S*>(xz), w.conv_w,
+                                                             w.conv_b, window, us, uf, B, Di, K);
+  cuda_executor::check_launch("mamba step_conv_kernel");
+  gpu::matmul(ctx, static_cast<const S*>(us), w.x_proj, xdbl, B, Di, ldx, false);
+  gpu::matmul(ctx, static_cast<const S*>(xdbl), w.dt_proj, dt, B, R, Di, false,
+              cpu::ld3{ldx, Di, Di});
+  md::step_scan_kernel<<<md::grid_for(B * Di), 256, 0, st>>>(
+      static_cast<const S*>(xz), static_cast<const float*>(uf), static_cast<const float*>(dt),
+      static_cast<const S*>(xdbl), w.a_log, w.dt_bias, w.d, ssm, gated, B, Di, Ns, R);
+  cuda_executor::check_launch("mamba step_scan_kernel");
+  gpu::matmul(ctx, static_cast<const S*>(gated), w.out_proj, out_t, B, Di, C, false);
+}
+
+#endif  // MEMBOUND_CUDA_COMPILER
+
+MEMBOUND_NAMESPACE_END
