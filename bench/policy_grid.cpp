@@ -246,17 +246,30 @@ struct random_tokens {
   }
 };
 
+// Points done and an estimate of the time left (the mean time per point so far), on a terminal only.
 class progress {
  public:
-  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stderr)) != 0) {}
+  explicit progress(std::size_t total)
+      : total_(total), tty_(isatty(fileno(stderr)) != 0), start_(std::chrono::steady_clock::now()) {}
   void tick(const std::string& what) {
-    ++done_;
-    if (!tty_) return;
+    if (!tty_) {
+      ++done_;
+      return;
+    }
     constexpr std::size_t width = 24;
     const std::size_t filled = total_ == 0 ? width : done_ * width / total_;
-    std::fprintf(stderr, "\r\033[K[%s%s] %zu/%zu %s", std::string(filled, '#').c_str(),
-                 std::string(width - filled, '.').c_str(), done_, total_, what.c_str());
+    std::string left = "";
+    if (done_ > 0) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+      const double rest = elapsed / static_cast<double>(done_) * static_cast<double>(total_ - done_);
+      char b[32];
+      std::snprintf(b, sizeof b, ", %.0f s left", rest);
+      left = b;
+    }
+    std::fprintf(stderr, "\r\033[K[%s%s] %zu/%zu%s %s", std::string(filled, '#').c_str(),
+                 std::string(width - filled, '.').c_str(), done_, total_, left.c_str(), what.c_str());
     std::fflush(stderr);
+    ++done_;
   }
   void finish() {
     if (tty_ && done_ > 0) std::fprintf(stderr, "\r\033[K");
@@ -265,6 +278,7 @@ class progress {
  private:
   std::size_t total_, done_ = 0;
   bool tty_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 using stack = mb::budget_allocator<mb::traced_allocator<mb::expandable_arena<mb::host_virtual_memory>>>;
