@@ -3,8 +3,10 @@
 
   --no-cuda-in-host  no header outside backend/cuda/*.cuh includes a CUDA header, so the host
                      API always builds with a plain C++ compiler
-  --umbrella         every host header is reachable from membound/membound.hpp and every .cuh
-                     from membound/backend/cuda.cuh, so new headers cannot be forgotten there
+  --umbrella         every host header is reachable from membound/membound.hpp, every .cuh
+                     from membound/backend/cuda.cuh and every MPI header (dist/mpi_*.hpp) from
+                     membound/mpi.hpp, so new headers cannot be forgotten there; the host
+                     umbrella reaches neither CUDA nor MPI
   --layering         each folder includes only the folders below it (LAYERS), so the memory core
                      never depends on the monitor, backends never on the layers, the planner
                      never on the trainer
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 INCLUDE_DIR = ROOT / "include"
 HOST_UMBRELLA = "membound/membound.hpp"
 CUDA_UMBRELLA = "membound/backend/cuda.cuh"
+MPI_UMBRELLA = "membound/mpi.hpp"
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 # <cuda.h>, <cuda_runtime.h>, <cudaTypedefs.h>, <cuda/std/...>, "x/cuda_fp16.h", and any .cuh
@@ -66,14 +69,23 @@ def reachable(start: str) -> set[str]:
     return seen
 
 
+def is_mpi(name: str) -> bool:
+    return name.startswith("membound/dist/mpi")
+
+
 def check_umbrella() -> list[str]:
     problems = []
     host = reachable(HOST_UMBRELLA)
     cuda = reachable(CUDA_UMBRELLA)
+    mpi = reachable(MPI_UMBRELLA)
     for name in headers():
-        if name in (HOST_UMBRELLA, CUDA_UMBRELLA):
+        if name in (HOST_UMBRELLA, CUDA_UMBRELLA, MPI_UMBRELLA):
             continue
-        if is_cuda_backend(name):
+        if is_mpi(name):
+            if name not in mpi:
+                problems.append(f"include/{name} is not reachable from include/{MPI_UMBRELLA}: "
+                                "add an #include there")
+        elif is_cuda_backend(name):
             if name not in cuda:
                 problems.append(f"include/{name} is not reachable from include/{CUDA_UMBRELLA}: "
                                 "add an #include there")
@@ -83,6 +95,8 @@ def check_umbrella() -> list[str]:
     for name in sorted(host):
         if is_cuda_backend(name):
             problems.append(f"include/{HOST_UMBRELLA} reaches CUDA header include/{name}")
+        if is_mpi(name):
+            problems.append(f"include/{HOST_UMBRELLA} reaches MPI header include/{name}")
     return problems
 
 
@@ -102,7 +116,8 @@ LAYERS = {
     "model": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
               "layers"},
     "train": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
-              "layers", "model"},
+              "layers", "model", "dist"},
+    "dist": {"core", "memory"},
 }
 
 

@@ -546,8 +546,8 @@ constexpr T from_accum(A x) noexcept {
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/dtype.hpp ----
 // ---- begin membound/core/element_math.hpp ----
-// Element-wise math that the CPU backend and the CUDA kernels share: SiLU and its derivative, the
-// SwiGLU gate forward and backward, and one AdamW step on one element. One definition for both
+// Element-wise math that the CPU backend and the CUDA kernels share: SiLU and its derivative,
+// softplus (Mamba's Δ), the SwiGLU gate forward and backward, and one AdamW step on one element. One definition for both
 // backends, so a GPU result differs from the CPU's only by the order of sums and the device's
 // exp/sqrt, never by a formula. Host-only header (no CUDA include); under nvcc every function is
 // __host__ __device__.
@@ -569,6 +569,22 @@ MEMBOUND_HOST_DEVICE inline A exp_of(A v) {
   return ::exp(v);
 #else
   return std::exp(v);
+#endif
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A log1p_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::log1p(v);
+#else
+  return std::log1p(v);
+#endif
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A expm1_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::expm1(v);
+#else
+  return std::expm1(v);
 #endif
 }
 template <typename A>
@@ -598,6 +614,18 @@ template <typename A>
 MEMBOUND_HOST_DEVICE inline A silu_grad(A v) {
   const A s = sigmoid(v);
   return s * (A(1) + v * (A(1) - s));
+}
+
+// softplus log(1 + e^v), without overflow for large v (the CPU Mamba's formula).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A softplus(A v) {
+  return v > A(0) ? v + detail::log1p_of(detail::exp_of(-v)) : detail::log1p_of(detail::exp_of(v));
+}
+
+// d softplus / dv = σ(v), from the output alone: 1 − e^(−softplus(v)) = −expm1(−out).
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A softplus_grad_from_output(A out) {
+  return -detail::expm1_of(-out);
 }
 
 // The SwiGLU gate: silu(a)·b.
@@ -7265,14 +7293,24 @@ MEMBOUND_NAMESPACE_END
 // Δ) are rounded to the storage type once and then used as stored, so both policies give the
 // same gradients bit for bit. The scan state is accumulated in the accumulator type (float or
 // double). Nothing allocates: every buffer is carved from the caller's saved/workspace bytes.
+//
+// With cuda_backend in the policies every pointer is device memory, the executor is a
+// cuda_executor and the kernels are backend/cuda/mamba_cuda.cuh's (include membound/backend/cuda.cuh
+// and compile with nvcc). saved_bytes and saved_state_bytes are the same (the same states are
+// saved, in the same place); the workspaces are the device's own and hold cuBLASLt's; the thread
+// count the size functions take is ignored there. The decoding state lives on the device: make it
+// and reset it with the executor overloads.
 
 MEMBOUND_NAMESPACE_BEGIN
 
 template <typename... Policies>
 class mamba {
  public:
-  using policies = policy_set<type_list<fp32_precision, scan_chunk<128>, recompute>, Policies...>;
+  using policies =
+      policy_set<type_list<fp32_precision, scan_chunk<128>, recompute, cpu_backend>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using chunking = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
   static_assert(is_scan_chunk_v<chunking>,
@@ -7294,6 +7332,7 @@ class mamba {
   static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr bool keep_conv_delta = std::is_same_v<checkpoint, save_all>;
   static constexpr std::size_t L = chunking::chunk;
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  public:
   static constexpr std::size_t chunk = L;
@@ -7341,6 +7380,10 @@ class mamba {
   }
   static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s,
                                                        std::size_t threads) noexcept {
+    if constexpr (!on_cpu) {
+      return backend_kernels<backend, mamba_shape>::template forward_workspace_bytes<S>(
+          s, keep_conv_delta);
+    }
     const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), xdbl_acc_bytes(s),
                              bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state))};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
@@ -7348,6 +7391,10 @@ class mamba {
   }
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s,
                                                         std::size_t threads) noexcept {
+    if constexpr (!on_cpu) {
+      return backend_kernels<backend, mamba_shape>::template backward_workspace_bytes<S>(
+          s, L, keep_conv_delta);
+    }
     const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), part_bytes(s),
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
                                                                              s.d_state))};
@@ -7360,6 +7407,9 @@ class mamba {
     return bytes_of<A>(s.batch, s.d_inner, s.d_conv - 1 + s.d_state);
   }
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
+    if constexpr (!on_cpu) {
+      return backend_kernels<backend, mamba_shape>::template step_workspace_bytes<S>(s);
+    }
     return step_layout(s).size();
   }
 
@@ -7393,6 +7443,9 @@ class mamba {
     std::size_t position = 0;  // tokens consumed since reset
   };
   static state make_state(const mamba_shape& s, void* data, std::size_t bytes) {
+    static_assert(on_cpu,
+                  "membound: a device decoding state is zeroed on the executor's stream: call "
+                  "make_state(shape, data, bytes, executor) for mamba<..., cuda_backend>.");
     check(s);
     const std::size_t need = state_bytes(s);
     if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
@@ -7401,7 +7454,29 @@ class mamba {
     reset(s, st);
     return st;
   }
+  // The device state, zeroed on the executor's stream (cpu_backend: the same as above).
+  static state make_state(const mamba_shape& s, void* data, std::size_t bytes, executor& ex) {
+    check(s);
+    const std::size_t need = state_bytes(s);
+    if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
+    detail::check_aligned(data, alignof(A), "state");
+    state st{data, bytes, 0};
+    reset(s, st, ex);
+    return st;
+  }
+  static void reset(const mamba_shape& s, state& st, executor& ex) {
+    if constexpr (on_cpu) {
+      (void)ex;
+      reset(s, st);
+    } else {
+      backend_kernels<backend, mamba_shape>::reset_state(st.data, state_bytes(s), ex);
+      st.position = 0;
+    }
+  }
   static void reset(const mamba_shape& s, state& st) {
+    static_assert(on_cpu,
+                  "membound: a device decoding state is zeroed on the executor's stream: call "
+                  "reset(shape, state, executor) for mamba<..., cuda_backend>.");
     A* p = static_cast<A*>(st.data);
     std::fill(p, p + state_bytes(s) / sizeof(A), A(0));
     st.position = 0;
@@ -7410,13 +7485,27 @@ class mamba {
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const mamba_shape& s, const weights& w, const S* x, S* out, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(out, "out");
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    if constexpr (!on_cpu) {
+      using kernels = backend_kernels<backend, mamba_shape>;
+      kernels::template forward<S, A>(s, L, device_weights(w), x, out, device_saved(sv),
+                                      workspace, workspace_size, pool);
+    } else {
+      forward_cpu(s, w, x, out, sv, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  template <typename SavedView>
+  static void forward_cpu(const mamba_shape& s, const weights& w, const S* x, S* out,
+                          const SavedView& sv, void* workspace, std::size_t workspace_size,
+                          thread_pool& pool) {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(forward_layout(s, threads),
                                         forward_workspace_bytes(s, threads), workspace,
                                         workspace_size, "workspace");
@@ -7465,18 +7554,36 @@ class mamba {
   }
 
   // ---- Backward ------------------------------------------------------------------------------
+ public:
   static void backward(const mamba_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                       void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(dout, "dout");
     detail::not_null(dx, "dx");
     check_gradients(g);
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
+    if constexpr (!on_cpu) {
+      using kernels = backend_kernels<backend, mamba_shape>;
+      kernels::template backward<S, A>(
+          s, L, device_weights(w), x, device_saved(sv), dout, dx,
+          typename kernels::template gradients<S>{g.in_proj, g.conv_w, g.conv_b, g.x_proj,
+                                                  g.dt_proj, g.dt_bias, g.a_log, g.d, g.out_proj},
+          workspace, workspace_size, pool);
+    } else {
+      backward_cpu(s, w, x, sv, dout, dx, g, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  template <typename SavedView>
+  static void backward_cpu(const mamba_shape& s, const weights& w, const S* x, const SavedView& sv,
+                           const S* dout, S* dx, const gradients& g, void* workspace,
+                           std::size_t workspace_size, thread_pool& pool) {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(backward_layout(s, threads),
                                         backward_workspace_bytes(s, threads), workspace,
                                         workspace_size, "workspace");
@@ -7595,10 +7702,11 @@ class mamba {
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
+ public:
   // One token per sequence: x_t [B, C] -> out_t [B, C], carrying the conv and scan states.
   // shape.seq is ignored. Checks everything before touching the state or out_t.
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
-                   void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                   void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x_t, "x_t");
@@ -7607,6 +7715,19 @@ class mamba {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
+    if constexpr (!on_cpu) {
+      using kernels = backend_kernels<backend, mamba_shape>;
+      kernels::template step<S, A>(s, device_weights(w), static_cast<A*>(st.data), x_t, out_t,
+                                   workspace, workspace_size, pool);
+      ++st.position;
+    } else {
+      step_cpu(s, w, st, x_t, out_t, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void step_cpu(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
     const auto ws = detail::carve_named(step_layout(s), step_workspace_bytes(s), workspace,
                                         workspace_size, "workspace");
     const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;
@@ -7663,6 +7784,20 @@ class mamba {
     ++st.position;
   }
 
+  // The device kernels' views of the weights and of the saved buffers.
+  static auto device_weights(const weights& w) {
+    return typename backend_kernels<backend, mamba_shape>::template weights<S>{
+        w.in_proj, w.conv_w, w.conv_b, w.x_proj, w.dt_proj, w.dt_bias, w.a_log, w.d, w.out_proj};
+  }
+  template <typename SavedView>
+  static auto device_saved(const SavedView& sv) {
+    return typename backend_kernels<backend, mamba_shape>::template saved<S>{
+        sv.template get<S>(s_xz), sv.template get<S>(s_xdbl), sv.template get<A>(s_states),
+        keep_conv_delta ? sv.template get<S>(s_c) : nullptr,
+        keep_conv_delta ? sv.template get<S>(s_delta) : nullptr};
+  }
+
+ public:
   // Where forward put the chunk-entry states ([B, chunks − 1, Di, Ns], accum_type) inside
   // `saved`: for tests and diagnostics.
   static const A* saved_states(const mamba_shape& s, const void* saved) {
@@ -9277,6 +9412,132 @@ using ttt_mlp = basic_ttt<true, Policies...>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/ttt.hpp ----
+// ---- begin membound/dist/communicator.hpp ----
+// Communicators: how data-parallel ranks exchange gradients and parameters. A communicator is a
+// policy object the trainer is given (like its allocator): `local_communicator` is one process,
+// `mpi_communicator` (membound/mpi.hpp, optional: needs MPI) is N processes over MPI.
+//
+//   membound::local_communicator comm;                        // world size 1
+//   std::size_t ws = comm.reduce_scatter_workspace_bytes<float>(n);
+//   comm.reduce_scatter_sum(grad, n, my_shard, workspace, ws); // my_shard: shard_of(n) elements
+//   comm.all_gather(my_params, params, n);
+//
+// Sums are membound's own, never MPI's: every rank receives its shard from each rank and adds
+// them in rank order 0, 1, ..., N − 1, so the result does not depend on the MPI library's
+// algorithm, and equals, bit for bit, one process that accumulates the N contributions into one
+// buffer in that order (what gradient accumulation over micro-batches does). The network carries
+// the same 2·(N − 1)/N bytes per element as a ring all-reduce (all-to-all, then all-gather); the
+// price is a receive buffer of N shards, which the caller provides (CUB-style: ask its size,
+// then pass it), so the planner can count it.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// A collective failed (a rank died, the transport broke). Every rank that sees it must stop: the
+// others are blocked in, or will block in, the same collective.
+class communication_error : public backend_error {
+ public:
+  communication_error(std::string call, int code, std::string detail)
+      : backend_error(std::move(call), code, std::move(detail),
+                      "A rank or the transport failed; every rank stops here. Resume from the "
+                      "last checkpoint once all ranks are healthy") {}
+};
+
+// The elements [begin, end) of n that rank r of N owns: balanced, the first n % N ranks one
+// longer, so every rank computes every rank's range from (n, N) alone.
+struct shard_range {
+  std::size_t begin = 0, end = 0;
+  constexpr std::size_t size() const noexcept { return end - begin; }
+};
+constexpr shard_range shard_of(std::size_t n, std::size_t ranks, std::size_t r) noexcept {
+  const std::size_t q = n / ranks, rem = n % ranks;
+  const std::size_t begin = r * q + (r < rem ? r : rem);
+  return {begin, begin + q + (r < rem ? 1 : 0)};
+}
+// The longest shard of n over N ranks (the receive buffer holds N of them).
+constexpr std::size_t max_shard(std::size_t n, std::size_t ranks) noexcept {
+  return n / ranks + (n % ranks != 0 ? 1 : 0);
+}
+
+// The element types whose sums a communicator computes.
+template <typename T>
+concept reducible = std::same_as<T, float> || std::same_as<T, double>;
+
+// What the trainer needs of a communicator. Blocking collectives; all ranks call them in the
+// same order with the same n. Buffers are the caller's; none may overlap another argument.
+template <typename C>
+concept communicator = requires(C& c, const C& cc, float* f, const float* cf, std::size_t n,
+                                void* ws) {
+  { cc.rank() } -> std::convertible_to<std::size_t>;
+  { cc.size() } -> std::convertible_to<std::size_t>;
+  { cc.name() } -> std::convertible_to<const char*>;
+  { cc.template reduce_scatter_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
+  { cc.template all_reduce_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
+  c.reduce_scatter_sum(cf, n, f, ws, n);
+  c.all_gather(cf, f, n);
+  c.all_reduce_sum(f, n, ws, n);
+  c.broadcast(f, n, n);
+  c.barrier();
+};
+
+namespace detail {
+// out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
+template <reducible T>
+void ordered_sum(const T* parts, std::size_t ranks, std::size_t stride, std::size_t count, T* out) {
+  std::memcpy(out, parts, count * sizeof(T));
+  for (std::size_t r = 1; r < ranks; ++r) {
+    const T* p = parts + r * stride;
+    for (std::size_t i = 0; i < count; ++i) out[i] += p[i];
+  }
+}
+inline void check_root(std::size_t root, std::size_t ranks) {
+  if (root >= ranks) {
+    throw invalid_argument("root", "a rank below the world size " + std::to_string(ranks),
+                           std::to_string(root), "Broadcast from a rank that exists, e.g. 0");
+  }
+}
+inline void check_workspace(const void* ws, std::size_t bytes, std::size_t need) {
+  if (need != 0 && (ws == nullptr || bytes < need)) {
+    throw workspace_too_small("workspace", need, ws == nullptr ? 0 : bytes);
+  }
+}
+}  // namespace detail
+
+// One process: every collective is a copy (or nothing), and needs no workspace.
+class local_communicator {
+ public:
+  std::size_t rank() const noexcept { return 0; }
+  std::size_t size() const noexcept { return 1; }
+  const char* name() const noexcept { return "local"; }
+
+  template <reducible T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t) const noexcept {
+    return 0;
+  }
+  template <reducible T>
+  std::size_t all_reduce_workspace_bytes(std::size_t) const noexcept {
+    return 0;
+  }
+  template <reducible T>
+  void reduce_scatter_sum(const T* in, std::size_t n, T* out, void*, std::size_t) {
+    if (n != 0 && in != out) std::memcpy(out, in, n * sizeof(T));
+  }
+  template <typename T>
+  void all_gather(const T* shard, T* out, std::size_t n) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
+    if (n != 0 && shard != out) std::memcpy(out, shard, n * sizeof(T));
+  }
+  template <reducible T>
+  void all_reduce_sum(T*, std::size_t, void*, std::size_t) {}
+  template <typename T>
+  void broadcast(T*, std::size_t, std::size_t root) {
+    detail::check_root(root, 1);
+  }
+  void barrier() {}
+};
+static_assert(communicator<local_communicator>);
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/dist/communicator.hpp ----
 // ---- begin membound/backend/cpu/model_cpu.hpp ----
 // CPU kernels of the model's glue: RMSNorm, the SwiGLU nonlinearity, the embedding's gather and
 // scatter, and one chunk of the fused cross-entropy. Rows run in parallel; every reduction over

@@ -1,0 +1,134 @@
+// Communicators: how data-parallel ranks exchange gradients and parameters. A communicator is a
+// policy object the trainer is given (like its allocator): `local_communicator` is one process,
+// `mpi_communicator` (membound/mpi.hpp, optional: needs MPI) is N processes over MPI.
+//
+//   membound::local_communicator comm;                        // world size 1
+//   std::size_t ws = comm.reduce_scatter_workspace_bytes<float>(n);
+//   comm.reduce_scatter_sum(grad, n, my_shard, workspace, ws); // my_shard: shard_of(n) elements
+//   comm.all_gather(my_params, params, n);
+//
+// Sums are membound's own, never MPI's: every rank receives its shard from each rank and adds
+// them in rank order 0, 1, ..., N − 1, so the result does not depend on the MPI library's
+// algorithm, and equals, bit for bit, one process that accumulates the N contributions into one
+// buffer in that order (what gradient accumulation over micro-batches does). The network carries
+// the same 2·(N − 1)/N bytes per element as a ring all-reduce (all-to-all, then all-gather); the
+// price is a receive buffer of N shards, which the caller provides (CUB-style: ask its size,
+// then pass it), so the planner can count it.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// A collective failed (a rank died, the transport broke). Every rank that sees it must stop: the
+// others are blocked in, or will block in, the same collective.
+class communication_error : public backend_error {
+ public:
+  communication_error(std::string call, int code, std::string detail)
+      : backend_error(std::move(call), code, std::move(detail),
+                      "A rank or the transport failed; every rank stops here. Resume from the "
+                      "last checkpoint once all ranks are healthy") {}
+};
+
+// The elements [begin, end) of n that rank r of N owns: balanced, the first n % N ranks one
+// longer, so every rank computes every rank's range from (n, N) alone.
+struct shard_range {
+  std::size_t begin = 0, end = 0;
+  constexpr std::size_t size() const noexcept { return end - begin; }
+};
+constexpr shard_range shard_of(std::size_t n, std::size_t ranks, std::size_t r) noexcept {
+  const std::size_t q = n / ranks, rem = n % ranks;
+  const std::size_t begin = r * q + (r < rem ? r : rem);
+  return {begin, begin + q + (r < rem ? 1 : 0)};
+}
+// The longest shard of n over N ranks (the receive buffer holds N of them).
+constexpr std::size_t max_shard(std::size_t n, std::size_t ranks) noexcept {
+  return n / ranks + (n % ranks != 0 ? 1 : 0);
+}
+
+// The element types whose sums a communicator computes.
+template <typename T>
+concept reducible = std::same_as<T, float> || std::same_as<T, double>;
+
+// What the trainer needs of a communicator. Blocking collectives; all ranks call them in the
+// same order with the same n. Buffers are the caller's; none may overlap another argument.
+template <typename C>
+concept communicator = requires(C& c, const C& cc, float* f, const float* cf, std::size_t n,
+                                void* ws) {
+  { cc.rank() } -> std::convertible_to<std::size_t>;
+  { cc.size() } -> std::convertible_to<std::size_t>;
+  { cc.name() } -> std::convertible_to<const char*>;
+  { cc.template reduce_scatter_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
+  { cc.template all_reduce_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
+  c.reduce_scatter_sum(cf, n, f, ws, n);
+  c.all_gather(cf, f, n);
+  c.all_reduce_sum(f, n, ws, n);
+  c.broadcast(f, n, n);
+  c.barrier();
+};
+
+namespace detail {
+// out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
+template <reducible T>
+void ordered_sum(const T* parts, std::size_t ranks, std::size_t stride, std::size_t count, T* out) {
+  std::memcpy(out, parts, count * sizeof(T));
+  for (std::size_t r = 1; r < ranks; ++r) {
+    const T* p = parts + r * stride;
+    for (std::size_t i = 0; i < count; ++i) out[i] += p[i];
+  }
+}
+inline void check_root(std::size_t root, std::size_t ranks) {
+  if (root >= ranks) {
+    throw invalid_argument("root", "a rank below the world size " + std::to_string(ranks),
+                           std::to_string(root), "Broadcast from a rank that exists, e.g. 0");
+  }
+}
+inline void check_workspace(const void* ws, std::size_t bytes, std::size_t need) {
+  if (need != 0 && (ws == nullptr || bytes < need)) {
+    throw workspace_too_small("workspace", need, ws == nullptr ? 0 : bytes);
+  }
+}
+}  // namespace detail
+
+// One process: every collective is a copy (or nothing), and needs no workspace.
+class local_communicator {
+ public:
+  std::size_t rank() const noexcept { return 0; }
+  std::size_t size() const noexcept { return 1; }
+  const char* name() const noexcept { return "local"; }
+
+  template <reducible T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t) const noexcept {
+    return 0;
+  }
+  template <reducible T>
+  std::size_t all_reduce_workspace_bytes(std::size_t) const noexcept {
+    return 0;
+  }
+  template <reducible T>
+  void reduce_scatter_sum(const T* in, std::size_t n, T* out, void*, std::size_t) {
+    if (n != 0 && in != out) std::memcpy(out, in, n * sizeof(T));
+  }
+  template <typename T>
+  void all_gather(const T* shard, T* out, std::size_t n) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
+    if (n != 0 && shard != out) std::memcpy(out, shard, n * sizeof(T));
+  }
+  template <reducible T>
+  void all_reduce_sum(T*, std::size_t, void*, std::size_t) {}
+  template <typename T>
+  void broadcast(T*, std::size_t, std::size_t root) {
+    detail::check_root(root, 1);
+  }
+  void barrier() {}
+};
+static_assert(communicator<local_communicator>);
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,271 @@
+// The MPI communicator: data-parallel ranks as MPI processes (Debian's OpenMPI; any MPI-3
+// library). Include membound/mpi.hpp and link MPI::MPI_CXX; the rest of membound never includes
+// <mpi.h>.
+//
+//   membound::mpi_environment env(argc, argv);       // MPI_Init_thread, MPI_Finalize at scope end
+//   membound::mpi_communicator comm;                 // a duplicate of MPI_COMM_WORLD
+//   std::vector<std::byte> ws(comm.all_reduce_workspace_bytes<float>(n));
+//   comm.all_reduce_sum(grad, n, ws.data(), ws.size());
+//
+// MPI moves bytes only (all-to-all, all-gather, broadcast); the sums are membound's, in rank
+// order (see dist/communicator.hpp), so a result depends on the world size and the data, never
+// on which algorithm the MPI library picks. Errors return (MPI_ERRORS_RETURN on our own
+// communicator) and become communication_error; a rank that dies makes mpirun end the others.
+#pragma once
+
+// The C API only: the deprecated C++ bindings are not needed and do not compile warning-free.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <climits>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "membound/core/config.hpp"
+#include "membound/core/error.hpp"
+#include "membound/dist/communicator.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+inline void mpi_check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  throw communication_error(call, code, len > 0 ? std::string(text, static_cast<std::size_t>(len)) : "no message");
+}
+// MPI counts are int: a shard of more bytes must be split by the caller (buckets).
+inline int mpi_count(std::size_t bytes, const char* argument) {
+  if (bytes > static_cast<std::size_t>(INT_MAX)) {
+    throw invalid_argument(argument, "at most " + std::to_string(INT_MAX) + " bytes per rank and collective",
+                           std::to_string(bytes) + " bytes",
+                           "Split the buffer into buckets (MPI counts are int)");
+  }
+  return static_cast<int>(bytes);
+}
+}  // namespace detail
+
+// MPI_Init_thread at construction (unless MPI is already initialized), MPI_Finalize at
+// destruction (only if this object initialized it). FUNNELED: membound's thread pool never calls
+// MPI; only the thread that made the communicator does.
+class mpi_environment {
+ public:
+  mpi_environment(int& argc, char**& argv) {
+    int ready = 0;
+    detail::mpi_check(MPI_Initialized(&ready), "MPI_Initialized");
+    if (ready == 0) {
+      int provided = 0;
+      detail::mpi_check(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+      owner_ = true;
+    }
+  }
+  mpi_environment(const mpi_environment&) = delete;
+  mpi_environment& operator=(const mpi_environment&) = delete;
+  ~mpi_environment() {
+    int done = 0;
+    if (owner_ && MPI_Finalized(&done) == MPI_SUCCESS && done == 0) MPI_Finalize();
+  }
+
+ private:
+  bool owner_ = false;
+};
+
+class mpi_communicator {
+ public:
+  // A duplicate of `parent`, so our collectives never match a user's messages.
+  explicit mpi_communicator(MPI_Comm parent = MPI_COMM_WORLD) {
+    int ready = 0;
+    detail::mpi_check(MPI_Initialized(&ready), "MPI_Initialized");
+    if (ready == 0) {
+      throw invalid_argument("MPI", "initialized before a communicator is made", "not initialized",
+                             "Create a membound::mpi_environment (or call MPI_Init_thread) first");
+    }
+    detail::mpi_check(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
+    detail::mpi_check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    int r = 0, n = 0;
+    detail::mpi_check(MPI_Comm_rank(comm_, &r), "MPI_Comm_rank");
+    detail::mpi_check(MPI_Comm_size(comm_, &n), "MPI_Comm_size");
+    rank_ = static_cast<std::size_t>(r);
+    size_ = static_cast<std::size_t>(n);
+    // Counts and displacements of the blocking collectives, sized once here rather than per call.
+    counts_.resize(4 * size_);
+  }
+  mpi_communicator(const mpi_communicator&) = delete;
+  mpi_communicator& operator=(const mpi_communicator&) = delete;
+  ~mpi_communicator() {
+    int done = 0;
+    if (comm_ != MPI_COMM_NULL && MPI_Finalized(&done) == MPI_SUCCESS && done == 0) MPI_Comm_free(&comm_);
+  }
+
+  std::size_t rank() const noexcept { return rank_; }
+  std::size_t size() const noexcept { return size_; }
+  const char* name() const noexcept { return "mpi"; }
+  MPI_Comm native() const noexcept { return comm_; }
+
+  // ---- Sizes ------------------------------------------------------------------------------------
+  // The N received shards of a reduce-scatter, then the counts of a non-blocking one (4·N ints).
+  template <reducible T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
+    return size_ * max_shard(n, size_) * sizeof(T) + 4 * size_ * sizeof(int);
+  }
+  // A reduce-scatter's workspace, then this rank's summed shard.
+  template <reducible T>
+  std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
+    return reduce_scatter_workspace_bytes<T>(n) + max_shard(n, size_) * sizeof(T);
+  }
+
+  // ---- Reduce-scatter ---------------------------------------------------------------------------
+  // out (shard_of(n, size(), rank()).size() elements) = Σ over ranks, in rank order, of in's
+  // elements in this rank's shard.
+  class pending_reduce_scatter;
+  template <reducible T>
+  pending_reduce_scatter start_reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws,
+                                                  std::size_t ws_bytes);
+  template <reducible T>
+  void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes);
+
+  // ---- All-gather, all-reduce, broadcast ---------------------------------------------------------
+  // out (n elements) gets every rank's shard (shard_of(n, size(), r).size() elements) at its place.
+  template <typename T>
+  void all_gather(const T* shard, T* out, std::size_t n) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
+    int* counts = counts_.data();
+    int* displs = counts + size_;
+    for (std::size_t r = 0; r < size_; ++r) {
+      const shard_range s = shard_of(n, size_, r);
+      counts[r] = detail::mpi_count(s.size() * sizeof(T), "n");
+      displs[r] = detail::mpi_count(s.begin * sizeof(T), "n");
+    }
+    // In place when the shard already sits in out (ZeRO's parameter gather does that).
+    const bool in_place = shard == out + shard_of(n, size_, rank_).begin;
+    detail::mpi_check(MPI_Allgatherv(in_place ? MPI_IN_PLACE : static_cast<const void*>(shard), counts[rank_],
+                                     MPI_BYTE, out, counts, displs, MPI_BYTE, comm_),
+                      "MPI_Allgatherv");
+  }
+  // data (n elements) = Σ over ranks in rank order, on every rank.
+  template <reducible T>
+  void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
+    const std::size_t need = all_reduce_workspace_bytes<T>(n);
+    detail::check_workspace(ws, ws_bytes, need);
+    T* mine = reinterpret_cast<T*>(static_cast<std::byte*>(ws) + reduce_scatter_workspace_bytes<T>(n));
+    reduce_scatter_sum(static_cast<const T*>(data), n, mine, ws, reduce_scatter_workspace_bytes<T>(n));
+    all_gather(static_cast<const T*>(mine), data, n);
+  }
+  template <typename T>
+  void broadcast(T* data, std::size_t n, std::size_t root) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
+    detail::check_root(root, size_);
+    detail::mpi_check(MPI_Bcast(data, detail::mpi_count(n * sizeof(T), "n"), MPI_BYTE, static_cast<int>(root), comm_),
+                      "MPI_Bcast");
+  }
+  void barrier() { detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier"); }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  std::size_t rank_ = 0, size_ = 1;
+  std::vector<int> counts_;
+};
+
+// An all-to-all in flight: wait() completes it and adds the received shards in rank order. The
+// buffers given to start_reduce_scatter_sum must stay untouched until then. Destroying it
+// unwaited waits (MPI requires completion before the buffers go), without the sum.
+class mpi_communicator::pending_reduce_scatter {
+ public:
+  pending_reduce_scatter() = default;
+  pending_reduce_scatter(const pending_reduce_scatter&) = delete;
+  pending_reduce_scatter& operator=(const pending_reduce_scatter&) = delete;
+  pending_reduce_scatter(pending_reduce_scatter&& o) noexcept { *this = std::move(o); }
+  pending_reduce_scatter& operator=(pending_reduce_scatter&& o) noexcept {
+    if (this != &o) {
+      finish_quietly();
+      req_ = std::exchange(o.req_, MPI_REQUEST_NULL);
+      sum_ = std::exchange(o.sum_, nullptr);
+      parts_ = o.parts_;
+      out_ = o.out_;
+      ranks_ = o.ranks_;
+      stride_ = o.stride_;
+      count_ = o.count_;
+    }
+    return *this;
+  }
+  ~pending_reduce_scatter() { finish_quietly(); }
+
+  bool pending() const noexcept { return req_ != MPI_REQUEST_NULL || sum_ != nullptr; }
+  void wait() {
+    if (req_ != MPI_REQUEST_NULL) detail::mpi_check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "MPI_Wait");
+    if (sum_ != nullptr) std::exchange(sum_, nullptr)(parts_, ranks_, stride_, count_, out_);
+  }
+
+ private:
+  friend class mpi_communicator;
+  using sum_fn = void (*)(const void*, std::size_t, std::size_t, std::size_t, void*);
+  template <reducible T>
+  static void sum(const void* parts, std::size_t ranks, std::size_t stride, std::size_t count, void* out) {
+    detail::ordered_sum(static_cast<const T*>(parts), ranks, stride, count, static_cast<T*>(out));
+  }
+  void finish_quietly() noexcept {
+    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    sum_ = nullptr;
+  }
+
+  MPI_Request req_ = MPI_REQUEST_NULL;
+  sum_fn sum_ = nullptr;
+  const void* parts_ = nullptr;
+  void* out_ = nullptr;
+  std::size_t ranks_ = 0, stride_ = 0, count_ = 0;
+};
+
+template <reducible T>
+mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_sum(const T* in, std::size_t n, T* out,
+                                                                                    void* ws, std::size_t ws_bytes) {
+  const std::size_t need = reduce_scatter_workspace_bytes<T>(n);
+  detail::check_workspace(ws, ws_bytes, need);
+  const std::size_t stride = max_shard(n, size_);
+  const shard_range mine = shard_of(n, size_, rank_);
+  // A rank whose shard is empty (n < ranks) may pass a null out.
+  if ((n != 0 && in == nullptr) || (mine.size() != 0 && out == nullptr)) {
+    throw invalid_argument(in == nullptr ? "in" : "out", in == nullptr ? "a buffer of n elements" : "a buffer of this rank's shard",
+                           "nullptr", "Pass the gradient buffer and this rank's shard");
+  }
+  T* parts = static_cast<T*>(ws);
+  // The counts live in the caller's workspace: MPI reads them until the request completes.
+  int* c = reinterpret_cast<int*>(static_cast<std::byte*>(ws) + size_ * stride * sizeof(T));
+  int *send_counts = c, *send_displs = c + size_, *recv_counts = c + 2 * size_, *recv_displs = c + 3 * size_;
+  for (std::size_t r = 0; r < size_; ++r) {
+    const shard_range s = shard_of(n, size_, r);
+    send_counts[r] = detail::mpi_count(s.size() * sizeof(T), "n");
+    send_displs[r] = detail::mpi_count(s.begin * sizeof(T), "n");
+    recv_counts[r] = detail::mpi_count(mine.size() * sizeof(T), "n");
+    recv_displs[r] = detail::mpi_count(r * stride * sizeof(T), "n");
+  }
+  pending_reduce_scatter p;
+  detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
+                                   comm_, &p.req_),
+                    "MPI_Ialltoallv");
+  p.sum_ = mine.size() != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
+  p.parts_ = parts;
+  p.out_ = out;
+  p.ranks_ = size_;
+  p.stride_ = stride;
+  p.count_ = mine.size();
+  return p;
+}
+
+template <reducible T>
+void mpi_communicator::reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
+  start_reduce_scatter_sum(in, n, out, ws, ws_bytes).wait();
+}
+
+static_assert(communicator<mpi_communicator>);
+
+MEMBOUND_NAMESPACE_END

@@ -1,0 +1,177 @@
+// mpi_communicator under mpiexec -n N (ctest runs N = 1, 2, 4 with --oversubscribe): every rank
+// checks, bit for bit, what it received against the same collective computed locally from every
+// rank's data (each rank can generate all of them from the seed), and the ranks agree on the
+// verdict. The reference sum is the sequential one, g = g_0; g += g_1; ..., which is what one
+// process accumulating N micro-batches computes: equality here is the property data-parallel
+// training relies on to match one process bit for bit.
+//
+// Plain main (no doctest): N processes printing one report each would interleave; rank 0 prints.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "membound/mpi.hpp"
+
+namespace mb = membound;
+
+namespace {
+
+int failures = 0;
+void check(bool ok, const std::string& what, std::size_t rank) {
+  if (!ok) {
+    ++failures;
+    std::fprintf(stderr, "rank %zu: FAIL: %s\n", rank, what.c_str());
+  }
+}
+
+// Values of mixed signs and magnitudes 1e-3 … 1e3, so the order of a sum shows in its bits.
+template <typename T>
+std::vector<T> data_of(std::size_t rank, std::size_t n, std::uint64_t salt) {
+  std::vector<T> v(n);
+  std::uint64_t s = (rank + 1) * 0x9E3779B97F4A7C15ull ^ salt;
+  for (auto& x : v) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    const double u = static_cast<double>(s >> 11) / 9007199254740992.0;  // [0, 1)
+    const double mag = std::pow(10.0, -3.0 + 6.0 * u);
+    x = static_cast<T>(((s >> 7) & 1) != 0 ? mag : -mag);
+  }
+  return v;
+}
+
+template <typename T>
+std::vector<T> sequential_sum(std::size_t ranks, std::size_t n, std::uint64_t salt) {
+  std::vector<T> g = data_of<T>(0, n, salt);
+  for (std::size_t r = 1; r < ranks; ++r) {
+    const std::vector<T> d = data_of<T>(r, n, salt);
+    for (std::size_t i = 0; i < n; ++i) g[i] += d[i];
+  }
+  return g;
+}
+
+template <typename T>
+bool same_bits(const T* a, const T* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n * sizeof(T)) == 0;
+}
+
+template <typename T>
+void collectives(mb::mpi_communicator& comm, std::size_t n, const char* type) {
+  const std::size_t N = comm.size(), me = comm.rank();
+  const std::string at = std::string(type) + " n=" + std::to_string(n) + ": ";
+  const std::uint64_t salt = n * 31 + sizeof(T);
+  const std::vector<T> want = sequential_sum<T>(N, n, salt);
+  const mb::shard_range mine = mb::shard_of(n, N, me);
+
+  // Reduce-scatter: this rank's shard of the ordered sum.
+  {
+    const std::vector<T> in = data_of<T>(me, n, salt);
+    std::vector<std::byte> ws(comm.template reduce_scatter_workspace_bytes<T>(n));
+    std::vector<T> out(mine.size() + 1, T(-7));  // one guard element past the shard
+    comm.reduce_scatter_sum(in.data(), n, out.data(), ws.data(), ws.size());
+    check(same_bits(out.data(), want.data() + mine.begin, mine.size()), at + "reduce_scatter_sum == ordered sum", me);
+    check(out[mine.size()] == T(-7), at + "reduce_scatter_sum writes only the shard", me);
+    check(in == data_of<T>(me, n, salt), at + "reduce_scatter_sum leaves its input", me);
+  }
+  // All-reduce, in place.
+  {
+    std::vector<T> data = data_of<T>(me, n, salt);
+    std::vector<std::byte> ws(comm.template all_reduce_workspace_bytes<T>(n));
+    comm.all_reduce_sum(data.data(), n, ws.data(), ws.size());
+    check(same_bits(data.data(), want.data(), n), at + "all_reduce_sum == ordered sum on every rank", me);
+  }
+  // All-gather, from a separate shard and in place.
+  {
+    const std::vector<T> full = data_of<T>(0, n, salt ^ 0xABCDu);  // the same on every rank
+    std::vector<T> shard(full.begin() + static_cast<std::ptrdiff_t>(mine.begin),
+                         full.begin() + static_cast<std::ptrdiff_t>(mine.end));
+    std::vector<T> out(n, T(0));
+    comm.all_gather(shard.data(), out.data(), n);
+    check(same_bits(out.data(), full.data(), n), at + "all_gather assembles every shard", me);
+    std::vector<T> in_place(n, T(0));
+    std::copy(shard.begin(), shard.end(), in_place.begin() + static_cast<std::ptrdiff_t>(mine.begin));
+    comm.all_gather(in_place.data() + mine.begin, in_place.data(), n);
+    check(same_bits(in_place.data(), full.data(), n), at + "all_gather in place", me);
+  }
+  // Two reduce-scatters in flight, waited in reverse order.
+  {
+    const std::vector<T> a = data_of<T>(me, n, salt), b = data_of<T>(me, n, salt + 1);
+    const std::vector<T> want_b = sequential_sum<T>(N, n, salt + 1);
+    std::vector<std::byte> wa(comm.template reduce_scatter_workspace_bytes<T>(n)),
+        wb(comm.template reduce_scatter_workspace_bytes<T>(n));
+    std::vector<T> oa(mine.size()), ob(mine.size());
+    auto pa = comm.start_reduce_scatter_sum(a.data(), n, oa.data(), wa.data(), wa.size());
+    auto pb = comm.start_reduce_scatter_sum(b.data(), n, ob.data(), wb.data(), wb.size());
+    pb.wait();
+    pa.wait();
+    check(!pa.pending() && !pb.pending(), at + "requests done after wait", me);
+    check(same_bits(oa.data(), want.data() + mine.begin, mine.size()) &&
+              same_bits(ob.data(), want_b.data() + mine.begin, mine.size()),
+          at + "overlapped reduce-scatters", me);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mb::mpi_environment env(argc, argv);
+  mb::mpi_communicator comm;
+  const std::size_t N = comm.size(), me = comm.rank();
+
+  // Shards: balanced, covering, in order.
+  for (std::size_t n : {0u, 1u, 3u, 7u, 1000u}) {
+    std::size_t at = 0;
+    for (std::size_t r = 0; r < N; ++r) {
+      const mb::shard_range s = mb::shard_of(n, N, r);
+      check(s.begin == at && s.size() <= mb::max_shard(n, N) && s.size() + 1 >= mb::max_shard(n, N),
+            "shard_of(" + std::to_string(n) + ") balanced and contiguous", me);
+      at = s.end;
+    }
+    check(at == n, "shards cover n", me);
+  }
+  // n = 0, fewer elements than ranks, uneven shards, and a size past one page per rank.
+  for (std::size_t n : {0u, 1u, 3u, 7u, 1000u, 65537u}) {
+    collectives<float>(comm, n, "float");
+    collectives<double>(comm, n, "double");
+  }
+
+  // Broadcast from the last rank.
+  {
+    std::vector<std::int32_t> v(5, static_cast<std::int32_t>(me));
+    comm.broadcast(v.data(), v.size(), N - 1);
+    check(v == std::vector<std::int32_t>(5, static_cast<std::int32_t>(N - 1)), "broadcast from the last rank", me);
+  }
+  // Typed errors, before any communication (so every rank throws, and none blocks).
+  {
+    std::vector<float> g(10);
+    std::vector<std::byte> small(comm.reduce_scatter_workspace_bytes<float>(10) - 1);
+    bool threw = false;
+    try {
+      comm.all_reduce_sum(g.data(), g.size(), small.data(), small.size());
+    } catch (const mb::workspace_too_small& e) {
+      threw = std::string(e.argument()) == "workspace";
+    }
+    check(threw, "a workspace one byte short: workspace_too_small naming the workspace", me);
+    threw = false;
+    try {
+      comm.broadcast(g.data(), g.size(), N);
+    } catch (const mb::invalid_argument& e) {
+      threw = std::string(e.argument()) == "root";
+    }
+    check(threw, "a root past the world: invalid_argument naming root", me);
+  }
+  comm.barrier();
+
+  // Every rank's verdict, so that one failing rank fails them all.
+  int total = 0;
+  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, comm.native());
+  if (me == 0) {
+    if (total == 0) {
+      std::printf("test_mpi_communicator: %zu rank(s), all checks passed\n", N);
+    } else {
+      std::printf("test_mpi_communicator: %zu rank(s), %d check(s) failed\n", N, total);
+    }
+  }
+  return total == 0 ? 0 : 1;
+}
