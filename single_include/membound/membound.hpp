@@ -13053,6 +13053,19 @@ MEMBOUND_NAMESPACE_END
 // bytes stay as they are; an out-of-memory with no smaller plan left becomes budget_too_small
 // with nothing lost. The monitor sees usage only at its check points: a peak inside an op is
 // caught by the out-of-memory path instead.
+//
+// Data parallel: given a communicator of N ranks (dist/communicator.hpp; membound/mpi.hpp for
+// MPI), every rank holds the whole model and optimizer state (ZeRO-0), the plan is per rank (its
+// micro-batches times the accumulation make effective.batch / N sequences), and each step every
+// rank draws the step's effective.batch requests in the same order and runs its own contiguous
+// slice of them: rank r the sequences [r·E/N, (r + 1)·E/N). The gradients are then summed across
+// ranks in rank order (in buckets sized to fit inside the step's own peak, so the plan's
+// prediction still holds), and every rank takes the same AdamW step from the same sum. The
+// loss is summed the same way. So all ranks keep identical weights, the run is reproducible bit
+// for bit for a given N, and a checkpoint from any rank resumes any world size. Not yet: ZeRO-1
+// (sharded optimizer state), 16-bit storage over more than one rank, and replanning under
+// pressure over more than one rank (one rank cannot change its plan alone); each is refused with
+// a typed error.
 
 #include <charconv>
 
@@ -13238,12 +13251,17 @@ inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text,
 }
 }  // namespace detail
 
-template <typename Model, typename Allocator, typename Monitor = null_monitor>
+template <typename Model, typename Allocator, typename Monitor = null_monitor,
+          typename Communicator = local_communicator>
 class trainer {
   static_assert(step_monitor<Monitor, Allocator>,
                 "membound: trainer's Monitor must offer check<check_point>(allocator), "
                 "stricter_plan_requested() and clear_stricter_plan_request(): use null_monitor or "
                 "pressure_monitor<check_points<...>>.");
+  static_assert(communicator<Communicator>,
+                "membound: trainer's Communicator must model membound::communicator (rank, size, "
+                "reduce_scatter_sum, all_gather, all_reduce_sum, broadcast, barrier): use "
+                "local_communicator, or mpi_communicator from membound/mpi.hpp.");
 
  public:
   using S = typename Model::storage_type;
@@ -13254,13 +13272,21 @@ class trainer {
   // from options.seed.
   trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
           trainer_options o = {}, Monitor monitor = {})
+    requires std::same_as<Communicator, local_communicator>
+      : trainer(m, effective, std::move(plan), alloc, pool, std::move(o), std::move(monitor), own_local_) {}
+
+  // Data parallel over comm's ranks: `plan` is this rank's (effective.batch / comm.size()
+  // sequences per step); every rank passes the same model, batch, options and seed.
+  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
+          trainer_options o, Monitor monitor, Communicator& comm)
       : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), pool_(pool), o_(std::move(o)),
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler) {
+        scaler_(o_.scaler), comm_(comm) {
     m_.check(eff_);
     check_options(o_);
+    check_world();
     if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
     check_plan(plan_);
     plan_.reserved_peak = reserve_of(plan_);
@@ -13464,7 +13490,7 @@ class trainer {
       throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
     }
     std::optional<training_plan> restored;
-    if (pl[0] != 0 && eff_.batch % pl[0] == 0 && pl[1] == eff_.batch / pl[0] && pl[2] != 0 &&
+    if (pl[0] != 0 && rank_batch().batch % pl[0] == 0 && pl[1] == rank_batch().batch / pl[0] && pl[2] != 0 &&
         pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
       try {
         training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
@@ -13657,11 +13683,12 @@ class trainer {
     const std::string remake =
         "Make it with fit(model, effective, budget) or make_plan(model, micro, schedule, options) for this "
         "model, with optimizer = true and the pool's thread count, and do not edit its fields";
-    const std::size_t B = eff_.batch;
+    const std::size_t B = rank_batch().batch;
     // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
     if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
         B / p.micro.batch != p.accumulation) {
-      throw invalid_argument("plan", "micro-batches of the effective batch " + std::to_string(B) + " x " +
+      throw invalid_argument("plan", "micro-batches of " + std::string(world() > 1 ? "this rank's share of " : "") +
+                                         "the effective batch, " + std::to_string(B) + " x " +
                                          std::to_string(eff_.seq),
                              std::to_string(p.accumulation) + " x " + std::to_string(p.micro.batch) + " x " +
                                  std::to_string(p.micro.seq),
@@ -13796,7 +13823,10 @@ class trainer {
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
     std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
     double loss = 0;
-    const double accum = static_cast<double>(plan_.accumulation);
+    // Every rank's micro-batches count in the mean: the accumulation of the whole world.
+    const double accum = static_cast<double>(plan_.accumulation * world());
+    // The ranks before this one take the step's first sequences: draw them as they would.
+    skip_requests(comm_.rank() * rank_batch().batch);
     for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
@@ -13812,7 +13842,88 @@ class trainer {
                                   scale / accum, alloc_, pool_, observer) /
               accum;
     }
+    skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
+    if (world() > 1) loss = exchange(loss);
     return loss;
+  }
+
+  // Advances the data position and the generator past k sequences other ranks run.
+  void skip_requests(std::size_t k) {
+    for (std::size_t i = 0; i < k; ++i) {
+      ++position_;
+      (void)rng_.next();
+    }
+  }
+
+  // The sum over ranks, in rank order, of the gradients (in place) and of the loss. The gradient
+  // exchange goes in buckets whose workspace fits in the headroom between the step's predicted
+  // peak and the trainer's own bytes: every activation is gone by now, so the exchange never
+  // raises the peak the plan predicted.
+  double exchange(double loss) {
+    if constexpr (reducible<S>) {
+      const std::size_t headroom = plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
+      const std::size_t bucket = exchange_bucket(headroom);
+      const std::size_t ws_bytes = comm_.template all_reduce_workspace_bytes<S>(bucket);
+      void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+      try {
+        for (std::size_t at = 0; at < n_; at += bucket) {
+          comm_.all_reduce_sum(g_ + at, std::min(bucket, n_ - at), ws, ws_bytes);
+        }
+      } catch (...) {
+        alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+        throw;
+      }
+      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+      // The loss: one double, through a buffer made once at construction (a few dozen bytes).
+      comm_.all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
+      return loss;
+    } else {
+      return loss;  // check_world refused more than one rank
+    }
+  }
+
+  // The most gradient elements per exchange whose workspace fits `headroom` bytes.
+  std::size_t exchange_bucket(std::size_t headroom) const {
+    std::size_t lo = 0, hi = n_;
+    while (lo < hi) {  // the largest k in [0, n] with workspace(k) <= headroom
+      const std::size_t mid = lo + (hi - lo + 1) / 2;
+      if (comm_.template all_reduce_workspace_bytes<S>(mid) <= headroom) lo = mid;
+      else hi = mid - 1;
+    }
+    if (lo == 0) {  // a step whose activations and workspace are smaller than a few dozen bytes
+      throw invalid_argument("plan", "a step peak at least " + format_bytes(comm_.template all_reduce_workspace_bytes<S>(1)) +
+                                         " above the trainer's own bytes (the gradient exchange's least workspace)",
+                             format_bytes(headroom) + " above them", "Use a larger micro-batch");
+    }
+    return lo;
+  }
+
+  std::size_t world() const noexcept { return comm_.size(); }
+  // This rank's share of the effective batch.
+  batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq}; }
+
+  void check_world() {
+    const std::size_t N = world();
+    if (N <= 1) return;
+    if (eff_.batch % N != 0) {
+      throw invalid_argument("effective.batch", "a multiple of the world size " + std::to_string(N),
+                             std::to_string(eff_.batch),
+                             "Choose an effective batch every rank can take an equal share of");
+    }
+    if (o_.replan_under_pressure) {
+      throw invalid_argument("options.replan_under_pressure", "false with more than one rank",
+                             "true with " + std::to_string(N) + " ranks",
+                             "Set it to false: one rank cannot change its plan alone, and ranks do not "
+                             "yet agree on a stricter plan together");
+    }
+    if constexpr (!reducible<S>) {
+      throw invalid_argument("communicator", "a single rank for 16-bit storage",
+                             std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
+                             "Train over several ranks in fp32 storage (the gradient exchange sums fp32 or "
+                             "fp64 for now), or on one rank");
+    } else {
+      loss_ws_.resize(comm_.template all_reduce_workspace_bytes<double>(1));
+    }
   }
 
   enum class replan_outcome { none, below_budget, below_emergency };
@@ -13840,7 +13951,7 @@ class trainer {
     for (const auto& [t, below_emergency] : targets) {
       try {
         // fit chooses; the trainer makes the plan it runs itself (as for every plan it runs).
-        const training_plan chosen = fit(m_, eff_, t, fo);
+        const training_plan chosen = fit(m_, rank_batch(), t, fo);
         training_plan p = own_plan(chosen.micro, chosen.accumulation, chosen.schedule, chosen.head_chunk, plan_.budget);
         p.budget = plan_.budget;
         p.reserved_peak = reserve_of(p);
@@ -13858,7 +13969,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.reserve = reserve_;
     try {
-      (void)fit(m_, eff_, 0, fo);
+      (void)fit(m_, rank_batch(), 0, fo);
     } catch (const budget_too_small& e) {
       return e.minimum();
     }
@@ -13934,6 +14045,7 @@ class trainer {
     throw checkpoint_mismatch(path, d[0].field, d[0].saved, d[0].current, why);
   }
 
+  local_communicator own_local_{};  // the communicator of a one-process trainer
   const Model& m_;
   batch_shape eff_;
   training_plan plan_;
@@ -13955,6 +14067,8 @@ class trainer {
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
+  Communicator& comm_;
+  std::vector<std::byte> loss_ws_;  // the loss exchange's workspace (more than one rank)
 };
 
 MEMBOUND_NAMESPACE_END
