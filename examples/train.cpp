@@ -9,6 +9,7 @@
 //   ./build/release/examples/train --steps 50 --save-every 25 --checkpoint /tmp/run.ckpt
 //   ./build/release/examples/train --resume /tmp/run.ckpt --steps 100 --report run.json
 //   ./build/release/examples/train --steps 60 --foreign 10MiB@30 --trace t.json  # pressure at step 30
+//   mpirun -np 2 ./build/release/examples/train                     # data parallel over 2 ranks (with MPI)
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -30,6 +31,11 @@
 
 #include "cli_checks.hpp"
 #include "membound/membound.hpp"
+#if MEMBOUND_EXAMPLE_MPI
+#include <cstdlib>
+
+#include "membound/mpi.hpp"
+#endif
 
 namespace mb = membound;
 
@@ -331,8 +337,78 @@ class progress {
   bool open_ = false;
 };
 
+// The ranks of this run: under an MPI launcher (mpirun sets its environment) every rank it
+// started, else this process alone, without initializing MPI at all. One type either way, so the
+// trainer below is one type.
+class ranks {
+  // Defined first: a deduced return type must be seen before its use.
+  template <typename F>
+  decltype(auto) call(F&& f) {
+#if MEMBOUND_EXAMPLE_MPI
+    if (mpi_) return f(*mpi_);
+#endif
+    return f(local_);
+  }
+  template <typename F>
+  decltype(auto) call(F&& f) const {
+#if MEMBOUND_EXAMPLE_MPI
+    if (mpi_) return f(*mpi_);
+#endif
+    return f(local_);
+  }
+  mb::local_communicator local_;
+#if MEMBOUND_EXAMPLE_MPI
+  std::optional<mb::mpi_communicator> mpi_;
+#endif
+
+ public:
+#if MEMBOUND_EXAMPLE_MPI
+  static bool launched_by_mpi() {
+    return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+           std::getenv("PMIX_RANK") != nullptr;
+  }
+  explicit ranks(bool mpi) {
+    if (mpi) mpi_.emplace();
+  }
+#else
+  explicit ranks(bool) {}
+#endif
+  std::size_t rank() const { return call([](const auto& c) { return c.rank(); }); }
+  std::size_t size() const { return call([](const auto& c) { return c.size(); }); }
+  const char* name() const { return call([](const auto& c) { return c.name(); }); }
+  template <mb::reducible T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t n) const {
+    return call([&](const auto& c) { return c.template reduce_scatter_workspace_bytes<T>(n); });
+  }
+  template <mb::reducible T>
+  std::size_t all_reduce_workspace_bytes(std::size_t n) const {
+    return call([&](const auto& c) { return c.template all_reduce_workspace_bytes<T>(n); });
+  }
+  template <mb::reducible T>
+  void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t bytes) {
+    call([&](auto& c) { c.reduce_scatter_sum(in, n, out, ws, bytes); });
+  }
+  template <typename T>
+  void all_gather(const T* shard, T* out, std::size_t n) {
+    call([&](auto& c) { c.all_gather(shard, out, n); });
+  }
+  template <mb::reducible T>
+  void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t bytes) {
+    call([&](auto& c) { c.all_reduce_sum(data, n, ws, bytes); });
+  }
+  template <typename T>
+  void broadcast(T* data, std::size_t n, std::size_t root) {
+    call([&](auto& c) { c.broadcast(data, n, root); });
+  }
+  void barrier() {
+    call([](auto& c) { c.barrier(); });
+  }
+
+};
+static_assert(mb::communicator<ranks>);
+
 template <typename P>
-int run(const options& o, const std::vector<std::int32_t>& text) {
+int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   using net = mb::model<mb::embedding<P>,
                         mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
                         mb::lm_head<P>>;
@@ -345,6 +421,13 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
   const mb::batch_shape eff{o.batch, o.seq};
+  // Data parallel: each rank plans and runs its share of every step's sequences.
+  const std::size_t N = world.size();
+  if (o.batch % N != 0) {
+    throw mb::invalid_argument("--batch", "a multiple of the " + std::to_string(N) + " ranks", std::to_string(o.batch),
+                               "Give every rank an equal share of the sequences per step");
+  }
+  const mb::batch_shape share{o.batch / N, o.seq};
   const foreign_load foreign = o.foreign;
 
   // The default stack: a hard budget over an expandable arena at page granularity, traced. The
@@ -364,11 +447,11 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
       mb::fit_options fo;
       fo.threads = o.threads;
       fo.reserve = reserve;
-      return mb::fit(m, eff, budget, fo);
+      return mb::fit(m, share, budget, fo);
     }
     mb::plan_options po;
     po.threads = o.threads;
-    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, budget);
+    mb::training_plan p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
     return p;
@@ -376,6 +459,11 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
   std::printf("%s\n", plan.table().c_str());
+  if (N > 1) {
+    std::printf("data parallel: %zu ranks (%s), %zu of the %zu sequences per step each; every rank holds the whole model "
+                "and optimizer state (ZeRO-0), the plan above is each rank's\n",
+                N, world.name(), share.batch, o.batch);
+  }
 
   mb::thread_pool pool(o.threads);
   const mb::pressure_thresholds thresholds{};
@@ -392,7 +480,10 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
   to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
   to.clip = o.clip;
   to.seed = o.seed;
-  mb::trainer t(m, eff, plan, alloc, pool, to, mb::pressure_monitor<mb::all_check_points>(thresholds));
+  // One rank cannot change its plan alone: over ranks the monitor reports, and an out-of-memory ends the run.
+  to.replan_under_pressure = N == 1;
+  mb::trainer t(m, eff, plan, alloc, pool, to, mb::pressure_monitor<mb::all_check_points>(thresholds), world);
+  const bool writer = world.rank() == 0;  // files are written by rank 0 only (every rank holds the same state)
   t.monitor().attach(recorder);
   // Checked here too, before any step: the trainer now holds all its own bytes between steps.
   if (foreign.bytes > alloc.headroom()) {
@@ -464,7 +555,7 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
       bar.note(line);
     }
     // --stop-after always saves where it stops, so that --resume can continue.
-    if ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop)) {
+    if (writer && ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop))) {
       try {
         t.save(o.checkpoint);
       } catch (const mb::error& e) {
@@ -516,7 +607,7 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
                 mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), other < 0 ? '-' : '+', std::abs(other));
   }
   std::printf("\n");
-  if (!o.report.empty()) {
+  if (writer && !o.report.empty()) {
     const mb::training_plan& p = t.plan();
     nlohmann::json j;
     j["budget_bytes"] = budget;
@@ -556,7 +647,7 @@ int run(const options& o, const std::vector<std::int32_t>& text) {
                      {"monitor", "pressure_monitor<all_check_points>"}};
     cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
-  if (!o.trace.empty()) {
+  if (writer && !o.trace.empty()) {
     cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
   }
   return requested_ok && reserve_ok ? 0 : 3;
@@ -614,9 +705,30 @@ int main(int argc, char** argv) {
   try {
     const options o = checked_options(f);
     const std::vector<std::int32_t> text = read_data(o);
-    if (o.precision == "bf16") return run<mb::bf16_precision>(o, text);
-    if (o.precision == "fp16") return run<mb::fp16_precision>(o, text);
-    return run<mb::fp32_precision>(o, text);
+#if MEMBOUND_EXAMPLE_MPI
+    std::optional<mb::mpi_environment> mpi;
+    if (ranks::launched_by_mpi()) mpi.emplace(argc, argv);
+    ranks world(mpi.has_value());
+#else
+    ranks world(false);
+#endif
+    // Rank 0 prints; the others' lines would repeat it (errors still reach stderr from every rank).
+    if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
+    try {
+      if (o.precision == "bf16") return run<mb::bf16_precision>(o, text, world);
+      if (o.precision == "fp16") return run<mb::fp16_precision>(o, text, world);
+      return run<mb::fp32_precision>(o, text, world);
+    } catch (const std::exception& e) {
+#if MEMBOUND_EXAMPLE_MPI
+      // The other ranks may be waiting in a collective this rank will never join: end them all
+      // (a normal exit would finalize MPI, which can wait on them forever).
+      if (world.size() > 1) {
+        std::fprintf(stderr, "error: rank %zu: %s\n", world.rank(), cli_checks::one_line(e.what()).c_str());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+#endif
+      throw;
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", cli_checks::one_line(e.what()).c_str());
     return 1;
