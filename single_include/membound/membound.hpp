@@ -12447,7 +12447,17 @@ struct plan_options {
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
   std::size_t accumulation = 1;   // micro-batches per optimizer step
   bool optimizer = true;          // count AdamW's state (m, v, and fp32 masters for 16-bit storage)
+  // Parameters whose AdamW state this process holds: 0 for all of them; under ZeRO-1 its shard.
+  std::size_t optimizer_elements = 0;
 };
+
+// AdamW's bytes for the parameters o says this process keeps state for.
+template <typename Model>
+std::size_t optimizer_state_bytes(const Model& m, const plan_options& o) {
+  if (!o.optimizer) return 0;
+  const std::size_t n = o.optimizer_elements != 0 ? o.optimizer_elements : m.parameter_elements();
+  return adamw<typename Model::storage_type>::state_bytes(n);
+}
 
 // One op of the step's timeline: what it is, bytes live before it and its peak.
 struct plan_phase {
@@ -12587,8 +12597,7 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
 template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
-  const std::size_t opt = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  return sat_add(w, w, opt);
+  return sat_add(w, w, optimizer_state_bytes(m, o));
 }
 
 // The plan of one training step of m: micro-batch b, schedule s.
@@ -12604,7 +12613,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.threads = o.threads;
   p.weights = m.weight_bytes();
   p.gradients = m.weight_bytes();
-  p.optimizer = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  p.optimizer = optimizer_state_bytes(m, o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
   const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
@@ -12729,6 +12738,7 @@ struct static_plan {
 struct fit_options {
   std::size_t threads = 1;
   bool optimizer = true;
+  std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
@@ -12791,7 +12801,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer};
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements};
       const batch_shape b{mb, effective.seq};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
@@ -12945,14 +12955,13 @@ struct run_requests {
 
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
-                        std::size_t threads, std::size_t accumulation, bool optimizer) {
+                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes) {
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
   (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
-  const std::size_t ob = optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  (void)rec.allocate(ob, default_alignment, memory_tag::optimizer);
+  (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   const std::size_t k0 = rec.requests().size();
   for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
   m.loss_requests(micro, head_chunk, threads, rec);
@@ -12962,7 +12971,7 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
 }
 template <typename Model>
 run_requests record_run(const Model& m, const training_plan& p) {
-  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer != 0);
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer);
 }
 
 // The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
@@ -13107,6 +13116,9 @@ struct trainer_options {
   std::uint64_t seed = 1;   // weights and the data generator
   bool replan_under_pressure = true;
   std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
+  // ZeRO stage over more than one rank: 0 keeps AdamW's state for every parameter on every rank,
+  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered).
+  std::size_t zero = 0;
 };
 
 // A change of plan, and why.
@@ -13287,6 +13299,7 @@ class trainer {
     m_.check(eff_);
     check_options(o_);
     check_world();
+    opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
     check_plan(plan_);
     plan_.reserved_peak = reserve_of(plan_);
@@ -13318,7 +13331,7 @@ class trainer {
     try {
       m_.init_weights(w_, o_.seed);
       std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
-      adamw<S>::init(w_, n_, opt_, opt_bytes());
+      adamw<S>::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
       throw;
@@ -13390,9 +13403,15 @@ class trainer {
     }
     if (r.applied) {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
+      // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
+      const std::size_t b = opt_shard_.begin, n = opt_shard_.size();
       for (const param_entry& e : m_.parameters()) {
-        adamw<S>::update(w_, g_, opt_, n_, e.offset, e.count, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
+        const std::size_t lo = std::max(e.offset, b), hi = std::min(e.offset + e.count, opt_shard_.end);
+        if (lo >= hi) continue;
+        adamw<S>::update(w_ + b, g_ + b, opt_, n, lo - b, hi - lo, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
       }
+      // Every rank updated its shard: gather the whole model on every rank (in place).
+      if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
     }
     ++steps_;
@@ -13574,6 +13593,12 @@ class trainer {
     using opt = adamw<S>;
     add("optimizer", std::string("AdamW m, v in ") + std::string(dtype_name<typename opt::moment_type>()) +
                          (opt::has_master ? " + fp32 masters, " : ", ") + num(opt_bytes()) + " bytes");
+    // Under ZeRO-1 the state is one rank's shard: resuming needs the same world and rank.
+    if (sharded()) {
+      add("zero", "1");
+      add("ranks", num(world()));
+      add("optimizer.shard", num(opt_shard_.begin) + ".." + num(opt_shard_.end));
+    }
     add("effective_batch", num(eff_.batch));
     add("sequence_length", num(eff_.seq));
     return f;
@@ -13600,7 +13625,10 @@ class trainer {
   // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
   static constexpr std::uint64_t format_version = 2;
 
-  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(n_); }
+  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(opt_shard_.size()); }
+  bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
+  // What plan_options / fit_options say about this rank's optimizer state.
+  std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
     alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
@@ -13653,6 +13681,8 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
+    need(o.zero <= 1, "options.zero", "0 or 1 (ZeRO-2 is not built yet)", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 0 to keep it whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -13672,6 +13702,7 @@ class trainer {
     po.head_chunk = head_chunk;
     po.accumulation = accumulation;
     po.optimizer = true;
+    po.optimizer_elements = optimizer_elements();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -13910,6 +13941,11 @@ class trainer {
                              std::to_string(eff_.batch),
                              "Choose an effective batch every rank can take an equal share of");
     }
+    if (o_.zero == 1 && n_ < N) {
+      throw invalid_argument("options.zero", "0 for a model with fewer parameters than ranks",
+                             "1 with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
+                             "Use ZeRO-0 (options.zero = 0)");
+    }
     if (o_.replan_under_pressure) {
       throw invalid_argument("options.replan_under_pressure", "false with more than one rank",
                              "true with " + std::to_string(N) + " ranks",
@@ -13947,6 +13983,7 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.optimizer_elements = optimizer_elements();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -13967,6 +14004,7 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.optimizer_elements = optimizer_elements();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
@@ -14065,6 +14103,7 @@ class trainer {
   std::size_t largest_reserve_ = 0;
   reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
+  shard_range opt_shard_{};  // the parameters whose AdamW state this rank holds
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;

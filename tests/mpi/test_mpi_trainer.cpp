@@ -13,6 +13,11 @@
 //     0's bytes by broadcast).
 //   - Memory: each rank's measured peak (budget allocator statistics) equals the plan's
 //     prediction: the gradient exchange fits inside the step's own peak.
+//   - ZeRO-1 (AdamW's state sharded over the ranks): the same losses, weights and per-element
+//     optimizer values as ZeRO-0, bit for bit (the same full gradient, the same elementwise
+//     update, only who computes it differs); each rank's optimizer bytes are AdamW's state for
+//     its shard, they add up to the unsharded state, and the measured peak still equals the
+//     prediction, lower than ZeRO-0's by exactly the state no longer held.
 //   - Refusals: an effective batch the ranks cannot share, and replanning under pressure with
 //     more than one rank, each a typed error naming the argument.
 #include <cmath>
@@ -64,8 +69,9 @@ struct text_source {
 using model_t = membound_test::hybrid<mb::fp32_precision>;
 using alloc_t = mb::budget_allocator<mb::system_allocator>;
 
-mb::trainer_options options() {
+mb::trainer_options options(std::size_t zero = 0) {
   mb::trainer_options o;
+  o.zero = zero;
   o.seed = 3;
   o.lr = mb::cosine_lr{1e-2, 1e-3, 2, 20};
   o.head_chunks = {64, 16};
@@ -73,8 +79,9 @@ mb::trainer_options options() {
   return o;
 }
 
-mb::training_plan plan_for(const model_t& m, std::size_t micro_batches) {
+mb::training_plan plan_for(const model_t& m, std::size_t micro_batches, std::size_t optimizer_elements = 0) {
   mb::plan_options po;
+  po.optimizer_elements = optimizer_elements;
   po.threads = 1;
   po.head_chunk = 64;
   po.accumulation = micro_batches;
@@ -101,10 +108,12 @@ run finish(Trainer& t, alloc_t& a) {
   return r;
 }
 
-run data_parallel(const model_t& m, mb::mpi_communicator& comm) {
+run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0) {
   alloc_t a(std::size_t{1} << 30);
   mb::thread_pool pool(1);
-  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size()), a, pool, options(), mb::null_monitor{}, comm);
+  const std::size_t shard = zero == 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
+  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size(), shard), a, pool, options(zero), mb::null_monitor{},
+                comm);
   return finish(t, a);
 }
 
@@ -137,6 +146,7 @@ int main(int argc, char** argv) {
   const run ref = one_process(m);
   const run dp = data_parallel(m, comm);
   const run again = data_parallel(m, comm);
+  const run zero1 = data_parallel(m, comm, 1);
 
   check(dp.losses.size() == steps && std::isfinite(dp.losses.back()), "30 finite losses");
   check(dp.losses.back() < dp.losses.front(), "the loss falls");
@@ -153,6 +163,30 @@ int main(int argc, char** argv) {
   check(dp.weights == rank0(comm, dp.weights), "every rank holds rank 0's weights");
   check(dp.optimizer == rank0(comm, dp.optimizer), "every rank holds rank 0's optimizer state");
   check(dp.peak == dp.predicted, "measured peak " + std::to_string(dp.peak) + " == predicted " + std::to_string(dp.predicted));
+
+  // ZeRO-1 against ZeRO-0.
+  using opt = mb::adamw<float>;
+  const std::size_t n = m.parameter_elements();
+  const mb::shard_range shard = mb::shard_of(n, N, me);
+  check(same_bits(zero1.losses, dp.losses) && zero1.weights == dp.weights, "ZeRO-1: the losses and weights of ZeRO-0, bit for bit");
+  check(zero1.optimizer.size() == opt::state_bytes(shard.size()), "ZeRO-1: this rank holds AdamW's state for its shard");
+  // m and v of the shard are ZeRO-0's m and v at the shard's elements.
+  const std::size_t f = sizeof(float);
+  const bool same_m = std::memcmp(zero1.optimizer.data(), dp.optimizer.data() + shard.begin * f, shard.size() * f) == 0;
+  const bool same_v = std::memcmp(zero1.optimizer.data() + shard.size() * f, dp.optimizer.data() + (n + shard.begin) * f,
+                                  shard.size() * f) == 0;
+  check(same_m && same_v, "ZeRO-1: the shard's m and v equal ZeRO-0's, bit for bit");
+  unsigned long long held = zero1.optimizer.size(), total_held = 0;
+  MPI_Allreduce(&held, &total_held, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, comm.native());
+  check(total_held == opt::state_bytes(n), "ZeRO-1: the shards add up to the unsharded state");
+  check(zero1.peak == zero1.predicted, "ZeRO-1: measured peak " + std::to_string(zero1.peak) + " == predicted " +
+                                           std::to_string(zero1.predicted));
+  check(dp.peak - zero1.peak == opt::state_bytes(n) - opt::state_bytes(shard.size()),
+        "ZeRO-1: the peak falls by exactly the state no longer held");
+  if (me == 0) {
+    std::printf("optimizer bytes per rank: ZeRO-0 %zu, ZeRO-1 %zu (1/%zu); peak per rank: ZeRO-0 %zu, ZeRO-1 %zu\n",
+                dp.optimizer.size(), zero1.optimizer.size(), N, dp.peak, zero1.peak);
+  }
 
   // Refusals, the same on every rank (nothing is communicated before them).
   if (N > 1) {

@@ -80,7 +80,17 @@ struct plan_options {
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
   std::size_t accumulation = 1;   // micro-batches per optimizer step
   bool optimizer = true;          // count AdamW's state (m, v, and fp32 masters for 16-bit storage)
+  // Parameters whose AdamW state this process holds: 0 for all of them; under ZeRO-1 its shard.
+  std::size_t optimizer_elements = 0;
 };
+
+// AdamW's bytes for the parameters o says this process keeps state for.
+template <typename Model>
+std::size_t optimizer_state_bytes(const Model& m, const plan_options& o) {
+  if (!o.optimizer) return 0;
+  const std::size_t n = o.optimizer_elements != 0 ? o.optimizer_elements : m.parameter_elements();
+  return adamw<typename Model::storage_type>::state_bytes(n);
+}
 
 // One op of the step's timeline: what it is, bytes live before it and its peak.
 struct plan_phase {
@@ -220,8 +230,7 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
 template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
-  const std::size_t opt = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  return sat_add(w, w, opt);
+  return sat_add(w, w, optimizer_state_bytes(m, o));
 }
 
 // The plan of one training step of m: micro-batch b, schedule s.
@@ -237,7 +246,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.threads = o.threads;
   p.weights = m.weight_bytes();
   p.gradients = m.weight_bytes();
-  p.optimizer = o.optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
+  p.optimizer = optimizer_state_bytes(m, o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
   const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
@@ -362,6 +371,7 @@ struct static_plan {
 struct fit_options {
   std::size_t threads = 1;
   bool optimizer = true;
+  std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
@@ -424,7 +434,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer};
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements};
       const batch_shape b{mb, effective.seq};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},

@@ -129,14 +129,13 @@ struct run_requests {
 
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
-                        std::size_t threads, std::size_t accumulation, bool optimizer) {
+                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes) {
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
   (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
-  const std::size_t ob = optimizer ? adamw<typename Model::storage_type>::state_bytes(m.parameter_elements()) : 0;
-  (void)rec.allocate(ob, default_alignment, memory_tag::optimizer);
+  (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   const std::size_t k0 = rec.requests().size();
   for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
   m.loss_requests(micro, head_chunk, threads, rec);
@@ -146,7 +145,7 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
 }
 template <typename Model>
 run_requests record_run(const Model& m, const training_plan& p) {
-  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer != 0);
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer);
 }
 
 // The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:

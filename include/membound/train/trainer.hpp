@@ -121,6 +121,9 @@ struct trainer_options {
   std::uint64_t seed = 1;   // weights and the data generator
   bool replan_under_pressure = true;
   std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
+  // ZeRO stage over more than one rank: 0 keeps AdamW's state for every parameter on every rank,
+  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered).
+  std::size_t zero = 0;
 };
 
 // A change of plan, and why.
@@ -301,6 +304,7 @@ class trainer {
     m_.check(eff_);
     check_options(o_);
     check_world();
+    opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
     check_plan(plan_);
     plan_.reserved_peak = reserve_of(plan_);
@@ -332,7 +336,7 @@ class trainer {
     try {
       m_.init_weights(w_, o_.seed);
       std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
-      adamw<S>::init(w_, n_, opt_, opt_bytes());
+      adamw<S>::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
       throw;
@@ -404,9 +408,15 @@ class trainer {
     }
     if (r.applied) {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
+      // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
+      const std::size_t b = opt_shard_.begin, n = opt_shard_.size();
       for (const param_entry& e : m_.parameters()) {
-        adamw<S>::update(w_, g_, opt_, n_, e.offset, e.count, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
+        const std::size_t lo = std::max(e.offset, b), hi = std::min(e.offset + e.count, opt_shard_.end);
+        if (lo >= hi) continue;
+        adamw<S>::update(w_ + b, g_ + b, opt_, n, lo - b, hi - lo, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
       }
+      // Every rank updated its shard: gather the whole model on every rank (in place).
+      if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
     }
     ++steps_;
@@ -588,6 +598,12 @@ class trainer {
     using opt = adamw<S>;
     add("optimizer", std::string("AdamW m, v in ") + std::string(dtype_name<typename opt::moment_type>()) +
                          (opt::has_master ? " + fp32 masters, " : ", ") + num(opt_bytes()) + " bytes");
+    // Under ZeRO-1 the state is one rank's shard: resuming needs the same world and rank.
+    if (sharded()) {
+      add("zero", "1");
+      add("ranks", num(world()));
+      add("optimizer.shard", num(opt_shard_.begin) + ".." + num(opt_shard_.end));
+    }
     add("effective_batch", num(eff_.batch));
     add("sequence_length", num(eff_.seq));
     return f;
@@ -614,7 +630,10 @@ class trainer {
   // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
   static constexpr std::uint64_t format_version = 2;
 
-  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(n_); }
+  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(opt_shard_.size()); }
+  bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
+  // What plan_options / fit_options say about this rank's optimizer state.
+  std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
     alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
@@ -667,6 +686,8 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
+    need(o.zero <= 1, "options.zero", "0 or 1 (ZeRO-2 is not built yet)", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 0 to keep it whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -686,6 +707,7 @@ class trainer {
     po.head_chunk = head_chunk;
     po.accumulation = accumulation;
     po.optimizer = true;
+    po.optimizer_elements = optimizer_elements();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -924,6 +946,11 @@ class trainer {
                              std::to_string(eff_.batch),
                              "Choose an effective batch every rank can take an equal share of");
     }
+    if (o_.zero == 1 && n_ < N) {
+      throw invalid_argument("options.zero", "0 for a model with fewer parameters than ranks",
+                             "1 with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
+                             "Use ZeRO-0 (options.zero = 0)");
+    }
     if (o_.replan_under_pressure) {
       throw invalid_argument("options.replan_under_pressure", "false with more than one rank",
                              "true with " + std::to_string(N) + " ranks",
@@ -961,6 +988,7 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.optimizer_elements = optimizer_elements();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -981,6 +1009,7 @@ class trainer {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
+    fo.optimizer_elements = optimizer_elements();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
@@ -1079,6 +1108,7 @@ class trainer {
   std::size_t largest_reserve_ = 0;
   reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
+  shard_range opt_shard_{};  // the parameters whose AdamW state this rank holds
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
