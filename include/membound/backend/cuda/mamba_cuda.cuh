@@ -247,18 +247,21 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   }
 
  private:
-  // Every [N, ·] size fits, and the backward's [B, Lc, Di, Ns] too for any L (Lc ≤ T).
+  // Every [N, ·] size fits, and the backward's [B, Lc, Di, Ns] too for any L (Lc ≤ T). Each
+  // below SIZE_MAX / 32 (the layers' detail::huge_slot), not merely below SIZE_MAX: the layouts
+  // add up to 15 such slots, and a sum that overflowed would make workspace_layout::add throw
+  // inside the layer's noexcept size functions (std::terminate) instead of reporting SIZE_MAX.
   static constexpr bool fits(const mamba_shape& s) noexcept {
-    constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+    constexpr std::size_t huge = std::numeric_limits<std::size_t>::max() / 32;
     const std::size_t N = s.batch * s.seq;
     if (s.batch != 0 && N / s.batch != s.seq) return false;
     const std::size_t ldx = s.dt_rank + 2 * s.d_state;
-    return bytes_of<float>(N, 2 * s.d_inner) != max && bytes_of<float>(N, ldx) != max &&
-           bytes_of<float>(N, s.d_inner, s.d_state) != max &&
+    return bytes_of<float>(N, 2 * s.d_inner) < huge && bytes_of<float>(N, ldx) < huge &&
+           bytes_of<float>(N, s.d_inner, s.d_state) < huge &&
            bytes_of<float>(gpu::mamba_blocks(s.d_inner, gpu::mamba_scan_channels), N,
-                           2 * s.d_state) != max &&
+                           2 * s.d_state) < huge &&
            bytes_of<float>(gpu::mamba_blocks(N, gpu::mamba_conv_rows) + 1, s.d_inner,
-                           s.d_conv + 1) != max;
+                           s.d_conv + 1) < huge;
   }
 };
 
