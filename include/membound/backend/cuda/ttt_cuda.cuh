@@ -128,6 +128,7 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     const auto d = gpu::ttt_dims::of(s, Mlp);
     const std::size_t N = s.batch * s.seq;
     if (s.batch != 0 && N / s.batch != s.seq) return false;
+    if (d.SZ >= (std::size_t{1} << 31) || MB >= (std::size_t{1} << 15)) return false;  // 32-bit indices
     const std::size_t per = gpu::ttt_scratch_elements(d.SZ, d.D, d.F, MB);
     return bytes_of<float>(N, s.width) != std::numeric_limits<std::size_t>::max() &&
            bytes_of<float>(s.batch * s.heads, per) != std::numeric_limits<std::size_t>::max();
@@ -223,10 +224,14 @@ template <bool Mlp, typename S>
 __global__ void __launch_bounds__(ttt_inner_threads)
     ttt_forward_kernel(inner_args a, const S* norm_w, const S* norm_b, const S* w1, const S* b1,
                        const S* w2, const S* b2, S* o_s, float* ckpt, float* scratch) {
+  // 32-bit indices inside a mini-batch (K·F, D·F < 2^32 for any head the launcher accepts;
+  // 64-bit only for the row offsets into [B·T, C]): the MLP kernel spilled with 64-bit ones.
   const std::size_t task = blockIdx.x;
-  const std::size_t b = task / a.H, h = task % a.H;
-  const std::size_t D = a.D, F = a.F, mb = a.mb, C = a.H * a.D, tid = threadIdx.x,
-                    nt = blockDim.x;
+  const std::size_t b = task / a.H;
+  const unsigned h = static_cast<unsigned>(task % a.H);
+  const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
+                 mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
+                 tid = threadIdx.x, nt = blockDim.x;
   float* W = scratch + task * ttt_scratch_elements(a.SZ, D, F, mb);
   float* W1 = W;
   float* B1 = W + D * F;
@@ -249,60 +254,61 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   float* lrm = sig2 + mb;
 
   // The learned initial state of head h.
-  for (std::size_t e = tid; e < D * F; e += nt) W1[e] = ld(w1, h * D * F + e);
-  for (std::size_t e = tid; e < F; e += nt) B1[e] = ld(b1, h * F + e);
+  for (unsigned e = tid; e < D * F; e += nt) W1[e] = ld(w1, h * D * F + e);
+  for (unsigned e = tid; e < F; e += nt) B1[e] = ld(b1, h * F + e);
   if constexpr (Mlp) {
-    for (std::size_t e = tid; e < F * D; e += nt) W2[e] = ld(w2, h * F * D + e);
-    for (std::size_t e = tid; e < D; e += nt) B2[e] = ld(b2, h * D + e);
+    for (unsigned e = tid; e < F * D; e += nt) W2[e] = ld(w2, h * F * D + e);
+    for (unsigned e = tid; e < D; e += nt) B2[e] = ld(b2, h * D + e);
   }
   __syncthreads();
 
   for (std::size_t m = 0; m < a.nmb; ++m) {
-    const std::size_t t0 = m * mb, K = (a.T - t0 < mb) ? a.T - t0 : mb;
+    const std::size_t t0 = m * mb;
+    const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
     const std::size_t r0 = (b * a.T + t0) * C + h * D;  // row i of q/k/v/o at r0 + i·C
     const float* q = a.q + r0;
     const float* k = a.k + r0;
     const float* v = a.v + r0;
     if (m % a.group == 0) {
       float* dst = ckpt + (task * a.ncp + m / a.group) * a.SZ;
-      for (std::size_t e = tid; e < a.SZ; e += nt) dst[e] = W[e];
+      for (unsigned e = tid; e < a.SZ; e += nt) dst[e] = W[e];
     }
-    for (std::size_t i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+    for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
     __syncthreads();
 
     // Z of the inner model at the mini-batch's starting state.
     if constexpr (Mlp) {
-      for (std::size_t e = tid; e < K * F; e += nt) {
-        const std::size_t i = e / F, f = e % F;
+      for (unsigned e = tid; e < K * F; e += nt) {
+        const unsigned i = e / F, f = e % F;
         float acc = 0.0f;
-        for (std::size_t c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * F + f];
+        for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * F + f];
         z1[e] = acc + B1[f];
         x2[e] = gelu_tanh_f(z1[e]);
       }
       __syncthreads();
-      for (std::size_t e = tid; e < K * D; e += nt) {
-        const std::size_t i = e / D, j = e % D;
+      for (unsigned e = tid; e < K * D; e += nt) {
+        const unsigned i = e / D, j = e % D;
         float acc = 0.0f;
-        for (std::size_t f = 0; f < F; ++f) acc += x2[i * F + f] * W2[f * D + j];
+        for (unsigned f = 0; f < F; ++f) acc += x2[i * F + f] * W2[f * D + j];
         z2[e] = acc + B2[j];
       }
     } else {
-      for (std::size_t e = tid; e < K * D; e += nt) {
-        const std::size_t i = e / D, j = e % D;
+      for (unsigned e = tid; e < K * D; e += nt) {
+        const unsigned i = e / D, j = e % D;
         float acc = 0.0f;
-        for (std::size_t c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * D + j];
+        for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * D + j];
         z2[e] = acc + B1[j];
       }
     }
     __syncthreads();
 
     // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one thread per row (as ttt_ln_l2).
-    for (std::size_t i = tid; i < K; i += nt) {
+    for (unsigned i = tid; i < K; i += nt) {
       const float sg = ln_row(z2 + i * D, D, a.eps, xh2 + i * D);
       sig2[i] = sg;
       float* gr = g2 + i * D;
       float s1 = 0.0f, s2 = 0.0f;
-      for (std::size_t j = 0; j < D; ++j) {
+      for (unsigned j = 0; j < D; ++j) {
         const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
         const float r = gam * xh2[i * D + j] + bet - (v[i * C + j] - k[i * C + j]);
         gr[j] = r * gam;
@@ -311,17 +317,17 @@ __global__ void __launch_bounds__(ttt_inner_threads)
       }
       s1 /= static_cast<float>(D);
       s2 /= static_cast<float>(D);
-      for (std::size_t j = 0; j < D; ++j) gr[j] = (gr[j] - s1 - xh2[i * D + j] * s2) / sg;
+      for (unsigned j = 0; j < D; ++j) gr[j] = (gr[j] - s1 - xh2[i * D + j] * s2) / sg;
     }
     // P1 = η ⊙ (tril(XQ·XKᵀ) + 1), η[i, s] = tok_i·lr_s.
-    for (std::size_t e = tid; e < K * K; e += nt) {
-      const std::size_t i = e / K, s = e % K;
+    for (unsigned e = tid; e < K * K; e += nt) {
+      const unsigned i = e / K, s = e % K;
       if (s > i) {
         att1[e] = 0.0f;
         p1[e] = 0.0f;
       } else {
         float acc = 0.0f;
-        for (std::size_t c = 0; c < D; ++c) acc += q[i * C + c] * k[s * C + c];
+        for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * k[s * C + c];
         att1[e] = acc;
         p1[e] = a.tok[i] * lrm[s] * (acc + 1.0f);
       }
@@ -329,55 +335,55 @@ __global__ void __launch_bounds__(ttt_inner_threads)
     __syncthreads();
     if constexpr (Mlp) {
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1).
-      for (std::size_t e = tid; e < K * F; e += nt) {
-        const std::size_t i = e / F, f = e % F;
+      for (unsigned e = tid; e < K * F; e += nt) {
+        const unsigned i = e / F, f = e % F;
         float acc = 0.0f;
-        for (std::size_t j = 0; j < D; ++j) acc += g2[i * D + j] * W2[f * D + j];
+        for (unsigned j = 0; j < D; ++j) acc += g2[i * D + j] * W2[f * D + j];
         g1[e] = acc * gelu_tanh_d1(z1[e]);
       }
       __syncthreads();
       // Zbar1 = XQ·W1 + b1 − P1·G1, X2bar = GELU(Zbar1).
-      for (std::size_t e = tid; e < K * F; e += nt) {
-        const std::size_t i = e / F, f = e % F;
+      for (unsigned e = tid; e < K * F; e += nt) {
+        const unsigned i = e / F, f = e % F;
         float acc = 0.0f;
-        for (std::size_t c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * F + f];
+        for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * F + f];
         acc += B1[f];
         float pg = 0.0f;
-        for (std::size_t s = 0; s <= i; ++s) pg += p1[i * K + s] * g1[s * F + f];
+        for (unsigned s = 0; s <= i; ++s) pg += p1[i * K + s] * g1[s * F + f];
         z1b[e] = acc - pg;
         x2b[e] = gelu_tanh_f(z1b[e]);
       }
       __syncthreads();
-      for (std::size_t e = tid; e < K * K; e += nt) {
-        const std::size_t i = e / K, s = e % K;
+      for (unsigned e = tid; e < K * K; e += nt) {
+        const unsigned i = e / K, s = e % K;
         if (s > i) {
           att2[e] = 0.0f;
           p2[e] = 0.0f;
         } else {
           float acc = 0.0f;
-          for (std::size_t f = 0; f < F; ++f) acc += x2b[i * F + f] * x2[s * F + f];
+          for (unsigned f = 0; f < F; ++f) acc += x2b[i * F + f] * x2[s * F + f];
           att2[e] = acc;
           p2[e] = a.tok[i] * lrm[s] * (acc + 1.0f);
         }
       }
       __syncthreads();
-      for (std::size_t e = tid; e < K * D; e += nt) {
-        const std::size_t i = e / D, j = e % D;
+      for (unsigned e = tid; e < K * D; e += nt) {
+        const unsigned i = e / D, j = e % D;
         float acc = 0.0f;
-        for (std::size_t f = 0; f < F; ++f) acc += x2b[i * F + f] * W2[f * D + j];
+        for (unsigned f = 0; f < F; ++f) acc += x2b[i * F + f] * W2[f * D + j];
         acc += B2[j];
         float pg = 0.0f;
-        for (std::size_t s = 0; s <= i; ++s) pg += p2[i * K + s] * g2[s * D + j];
+        for (unsigned s = 0; s <= i; ++s) pg += p2[i * K + s] * g2[s * D + j];
         zb[e] = acc - pg;
       }
     } else {
-      for (std::size_t e = tid; e < K * D; e += nt) {
-        const std::size_t i = e / D, j = e % D;
+      for (unsigned e = tid; e < K * D; e += nt) {
+        const unsigned i = e / D, j = e % D;
         float acc = 0.0f;
-        for (std::size_t c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * D + j];
+        for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * D + j];
         acc += B1[j];
         float pg = 0.0f;
-        for (std::size_t s = 0; s <= i; ++s) pg += p1[i * K + s] * g2[s * D + j];
+        for (unsigned s = 0; s <= i; ++s) pg += p1[i * K + s] * g2[s * D + j];
         zb[e] = acc - pg;
       }
     }
@@ -385,11 +391,11 @@ __global__ void __launch_bounds__(ttt_inner_threads)
 
     // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; one thread per row
     // (x̂ overwrites Zbar's row: nothing reads it later).
-    for (std::size_t i = tid; i < K; i += nt) {
+    for (unsigned i = tid; i < K; i += nt) {
       float* zr = zb + i * D;
       ln_row(zr, D, a.eps, zr);
       const std::size_t r = r0 + i * C;
-      for (std::size_t j = 0; j < D; ++j) {
+      for (unsigned j = 0; j < D; ++j) {
         const float out = q[i * C + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
         st(o_s, r + j, out);
       }
@@ -399,27 +405,27 @@ __global__ void __launch_bounds__(ttt_inner_threads)
     // the state after the last barrier, so it is updated in place.
     const float tl = a.tok[K - 1];
     const float* ga = Mlp ? g1 : g2;
-    for (std::size_t e = tid; e < D * F; e += nt) {
-      const std::size_t c = e / F, f = e % F;
+    for (unsigned e = tid; e < D * F; e += nt) {
+      const unsigned c = e / F, f = e % F;
       float acc = 0.0f;
-      for (std::size_t s = 0; s < K; ++s) acc += k[s * C + c] * (tl * lrm[s] * ga[s * F + f]);
+      for (unsigned s = 0; s < K; ++s) acc += k[s * C + c] * (tl * lrm[s] * ga[s * F + f]);
       W1[e] -= acc;
     }
-    for (std::size_t f = tid; f < F; f += nt) {
+    for (unsigned f = tid; f < F; f += nt) {
       float acc = B1[f];
-      for (std::size_t s = 0; s < K; ++s) acc -= tl * lrm[s] * ga[s * F + f];
+      for (unsigned s = 0; s < K; ++s) acc -= tl * lrm[s] * ga[s * F + f];
       B1[f] = acc;
     }
     if constexpr (Mlp) {
-      for (std::size_t e = tid; e < F * D; e += nt) {
-        const std::size_t f = e / D, j = e % D;
+      for (unsigned e = tid; e < F * D; e += nt) {
+        const unsigned f = e / D, j = e % D;
         float acc = 0.0f;
-        for (std::size_t s = 0; s < K; ++s) acc += x2[s * F + f] * (tl * lrm[s] * g2[s * D + j]);
+        for (unsigned s = 0; s < K; ++s) acc += x2[s * F + f] * (tl * lrm[s] * g2[s * D + j]);
         W2[e] -= acc;
       }
-      for (std::size_t j = tid; j < D; j += nt) {
+      for (unsigned j = tid; j < D; j += nt) {
         float acc = B2[j];
-        for (std::size_t s = 0; s < K; ++s) acc -= tl * lrm[s] * g2[s * D + j];
+        for (unsigned s = 0; s < K; ++s) acc -= tl * lrm[s] * g2[s * D + j];
         B2[j] = acc;
       }
     }
