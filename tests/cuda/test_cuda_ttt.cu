@@ -2,8 +2,8 @@
 // inputs in the same process: the output y and the whole saved buffer (the inner-state
 // checkpoints, fp32, and the heads' output before the post norm), for fp32 and bf16 storage,
 // with and without the gate, a short last mini-batch, b = 1, T < b, G = 1, 2 and all;
-// bit-identical repeats and bit-identical y across G; typed errors for what has no device
-// kernels yet (backward, the decoding step). Without a device it exits 77 (skipped).
+// bit-identical repeats and bit-identical y across G; the decoding step equals the forward's row;
+// typed errors (backward has no device kernels yet and throws). Without a device it exits 77.
 //
 // Tolerances, |got − want| / (|want| + floor), floor = 1e-2:
 //   fp32: TF32 is off in the GEMMs and the inner loop sums in fp32 in another order than Eigen:
@@ -193,6 +193,59 @@ void mlp_fp32() { kind_matches_cpu<true, mb::fp32_precision>(1e-5); }
 void linear_bf16() { kind_matches_cpu<false, mb::bf16_precision>(4e-2); }
 void mlp_bf16() { kind_matches_cpu<true, mb::bf16_precision>(4e-2); }
 
+// The decoding step on the device, token by token from make_state, equals the device forward's
+// row t (same kernels' arithmetic up to the order of the running sums: tolerance as fp32 above),
+// across two mini-batch boundaries and a partial third.
+template <bool Mlp, typename Precision>
+void step_equals_forward(double tol, bool gate) {
+  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<4>, mb::ttt_checkpoint_groups<2>,
+                              mb::cuda_backend>;
+  using S = typename gpu_l::storage_type;
+  mb::ttt_shape s{2, 11, 16, 2};
+  s.use_gate = gate;
+  const std::size_t B = s.batch, T = s.seq, C = s.width;
+  const host_weights<S> hw(s, gpu_l::hidden(s), 4, Mlp);
+  const auto x = random_values<S>(B * T * C, 30, 1.0f);
+  mb::cuda_executor ex;
+  device_weights<S> dw(hw);
+  const auto wd = weights_of<gpu_l>(dw, Mlp);
+  mbt::device_buffer<S> dx(x), dy(B * T * C);
+  mbt::device_buffer<std::uint8_t> saved(gpu_l::saved_bytes(s));
+  const std::size_t fws = gpu_l::forward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> ws(fws);
+  gpu_l::forward(s, wd, dx.get(), dy.get(), saved.get(), saved.size(), ws.get(), fws, ex);
+  ex.synchronize();
+  const auto y_full = dy.download();
+
+  mbt::device_buffer<std::uint8_t> state(gpu_l::state_bytes(s));
+  auto st = gpu_l::make_state(s, wd, state.get(), state.size());
+  const std::size_t sws = gpu_l::step_workspace_bytes(s);
+  mbt::device_buffer<std::uint8_t> sw(sws);
+  mbt::device_buffer<S> xt(B * C), yt(B * C);
+  std::vector<double> got, want;
+  for (std::size_t t = 0; t < T; ++t) {
+    std::vector<S> row(B * C);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c) row[b * C + c] = x[(b * T + t) * C + c];
+    xt.upload(row);
+    gpu_l::step(s, wd, st, xt.get(), yt.get(), sw.get(), sws, ex);
+    ex.synchronize();
+    const auto y = yt.download();
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c) {
+        got.push_back(static_cast<double>(mb::to_accum<float>(y[b * C + c])));
+        want.push_back(static_cast<double>(mb::to_accum<float>(y_full[(b * T + t) * C + c])));
+      }
+  }
+  CHECK(st.position == T);
+  mbt::close("step vs forward row", got, want, tol, 1e-2);
+}
+
+void step_fp32() {
+  step_equals_forward<false, mb::fp32_precision>(1e-5, false);
+  step_equals_forward<true, mb::fp32_precision>(1e-5, true);
+}
+
 void typed_errors() {
   using gpu_l = mb::ttt_linear<mb::fp32_precision, mb::cuda_backend>;
   const mb::ttt_shape s{1, 4, 8, 2};
@@ -218,7 +271,7 @@ void typed_errors() {
                gpu_l::backward(s, wd, x.get(), saved.get(), saved.size(), y.get(), dx.get(), gr,
                                ws.get(), fws, ex));
   mbt::device_buffer<std::uint8_t> state(gpu_l::state_bytes(s));
-  EXPECT_THROW(mb::invalid_argument, gpu_l::make_state(s, wd, state.get(), state.size()));
+  EXPECT_THROW(mb::workspace_too_small, gpu_l::make_state(s, wd, state.get(), state.size() - 1));
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
 }
 
@@ -230,6 +283,7 @@ int main() {
       {"ttt_mlp cuda_backend fp32 forward equals the CPU backend", mlp_fp32},
       {"ttt_linear cuda_backend bf16 forward within the stated bound", linear_bf16},
       {"ttt_mlp cuda_backend bf16 forward within the stated bound", mlp_bf16},
+      {"ttt cuda_backend step equals the forward's row", step_fp32},
       {"ttt cuda_backend typed errors", typed_errors},
   };
   return mbt::run_suite("test_cuda_ttt", cases);

@@ -202,7 +202,6 @@ class basic_ttt {
     }
     detail::check_aligned(data, alignof(A), "state");
     check_weights(s, w);
-    if constexpr (!on_cpu) device_kernels::unsupported("make_state");
     state st{data, bytes, 0};
     reset(s, w, st);
     return st;
@@ -210,15 +209,18 @@ class basic_ttt {
   // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
   // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    if constexpr (!on_cpu) device_kernels::unsupported("reset");
-    const std::size_t SZ = inner_elements(s);
-    A* p = static_cast<A*>(st.data);
-    for (std::size_t b = 0; b < s.batch; ++b)
-      for (std::size_t h = 0; h < s.heads; ++h) {
-        A* q = p + (b * s.heads + h) * 2 * SZ;
-        load_initial(s, w, h, q);
-        std::fill(q + SZ, q + 2 * SZ, A(0));
-      }
+    if constexpr (!on_cpu) {  // on the device; returns once the state is written
+      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data));
+    } else {
+      const std::size_t SZ = inner_elements(s);
+      A* p = static_cast<A*>(st.data);
+      for (std::size_t b = 0; b < s.batch; ++b)
+        for (std::size_t h = 0; h < s.heads; ++h) {
+          A* q = p + (b * s.heads + h) * 2 * SZ;
+          load_initial(s, w, h, q);
+          std::fill(q + SZ, q + 2 * SZ, A(0));
+        }
+    }
     st.position = 0;
   }
 
@@ -453,9 +455,15 @@ class basic_ttt {
     check_weights(s, w);
     detail::not_null(x_t, "x_t");
     detail::not_null(y_t, "y_t");
+    if (st.data == nullptr || st.bytes < state_bytes(s)) {
+      throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
+    }
+    detail::check_aligned(st.data, alignof(A), "state");
     if constexpr (!on_cpu) {
-      (void)st, (void)workspace, (void)workspace_size, (void)pool;
-      device_kernels::unsupported("step");
+      device_kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data),
+                                                   st.position % mb, x_t, y_t, workspace,
+                                                   workspace_size, pool);
+      ++st.position;
     } else {
       step_cpu(s, w, st, x_t, y_t, workspace, workspace_size, pool);
     }
@@ -464,10 +472,6 @@ class basic_ttt {
  private:
   static void step_cpu(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
                        void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    if (st.data == nullptr || st.bytes < state_bytes(s)) {
-      throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
-    }
-    detail::check_aligned(st.data, alignof(A), "state");
     ttt_shape one = s;
     one.seq = 1;
     const auto ws = detail::carve_named(forward_layout(one, 1, true), step_workspace_bytes(s), workspace,

@@ -17,8 +17,8 @@
 // TTT-Linear up to head_dim ≈ 100 in 227 KiB, never for TTT-MLP at head_dim 128: W1 alone is
 // 256 KiB) and tensor-core products are the next step, not done here.
 //
-// Not on the device yet: backward, the decoding step and its state (make_state, reset); they
-// throw invalid_argument naming the backend (see unsupported()).
+// The decoding step (ttt_step_kernel) and its state (make_state, reset) run on the device too.
+// Not on the device yet: backward; it throws invalid_argument naming the backend (unsupported()).
 //
 // Determinism: every sum runs in a fixed order inside one thread (no atomics, no split
 // reductions), so the forward is bit-identical across runs and across the checkpoint group G
@@ -91,17 +91,21 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s) {
     return forward_workspace_bytes<Mlp, MB, S>(s);
   }
+  // The forward's layout at T = 1, plus the heads' output [B, C] in storage (forward writes it
+  // into `saved`; decoding has none).
   template <bool Mlp, std::size_t MB, typename S>
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) {
     ttt_shape one = s;
     one.seq = 1;
-    return forward_workspace_bytes<Mlp, MB, S>(one);
+    const std::size_t f = forward_workspace_bytes<Mlp, MB, S>(one);
+    if (f == std::numeric_limits<std::size_t>::max()) return f;
+    return step_layout<Mlp, MB, S>(one).size();
   }
 
   // What has no device kernels yet: a typed error naming the backend, thrown before any buffer
   // is touched.
   [[noreturn]] static void unsupported(const char* what) {
-    throw invalid_argument("backend", "cpu_backend (the TTT layers' device kernels cover forward only)",
+    throw invalid_argument("backend", "cpu_backend (the TTT layers' device kernels cover forward and step only)",
                            "cuda_backend",
                            std::string("basic_ttt<..., cuda_backend>::") + what +
                                " has no CUDA kernels yet; run it with cpu_backend");
@@ -113,7 +117,29 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename Weights>
   static void forward(const ttt_shape& s, const Weights& w, const S* x, S* y, A* ckpt, S* o_s,
                       void* workspace, std::size_t workspace_size, const cuda_executor& ex);
+  // One decoding token per sequence at mini-batch position i (st: [B·H, 2, SZ] fp32, the
+  // starting state then the running sums, as on the CPU). The layer checked the state.
+  template <bool Mlp, std::size_t MB, typename S, typename A, typename Weights>
+  static void step(const ttt_shape& s, const Weights& w, A* state, std::size_t i, const S* x_t,
+                   S* y_t, void* workspace, std::size_t workspace_size, const cuda_executor& ex);
+  // The state from the layer's W1, b1 (W2, b2), sums zeroed. make_state/reset take no executor:
+  // this runs on the legacy default stream and waits for it, so the state is ready for any
+  // stream afterwards.
+  template <bool Mlp, typename A, typename Weights>
+  static void reset_state(const ttt_shape& s, const Weights& w, A* state);
 #else
+  template <bool Mlp, std::size_t MB, typename S, typename A, typename... Args>
+  static void step(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: basic_ttt<..., cuda_backend>::step launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <bool Mlp, typename A, typename... Args>
+  static void reset_state(Args&&...) {
+    static_assert(dependent_false<A>,
+                  "membound: basic_ttt<..., cuda_backend>::make_state/reset launch CUDA kernels; "
+                  "compile this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename... Args>
   static void forward(Args&&...) {
     static_assert(dependent_false<S, A>,
@@ -154,6 +180,14 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     l.add(bytes_of<S>(N, C));
     return l;
   }
+  enum step_slot : std::size_t { s_forward, s_o };
+  template <bool Mlp, std::size_t MB, typename S>
+  static constexpr workspace_layout<2> step_layout(const ttt_shape& one) {
+    workspace_layout<2> l;
+    l.add(forward_layout<Mlp, MB, S>(one).size(), gpu::gemm_workspace_alignment);
+    l.add(bytes_of<S>(one.batch, one.width));
+    return l;
+  }
 };
 
 #if MEMBOUND_CUDA_COMPILER
@@ -165,13 +199,14 @@ using detail::ld;
 using detail::st;
 
 // RoPE on interleaved pairs at position (n mod T) mod period; one thread per (row, pair, head).
+// fixed < period: every row at that position instead (decoding).
 __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t H, std::size_t D,
-                            double base, std::size_t period) {
+                            double base, std::size_t period, std::size_t fixed) {
   const std::size_t half = D / 2;
   const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= N * H * half) return;
   const std::size_t n = e / (H * half), h = (e / half) % H, i = e % half;
-  const double position = static_cast<double>((n % T) % period);
+  const double position = static_cast<double>(fixed < period ? fixed : (n % T) % period);
   const double inv_freq = ::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
   const double angle = position * inv_freq;
   const float c = static_cast<float>(::cos(angle)), sn = static_cast<float>(::sin(angle));
@@ -459,6 +494,158 @@ __global__ void __launch_bounds__(detail::row_threads)
   }
 }
 
+// One decoding token of one (batch, head) per CTA, the CPU step's arithmetic: the token's
+// gradients at the mini-batch's starting state W join the running sums Σ (lr_t-weighted), the
+// output goes through W − tok_i·Σ, and the mini-batch's last token folds that into W.
+// q, k, v [B, C]; lr [B, H]; o_s [B, C] (storage); scratch per CTA ttt_scratch_elements(.., 1).
+template <bool Mlp, typename S>
+__global__ void __launch_bounds__(ttt_inner_threads)
+    ttt_step_kernel(inner_args a, unsigned i_pos, const S* norm_w, const S* norm_b, float* state,
+                    S* o_s, float* scratch) {
+  const std::size_t task = blockIdx.x;
+  const std::size_t b = task / a.H;
+  const unsigned h = static_cast<unsigned>(task % a.H);
+  const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
+                 C = static_cast<unsigned>(a.H * a.D), SZ = static_cast<unsigned>(a.SZ),
+                 tid = threadIdx.x, nt = blockDim.x;
+  float* W = state + task * 2 * a.SZ;
+  float* Gs = W + a.SZ;
+  float* We = scratch + task * ttt_scratch_elements(a.SZ, D, F, 1);  // the effective state
+  float* z1 = We + a.SZ;
+  float* x2 = z1 + F;
+  float* g1 = x2 + F;
+  float* z1b = g1 + F;
+  float* x2b = z1b + F;
+  float* z2 = x2b + F;
+  float* xh2 = z2 + D;
+  float* g2 = xh2 + D;
+  float* zb = g2 + D;
+  const std::size_t r0 = b * C + h * D;
+  const float* q = a.q + r0;
+  const float* k = a.k + r0;
+  const float* v = a.v + r0;
+  const float lr_t = a.lr[b * a.H + h];
+  const float tok_i = a.tok[i_pos];
+  const unsigned w2o = D * F + F, b2o = 2 * D * F + F;  // W2, b2 inside a state
+
+  if constexpr (Mlp) {
+    for (unsigned f = tid; f < F; f += nt) {
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += k[c] * W[c * F + f];
+      z1[f] = acc + W[D * F + f];
+      x2[f] = gelu_tanh_f(z1[f]);
+    }
+    __syncthreads();
+    for (unsigned j = tid; j < D; j += nt) {
+      float acc = 0.0f;
+      for (unsigned f = 0; f < F; ++f) acc += x2[f] * W[w2o + f * D + j];
+      z2[j] = acc + W[b2o + j];
+    }
+  } else {
+    for (unsigned j = tid; j < D; j += nt) {
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += k[c] * W[c * D + j];
+      z2[j] = acc + W[D * D + j];
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {  // the inner loss's gradient through the LayerNorm (one row)
+    const float sg = ln_row(z2, D, a.eps, xh2);
+    float s1 = 0.0f, s2 = 0.0f;
+    for (unsigned j = 0; j < D; ++j) {
+      const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
+      const float r = gam * xh2[j] + bet - (v[j] - k[j]);
+      g2[j] = r * gam;
+      s1 += g2[j];
+      s2 += g2[j] * xh2[j];
+    }
+    s1 /= static_cast<float>(D);
+    s2 /= static_cast<float>(D);
+    for (unsigned j = 0; j < D; ++j) g2[j] = (g2[j] - s1 - xh2[j] * s2) / sg;
+  }
+  __syncthreads();
+  if constexpr (Mlp) {
+    for (unsigned f = tid; f < F; f += nt) {
+      float acc = 0.0f;
+      for (unsigned j = 0; j < D; ++j) acc += g2[j] * W[w2o + f * D + j];
+      g1[f] = acc * gelu_tanh_d1(z1[f]);
+    }
+    __syncthreads();
+  }
+  // Σ += lr_t·xᵀ·g per layer, then the effective state, element by element (one thread each).
+  const float* ga = Mlp ? g1 : g2;
+  for (unsigned e = tid; e < SZ; e += nt) {
+    float add;
+    if (e < D * F) {
+      add = lr_t * k[e / F] * ga[e % F];
+    } else if (e < D * F + F) {
+      add = lr_t * ga[e - D * F];
+    } else if (e < b2o) {
+      add = lr_t * x2[(e - w2o) / D] * g2[(e - w2o) % D];
+    } else {
+      add = lr_t * g2[e - b2o];
+    }
+    Gs[e] += add;
+    We[e] = W[e] - tok_i * Gs[e];
+  }
+  __syncthreads();
+  if constexpr (Mlp) {
+    for (unsigned f = tid; f < F; f += nt) {
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += q[c] * We[c * F + f];
+      z1b[f] = acc + We[D * F + f];
+      x2b[f] = gelu_tanh_f(z1b[f]);
+    }
+    __syncthreads();
+    for (unsigned j = tid; j < D; j += nt) {
+      float acc = 0.0f;
+      for (unsigned f = 0; f < F; ++f) acc += x2b[f] * We[w2o + f * D + j];
+      zb[j] = acc + We[b2o + j];
+    }
+  } else {
+    for (unsigned j = tid; j < D; j += nt) {
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += q[c] * We[c * D + j];
+      zb[j] = acc + We[D * D + j];
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    ln_row(zb, D, a.eps, zb);
+    for (unsigned j = 0; j < D; ++j)
+      st(o_s, r0 + j, q[j] + ld(norm_w, h * D + j) * zb[j] + ld(norm_b, h * D + j));
+  }
+  if (i_pos + 1 == a.mb) {  // the mini-batch ends: its last effective state starts the next
+    for (unsigned e = tid; e < SZ; e += nt) {
+      W[e] = We[e];
+      Gs[e] = 0.0f;
+    }
+  }
+}
+
+// The decoding state from the learned initial state of each head; the running sums zeroed.
+template <typename S>
+__global__ void ttt_reset_kernel(float* state, std::size_t H, std::size_t D, std::size_t F,
+                                 std::size_t SZ, bool mlp, const S* w1, const S* b1, const S* w2,
+                                 const S* b2) {
+  const std::size_t task = blockIdx.x, h = task % H;
+  float* W = state + task * 2 * SZ;
+  for (std::size_t e = threadIdx.x; e < SZ; e += blockDim.x) {
+    float v;
+    if (e < D * F) {
+      v = ld(w1, h * D * F + e);
+    } else if (e < D * F + F) {
+      v = ld(b1, h * F + (e - D * F));
+    } else if (mlp && e < 2 * D * F + F) {
+      v = ld(w2, h * F * D + (e - D * F - F));
+    } else {
+      v = ld(b2, h * D + (e - 2 * D * F - F));
+    }
+    W[e] = v;
+    W[SZ + e] = 0.0f;
+  }
+}
+
 inline unsigned blocks_for(std::size_t n, std::size_t threads) {
   return detail::grid_for(n, threads);
 }
@@ -493,9 +680,9 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
   gpu::matmul(ctx, x, w.wk, k, N, C, C, false);
   gpu::matmul(ctx, x, w.wv, v, N, C, C, false);
   const std::size_t pairs = N * H * (d.D / 2);
-  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(q, N, T, H, d.D, s.rope_base, MB);
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(q, N, T, H, d.D, s.rope_base, MB, MB);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
-  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(k, N, T, H, d.D, s.rope_base, MB);
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(k, N, T, H, d.D, s.rope_base, MB, MB);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
   gpu::matmul_bt(ctx, x, w.lr_w, lr, N, C, H, false);
   const float scale = static_cast<float>(s.base_lr / static_cast<double>(d.D));
@@ -519,6 +706,73 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
       o_s, w.post_w, w.post_b, gpre, pn, C, 1e-6f);
   cuda_check(cudaGetLastError(), "ttt_post_norm_kernel launch");
   gpu::matmul(ctx, static_cast<const S*>(pn), w.wo, y, N, C, C, false);
+}
+
+template <bool Mlp, std::size_t MB, typename S, typename A, typename Weights>
+void backend_kernels<cuda_backend, ttt_shape>::step(const ttt_shape& s, const Weights& w, A* state,
+                                                     std::size_t i, const S* x_t, S* y_t,
+                                                     void* workspace, std::size_t workspace_size,
+                                                     const cuda_executor& ex) {
+  check_types<S, A>();
+  namespace td = gpu::ttt_detail;
+  ttt_shape one = s;
+  one.seq = 1;
+  const auto outer = carve(step_layout<Mlp, MB, S>(one), workspace, workspace_size);
+  const auto fl = forward_layout<Mlp, MB, S>(one);
+  const auto ws = carve(fl, outer.template get<std::byte>(s_forward), fl.size());
+  S* o_s = outer.template get<S>(s_o);
+  const auto d = gpu::ttt_dims::of(s, Mlp);
+  const std::size_t B = s.batch, C = s.width, H = s.heads;
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(f_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  float* q = ws.template get<float>(f_q);
+  float* k = ws.template get<float>(f_k);
+  float* v = ws.template get<float>(f_v);
+  float* lr = ws.template get<float>(f_lr);
+  float* tok = ws.template get<float>(f_tok);
+  float* scratch = ws.template get<float>(f_scratch);
+  S* pn = ws.template get<S>(f_pn);
+  const cudaStream_t st = ex.stream();
+
+  gpu::matmul(ctx, x_t, w.wq, q, B, C, C, false);
+  gpu::matmul(ctx, x_t, w.wk, k, B, C, C, false);
+  gpu::matmul(ctx, x_t, w.wv, v, B, C, C, false);
+  const std::size_t pairs = B * H * (d.D / 2);
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(q, B, 1, H, d.D, s.rope_base, MB, i);
+  cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(k, B, 1, H, d.D, s.rope_base, MB, i);
+  cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
+  gpu::matmul_bt(ctx, x_t, w.lr_w, lr, B, C, H, false);
+  const float scale = static_cast<float>(s.base_lr / static_cast<double>(d.D));
+  const std::size_t rate_n = B * H > MB ? B * H : MB;
+  td::rates_kernel<S><<<td::blocks_for(rate_n, 256), 256, 0, st>>>(lr, w.lr_b, B, H, scale,
+                                                                   w.tok_offset, tok, MB);
+  cuda_check(cudaGetLastError(), "ttt rates_kernel launch");
+  const td::inner_args args{q, k, v, lr, tok, 1, H, d.D, d.F, d.SZ, MB, 1, 1, 1, 1e-6f};
+  td::ttt_step_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_inner_threads, 0, st>>>(
+      args, static_cast<unsigned>(i), w.ttt_norm_w, w.ttt_norm_b, state, o_s, scratch);
+  cuda_check(cudaGetLastError(), "ttt_step_kernel launch");
+  const float* gpre = nullptr;
+  if (s.use_gate) {
+    gpu::matmul(ctx, x_t, w.wg, k, B, C, C, false);
+    gpre = k;
+  }
+  td::ttt_post_norm_kernel<S><<<static_cast<unsigned>(B), gpu::detail::row_threads, 0, st>>>(
+      o_s, w.post_w, w.post_b, gpre, pn, C, 1e-6f);
+  cuda_check(cudaGetLastError(), "ttt_post_norm_kernel launch");
+  gpu::matmul(ctx, static_cast<const S*>(pn), w.wo, y_t, B, C, C, false);
+}
+
+template <bool Mlp, typename A, typename Weights>
+void backend_kernels<cuda_backend, ttt_shape>::reset_state(const ttt_shape& s, const Weights& w,
+                                                            A* state) {
+  const auto d = gpu::ttt_dims::of(s, Mlp);
+  using S = std::remove_cv_t<std::remove_pointer_t<decltype(w.w1)>>;
+  check_types<S, A>();
+  gpu::ttt_detail::ttt_reset_kernel<S><<<static_cast<unsigned>(s.batch * s.heads), 256, 0, 0>>>(
+      state, s.heads, d.D, d.F, d.SZ, Mlp, w.w1, w.b1, w.w2, w.b2);
+  cuda_check(cudaGetLastError(), "ttt_reset_kernel launch");
+  cuda_check(cudaStreamSynchronize(0), "cudaStreamSynchronize (ttt reset)");
 }
 
 #endif  // MEMBOUND_CUDA_COMPILER
