@@ -165,7 +165,9 @@ std::vector<std::uint8_t> compare(const mb::ttt_shape& s, double tolerance) {
   // The saved buffer: fp32 checkpoints first, then the heads' output in storage.
   const std::size_t ck = cpu_l::saved_state_bytes(s);
   const std::size_t ob = N * C * sizeof(S);
-  const std::size_t o_at = saved_c.size() - ob;  // the layout puts o last (aligned)
+  // The layout puts o after the checkpoints, at the next default_alignment boundary.
+  const std::size_t o_at = (ck + mb::default_alignment - 1) / mb::default_alignment * mb::default_alignment;
+  CHECK(o_at + ob <= saved_c.size());
   mbt::close("saved checkpoints", as_double(from_bytes<float>(first.saved.data(), ck)),
              as_double(from_bytes<float>(saved_c.data(), ck)), tolerance, floor);
   mbt::close("saved heads' output", as_double(from_bytes<S>(first.saved.data() + o_at, ob)),
