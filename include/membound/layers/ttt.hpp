@@ -15,6 +15,10 @@
 // ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// With cuda_backend in the policies every pointer is device memory, the executor is a
+// cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
+// membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
+// workspace is the device's own. The device backward is not written yet: it throws.
 #pragma once
 
 #include <algorithm>
