@@ -16,3 +16,4 @@
 #include "membound/backend/cuda/mlp_cuda.cuh"
 #include "membound/backend/cuda/lm_head_cuda.cuh"
 #include "membound/backend/cuda/mamba_cuda.cuh"
+#include "membound/backend/cuda/ttt_cuda.cuh"

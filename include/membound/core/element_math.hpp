@@ -137,4 +137,35 @@ MEMBOUND_HOST_DEVICE inline void adamw_step(const adamw_coefficients<T>& k, T g,
   p -= k.step * m / (detail::sqrt_of(v * k.inv_b2t) + k.eps);
 }
 
+// GELU, tanh form (ttt-lm-pytorch's, the TTT layers' inner MLP and gate), and its first two
+// derivatives: the same expressions as cpu::gelu_tanh, for the CUDA TTT kernels.
+namespace detail {
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A tanh_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::tanh(v);
+#else
+  return std::tanh(v);
+#endif
+}
+}  // namespace detail
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A gelu_tanh_f(A x) {
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  return A(0.5) * x * (A(1) + detail::tanh_of(c * (x + a * x * x * x)));
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A gelu_tanh_d1(A x) {
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  const A t = detail::tanh_of(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+  return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * u1;
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A gelu_tanh_d2(A x) {
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  const A t = detail::tanh_of(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+  const A u2 = A(6) * a * c * x;
+  return (A(1) - t * t) * (u1 - x * t * u1 * u1 + A(0.5) * x * u2);
+}
+
 MEMBOUND_NAMESPACE_END

@@ -15,6 +15,10 @@
 // ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// With cuda_backend in the policies every pointer is device memory, the executor is a
+// cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
+// membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
+// workspace is the device's own. The device backward is not written yet: it throws.
 #pragma once
 
 #include <algorithm>
@@ -33,6 +37,7 @@
 #include "membound/core/type_list.hpp"
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
+#include "membound/policy/backend.hpp"
 #include "membound/policy/checkpoint.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
@@ -44,8 +49,11 @@ MEMBOUND_NAMESPACE_BEGIN
 template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
-  using policies = policy_set<type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>>,
-                              Policies...>;
+  using policies = policy_set<
+      type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>, cpu_backend>,
+      Policies...>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using chunking = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
@@ -78,6 +86,9 @@ class basic_ttt {
   static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr std::size_t mb = mini_batch;
   static constexpr A ln_eps = A(1e-6);
+  // cuda_backend: backend/cuda/ttt_cuda.cuh's kernels (include membound/backend/cuda.cuh, nvcc).
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using device_kernels = backend_kernels<backend, ttt_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -126,12 +137,14 @@ class basic_ttt {
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device_kernels::template forward_workspace_bytes<Mlp, mb, S>(s);
     const std::size_t b[] = {w_acc_bytes(s), wide(s), task_scratch(s, threads, false)};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, S>(s);
     const std::size_t b[] = {w_acc_bytes(s), wide(s), partial_bytes(s),
                              task_scratch(s, threads, true)};
     return detail::fits_layout(b) ? backward_layout(s, threads).size()
@@ -143,6 +156,7 @@ class basic_ttt {
     return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
+    if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
     ttt_shape one = s;
     one.seq = 1;
     const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s))};
@@ -199,25 +213,43 @@ class basic_ttt {
   // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
   // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    const std::size_t SZ = inner_elements(s);
-    A* p = static_cast<A*>(st.data);
-    for (std::size_t b = 0; b < s.batch; ++b)
-      for (std::size_t h = 0; h < s.heads; ++h) {
-        A* q = p + (b * s.heads + h) * 2 * SZ;
-        load_initial(s, w, h, q);
-        std::fill(q + SZ, q + 2 * SZ, A(0));
-      }
+    if constexpr (!on_cpu) {  // on the device; returns once the state is written
+      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data));
+    } else {
+      const std::size_t SZ = inner_elements(s);
+      A* p = static_cast<A*>(st.data);
+      for (std::size_t b = 0; b < s.batch; ++b)
+        for (std::size_t h = 0; h < s.heads; ++h) {
+          A* q = p + (b * s.heads + h) * 2 * SZ;
+          load_initial(s, w, h, q);
+          std::fill(q + SZ, q + 2 * SZ, A(0));
+        }
+    }
     st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
+    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
+      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+      device_kernels::template forward<Mlp, mb, group, S, A>(
+          s, w, x, y, dsv.template get<A>(s_ckpt), dsv.template get<S>(s_o), workspace,
+          workspace_size, pool);
+    } else {
+      forward_cpu(s, w, x, y, saved, saved_size, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void forward_cpu(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
+                          std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                          thread_pool& pool) {
     const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     const auto ws = detail::carve_named(forward_layout(s, threads),
@@ -258,16 +290,29 @@ class basic_ttt {
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
   }
 
+ public:
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const ttt_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                       void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(dy, "dy");
     detail::not_null(dx, "dx");
     check_gradients(s, g);
+    if constexpr (!on_cpu) {
+      (void)saved, (void)saved_size, (void)workspace, (void)workspace_size, (void)pool;
+      device_kernels::unsupported("backward");
+    } else {
+      backward_cpu(s, w, x, saved, saved_size, dy, dx, g, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void backward_cpu(const ttt_shape& s, const weights& w, const S* x, const void* saved,
+                           std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                           void* workspace, std::size_t workspace_size, thread_pool& pool) {
     const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
@@ -403,12 +448,13 @@ class basic_ttt {
     cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
   }
 
+ public:
   // ---- Decoding ------------------------------------------------------------------------------
   // One token per sequence: x_t [B, C] -> y_t [B, C] at position state.position. Token i of a
   // mini-batch uses W − tok_i·Σ_{s≤i} lr_s·XK_sᵀ·G_s (the dual form's row i); the mini-batch's
   // last token folds the sums into W. Checks everything before touching the state or y_t.
   static void step(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
-                   void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                   void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(s, w);
     detail::not_null(x_t, "x_t");
@@ -417,6 +463,19 @@ class basic_ttt {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
+    if constexpr (!on_cpu) {
+      device_kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data),
+                                                   st.position % mb, x_t, y_t, workspace,
+                                                   workspace_size, pool);
+      ++st.position;
+    } else {
+      step_cpu(s, w, st, x_t, y_t, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void step_cpu(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
     ttt_shape one = s;
     one.seq = 1;
     const auto ws = detail::carve_named(forward_layout(one, 1, true), step_workspace_bytes(s), workspace,

@@ -1,0 +1,111 @@
+// Tokens/s of basic_ttt<Mlp, P, cuda_backend>::forward (TTT-Linear and TTT-MLP), bf16 and fp32,
+// T = 2k and 8k, C = 1024 (H = 16, D = 64), b = 16. Forward only: the device backward does not
+// exist yet (it throws; see backend/cuda/ttt_cuda.cuh), so there is no forward+backward figure.
+// Timed with CUDA events on the layer's stream. Without a device each benchmark is skipped.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "membound/backend/cuda.cuh"
+
+namespace mb = membound;
+
+namespace {
+
+bool have_device() {
+  int count = 0;
+  const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+
+// Small deterministic values, built on the host in storage type and uploaded once.
+template <typename S>
+S* upload(std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
+  std::vector<S> h(n == 0 ? 1 : n);
+  std::uint32_t s = seed * 2654435761u + 7;
+  for (auto& v : h) {
+    s = s * 1664525u + 1013904223u;
+    v = mb::from_accum<S>(offset + scale * (static_cast<float>(s >> 8) / 16777216.0f - 0.5f));
+  }
+  void* p = nullptr;
+  mb::cuda_check(cudaMalloc(&p, h.size() * sizeof(S)), "cudaMalloc");
+  mb::cuda_check(cudaMemcpy(p, h.data(), h.size() * sizeof(S), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return static_cast<S*>(p);
+}
+
+template <bool Mlp, typename Precision>
+void bm_forward(benchmark::State& state) {
+  if (!have_device()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  using layer = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<16>, mb::ttt_checkpoint_groups<4>,
+                              mb::cuda_backend>;
+  using S = typename layer::storage_type;
+  const mb::ttt_shape s{1, static_cast<std::size_t>(state.range(0)), 1024, 16};
+  const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, D = s.head_dim();
+  const std::size_t F = layer::hidden(s);
+  std::vector<void*> owned;
+  auto up = [&](std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
+    S* p = upload<S>(n, seed, scale, offset);
+    owned.push_back(p);
+    return static_cast<const S*>(p);
+  };
+  typename layer::weights w{up(C * C, 1, 0.05f), up(C * C, 2, 0.05f), up(C * C, 3, 0.05f),
+                            up(H * D, 4, 0.1f, 1.0f), up(H * D, 5, 0.1f), up(H * D * F, 6, 0.05f),
+                            up(H * F, 7, 0.1f), up(H * C, 8, 0.05f), up(H, 9, 0.5f),
+                            up(16, 10, 0.05f), up(C, 11, 0.1f, 1.0f), up(C, 12, 0.1f),
+                            up(C * C, 13, 0.05f), up(C * C, 14, 0.05f)};
+  if constexpr (Mlp) {
+    w.w2 = up(H * F * D, 15, 0.05f);
+    w.b2 = up(H * D, 16, 0.1f);
+  }
+  const S* x = up(N * C, 20, 1.0f);
+  S* y = upload<S>(N * C, 21, 0.0f);
+  owned.push_back(y);
+  const std::size_t saved_n = layer::saved_bytes(s), ws_n = layer::forward_workspace_bytes(s, 1);
+  void *saved = nullptr, *ws = nullptr;
+  mb::cuda_check(cudaMalloc(&saved, saved_n), "cudaMalloc");
+  mb::cuda_check(cudaMalloc(&ws, ws_n), "cudaMalloc");
+  owned.push_back(saved);
+  owned.push_back(ws);
+  mb::cuda_executor ex;
+  cudaEvent_t start, stop;
+  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  layer::forward(s, w, x, y, saved, saved_n, ws, ws_n, ex);  // warm-up (plans, module load)
+  ex.synchronize();
+  for (auto _ : state) {
+    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
+    layer::forward(s, w, x, y, saved, saved_n, ws, ws_n, ex);
+    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
+    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0.0f;
+    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(static_cast<double>(ms) / 1e3);
+  }
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(N), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["saved_MiB"] = static_cast<double>(saved_n) / (1 << 20);
+  state.counters["workspace_MiB"] = static_cast<double>(ws_n) / (1 << 20);
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  for (void* p : owned) (void)cudaFree(p);
+}
+
+BENCHMARK_TEMPLATE(bm_forward, false, mb::bf16_precision)
+    ->Name("ttt_linear_bf16_forward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_forward, true, mb::bf16_precision)
+    ->Name("ttt_mlp_bf16_forward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_forward, false, mb::fp32_precision)
+    ->Name("ttt_linear_fp32_forward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_forward, true, mb::fp32_precision)
+    ->Name("ttt_mlp_fp32_forward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,292 @@
+// basic_ttt<Mlp, P, cuda_backend> (TTT-Linear and TTT-MLP) against the CPU backend on the same
+// inputs in the same process: the output y and the whole saved buffer (the inner-state
+// checkpoints, fp32, and the heads' output before the post norm), for fp32 and bf16 storage,
+// with and without the gate, a short last mini-batch, b = 1, T < b, G = 1, 2 and all;
+// bit-identical repeats and bit-identical y across G; the decoding step equals the forward's row;
+// typed errors (backward has no device kernels yet and throws). Without a device it exits 77.
+//
+// Tolerances, |got − want| / (|want| + floor), floor = 1e-2:
+//   fp32: TF32 is off in the GEMMs and the inner loop sums in fp32 in another order than Eigen:
+//         a few ulps per product over K ≤ 4·D, compounded through two LayerNorms (÷σ) and at
+//         most a few mini-batch updates on these short sequences: 1e-5 relative (the issue's bar;
+//         the smallest tolerance such a chain is expected to meet, not yet measured).
+//   bf16: the post norm's output is rounded to bf16 before the output GEMM (the CPU keeps fp32),
+//         q, k, v stay fp32 on both sides: one extra 2^-8 rounding into a C-long sum: 4e-2.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cuda_test_support.cuh"
+
+namespace mb = membound;
+
+namespace {
+
+template <typename S>
+std::vector<S> random_values(std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
+  std::vector<S> v(n);
+  std::uint32_t s = seed * 2654435761u + 7;
+  for (auto& x : v) {
+    s = s * 1664525u + 1013904223u;
+    const float u = static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
+    x = mb::from_accum<S>(offset + scale * (2.0f * u - 1.0f));
+  }
+  return v;
+}
+
+template <typename S>
+std::vector<double> as_double(const std::vector<S>& v) {
+  std::vector<double> d(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(mb::to_accum<float>(v[i]));
+  return d;
+}
+
+template <typename T>
+std::vector<T> from_bytes(const std::uint8_t* p, std::size_t bytes) {
+  std::vector<T> v(bytes / sizeof(T));
+  std::memcpy(v.data(), p, bytes);
+  return v;
+}
+
+// All weights of one layer, host side, in the CPU layer's order and sizes.
+template <typename S>
+struct host_weights {
+  std::vector<S> wq, wk, wv, nw, nb, w1, b1, lr_w, lr_b, tok, post_w, post_b, wg, wo, w2, b2;
+  host_weights(const mb::ttt_shape& s, std::size_t F, std::size_t mbsz, bool mlp) {
+    const std::size_t C = s.width, H = s.heads, D = s.head_dim();
+    wq = random_values<S>(C * C, 1, 0.3f);
+    wk = random_values<S>(C * C, 2, 0.3f);
+    wv = random_values<S>(C * C, 3, 0.3f);
+    nw = random_values<S>(H * D, 4, 0.1f, 1.0f);
+    nb = random_values<S>(H * D, 5, 0.1f);
+    w1 = random_values<S>(H * D * F, 6, 0.2f);
+    b1 = random_values<S>(H * F, 7, 0.1f);
+    lr_w = random_values<S>(H * C, 8, 0.2f);
+    lr_b = random_values<S>(H, 9, 0.5f);
+    tok = random_values<S>(mbsz, 10, 0.05f);
+    post_w = random_values<S>(C, 11, 0.1f, 1.0f);
+    post_b = random_values<S>(C, 12, 0.1f);
+    wg = random_values<S>(C * C, 13, 0.3f);
+    wo = random_values<S>(C * C, 14, 0.3f);
+    if (mlp) {
+      w2 = random_values<S>(H * F * D, 15, 0.2f);
+      b2 = random_values<S>(H * D, 16, 0.1f);
+    }
+  }
+};
+
+template <typename S>
+struct device_weights {
+  mbt::device_buffer<S> wq, wk, wv, nw, nb, w1, b1, lr_w, lr_b, tok, post_w, post_b, wg, wo, w2, b2;
+  explicit device_weights(const host_weights<S>& h)
+      : wq(h.wq), wk(h.wk), wv(h.wv), nw(h.nw), nb(h.nb), w1(h.w1), b1(h.b1), lr_w(h.lr_w),
+        lr_b(h.lr_b), tok(h.tok), post_w(h.post_w), post_b(h.post_b), wg(h.wg), wo(h.wo),
+        w2(h.w2.empty() ? std::vector<S>(1) : h.w2), b2(h.b2.empty() ? std::vector<S>(1) : h.b2) {}
+};
+
+template <typename Layer, typename W>
+typename Layer::weights weights_of(W& w, bool mlp) {
+  typename Layer::weights r{w.wq.data(), w.wk.data(), w.wv.data(), w.nw.data(), w.nb.data(),
+                            w.w1.data(), w.b1.data(), w.lr_w.data(), w.lr_b.data(), w.tok.data(),
+                            w.post_w.data(), w.post_b.data(), w.wg.data(), w.wo.data()};
+  if (mlp) {
+    r.w2 = w.w2.data();
+    r.b2 = w.b2.data();
+  }
+  return r;
+}
+template <typename Layer, typename S>
+typename Layer::weights weights_of(device_weights<S>& w, bool mlp) {
+  typename Layer::weights r{w.wq.get(), w.wk.get(), w.wv.get(), w.nw.get(), w.nb.get(),
+                            w.w1.get(), w.b1.get(), w.lr_w.get(), w.lr_b.get(), w.tok.get(),
+                            w.post_w.get(), w.post_b.get(), w.wg.get(), w.wo.get()};
+  if (mlp) {
+    r.w2 = w.w2.get();
+    r.b2 = w.b2.get();
+  }
+  return r;
+}
+
+struct gpu_result {
+  std::vector<std::uint8_t> y, saved;
+};
+
+// Runs one configuration on both backends; returns the device's y bytes (for the across-G check).
+template <bool Mlp, typename Precision, std::size_t B, std::size_t G>
+std::vector<std::uint8_t> compare(const mb::ttt_shape& s, double tolerance) {
+  using cpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_checkpoint_groups<G>>;
+  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_checkpoint_groups<G>,
+                              mb::cuda_backend>;
+  using S = typename cpu_l::storage_type;
+  const std::size_t N = s.batch * s.seq, C = s.width;
+  const host_weights<S> hw(s, cpu_l::hidden(s), B, Mlp);
+  const auto x = random_values<S>(N * C, 20, 1.0f);
+
+  mb::thread_pool pool(1);
+  std::vector<S> y_c(N * C);
+  std::vector<std::uint8_t> saved_c(cpu_l::saved_bytes(s));
+  const std::size_t wsn_c = cpu_l::forward_workspace_bytes(s, 1);
+  std::vector<std::uint8_t> ws_c(wsn_c + 256);
+  void* wsp = ws_c.data();
+  std::size_t space = ws_c.size();
+  wsp = std::align(256, wsn_c, wsp, space);
+  auto host_w = hw;
+  cpu_l::forward(s, weights_of<cpu_l>(host_w, Mlp), x.data(), y_c.data(), saved_c.data(),
+                 saved_c.size(), wsp, wsn_c, pool);
+
+  CHECK(gpu_l::saved_bytes(s) == cpu_l::saved_bytes(s));
+  CHECK(gpu_l::saved_state_bytes(s) == cpu_l::saved_state_bytes(s));
+  mb::cuda_executor ex;
+  device_weights<S> dw(hw);
+  mbt::device_buffer<S> dx(x), dy(N * C);
+  mbt::device_buffer<std::uint8_t> dsaved(gpu_l::saved_bytes(s));
+  const std::size_t fws = gpu_l::forward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> dws(fws);
+  const auto wd = weights_of<gpu_l>(dw, Mlp);
+  auto run = [&] {
+    gpu_l::forward(s, wd, dx.get(), dy.get(), dsaved.get(), dsaved.size(), dws.get(), fws, ex);
+    ex.synchronize();
+    const auto yv = dy.download();
+    std::vector<std::uint8_t> yb(yv.size() * sizeof(S));
+    std::memcpy(yb.data(), yv.data(), yb.size());
+    return gpu_result{yb, dsaved.download()};
+  };
+  const gpu_result first = run();
+  const gpu_result second = run();
+  CHECK(first.y == second.y);
+  CHECK(first.saved == second.saved);
+
+  constexpr double floor = 1e-2;
+  mbt::close("y", as_double(from_bytes<S>(first.y.data(), first.y.size())), as_double(y_c),
+             tolerance, floor);
+  // The saved buffer: fp32 checkpoints first, then the heads' output in storage.
+  const std::size_t ck = cpu_l::saved_state_bytes(s);
+  const std::size_t ob = N * C * sizeof(S);
+  // The layout puts o after the checkpoints, at the next default_alignment boundary.
+  const std::size_t o_at = (ck + mb::default_alignment - 1) / mb::default_alignment * mb::default_alignment;
+  CHECK(o_at + ob <= saved_c.size());
+  mbt::close("saved checkpoints", as_double(from_bytes<float>(first.saved.data(), ck)),
+             as_double(from_bytes<float>(saved_c.data(), ck)), tolerance, floor);
+  mbt::close("saved heads' output", as_double(from_bytes<S>(first.saved.data() + o_at, ob)),
+             as_double(from_bytes<S>(saved_c.data() + o_at, ob)), tolerance, floor);
+  return first.y;
+}
+
+template <bool Mlp, typename Precision>
+void kind_matches_cpu(double tol) {
+  // Short last mini-batch (37 = 2·16 + 5), with and without the gate, G = 1, 2, all.
+  mb::ttt_shape s{2, 37, 32, 2};
+  const auto y1 = compare<Mlp, Precision, 16, 1>(s, tol);
+  const auto y2 = compare<Mlp, Precision, 16, 2>(s, tol);
+  const auto ya = compare<Mlp, Precision, 16, static_cast<std::size_t>(-1)>(s, tol);
+  CHECK(y1 == y2 && y1 == ya);  // G decides only what is copied out
+  s.use_gate = true;
+  compare<Mlp, Precision, 16, 2>(s, tol);
+  // b = 1; T < b.
+  compare<Mlp, Precision, 1, 2>({1, 7, 16, 2}, tol);
+  compare<Mlp, Precision, 16, 4>({3, 5, 16, 1}, tol);
+}
+
+void linear_fp32() { kind_matches_cpu<false, mb::fp32_precision>(1e-5); }
+void mlp_fp32() { kind_matches_cpu<true, mb::fp32_precision>(1e-5); }
+void linear_bf16() { kind_matches_cpu<false, mb::bf16_precision>(4e-2); }
+void mlp_bf16() { kind_matches_cpu<true, mb::bf16_precision>(4e-2); }
+
+// The decoding step on the device, token by token from make_state, equals the device forward's
+// row t (same kernels' arithmetic up to the order of the running sums: tolerance as fp32 above),
+// across two mini-batch boundaries and a partial third.
+template <bool Mlp, typename Precision>
+void step_equals_forward(double tol, bool gate) {
+  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<4>, mb::ttt_checkpoint_groups<2>,
+                              mb::cuda_backend>;
+  using S = typename gpu_l::storage_type;
+  mb::ttt_shape s{2, 11, 16, 2};
+  s.use_gate = gate;
+  const std::size_t B = s.batch, T = s.seq, C = s.width;
+  const host_weights<S> hw(s, gpu_l::hidden(s), 4, Mlp);
+  const auto x = random_values<S>(B * T * C, 30, 1.0f);
+  mb::cuda_executor ex;
+  device_weights<S> dw(hw);
+  const auto wd = weights_of<gpu_l>(dw, Mlp);
+  mbt::device_buffer<S> dx(x), dy(B * T * C);
+  mbt::device_buffer<std::uint8_t> saved(gpu_l::saved_bytes(s));
+  const std::size_t fws = gpu_l::forward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> ws(fws);
+  gpu_l::forward(s, wd, dx.get(), dy.get(), saved.get(), saved.size(), ws.get(), fws, ex);
+  ex.synchronize();
+  const auto y_full = dy.download();
+
+  mbt::device_buffer<std::uint8_t> state(gpu_l::state_bytes(s));
+  auto st = gpu_l::make_state(s, wd, state.get(), state.size());
+  const std::size_t sws = gpu_l::step_workspace_bytes(s);
+  mbt::device_buffer<std::uint8_t> sw(sws);
+  mbt::device_buffer<S> xt(B * C), yt(B * C);
+  std::vector<double> got, want;
+  for (std::size_t t = 0; t < T; ++t) {
+    std::vector<S> row(B * C);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c) row[b * C + c] = x[(b * T + t) * C + c];
+    xt.upload(row);
+    gpu_l::step(s, wd, st, xt.get(), yt.get(), sw.get(), sws, ex);
+    ex.synchronize();
+    const auto y = yt.download();
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c) {
+        got.push_back(static_cast<double>(mb::to_accum<float>(y[b * C + c])));
+        want.push_back(static_cast<double>(mb::to_accum<float>(y_full[(b * T + t) * C + c])));
+      }
+  }
+  CHECK(st.position == T);
+  mbt::close("step vs forward row", got, want, tol, 1e-2);
+}
+
+void step_fp32() {
+  step_equals_forward<false, mb::fp32_precision>(1e-5, false);
+  step_equals_forward<true, mb::fp32_precision>(1e-5, true);
+}
+
+void typed_errors() {
+  using gpu_l = mb::ttt_linear<mb::fp32_precision, mb::cuda_backend>;
+  const mb::ttt_shape s{1, 4, 8, 2};
+  mb::cuda_executor ex;
+  const host_weights<float> hw(s, gpu_l::hidden(s), gpu_l::mini_batch, false);
+  device_weights<float> dw(hw);
+  const auto wd = weights_of<gpu_l>(dw, false);
+  mbt::device_buffer<float> x(32), y(32), dx(32), g(1024);
+  mbt::device_buffer<std::uint8_t> saved(gpu_l::saved_bytes(s));
+  const std::size_t fws = gpu_l::forward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> ws(fws);
+  EXPECT_THROW(mb::workspace_too_small,
+               gpu_l::forward(s, wd, x.get(), y.get(), saved.get(), saved.size(), ws.get(),
+                              fws - 1, ex));
+  EXPECT_THROW(mb::workspace_too_small,
+               gpu_l::forward(s, wd, x.get(), y.get(), saved.get(), saved.size() - 1, ws.get(),
+                              fws, ex));
+  EXPECT_THROW(mb::invalid_argument,
+               gpu_l::forward(s, wd, nullptr, y.get(), saved.get(), saved.size(), ws.get(), fws, ex));
+  float* gp = g.get();
+  const gpu_l::gradients gr{gp, gp, gp, gp, gp, gp, gp, gp, gp, gp, gp, gp, gp, gp};
+  EXPECT_THROW(mb::invalid_argument,
+               gpu_l::backward(s, wd, x.get(), saved.get(), saved.size(), y.get(), dx.get(), gr,
+                               ws.get(), fws, ex));
+  mbt::device_buffer<std::uint8_t> state(gpu_l::state_bytes(s));
+  EXPECT_THROW(mb::workspace_too_small, gpu_l::make_state(s, wd, state.get(), state.size() - 1));
+  CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
+}
+
+}  // namespace
+
+int main() {
+  static const mbt::test_case cases[] = {
+      {"ttt_linear cuda_backend fp32 forward equals the CPU backend", linear_fp32},
+      {"ttt_mlp cuda_backend fp32 forward equals the CPU backend", mlp_fp32},
+      {"ttt_linear cuda_backend bf16 forward within the stated bound", linear_bf16},
+      {"ttt_mlp cuda_backend bf16 forward within the stated bound", mlp_bf16},
+      {"ttt cuda_backend step equals the forward's row", step_fp32},
+      {"ttt cuda_backend typed errors", typed_errors},
+  };
+  return mbt::run_suite("test_cuda_ttt", cases);
+}
