@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
       // Key 0 is always visible, so m is finite from the first key on and exp(-inf) = 0 handles
       // the first rescale.
       const float m_new = sc > m ? sc : m;
-      const float corr = __expf(m - m_new);
-      const float p = __expf(sc - m_new);
+      const float corr = expf(m - m_new);
+      const float p = expf(sc - m_new);
       l = l * corr + p;
       const float* vr = vs + std::size_t{jj} * D;
 #pragma unroll
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
             sc += qr[d] * kr[d];
             dp += dor[d] * vr[d];
           }
-        const float p = __expf(sc * scale - ls[ii]);
+        const float p = expf(sc * scale - ls[ii]);
         const float dsc = p * (dp - ds[ii]) * scale;
 #pragma unroll
         for (unsigned d = 0; d < DM; ++d)
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
           sc += qr[d] * kr[d];
           dp += dor[d] * vr[d];
         }
-      const float p = __expf(sc * scale - li);
+      const float p = expf(sc * scale - li);
       const float dsc = p * (dp - di) * scale;
 #pragma unroll
       for (unsigned d = 0; d < DM; ++d)
@@ -478,12 +478,12 @@ __global__ void __launch_bounds__(decode_threads) decode_combine_kernel(
   for (std::size_t j = threadIdx.x; j < len; j += decode_threads) m = fmaxf(m, sr[j]);
   m = reduce::run(m, op_max{}, red);
   float l = 0.0f;
-  for (std::size_t j = threadIdx.x; j < len; j += decode_threads) l += __expf(sr[j] - m);
+  for (std::size_t j = threadIdx.x; j < len; j += decode_threads) l += expf(sr[j] - m);
   l = reduce::run(l, op_sum{}, red);
   const float inv = 1.0f / l;
   for (std::size_t d = threadIdx.x; d < D; d += decode_threads) {
     float acc = 0.0f;
-    for (std::size_t j = 0; j < len; ++j) acc += __expf(sr[j] - m) * ld(cv, ((b * Hkv + g) * L + j) * D + d);
+    for (std::size_t j = 0; j < len; ++j) acc += expf(sr[j] - m) * ld(cv, ((b * Hkv + g) * L + j) * D + d);
     st(o, (b * H + h) * D + d, acc * inv);
   }
 }
