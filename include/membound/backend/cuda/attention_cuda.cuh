@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
   float qr[DM], acc[DM];
 #pragma unroll
   for (unsigned d = 0; d < DM; ++d) {
-    qr[d] = (row_ok && d < D) ? q[(b * T + i) * HD + h * D + d] * scale : 0.0f;
+    qr[d] = (row_ok && d < D) ? q[(b * T + i) * HD + h * D + d] : 0.0f;
     acc[d] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
@@ -269,6 +269,7 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
 #pragma unroll
       for (unsigned d = 0; d < DM; ++d)
         if (d < D) sc += qr[d] * kr[d];
+      sc *= scale;  // scaled after the dot, as the backward kernels recompute it
       // Key 0 is always visible, so m is finite from the first key on and exp(-inf) = 0 handles
       // the first rescale.
       const float m_new = sc > m ? sc : m;
