@@ -193,6 +193,10 @@ struct backend_kernels<cuda_backend, attention_shape> {
 
 #if MEMBOUND_CUDA_COMPILER
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
 namespace gpu {
 namespace detail {
 
@@ -289,6 +293,158 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
   for (unsigned d = 0; d < DM; ++d)
     if (d < D) st(o, (b * T + i) * HD + h * D + d, acc[d] * inv);
   lse[(b * H + h) * T + i] = m + logf(l);  // natural log, unscaled scores: S = q·kᵀ/√D
+}
+
+// ---- Tensor-core forward (bf16/fp16 storage, D <= 128) ------------------------------------------
+// WMMA m16n16k16 with fp32 accumulation. One CTA of 4 warps per (64-query block, head, batch);
+// K/V tiles of 64 keys. Q, K, V are rounded to the storage type on their way into shared memory
+// (the fp32 path keeps them fp32). WMMA's fragment layouts are opaque, so scores, the PV product
+// and the running output all pass through shared memory: warp w computes rows 16w..16w+15 of
+// S = Q·Kᵀ, the 64 row threads run the online softmax on S (fp32) and write P, then warp w
+// computes its rows of P·V and rescales its rows of the output by the row's correction factor.
+inline constexpr unsigned wmma_rows = 64, wmma_keys = 64, wmma_threads = 128;
+
+template <typename S>
+using wmma_half_t = std::conditional_t<std::is_same_v<S, bf16>, __nv_bfloat16, __half>;
+
+template <typename H>
+__device__ inline H to_half(float v) {
+  if constexpr (std::is_same_v<H, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+// Bytes: fp32 O, PV scratch [64, DM] each, S [64, 64], m/l/corr [64] each; then the 16-bit Q, K, V
+// [64, DM] each and P [64, 64]. Every WMMA pointer below is a multiple of 32 bytes from the base.
+constexpr std::size_t wmma_forward_smem_bytes(unsigned DM) noexcept {
+  return sizeof(float) * (2 * std::size_t{wmma_rows} * DM + std::size_t{wmma_rows} * wmma_keys +
+                          3 * std::size_t{wmma_rows}) +
+         2 * (3 * std::size_t{wmma_rows} * DM + std::size_t{wmma_rows} * wmma_keys);
+}
+
+template <typename H>
+__device__ inline void load_tile_half(H* tile, const float* src, std::size_t b, std::size_t T,
+                                      std::size_t r0, std::size_t width, std::size_t col0,
+                                      std::size_t D, unsigned DM) {
+  for (std::size_t e = threadIdx.x; e < std::size_t{wmma_rows} * DM; e += blockDim.x) {
+    const std::size_t r = e / DM, d = e % DM, row = r0 + r;
+    tile[e] = to_half<H>(row < T && d < D ? src[(b * T + row) * width + col0 + d] : 0.0f);
+  }
+}
+
+template <typename S, unsigned DM>
+__global__ void __launch_bounds__(wmma_threads) flash_forward_wmma_kernel(
+    const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
+    std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
+  namespace wmma = nvcuda::wmma;
+  using HT = wmma_half_t<S>;
+  static_assert(DM % 16 == 0 && wmma_rows == wmma_keys && wmma_rows == 16 * (wmma_threads / 32),
+                "membound: one 16-row WMMA block per warp");
+  extern __shared__ __align__(128) unsigned char attn_wmma_smem[];
+  float* os = reinterpret_cast<float*>(attn_wmma_smem);
+  float* ts = os + std::size_t{wmma_rows} * DM;
+  float* ss = ts + std::size_t{wmma_rows} * DM;
+  float* ms = ss + std::size_t{wmma_rows} * wmma_keys;
+  float* ls = ms + wmma_rows;
+  float* cs = ls + wmma_rows;
+  HT* qs = reinterpret_cast<HT*>(cs + wmma_rows);
+  HT* ks = qs + std::size_t{wmma_rows} * DM;
+  HT* vs = ks + std::size_t{wmma_keys} * DM;
+  HT* ps = vs + std::size_t{wmma_keys} * DM;
+
+  const std::size_t q0 = static_cast<std::size_t>(blockIdx.x) * wmma_rows;
+  const std::size_t h = blockIdx.y, b = blockIdx.z, g = h / (H / Hkv);
+  const std::size_t HD = H * D, KD = Hkv * D;
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  load_tile_half(qs, q, b, T, q0, HD, h * D, D, DM);
+  for (std::size_t e = threadIdx.x; e < std::size_t{wmma_rows} * DM; e += blockDim.x) os[e] = 0.0f;
+  if (threadIdx.x < wmma_rows) {
+    ms[threadIdx.x] = -INFINITY;
+    ls[threadIdx.x] = 0.0f;
+  }
+  const std::size_t last = q0 + wmma_rows < T ? q0 + wmma_rows : T;
+  const std::size_t kv_end = causal ? last : T;  // key tiles past the diagonal are never loaded
+  for (std::size_t j0 = 0; j0 < kv_end; j0 += wmma_keys) {
+    __syncthreads();  // the previous tile's K, V, S, P are no longer read
+    load_tile_half(ks, k, b, T, j0, KD, g * D, D, DM);
+    load_tile_half(vs, v, b, T, j0, KD, g * D, D, DM);
+    __syncthreads();
+    // S = Q·Kᵀ, warp w: rows 16w..16w+15, all 64 key columns.
+    for (unsigned n = 0; n < wmma_keys / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+      for (unsigned kk = 0; kk < DM / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, HT, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, HT, wmma::col_major> fb;  // Kᵀ
+        wmma::load_matrix_sync(fa, qs + std::size_t{16 * warp} * DM + 16 * kk, DM);
+        wmma::load_matrix_sync(fb, ks + std::size_t{16 * n} * DM + 16 * kk, DM);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(ss + std::size_t{16 * warp} * wmma_keys + 16 * n, acc, wmma_keys,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+    // Online softmax, one thread per query row. A row past T (or, defensively, a row with every
+    // key masked) keeps m = -inf: its correction is 1 and its P row 0, never exp(-inf + inf).
+    if (threadIdx.x < wmma_rows) {
+      const unsigned r = threadIdx.x;
+      const std::size_t i = q0 + r;
+      float* srow = ss + std::size_t{r} * wmma_keys;
+      float mt = -INFINITY;
+      for (unsigned c = 0; c < wmma_keys; ++c) {
+        const std::size_t j = j0 + c;
+        const bool ok = i < T && j < T && (!causal || j <= i);
+        srow[c] = ok ? srow[c] * scale : -INFINITY;
+        mt = fmaxf(mt, srow[c]);
+      }
+      const float m_old = ms[r];
+      const float m_new = fmaxf(m_old, mt);
+      float corr = 1.0f, sum = 0.0f;
+      if (m_new != -INFINITY) {
+        corr = expf(m_old - m_new);  // m_old = -inf on the first tile: 0, and O is still 0
+        for (unsigned c = 0; c < wmma_keys; ++c) {
+          const float p = expf(srow[c] - m_new);  // masked: exp(-inf) = 0
+          sum += p;
+          ps[std::size_t{r} * wmma_keys + c] = to_half<HT>(p);
+        }
+      } else {
+        for (unsigned c = 0; c < wmma_keys; ++c) ps[std::size_t{r} * wmma_keys + c] = to_half<HT>(0.0f);
+      }
+      ms[r] = m_new;
+      ls[r] = ls[r] * corr + sum;
+      cs[r] = corr;
+    }
+    __syncthreads();
+    // O = O·corr + P·V, warp w: its 16 rows, all DM columns (PV into ts, then the rescale).
+    for (unsigned n = 0; n < DM / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+      for (unsigned kk = 0; kk < wmma_keys / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, HT, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, HT, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, ps + std::size_t{16 * warp} * wmma_keys + 16 * kk, wmma_keys);
+        wmma::load_matrix_sync(fb, vs + std::size_t{16 * kk} * DM + 16 * n, DM);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(ts + std::size_t{16 * warp} * DM + 16 * n, acc, DM,
+                              wmma::mem_row_major);
+    }
+    __syncwarp();  // the warp's own rows of ts are written
+    for (unsigned e = lane; e < 16 * DM; e += 32) {
+      const std::size_t idx = std::size_t{16 * warp} * DM + e;
+      os[idx] = os[idx] * cs[16 * warp + e / DM] + ts[idx];
+    }
+  }
+  __syncthreads();
+  for (std::size_t e = threadIdx.x; e < std::size_t{wmma_rows} * DM; e += blockDim.x) {
+    const std::size_t r = e / DM, d = e % DM, i = q0 + r;
+    if (i < T && d < D) st(o, (b * T + i) * HD + h * D + d, os[e] / ls[r]);
+  }
+  if (threadIdx.x < wmma_rows && q0 + threadIdx.x < T) {
+    lse[(b * H + h) * T + q0 + threadIdx.x] = ms[threadIdx.x] + logf(ls[threadIdx.x]);
+  }
 }
 
 // Δ[b, h, t] = Σ_d dO ⊙ O over head h of row (b, t).
@@ -520,6 +676,20 @@ void launch_forward(const cuda_executor& ex, const attention_shape& s, const flo
   cuda_executor::check_launch("flash_forward_kernel");
 }
 
+// The tensor-core forward for bf16/fp16 at D <= 128 (DM 64 or 128).
+template <typename S, unsigned DM>
+void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, const float* q,
+                         const float* k, const float* v, S* o, float* lse) {
+  const std::size_t smem = wmma_forward_smem_bytes(DM);  // 80.75 KiB (DM 64), 136.75 KiB (DM 128)
+  set_smem<DM>(flash_forward_wmma_kernel<S, DM>, smem);
+  const dim3 grid(static_cast<unsigned>((s.seq + wmma_rows - 1) / wmma_rows),
+                  static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
+  flash_forward_wmma_kernel<S, DM><<<grid, wmma_threads, smem, ex.stream()>>>(
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  cuda_executor::check_launch("flash_forward_wmma_kernel");
+}
+
 template <unsigned DM>
 void launch_backward(const cuda_executor& ex, const attention_shape& s, const float* q,
                      const float* k, const float* v, const float* dout, const float* lse,
@@ -565,10 +735,20 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::matmul(ctx, x, wv, v, N, C, KD, false);
   gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false);
   gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
+  if constexpr (!std::is_same_v<S, float>) {  // tensor cores: bf16/fp16 storage, D <= 128
+    if (D <= 64) {
+      gpu::detail::launch_forward_wmma<S, 64>(ex, s, q, k, v, o_s, lse);
+    } else if (D <= 128) {
+      gpu::detail::launch_forward_wmma<S, 128>(ex, s, q, k, v, o_s, lse);
+    } else {
+      gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse);
+    }
+  } else {
   switch (gpu::detail::attn_dm(D)) {
     case 64: gpu::detail::launch_forward<S, 64>(ex, s, q, k, v, o_s, lse); break;
     case 128: gpu::detail::launch_forward<S, 128>(ex, s, q, k, v, o_s, lse); break;
     default: gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse); break;
+  }
   }
   gpu::matmul(ctx, static_cast<const S*>(o_s), wo, y, N, HD, C, false);
 }
