@@ -3,8 +3,9 @@
 // as FlashAttention counts: 4·B·H·T²·D forward, halved when causal; backward 2.5× forward.
 // The projections (cuBLASLt GEMMs) are not timed here: bench_cuda_gemm covers them.
 //
-// This is the fp32 SIMT path (the only one written so far), so expect a small fraction of the
-// tensor-core figures the issue quotes; bench/peers/sdpa_peer.py prints PyTorch's SDPA on the same
+// fwd_*/fwdbwd_* time the fp32 SIMT kernels; fwd_wmma_bf16_* the bf16 tensor-core (WMMA) forward.
+// Nothing here is tuned yet (no cp.async, no mma.sync backward), so expect a fraction of the
+// figures the issue quotes; bench/peers/sdpa_peer.py prints PyTorch's SDPA on the same
 // shapes for the side-by-side. Without a device each benchmark is skipped.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
@@ -46,8 +47,10 @@ struct device_floats {
   device_floats& operator=(const device_floats&) = delete;
 };
 
+// wmma: the forward is the bf16 tensor-core kernel (O stored as bf16), else the fp32 SIMT one.
 template <unsigned DM>
-void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with_backward) {
+void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with_backward,
+                  bool wmma = false) {
   if (!have_device()) {
     state.SkipWithError("no CUDA device");
     return;
@@ -61,8 +64,14 @@ void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with
       dout(n, ex.stream(), 4), o(n, ex.stream(), 5), lse(rows, ex.stream(), 6),
       delta(rows, ex.stream(), 7), dq(n, ex.stream(), 8), dk(n, ex.stream(), 9),
       dv(n, ex.stream(), 10);
+  mb::bf16* o16 = nullptr;
+  if (wmma) mb::cuda_check(cudaMalloc(&o16, n * sizeof(mb::bf16)), "cudaMalloc");
   auto once = [&] {
-    gpu::detail::launch_forward<float, DM>(ex, s, q.p, k.p, v.p, o.p, lse.p);
+    if (wmma) {
+      gpu::detail::launch_forward_wmma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p);
+    } else {
+      gpu::detail::launch_forward<float, DM>(ex, s, q.p, k.p, v.p, o.p, lse.p);
+    }
     if (with_backward) {
       gpu::detail::launch_backward<DM>(ex, s, q.p, k.p, v.p, dout.p, lse.p, delta.p, dq.p, dk.p,
                                        dv.p);
@@ -88,6 +97,7 @@ void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with
   }
   (void)cudaEventDestroy(start);
   (void)cudaEventDestroy(stop);
+  if (o16 != nullptr) (void)cudaFree(o16);
   double flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(T) *
                  static_cast<double>(T) * static_cast<double>(D) * (causal ? 0.5 : 1.0);
   if (with_backward) flops *= 3.5;  // forward + 2.5× forward
@@ -98,6 +108,12 @@ void fwd_d64(benchmark::State& st, bool causal) { bm_attention<64>(st, 64, causa
 void fwd_d128(benchmark::State& st, bool causal) { bm_attention<128>(st, 128, causal, false); }
 void fwdbwd_d64(benchmark::State& st, bool causal) { bm_attention<64>(st, 64, causal, true); }
 void fwdbwd_d128(benchmark::State& st, bool causal) { bm_attention<128>(st, 128, causal, true); }
+void fwd_wmma_bf16_d64(benchmark::State& st, bool causal) {
+  bm_attention<64>(st, 64, causal, false, true);
+}
+void fwd_wmma_bf16_d128(benchmark::State& st, bool causal) {
+  bm_attention<128>(st, 128, causal, false, true);
+}
 
 }  // namespace
 
@@ -108,5 +124,7 @@ MEMBOUND_ATTN_BENCH(fwd_d64)
 MEMBOUND_ATTN_BENCH(fwd_d128)
 MEMBOUND_ATTN_BENCH(fwdbwd_d64)
 MEMBOUND_ATTN_BENCH(fwdbwd_d128)
+MEMBOUND_ATTN_BENCH(fwd_wmma_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwd_wmma_bf16_d128)
 
 BENCHMARK_MAIN();
