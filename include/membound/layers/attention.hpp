@@ -19,6 +19,12 @@
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
 // sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+//
+// With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
+// device memory, the executor is a cuda_executor, and the kernels and the device workspace
+// layouts are backend/cuda/attention_cuda.cuh's (include membound/backend/cuda.cuh, compile with
+// nvcc). Same checks, same saved layout, same kv cache layout; the size functions keep their
+// signatures and ignore `threads`.
 #pragma once
 
 #include <cmath>
