@@ -198,12 +198,14 @@ void fp32_matches_cpu() {
   compare<mb::fp32_precision, mb::save_all>({2, 37, 32, 4, 2, 16, true}, 1e-5);
 }
 
-// bf16: the device rounds O, dq, dk, dv to bf16 (2^-8 relative each) before the GEMMs that read
-// them, where the CPU keeps fp32; as for the MLP, 4e-2 covers a chain of up to three roundings.
+// bf16/fp16: the device rounds O, dq, dk, dv to 16 bits (2^-8 relative each for bf16) before the
+// GEMMs that read them, and the tensor-core forward (D <= 128) rounds q, k, v and P too, where the
+// CPU keeps fp32; as for the MLP, 4e-2 covers a chain of up to three such roundings.
 void bf16_matches_cpu() {
   compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2);
   compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2);
   compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2);  // D = 256: the SIMT forward
 }
 
 void step_equals_forward() {
