@@ -15,5 +15,6 @@
 #include "membound/backend/cuda/model_kernels.cuh"
 #include "membound/backend/cuda/mlp_cuda.cuh"
 #include "membound/backend/cuda/lm_head_cuda.cuh"
+#include "membound/backend/cuda/attention_cuda.cuh"
 #include "membound/backend/cuda/mamba_cuda.cuh"
 #include "membound/backend/cuda/ttt_cuda.cuh"

@@ -19,6 +19,12 @@
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
 // sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+//
+// With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
+// device memory, the executor is a cuda_executor, and the kernels and the device workspace
+// layouts are backend/cuda/attention_cuda.cuh's (include membound/backend/cuda.cuh, compile with
+// nvcc). Same checks, same saved layout, same kv cache layout; the size functions keep their
+// signatures and ignore `threads`.
 #pragma once
 
 #include <cmath>
@@ -38,6 +44,7 @@
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/checkpoint.hpp"
+#include "membound/policy/backend.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
@@ -50,7 +57,10 @@ template <typename... Policies>
 class attention {
  public:
   using policies =
-      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute>, Policies...>;
+      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, cpu_backend>,
+                 Policies...>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using tiles = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
@@ -70,6 +80,11 @@ class attention {
   static constexpr bool widened = !std::is_same_v<S, A>;  // bf16/fp16: convert to A first
   static constexpr std::size_t qt = tiles::q_tile, kt = tiles::kv_tile;
   static constexpr bool keep_qkv = std::is_same_v<checkpoint, save_all>;
+  // With cuda_backend every pointer is device memory and the kernels are
+  // backend/cuda/attention_cuda.cuh's; the size functions keep the CPU's signatures and ignore
+  // `threads` on the device.
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using device = backend_kernels<backend, attention_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -118,6 +133,7 @@ class attention {
   }
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
                                                        std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device::template forward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
                              y_acc_bytes(s)};
@@ -126,6 +142,7 @@ class attention {
   }
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
                                                         std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device::template backward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
                              y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim)};
@@ -140,6 +157,7 @@ class attention {
   }
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device::template step_workspace_bytes<S>(s, max_len);
     const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
                              bytes_of<A>(s.batch, s.heads, s.head_dim)};
     return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
@@ -196,13 +214,20 @@ class attention {
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    if constexpr (!on_cpu) {
+      detail::carve_named(device_layout(forward_workspace_bytes(s, 0)), forward_workspace_bytes(s, 0),
+                          workspace, workspace_size, "workspace");
+      device::template forward<S, A>(s, w.wq, w.wk, w.wv, w.wo, x, y, sv.template get<S>(s_o),
+                                     sv.template get<A>(s_lse), kept<A>(sv, s_q), kept<A>(sv, s_k),
+                                     kept<A>(sv, s_v), workspace, workspace_size, pool);
+    } else {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     // Nothing below throws: every output is written after every check.
@@ -224,12 +249,13 @@ class attention {
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
     if constexpr (widened) cpu::narrow(ya, N * C, y);
+    }
   }
 
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                       void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
@@ -239,9 +265,18 @@ class attention {
     detail::not_null(g.wk, "gradients.wk");
     detail::not_null(g.wv, "gradients.wv");
     detail::not_null(g.wo, "gradients.wo");
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                 saved_size, "saved");
+    if constexpr (!on_cpu) {
+      detail::carve_named(device_layout(backward_workspace_bytes(s, 0)),
+                          backward_workspace_bytes(s, 0), workspace, workspace_size, "workspace");
+      device::template backward<S, A>(
+          s, w.wq, w.wk, w.wv, w.wo, x, static_cast<const S*>(sv.template get<S>(s_o)),
+          static_cast<const A*>(sv.template get<A>(s_lse)), static_cast<const A*>(kept<A>(sv, s_q)),
+          static_cast<const A*>(kept<A>(sv, s_k)), static_cast<const A*>(kept<A>(sv, s_v)), dy, dx,
+          g.wq, g.wk, g.wv, g.wo, workspace, workspace_size, pool);
+    } else {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
@@ -286,6 +321,7 @@ class attention {
     cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    }
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
@@ -293,7 +329,7 @@ class attention {
   // rotated key and value are appended to the cache. shape.seq is ignored. Checks everything
   // (including room in the cache) before touching the cache or y_t.
   static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
-                   S* y_t, void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                   S* y_t, void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
@@ -313,6 +349,14 @@ class attention {
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
+    if constexpr (!on_cpu) {
+      detail::carve_named(device_layout(step_workspace_bytes(s, L, 0)),
+                          step_workspace_bytes(s, L, 0), workspace, workspace_size, "workspace");
+      const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
+      device::template step<S, A>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half), L,
+                                  cache.length, x_t, y_t, workspace, workspace_size, pool);
+      cache.length += 1;
+    } else {
     const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
                                 workspace, workspace_size, "workspace");
@@ -345,6 +389,7 @@ class attention {
     A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    }
   }
 
  private:
@@ -455,6 +500,24 @@ class attention {
   }
 
   // ---- Helpers -------------------------------------------------------------------------------
+  // The device backend carves its own workspace; the layer only checks the caller's size (the
+  // typed workspace_too_small, as on the CPU) with a one-slot layout of that size.
+  static constexpr workspace_layout<1> device_layout(std::size_t bytes) {
+    workspace_layout<1> l;
+    l.add(bytes);
+    return l;
+  }
+  // q, k or v kept in `saved` under save_all; nullptr under recompute.
+  template <typename T, typename View>
+  static T* kept(const View& sv, saved_slot slot) {
+    if constexpr (keep_qkv) {
+      return sv.template get<T>(slot);
+    } else {
+      (void)sv;
+      (void)slot;
+      return nullptr;
+    }
+  }
   static void check_weights(const weights& w) {
     detail::not_null(w.wq, "weights.wq");
     detail::not_null(w.wk, "weights.wk");

@@ -1,0 +1,130 @@
+// TFLOP/s of the attention core on the GPU (backend/cuda/attention_cuda.cuh): the flash forward
+// kernel, and forward + backward (the dK/dV pass and the dQ pass), on rotated fp32 q, k, v, counted
+// as FlashAttention counts: 4·B·H·T²·D forward, halved when causal; backward 2.5× forward.
+// The projections (cuBLASLt GEMMs) are not timed here: bench_cuda_gemm covers them.
+//
+// fwd_*/fwdbwd_* time the fp32 SIMT kernels; fwd_wmma_bf16_* the bf16 tensor-core (WMMA) forward.
+// Nothing here is tuned yet (no cp.async, no mma.sync backward), so expect a fraction of the
+// figures the issue quotes; bench/peers/sdpa_peer.py prints PyTorch's SDPA on the same
+// shapes for the side-by-side. Without a device each benchmark is skipped.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "membound/backend/cuda.cuh"
+
+namespace mb = membound;
+namespace gpu = membound::gpu;
+
+namespace {
+
+bool have_device() {
+  int count = 0;
+  const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+
+__global__ void fill_kernel(float* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    const std::uint32_t h = (static_cast<std::uint32_t>(i) ^ seed) * 2654435761u;
+    p[i] = static_cast<float>(h >> 16) / 65536.0f - 0.5f;
+  }
+}
+
+struct device_floats {
+  float* p = nullptr;
+  device_floats(std::size_t n, cudaStream_t s, std::uint32_t seed) {
+    mb::cuda_check(cudaMalloc(&p, n * sizeof(float)), "cudaMalloc");
+    fill_kernel<<<1024, 256, 0, s>>>(p, n, seed);
+    mb::cuda_executor::check_launch("fill_kernel");
+  }
+  ~device_floats() { (void)cudaFree(p); }
+  device_floats(const device_floats&) = delete;
+  device_floats& operator=(const device_floats&) = delete;
+};
+
+// wmma: the forward is the bf16 tensor-core kernel (O stored as bf16), else the fp32 SIMT one.
+template <unsigned DM>
+void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with_backward,
+                  bool wmma = false) {
+  if (!have_device()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::size_t T = static_cast<std::size_t>(state.range(0));
+  const std::size_t H = 16, B = (16384 / T) > 0 ? 16384 / T : 1;  // 16k tokens per batch
+  const mb::attention_shape s{B, T, H * D, H, H, D, causal, 10000.0};
+  mb::cuda_executor ex;
+  const std::size_t n = B * T * H * D, rows = B * H * T;
+  device_floats q(n, ex.stream(), 1), k(n, ex.stream(), 2), v(n, ex.stream(), 3),
+      dout(n, ex.stream(), 4), o(n, ex.stream(), 5), lse(rows, ex.stream(), 6),
+      delta(rows, ex.stream(), 7), dq(n, ex.stream(), 8), dk(n, ex.stream(), 9),
+      dv(n, ex.stream(), 10);
+  mb::bf16* o16 = nullptr;
+  if (wmma) mb::cuda_check(cudaMalloc(&o16, n * sizeof(mb::bf16)), "cudaMalloc");
+  auto once = [&] {
+    if (wmma) {
+      gpu::detail::launch_forward_wmma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p);
+    } else {
+      gpu::detail::launch_forward<float, DM>(ex, s, q.p, k.p, v.p, o.p, lse.p);
+    }
+    if (with_backward) {
+      gpu::detail::launch_backward<DM>(ex, s, q.p, k.p, v.p, dout.p, lse.p, delta.p, dq.p, dk.p,
+                                       dv.p);
+    }
+  };
+  once();  // warm-up (module load, smem attribute)
+  ex.synchronize();
+  cudaEvent_t start = nullptr, stop = nullptr;
+  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  double seconds = 0.0;
+  std::size_t iters = 0;
+  for (auto _ : state) {
+    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
+    once();
+    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
+    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0.0f;
+    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(ms / 1e3);
+    seconds += ms / 1e3;
+    ++iters;
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  if (o16 != nullptr) (void)cudaFree(o16);
+  double flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(T) *
+                 static_cast<double>(T) * static_cast<double>(D) * (causal ? 0.5 : 1.0);
+  if (with_backward) flops *= 3.5;  // forward + 2.5× forward
+  if (seconds > 0.0) state.counters["TFLOP/s"] = flops * static_cast<double>(iters) / seconds / 1e12;
+}
+
+void fwd_d64(benchmark::State& st, bool causal) { bm_attention<64>(st, 64, causal, false); }
+void fwd_d128(benchmark::State& st, bool causal) { bm_attention<128>(st, 128, causal, false); }
+void fwdbwd_d64(benchmark::State& st, bool causal) { bm_attention<64>(st, 64, causal, true); }
+void fwdbwd_d128(benchmark::State& st, bool causal) { bm_attention<128>(st, 128, causal, true); }
+void fwd_wmma_bf16_d64(benchmark::State& st, bool causal) {
+  bm_attention<64>(st, 64, causal, false, true);
+}
+void fwd_wmma_bf16_d128(benchmark::State& st, bool causal) {
+  bm_attention<128>(st, 128, causal, false, true);
+}
+
+}  // namespace
+
+#define MEMBOUND_ATTN_BENCH(fn)                                                            \
+  BENCHMARK_CAPTURE(fn, causal, true)->RangeMultiplier(2)->Range(512, 16384)->UseManualTime(); \
+  BENCHMARK_CAPTURE(fn, full, false)->RangeMultiplier(2)->Range(512, 16384)->UseManualTime();
+MEMBOUND_ATTN_BENCH(fwd_d64)
+MEMBOUND_ATTN_BENCH(fwd_d128)
+MEMBOUND_ATTN_BENCH(fwdbwd_d64)
+MEMBOUND_ATTN_BENCH(fwdbwd_d128)
+MEMBOUND_ATTN_BENCH(fwd_wmma_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwd_wmma_bf16_d128)
+
+BENCHMARK_MAIN();

@@ -1,0 +1,881 @@
+// Attention on the GPU: the kernels that attention<..., cuda_backend> runs. The CPU layer
+// (layers/attention.hpp, backend/cpu/attention_cpu.hpp) is the specification; this file is its
+// device twin, keyed by the shape type (backend_kernels<cuda_backend, attention_shape>), so it
+// needs the shape only: the layer owns the argument checks and the saved layout (O in storage,
+// lse in fp32, and q, k, v in fp32 under save_all), this owns the device workspace and launches.
+//
+// Structure (FlashAttention-2 order of work, no T×T matrix anywhere):
+//   forward   q, k, v = x·W (cuBLASLt, fp32 out); RoPE as a separate in-place kernel over q and k
+//             (cleaner than fusing it into the tile loads: backward needs the rotated q, k too and
+//             undoes RoPE on dq, dk with the same kernel); flash_forward: one CTA per (query tile,
+//             head, batch), K/V tiles streamed through shared memory, online softmax in fp32,
+//             the GQA head mapping h -> h / (H / Hkv) in the loads; y = O·Wo.
+//   backward  dO = dy·Woᵀ, Δ = rowsum(dO ⊙ O); flash_dkdv: one CTA per (key tile, kv head,
+//             batch) that sums over the group's query heads in a fixed order; flash_dq: a separate
+//             pass, one CTA per (query tile, head, batch). No atomics: bit-identical repeats.
+//   step      q, k, v for one position, RoPE at position t, k and v appended to the cache, then a
+//             split decode: scores of every cached key in parallel (grid over key chunks), then
+//             one CTA per (batch, head) reducing max, sum and P·V in a fixed order.
+// Causal key tiles entirely above a query tile's diagonal are never loaded (the loop stops at
+// the diagonal); only the diagonal tile is masked.
+//
+// Compute: this first version is the fp32 SIMT path for every storage type (bf16/fp16 are read
+// and widened in the loads); the tensor-core (mma.sync/WMMA) and cp.async paths are not written
+// yet. The layer's attention_tiles policy sizes the CPU tiles; the device tiles are fixed below.
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+
+#include "membound/backend/cuda/cuda_backend.cuh"
+#include "membound/backend/cuda/gemm.cuh"
+#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/core/checked_math.hpp"
+#include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
+#include "membound/memory/workspace.hpp"
+#include "membound/policy/backend.hpp"
+#include "membound/shape/attention_shape.hpp"
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace gpu {
+
+// Rows of queries (or keys) per CTA, one thread each, and rows per shared-memory tile streamed.
+inline constexpr unsigned attn_rows = 64;
+inline constexpr unsigned attn_tile = 32;
+// Decode: keys scored per thread block of the first pass, and the second pass's block size.
+inline constexpr unsigned decode_threads = 256;
+
+// Dynamic shared memory of the flash kernels: two [attn_tile, D] fp32 tiles (K and V forward and
+// in the dQ pass; Q and dO in the dK/dV pass) plus two [attn_tile] vectors (lse and Δ).
+constexpr std::size_t attention_smem_bytes(std::size_t D) noexcept {
+  return sizeof(float) * (2 * std::size_t{attn_tile} * D + 2 * std::size_t{attn_tile});
+}
+
+}  // namespace gpu
+
+template <>
+struct backend_kernels<cuda_backend, attention_shape> {
+  template <typename S, typename A>
+  static constexpr void check_types() {
+    static_assert(gpu::kernel_storage<S>,
+                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
+                  "bf16_precision or fp16_precision for attention on the GPU.");
+    static_assert(std::is_same_v<A, float>,
+                  "membound: cuda_backend accumulates in fp32; use a precision whose accum_type is "
+                  "float (fp64 runs on cpu_backend only).");
+  }
+
+  // keep_qkv: the layer's save_all (q, k, v live in `saved`, not in the workspace).
+  template <typename S>
+  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s, bool keep_qkv) {
+    return fits(s) ? forward_layout<S>(s, keep_qkv).size() : std::numeric_limits<std::size_t>::max();
+  }
+  template <typename S>
+  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv) {
+    return fits(s) ? backward_layout<S>(s, keep_qkv).size()
+                   : std::numeric_limits<std::size_t>::max();
+  }
+  template <typename S>
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len) {
+    return fits(s) && bytes_of<float>(s.batch, s.heads, max_len) != std::numeric_limits<std::size_t>::max()
+               ? step_layout<S>(s, max_len).size()
+               : std::numeric_limits<std::size_t>::max();
+  }
+
+ private:
+  static constexpr bool fits(const attention_shape& s) noexcept {
+    constexpr std::size_t m = std::numeric_limits<std::size_t>::max();
+    return bytes_of<float>(s.batch, s.seq, s.heads, s.head_dim) != m &&
+           bytes_of<float>(s.batch, s.seq, s.d_model) != m &&
+           bytes_of<float>(s.d_model, s.heads, s.head_dim) != m;
+  }
+  static constexpr std::size_t rows(const attention_shape& s) noexcept { return s.batch * s.seq; }
+  static constexpr std::size_t hd(const attention_shape& s) noexcept { return s.heads * s.head_dim; }
+  static constexpr std::size_t kd(const attention_shape& s) noexcept {
+    return s.kv_heads * s.head_dim;
+  }
+
+  // cuBLASLt's workspace first (256-byte aligned); nothing shares bytes (the layouts are small
+  // next to the saved O and the projections, and flat slots keep the proof of "exact" simple).
+  enum forward_slot : std::size_t { f_gemm, f_q, f_k, f_v };
+  template <typename S>
+  static constexpr workspace_layout<4> forward_layout(const attention_shape& s, bool keep_qkv) {
+    workspace_layout<4> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
+    l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), hd(s)));
+    l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
+    l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
+    return l;
+  }
+  // dq/dk/dv in fp32 for the flash kernels; their S copies feed the GEMMs (cuBLASLt takes both
+  // operands in one type), and dx is summed in fp32 then rounded once (0 bytes for fp32).
+  enum backward_slot : std::size_t {
+    b_gemm, b_q, b_k, b_v, b_dout, b_delta, b_dq, b_dk, b_dv, b_dqs, b_dks, b_dvs, b_dx
+  };
+  template <typename S>
+  static constexpr workspace_layout<13> backward_layout(const attention_shape& s, bool keep_qkv) {
+    constexpr bool narrow = !std::is_same_v<S, float>;
+    workspace_layout<13> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
+    l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), hd(s)));
+    l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
+    l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
+    l.add(bytes_of<float>(rows(s), hd(s)));                  // dO
+    l.add(bytes_of<float>(s.batch, s.heads, s.seq));         // Δ
+    l.add(bytes_of<float>(rows(s), hd(s)));                  // dq
+    l.add(bytes_of<float>(rows(s), kd(s)));                  // dk
+    l.add(bytes_of<float>(rows(s), kd(s)));                  // dv
+    l.add(narrow ? bytes_of<S>(rows(s), hd(s)) : 0);
+    l.add(narrow ? bytes_of<S>(rows(s), kd(s)) : 0);
+    l.add(narrow ? bytes_of<S>(rows(s), kd(s)) : 0);
+    l.add(narrow ? bytes_of<float>(rows(s), s.d_model) : 0);  // dx
+    return l;
+  }
+  enum step_slot : std::size_t { st_gemm, st_q, st_k, st_v, st_scores, st_o };
+  template <typename S>
+  static constexpr workspace_layout<6> step_layout(const attention_shape& s, std::size_t max_len) {
+    workspace_layout<6> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
+    l.add(bytes_of<float>(s.batch, hd(s)));
+    l.add(bytes_of<float>(s.batch, kd(s)));
+    l.add(bytes_of<float>(s.batch, kd(s)));
+    l.add(bytes_of<float>(s.batch, s.heads, max_len));  // one score per cached key
+    l.add(bytes_of<S>(s.batch, hd(s)));                 // o, in S: an operand of o·Wo
+    return l;
+  }
+
+ public:
+#if MEMBOUND_CUDA_COMPILER
+  // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], fp32); q, k, v are the saved slots under
+  // save_all (non-null) or nullptr (then they live in the workspace).
+  template <typename S, typename A>
+  static void forward(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
+                      const S* x, S* y, S* o_s, float* lse, float* q_saved, float* k_saved,
+                      float* v_saved, void* workspace, std::size_t workspace_size,
+                      const cuda_executor& ex);
+  template <typename S, typename A>
+  static void backward(const attention_shape& s, const S* wq, const S* wk, const S* wv,
+                       const S* wo, const S* x, const S* o_s, const float* lse,
+                       const float* q_saved, const float* k_saved, const float* v_saved,
+                       const S* dy, S* dx, S* gwq, S* gwk, S* gwv, S* gwo, void* workspace,
+                       std::size_t workspace_size, const cuda_executor& ex);
+  // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
+  // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
+  template <typename S, typename A>
+  static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
+                   S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
+                   const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
+                   const cuda_executor& ex);
+#else
+  template <typename S, typename A, typename... Args>
+  static void forward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: attention<..., cuda_backend>::forward launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <typename S, typename A, typename... Args>
+  static void backward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: attention<..., cuda_backend>::backward launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+  template <typename S, typename A, typename... Args>
+  static void step(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: attention<..., cuda_backend>::step launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+#endif
+};
+
+#if MEMBOUND_CUDA_COMPILER
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+namespace gpu {
+namespace detail {
+
+// The per-thread fp32 row registers hold DM >= D values; D itself is a runtime multiple of 8.
+constexpr unsigned attn_dm(std::size_t D) noexcept { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
+
+// In-place rotate-half RoPE on x [N, heads·D] at position (n % T) + position0; inverse applies the
+// transpose (the angle negated), for dq and dk. Angles in double, as the CPU computes them.
+template <int = 0>
+__global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t heads,
+                            std::size_t D, double base, std::size_t position0, bool inverse) {
+  const std::size_t half = D / 2;
+  const std::size_t total = N * heads * half;
+  for (std::size_t idx = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+       idx < total; idx += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::size_t i = idx % half, h = (idx / half) % heads, n = idx / (half * heads);
+    const double position = static_cast<double>(n % T + position0);
+    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+    const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
+    const float c = static_cast<float>(cos(angle)), sn = static_cast<float>(sin(angle));
+    float* head = x + n * heads * D + h * D;
+    const float x1 = head[i], x2 = head[i + half];
+    head[i] = x1 * c - x2 * sn;
+    head[i + half] = x2 * c + x1 * sn;
+  }
+}
+
+// Loads rows [r0, r0 + attn_tile) of a [B·T, width] fp32 matrix's head slice into a [attn_tile, D]
+// shared tile; rows past T are zero (never read as keys, but kept defined).
+__device__ inline void load_tile(float* tile, const float* src, std::size_t b, std::size_t T,
+                                 std::size_t r0, std::size_t width, std::size_t col0,
+                                 std::size_t D) {
+  for (std::size_t e = threadIdx.x; e < std::size_t{attn_tile} * D; e += blockDim.x) {
+    const std::size_t r = e / D, d = e % D, row = r0 + r;
+    tile[e] = row < T ? src[(b * T + row) * width + col0 + d] : 0.0f;
+  }
+}
+
+// One CTA per (query block of attn_rows, head, batch); thread i owns query row q0 + i: its q, the
+// running max m, sum l and the accumulator. Causal: key tiles start past the block's last row are
+// never loaded.
+template <typename S, unsigned DM>
+__global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
+    const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
+    std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = smem + std::size_t{attn_tile} * D;
+  const std::size_t q0 = static_cast<std::size_t>(blockIdx.x) * attn_rows;
+  const std::size_t h = blockIdx.y, b = blockIdx.z, g = h / (H / Hkv);
+  const std::size_t HD = H * D, KD = Hkv * D;
+  const std::size_t i = q0 + threadIdx.x;
+  const bool row_ok = i < T;
+  float qr[DM], acc[DM];
+#pragma unroll
+  for (unsigned d = 0; d < DM; ++d) {
+    qr[d] = (row_ok && d < D) ? q[(b * T + i) * HD + h * D + d] : 0.0f;
+    acc[d] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  const std::size_t last = q0 + attn_rows < T ? q0 + attn_rows : T;  // one past the block's rows
+  const std::size_t kv_end = causal ? last : T;
+  for (std::size_t j0 = 0; j0 < kv_end; j0 += attn_tile) {
+    __syncthreads();  // the previous tile is no longer read
+    load_tile(ks, k, b, T, j0, KD, g * D, D);
+    load_tile(vs, v, b, T, j0, KD, g * D, D);
+    __syncthreads();
+    if (!row_ok) continue;
+    for (unsigned jj = 0; jj < attn_tile; ++jj) {
+      const std::size_t j = j0 + jj;
+      if (j >= T || (causal && j > i)) break;  // later keys of the tile are masked too
+      const float* kr = ks + std::size_t{jj} * D;
+      float sc = 0.0f;
+#pragma unroll
+      for (unsigned d = 0; d < DM; ++d)
+        if (d < D) sc += qr[d] * kr[d];
+      sc *= scale;  // scaled after the dot, as the backward kernels recompute it
+      // Key 0 is always visible, so m is finite from the first key on and exp(-inf) = 0 handles
+      // the first rescale.
+      const float m_new = sc > m ? sc : m;
+      const float corr = expf(m - m_new);
+      const float p = expf(sc - m_new);
+      l = l * corr + p;
+      const float* vr = vs + std::size_t{jj} * D;
+#pragma unroll
+      for (unsigned d = 0; d < DM; ++d)
+        if (d < D) acc[d] = acc[d] * corr + p * vr[d];
+      m = m_new;
+    }
+  }
+  if (!row_ok) return;
+  const float inv = 1.0f / l;  // l >= 1: the row's max contributes exp(0)
+#pragma unroll
+  for (unsigned d = 0; d < DM; ++d)
+    if (d < D) st(o, (b * T + i) * HD + h * D + d, acc[d] * inv);
+  lse[(b * H + h) * T + i] = m + logf(l);  // natural log, unscaled scores: S = q·kᵀ/√D
+}
+
+// ---- Tensor-core forward (bf16/fp16 storage, D <= 128) ------------------------------------------
+// WMMA m16n16k16 with fp32 accumulation. One CTA of 4 warps per (64-query block, head, batch);
+// K/V tiles of 64 keys. Q, K, V are rounded to the storage type on their way into shared memory
+// (the fp32 path keeps them fp32). WMMA's fragment layouts are opaque, so scores, the PV product
+// and the running output all pass through shared memory: warp w computes rows 16w..16w+15 of
+// S = Q·Kᵀ, the 64 row threads run the online softmax on S (fp32) and write P, then warp w
+// computes its rows of P·V and rescales its rows of the output by the row's correction factor.
+inline constexpr unsigned wmma_rows = 64, wmma_keys = 64, wmma_threads = 128;
+
+template <typename S>
+using wmma_half_t = std::conditional_t<std::is_same_v<S, bf16>, __nv_bfloat16, __half>;
+
+template <typename H>
+__device__ inline H to_half(float v) {
+  if constexpr (std::is_same_v<H, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+// Bytes: fp32 O, PV scratch [64, DM] each, S [64, 64], m/l/corr [64] each; then the 16-bit Q, K, V
+// [64, DM] each and P [64, 64]. Every WMMA pointer below is a multiple of 32 bytes from the base.
+constexpr std::size_t wmma_forward_smem_bytes(unsigned DM) noexcept {
+  return sizeof(float) * (2 * std::size_t{wmma_rows} * DM + std::size_t{wmma_rows} * wmma_keys +
+                          3 * std::size_t{wmma_rows}) +
+         2 * (3 * std::size_t{wmma_rows} * DM + std::size_t{wmma_rows} * wmma_keys);
+}
+
+template <typename H>
+__device__ inline void load_tile_half(H* tile, const float* src, std::size_t b, std::size_t T,
+                                      std::size_t r0, std::size_t width, std::size_t col0,
+                                      std::size_t D, unsigned DM) {
+  for (std::size_t e = threadIdx.x; e < std::size_t{wmma_rows} * DM; e += blockDim.x) {
+    const std::size_t r = e / DM, d = e % DM, row = r0 + r;
+    tile[e] = to_half<H>(row < T && d < D ? src[(b * T + row) * width + col0 + d] : 0.0f);
+  }
+}
+
+template <typename S, unsigned DM>
+__global__ void __launch_bounds__(wmma_threads) flash_forward_wmma_kernel(
+    const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
+    std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
+  namespace wmma = nvcuda::wmma;
+  using HT = wmma_half_t<S>;
+  static_assert(DM % 16 == 0 && wmma_rows == wmma_keys && wmma_rows == 16 * (wmma_threads / 32),
+                "membound: one 16-row WMMA block per warp");
+  extern __shared__ __align__(128) unsigned char attn_wmma_smem[];
+  float* os = reinterpret_cast<float*>(attn_wmma_smem);
+  float* ts = os + std::size_t{wmma_rows} * DM;
+  float* ss = ts + std::size_t{wmma_rows} * DM;
+  float* ms = ss + std::size_t{wmma_rows} * wmma_keys;
+  float* ls = ms + wmma_rows;
+  float* cs = ls + wmma_rows;
+  HT* qs = reinterpret_cast<HT*>(cs + wmma_rows);
+  HT* ks = qs + std::size_t{wmma_rows} * DM;
+  HT* vs = ks + std::size_t{wmma_keys} * DM;
+  HT* ps = vs + std::size_t{wmma_keys} * DM;
+
+  const std::size_t q0 = static_cast<std::size_t>(blockIdx.x) * wmma_rows;
+  const std::size_t h = blockIdx.y, b = blockIdx.z, g = h / (H / Hkv);
+  const std::size_t HD = H * D, KD = Hkv * D;
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  load_tile_half(qs, q, b, T, q0, HD, h * D, D, DM);
+  for (std::size_t e = threadIdx.x; e < std::size_t{wmma_rows} * DM; e += blockDim.x) os[e] = 0.0f;
+  if (threadIdx.x < wmma_rows) {
+    ms[threadIdx.x] = -INFINITY;
+    ls[threadIdx.x] = 0.0f;
+  }
+  const std::size_t last = q0 + wmma_rows < T ? q0 + wmma_rows : T;
+  const std::size_t kv_end = causal ? last : T;  // key tiles past the diagonal are never loaded
+  for (std::size_t j0 = 0; j0 < kv_end; j0 += wmma_keys) {
+    __syncthreads();  // the previous tile's K, V, S, P are no longer read
+    load_tile_half(ks, k, b, T, j0, KD, g * D, D, DM);
+    load_tile_half(vs, v, b, T, j0, KD, g * D, D, DM);
+    __syncthreads();
+    // S = Q·Kᵀ, warp w: rows 16w..16w+15, all 64 key columns.
+    for (unsigned n = 0; n < wmma_keys / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+      for (unsigned kk = 0; kk < DM / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, HT, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, HT, wmma::col_major> fb;  // Kᵀ
+        wmma::load_matrix_sync(fa, qs + std::size_t{16 * warp} * DM + 16 * kk, DM);
+        wmma::load_matrix_sync(fb, ks + std::size_t{16 * n} * DM + 16 * kk, DM);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(ss + std::size_t{16 * warp} * wmma_keys + 16 * n, acc, wmma_keys,
+                              wmma::mem_row_major);
+    }
+    __syncthreads();
+    // Online softmax, one thread per query row. A row past T (or, defensively, a row with every
+    // key masked) keeps m = -inf: its correction is 1 and its P row 0, never exp(-inf + inf).
+    if (threadIdx.x < wmma_rows) {
+      const unsigned r = threadIdx.x;
+      const std::size_t i = q0 + r;
+      float* srow = ss + std::size_t{r} * wmma_keys;
+      float mt = -INFINITY;
+      for (unsigned c = 0; c < wmma_keys; ++c) {
+        const std::size_t j = j0 + c;
+        const bool ok = i < T && j < T && (!causal || j <= i);
+        srow[c] = ok ? srow[c] * scale : -INFINITY;
+        mt = fmaxf(mt, srow[c]);
+      }
+      const float m_old = ms[r];
+      const float m_new = fmaxf(m_old, mt);
+      float corr = 1.0f, sum = 0.0f;
+      if (m_new != -INFINITY) {
+        corr = expf(m_old - m_new);  // m_old = -inf on the first tile: 0, and O is still 0
+        for (unsigned c = 0; c < wmma_keys; ++c) {
+          const float p = expf(srow[c] - m_new);  // masked: exp(-inf) = 0
+          sum += p;
+          ps[std::size_t{r} * wmma_keys + c] = to_half<HT>(p);
+        }
+      } else {
+        for (unsigned c = 0; c < wmma_keys; ++c) ps[std::size_t{r} * wmma_keys + c] = to_half<HT>(0.0f);
+      }
+      ms[r] = m_new;
+      ls[r] = ls[r] * corr + sum;
+      cs[r] = corr;
+    }
+    __syncthreads();
+    // O = O·corr + P·V, warp w: its 16 rows, all DM columns (PV into ts, then the rescale).
+    for (unsigned n = 0; n < DM / 16; ++n) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+      for (unsigned kk = 0; kk < wmma_keys / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, HT, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, HT, wmma::row_major> fb;
+        wmma::load_matrix_sync(fa, ps + std::size_t{16 * warp} * wmma_keys + 16 * kk, wmma_keys);
+        wmma::load_matrix_sync(fb, vs + std::size_t{16 * kk} * DM + 16 * n, DM);
+        wmma::mma_sync(acc, fa, fb, acc);
+      }
+      wmma::store_matrix_sync(ts + std::size_t{16 * warp} * DM + 16 * n, acc, DM,
+                              wmma::mem_row_major);
+    }
+    __syncwarp();  // the warp's own rows of ts are written
+    for (unsigned e = lane; e < 16 * DM; e += 32) {
+      const std::size_t idx = std::size_t{16 * warp} * DM + e;
+      os[idx] = os[idx] * cs[16 * warp + e / DM] + ts[idx];
+    }
+  }
+  __syncthreads();
+  for (std::size_t e = threadIdx.x; e < std::size_t{wmma_rows} * DM; e += blockDim.x) {
+    const std::size_t r = e / DM, d = e % DM, i = q0 + r;
+    if (i < T && d < D) st(o, (b * T + i) * HD + h * D + d, os[e] / ls[r]);
+  }
+  if (threadIdx.x < wmma_rows && q0 + threadIdx.x < T) {
+    lse[(b * H + h) * T + q0 + threadIdx.x] = ms[threadIdx.x] + logf(ls[threadIdx.x]);
+  }
+}
+
+// Δ[b, h, t] = Σ_d dO ⊙ O over head h of row (b, t).
+template <typename S>
+__global__ void attention_delta_kernel(const float* dout, const S* o, float* delta, std::size_t B,
+                                       std::size_t T, std::size_t H, std::size_t D) {
+  const std::size_t idx = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (idx >= B * T * H) return;
+  const std::size_t h = idx % H, n = idx / H, b = n / T, t = n % T;
+  float acc = 0.0f;
+  for (std::size_t d = 0; d < D; ++d) {
+    const std::size_t e = n * H * D + h * D + d;
+    acc += dout[e] * ld(o, e);
+  }
+  delta[(b * H + h) * T + t] = acc;
+}
+
+// dK, dV: one CTA per (key block of attn_rows, kv head, batch); thread j owns key row k0 + j and
+// sums over the group's query heads and the query tiles in a fixed order (deterministic). Causal:
+// query tiles that end before the block's first key are skipped.
+template <unsigned DM>
+__global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
+    const float* q, const float* k, const float* v, const float* dout, const float* lse,
+    const float* delta, float* dk, float* dv, std::size_t T, std::size_t H, std::size_t Hkv,
+    std::size_t D, bool causal, float scale) {
+  extern __shared__ float smem[];
+  float* qs = smem;
+  float* dos = smem + std::size_t{attn_tile} * D;
+  float* ls = smem + 2 * std::size_t{attn_tile} * D;
+  float* ds = ls + attn_tile;
+  const std::size_t k0 = static_cast<std::size_t>(blockIdx.x) * attn_rows;
+  const std::size_t g = blockIdx.y, b = blockIdx.z, group = H / Hkv;
+  const std::size_t HD = H * D, KD = Hkv * D;
+  const std::size_t j = k0 + threadIdx.x;
+  const bool row_ok = j < T;
+  float kr[DM], vr[DM], dkr[DM], dvr[DM];
+#pragma unroll
+  for (unsigned d = 0; d < DM; ++d) {
+    const bool in = row_ok && d < D;
+    kr[d] = in ? k[(b * T + j) * KD + g * D + d] : 0.0f;
+    vr[d] = in ? v[(b * T + j) * KD + g * D + d] : 0.0f;
+    dkr[d] = 0.0f;
+    dvr[d] = 0.0f;
+  }
+  const std::size_t i_begin = causal ? (k0 / attn_tile) * attn_tile : 0;
+  for (std::size_t hh = 0; hh < group; ++hh) {
+    const std::size_t h = g * group + hh;
+    for (std::size_t i0 = i_begin; i0 < T; i0 += attn_tile) {
+      __syncthreads();
+      load_tile(qs, q, b, T, i0, HD, h * D, D);
+      load_tile(dos, dout, b, T, i0, HD, h * D, D);
+      for (unsigned r = threadIdx.x; r < attn_tile; r += blockDim.x) {
+        const std::size_t row = i0 + r;
+        ls[r] = row < T ? lse[(b * H + h) * T + row] : 0.0f;
+        ds[r] = row < T ? delta[(b * H + h) * T + row] : 0.0f;
+      }
+      __syncthreads();
+      if (!row_ok) continue;
+      for (unsigned ii = 0; ii < attn_tile; ++ii) {
+        const std::size_t i = i0 + ii;
+        if (i >= T) break;
+        if (causal && j > i) continue;
+        const float* qr = qs + std::size_t{ii} * D;
+        const float* dor = dos + std::size_t{ii} * D;
+        float sc = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (unsigned d = 0; d < DM; ++d)
+          if (d < D) {
+            sc += qr[d] * kr[d];
+            dp += dor[d] * vr[d];
+          }
+        const float p = expf(sc * scale - ls[ii]);
+        const float dsc = p * (dp - ds[ii]) * scale;
+#pragma unroll
+        for (unsigned d = 0; d < DM; ++d)
+          if (d < D) {
+            dvr[d] += p * dor[d];
+            dkr[d] += dsc * qr[d];
+          }
+      }
+    }
+  }
+  if (!row_ok) return;
+#pragma unroll
+  for (unsigned d = 0; d < DM; ++d)
+    if (d < D) {
+      dk[(b * T + j) * KD + g * D + d] = dkr[d];
+      dv[(b * T + j) * KD + g * D + d] = dvr[d];
+    }
+}
+
+// dQ: one CTA per (query block, head, batch), thread i owns query row q0 + i; keys in order.
+template <unsigned DM>
+__global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
+    const float* q, const float* k, const float* v, const float* dout, const float* lse,
+    const float* delta, float* dq, std::size_t T, std::size_t H, std::size_t Hkv, std::size_t D,
+    bool causal, float scale) {
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = smem + std::size_t{attn_tile} * D;
+  const std::size_t q0 = static_cast<std::size_t>(blockIdx.x) * attn_rows;
+  const std::size_t h = blockIdx.y, b = blockIdx.z, g = h / (H / Hkv);
+  const std::size_t HD = H * D, KD = Hkv * D;
+  const std::size_t i = q0 + threadIdx.x;
+  const bool row_ok = i < T;
+  float qr[DM], dor[DM], dqr[DM];
+#pragma unroll
+  for (unsigned d = 0; d < DM; ++d) {
+    const bool in = row_ok && d < D;
+    qr[d] = in ? q[(b * T + i) * HD + h * D + d] : 0.0f;
+    dor[d] = in ? dout[(b * T + i) * HD + h * D + d] : 0.0f;
+    dqr[d] = 0.0f;
+  }
+  const float li = row_ok ? lse[(b * H + h) * T + i] : 0.0f;
+  const float di = row_ok ? delta[(b * H + h) * T + i] : 0.0f;
+  const std::size_t last = q0 + attn_rows < T ? q0 + attn_rows : T;
+  const std::size_t kv_end = causal ? last : T;
+  for (std::size_t j0 = 0; j0 < kv_end; j0 += attn_tile) {
+    __syncthreads();
+    load_tile(ks, k, b, T, j0, KD, g * D, D);
+    load_tile(vs, v, b, T, j0, KD, g * D, D);
+    __syncthreads();
+    if (!row_ok) continue;
+    for (unsigned jj = 0; jj < attn_tile; ++jj) {
+      const std::size_t j = j0 + jj;
+      if (j >= T || (causal && j > i)) break;
+      const float* kr = ks + std::size_t{jj} * D;
+      const float* vr = vs + std::size_t{jj} * D;
+      float sc = 0.0f, dp = 0.0f;
+#pragma unroll
+      for (unsigned d = 0; d < DM; ++d)
+        if (d < D) {
+          sc += qr[d] * kr[d];
+          dp += dor[d] * vr[d];
+        }
+      const float p = expf(sc * scale - li);
+      const float dsc = p * (dp - di) * scale;
+#pragma unroll
+      for (unsigned d = 0; d < DM; ++d)
+        if (d < D) dqr[d] += dsc * kr[d];
+    }
+  }
+  if (!row_ok) return;
+#pragma unroll
+  for (unsigned d = 0; d < DM; ++d)
+    if (d < D) dq[(b * T + i) * HD + h * D + d] = dqr[d];
+}
+
+// Writes the rotated k and v of position t into the cache ([B, Hkv, L, D] each, S).
+template <typename S>
+__global__ void cache_append_kernel(const float* k, const float* v, S* ck, S* cv, std::size_t B,
+                                    std::size_t Hkv, std::size_t L, std::size_t D, std::size_t t) {
+  const std::size_t idx = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (idx >= B * Hkv * D) return;
+  const std::size_t d = idx % D, g = (idx / D) % Hkv, b = idx / (D * Hkv);
+  const std::size_t dst = ((b * Hkv + g) * L + t) * D + d;
+  st(ck, dst, k[idx]);
+  st(cv, dst, v[idx]);
+}
+
+// Decode pass 1: the scaled score of every cached key 0..len-1 for every (batch, head), in
+// parallel over keys (the split over the cache): one thread per (b, h, key).
+template <typename S>
+__global__ void decode_scores_kernel(const float* q, const S* ck, float* scores, std::size_t H,
+                                     std::size_t Hkv, std::size_t L, std::size_t D,
+                                     std::size_t len, float scale) {
+  const std::size_t j = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const std::size_t h = blockIdx.y, b = blockIdx.z, g = h / (H / Hkv);
+  if (j >= len) return;
+  const float* qr = q + (b * H + h) * D;
+  const std::size_t kbase = ((b * Hkv + g) * L + j) * D;
+  float sc = 0.0f;
+  for (std::size_t d = 0; d < D; ++d) sc += qr[d] * ld(ck, kbase + d);
+  scores[(b * H + h) * L + j] = sc * scale;
+}
+
+// Decode pass 2: one CTA of decode_threads per (b, h): the max and the sum of exp over the scores
+// (block reductions of fixed shape), then thread d accumulates o_d = Σ_j p_j v_jd in key order.
+template <typename S>
+__global__ void __launch_bounds__(decode_threads) decode_combine_kernel(
+    const float* scores, const S* cv, S* o, std::size_t H, std::size_t Hkv, std::size_t L,
+    std::size_t D, std::size_t len) {
+  using reduce = block_allreduce<float, decode_threads>;
+  __shared__ typename reduce::storage red;
+  const std::size_t h = blockIdx.x, b = blockIdx.y, g = h / (H / Hkv);
+  const float* sr = scores + (b * H + h) * L;
+  float m = -INFINITY;
+  for (std::size_t j = threadIdx.x; j < len; j += decode_threads) m = fmaxf(m, sr[j]);
+  m = reduce::run(m, op_max{}, red);
+  float l = 0.0f;
+  for (std::size_t j = threadIdx.x; j < len; j += decode_threads) l += expf(sr[j] - m);
+  l = reduce::run(l, op_sum{}, red);
+  const float inv = 1.0f / l;
+  for (std::size_t d = threadIdx.x; d < D; d += decode_threads) {
+    float acc = 0.0f;
+    for (std::size_t j = 0; j < len; ++j) acc += expf(sr[j] - m) * ld(cv, ((b * Hkv + g) * L + j) * D + d);
+    st(o, (b * H + h) * D + d, acc * inv);
+  }
+}
+
+template <unsigned DM, typename Kernel>
+void set_smem(Kernel kernel, std::size_t bytes) {
+  // Above 48 KiB of dynamic shared memory a kernel must opt in (D = 256 needs 64 KiB + 256 B).
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             "cudaFuncSetAttribute(attention)");
+}
+
+inline void rope(const cuda_executor& ex, float* x, std::size_t N, std::size_t T,
+                 std::size_t heads, std::size_t D, double base, std::size_t position0,
+                 bool inverse) {
+  const std::size_t n = N * heads * (D / 2);
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, 256) < 4096u ? grid_for(n, 256) : 4096u;
+  rope_kernel<<<grid, 256, 0, ex.stream()>>>(x, N, T, heads, D, base, position0, inverse);
+  cuda_executor::check_launch("rope_kernel");
+}
+
+template <typename S, unsigned DM>
+void launch_forward(const cuda_executor& ex, const attention_shape& s, const float* q,
+                    const float* k, const float* v, S* o, float* lse) {
+  const std::size_t smem = attention_smem_bytes(s.head_dim);
+  set_smem<DM>(flash_forward_kernel<S, DM>, smem);
+  const dim3 grid(static_cast<unsigned>((s.seq + attn_rows - 1) / attn_rows),
+                  static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
+  flash_forward_kernel<S, DM><<<grid, attn_rows, smem, ex.stream()>>>(
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  cuda_executor::check_launch("flash_forward_kernel");
+}
+
+// The tensor-core forward for bf16/fp16 at D <= 128 (DM 64 or 128).
+template <typename S, unsigned DM>
+void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, const float* q,
+                         const float* k, const float* v, S* o, float* lse) {
+  const std::size_t smem = wmma_forward_smem_bytes(DM);  // 80.75 KiB (DM 64), 136.75 KiB (DM 128)
+  set_smem<DM>(flash_forward_wmma_kernel<S, DM>, smem);
+  const dim3 grid(static_cast<unsigned>((s.seq + wmma_rows - 1) / wmma_rows),
+                  static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
+  flash_forward_wmma_kernel<S, DM><<<grid, wmma_threads, smem, ex.stream()>>>(
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  cuda_executor::check_launch("flash_forward_wmma_kernel");
+}
+
+template <unsigned DM>
+void launch_backward(const cuda_executor& ex, const attention_shape& s, const float* q,
+                     const float* k, const float* v, const float* dout, const float* lse,
+                     const float* delta, float* dq, float* dk, float* dv) {
+  const std::size_t smem = attention_smem_bytes(s.head_dim);
+  const unsigned blocks = static_cast<unsigned>((s.seq + attn_rows - 1) / attn_rows);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  set_smem<DM>(flash_dkdv_kernel<DM>, smem);
+  flash_dkdv_kernel<DM><<<dim3(blocks, static_cast<unsigned>(s.kv_heads),
+                               static_cast<unsigned>(s.batch)),
+                          attn_rows, smem, ex.stream()>>>(q, k, v, dout, lse, delta, dk, dv, s.seq,
+                                                          s.heads, s.kv_heads, s.head_dim,
+                                                          s.causal, scale);
+  cuda_executor::check_launch("flash_dkdv_kernel");
+  set_smem<DM>(flash_dq_kernel<DM>, smem);
+  flash_dq_kernel<DM><<<dim3(blocks, static_cast<unsigned>(s.heads),
+                             static_cast<unsigned>(s.batch)),
+                        attn_rows, smem, ex.stream()>>>(q, k, v, dout, lse, delta, dq, s.seq,
+                                                        s.heads, s.kv_heads, s.head_dim, s.causal,
+                                                        scale);
+  cuda_executor::check_launch("flash_dq_kernel");
+}
+
+}  // namespace detail
+}  // namespace gpu
+
+template <typename S, typename A>
+void backend_kernels<cuda_backend, attention_shape>::forward(
+    const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, const S* x,
+    S* y, S* o_s, float* lse, float* q_saved, float* k_saved, float* v_saved, void* workspace,
+    std::size_t workspace_size, const cuda_executor& ex) {
+  check_types<S, A>();
+  const bool keep = q_saved != nullptr;
+  const auto ws = carve(forward_layout<S>(s, keep), workspace, workspace_size);
+  const std::size_t N = rows(s), C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(f_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  float* q = keep ? q_saved : ws.template get<float>(f_q);
+  float* k = keep ? k_saved : ws.template get<float>(f_k);
+  float* v = keep ? v_saved : ws.template get<float>(f_v);
+  gpu::matmul(ctx, x, wq, q, N, C, HD, false);
+  gpu::matmul(ctx, x, wk, k, N, C, KD, false);
+  gpu::matmul(ctx, x, wv, v, N, C, KD, false);
+  gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false);
+  gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
+  if constexpr (!std::is_same_v<S, float>) {  // tensor cores: bf16/fp16 storage, D <= 128
+    if (D <= 64) {
+      gpu::detail::launch_forward_wmma<S, 64>(ex, s, q, k, v, o_s, lse);
+    } else if (D <= 128) {
+      gpu::detail::launch_forward_wmma<S, 128>(ex, s, q, k, v, o_s, lse);
+    } else {
+      gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse);
+    }
+  } else {
+  switch (gpu::detail::attn_dm(D)) {
+    case 64: gpu::detail::launch_forward<S, 64>(ex, s, q, k, v, o_s, lse); break;
+    case 128: gpu::detail::launch_forward<S, 128>(ex, s, q, k, v, o_s, lse); break;
+    default: gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse); break;
+  }
+  }
+  gpu::matmul(ctx, static_cast<const S*>(o_s), wo, y, N, HD, C, false);
+}
+
+template <typename S, typename A>
+void backend_kernels<cuda_backend, attention_shape>::backward(
+    const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, const S* x,
+    const S* o_s, const float* lse, const float* q_saved, const float* k_saved,
+    const float* v_saved, const S* dy, S* dx, S* gwq, S* gwk, S* gwv, S* gwo, void* workspace,
+    std::size_t workspace_size, const cuda_executor& ex) {
+  check_types<S, A>();
+  const bool keep = q_saved != nullptr;
+  const auto ws = carve(backward_layout<S>(s, keep), workspace, workspace_size);
+  const std::size_t N = rows(s), C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  const float* q = q_saved;
+  const float* k = k_saved;
+  const float* v = v_saved;
+  if (!keep) {  // recompute exactly as forward did (same GEMMs, same RoPE kernel)
+    float* qw = ws.template get<float>(b_q);
+    float* kw = ws.template get<float>(b_k);
+    float* vw = ws.template get<float>(b_v);
+    gpu::matmul(ctx, x, wq, qw, N, C, HD, false);
+    gpu::matmul(ctx, x, wk, kw, N, C, KD, false);
+    gpu::matmul(ctx, x, wv, vw, N, C, KD, false);
+    gpu::detail::rope(ex, qw, N, s.seq, s.heads, D, s.rope_base, 0, false);
+    gpu::detail::rope(ex, kw, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
+    q = qw;
+    k = kw;
+    v = vw;
+  }
+  float* dout = ws.template get<float>(b_dout);
+  float* delta = ws.template get<float>(b_delta);
+  gpu::matmul_bt(ctx, dy, wo, dout, N, C, HD, false);
+  {
+    const std::size_t n = N * s.heads;
+    gpu::detail::attention_delta_kernel<S><<<gpu::detail::grid_for(n, 256), 256, 0, ex.stream()>>>(
+        dout, o_s, delta, s.batch, s.seq, s.heads, D);
+    cuda_executor::check_launch("attention_delta_kernel");
+  }
+  float* dq = ws.template get<float>(b_dq);
+  float* dk = ws.template get<float>(b_dk);
+  float* dv = ws.template get<float>(b_dv);
+  switch (gpu::detail::attn_dm(D)) {
+    case 64: gpu::detail::launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+    case 128: gpu::detail::launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+    default: gpu::detail::launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+  }
+  gpu::detail::rope(ex, dq, N, s.seq, s.heads, D, s.rope_base, 0, true);
+  gpu::detail::rope(ex, dk, N, s.seq, s.kv_heads, D, s.rope_base, 0, true);
+
+  gpu::matmul_at(ctx, static_cast<const S*>(o_s), dy, gwo, N, HD, C, true);
+  const S* dqs;
+  const S* dks;
+  const S* dvs;
+  if constexpr (std::is_same_v<S, float>) {
+    dqs = dq;
+    dks = dk;
+    dvs = dv;
+  } else {
+    S* a = ws.template get<S>(b_dqs);
+    S* bk = ws.template get<S>(b_dks);
+    S* c = ws.template get<S>(b_dvs);
+    gpu::convert(ex, static_cast<const float*>(dq), a, N * HD);
+    gpu::convert(ex, static_cast<const float*>(dk), bk, N * KD);
+    gpu::convert(ex, static_cast<const float*>(dv), c, N * KD);
+    dqs = a;
+    dks = bk;
+    dvs = c;
+  }
+  gpu::matmul_at(ctx, x, dqs, gwq, N, C, HD, true);
+  gpu::matmul_at(ctx, x, dks, gwk, N, C, KD, true);
+  gpu::matmul_at(ctx, x, dvs, gwv, N, C, KD, true);
+  if constexpr (std::is_same_v<S, float>) {
+    gpu::matmul_bt(ctx, dqs, wq, dx, N, HD, C, false);
+    gpu::matmul_bt(ctx, dks, wk, dx, N, KD, C, true);
+    gpu::matmul_bt(ctx, dvs, wv, dx, N, KD, C, true);
+  } else {
+    float* dxf = ws.template get<float>(b_dx);
+    gpu::matmul_bt(ctx, dqs, wq, dxf, N, HD, C, false);
+    gpu::matmul_bt(ctx, dks, wk, dxf, N, KD, C, true);
+    gpu::matmul_bt(ctx, dvs, wv, dxf, N, KD, C, true);
+    gpu::convert(ex, static_cast<const float*>(dxf), dx, N * C);
+  }
+}
+
+template <typename S, typename A>
+void backend_kernels<cuda_backend, attention_shape>::step(
+    const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, S* cache_keys,
+    S* cache_values, std::size_t max_len, std::size_t length, const S* x_t, S* y_t,
+    void* workspace, std::size_t workspace_size, const cuda_executor& ex) {
+  check_types<S, A>();
+  const auto ws = carve(step_layout<S>(s, max_len), workspace, workspace_size);
+  const std::size_t B = s.batch, C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
+  const std::size_t t = length, len = length + 1;
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(st_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  float* q = ws.template get<float>(st_q);
+  float* k = ws.template get<float>(st_k);
+  float* v = ws.template get<float>(st_v);
+  gpu::matmul(ctx, x_t, wq, q, B, C, HD, false);
+  gpu::matmul(ctx, x_t, wk, k, B, C, KD, false);
+  gpu::matmul(ctx, x_t, wv, v, B, C, KD, false);
+  gpu::detail::rope(ex, q, B, 1, s.heads, D, s.rope_base, t, false);
+  gpu::detail::rope(ex, k, B, 1, s.kv_heads, D, s.rope_base, t, false);
+  {
+    const std::size_t n = B * KD;
+    gpu::detail::cache_append_kernel<S><<<gpu::detail::grid_for(n, 256), 256, 0, ex.stream()>>>(
+        k, v, cache_keys, cache_values, B, s.kv_heads, max_len, D, t);
+    cuda_executor::check_launch("cache_append_kernel");
+  }
+  float* scores = ws.template get<float>(st_scores);
+  S* o = ws.template get<S>(st_o);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  gpu::detail::decode_scores_kernel<S>
+      <<<dim3(static_cast<unsigned>((len + 255) / 256), static_cast<unsigned>(s.heads),
+              static_cast<unsigned>(B)),
+         256, 0, ex.stream()>>>(q, cache_keys, scores, s.heads, s.kv_heads, max_len, D, len, scale);
+  cuda_executor::check_launch("decode_scores_kernel");
+  gpu::detail::decode_combine_kernel<S>
+      <<<dim3(static_cast<unsigned>(s.heads), static_cast<unsigned>(B)), gpu::decode_threads, 0,
+         ex.stream()>>>(scores, cache_values, o, s.heads, s.kv_heads, max_len, D, len);
+  cuda_executor::check_launch("decode_combine_kernel");
+  gpu::matmul(ctx, static_cast<const S*>(o), wo, y_t, B, HD, C, false);
+}
+
+#endif  // MEMBOUND_CUDA_COMPILER
+
+MEMBOUND_NAMESPACE_END

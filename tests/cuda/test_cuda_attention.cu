@@ -1,0 +1,246 @@
+// attention<P, cuda_backend> against attention<P> (the CPU backend) on the same inputs in the
+// same process: y, lse, dx and the four accumulated weight gradients; causal and bidirectional;
+// MHA, GQA, MQA; T = 1 and T not a multiple of the tiles; head_dim 8 to 256; recompute and
+// save_all; bit-identical repeats; no device memory beyond the caller's; step equals the causal
+// forward's rows; typed errors. Without a device it exits 77 (skipped).
+//
+// Tolerances, |got - want| / (|want| + 1e-2):
+//   fp32: TF32 is off; sums in another order and the device's expf: 1e-5 relative.
+//   bf16/fp16: see bf16_matches_cpu.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cuda_test_support.cuh"
+
+namespace mb = membound;
+
+namespace {
+
+template <typename S>
+std::vector<S> random_values(std::size_t n, std::uint32_t seed, float scale) {
+  std::vector<S> v(n);
+  std::uint32_t s = seed * 2654435761u + 7;
+  for (auto& x : v) {
+    s = s * 1664525u + 1013904223u;
+    const float u = static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
+    x = mb::from_accum<S>(scale * (2.0f * u - 1.0f));
+  }
+  return v;
+}
+
+template <typename S>
+std::vector<double> as_double(const std::vector<S>& v) {
+  std::vector<double> d(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(mb::to_accum<float>(v[i]));
+  return d;
+}
+
+template <typename S>
+bool same_bits(const std::vector<S>& a, const std::vector<S>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(S)) == 0;
+}
+
+struct run_result {
+  std::vector<std::uint8_t> y, saved, dx, gq, gk, gv, go, ys;  // raw bytes, for bit comparisons
+};
+
+template <typename S>
+std::vector<S> from_bytes(const std::vector<std::uint8_t>& b) {
+  std::vector<S> v(b.size() / sizeof(S));
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+template <typename T>
+std::vector<std::uint8_t> to_bytes(const std::vector<T>& v) {
+  std::vector<std::uint8_t> b(v.size() * sizeof(T));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+
+template <typename Precision, typename... Extra>
+void compare(const mb::attention_shape& s, double tolerance) {
+  using cpu_attn = mb::attention<Precision, Extra...>;
+  using gpu_attn = mb::attention<Precision, Extra..., mb::cuda_backend>;
+  using S = typename cpu_attn::storage_type;
+  const std::size_t N = s.batch * s.seq, C = s.d_model;
+  const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  const auto x = random_values<S>(N * C, 1, 1.0f);
+  const auto wq = random_values<S>(C * HD, 2, 0.3f);
+  const auto wk = random_values<S>(C * KD, 3, 0.3f);
+  const auto wv = random_values<S>(C * KD, 4, 0.3f);
+  const auto wo = random_values<S>(HD * C, 5, 0.3f);
+  const auto dy = random_values<S>(N * C, 6, 1.0f);
+  const auto gq0 = random_values<S>(C * HD, 7, 0.1f);
+  const auto gk0 = random_values<S>(C * KD, 8, 0.1f);
+  const auto gv0 = random_values<S>(C * KD, 9, 0.1f);
+  const auto go0 = random_values<S>(HD * C, 10, 0.1f);
+
+  // CPU reference.
+  mb::thread_pool pool(1);
+  std::vector<S> y_c(N * C), dx_c(N * C), gq_c = gq0, gk_c = gk0, gv_c = gv0, go_c = go0;
+  std::vector<std::uint8_t> saved_c(cpu_attn::saved_bytes(s));
+  std::vector<std::uint8_t> ws_c(std::max(cpu_attn::forward_workspace_bytes(s, 1),
+                                          cpu_attn::backward_workspace_bytes(s, 1)) + 256);
+  void* wsp = ws_c.data();
+  std::size_t wsn = ws_c.size();
+  wsp = std::align(256, wsn - 256, wsp, wsn);
+  const typename cpu_attn::weights wc{wq.data(), wk.data(), wv.data(), wo.data()};
+  cpu_attn::forward(s, wc, x.data(), y_c.data(), saved_c.data(), saved_c.size(), wsp, wsn, pool);
+  const float* lse_c = cpu_attn::saved_lse(s, saved_c.data());
+  const std::vector<float> lse_cv(lse_c, lse_c + s.batch * s.heads * s.seq);
+  cpu_attn::backward(s, wc, x.data(), saved_c.data(), saved_c.size(), dy.data(), dx_c.data(),
+                     {gq_c.data(), gk_c.data(), gv_c.data(), go_c.data()}, wsp, wsn, pool);
+
+  mb::cuda_executor ex;
+  mbt::device_buffer<S> dx_(x), dwq(wq), dwk(wk), dwv(wv), dwo(wo), ddy(dy), dy_(N * C),
+      ddx(N * C);
+  mbt::device_buffer<S> dgq(gq0), dgk(gk0), dgv(gv0), dgo(go0);
+  mbt::device_buffer<std::uint8_t> dsaved(gpu_attn::saved_bytes(s));
+  const std::size_t fws = gpu_attn::forward_workspace_bytes(s, 1);
+  const std::size_t bws = gpu_attn::backward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> dws(std::max(fws, bws));
+  const typename gpu_attn::weights wg{dwq.get(), dwk.get(), dwv.get(), dwo.get()};
+  auto run = [&] {
+    dgq.upload(gq0);
+    dgk.upload(gk0);
+    dgv.upload(gv0);
+    dgo.upload(go0);
+    gpu_attn::forward(s, wg, dx_.get(), dy_.get(), dsaved.get(), dsaved.size(), dws.get(), fws, ex);
+    gpu_attn::backward(s, wg, dx_.get(), dsaved.get(), dsaved.size(), ddy.get(), ddx.get(),
+                       {dgq.get(), dgk.get(), dgv.get(), dgo.get()}, dws.get(), bws, ex);
+    ex.synchronize();
+    return run_result{to_bytes(dy_.download()), dsaved.download(), to_bytes(ddx.download()),
+                      to_bytes(dgq.download()), to_bytes(dgk.download()), to_bytes(dgv.download()),
+                      to_bytes(dgo.download()), {}};
+  };
+  const run_result first = run();
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  mb::cuda_check(cudaMemGetInfo(&free_before, &total), "cudaMemGetInfo");
+  const run_result second = run();
+  mb::cuda_check(cudaMemGetInfo(&free_after, &total), "cudaMemGetInfo");
+  CHECK(free_after == free_before);  // nothing beyond saved + workspace
+  // Deterministic: bit-identical repeats.
+  CHECK(first.y == second.y);
+  CHECK(first.saved == second.saved);
+  CHECK(first.dx == second.dx);
+  CHECK(first.gq == second.gq && first.gk == second.gk && first.gv == second.gv &&
+        first.go == second.go);
+
+  constexpr double floor = 1e-2;
+  const float* lse_g = gpu_attn::saved_lse(s, first.saved.data());  // host copy, same layout
+  const std::vector<float> lse_gv(lse_g, lse_g + s.batch * s.heads * s.seq);
+  mbt::close("y", as_double(from_bytes<S>(first.y)), as_double(y_c), tolerance, floor);
+  mbt::close("lse", as_double(lse_gv), as_double(lse_cv), tolerance, floor);
+  mbt::close("dx", as_double(from_bytes<S>(first.dx)), as_double(dx_c), tolerance, floor);
+  mbt::close("dWq", as_double(from_bytes<S>(first.gq)), as_double(gq_c), tolerance, floor);
+  mbt::close("dWk", as_double(from_bytes<S>(first.gk)), as_double(gk_c), tolerance, floor);
+  mbt::close("dWv", as_double(from_bytes<S>(first.gv)), as_double(gv_c), tolerance, floor);
+  mbt::close("dWo", as_double(from_bytes<S>(first.go)), as_double(go_c), tolerance, floor);
+}
+
+// step over a cache of T positions reproduces the causal forward's rows.
+template <typename Precision>
+void step_matches_forward(const mb::attention_shape& s, double tolerance) {
+  using gpu_attn = mb::attention<Precision, mb::cuda_backend>;
+  using S = typename gpu_attn::storage_type;
+  const std::size_t B = s.batch, T = s.seq, C = s.d_model;
+  const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  const auto x = random_values<S>(B * T * C, 11, 1.0f);
+  const auto wq = random_values<S>(C * HD, 12, 0.3f);
+  const auto wk = random_values<S>(C * KD, 13, 0.3f);
+  const auto wv = random_values<S>(C * KD, 14, 0.3f);
+  const auto wo = random_values<S>(HD * C, 15, 0.3f);
+  mb::cuda_executor ex;
+  mbt::device_buffer<S> dx_(x), dwq(wq), dwk(wk), dwv(wv), dwo(wo), dy_(B * T * C);
+  const typename gpu_attn::weights wg{dwq.get(), dwk.get(), dwv.get(), dwo.get()};
+  mbt::device_buffer<std::uint8_t> dsaved(gpu_attn::saved_bytes(s));
+  const std::size_t fws = gpu_attn::forward_workspace_bytes(s, 1);
+  const std::size_t sws = gpu_attn::step_workspace_bytes(s, T, 1);
+  mbt::device_buffer<std::uint8_t> dws(std::max(fws, sws));
+  gpu_attn::forward(s, wg, dx_.get(), dy_.get(), dsaved.get(), dsaved.size(), dws.get(), fws, ex);
+  ex.synchronize();
+  const std::vector<S> y_full = dy_.download();
+
+  mbt::device_buffer<std::uint8_t> cache_bytes(gpu_attn::kv_cache_bytes(s, T));
+  auto cache = gpu_attn::make_kv_cache(s, cache_bytes.get(), cache_bytes.size(), T);
+  std::vector<S> y_steps(B * T * C);
+  for (std::size_t t = 0; t < T; ++t) {
+    std::vector<S> xt(B * C);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c) xt[b * C + c] = x[(b * T + t) * C + c];
+    mbt::device_buffer<S> dxt(xt), dyt(B * C);
+    gpu_attn::step(s, wg, cache, dxt.get(), dyt.get(), dws.get(), sws, ex);
+    ex.synchronize();
+    const std::vector<S> yt = dyt.download();
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t c = 0; c < C; ++c) y_steps[(b * T + t) * C + c] = yt[b * C + c];
+  }
+  CHECK(cache.length == T);
+  mbt::close("step y", as_double(y_steps), as_double(y_full), tolerance, 1e-2);
+}
+
+// Shapes: MHA, GQA, MQA; T = 1, T not a multiple of the tiles (64 rows, 32-row smem tiles);
+// head_dim 64, 128, 256; causal and bidirectional.
+void fp32_matches_cpu() {
+  compare<mb::fp32_precision>({2, 37, 32, 4, 4, 8, true}, 1e-5);
+  compare<mb::fp32_precision>({2, 37, 32, 4, 4, 8, false}, 1e-5);
+  compare<mb::fp32_precision>({1, 1, 32, 2, 1, 64, true}, 1e-5);
+  compare<mb::fp32_precision>({1, 100, 64, 4, 2, 64, true}, 1e-5);
+  compare<mb::fp32_precision>({1, 100, 64, 4, 1, 64, false}, 1e-5);
+  compare<mb::fp32_precision>({1, 70, 64, 2, 2, 128, true}, 1e-5);
+  compare<mb::fp32_precision>({1, 33, 64, 2, 1, 256, true}, 1e-5);
+  compare<mb::fp32_precision, mb::save_all>({2, 37, 32, 4, 2, 16, true}, 1e-5);
+}
+
+// bf16/fp16: the device rounds O, dq, dk, dv to 16 bits (2^-8 relative each for bf16) before the
+// GEMMs that read them, and the tensor-core forward (D <= 128) rounds q, k, v and P too, where the
+// CPU keeps fp32; as for the MLP, 4e-2 covers a chain of up to three such roundings.
+void bf16_matches_cpu() {
+  compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2);
+  compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2);  // D = 256: the SIMT forward
+}
+
+void step_equals_forward() {
+  step_matches_forward<mb::fp32_precision>({2, 40, 32, 4, 2, 64, true}, 1e-5);
+  step_matches_forward<mb::fp32_precision>({1, 9, 32, 2, 1, 256, true}, 1e-5);
+}
+
+void typed_errors() {
+  using gpu_attn = mb::attention<mb::fp32_precision, mb::cuda_backend>;
+  const mb::attention_shape s{1, 4, 16, 2, 1, 8, true};
+  mb::cuda_executor ex;
+  mbt::device_buffer<float> x(64), y(64), w(512);
+  mbt::device_buffer<std::uint8_t> saved(gpu_attn::saved_bytes(s));
+  const std::size_t fws = gpu_attn::forward_workspace_bytes(s, 1);
+  mbt::device_buffer<std::uint8_t> ws(fws);
+  const gpu_attn::weights wt{w.get(), w.get(), w.get(), w.get()};
+  EXPECT_THROW(mb::workspace_too_small,
+               gpu_attn::forward(s, wt, x.get(), y.get(), saved.get(), saved.size(), ws.get(),
+                                 fws - 1, ex));
+  EXPECT_THROW(mb::invalid_argument,
+               gpu_attn::forward(s, wt, nullptr, y.get(), saved.get(), saved.size(), ws.get(),
+                                 fws, ex));
+  EXPECT_THROW(mb::invalid_argument, gpu_attn::check({1, 4, 16, 2, 1, 12, true}));
+  EXPECT_THROW(mb::invalid_argument, gpu_attn::check({1, 4, 16, 3, 2, 8, true}));
+  CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
+}
+
+}  // namespace
+
+int main() {
+  static const mbt::test_case cases[] = {
+      {"attention cuda_backend fp32 equals the CPU backend", fp32_matches_cpu},
+      {"attention cuda_backend bf16/fp16 within the stated bound", bf16_matches_cpu},
+      {"attention cuda_backend step equals the causal forward's rows", step_equals_forward},
+      {"attention cuda_backend typed errors", typed_errors},
+  };
+  return mbt::run_suite("test_cuda_attention", cases);
+}
