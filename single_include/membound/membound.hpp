@@ -681,6 +681,37 @@ MEMBOUND_HOST_DEVICE inline void adamw_step(const adamw_coefficients<T>& k, T g,
   p -= k.step * m / (detail::sqrt_of(v * k.inv_b2t) + k.eps);
 }
 
+// GELU, tanh form (ttt-lm-pytorch's, the TTT layers' inner MLP and gate), and its first two
+// derivatives: the same expressions as cpu::gelu_tanh, for the CUDA TTT kernels.
+namespace detail {
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A tanh_of(A v) {
+#if MEMBOUND_DEVICE_PASS
+  return ::tanh(v);
+#else
+  return std::tanh(v);
+#endif
+}
+}  // namespace detail
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A gelu_tanh_f(A x) {
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  return A(0.5) * x * (A(1) + detail::tanh_of(c * (x + a * x * x * x)));
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A gelu_tanh_d1(A x) {
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  const A t = detail::tanh_of(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+  return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * u1;
+}
+template <typename A>
+MEMBOUND_HOST_DEVICE inline A gelu_tanh_d2(A x) {
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  const A t = detail::tanh_of(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
+  const A u2 = A(6) * a * c * x;
+  return (A(1) - t * t) * (u1 - x * t * u1 * u1 + A(0.5) * x * u2);
+}
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/element_math.hpp ----
 // ---- begin membound/core/parallel.hpp ----
@@ -6451,6 +6482,12 @@ MEMBOUND_NAMESPACE_END
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
 // sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+//
+// With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
+// device memory, the executor is a cuda_executor, and the kernels and the device workspace
+// layouts are backend/cuda/attention_cuda.cuh's (include membound/backend/cuda.cuh, compile with
+// nvcc). Same checks, same saved layout, same kv cache layout; the size functions keep their
+// signatures and ignore `threads`.
 
 // ---- begin membound/layers/layer_support.hpp ----
 // What every layer front end shares: can_implement's answer, the argument checks that name what
@@ -6535,7 +6572,10 @@ template <typename... Policies>
 class attention {
  public:
   using policies =
-      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute>, Policies...>;
+      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, cpu_backend>,
+                 Policies...>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using tiles = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
@@ -6555,6 +6595,11 @@ class attention {
   static constexpr bool widened = !std::is_same_v<S, A>;  // bf16/fp16: convert to A first
   static constexpr std::size_t qt = tiles::q_tile, kt = tiles::kv_tile;
   static constexpr bool keep_qkv = std::is_same_v<checkpoint, save_all>;
+  // With cuda_backend every pointer is device memory and the kernels are
+  // backend/cuda/attention_cuda.cuh's; the size functions keep the CPU's signatures and ignore
+  // `threads` on the device.
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using device = backend_kernels<backend, attention_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -6603,6 +6648,7 @@ class attention {
   }
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
                                                        std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device::template forward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
                              y_acc_bytes(s)};
@@ -6611,6 +6657,7 @@ class attention {
   }
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
                                                         std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device::template backward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
                              y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim)};
@@ -6625,6 +6672,7 @@ class attention {
   }
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device::template step_workspace_bytes<S>(s, max_len);
     const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
                              bytes_of<A>(s.batch, s.heads, s.head_dim)};
     return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
@@ -6681,13 +6729,20 @@ class attention {
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    if constexpr (!on_cpu) {
+      detail::carve_named(device_layout(forward_workspace_bytes(s, 0)), forward_workspace_bytes(s, 0),
+                          workspace, workspace_size, "workspace");
+      device::template forward<S, A>(s, w.wq, w.wk, w.wv, w.wo, x, y, sv.template get<S>(s_o),
+                                     sv.template get<A>(s_lse), kept<A>(sv, s_q), kept<A>(sv, s_k),
+                                     kept<A>(sv, s_v), workspace, workspace_size, pool);
+    } else {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     // Nothing below throws: every output is written after every check.
@@ -6709,12 +6764,13 @@ class attention {
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
     if constexpr (widened) cpu::narrow(ya, N * C, y);
+    }
   }
 
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                       void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
@@ -6724,9 +6780,18 @@ class attention {
     detail::not_null(g.wk, "gradients.wk");
     detail::not_null(g.wv, "gradients.wv");
     detail::not_null(g.wo, "gradients.wo");
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                 saved_size, "saved");
+    if constexpr (!on_cpu) {
+      detail::carve_named(device_layout(backward_workspace_bytes(s, 0)),
+                          backward_workspace_bytes(s, 0), workspace, workspace_size, "workspace");
+      device::template backward<S, A>(
+          s, w.wq, w.wk, w.wv, w.wo, x, static_cast<const S*>(sv.template get<S>(s_o)),
+          static_cast<const A*>(sv.template get<A>(s_lse)), static_cast<const A*>(kept<A>(sv, s_q)),
+          static_cast<const A*>(kept<A>(sv, s_k)), static_cast<const A*>(kept<A>(sv, s_v)), dy, dx,
+          g.wq, g.wk, g.wv, g.wo, workspace, workspace_size, pool);
+    } else {
+    const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
                                 workspace, workspace_size, "workspace");
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
@@ -6771,6 +6836,7 @@ class attention {
     cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
     cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    }
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
@@ -6778,7 +6844,7 @@ class attention {
   // rotated key and value are appended to the cache. shape.seq is ignored. Checks everything
   // (including room in the cache) before touching the cache or y_t.
   static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
-                   S* y_t, void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                   S* y_t, void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
@@ -6798,6 +6864,14 @@ class attention {
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
+    if constexpr (!on_cpu) {
+      detail::carve_named(device_layout(step_workspace_bytes(s, L, 0)),
+                          step_workspace_bytes(s, L, 0), workspace, workspace_size, "workspace");
+      const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
+      device::template step<S, A>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half), L,
+                                  cache.length, x_t, y_t, workspace, workspace_size, pool);
+      cache.length += 1;
+    } else {
     const std::size_t threads = pool.size();
     const auto ws = detail::carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
                                 workspace, workspace_size, "workspace");
@@ -6830,6 +6904,7 @@ class attention {
     A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
     cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    }
   }
 
  private:
@@ -6940,6 +7015,24 @@ class attention {
   }
 
   // ---- Helpers -------------------------------------------------------------------------------
+  // The device backend carves its own workspace; the layer only checks the caller's size (the
+  // typed workspace_too_small, as on the CPU) with a one-slot layout of that size.
+  static constexpr workspace_layout<1> device_layout(std::size_t bytes) {
+    workspace_layout<1> l;
+    l.add(bytes);
+    return l;
+  }
+  // q, k or v kept in `saved` under save_all; nullptr under recompute.
+  template <typename T, typename View>
+  static T* kept(const View& sv, saved_slot slot) {
+    if constexpr (keep_qkv) {
+      return sv.template get<T>(slot);
+    } else {
+      (void)sv;
+      (void)slot;
+      return nullptr;
+    }
+  }
   static void check_weights(const weights& w) {
     detail::not_null(w.wq, "weights.wq");
     detail::not_null(w.wk, "weights.wk");
@@ -8357,14 +8450,21 @@ MEMBOUND_NAMESPACE_END
 // ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// With cuda_backend in the policies every pointer is device memory, the executor is a
+// cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
+// membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
+// workspace is the device's own. The device backward is not written yet: it throws.
 
 MEMBOUND_NAMESPACE_BEGIN
 
 template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
-  using policies = policy_set<type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>>,
-                              Policies...>;
+  using policies = policy_set<
+      type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>, cpu_backend>,
+      Policies...>;
+  using backend = get_policy<policies, backend_kind>;
+  using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using chunking = get_policy<policies, chunking_kind>;
   using checkpoint = get_policy<policies, checkpoint_kind>;
@@ -8397,6 +8497,9 @@ class basic_ttt {
   static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr std::size_t mb = mini_batch;
   static constexpr A ln_eps = A(1e-6);
+  // cuda_backend: backend/cuda/ttt_cuda.cuh's kernels (include membound/backend/cuda.cuh, nvcc).
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using device_kernels = backend_kernels<backend, ttt_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -8445,12 +8548,14 @@ class basic_ttt {
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device_kernels::template forward_workspace_bytes<Mlp, mb, S>(s);
     const std::size_t b[] = {w_acc_bytes(s), wide(s), task_scratch(s, threads, false)};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
+    if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, S>(s);
     const std::size_t b[] = {w_acc_bytes(s), wide(s), partial_bytes(s),
                              task_scratch(s, threads, true)};
     return detail::fits_layout(b) ? backward_layout(s, threads).size()
@@ -8462,6 +8567,7 @@ class basic_ttt {
     return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
+    if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
     ttt_shape one = s;
     one.seq = 1;
     const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s))};
@@ -8518,25 +8624,43 @@ class basic_ttt {
   // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
   // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    const std::size_t SZ = inner_elements(s);
-    A* p = static_cast<A*>(st.data);
-    for (std::size_t b = 0; b < s.batch; ++b)
-      for (std::size_t h = 0; h < s.heads; ++h) {
-        A* q = p + (b * s.heads + h) * 2 * SZ;
-        load_initial(s, w, h, q);
-        std::fill(q + SZ, q + 2 * SZ, A(0));
-      }
+    if constexpr (!on_cpu) {  // on the device; returns once the state is written
+      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data));
+    } else {
+      const std::size_t SZ = inner_elements(s);
+      A* p = static_cast<A*>(st.data);
+      for (std::size_t b = 0; b < s.batch; ++b)
+        for (std::size_t h = 0; h < s.heads; ++h) {
+          A* q = p + (b * s.heads + h) * 2 * SZ;
+          load_initial(s, w, h, q);
+          std::fill(q + SZ, q + 2 * SZ, A(0));
+        }
+    }
     st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      thread_pool& pool) {
+                      executor& pool) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
+    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
+      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+      device_kernels::template forward<Mlp, mb, group, S, A>(
+          s, w, x, y, dsv.template get<A>(s_ckpt), dsv.template get<S>(s_o), workspace,
+          workspace_size, pool);
+    } else {
+      forward_cpu(s, w, x, y, saved, saved_size, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void forward_cpu(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
+                          std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                          thread_pool& pool) {
     const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     const auto ws = detail::carve_named(forward_layout(s, threads),
@@ -8577,16 +8701,29 @@ class basic_ttt {
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
   }
 
+ public:
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const ttt_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                       void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(dy, "dy");
     detail::not_null(dx, "dx");
     check_gradients(s, g);
+    if constexpr (!on_cpu) {
+      (void)saved, (void)saved_size, (void)workspace, (void)workspace_size, (void)pool;
+      device_kernels::unsupported("backward");
+    } else {
+      backward_cpu(s, w, x, saved, saved_size, dy, dx, g, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void backward_cpu(const ttt_shape& s, const weights& w, const S* x, const void* saved,
+                           std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                           void* workspace, std::size_t workspace_size, thread_pool& pool) {
     const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
@@ -8722,12 +8859,13 @@ class basic_ttt {
     cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
   }
 
+ public:
   // ---- Decoding ------------------------------------------------------------------------------
   // One token per sequence: x_t [B, C] -> y_t [B, C] at position state.position. Token i of a
   // mini-batch uses W − tok_i·Σ_{s≤i} lr_s·XK_sᵀ·G_s (the dual form's row i); the mini-batch's
   // last token folds the sums into W. Checks everything before touching the state or y_t.
   static void step(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
-                   void* workspace, std::size_t workspace_size, thread_pool& pool) {
+                   void* workspace, std::size_t workspace_size, executor& pool) {
     check(s);
     check_weights(s, w);
     detail::not_null(x_t, "x_t");
@@ -8736,6 +8874,19 @@ class basic_ttt {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
+    if constexpr (!on_cpu) {
+      device_kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data),
+                                                   st.position % mb, x_t, y_t, workspace,
+                                                   workspace_size, pool);
+      ++st.position;
+    } else {
+      step_cpu(s, w, st, x_t, y_t, workspace, workspace_size, pool);
+    }
+  }
+
+ private:
+  static void step_cpu(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
+                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
     ttt_shape one = s;
     one.seq = 1;
     const auto ws = detail::carve_named(forward_layout(one, 1, true), step_workspace_bytes(s), workspace,
