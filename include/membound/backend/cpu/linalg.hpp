@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "membound/core/config.hpp"
@@ -68,6 +69,81 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate) {
       }
     }
   }
+}
+
+// A GEMM whose packing buffers come from the caller: Eigen 3.4's own level-3 kernel (pack A and
+// B panels, GEBP micro-kernel) driven with blockA/blockB pointing into a workspace span, so a large
+// product runs as one Eigen product with no heap and no re-packing per 64x64 block. The blocking
+// sizes are fixed constants (not Eigen's runtime cache query) so the scratch size is known at
+// compile time and the planner stays exact; the depth is cut in kc chunks summed in a fixed order,
+// so a result depends on the shape only, never on the thread count.
+template <typename A>
+struct gemm_blocking {
+  // kc·mc of A stays in L2 and kc·nc of B in L2/L3 for the layers' widths; 640 KiB per thread in
+  // fp32, 1.25 MiB in fp64.
+  static constexpr Eigen::Index kc = 256, mc = 128, nc = 512;
+};
+
+// Bytes of one thread's packing scratch (blockA then blockB, each 64-byte aligned).
+template <typename A>
+constexpr std::size_t gemm_scratch_bytes() noexcept {
+  using b = gemm_blocking<A>;
+  constexpr std::size_t a = static_cast<std::size_t>(b::kc * b::mc) * sizeof(A);
+  constexpr std::size_t bb = static_cast<std::size_t>(b::kc * b::nc) * sizeof(A);
+  return ((a + 63) / 64 + (bb + 63) / 64) * 64 + 64;  // + 64: alignment of an unaligned base
+}
+
+// One thread's packing buffers: gemm_scratch_bytes<A>() bytes from the workspace.
+struct gemm_scratch {
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+};
+// Per-thread scratch carved from one region of threads · gemm_scratch_bytes<A>() bytes.
+template <typename A>
+gemm_scratch scratch_for_thread(std::byte* base, std::size_t thread) noexcept {
+  return {base + thread * gemm_scratch_bytes<A>(), gemm_scratch_bytes<A>()};
+}
+
+namespace detail {
+template <typename A>
+class workspace_blocking : public Eigen::internal::level3_blocking<A, A> {
+ public:
+  workspace_blocking(gemm_scratch s, Eigen::Index m, Eigen::Index n, Eigen::Index k) {
+    using b = gemm_blocking<A>;
+    auto p = reinterpret_cast<std::uintptr_t>(s.data);
+    p = (p + 63) & ~std::uintptr_t(63);
+    this->m_kc = std::min<Eigen::Index>(b::kc, k);
+    this->m_mc = std::min<Eigen::Index>(b::mc, m);
+    this->m_nc = std::min<Eigen::Index>(b::nc, n);
+    this->m_blockA = reinterpret_cast<A*>(p);
+    const std::size_t a = static_cast<std::size_t>(b::kc * b::mc) * sizeof(A);
+    this->m_blockB = reinterpret_cast<A*>(p + (a + 63) / 64 * 64);
+  }
+};
+// Data pointer, stride and storage order of a map, a block of one, or a transpose of either.
+template <typename X>
+constexpr int order_of() {
+  return (std::remove_cvref_t<X>::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
+}
+}  // namespace detail
+
+// y (+)= alpha · l · r through Eigen's kernel with the caller's packing buffers (s must hold
+// gemm_scratch_bytes<A>()). y is row-major; l and r are maps or transposes of maps.
+template <typename Y, typename L, typename R, typename Scalar>
+void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch s) {
+  using A = std::remove_cv_t<typename std::remove_cvref_t<Y>::Scalar>;
+  const Eigen::Index m = y.rows(), n = y.cols(), k = l.cols();
+  if (m == 0 || n == 0) return;
+  if (!accumulate) y.setZero();
+  if (k == 0) return;
+  static_assert(detail::order_of<Y>() == Eigen::RowMajor, "gemm writes a row-major result");
+  detail::workspace_blocking<A> blocking(s, m, n, k);
+  Eigen::internal::general_matrix_matrix_product<Eigen::Index, A, detail::order_of<L>(), false, A,
+                                                 detail::order_of<R>(), false, Eigen::RowMajor,
+                                                 1>::run(m, n, k, l.data(), l.outerStride(),
+                                                         r.data(), r.outerStride(), y.data(), 1,
+                                                         y.outerStride(), A(alpha), blocking,
+                                                         nullptr);
 }
 
 // ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_checkpoint_all).
@@ -147,6 +223,48 @@ template <typename A>
 void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
                std::size_t M, bool accumulate) {
   matmul_at(pool, x, d, g, N, K, M, accumulate, ld3{K, M, M});
+}
+
+// The same three products with packing buffers from the workspace: `scratch` holds
+// pool.size() · gemm_scratch_bytes<A>() bytes (one gemm_scratch per thread). Tasks of
+// gemm_row_block rows (one A panel of mc rows) keep the partition, so the bits, independent of
+// the thread count.
+inline constexpr std::size_t gemm_row_block = 128;
+
+template <typename A>
+constexpr std::size_t matmul_scratch_bytes(std::size_t threads) noexcept {
+  return threads * gemm_scratch_bytes<A>();
+}
+
+// y[N, M] (+)= x[N, K] · w[K, M]
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate, ld3 ld, std::byte* scratch) {
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), cview(w, K, M, ld.w),
+         A(1), accumulate, scratch_for_thread<A>(scratch, t));
+  });
+}
+// y[N, M] (+)= x[N, K] · w[M, K]ᵀ
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld, std::byte* scratch) {
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x),
+         cview(w, M, K, ld.w).transpose(), A(1), accumulate, scratch_for_thread<A>(scratch, t));
+  });
+}
+// g[K, M] (+)= x[N, K]ᵀ · d[N, M], in blocks of rows of g. ld.w is d's.
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld, std::byte* scratch) {
+  pool.parallel_for(blocks(K, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t c0 = blk * gemm_row_block, r = std::min(gemm_row_block, K - c0);
+    gemm(view(g + c0 * ld.y, r, M, ld.y), cview(x + c0, N, r, ld.x).transpose(),
+         cview(d, N, M, ld.w), A(1), accumulate, scratch_for_thread<A>(scratch, t));
+  });
 }
 
 // Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
