@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "membound/membound.hpp"
@@ -28,13 +29,18 @@ template <typename A>
 std::vector<A> product(kind k, const std::vector<A>& x, const std::vector<A>& w, std::size_t N,
                        std::size_t K, std::size_t M, std::size_t threads) {
   mb::thread_pool pool(threads);
-  std::vector<std::byte> scratch(mb::cpu::matmul_scratch_bytes<A>(threads));
+  const std::size_t bytes = k == kind::at ? mb::cpu::matmul_at_scratch_bytes<A>(threads, N, K, M)
+                                          : mb::cpu::matmul_scratch_bytes<A>(threads, N, K, M);
+  // An exactly sized span at an odd address, with a canary after it: the packing stays inside.
+  std::vector<std::byte> buffer(bytes + 1 + 256, std::byte{0xAB});
+  const std::span<std::byte> scratch(buffer.data() + 1, bytes);
   std::vector<A> y(k == kind::at ? K * M : N * M, A(7));
   Eigen::internal::set_is_malloc_allowed(false);
-  if (k == kind::nn) mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch.data());
-  if (k == kind::bt) mb::cpu::matmul_bt(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, K, M}, scratch.data());
-  if (k == kind::at) mb::cpu::matmul_at(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch.data());
+  if (k == kind::nn) mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch);
+  if (k == kind::bt) mb::cpu::matmul_bt(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, K, M}, scratch);
+  if (k == kind::at) mb::cpu::matmul_at(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch);
   Eigen::internal::set_is_malloc_allowed(true);
+  for (std::size_t i = 1 + bytes; i < buffer.size(); ++i) REQUIRE(buffer[i] == std::byte{0xAB});
   return y;
 }
 
@@ -62,8 +68,9 @@ void check(kind k, std::size_t N, std::size_t K, std::size_t M) {
 
 TEST_CASE("packed gemm: matches Eigen, no heap, same bits on any thread count") {
   for (kind k : {kind::nn, kind::bt, kind::at}) {
-    // Shapes across every block edge: kc = 256, mc = 128, nc = 512, and the 1-row/1-column cases.
+    // Shapes across every block edge (kc = mc = 512, nc = 256, 256-row tasks) and 1-row/1-column.
     check<float>(k, 300, 257, 530);
+    check<float>(k, 600, 1100, 520);
     check<float>(k, 1, 64, 33);
     check<float>(k, 65, 1, 7);
     check<float>(k, 513, 600, 1);
@@ -73,13 +80,19 @@ TEST_CASE("packed gemm: matches Eigen, no heap, same bits on any thread count") 
 
 TEST_CASE("packed gemm: accumulate adds to y, and the scratch size is a compile-time constant") {
   constexpr std::size_t bytes = mb::cpu::gemm_scratch_bytes<float>();
-  static_assert(bytes >= (256 * 128 + 256 * 512) * sizeof(float));
+  static_assert(bytes >= (512 * 512 + 512 * 256) * sizeof(float));
+  static_assert(mb::cpu::gemm_scratch_bytes<float>(1024, 384, 128) < bytes);
   const std::size_t N = 130, K = 70, M = 90;
   const auto x = random<float>(N * K, 3), w = random<float>(K * M, 4);
   mb::thread_pool pool(2);
-  std::vector<std::byte> scratch(mb::cpu::matmul_scratch_bytes<float>(2));
+  std::vector<std::byte> scratch(mb::cpu::matmul_scratch_bytes<float>(2, N, K, M));
   std::vector<float> y(N * M, 0.f), y2(N * M, 1.f);
-  mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch.data());
-  mb::cpu::matmul(pool, x.data(), w.data(), y2.data(), N, K, M, true, mb::cpu::ld3{K, M, M}, scratch.data());
+  mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch);
+  mb::cpu::matmul(pool, x.data(), w.data(), y2.data(), N, K, M, true, mb::cpu::ld3{K, M, M}, scratch);
   for (std::size_t i = 0; i < N * M; ++i) CHECK(y2[i] == doctest::Approx(y[i] + 1.f).epsilon(1e-5));
+  // A short span is refused before anything is written.
+  const std::span<std::byte> shorter(scratch.data(), scratch.size() - 1);
+  CHECK_THROWS_AS(mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false,
+                                  mb::cpu::ld3{K, M, M}, shorter),
+                  mb::invalid_argument);
 }
