@@ -248,6 +248,8 @@ void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, s
 // (a fixed partition: the bits do not depend on the thread count) each pack their own blocks, so
 // `scratch` holds threads · the per-thread bytes below, from matmul_scratch_bytes.
 inline constexpr std::size_t gemm_row_block = 256;
+// Weight gradients have as many rows as a width (128-512): smaller tasks so that 2+ threads share.
+inline constexpr std::size_t gemm_at_row_block = 128;
 
 // Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows.
 template <typename A>
@@ -260,11 +262,11 @@ constexpr std::size_t matmul_scratch_bytes(std::size_t threads, std::size_t N, s
                                            std::size_t M) noexcept {
   return threads * matmul_thread_scratch_bytes<A>(N, K, M);
 }
-// Per thread, for g[K, M] = x[N, K]ᵀ·d[N, M]: tasks of at most gemm_row_block rows of g, depth N.
+// Per thread, for g[K, M] = x[N, K]ᵀ·d[N, M]: tasks of at most gemm_at_row_block rows of g, depth N.
 template <typename A>
 constexpr std::size_t matmul_at_thread_scratch_bytes(std::size_t N, std::size_t K,
                                                      std::size_t M) noexcept {
-  return gemm_scratch_bytes<A>(std::min(K, gemm_row_block), M, N);
+  return gemm_scratch_bytes<A>(std::min(K, gemm_at_row_block), M, N);
 }
 template <typename A>
 constexpr std::size_t matmul_at_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
@@ -315,8 +317,8 @@ void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, s
                std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
   const std::size_t per = matmul_at_thread_scratch_bytes<A>(N, K, M);
   detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(K, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t c0 = blk * gemm_row_block, r = std::min(gemm_row_block, K - c0);
+  pool.parallel_for(blocks(K, gemm_at_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t c0 = blk * gemm_at_row_block, r = std::min(gemm_at_row_block, K - c0);
     gemm(view(g + c0 * ld.y, r, M, ld.y), cview(x + c0, N, r, ld.x).transpose(),
          cview(d, N, M, ld.w), A(1), accumulate, gemm_scratch{scratch.data() + t * per, per});
   });
