@@ -17,10 +17,12 @@
 // reads nothing out of bounds and makes the returned loss NaN.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <type_traits>
 
@@ -69,9 +71,9 @@ class lm_head {
     if (!r.ok) detail::throw_unsupported(r, false, "Fix the lm_head_shape before sizing or running the head");
   }
 
-  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t) {
+  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
     if constexpr (!on_cpu) return backend_kernels<backend, lm_head_shape>::template workspace_bytes<S>(s);
-    return layout(s).size();
+    return layout(s, threads).size();
   }
   // FLOPs of one call: logits, dW and dxn products.
   static constexpr double flops(const lm_head_shape& s) noexcept {
@@ -139,15 +141,17 @@ class lm_head {
     const std::size_t N = s.rows, C = s.width, V = s.vocab;
     A* dw = nullptr;
     A* dxn = nullptr;
+    std::span<std::byte> scratch;
     const auto start = [&](const auto& ws) {
+      scratch = gemm_scratch_of(ws, s, pool.size());
       dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
       if constexpr (widened) std::fill(dw, dw + V * C, A(0));
       dxn = ws.template get<A>(w_dxn);
     };
     // Each chunk's logits, now its gradient, are consumed at once: dW += dlogitsᵀ·xn, dxn = dlogits·W.
     const auto consume = [&](std::size_t r0, std::size_t r, const A* dlogits, const A* xa, const A* wa) {
-      cpu::matmul_at(pool, dlogits, xa + r0 * C, dw, r, V, C, true);
-      cpu::matmul(pool, dlogits, wa, dxn + r0 * C, r, V, C, false);
+      cpu::matmul_at(pool, dlogits, xa + r0 * C, dw, r, V, C, true, cpu::ld3{V, C, C}, scratch);
+      cpu::matmul(pool, dlogits, wa, dxn + r0 * C, r, V, C, false, cpu::ld3{V, C, C}, scratch);
     };
     return chunked(s, w, x, targets, static_cast<A>(scale), workspace, workspace_size, pool, start, consume,
                    [&](const auto& ws, S* xn, const A* rstd) {
@@ -179,8 +183,9 @@ class lm_head {
                         Start&& start, Consume&& consume, Finish&& finish) {
     check_inputs(s, w, x, targets);
     check_targets(targets, s.rows, s.vocab);
-    const auto l = layout(s);
+    const auto l = layout(s, pool.size());
     const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::span<std::byte> scratch = gemm_scratch_of(ws, s, pool.size());
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
     S* xn = ws.template get<S>(w_xn);
     A* rstd = ws.template get<A>(w_rstd);
@@ -193,7 +198,7 @@ class lm_head {
     double total = 0;
     for (std::size_t r0 = 0; r0 < N; r0 += R) {
       const std::size_t r = std::min(R, N - r0);
-      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false, cpu::ld3{C, C, V}, scratch);
       total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, scale, row_loss);
       consume(r0, r, static_cast<const A*>(logits), xa, wa);
     }
@@ -201,10 +206,21 @@ class lm_head {
     return total;
   }
 
-  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial };
-  static constexpr workspace_layout<9> layout(const lm_head_shape& s) {
+  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial, w_gemm };
+  // Packing buffers of the three products per chunk (logits, dW, dxn), one set per thread.
+  static constexpr std::size_t gemm_bytes(const lm_head_shape& s, std::size_t threads) {
+    const std::size_t C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
+    return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(R, C, V),
+                               cpu::matmul_at_thread_scratch_bytes<A>(R, V, C),
+                               cpu::matmul_thread_scratch_bytes<A>(R, V, C)});
+  }
+  template <typename W>
+  static std::span<std::byte> gemm_scratch_of(const W& ws, const lm_head_shape& s, std::size_t threads) {
+    return {ws.template get<std::byte>(w_gemm), gemm_bytes(s, threads)};
+  }
+  static constexpr workspace_layout<10> layout(const lm_head_shape& s, std::size_t threads) {
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
-    workspace_layout<9> l;
+    workspace_layout<10> l;
     l.add(bytes_of<S>(N, C));
     l.add(bytes_of<A>(N));
     l.add(widened ? bytes_of<A>(N, C) : 0);
@@ -214,6 +230,7 @@ class lm_head {
     l.add(bytes_of<A>(R, V));
     l.add(bytes_of<double>(R));
     l.add(bytes_of<A>(cpu::row_partials(N, C)));
+    l.add(gemm_bytes(s, threads));
     return l;
   }
 };

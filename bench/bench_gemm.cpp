@@ -1,0 +1,215 @@
+// cpu::gemm on the layers' shapes, three ways in one run so every ratio compares measurements
+// taken side by side (the machine is shared; each figure is the best of the repetitions, and the
+// three variants are interleaved within each repetition):
+//   new     cpu::matmul / matmul_bt / matmul_at with packing buffers from a workspace span
+//           (Eigen's level-3 kernel, fixed blocking kc = mc = 512, nc = 256; 256-row tasks)
+//   split   the same products through the old gemm(): 64x64x128 Eigen products (64-row tasks)
+//   eigen   one unrestricted Eigen product per thread (rows cut in `threads` contiguous slices,
+//           Eigen's own cache-derived blocking, heap allowed): the target
+// Columns: ms per product, GF/s = 2·N·K·M / s, %peak = GF/s over the FMA peak of the same number
+// of threads, measured first by a register-only FMA loop (12 independent chains per thread; on
+// AVX-512 builds 16 lanes, on AVX2 8 lanes; 2 flops per lane per FMA), and new/eigen, split/eigen
+// as throughput ratios (1.0 = as fast as one unrestricted Eigen product).
+//
+// Run: ./build/release/bench/bench_gemm [--threads N] [--min-threads N] [--reps N] [--filter NAME]
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "membound/membound.hpp"
+
+namespace mb = membound;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+// ---- FMA peak --------------------------------------------------------------------------------
+// 12 independent accumulator chains: enough to cover an FMA latency of 4-6 cycles on two ports.
+constexpr int chains = 12;
+
+#if defined(__AVX512F__)
+constexpr int lanes = 16;
+const char* const isa = "AVX-512 FMA";
+double fma_kernel(long iters) {
+  __m512 acc[chains];
+  const __m512 a = _mm512_set1_ps(0.9999f), b = _mm512_set1_ps(1e-7f);
+  for (int c = 0; c < chains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
+  for (long i = 0; i < iters; ++i)
+    for (int c = 0; c < chains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+  __m512 s = acc[0];
+  for (int c = 1; c < chains; ++c) s = _mm512_add_ps(s, acc[c]);
+  return _mm512_reduce_add_ps(s);
+}
+#elif defined(__FMA__)
+constexpr int lanes = 8;
+const char* const isa = "AVX2 FMA";
+double fma_kernel(long iters) {
+  __m256 acc[chains];
+  const __m256 a = _mm256_set1_ps(0.9999f), b = _mm256_set1_ps(1e-7f);
+  for (int c = 0; c < chains; ++c) acc[c] = _mm256_set1_ps(static_cast<float>(c));
+  for (long i = 0; i < iters; ++i)
+    for (int c = 0; c < chains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+  float out[8];
+  __m256 s = acc[0];
+  for (int c = 1; c < chains; ++c) s = _mm256_add_ps(s, acc[c]);
+  _mm256_storeu_ps(out, s);
+  double r = 0;
+  for (float f : out) r += f;
+  return r;
+}
+#else
+// No FMA in this build (configure with MEMBOUND_NATIVE_ARCH=ON): the peak of what it can issue.
+constexpr int lanes = 4;
+const char* const isa = "SSE mul+add (no FMA in this build)";
+double fma_kernel(long iters) {
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 acc[chains];
+  const v4 a = {0.9999f, 0.9999f, 0.9999f, 0.9999f}, b = {1e-7f, 1e-7f, 1e-7f, 1e-7f};
+  for (int c = 0; c < chains; ++c) acc[c] = v4{} + static_cast<float>(c);
+  for (long i = 0; i < iters; ++i)
+    for (int c = 0; c < chains; ++c) acc[c] = acc[c] * a + b;
+  double r = 0;
+  for (int c = 0; c < chains; ++c)
+    for (int l = 0; l < 4; ++l) r += acc[c][l];
+  return r;
+}
+#endif
+
+// GFLOP/s of `threads` threads each running the kernel at once (best of 5).
+double fma_peak_gflops(std::size_t threads) {
+  const long iters = 20'000'000;
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<double> sink(threads);
+    const auto t0 = clock_type::now();
+    std::vector<std::thread> pool;
+    for (std::size_t t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] { sink[t] = fma_kernel(iters); });
+    for (auto& th : pool) th.join();
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    benchmark::DoNotOptimize(sink.data());
+    const double flops = 2.0 * lanes * chains * static_cast<double>(iters) *
+                         static_cast<double>(threads);
+    best = std::max(best, flops / s / 1e9);
+  }
+  return best;
+}
+
+// ---- The products -----------------------------------------------------------------------------
+enum class kind { nn, bt, at };
+struct shape {
+  const char* what;
+  kind k;
+  std::size_t N, K, M;  // nn, bt: y[N,M] = x[N,K]·w ; at: g[K,M] = x[N,K]ᵀ·d[N,M]
+};
+
+std::vector<float> random(std::size_t n, unsigned seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(g);
+  return v;
+}
+
+template <typename F>
+double seconds(F&& f) {
+  const auto t0 = clock_type::now();
+  f();
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+void row(const shape& s, mb::thread_pool& pool, int reps, double peak) {
+  const std::size_t N = s.N, K = s.K, M = s.M;
+  const auto x = random(N * K, 1);
+  const auto w = random(s.k == kind::at ? N * M : K * M, 2);
+  std::vector<float> y(s.k == kind::at ? K * M : N * M);
+  std::vector<std::byte> scratch(s.k == kind::at ? mb::cpu::matmul_at_scratch_bytes<float>(pool.size(), N, K, M)
+                                                  : mb::cpu::matmul_scratch_bytes<float>(pool.size(), N, K, M));
+  const std::size_t T = pool.size();
+  auto run_new = [&] {
+    if (s.k == kind::nn) mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch);
+    if (s.k == kind::bt) mb::cpu::matmul_bt(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, K, M}, scratch);
+    if (s.k == kind::at) mb::cpu::matmul_at(pool, x.data(), w.data(), y.data(), N, K, M, false, mb::cpu::ld3{K, M, M}, scratch);
+  };
+  auto run_split = [&] {
+    if (s.k == kind::nn) mb::cpu::matmul(pool, x.data(), w.data(), y.data(), N, K, M, false);
+    if (s.k == kind::bt) mb::cpu::matmul_bt(pool, x.data(), w.data(), y.data(), N, K, M, false);
+    if (s.k == kind::at) mb::cpu::matmul_at(pool, x.data(), w.data(), y.data(), N, K, M, false);
+  };
+  auto run_eigen = [&] {
+    const std::size_t rows = s.k == kind::at ? K : N, per = (rows + T - 1) / T;
+    pool.parallel_for(T, [&](std::size_t t, std::size_t) {
+      const std::size_t r0 = std::min(rows, t * per), r = std::min(per, rows - r0);
+      if (r == 0) return;
+      auto Y = mb::cpu::view(y.data() + r0 * M, r, M, M);
+      if (s.k == kind::nn) Y.noalias() = mb::cpu::cview(x.data() + r0 * K, r, K, K) * mb::cpu::cview(w.data(), K, M, M);
+      if (s.k == kind::bt) Y.noalias() = mb::cpu::cview(x.data() + r0 * K, r, K, K) * mb::cpu::cview(w.data(), M, K, K).transpose();
+      if (s.k == kind::at) Y.noalias() = mb::cpu::cview(x.data() + r0, N, r, K).transpose() * mb::cpu::cview(w.data(), N, M, M);
+    });
+  };
+  double t_new = 1e30, t_split = 1e30, t_eigen = 1e30;
+  run_new(), run_split(), run_eigen();  // warm caches and Eigen's heap blocks
+  for (int r = 0; r < reps; ++r) {
+    t_new = std::min(t_new, seconds(run_new));
+    t_split = std::min(t_split, seconds(run_split));
+    t_eigen = std::min(t_eigen, seconds(run_eigen));
+  }
+  benchmark::DoNotOptimize(y.data());
+  const double flops = 2.0 * double(N) * double(K) * double(M);
+  const char* kname = s.k == kind::nn ? "x·W" : s.k == kind::bt ? "x·Wᵀ" : "xᵀ·d";
+  std::printf("| %zu | %-16s | %-5s | %5zu %5zu %5zu | %7.3f | %7.3f | %7.3f | %6.1f | %5.1f%% | %5.2f | %5.2f |\n",
+              T, s.what, kname, N, K, M, t_new * 1e3, t_split * 1e3, t_eigen * 1e3,
+              flops / t_new / 1e9, 100.0 * flops / t_new / 1e9 / peak, t_eigen / t_new,
+              t_eigen / t_split);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::size_t max_threads = 2;
+  int reps = 15;
+  const char* filter = "";  // run only the shapes whose name contains it
+  std::size_t min_threads = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) max_threads = std::strtoul(argv[++i], nullptr, 10);
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
+    else if (!std::strcmp(argv[i], "--min-threads") && i + 1 < argc) min_threads = std::strtoul(argv[++i], nullptr, 10);
+    else {
+      std::fprintf(stderr, "usage: %s [--threads N] [--min-threads N] [--reps N] [--filter NAME]\n", argv[0]);
+      return 2;
+    }
+  }
+  // The example trainer's default (batch 8 · seq 128 rows, width 128, MLP 4x, vocab 256) and a
+  // long-sequence layer (T = 4096, width 512: attention with 8 heads of 64, MLP 4x).
+  const shape shapes[] = {
+      {"trainer qkv", kind::nn, 1024, 128, 384},   {"trainer mlp up", kind::nn, 1024, 128, 512},
+      {"trainer mlp down", kind::nn, 1024, 512, 128}, {"trainer lm_head", kind::nn, 1024, 128, 256},
+      {"trainer dx qkv", kind::bt, 1024, 384, 128}, {"trainer dW qkv", kind::at, 1024, 128, 384},
+      {"T4k qkv", kind::nn, 4096, 512, 1536},      {"T4k mlp up", kind::nn, 4096, 512, 2048},
+      {"T4k mlp down", kind::nn, 4096, 2048, 512}, {"T4k dx mlp up", kind::bt, 4096, 2048, 512},
+      {"T4k dW mlp up", kind::at, 4096, 512, 2048},
+  };
+  std::printf("| threads | shape | op | N K M | new ms | split ms | eigen ms | new GF/s | %%peak | new/eigen | split/eigen |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (std::size_t T = min_threads; T <= max_threads; ++T) {
+    const double peak = fma_peak_gflops(T);
+    std::fprintf(stderr, "FMA peak (%s, fp32), %zu thread(s): %.1f GFLOP/s\n", isa, T, peak);
+    mb::thread_pool pool(T);
+    for (const auto& s : shapes)
+      if (std::strstr(s.what, filter)) row(s, pool, reps, peak);
+  }
+  return 0;
+}
