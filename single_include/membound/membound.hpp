@@ -6050,6 +6050,97 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate) {
   }
 }
 
+// A GEMM whose packing buffers come from the caller: Eigen 3.4's own level-3 kernel (pack A and
+// B panels, GEBP micro-kernel) driven with blockA/blockB pointing into a workspace span, so a large
+// product runs as one Eigen product with no heap and no re-packing per 64x64 block. The blocking
+// sizes are fixed constants (not Eigen's runtime cache query) so the scratch size follows from the
+// shape alone and the planner stays exact; the depth is cut in kc chunks summed in a fixed order,
+// so a result depends on the shape only, never on the thread count.
+template <typename A>
+struct gemm_blocking {
+  // What Eigen's own query picks on the layers' shapes (kc ~ 512, mc up to 512), fixed; measured
+  // best of the candidates in bench_gemm. Eigen's view of a row-major y = l·r is the transposed
+  // column-major product: its packed "lhs" block (kc x mc) holds r's columns, its "rhs" block
+  // (kc x nc) l's rows.
+  static constexpr Eigen::Index kc = 512, mc = 512, nc = 256;
+};
+
+namespace detail {
+constexpr std::size_t align64(std::size_t n) noexcept { return (n + 63) / 64 * 64; }
+// Bytes of blockA for a product with `cols` result columns and depth `depth`.
+template <typename A>
+constexpr std::size_t gemm_block_a_bytes(std::size_t cols, std::size_t depth) noexcept {
+  using b = gemm_blocking<A>;
+  return align64(std::min<std::size_t>(b::kc, depth) * std::min<std::size_t>(b::mc, cols) * sizeof(A));
+}
+}  // namespace detail
+
+// Bytes of one thread's packing scratch for a y[rows, cols] = l[rows, depth] · r[depth, cols]
+// product (blockA then blockB, 64-byte aligned, + 64 for an unaligned base).
+template <typename A>
+constexpr std::size_t gemm_scratch_bytes(std::size_t rows, std::size_t cols,
+                                         std::size_t depth) noexcept {
+  using b = gemm_blocking<A>;
+  if (rows == 0 || cols == 0 || depth == 0) return 0;
+  return detail::gemm_block_a_bytes<A>(cols, depth) +
+         detail::align64(std::min<std::size_t>(b::kc, depth) *
+                         std::min<std::size_t>(b::nc, rows) * sizeof(A)) +
+         64;
+}
+// The bound over every shape: enough for any product.
+template <typename A>
+constexpr std::size_t gemm_scratch_bytes() noexcept {
+  using b = gemm_blocking<A>;
+  return gemm_scratch_bytes<A>(b::nc, b::mc, b::kc);
+}
+
+// One thread's packing buffers, from the workspace.
+struct gemm_scratch {
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+namespace detail {
+template <typename A>
+class workspace_blocking : public Eigen::internal::level3_blocking<A, A> {
+ public:
+  workspace_blocking(gemm_scratch s, Eigen::Index rows, Eigen::Index cols, Eigen::Index depth) {
+    using b = gemm_blocking<A>;
+    const auto p = (reinterpret_cast<std::uintptr_t>(s.data) + 63) & ~std::uintptr_t(63);
+    this->m_kc = std::min(b::kc, depth);
+    this->m_mc = std::min(b::mc, cols);
+    this->m_nc = std::min(b::nc, rows);
+    this->m_blockA = reinterpret_cast<A*>(p);
+    this->m_blockB = reinterpret_cast<A*>(
+        p + gemm_block_a_bytes<A>(static_cast<std::size_t>(cols), static_cast<std::size_t>(depth)));
+  }
+};
+template <typename X>
+constexpr int order_of() {
+  return (std::remove_cvref_t<X>::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
+}
+}  // namespace detail
+
+// y (+)= alpha · l · r through Eigen's kernel with the caller's packing buffers; s holds at least
+// gemm_scratch_bytes<A>(rows, cols, depth) (callers check before their parallel loop). y is
+// row-major; l and r are maps or transposes of maps (anything with data() and outerStride()).
+template <typename Y, typename L, typename R, typename Scalar>
+void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch s) {
+  using A = std::remove_cv_t<typename std::remove_cvref_t<Y>::Scalar>;
+  static_assert(detail::order_of<Y>() == Eigen::RowMajor, "gemm writes a row-major result");
+  const Eigen::Index m = y.rows(), n = y.cols(), k = l.cols();
+  if (m == 0 || n == 0) return;
+  if (!accumulate) y.setZero();
+  if (k == 0) return;
+  detail::workspace_blocking<A> blocking(s, m, n, k);
+  Eigen::internal::general_matrix_matrix_product<Eigen::Index, A, detail::order_of<L>(), false, A,
+                                                 detail::order_of<R>(), false, Eigen::RowMajor,
+                                                 1>::run(m, n, k, l.data(), l.outerStride(),
+                                                         r.data(), r.outerStride(), y.data(), 1,
+                                                         y.outerStride(), A(alpha), blocking,
+                                                         nullptr);
+}
+
 // ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_checkpoint_all).
 constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return n == 0 ? 0 : (n - 1) / block + 1;
@@ -6127,6 +6218,86 @@ template <typename A>
 void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
                std::size_t M, bool accumulate) {
   matmul_at(pool, x, d, g, N, K, M, accumulate, ld3{K, M, M});
+}
+
+// The same three products with packing buffers from the workspace. Tasks of gemm_row_block rows
+// (a fixed partition: the bits do not depend on the thread count) each pack their own blocks, so
+// `scratch` holds threads · the per-thread bytes below, from matmul_scratch_bytes.
+inline constexpr std::size_t gemm_row_block = 256;
+// Weight gradients have as many rows as a width (128-512): smaller tasks so that 2+ threads share.
+inline constexpr std::size_t gemm_at_row_block = 128;
+
+// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows.
+template <typename A>
+constexpr std::size_t matmul_thread_scratch_bytes(std::size_t N, std::size_t K,
+                                                  std::size_t M) noexcept {
+  return gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
+}
+template <typename A>
+constexpr std::size_t matmul_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
+                                           std::size_t M) noexcept {
+  return threads * matmul_thread_scratch_bytes<A>(N, K, M);
+}
+// Per thread, for g[K, M] = x[N, K]ᵀ·d[N, M]: tasks of at most gemm_at_row_block rows of g, depth N.
+template <typename A>
+constexpr std::size_t matmul_at_thread_scratch_bytes(std::size_t N, std::size_t K,
+                                                     std::size_t M) noexcept {
+  return gemm_scratch_bytes<A>(std::min(K, gemm_at_row_block), M, N);
+}
+template <typename A>
+constexpr std::size_t matmul_at_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
+                                              std::size_t M) noexcept {
+  return threads * matmul_at_thread_scratch_bytes<A>(N, K, M);
+}
+
+namespace detail {
+// Thread t's slice of the scratch; throws before any task runs if the span is short.
+inline void check_scratch(std::span<std::byte> scratch, std::size_t threads, std::size_t per) {
+  if (scratch.size() < threads * per) {
+    throw invalid_argument("scratch", std::to_string(threads * per) + " bytes (" +
+                                          std::to_string(threads) + " threads)",
+                           std::to_string(scratch.size()) + " bytes",
+                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes");
+  }
+}
+}  // namespace detail
+
+// y[N, M] (+)= x[N, K] · w[K, M]
+template <typename A>
+void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
+  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
+  detail::check_scratch(scratch, pool.size(), per);
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), cview(w, K, M, ld.w),
+         A(1), accumulate, gemm_scratch{scratch.data() + t * per, per});
+  });
+}
+// y[N, M] (+)= x[N, K] · w[M, K]ᵀ
+template <typename A>
+void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
+  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
+  detail::check_scratch(scratch, pool.size(), per);
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x),
+         cview(w, M, K, ld.w).transpose(), A(1), accumulate,
+         gemm_scratch{scratch.data() + t * per, per});
+  });
+}
+// g[K, M] (+)= x[N, K]ᵀ · d[N, M], in blocks of rows of g. ld.w is d's.
+template <typename A>
+void matmul_at(thread_pool& pool, const A* x, const A* d, A* g, std::size_t N, std::size_t K,
+               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
+  const std::size_t per = matmul_at_thread_scratch_bytes<A>(N, K, M);
+  detail::check_scratch(scratch, pool.size(), per);
+  pool.parallel_for(blocks(K, gemm_at_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t c0 = blk * gemm_at_row_block, r = std::min(gemm_at_row_block, K - c0);
+    gemm(view(g + c0 * ld.y, r, M, ld.y), cview(x + c0, N, r, ld.x).transpose(),
+         cview(d, N, M, ld.w), A(1), accumulate, gemm_scratch{scratch.data() + t * per, per});
+  });
 }
 
 // Elementwise over rows: f(n) for every row n in [0, N), in parallel row blocks.
@@ -10136,9 +10307,9 @@ class lm_head {
     if (!r.ok) detail::throw_unsupported(r, false, "Fix the lm_head_shape before sizing or running the head");
   }
 
-  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t) {
+  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
     if constexpr (!on_cpu) return backend_kernels<backend, lm_head_shape>::template workspace_bytes<S>(s);
-    return layout(s).size();
+    return layout(s, threads).size();
   }
   // FLOPs of one call: logits, dW and dxn products.
   static constexpr double flops(const lm_head_shape& s) noexcept {
@@ -10206,15 +10377,17 @@ class lm_head {
     const std::size_t N = s.rows, C = s.width, V = s.vocab;
     A* dw = nullptr;
     A* dxn = nullptr;
+    std::span<std::byte> scratch;
     const auto start = [&](const auto& ws) {
+      scratch = gemm_scratch_of(ws, s, pool.size());
       dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
       if constexpr (widened) std::fill(dw, dw + V * C, A(0));
       dxn = ws.template get<A>(w_dxn);
     };
     // Each chunk's logits, now its gradient, are consumed at once: dW += dlogitsᵀ·xn, dxn = dlogits·W.
     const auto consume = [&](std::size_t r0, std::size_t r, const A* dlogits, const A* xa, const A* wa) {
-      cpu::matmul_at(pool, dlogits, xa + r0 * C, dw, r, V, C, true);
-      cpu::matmul(pool, dlogits, wa, dxn + r0 * C, r, V, C, false);
+      cpu::matmul_at(pool, dlogits, xa + r0 * C, dw, r, V, C, true, cpu::ld3{V, C, C}, scratch);
+      cpu::matmul(pool, dlogits, wa, dxn + r0 * C, r, V, C, false, cpu::ld3{V, C, C}, scratch);
     };
     return chunked(s, w, x, targets, static_cast<A>(scale), workspace, workspace_size, pool, start, consume,
                    [&](const auto& ws, S* xn, const A* rstd) {
@@ -10246,8 +10419,9 @@ class lm_head {
                         Start&& start, Consume&& consume, Finish&& finish) {
     check_inputs(s, w, x, targets);
     check_targets(targets, s.rows, s.vocab);
-    const auto l = layout(s);
+    const auto l = layout(s, pool.size());
     const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
+    const std::span<std::byte> scratch = gemm_scratch_of(ws, s, pool.size());
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
     S* xn = ws.template get<S>(w_xn);
     A* rstd = ws.template get<A>(w_rstd);
@@ -10260,7 +10434,7 @@ class lm_head {
     double total = 0;
     for (std::size_t r0 = 0; r0 < N; r0 += R) {
       const std::size_t r = std::min(R, N - r0);
-      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false);
+      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false, cpu::ld3{C, C, V}, scratch);
       total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, scale, row_loss);
       consume(r0, r, static_cast<const A*>(logits), xa, wa);
     }
@@ -10268,10 +10442,21 @@ class lm_head {
     return total;
   }
 
-  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial };
-  static constexpr workspace_layout<9> layout(const lm_head_shape& s) {
+  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial, w_gemm };
+  // Packing buffers of the three products per chunk (logits, dW, dxn), one set per thread.
+  static constexpr std::size_t gemm_bytes(const lm_head_shape& s, std::size_t threads) {
+    const std::size_t C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
+    return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(R, C, V),
+                               cpu::matmul_at_thread_scratch_bytes<A>(R, V, C),
+                               cpu::matmul_thread_scratch_bytes<A>(R, V, C)});
+  }
+  template <typename W>
+  static std::span<std::byte> gemm_scratch_of(const W& ws, const lm_head_shape& s, std::size_t threads) {
+    return {ws.template get<std::byte>(w_gemm), gemm_bytes(s, threads)};
+  }
+  static constexpr workspace_layout<10> layout(const lm_head_shape& s, std::size_t threads) {
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
-    workspace_layout<9> l;
+    workspace_layout<10> l;
     l.add(bytes_of<S>(N, C));
     l.add(bytes_of<A>(N));
     l.add(widened ? bytes_of<A>(N, C) : 0);
@@ -10281,6 +10466,7 @@ class lm_head {
     l.add(bytes_of<A>(R, V));
     l.add(bytes_of<double>(R));
     l.add(bytes_of<A>(cpu::row_partials(N, C)));
+    l.add(gemm_bytes(s, threads));
     return l;
   }
 };
