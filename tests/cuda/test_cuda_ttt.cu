@@ -220,7 +220,7 @@ void step_equals_forward(double tol, bool gate) {
   const auto y_full = dy.download();
 
   mbt::device_buffer<std::uint8_t> state(gpu_l::state_bytes(s));
-  auto st = gpu_l::make_state(s, wd, state.get(), state.size());
+  auto st = gpu_l::make_state(s, wd, state.get(), state.size(), ex);
   const std::size_t sws = gpu_l::step_workspace_bytes(s);
   mbt::device_buffer<std::uint8_t> sw(sws);
   mbt::device_buffer<S> xt(B * C), yt(B * C);
@@ -273,7 +273,7 @@ void typed_errors() {
                gpu_l::backward(s, wd, x.get(), saved.get(), saved.size(), y.get(), dx.get(), gr,
                                ws.get(), fws, ex));
   mbt::device_buffer<std::uint8_t> state(gpu_l::state_bytes(s));
-  EXPECT_THROW(mb::workspace_too_small, gpu_l::make_state(s, wd, state.get(), state.size() - 1));
+  EXPECT_THROW(mb::workspace_too_small, gpu_l::make_state(s, wd, state.get(), state.size() - 1, ex));
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
 }
 

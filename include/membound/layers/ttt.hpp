@@ -200,6 +200,9 @@ class basic_ttt {
   };
   // The state starts from the layer's W1, b1 (so it needs the weights).
   static state make_state(const ttt_shape& s, const weights& w, void* data, std::size_t bytes) {
+    static_assert(on_cpu,
+                  "membound: a device decoding state is written on the executor's stream: call "
+                  "make_state(shape, weights, data, bytes, executor) for ttt<..., cuda_backend>.");
     check(s);
     if (data == nullptr || bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
@@ -213,9 +216,10 @@ class basic_ttt {
   // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
   // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    if constexpr (!on_cpu) {  // on the device; returns once the state is written
-      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data));
-    } else {
+    static_assert(on_cpu,
+                  "membound: a device decoding state is written on the executor's stream: call "
+                  "reset(shape, weights, state, executor) for ttt<..., cuda_backend>.");
+    {
       const std::size_t SZ = inner_elements(s);
       A* p = static_cast<A*>(st.data);
       for (std::size_t b = 0; b < s.batch; ++b)
@@ -226,6 +230,28 @@ class basic_ttt {
         }
     }
     st.position = 0;
+  }
+  // The same on either backend with its executor: on the device the state is written on the
+  // executor's stream (ordered before the steps that read it, never on the legacy stream).
+  static state make_state(const ttt_shape& s, const weights& w, void* data, std::size_t bytes, executor& ex) {
+    check(s);
+    if (data == nullptr || bytes < state_bytes(s)) {
+      throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
+    }
+    detail::check_aligned(data, alignof(A), "state");
+    check_weights(s, w);
+    state st{data, bytes, 0};
+    reset(s, w, st, ex);
+    return st;
+  }
+  static void reset(const ttt_shape& s, const weights& w, state& st, executor& ex) {
+    if constexpr (on_cpu) {
+      (void)ex;
+      reset(s, w, st);
+    } else {
+      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
+      st.position = 0;
+    }
   }
 
   // ---- Forward -------------------------------------------------------------------------------

@@ -17,7 +17,8 @@
 // TTT-Linear up to head_dim ≈ 100 in 227 KiB, never for TTT-MLP at head_dim 128: W1 alone is
 // 256 KiB) and tensor-core products are the next step, not done here.
 //
-// The decoding step (ttt_step_kernel) and its state (make_state, reset) run on the device too.
+// The decoding step (ttt_step_kernel) and its state (make_state, reset with the executor) run on
+// the device too, on the executor's stream.
 // Not on the device yet: backward; it throws invalid_argument naming the backend (unsupported()).
 //
 // Determinism: every sum runs in a fixed order inside one thread (no atomics, no split
@@ -122,11 +123,9 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   template <bool Mlp, std::size_t MB, typename S, typename A, typename Weights>
   static void step(const ttt_shape& s, const Weights& w, A* state, std::size_t i, const S* x_t,
                    S* y_t, void* workspace, std::size_t workspace_size, const cuda_executor& ex);
-  // The state from the layer's W1, b1 (W2, b2), sums zeroed. make_state/reset take no executor:
-  // this runs on the legacy default stream and waits for it, so the state is ready for any
-  // stream afterwards.
+  // The state from the layer's W1, b1 (W2, b2), sums zeroed, on the executor's stream.
   template <bool Mlp, typename A, typename Weights>
-  static void reset_state(const ttt_shape& s, const Weights& w, A* state);
+  static void reset_state(const ttt_shape& s, const Weights& w, A* state, const cuda_executor& ex);
 #else
   template <bool Mlp, std::size_t MB, typename S, typename A, typename... Args>
   static void step(Args&&...) {
@@ -765,14 +764,13 @@ void backend_kernels<cuda_backend, ttt_shape>::step(const ttt_shape& s, const We
 
 template <bool Mlp, typename A, typename Weights>
 void backend_kernels<cuda_backend, ttt_shape>::reset_state(const ttt_shape& s, const Weights& w,
-                                                            A* state) {
+                                                            A* state, const cuda_executor& ex) {
   const auto d = gpu::ttt_dims::of(s, Mlp);
   using S = std::remove_cv_t<std::remove_pointer_t<decltype(w.w1)>>;
   check_types<S, A>();
-  gpu::ttt_detail::ttt_reset_kernel<S><<<static_cast<unsigned>(s.batch * s.heads), 256, 0, 0>>>(
+  gpu::ttt_detail::ttt_reset_kernel<S><<<static_cast<unsigned>(s.batch * s.heads), 256, 0, ex.stream()>>>(
       state, s.heads, d.D, d.F, d.SZ, Mlp, w.w1, w.b1, w.w2, w.b2);
   cuda_check(cudaGetLastError(), "ttt_reset_kernel launch");
-  cuda_check(cudaStreamSynchronize(0), "cudaStreamSynchronize (ttt reset)");
 }
 
 #endif  // MEMBOUND_CUDA_COMPILER
