@@ -136,6 +136,18 @@ int main(int argc, char** argv) {
     collectives<double>(comm, n, "double");
   }
 
+  // Bytes sent by an all-reduce: the ring formula 2·(N − 1)/N·n, exactly when N divides n.
+  {
+    const std::size_t n = 1000;
+    std::vector<float> g = data_of<float>(me, n, 5);
+    std::vector<std::byte> ws(comm.all_reduce_workspace_bytes<float>(n));
+    const mb::communication_stats before = comm.stats();
+    comm.all_reduce_sum(g.data(), n, ws.data(), ws.size());
+    const std::uint64_t sent = comm.stats().bytes_sent - before.bytes_sent;
+    check(sent == 2 * (N - 1) * (n / N) * sizeof(float),
+          "all_reduce_sum of 1000 floats sends 2(N-1)/N of them (" + std::to_string(sent) + " bytes)", me);
+    check(comm.stats().collectives == before.collectives + 2, "an all-reduce is two collectives", me);
+  }
   // Broadcast from the last rank.
   {
     std::vector<std::int32_t> v(5, static_cast<std::int32_t>(me));

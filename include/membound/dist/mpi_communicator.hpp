@@ -24,6 +24,7 @@
 
 #include <climits>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -148,6 +149,7 @@ class mpi_communicator {
     }
     // In place when the shard already sits in out (ZeRO's parameter gather does that).
     const bool in_place = shard == out + shard_of(n, size_, rank_).begin;
+    count_sent(static_cast<std::uint64_t>(counts[rank_]) * (size_ - 1));
     detail::mpi_check(MPI_Allgatherv(in_place ? MPI_IN_PLACE : static_cast<const void*>(shard), counts[rank_],
                                      MPI_BYTE, out, counts, displs, MPI_BYTE, comm_),
                       "MPI_Allgatherv");
@@ -165,12 +167,19 @@ class mpi_communicator {
   void broadcast(T* data, std::size_t n, std::size_t root) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
     detail::check_root(root, size_);
+    count_sent(rank_ == root ? static_cast<std::uint64_t>(n * sizeof(T)) * (size_ - 1) : 0);
     detail::mpi_check(MPI_Bcast(data, detail::mpi_count(n * sizeof(T), "n"), MPI_BYTE, static_cast<int>(root), comm_),
                       "MPI_Bcast");
   }
   void barrier() { detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  communication_stats stats() const noexcept { return stats_; }
 
  private:
+  void count_sent(std::uint64_t bytes) noexcept {
+    stats_.bytes_sent += bytes;
+    ++stats_.collectives;
+  }
+  communication_stats stats_{};
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::size_t rank_ = 0, size_ = 1;
   std::vector<int> counts_;
@@ -248,6 +257,9 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
     recv_counts[r] = detail::mpi_count(mine.size() * sizeof(T), "n");
     recv_displs[r] = detail::mpi_count(r * stride * sizeof(T), "n");
   }
+  std::uint64_t sent = 0;
+  for (std::size_t r = 0; r < size_; ++r) sent += r == rank_ ? 0 : static_cast<std::uint64_t>(send_counts[r]);
+  count_sent(sent);
   pending_reduce_scatter p;
   detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
                                    comm_, &p.req_),

@@ -1,0 +1,102 @@
+// Data-parallel training over MPI: the example trainer's default model (4 blocks ttt, attn,
+// mamba, attn; width 128; 8 sequences of 128 tokens per step, fp32), ZeRO-0 and ZeRO-1, under
+// `mpiexec -n N`. Rank 0 prints one markdown row per stage: the median step time over the timed
+// steps, the bytes this rank sent per step against the formulas (an all-reduce of the Ψ gradient
+// bytes: 2·(N − 1)/N·Ψ; ZeRO-1 here adds the all-gather of the weights, (N − 1)/N·Ψ), and the
+// optimizer bytes and measured peak per rank.
+//
+//   mpiexec -n 2 --oversubscribe ./build/release/bench/bench_data_parallel [steps]
+// A benchmark, not a test: its times depend on the machine (2 ranks on 2 cores here).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "membound/mpi.hpp"
+
+namespace mb = membound;
+
+namespace {
+
+using net = mb::model<mb::embedding<mb::fp32_precision>,
+                      mb::block_pattern<mb::ttt_linear<mb::fp32_precision>, mb::attention<mb::fp32_precision>,
+                                        mb::mamba<mb::fp32_precision>>,
+                      mb::lm_head<mb::fp32_precision>>;
+using alloc_t = mb::budget_allocator<mb::system_allocator>;
+
+struct random_tokens {
+  std::size_t seq;
+  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
+    std::uint64_t s = r.random | 1;
+    for (std::size_t t = 0; t < seq; ++t) {
+      s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+      x[t] = static_cast<std::int32_t>((s >> 33) % 256);
+      y[t] = static_cast<std::int32_t>((s >> 41) % 256);
+    }
+  }
+};
+
+struct row {
+  double ms = 0;
+  double sent = 0;  // bytes per step
+  std::size_t optimizer = 0, peak = 0;
+};
+
+row measure(const net& m, mb::mpi_communicator& comm, std::size_t zero, std::size_t steps, std::size_t threads) {
+  const std::size_t N = comm.size();
+  const mb::batch_shape eff{8, 128};
+  mb::plan_options po;
+  po.threads = threads;
+  po.optimizer_elements = zero == 1 && N > 1 ? mb::shard_of(m.parameter_elements(), N, comm.rank()).size() : 0;
+  const mb::training_plan plan = mb::make_plan(m, mb::batch_shape{eff.batch / N, eff.seq}, mb::schedules::none{}, po);
+  alloc_t a(std::size_t{1} << 32);
+  mb::thread_pool pool(threads);
+  mb::trainer_options to;
+  to.zero = zero;
+  to.replan_under_pressure = false;
+  mb::trainer t(m, eff, plan, a, pool, to, mb::null_monitor{}, comm);
+  random_tokens src{eff.seq};
+  (void)t.step(src);  // warm-up
+  const mb::communication_stats before = comm.stats();
+  std::vector<double> ms;
+  for (std::size_t i = 0; i < steps; ++i) ms.push_back(t.step(src).ms);
+  std::sort(ms.begin(), ms.end());
+  row r;
+  r.ms = ms[ms.size() / 2];
+  r.sent = static_cast<double>(comm.stats().bytes_sent - before.bytes_sent) / static_cast<double>(steps);
+  r.optimizer = t.optimizer_bytes();
+  r.peak = a.stats().peak_requested;
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mb::mpi_environment env(argc, argv);
+  mb::mpi_communicator comm;
+  const std::size_t steps = argc > 1 ? static_cast<std::size_t>(std::max(1, std::atoi(argv[1]))) : 5;
+  const std::size_t N = comm.size();
+  mb::model_config cfg;
+  cfg.vocab = 256;
+  cfg.width = 128;
+  cfg.heads = 4;
+  const net m(cfg, {0, 1, 2, 1});
+  const double psi = static_cast<double>(m.weight_bytes());  // gradient bytes: Ψ
+  const row z0 = measure(m, comm, 0, steps, 1);
+  const row z1 = measure(m, comm, 1, steps, 1);
+  if (comm.rank() == 0) {
+    const double ring = 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * psi;
+    const double gather = static_cast<double>(N - 1) / static_cast<double>(N) * psi;
+    std::printf("| ranks | stage | step ms (median of %zu) | sent per step per rank | formula | optimizer bytes per rank | peak per rank |\n",
+                steps);
+    std::printf("|---|---|---|---|---|---|---|\n");
+    std::printf("| %zu | ZeRO-0 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z0.ms, z0.sent, ring, z0.optimizer,
+                z0.peak);
+    std::printf("| %zu | ZeRO-1 | %.1f | %.0f | 3(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z1.ms, z1.sent, ring + gather,
+                z1.optimizer, z1.peak);
+    std::printf("(Ψ = %.0f gradient bytes, 1 thread per rank; the bytes sent include the loss's all-reduce of one double)\n",
+                psi);
+  }
+  return 0;
+}
