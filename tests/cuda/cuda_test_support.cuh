@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
@@ -143,6 +144,48 @@ int run_suite(const char* suite, const test_case (&cases)[N]) {
     std::printf("%s: %s\n", t.name, failures == before ? "ok" : "FAILED");
   }
   return failures == 0 ? 0 : 1;
+}
+
+// ---- Host data for the CPU-vs-GPU comparisons, shared by the layer tests --------------------------
+// n values in [offset − scale, offset + scale) from a fixed LCG, rounded to S.
+template <typename S>
+std::vector<S> random_values(std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
+  std::vector<S> v(n);
+  std::uint32_t s = seed * 2654435761u + 7;
+  for (auto& x : v) {
+    s = s * 1664525u + 1013904223u;
+    const float u = static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
+    x = membound::from_accum<S>(offset + scale * (2.0f * u - 1.0f));
+  }
+  return v;
+}
+template <typename S>
+std::vector<double> as_double(const std::vector<S>& v) {
+  std::vector<double> d(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(membound::to_accum<float>(v[i]));
+  return d;
+}
+template <typename S>
+bool same_bits(const std::vector<S>& a, const std::vector<S>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(S)) == 0);
+}
+inline bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+// Raw bytes and back, for bit comparisons of buffers of any element type.
+template <typename T>
+std::vector<std::uint8_t> to_bytes(const std::vector<T>& v) {
+  std::vector<std::uint8_t> b(v.size() * sizeof(T));
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+template <typename T>
+std::vector<T> from_bytes(const std::uint8_t* p, std::size_t bytes) {
+  std::vector<T> v(bytes / sizeof(T));
+  if (!v.empty()) std::memcpy(v.data(), p, v.size() * sizeof(T));
+  return v;
+}
+template <typename T>
+std::vector<T> from_bytes(const std::vector<std::uint8_t>& b) {
+  return from_bytes<T>(b.data(), b.size());
 }
 
 }  // namespace mbt

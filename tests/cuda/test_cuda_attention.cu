@@ -21,46 +21,15 @@ namespace mb = membound;
 
 namespace {
 
-template <typename S>
-std::vector<S> random_values(std::size_t n, std::uint32_t seed, float scale) {
-  std::vector<S> v(n);
-  std::uint32_t s = seed * 2654435761u + 7;
-  for (auto& x : v) {
-    s = s * 1664525u + 1013904223u;
-    const float u = static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
-    x = mb::from_accum<S>(scale * (2.0f * u - 1.0f));
-  }
-  return v;
-}
-
-template <typename S>
-std::vector<double> as_double(const std::vector<S>& v) {
-  std::vector<double> d(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(mb::to_accum<float>(v[i]));
-  return d;
-}
-
-template <typename S>
-bool same_bits(const std::vector<S>& a, const std::vector<S>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(S)) == 0;
-}
+using mbt::random_values;
+using mbt::as_double;
+using mbt::same_bits;
+using mbt::from_bytes;
+using mbt::to_bytes;
 
 struct run_result {
   std::vector<std::uint8_t> y, saved, dx, gq, gk, gv, go, ys;  // raw bytes, for bit comparisons
 };
-
-template <typename S>
-std::vector<S> from_bytes(const std::vector<std::uint8_t>& b) {
-  std::vector<S> v(b.size() / sizeof(S));
-  std::memcpy(v.data(), b.data(), b.size());
-  return v;
-}
-template <typename T>
-std::vector<std::uint8_t> to_bytes(const std::vector<T>& v) {
-  std::vector<std::uint8_t> b(v.size() * sizeof(T));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
 
 
 template <typename Precision, typename... Extra>

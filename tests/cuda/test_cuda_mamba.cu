@@ -35,6 +35,8 @@ namespace mb = membound;
 
 namespace {
 
+using mbt::as_double;
+
 mb::mamba_shape shape_of(std::size_t B, std::size_t T, std::size_t C, std::size_t Di,
                          std::size_t Ns, std::size_t K, std::size_t R) {
   mb::mamba_shape s;
@@ -97,13 +99,6 @@ std::vector<S> to_storage(const std::vector<float>& v) {
   for (std::size_t i = 0; i < v.size(); ++i) out[i] = mb::from_accum<S>(v[i]);
   return out;
 }
-template <typename S>
-std::vector<double> as_double(const std::vector<S>& v) {
-  std::vector<double> d(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(mb::to_accum<float>(v[i]));
-  return d;
-}
-
 // The CPU tests' metric: max |a − b| / max |b|.
 double rel_err(const std::vector<double>& a, const std::vector<double>& b) {
   if (a.size() != b.size()) return INFINITY;

@@ -25,31 +25,9 @@ namespace mb = membound;
 
 namespace {
 
-template <typename S>
-std::vector<S> random_values(std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
-  std::vector<S> v(n);
-  std::uint32_t s = seed * 2654435761u + 7;
-  for (auto& x : v) {
-    s = s * 1664525u + 1013904223u;
-    const float u = static_cast<float>(s >> 8) / static_cast<float>(1u << 24);
-    x = mb::from_accum<S>(offset + scale * (2.0f * u - 1.0f));
-  }
-  return v;
-}
-
-template <typename S>
-std::vector<double> as_double(const std::vector<S>& v) {
-  std::vector<double> d(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(mb::to_accum<float>(v[i]));
-  return d;
-}
-
-template <typename T>
-std::vector<T> from_bytes(const std::uint8_t* p, std::size_t bytes) {
-  std::vector<T> v(bytes / sizeof(T));
-  std::memcpy(v.data(), p, bytes);
-  return v;
-}
+using mbt::random_values;
+using mbt::as_double;
+using mbt::from_bytes;
 
 // All weights of one layer, host side, in the CPU layer's order and sizes.
 template <typename S>

@@ -127,7 +127,9 @@ class workspace_layout {
     }
 
     size_ = 0;
-    std::array<std::size_t, MaxSlots> conflicts{};
+    // One spare entry: at most count_ − 1 ≤ MaxSlots − 1 are used, but GCC's -Warray-bounds
+    // cannot see that bound through the loops (a false error at -O3 for workspace_layout<1>).
+    std::array<std::size_t, MaxSlots + 1> conflicts{};
     for (std::size_t k = 0; k < count_; ++k) {
       slot& s = slots_[order[k]];
       // Placed, non-empty slots live at the same time as s, sorted by offset.
