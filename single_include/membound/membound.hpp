@@ -13445,10 +13445,11 @@ MEMBOUND_NAMESPACE_END
 // ranks in rank order (in buckets sized to fit inside the step's own peak, so the plan's
 // prediction still holds), and every rank takes the same AdamW step from the same sum. The
 // loss is summed the same way. So all ranks keep identical weights, the run is reproducible bit
-// for bit for a given N, and a checkpoint from any rank resumes any world size. Not yet: ZeRO-1
-// (sharded optimizer state), 16-bit storage over more than one rank, and replanning under
-// pressure over more than one rank (one rank cannot change its plan alone); each is refused with
-// a typed error.
+// for bit for a given N, and (ZeRO-0) a checkpoint from any rank resumes any world size. With
+// trainer_options::zero = 1 each rank keeps AdamW's state for its shard_of the parameters only,
+// updates that shard and gathers the weights; its checkpoint then holds its own shard. Not yet:
+// 16-bit storage over more than one rank, and replanning under pressure over more than one rank
+// (one rank cannot change its plan alone); each is refused with a typed error.
 
 #include <charconv>
 
