@@ -361,3 +361,27 @@ TEST_CASE("reserve: randomized, no plan that fits on its reserve runs out of mem
   CHECK(arena.worst_ratio <= 1.05);
   CHECK(planned.worst_ratio <= 1.05);
 }
+
+TEST_CASE("reserve: a plan over an arena sized to the budget names a real floor, never SIZE_MAX") {
+  // The example trainer sizes its arena to the budget, so lifting the budget in the replay still
+  // meets the arena's capacity. The reserve then falls back to the requested peak: the error
+  // a user sees names bytes, not 16384 PiB.
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::plan_options o;
+  o.threads = 1;
+  o.head_chunk = 16;
+  mb::training_plan p = mb::make_plan(m, {2, 24}, mb::schedules::none{}, o);
+  const std::size_t budget = mb::align_up(p.peak_bytes / 2, std::size_t{4} << 10);
+  p.budget = budget;
+  arena_stack alloc(budget, mb::expandable_arena_options{budget}, std::size_t{4} << 10);
+  p.reserved_peak = mb::reserve_model(m, alloc)(p);
+  CHECK(p.reserved_peak >= p.peak_bytes);
+  CHECK_FALSE(mb::saturated(p.reserved_peak));
+  CHECK_FALSE(p.fits());
+  const mb::budget_too_small e(budget, p.budgeted_peak());
+  CHECK(e.minimum() == p.peak_bytes);
+  CHECK(std::string(e.what()).find("PiB") == std::string::npos);
+  // Without any budget in the stack no budget can make the plan fit: it stays saturated.
+  mb::expandable_arena<mb::host_virtual_memory> bare(mb::expandable_arena_options{budget}, std::size_t{4} << 10);
+  CHECK(mb::saturated(mb::reserve_model(m, bare)(p)));
+}

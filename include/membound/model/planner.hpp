@@ -467,7 +467,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       minimum = hi;
     }
     throw budget_too_small(budget, minimum,
-                           saturated(minimum) ? "the model's sizes pass any address space: shrink the model or the batch"
+                           saturated(minimum) ? "no plan fits the allocator's capacity or the address space: raise the "
+                                                                 "allocator's capacity, or shrink the model or the batch"
                                               : std::string{});
   }
   best.budget = budget;

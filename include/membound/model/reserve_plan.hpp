@@ -166,8 +166,9 @@ memory_layout plan_layout(const Model& m, const training_plan& p) {
 
 // The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
 // on a fresh shadow of `alloc`'s stack (its settings and the budget's external bytes read at each
-// call, so a retry under pressure sees the others' bytes of that moment), or SIZE_MAX when the
-// stack would refuse a request. m and alloc must outlive the function. Put it in
+// call, so a retry under pressure sees the others' bytes of that moment). A plan the stack's
+// budget refuses gets more than the budget leaves: its uncapped reserve, or its requested peak
+// when even that is refused (SIZE_MAX when the stack has no budget to raise). m and alloc must outlive the function. Put it in
 // fit_options::reserve; the trainer makes its own from its allocator.
 template <typename Model, typename Allocator>
   requires has_shadow<Allocator>
@@ -190,9 +191,13 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
     // learns by how much it misses (budget_too_small's minimum), and never less than one byte
     // over what the cap leaves, so that the plan never passes for one that fits.
     const reserve_replay u = replay(false);
-    if (!u.fits) return std::numeric_limits<std::size_t>::max();
     const auto [limit, external] = detail::tightest_budget(alloc);
-    return std::max(u.peak_reserved, sat_add(sat_sub(limit, external), 1));
+    const std::size_t over_cap = sat_add(sat_sub(limit, external), 1);
+    // Refused even without the budget (an arena's capacity, sized from the budget): the reserve
+    // is unknown, but never below the requested peak, which is then the floor a caller is told.
+    // With no budget in the stack at all this stays SIZE_MAX: no budget makes it fit.
+    if (!u.fits) return std::max(p.peak_bytes, over_cap);
+    return std::max(u.peak_reserved, over_cap);
   };
 }
 
