@@ -47,7 +47,10 @@ train on the same batches, step by step.
 Measurements, each side in its own fresh process (so that its peak is its own), the sides
 interleaved (--rounds rounds, the order alternating): --warmup steps (default 2), then --reps
 timed steps (default 5; 3 for "long"); per side the median and the min of all timed steps of all
-rounds. tokens/s = B·T / median step time. peak RSS: the process's ru_maxrss (VmHWM) at the
+rounds. tokens/s = B·T / median step time. others' CPU: how many CPUs other processes kept busy,
+on average, while a side's processes ran (attention_peer.OthersCpu: /proc/stat's busy time less
+this script's and its children's); timings are only as good as the machine is quiet, and on a
+2-core machine 1.0 there can halve either side's speed. peak RSS: the process's ru_maxrss (VmHWM) at the
 end: everything it ever held resident, the runtime included (libtorch's code and its allocator
 caches; ours is a small static binary). "growth" is peak RSS minus the RSS just before the model
 is built (after the runtime, the data and the thread pool exist): the step's own memory, weights,
@@ -58,9 +61,11 @@ requested bytes (= the plan's predicted peak; both printed).
 process loads them, so both sides start from the same bits; the table then also prints every
 step's loss from both sides and their largest difference. Step 1 is the same function of the
 same inputs (fp32 on both sides, different summation orders): |Δ| should be ~1e-6; exit status 1
-when it exceeds 1e-4. Later steps add AdamW's first updates, whose size is lr·g/(|g| + eps) ≈
-±lr for every element, so an element whose gradient is rounding noise can move the other way on
-the other side; they are printed, with a looser bound (1e-2).
+when it exceeds 1e-4. Later steps add AdamW's updates, whose size is lr·g/(|g| + eps) ≈ ±lr for
+every element, so an element whose gradient is rounding noise can move the other way on the other
+side; they are held to a looser bound, 1e-3 (measured at the default shape: 3.7e-7 at step 1,
+5.8e-7 at most over steps 2-5, so the blocks, the tied head, the clip, the decay groups and AdamW
+agree).
 """
 import argparse
 import json
@@ -91,7 +96,7 @@ SHAPES = {
     "long": dict(layers="ttt,attn,mamba,attn", width=256, heads=4, seq=4096, batch=1, budget=None, reps=3),
 }
 STEP1_TOL = 1e-4
-LATER_TOL = 1e-2
+LATER_TOL = 1e-3
 
 
 def splitmix64(z):
@@ -332,11 +337,16 @@ def run_shape(label, sh, args):
     common = shape_args(sh, args.warmup, reps) + ["--threads", str(args.threads), "--data", args.data]
     ours_cmd = [args.ours] + common + ["--budget", sh["budget"]]
     torch_cmd = [sys.executable, os.path.abspath(__file__), "--torch-child"] + common
+    sys.path.insert(0, HERE)
+    from attention_peer import OthersCpu
     res = {"ours": [], "torch": []}
     for r in range(args.rounds):
         order = ("ours", "torch") if r % 2 == 0 else ("torch", "ours")
         for side in order:
+            others = OthersCpu()
+            others.start()
             res[side].append(run_json(ours_cmd) if side == "ours" else run_json(torch_cmd, torch_env()))
+            res[side][-1]["others_cpu"] = others.stop()
     check = None
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
@@ -353,7 +363,7 @@ def summarize(runs):
     return {"median": statistics.median(ms), "min": min(ms), "tok": runs[0]["tokens_per_step"],
             "peak": max(r["peak_rss_bytes"] for r in runs),
             "growth": max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in runs),
-            "params": runs[0]["params"]}
+            "params": runs[0]["params"], "others": statistics.mean(r["others_cpu"] for r in runs)}
 
 
 def main():
@@ -410,14 +420,14 @@ def main():
             failed |= d[0] > STEP1_TOL or max(d[1:] or [0]) > LATER_TOL
         rows.append((label, sh, o, t))
     print("\n| shape | ours ms (median / min) | torch ms (median / min) | ours tok/s | torch tok/s | "
-          "ours/torch tok/s | ours peak RSS MiB (growth) | torch peak RSS MiB (growth) | ours/torch RSS (growth) |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "ours/torch tok/s | ours peak RSS MiB (growth) | torch peak RSS MiB (growth) | ours/torch RSS (growth) | others' CPU (ours, torch) |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for label, sh, o, t in rows:
         ot, tt = o["tok"] / (o["median"] / 1e3), t["tok"] / (t["median"] / 1e3)
         print(f"| {label} (T={sh['seq']}, C={sh['width']}, B={sh['batch']}) | {o['median']:.1f} / {o['min']:.1f} | "
               f"{t['median']:.1f} / {t['min']:.1f} | {ot:,.0f} | {tt:,.0f} | {ot / tt:.2f}x | "
               f"{o['peak'] / MiB:.1f} ({o['growth'] / MiB:.1f}) | {t['peak'] / MiB:.1f} ({t['growth'] / MiB:.1f}) | "
-              f"{o['peak'] / t['peak']:.3f} ({o['growth'] / t['growth']:.3f}) |")
+              f"{o['peak'] / t['peak']:.3f} ({o['growth'] / t['growth']:.3f}) | {o['others']:.2f}, {t['others']:.2f} |")
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     return 1 if failed else 0
 
