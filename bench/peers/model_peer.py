@@ -15,7 +15,7 @@ Build the runner and run (from the repository root; torch from PyPI in a venv):
 Shapes (--shapes, comma-separated): "default" is the trainer's default run: blocks
 ttt,attn,mamba,attn, width 128, 4 heads, T = 128, batch 8, budget 32 MiB; "long" is T = 4096,
 width 256, 4 heads (head size 64), batch 1, the same blocks, budget --long-budget (default 256
-MiB: weights, gradients and AdamW state alone are ~55 MiB at this width, so the trainer's 32 MiB
+MiB: weights, gradients and AdamW state alone are ~52 MiB at this width, so the trainer's 32 MiB
 cannot hold it). Both fp32, vocab 256 (bytes), --threads threads (default 2) on both sides.
 
 Ours: bench/peers/model_peer_runner.cpp, i.e. membound::trainer as the example trainer sets it
