@@ -276,9 +276,7 @@ class mamba {
     // c = conv(xi) + b, then u = SiLU(c) in place.
     A* u = ws.template get<A>(f_u);
     conv_forward(pool, s, xz, wa, u, keep_conv_delta ? sv.template get<S>(s_c) : nullptr);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t i = 0; i < Di; ++i) u[n * Di + i] = cpu::silu(u[n * Di + i]);
-    });
+    cpu::for_rows(pool, N, [&](std::size_t n) { silu_row(u + n * Di, Di); });
 
     // Phase 1: x_dbl = u·x_proj (stored), Δ = softplus(dt_low·dt_proj + dt_bias).
     S* xdbl_s = sv.template get<S>(s_xdbl);
@@ -293,10 +291,7 @@ class mamba {
     cpu::scan_forward(pool, s, L, static_cast<const A*>(u), static_cast<const A*>(delta),
                       static_cast<const A*>(xdbl), static_cast<const A*>(a_neg), wa.d, y,
                       sv.template get<A>(s_states), ws.template get<A>(f_scratch));
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      const A* z = xz + n * 2 * Di + Di;
-      for (std::size_t i = 0; i < Di; ++i) y[n * Di + i] *= cpu::silu(z[i]);
-    });
+    cpu::for_rows(pool, N, [&](std::size_t n) { gate_row(y + n * Di, xz + n * 2 * Di + Di, Di); });
 
     // Phase 3: out = g·out_proj.
     A* oa = cpu::accum_target(out, ws.template get<A>(f_out));
@@ -366,7 +361,9 @@ class mamba {
     }
     A* u = ws.template get<A>(b_u);
     cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t i = 0; i < Di; ++i) u[n * Di + i] = cpu::silu(c[n * Di + i]);
+      const A* cn = c + n * Di;
+      A* un = u + n * Di;
+      for (std::size_t i = 0; i < Di; ++i) un[i] = cpu::vmath::silu(cn[i]);
     });
     // dg = dout·out_projᵀ; the scan's output gradient dy = dg ⊙ SiLU(z).
     const A* dya = cpu::widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
@@ -375,7 +372,9 @@ class mamba {
     A* dys = ws.template get<A>(b_dys);
     cpu::for_rows(pool, N, [&](std::size_t n) {
       const A* z = xz + n * 2 * Di + Di;
-      for (std::size_t i = 0; i < Di; ++i) dys[n * Di + i] = dg[n * Di + i] * cpu::silu(z[i]);
+      const A* dgn = dg + n * Di;
+      A* dyn = dys + n * Di;
+      for (std::size_t i = 0; i < Di; ++i) dyn[i] = dgn[i] * cpu::vmath::silu(z[i]);
     });
 
     // Phase 1: the reverse scan.
@@ -400,9 +399,12 @@ class mamba {
     cpu::for_rows(pool, N, [&](std::size_t n) {
       const A* z = xz + n * 2 * Di + Di;
       A* dz = dxz + n * 2 * Di + Di;
+      const A* dgn = dg + n * Di;
+      A* yn = y + n * Di;
       for (std::size_t i = 0; i < Di; ++i) {
-        dz[i] = dg[n * Di + i] * y[n * Di + i] * cpu::silu_grad(z[i]);
-        y[n * Di + i] *= cpu::silu(z[i]);
+        const A sg = cpu::vmath::sigmoid(z[i]);  // SiLU = z·σ, SiLU' = σ·(1 + z·(1 − σ))
+        dz[i] = dgn[i] * yn[i] * (sg * (A(1) + z[i] * (A(1) - sg)));
+        yn[i] *= z[i] * sg;
       }
     });
     A* tmp = ws.template get<A>(b_wtmp);
@@ -431,7 +433,9 @@ class mamba {
                 Di, ldx);
     cpu::matmul_bt(pool, static_cast<const A*>(dxdbl), wa.x_proj, du, N, ldx, Di, true);
     cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t i = 0; i < Di; ++i) du[n * Di + i] *= cpu::silu_grad(c[n * Di + i]);
+      const A* cn = c + n * Di;
+      A* dun = du + n * Di;
+      for (std::size_t i = 0; i < Di; ++i) dun[i] *= cpu::vmath::silu_grad(cn[i]);
     });
     cpu::causal_conv_backward(pool, s, xz, 2 * Di, wa.conv_w, static_cast<const A*>(du), dxz,
                               2 * Di, dconv_w, dconv_b);
@@ -507,27 +511,38 @@ class mamba {
         u[b * Di + i] = c;
       }
     cpu::round_through<S>(u, B * Di);
-    for (std::size_t j = 0; j < B * Di; ++j) u[j] = cpu::silu(u[j]);
+    for (std::size_t b = 0; b < B; ++b) silu_row(u + b * Di, Di);
     A* xdbl = ws.template get<A>(st_xdbl);
     cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false);
     cpu::round_through<S>(xdbl, B * ldx);
     A* delta = ws.template get<A>(st_delta);
     cpu::matmul(pool, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
                 cpu::ld3{ldx, Di, Di});
-    for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t i = 0; i < Di; ++i)
-        delta[b * Di + i] = cpu::softplus(delta[b * Di + i] + wa.dt_bias[i]);
+    for (std::size_t b = 0; b < B; ++b) softplus_row(delta + b * Di, wa.dt_bias, Di);
     cpu::round_through<S>(delta, B * Di);
+    // The scan through the forward's own group kernel: the carried state [Di, Ns] is transposed
+    // to the kernel's [Ns][lanes] and back, lanes past Di padded with zeros.
     A* y = ws.template get<A>(st_y);
+    constexpr std::size_t W = cpu::scan_lanes<A>;
+    A* hg = ws.template get<A>(st_scan);
+    A* at = hg + Ns * W;
+    A* pad = at + Ns * W;
     for (std::size_t b = 0; b < B; ++b) {
       const A* bt = xdbl + b * ldx + R;
-      for (std::size_t i = 0; i < Di; ++i) {
-        const A ui = u[b * Di + i];
-        const A yi = cpu::scan_update(ssm_state + (b * Di + i) * Ns, a_neg + i * Ns,
-                                      delta[b * Di + i], ui, bt, bt + Ns, Ns) +
-                     wa.d[i] * ui;
-        y[b * Di + i] = yi * cpu::silu(xz[b * 2 * Di + Di + i]);
+      A* hb = ssm_state + b * Di * Ns;
+      for (std::size_t ch = 0; ch < Di; ch += W) {
+        const std::size_t nw = std::min(W, Di - ch);
+        cpu::transpose_in(static_cast<const A*>(a_neg), ch, nw, Ns, at);
+        cpu::transpose_in(static_cast<const A*>(hb), ch, nw, Ns, hg);
+        A* yo = nw == W ? y + b * Di + ch : pad + 3 * W;
+        cpu::scan_group_step(hg, static_cast<const A*>(at),
+                             cpu::lanes_of(static_cast<const A*>(delta) + b * Di + ch, nw, pad),
+                             cpu::lanes_of(static_cast<const A*>(u) + b * Di + ch, nw, pad + W),
+                             cpu::lanes_of(wa.d + ch, nw, pad + 2 * W), bt, bt + Ns, Ns, yo);
+        if (nw != W) std::copy(yo, yo + nw, y + b * Di + ch);
+        cpu::transpose_out(static_cast<const A*>(hg), nw, Ns, hb + ch * Ns);
       }
+      gate_row(y + b * Di, xz + b * 2 * Di + Di, Di);
     }
     A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
     cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
@@ -665,10 +680,12 @@ class mamba {
     return l;
   }
 
-  enum step_slot : std::size_t { st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out };
-  static constexpr workspace_layout<9> step_layout(const mamba_shape& s) {
+  enum step_slot : std::size_t {
+    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan
+  };
+  static constexpr workspace_layout<10> step_layout(const mamba_shape& s) {
     const std::size_t B = s.batch, Di = s.d_inner;
-    workspace_layout<9> l;
+    workspace_layout<10> l;
     l.add(w_acc_bytes(s));
     l.add(bytes_of<A>(Di, s.d_state));
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
@@ -678,6 +695,8 @@ class mamba {
     l.add(bytes_of<A>(B, Di));
     l.add(bytes_of<A>(B, Di));
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
+    // One scan group's state and A ([Ns][lanes] each) and its padded rows.
+    l.add(bytes_of<A>(2 * s.d_state + 4, cpu::scan_lanes<A>));
     return l;
   }
 
@@ -774,16 +793,25 @@ class mamba {
                             const wptrs& wa, A* delta, S* keep) {
     const std::size_t N = rows(s), Di = s.d_inner, ldx = s.dt_rank + 2 * s.d_state;
     cpu::matmul(pool, xdbl, wa.dt_proj, delta, N, s.dt_rank, Di, false, cpu::ld3{ldx, Di, Di});
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t i = 0; i < Di; ++i)
-        delta[n * Di + i] = cpu::softplus(delta[n * Di + i] + wa.dt_bias[i]);
-    });
+    cpu::for_rows(pool, N, [&](std::size_t n) { softplus_row(delta + n * Di, wa.dt_bias, Di); });
     if (keep != nullptr) {
       cpu::narrow(static_cast<const A*>(delta), N * Di, keep);
       if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, delta);
     } else {
       cpu::round_through<S>(delta, N * Di);
     }
+  }
+
+  // The elementwise steps that decoding must reproduce bit for bit, shared by forward and step
+  // (vmath: vectorized by the compiler).
+  static void silu_row(A* v, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) v[i] = cpu::vmath::silu(v[i]);
+  }
+  static void softplus_row(A* v, const A* bias, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) v[i] = cpu::vmath::softplus(v[i] + bias[i]);
+  }
+  static void gate_row(A* y, const A* z, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) y[i] *= cpu::vmath::silu(z[i]);
   }
 
   // out[j] = Σ_n x[n, j], in row order per column block (thread-count independent).
