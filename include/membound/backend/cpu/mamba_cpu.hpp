@@ -17,6 +17,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "membound/backend/cpu/linalg.hpp"
@@ -188,11 +189,104 @@ void round_through(A* p, std::size_t n) {
   }
 }
 
+// One 64-byte register of lanes (GCC/Clang vector extensions; the compiler lowers it to what
+// -march has: one AVX-512 register, two AVX2, four SSE). Held in a variable, an accumulator stays
+// in registers across the state loop (a plain array would round-trip through memory every state,
+// a store-to-load chain that costs more than the exp). Without the extensions the kernels below
+// fall back to plain loops over the lanes.
+#if defined(__GNUC__) && !defined(MEMBOUND_SCAN_NO_VECTOR_EXT)
+#define MEMBOUND_SCAN_VECTOR_EXT 1
+template <typename A>
+struct lanes;
+template <>
+struct lanes<float> {
+  typedef float v __attribute__((vector_size(64)));
+  typedef std::int32_t m __attribute__((vector_size(64)));
+};
+template <>
+struct lanes<double> {
+  typedef double v __attribute__((vector_size(64)));
+  typedef std::int64_t m __attribute__((vector_size(64)));
+};
+template <typename A>
+using vreg = typename lanes<A>::v;
+template <typename A>
+using vmask = typename lanes<A>::m;
+// Vectors go in and out by reference only: passing a 64-byte vector by value has a different ABI
+// with and without AVX-512 (GCC and Clang warn, -Wpsabi), and these are inlined anyway.
+template <typename A>
+[[gnu::always_inline]] inline void vload(vreg<A>& v, const A* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+template <typename A>
+[[gnu::always_inline]] inline void vstore(A* p, const vreg<A>& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+// x = m ? a : x, lane by lane (m: all ones or zero per lane, as comparisons give).
+template <typename A>
+[[gnu::always_inline]] inline void vblend(vreg<A>& x, const vmask<A>& m, const vreg<A>& a) {
+  x = (vreg<A>)((m & (vmask<A>)a) | (~m & (vmask<A>)x));
+}
+// x = vmath::exp(x) lane by lane: the same constants and steps.
+template <typename A>
+[[gnu::always_inline]] inline void vexp(vreg<A>& x) {
+  using V = vreg<A>;
+  using M = vmask<A>;
+  if constexpr (std::is_same_v<A, float>) {
+    const V hi = V{} + 88.0f, lo = V{} + -87.33654f, magic = V{} + 12582912.0f;
+    const M under = x < lo;
+    V xc = x;
+    vblend<A>(xc, xc > hi, hi);
+    vblend<A>(xc, under, lo);
+    const V t = xc * 1.44269504088896341f + magic;
+    const V n = t - magic;
+    const M ni = (M)t - (M)magic;
+    V r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    V p = V{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    x = p * (V)((ni + 127) << 23);
+    vblend<A>(x, under, V{});
+  } else {
+    const V hi = V{} + 709.0, lo = V{} + -708.39, magic = V{} + 6755399441055744.0;
+    const M under = x < lo;
+    V xc = x;
+    vblend<A>(xc, xc > hi, hi);
+    vblend<A>(xc, under, lo);
+    const V t = xc * 1.4426950408889634074 + magic;
+    const V n = t - magic;
+    const M ni = (M)t - (M)magic;
+    V r = xc - n * 6.93145751953125e-1;
+    r = r - n * 1.42860682030941723212e-6;
+    V p = V{} + 1.0 / 6227020800.0;
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * (r * r) + r + 1.0;
+    x = p * (V)((ni + 1023) << 52);
+    vblend<A>(x, under, V{});
+  }
+}
+#endif
+
 // One step of one group of W = scan_lanes<A> channels: for every state s,
 //   h[s][w] = exp(Δ[w]·a[s][w])·h[s][w] + Δ[w]·u[w]·B[s],  y[w] = Σ_s C[s]·h[s][w] + D[w]·u[w]
-// (the sum in state order). Loops of fixed length W over contiguous lanes: vectorized across
-// channels. The forward, the backward's recomputation and decoding all call this one
-// out-of-line function, so they run the same instructions and agree bit for bit.
+// (the sum in state order), vectorized across the channels. The forward, the backward's
+// recomputation and decoding all call this one out-of-line function, so they run the same
+// instructions and agree bit for bit.
 template <typename A>
 [[gnu::noinline]] void scan_group_step(A* __restrict h, const A* __restrict at,
                                        const A* __restrict d, const A* __restrict u,
@@ -200,6 +294,24 @@ template <typename A>
                                        const A* __restrict c, std::size_t ns,
                                        A* __restrict y) {
   constexpr std::size_t W = scan_lanes<A>;
+#ifdef MEMBOUND_SCAN_VECTOR_EXT
+  vreg<A> dv, uv, dsk, acc{};
+  vload(dv, d);
+  vload(uv, u);
+  vload(dsk, dskip);
+  const vreg<A> du = dv * uv;
+  for (std::size_t s = 0; s < ns; ++s) {
+    vreg<A> e, hs;
+    vload(e, at + s * W);
+    vload(hs, h + s * W);
+    e *= dv;
+    vexp<A>(e);
+    const vreg<A> v = e * hs + du * b[s];
+    vstore(h + s * W, v);
+    acc += c[s] * v;
+  }
+  vstore(y, vreg<A>(acc + dsk * uv));
+#else
   A du[W], acc[W];
   for (std::size_t w = 0; w < W; ++w) {
     du[w] = d[w] * u[w];
@@ -216,6 +328,77 @@ template <typename A>
     }
   }
   for (std::size_t w = 0; w < W; ++w) y[w] = acc[w] + dskip[w] * u[w];
+#endif
+}
+
+// One reverse step of one group: with dL/dy g, u, Δ, D on the lanes, the group's state after
+// (h) and before (hp) the step, A (at), B and C of the row; updates the running dL/dh (dh), the
+// dA sums (da), the dB and dC lane sums (pb, pc) and the dD lane sums (ddv); writes dΔ and du.
+template <typename A>
+[[gnu::noinline]] void scan_group_back_step(
+    const A* __restrict g, const A* __restrict u, const A* __restrict d,
+    const A* __restrict dskip, const A* __restrict h, const A* __restrict hp,
+    const A* __restrict at, const A* __restrict b, const A* __restrict c, std::size_t ns,
+    A* __restrict dh, A* __restrict da, A* __restrict pb, A* __restrict pc, A* __restrict ddv,
+    A* __restrict ddelta, A* __restrict du) {
+  constexpr std::size_t W = scan_lanes<A>;
+#ifdef MEMBOUND_SCAN_VECTOR_EXT
+  vreg<A> gv, uv, dv, dsk, dd, ddt{}, dub{};
+  vload(gv, g);
+  vload(uv, u);
+  vload(dv, d);
+  vload(dsk, dskip);
+  vload(dd, ddv);
+  vstore(ddv, vreg<A>(dd + gv * uv));
+  const vreg<A> duv = dv * uv;
+  for (std::size_t s = 0; s < ns; ++s) {
+    const std::size_t j = s * W;
+    vreg<A> a, dhj, hj, hpj, pcj, pbj, daj;
+    vload(a, at + j);
+    vload(dhj, dh + j);
+    vload(hj, h + j);
+    vload(hpj, hp + j);
+    vload(pcj, pc + j);
+    vload(pbj, pb + j);
+    vload(daj, da + j);
+    dhj += gv * c[s];  // y_t = C_t·h_t
+    vstore(pc + j, vreg<A>(pcj + gv * hj));
+    vreg<A> e = a * dv;
+    vexp<A>(e);
+    const vreg<A> eh = e * hpj;
+    ddt += dhj * (a * eh + b[s] * uv);
+    vstore(da + j, vreg<A>(daj + dhj * dv * eh));
+    dub += dhj * b[s];
+    vstore(pb + j, vreg<A>(pbj + dhj * duv));
+    vstore(dh + j, vreg<A>(dhj * e));  // h_t depends on h_{t−1} through exp(Δ_t·a)
+  }
+  vstore(ddelta, ddt);
+  vstore(du, vreg<A>(gv * dsk + dv * dub));
+#else
+  A ddt[W], dub[W], duv[W];
+  for (std::size_t w = 0; w < W; ++w) {
+    ddv[w] += g[w] * u[w];
+    ddt[w] = A(0);
+    dub[w] = A(0);
+    duv[w] = d[w] * u[w];
+  }
+  for (std::size_t s = 0; s < ns; ++s)
+    for (std::size_t w = 0; w < W; ++w) {
+      const std::size_t j = s * W + w;
+      const A dhj = dh[j] + g[w] * c[s];
+      pc[j] += g[w] * h[j];
+      const A e = vmath::exp(at[j] * d[w]), eh = e * hp[j];
+      ddt[w] += dhj * (at[j] * eh + b[s] * u[w]);
+      da[j] += dhj * d[w] * eh;
+      dub[w] += dhj * b[s];
+      pb[j] += dhj * duv[w];
+      dh[j] = dhj * e;
+    }
+  for (std::size_t w = 0; w < W; ++w) {
+    ddelta[w] = ddt[w];
+    du[w] = g[w] * dskip[w] + d[w] * dub[w];
+  }
+#endif
 }
 
 // A [Di, Ns] -> at [Ns][W] for the channels ch0 .. ch0 + nw (lanes past nw get 0: with Δ = 0 on
@@ -416,43 +599,15 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
           std::fill(pc, pc + gs, A(0));
           for (std::size_t g = 0; g < G; ++g) {
             const std::size_t ch = i0 + g * W, nw = width(g);
-            const A* __restrict gv = lanes_of(dy + n * Di + ch, nw, pad);
-            const A* __restrict uv = lanes_of(u + n * Di + ch, nw, pad + W);
-            const A* __restrict dv = lanes_of(delta + n * Di + ch, nw, pad + 2 * W);
-            const A* __restrict dsk = lanes_of(dskip + ch, nw, pad + 3 * W);
-            A* __restrict dhg = dh + g * gs;
-            A* __restrict dag = dav + g * gs;
-            const A* __restrict hg = state_at(t) + g * gs;
-            const A* __restrict hp = hg - bs;  // h_{t−1} (the entry state at t0)
-            const A* __restrict ag = at + g * gs;
-            A ddt[W], dub[W], duv[W];
-            for (std::size_t w = 0; w < W; ++w) {
-              ddv[g * W + w] += gv[w] * uv[w];
-              ddt[w] = A(0);
-              dub[w] = A(0);
-              duv[w] = dv[w] * uv[w];
-            }
-            for (std::size_t st = 0; st < Ns; ++st) {
-              const A bsv = bt[st], csv = ct[st];
-              for (std::size_t w = 0; w < W; ++w) {
-                const std::size_t j = st * W + w;
-                const A dhj = dhg[j] + gv[w] * csv;  // y_t = C_t·h_t
-                pc[j] += gv[w] * hg[j];
-                const A e = vmath::exp(ag[j] * dv[w]);
-                const A eh = e * hp[j];
-                ddt[w] += dhj * (ag[j] * eh + bsv * uv[w]);
-                dag[j] += dhj * dv[w] * eh;
-                dub[w] += dhj * bsv;
-                pb[j] += dhj * duv[w];
-                dhg[j] = dhj * e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
-              }
-            }
             A* ddo = nw == W ? ddelta + n * Di + ch : pad + 4 * W;
             A* duo = nw == W ? du + n * Di + ch : pad + 5 * W;
-            for (std::size_t w = 0; w < W; ++w) {
-              ddo[w] = ddt[w];
-              duo[w] = gv[w] * dsk[w] + dv[w] * dub[w];
-            }
+            const A* hg = state_at(t) + g * gs;
+            scan_group_back_step(lanes_of(dy + n * Di + ch, nw, pad),
+                                 lanes_of(u + n * Di + ch, nw, pad + W),
+                                 lanes_of(delta + n * Di + ch, nw, pad + 2 * W),
+                                 lanes_of(dskip + ch, nw, pad + 3 * W), hg, hg - bs,
+                                 static_cast<const A*>(at + g * gs), bt, ct, Ns, dh + g * gs,
+                                 dav + g * gs, pb, pc, ddv + g * W, ddo, duo);
             if (nw != W) {
               std::copy(ddo, ddo + nw, ddelta + n * Di + ch);
               std::copy(duo, duo + nw, du + n * Di + ch);
