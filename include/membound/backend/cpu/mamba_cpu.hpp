@@ -193,8 +193,9 @@ void round_through(A* p, std::size_t n) {
 // -march has: one AVX-512 register, two AVX2, four SSE). Held in a variable, an accumulator stays
 // in registers across the state loop (a plain array would round-trip through memory every state,
 // a store-to-load chain that costs more than the exp). Without the extensions the kernels below
-// fall back to plain loops over the lanes.
-#if defined(__GNUC__) && !defined(MEMBOUND_SCAN_NO_VECTOR_EXT)
+// fall back to plain loops over the lanes; so do translation units compiled by nvcc, whose
+// front end (cudafe++, CUDA 13.0) crashes on this code.
+#if defined(__GNUC__) && !defined(__CUDACC__) && !defined(MEMBOUND_SCAN_NO_VECTOR_EXT)
 #define MEMBOUND_SCAN_VECTOR_EXT 1
 template <typename A>
 struct lanes;
