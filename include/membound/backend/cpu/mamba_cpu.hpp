@@ -284,6 +284,15 @@ template <typename A, bool nonpositive = false>
 }
 #endif
 
+// The two group kernels have two bodies (vector extensions, or plain loops under nvcc): each
+// lives in its own inline namespace, so a program linking a g++ and an nvcc translation unit gets
+// two distinct functions instead of one name with two definitions (an ODR violation).
+#ifdef MEMBOUND_SCAN_VECTOR_EXT
+inline namespace scan_vector_ext {
+#else
+inline namespace scan_plain_loops {
+#endif
+
 // One step of one group of W = scan_lanes<A> channels: for every state s,
 //   h[s][w] = exp(Δ[w]·a[s][w])·h[s][w] + Δ[w]·u[w]·B[s],  y[w] = Σ_s C[s]·h[s][w] + D[w]·u[w]
 // (the sum in state order), vectorized across the channels. The forward, the backward's
@@ -402,6 +411,7 @@ template <typename A>
   }
 #endif
 }
+}  // inline namespace scan_vector_ext / scan_plain_loops
 
 // A [Di, Ns] -> at [Ns][W] for the channels ch0 .. ch0 + nw (lanes past nw get 0: with Δ = 0 on
 // those lanes their state stays 0).
