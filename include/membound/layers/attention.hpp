@@ -18,7 +18,9 @@
 // the accumulator type, so backward sees forward's exact values) for 2·(H + 2·Hkv)·D more bytes
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
-// sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+// sharing bytes; on the CPU that includes every GEMM's packing buffers (threads × the largest
+// per-thread need of the pass, so size with the pool's thread count) and the RoPE table
+// ([T, D] cos/sin, made once per call). The kernels are in backend/cpu/attention_cpu.hpp.
 //
 // With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
 // device memory, the executor is a cuda_executor, and the kernels and the device workspace

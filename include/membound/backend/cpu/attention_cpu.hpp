@@ -1,8 +1,10 @@
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
 // (projections are linalg.hpp's). Everything here works in the accumulator type A on buffers the front end
-// (layers/attention.hpp) has already carved and converted; nothing allocates except Eigen's own
-// GEMM packing buffers. Each parallel task writes a disjoint region and computes it in a fixed
-// order, so results do not depend on the thread count.
+// (layers/attention.hpp) has already carved and converted; nothing allocates: the tile products
+// run through linalg.hpp's gemm with per-thread packing buffers from the caller's workspace
+// (flash_gemm_bytes each), and RoPE reads a table of cosines and sines made once per call. Each
+// parallel task writes a disjoint region and computes it in a fixed order, so results do not
+// depend on the thread count.
 //
 // Layouts (row-major): x [B·T, C]; q [B·T, H·D] and k, v [B·T, Hkv·D] after projection, so head
 // h of token t is the D-wide slice at column h·D of row b·T + t (tiles are strided Eigen maps:
