@@ -54,6 +54,14 @@ Columns:
                         which exist before. Memory an allocator kept from the warm-up (MKL's
                         buffers, say) and reuses is resident already and not counted, either side.
   torch/ours mem        torch RSS / ours RSS.
+  ours/torch CPU ms     the least process CPU time (every thread) of the timed calls: the work
+                        done, which other processes on a shared machine do not inflate as they
+                        do wall time (--threads threads both sides); torch/ours CPU their ratio.
+  base ms, base CPU ms  with --base-runner (a runner built from another tree, e.g. main): its
+                        wall and CPU times on the same input in the same row, and base/ours.
+                        Ours runs before and after it (the better of the two is reported).
+  Filters: --seqs, --dims, --precs, --passes; --time-only skips the memory runs and the output
+  check.
   others' CPU           how many CPUs other processes kept busy, on average, while the row's two
                         timing processes ran: the machine's busy time (/proc/stat, steal included)
                         minus this script's and its children's CPU time, over that wall time. Timings are only as
@@ -223,14 +231,16 @@ def torch_child(path_in, path_out, prec, bwd, reps, threads, mode):
     x = inputs["x"].view(1, T, C).requires_grad_(bwd)
     dy = inputs["dy"].view(1, T, C)
     torch_call(layer, x, dy, bwd)  # warm-up
-    best = float("inf")
+    best = best_cpu = float("inf")
     for _ in range(0 if mode == "memory" else reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch_call(layer, x, dy, bwd)
         best = min(best, (time.perf_counter() - t0) * 1e3)
+        best_cpu = min(best_cpu, (time.process_time() - c0) * 1e3)
     result = {"threads": torch.get_num_threads()}
     if mode != "memory":
         result["ms"] = best
+        result["cpu_ms"] = best_cpu
     if mode != "time":
         outputs, result["peak_rss_bytes"] = rss_growth(
             lambda: torch_call(layer, x, dy, bwd, keep=True))
@@ -405,9 +415,15 @@ def main():
     print(f"B=1 H=Hkv={H} C=H*D causal; torch fwd under no_grad; RSS = peak RSS growth of one call"
           " (outputs included)\n")
     base_cols = " base ms | base/ours |" if args.base_runner else ""
+    # CPU time (all threads) of the best call: the work each side did, whatever the other
+    # processes on a shared machine took; the wall-time ratio is the one the issue's target uses.
+    base_cols += " ours CPU ms | torch CPU ms | torch/ours CPU |"
+    if args.base_runner:
+        base_cols += " base CPU ms | base/ours CPU |"
     print("| T | D | prec | pass | ours ms | torch ms | torch/ours | ours alloc MiB | ours RSS MiB"
           " | torch RSS MiB | torch/ours mem | outputs MiB | others' CPU |" + base_cols)
     print("|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" +
+          ("--:|--:|" if args.base_runner else "") + "--:|--:|--:|" +
           ("--:|--:|" if args.base_runner else ""))
     sys.stdout.flush()
 
@@ -435,6 +451,8 @@ def main():
                             # ours again after the base: the better of two, as each side gets
                             o2, _ = run_side(ours[0], "time", path_in, ours[1], *side)
                             o_time["ms"] = min(o_time["ms"], o2["ms"])
+                            o_time["cpu_ms"] = min(o_time.get("cpu_ms", float("inf")),
+                                                   o2.get("cpu_ms", float("inf")))
                             base_ms = b_time["ms"]
                         busy = others.stop()
                         if args.time_only:
@@ -451,6 +469,13 @@ def main():
                         if (T, D) == check and not args.time_only:
                             checked[(prec, bwd)] = (ours_out, torch_out)
                         o_rss = stats["peak_rss_bytes"]
+                        o_cpu, t_cpu = o_time.get("cpu_ms", 0.0), t_time.get("cpu_ms", 0.0)
+                        cpu_cols = (f" {o_cpu:.1f} | {t_cpu:.1f} | "
+                                    f"{t_cpu / o_cpu if o_cpu else float('nan'):.2f} |")
+                        if base_ms is not None:
+                            b_cpu = b_time.get("cpu_ms", 0.0)
+                            cpu_cols += (f" {b_cpu:.1f} | "
+                                         f"{b_cpu / o_cpu if o_cpu else float('nan'):.2f} |")
                         print(f"| {T} | {D} | {prec} | {'fwd+bwd' if bwd else 'fwd'} "
                               f"| {stats['ms']:.2f} | {t_ms:.2f} | {t_ms / stats['ms']:.2f} "
                               f"| {stats['peak_alloc_bytes'] / MiB:.1f} | {o_rss / MiB:.1f} "
@@ -458,7 +483,7 @@ def main():
                               f"| {t_rss / o_rss if o_rss else float('inf'):.2f} "
                               f"| {stats['output_bytes'] / MiB:.1f} | {busy:.2f} |" +
                               (f" {base_ms:.2f} | {base_ms / stats['ms']:.2f} |"
-                               if base_ms is not None else ""))
+                               if base_ms is not None else "") + cpu_cols)
                         sys.stdout.flush()
                         del ours_out, torch_out
 
