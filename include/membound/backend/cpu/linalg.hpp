@@ -193,6 +193,7 @@ inline float bf16_bits_to_float(std::uint16_t b) noexcept {
 template <typename A, typename S>
 inline A load_accum(S v) noexcept {
   if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+    // The raw member, not std::bit_cast of the struct: GCC 12 vectorizes only this form.
     return detail::bf16_bits_to_float(v.value);
   } else {
     return to_accum<A>(v);
