@@ -21,7 +21,9 @@
 //   saved MiB   of ours' peak, what forward keeps for backward: the bytes a model holds per layer
 //               between its forward and backward passes.
 //
-// Run: ./build/release/bench/bench_attention [--threads N] [--reps N] [--max-seq T] [--quick]
+// Run: ./build/release/bench/bench_attention [--threads N] [--reps N] [--max-seq T] [--min-seq T]
+//                                            [--dim D] [--fp32-only] [--no-naive] [--quick]
+// (--no-naive: the naive layer is not run; its columns read 0)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -340,6 +342,10 @@ struct options {
   std::size_t threads = mb::thread_pool::default_threads();
   int reps = 3;
   std::size_t max_seq = 4096;
+  std::size_t min_seq = 0;
+  std::size_t dim = 0;       // 0: both head dims
+  bool fp32_only = false;
+  bool no_naive = false;     // skip the naive layer (its T×T buffers are slow at T = 4096)
   bool quick = false;
 };
 
@@ -361,7 +367,8 @@ void rows(const char* precision_name, const options& opt, double peak, mb::threa
   const std::size_t dims[] = {64, 128};
   for (std::size_t D : dims) {
     for (std::size_t T : seqs) {
-      if (T > opt.max_seq || (opt.quick && T > 1024)) continue;
+      if (T > opt.max_seq || T < opt.min_seq || (opt.quick && T > 1024)) continue;
+      if (opt.dim != 0 && D != opt.dim) continue;
       mb::attention_shape s;
       s.batch = 1;
       s.seq = T;
@@ -379,12 +386,14 @@ void rows(const char* precision_name, const options& opt, double peak, mb::threa
         std::size_t ours_peak = 0, naive_peak = 0;
         // Warm-up (first touch of every page), then alternate so both see the same machine.
         ours_peak = ours<Attn>::run(s, io, bwd, pool);
-        naive_peak = naive<S>::run(s, io, bwd, pool);
+        if (!opt.no_naive) naive_peak = naive<S>::run(s, io, bwd, pool);
         double t_ours = 1e300, t_naive = 1e300;
         for (int r = 0; r < opt.reps; ++r) {
           t_ours = std::min(t_ours, best_ms(1, [&] { ours<Attn>::run(s, io, bwd, pool); }));
-          t_naive = std::min(t_naive, best_ms(1, [&] { naive<S>::run(s, io, bwd, pool); }));
+          if (!opt.no_naive)
+            t_naive = std::min(t_naive, best_ms(1, [&] { naive<S>::run(s, io, bwd, pool); }));
         }
+        if (opt.no_naive) t_naive = 0;
         const double attn_flops = attn_fwd * (bwd ? 3.5 : 1.0);
         const double all_flops = attn_flops + proj_fwd * (bwd ? 3.0 : 1.0);
         const double gf_attn = attn_flops / (t_ours * 1e6), gf_all = all_flops / (t_ours * 1e6);
@@ -415,10 +424,15 @@ int main(int argc, char** argv) {
     if (a == "--threads") opt.threads = static_cast<std::size_t>(std::max(1L, next()));
     else if (a == "--reps") opt.reps = static_cast<int>(std::max(1L, next()));
     else if (a == "--max-seq") opt.max_seq = static_cast<std::size_t>(next());
+    else if (a == "--min-seq") opt.min_seq = static_cast<std::size_t>(next());
+    else if (a == "--dim") opt.dim = static_cast<std::size_t>(next());
+    else if (a == "--fp32-only") opt.fp32_only = true;
+    else if (a == "--no-naive") opt.no_naive = true;
     else if (a == "--quick") opt.quick = true;
     else {
       std::fprintf(stderr,
-                   "usage: %s [--threads N] [--reps N] [--max-seq T] [--quick]\n"
+                   "usage: %s [--threads N] [--reps N] [--max-seq T] [--min-seq T] [--dim D] "
+                   "[--fp32-only] [--no-naive] [--quick]\n"
                    "  attention layer vs the naive path; see the header of bench_attention.cpp\n",
                    argv[0]);
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -433,7 +447,7 @@ int main(int argc, char** argv) {
   std::printf("| T | D | policy | pass | ms | attn GF/s | all GF/s | %%peak | x naive | peak MiB | "
               "naive MiB | saved MiB |\n|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
   rows<float, mb::attention<mb::fp32_precision>>("fp32", opt, peak, pool);
-  rows<mb::bf16, mb::attention<mb::bf16_precision>>("bf16", opt, peak, pool);
+  if (!opt.fp32_only) rows<mb::bf16, mb::attention<mb::bf16_precision>>("bf16", opt, peak, pool);
   // The checkpoint trade: keep q, k, v instead of projecting them again in backward.
   rows<float, mb::attention<mb::fp32_precision, mb::save_all>>("fp32 save_all", opt, peak, pool,
                                                                true);

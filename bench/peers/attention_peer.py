@@ -54,6 +54,14 @@ Columns:
                         which exist before. Memory an allocator kept from the warm-up (MKL's
                         buffers, say) and reuses is resident already and not counted, either side.
   torch/ours mem        torch RSS / ours RSS.
+  ours/torch CPU ms     the least process CPU time (every thread) of the timed calls: the work
+                        done, which other processes on a shared machine do not inflate as they
+                        do wall time (--threads threads both sides); torch/ours CPU their ratio.
+  base ms, base CPU ms  with --base-runner (a runner built from another tree, e.g. main): its
+                        wall and CPU times on the same input in the same row, and base/ours.
+                        Ours runs before and after it (the better of the two is reported).
+  Filters: --seqs, --dims, --precs, --passes; --time-only skips the memory runs and the output
+  check.
   others' CPU           how many CPUs other processes kept busy, on average, while the row's two
                         timing processes ran: the machine's busy time (/proc/stat, steal included)
                         minus this script's and its children's CPU time, over that wall time. Timings are only as
@@ -223,14 +231,16 @@ def torch_child(path_in, path_out, prec, bwd, reps, threads, mode):
     x = inputs["x"].view(1, T, C).requires_grad_(bwd)
     dy = inputs["dy"].view(1, T, C)
     torch_call(layer, x, dy, bwd)  # warm-up
-    best = float("inf")
+    best = best_cpu = float("inf")
     for _ in range(0 if mode == "memory" else reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch_call(layer, x, dy, bwd)
         best = min(best, (time.perf_counter() - t0) * 1e3)
+        best_cpu = min(best_cpu, (time.process_time() - c0) * 1e3)
     result = {"threads": torch.get_num_threads()}
     if mode != "memory":
         result["ms"] = best
+        result["cpu_ms"] = best_cpu
     if mode != "time":
         outputs, result["peak_rss_bytes"] = rss_growth(
             lambda: torch_call(layer, x, dy, bwd, keep=True))
@@ -372,6 +382,15 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check-shape", default=None,
                     help="T,D of the output check (default: the first shape of the set)")
+    ap.add_argument("--seqs", default=None, help="comma-separated T values (overrides --shapes)")
+    ap.add_argument("--dims", default="64,128", help="comma-separated head dims")
+    ap.add_argument("--precs", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    ap.add_argument("--passes", default="fwd,fwdbwd", help="comma-separated: fwd, fwdbwd")
+    ap.add_argument("--base-runner", default=None,
+                    help="a second runner (e.g. built from main) timed in the same row, "
+                         "interleaved: columns base ms and base/ours")
+    ap.add_argument("--time-only", action="store_true",
+                    help="skip the memory runs and the output check (timings only)")
     args = ap.parse_args()
     if args.torch_child:
         return torch_child(*args.torch_child, args.prec, args.pass_ == "fwdbwd", args.reps,
@@ -381,7 +400,11 @@ def main():
 
     torch.set_num_threads(args.threads)
     seqs = (512, 1024) if args.shapes == "quick" else (512, 1024, 2048, 4096)
-    dims = (64, 128)
+    if args.seqs:
+        seqs = tuple(int(v) for v in args.seqs.split(","))
+    dims = tuple(int(v) for v in args.dims.split(","))
+    precs = tuple(args.precs.split(","))
+    passes = tuple(p == "fwdbwd" for p in args.passes.split(","))
     check = tuple(int(v) for v in args.check_shape.split(",")) if args.check_shape else \
         (seqs[0], dims[0])
 
@@ -391,9 +414,17 @@ def main():
           f"{load_average()}")
     print(f"B=1 H=Hkv={H} C=H*D causal; torch fwd under no_grad; RSS = peak RSS growth of one call"
           " (outputs included)\n")
+    base_cols = " base ms | base/ours |" if args.base_runner else ""
+    # CPU time (all threads) of the best call: the work each side did, whatever the other
+    # processes on a shared machine took; the wall-time ratio is the one the issue's target uses.
+    base_cols += " ours CPU ms | torch CPU ms | torch/ours CPU |"
+    if args.base_runner:
+        base_cols += " base CPU ms | base/ours CPU |"
     print("| T | D | prec | pass | ours ms | torch ms | torch/ours | ours alloc MiB | ours RSS MiB"
-          " | torch RSS MiB | torch/ours mem | outputs MiB | others' CPU |")
-    print("|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+          " | torch RSS MiB | torch/ours mem | outputs MiB | others' CPU |" + base_cols)
+    print("|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" +
+          ("--:|--:|" if args.base_runner else "") + "--:|--:|--:|" +
+          ("--:|--:|" if args.base_runner else ""))
     sys.stdout.flush()
 
     checked = {}  # (prec, pass) -> (ours outputs, torch outputs)
@@ -401,10 +432,10 @@ def main():
         for D in dims:
             for T in seqs:
                 inputs = make_inputs(T, D)
-                for prec in ("fp32", "bf16"):
+                for prec in precs:
                     path_in = os.path.join(tmp, "in.bin")
                     write_in(path_in, inputs, T, D, prec)
-                    for bwd in (False, True):
+                    for bwd in passes:
                         side = (T, D, prec, bwd, args.reps, args.threads)
                         ours = ([args.runner], os.path.join(tmp, "ours.bin"))
                         theirs = ([sys.executable, os.path.abspath(__file__), "--torch-child"],
@@ -413,25 +444,53 @@ def main():
                         others.start()
                         o_time, _ = run_side(ours[0], "time", path_in, ours[1], *side)
                         t_time, _ = run_side(theirs[0], "time", path_in, theirs[1], *side)
+                        base_ms = None
+                        if args.base_runner:
+                            b_time, _ = run_side([args.base_runner], "time", path_in, ours[1],
+                                                 *side)
+                            # ours again after the base: the better of two, as each side gets
+                            o2, _ = run_side(ours[0], "time", path_in, ours[1], *side)
+                            o_time["ms"] = min(o_time["ms"], o2["ms"])
+                            o_time["cpu_ms"] = min(o_time.get("cpu_ms", float("inf")),
+                                                   o2.get("cpu_ms", float("inf")))
+                            base_ms = b_time["ms"]
                         busy = others.stop()
-                        stats, ours_out = run_side(ours[0], "memory", path_in, ours[1], *side)
-                        t_mem, torch_out = run_side(theirs[0], "memory", path_in, theirs[1],
-                                                    *side)
+                        if args.time_only:
+                            stats = {"ms": o_time["ms"], "peak_alloc_bytes": 0,
+                                     "peak_rss_bytes": 0, "output_bytes": 0}
+                            ours_out = torch_out = None
+                            t_mem = {"peak_rss_bytes": 0}
+                        else:
+                            stats, ours_out = run_side(ours[0], "memory", path_in, ours[1], *side)
+                            t_mem, torch_out = run_side(theirs[0], "memory", path_in, theirs[1],
+                                                        *side)
                         stats["ms"] = o_time["ms"]
                         t_ms, t_rss = t_time["ms"], t_mem["peak_rss_bytes"]
-                        if (T, D) == check:
+                        if (T, D) == check and not args.time_only:
                             checked[(prec, bwd)] = (ours_out, torch_out)
                         o_rss = stats["peak_rss_bytes"]
+                        o_cpu, t_cpu = o_time.get("cpu_ms", 0.0), t_time.get("cpu_ms", 0.0)
+                        cpu_cols = (f" {o_cpu:.1f} | {t_cpu:.1f} | "
+                                    f"{t_cpu / o_cpu if o_cpu else float('nan'):.2f} |")
+                        if base_ms is not None:
+                            b_cpu = b_time.get("cpu_ms", 0.0)
+                            cpu_cols += (f" {b_cpu:.1f} | "
+                                         f"{b_cpu / o_cpu if o_cpu else float('nan'):.2f} |")
                         print(f"| {T} | {D} | {prec} | {'fwd+bwd' if bwd else 'fwd'} "
                               f"| {stats['ms']:.2f} | {t_ms:.2f} | {t_ms / stats['ms']:.2f} "
                               f"| {stats['peak_alloc_bytes'] / MiB:.1f} | {o_rss / MiB:.1f} "
                               f"| {t_rss / MiB:.1f} "
                               f"| {t_rss / o_rss if o_rss else float('inf'):.2f} "
-                              f"| {stats['output_bytes'] / MiB:.1f} | {busy:.2f} |")
+                              f"| {stats['output_bytes'] / MiB:.1f} | {busy:.2f} |" +
+                              (f" {base_ms:.2f} | {base_ms / stats['ms']:.2f} |"
+                               if base_ms is not None else "") + cpu_cols)
                         sys.stdout.flush()
                         del ours_out, torch_out
 
     print(f"\nload average at end: {load_average()}")
+    if args.time_only:
+        print("\n--time-only: no memory runs, no output check")
+        return 0
     if not checked:
         print(f"\nno output check: T,D = {check} is not in the set")
         return 1

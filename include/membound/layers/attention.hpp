@@ -18,7 +18,9 @@
 // the accumulator type, so backward sees forward's exact values) for 2·(H + 2·Hkv)·D more bytes
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
-// sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+// sharing bytes; on the CPU that includes every GEMM's packing buffers (threads × the largest
+// per-thread need of the pass, so size with the pool's thread count) and the RoPE table
+// ([T, D] cos/sin, made once per call). The kernels are in backend/cpu/attention_cpu.hpp.
 //
 // With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
 // device memory, the executor is a cuda_executor, and the kernels and the device workspace
@@ -31,6 +33,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -136,7 +140,8 @@ class attention {
     if constexpr (!on_cpu) return device::template forward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
-                             y_acc_bytes(s)};
+                             y_acc_bytes(s), rope_bytes(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, forward_pack_bytes(s))};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -145,7 +150,9 @@ class attention {
     if constexpr (!on_cpu) return device::template backward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
-                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim)};
+                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim),
+                             rope_bytes(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, backward_pack_bytes(s))};
     return detail::fits_layout(b) ? backward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -159,7 +166,8 @@ class attention {
                                                     std::size_t threads) noexcept {
     if constexpr (!on_cpu) return device::template step_workspace_bytes<S>(s, max_len);
     const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
-                             bytes_of<A>(s.batch, s.heads, s.head_dim)};
+                             bytes_of<A>(s.batch, s.heads, s.head_dim),
+                             bytes_of<std::byte>(threads, step_pack_bytes(s))};
     return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -233,22 +241,26 @@ class attention {
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim;
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w), pool);
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(f_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(f_k);
     A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(f_v);
-    project_qkv(s, xa, wa, q, k, v, pool);
+    const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
+    A* table = ws.template get<A>(f_rope);
+    cpu::rope_table(pool, table, T, s.head_dim, s.rope_base, 0);
+    project_qkv(s, xa, wa, q, k, v, table, pk.span(), pool);
 
     S* o_saved = sv.template get<S>(s_o);
     A* o = cpu::accum_target(o_saved, ws.template get<A>(f_o));
     cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
-                       ws.template get<A>(f_scratch));
-    if constexpr (widened) cpu::narrow(o, N * HD, o_saved);
+                       ws.template get<A>(f_scratch), pk.data);
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(o), N * HD, o_saved);
 
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
-    if constexpr (widened) cpu::narrow(ya, N * C, y);
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false, cpu::ld3{HD, C, C},
+                pk.span());
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), N * C, y);
     }
   }
 
@@ -283,19 +295,22 @@ class attention {
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
 
     // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(b_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w), pool);
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(b_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(b_k);
     A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(b_v);
-    if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, pool);
-    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
-                                ws.template get<A>(b_o));
+    const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
+    A* table = ws.template get<A>(b_rope);
+    cpu::rope_table(pool, table, T, s.head_dim, s.rope_base, 0);
+    if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, table, pk.span(), pool);
+    const A* dya = cpu::widen_or_alias(pool, dy, N * C, ws.template get<A>(b_dy));
+    const A* o = cpu::widen_or_alias(pool, static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
+                                     ws.template get<A>(b_o));
     const A* lse = sv.template get<A>(s_lse);
     A* d_out = ws.template get<A>(b_dout);
     A* delta = ws.template get<A>(b_delta);
-    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false);
+    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false, cpu::ld3{C, C, HD}, pk.span());
     cpu::row_dot(pool, s, static_cast<const A*>(d_out), o, delta);
 
     // Phase 1: the tiled attention backward.
@@ -304,23 +319,27 @@ class attention {
     A* dv = ws.template get<A>(b_dv);
     cpu::flash_backward(pool, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
                         static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
-                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch));
+                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch),
+                        pk.data);
 
     // Phase 2: undo RoPE (its transpose) and the weight gradients.
-    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, s.rope_base, 0, true);
-    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, true);
+    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
+    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
     A* tmp = ws.template get<A>(b_dw);
-    cpu::weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
-    cpu::weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
-    cpu::weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
-    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, HD, pk.span());
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, KD, pk.span());
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, KD, pk.span());
+    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C, pk.span());
 
     // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
     A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false);
-    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
-    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false,
+                   cpu::ld3{HD, HD, C}, pk.span());
+    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk.span());
+    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk.span());
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(dxa), N * C, dx);
     }
   }
 
@@ -363,16 +382,19 @@ class attention {
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
 
-    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
+    const A* xa = cpu::widen_or_alias(pool, x_t, B * C, ws.template get<A>(st_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w), pool);
     A* q = ws.template get<A>(st_q);
     A* k = ws.template get<A>(st_k);
     A* v = ws.template get<A>(st_v);
-    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false);
-    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false);
-    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false);
-    cpu::rope_rows(pool, q, B, 1, s.heads, D, s.rope_base, t, false);
-    cpu::rope_rows(pool, k, B, 1, Hkv, D, s.rope_base, t, false);
+    const gemm_ws pk{ws.template get<std::byte>(st_gemm), threads * step_pack_bytes(s)};
+    A* table = ws.template get<A>(st_rope);
+    cpu::rope_table(pool, table, 1, D, s.rope_base, t);
+    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false, cpu::ld3{C, HD, HD}, pk.span());
+    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false, cpu::ld3{C, KD, KD}, pk.span());
+    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false, cpu::ld3{C, KD, KD}, pk.span());
+    cpu::rope_rows(pool, q, B, 1, s.heads, D, static_cast<const A*>(table), false);
+    cpu::rope_rows(pool, k, B, 1, Hkv, D, static_cast<const A*>(table), false);
     const std::size_t half = B * Hkv * L * D;
     S* ck = cache.keys();
     S* cv = cache.values(half);
@@ -387,8 +409,9 @@ class attention {
     cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
                       static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
     A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
-    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false, cpu::ld3{HD, C, C},
+                pk.span());
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), B * C, y_t);
     }
   }
 
@@ -440,10 +463,48 @@ class attention {
   }
 
   // Phases: 0 projections, 1 tiled attention, 2 output projection.
-  enum forward_slot : std::size_t { f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y };
-  static constexpr workspace_layout<8> forward_layout(const attention_shape& s,
-                                                      std::size_t threads) {
-    workspace_layout<8> l;
+  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
+  // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
+  static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, HD, C),
+                     cpu::flash_gemm_bytes<A>(qt, kt, s.head_dim)});
+  }
+  static constexpr std::size_t backward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({forward_pack_bytes(s), cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, KD, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, HD, C)});
+  }
+  static constexpr std::size_t step_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(s.batch, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, HD, C)});
+  }
+  static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {
+    return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
+  }
+  // The packing slot: a byte pointer and its size, as the span the products take.
+  struct gemm_ws {
+    std::byte* data;
+    std::size_t bytes;
+    std::span<std::byte> span() const noexcept { return {data, bytes}; }
+  };
+
+  // Phases: 0 projections, 1 tiled attention, 2 output projection.
+  enum forward_slot : std::size_t {
+    f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y, f_rope, f_gemm
+  };
+  static constexpr workspace_layout<10> forward_layout(const attention_shape& s,
+                                                       std::size_t threads) {
+    workspace_layout<10> l;
     l.add(x_acc_bytes(s), default_alignment, {0, 0});
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
     l.add(ws_q_bytes(s), default_alignment, {0, 1});
@@ -453,17 +514,20 @@ class attention {
           {1, 1});
     l.add(o_acc_bytes(s), default_alignment, {1, 2});
     l.add(y_acc_bytes(s), default_alignment, {2, 2});
+    l.add(rope_bytes(s.seq, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
   // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
   // 3 dx.
   enum backward_slot : std::size_t {
-    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx
+    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx,
+    b_rope, b_gemm
   };
-  static constexpr workspace_layout<16> backward_layout(const attention_shape& s,
+  static constexpr workspace_layout<18> backward_layout(const attention_shape& s,
                                                         std::size_t threads) {
-    workspace_layout<16> l;
+    workspace_layout<18> l;
     l.add(x_acc_bytes(s), default_alignment, {0, 2});
     l.add(w_acc_bytes(s), default_alignment, {0, 3});
     l.add(ws_q_bytes(s), default_alignment, {0, 1});
@@ -480,14 +544,18 @@ class attention {
     // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
     l.add(widened ? bytes_of<A>(s.d_model, s.heads * s.head_dim) : 0, default_alignment, {2, 2});
     l.add(x_acc_bytes(s), default_alignment, {3, 3});  // dx
+    l.add(rope_bytes(s.seq, s.head_dim), default_alignment, {0, 2});
+    l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 3});
     return l;
   }
 
   // Phases: 0 projections, 1 attention over the cache, 2 output projection.
-  enum step_slot : std::size_t { st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y };
-  static constexpr workspace_layout<8> step_layout(const attention_shape& s, std::size_t max_len,
-                                                   std::size_t threads) {
-    workspace_layout<8> l;
+  enum step_slot : std::size_t {
+    st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
+  };
+  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) {
+    workspace_layout<10> l;
     l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {0, 0});
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
@@ -496,6 +564,8 @@ class attention {
     l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
     l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {2, 2});
+    l.add(rope_bytes(1, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, step_pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
@@ -533,30 +603,32 @@ class attention {
   // q, k, v = x·Wq, x·Wk, x·Wv, with RoPE on q and k: forward computes them, backward recomputes
   // them the same way (bit for bit, so P recomputed from the saved lse matches forward's).
   static void project_qkv(const attention_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v,
-                          thread_pool& pool) {
+                          const A* table, std::span<std::byte> packing, thread_pool& pool) {
     const std::size_t N = s.batch * s.seq, C = s.d_model;
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
-    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
-    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
-    cpu::rope_rows(pool, q, N, s.seq, s.heads, s.head_dim, s.rope_base, 0, false);
-    cpu::rope_rows(pool, k, N, s.seq, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::rope_rows(pool, q, N, s.seq, s.heads, s.head_dim, table, false);
+    cpu::rope_rows(pool, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
   }
 
-  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot) {
+  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot,
+                             thread_pool& pool) {
     const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
     if constexpr (widened) {
       A* q = slot;
       A* k = q + C * HD;
       A* v = k + C * KD;
       A* o = v + C * KD;
-      cpu::widen(w.wq, C * HD, q);
-      cpu::widen(w.wk, C * KD, k);
-      cpu::widen(w.wv, C * KD, v);
-      cpu::widen(w.wo, HD * C, o);
+      cpu::widen(pool, w.wq, C * HD, q);
+      cpu::widen(pool, w.wk, C * KD, k);
+      cpu::widen(pool, w.wv, C * KD, v);
+      cpu::widen(pool, w.wo, HD * C, o);
       return {q, k, v, o};
     } else {
       (void)slot;
+      (void)pool;
       (void)C;
       (void)HD;
       (void)KD;

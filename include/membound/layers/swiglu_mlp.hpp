@@ -16,6 +16,8 @@
 
 #include <cstddef>
 #include <limits>
+#include <span>
+#include <algorithm>
 #include <type_traits>
 
 #include "membound/backend/cpu/linalg.hpp"
@@ -70,15 +72,21 @@ class swiglu_mlp {
     const std::size_t b[] = {h_s(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+  // On the CPU the workspace holds the GEMMs' packing buffers, per thread: size it with the
+  // pool's thread count (the device ignores `threads`).
+  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s,
+                                                       std::size_t threads) noexcept {
     if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template forward_workspace_bytes<S>(s);
-    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
-    return detail::fits_layout(b) ? forward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s), bytes_of<std::byte>(threads, pack_bytes(s))};
+    return detail::fits_layout(b) ? forward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
   }
-  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
+                                                        std::size_t threads) noexcept {
     if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template backward_workspace_bytes<S>(s);
-    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
-    return detail::fits_layout(b) ? backward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s), bytes_of<std::byte>(threads, pack_bytes(s))};
+    return detail::fits_layout(b) ? backward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
   }
 
   struct weights {
@@ -135,60 +143,63 @@ class swiglu_mlp {
   template <typename SavedView>
   static void forward_cpu(const mlp_shape& s, const weights& w, const S* x, S* y, const SavedView& sv,
                           void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const auto ws = detail::carve_named(forward_layout(s), forward_workspace_bytes(s, 1), workspace,
+    const std::size_t threads = pool.size();
+    const auto ws = detail::carve_named(forward_layout(s, threads),
+                                        forward_workspace_bytes(s, threads), workspace,
                                         workspace_size, "workspace");
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm), threads * pack_bytes(s)};
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w), pool);
     S* a_s = sv.template get<S>(s_a);
     S* b_s = sv.template get<S>(s_b);
     A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
     A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
-    cpu::matmul(pool, xa, wa.g, a, N, C, F, false);
-    cpu::matmul(pool, xa, wa.u, b, N, C, F, false);
+    cpu::matmul(pool, xa, wa.g, a, N, C, F, false, cpu::ld3{C, F, F}, pk);
+    cpu::matmul(pool, xa, wa.u, b, N, C, F, false, cpu::ld3{C, F, F}, pk);
     if constexpr (widened) {  // backward sees the rounded values: use them here too
-      cpu::narrow(static_cast<const A*>(a), N * F, a_s);
-      cpu::narrow(static_cast<const A*>(b), N * F, b_s);
+      cpu::narrow(pool, static_cast<const A*>(a), N * F, a_s);
+      cpu::narrow(pool, static_cast<const A*>(b), N * F, b_s);
     }
     A* act = ws.template get<A>(f_act);
     activation(pool, a_s, b_s, act, N, F);
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false, cpu::ld3{F, C, C}, pk);
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), N * C, y);
   }
 
   template <typename SavedView>
   static void backward_cpu(const mlp_shape& s, const weights& w, const S* x, const SavedView& sv,
                            const S* dy, S* dx, const gradients& g, void* workspace,
                            std::size_t workspace_size, thread_pool& pool) {
-    const auto ws = detail::carve_named(backward_layout(s), backward_workspace_bytes(s, 1),
-                                        workspace, workspace_size, "workspace");
+    const std::size_t threads = pool.size();
+    const auto ws = detail::carve_named(backward_layout(s, threads),
+                                        backward_workspace_bytes(s, threads), workspace,
+                                        workspace_size, "workspace");
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm), threads * pack_bytes(s)};
     const S* a_s = sv.template get<S>(s_a);
     const S* b_s = sv.template get<S>(s_b);
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(b_x));
+    const A* dya = cpu::widen_or_alias(pool, dy, N * C, ws.template get<A>(b_dy));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w), pool);
     A* act = ws.template get<A>(b_act);
     A* tmp = ws.template get<A>(b_tmp);
     activation(pool, a_s, b_s, act, N, F);
-    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C);
+    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C, pk);
     // dact = dy·Wdᵀ, then da = dact·b·SiLU'(a) and db = dact·SiLU(a), in place over act's slot.
     A* da = act;
     A* db = ws.template get<A>(b_db);
-    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t f = 0; f < F; ++f) {
-        const std::size_t i = n * F + f;
-        swiglu_backward(to_accum<A>(a_s[i]), to_accum<A>(b_s[i]), db[i], da[i], db[i]);
-      }
-    });
-    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F);
+    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false, cpu::ld3{C, C, F}, pk);
+    activation_backward(pool, a_s, b_s, da, db, N, F);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F, pk);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F, pk);
     A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false);
-    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false, cpu::ld3{F, F, C},
+                   pk);
+    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true, cpu::ld3{F, F, C},
+                   pk);
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(dxa), N * C, dx);
   }
 
  private:
@@ -208,22 +219,32 @@ class swiglu_mlp {
     l.add(h_s(s));
     return l;
   }
+  // Per-thread packing bytes of the GEMMs (linalg.hpp's gemm with the caller's buffers): the
+  // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
+  static constexpr std::size_t pack_bytes(const mlp_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, F),
+                     cpu::matmul_thread_scratch_bytes<A>(N, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, F)});
+  }
   // Phases: 0 the two up projections, 1 the down projection.
-  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y };
-  static constexpr workspace_layout<6> forward_layout(const mlp_shape& s) {
-    workspace_layout<6> l;
+  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y, f_gemm };
+  static constexpr workspace_layout<7> forward_layout(const mlp_shape& s, std::size_t threads) {
+    workspace_layout<7> l;
     l.add(x_acc(s), default_alignment, {0, 0});
     l.add(w_acc(s), default_alignment, {0, 1});
     l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
     l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
     l.add(h_a(s), default_alignment, {1, 1});
     l.add(x_acc(s), default_alignment, {1, 1});
+    l.add(bytes_of<std::byte>(threads, pack_bytes(s)), default_alignment, {0, 1});
     return l;
   }
   // Phases: 0 Wd's gradient and dact, 1 the gate's backward and Wg, Wu gradients, 2 dx.
-  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx };
-  static constexpr workspace_layout<7> backward_layout(const mlp_shape& s) {
-    workspace_layout<7> l;
+  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx, b_gemm };
+  static constexpr workspace_layout<8> backward_layout(const mlp_shape& s, std::size_t threads) {
+    workspace_layout<8> l;
     l.add(x_acc(s), default_alignment, {0, 1});
     l.add(x_acc(s), default_alignment, {0, 0});
     l.add(w_acc(s), default_alignment, {0, 2});
@@ -231,21 +252,23 @@ class swiglu_mlp {
     l.add(h_a(s), default_alignment, {0, 2});
     l.add(widened ? bytes_of<A>(s.width, s.hidden) : 0, default_alignment, {0, 1});
     l.add(x_acc(s), default_alignment, {2, 2});
+    l.add(bytes_of<std::byte>(threads, pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
   struct wptrs {
     const A *g, *u, *d;
   };
-  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot) {
+  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot, thread_pool& pool) {
     if constexpr (widened) {
       const std::size_t CF = s.width * s.hidden;
-      cpu::widen(w.w_gate, CF, slot);
-      cpu::widen(w.w_up, CF, slot + CF);
-      cpu::widen(w.w_down, CF, slot + 2 * CF);
+      cpu::widen(pool, w.w_gate, CF, slot);
+      cpu::widen(pool, w.w_up, CF, slot + CF);
+      cpu::widen(pool, w.w_down, CF, slot + 2 * CF);
       return {slot, slot + CF, slot + 2 * CF};
     } else {
       (void)s;
+      (void)pool;
       (void)slot;
       return {w.w_gate, w.w_up, w.w_down};
     }
@@ -255,14 +278,18 @@ class swiglu_mlp {
     detail::not_null(w.w_up, "weights.w_up");
     detail::not_null(w.w_down, "weights.w_down");
   }
-  // act = SiLU(a)·b from the stored pre-activations.
+  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (model_cpu.hpp).
   static void activation(thread_pool& pool, const S* a, const S* b, A* act, std::size_t N,
                          std::size_t F) {
     cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t f = 0; f < F; ++f) {
-        const std::size_t i = n * F + f;
-        act[i] = swiglu(to_accum<A>(a[i]), to_accum<A>(b[i]));
-      }
+      cpu::swiglu_row(a + n * F, b + n * F, act + n * F, F);
+    });
+  }
+  // da = dact·b·SiLU'(a), db = dact·SiLU(a), with dact in db on entry.
+  static void activation_backward(thread_pool& pool, const S* a, const S* b, A* da, A* db,
+                                  std::size_t N, std::size_t F) {
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      cpu::swiglu_backward_row(a + n * F, b + n * F, da + n * F, db + n * F, F);
     });
   }
 };

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -170,18 +171,98 @@ constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return n == 0 ? 0 : (n - 1) / block + 1;
 }
 
+namespace detail {
+// bf16 <-> float on the raw bits, in loops the compiler vectorizes (Eigen's scalar conversion
+// branches on NaN per element and does not vectorize; its packet cast uses vcvtneps2bf16 where the
+// CPU has it, which flushes subnormals, so a value would round differently in a vector body than
+// in the scalar tail). Same bits as bf16(float): round to nearest even, NaN to a quiet NaN that
+// keeps the sign.
+inline std::uint16_t bf16_bits_rne(float f) noexcept {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const std::uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+inline float bf16_bits_to_float(std::uint16_t b) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+}
+}  // namespace detail
+
+// to_accum / from_accum with the same bits, in a form loops vectorize (bf16 with a float
+// accumulator goes through the raw bits above; every other pair is dtype.hpp's conversion).
+template <typename A, typename S>
+inline A load_accum(S v) noexcept {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+    // The raw member, not std::bit_cast of the struct: GCC 12 vectorizes only this form.
+    return detail::bf16_bits_to_float(v.value);
+  } else {
+    return to_accum<A>(v);
+  }
+}
+template <typename S, typename A>
+inline S store_accum(A v) noexcept {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+    return std::bit_cast<bf16>(detail::bf16_bits_rne(v));
+  } else {
+    return from_accum<S>(v);
+  }
+}
+
 template <typename A, typename S>
 void widen(const S* src, std::size_t n, A* dst) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = to_accum<A>(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = load_accum<A>(src[i]);
 }
 template <typename S, typename A>
 void narrow(const A* src, std::size_t n, S* dst) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = store_accum<S>(src[i]);
 }
 // dst += src with one rounding per element (gradients are accumulated by contract).
 template <typename S, typename A>
 void narrow_add(const A* src, std::size_t n, S* dst) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = store_accum<S>(load_accum<A>(dst[i]) + src[i]);
+}
+// Σ_{c<n} f(c) in A, in 16 interleaved partial sums folded pairwise then the tail: a fixed order
+// (the bits depend on n only) that the compiler vectorizes, where one running sum would not be.
+template <typename A, typename F>
+A lane_sum(std::size_t n, F&& f) {
+  constexpr std::size_t L = 16;
+  A lane[L] = {};
+  std::size_t c = 0;
+  for (; c + L <= n; c += L)
+    for (std::size_t j = 0; j < L; ++j) lane[j] += f(c + j);
+  for (std::size_t w = L / 2; w > 0; w /= 2)
+    for (std::size_t j = 0; j < w; ++j) lane[j] += lane[j + w];
+  A total = lane[0];
+  for (; c < n; ++c) total += f(c);
+  return total;
+}
+
+// The same three over a thread pool, in fixed chunks: elementwise, so the bits are those of the
+// serial loops for every thread count. Small buffers skip the pool.
+inline constexpr std::size_t elementwise_block = std::size_t{1} << 15;
+template <typename F>
+void for_chunks(thread_pool& pool, std::size_t n, F&& f) {
+  if (n <= elementwise_block || pool.size() == 1) {
+    f(std::size_t{0}, n);
+    return;
+  }
+  pool.parallel_for(blocks(n, elementwise_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t i0 = blk * elementwise_block;
+    f(i0, std::min(elementwise_block, n - i0));
+  });
+}
+template <typename A, typename S>
+void widen(thread_pool& pool, const S* src, std::size_t n, A* dst) {
+  for_chunks(pool, n, [&](std::size_t i0, std::size_t len) { widen(src + i0, len, dst + i0); });
+}
+template <typename S, typename A>
+void narrow(thread_pool& pool, const A* src, std::size_t n, S* dst) {
+  for_chunks(pool, n, [&](std::size_t i0, std::size_t len) { narrow(src + i0, len, dst + i0); });
+}
+template <typename S, typename A>
+void narrow_add(thread_pool& pool, const A* src, std::size_t n, S* dst) {
+  for_chunks(pool, n,
+             [&](std::size_t i0, std::size_t len) { narrow_add(src + i0, len, dst + i0); });
 }
 
 // Row-major operands with leading dimensions (elements between rows), for column slices such
@@ -368,6 +449,30 @@ void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::s
   } else {
     matmul_at(pool, x, d, tmp, N, K, M, false);
     narrow_add(static_cast<const A*>(tmp), K * M, g);
+  }
+}
+// The same through the packing scratch of matmul_at (threads · matmul_at_thread_scratch_bytes).
+template <typename A, typename S>
+void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                 std::size_t K, std::size_t M, std::span<std::byte> scratch) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)tmp;
+    matmul_at(pool, x, d, g, N, K, M, true, ld3{K, M, M}, scratch);
+  } else {
+    matmul_at(pool, x, d, tmp, N, K, M, false, ld3{K, M, M}, scratch);
+    narrow_add(pool, static_cast<const A*>(tmp), K * M, g);
+  }
+}
+template <typename A, typename S>
+const A* widen_or_alias(thread_pool& pool, const S* src, std::size_t n, A* slot) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)pool;
+    (void)n;
+    (void)slot;
+    return src;
+  } else {
+    widen(pool, src, n, slot);
+    return slot;
   }
 }
 // g += src, rounded once per element.

@@ -32,14 +32,15 @@ void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, s
                      std::size_t C, double eps) {
   for_rows(pool, N, [&](std::size_t n) {
     const S* xr = x + n * C;
-    A ss = 0;
-    for (std::size_t c = 0; c < C; ++c) {
-      const A v = to_accum<A>(xr[c]);
-      ss += v * v;
-    }
+    const A ss = lane_sum<A>(C, [&](std::size_t c) {
+      const A v = load_accum<A>(xr[c]);
+      return v * v;
+    });
     const A r = A(1) / std::sqrt(ss / A(C) + A(eps));
     rstd[n] = r;
-    for (std::size_t c = 0; c < C; ++c) y[n * C + c] = from_accum<S>(to_accum<A>(xr[c]) * r * to_accum<A>(g[c]));
+    S* yr = y + n * C;
+    for (std::size_t c = 0; c < C; ++c)
+      yr[c] = store_accum<S>(load_accum<A>(xr[c]) * r * load_accum<A>(g[c]));
   });
 }
 
@@ -49,8 +50,10 @@ void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* 
                    std::size_t C) {
   for_rows(pool, N, [&](std::size_t n) {
     const A r = rstd[n];
+    const S* xr = x + n * C;
+    S* yr = y + n * C;
     for (std::size_t c = 0; c < C; ++c)
-      y[n * C + c] = from_accum<S>(to_accum<A>(x[n * C + c]) * r * to_accum<A>(g[c]));
+      yr[c] = store_accum<S>(load_accum<A>(xr[c]) * r * load_accum<A>(g[c]));
   });
 }
 
@@ -68,17 +71,21 @@ void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, 
       const S* xr = x + n * C;
       const S* dr = dy + n * C;
       const A r = rstd[n];
-      A dot = 0;
-      for (std::size_t c = 0; c < C; ++c) {
-        const A xv = to_accum<A>(xr[c]), dv = to_accum<A>(dr[c]);
-        dot += dv * to_accum<A>(g[c]) * xv;
-        part[c] += dv * xv * r;
-      }
+      const A dot = lane_sum<A>(C, [&](std::size_t c) {
+        return load_accum<A>(dr[c]) * load_accum<A>(g[c]) * load_accum<A>(xr[c]);
+      });
+      for (std::size_t c = 0; c < C; ++c) part[c] += load_accum<A>(dr[c]) * load_accum<A>(xr[c]) * r;
       const A k = r * r * r * dot / A(C);
-      for (std::size_t c = 0; c < C; ++c) {
-        A v = r * to_accum<A>(dr[c]) * to_accum<A>(g[c]) - to_accum<A>(xr[c]) * k;
-        if (residual != nullptr) v += to_accum<A>(residual[n * C + c]);
-        dx[n * C + c] = from_accum<S>(v);
+      S* dxr = dx + n * C;
+      if (residual != nullptr) {
+        const S* rr = residual + n * C;
+        for (std::size_t c = 0; c < C; ++c)
+          dxr[c] = store_accum<S>(r * load_accum<A>(dr[c]) * load_accum<A>(g[c]) -
+                                  load_accum<A>(xr[c]) * k + load_accum<A>(rr[c]));
+      } else {
+        for (std::size_t c = 0; c < C; ++c)
+          dxr[c] = store_accum<S>(r * load_accum<A>(dr[c]) * load_accum<A>(g[c]) -
+                                  load_accum<A>(xr[c]) * k);
       }
     }
   });
@@ -94,8 +101,35 @@ template <typename A, typename S>
 void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
   for_rows(pool, N, [&](std::size_t n) {
     for (std::size_t c = 0; c < C; ++c)
-      y[n * C + c] = from_accum<S>(to_accum<A>(a[n * C + c]) + to_accum<A>(b[n * C + c]));
+      y[n * C + c] = store_accum<S>(load_accum<A>(a[n * C + c]) + load_accum<A>(b[n * C + c]));
   });
+}
+
+// One row of the SwiGLU gate, act = SiLU(a)·b = a/(1 + e^−a)·b, with Eigen's vectorized exp
+// (element_math.hpp's scalar formula, same operations; the exp is Eigen's, not std::exp).
+template <typename S, typename A>
+void swiglu_row(const S* a, const S* b, A* act, std::size_t F) {
+  using array = Eigen::Array<A, Eigen::Dynamic, 1>;
+  using storage = Eigen::Array<S, Eigen::Dynamic, 1>;
+  const auto n = static_cast<Eigen::Index>(F);
+  const auto av = Eigen::Map<const storage>(a, n).template cast<A>();
+  const auto bv = Eigen::Map<const storage>(b, n).template cast<A>();
+  Eigen::Map<array>(act, n) = av / (A(1) + (-av).exp()) * bv;
+}
+// Its backward, with dact in db on entry: s = σ(a) = 1/(1 + e^−a), da = dact·s·b·(1 + a·(1 − s)),
+// db = dact·s·a (one exp per element, as swiglu_backward).
+template <typename S, typename A>
+void swiglu_backward_row(const S* a, const S* b, A* da, A* db, std::size_t F) {
+  using array = Eigen::Array<A, Eigen::Dynamic, 1>;
+  using storage = Eigen::Array<S, Eigen::Dynamic, 1>;
+  const auto n = static_cast<Eigen::Index>(F);
+  const auto av = Eigen::Map<const storage>(a, n).template cast<A>();
+  const auto bv = Eigen::Map<const storage>(b, n).template cast<A>();
+  Eigen::Map<array> s(da, n), g(db, n);
+  s = (A(1) + (-av).exp()).inverse();
+  g = g * s;                               // dact·s
+  s = g * bv * (A(1) + av * (A(1) - s));   // da
+  g = g * av;                              // db
 }
 
 // x0[n] = table[tokens[n]]; the ids were checked by the caller.
