@@ -324,7 +324,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   }
   p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
   p.timeline.push_back({"optimizer step (" +
-                            (o.optimizer_policy.state_bytes == nullptr ? std::string("AdamW") : std::string(o.optimizer_policy.name)) +
+                            std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
+                                                                                   : o.optimizer_policy.name) +
                             ", in place)",
                         base, base});
   if (best != p.peak_bytes) {
