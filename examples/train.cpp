@@ -58,6 +58,7 @@ struct options {
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
   std::string precision = "fp32";
+  std::string optimizer = "adamw";
   std::string schedule = "auto";
   std::optional<mb::schedule_choice> fixed_schedule;  // empty: auto, the planner's fit
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
@@ -115,6 +116,7 @@ options checked_options(const flag_texts& f) {
     if (f.given(flag)) to = cc::real(flag, f[flag], lo, hi, lo_open, example);
   };
   if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
+  if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
   whole("--threads", o.threads, 1, 256);
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
@@ -407,7 +409,11 @@ class ranks {
 };
 static_assert(mb::communicator<ranks>);
 
-template <typename P>
+template <typename S>
+using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
+
+// Opt: the optimizer policy for P's storage (--optimizer).
+template <typename P, template <typename> class Opt>
 int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   using net = mb::model<mb::embedding<P>,
                         mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
@@ -447,10 +453,12 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
       mb::fit_options fo;
       fo.threads = o.threads;
       fo.reserve = reserve;
+      fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       return mb::fit(m, share, budget, fo);
     }
     mb::plan_options po;
     po.threads = o.threads;
+    po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
     mb::training_plan p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
@@ -482,7 +490,9 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   to.seed = o.seed;
   // One rank cannot change its plan alone: over ranks the monitor reports, and an out-of-memory ends the run.
   to.replan_under_pressure = N == 1;
-  mb::trainer t(m, eff, plan, alloc, pool, to, mb::pressure_monitor<mb::all_check_points>(thresholds), world);
+  using monitor = mb::pressure_monitor<mb::all_check_points>;
+  mb::trainer<net, stack, monitor, ranks, Opt<typename net::storage_type>> t(m, eff, plan, alloc, pool, to,
+                                                                            monitor(thresholds), world);
   const bool writer = world.rank() == 0;  // files are written by rank 0 only (every rank holds the same state)
   t.monitor().attach(recorder);
   // Checked here too, before any step: the trainer now holds all its own bytes between steps.
@@ -680,6 +690,7 @@ int main(int argc, char** argv) {
   flag("--lr", "(0,1]", "peak learning rate (default 0.003)");
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
+  flag("--optimizer", "adamw|adamw8bit", "AdamW with fp32 m, v, or with 8-bit block-wise m, v (default adamw)");
   flag("--clip", "[0,10^6]", "global gradient-norm clip, 0: off (default 1)");
   flag("--warmup", "0..steps", "warm-up steps, at most --steps (default 30, or --steps if fewer)");
   flag("--eval-every", "0..steps", "steps between validation losses, 0: at the end only (default 50)");
@@ -715,9 +726,14 @@ int main(int argc, char** argv) {
     // Rank 0 prints; the others' lines would repeat it (errors still reach stderr from every rank).
     if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
     try {
-      if (o.precision == "bf16") return run<mb::bf16_precision>(o, text, world);
-      if (o.precision == "fp16") return run<mb::fp16_precision>(o, text, world);
-      return run<mb::fp32_precision>(o, text, world);
+      // adamw8bit's default block (2048), named by a one-parameter template.
+      const auto with = [&]<template <typename> class Opt>() {
+        if (o.precision == "bf16") return run<mb::bf16_precision, Opt>(o, text, world);
+        if (o.precision == "fp16") return run<mb::fp16_precision, Opt>(o, text, world);
+        return run<mb::fp32_precision, Opt>(o, text, world);
+      };
+      if (o.optimizer == "adamw8bit") return with.template operator()<adamw8bit_2048>();
+      return with.template operator()<mb::adamw>();
     } catch (const std::exception& e) {
 #if MEMBOUND_EXAMPLE_MPI
       // The other ranks may be waiting in a collective this rank will never join: end them all

@@ -155,6 +155,7 @@ def main():
             "--clip": ["nan", "-1", "inf", "1e7"],
             # Words.
             "--precision": ["fp64", "FP32", ""],
+            "--optimizer": ["adam", "ADAMW8BIT", "adamw8bit ", ""],
             "--schedule": ["every:2x", "binomial:-1", "every:0", "binomial:0", "every:", "every:5", "every:+2", "bogus",
                            "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
@@ -203,6 +204,7 @@ def main():
                                "--layers": "ttt_linear,attention,mamba,ttt_mlp", "--eval-every": "2", "--sample": "5"})
         c.accept(train, base, {"--precision": "bf16", "--lr": "1", "--min-lr": "0", "--clip": "0",
                                "--weight-decay": "0", "--schedule": "binomial:4", "--threads": "1"})
+        c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
                  lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
         # A checkpoint at step 2, kept outside the output folder for the next cases.

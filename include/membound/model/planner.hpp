@@ -27,6 +27,7 @@
 #include "membound/model/model.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
 #include "membound/optimizer/adamw.hpp"
+#include "membound/optimizer/optimizer_policy.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -79,17 +80,44 @@ struct plan_options {
   std::size_t threads = 1;
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
   std::size_t accumulation = 1;   // micro-batches per optimizer step
-  bool optimizer = true;          // count AdamW's state (m, v, and fp32 masters for 16-bit storage)
-  // Parameters whose AdamW state this process holds: 0 for all of them; under ZeRO-1 its shard.
+  bool optimizer = true;          // count the optimizer's state (AdamW: m, v, and fp32 masters for 16-bit storage)
+  // Parameters whose optimizer state this process holds: 0 for all of them; under ZeRO-1 its shard.
   std::size_t optimizer_elements = 0;
+  // The optimizer policy whose state_bytes the plan counts: optimizer_of<adamw8bit<S>>(), ...;
+  // the default is adamw<S> for the model's storage S.
+  optimizer_ref optimizer_policy{};
 };
 
-// AdamW's bytes for the parameters o says this process keeps state for.
+namespace detail {
+// The policy's state bytes for n parameters of storage S; a policy for another storage type is
+// refused (its bytes would be another layout's).
+template <typename S>
+constexpr std::size_t policy_state_bytes(const optimizer_ref& r, std::size_t n) {
+  if (r.state_bytes == nullptr) return adamw<S>::state_bytes(n);
+  if (r.storage != dtype_name<S>()) {
+    throw invalid_argument("options.optimizer_policy",
+                           "a policy for the model's " + std::string(dtype_name<S>()) + " storage",
+                           std::string(r.name) + " for " + std::string(r.storage),
+                           "Name the policy for the model's storage: optimizer_of<adamw8bit<Model::storage_type>>()");
+  }
+  return r.state_bytes(n);
+}
+}  // namespace detail
+
+// The optimizer's bytes for the parameters o says this process keeps state for.
 template <typename Model>
 std::size_t optimizer_state_bytes(const Model& m, const plan_options& o) {
   if (!o.optimizer) return 0;
   const std::size_t n = o.optimizer_elements != 0 ? o.optimizer_elements : m.parameter_elements();
-  return adamw<typename Model::storage_type>::state_bytes(n);
+  return detail::policy_state_bytes<typename Model::storage_type>(o.optimizer_policy, n);
+}
+
+// The plan table's words for the policy o names.
+template <typename Model>
+std::string optimizer_description(const plan_options& o) {
+  if (!o.optimizer) return "(not counted)";
+  return o.optimizer_policy.description != nullptr ? o.optimizer_policy.description()
+                                                   : adamw<typename Model::storage_type>::description();
 }
 
 // One op of the step's timeline: what it is, bytes live before it and its peak.
@@ -106,6 +134,7 @@ struct training_plan {
   std::size_t head_chunk = 0;
   std::size_t threads = 1;
   std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  std::string optimizer_policy;  // the optimizer's state, in words (the table's line)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -144,7 +173,8 @@ struct training_plan {
     s += line;
     row("weights", weights, "");
     row("gradients", gradients, "");
-    row("optimizer", optimizer, optimizer == 0 ? "(not counted)" : "AdamW m, v (+ fp32 masters)");
+    row("optimizer", optimizer,
+        optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
     row("activations (kept)", activations, "at most, between ops");
     row("workspace (at peak)", workspace, "transient");
     const std::string at = "at " + peak_phase;
@@ -247,6 +277,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.weights = m.weight_bytes();
   p.gradients = m.weight_bytes();
   p.optimizer = optimizer_state_bytes(m, o);
+  p.optimizer_policy = optimizer_description<Model>(o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
   const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
@@ -292,7 +323,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     p.timeline.push_back(std::move(q));
   }
   p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
-  p.timeline.push_back({"optimizer step (AdamW, in place)", base, base});
+  p.timeline.push_back({"optimizer step (" +
+                            std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
+                                                                                   : o.optimizer_policy.name) +
+                            ", in place)",
+                        base, base});
   if (best != p.peak_bytes) {
     throw error("membound: planner timeline and simulate() disagree on the peak (" +
                 std::to_string(best) + " vs " + std::to_string(p.peak_bytes) + "): a bug, please report it");
@@ -309,7 +344,8 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
                                      const plan_options& o = {}) {
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
-  const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n), o.optimizer ? adamw<S>::state_bytes(n) : 0);
+  const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n),
+                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0);
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
   std::vector<chain_op> ops;
@@ -372,6 +408,7 @@ struct fit_options {
   std::size_t threads = 1;
   bool optimizer = true;
   std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
+  optimizer_ref optimizer_policy{};    // as plan_options: the default is adamw<S>
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
@@ -434,7 +471,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements};
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy};
       const batch_shape b{mb, effective.seq};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},

@@ -1,12 +1,18 @@
 // AdamW (Loshchilov & Hutter) with decoupled weight decay, over a flat parameter array. With
 // bf16/fp16 storage it keeps fp32 master weights, so small updates are not rounded away: the
 // master is updated and the stored weight is its rounding. State is the caller's bytes
-// (state_bytes(n) of them), like every other buffer in membound.
+// (state_bytes(n) of them), like every other buffer in membound. An optimizer_policy
+// (optimizer/optimizer_policy.hpp): the trainer's default.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "membound/core/checked_math.hpp"
@@ -14,23 +20,23 @@
 #include "membound/core/dtype.hpp"
 #include "membound/core/element_math.hpp"
 #include "membound/core/error.hpp"
+#include "membound/core/format.hpp"
 #include "membound/core/parallel.hpp"
+#include "membound/optimizer/optimizer_policy.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
-
-struct adamw_config {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.1;
-};
 
 template <typename S>
 class adamw {
  public:
   static constexpr bool has_master = !std::is_same_v<S, float> && !std::is_same_v<S, double>;
   using moment_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
+  using storage_type = S;
+  static constexpr std::string_view name = "adamw";
+  // Also the checkpoint fingerprint's text (with the bytes), as it was before policies.
+  static std::string description() {
+    return "AdamW m, v in " + std::string(dtype_name<moment_type>()) + (has_master ? " + fp32 masters" : "");
+  }
 
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
@@ -71,6 +77,40 @@ class adamw {
         w[i] = from_accum<S>(p);
       }
     });
+  }
+
+  // The policy's update: every span of [0, n) in turn, as the per-range update above.
+  static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
+                     const optimizer_step& s, thread_pool& pool) {
+    detail::check_param_spans(spans, n);
+    for (const param_span& sp : spans) {
+      if (sp.count != 0) update(w, g, state, n, sp.first, sp.count, s.t, s.lr, s.config, sp.decay, s.grad_scale, pool);
+    }
+  }
+
+  // The state is flat bytes already: a checkpoint holds them as they are.
+  static std::span<const std::byte> save_state(const void* state, std::size_t n) noexcept {
+    return {static_cast<const std::byte*>(state), state_bytes(n)};
+  }
+  // Checks every value first (v is never negative, masters are finite; NaN fails both), then copies.
+  static void load_state(std::span<const std::byte> from, void* state, std::size_t n) {
+    if (from.size() != state_bytes(n)) {
+      throw invalid_argument("optimizer state", format_bytes(state_bytes(n)) + " (" + description() + ")",
+                             format_bytes(from.size()), "Load a state saved by the same policy for the same parameters");
+    }
+    const auto at = [&](std::size_t i) {
+      moment_type x;
+      std::memcpy(&x, from.data() + i * sizeof(moment_type), sizeof x);
+      return x;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const moment_type v = at(n + i);
+      if (!(v >= 0) || !std::isfinite(at(i)) || !std::isfinite(v) || (has_master && !std::isfinite(at(2 * n + i)))) {
+        throw invalid_argument("optimizer state", "finite moments with v >= 0 and finite masters",
+                               "element " + std::to_string(i) + " is not", "The state is corrupt: load another checkpoint");
+      }
+    }
+    std::memcpy(state, from.data(), from.size());
   }
 };
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -214,6 +215,11 @@ class checkpoint_reader {
                                           " (a different model or precision?)");
     }
     std::memcpy(dst, data_.data() + s.offset, bytes);
+  }
+  // Section `name` as it is in the file (valid while the reader lives).
+  std::span<const std::byte> view(const std::string& name) const {
+    const section& s = need(name);
+    return {reinterpret_cast<const std::byte*>(data_.data() + s.offset), s.bytes};
   }
   template <typename T>
   T value(const std::string& name) const {

@@ -62,6 +62,7 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -81,6 +82,7 @@
 #include "membound/core/pressure_level.hpp"
 #include "membound/dist/communicator.hpp"
 #include "membound/optimizer/adamw.hpp"
+#include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/train/schedule_lr.hpp"
 
@@ -269,9 +271,12 @@ inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text,
 }
 }  // namespace detail
 
+// Optimizer: an optimizer_policy for the model's storage (optimizer/optimizer_policy.hpp):
+// adamw<S> (the default) or adamw8bit<S>.
 template <typename Model, typename Allocator, typename Monitor = null_monitor,
-          typename Communicator = local_communicator>
+          typename Communicator = local_communicator, typename Optimizer = adamw<typename Model::storage_type>>
 class trainer {
+  static_assert(check_optimizer_policy<Optimizer, typename Model::storage_type>());
   static_assert(step_monitor<Monitor, Allocator>,
                 "membound: trainer's Monitor must offer check<check_point>(allocator), "
                 "stricter_plan_requested() and clear_stricter_plan_request(): use null_monitor or "
@@ -306,6 +311,11 @@ class trainer {
     check_options(o_);
     check_world();
     opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
+    // Each tensor's part in this rank's optimizer range, relative to its start.
+    for (const param_entry& e : m_.parameters()) {
+      const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
+      if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
+    }
     if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
     check_plan(plan_);
     plan_.reserved_peak = reserve_of(plan_);
@@ -337,7 +347,7 @@ class trainer {
     try {
       m_.init_weights(w_, o_.seed);
       std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
-      adamw<S>::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
+      Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
       throw;
@@ -410,12 +420,9 @@ class trainer {
     if (r.applied) {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
-      const std::size_t b = opt_shard_.begin, n = opt_shard_.size();
-      for (const param_entry& e : m_.parameters()) {
-        const std::size_t lo = std::max(e.offset, b), hi = std::min(e.offset + e.count, opt_shard_.end);
-        if (lo >= hi) continue;
-        adamw<S>::update(w_ + b, g_ + b, opt_, n, lo - b, hi - lo, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
-      }
+      const std::size_t b = opt_shard_.begin;
+      Optimizer::update(w_ + b, g_ + b, opt_, opt_shard_.size(), opt_spans_,
+                        optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -466,7 +473,8 @@ class trainer {
     for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
     cw.add("fingerprint", fp.data(), fp.size());
     cw.add("weights", w_, m_.weight_bytes());
-    cw.add("optimizer", opt_, opt_bytes());
+    const std::span<const std::byte> state = Optimizer::save_state(opt_, opt_shard_.size());
+    cw.add("optimizer", state.data(), state.size());
     cw.add_value<std::uint64_t>("step", steps_);
     cw.add_value<std::uint64_t>("updates", updates_);
     cw.add_value<std::uint64_t>("rng", rng_.state);
@@ -527,9 +535,14 @@ class trainer {
         // A plan this build cannot make: keep the current one.
       }
     }
-    // Everything checked: commit.
+    // Everything checked: commit. The optimizer first: load_state checks its values before it
+    // writes any, and nothing after it can fail.
+    try {
+      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
+    } catch (const invalid_argument& e) {
+      throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+    }
     r.copy("weights", w_, m_.weight_bytes());
-    r.copy("optimizer", opt_, opt_bytes());
     std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
     steps_ = steps;
     updates_ = updates;
@@ -596,9 +609,7 @@ class trainer {
     add("parameters.elements", num(n_));
     add("parameters.tensors", num(m_.parameters().size()));
     add("parameters.layout", std::string("fnv1a ") + layout);
-    using opt = adamw<S>;
-    add("optimizer", std::string("AdamW m, v in ") + std::string(dtype_name<typename opt::moment_type>()) +
-                         (opt::has_master ? " + fp32 masters, " : ", ") + num(opt_bytes()) + " bytes");
+    add("optimizer", Optimizer::description() + ", " + num(opt_bytes()) + " bytes");
     // Under ZeRO-1 the state is one rank's shard: resuming needs the same world and rank.
     if (sharded()) {
       add("zero", "1");
@@ -631,7 +642,7 @@ class trainer {
   // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
   static constexpr std::uint64_t format_version = 2;
 
-  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(opt_shard_.size()); }
+  std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
   bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
@@ -709,6 +720,7 @@ class trainer {
     po.accumulation = accumulation;
     po.optimizer = true;
     po.optimizer_elements = optimizer_elements();
+    po.optimizer_policy = optimizer_of<Optimizer>();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -765,7 +777,7 @@ class trainer {
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
     if (q.optimizer != p.optimizer) {
-      differs("plan.optimizer", format_bytes(q.optimizer) + " (AdamW's state)",
+      differs("plan.optimizer", format_bytes(q.optimizer) + " (" + Optimizer::description() + ")",
               format_bytes(p.optimizer) + (p.optimizer == 0 ? " (made with optimizer = false?)" : ""));
     }
     if (q.ops != p.ops) {
@@ -990,6 +1002,7 @@ class trainer {
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
+    fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -1011,6 +1024,7 @@ class trainer {
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
+    fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
@@ -1110,6 +1124,7 @@ class trainer {
   reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   shard_range opt_shard_{};  // the parameters whose AdamW state this rank holds
+  std::vector<param_span> opt_spans_;  // each tensor's part of opt_shard_, relative to its start
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
