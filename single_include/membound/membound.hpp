@@ -5980,9 +5980,11 @@ MEMBOUND_NAMESPACE_END
 // ---- begin membound/backend/cpu/attention_cpu.hpp ----
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
 // (projections are linalg.hpp's). Everything here works in the accumulator type A on buffers the front end
-// (layers/attention.hpp) has already carved and converted; nothing allocates except Eigen's own
-// GEMM packing buffers. Each parallel task writes a disjoint region and computes it in a fixed
-// order, so results do not depend on the thread count.
+// (layers/attention.hpp) has already carved and converted; nothing allocates: the tile products
+// run through linalg.hpp's gemm with per-thread packing buffers from the caller's workspace
+// (flash_gemm_bytes each), and RoPE reads a table of cosines and sines made once per call. Each
+// parallel task writes a disjoint region and computes it in a fixed order, so results do not
+// depend on the thread count.
 //
 // Layouts (row-major): x [B·T, C]; q [B·T, H·D] and k, v [B·T, Hkv·D] after projection, so head
 // h of token t is the D-wide slice at column h·D of row b·T + t (tiles are strided Eigen maps:
@@ -6148,18 +6150,98 @@ constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return n == 0 ? 0 : (n - 1) / block + 1;
 }
 
+namespace detail {
+// bf16 <-> float on the raw bits, in loops the compiler vectorizes (Eigen's scalar conversion
+// branches on NaN per element and does not vectorize; its packet cast uses vcvtneps2bf16 where the
+// CPU has it, which flushes subnormals, so a value would round differently in a vector body than
+// in the scalar tail). Same bits as bf16(float): round to nearest even, NaN to a quiet NaN that
+// keeps the sign.
+inline std::uint16_t bf16_bits_rne(float f) noexcept {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const std::uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+inline float bf16_bits_to_float(std::uint16_t b) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+}
+}  // namespace detail
+
+// to_accum / from_accum with the same bits, in a form loops vectorize (bf16 with a float
+// accumulator goes through the raw bits above; every other pair is dtype.hpp's conversion).
+template <typename A, typename S>
+inline A load_accum(S v) noexcept {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+    // The raw member, not std::bit_cast of the struct: GCC 12 vectorizes only this form.
+    return detail::bf16_bits_to_float(v.value);
+  } else {
+    return to_accum<A>(v);
+  }
+}
+template <typename S, typename A>
+inline S store_accum(A v) noexcept {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+    return std::bit_cast<bf16>(detail::bf16_bits_rne(v));
+  } else {
+    return from_accum<S>(v);
+  }
+}
+
 template <typename A, typename S>
 void widen(const S* src, std::size_t n, A* dst) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = to_accum<A>(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = load_accum<A>(src[i]);
 }
 template <typename S, typename A>
 void narrow(const A* src, std::size_t n, S* dst) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = store_accum<S>(src[i]);
 }
 // dst += src with one rounding per element (gradients are accumulated by contract).
 template <typename S, typename A>
 void narrow_add(const A* src, std::size_t n, S* dst) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + src[i]);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = store_accum<S>(load_accum<A>(dst[i]) + src[i]);
+}
+// Σ_{c<n} f(c) in A, in 16 interleaved partial sums folded pairwise then the tail: a fixed order
+// (the bits depend on n only) that the compiler vectorizes, where one running sum would not be.
+template <typename A, typename F>
+A lane_sum(std::size_t n, F&& f) {
+  constexpr std::size_t L = 16;
+  A lane[L] = {};
+  std::size_t c = 0;
+  for (; c + L <= n; c += L)
+    for (std::size_t j = 0; j < L; ++j) lane[j] += f(c + j);
+  for (std::size_t w = L / 2; w > 0; w /= 2)
+    for (std::size_t j = 0; j < w; ++j) lane[j] += lane[j + w];
+  A total = lane[0];
+  for (; c < n; ++c) total += f(c);
+  return total;
+}
+
+// The same three over a thread pool, in fixed chunks: elementwise, so the bits are those of the
+// serial loops for every thread count. Small buffers skip the pool.
+inline constexpr std::size_t elementwise_block = std::size_t{1} << 15;
+template <typename F>
+void for_chunks(thread_pool& pool, std::size_t n, F&& f) {
+  if (n <= elementwise_block || pool.size() == 1) {
+    f(std::size_t{0}, n);
+    return;
+  }
+  pool.parallel_for(blocks(n, elementwise_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t i0 = blk * elementwise_block;
+    f(i0, std::min(elementwise_block, n - i0));
+  });
+}
+template <typename A, typename S>
+void widen(thread_pool& pool, const S* src, std::size_t n, A* dst) {
+  for_chunks(pool, n, [&](std::size_t i0, std::size_t len) { widen(src + i0, len, dst + i0); });
+}
+template <typename S, typename A>
+void narrow(thread_pool& pool, const A* src, std::size_t n, S* dst) {
+  for_chunks(pool, n, [&](std::size_t i0, std::size_t len) { narrow(src + i0, len, dst + i0); });
+}
+template <typename S, typename A>
+void narrow_add(thread_pool& pool, const A* src, std::size_t n, S* dst) {
+  for_chunks(pool, n,
+             [&](std::size_t i0, std::size_t len) { narrow_add(src + i0, len, dst + i0); });
 }
 
 // Row-major operands with leading dimensions (elements between rows), for column slices such
@@ -6348,6 +6430,30 @@ void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::s
     narrow_add(static_cast<const A*>(tmp), K * M, g);
   }
 }
+// The same through the packing scratch of matmul_at (threads · matmul_at_thread_scratch_bytes).
+template <typename A, typename S>
+void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                 std::size_t K, std::size_t M, std::span<std::byte> scratch) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)tmp;
+    matmul_at(pool, x, d, g, N, K, M, true, ld3{K, M, M}, scratch);
+  } else {
+    matmul_at(pool, x, d, tmp, N, K, M, false, ld3{K, M, M}, scratch);
+    narrow_add(pool, static_cast<const A*>(tmp), K * M, g);
+  }
+}
+template <typename A, typename S>
+const A* widen_or_alias(thread_pool& pool, const S* src, std::size_t n, A* slot) {
+  if constexpr (std::is_same_v<S, A>) {
+    (void)pool;
+    (void)n;
+    (void)slot;
+    return src;
+  } else {
+    widen(pool, src, n, slot);
+    return slot;
+  }
+}
 // g += src, rounded once per element.
 template <typename A, typename S>
 void add_grad(const A* src, std::size_t n, S* g) {
@@ -6370,6 +6476,78 @@ constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
 }
 constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
   return 2 * q_tile * kv_tile;  // S/P and dP/dS
+}
+// Per-thread packing bytes of the tile products (linalg.hpp's gemm with the caller's buffers):
+// the largest of S = Q·Kᵀ [qt, kt] depth D, O += P·V [qt, D] depth kt, dV += Pᵀ·dO and
+// dK += dSᵀ·Q [kt, D] depth qt, dQ += dS·K [qt, D] depth kt.
+template <typename A>
+constexpr std::size_t flash_gemm_bytes(std::size_t q_tile, std::size_t kv_tile,
+                                       std::size_t head_dim) noexcept {
+  return std::max({gemm_scratch_bytes<A>(q_tile, kv_tile, head_dim),
+                   gemm_scratch_bytes<A>(q_tile, head_dim, kv_tile),
+                   gemm_scratch_bytes<A>(kv_tile, head_dim, q_tile)});
+}
+// Elements of the RoPE table for `positions` positions: per position, D/2 cosines then D/2 sines
+// (D is even: the layer checks a multiple of 8).
+constexpr std::size_t rope_table_elements(std::size_t positions, std::size_t head_dim) noexcept {
+  return positions * head_dim;
+}
+
+// The RoPE table for positions position0 .. position0 + T − 1: cos and sin of position·θ_i,
+// θ_i = base^(−2i/D), computed in double (as the reference does) and rounded once to A; once per
+// call instead of once per element and head.
+template <typename A>
+void rope_table(thread_pool& pool, A* table, std::size_t T, std::size_t D, double base,
+                std::size_t position0) {
+  const std::size_t half = D / 2;
+  pool.parallel_for(blocks(T, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t t0 = blk * row_block, t1 = std::min(T, t0 + row_block);
+    for (std::size_t t = t0; t < t1; ++t) {
+      const double position = static_cast<double>(t + position0);
+      A* row = table + t * 2 * half;
+      for (std::size_t i = 0; i < half; ++i) {
+        const double inv_freq =
+            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+        const double angle = position * inv_freq;
+        row[i] = static_cast<A>(std::cos(angle));
+        row[half + i] = static_cast<A>(std::sin(angle));
+      }
+    }
+  });
+}
+
+// RoPE from the table (rope_table of T positions): row n is token n % T. inverse rotates by
+// −angle (sin negated exactly: the transpose, for gradients). The inner loop runs over the D/2
+// pairs of a head, contiguous in x and in the table, so it vectorizes.
+template <typename A>
+void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
+               std::size_t D, const A* table, bool inverse) {
+  const std::size_t half = D / 2, width = heads * D;
+  pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
+    const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
+    for (std::size_t n = r0; n < r1; ++n) {
+      const A* c = table + (n % T) * 2 * half;
+      const A* sn = c + half;
+      A* row = x + n * width;
+      for (std::size_t h = 0; h < heads; ++h) {
+        A* lo = row + h * D;
+        A* hi = lo + half;
+        if (inverse) {
+          for (std::size_t i = 0; i < half; ++i) {
+            const A x1 = lo[i], x2 = hi[i];
+            lo[i] = x1 * c[i] + x2 * sn[i];
+            hi[i] = x2 * c[i] - x1 * sn[i];
+          }
+        } else {
+          for (std::size_t i = 0; i < half; ++i) {
+            const A x1 = lo[i], x2 = hi[i];
+            lo[i] = x1 * c[i] - x2 * sn[i];
+            hi[i] = x2 * c[i] + x1 * sn[i];
+          }
+        }
+      }
+    }
+  });
 }
 
 // RoPE (rotate-half) in place on every D-wide head of rows [N, heads·D]; row n is token n % T,
@@ -6405,16 +6583,18 @@ void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_
 // diagonal tile is masked. Online softmax: running max m, running sum l, rescaled accumulator.
 template <typename A>
 void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
-                   const A* q, const A* k, const A* v, A* o, A* lse, A* scratch) {
+                   const A* q, const A* k, const A* v, A* o, A* lse, A* scratch,
+                   std::byte* packing) {
   const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
   const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv, nq = blocks(T, qt);
-  const std::size_t per = forward_scratch(qt, kt, D);
+  const std::size_t per = forward_scratch(qt, kt, D), pack = flash_gemm_bytes<A>(qt, kt, D);
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
   constexpr A neg_inf = -std::numeric_limits<A>::infinity();  // m before any key
   pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
     const std::size_t b = task / (H * nq), h = (task / nq) % H, i0 = (task % nq) * qt;
     const std::size_t g = h / group, ni = std::min(qt, T - i0);
     A* s_buf = scratch + thread * per;
+    const gemm_scratch pk{packing + thread * pack, pack};
     auto acc = view(s_buf + qt * kt, ni, D, D);
     A* m = s_buf + qt * kt + qt * D;
     A* l = m + qt;
@@ -6429,7 +6609,7 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
       const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
       const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
       auto St = view(s_buf, ni, nk, nk);
-      gemm(St, Q, K.transpose(), scale, false);
+      gemm(St, Q, K.transpose(), scale, false, pk);
       for (std::size_t r = 0; r < ni; ++r) {
         const auto ri = static_cast<Eigen::Index>(r);
         // Keys after query i = i0 + r are masked: the row's tail from column i + 1 - j0 on.
@@ -6447,7 +6627,7 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
         acc.row(ri) *= alpha;
         m[r] = mn;
       }
-      gemm(acc, St, V, A(1), true);
+      gemm(acc, St, V, A(1), true, pk);
     }
     auto O = view(o + (b * T + i0) * HD + h * D, ni, D, HD);
     A* lse_row = lse + (b * H + h) * T + i0;
@@ -6479,8 +6659,8 @@ void row_dot(thread_pool& pool, const attention_shape& sh, const A* d_out, const
 // P = exp(S - lse) over a (query tile, key tile), 0 where masked; S recomputed from q and k.
 template <typename A, typename QMap, typename KMap, typename PMap>
 void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
-                 std::size_t i0, std::size_t j0) {
-  gemm(P, Q, K.transpose(), A(1), false);
+                 std::size_t i0, std::size_t j0, gemm_scratch pk) {
+  gemm(P, Q, K.transpose(), A(1), false, pk);
   const std::size_t nk = static_cast<std::size_t>(P.cols());
   for (Eigen::Index r = 0; r < P.rows(); ++r) {
     const std::size_t i = i0 + static_cast<std::size_t>(r);
@@ -6514,18 +6694,22 @@ void softmax_grad(const PMap& P, DMap& dS, const A* delta_row) {
 template <typename A>
 void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
                     const A* q, const A* k, const A* v, const A* d_out, const A* lse,
-                    const A* delta, A* dq, A* dk, A* dv, A* scratch) {
+                    const A* delta, A* dq, A* dk, A* dv, A* scratch, std::byte* packing) {
   const std::size_t B = sh.batch, T = sh.seq, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
   const std::size_t HD = H * D, KD = Hkv * D, group = H / Hkv;
   const std::size_t nq = blocks(T, qt), nkv = blocks(T, kt), per = backward_scratch(qt, kt);
+  const std::size_t pack = flash_gemm_bytes<A>(qt, kt, D);
+  const auto packing_of = [&](std::size_t thread) {
+    return gemm_scratch{packing + thread * pack, pack};
+  };
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
   // Earlier query tiles see no key of tile j0 when causal.
   const auto first_query_tile = [&](std::size_t j0) { return sh.causal ? (j0 / qt) * qt : 0; };
 
   // One tile pair for query head h: P and dS into the thread's scratch, dV and dK accumulated;
   // returns dS (its P is still beside it) for the caller's dQ.
-  const auto pair = [&](A* s_buf, std::size_t b, std::size_t h, std::size_t i0, std::size_t j0,
-                        auto& dK, auto& dV, bool want_dkv) {
+  const auto pair = [&](A* s_buf, gemm_scratch pk, std::size_t b, std::size_t h, std::size_t i0,
+                        std::size_t j0, auto& dK, auto& dV, bool want_dkv) {
     const std::size_t g = h / group, ni = std::min(qt, T - i0), nk = std::min(kt, T - j0);
     const auto Q = cview(q + (b * T + i0) * HD + h * D, ni, D, HD);
     const auto dO = cview(d_out + (b * T + i0) * HD + h * D, ni, D, HD);
@@ -6533,11 +6717,11 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
     auto P = view(s_buf, ni, nk, nk);
     auto dS = view(s_buf + qt * kt, ni, nk, nk);
-    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0);
-    if (want_dkv) gemm(dV, P.transpose(), dO, A(1), true);
-    gemm(dS, dO, V.transpose(), A(1), false);  // dP
+    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0, pk);
+    if (want_dkv) gemm(dV, P.transpose(), dO, A(1), true, pk);
+    gemm(dS, dO, V.transpose(), A(1), false, pk);  // dP
     softmax_grad(P, dS, delta + (b * H + h) * T + i0);
-    if (want_dkv) gemm(dK, dS.transpose(), Q, scale, true);
+    if (want_dkv) gemm(dK, dS.transpose(), Q, scale, true, pk);
     return dS;
   };
 
@@ -6557,9 +6741,9 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
         const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
         for (std::size_t h = g * group; h < (g + 1) * group; ++h)
           for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt) {
-            const auto dS = pair(s_buf, b, h, i0, j0, dK, dV, true);
+            const auto dS = pair(s_buf, packing_of(thread), b, h, i0, j0, dK, dV, true);
             auto dQ = view(dq + (b * T + i0) * HD + h * D, std::min(qt, T - i0), D, HD);
-            gemm(dQ, dS, K, scale, true);
+            gemm(dQ, dS, K, scale, true, packing_of(thread));
           }
       }
     });
@@ -6575,7 +6759,7 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     dV.setZero();
     for (std::size_t h = g * group; h < (g + 1) * group; ++h)
       for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt)
-        pair(scratch + thread * per, b, h, i0, j0, dK, dV, true);
+        pair(scratch + thread * per, packing_of(thread), b, h, i0, j0, dK, dV, true);
   });
 
   pool.parallel_for(B * H * nq, [&](std::size_t task, std::size_t thread) {
@@ -6587,8 +6771,10 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
       const std::size_t nk = std::min(kt, T - j0);
       auto unused = view(dk, 0, D, KD);
-      const auto dS = pair(scratch + thread * per, b, h, i0, j0, unused, unused, false);
-      gemm(dQ, dS, cview(k + (b * T + j0) * KD + g * D, nk, D, KD), scale, true);
+      const auto dS =
+          pair(scratch + thread * per, packing_of(thread), b, h, i0, j0, unused, unused, false);
+      gemm(dQ, dS, cview(k + (b * T + j0) * KD + g * D, nk, D, KD), scale, true,
+           packing_of(thread));
     }
   });
 }
@@ -6654,7 +6840,9 @@ MEMBOUND_NAMESPACE_END
 // the accumulator type, so backward sees forward's exact values) for 2·(H + 2·Hkv)·D more bytes
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
-// sharing bytes. The kernels are in backend/cpu/attention_cpu.hpp.
+// sharing bytes; on the CPU that includes every GEMM's packing buffers (threads × the largest
+// per-thread need of the pass, so size with the pool's thread count) and the RoPE table
+// ([T, D] cos/sin, made once per call). The kernels are in backend/cpu/attention_cpu.hpp.
 //
 // With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
 // device memory, the executor is a cuda_executor, and the kernels and the device workspace
@@ -6824,7 +7012,8 @@ class attention {
     if constexpr (!on_cpu) return device::template forward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
-                             y_acc_bytes(s)};
+                             y_acc_bytes(s), rope_bytes(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, forward_pack_bytes(s))};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -6833,7 +7022,9 @@ class attention {
     if constexpr (!on_cpu) return device::template backward_workspace_bytes<S>(s, keep_qkv);
     const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
                              bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
-                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim)};
+                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim),
+                             rope_bytes(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, backward_pack_bytes(s))};
     return detail::fits_layout(b) ? backward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -6847,7 +7038,8 @@ class attention {
                                                     std::size_t threads) noexcept {
     if constexpr (!on_cpu) return device::template step_workspace_bytes<S>(s, max_len);
     const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
-                             bytes_of<A>(s.batch, s.heads, s.head_dim)};
+                             bytes_of<A>(s.batch, s.heads, s.head_dim),
+                             bytes_of<std::byte>(threads, step_pack_bytes(s))};
     return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -6921,22 +7113,26 @@ class attention {
     // Nothing below throws: every output is written after every check.
     const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
     const std::size_t HD = s.heads * s.head_dim;
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w), pool);
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(f_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(f_k);
     A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(f_v);
-    project_qkv(s, xa, wa, q, k, v, pool);
+    const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
+    A* table = ws.template get<A>(f_rope);
+    cpu::rope_table(pool, table, T, s.head_dim, s.rope_base, 0);
+    project_qkv(s, xa, wa, q, k, v, table, pk.span(), pool);
 
     S* o_saved = sv.template get<S>(s_o);
     A* o = cpu::accum_target(o_saved, ws.template get<A>(f_o));
     cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
-                       ws.template get<A>(f_scratch));
-    if constexpr (widened) cpu::narrow(o, N * HD, o_saved);
+                       ws.template get<A>(f_scratch), pk.data);
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(o), N * HD, o_saved);
 
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false);
-    if constexpr (widened) cpu::narrow(ya, N * C, y);
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false, cpu::ld3{HD, C, C},
+                pk.span());
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), N * C, y);
     }
   }
 
@@ -6971,19 +7167,22 @@ class attention {
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
 
     // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(b_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w), pool);
     A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(b_q);
     A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(b_k);
     A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(b_v);
-    if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, pool);
-    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
-                                ws.template get<A>(b_o));
+    const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
+    A* table = ws.template get<A>(b_rope);
+    cpu::rope_table(pool, table, T, s.head_dim, s.rope_base, 0);
+    if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, table, pk.span(), pool);
+    const A* dya = cpu::widen_or_alias(pool, dy, N * C, ws.template get<A>(b_dy));
+    const A* o = cpu::widen_or_alias(pool, static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
+                                     ws.template get<A>(b_o));
     const A* lse = sv.template get<A>(s_lse);
     A* d_out = ws.template get<A>(b_dout);
     A* delta = ws.template get<A>(b_delta);
-    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false);
+    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false, cpu::ld3{C, C, HD}, pk.span());
     cpu::row_dot(pool, s, static_cast<const A*>(d_out), o, delta);
 
     // Phase 1: the tiled attention backward.
@@ -6992,23 +7191,27 @@ class attention {
     A* dv = ws.template get<A>(b_dv);
     cpu::flash_backward(pool, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
                         static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
-                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch));
+                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch),
+                        pk.data);
 
     // Phase 2: undo RoPE (its transpose) and the weight gradients.
-    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, s.rope_base, 0, true);
-    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, s.rope_base, 0, true);
+    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
+    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
     A* tmp = ws.template get<A>(b_dw);
-    cpu::weight_grad(pool, xa, dq, g.wq, tmp, N, C, HD);
-    cpu::weight_grad(pool, xa, dk, g.wk, tmp, N, C, KD);
-    cpu::weight_grad(pool, xa, dv, g.wv, tmp, N, C, KD);
-    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, HD, pk.span());
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, KD, pk.span());
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, KD, pk.span());
+    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C, pk.span());
 
     // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
     A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false);
-    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true);
-    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false,
+                   cpu::ld3{HD, HD, C}, pk.span());
+    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk.span());
+    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk.span());
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(dxa), N * C, dx);
     }
   }
 
@@ -7051,16 +7254,19 @@ class attention {
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
 
-    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
+    const A* xa = cpu::widen_or_alias(pool, x_t, B * C, ws.template get<A>(st_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w), pool);
     A* q = ws.template get<A>(st_q);
     A* k = ws.template get<A>(st_k);
     A* v = ws.template get<A>(st_v);
-    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false);
-    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false);
-    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false);
-    cpu::rope_rows(pool, q, B, 1, s.heads, D, s.rope_base, t, false);
-    cpu::rope_rows(pool, k, B, 1, Hkv, D, s.rope_base, t, false);
+    const gemm_ws pk{ws.template get<std::byte>(st_gemm), threads * step_pack_bytes(s)};
+    A* table = ws.template get<A>(st_rope);
+    cpu::rope_table(pool, table, 1, D, s.rope_base, t);
+    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false, cpu::ld3{C, HD, HD}, pk.span());
+    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false, cpu::ld3{C, KD, KD}, pk.span());
+    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false, cpu::ld3{C, KD, KD}, pk.span());
+    cpu::rope_rows(pool, q, B, 1, s.heads, D, static_cast<const A*>(table), false);
+    cpu::rope_rows(pool, k, B, 1, Hkv, D, static_cast<const A*>(table), false);
     const std::size_t half = B * Hkv * L * D;
     S* ck = cache.keys();
     S* cv = cache.values(half);
@@ -7075,8 +7281,9 @@ class attention {
     cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
                       static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
     A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
-    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false, cpu::ld3{HD, C, C},
+                pk.span());
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), B * C, y_t);
     }
   }
 
@@ -7128,10 +7335,48 @@ class attention {
   }
 
   // Phases: 0 projections, 1 tiled attention, 2 output projection.
-  enum forward_slot : std::size_t { f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y };
-  static constexpr workspace_layout<8> forward_layout(const attention_shape& s,
-                                                      std::size_t threads) {
-    workspace_layout<8> l;
+  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
+  // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
+  static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, HD, C),
+                     cpu::flash_gemm_bytes<A>(qt, kt, s.head_dim)});
+  }
+  static constexpr std::size_t backward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({forward_pack_bytes(s), cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, KD, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, HD, C)});
+  }
+  static constexpr std::size_t step_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(s.batch, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, HD, C)});
+  }
+  static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {
+    return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
+  }
+  // The packing slot: a byte pointer and its size, as the span the products take.
+  struct gemm_ws {
+    std::byte* data;
+    std::size_t bytes;
+    std::span<std::byte> span() const noexcept { return {data, bytes}; }
+  };
+
+  // Phases: 0 projections, 1 tiled attention, 2 output projection.
+  enum forward_slot : std::size_t {
+    f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y, f_rope, f_gemm
+  };
+  static constexpr workspace_layout<10> forward_layout(const attention_shape& s,
+                                                       std::size_t threads) {
+    workspace_layout<10> l;
     l.add(x_acc_bytes(s), default_alignment, {0, 0});
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
     l.add(ws_q_bytes(s), default_alignment, {0, 1});
@@ -7141,17 +7386,20 @@ class attention {
           {1, 1});
     l.add(o_acc_bytes(s), default_alignment, {1, 2});
     l.add(y_acc_bytes(s), default_alignment, {2, 2});
+    l.add(rope_bytes(s.seq, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
   // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
   // 3 dx.
   enum backward_slot : std::size_t {
-    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx
+    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx,
+    b_rope, b_gemm
   };
-  static constexpr workspace_layout<16> backward_layout(const attention_shape& s,
+  static constexpr workspace_layout<18> backward_layout(const attention_shape& s,
                                                         std::size_t threads) {
-    workspace_layout<16> l;
+    workspace_layout<18> l;
     l.add(x_acc_bytes(s), default_alignment, {0, 2});
     l.add(w_acc_bytes(s), default_alignment, {0, 3});
     l.add(ws_q_bytes(s), default_alignment, {0, 1});
@@ -7168,14 +7416,18 @@ class attention {
     // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
     l.add(widened ? bytes_of<A>(s.d_model, s.heads * s.head_dim) : 0, default_alignment, {2, 2});
     l.add(x_acc_bytes(s), default_alignment, {3, 3});  // dx
+    l.add(rope_bytes(s.seq, s.head_dim), default_alignment, {0, 2});
+    l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 3});
     return l;
   }
 
   // Phases: 0 projections, 1 attention over the cache, 2 output projection.
-  enum step_slot : std::size_t { st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y };
-  static constexpr workspace_layout<8> step_layout(const attention_shape& s, std::size_t max_len,
-                                                   std::size_t threads) {
-    workspace_layout<8> l;
+  enum step_slot : std::size_t {
+    st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
+  };
+  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) {
+    workspace_layout<10> l;
     l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {0, 0});
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
@@ -7184,6 +7436,8 @@ class attention {
     l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
     l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {2, 2});
+    l.add(rope_bytes(1, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, step_pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
@@ -7219,30 +7473,32 @@ class attention {
   // q, k, v = x·Wq, x·Wk, x·Wv, with RoPE on q and k: forward computes them, backward recomputes
   // them the same way (bit for bit, so P recomputed from the saved lse matches forward's).
   static void project_qkv(const attention_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v,
-                          thread_pool& pool) {
+                          const A* table, std::span<std::byte> packing, thread_pool& pool) {
     const std::size_t N = s.batch * s.seq, C = s.d_model;
     const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false);
-    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false);
-    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false);
-    cpu::rope_rows(pool, q, N, s.seq, s.heads, s.head_dim, s.rope_base, 0, false);
-    cpu::rope_rows(pool, k, N, s.seq, s.kv_heads, s.head_dim, s.rope_base, 0, false);
+    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
+    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::rope_rows(pool, q, N, s.seq, s.heads, s.head_dim, table, false);
+    cpu::rope_rows(pool, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
   }
 
-  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot) {
+  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot,
+                             thread_pool& pool) {
     const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
     if constexpr (widened) {
       A* q = slot;
       A* k = q + C * HD;
       A* v = k + C * KD;
       A* o = v + C * KD;
-      cpu::widen(w.wq, C * HD, q);
-      cpu::widen(w.wk, C * KD, k);
-      cpu::widen(w.wv, C * KD, v);
-      cpu::widen(w.wo, HD * C, o);
+      cpu::widen(pool, w.wq, C * HD, q);
+      cpu::widen(pool, w.wk, C * KD, k);
+      cpu::widen(pool, w.wv, C * KD, v);
+      cpu::widen(pool, w.wo, HD * C, o);
       return {q, k, v, o};
     } else {
       (void)slot;
+      (void)pool;
       (void)C;
       (void)HD;
       (void)KD;
@@ -10365,14 +10621,15 @@ void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, s
                      std::size_t C, double eps) {
   for_rows(pool, N, [&](std::size_t n) {
     const S* xr = x + n * C;
-    A ss = 0;
-    for (std::size_t c = 0; c < C; ++c) {
-      const A v = to_accum<A>(xr[c]);
-      ss += v * v;
-    }
+    const A ss = lane_sum<A>(C, [&](std::size_t c) {
+      const A v = load_accum<A>(xr[c]);
+      return v * v;
+    });
     const A r = A(1) / std::sqrt(ss / A(C) + A(eps));
     rstd[n] = r;
-    for (std::size_t c = 0; c < C; ++c) y[n * C + c] = from_accum<S>(to_accum<A>(xr[c]) * r * to_accum<A>(g[c]));
+    S* yr = y + n * C;
+    for (std::size_t c = 0; c < C; ++c)
+      yr[c] = store_accum<S>(load_accum<A>(xr[c]) * r * load_accum<A>(g[c]));
   });
 }
 
@@ -10382,8 +10639,10 @@ void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* 
                    std::size_t C) {
   for_rows(pool, N, [&](std::size_t n) {
     const A r = rstd[n];
+    const S* xr = x + n * C;
+    S* yr = y + n * C;
     for (std::size_t c = 0; c < C; ++c)
-      y[n * C + c] = from_accum<S>(to_accum<A>(x[n * C + c]) * r * to_accum<A>(g[c]));
+      yr[c] = store_accum<S>(load_accum<A>(xr[c]) * r * load_accum<A>(g[c]));
   });
 }
 
@@ -10401,17 +10660,21 @@ void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, 
       const S* xr = x + n * C;
       const S* dr = dy + n * C;
       const A r = rstd[n];
-      A dot = 0;
-      for (std::size_t c = 0; c < C; ++c) {
-        const A xv = to_accum<A>(xr[c]), dv = to_accum<A>(dr[c]);
-        dot += dv * to_accum<A>(g[c]) * xv;
-        part[c] += dv * xv * r;
-      }
+      const A dot = lane_sum<A>(C, [&](std::size_t c) {
+        return load_accum<A>(dr[c]) * load_accum<A>(g[c]) * load_accum<A>(xr[c]);
+      });
+      for (std::size_t c = 0; c < C; ++c) part[c] += load_accum<A>(dr[c]) * load_accum<A>(xr[c]) * r;
       const A k = r * r * r * dot / A(C);
-      for (std::size_t c = 0; c < C; ++c) {
-        A v = r * to_accum<A>(dr[c]) * to_accum<A>(g[c]) - to_accum<A>(xr[c]) * k;
-        if (residual != nullptr) v += to_accum<A>(residual[n * C + c]);
-        dx[n * C + c] = from_accum<S>(v);
+      S* dxr = dx + n * C;
+      if (residual != nullptr) {
+        const S* rr = residual + n * C;
+        for (std::size_t c = 0; c < C; ++c)
+          dxr[c] = store_accum<S>(r * load_accum<A>(dr[c]) * load_accum<A>(g[c]) -
+                                  load_accum<A>(xr[c]) * k + load_accum<A>(rr[c]));
+      } else {
+        for (std::size_t c = 0; c < C; ++c)
+          dxr[c] = store_accum<S>(r * load_accum<A>(dr[c]) * load_accum<A>(g[c]) -
+                                  load_accum<A>(xr[c]) * k);
       }
     }
   });
@@ -10427,8 +10690,35 @@ template <typename A, typename S>
 void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
   for_rows(pool, N, [&](std::size_t n) {
     for (std::size_t c = 0; c < C; ++c)
-      y[n * C + c] = from_accum<S>(to_accum<A>(a[n * C + c]) + to_accum<A>(b[n * C + c]));
+      y[n * C + c] = store_accum<S>(load_accum<A>(a[n * C + c]) + load_accum<A>(b[n * C + c]));
   });
+}
+
+// One row of the SwiGLU gate, act = SiLU(a)·b = a/(1 + e^−a)·b, with Eigen's vectorized exp
+// (element_math.hpp's scalar formula, same operations; the exp is Eigen's, not std::exp).
+template <typename S, typename A>
+void swiglu_row(const S* a, const S* b, A* act, std::size_t F) {
+  using array = Eigen::Array<A, Eigen::Dynamic, 1>;
+  using storage = Eigen::Array<S, Eigen::Dynamic, 1>;
+  const auto n = static_cast<Eigen::Index>(F);
+  const auto av = Eigen::Map<const storage>(a, n).template cast<A>();
+  const auto bv = Eigen::Map<const storage>(b, n).template cast<A>();
+  Eigen::Map<array>(act, n) = av / (A(1) + (-av).exp()) * bv;
+}
+// Its backward, with dact in db on entry: s = σ(a) = 1/(1 + e^−a), da = dact·s·b·(1 + a·(1 − s)),
+// db = dact·s·a (one exp per element, as swiglu_backward).
+template <typename S, typename A>
+void swiglu_backward_row(const S* a, const S* b, A* da, A* db, std::size_t F) {
+  using array = Eigen::Array<A, Eigen::Dynamic, 1>;
+  using storage = Eigen::Array<S, Eigen::Dynamic, 1>;
+  const auto n = static_cast<Eigen::Index>(F);
+  const auto av = Eigen::Map<const storage>(a, n).template cast<A>();
+  const auto bv = Eigen::Map<const storage>(b, n).template cast<A>();
+  Eigen::Map<array> s(da, n), g(db, n);
+  s = (A(1) + (-av).exp()).inverse();
+  g = g * s;                               // dact·s
+  s = g * bv * (A(1) + av * (A(1) - s));   // da
+  g = g * av;                              // db
 }
 
 // x0[n] = table[tokens[n]]; the ids were checked by the caller.
@@ -10541,15 +10831,21 @@ class swiglu_mlp {
     const std::size_t b[] = {h_s(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+  // On the CPU the workspace holds the GEMMs' packing buffers, per thread: size it with the
+  // pool's thread count (the device ignores `threads`).
+  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s,
+                                                       std::size_t threads) noexcept {
     if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template forward_workspace_bytes<S>(s);
-    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
-    return detail::fits_layout(b) ? forward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s), bytes_of<std::byte>(threads, pack_bytes(s))};
+    return detail::fits_layout(b) ? forward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
   }
-  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s, std::size_t) noexcept {
+  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
+                                                        std::size_t threads) noexcept {
     if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template backward_workspace_bytes<S>(s);
-    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s)};
-    return detail::fits_layout(b) ? backward_layout(s).size() : std::numeric_limits<std::size_t>::max();
+    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s), bytes_of<std::byte>(threads, pack_bytes(s))};
+    return detail::fits_layout(b) ? backward_layout(s, threads).size()
+                                  : std::numeric_limits<std::size_t>::max();
   }
 
   struct weights {
@@ -10606,60 +10902,63 @@ class swiglu_mlp {
   template <typename SavedView>
   static void forward_cpu(const mlp_shape& s, const weights& w, const S* x, S* y, const SavedView& sv,
                           void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const auto ws = detail::carve_named(forward_layout(s), forward_workspace_bytes(s, 1), workspace,
+    const std::size_t threads = pool.size();
+    const auto ws = detail::carve_named(forward_layout(s, threads),
+                                        forward_workspace_bytes(s, threads), workspace,
                                         workspace_size, "workspace");
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm), threads * pack_bytes(s)};
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(f_x));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w), pool);
     S* a_s = sv.template get<S>(s_a);
     S* b_s = sv.template get<S>(s_b);
     A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
     A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
-    cpu::matmul(pool, xa, wa.g, a, N, C, F, false);
-    cpu::matmul(pool, xa, wa.u, b, N, C, F, false);
+    cpu::matmul(pool, xa, wa.g, a, N, C, F, false, cpu::ld3{C, F, F}, pk);
+    cpu::matmul(pool, xa, wa.u, b, N, C, F, false, cpu::ld3{C, F, F}, pk);
     if constexpr (widened) {  // backward sees the rounded values: use them here too
-      cpu::narrow(static_cast<const A*>(a), N * F, a_s);
-      cpu::narrow(static_cast<const A*>(b), N * F, b_s);
+      cpu::narrow(pool, static_cast<const A*>(a), N * F, a_s);
+      cpu::narrow(pool, static_cast<const A*>(b), N * F, b_s);
     }
     A* act = ws.template get<A>(f_act);
     activation(pool, a_s, b_s, act, N, F);
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false, cpu::ld3{F, C, C}, pk);
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), N * C, y);
   }
 
   template <typename SavedView>
   static void backward_cpu(const mlp_shape& s, const weights& w, const S* x, const SavedView& sv,
                            const S* dy, S* dx, const gradients& g, void* workspace,
                            std::size_t workspace_size, thread_pool& pool) {
-    const auto ws = detail::carve_named(backward_layout(s), backward_workspace_bytes(s, 1),
-                                        workspace, workspace_size, "workspace");
+    const std::size_t threads = pool.size();
+    const auto ws = detail::carve_named(backward_layout(s, threads),
+                                        backward_workspace_bytes(s, threads), workspace,
+                                        workspace_size, "workspace");
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm), threads * pack_bytes(s)};
     const S* a_s = sv.template get<S>(s_a);
     const S* b_s = sv.template get<S>(s_b);
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(b_x));
+    const A* dya = cpu::widen_or_alias(pool, dy, N * C, ws.template get<A>(b_dy));
+    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w), pool);
     A* act = ws.template get<A>(b_act);
     A* tmp = ws.template get<A>(b_tmp);
     activation(pool, a_s, b_s, act, N, F);
-    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C);
+    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C, pk);
     // dact = dy·Wdᵀ, then da = dact·b·SiLU'(a) and db = dact·SiLU(a), in place over act's slot.
     A* da = act;
     A* db = ws.template get<A>(b_db);
-    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t f = 0; f < F; ++f) {
-        const std::size_t i = n * F + f;
-        swiglu_backward(to_accum<A>(a_s[i]), to_accum<A>(b_s[i]), db[i], da[i], db[i]);
-      }
-    });
-    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F);
+    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false, cpu::ld3{C, C, F}, pk);
+    activation_backward(pool, a_s, b_s, da, db, N, F);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F, pk);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F, pk);
     A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false);
-    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false, cpu::ld3{F, F, C},
+                   pk);
+    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true, cpu::ld3{F, F, C},
+                   pk);
+    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(dxa), N * C, dx);
   }
 
  private:
@@ -10679,22 +10978,32 @@ class swiglu_mlp {
     l.add(h_s(s));
     return l;
   }
+  // Per-thread packing bytes of the GEMMs (linalg.hpp's gemm with the caller's buffers): the
+  // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
+  static constexpr std::size_t pack_bytes(const mlp_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, F),
+                     cpu::matmul_thread_scratch_bytes<A>(N, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, F)});
+  }
   // Phases: 0 the two up projections, 1 the down projection.
-  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y };
-  static constexpr workspace_layout<6> forward_layout(const mlp_shape& s) {
-    workspace_layout<6> l;
+  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y, f_gemm };
+  static constexpr workspace_layout<7> forward_layout(const mlp_shape& s, std::size_t threads) {
+    workspace_layout<7> l;
     l.add(x_acc(s), default_alignment, {0, 0});
     l.add(w_acc(s), default_alignment, {0, 1});
     l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
     l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
     l.add(h_a(s), default_alignment, {1, 1});
     l.add(x_acc(s), default_alignment, {1, 1});
+    l.add(bytes_of<std::byte>(threads, pack_bytes(s)), default_alignment, {0, 1});
     return l;
   }
   // Phases: 0 Wd's gradient and dact, 1 the gate's backward and Wg, Wu gradients, 2 dx.
-  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx };
-  static constexpr workspace_layout<7> backward_layout(const mlp_shape& s) {
-    workspace_layout<7> l;
+  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx, b_gemm };
+  static constexpr workspace_layout<8> backward_layout(const mlp_shape& s, std::size_t threads) {
+    workspace_layout<8> l;
     l.add(x_acc(s), default_alignment, {0, 1});
     l.add(x_acc(s), default_alignment, {0, 0});
     l.add(w_acc(s), default_alignment, {0, 2});
@@ -10702,21 +11011,23 @@ class swiglu_mlp {
     l.add(h_a(s), default_alignment, {0, 2});
     l.add(widened ? bytes_of<A>(s.width, s.hidden) : 0, default_alignment, {0, 1});
     l.add(x_acc(s), default_alignment, {2, 2});
+    l.add(bytes_of<std::byte>(threads, pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
   struct wptrs {
     const A *g, *u, *d;
   };
-  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot) {
+  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot, thread_pool& pool) {
     if constexpr (widened) {
       const std::size_t CF = s.width * s.hidden;
-      cpu::widen(w.w_gate, CF, slot);
-      cpu::widen(w.w_up, CF, slot + CF);
-      cpu::widen(w.w_down, CF, slot + 2 * CF);
+      cpu::widen(pool, w.w_gate, CF, slot);
+      cpu::widen(pool, w.w_up, CF, slot + CF);
+      cpu::widen(pool, w.w_down, CF, slot + 2 * CF);
       return {slot, slot + CF, slot + 2 * CF};
     } else {
       (void)s;
+      (void)pool;
       (void)slot;
       return {w.w_gate, w.w_up, w.w_down};
     }
@@ -10726,14 +11037,18 @@ class swiglu_mlp {
     detail::not_null(w.w_up, "weights.w_up");
     detail::not_null(w.w_down, "weights.w_down");
   }
-  // act = SiLU(a)·b from the stored pre-activations.
+  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (model_cpu.hpp).
   static void activation(thread_pool& pool, const S* a, const S* b, A* act, std::size_t N,
                          std::size_t F) {
     cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t f = 0; f < F; ++f) {
-        const std::size_t i = n * F + f;
-        act[i] = swiglu(to_accum<A>(a[i]), to_accum<A>(b[i]));
-      }
+      cpu::swiglu_row(a + n * F, b + n * F, act + n * F, F);
+    });
+  }
+  // da = dact·b·SiLU'(a), db = dact·SiLU(a), with dact in db on entry.
+  static void activation_backward(thread_pool& pool, const S* a, const S* b, A* da, A* db,
+                                  std::size_t N, std::size_t F) {
+    cpu::for_rows(pool, N, [&](std::size_t n) {
+      cpu::swiglu_backward_row(a + n * F, b + n * F, da + n * F, db + n * F, F);
     });
   }
 };
@@ -10956,14 +11271,36 @@ class lm_head {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/lm_head.hpp ----
-// ---- begin membound/optimizer/adamw.hpp ----
-// AdamW (Loshchilov & Hutter) with decoupled weight decay, over a flat parameter array. With
-// bf16/fp16 storage it keeps fp32 master weights, so small updates are not rounded away: the
-// master is updated and the stored weight is its rounding. State is the caller's bytes
-// (state_bytes(n) of them), like every other buffer in membound.
+// ---- begin membound/optimizer/optimizer_policy.hpp ----
+// What the trainer and the planner ask of an optimizer: a policy type with static members only,
+// whose state is the caller's bytes (state_bytes(n) of them, exact and known at compile time), so
+// that the planner counts it and the trainer allocates it like every other buffer.
+//
+//   static_assert(membound::check_optimizer_policy<membound::adamw8bit<float>, float>());
+//   plan_options po;  po.optimizer_policy = membound::optimizer_of<membound::adamw8bit<float>>();
+//
+// A policy O for storage type S offers:
+//   using storage_type = S;
+//   static constexpr std::string_view name;                 // "adamw", "adamw8bit": flags, logs
+//   static std::string description();                       // the plan table's line
+//   static constexpr std::size_t state_bytes(std::size_t n) noexcept;
+//   static void init(const S* w, std::size_t n, void* state, std::size_t bytes);
+//   static void update(S* w, const S* g, void* state, std::size_t n,
+//                      std::span<const param_span> spans, const optimizer_step& s, thread_pool& pool);
+//   static std::span<const std::byte> save_state(const void* state, std::size_t n);
+//   static void load_state(std::span<const std::byte> from, void* state, std::size_t n);
+//
+// update covers the n elements the state was made for, given as spans inside [0, n) in order
+// (each tensor's part; the padding between tensors is in none and takes no step): one call per
+// step over the whole flat range, so a policy whose state is kept per block of elements
+// (adamw8bit) sees every block whole, even where a block holds the end of one tensor and the
+// start of the next (the spans say which elements decay). load_state checks the bytes before it
+// writes any: a refused load leaves the state as it was.
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// AdamW's hyper-parameters (both policies here are AdamW; lr is the run's peak rate only where no
+// schedule gives one).
 struct adamw_config {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -10972,11 +11309,153 @@ struct adamw_config {
   double weight_decay = 0.1;
 };
 
+// A run of elements of one tensor inside the optimizer's flat range: [first, first + count),
+// and whether it takes weight decay (matrices do; norms and biases do not).
+struct param_span {
+  std::size_t first = 0;
+  std::size_t count = 0;
+  bool decay = true;
+};
+
+// One step's scalars: t is 1-based, grad_scale multiplies every gradient (clipping, loss scale).
+struct optimizer_step {
+  std::uint64_t t = 1;
+  double lr = 1e-3;
+  double grad_scale = 1.0;
+  adamw_config config{};
+};
+
+namespace detail {
+template <typename O>
+concept optimizer_has_storage_type = requires { typename O::storage_type; };
+template <typename O>
+concept optimizer_has_name = requires {
+  { O::name } -> std::convertible_to<std::string_view>;
+  { O::description() } -> std::convertible_to<std::string>;
+};
+template <typename O>
+concept optimizer_has_state_bytes = requires(std::size_t n) {
+  { O::state_bytes(n) } noexcept -> std::same_as<std::size_t>;
+};
+// Evaluated by the compiler: the planner's compile-time peak needs it.
+template <typename O>
+concept optimizer_state_bytes_constexpr =
+    optimizer_has_state_bytes<O> && requires { typename std::integral_constant<std::size_t, O::state_bytes(1)>; };
+template <typename O, typename S>
+concept optimizer_has_init = requires(const S* w, std::size_t n, void* state) { O::init(w, n, state, n); };
+template <typename O, typename S>
+concept optimizer_has_update = requires(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> sp,
+                                        const optimizer_step& s, thread_pool& pool) {
+  O::update(w, g, state, n, sp, s, pool);
+};
+template <typename O>
+concept optimizer_has_save_load = requires(const void* cs, void* state, std::size_t n, std::span<const std::byte> b) {
+  { O::save_state(cs, n) } -> std::same_as<std::span<const std::byte>>;
+  O::load_state(b, state, n);
+};
+}  // namespace detail
+
+template <typename O, typename S>
+concept optimizer_policy =
+    detail::optimizer_has_storage_type<O> && detail::optimizer_has_name<O> &&
+    detail::optimizer_state_bytes_constexpr<O> && detail::optimizer_has_init<O, S> &&
+    detail::optimizer_has_update<O, S> && detail::optimizer_has_save_load<O>;
+
+// The concept one requirement at a time, each with a sentence: static_assert(check_optimizer_policy<O, S>()).
+template <typename O, typename S>
+consteval bool check_optimizer_policy() {
+  static_assert(detail::optimizer_has_storage_type<O>,
+                "membound: an optimizer policy needs `using storage_type = S;` (the weights' type it updates)");
+  if constexpr (detail::optimizer_has_storage_type<O>) {
+    static_assert(std::is_same_v<typename O::storage_type, S>,
+                  "membound: the optimizer policy is for another storage type than the model's: use the "
+                  "policy for the model's storage (adamw<S>, adamw8bit<S> with S = Model::storage_type)");
+  }
+  static_assert(detail::optimizer_has_name<O>,
+                "membound: an optimizer policy needs `static constexpr std::string_view name` and "
+                "`static std::string description()` (what the plan table prints)");
+  static_assert(detail::optimizer_has_state_bytes<O>,
+                "membound: an optimizer policy needs `static constexpr std::size_t state_bytes(std::size_t n) "
+                "noexcept`: the exact bytes of its state for n parameters");
+  static_assert(detail::optimizer_state_bytes_constexpr<O>,
+                "membound: the optimizer policy's state_bytes(n) must be constexpr (the planner evaluates "
+                "it at compile time)");
+  static_assert(detail::optimizer_has_init<O, S>,
+                "membound: an optimizer policy needs `static void init(const S* w, std::size_t n, void* "
+                "state, std::size_t bytes)`");
+  static_assert(detail::optimizer_has_update<O, S>,
+                "membound: an optimizer policy needs `static void update(S* w, const S* g, void* state, "
+                "std::size_t n, std::span<const param_span> spans, const optimizer_step& s, thread_pool& "
+                "pool)`");
+  static_assert(detail::optimizer_has_save_load<O>,
+                "membound: an optimizer policy needs `static std::span<const std::byte> save_state(const "
+                "void* state, std::size_t n)` and `static void load_state(std::span<const std::byte> from, "
+                "void* state, std::size_t n)` (checkpoints)");
+  return true;
+}
+
+// What the planner keeps of a policy (plan_options is not a template): its name, its storage
+// type's name and its state_bytes. The default (no state_bytes) is AdamW for the model's storage.
+struct optimizer_ref {
+  std::string_view name{};
+  std::string_view storage{};
+  std::size_t (*state_bytes)(std::size_t) noexcept = nullptr;
+  std::string (*description)() = nullptr;
+};
+
+template <typename O>
+  requires detail::optimizer_state_bytes_constexpr<O> && detail::optimizer_has_name<O> &&
+           detail::optimizer_has_storage_type<O>
+constexpr optimizer_ref optimizer_of() noexcept {
+  return {O::name, dtype_name<typename O::storage_type>(), [](std::size_t n) noexcept { return O::state_bytes(n); },
+          [] { return std::string(O::description()); }};
+}
+
+namespace detail {
+// spans must lie in [0, n), in order of first, without overlap. Elements between them (the
+// padding between tensors) take no step.
+inline void check_param_spans(std::span<const param_span> spans, std::size_t n) {
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < spans.size(); ++k) {
+    if (spans[k].first < at || spans[k].first > n || spans[k].count > n - spans[k].first) {
+      throw invalid_argument("spans", "spans inside [0, " + std::to_string(n) + "), in order, not overlapping",
+                             "span " + std::to_string(k) + " = [" + std::to_string(spans[k].first) + ", +" +
+                                 std::to_string(spans[k].count) + ")" +
+                                 (spans[k].first < at ? " where the one before ends at " + std::to_string(at) : ""),
+                             "List every tensor's part of the optimizer's range once, in order of offset");
+    }
+    at = spans[k].first + spans[k].count;
+  }
+}
+
+// A state buffer of the wrong size, or none.
+inline void check_state_buffer(const void* state, std::size_t bytes, std::size_t need) {
+  if (state == nullptr || bytes < need) throw workspace_too_small("optimizer state", need, state == nullptr ? 0 : bytes);
+}
+}  // namespace detail
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/optimizer/optimizer_policy.hpp ----
+// ---- begin membound/optimizer/adamw.hpp ----
+// AdamW (Loshchilov & Hutter) with decoupled weight decay, over a flat parameter array. With
+// bf16/fp16 storage it keeps fp32 master weights, so small updates are not rounded away: the
+// master is updated and the stored weight is its rounding. State is the caller's bytes
+// (state_bytes(n) of them), like every other buffer in membound. An optimizer_policy
+// (optimizer/optimizer_policy.hpp): the trainer's default.
+
+MEMBOUND_NAMESPACE_BEGIN
+
 template <typename S>
 class adamw {
  public:
   static constexpr bool has_master = !std::is_same_v<S, float> && !std::is_same_v<S, double>;
   using moment_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
+  using storage_type = S;
+  static constexpr std::string_view name = "adamw";
+  // Also the checkpoint fingerprint's text (with the bytes), as it was before policies.
+  static std::string description() {
+    return "AdamW m, v in " + std::string(dtype_name<moment_type>()) + (has_master ? " + fp32 masters" : "");
+  }
 
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
@@ -11018,10 +11497,287 @@ class adamw {
       }
     });
   }
+
+  // The policy's update: every span of [0, n) in turn, as the per-range update above.
+  static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
+                     const optimizer_step& s, thread_pool& pool) {
+    detail::check_param_spans(spans, n);
+    for (const param_span& sp : spans) {
+      if (sp.count != 0) update(w, g, state, n, sp.first, sp.count, s.t, s.lr, s.config, sp.decay, s.grad_scale, pool);
+    }
+  }
+
+  // The state is flat bytes already: a checkpoint holds them as they are.
+  static std::span<const std::byte> save_state(const void* state, std::size_t n) noexcept {
+    return {static_cast<const std::byte*>(state), state_bytes(n)};
+  }
+  // Checks every value first (v is never negative, masters are finite; NaN fails both), then copies.
+  static void load_state(std::span<const std::byte> from, void* state, std::size_t n) {
+    if (from.size() != state_bytes(n)) {
+      throw invalid_argument("optimizer state", format_bytes(state_bytes(n)) + " (" + description() + ")",
+                             format_bytes(from.size()), "Load a state saved by the same policy for the same parameters");
+    }
+    const auto at = [&](std::size_t i) {
+      moment_type x;
+      std::memcpy(&x, from.data() + i * sizeof(moment_type), sizeof x);
+      return x;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const moment_type v = at(n + i);
+      if (!(v >= 0) || !std::isfinite(at(i)) || !std::isfinite(v) || (has_master && !std::isfinite(at(2 * n + i)))) {
+        throw invalid_argument("optimizer state", "finite moments with v >= 0 and finite masters",
+                               "element " + std::to_string(i) + " is not", "The state is corrupt: load another checkpoint");
+      }
+    }
+    std::memcpy(state, from.data(), from.size());
+  }
 };
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/optimizer/adamw.hpp ----
+// ---- begin membound/optimizer/adamw8bit.hpp ----
+// AdamW with 8-bit moments (Dettmers et al., "8-bit Optimizers via Block-wise Quantization";
+// bitsandbytes' AdamW8bit is the reference for the semantics): m and v are kept as one byte per
+// parameter, in blocks of Block elements that each carry an fp32 absmax scale. A step
+// dequantizes a block, takes the ordinary AdamW step on it in fp32 (adamw_step, the same math as
+// adamw<S>), and quantizes the new moments with the block's new absmax. The parameter update uses
+// the fp32 moments before they are requantized, as bitsandbytes does.
+//
+// The quantization map is bitsandbytes' dynamic (non-linear) one, not a linear one: v spans
+// many decades inside a block (it is g², so a 10x smaller gradient is a 100x smaller v), and a
+// linear 8-bit code would round every v below absmax/255 to 0, making m/(√v + ε) blow up for
+// exactly the parameters with small gradients. The dynamic map spends its codes on decades: 7
+// decades (10⁻⁶..1 of absmax), with 2^i (signed, m) or 2^(i+1) (unsigned, v) evenly spaced
+// codes in decade i, plus 0 and 1. A value is coded by the nearest code (ties to the lower one),
+// deterministically (no stochastic rounding). The map here is computed in double and rounded to
+// fp32 once; bitsandbytes builds it with fp32 linspace, so a code may differ in its last bit.
+//
+// Not bitsandbytes': tensors of fewer than 4096 elements keep 8-bit state here too (bitsandbytes
+// keeps them in 32 bits), so that state_bytes depends on n only; blocks run over the flat range
+// the state covers, so a block may hold the end of one tensor and the start of the next (each
+// element keeps its tensor's weight decay). Under ZeRO-1 the blocks start at the rank's shard,
+// so a sharded run quantizes the same elements together only where shard sizes are multiples of
+// Block.
+//
+// State layout over n parameters, nb = ⌈n / Block⌉ blocks (state_bytes(n) bytes, aligned to 4):
+//   fp32 master[n]     (16-bit storage only, as adamw<S>)
+//   fp32 absmax_m[nb], fp32 absmax_v[nb]
+//   uint8 m[n], uint8 v[n]  (codes into the signed and unsigned maps)
+// so 2 bytes per parameter, 8 per block, and 4 per parameter of masters for bf16/fp16 (adamw<S>
+// keeps 8 or 12).
+//
+// Each block is one task of the pool and is computed by one thread in element order, so the
+// result is bit for bit the same for any number of threads.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// A 256-entry 8-bit quantization map: code[q] sorted ascending, and the fp32 midpoints between
+// neighbours that decide which code a value takes.
+struct quantization_map {
+  std::array<float, 256> code{};
+  std::array<float, 255> mid{};
+
+  // The code nearest x (x / absmax, in [-1, 1]); a tie goes to the lower code. NaN gives code 0.
+  std::uint8_t quantize(float x) const noexcept {
+    // The number of midpoints below x, by binary search.
+    std::size_t lo = 0, hi = mid.size();
+    while (lo < hi) {
+      const std::size_t m = (lo + hi) / 2;
+      if (mid[m] < x) lo = m + 1;
+      else hi = m;
+    }
+    return static_cast<std::uint8_t>(lo);
+  }
+  float operator[](std::uint8_t q) const noexcept { return code[q]; }
+  // The largest distance of a value in [code[0], 1] from its code: half the widest gap.
+  double max_error() const noexcept {
+    double e = 0;
+    for (std::size_t k = 0; k + 1 < code.size(); ++k) e = std::max(e, (static_cast<double>(code[k + 1]) - code[k]) / 2);
+    return e;
+  }
+};
+
+namespace detail {
+// bitsandbytes' dynamic map with 7 exponent levels over 8 bits (see the header comment).
+inline quantization_map make_dynamic_map(bool is_signed) {
+  double v[256];
+  std::size_t k = 0;
+  double decade = 1e-6;
+  for (int i = 0; i < 7; ++i, decade *= 10) {
+    const std::size_t items = std::size_t{1} << (is_signed ? i : i + 1);
+    for (std::size_t j = 0; j < items; ++j) {
+      // The middle of the j-th of `items` equal parts of [0.1, 1].
+      const double mean = 0.1 + 0.9 * (static_cast<double>(j) + 0.5) / static_cast<double>(items);
+      v[k++] = decade * mean;
+      if (is_signed) v[k++] = -decade * mean;
+    }
+  }
+  v[k++] = 0.0;
+  v[k++] = 1.0;
+  std::sort(v, v + k);
+  quantization_map m;
+  for (std::size_t q = 0; q < 256; ++q) m.code[q] = static_cast<float>(v[q]);
+  for (std::size_t q = 0; q < 255; ++q) m.mid[q] = (m.code[q] + m.code[q + 1]) * 0.5f;
+  return m;
+}
+}  // namespace detail
+
+// The maps m and v use (built once, thread-safe).
+inline const quantization_map& signed_dynamic_map() {
+  static const quantization_map m = detail::make_dynamic_map(true);
+  return m;
+}
+inline const quantization_map& unsigned_dynamic_map() {
+  static const quantization_map m = detail::make_dynamic_map(false);
+  return m;
+}
+
+template <typename S, std::size_t Block = 2048>
+class adamw8bit {
+  static_assert(Block >= 64 && Block <= 4096 && (Block & (Block - 1)) == 0,
+                "membound: adamw8bit<S, Block>: Block must be a power of two in [64, 4096] (bitsandbytes uses "
+                "2048 or 256)");
+
+ public:
+  using storage_type = S;
+  static constexpr bool has_master = !std::is_same_v<S, float> && !std::is_same_v<S, double>;
+  // The arithmetic of a step (the moments are dequantized to it).
+  using compute_type = std::conditional_t<std::is_same_v<S, double>, double, float>;
+  static constexpr std::size_t block = Block;
+  static constexpr std::string_view name = "adamw8bit";
+
+  static std::string description() {
+    return "AdamW 8-bit m, v (blocks of " + std::to_string(Block) + ", dynamic map, fp32 absmax)" +
+           (has_master ? " + fp32 masters" : "");
+  }
+
+  static constexpr std::size_t blocks(std::size_t n) noexcept { return n / Block + (n % Block != 0 ? 1 : 0); }
+  static constexpr std::size_t state_bytes(std::size_t n) noexcept {
+    return sat_add(has_master ? bytes_of<float>(n) : 0, sat_mul(bytes_of<float>(blocks(n)), 2), sat_mul(n, 2));
+  }
+
+  // Views of the state's parts.
+  struct view {
+    float* master;
+    float* absmax_m;
+    float* absmax_v;
+    std::uint8_t* m;
+    std::uint8_t* v;
+  };
+  static view parts(void* state, std::size_t n) noexcept {
+    auto* b = static_cast<std::byte*>(state);
+    view p{};
+    p.master = has_master ? reinterpret_cast<float*>(b) : nullptr;
+    b += has_master ? bytes_of<float>(n) : 0;
+    p.absmax_m = reinterpret_cast<float*>(b);
+    p.absmax_v = p.absmax_m + blocks(n);
+    b += 2 * bytes_of<float>(blocks(n));
+    p.m = reinterpret_cast<std::uint8_t*>(b);
+    p.v = p.m + n;
+    return p;
+  }
+
+  // Zero moments (every code the map's 0, scales 0), masters copied from the weights.
+  static void init(const S* w, std::size_t n, void* state, std::size_t bytes) {
+    detail::check_state_buffer(state, bytes, state_bytes(n));
+    const view p = parts(state, n);
+    for (std::size_t b = 0; b < blocks(n); ++b) p.absmax_m[b] = p.absmax_v[b] = 0.0f;
+    std::memset(p.m, signed_dynamic_map().quantize(0.0f), n);
+    std::memset(p.v, unsigned_dynamic_map().quantize(0.0f), n);
+    if constexpr (has_master) {
+      for (std::size_t i = 0; i < n; ++i) p.master[i] = to_accum<float>(w[i]);
+    }
+  }
+
+  // One step over the n elements the state covers: the spans (in order, inside [0, n)) say which
+  // elements take a step and which of those decay.
+  static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
+                     const optimizer_step& s, thread_pool& pool) {
+    detail::check_param_spans(spans, n);
+    using T = compute_type;
+    const view p = parts(state, n);
+    const quantization_map& qm = signed_dynamic_map();
+    const quantization_map& qv = unsigned_dynamic_map();
+    const adamw_config& c = s.config;
+    const auto kd = adamw_coefficients<T>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
+    const auto kn = adamw_coefficients<T>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, false);
+    const T gs = static_cast<T>(s.grad_scale);
+    pool.parallel_for(blocks(n), [&](std::size_t b, std::size_t) {
+      const std::size_t i0 = b * Block, i1 = std::min(n, i0 + Block);
+      T mf[Block], vf[Block];
+      const T am = p.absmax_m[b], av = p.absmax_v[b];
+      T new_am = 0, new_av = 0;
+      // The first span reaching past i0 (spans are sorted by first).
+      std::size_t k = static_cast<std::size_t>(
+          std::upper_bound(spans.begin(), spans.end(), i0,
+                           [](std::size_t i, const param_span& sp) { return i < sp.first + sp.count; }) -
+          spans.begin());
+      for (std::size_t i = i0; i < i1; ++i) {
+        while (k < spans.size() && spans[k].first + spans[k].count <= i) ++k;
+        T m = static_cast<T>(qm[p.m[i]]) * am;
+        T v = static_cast<T>(qv[p.v[i]]) * av;
+        // An element in no span (padding between tensors) keeps its weight and its moments.
+        if (k < spans.size() && spans[k].first <= i) {
+          T w_i = has_master ? static_cast<T>(p.master[i]) : to_accum<T>(w[i]);
+          adamw_step(spans[k].decay ? kd : kn, to_accum<T>(g[i]) * gs, m, v, w_i);
+          if constexpr (has_master) p.master[i] = static_cast<float>(w_i);
+          w[i] = from_accum<S>(w_i);
+        }
+        mf[i - i0] = m;
+        vf[i - i0] = v;
+        new_am = std::max(new_am, std::abs(m));
+        new_av = std::max(new_av, v);
+      }
+      // The scales are stored in fp32: quantize against the stored value, so dequantizing gives
+      // back code·absmax exactly as it was meant.
+      const float sm = static_cast<float>(new_am), sv = static_cast<float>(new_av);
+      const std::uint8_t zm = qm.quantize(0.0f), zv = qv.quantize(0.0f);
+      for (std::size_t i = i0; i < i1; ++i) {
+        p.m[i] = sm > 0 ? qm.quantize(static_cast<float>(mf[i - i0] / static_cast<T>(sm))) : zm;
+        p.v[i] = sv > 0 ? qv.quantize(static_cast<float>(vf[i - i0] / static_cast<T>(sv))) : zv;
+      }
+      p.absmax_m[b] = sm;
+      p.absmax_v[b] = sv;
+    });
+  }
+
+  static std::span<const std::byte> save_state(const void* state, std::size_t n) noexcept {
+    return {static_cast<const std::byte*>(state), state_bytes(n)};
+  }
+  // Checks the scales (finite, not negative) and the masters (finite) first, then copies. Every
+  // byte is a valid code.
+  static void load_state(std::span<const std::byte> from, void* state, std::size_t n) {
+    if (from.size() != state_bytes(n)) {
+      throw invalid_argument("optimizer state", format_bytes(state_bytes(n)) + " (" + description() + ")",
+                             format_bytes(from.size()), "Load a state saved by the same policy for the same parameters");
+    }
+    const auto f = [&](std::size_t i) {
+      float x;
+      std::memcpy(&x, from.data() + i * sizeof(float), sizeof x);
+      return x;
+    };
+    const std::size_t masters = has_master ? n : 0;
+    for (std::size_t i = 0; i < masters; ++i) {
+      if (!std::isfinite(f(i))) {
+        throw invalid_argument("optimizer state", "finite fp32 masters", "master " + std::to_string(i) + " is not",
+                               "The state is corrupt: load another checkpoint");
+      }
+    }
+    for (std::size_t b = 0; b < 2 * blocks(n); ++b) {
+      const float x = f(masters + b);
+      if (!(x >= 0) || !std::isfinite(x)) {
+        throw invalid_argument("optimizer state", "finite absmax scales >= 0",
+                               std::string(b < blocks(n) ? "m" : "v") + " scale of block " +
+                                   std::to_string(b % blocks(n)) + " = " + std::to_string(x),
+                               "The state is corrupt: load another checkpoint");
+      }
+    }
+    std::memcpy(state, from.data(), from.size());
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/optimizer/adamw8bit.hpp ----
 // ---- begin membound/model/model_config.hpp ----
 // The runtime sizes of a model (its type fixes the layers and policies; these fix the widths),
 // and how each parameter tensor is named, sized and initialized.
@@ -11887,6 +12643,11 @@ class checkpoint_reader {
                                           " (a different model or precision?)");
     }
     std::memcpy(dst, data_.data() + s.offset, bytes);
+  }
+  // Section `name` as it is in the file (valid while the reader lives).
+  std::span<const std::byte> view(const std::string& name) const {
+    const section& s = need(name);
+    return {reinterpret_cast<const std::byte*>(data_.data() + s.offset), s.bytes};
   }
   template <typename T>
   T value(const std::string& name) const {
@@ -13266,17 +14027,44 @@ struct plan_options {
   std::size_t threads = 1;
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
   std::size_t accumulation = 1;   // micro-batches per optimizer step
-  bool optimizer = true;          // count AdamW's state (m, v, and fp32 masters for 16-bit storage)
-  // Parameters whose AdamW state this process holds: 0 for all of them; under ZeRO-1 its shard.
+  bool optimizer = true;          // count the optimizer's state (AdamW: m, v, and fp32 masters for 16-bit storage)
+  // Parameters whose optimizer state this process holds: 0 for all of them; under ZeRO-1 its shard.
   std::size_t optimizer_elements = 0;
+  // The optimizer policy whose state_bytes the plan counts: optimizer_of<adamw8bit<S>>(), ...;
+  // the default is adamw<S> for the model's storage S.
+  optimizer_ref optimizer_policy{};
 };
 
-// AdamW's bytes for the parameters o says this process keeps state for.
+namespace detail {
+// The policy's state bytes for n parameters of storage S; a policy for another storage type is
+// refused (its bytes would be another layout's).
+template <typename S>
+constexpr std::size_t policy_state_bytes(const optimizer_ref& r, std::size_t n) {
+  if (r.state_bytes == nullptr) return adamw<S>::state_bytes(n);
+  if (r.storage != dtype_name<S>()) {
+    throw invalid_argument("options.optimizer_policy",
+                           "a policy for the model's " + std::string(dtype_name<S>()) + " storage",
+                           std::string(r.name) + " for " + std::string(r.storage),
+                           "Name the policy for the model's storage: optimizer_of<adamw8bit<Model::storage_type>>()");
+  }
+  return r.state_bytes(n);
+}
+}  // namespace detail
+
+// The optimizer's bytes for the parameters o says this process keeps state for.
 template <typename Model>
 std::size_t optimizer_state_bytes(const Model& m, const plan_options& o) {
   if (!o.optimizer) return 0;
   const std::size_t n = o.optimizer_elements != 0 ? o.optimizer_elements : m.parameter_elements();
-  return adamw<typename Model::storage_type>::state_bytes(n);
+  return detail::policy_state_bytes<typename Model::storage_type>(o.optimizer_policy, n);
+}
+
+// The plan table's words for the policy o names.
+template <typename Model>
+std::string optimizer_description(const plan_options& o) {
+  if (!o.optimizer) return "(not counted)";
+  return o.optimizer_policy.description != nullptr ? o.optimizer_policy.description()
+                                                   : adamw<typename Model::storage_type>::description();
 }
 
 // One op of the step's timeline: what it is, bytes live before it and its peak.
@@ -13293,6 +14081,7 @@ struct training_plan {
   std::size_t head_chunk = 0;
   std::size_t threads = 1;
   std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  std::string optimizer_policy;  // the optimizer's state, in words (the table's line)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -13331,7 +14120,8 @@ struct training_plan {
     s += line;
     row("weights", weights, "");
     row("gradients", gradients, "");
-    row("optimizer", optimizer, optimizer == 0 ? "(not counted)" : "AdamW m, v (+ fp32 masters)");
+    row("optimizer", optimizer,
+        optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
     row("activations (kept)", activations, "at most, between ops");
     row("workspace (at peak)", workspace, "transient");
     const std::string at = "at " + peak_phase;
@@ -13434,6 +14224,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.weights = m.weight_bytes();
   p.gradients = m.weight_bytes();
   p.optimizer = optimizer_state_bytes(m, o);
+  p.optimizer_policy = optimizer_description<Model>(o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
   const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
@@ -13479,7 +14270,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     p.timeline.push_back(std::move(q));
   }
   p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
-  p.timeline.push_back({"optimizer step (AdamW, in place)", base, base});
+  p.timeline.push_back({"optimizer step (" +
+                            std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
+                                                                                   : o.optimizer_policy.name) +
+                            ", in place)",
+                        base, base});
   if (best != p.peak_bytes) {
     throw error("membound: planner timeline and simulate() disagree on the peak (" +
                 std::to_string(best) + " vs " + std::to_string(p.peak_bytes) + "): a bug, please report it");
@@ -13496,7 +14291,8 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
                                      const plan_options& o = {}) {
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
-  const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n), o.optimizer ? adamw<S>::state_bytes(n) : 0);
+  const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n),
+                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0);
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
   std::vector<chain_op> ops;
@@ -13559,6 +14355,7 @@ struct fit_options {
   std::size_t threads = 1;
   bool optimizer = true;
   std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
+  optimizer_ref optimizer_policy{};    // as plan_options: the default is adamw<S>
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
@@ -13621,7 +14418,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements};
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy};
       const batch_shape b{mb, effective.seq};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
@@ -14090,9 +14887,12 @@ inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text,
 }
 }  // namespace detail
 
+// Optimizer: an optimizer_policy for the model's storage (optimizer/optimizer_policy.hpp):
+// adamw<S> (the default) or adamw8bit<S>.
 template <typename Model, typename Allocator, typename Monitor = null_monitor,
-          typename Communicator = local_communicator>
+          typename Communicator = local_communicator, typename Optimizer = adamw<typename Model::storage_type>>
 class trainer {
+  static_assert(check_optimizer_policy<Optimizer, typename Model::storage_type>());
   static_assert(step_monitor<Monitor, Allocator>,
                 "membound: trainer's Monitor must offer check<check_point>(allocator), "
                 "stricter_plan_requested() and clear_stricter_plan_request(): use null_monitor or "
@@ -14127,6 +14927,11 @@ class trainer {
     check_options(o_);
     check_world();
     opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
+    // Each tensor's part in this rank's optimizer range, relative to its start.
+    for (const param_entry& e : m_.parameters()) {
+      const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
+      if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
+    }
     if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
     check_plan(plan_);
     plan_.reserved_peak = reserve_of(plan_);
@@ -14158,7 +14963,7 @@ class trainer {
     try {
       m_.init_weights(w_, o_.seed);
       std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
-      adamw<S>::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
+      Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
       throw;
@@ -14231,12 +15036,9 @@ class trainer {
     if (r.applied) {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
-      const std::size_t b = opt_shard_.begin, n = opt_shard_.size();
-      for (const param_entry& e : m_.parameters()) {
-        const std::size_t lo = std::max(e.offset, b), hi = std::min(e.offset + e.count, opt_shard_.end);
-        if (lo >= hi) continue;
-        adamw<S>::update(w_ + b, g_ + b, opt_, n, lo - b, hi - lo, updates_ + 1, r.lr, o_.adam, e.decay, gs, pool_);
-      }
+      const std::size_t b = opt_shard_.begin;
+      Optimizer::update(w_ + b, g_ + b, opt_, opt_shard_.size(), opt_spans_,
+                        optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -14287,7 +15089,8 @@ class trainer {
     for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
     cw.add("fingerprint", fp.data(), fp.size());
     cw.add("weights", w_, m_.weight_bytes());
-    cw.add("optimizer", opt_, opt_bytes());
+    const std::span<const std::byte> state = Optimizer::save_state(opt_, opt_shard_.size());
+    cw.add("optimizer", state.data(), state.size());
     cw.add_value<std::uint64_t>("step", steps_);
     cw.add_value<std::uint64_t>("updates", updates_);
     cw.add_value<std::uint64_t>("rng", rng_.state);
@@ -14348,9 +15151,14 @@ class trainer {
         // A plan this build cannot make: keep the current one.
       }
     }
-    // Everything checked: commit.
+    // Everything checked: commit. The optimizer first: load_state checks its values before it
+    // writes any, and nothing after it can fail.
+    try {
+      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
+    } catch (const invalid_argument& e) {
+      throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+    }
     r.copy("weights", w_, m_.weight_bytes());
-    r.copy("optimizer", opt_, opt_bytes());
     std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
     steps_ = steps;
     updates_ = updates;
@@ -14417,9 +15225,7 @@ class trainer {
     add("parameters.elements", num(n_));
     add("parameters.tensors", num(m_.parameters().size()));
     add("parameters.layout", std::string("fnv1a ") + layout);
-    using opt = adamw<S>;
-    add("optimizer", std::string("AdamW m, v in ") + std::string(dtype_name<typename opt::moment_type>()) +
-                         (opt::has_master ? " + fp32 masters, " : ", ") + num(opt_bytes()) + " bytes");
+    add("optimizer", Optimizer::description() + ", " + num(opt_bytes()) + " bytes");
     // Under ZeRO-1 the state is one rank's shard: resuming needs the same world and rank.
     if (sharded()) {
       add("zero", "1");
@@ -14452,7 +15258,7 @@ class trainer {
   // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
   static constexpr std::uint64_t format_version = 2;
 
-  std::size_t opt_bytes() const noexcept { return adamw<S>::state_bytes(opt_shard_.size()); }
+  std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
   bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
@@ -14530,6 +15336,7 @@ class trainer {
     po.accumulation = accumulation;
     po.optimizer = true;
     po.optimizer_elements = optimizer_elements();
+    po.optimizer_policy = optimizer_of<Optimizer>();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -14586,7 +15393,7 @@ class trainer {
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
     if (q.optimizer != p.optimizer) {
-      differs("plan.optimizer", format_bytes(q.optimizer) + " (AdamW's state)",
+      differs("plan.optimizer", format_bytes(q.optimizer) + " (" + Optimizer::description() + ")",
               format_bytes(p.optimizer) + (p.optimizer == 0 ? " (made with optimizer = false?)" : ""));
     }
     if (q.ops != p.ops) {
@@ -14811,6 +15618,7 @@ class trainer {
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
+    fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -14832,6 +15640,7 @@ class trainer {
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
+    fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
@@ -14931,6 +15740,7 @@ class trainer {
   reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   shard_range opt_shard_{};  // the parameters whose AdamW state this rank holds
+  std::vector<param_span> opt_spans_;  // each tensor's part of opt_shard_, relative to its start
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
