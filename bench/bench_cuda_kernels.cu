@@ -31,6 +31,7 @@ struct dev_mem {
   explicit dev_mem(std::size_t bytes) {
     mb::cuda_check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "cudaMalloc");
     mb::cuda_check(cudaMemset(p, 0, bytes == 0 ? 1 : bytes), "cudaMemset");
+    mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // legacy-stream memset
   }
   ~dev_mem() { (void)cudaFree(p); }
   dev_mem(const dev_mem&) = delete;
@@ -158,6 +159,7 @@ void BM_embedding_gather(benchmark::State& state) {
   for (std::size_t i = 0; i < N; ++i) ids[i] = static_cast<std::int32_t>((i * 7919) % V);
   dev_mem tok(N * 4), table(V * C * s_bytes), x(N * C * s_bytes);
   mb::cuda_check(cudaMemcpy(tok.p, ids.data(), N * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // legacy-stream copy
   measure(state, ex, 2.0 * N * C * s_bytes + 4.0 * N, [&] {
     mc::embedding_gather(ex, tok.as<std::int32_t>(), table.as<S>(), x.as<S>(), N, C, V);
   });

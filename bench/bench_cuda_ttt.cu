@@ -34,6 +34,7 @@ S* upload(std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
   void* p = nullptr;
   mb::cuda_check(cudaMalloc(&p, h.size() * sizeof(S)), "cudaMalloc");
   mb::cuda_check(cudaMemcpy(p, h.data(), h.size() * sizeof(S), cudaMemcpyHostToDevice), "cudaMemcpy");
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // legacy-stream copy
   return static_cast<S*>(p);
 }
 

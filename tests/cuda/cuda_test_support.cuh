@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -46,8 +48,48 @@ std::string expect_throw(F&& body, const char* what, int line) {
 }
 #define EXPECT_THROW(E, stmt) ::mbt::expect_throw<E>([&] { stmt; }, #stmt, __LINE__)
 
+// The normwise relative error max|got − want| / max(max|want|, floor), the metric of the CPU
+// layer tests (tests/support/layer_test_util.hpp's rel_err), checked against `tolerance`; the
+// worst element is printed with its index when it fails. Elementwise relative errors are the
+// wrong yardstick for layer outputs: they are cancelling sums whose rounding scales with their
+// terms, not with the (often tiny) result, and the first run on a GPU (H200, 2026-11-26) showed
+// fp32 layers at 2e-5..1.6e-4 elementwise but ≤ 7.8e-7 normwise. `floor` is the smallest scale
+// used, for an all-zero `want`. Every call prints its measured error, the figures notes quote.
+inline bool close_normwise(const char* name, const std::vector<double>& got,
+                           const std::vector<double>& want, double tolerance, double floor = 1e-6) {
+  if (got.size() != want.size()) {
+    std::fprintf(stderr, "%s: %zu values, expected %zu\n", name, got.size(), want.size());
+    ++failures;
+    return false;
+  }
+  double diff = 0, scale = floor;
+  std::size_t at = 0;
+  bool nan = false;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = std::abs(got[i] - want[i]);
+    if (std::isnan(d)) nan = true;
+    if (d > diff || (std::isnan(d) && !nan)) at = i;
+    if (d > diff) diff = d;
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  const double error = nan ? std::numeric_limits<double>::quiet_NaN() : diff / scale;
+  std::printf("  %s: normwise relative error %.3g (tolerance %.3g)\n", name, error, tolerance);
+  if (!(error <= tolerance)) {  // NaN fails
+    std::fprintf(stderr,
+                 "%s: normwise relative error %.3g, worst at [%zu] (got %.9g, want %.9g, scale "
+                 "%.3g), tolerance %.3g\n",
+                 name, error, at, got.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at],
+                 scale, tolerance);
+    ++failures;
+    return false;
+  }
+  return true;
+}
+
 // Largest |got − want| / (|want| + floor) over two host arrays, printed with its name and index
 // when it is above `tolerance`. floor keeps values near zero from dominating a relative check.
+// For elementwise kernels, whose every output is its own short computation; layer outputs are
+// compared with close_normwise.
 inline bool close(const char* name, const std::vector<double>& got, const std::vector<double>& want,
                   double tolerance, double floor = 1e-6) {
   if (got.size() != want.size()) {
@@ -65,6 +107,8 @@ inline bool close(const char* name, const std::vector<double>& got, const std::v
       if (std::isnan(e)) break;
     }
   }
+  std::printf("  %s: worst relative error %.3g (tolerance %.3g, floor %.3g)\n", name, worst,
+              tolerance, floor);
   if (!(worst <= tolerance)) {
     std::fprintf(stderr, "%s: relative error %.3g at [%zu] (got %.9g, want %.9g), tolerance %.3g\n",
                  name, worst, at, got[at], want[at], tolerance);
@@ -90,12 +134,19 @@ class device_buffer {
   device_buffer& operator=(const device_buffer&) = delete;
   T* get() const noexcept { return p_; }
   std::size_t size() const noexcept { return n_; }
+  // cudaMemcpy runs on the legacy default stream, which does not order against the library's
+  // non-blocking streams (and a pageable upload may return before its DMA lands): both copies
+  // wait for the whole device, so a test's upload is complete before the next launch on any
+  // stream, and a download sees every launch before it.
   void upload(const std::vector<T>& host) {
+    membound::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     membound::cuda_check(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice),
                          "cudaMemcpy");
+    membound::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   std::vector<T> download() const {
     std::vector<T> host(n_);
+    membound::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     membound::cuda_check(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost),
                          "cudaMemcpy");
     return host;
@@ -105,6 +156,33 @@ class device_buffer {
   T* p_ = nullptr;
   std::size_t n_ = 0;
 };
+
+// Host bytes aligned to 256 (membound::default_alignment), as the CPU layers' saved and
+// workspace buffers must be: the CPU reference side of a GPU test.
+class host_buffer {
+ public:
+  explicit host_buffer(std::size_t n)
+      : p_(static_cast<std::uint8_t*>(::operator new(n == 0 ? 1 : n, std::align_val_t{256}))),
+        n_(n) {
+    std::memset(p_, 0, n == 0 ? 1 : n);
+  }
+  ~host_buffer() { ::operator delete(p_, std::align_val_t{256}); }
+  host_buffer(const host_buffer&) = delete;
+  host_buffer& operator=(const host_buffer&) = delete;
+  std::uint8_t* data() const noexcept { return p_; }
+  std::size_t size() const noexcept { return n_; }
+
+ private:
+  std::uint8_t* p_;
+  std::size_t n_;
+};
+
+// Largest |value|: the scale a cancelling sum's rounding is measured against.
+inline double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double e : v) m = std::max(m, std::abs(e));
+  return m;
+}
 
 struct test_case {
   const char* name;
@@ -185,6 +263,10 @@ std::vector<T> from_bytes(const std::uint8_t* p, std::size_t bytes) {
 }
 template <typename T>
 std::vector<T> from_bytes(const std::vector<std::uint8_t>& b) {
+  return from_bytes<T>(b.data(), b.size());
+}
+template <typename T>
+std::vector<T> from_bytes(const host_buffer& b) {
   return from_bytes<T>(b.data(), b.size());
 }
 

@@ -53,7 +53,7 @@ void compare(const mb::attention_shape& s, double tolerance) {
   // CPU reference.
   mb::thread_pool pool(1);
   std::vector<S> y_c(N * C), dx_c(N * C), gq_c = gq0, gk_c = gk0, gv_c = gv0, go_c = go0;
-  std::vector<std::uint8_t> saved_c(cpu_attn::saved_bytes(s));
+  mbt::host_buffer saved_c(cpu_attn::saved_bytes(s));
   std::vector<std::uint8_t> ws_c(std::max(cpu_attn::forward_workspace_bytes(s, 1),
                                           cpu_attn::backward_workspace_bytes(s, 1)) + 256);
   void* wsp = ws_c.data();
@@ -104,13 +104,13 @@ void compare(const mb::attention_shape& s, double tolerance) {
   constexpr double floor = 1e-2;
   const float* lse_g = gpu_attn::saved_lse(s, first.saved.data());  // host copy, same layout
   const std::vector<float> lse_gv(lse_g, lse_g + s.batch * s.heads * s.seq);
-  mbt::close("y", as_double(from_bytes<S>(first.y)), as_double(y_c), tolerance, floor);
-  mbt::close("lse", as_double(lse_gv), as_double(lse_cv), tolerance, floor);
-  mbt::close("dx", as_double(from_bytes<S>(first.dx)), as_double(dx_c), tolerance, floor);
-  mbt::close("dWq", as_double(from_bytes<S>(first.gq)), as_double(gq_c), tolerance, floor);
-  mbt::close("dWk", as_double(from_bytes<S>(first.gk)), as_double(gk_c), tolerance, floor);
-  mbt::close("dWv", as_double(from_bytes<S>(first.gv)), as_double(gv_c), tolerance, floor);
-  mbt::close("dWo", as_double(from_bytes<S>(first.go)), as_double(go_c), tolerance, floor);
+  mbt::close_normwise("y", as_double(from_bytes<S>(first.y)), as_double(y_c), tolerance, floor);
+  mbt::close_normwise("lse", as_double(lse_gv), as_double(lse_cv), tolerance, floor);
+  mbt::close_normwise("dx", as_double(from_bytes<S>(first.dx)), as_double(dx_c), tolerance, floor);
+  mbt::close_normwise("dWq", as_double(from_bytes<S>(first.gq)), as_double(gq_c), tolerance, floor);
+  mbt::close_normwise("dWk", as_double(from_bytes<S>(first.gk)), as_double(gk_c), tolerance, floor);
+  mbt::close_normwise("dWv", as_double(from_bytes<S>(first.gv)), as_double(gv_c), tolerance, floor);
+  mbt::close_normwise("dWo", as_double(from_bytes<S>(first.go)), as_double(go_c), tolerance, floor);
 }
 
 // step over a cache of T positions reproduces the causal forward's rows.
@@ -151,7 +151,11 @@ void step_matches_forward(const mb::attention_shape& s, double tolerance) {
       for (std::size_t c = 0; c < C; ++c) y_steps[(b * T + t) * C + c] = yt[b * C + c];
   }
   CHECK(cache.length == T);
-  mbt::close("step y", as_double(y_steps), as_double(y_full), tolerance, 1e-2);
+  // The step's one-row GEMMs and decode kernel sum in another order than the T-row forward, and
+  // y is a cancelling sum: its rounding scales with the terms, so the floor is 5% of max|y|.
+  const std::vector<double> want_steps = as_double(y_full);
+  mbt::close_normwise("step y", as_double(y_steps), want_steps, tolerance,
+             std::max(1e-2, 5e-2 * mbt::max_abs(want_steps)));
 }
 
 // Shapes: MHA, GQA, MQA; T = 1, T not a multiple of the tiles (64 rows, 32-row smem tiles);

@@ -34,15 +34,9 @@ using mbt::random_values;
 using mbt::as_double;
 using mbt::same_bits;
 
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v) m = std::max(m, std::abs(x));
-  return m;
-}
-
 void close_scaled(const char* name, const std::vector<double>& got, const std::vector<double>& want,
                   double tolerance) {
-  mbt::close(name, got, want, tolerance, 5e-2 * max_abs(want) + std::numeric_limits<double>::min());
+  mbt::close_normwise(name, got, want, tolerance, 5e-2 * mbt::max_abs(want) + std::numeric_limits<double>::min());
 }
 
 // A host buffer aligned to 256 bytes for the CPU head's workspace.
@@ -129,7 +123,7 @@ void compare(const mb::lm_head_shape& s, double tolerance, double loss_tolerance
   // loss() runs the same launches up to the gradients: the same value to the bit.
   CHECK(same_bits(first.loss_only, first.loss));
 
-  mbt::close("loss", std::vector<double>{first.loss}, std::vector<double>{loss_c}, loss_tolerance, 0.0);
+  mbt::close_normwise("loss", std::vector<double>{first.loss}, std::vector<double>{loss_c}, loss_tolerance, 0.0);
   close_scaled("dx", as_double(first.dx), as_double(dx_c), tolerance);
   close_scaled("dnorm", as_double(first.dnorm), as_double(dnorm_c), tolerance);
   close_scaled("dW", as_double(first.dw), as_double(dw_c), tolerance);

@@ -382,6 +382,7 @@ std::size_t budget_peak(const problem& p, mb::cuda_executor& ex) {
   mbt::device_buffer<S> g(p.in_proj.size() + p.x_proj.size() + p.out_proj.size() + 8 * p.d.size() +
                           p.conv_w.size() + p.a_log.size() + p.dt_proj.size());
   mb::cuda_check(cudaMemset(g.get(), 0, g.size() * sizeof(S)), "cudaMemset");
+  settle();  // the memset ran on the legacy stream
   mbt::device_buffer<S> out(p.x.size()), dx(p.x.size());
   const typename Block::weights w{in_proj.get(), conv_w.get(), conv_b.get(), x_proj.get(),
                                   dt_proj.get(), dt_bias.get(), a_log.get(),  d.get(),

@@ -47,7 +47,7 @@ void compare(const mb::mlp_shape& s, double tolerance) {
   // CPU reference.
   mb::thread_pool pool(1);
   std::vector<S> y_c(N * C), dx_c(N * C), gg_c = g0, gu_c = g0, gd_c = g0;
-  std::vector<std::uint8_t> saved_c(cpu_mlp::saved_bytes(s));
+  mbt::host_buffer saved_c(cpu_mlp::saved_bytes(s));
   std::vector<std::uint8_t> ws_c(std::max(cpu_mlp::forward_workspace_bytes(s, 1),
                                           cpu_mlp::backward_workspace_bytes(s, 1)) + 256);
   void* wsp = ws_c.data();
@@ -93,13 +93,13 @@ void compare(const mb::mlp_shape& s, double tolerance) {
   CHECK(first.gg == second.gg && first.gu == second.gu && first.gd == second.gd);
 
   constexpr double floor = 1e-2;
-  mbt::close("y", as_double(from_bytes<S>(first.y)), as_double(y_c), tolerance, floor);
-  mbt::close("saved a, b", as_double(from_bytes<S>(first.saved)),
+  mbt::close_normwise("y", as_double(from_bytes<S>(first.y)), as_double(y_c), tolerance, floor);
+  mbt::close_normwise("saved a, b", as_double(from_bytes<S>(first.saved)),
              as_double(from_bytes<S>(saved_c)), tolerance, floor);
-  mbt::close("dx", as_double(from_bytes<S>(first.dx)), as_double(dx_c), tolerance, floor);
-  mbt::close("dWg", as_double(from_bytes<S>(first.gg)), as_double(gg_c), tolerance, floor);
-  mbt::close("dWu", as_double(from_bytes<S>(first.gu)), as_double(gu_c), tolerance, floor);
-  mbt::close("dWd", as_double(from_bytes<S>(first.gd)), as_double(gd_c), tolerance, floor);
+  mbt::close_normwise("dx", as_double(from_bytes<S>(first.dx)), as_double(dx_c), tolerance, floor);
+  mbt::close_normwise("dWg", as_double(from_bytes<S>(first.gg)), as_double(gg_c), tolerance, floor);
+  mbt::close_normwise("dWu", as_double(from_bytes<S>(first.gu)), as_double(gu_c), tolerance, floor);
+  mbt::close_normwise("dWd", as_double(from_bytes<S>(first.gd)), as_double(gd_c), tolerance, floor);
 }
 
 void fp32_matches_cpu() {

@@ -105,7 +105,7 @@ std::vector<std::uint8_t> compare(const mb::ttt_shape& s, double tolerance) {
 
   mb::thread_pool pool(1);
   std::vector<S> y_c(N * C);
-  std::vector<std::uint8_t> saved_c(cpu_l::saved_bytes(s));
+  mbt::host_buffer saved_c(cpu_l::saved_bytes(s));
   const std::size_t wsn_c = cpu_l::forward_workspace_bytes(s, 1);
   std::vector<std::uint8_t> ws_c(wsn_c + 256);
   void* wsp = ws_c.data();
@@ -138,7 +138,7 @@ std::vector<std::uint8_t> compare(const mb::ttt_shape& s, double tolerance) {
   CHECK(first.saved == second.saved);
 
   constexpr double floor = 1e-2;
-  mbt::close("y", as_double(from_bytes<S>(first.y.data(), first.y.size())), as_double(y_c),
+  mbt::close_normwise("y", as_double(from_bytes<S>(first.y.data(), first.y.size())), as_double(y_c),
              tolerance, floor);
   // The saved buffer: fp32 checkpoints first, then the heads' output in storage.
   const std::size_t ck = cpu_l::saved_state_bytes(s);
@@ -146,9 +146,9 @@ std::vector<std::uint8_t> compare(const mb::ttt_shape& s, double tolerance) {
   // The layout puts o after the checkpoints, at the next default_alignment boundary.
   const std::size_t o_at = (ck + mb::default_alignment - 1) / mb::default_alignment * mb::default_alignment;
   CHECK(o_at + ob <= saved_c.size());
-  mbt::close("saved checkpoints", as_double(from_bytes<float>(first.saved.data(), ck)),
+  mbt::close_normwise("saved checkpoints", as_double(from_bytes<float>(first.saved.data(), ck)),
              as_double(from_bytes<float>(saved_c.data(), ck)), tolerance, floor);
-  mbt::close("saved heads' output", as_double(from_bytes<S>(first.saved.data() + o_at, ob)),
+  mbt::close_normwise("saved heads' output", as_double(from_bytes<S>(first.saved.data() + o_at, ob)),
              as_double(from_bytes<S>(saved_c.data() + o_at, ob)), tolerance, floor);
   return first.y;
 }
@@ -218,7 +218,9 @@ void step_equals_forward(double tol, bool gate) {
       }
   }
   CHECK(st.position == T);
-  mbt::close("step vs forward row", got, want, tol, 1e-2);
+  // Another summation order than the forward's (one-row GEMMs): y is a cancelling sum whose
+  // rounding scales with its terms, so the floor is 5% of max|y|.
+  mbt::close_normwise("step vs forward row", got, want, tol, std::max(1e-2, 5e-2 * mbt::max_abs(want)));
 }
 
 void step_fp32() {

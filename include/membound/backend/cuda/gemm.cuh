@@ -10,7 +10,9 @@
 //
 // Inputs are float, bf16 or fp16; the output is the input type or float. Products are summed in
 // fp32 (CUBLAS_COMPUTE_32F) and the result, alpha·sum (+ y when accumulating), is rounded once to
-// the output type. fp32 stays exact fp32 unless gemm_options::allow_tf32 asks for TF32 tensor
+// the output type, with one exception measured on an H200 with cuBLASLt 13.0: accumulating into
+// a 16-bit y rounds alpha·sum to the output type first, then adds y and rounds again (the CPU
+// rounds once), so such an element can be off by u·|alpha·sum| where sum and y cancel. fp32 stays exact fp32 unless gemm_options::allow_tf32 asks for TF32 tensor
 // cores. Nothing is allocated on the device and nothing is synchronized: the kernel is launched on
 // exec.stream() with exec.lt(), and the workspace is the caller's.
 //
@@ -37,6 +39,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -262,6 +265,55 @@ void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t
                "cublasLtMatmulPreferenceSetAttribute");
 }
 
+
+// The chosen algorithm's configuration and numerical flags (0 where cuBLASLt does not say).
+template <typename V>
+V algo_config(const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  V v{};
+  std::size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&a, attr, &v, sizeof(v), &written) !=
+      CUBLAS_STATUS_SUCCESS) {
+    return V{};
+  }
+  return v;
+}
+inline std::uint64_t algo_numerics(const cublasLtMatmulAlgo_t& a) {
+  std::uint64_t flags = 0;
+  std::size_t written = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&a, CUBLASLT_ALGO_CAP_NUMERICAL_IMPL_FLAGS, &flags,
+                                        sizeof(flags), &written) != CUBLAS_STATUS_SUCCESS) {
+    return 0;
+  }
+  return flags;
+}
+inline std::string describe_algo(const cublasLtMatmulAlgo_t& a) {
+  char text[200];
+  std::snprintf(text, sizeof(text),
+                "algo %d tile %u stages %u split-k %d reduction %u numerics 0x%llx",
+                algo_config<std::int32_t>(a, CUBLASLT_ALGO_CONFIG_ID),
+                algo_config<std::uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                algo_config<std::uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                algo_config<std::int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                algo_config<std::uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                static_cast<unsigned long long>(algo_numerics(a)));
+  return text;
+}
+// Why a candidate breaks the header's promise (one fp32 dot product per output element, no
+// 16-bit accumulator, no TF32 unless asked), or "" when it keeps it.
+inline std::string numerical_refusal(const cublasLtMatmulAlgo_t& a, bool exact_fp32) {
+  const auto split = algo_config<std::int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  const auto reduction = algo_config<std::uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+  const std::uint64_t numerics = algo_numerics(a);
+  const std::uint64_t accumulator = numerics & CUBLASLT_NUMERICAL_IMPL_FLAGS_ACCUMULATOR_TYPE_MASK;
+  if (split > 1 || reduction != CUBLASLT_REDUCTION_SCHEME_NONE) return "split-K " + describe_algo(a);
+  if (accumulator != 0 && (accumulator & CUBLASLT_NUMERICAL_IMPL_FLAGS_ACCUMULATOR_32F) == 0) {
+    return "accumulator " + describe_algo(a);
+  }
+  if (exact_fp32 && (numerics & CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_TF32) != 0) {
+    return "tf32 " + describe_algo(a);
+  }
+  return {};
+}
 }  // namespace detail
 
 // A planned GEMM (CUTLASS's shape: can_implement, workspace_size, run): descriptors, layouts and
@@ -396,30 +448,49 @@ class gemm_plan {
                        static_cast<std::uint64_t>(~CUBLASLT_NUMERICAL_IMPL_FLAGS_INPUT_TF32));
     }
 
-    cublasLtMatmulHeuristicResult_t result{};
+    // Several candidates, screened here: the reduction-scheme preference alone does not bind
+    // every kernel family (on an H200 with cuBLASLt 13.0 the first choice for bf16 and fp16
+    // summed well outside fp32 accuracy), so each candidate's own configuration and numerical
+    // flags are read back and the first one that keeps the promise above is taken.
+    constexpr int wanted = 16;
+    cublasLtMatmulHeuristicResult_t results[wanted]{};
     int found = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        lt, desc_.get(), a_.get(), b_.get(), c_.get(), c_.get(), pref.get(), 1, &result, &found);
+        lt, desc_.get(), a_.get(), b_.get(), c_.get(), c_.get(), pref.get(), wanted, results, &found);
     // cuBLASLt reports "nothing fits" as NOT_SUPPORTED rather than as zero results.
     if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
       cublas_check(status, "cublasLtMatmulAlgoGetHeuristic");
     }
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 ||
-        result.state != CUBLAS_STATUS_SUCCESS) {
+    const cublasLtMatmulHeuristicResult_t* chosen = nullptr;
+    std::string refused;
+    for (int i = 0; status != CUBLAS_STATUS_NOT_SUPPORTED && i < found && chosen == nullptr; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      const std::string why = detail::numerical_refusal(results[i].algo, fp32_in && !p.allow_tf32);
+      if (why.empty()) {
+        chosen = &results[i];
+      } else if (refused.size() < 400) {
+        refused += (refused.empty() ? "" : "; ") + why;
+      }
+    }
+    if (chosen == nullptr) {
       throw backend_error(
           "cublasLtMatmulAlgoGetHeuristic", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED),
           std::string("no algorithm for ") + gemm_op_name(p.op) + " N=" + std::to_string(p.N) +
               " K=" + std::to_string(p.K) + " M=" + std::to_string(p.M) + " " +
               detail::gemm_type_name(p.in) + "->" + detail::gemm_type_name(p.out) +
               " with alignments x/w/y " + std::to_string(align_x) + "/" + std::to_string(align_w) +
-              "/" + std::to_string(align_y) + " bytes, no split-K, workspace " +
-              format_bytes(workspace_cap),
+              "/" + std::to_string(align_y) + " bytes, no split-K, fp32 accumulation, workspace " +
+              format_bytes(workspace_cap) + (refused.empty() ? "" : " (refused: " + refused + ")"),
           "Use 16-byte aligned operands and leading dimensions that are multiples of 16 bytes, "
           "or report the shape");
     }
-    algo_ = result.algo;
-    algo_workspace_ = result.workspaceSize;
+    algo_ = chosen->algo;
+    algo_workspace_ = chosen->workspaceSize;
   }
+
+  // The chosen algorithm in words (id, tile, stages, split, reduction, numerical flags): what a
+  // test prints when a result is off, so the kernel behind it can be named.
+  std::string describe() const { return detail::describe_algo(algo_); }
 
   // What the chosen algorithm itself uses (at most the cap passed to the heuristic).
   std::size_t workspace_size() const noexcept { return algo_workspace_; }
