@@ -17,6 +17,7 @@
 
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/config.hpp"
+#include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -79,20 +80,13 @@ void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size
   });
 }
 
-// GELU, tanh form (the reference implementation's), and its first two derivatives.
+// GELU, tanh form (the reference implementation's), and its first two derivatives: one
+// definition with the CUDA kernels' (core/element_math.hpp).
 template <typename A>
 struct gelu_tanh {
-  static constexpr A c = A(0.7978845608028654), a = A(0.044715);
-  static A f(A x) { return A(0.5) * x * (A(1) + std::tanh(c * (x + a * x * x * x))); }
-  static A d1(A x) {
-    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
-    return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * u1;
-  }
-  static A d2(A x) {
-    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
-    const A u2 = A(6) * a * c * x;
-    return (A(1) - t * t) * (u1 - x * t * u1 * u1 + A(0.5) * x * u2);
-  }
+  static A f(A x) { return gelu_tanh_f(x); }
+  static A d1(A x) { return gelu_tanh_d1(x); }
+  static A d2(A x) { return gelu_tanh_d2(x); }
 };
 
 // The rows of one (b, h) mini-batch, and its learning rates.
