@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <utility>
 
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/config.hpp"
@@ -89,6 +90,32 @@ struct gelu_tanh {
   static A d2(A x) { return gelu_tanh_d2(x); }
 };
 
+// The inner loop's small products ([b, D]·[D, F] and the like): through the caller's packing
+// buffers when it passes some (forward and backward carve them per thread), else linalg.hpp's
+// blocked gemm (decoding, one row at a time, where packing buys nothing).
+template <typename Y, typename L, typename R, typename Scalar>
+void ttt_gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch pk) {
+  if (pk.data != nullptr) {
+    gemm(std::forward<Y>(y), l, r, alpha, accumulate, pk);
+  } else {
+    gemm(std::forward<Y>(y), l, r, alpha, accumulate);
+  }
+}
+
+// Packing bytes of one thread for every product of one mini-batch (K <= mb rows, inner widths D
+// and F): the largest of ttt_gemm's shapes below, each bounded by its K = mb case.
+template <typename A>
+constexpr std::size_t ttt_inner_gemm_bytes(std::size_t D, std::size_t F, std::size_t mb) noexcept {
+  std::size_t m = 0;
+  for (const std::size_t n : {D, F}) {
+    const std::size_t o = n == D ? F : D;  // the other width: a layer is [n, o]
+    m = std::max({m, gemm_scratch_bytes<A>(mb, o, n), gemm_scratch_bytes<A>(mb, n, o),
+                  gemm_scratch_bytes<A>(n, o, mb), gemm_scratch_bytes<A>(mb, mb, n),
+                  gemm_scratch_bytes<A>(mb, n, mb), gemm_scratch_bytes<A>(mb, o, mb)});
+  }
+  return m;
+}
+
 // The rows of one (b, h) mini-batch, and its learning rates.
 template <typename A>
 struct ttt_minibatch {
@@ -103,9 +130,9 @@ struct ttt_minibatch {
 // Z = X·W + b: X [K, nin] (row stride ldx), W [nin, nout], Z [K, nout] contiguous.
 template <typename A>
 void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
-                     const A* W, const A* b, A* z) {
+                     const A* W, const A* b, A* z, gemm_scratch pk) {
   auto Z = view(z, K, nout, nout);
-  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false);
+  ttt_gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
 }
@@ -176,9 +203,9 @@ void ttt_ln_l2_backward(const ttt_minibatch<A>& m, const A* xh, const A* sig, co
 // itself into att. X, Y [K, n] with row strides ldx, ldy.
 template <typename A>
 void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
-                  std::size_t n, const A* tok, const A* lr, A* att, A* p) {
+                  std::size_t n, const A* tok, const A* lr, A* att, A* p, gemm_scratch pk) {
   auto At = view(att, K, K, K);
-  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false);
+  ttt_gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
@@ -193,17 +220,17 @@ void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std:
 // Zbar = X·W + b − P·G: X [K, nin] (stride ldx), G and Zbar [K, nout].
 template <typename A>
 void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
-                   const A* W, const A* b, const A* p, const A* g, A* zb) {
-  ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb);
+                   const A* W, const A* b, const A* p, const A* g, A* zb, gemm_scratch pk) {
+  ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb, pk);
   auto Zb = view(zb, K, nout, nout);
-  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true);
+  ttt_gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
 }
 
 // The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
 // `eg` is [K, nout] scratch.
 template <typename A>
 void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
-                const A* g, A tok_last, const A* lr, A* W, A* b, A* eg) {
+                const A* g, A tok_last, const A* lr, A* W, A* b, A* eg, gemm_scratch pk) {
   for (std::size_t s = 0; s < K; ++s) {
     const A e = tok_last * lr[s];
     for (std::size_t j = 0; j < nout; ++j) {
@@ -212,7 +239,7 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
     }
   }
   auto Wm = view(W, nin, nout, nout);
-  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true);
+  ttt_gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
 }
 
 // The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
@@ -221,11 +248,13 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
 template <typename A>
 void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
                          std::size_t nout, const A* g, A tok_last, const A* lr, const A* dWn,
-                         const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2) {
+                         const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2,
+                         gemm_scratch pk) {
   auto XdW = view(s1, K, nout, nout);
-  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false);
+  ttt_gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
-  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false);
+  ttt_gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
+           pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
     A d = 0;
@@ -244,18 +273,19 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
 template <typename A>
 void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
                             std::size_t nout, const A* W, const A* p, const A* g, const A* dzb,
-                            A* dx, std::size_t lddx, A* dW, A* db, A* dg, A* dp) {
+                            A* dx, std::size_t lddx, A* dW, A* db, A* dg, A* dp,
+                            gemm_scratch pk) {
   const auto DZb = cview(dzb, K, nout, nout);
   auto dX = view(dx, K, nin, lddx);
-  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true);
+  ttt_gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
   auto dWm = view(dW, nin, nout, nout);
-  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true);
+  ttt_gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
   auto dG = view(dg, K, nout, nout);
-  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true);
+  ttt_gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
   auto dP = view(dp, K, K, K);
-  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false);
+  ttt_gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
 }
@@ -278,12 +308,12 @@ void ttt_p_backward(std::size_t K, const A* tok, const A* lr, const A* att, A* d
 template <typename A>
 void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
                       std::size_t n, const A* datt, A* dx, std::size_t lddx, A* dy,
-                      std::size_t lddy) {
+                      std::size_t lddy, gemm_scratch pk) {
   const auto dAtt = cview(datt, K, K, K);
   auto dX = view(dx, K, n, lddx);
-  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true);
+  ttt_gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
   auto dY = view(dy, K, n, lddy);
-  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true);
+  ttt_gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
 }
 
 }  // namespace cpu
