@@ -9069,18 +9069,30 @@ template <typename A>
 void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
                 std::size_t D, double base, std::size_t period, bool inverse) {
   const std::size_t width = heads * D;
+  // Frequency outer, rows inner: one pow per (block, pair) instead of per row, and the block's
+  // rows share a handful of positions (there are `period` of them), so cos/sin are cached by
+  // position. The values are the very same doubles, so the bits do not change.
+  constexpr std::size_t cache = 64;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
-    for (std::size_t n = r0; n < r1; ++n) {
-      const double position = static_cast<double>((n % T) % period);
-      A* row = x + n * width;
-      for (std::size_t i = 0; i < D / 2; ++i) {
-        const double inv_freq =
-            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-        const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
-        const A c = static_cast<A>(std::cos(angle)), s = static_cast<A>(std::sin(angle));
+    std::size_t tag[cache];
+    A cs[cache], sn[cache];
+    for (std::size_t i = 0; i < D / 2; ++i) {
+      const double inv_freq =
+          std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+      std::fill(tag, tag + cache, ~std::size_t{0});
+      for (std::size_t n = r0; n < r1; ++n) {
+        const std::size_t pos = (n % T) % period, slot = pos % cache;
+        if (tag[slot] != pos) {
+          const double angle = static_cast<double>(pos) * inv_freq * (inverse ? -1.0 : 1.0);
+          cs[slot] = static_cast<A>(std::cos(angle));
+          sn[slot] = static_cast<A>(std::sin(angle));
+          tag[slot] = pos;
+        }
+        const A c = cs[slot], s = sn[slot];
+        A* row = x + n * width + 2 * i;
         for (std::size_t h = 0; h < heads; ++h) {
-          A* p = row + h * D + 2 * i;
+          A* p = row + h * D;
           const A x1 = p[0], x2 = p[1];
           p[0] = x1 * c - x2 * s;
           p[1] = x2 * c + x1 * s;
