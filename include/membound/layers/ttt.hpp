@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <span>
 #include <string>
 #include <type_traits>
 
@@ -138,7 +139,8 @@ class basic_ttt {
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
     if constexpr (!on_cpu) return device_kernels::template forward_workspace_bytes<Mlp, mb, S>(s);
-    const std::size_t b[] = {w_acc_bytes(s), wide(s), task_scratch(s, threads, false)};
+    const std::size_t b[] = {w_acc_bytes(s), wide(s), task_scratch(s, threads, false),
+                             bytes_of<std::byte>(threads, forward_pack_bytes(s))};
     return detail::fits_layout(b) ? forward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -146,7 +148,8 @@ class basic_ttt {
                                                         std::size_t threads) noexcept {
     if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, S>(s);
     const std::size_t b[] = {w_acc_bytes(s), wide(s), partial_bytes(s),
-                             task_scratch(s, threads, true)};
+                             task_scratch(s, threads, true),
+                             bytes_of<std::byte>(threads, backward_pack_bytes(s))};
     return detail::fits_layout(b) ? backward_layout(s, threads).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -290,13 +293,14 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    project(s, xa, wa, q, k, v, lr, sig, tok, pool);
+    const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
+    project(s, xa, wa, q, k, v, lr, sig, tok, pool, pk.span());
 
     // The inner loop, one task per (b, h); its output rounded through storage into `saved`.
     S* o_s = sv.template get<S>(s_o);
     A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
     inner_forward(s, q, k, v, lr, tok, wa, o, sv.template get<A>(s_ckpt),
-                  ws.template get<A>(f_scratch), pool);
+                  ws.template get<A>(f_scratch), pk, pool);
     if constexpr (widened) {
       cpu::narrow(static_cast<const A*>(o), N * C, o_s);
       cpu::widen(static_cast<const S*>(o_s), N * C, o);
@@ -306,13 +310,13 @@ class basic_ttt {
     post_norm(s, o, wa, pn, nullptr, nullptr, pool);
     if (s.use_gate) {
       A* gpre = k;
-      cpu::matmul(pool, xa, wa.wg, gpre, N, C, C, false);
+      mm(pool, xa, wa.wg, gpre, N, C, C, false, pk.span());
       cpu::for_rows(pool, N, [&](std::size_t n) {
         for (std::size_t j = 0; j < C; ++j) pn[n * C + j] *= gelu(gpre[n * C + j]);
       });
     }
     A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false);
+    mm(pool, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false, pk.span());
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
   }
 
@@ -354,7 +358,9 @@ class basic_ttt {
     A* lr = ws.template get<A>(b_lr);
     A* sig = ws.template get<A>(b_sig);
     A* tok = ws.template get<A>(b_tok);
-    project(s, xa, wa, q, k, v, lr, sig, tok, pool);
+    const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
+    const std::span<std::byte> gs = pk.span();
+    project(s, xa, wa, q, k, v, lr, sig, tok, pool, gs);
     const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
                                 ws.template get<A>(b_o));
     const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
@@ -367,10 +373,10 @@ class basic_ttt {
     A* rsig = ws.template get<A>(b_rsig);
     post_norm(s, o, wa, pn, xh, rsig, pool);
     A* dpn = ws.template get<A>(b_dpn);
-    cpu::matmul_bt(pool, dya, wa.wo, dpn, N, C, C, false);  // dL/d(gated)
+    mm_bt(pool, dya, wa.wo, dpn, N, C, C, false, gs);  // dL/d(gated)
     if (s.use_gate) {
       A* gpre = ws.template get<A>(b_gpre);
-      cpu::matmul(pool, xa, wa.wg, gpre, N, C, C, false);
+      mm(pool, xa, wa.wg, gpre, N, C, C, false, gs);
       // gated = pn ⊙ gelu(gpre): dgpre = dgated ⊙ pn ⊙ gelu'(gpre), then dpn = dgated ⊙ gelu.
       cpu::for_rows(pool, N, [&](std::size_t n) {
         for (std::size_t j = 0; j < C; ++j) {
@@ -381,11 +387,11 @@ class basic_ttt {
           pn[e] *= gl;                                     // now the gated value
         }
       });
-      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
-      cpu::weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C);
-      cpu::matmul_bt(pool, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false);
+      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
+      cpu::weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C, gs);
+      mm_bt(pool, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false, gs);
     } else {
-      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C);
+      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
       std::fill(dxa, dxa + N * C, A(0));
     }
     // Post norm: pn = x̂ ⊙ post_w + post_b. d(post_w) = Σ dpn ⊙ x̂, d(post_b) = Σ dpn.
@@ -416,7 +422,7 @@ class basic_ttt {
     A* dlr = ws.template get<A>(b_dlr);
     A* part = ws.template get<A>(b_part);
     inner_backward(s, q, k, v, lr, tok, wa, sv.template get<A>(s_ckpt), d_o, dq, dk, dv, dlr,
-                   part, ws.template get<A>(b_scratch), pool);
+                   part, ws.template get<A>(b_scratch), pk, pool);
 
     // Partials summed over the batch in order: the inner state per head, then γ, β per head,
     // then the token offsets per head.
@@ -452,25 +458,27 @@ class basic_ttt {
       for (std::size_t h = 0; h < H; ++h) dlr[n * H + h] *= lr[n * H + h] * (A(1) - sig[n * H + h]);
     });
     if constexpr (widened) {
-      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, tmp, N, H, C, false);
+      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, tmp, N, H, C, false,
+                     cpu::ld3{H, C, C}, gs);
       cpu::narrow_add(static_cast<const A*>(tmp), H * C, g.lr_w);
     } else {
-      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, g.lr_w, N, H, C, true);
+      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, g.lr_w, N, H, C, true,
+                     cpu::ld3{H, C, C}, gs);
     }
     column_sums_product(pool, static_cast<const A*>(dlr), static_cast<const A*>(nullptr), N, H,
                         sum, nullptr);
     cpu::add_grad(sum, H, g.lr_b);
-    cpu::matmul(pool, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true);
+    mm(pool, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true, gs);
 
     // RoPE's transpose, then the projections.
     cpu::rope_pairs(pool, dq, N, s.seq, H, D, s.rope_base, mb, true);
     cpu::rope_pairs(pool, dk, N, s.seq, H, D, s.rope_base, mb, true);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C);
-    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true);
-    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true);
-    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C, gs);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C, gs);
+    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C, gs);
+    mm_bt(pool, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true, gs);
+    mm_bt(pool, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true, gs);
+    mm_bt(pool, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true, gs);
     cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
   }
 
@@ -516,7 +524,7 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    project(one, xa, wa, q, k, v, lr, sig, tok, pool, i);
+    project(one, xa, wa, q, k, v, lr, sig, tok, pool, {}, i);
     A* o = ws.template get<A>(f_o);
     A* scratch = ws.template get<A>(f_scratch);
     const std::size_t SZ = inner_elements(s), F = hidden(s);
@@ -531,19 +539,19 @@ class basic_ttt {
                                       D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
                                       wa.ttt_norm_b + h * D, ln_eps};
         // This token's inner gradients at the mini-batch's starting state, added to the sums.
-        mb_forward(m, W, sc, false);
+        mb_forward(m, W, sc, false, {});
         const ilayout L = layout_of(D, F);
         accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
         if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
         for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
         // The output through the effective state (the dual form's row i).
         if constexpr (Mlp) {
-          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b);
+          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, {});
           for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
           cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
-                               weff + L.b2, sc.zb);
+                               weff + L.b2, sc.zb, {});
         } else {
-          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb);
+          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, {});
         }
         cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
         for (std::size_t c = 0; c < D; ++c)
@@ -603,6 +611,32 @@ class basic_ttt {
   static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
     return bytes_of<A>(s.batch, part_elements(s));
   }
+  // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
+  // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
+  // their thread's slice. Decoding packs nothing.
+  static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
+    const std::size_t N = rows(s), C = s.width, H = s.heads;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
+                     cpu::matmul_thread_scratch_bytes<A>(N, C, H),  // the rates' pre-activation
+                     cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), mb)});
+  }
+  static constexpr std::size_t backward_pack_bytes(const ttt_shape& s) noexcept {
+    const std::size_t N = rows(s), C = s.width, H = s.heads;
+    return std::max({forward_pack_bytes(s),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
+                     cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
+  }
+  struct gemm_ws {
+    std::byte* data;
+    std::size_t bytes;  // threads · the per-thread bytes
+    std::span<std::byte> span() const noexcept { return {data, bytes}; }
+    // Thread t's slice for the inner loop's products.
+    cpu::gemm_scratch of(std::size_t t, std::size_t threads) const noexcept {
+      const std::size_t per = bytes / threads;
+      return {data + t * per, per};
+    }
+  };
 
   enum saved_slot : std::size_t { s_ckpt, s_o };
   static constexpr workspace_layout<2> saved_layout(const ttt_shape& s) {
@@ -614,14 +648,14 @@ class basic_ttt {
 
   // Phases: 0 projections, 1 inner loop, 2 post norm, gate and output projection.
   enum forward_slot : std::size_t {
-    f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y
+    f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
   };
   // Decoding computes the heads' output in the workspace even when it is the accumulator type
-  // (forward writes it straight into `saved`).
-  static constexpr workspace_layout<11> forward_layout(const ttt_shape& s, std::size_t threads,
+  // (forward writes it straight into `saved`), and packs nothing (see mm).
+  static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
                                                        bool decoding = false) {
     const std::size_t N = rows(s), H = s.heads;
-    workspace_layout<11> l;
+    workspace_layout<12> l;
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
     l.add(io_acc_bytes(s), default_alignment, {0, 2});
     l.add(wide(s), default_alignment, {0, 2});
@@ -633,6 +667,8 @@ class basic_ttt {
     l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
     l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
     l.add(io_acc_bytes(s), default_alignment, {2, 2});
+    l.add(decoding ? 0 : bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment,
+          {0, 2});
     return l;
   }
 
@@ -640,11 +676,11 @@ class basic_ttt {
   // of the learning-rate gate and the projections, dx.
   enum backward_slot : std::size_t {
     b_w, b_x, b_q, b_k, b_v, b_lr, b_sig, b_tok, b_o, b_dy, b_pn, b_xh, b_rsig, b_dpn, b_gpre,
-    b_small, b_do, b_dq, b_dk, b_dv, b_dlr, b_part, b_scratch, b_wtmp, b_dx
+    b_small, b_do, b_dq, b_dk, b_dv, b_dlr, b_part, b_scratch, b_wtmp, b_dx, b_gemm
   };
-  static constexpr workspace_layout<25> backward_layout(const ttt_shape& s, std::size_t threads) {
+  static constexpr workspace_layout<26> backward_layout(const ttt_shape& s, std::size_t threads) {
     const std::size_t N = rows(s), H = s.heads, C = s.width;
-    workspace_layout<25> l;
+    workspace_layout<26> l;
     l.add(w_acc_bytes(s), default_alignment, {0, 2});
     l.add(io_acc_bytes(s), default_alignment, {0, 2});
     l.add(wide(s), default_alignment, {0, 1});  // q
@@ -670,6 +706,7 @@ class basic_ttt {
     l.add(task_scratch(s, threads, true), default_alignment, {1, 1});
     l.add(widened ? bytes_of<A>(std::max(C * C, H * C)) : 0, default_alignment, {0, 2});
     l.add(wide(s), default_alignment, {0, 2});          // dx in A
+    l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 2});
     return l;
   }
 
@@ -759,14 +796,36 @@ class basic_ttt {
   }
 
 
+  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]): through the packing buffers `pk`
+  // (threads · the per-thread bytes of *_pack_bytes) when given; decoding passes none and keeps
+  // linalg.hpp's blocked products (its workspace size takes no thread count, and a few rows gain
+  // nothing from packing a whole weight).
+  static void mm(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+                 std::size_t M, bool accumulate, std::span<std::byte> pk) {
+    if (pk.empty()) {
+      cpu::matmul(pool, x, w, y, N, K, M, accumulate);
+    } else {
+      cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk);
+    }
+  }
+  static void mm_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+                    std::size_t M, bool accumulate, std::span<std::byte> pk) {
+    if (pk.empty()) {
+      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate);
+    } else {
+      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk);
+    }
+  }
+
   // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
   // `position0` offsets the position inside the mini-batch (decoding).
   static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
-                      A* sig, A* tok, thread_pool& pool, std::size_t position0 = 0) {
+                      A* sig, A* tok, thread_pool& pool, std::span<std::byte> pk,
+                      std::size_t position0 = 0) {
     const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
-    cpu::matmul(pool, xa, wa.wq, q, N, C, C, false);
-    cpu::matmul(pool, xa, wa.wk, k, N, C, C, false);
-    cpu::matmul(pool, xa, wa.wv, v, N, C, C, false);
+    mm(pool, xa, wa.wq, q, N, C, C, false, pk);
+    mm(pool, xa, wa.wk, k, N, C, C, false, pk);
+    mm(pool, xa, wa.wv, v, N, C, C, false, pk);
     if (position0 == 0) {
       cpu::rope_pairs(pool, q, N, s.seq, H, D, s.rope_base, mb, false);
       cpu::rope_pairs(pool, k, N, s.seq, H, D, s.rope_base, mb, false);
@@ -774,7 +833,7 @@ class basic_ttt {
       rope_at(q, N, H, D, s.rope_base, position0);
       rope_at(k, N, H, D, s.rope_base, position0);
     }
-    cpu::matmul_bt(pool, xa, wa.lr_w, sig, N, C, H, false);
+    mm_bt(pool, xa, wa.lr_w, sig, N, C, H, false, pk);
     const A scale = static_cast<A>(s.base_lr / static_cast<double>(D));
     for (std::size_t n = 0; n < N; ++n)
       for (std::size_t h = 0; h < H; ++h) {
@@ -892,45 +951,46 @@ class basic_ttt {
 
   // The inner gradients at state W (and, with need_out, Zbar of the output rows).
   static void mb_forward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
-                         bool need_out) {
+                         bool need_out, cpu::gemm_scratch pk) {
     const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
     const ilayout L = layout_of(D, F);
     if constexpr (Mlp) {
-      cpu::ttt_linear_rows(m.k, m.ld, K, D, F, W + L.w1, W + L.b1, b.z1);
+      cpu::ttt_linear_rows(m.k, m.ld, K, D, F, W + L.w1, W + L.b1, b.z1, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.x2[e] = cpu::gelu_tanh<A>::f(b.z1[e]);
-      cpu::ttt_linear_rows(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, W + L.b2, b.z2);
+      cpu::ttt_linear_rows(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, W + L.b2, b.z2, pk);
       cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false);
+      cpu::ttt_gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
-      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1);
-      cpu::ttt_dual_rows(m.q, m.ld, K, D, F, W + L.w1, W + L.b1, b.p1, b.g1, b.z1b);
+      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
+      cpu::ttt_dual_rows(m.q, m.ld, K, D, F, W + L.w1, W + L.b1, b.p1, b.g1, b.z1b, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.x2b[e] = cpu::gelu_tanh<A>::f(b.z1b[e]);
       cpu::ttt_p_matrix(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K, F,
-                        m.tok, m.lr, b.att2, b.p2);
+                        m.tok, m.lr, b.att2, b.p2, pk);
       cpu::ttt_dual_rows(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, W + L.b2, b.p2,
-                         b.g2, b.zb);
+                         b.g2, b.zb, pk);
     } else {
-      cpu::ttt_linear_rows(m.k, m.ld, K, D, D, W + L.w1, W + L.b1, b.z2);
+      cpu::ttt_linear_rows(m.k, m.ld, K, D, D, W + L.w1, W + L.b1, b.z2, pk);
       cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
       if (!need_out) return;
-      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1);
-      cpu::ttt_dual_rows(m.q, m.ld, K, D, D, W + L.w1, W + L.b1, b.p1, b.g2, b.zb);
+      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
+      cpu::ttt_dual_rows(m.q, m.ld, K, D, D, W + L.w1, W + L.b1, b.p1, b.g2, b.zb, pk);
     }
   }
   // The state's update at the mini-batch's end (gradients from mb_forward).
-  static void mb_update(const cpu::ttt_minibatch<A>& m, A* W, const mb_buffers& b) {
+  static void mb_update(const cpu::ttt_minibatch<A>& m, A* W, const mb_buffers& b,
+                        cpu::gemm_scratch pk) {
     const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
     const ilayout L = layout_of(D, F);
     const A tl = m.tok[K - 1];
     cpu::ttt_update(m.k, m.ld, K, D, F, static_cast<const A*>(first_grad(b)), tl, m.lr, W + L.w1,
-                    W + L.b1, b.eg);
+                    W + L.b1, b.eg, pk);
     if constexpr (Mlp) {
       cpu::ttt_update(static_cast<const A*>(b.x2), F, K, F, D, static_cast<const A*>(b.g2), tl,
-                      m.lr, W + L.w2, W + L.b2, b.eg);
+                      m.lr, W + L.w2, W + L.b2, b.eg, pk);
     }
   }
   // Gw += lr·xᵀ·g and gb += lr·g for one row (decoding's running sums).
@@ -969,7 +1029,7 @@ class basic_ttt {
 
   static void inner_forward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
                             const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
-                            thread_pool& pool) {
+                            const gemm_ws& gw, thread_pool& pool) {
     const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
     const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
     const std::size_t per = SZ + mb_elements(D, F, mb, false);
@@ -977,20 +1037,21 @@ class basic_ttt {
       const std::size_t b = task / H, h = task % H;
       A* W = initial_state(s, wa, h, scratch + thread * per);
       const mb_buffers sc = carve_mb(W + SZ, D, F, mb, false);
+      const cpu::gemm_scratch pk = gw.of(thread, pool.size());
       for (std::size_t m = 0; m < nmb; ++m) {
         const std::size_t t0 = m * mb;
         if (m % group == 0) std::copy(W, W + SZ, ckpt + (task * ncp + m / group) * SZ);
         const std::size_t K = std::min(mb, s.seq - t0);
         gather_lr(s, lr, b, h, t0, K, sc.lrm);
         const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-        mb_forward(mbt, W, sc, true);
+        mb_forward(mbt, W, sc, true, pk);
         for (std::size_t i = 0; i < K; ++i) {
           cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
           A* out = o + (b * s.seq + t0 + i) * C + h * D;
           const A* qr = mbt.q + i * C;
           for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
         }
-        mb_update(mbt, W, sc);
+        mb_update(mbt, W, sc, pk);
       }
     });
   }
@@ -998,12 +1059,12 @@ class basic_ttt {
   // dX += dZ·Wᵀ, dW += Xᵀ·dZ, db += Σ dZ for Z = X·W + b (X [K, nin] stride ldx).
   static void linear_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
                                    std::size_t nout, const A* W, const A* dz, A* dx,
-                                   std::size_t lddx, A* dW, A* db) {
+                                   std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
     const auto dZ = cpu::cview(dz, K, nout, nout);
     auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true);
+    cpu::ttt_gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
     auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true);
+    cpu::ttt_gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
     for (std::size_t i = 0; i < K; ++i)
       for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
   }
@@ -1013,7 +1074,7 @@ class basic_ttt {
   // accumulated; returns the rates' gradients in b.dl.
   static void mb_backward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
                           const A* d_out, A* dq, A* dk, A* dv, A* dS, A* pgam, A* pbet,
-                          A* ptok) {
+                          A* ptok, cpu::gemm_scratch pk) {
     const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D, C = m.ld;
     const ilayout L = layout_of(D, F);
     // out = XQ + γ ⊙ x̂(Zbar) + β
@@ -1045,25 +1106,25 @@ class basic_ttt {
       // The updates read dS as dL/d(state leaving); everything after adds to it.
       cpu::ttt_update_backward(static_cast<const A*>(b.x2), F, K, F, D,
                                static_cast<const A*>(b.g2), tl, m.lr, dW2, db2, b.dx2, F, b.dg2,
-                               b.de, b.s1, b.s2);
+                               b.de, b.s1, b.s2, pk);
       cpu::ttt_update_backward(m.k, C, K, D, F, static_cast<const A*>(b.g1), tl, m.lr, dW1, db1,
-                               dk, C, b.dg1, b.de, b.s1, b.s2);
+                               dk, C, b.dg1, b.de, b.s1, b.s2, pk);
       // Zbar2 = X2bar·W2 + b2 − P2·G2, P2 from tril(X2bar·X2ᵀ).
       cpu::ttt_dual_rows_backward(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, b.p2,
-                                  b.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2);
+                                  b.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2, pk);
       cpu::ttt_p_backward(K, m.tok, m.lr, b.att2, b.dp2, ptok, b.dl);
       cpu::ttt_att_backward(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K,
-                            F, b.dp2, b.dx2b, F, b.dx2, F);
+                            F, b.dp2, b.dx2b, F, b.dx2, F, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.dz1b[e] = b.dx2b[e] * cpu::gelu_tanh<A>::d1(b.z1b[e]);
       // Zbar1 = XQ·W1 + b1 − P1·G1, P1 from tril(XQ·XKᵀ).
       cpu::ttt_dual_rows_backward(m.q, C, K, D, F, W + L.w1, b.p1, b.g1, b.dz1b, dq, C, dW1, db1,
-                                  b.dg1, b.dp1);
+                                  b.dg1, b.dp1, pk);
       cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
-      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C);
+      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false);
+      cpu::ttt_gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
         b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
@@ -1071,25 +1132,25 @@ class basic_ttt {
       }
       const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
       auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true);
+      cpu::ttt_gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D), A(1),
-                true);
+      cpu::ttt_gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                    A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
       linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,
-                           dW2, db2);
+                           dW2, db2, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.dz1[e] += b.dx2[e] * cpu::gelu_tanh<A>::d1(b.z1[e]);
-      linear_rows_backward(m.k, C, K, D, F, W + L.w1, b.dz1, dk, C, dW1, db1);
+      linear_rows_backward(m.k, C, K, D, F, W + L.w1, b.dz1, dk, C, dW1, db1, pk);
     } else {
       cpu::ttt_update_backward(m.k, C, K, D, D, static_cast<const A*>(b.g2), tl, m.lr, dW1, db1,
-                               dk, C, b.dg2, b.de, b.s1, b.s2);
+                               dk, C, b.dg2, b.de, b.s1, b.s2, pk);
       cpu::ttt_dual_rows_backward(m.q, C, K, D, D, W + L.w1, b.p1, b.g2, b.dzb, dq, C, dW1, db1,
-                                  b.dg2, b.dp1);
+                                  b.dg2, b.dp1, pk);
       cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
-      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C);
+      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
-      linear_rows_backward(m.k, C, K, D, D, W + L.w1, b.dz2, dk, C, dW1, db1);
+      linear_rows_backward(m.k, C, K, D, D, W + L.w1, b.dz2, dk, C, dW1, db1, pk);
     }
     // e_s = tok[K−1]·lr_s
     for (std::size_t i = 0; i < K; ++i) {
@@ -1102,7 +1163,8 @@ class basic_ttt {
   // dlr [N, H]; part[b] gets this row's inner-state gradient, dγ, dβ and dtok for head h.
   static void inner_backward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
                              const A* tok, const wptrs& wa, const A* ckpt, const A* d_o, A* dq,
-                             A* dk, A* dv, A* dlr, A* part, A* scratch, thread_pool& pool) {
+                             A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
+                             thread_pool& pool) {
     const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
     const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
     const std::size_t SZ = inner_elements(s), pe = part_elements(s);
@@ -1113,6 +1175,7 @@ class basic_ttt {
       A* dS = states + gsz * SZ;           // dL/d(state)
       A* Wc = dS + SZ;                     // the running state while recomputing
       const mb_buffers sc = carve_mb(Wc + SZ, D, F, mb, true);
+      const cpu::gemm_scratch pk = gw.of(thread, pool.size());
       A* pt = part + b * pe;
       A* pS = pt + h * SZ;
       A* pgam = pt + H * SZ + h * D;
@@ -1132,17 +1195,18 @@ class basic_ttt {
           const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
           gather_lr(s, lr, b, h, t0, K, sc.lrm);
           const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, Wc, sc, false);
-          mb_update(mbt, Wc, sc);
+          mb_forward(mbt, Wc, sc, false, pk);
+          mb_update(mbt, Wc, sc, pk);
         }
         for (std::size_t m = m1; m-- > m0;) {
           const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
           const A* W = states + (m - m0) * SZ;
           gather_lr(s, lr, b, h, t0, K, sc.lrm);
           const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, W, sc, true);
+          mb_forward(mbt, W, sc, true, pk);
           const std::size_t r0 = (b * T + t0) * C + h * D;
-          mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok);
+          mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok,
+                      pk);
           for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
         }
       }

@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <utility>
 
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/config.hpp"
+#include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -58,18 +60,30 @@ template <typename A>
 void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
                 std::size_t D, double base, std::size_t period, bool inverse) {
   const std::size_t width = heads * D;
+  // Frequency outer, rows inner: one pow per (block, pair) instead of per row, and the block's
+  // rows share a handful of positions (there are `period` of them), so cos/sin are cached by
+  // position. The values are the very same doubles, so the bits do not change.
+  constexpr std::size_t cache = 64;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
-    for (std::size_t n = r0; n < r1; ++n) {
-      const double position = static_cast<double>((n % T) % period);
-      A* row = x + n * width;
-      for (std::size_t i = 0; i < D / 2; ++i) {
-        const double inv_freq =
-            std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-        const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
-        const A c = static_cast<A>(std::cos(angle)), s = static_cast<A>(std::sin(angle));
+    std::size_t tag[cache];
+    A cs[cache], sn[cache];
+    for (std::size_t i = 0; i < D / 2; ++i) {
+      const double inv_freq =
+          std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+      std::fill(tag, tag + cache, ~std::size_t{0});
+      for (std::size_t n = r0; n < r1; ++n) {
+        const std::size_t pos = (n % T) % period, slot = pos % cache;
+        if (tag[slot] != pos) {
+          const double angle = static_cast<double>(pos) * inv_freq * (inverse ? -1.0 : 1.0);
+          cs[slot] = static_cast<A>(std::cos(angle));
+          sn[slot] = static_cast<A>(std::sin(angle));
+          tag[slot] = pos;
+        }
+        const A c = cs[slot], s = sn[slot];
+        A* row = x + n * width + 2 * i;
         for (std::size_t h = 0; h < heads; ++h) {
-          A* p = row + h * D + 2 * i;
+          A* p = row + h * D;
           const A x1 = p[0], x2 = p[1];
           p[0] = x1 * c - x2 * s;
           p[1] = x2 * c + x1 * s;
@@ -79,21 +93,40 @@ void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size
   });
 }
 
-// GELU, tanh form (the reference implementation's), and its first two derivatives.
+// GELU, tanh form (the reference implementation's), and its first two derivatives: one
+// definition with the CUDA kernels' (core/element_math.hpp).
 template <typename A>
 struct gelu_tanh {
-  static constexpr A c = A(0.7978845608028654), a = A(0.044715);
-  static A f(A x) { return A(0.5) * x * (A(1) + std::tanh(c * (x + a * x * x * x))); }
-  static A d1(A x) {
-    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
-    return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * u1;
-  }
-  static A d2(A x) {
-    const A t = std::tanh(c * (x + a * x * x * x)), u1 = c * (A(1) + A(3) * a * x * x);
-    const A u2 = A(6) * a * c * x;
-    return (A(1) - t * t) * (u1 - x * t * u1 * u1 + A(0.5) * x * u2);
-  }
+  static A f(A x) { return gelu_tanh_f(x); }
+  static A d1(A x) { return gelu_tanh_d1(x); }
+  static A d2(A x) { return gelu_tanh_d2(x); }
 };
+
+// The inner loop's small products ([b, D]·[D, F] and the like): through the caller's packing
+// buffers when it passes some (forward and backward carve them per thread), else linalg.hpp's
+// blocked gemm (decoding, one row at a time, where packing buys nothing).
+template <typename Y, typename L, typename R, typename Scalar>
+void ttt_gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch pk) {
+  if (pk.data != nullptr) {
+    gemm(std::forward<Y>(y), l, r, alpha, accumulate, pk);
+  } else {
+    gemm(std::forward<Y>(y), l, r, alpha, accumulate);
+  }
+}
+
+// Packing bytes of one thread for every product of one mini-batch (K <= mb rows, inner widths D
+// and F): the largest of ttt_gemm's shapes below, each bounded by its K = mb case.
+template <typename A>
+constexpr std::size_t ttt_inner_gemm_bytes(std::size_t D, std::size_t F, std::size_t mb) noexcept {
+  std::size_t m = 0;
+  for (const std::size_t n : {D, F}) {
+    const std::size_t o = n == D ? F : D;  // the other width: a layer is [n, o]
+    m = std::max({m, gemm_scratch_bytes<A>(mb, o, n), gemm_scratch_bytes<A>(mb, n, o),
+                  gemm_scratch_bytes<A>(n, o, mb), gemm_scratch_bytes<A>(mb, mb, n),
+                  gemm_scratch_bytes<A>(mb, n, mb), gemm_scratch_bytes<A>(mb, o, mb)});
+  }
+  return m;
+}
 
 // The rows of one (b, h) mini-batch, and its learning rates.
 template <typename A>
@@ -109,9 +142,9 @@ struct ttt_minibatch {
 // Z = X·W + b: X [K, nin] (row stride ldx), W [nin, nout], Z [K, nout] contiguous.
 template <typename A>
 void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
-                     const A* W, const A* b, A* z) {
+                     const A* W, const A* b, A* z, gemm_scratch pk) {
   auto Z = view(z, K, nout, nout);
-  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false);
+  ttt_gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
 }
@@ -182,9 +215,9 @@ void ttt_ln_l2_backward(const ttt_minibatch<A>& m, const A* xh, const A* sig, co
 // itself into att. X, Y [K, n] with row strides ldx, ldy.
 template <typename A>
 void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
-                  std::size_t n, const A* tok, const A* lr, A* att, A* p) {
+                  std::size_t n, const A* tok, const A* lr, A* att, A* p, gemm_scratch pk) {
   auto At = view(att, K, K, K);
-  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false);
+  ttt_gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
@@ -199,17 +232,17 @@ void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std:
 // Zbar = X·W + b − P·G: X [K, nin] (stride ldx), G and Zbar [K, nout].
 template <typename A>
 void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
-                   const A* W, const A* b, const A* p, const A* g, A* zb) {
-  ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb);
+                   const A* W, const A* b, const A* p, const A* g, A* zb, gemm_scratch pk) {
+  ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb, pk);
   auto Zb = view(zb, K, nout, nout);
-  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true);
+  ttt_gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
 }
 
 // The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
 // `eg` is [K, nout] scratch.
 template <typename A>
 void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
-                const A* g, A tok_last, const A* lr, A* W, A* b, A* eg) {
+                const A* g, A tok_last, const A* lr, A* W, A* b, A* eg, gemm_scratch pk) {
   for (std::size_t s = 0; s < K; ++s) {
     const A e = tok_last * lr[s];
     for (std::size_t j = 0; j < nout; ++j) {
@@ -218,7 +251,7 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
     }
   }
   auto Wm = view(W, nin, nout, nout);
-  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true);
+  ttt_gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
 }
 
 // The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
@@ -227,11 +260,13 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
 template <typename A>
 void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
                          std::size_t nout, const A* g, A tok_last, const A* lr, const A* dWn,
-                         const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2) {
+                         const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2,
+                         gemm_scratch pk) {
   auto XdW = view(s1, K, nout, nout);
-  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false);
+  ttt_gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
-  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false);
+  ttt_gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
+           pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
     A d = 0;
@@ -250,18 +285,19 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
 template <typename A>
 void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
                             std::size_t nout, const A* W, const A* p, const A* g, const A* dzb,
-                            A* dx, std::size_t lddx, A* dW, A* db, A* dg, A* dp) {
+                            A* dx, std::size_t lddx, A* dW, A* db, A* dg, A* dp,
+                            gemm_scratch pk) {
   const auto DZb = cview(dzb, K, nout, nout);
   auto dX = view(dx, K, nin, lddx);
-  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true);
+  ttt_gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
   auto dWm = view(dW, nin, nout, nout);
-  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true);
+  ttt_gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
   auto dG = view(dg, K, nout, nout);
-  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true);
+  ttt_gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
   auto dP = view(dp, K, K, K);
-  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false);
+  ttt_gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
 }
@@ -284,12 +320,12 @@ void ttt_p_backward(std::size_t K, const A* tok, const A* lr, const A* att, A* d
 template <typename A>
 void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
                       std::size_t n, const A* datt, A* dx, std::size_t lddx, A* dy,
-                      std::size_t lddy) {
+                      std::size_t lddy, gemm_scratch pk) {
   const auto dAtt = cview(datt, K, K, K);
   auto dX = view(dx, K, n, lddx);
-  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true);
+  ttt_gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
   auto dY = view(dy, K, n, lddy);
-  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true);
+  ttt_gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
 }
 
 }  // namespace cpu
