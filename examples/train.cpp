@@ -387,8 +387,16 @@ class ranks {
     return call([&](const auto& c) { return c.template all_reduce_workspace_bytes<T>(n); });
   }
   template <mb::reducible T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t n) const {
+    return call([&](const auto& c) { return c.template reduce_scatter_blocks_workspace_bytes<T>(n); });
+  }
+  template <mb::reducible T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_sum(in, n, out, ws, bytes); });
+  }
+  template <mb::reducible T>
+  void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t bytes) {
+    call([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes); });
   }
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {

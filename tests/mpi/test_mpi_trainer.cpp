@@ -17,7 +17,10 @@
 //     optimizer values as ZeRO-0, bit for bit (the same full gradient, the same elementwise
 //     update, only who computes it differs); each rank's optimizer bytes are AdamW's state for
 //     its shard, they add up to the unsharded state, and the measured peak still equals the
-//     prediction, lower than ZeRO-0's by exactly the state no longer held.
+//     prediction, lower than ZeRO-0's by exactly the state no longer held. The gradients are
+//     reduce-scattered (each rank receives only its shard's sum, in rank order) and the weights
+//     all-gathered: the bytes each rank sends per step are checked against the exact formula,
+//     2·(N − 1)/N·4n plus 16·(N − 1) or so for the norm's and the loss's doubles.
 //   - Refusals: an effective batch the ranks cannot share, and replanning under pressure with
 //     more than one rank, each a typed error naming the argument.
 #include <cmath>
@@ -92,6 +95,7 @@ struct run {
   std::vector<double> losses;
   std::vector<unsigned char> weights, optimizer;
   std::size_t peak = 0, predicted = 0;
+  std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
 };
 
 template <typename Trainer>
@@ -114,7 +118,10 @@ run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero
   const std::size_t shard = zero == 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
   mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size(), shard), a, pool, options(zero), mb::null_monitor{},
                 comm);
-  return finish(t, a);
+  const std::uint64_t before = comm.stats().bytes_sent;
+  run r = finish(t, a);
+  r.bytes_sent = comm.stats().bytes_sent - before;
+  return r;
 }
 
 run one_process(const model_t& m) {
@@ -183,9 +190,20 @@ int main(int argc, char** argv) {
                                            std::to_string(zero1.predicted));
   check(dp.peak - zero1.peak == opt::state_bytes(n) - opt::state_bytes(shard.size()),
         "ZeRO-1: the peak falls by exactly the state no longer held");
+  // Communication per step under ZeRO-1, exactly: the gradient reduce-scatter sends every other
+  // rank its shard (4·(n − s) bytes), the weight all-gather this rank's shard to every other rank
+  // (4·s·(N − 1)): 2·(N − 1)/N·4n together when N divides n, as ZeRO-0's all-reduce. Then 8·(N − 1)
+  // for the shards' sums of squares and the loss's all-reduce (8 to rank 0, or 8·(N − 1) from it).
+  const std::uint64_t s = shard.size();
+  const std::uint64_t per_step = N == 1 ? 0 : 4 * (n - s) + 4 * s * (N - 1) + 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+  check(zero1.bytes_sent == steps * per_step, "ZeRO-1: bytes sent " + std::to_string(zero1.bytes_sent) + " == " +
+                                                   std::to_string(steps) + " x " + std::to_string(per_step));
   if (me == 0) {
     std::printf("optimizer bytes per rank: ZeRO-0 %zu, ZeRO-1 %zu (1/%zu); peak per rank: ZeRO-0 %zu, ZeRO-1 %zu\n",
                 dp.optimizer.size(), zero1.optimizer.size(), N, dp.peak, zero1.peak);
+    std::printf("bytes sent per step by rank 0: ZeRO-0 %.0f, ZeRO-1 %.0f; 2(N-1)/N x 4n = %.0f\n",
+                static_cast<double>(dp.bytes_sent) / steps, static_cast<double>(zero1.bytes_sent) / steps,
+                2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * 4.0 * static_cast<double>(n));
   }
 
   // Refusals, the same on every rank (nothing is communicated before them).

@@ -22,6 +22,7 @@
 #endif
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -119,6 +120,12 @@ class mpi_communicator {
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
     return size_ * max_shard(n, size_) * sizeof(T) + 4 * size_ * sizeof(int);
   }
+  // The N received blocks (of at most max_block elements each) of reduce_scatter_blocks_sum,
+  // then its 4·N int counts.
+  template <reducible T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
+    return size_ * max_block * sizeof(T) + 4 * size_ * sizeof(int);
+  }
   // A reduce-scatter's workspace, then this rank's summed shard.
   template <reducible T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
@@ -134,6 +141,13 @@ class mpi_communicator {
                                                   std::size_t ws_bytes);
   template <reducible T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes);
+  // out (blocks[rank()].size() elements) = Σ over ranks, in rank order, of in[blocks[rank()]]:
+  // each rank names the block every rank receives (blocks: size() ranges of `in`, the same on
+  // every rank). ZeRO-1 uses it with each rank's parameter shard cut into buckets, so a rank's
+  // summed gradient lands where its optimizer shard is. out may be in + blocks[rank()].begin (the
+  // sum is written after every block has been received).
+  template <reducible T>
+  void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes);
 
   // ---- All-gather, all-reduce, broadcast ---------------------------------------------------------
   // out (n elements) gets every rank's shard (shard_of(n, size(), r).size() elements) at its place.
@@ -276,6 +290,31 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
 template <reducible T>
 void mpi_communicator::reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
   start_reduce_scatter_sum(in, n, out, ws, ws_bytes).wait();
+}
+
+template <reducible T>
+void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
+                                                 std::size_t ws_bytes) {
+  std::size_t stride = 0;
+  for (std::size_t r = 0; r < size_; ++r) stride = std::max(stride, blocks[r].size());
+  detail::check_workspace(ws, ws_bytes, reduce_scatter_blocks_workspace_bytes<T>(stride));
+  const std::size_t mine = blocks[rank_].size();
+  T* parts = static_cast<T*>(ws);
+  int* c = reinterpret_cast<int*>(static_cast<std::byte*>(ws) + size_ * stride * sizeof(T));
+  int *send_counts = c, *send_displs = c + size_, *recv_counts = c + 2 * size_, *recv_displs = c + 3 * size_;
+  std::uint64_t sent = 0;
+  for (std::size_t r = 0; r < size_; ++r) {
+    send_counts[r] = detail::mpi_count(blocks[r].size() * sizeof(T), "blocks");
+    send_displs[r] = detail::mpi_count(blocks[r].begin * sizeof(T), "blocks");
+    recv_counts[r] = detail::mpi_count(mine * sizeof(T), "blocks");
+    recv_displs[r] = detail::mpi_count(r * stride * sizeof(T), "blocks");
+    sent += r == rank_ ? 0 : static_cast<std::uint64_t>(send_counts[r]);
+  }
+  count_sent(sent);
+  detail::mpi_check(MPI_Alltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
+                                  comm_),
+                    "MPI_Alltoallv");
+  if (mine != 0) detail::ordered_sum(static_cast<const T*>(parts), size_, stride, mine, out);
 }
 
 static_assert(communicator<mpi_communicator>);
