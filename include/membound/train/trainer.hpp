@@ -185,6 +185,31 @@ class non_finite_gradient : public error {
               "(trainer_options::scaling = loss_scaling::dynamic), or resume from the last checkpoint") {}
 };
 
+// One rank's persistent and transient bytes as its plan predicts them (requested bytes): what the
+// plan table says per rank of a data-parallel run. exchange is the gradient exchange's buffer,
+// sized to fit inside the step's peak (so it is part of `peak`, not added to it).
+struct rank_memory {
+  std::uint64_t rank = 0, ranks = 1, zero = 0;
+  std::uint64_t weights = 0, gradients = 0, optimizer = 0;
+  std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
+  std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
+};
+
+// One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
+// (parameters [28048, 56096)), exchange buffer 99.1 KiB (inside the peak), predicted peak ...".
+inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
+  std::string s;
+  for (const rank_memory& r : ranks) {
+    s += "rank " + std::to_string(r.rank) + "/" + std::to_string(r.ranks) + " (ZeRO-" + std::to_string(r.zero) +
+         "): weights " + format_bytes(r.weights, false) + ", gradients " + format_bytes(r.gradients, false) +
+         ", optimizer " + format_bytes(r.optimizer, false) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
+         std::to_string(r.shard_end) + ")), exchange buffer " + format_bytes(r.exchange, false) +
+         " (inside the peak), predicted peak " + format_bytes(r.peak, false) +
+         (r.limit != 0 ? " of a budget of " + format_bytes(r.limit, false) : std::string{}) + "\n";
+  }
+  return s;
+}
+
 // One line naming a plan: "micro 4 x 2, none, chunk 256".
 inline std::string plan_summary(const training_plan& p) {
   return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.accumulation) + ", " +
@@ -590,6 +615,42 @@ class trainer {
   // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
   // (memory/shadow.hpp), else their requested peaks.
   std::size_t largest_predicted_reserve() const noexcept { return largest_reserve_; }
+
+  // This rank's bytes as its plan predicts them (see rank_memory).
+  rank_memory memory() const {
+    rank_memory r;
+    r.rank = comm_.rank();
+    r.ranks = world();
+    r.zero = sharded() ? 1 : 0;
+    r.weights = m_.weight_bytes();
+    r.gradients = m_.weight_bytes();
+    r.optimizer = opt_bytes();
+    r.shard_begin = opt_shard_.begin;
+    r.shard_end = opt_shard_.end;
+    if (world() > 1) {
+      try {
+        r.exchange = exchange_workspace_bytes(exchange_bucket(exchange_headroom()));
+      } catch (const invalid_argument&) {
+        r.exchange = 0;  // no room for an exchange: the first step says so
+      }
+    }
+    r.peak = plan_.peak_bytes;
+    r.limit = limit_now();
+    return r;
+  }
+  // Every rank's memory(), on every rank (a collective over more than one rank).
+  std::vector<rank_memory> memory_of_ranks() {
+    constexpr std::size_t fields = sizeof(rank_memory) / sizeof(std::uint64_t);
+    static_assert(sizeof(rank_memory) == fields * sizeof(std::uint64_t), "membound: rank_memory is gathered as u64s");
+    const std::size_t N = world(), me = comm_.rank();
+    std::vector<std::uint64_t> all(fields * N);
+    const rank_memory mine = memory();
+    std::memcpy(all.data() + fields * me, &mine, sizeof mine);
+    if (N > 1) comm_.all_gather(static_cast<const std::uint64_t*>(all.data() + fields * me), all.data(), all.size());
+    std::vector<rank_memory> out(N);
+    std::memcpy(static_cast<void*>(out.data()), all.data(), all.size() * sizeof(std::uint64_t));
+    return out;
+  }
 
   // ---- State --------------------------------------------------------------------------------------
   const Model& model() const noexcept { return m_; }
