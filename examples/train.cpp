@@ -57,6 +57,7 @@ struct options {
   std::string layers = "ttt,attn,mamba,attn";
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
+  std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
   std::string precision = "fp32";
   std::string optimizer = "adamw";
   std::string schedule = "auto";
@@ -118,6 +119,7 @@ options checked_options(const flag_texts& f) {
   if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
   whole("--threads", o.threads, 1, 256);
+  whole("--zero", o.zero, 0, 1);
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
   if (o.width % o.heads != 0) {
@@ -387,8 +389,16 @@ class ranks {
     return call([&](const auto& c) { return c.template all_reduce_workspace_bytes<T>(n); });
   }
   template <mb::reducible T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t n) const {
+    return call([&](const auto& c) { return c.template reduce_scatter_blocks_workspace_bytes<T>(n); });
+  }
+  template <mb::reducible T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_sum(in, n, out, ws, bytes); });
+  }
+  template <mb::reducible T>
+  void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t bytes) {
+    call([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes); });
   }
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {
@@ -434,6 +444,9 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                                "Give every rank an equal share of the sequences per step");
   }
   const mb::batch_shape share{o.batch / N, o.seq};
+  // ZeRO-1 over ranks: this rank plans for the optimizer state of its shard of the parameters.
+  const bool sharded = o.zero == 1 && N > 1;
+  const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
   const foreign_load foreign = o.foreign;
 
   // The default stack: a hard budget over an expandable arena at page granularity, traced. The
@@ -454,11 +467,13 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
       fo.threads = o.threads;
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
+      fo.optimizer_elements = shard;
       return mb::fit(m, share, budget, fo);
     }
     mb::plan_options po;
     po.threads = o.threads;
     po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
+    po.optimizer_elements = shard;
     mb::training_plan p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
@@ -468,9 +483,11 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
   std::printf("%s\n", plan.table().c_str());
   if (N > 1) {
-    std::printf("data parallel: %zu ranks (%s), %zu of the %zu sequences per step each; every rank holds the whole model "
-                "and optimizer state (ZeRO-0), the plan above is each rank's\n",
-                N, world.name(), share.batch, o.batch);
+    std::printf("data parallel: %zu ranks (%s), %zu of the %zu sequences per step each; %s; the plan above is rank "
+                "0's, each rank's line follows\n",
+                N, world.name(), share.batch, o.batch,
+                sharded ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
+                        : "every rank holds the whole model and optimizer state (ZeRO-0)");
   }
 
   mb::thread_pool pool(o.threads);
@@ -490,10 +507,17 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   to.seed = o.seed;
   // One rank cannot change its plan alone: over ranks the monitor reports, and an out-of-memory ends the run.
   to.replan_under_pressure = N == 1;
+  to.zero = o.zero;
   using monitor = mb::pressure_monitor<mb::all_check_points>;
   mb::trainer<net, stack, monitor, ranks, Opt<typename net::storage_type>> t(m, eff, plan, alloc, pool, to,
                                                                             monitor(thresholds), world);
   const bool writer = world.rank() == 0;  // files are written by rank 0 only (every rank holds the same state)
+  // ZeRO-1 checkpoints are a collective: every rank writes its shard, rank 0 the manifest.
+  const bool saver = writer || sharded;
+  if (N > 1) {
+    // Every rank's bytes (a collective): rank 0 prints them.
+    std::printf("%s\n", mb::rank_memory_table(t.memory_of_ranks()).c_str());
+  }
   t.monitor().attach(recorder);
   // Checked here too, before any step: the trainer now holds all its own bytes between steps.
   if (foreign.bytes > alloc.headroom()) {
@@ -565,7 +589,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
       bar.note(line);
     }
     // --stop-after always saves where it stops, so that --resume can continue.
-    if (writer && ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop))) {
+    if (saver && ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop))) {
       try {
         t.save(o.checkpoint);
       } catch (const mb::error& e) {
@@ -687,6 +711,9 @@ int main(int argc, char** argv) {
        "auto (the planner's fit), none, full, every:K, binomial:S with K, S from 1 to the number of blocks "
        "(default auto)");
   flag("--threads", "1..256", "CPU threads (default 2)");
+  flag("--zero", "0|1",
+       "ZeRO stage under mpirun: 1 shards AdamW's state and the checkpoints over the ranks (each rank writes its "
+       "shard and rank 0 a manifest at --checkpoint); with one process 1 is the same as 0 (default 0)");
   flag("--lr", "(0,1]", "peak learning rate (default 0.003)");
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");

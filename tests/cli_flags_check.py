@@ -143,6 +143,7 @@ def main():
             "--batch": ["0", "-2", "65537"],
             "--steps": ["0", "-1", "1000000001", "2.5"],
             "--threads": ["0", "-1", "257", "many"],
+            "--zero": ["2", "-1", "one", ""],
             "--eval-every": ["-1", "3"],
             "--eval-sequences": ["0", "-1", "4097"],
             "--sample": ["-1", "1000001"],
@@ -205,6 +206,7 @@ def main():
         c.accept(train, base, {"--precision": "bf16", "--lr": "1", "--min-lr": "0", "--clip": "0",
                                "--weight-decay": "0", "--schedule": "binomial:4", "--threads": "1"})
         c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
+        c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
                  lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
         # A checkpoint at step 2, kept outside the output folder for the next cases.

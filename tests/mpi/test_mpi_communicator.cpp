@@ -5,12 +5,17 @@
 // process accumulating N micro-batches computes: equality here is the property data-parallel
 // training relies on to match one process bit for bit.
 //
+// Also: reduce_scatter_blocks_sum against the sequential sum; a communicator with a timeout
+// (collective_timeout on the ranks left waiting for a late one).
+//
 // Plain main (no doctest): N processes printing one report each would interleave; rank 0 prints.
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "membound/mpi.hpp"
@@ -174,6 +179,73 @@ int main(int argc, char** argv) {
     check(threw, "a root past the world: invalid_argument naming root", me);
   }
   comm.barrier();
+
+  // reduce_scatter_blocks_sum (ZeRO-1's exchange): rank r receives the rank-order sum of every
+  // rank's in[blocks[r]], blocks of unequal sizes (one empty), in place at in + blocks[r].begin.
+  {
+    const std::size_t n = 1000;
+    std::vector<mb::shard_range> blocks(N);
+    std::size_t at = 0;
+    for (std::size_t r = 0; r < N; ++r) {
+      const std::size_t len = r == 1 ? 0 : 37 + 11 * r;
+      blocks[r] = {at, at + len};
+      at += len + 5;  // gaps between blocks are left alone
+    }
+    std::vector<float> g = data_of<float>(me, n, 42);
+    const std::vector<float> before = g;
+    std::vector<float> want(blocks[me].size());
+    for (std::size_t r = 0; r < N; ++r) {
+      const std::vector<float> d = data_of<float>(r, n, 42);
+      for (std::size_t i = 0; i < want.size(); ++i) want[i] = r == 0 ? d[blocks[me].begin + i] : want[i] + d[blocks[me].begin + i];
+    }
+    std::vector<std::byte> ws(comm.reduce_scatter_blocks_workspace_bytes<float>(37 + 11 * (N - 1)));
+    comm.reduce_scatter_blocks_sum(g.data(), blocks.data(), g.data() + blocks[me].begin, ws.data(), ws.size());
+    check(std::memcmp(g.data() + blocks[me].begin, want.data(), want.size() * sizeof(float)) == 0,
+          "reduce_scatter_blocks_sum: this rank's block is the rank-order sum, bit for bit", me);
+    bool rest = true;
+    for (std::size_t i = 0; i < n; ++i) {
+      if ((i < blocks[me].begin || i >= blocks[me].end) && std::memcmp(&g[i], &before[i], sizeof(float)) != 0) rest = false;
+    }
+    check(rest, "reduce_scatter_blocks_sum: nothing outside this rank's block changes", me);
+  }
+
+  // Timeouts: a communicator with a 200 ms timeout sums as the untimed one; then rank 0 joins a
+  // barrier a second late and every other rank throws collective_timeout after ~200 ms, and its
+  // communicator refuses the next collective.
+  {
+    using namespace std::chrono_literals;
+    mb::mpi_communicator timed(MPI_COMM_WORLD, 200ms);
+    std::vector<double> a = data_of<double>(me, 100, 9), b = a;
+    std::vector<std::byte> ws(comm.all_reduce_workspace_bytes<double>(100));
+    comm.all_reduce_sum(a.data(), a.size(), ws.data(), ws.size());
+    timed.all_reduce_sum(b.data(), b.size(), ws.data(), ws.size());
+    check(a == b, "a timed communicator: the same all-reduce, bit for bit", me);
+    if (N > 1) {
+      if (me == 0) std::this_thread::sleep_for(1s);
+      const auto t0 = std::chrono::steady_clock::now();
+      bool timed_out = false;
+      try {
+        timed.barrier();
+      } catch (const mb::collective_timeout& e) {
+        timed_out = e.timeout() == 200ms;
+      }
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (me == 0) {
+        check(!timed_out && timed.usable(), "the late rank completes its barrier", me);
+      } else {
+        check(timed_out && waited >= 0.2 && waited < 0.9 && !timed.usable(),
+              "a rank waiting for a late one: collective_timeout after 200 ms (waited " + std::to_string(waited) + " s)", me);
+        bool refused = false;
+        try {
+          timed.barrier();
+        } catch (const mb::communication_error&) {
+          refused = true;
+        }
+        check(refused, "after a timeout the communicator refuses the next collective", me);
+      }
+    }
+    MPI_Barrier(MPI_COMM_WORLD);  // the late barrier has completed everywhere before `timed` goes
+  }
 
   // Every rank's verdict, so that one failing rank fails them all.
   int total = 0;

@@ -17,15 +17,29 @@
 //     optimizer values as ZeRO-0, bit for bit (the same full gradient, the same elementwise
 //     update, only who computes it differs); each rank's optimizer bytes are AdamW's state for
 //     its shard, they add up to the unsharded state, and the measured peak still equals the
-//     prediction, lower than ZeRO-0's by exactly the state no longer held.
+//     prediction, lower than ZeRO-0's by exactly the state no longer held. The gradients are
+//     reduce-scattered (each rank receives only its shard's sum, in rank order) and the weights
+//     all-gathered: the bytes each rank sends per step are checked against the exact formula,
+//     2·(N − 1)/N·4n plus 16·(N − 1) or so for the norm's and the loss's doubles.
+//   - Sharded checkpoints (ZeRO-1, N > 1): 15 steps, save (one shard file per rank and a
+//     manifest), a fresh trainer loads them and runs 15 more: the losses and weights of the
+//     uninterrupted run, bit for bit. Each shard file holds the rank's slice of the weights and
+//     its optimizer state only. One rank (MPI_COMM_SELF, ZeRO-1) or ZeRO-0 at the same world
+//     size resuming it: checkpoint_world_mismatch naming "ranks" with the world that wrote it.
+//   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
+//     constructor throws rank_cannot_start naming that rank, its peak and its budget.
+//   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
 //   - Refusals: an effective batch the ranks cannot share, and replanning under pressure with
 //     more than one rank, each a typed error naming the argument.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "membound/mpi.hpp"
 
@@ -92,6 +106,7 @@ struct run {
   std::vector<double> losses;
   std::vector<unsigned char> weights, optimizer;
   std::size_t peak = 0, predicted = 0;
+  std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
 };
 
 template <typename Trainer>
@@ -114,7 +129,10 @@ run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero
   const std::size_t shard = zero == 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
   mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size(), shard), a, pool, options(zero), mb::null_monitor{},
                 comm);
-  return finish(t, a);
+  const std::uint64_t before = comm.stats().bytes_sent;
+  run r = finish(t, a);
+  r.bytes_sent = comm.stats().bytes_sent - before;
+  return r;
 }
 
 run one_process(const model_t& m) {
@@ -183,9 +201,112 @@ int main(int argc, char** argv) {
                                            std::to_string(zero1.predicted));
   check(dp.peak - zero1.peak == opt::state_bytes(n) - opt::state_bytes(shard.size()),
         "ZeRO-1: the peak falls by exactly the state no longer held");
+  // Communication per step under ZeRO-1, exactly: the gradient reduce-scatter sends every other
+  // rank its shard (4·(n − s) bytes), the weight all-gather this rank's shard to every other rank
+  // (4·s·(N − 1)): 2·(N − 1)/N·4n together when N divides n, as ZeRO-0's all-reduce. Then 8·(N − 1)
+  // for the shards' sums of squares and the loss's all-reduce (8 to rank 0, or 8·(N − 1) from it).
+  const std::uint64_t s = shard.size();
+  const std::uint64_t per_step = N == 1 ? 0 : 4 * (n - s) + 4 * s * (N - 1) + 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+  check(zero1.bytes_sent == steps * per_step, "ZeRO-1: bytes sent " + std::to_string(zero1.bytes_sent) + " == " +
+                                                   std::to_string(steps) + " x " + std::to_string(per_step));
   if (me == 0) {
     std::printf("optimizer bytes per rank: ZeRO-0 %zu, ZeRO-1 %zu (1/%zu); peak per rank: ZeRO-0 %zu, ZeRO-1 %zu\n",
                 dp.optimizer.size(), zero1.optimizer.size(), N, dp.peak, zero1.peak);
+    std::printf("bytes sent per step by rank 0: ZeRO-0 %.0f, ZeRO-1 %.0f; 2(N-1)/N x 4n = %.0f\n",
+                static_cast<double>(dp.bytes_sent) / steps, static_cast<double>(zero1.bytes_sent) / steps,
+                2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * 4.0 * static_cast<double>(n));
+  }
+
+  // Sharded checkpoints.
+  if (N > 1) {
+    char dir[512] = {};
+    if (me == 0) {
+      const auto d = std::filesystem::temp_directory_path() / ("membound_test_zero1_" + std::to_string(::getpid()));
+      std::filesystem::create_directories(d);
+      std::snprintf(dir, sizeof dir, "%s", d.c_str());
+    }
+    comm.broadcast(dir, sizeof dir, 0);
+    const std::string path = std::string(dir) + "/run.ckpt";
+    text_source src(membound_test::small_config().vocab);
+    const std::size_t half = steps / 2;
+    std::vector<double> losses;
+    {
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size()), a, pool, options(1), mb::null_monitor{},
+                    comm);
+      for (std::size_t k = 0; k < half; ++k) losses.push_back(t.step(src).loss);
+      t.save(path);
+      t.save(path);  // again: the manifest names the same files; nothing is left behind
+    }
+    {
+      const mb::checkpoint_reader r(std::string(dir) + "/run.ckpt.step-" + std::to_string(half) + ".rank-" +
+                                    std::to_string(me) + "-of-" + std::to_string(N));
+      check(r.size("weights") == shard.size() * sizeof(float) && r.size("optimizer") == opt::state_bytes(shard.size()),
+            "a shard file holds this rank's slice of the weights and its optimizer state");
+    }
+    {
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size()), a, pool, options(1), mb::null_monitor{},
+                    comm);
+      t.load(path);
+      check(t.steps_done() == half, "resumed at step " + std::to_string(half));
+      for (std::size_t k = half; k < steps; ++k) losses.push_back(t.step(src).loss);
+      const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(t.weights()));
+      check(same_bits(losses, zero1.losses) && std::vector<unsigned char>(w, w + m.weight_bytes()) == zero1.weights,
+            "ZeRO-1 resumed from its shards: the losses and weights of the uninterrupted run, bit for bit");
+    }
+    const auto refused = [&](auto& c, std::size_t zero, std::size_t micro, std::size_t elements) {
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      mb::trainer t(m, effective, plan_for(m, micro, elements), a, pool, options(zero), mb::null_monitor{}, c);
+      try {
+        t.load(path);
+      } catch (const mb::checkpoint_world_mismatch& e) {
+        if (me == 0 && zero == 1) std::printf("world size refused: %s\n", e.what());
+        return e.field() == "ranks" && e.saved() == std::to_string(N) && e.current() == std::to_string(c.size());
+      }
+      return false;
+    };
+    mb::mpi_communicator self(MPI_COMM_SELF);
+    check(refused(self, 1, effective.batch, 0), "one rank under ZeRO-1 resuming N ranks' shards: checkpoint_world_mismatch");
+    check(refused(comm, 0, effective.batch / N, 0), "ZeRO-0 resuming ZeRO-1 shards: checkpoint_world_mismatch");
+    comm.barrier();
+    std::size_t files = 0;
+    if (me == 0) {
+      for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++files;
+      std::filesystem::remove_all(dir);
+    }
+    comm.broadcast(&files, 1, 0);
+    check(files == N + 1, "the manifest and one shard file per rank, nothing else (" + std::to_string(files) + " files)");
+  }
+
+  // The per-rank plan lines, and the ranks agreeing before step 1.
+  if (N > 1) {
+    alloc_t a(std::size_t{1} << 30);
+    mb::thread_pool pool(1);
+    mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size()), a, pool, options(1), mb::null_monitor{}, comm);
+    const std::vector<mb::rank_memory> all = t.memory_of_ranks();
+    const mb::rank_memory mine = t.memory();
+    check(all.size() == N && std::memcmp(&all[me], &mine, sizeof mine) == 0, "memory_of_ranks: each rank's own line");
+    check(mine.optimizer == opt::state_bytes(shard.size()) && mine.peak == zero1.predicted && mine.exchange > 0 &&
+              mine.exchange < mine.peak,
+          "this rank's line: its optimizer shard, its predicted peak, an exchange buffer inside it");
+    if (me == 0) std::printf("%s", mb::rank_memory_table(all).c_str());
+
+    const mb::training_plan p = plan_for(m, effective.batch / N, shard.size());
+    const std::size_t small = p.peak_bytes / 2;
+    alloc_t b(me == N - 1 ? small : std::size_t{1} << 30);
+    bool all_stopped = false;
+    try {
+      mb::trainer u(m, effective, p, b, pool, options(1), mb::null_monitor{}, comm);
+    } catch (const mb::rank_cannot_start& e) {
+      all_stopped = e.rank() == N - 1 && e.peak() == p.peak_bytes && e.limit() == small;
+      if (me == 0) std::printf("one rank over budget: %s\n", e.what());
+    }
+    check(all_stopped, "the last rank over its budget: every rank throws rank_cannot_start with its numbers");
+    check(b.stats().requested == 0, "nothing left allocated after the refusal");
   }
 
   // Refusals, the same on every rank (nothing is communicated before them).

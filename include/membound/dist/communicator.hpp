@@ -6,6 +6,8 @@
 //   std::size_t ws = comm.reduce_scatter_workspace_bytes<float>(n);
 //   comm.reduce_scatter_sum(grad, n, my_shard, workspace, ws); // my_shard: shard_of(n) elements
 //   comm.all_gather(my_params, params, n);
+//   // ZeRO-1's gradient exchange: rank r gets the sum of every rank's in[blocks[r]], in place.
+//   comm.reduce_scatter_blocks_sum(grad, blocks, grad + blocks[comm.rank()].begin, ws2, ws2_bytes);
 //
 // Sums are membound's own, never MPI's: every rank receives its shard from each rank and adds
 // them in rank order 0, 1, ..., N − 1, so the result does not depend on the MPI library's
@@ -76,7 +78,9 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, st
   { cc.name() } -> std::convertible_to<const char*>;
   { cc.template reduce_scatter_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
   { cc.template all_reduce_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
+  { cc.template reduce_scatter_blocks_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
   c.reduce_scatter_sum(cf, n, f, ws, n);
+  c.reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n);
   c.all_gather(cf, f, n);
   c.all_reduce_sum(f, n, ws, n);
   c.broadcast(f, n, n);
@@ -122,8 +126,17 @@ class local_communicator {
     return 0;
   }
   template <reducible T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t) const noexcept {
+    return 0;
+  }
+  template <reducible T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void*, std::size_t) {
     if (n != 0 && in != out) std::memcpy(out, in, n * sizeof(T));
+  }
+  template <reducible T>
+  void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void*, std::size_t) {
+    const shard_range b = blocks[0];
+    if (b.size() != 0 && in + b.begin != out) std::memcpy(out, in + b.begin, b.size() * sizeof(T));
   }
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {

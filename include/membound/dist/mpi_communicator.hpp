@@ -11,6 +11,12 @@
 // order (see dist/communicator.hpp), so a result depends on the world size and the data, never
 // on which algorithm the MPI library picks. Errors return (MPI_ERRORS_RETURN on our own
 // communicator) and become communication_error; a rank that dies makes mpirun end the others.
+//
+// A timeout (mpi_communicator(parent, timeout)) bounds every collective: each is started
+// non-blocking and polled until its deadline; one that has not completed by then throws
+// collective_timeout on every rank waiting in it (a rank that never joins cannot throw). MPI
+// cannot cancel a collective, so the communicator is then unusable: end the run (MPI_Abort, as
+// mpirun does when a rank dies) and resume from the last checkpoint.
 #pragma once
 
 // The C API only: the deprecated C++ bindings are not needed and do not compile warning-free.
@@ -22,11 +28,14 @@
 #endif
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -56,6 +65,22 @@ inline int mpi_count(std::size_t bytes, const char* argument) {
 }
 }  // namespace detail
 
+// A collective did not complete within the communicator's timeout: some rank did not join it
+// (stuck, much slower than the deadline, or dead). The communicator cannot be used again.
+class collective_timeout : public communication_error {
+ public:
+  collective_timeout(std::string call, std::chrono::milliseconds timeout)
+      : communication_error(std::move(call), 0,
+                            "not complete after " + std::to_string(timeout.count()) +
+                                " ms: a rank did not join it (stuck, much slower, or dead); this communicator "
+                                "cannot be used again"),
+        timeout_(timeout) {}
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+ private:
+  std::chrono::milliseconds timeout_;
+};
+
 // MPI_Init_thread at construction (unless MPI is already initialized), MPI_Finalize at
 // destruction (only if this object initialized it). FUNNELED: membound's thread pool never calls
 // MPI; only the thread that made the communicator does.
@@ -83,8 +108,15 @@ class mpi_environment {
 
 class mpi_communicator {
  public:
-  // A duplicate of `parent`, so our collectives never match a user's messages.
-  explicit mpi_communicator(MPI_Comm parent = MPI_COMM_WORLD) {
+  // A duplicate of `parent`, so our collectives never match a user's messages. timeout: 0 waits
+  // as long as it takes; otherwise the most any collective may take (collective_timeout).
+  explicit mpi_communicator(MPI_Comm parent = MPI_COMM_WORLD,
+                            std::chrono::milliseconds timeout = std::chrono::milliseconds{0})
+      : timeout_(timeout) {
+    if (timeout.count() < 0) {
+      throw invalid_argument("timeout", "0 (none) or a positive time", std::to_string(timeout.count()) + " ms",
+                             "Give the longest a collective may take, e.g. 60000 ms");
+    }
     int ready = 0;
     detail::mpi_check(MPI_Initialized(&ready), "MPI_Initialized");
     if (ready == 0) {
@@ -105,19 +137,31 @@ class mpi_communicator {
   mpi_communicator& operator=(const mpi_communicator&) = delete;
   ~mpi_communicator() {
     int done = 0;
-    if (comm_ != MPI_COMM_NULL && MPI_Finalized(&done) == MPI_SUCCESS && done == 0) MPI_Comm_free(&comm_);
+    if (comm_ == MPI_COMM_NULL || MPI_Finalized(&done) != MPI_SUCCESS || done != 0) return;
+    // A timed-out collective may still complete (its late rank joins): one more timeout for it,
+    // else the communicator is left as it is rather than freed under a pending operation.
+    if (drained()) MPI_Comm_free(&comm_);
   }
 
   std::size_t rank() const noexcept { return rank_; }
   std::size_t size() const noexcept { return size_; }
   const char* name() const noexcept { return "mpi"; }
   MPI_Comm native() const noexcept { return comm_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  // False after a collective timed out: every later collective throws communication_error.
+  bool usable() const noexcept { return broken_.empty(); }
 
   // ---- Sizes ------------------------------------------------------------------------------------
   // The N received shards of a reduce-scatter, then the counts of a non-blocking one (4·N ints).
   template <reducible T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
     return size_ * max_shard(n, size_) * sizeof(T) + 4 * size_ * sizeof(int);
+  }
+  // The N received blocks (of at most max_block elements each) of reduce_scatter_blocks_sum,
+  // then its 4·N int counts.
+  template <reducible T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
+    return size_ * max_block * sizeof(T) + 4 * size_ * sizeof(int);
   }
   // A reduce-scatter's workspace, then this rank's summed shard.
   template <reducible T>
@@ -134,6 +178,13 @@ class mpi_communicator {
                                                   std::size_t ws_bytes);
   template <reducible T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes);
+  // out (blocks[rank()].size() elements) = Σ over ranks, in rank order, of in[blocks[rank()]]:
+  // each rank names the block every rank receives (blocks: size() ranges of `in`, the same on
+  // every rank). ZeRO-1 uses it with each rank's parameter shard cut into buckets, so a rank's
+  // summed gradient lands where its optimizer shard is. out may be in + blocks[rank()].begin (the
+  // sum is written after every block has been received).
+  template <reducible T>
+  void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes);
 
   // ---- All-gather, all-reduce, broadcast ---------------------------------------------------------
   // out (n elements) gets every rank's shard (shard_of(n, size(), r).size() elements) at its place.
@@ -149,10 +200,18 @@ class mpi_communicator {
     }
     // In place when the shard already sits in out (ZeRO's parameter gather does that).
     const bool in_place = shard == out + shard_of(n, size_, rank_).begin;
+    check_usable();
     count_sent(static_cast<std::uint64_t>(counts[rank_]) * (size_ - 1));
-    detail::mpi_check(MPI_Allgatherv(in_place ? MPI_IN_PLACE : static_cast<const void*>(shard), counts[rank_],
-                                     MPI_BYTE, out, counts, displs, MPI_BYTE, comm_),
-                      "MPI_Allgatherv");
+    const void* send = in_place ? MPI_IN_PLACE : static_cast<const void*>(shard);
+    if (timeout_.count() == 0) {
+      detail::mpi_check(MPI_Allgatherv(send, counts[rank_], MPI_BYTE, out, counts, displs, MPI_BYTE, comm_),
+                        "MPI_Allgatherv");
+      return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Iallgatherv(send, counts[rank_], MPI_BYTE, out, counts, displs, MPI_BYTE, comm_, &req),
+                      "MPI_Iallgatherv");
+    complete(req, "MPI_Iallgatherv");
   }
   // data (n elements) = Σ over ranks in rank order, on every rank.
   template <reducible T>
@@ -167,11 +226,27 @@ class mpi_communicator {
   void broadcast(T* data, std::size_t n, std::size_t root) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
     detail::check_root(root, size_);
+    check_usable();
     count_sent(rank_ == root ? static_cast<std::uint64_t>(n * sizeof(T)) * (size_ - 1) : 0);
-    detail::mpi_check(MPI_Bcast(data, detail::mpi_count(n * sizeof(T), "n"), MPI_BYTE, static_cast<int>(root), comm_),
-                      "MPI_Bcast");
+    const int bytes = detail::mpi_count(n * sizeof(T), "n");
+    if (timeout_.count() == 0) {
+      detail::mpi_check(MPI_Bcast(data, bytes, MPI_BYTE, static_cast<int>(root), comm_), "MPI_Bcast");
+      return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Ibcast(data, bytes, MPI_BYTE, static_cast<int>(root), comm_, &req), "MPI_Ibcast");
+    complete(req, "MPI_Ibcast");
   }
-  void barrier() { detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  void barrier() {
+    check_usable();
+    if (timeout_.count() == 0) {
+      detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier");
+      return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
+    complete(req, "MPI_Ibarrier");
+  }
   communication_stats stats() const noexcept { return stats_; }
 
  private:
@@ -179,7 +254,48 @@ class mpi_communicator {
     stats_.bytes_sent += bytes;
     ++stats_.collectives;
   }
+  void check_usable() const {
+    if (!broken_.empty()) {
+      throw communication_error(broken_, 0, "an earlier collective timed out, so this communicator cannot be used again");
+    }
+  }
+  // Completes req: MPI_Wait without a timeout, else MPI_Test until the deadline. A request past
+  // it is kept (MPI cannot cancel a collective) and the communicator marked unusable.
+  void complete(MPI_Request& req, const char* call) {
+    if (timeout_.count() == 0) {
+      detail::mpi_check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait");
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (;;) {
+      int done = 0;
+      detail::mpi_check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done != 0) return;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        stale_.push_back(std::exchange(req, MPI_REQUEST_NULL));
+        broken_ = call;
+        throw collective_timeout(call, timeout_);
+      }
+      std::this_thread::yield();
+    }
+  }
+  // Whether every timed-out request completed within one more timeout.
+  bool drained() noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (MPI_Request& r : stale_) {
+      int done = 0;
+      while (r != MPI_REQUEST_NULL && MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done == 0) {
+        if (std::chrono::steady_clock::now() >= deadline) return false;
+        std::this_thread::yield();
+      }
+    }
+    return true;
+  }
+
   communication_stats stats_{};
+  std::chrono::milliseconds timeout_{0};
+  std::string broken_;               // the call that timed out; empty while usable
+  std::vector<MPI_Request> stale_;   // collectives that timed out, still pending
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::size_t rank_ = 0, size_ = 1;
   std::vector<int> counts_;
@@ -199,6 +315,7 @@ class mpi_communicator::pending_reduce_scatter {
       finish_quietly();
       req_ = std::exchange(o.req_, MPI_REQUEST_NULL);
       sum_ = std::exchange(o.sum_, nullptr);
+      owner_ = o.owner_;
       parts_ = o.parts_;
       out_ = o.out_;
       ranks_ = o.ranks_;
@@ -210,8 +327,15 @@ class mpi_communicator::pending_reduce_scatter {
   ~pending_reduce_scatter() { finish_quietly(); }
 
   bool pending() const noexcept { return req_ != MPI_REQUEST_NULL || sum_ != nullptr; }
+  // With a timeout: collective_timeout when the exchange does not complete in time.
   void wait() {
-    if (req_ != MPI_REQUEST_NULL) detail::mpi_check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "MPI_Wait");
+    if (req_ != MPI_REQUEST_NULL) {
+      if (owner_ != nullptr) {
+        owner_->complete(req_, "MPI_Ialltoallv");
+      } else {
+        detail::mpi_check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "MPI_Wait");
+      }
+    }
     if (sum_ != nullptr) std::exchange(sum_, nullptr)(parts_, ranks_, stride_, count_, out_);
   }
 
@@ -223,12 +347,22 @@ class mpi_communicator::pending_reduce_scatter {
     detail::ordered_sum(static_cast<const T*>(parts), ranks, stride, count, static_cast<T*>(out));
   }
   void finish_quietly() noexcept {
-    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    if (req_ != MPI_REQUEST_NULL) {
+      if (owner_ != nullptr && owner_->timeout_.count() != 0) {
+        try {
+          owner_->complete(req_, "MPI_Ialltoallv");  // past the deadline: kept by the owner as stale
+        } catch (...) {
+        }
+      } else {
+        MPI_Wait(&req_, MPI_STATUS_IGNORE);
+      }
+    }
     sum_ = nullptr;
   }
 
   MPI_Request req_ = MPI_REQUEST_NULL;
   sum_fn sum_ = nullptr;
+  mpi_communicator* owner_ = nullptr;
   const void* parts_ = nullptr;
   void* out_ = nullptr;
   std::size_t ranks_ = 0, stride_ = 0, count_ = 0;
@@ -246,6 +380,7 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
     throw invalid_argument(in == nullptr ? "in" : "out", in == nullptr ? "a buffer of n elements" : "a buffer of this rank's shard",
                            "nullptr", "Pass the gradient buffer and this rank's shard");
   }
+  check_usable();
   T* parts = static_cast<T*>(ws);
   // The counts live in the caller's workspace: MPI reads them until the request completes.
   int* c = reinterpret_cast<int*>(static_cast<std::byte*>(ws) + size_ * stride * sizeof(T));
@@ -265,6 +400,7 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
                                    comm_, &p.req_),
                     "MPI_Ialltoallv");
   p.sum_ = mine.size() != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
+  p.owner_ = this;
   p.parts_ = parts;
   p.out_ = out;
   p.ranks_ = size_;
@@ -276,6 +412,34 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
 template <reducible T>
 void mpi_communicator::reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
   start_reduce_scatter_sum(in, n, out, ws, ws_bytes).wait();
+}
+
+template <reducible T>
+void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
+                                                 std::size_t ws_bytes) {
+  std::size_t stride = 0;
+  for (std::size_t r = 0; r < size_; ++r) stride = std::max(stride, blocks[r].size());
+  detail::check_workspace(ws, ws_bytes, reduce_scatter_blocks_workspace_bytes<T>(stride));
+  const std::size_t mine = blocks[rank_].size();
+  T* parts = static_cast<T*>(ws);
+  int* c = reinterpret_cast<int*>(static_cast<std::byte*>(ws) + size_ * stride * sizeof(T));
+  int *send_counts = c, *send_displs = c + size_, *recv_counts = c + 2 * size_, *recv_displs = c + 3 * size_;
+  std::uint64_t sent = 0;
+  for (std::size_t r = 0; r < size_; ++r) {
+    send_counts[r] = detail::mpi_count(blocks[r].size() * sizeof(T), "blocks");
+    send_displs[r] = detail::mpi_count(blocks[r].begin * sizeof(T), "blocks");
+    recv_counts[r] = detail::mpi_count(mine * sizeof(T), "blocks");
+    recv_displs[r] = detail::mpi_count(r * stride * sizeof(T), "blocks");
+    sent += r == rank_ ? 0 : static_cast<std::uint64_t>(send_counts[r]);
+  }
+  check_usable();
+  count_sent(sent);
+  MPI_Request req = MPI_REQUEST_NULL;
+  detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
+                                   comm_, &req),
+                    "MPI_Ialltoallv");
+  complete(req, "MPI_Ialltoallv");
+  if (mine != 0) detail::ordered_sum(static_cast<const T*>(parts), size_, stride, mine, out);
 }
 
 static_assert(communicator<mpi_communicator>);

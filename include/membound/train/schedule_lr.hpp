@@ -32,10 +32,11 @@ struct cosine_lr {
   }
 };
 
-// The global L2 norm of a gradient array (double sums in fixed blocks: the same value for every
-// thread count). inf or NaN anywhere gives a non-finite result.
+// The sum of squares of a gradient array, in double (double sums in fixed blocks from g: the same
+// value for every thread count). inf or NaN anywhere gives a non-finite result. Over ranks the
+// trainer adds each rank shard's sum in rank order, so ZeRO-0 and ZeRO-1 get the same bits.
 template <typename S>
-double global_norm(const S* g, std::size_t n, thread_pool& pool) {
+double sum_squares(const S* g, std::size_t n, thread_pool& pool) {
   constexpr std::size_t block = 1 << 14;
   const std::size_t nb = (n + block - 1) / block;
   std::vector<double> part(nb, 0.0);
@@ -50,7 +51,13 @@ double global_norm(const S* g, std::size_t n, thread_pool& pool) {
   });
   double s = 0;
   for (double v : part) s += v;
-  return std::sqrt(s);
+  return s;
+}
+
+// The global L2 norm of a gradient array: sqrt(sum_squares).
+template <typename S>
+double global_norm(const S* g, std::size_t n, thread_pool& pool) {
+  return std::sqrt(sum_squares(g, n, pool));
 }
 
 // The factor that scales gradients of norm `norm` to at most max_norm (1 when already below;
