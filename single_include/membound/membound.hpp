@@ -10570,6 +10570,8 @@ MEMBOUND_NAMESPACE_END
 //   std::size_t ws = comm.reduce_scatter_workspace_bytes<float>(n);
 //   comm.reduce_scatter_sum(grad, n, my_shard, workspace, ws); // my_shard: shard_of(n) elements
 //   comm.all_gather(my_params, params, n);
+//   // ZeRO-1's gradient exchange: rank r gets the sum of every rank's in[blocks[r]], in place.
+//   comm.reduce_scatter_blocks_sum(grad, blocks, grad + blocks[comm.rank()].begin, ws2, ws2_bytes);
 //
 // Sums are membound's own, never MPI's: every rank receives its shard from each rank and adds
 // them in rank order 0, 1, ..., N − 1, so the result does not depend on the MPI library's
@@ -10629,7 +10631,9 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, st
   { cc.name() } -> std::convertible_to<const char*>;
   { cc.template reduce_scatter_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
   { cc.template all_reduce_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
+  { cc.template reduce_scatter_blocks_workspace_bytes<float>(n) } -> std::convertible_to<std::size_t>;
   c.reduce_scatter_sum(cf, n, f, ws, n);
+  c.reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n);
   c.all_gather(cf, f, n);
   c.all_reduce_sum(f, n, ws, n);
   c.broadcast(f, n, n);
@@ -10675,8 +10679,17 @@ class local_communicator {
     return 0;
   }
   template <reducible T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t) const noexcept {
+    return 0;
+  }
+  template <reducible T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void*, std::size_t) {
     if (n != 0 && in != out) std::memcpy(out, in, n * sizeof(T));
+  }
+  template <reducible T>
+  void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void*, std::size_t) {
+    const shard_range b = blocks[0];
+    if (b.size() != 0 && in + b.begin != out) std::memcpy(out, in + b.begin, b.size() * sizeof(T));
   }
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {
@@ -12486,10 +12499,11 @@ struct cosine_lr {
   }
 };
 
-// The global L2 norm of a gradient array (double sums in fixed blocks: the same value for every
-// thread count). inf or NaN anywhere gives a non-finite result.
+// The sum of squares of a gradient array, in double (double sums in fixed blocks from g: the same
+// value for every thread count). inf or NaN anywhere gives a non-finite result. Over ranks the
+// trainer adds each rank shard's sum in rank order, so ZeRO-0 and ZeRO-1 get the same bits.
 template <typename S>
-double global_norm(const S* g, std::size_t n, thread_pool& pool) {
+double sum_squares(const S* g, std::size_t n, thread_pool& pool) {
   constexpr std::size_t block = 1 << 14;
   const std::size_t nb = (n + block - 1) / block;
   std::vector<double> part(nb, 0.0);
@@ -12504,7 +12518,13 @@ double global_norm(const S* g, std::size_t n, thread_pool& pool) {
   });
   double s = 0;
   for (double v : part) s += v;
-  return std::sqrt(s);
+  return s;
+}
+
+// The global L2 norm of a gradient array: sqrt(sum_squares).
+template <typename S>
+double global_norm(const S* g, std::size_t n, thread_pool& pool) {
+  return std::sqrt(sum_squares(g, n, pool));
 }
 
 // The factor that scales gradients of norm `norm` to at most max_norm (1 when already below;
@@ -14792,8 +14812,14 @@ MEMBOUND_NAMESPACE_END
 // prediction still holds), and every rank takes the same AdamW step from the same sum. The
 // loss is summed the same way. So all ranks keep identical weights, the run is reproducible bit
 // for bit for a given N, and (ZeRO-0) a checkpoint from any rank resumes any world size. With
-// trainer_options::zero = 1 each rank keeps AdamW's state for its shard_of the parameters only,
-// updates that shard and gathers the weights; its checkpoint then holds its own shard. Not yet:
+// trainer_options::zero = 1 each rank keeps AdamW's state for its shard_of the parameters only
+// (balanced: the first n % N ranks one element more, no padding), receives only its shard's
+// summed gradient (a reduce-scatter, same rank-order sums), updates that shard and all-gathers the
+// weights: the same bits as ZeRO-0, the same bytes on the wire (2·(N − 1)/N of the gradient), and
+// 1/N of the optimizer state. The global norm is each shard's sum of squares added in rank order
+// under both stages. Its checkpoint is one shard file per rank and a manifest (see save). The
+// constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
+// fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
 // 16-bit storage over more than one rank, and replanning under pressure over more than one rank
 // (one rank cannot change its plan alone); each is refused with a typed error.
 
@@ -14891,6 +14917,31 @@ class non_finite_gradient : public error {
               "(trainer_options::scaling = loss_scaling::dynamic), or resume from the last checkpoint") {}
 };
 
+// One rank's persistent and transient bytes as its plan predicts them (requested bytes): what the
+// plan table says per rank of a data-parallel run. exchange is the gradient exchange's buffer,
+// sized to fit inside the step's peak (so it is part of `peak`, not added to it).
+struct rank_memory {
+  std::uint64_t rank = 0, ranks = 1, zero = 0;
+  std::uint64_t weights = 0, gradients = 0, optimizer = 0;
+  std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
+  std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
+};
+
+// One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
+// (parameters [28048, 56096)), exchange buffer 99.1 KiB (inside the peak), predicted peak ...".
+inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
+  std::string s;
+  for (const rank_memory& r : ranks) {
+    s += "rank " + std::to_string(r.rank) + "/" + std::to_string(r.ranks) + " (ZeRO-" + std::to_string(r.zero) +
+         "): weights " + format_bytes(r.weights, false) + ", gradients " + format_bytes(r.gradients, false) +
+         ", optimizer " + format_bytes(r.optimizer, false) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
+         std::to_string(r.shard_end) + ")), exchange buffer " + format_bytes(r.exchange, false) +
+         " (inside the peak), predicted peak " + format_bytes(r.peak, false) +
+         (r.limit != 0 ? " of a budget of " + format_bytes(r.limit, false) : std::string{}) + "\n";
+  }
+  return s;
+}
+
 // One line naming a plan: "micro 4 x 2, none, chunk 256".
 inline std::string plan_summary(const training_plan& p) {
   return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.accumulation) + ", " +
@@ -14927,6 +14978,63 @@ class checkpoint_mismatch : public corrupt_checkpoint {
 
  private:
   std::string field_, saved_, current_;
+};
+
+// A rank of a data-parallel run could not start: every rank throws it before step 1 (from the
+// trainer's constructor, a collective), naming the rank. Over budget: that rank's plan peak and
+// budget; otherwise that rank threw its own error (see its stderr).
+class rank_cannot_start : public invalid_argument {
+ public:
+  rank_cannot_start(std::size_t rank, std::size_t ranks, std::size_t peak, std::size_t limit)
+      : invalid_argument("plan",
+                         "a plan that fits every rank's budget",
+                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                             ": a reserved peak of " + format_bytes(peak) + " over its budget of " + format_bytes(limit),
+                         "Give rank " + std::to_string(rank) +
+                             " a larger budget, or plan every rank with fit(model, effective, budget) for the "
+                             "smallest budget of any rank; no rank started step 1"),
+        rank_(rank), peak_(peak), limit_(limit) {}
+  rank_cannot_start(std::size_t rank, std::size_t ranks)
+      : invalid_argument("plan", "every rank ready to start",
+                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " failed (its own error says why)",
+                         "Read rank " + std::to_string(rank) + "'s error; no rank started step 1"),
+        rank_(rank) {}
+  std::size_t rank() const noexcept { return rank_; }
+  std::size_t peak() const noexcept { return peak_; }    // 0 when the rank failed otherwise
+  std::size_t limit() const noexcept { return limit_; }
+
+ private:
+  std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
+};
+
+// A ZeRO-1 checkpoint (a manifest and one shard file per rank) resumed by a run of another world
+// size or ZeRO stage: each file holds one rank's shard of the optimizer state, so only the same
+// ranks under ZeRO-1 can resume it. field() is "ranks", saved() the world that wrote it.
+class checkpoint_world_mismatch : public checkpoint_mismatch {
+ public:
+  checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
+                            std::size_t zero)
+      : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
+                            "it was written under ZeRO-1 by " + saved_ranks +
+                                " ranks, each file holding one rank's shard of the optimizer state; this run has " +
+                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) +
+                                ": expected ranks = " + saved_ranks + " with trainer_options::zero = 1. Resume it "
+                                "with " + saved_ranks + " ranks and zero = 1 (mpirun -np " + saved_ranks +
+                                " ... --zero 1); re-sharding to another world size is not built") {}
+};
+
+// Another rank failed at a collective step (saving, loading); this one throws this, that rank
+// its own error.
+class rank_failed : public error {
+ public:
+  rank_failed(std::size_t rank, std::size_t ranks, const std::string& what)
+      : error("membound: rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " could not " + what +
+              " (its own error says why); every rank stops here"),
+        rank_(rank) {}
+  std::size_t rank() const noexcept { return rank_; }
+
+ private:
+  std::size_t rank_;
 };
 
 namespace detail {
@@ -15029,31 +15137,38 @@ class trainer {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
       if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
     }
-    if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
-    check_plan(plan_);
-    plan_.reserved_peak = reserve_of(plan_);
-    if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
-      throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
-                                         format_bytes(limit),
-                             "a reserved peak of " + format_bytes(plan_.budgeted_peak()) + " (requested " +
-                                 format_bytes(plan_.peak_bytes) + ")",
-                             "Choose it with fit_options::reserve = reserve_model(model, allocator), which counts "
-                             "the stack's rounding and segments");
+    if (world() > 1) {
+      blocks_.resize(world());
+      norm_parts_.resize(world());
+      rank_status_.resize(3 * world());
     }
-    use_layout(plan_);
-    w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+    // Up to here every rank decided the same from the same arguments. From here one rank may fail
+    // alone (its plan, its budget, its allocations): the ranks agree before step 1 (agree_to_start).
+    std::exception_ptr failed;
+    std::uint64_t status = start_ok;
     try {
-      g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
-      try {
-        opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
-      } catch (...) {
-        alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
-        throw;
+      if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
+      check_plan(plan_);
+      plan_.reserved_peak = reserve_of(plan_);
+      if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
+        status = start_over_budget;
+        throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
+                                           format_bytes(limit),
+                               "a reserved peak of " + format_bytes(plan_.budgeted_peak()) + " (requested " +
+                                   format_bytes(plan_.peak_bytes) + ")",
+                               "Choose it with fit_options::reserve = reserve_model(model, allocator), which counts "
+                               "the stack's rounding and segments");
       }
+      use_layout(plan_);
+      w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+      g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
+      opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
     } catch (...) {
-      alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
-      throw;
+      failed = std::current_exception();
+      if (status == start_ok) status = start_failed;
+      release();
     }
+    agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
@@ -15121,7 +15236,7 @@ class trainer {
       }
     }
 
-    const double scaled_norm = global_norm(g_, n_, pool_);
+    const double scaled_norm = gradient_norm();
     r.grad_norm = scaled_norm / scale;
     r.lr = o_.lr(steps_);
     if (scaling_) {
@@ -15178,25 +15293,20 @@ class trainer {
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
-  // Everything a step depends on, written atomically (see checkpoint_file.hpp).
+  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1 a
+  // collective: every rank writes its shard file (its slice of the weights, its optimizer state,
+  // the counters), then rank 0 writes `path`, a manifest naming them (world size, ZeRO stage,
+  // each rank's shard and file, the step). Each file is committed atomically and the manifest
+  // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
+  // removes its previous shard only once the new manifest is committed). A failure on any rank
+  // is thrown on every rank.
   void save(const std::string& path) const {
+    if (sharded()) {
+      save_shards(path);
+      return;
+    }
     checkpoint_writer cw;
-    cw.add_value<std::uint64_t>("format", format_version);
-    std::string fp;
-    for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
-    cw.add("fingerprint", fp.data(), fp.size());
-    cw.add("weights", w_, m_.weight_bytes());
-    const std::span<const std::byte> state = Optimizer::save_state(opt_, opt_shard_.size());
-    cw.add("optimizer", state.data(), state.size());
-    cw.add_value<std::uint64_t>("step", steps_);
-    cw.add_value<std::uint64_t>("updates", updates_);
-    cw.add_value<std::uint64_t>("rng", rng_.state);
-    cw.add_value<std::uint64_t>("data_position", position_);
-    cw.add_value<double>("loss_scale", scaler_.scale);
-    cw.add_value<std::uint64_t>("loss_scale_clean_steps", scaler_.clean_steps);
-    const std::uint64_t pl[5] = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk,
-                                 static_cast<std::uint64_t>(plan_.schedule.k), plan_.schedule.param};
-    cw.add("plan", pl, sizeof pl);
+    write_state(cw, w_, m_.weight_bytes());
     cw.commit(path);
   }
 
@@ -15206,64 +15316,20 @@ class trainer {
   // allocator's budget (the run then continues bit for bit); otherwise the current plan stays.
   // Returns whether the saved plan was restored. The monitor's level is not saved: a resumed run
   // starts at the level its first check point sees.
+  //
+  // Under ZeRO-1 a collective reading the manifest save() wrote and this rank's shard, then
+  // gathering the weights. A manifest of another world size or ZeRO stage is
+  // checkpoint_world_mismatch (re-sharding is not built). An error on any rank is thrown on every
+  // rank; only one found after the ranks agreed to commit (an optimizer value out of range, which
+  // the CRC cannot catch) can leave ranks loaded and others not, and says so.
   bool load(const std::string& path) {
+    if (sharded()) return load_shards(path);
     const checkpoint_reader r(path);
-    if (const auto format = r.value<std::uint64_t>("format"); format != format_version) {
-      const std::string saved = std::to_string(format), current = std::to_string(format_version);
-      throw checkpoint_mismatch(
-          path, "format", saved, current,
-          "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
-              (format < format_version ? ": an older format, whose fingerprint neither named its fields nor told "
-                                         "bf16 from fp16, so this run cannot check it; resume it with the "
-                                         "membound that wrote it"
-                                       : ": a newer membound wrote it; resume it with that version"));
-    }
-    std::string text(r.size("fingerprint"), '\0');
-    r.copy("fingerprint", text.data(), text.size());
-    check_fingerprint(detail::parse_fingerprint(text, path), path);
-    if (r.size("weights") != m_.weight_bytes() || r.size("optimizer") != opt_bytes()) {
-      throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
-    }
-    std::uint64_t pl[5];
-    r.copy("plan", pl, sizeof pl);
-    const auto steps = r.value<std::uint64_t>("step"), updates = r.value<std::uint64_t>("updates");
-    const random_state rng{r.value<std::uint64_t>("rng")};
-    const auto position = r.value<std::uint64_t>("data_position");
-    loss_scaler sc = scaler_;
-    sc.scale = r.value<double>("loss_scale");
-    sc.clean_steps = r.value<std::uint64_t>("loss_scale_clean_steps");
-    if (!(sc.scale > 0) || !std::isfinite(sc.scale) || updates > steps) {
-      throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
-    }
-    std::optional<training_plan> restored;
-    if (pl[0] != 0 && rank_batch().batch % pl[0] == 0 && pl[1] == rank_batch().batch / pl[0] && pl[2] != 0 &&
-        pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
-      try {
-        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
-                                   schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
-                                   static_cast<std::size_t>(pl[2]), plan_.budget);
-        p.reserved_peak = reserve_of(p);
-        if (p.fits() && (limit_now() == 0 || p.budgeted_peak() + foreign_now() <= limit_now())) restored = std::move(p);
-      } catch (const error&) {
-        // A plan this build cannot make: keep the current one.
-      }
-    }
-    // Everything checked: commit. The optimizer first: load_state checks its values before it
-    // writes any, and nothing after it can fail.
-    try {
-      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
-    } catch (const invalid_argument& e) {
-      throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
-    }
-    r.copy("weights", w_, m_.weight_bytes());
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
-    steps_ = steps;
-    updates_ = updates;
-    rng_ = rng;
-    position_ = position;
-    scaler_ = sc;
-    if (restored) adopt(std::move(*restored));
-    return restored.has_value();
+    check_format(r, path);
+    if (r.has("manifest")) refuse_manifest(r, path);
+    staged st = stage(r, path, m_.weight_bytes());
+    commit(r, path, st, w_, m_.weight_bytes());
+    return st.restored;
   }
 
   // ---- Plans --------------------------------------------------------------------------------------
@@ -15281,6 +15347,42 @@ class trainer {
   // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
   // (memory/shadow.hpp), else their requested peaks.
   std::size_t largest_predicted_reserve() const noexcept { return largest_reserve_; }
+
+  // This rank's bytes as its plan predicts them (see rank_memory).
+  rank_memory memory() const {
+    rank_memory r;
+    r.rank = comm_.rank();
+    r.ranks = world();
+    r.zero = sharded() ? 1 : 0;
+    r.weights = m_.weight_bytes();
+    r.gradients = m_.weight_bytes();
+    r.optimizer = opt_bytes();
+    r.shard_begin = opt_shard_.begin;
+    r.shard_end = opt_shard_.end;
+    if (world() > 1) {
+      try {
+        r.exchange = exchange_workspace_bytes(exchange_bucket(exchange_headroom()));
+      } catch (const invalid_argument&) {
+        r.exchange = 0;  // no room for an exchange: the first step says so
+      }
+    }
+    r.peak = plan_.peak_bytes;
+    r.limit = limit_now();
+    return r;
+  }
+  // Every rank's memory(), on every rank (a collective over more than one rank).
+  std::vector<rank_memory> memory_of_ranks() {
+    constexpr std::size_t fields = sizeof(rank_memory) / sizeof(std::uint64_t);
+    static_assert(sizeof(rank_memory) == fields * sizeof(std::uint64_t), "membound: rank_memory is gathered as u64s");
+    const std::size_t N = world(), me = comm_.rank();
+    std::vector<std::uint64_t> all(fields * N);
+    const rank_memory mine = memory();
+    std::memcpy(all.data() + fields * me, &mine, sizeof mine);
+    if (N > 1) comm_.all_gather(static_cast<const std::uint64_t*>(all.data() + fields * me), all.data(), all.size());
+    std::vector<rank_memory> out(N);
+    std::memcpy(static_cast<void*>(out.data()), all.data(), all.size() * sizeof(std::uint64_t));
+    return out;
+  }
 
   // ---- State --------------------------------------------------------------------------------------
   const Model& model() const noexcept { return m_; }
@@ -15355,15 +15457,270 @@ class trainer {
   // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
   static constexpr std::uint64_t format_version = 2;
 
+  // ---- Checkpoint helpers -------------------------------------------------------------------------
+  struct staged {
+    std::uint64_t steps = 0, updates = 0, position = 0;
+    random_state rng{};
+    loss_scaler scaler{};
+    std::optional<training_plan> plan;
+    bool restored = false;
+  };
+
+  void write_state(checkpoint_writer& cw, const S* weights, std::size_t weight_bytes) const {
+    cw.add_value<std::uint64_t>("format", format_version);
+    std::string fp;
+    for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
+    cw.add("fingerprint", fp.data(), fp.size());
+    cw.add("weights", weights, weight_bytes);
+    const std::span<const std::byte> state = Optimizer::save_state(opt_, opt_shard_.size());
+    cw.add("optimizer", state.data(), state.size());
+    cw.add_value<std::uint64_t>("step", steps_);
+    cw.add_value<std::uint64_t>("updates", updates_);
+    cw.add_value<std::uint64_t>("rng", rng_.state);
+    cw.add_value<std::uint64_t>("data_position", position_);
+    cw.add_value<double>("loss_scale", scaler_.scale);
+    cw.add_value<std::uint64_t>("loss_scale_clean_steps", scaler_.clean_steps);
+    const std::uint64_t pl[5] = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk,
+                                 static_cast<std::uint64_t>(plan_.schedule.k), plan_.schedule.param};
+    cw.add("plan", pl, sizeof pl);
+  }
+
+  static void check_format(const checkpoint_reader& r, const std::string& path) {
+    if (const auto format = r.value<std::uint64_t>("format"); format != format_version) {
+      const std::string saved = std::to_string(format), current = std::to_string(format_version);
+      throw checkpoint_mismatch(
+          path, "format", saved, current,
+          "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
+              (format < format_version ? ": an older format, whose fingerprint neither named its fields nor told "
+                                         "bf16 from fp16, so this run cannot check it; resume it with the "
+                                         "membound that wrote it"
+                                       : ": a newer membound wrote it; resume it with that version"));
+    }
+  }
+
+  // Everything of a checkpoint file checked, nothing of this trainer changed.
+  staged stage(const checkpoint_reader& r, const std::string& path, std::size_t weight_bytes) const {
+    check_format(r, path);
+    std::string text(r.size("fingerprint"), '\0');
+    r.copy("fingerprint", text.data(), text.size());
+    check_fingerprint(detail::parse_fingerprint(text, path), path);
+    if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
+      throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
+    }
+    std::uint64_t pl[5];
+    r.copy("plan", pl, sizeof pl);
+    staged st;
+    st.steps = r.value<std::uint64_t>("step");
+    st.updates = r.value<std::uint64_t>("updates");
+    st.rng = random_state{r.value<std::uint64_t>("rng")};
+    st.position = r.value<std::uint64_t>("data_position");
+    st.scaler = scaler_;
+    st.scaler.scale = r.value<double>("loss_scale");
+    st.scaler.clean_steps = r.value<std::uint64_t>("loss_scale_clean_steps");
+    if (!(st.scaler.scale > 0) || !std::isfinite(st.scaler.scale) || st.updates > st.steps) {
+      throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
+    }
+    if (pl[0] != 0 && rank_batch().batch % pl[0] == 0 && pl[1] == rank_batch().batch / pl[0] && pl[2] != 0 &&
+        pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
+      try {
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
+                                   schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
+                                   static_cast<std::size_t>(pl[2]), plan_.budget);
+        p.reserved_peak = reserve_of(p);
+        if (p.fits() && (limit_now() == 0 || p.budgeted_peak() + foreign_now() <= limit_now())) st.plan = std::move(p);
+      } catch (const error&) {
+        // A plan this build cannot make: keep the current one.
+      }
+    }
+    st.restored = st.plan.has_value();
+    return st;
+  }
+
+  // Everything checked: commit. The optimizer first: load_state checks its values before it
+  // writes any, and nothing after it can fail.
+  void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
+    try {
+      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
+    } catch (const invalid_argument& e) {
+      throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+    }
+    r.copy("weights", weights, weight_bytes);
+    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    steps_ = st.steps;
+    updates_ = st.updates;
+    rng_ = st.rng;
+    position_ = st.position;
+    scaler_ = st.scaler;
+    if (st.plan) adopt(std::move(*st.plan));
+  }
+
+  // Whether every rank succeeded at `what`: each rank's flag gathered. A failed rank rethrows its
+  // own error; the others throw rank_failed naming the first failed rank.
+  void agree(const std::exception_ptr& failed, const char* what) const {
+    const std::size_t N = world(), me = comm_.rank();
+    std::vector<std::uint64_t> flags(N, 0);
+    flags[me] = failed ? 1 : 0;
+    comm_.all_gather(static_cast<const std::uint64_t*>(flags.data() + me), flags.data(), N);
+    if (failed) std::rethrow_exception(failed);
+    for (std::size_t r = 0; r < N; ++r) {
+      if (flags[r] != 0) throw rank_failed(r, N, what);
+    }
+  }
+
+  static std::string folder_of(const std::string& path) {
+    const std::size_t slash = path.find_last_of('/');
+    return slash == std::string::npos ? std::string{} : path.substr(0, slash + 1);
+  }
+  static std::string base_of(const std::string& path) {
+    const std::size_t slash = path.find_last_of('/');
+    return slash == std::string::npos ? path : path.substr(slash + 1);
+  }
+
+  void save_shards(const std::string& path) const {
+    const std::size_t N = world(), me = comm_.rank();
+    const std::string name = base_of(path) + ".step-" + std::to_string(steps_) + ".rank-" + std::to_string(me) + "-of-" +
+                             std::to_string(N);
+    const std::string file = folder_of(path) + name;
+    std::exception_ptr failed;
+    try {
+      checkpoint_writer cw;
+      write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+      cw.commit(file);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "write its checkpoint shard");
+    if (me == 0) {
+      try {
+        std::string text = "ranks=" + std::to_string(N) + "\nzero=1\nstep=" + std::to_string(steps_) +
+                           "\nparameters=" + std::to_string(n_) + "\n";
+        for (std::size_t r = 0; r < N; ++r) {
+          const shard_range s = shard_of(n_, N, r);
+          text += "shard." + std::to_string(r) + "=" + std::to_string(s.begin) + ".." + std::to_string(s.end) + " " +
+                  base_of(path) + ".step-" + std::to_string(steps_) + ".rank-" + std::to_string(r) + "-of-" +
+                  std::to_string(N) + "\n";
+        }
+        checkpoint_writer cw;
+        cw.add_value<std::uint64_t>("format", format_version);
+        cw.add("manifest", text.data(), text.size());
+        cw.commit(path);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    agree(failed, "write the checkpoint manifest");
+    // The previous save's shard is named by no manifest now.
+    if (!last_shard_.empty() && last_shard_ != file) std::remove(last_shard_.c_str());
+    last_shard_ = file;
+  }
+
+  static std::string manifest_value(const std::vector<fingerprint_field>& f, const std::string& name,
+                                    const std::string& path) {
+    for (const fingerprint_field& e : f)
+      if (e.name == name) return e.value;
+    throw corrupt_checkpoint(path, "its manifest names no '" + name + "'");
+  }
+
+  std::vector<fingerprint_field> read_manifest(const checkpoint_reader& r, const std::string& path) const {
+    std::string text(r.size("manifest"), '\0');
+    r.copy("manifest", text.data(), text.size());
+    return detail::parse_fingerprint(text, path);
+  }
+
+  // A ZeRO-1 manifest this run cannot resume: another world size, or this run is not ZeRO-1.
+  [[noreturn]] void refuse_manifest(const checkpoint_reader& r, const std::string& path) const {
+    const std::vector<fingerprint_field> f = read_manifest(r, path);
+    throw checkpoint_world_mismatch(path, manifest_value(f, "ranks", path), world(), sharded() ? 1 : 0);
+  }
+
+  bool load_shards(const std::string& path) {
+    const std::size_t me = comm_.rank();
+    std::exception_ptr failed;
+    std::optional<checkpoint_reader> shard;
+    std::string shard_path;
+    staged st;
+    try {
+      const checkpoint_reader r(path);
+      check_format(r, path);
+      if (!r.has("manifest")) {
+        throw checkpoint_mismatch(path, "zero", "0", "1",
+                                  "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-1 over " +
+                                      std::to_string(world()) + " ranks, which resumes the manifest a ZeRO-1 save "
+                                      "wrote. Resume it with trainer_options::zero = 0");
+      }
+      const std::vector<fingerprint_field> f = read_manifest(r, path);
+      if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
+        refuse_manifest(r, path);
+      }
+      const std::string entry = manifest_value(f, "shard." + std::to_string(me), path);
+      const std::string range = std::to_string(opt_shard_.begin) + ".." + std::to_string(opt_shard_.end) + " ";
+      if (entry.rfind(range, 0) != 0 || entry.size() == range.size()) {
+        throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " is '" + entry + "', this rank holds " + range);
+      }
+      shard_path = folder_of(path) + entry.substr(range.size());
+      shard.emplace(shard_path);
+      st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S));
+      if (std::to_string(st.steps) != manifest_value(f, "step", path)) {
+        throw corrupt_checkpoint(shard_path, "it is of step " + std::to_string(st.steps) + ", its manifest '" + path +
+                                                 "' of step " + manifest_value(f, "step", path));
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "read its checkpoint shard");
+    try {
+      commit(*shard, shard_path, st, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "load its checkpoint shard (the ranks that did are loaded: load again before training)");
+    // Every rank holds its shard of the weights: gather the whole model (in place).
+    comm_.all_gather(static_cast<const S*>(w_ + opt_shard_.begin), w_, n_);
+    last_shard_ = shard_path;
+    return st.restored;
+  }
+
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
   bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
-    alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
-    alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+    if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    if (g_ != nullptr) alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+    if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+    opt_ = nullptr;
+    g_ = nullptr;
+    w_ = nullptr;
+  }
+
+  static constexpr std::uint64_t start_ok = 0, start_over_budget = 1, start_failed = 2;
+
+  // Every rank's (status, reserved peak, limit), gathered: when one rank cannot start, every rank
+  // throws before step 1 (a rank that went on would wait forever in the first exchange). The
+  // failing rank throws its own error, unless it is over budget: then every rank throws the same
+  // rank_cannot_start with that rank's numbers.
+  void agree_to_start(std::uint64_t status, const std::exception_ptr& failed) {
+    if (world() > 1) {
+      const std::size_t me = comm_.rank();
+      rank_status_[3 * me] = status;
+      rank_status_[3 * me + 1] = plan_.budgeted_peak();
+      rank_status_[3 * me + 2] = limit_now();
+      comm_.all_gather(rank_status_.data() + 3 * me, rank_status_.data(), rank_status_.size());
+      for (std::size_t r = 0; r < world(); ++r) {
+        const std::uint64_t st = rank_status_[3 * r];
+        if (st == start_ok) continue;
+        release();
+        if (st == start_over_budget) {
+          throw rank_cannot_start(r, world(), static_cast<std::size_t>(rank_status_[3 * r + 1]),
+                                  static_cast<std::size_t>(rank_status_[3 * r + 2]));
+        }
+        if (failed) std::rethrow_exception(failed);
+        throw rank_cannot_start(r, world());
+      }
+    } else if (failed) {
+      std::rethrow_exception(failed);
+    }
   }
 
   std::size_t usage_now() const {
@@ -15623,8 +15980,50 @@ class trainer {
   // raises the peak the plan predicted.
   double exchange(double loss) {
     if constexpr (reducible<S>) {
-      const std::size_t headroom = plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
-      const std::size_t bucket = exchange_bucket(headroom);
+      if (sharded()) {
+        exchange_shards();
+      } else {
+        exchange_all();
+      }
+      // The loss: one double, through a buffer made once at construction (a few dozen bytes).
+      comm_.all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
+      return loss;
+    } else {
+      return loss;  // check_world refused more than one rank
+    }
+  }
+
+  // The bytes the gradient exchange may take: the step's predicted peak less the trainer's own.
+  std::size_t exchange_headroom() const noexcept {
+    return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
+  }
+
+  // ZeRO-1: each rank receives only the summed gradient of its optimizer shard, in place, in
+  // rounds: round k carries the k-th bucket of every rank's shard. The sum for each element is
+  // the all-reduce's (rank order), so the shard equals ZeRO-0's gradient there, bit for bit.
+  void exchange_shards() {
+    const std::size_t N = world(), bucket = exchange_bucket(exchange_headroom());
+    const std::size_t ws_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket);
+    void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+    try {
+      for (std::size_t at = 0; at < max_shard(n_, N); at += bucket) {
+        for (std::size_t r = 0; r < N; ++r) {
+          const shard_range s = shard_of(n_, N, r);
+          blocks_[r] = {s.begin + std::min(at, s.size()), s.begin + std::min(at + bucket, s.size())};
+        }
+        comm_.reduce_scatter_blocks_sum(static_cast<const S*>(g_), blocks_.data(), g_ + blocks_[comm_.rank()].begin, ws,
+                                        ws_bytes);
+      }
+    } catch (...) {
+      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+      throw;
+    }
+    alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+  }
+
+  void exchange_all() {
+    if constexpr (reducible<S>) {
+      const std::size_t bucket = exchange_bucket(exchange_headroom());
       const std::size_t ws_bytes = comm_.template all_reduce_workspace_bytes<S>(bucket);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
       try {
@@ -15636,28 +16035,56 @@ class trainer {
         throw;
       }
       alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-      // The loss: one double, through a buffer made once at construction (a few dozen bytes).
-      comm_.all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
-      return loss;
-    } else {
-      return loss;  // check_world refused more than one rank
     }
   }
 
-  // The most gradient elements per exchange whose workspace fits `headroom` bytes.
+  // The gradient exchange's workspace for `bucket` elements: an all-reduce's (ZeRO-0), or a
+  // reduce-scatter of `bucket` elements of every rank's shard (ZeRO-1).
+  std::size_t exchange_workspace_bytes(std::size_t bucket) const {
+    if constexpr (reducible<S>) {
+      return sharded() ? comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket)
+                       : comm_.template all_reduce_workspace_bytes<S>(bucket);
+    } else {
+      return 0;
+    }
+  }
+
+  // The most gradient elements per exchange whose workspace fits `headroom` bytes (per rank's
+  // shard under ZeRO-1).
   std::size_t exchange_bucket(std::size_t headroom) const {
-    std::size_t lo = 0, hi = n_;
-    while (lo < hi) {  // the largest k in [0, n] with workspace(k) <= headroom
+    std::size_t lo = 0, hi = sharded() ? max_shard(n_, world()) : n_;
+    while (lo < hi) {  // the largest k in [0, hi] with workspace(k) <= headroom
       const std::size_t mid = lo + (hi - lo + 1) / 2;
-      if (comm_.template all_reduce_workspace_bytes<S>(mid) <= headroom) lo = mid;
+      if (exchange_workspace_bytes(mid) <= headroom) lo = mid;
       else hi = mid - 1;
     }
     if (lo == 0) {  // a step whose activations and workspace are smaller than a few dozen bytes
-      throw invalid_argument("plan", "a step peak at least " + format_bytes(comm_.template all_reduce_workspace_bytes<S>(1)) +
+      throw invalid_argument("plan", "a step peak at least " + format_bytes(exchange_workspace_bytes(1)) +
                                          " above the trainer's own bytes (the gradient exchange's least workspace)",
                              format_bytes(headroom) + " above them", "Use a larger micro-batch");
     }
     return lo;
+  }
+
+  // The global norm of the summed gradient. Over ranks: each shard's sum of squares added in rank
+  // order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
+  // both stages clip by the same bits.
+  double gradient_norm() {
+    const std::size_t N = world();
+    if (N == 1) return global_norm(g_, n_, pool_);
+    const std::size_t me = comm_.rank();
+    if (sharded()) {
+      norm_parts_[me] = sum_squares(g_ + opt_shard_.begin, opt_shard_.size(), pool_);
+      comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
+    } else {
+      for (std::size_t r = 0; r < N; ++r) {
+        const shard_range s = shard_of(n_, N, r);
+        norm_parts_[r] = sum_squares(g_ + s.begin, s.size(), pool_);
+      }
+    }
+    double sum = 0;
+    for (const double v : norm_parts_) sum += v;
+    return std::sqrt(sum);
   }
 
   std::size_t world() const noexcept { return comm_.size(); }
@@ -15842,6 +16269,12 @@ class trainer {
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
   std::vector<std::byte> loss_ws_;  // the loss exchange's workspace (more than one rank)
+  // Over ranks, sized once at construction: each exchange round's blocks, each shard's sum of
+  // squares, each rank's (status, peak, limit) before step 1.
+  std::vector<shard_range> blocks_;
+  std::vector<double> norm_parts_;
+  std::vector<std::uint64_t> rank_status_;
+  mutable std::string last_shard_;  // this rank's shard file of the last ZeRO-1 save or load
 };
 
 MEMBOUND_NAMESPACE_END
