@@ -1,7 +1,8 @@
 // gpu::matmul, matmul_bt and matmul_at (backend/cuda/gemm.cuh) against cpu::matmul in double on
 // the same arguments: every form, accumulate on and off, alpha, odd shapes, leading-dimension
 // views and offset (less aligned) column slices, float output from bf16/fp16, TF32 on request,
-// bit-identical repeats, the plan cache, and every typed error. Exits 77 without a device.
+// bit-identical repeats, the plan cache, matmul_at's own split-K (which shapes split, and that a
+// split result keeps the same bounds), and every typed error. Exits 77 without a device.
 //
 // Error bounds, per element, against s = Σ|x||w| (times |alpha|, plus |y0| when accumulating),
 // the scale of a dot product's rounding error (relative to |y| it is unbounded under
@@ -341,6 +342,38 @@ void test_bitwise_repeats() {
   repeat_bitwise<float>(gpu::gemm_op::at, {8192, 33, 17});
 }
 
+// matmul_at's split over N (gemm.cuh, "Split-K"): chosen from the shape and the workspace alone,
+// and held to the same per-element bound as one dot product (a split sums the same products in
+// another fixed order, in fp32, and rounds once). Repeats of split shapes are in bitwise_repeats.
+void test_split_k() {
+  gemm_env e;
+  const std::size_t ws = e.ws_bytes;
+  const auto problem = [](gpu::gemm_op op, std::size_t N, std::size_t K, std::size_t M) {
+    return gpu::detail::make_problem<mb::bf16, mb::bf16>(op, N, K, M, {K, M, M}, {});
+  };
+  const gpu::split_k_plan small = gpu::split_k_for(problem(gpu::gemm_op::at, 16384, 64, 64), ws);
+  CHECK(small.parts == 16);  // one 128×128 tile; 16 slices of the 1024-token minimum
+  CHECK(small.depth == 1024);
+  CHECK(small.partial_stride == 64 * 64);
+  CHECK(gpu::split_k_for(problem(gpu::gemm_op::at, 16383, 64, 64), ws).parts == 1);  // no aligned split
+  CHECK(gpu::split_k_for(problem(gpu::gemm_op::at, 1000, 64, 64), ws).parts == 1);   // too short
+  CHECK(gpu::split_k_for(problem(gpu::gemm_op::at, 4096, 2048, 2048), ws).parts == 1);  // 256 tiles
+  CHECK(gpu::split_k_for(problem(gpu::gemm_op::nn, 16384, 64, 64), ws).parts == 1);
+  gpu::gemm_problem plain = problem(gpu::gemm_op::at, 16384, 64, 64);
+  plain.split_k = false;  // what gpu::gemm() runs
+  CHECK(gpu::split_k_for(plain, ws).parts == 1);
+
+  std::uint64_t seed = 900;
+  for (bool acc : {false, true}) {
+    check_case<mb::bf16, mb::bf16>(e, gpu::gemm_op::at, {16384, 64, 64}, {acc, 0, 0, {}}, seed++);
+    check_case<mb::bf16, float>(e, gpu::gemm_op::at, {16384, 64, 64}, {acc, 0, 0, {}}, seed++);
+    check_case<mb::fp16, mb::fp16>(e, gpu::gemm_op::at, {8192, 40, 72}, {acc, 0, 0, {}}, seed++);
+    check_case<float, float>(e, gpu::gemm_op::at, {8192, 33, 17}, {acc, 3, 1, {}}, seed++);
+    check_case<mb::bf16, mb::bf16>(e, gpu::gemm_op::at, {16383, 64, 64}, {acc, 0, 0, {}}, seed++);
+  }
+  check_case<mb::bf16, float>(e, gpu::gemm_op::at, {16384, 64, 64}, {true, 8, 1, {-0.5f, false}}, seed++);
+}
+
 void test_plan_cache() {
   gemm_env e;
   mbt::device_buffer<float> x(64 * 64), w(64 * 64), y(64 * 64);
@@ -428,6 +461,7 @@ int main() {
       {"leading_dimension_views", test_leading_dimension_views},
       {"tf32_on_request", test_tf32_on_request},
       {"bitwise_repeats", test_bitwise_repeats},
+      {"split_k", test_split_k},
       {"plan_cache", test_plan_cache},
       {"errors", test_errors},
   };

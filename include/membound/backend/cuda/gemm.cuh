@@ -29,6 +29,18 @@
 // a second pass whose order and intermediate rounding (through the output type, for bf16 a
 // precision loss too) depend on the split and the workspace, not on the problem alone. With NONE
 // each output element is one dot product accumulated by one tile, in fp32.
+//
+// Split-K of our own, for weight gradients (matmul_at): g[K, M] = xᵀ·d sums over N tokens, and a
+// small g (a 256×256 gradient is 4 output tiles of 128×128) on one dot product per element
+// leaves all but a few SMs idle, 56× slower than cuBLASLt's split-K on an H200 (N = 65536,
+// bf16; bench/results/gpu_h200_2026-11-26.md). matmul_at therefore cuts N into `parts` equal
+// slices, chosen from the shape alone (split_k_for), runs them as one strided-batched cuBLASLt call
+// into fp32 partials in the workspace (no split-K inside it), and sums the partials in a fixed
+// order (slice 0, 1, ...) in fp32 in its own kernel, which applies alpha, adds g when
+// accumulating and rounds once to g's type. The bits then depend on the shape and the device's
+// workspace size (which bounds the partials), never on a timing or on the workspace's contents.
+// That kernel needs nvcc: matmul_at is defined for translation units nvcc compiles (as every
+// layer's device code is); gemm() and the other two products are host code.
 #pragma once
 
 #include <cublasLt.h>
@@ -36,6 +48,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -142,11 +155,12 @@ struct gemm_problem {
   cpu::ld3 ld{0, 0, 0};
   cudaDataType_t in = CUDA_R_32F, out = CUDA_R_32F;
   bool allow_tf32 = false;
+  bool split_k = false;  // matmul_at only: may run as split_k_for's fixed split (header comment)
 };
 
 namespace detail {
 
-inline std::size_t gemm_element_bytes(cudaDataType_t t) noexcept { return t == CUDA_R_32F ? 4 : 2; }
+constexpr std::size_t gemm_element_bytes(cudaDataType_t t) noexcept { return t == CUDA_R_32F ? 4 : 2; }
 
 inline const char* gemm_type_name(cudaDataType_t t) noexcept {
   return t == CUDA_R_32F ? "fp32" : (t == CUDA_R_16BF ? "bf16" : "fp16");
@@ -200,6 +214,7 @@ struct gemm_key {
   std::size_t N, K, M, ldx, ldw, ldy;
   cudaDataType_t in, out;
   bool tf32;
+  bool split_k;
   std::uint32_t align_x, align_w, align_y;
   std::size_t workspace_cap;
   bool operator==(const gemm_key&) const = default;
@@ -221,7 +236,7 @@ struct gemm_key_hash {
     mix(k.ldy);
     mix(static_cast<std::size_t>(k.in));
     mix(static_cast<std::size_t>(k.out));
-    mix(k.tf32 ? 1 : 0);
+    mix((k.tf32 ? 1 : 0) | (k.split_k ? 2 : 0));
     mix((std::size_t{k.align_x} << 18) | (std::size_t{k.align_w} << 9) | k.align_y);
     mix(k.workspace_cap);
     return h;
@@ -314,7 +329,47 @@ inline std::string numerical_refusal(const cublasLtMatmulAlgo_t& a, bool exact_f
   }
   return {};
 }
+
+inline void set_batch(const lt_layout& l, std::size_t count, std::size_t stride) {
+  const auto c = static_cast<std::int32_t>(count);
+  const auto st = static_cast<std::int64_t>(stride);
+  cublas_check(cublasLtMatrixLayoutSetAttribute(l.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &c, sizeof(c)),
+               "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
+  cublas_check(cublasLtMatrixLayoutSetAttribute(l.get(), CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &st,
+                                                sizeof(st)),
+               "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
+}
 }  // namespace detail
+
+// How matmul_at splits a problem (see "Split-K" at the top): `parts` slices of `depth` tokens,
+// their fp32 partials (`partial_stride` elements apart, 256-byte aligned) at the start of the
+// workspace. parts == 1: one plain call.
+struct split_k_plan {
+  std::size_t parts = 1, depth = 0, partial_stride = 0, partial_bytes = 0;
+};
+// Split until about this many 128×128 output tiles are in flight (an H100 or H200 has 132 SMs; a
+// constant, so that the split follows the shape and not the device), slices of at least
+// split_k_min_depth tokens, at most split_k_max_parts of them, partials in at most half of the
+// workspace (the rest stays cuBLASLt's), and only splits whose slices start 256-byte aligned.
+inline constexpr std::size_t split_k_target_tiles = 128, split_k_max_parts = 32;
+inline constexpr std::size_t split_k_min_depth = 1024;
+constexpr split_k_plan split_k_for(const gemm_problem& p, std::size_t workspace_bytes) noexcept {
+  if (p.op != gemm_op::at || !p.split_k || p.K == 0 || p.M == 0) return {};
+  const std::size_t tiles = ((p.K + 127) / 128) * ((p.M + 127) / 128);
+  if (tiles >= split_k_target_tiles) return {};
+  const std::size_t stride_bytes = (sat_mul(sat_mul(p.K, p.M), std::size_t{4}) + 255) / 256 * 256;
+  std::size_t parts = std::min({(split_k_target_tiles + tiles - 1) / tiles, split_k_max_parts,
+                                p.N / split_k_min_depth, workspace_bytes / 2 / stride_bytes});
+  const std::size_t in = detail::gemm_element_bytes(p.in);
+  for (; parts >= 2; --parts) {
+    if (p.N % parts != 0) continue;
+    const std::size_t depth = p.N / parts;
+    if ((depth * p.ld.x * in) % 256 == 0 && (depth * p.ld.w * in) % 256 == 0) {
+      return {parts, depth, stride_bytes / 4, parts * stride_bytes};
+    }
+  }
+  return {};
+}
 
 // A planned GEMM (CUTLASS's shape: can_implement, workspace_size, run): descriptors, layouts and
 // the heuristic's algorithm for one problem on one device, pointer alignment included. Immutable
@@ -420,11 +475,26 @@ class gemm_plan {
       case gemm_op::at:  // gᵀ[M×K] = dᵀ[M×N] · x[N×K]; x is stored as the col-major K×N xᵀ
         tb = CUBLAS_OP_T;
         n = p.K;
-        a_ = detail::make_layout(p.in, p.M, p.N, p.ld.w);
-        b_ = detail::make_layout(p.in, p.K, p.N, p.ld.x);
+        split_ = split_k_for(p, workspace_cap);
+        if (split_.parts > 1) {
+          // Slice s: dᵀ and x from token s·depth on, into fp32 partial s (col-major M×K, ld M).
+          a_ = detail::make_layout(p.in, p.M, split_.depth, p.ld.w);
+          b_ = detail::make_layout(p.in, p.K, split_.depth, p.ld.x);
+          detail::set_batch(a_, split_.parts, split_.depth * p.ld.w);
+          detail::set_batch(b_, split_.parts, split_.depth * p.ld.x);
+          workspace_cap -= split_.partial_bytes;
+        } else {
+          a_ = detail::make_layout(p.in, p.M, p.N, p.ld.w);
+          b_ = detail::make_layout(p.in, p.K, p.N, p.ld.x);
+        }
         break;
     }
-    c_ = detail::make_layout(p.out, m, n, p.ld.y);
+    if (split_.parts > 1) {
+      c_ = detail::make_layout(CUDA_R_32F, m, n, m);
+      detail::set_batch(c_, split_.parts, split_.partial_stride);
+    } else {
+      c_ = detail::make_layout(p.out, m, n, p.ld.y);
+    }
     detail::set_desc(desc_.get(), CUBLASLT_MATMUL_DESC_TRANSA, ta);
     detail::set_desc(desc_.get(), CUBLASLT_MATMUL_DESC_TRANSB, tb);
 
@@ -488,22 +558,40 @@ class gemm_plan {
     algo_workspace_ = chosen->workspaceSize;
   }
 
-  // The chosen algorithm in words (id, tile, stages, split, reduction, numerical flags): what a
-  // test prints when a result is off, so the kernel behind it can be named.
-  std::string describe() const { return detail::describe_algo(algo_); }
+  // The chosen algorithm in words (id, tile, stages, split, reduction, numerical flags, and our
+  // own split when there is one): what a test prints when a result is off, so the kernel behind
+  // it can be named.
+  std::string describe() const {
+    const std::string algo = detail::describe_algo(algo_);
+    if (split_.parts == 1) return algo;
+    return "membound split-K " + std::to_string(split_.parts) + " x " + std::to_string(split_.depth) +
+           " tokens into fp32 partials, each " + algo;
+  }
+  // matmul_at's split of this problem (parts == 1: none).
+  const split_k_plan& split() const noexcept { return split_; }
 
   // What the chosen algorithm itself uses (at most the cap passed to the heuristic).
   std::size_t workspace_size() const noexcept { return algo_workspace_; }
   const gemm_problem& problem() const noexcept { return problem_; }
 
   // Launches y = alpha·product (+ y) on the stream; validated by the caller (can_implement).
+  // A split plan writes its partials to the start of the workspace instead (alpha 1, no y):
+  // matmul_at sums them into y.
   void run(const cuda_executor& exec, const void* x, const void* w, void* y, float alpha,
            bool accumulate, void* workspace, std::size_t workspace_bytes) const {
     // beta = 0 means C is not read, so garbage (even NaN) in y is overwritten, as on the CPU.
-    const float beta = accumulate ? 1.0f : 0.0f;
+    float beta = accumulate ? 1.0f : 0.0f;
+    void* out = y;
+    if (split_.parts > 1) {
+      alpha = 1.0f;
+      beta = 0.0f;
+      out = workspace;
+      workspace = static_cast<unsigned char*>(workspace) + split_.partial_bytes;
+      workspace_bytes -= split_.partial_bytes;
+    }
     cublas_check(
-        cublasLtMatmul(exec.lt(), desc_.get(), &alpha, w, a_.get(), x, b_.get(), &beta, y, c_.get(),
-                       y, c_.get(), &algo_, workspace, workspace_bytes, exec.stream()),
+        cublasLtMatmul(exec.lt(), desc_.get(), &alpha, w, a_.get(), x, b_.get(), &beta, out,
+                       c_.get(), out, c_.get(), &algo_, workspace, workspace_bytes, exec.stream()),
         "cublasLtMatmul");
   }
 
@@ -513,6 +601,7 @@ class gemm_plan {
   detail::lt_layout a_, b_, c_;
   cublasLtMatmulAlgo_t algo_{};
   std::size_t algo_workspace_ = 0;
+  split_k_plan split_{};
 };
 
 // Plans by problem, so a training step's repeated shapes run the heuristic once. Thread-safe; a
@@ -533,6 +622,7 @@ class gemm_cache {
                                p.in,
                                p.out,
                                p.in == CUDA_R_32F && p.allow_tf32,
+                               p.split_k,
                                detail::address_alignment(x),
                                detail::address_alignment(w),
                                detail::address_alignment(y),
@@ -605,10 +695,12 @@ class gemm_context {
   gemm_options options_;
 };
 
-// Validates, plans (once per problem) and launches. Makes exec's device current for the call
-// when it is not: cuBLASLt launches on the current device.
-inline void gemm(const gemm_context& ctx, const gemm_problem& p, const void* x, const void* w,
-                 void* y, bool accumulate) {
+namespace detail {
+// Validates, plans (once per problem) and launches the cuBLASLt call; returns the plan it ran.
+// Makes exec's device current for the call when it is not: cuBLASLt launches on the current
+// device.
+inline const gemm_plan& launch_gemm(const gemm_context& ctx, const gemm_problem& p, const void* x,
+                                    const void* w, void* y, bool accumulate) {
   const cuda_executor& exec = ctx.exec();
   const std::size_t required = ctx.cache().workspace_required(exec.device());
   gemm_plan::can_implement(p, x, w, y, ctx.workspace(), ctx.workspace_bytes(), required);
@@ -616,14 +708,55 @@ inline void gemm(const gemm_context& ctx, const gemm_problem& p, const void* x, 
   if (cuda_current_device() != exec.device()) guard.emplace(exec.device());
   const gemm_plan& plan = ctx.cache().plan(exec, p, x, w, y);
   plan.run(exec, x, w, y, ctx.options().alpha, accumulate, ctx.workspace(), ctx.workspace_bytes());
+  return plan;
+}
+}  // namespace detail
+
+// One cuBLASLt call for any problem, never split (split_k is ignored: the partials need
+// matmul_at's reduction kernel).
+inline void gemm(const gemm_context& ctx, gemm_problem p, const void* x, const void* w, void* y,
+                 bool accumulate) {
+  p.split_k = false;
+  (void)detail::launch_gemm(ctx, p, x, w, y, accumulate);
 }
 
 namespace detail {
 template <typename T, typename Out>
 gemm_problem make_problem(gemm_op op, std::size_t N, std::size_t K, std::size_t M, cpu::ld3 ld,
                           const gemm_options& o) {
-  return gemm_problem{op, N, K, M, ld, cuda_data_type_v<T>, cuda_data_type_v<Out>, o.allow_tf32};
+  // matmul_at's problems may split (header comment); the other two never do.
+  return gemm_problem{op,          N,           K, M, ld, cuda_data_type_v<T>, cuda_data_type_v<Out>,
+                      o.allow_tf32, op == gemm_op::at};
 }
+
+#if MEMBOUND_CUDA_COMPILER
+// g[k·ldg + m] = round(alpha · Σ_s partial_s[k·M + m] (+ g)), s in order: one thread per element,
+// so the sum's order is fixed. Partials are col-major M×K (gᵀ), as the batched call wrote them.
+template <typename Out>
+__global__ void split_k_reduce_kernel(const float* __restrict__ partials, std::size_t parts,
+                                      std::size_t stride, std::size_t M, std::size_t K, Out* g,
+                                      std::size_t ldg, float alpha, bool accumulate) {
+  const std::size_t count = M * K;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < count;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    float sum = 0.0f;
+    for (std::size_t s = 0; s < parts; ++s) sum += partials[s * stride + i];
+    Out* dst = g + (i / M) * ldg + i % M;
+    float v = alpha * sum;
+    if constexpr (std::is_same_v<Out, float>) {
+      *dst = accumulate ? v + *dst : v;
+    } else if constexpr (std::is_same_v<Out, bf16>) {
+      auto* h = reinterpret_cast<__nv_bfloat16*>(dst);
+      if (accumulate) v += __bfloat162float(*h);
+      *h = __float2bfloat16_rn(v);
+    } else {
+      auto* h = reinterpret_cast<__half*>(dst);
+      if (accumulate) v += __half2float(*h);
+      *h = __float2half_rn(v);
+    }
+  }
+}
+#endif  // MEMBOUND_CUDA_COMPILER
 }  // namespace detail
 
 // y[N, M] (+)= alpha · x[N, K] · w[K, M]
@@ -652,13 +785,37 @@ void matmul_bt(const gemm_context& ctx, const T* x, const T* w, Out* y, std::siz
   matmul_bt(ctx, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M});
 }
 
-// g[K, M] (+)= alpha · x[N, K]ᵀ · d[N, M]   (weight gradients). ld.w is d's.
+// g[K, M] (+)= alpha · x[N, K]ᵀ · d[N, M]   (weight gradients). ld.w is d's. Split over N when
+// the shape calls for it (split_k_for), with the result summed in a fixed order.
+#if MEMBOUND_CUDA_COMPILER
 template <gemm_element T, gemm_output<T> Out>
 void matmul_at(const gemm_context& ctx, const T* x, const T* d, Out* g, std::size_t N,
                std::size_t K, std::size_t M, bool accumulate, cpu::ld3 ld) {
-  gemm(ctx, detail::make_problem<T, Out>(gemm_op::at, N, K, M, ld, ctx.options()), x, d, g,
-       accumulate);
+  const gemm_plan& plan = detail::launch_gemm(
+      ctx, detail::make_problem<T, Out>(gemm_op::at, N, K, M, ld, ctx.options()), x, d, g,
+      accumulate);
+  const split_k_plan& sp = plan.split();
+  if (sp.parts == 1) return;
+  const std::size_t count = K * M;
+  const auto grid = static_cast<unsigned>(std::min<std::size_t>((count + 255) / 256, 4096));
+  // cuBLASLt launched on the current device, which launch_gemm made exec's for its call.
+  std::optional<cuda_device_guard> guard;
+  if (cuda_current_device() != ctx.exec().device()) guard.emplace(ctx.exec().device());
+  detail::split_k_reduce_kernel<Out><<<grid, 256, 0, ctx.exec().stream()>>>(
+      static_cast<const float*>(ctx.workspace()), sp.parts, sp.partial_stride, M, K, g, ld.y,
+      ctx.options().alpha, accumulate);
+  cuda_executor::check_launch("split_k_reduce_kernel");
 }
+#else
+template <gemm_element T, gemm_output<T> Out>
+void matmul_at(const gemm_context&, const T*, const T*, Out*, std::size_t, std::size_t,
+               std::size_t, bool, cpu::ld3) {
+  static_assert(sizeof(T) == 0,
+                "membound: gpu::matmul_at may split a weight gradient and sum the slices in its "
+                "own kernel: compile this file with nvcc (as .cu), or call gpu::gemm, which never "
+                "splits.");
+}
+#endif  // MEMBOUND_CUDA_COMPILER
 template <gemm_element T, gemm_output<T> Out>
 void matmul_at(const gemm_context& ctx, const T* x, const T* d, Out* g, std::size_t N,
                std::size_t K, std::size_t M, bool accumulate) {
