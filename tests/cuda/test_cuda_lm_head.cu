@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "cuda_test_support.cuh"
@@ -38,18 +37,6 @@ void close_scaled(const char* name, const std::vector<double>& got, const std::v
                   double tolerance) {
   mbt::close_normwise(name, got, want, tolerance, 5e-2 * mbt::max_abs(want) + std::numeric_limits<double>::min());
 }
-
-// A host buffer aligned to 256 bytes for the CPU head's workspace.
-struct host_workspace {
-  explicit host_workspace(std::size_t n) : bytes(n), raw(n + 256) {
-    void* p = raw.data();
-    std::size_t space = raw.size();
-    ptr = std::align(256, n, p, space);
-  }
-  std::size_t bytes;
-  std::vector<std::uint8_t> raw;
-  void* ptr = nullptr;
-};
 
 std::vector<std::int32_t> make_targets(std::size_t N, std::size_t V) {
   std::vector<std::int32_t> t(N);
@@ -80,10 +67,10 @@ void compare(const mb::lm_head_shape& s, double tolerance, double loss_tolerance
   // CPU reference.
   mb::thread_pool pool(1);
   std::vector<S> dx_c(N * C), dnorm_c = dnorm0, dw_c = dw0;
-  host_workspace hws(cpu_head::workspace_bytes(s, 1));
+  mbt::host_buffer hws(cpu_head::workspace_bytes(s, 1));
   const double loss_c = cpu_head::loss_backward(s, {norm.data(), w.data()}, x.data(), targets.data(),
                                                 scale, dx_c.data(), {dnorm_c.data(), dw_c.data()},
-                                                hws.ptr, hws.bytes, pool);
+                                                hws.data(), hws.size(), pool);
 
   // GPU, twice from the same state.
   mb::cuda_executor ex;

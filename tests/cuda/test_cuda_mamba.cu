@@ -138,17 +138,6 @@ void append_bytes(std::vector<std::uint8_t>& out, const std::vector<T>& v) {
   out.insert(out.end(), p, p + v.size() * sizeof(T));
 }
 
-// Host bytes at a 256-byte boundary (the layouts' alignment), as aligned_buffer in the CPU tests.
-struct host_bytes {
-  std::vector<std::uint8_t> raw;
-  void* p = nullptr;
-  explicit host_bytes(std::size_t n) : raw(n + 256) {
-    void* base = raw.data();
-    std::size_t space = raw.size();
-    p = std::align(256, n, base, space);
-  }
-};
-
 // Host-to-device copies go through the legacy stream and the executor's stream does not wait for
 // it: settle everything before a launch reads uploaded data or the host reads results.
 void settle() { mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
@@ -172,11 +161,11 @@ outputs run_cpu(const problem& p) {
                          std::vector<S>(out_proj.size())};
   std::vector<S> out(x.size()), dx(x.size());
   const std::size_t saved_bytes = Block::saved_bytes(s);
-  host_bytes saved_buf(saved_bytes);
-  void* const saved = saved_buf.p;
+  mbt::host_buffer saved_buf(saved_bytes);
+  void* const saved = saved_buf.data();
   const std::size_t wsn = std::max(Block::forward_workspace_bytes(s, 1), Block::backward_workspace_bytes(s, 1));
-  host_bytes ws_buf(wsn);
-  void* const ws = ws_buf.p;
+  mbt::host_buffer ws_buf(wsn);
+  void* const ws = ws_buf.data();
   const typename Block::weights w{in_proj.data(), conv_w.data(), conv_b.data(), x_proj.data(),
                                   dt_proj.data(), dt_bias.data(), a_log.data(),  d.data(),
                                   out_proj.data()};
