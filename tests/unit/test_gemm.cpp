@@ -96,3 +96,34 @@ TEST_CASE("packed gemm: accumulate adds to y, and the scratch size is a compile-
                                   mb::cpu::ld3{K, M, M}, shorter),
                   mb::invalid_argument);
 }
+
+TEST_CASE("packed gemm: weight gradients in tiles from the shape alone, every tile inside g") {
+  using mb::cpu::matmul_at_tiling;
+  // The trainer's 128-wide projections: one tile would leave a second thread idle; two halves.
+  constexpr auto q = matmul_at_tiling(128, 128);
+  static_assert(q.rows == 64 && q.cols == 128 && q.tiles() == 2);
+  // T = 4k, width 512, MLP up: 256-row tiles, 512-column tiles.
+  constexpr auto up = matmul_at_tiling(512, 2048);
+  static_assert(up.rows == 256 && up.cols == 512 && up.tiles() == 8);
+  // Equal tiles (multiples of 16) rather than a full one and a remainder.
+  constexpr auto odd = matmul_at_tiling(384, 1030);
+  static_assert(odd.rows == 192 && odd.row_tiles == 2 && odd.cols == 352 && odd.col_tiles == 3);
+  // Too small to share: one tile; and nothing for an empty g.
+  static_assert(matmul_at_tiling(20, 5).tiles() == 1);
+  static_assert(matmul_at_tiling(0, 5).tiles() == 0);
+  for (std::size_t K : {1, 31, 32, 100, 128, 257, 600})
+    for (std::size_t M : {1, 17, 512, 513, 1500}) {
+      const auto t = matmul_at_tiling(K, M);
+      CHECK(t.rows * t.row_tiles >= K);
+      CHECK(t.rows * (t.row_tiles - 1) < K);
+      CHECK(t.cols * t.col_tiles >= M);
+      CHECK(t.cols * (t.col_tiles - 1) < M);
+    }
+  // Products through every kind of tiling: split rows, split columns, both, one tile; same bits
+  // on 1 and 3 threads (check()).
+  check<float>(kind::at, 700, 128, 384);
+  check<float>(kind::at, 300, 384, 1030);
+  check<float>(kind::at, 300, 40, 1100);
+  check<float>(kind::at, 90, 20, 30);
+  check<double>(kind::at, 260, 128, 96);
+}
