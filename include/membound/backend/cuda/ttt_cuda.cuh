@@ -95,6 +95,9 @@ constexpr std::size_t ttt_partial_elements(std::size_t SZ, std::size_t D, std::s
 }
 
 inline constexpr unsigned ttt_inner_threads = 256;
+// The backward's inner kernel: fewer threads leave ptxas registers for its many live buffer
+// pointers (at 256 the TTT-MLP kernel spilled).
+inline constexpr unsigned ttt_backward_threads = 128;
 
 }  // namespace gpu
 
@@ -957,7 +960,7 @@ struct backward_args {
 // then its mini-batches in reverse. part[task] = [dS (SZ), dγ (D), dβ (D), dtok (mb)], summed
 // over the batch afterwards in batch order (ttt_reduce_partials_kernel).
 template <bool Mlp, typename S>
-__global__ void __launch_bounds__(ttt_inner_threads)
+__global__ void __launch_bounds__(ttt_backward_threads, 1)
     ttt_backward_kernel(backward_args a, const S* norm_w, const S* norm_b) {
   const std::size_t task = blockIdx.x;
   const std::size_t b = task / a.H;
@@ -1533,7 +1536,7 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   // The inner loop backwards, then its partials summed over the batch.
   const td::backward_args args{q,  k,  v,  lr,  tok,  d_o,  ckpt,  dq,  dk,  dv, dlr,
                                part, scratch, T, H, d.D, d.F, d.SZ, MB, G, gsz, ncp, nmb, 1e-6f};
-  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_inner_threads, 0,
+  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_backward_threads, 0,
                                     st>>>(args, w.ttt_norm_w, w.ttt_norm_b);
   cuda_check(cudaGetLastError(), "ttt_backward_kernel launch");
   const td::ttt_grad_targets<S> targets{g.w1, g.b1, g.w2, g.b2, g.ttt_norm_w, g.ttt_norm_b,
