@@ -1195,6 +1195,8 @@ __global__ void ttt_reduce_partials_kernel(const float* part, std::size_t B, std
 }
 
 // The learning-rate gate backwards: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ), in place.
+// (A template only so that it is inline for the linker, as model_kernels' are.)
+template <int = 0>
 __global__ void ttt_rate_grad_kernel(float* dlr, const float* lr, const float* sig, std::size_t n) {
   const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e < n) dlr[e] *= lr[e] * (1.0f - sig[e]);
@@ -1547,7 +1549,7 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   cuda_check(cudaGetLastError(), "ttt_reduce_partials_kernel launch");
 
   // The learning-rate gate: dpre = dlr·lr·(1 − σ); its parameters and its share of dx.
-  td::ttt_rate_grad_kernel<<<td::blocks_for(N * H, 256), 256, 0, st>>>(dlr, lr, sig, N * H);
+  td::ttt_rate_grad_kernel<><<<td::blocks_for(N * H, 256), 256, 0, st>>>(dlr, lr, sig, N * H);
   cuda_check(cudaGetLastError(), "ttt_rate_grad_kernel launch");
   td::ttt_rate_params_kernel<S><<<td::blocks_for(H * C + H, 256), 256, 0, st>>>(dlr, x, N, H, C,
                                                                                g.lr_w, g.lr_b);
