@@ -6,9 +6,12 @@ ttt_cuda.cuh between fixed markers, compiles them with tools/ttt_cuda_emulate.cp
 (g++, -fsanitize=thread by default) and runs the result with a few threads-per-CTA counts. It
 checks the kernels' index arithmetic, their phase barriers (a missing one is a data race under
 TSan) and the backward's algorithm against cpu_backend in fp32, and that the outputs do not
-depend on the checkpoint group G. It does not replace a GPU run (see the .cpp's header). Usage:
+depend on the checkpoint group G. --sanitize address runs it under ASan and UBSan instead: the
+scratch and partial buffers are sized exactly as the launchers size them, so a kernel that carves
+past its (batch, head)'s share shows on the last one. It does not replace a GPU run (see the
+.cpp's header). Usage:
 
-    python3 tools/ttt_cuda_emulate.py [--threads 1 5 32] [--no-tsan]
+    python3 tools/ttt_cuda_emulate.py [--threads 1 5 32] [--sanitize thread|address|none]
 
 Exits 0 when every run passes, 1 otherwise.
 """
@@ -36,7 +39,7 @@ def cut(text: str, start: str, end: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 5, 32])
-    ap.add_argument("--no-tsan", action="store_true")
+    ap.add_argument("--sanitize", choices=("thread", "address", "none"), default="thread")
     args = ap.parse_args()
     text = HEADER.read_text()
     cxx = shutil.which("g++") or sys.exit("ttt_cuda_emulate.py: g++ not found")
@@ -45,7 +48,10 @@ def main() -> int:
         (d / "consts.inc").write_text(cut(text, *CONSTS))
         (d / "kernels.inc").write_text(cut(text, *KERNELS))
         exe = d / "emu"
-        flags = ["-O1", "-g", "-fsanitize=thread"] if not args.no_tsan else ["-O2"]
+        flags = {"thread": ["-O1", "-g", "-fsanitize=thread"],
+                 "address": ["-O1", "-g", "-fsanitize=address,undefined",
+                             "-fno-sanitize-recover=all"],
+                 "none": ["-O2"]}[args.sanitize]
         cmd = [cxx, "-std=c++20", *flags, "-w", "-I", str(d), "-I", str(ROOT / "include"),
                "-isystem", "/usr/include/eigen3", str(ROOT / "tools/ttt_cuda_emulate.cpp"),
                "-o", str(exe)]
