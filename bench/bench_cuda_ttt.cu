@@ -1,7 +1,8 @@
-// Tokens/s of basic_ttt<Mlp, P, cuda_backend>::forward (TTT-Linear and TTT-MLP), bf16 and fp32,
-// T = 2k and 8k, C = 1024 (H = 16, D = 64), b = 16. Forward only: the device backward does not
-// exist yet (it throws; see backend/cuda/ttt_cuda.cuh), so there is no forward+backward figure.
-// Timed with CUDA events on the layer's stream. Without a device each benchmark is skipped.
+// Tokens/s of basic_ttt<Mlp, P, cuda_backend> (TTT-Linear and TTT-MLP), bf16 and fp32, T = 2k
+// and 8k, C = 1024 (H = 16, D = 64), b = 16, G = 4: forward alone, and forward + backward (one
+// training step of the layer: the backward recomputes q, k, v and the groups' states, so it is
+// the figure to set against PyTorch's forward + backward, bench/peers/ttt_peer.py). Timed with
+// CUDA events on the layer's stream. Without a device each benchmark is skipped.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
@@ -38,8 +39,8 @@ S* upload(std::size_t n, std::uint32_t seed, float scale, float offset = 0.0f) {
   return static_cast<S*>(p);
 }
 
-template <bool Mlp, typename Precision>
-void bm_forward(benchmark::State& state) {
+template <bool Mlp, typename Precision, bool Backward>
+void bm_layer(benchmark::State& state) {
   if (!have_device()) {
     state.SkipWithError("no CUDA device");
     return;
@@ -68,7 +69,24 @@ void bm_forward(benchmark::State& state) {
   const S* x = up(N * C, 20, 1.0f);
   S* y = upload<S>(N * C, 21, 0.0f);
   owned.push_back(y);
-  const std::size_t saved_n = layer::saved_bytes(s), ws_n = layer::forward_workspace_bytes(s, 1);
+  const S* dy = up(N * C, 22, 1.0f);
+  S* dx = upload<S>(N * C, 23, 0.0f);
+  owned.push_back(dx);
+  auto zeros = [&](std::size_t n) {
+    S* p = upload<S>(n, 24, 0.0f);
+    owned.push_back(p);
+    return p;
+  };
+  typename layer::gradients g{zeros(C * C), zeros(C * C), zeros(C * C), zeros(H * D),
+                              zeros(H * D), zeros(H * D * F), zeros(H * F), zeros(H * C),
+                              zeros(H), zeros(16), zeros(C), zeros(C), zeros(C * C), zeros(C * C)};
+  if constexpr (Mlp) {
+    g.w2 = zeros(H * F * D);
+    g.b2 = zeros(H * D);
+  }
+  const std::size_t saved_n = layer::saved_bytes(s), fws_n = layer::forward_workspace_bytes(s, 1);
+  const std::size_t bws_n = Backward ? layer::backward_workspace_bytes(s, 1) : 0;
+  const std::size_t ws_n = fws_n > bws_n ? fws_n : bws_n;
   void *saved = nullptr, *ws = nullptr;
   mb::cuda_check(cudaMalloc(&saved, saved_n), "cudaMalloc");
   mb::cuda_check(cudaMalloc(&ws, ws_n), "cudaMalloc");
@@ -78,11 +96,15 @@ void bm_forward(benchmark::State& state) {
   cudaEvent_t start, stop;
   mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
   mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-  layer::forward(s, w, x, y, saved, saved_n, ws, ws_n, ex);  // warm-up (plans, module load)
+  const auto step = [&] {
+    layer::forward(s, w, x, y, saved, saved_n, ws, fws_n, ex);
+    if constexpr (Backward) layer::backward(s, w, x, saved, saved_n, dy, dx, g, ws, bws_n, ex);
+  };
+  step();  // warm-up (plans, module load)
   ex.synchronize();
   for (auto _ : state) {
     mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
-    layer::forward(s, w, x, y, saved, saved_n, ws, ws_n, ex);
+    step();
     mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
     mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0.0f;
@@ -98,14 +120,22 @@ void bm_forward(benchmark::State& state) {
   for (void* p : owned) (void)cudaFree(p);
 }
 
-BENCHMARK_TEMPLATE(bm_forward, false, mb::bf16_precision)
+BENCHMARK_TEMPLATE(bm_layer, false, mb::bf16_precision, false)
     ->Name("ttt_linear_bf16_forward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(bm_forward, true, mb::bf16_precision)
+BENCHMARK_TEMPLATE(bm_layer, false, mb::bf16_precision, true)
+    ->Name("ttt_linear_bf16_forward_backward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_layer, true, mb::bf16_precision, false)
     ->Name("ttt_mlp_bf16_forward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(bm_forward, false, mb::fp32_precision)
+BENCHMARK_TEMPLATE(bm_layer, true, mb::bf16_precision, true)
+    ->Name("ttt_mlp_bf16_forward_backward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_layer, false, mb::fp32_precision, false)
     ->Name("ttt_linear_fp32_forward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(bm_forward, true, mb::fp32_precision)
+BENCHMARK_TEMPLATE(bm_layer, false, mb::fp32_precision, true)
+    ->Name("ttt_linear_fp32_forward_backward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_layer, true, mb::fp32_precision, false)
     ->Name("ttt_mlp_fp32_forward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(bm_layer, true, mb::fp32_precision, true)
+    ->Name("ttt_mlp_fp32_forward_backward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

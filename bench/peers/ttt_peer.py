@@ -84,6 +84,20 @@ Columns:
 The load average is printed at the start and the end: the timings are only as good as the
 machine is quiet.
 
+--device cuda: PyTorch alone on the GPU, for the issue's ratio against our device layers
+(bench/bench_cuda_ttt.cu, which times ours at the same shapes): B = 1, C = 1024, H = 16 (D = 64),
+b = 16, T = 2048 (quick) or {2048, 8192} (all), the same module in fp32 weights under
+torch.autocast("cuda", dtype=torch.bfloat16), forward (eval, no_grad) and forward+backward
+(train) with G = 4 (all: also 1 and all); best of --reps, each call between
+torch.cuda.synchronize(); peak MiB = torch.cuda.max_memory_allocated() over the timed calls minus
+what was allocated before them (inputs and weights). With --bench PATH (bench_cuda_ttt built with
+CUDA) it also runs ours (--benchmark_format=json, the bf16 rows) and prints tokens/s of both and
+ours/torch. No runner and no output check in this mode (the device layers are checked against
+the CPU backend by tests/cuda/test_cuda_ttt.cu). Example:
+
+    python bench/peers/ttt_peer.py --device cuda --kind both --shapes all \
+          --bench build/gpu/bench/bench_cuda_ttt
+
 OpenMP wait policy: the PyTorch child runs with OMP_WAIT_POLICY=PASSIVE unless the environment
 sets it (the value used is printed). PyTorch parallelizes each small op of the per-mini-batch loop
 over its OpenMP team; on a shared machine whose cores are busy with other work, a worker that
@@ -250,8 +264,10 @@ class TorchTTT(nn.Module):
         permute_qk / apply_rotary_pos_emb / undo_permute_qk; q, k [B, H, T, D]. The float64
         reference computes cos/sin in float64."""
         ft = torch.float64 if q.dtype == torch.float64 else torch.float32
-        inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, D, 2, dtype=torch.int64).to(ft) / D))
-        positions = (torch.arange(T) % MB).to(ft)
+        dev = q.device
+        inv_freq = 1.0 / (ROPE_BASE ** (torch.arange(0, D, 2, dtype=torch.int64, device=dev).to(ft)
+                                        / D))
+        positions = (torch.arange(T, device=dev) % MB).to(ft)
         freqs = positions[:, None] * inv_freq[None, :]                  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
@@ -338,7 +354,7 @@ class TorchTTT(nn.Module):
                 for n in self.inner}
         for n in self.inner:
             init[n + "_grad"] = torch.zeros_like(init[n + "_states"])
-        out = torch.empty((nmb, B, H, MB, D), dtype=x.dtype)
+        out = torch.empty((nmb, B, H, MB, D), dtype=x.dtype, device=x.device)
         groups = 0
         if self.training and self.group:
             groups = 1 if self.group == "all" else max(1, nmb // int(self.group))
@@ -541,7 +557,12 @@ def main():
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check-t", type=int, default=1024, help="T of the output check")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: PyTorch alone on the GPU under bf16 autocast (see the docstring)")
+    ap.add_argument("--bench", help="with --device cuda: path of bench_cuda_ttt (ours)")
     args = ap.parse_args()
+    if args.device == "cuda" and not args.torch_child:
+        return device_main(args)
     if args.torch_child:
         if args.kind not in KINDS:
             ap.error("--torch-child needs --kind linear or --kind mlp")
@@ -622,6 +643,93 @@ def run_kind(kind, seqs, args):
     print(f"\n{name} output check: {'ok' if ok else 'FAIL'}")
     sys.stdout.flush()
     return ok
+
+
+# ---- --device cuda: PyTorch on the GPU under bf16 autocast, next to bench_cuda_ttt -------------
+DEVICE_SHAPE = (1024, 16)  # C, H of bench/bench_cuda_ttt.cu
+
+
+def device_row(kind, T, bwd, group, reps, device):
+    """Best ms of one PyTorch call on `device` under bf16 autocast, and the peak bytes allocated
+    during the timed calls beyond what existed before them."""
+    dev = torch.device(device)
+    inputs = make_inputs(T, kind)
+    layer = TorchTTT(inputs, torch.float32, group, kind).to(dev)
+    layer.train(bwd)
+    for p in layer.parameters():
+        p.requires_grad_(bwd)
+    x = inputs["x"].view(1, T, C).to(dev).requires_grad_(bwd)
+    dy = inputs["dy"].view(1, T, C).to(dev)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def call():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            torch_call(layer, x, dy, bwd)
+
+    call()  # warm-up
+    sync()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    return best, peak
+
+
+def ours_tokens_per_s(bench):
+    """{(kind, pass, T): tokens/s} of bench_cuda_ttt's bf16 rows (G = 4)."""
+    cmd = [bench, "--benchmark_format=json", "--benchmark_filter=bf16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
+    out = {}
+    for b in json.loads(proc.stdout)["benchmarks"]:
+        if "error_occurred" in b and b["error_occurred"]:
+            raise RuntimeError(f"{b['name']}: {b.get('error_message', 'error')}")
+        name, T = b["name"].split("/")[:2]  # ttt_<kind>_bf16_<pass>/<T>/manual_time
+        kind = "mlp" if name.startswith("ttt_mlp") else "linear"
+        pass_ = "fwd+bwd" if name.endswith("forward_backward") else "fwd"
+        out[(kind, pass_, int(T))] = b["tokens/s"]
+    return out
+
+
+def device_main(args):
+    global C, H, D
+    if not torch.cuda.is_available():
+        print("--device cuda: no CUDA device visible to torch", file=sys.stderr)
+        return 77
+    C, H = DEVICE_SHAPE
+    D = C // H
+    seqs = (2048,) if args.shapes == "quick" else (2048, 8192)
+    kinds = KINDS if args.kind == "both" else (args.kind,)
+    groups = ("4",) if args.shapes == "quick" else GROUPS
+    ours = ours_tokens_per_s(args.bench) if args.bench else {}
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, bf16 autocast, best of "
+          f"{args.reps}; ours: {args.bench or '(not run: pass --bench)'}")
+    for kind in kinds:
+        name = "TTT-MLP (F = 4D)" if kind == "mlp" else "TTT-Linear"
+        print(f"\n{name} B=1 C={C} H={H} D={D} b={MB}, no gate\n")
+        print("| T | pass | G | torch ms | torch tokens/s | torch peak MiB | ours tokens/s (G=4) "
+              "| ours/torch |")
+        print("|--:|---|--:|--:|--:|--:|--:|--:|")
+        for T in seqs:
+            for bwd, group in [(False, "4")] + [(True, g) for g in groups]:
+                ms, peak = device_row(kind, T, bwd, group, args.reps, "cuda")
+                tps = T / (ms / 1e3)
+                pass_ = "fwd+bwd" if bwd else "fwd"
+                o = ours.get((kind, pass_, T))
+                ratio = f"{o / tps:.2f}" if o and group == "4" else "—"
+                print(f"| {T} | {pass_} | {group if bwd else '—'} | {ms:.2f} | {tps:.0f} "
+                      f"| {peak / MiB:.1f} | {f'{o:.0f}' if o else '—'} | {ratio} |")
+                sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":

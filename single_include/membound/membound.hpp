@@ -9391,7 +9391,7 @@ MEMBOUND_NAMESPACE_END
 // With cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
-// workspace is the device's own. The device backward is not written yet: it throws.
+// workspace is the device's own (backward too: the same recomputation from the checkpoints).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -9494,7 +9494,7 @@ class basic_ttt {
   }
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, S>(s);
+    if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, group, S>(s);
     const std::size_t b[] = {w_acc_bytes(s), wide(s), partial_bytes(s),
                              task_scratch(s, threads, true),
                              bytes_of<std::byte>(threads, backward_pack_bytes(s))};
@@ -9679,9 +9679,13 @@ class basic_ttt {
     detail::not_null(dy, "dy");
     detail::not_null(dx, "dx");
     check_gradients(s, g);
-    if constexpr (!on_cpu) {
-      (void)saved, (void)saved_size, (void)workspace, (void)workspace_size, (void)pool;
-      device_kernels::unsupported("backward");
+    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
+      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                           saved_size, "saved");
+      device_kernels::template backward<Mlp, mb, group, S, A>(
+          s, w, x, static_cast<const A*>(dsv.template get<A>(s_ckpt)),
+          static_cast<const S*>(dsv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size,
+          pool);
     } else {
       backward_cpu(s, w, x, saved, saved_size, dy, dx, g, workspace, workspace_size, pool);
     }

@@ -19,11 +19,25 @@
 //
 // The decoding step (ttt_step_kernel) and its state (make_state, reset with the executor) run on
 // the device too, on the executor's stream.
-// Not on the device yet: backward; it throws invalid_argument naming the backend (unsupported()).
+//
+// Backward, the CPU's algorithm step by step:
+//   q, k, v, lr, σ, tok recomputed          the forward's GEMMs and kernels
+//   dpn = dy·Woᵀ; gate; post norm backward  one CTA per row; d post_w, d post_b per column
+//   the inner loop backwards                one CTA per (batch, head): groups from the last, each
+//                                           group's entering states recomputed from its
+//                                           checkpoint with the forward's device functions
+//                                           (mb_gradients, mb_update), then its mini-batches in
+//                                           reverse (mb_outputs, mb_backward: the second-order
+//                                           LayerNorm term, GELU'' for the MLP)
+//   per-(batch, head) partials              summed over the batch in order, one thread each
+//   the rate gate, RoPE's transpose         elementwise / per-column kernels
+//   d wq, wk, wv, wg, wo and dx             cuBLASLt (fp32 operands; bf16/fp16 rounded once)
+// Its workspace is a plain sum of slots (backward_layout), each sized exactly.
 //
 // Determinism: every sum runs in a fixed order inside one thread (no atomics, no split
-// reductions), so the forward is bit-identical across runs and across the checkpoint group G
-// (G only decides which states are copied out).
+// reductions), so forward and backward are bit-identical across runs, and across the
+// checkpoint group G (G only decides which states are copied out, and the backward recomputes
+// the others with the same device functions the forward ran).
 #pragma once
 
 #include <cstddef>
@@ -66,7 +80,24 @@ constexpr std::size_t ttt_scratch_elements(std::size_t SZ, std::size_t D, std::s
   return SZ + 5 * mb * F + 4 * mb * D + 4 * mb * mb + 2 * mb;
 }
 
+// One (batch, head)'s backward scratch in fp32 elements (the carve in ttt_backward_kernel): the
+// group's entering states [gsz, SZ] and the running state [SZ]; the forward's mini-batch buffers
+// (z1, x2, g1, z1b, x2b [mb, F]; z2, xh2, g2, zb [mb, D]; att1, p1, att2, p2 [mb, mb]; sig2, lrm
+// [mb]); then x̂ of Zbar [mb, D] and its σ [mb]; dx2b, dz1b, dg1, dx2, dz1, s1, s2 [mb, F]; dzb,
+// dg2, dz2 [mb, D]; dp1, dp2 [mb, mb]; de, dl [mb]; three rows of D per token (rowd).
+constexpr std::size_t ttt_backward_scratch_elements(std::size_t SZ, std::size_t D, std::size_t F,
+                                                    std::size_t mb, std::size_t gsz) noexcept {
+  return (gsz + 1) * SZ + 12 * mb * F + 11 * mb * D + 6 * mb * mb + 5 * mb;
+}
+// Per (batch, head), the backward's partial parameter gradients: dS [SZ], dγ, dβ [D], dtok [mb].
+constexpr std::size_t ttt_partial_elements(std::size_t SZ, std::size_t D, std::size_t mb) noexcept {
+  return SZ + 2 * D + mb;
+}
+
 inline constexpr unsigned ttt_inner_threads = 256;
+// The backward's inner kernel: fewer threads leave ptxas registers for its many live buffer
+// pointers (at 256 the TTT-MLP kernel spilled).
+inline constexpr unsigned ttt_backward_threads = 128;
 
 }  // namespace gpu
 
@@ -87,10 +118,12 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     return fits<Mlp, MB>(s) ? forward_layout<Mlp, MB, S>(s).size()
                             : std::numeric_limits<std::size_t>::max();
   }
-  // No device backward yet: its size is the forward's, so plans stay finite; backward() throws.
-  template <bool Mlp, std::size_t MB, typename S>
+  // G: the checkpoint group (its entering states are the backward's largest per-head buffer).
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S>
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s) {
-    return forward_workspace_bytes<Mlp, MB, S>(s);
+    return fits<Mlp, MB>(s) && backward_fits<Mlp, MB, G>(s)
+               ? backward_layout<Mlp, MB, G, S>(s).size()
+               : std::numeric_limits<std::size_t>::max();
   }
   // The forward's layout at T = 1, plus the heads' output [B, C] in storage (forward writes it
   // into `saved`; decoding has none).
@@ -103,21 +136,18 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     return step_layout<Mlp, MB, S>(one).size();
   }
 
-  // What has no device kernels yet: a typed error naming the backend, thrown before any buffer
-  // is touched.
-  [[noreturn]] static void unsupported(const char* what) {
-    throw invalid_argument("backend", "cpu_backend (the TTT layers' device kernels cover forward and step only)",
-                           "cuda_backend",
-                           std::string("basic_ttt<..., cuda_backend>::") + what +
-                               " has no CUDA kernels yet; run it with cpu_backend");
-  }
-
 #if MEMBOUND_CUDA_COMPILER
   // ckpt: the saved inner states [B·H, checkpoints, SZ] (fp32); o_s: the heads' output [N, C]
   // (storage). The layer checked the shape, the weights and the saved buffer.
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename Weights>
   static void forward(const ttt_shape& s, const Weights& w, const S* x, S* y, A* ckpt, S* o_s,
                       void* workspace, std::size_t workspace_size, const cuda_executor& ex);
+  // The same saved buffer read back; dx written; every gradient in g accumulated (+=).
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename Weights,
+            typename Gradients>
+  static void backward(const ttt_shape& s, const Weights& w, const S* x, const A* ckpt,
+                       const S* o_s, const S* dy, S* dx, const Gradients& g, void* workspace,
+                       std::size_t workspace_size, const cuda_executor& ex);
   // One decoding token per sequence at mini-batch position i (st: [B·H, 2, SZ] fp32, the
   // starting state then the running sums, as on the CPU). The layer checked the state.
   template <bool Mlp, std::size_t MB, typename S, typename A, typename Weights>
@@ -145,6 +175,12 @@ struct backend_kernels<cuda_backend, ttt_shape> {
                   "membound: basic_ttt<..., cuda_backend>::forward launches CUDA kernels; compile "
                   "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
   }
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename... Args>
+  static void backward(Args&&...) {
+    static_assert(dependent_false<S, A>,
+                  "membound: basic_ttt<..., cuda_backend>::backward launches CUDA kernels; compile "
+                  "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
 #endif
 
  private:
@@ -157,6 +193,22 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     const std::size_t per = gpu::ttt_scratch_elements(d.SZ, d.D, d.F, MB);
     return bytes_of<float>(N, s.width) != std::numeric_limits<std::size_t>::max() &&
            bytes_of<float>(s.batch * s.heads, per) != std::numeric_limits<std::size_t>::max();
+  }
+
+  // The group's entering states in use: min(G, mini-batches) (G is SIZE_MAX for ttt_checkpoint_all).
+  template <std::size_t MB, std::size_t G>
+  static constexpr std::size_t group_in_use(const ttt_shape& s) noexcept {
+    const std::size_t nmb = s.seq / MB + (s.seq % MB != 0);
+    return G < nmb ? G : nmb;
+  }
+  template <bool Mlp, std::size_t MB, std::size_t G>
+  static constexpr bool backward_fits(const ttt_shape& s) noexcept {
+    const auto d = gpu::ttt_dims::of(s, Mlp);
+    const std::size_t gsz = group_in_use<MB, G>(s);
+    constexpr std::size_t m = std::numeric_limits<std::size_t>::max();
+    if (d.SZ == 0 || gsz + 1 > m / d.SZ / 2) return false;  // (gsz + 1)·SZ and the rest below without wrapping
+    return bytes_of<float>(s.batch * s.heads, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB, gsz)) != m &&
+           bytes_of<float>(s.batch * s.heads, gpu::ttt_partial_elements(d.SZ, d.D, MB)) != m;
   }
 
  public:
@@ -179,6 +231,46 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     l.add(bytes_of<S>(N, C));
     return l;
   }
+  // cuBLASLt's workspace; q, k, v [N, C], lr, σ [N, H], tok [mb] (fp32, as forward); dpn (dy·Woᵀ,
+  // then the post norm's output gradient), the gate's pre-activation (then its gradient), x̂ of
+  // the post norm, d_o (the heads' output gradient), dq, dk, dv [N, C] fp32; the gated post norm
+  // output [N, C] in storage (d wo's operand); dlr [N, H]; the partials [B·H, partial_elements];
+  // the inner loop's scratch [B·H, backward_scratch_elements]; for bf16/fp16 a storage copy [N, C]
+  // of each row gradient in turn (the GEMMs' operand) and dx in fp32 [N, C]. Nothing shares
+  // bytes: the sizes are plain sums.
+  enum backward_slot : std::size_t {
+    b_gemm, b_q, b_k, b_v, b_lr, b_sig, b_tok, b_dpn, b_gpre, b_xh, b_do, b_dq, b_dk, b_dv, b_pn,
+    b_dlr, b_part, b_scratch, b_conv, b_dx
+  };
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S>
+  static constexpr workspace_layout<20> backward_layout(const ttt_shape& s) {
+    constexpr bool narrow = !std::is_same_v<S, float>;
+    const auto d = gpu::ttt_dims::of(s, Mlp);
+    const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, BH = s.batch * H;
+    workspace_layout<20> l;
+    l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
+    l.add(bytes_of<float>(N, C));                      // q
+    l.add(bytes_of<float>(N, C));                      // k
+    l.add(bytes_of<float>(N, C));                      // v
+    l.add(bytes_of<float>(N, H));                      // lr
+    l.add(bytes_of<float>(N, H));                      // σ
+    l.add(bytes_of<float>(MB));                        // tok
+    l.add(bytes_of<float>(N, C));                      // dpn
+    l.add(s.use_gate ? bytes_of<float>(N, C) : 0);     // gate pre-activation
+    l.add(bytes_of<float>(N, C));                      // x̂
+    l.add(bytes_of<float>(N, C));                      // d_o
+    l.add(bytes_of<float>(N, C));                      // dq
+    l.add(bytes_of<float>(N, C));                      // dk
+    l.add(bytes_of<float>(N, C));                      // dv
+    l.add(bytes_of<S>(N, C));                          // pn (gated)
+    l.add(bytes_of<float>(N, H));                      // dlr
+    l.add(bytes_of<float>(BH, gpu::ttt_partial_elements(d.SZ, d.D, MB)));
+    l.add(bytes_of<float>(BH, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB,
+                                                                 group_in_use<MB, G>(s))));
+    l.add(narrow ? bytes_of<S>(N, C) : 0);             // a row gradient in storage
+    l.add(narrow ? bytes_of<float>(N, C) : 0);         // dx in fp32
+    return l;
+  }
   enum step_slot : std::size_t { s_forward, s_o };
   template <bool Mlp, std::size_t MB, typename S>
   static constexpr workspace_layout<2> step_layout(const ttt_shape& one) {
@@ -198,16 +290,18 @@ using detail::ld;
 using detail::st;
 
 // RoPE on interleaved pairs at position (n mod T) mod period; one thread per (row, pair, head).
-// fixed < period: every row at that position instead (decoding).
+// fixed < period: every row at that position instead (decoding). inverse: the transpose (the
+// backward's dq, dk), as cpu::rope_pairs.
 __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t H, std::size_t D,
-                            double base, std::size_t period, std::size_t fixed) {
+                            double base, std::size_t period, std::size_t fixed,
+                            bool inverse = false) {
   const std::size_t half = D / 2;
   const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= N * H * half) return;
   const std::size_t n = e / (H * half), h = (e / half) % H, i = e % half;
   const double position = static_cast<double>(fixed < period ? fixed : (n % T) % period);
   const double inv_freq = ::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-  const double angle = position * inv_freq;
+  const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
   const float c = static_cast<float>(::cos(angle)), sn = static_cast<float>(::sin(angle));
   float* p = x + n * H * D + h * D + 2 * i;
   const float x1 = p[0], x2 = p[1];
@@ -215,14 +309,17 @@ __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t 
   p[1] = x2 * c + x1 * sn;
 }
 
-// lr[n, h] = scale·σ(pre[n, h] + lr_b[h]) in place; tok[i] = max(0, 1/(i+1) + tok_offset[i]).
+// lr[n, h] = scale·σ(pre[n, h] + lr_b[h]) in place; tok[i] = max(0, 1/(i+1) + tok_offset[i]);
+// σ itself into sig when given (the backward's).
 template <typename S>
 __global__ void rates_kernel(float* lr, const S* lr_b, std::size_t N, std::size_t H, float scale,
-                             const S* tok_offset, float* tok, std::size_t mb) {
+                             const S* tok_offset, float* tok, std::size_t mb,
+                             float* sig = nullptr) {
   const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e < N * H) {
     const float sg = 1.0f / (1.0f + ::expf(-(lr[e] + ld(lr_b, e % H))));
     lr[e] = scale * sg;
+    if (sig != nullptr) sig[e] = sg;
   }
   if (e < mb) {
     const float t = 1.0f / static_cast<float>(e + 1) + ld(tok_offset, e);
@@ -250,10 +347,221 @@ __device__ inline float ln_row(const float* z, std::size_t D, float eps, float* 
   return sigma;
 }
 
+// The backward of x̂ = LN(z) given dL/dx̂ and an explicit dL/dσ, as cpu::ln_row_backward.
+__device__ inline void ln_row_backward(const float* xhat, float sigma, const float* dxhat,
+                                       float dsigma, unsigned D, float* dz) {
+  float m1 = 0.0f, m2 = 0.0f;
+  for (unsigned j = 0; j < D; ++j) {
+    m1 += dxhat[j];
+    m2 += dxhat[j] * xhat[j];
+  }
+  m1 /= static_cast<float>(D);
+  m2 /= static_cast<float>(D);
+  for (unsigned j = 0; j < D; ++j)
+    dz[j] = (dxhat[j] - m1 - xhat[j] * m2) / sigma + dsigma * xhat[j] / static_cast<float>(D);
+}
+
+// One mini-batch of one (batch, head), as the CTA that owns it sees it. Forward and backward run
+// the same device functions below on it, so the states the backward recomputes from a checkpoint
+// are the forward's bits, whatever G is.
+struct mb_ctx {
+  const float *q, *k, *v;  // row 0 of the mini-batch; row i at i·C
+  const float* lrm;        // [K] the tokens' rates, gathered
+  const float* tok;        // [mb] the clamped token scales
+  unsigned K, D, F, C, h;
+  float eps;
+};
+// The mini-batch's forward buffers in the CTA's scratch: [mb, F], [mb, D], [mb, mb], [mb].
+struct mb_fwd {
+  float *z1, *x2, *g1, *z1b, *x2b, *z2, *xh2, *g2, *zb, *att1, *p1, *att2, *p2, *sig2;
+};
+
+// Each phase below is a strided loop over its outputs, every output summed by one thread in index
+// order, phases separated by __syncthreads (every thread reaches every one: the loop bounds are
+// uniform across the CTA). A function ends with a barrier unless it says otherwise.
+
+// The inner gradients at state W: Z (Z1, X2 = GELU(Z1) for the MLP), G2 through the LayerNorm,
+// and G1 = (G2·W2ᵀ) ⊙ GELU'(Z1) for the MLP.
+// Not inlined, as mb_update: one body of machine code serves the forward and the backward's
+// recomputation, so no caller's context can change how its sums are contracted or ordered.
+template <bool Mlp, typename S>
+__device__ __noinline__ void mb_gradients(const mb_ctx& m, const float* W, const mb_fwd& b, const S* norm_w,
+                             const S* norm_b) {
+  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, h = m.h, tid = threadIdx.x, nt = blockDim.x;
+  const float* W1 = W;
+  const float* B1 = W + D * F;
+  const float* W2 = B1 + F;
+  const float* B2 = W2 + F * D;
+  const float* k = m.k;
+  const float* v = m.v;
+  if constexpr (Mlp) {
+    for (unsigned e = tid; e < K * F; e += nt) {
+      const unsigned i = e / F, f = e % F;
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * F + f];
+      b.z1[e] = acc + B1[f];
+      b.x2[e] = gelu_tanh_f(b.z1[e]);
+    }
+    __syncthreads();
+    for (unsigned e = tid; e < K * D; e += nt) {
+      const unsigned i = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned f = 0; f < F; ++f) acc += b.x2[i * F + f] * W2[f * D + j];
+      b.z2[e] = acc + B2[j];
+    }
+  } else {
+    for (unsigned e = tid; e < K * D; e += nt) {
+      const unsigned i = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * D + j];
+      b.z2[e] = acc + B1[j];
+    }
+  }
+  __syncthreads();
+  // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one thread per row (as ttt_ln_l2).
+  for (unsigned i = tid; i < K; i += nt) {
+    const float sg = ln_row(b.z2 + i * D, D, m.eps, b.xh2 + i * D);
+    b.sig2[i] = sg;
+    float* gr = b.g2 + i * D;
+    float s1 = 0.0f, s2 = 0.0f;
+    for (unsigned j = 0; j < D; ++j) {
+      const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
+      const float r = gam * b.xh2[i * D + j] + bet - (v[i * C + j] - k[i * C + j]);
+      gr[j] = r * gam;
+      s1 += gr[j];
+      s2 += gr[j] * b.xh2[i * D + j];
+    }
+    s1 /= static_cast<float>(D);
+    s2 /= static_cast<float>(D);
+    for (unsigned j = 0; j < D; ++j) gr[j] = (gr[j] - s1 - b.xh2[i * D + j] * s2) / sg;
+  }
+  __syncthreads();
+  if constexpr (Mlp) {
+    for (unsigned e = tid; e < K * F; e += nt) {
+      const unsigned i = e / F, f = e % F;
+      float acc = 0.0f;
+      for (unsigned j = 0; j < D; ++j) acc += b.g2[i * D + j] * W2[f * D + j];
+      b.g1[e] = acc * gelu_tanh_d1(b.z1[e]);
+    }
+    __syncthreads();
+  }
+}
+
+// The output rows' Zbar at state W (gradients from mb_gradients): P1 = η ⊙ (tril(XQ·XKᵀ) + 1),
+// η[i, s] = tok_i·lr_s; Linear: Zbar = XQ·W1 + b1 − P1·G; MLP: Zbar1 = XQ·W1 + b1 − P1·G1,
+// X2bar = GELU(Zbar1), P2 from tril(X2bar·X2ᵀ), Zbar = X2bar·W2 + b2 − P2·G2.
+template <bool Mlp>
+__device__ void mb_outputs(const mb_ctx& m, const float* W, const mb_fwd& b) {
+  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, tid = threadIdx.x, nt = blockDim.x;
+  const float* W1 = W;
+  const float* B1 = W + D * F;
+  const float* W2 = B1 + F;
+  const float* B2 = W2 + F * D;
+  const float* q = m.q;
+  const float* k = m.k;
+  for (unsigned e = tid; e < K * K; e += nt) {
+    const unsigned i = e / K, s = e % K;
+    if (s > i) {
+      b.att1[e] = 0.0f;
+      b.p1[e] = 0.0f;
+    } else {
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * k[s * C + c];
+      b.att1[e] = acc;
+      b.p1[e] = m.tok[i] * m.lrm[s] * (acc + 1.0f);
+    }
+  }
+  __syncthreads();
+  if constexpr (Mlp) {
+    for (unsigned e = tid; e < K * F; e += nt) {
+      const unsigned i = e / F, f = e % F;
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * F + f];
+      acc += B1[f];
+      float pg = 0.0f;
+      for (unsigned s = 0; s <= i; ++s) pg += b.p1[i * K + s] * b.g1[s * F + f];
+      b.z1b[e] = acc - pg;
+      b.x2b[e] = gelu_tanh_f(b.z1b[e]);
+    }
+    __syncthreads();
+    for (unsigned e = tid; e < K * K; e += nt) {
+      const unsigned i = e / K, s = e % K;
+      if (s > i) {
+        b.att2[e] = 0.0f;
+        b.p2[e] = 0.0f;
+      } else {
+        float acc = 0.0f;
+        for (unsigned f = 0; f < F; ++f) acc += b.x2b[i * F + f] * b.x2[s * F + f];
+        b.att2[e] = acc;
+        b.p2[e] = m.tok[i] * m.lrm[s] * (acc + 1.0f);
+      }
+    }
+    __syncthreads();
+    for (unsigned e = tid; e < K * D; e += nt) {
+      const unsigned i = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned f = 0; f < F; ++f) acc += b.x2b[i * F + f] * W2[f * D + j];
+      acc += B2[j];
+      float pg = 0.0f;
+      for (unsigned s = 0; s <= i; ++s) pg += b.p2[i * K + s] * b.g2[s * D + j];
+      b.zb[e] = acc - pg;
+    }
+  } else {
+    for (unsigned e = tid; e < K * D; e += nt) {
+      const unsigned i = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * D + j];
+      acc += B1[j];
+      float pg = 0.0f;
+      for (unsigned s = 0; s <= i; ++s) pg += b.p1[i * K + s] * b.g2[s * D + j];
+      b.zb[e] = acc - pg;
+    }
+  }
+  __syncthreads();
+}
+
+// The update, e_s = tok[K−1]·lr_s: W1 −= XKᵀ·diag(e)·G1, b1 −= Σ e_s G1_s (G1 is G2 for
+// TTT-Linear); for the MLP also W2 −= X2ᵀ·diag(e)·G2, b2 −= Σ e_s G2_s. In place: it starts
+// without a barrier (callers put it after the last phase that reads W) and ends with one.
+template <bool Mlp>
+__device__ __noinline__ void mb_update(const mb_ctx& m, float* W, const mb_fwd& b) {
+  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, tid = threadIdx.x, nt = blockDim.x;
+  float* W1 = W;
+  float* B1 = W + D * F;
+  float* W2 = B1 + F;
+  float* B2 = W2 + F * D;
+  const float* k = m.k;
+  const float tl = m.tok[K - 1];
+  const float* ga = Mlp ? b.g1 : b.g2;
+  for (unsigned e = tid; e < D * F; e += nt) {
+    const unsigned c = e / F, f = e % F;
+    float acc = 0.0f;
+    for (unsigned s = 0; s < K; ++s) acc += k[s * C + c] * (tl * m.lrm[s] * ga[s * F + f]);
+    W1[e] -= acc;
+  }
+  for (unsigned f = tid; f < F; f += nt) {
+    float acc = B1[f];
+    for (unsigned s = 0; s < K; ++s) acc -= tl * m.lrm[s] * ga[s * F + f];
+    B1[f] = acc;
+  }
+  if constexpr (Mlp) {
+    for (unsigned e = tid; e < F * D; e += nt) {
+      const unsigned f = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned s = 0; s < K; ++s) acc += b.x2[s * F + f] * (tl * m.lrm[s] * b.g2[s * D + j]);
+      W2[e] -= acc;
+    }
+    for (unsigned j = tid; j < D; j += nt) {
+      float acc = B2[j];
+      for (unsigned s = 0; s < K; ++s) acc -= tl * m.lrm[s] * b.g2[s * D + j];
+      B2[j] = acc;
+    }
+  }
+  __syncthreads();
+}
+
 // The inner loop of one (batch, head) per CTA. State and mini-batch buffers live in this CTA's
-// slice of global scratch; each phase is a strided loop over its outputs, every output summed by
-// one thread in index order, phases separated by __syncthreads (every thread reaches every one:
-// the loop bounds are uniform across the CTA).
+// slice of global scratch.
 template <bool Mlp, typename S>
 __global__ void __launch_bounds__(ttt_inner_threads)
     ttt_forward_kernel(inner_args a, const S* norm_w, const S* norm_b, const S* w1, const S* b1,
@@ -271,21 +579,22 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   float* B1 = W + D * F;
   float* W2 = B1 + F;
   float* B2 = W2 + F * D;
-  float* z1 = W + a.SZ;
-  float* x2 = z1 + mb * F;
-  float* g1 = x2 + mb * F;
-  float* z1b = g1 + mb * F;
-  float* x2b = z1b + mb * F;
-  float* z2 = x2b + mb * F;
-  float* xh2 = z2 + mb * D;
-  float* g2 = xh2 + mb * D;
-  float* zb = g2 + mb * D;
-  float* att1 = zb + mb * D;
-  float* p1 = att1 + mb * mb;
-  float* att2 = p1 + mb * mb;
-  float* p2 = att2 + mb * mb;
-  float* sig2 = p2 + mb * mb;
-  float* lrm = sig2 + mb;
+  mb_fwd bf;
+  bf.z1 = W + a.SZ;
+  bf.x2 = bf.z1 + mb * F;
+  bf.g1 = bf.x2 + mb * F;
+  bf.z1b = bf.g1 + mb * F;
+  bf.x2b = bf.z1b + mb * F;
+  bf.z2 = bf.x2b + mb * F;
+  bf.xh2 = bf.z2 + mb * D;
+  bf.g2 = bf.xh2 + mb * D;
+  bf.zb = bf.g2 + mb * D;
+  bf.att1 = bf.zb + mb * D;
+  bf.p1 = bf.att1 + mb * mb;
+  bf.att2 = bf.p1 + mb * mb;
+  bf.p2 = bf.att2 + mb * mb;
+  bf.sig2 = bf.p2 + mb * mb;
+  float* lrm = bf.sig2 + mb;
 
   // The learned initial state of head h.
   for (unsigned e = tid; e < D * F; e += nt) W1[e] = ld(w1, h * D * F + e);
@@ -300,170 +609,451 @@ __global__ void __launch_bounds__(ttt_inner_threads)
     const std::size_t t0 = m * mb;
     const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
     const std::size_t r0 = (b * a.T + t0) * C + h * D;  // row i of q/k/v/o at r0 + i·C
-    const float* q = a.q + r0;
-    const float* k = a.k + r0;
-    const float* v = a.v + r0;
     if (m % a.group == 0) {
       float* dst = ckpt + (task * a.ncp + m / a.group) * a.SZ;
       for (unsigned e = tid; e < a.SZ; e += nt) dst[e] = W[e];
     }
     for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
     __syncthreads();
-
-    // Z of the inner model at the mini-batch's starting state.
-    if constexpr (Mlp) {
-      for (unsigned e = tid; e < K * F; e += nt) {
-        const unsigned i = e / F, f = e % F;
-        float acc = 0.0f;
-        for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * F + f];
-        z1[e] = acc + B1[f];
-        x2[e] = gelu_tanh_f(z1[e]);
-      }
-      __syncthreads();
-      for (unsigned e = tid; e < K * D; e += nt) {
-        const unsigned i = e / D, j = e % D;
-        float acc = 0.0f;
-        for (unsigned f = 0; f < F; ++f) acc += x2[i * F + f] * W2[f * D + j];
-        z2[e] = acc + B2[j];
-      }
-    } else {
-      for (unsigned e = tid; e < K * D; e += nt) {
-        const unsigned i = e / D, j = e % D;
-        float acc = 0.0f;
-        for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * D + j];
-        z2[e] = acc + B1[j];
-      }
-    }
-    __syncthreads();
-
-    // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one thread per row (as ttt_ln_l2).
-    for (unsigned i = tid; i < K; i += nt) {
-      const float sg = ln_row(z2 + i * D, D, a.eps, xh2 + i * D);
-      sig2[i] = sg;
-      float* gr = g2 + i * D;
-      float s1 = 0.0f, s2 = 0.0f;
-      for (unsigned j = 0; j < D; ++j) {
-        const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
-        const float r = gam * xh2[i * D + j] + bet - (v[i * C + j] - k[i * C + j]);
-        gr[j] = r * gam;
-        s1 += gr[j];
-        s2 += gr[j] * xh2[i * D + j];
-      }
-      s1 /= static_cast<float>(D);
-      s2 /= static_cast<float>(D);
-      for (unsigned j = 0; j < D; ++j) gr[j] = (gr[j] - s1 - xh2[i * D + j] * s2) / sg;
-    }
-    // P1 = η ⊙ (tril(XQ·XKᵀ) + 1), η[i, s] = tok_i·lr_s.
-    for (unsigned e = tid; e < K * K; e += nt) {
-      const unsigned i = e / K, s = e % K;
-      if (s > i) {
-        att1[e] = 0.0f;
-        p1[e] = 0.0f;
-      } else {
-        float acc = 0.0f;
-        for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * k[s * C + c];
-        att1[e] = acc;
-        p1[e] = a.tok[i] * lrm[s] * (acc + 1.0f);
-      }
-    }
-    __syncthreads();
-    if constexpr (Mlp) {
-      // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1).
-      for (unsigned e = tid; e < K * F; e += nt) {
-        const unsigned i = e / F, f = e % F;
-        float acc = 0.0f;
-        for (unsigned j = 0; j < D; ++j) acc += g2[i * D + j] * W2[f * D + j];
-        g1[e] = acc * gelu_tanh_d1(z1[e]);
-      }
-      __syncthreads();
-      // Zbar1 = XQ·W1 + b1 − P1·G1, X2bar = GELU(Zbar1).
-      for (unsigned e = tid; e < K * F; e += nt) {
-        const unsigned i = e / F, f = e % F;
-        float acc = 0.0f;
-        for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * F + f];
-        acc += B1[f];
-        float pg = 0.0f;
-        for (unsigned s = 0; s <= i; ++s) pg += p1[i * K + s] * g1[s * F + f];
-        z1b[e] = acc - pg;
-        x2b[e] = gelu_tanh_f(z1b[e]);
-      }
-      __syncthreads();
-      for (unsigned e = tid; e < K * K; e += nt) {
-        const unsigned i = e / K, s = e % K;
-        if (s > i) {
-          att2[e] = 0.0f;
-          p2[e] = 0.0f;
-        } else {
-          float acc = 0.0f;
-          for (unsigned f = 0; f < F; ++f) acc += x2b[i * F + f] * x2[s * F + f];
-          att2[e] = acc;
-          p2[e] = a.tok[i] * lrm[s] * (acc + 1.0f);
-        }
-      }
-      __syncthreads();
-      for (unsigned e = tid; e < K * D; e += nt) {
-        const unsigned i = e / D, j = e % D;
-        float acc = 0.0f;
-        for (unsigned f = 0; f < F; ++f) acc += x2b[i * F + f] * W2[f * D + j];
-        acc += B2[j];
-        float pg = 0.0f;
-        for (unsigned s = 0; s <= i; ++s) pg += p2[i * K + s] * g2[s * D + j];
-        zb[e] = acc - pg;
-      }
-    } else {
-      for (unsigned e = tid; e < K * D; e += nt) {
-        const unsigned i = e / D, j = e % D;
-        float acc = 0.0f;
-        for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * D + j];
-        acc += B1[j];
-        float pg = 0.0f;
-        for (unsigned s = 0; s <= i; ++s) pg += p1[i * K + s] * g2[s * D + j];
-        zb[e] = acc - pg;
-      }
-    }
-    __syncthreads();
-
+    const mb_ctx mc{a.q + r0, a.k + r0, a.v + r0, lrm, a.tok, K, D, F, C, h, a.eps};
+    mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
+    mb_outputs<Mlp>(mc, W, bf);
     // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; one thread per row
-    // (x̂ overwrites Zbar's row: nothing reads it later).
+    // (x̂ overwrites Zbar's row: nothing reads it later). No barrier before the update: this
+    // phase does not read the state.
     for (unsigned i = tid; i < K; i += nt) {
-      float* zr = zb + i * D;
+      float* zr = bf.zb + i * D;
       ln_row(zr, D, a.eps, zr);
       const std::size_t r = r0 + i * C;
       for (unsigned j = 0; j < D; ++j) {
-        const float out = q[i * C + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
+        const float out = mc.q[i * C + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
         st(o_s, r + j, out);
       }
     }
-    // The update, e_s = tok[K−1]·lr_s: W1 −= XKᵀ·diag(e)·G1, b1 −= Σ e_s G1_s (G1 is G2 for
-    // TTT-Linear); for the MLP also W2 −= X2ᵀ·diag(e)·G2, b2 −= Σ e_s G2_s. Nothing above reads
-    // the state after the last barrier, so it is updated in place.
-    const float tl = a.tok[K - 1];
-    const float* ga = Mlp ? g1 : g2;
-    for (unsigned e = tid; e < D * F; e += nt) {
-      const unsigned c = e / F, f = e % F;
-      float acc = 0.0f;
-      for (unsigned s = 0; s < K; ++s) acc += k[s * C + c] * (tl * lrm[s] * ga[s * F + f]);
-      W1[e] -= acc;
+    mb_update<Mlp>(mc, W, bf);
+  }
+}
+
+// ---- Backward pieces: the reverse of cpu::ttt_* (backend/cpu/ttt_cpu.hpp), one phase each ------
+
+// The update's backward (cpu::ttt_update_backward) given dL/dW' (dWn [nin, nout]) and dL/db'
+// (dbn): accumulates dX (stride lddx), dG [K, nout] and de. s1 [K, nout], s2 [K, nin] scratch.
+__device__ inline void update_backward(const float* x, unsigned ldx, unsigned K, unsigned nin,
+                                       unsigned nout, const float* g, float tl, const float* lr,
+                                       const float* dWn, const float* dbn, float* dx,
+                                       unsigned lddx, float* dg, float* de, float* s1, float* s2) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  for (unsigned e = tid; e < K * nout; e += nt) {  // s1 = X·dW'
+    const unsigned i = e / nout, o = e % nout;
+    float acc = 0.0f;
+    for (unsigned a = 0; a < nin; ++a) acc += x[i * ldx + a] * dWn[a * nout + o];
+    s1[e] = acc;
+  }
+  for (unsigned e = tid; e < K * nin; e += nt) {  // s2 = G·dW'ᵀ
+    const unsigned i = e / nin, a = e % nin;
+    float acc = 0.0f;
+    for (unsigned o = 0; o < nout; ++o) acc += g[i * nout + o] * dWn[a * nout + o];
+    s2[e] = acc;
+  }
+  __syncthreads();
+  for (unsigned e = tid; e < K * nout; e += nt) {
+    const unsigned i = e / nout, o = e % nout;
+    dg[e] -= tl * lr[i] * (s1[e] + dbn[o]);
+  }
+  for (unsigned e = tid; e < K * nin; e += nt) {
+    const unsigned i = e / nin, a = e % nin;
+    dx[i * lddx + a] -= tl * lr[i] * s2[e];
+  }
+  for (unsigned i = tid; i < K; i += nt) {
+    float d = 0.0f;
+    for (unsigned o = 0; o < nout; ++o) d -= (s1[i * nout + o] + dbn[o]) * g[i * nout + o];
+    de[i] += d;
+  }
+  __syncthreads();
+}
+
+// The backward of Zbar = X·W + b − P·G given dZbar (cpu::ttt_dual_rows_backward): accumulates dX
+// (stride lddx), dW, db and dG; writes dP = −dZbar·Gᵀ on the lower triangle (zero above).
+__device__ inline void dual_rows_backward(const float* x, unsigned ldx, unsigned K, unsigned nin,
+                                          unsigned nout, const float* W, const float* p,
+                                          const float* g, const float* dzb, float* dx,
+                                          unsigned lddx, float* dW, float* db, float* dg,
+                                          float* dp) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  for (unsigned e = tid; e < K * nin; e += nt) {
+    const unsigned i = e / nin, a = e % nin;
+    float acc = 0.0f;
+    for (unsigned o = 0; o < nout; ++o) acc += dzb[i * nout + o] * W[a * nout + o];
+    dx[i * lddx + a] += acc;
+  }
+  for (unsigned e = tid; e < nin * nout; e += nt) {
+    const unsigned a = e / nout, o = e % nout;
+    float acc = 0.0f;
+    for (unsigned i = 0; i < K; ++i) acc += x[i * ldx + a] * dzb[i * nout + o];
+    dW[e] += acc;
+  }
+  for (unsigned o = tid; o < nout; o += nt) {
+    float acc = 0.0f;
+    for (unsigned i = 0; i < K; ++i) acc += dzb[i * nout + o];
+    db[o] += acc;
+  }
+  for (unsigned e = tid; e < K * nout; e += nt) {  // P is zero above the diagonal: i ≥ s
+    const unsigned s = e / nout, o = e % nout;
+    float acc = 0.0f;
+    for (unsigned i = s; i < K; ++i) acc += p[i * K + s] * dzb[i * nout + o];
+    dg[e] -= acc;
+  }
+  for (unsigned e = tid; e < K * K; e += nt) {
+    const unsigned i = e / K, s = e % K;
+    float acc = 0.0f;
+    if (s <= i)
+      for (unsigned o = 0; o < nout; ++o) acc += dzb[i * nout + o] * g[s * nout + o];
+    dp[e] = s <= i ? -acc : 0.0f;
+  }
+  __syncthreads();
+}
+
+// P = η ⊙ (att + 1), η[i, s] = tok_i·lr_s (cpu::ttt_p_backward): accumulates dL/dtok_i (ptok)
+// and dL/dlr_s (dl), then turns dP into dL/d(att) in place.
+__device__ inline void p_backward(unsigned K, const float* tok, const float* lr, const float* att,
+                                  float* dp, float* ptok, float* dl) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  for (unsigned i = tid; i < K; i += nt)
+    for (unsigned s = 0; s <= i; ++s) ptok[i] += dp[i * K + s] * (att[i * K + s] + 1.0f) * lr[s];
+  for (unsigned s = tid; s < K; s += nt)
+    for (unsigned i = s; i < K; ++i) dl[s] += dp[i * K + s] * (att[i * K + s] + 1.0f) * tok[i];
+  __syncthreads();
+  for (unsigned e = tid; e < K * K; e += nt) {
+    const unsigned i = e / K, s = e % K;
+    if (s <= i) dp[e] = dp[e] * tok[i] * lr[s];
+  }
+  __syncthreads();
+}
+
+// att = tril(X·Yᵀ) (cpu::ttt_att_backward): dX += dAtt·Y, dY += dAttᵀ·X; dAtt is zero above
+// the diagonal.
+__device__ inline void att_backward(const float* x, unsigned ldx, const float* y, unsigned ldy,
+                                    unsigned K, unsigned n, const float* datt, float* dx,
+                                    unsigned lddx, float* dy, unsigned lddy) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  for (unsigned e = tid; e < K * n; e += nt) {
+    const unsigned i = e / n, c = e % n;
+    float acc = 0.0f;
+    for (unsigned s = 0; s <= i; ++s) acc += datt[i * K + s] * y[s * ldy + c];
+    dx[i * lddx + c] += acc;
+  }
+  for (unsigned e = tid; e < K * n; e += nt) {
+    const unsigned s = e / n, c = e % n;
+    float acc = 0.0f;
+    for (unsigned i = s; i < K; ++i) acc += datt[i * K + s] * x[i * ldx + c];
+    dy[s * lddy + c] += acc;
+  }
+  __syncthreads();
+}
+
+// Z = X·W + b backwards: dX += dZ·Wᵀ (stride lddx), dW += Xᵀ·dZ, db += Σ dZ.
+__device__ inline void linear_rows_backward(const float* x, unsigned ldx, unsigned K, unsigned nin,
+                                            unsigned nout, const float* W, const float* dz,
+                                            float* dx, unsigned lddx, float* dW, float* db) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  for (unsigned e = tid; e < K * nin; e += nt) {
+    const unsigned i = e / nin, a = e % nin;
+    float acc = 0.0f;
+    for (unsigned o = 0; o < nout; ++o) acc += dz[i * nout + o] * W[a * nout + o];
+    dx[i * lddx + a] += acc;
+  }
+  for (unsigned e = tid; e < nin * nout; e += nt) {
+    const unsigned a = e / nout, o = e % nout;
+    float acc = 0.0f;
+    for (unsigned i = 0; i < K; ++i) acc += x[i * ldx + a] * dz[i * nout + o];
+    dW[e] += acc;
+  }
+  for (unsigned o = tid; o < nout; o += nt) {
+    float acc = 0.0f;
+    for (unsigned i = 0; i < K; ++i) acc += dz[i * nout + o];
+    db[o] += acc;
+  }
+  __syncthreads();
+}
+
+// The backward of G2 = ∇ ½‖γ x̂ + β − (v − k)‖² (cpu::ttt_ln_l2_backward) given dG2: dZ2
+// (written), the target's gradient into dk (+) and dv (−), dγ, dβ (accumulated). One thread per
+// row, then one per column for dγ, dβ (rows in order, no shared accumulator); rowd [K, 3·D] keeps
+// each row's r and dgx for that second phase.
+template <typename S>
+__device__ void ln_l2_backward(const mb_ctx& m, const S* norm_w, const S* norm_b, const float* xh,
+                               const float* sig, const float* g, const float* dg, float* dz,
+                               float* dk, float* dv, float* pgam, float* pbet, float* rowd) {
+  const unsigned K = m.K, D = m.D, C = m.C, h = m.h, tid = threadIdx.x, nt = blockDim.x;
+  const float invD = 1.0f / static_cast<float>(D);
+  for (unsigned i = tid; i < K; i += nt) {
+    const float* xr = xh + i * D;
+    const float* g_r = g + i * D;
+    const float* dg_r = dg + i * D;
+    float* r = rowd + i * 3 * D;
+    float* dgx = r + D;
+    float* dxh = r + 2 * D;
+    float cc = 0.0f, m1 = 0.0f, sdx = 0.0f, dsig = 0.0f;
+    for (unsigned j = 0; j < D; ++j) {
+      const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
+      r[j] = gam * xr[j] + bet - (m.v[i * C + j] - m.k[i * C + j]);
+      cc += r[j] * gam * xr[j];
+      m1 += dg_r[j];
+      sdx += dg_r[j] * xr[j];
+      dsig -= dg_r[j] * g_r[j];
     }
-    for (unsigned f = tid; f < F; f += nt) {
-      float acc = B1[f];
-      for (unsigned s = 0; s < K; ++s) acc -= tl * lrm[s] * ga[s * F + f];
-      B1[f] = acc;
+    cc *= invD;
+    m1 *= invD;
+    dsig /= sig[i];
+    for (unsigned j = 0; j < D; ++j) {
+      const float gam = ld(norm_w, h * D + j);
+      const float gx = r[j] * gam;
+      dgx[j] = (dg_r[j] - m1 - xr[j] * sdx * invD) / sig[i];
+      dxh[j] = -(dg_r[j] * cc) / sig[i] - sdx / sig[i] * gx * invD;
+      const float dr = dgx[j] * gam;
+      dv[i * C + j] -= dr;  // the target is v − k
+      dk[i * C + j] += dr;
+      dxh[j] += dr * gam;
     }
-    if constexpr (Mlp) {
-      for (unsigned e = tid; e < F * D; e += nt) {
-        const unsigned f = e / D, j = e % D;
-        float acc = 0.0f;
-        for (unsigned s = 0; s < K; ++s) acc += x2[s * F + f] * (tl * lrm[s] * g2[s * D + j]);
-        W2[e] -= acc;
-      }
-      for (unsigned j = tid; j < D; j += nt) {
-        float acc = B2[j];
-        for (unsigned s = 0; s < K; ++s) acc -= tl * lrm[s] * g2[s * D + j];
-        B2[j] = acc;
-      }
+    ln_row_backward(xr, sig[i], dxh, dsig, D, dz + i * D);
+  }
+  __syncthreads();
+  for (unsigned j = tid; j < D; j += nt) {
+    const float gam = ld(norm_w, h * D + j);
+    for (unsigned i = 0; i < K; ++i) {
+      const float* r = rowd + i * 3 * D;
+      const float dgx = r[D + j], dr = dgx * gam;
+      pgam[j] += dgx * r[j] + dr * xh[i * D + j];
+      pbet[j] += dr;
+    }
+  }
+  __syncthreads();
+}
+
+// The mini-batch's backward buffers.
+struct mb_bwd {
+  float *xhb, *sigb, *dx2b, *dz1b, *dg1, *dx2, *dz1, *s1, *s2, *dzb, *dg2, *dz2, *dp1, *dp2, *de,
+      *dl, *rowd;
+};
+
+// One mini-batch backwards (the CPU layer's mb_backward), after mb_gradients and mb_outputs at
+// its entering state W: given dL/d(out rows) (d_out, stride C) and dS = dL/d(state leaving it);
+// on return dS is dL/d(state entering it). The rows of dq, dk, dv are written; pgam, pbet, ptok
+// accumulated; the rates' gradients are left in b.dl.
+template <bool Mlp, typename S>
+__device__ void mb_backward(const mb_ctx& m, const S* norm_w, const S* norm_b, const float* W,
+                            const mb_fwd& f, const mb_bwd& b, const float* d_out, float* dq,
+                            float* dk, float* dv, float* dS, float* pgam, float* pbet,
+                            float* ptok) {
+  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, h = m.h, tid = threadIdx.x, nt = blockDim.x;
+  const float* W1 = W;
+  const float* W2 = W + D * F + F;
+  float* dW1 = dS;
+  float* db1 = dS + D * F;
+  float* dW2 = db1 + F;
+  float* db2 = dW2 + F * D;
+  const float tl = m.tok[K - 1];
+  const float* q = m.q;
+  const float* k = m.k;
+  // out = XQ + γ ⊙ x̂(Zbar) + β: dZbar per row; the residual XQ's gradient; dk, dv start at 0.
+  for (unsigned i = tid; i < K; i += nt) {
+    b.sigb[i] = ln_row(f.zb + i * D, D, m.eps, b.xhb + i * D);
+    float* dxh = b.rowd + i * 3 * D;
+    for (unsigned j = 0; j < D; ++j) {
+      dxh[j] = d_out[i * C + j] * ld(norm_w, h * D + j);
+      dq[i * C + j] = d_out[i * C + j];
+      dk[i * C + j] = 0.0f;
+      dv[i * C + j] = 0.0f;
+    }
+    ln_row_backward(b.xhb + i * D, b.sigb[i], dxh, 0.0f, D, b.dzb + i * D);
+  }
+  for (unsigned i = tid; i < K; i += nt) {
+    b.de[i] = 0.0f;
+    b.dl[i] = 0.0f;
+  }
+  for (unsigned e = tid; e < K * D; e += nt) b.dg2[e] = 0.0f;
+  if constexpr (Mlp) {
+    for (unsigned e = tid; e < K * F; e += nt) {
+      b.dg1[e] = 0.0f;
+      b.dx2[e] = 0.0f;
+      b.dx2b[e] = 0.0f;
+    }
+  }
+  __syncthreads();
+  for (unsigned j = tid; j < D; j += nt)
+    for (unsigned i = 0; i < K; ++i) {
+      pgam[j] += d_out[i * C + j] * b.xhb[i * D + j];
+      pbet[j] += d_out[i * C + j];
+    }
+  __syncthreads();
+
+  if constexpr (Mlp) {
+    // The updates read dS as dL/d(state leaving); everything after adds to it.
+    update_backward(f.x2, F, K, F, D, f.g2, tl, m.lrm, dW2, db2, b.dx2, F, b.dg2, b.de, b.s1, b.s2);
+    update_backward(k, C, K, D, F, f.g1, tl, m.lrm, dW1, db1, dk, C, b.dg1, b.de, b.s1, b.s2);
+    // Zbar2 = X2bar·W2 + b2 − P2·G2, P2 from tril(X2bar·X2ᵀ).
+    dual_rows_backward(f.x2b, F, K, F, D, W2, f.p2, f.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2);
+    p_backward(K, m.tok, m.lrm, f.att2, b.dp2, ptok, b.dl);
+    att_backward(f.x2b, F, f.x2, F, K, F, b.dp2, b.dx2b, F, b.dx2, F);
+    for (unsigned e = tid; e < K * F; e += nt) b.dz1b[e] = b.dx2b[e] * gelu_tanh_d1(f.z1b[e]);
+    __syncthreads();
+    // Zbar1 = XQ·W1 + b1 − P1·G1, P1 from tril(XQ·XKᵀ).
+    dual_rows_backward(q, C, K, D, F, W1, f.p1, f.g1, b.dz1b, dq, C, dW1, db1, b.dg1, b.dp1);
+    p_backward(K, m.tok, m.lrm, f.att1, b.dp1, ptok, b.dl);
+    att_backward(q, C, k, C, K, D, b.dp1, dq, C, dk, C);
+    // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ: dZ1 gets the GELU'' term, s2 = dL/dHm.
+    for (unsigned e = tid; e < K * F; e += nt) {
+      const unsigned i = e / F, fo = e % F;
+      float hm = 0.0f;
+      for (unsigned j = 0; j < D; ++j) hm += f.g2[i * D + j] * W2[fo * D + j];
+      b.s1[e] = hm;
+      const float z = f.z1[e];
+      b.dz1[e] = b.dg1[e] * hm * gelu_tanh_d2(z);
+      b.s2[e] = b.dg1[e] * gelu_tanh_d1(z);
     }
     __syncthreads();
+    for (unsigned e = tid; e < K * D; e += nt) {  // dG2 += dHm·W2
+      const unsigned i = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned fo = 0; fo < F; ++fo) acc += b.s2[i * F + fo] * W2[fo * D + j];
+      b.dg2[e] += acc;
+    }
+    for (unsigned e = tid; e < F * D; e += nt) {  // dW2 += dHmᵀ·G2
+      const unsigned fo = e / D, j = e % D;
+      float acc = 0.0f;
+      for (unsigned i = 0; i < K; ++i) acc += b.s2[i * F + fo] * f.g2[i * D + j];
+      dW2[e] += acc;
+    }
+    __syncthreads();
+    // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
+    ln_l2_backward(m, norm_w, norm_b, f.xh2, f.sig2, f.g2, b.dg2, b.dz2, dk, dv, pgam, pbet,
+                   b.rowd);
+    linear_rows_backward(f.x2, F, K, F, D, W2, b.dz2, b.dx2, F, dW2, db2);
+    for (unsigned e = tid; e < K * F; e += nt) b.dz1[e] += b.dx2[e] * gelu_tanh_d1(f.z1[e]);
+    __syncthreads();
+    linear_rows_backward(k, C, K, D, F, W1, b.dz1, dk, C, dW1, db1);
+  } else {
+    update_backward(k, C, K, D, D, f.g2, tl, m.lrm, dW1, db1, dk, C, b.dg2, b.de, b.s1, b.s2);
+    dual_rows_backward(q, C, K, D, D, W1, f.p1, f.g2, b.dzb, dq, C, dW1, db1, b.dg2, b.dp1);
+    p_backward(K, m.tok, m.lrm, f.att1, b.dp1, ptok, b.dl);
+    att_backward(q, C, k, C, K, D, b.dp1, dq, C, dk, C);
+    ln_l2_backward(m, norm_w, norm_b, f.xh2, f.sig2, f.g2, b.dg2, b.dz2, dk, dv, pgam, pbet,
+                   b.rowd);
+    linear_rows_backward(k, C, K, D, D, W1, b.dz2, dk, C, dW1, db1);
+  }
+  // e_s = tok[K−1]·lr_s
+  if (tid == 0)
+    for (unsigned i = 0; i < K; ++i) ptok[K - 1] += b.de[i] * m.lrm[i];
+  for (unsigned i = tid; i < K; i += nt) b.dl[i] += b.de[i] * tl;
+  __syncthreads();
+}
+
+struct backward_args {
+  const float *q, *k, *v, *lr, *tok, *d_o, *ckpt;
+  float *dq, *dk, *dv, *dlr, *part, *scratch;
+  std::size_t T, H, D, F, SZ, mb, group, gsz, ncp, nmb;
+  float eps;
+};
+
+// The inner loop backwards, one (batch, head) per CTA: groups from the last; each group's
+// entering states recomputed from its checkpoint (the forward's functions, so the same bits),
+// then its mini-batches in reverse. part[task] = [dS (SZ), dγ (D), dβ (D), dtok (mb)], summed
+// over the batch afterwards in batch order (ttt_reduce_partials_kernel).
+template <bool Mlp, typename S>
+__global__ void __launch_bounds__(ttt_backward_threads, 1)
+    ttt_backward_kernel(backward_args a, const S* norm_w, const S* norm_b) {
+  const std::size_t task = blockIdx.x;
+  const std::size_t b = task / a.H;
+  const unsigned h = static_cast<unsigned>(task % a.H);
+  const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
+                 mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
+                 SZ = static_cast<unsigned>(a.SZ), tid = threadIdx.x, nt = blockDim.x;
+  float* p = a.scratch + task * ttt_backward_scratch_elements(a.SZ, D, F, mb, a.gsz);
+  const auto take = [&p](std::size_t n) {
+    float* r = p;
+    p += n;
+    return r;
+  };
+  float* states = take(a.gsz * a.SZ);  // [gsz, SZ]: the state entering each mini-batch of a group
+  float* Wc = take(SZ);                // the running state while recomputing
+  mb_fwd bf;
+  bf.z1 = take(mb * F);
+  bf.x2 = take(mb * F);
+  bf.g1 = take(mb * F);
+  bf.z1b = take(mb * F);
+  bf.x2b = take(mb * F);
+  bf.z2 = take(mb * D);
+  bf.xh2 = take(mb * D);
+  bf.g2 = take(mb * D);
+  bf.zb = take(mb * D);
+  bf.att1 = take(mb * mb);
+  bf.p1 = take(mb * mb);
+  bf.att2 = take(mb * mb);
+  bf.p2 = take(mb * mb);
+  bf.sig2 = take(mb);
+  float* lrm = take(mb);
+  mb_bwd bb;
+  bb.xhb = take(mb * D);
+  bb.sigb = take(mb);
+  bb.dx2b = take(mb * F);
+  bb.dz1b = take(mb * F);
+  bb.dg1 = take(mb * F);
+  bb.dx2 = take(mb * F);
+  bb.dz1 = take(mb * F);
+  bb.s1 = take(mb * F);
+  bb.s2 = take(mb * F);
+  bb.dzb = take(mb * D);
+  bb.dg2 = take(mb * D);
+  bb.dz2 = take(mb * D);
+  bb.dp1 = take(mb * mb);
+  bb.dp2 = take(mb * mb);
+  bb.de = take(mb);
+  bb.dl = take(mb);
+  bb.rowd = take(mb * 3 * D);
+
+  float* dS = a.part + task * (a.SZ + 2 * a.D + a.mb);  // dL/d(state), kept in the partials
+  float* pgam = dS + SZ;
+  float* pbet = pgam + D;
+  float* ptok = pbet + D;
+  for (unsigned e = tid; e < SZ + 2 * D + mb; e += nt) dS[e] = 0.0f;
+  __syncthreads();
+
+  for (std::size_t c = a.ncp; c-- > 0;) {
+    const std::size_t m0 = c * a.group;
+    const std::size_t m1 = (a.nmb - m0 < a.gsz) ? a.nmb : m0 + a.gsz;
+    const float* src = a.ckpt + (task * a.ncp + c) * a.SZ;
+    for (unsigned e = tid; e < SZ; e += nt) Wc[e] = src[e];
+    __syncthreads();
+    // Recompute the group's entering states (the last one's update is not needed).
+    for (std::size_t m = m0; m < m1; ++m) {
+      float* dst = states + (m - m0) * a.SZ;
+      for (unsigned e = tid; e < SZ; e += nt) dst[e] = Wc[e];
+      if (m + 1 == m1) break;
+      const std::size_t t0 = m * mb;
+      const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
+      const std::size_t r0 = (b * a.T + t0) * C + h * D;
+      for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+      __syncthreads();
+      const mb_ctx mc{a.q + r0, a.k + r0, a.v + r0, lrm, a.tok, K, D, F, C, h, a.eps};
+      mb_gradients<Mlp>(mc, Wc, bf, norm_w, norm_b);
+      mb_update<Mlp>(mc, Wc, bf);
+    }
+    __syncthreads();
+    for (std::size_t m = m1; m-- > m0;) {
+      const float* W = states + (m - m0) * a.SZ;
+      const std::size_t t0 = m * mb;
+      const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
+      const std::size_t r0 = (b * a.T + t0) * C + h * D;
+      for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+      __syncthreads();
+      const mb_ctx mc{a.q + r0, a.k + r0, a.v + r0, lrm, a.tok, K, D, F, C, h, a.eps};
+      mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
+      mb_outputs<Mlp>(mc, W, bf);
+      mb_backward<Mlp>(mc, norm_w, norm_b, W, bf, bb, a.d_o + r0, a.dq + r0, a.dk + r0,
+                       a.dv + r0, dS, pgam, pbet, ptok);
+      for (unsigned i = tid; i < K; i += nt) a.dlr[(b * a.T + t0 + i) * a.H + h] = bb.dl[i];
+      __syncthreads();
+    }
   }
 }
 
@@ -491,6 +1081,154 @@ __global__ void __launch_bounds__(detail::row_threads)
     if (gpre != nullptr) v *= gelu_tanh_f(gpre[n * C + j]);
     st(pn, n * C + j, v);
   }
+}
+
+// The post norm and gate backwards, one CTA per row (the CPU's post_norm, gate and LayerNorm
+// backward): from the saved o, x̂ (kept for the parameters' sums) and pn = x̂·post_w + post_b;
+// with the gate (gpre: x·Wg in, dL/dgpre out) dpn = dgated ⊙ GELU(gpre) and pn_s the gated value
+// (the output GEMM's operand, for d wo); d_o = LN_C's backward of dpn ⊙ post_w.
+template <typename S>
+__global__ void __launch_bounds__(detail::row_threads)
+    ttt_post_norm_backward_kernel(const S* o, const S* post_w, const S* post_b, float* gpre,
+                                  float* dpn, S* pn_s, float* xh, float* d_o, std::size_t C,
+                                  float eps) {
+  using reduce = detail::block_allreduce<float, detail::row_threads>;
+  __shared__ typename reduce::storage red;
+  const std::size_t n = blockIdx.x;
+  const S* row = o + n * C;
+  float sum = 0.0f;
+  for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) sum += ld(row, j);
+  const float mu = reduce::run(sum, detail::op_sum{}, red) / static_cast<float>(C);
+  float sq = 0.0f;
+  for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float d = ld(row, j) - mu;
+    sq += d * d;
+  }
+  const float var = reduce::run(sq, detail::op_sum{}, red) / static_cast<float>(C);
+  const float sigma = ::sqrtf(var + eps);
+  float m1 = 0.0f, m2 = 0.0f;
+  for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const std::size_t e = n * C + j;
+    const float x = (ld(row, j) - mu) / sigma;
+    float p = x * ld(post_w, j) + ld(post_b, j);
+    if (gpre != nullptr) {
+      const float gl = gelu_tanh_f(gpre[e]), dgated = dpn[e];
+      dpn[e] = dgated * gl;
+      gpre[e] = dgated * p * gelu_tanh_d1(gpre[e]);
+      p *= gl;
+    }
+    st(pn_s, e, p);
+    xh[e] = x;
+    const float dxh = dpn[e] * ld(post_w, j);
+    m1 += dxh;
+    m2 += dxh * x;
+  }
+  m1 = reduce::run(m1, detail::op_sum{}, red) / static_cast<float>(C);
+  m2 = reduce::run(m2, detail::op_sum{}, red) / static_cast<float>(C);
+  for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const std::size_t e = n * C + j;
+    const float dxh = dpn[e] * ld(post_w, j);
+    d_o[e] = (dxh - m1 - xh[e] * m2) / sigma;
+  }
+}
+
+// d post_w += Σ_n dpn ⊙ x̂, d post_b += Σ_n dpn: one thread per column, rows in order.
+template <typename S>
+__global__ void ttt_post_params_kernel(const float* dpn, const float* xh, std::size_t N,
+                                       std::size_t C, S* g_post_w, S* g_post_b) {
+  const std::size_t j = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= C) return;
+  float aw = 0.0f, ab = 0.0f;
+  for (std::size_t n = 0; n < N; ++n) {
+    aw += dpn[n * C + j] * xh[n * C + j];
+    ab += dpn[n * C + j];
+  }
+  st(g_post_w, j, ld(g_post_w, j) + aw);
+  st(g_post_b, j, ld(g_post_b, j) + ab);
+}
+
+// The per-(batch, head) partials [B·H, SZ + 2D + mb] summed over the batch in order into the
+// inner state's initial weights and the inner norm's γ, β (one thread per (head, element)); the
+// token offsets summed over heads too (one thread each), zero where the clamp was active.
+template <typename S>
+struct ttt_grad_targets {
+  S *w1, *b1, *w2, *b2, *norm_w, *norm_b, *tok_offset;
+};
+template <typename S>
+__global__ void ttt_reduce_partials_kernel(const float* part, std::size_t B, std::size_t H,
+                                           std::size_t D, std::size_t F, std::size_t SZ,
+                                           std::size_t mb, const S* tok_offset,
+                                           ttt_grad_targets<S> g) {
+  const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t per_head = SZ + 2 * D, pe = SZ + 2 * D + mb;
+  if (e < H * per_head) {
+    const std::size_t h = e / per_head, j = e % per_head;
+    float acc = 0.0f;
+    for (std::size_t b = 0; b < B; ++b) acc += part[(b * H + h) * pe + j];
+    S* dst;
+    std::size_t i;
+    if (j < D * F) {
+      dst = g.w1, i = h * D * F + j;
+    } else if (j < D * F + F) {
+      dst = g.b1, i = h * F + (j - D * F);
+    } else if (j < SZ && j < 2 * D * F + F) {  // the MLP's W2 (SZ ends before it for Linear)
+      dst = g.w2, i = h * F * D + (j - D * F - F);
+    } else if (j < SZ) {
+      dst = g.b2, i = h * D + (j - 2 * D * F - F);
+    } else if (j < SZ + D) {
+      dst = g.norm_w, i = h * D + (j - SZ);
+    } else {
+      dst = g.norm_b, i = h * D + (j - SZ - D);
+    }
+    st(dst, i, ld(dst, i) + acc);
+  } else if (e < H * per_head + mb) {
+    const std::size_t i = e - H * per_head;
+    float acc = 0.0f;
+    for (std::size_t h = 0; h < H; ++h) {
+      float sh = 0.0f;
+      for (std::size_t b = 0; b < B; ++b) sh += part[(b * H + h) * pe + per_head + i];
+      acc += sh;
+    }
+    const float raw = 1.0f / static_cast<float>(i + 1) + ld(tok_offset, i);
+    if (raw > 0.0f) st(g.tok_offset, i, ld(g.tok_offset, i) + acc);  // clamp_min: no gradient
+  }
+}
+
+// The learning-rate gate backwards: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ), in place.
+// (A template only so that it is inline for the linker, as model_kernels' are.)
+template <int = 0>
+__global__ void ttt_rate_grad_kernel(float* dlr, const float* lr, const float* sig, std::size_t n) {
+  const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < n) dlr[e] *= lr[e] * (1.0f - sig[e]);
+}
+// d lr_w[h, c] += Σ_n dpre[n, h]·x[n, c] (threads e < H·C) and d lr_b[h] += Σ_n dpre[n, h] (the
+// next H threads); rows in order. H is small: a GEMM's fixed costs buy nothing here.
+template <typename S>
+__global__ void ttt_rate_params_kernel(const float* dpre, const S* x, std::size_t N, std::size_t H,
+                                       std::size_t C, S* g_lr_w, S* g_lr_b) {
+  const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < H * C) {
+    const std::size_t h = e / C, c = e % C;
+    float acc = 0.0f;
+    for (std::size_t n = 0; n < N; ++n) acc += dpre[n * H + h] * ld(x, n * C + c);
+    st(g_lr_w, e, ld(g_lr_w, e) + acc);
+  } else if (e < H * C + H) {
+    const std::size_t h = e - H * C;
+    float acc = 0.0f;
+    for (std::size_t n = 0; n < N; ++n) acc += dpre[n * H + h];
+    st(g_lr_b, h, ld(g_lr_b, h) + acc);
+  }
+}
+// dx[n, c] += Σ_h dpre[n, h]·lr_w[h, c] (dx in fp32).
+template <typename S>
+__global__ void ttt_rate_dx_kernel(const float* dpre, const S* lr_w, std::size_t N, std::size_t H,
+                                   std::size_t C, float* dx) {
+  const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= N * C) return;
+  const std::size_t n = e / C, c = e % C;
+  float acc = 0.0f;
+  for (std::size_t h = 0; h < H; ++h) acc += dpre[n * H + h] * ld(lr_w, h * C + c);
+  dx[e] += acc;
 }
 
 // One decoding token of one (batch, head) per CTA, the CPU step's arithmetic: the token's
@@ -705,6 +1443,136 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
       o_s, w.post_w, w.post_b, gpre, pn, C, 1e-6f);
   cuda_check(cudaGetLastError(), "ttt_post_norm_kernel launch");
   gpu::matmul(ctx, static_cast<const S*>(pn), w.wo, y, N, C, C, false);
+}
+
+template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename Weights,
+          typename Gradients>
+void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, const Weights& w,
+                                                         const S* x, const A* ckpt, const S* o_s,
+                                                         const S* dy, S* dx, const Gradients& g,
+                                                         void* workspace,
+                                                         std::size_t workspace_size,
+                                                         const cuda_executor& ex) {
+  check_types<S, A>();
+  namespace td = gpu::ttt_detail;
+  constexpr bool narrow = !std::is_same_v<S, float>;
+  const auto ws = carve(backward_layout<Mlp, MB, G, S>(s), workspace, workspace_size);
+  const auto d = gpu::ttt_dims::of(s, Mlp);
+  const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, T = s.seq, B = s.batch;
+  const std::size_t nmb = T / MB + (T % MB != 0), ncp = nmb / G + (nmb % G != 0);
+  const std::size_t gsz = group_in_use<MB, G>(s);
+  const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),
+                              gpu::gemm_workspace_bytes_max);
+  float* q = ws.template get<float>(b_q);
+  float* k = ws.template get<float>(b_k);
+  float* v = ws.template get<float>(b_v);
+  float* lr = ws.template get<float>(b_lr);
+  float* sig = ws.template get<float>(b_sig);
+  float* tok = ws.template get<float>(b_tok);
+  float* dpn = ws.template get<float>(b_dpn);
+  float* gpre = s.use_gate ? ws.template get<float>(b_gpre) : nullptr;
+  float* xh = ws.template get<float>(b_xh);
+  float* d_o = ws.template get<float>(b_do);
+  float* dq = ws.template get<float>(b_dq);
+  float* dk = ws.template get<float>(b_dk);
+  float* dv = ws.template get<float>(b_dv);
+  S* pn = ws.template get<S>(b_pn);
+  float* dlr = ws.template get<float>(b_dlr);
+  float* part = ws.template get<float>(b_part);
+  float* scratch = ws.template get<float>(b_scratch);
+  const cudaStream_t st = ex.stream();
+  // dx accumulates in fp32: the caller's buffer itself for fp32, else a workspace slot.
+  float* dxf;
+  if constexpr (narrow) {
+    dxf = ws.template get<float>(b_dx);
+  } else {
+    dxf = dx;
+  }
+  // A row gradient as the GEMMs' operand: itself for fp32, else rounded into the one conversion
+  // slot (stream order makes its reuse by the next gradient safe).
+  const auto operand = [&](const float* src) -> const S* {
+    if constexpr (narrow) {
+      S* c = ws.template get<S>(b_conv);
+      gpu::convert(ex, src, c, N * C);
+      return c;
+    } else {
+      return src;
+    }
+  };
+
+  // q, k, v, the rates and σ exactly as forward computed them (the same GEMMs and kernels).
+  gpu::matmul(ctx, x, w.wq, q, N, C, C, false);
+  gpu::matmul(ctx, x, w.wk, k, N, C, C, false);
+  gpu::matmul(ctx, x, w.wv, v, N, C, C, false);
+  const std::size_t pairs = N * H * (d.D / 2);
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(q, N, T, H, d.D, s.rope_base, MB, MB);
+  cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(k, N, T, H, d.D, s.rope_base, MB, MB);
+  cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
+  gpu::matmul_bt(ctx, x, w.lr_w, lr, N, C, H, false);
+  const float scale = static_cast<float>(s.base_lr / static_cast<double>(d.D));
+  const std::size_t rate_n = N * H > MB ? N * H : MB;
+  td::rates_kernel<S><<<td::blocks_for(rate_n, 256), 256, 0, st>>>(lr, w.lr_b, N, H, scale,
+                                                                   w.tok_offset, tok, MB, sig);
+  cuda_check(cudaGetLastError(), "ttt rates_kernel launch");
+
+  // Output projection, gate and post norm backwards.
+  gpu::matmul_bt(ctx, dy, w.wo, dpn, N, C, C, false);  // dL/d(gated)
+  if (s.use_gate) gpu::matmul(ctx, x, w.wg, gpre, N, C, C, false);
+  td::ttt_post_norm_backward_kernel<S><<<static_cast<unsigned>(N), gpu::detail::row_threads, 0,
+                                         st>>>(o_s, w.post_w, w.post_b, gpre, dpn, pn, xh, d_o, C,
+                                               1e-6f);
+  cuda_check(cudaGetLastError(), "ttt_post_norm_backward_kernel launch");
+  gpu::matmul_at(ctx, static_cast<const S*>(pn), dy, g.wo, N, C, C, true);
+  if (s.use_gate) {
+    const S* dg = operand(gpre);
+    gpu::matmul_at(ctx, x, dg, g.wg, N, C, C, true);
+    gpu::matmul_bt(ctx, dg, w.wg, dxf, N, C, C, false);
+  } else {
+    cuda_check(cudaMemsetAsync(dxf, 0, N * C * sizeof(float), st), "ttt backward dx memset");
+  }
+  td::ttt_post_params_kernel<S><<<td::blocks_for(C, 256), 256, 0, st>>>(dpn, xh, N, C, g.post_w,
+                                                                        g.post_b);
+  cuda_check(cudaGetLastError(), "ttt_post_params_kernel launch");
+
+  // The inner loop backwards, then its partials summed over the batch.
+  const td::backward_args args{q,  k,  v,  lr,  tok,  d_o,  ckpt,  dq,  dk,  dv, dlr,
+                               part, scratch, T, H, d.D, d.F, d.SZ, MB, G, gsz, ncp, nmb, 1e-6f};
+  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_backward_threads, 0,
+                                    st>>>(args, w.ttt_norm_w, w.ttt_norm_b);
+  cuda_check(cudaGetLastError(), "ttt_backward_kernel launch");
+  const td::ttt_grad_targets<S> targets{g.w1, g.b1, g.w2, g.b2, g.ttt_norm_w, g.ttt_norm_b,
+                                        g.tok_offset};
+  const std::size_t red_n = H * (d.SZ + 2 * d.D) + MB;
+  td::ttt_reduce_partials_kernel<S><<<td::blocks_for(red_n, 256), 256, 0, st>>>(
+      part, B, H, d.D, d.F, d.SZ, MB, w.tok_offset, targets);
+  cuda_check(cudaGetLastError(), "ttt_reduce_partials_kernel launch");
+
+  // The learning-rate gate: dpre = dlr·lr·(1 − σ); its parameters and its share of dx.
+  td::ttt_rate_grad_kernel<><<<td::blocks_for(N * H, 256), 256, 0, st>>>(dlr, lr, sig, N * H);
+  cuda_check(cudaGetLastError(), "ttt_rate_grad_kernel launch");
+  td::ttt_rate_params_kernel<S><<<td::blocks_for(H * C + H, 256), 256, 0, st>>>(dlr, x, N, H, C,
+                                                                               g.lr_w, g.lr_b);
+  cuda_check(cudaGetLastError(), "ttt_rate_params_kernel launch");
+  td::ttt_rate_dx_kernel<S><<<td::blocks_for(N * C, 256), 256, 0, st>>>(dlr, w.lr_w, N, H, C, dxf);
+  cuda_check(cudaGetLastError(), "ttt_rate_dx_kernel launch");
+
+  // RoPE's transpose, then the projections.
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(dq, N, T, H, d.D, s.rope_base, MB,
+                                                              MB, true);
+  cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
+  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(dk, N, T, H, d.D, s.rope_base, MB,
+                                                              MB, true);
+  cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
+  const float* grads[3] = {dq, dk, dv};
+  const S* weights[3] = {w.wq, w.wk, w.wv};
+  S* targets3[3] = {g.wq, g.wk, g.wv};
+  for (int i = 0; i < 3; ++i) {
+    const S* op = operand(grads[i]);
+    gpu::matmul_at(ctx, x, op, targets3[i], N, C, C, true);
+    gpu::matmul_bt(ctx, op, weights[i], dxf, N, C, C, true);
+  }
+  if constexpr (narrow) gpu::convert(ex, static_cast<const float*>(dxf), dx, N * C);
 }
 
 template <bool Mlp, std::size_t MB, typename S, typename A, typename Weights>

@@ -1,0 +1,232 @@
+// Host emulation of backend/cuda/ttt_cuda.cuh's kernels, for a machine without a GPU. Built and run
+// by tools/ttt_cuda_emulate.py, which cuts the kernels' text out of the header (consts.inc,
+// kernels.inc) and compiles it here as plain C++: __global__/__device__ vanish, threadIdx is a
+// thread_local, each CTA of the inner loop's kernels (forward and backward) runs as `nt` host
+// threads with __syncthreads a std::barrier (under -fsanitize=thread a missing barrier shows as
+// a data race), every other kernel one thread per CTA. A host copy of the launchers' sequence
+// (naive fp32 loops for the cuBLASLt GEMMs) drives them, against the CPU layer on the same inputs:
+// the saved checkpoints, y, dx and every gradient (normwise 1e-5), and bits across G. What it
+// cannot check: the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths, CUB's
+// block reductions (one thread here), and anything about the real device.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <memory>
+#include <limits>
+#include "membound/membound.hpp"
+
+#include <barrier>
+#include <thread>
+struct dim3e { unsigned x; };
+static thread_local dim3e threadIdx{0}, blockIdx{0};
+static dim3e blockDim{1};
+static std::barrier<>* g_bar = nullptr;
+#define __global__
+#define __device__
+#define __noinline__
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __syncthreads() g_bar->arrive_and_wait()
+
+namespace emu {
+using membound::gelu_tanh_f;
+using membound::gelu_tanh_d1;
+using membound::gelu_tanh_d2;
+template <class S> inline float ld(const S* p, std::size_t i) { return p[i]; }
+template <class S> inline void st(S* p, std::size_t i, float v) { p[i] = v; }
+namespace detail {
+constexpr unsigned row_threads = 1;
+struct op_sum {};
+template <class T, unsigned N> struct block_allreduce {
+  struct storage {};
+  template <class Op> static T run(T v, Op, storage&) { return v; }
+};
+}  // namespace detail
+constexpr unsigned ttt_inner_threads = 1, ttt_backward_threads = 1;
+#include "consts.inc"
+#include "kernels.inc"
+}  // namespace emu
+
+namespace mb = membound;
+using namespace emu;
+
+template <class F> void launch(std::size_t grid, F f) {
+  blockDim.x = 1;
+  threadIdx.x = 0;
+  std::barrier<> bar(1);
+  g_bar = &bar;
+  for (std::size_t b = 0; b < grid; ++b) { blockIdx.x = static_cast<unsigned>(b); f(); }
+}
+// One CTA of nt threads at a time, __syncthreads a std::barrier (races show under TSan).
+unsigned g_nt = 7;
+template <class F> void launch_cta(std::size_t grid, F f) {
+  const unsigned nt = g_nt;
+  blockDim.x = nt;
+  for (std::size_t b = 0; b < grid; ++b) {
+    std::barrier<> bar(nt);
+    g_bar = &bar;
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < nt; ++t)
+      ts.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = static_cast<unsigned>(b); f(); });
+    for (auto& th : ts) th.join();
+  }
+  blockDim.x = 1;
+}
+// y[N,M] (+)= x[N,K]·w[K,M]; bt: w is [M,K]; at: g[K,M] += x[N,K]ᵀ·d[N,M]
+void mm(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
+  for (size_t n = 0; n < N; ++n) for (size_t m = 0; m < M; ++m) {
+    float a = 0; for (size_t k = 0; k < K; ++k) a += x[n*K+k]*w[k*M+m];
+    y[n*M+m] = acc ? y[n*M+m] + a : a; }
+}
+void mm_bt(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
+  for (size_t n = 0; n < N; ++n) for (size_t m = 0; m < M; ++m) {
+    float a = 0; for (size_t k = 0; k < K; ++k) a += x[n*K+k]*w[m*K+k];
+    y[n*M+m] = acc ? y[n*M+m] + a : a; }
+}
+void mm_at(const float* x, const float* d, float* g, size_t N, size_t K, size_t M) {
+  for (size_t k = 0; k < K; ++k) for (size_t m = 0; m < M; ++m) {
+    float a = 0; for (size_t n = 0; n < N; ++n) a += x[n*K+k]*d[n*M+m];
+    g[k*M+m] += a; }
+}
+
+struct W { std::vector<float> wq, wk, wv, nw, nb, w1, b1, lr_w, lr_b, tok, post_w, post_b, wg, wo, w2, b2; };
+std::vector<float> rnd(size_t n, unsigned seed, float scale, float off = 0) {
+  std::vector<float> v(n ? n : 1); unsigned s = seed * 2654435761u + 7;
+  for (auto& x : v) { s = s * 1664525u + 1013904223u; x = off + scale * (float(s >> 8) / 16777216.0f - 0.5f); }
+  return v;
+}
+double rel(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, sc = 1e-2; for (size_t i = 0; i < a.size(); ++i) { d = std::max(d, (double)std::fabs(a[i]-b[i])); sc = std::max(sc, (double)std::fabs(b[i])); }
+  return d / sc;
+}
+int fails = 0;
+void check(const char* what, const std::vector<float>& got, const std::vector<float>& want, double tol) {
+  const double e = rel(got, want);
+  if (!(e <= tol)) { std::printf("  FAIL %s: %.3g\n", what, e); ++fails; }
+  else if (e > tol / 10) std::printf("  %s: %.3g\n", what, e);
+}
+
+struct Out { std::vector<float> y, dx; std::vector<std::vector<float>> g; };
+
+template <bool Mlp, size_t MB, size_t G>
+Out run(const mb::ttt_shape& s) {
+  using L = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_mini_batch<MB>, mb::ttt_checkpoint_groups<G>>;
+  const size_t B = s.batch, T = s.seq, C = s.width, H = s.heads, D = s.head_dim(), F = Mlp ? 4*D : D, N = B*T;
+  const size_t SZ = Mlp ? 2*D*F + F + D : D*D + D;
+  W w{rnd(C*C,1,.3f), rnd(C*C,2,.3f), rnd(C*C,3,.3f), rnd(H*D,4,.1f,1), rnd(H*D,5,.1f), rnd(H*D*F,6,.2f),
+      rnd(H*F,7,.1f), rnd(H*C,8,.2f), rnd(H,9,.5f), rnd(MB,10,.05f), rnd(C,11,.1f,1), rnd(C,12,.1f),
+      rnd(C*C,13,.3f), rnd(C*C,14,.3f), rnd(Mlp?H*F*D:1,15,.2f), rnd(Mlp?H*D:1,16,.1f)};
+  auto x = rnd(N*C, 20, 1), dy = rnd(N*C, 22, 1);
+  std::vector<std::vector<float>*> wl{&w.wq,&w.wk,&w.wv,&w.nw,&w.nb,&w.w1,&w.b1,&w.lr_w,&w.lr_b,&w.tok,&w.post_w,&w.post_b,&w.wg,&w.wo,&w.w2,&w.b2};
+  std::vector<std::vector<float>> g0; for (unsigned i = 0; i < 16; ++i) g0.push_back(rnd(wl[i]->size(), 60+i, .05f));
+  typename L::weights lw{w.wq.data(), w.wk.data(), w.wv.data(), w.nw.data(), w.nb.data(), w.w1.data(), w.b1.data(),
+      w.lr_w.data(), w.lr_b.data(), w.tok.data(), w.post_w.data(), w.post_b.data(), w.wg.data(), w.wo.data()};
+  if (Mlp) { lw.w2 = w.w2.data(); lw.b2 = w.b2.data(); }
+  // CPU layer
+  mb::thread_pool pool(1);
+  const size_t sb = L::saved_bytes(s), wsb = std::max(L::forward_workspace_bytes(s,1), L::backward_workspace_bytes(s,1));
+  std::vector<float> savedc(sb/4 + 64), wsc(wsb/4 + 64);
+  auto al = [](std::vector<float>& v){ void* p = v.data(); size_t sp = v.size()*4; return std::align(256, 1, p, sp); };
+  void* svp = al(savedc); void* wsp = al(wsc);
+  std::vector<float> yc(N*C), dxc(N*C); auto gc = g0;
+  typename L::gradients lg{gc[0].data(),gc[1].data(),gc[2].data(),gc[3].data(),gc[4].data(),gc[5].data(),gc[6].data(),
+      gc[7].data(),gc[8].data(),gc[9].data(),gc[10].data(),gc[11].data(),gc[12].data(),gc[13].data()};
+  if (Mlp) { lg.w2 = gc[14].data(); lg.b2 = gc[15].data(); }
+  L::forward(s, lw, x.data(), yc.data(), svp, sb, wsp, wsb, pool);
+  // the saved layout puts the larger slot first (workspace_layout: larger slots first)
+  const size_t ckb = L::saved_state_bytes(s), ob = N * C * 4;
+  const float* ckp = static_cast<float*>(svp) + (ckb >= ob ? 0 : (ob + 255) / 256 * 256 / 4);
+  std::vector<float> ck_before(ckp, ckp + ckb / 4);
+  L::backward(s, lw, x.data(), svp, sb, dy.data(), dxc.data(), lg, wsp, wsb, pool);
+
+  // Emulated device forward (the launcher's sequence)
+  const size_t nmb = T / MB + (T % MB != 0), ncp = nmb / G + (nmb % G != 0), gsz = std::min(G, nmb);
+  std::vector<float> q(N*C), k(N*C), v(N*C), lr(N*H), sig(N*H), tok(MB), ckpt(B*H*ncp*SZ), o(N*C), pn(N*C), y(N*C), gpre(N*C);
+  auto project = [&]{
+    mm(x.data(), w.wq.data(), q.data(), N, C, C, false); mm(x.data(), w.wk.data(), k.data(), N, C, C, false);
+    mm(x.data(), w.wv.data(), v.data(), N, C, C, false);
+    const size_t pairs = N*H*(D/2);
+    launch(pairs, [&]{ rope_kernel(q.data(), N, T, H, D, s.rope_base, MB, MB); });
+    launch(pairs, [&]{ rope_kernel(k.data(), N, T, H, D, s.rope_base, MB, MB); });
+    mm_bt(x.data(), w.lr_w.data(), lr.data(), N, C, H, false);
+    const float scale = float(s.base_lr / double(D));
+    launch(std::max(N*H, MB), [&]{ rates_kernel<float>(lr.data(), w.lr_b.data(), N, H, scale, w.tok.data(), tok.data(), MB, sig.data()); });
+  };
+  project();
+  {
+    std::vector<float> scratch(B*H*ttt_scratch_elements(SZ, D, F, MB));
+    const inner_args a{q.data(), k.data(), v.data(), lr.data(), tok.data(), T, H, D, F, SZ, MB, G, ncp, nmb, 1e-6f};
+    launch_cta(B*H, [&]{ ttt_forward_kernel<Mlp, float>(a, w.nw.data(), w.nb.data(), w.w1.data(), w.b1.data(), w.w2.data(), w.b2.data(), o.data(), ckpt.data(), scratch.data()); });
+    const float* gp = nullptr;
+    if (s.use_gate) { mm(x.data(), w.wg.data(), gpre.data(), N, C, C, false); gp = gpre.data(); }
+    launch(N, [&]{ ttt_post_norm_kernel<float>(o.data(), w.post_w.data(), w.post_b.data(), gp, pn.data(), C, 1e-6f); });
+    mm(pn.data(), w.wo.data(), y.data(), N, C, C, false);
+  }
+  // the saved buffer against the CPU's
+  std::vector<float> ck_c(ck_before.begin(), ck_before.begin() + B*H*ncp*SZ);
+  check("saved checkpoints", ckpt, ck_c, 1e-5);
+  check("y", y, yc, 1e-5);
+  // Emulated device backward (the launcher's sequence)
+  Out r; r.y = y; r.g = g0;
+  std::vector<float> dx(N*C), dpn(N*C), xh(N*C), d_o(N*C), dq(N*C), dk(N*C), dv(N*C), pns(N*C), dlr(N*H);
+  std::vector<float> part(B*H*ttt_partial_elements(SZ, D, MB)), bscr(B*H*ttt_backward_scratch_elements(SZ, D, F, MB, gsz));
+  std::fill(q.begin(), q.end(), 0.f); std::fill(k.begin(), k.end(), 0.f); project();
+  mm_bt(dy.data(), w.wo.data(), dpn.data(), N, C, C, false);
+  float* gp = nullptr;
+  if (s.use_gate) { mm(x.data(), w.wg.data(), gpre.data(), N, C, C, false); gp = gpre.data(); }
+  launch(N, [&]{ ttt_post_norm_backward_kernel<float>(o.data(), w.post_w.data(), w.post_b.data(), gp, dpn.data(), pns.data(), xh.data(), d_o.data(), C, 1e-6f); });
+  mm_at(pns.data(), dy.data(), r.g[13].data(), N, C, C);
+  if (s.use_gate) { mm_at(x.data(), gpre.data(), r.g[12].data(), N, C, C); mm_bt(gpre.data(), w.wg.data(), dx.data(), N, C, C, false); }
+  else std::fill(dx.begin(), dx.end(), 0.f);
+  launch(C, [&]{ ttt_post_params_kernel<float>(dpn.data(), xh.data(), N, C, r.g[10].data(), r.g[11].data()); });
+  const backward_args ba{q.data(), k.data(), v.data(), lr.data(), tok.data(), d_o.data(), ckpt.data(), dq.data(), dk.data(), dv.data(), dlr.data(),
+                         part.data(), bscr.data(), T, H, D, F, SZ, MB, G, gsz, ncp, nmb, 1e-6f};
+  launch_cta(B*H, [&]{ ttt_backward_kernel<Mlp, float>(ba, w.nw.data(), w.nb.data()); });
+  ttt_grad_targets<float> tg{r.g[5].data(), r.g[6].data(), Mlp ? r.g[14].data() : nullptr, Mlp ? r.g[15].data() : nullptr, r.g[3].data(), r.g[4].data(), r.g[9].data()};
+  launch(H*(SZ+2*D) + MB, [&]{ ttt_reduce_partials_kernel<float>(part.data(), B, H, D, F, SZ, MB, w.tok.data(), tg); });
+  launch(N*H, [&]{ ttt_rate_grad_kernel(dlr.data(), lr.data(), sig.data(), N*H); });
+  launch(H*C + H, [&]{ ttt_rate_params_kernel<float>(dlr.data(), x.data(), N, H, C, r.g[7].data(), r.g[8].data()); });
+  launch(N*C, [&]{ ttt_rate_dx_kernel<float>(dlr.data(), w.lr_w.data(), N, H, C, dx.data()); });
+  const size_t pairs = N*H*(D/2);
+  launch(pairs, [&]{ rope_kernel(dq.data(), N, T, H, D, s.rope_base, MB, MB, true); });
+  launch(pairs, [&]{ rope_kernel(dk.data(), N, T, H, D, s.rope_base, MB, MB, true); });
+  const float* gr[3] = {dq.data(), dk.data(), dv.data()}; const float* ws[3] = {w.wq.data(), w.wk.data(), w.wv.data()};
+  for (int i = 0; i < 3; ++i) { mm_at(x.data(), gr[i], r.g[i].data(), N, C, C); mm_bt(gr[i], ws[i], dx.data(), N, C, C, true); }
+  r.dx = dx;
+  check("dx", dx, dxc, 1e-5);
+  const char* names[16] = {"wq","wk","wv","nw","nb","w1","b1","lr_w","lr_b","tok","post_w","post_b","wg","wo","w2","b2"};
+  for (int i = 0; i < (Mlp ? 16 : 14); ++i) {
+    std::vector<float> a = r.g[i], b = gc[i];
+    for (size_t e = 0; e < a.size(); ++e) { a[e] -= g0[i][e]; b[e] -= g0[i][e]; }
+    check(names[i], a, b, 1e-5);
+  }
+  return r;
+}
+
+template <bool Mlp> void kind() {
+  constexpr size_t all = size_t(-1);
+  mb::ttt_shape s{2, 37, 32, 2};
+  std::printf("%s gate 0\n", Mlp ? "mlp" : "linear");
+  auto a = run<Mlp, 16, 1>(s), b = run<Mlp, 16, 2>(s), c = run<Mlp, 16, all>(s);
+  auto same = [](const Out& p, const Out& q) { return p.y == q.y && p.dx == q.dx && p.g == q.g; };
+  if (!same(a, b) || !same(a, c)) { std::printf("  FAIL not bit-identical across G\n"); ++fails; }
+  s.use_gate = true;
+  std::printf("%s gate 1\n", Mlp ? "mlp" : "linear");
+  auto d = run<Mlp, 16, 1>(s), e = run<Mlp, 16, all>(s);
+  if (!same(d, e)) { std::printf("  FAIL not bit-identical across G (gate)\n"); ++fails; }
+  std::printf("%s b=1\n", Mlp ? "mlp" : "linear");
+  run<Mlp, 1, 2>({1, 7, 16, 2});
+  std::printf("%s T<b\n", Mlp ? "mlp" : "linear");
+  run<Mlp, 16, 4>({3, 5, 16, 1});
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1) g_nt = static_cast<unsigned>(std::atoi(argv[1]));
+  std::printf("threads per CTA: %u\n", g_nt);
+  kind<false>();
+  kind<true>();
+  std::printf("%s (%d failures)\n", fails ? "FAILED" : "all passed", fails);
+  return fails ? 1 : 0;
+}
