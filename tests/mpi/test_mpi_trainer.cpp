@@ -93,13 +93,15 @@ mb::trainer_options options(std::size_t zero = 0) {
   return o;
 }
 
-mb::training_plan plan_for(const model_t& m, std::size_t micro_batches, std::size_t optimizer_elements = 0) {
+mb::training_plan plan_for(const model_t& m, std::size_t micro_batches, std::size_t optimizer_elements = 0,
+                           mb::gradient_shards gradients = {}, std::size_t micro = 1) {
   mb::plan_options po;
   po.optimizer_elements = optimizer_elements;
+  po.gradients = gradients;
   po.threads = 1;
   po.head_chunk = 64;
   po.accumulation = micro_batches;
-  return mb::make_plan(m, mb::batch_shape{1, effective.seq}, mb::schedules::none{}, po);
+  return mb::make_plan(m, mb::batch_shape{micro, effective.seq}, mb::schedules::none{}, po);
 }
 
 struct run {
@@ -107,6 +109,7 @@ struct run {
   std::vector<unsigned char> weights, optimizer;
   std::size_t peak = 0, predicted = 0;
   std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
+  mb::rank_memory memory{};
 };
 
 template <typename Trainer>
@@ -120,15 +123,18 @@ run finish(Trainer& t, alloc_t& a) {
   r.optimizer.assign(o, o + t.optimizer_bytes());
   r.peak = a.stats().peak_requested;
   r.predicted = t.largest_predicted_peak();
+  r.memory = t.memory();
   return r;
 }
 
-run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0) {
+// micro: sequences per micro-batch (each rank runs effective.batch / N / micro micro-batches).
+run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0, std::size_t micro = 1) {
   alloc_t a(std::size_t{1} << 30);
   mb::thread_pool pool(1);
-  const std::size_t shard = zero == 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
-  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size(), shard), a, pool, options(zero), mb::null_monitor{},
-                comm);
+  const std::size_t shard = zero >= 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
+  const mb::gradient_shards gs = zero == 2 ? mb::gradient_shards_of<float>(comm) : mb::gradient_shards{};
+  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro), a, pool, options(zero),
+                mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
   run r = finish(t, a);
   r.bytes_sent = comm.stats().bytes_sent - before;
@@ -216,6 +222,61 @@ int main(int argc, char** argv) {
     std::printf("bytes sent per step by rank 0: ZeRO-0 %.0f, ZeRO-1 %.0f; 2(N-1)/N x 4n = %.0f\n",
                 static_cast<double>(dp.bytes_sent) / steps, static_cast<double>(zero1.bytes_sent) / steps,
                 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * 4.0 * static_cast<double>(n));
+  }
+
+  // ZeRO-2 against ZeRO-0 and ZeRO-1.
+  {
+    const run zero2 = data_parallel(m, comm, 2);
+    const std::size_t A = effective.batch / N;  // micro-batches per rank and step
+    check(zero2.peak == zero2.predicted, "ZeRO-2: measured peak " + std::to_string(zero2.peak) + " == predicted " +
+                                             std::to_string(zero2.predicted));
+    check(zero2.memory.gradients == (N == 1 ? n : shard.size()) * sizeof(float),
+          "ZeRO-2: this rank keeps the gradients of its shard only (" + std::to_string(zero2.memory.gradients) + " bytes)");
+    check(zero2.optimizer.size() == zero1.optimizer.size(), "ZeRO-2: the optimizer shard of ZeRO-1");
+    if (A == 1) {
+      // One micro-batch per rank: each shard element is ZeRO-0's rank-order sum of the same values.
+      check(same_bits(zero2.losses, dp.losses) && zero2.weights == dp.weights && zero2.optimizer == zero1.optimizer,
+            "ZeRO-2, one micro-batch per rank: ZeRO-0's losses and weights and ZeRO-1's optimizer state, bit for bit");
+    }
+    double gap = 0;
+    for (std::size_t k = 0; k < steps; ++k) gap = std::max(gap, std::abs(zero2.losses[k] - dp.losses[k]) / std::abs(dp.losses[k]));
+    check(gap <= 1e-5, "ZeRO-2: ZeRO-0's loss curve within 1e-5 relative (worst " + std::to_string(gap) + ")");
+    check(zero2.weights == rank0(comm, zero2.weights), "ZeRO-2: every rank holds rank 0's weights");
+    // Bytes sent per step: each micro-batch's reduce-scatter (4·(n − s)), the weights' all-gather
+    // (4·s·(N − 1)), the norm's and loss's doubles as under ZeRO-1.
+    const std::uint64_t s2 = shard.size();
+    const std::uint64_t per_step2 =
+        N == 1 ? 0 : A * 4 * (n - s2) + 4 * s2 * (N - 1) + 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+    check(zero2.bytes_sent == steps * per_step2, "ZeRO-2: bytes sent " + std::to_string(zero2.bytes_sent) + " == " +
+                                                     std::to_string(steps) + " x " + std::to_string(per_step2));
+    double gap_all = 0;
+    MPI_Allreduce(&gap, &gap_all, 1, MPI_DOUBLE, MPI_MAX, comm.native());
+    if (me == 0) {
+      std::printf("ZeRO-2 (%zu micro-batch(es) per rank): gradient bytes per rank %llu (ZeRO-0/1: %zu), peak per rank "
+                  "%zu (ZeRO-1 %zu, ZeRO-0 %zu), worst relative loss gap to ZeRO-0 %.3g, bytes sent per step %.0f\n",
+                  A, static_cast<unsigned long long>(zero2.memory.gradients), m.weight_bytes(), zero2.peak, zero1.peak,
+                  dp.peak, gap_all, static_cast<double>(zero2.bytes_sent) / steps);
+    }
+    if (N == 2) {
+      // Micro-batches of 2: one per rank, so ZeRO-2 gives ZeRO-0's bits (against ZeRO-0 with the same micro-batch).
+      const run z0 = data_parallel(m, comm, 0, 2);
+      const run z2 = data_parallel(m, comm, 2, 2);
+      check(same_bits(z2.losses, z0.losses) && z2.weights == z0.weights,
+            "ZeRO-2 with one micro-batch of 2 per rank: ZeRO-0's losses and weights, bit for bit");
+      check(z2.peak == z2.predicted, "ZeRO-2, micro-batch 2: measured peak == predicted");
+    }
+    if (N > 1) {
+      // ZeRO-2's plan states the gradient shard; a ZeRO-1 plan given to a ZeRO-2 trainer is refused.
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      bool threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, A, shard.size()), a, pool, options(2), mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "plan";
+      }
+      check(threw, "ZeRO-2 given a ZeRO-1 plan: invalid_argument naming the plan");
+    }
   }
 
   // Sharded checkpoints.

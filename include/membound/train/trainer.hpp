@@ -132,7 +132,8 @@ struct trainer_options {
   bool replan_under_pressure = true;
   std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
   // ZeRO stage over more than one rank: 0 keeps AdamW's state for every parameter on every rank,
-  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered).
+  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
+  // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
 };
 
@@ -194,6 +195,26 @@ struct rank_memory {
   std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
   std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
 };
+
+// ZeRO-2's plan_options::gradients for a rank of `comm` (storage S): its rank, the world size and
+// the communicator's reduce-scatter workspace (affine in the block size; anything else is refused).
+// Off (ranks 0) for a world of one.
+//   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
+//   po.gradients = gradient_shards_of<float>(comm);
+template <typename S, typename Communicator>
+gradient_shards gradient_shards_of(const Communicator& comm) {
+  if (comm.size() <= 1) return {};
+  const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
+  const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
+  const std::size_t w1000 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1000);
+  if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
+    throw invalid_argument("communicator", "a reduce_scatter_blocks_workspace_bytes affine in the block size",
+                           std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) + ", " +
+                               std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
+                           "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
+  }
+  return {comm.size(), comm.rank(), w1 - w0, w0};
+}
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
 // (parameters [28048, 56096)), exchange buffer 99.1 KiB (inside the peak), predicted peak ...".
@@ -415,7 +436,10 @@ class trainer {
     std::exception_ptr failed;
     std::uint64_t status = start_ok;
     try {
-      if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
+      // ZeRO-2's gradient buckets are not in the shadow's replay: its plans state requested bytes.
+      if constexpr (has_shadow<Allocator>) {
+        if (!zero2()) reserve_ = reserve_model(m_, alloc_);
+      }
       check_plan(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
@@ -429,7 +453,7 @@ class trainer {
       }
       use_layout(plan_);
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
-      g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
+      g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
     } catch (...) {
       failed = std::current_exception();
@@ -439,10 +463,10 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes();
     try {
       m_.init_weights(w_, o_.seed);
-      std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+      std::memset(static_cast<void*>(g_), 0, grad_bytes());
       Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
@@ -517,7 +541,7 @@ class trainer {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
-      Optimizer::update(w_ + b, g_ + b, opt_, opt_shard_.size(), opt_spans_,
+      Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_,
                         optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
@@ -621,13 +645,16 @@ class trainer {
     rank_memory r;
     r.rank = comm_.rank();
     r.ranks = world();
-    r.zero = sharded() ? 1 : 0;
+    r.zero = sharded() ? o_.zero : 0;
     r.weights = m_.weight_bytes();
-    r.gradients = m_.weight_bytes();
+    r.gradients = grad_bytes();
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    if (world() > 1) {
+    if (zero2()) {
+      r.exchange = std::max(range_exchange_bytes(m_.embedding_parameters()), range_exchange_bytes(m_.head_parameters()));
+      for (std::size_t i = 0; i < m_.depth(); ++i) r.exchange = std::max(r.exchange, range_exchange_bytes(m_.block_parameters(i)));
+    } else if (world() > 1) {
       try {
         r.exchange = exchange_workspace_bytes(exchange_bucket(exchange_headroom()));
       } catch (const invalid_argument&) {
@@ -813,7 +840,7 @@ class trainer {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
     r.copy("weights", weights, weight_bytes);
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
     steps_ = st.steps;
     updates_ = st.updates;
     rng_ = st.rng;
@@ -950,13 +977,21 @@ class trainer {
 
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
-  bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
+  bool sharded() const noexcept { return o_.zero >= 1 && world() > 1; }
+  bool zero2() const noexcept { return o_.zero == 2 && world() > 1; }
+  // The gradients this rank keeps: all of them, or under ZeRO-2 its shard's (opt_shard_).
+  std::size_t grad_elements() const noexcept { return zero2() ? opt_shard_.size() : n_; }
+  std::size_t grad_bytes() const noexcept { return grad_elements() * sizeof(S); }
+  // The summed gradient of this rank's optimizer shard.
+  S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
+  // What plan_options::gradients says for this trainer.
+  gradient_shards gradient_sharding() const { return zero2() ? gradient_shards_of<S>(comm_) : gradient_shards{}; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
     if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    if (g_ != nullptr) alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+    if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
@@ -1017,6 +1052,11 @@ class trainer {
   // A planned stack (caching_options::planned) serves the run from the plan's layout.
   void use_layout(const training_plan& p) {
     if constexpr (has_planned_layer<Allocator>) {
+      if (zero2() && planned_layer(alloc_) != nullptr) {
+        throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
+                               "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
+                               "zero = 1, or an allocator stack without a planned layout");
+      }
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
     }
   }
@@ -1037,8 +1077,8 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
-    need(o.zero <= 1, "options.zero", "0 or 1 (ZeRO-2 is not built yet)", static_cast<double>(o.zero),
-         "Use 1 to shard AdamW's state over the ranks, 0 to keep it whole");
+    need(o.zero <= 2, "options.zero", "0, 1 or 2", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 0 to keep both whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -1060,6 +1100,7 @@ class trainer {
     po.optimizer = true;
     po.optimizer_elements = optimizer_elements();
     po.optimizer_policy = optimizer_of<Optimizer>();
+    po.gradients = gradient_sharding();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -1180,7 +1221,7 @@ class trainer {
   void rewind(const random_state& rng0, std::uint64_t position0) noexcept {
     rng_ = rng0;
     position_ = position0;
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
   }
 
   template <sequence_source Source, typename Request>
@@ -1209,7 +1250,7 @@ class trainer {
 
   template <sequence_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
     double loss = 0;
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -1226,9 +1267,13 @@ class trainer {
           default: break;
         }
       };
-      loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
-                                  scale / accum, alloc_, pool_, observer) /
-              accum;
+      if (zero2()) {
+        loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
+      } else {
+        loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
+                                    scale / accum, alloc_, pool_, observer) /
+                accum;
+      }
     }
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
     if (world() > 1) loss = exchange(loss);
@@ -1249,7 +1294,9 @@ class trainer {
   // raises the peak the plan predicted.
   double exchange(double loss) {
     if constexpr (reducible<S>) {
-      if (sharded()) {
+      if (zero2()) {
+        // Reduce-scattered during the backward already.
+      } else if (sharded()) {
         exchange_shards();
       } else {
         exchange_all();
@@ -1259,6 +1306,112 @@ class trainer {
       return loss;
     } else {
       return loss;  // check_world refused more than one rank
+    }
+  }
+
+  // ---- ZeRO-2 ------------------------------------------------------------------------------------
+  // What this rank keeps of a micro-batch's gradients, and when: its shard (g_, between steps
+  // too); in each block's backward, that block's gradients (a bucket allocated after the block's
+  // δ and freed once reduce-scattered into the ranks' shards at the end of its backward); for the
+  // whole micro-batch, the embedding's and head's (one bucket, reduce-scattered after the
+  // micro-batch). The first micro-batch of a step writes the sums into the shard, the others add
+  // theirs: so with one micro-batch per rank the shard holds ZeRO-0's sum, bit for bit, and with
+  // more it is a sum of the micro-batches' rank-order sums (another order than ZeRO-0's).
+  struct zero2_router {
+    trainer& t;
+    bool first;
+    S* held = nullptr;    // the embedding's and head's gradients
+    S* bucket = nullptr;  // the current block's
+    shard_range range{};
+    zero2_router(trainer& tr, bool f) : t(tr), first(f) {}
+    zero2_router(const zero2_router&) = delete;
+    zero2_router& operator=(const zero2_router&) = delete;
+    ~zero2_router() {
+      if (bucket != nullptr) t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
+      if (held != nullptr) t.alloc_.deallocate(held, t.held_bytes(), default_alignment, memory_tag::gradients);
+    }
+    S* at(std::size_t offset) const noexcept {
+      if (bucket != nullptr && offset >= range.begin && offset < range.end) return bucket + (offset - range.begin);
+      const shard_range e = t.m_.embedding_parameters();
+      if (offset < e.end) return held + offset;
+      return held + e.size() + (offset - t.m_.head_parameters().begin);
+    }
+    void begin_block(std::size_t i) {
+      const shard_range r = t.m_.block_parameters(i);
+      bucket = static_cast<S*>(t.alloc_.allocate(r.size() * sizeof(S), default_alignment, memory_tag::gradients));
+      range = r;
+      std::memset(static_cast<void*>(bucket), 0, r.size() * sizeof(S));
+    }
+    void end_block(std::size_t) {
+      t.reduce_scatter_range(bucket, range, first);
+      t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
+      bucket = nullptr;
+    }
+  };
+
+  std::size_t held_bytes() const noexcept {
+    return (m_.embedding_parameters().size() + m_.head_parameters().size()) * sizeof(S);
+  }
+
+  template <typename Observer>
+  double zero2_micro_batch(bool first, double scale, Observer& observer) {
+    zero2_router router(*this, first);
+    router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
+    std::memset(static_cast<void*>(router.held), 0, held_bytes());
+    const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, pool_, observer);
+    const shard_range e = m_.embedding_parameters();
+    reduce_scatter_range(router.held, e, first);
+    reduce_scatter_range(router.held + e.size(), m_.head_parameters(), first);
+    return loss;
+  }
+
+  // The largest part of [r.begin, r.end) any rank holds.
+  std::size_t largest_part(shard_range r) const noexcept {
+    std::size_t most = 0;
+    for (std::size_t k = 0; k < world(); ++k) most = std::max(most, overlap(shard_of(n_, world(), k), r.begin, r.end).size());
+    return most;
+  }
+  // The workspace of one range's reduce-scatter (and, with more than one micro-batch, the
+  // partial sum it adds into the shard), as the planner counts it (gradient_shards).
+  std::size_t range_exchange_bytes(shard_range r) const {
+    if constexpr (reducible<S>) {
+      const std::size_t most = largest_part(r);
+      return comm_.template reduce_scatter_blocks_workspace_bytes<S>(most) +
+             (plan_.accumulation > 1 ? most * sizeof(S) : 0);
+    } else {
+      return 0;
+    }
+  }
+  // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
+  // part of them summed over ranks in rank order into (first) or onto its shard g_.
+  void reduce_scatter_range(const S* in, shard_range r, bool first) {
+    if constexpr (reducible<S>) {
+      const std::size_t N = world();
+      std::size_t most = 0;
+      for (std::size_t k = 0; k < N; ++k) {
+        const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+        blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+        most = std::max(most, o.size());
+      }
+      const shard_range mine = overlap(opt_shard_, r.begin, r.end);
+      S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
+      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
+      const std::size_t ws_bytes = range_exchange_bytes(r);
+      void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+      try {
+        if (first) {
+          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), dst, ws, rs);
+        } else {
+          S* part = reinterpret_cast<S*>(static_cast<std::byte*>(ws) + rs);
+          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), part, ws, rs);
+          for (std::size_t i = 0; i < mine.size(); ++i) dst[i] += part[i];
+        }
+      } catch (...) {
+        alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+        throw;
+      }
+      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
     }
   }
 
@@ -1343,7 +1496,7 @@ class trainer {
     if (N == 1) return global_norm(g_, n_, pool_);
     const std::size_t me = comm_.rank();
     if (sharded()) {
-      norm_parts_[me] = sum_squares(g_ + opt_shard_.begin, opt_shard_.size(), pool_);
+      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), pool_);
       comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
     } else {
       for (std::size_t r = 0; r < N; ++r) {
@@ -1368,9 +1521,9 @@ class trainer {
                              std::to_string(eff_.batch),
                              "Choose an effective batch every rank can take an equal share of");
     }
-    if (o_.zero == 1 && n_ < N) {
+    if (o_.zero >= 1 && n_ < N) {
       throw invalid_argument("options.zero", "0 for a model with fewer parameters than ranks",
-                             "1 with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
+                             std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
     if (o_.replan_under_pressure) {
@@ -1412,6 +1565,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
+    fo.gradients = gradient_sharding();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -1434,6 +1588,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
+    fo.gradients = gradient_sharding();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
