@@ -13744,6 +13744,15 @@ class model {
     flat_gradients flat{};
     (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
   }
+  // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
+  // buckets, replayed by model/reserve_plan.hpp); at() is not called.
+  template <typename Allocator, typename Router>
+  void step_requests_routed(batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk, std::size_t threads,
+                            Allocator& alloc, Router& grads) const {
+    static_assert(check_allocator<Allocator>());
+    ignore_check_points none;
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+  }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
   // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
@@ -13931,12 +13940,12 @@ class model {
           visit_block(i, [&]<typename B>(B*) {
             const auto d = B::make_dims(cfg_, b);
             S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
-            if constexpr (Run) g.begin_block(i);
+            g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
             if constexpr (Run)
               B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
             live.put(ws);
-            if constexpr (Run) g.end_block(i);
+            g.end_block(i);
             live.put(delta);
             live.put(saved[i]);
             saved[i] = nullptr;
@@ -14299,6 +14308,7 @@ struct training_plan {
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
   std::size_t gradient_bucket = 0, gradient_held = 0;
   std::size_t gradient_ranks = 1;
+  gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -14428,6 +14438,17 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
   return {};
 }
 
+// ZeRO-2: the workspace of one parameter range's reduce-scatter (and, with more than one
+// micro-batch per step, the partial sum it adds into the shard): what the trainer allocates.
+template <typename Model>
+std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, shard_range r, std::size_t accumulation) {
+  const std::size_t n = m.parameter_elements();
+  std::size_t most = 0;
+  for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
+                 accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+}
+
 template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
@@ -14453,15 +14474,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
                            std::to_string(gs.rank), "Pass the communicator's rank() and size()");
   }
   // ZeRO-2: a range's reduce-scatter workspace (the largest rank's part of it) and its bucket.
-  const auto exchange_of = [&](shard_range r) {
-    std::size_t most = 0;
-    for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
-    return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
-                   o.accumulation > 1 ? bytes_of<S>(most) : 0);
-  };
+  const auto exchange_of = [&](shard_range r) { return gradient_exchange_bytes(m, gs, r, o.accumulation); };
   p.weights = m.weight_bytes();
   p.gradients = gs.on() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
   p.gradient_ranks = gs.on() ? gs.ranks : 1;
+  p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
@@ -14840,17 +14857,65 @@ struct run_requests {
   std::vector<recorded_request> prefix, cycle;
 };
 
+namespace detail {
+// ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
+// bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
+template <typename Model>
+struct zero2_request_router {
+  using S = typename Model::storage_type;
+  const Model& m;
+  request_recorder& rec;
+  gradient_shards gs;
+  std::size_t accumulation;
+  void* bucket = nullptr;
+  std::size_t bytes = 0;
+  S* at(std::size_t) const noexcept { return nullptr; }
+  void begin_block(std::size_t i) {
+    bytes = bytes_of<S>(m.block_parameters(i).size());
+    bucket = rec.allocate(bytes, default_alignment, memory_tag::gradients);
+  }
+  void end_block(std::size_t i) {
+    const std::size_t wsb = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                   memory_tag::workspace);
+    rec.deallocate(bucket, bytes, default_alignment, memory_tag::gradients);
+  }
+};
+}  // namespace detail
+
+// gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
+// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
-                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes) {
+                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
+                        std::size_t gradients = 0, const gradient_shards& gs = {}) {
+  using S = typename Model::storage_type;
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
-  (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
+  (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   const std::size_t k0 = rec.requests().size();
-  for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
+  for (std::size_t k = 0; k < accumulation; ++k) {
+    if (!gs.on()) {
+      m.step_requests(micro, ops, head_chunk, threads, rec);
+      continue;
+    }
+    // The trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch,
+    // the blocks' buckets in their backward, then the two held ranges' reduce-scatters.
+    const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+    const std::size_t held = bytes_of<S>(e.size() + h.size());
+    void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
+    detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
+    m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+    for (const shard_range q : {e, h}) {
+      const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+      rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                     memory_tag::workspace);
+    }
+    rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+  }
   m.loss_requests(micro, head_chunk, threads, rec);
   r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
   r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
@@ -14858,7 +14923,8 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
 }
 template <typename Model>
 run_requests record_run(const Model& m, const training_plan& p) {
-  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer);
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer, p.gradients,
+                    p.gradient_sharding);
 }
 
 // The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
@@ -15087,6 +15153,9 @@ struct rank_memory {
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
 gradient_shards gradient_shards_of(const Communicator& comm) {
+  if constexpr (!reducible<S>) {
+    return {};  // the trainer refuses 16-bit storage over more than one rank
+  } else {
   if (comm.size() <= 1) return {};
   const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
   const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
@@ -15098,6 +15167,7 @@ gradient_shards gradient_shards_of(const Communicator& comm) {
                            "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
   }
   return {comm.size(), comm.rank(), w1 - w0, w0};
+  }
 }
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
@@ -15320,10 +15390,7 @@ class trainer {
     std::exception_ptr failed;
     std::uint64_t status = start_ok;
     try {
-      // ZeRO-2's gradient buckets are not in the shadow's replay: its plans state requested bytes.
-      if constexpr (has_shadow<Allocator>) {
-        if (!zero2()) reserve_ = reserve_model(m_, alloc_);
-      }
+      if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
@@ -16249,22 +16316,10 @@ class trainer {
     return loss;
   }
 
-  // The largest part of [r.begin, r.end) any rank holds.
-  std::size_t largest_part(shard_range r) const noexcept {
-    std::size_t most = 0;
-    for (std::size_t k = 0; k < world(); ++k) most = std::max(most, overlap(shard_of(n_, world(), k), r.begin, r.end).size());
-    return most;
-  }
   // The workspace of one range's reduce-scatter (and, with more than one micro-batch, the
   // partial sum it adds into the shard), as the planner counts it (gradient_shards).
   std::size_t range_exchange_bytes(shard_range r) const {
-    if constexpr (reducible<S>) {
-      const std::size_t most = largest_part(r);
-      return comm_.template reduce_scatter_blocks_workspace_bytes<S>(most) +
-             (plan_.accumulation > 1 ? most * sizeof(S) : 0);
-    } else {
-      return 0;
-    }
+    return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
   }
   // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
   // part of them summed over ranks in rank order into (first) or onto its shard g_.
@@ -16279,7 +16334,7 @@ class trainer {
       }
       const shard_range mine = overlap(opt_shard_, r.begin, r.end);
       S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
-      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
+      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);  // ws's first part
       const std::size_t ws_bytes = range_exchange_bytes(r);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
       try {

@@ -386,6 +386,15 @@ class model {
     flat_gradients flat{};
     (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
   }
+  // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
+  // buckets, replayed by model/reserve_plan.hpp); at() is not called.
+  template <typename Allocator, typename Router>
+  void step_requests_routed(batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk, std::size_t threads,
+                            Allocator& alloc, Router& grads) const {
+    static_assert(check_allocator<Allocator>());
+    ignore_check_points none;
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+  }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
   // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
@@ -573,12 +582,12 @@ class model {
           visit_block(i, [&]<typename B>(B*) {
             const auto d = B::make_dims(cfg_, b);
             S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
-            if constexpr (Run) g.begin_block(i);
+            g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
             if constexpr (Run)
               B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
             live.put(ws);
-            if constexpr (Run) g.end_block(i);
+            g.end_block(i);
             live.put(delta);
             live.put(saved[i]);
             saved[i] = nullptr;

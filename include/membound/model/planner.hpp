@@ -157,6 +157,7 @@ struct training_plan {
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
   std::size_t gradient_bucket = 0, gradient_held = 0;
   std::size_t gradient_ranks = 1;
+  gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -286,6 +287,17 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
   return {};
 }
 
+// ZeRO-2: the workspace of one parameter range's reduce-scatter (and, with more than one
+// micro-batch per step, the partial sum it adds into the shard): what the trainer allocates.
+template <typename Model>
+std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, shard_range r, std::size_t accumulation) {
+  const std::size_t n = m.parameter_elements();
+  std::size_t most = 0;
+  for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
+                 accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+}
+
 template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
@@ -311,15 +323,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
                            std::to_string(gs.rank), "Pass the communicator's rank() and size()");
   }
   // ZeRO-2: a range's reduce-scatter workspace (the largest rank's part of it) and its bucket.
-  const auto exchange_of = [&](shard_range r) {
-    std::size_t most = 0;
-    for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
-    return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
-                   o.accumulation > 1 ? bytes_of<S>(most) : 0);
-  };
+  const auto exchange_of = [&](shard_range r) { return gradient_exchange_bytes(m, gs, r, o.accumulation); };
   p.weights = m.weight_bytes();
   p.gradients = gs.on() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
   p.gradient_ranks = gs.on() ? gs.ranks : 1;
+  p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);

@@ -203,6 +203,9 @@ struct rank_memory {
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
 gradient_shards gradient_shards_of(const Communicator& comm) {
+  if constexpr (!reducible<S>) {
+    return {};  // the trainer refuses 16-bit storage over more than one rank
+  } else {
   if (comm.size() <= 1) return {};
   const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
   const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
@@ -214,6 +217,7 @@ gradient_shards gradient_shards_of(const Communicator& comm) {
                            "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
   }
   return {comm.size(), comm.rank(), w1 - w0, w0};
+  }
 }
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
@@ -436,10 +440,7 @@ class trainer {
     std::exception_ptr failed;
     std::uint64_t status = start_ok;
     try {
-      // ZeRO-2's gradient buckets are not in the shadow's replay: its plans state requested bytes.
-      if constexpr (has_shadow<Allocator>) {
-        if (!zero2()) reserve_ = reserve_model(m_, alloc_);
-      }
+      if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
@@ -1366,22 +1367,10 @@ class trainer {
     return loss;
   }
 
-  // The largest part of [r.begin, r.end) any rank holds.
-  std::size_t largest_part(shard_range r) const noexcept {
-    std::size_t most = 0;
-    for (std::size_t k = 0; k < world(); ++k) most = std::max(most, overlap(shard_of(n_, world(), k), r.begin, r.end).size());
-    return most;
-  }
   // The workspace of one range's reduce-scatter (and, with more than one micro-batch, the
   // partial sum it adds into the shard), as the planner counts it (gradient_shards).
   std::size_t range_exchange_bytes(shard_range r) const {
-    if constexpr (reducible<S>) {
-      const std::size_t most = largest_part(r);
-      return comm_.template reduce_scatter_blocks_workspace_bytes<S>(most) +
-             (plan_.accumulation > 1 ? most * sizeof(S) : 0);
-    } else {
-      return 0;
-    }
+    return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
   }
   // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
   // part of them summed over ranks in rank order into (first) or onto its shard g_.
@@ -1396,7 +1385,7 @@ class trainer {
       }
       const shard_range mine = overlap(opt_shard_, r.begin, r.end);
       S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
-      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
+      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);  // ws's first part
       const std::size_t ws_bytes = range_exchange_bytes(r);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
       try {
