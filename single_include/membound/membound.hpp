@@ -11581,6 +11581,12 @@ class adamw {
     return "AdamW m, v in " + std::string(dtype_name<moment_type>()) + (has_master ? " + fp32 masters" : "");
   }
 
+  // The state is elementwise: state_arrays arrays of n elements of state_element_bytes each (m,
+  // v, and the masters for 16-bit storage), so the state of a range of parameters is the same
+  // slice of each array. The trainer re-shards a checkpoint to another world size by this.
+  static constexpr std::size_t state_arrays = has_master ? 3 : 2;
+  static constexpr std::size_t state_element_bytes = sizeof(moment_type);
+
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
     return sat_mul(bytes_of<moment_type>(n), has_master ? 3 : 2);
@@ -15250,20 +15256,18 @@ class rank_cannot_start : public invalid_argument {
   std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
 };
 
-// A ZeRO-1 checkpoint (a manifest and one shard file per rank) resumed by a run of another world
-// size or ZeRO stage: each file holds one rank's shard of the optimizer state, so only the same
-// ranks under ZeRO-1 can resume it. field() is "ranks", saved() the world that wrote it.
+// A checkpoint of another world size that cannot be re-sharded to this one (an optimizer whose
+// state is block-wise, adamw8bit): only the same ranks can resume it. field() is "ranks", saved()
+// the world that wrote it. (Elementwise states, adamw's, are re-sharded: see trainer::load.)
 class checkpoint_world_mismatch : public checkpoint_mismatch {
  public:
   checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
-                            std::size_t zero)
+                            std::size_t zero, const std::string& why)
       : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
-                            "it was written under ZeRO-1 by " + saved_ranks +
-                                " ranks, each file holding one rank's shard of the optimizer state; this run has " +
-                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) +
-                                ": expected ranks = " + saved_ranks + " with trainer_options::zero = 1. Resume it "
-                                "with " + saved_ranks + " ranks and zero = 1 (mpirun -np " + saved_ranks +
-                                " ... --zero 1); re-sharding to another world size is not built") {}
+                            "it was written by " + saved_ranks + " rank(s) and cannot be re-sharded to this run's " +
+                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
+                                ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
+                                saved_ranks + " ...)") {}
 };
 
 // Another rank failed at a collective step (saving, loading); this one throws this, that rank
@@ -15560,16 +15564,20 @@ class trainer {
   // Returns whether the saved plan was restored. The monitor's level is not saved: a resumed run
   // starts at the level its first check point sees.
   //
-  // Under ZeRO-1 a collective reading the manifest save() wrote and this rank's shard, then
-  // gathering the weights. A manifest of another world size or ZeRO stage is
-  // checkpoint_world_mismatch (re-sharding is not built). An error on any rank is thrown on every
-  // rank; only one found after the ranks agreed to commit (an optimizer value out of range, which
-  // the CRC cannot catch) can leave ranks loaded and others not, and says so.
+  // Under ZeRO-1/2 a collective reading the manifest save() wrote and this rank's shard, then
+  // gathering the weights. Another world size is re-sharded (load_resharded): a manifest of N
+  // ranks resumed by M ranks (any ZeRO stage, one process included), or a whole checkpoint
+  // resumed under ZeRO-1/2: every rank reads every file's weights and re-slices AdamW's m, v
+  // (and masters) to its own range; the state after loading is the saved state exactly, so the
+  // run continues as a run of M ranks started from it would. A block-wise state (adamw8bit) is
+  // refused with checkpoint_world_mismatch. An error on any rank is thrown on every rank; only
+  // one found after the ranks agreed to commit (an optimizer value out of range, which the CRC
+  // cannot catch) can leave ranks loaded and others not, and says so.
   bool load(const std::string& path) {
     if (sharded()) return load_shards(path);
     const checkpoint_reader r(path);
     check_format(r, path);
-    if (r.has("manifest")) refuse_manifest(r, path);
+    if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path);
     staged st = stage(r, path, m_.weight_bytes());
     commit(r, path, st, w_, m_.weight_bytes());
     return st.restored;
@@ -15753,6 +15761,11 @@ class trainer {
     if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
+    return stage_counters(r, path);
+  }
+
+  // The counters, the loss scaler and the plan of a checked file.
+  staged stage_counters(const checkpoint_reader& r, const std::string& path) const {
     std::uint64_t pl[5];
     r.copy("plan", pl, sizeof pl);
     staged st;
@@ -15873,13 +15886,28 @@ class trainer {
     return detail::parse_fingerprint(text, path);
   }
 
-  // A ZeRO-1 manifest this run cannot resume: another world size, or this run is not ZeRO-1.
-  [[noreturn]] void refuse_manifest(const checkpoint_reader& r, const std::string& path) const {
-    const std::vector<fingerprint_field> f = read_manifest(r, path);
-    throw checkpoint_world_mismatch(path, manifest_value(f, "ranks", path), world(), sharded() ? 1 : 0);
-  }
-
   bool load_shards(const std::string& path) {
+    {
+      // Another world size, or a whole checkpoint (ZeRO-0, one process): re-sharded.
+      std::exception_ptr failed;
+      std::optional<std::vector<source_shard>> other;
+      try {
+        const checkpoint_reader r(path);
+        check_format(r, path);
+        if (!r.has("manifest")) {
+          other = std::vector<source_shard>{{shard_range{0, n_}, path}};
+        } else {
+          const std::vector<fingerprint_field> f = read_manifest(r, path);
+          if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
+            other = manifest_sources(f, path);
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "read the checkpoint");
+      if (other) return load_resharded(*other, path);
+    }
     const std::size_t me = comm_.rank();
     std::exception_ptr failed;
     std::optional<checkpoint_reader> shard;
@@ -15896,7 +15924,7 @@ class trainer {
       }
       const std::vector<fingerprint_field> f = read_manifest(r, path);
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
-        refuse_manifest(r, path);
+        throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
       const std::string entry = manifest_value(f, "shard." + std::to_string(me), path);
       const std::string range = std::to_string(opt_shard_.begin) + ".." + std::to_string(opt_shard_.end) + " ";
@@ -15924,6 +15952,141 @@ class trainer {
     comm_.all_gather(static_cast<const S*>(w_ + opt_shard_.begin), w_, n_);
     last_shard_ = shard_path;
     return st.restored;
+  }
+
+  // ---- Re-sharding ---------------------------------------------------------------------------------
+  // One file of a checkpoint and the parameters it holds (a shard file of a manifest, or a whole
+  // checkpoint: [0, n)).
+  struct source_shard {
+    shard_range range;
+    std::string file;
+  };
+
+  // The files a manifest names, in rank order; they must tile [0, n).
+  std::vector<source_shard> manifest_sources(const std::vector<fingerprint_field>& f, const std::string& path) const {
+    const std::string ranks_text = manifest_value(f, "ranks", path);
+    std::size_t ranks = 0;
+    if (std::from_chars(ranks_text.data(), ranks_text.data() + ranks_text.size(), ranks).ec != std::errc{} || ranks == 0 ||
+        ranks > (std::size_t{1} << 20)) {
+      throw corrupt_checkpoint(path, "its manifest's ranks = '" + ranks_text + "' is not a world size");
+    }
+    if (manifest_value(f, "parameters", path) != std::to_string(n_)) {
+      throw checkpoint_mismatch(path, "parameters", manifest_value(f, "parameters", path), std::to_string(n_),
+                                "it was written for a model of " + manifest_value(f, "parameters", path) +
+                                    " parameter elements, this one has " + std::to_string(n_) +
+                                    ". Build the trainer as the run that wrote it was built to resume it");
+    }
+    std::vector<source_shard> src;
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < ranks; ++k) {
+      const std::string entry = manifest_value(f, "shard." + std::to_string(k), path);
+      std::size_t b = 0, e = 0;
+      const char* p = entry.data();
+      const char* end = p + entry.size();
+      auto r1 = std::from_chars(p, end, b);
+      const bool dots = r1.ec == std::errc{} && end - r1.ptr > 2 && r1.ptr[0] == '.' && r1.ptr[1] == '.';
+      auto r2 = dots ? std::from_chars(r1.ptr + 2, end, e) : r1;
+      if (!dots || r2.ec != std::errc{} || r2.ptr == end || *r2.ptr != ' ' || r2.ptr + 1 == end || b != at || e < b ||
+          e > n_) {
+        throw corrupt_checkpoint(path, "its shard " + std::to_string(k) + " is '" + entry +
+                                           "', expected 'BEGIN..END FILE' starting at parameter " + std::to_string(at));
+      }
+      src.push_back({{b, e}, folder_of(path) + std::string(r2.ptr + 1, end)});
+      at = e;
+    }
+    if (at != n_) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n_));
+    return src;
+  }
+
+  // Loads a checkpoint written by another world size (or ZeRO stage): every rank reads every
+  // source file's weights (the whole model) and, from each file whose parameters overlap its own
+  // optimizer range (opt_shard_: all of them but under ZeRO-1/2), the same slice of each of the
+  // optimizer's state arrays. Host memory for the whole weights and this rank's state is taken
+  // outside the allocator while loading, as checkpoint_reader's own. Elementwise states only
+  // (adamw: m, v, masters); a block-wise state (adamw8bit) is refused. A collective over ranks
+  // like load(): an error on any rank is thrown on every rank, and nothing changes before all
+  // ranks have read and checked everything.
+  bool load_resharded(const std::vector<source_shard>& src, const std::string& path) {
+    if constexpr (!requires { Optimizer::state_arrays; Optimizer::state_element_bytes; }) {
+      // The same refusal on every rank (all read the same manifest): nothing to agree on.
+      throw checkpoint_world_mismatch(path, std::to_string(src.size()), world(), sharded() ? o_.zero : 0,
+                                      Optimizer::description() +
+                                          "'s state is block-wise, and re-sharding slices elementwise states "
+                                          "only (adamw)");
+    } else {
+    std::exception_ptr failed;
+    staged st;
+    std::vector<S> weights;
+    std::vector<std::byte> state;
+    try {
+      {
+        constexpr std::size_t arrays = Optimizer::state_arrays, eb = Optimizer::state_element_bytes;
+        static_assert(Optimizer::state_bytes(1) == arrays * eb, "membound: an elementwise state is arrays x element bytes");
+        const shard_range mine = opt_shard_;
+        weights.resize(n_);
+        state.resize(opt_bytes());
+        for (std::size_t k = 0; k < src.size(); ++k) {
+          const source_shard& s = src[k];
+          const checkpoint_reader r(s.file);
+          check_format(r, s.file);
+          std::string text(r.size("fingerprint"), '\0');
+          r.copy("fingerprint", text.data(), text.size());
+          const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
+          check_fingerprint(f, s.file, /*any_world=*/true);
+          const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
+          const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
+          if (saved == f.end() || saved->value != want) {
+            throw checkpoint_mismatch(s.file, "optimizer", saved == f.end() ? "(none)" : saved->value, want,
+                                      "its optimizer state is not the one this run keeps. Resume it with the optimizer "
+                                      "that wrote it");
+          }
+          if (r.size("weights") != s.range.size() * sizeof(S) || r.size("optimizer") != Optimizer::state_bytes(s.range.size())) {
+            throw corrupt_checkpoint(s.file, "its weight or optimizer section has the wrong size for parameters [" +
+                                                 std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
+          }
+          r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
+          const shard_range o = overlap(mine, s.range.begin, s.range.end);
+          if (o.size() != 0) {
+            const std::span<const std::byte> view = r.view("optimizer");
+            for (std::size_t a = 0; a < arrays; ++a) {
+              std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
+                          view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
+            }
+          }
+          const staged sk = stage_counters(r, s.file);
+          if (k == 0) {
+            st = sk;
+          } else if (sk.steps != st.steps || sk.updates != st.updates || sk.position != st.position || !(sk.rng == st.rng)) {
+            throw corrupt_checkpoint(s.file, "it is of step " + std::to_string(sk.steps) + ", the first shard '" +
+                                                 src[0].file + "' of step " + std::to_string(st.steps));
+          }
+        }
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "read the checkpoint it re-shards");
+    try {
+      try {
+        Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
+      } catch (const invalid_argument& e) {
+        throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+      }
+      std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
+      std::memset(static_cast<void*>(g_), 0, grad_bytes());
+      steps_ = st.steps;
+      updates_ = st.updates;
+      rng_ = st.rng;
+      position_ = st.position;
+      scaler_ = st.scaler;
+      if (st.plan) adopt(std::move(*st.plan));
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
+    last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
+    return st.restored;
+    }
   }
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
@@ -16569,8 +16732,17 @@ class trainer {
   }
 
   // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
-  void check_fingerprint(const std::vector<fingerprint_field>& saved, const std::string& path) const {
-    const std::vector<fingerprint_field> now = fingerprint();
+  // any_world: the fields that name a world size and a shard (a file being re-sharded) are
+  // left out; the caller checks the optimizer's layout itself.
+  void check_fingerprint(std::vector<fingerprint_field> saved, const std::string& path, bool any_world = false) const {
+    std::vector<fingerprint_field> now = fingerprint();
+    if (any_world) {
+      const auto world_field = [](const fingerprint_field& f) {
+        return f.name == "zero" || f.name == "ranks" || f.name == "optimizer.shard" || f.name == "optimizer";
+      };
+      std::erase_if(now, world_field);
+      std::erase_if(saved, world_field);
+    }
     struct diff {
       std::string field, saved, current;
     };
