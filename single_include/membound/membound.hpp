@@ -15041,7 +15041,10 @@ MEMBOUND_NAMESPACE_END
 // summed gradient (a reduce-scatter, same rank-order sums), updates that shard and all-gathers the
 // weights: the same bits as ZeRO-0, the same bytes on the wire (2·(N − 1)/N of the gradient), and
 // 1/N of the optimizer state. The global norm is each shard's sum of squares added in rank order
-// under both stages. Its checkpoint is one shard file per rank and a manifest (see save). The
+// under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
+// re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
+// gradients are sharded too: each block's gradients live in a bucket during its backward and are
+// reduce-scattered into the ranks' shards as it ends (see zero2_router). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
 // 16-bit storage over more than one rank, and replanning under pressure over more than one rank
@@ -15540,8 +15543,8 @@ class trainer {
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
-  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1 a
-  // collective: every rank writes its shard file (its slice of the weights, its optimizer state,
+  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1/2 a
+  // collective (the same files for both: gradients are not saved): every rank writes its shard file (its slice of the weights, its optimizer state,
   // the counters), then rank 0 writes `path`, a manifest naming them (world size, ZeRO stage,
   // each rank's shard and file, the step). Each file is committed atomically and the manifest
   // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
