@@ -35,7 +35,9 @@
 //     and 1) give exactly the saved weights and m, v, and the continuation of a whole checkpoint
 //     of the same state (ZeRO-0 over N ranks) bit for bit; a one-process checkpoint resumed by N
 //     ranks under ZeRO-1 (each rank slices its shard of m and v) gives ZeRO-0's continuation of
-//     it bit for bit, under ZeRO-2 within 1e-5 (bit for bit with one micro-batch per rank).
+//     it bit for bit, under ZeRO-2 within 1e-5 (bit for bit with one micro-batch per rank). At
+//     N = 4, through two 2-rank halves: 2 -> 4 and 4 -> 2 manifests under ZeRO-1, bit for bit
+//     against ZeRO-0 resuming a whole checkpoint of the same state.
 //     adamw8bit's block-wise state is not re-sliced: checkpoint_world_mismatch, nothing loaded.
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
@@ -410,6 +412,47 @@ int main(int argc, char** argv) {
               "re-sharding 1 -> " + std::to_string(N) + " (ZeRO-2, one micro-batch per rank): bit for bit");
       }
       check(z2.step0 == half && g2 <= 1e-5, "re-sharding 1 -> " + std::to_string(N) + " (ZeRO-2): within 1e-5 (" + std::to_string(g2) + ")");
+    }
+    // N = 4: manifests between sharded worlds, through two 2-rank halves of the world.
+    //   2 -> 4: the first half writes a 2-rank ZeRO-1 manifest (and ZeRO-0's whole checkpoint of the
+    //   same state); the 4 ranks resume the manifest under ZeRO-1 and the whole file under ZeRO-0.
+    //   4 -> 2: each half resumes the 4 ranks' manifest under ZeRO-1 and whole_n under ZeRO-0.
+    if (N == 4) {
+      MPI_Comm half_comm = MPI_COMM_NULL;
+      MPI_Comm_split(comm.native(), static_cast<int>(me / 2), static_cast<int>(me), &half_comm);
+      {
+        mb::mpi_communicator h(half_comm);
+        const std::string two = std::string(dir) + "/two.ckpt", two_whole = std::string(dir) + "/two_whole.ckpt";
+        if (me < 2) {
+          for (const std::size_t zero : {std::size_t{1}, std::size_t{0}}) {
+            alloc_t a(std::size_t{1} << 30);
+            mb::thread_pool pool(1);
+            const std::size_t el = zero == 1 ? mb::shard_of(n, 2, h.rank()).size() : 0;
+            mb::trainer t(m, effective, plan_for(m, effective.batch / 2, el), a, pool, options(zero), mb::null_monitor{}, h);
+            text_source s0(membound_test::small_config().vocab);
+            for (std::size_t k = 0; k < half; ++k) (void)t.step(s0);
+            if (zero == 1 || h.rank() == 0) t.save(zero == 1 ? two : two_whole);
+          }
+        }
+        comm.barrier();
+        const cont up = resume(comm, 1, two), up_ref = resume(comm, 0, two_whole);
+        check(up.step0 == half && up.weights0 == up_ref.weights0 && same_bits(up.losses, up_ref.losses) &&
+                  up.weights == up_ref.weights,
+              "re-sharding 2 -> 4 (ZeRO-1): ZeRO-0's continuation of the same state, bit for bit");
+        const cont down = resume(h, 1, path), down_ref = resume(h, 0, whole_n);
+        check(down.step0 == half && down.weights0 == down_ref.weights0 && same_bits(down.losses, down_ref.losses) &&
+                  down.weights == down_ref.weights,
+              "re-sharding 4 -> 2 (ZeRO-1): ZeRO-0's continuation of the same state, bit for bit");
+        comm.barrier();
+        if (me == 0) {
+          std::filesystem::remove(two);
+          std::filesystem::remove(two_whole);
+          for (std::size_t r = 0; r < 2; ++r)
+            std::filesystem::remove(std::string(dir) + "/two.ckpt.step-" + std::to_string(half) + ".rank-" +
+                                    std::to_string(r) + "-of-2");
+        }
+      }
+      MPI_Comm_free(&half_comm);
     }
     // A block-wise optimizer state (adamw8bit) is not re-sliced: a typed refusal.
     {
