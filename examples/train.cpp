@@ -549,7 +549,8 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                                  std::to_string(o.steps), "Raise --steps to continue the run");
     }
     std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
-                same_plan ? "" : " (its plan does not fit this budget; continuing under the plan above)");
+                same_plan ? "" : " (its plan is not restored: written by another world size, or over this budget; "
+                                "continuing under the plan above)");
   }
 
   windows train_src{&train, o.seq}, val_src{&val, o.seq};
