@@ -14646,10 +14646,11 @@ struct fit_options {
   bool optimizer = true;
   std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
   optimizer_ref optimizer_policy{};    // as plan_options: the default is adamw<S>
-  gradient_shards gradients{};         // as plan_options: ZeRO-2's gradient shard, off by default
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
+  gradient_shards gradients{};  // as plan_options: ZeRO-2's gradient shard, off by default (last: positional
+                                // initializers written before it still compile)
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
