@@ -15166,17 +15166,17 @@ gradient_shards gradient_shards_of(const Communicator& comm) {
   if constexpr (!reducible<S>) {
     return {};  // the trainer refuses 16-bit storage over more than one rank
   } else {
-  if (comm.size() <= 1) return {};
-  const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
-  const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
-  const std::size_t w1000 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1000);
-  if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
-    throw invalid_argument("communicator", "a reduce_scatter_blocks_workspace_bytes affine in the block size",
-                           std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) + ", " +
-                               std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
-                           "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
-  }
-  return {comm.size(), comm.rank(), w1 - w0, w0};
+    if (comm.size() <= 1) return {};
+    const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
+    const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
+    const std::size_t w1000 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1000);
+    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
+      throw invalid_argument("communicator", "a reduce_scatter_blocks_workspace_bytes affine in the block size",
+                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) + ", " +
+                                 std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
+                             "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
+    }
+    return {comm.size(), comm.rank(), w1 - w0, w0};
   }
 }
 
@@ -15545,9 +15545,9 @@ class trainer {
 
   // ---- Checkpoints ------------------------------------------------------------------------------
   // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1/2 a
-  // collective (the same files for both: gradients are not saved): every rank writes its shard file (its slice of the weights, its optimizer state,
-  // the counters), then rank 0 writes `path`, a manifest naming them (world size, ZeRO stage,
-  // each rank's shard and file, the step). Each file is committed atomically and the manifest
+  // collective (the same files for both: gradients are not saved): every rank writes its shard
+  // file (its slice of the weights, its optimizer state, the counters), then rank 0 writes
+  // `path`, a manifest naming them (world size, ZeRO stage, each rank's shard and file, the step). Each file is committed atomically and the manifest
   // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
   // removes its previous shard only once the new manifest is committed). A failure on any rank
   // is thrown on every rank.
@@ -16018,78 +16018,78 @@ class trainer {
                                           "'s state is block-wise, and re-sharding slices elementwise states "
                                           "only (adamw)");
     } else {
-    std::exception_ptr failed;
-    staged st;
-    std::vector<S> weights;
-    std::vector<std::byte> state;
-    try {
-      {
-        constexpr std::size_t arrays = Optimizer::state_arrays, eb = Optimizer::state_element_bytes;
-        static_assert(Optimizer::state_bytes(1) == arrays * eb, "membound: an elementwise state is arrays x element bytes");
-        const shard_range mine = opt_shard_;
-        weights.resize(n_);
-        state.resize(opt_bytes());
-        for (std::size_t k = 0; k < src.size(); ++k) {
-          const source_shard& s = src[k];
-          const checkpoint_reader r(s.file);
-          check_format(r, s.file);
-          std::string text(r.size("fingerprint"), '\0');
-          r.copy("fingerprint", text.data(), text.size());
-          const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
-          check_fingerprint(f, s.file, /*any_world=*/true);
-          const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
-          const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
-          if (saved == f.end() || saved->value != want) {
-            throw checkpoint_mismatch(s.file, "optimizer", saved == f.end() ? "(none)" : saved->value, want,
-                                      "its optimizer state is not the one this run keeps. Resume it with the optimizer "
-                                      "that wrote it");
-          }
-          if (r.size("weights") != s.range.size() * sizeof(S) || r.size("optimizer") != Optimizer::state_bytes(s.range.size())) {
-            throw corrupt_checkpoint(s.file, "its weight or optimizer section has the wrong size for parameters [" +
-                                                 std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
-          }
-          r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
-          const shard_range o = overlap(mine, s.range.begin, s.range.end);
-          if (o.size() != 0) {
-            const std::span<const std::byte> view = r.view("optimizer");
-            for (std::size_t a = 0; a < arrays; ++a) {
-              std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
-                          view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
+      std::exception_ptr failed;
+      staged st;
+      std::vector<S> weights;
+      std::vector<std::byte> state;
+      try {
+        {
+          constexpr std::size_t arrays = Optimizer::state_arrays, eb = Optimizer::state_element_bytes;
+          static_assert(Optimizer::state_bytes(1) == arrays * eb, "membound: an elementwise state is arrays x element bytes");
+          const shard_range mine = opt_shard_;
+          weights.resize(n_);
+          state.resize(opt_bytes());
+          for (std::size_t k = 0; k < src.size(); ++k) {
+            const source_shard& s = src[k];
+            const checkpoint_reader r(s.file);
+            check_format(r, s.file);
+            std::string text(r.size("fingerprint"), '\0');
+            r.copy("fingerprint", text.data(), text.size());
+            const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
+            check_fingerprint(f, s.file, /*any_world=*/true);
+            const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
+            const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
+            if (saved == f.end() || saved->value != want) {
+              throw checkpoint_mismatch(s.file, "optimizer", saved == f.end() ? "(none)" : saved->value, want,
+                                        "its optimizer state is not the one this run keeps. Resume it with the optimizer "
+                                        "that wrote it");
+            }
+            if (r.size("weights") != s.range.size() * sizeof(S) || r.size("optimizer") != Optimizer::state_bytes(s.range.size())) {
+              throw corrupt_checkpoint(s.file, "its weight or optimizer section has the wrong size for parameters [" +
+                                                   std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
+            }
+            r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
+            const shard_range o = overlap(mine, s.range.begin, s.range.end);
+            if (o.size() != 0) {
+              const std::span<const std::byte> view = r.view("optimizer");
+              for (std::size_t a = 0; a < arrays; ++a) {
+                std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
+                            view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
+              }
+            }
+            const staged sk = stage_counters(r, s.file);
+            if (k == 0) {
+              st = sk;
+            } else if (sk.steps != st.steps || sk.updates != st.updates || sk.position != st.position || !(sk.rng == st.rng)) {
+              throw corrupt_checkpoint(s.file, "it is of step " + std::to_string(sk.steps) + ", the first shard '" +
+                                                   src[0].file + "' of step " + std::to_string(st.steps));
             }
           }
-          const staged sk = stage_counters(r, s.file);
-          if (k == 0) {
-            st = sk;
-          } else if (sk.steps != st.steps || sk.updates != st.updates || sk.position != st.position || !(sk.rng == st.rng)) {
-            throw corrupt_checkpoint(s.file, "it is of step " + std::to_string(sk.steps) + ", the first shard '" +
-                                                 src[0].file + "' of step " + std::to_string(st.steps));
-          }
         }
+      } catch (...) {
+        failed = std::current_exception();
       }
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    agree(failed, "read the checkpoint it re-shards");
-    try {
+      agree(failed, "read the checkpoint it re-shards");
       try {
-        Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
-      } catch (const invalid_argument& e) {
-        throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+        try {
+          Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
+        } catch (const invalid_argument& e) {
+          throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+        }
+        std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
+        std::memset(static_cast<void*>(g_), 0, grad_bytes());
+        steps_ = st.steps;
+        updates_ = st.updates;
+        rng_ = st.rng;
+        position_ = st.position;
+        scaler_ = st.scaler;
+        if (st.plan) adopt(std::move(*st.plan));
+      } catch (...) {
+        failed = std::current_exception();
       }
-      std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
-      std::memset(static_cast<void*>(g_), 0, grad_bytes());
-      steps_ = st.steps;
-      updates_ = st.updates;
-      rng_ = st.rng;
-      position_ = st.position;
-      scaler_ = st.scaler;
-      if (st.plan) adopt(std::move(*st.plan));
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
-    last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
-    return st.restored;
+      agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
+      last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
+      return st.restored;
     }
   }
 
