@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <csignal>
+
 #include <sys/ioctl.h>
 #include <unistd.h>
 
@@ -58,6 +60,7 @@ struct options {
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
   std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
+  std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit
   std::string precision = "fp32";
   std::string optimizer = "adamw";
   std::string schedule = "auto";
@@ -119,7 +122,8 @@ options checked_options(const flag_texts& f) {
   if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
   whole("--threads", o.threads, 1, 256);
-  whole("--zero", o.zero, 0, 1);
+  whole("--zero", o.zero, 0, 2);
+  whole("--timeout", o.timeout, 0, 86400);
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
   if (o.width % o.heads != 0) {
@@ -371,11 +375,12 @@ class ranks {
     return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
            std::getenv("PMIX_RANK") != nullptr;
   }
-  explicit ranks(bool mpi) {
-    if (mpi) mpi_.emplace();
+  // timeout: the most any collective may take (0: no limit); past it, collective_timeout.
+  ranks(bool mpi, std::chrono::milliseconds timeout) {
+    if (mpi) mpi_.emplace(MPI_COMM_WORLD, timeout);
   }
 #else
-  explicit ranks(bool) {}
+  ranks(bool, std::chrono::milliseconds) {}
 #endif
   std::size_t rank() const { return call([](const auto& c) { return c.rank(); }); }
   std::size_t size() const { return call([](const auto& c) { return c.size(); }); }
@@ -445,8 +450,11 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   }
   const mb::batch_shape share{o.batch / N, o.seq};
   // ZeRO-1 over ranks: this rank plans for the optimizer state of its shard of the parameters.
-  const bool sharded = o.zero == 1 && N > 1;
+  const bool sharded = o.zero >= 1 && N > 1;
   const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
+  // ZeRO-2: the gradients too (each block's reduce-scattered at the end of its backward).
+  const mb::gradient_shards grad_shards =
+      o.zero == 2 ? mb::gradient_shards_of<typename net::storage_type>(world) : mb::gradient_shards{};
   const foreign_load foreign = o.foreign;
 
   // The default stack: a hard budget over an expandable arena at page granularity, traced. The
@@ -468,12 +476,14 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       fo.optimizer_elements = shard;
+      fo.gradients = grad_shards;
       return mb::fit(m, share, budget, fo);
     }
     mb::plan_options po;
     po.threads = o.threads;
     po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
     po.optimizer_elements = shard;
+    po.gradients = grad_shards;
     mb::training_plan p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
@@ -486,8 +496,9 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
     std::printf("data parallel: %zu ranks (%s), %zu of the %zu sequences per step each; %s; the plan above is rank "
                 "0's, each rank's line follows\n",
                 N, world.name(), share.batch, o.batch,
-                sharded ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
-                        : "every rank holds the whole model and optimizer state (ZeRO-0)");
+                o.zero == 2 ? "each rank holds the whole model and its shard of the gradients and optimizer state (ZeRO-2)"
+                : sharded   ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
+                            : "every rank holds the whole model and optimizer state (ZeRO-0)");
   }
 
   mb::thread_pool pool(o.threads);
@@ -538,7 +549,8 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                                  std::to_string(o.steps), "Raise --steps to continue the run");
     }
     std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
-                same_plan ? "" : " (its plan does not fit this budget; continuing under the plan above)");
+                same_plan ? "" : " (its plan is not restored: written by another world size, or over this budget; "
+                                "continuing under the plan above)");
   }
 
   windows train_src{&train, o.seq}, val_src{&val, o.seq};
@@ -596,6 +608,16 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
         throw mb::invalid_argument("--checkpoint", "a file that can be written", cli_checks::inner(e), "");
       }
       bar.note("saved " + o.checkpoint);
+    }
+    // A test hook (tests/mpi/killed_rank.py): MEMBOUND_EXAMPLE_KILL=RANK:STEP makes that rank
+    // SIGKILL itself after that step (after its save, if any), as kill -9 would.
+    if (const char* kill_at = std::getenv("MEMBOUND_EXAMPLE_KILL"); kill_at != nullptr) {
+      unsigned long long kr = 0, ks = 0;
+      if (std::sscanf(kill_at, "%llu:%llu", &kr, &ks) == 2 && kr == world.rank() && ks == r.step) {
+        std::fprintf(stderr, "MEMBOUND_EXAMPLE_KILL: rank %llu kills itself after step %llu\n", kr, ks);
+        std::fflush(stderr);
+        ::kill(::getpid(), SIGKILL);
+      }
     }
   }
   bar.finish();
@@ -711,9 +733,13 @@ int main(int argc, char** argv) {
        "auto (the planner's fit), none, full, every:K, binomial:S with K, S from 1 to the number of blocks "
        "(default auto)");
   flag("--threads", "1..256", "CPU threads (default 2)");
-  flag("--zero", "0|1",
+  flag("--zero", "0|1|2",
        "ZeRO stage under mpirun: 1 shards AdamW's state and the checkpoints over the ranks (each rank writes its "
-       "shard and rank 0 a manifest at --checkpoint); with one process 1 is the same as 0 (default 0)");
+       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too; with one process 1 and 2 are the same as "
+       "0 (default 0)");
+  flag("--timeout", "0..86400",
+       "under mpirun, the most seconds any collective may take: a rank that died or hangs makes the others stop "
+       "with collective_timeout after this long (0: wait as long as it takes, default)");
   flag("--lr", "(0,1]", "peak learning rate (default 0.003)");
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
@@ -746,9 +772,9 @@ int main(int argc, char** argv) {
 #if MEMBOUND_EXAMPLE_MPI
     std::optional<mb::mpi_environment> mpi;
     if (ranks::launched_by_mpi()) mpi.emplace(argc, argv);
-    ranks world(mpi.has_value());
+    ranks world(mpi.has_value(), std::chrono::seconds(o.timeout));
 #else
-    ranks world(false);
+    ranks world(false, std::chrono::seconds(o.timeout));
 #endif
     // Rank 0 prints; the others' lines would repeat it (errors still reach stderr from every rank).
     if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;

@@ -143,7 +143,8 @@ def main():
             "--batch": ["0", "-2", "65537"],
             "--steps": ["0", "-1", "1000000001", "2.5"],
             "--threads": ["0", "-1", "257", "many"],
-            "--zero": ["2", "-1", "one", ""],
+            "--zero": ["3", "-1", "one", ""],
+            "--timeout": ["-1", "86401", "1.5", "x", ""],
             "--eval-every": ["-1", "3"],
             "--eval-sequences": ["0", "-1", "4097"],
             "--sample": ["-1", "1000001"],
@@ -207,6 +208,7 @@ def main():
                                "--weight-decay": "0", "--schedule": "binomial:4", "--threads": "1"})
         c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
+        c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
                  lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
         # A checkpoint at step 2, kept outside the output folder for the next cases.

@@ -26,6 +26,7 @@ INCLUDE_DIR = ROOT / "include"
 HOST_UMBRELLA = "membound/membound.hpp"
 CUDA_UMBRELLA = "membound/backend/cuda.cuh"
 MPI_UMBRELLA = "membound/mpi.hpp"
+NCCL_UMBRELLA = "membound/nccl.cuh"
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 # <cuda.h>, <cuda_runtime.h>, <cudaTypedefs.h>, <cuda/std/...>, "x/cuda_fp16.h", and any .cuh
@@ -73,15 +74,24 @@ def is_mpi(name: str) -> bool:
     return name.startswith("membound/dist/mpi")
 
 
+def is_nccl(name: str) -> bool:
+    return name.startswith("membound/dist/nccl")
+
+
 def check_umbrella() -> list[str]:
     problems = []
     host = reachable(HOST_UMBRELLA)
     cuda = reachable(CUDA_UMBRELLA)
     mpi = reachable(MPI_UMBRELLA)
+    nccl = reachable(NCCL_UMBRELLA)
     for name in headers():
-        if name in (HOST_UMBRELLA, CUDA_UMBRELLA, MPI_UMBRELLA):
+        if name in (HOST_UMBRELLA, CUDA_UMBRELLA, MPI_UMBRELLA, NCCL_UMBRELLA):
             continue
-        if is_mpi(name):
+        if is_nccl(name):
+            if name not in nccl:
+                problems.append(f"include/{name} is not reachable from include/{NCCL_UMBRELLA}: "
+                                "add an #include there")
+        elif is_mpi(name):
             if name not in mpi:
                 problems.append(f"include/{name} is not reachable from include/{MPI_UMBRELLA}: "
                                 "add an #include there")
@@ -92,6 +102,9 @@ def check_umbrella() -> list[str]:
         elif name not in host:
             problems.append(f"include/{name} is not reachable from include/{HOST_UMBRELLA}: "
                             "add an #include there, then run tools/amalgamate.py")
+    for name in sorted(cuda):
+        if is_nccl(name) or is_mpi(name):
+            problems.append(f"include/{CUDA_UMBRELLA} reaches NCCL/MPI header include/{name}")
     for name in sorted(host):
         if is_cuda_backend(name):
             problems.append(f"include/{HOST_UMBRELLA} reaches CUDA header include/{name}")

@@ -1,10 +1,12 @@
 // Data-parallel training over MPI: the example trainer's default model (4 blocks ttt, attn,
-// mamba, attn; width 128; 8 sequences of 128 tokens per step, fp32), ZeRO-0 and ZeRO-1, under
-// `mpiexec -n N`. Rank 0 prints one markdown row per stage: the median step time over the timed
+// mamba, attn; width 128; 8 sequences of 128 tokens per step, fp32), ZeRO-0, ZeRO-1 and ZeRO-2,
+// under `mpiexec -n N`. Rank 0 prints one markdown row per stage: the median step time over the timed
 // steps, the bytes this rank sent per step against the formulas (an all-reduce of the Ψ gradient
 // bytes: 2·(N − 1)/N·Ψ; ZeRO-1 reduce-scatters the gradient, (N − 1)/N·Ψ, and all-gathers the
 // weights, (N − 1)/N·Ψ: the same 2·(N − 1)/N·Ψ), and the
-// optimizer bytes and measured peak per rank.
+// optimizer bytes and measured peak per rank. A second table gives each stage's model-state
+// bytes per rank (weights + gradients + optimizer, as the trainer holds them between steps)
+// against the formula for our fp32 storage and DeepSpeed's published mixed-precision formulas.
 //
 //   mpiexec -n 2 --oversubscribe ./build/release/bench/bench_data_parallel [steps]
 // A benchmark, not a test: its times depend on the machine (2 ranks on 2 cores here).
@@ -41,7 +43,8 @@ struct random_tokens {
 struct row {
   double ms = 0;
   double sent = 0;  // bytes per step
-  std::size_t optimizer = 0, peak = 0;
+  std::size_t optimizer = 0, peak = 0, predicted = 0;
+  mb::rank_memory memory{};
 };
 
 row measure(const net& m, mb::mpi_communicator& comm, std::size_t zero, std::size_t steps, std::size_t threads) {
@@ -49,7 +52,8 @@ row measure(const net& m, mb::mpi_communicator& comm, std::size_t zero, std::siz
   const mb::batch_shape eff{8, 128};
   mb::plan_options po;
   po.threads = threads;
-  po.optimizer_elements = zero == 1 && N > 1 ? mb::shard_of(m.parameter_elements(), N, comm.rank()).size() : 0;
+  po.optimizer_elements = zero >= 1 && N > 1 ? mb::shard_of(m.parameter_elements(), N, comm.rank()).size() : 0;
+  po.gradients = zero == 2 ? mb::gradient_shards_of<float>(comm) : mb::gradient_shards{};
   const mb::training_plan plan = mb::make_plan(m, mb::batch_shape{eff.batch / N, eff.seq}, mb::schedules::none{}, po);
   alloc_t a(std::size_t{1} << 32);
   mb::thread_pool pool(threads);
@@ -68,6 +72,8 @@ row measure(const net& m, mb::mpi_communicator& comm, std::size_t zero, std::siz
   r.sent = static_cast<double>(comm.stats().bytes_sent - before.bytes_sent) / static_cast<double>(steps);
   r.optimizer = t.optimizer_bytes();
   r.peak = a.stats().peak_requested;
+  r.predicted = t.largest_predicted_peak();
+  r.memory = t.memory();
   return r;
 }
 
@@ -86,6 +92,7 @@ int main(int argc, char** argv) {
   const double psi = static_cast<double>(m.weight_bytes());  // gradient bytes: Ψ
   const row z0 = measure(m, comm, 0, steps, 1);
   const row z1 = measure(m, comm, 1, steps, 1);
+  const row z2 = measure(m, comm, 2, steps, 1);
   if (comm.rank() == 0) {
     const double ring = 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * psi;
     std::printf("| ranks | stage | step ms (median of %zu) | sent per step per rank | formula | optimizer bytes per rank | peak per rank |\n",
@@ -95,9 +102,29 @@ int main(int argc, char** argv) {
                 z0.peak);
     std::printf("| %zu | ZeRO-1 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z1.ms, z1.sent, ring,
                 z1.optimizer, z1.peak);
+    std::printf("| %zu | ZeRO-2 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z2.ms, z2.sent, ring,
+                z2.optimizer, z2.peak);
     std::printf("(Ψ = %.0f gradient bytes, 1 thread per rank; the bytes sent include the loss's all-reduce of one double, "
-                "and under ZeRO-1 the gather of N sums of squares for the norm)\n",
-                psi);
+                "and under ZeRO-1/2 the gather of N sums of squares for the norm; measured peak == predicted: %s)\n\n",
+                psi, z0.peak == z0.predicted && z1.peak == z1.predicted && z2.peak == z2.predicted ? "yes, all three" : "NO");
+    // Model states per rank. P parameter elements (padding included), s = rank 0's shard.
+    const double P = static_cast<double>(m.parameter_elements());
+    const double s = static_cast<double>(mb::shard_of(m.parameter_elements(), N, 0).size());
+    const double n = static_cast<double>(N);
+    std::printf("| ranks | stage | weights + gradients + optimizer, rank 0 (measured) | ours, fp32 storage | "
+                "DeepSpeed, mixed precision (K = 12) |\n|---|---|---|---|---|\n");
+    const auto states = [](const row& r) {
+      return static_cast<double>(r.memory.weights + r.memory.gradients + r.memory.optimizer);
+    };
+    std::printf("| %zu | ZeRO-0 | %.0f | 16P = %.0f | 16P = %.0f |\n", N, states(z0), 16 * P, 16 * P);
+    std::printf("| %zu | ZeRO-1 | %.0f | 8P + 8s = %.0f | 4P + 12P/N = %.0f |\n", N, states(z1), 8 * P + 8 * s,
+                4 * P + 12 * P / n);
+    std::printf("| %zu | ZeRO-2 | %.0f | 4P + 12s = %.0f | 2P + 14P/N = %.0f |\n", N, states(z2), 4 * P + 12 * s,
+                2 * P + 14 * P / n);
+    std::printf("(P = %.0f parameter elements, s = %.0f the shard of rank 0 (P/N rounded up); fp32 weights and "
+                "gradients are 4 bytes each and AdamW's m, v 8, with no masters: 4 + 4 + 8 = 16, where DeepSpeed's "
+                "mixed precision keeps 2 + 2 + 12 (fp32 masters, m, v))\n",
+                P, s);
   }
   return 0;
 }

@@ -12,6 +12,7 @@
 #include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/core/file_io.hpp"
+#include "membound/core/shard.hpp"
 
 #include "membound/core/memory_tag.hpp"
 #include "membound/memory/stream.hpp"

@@ -1295,6 +1295,36 @@ inline void write_file_atomically(const std::string& path, const char* argument,
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/file_io.hpp ----
+// ---- begin membound/core/shard.hpp ----
+// Balanced shards of n elements over N ranks: what ZeRO's sharded state (the optimizer's under
+// ZeRO-1, the gradients' too under ZeRO-2) and the communicators' reduce-scatters agree on. Every
+// rank computes every rank's range from (n, N) alone.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// The elements [begin, end) of n that rank r of N owns: balanced, the first n % N ranks one
+// longer, no padding.
+struct shard_range {
+  std::size_t begin = 0, end = 0;
+  constexpr std::size_t size() const noexcept { return end - begin; }
+};
+constexpr shard_range shard_of(std::size_t n, std::size_t ranks, std::size_t r) noexcept {
+  const std::size_t q = n / ranks, rem = n % ranks;
+  const std::size_t begin = r * q + (r < rem ? r : rem);
+  return {begin, begin + q + (r < rem ? 1 : 0)};
+}
+// The longest shard of n over N ranks (the receive buffer holds N of them).
+constexpr std::size_t max_shard(std::size_t n, std::size_t ranks) noexcept {
+  return n / ranks + (n % ranks != 0 ? 1 : 0);
+}
+// The part of [lo, hi) that s holds, as an absolute range (empty: begin == end == lo).
+constexpr shard_range overlap(shard_range s, std::size_t lo, std::size_t hi) noexcept {
+  const std::size_t b = s.begin > lo ? s.begin : lo, e = s.end < hi ? s.end : hi;
+  return b < e ? shard_range{b, e} : shard_range{lo, lo};
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/shard.hpp ----
 
 // ---- begin membound/memory/stream.hpp ----
 // Streams and events as the memory core sees them: opaque integers, so that caching_allocator
@@ -10626,22 +10656,6 @@ class communication_error : public backend_error {
                       "last checkpoint once all ranks are healthy") {}
 };
 
-// The elements [begin, end) of n that rank r of N owns: balanced, the first n % N ranks one
-// longer, so every rank computes every rank's range from (n, N) alone.
-struct shard_range {
-  std::size_t begin = 0, end = 0;
-  constexpr std::size_t size() const noexcept { return end - begin; }
-};
-constexpr shard_range shard_of(std::size_t n, std::size_t ranks, std::size_t r) noexcept {
-  const std::size_t q = n / ranks, rem = n % ranks;
-  const std::size_t begin = r * q + (r < rem ? r : rem);
-  return {begin, begin + q + (r < rem ? 1 : 0)};
-}
-// The longest shard of n over N ranks (the receive buffer holds N of them).
-constexpr std::size_t max_shard(std::size_t n, std::size_t ranks) noexcept {
-  return n / ranks + (n % ranks != 0 ? 1 : 0);
-}
-
 // What a communicator has sent: the bytes this rank handed to other ranks, counted as the direct
 // algorithm sends them (each shard once to each rank that needs it), so they compare with the
 // textbook formulas (an all-reduce of n bytes: 2·(N − 1)/N·n) whatever the library does inside.
@@ -11599,6 +11613,12 @@ class adamw {
   static std::string description() {
     return "AdamW m, v in " + std::string(dtype_name<moment_type>()) + (has_master ? " + fp32 masters" : "");
   }
+
+  // The state is elementwise: state_arrays arrays of n elements of state_element_bytes each (m,
+  // v, and the masters for 16-bit storage), so the state of a range of parameters is the same
+  // slice of each array. The trainer re-shards a checkpoint to another world size by this.
+  static constexpr std::size_t state_arrays = has_master ? 3 : 2;
+  static constexpr std::size_t state_element_bytes = sizeof(moment_type);
 
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
@@ -13591,6 +13611,20 @@ class model {
     return n;
   }
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
+  // The flat parameter array in three parts, padding included: the embedding table [0, e), the
+  // blocks' tensors (block i: block_parameters(i)), and the head (final norm, untied LM head)
+  // [h, parameter_elements()). ZeRO-2 exchanges each block's gradients as that block's backward
+  // produces them, and the embedding's and head's once the micro-batch is done.
+  shard_range embedding_parameters() const noexcept { return {0, depth() == 0 ? params_[head_first_].offset : params_[block_first_[0]].offset}; }
+  shard_range block_parameters(std::size_t i) const {
+    if (i >= depth()) {
+      throw invalid_argument("block", "an index below " + std::to_string(depth()), std::to_string(i),
+                             "Blocks are numbered 0 to depth() - 1");
+    }
+    const std::size_t end = i + 1 < depth() ? params_[block_first_[i + 1]].offset : params_[head_first_].offset;
+    return {params_[block_first_[i]].offset, end};
+  }
+  shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
   const char* block_name(std::size_t i) const {
     const char* n = "";
     visit_block(i, [&]<typename B>(B*) { n = B::name; });
@@ -13703,8 +13737,40 @@ class model {
     detail::not_null(g, "gradients");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return step<true>(w, g, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+    flat_gradients flat{g};
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
   }
+
+  // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
+  // buckets): `grads` is a gradient_router (see flat_gradients). grads.at(offset) is where the
+  // gradient of the parameter element at `offset` accumulates; in block i's backward,
+  // grads.begin_block(i) runs after the block's new δ is allocated and before its workspace,
+  // grads.end_block(i) after the workspace is given back and before its input δ and saved
+  // tensors are (so a caller that allocates there adds its bytes on top of that op's own).
+  template <typename Allocator, typename Router, typename Observer = ignore_check_points>
+    requires std::invocable<Observer&, check_point>
+  double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
+                                 batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
+                                 double loss_scale, Allocator& alloc, thread_pool& pool, Observer observe = {}) const {
+    static_assert(check_allocator<Allocator>());
+    static_assert(requires(Router& r, std::size_t k) {
+      { r.at(k) } -> std::same_as<S*>;
+      r.begin_block(k);
+      r.end_block(k);
+    }, "membound: a gradient router offers S* at(offset), begin_block(i) and end_block(i): see flat_gradients");
+    detail::not_null(w, "weights");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(targets, "targets");
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+  }
+
+  // The default router: one flat array of parameter_elements() gradients.
+  struct flat_gradients {
+    S* g = nullptr;
+    S* at(std::size_t offset) const noexcept { return g + offset; }
+    void begin_block(std::size_t) const noexcept {}
+    void end_block(std::size_t) const noexcept {}
+  };
 
   // The requests forward_backward makes for (b, ops, head_chunk, threads), in its order, made on
   // `alloc` without running any work: what the planner replays through a shadow of an allocator
@@ -13714,7 +13780,17 @@ class model {
                      Allocator& alloc) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, nullptr, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+    flat_gradients flat{};
+    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+  }
+  // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
+  // buckets, replayed by model/reserve_plan.hpp); at() is not called.
+  template <typename Allocator, typename Router>
+  void step_requests_routed(batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk, std::size_t threads,
+                            Allocator& alloc, Router& grads) const {
+    static_assert(check_allocator<Allocator>());
+    ignore_check_points none;
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -13841,8 +13917,8 @@ class model {
   // requests, in the same order (step_requests), so that the two cannot drift apart. The ops are
   // checked first as simulate() checks them: a dropped backward or a duplicated tape is an
   // invalid_argument naming the op, before anything is allocated.
-  template <bool Run, typename Allocator, typename Observer>
-  double step(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  template <bool Run, typename Allocator, typename Router, typename Observer>
+  double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
               thread_pool* pool, std::size_t threads, Observer& observe) const {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
@@ -13891,7 +13967,7 @@ class model {
           void* ws = live.get(wsb, memory_tag::workspace);
           if constexpr (Run) {
             const double scale = loss_scale / static_cast<double>(N);
-            loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, head_grads(g), ws,
+            loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, routed_head_grads(g), ws,
                                                 wsb, *pool);
           }
           live.put(ws);
@@ -13903,10 +13979,12 @@ class model {
           visit_block(i, [&]<typename B>(B*) {
             const auto d = B::make_dims(cfg_, b);
             S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
+            g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
             if constexpr (Run)
-              B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
+              B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
             live.put(ws);
+            g.end_block(i);
             live.put(delta);
             live.put(saved[i]);
             saved[i] = nullptr;
@@ -13921,7 +13999,7 @@ class model {
       }
     }
     if constexpr (Run) {
-      cpu::embedding_scatter<A>(*pool, tokens, delta, g + params_[0].offset, N, C);
+      cpu::embedding_scatter<A>(*pool, tokens, delta, g.at(params_[0].offset), N, C);
       observe(check_point::after_backward);
     }
     live.put(delta);
@@ -14084,6 +14162,22 @@ class model {
     return {g + params_[head_first_].offset, g + params_[table].offset};
   }
 
+  template <typename Router>
+  typename head_type::gradients routed_head_grads(Router& g) const {
+    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
+    return {g.at(params_[head_first_].offset), g.at(params_[table].offset)};
+  }
+  template <typename B, typename Router>
+  typename B::grad_ptrs routed_block_grads(Router& g, std::size_t i) const {
+    typename B::grad_ptrs p{};
+    const std::size_t first = block_first_[i];
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      const param_entry& e = params_[first + k];
+      p[k] = e.count == 0 ? nullptr : g.at(e.offset);
+    }
+    return p;
+  }
+
   static double draw(const param_spec& s, std::size_t i, std::uint64_t& st) {
     switch (s.init) {
       case param_init::constant:
@@ -14173,6 +14267,21 @@ struct schedule_choice {
   friend constexpr bool operator==(const schedule_choice&, const schedule_choice&) = default;
 };
 
+// ZeRO-2 for the planner: this process (rank `rank` of `ranks`) keeps only its shard_of the
+// summed gradients. A micro-batch's gradients live only in buckets: each block's, from the start
+// to the end of its backward op (the block's gradients, then their reduce-scatter into the ranks'
+// shards); the embedding's and the head's (the tied table gets gradients from the loss and from
+// the embedding's backward) for the whole micro-batch, reduce-scattered once it is done. The
+// reduce-scatter's workspace for blocks of at most k elements per rank is
+// exchange_per_element * k + exchange_fixed bytes (the communicator's
+// reduce_scatter_blocks_workspace_bytes, which is affine in k), plus k elements to add into the
+// shard when accumulation > 1. ranks <= 1: off (one flat array of every gradient).
+struct gradient_shards {
+  std::size_t ranks = 0, rank = 0;
+  std::size_t exchange_per_element = 0, exchange_fixed = 0;
+  constexpr bool on() const noexcept { return ranks > 1; }
+};
+
 struct plan_options {
   std::size_t threads = 1;
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
@@ -14183,6 +14292,8 @@ struct plan_options {
   // The optimizer policy whose state_bytes the plan counts: optimizer_of<adamw8bit<S>>(), ...;
   // the default is adamw<S> for the model's storage S.
   optimizer_ref optimizer_policy{};
+  // ZeRO-2: the gradients sharded too (gradient_shards); off by default.
+  gradient_shards gradients{};
 };
 
 namespace detail {
@@ -14232,6 +14343,11 @@ struct training_plan {
   std::size_t threads = 1;
   std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
   std::string optimizer_policy;  // the optimizer's state, in words (the table's line)
+  // ZeRO-2 (gradients = this rank's shard): the most gradient bytes a block's backward holds
+  // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
+  std::size_t gradient_bucket = 0, gradient_held = 0;
+  std::size_t gradient_ranks = 1;
+  gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -14269,7 +14385,14 @@ struct training_plan {
                   schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
     s += line;
     row("weights", weights, "");
-    row("gradients", gradients, "");
+    if (gradient_ranks > 1) {
+      char note[120];
+      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held",
+                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str());
+      row("gradients", gradients, note);
+    } else {
+      row("gradients", gradients, "");
+    }
     row("optimizer", optimizer,
         optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
     row("activations (kept)", activations, "at most, between ops");
@@ -14354,6 +14477,17 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
   return {};
 }
 
+// ZeRO-2: the workspace of one parameter range's reduce-scatter (and, with more than one
+// micro-batch per step, the partial sum it adds into the shard): what the trainer allocates.
+template <typename Model>
+std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, shard_range r, std::size_t accumulation) {
+  const std::size_t n = m.parameter_elements();
+  std::size_t most = 0;
+  for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
+                 accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+}
+
 template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
@@ -14371,13 +14505,42 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.schedule = sc;
   p.head_chunk = o.head_chunk;
   p.threads = o.threads;
+  using S = typename Model::storage_type;
+  const gradient_shards& gs = o.gradients;
+  const std::size_t n = m.parameter_elements();
+  if (gs.on() && gs.rank >= gs.ranks) {
+    throw invalid_argument("options.gradients.rank", "a rank below options.gradients.ranks = " + std::to_string(gs.ranks),
+                           std::to_string(gs.rank), "Pass the communicator's rank() and size()");
+  }
+  // ZeRO-2: a range's reduce-scatter workspace (the largest rank's part of it) and its bucket.
+  const auto exchange_of = [&](shard_range r) { return gradient_exchange_bytes(m, gs, r, o.accumulation); };
   p.weights = m.weight_bytes();
-  p.gradients = m.weight_bytes();
+  p.gradients = gs.on() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
+  p.gradient_ranks = gs.on() ? gs.ranks : 1;
+  p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
-  const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
+  std::size_t held_exchange = 0;  // the embedding's and head's reduce-scatter, after the micro-batch
+  if (gs.on()) {
+    p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
+    held_exchange = std::max(exchange_of(m.embedding_parameters()), exchange_of(m.head_parameters()));
+  }
+  const std::size_t step_base = sat_add(base, p.gradient_held);
+  chain c = m.make_chain(b, o.threads, o.head_chunk, step_base);
+  if (gs.on()) {
+    // Block i's backward: its δ, then its gradient bucket, then the larger of its workspace and
+    // (that given back) the bucket's reduce-scatter workspace.
+    for (std::size_t i = 0; i < c.links.size(); ++i) {
+      chain_link& l = c.links[i];
+      const shard_range r = m.block_parameters(i);
+      const std::size_t bucket = bytes_of<S>(r.size());
+      const std::size_t ws = sat_sub(l.backward_peak, l.input_bytes);
+      l.backward_peak = sat_add(sat_add(l.input_bytes, bucket), std::max(ws, exchange_of(r)));
+      p.gradient_bucket = std::max(p.gradient_bucket, bucket);
+    }
+  }
   p.ops = schedule_ops(c, sc);
   std::vector<phase_bytes> tl;
   const schedule_stats st = simulate(c, p.ops, &tl);
@@ -14387,8 +14550,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
 
   // The timeline: the embedding, each op, the embedding's backward, the optimizer step.
   const std::size_t a = m.activation_bytes(b);
-  p.timeline.push_back({"embedding forward", base, sat_add(base, a)});
-  std::size_t best = sat_add(base, a);
+  p.timeline.push_back({"embedding forward", step_base, sat_add(step_base, a)});
+  std::size_t best = sat_add(step_base, a);
   p.peak_phase = "embedding forward";
   p.activations = a;
   p.workspace = 0;
@@ -14419,7 +14582,17 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     }
     p.timeline.push_back(std::move(q));
   }
-  p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
+  p.timeline.push_back({"embedding backward", sat_add(step_base, a), sat_add(step_base, a)});
+  if (gs.on()) {
+    const std::size_t peak = sat_add(step_base, held_exchange);
+    p.timeline.push_back({"gradient exchange (embedding, head)", step_base, peak});
+    if (peak > best) {
+      best = peak;
+      p.peak_phase = "gradient exchange (embedding, head)";
+      p.workspace = held_exchange;
+    }
+    p.peak_bytes = std::max(p.peak_bytes, peak);
+  }
   p.timeline.push_back({"optimizer step (" +
                             std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
                                                                                    : o.optimizer_policy.name) +
@@ -14509,6 +14682,8 @@ struct fit_options {
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
+  gradient_shards gradients{};  // as plan_options: ZeRO-2's gradient shard, off by default (last: positional
+                                // initializers written before it still compile)
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -14568,7 +14743,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy};
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
+                     fo.gradients};
       const batch_shape b{mb, effective.seq};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
@@ -14721,17 +14897,65 @@ struct run_requests {
   std::vector<recorded_request> prefix, cycle;
 };
 
+namespace detail {
+// ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
+// bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
+template <typename Model>
+struct zero2_request_router {
+  using S = typename Model::storage_type;
+  const Model& m;
+  request_recorder& rec;
+  gradient_shards gs;
+  std::size_t accumulation;
+  void* bucket = nullptr;
+  std::size_t bytes = 0;
+  S* at(std::size_t) const noexcept { return nullptr; }
+  void begin_block(std::size_t i) {
+    bytes = bytes_of<S>(m.block_parameters(i).size());
+    bucket = rec.allocate(bytes, default_alignment, memory_tag::gradients);
+  }
+  void end_block(std::size_t i) {
+    const std::size_t wsb = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                   memory_tag::workspace);
+    rec.deallocate(bucket, bytes, default_alignment, memory_tag::gradients);
+  }
+};
+}  // namespace detail
+
+// gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
+// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
-                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes) {
+                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
+                        std::size_t gradients = 0, const gradient_shards& gs = {}) {
+  using S = typename Model::storage_type;
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
-  (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
+  (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   const std::size_t k0 = rec.requests().size();
-  for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
+  for (std::size_t k = 0; k < accumulation; ++k) {
+    if (!gs.on()) {
+      m.step_requests(micro, ops, head_chunk, threads, rec);
+      continue;
+    }
+    // The trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch,
+    // the blocks' buckets in their backward, then the two held ranges' reduce-scatters.
+    const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+    const std::size_t held = bytes_of<S>(e.size() + h.size());
+    void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
+    detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
+    m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+    for (const shard_range q : {e, h}) {
+      const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+      rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                     memory_tag::workspace);
+    }
+    rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+  }
   m.loss_requests(micro, head_chunk, threads, rec);
   r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
   r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
@@ -14739,7 +14963,8 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
 }
 template <typename Model>
 run_requests record_run(const Model& m, const training_plan& p) {
-  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer);
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer, p.gradients,
+                    p.gradient_sharding);
 }
 
 // The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
@@ -14850,7 +15075,10 @@ MEMBOUND_NAMESPACE_END
 // summed gradient (a reduce-scatter, same rank-order sums), updates that shard and all-gathers the
 // weights: the same bits as ZeRO-0, the same bytes on the wire (2·(N − 1)/N of the gradient), and
 // 1/N of the optimizer state. The global norm is each shard's sum of squares added in rank order
-// under both stages. Its checkpoint is one shard file per rank and a manifest (see save). The
+// under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
+// re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
+// gradients are sharded too: each block's gradients live in a bucket during its backward and are
+// reduce-scattered into the ranks' shards as it ends (see zero2_router). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
 // 16-bit storage over more than one rank, and replanning under pressure over more than one rank
@@ -14897,7 +15125,8 @@ struct trainer_options {
   bool replan_under_pressure = true;
   std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
   // ZeRO stage over more than one rank: 0 keeps AdamW's state for every parameter on every rank,
-  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered).
+  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
+  // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
 };
 
@@ -14959,6 +15188,30 @@ struct rank_memory {
   std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
   std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
 };
+
+// ZeRO-2's plan_options::gradients for a rank of `comm` (storage S): its rank, the world size and
+// the communicator's reduce-scatter workspace (affine in the block size; anything else is refused).
+// Off (ranks 0) for a world of one.
+//   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
+//   po.gradients = gradient_shards_of<float>(comm);
+template <typename S, typename Communicator>
+gradient_shards gradient_shards_of(const Communicator& comm) {
+  if constexpr (!reducible<S>) {
+    return {};  // the trainer refuses 16-bit storage over more than one rank
+  } else {
+    if (comm.size() <= 1) return {};
+    const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
+    const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
+    const std::size_t w1000 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1000);
+    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
+      throw invalid_argument("communicator", "a reduce_scatter_blocks_workspace_bytes affine in the block size",
+                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) + ", " +
+                                 std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
+                             "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
+    }
+    return {comm.size(), comm.rank(), w1 - w0, w0};
+  }
+}
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
 // (parameters [28048, 56096)), exchange buffer 99.1 KiB (inside the peak), predicted peak ...".
@@ -15040,20 +15293,18 @@ class rank_cannot_start : public invalid_argument {
   std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
 };
 
-// A ZeRO-1 checkpoint (a manifest and one shard file per rank) resumed by a run of another world
-// size or ZeRO stage: each file holds one rank's shard of the optimizer state, so only the same
-// ranks under ZeRO-1 can resume it. field() is "ranks", saved() the world that wrote it.
+// A checkpoint of another world size that cannot be re-sharded to this one (an optimizer whose
+// state is block-wise, adamw8bit): only the same ranks can resume it. field() is "ranks", saved()
+// the world that wrote it. (Elementwise states, adamw's, are re-sharded: see trainer::load.)
 class checkpoint_world_mismatch : public checkpoint_mismatch {
  public:
   checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
-                            std::size_t zero)
+                            std::size_t zero, const std::string& why)
       : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
-                            "it was written under ZeRO-1 by " + saved_ranks +
-                                " ranks, each file holding one rank's shard of the optimizer state; this run has " +
-                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) +
-                                ": expected ranks = " + saved_ranks + " with trainer_options::zero = 1. Resume it "
-                                "with " + saved_ranks + " ranks and zero = 1 (mpirun -np " + saved_ranks +
-                                " ... --zero 1); re-sharding to another world size is not built") {}
+                            "it was written by " + saved_ranks + " rank(s) and cannot be re-sharded to this run's " +
+                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
+                                ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
+                                saved_ranks + " ...)") {}
 };
 
 // Another rank failed at a collective step (saving, loading); this one throws this, that rank
@@ -15194,7 +15445,7 @@ class trainer {
       }
       use_layout(plan_);
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
-      g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
+      g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
     } catch (...) {
       failed = std::current_exception();
@@ -15204,10 +15455,10 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes();
     try {
       m_.init_weights(w_, o_.seed);
-      std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+      std::memset(static_cast<void*>(g_), 0, grad_bytes());
       Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
@@ -15282,7 +15533,7 @@ class trainer {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
-      Optimizer::update(w_ + b, g_ + b, opt_, opt_shard_.size(), opt_spans_,
+      Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_,
                         optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
@@ -15326,10 +15577,10 @@ class trainer {
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
-  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1 a
-  // collective: every rank writes its shard file (its slice of the weights, its optimizer state,
-  // the counters), then rank 0 writes `path`, a manifest naming them (world size, ZeRO stage,
-  // each rank's shard and file, the step). Each file is committed atomically and the manifest
+  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1/2 a
+  // collective (the same files for both: gradients are not saved): every rank writes its shard
+  // file (its slice of the weights, its optimizer state, the counters), then rank 0 writes
+  // `path`, a manifest naming them (world size, ZeRO stage, each rank's shard and file, the step). Each file is committed atomically and the manifest
   // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
   // removes its previous shard only once the new manifest is committed). A failure on any rank
   // is thrown on every rank.
@@ -15350,16 +15601,20 @@ class trainer {
   // Returns whether the saved plan was restored. The monitor's level is not saved: a resumed run
   // starts at the level its first check point sees.
   //
-  // Under ZeRO-1 a collective reading the manifest save() wrote and this rank's shard, then
-  // gathering the weights. A manifest of another world size or ZeRO stage is
-  // checkpoint_world_mismatch (re-sharding is not built). An error on any rank is thrown on every
-  // rank; only one found after the ranks agreed to commit (an optimizer value out of range, which
-  // the CRC cannot catch) can leave ranks loaded and others not, and says so.
+  // Under ZeRO-1/2 a collective reading the manifest save() wrote and this rank's shard, then
+  // gathering the weights. Another world size is re-sharded (load_resharded): a manifest of N
+  // ranks resumed by M ranks (any ZeRO stage, one process included), or a whole checkpoint
+  // resumed under ZeRO-1/2: every rank reads every file's weights and re-slices AdamW's m, v
+  // (and masters) to its own range; the state after loading is the saved state exactly, so the
+  // run continues as a run of M ranks started from it would. A block-wise state (adamw8bit) is
+  // refused with checkpoint_world_mismatch. An error on any rank is thrown on every rank; only
+  // one found after the ranks agreed to commit (an optimizer value out of range, which the CRC
+  // cannot catch) can leave ranks loaded and others not, and says so.
   bool load(const std::string& path) {
     if (sharded()) return load_shards(path);
     const checkpoint_reader r(path);
     check_format(r, path);
-    if (r.has("manifest")) refuse_manifest(r, path);
+    if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path);
     staged st = stage(r, path, m_.weight_bytes());
     commit(r, path, st, w_, m_.weight_bytes());
     return st.restored;
@@ -15386,13 +15641,16 @@ class trainer {
     rank_memory r;
     r.rank = comm_.rank();
     r.ranks = world();
-    r.zero = sharded() ? 1 : 0;
+    r.zero = sharded() ? o_.zero : 0;
     r.weights = m_.weight_bytes();
-    r.gradients = m_.weight_bytes();
+    r.gradients = grad_bytes();
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    if (world() > 1) {
+    if (zero2()) {
+      r.exchange = std::max(range_exchange_bytes(m_.embedding_parameters()), range_exchange_bytes(m_.head_parameters()));
+      for (std::size_t i = 0; i < m_.depth(); ++i) r.exchange = std::max(r.exchange, range_exchange_bytes(m_.block_parameters(i)));
+    } else if (world() > 1) {
       try {
         r.exchange = exchange_workspace_bytes(exchange_bucket(exchange_headroom()));
       } catch (const invalid_argument&) {
@@ -15540,6 +15798,11 @@ class trainer {
     if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
+    return stage_counters(r, path);
+  }
+
+  // The counters, the loss scaler and the plan of a checked file.
+  staged stage_counters(const checkpoint_reader& r, const std::string& path) const {
     std::uint64_t pl[5];
     r.copy("plan", pl, sizeof pl);
     staged st;
@@ -15578,7 +15841,7 @@ class trainer {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
     r.copy("weights", weights, weight_bytes);
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
     steps_ = st.steps;
     updates_ = st.updates;
     rng_ = st.rng;
@@ -15660,13 +15923,28 @@ class trainer {
     return detail::parse_fingerprint(text, path);
   }
 
-  // A ZeRO-1 manifest this run cannot resume: another world size, or this run is not ZeRO-1.
-  [[noreturn]] void refuse_manifest(const checkpoint_reader& r, const std::string& path) const {
-    const std::vector<fingerprint_field> f = read_manifest(r, path);
-    throw checkpoint_world_mismatch(path, manifest_value(f, "ranks", path), world(), sharded() ? 1 : 0);
-  }
-
   bool load_shards(const std::string& path) {
+    {
+      // Another world size, or a whole checkpoint (ZeRO-0, one process): re-sharded.
+      std::exception_ptr failed;
+      std::optional<std::vector<source_shard>> other;
+      try {
+        const checkpoint_reader r(path);
+        check_format(r, path);
+        if (!r.has("manifest")) {
+          other = std::vector<source_shard>{{shard_range{0, n_}, path}};
+        } else {
+          const std::vector<fingerprint_field> f = read_manifest(r, path);
+          if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
+            other = manifest_sources(f, path);
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "read the checkpoint");
+      if (other) return load_resharded(*other, path);
+    }
     const std::size_t me = comm_.rank();
     std::exception_ptr failed;
     std::optional<checkpoint_reader> shard;
@@ -15683,7 +15961,7 @@ class trainer {
       }
       const std::vector<fingerprint_field> f = read_manifest(r, path);
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
-        refuse_manifest(r, path);
+        throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
       const std::string entry = manifest_value(f, "shard." + std::to_string(me), path);
       const std::string range = std::to_string(opt_shard_.begin) + ".." + std::to_string(opt_shard_.end) + " ";
@@ -15713,14 +15991,157 @@ class trainer {
     return st.restored;
   }
 
+  // ---- Re-sharding ---------------------------------------------------------------------------------
+  // One file of a checkpoint and the parameters it holds (a shard file of a manifest, or a whole
+  // checkpoint: [0, n)).
+  struct source_shard {
+    shard_range range;
+    std::string file;
+  };
+
+  // The files a manifest names, in rank order; they must tile [0, n).
+  std::vector<source_shard> manifest_sources(const std::vector<fingerprint_field>& f, const std::string& path) const {
+    const std::string ranks_text = manifest_value(f, "ranks", path);
+    std::size_t ranks = 0;
+    if (std::from_chars(ranks_text.data(), ranks_text.data() + ranks_text.size(), ranks).ec != std::errc{} || ranks == 0 ||
+        ranks > (std::size_t{1} << 20)) {
+      throw corrupt_checkpoint(path, "its manifest's ranks = '" + ranks_text + "' is not a world size");
+    }
+    if (manifest_value(f, "parameters", path) != std::to_string(n_)) {
+      throw checkpoint_mismatch(path, "parameters", manifest_value(f, "parameters", path), std::to_string(n_),
+                                "it was written for a model of " + manifest_value(f, "parameters", path) +
+                                    " parameter elements, this one has " + std::to_string(n_) +
+                                    ". Build the trainer as the run that wrote it was built to resume it");
+    }
+    std::vector<source_shard> src;
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < ranks; ++k) {
+      const std::string entry = manifest_value(f, "shard." + std::to_string(k), path);
+      std::size_t b = 0, e = 0;
+      const char* p = entry.data();
+      const char* end = p + entry.size();
+      auto r1 = std::from_chars(p, end, b);
+      const bool dots = r1.ec == std::errc{} && end - r1.ptr > 2 && r1.ptr[0] == '.' && r1.ptr[1] == '.';
+      auto r2 = dots ? std::from_chars(r1.ptr + 2, end, e) : r1;
+      if (!dots || r2.ec != std::errc{} || r2.ptr == end || *r2.ptr != ' ' || r2.ptr + 1 == end || b != at || e < b ||
+          e > n_) {
+        throw corrupt_checkpoint(path, "its shard " + std::to_string(k) + " is '" + entry +
+                                           "', expected 'BEGIN..END FILE' starting at parameter " + std::to_string(at));
+      }
+      src.push_back({{b, e}, folder_of(path) + std::string(r2.ptr + 1, end)});
+      at = e;
+    }
+    if (at != n_) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n_));
+    return src;
+  }
+
+  // Loads a checkpoint written by another world size (or ZeRO stage): every rank reads every
+  // source file's weights (the whole model) and, from each file whose parameters overlap its own
+  // optimizer range (opt_shard_: all of them but under ZeRO-1/2), the same slice of each of the
+  // optimizer's state arrays. Host memory for the whole weights and this rank's state is taken
+  // outside the allocator while loading, as checkpoint_reader's own. Elementwise states only
+  // (adamw: m, v, masters); a block-wise state (adamw8bit) is refused. A collective over ranks
+  // like load(): an error on any rank is thrown on every rank, and nothing changes before all
+  // ranks have read and checked everything.
+  bool load_resharded(const std::vector<source_shard>& src, const std::string& path) {
+    if constexpr (!requires { Optimizer::state_arrays; Optimizer::state_element_bytes; }) {
+      // The same refusal on every rank (all read the same manifest): nothing to agree on.
+      throw checkpoint_world_mismatch(path, std::to_string(src.size()), world(), sharded() ? o_.zero : 0,
+                                      Optimizer::description() +
+                                          "'s state is block-wise, and re-sharding slices elementwise states "
+                                          "only (adamw)");
+    } else {
+      std::exception_ptr failed;
+      staged st;
+      std::vector<S> weights;
+      std::vector<std::byte> state;
+      try {
+        {
+          constexpr std::size_t arrays = Optimizer::state_arrays, eb = Optimizer::state_element_bytes;
+          static_assert(Optimizer::state_bytes(1) == arrays * eb, "membound: an elementwise state is arrays x element bytes");
+          const shard_range mine = opt_shard_;
+          weights.resize(n_);
+          state.resize(opt_bytes());
+          for (std::size_t k = 0; k < src.size(); ++k) {
+            const source_shard& s = src[k];
+            const checkpoint_reader r(s.file);
+            check_format(r, s.file);
+            std::string text(r.size("fingerprint"), '\0');
+            r.copy("fingerprint", text.data(), text.size());
+            const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
+            check_fingerprint(f, s.file, /*any_world=*/true);
+            const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
+            const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
+            if (saved == f.end() || saved->value != want) {
+              throw checkpoint_mismatch(s.file, "optimizer", saved == f.end() ? "(none)" : saved->value, want,
+                                        "its optimizer state is not the one this run keeps. Resume it with the optimizer "
+                                        "that wrote it");
+            }
+            if (r.size("weights") != s.range.size() * sizeof(S) || r.size("optimizer") != Optimizer::state_bytes(s.range.size())) {
+              throw corrupt_checkpoint(s.file, "its weight or optimizer section has the wrong size for parameters [" +
+                                                   std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
+            }
+            r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
+            const shard_range o = overlap(mine, s.range.begin, s.range.end);
+            if (o.size() != 0) {
+              const std::span<const std::byte> view = r.view("optimizer");
+              for (std::size_t a = 0; a < arrays; ++a) {
+                std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
+                            view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
+              }
+            }
+            const staged sk = stage_counters(r, s.file);
+            if (k == 0) {
+              st = sk;
+            } else if (sk.steps != st.steps || sk.updates != st.updates || sk.position != st.position || !(sk.rng == st.rng)) {
+              throw corrupt_checkpoint(s.file, "it is of step " + std::to_string(sk.steps) + ", the first shard '" +
+                                                   src[0].file + "' of step " + std::to_string(st.steps));
+            }
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "read the checkpoint it re-shards");
+      try {
+        try {
+          Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
+        } catch (const invalid_argument& e) {
+          throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+        }
+        std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
+        std::memset(static_cast<void*>(g_), 0, grad_bytes());
+        steps_ = st.steps;
+        updates_ = st.updates;
+        rng_ = st.rng;
+        position_ = st.position;
+        scaler_ = st.scaler;
+        if (st.plan) adopt(std::move(*st.plan));
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
+      last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
+      return st.restored;
+    }
+  }
+
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
-  bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
+  bool sharded() const noexcept { return o_.zero >= 1 && world() > 1; }
+  bool zero2() const noexcept { return o_.zero == 2 && world() > 1; }
+  // The gradients this rank keeps: all of them, or under ZeRO-2 its shard's (opt_shard_).
+  std::size_t grad_elements() const noexcept { return zero2() ? opt_shard_.size() : n_; }
+  std::size_t grad_bytes() const noexcept { return grad_elements() * sizeof(S); }
+  // The summed gradient of this rank's optimizer shard.
+  S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
+  // What plan_options::gradients says for this trainer.
+  gradient_shards gradient_sharding() const { return zero2() ? gradient_shards_of<S>(comm_) : gradient_shards{}; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
     if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    if (g_ != nullptr) alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+    if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
@@ -15781,6 +16202,11 @@ class trainer {
   // A planned stack (caching_options::planned) serves the run from the plan's layout.
   void use_layout(const training_plan& p) {
     if constexpr (has_planned_layer<Allocator>) {
+      if (zero2() && planned_layer(alloc_) != nullptr) {
+        throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
+                               "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
+                               "zero = 1, or an allocator stack without a planned layout");
+      }
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
     }
   }
@@ -15801,8 +16227,8 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
-    need(o.zero <= 1, "options.zero", "0 or 1 (ZeRO-2 is not built yet)", static_cast<double>(o.zero),
-         "Use 1 to shard AdamW's state over the ranks, 0 to keep it whole");
+    need(o.zero <= 2, "options.zero", "0, 1 or 2", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 0 to keep both whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -15824,6 +16250,7 @@ class trainer {
     po.optimizer = true;
     po.optimizer_elements = optimizer_elements();
     po.optimizer_policy = optimizer_of<Optimizer>();
+    po.gradients = gradient_sharding();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -15944,7 +16371,7 @@ class trainer {
   void rewind(const random_state& rng0, std::uint64_t position0) noexcept {
     rng_ = rng0;
     position_ = position0;
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
   }
 
   template <sequence_source Source, typename Request>
@@ -15973,7 +16400,7 @@ class trainer {
 
   template <sequence_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
     double loss = 0;
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -15990,9 +16417,13 @@ class trainer {
           default: break;
         }
       };
-      loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
-                                  scale / accum, alloc_, pool_, observer) /
-              accum;
+      if (zero2()) {
+        loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
+      } else {
+        loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
+                                    scale / accum, alloc_, pool_, observer) /
+                accum;
+      }
     }
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
     if (world() > 1) loss = exchange(loss);
@@ -16013,7 +16444,9 @@ class trainer {
   // raises the peak the plan predicted.
   double exchange(double loss) {
     if constexpr (reducible<S>) {
-      if (sharded()) {
+      if (zero2()) {
+        // Reduce-scattered during the backward already.
+      } else if (sharded()) {
         exchange_shards();
       } else {
         exchange_all();
@@ -16023,6 +16456,100 @@ class trainer {
       return loss;
     } else {
       return loss;  // check_world refused more than one rank
+    }
+  }
+
+  // ---- ZeRO-2 ------------------------------------------------------------------------------------
+  // What this rank keeps of a micro-batch's gradients, and when: its shard (g_, between steps
+  // too); in each block's backward, that block's gradients (a bucket allocated after the block's
+  // δ and freed once reduce-scattered into the ranks' shards at the end of its backward); for the
+  // whole micro-batch, the embedding's and head's (one bucket, reduce-scattered after the
+  // micro-batch). The first micro-batch of a step writes the sums into the shard, the others add
+  // theirs: so with one micro-batch per rank the shard holds ZeRO-0's sum, bit for bit, and with
+  // more it is a sum of the micro-batches' rank-order sums (another order than ZeRO-0's).
+  struct zero2_router {
+    trainer& t;
+    bool first;
+    S* held = nullptr;    // the embedding's and head's gradients
+    S* bucket = nullptr;  // the current block's
+    shard_range range{};
+    zero2_router(trainer& tr, bool f) : t(tr), first(f) {}
+    zero2_router(const zero2_router&) = delete;
+    zero2_router& operator=(const zero2_router&) = delete;
+    ~zero2_router() {
+      if (bucket != nullptr) t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
+      if (held != nullptr) t.alloc_.deallocate(held, t.held_bytes(), default_alignment, memory_tag::gradients);
+    }
+    S* at(std::size_t offset) const noexcept {
+      if (bucket != nullptr && offset >= range.begin && offset < range.end) return bucket + (offset - range.begin);
+      const shard_range e = t.m_.embedding_parameters();
+      if (offset < e.end) return held + offset;
+      return held + e.size() + (offset - t.m_.head_parameters().begin);
+    }
+    void begin_block(std::size_t i) {
+      const shard_range r = t.m_.block_parameters(i);
+      bucket = static_cast<S*>(t.alloc_.allocate(r.size() * sizeof(S), default_alignment, memory_tag::gradients));
+      range = r;
+      std::memset(static_cast<void*>(bucket), 0, r.size() * sizeof(S));
+    }
+    void end_block(std::size_t) {
+      t.reduce_scatter_range(bucket, range, first);
+      t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
+      bucket = nullptr;
+    }
+  };
+
+  std::size_t held_bytes() const noexcept {
+    return (m_.embedding_parameters().size() + m_.head_parameters().size()) * sizeof(S);
+  }
+
+  template <typename Observer>
+  double zero2_micro_batch(bool first, double scale, Observer& observer) {
+    zero2_router router(*this, first);
+    router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
+    std::memset(static_cast<void*>(router.held), 0, held_bytes());
+    const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, pool_, observer);
+    const shard_range e = m_.embedding_parameters();
+    reduce_scatter_range(router.held, e, first);
+    reduce_scatter_range(router.held + e.size(), m_.head_parameters(), first);
+    return loss;
+  }
+
+  // The workspace of one range's reduce-scatter (and, with more than one micro-batch, the
+  // partial sum it adds into the shard), as the planner counts it (gradient_shards).
+  std::size_t range_exchange_bytes(shard_range r) const {
+    return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
+  }
+  // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
+  // part of them summed over ranks in rank order into (first) or onto its shard g_.
+  void reduce_scatter_range(const S* in, shard_range r, bool first) {
+    if constexpr (reducible<S>) {
+      const std::size_t N = world();
+      std::size_t most = 0;
+      for (std::size_t k = 0; k < N; ++k) {
+        const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+        blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+        most = std::max(most, o.size());
+      }
+      const shard_range mine = overlap(opt_shard_, r.begin, r.end);
+      S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
+      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);  // ws's first part
+      const std::size_t ws_bytes = range_exchange_bytes(r);
+      void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+      try {
+        if (first) {
+          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), dst, ws, rs);
+        } else {
+          S* part = reinterpret_cast<S*>(static_cast<std::byte*>(ws) + rs);
+          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), part, ws, rs);
+          for (std::size_t i = 0; i < mine.size(); ++i) dst[i] += part[i];
+        }
+      } catch (...) {
+        alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+        throw;
+      }
+      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
     }
   }
 
@@ -16107,7 +16634,7 @@ class trainer {
     if (N == 1) return global_norm(g_, n_, pool_);
     const std::size_t me = comm_.rank();
     if (sharded()) {
-      norm_parts_[me] = sum_squares(g_ + opt_shard_.begin, opt_shard_.size(), pool_);
+      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), pool_);
       comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
     } else {
       for (std::size_t r = 0; r < N; ++r) {
@@ -16132,9 +16659,9 @@ class trainer {
                              std::to_string(eff_.batch),
                              "Choose an effective batch every rank can take an equal share of");
     }
-    if (o_.zero == 1 && n_ < N) {
+    if (o_.zero >= 1 && n_ < N) {
       throw invalid_argument("options.zero", "0 for a model with fewer parameters than ranks",
-                             "1 with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
+                             std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
     if (o_.replan_under_pressure) {
@@ -16176,6 +16703,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
+    fo.gradients = gradient_sharding();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -16198,6 +16726,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
+    fo.gradients = gradient_sharding();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
@@ -16240,8 +16769,17 @@ class trainer {
   }
 
   // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
-  void check_fingerprint(const std::vector<fingerprint_field>& saved, const std::string& path) const {
-    const std::vector<fingerprint_field> now = fingerprint();
+  // any_world: the fields that name a world size and a shard (a file being re-sharded) are
+  // left out; the caller checks the optimizer's layout itself.
+  void check_fingerprint(std::vector<fingerprint_field> saved, const std::string& path, bool any_world = false) const {
+    std::vector<fingerprint_field> now = fingerprint();
+    if (any_world) {
+      const auto world_field = [](const fingerprint_field& f) {
+        return f.name == "zero" || f.name == "ranks" || f.name == "optimizer.shard" || f.name == "optimizer";
+      };
+      std::erase_if(now, world_field);
+      std::erase_if(saved, world_field);
+    }
     struct diff {
       std::string field, saved, current;
     };

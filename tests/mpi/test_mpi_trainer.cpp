@@ -24,8 +24,21 @@
 //   - Sharded checkpoints (ZeRO-1, N > 1): 15 steps, save (one shard file per rank and a
 //     manifest), a fresh trainer loads them and runs 15 more: the losses and weights of the
 //     uninterrupted run, bit for bit. Each shard file holds the rank's slice of the weights and
-//     its optimizer state only. One rank (MPI_COMM_SELF, ZeRO-1) or ZeRO-0 at the same world
-//     size resuming it: checkpoint_world_mismatch naming "ranks" with the world that wrote it.
+//     its optimizer state only.
+//   - ZeRO-2 (the gradients sharded too): the measured peak equals the prediction; each rank's
+//     gradient bytes are its shard's; with one micro-batch per rank (N = 4, and N = 2 with
+//     micro-batches of 2) ZeRO-0's losses and weights and ZeRO-1's optimizer state bit for bit,
+//     with more (N = 2, two micro-batches of 1) ZeRO-0's curve within 1e-5 relative (each
+//     micro-batch's gradients are reduce-scattered and the shard sums them: another order);
+//     bytes sent per step against the exact formula; a ZeRO-1 plan given to ZeRO-2 is refused.
+//   - Re-sharding (N > 1): the N ranks' shards resumed by one process (MPI_COMM_SELF, zero 0
+//     and 1) give exactly the saved weights and m, v, and the continuation of a whole checkpoint
+//     of the same state (ZeRO-0 over N ranks) bit for bit; a one-process checkpoint resumed by N
+//     ranks under ZeRO-1 (each rank slices its shard of m and v) gives ZeRO-0's continuation of
+//     it bit for bit, under ZeRO-2 within 1e-5 (bit for bit with one micro-batch per rank). At
+//     N = 4, through two 2-rank halves: 2 -> 4 and 4 -> 2 manifests under ZeRO-1, bit for bit
+//     against ZeRO-0 resuming a whole checkpoint of the same state.
+//     adamw8bit's block-wise state is not re-sliced: checkpoint_world_mismatch, nothing loaded.
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
@@ -93,13 +106,15 @@ mb::trainer_options options(std::size_t zero = 0) {
   return o;
 }
 
-mb::training_plan plan_for(const model_t& m, std::size_t micro_batches, std::size_t optimizer_elements = 0) {
+mb::training_plan plan_for(const model_t& m, std::size_t micro_batches, std::size_t optimizer_elements = 0,
+                           mb::gradient_shards gradients = {}, std::size_t micro = 1) {
   mb::plan_options po;
   po.optimizer_elements = optimizer_elements;
+  po.gradients = gradients;
   po.threads = 1;
   po.head_chunk = 64;
   po.accumulation = micro_batches;
-  return mb::make_plan(m, mb::batch_shape{1, effective.seq}, mb::schedules::none{}, po);
+  return mb::make_plan(m, mb::batch_shape{micro, effective.seq}, mb::schedules::none{}, po);
 }
 
 struct run {
@@ -107,6 +122,7 @@ struct run {
   std::vector<unsigned char> weights, optimizer;
   std::size_t peak = 0, predicted = 0;
   std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
+  mb::rank_memory memory{};
 };
 
 template <typename Trainer>
@@ -120,15 +136,18 @@ run finish(Trainer& t, alloc_t& a) {
   r.optimizer.assign(o, o + t.optimizer_bytes());
   r.peak = a.stats().peak_requested;
   r.predicted = t.largest_predicted_peak();
+  r.memory = t.memory();
   return r;
 }
 
-run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0) {
+// micro: sequences per micro-batch (each rank runs effective.batch / N / micro micro-batches).
+run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0, std::size_t micro = 1) {
   alloc_t a(std::size_t{1} << 30);
   mb::thread_pool pool(1);
-  const std::size_t shard = zero == 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
-  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size(), shard), a, pool, options(zero), mb::null_monitor{},
-                comm);
+  const std::size_t shard = zero >= 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
+  const mb::gradient_shards gs = zero == 2 ? mb::gradient_shards_of<float>(comm) : mb::gradient_shards{};
+  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro), a, pool, options(zero),
+                mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
   run r = finish(t, a);
   r.bytes_sent = comm.stats().bytes_sent - before;
@@ -218,6 +237,61 @@ int main(int argc, char** argv) {
                 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * 4.0 * static_cast<double>(n));
   }
 
+  // ZeRO-2 against ZeRO-0 and ZeRO-1.
+  {
+    const run zero2 = data_parallel(m, comm, 2);
+    const std::size_t A = effective.batch / N;  // micro-batches per rank and step
+    check(zero2.peak == zero2.predicted, "ZeRO-2: measured peak " + std::to_string(zero2.peak) + " == predicted " +
+                                             std::to_string(zero2.predicted));
+    check(zero2.memory.gradients == (N == 1 ? n : shard.size()) * sizeof(float),
+          "ZeRO-2: this rank keeps the gradients of its shard only (" + std::to_string(zero2.memory.gradients) + " bytes)");
+    check(zero2.optimizer.size() == zero1.optimizer.size(), "ZeRO-2: the optimizer shard of ZeRO-1");
+    if (A == 1) {
+      // One micro-batch per rank: each shard element is ZeRO-0's rank-order sum of the same values.
+      check(same_bits(zero2.losses, dp.losses) && zero2.weights == dp.weights && zero2.optimizer == zero1.optimizer,
+            "ZeRO-2, one micro-batch per rank: ZeRO-0's losses and weights and ZeRO-1's optimizer state, bit for bit");
+    }
+    double gap = 0;
+    for (std::size_t k = 0; k < steps; ++k) gap = std::max(gap, std::abs(zero2.losses[k] - dp.losses[k]) / std::abs(dp.losses[k]));
+    check(gap <= 1e-5, "ZeRO-2: ZeRO-0's loss curve within 1e-5 relative (worst " + std::to_string(gap) + ")");
+    check(zero2.weights == rank0(comm, zero2.weights), "ZeRO-2: every rank holds rank 0's weights");
+    // Bytes sent per step: each micro-batch's reduce-scatter (4·(n − s)), the weights' all-gather
+    // (4·s·(N − 1)), the norm's and loss's doubles as under ZeRO-1.
+    const std::uint64_t s2 = shard.size();
+    const std::uint64_t per_step2 =
+        N == 1 ? 0 : A * 4 * (n - s2) + 4 * s2 * (N - 1) + 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+    check(zero2.bytes_sent == steps * per_step2, "ZeRO-2: bytes sent " + std::to_string(zero2.bytes_sent) + " == " +
+                                                     std::to_string(steps) + " x " + std::to_string(per_step2));
+    double gap_all = 0;
+    MPI_Allreduce(&gap, &gap_all, 1, MPI_DOUBLE, MPI_MAX, comm.native());
+    if (me == 0) {
+      std::printf("ZeRO-2 (%zu micro-batch(es) per rank): gradient bytes per rank %llu (ZeRO-0/1: %zu), peak per rank "
+                  "%zu (ZeRO-1 %zu, ZeRO-0 %zu), worst relative loss gap to ZeRO-0 %.3g, bytes sent per step %.0f\n",
+                  A, static_cast<unsigned long long>(zero2.memory.gradients), m.weight_bytes(), zero2.peak, zero1.peak,
+                  dp.peak, gap_all, static_cast<double>(zero2.bytes_sent) / steps);
+    }
+    if (N == 2) {
+      // Micro-batches of 2: one per rank, so ZeRO-2 gives ZeRO-0's bits (against ZeRO-0 with the same micro-batch).
+      const run z0 = data_parallel(m, comm, 0, 2);
+      const run z2 = data_parallel(m, comm, 2, 2);
+      check(same_bits(z2.losses, z0.losses) && z2.weights == z0.weights,
+            "ZeRO-2 with one micro-batch of 2 per rank: ZeRO-0's losses and weights, bit for bit");
+      check(z2.peak == z2.predicted, "ZeRO-2, micro-batch 2: measured peak == predicted");
+    }
+    if (N > 1) {
+      // ZeRO-2's plan states the gradient shard; a ZeRO-1 plan given to a ZeRO-2 trainer is refused.
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      bool threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, A, shard.size()), a, pool, options(2), mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "plan";
+      }
+      check(threw, "ZeRO-2 given a ZeRO-1 plan: invalid_argument naming the plan");
+    }
+  }
+
   // Sharded checkpoints.
   if (N > 1) {
     char dir[512] = {};
@@ -258,21 +332,172 @@ int main(int argc, char** argv) {
       check(same_bits(losses, zero1.losses) && std::vector<unsigned char>(w, w + m.weight_bytes()) == zero1.weights,
             "ZeRO-1 resumed from its shards: the losses and weights of the uninterrupted run, bit for bit");
     }
-    const auto refused = [&](auto& c, std::size_t zero, std::size_t micro, std::size_t elements) {
+    // Re-sharding. What is asserted: loading another world's checkpoint gives exactly the saved
+    // state (weights, AdamW's m and v, counters), so the continuation is bit for bit the run of the
+    // new world size resumed from a whole checkpoint of that same state (ZeRO-0 at N ranks gives
+    // ZeRO-1's bits, so its whole checkpoint holds the same state).
+    mb::mpi_communicator self(MPI_COMM_SELF);
+    const std::string whole_n = std::string(dir) + "/whole_n.ckpt", whole_1 = std::string(dir) + "/whole_1.ckpt";
+    {
+      // The same state at step `half` as a whole checkpoint: ZeRO-0 over the N ranks (rank 0 writes),
+      // and the one-process run's (rank 0 computes it alone).
       alloc_t a(std::size_t{1} << 30);
       mb::thread_pool pool(1);
-      mb::trainer t(m, effective, plan_for(m, micro, elements), a, pool, options(zero), mb::null_monitor{}, c);
-      try {
-        t.load(path);
-      } catch (const mb::checkpoint_world_mismatch& e) {
-        if (me == 0 && zero == 1) std::printf("world size refused: %s\n", e.what());
-        return e.field() == "ranks" && e.saved() == std::to_string(N) && e.current() == std::to_string(c.size());
+      mb::trainer t(m, effective, plan_for(m, effective.batch / N), a, pool, options(0), mb::null_monitor{}, comm);
+      text_source src0(membound_test::small_config().vocab);
+      for (std::size_t k = 0; k < half; ++k) (void)t.step(src0);
+      if (me == 0) {
+        t.save(whole_n);
+        alloc_t b(std::size_t{1} << 30);
+        mb::trainer u(m, effective, plan_for(m, effective.batch), b, pool, options(0), mb::null_monitor{}, self);
+        for (std::size_t k = 0; k < half; ++k) (void)u.step(src0);
+        u.save(whole_1);
       }
-      return false;
+      comm.barrier();
+    }
+    struct cont {
+      std::vector<double> losses;
+      std::vector<unsigned char> weights0, optimizer0, weights;  // after loading, and at the end
+      std::uint64_t step0 = 0;
     };
-    mb::mpi_communicator self(MPI_COMM_SELF);
-    check(refused(self, 1, effective.batch, 0), "one rank under ZeRO-1 resuming N ranks' shards: checkpoint_world_mismatch");
-    check(refused(comm, 0, effective.batch / N, 0), "ZeRO-0 resuming ZeRO-1 shards: checkpoint_world_mismatch");
+    // A fresh trainer over c (zero, micro-batches per rank) loads `from` and runs to `steps`.
+    const auto resume = [&](auto& c, std::size_t zero, const std::string& from) {
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      const std::size_t R = c.size();
+      const std::size_t el = zero >= 1 && R > 1 ? mb::shard_of(n, R, c.rank()).size() : 0;
+      const mb::gradient_shards gs = zero == 2 ? mb::gradient_shards_of<float>(c) : mb::gradient_shards{};
+      mb::trainer t(m, effective, plan_for(m, effective.batch / R, el, gs), a, pool, options(zero), mb::null_monitor{}, c);
+      t.load(from);
+      cont r;
+      r.step0 = t.steps_done();
+      const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(t.weights()));
+      r.weights0.assign(w, w + m.weight_bytes());
+      const auto* o = static_cast<const unsigned char*>(t.optimizer_state());
+      r.optimizer0.assign(o, o + t.optimizer_bytes());
+      text_source s2(membound_test::small_config().vocab);
+      while (t.steps_done() < steps) r.losses.push_back(t.step(s2).loss);
+      r.weights.assign(w, w + m.weight_bytes());
+      return r;
+    };
+    // N -> 1: each rank, alone, resumes the N ranks' shards and the whole checkpoint of the same state.
+    {
+      const cont resharded = resume(self, 0, path), reference = resume(self, 0, whole_n);
+      check(resharded.step0 == half && resharded.weights0 == reference.weights0 &&
+                resharded.optimizer0 == reference.optimizer0,
+            "re-sharding " + std::to_string(N) + " -> 1: the saved weights and m, v exactly");
+      check(same_bits(resharded.losses, reference.losses) && resharded.weights == reference.weights,
+            "re-sharding " + std::to_string(N) + " -> 1: the continuation of the same state, bit for bit");
+      const cont z1self = resume(self, 1, path);
+      check(same_bits(z1self.losses, reference.losses), "re-sharding " + std::to_string(N) + " -> 1 under zero = 1 (one rank)");
+    }
+    // 1 -> N: the one-process checkpoint resumed by N ranks under ZeRO-1 and ZeRO-2 (each rank
+    // slices its shard) against ZeRO-0 over N ranks resuming it whole.
+    {
+      const cont reference = resume(comm, 0, whole_1), z1 = resume(comm, 1, whole_1), z2 = resume(comm, 2, whole_1);
+      check(z1.step0 == half && z1.weights0 == reference.weights0, "re-sharding 1 -> " + std::to_string(N) + ": the saved weights");
+      const std::size_t f4 = sizeof(float);
+      check(z1.optimizer0.size() == opt::state_bytes(shard.size()) &&
+                std::memcmp(z1.optimizer0.data(), reference.optimizer0.data() + shard.begin * f4, shard.size() * f4) == 0 &&
+                std::memcmp(z1.optimizer0.data() + shard.size() * f4, reference.optimizer0.data() + (n + shard.begin) * f4,
+                            shard.size() * f4) == 0,
+            "re-sharding 1 -> " + std::to_string(N) + ": this rank's slice of m and v, exactly");
+      check(same_bits(z1.losses, reference.losses) && z1.weights == reference.weights,
+            "re-sharding 1 -> " + std::to_string(N) + " (ZeRO-1): ZeRO-0's continuation, bit for bit");
+      double g2 = 0;
+      for (std::size_t k = 0; k < z2.losses.size(); ++k)
+        g2 = std::max(g2, std::abs(z2.losses[k] - reference.losses[k]) / std::abs(reference.losses[k]));
+      if (effective.batch / N == 1) {
+        check(same_bits(z2.losses, reference.losses) && z2.weights == reference.weights,
+              "re-sharding 1 -> " + std::to_string(N) + " (ZeRO-2, one micro-batch per rank): bit for bit");
+      }
+      check(z2.step0 == half && g2 <= 1e-5, "re-sharding 1 -> " + std::to_string(N) + " (ZeRO-2): within 1e-5 (" + std::to_string(g2) + ")");
+    }
+    // N = 4: manifests between sharded worlds, through two 2-rank halves of the world.
+    //   2 -> 4: the first half writes a 2-rank ZeRO-1 manifest (and ZeRO-0's whole checkpoint of the
+    //   same state); the 4 ranks resume the manifest under ZeRO-1 and the whole file under ZeRO-0.
+    //   4 -> 2: each half resumes the 4 ranks' manifest under ZeRO-1 and whole_n under ZeRO-0.
+    if (N == 4) {
+      MPI_Comm half_comm = MPI_COMM_NULL;
+      MPI_Comm_split(comm.native(), static_cast<int>(me / 2), static_cast<int>(me), &half_comm);
+      {
+        mb::mpi_communicator h(half_comm);
+        const std::string two = std::string(dir) + "/two.ckpt", two_whole = std::string(dir) + "/two_whole.ckpt";
+        if (me < 2) {
+          for (const std::size_t zero : {std::size_t{1}, std::size_t{0}}) {
+            alloc_t a(std::size_t{1} << 30);
+            mb::thread_pool pool(1);
+            const std::size_t el = zero == 1 ? mb::shard_of(n, 2, h.rank()).size() : 0;
+            mb::trainer t(m, effective, plan_for(m, effective.batch / 2, el), a, pool, options(zero), mb::null_monitor{}, h);
+            text_source s0(membound_test::small_config().vocab);
+            for (std::size_t k = 0; k < half; ++k) (void)t.step(s0);
+            if (zero == 1 || h.rank() == 0) t.save(zero == 1 ? two : two_whole);
+          }
+        }
+        comm.barrier();
+        const cont up = resume(comm, 1, two), up_ref = resume(comm, 0, two_whole);
+        check(up.step0 == half && up.weights0 == up_ref.weights0 && same_bits(up.losses, up_ref.losses) &&
+                  up.weights == up_ref.weights,
+              "re-sharding 2 -> 4 (ZeRO-1): ZeRO-0's continuation of the same state, bit for bit");
+        const cont down = resume(h, 1, path), down_ref = resume(h, 0, whole_n);
+        check(down.step0 == half && down.weights0 == down_ref.weights0 && same_bits(down.losses, down_ref.losses) &&
+                  down.weights == down_ref.weights,
+              "re-sharding 4 -> 2 (ZeRO-1): ZeRO-0's continuation of the same state, bit for bit");
+        comm.barrier();
+        if (me == 0) {
+          std::filesystem::remove(two);
+          std::filesystem::remove(two_whole);
+          for (std::size_t r = 0; r < 2; ++r)
+            std::filesystem::remove(std::string(dir) + "/two.ckpt.step-" + std::to_string(half) + ".rank-" +
+                                    std::to_string(r) + "-of-2");
+        }
+      }
+      MPI_Comm_free(&half_comm);
+    }
+    // A block-wise optimizer state (adamw8bit) is not re-sliced: a typed refusal.
+    {
+      using opt8 = mb::adamw8bit<float>;
+      mb::plan_options po;
+      po.threads = 1;
+      po.head_chunk = 64;
+      po.optimizer_policy = mb::optimizer_of<opt8>();
+      const std::string path8 = std::string(dir) + "/eight.ckpt";
+      {
+        alloc_t a(std::size_t{1} << 30);
+        mb::thread_pool pool(1);
+        po.accumulation = effective.batch / N;
+        po.optimizer_elements = shard.size();
+        mb::trainer<model_t, alloc_t, mb::null_monitor, mb::mpi_communicator, opt8> t(
+            m, effective, mb::make_plan(m, mb::batch_shape{1, effective.seq}, mb::schedules::none{}, po), a, pool,
+            options(1), mb::null_monitor{}, comm);
+        text_source s8(membound_test::small_config().vocab);
+        (void)t.step(s8);
+        t.save(path8);
+      }
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      po.accumulation = effective.batch;
+      po.optimizer_elements = 0;
+      mb::trainer<model_t, alloc_t, mb::null_monitor, mb::mpi_communicator, opt8> u(
+          m, effective, mb::make_plan(m, mb::batch_shape{1, effective.seq}, mb::schedules::none{}, po), a, pool,
+          options(1), mb::null_monitor{}, self);
+      bool refused = false;
+      try {
+        u.load(path8);
+      } catch (const mb::checkpoint_world_mismatch& e) {
+        refused = e.field() == "ranks" && e.saved() == std::to_string(N) && e.current() == "1" && u.steps_done() == 0;
+        if (me == 0) std::printf("adamw8bit re-sharding refused: %s\n", e.what());
+      }
+      check(refused, "adamw8bit shards resumed by another world size: checkpoint_world_mismatch, nothing loaded");
+      comm.barrier();
+      if (me == 0) {
+        std::filesystem::remove(whole_n);
+        std::filesystem::remove(whole_1);
+        std::filesystem::remove(path8);
+        for (std::size_t r = 0; r < N; ++r)
+          std::filesystem::remove(std::string(dir) + "/eight.ckpt.step-1.rank-" + std::to_string(r) + "-of-" + std::to_string(N));
+      }
+    }
     comm.barrier();
     std::size_t files = 0;
     if (me == 0) {

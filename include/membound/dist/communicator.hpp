@@ -27,6 +27,7 @@
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
+#include "membound/core/shard.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -39,22 +40,6 @@ class communication_error : public backend_error {
                       "A rank or the transport failed; every rank stops here. Resume from the "
                       "last checkpoint once all ranks are healthy") {}
 };
-
-// The elements [begin, end) of n that rank r of N owns: balanced, the first n % N ranks one
-// longer, so every rank computes every rank's range from (n, N) alone.
-struct shard_range {
-  std::size_t begin = 0, end = 0;
-  constexpr std::size_t size() const noexcept { return end - begin; }
-};
-constexpr shard_range shard_of(std::size_t n, std::size_t ranks, std::size_t r) noexcept {
-  const std::size_t q = n / ranks, rem = n % ranks;
-  const std::size_t begin = r * q + (r < rem ? r : rem);
-  return {begin, begin + q + (r < rem ? 1 : 0)};
-}
-// The longest shard of n over N ranks (the receive buffer holds N of them).
-constexpr std::size_t max_shard(std::size_t n, std::size_t ranks) noexcept {
-  return n / ranks + (n % ranks != 0 ? 1 : 0);
-}
 
 // What a communicator has sent: the bytes this rank handed to other ranks, counted as the direct
 // algorithm sends them (each shard once to each rank that needs it), so they compare with the

@@ -33,6 +33,7 @@
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/parallel.hpp"
+#include "membound/core/shard.hpp"
 #include "membound/layers/lm_head.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/core/memory_tag.hpp"
@@ -213,6 +214,20 @@ class model {
     return n;
   }
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
+  // The flat parameter array in three parts, padding included: the embedding table [0, e), the
+  // blocks' tensors (block i: block_parameters(i)), and the head (final norm, untied LM head)
+  // [h, parameter_elements()). ZeRO-2 exchanges each block's gradients as that block's backward
+  // produces them, and the embedding's and head's once the micro-batch is done.
+  shard_range embedding_parameters() const noexcept { return {0, depth() == 0 ? params_[head_first_].offset : params_[block_first_[0]].offset}; }
+  shard_range block_parameters(std::size_t i) const {
+    if (i >= depth()) {
+      throw invalid_argument("block", "an index below " + std::to_string(depth()), std::to_string(i),
+                             "Blocks are numbered 0 to depth() - 1");
+    }
+    const std::size_t end = i + 1 < depth() ? params_[block_first_[i + 1]].offset : params_[head_first_].offset;
+    return {params_[block_first_[i]].offset, end};
+  }
+  shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
   const char* block_name(std::size_t i) const {
     const char* n = "";
     visit_block(i, [&]<typename B>(B*) { n = B::name; });
@@ -325,8 +340,40 @@ class model {
     detail::not_null(g, "gradients");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return step<true>(w, g, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+    flat_gradients flat{g};
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
   }
+
+  // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
+  // buckets): `grads` is a gradient_router (see flat_gradients). grads.at(offset) is where the
+  // gradient of the parameter element at `offset` accumulates; in block i's backward,
+  // grads.begin_block(i) runs after the block's new δ is allocated and before its workspace,
+  // grads.end_block(i) after the workspace is given back and before its input δ and saved
+  // tensors are (so a caller that allocates there adds its bytes on top of that op's own).
+  template <typename Allocator, typename Router, typename Observer = ignore_check_points>
+    requires std::invocable<Observer&, check_point>
+  double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
+                                 batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
+                                 double loss_scale, Allocator& alloc, thread_pool& pool, Observer observe = {}) const {
+    static_assert(check_allocator<Allocator>());
+    static_assert(requires(Router& r, std::size_t k) {
+      { r.at(k) } -> std::same_as<S*>;
+      r.begin_block(k);
+      r.end_block(k);
+    }, "membound: a gradient router offers S* at(offset), begin_block(i) and end_block(i): see flat_gradients");
+    detail::not_null(w, "weights");
+    detail::not_null(tokens, "tokens");
+    detail::not_null(targets, "targets");
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+  }
+
+  // The default router: one flat array of parameter_elements() gradients.
+  struct flat_gradients {
+    S* g = nullptr;
+    S* at(std::size_t offset) const noexcept { return g + offset; }
+    void begin_block(std::size_t) const noexcept {}
+    void end_block(std::size_t) const noexcept {}
+  };
 
   // The requests forward_backward makes for (b, ops, head_chunk, threads), in its order, made on
   // `alloc` without running any work: what the planner replays through a shadow of an allocator
@@ -336,7 +383,17 @@ class model {
                      Allocator& alloc) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, nullptr, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+    flat_gradients flat{};
+    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+  }
+  // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
+  // buckets, replayed by model/reserve_plan.hpp); at() is not called.
+  template <typename Allocator, typename Router>
+  void step_requests_routed(batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk, std::size_t threads,
+                            Allocator& alloc, Router& grads) const {
+    static_assert(check_allocator<Allocator>());
+    ignore_check_points none;
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -463,8 +520,8 @@ class model {
   // requests, in the same order (step_requests), so that the two cannot drift apart. The ops are
   // checked first as simulate() checks them: a dropped backward or a duplicated tape is an
   // invalid_argument naming the op, before anything is allocated.
-  template <bool Run, typename Allocator, typename Observer>
-  double step(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  template <bool Run, typename Allocator, typename Router, typename Observer>
+  double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
               thread_pool* pool, std::size_t threads, Observer& observe) const {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
@@ -513,7 +570,7 @@ class model {
           void* ws = live.get(wsb, memory_tag::workspace);
           if constexpr (Run) {
             const double scale = loss_scale / static_cast<double>(N);
-            loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, head_grads(g), ws,
+            loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, routed_head_grads(g), ws,
                                                 wsb, *pool);
           }
           live.put(ws);
@@ -525,10 +582,12 @@ class model {
           visit_block(i, [&]<typename B>(B*) {
             const auto d = B::make_dims(cfg_, b);
             S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
+            g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
             if constexpr (Run)
-              B::backward(d, block_weights<B>(w, i), block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
+              B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
             live.put(ws);
+            g.end_block(i);
             live.put(delta);
             live.put(saved[i]);
             saved[i] = nullptr;
@@ -543,7 +602,7 @@ class model {
       }
     }
     if constexpr (Run) {
-      cpu::embedding_scatter<A>(*pool, tokens, delta, g + params_[0].offset, N, C);
+      cpu::embedding_scatter<A>(*pool, tokens, delta, g.at(params_[0].offset), N, C);
       observe(check_point::after_backward);
     }
     live.put(delta);
@@ -704,6 +763,22 @@ class model {
   typename head_type::gradients head_grads(S* g) const noexcept {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {g + params_[head_first_].offset, g + params_[table].offset};
+  }
+
+  template <typename Router>
+  typename head_type::gradients routed_head_grads(Router& g) const {
+    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
+    return {g.at(params_[head_first_].offset), g.at(params_[table].offset)};
+  }
+  template <typename B, typename Router>
+  typename B::grad_ptrs routed_block_grads(Router& g, std::size_t i) const {
+    typename B::grad_ptrs p{};
+    const std::size_t first = block_first_[i];
+    for (std::size_t k = 0; k < p.size(); ++k) {
+      const param_entry& e = params_[first + k];
+      p[k] = e.count == 0 ? nullptr : g.at(e.offset);
+    }
+    return p;
   }
 
   static double draw(const param_spec& s, std::size_t i, std::uint64_t& st) {

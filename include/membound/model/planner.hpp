@@ -26,6 +26,7 @@
 #include "membound/core/format.hpp"
 #include "membound/model/model.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
+#include "membound/core/shard.hpp"
 #include "membound/optimizer/adamw.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 
@@ -76,6 +77,21 @@ struct schedule_choice {
   friend constexpr bool operator==(const schedule_choice&, const schedule_choice&) = default;
 };
 
+// ZeRO-2 for the planner: this process (rank `rank` of `ranks`) keeps only its shard_of the
+// summed gradients. A micro-batch's gradients live only in buckets: each block's, from the start
+// to the end of its backward op (the block's gradients, then their reduce-scatter into the ranks'
+// shards); the embedding's and the head's (the tied table gets gradients from the loss and from
+// the embedding's backward) for the whole micro-batch, reduce-scattered once it is done. The
+// reduce-scatter's workspace for blocks of at most k elements per rank is
+// exchange_per_element * k + exchange_fixed bytes (the communicator's
+// reduce_scatter_blocks_workspace_bytes, which is affine in k), plus k elements to add into the
+// shard when accumulation > 1. ranks <= 1: off (one flat array of every gradient).
+struct gradient_shards {
+  std::size_t ranks = 0, rank = 0;
+  std::size_t exchange_per_element = 0, exchange_fixed = 0;
+  constexpr bool on() const noexcept { return ranks > 1; }
+};
+
 struct plan_options {
   std::size_t threads = 1;
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
@@ -86,6 +102,8 @@ struct plan_options {
   // The optimizer policy whose state_bytes the plan counts: optimizer_of<adamw8bit<S>>(), ...;
   // the default is adamw<S> for the model's storage S.
   optimizer_ref optimizer_policy{};
+  // ZeRO-2: the gradients sharded too (gradient_shards); off by default.
+  gradient_shards gradients{};
 };
 
 namespace detail {
@@ -135,6 +153,11 @@ struct training_plan {
   std::size_t threads = 1;
   std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
   std::string optimizer_policy;  // the optimizer's state, in words (the table's line)
+  // ZeRO-2 (gradients = this rank's shard): the most gradient bytes a block's backward holds
+  // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
+  std::size_t gradient_bucket = 0, gradient_held = 0;
+  std::size_t gradient_ranks = 1;
+  gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -172,7 +195,14 @@ struct training_plan {
                   schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
     s += line;
     row("weights", weights, "");
-    row("gradients", gradients, "");
+    if (gradient_ranks > 1) {
+      char note[120];
+      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held",
+                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str());
+      row("gradients", gradients, note);
+    } else {
+      row("gradients", gradients, "");
+    }
     row("optimizer", optimizer,
         optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
     row("activations (kept)", activations, "at most, between ops");
@@ -257,6 +287,17 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
   return {};
 }
 
+// ZeRO-2: the workspace of one parameter range's reduce-scatter (and, with more than one
+// micro-batch per step, the partial sum it adds into the shard): what the trainer allocates.
+template <typename Model>
+std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, shard_range r, std::size_t accumulation) {
+  const std::size_t n = m.parameter_elements();
+  std::size_t most = 0;
+  for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
+                 accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+}
+
 template <typename Model>
 std::size_t persistent_bytes(const Model& m, const plan_options& o) {
   const std::size_t w = m.weight_bytes();
@@ -274,13 +315,42 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.schedule = sc;
   p.head_chunk = o.head_chunk;
   p.threads = o.threads;
+  using S = typename Model::storage_type;
+  const gradient_shards& gs = o.gradients;
+  const std::size_t n = m.parameter_elements();
+  if (gs.on() && gs.rank >= gs.ranks) {
+    throw invalid_argument("options.gradients.rank", "a rank below options.gradients.ranks = " + std::to_string(gs.ranks),
+                           std::to_string(gs.rank), "Pass the communicator's rank() and size()");
+  }
+  // ZeRO-2: a range's reduce-scatter workspace (the largest rank's part of it) and its bucket.
+  const auto exchange_of = [&](shard_range r) { return gradient_exchange_bytes(m, gs, r, o.accumulation); };
   p.weights = m.weight_bytes();
-  p.gradients = m.weight_bytes();
+  p.gradients = gs.on() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
+  p.gradient_ranks = gs.on() ? gs.ranks : 1;
+  p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
-  const chain c = m.make_chain(b, o.threads, o.head_chunk, base);
+  std::size_t held_exchange = 0;  // the embedding's and head's reduce-scatter, after the micro-batch
+  if (gs.on()) {
+    p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
+    held_exchange = std::max(exchange_of(m.embedding_parameters()), exchange_of(m.head_parameters()));
+  }
+  const std::size_t step_base = sat_add(base, p.gradient_held);
+  chain c = m.make_chain(b, o.threads, o.head_chunk, step_base);
+  if (gs.on()) {
+    // Block i's backward: its δ, then its gradient bucket, then the larger of its workspace and
+    // (that given back) the bucket's reduce-scatter workspace.
+    for (std::size_t i = 0; i < c.links.size(); ++i) {
+      chain_link& l = c.links[i];
+      const shard_range r = m.block_parameters(i);
+      const std::size_t bucket = bytes_of<S>(r.size());
+      const std::size_t ws = sat_sub(l.backward_peak, l.input_bytes);
+      l.backward_peak = sat_add(sat_add(l.input_bytes, bucket), std::max(ws, exchange_of(r)));
+      p.gradient_bucket = std::max(p.gradient_bucket, bucket);
+    }
+  }
   p.ops = schedule_ops(c, sc);
   std::vector<phase_bytes> tl;
   const schedule_stats st = simulate(c, p.ops, &tl);
@@ -290,8 +360,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
 
   // The timeline: the embedding, each op, the embedding's backward, the optimizer step.
   const std::size_t a = m.activation_bytes(b);
-  p.timeline.push_back({"embedding forward", base, sat_add(base, a)});
-  std::size_t best = sat_add(base, a);
+  p.timeline.push_back({"embedding forward", step_base, sat_add(step_base, a)});
+  std::size_t best = sat_add(step_base, a);
   p.peak_phase = "embedding forward";
   p.activations = a;
   p.workspace = 0;
@@ -322,7 +392,17 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     }
     p.timeline.push_back(std::move(q));
   }
-  p.timeline.push_back({"embedding backward", sat_add(base, a), sat_add(base, a)});
+  p.timeline.push_back({"embedding backward", sat_add(step_base, a), sat_add(step_base, a)});
+  if (gs.on()) {
+    const std::size_t peak = sat_add(step_base, held_exchange);
+    p.timeline.push_back({"gradient exchange (embedding, head)", step_base, peak});
+    if (peak > best) {
+      best = peak;
+      p.peak_phase = "gradient exchange (embedding, head)";
+      p.workspace = held_exchange;
+    }
+    p.peak_bytes = std::max(p.peak_bytes, peak);
+  }
   p.timeline.push_back({"optimizer step (" +
                             std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
                                                                                    : o.optimizer_policy.name) +
@@ -412,6 +492,8 @@ struct fit_options {
   std::vector<std::size_t> head_chunks{256, 64};
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
+  gradient_shards gradients{};  // as plan_options: ZeRO-2's gradient shard, off by default (last: positional
+                                // initializers written before it still compile)
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -471,7 +553,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy};
+      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
+                     fo.gradients};
       const batch_shape b{mb, effective.seq};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},

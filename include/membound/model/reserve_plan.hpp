@@ -127,17 +127,65 @@ struct run_requests {
   std::vector<recorded_request> prefix, cycle;
 };
 
+namespace detail {
+// ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
+// bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
+template <typename Model>
+struct zero2_request_router {
+  using S = typename Model::storage_type;
+  const Model& m;
+  request_recorder& rec;
+  gradient_shards gs;
+  std::size_t accumulation;
+  void* bucket = nullptr;
+  std::size_t bytes = 0;
+  S* at(std::size_t) const noexcept { return nullptr; }
+  void begin_block(std::size_t i) {
+    bytes = bytes_of<S>(m.block_parameters(i).size());
+    bucket = rec.allocate(bytes, default_alignment, memory_tag::gradients);
+  }
+  void end_block(std::size_t i) {
+    const std::size_t wsb = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                   memory_tag::workspace);
+    rec.deallocate(bucket, bytes, default_alignment, memory_tag::gradients);
+  }
+};
+}  // namespace detail
+
+// gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
+// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
-                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes) {
+                        std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
+                        std::size_t gradients = 0, const gradient_shards& gs = {}) {
+  using S = typename Model::storage_type;
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
-  (void)rec.allocate(wb, default_alignment, memory_tag::gradients);
+  (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   const std::size_t k0 = rec.requests().size();
-  for (std::size_t k = 0; k < accumulation; ++k) m.step_requests(micro, ops, head_chunk, threads, rec);
+  for (std::size_t k = 0; k < accumulation; ++k) {
+    if (!gs.on()) {
+      m.step_requests(micro, ops, head_chunk, threads, rec);
+      continue;
+    }
+    // The trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch,
+    // the blocks' buckets in their backward, then the two held ranges' reduce-scatters.
+    const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+    const std::size_t held = bytes_of<S>(e.size() + h.size());
+    void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
+    detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
+    m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+    for (const shard_range q : {e, h}) {
+      const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+      rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                     memory_tag::workspace);
+    }
+    rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+  }
   m.loss_requests(micro, head_chunk, threads, rec);
   r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
   r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
@@ -145,7 +193,8 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
 }
 template <typename Model>
 run_requests record_run(const Model& m, const training_plan& p) {
-  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer);
+  return record_run(m, p.micro, p.ops, p.head_chunk, p.threads, p.accumulation, p.optimizer, p.gradients,
+                    p.gradient_sharding);
 }
 
 // The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:

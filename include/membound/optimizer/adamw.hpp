@@ -38,6 +38,12 @@ class adamw {
     return "AdamW m, v in " + std::string(dtype_name<moment_type>()) + (has_master ? " + fp32 masters" : "");
   }
 
+  // The state is elementwise: state_arrays arrays of n elements of state_element_bytes each (m,
+  // v, and the masters for 16-bit storage), so the state of a range of parameters is the same
+  // slice of each array. The trainer re-shards a checkpoint to another world size by this.
+  static constexpr std::size_t state_arrays = has_master ? 3 : 2;
+  static constexpr std::size_t state_element_bytes = sizeof(moment_type);
+
   // m and v per parameter, then the fp32 master copy for 16-bit storage.
   static constexpr std::size_t state_bytes(std::size_t n) noexcept {
     return sat_mul(bytes_of<moment_type>(n), has_master ? 3 : 2);

@@ -50,7 +50,10 @@
 // summed gradient (a reduce-scatter, same rank-order sums), updates that shard and all-gathers the
 // weights: the same bits as ZeRO-0, the same bytes on the wire (2·(N − 1)/N of the gradient), and
 // 1/N of the optimizer state. The global norm is each shard's sum of squares added in rank order
-// under both stages. Its checkpoint is one shard file per rank and a manifest (see save). The
+// under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
+// re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
+// gradients are sharded too: each block's gradients live in a bucket during its backward and are
+// reduce-scattered into the ranks' shards as it ends (see zero2_router). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
 // 16-bit storage over more than one rank, and replanning under pressure over more than one rank
@@ -71,6 +74,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -132,7 +136,8 @@ struct trainer_options {
   bool replan_under_pressure = true;
   std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
   // ZeRO stage over more than one rank: 0 keeps AdamW's state for every parameter on every rank,
-  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered).
+  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
+  // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
 };
 
@@ -194,6 +199,30 @@ struct rank_memory {
   std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
   std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
 };
+
+// ZeRO-2's plan_options::gradients for a rank of `comm` (storage S): its rank, the world size and
+// the communicator's reduce-scatter workspace (affine in the block size; anything else is refused).
+// Off (ranks 0) for a world of one.
+//   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
+//   po.gradients = gradient_shards_of<float>(comm);
+template <typename S, typename Communicator>
+gradient_shards gradient_shards_of(const Communicator& comm) {
+  if constexpr (!reducible<S>) {
+    return {};  // the trainer refuses 16-bit storage over more than one rank
+  } else {
+    if (comm.size() <= 1) return {};
+    const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
+    const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
+    const std::size_t w1000 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1000);
+    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
+      throw invalid_argument("communicator", "a reduce_scatter_blocks_workspace_bytes affine in the block size",
+                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) + ", " +
+                                 std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
+                             "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
+    }
+    return {comm.size(), comm.rank(), w1 - w0, w0};
+  }
+}
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
 // (parameters [28048, 56096)), exchange buffer 99.1 KiB (inside the peak), predicted peak ...".
@@ -275,20 +304,18 @@ class rank_cannot_start : public invalid_argument {
   std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
 };
 
-// A ZeRO-1 checkpoint (a manifest and one shard file per rank) resumed by a run of another world
-// size or ZeRO stage: each file holds one rank's shard of the optimizer state, so only the same
-// ranks under ZeRO-1 can resume it. field() is "ranks", saved() the world that wrote it.
+// A checkpoint of another world size that cannot be re-sharded to this one (an optimizer whose
+// state is block-wise, adamw8bit): only the same ranks can resume it. field() is "ranks", saved()
+// the world that wrote it. (Elementwise states, adamw's, are re-sharded: see trainer::load.)
 class checkpoint_world_mismatch : public checkpoint_mismatch {
  public:
   checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
-                            std::size_t zero)
+                            std::size_t zero, const std::string& why)
       : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
-                            "it was written under ZeRO-1 by " + saved_ranks +
-                                " ranks, each file holding one rank's shard of the optimizer state; this run has " +
-                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) +
-                                ": expected ranks = " + saved_ranks + " with trainer_options::zero = 1. Resume it "
-                                "with " + saved_ranks + " ranks and zero = 1 (mpirun -np " + saved_ranks +
-                                " ... --zero 1); re-sharding to another world size is not built") {}
+                            "it was written by " + saved_ranks + " rank(s) and cannot be re-sharded to this run's " +
+                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
+                                ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
+                                saved_ranks + " ...)") {}
 };
 
 // Another rank failed at a collective step (saving, loading); this one throws this, that rank
@@ -429,7 +456,7 @@ class trainer {
       }
       use_layout(plan_);
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
-      g_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::gradients));
+      g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
     } catch (...) {
       failed = std::current_exception();
@@ -439,10 +466,10 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = 2 * m_.weight_bytes() + opt_bytes();
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes();
     try {
       m_.init_weights(w_, o_.seed);
-      std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+      std::memset(static_cast<void*>(g_), 0, grad_bytes());
       Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
     } catch (...) {
       release();
@@ -517,7 +544,7 @@ class trainer {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
-      Optimizer::update(w_ + b, g_ + b, opt_, opt_shard_.size(), opt_spans_,
+      Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_,
                         optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
@@ -561,10 +588,10 @@ class trainer {
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
-  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1 a
-  // collective: every rank writes its shard file (its slice of the weights, its optimizer state,
-  // the counters), then rank 0 writes `path`, a manifest naming them (world size, ZeRO stage,
-  // each rank's shard and file, the step). Each file is committed atomically and the manifest
+  // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1/2 a
+  // collective (the same files for both: gradients are not saved): every rank writes its shard
+  // file (its slice of the weights, its optimizer state, the counters), then rank 0 writes
+  // `path`, a manifest naming them (world size, ZeRO stage, each rank's shard and file, the step). Each file is committed atomically and the manifest
   // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
   // removes its previous shard only once the new manifest is committed). A failure on any rank
   // is thrown on every rank.
@@ -585,16 +612,20 @@ class trainer {
   // Returns whether the saved plan was restored. The monitor's level is not saved: a resumed run
   // starts at the level its first check point sees.
   //
-  // Under ZeRO-1 a collective reading the manifest save() wrote and this rank's shard, then
-  // gathering the weights. A manifest of another world size or ZeRO stage is
-  // checkpoint_world_mismatch (re-sharding is not built). An error on any rank is thrown on every
-  // rank; only one found after the ranks agreed to commit (an optimizer value out of range, which
-  // the CRC cannot catch) can leave ranks loaded and others not, and says so.
+  // Under ZeRO-1/2 a collective reading the manifest save() wrote and this rank's shard, then
+  // gathering the weights. Another world size is re-sharded (load_resharded): a manifest of N
+  // ranks resumed by M ranks (any ZeRO stage, one process included), or a whole checkpoint
+  // resumed under ZeRO-1/2: every rank reads every file's weights and re-slices AdamW's m, v
+  // (and masters) to its own range; the state after loading is the saved state exactly, so the
+  // run continues as a run of M ranks started from it would. A block-wise state (adamw8bit) is
+  // refused with checkpoint_world_mismatch. An error on any rank is thrown on every rank; only
+  // one found after the ranks agreed to commit (an optimizer value out of range, which the CRC
+  // cannot catch) can leave ranks loaded and others not, and says so.
   bool load(const std::string& path) {
     if (sharded()) return load_shards(path);
     const checkpoint_reader r(path);
     check_format(r, path);
-    if (r.has("manifest")) refuse_manifest(r, path);
+    if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path);
     staged st = stage(r, path, m_.weight_bytes());
     commit(r, path, st, w_, m_.weight_bytes());
     return st.restored;
@@ -621,13 +652,16 @@ class trainer {
     rank_memory r;
     r.rank = comm_.rank();
     r.ranks = world();
-    r.zero = sharded() ? 1 : 0;
+    r.zero = sharded() ? o_.zero : 0;
     r.weights = m_.weight_bytes();
-    r.gradients = m_.weight_bytes();
+    r.gradients = grad_bytes();
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    if (world() > 1) {
+    if (zero2()) {
+      r.exchange = std::max(range_exchange_bytes(m_.embedding_parameters()), range_exchange_bytes(m_.head_parameters()));
+      for (std::size_t i = 0; i < m_.depth(); ++i) r.exchange = std::max(r.exchange, range_exchange_bytes(m_.block_parameters(i)));
+    } else if (world() > 1) {
       try {
         r.exchange = exchange_workspace_bytes(exchange_bucket(exchange_headroom()));
       } catch (const invalid_argument&) {
@@ -775,6 +809,11 @@ class trainer {
     if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
+    return stage_counters(r, path);
+  }
+
+  // The counters, the loss scaler and the plan of a checked file.
+  staged stage_counters(const checkpoint_reader& r, const std::string& path) const {
     std::uint64_t pl[5];
     r.copy("plan", pl, sizeof pl);
     staged st;
@@ -813,7 +852,7 @@ class trainer {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
     r.copy("weights", weights, weight_bytes);
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
     steps_ = st.steps;
     updates_ = st.updates;
     rng_ = st.rng;
@@ -895,13 +934,28 @@ class trainer {
     return detail::parse_fingerprint(text, path);
   }
 
-  // A ZeRO-1 manifest this run cannot resume: another world size, or this run is not ZeRO-1.
-  [[noreturn]] void refuse_manifest(const checkpoint_reader& r, const std::string& path) const {
-    const std::vector<fingerprint_field> f = read_manifest(r, path);
-    throw checkpoint_world_mismatch(path, manifest_value(f, "ranks", path), world(), sharded() ? 1 : 0);
-  }
-
   bool load_shards(const std::string& path) {
+    {
+      // Another world size, or a whole checkpoint (ZeRO-0, one process): re-sharded.
+      std::exception_ptr failed;
+      std::optional<std::vector<source_shard>> other;
+      try {
+        const checkpoint_reader r(path);
+        check_format(r, path);
+        if (!r.has("manifest")) {
+          other = std::vector<source_shard>{{shard_range{0, n_}, path}};
+        } else {
+          const std::vector<fingerprint_field> f = read_manifest(r, path);
+          if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
+            other = manifest_sources(f, path);
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "read the checkpoint");
+      if (other) return load_resharded(*other, path);
+    }
     const std::size_t me = comm_.rank();
     std::exception_ptr failed;
     std::optional<checkpoint_reader> shard;
@@ -918,7 +972,7 @@ class trainer {
       }
       const std::vector<fingerprint_field> f = read_manifest(r, path);
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
-        refuse_manifest(r, path);
+        throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
       const std::string entry = manifest_value(f, "shard." + std::to_string(me), path);
       const std::string range = std::to_string(opt_shard_.begin) + ".." + std::to_string(opt_shard_.end) + " ";
@@ -949,14 +1003,157 @@ class trainer {
   }
 
 
+  // ---- Re-sharding ---------------------------------------------------------------------------------
+  // One file of a checkpoint and the parameters it holds (a shard file of a manifest, or a whole
+  // checkpoint: [0, n)).
+  struct source_shard {
+    shard_range range;
+    std::string file;
+  };
+
+  // The files a manifest names, in rank order; they must tile [0, n).
+  std::vector<source_shard> manifest_sources(const std::vector<fingerprint_field>& f, const std::string& path) const {
+    const std::string ranks_text = manifest_value(f, "ranks", path);
+    std::size_t ranks = 0;
+    if (std::from_chars(ranks_text.data(), ranks_text.data() + ranks_text.size(), ranks).ec != std::errc{} || ranks == 0 ||
+        ranks > (std::size_t{1} << 20)) {
+      throw corrupt_checkpoint(path, "its manifest's ranks = '" + ranks_text + "' is not a world size");
+    }
+    if (manifest_value(f, "parameters", path) != std::to_string(n_)) {
+      throw checkpoint_mismatch(path, "parameters", manifest_value(f, "parameters", path), std::to_string(n_),
+                                "it was written for a model of " + manifest_value(f, "parameters", path) +
+                                    " parameter elements, this one has " + std::to_string(n_) +
+                                    ". Build the trainer as the run that wrote it was built to resume it");
+    }
+    std::vector<source_shard> src;
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < ranks; ++k) {
+      const std::string entry = manifest_value(f, "shard." + std::to_string(k), path);
+      std::size_t b = 0, e = 0;
+      const char* p = entry.data();
+      const char* end = p + entry.size();
+      auto r1 = std::from_chars(p, end, b);
+      const bool dots = r1.ec == std::errc{} && end - r1.ptr > 2 && r1.ptr[0] == '.' && r1.ptr[1] == '.';
+      auto r2 = dots ? std::from_chars(r1.ptr + 2, end, e) : r1;
+      if (!dots || r2.ec != std::errc{} || r2.ptr == end || *r2.ptr != ' ' || r2.ptr + 1 == end || b != at || e < b ||
+          e > n_) {
+        throw corrupt_checkpoint(path, "its shard " + std::to_string(k) + " is '" + entry +
+                                           "', expected 'BEGIN..END FILE' starting at parameter " + std::to_string(at));
+      }
+      src.push_back({{b, e}, folder_of(path) + std::string(r2.ptr + 1, end)});
+      at = e;
+    }
+    if (at != n_) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n_));
+    return src;
+  }
+
+  // Loads a checkpoint written by another world size (or ZeRO stage): every rank reads every
+  // source file's weights (the whole model) and, from each file whose parameters overlap its own
+  // optimizer range (opt_shard_: all of them but under ZeRO-1/2), the same slice of each of the
+  // optimizer's state arrays. Host memory for the whole weights and this rank's state is taken
+  // outside the allocator while loading, as checkpoint_reader's own. Elementwise states only
+  // (adamw: m, v, masters); a block-wise state (adamw8bit) is refused. A collective over ranks
+  // like load(): an error on any rank is thrown on every rank, and nothing changes before all
+  // ranks have read and checked everything.
+  bool load_resharded(const std::vector<source_shard>& src, const std::string& path) {
+    if constexpr (!requires { Optimizer::state_arrays; Optimizer::state_element_bytes; }) {
+      // The same refusal on every rank (all read the same manifest): nothing to agree on.
+      throw checkpoint_world_mismatch(path, std::to_string(src.size()), world(), sharded() ? o_.zero : 0,
+                                      Optimizer::description() +
+                                          "'s state is block-wise, and re-sharding slices elementwise states "
+                                          "only (adamw)");
+    } else {
+      std::exception_ptr failed;
+      staged st;
+      std::vector<S> weights;
+      std::vector<std::byte> state;
+      try {
+        {
+          constexpr std::size_t arrays = Optimizer::state_arrays, eb = Optimizer::state_element_bytes;
+          static_assert(Optimizer::state_bytes(1) == arrays * eb, "membound: an elementwise state is arrays x element bytes");
+          const shard_range mine = opt_shard_;
+          weights.resize(n_);
+          state.resize(opt_bytes());
+          for (std::size_t k = 0; k < src.size(); ++k) {
+            const source_shard& s = src[k];
+            const checkpoint_reader r(s.file);
+            check_format(r, s.file);
+            std::string text(r.size("fingerprint"), '\0');
+            r.copy("fingerprint", text.data(), text.size());
+            const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
+            check_fingerprint(f, s.file, /*any_world=*/true);
+            const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
+            const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
+            if (saved == f.end() || saved->value != want) {
+              throw checkpoint_mismatch(s.file, "optimizer", saved == f.end() ? "(none)" : saved->value, want,
+                                        "its optimizer state is not the one this run keeps. Resume it with the optimizer "
+                                        "that wrote it");
+            }
+            if (r.size("weights") != s.range.size() * sizeof(S) || r.size("optimizer") != Optimizer::state_bytes(s.range.size())) {
+              throw corrupt_checkpoint(s.file, "its weight or optimizer section has the wrong size for parameters [" +
+                                                   std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
+            }
+            r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
+            const shard_range o = overlap(mine, s.range.begin, s.range.end);
+            if (o.size() != 0) {
+              const std::span<const std::byte> view = r.view("optimizer");
+              for (std::size_t a = 0; a < arrays; ++a) {
+                std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
+                            view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
+              }
+            }
+            const staged sk = stage_counters(r, s.file);
+            if (k == 0) {
+              st = sk;
+            } else if (sk.steps != st.steps || sk.updates != st.updates || sk.position != st.position || !(sk.rng == st.rng)) {
+              throw corrupt_checkpoint(s.file, "it is of step " + std::to_string(sk.steps) + ", the first shard '" +
+                                                   src[0].file + "' of step " + std::to_string(st.steps));
+            }
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "read the checkpoint it re-shards");
+      try {
+        try {
+          Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
+        } catch (const invalid_argument& e) {
+          throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
+        }
+        std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
+        std::memset(static_cast<void*>(g_), 0, grad_bytes());
+        steps_ = st.steps;
+        updates_ = st.updates;
+        rng_ = st.rng;
+        position_ = st.position;
+        scaler_ = st.scaler;
+        if (st.plan) adopt(std::move(*st.plan));
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
+      last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
+      return st.restored;
+    }
+  }
+
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
-  bool sharded() const noexcept { return o_.zero == 1 && world() > 1; }
+  bool sharded() const noexcept { return o_.zero >= 1 && world() > 1; }
+  bool zero2() const noexcept { return o_.zero == 2 && world() > 1; }
+  // The gradients this rank keeps: all of them, or under ZeRO-2 its shard's (opt_shard_).
+  std::size_t grad_elements() const noexcept { return zero2() ? opt_shard_.size() : n_; }
+  std::size_t grad_bytes() const noexcept { return grad_elements() * sizeof(S); }
+  // The summed gradient of this rank's optimizer shard.
+  S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
+  // What plan_options::gradients says for this trainer.
+  gradient_shards gradient_sharding() const { return zero2() ? gradient_shards_of<S>(comm_) : gradient_shards{}; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
     if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    if (g_ != nullptr) alloc_.deallocate(g_, m_.weight_bytes(), default_alignment, memory_tag::gradients);
+    if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
@@ -1017,6 +1214,11 @@ class trainer {
   // A planned stack (caching_options::planned) serves the run from the plan's layout.
   void use_layout(const training_plan& p) {
     if constexpr (has_planned_layer<Allocator>) {
+      if (zero2() && planned_layer(alloc_) != nullptr) {
+        throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
+                               "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
+                               "zero = 1, or an allocator stack without a planned layout");
+      }
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
     }
   }
@@ -1037,8 +1239,8 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
-    need(o.zero <= 1, "options.zero", "0 or 1 (ZeRO-2 is not built yet)", static_cast<double>(o.zero),
-         "Use 1 to shard AdamW's state over the ranks, 0 to keep it whole");
+    need(o.zero <= 2, "options.zero", "0, 1 or 2", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 0 to keep both whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -1060,6 +1262,7 @@ class trainer {
     po.optimizer = true;
     po.optimizer_elements = optimizer_elements();
     po.optimizer_policy = optimizer_of<Optimizer>();
+    po.gradients = gradient_sharding();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -1180,7 +1383,7 @@ class trainer {
   void rewind(const random_state& rng0, std::uint64_t position0) noexcept {
     rng_ = rng0;
     position_ = position0;
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
   }
 
   template <sequence_source Source, typename Request>
@@ -1209,7 +1412,7 @@ class trainer {
 
   template <sequence_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
-    std::memset(static_cast<void*>(g_), 0, m_.weight_bytes());
+    std::memset(static_cast<void*>(g_), 0, grad_bytes());
     double loss = 0;
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -1226,9 +1429,13 @@ class trainer {
           default: break;
         }
       };
-      loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
-                                  scale / accum, alloc_, pool_, observer) /
-              accum;
+      if (zero2()) {
+        loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
+      } else {
+        loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
+                                    scale / accum, alloc_, pool_, observer) /
+                accum;
+      }
     }
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
     if (world() > 1) loss = exchange(loss);
@@ -1249,7 +1456,9 @@ class trainer {
   // raises the peak the plan predicted.
   double exchange(double loss) {
     if constexpr (reducible<S>) {
-      if (sharded()) {
+      if (zero2()) {
+        // Reduce-scattered during the backward already.
+      } else if (sharded()) {
         exchange_shards();
       } else {
         exchange_all();
@@ -1259,6 +1468,100 @@ class trainer {
       return loss;
     } else {
       return loss;  // check_world refused more than one rank
+    }
+  }
+
+  // ---- ZeRO-2 ------------------------------------------------------------------------------------
+  // What this rank keeps of a micro-batch's gradients, and when: its shard (g_, between steps
+  // too); in each block's backward, that block's gradients (a bucket allocated after the block's
+  // δ and freed once reduce-scattered into the ranks' shards at the end of its backward); for the
+  // whole micro-batch, the embedding's and head's (one bucket, reduce-scattered after the
+  // micro-batch). The first micro-batch of a step writes the sums into the shard, the others add
+  // theirs: so with one micro-batch per rank the shard holds ZeRO-0's sum, bit for bit, and with
+  // more it is a sum of the micro-batches' rank-order sums (another order than ZeRO-0's).
+  struct zero2_router {
+    trainer& t;
+    bool first;
+    S* held = nullptr;    // the embedding's and head's gradients
+    S* bucket = nullptr;  // the current block's
+    shard_range range{};
+    zero2_router(trainer& tr, bool f) : t(tr), first(f) {}
+    zero2_router(const zero2_router&) = delete;
+    zero2_router& operator=(const zero2_router&) = delete;
+    ~zero2_router() {
+      if (bucket != nullptr) t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
+      if (held != nullptr) t.alloc_.deallocate(held, t.held_bytes(), default_alignment, memory_tag::gradients);
+    }
+    S* at(std::size_t offset) const noexcept {
+      if (bucket != nullptr && offset >= range.begin && offset < range.end) return bucket + (offset - range.begin);
+      const shard_range e = t.m_.embedding_parameters();
+      if (offset < e.end) return held + offset;
+      return held + e.size() + (offset - t.m_.head_parameters().begin);
+    }
+    void begin_block(std::size_t i) {
+      const shard_range r = t.m_.block_parameters(i);
+      bucket = static_cast<S*>(t.alloc_.allocate(r.size() * sizeof(S), default_alignment, memory_tag::gradients));
+      range = r;
+      std::memset(static_cast<void*>(bucket), 0, r.size() * sizeof(S));
+    }
+    void end_block(std::size_t) {
+      t.reduce_scatter_range(bucket, range, first);
+      t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
+      bucket = nullptr;
+    }
+  };
+
+  std::size_t held_bytes() const noexcept {
+    return (m_.embedding_parameters().size() + m_.head_parameters().size()) * sizeof(S);
+  }
+
+  template <typename Observer>
+  double zero2_micro_batch(bool first, double scale, Observer& observer) {
+    zero2_router router(*this, first);
+    router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
+    std::memset(static_cast<void*>(router.held), 0, held_bytes());
+    const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, pool_, observer);
+    const shard_range e = m_.embedding_parameters();
+    reduce_scatter_range(router.held, e, first);
+    reduce_scatter_range(router.held + e.size(), m_.head_parameters(), first);
+    return loss;
+  }
+
+  // The workspace of one range's reduce-scatter (and, with more than one micro-batch, the
+  // partial sum it adds into the shard), as the planner counts it (gradient_shards).
+  std::size_t range_exchange_bytes(shard_range r) const {
+    return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
+  }
+  // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
+  // part of them summed over ranks in rank order into (first) or onto its shard g_.
+  void reduce_scatter_range(const S* in, shard_range r, bool first) {
+    if constexpr (reducible<S>) {
+      const std::size_t N = world();
+      std::size_t most = 0;
+      for (std::size_t k = 0; k < N; ++k) {
+        const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+        blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+        most = std::max(most, o.size());
+      }
+      const shard_range mine = overlap(opt_shard_, r.begin, r.end);
+      S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
+      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);  // ws's first part
+      const std::size_t ws_bytes = range_exchange_bytes(r);
+      void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+      try {
+        if (first) {
+          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), dst, ws, rs);
+        } else {
+          S* part = reinterpret_cast<S*>(static_cast<std::byte*>(ws) + rs);
+          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), part, ws, rs);
+          for (std::size_t i = 0; i < mine.size(); ++i) dst[i] += part[i];
+        }
+      } catch (...) {
+        alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
+        throw;
+      }
+      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
     }
   }
 
@@ -1343,7 +1646,7 @@ class trainer {
     if (N == 1) return global_norm(g_, n_, pool_);
     const std::size_t me = comm_.rank();
     if (sharded()) {
-      norm_parts_[me] = sum_squares(g_ + opt_shard_.begin, opt_shard_.size(), pool_);
+      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), pool_);
       comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
     } else {
       for (std::size_t r = 0; r < N; ++r) {
@@ -1368,9 +1671,9 @@ class trainer {
                              std::to_string(eff_.batch),
                              "Choose an effective batch every rank can take an equal share of");
     }
-    if (o_.zero == 1 && n_ < N) {
+    if (o_.zero >= 1 && n_ < N) {
       throw invalid_argument("options.zero", "0 for a model with fewer parameters than ranks",
-                             "1 with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
+                             std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
     if (o_.replan_under_pressure) {
@@ -1412,6 +1715,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
+    fo.gradients = gradient_sharding();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     for (const auto& [t, below_emergency] : targets) {
       try {
@@ -1434,6 +1738,7 @@ class trainer {
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
+    fo.gradients = gradient_sharding();
     fo.reserve = reserve_;
     try {
       (void)fit(m_, rank_batch(), 0, fo);
@@ -1476,8 +1781,17 @@ class trainer {
   }
 
   // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
-  void check_fingerprint(const std::vector<fingerprint_field>& saved, const std::string& path) const {
-    const std::vector<fingerprint_field> now = fingerprint();
+  // any_world: the fields that name a world size and a shard (a file being re-sharded) are
+  // left out; the caller checks the optimizer's layout itself.
+  void check_fingerprint(std::vector<fingerprint_field> saved, const std::string& path, bool any_world = false) const {
+    std::vector<fingerprint_field> now = fingerprint();
+    if (any_world) {
+      const auto world_field = [](const fingerprint_field& f) {
+        return f.name == "zero" || f.name == "ranks" || f.name == "optimizer.shard" || f.name == "optimizer";
+      };
+      std::erase_if(now, world_field);
+      std::erase_if(saved, world_field);
+    }
     struct diff {
       std::string field, saved, current;
     };

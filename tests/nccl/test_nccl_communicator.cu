@@ -1,0 +1,135 @@
+// nccl_communicator against the rank-order sums on the host (ctest: mpiexec -n 1; any N works,
+// one GPU per rank, device = rank % device count). Without a GPU it reports itself skipped (77).
+// Each collective, float and double, n = 0, 1, 3, 7, 1000, 65537: rank r's input is a function of
+// (r, i), so every rank computes every rank's input and the expected result (detail::ordered_sum,
+// mpi_communicator's sum), and the device result must equal it bit for bit. The collectives run
+// ordered on a stream of the test's own (set_stream), read back after synchronizing it.
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "membound/nccl.cuh"
+
+namespace mb = membound;
+
+namespace {
+
+int failures = 0;
+std::size_t me = 0;
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::fprintf(stderr, "rank %zu: FAIL: %s\n", me, what.c_str());
+  }
+}
+void cu(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw mb::backend_error(what, static_cast<int>(e), cudaGetErrorString(e));
+}
+
+template <typename T>
+T input(std::size_t r, std::size_t i) {
+  // Values whose sums round: different magnitudes per rank.
+  return static_cast<T>((static_cast<double>((i * 2654435761u + r * 40503u) % 1000) - 500.0) * (r + 1) / 3.0);
+}
+
+template <typename T>
+struct device_buffer {
+  T* p = nullptr;
+  explicit device_buffer(std::size_t n) { cu(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)), "cudaMalloc"); }
+  ~device_buffer() { (void)cudaFree(p); }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+};
+
+template <typename T>
+void run(mb::nccl_communicator& comm, cudaStream_t s, std::size_t n) {
+  const std::size_t N = comm.size();
+  std::vector<T> mine(n), all(N * n);
+  for (std::size_t r = 0; r < N; ++r)
+    for (std::size_t i = 0; i < n; ++i) all[r * n + i] = input<T>(r, i);
+  std::memcpy(mine.data(), all.data() + me * n, n * sizeof(T));
+  std::vector<T> sum(n);
+  if (n != 0) mb::detail::ordered_sum(all.data(), N, n, n, sum.data());
+  const std::string at = std::string(sizeof(T) == 4 ? "float" : "double") + " n=" + std::to_string(n);
+
+  device_buffer<T> d(n), out(n);
+  device_buffer<std::byte> ws(comm.template all_reduce_workspace_bytes<T>(n));
+  std::vector<T> back(n);
+  const auto upload = [&] { cu(cudaMemcpyAsync(d.p, mine.data(), n * sizeof(T), cudaMemcpyHostToDevice, s), "upload"); };
+  const auto download = [&](const T* from, std::size_t k) {
+    back.assign(k, T{});
+    cu(cudaMemcpyAsync(back.data(), from, k * sizeof(T), cudaMemcpyDeviceToHost, s), "download");
+    cu(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  };
+
+  // all_reduce_sum
+  upload();
+  comm.all_reduce_sum(d.p, n, ws.p, comm.template all_reduce_workspace_bytes<T>(n));
+  download(d.p, n);
+  check(back == sum || (n == 0), "all_reduce_sum " + at);
+  // reduce_scatter_sum
+  const mb::shard_range sh = mb::shard_of(n, N, me);
+  upload();
+  comm.reduce_scatter_sum(d.p, n, out.p, ws.p, comm.template reduce_scatter_workspace_bytes<T>(n));
+  download(out.p, sh.size());
+  check(std::equal(back.begin(), back.end(), sum.begin() + static_cast<std::ptrdiff_t>(sh.begin)),
+        "reduce_scatter_sum " + at);
+  // all_gather: every rank's shard of its own input
+  upload();
+  comm.all_gather(static_cast<const T*>(d.p + sh.begin), out.p, n);
+  download(out.p, n);
+  bool gathered = true;
+  for (std::size_t r = 0; r < N; ++r) {
+    const mb::shard_range q = mb::shard_of(n, N, r);
+    for (std::size_t i = q.begin; i < q.end; ++i) gathered = gathered && back[i] == all[r * n + i];
+  }
+  check(gathered, "all_gather " + at);
+  // broadcast from the last rank
+  upload();
+  comm.broadcast(d.p, n, N - 1);
+  download(d.p, n);
+  check(std::equal(back.begin(), back.end(), all.begin() + static_cast<std::ptrdiff_t>((N - 1) * n)), "broadcast " + at);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("test_nccl_communicator: no CUDA device here: skipped\n");
+    return 77;
+  }
+  mb::mpi_environment env(argc, argv);
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  me = static_cast<std::size_t>(r);
+  try {
+    cu(cudaSetDevice(r % devices), "cudaSetDevice");
+    mb::nccl_communicator comm;
+    cudaStream_t s = nullptr;
+    cu(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    comm.set_stream(s);
+    for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{1000},
+                                std::size_t{65537}}) {
+      run<float>(comm, s, n);
+      run<double>(comm, s, n);
+    }
+    comm.barrier();
+    bool refused = false;
+    try {
+      comm.set_stream(nullptr);
+    } catch (const mb::invalid_argument&) {
+      refused = true;
+    }
+    check(refused, "the legacy default stream is refused");
+    (void)cudaStreamDestroy(s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %zu: %s\n", me, e.what());
+    ++failures;
+  }
+  int total = 0;
+  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  if (me == 0) std::printf("test_nccl_communicator: %s\n", total == 0 ? "all checks passed" : "FAILED");
+  return total == 0 ? 0 : 1;
+}
