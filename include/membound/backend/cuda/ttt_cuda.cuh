@@ -672,6 +672,31 @@ __device__ inline void update_backward(const float* x, unsigned ldx, unsigned K,
   __syncthreads();
 }
 
+// Z = X·W + b backwards: dX += dZ·Wᵀ (stride lddx), dW += Xᵀ·dZ, db += Σ dZ.
+__device__ inline void linear_rows_backward(const float* x, unsigned ldx, unsigned K, unsigned nin,
+                                            unsigned nout, const float* W, const float* dz,
+                                            float* dx, unsigned lddx, float* dW, float* db) {
+  const unsigned tid = threadIdx.x, nt = blockDim.x;
+  for (unsigned e = tid; e < K * nin; e += nt) {
+    const unsigned i = e / nin, a = e % nin;
+    float acc = 0.0f;
+    for (unsigned o = 0; o < nout; ++o) acc += dz[i * nout + o] * W[a * nout + o];
+    dx[i * lddx + a] += acc;
+  }
+  for (unsigned e = tid; e < nin * nout; e += nt) {
+    const unsigned a = e / nout, o = e % nout;
+    float acc = 0.0f;
+    for (unsigned i = 0; i < K; ++i) acc += x[i * ldx + a] * dz[i * nout + o];
+    dW[e] += acc;
+  }
+  for (unsigned o = tid; o < nout; o += nt) {
+    float acc = 0.0f;
+    for (unsigned i = 0; i < K; ++i) acc += dz[i * nout + o];
+    db[o] += acc;
+  }
+  __syncthreads();
+}
+
 // The backward of Zbar = X·W + b − P·G given dZbar (cpu::ttt_dual_rows_backward): accumulates dX
 // (stride lddx), dW, db and dG; writes dP = −dZbar·Gᵀ on the lower triangle (zero above).
 __device__ inline void dual_rows_backward(const float* x, unsigned ldx, unsigned K, unsigned nin,
@@ -679,24 +704,10 @@ __device__ inline void dual_rows_backward(const float* x, unsigned ldx, unsigned
                                           const float* g, const float* dzb, float* dx,
                                           unsigned lddx, float* dW, float* db, float* dg,
                                           float* dp) {
+  // The X·W + b part is linear_rows_backward's (its barrier ends it; the P·G part reads none of
+  // what it writes).
+  linear_rows_backward(x, ldx, K, nin, nout, W, dzb, dx, lddx, dW, db);
   const unsigned tid = threadIdx.x, nt = blockDim.x;
-  for (unsigned e = tid; e < K * nin; e += nt) {
-    const unsigned i = e / nin, a = e % nin;
-    float acc = 0.0f;
-    for (unsigned o = 0; o < nout; ++o) acc += dzb[i * nout + o] * W[a * nout + o];
-    dx[i * lddx + a] += acc;
-  }
-  for (unsigned e = tid; e < nin * nout; e += nt) {
-    const unsigned a = e / nout, o = e % nout;
-    float acc = 0.0f;
-    for (unsigned i = 0; i < K; ++i) acc += x[i * ldx + a] * dzb[i * nout + o];
-    dW[e] += acc;
-  }
-  for (unsigned o = tid; o < nout; o += nt) {
-    float acc = 0.0f;
-    for (unsigned i = 0; i < K; ++i) acc += dzb[i * nout + o];
-    db[o] += acc;
-  }
   for (unsigned e = tid; e < K * nout; e += nt) {  // P is zero above the diagonal: i ≥ s
     const unsigned s = e / nout, o = e % nout;
     float acc = 0.0f;
@@ -747,31 +758,6 @@ __device__ inline void att_backward(const float* x, unsigned ldx, const float* y
     float acc = 0.0f;
     for (unsigned i = s; i < K; ++i) acc += datt[i * K + s] * x[i * ldx + c];
     dy[s * lddy + c] += acc;
-  }
-  __syncthreads();
-}
-
-// Z = X·W + b backwards: dX += dZ·Wᵀ (stride lddx), dW += Xᵀ·dZ, db += Σ dZ.
-__device__ inline void linear_rows_backward(const float* x, unsigned ldx, unsigned K, unsigned nin,
-                                            unsigned nout, const float* W, const float* dz,
-                                            float* dx, unsigned lddx, float* dW, float* db) {
-  const unsigned tid = threadIdx.x, nt = blockDim.x;
-  for (unsigned e = tid; e < K * nin; e += nt) {
-    const unsigned i = e / nin, a = e % nin;
-    float acc = 0.0f;
-    for (unsigned o = 0; o < nout; ++o) acc += dz[i * nout + o] * W[a * nout + o];
-    dx[i * lddx + a] += acc;
-  }
-  for (unsigned e = tid; e < nin * nout; e += nt) {
-    const unsigned a = e / nout, o = e % nout;
-    float acc = 0.0f;
-    for (unsigned i = 0; i < K; ++i) acc += x[i * ldx + a] * dz[i * nout + o];
-    dW[e] += acc;
-  }
-  for (unsigned o = tid; o < nout; o += nt) {
-    float acc = 0.0f;
-    for (unsigned i = 0; i < K; ++i) acc += dz[i * nout + o];
-    db[o] += acc;
   }
   __syncthreads();
 }
