@@ -5893,6 +5893,11 @@ static_assert(backend_policy<cpu_backend>);
 template <typename B>
 inline constexpr bool is_cpu_backend_v = std::same_as<B, cpu_backend>;
 
+// The key of the model's own ops on a backend (RMSNorm, the residual add, the embedding's gather
+// and scatter): backend_kernels<Backend, model_glue>. Declared here so that the CUDA headers,
+// which never see model/, can specialize it; model/glue.hpp has the host's.
+struct model_glue;
+
 // The device code of `Layer` on `Backend`. Only declared here: backend/cuda/*.cuh defines the
 // specializations, so a host-only translation unit that names cuda_backend gets the sentence
 // below instead of an incomplete-type error deep inside a layer.
@@ -12243,6 +12248,69 @@ MEMBOUND_NAMESPACE_END
 // are bit-identical to the ones a taped forward keeps, and every schedule gives the same
 // gradients. Sizes are pure functions of the shape; nothing here allocates.
 
+// ---- begin membound/model/glue.hpp ----
+// The model's own ops (RMSNorm, the residual add, the embedding's gather and scatter) on the
+// backend its layers run on. block and model call them through model_glue_of<Backend>, so one
+// schedule, one allocation order and one plan serve both backends:
+//   cpu_backend   cpu_model_glue below (backend/cpu/model_cpu.hpp over a thread_pool);
+//   cuda_backend  backend_kernels<cuda_backend, model_glue> (backend/cuda/model_kernels.cuh, over
+//                 a cuda_executor: every pointer is device memory, nothing synchronizes).
+// Every function takes the accumulation type A first; the norm's backward scratch is sized by
+// norm_backward_scratch_bytes<A, S>(N, C), the exact bytes of that backend's row-block partials.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct cpu_model_glue {
+  using executor = thread_pool;
+  // The thread count the CPU size functions take (per-thread scratch).
+  static std::size_t threads(const thread_pool& pool) noexcept { return pool.size(); }
+
+  template <typename A, typename S>
+  static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
+    return bytes_of<A>(cpu::row_partials(N, C));
+  }
+  template <typename A, typename S>
+  static void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, std::size_t N,
+                              std::size_t C, double eps) {
+    cpu::rmsnorm_forward(pool, x, g, y, rstd, N, C, eps);
+  }
+  template <typename A, typename S>
+  static void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
+                            std::size_t C) {
+    cpu::rmsnorm_apply(pool, x, g, rstd, y, N, C);
+  }
+  // dx = residual + RMSNorm'ᵀ(dy), dg += its scale gradient; scratch: norm_backward_scratch_bytes.
+  template <typename A, typename S>
+  static void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, const S* dy,
+                               const S* residual, S* dx, S* dg, void* scratch, std::size_t N, std::size_t C) {
+    cpu::rmsnorm_backward(pool, x, g, rstd, dy, residual, dx, dg, static_cast<A*>(scratch), N, C);
+  }
+  template <typename A, typename S>
+  static void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
+    cpu::add_rows<A>(pool, a, b, y, N, C);
+  }
+  // The ids were checked against V before (model::check_tokens): V is the device's bound only.
+  template <typename A, typename S>
+  static void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
+                               std::size_t C, std::size_t /*V*/) {
+    cpu::embedding_gather(pool, tokens, table, x, N, C);
+  }
+  template <typename A, typename S>
+  static void embedding_scatter(thread_pool& pool, const std::int32_t* tokens, const S* dx, S* dtable,
+                                std::size_t N, std::size_t C, std::size_t /*V*/) {
+    cpu::embedding_scatter<A>(pool, tokens, dx, dtable, N, C);
+  }
+};
+
+// Naming backend_kernels<B, model_glue> does not instantiate it: a host-only translation unit
+// that uses a CUDA model gets backend_kernels' sentence only when it calls into it.
+template <typename Backend>
+using model_glue_of =
+    std::conditional_t<is_cpu_backend_v<Backend>, cpu_model_glue, backend_kernels<Backend, model_glue>>;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/glue.hpp ----
+
 MEMBOUND_NAMESPACE_BEGIN
 
 enum class forward_mode : unsigned char { advance, tape, retape };
@@ -12256,6 +12324,8 @@ struct part {
   using shape_type = typename traits::shape_type;
   using S = typename Layer::storage_type;
   using A = typename Layer::accum_type;
+  using glue = model_glue_of<typename Layer::backend>;
+  using executor = typename Layer::executor;
   static constexpr std::size_t param_count = traits::param_count + 1;  // norm scale first
 
   struct dims {
@@ -12297,7 +12367,7 @@ struct part {
     l.add(act_bytes(d), default_alignment, {0, 1});
     l.add(Layer::backward_workspace_bytes(d.layer, threads), default_alignment, {1, 1});
     l.add(act_bytes(d), default_alignment, {1, 2});
-    l.add(bytes_of<A>(cpu::row_partials(d.rows, d.width)), default_alignment, {2, 2});
+    l.add(glue::template norm_backward_scratch_bytes<A, S>(d.rows, d.width), default_alignment, {2, 2});
     return l;
   }
 
@@ -12314,8 +12384,8 @@ struct part {
 
   // y = x + L(RMSNorm(x)). `saved` is used only when keep.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, bool keep, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                      void* workspace, bool keep, executor& ex) {
+    const std::size_t threads = glue::threads(ex);
     const auto fl = forward_layout(d, threads, keep);
     const auto ws = carve(fl, workspace, fl.size());
     S* n = ws.template get<S>(f_n);
@@ -12330,30 +12400,30 @@ struct part {
       rstd = ws.template get<A>(f_rstd);
       lsaved = ws.template get<std::byte>(f_saved);
     }
-    cpu::rmsnorm_forward(pool, x, w[0], n, rstd, d.rows, d.width, d.eps);
+    glue::template rmsnorm_forward<A>(ex, x, w[0], n, rstd, d.rows, d.width, d.eps);
     S* m = ws.template get<S>(f_m);
     Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer),
-                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), pool);
-    cpu::add_rows<A>(pool, x, m, y, d.rows, d.width);
+                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), ex);
+    glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
   }
 
   // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
-                       const void* saved, const S* dy, S* dx, void* workspace, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                       const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
+    const std::size_t threads = glue::threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
     const auto sv = carve(sl, const_cast<void*>(saved), sl.size());
     const A* rstd = sv.template get<A>(s_rstd);
     S* n = ws.template get<S>(b_n);
-    cpu::rmsnorm_apply(pool, x, w[0], rstd, n, d.rows, d.width);
+    glue::template rmsnorm_apply<A>(ex, x, w[0], rstd, n, d.rows, d.width);
     S* dn = ws.template get<S>(b_dn);
     Layer::backward(d.layer, layer_weights(w), n, sv.template get<std::byte>(s_layer), Layer::saved_bytes(d.layer), dy,
                     dn, layer_grads(g), ws.template get<std::byte>(b_ws), Layer::backward_workspace_bytes(d.layer, threads),
-                    pool);
-    cpu::rmsnorm_backward(pool, x, w[0], rstd, dn, dy, dx, g[0], ws.template get<A>(b_partial),
-                          d.rows, d.width);
+                    ex);
+    glue::template rmsnorm_backward<A>(ex, x, w[0], rstd, dn, dy, dx, g[0], ws.template get<std::byte>(b_partial),
+                                       d.rows, d.width);
   }
 };
 
@@ -12366,7 +12436,10 @@ class block {
   using mixer = Mixer;
   using storage_type = typename Mixer::storage_type;
   using accum_type = typename Mixer::accum_type;
-  using mlp = swiglu_mlp<precision<storage_type, accum_type>>;
+  // The MLP runs where the mixer runs; so does the block's glue (model/glue.hpp).
+  using backend = typename Mixer::backend;
+  using executor = typename backend::executor;
+  using mlp = swiglu_mlp<precision<storage_type, accum_type>, backend>;
 
  private:
   using S = storage_type;
@@ -12470,8 +12543,8 @@ class block {
   // y: the output (ignored under retape, which computes it in the workspace); saved: the block's
   // saved_bytes (ignored under advance).
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, forward_mode mode, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                      void* workspace, forward_mode mode, executor& ex) {
+    const std::size_t threads = model_glue_of<backend>::threads(ex);
     const bool keep = mode != forward_mode::advance;
     const auto fl = forward_layout(d, threads, mode);
     const auto ws = carve(fl, workspace, fl.size());
@@ -12488,21 +12561,21 @@ class block {
       h = ws.template get<S>(f_h);
     }
     if (mode == forward_mode::retape) y = ws.template get<S>(f_y);
-    part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, pool);
-    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, pool);
+    part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, ex);
+    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, ex);
   }
 
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
-                       const void* saved, const S* dy, S* dx, void* workspace, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                       const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
+    const std::size_t threads = model_glue_of<backend>::threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
     const auto sv = carve(sl, const_cast<void*>(saved), sl.size());
     S* dh = ws.template get<S>(b_dh);
     part2::backward(d.p2, second(w), second(g), sv.template get<S>(s_h), sv.template get<std::byte>(s_p2), dy, dh,
-                    ws.template get<std::byte>(b_p2), pool);
-    part1::backward(d.p1, first(w), first(g), x, sv.template get<std::byte>(s_p1), dh, dx, ws.template get<std::byte>(b_p1), pool);
+                    ws.template get<std::byte>(b_p2), ex);
+    part1::backward(d.p1, first(w), first(g), x, sv.template get<std::byte>(s_p1), dh, dx, ws.template get<std::byte>(b_p1), ex);
   }
 
  private:
@@ -12913,11 +12986,18 @@ inline std::string to_string(const chain_op& op) {
     case chain_op_kind::backward: k = "B"; break;
     case chain_op_kind::discard: k = "D"; break;
   }
-  return k + std::to_string(op.block);
+  // Appended, not `k + std::to_string(...)`: GCC 12 at -O3 reports a false -Wrestrict on that
+  // operator+ once inlined into a large translation unit (seen under nvcc's host pass).
+  std::string s(k);
+  s += std::to_string(op.block);
+  return s;
 }
 inline std::string to_string(std::span<const chain_op> ops) {
   std::string s;
-  for (const chain_op& op : ops) s += (s.empty() ? "" : " ") + to_string(op);
+  for (const chain_op& op : ops) {
+    if (!s.empty()) s += ' ';
+    s += to_string(op);
+  }
   return s;
 }
 
@@ -13541,10 +13621,17 @@ class model {
 
   using storage_type = typename embedding_type::precision::storage_type;
   using accum_type = typename embedding_type::precision::accum_type;
+  // Where the whole model runs: its head's backend (the embedding follows it), which every block's
+  // mixer must share. With cuda_backend every pointer a step takes (weights, gradients, tokens,
+  // targets) is device memory and the executor is a cuda_executor.
+  using backend = typename head_type::backend;
+  using executor = typename backend::executor;
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  private:
   using S = storage_type;
   using A = accum_type;
+  using glue = model_glue_of<backend>;
 
   template <typename B>
   static constexpr bool block_ok() {
@@ -13563,6 +13650,20 @@ class model {
   static_assert(std::is_same_v<typename head_type::storage_type, S> &&
                     std::is_same_v<typename head_type::accum_type, A>,
                 "membound: lm_head<P> must use the embedding's precision P.");
+  template <typename B>
+  static constexpr bool on_model_backend() {
+    if constexpr (!is_block_v<B>) {
+      return true;  // block_ok's assertion names that mistake
+    } else {
+      return std::is_same_v<typename B::backend, backend>;
+    }
+  }
+  static_assert([]<std::size_t... I>(std::index_sequence<I...>) {
+    return (on_model_backend<std::tuple_element_t<I, blocks>>() && ...);
+  }(std::make_index_sequence<block_types>{}),
+                "membound: every block's mixer must run on the head's backend: name the same backend "
+                "in each, e.g. block<attention<bf16_precision, cuda_backend>> with "
+                "lm_head<bf16_precision, cuda_backend>.");
 
  public:
   // pattern: for a block_pattern model, the index (into its mixer list) of every block; empty
@@ -13638,6 +13739,18 @@ class model {
                              "A step needs at least one sequence of one token");
     }
     for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
+  }
+
+  // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
+  // model's caller checks its host copy before the upload).
+  void check_tokens(const std::int32_t* t, std::size_t n) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
+        throw invalid_argument("tokens[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(cfg_.vocab) + ")",
+                               std::to_string(t[i]), "Encode the data with the model's vocabulary");
+      }
+    }
   }
 
   // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
@@ -13722,6 +13835,12 @@ class model {
   // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
   // allocated is given back; weights are untouched (gradients may hold a partial sum).
   //
+  // On cuda_backend, tokens and targets are device arrays whose ids the caller checked on the
+  // host before the upload (check_tokens; lm_head's check_targets): the device cannot throw
+  // without a sync. A bad id still reads nothing outside a table (its row is zero). The
+  // returned loss is a host double, so the call synchronizes the executor's stream once, at the
+  // loss; the backward after it is only enqueued.
+  //
   // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
   // before_backward (loss and its gradient computed) and at after_backward (before the last
   // gradient is freed): where a pressure monitor looks. An observer may throw to abandon the
@@ -13730,7 +13849,7 @@ class model {
     requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                          double loss_scale, Allocator& alloc, thread_pool& pool,
+                          double loss_scale, Allocator& alloc, executor& ex,
                           Observer observe = {}) const {
     static_assert(check_allocator<Allocator>());
     detail::not_null(w, "weights");
@@ -13738,7 +13857,7 @@ class model {
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -13751,7 +13870,7 @@ class model {
     requires std::invocable<Observer&, check_point>
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                                 double loss_scale, Allocator& alloc, thread_pool& pool, Observer observe = {}) const {
+                                 double loss_scale, Allocator& alloc, executor& ex, Observer observe = {}) const {
     static_assert(check_allocator<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
@@ -13761,7 +13880,7 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -13796,10 +13915,13 @@ class model {
   // ---- Inference: the next-token logits of every sequence -------------------------------------
   // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
   // block runs in advance mode and its input is freed as soon as its output exists, so the peak
-  // is two activations plus one block's workspace, all from `alloc`.
+  // is two activations plus one block's workspace, all from `alloc`. CPU backend only for now.
   template <typename Allocator>
   void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
-                         Allocator& alloc, thread_pool& pool) const {
+                         Allocator& alloc, executor& pool) const {
+    static_assert(on_cpu || dependent_false<Allocator>,
+                  "membound: model::next_token_logits runs on cpu_backend only (its head is a host "
+                  "loop); on the device, use loss() or a step, or copy the weights to a CPU model.");
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
@@ -13807,7 +13929,7 @@ class model {
     check_tokens(tokens, b.tokens());
     const std::size_t C = cfg_.width;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &pool, pool.size());
+    const S* x = forward_only<true>(w, tokens, b, live, &pool, glue::threads(pool));
     const auto hw = head_weights(w);
     for (std::size_t s = 0; s < b.batch; ++s) {
       const S* row = x + (s * b.seq + b.seq - 1) * C;
@@ -13830,11 +13952,11 @@ class model {
   // forward workspace and the head's, all from `alloc` (below any training plan's for b).
   template <typename Allocator>
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-              std::size_t head_chunk, Allocator& alloc, thread_pool& pool) const {
+              std::size_t head_chunk, Allocator& alloc, executor& ex) const {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &pool, pool.size());
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, glue::threads(ex));
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
@@ -13920,11 +14042,11 @@ class model {
   template <bool Run, typename Allocator, typename Router, typename Observer>
   double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
-              thread_pool* pool, std::size_t threads, Observer& observe) const {
+              executor* ex, std::size_t threads, Observer& observe) const {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
-    if constexpr (Run) {
+    if constexpr (Run && on_cpu) {
       check_tokens(tokens, N);
       head_type::check_targets(targets, N, cfg_.vocab);
     }
@@ -13937,7 +14059,7 @@ class model {
     double loss_sum = 0;
 
     x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x[0], N, C);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x[0], N, C, cfg_.vocab);
 
     for (const chain_op& op : ops) {
       const std::size_t i = op.block;
@@ -13955,7 +14077,7 @@ class model {
               saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
             const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
             void* ws = live.get(wsb, memory_tag::workspace);
-            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *pool);
+            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *ex);
             live.put(ws);
           });
           break;
@@ -13968,7 +14090,7 @@ class model {
           if constexpr (Run) {
             const double scale = loss_scale / static_cast<double>(N);
             loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, routed_head_grads(g), ws,
-                                                wsb, *pool);
+                                                wsb, *ex);
           }
           live.put(ws);
           delta = d_out;
@@ -13982,7 +14104,7 @@ class model {
             g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
             if constexpr (Run)
-              B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
+              B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *ex);
             live.put(ws);
             g.end_block(i);
             live.put(delta);
@@ -13999,7 +14121,7 @@ class model {
       }
     }
     if constexpr (Run) {
-      cpu::embedding_scatter<A>(*pool, tokens, delta, g.at(params_[0].offset), N, C);
+      glue::template embedding_scatter<A>(*ex, tokens, delta, g.at(params_[0].offset), N, C, cfg_.vocab);
       observe(check_point::after_backward);
     }
     live.put(delta);
@@ -14008,22 +14130,22 @@ class model {
 
   template <bool Run, typename Allocator>
   double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-                   std::size_t head_chunk, Allocator& alloc, thread_pool* pool, std::size_t threads) const {
+                   std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads) const {
     static_assert(check_allocator<Allocator>());
     check(b);
     const std::size_t N = b.tokens();
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
-    if constexpr (Run) {
+    if constexpr (Run && on_cpu) {
       check_tokens(tokens, N);
       head_type::check_targets(targets, N, cfg_.vocab);
     }
     live_set<Allocator> live(alloc, depth());
-    S* x = forward_only<Run>(w, tokens, b, live, pool, threads);
+    S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
     double total = 0;
-    if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *pool);
+    if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *ex);
     live.put(ws);
     live.put(x);
     return total / static_cast<double>(N);
@@ -14031,17 +14153,17 @@ class model {
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).
   template <bool Run, typename Live>
-  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool* pool,
+  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
                   std::size_t threads) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x, N, C);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
       visit_block(i, [&]<typename B>(B*) {
         const auto d = B::make_dims(cfg_, b);
         S* y = static_cast<S*>(live.get(a, memory_tag::activations));
         void* ws = live.get(B::forward_workspace_bytes(d, threads, forward_mode::advance), memory_tag::workspace);
-        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *pool);
+        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *ex);
         live.put(ws);
         live.put(x);
         x = y;
@@ -14103,16 +14225,6 @@ class model {
     }
     if (!(c.norm_eps > 0.0)) {
       throw invalid_argument("config.norm_eps", "above 0", std::to_string(c.norm_eps), "Use e.g. 1e-5");
-    }
-  }
-
-  void check_tokens(const std::int32_t* t, std::size_t n) const {
-    for (std::size_t i = 0; i < n; ++i) {
-      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
-        throw invalid_argument("tokens[" + std::to_string(i) + "]",
-                               "a token id in [0, " + std::to_string(cfg_.vocab) + ")",
-                               std::to_string(t[i]), "Encode the data with the model's vocabulary");
-      }
     }
   }
 

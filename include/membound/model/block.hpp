@@ -14,12 +14,12 @@
 #include <limits>
 #include <string>
 
-#include "membound/backend/cpu/model_cpu.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
+#include "membound/model/glue.hpp"
 #include "membound/model/mixer_traits.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -35,6 +35,8 @@ struct part {
   using shape_type = typename traits::shape_type;
   using S = typename Layer::storage_type;
   using A = typename Layer::accum_type;
+  using glue = model_glue_of<typename Layer::backend>;
+  using executor = typename Layer::executor;
   static constexpr std::size_t param_count = traits::param_count + 1;  // norm scale first
 
   struct dims {
@@ -76,7 +78,7 @@ struct part {
     l.add(act_bytes(d), default_alignment, {0, 1});
     l.add(Layer::backward_workspace_bytes(d.layer, threads), default_alignment, {1, 1});
     l.add(act_bytes(d), default_alignment, {1, 2});
-    l.add(bytes_of<A>(cpu::row_partials(d.rows, d.width)), default_alignment, {2, 2});
+    l.add(glue::template norm_backward_scratch_bytes<A, S>(d.rows, d.width), default_alignment, {2, 2});
     return l;
   }
 
@@ -93,8 +95,8 @@ struct part {
 
   // y = x + L(RMSNorm(x)). `saved` is used only when keep.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, bool keep, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                      void* workspace, bool keep, executor& ex) {
+    const std::size_t threads = glue::threads(ex);
     const auto fl = forward_layout(d, threads, keep);
     const auto ws = carve(fl, workspace, fl.size());
     S* n = ws.template get<S>(f_n);
@@ -109,30 +111,30 @@ struct part {
       rstd = ws.template get<A>(f_rstd);
       lsaved = ws.template get<std::byte>(f_saved);
     }
-    cpu::rmsnorm_forward(pool, x, w[0], n, rstd, d.rows, d.width, d.eps);
+    glue::template rmsnorm_forward<A>(ex, x, w[0], n, rstd, d.rows, d.width, d.eps);
     S* m = ws.template get<S>(f_m);
     Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer),
-                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), pool);
-    cpu::add_rows<A>(pool, x, m, y, d.rows, d.width);
+                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), ex);
+    glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
   }
 
   // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
-                       const void* saved, const S* dy, S* dx, void* workspace, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                       const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
+    const std::size_t threads = glue::threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
     const auto sv = carve(sl, const_cast<void*>(saved), sl.size());
     const A* rstd = sv.template get<A>(s_rstd);
     S* n = ws.template get<S>(b_n);
-    cpu::rmsnorm_apply(pool, x, w[0], rstd, n, d.rows, d.width);
+    glue::template rmsnorm_apply<A>(ex, x, w[0], rstd, n, d.rows, d.width);
     S* dn = ws.template get<S>(b_dn);
     Layer::backward(d.layer, layer_weights(w), n, sv.template get<std::byte>(s_layer), Layer::saved_bytes(d.layer), dy,
                     dn, layer_grads(g), ws.template get<std::byte>(b_ws), Layer::backward_workspace_bytes(d.layer, threads),
-                    pool);
-    cpu::rmsnorm_backward(pool, x, w[0], rstd, dn, dy, dx, g[0], ws.template get<A>(b_partial),
-                          d.rows, d.width);
+                    ex);
+    glue::template rmsnorm_backward<A>(ex, x, w[0], rstd, dn, dy, dx, g[0], ws.template get<std::byte>(b_partial),
+                                       d.rows, d.width);
   }
 };
 
@@ -145,7 +147,10 @@ class block {
   using mixer = Mixer;
   using storage_type = typename Mixer::storage_type;
   using accum_type = typename Mixer::accum_type;
-  using mlp = swiglu_mlp<precision<storage_type, accum_type>>;
+  // The MLP runs where the mixer runs; so does the block's glue (model/glue.hpp).
+  using backend = typename Mixer::backend;
+  using executor = typename backend::executor;
+  using mlp = swiglu_mlp<precision<storage_type, accum_type>, backend>;
 
  private:
   using S = storage_type;
@@ -249,8 +254,8 @@ class block {
   // y: the output (ignored under retape, which computes it in the workspace); saved: the block's
   // saved_bytes (ignored under advance).
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, forward_mode mode, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                      void* workspace, forward_mode mode, executor& ex) {
+    const std::size_t threads = model_glue_of<backend>::threads(ex);
     const bool keep = mode != forward_mode::advance;
     const auto fl = forward_layout(d, threads, mode);
     const auto ws = carve(fl, workspace, fl.size());
@@ -267,21 +272,21 @@ class block {
       h = ws.template get<S>(f_h);
     }
     if (mode == forward_mode::retape) y = ws.template get<S>(f_y);
-    part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, pool);
-    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, pool);
+    part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, ex);
+    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, ex);
   }
 
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
-                       const void* saved, const S* dy, S* dx, void* workspace, thread_pool& pool) {
-    const std::size_t threads = pool.size();
+                       const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
+    const std::size_t threads = model_glue_of<backend>::threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
     const auto sv = carve(sl, const_cast<void*>(saved), sl.size());
     S* dh = ws.template get<S>(b_dh);
     part2::backward(d.p2, second(w), second(g), sv.template get<S>(s_h), sv.template get<std::byte>(s_p2), dy, dh,
-                    ws.template get<std::byte>(b_p2), pool);
-    part1::backward(d.p1, first(w), first(g), x, sv.template get<std::byte>(s_p1), dh, dx, ws.template get<std::byte>(b_p1), pool);
+                    ws.template get<std::byte>(b_p2), ex);
+    part1::backward(d.p1, first(w), first(g), x, sv.template get<std::byte>(s_p1), dh, dx, ws.template get<std::byte>(b_p1), ex);
   }
 
  private:

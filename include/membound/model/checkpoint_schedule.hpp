@@ -75,11 +75,18 @@ inline std::string to_string(const chain_op& op) {
     case chain_op_kind::backward: k = "B"; break;
     case chain_op_kind::discard: k = "D"; break;
   }
-  return k + std::to_string(op.block);
+  // Appended, not `k + std::to_string(...)`: GCC 12 at -O3 reports a false -Wrestrict on that
+  // operator+ once inlined into a large translation unit (seen under nvcc's host pass).
+  std::string s(k);
+  s += std::to_string(op.block);
+  return s;
 }
 inline std::string to_string(std::span<const chain_op> ops) {
   std::string s;
-  for (const chain_op& op : ops) s += (s.empty() ? "" : " ") + to_string(op);
+  for (const chain_op& op : ops) {
+    if (!s.empty()) s += ' ';
+    s += to_string(op);
+  }
   return s;
 }
 

@@ -38,6 +38,7 @@
 #include "membound/memory/allocator.hpp"
 #include "membound/core/memory_tag.hpp"
 #include "membound/model/block.hpp"
+#include "membound/model/glue.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/checkpoint_schedule.hpp"
 #include "membound/core/check_point.hpp"
@@ -144,10 +145,17 @@ class model {
 
   using storage_type = typename embedding_type::precision::storage_type;
   using accum_type = typename embedding_type::precision::accum_type;
+  // Where the whole model runs: its head's backend (the embedding follows it), which every block's
+  // mixer must share. With cuda_backend every pointer a step takes (weights, gradients, tokens,
+  // targets) is device memory and the executor is a cuda_executor.
+  using backend = typename head_type::backend;
+  using executor = typename backend::executor;
+  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  private:
   using S = storage_type;
   using A = accum_type;
+  using glue = model_glue_of<backend>;
 
   template <typename B>
   static constexpr bool block_ok() {
@@ -166,6 +174,20 @@ class model {
   static_assert(std::is_same_v<typename head_type::storage_type, S> &&
                     std::is_same_v<typename head_type::accum_type, A>,
                 "membound: lm_head<P> must use the embedding's precision P.");
+  template <typename B>
+  static constexpr bool on_model_backend() {
+    if constexpr (!is_block_v<B>) {
+      return true;  // block_ok's assertion names that mistake
+    } else {
+      return std::is_same_v<typename B::backend, backend>;
+    }
+  }
+  static_assert([]<std::size_t... I>(std::index_sequence<I...>) {
+    return (on_model_backend<std::tuple_element_t<I, blocks>>() && ...);
+  }(std::make_index_sequence<block_types>{}),
+                "membound: every block's mixer must run on the head's backend: name the same backend "
+                "in each, e.g. block<attention<bf16_precision, cuda_backend>> with "
+                "lm_head<bf16_precision, cuda_backend>.");
 
  public:
   // pattern: for a block_pattern model, the index (into its mixer list) of every block; empty
@@ -241,6 +263,18 @@ class model {
                              "A step needs at least one sequence of one token");
     }
     for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
+  }
+
+  // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
+  // model's caller checks its host copy before the upload).
+  void check_tokens(const std::int32_t* t, std::size_t n) const {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
+        throw invalid_argument("tokens[" + std::to_string(i) + "]",
+                               "a token id in [0, " + std::to_string(cfg_.vocab) + ")",
+                               std::to_string(t[i]), "Encode the data with the model's vocabulary");
+      }
+    }
   }
 
   // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
@@ -325,6 +359,12 @@ class model {
   // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
   // allocated is given back; weights are untouched (gradients may hold a partial sum).
   //
+  // On cuda_backend, tokens and targets are device arrays whose ids the caller checked on the
+  // host before the upload (check_tokens; lm_head's check_targets): the device cannot throw
+  // without a sync. A bad id still reads nothing outside a table (its row is zero). The
+  // returned loss is a host double, so the call synchronizes the executor's stream once, at the
+  // loss; the backward after it is only enqueued.
+  //
   // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
   // before_backward (loss and its gradient computed) and at after_backward (before the last
   // gradient is freed): where a pressure monitor looks. An observer may throw to abandon the
@@ -333,7 +373,7 @@ class model {
     requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                          double loss_scale, Allocator& alloc, thread_pool& pool,
+                          double loss_scale, Allocator& alloc, executor& ex,
                           Observer observe = {}) const {
     static_assert(check_allocator<Allocator>());
     detail::not_null(w, "weights");
@@ -341,7 +381,7 @@ class model {
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -354,7 +394,7 @@ class model {
     requires std::invocable<Observer&, check_point>
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                                 double loss_scale, Allocator& alloc, thread_pool& pool, Observer observe = {}) const {
+                                 double loss_scale, Allocator& alloc, executor& ex, Observer observe = {}) const {
     static_assert(check_allocator<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
@@ -364,7 +404,7 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &pool, pool.size(), observe);
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -399,10 +439,13 @@ class model {
   // ---- Inference: the next-token logits of every sequence -------------------------------------
   // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
   // block runs in advance mode and its input is freed as soon as its output exists, so the peak
-  // is two activations plus one block's workspace, all from `alloc`.
+  // is two activations plus one block's workspace, all from `alloc`. CPU backend only for now.
   template <typename Allocator>
   void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
-                         Allocator& alloc, thread_pool& pool) const {
+                         Allocator& alloc, executor& pool) const {
+    static_assert(on_cpu || dependent_false<Allocator>,
+                  "membound: model::next_token_logits runs on cpu_backend only (its head is a host "
+                  "loop); on the device, use loss() or a step, or copy the weights to a CPU model.");
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
@@ -410,7 +453,7 @@ class model {
     check_tokens(tokens, b.tokens());
     const std::size_t C = cfg_.width;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &pool, pool.size());
+    const S* x = forward_only<true>(w, tokens, b, live, &pool, glue::threads(pool));
     const auto hw = head_weights(w);
     for (std::size_t s = 0; s < b.batch; ++s) {
       const S* row = x + (s * b.seq + b.seq - 1) * C;
@@ -433,11 +476,11 @@ class model {
   // forward workspace and the head's, all from `alloc` (below any training plan's for b).
   template <typename Allocator>
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-              std::size_t head_chunk, Allocator& alloc, thread_pool& pool) const {
+              std::size_t head_chunk, Allocator& alloc, executor& ex) const {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &pool, pool.size());
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, glue::threads(ex));
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
@@ -523,11 +566,11 @@ class model {
   template <bool Run, typename Allocator, typename Router, typename Observer>
   double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
-              thread_pool* pool, std::size_t threads, Observer& observe) const {
+              executor* ex, std::size_t threads, Observer& observe) const {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
-    if constexpr (Run) {
+    if constexpr (Run && on_cpu) {
       check_tokens(tokens, N);
       head_type::check_targets(targets, N, cfg_.vocab);
     }
@@ -540,7 +583,7 @@ class model {
     double loss_sum = 0;
 
     x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x[0], N, C);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x[0], N, C, cfg_.vocab);
 
     for (const chain_op& op : ops) {
       const std::size_t i = op.block;
@@ -558,7 +601,7 @@ class model {
               saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
             const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
             void* ws = live.get(wsb, memory_tag::workspace);
-            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *pool);
+            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *ex);
             live.put(ws);
           });
           break;
@@ -571,7 +614,7 @@ class model {
           if constexpr (Run) {
             const double scale = loss_scale / static_cast<double>(N);
             loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, routed_head_grads(g), ws,
-                                                wsb, *pool);
+                                                wsb, *ex);
           }
           live.put(ws);
           delta = d_out;
@@ -585,7 +628,7 @@ class model {
             g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
             if constexpr (Run)
-              B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *pool);
+              B::backward(d, block_weights<B>(w, i), routed_block_grads<B>(g, i), x[i], saved[i], delta, dx, ws, *ex);
             live.put(ws);
             g.end_block(i);
             live.put(delta);
@@ -602,7 +645,7 @@ class model {
       }
     }
     if constexpr (Run) {
-      cpu::embedding_scatter<A>(*pool, tokens, delta, g.at(params_[0].offset), N, C);
+      glue::template embedding_scatter<A>(*ex, tokens, delta, g.at(params_[0].offset), N, C, cfg_.vocab);
       observe(check_point::after_backward);
     }
     live.put(delta);
@@ -611,22 +654,22 @@ class model {
 
   template <bool Run, typename Allocator>
   double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-                   std::size_t head_chunk, Allocator& alloc, thread_pool* pool, std::size_t threads) const {
+                   std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads) const {
     static_assert(check_allocator<Allocator>());
     check(b);
     const std::size_t N = b.tokens();
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
-    if constexpr (Run) {
+    if constexpr (Run && on_cpu) {
       check_tokens(tokens, N);
       head_type::check_targets(targets, N, cfg_.vocab);
     }
     live_set<Allocator> live(alloc, depth());
-    S* x = forward_only<Run>(w, tokens, b, live, pool, threads);
+    S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
     double total = 0;
-    if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *pool);
+    if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *ex);
     live.put(ws);
     live.put(x);
     return total / static_cast<double>(N);
@@ -634,17 +677,17 @@ class model {
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).
   template <bool Run, typename Live>
-  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, thread_pool* pool,
+  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
                   std::size_t threads) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) cpu::embedding_gather(*pool, tokens, w + params_[0].offset, x, N, C);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
       visit_block(i, [&]<typename B>(B*) {
         const auto d = B::make_dims(cfg_, b);
         S* y = static_cast<S*>(live.get(a, memory_tag::activations));
         void* ws = live.get(B::forward_workspace_bytes(d, threads, forward_mode::advance), memory_tag::workspace);
-        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *pool);
+        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *ex);
         live.put(ws);
         live.put(x);
         x = y;
@@ -706,16 +749,6 @@ class model {
     }
     if (!(c.norm_eps > 0.0)) {
       throw invalid_argument("config.norm_eps", "above 0", std::to_string(c.norm_eps), "Use e.g. 1e-5");
-    }
-  }
-
-  void check_tokens(const std::int32_t* t, std::size_t n) const {
-    for (std::size_t i = 0; i < n; ++i) {
-      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
-        throw invalid_argument("tokens[" + std::to_string(i) + "]",
-                               "a token id in [0, " + std::to_string(cfg_.vocab) + ")",
-                               std::to_string(t[i]), "Encode the data with the model's vocabulary");
-      }
     }
   }
 

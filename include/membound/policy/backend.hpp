@@ -45,6 +45,11 @@ static_assert(backend_policy<cpu_backend>);
 template <typename B>
 inline constexpr bool is_cpu_backend_v = std::same_as<B, cpu_backend>;
 
+// The key of the model's own ops on a backend (RMSNorm, the residual add, the embedding's gather
+// and scatter): backend_kernels<Backend, model_glue>. Declared here so that the CUDA headers,
+// which never see model/, can specialize it; model/glue.hpp has the host's.
+struct model_glue;
+
 // The device code of `Layer` on `Backend`. Only declared here: backend/cuda/*.cuh defines the
 // specializations, so a host-only translation unit that names cuda_backend gets the sentence
 // below instead of an incomplete-type error deep inside a layer.

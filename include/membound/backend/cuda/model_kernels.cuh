@@ -246,6 +246,14 @@ __global__ void rmsnorm_forward_kernel(const S* x, const S* g, S* y, float* rstd
   for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) st(y, row + c, ld(x, row + c) * r * ld(g, c));
 }
 
+// The forward's output again from its kept rstd: the same expression, so the same bits.
+template <typename S>
+__global__ void rmsnorm_apply_kernel(const S* x, const S* g, const float* rstd, S* y, std::size_t C) {
+  const std::size_t row = blockIdx.x * C;
+  const float r = rstd[blockIdx.x];
+  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) st(y, row + c, ld(x, row + c) * r * ld(g, c));
+}
+
 // Block b takes rows [32b, 32b + 32): dx row by row, and its own [C] partial of dweight. Each
 // column's partial is read and written by one thread only, so no atomics.
 template <typename S>
@@ -485,6 +493,20 @@ void rmsnorm_forward(const cuda_executor& ex, const S* x, const S* g, S* y, floa
   cuda_executor::check_launch("rmsnorm_forward_kernel");
 }
 
+// y = x·rstd·g from a kept rstd [N] (the backward's recompute of the forward's output).
+template <kernel_storage S>
+void rmsnorm_apply(const cuda_executor& ex, const S* x, const S* g, const float* rstd, S* y, std::size_t N,
+                   std::size_t C) {
+  detail::need_matrix(N, C, "N", "C");
+  if (N == 0) return;
+  detail::need_pointer(x, "x");
+  detail::need_pointer(g, "g");
+  detail::need_pointer(rstd, "rstd");
+  detail::need_pointer(y, "y");
+  detail::rmsnorm_apply_kernel<<<static_cast<unsigned>(N), detail::row_threads, 0, ex.stream()>>>(x, g, rstd, y, C);
+  cuda_executor::check_launch("rmsnorm_apply_kernel");
+}
+
 // dx = residual + rstd·(dy⊙g) − x·rstd³/C·Σ(dy⊙g⊙x) (residual may be null), dg += Σ_n dy⊙x·rstd,
 // reduced through rmsnorm_backward_workspace_bytes(N, C) of per-row-block partials in block order.
 template <kernel_storage S>
@@ -722,5 +744,90 @@ void check_finite(const cuda_executor& ex, const S* data, std::size_t n, unsigne
 #endif  // MEMBOUND_CUDA_COMPILER
 
 }  // namespace gpu
+
+// The model's glue on the device (model/glue.hpp names the interface; cpu_model_glue is the
+// host's): block and model call these with their storage S and accumulation A.
+template <>
+struct backend_kernels<cuda_backend, model_glue> {
+  using executor = cuda_executor;
+  // The device size functions take no thread count; the CPU's per-thread scratch is 1 here.
+  static constexpr std::size_t threads(const cuda_executor&) noexcept { return 1; }
+
+  template <typename A, typename S>
+  static constexpr void check_types() {
+    static_assert(gpu::kernel_storage<S>,
+                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
+                  "bf16_precision or fp16_precision for a model on the GPU.");
+    static_assert(std::is_same_v<A, float>,
+                  "membound: cuda_backend accumulates in fp32; use a precision whose accum_type is "
+                  "float (fp64 runs on cpu_backend only).");
+  }
+  template <typename A, typename S>
+  static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
+    return gpu::rmsnorm_backward_workspace_bytes(N, C);
+  }
+
+#if MEMBOUND_CUDA_COMPILER
+  template <typename A, typename S>
+  static void rmsnorm_forward(cuda_executor& ex, const S* x, const S* g, S* y, A* rstd, std::size_t N,
+                              std::size_t C, double eps) {
+    check_types<A, S>();
+    gpu::rmsnorm_forward(ex, x, g, y, rstd, N, C, eps);
+  }
+  template <typename A, typename S>
+  static void rmsnorm_apply(cuda_executor& ex, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
+                            std::size_t C) {
+    check_types<A, S>();
+    gpu::rmsnorm_apply(ex, x, g, rstd, y, N, C);
+  }
+  template <typename A, typename S>
+  static void rmsnorm_backward(cuda_executor& ex, const S* x, const S* g, const A* rstd, const S* dy,
+                               const S* residual, S* dx, S* dg, void* scratch, std::size_t N, std::size_t C) {
+    check_types<A, S>();
+    gpu::rmsnorm_backward(ex, x, g, rstd, dy, residual, dx, dg, scratch, gpu::rmsnorm_backward_workspace_bytes(N, C),
+                          N, C);
+  }
+  template <typename A, typename S>
+  static void add_rows(cuda_executor& ex, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
+    check_types<A, S>();
+    gpu::add_rows(ex, a, b, y, N * C);
+  }
+  template <typename A, typename S>
+  static void embedding_gather(cuda_executor& ex, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
+                               std::size_t C, std::size_t V) {
+    check_types<A, S>();
+    gpu::embedding_gather(ex, tokens, table, x, N, C, V);
+  }
+  template <typename A, typename S>
+  static void embedding_scatter(cuda_executor& ex, const std::int32_t* tokens, const S* dx, S* dtable, std::size_t N,
+                                std::size_t C, std::size_t V) {
+    check_types<A, S>();
+    gpu::embedding_scatter(ex, tokens, dx, dtable, N, C, V);
+  }
+#else
+  // The launches exist only where nvcc compiles; the size functions above are what a host-only
+  // translation unit (a planner) can use.
+  template <typename A, typename S, typename... Args>
+  static void rmsnorm_forward(Args&&...) { needs_nvcc<A, S>(); }
+  template <typename A, typename S, typename... Args>
+  static void rmsnorm_apply(Args&&...) { needs_nvcc<A, S>(); }
+  template <typename A, typename S, typename... Args>
+  static void rmsnorm_backward(Args&&...) { needs_nvcc<A, S>(); }
+  template <typename A, typename S, typename... Args>
+  static void add_rows(Args&&...) { needs_nvcc<A, S>(); }
+  template <typename A, typename S, typename... Args>
+  static void embedding_gather(Args&&...) { needs_nvcc<A, S>(); }
+  template <typename A, typename S, typename... Args>
+  static void embedding_scatter(Args&&...) { needs_nvcc<A, S>(); }
+
+ private:
+  template <typename A, typename S>
+  static void needs_nvcc() {
+    static_assert(dependent_false<A, S>,
+                  "membound: a model on cuda_backend launches CUDA kernels in its steps; compile this "
+                  "translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
+  }
+#endif
+};
 
 MEMBOUND_NAMESPACE_END

@@ -1,0 +1,142 @@
+// One micro-batch of the hybrid model on the device (model<..., cuda_backend>::forward_backward:
+// embedding, every block's forward under the plan's schedule, the fused LM head and loss, every
+// backward): tokens/s, the model FLOP utilisation against the device's dense bf16 peak, and the
+// budget's measured peak of requested bytes beside the plan's prediction. The model is the one
+// issue 17 names as a GPU default: 12 blocks of width 768 (12 heads of 64) repeating TTT-Linear,
+// attention, Mamba, attention; vocab 256 (bytes); batch 1; bf16 storage, fp32 accumulation;
+// T = 2k and 8k. The plan is fit()'s for an 8 GiB budget (weights, gradients and AdamW state
+// counted as the trainer holds them; no optimizer step runs here: the trainer is not on the
+// device yet). Timed with CUDA events on the executor's stream. Without a device every benchmark
+// is skipped.
+//
+//   ./build/release/bench/bench_cuda_model --benchmark_min_time=0.05 --benchmark_format=json
+//
+// The PyTorch side of the same step: bench/peers/model_peer.py --device cuda --ours-cuda PATH.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "membound/backend/cuda.cuh"
+#include "membound/memory/budget.hpp"
+#include "membound/memory/caching_allocator.hpp"
+#include "membound/model/planner.hpp"
+
+namespace mb = membound;
+
+namespace {
+
+using P = mb::bf16_precision;
+using B = mb::cuda_backend;
+using net = mb::model<mb::embedding<P>, mb::block_pattern<mb::ttt_linear<P, B>, mb::attention<P, B>, mb::mamba<P, B>>,
+                      mb::lm_head<P, B>>;
+using S = net::storage_type;
+
+bool have_device() {
+  int count = 0;
+  const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+
+// The datasheet's dense bf16 tensor-core peak of an sm_90 part (H100 / H200 SXM: 989 TFLOP/s);
+// 0 (no MFU figure) on other devices. cuBLAS reaches ~790 on random data on these machines
+// (/work/.library/device/KINDS.md), the practical ceiling to quote beside it.
+double bf16_peak_flops() {
+  int dev = 0, major = 0, minor = 0;
+  (void)cudaGetDevice(&dev);
+  (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0 ? 989.4e12 : 0.0;
+}
+
+mb::model_config config() {
+  mb::model_config c;
+  c.vocab = 256;
+  c.width = 768;
+  c.heads = 12;
+  return c;
+}
+
+void bm_step(benchmark::State& state) {
+  if (!have_device()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::size_t T = static_cast<std::size_t>(state.range(0));
+  const mb::batch_shape b{1, T};
+  std::vector<std::size_t> pattern;
+  for (std::size_t i = 0; i < 12; ++i) pattern.push_back(i % 4 == 0 ? 0 : i % 4 == 2 ? 2 : 1);
+  const net m(config(), pattern);
+  const std::size_t budget = std::size_t{8} << 30;
+  const mb::training_plan p = mb::fit(m, b, budget);
+  const std::size_t n = m.parameter_elements(), wb = m.weight_bytes();
+
+  mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> alloc(budget);
+  mb::cuda_executor ex;
+  S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
+  void* opt = p.optimizer == 0 ? nullptr : alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  {
+    std::vector<S> h(n);
+    m.init_weights(h.data(), 1);
+    mb::cuda_check(cudaMemcpy(w, h.data(), wb, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  mb::cuda_check(cudaMemset(g, 0, wb), "cudaMemset");
+  std::vector<std::int32_t> ids(b.tokens()), targets(b.tokens());
+  std::uint32_t s = 12345;
+  for (std::size_t i = 0; i < b.tokens(); ++i) {
+    s = s * 1664525u + 1013904223u;
+    ids[i] = static_cast<std::int32_t>((s >> 8) % 256);
+    targets[i] = static_cast<std::int32_t>((s >> 16) % 256);
+  }
+  m.check_tokens(ids.data(), ids.size());
+  std::int32_t *d_ids = nullptr, *d_targets = nullptr;
+  mb::cuda_check(cudaMalloc(&d_ids, ids.size() * sizeof(std::int32_t)), "cudaMalloc");
+  mb::cuda_check(cudaMalloc(&d_targets, ids.size() * sizeof(std::int32_t)), "cudaMalloc");
+  mb::cuda_check(cudaMemcpy(d_ids, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
+  mb::cuda_check(cudaMemcpy(d_targets, targets.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
+                 "cudaMemcpy");
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+
+  cudaEvent_t start, stop;
+  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  double loss = 0;
+  for (auto _ : state) {
+    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
+    loss = m.forward_backward(w, g, d_ids, d_targets, p.micro, p.ops, p.head_chunk, 1.0, alloc, ex);
+    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
+    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
+  }
+  // Forward, recompute and backward (2× the forward): the model FLOPs of a step.
+  const double flops = 3.0 * p.forward_flops + p.recompute_flops + 3.0 * m.head_flops(b);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(b.tokens()), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["model_TFLOPs"] = benchmark::Counter(flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["bf16_peak_TFLOPs"] = bf16_peak_flops() * 1e-12;  // MFU = model_TFLOPs / this
+  state.counters["measured_peak_MiB"] = static_cast<double>(alloc.stats().peak_requested) / (1 << 20);
+  state.counters["predicted_peak_MiB"] = static_cast<double>(p.peak_bytes) / (1 << 20);
+  state.counters["measured_eq_predicted"] = alloc.stats().peak_requested == p.peak_bytes ? 1 : 0;
+  state.counters["loss"] = loss;
+  state.SetLabel(p.schedule.name() + ", head chunk " + std::to_string(p.head_chunk));
+
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  (void)cudaFree(d_ids);
+  (void)cudaFree(d_targets);
+  if (opt != nullptr) alloc.deallocate(opt, p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
+  alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
+}
+
+}  // namespace
+
+BENCHMARK(bm_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+BENCHMARK_MAIN();

@@ -1,0 +1,277 @@
+// model<..., cuda_backend> against the same model on cpu_backend, in the same process: one
+// micro-batch's loss and every parameter's gradient, for a hybrid of all four mixers (TTT-Linear,
+// attention with grouped-query heads, Mamba, TTT-MLP), fp32 and bf16 storage; on the device,
+// every schedule gives the same bits as `none`, repeats give the same bits, loss() gives
+// forward_backward's loss, and the peak of requested bytes measured through a device budget
+// equals the plan's prediction to the byte; bad input is refused before anything is allocated.
+// Without a device it exits 77 (skipped).
+//
+// Tolerances (normwise over each parameter tensor, close_normwise's metric):
+//   fp32: both backends compute in fp32 with sums in other orders (cuBLASLt's tiles, CUB's
+//         block reductions, the device's expf/logf). The layer tests measured ≤ 7.8e-7 per layer
+//         on an H200; a step chains eight layers forward and back, and small gradients (norm
+//         scales, the tied table's rare rows) are sums of cancelling terms: 1e-4 per tensor,
+//         1e-5 on the loss.
+//   bf16: every layer's output and gradient is rounded to bf16 once on both sides but from values
+//         that differ in the last fp32 bits, and the device keeps some GEMM inputs in bf16 where
+//         the CPU keeps fp32 (mlp_cuda.cuh, lm_head_cuda.cuh): 5e-2 per tensor (the layers' 4e-2
+//         plus the chain), 1e-2 on the loss.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_test_support.cuh"
+
+#include "membound/memory/budget.hpp"
+#include "membound/memory/caching_allocator.hpp"
+#include "membound/memory/system_allocator.hpp"
+#include "membound/model/planner.hpp"
+
+namespace mb = membound;
+
+namespace {
+
+template <typename P, typename B>
+using hybrid = mb::model<mb::embedding<P>, mb::block<mb::ttt_linear<P, B>>, mb::block<mb::attention<P, B>>,
+                         mb::block<mb::mamba<P, B>>, mb::block<mb::ttt_mlp<P, B>>, mb::lm_head<P, B>>;
+template <typename P>
+using cpu_model = hybrid<P, mb::cpu_backend>;
+template <typename P>
+using gpu_model = hybrid<P, mb::cuda_backend>;
+
+using device_budget = mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>>;
+constexpr std::size_t budget_bytes = std::size_t{4} << 30;
+
+mb::model_config config() {
+  mb::model_config c;
+  c.vocab = 72;  // not a multiple of 64: the head's last tile is partial
+  c.width = 64;
+  c.heads = 4;
+  c.kv_heads = 2;
+  return c;
+}
+
+struct tokens {
+  std::vector<std::int32_t> ids, targets;
+};
+tokens make_tokens(mb::batch_shape b, std::size_t vocab, std::uint32_t seed) {
+  tokens t;
+  std::uint32_t s = seed;
+  for (std::size_t i = 0; i < b.tokens(); ++i) {
+    s = s * 1664525u + 1013904223u;
+    t.ids.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
+    s = s * 1664525u + 1013904223u;
+    t.targets.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
+  }
+  return t;
+}
+
+// Device copies of host arrays through the budget (weights, gradients: what a trainer holds), or
+// outside it (tokens: the caller's upload buffers).
+template <typename T>
+void upload(T* dst, const T* src, std::size_t n) {
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  mb::cuda_check(cudaMemcpy(dst, src, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+template <typename T>
+std::vector<T> download(const T* src, std::size_t n) {
+  std::vector<T> v(n);
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // the executor's stream is non-blocking
+  mb::cuda_check(cudaMemcpy(v.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return v;
+}
+
+struct gpu_step {
+  double loss = 0, eval_loss = 0;
+  std::vector<std::uint8_t> grads;  // raw bytes: the bit comparisons
+  std::size_t measured_peak = 0, live_after = 0;
+};
+
+// One micro-batch on the device under plan p, the weights and gradients allocated through the
+// budget as a trainer would (the plan's base: weights, gradients, optimizer state).
+template <typename Model>
+gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<typename Model::storage_type>& w_host,
+                 const tokens& t, bool with_eval = false) {
+  using S = typename Model::storage_type;
+  const std::size_t n = m.parameter_elements(), wb = m.weight_bytes();
+  mbt::device_buffer<std::int32_t> ids(t.ids), targets(t.targets);
+  mb::cuda_executor ex;
+  device_budget alloc(budget_bytes);
+  S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
+  void* opt = p.optimizer == 0 ? nullptr : alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  upload(w, w_host.data(), n);
+  mb::cuda_check(cudaMemset(g, 0, wb), "cudaMemset");
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  gpu_step r;
+  r.loss = m.forward_backward(w, g, ids.get(), targets.get(), p.micro, p.ops, p.head_chunk, 1.0, alloc, ex);
+  r.measured_peak = alloc.stats().peak_requested;
+  const auto gv = download(g, n);
+  r.grads = mbt::to_bytes(gv);
+  if (with_eval) r.eval_loss = m.loss(w, ids.get(), targets.get(), p.micro, p.head_chunk, alloc, ex);
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (opt != nullptr) alloc.deallocate(opt, p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
+  alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
+  r.live_after = alloc.stats().requested;
+  return r;
+}
+
+template <typename Model>
+std::vector<typename Model::storage_type> cpu_step(const Model& m, mb::batch_shape b, const std::vector<typename Model::storage_type>& w,
+                                                   const tokens& t, double& loss) {
+  using S = typename Model::storage_type;
+  mb::plan_options o;
+  o.threads = 2;
+  o.head_chunk = 16;
+  const mb::training_plan p = mb::make_plan(m, b, mb::schedules::none{}, o);
+  std::vector<S> g(m.parameter_elements(), mb::from_accum<S>(0.0f));
+  mb::system_allocator alloc;
+  mb::thread_pool pool(2);
+  loss = m.forward_backward(w.data(), g.data(), t.ids.data(), t.targets.data(), b, p.ops, p.head_chunk, 1.0, alloc, pool);
+  return g;
+}
+
+// The two models lay their parameters out identically (the layout depends on the shapes only).
+template <typename P>
+bool same_layout(const cpu_model<P>& c, const gpu_model<P>& d) {
+  if (c.parameters().size() != d.parameters().size() || c.parameter_elements() != d.parameter_elements()) return false;
+  for (std::size_t k = 0; k < c.parameters().size(); ++k) {
+    const auto &a = c.parameters()[k], &e = d.parameters()[k];
+    if (a.name != e.name || a.offset != e.offset || a.count != e.count) return false;
+  }
+  return true;
+}
+
+template <typename P>
+void against_cpu(double tolerance, double loss_tolerance) {
+  using S = typename P::storage_type;
+  const mb::batch_shape b{2, 40};  // T = 40: TTT's last mini-batch is short, attention's last tile too
+  const cpu_model<P> cm(config());
+  const gpu_model<P> gm(config());
+  CHECK(same_layout(cm, gm));
+  std::vector<S> w(cm.parameter_elements());
+  cm.init_weights(w.data(), 11);
+  const tokens t = make_tokens(b, config().vocab, 5);
+
+  double cpu_loss = 0;
+  const std::vector<S> want = cpu_step(cm, b, w, t, cpu_loss);
+  mb::plan_options o;
+  o.head_chunk = 16;
+  const mb::training_plan p = mb::make_plan(gm, b, mb::schedules::none{}, o);
+  const gpu_step r = run_gpu(gm, p, w, t, true);
+  const std::vector<S> got = mbt::from_bytes<S>(r.grads);
+
+  std::printf("  loss: cpu %.9g, gpu %.9g (eval %.9g)\n", cpu_loss, r.loss, r.eval_loss);
+  CHECK(std::abs(r.loss - cpu_loss) <= loss_tolerance * std::abs(cpu_loss));
+  CHECK(mbt::same_bits(r.eval_loss, r.loss));  // loss() is forward_backward's loss, bit for bit
+  for (const mb::param_entry& e : cm.parameters()) {
+    const std::vector<S> gs(got.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                            got.begin() + static_cast<std::ptrdiff_t>(e.offset + e.count));
+    const std::vector<S> ws(want.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                            want.begin() + static_cast<std::ptrdiff_t>(e.offset + e.count));
+    mbt::close_normwise(e.name.c_str(), mbt::as_double(gs), mbt::as_double(ws), tolerance);
+  }
+  CHECK(r.measured_peak == p.peak_bytes);
+  CHECK(r.live_after == 0);
+}
+
+void fp32_against_cpu() { against_cpu<mb::fp32_precision>(1e-4, 1e-5); }
+void bf16_against_cpu() { against_cpu<mb::bf16_precision>(5e-2, 1e-2); }
+
+// Every schedule on the device: the same loss and gradient bits as `none`, and the budget's
+// measured peak equal to each plan's prediction. A repeat of `none` gives the same bits.
+template <typename P>
+void schedules_on_device() {
+  using S = typename P::storage_type;
+  using K = mb::schedule_choice::kind;
+  const mb::batch_shape b{2, 32};
+  const gpu_model<P> m(config());
+  std::vector<S> w(m.parameter_elements());
+  m.init_weights(w.data(), 3);
+  const tokens t = make_tokens(b, config().vocab, 9);
+  mb::plan_options o;
+  o.head_chunk = 24;
+  const mb::training_plan base = mb::make_plan(m, b, mb::schedule_choice{K::none, 0}, o);
+  const gpu_step ref = run_gpu(m, base, w, t);
+  CHECK(ref.measured_peak == base.peak_bytes);
+  const gpu_step again = run_gpu(m, base, w, t);
+  CHECK(again.grads == ref.grads);
+  CHECK(mbt::same_bits(again.loss, ref.loss));
+  const std::vector<mb::schedule_choice> all{{K::full, 0}, {K::every, 2}, {K::every, 3}, {K::binomial, 1}, {K::binomial, 2}};
+  for (const mb::schedule_choice& s : all) {
+    const mb::training_plan p = mb::make_plan(m, b, s, o);
+    const gpu_step r = run_gpu(m, p, w, t);
+    std::printf("  %s: predicted peak %zu B, measured %zu B, same bits as none: %s\n", s.name().c_str(), p.peak_bytes,
+                r.measured_peak, r.grads == ref.grads && mbt::same_bits(r.loss, ref.loss) ? "yes" : "no");
+    CHECK(r.measured_peak == p.peak_bytes);
+    CHECK(r.grads == ref.grads);
+    CHECK(mbt::same_bits(r.loss, ref.loss));
+    CHECK(r.live_after == 0);
+  }
+}
+void fp32_schedules() { schedules_on_device<mb::fp32_precision>(); }
+void bf16_schedules() { schedules_on_device<mb::bf16_precision>(); }
+
+// A schedule that drops a backward is refused before anything is allocated; a budget one byte
+// below the step's peak throws out_of_memory and gives every byte of the step back.
+void bad_input() {
+  const mb::batch_shape b{1, 16};
+  const gpu_model<mb::fp32_precision> m(config());
+  mb::plan_options o;
+  o.head_chunk = 16;
+  mb::training_plan p = mb::make_plan(m, b, mb::schedules::none{}, o);
+  const tokens t = make_tokens(b, config().vocab, 1);
+  mbt::device_buffer<std::int32_t> ids(t.ids), targets(t.targets);
+  mb::cuda_executor ex;
+  const std::size_t wb = m.weight_bytes();
+  {
+    device_budget alloc(budget_bytes);
+    void* w = alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights);
+    void* g = alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients);
+    std::vector<mb::chain_op> ops = p.ops;
+    ops.pop_back();  // the last backward
+    EXPECT_THROW(mb::invalid_argument, m.forward_backward(static_cast<const float*>(w), static_cast<float*>(g), ids.get(),
+                                                          targets.get(), b, ops, p.head_chunk, 1.0, alloc, ex));
+    CHECK(alloc.stats().requested == 2 * wb);
+    EXPECT_THROW(mb::invalid_argument, m.forward_backward(nullptr, static_cast<float*>(g), ids.get(), targets.get(), b,
+                                                          p.ops, p.head_chunk, 1.0, alloc, ex));
+    alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
+    alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
+  }
+  {
+    device_budget alloc(p.peak_bytes - p.optimizer - 1);  // no optimizer state here
+    void* w = alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights);
+    void* g = alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients);
+    mb::cuda_check(cudaMemset(w, 0, wb), "cudaMemset");
+    mb::cuda_check(cudaMemset(g, 0, wb), "cudaMemset");
+    mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    EXPECT_THROW(mb::out_of_memory, m.forward_backward(static_cast<const float*>(w), static_cast<float*>(g), ids.get(),
+                                                         targets.get(), b, p.ops, p.head_chunk, 1.0, alloc, ex));
+    CHECK(alloc.stats().requested == 2 * wb);
+    alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
+    alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
+  }
+  // Host ids are checked by the caller before the upload, with the model's own check.
+  std::vector<std::int32_t> bad = t.ids;
+  bad[3] = static_cast<std::int32_t>(config().vocab);
+  const std::string msg = EXPECT_THROW(mb::invalid_argument, m.check_tokens(bad.data(), bad.size()));
+  CHECK(msg.find("tokens[3]") != std::string::npos);
+}
+
+}  // namespace
+
+int main() {
+  static const mbt::test_case cases[] = {
+      {"model cuda_backend fp32 equals the CPU model (loss, every gradient, peak)", fp32_against_cpu},
+      {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
+      {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},
+      {"model cuda_backend bf16: every schedule the same bits, measured = predicted", bf16_schedules},
+      {"model cuda_backend refuses bad input and gives every byte back", bad_input},
+  };
+  return mbt::run_suite("test_cuda_model", cases);
+}
