@@ -3,7 +3,9 @@
 // attention with grouped-query heads, Mamba, TTT-MLP), fp32 and bf16 storage; on the device,
 // every schedule gives the same bits as `none`, repeats give the same bits, loss() gives
 // forward_backward's loss, and the peak of requested bytes measured through a device budget
-// equals the plan's prediction to the byte; bad input is refused before anything is allocated.
+// equals the plan's prediction to the byte, and the reserved peak of each device stack (budget
+// over the caching allocator, plain and planned, and over the expandable arena) equals
+// reserve_model's, to the byte; bad input is refused before anything is allocated.
 // Without a device it exits 77 (skipped).
 //
 // Tolerances (normwise over each parameter tensor, close_normwise's metric):
@@ -29,6 +31,7 @@
 #include "membound/memory/caching_allocator.hpp"
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
+#include "membound/model/reserve_plan.hpp"
 
 namespace mb = membound;
 
@@ -217,6 +220,82 @@ void schedules_on_device() {
 void fp32_schedules() { schedules_on_device<mb::fp32_precision>(); }
 void bf16_schedules() { schedules_on_device<mb::bf16_precision>(); }
 
+// Two optimizer steps' requests and an evaluation on a device stack, as a trainer makes them
+// (weights, gradients and optimizer state first; no optimizer arithmetic runs).
+template <typename Model, typename Alloc>
+void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& alloc, const tokens& t) {
+  using S = typename Model::storage_type;
+  if constexpr (mb::has_planned_layer<Alloc>) {
+    if (auto* layer = mb::planned_layer(alloc)) layer->set_layout(mb::plan_layout(m, p));
+  }
+  mbt::device_buffer<std::int32_t> ids(t.ids), targets(t.targets);
+  mb::cuda_executor ex;
+  const std::size_t wb = m.weight_bytes();
+  auto* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  auto* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
+  void* o = alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  std::vector<S> h(m.parameter_elements());
+  m.init_weights(h.data(), 5);
+  upload(w, h.data(), h.size());
+  mb::cuda_check(cudaMemset(g, 0, wb), "cudaMemset");
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (int step = 0; step < 2; ++step) {
+    for (std::size_t k = 0; k < p.accumulation; ++k)
+      (void)m.forward_backward(w, g, ids.get(), targets.get(), p.micro, p.ops, p.head_chunk, 1.0, alloc, ex);
+    (void)m.loss(w, ids.get(), targets.get(), p.micro, p.head_chunk, alloc, ex);
+  }
+  mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  alloc.deallocate(o, p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
+  alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
+}
+
+// The reserve a plan states for a device stack is what that stack reserves: segments of the
+// caching allocator (512-byte rounding, small and large pools, cudaMalloc's over-allocation for
+// its 512-byte segment alignment) or the arena's granules, measured by the stack's own statistics.
+void reserve_on_device_stacks() {
+  using K = mb::schedule_choice::kind;
+  const mb::batch_shape b{2, 32};
+  const gpu_model<mb::bf16_precision> m(config());
+  const tokens t = make_tokens(b, config().vocab, 4);
+  auto check_stack = [&](const char* name, auto& alloc) {
+    for (const mb::schedule_choice& s : {mb::schedule_choice{K::none, 0}, mb::schedule_choice{K::every, 2},
+                                         mb::schedule_choice{K::full, 0}}) {
+      for (std::size_t accumulation : {1, 2}) {
+        mb::plan_options o;
+        o.head_chunk = 16;
+        o.accumulation = accumulation;
+        mb::training_plan p = mb::make_plan(m, b, s, o);
+        const std::size_t predicted = mb::reserve_model(m, alloc)(p);
+        alloc.reset_peaks();
+        run_training_requests(m, p, alloc, t);
+        const auto st = alloc.stats();
+        std::printf("  %s, %s, %zu micro-batch(es): requested peak %zu (plan %zu), reserved peak %zu (plan %zu)\n",
+                    name, s.name().c_str(), accumulation, st.peak_requested, p.peak_bytes, st.peak_reserved, predicted);
+        CHECK(st.peak_requested == p.peak_bytes);
+        CHECK(st.peak_reserved == predicted);
+        CHECK(st.requested == 0);
+        if constexpr (requires { alloc.release_cached(); }) alloc.release_cached();
+      }
+    }
+  };
+  {
+    device_budget a(budget_bytes);
+    check_stack("budget<caching<cuda_device_allocator>>", a);
+  }
+  {
+    mb::caching_options co;
+    co.planned = true;
+    mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> a(budget_bytes, co);
+    check_stack("budget<caching<cuda_device_allocator>, planned>", a);
+  }
+  {
+    const std::size_t g = mb::cuda_virtual_memory{}.granularity();
+    mb::budget_allocator<mb::cuda_expandable_arena> a(budget_bytes, mb::expandable_arena_options{(budget_bytes / g) * g});
+    check_stack("budget<expandable_arena<cuda_virtual_memory>>", a);
+  }
+}
+
 // A schedule that drops a backward is refused before anything is allocated; a budget one byte
 // below the step's peak throws out_of_memory and gives every byte of the step back.
 void bad_input() {
@@ -271,6 +350,7 @@ int main() {
       {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
       {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},
       {"model cuda_backend bf16: every schedule the same bits, measured = predicted", bf16_schedules},
+      {"model cuda_backend: reserve_model states each device stack's reserved peak", reserve_on_device_stacks},
       {"model cuda_backend refuses bad input and gives every byte back", bad_input},
   };
   return mbt::run_suite("test_cuda_model", cases);

@@ -40,9 +40,11 @@ namespace detail {
 inline constexpr std::uintptr_t shadow_address_base = std::uintptr_t{1} << 44;
 }  // namespace detail
 
-// The shadow of system_allocator (and of any leaf whose reserve equals its requests, such as
-// cuda_device_allocator): distinct aligned addresses, the same statistics, no memory.
-template <memory_space Space = memory_space::host>
+// The shadow of a leaf allocator: distinct aligned addresses, the same statistics, no memory.
+// Guaranteed: the alignment the leaf's memory always has; a request for more reserves
+// alignment − Guaranteed more (cuda_device_allocator: cudaMalloc's 256). The default, no
+// over-allocation, is system_allocator's reserve (its requests).
+template <memory_space Space = memory_space::host, std::size_t Guaranteed = std::numeric_limits<std::size_t>::max()>
 class address_only_allocator {
  public:
   static constexpr memory_space space = Space;
@@ -58,28 +60,33 @@ class address_only_allocator {
     detail::check_tag(tag);
     if (bytes == 0) return nullptr;
     const std::uintptr_t p = align_up(next_, alignment);
-    if (p < next_ || bytes > std::numeric_limits<std::uintptr_t>::max() - p) {
+    const std::size_t reserved = growth_for(bytes, alignment);
+    if (p < next_ || reserved < bytes || reserved > std::numeric_limits<std::uintptr_t>::max() - p) {
       stats_.on_failure();
       oom_report r;
       r.source = "address_only_allocator";
-      r.requested = r.growth_needed = bytes;
+      r.requested = bytes;
+      r.growth_needed = reserved;
       fill_usage(r, stats_.stats());
       r.detail = "the shadow's address range is exhausted";
       r.hint = "check the size computation that produced this request";
       throw out_of_memory(std::move(r));
     }
-    next_ = p + bytes;
-    stats_.on_reserve(bytes);
-    stats_.on_allocate(bytes, bytes, tag);
+    next_ = p + reserved;
+    stats_.on_reserve(reserved);
+    stats_.on_allocate(bytes, reserved, tag);
     return reinterpret_cast<void*>(p);
   }
-  void deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/ = default_alignment,
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) noexcept {
     if (p == nullptr) return;
-    stats_.on_deallocate(bytes, bytes, tag);
-    stats_.on_release(bytes);
+    const std::size_t reserved = growth_for(bytes, alignment);
+    stats_.on_deallocate(bytes, reserved, tag);
+    stats_.on_release(reserved);
   }
-  std::size_t growth_for(std::size_t bytes, std::size_t /*alignment*/) const noexcept { return bytes; }
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const noexcept {
+    return bytes == 0 || alignment <= Guaranteed ? bytes : bytes + (alignment - Guaranteed);
+  }
   memory_stats stats() const noexcept { return stats_.stats(); }
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
@@ -134,11 +141,11 @@ struct shadow_traits<system_allocator> {
   static void sync(type&, const system_allocator&) noexcept {}
 };
 
-template <memory_space S>
-struct shadow_traits<address_only_allocator<S>> {
-  using type = address_only_allocator<S>;
-  static std::tuple<> args(const address_only_allocator<S>&) { return {}; }
-  static void sync(type&, const address_only_allocator<S>&) noexcept {}
+template <memory_space S, std::size_t G>
+struct shadow_traits<address_only_allocator<S, G>> {
+  using type = address_only_allocator<S, G>;
+  static std::tuple<> args(const address_only_allocator<S, G>&) { return {}; }
+  static void sync(type&, const address_only_allocator<S, G>&) noexcept {}
 };
 
 template <typename U>

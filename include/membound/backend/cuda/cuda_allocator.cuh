@@ -21,6 +21,7 @@
 #include "membound/core/format.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
+#include "membound/memory/shadow.hpp"
 #include "membound/memory/stream.hpp"
 #include "membound/core/memory_tag.hpp"
 
@@ -191,5 +192,16 @@ class cuda_device_allocator {
 
 static_assert(check_allocator<cuda_device_allocator>());
 static_assert(stream_event_source<cuda_device_allocator>);
+
+// The planner's shadow of a device leaf (memory/shadow.hpp): addresses only, with cudaMalloc's
+// 256-byte guarantee, so an over-aligned request (a caching segment at 512) reserves what
+// growth_for says here. With it, reserve_model plans the reserve of a device stack (budget over
+// the caching allocator, planned or not) as it does a host one.
+template <>
+struct shadow_traits<cuda_device_allocator> {
+  using type = address_only_allocator<memory_space::device, cuda_device_allocator::guaranteed_alignment>;
+  static std::tuple<> args(const cuda_device_allocator&) { return {}; }
+  static void sync(type&, const cuda_device_allocator&) noexcept {}
+};
 
 MEMBOUND_NAMESPACE_END
