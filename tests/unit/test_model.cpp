@@ -196,12 +196,21 @@ TEST_CASE("planner: the plan table names every category, the peak phase and the 
   const hybrid<mb::fp32_precision> m(small_config());
   mb::plan_options o;
   o.threads = 2;
-  const mb::training_plan p = mb::make_plan(m, {2, 16}, mb::schedules::full{}, o, 1u << 30);
+  mb::training_plan p = mb::make_plan(m, {2, 16}, mb::schedules::full{}, o, 1u << 30);
   const std::string t = p.table();
   for (const char* s : {"weights", "gradients", "optimizer", "activations", "workspace", "predicted peak",
                         "budget", "headroom", "schedule full"})
     CHECK(t.find(s) != std::string::npos);
   CHECK(t.find(p.peak_phase) != std::string::npos);
+  // Memory outside the stack (a device's context and libraries) is a line only when measured.
+  CHECK(t.find("outside the stack") == std::string::npos);
+  p.outside_stack = std::size_t{500} << 20;
+  p.outside_note = "context + cuBLASLt";
+  const std::string t2 = p.table();
+  CHECK(t2.find("outside the stack") != std::string::npos);
+  CHECK(t2.find("500.00 MiB") != std::string::npos);
+  CHECK(t2.find("context + cuBLASLt") != std::string::npos);
+  CHECK(t2.find("headroom") != std::string::npos);
   std::size_t mx = 0;
   for (const auto& ph : p.timeline) mx = std::max(mx, ph.peak);
   CHECK(mx == p.peak_bytes);

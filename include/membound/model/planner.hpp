@@ -167,6 +167,11 @@ struct training_plan {
   std::size_t reserved_peak = 0;
   std::string peak_phase;
   std::size_t budget = 0;        // 0: none given
+  // Device memory outside every allocator of the stack (the CUDA context, cuBLASLt's handle and
+  // workspace, other libraries), measured once by the caller (cudaMemGetInfo before and after
+  // they exist) and shown as a line of the table; not part of the peak. 0: not measured / none.
+  std::size_t outside_stack = 0;
+  std::string outside_note;  // what it is and how it was measured, for the table
   double forward_flops = 0;      // of one micro-batch's blocks
   double recompute_flops = 0;    // of one micro-batch
   std::vector<chain_op> ops;
@@ -215,6 +220,7 @@ struct training_plan {
                     peak_bytes == 0 ? 0.0 : 100.0 * (static_cast<double>(reserved_peak) / static_cast<double>(peak_bytes) - 1.0));
       row("reserved peak", reserved_peak, note);
     }
+    if (outside_stack != 0) row("outside the stack", outside_stack, outside_note.c_str());
     const std::size_t counted = budgeted_peak();
     if (budget != 0) {
       row("budget", budget, "");

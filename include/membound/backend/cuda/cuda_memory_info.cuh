@@ -51,4 +51,26 @@ std::size_t update_external_from_device(Budget& budget, int device) {
   return others;
 }
 
+// Device memory outside membound's allocators, measured once before training: `resident` is the
+// device's used bytes once the context exists (our context, plus whatever other processes hold:
+// cudaMemGetInfo cannot tell them apart, and the context cannot be measured before it exists);
+// `setup` is what `setup` added on top (e.g. a cuda_executor: its stream and cuBLASLt handle, and
+// the first GEMM's library state). A plan table shows both as "outside the stack".
+struct runtime_memory {
+  std::size_t resident = 0;
+  std::size_t setup = 0;
+  std::size_t total() const noexcept { return resident + setup; }
+};
+template <typename Setup>
+runtime_memory measure_runtime_memory(int device, Setup&& setup) {
+  cuda_device_guard guard(device);
+  cuda_check(cudaFree(nullptr), "cudaFree(0)");  // makes the context if there is none
+  runtime_memory r;
+  r.resident = device_memory_info(device).used();
+  setup();
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  r.setup = detail::saturating_sub(device_memory_info(device).used(), r.resident);
+  return r;
+}
+
 MEMBOUND_NAMESPACE_END
