@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""One training micro-batch (forward, loss, backward) of the hybrid model on the GPU: ours
+(bench/bench_cuda_model.cu, model<..., cuda_backend>::forward_backward under fit()'s plan for an
+8 GiB budget) against the same model written in PyTorch, on the same GPU, each shape in its own
+process. A tool to run and report, not part of ctest. No optimizer step on either side (the
+trainer is not on the device yet): the figure is the step's forward and backward.
+
+    cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-real
+    ninja -C build/gpu bench_cuda_model
+    python3 bench/peers/model_cuda_peer.py --ours build/gpu/bench/bench_cuda_model
+    python3 bench/peers/model_cuda_peer.py --ours PATH --seqs 2048 8192 --checkpoint
+
+The model (both sides): 12 blocks of width 768, 12 heads of 64, repeating TTT-Linear, attention,
+Mamba, attention (model_peer.py's block layout: pre-norm RMSNorm mixer + SwiGLU MLP, tied head),
+vocab 256, batch 1. PyTorch: model_peer.build_model's modules (attention_peer.TorchAttention with
+F.scaled_dot_product_attention, mamba_peer.TorchMamba = mamba_ssm's reference scan,
+ttt_peer.TorchTTT = ttt-lm-pytorch's dual form), fp32 parameters under
+torch.autocast("cuda", torch.bfloat16), as a PyTorch user trains in mixed precision; with
+--checkpoint every block is wrapped in torch.utils.checkpoint (non-reentrant). Ours: bf16 storage,
+fp32 accumulation.
+
+Columns: ms (median of --reps CUDA-event timings after --warmup steps), tokens/s, and memory:
+ours is the budget's measured peak of requested bytes (= the plan's prediction, both printed by
+the benchmark); torch is torch.cuda.max_memory_reserved() (what the caching allocator held: what
+the device must have) and max_memory_allocated(), from a reset before the timed steps. A shape
+whose PyTorch run does not fit is reported as OOM.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYERS = "ttt,attn,mamba,attn," * 3
+WIDTH, HEADS = 768, 12
+MiB = float(1 << 20)
+
+
+def child(args):
+    import torch
+    sys.path.insert(0, HERE)
+    import model_peer as MPR
+    blocks = [MPR.BLOCK_NAMES[b] for b in LAYERS.strip(",").split(",")]
+    C, H, T = WIDTH, HEADS, args.seq
+    spec = MPR.model_spec(blocks, C, H)
+    w = MPR.init_weights(torch, spec)
+    model = MPR.build_model(torch, blocks, C, H, T, w)
+    dev = args.device
+    model = model.to(dev)
+    for mod in model.modules():  # attention's RoPE tables are plain attributes, not buffers
+        for name in ("cos", "sin"):
+            if isinstance(getattr(mod, name, None), torch.Tensor):
+                setattr(mod, name, getattr(mod, name).to(dev))
+    if args.checkpoint:
+        import torch.utils.checkpoint as ckpt
+        for b in model.blocks:
+            inner = b.forward
+            b.forward = lambda x, inner=inner: ckpt.checkpoint(inner, x, use_reentrant=False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MPR.VOCAB, (1, T), generator=g).to(dev)
+    y = torch.randint(0, MPR.VOCAB, (1, T), generator=g).to(dev)
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        return loss
+
+    if dev == "cpu":  # --smoke: the script's own check on a machine without a GPU
+        import time
+        t0 = time.perf_counter()
+        loss = step()
+        print(json.dumps({"oom": False, "ms": [(time.perf_counter() - t0) * 1e3], "reserved": 1, "allocated": 1,
+                          "loss": loss.item(), "torch": torch.__version__, "device": "cpu"}))
+        return 0
+    try:
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms = []
+        for _ in range(args.reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            stop.record()
+            torch.cuda.synchronize()
+            ms.append(start.elapsed_time(stop))
+    except torch.OutOfMemoryError:
+        print(json.dumps({"oom": True}))
+        return 0
+    print(json.dumps({"oom": False, "ms": ms, "reserved": torch.cuda.max_memory_reserved(),
+                      "allocated": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
+                      "device": torch.cuda.get_device_name()}))
+    return 0
+
+
+def ours(path, seqs):
+    """bench_cuda_model's JSON rows by sequence length."""
+    r = subprocess.run([path, "--benchmark_format=json", "--benchmark_min_time=0.05"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{path} failed ({r.returncode}):\n{r.stderr}")
+    rows = {}
+    for b in json.loads(r.stdout)["benchmarks"]:
+        T = int(b["name"].split("/")[1])
+        if T in seqs:
+            rows[T] = b
+    return rows, r.stderr
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ours", help="path of bench_cuda_model")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--checkpoint", action="store_true", help="torch.utils.checkpoint around every block")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test of the child
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    if not args.ours:
+        ap.error("--ours PATH (bench_cuda_model) is required")
+    mine, plans = ours(args.ours, set(args.seqs))
+    print(plans)
+    print(f"| T | ours ms | torch ms{' (checkpointed)' if args.checkpoint else ''} | ours tok/s | torch tok/s | "
+          "ours/torch tok/s | ours peak MiB (measured = predicted) | torch reserved MiB (allocated) | "
+          "ours/torch memory |")
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for T in args.seqs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", str(args.warmup),
+               "--reps", str(args.reps)] + (["--checkpoint"] if args.checkpoint else [])
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"torch child failed ({r.returncode}):\n{r.stderr}")
+        t = json.loads(r.stdout.strip().splitlines()[-1])
+        o = mine.get(T)
+        o_ms = o["real_time"] if o else float("nan")
+        o_tok = T / (o_ms / 1e3) if o else float("nan")
+        o_mem = o["measured_peak_MiB"] if o else float("nan")
+        eq = "yes" if o and o["measured_eq_predicted"] == 1 else "NO"
+        if t["oom"]:
+            print(f"| {T} | {o_ms:.2f} | OOM | {o_tok:,.0f} | - | - | {o_mem:.1f} ({eq}) | OOM | - |")
+            continue
+        t_ms = statistics.median(t["ms"])
+        t_tok = T / (t_ms / 1e3)
+        print(f"| {T} | {o_ms:.2f} | {t_ms:.2f} | {o_tok:,.0f} | {t_tok:,.0f} | {o_tok / t_tok:.2f}x | "
+              f"{o_mem:.1f} ({eq}) | {t['reserved'] / MiB:.1f} ({t['allocated'] / MiB:.1f}) | "
+              f"{o_mem * MiB / t['reserved']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
