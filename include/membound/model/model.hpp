@@ -174,6 +174,18 @@ class model {
   static_assert(std::is_same_v<typename head_type::storage_type, S> &&
                     std::is_same_v<typename head_type::accum_type, A>,
                 "membound: lm_head<P> must use the embedding's precision P.");
+  // The allocator a step runs on hands out memory where the kernels read it. (The planner's
+  // request-only calls take any allocator: nothing is dereferenced there.)
+  template <typename Allocator>
+  static constexpr bool in_backend_space() {
+    static_assert(check_allocator<Allocator>());
+    static_assert(Allocator::space == backend::space,
+                  "membound: this allocator hands out memory in the wrong space for the model's backend: a "
+                  "cpu_backend model takes a host allocator (system_allocator, ...), a cuda_backend model a "
+                  "device one (cuda_device_allocator under caching_allocator / budget_allocator, or "
+                  "cuda_expandable_arena).");
+    return true;
+  }
   template <typename B>
   static constexpr bool on_model_backend() {
     if constexpr (!is_block_v<B>) {
@@ -363,7 +375,10 @@ class model {
   // host before the upload (check_tokens; lm_head's check_targets): the device cannot throw
   // without a sync. A bad id still reads nothing outside a table (its row is zero). The
   // returned loss is a host double, so the call synchronizes the executor's stream once, at the
-  // loss; the backward after it is only enqueued.
+  // loss; the backward after it is only enqueued. Blocks come from `alloc` on host_stream and
+  // are used on the executor's one stream only, so a block freed and handed out again is ordered
+  // after its last use; share a stream-ordered allocator with work on other streams only
+  // through its record_stream.
   //
   // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
   // before_backward (loss and its gradient computed) and at after_backward (before the last
@@ -375,7 +390,7 @@ class model {
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                           double loss_scale, Allocator& alloc, executor& ex,
                           Observer observe = {}) const {
-    static_assert(check_allocator<Allocator>());
+    static_assert(in_backend_space<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(g, "gradients");
     detail::not_null(tokens, "tokens");
@@ -395,7 +410,7 @@ class model {
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                                  double loss_scale, Allocator& alloc, executor& ex, Observer observe = {}) const {
-    static_assert(check_allocator<Allocator>());
+    static_assert(in_backend_space<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
       r.begin_block(k);
@@ -446,6 +461,7 @@ class model {
     static_assert(on_cpu || dependent_false<Allocator>,
                   "membound: model::next_token_logits runs on cpu_backend only (its head is a host "
                   "loop); on the device, use loss() or a step, or copy the weights to a CPU model.");
+    static_assert(in_backend_space<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
@@ -477,6 +493,7 @@ class model {
   template <typename Allocator>
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::size_t head_chunk, Allocator& alloc, executor& ex) const {
+    static_assert(in_backend_space<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
