@@ -6390,42 +6390,60 @@ constexpr std::size_t matmul_at_scratch_bytes(std::size_t threads, std::size_t N
   return threads * matmul_at_thread_scratch_bytes<A>(N, K, M);
 }
 
+// Decoding's workspace takes no thread count, so its products give each task (blocks(N,
+// gemm_row_block) of them: one for N <= 256 rows) its own packing buffers instead of each thread:
+// the bytes follow from the shape alone, and the tasks still run in parallel.
+enum class scratch_slots { per_thread, per_task };
+template <typename A>
+constexpr std::size_t matmul_task_scratch_bytes(std::size_t N, std::size_t K,
+                                                std::size_t M) noexcept {
+  return blocks(N, gemm_row_block) * matmul_thread_scratch_bytes<A>(N, K, M);
+}
+
 namespace detail {
-// Thread t's slice of the scratch; throws before any task runs if the span is short.
-inline void check_scratch(std::span<std::byte> scratch, std::size_t threads, std::size_t per) {
-  if (scratch.size() < threads * per) {
-    throw invalid_argument("scratch", std::to_string(threads * per) + " bytes (" +
-                                          std::to_string(threads) + " threads)",
+// Slot i's slice of the scratch; throws before any task runs if the span is short.
+inline void check_scratch(std::span<std::byte> scratch, std::size_t slots, std::size_t per,
+                          const char* unit = "threads") {
+  if (scratch.size() < slots * per) {
+    throw invalid_argument("scratch", std::to_string(slots * per) + " bytes (" +
+                                          std::to_string(slots) + " " + unit + ")",
                            std::to_string(scratch.size()) + " bytes",
-                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes");
+                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes / "
+                           "matmul_task_scratch_bytes");
   }
+}
+// y[N, M] (+)= x[N, K] · op(w) in tasks of gemm_row_block rows; wv(w) is op(w)'s view.
+template <typename A, typename WView>
+void matmul_rows(thread_pool& pool, const A* x, A* y, std::size_t N, std::size_t K,
+                 std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+                 scratch_slots slots, WView&& wv) {
+  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
+  const bool by_task = slots == scratch_slots::per_task;
+  check_scratch(scratch, by_task ? blocks(N, gemm_row_block) : pool.size(), per,
+                by_task ? "tasks" : "threads");
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), wv(), A(1),
+         accumulate, gemm_scratch{scratch.data() + (by_task ? blk : t) * per, per});
+  });
 }
 }  // namespace detail
 
 // y[N, M] (+)= x[N, K] · w[K, M]
 template <typename A>
 void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
-  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
-  detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
-    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), cview(w, K, M, ld.w),
-         A(1), accumulate, gemm_scratch{scratch.data() + t * per, per});
-  });
+            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+            scratch_slots slots = scratch_slots::per_thread) {
+  detail::matmul_rows(pool, x, y, N, K, M, accumulate, ld, scratch, slots,
+                      [&] { return cview(w, K, M, ld.w); });
 }
 // y[N, M] (+)= x[N, K] · w[M, K]ᵀ
 template <typename A>
 void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
-  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
-  detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
-    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x),
-         cview(w, M, K, ld.w).transpose(), A(1), accumulate,
-         gemm_scratch{scratch.data() + t * per, per});
-  });
+               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+               scratch_slots slots = scratch_slots::per_thread) {
+  detail::matmul_rows(pool, x, y, N, K, M, accumulate, ld, scratch, slots,
+                      [&] { return cview(w, M, K, ld.w).transpose(); });
 }
 // g[K, M] (+)= x[N, K]ᵀ · d[N, M], in blocks of rows of g. ld.w is d's.
 template <typename A>
@@ -8697,7 +8715,11 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
     const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
-    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false);
+    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256).
+    const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
+    constexpr auto per_task = cpu::scratch_slots::per_task;
+    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,
+                per_task);
     cpu::round_through<S>(xz, B * 2 * Di);
     A* conv_state = static_cast<A*>(st.data);        // [B, Di, K − 1]
     A* ssm_state = conv_state + B * Di * (K - 1);   // [B, Di, Ns]
@@ -8718,11 +8740,12 @@ class mamba {
     cpu::round_through<S>(u, B * Di);
     for (std::size_t b = 0; b < B; ++b) silu_row(u + b * Di, Di);
     A* xdbl = ws.template get<A>(st_xdbl);
-    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false);
+    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false,
+                cpu::ld3{Di, ldx, ldx}, gs, per_task);
     cpu::round_through<S>(xdbl, B * ldx);
     A* delta = ws.template get<A>(st_delta);
     cpu::matmul(pool, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
-                cpu::ld3{ldx, Di, Di});
+                cpu::ld3{ldx, Di, Di}, gs, per_task);
     for (std::size_t b = 0; b < B; ++b) softplus_row(delta + b * Di, wa.dt_bias, Di);
     cpu::round_through<S>(delta, B * Di);
     // The scan through the forward's own group kernel: the carried state [Di, Ns] is transposed
@@ -8750,7 +8773,8 @@ class mamba {
       gate_row(y + b * Di, xz + b * 2 * Di + Di, Di);
     }
     A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
-    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
+    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false,
+                cpu::ld3{Di, C, C}, gs, per_task);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
     ++st.position;
   }
@@ -8846,6 +8870,17 @@ class mamba {
                                cpu::matmul_thread_scratch_bytes<A>(N, 2 * Di, C)});   // dx
   }
 
+  // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
+  // takes no thread count; cpu::scratch_slots::per_task).
+  static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
+    const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
+    const std::size_t ldx = R + 2 * s.d_state;
+    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, 2 * Di),
+                     cpu::matmul_task_scratch_bytes<A>(B, Di, ldx),
+                     cpu::matmul_task_scratch_bytes<A>(B, R, Di),
+                     cpu::matmul_task_scratch_bytes<A>(B, Di, C)});
+  }
+
   // ---- Layouts (shared by the size functions and the carving) ----------------------------------
   enum saved_slot : std::size_t { s_xz, s_xdbl, s_states, s_c, s_delta };
   static constexpr workspace_layout<5> saved_layout(const mamba_shape& s) {
@@ -8916,11 +8951,11 @@ class mamba {
   }
 
   enum step_slot : std::size_t {
-    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan
+    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan, st_gemm
   };
-  static constexpr workspace_layout<10> step_layout(const mamba_shape& s) {
+  static constexpr workspace_layout<11> step_layout(const mamba_shape& s) {
     const std::size_t B = s.batch, Di = s.d_inner;
-    workspace_layout<10> l;
+    workspace_layout<11> l;
     l.add(w_acc_bytes(s));
     l.add(bytes_of<A>(Di, s.d_state));
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
@@ -8932,6 +8967,7 @@ class mamba {
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
     // One scan group's state and A ([Ns][lanes] each) and its padded rows.
     l.add(bytes_of<A>(2 * s.d_state + 4, cpu::scan_lanes<A>));
+    l.add(step_gemm_bytes(s));
     return l;
   }
 
@@ -9540,7 +9576,8 @@ class basic_ttt {
     if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
     ttt_shape one = s;
     one.seq = 1;
-    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s))};
+    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s)),
+                             step_pack_bytes(s)};
     return detail::fits_layout(b) ? forward_layout(one, 1, true).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -9906,7 +9943,12 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    project(one, xa, wa, q, k, v, lr, sig, tok, pool, {}, i);
+    // The forward's GEMM: the projections' packing buffers per task, the inner loop's (serial
+    // here) in the same bytes.
+    const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
+    const packing pk{gs, cpu::scratch_slots::per_task};
+    const cpu::gemm_scratch inner_pk{gs.data(), gs.size()};
+    project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
     A* o = ws.template get<A>(f_o);
     A* scratch = ws.template get<A>(f_scratch);
     const std::size_t SZ = inner_elements(s), F = hidden(s);
@@ -9921,19 +9963,19 @@ class basic_ttt {
                                       D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
                                       wa.ttt_norm_b + h * D, ln_eps};
         // This token's inner gradients at the mini-batch's starting state, added to the sums.
-        mb_forward(m, W, sc, false, {});
+        mb_forward(m, W, sc, false, inner_pk);
         const ilayout L = layout_of(D, F);
         accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
         if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
         for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
         // The output through the effective state (the dual form's row i).
         if constexpr (Mlp) {
-          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, {});
+          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, inner_pk);
           for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
           cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
-                               weff + L.b2, sc.zb, {});
+                               weff + L.b2, sc.zb, inner_pk);
         } else {
-          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, {});
+          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, inner_pk);
         }
         cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
         for (std::size_t c = 0; c < D; ++c)
@@ -9950,11 +9992,11 @@ class basic_ttt {
     A* pn = q;
     post_norm(one, o, wa, pn, nullptr, nullptr, pool);
     if (s.use_gate) {
-      cpu::matmul(pool, xa, wa.wg, k, B, C, C, false);
+      mm(pool, xa, wa.wg, k, B, C, C, false, pk);
       for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
     }
     A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false);
+    mm(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false, pk);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
     ++st.position;
   }
@@ -9995,7 +10037,7 @@ class basic_ttt {
   }
   // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
   // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
-  // their thread's slice. Decoding packs nothing.
+  // their thread's slice.
   static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
     const std::size_t N = rows(s), C = s.width, H = s.heads;
     return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
@@ -10008,6 +10050,15 @@ class basic_ttt {
                      cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
                      cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
                      cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
+  }
+  // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
+  // projections (one for B <= 256), whose bytes the inner loop's one-row products, run one
+  // (b, h) after another, reuse.
+  static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
+    const std::size_t B = s.batch, C = s.width, H = s.heads;
+    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, C),  // q, k, v, gate, output
+                     cpu::matmul_task_scratch_bytes<A>(B, C, H),  // the rates' pre-activation
+                     cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), 1)});
   }
   struct gemm_ws {
     std::byte* data;
@@ -10033,7 +10084,7 @@ class basic_ttt {
     f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
   };
   // Decoding computes the heads' output in the workspace even when it is the accumulator type
-  // (forward writes it straight into `saved`), and packs nothing (see mm).
+  // (forward writes it straight into `saved`), and sizes its packing buffers per task.
   static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
                                                        bool decoding = false) {
     const std::size_t N = rows(s), H = s.heads;
@@ -10049,8 +10100,8 @@ class basic_ttt {
     l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
     l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
     l.add(io_acc_bytes(s), default_alignment, {2, 2});
-    l.add(decoding ? 0 : bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment,
-          {0, 2});
+    l.add(decoding ? step_pack_bytes(s) : bytes_of<std::byte>(threads, forward_pack_bytes(s)),
+          default_alignment, {0, 2});
     return l;
   }
 
@@ -10177,31 +10228,28 @@ class basic_ttt {
     }
   }
 
-  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]): through the packing buffers `pk`
-  // (threads · the per-thread bytes of *_pack_bytes) when given; decoding passes none and keeps
-  // linalg.hpp's blocked products (its workspace size takes no thread count, and a few rows gain
-  // nothing from packing a whole weight).
+  // The packing buffers of the projections: training passes index them by thread (threads · the
+  // per-thread bytes of *_pack_bytes), decoding by task (step_pack_bytes).
+  struct packing {
+    std::span<std::byte> bytes;
+    cpu::scratch_slots slots = cpu::scratch_slots::per_thread;
+    packing(std::span<std::byte> b, cpu::scratch_slots s = cpu::scratch_slots::per_thread)
+        : bytes(b), slots(s) {}
+  };
+  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]).
   static void mm(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                 std::size_t M, bool accumulate, std::span<std::byte> pk) {
-    if (pk.empty()) {
-      cpu::matmul(pool, x, w, y, N, K, M, accumulate);
-    } else {
-      cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk);
-    }
+                 std::size_t M, bool accumulate, packing pk) {
+    cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk.bytes, pk.slots);
   }
   static void mm_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                    std::size_t M, bool accumulate, std::span<std::byte> pk) {
-    if (pk.empty()) {
-      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate);
-    } else {
-      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk);
-    }
+                    std::size_t M, bool accumulate, packing pk) {
+    cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk.bytes, pk.slots);
   }
 
   // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
   // `position0` offsets the position inside the mini-batch (decoding).
   static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
-                      A* sig, A* tok, thread_pool& pool, std::span<std::byte> pk,
+                      A* sig, A* tok, thread_pool& pool, packing pk,
                       std::size_t position0 = 0) {
     const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
     mm(pool, xa, wa.wq, q, N, C, C, false, pk);
