@@ -36,6 +36,22 @@ struct buffer {
   }
 };
 
+// Steps one token of `width` values (B·C) per iteration, carrying the state `make` starts.
+template <typename Layer, typename Shape, typename Make>
+void time_steps(benchmark::State& state, const Shape& s, const typename Layer::weights& w,
+                std::size_t width, mb::thread_pool& pool, Make&& make) {
+  const std::size_t ws_bytes = Layer::step_workspace_bytes(s);
+  buffer st_mem(Layer::state_bytes(s)), ws(ws_bytes);
+  auto st = make(st_mem.p, Layer::state_bytes(s));
+  const auto x = random(width, 20, 1.0f);
+  std::vector<float> y(width);
+  for (auto _ : state) {
+    Layer::step(s, w, st, x.data(), y.data(), ws.p, ws_bytes, pool);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["ws KiB"] = double(ws_bytes) / 1024.0;
+}
+
 void mamba_step(benchmark::State& state) {
   using block = mb::mamba<mb::fp32_precision>;
   const auto B = static_cast<std::size_t>(state.range(0));
@@ -50,15 +66,8 @@ void mamba_step(benchmark::State& state) {
              out_proj = random(Di * C, 9, sc);
   const block::weights w{in_proj.data(), conv_w.data(), conv_b.data(), x_proj.data(), dt_proj.data(),
                          dt_bias.data(), a_log.data(),  d.data(),      out_proj.data()};
-  buffer st_mem(block::state_bytes(s)), ws(block::step_workspace_bytes(s));
-  auto st = block::make_state(s, st_mem.p, block::state_bytes(s));
-  const auto x = random(B * C, 10, 1.0f);
-  std::vector<float> y(B * C);
-  for (auto _ : state) {
-    block::step(s, w, st, x.data(), y.data(), ws.p, block::step_workspace_bytes(s), pool);
-    benchmark::DoNotOptimize(y.data());
-  }
-  state.counters["ws KiB"] = double(block::step_workspace_bytes(s)) / 1024.0;
+  time_steps<block>(state, s, w, B * C, pool,
+                    [&](void* p, std::size_t n) { return block::make_state(s, p, n); });
 }
 
 template <bool Mlp>
@@ -81,15 +90,8 @@ void ttt_step(benchmark::State& state) {
                                   lr_b.data(), tok.data(),  post_w.data(), post_b.data(),
                                   nullptr,     wo.data(),   Mlp ? w2.data() : nullptr,
                                   Mlp ? b2.data() : nullptr};
-  buffer st_mem(layer::state_bytes(s)), ws(layer::step_workspace_bytes(s));
-  auto st = layer::make_state(s, w, st_mem.p, layer::state_bytes(s));
-  const auto x = random(B * C, 20, 1.0f);
-  std::vector<float> y(B * C);
-  for (auto _ : state) {
-    layer::step(s, w, st, x.data(), y.data(), ws.p, layer::step_workspace_bytes(s), pool);
-    benchmark::DoNotOptimize(y.data());
-  }
-  state.counters["ws KiB"] = double(layer::step_workspace_bytes(s)) / 1024.0;
+  time_steps<layer>(state, s, w, B * C, pool,
+                    [&](void* p, std::size_t n) { return layer::make_state(s, w, p, n); });
 }
 
 void shapes(benchmark::internal::Benchmark* b) {

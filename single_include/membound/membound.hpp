@@ -6166,6 +6166,14 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
   if (m == 0 || n == 0) return;
   if (!accumulate) y.setZero();
   if (k == 0) return;
+  if constexpr (detail::order_of<L>() == Eigen::RowMajor) {
+    if (m == 1) {
+      // One row (decoding): Eigen's GEMV reads r once, where packing it would copy all of it
+      // first. l's row is contiguous, so the GEMV needs no temporary.
+      y.row(0).noalias() += A(alpha) * (l.row(0) * r);
+      return;
+    }
+  }
   detail::workspace_blocking<A> blocking(s, m, n, k);
   Eigen::internal::general_matrix_matrix_product<Eigen::Index, A, detail::order_of<L>(), false, A,
                                                  detail::order_of<R>(), false, Eigen::RowMajor,
