@@ -6169,7 +6169,7 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
   if constexpr (detail::order_of<L>() == Eigen::RowMajor) {
     if (m == 1) {
       // One row (decoding): Eigen's GEMV reads r once, where packing it would copy all of it
-      // first. l's row is contiguous, so the GEMV needs no temporary.
+      // first. l's row is contiguous, so the GEMV needs no temporary, and s is not used.
       y.row(0).noalias() += A(alpha) * (l.row(0) * r);
       return;
     }
@@ -6374,11 +6374,12 @@ constexpr gemm_tiling matmul_at_tiling(std::size_t K, std::size_t M) noexcept {
   return {r, c, (K - 1) / r + 1, (M - 1) / c + 1};
 }
 
-// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows.
+// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows. One row
+// (x is row-major) runs gemm's GEMV, which packs nothing.
 template <typename A>
 constexpr std::size_t matmul_thread_scratch_bytes(std::size_t N, std::size_t K,
                                                   std::size_t M) noexcept {
-  return gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
+  return N == 1 ? 0 : gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
 }
 template <typename A>
 constexpr std::size_t matmul_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
@@ -8879,7 +8880,7 @@ class mamba {
   }
 
   // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
-  // takes no thread count; cpu::scratch_slots::per_task).
+  // takes no thread count; cpu::scratch_slots::per_task), none for B = 1 (GEMVs).
   static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
     const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
     const std::size_t ldx = R + 2 * s.d_state;
@@ -9214,20 +9215,8 @@ struct gelu_tanh {
   static A d2(A x) { return gelu_tanh_d2(x); }
 };
 
-// The inner loop's small products ([b, D]·[D, F] and the like): through the caller's packing
-// buffers when it passes some (forward and backward carve them per thread), else linalg.hpp's
-// blocked gemm (decoding, one row at a time, where packing buys nothing).
-template <typename Y, typename L, typename R, typename Scalar>
-void ttt_gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch pk) {
-  if (pk.data != nullptr) {
-    gemm(std::forward<Y>(y), l, r, alpha, accumulate, pk);
-  } else {
-    gemm(std::forward<Y>(y), l, r, alpha, accumulate);
-  }
-}
-
 // Packing bytes of one thread for every product of one mini-batch (K <= mb rows, inner widths D
-// and F): the largest of ttt_gemm's shapes below, each bounded by its K = mb case.
+// and F): the largest of the products below, each bounded by its K = mb case.
 template <typename A>
 constexpr std::size_t ttt_inner_gemm_bytes(std::size_t D, std::size_t F, std::size_t mb) noexcept {
   std::size_t m = 0;
@@ -9256,7 +9245,7 @@ template <typename A>
 void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
                      const A* W, const A* b, A* z, gemm_scratch pk) {
   auto Z = view(z, K, nout, nout);
-  ttt_gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
+  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
 }
@@ -9329,7 +9318,7 @@ template <typename A>
 void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
                   std::size_t n, const A* tok, const A* lr, A* att, A* p, gemm_scratch pk) {
   auto At = view(att, K, K, K);
-  ttt_gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
+  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
@@ -9347,7 +9336,7 @@ void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, 
                    const A* W, const A* b, const A* p, const A* g, A* zb, gemm_scratch pk) {
   ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb, pk);
   auto Zb = view(zb, K, nout, nout);
-  ttt_gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
+  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
 }
 
 // The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
@@ -9363,7 +9352,7 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
     }
   }
   auto Wm = view(W, nin, nout, nout);
-  ttt_gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
+  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
 }
 
 // The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
@@ -9375,9 +9364,9 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
                          const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2,
                          gemm_scratch pk) {
   auto XdW = view(s1, K, nout, nout);
-  ttt_gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
+  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
-  ttt_gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
+  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
            pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
@@ -9401,15 +9390,15 @@ void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::siz
                             gemm_scratch pk) {
   const auto DZb = cview(dzb, K, nout, nout);
   auto dX = view(dx, K, nin, lddx);
-  ttt_gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
   auto dWm = view(dW, nin, nout, nout);
-  ttt_gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
+  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
   auto dG = view(dg, K, nout, nout);
-  ttt_gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
+  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
   auto dP = view(dp, K, K, K);
-  ttt_gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
+  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
 }
@@ -9435,9 +9424,9 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
                       std::size_t lddy, gemm_scratch pk) {
   const auto dAtt = cview(datt, K, K, K);
   auto dX = view(dx, K, n, lddx);
-  ttt_gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
+  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
   auto dY = view(dy, K, n, lddy);
-  ttt_gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
+  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
 }
 
 }  // namespace cpu
@@ -9951,11 +9940,11 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    // The forward's GEMM: the projections' packing buffers per task, the inner loop's (serial
-    // here) in the same bytes.
+    // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
+    // products (GEMVs) use none.
     const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
     const packing pk{gs, cpu::scratch_slots::per_task};
-    const cpu::gemm_scratch inner_pk{gs.data(), gs.size()};
+    const cpu::gemm_scratch inner_pk{};
     project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
     A* o = ws.template get<A>(f_o);
     A* scratch = ws.template get<A>(f_scratch);
@@ -10060,13 +10049,12 @@ class basic_ttt {
                      cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
   }
   // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
-  // projections (one for B <= 256), whose bytes the inner loop's one-row products, run one
-  // (b, h) after another, reuse.
+  // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
+  // row each, GEMVs too, so they pack nothing.
   static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
     const std::size_t B = s.batch, C = s.width, H = s.heads;
-    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, C),  // q, k, v, gate, output
-                     cpu::matmul_task_scratch_bytes<A>(B, C, H),  // the rates' pre-activation
-                     cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), 1)});
+    return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
+                    cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
   }
   struct gemm_ws {
     std::byte* data;
@@ -10398,7 +10386,7 @@ class basic_ttt {
       cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::ttt_gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
                     cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
@@ -10499,9 +10487,9 @@ class basic_ttt {
                                    std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
     const auto dZ = cpu::cview(dz, K, nout, nout);
     auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::ttt_gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
     auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::ttt_gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
+    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
     for (std::size_t i = 0; i < K; ++i)
       for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
   }
@@ -10560,7 +10548,7 @@ class basic_ttt {
       cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::ttt_gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
                     cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
@@ -10569,9 +10557,9 @@ class basic_ttt {
       }
       const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
       auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::ttt_gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
+      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::ttt_gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
                     A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);

@@ -658,7 +658,7 @@ class mamba {
   }
 
   // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
-  // takes no thread count; cpu::scratch_slots::per_task).
+  // takes no thread count; cpu::scratch_slots::per_task), none for B = 1 (GEMVs).
   static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
     const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
     const std::size_t ldx = R + 2 * s.d_state;

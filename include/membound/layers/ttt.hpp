@@ -529,11 +529,11 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    // The forward's GEMM: the projections' packing buffers per task, the inner loop's (serial
-    // here) in the same bytes.
+    // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
+    // products (GEMVs) use none.
     const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
     const packing pk{gs, cpu::scratch_slots::per_task};
-    const cpu::gemm_scratch inner_pk{gs.data(), gs.size()};
+    const cpu::gemm_scratch inner_pk{};
     project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
     A* o = ws.template get<A>(f_o);
     A* scratch = ws.template get<A>(f_scratch);
@@ -638,13 +638,12 @@ class basic_ttt {
                      cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
   }
   // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
-  // projections (one for B <= 256), whose bytes the inner loop's one-row products, run one
-  // (b, h) after another, reuse.
+  // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
+  // row each, GEMVs too, so they pack nothing.
   static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
     const std::size_t B = s.batch, C = s.width, H = s.heads;
-    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, C),  // q, k, v, gate, output
-                     cpu::matmul_task_scratch_bytes<A>(B, C, H),  // the rates' pre-activation
-                     cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), 1)});
+    return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
+                    cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
   }
   struct gemm_ws {
     std::byte* data;
@@ -977,7 +976,7 @@ class basic_ttt {
       cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::ttt_gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
                     cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
@@ -1078,9 +1077,9 @@ class basic_ttt {
                                    std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
     const auto dZ = cpu::cview(dz, K, nout, nout);
     auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::ttt_gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
     auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::ttt_gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
+    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
     for (std::size_t i = 0; i < K; ++i)
       for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
   }
@@ -1139,7 +1138,7 @@ class basic_ttt {
       cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::ttt_gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
                     cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
@@ -1148,9 +1147,9 @@ class basic_ttt {
       }
       const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
       auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::ttt_gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
+      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::ttt_gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
                     A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);

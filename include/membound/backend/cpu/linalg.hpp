@@ -160,7 +160,7 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
   if constexpr (detail::order_of<L>() == Eigen::RowMajor) {
     if (m == 1) {
       // One row (decoding): Eigen's GEMV reads r once, where packing it would copy all of it
-      // first. l's row is contiguous, so the GEMV needs no temporary.
+      // first. l's row is contiguous, so the GEMV needs no temporary, and s is not used.
       y.row(0).noalias() += A(alpha) * (l.row(0) * r);
       return;
     }
@@ -365,11 +365,12 @@ constexpr gemm_tiling matmul_at_tiling(std::size_t K, std::size_t M) noexcept {
   return {r, c, (K - 1) / r + 1, (M - 1) / c + 1};
 }
 
-// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows.
+// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows. One row
+// (x is row-major) runs gemm's GEMV, which packs nothing.
 template <typename A>
 constexpr std::size_t matmul_thread_scratch_bytes(std::size_t N, std::size_t K,
                                                   std::size_t M) noexcept {
-  return gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
+  return N == 1 ? 0 : gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
 }
 template <typename A>
 constexpr std::size_t matmul_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
