@@ -8724,7 +8724,8 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
     const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
-    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256).
+    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256, none
+    // for B = 1).
     const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
     constexpr auto per_task = cpu::scratch_slots::per_task;
     cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,
@@ -9367,7 +9368,7 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
   gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
   gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
-           pk);
+       pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
     A d = 0;
@@ -10387,7 +10388,7 @@ class basic_ttt {
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
       cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
       cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
@@ -10549,7 +10550,7 @@ class basic_ttt {
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
       cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
         b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
@@ -10560,7 +10561,7 @@ class basic_ttt {
       cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
       cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    A(1), true, pk);
+                A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
       linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,

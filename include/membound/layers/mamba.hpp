@@ -502,7 +502,8 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
     const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
-    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256).
+    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256, none
+    // for B = 1).
     const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
     constexpr auto per_task = cpu::scratch_slots::per_task;
     cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,

@@ -977,7 +977,7 @@ class basic_ttt {
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
       cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
       cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
@@ -1139,7 +1139,7 @@ class basic_ttt {
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
       cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
         b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
@@ -1150,7 +1150,7 @@ class basic_ttt {
       cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
       cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    A(1), true, pk);
+                A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
       linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,

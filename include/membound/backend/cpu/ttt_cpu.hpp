@@ -254,7 +254,7 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
   gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
   gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
-           pk);
+       pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
     A d = 0;
