@@ -131,6 +131,14 @@ int main(int argc, char** argv) {
       {"T4k qkv", kind::nn, 4096, 512, 1536},      {"T4k mlp up", kind::nn, 4096, 512, 2048},
       {"T4k mlp down", kind::nn, 4096, 2048, 512}, {"T4k dx mlp up", kind::bt, 4096, 2048, 512},
       {"T4k dW mlp up", kind::at, 4096, 512, 2048},
+      // Decoding (`step`): one or eight rows through a whole weight, TTT at C = 512 and Mamba's
+      // in_proj, x_proj, dt_proj, out_proj at C = 768 (Di 1536, R 48, Ns 16).
+      {"step ttt q", kind::nn, 1, 512, 512},       {"step ttt q B8", kind::nn, 8, 512, 512},
+      {"step mamba in", kind::nn, 1, 768, 3072},   {"step mamba in B8", kind::nn, 8, 768, 3072},
+      {"step mamba x", kind::nn, 1, 1536, 80},     {"step mamba dt", kind::nn, 1, 48, 1536},
+      {"step mamba out", kind::nn, 1, 1536, 768},  {"step mamba out B8", kind::nn, 8, 1536, 768},
+      {"step ttt inner", kind::nn, 1, 64, 64},     {"step ttt inner up", kind::nn, 1, 64, 256},
+      {"step ttt inner dn", kind::nn, 1, 256, 64},
   };
   std::printf("| threads | shape | op | N K M | new ms | split ms | eigen ms | new GF/s | %%peak | new/eigen | split/eigen |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");

@@ -6178,6 +6178,14 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
   if (m == 0 || n == 0) return;
   if (!accumulate) y.setZero();
   if (k == 0) return;
+  if constexpr (detail::order_of<L>() == Eigen::RowMajor) {
+    if (m == 1) {
+      // One row (decoding): Eigen's GEMV reads r once, where packing it would copy all of it
+      // first. l's row is contiguous, so the GEMV needs no temporary, and s is not used.
+      y.row(0).noalias() += A(alpha) * (l.row(0) * r);
+      return;
+    }
+  }
   detail::workspace_blocking<A> blocking(s, m, n, k);
   Eigen::internal::general_matrix_matrix_product<Eigen::Index, A, detail::order_of<L>(), false, A,
                                                  detail::order_of<R>(), false, Eigen::RowMajor,
@@ -6378,11 +6386,12 @@ constexpr gemm_tiling matmul_at_tiling(std::size_t K, std::size_t M) noexcept {
   return {r, c, (K - 1) / r + 1, (M - 1) / c + 1};
 }
 
-// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows.
+// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows. One row
+// (x is row-major) runs gemm's GEMV, which packs nothing.
 template <typename A>
 constexpr std::size_t matmul_thread_scratch_bytes(std::size_t N, std::size_t K,
                                                   std::size_t M) noexcept {
-  return gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
+  return N == 1 ? 0 : gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
 }
 template <typename A>
 constexpr std::size_t matmul_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
@@ -6402,42 +6411,60 @@ constexpr std::size_t matmul_at_scratch_bytes(std::size_t threads, std::size_t N
   return threads * matmul_at_thread_scratch_bytes<A>(N, K, M);
 }
 
+// Decoding's workspace takes no thread count, so its products give each task (blocks(N,
+// gemm_row_block) of them: one for N <= 256 rows) its own packing buffers instead of each thread:
+// the bytes follow from the shape alone, and the tasks still run in parallel.
+enum class scratch_slots { per_thread, per_task };
+template <typename A>
+constexpr std::size_t matmul_task_scratch_bytes(std::size_t N, std::size_t K,
+                                                std::size_t M) noexcept {
+  return blocks(N, gemm_row_block) * matmul_thread_scratch_bytes<A>(N, K, M);
+}
+
 namespace detail {
-// Thread t's slice of the scratch; throws before any task runs if the span is short.
-inline void check_scratch(std::span<std::byte> scratch, std::size_t threads, std::size_t per) {
-  if (scratch.size() < threads * per) {
-    throw invalid_argument("scratch", std::to_string(threads * per) + " bytes (" +
-                                          std::to_string(threads) + " threads)",
+// Slot i's slice of the scratch; throws before any task runs if the span is short.
+inline void check_scratch(std::span<std::byte> scratch, std::size_t slots, std::size_t per,
+                          const char* unit = "threads") {
+  if (scratch.size() < slots * per) {
+    throw invalid_argument("scratch", std::to_string(slots * per) + " bytes (" +
+                                          std::to_string(slots) + " " + unit + ")",
                            std::to_string(scratch.size()) + " bytes",
-                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes");
+                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes / "
+                           "matmul_task_scratch_bytes");
   }
+}
+// y[N, M] (+)= x[N, K] · op(w) in tasks of gemm_row_block rows; wv(w) is op(w)'s view.
+template <typename A, typename WView>
+void matmul_rows(thread_pool& pool, const A* x, A* y, std::size_t N, std::size_t K,
+                 std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+                 scratch_slots slots, WView&& wv) {
+  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
+  const bool by_task = slots == scratch_slots::per_task;
+  check_scratch(scratch, by_task ? blocks(N, gemm_row_block) : pool.size(), per,
+                by_task ? "tasks" : "threads");
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), wv(), A(1),
+         accumulate, gemm_scratch{scratch.data() + (by_task ? blk : t) * per, per});
+  });
 }
 }  // namespace detail
 
 // y[N, M] (+)= x[N, K] · w[K, M]
 template <typename A>
 void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
-  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
-  detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
-    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), cview(w, K, M, ld.w),
-         A(1), accumulate, gemm_scratch{scratch.data() + t * per, per});
-  });
+            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+            scratch_slots slots = scratch_slots::per_thread) {
+  detail::matmul_rows(pool, x, y, N, K, M, accumulate, ld, scratch, slots,
+                      [&] { return cview(w, K, M, ld.w); });
 }
 // y[N, M] (+)= x[N, K] · w[M, K]ᵀ
 template <typename A>
 void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
-  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
-  detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
-    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x),
-         cview(w, M, K, ld.w).transpose(), A(1), accumulate,
-         gemm_scratch{scratch.data() + t * per, per});
-  });
+               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+               scratch_slots slots = scratch_slots::per_thread) {
+  detail::matmul_rows(pool, x, y, N, K, M, accumulate, ld, scratch, slots,
+                      [&] { return cview(w, M, K, ld.w).transpose(); });
 }
 // g[K, M] (+)= x[N, K]ᵀ · d[N, M], in blocks of rows of g. ld.w is d's.
 template <typename A>
@@ -8709,7 +8736,12 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
     const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
-    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false);
+    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256, none
+    // for B = 1).
+    const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
+    constexpr auto per_task = cpu::scratch_slots::per_task;
+    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,
+                per_task);
     cpu::round_through<S>(xz, B * 2 * Di);
     A* conv_state = static_cast<A*>(st.data);        // [B, Di, K − 1]
     A* ssm_state = conv_state + B * Di * (K - 1);   // [B, Di, Ns]
@@ -8730,11 +8762,12 @@ class mamba {
     cpu::round_through<S>(u, B * Di);
     for (std::size_t b = 0; b < B; ++b) silu_row(u + b * Di, Di);
     A* xdbl = ws.template get<A>(st_xdbl);
-    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false);
+    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false,
+                cpu::ld3{Di, ldx, ldx}, gs, per_task);
     cpu::round_through<S>(xdbl, B * ldx);
     A* delta = ws.template get<A>(st_delta);
     cpu::matmul(pool, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
-                cpu::ld3{ldx, Di, Di});
+                cpu::ld3{ldx, Di, Di}, gs, per_task);
     for (std::size_t b = 0; b < B; ++b) softplus_row(delta + b * Di, wa.dt_bias, Di);
     cpu::round_through<S>(delta, B * Di);
     // The scan through the forward's own group kernel: the carried state [Di, Ns] is transposed
@@ -8762,7 +8795,8 @@ class mamba {
       gate_row(y + b * Di, xz + b * 2 * Di + Di, Di);
     }
     A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
-    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
+    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false,
+                cpu::ld3{Di, C, C}, gs, per_task);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
     ++st.position;
   }
@@ -8858,6 +8892,17 @@ class mamba {
                                cpu::matmul_thread_scratch_bytes<A>(N, 2 * Di, C)});   // dx
   }
 
+  // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
+  // takes no thread count; cpu::scratch_slots::per_task), none for B = 1 (GEMVs).
+  static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
+    const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
+    const std::size_t ldx = R + 2 * s.d_state;
+    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, 2 * Di),
+                     cpu::matmul_task_scratch_bytes<A>(B, Di, ldx),
+                     cpu::matmul_task_scratch_bytes<A>(B, R, Di),
+                     cpu::matmul_task_scratch_bytes<A>(B, Di, C)});
+  }
+
   // ---- Layouts (shared by the size functions and the carving) ----------------------------------
   enum saved_slot : std::size_t { s_xz, s_xdbl, s_states, s_c, s_delta };
   static constexpr workspace_layout<5> saved_layout(const mamba_shape& s) {
@@ -8928,11 +8973,11 @@ class mamba {
   }
 
   enum step_slot : std::size_t {
-    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan
+    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan, st_gemm
   };
-  static constexpr workspace_layout<10> step_layout(const mamba_shape& s) {
+  static constexpr workspace_layout<11> step_layout(const mamba_shape& s) {
     const std::size_t B = s.batch, Di = s.d_inner;
-    workspace_layout<10> l;
+    workspace_layout<11> l;
     l.add(w_acc_bytes(s));
     l.add(bytes_of<A>(Di, s.d_state));
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
@@ -8944,6 +8989,7 @@ class mamba {
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
     // One scan group's state and A ([Ns][lanes] each) and its padded rows.
     l.add(bytes_of<A>(2 * s.d_state + 4, cpu::scan_lanes<A>));
+    l.add(step_gemm_bytes(s));
     return l;
   }
 
@@ -9182,20 +9228,8 @@ struct gelu_tanh {
   static A d2(A x) { return gelu_tanh_d2(x); }
 };
 
-// The inner loop's small products ([b, D]·[D, F] and the like): through the caller's packing
-// buffers when it passes some (forward and backward carve them per thread), else linalg.hpp's
-// blocked gemm (decoding, one row at a time, where packing buys nothing).
-template <typename Y, typename L, typename R, typename Scalar>
-void ttt_gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch pk) {
-  if (pk.data != nullptr) {
-    gemm(std::forward<Y>(y), l, r, alpha, accumulate, pk);
-  } else {
-    gemm(std::forward<Y>(y), l, r, alpha, accumulate);
-  }
-}
-
 // Packing bytes of one thread for every product of one mini-batch (K <= mb rows, inner widths D
-// and F): the largest of ttt_gemm's shapes below, each bounded by its K = mb case.
+// and F): the largest of the products below, each bounded by its K = mb case.
 template <typename A>
 constexpr std::size_t ttt_inner_gemm_bytes(std::size_t D, std::size_t F, std::size_t mb) noexcept {
   std::size_t m = 0;
@@ -9224,7 +9258,7 @@ template <typename A>
 void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
                      const A* W, const A* b, A* z, gemm_scratch pk) {
   auto Z = view(z, K, nout, nout);
-  ttt_gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
+  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
 }
@@ -9297,7 +9331,7 @@ template <typename A>
 void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
                   std::size_t n, const A* tok, const A* lr, A* att, A* p, gemm_scratch pk) {
   auto At = view(att, K, K, K);
-  ttt_gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
+  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
@@ -9315,7 +9349,7 @@ void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, 
                    const A* W, const A* b, const A* p, const A* g, A* zb, gemm_scratch pk) {
   ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb, pk);
   auto Zb = view(zb, K, nout, nout);
-  ttt_gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
+  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
 }
 
 // The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
@@ -9331,7 +9365,7 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
     }
   }
   auto Wm = view(W, nin, nout, nout);
-  ttt_gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
+  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
 }
 
 // The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
@@ -9343,10 +9377,10 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
                          const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2,
                          gemm_scratch pk) {
   auto XdW = view(s1, K, nout, nout);
-  ttt_gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
+  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
-  ttt_gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
-           pk);
+  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
+       pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
     A d = 0;
@@ -9369,15 +9403,15 @@ void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::siz
                             gemm_scratch pk) {
   const auto DZb = cview(dzb, K, nout, nout);
   auto dX = view(dx, K, nin, lddx);
-  ttt_gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
   auto dWm = view(dW, nin, nout, nout);
-  ttt_gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
+  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
   auto dG = view(dg, K, nout, nout);
-  ttt_gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
+  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
   auto dP = view(dp, K, K, K);
-  ttt_gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
+  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
 }
@@ -9403,9 +9437,9 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
                       std::size_t lddy, gemm_scratch pk) {
   const auto dAtt = cview(datt, K, K, K);
   auto dX = view(dx, K, n, lddx);
-  ttt_gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
+  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
   auto dY = view(dy, K, n, lddy);
-  ttt_gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
+  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
 }
 
 }  // namespace cpu
@@ -9552,7 +9586,8 @@ class basic_ttt {
     if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
     ttt_shape one = s;
     one.seq = 1;
-    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s))};
+    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s)),
+                             step_pack_bytes(s)};
     return detail::fits_layout(b) ? forward_layout(one, 1, true).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -9918,7 +9953,12 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    project(one, xa, wa, q, k, v, lr, sig, tok, pool, {}, i);
+    // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
+    // products (GEMVs) use none.
+    const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
+    const packing pk{gs, cpu::scratch_slots::per_task};
+    const cpu::gemm_scratch inner_pk{};
+    project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
     A* o = ws.template get<A>(f_o);
     A* scratch = ws.template get<A>(f_scratch);
     const std::size_t SZ = inner_elements(s), F = hidden(s);
@@ -9933,19 +9973,19 @@ class basic_ttt {
                                       D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
                                       wa.ttt_norm_b + h * D, ln_eps};
         // This token's inner gradients at the mini-batch's starting state, added to the sums.
-        mb_forward(m, W, sc, false, {});
+        mb_forward(m, W, sc, false, inner_pk);
         const ilayout L = layout_of(D, F);
         accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
         if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
         for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
         // The output through the effective state (the dual form's row i).
         if constexpr (Mlp) {
-          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, {});
+          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, inner_pk);
           for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
           cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
-                               weff + L.b2, sc.zb, {});
+                               weff + L.b2, sc.zb, inner_pk);
         } else {
-          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, {});
+          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, inner_pk);
         }
         cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
         for (std::size_t c = 0; c < D; ++c)
@@ -9962,11 +10002,11 @@ class basic_ttt {
     A* pn = q;
     post_norm(one, o, wa, pn, nullptr, nullptr, pool);
     if (s.use_gate) {
-      cpu::matmul(pool, xa, wa.wg, k, B, C, C, false);
+      mm(pool, xa, wa.wg, k, B, C, C, false, pk);
       for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
     }
     A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false);
+    mm(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false, pk);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
     ++st.position;
   }
@@ -10007,7 +10047,7 @@ class basic_ttt {
   }
   // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
   // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
-  // their thread's slice. Decoding packs nothing.
+  // their thread's slice.
   static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
     const std::size_t N = rows(s), C = s.width, H = s.heads;
     return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
@@ -10020,6 +10060,14 @@ class basic_ttt {
                      cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
                      cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
                      cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
+  }
+  // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
+  // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
+  // row each, GEMVs too, so they pack nothing.
+  static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
+    const std::size_t B = s.batch, C = s.width, H = s.heads;
+    return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
+                    cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
   }
   struct gemm_ws {
     std::byte* data;
@@ -10045,7 +10093,7 @@ class basic_ttt {
     f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
   };
   // Decoding computes the heads' output in the workspace even when it is the accumulator type
-  // (forward writes it straight into `saved`), and packs nothing (see mm).
+  // (forward writes it straight into `saved`), and sizes its packing buffers per task.
   static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
                                                        bool decoding = false) {
     const std::size_t N = rows(s), H = s.heads;
@@ -10061,8 +10109,8 @@ class basic_ttt {
     l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
     l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
     l.add(io_acc_bytes(s), default_alignment, {2, 2});
-    l.add(decoding ? 0 : bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment,
-          {0, 2});
+    l.add(decoding ? step_pack_bytes(s) : bytes_of<std::byte>(threads, forward_pack_bytes(s)),
+          default_alignment, {0, 2});
     return l;
   }
 
@@ -10189,31 +10237,28 @@ class basic_ttt {
     }
   }
 
-  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]): through the packing buffers `pk`
-  // (threads · the per-thread bytes of *_pack_bytes) when given; decoding passes none and keeps
-  // linalg.hpp's blocked products (its workspace size takes no thread count, and a few rows gain
-  // nothing from packing a whole weight).
+  // The packing buffers of the projections: training passes index them by thread (threads · the
+  // per-thread bytes of *_pack_bytes), decoding by task (step_pack_bytes).
+  struct packing {
+    std::span<std::byte> bytes;
+    cpu::scratch_slots slots = cpu::scratch_slots::per_thread;
+    packing(std::span<std::byte> b, cpu::scratch_slots s = cpu::scratch_slots::per_thread)
+        : bytes(b), slots(s) {}
+  };
+  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]).
   static void mm(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                 std::size_t M, bool accumulate, std::span<std::byte> pk) {
-    if (pk.empty()) {
-      cpu::matmul(pool, x, w, y, N, K, M, accumulate);
-    } else {
-      cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk);
-    }
+                 std::size_t M, bool accumulate, packing pk) {
+    cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk.bytes, pk.slots);
   }
   static void mm_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                    std::size_t M, bool accumulate, std::span<std::byte> pk) {
-    if (pk.empty()) {
-      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate);
-    } else {
-      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk);
-    }
+                    std::size_t M, bool accumulate, packing pk) {
+    cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk.bytes, pk.slots);
   }
 
   // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
   // `position0` offsets the position inside the mini-batch (decoding).
   static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
-                      A* sig, A* tok, thread_pool& pool, std::span<std::byte> pk,
+                      A* sig, A* tok, thread_pool& pool, packing pk,
                       std::size_t position0 = 0) {
     const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
     mm(pool, xa, wa.wq, q, N, C, C, false, pk);
@@ -10354,8 +10399,8 @@ class basic_ttt {
       cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::ttt_gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
       cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
@@ -10455,9 +10500,9 @@ class basic_ttt {
                                    std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
     const auto dZ = cpu::cview(dz, K, nout, nout);
     auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::ttt_gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
     auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::ttt_gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
+    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
     for (std::size_t i = 0; i < K; ++i)
       for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
   }
@@ -10516,8 +10561,8 @@ class basic_ttt {
       cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::ttt_gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
         b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
@@ -10525,10 +10570,10 @@ class basic_ttt {
       }
       const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
       auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::ttt_gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
+      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::ttt_gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    A(1), true, pk);
+      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
       linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,

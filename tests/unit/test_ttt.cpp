@@ -404,13 +404,13 @@ TEST_CASE("ttt_linear: saved bytes fall with G as reported; peak is as reported"
 namespace {
 
 template <typename layer>
-void step_case() {
-  const ttt_shape s = shape_of(2, 11, 16, 2, true);
+void step_case(std::size_t batch = 2, std::size_t seq = 11, std::size_t threads = 1) {
+  const ttt_shape s = shape_of(batch, seq, 16, 2, true);
   rng r{8};
   const params prm = make_params<4, layer::is_mlp>(s, r);
   const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0);
   const std::vector<double> full = run<layer>(s, prm, x, x, 1, false).y;
-  thread_pool pool(1);
+  thread_pool pool(threads);
   const typename layer::weights wv{
       prm.p[0].data(),  prm.p[1].data(),  prm.p[2].data(),  prm.p[3].data(),
       prm.p[4].data(),  prm.p[5].data(),  prm.p[6].data(),  prm.p[7].data(),
@@ -440,6 +440,8 @@ void step_case() {
 TEST_CASE("ttt_linear::step and ttt_mlp::step reproduce the full forward, token by token") {
   step_case<f64_layer<4, membound::ttt_checkpoint_groups<2>>>();
   step_case<f64_mlp<4, membound::ttt_checkpoint_groups<2>>>();
+  // 300 sequences: the projections run as two 256-row tasks, each with its own packing buffers.
+  step_case<f64_layer<4, membound::ttt_checkpoint_groups<2>>>(300, 5, 2);
 }
 
 TEST_CASE("ttt_linear: bad input is refused by name") {

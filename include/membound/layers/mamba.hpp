@@ -502,7 +502,12 @@ class mamba {
     negexp(wa.a_log, Di * Ns, a_neg);
     const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
     A* xz = ws.template get<A>(st_xz);
-    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false);
+    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256, none
+    // for B = 1).
+    const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
+    constexpr auto per_task = cpu::scratch_slots::per_task;
+    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,
+                per_task);
     cpu::round_through<S>(xz, B * 2 * Di);
     A* conv_state = static_cast<A*>(st.data);        // [B, Di, K − 1]
     A* ssm_state = conv_state + B * Di * (K - 1);   // [B, Di, Ns]
@@ -523,11 +528,12 @@ class mamba {
     cpu::round_through<S>(u, B * Di);
     for (std::size_t b = 0; b < B; ++b) silu_row(u + b * Di, Di);
     A* xdbl = ws.template get<A>(st_xdbl);
-    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false);
+    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false,
+                cpu::ld3{Di, ldx, ldx}, gs, per_task);
     cpu::round_through<S>(xdbl, B * ldx);
     A* delta = ws.template get<A>(st_delta);
     cpu::matmul(pool, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
-                cpu::ld3{ldx, Di, Di});
+                cpu::ld3{ldx, Di, Di}, gs, per_task);
     for (std::size_t b = 0; b < B; ++b) softplus_row(delta + b * Di, wa.dt_bias, Di);
     cpu::round_through<S>(delta, B * Di);
     // The scan through the forward's own group kernel: the carried state [Di, Ns] is transposed
@@ -555,7 +561,8 @@ class mamba {
       gate_row(y + b * Di, xz + b * 2 * Di + Di, Di);
     }
     A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
-    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false);
+    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false,
+                cpu::ld3{Di, C, C}, gs, per_task);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
     ++st.position;
   }
@@ -651,6 +658,17 @@ class mamba {
                                cpu::matmul_thread_scratch_bytes<A>(N, 2 * Di, C)});   // dx
   }
 
+  // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
+  // takes no thread count; cpu::scratch_slots::per_task), none for B = 1 (GEMVs).
+  static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
+    const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
+    const std::size_t ldx = R + 2 * s.d_state;
+    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, 2 * Di),
+                     cpu::matmul_task_scratch_bytes<A>(B, Di, ldx),
+                     cpu::matmul_task_scratch_bytes<A>(B, R, Di),
+                     cpu::matmul_task_scratch_bytes<A>(B, Di, C)});
+  }
+
   // ---- Layouts (shared by the size functions and the carving) ----------------------------------
   enum saved_slot : std::size_t { s_xz, s_xdbl, s_states, s_c, s_delta };
   static constexpr workspace_layout<5> saved_layout(const mamba_shape& s) {
@@ -721,11 +739,11 @@ class mamba {
   }
 
   enum step_slot : std::size_t {
-    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan
+    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan, st_gemm
   };
-  static constexpr workspace_layout<10> step_layout(const mamba_shape& s) {
+  static constexpr workspace_layout<11> step_layout(const mamba_shape& s) {
     const std::size_t B = s.batch, Di = s.d_inner;
-    workspace_layout<10> l;
+    workspace_layout<11> l;
     l.add(w_acc_bytes(s));
     l.add(bytes_of<A>(Di, s.d_state));
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
@@ -737,6 +755,7 @@ class mamba {
     l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
     // One scan group's state and A ([Ns][lanes] each) and its padded rows.
     l.add(bytes_of<A>(2 * s.d_state + 4, cpu::scan_lanes<A>));
+    l.add(step_gemm_bytes(s));
     return l;
   }
 

@@ -162,7 +162,8 @@ class basic_ttt {
     if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
     ttt_shape one = s;
     one.seq = 1;
-    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s))};
+    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s)),
+                             step_pack_bytes(s)};
     return detail::fits_layout(b) ? forward_layout(one, 1, true).size()
                                   : std::numeric_limits<std::size_t>::max();
   }
@@ -528,7 +529,12 @@ class basic_ttt {
     A* lr = ws.template get<A>(f_lr);
     A* sig = ws.template get<A>(f_sig);
     A* tok = ws.template get<A>(f_tok);
-    project(one, xa, wa, q, k, v, lr, sig, tok, pool, {}, i);
+    // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
+    // products (GEMVs) use none.
+    const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
+    const packing pk{gs, cpu::scratch_slots::per_task};
+    const cpu::gemm_scratch inner_pk{};
+    project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
     A* o = ws.template get<A>(f_o);
     A* scratch = ws.template get<A>(f_scratch);
     const std::size_t SZ = inner_elements(s), F = hidden(s);
@@ -543,19 +549,19 @@ class basic_ttt {
                                       D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
                                       wa.ttt_norm_b + h * D, ln_eps};
         // This token's inner gradients at the mini-batch's starting state, added to the sums.
-        mb_forward(m, W, sc, false, {});
+        mb_forward(m, W, sc, false, inner_pk);
         const ilayout L = layout_of(D, F);
         accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
         if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
         for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
         // The output through the effective state (the dual form's row i).
         if constexpr (Mlp) {
-          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, {});
+          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, inner_pk);
           for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
           cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
-                               weff + L.b2, sc.zb, {});
+                               weff + L.b2, sc.zb, inner_pk);
         } else {
-          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, {});
+          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, inner_pk);
         }
         cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
         for (std::size_t c = 0; c < D; ++c)
@@ -572,11 +578,11 @@ class basic_ttt {
     A* pn = q;
     post_norm(one, o, wa, pn, nullptr, nullptr, pool);
     if (s.use_gate) {
-      cpu::matmul(pool, xa, wa.wg, k, B, C, C, false);
+      mm(pool, xa, wa.wg, k, B, C, C, false, pk);
       for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
     }
     A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false);
+    mm(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false, pk);
     if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
     ++st.position;
   }
@@ -617,7 +623,7 @@ class basic_ttt {
   }
   // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
   // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
-  // their thread's slice. Decoding packs nothing.
+  // their thread's slice.
   static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
     const std::size_t N = rows(s), C = s.width, H = s.heads;
     return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
@@ -630,6 +636,14 @@ class basic_ttt {
                      cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
                      cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
                      cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
+  }
+  // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
+  // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
+  // row each, GEMVs too, so they pack nothing.
+  static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
+    const std::size_t B = s.batch, C = s.width, H = s.heads;
+    return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
+                    cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
   }
   struct gemm_ws {
     std::byte* data;
@@ -655,7 +669,7 @@ class basic_ttt {
     f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
   };
   // Decoding computes the heads' output in the workspace even when it is the accumulator type
-  // (forward writes it straight into `saved`), and packs nothing (see mm).
+  // (forward writes it straight into `saved`), and sizes its packing buffers per task.
   static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
                                                        bool decoding = false) {
     const std::size_t N = rows(s), H = s.heads;
@@ -671,8 +685,8 @@ class basic_ttt {
     l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
     l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
     l.add(io_acc_bytes(s), default_alignment, {2, 2});
-    l.add(decoding ? 0 : bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment,
-          {0, 2});
+    l.add(decoding ? step_pack_bytes(s) : bytes_of<std::byte>(threads, forward_pack_bytes(s)),
+          default_alignment, {0, 2});
     return l;
   }
 
@@ -800,31 +814,28 @@ class basic_ttt {
   }
 
 
-  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]): through the packing buffers `pk`
-  // (threads · the per-thread bytes of *_pack_bytes) when given; decoding passes none and keeps
-  // linalg.hpp's blocked products (its workspace size takes no thread count, and a few rows gain
-  // nothing from packing a whole weight).
+  // The packing buffers of the projections: training passes index them by thread (threads · the
+  // per-thread bytes of *_pack_bytes), decoding by task (step_pack_bytes).
+  struct packing {
+    std::span<std::byte> bytes;
+    cpu::scratch_slots slots = cpu::scratch_slots::per_thread;
+    packing(std::span<std::byte> b, cpu::scratch_slots s = cpu::scratch_slots::per_thread)
+        : bytes(b), slots(s) {}
+  };
+  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]).
   static void mm(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                 std::size_t M, bool accumulate, std::span<std::byte> pk) {
-    if (pk.empty()) {
-      cpu::matmul(pool, x, w, y, N, K, M, accumulate);
-    } else {
-      cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk);
-    }
+                 std::size_t M, bool accumulate, packing pk) {
+    cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk.bytes, pk.slots);
   }
   static void mm_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                    std::size_t M, bool accumulate, std::span<std::byte> pk) {
-    if (pk.empty()) {
-      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate);
-    } else {
-      cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk);
-    }
+                    std::size_t M, bool accumulate, packing pk) {
+    cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk.bytes, pk.slots);
   }
 
   // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
   // `position0` offsets the position inside the mini-batch (decoding).
   static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
-                      A* sig, A* tok, thread_pool& pool, std::span<std::byte> pk,
+                      A* sig, A* tok, thread_pool& pool, packing pk,
                       std::size_t position0 = 0) {
     const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
     mm(pool, xa, wa.wq, q, N, C, C, false, pk);
@@ -965,8 +976,8 @@ class basic_ttt {
       cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
       // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
       auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::ttt_gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
       if (!need_out) return;
       cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
@@ -1066,9 +1077,9 @@ class basic_ttt {
                                    std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
     const auto dZ = cpu::cview(dz, K, nout, nout);
     auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::ttt_gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
     auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::ttt_gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
+    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
     for (std::size_t i = 0; i < K; ++i)
       for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
   }
@@ -1127,8 +1138,8 @@ class basic_ttt {
       cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
       // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
       auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::ttt_gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
       for (std::size_t e = 0; e < K * F; ++e) {
         const A z = b.z1[e];
         b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
@@ -1136,10 +1147,10 @@ class basic_ttt {
       }
       const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
       auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::ttt_gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
+      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
       auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::ttt_gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                    A(1), true, pk);
+      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                A(1), true, pk);
       // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
       cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
       linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,

@@ -157,6 +157,14 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
   if (m == 0 || n == 0) return;
   if (!accumulate) y.setZero();
   if (k == 0) return;
+  if constexpr (detail::order_of<L>() == Eigen::RowMajor) {
+    if (m == 1) {
+      // One row (decoding): Eigen's GEMV reads r once, where packing it would copy all of it
+      // first. l's row is contiguous, so the GEMV needs no temporary, and s is not used.
+      y.row(0).noalias() += A(alpha) * (l.row(0) * r);
+      return;
+    }
+  }
   detail::workspace_blocking<A> blocking(s, m, n, k);
   Eigen::internal::general_matrix_matrix_product<Eigen::Index, A, detail::order_of<L>(), false, A,
                                                  detail::order_of<R>(), false, Eigen::RowMajor,
@@ -357,11 +365,12 @@ constexpr gemm_tiling matmul_at_tiling(std::size_t K, std::size_t M) noexcept {
   return {r, c, (K - 1) / r + 1, (M - 1) / c + 1};
 }
 
-// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows.
+// Per thread, for y[N, M] = x[N, K]·w (and ·wᵀ): tasks of at most gemm_row_block rows. One row
+// (x is row-major) runs gemm's GEMV, which packs nothing.
 template <typename A>
 constexpr std::size_t matmul_thread_scratch_bytes(std::size_t N, std::size_t K,
                                                   std::size_t M) noexcept {
-  return gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
+  return N == 1 ? 0 : gemm_scratch_bytes<A>(std::min(N, gemm_row_block), M, K);
 }
 template <typename A>
 constexpr std::size_t matmul_scratch_bytes(std::size_t threads, std::size_t N, std::size_t K,
@@ -381,42 +390,60 @@ constexpr std::size_t matmul_at_scratch_bytes(std::size_t threads, std::size_t N
   return threads * matmul_at_thread_scratch_bytes<A>(N, K, M);
 }
 
+// Decoding's workspace takes no thread count, so its products give each task (blocks(N,
+// gemm_row_block) of them: one for N <= 256 rows) its own packing buffers instead of each thread:
+// the bytes follow from the shape alone, and the tasks still run in parallel.
+enum class scratch_slots { per_thread, per_task };
+template <typename A>
+constexpr std::size_t matmul_task_scratch_bytes(std::size_t N, std::size_t K,
+                                                std::size_t M) noexcept {
+  return blocks(N, gemm_row_block) * matmul_thread_scratch_bytes<A>(N, K, M);
+}
+
 namespace detail {
-// Thread t's slice of the scratch; throws before any task runs if the span is short.
-inline void check_scratch(std::span<std::byte> scratch, std::size_t threads, std::size_t per) {
-  if (scratch.size() < threads * per) {
-    throw invalid_argument("scratch", std::to_string(threads * per) + " bytes (" +
-                                          std::to_string(threads) + " threads)",
+// Slot i's slice of the scratch; throws before any task runs if the span is short.
+inline void check_scratch(std::span<std::byte> scratch, std::size_t slots, std::size_t per,
+                          const char* unit = "threads") {
+  if (scratch.size() < slots * per) {
+    throw invalid_argument("scratch", std::to_string(slots * per) + " bytes (" +
+                                          std::to_string(slots) + " " + unit + ")",
                            std::to_string(scratch.size()) + " bytes",
-                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes");
+                           "Size it with cpu::matmul_scratch_bytes / matmul_at_scratch_bytes / "
+                           "matmul_task_scratch_bytes");
   }
+}
+// y[N, M] (+)= x[N, K] · op(w) in tasks of gemm_row_block rows; wv(w) is op(w)'s view.
+template <typename A, typename WView>
+void matmul_rows(thread_pool& pool, const A* x, A* y, std::size_t N, std::size_t K,
+                 std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+                 scratch_slots slots, WView&& wv) {
+  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
+  const bool by_task = slots == scratch_slots::per_task;
+  check_scratch(scratch, by_task ? blocks(N, gemm_row_block) : pool.size(), per,
+                by_task ? "tasks" : "threads");
+  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
+    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
+    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), wv(), A(1),
+         accumulate, gemm_scratch{scratch.data() + (by_task ? blk : t) * per, per});
+  });
 }
 }  // namespace detail
 
 // y[N, M] (+)= x[N, K] · w[K, M]
 template <typename A>
 void matmul(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
-  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
-  detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
-    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x), cview(w, K, M, ld.w),
-         A(1), accumulate, gemm_scratch{scratch.data() + t * per, per});
-  });
+            std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+            scratch_slots slots = scratch_slots::per_thread) {
+  detail::matmul_rows(pool, x, y, N, K, M, accumulate, ld, scratch, slots,
+                      [&] { return cview(w, K, M, ld.w); });
 }
 // y[N, M] (+)= x[N, K] · w[M, K]ᵀ
 template <typename A>
 void matmul_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch) {
-  const std::size_t per = matmul_thread_scratch_bytes<A>(N, K, M);
-  detail::check_scratch(scratch, pool.size(), per);
-  pool.parallel_for(blocks(N, gemm_row_block), [&](std::size_t blk, std::size_t t) {
-    const std::size_t r0 = blk * gemm_row_block, r = std::min(gemm_row_block, N - r0);
-    gemm(view(y + r0 * ld.y, r, M, ld.y), cview(x + r0 * ld.x, r, K, ld.x),
-         cview(w, M, K, ld.w).transpose(), A(1), accumulate,
-         gemm_scratch{scratch.data() + t * per, per});
-  });
+               std::size_t M, bool accumulate, ld3 ld, std::span<std::byte> scratch,
+               scratch_slots slots = scratch_slots::per_thread) {
+  detail::matmul_rows(pool, x, y, N, K, M, accumulate, ld, scratch, slots,
+                      [&] { return cview(w, M, K, ld.w).transpose(); });
 }
 // g[K, M] (+)= x[N, K]ᵀ · d[N, M], in blocks of rows of g. ld.w is d's.
 template <typename A>

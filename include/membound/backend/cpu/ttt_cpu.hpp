@@ -102,20 +102,8 @@ struct gelu_tanh {
   static A d2(A x) { return gelu_tanh_d2(x); }
 };
 
-// The inner loop's small products ([b, D]·[D, F] and the like): through the caller's packing
-// buffers when it passes some (forward and backward carve them per thread), else linalg.hpp's
-// blocked gemm (decoding, one row at a time, where packing buys nothing).
-template <typename Y, typename L, typename R, typename Scalar>
-void ttt_gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scratch pk) {
-  if (pk.data != nullptr) {
-    gemm(std::forward<Y>(y), l, r, alpha, accumulate, pk);
-  } else {
-    gemm(std::forward<Y>(y), l, r, alpha, accumulate);
-  }
-}
-
 // Packing bytes of one thread for every product of one mini-batch (K <= mb rows, inner widths D
-// and F): the largest of ttt_gemm's shapes below, each bounded by its K = mb case.
+// and F): the largest of the products below, each bounded by its K = mb case.
 template <typename A>
 constexpr std::size_t ttt_inner_gemm_bytes(std::size_t D, std::size_t F, std::size_t mb) noexcept {
   std::size_t m = 0;
@@ -144,7 +132,7 @@ template <typename A>
 void ttt_linear_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std::size_t nout,
                      const A* W, const A* b, A* z, gemm_scratch pk) {
   auto Z = view(z, K, nout, nout);
-  ttt_gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
+  gemm(Z, cview(x, K, nin, ldx), cview(W, nin, nout, nout), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) z[i * nout + j] += b[j];
 }
@@ -217,7 +205,7 @@ template <typename A>
 void ttt_p_matrix(const A* x, std::size_t ldx, const A* y, std::size_t ldy, std::size_t K,
                   std::size_t n, const A* tok, const A* lr, A* att, A* p, gemm_scratch pk) {
   auto At = view(att, K, K, K);
-  ttt_gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
+  gemm(At, cview(x, K, n, ldx), cview(y, K, n, ldy).transpose(), A(1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = 0; s < K; ++s) {
       if (s > i) {
@@ -235,7 +223,7 @@ void ttt_dual_rows(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, 
                    const A* W, const A* b, const A* p, const A* g, A* zb, gemm_scratch pk) {
   ttt_linear_rows(x, ldx, K, nin, nout, W, b, zb, pk);
   auto Zb = view(zb, K, nout, nout);
-  ttt_gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
+  gemm(Zb, cview(p, K, K, K), cview(g, K, nout, nout), A(-1), true, pk);
 }
 
 // The mini-batch's update: W ← W − Xᵀ·diag(e)·G, b ← b − Σ_s e_s·G_s, e_s = tok[K−1]·lr_s.
@@ -251,7 +239,7 @@ void ttt_update(const A* x, std::size_t ldx, std::size_t K, std::size_t nin, std
     }
   }
   auto Wm = view(W, nin, nout, nout);
-  ttt_gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
+  gemm(Wm, cview(x, K, nin, ldx).transpose(), cview(eg, K, nout, nout), A(-1), true, pk);
 }
 
 // The update's backward, given dL/dW' (dWn [nin, nout]) and dL/db' (dbn): accumulates into dX
@@ -263,10 +251,10 @@ void ttt_update_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t
                          const A* dbn, A* dx, std::size_t lddx, A* dg, A* de, A* s1, A* s2,
                          gemm_scratch pk) {
   auto XdW = view(s1, K, nout, nout);
-  ttt_gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
+  gemm(XdW, cview(x, K, nin, ldx), cview(dWn, nin, nout, nout), A(1), false, pk);
   auto GdWt = view(s2, K, nin, nin);
-  ttt_gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
-           pk);
+  gemm(GdWt, cview(g, K, nout, nout), cview(dWn, nin, nout, nout).transpose(), A(1), false,
+       pk);
   for (std::size_t i = 0; i < K; ++i) {
     const A e = tok_last * lr[i];
     A d = 0;
@@ -289,15 +277,15 @@ void ttt_dual_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::siz
                             gemm_scratch pk) {
   const auto DZb = cview(dzb, K, nout, nout);
   auto dX = view(dx, K, nin, lddx);
-  ttt_gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+  gemm(dX, DZb, cview(W, nin, nout, nout).transpose(), A(1), true, pk);
   auto dWm = view(dW, nin, nout, nout);
-  ttt_gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
+  gemm(dWm, cview(x, K, nin, ldx).transpose(), DZb, A(1), true, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t j = 0; j < nout; ++j) db[j] += dzb[i * nout + j];
   auto dG = view(dg, K, nout, nout);
-  ttt_gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
+  gemm(dG, cview(p, K, K, K).transpose(), DZb, A(-1), true, pk);
   auto dP = view(dp, K, K, K);
-  ttt_gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
+  gemm(dP, DZb, cview(g, K, nout, nout).transpose(), A(-1), false, pk);
   for (std::size_t i = 0; i < K; ++i)
     for (std::size_t s = i + 1; s < K; ++s) dp[i * K + s] = 0;
 }
@@ -323,9 +311,9 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
                       std::size_t lddy, gemm_scratch pk) {
   const auto dAtt = cview(datt, K, K, K);
   auto dX = view(dx, K, n, lddx);
-  ttt_gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
+  gemm(dX, dAtt, cview(y, K, n, ldy), A(1), true, pk);
   auto dY = view(dy, K, n, lddy);
-  ttt_gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
+  gemm(dY, dAtt.transpose(), cview(x, K, n, ldx), A(1), true, pk);
 }
 
 }  // namespace cpu

@@ -361,6 +361,27 @@ __device__ inline void ln_row_backward(const float* xhat, float sigma, const flo
     dz[j] = (dxhat[j] - m1 - xhat[j] * m2) / sigma + dsigma * xhat[j] / static_cast<float>(D);
 }
 
+// G = ∇_z ½‖γ x̂ + β − (v − k)‖² with x̂ = LN(z), for one row (one thread), as a row of
+// cpu::ttt_ln_l2: writes x̂ and G, returns σ. The inner loop and the decoding step share it.
+template <typename S>
+__device__ inline float ln_l2_grad_row(const float* z, const float* k, const float* v,
+                                       const S* gamma, const S* beta, unsigned D, float eps,
+                                       float* xh, float* g) {
+  const float sg = ln_row(z, D, eps, xh);
+  float s1 = 0.0f, s2 = 0.0f;
+  for (unsigned j = 0; j < D; ++j) {
+    const float gam = ld(gamma, j);
+    const float r = gam * xh[j] + ld(beta, j) - (v[j] - k[j]);
+    g[j] = r * gam;
+    s1 += g[j];
+    s2 += g[j] * xh[j];
+  }
+  s1 /= static_cast<float>(D);
+  s2 /= static_cast<float>(D);
+  for (unsigned j = 0; j < D; ++j) g[j] = (g[j] - s1 - xh[j] * s2) / sg;
+  return sg;
+}
+
 // One mini-batch of one (batch, head), as the CTA that owns it sees it. Forward and backward run
 // the same device functions below on it, so the states the backward recomputes from a checkpoint
 // are the forward's bits, whatever G is.
@@ -419,22 +440,9 @@ __device__ __noinline__ void mb_gradients(const mb_ctx& m, const float* W, const
   }
   __syncthreads();
   // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one thread per row (as ttt_ln_l2).
-  for (unsigned i = tid; i < K; i += nt) {
-    const float sg = ln_row(b.z2 + i * D, D, m.eps, b.xh2 + i * D);
-    b.sig2[i] = sg;
-    float* gr = b.g2 + i * D;
-    float s1 = 0.0f, s2 = 0.0f;
-    for (unsigned j = 0; j < D; ++j) {
-      const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
-      const float r = gam * b.xh2[i * D + j] + bet - (v[i * C + j] - k[i * C + j]);
-      gr[j] = r * gam;
-      s1 += gr[j];
-      s2 += gr[j] * b.xh2[i * D + j];
-    }
-    s1 /= static_cast<float>(D);
-    s2 /= static_cast<float>(D);
-    for (unsigned j = 0; j < D; ++j) gr[j] = (gr[j] - s1 - b.xh2[i * D + j] * s2) / sg;
-  }
+  for (unsigned i = tid; i < K; i += nt)
+    b.sig2[i] = ln_l2_grad_row(b.z2 + i * D, k + i * C, v + i * C, norm_w + h * D,
+                               norm_b + h * D, D, m.eps, b.xh2 + i * D, b.g2 + i * D);
   __syncthreads();
   if constexpr (Mlp) {
     for (unsigned e = tid; e < K * F; e += nt) {
@@ -1043,25 +1051,37 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
   }
 }
 
-// pn = (LN_C(o)·post_w + post_b) [⊙ GELU(gpre)], one CTA per row; o is the saved storage output.
+using row_reduce = detail::block_allreduce<float, detail::row_threads>;
+struct moments {
+  float mu, sigma;
+};
+// A row's mean and σ = sqrt(biased variance + eps), two passes as cpu::ln_row, reduced over the
+// CTA (every thread gets both). The post norm's forward and backward share it, so the backward's
+// x̂ is the forward's.
 template <typename S>
-__global__ void __launch_bounds__(detail::row_threads)
-    ttt_post_norm_kernel(const S* o, const S* post_w, const S* post_b, const float* gpre, S* pn,
-                         std::size_t C, float eps) {
-  using reduce = detail::block_allreduce<float, detail::row_threads>;
-  __shared__ typename reduce::storage red;
-  const std::size_t n = blockIdx.x;
-  const S* row = o + n * C;
+__device__ inline moments row_moments(const S* row, std::size_t C, float eps,
+                                      row_reduce::storage& red) {
   float sum = 0.0f;
   for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) sum += ld(row, j);
-  const float mu = reduce::run(sum, detail::op_sum{}, red) / static_cast<float>(C);
+  const float mu = row_reduce::run(sum, detail::op_sum{}, red) / static_cast<float>(C);
   float sq = 0.0f;
   for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
     const float d = ld(row, j) - mu;
     sq += d * d;
   }
-  const float var = reduce::run(sq, detail::op_sum{}, red) / static_cast<float>(C);
-  const float sigma = ::sqrtf(var + eps);
+  const float var = row_reduce::run(sq, detail::op_sum{}, red) / static_cast<float>(C);
+  return {mu, ::sqrtf(var + eps)};
+}
+
+// pn = (LN_C(o)·post_w + post_b) [⊙ GELU(gpre)], one CTA per row; o is the saved storage output.
+template <typename S>
+__global__ void __launch_bounds__(detail::row_threads)
+    ttt_post_norm_kernel(const S* o, const S* post_w, const S* post_b, const float* gpre, S* pn,
+                         std::size_t C, float eps) {
+  __shared__ row_reduce::storage red;
+  const std::size_t n = blockIdx.x;
+  const S* row = o + n * C;
+  const auto [mu, sigma] = row_moments(row, C, eps, red);
   for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
     float v = (ld(row, j) - mu) / sigma * ld(post_w, j) + ld(post_b, j);
     if (gpre != nullptr) v *= gelu_tanh_f(gpre[n * C + j]);
@@ -1078,20 +1098,10 @@ __global__ void __launch_bounds__(detail::row_threads)
     ttt_post_norm_backward_kernel(const S* o, const S* post_w, const S* post_b, float* gpre,
                                   float* dpn, S* pn_s, float* xh, float* d_o, std::size_t C,
                                   float eps) {
-  using reduce = detail::block_allreduce<float, detail::row_threads>;
-  __shared__ typename reduce::storage red;
+  __shared__ row_reduce::storage red;
   const std::size_t n = blockIdx.x;
   const S* row = o + n * C;
-  float sum = 0.0f;
-  for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) sum += ld(row, j);
-  const float mu = reduce::run(sum, detail::op_sum{}, red) / static_cast<float>(C);
-  float sq = 0.0f;
-  for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float d = ld(row, j) - mu;
-    sq += d * d;
-  }
-  const float var = reduce::run(sq, detail::op_sum{}, red) / static_cast<float>(C);
-  const float sigma = ::sqrtf(var + eps);
+  const auto [mu, sigma] = row_moments(row, C, eps, red);
   float m1 = 0.0f, m2 = 0.0f;
   for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
     const std::size_t e = n * C + j;
@@ -1109,8 +1119,8 @@ __global__ void __launch_bounds__(detail::row_threads)
     m1 += dxh;
     m2 += dxh * x;
   }
-  m1 = reduce::run(m1, detail::op_sum{}, red) / static_cast<float>(C);
-  m2 = reduce::run(m2, detail::op_sum{}, red) / static_cast<float>(C);
+  m1 = row_reduce::run(m1, detail::op_sum{}, red) / static_cast<float>(C);
+  m2 = row_reduce::run(m2, detail::op_sum{}, red) / static_cast<float>(C);
   for (std::size_t j = threadIdx.x; j < C; j += blockDim.x) {
     const std::size_t e = n * C + j;
     const float dxh = dpn[e] * ld(post_w, j);
@@ -1272,20 +1282,8 @@ __global__ void __launch_bounds__(ttt_inner_threads)
     }
   }
   __syncthreads();
-  if (tid == 0) {  // the inner loss's gradient through the LayerNorm (one row)
-    const float sg = ln_row(z2, D, a.eps, xh2);
-    float s1 = 0.0f, s2 = 0.0f;
-    for (unsigned j = 0; j < D; ++j) {
-      const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
-      const float r = gam * xh2[j] + bet - (v[j] - k[j]);
-      g2[j] = r * gam;
-      s1 += g2[j];
-      s2 += g2[j] * xh2[j];
-    }
-    s1 /= static_cast<float>(D);
-    s2 /= static_cast<float>(D);
-    for (unsigned j = 0; j < D; ++j) g2[j] = (g2[j] - s1 - xh2[j] * s2) / sg;
-  }
+  if (tid == 0)  // the inner loss's gradient through the LayerNorm (one row)
+    ln_l2_grad_row(z2, k, v, norm_w + h * D, norm_b + h * D, D, a.eps, xh2, g2);
   __syncthreads();
   if constexpr (Mlp) {
     for (unsigned f = tid; f < F; f += nt) {
