@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cuda_test_support.cuh"
+#include "../support/small_models.hpp"
 
 #include "membound/memory/budget.hpp"
 #include "membound/memory/caching_allocator.hpp"
@@ -57,20 +58,8 @@ mb::model_config config() {
   return c;
 }
 
-struct tokens {
-  std::vector<std::int32_t> ids, targets;
-};
-tokens make_tokens(mb::batch_shape b, std::size_t vocab, std::uint32_t seed) {
-  tokens t;
-  std::uint32_t s = seed;
-  for (std::size_t i = 0; i < b.tokens(); ++i) {
-    s = s * 1664525u + 1013904223u;
-    t.ids.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
-    s = s * 1664525u + 1013904223u;
-    t.targets.push_back(static_cast<std::int32_t>((s >> 8) % vocab));
-  }
-  return t;
-}
+using tokens = membound_test::token_data;
+constexpr auto make_tokens = membound_test::make_token_data;
 
 // Device copies of host arrays through the budget (weights, gradients: what a trainer holds), or
 // outside it (tokens: the caller's upload buffers).
@@ -101,7 +90,7 @@ gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<t
                  const tokens& t, bool with_eval = false) {
   using S = typename Model::storage_type;
   const std::size_t n = m.parameter_elements(), wb = m.weight_bytes();
-  mbt::device_buffer<std::int32_t> ids(t.ids), targets(t.targets);
+  mbt::device_buffer<std::int32_t> ids(t.tokens), targets(t.targets);
   mb::cuda_executor ex;
   device_budget alloc(budget_bytes);
   S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
@@ -135,7 +124,7 @@ std::vector<typename Model::storage_type> cpu_step(const Model& m, mb::batch_sha
   std::vector<S> g(m.parameter_elements(), mb::from_accum<S>(0.0f));
   mb::system_allocator alloc;
   mb::thread_pool pool(2);
-  loss = m.forward_backward(w.data(), g.data(), t.ids.data(), t.targets.data(), b, p.ops, p.head_chunk, 1.0, alloc, pool);
+  loss = m.forward_backward(w.data(), g.data(), t.tokens.data(), t.targets.data(), b, p.ops, p.head_chunk, 1.0, alloc, pool);
   return g;
 }
 
@@ -228,7 +217,7 @@ void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& al
   if constexpr (mb::has_planned_layer<Alloc>) {
     if (auto* layer = mb::planned_layer(alloc)) layer->set_layout(mb::plan_layout(m, p));
   }
-  mbt::device_buffer<std::int32_t> ids(t.ids), targets(t.targets);
+  mbt::device_buffer<std::int32_t> ids(t.tokens), targets(t.targets);
   mb::cuda_executor ex;
   const std::size_t wb = m.weight_bytes();
   auto* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
@@ -305,7 +294,7 @@ void bad_input() {
   o.head_chunk = 16;
   mb::training_plan p = mb::make_plan(m, b, mb::schedules::none{}, o);
   const tokens t = make_tokens(b, config().vocab, 1);
-  mbt::device_buffer<std::int32_t> ids(t.ids), targets(t.targets);
+  mbt::device_buffer<std::int32_t> ids(t.tokens), targets(t.targets);
   mb::cuda_executor ex;
   const std::size_t wb = m.weight_bytes();
   {
@@ -336,7 +325,7 @@ void bad_input() {
     alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
   }
   // Host ids are checked by the caller before the upload, with the model's own check.
-  std::vector<std::int32_t> bad = t.ids;
+  std::vector<std::int32_t> bad = t.tokens;
   bad[3] = static_cast<std::int32_t>(config().vocab);
   const std::string msg = EXPECT_THROW(mb::invalid_argument, m.check_tokens(bad.data(), bad.size()));
   CHECK(msg.find("tokens[3]") != std::string::npos);

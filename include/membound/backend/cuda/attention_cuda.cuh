@@ -58,16 +58,6 @@ constexpr std::size_t attention_smem_bytes(std::size_t D) noexcept {
 
 template <>
 struct backend_kernels<cuda_backend, attention_shape> {
-  template <typename S, typename A>
-  static constexpr void check_types() {
-    static_assert(gpu::kernel_storage<S>,
-                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
-                  "bf16_precision or fp16_precision for attention on the GPU.");
-    static_assert(std::is_same_v<A, float>,
-                  "membound: cuda_backend accumulates in fp32; use a precision whose accum_type is "
-                  "float (fp64 runs on cpu_backend only).");
-  }
-
   // keep_qkv: the layer's save_all (q, k, v live in `saved`, not in the workspace).
   template <typename S>
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s, bool keep_qkv) {
@@ -721,7 +711,7 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
     const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, const S* x,
     S* y, S* o_s, float* lse, float* q_saved, float* k_saved, float* v_saved, void* workspace,
     std::size_t workspace_size, const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   const bool keep = q_saved != nullptr;
   const auto ws = carve(forward_layout<S>(s, keep), workspace, workspace_size);
   const std::size_t N = rows(s), C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
@@ -759,7 +749,7 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
     const S* o_s, const float* lse, const float* q_saved, const float* k_saved,
     const float* v_saved, const S* dy, S* dx, S* gwq, S* gwk, S* gwv, S* gwo, void* workspace,
     std::size_t workspace_size, const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   const bool keep = q_saved != nullptr;
   const auto ws = carve(backward_layout<S>(s, keep), workspace, workspace_size);
   const std::size_t N = rows(s), C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
@@ -841,7 +831,7 @@ void backend_kernels<cuda_backend, attention_shape>::step(
     const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, S* cache_keys,
     S* cache_values, std::size_t max_len, std::size_t length, const S* x_t, S* y_t,
     void* workspace, std::size_t workspace_size, const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   const auto ws = carve(step_layout<S>(s, max_len), workspace, workspace_size);
   const std::size_t B = s.batch, C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
   const std::size_t t = length, len = length + 1;

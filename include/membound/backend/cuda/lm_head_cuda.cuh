@@ -74,17 +74,6 @@ void add_accumulated(const cuda_executor& ex, const float* acc, S* g, std::size_
 
 template <>
 struct backend_kernels<cuda_backend, lm_head_shape> {
-  // The device computes in fp32: a precision whose accumulation type is wider has no GPU path.
-  template <typename S, typename A>
-  static constexpr void check_types() {
-    static_assert(gpu::kernel_storage<S>,
-                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
-                  "bf16_precision or fp16_precision for a layer on the GPU.");
-    static_assert(std::is_same_v<A, float>,
-                  "membound: cuda_backend accumulates in fp32; use a precision whose accum_type is "
-                  "float (fp64 runs on cpu_backend only).");
-  }
-
   // Exact: what loss_backward and loss carve (both take the same workspace).
   template <typename S>
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s) {
@@ -98,7 +87,7 @@ struct backend_kernels<cuda_backend, lm_head_shape> {
   static double loss_backward(const lm_head_shape& s, const S* norm, const S* w, const S* x,
                               const std::int32_t* targets, double scale, S* dx, S* dnorm, S* dw,
                               void* workspace, std::size_t workspace_size, const cuda_executor& ex) {
-    check_types<S, A>();
+    gpu::check_types<S, A>();
     return run<S>(s, norm, w, x, targets, scale, dx, dnorm, dw, workspace, workspace_size, ex);
   }
 
@@ -107,7 +96,7 @@ struct backend_kernels<cuda_backend, lm_head_shape> {
   static double loss(const lm_head_shape& s, const S* norm, const S* w, const S* x,
                      const std::int32_t* targets, void* workspace, std::size_t workspace_size,
                      const cuda_executor& ex) {
-    check_types<S, A>();
+    gpu::check_types<S, A>();
     return run<S>(s, norm, w, x, targets, 0.0, nullptr, nullptr, nullptr, workspace,
                   workspace_size, ex);
   }

@@ -80,16 +80,6 @@ constexpr std::size_t mamba_blocks(std::size_t n, std::size_t per) noexcept {
 
 template <>
 struct backend_kernels<cuda_backend, mamba_shape> {
-  template <typename S, typename A>
-  static constexpr void check_types() {
-    static_assert(gpu::kernel_storage<S>,
-                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
-                  "bf16_precision or fp16_precision for a mamba block on the GPU.");
-    static_assert(std::is_same_v<A, float>,
-                  "membound: cuda_backend accumulates the scan state in fp32; use a precision "
-                  "whose accum_type is float (fp64 runs on cpu_backend only).");
-  }
-
   // ---- Sizes (exactly what the launches carve) -------------------------------------------------
   // keep: the save_all policy (c and Δ live in `saved`, not in the workspace). L: scan_chunk.
   template <typename S>
@@ -717,7 +707,7 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
                                                          const saved<S>& sv, void* workspace,
                                                          std::size_t workspace_size,
                                                          const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   namespace md = gpu::mamba_detail;
   const bool keep = sv.c != nullptr;
   const auto ws = carve(forward_layout<S>(s, keep), workspace, workspace_size);
@@ -759,7 +749,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     const mamba_shape& s, std::size_t L, const weights<S>& w, const S* x, const saved<S>& sv,
     const S* dout, S* dx, const gradients<S>& g, void* workspace, std::size_t workspace_size,
     const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   namespace md = gpu::mamba_detail;
   const bool keep = sv.c != nullptr;
   const auto ws = carve(backward_layout<S>(s, L, keep), workspace, workspace_size);
@@ -871,7 +861,7 @@ void backend_kernels<cuda_backend, mamba_shape>::step(const mamba_shape& s, cons
                                                       float* state, const S* x_t, S* out_t,
                                                       void* workspace, std::size_t workspace_size,
                                                       const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   namespace md = gpu::mamba_detail;
   const auto ws = carve(step_layout<S>(s), workspace, workspace_size);
   const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;

@@ -32,17 +32,6 @@ MEMBOUND_NAMESPACE_BEGIN
 
 template <>
 struct backend_kernels<cuda_backend, mlp_shape> {
-  // The device computes in fp32: a precision whose accumulation type is wider has no GPU path.
-  template <typename S, typename A>
-  static constexpr void check_types() {
-    static_assert(gpu::kernel_storage<S>,
-                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
-                  "bf16_precision or fp16_precision for a layer on the GPU.");
-    static_assert(std::is_same_v<A, float>,
-                  "membound: cuda_backend accumulates in fp32; use a precision whose accum_type is "
-                  "float (fp64 runs on cpu_backend only).");
-  }
-
   template <typename S>
   static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s) {
     return fits(s) ? forward_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
@@ -59,7 +48,7 @@ struct backend_kernels<cuda_backend, mlp_shape> {
   static void forward(const mlp_shape& s, const S* wg, const S* wu, const S* wd, const S* x, S* y,
                       S* a_s, S* b_s, void* workspace, std::size_t workspace_size,
                       const cuda_executor& ex) {
-    check_types<S, A>();
+    gpu::check_types<S, A>();
     const auto ws = carve(forward_layout<S>(s), workspace, workspace_size);
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
     const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(f_gemm),
@@ -76,7 +65,7 @@ struct backend_kernels<cuda_backend, mlp_shape> {
   static void backward(const mlp_shape& s, const S* wg, const S* wu, const S* wd, const S* x,
                        const S* a_s, const S* b_s, const S* dy, S* dx, S* gwg, S* gwu, S* gwd,
                        void* workspace, std::size_t workspace_size, const cuda_executor& ex) {
-    check_types<S, A>();
+    gpu::check_types<S, A>();
     const auto ws = carve(backward_layout<S>(s), workspace, workspace_size);
     const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
     const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),

@@ -49,6 +49,18 @@ namespace gpu {
 template <typename S>
 concept kernel_storage = std::same_as<S, float> || std::same_as<S, bf16> || std::same_as<S, fp16>;
 
+// Every device layer and the model's glue check their types with this: one sentence for all.
+// (The instantiation trace names the layer.)
+template <typename S, typename A>
+constexpr void check_types() {
+  static_assert(kernel_storage<S>,
+                "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, bf16_precision "
+                "or fp16_precision for a layer or model on the GPU.");
+  static_assert(std::is_same_v<A, float>,
+                "membound: cuda_backend accumulates in fp32 (scan and TTT inner states included); use a "
+                "precision whose accum_type is float (fp64 runs on cpu_backend only).");
+}
+
 // --- Sizes ---------------------------------------------------------------------------------------
 
 // RMSNorm backward reduces dweight over rows in blocks of this many rows: one [C] partial per block.
@@ -754,15 +766,6 @@ struct backend_kernels<cuda_backend, model_glue> {
   static constexpr std::size_t threads(const cuda_executor&) noexcept { return 1; }
 
   template <typename A, typename S>
-  static constexpr void check_types() {
-    static_assert(gpu::kernel_storage<S>,
-                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
-                  "bf16_precision or fp16_precision for a model on the GPU.");
-    static_assert(std::is_same_v<A, float>,
-                  "membound: cuda_backend accumulates in fp32; use a precision whose accum_type is "
-                  "float (fp64 runs on cpu_backend only).");
-  }
-  template <typename A, typename S>
   static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
     return gpu::rmsnorm_backward_workspace_bytes(N, C);
   }
@@ -771,37 +774,37 @@ struct backend_kernels<cuda_backend, model_glue> {
   template <typename A, typename S>
   static void rmsnorm_forward(cuda_executor& ex, const S* x, const S* g, S* y, A* rstd, std::size_t N,
                               std::size_t C, double eps) {
-    check_types<A, S>();
+    gpu::check_types<S, A>();
     gpu::rmsnorm_forward(ex, x, g, y, rstd, N, C, eps);
   }
   template <typename A, typename S>
   static void rmsnorm_apply(cuda_executor& ex, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
                             std::size_t C) {
-    check_types<A, S>();
+    gpu::check_types<S, A>();
     gpu::rmsnorm_apply(ex, x, g, rstd, y, N, C);
   }
   template <typename A, typename S>
   static void rmsnorm_backward(cuda_executor& ex, const S* x, const S* g, const A* rstd, const S* dy,
                                const S* residual, S* dx, S* dg, void* scratch, std::size_t N, std::size_t C) {
-    check_types<A, S>();
+    gpu::check_types<S, A>();
     gpu::rmsnorm_backward(ex, x, g, rstd, dy, residual, dx, dg, scratch, gpu::rmsnorm_backward_workspace_bytes(N, C),
                           N, C);
   }
   template <typename A, typename S>
   static void add_rows(cuda_executor& ex, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
-    check_types<A, S>();
+    gpu::check_types<S, A>();
     gpu::add_rows(ex, a, b, y, N * C);
   }
   template <typename A, typename S>
   static void embedding_gather(cuda_executor& ex, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
                                std::size_t C, std::size_t V) {
-    check_types<A, S>();
+    gpu::check_types<S, A>();
     gpu::embedding_gather(ex, tokens, table, x, N, C, V);
   }
   template <typename A, typename S>
   static void embedding_scatter(cuda_executor& ex, const std::int32_t* tokens, const S* dx, S* dtable, std::size_t N,
                                 std::size_t C, std::size_t V) {
-    check_types<A, S>();
+    gpu::check_types<S, A>();
     gpu::embedding_scatter(ex, tokens, dx, dtable, N, C, V);
   }
 #else

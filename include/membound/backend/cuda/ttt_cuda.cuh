@@ -103,16 +103,6 @@ inline constexpr unsigned ttt_backward_threads = 128;
 
 template <>
 struct backend_kernels<cuda_backend, ttt_shape> {
-  template <typename S, typename A>
-  static constexpr void check_types() {
-    static_assert(gpu::kernel_storage<S>,
-                  "membound: cuda_backend stores float, bf16 or fp16; pick fp32_precision, "
-                  "bf16_precision or fp16_precision for a TTT layer on the GPU.");
-    static_assert(std::is_same_v<A, float>,
-                  "membound: cuda_backend accumulates the TTT inner state in fp32; use a precision "
-                  "whose accum_type is float (fp64 runs on cpu_backend only).");
-  }
-
   template <bool Mlp, std::size_t MB, typename S>
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s) {
     return fits<Mlp, MB>(s) ? forward_layout<Mlp, MB, S>(s).size()
@@ -1379,7 +1369,7 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
                                                         const S* x, S* y, A* ckpt, S* o_s,
                                                         void* workspace, std::size_t workspace_size,
                                                         const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   namespace td = gpu::ttt_detail;
   const auto ws = carve(forward_layout<Mlp, MB, S>(s), workspace, workspace_size);
   const auto d = gpu::ttt_dims::of(s, Mlp);
@@ -1437,7 +1427,7 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
                                                          void* workspace,
                                                          std::size_t workspace_size,
                                                          const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   namespace td = gpu::ttt_detail;
   constexpr bool narrow = !std::is_same_v<S, float>;
   const auto ws = carve(backward_layout<Mlp, MB, G, S>(s), workspace, workspace_size);
@@ -1564,7 +1554,7 @@ void backend_kernels<cuda_backend, ttt_shape>::step(const ttt_shape& s, const We
                                                      std::size_t i, const S* x_t, S* y_t,
                                                      void* workspace, std::size_t workspace_size,
                                                      const cuda_executor& ex) {
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   namespace td = gpu::ttt_detail;
   ttt_shape one = s;
   one.seq = 1;
@@ -1619,7 +1609,7 @@ void backend_kernels<cuda_backend, ttt_shape>::reset_state(const ttt_shape& s, c
                                                             A* state, const cuda_executor& ex) {
   const auto d = gpu::ttt_dims::of(s, Mlp);
   using S = std::remove_cv_t<std::remove_pointer_t<decltype(w.w1)>>;
-  check_types<S, A>();
+  gpu::check_types<S, A>();
   gpu::ttt_detail::ttt_reset_kernel<S><<<static_cast<unsigned>(s.batch * s.heads), 256, 0, ex.stream()>>>(
       state, s.heads, d.D, d.F, d.SZ, Mlp, w.w1, w.b1, w.w2, w.b2);
   cuda_check(cudaGetLastError(), "ttt_reset_kernel launch");
