@@ -31,6 +31,11 @@
 //     with more (N = 2, two micro-batches of 1) ZeRO-0's curve within 1e-5 relative (each
 //     micro-batch's gradients are reduce-scattered and the shard sums them: another order);
 //     bytes sent per step against the exact formula; a ZeRO-1 plan given to ZeRO-2 is refused.
+//   - ZeRO-2 overlapped (each block's reduce-scatter in flight through the next block's
+//     backward): the blocking path's losses, weights, optimizer state and bytes sent, bit for
+//     bit, with schedules none and full (retape ops while a bucket is in flight), and at N = 2
+//     with micro-batches of 2; measured peak == predicted in each; overlap with ZeRO-1, and a
+//     blocking plan given to an overlapping trainer, are refused with typed errors.
 //   - Re-sharding (N > 1): the N ranks' shards resumed by one process (MPI_COMM_SELF, zero 0
 //     and 1) give exactly the saved weights and m, v, and the continuation of a whole checkpoint
 //     of the same state (ZeRO-0 over N ranks) bit for bit; a one-process checkpoint resumed by N
@@ -96,9 +101,10 @@ struct text_source {
 using model_t = membound_test::hybrid<mb::fp32_precision>;
 using alloc_t = mb::budget_allocator<mb::system_allocator>;
 
-mb::trainer_options options(std::size_t zero = 0) {
+mb::trainer_options options(std::size_t zero = 0, bool overlap = false) {
   mb::trainer_options o;
   o.zero = zero;
+  o.overlap = overlap;
   o.seed = 3;
   o.lr = mb::cosine_lr{1e-2, 1e-3, 2, 20};
   o.head_chunks = {64, 16};
@@ -107,14 +113,15 @@ mb::trainer_options options(std::size_t zero = 0) {
 }
 
 mb::training_plan plan_for(const model_t& m, std::size_t micro_batches, std::size_t optimizer_elements = 0,
-                           mb::gradient_shards gradients = {}, std::size_t micro = 1) {
+                           mb::gradient_shards gradients = {}, std::size_t micro = 1,
+                           mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{})) {
   mb::plan_options po;
   po.optimizer_elements = optimizer_elements;
   po.gradients = gradients;
   po.threads = 1;
   po.head_chunk = 64;
   po.accumulation = micro_batches;
-  return mb::make_plan(m, mb::batch_shape{micro, effective.seq}, mb::schedules::none{}, po);
+  return mb::make_plan(m, mb::batch_shape{micro, effective.seq}, schedule, po);
 }
 
 struct run {
@@ -141,13 +148,16 @@ run finish(Trainer& t, alloc_t& a) {
 }
 
 // micro: sequences per micro-batch (each rank runs effective.batch / N / micro micro-batches).
-run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0, std::size_t micro = 1) {
+// overlap: ZeRO-2's reduce-scatters overlapped with the next block's backward.
+run data_parallel(const model_t& m, mb::mpi_communicator& comm, std::size_t zero = 0, std::size_t micro = 1,
+                  bool overlap = false, mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{})) {
   alloc_t a(std::size_t{1} << 30);
   mb::thread_pool pool(1);
   const std::size_t shard = zero >= 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
-  const mb::gradient_shards gs = zero == 2 ? mb::gradient_shards_of<float>(comm) : mb::gradient_shards{};
-  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro), a, pool, options(zero),
-                mb::null_monitor{}, comm);
+  const bool ov = overlap && comm.size() > 1;
+  const mb::gradient_shards gs = zero == 2 ? mb::gradient_shards_of<float>(comm, ov) : mb::gradient_shards{};
+  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro, schedule), a, pool,
+                options(zero, ov), mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
   run r = finish(t, a);
   r.bytes_sent = comm.stats().bytes_sent - before;
@@ -277,6 +287,59 @@ int main(int argc, char** argv) {
       check(same_bits(z2.losses, z0.losses) && z2.weights == z0.weights,
             "ZeRO-2 with one micro-batch of 2 per rank: ZeRO-0's losses and weights, bit for bit");
       check(z2.peak == z2.predicted, "ZeRO-2, micro-batch 2: measured peak == predicted");
+    }
+    // Overlapped: each block's reduce-scatter in flight through the next block's backward (and,
+    // under a checkpoint schedule, through the retape ops before it). The same sums in the same
+    // order, so blocking's bits; the measured peak is still the prediction, which counts the
+    // bucket and workspace in flight.
+    {
+      const mb::schedule_choice full = mb::schedule_choice::of(mb::schedules::full{});
+      const run z2o = data_parallel(m, comm, 2, 1, true);
+      const run z2f = data_parallel(m, comm, 2, 1, false, full);
+      const run z2fo = data_parallel(m, comm, 2, 1, true, full);
+      check(z2o.peak == z2o.predicted, "ZeRO-2 overlapped: measured peak " + std::to_string(z2o.peak) + " == predicted " +
+                                           std::to_string(z2o.predicted));
+      check(z2fo.peak == z2fo.predicted, "ZeRO-2 overlapped, schedule full: measured peak " + std::to_string(z2fo.peak) +
+                                             " == predicted " + std::to_string(z2fo.predicted));
+      check(z2f.peak == z2f.predicted, "ZeRO-2, schedule full: measured peak == predicted");
+      check(same_bits(z2o.losses, zero2.losses) && z2o.weights == zero2.weights && z2o.optimizer == zero2.optimizer,
+            "ZeRO-2 overlapped: the blocking path's losses, weights and optimizer state, bit for bit");
+      check(same_bits(z2fo.losses, z2f.losses) && z2fo.weights == z2f.weights && z2fo.optimizer == z2f.optimizer,
+            "ZeRO-2 overlapped, schedule full: the blocking path's bits");
+      check(z2o.bytes_sent == zero2.bytes_sent, "ZeRO-2 overlapped: the blocking path's bytes sent");
+      check(N == 1 || z2o.peak >= zero2.peak, "ZeRO-2 overlapped: a peak no lower than blocking's (a bucket in flight)");
+      if (N == 2) {
+        const run z2 = data_parallel(m, comm, 2, 2);
+        const run z2o2 = data_parallel(m, comm, 2, 2, true);
+        check(same_bits(z2o2.losses, z2.losses) && z2o2.weights == z2.weights && z2o2.peak == z2o2.predicted,
+              "ZeRO-2 overlapped, micro-batch 2: the blocking path's bits, measured peak == predicted");
+      }
+      if (me == 0) {
+        std::printf("ZeRO-2 overlapped: peak per rank %zu (blocking %zu), schedule full %zu (blocking %zu), "
+                    "measured == predicted\n",
+                    z2o.peak, zero2.peak, z2fo.peak, z2f.peak);
+      }
+    }
+    if (N > 1) {
+      // Overlap is ZeRO-2's: asked of ZeRO-1 it is refused, naming the option.
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      bool threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, A, shard.size()), a, pool, options(1, true), mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "options.overlap";
+      }
+      check(threw, "overlap with ZeRO-1: invalid_argument naming options.overlap");
+      // A blocking plan given to an overlapping trainer is refused, naming the plan.
+      threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, A, shard.size(), mb::gradient_shards_of<float>(comm)), a, pool,
+                      options(2, true), mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "plan";
+      }
+      check(threw, "ZeRO-2 overlapped given a blocking plan: invalid_argument naming the plan");
     }
     if (N > 1) {
       // ZeRO-2's plan states the gradient shard; a ZeRO-1 plan given to a ZeRO-2 trainer is refused.

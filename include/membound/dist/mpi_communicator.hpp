@@ -185,6 +185,12 @@ class mpi_communicator {
   // sum is written after every block has been received).
   template <reducible T>
   void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes);
+  // The same, started: it runs while the caller computes (MPI moves it on inside MPI calls, so
+  // call test() now and then) and wait() completes it, writing out. blocks is read here only;
+  // in, out and ws stay the caller's and untouched until wait() returns.
+  template <reducible T>
+  pending_reduce_scatter start_reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
+                                                         std::size_t ws_bytes);
 
   // ---- All-gather, all-reduce, broadcast ---------------------------------------------------------
   // out (n elements) gets every rank's shard (shard_of(n, size(), r).size() elements) at its place.
@@ -327,6 +333,14 @@ class mpi_communicator::pending_reduce_scatter {
   ~pending_reduce_scatter() { finish_quietly(); }
 
   bool pending() const noexcept { return req_ != MPI_REQUEST_NULL || sum_ != nullptr; }
+  // Lets MPI move the exchange on (many MPI libraries progress a non-blocking collective only
+  // inside MPI calls); true once every shard has arrived. The sum is still wait()'s.
+  bool test() {
+    if (req_ == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    detail::mpi_check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    return done != 0;
+  }
   // With a timeout: collective_timeout when the exchange does not complete in time.
   void wait() {
     if (req_ != MPI_REQUEST_NULL) {
@@ -417,6 +431,12 @@ void mpi_communicator::reduce_scatter_sum(const T* in, std::size_t n, T* out, vo
 template <reducible T>
 void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
                                                  std::size_t ws_bytes) {
+  start_reduce_scatter_blocks_sum(in, blocks, out, ws, ws_bytes).wait();
+}
+
+template <reducible T>
+mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_blocks_sum(
+    const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes) {
   std::size_t stride = 0;
   for (std::size_t r = 0; r < size_; ++r) stride = std::max(stride, blocks[r].size());
   detail::check_workspace(ws, ws_bytes, reduce_scatter_blocks_workspace_bytes<T>(stride));
@@ -434,14 +454,21 @@ void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range*
   }
   check_usable();
   count_sent(sent);
-  MPI_Request req = MPI_REQUEST_NULL;
+  pending_reduce_scatter p;
   detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
-                                   comm_, &req),
+                                   comm_, &p.req_),
                     "MPI_Ialltoallv");
-  complete(req, "MPI_Ialltoallv");
-  if (mine != 0) detail::ordered_sum(static_cast<const T*>(parts), size_, stride, mine, out);
+  p.sum_ = mine != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
+  p.owner_ = this;
+  p.parts_ = parts;
+  p.out_ = out;
+  p.ranks_ = size_;
+  p.stride_ = stride;
+  p.count_ = mine;
+  return p;
 }
 
 static_assert(communicator<mpi_communicator>);
+static_assert(overlapping_communicator<mpi_communicator>);
 
 MEMBOUND_NAMESPACE_END
