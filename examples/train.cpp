@@ -412,6 +412,26 @@ class ranks {
   void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes); });
   }
+  // A started exchange (ZeRO-2 overlapped): MPI's in flight, or none (one process copies at once).
+  struct pending {
+#if MEMBOUND_EXAMPLE_MPI
+    mb::mpi_communicator::pending_reduce_scatter p;
+    bool test() { return p.test(); }
+    void wait() { p.wait(); }
+#else
+    bool test() { return true; }
+    void wait() {}
+#endif
+  };
+  template <mb::reducible T>
+  pending start_reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws,
+                                          std::size_t bytes) {
+#if MEMBOUND_EXAMPLE_MPI
+    if (mpi_) return {mpi_->start_reduce_scatter_blocks_sum(in, blocks, out, ws, bytes)};
+#endif
+    local_.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes);
+    return {};
+  }
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {
     call([&](auto& c) { c.all_gather(shard, out, n); });
@@ -430,6 +450,7 @@ class ranks {
 
 };
 static_assert(mb::communicator<ranks>);
+static_assert(mb::overlapping_communicator<ranks>);
 
 template <typename S>
 using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
