@@ -392,23 +392,23 @@ class ranks {
   std::size_t rank() const { return call([](const auto& c) { return c.rank(); }); }
   std::size_t size() const { return call([](const auto& c) { return c.size(); }); }
   const char* name() const { return call([](const auto& c) { return c.name(); }); }
-  template <mb::reducible T>
+  template <mb::summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const {
     return call([&](const auto& c) { return c.template reduce_scatter_workspace_bytes<T>(n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const {
     return call([&](const auto& c) { return c.template all_reduce_workspace_bytes<T>(n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t n) const {
     return call([&](const auto& c) { return c.template reduce_scatter_blocks_workspace_bytes<T>(n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_sum(in, n, out, ws, bytes); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes); });
   }
@@ -423,7 +423,7 @@ class ranks {
     void wait() {}
 #endif
   };
-  template <mb::reducible T>
+  template <mb::summable T>
   pending start_reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws,
                                           std::size_t bytes) {
 #if MEMBOUND_EXAMPLE_MPI
@@ -436,7 +436,7 @@ class ranks {
   void all_gather(const T* shard, T* out, std::size_t n) {
     call([&](auto& c) { c.all_gather(shard, out, n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.all_reduce_sum(data, n, ws, bytes); });
   }

@@ -153,18 +153,18 @@ class mpi_communicator {
 
   // ---- Sizes ------------------------------------------------------------------------------------
   // The N received shards of a reduce-scatter, then the counts of a non-blocking one (4·N ints).
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
     return size_ * max_shard(n, size_) * sizeof(T) + 4 * size_ * sizeof(int);
   }
   // The N received blocks (of at most max_block elements each) of reduce_scatter_blocks_sum,
   // then its 4·N int counts.
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
     return size_ * max_block * sizeof(T) + 4 * size_ * sizeof(int);
   }
   // A reduce-scatter's workspace, then this rank's summed shard.
-  template <reducible T>
+  template <summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
     return reduce_scatter_workspace_bytes<T>(n) + max_shard(n, size_) * sizeof(T);
   }
@@ -173,22 +173,22 @@ class mpi_communicator {
   // out (shard_of(n, size(), rank()).size() elements) = Σ over ranks, in rank order, of in's
   // elements in this rank's shard.
   class pending_reduce_scatter;
-  template <reducible T>
+  template <summable T>
   pending_reduce_scatter start_reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws,
                                                   std::size_t ws_bytes);
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes);
   // out (blocks[rank()].size() elements) = Σ over ranks, in rank order, of in[blocks[rank()]]:
   // each rank names the block every rank receives (blocks: size() ranges of `in`, the same on
   // every rank). ZeRO-1 uses it with each rank's parameter shard cut into buckets, so a rank's
   // summed gradient lands where its optimizer shard is. out may be in + blocks[rank()].begin (the
   // sum is written after every block has been received).
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes);
   // The same, started: it runs while the caller computes (MPI moves it on inside MPI calls, so
   // call test() now and then) and wait() completes it, writing out. blocks is read here only;
   // in, out and ws stay the caller's and untouched until wait() returns.
-  template <reducible T>
+  template <summable T>
   pending_reduce_scatter start_reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
                                                          std::size_t ws_bytes);
 
@@ -220,7 +220,7 @@ class mpi_communicator {
     complete(req, "MPI_Iallgatherv");
   }
   // data (n elements) = Σ over ranks in rank order, on every rank.
-  template <reducible T>
+  template <summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
     const std::size_t need = all_reduce_workspace_bytes<T>(n);
     detail::check_workspace(ws, ws_bytes, need);
@@ -356,7 +356,7 @@ class mpi_communicator::pending_reduce_scatter {
  private:
   friend class mpi_communicator;
   using sum_fn = void (*)(const void*, std::size_t, std::size_t, std::size_t, void*);
-  template <reducible T>
+  template <summable T>
   static void sum(const void* parts, std::size_t ranks, std::size_t stride, std::size_t count, void* out) {
     detail::ordered_sum(static_cast<const T*>(parts), ranks, stride, count, static_cast<T*>(out));
   }
@@ -382,7 +382,7 @@ class mpi_communicator::pending_reduce_scatter {
   std::size_t ranks_ = 0, stride_ = 0, count_ = 0;
 };
 
-template <reducible T>
+template <summable T>
 mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_sum(const T* in, std::size_t n, T* out,
                                                                                     void* ws, std::size_t ws_bytes) {
   const std::size_t need = reduce_scatter_workspace_bytes<T>(n);
@@ -423,18 +423,18 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
   return p;
 }
 
-template <reducible T>
+template <summable T>
 void mpi_communicator::reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
   start_reduce_scatter_sum(in, n, out, ws, ws_bytes).wait();
 }
 
-template <reducible T>
+template <summable T>
 void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
                                                  std::size_t ws_bytes) {
   start_reduce_scatter_blocks_sum(in, blocks, out, ws, ws_bytes).wait();
 }
 
-template <reducible T>
+template <summable T>
 mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_blocks_sum(
     const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes) {
   std::size_t stride = 0;

@@ -212,8 +212,8 @@ struct rank_memory {
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
 gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = false) {
-  if constexpr (!reducible<S>) {
-    return {};  // the trainer refuses 16-bit storage over more than one rank
+  if constexpr (!summable<S>) {
+    return {};  // the trainer refuses storage its communicator cannot sum over more than one rank
   } else {
     if (comm.size() <= 1) return {};
     const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
@@ -1482,7 +1482,7 @@ class trainer {
   // peak and the trainer's own bytes: every activation is gone by now, so the exchange never
   // raises the peak the plan predicted.
   double exchange(double loss) {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       if (zero2()) {
         // Reduce-scattered during the backward already.
       } else if (sharded()) {
@@ -1549,7 +1549,7 @@ class trainer {
       if (flight_bucket != nullptr) (void)flight.test();
     }
     void end_block(std::size_t) {
-      if constexpr (overlapping_communicator<Communicator> && reducible<S>) {
+      if constexpr (overlapping_communicator<Communicator> && summable<S>) {
         if (t.o_.overlap) {
           finish();
           // The workspace first, then the bucket becomes the flight's: a throw leaves each owned once.
@@ -1575,7 +1575,7 @@ class trainer {
     void finish() {
       if (flight_bucket == nullptr) return;
       flight.wait();
-      for (std::size_t i = 0; i < flight_count; ++i) flight_dst[i] += flight_out[i];
+      add_into(flight_dst, flight_out, flight_count);
       release_flight();
     }
     void release_flight() noexcept {
@@ -1634,23 +1634,26 @@ class trainer {
     range_exchange x;
     x.dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
     x.count = mine.size();
-    if constexpr (reducible<S>) x.exchange_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
+    if constexpr (summable<S>) x.exchange_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
     x.add = !first;
     x.out = first ? x.dst : reinterpret_cast<S*>(static_cast<std::byte*>(ws) + x.exchange_bytes);
     return x;
   }
+  // dst += part, elementwise; 16-bit storage adds in fp32 and rounds once, as its accumulation does.
+  static void add_into(S* dst, const S* part, std::size_t count) noexcept {
+    using A = std::conditional_t<std::is_same_v<S, double>, double, float>;
+    for (std::size_t i = 0; i < count; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + to_accum<A>(part[i]));
+  }
   // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
   // part of them summed over ranks in rank order into (first) or onto its shard g_.
   void reduce_scatter_range(const S* in, shard_range r, bool first) {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       const std::size_t ws_bytes = range_exchange_bytes(r);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
       try {
         const range_exchange x = prepare_range(r, ws, first);
         comm_.reduce_scatter_blocks_sum(in, blocks_.data(), x.out, ws, x.exchange_bytes);
-        if (x.add) {
-          for (std::size_t i = 0; i < x.count; ++i) x.dst[i] += x.out[i];
-        }
+        if (x.add) add_into(x.dst, x.out, x.count);
       } catch (...) {
         alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
         throw;
@@ -1688,7 +1691,7 @@ class trainer {
   }
 
   void exchange_all() {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       const std::size_t bucket = exchange_bucket(exchange_headroom());
       const std::size_t ws_bytes = comm_.template all_reduce_workspace_bytes<S>(bucket);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
@@ -1707,7 +1710,7 @@ class trainer {
   // The gradient exchange's workspace for `bucket` elements: an all-reduce's (ZeRO-0), or a
   // reduce-scatter of `bucket` elements of every rank's shard (ZeRO-1).
   std::size_t exchange_workspace_bytes(std::size_t bucket) const {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       return sharded() ? comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket)
                        : comm_.template all_reduce_workspace_bytes<S>(bucket);
     } else {
@@ -1787,11 +1790,10 @@ class trainer {
                              "Set it to false: one rank cannot change its plan alone, and ranks do not "
                              "yet agree on a stricter plan together");
     }
-    if constexpr (!reducible<S>) {
-      throw invalid_argument("communicator", "a single rank for 16-bit storage",
+    if constexpr (!summable<S>) {
+      throw invalid_argument("communicator", "a single rank for storage the gradient exchange cannot sum",
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
-                             "Train over several ranks in fp32 storage (the gradient exchange sums fp32 or "
-                             "fp64 for now), or on one rank");
+                             "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
       loss_ws_.resize(comm_.template all_reduce_workspace_bytes<double>(1));
     }
