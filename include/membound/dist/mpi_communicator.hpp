@@ -256,6 +256,11 @@ class mpi_communicator {
   communication_stats stats() const noexcept { return stats_; }
 
  private:
+  // The all-to-all of a reduce-scatter whose 4·N counts (send counts and displacements, then
+  // receive ones) are at c, in the caller's workspace; its handle sums `count` elements into out.
+  template <summable T>
+  pending_reduce_scatter start_alltoall(const T* in, const int* c, T* parts, T* out, std::size_t stride,
+                                        std::size_t count);
   void count_sent(std::uint64_t bytes) noexcept {
     stats_.bytes_sent += bytes;
     ++stats_.collectives;
@@ -409,17 +414,22 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
   std::uint64_t sent = 0;
   for (std::size_t r = 0; r < size_; ++r) sent += r == rank_ ? 0 : static_cast<std::uint64_t>(send_counts[r]);
   count_sent(sent);
+  return start_alltoall(in, c, parts, out, stride, mine.size());
+}
+
+template <summable T>
+mpi_communicator::pending_reduce_scatter mpi_communicator::start_alltoall(const T* in, const int* c, T* parts, T* out,
+                                                                          std::size_t stride, std::size_t count) {
   pending_reduce_scatter p;
-  detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
-                                   comm_, &p.req_),
+  detail::mpi_check(MPI_Ialltoallv(in, c, c + size_, MPI_BYTE, parts, c + 2 * size_, c + 3 * size_, MPI_BYTE, comm_, &p.req_),
                     "MPI_Ialltoallv");
-  p.sum_ = mine.size() != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
+  p.sum_ = count != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
   p.owner_ = this;
   p.parts_ = parts;
   p.out_ = out;
   p.ranks_ = size_;
   p.stride_ = stride;
-  p.count_ = mine.size();
+  p.count_ = count;
   return p;
 }
 
@@ -454,18 +464,7 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
   }
   check_usable();
   count_sent(sent);
-  pending_reduce_scatter p;
-  detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
-                                   comm_, &p.req_),
-                    "MPI_Ialltoallv");
-  p.sum_ = mine != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
-  p.owner_ = this;
-  p.parts_ = parts;
-  p.out_ = out;
-  p.ranks_ = size_;
-  p.stride_ = stride;
-  p.count_ = mine;
-  return p;
+  return start_alltoall(in, c, parts, out, stride, mine);
 }
 
 static_assert(communicator<mpi_communicator>);

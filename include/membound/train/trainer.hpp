@@ -867,12 +867,18 @@ class trainer {
   // Everything checked: commit. The optimizer first: load_state checks its values before it
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
+    commit_state(r.view("optimizer"), path, st, [&] { r.copy("weights", weights, weight_bytes); });
+  }
+  // The same from this rank's optimizer state and a way to put the weights in place (a file's,
+  // or the re-sharded ones).
+  template <typename CopyWeights>
+  void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
+      Optimizer::load_state(state, opt_, opt_shard_.size());
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
-    r.copy("weights", weights, weight_bytes);
+    copy_weights();
     std::memset(static_cast<void*>(g_), 0, grad_bytes());
     steps_ = st.steps;
     updates_ = st.updates;
@@ -1137,19 +1143,8 @@ class trainer {
       }
       agree(failed, "read the checkpoint it re-shards");
       try {
-        try {
-          Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
-        } catch (const invalid_argument& e) {
-          throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
-        }
-        std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
-        std::memset(static_cast<void*>(g_), 0, grad_bytes());
-        steps_ = st.steps;
-        updates_ = st.updates;
-        rng_ = st.rng;
-        position_ = st.position;
-        scaler_ = st.scaler;
-        if (st.plan) adopt(std::move(*st.plan));
+        commit_state(std::span<const std::byte>(state), path, st,
+                     [&] { std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes()); });
       } catch (...) {
         failed = std::current_exception();
       }
