@@ -10694,15 +10694,15 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, st
 // A communicator that can also start reduce_scatter_blocks_sum and complete it later (ZeRO-2's
 // overlapped gradient exchange): the handle's test() lets the exchange move on, wait() completes
 // it and writes the sum. Buffers stay untouched until wait() returns.
+template <typename P>
+concept exchange_handle = requires(P& p) {
+  { p.test() } -> std::convertible_to<bool>;
+  p.wait();
+};
 template <typename C>
 concept overlapping_communicator =
     communicator<C> && requires(C& c, const float* cf, float* f, void* ws, std::size_t n) {
-      c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n);
-      requires requires(decltype(c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws,
-                                                                   n)) p) {
-        { p.test() } -> std::convertible_to<bool>;
-        p.wait();
-      };
+      { c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n) } -> exchange_handle;
     };
 
 namespace detail {
