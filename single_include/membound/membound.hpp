@@ -15165,11 +15165,13 @@ MEMBOUND_NAMESPACE_END
 // under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
 // re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
-// reduce-scattered into the ranks' shards as it ends (see zero2_router). The
+// reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
+// that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
+// 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
-// 16-bit storage over more than one rank, and replanning under pressure over more than one rank
-// (one rank cannot change its plan alone); each is refused with a typed error.
+// replanning under pressure over more than one rank (one rank cannot change its plan alone),
+// refused with a typed error.
 
 #include <charconv>
 
