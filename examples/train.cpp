@@ -60,6 +60,7 @@ struct options {
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
   std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
+  std::size_t overlap = 0;  // 1: ZeRO-2's reduce-scatters overlap the next block's backward
   std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit
   std::string precision = "fp32";
   std::string optimizer = "adamw";
@@ -123,6 +124,12 @@ options checked_options(const flag_texts& f) {
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
   whole("--threads", o.threads, 1, 256);
   whole("--zero", o.zero, 0, 2);
+  whole("--overlap", o.overlap, 0, 1);
+  if (o.overlap != 0 && o.zero != 2) {
+    throw mb::invalid_argument("--overlap", "0 unless --zero 2", "1 with --zero " + std::to_string(o.zero),
+                               "Add --zero 2 (ZeRO-2's per-block reduce-scatters are what overlaps the backward), "
+                               "or drop --overlap");
+  }
   whole("--timeout", o.timeout, 0, 86400);
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
@@ -385,31 +392,51 @@ class ranks {
   std::size_t rank() const { return call([](const auto& c) { return c.rank(); }); }
   std::size_t size() const { return call([](const auto& c) { return c.size(); }); }
   const char* name() const { return call([](const auto& c) { return c.name(); }); }
-  template <mb::reducible T>
+  template <mb::summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const {
     return call([&](const auto& c) { return c.template reduce_scatter_workspace_bytes<T>(n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const {
     return call([&](const auto& c) { return c.template all_reduce_workspace_bytes<T>(n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t n) const {
     return call([&](const auto& c) { return c.template reduce_scatter_blocks_workspace_bytes<T>(n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_sum(in, n, out, ws, bytes); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes); });
+  }
+  // A started exchange (ZeRO-2 overlapped): MPI's in flight, or none (one process copies at once).
+  struct pending {
+#if MEMBOUND_EXAMPLE_MPI
+    mb::mpi_communicator::pending_reduce_scatter p;
+    bool test() { return p.test(); }
+    void wait() { p.wait(); }
+#else
+    bool test() { return true; }
+    void wait() {}
+#endif
+  };
+  template <mb::summable T>
+  pending start_reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws,
+                                          std::size_t bytes) {
+#if MEMBOUND_EXAMPLE_MPI
+    if (mpi_) return {mpi_->start_reduce_scatter_blocks_sum(in, blocks, out, ws, bytes)};
+#endif
+    local_.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes);
+    return {};
   }
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {
     call([&](auto& c) { c.all_gather(shard, out, n); });
   }
-  template <mb::reducible T>
+  template <mb::summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.all_reduce_sum(data, n, ws, bytes); });
   }
@@ -423,6 +450,7 @@ class ranks {
 
 };
 static_assert(mb::communicator<ranks>);
+static_assert(mb::overlapping_communicator<ranks>);
 
 template <typename S>
 using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
@@ -454,7 +482,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
   // ZeRO-2: the gradients too (each block's reduce-scattered at the end of its backward).
   const mb::gradient_shards grad_shards =
-      o.zero == 2 ? mb::gradient_shards_of<typename net::storage_type>(world) : mb::gradient_shards{};
+      o.zero == 2 ? mb::gradient_shards_of<typename net::storage_type>(world, o.overlap != 0) : mb::gradient_shards{};
   const foreign_load foreign = o.foreign;
 
   // The default stack: a hard budget over an expandable arena at page granularity, traced. The
@@ -519,6 +547,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   // One rank cannot change its plan alone: over ranks the monitor reports, and an out-of-memory ends the run.
   to.replan_under_pressure = N == 1;
   to.zero = o.zero;
+  to.overlap = o.overlap != 0 && N > 1;
   using monitor = mb::pressure_monitor<mb::all_check_points>;
   mb::trainer<net, stack, monitor, ranks, Opt<typename net::storage_type>> t(m, eff, plan, alloc, pool, to,
                                                                             monitor(thresholds), world);
@@ -737,6 +766,10 @@ int main(int argc, char** argv) {
        "ZeRO stage under mpirun: 1 shards AdamW's state and the checkpoints over the ranks (each rank writes its "
        "shard and rank 0 a manifest at --checkpoint), 2 the gradients too; with one process 1 and 2 are the same as "
        "0 (default 0)");
+  flag("--overlap", "0|1",
+       "with --zero 2 under mpirun, 1 starts each block's gradient reduce-scatter as its backward ends and completes "
+       "it after the next block's, which runs meanwhile (the same sums; one bucket more in flight, planned) "
+       "(default 0)");
   flag("--timeout", "0..86400",
        "under mpirun, the most seconds any collective may take: a rank that died or hangs makes the others stop "
        "with collective_timeout after this long (0: wait as long as it takes, default)");

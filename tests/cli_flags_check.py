@@ -144,6 +144,7 @@ def main():
             "--steps": ["0", "-1", "1000000001", "2.5"],
             "--threads": ["0", "-1", "257", "many"],
             "--zero": ["3", "-1", "one", ""],
+            "--overlap": ["2", "-1", "yes", ""],
             "--timeout": ["-1", "86401", "1.5", "x", ""],
             "--eval-every": ["-1", "3"],
             "--eval-sequences": ["0", "-1", "4097"],
@@ -184,6 +185,7 @@ def main():
             ("--checkpoint", {"--save-every": "1", "--checkpoint": tiny}),  # would replace --data
             ("--checkpoint", {"--stop-after": "1", "--checkpoint": "/dev/null"}),  # replaced by a rename
             ("--min-lr", {"--lr": "0.001", "--min-lr": "0.002"}),
+            ("--overlap", {"--overlap": "1", "--zero": "1"}),      # only ZeRO-2 overlaps
             ("--foo", {"+": ["--foo", "1"]}),
             ("--width", {"--width": None, "+": ["--width"]}),      # no value
             ("--steps", {"+": ["--steps", "3"]}),                   # given twice
@@ -209,6 +211,7 @@ def main():
         c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
+        c.accept(train, base, {"--zero": "2", "--overlap": "1"})  # one process: nothing to overlap
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
                  lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
         # A checkpoint at step 2, kept outside the output folder for the next cases.

@@ -6,7 +6,11 @@
 // weights, (N − 1)/N·Ψ: the same 2·(N − 1)/N·Ψ), and the
 // optimizer bytes and measured peak per rank. A second table gives each stage's model-state
 // bytes per rank (weights + gradients + optimizer, as the trainer holds them between steps)
-// against the formula for our fp32 storage and DeepSpeed's published mixed-precision formulas.
+// against the formula for our fp32 and bf16 storage and DeepSpeed's published mixed-precision
+// formulas; bf16 storage is measured under each stage too (its layout is DeepSpeed's 2 + 2 + 12).
+// ZeRO-2 runs twice, blocking and overlapped (each block's reduce-scatter in flight through the
+// next block's backward), alternating over three rounds so that both see the same machine; the
+// last line gives their median step times' ratio.
 //
 //   mpiexec -n 2 --oversubscribe ./build/release/bench/bench_data_parallel [steps]
 // A benchmark, not a test: its times depend on the machine (2 ranks on 2 cores here).
@@ -22,10 +26,11 @@ namespace mb = membound;
 
 namespace {
 
-using net = mb::model<mb::embedding<mb::fp32_precision>,
-                      mb::block_pattern<mb::ttt_linear<mb::fp32_precision>, mb::attention<mb::fp32_precision>,
-                                        mb::mamba<mb::fp32_precision>>,
-                      mb::lm_head<mb::fp32_precision>>;
+template <typename P>
+using net_of = mb::model<mb::embedding<P>, mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>>,
+                         mb::lm_head<P>>;
+using net = net_of<mb::fp32_precision>;
+using net16 = net_of<mb::bf16_precision>;  // DeepSpeed's mixed precision: bf16 weights and gradients, fp32 AdamW
 using alloc_t = mb::budget_allocator<mb::system_allocator>;
 
 struct random_tokens {
@@ -42,23 +47,28 @@ struct random_tokens {
 
 struct row {
   double ms = 0;
+  std::vector<double> all_ms;  // every timed step
   double sent = 0;  // bytes per step
-  std::size_t optimizer = 0, peak = 0, predicted = 0;
+  std::size_t optimizer = 0, peak = 0, predicted = 0, in_flight = 0;
   mb::rank_memory memory{};
 };
 
-row measure(const net& m, mb::mpi_communicator& comm, std::size_t zero, std::size_t steps, std::size_t threads) {
+template <typename Net>
+row measure(const Net& m, mb::mpi_communicator& comm, std::size_t zero, std::size_t steps, std::size_t threads,
+            bool overlap = false) {
+  using S = typename Net::storage_type;
   const std::size_t N = comm.size();
   const mb::batch_shape eff{8, 128};
   mb::plan_options po;
   po.threads = threads;
   po.optimizer_elements = zero >= 1 && N > 1 ? mb::shard_of(m.parameter_elements(), N, comm.rank()).size() : 0;
-  po.gradients = zero == 2 ? mb::gradient_shards_of<float>(comm) : mb::gradient_shards{};
+  po.gradients = zero == 2 ? mb::gradient_shards_of<S>(comm, overlap && N > 1) : mb::gradient_shards{};
   const mb::training_plan plan = mb::make_plan(m, mb::batch_shape{eff.batch / N, eff.seq}, mb::schedules::none{}, po);
   alloc_t a(std::size_t{1} << 32);
   mb::thread_pool pool(threads);
   mb::trainer_options to;
   to.zero = zero;
+  to.overlap = overlap && N > 1;
   to.replan_under_pressure = false;
   mb::trainer t(m, eff, plan, a, pool, to, mb::null_monitor{}, comm);
   random_tokens src{eff.seq};
@@ -66,15 +76,22 @@ row measure(const net& m, mb::mpi_communicator& comm, std::size_t zero, std::siz
   const mb::communication_stats before = comm.stats();
   std::vector<double> ms;
   for (std::size_t i = 0; i < steps; ++i) ms.push_back(t.step(src).ms);
-  std::sort(ms.begin(), ms.end());
   row r;
+  r.all_ms = ms;
+  std::sort(ms.begin(), ms.end());
   r.ms = ms[ms.size() / 2];
   r.sent = static_cast<double>(comm.stats().bytes_sent - before.bytes_sent) / static_cast<double>(steps);
   r.optimizer = t.optimizer_bytes();
   r.peak = a.stats().peak_requested;
   r.predicted = t.largest_predicted_peak();
   r.memory = t.memory();
+  r.in_flight = plan.gradient_in_flight;
   return r;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -89,10 +106,23 @@ int main(int argc, char** argv) {
   cfg.width = 128;
   cfg.heads = 4;
   const net m(cfg, {0, 1, 2, 1});
+  const net16 m16(cfg, {0, 1, 2, 1});
   const double psi = static_cast<double>(m.weight_bytes());  // gradient bytes: Ψ
   const row z0 = measure(m, comm, 0, steps, 1);
   const row z1 = measure(m, comm, 1, steps, 1);
-  const row z2 = measure(m, comm, 2, steps, 1);
+  // Blocking and overlapped ZeRO-2, alternating, the same steps each round.
+  row z2, z2o;
+  std::vector<double> blocking_ms, overlapped_ms;
+  for (int round = 0; round < 3; ++round) {
+    z2 = measure(m, comm, 2, steps, 1);
+    z2o = measure(m, comm, 2, steps, 1, true);
+    blocking_ms.insert(blocking_ms.end(), z2.all_ms.begin(), z2.all_ms.end());
+    overlapped_ms.insert(overlapped_ms.end(), z2o.all_ms.begin(), z2o.all_ms.end());
+  }
+  z2.ms = median(blocking_ms);
+  z2o.ms = median(overlapped_ms);
+  // bf16 storage: the model states DeepSpeed's mixed-precision formulas count.
+  const row h0 = measure(m16, comm, 0, steps, 1), h1 = measure(m16, comm, 1, steps, 1), h2 = measure(m16, comm, 2, steps, 1);
   if (comm.rank() == 0) {
     const double ring = 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * psi;
     std::printf("| ranks | stage | step ms (median of %zu) | sent per step per rank | formula | optimizer bytes per rank | peak per rank |\n",
@@ -104,27 +134,44 @@ int main(int argc, char** argv) {
                 z1.optimizer, z1.peak);
     std::printf("| %zu | ZeRO-2 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z2.ms, z2.sent, ring,
                 z2.optimizer, z2.peak);
+    std::printf("| %zu | ZeRO-2 overlapped | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu (%zu in flight) |\n", N, z2o.ms,
+                z2o.sent, ring, z2o.optimizer, z2o.peak, z2o.in_flight);
+    const bool exact = z0.peak == z0.predicted && z1.peak == z1.predicted && z2.peak == z2.predicted &&
+                       z2o.peak == z2o.predicted;
     std::printf("(Ψ = %.0f gradient bytes, 1 thread per rank; the bytes sent include the loss's all-reduce of one double, "
-                "and under ZeRO-1/2 the gather of N sums of squares for the norm; measured peak == predicted: %s)\n\n",
-                psi, z0.peak == z0.predicted && z1.peak == z1.predicted && z2.peak == z2.predicted ? "yes, all three" : "NO");
+                "and under ZeRO-1/2 the gather of N sums of squares for the norm; measured peak == predicted: %s)\n",
+                psi, exact ? "yes, all four" : "NO");
+    std::printf("ZeRO-2 step time, overlapped / blocking: %.3f (medians of %zu steps each, 3 alternating rounds)\n\n",
+                z2o.ms / z2.ms, blocking_ms.size());
     // Model states per rank. P parameter elements (padding included), s = rank 0's shard.
     const double P = static_cast<double>(m.parameter_elements());
     const double s = static_cast<double>(mb::shard_of(m.parameter_elements(), N, 0).size());
     const double n = static_cast<double>(N);
-    std::printf("| ranks | stage | weights + gradients + optimizer, rank 0 (measured) | ours, fp32 storage | "
-                "DeepSpeed, mixed precision (K = 12) |\n|---|---|---|---|---|\n");
+    // bf16's tensors are padded to the same byte alignment, so to other element counts.
+    const double Q = static_cast<double>(m16.parameter_elements());
+    const double q = static_cast<double>(mb::shard_of(m16.parameter_elements(), N, 0).size());
+    std::printf("| ranks | stage | fp32 storage, rank 0 (measured) | ours, fp32 storage | bf16 storage, rank 0 "
+                "(measured) | ours, bf16 storage | DeepSpeed, mixed precision (K = 12) |\n|---|---|---|---|---|---|---|\n");
     const auto states = [](const row& r) {
       return static_cast<double>(r.memory.weights + r.memory.gradients + r.memory.optimizer);
     };
-    std::printf("| %zu | ZeRO-0 | %.0f | 16P = %.0f | 16P = %.0f |\n", N, states(z0), 16 * P, 16 * P);
-    std::printf("| %zu | ZeRO-1 | %.0f | 8P + 8s = %.0f | 4P + 12P/N = %.0f |\n", N, states(z1), 8 * P + 8 * s,
-                4 * P + 12 * P / n);
-    std::printf("| %zu | ZeRO-2 | %.0f | 4P + 12s = %.0f | 2P + 14P/N = %.0f |\n", N, states(z2), 4 * P + 12 * s,
-                2 * P + 14 * P / n);
-    std::printf("(P = %.0f parameter elements, s = %.0f the shard of rank 0 (P/N rounded up); fp32 weights and "
-                "gradients are 4 bytes each and AdamW's m, v 8, with no masters: 4 + 4 + 8 = 16, where DeepSpeed's "
-                "mixed precision keeps 2 + 2 + 12 (fp32 masters, m, v))\n",
-                P, s);
+    std::printf("| %zu | ZeRO-0 | %.0f | 16P = %.0f | %.0f | 2Q + 2Q + 12Q = %.0f | 16P = %.0f |\n", N, states(z0), 16 * P,
+                states(h0), 16 * Q, 16 * P);
+    std::printf("| %zu | ZeRO-1 | %.0f | 8P + 8s = %.0f | %.0f | 4Q + 12q = %.0f | 4P + 12P/N = %.0f |\n", N, states(z1),
+                8 * P + 8 * s, states(h1), 4 * Q + 12 * q, 4 * P + 12 * P / n);
+    std::printf("| %zu | ZeRO-2 | %.0f | 4P + 12s = %.0f | %.0f | 2Q + 14q = %.0f | 2P + 14P/N = %.0f |\n", N, states(z2),
+                4 * P + 12 * s, states(h2), 2 * Q + 14 * q, 2 * P + 14 * P / n);
+    const bool exact16 = h0.peak == h0.predicted && h1.peak == h1.predicted && h2.peak == h2.predicted;
+    std::printf("(bf16 step ms, median of %zu: ZeRO-0 %.1f, ZeRO-1 %.1f, ZeRO-2 %.1f; sent per step per rank %.0f / %.0f / "
+                "%.0f (fp32: %.0f / %.0f / %.0f; 16-bit gradients and weights on the wire); peak per rank %zu / %zu / %zu, "
+                "measured == predicted: %s)\n",
+                steps, h0.ms, h1.ms, h2.ms, h0.sent, h1.sent, h2.sent, z0.sent, z1.sent, z2.sent, h0.peak, h1.peak, h2.peak,
+                exact16 ? "yes" : "NO");
+    std::printf("(P = %.0f parameter elements, s = %.0f the shard of rank 0 (P/N rounded up); bf16: Q = %.0f, q = %.0f "
+                "(each tensor padded to 64 bytes, so %.0f padding elements more); fp32 weights and gradients are 4 bytes "
+                "each and AdamW's m, v 8, with no masters: 4 + 4 + 8 = 16; bf16 storage is DeepSpeed's mixed precision, "
+                "2 + 2 + 12 (fp32 masters, m, v), sharded as it shards them)\n",
+                P, s, Q, q, Q - P);
   }
   return 0;
 }

@@ -10721,9 +10721,13 @@ struct communication_stats {
   std::uint64_t collectives = 0;
 };
 
-// The element types whose sums a communicator computes.
+// The element types whose sums a communicator computes in their own type.
 template <typename T>
 concept reducible = std::same_as<T, float> || std::same_as<T, double>;
+// Those, and 16-bit storage (bf16, fp16) as the CPU communicators sum it: 16 bits on the wire,
+// every rank's value widened to fp32, added in rank order and rounded once (ordered_sum).
+template <typename T>
+concept summable = reducible<T> || std::same_as<T, bf16> || std::same_as<T, fp16>;
 
 // What the trainer needs of a communicator. Blocking collectives; all ranks call them in the
 // same order with the same n. Buffers are the caller's; none may overlap another argument.
@@ -10744,14 +10748,38 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, st
   c.barrier();
 };
 
+// A communicator that can also start reduce_scatter_blocks_sum and complete it later (ZeRO-2's
+// overlapped gradient exchange): the handle's test() lets the exchange move on, wait() completes
+// it and writes the sum. Buffers stay untouched until wait() returns.
+template <typename P>
+concept exchange_handle = requires(P& p) {
+  { p.test() } -> std::convertible_to<bool>;
+  p.wait();
+};
+template <typename C>
+concept overlapping_communicator =
+    communicator<C> && requires(C& c, const float* cf, float* f, void* ws, std::size_t n) {
+      { c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n) } -> exchange_handle;
+    };
+
 namespace detail {
 // out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
-template <reducible T>
+// 16-bit parts are summed in fp32 and rounded once, so the sum of N ranks' gradients rounds as
+// one value does (the same per-element order, rank 0 first).
+template <summable T>
 void ordered_sum(const T* parts, std::size_t ranks, std::size_t stride, std::size_t count, T* out) {
-  std::memcpy(out, parts, count * sizeof(T));
-  for (std::size_t r = 1; r < ranks; ++r) {
-    const T* p = parts + r * stride;
-    for (std::size_t i = 0; i < count; ++i) out[i] += p[i];
+  if constexpr (reducible<T>) {
+    std::memcpy(out, parts, count * sizeof(T));
+    for (std::size_t r = 1; r < ranks; ++r) {
+      const T* p = parts + r * stride;
+      for (std::size_t i = 0; i < count; ++i) out[i] += p[i];
+    }
+  } else {
+    for (std::size_t i = 0; i < count; ++i) {
+      float acc = to_accum<float>(parts[i]);
+      for (std::size_t r = 1; r < ranks; ++r) acc += to_accum<float>(parts[r * stride + i]);
+      out[i] = from_accum<T>(acc);
+    }
   }
 }
 inline void check_root(std::size_t root, std::size_t ranks) {
@@ -10774,23 +10802,23 @@ class local_communicator {
   std::size_t size() const noexcept { return 1; }
   const char* name() const noexcept { return "local"; }
 
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t) const noexcept {
     return 0;
   }
-  template <reducible T>
+  template <summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t) const noexcept {
     return 0;
   }
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t) const noexcept {
     return 0;
   }
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void*, std::size_t) {
     if (n != 0 && in != out) std::memcpy(out, in, n * sizeof(T));
   }
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void*, std::size_t) {
     const shard_range b = blocks[0];
     if (b.size() != 0 && in + b.begin != out) std::memcpy(out, in + b.begin, b.size() * sizeof(T));
@@ -10800,7 +10828,7 @@ class local_communicator {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
     if (n != 0 && shard != out) std::memcpy(out, shard, n * sizeof(T));
   }
-  template <reducible T>
+  template <summable T>
   void all_reduce_sum(T*, std::size_t, void*, std::size_t) {}
   template <typename T>
   void broadcast(T*, std::size_t, std::size_t root) {
@@ -13008,6 +13036,14 @@ struct chain_link {               // block i
   std::size_t retape_peak = 0;    // same for retape(i) (>= s_i)
   std::size_t backward_peak = 0;  // same for backward(i) (>= a_i, the new δ_i)
   double forward_cost = 1.0;      // f_i, e.g. FLOPs
+  // Work backward(i) leaves in flight (ZeRO-2's overlapped gradient exchange: the block's bucket
+  // and its exchange's workspace): live from the end of backward(i) through the ops after it until
+  // the next backward releases it, after its own peak and before its tail; the last backward's
+  // stays live past the chain's end. 0: nothing in flight.
+  std::size_t backward_carry = 0;
+  // backward(i)'s peak after the in-flight bytes before it are released (above the bytes live
+  // before it less those): where it starts its own exchange. 0 when nothing is carried.
+  std::size_t backward_tail_peak = 0;
 };
 
 struct chain {
@@ -13066,6 +13102,7 @@ struct phase_bytes {
   std::size_t op = 0;
   std::size_t live_before = 0;
   std::size_t peak = 0;
+  std::size_t in_flight = 0;  // of live_before, the backward_carry still in flight
 };
 
 // Validates every precondition and the end state (invalid_argument names the op) and returns the
@@ -13079,6 +13116,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
   bool loss_done = false;
   std::size_t live = sat_add(c.base_bytes, c.a(0));
+  std::size_t carry = 0;  // the last backward's backward_carry, part of live
   schedule_stats st;
   st.peak_bytes = live;
   st.max_live_inputs = 1;
@@ -13090,7 +13128,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const chain_op& op = ops[k];
     const std::size_t i = op.block;
-    const std::size_t before = live;
+    const std::size_t before = live, before_carry = carry;
     std::size_t peak = live;
     if (op.kind != chain_op_kind::loss && i > (op.kind == chain_op_kind::discard ? L : L - 1)) {
       bad(k, "a block index below " + std::to_string(L) + " (discard: up to L)");
@@ -13133,8 +13171,13 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
         if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
         peak = sat_add(live, c.links[i].backward_peak);
+        if (c.links[i].backward_tail_peak != 0) {
+          peak = std::max(peak, sat_add(sat_sub(live, carry), c.links[i].backward_tail_peak));
+        }
         // Exact unless a size saturated, and then the peak is SIZE_MAX already.
-        live = sat_sub(sat_sub(sat_add(live, c.a(i)), c.a(i + 1)), c.links[i].saved_bytes);
+        live = sat_sub(sat_sub(sat_add(sat_add(sat_sub(live, carry), c.links[i].backward_carry), c.a(i)), c.a(i + 1)),
+                       c.links[i].saved_bytes);
+        carry = c.links[i].backward_carry;
         saved[i] = 0;
         next_backward = i;
         break;
@@ -13147,7 +13190,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
     }
     st.peak_bytes = std::max(st.peak_bytes, peak);
     st.max_live_inputs = std::max<std::size_t>(st.max_live_inputs, static_cast<std::size_t>(std::count(x.begin(), x.end(), 1)));
-    if (timeline != nullptr) timeline->push_back({k, before, peak});
+    if (timeline != nullptr) timeline->push_back({k, before, peak, before_carry});
   }
   const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 1) == 0 &&
                      std::count(saved.begin(), saved.end(), 1) == 0;
@@ -13366,7 +13409,7 @@ class chain_dp {
     // A retape can also be a tape whose output is dropped at once: whichever peaks lower.
     for (const chain_link& l : c.links)
       u_.push_back({up(l.saved_bytes), up(l.advance_peak), up(l.tape_peak),
-                    up(std::min(l.retape_peak, l.tape_peak)), up(l.backward_peak)});
+                    up(std::min(l.retape_peak, l.tape_peak)), up(std::max(l.backward_peak, l.backward_tail_peak))});
     loss_ = up(c.loss_peak);
     const std::size_t n = 2 * L_ * (L_ + 1) * (M_ + 1);
     cost_.assign(n, -2.0);  // -2: not computed, -1: infeasible
@@ -13531,8 +13574,12 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   // The DP's table has 2·L·(L + 1)·(cells + 1) entries: fewer cells for long chains.
   max_cells = std::min(max_cells, detail::max_table_entries / (2 * L * (L + 1)));
   if (max_cells < 8) return fallback(true);  // a chain too long for the DP: the generators decide
-  if (budget_bytes <= c.base_bytes) return fallback(true);
-  const std::size_t avail = budget_bytes - c.base_bytes;
+  // In-flight bytes (backward_carry) are outside the DP's model: it plans as if the largest were
+  // live throughout, which only overstates (simulate() below gives the exact peak).
+  std::size_t in_flight = 0;
+  for (const chain_link& l : c.links) in_flight = std::max(in_flight, l.backward_carry);
+  if (budget_bytes <= sat_add(c.base_bytes, in_flight)) return fallback(true);
+  const std::size_t avail = budget_bytes - c.base_bytes - in_flight;
   const std::size_t unit = std::max<std::size_t>(1, avail / std::max<std::size_t>(1, max_cells) + (avail % std::max<std::size_t>(1, max_cells) != 0));
   const std::size_t cells = avail / unit;
   detail::chain_dp dp(c, cells, unit);
@@ -14457,9 +14504,14 @@ struct schedule_choice {
 // exchange_per_element * k + exchange_fixed bytes (the communicator's
 // reduce_scatter_blocks_workspace_bytes, which is affine in k), plus k elements to add into the
 // shard when accumulation > 1. ranks <= 1: off (one flat array of every gradient).
+// overlap: each block's reduce-scatter is started (non-blocking) as its backward ends and
+// completed at the end of the next block's backward (the last one's after the micro-batch's
+// backward), so its bucket and workspace stay live through the ops in between: chain_link's
+// backward_carry.
 struct gradient_shards {
   std::size_t ranks = 0, rank = 0;
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
+  bool overlap = false;
   constexpr bool on() const noexcept { return ranks > 1; }
 };
 
@@ -14527,6 +14579,9 @@ struct training_plan {
   // ZeRO-2 (gradients = this rank's shard): the most gradient bytes a block's backward holds
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
   std::size_t gradient_bucket = 0, gradient_held = 0;
+  // Overlapped (gradient_shards::overlap): the most bytes in flight between two blocks' backward
+  // ops, a bucket and its exchange's workspace.
+  std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
@@ -14559,7 +14614,7 @@ struct training_plan {
   // A table a person reads before step 1.
   std::string table() const {
     std::string s;
-    char line[160];
+    char line[256];
     auto row = [&](const char* what, std::size_t bytes, const char* note) {
       std::snprintf(line, sizeof line, "  %-22s %14s  %s\n", what, format_bytes(bytes, false).c_str(), note);
       s += line;
@@ -14572,9 +14627,11 @@ struct training_plan {
     s += line;
     row("weights", weights, "");
     if (gradient_ranks > 1) {
-      char note[120];
-      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held",
-                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str());
+      char note[200];
+      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held%s",
+                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str(),
+                    gradient_in_flight != 0 ? (", + " + format_bytes(gradient_in_flight, false) + " in flight (overlapped)").c_str()
+                                            : "");
       row("gradients", gradients, note);
     } else {
       row("gradients", gradients, "");
@@ -14718,13 +14775,22 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   chain c = m.make_chain(b, o.threads, o.head_chunk, step_base);
   if (gs.on()) {
     // Block i's backward: its δ, then its gradient bucket, then the larger of its workspace and
-    // (that given back) the bucket's reduce-scatter workspace.
+    // (that given back) the bucket's reduce-scatter workspace. Overlapped: the exchange before it
+    // is completed and released first, and this one's bucket and workspace stay in flight.
     for (std::size_t i = 0; i < c.links.size(); ++i) {
       chain_link& l = c.links[i];
       const shard_range r = m.block_parameters(i);
       const std::size_t bucket = bytes_of<S>(r.size());
       const std::size_t ws = sat_sub(l.backward_peak, l.input_bytes);
-      l.backward_peak = sat_add(sat_add(l.input_bytes, bucket), std::max(ws, exchange_of(r)));
+      const std::size_t held = sat_add(l.input_bytes, bucket);
+      if (gs.overlap) {
+        l.backward_peak = sat_add(held, ws);
+        l.backward_tail_peak = sat_add(held, exchange_of(r));
+        l.backward_carry = sat_add(bucket, exchange_of(r));
+        p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
+      } else {
+        l.backward_peak = sat_add(held, std::max(ws, exchange_of(r)));
+      }
       p.gradient_bucket = std::max(p.gradient_bucket, bucket);
     }
   }
@@ -14747,7 +14813,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
     const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
-    p.activations = std::max(p.activations, sat_sub(ph.live_before, base));
+    p.activations = std::max(p.activations, sat_sub(sat_sub(ph.live_before, base), ph.in_flight));
     if (q.peak > best) {
       best = q.peak;
       p.peak_phase = q.name;
@@ -14769,10 +14835,12 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     }
     p.timeline.push_back(std::move(q));
   }
-  p.timeline.push_back({"embedding backward", sat_add(step_base, a), sat_add(step_base, a)});
+  // The last block's exchange, overlapped, is still in flight here; the gradient exchange completes it first.
+  const std::size_t last_in_flight = gs.overlap ? c.links[0].backward_carry : 0;
+  p.timeline.push_back({"embedding backward", sat_add(step_base, a, last_in_flight), sat_add(step_base, a, last_in_flight)});
   if (gs.on()) {
     const std::size_t peak = sat_add(step_base, held_exchange);
-    p.timeline.push_back({"gradient exchange (embedding, head)", step_base, peak});
+    p.timeline.push_back({"gradient exchange (embedding, head)", sat_add(step_base, last_in_flight), peak});
     if (peak > best) {
       best = peak;
       p.peak_phase = "gradient exchange (embedding, head)";
@@ -15087,6 +15155,9 @@ struct run_requests {
 namespace detail {
 // ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
 // bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
+// Overlapped (gs.overlap): at end_block the exchange in flight is given back (workspace, then
+// bucket), then this block's workspace is taken and both stay in flight until the next
+// end_block, or finish() after the micro-batch's backward.
 template <typename Model>
 struct zero2_request_router {
   using S = typename Model::storage_type;
@@ -15096,6 +15167,8 @@ struct zero2_request_router {
   std::size_t accumulation;
   void* bucket = nullptr;
   std::size_t bytes = 0;
+  void *flight_bucket = nullptr, *flight_ws = nullptr;
+  std::size_t flight_bytes = 0, flight_ws_bytes = 0;
   S* at(std::size_t) const noexcept { return nullptr; }
   void begin_block(std::size_t i) {
     bytes = bytes_of<S>(m.block_parameters(i).size());
@@ -15103,9 +15176,22 @@ struct zero2_request_router {
   }
   void end_block(std::size_t i) {
     const std::size_t wsb = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    if (gs.overlap) {
+      finish();
+      flight_ws = rec.allocate(wsb, default_alignment, memory_tag::workspace);
+      flight_ws_bytes = wsb;
+      flight_bucket = std::exchange(bucket, nullptr);
+      flight_bytes = bytes;
+      return;
+    }
     rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
                    memory_tag::workspace);
     rec.deallocate(bucket, bytes, default_alignment, memory_tag::gradients);
+  }
+  void finish() {
+    if (flight_bucket == nullptr) return;
+    rec.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
+    rec.deallocate(std::exchange(flight_bucket, nullptr), flight_bytes, default_alignment, memory_tag::gradients);
   }
 };
 }  // namespace detail
@@ -15136,6 +15222,7 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
     void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
     detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
     m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+    router.finish();
     for (const shard_range q : {e, h}) {
       const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
       rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
@@ -15265,11 +15352,13 @@ MEMBOUND_NAMESPACE_END
 // under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
 // re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
-// reduce-scattered into the ranks' shards as it ends (see zero2_router). The
+// reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
+// that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
+// 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
-// 16-bit storage over more than one rank, and replanning under pressure over more than one rank
-// (one rank cannot change its plan alone); each is refused with a typed error.
+// replanning under pressure over more than one rank (one rank cannot change its plan alone),
+// refused with a typed error.
 
 #include <charconv>
 
@@ -15315,6 +15404,11 @@ struct trainer_options {
   // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
   // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
+  // ZeRO-2 only: each block's reduce-scatter is started as its backward ends and completed at the
+  // end of the next block's backward, which runs while it is in flight. The same sums, bit for
+  // bit; the price is one bucket and its exchange workspace more between two backward ops (the
+  // plan counts them: plan_options::gradients.overlap). Needs an overlapping_communicator.
+  bool overlap = false;
 };
 
 // A change of plan, and why.
@@ -15382,9 +15476,9 @@ struct rank_memory {
 //   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
-gradient_shards gradient_shards_of(const Communicator& comm) {
-  if constexpr (!reducible<S>) {
-    return {};  // the trainer refuses 16-bit storage over more than one rank
+gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = false) {
+  if constexpr (!summable<S>) {
+    return {};  // the trainer refuses storage its communicator cannot sum over more than one rank
   } else {
     if (comm.size() <= 1) return {};
     const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
@@ -15396,7 +15490,7 @@ gradient_shards gradient_shards_of(const Communicator& comm) {
                                  std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
                              "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
     }
-    return {comm.size(), comm.rank(), w1 - w0, w0};
+    return {comm.size(), comm.rank(), w1 - w0, w0, overlap};
   }
 }
 
@@ -15509,6 +15603,22 @@ class rank_failed : public error {
 };
 
 namespace detail {
+// The handle of a started reduce-scatter (ZeRO-2's overlap); a stand-in for communicators that
+// cannot start one (the trainer refuses overlap with them).
+template <typename C>
+struct pending_exchange_of {
+  struct type {
+    bool test() noexcept { return true; }
+    void wait() noexcept {}
+  };
+};
+template <overlapping_communicator C>
+struct pending_exchange_of<C> {
+  using type = decltype(std::declval<C&>().start_reduce_scatter_blocks_sum(
+      std::declval<const float*>(), std::declval<const shard_range*>(), std::declval<float*>(), std::declval<void*>(),
+      std::size_t{}));
+};
+
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
 struct abandon_step {
   std::string reason;
@@ -16022,12 +16132,18 @@ class trainer {
   // Everything checked: commit. The optimizer first: load_state checks its values before it
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
+    commit_state(r.view("optimizer"), path, st, [&] { r.copy("weights", weights, weight_bytes); });
+  }
+  // The same from this rank's optimizer state and a way to put the weights in place (a file's,
+  // or the re-sharded ones).
+  template <typename CopyWeights>
+  void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
+      Optimizer::load_state(state, opt_, opt_shard_.size());
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
-    r.copy("weights", weights, weight_bytes);
+    copy_weights();
     std::memset(static_cast<void*>(g_), 0, grad_bytes());
     steps_ = st.steps;
     updates_ = st.updates;
@@ -16291,19 +16407,8 @@ class trainer {
       }
       agree(failed, "read the checkpoint it re-shards");
       try {
-        try {
-          Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
-        } catch (const invalid_argument& e) {
-          throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
-        }
-        std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
-        std::memset(static_cast<void*>(g_), 0, grad_bytes());
-        steps_ = st.steps;
-        updates_ = st.updates;
-        rng_ = st.rng;
-        position_ = st.position;
-        scaler_ = st.scaler;
-        if (st.plan) adopt(std::move(*st.plan));
+        commit_state(std::span<const std::byte>(state), path, st,
+                     [&] { std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes()); });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -16322,7 +16427,9 @@ class trainer {
   // The summed gradient of this rank's optimizer shard.
   S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
   // What plan_options::gradients says for this trainer.
-  gradient_shards gradient_sharding() const { return zero2() ? gradient_shards_of<S>(comm_) : gradient_shards{}; }
+  gradient_shards gradient_sharding() const {
+    return zero2() ? gradient_shards_of<S>(comm_, o_.overlap) : gradient_shards{};
+  }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
@@ -16493,6 +16600,10 @@ class trainer {
     };
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
+    if (q.gradient_sharding.overlap != p.gradient_sharding.overlap) {
+      differs("plan.gradient_sharding.overlap", q.gradient_sharding.overlap ? "true" : "false",
+              p.gradient_sharding.overlap ? "true" : "false");
+    }
     if (q.optimizer != p.optimizer) {
       differs("plan.optimizer", format_bytes(q.optimizer) + " (" + Optimizer::description() + ")",
               format_bytes(p.optimizer) + (p.optimizer == 0 ? " (made with optimizer = false?)" : ""));
@@ -16630,7 +16741,7 @@ class trainer {
   // peak and the trainer's own bytes: every activation is gone by now, so the exchange never
   // raises the peak the plan predicted.
   double exchange(double loss) {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       if (zero2()) {
         // Reduce-scattered during the backward already.
       } else if (sharded()) {
@@ -16654,16 +16765,32 @@ class trainer {
   // micro-batch). The first micro-batch of a step writes the sums into the shard, the others add
   // theirs: so with one micro-batch per rank the shard holds ZeRO-0's sum, bit for bit, and with
   // more it is a sum of the micro-batches' rank-order sums (another order than ZeRO-0's).
+  // Overlapped (options.overlap): a block's reduce-scatter is started at the end of its backward
+  // and completed at the end of the next block's (the last block's after the micro-batch's
+  // backward), its bucket and workspace kept until then; the next block's begin_block polls it,
+  // since MPI moves a non-blocking collective on only inside MPI calls. One exchange is in flight
+  // at a time and each is summed as the blocking path sums it, so the results are its bits.
+  using pending_exchange = typename detail::pending_exchange_of<Communicator>::type;
   struct zero2_router {
     trainer& t;
     bool first;
     S* held = nullptr;    // the embedding's and head's gradients
     S* bucket = nullptr;  // the current block's
     shard_range range{};
+    // The exchange in flight (overlapped): its handle, bucket, workspace and destination.
+    pending_exchange flight{};
+    S* flight_bucket = nullptr;
+    void* flight_ws = nullptr;
+    std::size_t flight_bucket_bytes = 0, flight_ws_bytes = 0;
+    S* flight_dst = nullptr;
+    S* flight_out = nullptr;
+    std::size_t flight_count = 0;
     zero2_router(trainer& tr, bool f) : t(tr), first(f) {}
     zero2_router(const zero2_router&) = delete;
     zero2_router& operator=(const zero2_router&) = delete;
     ~zero2_router() {
+      flight = pending_exchange{};  // waits for an exchange still in flight before its buffers go
+      release_flight();
       if (bucket != nullptr) t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
       if (held != nullptr) t.alloc_.deallocate(held, t.held_bytes(), default_alignment, memory_tag::gradients);
     }
@@ -16678,11 +16805,46 @@ class trainer {
       bucket = static_cast<S*>(t.alloc_.allocate(r.size() * sizeof(S), default_alignment, memory_tag::gradients));
       range = r;
       std::memset(static_cast<void*>(bucket), 0, r.size() * sizeof(S));
+      if (flight_bucket != nullptr) (void)flight.test();
     }
     void end_block(std::size_t) {
+      if constexpr (overlapping_communicator<Communicator> && summable<S>) {
+        if (t.o_.overlap) {
+          finish();
+          // The workspace first, then the bucket becomes the flight's: a throw leaves each owned once.
+          flight_ws_bytes = t.range_exchange_bytes(range);
+          flight_ws = t.alloc_.allocate(flight_ws_bytes, default_alignment, memory_tag::workspace);
+          flight_bucket = std::exchange(bucket, nullptr);
+          flight_bucket_bytes = range.size() * sizeof(S);
+          const auto x = t.prepare_range(range, flight_ws, first);
+          flight_dst = x.dst;
+          flight_out = x.out;
+          flight_count = x.add ? x.count : 0;
+          flight = t.comm_.start_reduce_scatter_blocks_sum(static_cast<const S*>(flight_bucket), t.blocks_.data(),
+                                                           x.out, flight_ws, x.exchange_bytes);
+          return;
+        }
+      }
       t.reduce_scatter_range(bucket, range, first);
       t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
       bucket = nullptr;
+    }
+    // Completes the exchange in flight, adds its partial sum (after the first micro-batch) into
+    // the shard and gives its workspace, then its bucket, back.
+    void finish() {
+      if (flight_bucket == nullptr) return;
+      flight.wait();
+      add_into(flight_dst, flight_out, flight_count);
+      release_flight();
+    }
+    void release_flight() noexcept {
+      if (flight_ws != nullptr) {
+        t.alloc_.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
+      }
+      if (flight_bucket != nullptr) {
+        t.alloc_.deallocate(std::exchange(flight_bucket, nullptr), flight_bucket_bytes, default_alignment,
+                            memory_tag::gradients);
+      }
     }
   };
 
@@ -16697,6 +16859,7 @@ class trainer {
     std::memset(static_cast<void*>(router.held), 0, held_bytes());
     const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
                                                    plan_.head_chunk, scale, alloc_, pool_, observer);
+    router.finish();
     const shard_range e = m_.embedding_parameters();
     reduce_scatter_range(router.held, e, first);
     reduce_scatter_range(router.held + e.size(), m_.head_parameters(), first);
@@ -16708,30 +16871,48 @@ class trainer {
   std::size_t range_exchange_bytes(shard_range r) const {
     return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
   }
+  // Where one range's reduce-scatter writes: the shard (first micro-batch), or a partial sum in
+  // the workspace after the exchange's own part, added to the shard once complete.
+  struct range_exchange {
+    S* dst = nullptr;                // this rank's shard elements of the range
+    S* out = nullptr;                // where the exchange writes their sum
+    std::size_t count = 0;           // how many
+    std::size_t exchange_bytes = 0;  // the reduce-scatter's part of the workspace
+    bool add = false;                // out is a partial sum to add into dst
+  };
+  // Fills blocks_ with every rank's part of r (relative to r.begin) and says where the sum goes.
+  range_exchange prepare_range(shard_range r, void* ws, bool first) {
+    const std::size_t N = world();
+    std::size_t most = 0;
+    for (std::size_t k = 0; k < N; ++k) {
+      const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+      blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+      most = std::max(most, o.size());
+    }
+    const shard_range mine = overlap(opt_shard_, r.begin, r.end);
+    range_exchange x;
+    x.dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
+    x.count = mine.size();
+    if constexpr (summable<S>) x.exchange_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
+    x.add = !first;
+    x.out = first ? x.dst : reinterpret_cast<S*>(static_cast<std::byte*>(ws) + x.exchange_bytes);
+    return x;
+  }
+  // dst += part, elementwise; 16-bit storage adds in fp32 and rounds once, as its accumulation does.
+  static void add_into(S* dst, const S* part, std::size_t count) noexcept {
+    using A = std::conditional_t<std::is_same_v<S, double>, double, float>;
+    for (std::size_t i = 0; i < count; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + to_accum<A>(part[i]));
+  }
   // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
   // part of them summed over ranks in rank order into (first) or onto its shard g_.
   void reduce_scatter_range(const S* in, shard_range r, bool first) {
-    if constexpr (reducible<S>) {
-      const std::size_t N = world();
-      std::size_t most = 0;
-      for (std::size_t k = 0; k < N; ++k) {
-        const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
-        blocks_[k] = {o.begin - r.begin, o.end - r.begin};
-        most = std::max(most, o.size());
-      }
-      const shard_range mine = overlap(opt_shard_, r.begin, r.end);
-      S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
-      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);  // ws's first part
+    if constexpr (summable<S>) {
       const std::size_t ws_bytes = range_exchange_bytes(r);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
       try {
-        if (first) {
-          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), dst, ws, rs);
-        } else {
-          S* part = reinterpret_cast<S*>(static_cast<std::byte*>(ws) + rs);
-          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), part, ws, rs);
-          for (std::size_t i = 0; i < mine.size(); ++i) dst[i] += part[i];
-        }
+        const range_exchange x = prepare_range(r, ws, first);
+        comm_.reduce_scatter_blocks_sum(in, blocks_.data(), x.out, ws, x.exchange_bytes);
+        if (x.add) add_into(x.dst, x.out, x.count);
       } catch (...) {
         alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
         throw;
@@ -16769,7 +16950,7 @@ class trainer {
   }
 
   void exchange_all() {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       const std::size_t bucket = exchange_bucket(exchange_headroom());
       const std::size_t ws_bytes = comm_.template all_reduce_workspace_bytes<S>(bucket);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
@@ -16788,7 +16969,7 @@ class trainer {
   // The gradient exchange's workspace for `bucket` elements: an all-reduce's (ZeRO-0), or a
   // reduce-scatter of `bucket` elements of every rank's shard (ZeRO-1).
   std::size_t exchange_workspace_bytes(std::size_t bucket) const {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       return sharded() ? comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket)
                        : comm_.template all_reduce_workspace_bytes<S>(bucket);
     } else {
@@ -16851,17 +17032,27 @@ class trainer {
                              std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
+    if (o_.overlap && o_.zero != 2) {
+      throw invalid_argument("options.overlap", "false unless options.zero = 2",
+                             "true with zero = " + std::to_string(o_.zero),
+                             "Use zero = 2 (its per-block reduce-scatters are what overlaps the backward; ZeRO-0 "
+                             "and ZeRO-1 exchange after the micro-batch), or set overlap = false");
+    }
+    if (o_.overlap && !overlapping_communicator<Communicator>) {
+      throw invalid_argument("options.overlap", "a communicator that starts a reduce-scatter and completes it later",
+                             std::string(comm_.name()) + ", which has no start_reduce_scatter_blocks_sum",
+                             "Use mpi_communicator, or set overlap = false");
+    }
     if (o_.replan_under_pressure) {
       throw invalid_argument("options.replan_under_pressure", "false with more than one rank",
                              "true with " + std::to_string(N) + " ranks",
                              "Set it to false: one rank cannot change its plan alone, and ranks do not "
                              "yet agree on a stricter plan together");
     }
-    if constexpr (!reducible<S>) {
-      throw invalid_argument("communicator", "a single rank for 16-bit storage",
+    if constexpr (!summable<S>) {
+      throw invalid_argument("communicator", "a single rank for storage the gradient exchange cannot sum",
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
-                             "Train over several ranks in fp32 storage (the gradient exchange sums fp32 or "
-                             "fp64 for now), or on one rank");
+                             "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
       loss_ws_.resize(comm_.template all_reduce_workspace_bytes<double>(1));
     }

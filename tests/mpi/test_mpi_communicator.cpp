@@ -5,7 +5,8 @@
 // process accumulating N micro-batches computes: equality here is the property data-parallel
 // training relies on to match one process bit for bit.
 //
-// Also: reduce_scatter_blocks_sum against the sequential sum; a communicator with a timeout
+// Also: reduce_scatter_blocks_sum against the sequential sum; started, over bf16 (the fp32
+// rank-order sum of the widened values, rounded once); a communicator with a timeout
 // (collective_timeout on the ranks left waiting for a late one).
 //
 // Plain main (no doctest): N processes printing one report each would interleave; rank 0 prints.
@@ -207,6 +208,38 @@ int main(int argc, char** argv) {
       if ((i < blocks[me].begin || i >= blocks[me].end) && std::memcmp(&g[i], &before[i], sizeof(float)) != 0) rest = false;
     }
     check(rest, "reduce_scatter_blocks_sum: nothing outside this rank's block changes", me);
+  }
+
+  // Started (ZeRO-2's overlap) and 16-bit: bf16 moves as 16 bits and each element is the fp32
+  // rank-order sum of the widened values, rounded once; test() until done, then wait() sums.
+  {
+    const std::size_t n = 1000;
+    std::vector<mb::shard_range> blocks(N);
+    for (std::size_t r = 0; r < N; ++r) blocks[r] = {r * 50, r * 50 + 40};
+    const auto bf16_of = [&](std::size_t r) {
+      const std::vector<float> f = data_of<float>(r, n, 43);
+      std::vector<mb::bf16> h(n);
+      for (std::size_t i = 0; i < n; ++i) h[i] = mb::from_accum<mb::bf16>(f[i]);
+      return h;
+    };
+    const std::vector<mb::bf16> g = bf16_of(me);
+    std::vector<mb::bf16> want(40), out(40);
+    for (std::size_t i = 0; i < 40; ++i) {
+      float acc = 0;
+      for (std::size_t r = 0; r < N; ++r) {
+        const float v = mb::to_accum<float>(bf16_of(r)[blocks[me].begin + i]);
+        acc = r == 0 ? v : acc + v;
+      }
+      want[i] = mb::from_accum<mb::bf16>(acc);
+    }
+    std::vector<std::byte> ws(comm.reduce_scatter_blocks_workspace_bytes<mb::bf16>(40));
+    check(ws.size() == N * 40 * 2 + 4 * N * sizeof(int), "bf16: a workspace of N blocks of 16-bit values", me);
+    auto p = comm.start_reduce_scatter_blocks_sum(g.data(), blocks.data(), out.data(), ws.data(), ws.size());
+    while (!p.test()) {
+    }
+    p.wait();
+    check(std::memcmp(out.data(), want.data(), 40 * sizeof(mb::bf16)) == 0,
+          "bf16 started reduce_scatter_blocks_sum: the fp32 rank-order sum rounded once, bit for bit", me);
   }
 
   // Timeouts: a communicator with a 200 ms timeout sums as the untimed one; then rank 0 joins a

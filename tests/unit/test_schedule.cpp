@@ -1,5 +1,6 @@
 // Block-level checkpoint schedules:
-//   - simulate(): hand-computed peaks and costs, and every precondition refused by name;
+//   - simulate(): hand-computed peaks and costs, and every precondition refused by name; work in
+//     flight (backward_carry) counted from one backward op to the end of the next;
 //   - binomial: for every (steps <= 30, slots <= 6) the schedule's advances equal Griewank's closed
 //     form and an independent recursion, within its slots;
 //   - every<K>, full, none: accepted, costs as stated;
@@ -187,6 +188,43 @@ TEST_CASE("simulate: hand-computed peaks and costs for none and full") {
   mb::simulate(c, mb::schedule_full(3), &tl);
   CHECK(tl.size() == mb::schedule_full(3).size());
   CHECK(std::max_element(tl.begin(), tl.end(), [](auto& a, auto& b) { return a.peak < b.peak; })->peak == 1355);
+}
+
+TEST_CASE("simulate: work in flight (backward_carry) lives from one backward to the end of the next") {
+  const mb::chain plain = three_blocks();
+  mb::chain c = plain;
+  // Each backward leaves 50 bytes in flight and, once the one before it is released, peaks at 60
+  // above the rest (its δ 10 plus the 50 it starts): ZeRO-2's overlapped bucket and workspace.
+  for (auto& l : c.links) {
+    l.backward_carry = 50;
+    l.backward_tail_peak = 60;
+  }
+  for (const auto& ops : {mb::schedule_none(3), mb::schedule_full(3), mb::schedule_every(3, 2)}) {
+    std::vector<mb::phase_bytes> with, without;
+    mb::simulate(c, ops, &with);
+    mb::simulate(plain, ops, &without);
+    REQUIRE(with.size() == without.size());
+    bool seen_backward = false;
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      // Nothing is in flight before the first backward, 50 bytes from it on; the rest is as without.
+      CHECK(with[k].in_flight == (seen_backward ? 50u : 0u));
+      CHECK(with[k].live_before == without[k].live_before + with[k].in_flight);
+      if (ops[k].kind == K::backward) {
+        // The larger of its own peak with the 50 still in flight, and its tail with them released.
+        CHECK(with[k].peak == std::max(with[k].live_before + 15, with[k].live_before - with[k].in_flight + 60));
+        seen_backward = true;
+      } else {
+        CHECK(with[k].peak == without[k].peak + with[k].in_flight);
+      }
+    }
+  }
+  // The first backward of none: 1640 live (x0..x2, saved 600, δ3; x3 discarded), nothing in
+  // flight: its tail, 1640 + 60, is the peak (the loss peaked at 1657).
+  CHECK(mb::simulate(c, mb::schedule_none(3)).peak_bytes == 1700);
+  // The budget DP plans as if 50 were live throughout: what it returns fits.
+  const auto full = mb::simulate(c, mb::schedule_full(3));
+  const auto got = mb::optimal_schedule(c, full.peak_bytes + 60);
+  CHECK(got.stats.peak_bytes <= full.peak_bytes + 60);
 }
 
 TEST_CASE("simulate: every broken precondition is refused, naming the op") {

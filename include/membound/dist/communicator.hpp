@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "membound/core/config.hpp"
+#include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/shard.hpp"
 
@@ -49,9 +50,13 @@ struct communication_stats {
   std::uint64_t collectives = 0;
 };
 
-// The element types whose sums a communicator computes.
+// The element types whose sums a communicator computes in their own type.
 template <typename T>
 concept reducible = std::same_as<T, float> || std::same_as<T, double>;
+// Those, and 16-bit storage (bf16, fp16) as the CPU communicators sum it: 16 bits on the wire,
+// every rank's value widened to fp32, added in rank order and rounded once (ordered_sum).
+template <typename T>
+concept summable = reducible<T> || std::same_as<T, bf16> || std::same_as<T, fp16>;
 
 // What the trainer needs of a communicator. Blocking collectives; all ranks call them in the
 // same order with the same n. Buffers are the caller's; none may overlap another argument.
@@ -72,14 +77,38 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, st
   c.barrier();
 };
 
+// A communicator that can also start reduce_scatter_blocks_sum and complete it later (ZeRO-2's
+// overlapped gradient exchange): the handle's test() lets the exchange move on, wait() completes
+// it and writes the sum. Buffers stay untouched until wait() returns.
+template <typename P>
+concept exchange_handle = requires(P& p) {
+  { p.test() } -> std::convertible_to<bool>;
+  p.wait();
+};
+template <typename C>
+concept overlapping_communicator =
+    communicator<C> && requires(C& c, const float* cf, float* f, void* ws, std::size_t n) {
+      { c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n) } -> exchange_handle;
+    };
+
 namespace detail {
 // out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
-template <reducible T>
+// 16-bit parts are summed in fp32 and rounded once, so the sum of N ranks' gradients rounds as
+// one value does (the same per-element order, rank 0 first).
+template <summable T>
 void ordered_sum(const T* parts, std::size_t ranks, std::size_t stride, std::size_t count, T* out) {
-  std::memcpy(out, parts, count * sizeof(T));
-  for (std::size_t r = 1; r < ranks; ++r) {
-    const T* p = parts + r * stride;
-    for (std::size_t i = 0; i < count; ++i) out[i] += p[i];
+  if constexpr (reducible<T>) {
+    std::memcpy(out, parts, count * sizeof(T));
+    for (std::size_t r = 1; r < ranks; ++r) {
+      const T* p = parts + r * stride;
+      for (std::size_t i = 0; i < count; ++i) out[i] += p[i];
+    }
+  } else {
+    for (std::size_t i = 0; i < count; ++i) {
+      float acc = to_accum<float>(parts[i]);
+      for (std::size_t r = 1; r < ranks; ++r) acc += to_accum<float>(parts[r * stride + i]);
+      out[i] = from_accum<T>(acc);
+    }
   }
 }
 inline void check_root(std::size_t root, std::size_t ranks) {
@@ -102,23 +131,23 @@ class local_communicator {
   std::size_t size() const noexcept { return 1; }
   const char* name() const noexcept { return "local"; }
 
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t) const noexcept {
     return 0;
   }
-  template <reducible T>
+  template <summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t) const noexcept {
     return 0;
   }
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t) const noexcept {
     return 0;
   }
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void*, std::size_t) {
     if (n != 0 && in != out) std::memcpy(out, in, n * sizeof(T));
   }
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void*, std::size_t) {
     const shard_range b = blocks[0];
     if (b.size() != 0 && in + b.begin != out) std::memcpy(out, in + b.begin, b.size() * sizeof(T));
@@ -128,7 +157,7 @@ class local_communicator {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
     if (n != 0 && shard != out) std::memcpy(out, shard, n * sizeof(T));
   }
-  template <reducible T>
+  template <summable T>
   void all_reduce_sum(T*, std::size_t, void*, std::size_t) {}
   template <typename T>
   void broadcast(T*, std::size_t, std::size_t root) {

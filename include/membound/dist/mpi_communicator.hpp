@@ -153,18 +153,18 @@ class mpi_communicator {
 
   // ---- Sizes ------------------------------------------------------------------------------------
   // The N received shards of a reduce-scatter, then the counts of a non-blocking one (4·N ints).
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
     return size_ * max_shard(n, size_) * sizeof(T) + 4 * size_ * sizeof(int);
   }
   // The N received blocks (of at most max_block elements each) of reduce_scatter_blocks_sum,
   // then its 4·N int counts.
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
     return size_ * max_block * sizeof(T) + 4 * size_ * sizeof(int);
   }
   // A reduce-scatter's workspace, then this rank's summed shard.
-  template <reducible T>
+  template <summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
     return reduce_scatter_workspace_bytes<T>(n) + max_shard(n, size_) * sizeof(T);
   }
@@ -173,18 +173,24 @@ class mpi_communicator {
   // out (shard_of(n, size(), rank()).size() elements) = Σ over ranks, in rank order, of in's
   // elements in this rank's shard.
   class pending_reduce_scatter;
-  template <reducible T>
+  template <summable T>
   pending_reduce_scatter start_reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws,
                                                   std::size_t ws_bytes);
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes);
   // out (blocks[rank()].size() elements) = Σ over ranks, in rank order, of in[blocks[rank()]]:
   // each rank names the block every rank receives (blocks: size() ranges of `in`, the same on
   // every rank). ZeRO-1 uses it with each rank's parameter shard cut into buckets, so a rank's
   // summed gradient lands where its optimizer shard is. out may be in + blocks[rank()].begin (the
   // sum is written after every block has been received).
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes);
+  // The same, started: it runs while the caller computes (MPI moves it on inside MPI calls, so
+  // call test() now and then) and wait() completes it, writing out. blocks is read here only;
+  // in, out and ws stay the caller's and untouched until wait() returns.
+  template <summable T>
+  pending_reduce_scatter start_reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
+                                                         std::size_t ws_bytes);
 
   // ---- All-gather, all-reduce, broadcast ---------------------------------------------------------
   // out (n elements) gets every rank's shard (shard_of(n, size(), r).size() elements) at its place.
@@ -214,7 +220,7 @@ class mpi_communicator {
     complete(req, "MPI_Iallgatherv");
   }
   // data (n elements) = Σ over ranks in rank order, on every rank.
-  template <reducible T>
+  template <summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
     const std::size_t need = all_reduce_workspace_bytes<T>(n);
     detail::check_workspace(ws, ws_bytes, need);
@@ -250,6 +256,11 @@ class mpi_communicator {
   communication_stats stats() const noexcept { return stats_; }
 
  private:
+  // The all-to-all of a reduce-scatter whose 4·N counts (send counts and displacements, then
+  // receive ones) are at c, in the caller's workspace; its handle sums `count` elements into out.
+  template <summable T>
+  pending_reduce_scatter start_alltoall(const T* in, const int* c, T* parts, T* out, std::size_t stride,
+                                        std::size_t count);
   void count_sent(std::uint64_t bytes) noexcept {
     stats_.bytes_sent += bytes;
     ++stats_.collectives;
@@ -327,6 +338,14 @@ class mpi_communicator::pending_reduce_scatter {
   ~pending_reduce_scatter() { finish_quietly(); }
 
   bool pending() const noexcept { return req_ != MPI_REQUEST_NULL || sum_ != nullptr; }
+  // Lets MPI move the exchange on (many MPI libraries progress a non-blocking collective only
+  // inside MPI calls); true once every shard has arrived. The sum is still wait()'s.
+  bool test() {
+    if (req_ == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    detail::mpi_check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    return done != 0;
+  }
   // With a timeout: collective_timeout when the exchange does not complete in time.
   void wait() {
     if (req_ != MPI_REQUEST_NULL) {
@@ -342,7 +361,7 @@ class mpi_communicator::pending_reduce_scatter {
  private:
   friend class mpi_communicator;
   using sum_fn = void (*)(const void*, std::size_t, std::size_t, std::size_t, void*);
-  template <reducible T>
+  template <summable T>
   static void sum(const void* parts, std::size_t ranks, std::size_t stride, std::size_t count, void* out) {
     detail::ordered_sum(static_cast<const T*>(parts), ranks, stride, count, static_cast<T*>(out));
   }
@@ -368,7 +387,7 @@ class mpi_communicator::pending_reduce_scatter {
   std::size_t ranks_ = 0, stride_ = 0, count_ = 0;
 };
 
-template <reducible T>
+template <summable T>
 mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_sum(const T* in, std::size_t n, T* out,
                                                                                     void* ws, std::size_t ws_bytes) {
   const std::size_t need = reduce_scatter_workspace_bytes<T>(n);
@@ -395,28 +414,39 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
   std::uint64_t sent = 0;
   for (std::size_t r = 0; r < size_; ++r) sent += r == rank_ ? 0 : static_cast<std::uint64_t>(send_counts[r]);
   count_sent(sent);
+  return start_alltoall(in, c, parts, out, stride, mine.size());
+}
+
+template <summable T>
+mpi_communicator::pending_reduce_scatter mpi_communicator::start_alltoall(const T* in, const int* c, T* parts, T* out,
+                                                                          std::size_t stride, std::size_t count) {
   pending_reduce_scatter p;
-  detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
-                                   comm_, &p.req_),
+  detail::mpi_check(MPI_Ialltoallv(in, c, c + size_, MPI_BYTE, parts, c + 2 * size_, c + 3 * size_, MPI_BYTE, comm_, &p.req_),
                     "MPI_Ialltoallv");
-  p.sum_ = mine.size() != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
+  p.sum_ = count != 0 ? &pending_reduce_scatter::sum<T> : nullptr;
   p.owner_ = this;
   p.parts_ = parts;
   p.out_ = out;
   p.ranks_ = size_;
   p.stride_ = stride;
-  p.count_ = mine.size();
+  p.count_ = count;
   return p;
 }
 
-template <reducible T>
+template <summable T>
 void mpi_communicator::reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
   start_reduce_scatter_sum(in, n, out, ws, ws_bytes).wait();
 }
 
-template <reducible T>
+template <summable T>
 void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws,
                                                  std::size_t ws_bytes) {
+  start_reduce_scatter_blocks_sum(in, blocks, out, ws, ws_bytes).wait();
+}
+
+template <summable T>
+mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_blocks_sum(
+    const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes) {
   std::size_t stride = 0;
   for (std::size_t r = 0; r < size_; ++r) stride = std::max(stride, blocks[r].size());
   detail::check_workspace(ws, ws_bytes, reduce_scatter_blocks_workspace_bytes<T>(stride));
@@ -434,14 +464,10 @@ void mpi_communicator::reduce_scatter_blocks_sum(const T* in, const shard_range*
   }
   check_usable();
   count_sent(sent);
-  MPI_Request req = MPI_REQUEST_NULL;
-  detail::mpi_check(MPI_Ialltoallv(in, send_counts, send_displs, MPI_BYTE, parts, recv_counts, recv_displs, MPI_BYTE,
-                                   comm_, &req),
-                    "MPI_Ialltoallv");
-  complete(req, "MPI_Ialltoallv");
-  if (mine != 0) detail::ordered_sum(static_cast<const T*>(parts), size_, stride, mine, out);
+  return start_alltoall(in, c, parts, out, stride, mine);
 }
 
 static_assert(communicator<mpi_communicator>);
+static_assert(overlapping_communicator<mpi_communicator>);
 
 MEMBOUND_NAMESPACE_END

@@ -45,6 +45,14 @@ struct chain_link {               // block i
   std::size_t retape_peak = 0;    // same for retape(i) (>= s_i)
   std::size_t backward_peak = 0;  // same for backward(i) (>= a_i, the new δ_i)
   double forward_cost = 1.0;      // f_i, e.g. FLOPs
+  // Work backward(i) leaves in flight (ZeRO-2's overlapped gradient exchange: the block's bucket
+  // and its exchange's workspace): live from the end of backward(i) through the ops after it until
+  // the next backward releases it, after its own peak and before its tail; the last backward's
+  // stays live past the chain's end. 0: nothing in flight.
+  std::size_t backward_carry = 0;
+  // backward(i)'s peak after the in-flight bytes before it are released (above the bytes live
+  // before it less those): where it starts its own exchange. 0 when nothing is carried.
+  std::size_t backward_tail_peak = 0;
 };
 
 struct chain {
@@ -103,6 +111,7 @@ struct phase_bytes {
   std::size_t op = 0;
   std::size_t live_before = 0;
   std::size_t peak = 0;
+  std::size_t in_flight = 0;  // of live_before, the backward_carry still in flight
 };
 
 // Validates every precondition and the end state (invalid_argument names the op) and returns the
@@ -116,6 +125,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
   bool loss_done = false;
   std::size_t live = sat_add(c.base_bytes, c.a(0));
+  std::size_t carry = 0;  // the last backward's backward_carry, part of live
   schedule_stats st;
   st.peak_bytes = live;
   st.max_live_inputs = 1;
@@ -127,7 +137,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const chain_op& op = ops[k];
     const std::size_t i = op.block;
-    const std::size_t before = live;
+    const std::size_t before = live, before_carry = carry;
     std::size_t peak = live;
     if (op.kind != chain_op_kind::loss && i > (op.kind == chain_op_kind::discard ? L : L - 1)) {
       bad(k, "a block index below " + std::to_string(L) + " (discard: up to L)");
@@ -170,8 +180,13 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
         if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
         peak = sat_add(live, c.links[i].backward_peak);
+        if (c.links[i].backward_tail_peak != 0) {
+          peak = std::max(peak, sat_add(sat_sub(live, carry), c.links[i].backward_tail_peak));
+        }
         // Exact unless a size saturated, and then the peak is SIZE_MAX already.
-        live = sat_sub(sat_sub(sat_add(live, c.a(i)), c.a(i + 1)), c.links[i].saved_bytes);
+        live = sat_sub(sat_sub(sat_add(sat_add(sat_sub(live, carry), c.links[i].backward_carry), c.a(i)), c.a(i + 1)),
+                       c.links[i].saved_bytes);
+        carry = c.links[i].backward_carry;
         saved[i] = 0;
         next_backward = i;
         break;
@@ -184,7 +199,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
     }
     st.peak_bytes = std::max(st.peak_bytes, peak);
     st.max_live_inputs = std::max<std::size_t>(st.max_live_inputs, static_cast<std::size_t>(std::count(x.begin(), x.end(), 1)));
-    if (timeline != nullptr) timeline->push_back({k, before, peak});
+    if (timeline != nullptr) timeline->push_back({k, before, peak, before_carry});
   }
   const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 1) == 0 &&
                      std::count(saved.begin(), saved.end(), 1) == 0;
@@ -403,7 +418,7 @@ class chain_dp {
     // A retape can also be a tape whose output is dropped at once: whichever peaks lower.
     for (const chain_link& l : c.links)
       u_.push_back({up(l.saved_bytes), up(l.advance_peak), up(l.tape_peak),
-                    up(std::min(l.retape_peak, l.tape_peak)), up(l.backward_peak)});
+                    up(std::min(l.retape_peak, l.tape_peak)), up(std::max(l.backward_peak, l.backward_tail_peak))});
     loss_ = up(c.loss_peak);
     const std::size_t n = 2 * L_ * (L_ + 1) * (M_ + 1);
     cost_.assign(n, -2.0);  // -2: not computed, -1: infeasible
@@ -568,8 +583,12 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   // The DP's table has 2·L·(L + 1)·(cells + 1) entries: fewer cells for long chains.
   max_cells = std::min(max_cells, detail::max_table_entries / (2 * L * (L + 1)));
   if (max_cells < 8) return fallback(true);  // a chain too long for the DP: the generators decide
-  if (budget_bytes <= c.base_bytes) return fallback(true);
-  const std::size_t avail = budget_bytes - c.base_bytes;
+  // In-flight bytes (backward_carry) are outside the DP's model: it plans as if the largest were
+  // live throughout, which only overstates (simulate() below gives the exact peak).
+  std::size_t in_flight = 0;
+  for (const chain_link& l : c.links) in_flight = std::max(in_flight, l.backward_carry);
+  if (budget_bytes <= sat_add(c.base_bytes, in_flight)) return fallback(true);
+  const std::size_t avail = budget_bytes - c.base_bytes - in_flight;
   const std::size_t unit = std::max<std::size_t>(1, avail / std::max<std::size_t>(1, max_cells) + (avail % std::max<std::size_t>(1, max_cells) != 0));
   const std::size_t cells = avail / unit;
   detail::chain_dp dp(c, cells, unit);

@@ -86,9 +86,14 @@ struct schedule_choice {
 // exchange_per_element * k + exchange_fixed bytes (the communicator's
 // reduce_scatter_blocks_workspace_bytes, which is affine in k), plus k elements to add into the
 // shard when accumulation > 1. ranks <= 1: off (one flat array of every gradient).
+// overlap: each block's reduce-scatter is started (non-blocking) as its backward ends and
+// completed at the end of the next block's backward (the last one's after the micro-batch's
+// backward), so its bucket and workspace stay live through the ops in between: chain_link's
+// backward_carry.
 struct gradient_shards {
   std::size_t ranks = 0, rank = 0;
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
+  bool overlap = false;
   constexpr bool on() const noexcept { return ranks > 1; }
 };
 
@@ -156,6 +161,9 @@ struct training_plan {
   // ZeRO-2 (gradients = this rank's shard): the most gradient bytes a block's backward holds
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
   std::size_t gradient_bucket = 0, gradient_held = 0;
+  // Overlapped (gradient_shards::overlap): the most bytes in flight between two blocks' backward
+  // ops, a bucket and its exchange's workspace.
+  std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
@@ -188,7 +196,7 @@ struct training_plan {
   // A table a person reads before step 1.
   std::string table() const {
     std::string s;
-    char line[160];
+    char line[256];
     auto row = [&](const char* what, std::size_t bytes, const char* note) {
       std::snprintf(line, sizeof line, "  %-22s %14s  %s\n", what, format_bytes(bytes, false).c_str(), note);
       s += line;
@@ -201,9 +209,11 @@ struct training_plan {
     s += line;
     row("weights", weights, "");
     if (gradient_ranks > 1) {
-      char note[120];
-      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held",
-                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str());
+      char note[200];
+      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held%s",
+                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str(),
+                    gradient_in_flight != 0 ? (", + " + format_bytes(gradient_in_flight, false) + " in flight (overlapped)").c_str()
+                                            : "");
       row("gradients", gradients, note);
     } else {
       row("gradients", gradients, "");
@@ -347,13 +357,22 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   chain c = m.make_chain(b, o.threads, o.head_chunk, step_base);
   if (gs.on()) {
     // Block i's backward: its δ, then its gradient bucket, then the larger of its workspace and
-    // (that given back) the bucket's reduce-scatter workspace.
+    // (that given back) the bucket's reduce-scatter workspace. Overlapped: the exchange before it
+    // is completed and released first, and this one's bucket and workspace stay in flight.
     for (std::size_t i = 0; i < c.links.size(); ++i) {
       chain_link& l = c.links[i];
       const shard_range r = m.block_parameters(i);
       const std::size_t bucket = bytes_of<S>(r.size());
       const std::size_t ws = sat_sub(l.backward_peak, l.input_bytes);
-      l.backward_peak = sat_add(sat_add(l.input_bytes, bucket), std::max(ws, exchange_of(r)));
+      const std::size_t held = sat_add(l.input_bytes, bucket);
+      if (gs.overlap) {
+        l.backward_peak = sat_add(held, ws);
+        l.backward_tail_peak = sat_add(held, exchange_of(r));
+        l.backward_carry = sat_add(bucket, exchange_of(r));
+        p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
+      } else {
+        l.backward_peak = sat_add(held, std::max(ws, exchange_of(r)));
+      }
       p.gradient_bucket = std::max(p.gradient_bucket, bucket);
     }
   }
@@ -376,7 +395,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
     const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
-    p.activations = std::max(p.activations, sat_sub(ph.live_before, base));
+    p.activations = std::max(p.activations, sat_sub(sat_sub(ph.live_before, base), ph.in_flight));
     if (q.peak > best) {
       best = q.peak;
       p.peak_phase = q.name;
@@ -398,10 +417,12 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     }
     p.timeline.push_back(std::move(q));
   }
-  p.timeline.push_back({"embedding backward", sat_add(step_base, a), sat_add(step_base, a)});
+  // The last block's exchange, overlapped, is still in flight here; the gradient exchange completes it first.
+  const std::size_t last_in_flight = gs.overlap ? c.links[0].backward_carry : 0;
+  p.timeline.push_back({"embedding backward", sat_add(step_base, a, last_in_flight), sat_add(step_base, a, last_in_flight)});
   if (gs.on()) {
     const std::size_t peak = sat_add(step_base, held_exchange);
-    p.timeline.push_back({"gradient exchange (embedding, head)", step_base, peak});
+    p.timeline.push_back({"gradient exchange (embedding, head)", sat_add(step_base, last_in_flight), peak});
     if (peak > best) {
       best = peak;
       p.peak_phase = "gradient exchange (embedding, head)";

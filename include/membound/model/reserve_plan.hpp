@@ -20,6 +20,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "membound/core/config.hpp"
@@ -130,6 +131,9 @@ struct run_requests {
 namespace detail {
 // ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
 // bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
+// Overlapped (gs.overlap): at end_block the exchange in flight is given back (workspace, then
+// bucket), then this block's workspace is taken and both stay in flight until the next
+// end_block, or finish() after the micro-batch's backward.
 template <typename Model>
 struct zero2_request_router {
   using S = typename Model::storage_type;
@@ -139,6 +143,8 @@ struct zero2_request_router {
   std::size_t accumulation;
   void* bucket = nullptr;
   std::size_t bytes = 0;
+  void *flight_bucket = nullptr, *flight_ws = nullptr;
+  std::size_t flight_bytes = 0, flight_ws_bytes = 0;
   S* at(std::size_t) const noexcept { return nullptr; }
   void begin_block(std::size_t i) {
     bytes = bytes_of<S>(m.block_parameters(i).size());
@@ -146,9 +152,22 @@ struct zero2_request_router {
   }
   void end_block(std::size_t i) {
     const std::size_t wsb = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    if (gs.overlap) {
+      finish();
+      flight_ws = rec.allocate(wsb, default_alignment, memory_tag::workspace);
+      flight_ws_bytes = wsb;
+      flight_bucket = std::exchange(bucket, nullptr);
+      flight_bytes = bytes;
+      return;
+    }
     rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
                    memory_tag::workspace);
     rec.deallocate(bucket, bytes, default_alignment, memory_tag::gradients);
+  }
+  void finish() {
+    if (flight_bucket == nullptr) return;
+    rec.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
+    rec.deallocate(std::exchange(flight_bucket, nullptr), flight_bytes, default_alignment, memory_tag::gradients);
   }
 };
 }  // namespace detail
@@ -179,6 +198,7 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
     void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
     detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
     m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+    router.finish();
     for (const shard_range q : {e, h}) {
       const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
       rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,

@@ -53,11 +53,13 @@
 // under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
 // re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
-// reduce-scattered into the ranks' shards as it ends (see zero2_router). The
+// reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
+// that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
+// 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
-// 16-bit storage over more than one rank, and replanning under pressure over more than one rank
-// (one rank cannot change its plan alone); each is refused with a typed error.
+// replanning under pressure over more than one rank (one rank cannot change its plan alone),
+// refused with a typed error.
 #pragma once
 
 #include <algorithm>
@@ -139,6 +141,11 @@ struct trainer_options {
   // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
   // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
+  // ZeRO-2 only: each block's reduce-scatter is started as its backward ends and completed at the
+  // end of the next block's backward, which runs while it is in flight. The same sums, bit for
+  // bit; the price is one bucket and its exchange workspace more between two backward ops (the
+  // plan counts them: plan_options::gradients.overlap). Needs an overlapping_communicator.
+  bool overlap = false;
 };
 
 // A change of plan, and why.
@@ -206,9 +213,9 @@ struct rank_memory {
 //   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
-gradient_shards gradient_shards_of(const Communicator& comm) {
-  if constexpr (!reducible<S>) {
-    return {};  // the trainer refuses 16-bit storage over more than one rank
+gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = false) {
+  if constexpr (!summable<S>) {
+    return {};  // the trainer refuses storage its communicator cannot sum over more than one rank
   } else {
     if (comm.size() <= 1) return {};
     const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
@@ -220,7 +227,7 @@ gradient_shards gradient_shards_of(const Communicator& comm) {
                                  std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
                              "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
     }
-    return {comm.size(), comm.rank(), w1 - w0, w0};
+    return {comm.size(), comm.rank(), w1 - w0, w0, overlap};
   }
 }
 
@@ -333,6 +340,22 @@ class rank_failed : public error {
 };
 
 namespace detail {
+// The handle of a started reduce-scatter (ZeRO-2's overlap); a stand-in for communicators that
+// cannot start one (the trainer refuses overlap with them).
+template <typename C>
+struct pending_exchange_of {
+  struct type {
+    bool test() noexcept { return true; }
+    void wait() noexcept {}
+  };
+};
+template <overlapping_communicator C>
+struct pending_exchange_of<C> {
+  using type = decltype(std::declval<C&>().start_reduce_scatter_blocks_sum(
+      std::declval<const float*>(), std::declval<const shard_range*>(), std::declval<float*>(), std::declval<void*>(),
+      std::size_t{}));
+};
+
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
 struct abandon_step {
   std::string reason;
@@ -846,12 +869,18 @@ class trainer {
   // Everything checked: commit. The optimizer first: load_state checks its values before it
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
+    commit_state(r.view("optimizer"), path, st, [&] { r.copy("weights", weights, weight_bytes); });
+  }
+  // The same from this rank's optimizer state and a way to put the weights in place (a file's,
+  // or the re-sharded ones).
+  template <typename CopyWeights>
+  void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      Optimizer::load_state(r.view("optimizer"), opt_, opt_shard_.size());
+      Optimizer::load_state(state, opt_, opt_shard_.size());
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
-    r.copy("weights", weights, weight_bytes);
+    copy_weights();
     std::memset(static_cast<void*>(g_), 0, grad_bytes());
     steps_ = st.steps;
     updates_ = st.updates;
@@ -1116,19 +1145,8 @@ class trainer {
       }
       agree(failed, "read the checkpoint it re-shards");
       try {
-        try {
-          Optimizer::load_state(std::span<const std::byte>(state), opt_, opt_shard_.size());
-        } catch (const invalid_argument& e) {
-          throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
-        }
-        std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes());
-        std::memset(static_cast<void*>(g_), 0, grad_bytes());
-        steps_ = st.steps;
-        updates_ = st.updates;
-        rng_ = st.rng;
-        position_ = st.position;
-        scaler_ = st.scaler;
-        if (st.plan) adopt(std::move(*st.plan));
+        commit_state(std::span<const std::byte>(state), path, st,
+                     [&] { std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes()); });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -1147,7 +1165,9 @@ class trainer {
   // The summed gradient of this rank's optimizer shard.
   S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
   // What plan_options::gradients says for this trainer.
-  gradient_shards gradient_sharding() const { return zero2() ? gradient_shards_of<S>(comm_) : gradient_shards{}; }
+  gradient_shards gradient_sharding() const {
+    return zero2() ? gradient_shards_of<S>(comm_, o_.overlap) : gradient_shards{};
+  }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
@@ -1318,6 +1338,10 @@ class trainer {
     };
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
+    if (q.gradient_sharding.overlap != p.gradient_sharding.overlap) {
+      differs("plan.gradient_sharding.overlap", q.gradient_sharding.overlap ? "true" : "false",
+              p.gradient_sharding.overlap ? "true" : "false");
+    }
     if (q.optimizer != p.optimizer) {
       differs("plan.optimizer", format_bytes(q.optimizer) + " (" + Optimizer::description() + ")",
               format_bytes(p.optimizer) + (p.optimizer == 0 ? " (made with optimizer = false?)" : ""));
@@ -1455,7 +1479,7 @@ class trainer {
   // peak and the trainer's own bytes: every activation is gone by now, so the exchange never
   // raises the peak the plan predicted.
   double exchange(double loss) {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       if (zero2()) {
         // Reduce-scattered during the backward already.
       } else if (sharded()) {
@@ -1479,16 +1503,32 @@ class trainer {
   // micro-batch). The first micro-batch of a step writes the sums into the shard, the others add
   // theirs: so with one micro-batch per rank the shard holds ZeRO-0's sum, bit for bit, and with
   // more it is a sum of the micro-batches' rank-order sums (another order than ZeRO-0's).
+  // Overlapped (options.overlap): a block's reduce-scatter is started at the end of its backward
+  // and completed at the end of the next block's (the last block's after the micro-batch's
+  // backward), its bucket and workspace kept until then; the next block's begin_block polls it,
+  // since MPI moves a non-blocking collective on only inside MPI calls. One exchange is in flight
+  // at a time and each is summed as the blocking path sums it, so the results are its bits.
+  using pending_exchange = typename detail::pending_exchange_of<Communicator>::type;
   struct zero2_router {
     trainer& t;
     bool first;
     S* held = nullptr;    // the embedding's and head's gradients
     S* bucket = nullptr;  // the current block's
     shard_range range{};
+    // The exchange in flight (overlapped): its handle, bucket, workspace and destination.
+    pending_exchange flight{};
+    S* flight_bucket = nullptr;
+    void* flight_ws = nullptr;
+    std::size_t flight_bucket_bytes = 0, flight_ws_bytes = 0;
+    S* flight_dst = nullptr;
+    S* flight_out = nullptr;
+    std::size_t flight_count = 0;
     zero2_router(trainer& tr, bool f) : t(tr), first(f) {}
     zero2_router(const zero2_router&) = delete;
     zero2_router& operator=(const zero2_router&) = delete;
     ~zero2_router() {
+      flight = pending_exchange{};  // waits for an exchange still in flight before its buffers go
+      release_flight();
       if (bucket != nullptr) t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
       if (held != nullptr) t.alloc_.deallocate(held, t.held_bytes(), default_alignment, memory_tag::gradients);
     }
@@ -1503,11 +1543,46 @@ class trainer {
       bucket = static_cast<S*>(t.alloc_.allocate(r.size() * sizeof(S), default_alignment, memory_tag::gradients));
       range = r;
       std::memset(static_cast<void*>(bucket), 0, r.size() * sizeof(S));
+      if (flight_bucket != nullptr) (void)flight.test();
     }
     void end_block(std::size_t) {
+      if constexpr (overlapping_communicator<Communicator> && summable<S>) {
+        if (t.o_.overlap) {
+          finish();
+          // The workspace first, then the bucket becomes the flight's: a throw leaves each owned once.
+          flight_ws_bytes = t.range_exchange_bytes(range);
+          flight_ws = t.alloc_.allocate(flight_ws_bytes, default_alignment, memory_tag::workspace);
+          flight_bucket = std::exchange(bucket, nullptr);
+          flight_bucket_bytes = range.size() * sizeof(S);
+          const auto x = t.prepare_range(range, flight_ws, first);
+          flight_dst = x.dst;
+          flight_out = x.out;
+          flight_count = x.add ? x.count : 0;
+          flight = t.comm_.start_reduce_scatter_blocks_sum(static_cast<const S*>(flight_bucket), t.blocks_.data(),
+                                                           x.out, flight_ws, x.exchange_bytes);
+          return;
+        }
+      }
       t.reduce_scatter_range(bucket, range, first);
       t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
       bucket = nullptr;
+    }
+    // Completes the exchange in flight, adds its partial sum (after the first micro-batch) into
+    // the shard and gives its workspace, then its bucket, back.
+    void finish() {
+      if (flight_bucket == nullptr) return;
+      flight.wait();
+      add_into(flight_dst, flight_out, flight_count);
+      release_flight();
+    }
+    void release_flight() noexcept {
+      if (flight_ws != nullptr) {
+        t.alloc_.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
+      }
+      if (flight_bucket != nullptr) {
+        t.alloc_.deallocate(std::exchange(flight_bucket, nullptr), flight_bucket_bytes, default_alignment,
+                            memory_tag::gradients);
+      }
     }
   };
 
@@ -1522,6 +1597,7 @@ class trainer {
     std::memset(static_cast<void*>(router.held), 0, held_bytes());
     const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
                                                    plan_.head_chunk, scale, alloc_, pool_, observer);
+    router.finish();
     const shard_range e = m_.embedding_parameters();
     reduce_scatter_range(router.held, e, first);
     reduce_scatter_range(router.held + e.size(), m_.head_parameters(), first);
@@ -1533,30 +1609,48 @@ class trainer {
   std::size_t range_exchange_bytes(shard_range r) const {
     return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
   }
+  // Where one range's reduce-scatter writes: the shard (first micro-batch), or a partial sum in
+  // the workspace after the exchange's own part, added to the shard once complete.
+  struct range_exchange {
+    S* dst = nullptr;                // this rank's shard elements of the range
+    S* out = nullptr;                // where the exchange writes their sum
+    std::size_t count = 0;           // how many
+    std::size_t exchange_bytes = 0;  // the reduce-scatter's part of the workspace
+    bool add = false;                // out is a partial sum to add into dst
+  };
+  // Fills blocks_ with every rank's part of r (relative to r.begin) and says where the sum goes.
+  range_exchange prepare_range(shard_range r, void* ws, bool first) {
+    const std::size_t N = world();
+    std::size_t most = 0;
+    for (std::size_t k = 0; k < N; ++k) {
+      const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+      blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+      most = std::max(most, o.size());
+    }
+    const shard_range mine = overlap(opt_shard_, r.begin, r.end);
+    range_exchange x;
+    x.dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
+    x.count = mine.size();
+    if constexpr (summable<S>) x.exchange_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
+    x.add = !first;
+    x.out = first ? x.dst : reinterpret_cast<S*>(static_cast<std::byte*>(ws) + x.exchange_bytes);
+    return x;
+  }
+  // dst += part, elementwise; 16-bit storage adds in fp32 and rounds once, as its accumulation does.
+  static void add_into(S* dst, const S* part, std::size_t count) noexcept {
+    using A = std::conditional_t<std::is_same_v<S, double>, double, float>;
+    for (std::size_t i = 0; i < count; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + to_accum<A>(part[i]));
+  }
   // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
   // part of them summed over ranks in rank order into (first) or onto its shard g_.
   void reduce_scatter_range(const S* in, shard_range r, bool first) {
-    if constexpr (reducible<S>) {
-      const std::size_t N = world();
-      std::size_t most = 0;
-      for (std::size_t k = 0; k < N; ++k) {
-        const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
-        blocks_[k] = {o.begin - r.begin, o.end - r.begin};
-        most = std::max(most, o.size());
-      }
-      const shard_range mine = overlap(opt_shard_, r.begin, r.end);
-      S* dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
-      const std::size_t rs = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);  // ws's first part
+    if constexpr (summable<S>) {
       const std::size_t ws_bytes = range_exchange_bytes(r);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
       try {
-        if (first) {
-          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), dst, ws, rs);
-        } else {
-          S* part = reinterpret_cast<S*>(static_cast<std::byte*>(ws) + rs);
-          comm_.reduce_scatter_blocks_sum(in, blocks_.data(), part, ws, rs);
-          for (std::size_t i = 0; i < mine.size(); ++i) dst[i] += part[i];
-        }
+        const range_exchange x = prepare_range(r, ws, first);
+        comm_.reduce_scatter_blocks_sum(in, blocks_.data(), x.out, ws, x.exchange_bytes);
+        if (x.add) add_into(x.dst, x.out, x.count);
       } catch (...) {
         alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
         throw;
@@ -1594,7 +1688,7 @@ class trainer {
   }
 
   void exchange_all() {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       const std::size_t bucket = exchange_bucket(exchange_headroom());
       const std::size_t ws_bytes = comm_.template all_reduce_workspace_bytes<S>(bucket);
       void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
@@ -1613,7 +1707,7 @@ class trainer {
   // The gradient exchange's workspace for `bucket` elements: an all-reduce's (ZeRO-0), or a
   // reduce-scatter of `bucket` elements of every rank's shard (ZeRO-1).
   std::size_t exchange_workspace_bytes(std::size_t bucket) const {
-    if constexpr (reducible<S>) {
+    if constexpr (summable<S>) {
       return sharded() ? comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket)
                        : comm_.template all_reduce_workspace_bytes<S>(bucket);
     } else {
@@ -1676,17 +1770,27 @@ class trainer {
                              std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
+    if (o_.overlap && o_.zero != 2) {
+      throw invalid_argument("options.overlap", "false unless options.zero = 2",
+                             "true with zero = " + std::to_string(o_.zero),
+                             "Use zero = 2 (its per-block reduce-scatters are what overlaps the backward; ZeRO-0 "
+                             "and ZeRO-1 exchange after the micro-batch), or set overlap = false");
+    }
+    if (o_.overlap && !overlapping_communicator<Communicator>) {
+      throw invalid_argument("options.overlap", "a communicator that starts a reduce-scatter and completes it later",
+                             std::string(comm_.name()) + ", which has no start_reduce_scatter_blocks_sum",
+                             "Use mpi_communicator, or set overlap = false");
+    }
     if (o_.replan_under_pressure) {
       throw invalid_argument("options.replan_under_pressure", "false with more than one rank",
                              "true with " + std::to_string(N) + " ranks",
                              "Set it to false: one rank cannot change its plan alone, and ranks do not "
                              "yet agree on a stricter plan together");
     }
-    if constexpr (!reducible<S>) {
-      throw invalid_argument("communicator", "a single rank for 16-bit storage",
+    if constexpr (!summable<S>) {
+      throw invalid_argument("communicator", "a single rank for storage the gradient exchange cannot sum",
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
-                             "Train over several ranks in fp32 storage (the gradient exchange sums fp32 or "
-                             "fp64 for now), or on one rank");
+                             "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
       loss_ws_.resize(comm_.template all_reduce_workspace_bytes<double>(1));
     }
