@@ -62,6 +62,7 @@
 //     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
 //     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
 //   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -714,6 +715,38 @@ int main(int argc, char** argv) {
       mb::trainer_options o = options(sg.zero, sg.overlap);
       o.replan_under_pressure = true;
       constexpr std::size_t pressed_steps = 6;
+      // Without pressure, switching to p1 before step at + 1 (at 0: planned with it from the start).
+      const auto unpressured = [&](const mb::training_plan& p1, std::size_t at, std::vector<double>& losses) {
+        alloc_t ra(std::size_t{1} << 30);
+        mb::thread_pool pool(1);
+        mb::trainer ref(m, effective, p0, ra, pool, options(sg.zero, sg.overlap), mb::null_monitor{}, comm);
+        text_source rs(membound_test::small_config().vocab);
+        for (std::size_t k = 0; k < pressed_steps; ++k) {
+          if (k == at) ref.set_plan(p1);
+          losses.push_back(ref.step(rs).loss);
+        }
+        const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(ref.weights()));
+        return std::vector<unsigned char>(w, w + ref.model().weight_bytes());
+      };
+      // The replan every rank saw, checked: the last rank's, retried, the same choices everywhere.
+      const auto agreed = [&](const std::vector<mb::replan_event>& events, const mb::training_plan& p1, std::size_t at,
+                              const std::string& why, const std::string& what) {
+        check(events.size() == 1 && events.front().step == at + 1 && events.front().retried &&
+                  events.front().stricter_found && events.front().reason.find(why) == 0 &&
+                  (N == 1 ||  // one process names no rank
+                   events.front().reason.find("on rank " + std::to_string(last) + " of " + std::to_string(N)) !=
+                       std::string::npos),
+              what + ": one retry of step " + std::to_string(at + 1) + " on every rank for the last rank's " + why +
+                  " (" + std::to_string(events.size()) + " replans)");
+        if (me == 0 && !events.empty()) std::printf("%s: %s\n", what.c_str(), events.front().describe().c_str());
+        std::uint64_t choices[5] = {p1.micro.batch, p1.accumulation, static_cast<std::uint64_t>(p1.schedule.k),
+                                    p1.schedule.param, p1.head_chunk};
+        std::uint64_t zeros[5];
+        std::memcpy(zeros, choices, sizeof choices);
+        comm.broadcast(zeros, 5, 0);
+        check(std::memcmp(zeros, choices, sizeof choices) == 0, what + ": rank 0's plan choices on every rank");
+        check(p1.peak_bytes < p0.peak_bytes, what + ": a stricter plan");
+      };
       for (const std::size_t at : {std::size_t{0}, std::size_t{2}}) {
         const std::string what = name + ", others' bytes on rank " + std::to_string(last) + " before step " +
                                  std::to_string(at + 1);
@@ -731,21 +764,7 @@ int main(int argc, char** argv) {
           if (k == at) a.reset_peaks();  // from here, the new plan's steps only
         }
         const mb::training_plan p1 = t.plan();
-        check(!events.empty() && events.front().step == at + 1 && events.front().retried &&
-                  events.front().stricter_found &&
-                  (N == 1 ||  // one process names no rank
-                   events.front().reason.find("on rank " + std::to_string(last) + " of " + std::to_string(N)) !=
-                       std::string::npos),
-              what + ": the step retried on every rank for the last rank's pressure");
-        check(events.size() == 1, what + ": one replan (" + std::to_string(events.size()) + ")");
-        if (me == 0 && !events.empty()) std::printf("%s: %s\n", what.c_str(), events.front().describe().c_str());
-        std::uint64_t choices[5] = {p1.micro.batch, p1.accumulation, static_cast<std::uint64_t>(p1.schedule.k),
-                                    p1.schedule.param, p1.head_chunk};
-        std::uint64_t zeros[5];
-        std::memcpy(zeros, choices, sizeof choices);
-        comm.broadcast(zeros, 5, 0);
-        check(std::memcmp(zeros, choices, sizeof choices) == 0, what + ": rank 0's plan choices on every rank");
-        check(p1.peak_bytes < p0.peak_bytes, what + ": a stricter plan");
+        agreed(events, p1, at, "pressure emergency", what);
         check(a.stats().peak_requested == p1.peak_bytes,
               what + ": measured peak " + std::to_string(a.stats().peak_requested) + " == the new plan's " +
                   std::to_string(p1.peak_bytes));
@@ -754,17 +773,49 @@ int main(int argc, char** argv) {
         std::memcpy(w.data(), t.weights(), w.size());
         check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
 
-        // Without pressure, switching to that plan at the same step (at 0: planned with it).
-        alloc_t ra(std::size_t{1} << 30);
-        mb::trainer ref(m, effective, p0, ra, pool, options(sg.zero, sg.overlap), mb::null_monitor{}, comm);
-        text_source rs(membound_test::small_config().vocab);
         std::vector<double> expected;
-        for (std::size_t k = 0; k < pressed_steps; ++k) {
-          if (k == at) ref.set_plan(p1);
-          expected.push_back(ref.step(rs).loss);
+        check(unpressured(p1, at, expected) == w, what + ": the weights of a run switched to the plan at that step, bit for bit");
+        check(same_bits(losses, expected), what + ": its losses, bit for bit");
+      }
+
+      // An out-of-memory on the last rank alone (no monitor sees it first), at the plan's peak:
+      // under ZeRO-0/1 no exchange lies inside the micro-batch, so it is voted at the next
+      // agreement point and every rank retries under the agreed plan. (ZeRO-2's peak is in a
+      // backward, after the first reduce-scatter: an out-of-memory there is not retried over ranks.)
+      if (sg.zero <= 1) {
+        const std::string what = name + ", out of memory on rank " + std::to_string(last) + " in step 1";
+        if (me == last) {
+          const std::size_t peak_at = static_cast<std::size_t>(std::find_if(p0.timeline.begin(), p0.timeline.end(),
+                                                                             [&](const mb::plan_phase& ph) {
+                                                                               return ph.peak == p0.peak_bytes;
+                                                                             }) - p0.timeline.begin());
+          std::printf("%s: the plan peaks at phase %zu of %zu, '%s'\n", what.c_str(), peak_at, p0.timeline.size(),
+                      peak_at < p0.timeline.size() ? p0.timeline[peak_at].name.c_str() : "?");
         }
-        check(same_bits(losses, expected), what + ": the losses of a run switched to the plan at that step, bit for bit");
-        check(std::memcmp(w.data(), ref.weights(), w.size()) == 0, what + ": its weights, bit for bit");
+        alloc_t c(limit);
+        mb::thread_pool pool(1);
+        mb::trainer<model_t, alloc_t, mb::null_monitor, mb::mpi_communicator> v(m, effective, p0, c, pool, o,
+                                                                               mb::null_monitor{}, comm);
+        // The plan's peak is one byte over what is left.
+        if (me == last) c.set_external(limit - p0.peak_bytes + 1);
+        text_source src(membound_test::small_config().vocab);
+        std::vector<double> losses;
+        std::vector<mb::replan_event> events;
+        for (std::size_t k = 0; k < pressed_steps; ++k) {
+          const mb::step_result r = v.step(src);
+          losses.push_back(r.loss);
+          events.insert(events.end(), r.replans.begin(), r.replans.end());
+          if (k == 0) c.reset_peaks();
+        }
+        const mb::training_plan p1 = v.plan();
+        agreed(events, p1, 0, "out of memory", what);
+        check(c.stats().peak_requested == p1.peak_bytes, what + ": measured peak == the new plan's");
+        std::vector<unsigned char> w(v.model().weight_bytes());
+        std::memcpy(w.data(), v.weights(), w.size());
+        check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
+        std::vector<double> expected;
+        check(unpressured(p1, 0, expected) == w, what + ": the weights of a run planned with it, bit for bit");
+        check(same_bits(losses, expected), what + ": its losses, bit for bit");
       }
 
       // No plan fits what the last rank has left: every rank throws the same error, nothing lost.
