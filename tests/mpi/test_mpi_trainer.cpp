@@ -59,6 +59,9 @@
 //     after it each rank's measured peak equals the new plan's prediction, every rank holds rank
 //     0's weights, and the losses and weights equal, bit for bit, a run without pressure that
 //     switches to that plan at the same step (from step 1: planned with it from the start).
+//     With no monitor: external bytes that leave no room for the plan's peak on the last rank
+//     (every stage), and bytes allocated there so that the plan's peak runs out of memory
+//     (ZeRO-0/1: no exchange inside the micro-batch), retry step 1 on every rank the same way.
 //     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
 //     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
 //   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
@@ -778,26 +781,26 @@ int main(int argc, char** argv) {
         check(same_bits(losses, expected), what + ": its losses, bit for bit");
       }
 
-      // An out-of-memory on the last rank alone (no monitor sees it first), at the plan's peak:
-      // under ZeRO-0/1 no exchange lies inside the micro-batch, so it is voted at the next
-      // agreement point and every rank retries under the agreed plan. (ZeRO-2's peak is in a
-      // backward, after the first reduce-scatter: an out-of-memory there is not retried over ranks.)
-      if (sg.zero <= 1) {
-        const std::string what = name + ", out of memory on rank " + std::to_string(last) + " in step 1";
-        if (me == last) {
-          const std::size_t peak_at = static_cast<std::size_t>(std::find_if(p0.timeline.begin(), p0.timeline.end(),
-                                                                             [&](const mb::plan_phase& ph) {
-                                                                               return ph.peak == p0.peak_bytes;
-                                                                             }) - p0.timeline.begin());
-          std::printf("%s: the plan peaks at phase %zu of %zu, '%s'\n", what.c_str(), peak_at, p0.timeline.size(),
-                      peak_at < p0.timeline.size() ? p0.timeline[peak_at].name.c_str() : "?");
-        }
+      // Others take memory on the last rank alone and no monitor sees it first: (1) outside the
+      // allocator (the budget's external bytes), so the plan's peak no longer fits: voted at the
+      // first agreement point, under every stage; (2) through the allocator, where only the
+      // allocation at the plan's peak fails: under ZeRO-0/1 no exchange lies inside the
+      // micro-batch, so the out-of-memory is voted at the next agreement point. (ZeRO-2's peak is
+      // in a backward, after its first reduce-scatter: an out-of-memory there is not retried over
+      // ranks.) Either way every rank retries step 1 under the agreed plan.
+      for (const bool outside : {true, false}) {
+        if (!outside && sg.zero == 2) continue;
+        const std::string what = name + ", " + (outside ? "external" : "allocated") + " bytes on rank " +
+                                 std::to_string(last) + " before step 1, no monitor";
         alloc_t c(limit);
         mb::thread_pool pool(1);
         mb::trainer<model_t, alloc_t, mb::null_monitor, mb::mpi_communicator> v(m, effective, p0, c, pool, o,
                                                                                mb::null_monitor{}, comm);
         // The plan's peak is one byte over what is left.
-        if (me == last) c.set_external(limit - p0.peak_bytes + 1);
+        const std::size_t taken = limit - p0.peak_bytes + 1;
+        void* others = nullptr;
+        if (me == last && outside) c.set_external(taken);
+        if (me == last && !outside) others = c.allocate(taken, mb::default_alignment, mb::memory_tag::other);
         text_source src(membound_test::small_config().vocab);
         std::vector<double> losses;
         std::vector<mb::replan_event> events;
@@ -808,14 +811,17 @@ int main(int argc, char** argv) {
           if (k == 0) c.reset_peaks();
         }
         const mb::training_plan p1 = v.plan();
-        agreed(events, p1, 0, "out of memory", what);
-        check(c.stats().peak_requested == p1.peak_bytes, what + ": measured peak == the new plan's");
+        agreed(events, p1, 0, outside && N > 1 ? "no room for the plan's peak" : "out of memory", what);
+        const std::size_t peak = c.stats().peak_requested - (others != nullptr ? taken : 0);
+        check(peak == p1.peak_bytes, what + ": measured peak " + std::to_string(peak) + " == the new plan's " +
+                                         std::to_string(p1.peak_bytes));
         std::vector<unsigned char> w(v.model().weight_bytes());
         std::memcpy(w.data(), v.weights(), w.size());
         check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
         std::vector<double> expected;
         check(unpressured(p1, 0, expected) == w, what + ": the weights of a run planned with it, bit for bit");
         check(same_bits(losses, expected), what + ": its losses, bit for bit");
+        if (others != nullptr) c.deallocate(others, taken, mb::default_alignment, mb::memory_tag::other);
       }
 
       // No plan fits what the last rank has left: every rank throws the same error, nothing lost.

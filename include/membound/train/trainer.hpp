@@ -63,7 +63,8 @@
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
 // micro-batch (before_forward, after_forward, before_backward; after_backward too under ZeRO-0/1,
 // which exchange only after the last micro-batch) every rank gathers every rank's vote (pressure
-// emergency, or an out-of-memory met since the last such point). One vote makes every rank abandon
+// emergency; a plan whose peak no longer fits beside the budget's external bytes; an
+// out-of-memory met since the last such point). One vote makes every rank abandon
 // the step (see agree_on_retry), then all gather their targets (the emergency threshold and the
 // budget, each less the rank's others' bytes), take the least of each, and adopt rank 0's fit()
 // for it once every rank has checked it under its own target: the same choices everywhere, so the
@@ -1483,8 +1484,10 @@ class trainer {
       if (P == check_point::after_backward && zero2()) return;
       const bool mine = may_abandon && monitor_.stricter_plan_requested();
       if (mine) monitor_.clear_stricter_plan_request();
-      const std::size_t who =
-          agree_on_retry(mine ? vote_pressure : vote_none, static_cast<std::uint64_t>(P), usage_now(), limit_now());
+      // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
+      // later, maybe past an exchange (ZeRO-2's backward), where no rank can abandon: say so now.
+      const std::uint64_t why = mine ? vote_pressure : room_for_plan() ? vote_none : vote_no_room;
+      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(P), usage_now(), limit_now());
       if (who < world()) throw retry_of(who);
       return;
     }
@@ -1940,7 +1943,18 @@ class trainer {
 
   // A rank's vote: (why, detail, usage, limit); why 0 keeps going, detail is the check point or
   // the bytes an out-of-memory asked for.
-  static constexpr std::uint64_t vote_none = 0, vote_pressure = 1, vote_out_of_memory = 2;
+  static constexpr std::uint64_t vote_none = 0, vote_pressure = 1, vote_out_of_memory = 2, vote_no_room = 3;
+
+  // Whether the plan's reserved peak still fits beside the budget's external bytes (held outside
+  // the allocator, so they are others' even mid-step).
+  bool room_for_plan() const {
+    if constexpr (requires { alloc_.external(); }) {
+      const std::size_t limit = limit_now();
+      return limit == 0 || detail::saturating_add(plan_.budgeted_peak(), alloc_.external()) <= limit;
+    } else {
+      return true;
+    }
+  }
   static constexpr std::size_t vote_fields = 4;
 
   // Every rank's vote, gathered (each rank calls it at the same agreement point, or, after an
@@ -1962,9 +1976,12 @@ class trainer {
   // What every rank abandons the step for after agree_on_retry named rank r.
   detail::abandon_step retry_of(std::size_t r) const {
     const std::uint64_t* v = votes_.data() + vote_fields * r;
-    const bool oom = v[0] == vote_out_of_memory;
-    std::string why = oom ? "out of memory (a request of " + format_bytes(static_cast<std::size_t>(v[1]), false) + ")"
-                          : "pressure emergency at " + std::string(to_string(static_cast<check_point>(v[1])));
+    const bool oom = v[0] == vote_out_of_memory || v[0] == vote_no_room;
+    std::string why =
+        v[0] == vote_out_of_memory ? "out of memory (a request of " + format_bytes(static_cast<std::size_t>(v[1]), false) + ")"
+        : v[0] == vote_no_room     ? "no room for the plan's peak beside others' bytes at " +
+                                     std::string(to_string(static_cast<check_point>(v[1])))
+                                   : "pressure emergency at " + std::string(to_string(static_cast<check_point>(v[1])));
     return {why + " on rank " + std::to_string(r) + " of " + std::to_string(world()), static_cast<std::size_t>(v[2]),
             static_cast<std::size_t>(v[3]), oom};
   }
