@@ -1921,9 +1921,11 @@ class trainer {
   // under the emergency threshold (second: true), else under the budget (second: false).
   std::optional<std::pair<training_plan, bool>> stricter_plan() const {
     const plan_targets t = targets_now();
-    for (const auto& [target, below_emergency] : {std::pair{t.emergency, true}, std::pair{t.budget, false}}) {
-      if (target == 0) continue;
-      if (auto p = plan_within(target)) return std::pair{std::move(*p), below_emergency};
+    if (t.emergency != 0) {
+      if (auto p = plan_within(t.emergency)) return std::pair{std::move(*p), true};
+    }
+    if (t.budget != 0) {
+      if (auto p = plan_within(t.budget)) return std::pair{std::move(*p), false};
     }
     return std::nullopt;
   }
