@@ -544,8 +544,8 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
   to.clip = o.clip;
   to.seed = o.seed;
-  // One rank cannot change its plan alone: over ranks the monitor reports, and an out-of-memory ends the run.
-  to.replan_under_pressure = N == 1;
+  // Over ranks the ranks agree on the retry and the stricter plan (see trainer.hpp).
+  to.replan_under_pressure = true;
   to.zero = o.zero;
   to.overlap = o.overlap != 0 && N > 1;
   using monitor = mb::pressure_monitor<mb::all_check_points>;

@@ -52,8 +52,20 @@
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
-//   - Refusals: an effective batch the ranks cannot share, and replanning under pressure with
-//     more than one rank, each a typed error naming the argument.
+//   - Replanning under pressure over ranks (ZeRO-0, 1, 2 and overlapped ZeRO-2): the last rank
+//     alone sees others take memory (its budget's external bytes) before step 1 or step 3; its
+//     pressure monitor's emergency is voted at the next agreement point and every rank retries
+//     the step under the same stricter plan (same choices on every rank, rank 0's broadcast);
+//     after it each rank's measured peak equals the new plan's prediction, every rank holds rank
+//     0's weights, and the losses and weights equal, bit for bit, a run without pressure that
+//     switches to that plan at the same step (from step 1: planned with it from the start).
+//     With no monitor: external bytes that leave no room for the plan's peak on the last rank
+//     (every stage), and bytes allocated there so that the plan's peak runs out of memory
+//     (ZeRO-0/1: no exchange inside the micro-batch), retry step 1 on every rank the same way.
+//     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
+//     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
+//   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -64,6 +76,7 @@
 
 #include <unistd.h>
 
+#include "membound/monitor/pressure_monitor.hpp"
 #include "membound/mpi.hpp"
 
 #include "../support/small_models.hpp"
@@ -178,6 +191,13 @@ run one_process(const Model& m) {
   mb::thread_pool pool(1);
   mb::trainer t(m, effective, plan_for(m, effective.batch), a, pool, options());
   return finish(t, a);
+}
+
+// Bytes live when the loss starts under a plan (after_forward): where the monitor sees the most.
+std::size_t live_at_loss(const mb::training_plan& p) {
+  for (const mb::plan_phase& ph : p.timeline)
+    if (ph.name.rfind("loss", 0) == 0) return ph.live_before;
+  return p.peak_bytes;
 }
 
 bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
@@ -675,6 +695,163 @@ int main(int argc, char** argv) {
     check(b.stats().requested == 0, "nothing left allocated after the refusal");
   }
 
+  // Replanning under pressure over ranks: only the last rank sees others take memory.
+  {
+    using monitor_t = mb::pressure_monitor<mb::all_check_points>;
+    using pressured_t = mb::trainer<model_t, alloc_t, monitor_t, mb::mpi_communicator>;
+    const std::size_t last = N - 1;
+    struct stage {
+      std::size_t zero;
+      bool overlap;
+    };
+    for (const stage sg : {stage{0, false}, stage{1, false}, stage{2, false}, stage{2, true}}) {
+      if (N == 1 && sg.zero != 0) continue;  // one rank has no stages
+      const std::string name = "pressure, ZeRO-" + std::to_string(sg.zero) + (sg.overlap ? " overlapped" : "");
+      const std::size_t sh = sg.zero >= 1 && N > 1 ? shard.size() : 0;
+      const mb::gradient_shards gs = sg.zero == 2 ? mb::gradient_shards_of<float>(comm, sg.overlap) : mb::gradient_shards{};
+      const mb::training_plan p0 = plan_for(m, effective.batch / N, sh, gs);
+      // As test_trainer's single-process case: a budget twice the plan's peak, thresholds low
+      // enough that the emergency is seen at a check point before any allocation can fail.
+      const mb::pressure_thresholds th{0.5, 0.6, 0.7};
+      const std::size_t limit = 2 * p0.peak_bytes;
+      const std::size_t foreign = static_cast<std::size_t>(0.72 * static_cast<double>(limit)) - live_at_loss(p0);
+      mb::trainer_options o = options(sg.zero, sg.overlap);
+      o.replan_under_pressure = true;
+      constexpr std::size_t pressed_steps = 6;
+      // Without pressure, switching to p1 before step at + 1 (at 0: planned with it from the start).
+      const auto unpressured = [&](const mb::training_plan& p1, std::size_t at, std::vector<double>& losses) {
+        alloc_t ra(std::size_t{1} << 30);
+        mb::thread_pool pool(1);
+        mb::trainer ref(m, effective, p0, ra, pool, options(sg.zero, sg.overlap), mb::null_monitor{}, comm);
+        text_source rs(membound_test::small_config().vocab);
+        for (std::size_t k = 0; k < pressed_steps; ++k) {
+          if (k == at) ref.set_plan(p1);
+          losses.push_back(ref.step(rs).loss);
+        }
+        const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(ref.weights()));
+        return std::vector<unsigned char>(w, w + ref.model().weight_bytes());
+      };
+      // The replan every rank saw, checked: the last rank's, retried, the same choices everywhere.
+      const auto agreed = [&](const std::vector<mb::replan_event>& events, const mb::training_plan& p1, std::size_t at,
+                              const std::string& why, const std::string& what) {
+        check(events.size() == 1 && events.front().step == at + 1 && events.front().retried &&
+                  events.front().stricter_found && events.front().reason.find(why) == 0 &&
+                  (N == 1 ||  // one process names no rank
+                   events.front().reason.find("on rank " + std::to_string(last) + " of " + std::to_string(N)) !=
+                       std::string::npos),
+              what + ": one retry of step " + std::to_string(at + 1) + " on every rank for the last rank's " + why +
+                  " (" + std::to_string(events.size()) + " replans)");
+        if (me == 0 && !events.empty()) std::printf("%s: %s\n", what.c_str(), events.front().describe().c_str());
+        std::uint64_t choices[5] = {p1.micro.batch, p1.accumulation, static_cast<std::uint64_t>(p1.schedule.k),
+                                    p1.schedule.param, p1.head_chunk};
+        std::uint64_t zeros[5];
+        std::memcpy(zeros, choices, sizeof choices);
+        comm.broadcast(zeros, 5, 0);
+        check(std::memcmp(zeros, choices, sizeof choices) == 0, what + ": rank 0's plan choices on every rank");
+        check(p1.peak_bytes < p0.peak_bytes, what + ": a stricter plan");
+      };
+      for (const std::size_t at : {std::size_t{0}, std::size_t{2}}) {
+        const std::string what = name + ", others' bytes on rank " + std::to_string(last) + " before step " +
+                                 std::to_string(at + 1);
+        alloc_t a(limit);
+        mb::thread_pool pool(1);
+        pressured_t t(m, effective, p0, a, pool, o, monitor_t(th), comm);
+        text_source src(membound_test::small_config().vocab);
+        std::vector<double> losses;
+        std::vector<mb::replan_event> events;
+        for (std::size_t k = 0; k < pressed_steps; ++k) {
+          if (k == at && me == last) a.set_external(foreign);
+          const mb::step_result r = t.step(src);
+          losses.push_back(r.loss);
+          events.insert(events.end(), r.replans.begin(), r.replans.end());
+          if (k == at) a.reset_peaks();  // from here, the new plan's steps only
+        }
+        const mb::training_plan p1 = t.plan();
+        agreed(events, p1, at, "pressure emergency", what);
+        check(a.stats().peak_requested == p1.peak_bytes,
+              what + ": measured peak " + std::to_string(a.stats().peak_requested) + " == the new plan's " +
+                  std::to_string(p1.peak_bytes));
+        check(a.stats().requested == t.own_bytes(), what + ": nothing of the abandoned attempt left");
+        std::vector<unsigned char> w(t.model().weight_bytes());
+        std::memcpy(w.data(), t.weights(), w.size());
+        check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
+
+        std::vector<double> expected;
+        check(unpressured(p1, at, expected) == w, what + ": the weights of a run switched to the plan at that step, bit for bit");
+        check(same_bits(losses, expected), what + ": its losses, bit for bit");
+      }
+
+      // Others take memory on the last rank alone and no monitor sees it first: (1) outside the
+      // allocator (the budget's external bytes), so the plan's peak no longer fits: voted at the
+      // first agreement point, under every stage; (2) through the allocator, where only the
+      // allocation at the plan's peak fails: under ZeRO-0/1 no exchange lies inside the
+      // micro-batch, so the out-of-memory is voted at the next agreement point. (ZeRO-2's peak is
+      // in a backward, after its first reduce-scatter: an out-of-memory there is not retried over
+      // ranks.) Either way every rank retries step 1 under the agreed plan.
+      for (const bool outside : {true, false}) {
+        if (!outside && sg.zero == 2) continue;
+        const std::string what = name + ", " + (outside ? "external" : "allocated") + " bytes on rank " +
+                                 std::to_string(last) + " before step 1, no monitor";
+        alloc_t c(limit);
+        mb::thread_pool pool(1);
+        mb::trainer<model_t, alloc_t, mb::null_monitor, mb::mpi_communicator> v(m, effective, p0, c, pool, o,
+                                                                               mb::null_monitor{}, comm);
+        // The plan's peak is one byte over what is left.
+        const std::size_t taken = limit - p0.peak_bytes + 1;
+        void* others = nullptr;
+        if (me == last && outside) c.set_external(taken);
+        if (me == last && !outside) others = c.allocate(taken, mb::default_alignment, mb::memory_tag::other);
+        text_source src(membound_test::small_config().vocab);
+        std::vector<double> losses;
+        std::vector<mb::replan_event> events;
+        for (std::size_t k = 0; k < pressed_steps; ++k) {
+          const mb::step_result r = v.step(src);
+          losses.push_back(r.loss);
+          events.insert(events.end(), r.replans.begin(), r.replans.end());
+          if (k == 0) c.reset_peaks();
+        }
+        const mb::training_plan p1 = v.plan();
+        agreed(events, p1, 0, outside && N > 1 ? "no room for the plan's peak" : "out of memory", what);
+        const std::size_t peak = c.stats().peak_requested - (others != nullptr ? taken : 0);
+        check(peak == p1.peak_bytes, what + ": measured peak " + std::to_string(peak) + " == the new plan's " +
+                                         std::to_string(p1.peak_bytes));
+        std::vector<unsigned char> w(v.model().weight_bytes());
+        std::memcpy(w.data(), v.weights(), w.size());
+        check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
+        std::vector<double> expected;
+        check(unpressured(p1, 0, expected) == w, what + ": the weights of a run planned with it, bit for bit");
+        check(same_bits(losses, expected), what + ": its losses, bit for bit");
+        if (others != nullptr) c.deallocate(others, taken, mb::default_alignment, mb::memory_tag::other);
+      }
+
+      // No plan fits what the last rank has left: every rank throws the same error, nothing lost.
+      alloc_t b(limit);
+      mb::thread_pool pool(1);
+      pressured_t u(m, effective, p0, b, pool, o, monitor_t(th), comm);
+      text_source src(membound_test::small_config().vocab);
+      (void)u.step(src);
+      std::vector<unsigned char> w(u.model().weight_bytes()), opt(u.optimizer_bytes());
+      std::memcpy(w.data(), u.weights(), w.size());
+      std::memcpy(opt.data(), u.optimizer_state(), opt.size());
+      std::uint64_t left = u.own_bytes() + 4096;  // the last rank's, on every rank
+      if (me == last) b.set_external(limit - left);
+      comm.broadcast(&left, 1, last);
+      bool threw = false;
+      try {
+        (void)u.step(src);
+      } catch (const mb::budget_too_small& e) {
+        const auto* r = dynamic_cast<const mb::rank_budget_too_small*>(&e);
+        threw = N == 1 || (r != nullptr && r->rank() == last && e.budget() == left && e.minimum() > left);
+        if (me == 0) std::printf("%s, no plan fits: %s\n", name.c_str(), e.what());
+      }
+      check(threw, name + ": no plan fits the last rank: rank_budget_too_small naming it, on every rank");
+      check(std::memcmp(w.data(), u.weights(), w.size()) == 0 &&
+                std::memcmp(opt.data(), u.optimizer_state(), opt.size()) == 0 && u.steps_done() == 1 &&
+                b.stats().requested == u.own_bytes(),
+            name + ": after the error, the weights, optimizer state, step and bytes held as before the step");
+    }
+  }
+
   // Refusals, the same on every rank (nothing is communicated before them).
   if (N > 1) {
     alloc_t a(std::size_t{1} << 30);
@@ -686,15 +863,6 @@ int main(int argc, char** argv) {
       threw = std::string(e.argument()) == "effective.batch";
     }
     check(threw, "an effective batch of N + 1: invalid_argument naming effective.batch");
-    threw = false;
-    mb::trainer_options o = options();
-    o.replan_under_pressure = true;
-    try {
-      mb::trainer t(m, effective, plan_for(m, effective.batch / N), a, pool, o, mb::null_monitor{}, comm);
-    } catch (const mb::invalid_argument& e) {
-      threw = std::string(e.argument()) == "options.replan_under_pressure";
-    }
-    check(threw, "replanning under pressure over ranks: invalid_argument naming it");
   }
 
   double worst_all = 0;

@@ -57,9 +57,21 @@
 // that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
-// fails to allocate, makes every rank throw before step 1 (rank_cannot_start). Not yet:
-// replanning under pressure over more than one rank (one rank cannot change its plan alone),
-// refused with a typed error.
+// fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
+//
+// Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
+// so the ranks agree. At every point of a step that still comes before a gradient exchange of the
+// micro-batch (before_forward, after_forward, before_backward; after_backward too under ZeRO-0/1,
+// which exchange only after the last micro-batch) every rank gathers every rank's vote (pressure
+// emergency; a plan whose peak no longer fits beside the budget's external bytes; an
+// out-of-memory met since the last such point). One vote makes every rank abandon
+// the step (see agree_on_retry), then all gather their targets (the emergency threshold and the
+// budget, each less the rank's others' bytes), take the least of each, and adopt rank 0's fit()
+// for it once every rank has checked it under its own target: the same choices everywhere, so the
+// exchanges (ZeRO-2's reduce-scatters, ZeRO-0/1's buckets, sized from the plan's headroom) match.
+// No plan, with a rank whose current one no longer fits its budget: every rank throws the same
+// rank_budget_too_small naming that rank. An out-of-memory after that micro-batch's exchanges have
+// started (ZeRO-2's backward, the exchange after the micro-batches) cannot be retried over ranks.
 #pragma once
 
 #include <algorithm>
@@ -325,6 +337,20 @@ class checkpoint_world_mismatch : public checkpoint_mismatch {
                                 saved_ranks + " ...)") {}
 };
 
+// No plan fits what one rank of a data-parallel run has left under pressure: every rank throws
+// it, with that rank's numbers (its budget less the bytes others hold there, and the least peak).
+class rank_budget_too_small : public budget_too_small {
+ public:
+  rank_budget_too_small(std::size_t rank, std::size_t ranks, std::size_t available, std::size_t minimum,
+                        const std::string& context)
+      : budget_too_small(available, minimum, "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + ": " + context),
+        rank_(rank) {}
+  std::size_t rank() const noexcept { return rank_; }
+
+ private:
+  std::size_t rank_;
+};
+
 // Another rank failed at a collective step (saving, loading); this one throws this, that rank
 // its own error.
 class rank_failed : public error {
@@ -360,6 +386,7 @@ struct pending_exchange_of<C> {
 struct abandon_step {
   std::string reason;
   std::size_t usage = 0, limit = 0;
+  bool out_of_memory = false;  // over ranks: some rank ran out (no plan then is an error)
 };
 
 // "1e-05 (0x3ee4f8b588e368f1)": the shortest text that reads back the same, and the bits.
@@ -525,7 +552,7 @@ class trainer {
         break;
       } catch (const detail::abandon_step& a) {
         rewind(rng0, position0);
-        if (replan(r, a.reason, a.usage, a.limit, true) != replan_outcome::below_emergency) {
+        if (replan(r, a.reason, a.usage, a.limit, true, a.out_of_memory) != replan_outcome::below_emergency) {
           tolerate();  // run it through: emergencies are all that is left
           may_abandon = false;
         }
@@ -535,6 +562,17 @@ class trainer {
         const oom_report& rep = e.report();
         const std::size_t lim = rep.budget != 0 ? rep.budget : limit_now();
         const std::size_t use = rep.budget != 0 ? rep.budget - rep.free_under_budget : usage_now();
+        if (agreeing()) {
+          // The other ranks go on to their next agreement point; this rank's vote meets them there
+          // (no collective lies between, see oom_may_vote_). Past an exchange it cannot.
+          if (!oom_may_vote_) throw;
+          const detail::abandon_step a = retry_of(agree_on_retry(vote_out_of_memory, rep.requested, use, lim));
+          if (replan(r, a.reason, a.usage, a.limit, true, true) == replan_outcome::below_budget) {
+            tolerate();
+            may_abandon = false;
+          }
+          continue;
+        }
         const replan_outcome got =
             replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true);
         if (got == replan_outcome::below_budget) {
@@ -576,7 +614,19 @@ class trainer {
     ++steps_;
     r.loss_scale = scaling_ ? scaler_.scale : 1.0;
     observe<check_point::after_optimizer_step>(r.pressure);
-    if (monitor_.stricter_plan_requested()) {
+    if (agreeing()) {
+      // Every rank reaches this point once a step: a request here changes the plan of every rank
+      // from the next step on.
+      const bool mine = monitor_.stricter_plan_requested() && !tolerating();
+      monitor_.clear_stricter_plan_request();
+      const std::size_t who = agree_on_retry(mine ? vote_pressure : vote_none,
+                                             static_cast<std::uint64_t>(check_point::after_optimizer_step), usage_now(),
+                                             limit_now());
+      if (who < world()) {
+        const detail::abandon_step a = retry_of(who);
+        if (replan(r, a.reason, a.usage, a.limit, false) != replan_outcome::below_emergency) tolerate();
+      }
+    } else if (monitor_.stricter_plan_requested()) {
       monitor_.clear_stricter_plan_request();
       if (o_.replan_under_pressure && !tolerating()) {
         if (replan(r, "pressure emergency at after_optimizer_step", usage_now(), limit_now(), false) !=
@@ -1428,6 +1478,19 @@ class trainer {
   template <check_point P>
   void watch(pressure_level& highest, bool may_abandon) {
     observe<P>(highest);
+    if (agreeing()) {
+      // ZeRO-2's after_backward comes after the micro-batch's reduce-scatters: no rank abandons
+      // there, the request waits for the next point (the next micro-batch, or the step's end).
+      if (P == check_point::after_backward && zero2()) return;
+      const bool mine = may_abandon && monitor_.stricter_plan_requested();
+      if (mine) monitor_.clear_stricter_plan_request();
+      // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
+      // later, maybe past an exchange (ZeRO-2's backward), where no rank can abandon: say so now.
+      const std::uint64_t why = mine ? vote_pressure : room_for_plan() ? vote_none : vote_no_room;
+      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(P), usage_now(), limit_now());
+      if (who < world()) throw retry_of(who);
+      return;
+    }
     if (may_abandon && monitor_.stricter_plan_requested()) {
       monitor_.clear_stricter_plan_request();
       throw detail::abandon_step{"pressure emergency at " + std::string(to_string(P)), usage_now(), limit_now()};
@@ -1443,12 +1506,16 @@ class trainer {
     // The ranks before this one take the step's first sequences: draw them as they would.
     skip_requests(comm_.rank() * rank_batch().batch);
     for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
+      oom_may_vote_ = true;  // no exchange until this micro-batch's backward
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
       auto observer = [&](check_point p) {
         switch (p) {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
-          case check_point::before_backward: watch<check_point::before_backward>(highest, may_abandon); break;
+          case check_point::before_backward:
+            watch<check_point::before_backward>(highest, may_abandon);
+            if (zero2()) oom_may_vote_ = false;  // each block's reduce-scatter follows its backward
+            break;
           case check_point::after_backward: watch<check_point::after_backward>(highest, may_abandon); break;
           default: break;
         }
@@ -1461,6 +1528,7 @@ class trainer {
                 accum;
       }
     }
+    oom_may_vote_ = false;  // the exchange follows
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
     if (world() > 1) loss = exchange(loss);
     return loss;
@@ -1782,10 +1850,9 @@ class trainer {
                              "Use mpi_communicator, or set overlap = false");
     }
     if (o_.replan_under_pressure) {
-      throw invalid_argument("options.replan_under_pressure", "false with more than one rank",
-                             "true with " + std::to_string(N) + " ranks",
-                             "Set it to false: one rank cannot change its plan alone, and ranks do not "
-                             "yet agree on a stricter plan together");
+      votes_.resize(vote_fields * N);
+      targets_.resize(target_fields * N);
+      fits_.resize(N);
     }
     if constexpr (!summable<S>) {
       throw invalid_argument("communicator", "a single rank for storage the gradient exchange cannot sum",
@@ -1798,22 +1865,28 @@ class trainer {
 
   enum class replan_outcome { none, below_budget, below_emergency };
 
-  // The least-recompute plan below the current peak whose peak plus the others' bytes stays
-  // under the emergency threshold (second: true), else under the budget (second: false).
-  std::optional<std::pair<training_plan, bool>> stricter_plan() const {
-    if (plan_.budgeted_peak() <= 1) return std::nullopt;
+  // What a stricter plan must stay under: the emergency threshold less the others' bytes
+  // (below_emergency), else the budget less them; each also below the current plan's peak. 0: no
+  // such target.
+  struct plan_targets {
+    std::size_t emergency = 0, budget = 0;
+  };
+  plan_targets targets_now() const {
+    if (plan_.budgeted_peak() <= 1) return {};
     const std::size_t cap = plan_.budgeted_peak() - 1;
-    std::vector<std::pair<std::size_t, bool>> targets;
-    if (const std::size_t limit = limit_now(); limit != 0) {
-      const std::size_t foreign = foreign_now();
-      double emergency = 1.0;
-      if constexpr (requires { monitor_.thresholds().emergency; }) emergency = monitor_.thresholds().emergency;
-      const auto soft = static_cast<std::size_t>(emergency * static_cast<double>(limit));
-      if (soft > foreign + 1) targets.push_back({std::min(cap, soft - foreign - 1), true});
-      if (limit > foreign) targets.push_back({std::min(cap, limit - foreign), false});
-    } else {
-      targets.push_back({cap, true});
-    }
+    const std::size_t limit = limit_now();
+    if (limit == 0) return {cap, 0};
+    const std::size_t foreign = foreign_now();
+    double emergency = 1.0;
+    if constexpr (requires { monitor_.thresholds().emergency; }) emergency = monitor_.thresholds().emergency;
+    const auto soft = static_cast<std::size_t>(emergency * static_cast<double>(limit));
+    plan_targets t;
+    if (soft > foreign + 1) t.emergency = std::min(cap, soft - foreign - 1);
+    if (limit > foreign) t.budget = std::min(cap, limit - foreign);
+    return t;
+  }
+
+  fit_options own_fit_options() const {
     fit_options fo;
     fo.threads = pool_.size();
     fo.head_chunks = o_.head_chunks;
@@ -1821,39 +1894,174 @@ class trainer {
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
-    for (const auto& [t, below_emergency] : targets) {
-      try {
-        // fit chooses; the trainer makes the plan it runs itself (as for every plan it runs).
-        const training_plan chosen = fit(m_, rank_batch(), t, fo);
-        training_plan p = own_plan(chosen.micro, chosen.accumulation, chosen.schedule, chosen.head_chunk, plan_.budget);
-        p.budget = plan_.budget;
-        p.reserved_peak = reserve_of(p);
-        if (p.budgeted_peak() > t) continue;
-        return std::pair{std::move(p), below_emergency};
-      } catch (const budget_too_small&) {
-      }
+    return fo;
+  }
+
+  // The least-recompute plan whose reserved peak stays within `target` bytes.
+  std::optional<training_plan> plan_within(std::size_t target) const {
+    try {
+      // fit chooses; the trainer makes the plan it runs itself (as for every plan it runs).
+      const training_plan chosen = fit(m_, rank_batch(), target, own_fit_options());
+      return plan_of_choices(chosen.micro.batch, chosen.accumulation, chosen.schedule, chosen.head_chunk, target);
+    } catch (const budget_too_small&) {
+      return std::nullopt;
+    }
+  }
+  // own_plan of these choices when its reserved peak is within `target`.
+  std::optional<training_plan> plan_of_choices(std::size_t micro, std::size_t accumulation, schedule_choice s,
+                                               std::size_t head_chunk, std::size_t target) const {
+    training_plan p = own_plan(batch_shape{micro, eff_.seq}, accumulation, s, head_chunk, plan_.budget);
+    p.budget = plan_.budget;
+    p.reserved_peak = reserve_of(p);
+    if (p.budgeted_peak() > target) return std::nullopt;
+    return p;
+  }
+
+  // The least-recompute plan below the current peak whose peak plus the others' bytes stays
+  // under the emergency threshold (second: true), else under the budget (second: false).
+  std::optional<std::pair<training_plan, bool>> stricter_plan() const {
+    const plan_targets t = targets_now();
+    if (t.emergency != 0) {
+      if (auto p = plan_within(t.emergency)) return std::pair{std::move(*p), true};
+    }
+    if (t.budget != 0) {
+      if (auto p = plan_within(t.budget)) return std::pair{std::move(*p), false};
     }
     return std::nullopt;
   }
 
   std::size_t smallest_peak() const {
-    fit_options fo;
-    fo.threads = pool_.size();
-    fo.head_chunks = o_.head_chunks;
-    fo.optimizer_elements = optimizer_elements();
-    fo.optimizer_policy = optimizer_of<Optimizer>();
-    fo.gradients = gradient_sharding();
-    fo.reserve = reserve_;
     try {
-      (void)fit(m_, rank_batch(), 0, fo);
+      (void)fit(m_, rank_batch(), 0, own_fit_options());
     } catch (const budget_too_small& e) {
       return e.minimum();
     }
     return 0;
   }
 
-  // Records the event in r; returns which kind of stricter plan was adopted, if any.
-  replan_outcome replan(step_result& r, std::string reason, std::size_t usage, std::size_t limit, bool retry) {
+  // ---- Replanning over ranks ------------------------------------------------------------------------
+  // Whether the ranks agree at the step's check points (more than one rank, replanning on).
+  bool agreeing() const noexcept { return world() > 1 && o_.replan_under_pressure; }
+
+  // A rank's vote: (why, detail, usage, limit); why 0 keeps going, detail is the check point or
+  // the bytes an out-of-memory asked for.
+  static constexpr std::uint64_t vote_none = 0, vote_pressure = 1, vote_out_of_memory = 2, vote_no_room = 3;
+
+  // Whether the plan's reserved peak still fits beside the budget's external bytes (held outside
+  // the allocator, so they are others' even mid-step).
+  bool room_for_plan() const {
+    if constexpr (requires { alloc_.external(); }) {
+      const std::size_t limit = limit_now();
+      return limit == 0 || detail::saturating_add(plan_.budgeted_peak(), alloc_.external()) <= limit;
+    } else {
+      return true;
+    }
+  }
+  static constexpr std::size_t vote_fields = 4;
+
+  // Every rank's vote, gathered (each rank calls it at the same agreement point, or, after an
+  // out-of-memory, at the one the others reach next: no collective lies between). Returns the
+  // first rank that asks for a retry, or world() when none does: the same answer on every rank.
+  std::size_t agree_on_retry(std::uint64_t why, std::uint64_t detail, std::size_t usage, std::size_t limit) {
+    const std::size_t N = world();
+    std::uint64_t* mine = votes_.data() + vote_fields * comm_.rank();
+    mine[0] = why;
+    mine[1] = detail;
+    mine[2] = usage;
+    mine[3] = limit;
+    comm_.all_gather(static_cast<const std::uint64_t*>(mine), votes_.data(), votes_.size());
+    for (std::size_t r = 0; r < N; ++r) {
+      if (votes_[vote_fields * r] != vote_none) return r;
+    }
+    return N;
+  }
+  // What every rank abandons the step for after agree_on_retry named rank r.
+  detail::abandon_step retry_of(std::size_t r) const {
+    const std::uint64_t* v = votes_.data() + vote_fields * r;
+    const bool oom = v[0] == vote_out_of_memory || v[0] == vote_no_room;
+    std::string why =
+        v[0] == vote_out_of_memory ? "out of memory (a request of " + format_bytes(static_cast<std::size_t>(v[1]), false) + ")"
+        : v[0] == vote_no_room     ? "no room for the plan's peak beside others' bytes at " +
+                                     std::string(to_string(static_cast<check_point>(v[1])))
+                                   : "pressure emergency at " + std::string(to_string(static_cast<check_point>(v[1])));
+    return {why + " on rank " + std::to_string(r) + " of " + std::to_string(world()), static_cast<std::size_t>(v[2]),
+            static_cast<std::size_t>(v[3]), oom};
+  }
+
+  // Per rank: (emergency target, budget target, others' bytes, limit, whether the current plan
+  // still fits the budget); see plan_targets.
+  static constexpr std::size_t target_fields = 5;
+
+  // stricter_plan() agreed by every rank (a collective, after every rank gave the step's bytes
+  // back): each target is the least of the ranks', rank 0's fit for it is broadcast, and every rank
+  // adopts it only when each finds it within its own target, so all run the same choices. With
+  // none, and a rank whose current plan no longer fits its budget (or after an out-of-memory),
+  // every rank throws rank_budget_too_small naming that rank.
+  std::optional<std::pair<training_plan, bool>> agreed_stricter_plan(bool out_of_memory) {
+    const std::size_t N = world();
+    const plan_targets own = targets_now();
+    const std::size_t foreign = foreign_now(), limit = limit_now();
+    std::uint64_t* mine = targets_.data() + target_fields * comm_.rank();
+    mine[0] = own.emergency;
+    mine[1] = own.budget;
+    mine[2] = foreign;
+    mine[3] = limit;
+    mine[4] = limit == 0 || plan_.budgeted_peak() + foreign <= limit ? 1 : 0;
+    comm_.all_gather(static_cast<const std::uint64_t*>(mine), targets_.data(), targets_.size());
+    for (std::size_t level = 0; level < 2; ++level) {
+      std::uint64_t least = ~std::uint64_t{0};
+      for (std::size_t r = 0; r < N; ++r) least = std::min(least, targets_[target_fields * r + level]);
+      if (least == 0) continue;  // some rank has no such target: nobody tries it
+      std::uint64_t choice[6] = {};  // found, micro, accumulation, schedule kind, its parameter, logit chunk
+      if (comm_.rank() == 0) {
+        if (const auto p = plan_within(static_cast<std::size_t>(least))) {
+          choice[0] = 1;
+          choice[1] = p->micro.batch;
+          choice[2] = p->accumulation;
+          choice[3] = static_cast<std::uint64_t>(p->schedule.k);
+          choice[4] = p->schedule.param;
+          choice[5] = p->head_chunk;
+        }
+      }
+      comm_.broadcast(choice, 6, 0);
+      std::optional<training_plan> p;
+      if (choice[0] != 0) {
+        p = plan_of_choices(static_cast<std::size_t>(choice[1]), static_cast<std::size_t>(choice[2]),
+                            schedule_choice{static_cast<schedule_choice::kind>(choice[3]), static_cast<std::size_t>(choice[4])},
+                            static_cast<std::size_t>(choice[5]), static_cast<std::size_t>(mine[level]));
+      }
+      fits_[comm_.rank()] = p ? 1 : 0;
+      comm_.all_gather(static_cast<const std::uint64_t*>(fits_.data() + comm_.rank()), fits_.data(), N);
+      if (std::all_of(fits_.begin(), fits_.end(), [](std::uint64_t f) { return f != 0; })) {
+        return std::pair{std::move(*p), level == 0};
+      }
+    }
+    // The rank that forces the error: the first whose current plan no longer fits, else (after an
+    // out-of-memory) the one with the least left.
+    std::size_t by = N;
+    for (std::size_t r = 0; r < N && by == N; ++r) {
+      if (targets_[target_fields * r + 4] == 0) by = r;
+    }
+    if (by == N && !out_of_memory) return std::nullopt;  // every rank runs on under its plan
+    if (by == N) {
+      by = 0;
+      for (std::size_t r = 1; r < N; ++r) {
+        if (targets_[target_fields * r + 1] < targets_[target_fields * by + 1]) by = r;
+      }
+    }
+    const std::uint64_t* t = targets_.data() + target_fields * by;
+    std::uint64_t least_peak = comm_.rank() == by ? smallest_peak() : 0;
+    comm_.broadcast(&least_peak, 1, by);
+    const std::size_t others = static_cast<std::size_t>(t[2]), lim = static_cast<std::size_t>(t[3]);
+    throw rank_budget_too_small(by, N, lim > others ? lim - others : 0, static_cast<std::size_t>(least_peak),
+                                "the budget of " + format_bytes(lim, false) + " less " + format_bytes(others, false) +
+                                    " held by others");
+  }
+
+  // Records the event in r; returns which kind of stricter plan was adopted, if any. Over ranks a
+  // collective (agreed_stricter_plan), which may throw rank_budget_too_small.
+  replan_outcome replan(step_result& r, std::string reason, std::size_t usage, std::size_t limit, bool retry,
+                        bool out_of_memory = false) {
     // A cache below the budget counts as usage but is nobody's: give it back before measuring.
     if constexpr (requires { alloc_.release_cached(); }) alloc_.release_cached();
     replan_event e;
@@ -1864,7 +2072,7 @@ class trainer {
     e.foreign = foreign_now();
     e.from = plan_summary(plan_);
     e.from_peak = plan_.budgeted_peak();
-    auto next = stricter_plan();
+    auto next = agreeing() ? agreed_stricter_plan(out_of_memory) : stricter_plan();
     e.stricter_found = next.has_value();
     replan_outcome out = replan_outcome::none;
     if (next) {
@@ -1961,6 +2169,11 @@ class trainer {
   std::vector<shard_range> blocks_;
   std::vector<double> norm_parts_;
   std::vector<std::uint64_t> rank_status_;
+  // Replanning over ranks, sized once at construction: each rank's vote, targets and verdict on
+  // rank 0's choice (see agree_on_retry, agreed_stricter_plan).
+  std::vector<std::uint64_t> votes_, targets_, fits_;
+  // An out-of-memory may vote at the next agreement point: no exchange lies before it.
+  bool oom_may_vote_ = false;
   mutable std::string last_shard_;  // this rank's shard file of the last ZeRO-1 save or load
 };
 
