@@ -33,6 +33,7 @@
 
 #include "cli_checks.hpp"
 #include "membound/membound.hpp"
+#include "train_common.hpp"
 #if MEMBOUND_EXAMPLE_MPI
 #include <cstdlib>
 
@@ -41,38 +42,68 @@
 
 namespace mb = membound;
 
-#ifndef MEMBOUND_SOURCE_DIR
-#define MEMBOUND_SOURCE_DIR "."
+#if MEMBOUND_EXAMPLE_CUDA
+#include <dlfcn.h>
+
+#include <climits>
+
+// The device half, loaded on first use: libtrain_cuda.so next to this executable (where a copy of
+// both was put), else where the build wrote it. A CPU run never loads it (on a machine without an
+// NVIDIA device node, not even to look for a GPU), so it maps none of the
+// CUDA libraries (linked in, cudart and cuBLASLt took the CPU run's baseline RSS from 16 to 165 MiB).
+namespace train_example {
+namespace {
+struct cuda_module {
+  bool (*present)() = nullptr;
+  std::size_t (*memory)() = nullptr;
+  int (*run)(const options*, const std::vector<std::int32_t>*) = nullptr;
+  std::string error;  // why it could not be loaded
+};
+const cuda_module& cuda_half() {
+  static const cuda_module m = [] {
+    cuda_module c;
+    std::vector<std::string> paths;
+    char exe[PATH_MAX];
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+      std::string dir(exe, static_cast<std::size_t>(n));
+      paths.push_back(dir.substr(0, dir.find_last_of('/') + 1) + "libtrain_cuda.so");
+    }
+    paths.push_back(MEMBOUND_TRAIN_CUDA_MODULE);
+    void* h = nullptr;
+    for (const std::string& p : paths) {
+      if ((h = ::dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+      const char* e = ::dlerror();
+      c.error += (c.error.empty() ? "" : "; ") + p + ": " + (e != nullptr ? e : "not loaded");
+    }
+    if (h == nullptr) return c;
+    c.present = reinterpret_cast<bool (*)()>(::dlsym(h, "membound_train_cuda_present"));
+    c.memory = reinterpret_cast<std::size_t (*)()>(::dlsym(h, "membound_train_cuda_memory"));
+    c.run = reinterpret_cast<int (*)(const options*, const std::vector<std::int32_t>*)>(
+        ::dlsym(h, "membound_train_cuda_run"));
+    if (c.present == nullptr || c.memory == nullptr || c.run == nullptr) {
+      c = cuda_module{};
+      c.error = "libtrain_cuda.so lacks its entry points (a module of another build?)";
+    }
+    return c;
+  }();
+  return m;
+}
+}  // namespace
+
+// Without an NVIDIA device node there is no GPU to ask about: the module is not even loaded.
+bool cuda_device_present() {
+  if (::access("/dev/nvidiactl", F_OK) != 0 && ::access("/dev/dxg", F_OK) != 0) return false;
+  return cuda_half().present != nullptr && cuda_half().present();
+}
+std::size_t cuda_device_memory() { return cuda_half().memory(); }
+int run_on_device(const options& o, const std::vector<std::int32_t>& text) { return cuda_half().run(&o, &text); }
+}  // namespace train_example
 #endif
 
 namespace {
 
-struct foreign_load {  // --foreign SIZE@STEP: bytes someone else takes from the budget from STEP on
-  std::size_t bytes = 0;
-  std::uint64_t at_step = 0;
-};
-
-// The run as the flags describe it, every value checked (checked_options below).
-struct options {
-  std::string data = MEMBOUND_SOURCE_DIR "/examples/data/tinyshakespeare.txt";
-  std::size_t budget = std::size_t{32} << 20;
-  std::string layers = "ttt,attn,mamba,attn";
-  std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
-  std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
-  std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
-  std::size_t overlap = 0;  // 1: ZeRO-2's reduce-scatters overlap the next block's backward
-  std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit
-  std::string precision = "fp32";
-  std::string optimizer = "adamw";
-  std::string schedule = "auto";
-  std::optional<mb::schedule_choice> fixed_schedule;  // empty: auto, the planner's fit
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
-  std::size_t warmup = 30, eval_every = 50, eval_sequences = 32, sample = 200, save_every = 0, stop_after = 0;
-  std::uint64_t seed = 1;
-  std::string checkpoint = "train.ckpt", resume, report, trace;
-  foreign_load foreign;
-  bool saves() const { return save_every != 0 || stop_after != 0; }
-};
+using namespace train_example;
 
 // Every flag as the text given; CLI11 only splits the command line, so that a number is read by
 // the strict rules of cli_checks.hpp ("-1" is refused, never wrapped to 2^64 - 1).
@@ -109,6 +140,30 @@ mb::schedule_choice parse_schedule(const std::string& s, std::size_t depth) {
 options checked_options(const flag_texts& f) {
   namespace cc = cli_checks;
   options o;
+  // The device first: it decides the defaults every other flag overrides.
+  const std::string device = f.given("--device") ? cc::one_of("--device", f["--device"], {"auto", "cpu", "cuda"}) : "auto";
+  // Asked only when it matters: the first CUDA call loads the driver and the runtime's state.
+#if MEMBOUND_EXAMPLE_CUDA
+  const auto cuda_module_error = [] { return cuda_half().error; };
+  const bool cuda_built = true;
+  const bool gpu = device != "cpu" && cuda_device_present();
+#else
+  const auto cuda_module_error = [] { return std::string{}; };
+  const bool cuda_built = false;
+  const bool gpu = false;
+#endif
+  if (device == "cuda" && !gpu) {
+    throw mb::invalid_argument("--device", "a device this build can use", "cuda",
+                               cuda_built ? (cuda_module_error().empty()
+                                                 ? "No CUDA device is visible (cudaGetDeviceCount): run on a machine "
+                                                   "with a GPU, or pass --device cpu"
+                                                 : "The GPU half could not be loaded (" + cuda_module_error() +
+                                                       "): keep libtrain_cuda.so next to train, or pass --device cpu")
+                                          : "This build has no CUDA (nvcc was not found at configure time): configure "
+                                            "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
+  }
+  o.device = device == "auto" ? (gpu ? "cuda" : "cpu") : device;
+  if (o.device == "cuda") apply_device_defaults(o);
   const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,
                          const std::string& bound = {}) {
     if (!f.given(flag)) return;
@@ -138,7 +193,15 @@ options checked_options(const flag_texts& f) {
                                std::to_string(o.heads),
                                "Choose --width and --heads so that width / heads is the head size");
   }
-  whole("--seq", o.seq, 1, 1u << 20);
+  if (f.given("--seq") && f["--seq"] == "max") {
+    if (o.device != "cuda") {
+      throw mb::invalid_argument("--seq", "a length from 1 to 2^20 on the CPU (max is for --device cuda)", "max",
+                                 "Give a length, or add --device cuda");
+    }
+    o.seq_max = true;  // the device run searches the largest length fit() admits (train_cuda.cu)
+  } else {
+    whole("--seq", o.seq, 1, 1u << 20);
+  }
   whole("--batch", o.batch, 1, 1u << 16);
   whole("--steps", o.steps, 1, 1'000'000'000);
 
@@ -183,7 +246,22 @@ options checked_options(const flag_texts& f) {
   whole("--save-every", o.save_every, 0, o.steps, " (0: none; at most --steps)");
   whole("--stop-after", o.stop_after, 0, o.steps, " (0: run to --steps; at most --steps)");
 
-  if (f.given("--budget")) o.budget = cc::size("--budget", f["--budget"], "--budget 512MiB");
+  if (f.given("--budget")) {
+    const std::string& b = f["--budget"];
+    // A fraction of the device's memory is a bare decimal ("0.9"); sizes carry a unit or are whole.
+    if (b.find('.') != std::string::npos && b.find_first_not_of("0123456789.") == std::string::npos) {
+      if (o.device != "cuda") {
+        throw mb::invalid_argument("--budget", "a size such as 512MiB on the CPU (a fraction is of a GPU's memory)",
+                                   cc::in_quotes(b), "Give a size, or add --device cuda");
+      }
+      o.budget_fraction = cc::real("--budget", b, 0, 1, true, "--budget 0.9");
+#if MEMBOUND_EXAMPLE_CUDA
+      o.budget = static_cast<std::size_t>(o.budget_fraction * static_cast<double>(cuda_device_memory()));
+#endif
+    } else {
+      o.budget = cc::size("--budget", b, "--budget 512MiB");
+    }
+  }
   if (f.given("--foreign")) {
     const std::string& s = f["--foreign"];
     const std::size_t at = s.find('@');
@@ -252,105 +330,6 @@ std::vector<std::int32_t> read_data(const options& o) {
   return text;
 }
 
-// The library refuses what the flags could not know alone: a shape a block does not take (TTT: an
-// even head size; attention: a multiple of 8 up to 256) or a budget no plan fits. Its refusal is
-// given back under the flags that set it. Call inside a catch block.
-[[noreturn]] void rethrow_under_flags(const options& o) {
-  try {
-    throw;
-  } catch (const mb::budget_too_small& e) {
-    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do());
-  } catch (const mb::invalid_argument& e) {
-    const std::string& a = e.argument();
-    const bool shape = a.starts_with("config.") || a.starts_with("shape.");
-    if (!shape || (a.find("width") == a.npos && a.find("head") == a.npos && a.find("d_model") == a.npos)) throw;
-    throw mb::invalid_argument("--width and --heads",
-                               "a shape every block of --layers " + o.layers + " takes (" + e.argument() + ": " +
-                                   e.expected() + ")",
-                               "width " + std::to_string(o.width) + ", heads " + std::to_string(o.heads) +
-                                   " (head size " + std::to_string(o.width / o.heads) + ")",
-                               "e.g. --width 128 --heads 4");
-  }
-}
-template <typename F>
-auto under_flags(const options& o, F make) -> decltype(make()) {
-  try {
-    return make();
-  } catch (...) {
-    rethrow_under_flags(o);
-  }
-}
-
-double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
-
-std::string human_rate(double tok_s) {
-  char b[32];
-  if (tok_s >= 1e6) std::snprintf(b, sizeof b, "%.2fM", tok_s / 1e6);
-  else if (tok_s >= 1e3) std::snprintf(b, sizeof b, "%.1fk", tok_s / 1e3);
-  else std::snprintf(b, sizeof b, "%.0f", tok_s);
-  return b;
-}
-
-// Random windows of the training text (from the trainer's generator, so a resumed run draws the
-// same ones) and fixed windows of the validation text.
-struct windows {
-  const std::vector<std::int32_t>* text;
-  std::size_t seq;
-  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
-    const std::size_t at = r.random % (text->size() - seq - 1);
-    for (std::size_t t = 0; t < seq; ++t) {
-      x[t] = (*text)[at + t];
-      y[t] = (*text)[at + t + 1];
-    }
-  }
-};
-
-// One step's line: plain for logs, or a bar redrawn in place on a terminal.
-class progress {
- public:
-  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stdout)) != 0) {}
-  void step(const mb::step_result& r, std::size_t used, std::size_t peak, std::size_t budget) {
-    char line[256];
-    std::snprintf(line, sizeof line,
-                  "step %5llu/%zu  loss %.4f  lr %.2e  |g| %6.3f%s  %6.1f ms  %6s tok/s  mem %.1f/%.1f of %.0f MiB  %s",
-                  static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm,
-                  r.applied ? "" : " (skipped)", r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(),
-                  mib(used), mib(peak), mib(budget), std::string(mb::to_string(r.pressure)).c_str());
-    if (!tty_) {
-      std::printf("%s\n", line);
-      return;
-    }
-    // The same fields, tighter, so that the bar and memory fit an 80-column terminal.
-    std::snprintf(line, sizeof line, "%llu/%zu loss %.4f lr %.1e |g| %.2f%s %.0fms %s tok/s mem %.1f/%.1f/%.0fMiB %s",
-                  static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm, r.applied ? "" : " skip",
-                  r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(), mib(used), mib(peak),
-                  mib(budget), std::string(mb::to_string(r.pressure)).c_str());
-    constexpr std::size_t width = 12;
-    const std::size_t done = total_ == 0 ? width : std::min<std::size_t>(width, r.step * width / total_);
-    std::string bar = "[" + std::string(done, '#') + std::string(width - done, '.') + "] " + line;
-    // A wrapped line cannot be redrawn with \r: cut it to the terminal's width.
-    winsize ws{};
-    if (ioctl(fileno(stdout), TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 && bar.size() >= ws.ws_col) bar.resize(ws.ws_col - 1u);
-    std::printf("\r\033[K%s", bar.c_str());
-    std::fflush(stdout);
-    open_ = true;
-  }
-  // A line that stays (eval, a change of plan): ends the bar's line first.
-  void note(const std::string& s) {
-    if (open_) std::printf("\n");
-    open_ = false;
-    std::printf("%s\n", s.c_str());
-  }
-  void finish() {
-    if (open_) std::printf("\n");
-    open_ = false;
-  }
-
- private:
-  std::size_t total_;
-  bool tty_;
-  bool open_ = false;
-};
 
 // The ranks of this run: under an MPI launcher (mpirun sets its environment) every rank it
 // started, else this process alone, without initializing MPI at all. One type either way, so the
@@ -747,14 +726,20 @@ int main(int argc, char** argv) {
   const auto flag = [&](const std::string& name, const std::string& type, const std::string& help) {
     app.add_option(name, f.text[name], help)->type_name(type);
   };
+  flag("--device", "auto|cpu|cuda",
+       "where to train: auto is cuda when this build has CUDA and a GPU is visible, else cpu; on cuda the defaults "
+       "are 12 blocks of width 768 (ttt,attn,mamba,attn three times), 12 heads, --seq 2048, --batch 8, bf16, "
+       "--budget 8GiB, --eval-sequences 8 (default auto)");
   flag("--data", "FILE", "text file to train on (default: tiny-shakespeare)");
   flag("--budget", "SIZE",
-       "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space "
-       "(default 32MiB)");
+       "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space, "
+       "or on cuda a fraction of the device's memory such as 0.9 (default 32MiB; 8GiB on cuda)");
   flag("--layers", "LIST", "block pattern: ttt, ttt_mlp, attn, mamba, comma-separated (default ttt,attn,mamba,attn)");
   flag("--width", "1..16384", "model width (default 128)");
   flag("--heads", "1..1024", "attention and TTT heads, a divisor of --width (default 4)");
-  flag("--seq", "1..2^20", "sequence length (default 128)");
+  flag("--seq", "1..2^20|max",
+       "sequence length (default 128; 2048 on cuda); on cuda, max trains at the largest multiple of 256 that the "
+       "planner fits in --budget with --batch sequences");
   flag("--batch", "1..65536", "sequences per optimizer step (default 8)");
   flag("--steps", "1..10^9", "optimizer steps (default 200)");
   flag("--precision", "fp32|bf16|fp16", "storage precision; fp16 turns on dynamic loss scaling (default fp32)");
@@ -811,6 +796,16 @@ int main(int argc, char** argv) {
 #endif
     // Rank 0 prints; the others' lines would repeat it (errors still reach stderr from every rank).
     if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
+    if (o.device == "cuda") {
+      if (world.size() > 1) {
+        throw mb::invalid_argument("--device", "cpu under mpirun", "cuda with " + std::to_string(world.size()) + " ranks",
+                                   "Data parallel training on GPUs (NCCL) is not in the trainer yet: train on one GPU, "
+                                   "or over MPI ranks with --device cpu");
+      }
+#if MEMBOUND_EXAMPLE_CUDA
+      return run_on_device(o, text);
+#endif
+    }
     try {
       // adamw8bit's default block (2048), named by a one-parameter template.
       const auto with = [&]<template <typename> class Opt>() {

@@ -159,6 +159,7 @@ def main():
             # Words.
             "--precision": ["fp64", "FP32", ""],
             "--optimizer": ["adam", "ADAMW8BIT", "adamw8bit ", ""],
+            "--device": ["gpu", "CUDA", "cpu ", ""],
             "--schedule": ["every:2x", "binomial:-1", "every:0", "binomial:0", "every:", "every:5", "every:+2", "bogus",
                            "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
@@ -186,11 +187,14 @@ def main():
             ("--checkpoint", {"--stop-after": "1", "--checkpoint": "/dev/null"}),  # replaced by a rename
             ("--min-lr", {"--lr": "0.001", "--min-lr": "0.002"}),
             ("--overlap", {"--overlap": "1", "--zero": "1"}),      # only ZeRO-2 overlaps
+            ("--budget", {"--device": "cpu", "--budget": "0.5"}),  # a fraction is of a GPU's memory
             ("--foo", {"+": ["--foo", "1"]}),
             ("--width", {"--width": None, "+": ["--width"]}),      # no value
             ("--steps", {"+": ["--steps", "3"]}),                   # given twice
         ]:
             c.refuse(train, base, flag, change)
+        if not os.path.exists("/dev/nvidia0"):  # no GPU here: --device cuda is refused, naming the flag
+            c.refuse(train, base, "--device", {"--device": "cuda"})
 
         # Valid edge cases still run, and sizes arrive in the report exactly.
         def report_says(**want):

@@ -5,7 +5,7 @@
 #
 #   bash tools/stage_device_deps.sh              # here, where the Debian packages are
 #   # on the GPU machine, carrying .device_deps:
-#   OUT=/some/dir bash tools/gpu_check.sh [--arch 90] [--no-sanitizers] [--no-bench]
+#   OUT=/some/dir bash tools/gpu_check.sh [--arch 90] [--no-sanitizers] [--no-bench] [--train-steps N]
 #
 # Device time is scarce (minutes per session), so the binaries can be built here with nvcc and
 # carried instead of built there:
@@ -28,6 +28,7 @@ jobs=1
 step_timeout=600
 san_timeout=""
 bench_args=()
+train_steps=30  # the example trainer's runs on the device (0: none)
 while (($#)); do
   case "$1" in
     --arch) arch="$2"; shift 2 ;;
@@ -39,8 +40,10 @@ while (($#)); do
     --timeout) step_timeout="$2"; shift 2 ;;
     --sanitizer-timeout) san_timeout="$2"; shift 2 ;;
     --bench-args) read -r -a bench_args <<< "$2"; shift 2 ;;
+    --train-steps) train_steps="$2"; shift 2 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (expected --arch N, --prebuilt DIR, --jobs N," \
-            "--timeout S, --sanitizer-timeout S, --sanitizers LIST, --no-sanitizers, --bench-args ARGS, --no-bench)" >&2
+            "--timeout S, --sanitizer-timeout S, --sanitizers LIST, --no-sanitizers, --bench-args ARGS, --no-bench," \
+            "--train-steps N)" >&2
        exit 2 ;;
   esac
 done
@@ -170,6 +173,30 @@ if ((bench)); then
       fail "$b" "exit $?, see $b.txt"
     fi
   done
+fi
+
+# The example trainer on the device (when built: `train` in the prebuilt folder or build/gpu):
+# the default GPU run, then the same with memory taken by someone else halfway (a real cudaMalloc),
+# each with its report (measured vs predicted peak, reserved bytes after step 1 and later) and
+# trace. Exit 3 from train means a measured peak over its prediction.
+train_bin="${prebuilt:-$build/examples}/train"
+if ((train_steps > 0)) && [[ -x "$train_bin" ]]; then
+  echo "== example trainer on the device ($train_steps steps)"
+  data="$root/examples/data/tinyshakespeare.txt"
+  common=(--device cuda --data "$data" --steps "$train_steps" --eval-every 0 --sample 64)
+  if timeout "$step_timeout" "$train_bin" "${common[@]}" --report "$out/train.json" --trace "$out/train_trace.json" \
+       > "$out/train.txt" 2>&1; then
+    note "train --device cuda" "ran (train.txt, train.json)"
+  else
+    fail "train --device cuda" "exit $?, see train.txt"
+  fi
+  half=$((train_steps / 2 > 0 ? train_steps / 2 : 1))
+  if timeout "$step_timeout" "$train_bin" "${common[@]}" --budget 4GiB --foreign "2GiB@$half" \
+       --report "$out/train_foreign.json" > "$out/train_foreign.txt" 2>&1; then
+    note "train --device cuda --foreign 2GiB" "ran (train_foreign.txt, train_foreign.json)"
+  else
+    fail "train --device cuda --foreign 2GiB" "exit $?, see train_foreign.txt"
+  fi
 fi
 
 echo

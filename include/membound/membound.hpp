@@ -32,6 +32,7 @@
 #include "membound/memory/process_memory.hpp"
 
 #include "membound/core/check_point.hpp"
+#include "membound/monitor/foreign_memory_monitor.hpp"
 #include "membound/monitor/null_monitor.hpp"
 #include "membound/core/pressure_level.hpp"
 #include "membound/monitor/pressure_monitor.hpp"

@@ -5306,6 +5306,63 @@ inline bool reset_peak_rss() noexcept {
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/process_memory.hpp ----
 
+// ---- begin membound/monitor/foreign_memory_monitor.hpp ----
+// A pressure monitor that first looks at what others hold. At each check point of the inner
+// monitor's set it asks a probe how many bytes of the budget's memory are held outside the
+// budget's stack (another process on a shared GPU, another library), sets them as the budget's
+// external bytes, then runs the inner monitor's check: so usage() at that check point is the
+// memory's real state, and a trainer that sees an emergency retries under a plan that fits
+// beside the others (their bytes are the budget's external bytes, which the retry subtracts).
+//
+//   membound::foreign_memory_monitor mon(membound::pressure_monitor<>{},
+//                                        membound::device_others_probe{device});  // cuda_memory_info.cuh
+//   membound::trainer t(model, batch, plan, budget, ex, opts, std::move(mon));
+//
+// The probe is `std::size_t probe(const Budget&)`. When the others' bytes leave less room than
+// the stack already holds, the budget refuses them (set_external throws out_of_memory); the
+// monitor then records as much as the budget takes (usage = limit: an emergency) instead of
+// throwing, so a check point never fails a step that has already updated the weights.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <typename Inner, typename Probe>
+class foreign_memory_monitor {
+ public:
+  foreign_memory_monitor(Inner inner, Probe probe) : inner_(std::move(inner)), probe_(std::move(probe)) {}
+
+  template <check_point P, typename Budget>
+  pressure_level check(Budget& budget) {
+    static_assert(detail::has_set_external<Budget> && detail::has_external<Budget>,
+                  "membound: foreign_memory_monitor sets the budget's external bytes: give the trainer a "
+                  "budget_allocator<...> (or an adaptor over one).");
+    const std::size_t others = probe_(std::as_const(budget));
+    try {
+      budget.set_external(others);
+    } catch (const out_of_memory&) {
+      // All the room there is (set_external released the cache first): usage = limit.
+      budget.set_external(budget.external() + budget.headroom());
+    }
+    ++probes_;
+    return inner_.template check<P>(budget);
+  }
+
+  pressure_level level() const noexcept { return inner_.level(); }
+  bool stricter_plan_requested() const noexcept { return inner_.stricter_plan_requested(); }
+  void clear_stricter_plan_request() noexcept { inner_.clear_stricter_plan_request(); }
+  Inner& inner() noexcept { return inner_; }
+  const Inner& inner() const noexcept { return inner_; }
+  Probe& probe() noexcept { return probe_; }
+  // How many times the probe was read.
+  std::size_t probes() const noexcept { return probes_; }
+
+ private:
+  Inner inner_;
+  Probe probe_;
+  std::size_t probes_ = 0;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/monitor/foreign_memory_monitor.hpp ----
 // ---- begin membound/monitor/null_monitor.hpp ----
 // The monitor that does nothing, at no cost: an empty type whose check is a constant, so a
 // trainer holding it as [[no_unique_address]] pays neither bytes nor instructions.
@@ -12380,6 +12437,11 @@ struct cpu_model_glue {
                                 std::size_t N, std::size_t C, std::size_t /*V*/) {
     cpu::embedding_scatter<A>(pool, tokens, dx, dtable, N, C);
   }
+
+  // What a trainer keeps in the backend's memory beyond weights, gradients and optimizer state,
+  // for steps of `tokens` tokens over n parameters. None on the host: the tokens stay in the
+  // trainer's vectors and the gradient norm is a double on the stack.
+  static constexpr std::size_t step_buffer_bytes(std::size_t /*tokens*/, std::size_t /*n*/) noexcept { return 0; }
 };
 
 // Naming backend_kernels<B, model_glue> does not instantiate it: a host-only translation unit
@@ -13823,6 +13885,12 @@ class model {
     return n;
   }
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
+  // What a trainer keeps in the backend's memory for steps of `tokens` tokens beyond weights,
+  // gradients and optimizer state (on a device: the step's token and target ids, the gradient
+  // norm's partials); 0 on the host. Part of every plan's persistent bytes.
+  static constexpr std::size_t step_buffer_bytes(std::size_t tokens, std::size_t n) noexcept {
+    return glue::step_buffer_bytes(tokens, n);
+  }
   // The flat parameter array in three parts, padding included: the embedding table [0, e), the
   // blocks' tensors (block i: block_parameters(i)), and the head (final norm, untied LM head)
   // [h, parameter_elements()). ZeRO-2 exchanges each block's gradients as that block's backward
@@ -14575,6 +14643,9 @@ struct training_plan {
   std::size_t head_chunk = 0;
   std::size_t threads = 1;
   std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  // Persistent too, on a device only: the step's token and target ids and the gradient norm's
+  // partials (Model::step_buffer_bytes for micro.tokens() · accumulation); 0 on the host.
+  std::size_t step_buffers = 0;
   std::string optimizer_policy;  // the optimizer's state, in words (the table's line)
   // ZeRO-2 (gradients = this rank's shard): the most gradient bytes a block's backward holds
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
@@ -14638,6 +14709,7 @@ struct training_plan {
     }
     row("optimizer", optimizer,
         optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
+    if (step_buffers != 0) row("step buffers", step_buffers, "the step's token ids and targets, the norm's partials");
     row("activations (kept)", activations, "at most, between ops");
     row("workspace (at peak)", workspace, "transient");
     const std::string at = "at " + peak_phase;
@@ -14764,8 +14836,9 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
+  p.step_buffers = Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
-  const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
+  const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer, p.step_buffers);
   std::size_t held_exchange = 0;  // the embedding's and head's reduce-scatter, after the micro-batch
   if (gs.on()) {
     p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
@@ -14870,7 +14943,8 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
   const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n),
-                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0);
+                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0,
+                                   Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n));
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
   std::vector<chain_op> ops;
@@ -15146,7 +15220,7 @@ reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_req
 }
 
 // The requests of a training run under a plan, as the trainer makes them, in two parts: the
-// prefix (weights, gradients, optimizer state: its constructor) and the cycle every optimizer step
+// prefix (weights, gradients, optimizer state, a device's step buffers: its constructor) and the cycle every optimizer step
 // repeats (`accumulation` micro-batches, then one evaluation of a micro-batch: trainer::evaluate).
 struct run_requests {
   std::vector<recorded_request> prefix, cycle;
@@ -15209,6 +15283,9 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
   (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
+  // A device trainer's step buffers (token ids, the norm's partials), made after the state.
+  (void)rec.allocate(Model::step_buffer_bytes(sat_mul(micro.tokens(), accumulation), m.parameter_elements()),
+                     default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
   for (std::size_t k = 0; k < accumulation; ++k) {
     if (!gs.on()) {
@@ -15316,6 +15393,15 @@ MEMBOUND_NAMESPACE_END
 // what a step computes with them (every model_config field, the storage and accumulation types,
 // each block's identity, the parameter layout, the optimizer state's layout, the effective
 // batch); load() refuses a file whose fingerprint differs, naming the field.
+//
+// Backends: the model's. On cpu_backend the executor is a thread_pool and everything is host
+// memory. On cuda_backend it is a cuda_executor, the allocator serves device memory, and the
+// trainer's own arithmetic (zeroing, the gradient norm, AdamW) runs on the device through the
+// model's glue (backend_kernels<cuda_backend, model_glue>); weights and AdamW's state are made on
+// the host (the CPU run's bits) and uploaded, each micro-batch's ids are checked on the host and
+// uploaded into the step buffers (plan.step_buffers, planned like every other byte), and
+// checkpoints are written from host copies, in the same format: a CPU checkpoint resumes on a
+// GPU and back. One device, adamw<S>, local_communicator for now (static_asserts say so).
 //
 // Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
 // set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
@@ -15717,21 +15803,44 @@ class trainer {
 
  public:
   using S = typename Model::storage_type;
+  // The model's backend runs everything: the layers, and the trainer's own zeroing, norm and
+  // optimizer step (model_glue_of). cpu_backend: a thread_pool; cuda_backend: a cuda_executor.
+  using backend = typename Model::backend;
+  using executor = typename Model::executor;
+  static constexpr bool on_host = is_cpu_backend_v<backend>;
+
+ private:
+  using glue = model_glue_of<backend>;
+  static_assert(on_host || std::same_as<Communicator, local_communicator>,
+                "membound: a trainer on cuda_backend runs on one device for now (local_communicator); "
+                "data parallel over NCCL ranks is not in the trainer yet: train over MPI ranks on "
+                "cpu_backend, or one GPU.");
+  static_assert(on_host || std::same_as<Optimizer, adamw<S>>,
+                "membound: a trainer on cuda_backend steps with adamw<S> (its device kernel); "
+                "adamw8bit runs on cpu_backend only for now.");
+
+ public:
 
   // effective: sequences per optimizer step and their length; plan: a plan for this model and
   // batch (fit, or make_plan with optimizer = true) made for pool.size() threads, unedited (see
   // check_plan). Allocates weights, gradients and optimizer state from alloc and initializes them
   // from options.seed.
-  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
+  //
+  // On cuda_backend `ex` is the cuda_executor every kernel of the run goes on and `alloc` a stack
+  // over device memory: weights, gradients, optimizer state and the step buffers (the step's
+  // token ids, the norm's partials: plan.step_buffers) are device memory; the sources still fill
+  // host arrays, which are checked on the host and uploaded. A step synchronizes at the loss and
+  // at the gradient norm; checkpoints go through host copies.
+  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, executor& ex,
           trainer_options o = {}, Monitor monitor = {})
     requires std::same_as<Communicator, local_communicator>
-      : trainer(m, effective, std::move(plan), alloc, pool, std::move(o), std::move(monitor), own_local_) {}
+      : trainer(m, effective, std::move(plan), alloc, ex, std::move(o), std::move(monitor), own_local_) {}
 
   // Data parallel over comm's ranks: `plan` is this rank's (effective.batch / comm.size()
   // sequences per step); every rank passes the same model, batch, options and seed.
-  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
+  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, executor& ex,
           trainer_options o, Monitor monitor, Communicator& comm)
-      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), pool_(pool), o_(std::move(o)),
+      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), ex_(ex), o_(std::move(o)),
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
@@ -15771,6 +15880,10 @@ class trainer {
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
       g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      step_buffer_bytes_ = plan_.step_buffers;  // the same for every plan of this batch (check_plan)
+      if (step_buffer_bytes_ != 0) {
+        sb_ = alloc_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
+      }
     } catch (...) {
       failed = std::current_exception();
       if (status == start_ok) status = start_failed;
@@ -15779,11 +15892,21 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes();
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
     try {
-      m_.init_weights(w_, o_.seed);
-      std::memset(static_cast<void*>(g_), 0, grad_bytes());
-      Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
+      if constexpr (on_host) {
+        m_.init_weights(w_, o_.seed);
+        Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
+      } else {
+        // Made on the host, as the CPU run makes them (the same bits), then uploaded.
+        std::vector<S> w(n_);
+        m_.init_weights(w.data(), o_.seed);
+        host_bytes state(opt_bytes());
+        Optimizer::init(w.data() + opt_shard_.begin, opt_shard_.size(), state.data(), opt_bytes());
+        glue::copy_to_device(ex_, w_, w.data(), m_.weight_bytes());
+        glue::copy_to_device(ex_, opt_, state.data(), opt_bytes());
+      }
+      zero_gradients();
     } catch (...) {
       release();
       throw;
@@ -15868,8 +15991,13 @@ class trainer {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
-      Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_,
-                        optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
+      const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
+      if constexpr (on_host) {
+        Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_, os, ex_);
+      } else {
+        glue::adamw_update(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                           std::span<const param_span>(opt_spans_), os);
+      }
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -15918,7 +16046,7 @@ class trainer {
         return sequence_request{k + j, h.next()};
       });
       sum += static_cast<double>(b) *
-             m_.loss(w_, x_.data(), y_.data(), batch_shape{b, T}, plan_.head_chunk, alloc_, pool_);
+             m_.loss(w_, tokens_in(), targets_in(), batch_shape{b, T}, plan_.head_chunk, alloc_, ex_);
     }
     return sum / static_cast<double>(sequences);
   }
@@ -15937,7 +16065,12 @@ class trainer {
       return;
     }
     checkpoint_writer cw;
-    write_state(cw, w_, m_.weight_bytes());
+    if constexpr (on_host) {
+      write_state(cw, w_, m_.weight_bytes(), opt_);
+    } else {
+      const host_bytes w = to_host(w_, m_.weight_bytes()), state = to_host(opt_, opt_bytes());
+      write_state(cw, w.data(), m_.weight_bytes(), state.data());
+    }
     cw.commit(path);
   }
 
@@ -16104,13 +16237,14 @@ class trainer {
     bool restored = false;
   };
 
-  void write_state(checkpoint_writer& cw, const S* weights, std::size_t weight_bytes) const {
+  // weights and state: host memory (a device trainer's host copies).
+  void write_state(checkpoint_writer& cw, const void* weights, std::size_t weight_bytes, const void* state_bytes) const {
     cw.add_value<std::uint64_t>("format", format_version);
     std::string fp;
     for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
     cw.add("fingerprint", fp.data(), fp.size());
     cw.add("weights", weights, weight_bytes);
-    const std::span<const std::byte> state = Optimizer::save_state(opt_, opt_shard_.size());
+    const std::span<const std::byte> state = Optimizer::save_state(state_bytes, opt_shard_.size());
     cw.add("optimizer", state.data(), state.size());
     cw.add_value<std::uint64_t>("step", steps_);
     cw.add_value<std::uint64_t>("updates", updates_);
@@ -16182,19 +16316,20 @@ class trainer {
   // Everything checked: commit. The optimizer first: load_state checks its values before it
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
-    commit_state(r.view("optimizer"), path, st, [&] { r.copy("weights", weights, weight_bytes); });
+    commit_state(r.view("optimizer"), path, st,
+                 [&] { put_bytes(weights, weight_bytes, [&](void* h) { r.copy("weights", h, weight_bytes); }); });
   }
   // The same from this rank's optimizer state and a way to put the weights in place (a file's,
   // or the re-sharded ones).
   template <typename CopyWeights>
   void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      Optimizer::load_state(state, opt_, opt_shard_.size());
+      put_bytes(opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
     copy_weights();
-    std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    zero_gradients();
     steps_ = st.steps;
     updates_ = st.updates;
     rng_ = st.rng;
@@ -16233,7 +16368,7 @@ class trainer {
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
-      write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+      write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S), opt_);
       cw.commit(file);
     } catch (...) {
       failed = std::current_exception();
@@ -16458,7 +16593,7 @@ class trainer {
       agree(failed, "read the checkpoint it re-shards");
       try {
         commit_state(std::span<const std::byte>(state), path, st,
-                     [&] { std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes()); });
+                     [&] { put_bytes(w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -16484,6 +16619,8 @@ class trainer {
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
+    if (sb_ != nullptr) alloc_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
+    sb_ = nullptr;
     if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
     if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
@@ -16588,7 +16725,7 @@ class trainer {
   training_plan own_plan(batch_shape micro, std::size_t accumulation, schedule_choice s, std::size_t head_chunk,
                          std::size_t budget) const {
     plan_options po;
-    po.threads = pool_.size();
+    po.threads = threads();
     po.head_chunk = head_chunk;
     po.accumulation = accumulation;
     po.optimizer = true;
@@ -16605,7 +16742,8 @@ class trainer {
   void check_plan(const training_plan& p) const {
     const std::string remake =
         "Make it with fit(model, effective, budget) or make_plan(model, micro, schedule, options) for this "
-        "model, with optimizer = true and the pool's thread count, and do not edit its fields";
+        "model, with optimizer = true and the executor's thread count (the pool's; 1 on a device), and do not "
+        "edit its fields";
     const std::size_t B = rank_batch().batch;
     // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
     if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
@@ -16617,10 +16755,10 @@ class trainer {
                                  std::to_string(p.micro.seq),
                              "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
     }
-    if (p.threads != pool_.size()) {
-      throw invalid_argument("plan", "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
+    if (p.threads != threads()) {
+      throw invalid_argument("plan", "a plan for " + std::to_string(threads()) + " threads (the executor's)",
                              std::to_string(p.threads) + " threads",
-                             "Pass the pool's thread count in plan_options/fit_options");
+                             "Pass the pool's thread count (1 on a device) in plan_options/fit_options");
     }
     if (p.head_chunk == 0) {
       throw invalid_argument("plan", "plan.head_chunk of at least 1 logit row", "plan.head_chunk = 0", remake);
@@ -16639,7 +16777,7 @@ class trainer {
     }
     const std::string made = "as make_plan gives this model for micro-batch " + std::to_string(p.micro.batch) + " x " +
                              std::to_string(p.accumulation) + ", schedule " + p.schedule.name() + ", logit chunk " +
-                             std::to_string(p.head_chunk) + ", " + std::to_string(pool_.size()) +
+                             std::to_string(p.head_chunk) + ", " + std::to_string(threads()) +
                              " threads and the optimizer counted";
     const auto differs = [&](const char* field, const std::string& want, const std::string& got) {
       throw invalid_argument("plan", std::string(field) + " = " + want + " (" + made + ")",
@@ -16650,6 +16788,7 @@ class trainer {
     };
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
+    bytes("plan.step_buffers", q.step_buffers, p.step_buffers);
     if (q.gradient_sharding.overlap != p.gradient_sharding.overlap) {
       differs("plan.gradient_sharding.overlap", q.gradient_sharding.overlap ? "true" : "false",
               p.gradient_sharding.overlap ? "true" : "false");
@@ -16719,7 +16858,11 @@ class trainer {
   void rewind(const random_state& rng0, std::uint64_t position0) noexcept {
     rng_ = rng0;
     position_ = position0;
-    std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    try {
+      zero_gradients();
+    } catch (...) {
+      // A device that cannot run a memset has failed the run: the next step's own zeroing reports it.
+    }
   }
 
   template <sequence_source Source, typename Request>
@@ -16728,6 +16871,60 @@ class trainer {
     x_.resize(b * T);
     y_.resize(b * T);
     for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+    if constexpr (!on_host) {
+      // The device cannot throw on a bad id: check the host copies, then upload them.
+      m_.check_tokens(x_.data(), b * T);
+      Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
+      auto* l = static_cast<unsigned char*>(sb_);
+      const std::size_t bytes = b * T * sizeof(std::int32_t);
+      glue::copy_to_device(ex_, l, x_.data(), bytes);
+      glue::copy_to_device(ex_, l + glue::step_targets_offset(step_tokens()), y_.data(), bytes);
+    }
+  }
+
+  // The ids a micro-batch reads: the host arrays, or on a device their upload in the step buffers.
+  const std::int32_t* tokens_in() const noexcept {
+    if constexpr (on_host) return x_.data();
+    else return static_cast<const std::int32_t*>(sb_);
+  }
+  const std::int32_t* targets_in() const noexcept {
+    if constexpr (on_host) return y_.data();
+    else return reinterpret_cast<const std::int32_t*>(static_cast<const unsigned char*>(sb_) +
+                                                      glue::step_targets_offset(step_tokens()));
+  }
+  // Tokens of a whole step of this rank: every plan's micro-batch × accumulation.
+  std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
+  std::size_t threads() const noexcept { return glue::threads(ex_); }
+
+  // ---- Memory moves between the host and the backend's memory (plain copies on the host) -------
+  // Host bytes aligned for any optimizer state (its load_state, init and save_state read and
+  // write them as floats, doubles or blocks).
+  struct host_bytes {
+    explicit host_bytes(std::size_t n) : v((n + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)) {}
+    void* data() noexcept { return v.data(); }
+    const void* data() const noexcept { return v.data(); }
+    std::vector<std::max_align_t> v;
+  };
+  void zero_gradients() {
+    if constexpr (on_host) std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    else glue::fill_zero(ex_, g_, grad_bytes());
+  }
+  host_bytes to_host(const void* src, std::size_t bytes) const {
+    host_bytes h(bytes);
+    if constexpr (on_host) std::memcpy(h.data(), src, bytes);
+    else glue::copy_to_host(ex_, h.data(), src, bytes);
+    return h;
+  }
+  // fill(p) writes `bytes` at p: dst itself on the host, a host buffer uploaded to dst on a device.
+  template <typename Fill>
+  void put_bytes(void* dst, std::size_t bytes, Fill&& fill) {
+    if constexpr (on_host) {
+      fill(dst);
+    } else {
+      host_bytes h(bytes);
+      fill(h.data());
+      glue::copy_to_device(ex_, dst, h.data(), bytes);
+    }
   }
 
   template <check_point P>
@@ -16761,7 +16958,7 @@ class trainer {
 
   template <sequence_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
-    std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    zero_gradients();
     double loss = 0;
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -16785,8 +16982,8 @@ class trainer {
       if (zero2()) {
         loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
       } else {
-        loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
-                                    scale / accum, alloc_, pool_, observer) /
+        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
+                                    scale / accum, alloc_, ex_, observer) /
                 accum;
       }
     }
@@ -16925,8 +17122,8 @@ class trainer {
     zero2_router router(*this, first);
     router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
     std::memset(static_cast<void*>(router.held), 0, held_bytes());
-    const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
-                                                   plan_.head_chunk, scale, alloc_, pool_, observer);
+    const double loss = m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, ex_, observer);
     router.finish();
     const shard_range e = m_.embedding_parameters();
     reduce_scatter_range(router.held, e, first);
@@ -17066,16 +17263,23 @@ class trainer {
   // order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
   // both stages clip by the same bits.
   double gradient_norm() {
+    if constexpr (!on_host) {
+      return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
+    } else {
+      return host_gradient_norm();
+    }
+  }
+  double host_gradient_norm() {
     const std::size_t N = world();
-    if (N == 1) return global_norm(g_, n_, pool_);
+    if (N == 1) return global_norm(g_, n_, ex_);
     const std::size_t me = comm_.rank();
     if (sharded()) {
-      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), pool_);
+      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), ex_);
       comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
     } else {
       for (std::size_t r = 0; r < N; ++r) {
         const shard_range s = shard_of(n_, N, r);
-        norm_parts_[r] = sum_squares(g_ + s.begin, s.size(), pool_);
+        norm_parts_[r] = sum_squares(g_ + s.begin, s.size(), ex_);
       }
     }
     double sum = 0;
@@ -17150,7 +17354,7 @@ class trainer {
 
   fit_options own_fit_options() const {
     fit_options fo;
-    fo.threads = pool_.size();
+    fo.threads = threads();
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
@@ -17405,7 +17609,7 @@ class trainer {
   batch_shape eff_;
   training_plan plan_;
   Allocator& alloc_;
-  thread_pool& pool_;
+  executor& ex_;
   trainer_options o_;
   Monitor monitor_;
   std::size_t n_;
@@ -17414,6 +17618,8 @@ class trainer {
   S* w_ = nullptr;
   S* g_ = nullptr;
   void* opt_ = nullptr;
+  void* sb_ = nullptr;  // the step buffers (a device's; none on the host)
+  std::size_t step_buffer_bytes_ = 0;
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()
   std::size_t largest_peak_ = 0;

@@ -84,7 +84,7 @@ struct gpu_step {
 };
 
 // One micro-batch on the device under plan p, the weights and gradients allocated through the
-// budget as a trainer would (the plan's base: weights, gradients, optimizer state).
+// budget as a trainer would (the plan's base: weights, gradients, optimizer state, step buffers).
 template <typename Model>
 gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<typename Model::storage_type>& w_host,
                  const tokens& t, bool with_eval = false) {
@@ -96,6 +96,8 @@ gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<t
   S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
   S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
   void* opt = p.optimizer == 0 ? nullptr : alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  // The trainer's step buffers (its token upload, the norm's partials), held as it holds them.
+  void* sb = alloc.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   upload(w, w_host.data(), n);
   mb::cuda_check(cudaMemset(g, 0, wb), "cudaMemset");
   mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -106,6 +108,7 @@ gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<t
   r.grads = mbt::to_bytes(gv);
   if (with_eval) r.eval_loss = m.loss(w, ids.get(), targets.get(), p.micro, p.head_chunk, alloc, ex);
   mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  alloc.deallocate(sb, p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   if (opt != nullptr) alloc.deallocate(opt, p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
   alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
   alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
@@ -210,7 +213,7 @@ void fp32_schedules() { schedules_on_device<mb::fp32_precision>(); }
 void bf16_schedules() { schedules_on_device<mb::bf16_precision>(); }
 
 // Two optimizer steps' requests and an evaluation on a device stack, as a trainer makes them
-// (weights, gradients and optimizer state first; no optimizer arithmetic runs).
+// (weights, gradients, optimizer state and step buffers first; no optimizer arithmetic runs).
 template <typename Model, typename Alloc>
 void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& alloc, const tokens& t) {
   using S = typename Model::storage_type;
@@ -223,6 +226,7 @@ void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& al
   auto* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
   auto* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
   void* o = alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  void* sb = alloc.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   std::vector<S> h(m.parameter_elements());
   m.init_weights(h.data(), 5);
   upload(w, h.data(), h.size());
@@ -234,6 +238,7 @@ void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& al
     (void)m.loss(w, ids.get(), targets.get(), p.micro, p.head_chunk, alloc, ex);
   }
   mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  alloc.deallocate(sb, p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   alloc.deallocate(o, p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
   alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
   alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);

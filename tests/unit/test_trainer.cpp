@@ -35,6 +35,7 @@
 #include "membound/memory/budget.hpp"
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
+#include "membound/monitor/foreign_memory_monitor.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/train/trainer.hpp"
@@ -424,6 +425,47 @@ TEST_CASE("trainer: memory pressure retries the step under a stricter plan, whic
     CHECK(bits(losses) == bits(expected));
     CHECK(weight_bytes(t) == weight_bytes(ref));
   }
+}
+
+// The same pressure seen through a probe (foreign_memory_monitor), as on a shared GPU where a
+// probe reads cudaMemGetInfo: nobody calls set_external, the monitor does at its check points.
+TEST_CASE("trainer: foreign_memory_monitor's probe brings the others' bytes in, and the step retries") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  const text_source src(40);
+  mb::thread_pool pool(2);
+  const mb::training_plan p0 = plan_none(m, 2);
+  const mb::pressure_thresholds th{0.5, 0.6, 0.7};
+  const std::size_t limit = 2 * p0.peak_bytes;
+  const std::size_t foreign = static_cast<std::size_t>(0.72 * static_cast<double>(limit)) - live_at_loss(p0);
+  std::size_t others = 0;  // what the probe reports
+  const auto probe = [&others](const budget_alloc&) { return others; };
+  budget_alloc a(limit);
+  mb::trainer t(m, effective, p0, a, pool, options(), mb::foreign_memory_monitor(mb::pressure_monitor<>(th), probe));
+  auto s = src;
+  (void)t.step(s);
+  CHECK(t.plan().schedule.k == mb::schedule_choice::kind::none);
+  CHECK(t.monitor().probes() > 0);
+  others = foreign;
+  const mb::step_result r = t.step(s);
+  REQUIRE(!r.replans.empty());
+  CHECK(r.replans.front().retried);
+  CHECK(r.replans.front().foreign == foreign);
+  CHECK(a.external() == foreign);
+  CHECK(t.plan().peak_bytes < p0.peak_bytes);
+  CHECK(t.plan().peak_bytes + foreign < limit);
+  CHECK(a.stats().peak_requested <= t.largest_predicted_peak());
+
+  // Others taking more than the budget leaves: the monitor records all the room there is (an
+  // emergency) instead of throwing out of a check point.
+  others = limit;
+  try {
+    (void)t.step(s);
+  } catch (const mb::budget_too_small&) {
+    // No plan fits in no room: the step fails, typed, with nothing lost.
+  }
+  CHECK(a.usage() <= limit);
+  CHECK(t.steps_done() >= 2);
 }
 
 TEST_CASE("trainer: an emergency no plan can get under is retried once, then tolerated") {

@@ -60,6 +60,11 @@ struct cpu_model_glue {
                                 std::size_t N, std::size_t C, std::size_t /*V*/) {
     cpu::embedding_scatter<A>(pool, tokens, dx, dtable, N, C);
   }
+
+  // What a trainer keeps in the backend's memory beyond weights, gradients and optimizer state,
+  // for steps of `tokens` tokens over n parameters. None on the host: the tokens stay in the
+  // trainer's vectors and the gradient norm is a double on the stack.
+  static constexpr std::size_t step_buffer_bytes(std::size_t /*tokens*/, std::size_t /*n*/) noexcept { return 0; }
 };
 
 // Naming backend_kernels<B, model_glue> does not instantiate it: a host-only translation unit

@@ -248,6 +248,12 @@ class model {
     return n;
   }
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
+  // What a trainer keeps in the backend's memory for steps of `tokens` tokens beyond weights,
+  // gradients and optimizer state (on a device: the step's token and target ids, the gradient
+  // norm's partials); 0 on the host. Part of every plan's persistent bytes.
+  static constexpr std::size_t step_buffer_bytes(std::size_t tokens, std::size_t n) noexcept {
+    return glue::step_buffer_bytes(tokens, n);
+  }
   // The flat parameter array in three parts, padding included: the embedding table [0, e), the
   // blocks' tensors (block i: block_parameters(i)), and the head (final norm, untied LM head)
   // [h, parameter_elements()). ZeRO-2 exchanges each block's gradients as that block's backward

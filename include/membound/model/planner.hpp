@@ -157,6 +157,9 @@ struct training_plan {
   std::size_t head_chunk = 0;
   std::size_t threads = 1;
   std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  // Persistent too, on a device only: the step's token and target ids and the gradient norm's
+  // partials (Model::step_buffer_bytes for micro.tokens() · accumulation); 0 on the host.
+  std::size_t step_buffers = 0;
   std::string optimizer_policy;  // the optimizer's state, in words (the table's line)
   // ZeRO-2 (gradients = this rank's shard): the most gradient bytes a block's backward holds
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
@@ -220,6 +223,7 @@ struct training_plan {
     }
     row("optimizer", optimizer,
         optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
+    if (step_buffers != 0) row("step buffers", step_buffers, "the step's token ids and targets, the norm's partials");
     row("activations (kept)", activations, "at most, between ops");
     row("workspace (at peak)", workspace, "transient");
     const std::string at = "at " + peak_phase;
@@ -346,8 +350,9 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
+  p.step_buffers = Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
-  const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer);
+  const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer, p.step_buffers);
   std::size_t held_exchange = 0;  // the embedding's and head's reduce-scatter, after the micro-batch
   if (gs.on()) {
     p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
@@ -452,7 +457,8 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
   const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n),
-                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0);
+                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0,
+                                   Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n));
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
   std::vector<chain_op> ops;

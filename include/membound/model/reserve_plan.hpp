@@ -122,7 +122,7 @@ reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_req
 }
 
 // The requests of a training run under a plan, as the trainer makes them, in two parts: the
-// prefix (weights, gradients, optimizer state: its constructor) and the cycle every optimizer step
+// prefix (weights, gradients, optimizer state, a device's step buffers: its constructor) and the cycle every optimizer step
 // repeats (`accumulation` micro-batches, then one evaluation of a micro-batch: trainer::evaluate).
 struct run_requests {
   std::vector<recorded_request> prefix, cycle;
@@ -185,6 +185,9 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   (void)rec.allocate(wb, default_alignment, memory_tag::weights);
   (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
+  // A device trainer's step buffers (token ids, the norm's partials), made after the state.
+  (void)rec.allocate(Model::step_buffer_bytes(sat_mul(micro.tokens(), accumulation), m.parameter_elements()),
+                     default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
   for (std::size_t k = 0; k < accumulation; ++k) {
     if (!gs.on()) {

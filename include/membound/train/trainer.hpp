@@ -18,6 +18,15 @@
 // each block's identity, the parameter layout, the optimizer state's layout, the effective
 // batch); load() refuses a file whose fingerprint differs, naming the field.
 //
+// Backends: the model's. On cpu_backend the executor is a thread_pool and everything is host
+// memory. On cuda_backend it is a cuda_executor, the allocator serves device memory, and the
+// trainer's own arithmetic (zeroing, the gradient norm, AdamW) runs on the device through the
+// model's glue (backend_kernels<cuda_backend, model_glue>); weights and AdamW's state are made on
+// the host (the CPU run's bits) and uploaded, each micro-batch's ids are checked on the host and
+// uploaded into the step buffers (plan.step_buffers, planned like every other byte), and
+// checkpoints are written from host copies, in the same format: a CPU checkpoint resumes on a
+// GPU and back. One device, adamw<S>, local_communicator for now (static_asserts say so).
+//
 // Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
 // set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
 // for this model, the pool's threads and AdamW's state, and refused unless every field matches;
@@ -100,6 +109,7 @@
 #include "membound/core/parallel.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/core/memory_tag.hpp"
+#include "membound/model/glue.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/model/reserve_plan.hpp"
 #include "membound/core/check_point.hpp"
@@ -454,21 +464,44 @@ class trainer {
 
  public:
   using S = typename Model::storage_type;
+  // The model's backend runs everything: the layers, and the trainer's own zeroing, norm and
+  // optimizer step (model_glue_of). cpu_backend: a thread_pool; cuda_backend: a cuda_executor.
+  using backend = typename Model::backend;
+  using executor = typename Model::executor;
+  static constexpr bool on_host = is_cpu_backend_v<backend>;
+
+ private:
+  using glue = model_glue_of<backend>;
+  static_assert(on_host || std::same_as<Communicator, local_communicator>,
+                "membound: a trainer on cuda_backend runs on one device for now (local_communicator); "
+                "data parallel over NCCL ranks is not in the trainer yet: train over MPI ranks on "
+                "cpu_backend, or one GPU.");
+  static_assert(on_host || std::same_as<Optimizer, adamw<S>>,
+                "membound: a trainer on cuda_backend steps with adamw<S> (its device kernel); "
+                "adamw8bit runs on cpu_backend only for now.");
+
+ public:
 
   // effective: sequences per optimizer step and their length; plan: a plan for this model and
   // batch (fit, or make_plan with optimizer = true) made for pool.size() threads, unedited (see
   // check_plan). Allocates weights, gradients and optimizer state from alloc and initializes them
   // from options.seed.
-  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
+  //
+  // On cuda_backend `ex` is the cuda_executor every kernel of the run goes on and `alloc` a stack
+  // over device memory: weights, gradients, optimizer state and the step buffers (the step's
+  // token ids, the norm's partials: plan.step_buffers) are device memory; the sources still fill
+  // host arrays, which are checked on the host and uploaded. A step synchronizes at the loss and
+  // at the gradient norm; checkpoints go through host copies.
+  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, executor& ex,
           trainer_options o = {}, Monitor monitor = {})
     requires std::same_as<Communicator, local_communicator>
-      : trainer(m, effective, std::move(plan), alloc, pool, std::move(o), std::move(monitor), own_local_) {}
+      : trainer(m, effective, std::move(plan), alloc, ex, std::move(o), std::move(monitor), own_local_) {}
 
   // Data parallel over comm's ranks: `plan` is this rank's (effective.batch / comm.size()
   // sequences per step); every rank passes the same model, batch, options and seed.
-  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, thread_pool& pool,
+  trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, executor& ex,
           trainer_options o, Monitor monitor, Communicator& comm)
-      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), pool_(pool), o_(std::move(o)),
+      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), ex_(ex), o_(std::move(o)),
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
@@ -508,6 +541,10 @@ class trainer {
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
       g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      step_buffer_bytes_ = plan_.step_buffers;  // the same for every plan of this batch (check_plan)
+      if (step_buffer_bytes_ != 0) {
+        sb_ = alloc_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
+      }
     } catch (...) {
       failed = std::current_exception();
       if (status == start_ok) status = start_failed;
@@ -516,11 +553,21 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes();
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
     try {
-      m_.init_weights(w_, o_.seed);
-      std::memset(static_cast<void*>(g_), 0, grad_bytes());
-      Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
+      if constexpr (on_host) {
+        m_.init_weights(w_, o_.seed);
+        Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
+      } else {
+        // Made on the host, as the CPU run makes them (the same bits), then uploaded.
+        std::vector<S> w(n_);
+        m_.init_weights(w.data(), o_.seed);
+        host_bytes state(opt_bytes());
+        Optimizer::init(w.data() + opt_shard_.begin, opt_shard_.size(), state.data(), opt_bytes());
+        glue::copy_to_device(ex_, w_, w.data(), m_.weight_bytes());
+        glue::copy_to_device(ex_, opt_, state.data(), opt_bytes());
+      }
+      zero_gradients();
     } catch (...) {
       release();
       throw;
@@ -605,8 +652,13 @@ class trainer {
       const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
-      Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_,
-                        optimizer_step{updates_ + 1, r.lr, gs, o_.adam}, pool_);
+      const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
+      if constexpr (on_host) {
+        Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_, os, ex_);
+      } else {
+        glue::adamw_update(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                           std::span<const param_span>(opt_spans_), os);
+      }
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -655,7 +707,7 @@ class trainer {
         return sequence_request{k + j, h.next()};
       });
       sum += static_cast<double>(b) *
-             m_.loss(w_, x_.data(), y_.data(), batch_shape{b, T}, plan_.head_chunk, alloc_, pool_);
+             m_.loss(w_, tokens_in(), targets_in(), batch_shape{b, T}, plan_.head_chunk, alloc_, ex_);
     }
     return sum / static_cast<double>(sequences);
   }
@@ -674,7 +726,12 @@ class trainer {
       return;
     }
     checkpoint_writer cw;
-    write_state(cw, w_, m_.weight_bytes());
+    if constexpr (on_host) {
+      write_state(cw, w_, m_.weight_bytes(), opt_);
+    } else {
+      const host_bytes w = to_host(w_, m_.weight_bytes()), state = to_host(opt_, opt_bytes());
+      write_state(cw, w.data(), m_.weight_bytes(), state.data());
+    }
     cw.commit(path);
   }
 
@@ -841,13 +898,14 @@ class trainer {
     bool restored = false;
   };
 
-  void write_state(checkpoint_writer& cw, const S* weights, std::size_t weight_bytes) const {
+  // weights and state: host memory (a device trainer's host copies).
+  void write_state(checkpoint_writer& cw, const void* weights, std::size_t weight_bytes, const void* state_bytes) const {
     cw.add_value<std::uint64_t>("format", format_version);
     std::string fp;
     for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
     cw.add("fingerprint", fp.data(), fp.size());
     cw.add("weights", weights, weight_bytes);
-    const std::span<const std::byte> state = Optimizer::save_state(opt_, opt_shard_.size());
+    const std::span<const std::byte> state = Optimizer::save_state(state_bytes, opt_shard_.size());
     cw.add("optimizer", state.data(), state.size());
     cw.add_value<std::uint64_t>("step", steps_);
     cw.add_value<std::uint64_t>("updates", updates_);
@@ -919,19 +977,20 @@ class trainer {
   // Everything checked: commit. The optimizer first: load_state checks its values before it
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
-    commit_state(r.view("optimizer"), path, st, [&] { r.copy("weights", weights, weight_bytes); });
+    commit_state(r.view("optimizer"), path, st,
+                 [&] { put_bytes(weights, weight_bytes, [&](void* h) { r.copy("weights", h, weight_bytes); }); });
   }
   // The same from this rank's optimizer state and a way to put the weights in place (a file's,
   // or the re-sharded ones).
   template <typename CopyWeights>
   void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      Optimizer::load_state(state, opt_, opt_shard_.size());
+      put_bytes(opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
     copy_weights();
-    std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    zero_gradients();
     steps_ = st.steps;
     updates_ = st.updates;
     rng_ = st.rng;
@@ -970,7 +1029,7 @@ class trainer {
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
-      write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+      write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S), opt_);
       cw.commit(file);
     } catch (...) {
       failed = std::current_exception();
@@ -1196,7 +1255,7 @@ class trainer {
       agree(failed, "read the checkpoint it re-shards");
       try {
         commit_state(std::span<const std::byte>(state), path, st,
-                     [&] { std::memcpy(static_cast<void*>(w_), weights.data(), m_.weight_bytes()); });
+                     [&] { put_bytes(w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -1222,6 +1281,8 @@ class trainer {
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
+    if (sb_ != nullptr) alloc_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
+    sb_ = nullptr;
     if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
     if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
@@ -1326,7 +1387,7 @@ class trainer {
   training_plan own_plan(batch_shape micro, std::size_t accumulation, schedule_choice s, std::size_t head_chunk,
                          std::size_t budget) const {
     plan_options po;
-    po.threads = pool_.size();
+    po.threads = threads();
     po.head_chunk = head_chunk;
     po.accumulation = accumulation;
     po.optimizer = true;
@@ -1343,7 +1404,8 @@ class trainer {
   void check_plan(const training_plan& p) const {
     const std::string remake =
         "Make it with fit(model, effective, budget) or make_plan(model, micro, schedule, options) for this "
-        "model, with optimizer = true and the pool's thread count, and do not edit its fields";
+        "model, with optimizer = true and the executor's thread count (the pool's; 1 on a device), and do not "
+        "edit its fields";
     const std::size_t B = rank_batch().batch;
     // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
     if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
@@ -1355,10 +1417,10 @@ class trainer {
                                  std::to_string(p.micro.seq),
                              "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
     }
-    if (p.threads != pool_.size()) {
-      throw invalid_argument("plan", "a plan for " + std::to_string(pool_.size()) + " threads (the pool's)",
+    if (p.threads != threads()) {
+      throw invalid_argument("plan", "a plan for " + std::to_string(threads()) + " threads (the executor's)",
                              std::to_string(p.threads) + " threads",
-                             "Pass the pool's thread count in plan_options/fit_options");
+                             "Pass the pool's thread count (1 on a device) in plan_options/fit_options");
     }
     if (p.head_chunk == 0) {
       throw invalid_argument("plan", "plan.head_chunk of at least 1 logit row", "plan.head_chunk = 0", remake);
@@ -1377,7 +1439,7 @@ class trainer {
     }
     const std::string made = "as make_plan gives this model for micro-batch " + std::to_string(p.micro.batch) + " x " +
                              std::to_string(p.accumulation) + ", schedule " + p.schedule.name() + ", logit chunk " +
-                             std::to_string(p.head_chunk) + ", " + std::to_string(pool_.size()) +
+                             std::to_string(p.head_chunk) + ", " + std::to_string(threads()) +
                              " threads and the optimizer counted";
     const auto differs = [&](const char* field, const std::string& want, const std::string& got) {
       throw invalid_argument("plan", std::string(field) + " = " + want + " (" + made + ")",
@@ -1388,6 +1450,7 @@ class trainer {
     };
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
+    bytes("plan.step_buffers", q.step_buffers, p.step_buffers);
     if (q.gradient_sharding.overlap != p.gradient_sharding.overlap) {
       differs("plan.gradient_sharding.overlap", q.gradient_sharding.overlap ? "true" : "false",
               p.gradient_sharding.overlap ? "true" : "false");
@@ -1457,7 +1520,11 @@ class trainer {
   void rewind(const random_state& rng0, std::uint64_t position0) noexcept {
     rng_ = rng0;
     position_ = position0;
-    std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    try {
+      zero_gradients();
+    } catch (...) {
+      // A device that cannot run a memset has failed the run: the next step's own zeroing reports it.
+    }
   }
 
   template <sequence_source Source, typename Request>
@@ -1466,6 +1533,60 @@ class trainer {
     x_.resize(b * T);
     y_.resize(b * T);
     for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+    if constexpr (!on_host) {
+      // The device cannot throw on a bad id: check the host copies, then upload them.
+      m_.check_tokens(x_.data(), b * T);
+      Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
+      auto* l = static_cast<unsigned char*>(sb_);
+      const std::size_t bytes = b * T * sizeof(std::int32_t);
+      glue::copy_to_device(ex_, l, x_.data(), bytes);
+      glue::copy_to_device(ex_, l + glue::step_targets_offset(step_tokens()), y_.data(), bytes);
+    }
+  }
+
+  // The ids a micro-batch reads: the host arrays, or on a device their upload in the step buffers.
+  const std::int32_t* tokens_in() const noexcept {
+    if constexpr (on_host) return x_.data();
+    else return static_cast<const std::int32_t*>(sb_);
+  }
+  const std::int32_t* targets_in() const noexcept {
+    if constexpr (on_host) return y_.data();
+    else return reinterpret_cast<const std::int32_t*>(static_cast<const unsigned char*>(sb_) +
+                                                      glue::step_targets_offset(step_tokens()));
+  }
+  // Tokens of a whole step of this rank: every plan's micro-batch × accumulation.
+  std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
+  std::size_t threads() const noexcept { return glue::threads(ex_); }
+
+  // ---- Memory moves between the host and the backend's memory (plain copies on the host) -------
+  // Host bytes aligned for any optimizer state (its load_state, init and save_state read and
+  // write them as floats, doubles or blocks).
+  struct host_bytes {
+    explicit host_bytes(std::size_t n) : v((n + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)) {}
+    void* data() noexcept { return v.data(); }
+    const void* data() const noexcept { return v.data(); }
+    std::vector<std::max_align_t> v;
+  };
+  void zero_gradients() {
+    if constexpr (on_host) std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    else glue::fill_zero(ex_, g_, grad_bytes());
+  }
+  host_bytes to_host(const void* src, std::size_t bytes) const {
+    host_bytes h(bytes);
+    if constexpr (on_host) std::memcpy(h.data(), src, bytes);
+    else glue::copy_to_host(ex_, h.data(), src, bytes);
+    return h;
+  }
+  // fill(p) writes `bytes` at p: dst itself on the host, a host buffer uploaded to dst on a device.
+  template <typename Fill>
+  void put_bytes(void* dst, std::size_t bytes, Fill&& fill) {
+    if constexpr (on_host) {
+      fill(dst);
+    } else {
+      host_bytes h(bytes);
+      fill(h.data());
+      glue::copy_to_device(ex_, dst, h.data(), bytes);
+    }
   }
 
   template <check_point P>
@@ -1499,7 +1620,7 @@ class trainer {
 
   template <sequence_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
-    std::memset(static_cast<void*>(g_), 0, grad_bytes());
+    zero_gradients();
     double loss = 0;
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -1523,8 +1644,8 @@ class trainer {
       if (zero2()) {
         loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
       } else {
-        loss += m_.forward_backward(w_, g_, x_.data(), y_.data(), plan_.micro, plan_.ops, plan_.head_chunk,
-                                    scale / accum, alloc_, pool_, observer) /
+        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
+                                    scale / accum, alloc_, ex_, observer) /
                 accum;
       }
     }
@@ -1663,8 +1784,8 @@ class trainer {
     zero2_router router(*this, first);
     router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
     std::memset(static_cast<void*>(router.held), 0, held_bytes());
-    const double loss = m_.forward_backward_routed(w_, router, x_.data(), y_.data(), plan_.micro, plan_.ops,
-                                                   plan_.head_chunk, scale, alloc_, pool_, observer);
+    const double loss = m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, ex_, observer);
     router.finish();
     const shard_range e = m_.embedding_parameters();
     reduce_scatter_range(router.held, e, first);
@@ -1804,16 +1925,23 @@ class trainer {
   // order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
   // both stages clip by the same bits.
   double gradient_norm() {
+    if constexpr (!on_host) {
+      return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
+    } else {
+      return host_gradient_norm();
+    }
+  }
+  double host_gradient_norm() {
     const std::size_t N = world();
-    if (N == 1) return global_norm(g_, n_, pool_);
+    if (N == 1) return global_norm(g_, n_, ex_);
     const std::size_t me = comm_.rank();
     if (sharded()) {
-      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), pool_);
+      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), ex_);
       comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
     } else {
       for (std::size_t r = 0; r < N; ++r) {
         const shard_range s = shard_of(n_, N, r);
-        norm_parts_[r] = sum_squares(g_ + s.begin, s.size(), pool_);
+        norm_parts_[r] = sum_squares(g_ + s.begin, s.size(), ex_);
       }
     }
     double sum = 0;
@@ -1888,7 +2016,7 @@ class trainer {
 
   fit_options own_fit_options() const {
     fit_options fo;
-    fo.threads = pool_.size();
+    fo.threads = threads();
     fo.head_chunks = o_.head_chunks;
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
@@ -2143,7 +2271,7 @@ class trainer {
   batch_shape eff_;
   training_plan plan_;
   Allocator& alloc_;
-  thread_pool& pool_;
+  executor& ex_;
   trainer_options o_;
   Monitor monitor_;
   std::size_t n_;
@@ -2152,6 +2280,8 @@ class trainer {
   S* w_ = nullptr;
   S* g_ = nullptr;
   void* opt_ = nullptr;
+  void* sb_ = nullptr;  // the step buffers (a device's; none on the host)
+  std::size_t step_buffer_bytes_ = 0;
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()
   std::size_t largest_peak_ = 0;

@@ -51,6 +51,18 @@ std::size_t update_external_from_device(Budget& budget, int device) {
   return others;
 }
 
+// The probe of foreign_memory_monitor (monitor/foreign_memory_monitor.hpp) on a device: at each
+// check point, the device's used bytes that the budget's stack does not hold (the context, library
+// workspaces, other processes), as update_external_from_device counts them.
+struct device_others_probe {
+  int device = 0;
+  template <typename Budget>
+    requires detail::has_external<Budget> && budgeted<Budget>
+  std::size_t operator()(const Budget& budget) const {
+    return others_bytes(device_memory_info(device), detail::saturating_sub(budget.usage(), budget.external()));
+  }
+};
+
 // Device memory outside membound's allocators, measured once before training: `resident` is the
 // device's used bytes once the context exists (our context, plus whatever other processes hold:
 // cudaMemGetInfo cannot tell them apart, and the context cannot be measured before it exists);

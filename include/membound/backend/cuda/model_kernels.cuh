@@ -27,6 +27,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/core/checked_math.hpp"
@@ -35,6 +36,7 @@
 #include "membound/core/element_math.hpp"
 #include "membound/core/error.hpp"
 #include "membound/optimizer/adamw.hpp"
+#include "membound/optimizer/optimizer_policy.hpp"
 
 #if MEMBOUND_CUDA_COMPILER
 #include <cub/block/block_reduce.cuh>
@@ -89,6 +91,24 @@ constexpr std::size_t global_norm_blocks(std::size_t n) noexcept {
 // Scratch of global_norm: one double partial per first-pass block.
 constexpr std::size_t global_norm_workspace_bytes(std::size_t n) noexcept {
   return bytes_of<double>(global_norm_blocks(n));
+}
+
+// A device trainer's step buffers, one allocation: the step's token ids, its target ids, the
+// gradient norm's partials and the norm itself, each part at a 256-byte boundary (cudaMalloc's,
+// so each is as aligned as an allocation of its own). Offsets and total for steps of `tokens`
+// tokens over n parameters; saturated sizes stay saturated.
+struct step_buffer_layout {
+  std::size_t tokens = 0, targets = 0, partials = 0, norm = 0, bytes = 0;
+};
+constexpr std::size_t align_to_256(std::size_t x) noexcept { return sat_mul(x / 256 + (x % 256 != 0), 256); }
+constexpr step_buffer_layout step_buffers(std::size_t tokens, std::size_t n) noexcept {
+  step_buffer_layout l;
+  const std::size_t ids = align_to_256(bytes_of<std::int32_t>(tokens));
+  l.targets = ids;
+  l.partials = sat_add(ids, ids);
+  l.norm = sat_add(l.partials, align_to_256(global_norm_workspace_bytes(n)));
+  l.bytes = sat_add(l.norm, sizeof(double));
+  return l;
 }
 
 // Embedding backward: vocabulary rows are split among this many owner threads per column (row v
@@ -769,6 +789,33 @@ struct backend_kernels<cuda_backend, model_glue> {
   static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
     return gpu::rmsnorm_backward_workspace_bytes(N, C);
   }
+  // The trainer's device buffers (gpu::step_buffers): tokens and targets of a whole step (every
+  // plan of a trainer has the same micro-batch × accumulation, so one size serves them all), the
+  // gradient norm's partials and result.
+  static constexpr std::size_t step_buffer_bytes(std::size_t tokens, std::size_t n) noexcept {
+    return gpu::step_buffers(tokens, n).bytes;
+  }
+  // Where the target ids start in them (the token ids start at 0).
+  static constexpr std::size_t step_targets_offset(std::size_t tokens) noexcept {
+    return gpu::step_buffers(tokens, 0).targets;
+  }
+
+  // ---- The trainer's memory moves (host runtime calls: no kernel) ------------------------------
+  // On the executor's stream, complete on return (the host buffers may be reused at once).
+  static void fill_zero(cuda_executor& ex, void* p, std::size_t bytes) {
+    if (bytes == 0) return;
+    cuda_check(cudaMemsetAsync(p, 0, bytes, ex.stream()), "cudaMemsetAsync");
+  }
+  static void copy_to_device(cuda_executor& ex, void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return;
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ex.stream()), "cudaMemcpyAsync (to device)");
+    ex.synchronize();
+  }
+  static void copy_to_host(cuda_executor& ex, void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return;
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ex.stream()), "cudaMemcpyAsync (to host)");
+    ex.synchronize();
+  }
 
 #if MEMBOUND_CUDA_COMPILER
   template <typename A, typename S>
@@ -807,6 +854,32 @@ struct backend_kernels<cuda_backend, model_glue> {
     gpu::check_types<S, A>();
     gpu::embedding_scatter(ex, tokens, dx, dtable, N, C, V);
   }
+
+  // ---- The trainer's arithmetic -------------------------------------------------------------------
+  // sqrt(Σ g²) over n gradients, summed in double on the device (gpu::global_norm's fixed shape:
+  // the same bits every run), through the step buffers made for `tokens`; the one host read of
+  // the optimizer step.
+  template <typename S>
+  static double gradient_norm(cuda_executor& ex, const S* g, std::size_t n, void* buffers, std::size_t tokens) {
+    const gpu::step_buffer_layout l = gpu::step_buffers(tokens, n);
+    auto* base = static_cast<unsigned char*>(buffers);
+    auto* norm = reinterpret_cast<double*>(base + l.norm);
+    gpu::global_norm(ex, g, n, norm, base + l.partials, gpu::global_norm_workspace_bytes(n));
+    double out = 0;
+    copy_to_host(ex, &out, norm, sizeof out);
+    return out;
+  }
+  // AdamW (adamw<S>'s state layout, the CPU optimizer's byte for byte) over the spans of
+  // [0, n), each with its own decay: the step the trainer gives cpu's Optimizer::update.
+  template <typename S>
+  static void adamw_update(cuda_executor& ex, S* w, const S* g, void* state, std::size_t state_bytes, std::size_t n,
+                           std::span<const param_span> spans, const optimizer_step& step) {
+    std::vector<gpu::adamw_segment> seg;
+    seg.reserve(spans.size());
+    for (const param_span& p : spans) seg.push_back({p.first, p.count, p.decay});
+    gpu::adamw_update(ex, w, g, state, state_bytes, n, std::span<const gpu::adamw_segment>(seg), step.t, step.lr,
+                      step.config, step.grad_scale);
+  }
 #else
   // The launches exist only where nvcc compiles; the size functions above are what a host-only
   // translation unit (a planner) can use.
@@ -822,6 +895,13 @@ struct backend_kernels<cuda_backend, model_glue> {
   static void embedding_gather(Args&&...) { needs_nvcc<A, S>(); }
   template <typename A, typename S, typename... Args>
   static void embedding_scatter(Args&&...) { needs_nvcc<A, S>(); }
+  template <typename S, typename... Args>
+  static double gradient_norm(Args&&...) {
+    needs_nvcc<float, S>();
+    return 0;
+  }
+  template <typename S, typename... Args>
+  static void adamw_update(Args&&...) { needs_nvcc<float, S>(); }
 
  private:
   template <typename A, typename S>

@@ -1,0 +1,186 @@
+// What the example trainer's two halves share: the checked flags, the data windows, the step line,
+// and the device run's entry points. train.cpp runs on the CPU (and under mpirun); train_cuda.cu,
+// compiled by nvcc when the build has CUDA, runs the same loop on a GPU (--device cuda).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include "cli_checks.hpp"
+#include "membound/membound.hpp"
+
+#ifndef MEMBOUND_SOURCE_DIR
+#define MEMBOUND_SOURCE_DIR "."
+#endif
+
+namespace train_example {
+
+namespace mb = membound;
+
+struct foreign_load {  // --foreign SIZE@STEP: bytes someone else takes from the budget from STEP on
+  std::size_t bytes = 0;
+  std::uint64_t at_step = 0;
+};
+
+// The run as the flags describe it, every value checked (checked_options below).
+struct options {
+  std::string data = MEMBOUND_SOURCE_DIR "/examples/data/tinyshakespeare.txt";
+  std::size_t budget = std::size_t{32} << 20;
+  std::string layers = "ttt,attn,mamba,attn";
+  std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
+  std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
+  std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
+  std::size_t overlap = 0;  // 1: ZeRO-2's reduce-scatters overlap the next block's backward
+  std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit
+  std::string precision = "fp32";
+  std::string optimizer = "adamw";
+  std::string schedule = "auto";
+  std::optional<mb::schedule_choice> fixed_schedule;  // empty: auto, the planner's fit
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
+  std::size_t warmup = 30, eval_every = 50, eval_sequences = 32, sample = 200, save_every = 0, stop_after = 0;
+  std::uint64_t seed = 1;
+  std::string checkpoint = "train.ckpt", resume, report, trace;
+  foreign_load foreign;
+  // cpu, or cuda: the run on a GPU (train_cuda.cu). The default is cuda when the build has CUDA
+  // and a device is visible, with the GPU's defaults below (apply_device_defaults).
+  std::string device = "cpu";
+  double budget_fraction = 0;  // --budget 0.9: that fraction of the device's memory (cuda only)
+  bool seq_max = false;        // --seq max: the largest length fit() admits (cuda only)
+  bool saves() const { return save_every != 0 || stop_after != 0; }
+};
+
+// The library refuses what the flags could not know alone: a shape a block does not take (TTT: an
+// even head size; attention: a multiple of 8 up to 256) or a budget no plan fits. Its refusal is
+// given back under the flags that set it. Call inside a catch block.
+[[noreturn]] inline void rethrow_under_flags(const options& o) {
+  try {
+    throw;
+  } catch (const mb::budget_too_small& e) {
+    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do());
+  } catch (const mb::invalid_argument& e) {
+    const std::string& a = e.argument();
+    const bool shape = a.starts_with("config.") || a.starts_with("shape.");
+    if (!shape || (a.find("width") == a.npos && a.find("head") == a.npos && a.find("d_model") == a.npos)) throw;
+    throw mb::invalid_argument("--width and --heads",
+                               "a shape every block of --layers " + o.layers + " takes (" + e.argument() + ": " +
+                                   e.expected() + ")",
+                               "width " + std::to_string(o.width) + ", heads " + std::to_string(o.heads) +
+                                   " (head size " + std::to_string(o.width / o.heads) + ")",
+                               "e.g. --width 128 --heads 4");
+  }
+}
+template <typename F>
+auto under_flags(const options& o, F make) -> decltype(make()) {
+  try {
+    return make();
+  } catch (...) {
+    rethrow_under_flags(o);
+  }
+}
+
+inline double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
+
+inline std::string human_rate(double tok_s) {
+  char b[32];
+  if (tok_s >= 1e6) std::snprintf(b, sizeof b, "%.2fM", tok_s / 1e6);
+  else if (tok_s >= 1e3) std::snprintf(b, sizeof b, "%.1fk", tok_s / 1e3);
+  else std::snprintf(b, sizeof b, "%.0f", tok_s);
+  return b;
+}
+
+// Random windows of the training text (from the trainer's generator, so a resumed run draws the
+// same ones) and fixed windows of the validation text.
+struct windows {
+  const std::vector<std::int32_t>* text;
+  std::size_t seq;
+  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
+    const std::size_t at = r.random % (text->size() - seq - 1);
+    for (std::size_t t = 0; t < seq; ++t) {
+      x[t] = (*text)[at + t];
+      y[t] = (*text)[at + t + 1];
+    }
+  }
+};
+
+// One step's line: plain for logs, or a bar redrawn in place on a terminal.
+class progress {
+ public:
+  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stdout)) != 0) {}
+  void step(const mb::step_result& r, std::size_t used, std::size_t peak, std::size_t budget) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "step %5llu/%zu  loss %.4f  lr %.2e  |g| %6.3f%s  %6.1f ms  %6s tok/s  mem %.1f/%.1f of %.0f MiB  %s",
+                  static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm,
+                  r.applied ? "" : " (skipped)", r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(),
+                  mib(used), mib(peak), mib(budget), std::string(mb::to_string(r.pressure)).c_str());
+    if (!tty_) {
+      std::printf("%s\n", line);
+      return;
+    }
+    // The same fields, tighter, so that the bar and memory fit an 80-column terminal.
+    std::snprintf(line, sizeof line, "%llu/%zu loss %.4f lr %.1e |g| %.2f%s %.0fms %s tok/s mem %.1f/%.1f/%.0fMiB %s",
+                  static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm, r.applied ? "" : " skip",
+                  r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(), mib(used), mib(peak),
+                  mib(budget), std::string(mb::to_string(r.pressure)).c_str());
+    constexpr std::size_t width = 12;
+    const std::size_t done = total_ == 0 ? width : std::min<std::size_t>(width, r.step * width / total_);
+    std::string bar = "[" + std::string(done, '#') + std::string(width - done, '.') + "] " + line;
+    // A wrapped line cannot be redrawn with \r: cut it to the terminal's width.
+    winsize ws{};
+    if (ioctl(fileno(stdout), TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 && bar.size() >= ws.ws_col) bar.resize(ws.ws_col - 1u);
+    std::printf("\r\033[K%s", bar.c_str());
+    std::fflush(stdout);
+    open_ = true;
+  }
+  // A line that stays (eval, a change of plan): ends the bar's line first.
+  void note(const std::string& s) {
+    if (open_) std::printf("\n");
+    open_ = false;
+    std::printf("%s\n", s.c_str());
+  }
+  void finish() {
+    if (open_) std::printf("\n");
+    open_ = false;
+  }
+
+ private:
+  std::size_t total_;
+  bool tty_;
+  bool open_ = false;
+};
+
+// What a run on a GPU trains unless told otherwise: 12 blocks of width 768 repeating TTT-Linear,
+// attention, Mamba, attention, bf16, 2k tokens, inside 8 GiB of the device.
+inline void apply_device_defaults(options& o) {
+  o.width = 768;
+  o.heads = 12;
+  o.layers = "ttt,attn,mamba,attn,ttt,attn,mamba,attn,ttt,attn,mamba,attn";
+  o.blocks.clear();
+  for (int k = 0; k < 3; ++k) {
+    for (const char* b : {"ttt_linear", "attention", "mamba", "attention"}) o.blocks.push_back(b);
+  }
+  o.seq = 2048;
+  o.batch = 8;
+  o.precision = "bf16";
+  o.budget = std::size_t{8} << 30;
+  o.eval_sequences = 8;
+}
+
+// The device half: train_cuda.cu, built as the module libtrain_cuda.so when the build has CUDA
+// (MEMBOUND_EXAMPLE_CUDA) and loaded by train.cpp on first use (these three, defined there).
+// Whether a CUDA device can be used here (false when the module or the driver cannot be loaded),
+// and its memory in bytes.
+bool cuda_device_present();
+std::size_t cuda_device_memory();
+// The run on the GPU: the same flags, plan table, step line, report and trace as the CPU run.
+int run_on_device(const options& o, const std::vector<std::int32_t>& text);
+
+}  // namespace train_example

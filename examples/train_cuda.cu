@@ -1,0 +1,360 @@
+// The example trainer on a GPU (train --device cuda), built as a module (libtrain_cuda.so) that
+// train loads only when it looks for a GPU, so a CPU run maps none of the CUDA libraries. The
+// same model family, flags, plan table,
+// step line, report and memory trace as the CPU run in train.cpp, on a cuda_executor over a hard
+// budget of device memory. The stack is a budget over the expandable arena on cuMem (2 MiB
+// granules), traced: the planner replays the run's requests through its shadow, so the plan
+// states the reserve before step 1. What the CUDA runtime holds outside the stack (the context,
+// the executor's cuBLASLt handle) is measured with cudaMemGetInfo and shown as a line of the table.
+// At every check point a probe reads the device's free memory: bytes someone else takes on the
+// GPU become the budget's external bytes, and the step is retried under a plan that fits beside
+// them (--foreign SIZE@STEP takes SIZE of real device memory with cudaMalloc to show it).
+//
+//   ./build/release/examples/train --device cuda                    # 12 blocks, width 768, bf16, 8 GiB
+//   ./build/release/examples/train --device cuda --budget 0.9 --seq 8192
+//   ./build/release/examples/train --device cuda --steps 60 --foreign 2GiB@30 --trace t.json
+#include <cuda_runtime_api.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "membound/backend/cuda.cuh"
+#include "train_common.hpp"
+
+namespace train_example {
+namespace {
+
+// Device memory someone else holds (--foreign): a real cudaMalloc outside the budget.
+class foreign_block {
+ public:
+  foreign_block() = default;
+  foreign_block(const foreign_block&) = delete;
+  foreign_block& operator=(const foreign_block&) = delete;
+  ~foreign_block() {
+    if (p_ != nullptr) (void)cudaFree(p_);
+  }
+  void take(std::size_t bytes) { mb::cuda_check(cudaMalloc(&p_, bytes), "cudaMalloc (--foreign)"); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// --seq max: the largest T, a multiple of 256, whose step fit() places in the budget (reserve
+// included) with o.batch sequences, no longer than the validation text allows. Plans grow with
+// T, so a bisection over T / 256 finds it; 0 when not even 256 fits.
+template <typename Model>
+std::size_t largest_fitting_seq(const Model& m, const options& o, std::size_t budget, const mb::fit_options& fo,
+                                std::size_t text_bytes) {
+  const auto fits = [&](std::size_t T) {
+    try {
+      (void)mb::fit(m, {o.batch, T}, budget, fo);
+      return true;
+    } catch (const mb::budget_too_small&) {
+      return false;
+    }
+  };
+  // read_data holds out a tenth of the text and needs T + 2 bytes of it.
+  const std::size_t hi_T = std::min<std::size_t>(std::size_t{1} << 20, text_bytes / 10 - 2);
+  std::size_t lo = 0, hi = hi_T / 256;  // lo fits (0: nothing yet), hi + 1 does not
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid * 256)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo * 256;
+}
+
+template <typename P>
+int run_device(const options& given, const std::vector<std::int32_t>& text) {
+  options o = given;  // --seq max settles o.seq below
+  using B = mb::cuda_backend;
+  using net = mb::model<mb::embedding<P>,
+                        mb::block_pattern<mb::ttt_linear<P, B>, mb::attention<P, B>, mb::mamba<P, B>, mb::ttt_mlp<P, B>>,
+                        mb::lm_head<P, B>>;
+  using S = typename net::storage_type;
+  std::vector<std::size_t> pattern;
+  for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
+  mb::model_config cfg;
+  cfg.vocab = 256;
+  cfg.width = o.width;
+  cfg.heads = o.heads;
+  const net m = under_flags(o, [&] { return net(cfg, pattern); });
+  const std::size_t budget = o.budget;
+  const int device = mb::cuda_current_device();
+
+  // Outside the stack, measured once: the context (and whatever others held then), then what the
+  // executor's stream and cuBLASLt handle add.
+  std::optional<mb::cuda_executor> exec;
+  const mb::runtime_memory outside = mb::measure_runtime_memory(device, [&] { exec.emplace(device); });
+  mb::cuda_executor& ex = *exec;
+
+  mb::trace_recorder recorder(o.trace.empty() ? std::size_t{4096} : std::size_t{1} << 20);
+  const std::size_t granule = mb::cuda_virtual_memory(device).granularity();
+  const std::size_t total = mb::device_memory_info(device).total;
+  // The arena's range: the budget, whole granules, never beyond the device.
+  const std::size_t capacity = std::max(granule, std::min(budget, total) / granule * granule);
+  using stack = mb::budget_allocator<mb::traced_allocator<mb::cuda_expandable_arena>>;
+  stack alloc(budget, recorder, mb::expandable_arena_options{capacity}, device);
+  // What others hold now (the context, the handle, other processes) is the budget's from the start.
+  mb::update_external_from_device(alloc, device);
+  const mb::reserve_function reserve = mb::reserve_model(m, alloc);
+  if (o.seq_max) {
+    mb::fit_options fo;
+    fo.reserve = reserve;
+    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, budget, fo, text.size()); });
+    if (o.seq == 0) {
+      throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget", "none fits",
+                                 "Raise --budget, or lower --batch or --width");
+    }
+    std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s with %zu sequences per "
+                "step\n",
+                o.seq, mb::format_bytes(budget, false).c_str(), o.batch);
+  }
+  const mb::batch_shape eff{o.batch, o.seq};
+
+  mb::training_plan plan = under_flags(o, [&] {
+    if (!o.fixed_schedule) {
+      mb::fit_options fo;
+      fo.reserve = reserve;
+      return mb::fit(m, eff, budget, fo);
+    }
+    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, mb::plan_options{}, budget);
+    p.reserved_peak = reserve(p);
+    if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
+    return p;
+  });
+  plan.outside_stack = outside.total();
+  plan.outside_note = "CUDA context " + mb::format_bytes(outside.resident, false) + " (with others' bytes then) + " +
+                      "executor " + mb::format_bytes(outside.setup, false) + ", cudaMemGetInfo";
+  cudaDeviceProp prop{};
+  mb::cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  std::printf("device: %s, %.1f GiB; budget %s%s\n", prop.name, static_cast<double>(total) / (1024.0 * 1024 * 1024),
+              mb::format_bytes(budget, false).c_str(),
+              o.budget_fraction > 0 ? (" (" + std::to_string(o.budget_fraction) + " of the device)").c_str() : "");
+  std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),
+              o.width, o.heads, o.precision.c_str(), m.parameter_count());
+  std::printf("%s\n", plan.table().c_str());
+
+  const mb::pressure_thresholds thresholds{};
+  const std::size_t split = text.size() * 9 / 10;
+  const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(split));
+  const std::vector<std::int32_t> val(text.begin() + static_cast<std::ptrdiff_t>(split), text.end());
+
+  mb::trainer_options to;
+  to.adam = mb::adamw_config{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
+  to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
+  to.clip = o.clip;
+  to.seed = o.seed;
+  to.replan_under_pressure = true;
+  using monitor = mb::foreign_memory_monitor<mb::pressure_monitor<mb::all_check_points>, mb::device_others_probe>;
+  mb::trainer<net, stack, monitor> t(m, eff, plan, alloc, ex, to,
+                                     monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
+                                             mb::device_others_probe{device}));
+  t.monitor().inner().attach(recorder);
+  if (!o.resume.empty()) {
+    bool same_plan = false;
+    try {
+      same_plan = t.load(o.resume);
+    } catch (const mb::error& e) {
+      throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e), "");
+    }
+    if (t.steps_done() > o.steps) {
+      throw mb::invalid_argument("--steps", "at least the " + std::to_string(t.steps_done()) + " steps of --resume",
+                                 std::to_string(o.steps), "Raise --steps to continue the run");
+    }
+    std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
+                same_plan ? "" : " (its plan is not restored: over this budget; continuing under the plan above)");
+  }
+
+  windows train_src{&train, o.seq}, val_src{&val, o.seq};
+  auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
+  progress bar(o.steps);
+  char line[160];
+  const double first_eval = eval();
+  std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(t.steps_done()),
+                o.steps, first_eval);
+  bar.note(line);
+  double last_loss = 0, last_eval = first_eval, total_ms = 0;
+  std::size_t tokens_done = 0, skipped = 0, replans = 0;
+  // Reserved bytes after each step: flat after the first step, or the stack creeps.
+  std::size_t reserved_after_first = 0, reserved_max_later = 0;
+  const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
+  foreign_block foreign;
+  bool foreign_taken = false;
+  const std::uint64_t first_step = t.steps_done() + 1;
+  while (t.steps_done() < stop) {
+    if (o.foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= o.foreign.at_step) {
+      foreign_taken = true;
+      alloc.release_cached();  // the arena's free tail is nobody's: others can take it
+      foreign.take(o.foreign.bytes);
+      recorder.record_allocation(mb::memory_tag::other, o.foreign.bytes, nullptr);
+      bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(o.foreign.bytes, false) +
+               " of device memory are now held by something else (--foreign: cudaMalloc outside the budget)");
+    }
+    const mb::step_result r = t.step(train_src);
+    for (const mb::replan_event& e : r.replans) {
+      bar.note(e.describe());
+      ++replans;
+    }
+    total_ms += r.ms;
+    tokens_done += r.tokens;
+    last_loss = r.loss;
+    skipped += r.applied ? 0 : 1;
+    const auto st = alloc.stats();
+    if (r.step == first_step) reserved_after_first = st.reserved;
+    else reserved_max_later = std::max(reserved_max_later, st.reserved);
+    bar.step(r, alloc.usage(), st.peak_requested, budget);
+    if (o.eval_every != 0 && r.step % o.eval_every == 0) {
+      last_eval = eval();
+      std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(r.step),
+                    o.steps, last_eval);
+      bar.note(line);
+    }
+    if ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop)) {
+      try {
+        t.save(o.checkpoint);
+      } catch (const mb::error& e) {
+        throw mb::invalid_argument("--checkpoint", "a file that can be written", cli_checks::inner(e), "");
+      }
+      bar.note("saved " + o.checkpoint);
+    }
+  }
+  bar.finish();
+  if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
+
+  // The sample runs on the host: the same model on cpu_backend over a copy of the weights.
+  if (o.sample > 0) {
+    using host_net = mb::model<mb::embedding<P>,
+                               mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
+                               mb::lm_head<P>>;
+    const host_net hm(cfg, pattern);
+    std::vector<S> w(m.parameter_elements());
+    ex.synchronize();
+    mb::cuda_check(cudaMemcpy(w.data(), t.weights(), m.weight_bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (weights)");
+    mb::system_allocator host;
+    mb::thread_pool pool(2);
+    std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
+    std::vector<double> logits(256);
+    mb::random_state rs{o.seed};
+    std::string out;
+    for (std::size_t i = 0; i < o.sample; ++i) {
+      const std::size_t T = std::min<std::size_t>(ctx.size(), 256);
+      hm.next_token_logits(w.data(), ctx.data() + (ctx.size() - T), {1, T}, logits.data(), host, pool);
+      double mx = -1e300, z = 0;
+      for (double l : logits) mx = std::max(mx, l);
+      for (double& l : logits) z += (l = std::exp((l - mx) / 0.8));
+      double u = static_cast<double>(rs.next() >> 11) * 0x1.0p-53 * z;
+      std::size_t v = 0;
+      while (v + 1 < 256 && (u -= logits[v]) > 0) ++v;
+      ctx.push_back(static_cast<std::int32_t>(v));
+      out.push_back(static_cast<char>(v));
+    }
+    std::printf("\nsample:\n%s\n\n", out.c_str());
+  }
+
+  const auto st = alloc.stats();
+  const std::size_t predicted = t.largest_predicted_peak();
+  const std::size_t predicted_reserve = t.largest_predicted_reserve();
+  const bool requested_ok = st.peak_requested <= predicted && predicted <= budget;
+  const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= budget;
+  // Model FLOPs of a step (MFU's convention: forward and backward, recompute not counted).
+  const double flops = 3.0 * (t.plan().forward_flops + m.head_flops(t.plan().micro)) *
+                       static_cast<double>(t.plan().accumulation);
+  const double step_s = t.steps_done() >= first_step ? total_ms / 1000.0 / static_cast<double>(t.steps_done() - first_step + 1) : 0;
+  std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB: %s\n",
+              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
+  std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s; after step 1 %.2f MiB, later at most "
+              "%.2f MiB\n",
+              mib(st.peak_reserved), mib(predicted_reserve), reserve_ok ? "yes" : "NO", mib(reserved_after_first),
+              mib(reserved_max_later));
+  if (step_s > 0) {
+    std::printf("%.0f tokens/s, %.1f model TFLOP/s per step (%.1f%% of 989 bf16 TFLOP/s)\n",
+                static_cast<double>(tokens_done) / (total_ms / 1000.0), flops / step_s / 1e12,
+                100.0 * flops / step_s / 989e12);
+  }
+  if (!o.report.empty()) {
+    const mb::training_plan& p = t.plan();
+    nlohmann::json j;
+    j["device"] = prop.name;
+    j["budget_bytes"] = budget;
+    j["predicted_peak_bytes"] = predicted;
+    j["measured_peak_bytes"] = st.peak_requested;
+    j["predicted_reserved_peak_bytes"] = predicted_reserve;
+    j["measured_reserved_peak_bytes"] = st.peak_reserved;
+    j["reserved_after_first_step_bytes"] = reserved_after_first;
+    j["reserved_max_after_first_step_bytes"] = reserved_max_later;
+    j["outside_stack_bytes"] = outside.total();
+    j["steps"] = t.steps_done();
+    j["final_train_loss"] = last_loss;
+    j["initial_eval_loss"] = first_eval;
+    j["final_eval_loss"] = last_eval;
+    j["tokens_per_second"] = total_ms > 0 ? static_cast<double>(tokens_done) / (total_ms / 1000.0) : 0.0;
+    j["model_tflops_per_second"] = step_s > 0 ? flops / step_s / 1e12 : 0.0;
+    j["skipped_steps"] = skipped;
+    j["replans"] = replans;
+    j["foreign_bytes"] = alloc.external();
+    j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
+    j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
+                       {"emergency", thresholds.emergency}};
+    j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
+                 {"optimizer", p.optimizer},   {"step_buffers", p.step_buffers},
+                 {"activations", p.activations},
+                 {"workspace", p.workspace},   {"peak", p.peak_bytes},
+                 {"reserved_peak", p.reserved_peak},
+                 {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
+                 {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
+    j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
+                     {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"device", "cuda"},
+                     {"loss_scaling", t.loss_scaling_on()},
+                     {"allocator", "budget<traced<expandable_arena<cuda_virtual_memory>>>, " + std::to_string(granule) +
+                                       " B granules"},
+                     {"monitor", "foreign_memory_monitor<pressure_monitor<all_check_points>, device_others_probe>"}};
+    cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
+  }
+  if (!o.trace.empty()) {
+    cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
+  }
+  return requested_ok && reserve_ok ? 0 : 3;
+}
+
+int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) {
+  if (o.optimizer != "adamw") {
+    throw mb::invalid_argument("--optimizer", "adamw with --device cuda", o.optimizer,
+                               "adamw8bit runs on the CPU only for now: pass --optimizer adamw or --device cpu");
+  }
+  if (o.precision == "fp16") {
+    throw mb::invalid_argument("--precision", "fp32 or bf16 with --device cuda", "fp16",
+                               "This build's GPU trainer is compiled for fp32 and bf16: pass --precision bf16");
+  }
+  if (o.precision == "bf16") return run_device<mb::bf16_precision>(o, text);
+  return run_device<mb::fp32_precision>(o, text);
+}
+
+}  // namespace
+}  // namespace train_example
+
+// The module's entry points, found by train.cpp with dlsym (C names: no mangling to agree on).
+// Exceptions cross back into train (the same compiler and C++ runtime built both).
+extern "C" {
+bool membound_train_cuda_present() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: not an error of this run
+    return false;
+  }
+  return n > 0;
+}
+std::size_t membound_train_cuda_memory() {
+  return membound::device_memory_info(membound::cuda_current_device()).total;
+}
+int membound_train_cuda_run(const train_example::options* o, const std::vector<std::int32_t>* text) {
+  return train_example::run_on_device_here(*o, *text);
+}
+}
