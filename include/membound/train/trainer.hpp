@@ -55,6 +55,9 @@
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
 // reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
 // that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
+// ZeRO-0/1 with overlap = true exchange in the last micro-batch's backward instead of after it:
+// each block's all-reduce (reduce-scatter) runs during the next block's backward (see
+// exchange_router); the same bits as the blocking path.
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
@@ -62,7 +65,8 @@
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
 // micro-batch (before_forward, after_forward, before_backward; after_backward too under ZeRO-0/1,
-// which exchange only after the last micro-batch) every rank gathers every rank's vote (pressure
+// which exchange only after the last micro-batch, but not in an overlapped one's last, whose
+// blocks' exchanges have started by then) every rank gathers every rank's vote (pressure
 // emergency; a plan whose peak no longer fits beside the budget's external bytes; an
 // out-of-memory met since the last such point). One vote makes every rank abandon
 // the step (see agree_on_retry), then all gather their targets (the emergency threshold and the
@@ -71,7 +75,8 @@
 // exchanges (ZeRO-2's reduce-scatters, ZeRO-0/1's buckets, sized from the plan's headroom) match.
 // No plan, with a rank whose current one no longer fits its budget: every rank throws the same
 // rank_budget_too_small naming that rank. An out-of-memory after that micro-batch's exchanges have
-// started (ZeRO-2's backward, the exchange after the micro-batches) cannot be retried over ranks.
+// started (ZeRO-2's backward, ZeRO-0/1 overlapped's last backward, the exchange after the
+// micro-batches) cannot be retried over ranks.
 #pragma once
 
 #include <algorithm>
