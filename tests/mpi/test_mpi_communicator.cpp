@@ -110,6 +110,16 @@ void collectives(mb::mpi_communicator& comm, std::size_t n, const char* type) {
     const std::uint64_t s = mine.size() * sizeof(T);
     check(sent == 2 * ((n * sizeof(T) - s) + s * (N - 1)),
           at + "started all-reduces: the blocking one's bytes sent (" + std::to_string(sent) + ")", me);
+    // A blocking collective while one is in flight and polled (some ranks' test() may have started
+    // its all-gather, others not: the blocking call starts it first on those, so the order matches).
+    std::vector<T> c = data_of<T>(me, n, salt), d = data_of<T>(me, n, salt + 1);
+    std::vector<std::byte> wd(wa.size());
+    auto pc = comm.start_all_reduce_sum(c.data(), n, wa.data(), wa.size());
+    for (std::size_t k = 0; k < 3 * (me + 1); ++k) (void)pc.test();
+    comm.all_reduce_sum(d.data(), n, wd.data(), wd.size());
+    pc.wait();
+    check(same_bits(c.data(), want.data(), n) && same_bits(d.data(), want_b.data(), n),
+          at + "a blocking all-reduce while a started one is in flight", me);
   }
   // All-gather, from a separate shard and in place.
   {

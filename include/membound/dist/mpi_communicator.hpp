@@ -204,6 +204,7 @@ class mpi_communicator {
       counts[r] = detail::mpi_count(s.size() * sizeof(T), "n");
       displs[r] = detail::mpi_count(s.begin * sizeof(T), "n");
     }
+    start_pending_gather();
     // In place when the shard already sits in out (ZeRO's parameter gather does that).
     const bool in_place = shard == out + shard_of(n, size_, rank_).begin;
     check_usable();
@@ -223,7 +224,11 @@ class mpi_communicator {
   // The same, started (ZeRO-0's overlapped gradient exchange): the reduce-scatter's all-to-all
   // now; once it has completed (test() sees it, or wait()), this rank's shard is summed and the
   // all-gather started non-blocking. data and ws stay the caller's and untouched (data is written
-  // by the all-gather) until wait() returns; the sums are all_reduce_sum's, bit for bit.
+  // by the all-gather) until wait() returns; the sums are all_reduce_sum's, bit for bit. MPI
+  // matches collectives by the order each rank starts them, and when test() starts the all-gather
+  // depends on timing: so the next collective this communicator starts (any call) first completes
+  // the all-to-all and starts the all-gather of a started all-reduce that has not started it yet,
+  // and every rank starts the same collectives in the same order.
   class pending_all_reduce;
   template <summable T>
   pending_all_reduce start_all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes);
@@ -239,6 +244,7 @@ class mpi_communicator {
   void broadcast(T* data, std::size_t n, std::size_t root) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
     detail::check_root(root, size_);
+    start_pending_gather();
     check_usable();
     count_sent(rank_ == root ? static_cast<std::uint64_t>(n * sizeof(T)) * (size_ - 1) : 0);
     const int bytes = detail::mpi_count(n * sizeof(T), "n");
@@ -251,6 +257,7 @@ class mpi_communicator {
     complete(req, "MPI_Ibcast");
   }
   void barrier() {
+    start_pending_gather();
     check_usable();
     if (timeout_.count() == 0) {
       detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier");
@@ -268,6 +275,8 @@ class mpi_communicator {
   template <summable T>
   pending_reduce_scatter start_alltoall(const T* in, const int* c, T* parts, T* out, std::size_t stride,
                                         std::size_t count);
+  // Starts the all-gather of the started all-reduce that has not yet (see start_all_reduce_sum).
+  void start_pending_gather();
   void count_sent(std::uint64_t bytes) noexcept {
     stats_.bytes_sent += bytes;
     ++stats_.collectives;
@@ -317,6 +326,7 @@ class mpi_communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::size_t rank_ = 0, size_ = 1;
   std::vector<int> counts_;
+  pending_all_reduce* ungathered_ = nullptr;  // a started all-reduce whose all-gather has not started
 };
 
 // An all-to-all in flight: wait() completes it and adds the received shards in rank order. The
@@ -415,6 +425,7 @@ class mpi_communicator::pending_all_reduce {
       size_ = o.size_;
       elem_ = o.elem_;
       gathering_ = std::exchange(o.gathering_, true);
+      if (owner_ != nullptr && owner_->ungathered_ == &o) owner_->ungathered_ = this;
     }
     return *this;
   }
@@ -444,6 +455,7 @@ class mpi_communicator::pending_all_reduce {
   // of every rank's shard into data_; its counts go where the all-to-all's were (free by now).
   void start_gather() {
     gathering_ = true;
+    if (owner_->ungathered_ == this) owner_->ungathered_ = nullptr;
     scatter_.wait();
     int* counts = counts_;
     int* displs = counts + size_;
@@ -458,7 +470,16 @@ class mpi_communicator::pending_all_reduce {
     detail::mpi_check(MPI_Iallgatherv(mine_, counts[me], MPI_BYTE, data_, counts, displs, MPI_BYTE, owner_->comm_, &gather_),
                       "MPI_Iallgatherv");
   }
+  // Unwaited: the all-gather is started all the same (the other ranks may have started theirs),
+  // and completed, errors swallowed.
   void finish_quietly() noexcept {
+    if (!gathering_) {
+      try {
+        start_gather();
+      } catch (...) {
+        if (owner_->ungathered_ == this) owner_->ungathered_ = nullptr;
+      }
+    }
     scatter_ = pending_reduce_scatter{};  // waits for an all-to-all still in flight
     if (gather_ != MPI_REQUEST_NULL) {
       if (owner_ != nullptr && owner_->timeout_.count() != 0) {
@@ -504,7 +525,12 @@ mpi_communicator::pending_all_reduce mpi_communicator::start_all_reduce_sum(T* d
   p.size_ = size_;
   p.elem_ = sizeof(T);
   p.gathering_ = false;
+  ungathered_ = &p;  // follows p when it is moved
   return p;
+}
+
+inline void mpi_communicator::start_pending_gather() {
+  if (ungathered_ != nullptr) ungathered_->start_gather();  // clears ungathered_
 }
 
 template <summable T>
@@ -540,6 +566,7 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
 template <summable T>
 mpi_communicator::pending_reduce_scatter mpi_communicator::start_alltoall(const T* in, const int* c, T* parts, T* out,
                                                                           std::size_t stride, std::size_t count) {
+  start_pending_gather();
   pending_reduce_scatter p;
   detail::mpi_check(MPI_Ialltoallv(in, c, c + size_, MPI_BYTE, parts, c + 2 * size_, c + 3 * size_, MPI_BYTE, comm_, &p.req_),
                     "MPI_Ialltoallv");
