@@ -34,8 +34,14 @@
 //   - ZeRO-2 overlapped (each block's reduce-scatter in flight through the next block's
 //     backward): the blocking path's losses, weights, optimizer state and bytes sent, bit for
 //     bit, with schedules none and full (retape ops while a bucket is in flight), and at N = 2
-//     with micro-batches of 2; measured peak == predicted in each; overlap with ZeRO-1, and a
-//     blocking plan given to an overlapping trainer, are refused with typed errors.
+//     with micro-batches of 2; measured peak == predicted in each; a blocking plan given to an
+//     overlapping trainer (ZeRO-0, 1, 2), and an overlapped plan to a blocking one, are refused
+//     with typed errors naming the plan.
+//   - ZeRO-0/1 overlapped (N > 1; the last micro-batch's block i starts its all-reduce, or
+//     reduce-scatter into the shards, as its backward ends): blocking's losses, weights and
+//     optimizer state bit for bit, schedules none and full, one and two micro-batches per rank and
+//     micro-batches of 2; ZeRO-1's bytes sent exactly blocking's, ZeRO-0's over all ranks; measured
+//     peak and reserve == predicted; bf16 too.
 //   - bf16 storage (16-bit gradients on the wire, summed in fp32 in rank order, rounded once;
 //     fp32 masters, m, v sharded): measured peak == predicted under ZeRO-0/1/2 and overlapped;
 //     ZeRO-1's and ZeRO-2's (one micro-batch per rank) bits are ZeRO-0's, overlapped's blocking's;
@@ -52,7 +58,7 @@
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
-//   - Replanning under pressure over ranks (ZeRO-0, 1, 2 and overlapped ZeRO-2): the last rank
+//   - Replanning under pressure over ranks (ZeRO-0, 1, 2, each also overlapped): the last rank
 //     alone sees others take memory (its budget's external bytes) before step 1 or step 3; its
 //     pressure monitor's emergency is voted at the next agreement point and every rank retries
 //     the step under the same stricter plan (same choices on every rank, rank 0's broadcast);
@@ -61,7 +67,7 @@
 //     switches to that plan at the same step (from step 1: planned with it from the start).
 //     With no monitor: external bytes that leave no room for the plan's peak on the last rank
 //     (every stage), and bytes allocated there so that the plan's peak runs out of memory
-//     (ZeRO-0/1: no exchange inside the micro-batch), retry step 1 on every rank the same way.
+//     (ZeRO-0/1 blocking: no exchange inside the micro-batch), retry step 1 on every rank the same way.
 //     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
 //     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
 //   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
@@ -452,7 +458,7 @@ int main(int argc, char** argv) {
     }
     if (me == 0) {
       std::printf("ZeRO-0/1 overlapped: peak per rank %zu / %zu (blocking %zu / %zu), schedule full %zu / %zu (blocking "
-                  "%zu / %zu), exchange in flight %llu / %llu bytes, measured == predicted\n",
+                  "%zu / %zu), exchange buffer %llu / %llu bytes, measured == predicted\n",
                   z0o.peak, z1o.peak, dp.peak, zero1.peak, z0fo.peak, z1fo.peak, z0f.peak, z1f.peak,
                   static_cast<unsigned long long>(z0o.memory.exchange), static_cast<unsigned long long>(z1o.memory.exchange));
     }
