@@ -180,11 +180,6 @@ options checked_options(const flag_texts& f) {
   whole("--threads", o.threads, 1, 256);
   whole("--zero", o.zero, 0, 2);
   whole("--overlap", o.overlap, 0, 1);
-  if (o.overlap != 0 && o.zero != 2) {
-    throw mb::invalid_argument("--overlap", "0 unless --zero 2", "1 with --zero " + std::to_string(o.zero),
-                               "Add --zero 2 (ZeRO-2's per-block reduce-scatters are what overlaps the backward), "
-                               "or drop --overlap");
-  }
   whole("--timeout", o.timeout, 0, 86400);
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
@@ -402,6 +397,25 @@ class ranks {
     void wait() {}
 #endif
   };
+  // A started all-reduce (ZeRO-0 overlapped), the same way.
+  struct pending_all {
+#if MEMBOUND_EXAMPLE_MPI
+    mb::mpi_communicator::pending_all_reduce p;
+    bool test() { return p.test(); }
+    void wait() { p.wait(); }
+#else
+    bool test() { return true; }
+    void wait() {}
+#endif
+  };
+  template <mb::summable T>
+  pending_all start_all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t bytes) {
+#if MEMBOUND_EXAMPLE_MPI
+    if (mpi_) return {mpi_->start_all_reduce_sum(data, n, ws, bytes)};
+#endif
+    local_.all_reduce_sum(data, n, ws, bytes);
+    return {};
+  }
   template <mb::summable T>
   pending start_reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws,
                                           std::size_t bytes) {
@@ -430,6 +444,7 @@ class ranks {
 };
 static_assert(mb::communicator<ranks>);
 static_assert(mb::overlapping_communicator<ranks>);
+static_assert(mb::overlapping_all_reduce_communicator<ranks>);
 
 template <typename S>
 using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
@@ -461,7 +476,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
   // ZeRO-2: the gradients too (each block's reduce-scattered at the end of its backward).
   const mb::gradient_shards grad_shards =
-      o.zero == 2 ? mb::gradient_shards_of<typename net::storage_type>(world, o.overlap != 0) : mb::gradient_shards{};
+      mb::gradient_exchange_of<typename net::storage_type>(world, o.zero, o.overlap != 0);
   const foreign_load foreign = o.foreign;
 
   // The default stack: a hard budget over an expandable arena at page granularity, traced. The
@@ -752,9 +767,10 @@ int main(int argc, char** argv) {
        "shard and rank 0 a manifest at --checkpoint), 2 the gradients too; with one process 1 and 2 are the same as "
        "0 (default 0)");
   flag("--overlap", "0|1",
-       "with --zero 2 under mpirun, 1 starts each block's gradient reduce-scatter as its backward ends and completes "
-       "it after the next block's, which runs meanwhile (the same sums; one bucket more in flight, planned) "
-       "(default 0)");
+       "under mpirun, 1 starts each block's gradient exchange as its backward ends and completes it after the next "
+       "block's, which runs meanwhile: with --zero 2 every micro-batch's reduce-scatter of the block (one bucket and "
+       "its workspace more in flight), with --zero 0 or 1 the last micro-batch's all-reduce or reduce-scatter of the "
+       "block's accumulated gradients (one workspace more in flight); the same sums, planned (default 0)");
   flag("--timeout", "0..86400",
        "under mpirun, the most seconds any collective may take: a rank that died or hangs makes the others stop "
        "with collective_timeout after this long (0: wait as long as it takes, default)");

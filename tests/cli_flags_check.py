@@ -186,7 +186,6 @@ def main():
             ("--checkpoint", {"--save-every": "1", "--checkpoint": tiny}),  # would replace --data
             ("--checkpoint", {"--stop-after": "1", "--checkpoint": "/dev/null"}),  # replaced by a rename
             ("--min-lr", {"--lr": "0.001", "--min-lr": "0.002"}),
-            ("--overlap", {"--overlap": "1", "--zero": "1"}),      # only ZeRO-2 overlaps
             ("--budget", {"--device": "cpu", "--budget": "0.5"}),  # a fraction is of a GPU's memory
             ("--foo", {"+": ["--foo", "1"]}),
             ("--width", {"--width": None, "+": ["--width"]}),      # no value
@@ -216,6 +215,8 @@ def main():
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
         c.accept(train, base, {"--zero": "2", "--overlap": "1"})  # one process: nothing to overlap
+        c.accept(train, base, {"--zero": "1", "--overlap": "1"})  # every stage takes it
+        c.accept(train, base, {"--overlap": "1"})                 # ZeRO-0 too
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
                  lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
         # A checkpoint at step 2, kept outside the output folder for the next cases.

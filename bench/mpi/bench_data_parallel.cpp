@@ -8,13 +8,16 @@
 // bytes per rank (weights + gradients + optimizer, as the trainer holds them between steps)
 // against the formula for our fp32 and bf16 storage and DeepSpeed's published mixed-precision
 // formulas; bf16 storage is measured under each stage too (its layout is DeepSpeed's 2 + 2 + 12).
-// ZeRO-2 runs twice, blocking and overlapped (each block's reduce-scatter in flight through the
-// next block's backward), alternating over three rounds so that both see the same machine; the
-// last line gives their median step times' ratio.
+// Each stage runs twice, blocking and overlapped (each block's exchange in flight through the next
+// block's backward: ZeRO-2's reduce-scatter of every micro-batch's bucket, ZeRO-0's all-reduce and
+// ZeRO-1's reduce-scatter of the last micro-batch's accumulated block), alternating over three
+// rounds so that both see the same machine; the lines after the table give their median step
+// times' ratios and the machine's load average (/proc/loadavg) before and after.
 //
 //   mpiexec -n 2 --oversubscribe ./build/release/bench/bench_data_parallel [steps]
 // A benchmark, not a test: its times depend on the machine (2 ranks on 2 cores here).
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -62,7 +65,7 @@ row measure(const Net& m, mb::mpi_communicator& comm, std::size_t zero, std::siz
   mb::plan_options po;
   po.threads = threads;
   po.optimizer_elements = zero >= 1 && N > 1 ? mb::shard_of(m.parameter_elements(), N, comm.rank()).size() : 0;
-  po.gradients = zero == 2 ? mb::gradient_shards_of<S>(comm, overlap && N > 1) : mb::gradient_shards{};
+  po.gradients = mb::gradient_exchange_of<S>(comm, zero, overlap && N > 1);
   const mb::training_plan plan = mb::make_plan(m, mb::batch_shape{eff.batch / N, eff.seq}, mb::schedules::none{}, po);
   alloc_t a(std::size_t{1} << 32);
   mb::thread_pool pool(threads);
@@ -94,6 +97,18 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The 1-minute load average, or "?".
+std::string load_average() {
+  std::FILE* f = std::fopen("/proc/loadavg", "r");
+  if (f == nullptr) return "?";
+  char buf[64] = {};
+  const bool ok = std::fgets(buf, sizeof buf, f) != nullptr;
+  std::fclose(f);
+  if (!ok) return "?";
+  std::string s(buf);
+  return s.substr(0, s.find(' '));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -108,19 +123,23 @@ int main(int argc, char** argv) {
   const net m(cfg, {0, 1, 2, 1});
   const net16 m16(cfg, {0, 1, 2, 1});
   const double psi = static_cast<double>(m.weight_bytes());  // gradient bytes: Ψ
-  const row z0 = measure(m, comm, 0, steps, 1);
-  const row z1 = measure(m, comm, 1, steps, 1);
-  // Blocking and overlapped ZeRO-2, alternating, the same steps each round.
-  row z2, z2o;
-  std::vector<double> blocking_ms, overlapped_ms;
+  const std::string load_before = load_average();
+  // Blocking and overlapped, each stage, alternating, the same steps each round.
+  std::array<row, 3> blk, ovl;
+  std::array<std::vector<double>, 3> blocking_ms, overlapped_ms;
   for (int round = 0; round < 3; ++round) {
-    z2 = measure(m, comm, 2, steps, 1);
-    z2o = measure(m, comm, 2, steps, 1, true);
-    blocking_ms.insert(blocking_ms.end(), z2.all_ms.begin(), z2.all_ms.end());
-    overlapped_ms.insert(overlapped_ms.end(), z2o.all_ms.begin(), z2o.all_ms.end());
+    for (std::size_t z = 0; z < 3; ++z) {
+      blk[z] = measure(m, comm, z, steps, 1);
+      ovl[z] = measure(m, comm, z, steps, 1, true);
+      blocking_ms[z].insert(blocking_ms[z].end(), blk[z].all_ms.begin(), blk[z].all_ms.end());
+      overlapped_ms[z].insert(overlapped_ms[z].end(), ovl[z].all_ms.begin(), ovl[z].all_ms.end());
+    }
   }
-  z2.ms = median(blocking_ms);
-  z2o.ms = median(overlapped_ms);
+  for (std::size_t z = 0; z < 3; ++z) {
+    blk[z].ms = median(blocking_ms[z]);
+    ovl[z].ms = median(overlapped_ms[z]);
+  }
+  const row &z0 = blk[0], &z1 = blk[1], &z2 = blk[2], &z0o = ovl[0], &z1o = ovl[1], &z2o = ovl[2];
   // bf16 storage: the model states DeepSpeed's mixed-precision formulas count.
   const row h0 = measure(m16, comm, 0, steps, 1), h1 = measure(m16, comm, 1, steps, 1), h2 = measure(m16, comm, 2, steps, 1);
   if (comm.rank() == 0) {
@@ -130,19 +149,27 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---|---|---|---|---|\n");
     std::printf("| %zu | ZeRO-0 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z0.ms, z0.sent, ring, z0.optimizer,
                 z0.peak);
+    std::printf("| %zu | ZeRO-0 overlapped | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu (%zu in flight) |\n", N, z0o.ms,
+                z0o.sent, ring, z0o.optimizer, z0o.peak, z0o.in_flight);
     std::printf("| %zu | ZeRO-1 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z1.ms, z1.sent, ring,
                 z1.optimizer, z1.peak);
+    std::printf("| %zu | ZeRO-1 overlapped | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu (%zu in flight) |\n", N, z1o.ms,
+                z1o.sent, ring, z1o.optimizer, z1o.peak, z1o.in_flight);
     std::printf("| %zu | ZeRO-2 | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu |\n", N, z2.ms, z2.sent, ring,
                 z2.optimizer, z2.peak);
     std::printf("| %zu | ZeRO-2 overlapped | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu (%zu in flight) |\n", N, z2o.ms,
                 z2o.sent, ring, z2o.optimizer, z2o.peak, z2o.in_flight);
-    const bool exact = z0.peak == z0.predicted && z1.peak == z1.predicted && z2.peak == z2.predicted &&
-                       z2o.peak == z2o.predicted;
+    bool exact = true;
+    for (std::size_t z = 0; z < 3; ++z) exact = exact && blk[z].peak == blk[z].predicted && ovl[z].peak == ovl[z].predicted;
     std::printf("(Ψ = %.0f gradient bytes, 1 thread per rank; the bytes sent include the loss's all-reduce of one double, "
                 "and under ZeRO-1/2 the gather of N sums of squares for the norm; measured peak == predicted: %s)\n",
-                psi, exact ? "yes, all four" : "NO");
-    std::printf("ZeRO-2 step time, overlapped / blocking: %.3f (medians of %zu steps each, 3 alternating rounds)\n\n",
-                z2o.ms / z2.ms, blocking_ms.size());
+                psi, exact ? "yes, all six" : "NO");
+    for (std::size_t z = 0; z < 3; ++z) {
+      std::printf("ZeRO-%zu step time, overlapped / blocking: %.3f (medians of %zu steps each, 3 alternating rounds)\n", z,
+                  ovl[z].ms / blk[z].ms, blocking_ms[z].size());
+    }
+    std::printf("(load average, 1 minute: %s before, %s after; the machine's cores are shared)\n\n", load_before.c_str(),
+                load_average().c_str());
     // Model states per rank. P parameter elements (padding included), s = rank 0's shard.
     const double P = static_cast<double>(m.parameter_elements());
     const double s = static_cast<double>(mb::shard_of(m.parameter_elements(), N, 0).size());

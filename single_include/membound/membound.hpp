@@ -10819,6 +10819,15 @@ concept overlapping_communicator =
       { c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n) } -> exchange_handle;
     };
 
+// A communicator that can also start all_reduce_sum and complete it later (ZeRO-0's overlapped
+// gradient exchange): the same handle contract; data and ws stay untouched (data is written) until
+// wait() returns.
+template <typename C>
+concept overlapping_all_reduce_communicator =
+    communicator<C> && requires(C& c, float* f, void* ws, std::size_t n) {
+      { c.start_all_reduce_sum(f, n, ws, n) } -> exchange_handle;
+    };
+
 namespace detail {
 // out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
 // 16-bit parts are summed in fp32 and rounded once, so the sum of N ranks' gradients rounds as
@@ -14576,11 +14585,23 @@ struct schedule_choice {
 // completed at the end of the next block's backward (the last one's after the micro-batch's
 // backward), so its bucket and workspace stay live through the ops in between: chain_link's
 // backward_carry.
+//
+// zero = 0 or 1 with overlap (ZeRO-0/1 overlapped): every rank keeps every gradient (no shard,
+// no bucket), and the step's last micro-batch starts, as block i's backward ends, the exchange of
+// block i's parameters (ZeRO-0: an all-reduce of the range, its workspace affine in the range's
+// largest shard max_shard(k, ranks); ZeRO-1: a reduce-scatter of the range into the ranks'
+// optimizer shards, affine in the largest rank's part of it), completed as the next block's
+// backward ends: its workspace is that backward's carry. The embedding's and head's exchanges
+// follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
 struct gradient_shards {
   std::size_t ranks = 0, rank = 0;
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
   bool overlap = false;
-  constexpr bool on() const noexcept { return ranks > 1; }
+  std::size_t zero = 2;  // the ZeRO stage the exchange serves (see above)
+  // ZeRO-2: the gradients sharded.
+  constexpr bool on() const noexcept { return ranks > 1 && zero == 2; }
+  // ZeRO-0/1 overlapped: the whole gradient kept, each block's exchange started in its backward.
+  constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
 
 struct plan_options {
@@ -14651,7 +14672,7 @@ struct training_plan {
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
   std::size_t gradient_bucket = 0, gradient_held = 0;
   // Overlapped (gradient_shards::overlap): the most bytes in flight between two blocks' backward
-  // ops, a bucket and its exchange's workspace.
+  // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
@@ -14704,6 +14725,10 @@ struct training_plan {
                     gradient_in_flight != 0 ? (", + " + format_bytes(gradient_in_flight, false) + " in flight (overlapped)").c_str()
                                             : "");
       row("gradients", gradients, note);
+    } else if (gradient_in_flight != 0) {
+      const std::string note = "+ " + format_bytes(gradient_in_flight, false) +
+                               " in flight in the last micro-batch's backward (overlapped exchange)";
+      row("gradients", gradients, note.c_str());
     } else {
       row("gradients", gradients, "");
     }
@@ -14795,13 +14820,19 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
 
 // ZeRO-2: the workspace of one parameter range's reduce-scatter (and, with more than one
 // micro-batch per step, the partial sum it adds into the shard): what the trainer allocates.
+// ZeRO-0/1 overlapped: the range's all-reduce (ZeRO-0) or reduce-scatter into the shards (ZeRO-1),
+// no partial sum (only the last micro-batch exchanges, into the accumulated gradients).
 template <typename Model>
 std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, shard_range r, std::size_t accumulation) {
   const std::size_t n = m.parameter_elements();
   std::size_t most = 0;
-  for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  if (gs.zero == 0) {
+    most = gs.ranks > 0 ? max_shard(r.size(), gs.ranks) : 0;
+  } else {
+    for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  }
   return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
-                 accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+                 gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
 template <typename Model>
@@ -14840,8 +14871,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer, p.step_buffers);
   std::size_t held_exchange = 0;  // the embedding's and head's reduce-scatter, after the micro-batch
-  if (gs.on()) {
-    p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
+  if (gs.on()) p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
+  if (gs.on() || gs.whole_overlapped()) {
     held_exchange = std::max(exchange_of(m.embedding_parameters()), exchange_of(m.head_parameters()));
   }
   const std::size_t step_base = sat_add(base, p.gradient_held);
@@ -14865,6 +14896,18 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
         l.backward_peak = sat_add(held, std::max(ws, exchange_of(r)));
       }
       p.gradient_bucket = std::max(p.gradient_bucket, bucket);
+    }
+  } else if (gs.whole_overlapped()) {
+    // ZeRO-0/1 overlapped, the last micro-batch (the others hold less at every op): block i's
+    // backward as it is; as it ends (its workspace given back, its new δ live) the exchange before
+    // it is completed and released and this block's exchange workspace taken, in flight until the
+    // next block's backward ends.
+    for (std::size_t i = 0; i < c.links.size(); ++i) {
+      chain_link& l = c.links[i];
+      const std::size_t ws = exchange_of(m.block_parameters(i));
+      l.backward_tail_peak = sat_add(l.input_bytes, ws);
+      l.backward_carry = ws;
+      p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
   p.ops = schedule_ops(c, sc);
@@ -14909,9 +14952,9 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     p.timeline.push_back(std::move(q));
   }
   // The last block's exchange, overlapped, is still in flight here; the gradient exchange completes it first.
-  const std::size_t last_in_flight = gs.overlap ? c.links[0].backward_carry : 0;
+  const std::size_t last_in_flight = gs.overlap && gs.ranks > 1 ? c.links[0].backward_carry : 0;
   p.timeline.push_back({"embedding backward", sat_add(step_base, a, last_in_flight), sat_add(step_base, a, last_in_flight)});
-  if (gs.on()) {
+  if (gs.on() || gs.whole_overlapped()) {
     const std::size_t peak = sat_add(step_base, held_exchange);
     p.timeline.push_back({"gradient exchange (embedding, head)", sat_add(step_base, last_in_flight), peak});
     if (peak > best) {
@@ -15268,10 +15311,35 @@ struct zero2_request_router {
     rec.deallocate(std::exchange(flight_bucket, nullptr), flight_bytes, default_alignment, memory_tag::gradients);
   }
 };
+// ZeRO-0/1 overlapped (gs.whole_overlapped()), the last micro-batch: no bucket; at end_block the
+// exchange in flight is given back (its workspace) and this block's workspace taken, in flight
+// until the next end_block or finish().
+template <typename Model>
+struct exchange_request_router {
+  using S = typename Model::storage_type;
+  const Model& m;
+  request_recorder& rec;
+  gradient_shards gs;
+  std::size_t accumulation;
+  void* flight_ws = nullptr;
+  std::size_t flight_ws_bytes = 0;
+  S* at(std::size_t) const noexcept { return nullptr; }
+  void begin_block(std::size_t) const noexcept {}
+  void end_block(std::size_t i) {
+    finish();
+    flight_ws_bytes = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    flight_ws = rec.allocate(flight_ws_bytes, default_alignment, memory_tag::workspace);
+  }
+  void finish() {
+    if (flight_ws == nullptr) return;
+    rec.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
+  }
+};
 }  // namespace detail
 
 // gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
-// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too.
+// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too, or
+// ZeRO-0/1 overlapped, whose last micro-batch's exchanges are.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
                         std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
@@ -15288,6 +15356,19 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
                      default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
   for (std::size_t k = 0; k < accumulation; ++k) {
+    if (gs.whole_overlapped() && k + 1 == accumulation) {
+      // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
+      // block's backward, then the embedding's and the head's exchanges, one after the other.
+      detail::exchange_request_router<Model> router{m, rec, gs, accumulation};
+      m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+      router.finish();
+      for (const shard_range q : {m.embedding_parameters(), m.head_parameters()}) {
+        const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+        rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                       memory_tag::workspace);
+      }
+      continue;
+    }
     if (!gs.on()) {
       m.step_requests(micro, ops, head_chunk, threads, rec);
       continue;
@@ -15440,6 +15521,9 @@ MEMBOUND_NAMESPACE_END
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
 // reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
 // that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
+// ZeRO-0/1 with overlap = true exchange in the last micro-batch's backward instead of after it:
+// each block's all-reduce (reduce-scatter) runs during the next block's backward (see
+// exchange_router); the same bits as the blocking path.
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
@@ -15447,7 +15531,8 @@ MEMBOUND_NAMESPACE_END
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
 // micro-batch (before_forward, after_forward, before_backward; after_backward too under ZeRO-0/1,
-// which exchange only after the last micro-batch) every rank gathers every rank's vote (pressure
+// which exchange only after the last micro-batch, but not in an overlapped one's last, whose
+// blocks' exchanges have started by then) every rank gathers every rank's vote (pressure
 // emergency; a plan whose peak no longer fits beside the budget's external bytes; an
 // out-of-memory met since the last such point). One vote makes every rank abandon
 // the step (see agree_on_retry), then all gather their targets (the emergency threshold and the
@@ -15456,7 +15541,8 @@ MEMBOUND_NAMESPACE_END
 // exchanges (ZeRO-2's reduce-scatters, ZeRO-0/1's buckets, sized from the plan's headroom) match.
 // No plan, with a rank whose current one no longer fits its budget: every rank throws the same
 // rank_budget_too_small naming that rank. An out-of-memory after that micro-batch's exchanges have
-// started (ZeRO-2's backward, the exchange after the micro-batches) cannot be retried over ranks.
+// started (ZeRO-2's backward, ZeRO-0/1 overlapped's last backward, the exchange after the
+// micro-batches) cannot be retried over ranks.
 
 #include <charconv>
 
@@ -15502,10 +15588,15 @@ struct trainer_options {
   // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
   // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
-  // ZeRO-2 only: each block's reduce-scatter is started as its backward ends and completed at the
-  // end of the next block's backward, which runs while it is in flight. The same sums, bit for
-  // bit; the price is one bucket and its exchange workspace more between two backward ops (the
-  // plan counts them: plan_options::gradients.overlap). Needs an overlapping_communicator.
+  // Each block's gradient exchange is started as its backward ends and completed at the end of the
+  // next block's backward, which runs while it is in flight. ZeRO-2: every micro-batch's
+  // reduce-scatter of the block's bucket (one bucket and its workspace more between two backward
+  // ops); ZeRO-0/1: in the step's last micro-batch (the earlier ones accumulate), the all-reduce
+  // (ZeRO-0) or reduce-scatter into the shards (ZeRO-1) of the block's accumulated gradients (one
+  // exchange workspace more), then the embedding's and head's after the backward. The same sums,
+  // bit for bit; the plan counts what is in flight (plan_options::gradients, see
+  // gradient_exchange_of). Needs an overlapping_communicator (ZeRO-1/2) or an
+  // overlapping_all_reduce_communicator (ZeRO-0).
   bool overlap = false;
 };
 
@@ -15589,6 +15680,39 @@ gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = fals
                              "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
     }
     return {comm.size(), comm.rank(), w1 - w0, w0, overlap};
+  }
+}
+
+// plan_options::gradients for a trainer of ZeRO stage `zero` (trainer_options::zero, overlap) over
+// `comm` (storage S): ZeRO-2's gradient_shards_of; ZeRO-0/1 overlapped, the exchange the last
+// micro-batch's backward carries (gradient_shards::whole_overlapped: the communicator's all-reduce
+// workspace, affine in the largest shard of the range, or its reduce_scatter_blocks workspace);
+// otherwise off (ZeRO-0/1 exchange inside the step's peak, after the backward).
+//   po.gradients = gradient_exchange_of<float>(comm, options.zero, options.overlap);
+template <typename S, typename Communicator>
+gradient_shards gradient_exchange_of(const Communicator& comm, std::size_t zero, bool overlap) {
+  if (zero >= 2) return gradient_shards_of<S>(comm, overlap);
+  if constexpr (!summable<S>) {
+    return {};
+  } else {
+    const std::size_t N = comm.size();
+    if (!overlap || N <= 1) return {};
+    const auto ws = [&](std::size_t most) {
+      return zero == 0 ? comm.template all_reduce_workspace_bytes<S>(most * N)
+                       : comm.template reduce_scatter_blocks_workspace_bytes<S>(most);
+    };
+    const std::size_t w0 = ws(0), w1 = ws(1), w1000 = ws(1000);
+    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
+      throw invalid_argument("communicator",
+                             zero == 0 ? "an all_reduce_workspace_bytes affine in the largest shard"
+                                       : "a reduce_scatter_blocks_workspace_bytes affine in the block size",
+                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) +
+                                 ", " + std::to_string(w1000) + " bytes for shards of 0, 1, 1000 elements",
+                             "The overlapped exchange's planner counts a + b·k bytes per block: set overlap = false");
+    }
+    gradient_shards g{N, comm.rank(), w1 - w0, w0, true};
+    g.zero = zero;
+    return g;
   }
 }
 
@@ -15729,6 +15853,20 @@ struct pending_exchange_of<C> {
   using type = decltype(std::declval<C&>().start_reduce_scatter_blocks_sum(
       std::declval<const float*>(), std::declval<const shard_range*>(), std::declval<float*>(), std::declval<void*>(),
       std::size_t{}));
+};
+
+// The handle of a started all-reduce (ZeRO-0's overlap); a stand-in as above.
+template <typename C>
+struct pending_all_reduce_of {
+  struct type {
+    bool test() noexcept { return true; }
+    void wait() noexcept {}
+  };
+};
+template <overlapping_all_reduce_communicator C>
+struct pending_all_reduce_of<C> {
+  using type = decltype(std::declval<C&>().start_all_reduce_sum(std::declval<float*>(), std::size_t{},
+                                                                std::declval<void*>(), std::size_t{}));
 };
 
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
@@ -16127,7 +16265,7 @@ class trainer {
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    if (zero2()) {
+    if (zero2() || whole_overlapped()) {
       r.exchange = std::max(range_exchange_bytes(m_.embedding_parameters()), range_exchange_bytes(m_.head_parameters()));
       for (std::size_t i = 0; i < m_.depth(); ++i) r.exchange = std::max(r.exchange, range_exchange_bytes(m_.block_parameters(i)));
     } else if (world() > 1) {
@@ -16613,8 +16751,10 @@ class trainer {
   S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
   // What plan_options::gradients says for this trainer.
   gradient_shards gradient_sharding() const {
-    return zero2() ? gradient_shards_of<S>(comm_, o_.overlap) : gradient_shards{};
+    return world() > 1 ? gradient_exchange_of<S>(comm_, o_.zero, o_.overlap) : gradient_shards{};
   }
+  // ZeRO-0/1 overlapped: the last micro-batch's blocks start their exchanges in the backward.
+  bool whole_overlapped() const noexcept { return o_.overlap && o_.zero < 2 && world() > 1; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
@@ -16940,7 +17080,8 @@ class trainer {
     if (agreeing()) {
       // ZeRO-2's after_backward comes after the micro-batch's reduce-scatters: no rank abandons
       // there, the request waits for the next point (the next micro-batch, or the step's end).
-      if (P == check_point::after_backward && zero2()) return;
+      // So does an overlapped ZeRO-0/1 last micro-batch's (its blocks' exchanges have started).
+      if (P == check_point::after_backward && backward_exchanges_) return;
       const bool mine = may_abandon && monitor_.stricter_plan_requested();
       if (mine) monitor_.clear_stricter_plan_request();
       // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
@@ -16966,6 +17107,8 @@ class trainer {
     skip_requests(comm_.rank() * rank_batch().batch);
     for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
       oom_may_vote_ = true;  // no exchange until this micro-batch's backward
+      // Whether this micro-batch's backward starts exchanges (ZeRO-2's, or the last of ZeRO-0/1 overlapped).
+      backward_exchanges_ = zero2() || (whole_overlapped() && micro + 1 == plan_.accumulation);
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
       auto observer = [&](check_point p) {
@@ -16973,7 +17116,7 @@ class trainer {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
           case check_point::before_backward:
             watch<check_point::before_backward>(highest, may_abandon);
-            if (zero2()) oom_may_vote_ = false;  // each block's reduce-scatter follows its backward
+            if (backward_exchanges_) oom_may_vote_ = false;  // each block's exchange follows its backward
             break;
           case check_point::after_backward: watch<check_point::after_backward>(highest, may_abandon); break;
           default: break;
@@ -16981,6 +17124,8 @@ class trainer {
       };
       if (zero2()) {
         loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
+      } else if (backward_exchanges_) {
+        loss += overlapped_micro_batch(scale / accum, observer) / accum;
       } else {
         loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
@@ -16988,6 +17133,7 @@ class trainer {
       }
     }
     oom_may_vote_ = false;  // the exchange follows
+    backward_exchanges_ = false;
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
     if (world() > 1) loss = exchange(loss);
     return loss;
@@ -17007,8 +17153,8 @@ class trainer {
   // raises the peak the plan predicted.
   double exchange(double loss) {
     if constexpr (summable<S>) {
-      if (zero2()) {
-        // Reduce-scattered during the backward already.
+      if (zero2() || whole_overlapped()) {
+        // Reduce-scattered (all-reduced) during the backward already.
       } else if (sharded()) {
         exchange_shards();
       } else {
@@ -17186,6 +17332,102 @@ class trainer {
     }
   }
 
+  // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------
+  // The step's last micro-batch (the earlier ones accumulate into g_ as the blocking path does):
+  // once its block i's backward has ended, block i's gradients (block_parameters(i), contiguous)
+  // are complete, so their exchange is started there, non-blocking, on g_ in place: ZeRO-0
+  // all-reduces the range, ZeRO-1 reduce-scatters it into the ranks' optimizer shards (each
+  // rank's part of the range, as exchange_shards' rounds carry them). It is completed as the next
+  // block's backward ends (test() polled as that one begins, since MPI moves a non-blocking
+  // collective on only inside MPI calls); the last block's after the backward, then the
+  // embedding's and the head's ranges are exchanged, one after the other. One exchange in
+  // flight at a time, holding only its workspace (the planner's carry). Every element's sum is
+  // the rank-order sum the blocking path computes, so the bits are its bits.
+  using pending_all_reduce = typename detail::pending_all_reduce_of<Communicator>::type;
+  struct exchange_router {
+    trainer& t;
+    pending_exchange scatter{};   // ZeRO-1's reduce-scatter in flight
+    pending_all_reduce reduce{};  // ZeRO-0's all-reduce in flight
+    void* ws = nullptr;           // its workspace
+    std::size_t ws_bytes = 0;
+    explicit exchange_router(trainer& tr) : t(tr) {}
+    exchange_router(const exchange_router&) = delete;
+    exchange_router& operator=(const exchange_router&) = delete;
+    ~exchange_router() {
+      scatter = pending_exchange{};  // waits for an exchange still in flight before its workspace goes
+      reduce = pending_all_reduce{};
+      release();
+    }
+    S* at(std::size_t offset) const noexcept { return t.g_ + offset; }
+    void begin_block(std::size_t) {
+      if (ws == nullptr) return;
+      if (t.sharded()) {
+        (void)scatter.test();
+      } else {
+        (void)reduce.test();
+      }
+    }
+    void end_block(std::size_t i) {
+      finish();
+      start(t.m_.block_parameters(i));
+    }
+    // Takes the range's workspace and starts its exchange.
+    void start(shard_range r) {
+      ws_bytes = t.range_exchange_bytes(r);
+      ws = t.alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+      if constexpr (summable<S>) {
+        if (t.sharded()) {
+          if constexpr (overlapping_communicator<Communicator>) {
+            const shard_range mine = t.range_blocks(r);
+            scatter = t.comm_.start_reduce_scatter_blocks_sum(static_cast<const S*>(t.g_ + r.begin), t.blocks_.data(),
+                                                              t.g_ + mine.begin, ws, ws_bytes);
+          }
+        } else {
+          if constexpr (overlapping_all_reduce_communicator<Communicator>) {
+            reduce = t.comm_.start_all_reduce_sum(t.g_ + r.begin, r.size(), ws, ws_bytes);
+          }
+        }
+      }
+    }
+    // Completes the exchange in flight and gives its workspace back.
+    void finish() {
+      if (ws == nullptr) return;
+      if (t.sharded()) {
+        scatter.wait();
+      } else {
+        reduce.wait();
+      }
+      release();
+    }
+    void release() noexcept {
+      if (ws != nullptr) t.alloc_.deallocate(std::exchange(ws, nullptr), ws_bytes, default_alignment, memory_tag::workspace);
+    }
+  };
+
+  template <typename Observer>
+  double overlapped_micro_batch(double scale, Observer& observer) {
+    exchange_router router(*this);
+    const double loss = m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, ex_, observer);
+    router.finish();
+    for (const shard_range r : {m_.embedding_parameters(), m_.head_parameters()}) {
+      router.start(r);
+      router.finish();
+    }
+    return loss;
+  }
+
+  // Fills blocks_ with every rank's optimizer-shard part of r (relative to r.begin); returns this
+  // rank's part (absolute).
+  shard_range range_blocks(shard_range r) {
+    const std::size_t N = world();
+    for (std::size_t k = 0; k < N; ++k) {
+      const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+      blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+    }
+    return overlap(opt_shard_, r.begin, r.end);
+  }
+
   // The bytes the gradient exchange may take: the step's predicted peak less the trainer's own.
   std::size_t exchange_headroom() const noexcept {
     return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
@@ -17304,13 +17546,12 @@ class trainer {
                              std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
-    if (o_.overlap && o_.zero != 2) {
-      throw invalid_argument("options.overlap", "false unless options.zero = 2",
-                             "true with zero = " + std::to_string(o_.zero),
-                             "Use zero = 2 (its per-block reduce-scatters are what overlaps the backward; ZeRO-0 "
-                             "and ZeRO-1 exchange after the micro-batch), or set overlap = false");
+    if (o_.overlap && o_.zero == 0 && !overlapping_all_reduce_communicator<Communicator>) {
+      throw invalid_argument("options.overlap", "a communicator that starts an all-reduce and completes it later (ZeRO-0)",
+                             std::string(comm_.name()) + ", which has no start_all_reduce_sum",
+                             "Use mpi_communicator, or set overlap = false");
     }
-    if (o_.overlap && !overlapping_communicator<Communicator>) {
+    if (o_.overlap && o_.zero >= 1 && !overlapping_communicator<Communicator>) {
       throw invalid_argument("options.overlap", "a communicator that starts a reduce-scatter and completes it later",
                              std::string(comm_.name()) + ", which has no start_reduce_scatter_blocks_sum",
                              "Use mpi_communicator, or set overlap = false");
@@ -17642,6 +17883,8 @@ class trainer {
   std::vector<std::uint64_t> votes_, targets_, fits_;
   // An out-of-memory may vote at the next agreement point: no exchange lies before it.
   bool oom_may_vote_ = false;
+  // This micro-batch's backward starts gradient exchanges (ZeRO-2, or ZeRO-0/1 overlapped's last).
+  bool backward_exchanges_ = false;
   mutable std::string last_shard_;  // this rank's shard file of the last ZeRO-1 save or load
 };
 

@@ -5,7 +5,8 @@
 // process accumulating N micro-batches computes: equality here is the property data-parallel
 // training relies on to match one process bit for bit.
 //
-// Also: reduce_scatter_blocks_sum against the sequential sum; started, over bf16 (the fp32
+// Also: all_reduce_sum started (start_all_reduce_sum, two in flight); reduce_scatter_blocks_sum
+// against the sequential sum; started, over bf16 (the fp32
 // rank-order sum of the widened values, rounded once); a communicator with a timeout
 // (collective_timeout on the ranks left waiting for a late one).
 //
@@ -86,6 +87,39 @@ void collectives(mb::mpi_communicator& comm, std::size_t n, const char* type) {
     std::vector<std::byte> ws(comm.template all_reduce_workspace_bytes<T>(n));
     comm.all_reduce_sum(data.data(), n, ws.data(), ws.size());
     check(same_bits(data.data(), want.data(), n), at + "all_reduce_sum == ordered sum on every rank", me);
+  }
+  // All-reduces started (ZeRO-0's overlap): two in flight, moved into handles made before (a
+  // move-assigned handle keeps its state), polled with test(), waited in reverse order; the
+  // blocking all-reduce's bits and bytes sent.
+  {
+    std::vector<T> a = data_of<T>(me, n, salt), b = data_of<T>(me, n, salt + 1);
+    const std::vector<T> want_b = sequential_sum<T>(N, n, salt + 1);
+    std::vector<std::byte> wa(comm.template all_reduce_workspace_bytes<T>(n)), wb(wa.size());
+    const std::uint64_t before = comm.stats().bytes_sent;
+    mb::mpi_communicator::pending_all_reduce pa, pb;
+    pa = comm.start_all_reduce_sum(a.data(), n, wa.data(), wa.size());
+    pb = comm.start_all_reduce_sum(b.data(), n, wb.data(), wb.size());
+    (void)pa.test();
+    pb.wait();
+    while (!pa.test()) {
+    }
+    pa.wait();
+    const std::uint64_t sent = comm.stats().bytes_sent - before;
+    check(same_bits(a.data(), want.data(), n) && same_bits(b.data(), want_b.data(), n),
+          at + "started all-reduces == ordered sums on every rank", me);
+    const std::uint64_t s = mine.size() * sizeof(T);
+    check(sent == 2 * ((n * sizeof(T) - s) + s * (N - 1)),
+          at + "started all-reduces: the blocking one's bytes sent (" + std::to_string(sent) + ")", me);
+    // A blocking collective while one is in flight and polled (some ranks' test() may have started
+    // its all-gather, others not: the blocking call starts it first on those, so the order matches).
+    std::vector<T> c = data_of<T>(me, n, salt), d = data_of<T>(me, n, salt + 1);
+    std::vector<std::byte> wd(wa.size());
+    auto pc = comm.start_all_reduce_sum(c.data(), n, wa.data(), wa.size());
+    for (std::size_t k = 0; k < 3 * (me + 1); ++k) (void)pc.test();
+    comm.all_reduce_sum(d.data(), n, wd.data(), wd.size());
+    pc.wait();
+    check(same_bits(c.data(), want.data(), n) && same_bits(d.data(), want_b.data(), n),
+          at + "a blocking all-reduce while a started one is in flight", me);
   }
   // All-gather, from a separate shard and in place.
   {

@@ -34,8 +34,14 @@
 //   - ZeRO-2 overlapped (each block's reduce-scatter in flight through the next block's
 //     backward): the blocking path's losses, weights, optimizer state and bytes sent, bit for
 //     bit, with schedules none and full (retape ops while a bucket is in flight), and at N = 2
-//     with micro-batches of 2; measured peak == predicted in each; overlap with ZeRO-1, and a
-//     blocking plan given to an overlapping trainer, are refused with typed errors.
+//     with micro-batches of 2; measured peak == predicted in each; a blocking plan given to an
+//     overlapping trainer (ZeRO-0, 1, 2), and an overlapped plan to a blocking one, are refused
+//     with typed errors naming the plan.
+//   - ZeRO-0/1 overlapped (N > 1; the last micro-batch's block i starts its all-reduce, or
+//     reduce-scatter into the shards, as its backward ends): blocking's losses, weights and
+//     optimizer state bit for bit, schedules none and full, one and two micro-batches per rank and
+//     micro-batches of 2; ZeRO-1's bytes sent exactly blocking's, ZeRO-0's over all ranks; measured
+//     peak and reserve == predicted; bf16 too.
 //   - bf16 storage (16-bit gradients on the wire, summed in fp32 in rank order, rounded once;
 //     fp32 masters, m, v sharded): measured peak == predicted under ZeRO-0/1/2 and overlapped;
 //     ZeRO-1's and ZeRO-2's (one micro-batch per rank) bits are ZeRO-0's, overlapped's blocking's;
@@ -52,7 +58,7 @@
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
-//   - Replanning under pressure over ranks (ZeRO-0, 1, 2 and overlapped ZeRO-2): the last rank
+//   - Replanning under pressure over ranks (ZeRO-0, 1, 2, each also overlapped): the last rank
 //     alone sees others take memory (its budget's external bytes) before step 1 or step 3; its
 //     pressure monitor's emergency is voted at the next agreement point and every rank retries
 //     the step under the same stricter plan (same choices on every rank, rank 0's broadcast);
@@ -61,7 +67,7 @@
 //     switches to that plan at the same step (from step 1: planned with it from the start).
 //     With no monitor: external bytes that leave no room for the plan's peak on the last rank
 //     (every stage), and bytes allocated there so that the plan's peak runs out of memory
-//     (ZeRO-0/1: no exchange inside the micro-batch), retry step 1 on every rank the same way.
+//     (ZeRO-0/1 blocking: no exchange inside the micro-batch), retry step 1 on every rank the same way.
 //     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
 //     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
 //   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
@@ -147,6 +153,7 @@ struct run {
   std::vector<double> losses;
   std::vector<unsigned char> weights, optimizer;
   std::size_t peak = 0, predicted = 0;
+  std::size_t reserved = 0, predicted_reserve = 0;  // on the allocator stack (reserve_plan's replay)
   std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
   mb::rank_memory memory{};
 };
@@ -162,6 +169,8 @@ run finish(Trainer& t, alloc_t& a) {
   r.optimizer.assign(o, o + t.optimizer_bytes());
   r.peak = a.stats().peak_requested;
   r.predicted = t.largest_predicted_peak();
+  r.reserved = a.stats().peak_reserved;
+  r.predicted_reserve = t.largest_predicted_reserve();
   r.memory = t.memory();
   return r;
 }
@@ -175,8 +184,7 @@ run data_parallel(const Model& m, mb::mpi_communicator& comm, std::size_t zero =
   mb::thread_pool pool(1);
   const std::size_t shard = zero >= 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
   const bool ov = overlap && comm.size() > 1;
-  const mb::gradient_shards gs =
-      zero == 2 ? mb::gradient_shards_of<typename Model::storage_type>(comm, ov) : mb::gradient_shards{};
+  const mb::gradient_shards gs = mb::gradient_exchange_of<typename Model::storage_type>(comm, zero, ov);
   mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro, schedule), a, pool,
                 options(zero, ov), mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
@@ -350,16 +358,32 @@ int main(int argc, char** argv) {
       }
     }
     if (N > 1) {
-      // Overlap is ZeRO-2's: asked of ZeRO-1 it is refused, naming the option.
+      // A blocking ZeRO-1 plan given to an overlapping ZeRO-1 trainer is refused, naming the plan.
       alloc_t a(std::size_t{1} << 30);
       mb::thread_pool pool(1);
       bool threw = false;
       try {
         mb::trainer t(m, effective, plan_for(m, A, shard.size()), a, pool, options(1, true), mb::null_monitor{}, comm);
       } catch (const mb::invalid_argument& e) {
-        threw = std::string(e.argument()) == "options.overlap";
+        threw = std::string(e.argument()) == "plan";
       }
-      check(threw, "overlap with ZeRO-1: invalid_argument naming options.overlap");
+      check(threw, "ZeRO-1 overlapped given a blocking plan: invalid_argument naming the plan");
+      threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, A), a, pool, options(0, true), mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "plan";
+      }
+      check(threw, "ZeRO-0 overlapped given a blocking plan: invalid_argument naming the plan");
+      // An overlapped plan given to a blocking trainer, likewise.
+      threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, A, 0, mb::gradient_exchange_of<float>(comm, 0, true)), a, pool, options(0),
+                      mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "plan";
+      }
+      check(threw, "blocking ZeRO-0 given an overlapped plan: invalid_argument naming the plan");
       // A blocking plan given to an overlapping trainer is refused, naming the plan.
       threw = false;
       try {
@@ -384,6 +408,62 @@ int main(int argc, char** argv) {
     }
   }
 
+  // ZeRO-0/1 overlapped: the last micro-batch's block i starts its exchange (ZeRO-0 an all-reduce of
+  // the block's range, ZeRO-1 a reduce-scatter of it into the shards) as its backward ends; it runs
+  // through the next block's backward. Every element's sum is the blocking path's rank-order sum,
+  // so the bits are blocking's, with schedules none and full, one micro-batch per rank (N = 4),
+  // two (N = 2: the first accumulates, the last exchanges) and one of 2 (N = 2); the measured peak
+  // and reserve equal the predictions (the workspace in flight planned as the backward's carry).
+  if (N > 1) {
+    const mb::schedule_choice full = mb::schedule_choice::of(mb::schedules::full{});
+    const run z0o = data_parallel(m, comm, 0, 1, true);
+    const run z1o = data_parallel(m, comm, 1, 1, true);
+    const run z0f = data_parallel(m, comm, 0, 1, false, full);
+    const run z0fo = data_parallel(m, comm, 0, 1, true, full);
+    const run z1f = data_parallel(m, comm, 1, 1, false, full);
+    const run z1fo = data_parallel(m, comm, 1, 1, true, full);
+    for (const auto& [r, what] : {std::pair{&z0o, "ZeRO-0 overlapped"}, std::pair{&z1o, "ZeRO-1 overlapped"},
+                                  std::pair{&z0fo, "ZeRO-0 overlapped, schedule full"},
+                                  std::pair{&z1fo, "ZeRO-1 overlapped, schedule full"}}) {
+      check(r->peak == r->predicted, std::string(what) + ": measured peak " + std::to_string(r->peak) + " == predicted " +
+                                         std::to_string(r->predicted));
+      check(r->reserved == r->predicted_reserve, std::string(what) + ": measured reserve " + std::to_string(r->reserved) +
+                                                     " == predicted " + std::to_string(r->predicted_reserve));
+      check(r->weights == rank0(comm, r->weights), std::string(what) + ": every rank holds rank 0's weights");
+    }
+    check(same_bits(z0o.losses, dp.losses) && z0o.weights == dp.weights && z0o.optimizer == dp.optimizer,
+          "ZeRO-0 overlapped: the blocking path's losses, weights and optimizer state, bit for bit");
+    check(same_bits(z1o.losses, zero1.losses) && z1o.weights == zero1.weights && z1o.optimizer == zero1.optimizer,
+          "ZeRO-1 overlapped: the blocking path's losses, weights and optimizer state, bit for bit");
+    check(same_bits(z0fo.losses, z0f.losses) && z0fo.weights == z0f.weights && z0fo.optimizer == z0f.optimizer,
+          "ZeRO-0 overlapped, schedule full: the blocking path's bits");
+    check(same_bits(z1fo.losses, z1f.losses) && z1fo.weights == z1f.weights && z1fo.optimizer == z1f.optimizer,
+          "ZeRO-1 overlapped, schedule full: the blocking path's bits");
+    // ZeRO-1: each rank still sends every other rank its part of the gradient once: blocking's
+    // bytes exactly. ZeRO-0: the all-reduces are cut by blocks, not by the headroom's buckets, so a
+    // rank's share differs, but the world's total (2·(N − 1) per element) is blocking's.
+    check(z1o.bytes_sent == zero1.bytes_sent, "ZeRO-1 overlapped: the blocking path's bytes sent");
+    unsigned long long sent[2] = {dp.bytes_sent, z0o.bytes_sent}, total[2] = {};
+    MPI_Allreduce(sent, total, 2, MPI_UNSIGNED_LONG_LONG, MPI_SUM, comm.native());
+    check(total[0] == total[1], "ZeRO-0 overlapped: the blocking path's bytes sent over all ranks (" +
+                                    std::to_string(total[1]) + " vs " + std::to_string(total[0]) + ")");
+    check(z0o.memory.exchange > 0 && z1o.memory.exchange > 0, "ZeRO-0/1 overlapped: an exchange buffer in the plan line");
+    if (N == 2) {
+      const run z0 = data_parallel(m, comm, 0, 2), z1 = data_parallel(m, comm, 1, 2);
+      const run z0o2 = data_parallel(m, comm, 0, 2, true), z1o2 = data_parallel(m, comm, 1, 2, true);
+      check(same_bits(z0o2.losses, z0.losses) && z0o2.weights == z0.weights && z0o2.peak == z0o2.predicted,
+            "ZeRO-0 overlapped, micro-batch 2: the blocking path's bits, measured peak == predicted");
+      check(same_bits(z1o2.losses, z1.losses) && z1o2.weights == z1.weights && z1o2.peak == z1o2.predicted,
+            "ZeRO-1 overlapped, micro-batch 2: the blocking path's bits, measured peak == predicted");
+    }
+    if (me == 0) {
+      std::printf("ZeRO-0/1 overlapped: peak per rank %zu / %zu (blocking %zu / %zu), schedule full %zu / %zu (blocking "
+                  "%zu / %zu), exchange buffer %llu / %llu bytes, measured == predicted\n",
+                  z0o.peak, z1o.peak, dp.peak, zero1.peak, z0fo.peak, z1fo.peak, z0f.peak, z1f.peak,
+                  static_cast<unsigned long long>(z0o.memory.exchange), static_cast<unsigned long long>(z1o.memory.exchange));
+    }
+  }
+
   // bf16 storage over ranks: gradients move as 16 bits and are summed in fp32 in rank order,
   // rounded once; AdamW's fp32 masters, m and v are sharded under ZeRO-1/2 (DeepSpeed's mixed
   // precision layout, 2 + 2 + 12 bytes per parameter).
@@ -397,6 +477,14 @@ int main(int argc, char** argv) {
     const run h1z = data_parallel(mh, comm, 1);
     const run h2 = data_parallel(mh, comm, 2);
     const run h2o = data_parallel(mh, comm, 2, 1, true);
+    const run h0o = data_parallel(mh, comm, 0, 1, true);
+    const run h1o = data_parallel(mh, comm, 1, 1, true);
+    check(h0o.peak == h0o.predicted && h1o.peak == h1o.predicted && h0o.reserved == h0o.predicted_reserve &&
+              h1o.reserved == h1o.predicted_reserve,
+          "bf16: measured peak and reserve == predicted under ZeRO-0 and 1 overlapped (" + std::to_string(h0o.peak) + ", " +
+              std::to_string(h1o.peak) + ")");
+    check(same_bits(h0o.losses, h0.losses) && h0o.weights == h0.weights && h0o.optimizer == h0.optimizer,
+          "bf16: ZeRO-0 overlapped gives blocking ZeRO-0's bits");
     const std::size_t A = effective.batch / N;
     check(h0.peak == h0.predicted && h1z.peak == h1z.predicted && h2.peak == h2.predicted && h2o.peak == h2o.predicted,
           "bf16: measured peak == predicted under ZeRO-0, 1, 2 and 2 overlapped (" + std::to_string(h0.peak) + ", " +
@@ -429,6 +517,8 @@ int main(int argc, char** argv) {
     // The sums are the same per element in every stage: ZeRO-1's and (one micro-batch per rank)
     // ZeRO-2's bits are ZeRO-0's; overlapped ZeRO-2 is blocking ZeRO-2's.
     check(same_bits(h1z.losses, h0.losses) && h1z.weights == h0.weights, "bf16: ZeRO-1 gives ZeRO-0's bits");
+    check(same_bits(h1o.losses, h1z.losses) && h1o.weights == h1z.weights && h1o.optimizer == h1z.optimizer,
+          "bf16: ZeRO-1 overlapped gives blocking ZeRO-1's bits");
     if (A == 1) check(same_bits(h2.losses, h0.losses) && h2.weights == h0.weights, "bf16: ZeRO-2 gives ZeRO-0's bits");
     check(same_bits(h2o.losses, h2.losses) && h2o.weights == h2.weights && h2o.optimizer == h2.optimizer,
           "bf16: ZeRO-2 overlapped gives blocking ZeRO-2's bits");
@@ -704,11 +794,12 @@ int main(int argc, char** argv) {
       std::size_t zero;
       bool overlap;
     };
-    for (const stage sg : {stage{0, false}, stage{1, false}, stage{2, false}, stage{2, true}}) {
-      if (N == 1 && sg.zero != 0) continue;  // one rank has no stages
+    for (const stage sg : {stage{0, false}, stage{1, false}, stage{2, false}, stage{2, true}, stage{0, true},
+                           stage{1, true}}) {
+      if (N == 1 && (sg.zero != 0 || sg.overlap)) continue;  // one rank has no stages
       const std::string name = "pressure, ZeRO-" + std::to_string(sg.zero) + (sg.overlap ? " overlapped" : "");
       const std::size_t sh = sg.zero >= 1 && N > 1 ? shard.size() : 0;
-      const mb::gradient_shards gs = sg.zero == 2 ? mb::gradient_shards_of<float>(comm, sg.overlap) : mb::gradient_shards{};
+      const mb::gradient_shards gs = mb::gradient_exchange_of<float>(comm, sg.zero, sg.overlap);
       const mb::training_plan p0 = plan_for(m, effective.batch / N, sh, gs);
       // As test_trainer's single-process case: a budget twice the plan's peak, thresholds low
       // enough that the emergency is seen at a check point before any allocation can fail.
@@ -789,7 +880,7 @@ int main(int argc, char** argv) {
       // in a backward, after its first reduce-scatter: an out-of-memory there is not retried over
       // ranks.) Either way every rank retries step 1 under the agreed plan.
       for (const bool outside : {true, false}) {
-        if (!outside && sg.zero == 2) continue;
+        if (!outside && (sg.zero == 2 || sg.overlap)) continue;  // overlapped: the peak may lie past an exchange
         const std::string what = name + ", " + (outside ? "external" : "allocated") + " bytes on rank " +
                                  std::to_string(last) + " before step 1, no monitor";
         alloc_t c(limit);

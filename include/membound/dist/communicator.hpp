@@ -91,6 +91,15 @@ concept overlapping_communicator =
       { c.start_reduce_scatter_blocks_sum(cf, static_cast<const shard_range*>(nullptr), f, ws, n) } -> exchange_handle;
     };
 
+// A communicator that can also start all_reduce_sum and complete it later (ZeRO-0's overlapped
+// gradient exchange): the same handle contract; data and ws stay untouched (data is written) until
+// wait() returns.
+template <typename C>
+concept overlapping_all_reduce_communicator =
+    communicator<C> && requires(C& c, float* f, void* ws, std::size_t n) {
+      { c.start_all_reduce_sum(f, n, ws, n) } -> exchange_handle;
+    };
+
 namespace detail {
 // out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
 // 16-bit parts are summed in fp32 and rounded once, so the sum of N ranks' gradients rounds as

@@ -204,6 +204,7 @@ class mpi_communicator {
       counts[r] = detail::mpi_count(s.size() * sizeof(T), "n");
       displs[r] = detail::mpi_count(s.begin * sizeof(T), "n");
     }
+    start_pending_gather();
     // In place when the shard already sits in out (ZeRO's parameter gather does that).
     const bool in_place = shard == out + shard_of(n, size_, rank_).begin;
     check_usable();
@@ -220,6 +221,17 @@ class mpi_communicator {
     complete(req, "MPI_Iallgatherv");
   }
   // data (n elements) = Σ over ranks in rank order, on every rank.
+  // The same, started (ZeRO-0's overlapped gradient exchange): the reduce-scatter's all-to-all
+  // now; once it has completed (test() sees it, or wait()), this rank's shard is summed and the
+  // all-gather started non-blocking. data and ws stay the caller's and untouched (data is written
+  // by the all-gather) until wait() returns; the sums are all_reduce_sum's, bit for bit. MPI
+  // matches collectives by the order each rank starts them, and when test() starts the all-gather
+  // depends on timing: so the next collective this communicator starts (any call) first completes
+  // the all-to-all and starts the all-gather of a started all-reduce that has not started it yet,
+  // and every rank starts the same collectives in the same order.
+  class pending_all_reduce;
+  template <summable T>
+  pending_all_reduce start_all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes);
   template <summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
     const std::size_t need = all_reduce_workspace_bytes<T>(n);
@@ -232,6 +244,7 @@ class mpi_communicator {
   void broadcast(T* data, std::size_t n, std::size_t root) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
     detail::check_root(root, size_);
+    start_pending_gather();
     check_usable();
     count_sent(rank_ == root ? static_cast<std::uint64_t>(n * sizeof(T)) * (size_ - 1) : 0);
     const int bytes = detail::mpi_count(n * sizeof(T), "n");
@@ -244,6 +257,7 @@ class mpi_communicator {
     complete(req, "MPI_Ibcast");
   }
   void barrier() {
+    start_pending_gather();
     check_usable();
     if (timeout_.count() == 0) {
       detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier");
@@ -261,6 +275,8 @@ class mpi_communicator {
   template <summable T>
   pending_reduce_scatter start_alltoall(const T* in, const int* c, T* parts, T* out, std::size_t stride,
                                         std::size_t count);
+  // Starts the all-gather of the started all-reduce that has not yet (see start_all_reduce_sum).
+  void start_pending_gather();
   void count_sent(std::uint64_t bytes) noexcept {
     stats_.bytes_sent += bytes;
     ++stats_.collectives;
@@ -310,6 +326,7 @@ class mpi_communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::size_t rank_ = 0, size_ = 1;
   std::vector<int> counts_;
+  pending_all_reduce* ungathered_ = nullptr;  // a started all-reduce whose all-gather has not started
 };
 
 // An all-to-all in flight: wait() completes it and adds the received shards in rank order. The
@@ -387,6 +404,135 @@ class mpi_communicator::pending_reduce_scatter {
   std::size_t ranks_ = 0, stride_ = 0, count_ = 0;
 };
 
+// An all-reduce in flight: its reduce-scatter, then (once that is complete and summed) its
+// all-gather. Destroying it unwaited completes what was started, without starting the rest.
+class mpi_communicator::pending_all_reduce {
+ public:
+  pending_all_reduce() = default;
+  pending_all_reduce(const pending_all_reduce&) = delete;
+  pending_all_reduce& operator=(const pending_all_reduce&) = delete;
+  pending_all_reduce(pending_all_reduce&& o) noexcept { *this = std::move(o); }
+  pending_all_reduce& operator=(pending_all_reduce&& o) noexcept {
+    if (this != &o) {
+      finish_quietly();
+      scatter_ = std::move(o.scatter_);
+      gather_ = std::exchange(o.gather_, MPI_REQUEST_NULL);
+      owner_ = std::exchange(o.owner_, nullptr);
+      data_ = o.data_;
+      mine_ = o.mine_;
+      counts_ = o.counts_;
+      n_ = o.n_;
+      size_ = o.size_;
+      elem_ = o.elem_;
+      gathering_ = std::exchange(o.gathering_, true);
+      if (owner_ != nullptr && owner_->ungathered_ == &o) owner_->ungathered_ = this;
+    }
+    return *this;
+  }
+  ~pending_all_reduce() { finish_quietly(); }
+
+  // Lets MPI move the exchange on (the all-gather is started from here once the all-to-all is
+  // complete); true once every shard has arrived in data.
+  bool test() {
+    if (!gathering_) {
+      if (!scatter_.test()) return false;
+      start_gather();
+    }
+    if (gather_ == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    detail::mpi_check(MPI_Test(&gather_, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    return done != 0;
+  }
+  // With a timeout: collective_timeout when a part does not complete in time.
+  void wait() {
+    if (!gathering_) start_gather();
+    if (gather_ != MPI_REQUEST_NULL) owner_->complete(gather_, "MPI_Iallgatherv");
+  }
+
+ private:
+  friend class mpi_communicator;
+  // Completes the reduce-scatter (this rank's shard summed into mine_), then starts the all-gather
+  // of every rank's shard into data_; its counts go where the all-to-all's were (free by now).
+  void start_gather() {
+    gathering_ = true;
+    if (owner_->ungathered_ == this) owner_->ungathered_ = nullptr;
+    scatter_.wait();
+    int* counts = counts_;
+    int* displs = counts + size_;
+    for (std::size_t r = 0; r < size_; ++r) {
+      const shard_range s = shard_of(n_, size_, r);
+      counts[r] = detail::mpi_count(s.size() * elem_, "n");
+      displs[r] = detail::mpi_count(s.begin * elem_, "n");
+    }
+    const std::size_t me = owner_->rank_;
+    owner_->check_usable();
+    owner_->count_sent(static_cast<std::uint64_t>(counts[me]) * (size_ - 1));
+    detail::mpi_check(MPI_Iallgatherv(mine_, counts[me], MPI_BYTE, data_, counts, displs, MPI_BYTE, owner_->comm_, &gather_),
+                      "MPI_Iallgatherv");
+  }
+  // Unwaited: the all-gather is started all the same (the other ranks may have started theirs),
+  // and completed, errors swallowed.
+  void finish_quietly() noexcept {
+    if (!gathering_) {
+      try {
+        start_gather();
+      } catch (...) {
+        if (owner_->ungathered_ == this) owner_->ungathered_ = nullptr;
+      }
+    }
+    scatter_ = pending_reduce_scatter{};  // waits for an all-to-all still in flight
+    if (gather_ != MPI_REQUEST_NULL) {
+      if (owner_ != nullptr && owner_->timeout_.count() != 0) {
+        try {
+          owner_->complete(gather_, "MPI_Iallgatherv");
+        } catch (...) {
+        }
+      } else {
+        MPI_Wait(&gather_, MPI_STATUS_IGNORE);
+      }
+    }
+    gathering_ = true;
+  }
+
+  pending_reduce_scatter scatter_;
+  MPI_Request gather_ = MPI_REQUEST_NULL;
+  mpi_communicator* owner_ = nullptr;
+  void* data_ = nullptr;
+  const void* mine_ = nullptr;
+  int* counts_ = nullptr;
+  std::size_t n_ = 0, size_ = 0, elem_ = 0;
+  bool gathering_ = true;  // false while the reduce-scatter is the part in flight
+};
+
+template <summable T>
+mpi_communicator::pending_all_reduce mpi_communicator::start_all_reduce_sum(T* data, std::size_t n, void* ws,
+                                                                            std::size_t ws_bytes) {
+  const std::size_t need = all_reduce_workspace_bytes<T>(n);
+  detail::check_workspace(ws, ws_bytes, need);
+  if (n != 0 && data == nullptr) {
+    throw invalid_argument("data", "a buffer of n elements", "nullptr", "Pass the gradient buffer");
+  }
+  const std::size_t rs = reduce_scatter_workspace_bytes<T>(n);
+  T* mine = reinterpret_cast<T*>(static_cast<std::byte*>(ws) + rs);
+  pending_all_reduce p;
+  p.scatter_ = start_reduce_scatter_sum(static_cast<const T*>(data), n, mine, ws, rs);
+  p.owner_ = this;
+  p.data_ = data;
+  p.mine_ = mine;
+  // The all-to-all's counts, reused by the all-gather (see start_reduce_scatter_sum's layout).
+  p.counts_ = reinterpret_cast<int*>(static_cast<std::byte*>(ws) + size_ * max_shard(n, size_) * sizeof(T));
+  p.n_ = n;
+  p.size_ = size_;
+  p.elem_ = sizeof(T);
+  p.gathering_ = false;
+  ungathered_ = &p;  // follows p when it is moved
+  return p;
+}
+
+inline void mpi_communicator::start_pending_gather() {
+  if (ungathered_ != nullptr) ungathered_->start_gather();  // clears ungathered_
+}
+
 template <summable T>
 mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_sum(const T* in, std::size_t n, T* out,
                                                                                     void* ws, std::size_t ws_bytes) {
@@ -420,6 +566,7 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
 template <summable T>
 mpi_communicator::pending_reduce_scatter mpi_communicator::start_alltoall(const T* in, const int* c, T* parts, T* out,
                                                                           std::size_t stride, std::size_t count) {
+  start_pending_gather();
   pending_reduce_scatter p;
   detail::mpi_check(MPI_Ialltoallv(in, c, c + size_, MPI_BYTE, parts, c + 2 * size_, c + 3 * size_, MPI_BYTE, comm_, &p.req_),
                     "MPI_Ialltoallv");
@@ -469,5 +616,6 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
 
 static_assert(communicator<mpi_communicator>);
 static_assert(overlapping_communicator<mpi_communicator>);
+static_assert(overlapping_all_reduce_communicator<mpi_communicator>);
 
 MEMBOUND_NAMESPACE_END

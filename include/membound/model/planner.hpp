@@ -90,11 +90,23 @@ struct schedule_choice {
 // completed at the end of the next block's backward (the last one's after the micro-batch's
 // backward), so its bucket and workspace stay live through the ops in between: chain_link's
 // backward_carry.
+//
+// zero = 0 or 1 with overlap (ZeRO-0/1 overlapped): every rank keeps every gradient (no shard,
+// no bucket), and the step's last micro-batch starts, as block i's backward ends, the exchange of
+// block i's parameters (ZeRO-0: an all-reduce of the range, its workspace affine in the range's
+// largest shard max_shard(k, ranks); ZeRO-1: a reduce-scatter of the range into the ranks'
+// optimizer shards, affine in the largest rank's part of it), completed as the next block's
+// backward ends: its workspace is that backward's carry. The embedding's and head's exchanges
+// follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
 struct gradient_shards {
   std::size_t ranks = 0, rank = 0;
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
   bool overlap = false;
-  constexpr bool on() const noexcept { return ranks > 1; }
+  std::size_t zero = 2;  // the ZeRO stage the exchange serves (see above)
+  // ZeRO-2: the gradients sharded.
+  constexpr bool on() const noexcept { return ranks > 1 && zero == 2; }
+  // ZeRO-0/1 overlapped: the whole gradient kept, each block's exchange started in its backward.
+  constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
 
 struct plan_options {
@@ -165,7 +177,7 @@ struct training_plan {
   // beyond it (its bucket), and the embedding's and head's bucket held through each micro-batch.
   std::size_t gradient_bucket = 0, gradient_held = 0;
   // Overlapped (gradient_shards::overlap): the most bytes in flight between two blocks' backward
-  // ops, a bucket and its exchange's workspace.
+  // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
@@ -218,6 +230,10 @@ struct training_plan {
                     gradient_in_flight != 0 ? (", + " + format_bytes(gradient_in_flight, false) + " in flight (overlapped)").c_str()
                                             : "");
       row("gradients", gradients, note);
+    } else if (gradient_in_flight != 0) {
+      const std::string note = "+ " + format_bytes(gradient_in_flight, false) +
+                               " in flight in the last micro-batch's backward (overlapped exchange)";
+      row("gradients", gradients, note.c_str());
     } else {
       row("gradients", gradients, "");
     }
@@ -309,13 +325,19 @@ inline std::vector<chain_op> schedule_ops(const chain& c, schedule_choice s) {
 
 // ZeRO-2: the workspace of one parameter range's reduce-scatter (and, with more than one
 // micro-batch per step, the partial sum it adds into the shard): what the trainer allocates.
+// ZeRO-0/1 overlapped: the range's all-reduce (ZeRO-0) or reduce-scatter into the shards (ZeRO-1),
+// no partial sum (only the last micro-batch exchanges, into the accumulated gradients).
 template <typename Model>
 std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, shard_range r, std::size_t accumulation) {
   const std::size_t n = m.parameter_elements();
   std::size_t most = 0;
-  for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  if (gs.zero == 0) {
+    most = gs.ranks > 0 ? max_shard(r.size(), gs.ranks) : 0;
+  } else {
+    for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
+  }
   return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
-                 accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+                 gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
 template <typename Model>
@@ -354,8 +376,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer, p.step_buffers);
   std::size_t held_exchange = 0;  // the embedding's and head's reduce-scatter, after the micro-batch
-  if (gs.on()) {
-    p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
+  if (gs.on()) p.gradient_held = bytes_of<S>(sat_add(m.embedding_parameters().size(), m.head_parameters().size()));
+  if (gs.on() || gs.whole_overlapped()) {
     held_exchange = std::max(exchange_of(m.embedding_parameters()), exchange_of(m.head_parameters()));
   }
   const std::size_t step_base = sat_add(base, p.gradient_held);
@@ -379,6 +401,18 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
         l.backward_peak = sat_add(held, std::max(ws, exchange_of(r)));
       }
       p.gradient_bucket = std::max(p.gradient_bucket, bucket);
+    }
+  } else if (gs.whole_overlapped()) {
+    // ZeRO-0/1 overlapped, the last micro-batch (the others hold less at every op): block i's
+    // backward as it is; as it ends (its workspace given back, its new δ live) the exchange before
+    // it is completed and released and this block's exchange workspace taken, in flight until the
+    // next block's backward ends.
+    for (std::size_t i = 0; i < c.links.size(); ++i) {
+      chain_link& l = c.links[i];
+      const std::size_t ws = exchange_of(m.block_parameters(i));
+      l.backward_tail_peak = sat_add(l.input_bytes, ws);
+      l.backward_carry = ws;
+      p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
   p.ops = schedule_ops(c, sc);
@@ -423,9 +457,9 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     p.timeline.push_back(std::move(q));
   }
   // The last block's exchange, overlapped, is still in flight here; the gradient exchange completes it first.
-  const std::size_t last_in_flight = gs.overlap ? c.links[0].backward_carry : 0;
+  const std::size_t last_in_flight = gs.overlap && gs.ranks > 1 ? c.links[0].backward_carry : 0;
   p.timeline.push_back({"embedding backward", sat_add(step_base, a, last_in_flight), sat_add(step_base, a, last_in_flight)});
-  if (gs.on()) {
+  if (gs.on() || gs.whole_overlapped()) {
     const std::size_t peak = sat_add(step_base, held_exchange);
     p.timeline.push_back({"gradient exchange (embedding, head)", sat_add(step_base, last_in_flight), peak});
     if (peak > best) {

@@ -170,10 +170,35 @@ struct zero2_request_router {
     rec.deallocate(std::exchange(flight_bucket, nullptr), flight_bytes, default_alignment, memory_tag::gradients);
   }
 };
+// ZeRO-0/1 overlapped (gs.whole_overlapped()), the last micro-batch: no bucket; at end_block the
+// exchange in flight is given back (its workspace) and this block's workspace taken, in flight
+// until the next end_block or finish().
+template <typename Model>
+struct exchange_request_router {
+  using S = typename Model::storage_type;
+  const Model& m;
+  request_recorder& rec;
+  gradient_shards gs;
+  std::size_t accumulation;
+  void* flight_ws = nullptr;
+  std::size_t flight_ws_bytes = 0;
+  S* at(std::size_t) const noexcept { return nullptr; }
+  void begin_block(std::size_t) const noexcept {}
+  void end_block(std::size_t i) {
+    finish();
+    flight_ws_bytes = gradient_exchange_bytes(m, gs, m.block_parameters(i), accumulation);
+    flight_ws = rec.allocate(flight_ws_bytes, default_alignment, memory_tag::workspace);
+  }
+  void finish() {
+    if (flight_ws == nullptr) return;
+    rec.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
+  }
+};
 }  // namespace detail
 
 // gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
-// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too.
+// gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too, or
+// ZeRO-0/1 overlapped, whose last micro-batch's exchanges are.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
                         std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
@@ -190,6 +215,19 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
                      default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
   for (std::size_t k = 0; k < accumulation; ++k) {
+    if (gs.whole_overlapped() && k + 1 == accumulation) {
+      // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
+      // block's backward, then the embedding's and the head's exchanges, one after the other.
+      detail::exchange_request_router<Model> router{m, rec, gs, accumulation};
+      m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+      router.finish();
+      for (const shard_range q : {m.embedding_parameters(), m.head_parameters()}) {
+        const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+        rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                       memory_tag::workspace);
+      }
+      continue;
+    }
     if (!gs.on()) {
       m.step_requests(micro, ops, head_chunk, threads, rec);
       continue;

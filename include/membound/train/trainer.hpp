@@ -64,6 +64,9 @@
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
 // reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
 // that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
+// ZeRO-0/1 with overlap = true exchange in the last micro-batch's backward instead of after it:
+// each block's all-reduce (reduce-scatter) runs during the next block's backward (see
+// exchange_router); the same bits as the blocking path.
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
@@ -71,7 +74,8 @@
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
 // micro-batch (before_forward, after_forward, before_backward; after_backward too under ZeRO-0/1,
-// which exchange only after the last micro-batch) every rank gathers every rank's vote (pressure
+// which exchange only after the last micro-batch, but not in an overlapped one's last, whose
+// blocks' exchanges have started by then) every rank gathers every rank's vote (pressure
 // emergency; a plan whose peak no longer fits beside the budget's external bytes; an
 // out-of-memory met since the last such point). One vote makes every rank abandon
 // the step (see agree_on_retry), then all gather their targets (the emergency threshold and the
@@ -80,7 +84,8 @@
 // exchanges (ZeRO-2's reduce-scatters, ZeRO-0/1's buckets, sized from the plan's headroom) match.
 // No plan, with a rank whose current one no longer fits its budget: every rank throws the same
 // rank_budget_too_small naming that rank. An out-of-memory after that micro-batch's exchanges have
-// started (ZeRO-2's backward, the exchange after the micro-batches) cannot be retried over ranks.
+// started (ZeRO-2's backward, ZeRO-0/1 overlapped's last backward, the exchange after the
+// micro-batches) cannot be retried over ranks.
 #pragma once
 
 #include <algorithm>
@@ -163,10 +168,15 @@ struct trainer_options {
   // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
   // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
   std::size_t zero = 0;
-  // ZeRO-2 only: each block's reduce-scatter is started as its backward ends and completed at the
-  // end of the next block's backward, which runs while it is in flight. The same sums, bit for
-  // bit; the price is one bucket and its exchange workspace more between two backward ops (the
-  // plan counts them: plan_options::gradients.overlap). Needs an overlapping_communicator.
+  // Each block's gradient exchange is started as its backward ends and completed at the end of the
+  // next block's backward, which runs while it is in flight. ZeRO-2: every micro-batch's
+  // reduce-scatter of the block's bucket (one bucket and its workspace more between two backward
+  // ops); ZeRO-0/1: in the step's last micro-batch (the earlier ones accumulate), the all-reduce
+  // (ZeRO-0) or reduce-scatter into the shards (ZeRO-1) of the block's accumulated gradients (one
+  // exchange workspace more), then the embedding's and head's after the backward. The same sums,
+  // bit for bit; the plan counts what is in flight (plan_options::gradients, see
+  // gradient_exchange_of). Needs an overlapping_communicator (ZeRO-1/2) or an
+  // overlapping_all_reduce_communicator (ZeRO-0).
   bool overlap = false;
 };
 
@@ -250,6 +260,39 @@ gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = fals
                              "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
     }
     return {comm.size(), comm.rank(), w1 - w0, w0, overlap};
+  }
+}
+
+// plan_options::gradients for a trainer of ZeRO stage `zero` (trainer_options::zero, overlap) over
+// `comm` (storage S): ZeRO-2's gradient_shards_of; ZeRO-0/1 overlapped, the exchange the last
+// micro-batch's backward carries (gradient_shards::whole_overlapped: the communicator's all-reduce
+// workspace, affine in the largest shard of the range, or its reduce_scatter_blocks workspace);
+// otherwise off (ZeRO-0/1 exchange inside the step's peak, after the backward).
+//   po.gradients = gradient_exchange_of<float>(comm, options.zero, options.overlap);
+template <typename S, typename Communicator>
+gradient_shards gradient_exchange_of(const Communicator& comm, std::size_t zero, bool overlap) {
+  if (zero >= 2) return gradient_shards_of<S>(comm, overlap);
+  if constexpr (!summable<S>) {
+    return {};
+  } else {
+    const std::size_t N = comm.size();
+    if (!overlap || N <= 1) return {};
+    const auto ws = [&](std::size_t most) {
+      return zero == 0 ? comm.template all_reduce_workspace_bytes<S>(most * N)
+                       : comm.template reduce_scatter_blocks_workspace_bytes<S>(most);
+    };
+    const std::size_t w0 = ws(0), w1 = ws(1), w1000 = ws(1000);
+    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
+      throw invalid_argument("communicator",
+                             zero == 0 ? "an all_reduce_workspace_bytes affine in the largest shard"
+                                       : "a reduce_scatter_blocks_workspace_bytes affine in the block size",
+                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) +
+                                 ", " + std::to_string(w1000) + " bytes for shards of 0, 1, 1000 elements",
+                             "The overlapped exchange's planner counts a + b·k bytes per block: set overlap = false");
+    }
+    gradient_shards g{N, comm.rank(), w1 - w0, w0, true};
+    g.zero = zero;
+    return g;
   }
 }
 
@@ -390,6 +433,20 @@ struct pending_exchange_of<C> {
   using type = decltype(std::declval<C&>().start_reduce_scatter_blocks_sum(
       std::declval<const float*>(), std::declval<const shard_range*>(), std::declval<float*>(), std::declval<void*>(),
       std::size_t{}));
+};
+
+// The handle of a started all-reduce (ZeRO-0's overlap); a stand-in as above.
+template <typename C>
+struct pending_all_reduce_of {
+  struct type {
+    bool test() noexcept { return true; }
+    void wait() noexcept {}
+  };
+};
+template <overlapping_all_reduce_communicator C>
+struct pending_all_reduce_of<C> {
+  using type = decltype(std::declval<C&>().start_all_reduce_sum(std::declval<float*>(), std::size_t{},
+                                                                std::declval<void*>(), std::size_t{}));
 };
 
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
@@ -788,7 +845,7 @@ class trainer {
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    if (zero2()) {
+    if (zero2() || whole_overlapped()) {
       r.exchange = std::max(range_exchange_bytes(m_.embedding_parameters()), range_exchange_bytes(m_.head_parameters()));
       for (std::size_t i = 0; i < m_.depth(); ++i) r.exchange = std::max(r.exchange, range_exchange_bytes(m_.block_parameters(i)));
     } else if (world() > 1) {
@@ -1275,8 +1332,10 @@ class trainer {
   S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
   // What plan_options::gradients says for this trainer.
   gradient_shards gradient_sharding() const {
-    return zero2() ? gradient_shards_of<S>(comm_, o_.overlap) : gradient_shards{};
+    return world() > 1 ? gradient_exchange_of<S>(comm_, o_.zero, o_.overlap) : gradient_shards{};
   }
+  // ZeRO-0/1 overlapped: the last micro-batch's blocks start their exchanges in the backward.
+  bool whole_overlapped() const noexcept { return o_.overlap && o_.zero < 2 && world() > 1; }
   // What plan_options / fit_options say about this rank's optimizer state.
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
@@ -1602,7 +1661,8 @@ class trainer {
     if (agreeing()) {
       // ZeRO-2's after_backward comes after the micro-batch's reduce-scatters: no rank abandons
       // there, the request waits for the next point (the next micro-batch, or the step's end).
-      if (P == check_point::after_backward && zero2()) return;
+      // So does an overlapped ZeRO-0/1 last micro-batch's (its blocks' exchanges have started).
+      if (P == check_point::after_backward && backward_exchanges_) return;
       const bool mine = may_abandon && monitor_.stricter_plan_requested();
       if (mine) monitor_.clear_stricter_plan_request();
       // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
@@ -1628,6 +1688,8 @@ class trainer {
     skip_requests(comm_.rank() * rank_batch().batch);
     for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
       oom_may_vote_ = true;  // no exchange until this micro-batch's backward
+      // Whether this micro-batch's backward starts exchanges (ZeRO-2's, or the last of ZeRO-0/1 overlapped).
+      backward_exchanges_ = zero2() || (whole_overlapped() && micro + 1 == plan_.accumulation);
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
       auto observer = [&](check_point p) {
@@ -1635,7 +1697,7 @@ class trainer {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
           case check_point::before_backward:
             watch<check_point::before_backward>(highest, may_abandon);
-            if (zero2()) oom_may_vote_ = false;  // each block's reduce-scatter follows its backward
+            if (backward_exchanges_) oom_may_vote_ = false;  // each block's exchange follows its backward
             break;
           case check_point::after_backward: watch<check_point::after_backward>(highest, may_abandon); break;
           default: break;
@@ -1643,6 +1705,8 @@ class trainer {
       };
       if (zero2()) {
         loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
+      } else if (backward_exchanges_) {
+        loss += overlapped_micro_batch(scale / accum, observer) / accum;
       } else {
         loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
@@ -1650,6 +1714,7 @@ class trainer {
       }
     }
     oom_may_vote_ = false;  // the exchange follows
+    backward_exchanges_ = false;
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
     if (world() > 1) loss = exchange(loss);
     return loss;
@@ -1669,8 +1734,8 @@ class trainer {
   // raises the peak the plan predicted.
   double exchange(double loss) {
     if constexpr (summable<S>) {
-      if (zero2()) {
-        // Reduce-scattered during the backward already.
+      if (zero2() || whole_overlapped()) {
+        // Reduce-scattered (all-reduced) during the backward already.
       } else if (sharded()) {
         exchange_shards();
       } else {
@@ -1848,6 +1913,102 @@ class trainer {
     }
   }
 
+  // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------
+  // The step's last micro-batch (the earlier ones accumulate into g_ as the blocking path does):
+  // once its block i's backward has ended, block i's gradients (block_parameters(i), contiguous)
+  // are complete, so their exchange is started there, non-blocking, on g_ in place: ZeRO-0
+  // all-reduces the range, ZeRO-1 reduce-scatters it into the ranks' optimizer shards (each
+  // rank's part of the range, as exchange_shards' rounds carry them). It is completed as the next
+  // block's backward ends (test() polled as that one begins, since MPI moves a non-blocking
+  // collective on only inside MPI calls); the last block's after the backward, then the
+  // embedding's and the head's ranges are exchanged, one after the other. One exchange in
+  // flight at a time, holding only its workspace (the planner's carry). Every element's sum is
+  // the rank-order sum the blocking path computes, so the bits are its bits.
+  using pending_all_reduce = typename detail::pending_all_reduce_of<Communicator>::type;
+  struct exchange_router {
+    trainer& t;
+    pending_exchange scatter{};   // ZeRO-1's reduce-scatter in flight
+    pending_all_reduce reduce{};  // ZeRO-0's all-reduce in flight
+    void* ws = nullptr;           // its workspace
+    std::size_t ws_bytes = 0;
+    explicit exchange_router(trainer& tr) : t(tr) {}
+    exchange_router(const exchange_router&) = delete;
+    exchange_router& operator=(const exchange_router&) = delete;
+    ~exchange_router() {
+      scatter = pending_exchange{};  // waits for an exchange still in flight before its workspace goes
+      reduce = pending_all_reduce{};
+      release();
+    }
+    S* at(std::size_t offset) const noexcept { return t.g_ + offset; }
+    void begin_block(std::size_t) {
+      if (ws == nullptr) return;
+      if (t.sharded()) {
+        (void)scatter.test();
+      } else {
+        (void)reduce.test();
+      }
+    }
+    void end_block(std::size_t i) {
+      finish();
+      start(t.m_.block_parameters(i));
+    }
+    // Takes the range's workspace and starts its exchange.
+    void start(shard_range r) {
+      ws_bytes = t.range_exchange_bytes(r);
+      ws = t.alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
+      if constexpr (summable<S>) {
+        if (t.sharded()) {
+          if constexpr (overlapping_communicator<Communicator>) {
+            const shard_range mine = t.range_blocks(r);
+            scatter = t.comm_.start_reduce_scatter_blocks_sum(static_cast<const S*>(t.g_ + r.begin), t.blocks_.data(),
+                                                              t.g_ + mine.begin, ws, ws_bytes);
+          }
+        } else {
+          if constexpr (overlapping_all_reduce_communicator<Communicator>) {
+            reduce = t.comm_.start_all_reduce_sum(t.g_ + r.begin, r.size(), ws, ws_bytes);
+          }
+        }
+      }
+    }
+    // Completes the exchange in flight and gives its workspace back.
+    void finish() {
+      if (ws == nullptr) return;
+      if (t.sharded()) {
+        scatter.wait();
+      } else {
+        reduce.wait();
+      }
+      release();
+    }
+    void release() noexcept {
+      if (ws != nullptr) t.alloc_.deallocate(std::exchange(ws, nullptr), ws_bytes, default_alignment, memory_tag::workspace);
+    }
+  };
+
+  template <typename Observer>
+  double overlapped_micro_batch(double scale, Observer& observer) {
+    exchange_router router(*this);
+    const double loss = m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+                                                   plan_.head_chunk, scale, alloc_, ex_, observer);
+    router.finish();
+    for (const shard_range r : {m_.embedding_parameters(), m_.head_parameters()}) {
+      router.start(r);
+      router.finish();
+    }
+    return loss;
+  }
+
+  // Fills blocks_ with every rank's optimizer-shard part of r (relative to r.begin); returns this
+  // rank's part (absolute).
+  shard_range range_blocks(shard_range r) {
+    const std::size_t N = world();
+    for (std::size_t k = 0; k < N; ++k) {
+      const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
+      blocks_[k] = {o.begin - r.begin, o.end - r.begin};
+    }
+    return overlap(opt_shard_, r.begin, r.end);
+  }
+
   // The bytes the gradient exchange may take: the step's predicted peak less the trainer's own.
   std::size_t exchange_headroom() const noexcept {
     return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
@@ -1966,13 +2127,12 @@ class trainer {
                              std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
     }
-    if (o_.overlap && o_.zero != 2) {
-      throw invalid_argument("options.overlap", "false unless options.zero = 2",
-                             "true with zero = " + std::to_string(o_.zero),
-                             "Use zero = 2 (its per-block reduce-scatters are what overlaps the backward; ZeRO-0 "
-                             "and ZeRO-1 exchange after the micro-batch), or set overlap = false");
+    if (o_.overlap && o_.zero == 0 && !overlapping_all_reduce_communicator<Communicator>) {
+      throw invalid_argument("options.overlap", "a communicator that starts an all-reduce and completes it later (ZeRO-0)",
+                             std::string(comm_.name()) + ", which has no start_all_reduce_sum",
+                             "Use mpi_communicator, or set overlap = false");
     }
-    if (o_.overlap && !overlapping_communicator<Communicator>) {
+    if (o_.overlap && o_.zero >= 1 && !overlapping_communicator<Communicator>) {
       throw invalid_argument("options.overlap", "a communicator that starts a reduce-scatter and completes it later",
                              std::string(comm_.name()) + ", which has no start_reduce_scatter_blocks_sum",
                              "Use mpi_communicator, or set overlap = false");
@@ -2304,6 +2464,8 @@ class trainer {
   std::vector<std::uint64_t> votes_, targets_, fits_;
   // An out-of-memory may vote at the next agreement point: no exchange lies before it.
   bool oom_may_vote_ = false;
+  // This micro-batch's backward starts gradient exchanges (ZeRO-2, or ZeRO-0/1 overlapped's last).
+  bool backward_exchanges_ = false;
   mutable std::string last_shard_;  // this rank's shard file of the last ZeRO-1 save or load
 };
 
