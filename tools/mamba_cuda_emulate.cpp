@@ -417,6 +417,9 @@ int main(int argc, char** argv) {
   run_case<1>("chunk 1, d_state 1, two backward blocks", 2, 9, 8, 70, 1, 4, 2);
   run_case<4>("d_state 5, d_conv 1", 1, 23, 8, 33, 5, 1, 1);
   run_case<8>("many chunks", 1, 203, 8, 6, 16, 4, 2);
+  run_case<8>("T 1", 2, 1, 8, 20, 16, 3, 1);
+  run_case<16>("T = chunk", 1, 16, 8, 9, 16, 4, 2);
+  run_case<16>("T = chunk + 1, B 3", 3, 17, 8, 9, 16, 4, 2);
   std::printf("%s (%d failures)\n", fails ? "FAILED" : "all passed", fails);
   return fails ? 1 : 0;
 }
