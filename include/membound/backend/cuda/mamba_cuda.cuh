@@ -24,9 +24,12 @@
 // written there and combined in place over the chunks (H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, one
 // thread per (b, channel, state)) before the outputs' pass reads them; the chunks' ΣΔ is the one
 // extra workspace slot ([B, nch − 2, Di] fp32). y = Σ_s C·h is summed per time tile through
-// shared memory in lane order (no shuffles, no atomics). The backward block covers the CPU's 64-channel partition (scan_channels) in groups
-// of cpb, one batch row; it recomputes each chunk's states from the saved entry state into a
-// workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk backward. Everything summed
+// shared memory in lane order (no shuffles, no atomics). The backward block covers the CPU's
+// 64-channel partition (scan_channels) in groups of cpb, one batch row, and is still serial over
+// the chunks (last first, dL/dh carried across them): it recomputes each chunk's states from the
+// saved entry state into a workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk
+// backward; running its chunks in parallel would need that workspace per chunk in flight (see
+// the reverse scan's comment). Everything summed
 // across threads goes through per-block partials reduced in index order by a second kernel, so
 // repeated runs give the same bits.
 //
@@ -342,8 +345,8 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
 //      from h = 0, its end state l_k written into the saved states' slot k (the slot of H_{k+1}),
 //      and, for k ≥ 1, Σ_{t∈k} Δ_t per (b, k, channel) into dsum. The chunk's decay Π e_t is then
 //      exp(a·ΣΔ): Δ is shared by a channel's state lanes, so one float per channel instead of Ns,
-//      and one exp instead of a product of L rounded exps (both are within ~L ulps of each other;
-//      the decay's error reaches H only through P·H, and |P·log P| ≤ 1/e).
+//      and one exp instead of a product of L rounded exps. Both are within ~L ulps of the exact
+//      decay: ΣΔ's rounding (≤ L·u·ΣΔ) moves exp(a·ΣΔ) by ≤ P·|log P|·L·u ≤ L·u/e absolutely.
 //   B  scan_chunk_combine_kernel, per (b, channel, state), over the chunks in order:
 //      H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, in place in the saved states (H_1 = l_0 already).
 //   C  scan_forward_kernel, per (b, chunk, channel, state): the chunk's recurrence from H_k, and
@@ -487,7 +490,10 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
 }
 
 // The reverse scan. Grid (64-channel blocks, B); block cpb·Ns threads running the block's
-// channels in groups of cpb. Per chunk, last first: the chunk's states recomputed from the saved
+// channels in groups of cpb. Serial over the chunks: the carried dL/dh could be split as the
+// forward's state is (dh entering chunk k−1 = exp(a·ΣΔ_k)·(dh entering chunk k) + the chunk's own
+// reverse sum from 0, which needs no states), but every chunk in flight needs its own [Lc, ·, Ns]
+// slice of hs (all of them: B·T·Di·Ns fp32), and dA/dD/d dt_bias partials per chunk. Per chunk, last first: the chunk's states recomputed from the saved
 // entry state into hs [B, Lc, Di, Ns] (each thread its own slots), then the reverse recurrence
 // with the running dL/dh in a register. Writes, for its rows and channels: ddt = dΔ·σ(dt) (S),
 // du (the scan's part, fp32), the dB/dC partial part[blk, n, 2·Ns] (summed over the block's
