@@ -8425,7 +8425,7 @@ class mamba {
                                                        std::size_t threads) noexcept {
     if constexpr (!on_cpu) {
       return backend_kernels<backend, mamba_shape>::template forward_workspace_bytes<S>(
-          s, keep_conv_delta);
+          s, L, keep_conv_delta);
     }
     const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), xdbl_acc_bytes(s),
                              bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)),

@@ -3,24 +3,33 @@
 //
 //   forward:  xz = x·in_proj (cuBLASLt, into saved) -> conv + SiLU kernel -> x_dbl = u·x_proj
 //             (into saved) -> dt = dt_low·dt_proj (fp32) -> Δ kernel (softplus + bias, rounded
-//             to storage) -> chunked scan kernel (gate fused) -> out = g·out_proj
-//   backward: the same values as stored or recomputed; dg = dout·out_projᵀ; the forward scan once
-//             more (no states kept) for y, with the gate's backward fused (g and dz); the reverse
-//             scan (chunk states recomputed from the saved entry states, last chunk first); fixed-
-//             order reductions of dB/dC, dA/dD/dΔ-bias and the conv weights; the GEMMs back.
+//             to storage) -> the scan over chunks in parallel (chunk-local states, the combine
+//             over chunks into the saved states, every chunk from its entry state; gate fused)
+//             -> out = g·out_proj
+//   backward: the same values as stored or recomputed; dg = dout·out_projᵀ; the forward scan's
+//             last kernel once more, from the saved states, for y, with the gate's backward fused
+//             (g and dz); the reverse scan (chunk states recomputed from the saved entry states,
+//             last chunk first); fixed-order reductions of dB/dC, dA/dD/dΔ-bias and the conv
+//             weights; the GEMMs back.
 //   step:     in_proj GEMM -> conv-window kernel -> x_proj and dt GEMMs -> one scan step -> out_proj
 //
 // Keyed by the shape type (backend_kernels<cuda_backend, mamba_shape>): the layer owns the call
 // shape, the argument checks and the saved layout; this owns the device workspace and launches.
 //
 // Scan layout. A forward block holds `cpb` channels × Ns state lanes (cpb = max(1, 128 / Ns),
-// at most 64), one thread per (channel, state) pair, for one batch row; each thread carries its
-// state in an fp32 register through time in order and writes it out at every chunk boundary
-// (t % L == 0, t > 0) into the saved [B, chunks − 1, Di, Ns] states, exactly where the CPU does.
-// y = Σ_s C·h is summed per time tile through shared memory in lane order (no shuffles, no
-// atomics). The backward block covers the CPU's 64-channel partition (scan_channels) in groups
-// of cpb, one batch row; it recomputes each chunk's states from the saved entry state into a
-// workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk backward. Everything summed
+// at most 64), one thread per (channel, state) pair, for one batch row and one chunk of L steps
+// (the layer's scan_chunk): B · ceil(T / L) · Di · Ns threads, each carrying its state in an fp32
+// register through its chunk only. The states entering chunks 1 .. nch − 1 are the saved
+// [B, chunks − 1, Di, Ns] states, where the CPU keeps them: the chunk-local end states are
+// written there and combined in place over the chunks (H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, one
+// thread per (b, channel, state)) before the outputs' pass reads them; the chunks' ΣΔ is the one
+// extra workspace slot ([B, nch − 2, Di] fp32). y = Σ_s C·h is summed per time tile through
+// shared memory in lane order (no shuffles, no atomics). The backward block covers the CPU's
+// 64-channel partition (scan_channels) in groups of cpb, one batch row, and is still serial over
+// the chunks (last first, dL/dh carried across them): it recomputes each chunk's states from the
+// saved entry state into a workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk
+// backward; running its chunks in parallel would need that workspace per chunk in flight (see
+// the reverse scan's comment). Everything summed
 // across threads goes through per-block partials reduced in index order by a second kernel, so
 // repeated runs give the same bits.
 //
@@ -75,6 +84,18 @@ constexpr std::size_t mamba_channels_per_block(std::size_t d_state) noexcept {
 constexpr std::size_t mamba_blocks(std::size_t n, std::size_t per) noexcept {
   return per == 0 ? 0 : (n + per - 1) / per;
 }
+// Chunks of L steps over T (the CPU's scan_chunks): the forward scan runs them in parallel.
+constexpr std::size_t mamba_chunks(std::size_t T, std::size_t L) noexcept {
+  return L == 0 ? 0 : (T + L - 1) / L;
+}
+// The forward scan's Σ Δ per (b, chunk, channel) for chunks 1 .. nch − 2 (fp32 elements): the
+// chunk's decay is exp(a·ΣΔ) (Δ does not depend on the state lane). Chunk 0's is never used (the
+// state entering it is 0), and the last chunk's end state is never needed.
+constexpr std::size_t mamba_chunk_sum_elements(std::size_t B, std::size_t T, std::size_t L,
+                                               std::size_t Di) noexcept {
+  const std::size_t nch = mamba_chunks(T, L);
+  return nch < 2 ? 0 : B * (nch - 2) * Di;
+}
 
 }  // namespace gpu
 
@@ -83,8 +104,10 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   // ---- Sizes (exactly what the launches carve) -------------------------------------------------
   // keep: the save_all policy (c and Δ live in `saved`, not in the workspace). L: scan_chunk.
   template <typename S>
-  static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s, bool keep) {
-    return fits(s) ? forward_layout<S>(s, keep).size() : std::numeric_limits<std::size_t>::max();
+  static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s, std::size_t L,
+                                                       bool keep) {
+    return fits(s) ? forward_layout<S>(s, L, keep).size()
+                   : std::numeric_limits<std::size_t>::max();
   }
   template <typename S>
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s, std::size_t L,
@@ -105,6 +128,12 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   static constexpr std::size_t backward_chunk_state_bytes(const mamba_shape& s,
                                                           std::size_t L) noexcept {
     return bytes_of<float>(s.batch, std::min(L, s.seq), s.d_inner, s.d_state);
+  }
+  // Of the forward workspace: the chunked scan's Σ Δ per (b, chunk 1 .. nch − 2, channel), fp32
+  // (the chunk-local end states go straight into the saved states, combined there in place).
+  static constexpr std::size_t forward_chunk_sum_bytes(const mamba_shape& s,
+                                                       std::size_t L) noexcept {
+    return bytes_of<float>(gpu::mamba_chunk_sum_elements(s.batch, s.seq, L, s.d_inner));
   }
 
   // The device pointers of the weights and gradients, in the layer's order.
@@ -175,17 +204,19 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   // ---- Layouts -------------------------------------------------------------------------------
   // cuBLASLt's workspace first: 256-byte aligned, as cuBLAS requires. Phases (forward): 0 in_proj
   // and the conv, 1 x_proj, 2 dt and Δ, 3 the scan, 4 out_proj.
-  enum forward_slot : std::size_t { f_gemm, f_c, f_u, f_dt, f_delta, f_g };
+  enum forward_slot : std::size_t { f_gemm, f_c, f_u, f_dt, f_delta, f_g, f_dsum };
   template <typename S>
-  static constexpr workspace_layout<6> forward_layout(const mamba_shape& s, bool keep) {
+  static constexpr workspace_layout<7> forward_layout(const mamba_shape& s, std::size_t L,
+                                                      bool keep) {
     const std::size_t N = s.batch * s.seq, Di = s.d_inner;
-    workspace_layout<6> l;
+    workspace_layout<7> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment, {0, 4});
     l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 3});      // c
     l.add(bytes_of<S>(N, Di), default_alignment, {0, 1});                 // u (x_proj's input)
     l.add(bytes_of<float>(N, Di), default_alignment, {2, 2});             // dt (pre-softplus)
     l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {2, 3});      // Δ
     l.add(bytes_of<S>(N, Di), default_alignment, {3, 4});                 // y ⊙ SiLU(z)
+    l.add(forward_chunk_sum_bytes(s, L), default_alignment, {3, 3});      // the chunks' Σ Δ
     return l;
   }
 
@@ -308,32 +339,115 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
   }
 }
 
-// The forward scan. Grid (channel blocks, B); block cpb·Ns threads, thread = (channel, state).
-// Writes g = (y) ⊙ SiLU(z) into gated (S); with dg, also dz = dg·y·SiLU'(z) into xz-shaped dxz's
-// z half; with states, the state entering every chunk but the first. Per tile of TT steps: the
-// tile's inputs are loaded first (independent loads in flight together), then the recurrence;
-// then lane s of each channel finishes steps s, s + Ns, ... (each y summed over lanes in order).
+// The forward scan runs over chunks of L steps in parallel, in three kernels (h_t = e_t·h_{t−1} +
+// Δ_t·u_t·B_t, e_t = exp(a·Δ_t); H_k: the state entering chunk k, H_0 = 0):
+//   A  scan_chunk_local_kernel, per (b, chunk k < nch − 1, channel, state): chunk k's recurrence
+//      from h = 0, its end state l_k written into the saved states' slot k (the slot of H_{k+1}),
+//      and, for k ≥ 1, Σ_{t∈k} Δ_t per (b, k, channel) into dsum. The chunk's decay Π e_t is then
+//      exp(a·ΣΔ): Δ is shared by a channel's state lanes, so one float per channel instead of Ns,
+//      and one exp instead of a product of L rounded exps. Both are within ~L ulps of the exact
+//      decay: ΣΔ's rounding (≤ L·u·ΣΔ) moves exp(a·ΣΔ) by ≤ P·|log P|·L·u ≤ L·u/e absolutely.
+//   B  scan_chunk_combine_kernel, per (b, channel, state), over the chunks in order:
+//      H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, in place in the saved states (H_1 = l_0 already).
+//   C  scan_forward_kernel, per (b, chunk, channel, state): the chunk's recurrence from H_k, and
+//      the outputs. The backward's rerun for y is this kernel alone, on the saved states.
+// The first chunk's states come out of A as the serial scan's bits; later ones differ from a serial
+// scan by the rounding of the combine (a few ulps), and the backward recomputes from these very
+// states, so forward and backward agree on them.
+
+// Phase A. Grid (channel blocks · (nch − 1), B), block cpb·Ns threads, thread = (channel, state);
+// blockIdx.x = k·(channel blocks) + channel block. Inputs loaded per tile of TT steps first.
+template <typename S>
+__global__ void __launch_bounds__(mamba_max_d_state, 1)
+    scan_chunk_local_kernel(const S* c, const S* delta, const S* xdbl, const S* a_log,
+                            std::size_t T, std::size_t Di, std::size_t Ns, std::size_t R,
+                            std::size_t L, std::size_t cpb, float* states, float* dsum) {
+  constexpr std::size_t TT = mamba_forward_tile;
+  const std::size_t tid = threadIdx.x, cl = tid / Ns, s = tid % Ns;
+  const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb;
+  const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
+  const std::size_t b = blockIdx.y;
+  if (cl >= cpb || ch >= Di) return;  // no barrier below
+  const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
+  const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
+  const float a = -expf(ld(a_log, ch * Ns + s));
+  float h = 0, sum = 0;
+  for (std::size_t tb = t0; tb < t1; tb += TT) {
+    const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
+    float dv[TT], uv[TT], bv[TT];
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      dv[tt] = 0;
+      uv[tt] = 0;
+      bv[tt] = 0;
+      if (tt < nt) {
+        const std::size_t n = b * T + tb + tt;
+        dv[tt] = ld(delta, n * Di + ch);
+        uv[tt] = membound::silu(ld(c, n * Di + ch));
+        bv[tt] = ld(xdbl, n * ldx + R + s);
+      }
+    }
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      if (tt < nt) {
+        h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+        sum += dv[tt];
+      }
+    }
+  }
+  states[((b * (nch - 1) + k) * Di + ch) * Ns + s] = h;
+  if (s == 0 && k > 0) dsum[(b * (nch - 2) + k - 1) * Di + ch] = sum;
+}
+
+// Phase B. One thread per (b, channel, state): H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k for k = 1 ..
+// nch − 2, in place (slot k holds l_k, then H_{k+1}). Neighbouring threads read neighbouring
+// words of every slot.
+template <typename S>
+__global__ void scan_chunk_combine_kernel(const S* a_log, const float* dsum, float* states,
+                                          std::size_t B, std::size_t nch, std::size_t Di,
+                                          std::size_t Ns) {
+  const std::size_t per = Di * Ns, total = B * per;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t b = idx / per, r = idx % per, ch = r / Ns;
+    const float a = -expf(ld(a_log, r));
+    float* const slot = states + b * (nch - 1) * per + r;
+    const float* const sums = dsum + b * (nch - 2) * Di + ch;
+    float h = slot[0];
+    for (std::size_t k = 1; k + 1 < nch; ++k) {
+      h = expf(a * sums[(k - 1) * Di]) * h + slot[k * per];
+      slot[k * per] = h;
+    }
+  }
+}
+
+// Phase C. Grid (channel blocks · nch, B); block cpb·Ns threads, thread = (channel, state);
+// blockIdx.x = k·(channel blocks) + channel block: chunk k from its entry state (0 for k = 0, else
+// states[b, k − 1]). Writes g = (y) ⊙ SiLU(z) into gated (S); with dg, also dz = dg·y·SiLU'(z)
+// into xz-shaped dxz's z half. Per tile of TT steps: the tile's inputs are loaded first
+// (independent loads in flight together), then the recurrence; then lane s of each channel
+// finishes steps s, s + Ns, ... (each y summed over lanes in order).
 template <typename S>
 __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_forward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
                         const S* dskip, std::size_t T, std::size_t Di, std::size_t Ns,
-                        std::size_t R, std::size_t L, std::size_t cpb, float* states, S* gated,
-                        const float* dg, S* dxz) {
+                        std::size_t R, std::size_t L, std::size_t cpb, const float* states,
+                        S* gated, const float* dg, S* dxz) {
   constexpr std::size_t TT = mamba_forward_tile;
   // One row per step, padded by one word so that lanes reading different steps hit different banks.
   __shared__ float contrib[TT * (mamba_max_d_state + 1)];
   const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
   const std::size_t cl = tid / Ns, s = tid % Ns;
-  const std::size_t ch = blockIdx.x * cpb + cl;
+  const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb;
+  const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
   const std::size_t b = blockIdx.y;
   const bool active = cl < cpb && ch < Di;
   const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
+  const std::size_t c0 = k * L, c1 = c0 + L < T ? c0 + L : T;
   const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
-  // Where the state entering the next chunk goes: [b, k, ch, s] for chunk k + 1, at t = (k + 1)·L.
-  std::size_t boundary = L, saved_chunk = 0;
-  float h = 0;
-  for (std::size_t t0 = 0; t0 < T; t0 += TT) {
-    const std::size_t nt = T - t0 < TT ? T - t0 : TT;
+  float h = (active && k > 0) ? states[((b * (nch - 1) + k - 1) * Di + ch) * Ns + s] : 0.0f;
+  for (std::size_t t0 = c0; t0 < c1; t0 += TT) {
+    const std::size_t nt = c1 - t0 < TT ? c1 - t0 : TT;
     float dv[TT], uv[TT], bv[TT], cv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
@@ -353,11 +467,6 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     for (std::size_t tt = 0; tt < TT; ++tt) {
       float q = 0;
       if (active && tt < nt) {
-        if (t0 + tt == boundary) {
-          if (states != nullptr) states[((b * (nch - 1) + saved_chunk) * Di + ch) * Ns + s] = h;
-          ++saved_chunk;
-          boundary += L;
-        }
         h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
         q = cv[tt] * h;
       }
@@ -381,7 +490,10 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
 }
 
 // The reverse scan. Grid (64-channel blocks, B); block cpb·Ns threads running the block's
-// channels in groups of cpb. Per chunk, last first: the chunk's states recomputed from the saved
+// channels in groups of cpb. Serial over the chunks: the carried dL/dh could be split as the
+// forward's state is (dh entering chunk k−1 = exp(a·ΣΔ_k)·(dh entering chunk k) + the chunk's own
+// reverse sum from 0, which needs no states), but every chunk in flight needs its own [Lc, ·, Ns]
+// slice of hs (all of them: B·T·Di·Ns fp32), and dA/dD/d dt_bias partials per chunk. Per chunk, last first: the chunk's states recomputed from the saved
 // entry state into hs [B, Lc, Di, Ns] (each thread its own slots), then the reverse recurrence
 // with the running dL/dh in a register. Writes, for its rows and channels: ddt = dΔ·σ(dt) (S),
 // du (the scan's part, fp32), the dB/dC partial part[blk, n, 2·Ns] (summed over the block's
@@ -710,11 +822,15 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
   gpu::check_types<S, A>();
   namespace md = gpu::mamba_detail;
   const bool keep = sv.c != nullptr;
-  const auto ws = carve(forward_layout<S>(s, keep), workspace, workspace_size);
+  const auto ws = carve(forward_layout<S>(s, L, keep), workspace, workspace_size);
   const std::size_t B = s.batch, T = s.seq, N = B * T, C = s.d_model, Di = s.d_inner;
   const std::size_t Ns = s.d_state, R = s.dt_rank, K = s.d_conv, ldx = R + 2 * Ns;
   gpu::detail::need_extent(N, static_cast<std::size_t>(std::numeric_limits<int>::max()), "shape.batch·shape.seq");
   gpu::detail::need_extent(B, 65535, "shape.batch");
+  gpu::detail::need_extent(
+      gpu::mamba_blocks(Di, gpu::mamba_channels_per_block(Ns)) * gpu::mamba_chunks(T, L),
+      static_cast<std::size_t>(std::numeric_limits<int>::max()),
+      "the scan's blocks per batch row (channel blocks · ceil(seq / chunk))");
   const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(f_gemm),
                               gpu::gemm_workspace_bytes_max);
   S* const c = keep ? sv.c : ws.template get<S>(f_c);
@@ -734,12 +850,30 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
   md::delta_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const float*>(dt), w.dt_bias,
                                                          delta, N, Di);
   cuda_executor::check_launch("mamba delta_kernel");
-  const std::size_t cpb = gpu::mamba_channels_per_block(Ns);
-  const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, cpb)), static_cast<unsigned>(B));
-  md::scan_forward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
+  // The scan over chunks of L in parallel: A (chunk-local end states into the saved states, ΣΔ),
+  // B (the combine over chunks, in place), C (every chunk from its entry state, the outputs).
+  const std::size_t cpb = gpu::mamba_channels_per_block(Ns), nchb = gpu::mamba_blocks(Di, cpb);
+  const std::size_t nch = gpu::mamba_chunks(T, L);
+  const unsigned threads = static_cast<unsigned>(cpb * Ns);
+  if (nch > 1) {
+    float* const dsum = ws.template get<float>(f_dsum);
+    const dim3 grid_a(static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B));
+    md::scan_chunk_local_kernel<<<grid_a, threads, 0, st>>>(
+        static_cast<const S*>(c), static_cast<const S*>(delta), static_cast<const S*>(sv.xdbl),
+        w.a_log, T, Di, Ns, R, L, cpb, sv.states, dsum);
+    cuda_executor::check_launch("mamba scan_chunk_local_kernel");
+    if (nch > 2) {
+      md::scan_chunk_combine_kernel<<<md::grid_for(B * Di * Ns), 256, 0, st>>>(
+          w.a_log, static_cast<const float*>(dsum), sv.states, B, nch, Di, Ns);
+      cuda_executor::check_launch("mamba scan_chunk_combine_kernel");
+    }
+  }
+  const dim3 grid(static_cast<unsigned>(nchb * nch), static_cast<unsigned>(B));
+  md::scan_forward_kernel<<<grid, threads, 0, st>>>(
       static_cast<const S*>(sv.xz), static_cast<const S*>(c), static_cast<const S*>(delta),
-      static_cast<const S*>(sv.xdbl), w.a_log, w.d, T, Di, Ns, R, L, cpb, sv.states, gated,
-      static_cast<const float*>(nullptr), static_cast<S*>(nullptr));
+      static_cast<const S*>(sv.xdbl), w.a_log, w.d, T, Di, Ns, R, L, cpb,
+      static_cast<const float*>(sv.states), gated, static_cast<const float*>(nullptr),
+      static_cast<S*>(nullptr));
   cuda_executor::check_launch("mamba scan_forward_kernel");
   gpu::matmul(ctx, static_cast<const S*>(gated), w.out_proj, out, N, Di, C, false);
 }
@@ -759,6 +893,10 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
   gpu::detail::need_extent(B, 65535, "shape.batch");
   gpu::detail::need_extent(gpu::mamba_blocks(N, gpu::mamba_conv_rows), 65535,
                            "shape.batch·shape.seq / 256 (the conv gradient's row blocks)");
+  gpu::detail::need_extent(
+      gpu::mamba_blocks(Di, gpu::mamba_channels_per_block(Ns)) * gpu::mamba_chunks(T, L),
+      static_cast<std::size_t>(std::numeric_limits<int>::max()),
+      "the scan's blocks per batch row (channel blocks · ceil(seq / chunk))");
   const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),
                               gpu::gemm_workspace_bytes_max);
   cudaStream_t st = ex.stream();
@@ -790,15 +928,19 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
   float* const dg = ws.template get<float>(b_dg);
   gpu::matmul_bt(ctx, dout, w.out_proj, dg, N, C, Di, false);
 
-  // Phase 1: y once more, with g = y ⊙ SiLU(z) and dz = dg·y·SiLU'(z) fused; out_proj's gradient.
+  // Phase 1: y once more, with g = y ⊙ SiLU(z) and dz = dg·y·SiLU'(z) fused, every chunk in
+  // parallel from the saved entry states (the forward's phase C alone: its bits); out_proj's
+  // gradient.
   const std::size_t cpb = gpu::mamba_channels_per_block(Ns);
   S* const gated = ws.template get<S>(b_g);
   S* const dxz = ws.template get<S>(b_dxz);
   {
-    const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, cpb)), static_cast<unsigned>(B));
+    const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, cpb) * gpu::mamba_chunks(T, L)),
+                    static_cast<unsigned>(B));
     md::scan_forward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
         xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d, T, Di, Ns,
-        R, L, cpb, static_cast<float*>(nullptr), gated, static_cast<const float*>(dg), dxz);
+        R, L, cpb, static_cast<const float*>(sv.states), gated, static_cast<const float*>(dg),
+        dxz);
     cuda_executor::check_launch("mamba scan_forward_kernel");
   }
   gpu::matmul_at(ctx, static_cast<const S*>(gated), dout, g.out_proj, N, Di, C, true);
