@@ -559,32 +559,14 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                                                 mb::format_bytes(alloc.headroom(), false),
                                mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
   }
-  if (!o.resume.empty()) {
-    bool same_plan = false;
-    try {
-      same_plan = t.load(o.resume);
-    } catch (const mb::error& e) {
-      throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e),
-                                 "");
-    }
-    if (t.steps_done() > o.steps) {
-      throw mb::invalid_argument("--steps", "at least the " + std::to_string(t.steps_done()) + " steps of --resume",
-                                 std::to_string(o.steps), "Raise --steps to continue the run");
-    }
-    std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
-                same_plan ? "" : " (its plan is not restored: written by another world size, or over this budget; "
-                                "continuing under the plan above)");
-  }
+  resume_from(t, o);
 
   windows train_src{&train, o.seq}, val_src{&val, o.seq};
   auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
 
   progress bar(o.steps);
-  char line[160];
   const double first_eval = eval();
-  std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(t.steps_done()),
-                o.steps, first_eval);
-  bar.note(line);
+  bar.note(eval_line(t.steps_done(), o, first_eval));
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
   std::size_t tokens_done = 0, skipped = 0, replans = 0;
   const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
@@ -619,19 +601,10 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
     bar.step(r, alloc.usage(), st.peak_requested, budget);
     if (o.eval_every != 0 && r.step % o.eval_every == 0) {
       last_eval = eval();
-      std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(r.step),
-                    o.steps, last_eval);
-      bar.note(line);
+      bar.note(eval_line(r.step, o, last_eval));
     }
     // --stop-after always saves where it stops, so that --resume can continue.
-    if (saver && ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop))) {
-      try {
-        t.save(o.checkpoint);
-      } catch (const mb::error& e) {
-        throw mb::invalid_argument("--checkpoint", "a file that can be written", cli_checks::inner(e), "");
-      }
-      bar.note("saved " + o.checkpoint);
-    }
+    if (saver) save_if_due(t, o, r.step, stop, bar);
     // A test hook (tests/mpi/killed_rank.py): MEMBOUND_EXAMPLE_KILL=RANK:STEP makes that rank
     // SIGKILL itself after that step (after its save, if any), as kill -9 would.
     if (const char* kill_at = std::getenv("MEMBOUND_EXAMPLE_KILL"); kill_at != nullptr) {
@@ -650,22 +623,9 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   // fresh pages below the training peak.
   alloc.release_cached();
   if (o.sample > 0) {
-    std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
-    std::vector<double> logits(256);
-    mb::random_state rs{o.seed};
-    std::string out;
-    for (std::size_t i = 0; i < o.sample; ++i) {
-      const std::size_t T = std::min<std::size_t>(ctx.size(), o.seq);
-      m.next_token_logits(t.weights(), ctx.data() + (ctx.size() - T), {1, T}, logits.data(), alloc, pool);
-      double mx = -1e300, z = 0;
-      for (double l : logits) mx = std::max(mx, l);
-      for (double& l : logits) z += (l = std::exp((l - mx) / 0.8));
-      double u = static_cast<double>(rs.next() >> 11) * 0x1.0p-53 * z;
-      std::size_t v = 0;
-      while (v + 1 < 256 && (u -= logits[v]) > 0) ++v;
-      ctx.push_back(static_cast<std::int32_t>(v));
-      out.push_back(static_cast<char>(v));
-    }
+    const std::string out = sample_text(val, o, o.seq, [&](const std::int32_t* ids, std::size_t T, double* logits) {
+      m.next_token_logits(t.weights(), ids, {1, T}, logits, alloc, pool);
+    });
     std::printf("\nsample:\n%s\n\n", out.c_str());
   }
 

@@ -157,6 +157,68 @@ class progress {
   bool open_ = false;
 };
 
+// --resume: load the checkpoint into t (any error under the flag's name) and say where it goes on.
+template <typename Trainer>
+void resume_from(Trainer& t, const options& o) {
+  if (o.resume.empty()) return;
+  bool same_plan = false;
+  try {
+    same_plan = t.load(o.resume);
+  } catch (const mb::error& e) {
+    throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e), "");
+  }
+  if (t.steps_done() > o.steps) {
+    throw mb::invalid_argument("--steps", "at least the " + std::to_string(t.steps_done()) + " steps of --resume",
+                               std::to_string(o.steps), "Raise --steps to continue the run");
+  }
+  std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
+              same_plan ? "" : " (its plan is not restored: written by another world size, or over this budget; "
+                               "continuing under the plan above)");
+}
+
+// The line of an evaluation at `step`.
+inline std::string eval_line(std::uint64_t step, const options& o, double loss) {
+  char line[96];
+  std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(step), o.steps,
+                loss);
+  return line;
+}
+
+// --save-every and --stop-after: t.save(--checkpoint) after `step` when they ask for it.
+template <typename Trainer>
+void save_if_due(Trainer& t, const options& o, std::uint64_t step, std::uint64_t stop, progress& bar) {
+  if (!((o.save_every != 0 && step % o.save_every == 0) || (o.stop_after != 0 && step == stop))) return;
+  try {
+    t.save(o.checkpoint);
+  } catch (const mb::error& e) {
+    throw mb::invalid_argument("--checkpoint", "a file that can be written", cli_checks::inner(e), "");
+  }
+  bar.note("saved " + o.checkpoint);
+}
+
+// --sample: o.sample bytes drawn at temperature 0.8 from 32 bytes of `val` on, each from
+// logits_of(ids, T, logits) (the last T ≤ max_T ids; 256 logits), with the run's seed.
+template <typename Logits>
+std::string sample_text(const std::vector<std::int32_t>& val, const options& o, std::size_t max_T, Logits&& logits_of) {
+  std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
+  std::vector<double> logits(256);
+  mb::random_state rs{o.seed};
+  std::string out;
+  for (std::size_t i = 0; i < o.sample; ++i) {
+    const std::size_t T = std::min<std::size_t>(ctx.size(), max_T);
+    logits_of(ctx.data() + (ctx.size() - T), T, logits.data());
+    double mx = -1e300, z = 0;
+    for (double l : logits) mx = std::max(mx, l);
+    for (double& l : logits) z += (l = std::exp((l - mx) / 0.8));
+    double u = static_cast<double>(rs.next() >> 11) * 0x1.0p-53 * z;
+    std::size_t v = 0;
+    while (v + 1 < 256 && (u -= logits[v]) > 0) ++v;
+    ctx.push_back(static_cast<std::int32_t>(v));
+    out.push_back(static_cast<char>(v));
+  }
+  return out;
+}
+
 // What a run on a GPU trains unless told otherwise: 12 blocks of width 768 repeating TTT-Linear,
 // attention, Mamba, attention, bf16, 2k tokens, inside 8 GiB of the device.
 inline void apply_device_defaults(options& o) {

@@ -158,29 +158,13 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
                                      monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
                                              mb::device_others_probe{device}));
   t.monitor().inner().attach(recorder);
-  if (!o.resume.empty()) {
-    bool same_plan = false;
-    try {
-      same_plan = t.load(o.resume);
-    } catch (const mb::error& e) {
-      throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e), "");
-    }
-    if (t.steps_done() > o.steps) {
-      throw mb::invalid_argument("--steps", "at least the " + std::to_string(t.steps_done()) + " steps of --resume",
-                                 std::to_string(o.steps), "Raise --steps to continue the run");
-    }
-    std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
-                same_plan ? "" : " (its plan is not restored: over this budget; continuing under the plan above)");
-  }
+  resume_from(t, o);
 
   windows train_src{&train, o.seq}, val_src{&val, o.seq};
   auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
   progress bar(o.steps);
-  char line[160];
   const double first_eval = eval();
-  std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(t.steps_done()),
-                o.steps, first_eval);
-  bar.note(line);
+  bar.note(eval_line(t.steps_done(), o, first_eval));
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
   std::size_t tokens_done = 0, skipped = 0, replans = 0;
   // Reserved bytes after each step: flat after the first step, or the stack creeps.
@@ -213,18 +197,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     bar.step(r, alloc.usage(), st.peak_requested, budget);
     if (o.eval_every != 0 && r.step % o.eval_every == 0) {
       last_eval = eval();
-      std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(r.step),
-                    o.steps, last_eval);
-      bar.note(line);
+      bar.note(eval_line(r.step, o, last_eval));
     }
-    if ((o.save_every != 0 && r.step % o.save_every == 0) || (o.stop_after != 0 && r.step == stop)) {
-      try {
-        t.save(o.checkpoint);
-      } catch (const mb::error& e) {
-        throw mb::invalid_argument("--checkpoint", "a file that can be written", cli_checks::inner(e), "");
-      }
-      bar.note("saved " + o.checkpoint);
-    }
+    save_if_due(t, o, r.step, stop, bar);
   }
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
@@ -240,22 +215,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     mb::cuda_check(cudaMemcpy(w.data(), t.weights(), m.weight_bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (weights)");
     mb::system_allocator host;
     mb::thread_pool pool(2);
-    std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
-    std::vector<double> logits(256);
-    mb::random_state rs{o.seed};
-    std::string out;
-    for (std::size_t i = 0; i < o.sample; ++i) {
-      const std::size_t T = std::min<std::size_t>(ctx.size(), 256);
-      hm.next_token_logits(w.data(), ctx.data() + (ctx.size() - T), {1, T}, logits.data(), host, pool);
-      double mx = -1e300, z = 0;
-      for (double l : logits) mx = std::max(mx, l);
-      for (double& l : logits) z += (l = std::exp((l - mx) / 0.8));
-      double u = static_cast<double>(rs.next() >> 11) * 0x1.0p-53 * z;
-      std::size_t v = 0;
-      while (v + 1 < 256 && (u -= logits[v]) > 0) ++v;
-      ctx.push_back(static_cast<std::int32_t>(v));
-      out.push_back(static_cast<char>(v));
-    }
+    const std::string out = sample_text(val, o, 256, [&](const std::int32_t* ids, std::size_t T, double* logits) {
+      hm.next_token_logits(w.data(), ids, {1, T}, logits, host, pool);
+    });
     std::printf("\nsample:\n%s\n\n", out.c_str());
   }
 
