@@ -4,10 +4,12 @@
 // budget's measured peak of requested bytes beside the plan's prediction. The model is the one
 // issue 17 names as a GPU default: 12 blocks of width 768 (12 heads of 64) repeating TTT-Linear,
 // attention, Mamba, attention; vocab 256 (bytes); batch 1; bf16 storage, fp32 accumulation;
-// T = 2k and 8k. The plan is fit()'s for an 8 GiB budget (weights, gradients and AdamW state
-// counted as the trainer holds them; no optimizer step runs here: the trainer is not on the
-// device yet). Timed with CUDA events on the executor's stream. Without a device every benchmark
-// is skipped.
+// T = 2k and 8k. The plan is fit()'s for an 8 GiB budget (weights, gradients, AdamW state and the
+// step buffers allocated as the trainer holds them). bm_step times one micro-batch with CUDA
+// events on the executor's stream; bm_train_step times whole optimizer steps of membound::trainer
+// on the device (the same micro-batch, then the gradient norm, clipping and AdamW; host wall time
+// of trainer::step, which synchronizes at the loss and the norm), with the trainer's measured
+// peak beside its prediction. Without a device every benchmark is skipped.
 //
 //   ./build/release/bench/bench_cuda_model --benchmark_min_time=0.05 --benchmark_format=json
 //
@@ -26,6 +28,7 @@
 #include "membound/memory/budget.hpp"
 #include "membound/memory/caching_allocator.hpp"
 #include "membound/model/planner.hpp"
+#include "membound/train/trainer.hpp"
 
 namespace mb = membound;
 
@@ -89,6 +92,7 @@ void bm_step(benchmark::State& state) {
   S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
   S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
   void* opt = p.optimizer == 0 ? nullptr : alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  void* sb = alloc.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);  // as the trainer
   {
     std::vector<S> h(n);
     m.init_weights(h.data(), 1);
@@ -139,13 +143,72 @@ void bm_step(benchmark::State& state) {
   (void)cudaEventDestroy(stop);
   (void)cudaFree(d_ids);
   (void)cudaFree(d_targets);
+  alloc.deallocate(sb, p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   if (opt != nullptr) alloc.deallocate(opt, p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
   alloc.deallocate(g, wb, mb::default_alignment, mb::memory_tag::gradients);
   alloc.deallocate(w, wb, mb::default_alignment, mb::memory_tag::weights);
 }
 
+// Whole optimizer steps of the trainer on the device: random byte windows (the request's bits).
+void bm_train_step(benchmark::State& state) {
+  if (!have_device()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::size_t T = static_cast<std::size_t>(state.range(0));
+  const mb::batch_shape b{1, T};
+  std::vector<std::size_t> pattern;
+  for (std::size_t i = 0; i < 12; ++i) pattern.push_back(i % 4 == 0 ? 0 : i % 4 == 2 ? 2 : 1);
+  const net m(config(), pattern);
+  const std::size_t budget = std::size_t{8} << 30;
+  using stack = mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>>;
+  stack alloc(budget);
+  mb::fit_options fo;
+  fo.reserve = mb::reserve_model(m, alloc);
+  const mb::training_plan p = mb::fit(m, b, budget, fo);
+  mb::cuda_executor ex;
+  // Random bytes from the request's bits: each window's targets are its tokens shifted by one.
+  const auto source = [T](const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) {
+    std::uint64_t s = r.random;
+    const auto next = [&s] {
+      s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+      return static_cast<std::int32_t>((s >> 33) % 256);
+    };
+    std::int32_t prev = next();
+    for (std::size_t t = 0; t < T; ++t) {
+      x[t] = prev;
+      y[t] = prev = next();
+    }
+  };
+  mb::trainer_options to;
+  to.seed = 1;
+  double loss = 0;
+  {
+    mb::trainer<net, stack> t(m, b, p, alloc, ex, to);
+    (void)t.step(source);  // the first step makes the cache's segments
+    for (auto _ : state) {
+      const mb::step_result r = t.step(source);
+      loss = r.loss;
+      state.SetIterationTime(r.ms * 1e-3);
+    }
+    const double flops = 3.0 * (p.forward_flops + m.head_flops(b));
+    state.counters["tokens_per_s"] =
+        benchmark::Counter(static_cast<double>(b.tokens()), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["model_TFLOPs"] = benchmark::Counter(flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["bf16_peak_TFLOPs"] = bf16_peak_flops() * 1e-12;
+    state.counters["measured_peak_MiB"] = static_cast<double>(alloc.stats().peak_requested) / (1 << 20);
+    state.counters["predicted_peak_MiB"] = static_cast<double>(t.largest_predicted_peak()) / (1 << 20);
+    state.counters["measured_eq_predicted"] = alloc.stats().peak_requested == t.largest_predicted_peak() ? 1 : 0;
+    state.counters["reserved_peak_MiB"] = static_cast<double>(alloc.stats().peak_reserved) / (1 << 20);
+    state.counters["predicted_reserve_MiB"] = static_cast<double>(t.largest_predicted_reserve()) / (1 << 20);
+  }
+  state.counters["loss"] = loss;
+  state.SetLabel(p.schedule.name() + ", head chunk " + std::to_string(p.head_chunk));
+}
+
 }  // namespace
 
 BENCHMARK(bm_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(bm_train_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -2,8 +2,10 @@
 """One training micro-batch (forward, loss, backward) of the hybrid model on the GPU: ours
 (bench/bench_cuda_model.cu, model<..., cuda_backend>::forward_backward under fit()'s plan for an
 8 GiB budget) against the same model written in PyTorch, on the same GPU, each shape in its own
-process. A tool to run and report, not part of ctest. No optimizer step on either side (the
-trainer is not on the device yet): the figure is the step's forward and backward.
+process. A tool to run and report, not part of ctest. With --optimizer the figure is a whole
+optimizer step on both sides: ours is bm_train_step (membound::trainer on the device: the
+micro-batch, the gradient norm, clipping at 1 and AdamW with fp32 masters), PyTorch's adds
+clip_grad_norm_(1.0) and a fused torch.optim.AdamW step on its fp32 parameters.
 
     cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-real
     ninja -C build/gpu bench_cuda_model
@@ -62,6 +64,9 @@ def child(args):
     x = torch.randint(0, MPR.VOCAB, (1, T), generator=g).to(dev)
     y = torch.randint(0, MPR.VOCAB, (1, T), generator=g).to(dev)
     params = list(model.parameters())
+    opt = None
+    if args.optimizer:
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=(dev == "cuda"))
 
     def step():
         for p in params:
@@ -69,6 +74,9 @@ def child(args):
         with torch.autocast(dev, dtype=torch.bfloat16):
             loss = model(x, y)
         loss.backward()
+        if opt is not None:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         return loss
 
     if dev == "cpu":  # --smoke: the script's own check on a machine without a GPU
@@ -100,9 +108,10 @@ def child(args):
     return 0
 
 
-def ours(path, seqs):
-    """bench_cuda_model's JSON rows by sequence length."""
-    r = subprocess.run([path, "--benchmark_format=json", "--benchmark_min_time=0.05"], capture_output=True, text=True)
+def ours(path, seqs, bench):
+    """bench_cuda_model's JSON rows of one benchmark (bm_step or bm_train_step) by sequence length."""
+    r = subprocess.run([path, "--benchmark_format=json", "--benchmark_min_time=0.05", f"--benchmark_filter=^{bench}/"],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{path} failed ({r.returncode}):\n{r.stderr}")
     rows = {}
@@ -121,6 +130,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--checkpoint", action="store_true", help="torch.utils.checkpoint around every block")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="whole optimizer steps: ours bm_train_step, torch + clip_grad_norm_ + fused AdamW")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test of the child
@@ -129,7 +140,7 @@ def main():
         return child(args)
     if not args.ours:
         ap.error("--ours PATH (bench_cuda_model) is required")
-    mine, plans = ours(args.ours, set(args.seqs))
+    mine, plans = ours(args.ours, set(args.seqs), "bm_train_step" if args.optimizer else "bm_step")
     print(plans)
     print(f"| T | ours ms | torch ms{' (checkpointed)' if args.checkpoint else ''} | ours tok/s | torch tok/s | "
           "ours/torch tok/s | ours peak MiB (measured = predicted) | torch reserved MiB (allocated) | "
@@ -137,7 +148,8 @@ def main():
     print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for T in args.seqs:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", str(args.warmup),
-               "--reps", str(args.reps)] + (["--checkpoint"] if args.checkpoint else [])
+               "--reps", str(args.reps)] + (["--checkpoint"] if args.checkpoint else []) + \
+              (["--optimizer"] if args.optimizer else [])
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"torch child failed ({r.returncode}):\n{r.stderr}")
