@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds here, for one architecture, everything a lent GPU machine runs (the GPU tests, the GPU
+# benchmarks, the example trainer with its device module, the NCCL test when NCCL is found), then
+# stages the Debian packages (tools/stage_device_deps.sh) and copies the binaries into
+# .device_deps/bin, so that the GPU machine spends its minutes running, not compiling:
+#
+#   bash tools/stage_gpu_binaries.sh [ARCH]          # default 90-real (H100, H200)
+#   # then, on the GPU machine (carry .device_deps):
+#   OUT=/tmp/g bash tools/gpu_check.sh --prebuilt .device_deps/bin --jobs 8 --timeout 120 \
+#       --sanitizers "memcheck racecheck" --bench-args "--benchmark_min_time=0.05"
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+arch="${1:-90-real}"
+build="$root/build/gpu"
+cd "$root"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+  -DMEMBOUND_REQUIRE_CUDA=ON > /dev/null
+targets=(train)
+for f in tests/cuda/test_*.cu bench/bench_cuda_*.cu; do targets+=("$(basename "$f" .cu)"); done
+if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^test_nccl_communicator:'; then
+  targets+=(test_nccl_communicator)
+fi
+ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"
+bash tools/stage_device_deps.sh
+bin="$root/.device_deps/bin"
+mkdir -p "$bin"
+for t in "${targets[@]}"; do
+  for dir in tests bench examples; do
+    if [[ -x "$build/$dir/$t" ]]; then cp "$build/$dir/$t" "$bin/"; fi
+  done
+done
+cp "$build/examples/libtrain_cuda.so" "$bin/"
+echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*}"
