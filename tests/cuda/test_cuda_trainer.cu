@@ -10,7 +10,8 @@
 //     refused with the trainer unchanged; a CPU checkpoint resumes on the device;
 //   - a bad token id is refused on the host before the upload, with nothing consumed;
 //   - memory taken by someone else (a real cudaMalloc outside the budget, counted as the budget's
-//     external bytes) makes the next step retry under a stricter plan that fits beside it.
+//     external bytes) makes the next step retry under a stricter plan that fits beside it, and
+//     device_others_probe (what foreign_memory_monitor reads at its check points) sees it.
 // Without a device it exits 77 (skipped).
 //
 // Tolerance of the CPU/GPU agreement (fp32, relative, per step's loss): one step's loss agrees
@@ -36,6 +37,7 @@
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/model/reserve_plan.hpp"
+#include "membound/monitor/foreign_memory_monitor.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
 #include "membound/train/trainer.hpp"
 
@@ -305,6 +307,33 @@ void pressure_retry() {
   CHECK(alloc.stats().peak_requested <= t.largest_predicted_peak());
 }
 
+// device_others_probe sees what another holder takes on the device (a real cudaMalloc outside
+// the budget: at least its size, at most a few pages more), and not what the budget's own stack
+// takes; foreign_memory_monitor puts the probe's figure into the budget at a check point.
+void probe_sees_device_memory() {
+  using plain_budget = mb::budget_allocator<mb::cuda_device_allocator>;
+  plain_budget alloc(budget_bytes);
+  const mb::device_others_probe probe{mb::cuda_current_device()};
+  const std::size_t before = probe(alloc);
+  constexpr std::size_t taken = std::size_t{64} << 20, slack = std::size_t{4} << 20;
+  {
+    mbt::device_buffer<std::uint8_t> other(taken);
+    const std::size_t during = probe(alloc);
+    void* mine = alloc.allocate(std::size_t{32} << 20, mb::default_alignment, mb::memory_tag::other);
+    const std::size_t with_mine = probe(alloc);
+    std::printf("  others: %zu B before, %zu B with 64 MiB taken outside, %zu B with 32 MiB more of ours\n", before,
+                during, with_mine);
+    CHECK(during >= before + taken);
+    CHECK(during <= before + taken + slack);
+    CHECK(with_mine <= during + slack);  // ours is not others' (cudaMalloc's rounding aside)
+    mb::foreign_memory_monitor mon(mb::pressure_monitor<>{}, probe);
+    (void)mon.check<mb::check_point::before_forward>(alloc);
+    CHECK(alloc.external() >= before + taken);
+    CHECK(mon.probes() == 1);
+    alloc.deallocate(mine, std::size_t{32} << 20, mb::default_alignment, mb::memory_tag::other);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -315,6 +344,7 @@ int main() {
       {"trainer cuda_backend: a CPU checkpoint resumes on the device", cpu_checkpoint_on_device},
       {"trainer cuda_backend: a bad token id is refused before the upload", bad_token_refused},
       {"trainer cuda_backend: foreign device memory makes the step retry under a stricter plan", pressure_retry},
+      {"device_others_probe sees device memory taken outside the budget, not the budget's own", probe_sees_device_memory},
   };
   return mbt::run_suite("test_cuda_trainer", cases);
 }
