@@ -295,10 +295,10 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   r.dx.resize(N * C);
   for (int i = 0; i < 9; ++i) r.g[i] = p.g0[i];
   std::vector<float> c(N * Di), u(N * Di), dt(N * Di), delta(N * Di), dg(N * Di), gated(N * Di);
-  std::vector<float> dxz(N * 2 * Di), carry(B * (nch - 1) * Di * Ns);
+  std::vector<float> dxz(N * 2 * Di), carry(B * nch * Di * Ns);
   std::vector<float> bdsum(mamba_chunk_sum_elements(B, T, L, Di));
   const size_t nblk = mamba_blocks(Di, mamba_scan_channels);
-  std::vector<float> part(nblk * N * 2 * Ns), small(B * nch * Di * (Ns + 2)), du(N * Di), ddt(N * Di);
+  std::vector<float> part(nblk * N * 2 * Ns), small(B * nch * Di * 2), du(N * Di), ddt(N * Di);
   std::vector<float> dxdbl(N * ldx);
   const size_t nrb = mamba_blocks(N, mamba_conv_rows);
   std::vector<float> cpart(nrb * Di * (K + 1));
@@ -339,8 +339,8 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   });
   launch_flat(N * 2 * Ns, [&] { reduce_bc_kernel<float>(part.data(), dxdbl.data(), N, Ns, R, nblk); });
   launch_flat(Di * (Ns + 2), [&] {
-    reduce_small_kernel<float>(small.data(), w[a_log], r.g[a_log].data(), r.g[dskip].data(),
-                               r.g[dt_bias].data(), B * nch, Di, Ns);
+    reduce_small_kernel<float>(carry.data(), small.data(), w[a_log], r.g[a_log].data(),
+                               r.g[dskip].data(), r.g[dt_bias].data(), B * nch, Di, Ns);
   });
   mm_at(xdbl.data(), ddt.data(), r.g[dt_proj].data(), N, R, Di, true, ldx, Di, Di);
   mm_bt(ddt.data(), w[dt_proj], dxdbl.data(), N, Di, R, false, Di, Di, ldx);

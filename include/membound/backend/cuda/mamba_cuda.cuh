@@ -8,9 +8,10 @@
 //             -> out = g·out_proj
 //   backward: the same values as stored or recomputed; dg = dout·out_projᵀ; the forward scan's
 //             last kernel once more, from the saved states, for y, with the gate's backward fused
-//             (g and dz); the reverse scan (chunk states recomputed from the saved entry states,
-//             last chunk first); fixed-order reductions of dB/dC, dA/dD/dΔ-bias and the conv
-//             weights; the GEMMs back.
+//             (g and dz); the reverse scan over chunks in parallel (each chunk's own dL/dh from
+//             0, the carry over chunks right to left, every chunk from its carried dL/dh on its
+//             states recomputed from the saved entry state); fixed-order reductions of dB/dC,
+//             dA/dD/dΔ-bias and the conv weights; the GEMMs back.
 //   step:     in_proj GEMM -> conv-window kernel -> x_proj and dt GEMMs -> one scan step -> out_proj
 //
 // Keyed by the shape type (backend_kernels<cuda_backend, mamba_shape>): the layer owns the call
@@ -24,14 +25,14 @@
 // written there and combined in place over the chunks (H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, one
 // thread per (b, channel, state)) before the outputs' pass reads them; the chunks' ΣΔ is the one
 // extra workspace slot ([B, nch − 2, Di] fp32). y = Σ_s C·h is summed per time tile through
-// shared memory in lane order (no shuffles, no atomics). The backward block covers the CPU's
-// 64-channel partition (scan_channels) in groups of cpb, one batch row, and is still serial over
-// the chunks (last first, dL/dh carried across them): it recomputes each chunk's states from the
-// saved entry state into a workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk
-// backward; running its chunks in parallel would need that workspace per chunk in flight (see
-// the reverse scan's comment). Everything summed
-// across threads goes through per-block partials reduced in index order by a second kernel, so
-// repeated runs give the same bits.
+// shared memory in lane order (no shuffles, no atomics). The reverse scan splits the same way:
+// each chunk's own dL/dh from 0 (no states needed), the carry over chunks right to left
+// (D_{k−1} = exp(a·ΣΔ_k)·D_k + r_k, into a workspace of the saved states' shape), then one block
+// per (b, chunk, the CPU's 64-channel partition scan_channels) in groups of cpb walks its chunk
+// backward from the carried dL/dh, the chunk's states recomputed in registers tile by tile from
+// per-thread checkpoints in shared memory (no global copy of the states). Everything summed
+// across threads or chunks goes through per-block or per-chunk partials reduced in index order by
+// a second kernel, so repeated runs give the same bits.
 //
 // Precision: storage S (float, bf16, fp16), fp32 everywhere else. As in mlp_cuda.cuh, values that
 // feed a GEMM (u, the gated y, dΔ·σ, dx_dbl, dxz) are rounded to S, where the CPU keeps them in
@@ -124,23 +125,23 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     return fits(s) ? step_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
   // Of the backward workspace (fp32; for tests and the plan table): the dB/dC partials [scan
-  // blocks, N, 2·Ns]; the dL/dh carried into each chunk but the last [B, nch − 1, Di, Ns] (the
-  // saved states' shape); the chunks' ΣΔ [B, nch − 2, Di] (as the forward's); the per-chunk
-  // dA, dD, d dt_bias partials [B, nch, Di, Ns + 2].
+  // blocks, N, 2·Ns]; the dL/dh carried into each chunk [B, nch, Di, Ns] (the last chunk's slot
+  // unused), which then holds the per-chunk dA partials in place (each thread overwrites the
+  // word it read); the chunks' ΣΔ [B, nch − 2, Di] (as the forward's); the per-chunk dD and
+  // d dt_bias partials [B, nch, Di, 2].
   static constexpr std::size_t backward_partial_bytes(const mamba_shape& s) noexcept {
     return bytes_of<float>(gpu::mamba_blocks(s.d_inner, gpu::mamba_scan_channels),
                            s.batch * s.seq, 2 * s.d_state);
   }
   static constexpr std::size_t backward_carry_bytes(const mamba_shape& s, std::size_t L) noexcept {
-    const std::size_t nch = gpu::mamba_chunks(s.seq, L);
-    return bytes_of<float>(s.batch, nch < 1 ? 0 : nch - 1, s.d_inner, s.d_state);
+    return bytes_of<float>(s.batch, gpu::mamba_chunks(s.seq, L), s.d_inner, s.d_state);
   }
   static constexpr std::size_t backward_chunk_sum_bytes(const mamba_shape& s,
                                                         std::size_t L) noexcept {
     return bytes_of<float>(gpu::mamba_chunk_sum_elements(s.batch, s.seq, L, s.d_inner));
   }
   static constexpr std::size_t backward_small_bytes(const mamba_shape& s, std::size_t L) noexcept {
-    return bytes_of<float>(s.batch, gpu::mamba_chunks(s.seq, L), s.d_inner, s.d_state + 2);
+    return bytes_of<float>(s.batch, gpu::mamba_chunks(s.seq, L), s.d_inner, 2);
   }
   // Of the forward workspace: the chunked scan's Σ Δ per (b, chunk 1 .. nch − 2, channel), fp32
   // (the chunk-local end states go straight into the saved states, combined there in place).
@@ -254,10 +255,10 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     l.add(bytes_of<float>(N, Di), default_alignment, {0, 2});            // dg = dout·out_projᵀ
     l.add(bytes_of<S>(N, Di), default_alignment, {1, 1});                // y ⊙ SiLU(z)
     l.add(bytes_of<S>(N, 2 * Di), default_alignment, {1, 5});            // dxz
-    l.add(backward_carry_bytes(s, L), default_alignment, {2, 2});      // dL/dh into the chunks
+    l.add(backward_carry_bytes(s, L), default_alignment, {2, 3});      // dL/dh in, then dA
     l.add(backward_chunk_sum_bytes(s, L), default_alignment, {2, 2});  // the chunks' Σ Δ
     l.add(backward_partial_bytes(s), default_alignment, {2, 3});       // dB, dC partials
-    l.add(backward_small_bytes(s, L), default_alignment, {2, 3});      // dA, dD, dbias per (b, chunk)
+    l.add(backward_small_bytes(s, L), default_alignment, {2, 3});      // dD, dbias per (b, chunk)
     l.add(bytes_of<float>(N, Di), default_alignment, {2, 4});            // du
     l.add(bytes_of<S>(N, Di), default_alignment, {2, 3});                // dΔ·σ(dt)
     l.add(bytes_of<S>(N, ldx), default_alignment, {3, 4});               // dx_dbl
@@ -282,7 +283,7 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   }
 
  private:
-  // Every [N, ·] size fits, and the backward's [B, nch, Di, Ns + 2] too for any L (nch ≤ T). Each
+  // Every [N, ·] size fits, and the backward's [B, nch, Di, Ns] too for any L (nch ≤ T). Each
   // below SIZE_MAX / 32 (the layers' detail::huge_slot), not merely below SIZE_MAX: the layouts
   // add up to 15 such slots, and a sum that overflowed would make workspace_layout::add throw
   // inside the layer's noexcept size functions (std::terminate) instead of reporting SIZE_MAX.
@@ -292,7 +293,7 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     if (s.batch != 0 && N / s.batch != s.seq) return false;
     const std::size_t ldx = s.dt_rank + 2 * s.d_state;
     return bytes_of<float>(N, 2 * s.d_inner) < huge && bytes_of<float>(N, ldx) < huge &&
-           bytes_of<float>(N, s.d_inner, s.d_state + 2) < huge &&
+           bytes_of<float>(N, s.d_inner, s.d_state) < huge &&
            bytes_of<float>(gpu::mamba_blocks(s.d_inner, gpu::mamba_scan_channels), N,
                            2 * s.d_state) < huge &&
            bytes_of<float>(gpu::mamba_blocks(N, gpu::mamba_conv_rows) + 1, s.d_inner,
@@ -516,8 +517,9 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
 //   C' scan_backward_kernel, per (b, chunk, 64-channel block): the chunk's reverse recurrence
 //      from D_k, on the chunk's states recomputed from its saved entry state, producing ddt, du,
 //      the dB/dC partials and the chunk's dA/dD/d dt_bias partials.
-// The decay is exp(a·ΣΔ), as in the forward's combine (same rounding bound). The carry buffer has
-// the saved states' shape [B, nch − 1, Di, Ns] (fp32).
+// The decay is exp(a·ΣΔ), as in the forward's combine (same rounding bound). The carry buffer is
+// [B, nch, Di, Ns] fp32 (slot k: D_k; the last chunk's slot is not read, D_{nch−1} = 0) and C'
+// overwrites each word it read with the chunk's dA partial of that (channel, state).
 
 // Phase A'. Grid (channel blocks · (nch − 1), B), block cpb·Ns threads, thread = (channel,
 // state); blockIdx.x = (k − 1)·(channel blocks) + channel block, for chunks k = 1 .. nch − 1
@@ -564,7 +566,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     }
     te = ts;
   }
-  carry[((b * (nch - 1) + k - 1) * Di + ch) * Ns + s] = dh;
+  carry[((b * nch + k - 1) * Di + ch) * Ns + s] = dh;
   if (s == 0 && k + 1 < nch) dsum[(b * (nch - 2) + k - 1) * Di + ch] = sum;
 }
 
@@ -579,7 +581,7 @@ __global__ void scan_backward_combine_kernel(const S* a_log, const float* dsum, 
        idx += std::size_t{gridDim.x} * blockDim.x) {
     const std::size_t b = idx / per, r = idx % per, ch = r / Ns;
     const float a = -expf(ld(a_log, r));
-    float* const slot = carry + b * (nch - 1) * per + r;
+    float* const slot = carry + b * nch * per + r;
     const float* const sums = dsum + b * (nch - 2) * Di + ch;
     float dh = slot[(nch - 2) * per];
     for (std::size_t k = nch - 2; k >= 1; --k) {
@@ -631,12 +633,13 @@ __device__ inline float mamba_advance(float h, float a, const S* c, const S* del
 // k < nch − 1, else 0). At L ≤ TT·checkpoints (128 by default) m = 1: one extra pass over the
 // chunk, no hs. Writes, for its rows and channels: ddt = dΔ·σ(dt) (S), du (the scan's part, fp32),
 // the dB/dC partial part[blk, n, 2·Ns] (summed over the block's channels in order; the chunks'
-// rows are disjoint), and small[b, k, ch, ·] = (dA [Ns], dD, d dt_bias) summed over the chunk's
-// steps (reduced over (b, k) in order by reduce_small_kernel).
+// rows are disjoint), and, summed over the chunk's steps, dA into carry[b, k, ch, ·] (over the
+// D_k each thread read) and small[b, k, ch, ·] = (dD, d dt_bias), reduced over (b, k) in order by
+// reduce_small_kernel.
 template <typename S>
 __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_backward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
-                         const S* dskip, const float* states, const float* carry, const float* dg,
+                         const S* dskip, const float* states, float* carry, const float* dg,
                          std::size_t T, std::size_t Di, std::size_t Ns, std::size_t R,
                          std::size_t L, std::size_t cpb, S* ddt, float* du, float* part,
                          float* small) {
@@ -664,7 +667,9 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     const bool active = cl < cpb && ch < i1;
     const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
     const float dk = active ? ld(dskip, ch) : 0.0f;
-    float dh = (active && k + 1 < nch) ? carry[((b * (nch - 1) + k) * Di + ch) * Ns + s] : 0.0f;
+    // D_k, this thread's own word of the carry buffer (reused below for its dA partial).
+    float* const my_carry = carry + ((b * nch + k) * Di + (active ? ch : 0)) * Ns + s;
+    float dh = (active && k + 1 < nch) ? *my_carry : 0.0f;
     float da = 0, dd_acc = 0, dbias = 0;
     const float entry =
         (active && k > 0) ? states[((b * (nch - 1) + k - 1) * Di + ch) * Ns + s] : 0.0f;
@@ -773,13 +778,13 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     q_dd[tid] = dbias;
     __syncthreads();
     if (active) {
-      float* out = small + ((b * nch + k) * Di + ch) * (Ns + 2);
-      out[s] = da;
+      *my_carry = da;  // read (as D_k) by this thread only, before
       if (s == 0) {
+        float* out = small + ((b * nch + k) * Di + ch) * 2;
         float sum = 0;
         for (std::size_t j = 0; j < Ns; ++j) sum += q_dd[cl * Ns + j];
-        out[Ns] = dd_acc;
-        out[Ns + 1] = sum;
+        out[0] = dd_acc;
+        out[1] = sum;
       }
     }
     __syncthreads();  // q_dd is the next group's tile
@@ -800,19 +805,23 @@ __global__ void reduce_bc_kernel(const float* part, S* dxdbl, std::size_t N, std
   }
 }
 
-// The small parameters' gradients: small[r, ch, ·] summed over the rows r = (b, chunk) in order
-// (rows = batch · chunks) and added once:
-// dA_log = dA ⊙ A, dD, d dt_bias.
+// The small parameters' gradients: the partials of the rows r = (b, chunk) (rows = batch ·
+// chunks), da[r, ch, Ns] and small[r, ch, 2] = (dD, d dt_bias), summed over r in order and added
+// once: dA_log = dA ⊙ A, dD, d dt_bias.
 template <typename S>
-__global__ void reduce_small_kernel(const float* small, const S* a_log, S* g_a_log, S* g_d,
-                                    S* g_dt_bias, std::size_t rows, std::size_t Di,
-                                    std::size_t Ns) {
+__global__ void reduce_small_kernel(const float* da, const float* small, const S* a_log,
+                                    S* g_a_log, S* g_d, S* g_dt_bias, std::size_t rows,
+                                    std::size_t Di, std::size_t Ns) {
   const std::size_t w = Ns + 2, total = Di * w;
   for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
        idx += std::size_t{gridDim.x} * blockDim.x) {
     const std::size_t ch = idx / w, j = idx % w;
     float v = 0;
-    for (std::size_t r = 0; r < rows; ++r) v += small[(r * Di + ch) * w + j];
+    if (j < Ns) {
+      for (std::size_t r = 0; r < rows; ++r) v += da[(r * Di + ch) * Ns + j];
+    } else {
+      for (std::size_t r = 0; r < rows; ++r) v += small[(r * Di + ch) * 2 + (j - Ns)];
+    }
     if (j < Ns) {
       const std::size_t at = ch * Ns + j;
       st(g_a_log, at, ld(g_a_log, at) + v * -expf(ld(a_log, at)));
@@ -1103,8 +1112,8 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     const dim3 grid(static_cast<unsigned>(nblk * nch), static_cast<unsigned>(B));
     md::scan_backward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
         xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d,
-        static_cast<const float*>(sv.states), static_cast<const float*>(carry),
-        static_cast<const float*>(dg), T, Di, Ns, R, L, cpb, ddt, du, part, small);
+        static_cast<const float*>(sv.states), carry, static_cast<const float*>(dg), T, Di, Ns, R,
+        L, cpb, ddt, du, part, small);
     cuda_executor::check_launch("mamba scan_backward_kernel");
   }
 
@@ -1114,7 +1123,8 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
                                                                  dxdbl, N, Ns, R, nblk);
   cuda_executor::check_launch("mamba reduce_bc_kernel");
   md::reduce_small_kernel<<<md::grid_for(Di * (Ns + 2)), 256, 0, st>>>(
-      static_cast<const float*>(small), w.a_log, g.a_log, g.d, g.dt_bias, B * nch, Di, Ns);
+      static_cast<const float*>(carry), static_cast<const float*>(small), w.a_log, g.a_log, g.d,
+      g.dt_bias, B * nch, Di, Ns);
   cuda_executor::check_launch("mamba reduce_small_kernel");
   gpu::matmul_at(ctx, xdbl, static_cast<const S*>(ddt), g.dt_proj, N, R, Di, true,
                  cpu::ld3{ldx, Di, Di});
