@@ -27,7 +27,7 @@
 // extra workspace slot ([B, nch − 2, Di] fp32). y = Σ_s C·h is summed per time tile through
 // shared memory in lane order (no shuffles, no atomics). The reverse scan splits the same way:
 // each chunk's own dL/dh from 0 (no states needed), the carry over chunks right to left
-// (D_{k−1} = exp(a·ΣΔ_k)·D_k + r_k, into a workspace of the saved states' shape), then one block
+// (D_{k−1} = exp(a·ΣΔ_k)·D_k + r_k, into a workspace [B, nch, Di, Ns]), then one block
 // per (b, chunk, the CPU's 64-channel partition scan_channels) in groups of cpb walks its chunk
 // backward from the carried dL/dh, the chunk's states recomputed in registers tile by tile from
 // per-thread checkpoints in shared memory (no global copy of the states). Everything summed
