@@ -5,7 +5,8 @@
 // __syncthreads (the forward scan's output pass, the reverse scan) runs its cpb·Ns threads as host
 // threads, one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a missing
 // barrier shows as a data race); every barrier-free kernel (the chunk-local pass, the combine over
-// chunks, the reductions, the conv) runs one thread at a time. A host copy of the launchers'
+// chunks, the reverse scan's chunk-local pass and its carry over chunks, the reductions, the conv)
+// runs one thread at a time. A host copy of the launchers'
 // sequence (naive fp32 loops for the cuBLASLt GEMMs) drives them, forward then backward, against
 // the CPU layer (mamba<scan_chunk<L>>, cpu_backend) on the same inputs: out, the saved chunk-entry
 // states, dx and the nine gradients within 1e-5 (normwise) of the fp32 block, with each side's
@@ -250,7 +251,7 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   const mb::mamba_shape& s = p.s;
   const size_t B = s.batch, T = s.seq, N = B * T, C = s.d_model, Di = s.d_inner, Ns = s.d_state;
   const size_t R = s.dt_rank, K = s.d_conv, ldx = R + 2 * Ns;
-  const size_t nch = mamba_chunks(T, L), Lc = std::min(L, T);
+  const size_t nch = mamba_chunks(T, L);
   size_t cpb = mamba_channels_per_block(Ns);
   if (g_cpb_cap != 0) cpb = std::min<size_t>(cpb, g_cpb_cap);
   const unsigned nt = static_cast<unsigned>(cpb * Ns);
@@ -294,9 +295,10 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   r.dx.resize(N * C);
   for (int i = 0; i < 9; ++i) r.g[i] = p.g0[i];
   std::vector<float> c(N * Di), u(N * Di), dt(N * Di), delta(N * Di), dg(N * Di), gated(N * Di);
-  std::vector<float> dxz(N * 2 * Di), hs(B * Lc * Di * Ns);
+  std::vector<float> dxz(N * 2 * Di), carry(B * nch * Di * Ns);
+  std::vector<float> bdsum(mamba_chunk_sum_elements(B, T, L, Di));
   const size_t nblk = mamba_blocks(Di, mamba_scan_channels);
-  std::vector<float> part(nblk * N * 2 * Ns), small(B * Di * (Ns + 2)), du(N * Di), ddt(N * Di);
+  std::vector<float> part(nblk * N * 2 * Ns), small(B * nch * Di * 2), du(N * Di), ddt(N * Di);
   std::vector<float> dxdbl(N * ldx);
   const size_t nrb = mamba_blocks(N, mamba_conv_rows);
   std::vector<float> cpart(nrb * Di * (K + 1));
@@ -320,15 +322,25 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   });
   if (y_bwd) *y_bwd = gated;
   mm_at(gated.data(), p.dout.data(), r.g[out_proj].data(), N, Di, C, true);
-  launch_cta(dim3e{static_cast<unsigned>(nblk), static_cast<unsigned>(B), 1}, nt, [&] {
+  if (nch > 1) {  // the reverse scan: A' (chunk-local dL/dh, ΣΔ), B' (the carry over chunks), C'
+    launch_seq(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
+      scan_backward_local_kernel<float>(xz.data(), dp, xdbl.data(), w[a_log], dg.data(), T, Di, Ns,
+                                        R, L, cpb, carry.data(), bdsum.data());
+    });
+    if (nch > 2)
+      launch_flat(B * Di * Ns, [&] {
+        scan_backward_combine_kernel<float>(w[a_log], bdsum.data(), carry.data(), B, nch, Di, Ns);
+      });
+  }
+  launch_cta(dim3e{static_cast<unsigned>(nblk * nch), static_cast<unsigned>(B), 1}, nt, [&] {
     scan_backward_kernel<float>(xz.data(), cp, dp, xdbl.data(), w[a_log], w[dskip], states.data(),
-                                dg.data(), T, Di, Ns, R, L, cpb, hs.data(), ddt.data(), du.data(),
+                                carry.data(), dg.data(), T, Di, Ns, R, L, cpb, ddt.data(), du.data(),
                                 part.data(), small.data());
   });
   launch_flat(N * 2 * Ns, [&] { reduce_bc_kernel<float>(part.data(), dxdbl.data(), N, Ns, R, nblk); });
   launch_flat(Di * (Ns + 2), [&] {
-    reduce_small_kernel<float>(small.data(), w[a_log], r.g[a_log].data(), r.g[dskip].data(),
-                               r.g[dt_bias].data(), B, Di, Ns);
+    reduce_small_kernel<float>(carry.data(), small.data(), w[a_log], r.g[a_log].data(),
+                               r.g[dskip].data(), r.g[dt_bias].data(), B * nch, Di, Ns);
   });
   mm_at(xdbl.data(), ddt.data(), r.g[dt_proj].data(), N, R, Di, true, ldx, Di, Di);
   mm_bt(ddt.data(), w[dt_proj], dxdbl.data(), N, Di, R, false, Di, Di, ldx);
@@ -420,6 +432,11 @@ int main(int argc, char** argv) {
   run_case<8>("T 1", 2, 1, 8, 20, 16, 3, 1);
   run_case<16>("T = chunk", 1, 16, 8, 9, 16, 4, 2);
   run_case<16>("T = chunk + 1, B 3", 3, 17, 8, 9, 16, 4, 2);
+  // Chunks of more than mamba_backward_checkpoints tiles: the reverse scan's runs of m > 1 tiles
+  // (a tile's states recomputed through its run's earlier tiles), a last run cut short.
+  run_case<256>("chunk 256: runs of 2 tiles, then a short chunk", 1, 300, 8, 5, 4, 4, 2);
+  run_case<512>("T < chunk, 26 tiles (runs of 2, the last one short)", 2, 203, 8, 3, 16, 4, 2);
+  run_case<1024>("one chunk of 125 tiles (runs of 8, the last of 5)", 1, 1000, 8, 3, 2, 4, 2);
   std::printf("%s (%d failures)\n", fails ? "FAILED" : "all passed", fails);
   return fails ? 1 : 0;
 }

@@ -5,11 +5,13 @@ Cuts the kernels (and the chunk sizes the launchers share with them) out of incl
 backend/cuda/mamba_cuda.cuh between fixed markers, compiles them with tools/mamba_cuda_emulate.cpp
 as plain C++ (g++, -fsanitize=thread by default) and runs the result with the launchers' channels
 per CTA and with fewer. It checks the chunk-parallel forward scan (chunk-local states, the combine
-over chunks, every chunk from its entry state), the reverse scan and the reductions: index
-arithmetic, barriers (a missing one is a data race under TSan), and the results against
-cpu_backend in fp32 (out, the saved states, dx, the nine gradients), at T not a multiple of the
-chunk, T < chunk, one and several chunks, B = 2, d_state 1, 4, 5 and 16; and that y and every
-output do not depend on the checkpoint policy. --sanitize address runs it under ASan and UBSan
+over chunks, every chunk from its entry state), the chunk-parallel reverse scan (chunk-local
+dL/dh, the carry over chunks, every chunk from its carried dL/dh on states recomputed from
+shared-memory checkpoints, also in runs of several tiles) and the reductions: index arithmetic,
+barriers (a missing one is a data race under TSan), and the results against cpu_backend in fp32
+(out, the saved states, dx, the nine gradients), at T not a multiple of the chunk, T < chunk, one
+and several chunks, chunks of up to 125 tiles, B = 2, d_state 1, 2, 4, 5 and 16; and that y and
+every output do not depend on the checkpoint policy. --sanitize address runs it under ASan and UBSan
 instead: every buffer is sized exactly as the launchers size it, so a kernel that indexes past
 its buffer shows. It does not replace a GPU run (see the .cpp's header). Usage:
 

@@ -8,9 +8,10 @@
 //             -> out = g·out_proj
 //   backward: the same values as stored or recomputed; dg = dout·out_projᵀ; the forward scan's
 //             last kernel once more, from the saved states, for y, with the gate's backward fused
-//             (g and dz); the reverse scan (chunk states recomputed from the saved entry states,
-//             last chunk first); fixed-order reductions of dB/dC, dA/dD/dΔ-bias and the conv
-//             weights; the GEMMs back.
+//             (g and dz); the reverse scan over chunks in parallel (each chunk's own dL/dh from
+//             0, the carry over chunks right to left, every chunk from its carried dL/dh on its
+//             states recomputed from the saved entry state); fixed-order reductions of dB/dC,
+//             dA/dD/dΔ-bias and the conv weights; the GEMMs back.
 //   step:     in_proj GEMM -> conv-window kernel -> x_proj and dt GEMMs -> one scan step -> out_proj
 //
 // Keyed by the shape type (backend_kernels<cuda_backend, mamba_shape>): the layer owns the call
@@ -24,14 +25,14 @@
 // written there and combined in place over the chunks (H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, one
 // thread per (b, channel, state)) before the outputs' pass reads them; the chunks' ΣΔ is the one
 // extra workspace slot ([B, nch − 2, Di] fp32). y = Σ_s C·h is summed per time tile through
-// shared memory in lane order (no shuffles, no atomics). The backward block covers the CPU's
-// 64-channel partition (scan_channels) in groups of cpb, one batch row, and is still serial over
-// the chunks (last first, dL/dh carried across them): it recomputes each chunk's states from the
-// saved entry state into a workspace [B, Lc, Di, Ns] (Lc = min(L, T)), then walks the chunk
-// backward; running its chunks in parallel would need that workspace per chunk in flight (see
-// the reverse scan's comment). Everything summed
-// across threads goes through per-block partials reduced in index order by a second kernel, so
-// repeated runs give the same bits.
+// shared memory in lane order (no shuffles, no atomics). The reverse scan splits the same way:
+// each chunk's own dL/dh from 0 (no states needed), the carry over chunks right to left
+// (D_{k−1} = exp(a·ΣΔ_k)·D_k + r_k, into a workspace [B, nch, Di, Ns]), then one block
+// per (b, chunk, the CPU's 64-channel partition scan_channels) in groups of cpb walks its chunk
+// backward from the carried dL/dh, the chunk's states recomputed in registers tile by tile from
+// per-thread checkpoints in shared memory (no global copy of the states). Everything summed
+// across threads or chunks goes through per-block or per-chunk partials reduced in index order by
+// a second kernel, so repeated runs give the same bits.
 //
 // Precision: storage S (float, bf16, fp16), fp32 everywhere else. As in mlp_cuda.cuh, values that
 // feed a GEMM (u, the gated y, dΔ·σ, dx_dbl, dxz) are rounded to S, where the CPU keeps them in
@@ -70,6 +71,10 @@ inline constexpr std::size_t mamba_scan_lanes = 128;
 // Time steps per shared-memory tile of the scan's cross-lane sums.
 inline constexpr std::size_t mamba_forward_tile = 16;
 inline constexpr std::size_t mamba_backward_tile = 8;
+// States kept per thread for the reverse scan's recompute: a chunk's tiles run in at most this
+// many runs, each recomputed from its entry state (the first in a register, the rest in shared
+// memory: 15·256 floats, 15 KiB). At a chunk of ≤ 128 steps every tile has its own.
+inline constexpr std::size_t mamba_backward_checkpoints = 16;
 // Rows per partial of the conv weight gradient.
 inline constexpr std::size_t mamba_conv_rows = 256;
 // The largest d_state (the CPU's max_d_state): a block then has 256 threads.
@@ -119,15 +124,24 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) {
     return fits(s) ? step_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  // Of the backward workspace: the dB/dC partials [scan blocks, N, 2·Ns] and the chunk's states
-  // [B, min(L, T), Di, Ns], both fp32 (for tests and the plan table).
+  // Of the backward workspace (fp32; for tests and the plan table): the dB/dC partials [scan
+  // blocks, N, 2·Ns]; the dL/dh carried into each chunk [B, nch, Di, Ns] (the last chunk's slot
+  // unused), which then holds the per-chunk dA partials in place (each thread overwrites the
+  // word it read); the chunks' ΣΔ [B, nch − 2, Di] (as the forward's); the per-chunk dD and
+  // d dt_bias partials [B, nch, Di, 2].
   static constexpr std::size_t backward_partial_bytes(const mamba_shape& s) noexcept {
     return bytes_of<float>(gpu::mamba_blocks(s.d_inner, gpu::mamba_scan_channels),
                            s.batch * s.seq, 2 * s.d_state);
   }
-  static constexpr std::size_t backward_chunk_state_bytes(const mamba_shape& s,
-                                                          std::size_t L) noexcept {
-    return bytes_of<float>(s.batch, std::min(L, s.seq), s.d_inner, s.d_state);
+  static constexpr std::size_t backward_carry_bytes(const mamba_shape& s, std::size_t L) noexcept {
+    return bytes_of<float>(s.batch, gpu::mamba_chunks(s.seq, L), s.d_inner, s.d_state);
+  }
+  static constexpr std::size_t backward_chunk_sum_bytes(const mamba_shape& s,
+                                                        std::size_t L) noexcept {
+    return bytes_of<float>(gpu::mamba_chunk_sum_elements(s.batch, s.seq, L, s.d_inner));
+  }
+  static constexpr std::size_t backward_small_bytes(const mamba_shape& s, std::size_t L) noexcept {
+    return bytes_of<float>(s.batch, gpu::mamba_chunks(s.seq, L), s.d_inner, 2);
   }
   // Of the forward workspace: the chunked scan's Σ Δ per (b, chunk 1 .. nch − 2, channel), fp32
   // (the chunk-local end states go straight into the saved states, combined there in place).
@@ -224,15 +238,15 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   // gradient; 2 the reverse scan; 3 the reductions, dt_proj's and x_proj's GEMMs; 4 du's GEMM
   // and the conv's backward; 5 in_proj's gradient and dx.
   enum backward_slot : std::size_t {
-    b_gemm, b_c, b_u, b_dt, b_delta, b_dg, b_g, b_dxz, b_hs, b_part, b_small, b_du, b_ddt,
-    b_dxdbl, b_cpart
+    b_gemm, b_c, b_u, b_dt, b_delta, b_dg, b_g, b_dxz, b_carry, b_dsum, b_part, b_small, b_du,
+    b_ddt, b_dxdbl, b_cpart
   };
   template <typename S>
-  static constexpr workspace_layout<15> backward_layout(const mamba_shape& s, std::size_t L,
+  static constexpr workspace_layout<16> backward_layout(const mamba_shape& s, std::size_t L,
                                                         bool keep) {
     const std::size_t N = s.batch * s.seq, Di = s.d_inner, Ns = s.d_state, K = s.d_conv;
     const std::size_t ldx = s.dt_rank + 2 * Ns;
-    workspace_layout<15> l;
+    workspace_layout<16> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment, {0, 5});
     l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 4});     // c
     l.add(bytes_of<S>(N, Di), default_alignment, {0, 3});                // u
@@ -241,9 +255,10 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     l.add(bytes_of<float>(N, Di), default_alignment, {0, 2});            // dg = dout·out_projᵀ
     l.add(bytes_of<S>(N, Di), default_alignment, {1, 1});                // y ⊙ SiLU(z)
     l.add(bytes_of<S>(N, 2 * Di), default_alignment, {1, 5});            // dxz
-    l.add(backward_chunk_state_bytes(s, L), default_alignment, {2, 2});  // a chunk's states
-    l.add(backward_partial_bytes(s), default_alignment, {2, 3});         // dB, dC partials
-    l.add(bytes_of<float>(s.batch, Di, Ns + 2), default_alignment, {2, 3});  // dA, dD, dbias per b
+    l.add(backward_carry_bytes(s, L), default_alignment, {2, 3});      // dL/dh in, then dA
+    l.add(backward_chunk_sum_bytes(s, L), default_alignment, {2, 2});  // the chunks' Σ Δ
+    l.add(backward_partial_bytes(s), default_alignment, {2, 3});       // dB, dC partials
+    l.add(backward_small_bytes(s, L), default_alignment, {2, 3});      // dD, dbias per (b, chunk)
     l.add(bytes_of<float>(N, Di), default_alignment, {2, 4});            // du
     l.add(bytes_of<S>(N, Di), default_alignment, {2, 3});                // dΔ·σ(dt)
     l.add(bytes_of<S>(N, ldx), default_alignment, {3, 4});               // dx_dbl
@@ -268,7 +283,7 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   }
 
  private:
-  // Every [N, ·] size fits, and the backward's [B, Lc, Di, Ns] too for any L (Lc ≤ T). Each
+  // Every [N, ·] size fits, and the backward's [B, nch, Di, Ns] too for any L (nch ≤ T). Each
   // below SIZE_MAX / 32 (the layers' detail::huge_slot), not merely below SIZE_MAX: the layouts
   // add up to 15 such slots, and a sum that overflowed would make workspace_layout::add throw
   // inside the layer's noexcept size functions (std::terminate) instead of reporting SIZE_MAX.
@@ -489,169 +504,287 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   }
 }
 
-// The reverse scan. Grid (64-channel blocks, B); block cpb·Ns threads running the block's
-// channels in groups of cpb. Serial over the chunks: the carried dL/dh could be split as the
-// forward's state is (dh entering chunk k−1 = exp(a·ΣΔ_k)·(dh entering chunk k) + the chunk's own
-// reverse sum from 0, which needs no states), but every chunk in flight needs its own [Lc, ·, Ns]
-// slice of hs (all of them: B·T·Di·Ns fp32), and dA/dD/d dt_bias partials per chunk. Per chunk, last first: the chunk's states recomputed from the saved
-// entry state into hs [B, Lc, Di, Ns] (each thread its own slots), then the reverse recurrence
-// with the running dL/dh in a register. Writes, for its rows and channels: ddt = dΔ·σ(dt) (S),
-// du (the scan's part, fp32), the dB/dC partial part[blk, n, 2·Ns] (summed over the block's
-// channels in order), and small[b, ch, ·] = (dA [Ns], dD, d dt_bias) summed over this row's time.
+// The reverse scan runs over the same chunks of L in parallel, in three kernels. The running
+// dL/dh splits as the forward's state does: with D_k the dL/dh entering chunk k from the right
+// (D_{nch−1} = 0) and r_k chunk k's own reverse recurrence from dh = 0 (dh += gy_t·C_t, then
+// dh ·= e_t, over the chunk's steps last first; gy = dg·SiLU(z) = dL/dy),
+//   D_{k−1} = exp(a·ΣΔ_k)·D_k + r_k,
+// and r_k needs no states (only gy, C and Δ):
+//   A' scan_backward_local_kernel, per (b, chunk k ≥ 1, channel, state): r_k into the carry
+//      buffer's slot k − 1, and for k ≤ nch − 2 the chunk's ΣΔ into dsum [B, nch − 2, Di];
+//   B' scan_backward_combine_kernel, per (b, channel, state), chunks right to left: slot k − 1
+//      becomes D_{k−1} (in place; slot nch − 2 = r_{nch−1} = D_{nch−2} already);
+//   C' scan_backward_kernel, per (b, chunk, 64-channel block): the chunk's reverse recurrence
+//      from D_k, on the chunk's states recomputed from its saved entry state, producing ddt, du,
+//      the dB/dC partials and the chunk's dA/dD/d dt_bias partials.
+// The decay is exp(a·ΣΔ), as in the forward's combine (same rounding bound). The carry buffer is
+// [B, nch, Di, Ns] fp32 (slot k: D_k; the last chunk's slot is not read, D_{nch−1} = 0) and C'
+// overwrites each word it read with the chunk's dA partial of that (channel, state).
+
+// Phase A'. Grid (channel blocks · (nch − 1), B), block cpb·Ns threads, thread = (channel,
+// state); blockIdx.x = (k − 1)·(channel blocks) + channel block, for chunks k = 1 .. nch − 1
+// (chunk 0's local dh would carry into nothing). Inputs loaded per tile of TT steps first.
+template <typename S>
+__global__ void __launch_bounds__(mamba_max_d_state, 1)
+    scan_backward_local_kernel(const S* xz, const S* delta, const S* xdbl, const S* a_log,
+                               const float* dg, std::size_t T, std::size_t Di, std::size_t Ns,
+                               std::size_t R, std::size_t L, std::size_t cpb, float* carry,
+                               float* dsum) {
+  constexpr std::size_t TT = mamba_backward_tile;
+  const std::size_t tid = threadIdx.x, cl = tid / Ns, s = tid % Ns;
+  const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb + 1;
+  const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
+  const std::size_t b = blockIdx.y;
+  if (cl >= cpb || ch >= Di) return;  // no barrier below
+  const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
+  const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
+  const float a = -expf(ld(a_log, ch * Ns + s));
+  float dh = 0, sum = 0;
+  for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
+    const std::size_t ts = te - t0 > TT ? te - TT : t0, nt = te - ts;
+    float dv[TT], gv[TT], cv[TT];
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      dv[tt] = 0;
+      gv[tt] = 0;
+      cv[tt] = 0;
+      if (tt < nt) {
+        const std::size_t n = b * T + ts + tt;
+        dv[tt] = ld(delta, n * Di + ch);
+        gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
+        cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
+      }
+    }
+#pragma unroll
+    for (std::size_t q = 0; q < TT; ++q) {
+      const std::size_t tt = TT - 1 - q;  // last step first
+      if (tt < nt) {
+        dh += gv[tt] * cv[tt];
+        dh *= expf(a * dv[tt]);
+        sum += dv[tt];
+      }
+    }
+    te = ts;
+  }
+  carry[((b * nch + k - 1) * Di + ch) * Ns + s] = dh;
+  if (s == 0 && k + 1 < nch) dsum[(b * (nch - 2) + k - 1) * Di + ch] = sum;
+}
+
+// Phase B'. One thread per (b, channel, state), chunks right to left: D_{k−1} = exp(a·ΣΔ_k)·D_k +
+// r_k for k = nch − 2 .. 1, in place (slot k − 1 holds r_k, then D_{k−1}).
+template <typename S>
+__global__ void scan_backward_combine_kernel(const S* a_log, const float* dsum, float* carry,
+                                             std::size_t B, std::size_t nch, std::size_t Di,
+                                             std::size_t Ns) {
+  const std::size_t per = Di * Ns, total = B * per;
+  for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += std::size_t{gridDim.x} * blockDim.x) {
+    const std::size_t b = idx / per, r = idx % per, ch = r / Ns;
+    const float a = -expf(ld(a_log, r));
+    float* const slot = carry + b * nch * per + r;
+    const float* const sums = dsum + b * (nch - 2) * Di + ch;
+    float dh = slot[(nch - 2) * per];
+    for (std::size_t k = nch - 2; k >= 1; --k) {
+      dh = expf(a * sums[(k - 1) * Di]) * dh + slot[(k - 1) * per];
+      slot[(k - 1) * per] = dh;
+    }
+  }
+}
+
+// h advanced from step t0 to step t1 (exclusive) of batch row b: the forward's recurrence, in its
+// order and formula (so the states are the forward's bits), inputs loaded per tile of TT first.
+template <typename S>
+__device__ inline float mamba_advance(float h, float a, const S* c, const S* delta, const S* xdbl,
+                                      std::size_t b, std::size_t ch, std::size_t s,
+                                      std::size_t t0, std::size_t t1, std::size_t T,
+                                      std::size_t Di, std::size_t ldx, std::size_t R) {
+  constexpr std::size_t TT = mamba_backward_tile;
+  for (std::size_t tb = t0; tb < t1; tb += TT) {
+    const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
+    float dv[TT], uv[TT], bv[TT];
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      dv[tt] = 0;
+      uv[tt] = 0;
+      bv[tt] = 0;
+      if (tt < nt) {
+        const std::size_t n = b * T + tb + tt;
+        dv[tt] = ld(delta, n * Di + ch);
+        uv[tt] = membound::silu(ld(c, n * Di + ch));
+        bv[tt] = ld(xdbl, n * ldx + R + s);
+      }
+    }
+#pragma unroll
+    for (std::size_t tt = 0; tt < TT; ++tt) {
+      if (tt < nt) h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+    }
+  }
+  return h;
+}
+
+// Phase C'. Grid (64-channel blocks · nch, B), blockIdx.x = k·(64-channel blocks) + block; block
+// cpb·Ns threads running the block's channels in groups of cpb, for chunk k only. No states in
+// global memory: per group, the chunk's tiles of TT steps are split into mamba_backward_checkpoints
+// runs of m = ceil(tiles / checkpoints) tiles; a first pass from the saved entry state keeps the
+// state at each run's start (the first run's, the entry state, in a register, the others in
+// shared memory, each thread its own slots), then the tiles are walked last first: a tile's
+// states are recomputed in registers from its run's checkpoint (through the run's earlier tiles
+// when m > 1), and the reverse recurrence runs over them with dh starting at D_k (carry[b, k] for
+// k < nch − 1, else 0). At L ≤ TT·checkpoints (128 by default) m = 1: one extra pass over the
+// chunk, no hs. Writes, for its rows and channels: ddt = dΔ·σ(dt) (S), du (the scan's part, fp32),
+// the dB/dC partial part[blk, n, 2·Ns] (summed over the block's channels in order; the chunks'
+// rows are disjoint), and, summed over the chunk's steps, dA into carry[b, k, ch, ·] (over the
+// D_k each thread read) and small[b, k, ch, ·] = (dD, d dt_bias), reduced over (b, k) in order by
+// reduce_small_kernel.
 template <typename S>
 __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_backward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
-                         const S* dskip, const float* states, const float* dg, std::size_t T,
-                         std::size_t Di, std::size_t Ns, std::size_t R, std::size_t L,
-                         std::size_t cpb, float* hs, S* ddt, float* du, float* part,
+                         const S* dskip, const float* states, float* carry, const float* dg,
+                         std::size_t T, std::size_t Di, std::size_t Ns, std::size_t R,
+                         std::size_t L, std::size_t cpb, S* ddt, float* du, float* part,
                          float* small) {
-  constexpr std::size_t TT = mamba_backward_tile;
+  constexpr std::size_t TT = mamba_backward_tile, NCK = mamba_backward_checkpoints;
   // One row per step, padded by one word so that lanes reading different steps hit different banks.
   __shared__ float q_dd[TT * (mamba_max_d_state + 1)];
   __shared__ float q_du[TT * (mamba_max_d_state + 1)];
   __shared__ float q_b[TT * (mamba_max_d_state + 1)];
   __shared__ float q_c[TT * (mamba_max_d_state + 1)];
+  // The runs' entry states 1 .. NCK − 1: ck[(j − 1)·threads + tid] (each thread its own words).
+  __shared__ float ck[(NCK - 1) * mamba_max_d_state];
   const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
   const std::size_t cl = tid / Ns, s = tid % Ns;
   const std::size_t b = blockIdx.y, B = gridDim.y, N = B * T;
-  const std::size_t i0 = blockIdx.x * mamba_scan_channels;
+  const std::size_t nblk = (Di + mamba_scan_channels - 1) / mamba_scan_channels;
+  const std::size_t k = blockIdx.x / nblk, blk = blockIdx.x % nblk;
+  const std::size_t i0 = blk * mamba_scan_channels;
   const std::size_t i1 = i0 + mamba_scan_channels < Di ? i0 + mamba_scan_channels : Di;
-  const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L, Lc = L < T ? L : T;
-  float* const pblk = part + blockIdx.x * N * 2 * Ns;
+  const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
+  const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
+  const std::size_t ntiles = (t1 - t0 + TT - 1) / TT, m = (ntiles + NCK - 1) / NCK;
+  float* const pblk = part + blk * N * 2 * Ns;
   for (std::size_t g0 = i0; g0 < i1; g0 += cpb) {
     const std::size_t ch = g0 + cl;
     const bool active = cl < cpb && ch < i1;
     const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
     const float dk = active ? ld(dskip, ch) : 0.0f;
-    float dh = 0, da = 0, dd_acc = 0, dbias = 0;
-    // This thread's slot of the chunk's states: hs[b, t − t0, ch, s] at h_slot + (t − t0)·h_step.
-    float* const h_slot = hs + (b * Lc * Di + ch) * Ns + s;
-    const std::size_t h_step = Di * Ns;
-    for (std::size_t cidx = nch; cidx-- > 0;) {
-      const std::size_t t0 = cidx * L, t1 = t0 + L < T ? t0 + L : T;
-      const float entry =
-          (active && cidx > 0) ? states[((b * (nch - 1) + cidx - 1) * Di + ch) * Ns + s] : 0.0f;
-      if (active) {  // the chunk's states, as forward computed them (inputs of TT steps loaded first)
-        float h = entry;
-        for (std::size_t tb = t0; tb < t1; tb += TT) {
-          const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
-          float dv[TT], uv[TT], bv[TT];
+    // D_k, this thread's own word of the carry buffer (reused below for its dA partial).
+    float* const my_carry = carry + ((b * nch + k) * Di + (active ? ch : 0)) * Ns + s;
+    float dh = (active && k + 1 < nch) ? *my_carry : 0.0f;
+    float da = 0, dd_acc = 0, dbias = 0;
+    const float entry =
+        (active && k > 0) ? states[((b * (nch - 1) + k - 1) * Di + ch) * Ns + s] : 0.0f;
+    if (active) {  // the runs' entry states (run j starts at tile j·m)
+      float h = entry;
+      for (std::size_t j = 1; j * m < ntiles; ++j) {
+        const std::size_t rs = t0 + (j - 1) * m * TT;
+        h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, rs + m * TT, T, Di, ldx, R);
+        ck[(j - 1) * nthr + tid] = h;
+      }
+    }
+    for (std::size_t ti = ntiles; ti-- > 0;) {  // tiles of TT steps, last first
+      const std::size_t ts = t0 + ti * TT, nt = t1 - ts < TT ? t1 - ts : TT;
+      // The state before the tile: its run's checkpoint, advanced over the run's earlier tiles.
+      float h = 0;
+      if (active) {
+        const std::size_t j = ti / m, rs = t0 + j * m * TT;
+        h = j == 0 ? entry : ck[(j - 1) * nthr + tid];
+        h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, ts, T, Di, ldx, R);
+      }
+      const float h_before = h;
+      // The tile's inputs first (tt = t − ts), its states in registers, then the reverse
+      // recurrence over them.
+      float dv[TT], uv[TT], gv[TT], bv[TT], cv[TT], hv[TT], ev[TT];
 #pragma unroll
-          for (std::size_t tt = 0; tt < TT; ++tt) {
-            dv[tt] = 0;
-            uv[tt] = 0;
-            bv[tt] = 0;
-            if (tt < nt) {
-              const std::size_t n = b * T + tb + tt;
-              dv[tt] = ld(delta, n * Di + ch);
-              uv[tt] = membound::silu(ld(c, n * Di + ch));
-              bv[tt] = ld(xdbl, n * ldx + R + s);
-            }
-          }
-#pragma unroll
-          for (std::size_t tt = 0; tt < TT; ++tt) {
-            if (tt < nt) {
-              h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
-              h_slot[(tb + tt - t0) * h_step] = h;
-            }
-          }
+      for (std::size_t tt = 0; tt < TT; ++tt) {
+        dv[tt] = 0;
+        uv[tt] = 0;
+        gv[tt] = 0;
+        bv[tt] = 0;
+        cv[tt] = 0;
+        if (active && tt < nt) {
+          const std::size_t n = b * T + ts + tt;
+          dv[tt] = ld(delta, n * Di + ch);
+          uv[tt] = membound::silu(ld(c, n * Di + ch));
+          gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));  // dL/dy
+          bv[tt] = ld(xdbl, n * ldx + R + s);
+          cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
         }
       }
-      for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
-        const std::size_t ts = te - t0 > TT ? te - TT : t0, nt = te - ts;
-        // The tile's inputs first (tt = t − ts), then the reverse recurrence over them.
-        float dv[TT], uv[TT], gv[TT], bv[TT], cv[TT], hv[TT];
 #pragma unroll
-        for (std::size_t tt = 0; tt < TT; ++tt) {
-          dv[tt] = 0;
-          uv[tt] = 0;
-          gv[tt] = 0;
-          bv[tt] = 0;
-          cv[tt] = 0;
-          hv[tt] = 0;
-          if (active && tt < nt) {
-            const std::size_t t = ts + tt, n = b * T + t;
-            dv[tt] = ld(delta, n * Di + ch);
-            uv[tt] = membound::silu(ld(c, n * Di + ch));
-            gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));  // dL/dy
-            bv[tt] = ld(xdbl, n * ldx + R + s);
-            cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
-            hv[tt] = h_slot[(t - t0) * h_step];
-          }
-        }
-        // h_{ts−1}: the state before the tile (the chunk's entry state at its start; 0 at t = 0).
-        const float h_before = (active && ts > t0) ? h_slot[(ts - 1 - t0) * h_step] : entry;
-#pragma unroll
-        for (std::size_t k = 0; k < TT; ++k) {
-          const std::size_t tt = TT - 1 - k;  // last step first
-          float qdd = 0, qdu = 0, qb = 0, qc = 0;
-          if (active && tt < nt) {
-            const float d = dv[tt], u = uv[tt], gy = gv[tt], bt = bv[tt], ct = cv[tt];
-            const float hp = tt > 0 ? hv[tt - 1] : h_before;
-            if (s == 0) dd_acc += gy * u;
-            dh += gy * ct;  // y_t = C_t·h_t
-            qc = gy * hv[tt];
-            const float e = expf(a * d);
-            qdd = dh * (a * e * hp + bt * u);
-            da += dh * d * e * hp;
-            qdu = dh * bt;
-            qb = dh * (d * u);
-            dh *= e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
-          }
-          q_dd[tt * pitch + tid] = qdd;
-          q_du[tt * pitch + tid] = qdu;
-          q_b[tt * pitch + tid] = qb;
-          q_c[tt * pitch + tid] = qc;
-        }
-        __syncthreads();
-        if (active) {  // per (row, channel): Σ over the state lanes in order; lane s: steps s, s + Ns, ...
-          for (std::size_t tt = s; tt < nt; tt += Ns) {
-            const std::size_t n = b * T + ts + tt;
-            float sdd = 0, sdu = 0;
-            for (std::size_t j = 0; j < Ns; ++j) {
-              sdd += q_dd[tt * pitch + cl * Ns + j];
-              sdu += q_du[tt * pitch + cl * Ns + j];
-            }
-            const float d = ld(delta, n * Di + ch);
-            const float gy = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
-            const float v = sdd * membound::softplus_grad_from_output(d);
-            dbias += v;
-            st(ddt, n * Di + ch, v);
-            du[n * Di + ch] = gy * dk + d * sdu;
-          }
-        }
-        // per (row, state): Σ over this group's channels in order, added to the block's partial
-        for (std::size_t p = tid; p < nt * Ns; p += nthr) {
-          const std::size_t tt = p / Ns, j = p % Ns, n = b * T + ts + tt;
-          float sb = 0, sc = 0;
-          for (std::size_t k = 0; k < cpb && g0 + k < i1; ++k) {
-            sb += q_b[tt * pitch + k * Ns + j];
-            sc += q_c[tt * pitch + k * Ns + j];
-          }
-          float* dst = pblk + n * 2 * Ns;
-          if (g0 == i0) {
-            dst[j] = sb;
-            dst[Ns + j] = sc;
-          } else {
-            dst[j] += sb;
-            dst[Ns + j] += sc;
-          }
-        }
-        __syncthreads();  // the tiles are overwritten next
-        te = ts;
+      for (std::size_t tt = 0; tt < TT; ++tt) {  // the forward's formula: its bits
+        ev[tt] = expf(a * dv[tt]);
+        h = ev[tt] * h + (dv[tt] * uv[tt]) * bv[tt];
+        hv[tt] = h;
       }
+#pragma unroll
+      for (std::size_t q = 0; q < TT; ++q) {
+        const std::size_t tt = TT - 1 - q;  // last step first
+        float qdd = 0, qdu = 0, qb = 0, qc = 0;
+        if (active && tt < nt) {
+          const float d = dv[tt], u = uv[tt], gy = gv[tt], bt = bv[tt], ct = cv[tt];
+          const float hp = tt > 0 ? hv[tt - 1] : h_before;
+          if (s == 0) dd_acc += gy * u;
+          dh += gy * ct;  // y_t = C_t·h_t
+          qc = gy * hv[tt];
+          const float e = ev[tt];
+          qdd = dh * (a * e * hp + bt * u);
+          da += dh * d * e * hp;
+          qdu = dh * bt;
+          qb = dh * (d * u);
+          dh *= e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
+        }
+        q_dd[tt * pitch + tid] = qdd;
+        q_du[tt * pitch + tid] = qdu;
+        q_b[tt * pitch + tid] = qb;
+        q_c[tt * pitch + tid] = qc;
+      }
+      __syncthreads();
+      if (active) {  // per (row, channel): Σ over the state lanes in order; lane s: steps s, s + Ns, ...
+        for (std::size_t tt = s; tt < nt; tt += Ns) {
+          const std::size_t n = b * T + ts + tt;
+          float sdd = 0, sdu = 0;
+          for (std::size_t j = 0; j < Ns; ++j) {
+            sdd += q_dd[tt * pitch + cl * Ns + j];
+            sdu += q_du[tt * pitch + cl * Ns + j];
+          }
+          const float d = ld(delta, n * Di + ch);
+          const float gy = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
+          const float v = sdd * membound::softplus_grad_from_output(d);
+          dbias += v;
+          st(ddt, n * Di + ch, v);
+          du[n * Di + ch] = gy * dk + d * sdu;
+        }
+      }
+      // per (row, state): Σ over this group's channels in order, added to the block's partial
+      for (std::size_t p = tid; p < nt * Ns; p += nthr) {
+        const std::size_t tt = p / Ns, j = p % Ns, n = b * T + ts + tt;
+        float sb = 0, sc = 0;
+        for (std::size_t kk = 0; kk < cpb && g0 + kk < i1; ++kk) {
+          sb += q_b[tt * pitch + kk * Ns + j];
+          sc += q_c[tt * pitch + kk * Ns + j];
+        }
+        float* dst = pblk + n * 2 * Ns;
+        if (g0 == i0) {
+          dst[j] = sb;
+          dst[Ns + j] = sc;
+        } else {
+          dst[j] += sb;
+          dst[Ns + j] += sc;
+        }
+      }
+      __syncthreads();  // the tiles are overwritten next
     }
     // d dt_bias: each lane's partial over the steps it finished, summed over the lanes in order.
     q_dd[tid] = dbias;
     __syncthreads();
     if (active) {
-      float* out = small + (b * Di + ch) * (Ns + 2);
-      out[s] = da;
+      *my_carry = da;  // read (as D_k) by this thread only, before
       if (s == 0) {
+        float* out = small + ((b * nch + k) * Di + ch) * 2;
         float sum = 0;
         for (std::size_t j = 0; j < Ns; ++j) sum += q_dd[cl * Ns + j];
-        out[Ns] = dd_acc;
-        out[Ns + 1] = sum;
+        out[0] = dd_acc;
+        out[1] = sum;
       }
     }
     __syncthreads();  // q_dd is the next group's tile
@@ -672,17 +805,23 @@ __global__ void reduce_bc_kernel(const float* part, S* dxdbl, std::size_t N, std
   }
 }
 
-// The small parameters' gradients: small[b, ch, ·] summed over b in order and added once:
-// dA_log = dA ⊙ A, dD, d dt_bias.
+// The small parameters' gradients: the partials of the rows r = (b, chunk) (rows = batch ·
+// chunks), da[r, ch, Ns] and small[r, ch, 2] = (dD, d dt_bias), summed over r in order and added
+// once: dA_log = dA ⊙ A, dD, d dt_bias.
 template <typename S>
-__global__ void reduce_small_kernel(const float* small, const S* a_log, S* g_a_log, S* g_d,
-                                    S* g_dt_bias, std::size_t B, std::size_t Di, std::size_t Ns) {
+__global__ void reduce_small_kernel(const float* da, const float* small, const S* a_log,
+                                    S* g_a_log, S* g_d, S* g_dt_bias, std::size_t rows,
+                                    std::size_t Di, std::size_t Ns) {
   const std::size_t w = Ns + 2, total = Di * w;
   for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
        idx += std::size_t{gridDim.x} * blockDim.x) {
     const std::size_t ch = idx / w, j = idx % w;
     float v = 0;
-    for (std::size_t b = 0; b < B; ++b) v += small[(b * Di + ch) * w + j];
+    if (j < Ns) {
+      for (std::size_t r = 0; r < rows; ++r) v += da[(r * Di + ch) * Ns + j];
+    } else {
+      for (std::size_t r = 0; r < rows; ++r) v += small[(r * Di + ch) * 2 + (j - Ns)];
+    }
     if (j < Ns) {
       const std::size_t at = ch * Ns + j;
       st(g_a_log, at, ld(g_a_log, at) + v * -expf(ld(a_log, at)));
@@ -945,18 +1084,36 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
   }
   gpu::matmul_at(ctx, static_cast<const S*>(gated), dout, g.out_proj, N, Di, C, true);
 
-  // Phase 2: the reverse scan.
+  // Phase 2: the reverse scan over chunks in parallel: A' (each chunk's own dL/dh from 0 into the
+  // carry buffer, ΣΔ), B' (the carry over chunks, right to left, in place), C' (every chunk from
+  // its carried dL/dh on its states recomputed in registers).
   const std::size_t nblk = gpu::mamba_blocks(Di, gpu::mamba_scan_channels);
+  const std::size_t nch = gpu::mamba_chunks(T, L);
   float* const part = ws.template get<float>(b_part);
   float* const small = ws.template get<float>(b_small);
   float* const du = ws.template get<float>(b_du);
   S* const ddt = ws.template get<S>(b_ddt);
+  float* const carry = ws.template get<float>(b_carry);
+  if (nch > 1) {
+    float* const dsum = ws.template get<float>(b_dsum);
+    const dim3 grid_a(static_cast<unsigned>(gpu::mamba_blocks(Di, cpb) * (nch - 1)),
+                      static_cast<unsigned>(B));
+    md::scan_backward_local_kernel<<<grid_a, static_cast<unsigned>(cpb * Ns), 0, st>>>(
+        xz, static_cast<const S*>(delta), xdbl, w.a_log, static_cast<const float*>(dg), T, Di, Ns,
+        R, L, cpb, carry, dsum);
+    cuda_executor::check_launch("mamba scan_backward_local_kernel");
+    if (nch > 2) {
+      md::scan_backward_combine_kernel<<<md::grid_for(B * Di * Ns), 256, 0, st>>>(
+          w.a_log, static_cast<const float*>(dsum), carry, B, nch, Di, Ns);
+      cuda_executor::check_launch("mamba scan_backward_combine_kernel");
+    }
+  }
   {
-    const dim3 grid(static_cast<unsigned>(nblk), static_cast<unsigned>(B));
+    const dim3 grid(static_cast<unsigned>(nblk * nch), static_cast<unsigned>(B));
     md::scan_backward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
         xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d,
-        static_cast<const float*>(sv.states), static_cast<const float*>(dg), T, Di, Ns, R, L, cpb,
-        ws.template get<float>(b_hs), ddt, du, part, small);
+        static_cast<const float*>(sv.states), carry, static_cast<const float*>(dg), T, Di, Ns, R,
+        L, cpb, ddt, du, part, small);
     cuda_executor::check_launch("mamba scan_backward_kernel");
   }
 
@@ -966,7 +1123,8 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
                                                                  dxdbl, N, Ns, R, nblk);
   cuda_executor::check_launch("mamba reduce_bc_kernel");
   md::reduce_small_kernel<<<md::grid_for(Di * (Ns + 2)), 256, 0, st>>>(
-      static_cast<const float*>(small), w.a_log, g.a_log, g.d, g.dt_bias, B, Di, Ns);
+      static_cast<const float*>(carry), static_cast<const float*>(small), w.a_log, g.a_log, g.d,
+      g.dt_bias, B * nch, Di, Ns);
   cuda_executor::check_launch("mamba reduce_small_kernel");
   gpu::matmul_at(ctx, xdbl, static_cast<const S*>(ddt), g.dt_proj, N, R, Di, true,
                  cpu::ld3{ldx, Di, Di});
