@@ -12,7 +12,8 @@
 //   - memory taken by someone else (a real cudaMalloc outside the budget, counted as the budget's
 //     external bytes) makes the next step retry under a stricter plan that fits beside it, and
 //     device_others_probe (what foreign_memory_monitor reads at its check points) sees it.
-// Without a device it exits 77 (skipped).
+// Without a device it exits 77 (skipped) after its host part (the device model's plan: step
+// buffers, the reserve replay's request for them), which runs everywhere.
 //
 // Tolerance of the CPU/GPU agreement (fp32, relative, per step's loss): one step's loss agrees
 // within 1e-5 (test_cuda_model: sums in other orders, the device's expf/logf). AdamW divides each
@@ -334,9 +335,42 @@ void probe_sees_device_memory() {
   }
 }
 
+// Host only (no device needed, so it runs wherever this builds, CI included): the plan of a device
+// model holds the trainer's step buffers as persistent bytes, the same for every plan of the
+// batch, and the reserve replay makes the trainer's request for them; a CPU model's plan has none.
+void device_plan_on_host() {
+  const gpu_model m(config());
+  const mb::training_plan p = plan_for(m);
+  const std::size_t tokens = effective.batch * effective.seq;  // micro-batch 2 × accumulation 2
+  std::printf("device plan on the host: step buffers %zu B for %zu tokens\n", p.step_buffers, tokens);
+  CHECK(p.step_buffers == mb::gpu::step_buffers(tokens, m.parameter_elements()).bytes);
+  CHECK(p.step_buffers >= 2 * tokens * sizeof(std::int32_t) + sizeof(double));
+  mb::plan_options o;
+  o.head_chunk = 16;
+  o.accumulation = 4;
+  const mb::training_plan q =
+      mb::make_plan(m, {1, effective.seq}, mb::schedule_choice{mb::schedule_choice::kind::full, 0}, o);
+  CHECK(q.step_buffers == p.step_buffers);
+  CHECK(p.timeline.front().live_before == p.weights + p.gradients + p.optimizer + p.step_buffers);
+  CHECK(p.table().find("step buffers") != std::string::npos);
+  const mb::run_requests r = mb::record_run(m, p);
+  CHECK(r.prefix.size() == 4);
+  if (r.prefix.size() == 4) {
+    CHECK(r.prefix[3].bytes == p.step_buffers);
+    CHECK(r.prefix[3].tag == mb::memory_tag::other);
+  }
+  const cpu_model cm(config());
+  const mb::training_plan c = plan_for(cm, {mb::schedule_choice::kind::none, 0}, 2);
+  CHECK(c.step_buffers == 0);
+  CHECK(mb::record_run(cm, c).prefix.size() == 3);
+}
+
 }  // namespace
 
 int main() {
+  // The host part first: a failure there fails the test even without a device.
+  device_plan_on_host();
+  if (mbt::failures != 0) return 1;
   static const mbt::test_case cases[] = {
       {"trainer cuda_backend fp32: 20 steps agree with the CPU trainer", against_cpu},
       {"trainer cuda_backend: same seed same bits, measured peak = predicted", repeatable_and_exact},
