@@ -5,7 +5,8 @@
 // threads with __syncthreads a std::barrier (under -fsanitize=thread a missing barrier shows as
 // a data race), every other kernel one thread per CTA. A host copy of the launchers' sequence
 // (naive fp32 loops for the cuBLASLt GEMMs) drives them, against the CPU layer on the same inputs:
-// the saved checkpoints, y, dx and every gradient (normwise 1e-5), and bits across G. What it
+// the saved checkpoints, y, dx and every gradient (normwise 1e-5), and bits across G and across
+// the inner loop's placements (shared memory: a buffer of the launch's exact size per CTA). What it
 // cannot check: the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths, CUB's
 // block reductions (one thread here), and anything about the real device.
 #include <cmath>
@@ -45,6 +46,10 @@ template <class T, unsigned N> struct block_allreduce {
 };
 }  // namespace detail
 constexpr unsigned ttt_inner_threads = 1, ttt_backward_threads = 1;
+// The CTA's dynamic shared memory: its own buffer of exactly the launch's size (ASan sees a
+// carve past it), shared by the CTA's threads.
+static float* g_smem = nullptr;
+inline float* ttt_smem() { return g_smem; }
 #include "consts.inc"
 #include "kernels.inc"
 }  // namespace emu
@@ -61,10 +66,12 @@ template <class F> void launch(std::size_t grid, F f) {
 }
 // One CTA of nt threads at a time, __syncthreads a std::barrier (races show under TSan).
 unsigned g_nt = 7;
-template <class F> void launch_cta(std::size_t grid, F f) {
+template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f) {
   const unsigned nt = g_nt;
   blockDim.x = nt;
   for (std::size_t b = 0; b < grid; ++b) {
+    std::unique_ptr<float[]> sm(new float[smem_bytes / sizeof(float) + (smem_bytes == 0)]);
+    g_smem = smem_bytes ? sm.get() : nullptr;
     std::barrier<> bar(nt);
     g_bar = &bar;
     std::vector<std::thread> ts;
@@ -110,8 +117,11 @@ void check(const char* what, const std::vector<float>& got, const std::vector<fl
 
 struct Out { std::vector<float> y, dx; std::vector<std::vector<float>> g; };
 
+// level: how much of the inner loop's working set the launch puts on chip, as a device limit
+// would: 0 nothing, 1 the rows, 2 the rows and the running state, 3 everything (as much as fits),
+// 4 the running state alone.
 template <bool Mlp, size_t MB, size_t G>
-Out run(const mb::ttt_shape& s) {
+Out run(const mb::ttt_shape& s, int level = 3) {
   using L = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_mini_batch<MB>, mb::ttt_checkpoint_groups<G>>;
   const size_t B = s.batch, T = s.seq, C = s.width, H = s.heads, D = s.head_dim(), F = Mlp ? 4*D : D, N = B*T;
   const size_t SZ = Mlp ? 2*D*F + F + D : D*D + D;
@@ -156,9 +166,13 @@ Out run(const mb::ttt_shape& s) {
   };
   project();
   {
-    std::vector<float> scratch(B*H*ttt_scratch_elements(SZ, D, F, MB));
-    const inner_args a{q.data(), k.data(), v.data(), lr.data(), tok.data(), T, H, D, F, SZ, MB, G, ncp, nmb, 1e-6f};
-    launch_cta(B*H, [&]{ ttt_forward_kernel<Mlp, float>(a, w.nw.data(), w.nb.data(), w.w1.data(), w.b1.data(), w.w2.data(), w.b2.data(), o.data(), ckpt.data(), scratch.data()); });
+    std::vector<float> scratch(B*H*ttt_forward_elements(SZ, D, F, MB, Mlp));
+    const size_t rows = ttt_forward_rows(D, F, MB, Mlp);
+    const size_t lim = level == 0 ? 0 : level == 1 ? rows*4 : level == 2 ? (rows+SZ)*4 : level == 4 ? SZ*4 : size_t(-1);
+    const auto pl = ttt_placement(rows, SZ, 0, lim);
+    if (pl.place != (level == 0 ? 0u : level == 1 ? 1u : level == 4 ? 2u : 3u)) { std::printf("  FAIL forward placement %u at level %d\n", pl.place, level); ++fails; }
+    const inner_args a{q.data(), k.data(), v.data(), lr.data(), tok.data(), T, H, D, F, SZ, MB, G, ncp, nmb, 1e-6f, pl.place};
+    launch_cta(B*H, pl.shared_bytes, [&]{ ttt_forward_kernel<Mlp, float>(a, w.nw.data(), w.nb.data(), w.w1.data(), w.b1.data(), w.w2.data(), w.b2.data(), o.data(), ckpt.data(), scratch.data()); });
     const float* gp = nullptr;
     if (s.use_gate) { mm(x.data(), w.wg.data(), gpre.data(), N, C, C, false); gp = gpre.data(); }
     launch(N, [&]{ ttt_post_norm_kernel<float>(o.data(), w.post_w.data(), w.post_b.data(), gp, pn.data(), C, 1e-6f); });
@@ -171,7 +185,7 @@ Out run(const mb::ttt_shape& s) {
   // Emulated device backward (the launcher's sequence)
   Out r; r.y = y; r.g = g0;
   std::vector<float> dx(N*C), dpn(N*C), xh(N*C), d_o(N*C), dq(N*C), dk(N*C), dv(N*C), pns(N*C), dlr(N*H);
-  std::vector<float> part(B*H*ttt_partial_elements(SZ, D, MB)), bscr(B*H*ttt_backward_scratch_elements(SZ, D, F, MB, gsz));
+  std::vector<float> part(B*H*ttt_partial_elements(SZ, D, MB)), bscr(B*H*ttt_backward_scratch_elements(SZ, D, F, MB, gsz, Mlp));
   std::fill(q.begin(), q.end(), 0.f); std::fill(k.begin(), k.end(), 0.f); project();
   mm_bt(dy.data(), w.wo.data(), dpn.data(), N, C, C, false);
   float* gp = nullptr;
@@ -181,9 +195,13 @@ Out run(const mb::ttt_shape& s) {
   if (s.use_gate) { mm_at(x.data(), gpre.data(), r.g[12].data(), N, C, C); mm_bt(gpre.data(), w.wg.data(), dx.data(), N, C, C, false); }
   else std::fill(dx.begin(), dx.end(), 0.f);
   launch(C, [&]{ ttt_post_params_kernel<float>(dpn.data(), xh.data(), N, C, r.g[10].data(), r.g[11].data()); });
+  const size_t brows = ttt_backward_rows(D, F, MB, Mlp);
+  const size_t blim = level == 0 ? 0 : level == 1 ? brows*4 : level == 2 ? (brows+2*SZ)*4 : level == 4 ? 2*SZ*4 : size_t(-1);
+  const auto bpl = ttt_placement(brows, 2*SZ, gsz*SZ, blim);
+  if (bpl.place != (level == 0 ? 0u : level == 1 ? 1u : level == 2 ? 3u : level == 4 ? 2u : 7u)) { std::printf("  FAIL backward placement %u at level %d\n", bpl.place, level); ++fails; }
   const backward_args ba{q.data(), k.data(), v.data(), lr.data(), tok.data(), d_o.data(), ckpt.data(), dq.data(), dk.data(), dv.data(), dlr.data(),
-                         part.data(), bscr.data(), T, H, D, F, SZ, MB, G, gsz, ncp, nmb, 1e-6f};
-  launch_cta(B*H, [&]{ ttt_backward_kernel<Mlp, float>(ba, w.nw.data(), w.nb.data()); });
+                         part.data(), bscr.data(), T, H, D, F, SZ, MB, G, gsz, ncp, nmb, 1e-6f, bpl.place};
+  launch_cta(B*H, bpl.shared_bytes, [&]{ ttt_backward_kernel<Mlp, float>(ba, w.nw.data(), w.nb.data()); });
   ttt_grad_targets<float> tg{r.g[5].data(), r.g[6].data(), Mlp ? r.g[14].data() : nullptr, Mlp ? r.g[15].data() : nullptr, r.g[3].data(), r.g[4].data(), r.g[9].data()};
   launch(H*(SZ+2*D) + MB, [&]{ ttt_reduce_partials_kernel<float>(part.data(), B, H, D, F, SZ, MB, w.tok.data(), tg); });
   launch(N*H, [&]{ ttt_rate_grad_kernel(dlr.data(), lr.data(), sig.data(), N*H); });
@@ -212,6 +230,12 @@ template <bool Mlp> void kind() {
   auto a = run<Mlp, 16, 1>(s), b = run<Mlp, 16, 2>(s), c = run<Mlp, 16, all>(s);
   auto same = [](const Out& p, const Out& q) { return p.y == q.y && p.dx == q.dx && p.g == q.g; };
   if (!same(a, b) || !same(a, c)) { std::printf("  FAIL not bit-identical across G\n"); ++fails; }
+  // Placement moves bytes only: the global-memory paths give the on-chip one's bits.
+  for (int level : {0, 1, 2, 4}) {
+    std::printf("%s placement level %d\n", Mlp ? "mlp" : "linear", level);
+    if (!same(a, run<Mlp, 16, 1>(s, level)) || !same(b, run<Mlp, 16, 2>(s, level))) {
+      std::printf("  FAIL placement level %d changed bits\n", level); ++fails; }
+  }
   s.use_gate = true;
   std::printf("%s gate 1\n", Mlp ? "mlp" : "linear");
   auto d = run<Mlp, 16, 1>(s), e = run<Mlp, 16, all>(s);

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "include/membound/backend/cuda/ttt_cuda.cuh"
-CONSTS = ("constexpr std::size_t ttt_scratch_elements(", "inline constexpr unsigned ttt_inner_threads")
+CONSTS = ("constexpr std::size_t ttt_step_elements(", "inline constexpr unsigned ttt_inner_threads")
 KERNELS = ("// RoPE on interleaved pairs", "inline unsigned blocks_for(")
 
 

@@ -304,6 +304,15 @@ backward_bytes compare_backward(const mb::ttt_shape& s, double tol_y, double tol
   return first;
 }
 
+// Caps the inner loop's shared memory for a scope (gpu::ttt_shared_limit).
+struct shared_cap {
+  std::size_t before = mb::gpu::ttt_shared_limit().load();
+  explicit shared_cap(std::size_t cap) { mb::gpu::ttt_shared_limit() = cap; }
+  ~shared_cap() { mb::gpu::ttt_shared_limit() = before; }
+  shared_cap(const shared_cap&) = delete;
+  shared_cap& operator=(const shared_cap&) = delete;
+};
+
 template <bool Mlp, typename Precision>
 void kind_backward_matches_cpu(double tol_y, double tol_g) {
   constexpr std::size_t all = static_cast<std::size_t>(-1);
@@ -315,6 +324,15 @@ void kind_backward_matches_cpu(double tol_y, double tol_g) {
   const auto ra = compare_backward<Mlp, Precision, 16, all>(s, tol_y, tol_g);
   CHECK(r1 == r2);
   CHECK(r1 == ra);
+  // The inner loop's placement moves bytes only: with its shared memory capped (nothing on
+  // chip; part of it) the device's own placement's bits come back.
+  for (const std::size_t cap : {std::size_t{0}, std::size_t{16} << 10, std::size_t{26000}}) {
+    const shared_cap scope(cap);
+    const auto c1 = compare_backward<Mlp, Precision, 16, 1>(s, tol_y, tol_g);
+    const auto c2 = compare_backward<Mlp, Precision, 16, 2>(s, tol_y, tol_g);
+    CHECK(c1 == r1);
+    CHECK(c2 == r1);
+  }
   s.use_gate = true;
   const auto q1 = compare_backward<Mlp, Precision, 16, 1>(s, tol_y, tol_g);
   const auto qa = compare_backward<Mlp, Precision, 16, all>(s, tol_y, tol_g);
@@ -484,9 +502,73 @@ void typed_errors() {
   CHECK(bws >= mb::gpu::gemm_workspace_bytes(ex));
 }
 
+// What the inner loop keeps on chip (host only; runs without a device): the parts on chip fit the
+// limit and nothing that would fit beside them is left out; for the issue's shapes
+// on sm_90 (227 KiB opt-in) and sm_80 (163 KiB) it is what the header's comment says.
+void on_chip_report_on_host() {
+  using K = mb::backend_kernels<mb::cuda_backend, mb::ttt_shape>;
+  constexpr std::size_t sm90 = 232448, sm80 = 167936, all = static_cast<std::size_t>(-1);
+  const auto show = [](const char* what, const mb::gpu::ttt_placement_t& f,
+                       const mb::gpu::ttt_placement_t& b) {
+    std::printf("  %-34s forward place %u, %6zu B; backward place %u, %6zu B\n", what, f.place,
+                f.shared_bytes, b.place, b.shared_bytes);
+  };
+  // C = 768, 12 heads: head_dim 64 (the example trainer's TTT blocks).
+  const mb::ttt_shape s64{8, 2048, 768, 12};
+  const auto lin = K::on_chip<false, 16, 1>(s64, sm90);
+  show("linear D=64 b=16 G=1, sm_90", lin.forward, lin.backward);
+  CHECK(lin.forward.place == 3u);   // rows and state
+  CHECK(lin.backward.place == 7u);  // rows, running state and dS, the one group state
+  const auto lin80 = K::on_chip<false, 16, 1>(s64, sm80);
+  show("linear D=64 b=16 G=1, sm_80", lin80.forward, lin80.backward);
+  CHECK(lin80.forward.place == 3u);
+  const auto mlp = K::on_chip<true, 16, 1>(s64, sm90);
+  show("mlp D=64 b=16 G=1, sm_90", mlp.forward, mlp.backward);
+  CHECK(mlp.forward.place == 1u);  // the rows; the 129 KiB state streams
+  const auto lin64 = K::on_chip<false, 64, all>(s64, sm90);
+  show("linear D=64 b=64 G=all, sm_90", lin64.forward, lin64.backward);
+  // C = 2048, 16 heads: head_dim 128.
+  const mb::ttt_shape s128{1, 4096, 2048, 16};
+  const auto l128 = K::on_chip<false, 16, 1>(s128, sm90);
+  show("linear D=128 b=16 G=1, sm_90", l128.forward, l128.backward);
+  const auto m128 = K::on_chip<true, 16, 1>(s128, sm90);
+  show("mlp D=128 b=16 G=1, sm_90", m128.forward, m128.backward);
+  CHECK((m128.forward.place & 2u) == 0u);  // W1 alone is 256 KiB
+  CHECK(lin64.backward.place == 2u);  // its rows and 32 group states do not fit; the running state does
+  // Invariants over a sweep: the bytes are the placed parts' sum, within the limit, and every
+  // part left off would not fit beside them.
+  for (const std::size_t limit : {std::size_t{0}, std::size_t{4096}, std::size_t{49152}, sm80, sm90}) {
+    for (const std::size_t D : {std::size_t{16}, std::size_t{64}, std::size_t{128}}) {
+      const mb::ttt_shape s{2, 100, 4 * D, 4};
+      const auto check = [&](bool mlp, std::size_t b, std::size_t gsz, const auto& r) {
+        const std::size_t F = mlp ? 4 * D : D, SZ = mlp ? 2 * D * F + F + D : D * D + D;
+        const std::size_t fp[3] = {mb::gpu::ttt_forward_rows(D, F, b, mlp), SZ, 0};
+        const std::size_t bp[3] = {mb::gpu::ttt_backward_rows(D, F, b, mlp), 2 * SZ, gsz * SZ};
+        for (int k = 0; k < 2; ++k) {
+          const auto& p = k == 0 ? r.forward : r.backward;
+          const std::size_t* parts = k == 0 ? fp : bp;
+          std::size_t sum = 0;
+          for (int i = 0; i < 3; ++i)
+            if (p.place & (1u << i)) sum += parts[i] * sizeof(float);
+          CHECK(p.shared_bytes == sum);
+          CHECK(sum <= limit);
+          for (int i = 0; i < 3; ++i)
+            if (!(p.place & (1u << i)) && parts[i] != 0) CHECK(sum + parts[i] * sizeof(float) > limit);
+        }
+      };
+      check(false, 16, 2, K::on_chip<false, 16, 2>(s, limit));
+      check(true, 16, 2, K::on_chip<true, 16, 2>(s, limit));
+      check(false, 64, 2, K::on_chip<false, 64, all>(s, limit));  // 100 tokens: 2 mini-batches
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
+  // The host part first: a failure there fails the test even without a device.
+  on_chip_report_on_host();
+  if (mbt::failures != 0) return 1;
   static const mbt::test_case cases[] = {
       {"ttt_linear cuda_backend fp32 forward equals the CPU backend", linear_fp32},
       {"ttt_mlp cuda_backend fp32 forward equals the CPU backend", mlp_fp32},

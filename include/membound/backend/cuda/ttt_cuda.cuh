@@ -10,12 +10,16 @@
 // The saved buffer is the CPU's, byte for byte in layout: the inner state at the start of every
 // G-th mini-batch (fp32) and the heads' output before the post norm (storage type).
 //
-// What lives where (this first version is the plain fp32 SIMT path): the inner state W (W1, b1;
-// W2, b2 for the MLP) and the mini-batch's intermediates (Z, x̂, G, tril(XQ·XKᵀ), P, ...) live in
-// a per-(batch, head) slice of global scratch, counted exactly in forward_workspace_bytes
-// (scratch_elements); a CTA streams them through L1/L2. Keeping W in shared memory (it fits for
-// TTT-Linear up to head_dim ≈ 100 in 227 KiB, never for TTT-MLP at head_dim 128: W1 alone is
-// 256 KiB) and tensor-core products are the next step, not done here.
+// What lives where (fp32 SIMT arithmetic; no tensor cores yet): each (batch, head)'s CTA stages
+// the mini-batch's q, k, v rows contiguously and keeps them, the mini-batch's intermediates (Z,
+// x̂, G, tril(XQ·XKᵀ), P, ...) and then the inner state W (W1, b1; W2, b2 for the MLP) in shared
+// memory as far as the device allows, hottest first (gpu::ttt_placement; on_chip() reports it
+// for a shape); the rest streams through its slice of global scratch, reserved in full in
+// forward_workspace_bytes so that the plan is the same on every device. On sm_90 (227 KiB) with
+// mini-batch 16 (test_cuda_ttt's host part prints these): TTT-Linear at head_dim 64 is wholly on
+// chip, forward and backward (G = 1), and at head_dim 128 in the forward; TTT-MLP at head_dim 64
+// keeps the forward's rows on chip and its 129 KiB state in global memory; at head_dim 128 its W1
+// alone is 256 KiB.
 //
 // The decoding step (ttt_step_kernel) and its state (make_state, reset with the executor) run on
 // the device too, on the executor's stream.
@@ -40,6 +44,7 @@
 // the others with the same device functions the forward ran).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <limits>
 #include <string>
@@ -72,29 +77,94 @@ struct ttt_dims {
   }
 };
 
-// One (batch, head)'s scratch in fp32 elements: the running state, then the mini-batch's
-// buffers: z1, x2, g1, z1b, x2b [mb, F]; z2, xh2, g2, zb [mb, D]; att1, p1, att2, p2 [mb, mb];
-// sig2, lrm [mb].
-constexpr std::size_t ttt_scratch_elements(std::size_t SZ, std::size_t D, std::size_t F,
-                                           std::size_t mb) noexcept {
-  return SZ + 5 * mb * F + 4 * mb * D + 4 * mb * mb + 2 * mb;
+// The decoding step's scratch per (batch, head) in fp32 elements: the effective state [SZ], then
+// z1, x2, g1, z1b, x2b [F] (MLP), z2, xh2, g2, zb [D] (ttt_step_kernel's carve).
+constexpr std::size_t ttt_step_elements(std::size_t SZ, std::size_t D, std::size_t F,
+                                        bool mlp) noexcept {
+  return SZ + (mlp ? 5 * F : 0) + 4 * D;
 }
 
-// One (batch, head)'s backward scratch in fp32 elements (the carve in ttt_backward_kernel): the
-// group's entering states [gsz, SZ] and the running state [SZ]; the forward's mini-batch buffers
-// (z1, x2, g1, z1b, x2b [mb, F]; z2, xh2, g2, zb [mb, D]; att1, p1, att2, p2 [mb, mb]; sig2, lrm
-// [mb]); then x̂ of Zbar [mb, D] and its σ [mb]; dx2b, dz1b, dg1, dx2, dz1, s1, s2 [mb, F]; dzb,
-// dg2, dz2 [mb, D]; dp1, dp2 [mb, mb]; de, dl [mb]; three rows of D per token (rowd).
-constexpr std::size_t ttt_backward_scratch_elements(std::size_t SZ, std::size_t D, std::size_t F,
-                                                    std::size_t mb, std::size_t gsz) noexcept {
-  return (gsz + 1) * SZ + 12 * mb * F + 11 * mb * D + 6 * mb * mb + 5 * mb;
+// The inner loop (forward and backward kernels) keeps one (batch, head)'s working set in two
+// parts: its "rows" (the mini-batch's q, k, v rows staged contiguously, [mb, D] each, and every
+// per-mini-batch buffer) and its inner states (the running state [SZ]; in the backward also the
+// group's entering states [gsz, SZ]; the running dL/d(state) [SZ] goes with the running state,
+// else it stays in the partials). The launcher puts them in shared memory, hottest first
+// (rows, then the running state, then the group's states), as far as the device's opt-in limit
+// allows (ttt_placement); the rest streams through the CTA's slice of global scratch, which is
+// always reserved at full size, so the plan does not depend on the device (the scratch is a few
+// MB next to the N×C buffers). Placement only moves bytes: the sums and their order are the same,
+// so every placement gives the same bits.
+// TTT-Linear has no hidden layer (F = D) and no second attention matrix: its F-wide and second-
+// layer buffers are empty.
+//
+// The forward's rows in fp32 elements, in carve order (ttt_detail::carve_forward): z1, x2, g1,
+// z1b, x2b [mb, F] (MLP); z2, xh2, g2, zb [mb, D]; att1, p1 [mb, mb]; att2, p2 [mb, mb] (MLP);
+// sig2, lrm [mb]; the staged q, k, v [mb, D].
+constexpr std::size_t ttt_forward_rows(std::size_t D, std::size_t F, std::size_t mb,
+                                       bool mlp) noexcept {
+  const std::size_t f = mlp ? mb * F : 0, a2 = mlp ? mb * mb : 0;
+  return 5 * f + 4 * mb * D + 2 * mb * mb + 2 * a2 + 2 * mb + 3 * mb * D;
 }
+// The backward's rows: the forward's, then (ttt_detail::carve_backward) xhb [mb, D], sigb [mb];
+// dx2b, dz1b, dg1, dx2, dz1 [mb, F] (MLP); s1, s2 [mb, F]; dzb, dg2, dz2 [mb, D]; dp1 [mb, mb],
+// dp2 [mb, mb] (MLP); de, dl [mb]; rowd [mb, 3·D]; the staged d_out, dq, dk, dv [mb, D].
+constexpr std::size_t ttt_backward_rows(std::size_t D, std::size_t F, std::size_t mb,
+                                        bool mlp) noexcept {
+  const std::size_t f = mlp ? mb * F : 0, a2 = mlp ? mb * mb : 0;
+  return ttt_forward_rows(D, F, mb, mlp) + mb * D + mb + 5 * f + 2 * mb * F + 3 * mb * D +
+         mb * mb + a2 + 2 * mb + 3 * mb * D + 4 * mb * D;
+}
+// One (batch, head)'s slice of the forward's global scratch: the running state, then the rows.
+constexpr std::size_t ttt_forward_elements(std::size_t SZ, std::size_t D, std::size_t F,
+                                           std::size_t mb, bool mlp) noexcept {
+  return SZ + ttt_forward_rows(D, F, mb, mlp);
+}
+// One (batch, head)'s slice of the backward's global scratch: the group's entering states
+// [gsz, SZ], the running state [SZ], then the rows.
+constexpr std::size_t ttt_backward_scratch_elements(std::size_t SZ, std::size_t D, std::size_t F,
+                                                    std::size_t mb, std::size_t gsz,
+                                                    bool mlp) noexcept {
+  return (gsz + 1) * SZ + ttt_backward_rows(D, F, mb, mlp);
+}
+
+// Where the inner loop's parts live: bit set = in shared memory.
+enum ttt_place : unsigned { ttt_rows_on_chip = 1, ttt_state_on_chip = 2, ttt_group_on_chip = 4 };
+struct ttt_placement_t {
+  unsigned place = 0;
+  std::size_t shared_bytes = 0;  // the kernel's dynamic shared memory
+};
+// Greedy in order of use per mini-batch (rows, the running state, the group's states): a part goes
+// on chip when it fits in `limit` bytes beside the hotter parts already there; on chip they lie in
+// that order. group = 0 for the forward (it keeps no group).
+constexpr ttt_placement_t ttt_placement(std::size_t rows, std::size_t state, std::size_t group,
+                                        std::size_t limit) noexcept {
+  ttt_placement_t p;
+  const std::size_t parts[3] = {rows, state, group};
+  const unsigned bits[3] = {ttt_rows_on_chip, ttt_state_on_chip, ttt_group_on_chip};
+  std::size_t used = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (parts[i] == 0) continue;
+    if (parts[i] > limit / sizeof(float) || used + parts[i] > limit / sizeof(float)) continue;
+    used += parts[i];
+    p.place |= bits[i];
+  }
+  p.shared_bytes = used * sizeof(float);
+  return p;
+}
+
 // Per (batch, head), the backward's partial parameter gradients: dS [SZ], dγ, dβ [D], dtok [mb].
 constexpr std::size_t ttt_partial_elements(std::size_t SZ, std::size_t D, std::size_t mb) noexcept {
   return SZ + 2 * D + mb;
 }
 
 inline constexpr unsigned ttt_inner_threads = 256;
+// A ceiling on the inner loop's shared memory below the device's own limit (227 KiB on sm_90,
+// 163 KiB on sm_80, 99 KiB on sm_86/89). Tests lower it to run the global-memory placements on a
+// device whose limit would put everything on chip; the results must not change by a bit.
+inline std::atomic<std::size_t>& ttt_shared_limit() {
+  static std::atomic<std::size_t> limit{std::numeric_limits<std::size_t>::max()};
+  return limit;
+}
 // The backward's inner kernel: fewer threads leave ptxas registers for its many live buffer
 // pointers (at 256 the TTT-MLP kernel spilled).
 inline constexpr unsigned ttt_backward_threads = 128;
@@ -173,14 +243,39 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   }
 #endif
 
+  // What the inner loop keeps on chip for this shape on a device whose kernels may take
+  // `shared_limit` bytes of dynamic shared memory (cudaDevAttrMaxSharedMemoryPerBlockOptin; the
+  // launchers ask the executor's device): placement bits (gpu::ttt_place) and bytes, forward and
+  // backward. What is not on chip streams through the global scratch the workspace holds anyway.
+  struct on_chip_report {
+    gpu::ttt_placement_t forward, backward;
+  };
+  template <bool Mlp, std::size_t MB, std::size_t G>
+  static constexpr on_chip_report on_chip(const ttt_shape& s, std::size_t shared_limit) noexcept {
+    const auto d = gpu::ttt_dims::of(s, Mlp);
+    const std::size_t cap = shared_limit;
+    return {gpu::ttt_placement(gpu::ttt_forward_rows(d.D, d.F, MB, Mlp), d.SZ, 0, cap),
+            gpu::ttt_placement(gpu::ttt_backward_rows(d.D, d.F, MB, Mlp), 2 * d.SZ,
+                               group_in_use<MB, G>(s) * d.SZ, cap)};
+  }
+
  private:
+  // One (batch, head)'s slice of the forward's scratch: the inner loop's, or the decoding step's
+  // when that is larger (step_layout reuses this layout at T = 1).
+  template <bool Mlp, std::size_t MB>
+  static constexpr std::size_t forward_elements(const ttt_shape& s) noexcept {
+    const auto d = gpu::ttt_dims::of(s, Mlp);
+    const std::size_t f = gpu::ttt_forward_elements(d.SZ, d.D, d.F, MB, Mlp);
+    const std::size_t st = gpu::ttt_step_elements(d.SZ, d.D, d.F, Mlp);
+    return f > st ? f : st;
+  }
   template <bool Mlp, std::size_t MB>
   static constexpr bool fits(const ttt_shape& s) noexcept {
     const auto d = gpu::ttt_dims::of(s, Mlp);
     const std::size_t N = s.batch * s.seq;
     if (s.batch != 0 && N / s.batch != s.seq) return false;
     if (d.SZ >= (std::size_t{1} << 31) || MB >= (std::size_t{1} << 15)) return false;  // 32-bit indices
-    const std::size_t per = gpu::ttt_scratch_elements(d.SZ, d.D, d.F, MB);
+    const std::size_t per = forward_elements<Mlp, MB>(s);
     return bytes_of<float>(N, s.width) != std::numeric_limits<std::size_t>::max() &&
            bytes_of<float>(s.batch * s.heads, per) != std::numeric_limits<std::size_t>::max();
   }
@@ -197,18 +292,17 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     const std::size_t gsz = group_in_use<MB, G>(s);
     constexpr std::size_t m = std::numeric_limits<std::size_t>::max();
     if (d.SZ == 0 || gsz + 1 > m / d.SZ / 2) return false;  // (gsz + 1)·SZ and the rest below without wrapping
-    return bytes_of<float>(s.batch * s.heads, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB, gsz)) != m &&
+    return bytes_of<float>(s.batch * s.heads, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB, gsz, Mlp)) != m &&
            bytes_of<float>(s.batch * s.heads, gpu::ttt_partial_elements(d.SZ, d.D, MB)) != m;
   }
 
  public:
   // cuBLASLt's workspace first (256-byte aligned); q, k (then the gate's pre-activation), v [N, C]
-  // fp32; lr [N, H]; tok [mb]; the inner loop's scratch [B·H, scratch_elements]; pn [N, C] in
+  // fp32; lr [N, H]; tok [mb]; the inner loop's scratch [B·H, forward_elements]; pn [N, C] in
   // storage (the output GEMM's operand).
   enum forward_slot : std::size_t { f_gemm, f_q, f_k, f_v, f_lr, f_tok, f_scratch, f_pn };
   template <bool Mlp, std::size_t MB, typename S>
   static constexpr workspace_layout<8> forward_layout(const ttt_shape& s) {
-    const auto d = gpu::ttt_dims::of(s, Mlp);
     const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads;
     workspace_layout<8> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
@@ -217,7 +311,7 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     l.add(bytes_of<float>(N, C));
     l.add(bytes_of<float>(N, H));
     l.add(bytes_of<float>(MB));
-    l.add(bytes_of<float>(s.batch * H, gpu::ttt_scratch_elements(d.SZ, d.D, d.F, MB)));
+    l.add(bytes_of<float>(s.batch * H, forward_elements<Mlp, MB>(s)));
     l.add(bytes_of<S>(N, C));
     return l;
   }
@@ -256,7 +350,7 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     l.add(bytes_of<float>(N, H));                      // dlr
     l.add(bytes_of<float>(BH, gpu::ttt_partial_elements(d.SZ, d.D, MB)));
     l.add(bytes_of<float>(BH, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB,
-                                                                 group_in_use<MB, G>(s))));
+                                                                 group_in_use<MB, G>(s), Mlp)));
     l.add(narrow ? bytes_of<S>(N, C) : 0);             // a row gradient in storage
     l.add(narrow ? bytes_of<float>(N, C) : 0);         // dx in fp32
     return l;
@@ -278,6 +372,13 @@ namespace ttt_detail {
 
 using detail::ld;
 using detail::st;
+
+// The inner loop's dynamic shared memory (outside the part tools/ttt_cuda_emulate.py cuts out: the
+// emulation gives each CTA its own buffer).
+__device__ inline float* ttt_smem() {
+  extern __shared__ float4 ttt_smem_f4[];
+  return reinterpret_cast<float*>(ttt_smem_f4);
+}
 
 // RoPE on interleaved pairs at position (n mod T) mod period; one thread per (row, pair, head).
 // fixed < period: every row at that position instead (decoding). inverse: the transpose (the
@@ -321,6 +422,7 @@ struct inner_args {
   const float *q, *k, *v, *lr, *tok;
   std::size_t T, H, D, F, SZ, mb, group, ncp, nmb;
   float eps;
+  unsigned place;  // ttt_place bits: what the launcher gave shared memory
 };
 
 // Two-pass LayerNorm of one row (mean, then biased variance), as cpu::ln_row; returns σ.
@@ -386,6 +488,54 @@ struct mb_ctx {
 struct mb_fwd {
   float *z1, *x2, *g1, *z1b, *x2b, *z2, *xh2, *g2, *zb, *att1, *p1, *att2, *p2, *sig2;
 };
+// The mini-batch's rows of q, k, v staged contiguously ([mb, D], row stride D).
+struct mb_rows {
+  float *q, *k, *v;
+};
+
+// Carves the forward's rows from p in ttt_forward_rows' order (the MLP's buffers are empty for
+// TTT-Linear); returns the end.
+template <bool Mlp>
+__device__ inline float* carve_forward(float* p, unsigned D, unsigned F, unsigned mb, mb_fwd& f,
+                                       float*& lrm, mb_rows& r) {
+  const unsigned fw = Mlp ? mb * F : 0, a2 = Mlp ? mb * mb : 0;
+  const auto take = [&p](unsigned n) {
+    float* q = p;
+    p += n;
+    return q;
+  };
+  f.z1 = take(fw);
+  f.x2 = take(fw);
+  f.g1 = take(fw);
+  f.z1b = take(fw);
+  f.x2b = take(fw);
+  f.z2 = take(mb * D);
+  f.xh2 = take(mb * D);
+  f.g2 = take(mb * D);
+  f.zb = take(mb * D);
+  f.att1 = take(mb * mb);
+  f.p1 = take(mb * mb);
+  f.att2 = take(a2);
+  f.p2 = take(a2);
+  f.sig2 = take(mb);
+  lrm = take(mb);
+  r.q = take(mb * D);
+  r.k = take(mb * D);
+  r.v = take(mb * D);
+  return p;
+}
+
+// K rows of D from src (row stride C, global) into dst (row stride D). No barrier: coalesced
+// loads once per mini-batch instead of strided ones in every product.
+__device__ inline void stage_rows(const float* src, std::size_t C, unsigned K, unsigned D,
+                                  float* dst) {
+  for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[e] = src[(e / D) * C + e % D];
+}
+// The reverse: K rows of D from src (stride D) into dst (row stride C). No barrier.
+__device__ inline void unstage_rows(const float* src, std::size_t C, unsigned K, unsigned D,
+                                    float* dst) {
+  for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[(e / D) * C + e % D] = src[e];
+}
 
 // Each phase below is a strided loop over its outputs, every output summed by one thread in index
 // order, phases separated by __syncthreads (every thread reaches every one: the loop bounds are
@@ -558,8 +708,8 @@ __device__ __noinline__ void mb_update(const mb_ctx& m, float* W, const mb_fwd& 
   __syncthreads();
 }
 
-// The inner loop of one (batch, head) per CTA. State and mini-batch buffers live in this CTA's
-// slice of global scratch.
+// The inner loop of one (batch, head) per CTA. Its rows and state live in shared memory or in
+// this CTA's slice of global scratch ([state | rows]) as a.place says.
 template <bool Mlp, typename S>
 __global__ void __launch_bounds__(ttt_inner_threads)
     ttt_forward_kernel(inner_args a, const S* norm_w, const S* norm_b, const S* w1, const S* b1,
@@ -572,27 +722,20 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
                  mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
                  tid = threadIdx.x, nt = blockDim.x;
-  float* W = scratch + task * ttt_scratch_elements(a.SZ, D, F, mb);
+  float* slice = scratch + task * ttt_forward_elements(a.SZ, D, F, mb, Mlp);
+  float* sm = ttt_smem();
+  float* rows = (a.place & ttt_rows_on_chip) ? sm : slice + a.SZ;
+  float* W = (a.place & ttt_state_on_chip)
+                 ? sm + ((a.place & ttt_rows_on_chip) ? ttt_forward_rows(D, F, mb, Mlp) : 0)
+                 : slice;
   float* W1 = W;
   float* B1 = W + D * F;
   float* W2 = B1 + F;
   float* B2 = W2 + F * D;
   mb_fwd bf;
-  bf.z1 = W + a.SZ;
-  bf.x2 = bf.z1 + mb * F;
-  bf.g1 = bf.x2 + mb * F;
-  bf.z1b = bf.g1 + mb * F;
-  bf.x2b = bf.z1b + mb * F;
-  bf.z2 = bf.x2b + mb * F;
-  bf.xh2 = bf.z2 + mb * D;
-  bf.g2 = bf.xh2 + mb * D;
-  bf.zb = bf.g2 + mb * D;
-  bf.att1 = bf.zb + mb * D;
-  bf.p1 = bf.att1 + mb * mb;
-  bf.att2 = bf.p1 + mb * mb;
-  bf.p2 = bf.att2 + mb * mb;
-  bf.sig2 = bf.p2 + mb * mb;
-  float* lrm = bf.sig2 + mb;
+  float* lrm;
+  mb_rows rs;
+  carve_forward<Mlp>(rows, D, F, mb, bf, lrm, rs);
 
   // The learned initial state of head h.
   for (unsigned e = tid; e < D * F; e += nt) W1[e] = ld(w1, h * D * F + e);
@@ -612,8 +755,11 @@ __global__ void __launch_bounds__(ttt_inner_threads)
       for (unsigned e = tid; e < a.SZ; e += nt) dst[e] = W[e];
     }
     for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+    stage_rows(a.q + r0, C, K, D, rs.q);
+    stage_rows(a.k + r0, C, K, D, rs.k);
+    stage_rows(a.v + r0, C, K, D, rs.v);
     __syncthreads();
-    const mb_ctx mc{a.q + r0, a.k + r0, a.v + r0, lrm, a.tok, K, D, F, C, h, a.eps};
+    const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
     mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
     mb_outputs<Mlp>(mc, W, bf);
     // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; one thread per row
@@ -624,7 +770,7 @@ __global__ void __launch_bounds__(ttt_inner_threads)
       ln_row(zr, D, a.eps, zr);
       const std::size_t r = r0 + i * C;
       for (unsigned j = 0; j < D; ++j) {
-        const float out = mc.q[i * C + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
+        const float out = mc.q[i * D + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
         st(o_s, r + j, out);
       }
     }
@@ -937,6 +1083,7 @@ struct backward_args {
   float *dq, *dk, *dv, *dlr, *part, *scratch;
   std::size_t T, H, D, F, SZ, mb, group, gsz, ncp, nmb;
   float eps;
+  unsigned place;  // ttt_place bits: what the launcher gave shared memory
 };
 
 // The inner loop backwards, one (batch, head) per CTA: groups from the last; each group's
@@ -952,54 +1099,59 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
   const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
                  mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
                  SZ = static_cast<unsigned>(a.SZ), tid = threadIdx.x, nt = blockDim.x;
-  float* p = a.scratch + task * ttt_backward_scratch_elements(a.SZ, D, F, mb, a.gsz);
+  // Global slice [group states | running state | rows]; on chip [rows | running state, dS |
+  // group states], each part there when a.place says so.
+  float* slice = a.scratch + task * ttt_backward_scratch_elements(a.SZ, D, F, mb, a.gsz, Mlp);
+  float* sm = ttt_smem();
+  const bool rows_on_chip = (a.place & ttt_rows_on_chip) != 0,
+             state_on_chip = (a.place & ttt_state_on_chip) != 0;
+  const std::size_t rows_n = rows_on_chip ? ttt_backward_rows(D, F, mb, Mlp) : 0,
+                    state_n = state_on_chip ? 2 * a.SZ : 0;  // shared memory before each part
+  float* p = rows_on_chip ? sm : slice + (a.gsz + 1) * a.SZ;
+  float* Wc = state_on_chip ? sm + rows_n : slice + a.gsz * a.SZ;  // the running state
+  // [gsz, SZ]: the state entering each mini-batch of a group
+  float* states = (a.place & ttt_group_on_chip) ? sm + rows_n + state_n : slice;
   const auto take = [&p](std::size_t n) {
     float* r = p;
     p += n;
     return r;
   };
-  float* states = take(a.gsz * a.SZ);  // [gsz, SZ]: the state entering each mini-batch of a group
-  float* Wc = take(SZ);                // the running state while recomputing
   mb_fwd bf;
-  bf.z1 = take(mb * F);
-  bf.x2 = take(mb * F);
-  bf.g1 = take(mb * F);
-  bf.z1b = take(mb * F);
-  bf.x2b = take(mb * F);
-  bf.z2 = take(mb * D);
-  bf.xh2 = take(mb * D);
-  bf.g2 = take(mb * D);
-  bf.zb = take(mb * D);
-  bf.att1 = take(mb * mb);
-  bf.p1 = take(mb * mb);
-  bf.att2 = take(mb * mb);
-  bf.p2 = take(mb * mb);
-  bf.sig2 = take(mb);
-  float* lrm = take(mb);
+  float* lrm;
+  mb_rows rs;
+  p = carve_forward<Mlp>(p, D, F, mb, bf, lrm, rs);
+  const unsigned fw = Mlp ? mb * F : 0;
   mb_bwd bb;
   bb.xhb = take(mb * D);
   bb.sigb = take(mb);
-  bb.dx2b = take(mb * F);
-  bb.dz1b = take(mb * F);
-  bb.dg1 = take(mb * F);
-  bb.dx2 = take(mb * F);
-  bb.dz1 = take(mb * F);
+  bb.dx2b = take(fw);
+  bb.dz1b = take(fw);
+  bb.dg1 = take(fw);
+  bb.dx2 = take(fw);
+  bb.dz1 = take(fw);
   bb.s1 = take(mb * F);
   bb.s2 = take(mb * F);
   bb.dzb = take(mb * D);
   bb.dg2 = take(mb * D);
   bb.dz2 = take(mb * D);
   bb.dp1 = take(mb * mb);
-  bb.dp2 = take(mb * mb);
+  bb.dp2 = take(Mlp ? mb * mb : 0);
   bb.de = take(mb);
   bb.dl = take(mb);
   bb.rowd = take(mb * 3 * D);
+  float* d_out = take(mb * D);  // the staged rows of d_o, dq, dk, dv
+  float* dqs = take(mb * D);
+  float* dks = take(mb * D);
+  float* dvs = take(mb * D);
 
-  float* dS = a.part + task * (a.SZ + 2 * a.D + a.mb);  // dL/d(state), kept in the partials
-  float* pgam = dS + SZ;
+  // dL/d(state) runs beside the running state; the partials get it at the end.
+  float* part = a.part + task * (a.SZ + 2 * a.D + a.mb);
+  float* dS = state_on_chip ? Wc + a.SZ : part;
+  float* pgam = part + SZ;
   float* pbet = pgam + D;
   float* ptok = pbet + D;
-  for (unsigned e = tid; e < SZ + 2 * D + mb; e += nt) dS[e] = 0.0f;
+  for (unsigned e = tid; e < SZ; e += nt) dS[e] = 0.0f;
+  for (unsigned e = tid; e < 2 * D + mb; e += nt) pgam[e] = 0.0f;
   __syncthreads();
 
   for (std::size_t c = a.ncp; c-- > 0;) {
@@ -1017,8 +1169,10 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
       const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
       const std::size_t r0 = (b * a.T + t0) * C + h * D;
       for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+      stage_rows(a.k + r0, C, K, D, rs.k);  // the gradients and the update read k and v only
+      stage_rows(a.v + r0, C, K, D, rs.v);
       __syncthreads();
-      const mb_ctx mc{a.q + r0, a.k + r0, a.v + r0, lrm, a.tok, K, D, F, C, h, a.eps};
+      const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
       mb_gradients<Mlp>(mc, Wc, bf, norm_w, norm_b);
       mb_update<Mlp>(mc, Wc, bf);
     }
@@ -1029,16 +1183,24 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
       const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
       const std::size_t r0 = (b * a.T + t0) * C + h * D;
       for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+      stage_rows(a.q + r0, C, K, D, rs.q);
+      stage_rows(a.k + r0, C, K, D, rs.k);
+      stage_rows(a.v + r0, C, K, D, rs.v);
+      stage_rows(a.d_o + r0, C, K, D, d_out);
       __syncthreads();
-      const mb_ctx mc{a.q + r0, a.k + r0, a.v + r0, lrm, a.tok, K, D, F, C, h, a.eps};
+      const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
       mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
       mb_outputs<Mlp>(mc, W, bf);
-      mb_backward<Mlp>(mc, norm_w, norm_b, W, bf, bb, a.d_o + r0, a.dq + r0, a.dk + r0,
-                       a.dv + r0, dS, pgam, pbet, ptok);
+      mb_backward<Mlp>(mc, norm_w, norm_b, W, bf, bb, d_out, dqs, dks, dvs, dS, pgam, pbet, ptok);
       for (unsigned i = tid; i < K; i += nt) a.dlr[(b * a.T + t0 + i) * a.H + h] = bb.dl[i];
+      unstage_rows(dqs, C, K, D, a.dq + r0);
+      unstage_rows(dks, C, K, D, a.dk + r0);
+      unstage_rows(dvs, C, K, D, a.dv + r0);
       __syncthreads();
     }
   }
+  if (state_on_chip)
+    for (unsigned e = tid; e < SZ; e += nt) part[e] = dS[e];
 }
 
 using row_reduce = detail::block_allreduce<float, detail::row_threads>;
@@ -1220,7 +1382,7 @@ __global__ void ttt_rate_dx_kernel(const float* dpre, const S* lr_w, std::size_t
 // One decoding token of one (batch, head) per CTA, the CPU step's arithmetic: the token's
 // gradients at the mini-batch's starting state W join the running sums Σ (lr_t-weighted), the
 // output goes through W − tok_i·Σ, and the mini-batch's last token folds that into W.
-// q, k, v [B, C]; lr [B, H]; o_s [B, C] (storage); scratch per CTA ttt_scratch_elements(.., 1).
+// q, k, v [B, C]; lr [B, H]; o_s [B, C] (storage); scratch per CTA ttt_step_elements.
 template <bool Mlp, typename S>
 __global__ void __launch_bounds__(ttt_inner_threads)
     ttt_step_kernel(inner_args a, unsigned i_pos, const S* norm_w, const S* norm_b, float* state,
@@ -1233,13 +1395,14 @@ __global__ void __launch_bounds__(ttt_inner_threads)
                  tid = threadIdx.x, nt = blockDim.x;
   float* W = state + task * 2 * a.SZ;
   float* Gs = W + a.SZ;
-  float* We = scratch + task * ttt_scratch_elements(a.SZ, D, F, 1);  // the effective state
+  float* We = scratch + task * ttt_step_elements(a.SZ, D, F, Mlp);  // the effective state
+  const unsigned fw = Mlp ? F : 0;  // TTT-Linear has no hidden layer
   float* z1 = We + a.SZ;
-  float* x2 = z1 + F;
-  float* g1 = x2 + F;
-  float* z1b = g1 + F;
-  float* x2b = z1b + F;
-  float* z2 = x2b + F;
+  float* x2 = z1 + fw;
+  float* g1 = x2 + fw;
+  float* z1b = g1 + fw;
+  float* x2b = z1b + fw;
+  float* z2 = x2b + fw;
   float* xh2 = z2 + D;
   float* g2 = xh2 + D;
   float* zb = g2 + D;
@@ -1361,6 +1524,24 @@ inline unsigned blocks_for(std::size_t n, std::size_t threads) {
   return detail::grid_for(n, threads);
 }
 
+// The dynamic shared memory the inner loop may take on ex's device: the opt-in limit per block
+// (the inner kernels have no static shared memory), under gpu::ttt_shared_limit().
+inline std::size_t inner_shared_limit(const cuda_executor& ex) {
+  int v = 0;
+  cuda_check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
+             "cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+  const std::size_t device = v > 0 ? static_cast<std::size_t>(v) : 0;
+  const std::size_t cap = ttt_shared_limit().load();
+  return device < cap ? device : cap;
+}
+// Above 48 KiB of dynamic shared memory a kernel must opt in.
+template <typename Kernel>
+void allow_shared(Kernel kernel, std::size_t bytes) {
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             "cudaFuncSetAttribute(ttt inner loop, MaxDynamicSharedMemorySize)");
+}
+
 }  // namespace ttt_detail
 }  // namespace gpu
 
@@ -1402,10 +1583,14 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
                                                                    w.tok_offset, tok, MB);
   cuda_check(cudaGetLastError(), "ttt rates_kernel launch");
 
-  const td::inner_args args{q, k, v, lr, tok, T, H, d.D, d.F, d.SZ, MB, G, ncp, nmb, 1e-6f};
-  td::ttt_forward_kernel<Mlp, S><<<static_cast<unsigned>(s.batch * H), gpu::ttt_inner_threads, 0,
-                                   st>>>(args, w.ttt_norm_w, w.ttt_norm_b, w.w1, w.b1, w.w2, w.b2,
-                                         o_s, ckpt, scratch);
+  const auto place = on_chip<Mlp, MB, G>(s, td::inner_shared_limit(ex)).forward;
+  td::allow_shared(td::ttt_forward_kernel<Mlp, S>, place.shared_bytes);
+  const td::inner_args args{q,  k,  v,   lr,  tok, T,   H,   d.D,   d.F,
+                            d.SZ, MB, G, ncp, nmb, 1e-6f, place.place};
+  td::ttt_forward_kernel<Mlp, S><<<static_cast<unsigned>(s.batch * H), gpu::ttt_inner_threads,
+                                   place.shared_bytes, st>>>(args, w.ttt_norm_w, w.ttt_norm_b,
+                                                             w.w1, w.b1, w.w2, w.b2, o_s, ckpt,
+                                                             scratch);
   cuda_check(cudaGetLastError(), "ttt_forward_kernel launch");
 
   const float* gpre = nullptr;
@@ -1510,10 +1695,13 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   cuda_check(cudaGetLastError(), "ttt_post_params_kernel launch");
 
   // The inner loop backwards, then its partials summed over the batch.
+  const auto place = on_chip<Mlp, MB, G>(s, td::inner_shared_limit(ex)).backward;
+  td::allow_shared(td::ttt_backward_kernel<Mlp, S>, place.shared_bytes);
   const td::backward_args args{q,  k,  v,  lr,  tok,  d_o,  ckpt,  dq,  dk,  dv, dlr,
-                               part, scratch, T, H, d.D, d.F, d.SZ, MB, G, gsz, ncp, nmb, 1e-6f};
-  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_backward_threads, 0,
-                                    st>>>(args, w.ttt_norm_w, w.ttt_norm_b);
+                               part, scratch, T, H, d.D, d.F, d.SZ, MB, G, gsz, ncp, nmb, 1e-6f,
+                               place.place};
+  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_backward_threads,
+                                    place.shared_bytes, st>>>(args, w.ttt_norm_w, w.ttt_norm_b);
   cuda_check(cudaGetLastError(), "ttt_backward_kernel launch");
   const td::ttt_grad_targets<S> targets{g.w1, g.b1, g.w2, g.b2, g.ttt_norm_w, g.ttt_norm_b,
                                         g.tok_offset};
@@ -1589,7 +1777,7 @@ void backend_kernels<cuda_backend, ttt_shape>::step(const ttt_shape& s, const We
   td::rates_kernel<S><<<td::blocks_for(rate_n, 256), 256, 0, st>>>(lr, w.lr_b, B, H, scale,
                                                                    w.tok_offset, tok, MB);
   cuda_check(cudaGetLastError(), "ttt rates_kernel launch");
-  const td::inner_args args{q, k, v, lr, tok, 1, H, d.D, d.F, d.SZ, MB, 1, 1, 1, 1e-6f};
+  const td::inner_args args{q, k, v, lr, tok, 1, H, d.D, d.F, d.SZ, MB, 1, 1, 1, 1e-6f, 0};
   td::ttt_step_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_inner_threads, 0, st>>>(
       args, static_cast<unsigned>(i), w.ttt_norm_w, w.ttt_norm_b, state, o_s, scratch);
   cuda_check(cudaGetLastError(), "ttt_step_kernel launch");
