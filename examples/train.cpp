@@ -446,9 +446,6 @@ static_assert(mb::communicator<ranks>);
 static_assert(mb::overlapping_communicator<ranks>);
 static_assert(mb::overlapping_all_reduce_communicator<ranks>);
 
-template <typename S>
-using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
-
 // Opt: the optimizer policy for P's storage (--optimizer).
 template <typename P, template <typename> class Opt>
 int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {

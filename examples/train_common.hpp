@@ -25,6 +25,10 @@ namespace train_example {
 
 namespace mb = membound;
 
+// --optimizer adamw8bit: the default block (2048), named by a one-parameter template.
+template <typename S>
+using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
+
 struct foreign_load {  // --foreign SIZE@STEP: bytes someone else takes from the budget from STEP on
   std::size_t bytes = 0;
   std::uint64_t at_step = 0;

@@ -71,7 +71,8 @@ std::size_t largest_fitting_seq(const Model& m, const options& o, std::size_t bu
   return lo * 256;
 }
 
-template <typename P>
+// Opt: the optimizer policy for P's storage (--optimizer): adamw or adamw8bit<S, 2048>.
+template <typename P, template <typename> class Opt>
 int run_device(const options& given, const std::vector<std::int32_t>& text) {
   options o = given;  // --seq max settles o.seq below
   using B = mb::cuda_backend;
@@ -79,6 +80,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
                         mb::block_pattern<mb::ttt_linear<P, B>, mb::attention<P, B>, mb::mamba<P, B>, mb::ttt_mlp<P, B>>,
                         mb::lm_head<P, B>>;
   using S = typename net::storage_type;
+  using optimizer = Opt<S>;
   std::vector<std::size_t> pattern;
   for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
   mb::model_config cfg;
@@ -108,6 +110,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   if (o.seq_max) {
     mb::fit_options fo;
     fo.reserve = reserve;
+    fo.optimizer_policy = mb::optimizer_of<optimizer>();
     o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, budget, fo, text.size()); });
     if (o.seq == 0) {
       throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget", "none fits",
@@ -123,9 +126,12 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     if (!o.fixed_schedule) {
       mb::fit_options fo;
       fo.reserve = reserve;
+      fo.optimizer_policy = mb::optimizer_of<optimizer>();
       return mb::fit(m, eff, budget, fo);
     }
-    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, mb::plan_options{}, budget);
+    mb::plan_options po;
+    po.optimizer_policy = mb::optimizer_of<optimizer>();
+    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
     return p;
@@ -154,7 +160,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   to.seed = o.seed;
   to.replan_under_pressure = true;
   using monitor = mb::foreign_memory_monitor<mb::pressure_monitor<mb::all_check_points>, mb::device_others_probe>;
-  mb::trainer<net, stack, monitor> t(m, eff, plan, alloc, ex, to,
+  mb::trainer<net, stack, monitor, mb::local_communicator, optimizer> t(m, eff, plan, alloc, ex, to,
                                      monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
                                              mb::device_others_probe{device}));
   t.monitor().inner().attach(recorder);
@@ -287,16 +293,16 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
 }
 
 int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) {
-  if (o.optimizer != "adamw") {
-    throw mb::invalid_argument("--optimizer", "adamw with --device cuda", o.optimizer,
-                               "adamw8bit runs on the CPU only for now: pass --optimizer adamw or --device cpu");
-  }
   if (o.precision == "fp16") {
     throw mb::invalid_argument("--precision", "fp32 or bf16 with --device cuda", "fp16",
                                "This build's GPU trainer is compiled for fp32 and bf16: pass --precision bf16");
   }
-  if (o.precision == "bf16") return run_device<mb::bf16_precision>(o, text);
-  return run_device<mb::fp32_precision>(o, text);
+  const auto with = [&]<template <typename> class Opt>() {
+    if (o.precision == "bf16") return run_device<mb::bf16_precision, Opt>(o, text);
+    return run_device<mb::fp32_precision, Opt>(o, text);
+  };
+  if (o.optimizer == "adamw8bit") return with.template operator()<adamw8bit_2048>();
+  return with.template operator()<mb::adamw>();
 }
 
 }  // namespace

@@ -177,7 +177,7 @@ fi
 
 # The example trainer on the device (when built: `train` in the prebuilt folder or build/gpu):
 # the default GPU run, then the same with memory taken by someone else halfway (a real cudaMalloc),
-# each with its report (measured vs predicted peak, reserved bytes after step 1 and later) and
+# then with 8-bit AdamW, each with its report (measured vs predicted peak, reserved bytes after step 1 and later) and
 # trace. Exit 3 from train means a measured peak over its prediction.
 train_bin="${prebuilt:-$build/examples}/train"
 if ((train_steps > 0)) && [[ -x "$train_bin" ]]; then
@@ -196,6 +196,14 @@ if ((train_steps > 0)) && [[ -x "$train_bin" ]]; then
     note "train --device cuda --foreign 2GiB" "ran (train_foreign.txt, train_foreign.json)"
   else
     fail "train --device cuda --foreign 2GiB" "exit $?, see train_foreign.txt"
+  fi
+  # 8-bit AdamW on the device (its kernel over the CPU's state layout): the plan counts 2 bytes
+  # per parameter of moments; the report says whether the measured peak kept to it.
+  if timeout "$step_timeout" "$train_bin" "${common[@]}" --optimizer adamw8bit \
+       --report "$out/train_adamw8bit.json" > "$out/train_adamw8bit.txt" 2>&1; then
+    note "train --device cuda --optimizer adamw8bit" "ran (train_adamw8bit.txt, train_adamw8bit.json)"
+  else
+    fail "train --device cuda --optimizer adamw8bit" "exit $?, see train_adamw8bit.txt"
   fi
 fi
 

@@ -240,10 +240,12 @@ class adamw8bit {
       return x;
     };
     const std::size_t masters = has_master ? n : 0;
-    for (std::size_t i = 0; i < masters; ++i) {
-      if (!std::isfinite(f(i))) {
-        throw invalid_argument("optimizer state", "finite fp32 masters", "master " + std::to_string(i) + " is not",
-                               "The state is corrupt: load another checkpoint");
+    if constexpr (has_master) {  // (a loop to 0 would be a pointless comparison to nvcc's front end)
+      for (std::size_t i = 0; i < masters; ++i) {
+        if (!std::isfinite(f(i))) {
+          throw invalid_argument("optimizer state", "finite fp32 masters", "master " + std::to_string(i) + " is not",
+                                 "The state is corrupt: load another checkpoint");
+        }
       }
     }
     for (std::size_t b = 0; b < 2 * blocks(n); ++b) {
@@ -258,5 +260,11 @@ class adamw8bit {
     std::memcpy(state, from.data(), from.size());
   }
 };
+
+// Whether O is some adamw8bit<S, Block> (the device trainer steps it with its own kernel).
+template <typename O>
+inline constexpr bool is_adamw8bit_v = false;
+template <typename S, std::size_t Block>
+inline constexpr bool is_adamw8bit_v<adamw8bit<S, Block>> = true;
 
 MEMBOUND_NAMESPACE_END

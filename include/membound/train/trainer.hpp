@@ -25,7 +25,8 @@
 // the host (the CPU run's bits) and uploaded, each micro-batch's ids are checked on the host and
 // uploaded into the step buffers (plan.step_buffers, planned like every other byte), and
 // checkpoints are written from host copies, in the same format: a CPU checkpoint resumes on a
-// GPU and back. One device, adamw<S>, local_communicator for now (static_asserts say so).
+// GPU and back. One device, adamw<S> or adamw8bit<S>, local_communicator for now (static_asserts
+// say so).
 //
 // Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
 // set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
@@ -122,6 +123,7 @@
 #include "membound/core/pressure_level.hpp"
 #include "membound/dist/communicator.hpp"
 #include "membound/optimizer/adamw.hpp"
+#include "membound/optimizer/adamw8bit.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/train/schedule_lr.hpp"
@@ -533,9 +535,9 @@ class trainer {
                 "membound: a trainer on cuda_backend runs on one device for now (local_communicator); "
                 "data parallel over NCCL ranks is not in the trainer yet: train over MPI ranks on "
                 "cpu_backend, or one GPU.");
-  static_assert(on_host || std::same_as<Optimizer, adamw<S>>,
-                "membound: a trainer on cuda_backend steps with adamw<S> (its device kernel); "
-                "adamw8bit runs on cpu_backend only for now.");
+  static_assert(on_host || std::same_as<Optimizer, adamw<S>> || is_adamw8bit_v<Optimizer>,
+                "membound: a trainer on cuda_backend steps with adamw<S> or adamw8bit<S, Block> (their "
+                "device kernels); other optimizer policies run on cpu_backend.");
 
  public:
 
@@ -713,8 +715,8 @@ class trainer {
       if constexpr (on_host) {
         Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_, os, ex_);
       } else {
-        glue::adamw_update(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
-                           std::span<const param_span>(opt_spans_), os);
+        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                                                   std::span<const param_span>(opt_spans_), os);
       }
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);

@@ -1,5 +1,5 @@
 // The model's non-GEMM pieces on the GPU: the device twins of backend/cpu/model_cpu.hpp plus the
-// trainer's optimizer step, gradient norm and non-finite check.
+// trainer's optimizer steps (adamw<S>, adamw8bit<S, Block>), gradient norm and non-finite check.
 //
 //   cuda_executor ex;
 //   gpu::rmsnorm_forward(ex, x, g, y, rstd, N, C, eps);
@@ -7,6 +7,7 @@
 //                          gpu::rmsnorm_backward_workspace_bytes(N, C), N, C);
 //   gpu::global_norm(ex, grads, n, norm_dev, ws, gpu::global_norm_workspace_bytes(n));
 //   gpu::adamw_update(ex, w, grads, state, state_bytes, n, segments, t, lr, cfg, 1.0, {norm_dev, 1.0});
+//   gpu::adamw8bit_update<S, 2048>(ex, w, grads, state, state_bytes, n, spans, step);
 //
 // Storage S is float, bf16 or fp16; everything is computed and accumulated in float (the loss and
 // the gradient norm in double), as the CPU backend does with fp32 accumulation. Arguments are
@@ -36,6 +37,7 @@
 #include "membound/core/element_math.hpp"
 #include "membound/core/error.hpp"
 #include "membound/optimizer/adamw.hpp"
+#include "membound/optimizer/adamw8bit.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 
 #if MEMBOUND_CUDA_COMPILER
@@ -141,6 +143,71 @@ struct adamw_device_inputs {
 
 // At most this many segments go into one launch (a kernel parameter); more take several.
 inline constexpr std::size_t adamw_segments_per_launch = 32;
+
+// Runs of parameters one launch takes (adjacent spans with the same decay merged first): a model
+// has a few per block.
+inline constexpr std::size_t adamw8bit_max_spans = 1024;
+inline constexpr unsigned adamw8bit_threads = 256;
+
+// The step's tables, a kernel parameter: both maps (codes and midpoints), the codes of 0, and the
+// spans as [first, end) with their decay.
+struct adamw8bit_tables {
+  float code_m[256], code_v[256], mid_m[255], mid_v[255];
+  std::uint64_t first[adamw8bit_max_spans], end[adamw8bit_max_spans];
+  std::uint8_t decay[adamw8bit_max_spans];
+  unsigned spans;
+  std::uint8_t zero_m, zero_v;
+};
+
+// The nearest code to x among the 255 midpoints (ties to the lower code; NaN → 0), as
+// quantization_map::quantize.
+MEMBOUND_HOST_DEVICE inline std::uint8_t nearest_code(const float* mid, float x) {
+  unsigned lo = 0, hi = 255;
+  while (lo < hi) {
+    const unsigned m = (lo + hi) / 2;
+    if (mid[m] < x) lo = m + 1;
+    else hi = m;
+  }
+  return static_cast<std::uint8_t>(lo);
+}
+
+// The tables for one step: the maps, and the spans with adjacent runs of one decay merged.
+// Throws invalid_argument when more than adamw8bit_max_spans runs remain.
+inline adamw8bit_tables adamw8bit_tables_for(std::span<const param_span> spans) {
+  adamw8bit_tables tb{};
+  const quantization_map& qm = signed_dynamic_map();
+  const quantization_map& qv = unsigned_dynamic_map();
+  for (std::size_t q = 0; q < 256; ++q) {
+    tb.code_m[q] = qm.code[q];
+    tb.code_v[q] = qv.code[q];
+  }
+  for (std::size_t q = 0; q < 255; ++q) {
+    tb.mid_m[q] = qm.mid[q];
+    tb.mid_v[q] = qv.mid[q];
+  }
+  tb.zero_m = qm.quantize(0.0f);
+  tb.zero_v = qv.quantize(0.0f);
+  std::size_t runs = 0;
+  for (const param_span& s : spans) {
+    if (s.count == 0) continue;
+    if (runs > 0 && tb.end[runs - 1] == s.first && (tb.decay[runs - 1] != 0) == s.decay) {
+      tb.end[runs - 1] += s.count;
+      continue;
+    }
+    if (runs == adamw8bit_max_spans) {
+      throw invalid_argument("spans", "at most " + std::to_string(adamw8bit_max_spans) +
+                                          " runs of parameters with one decay (adjacent spans merged)",
+                             "more", "Step this model with adamw on the device, or order its tensors so that "
+                                     "those with weight decay are adjacent");
+    }
+    tb.first[runs] = s.first;
+    tb.end[runs] = s.first + s.count;
+    tb.decay[runs] = s.decay ? 1 : 0;
+    ++runs;
+  }
+  tb.spans = static_cast<unsigned>(runs);
+  return tb;
+}
 
 // --- Host-side argument checks --------------------------------------------------------------------
 
@@ -503,6 +570,87 @@ __global__ void check_finite_kernel(const S* data, std::size_t n, unsigned* flag
   }
 }
 
+// --- adamw8bit<S, Block>'s step (the CPU optimizer's, optimizer/adamw8bit.hpp, byte for byte in
+// state layout): one CTA per quantization block. The kernel's text between these two markers is
+// what tools/cuda_emulate.py adamw8bit compiles on the host.
+// Block b of the state; Threads = min(Block, adamw8bit_threads) threads. The loads of m, v and
+// the stores of the codes are strided by the thread count (coalesced).
+template <typename S, unsigned Block>
+__global__ void __launch_bounds__(adamw8bit_threads)
+    adamw8bit_kernel(S* w, const S* g, float* master, float* absmax_m, float* absmax_v,
+                     std::uint8_t* qm, std::uint8_t* qv, std::size_t n, adamw8bit_tables tb,
+                     adamw_coefficients<float> kd, adamw_coefficients<float> kn, float gs,
+                     const unsigned* skip) {
+  constexpr unsigned Threads = Block < adamw8bit_threads ? Block : adamw8bit_threads;
+  constexpr unsigned per = Block / Threads;
+  if (skip != nullptr && *skip != 0) return;
+  __shared__ float code[2][256];
+  __shared__ float mid[2][255];
+  __shared__ float red[2][Threads];
+  const unsigned tid = threadIdx.x;
+  for (unsigned q = tid; q < 256; q += Threads) {
+    code[0][q] = tb.code_m[q];
+    code[1][q] = tb.code_v[q];
+    if (q < 255) {
+      mid[0][q] = tb.mid_m[q];
+      mid[1][q] = tb.mid_v[q];
+    }
+  }
+  __syncthreads();
+  const std::size_t b = blockIdx.x, i0 = b * Block, i1 = n - i0 < Block ? n : i0 + Block;
+  const float am = absmax_m[b], av = absmax_v[b];
+  float mf[per], vf[per];
+  float lm = 0.0f, lv = 0.0f;
+  for (unsigned j = 0; j < per; ++j) {
+    mf[j] = vf[j] = 0.0f;
+    const std::size_t i = i0 + j * Threads + tid;
+    if (i >= i1) continue;
+    float m = code[0][qm[i]] * am;
+    float v = code[1][qv[i]] * av;
+    // The first span ending past i (spans sorted, apart); i is in it when it starts at or before i.
+    unsigned lo = 0, hi = tb.spans;
+    while (lo < hi) {
+      const unsigned k = (lo + hi) / 2;
+      if (tb.end[k] <= i) lo = k + 1;
+      else hi = k;
+    }
+    // An element in no span (padding between tensors) keeps its weight and its moments.
+    if (lo < tb.spans && tb.first[lo] <= i) {
+      float p = master != nullptr ? master[i] : ld(w, i);
+      adamw_step(tb.decay[lo] ? kd : kn, ld(g, i) * gs, m, v, p);
+      if (master != nullptr) master[i] = p;
+      st(w, i, p);
+    }
+    mf[j] = m;
+    vf[j] = v;
+    const float a = m < 0.0f ? -m : m;  // std::abs; std::max(x, y) is (x < y) ? y : x
+    lm = lm < a ? a : lm;
+    lv = lv < v ? v : lv;
+  }
+  red[0][tid] = lm;
+  red[1][tid] = lv;
+  __syncthreads();
+  for (unsigned s = Threads / 2; s > 0; s /= 2) {
+    if (tid < s) {
+      red[0][tid] = red[0][tid] < red[0][tid + s] ? red[0][tid + s] : red[0][tid];
+      red[1][tid] = red[1][tid] < red[1][tid + s] ? red[1][tid + s] : red[1][tid];
+    }
+    __syncthreads();
+  }
+  const float sm = red[0][0], sv = red[1][0];
+  for (unsigned j = 0; j < per; ++j) {
+    const std::size_t i = i0 + j * Threads + tid;
+    if (i >= i1) continue;
+    qm[i] = sm > 0.0f ? nearest_code(mid[0], mf[j] / sm) : tb.zero_m;
+    qv[i] = sv > 0.0f ? nearest_code(mid[1], vf[j] / sv) : tb.zero_v;
+  }
+  if (tid == 0) {  // every thread read the old scales before the first barrier
+    absmax_m[b] = sm;
+    absmax_v[b] = sv;
+  }
+}
+// --- end of adamw8bit's kernel
+
 }  // namespace detail
 
 // --- Launchers -------------------------------------------------------------------------------------
@@ -744,6 +892,41 @@ void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::s
   }
 }
 
+// One adamw8bit<S, Block> step over the n elements its state covers (the spans, in order, inside
+// [0, n), say which take a step and which decay): Optimizer::update's result on the device.
+// `skip` (optional, device): when *skip != 0 the launch leaves everything as it was.
+template <typename S, std::size_t Block>
+void adamw8bit_update(const cuda_executor& ex, S* w, const S* g, void* state, std::size_t state_bytes,
+                      std::size_t n, std::span<const param_span> spans, const optimizer_step& s,
+                      const unsigned* skip = nullptr) {
+  using opt = adamw8bit<S, Block>;
+  membound::detail::check_param_spans(spans, n);
+  if (n == 0) return;
+  if (w == nullptr || g == nullptr || state == nullptr) {
+    throw invalid_argument(w == nullptr ? "w" : g == nullptr ? "g" : "state", "a device pointer", "nullptr",
+                           "Pass the trainer's weights, gradients and optimizer state");
+  }
+  if (state_bytes < opt::state_bytes(n)) {
+    throw workspace_too_small("state", opt::state_bytes(n), state_bytes);
+  }
+  const adamw_config& c = s.config;
+  const auto kd = adamw_coefficients<float>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
+  const auto kn = adamw_coefficients<float>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, false);
+  const typename opt::view p = opt::parts(state, n);
+  const adamw8bit_tables tb = adamw8bit_tables_for(spans);
+  constexpr unsigned threads = Block < adamw8bit_threads ? static_cast<unsigned>(Block) : adamw8bit_threads;
+  const std::size_t blocks = opt::blocks(n);
+  if (blocks > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+    throw invalid_argument("n", "at most 2^31 - 1 blocks of " + std::to_string(Block), std::to_string(n),
+                           "Shard the optimizer state (ZeRO-1) or use a larger Block");
+  }
+  detail::adamw8bit_kernel<S, static_cast<unsigned>(Block)>
+      <<<static_cast<unsigned>(blocks), threads, 0, ex.stream()>>>(w, g, p.master, p.absmax_m, p.absmax_v, p.m, p.v,
+                                                                   n, tb, kd, kn, static_cast<float>(s.grad_scale),
+                                                                   skip);
+  cuda_executor::check_launch("adamw8bit_kernel");
+}
+
 // *norm = sqrt(Σ g²) over n values (squares summed in double), in two passes of a shape fixed by
 // n: global_norm_blocks(n) block partials, then one block over them. Scratch:
 // global_norm_workspace_bytes(n). The result stays on the device for adamw_update's clipping.
@@ -880,6 +1063,19 @@ struct backend_kernels<cuda_backend, model_glue> {
     gpu::adamw_update(ex, w, g, state, state_bytes, n, std::span<const gpu::adamw_segment>(seg), step.t, step.lr,
                       step.config, step.grad_scale);
   }
+  // The trainer's optimizer step: adamw<S> or adamw8bit<S, Block>, each over its CPU state layout.
+  template <typename Optimizer, typename S>
+  static void optimizer_update(cuda_executor& ex, S* w, const S* g, void* state, std::size_t state_bytes,
+                               std::size_t n, std::span<const param_span> spans, const optimizer_step& step) {
+    if constexpr (is_adamw8bit_v<Optimizer>) {
+      gpu::adamw8bit_update<S, Optimizer::block>(ex, w, g, state, state_bytes, n, spans, step);
+    } else {
+      static_assert(std::is_same_v<Optimizer, adamw<S>>,
+                    "membound: the device steps adamw<S> or adamw8bit<S, Block>; other optimizers run on "
+                    "cpu_backend.");
+      adamw_update(ex, w, g, state, state_bytes, n, spans, step);
+    }
+  }
 #else
   // The launches exist only where nvcc compiles; the size functions above are what a host-only
   // translation unit (a planner) can use.
@@ -902,6 +1098,8 @@ struct backend_kernels<cuda_backend, model_glue> {
   }
   template <typename S, typename... Args>
   static void adamw_update(Args&&...) { needs_nvcc<float, S>(); }
+  template <typename Optimizer, typename S, typename... Args>
+  static void optimizer_update(Args&&...) { needs_nvcc<float, S>(); }
 
  private:
   template <typename A, typename S>

@@ -373,7 +373,7 @@ namespace ttt_detail {
 using detail::ld;
 using detail::st;
 
-// The inner loop's dynamic shared memory (outside the part tools/ttt_cuda_emulate.py cuts out: the
+// The inner loop's dynamic shared memory (outside the part tools/cuda_emulate.py ttt cuts out: the
 // emulation gives each CTA its own buffer).
 __device__ inline float* ttt_smem() {
   extern __shared__ float4 ttt_smem_f4[];
@@ -495,34 +495,39 @@ struct mb_rows {
 
 // Carves the forward's rows from p in ttt_forward_rows' order (the MLP's buffers are empty for
 // TTT-Linear); returns the end.
+// Hands out consecutive buffers of a (batch, head)'s scratch.
+struct carver {
+  float* p;
+  __device__ float* take(std::size_t n) {
+    float* q = p;
+    p += n;
+    return q;
+  }
+};
 template <bool Mlp>
 __device__ inline float* carve_forward(float* p, unsigned D, unsigned F, unsigned mb, mb_fwd& f,
                                        float*& lrm, mb_rows& r) {
   const unsigned fw = Mlp ? mb * F : 0, a2 = Mlp ? mb * mb : 0;
-  const auto take = [&p](unsigned n) {
-    float* q = p;
-    p += n;
-    return q;
-  };
-  f.z1 = take(fw);
-  f.x2 = take(fw);
-  f.g1 = take(fw);
-  f.z1b = take(fw);
-  f.x2b = take(fw);
-  f.z2 = take(mb * D);
-  f.xh2 = take(mb * D);
-  f.g2 = take(mb * D);
-  f.zb = take(mb * D);
-  f.att1 = take(mb * mb);
-  f.p1 = take(mb * mb);
-  f.att2 = take(a2);
-  f.p2 = take(a2);
-  f.sig2 = take(mb);
-  lrm = take(mb);
-  r.q = take(mb * D);
-  r.k = take(mb * D);
-  r.v = take(mb * D);
-  return p;
+  carver c{p};
+  f.z1 = c.take(fw);
+  f.x2 = c.take(fw);
+  f.g1 = c.take(fw);
+  f.z1b = c.take(fw);
+  f.x2b = c.take(fw);
+  f.z2 = c.take(mb * D);
+  f.xh2 = c.take(mb * D);
+  f.g2 = c.take(mb * D);
+  f.zb = c.take(mb * D);
+  f.att1 = c.take(mb * mb);
+  f.p1 = c.take(mb * mb);
+  f.att2 = c.take(a2);
+  f.p2 = c.take(a2);
+  f.sig2 = c.take(mb);
+  lrm = c.take(mb);
+  r.q = c.take(mb * D);
+  r.k = c.take(mb * D);
+  r.v = c.take(mb * D);
+  return c.p;
 }
 
 // K rows of D from src (row stride C, global) into dst (row stride D). No barrier: coalesced
@@ -965,6 +970,35 @@ struct mb_bwd {
   float *xhb, *sigb, *dx2b, *dz1b, *dg1, *dx2, *dz1, *s1, *s2, *dzb, *dg2, *dz2, *dp1, *dp2, *de,
       *dl, *rowd;
 };
+// Carves the backward's own rows from p (after the forward's) in ttt_backward_rows' order, then
+// the staged rows of d_o, dq, dk, dv [mb, D].
+template <bool Mlp>
+__device__ inline void carve_backward(float* p, unsigned D, unsigned F, unsigned mb, mb_bwd& b,
+                                      float*& d_out, float*& dq, float*& dk, float*& dv) {
+  const unsigned fw = Mlp ? mb * F : 0;
+  carver c{p};
+  b.xhb = c.take(mb * D);
+  b.sigb = c.take(mb);
+  b.dx2b = c.take(fw);
+  b.dz1b = c.take(fw);
+  b.dg1 = c.take(fw);
+  b.dx2 = c.take(fw);
+  b.dz1 = c.take(fw);
+  b.s1 = c.take(mb * F);
+  b.s2 = c.take(mb * F);
+  b.dzb = c.take(mb * D);
+  b.dg2 = c.take(mb * D);
+  b.dz2 = c.take(mb * D);
+  b.dp1 = c.take(mb * mb);
+  b.dp2 = c.take(Mlp ? mb * mb : 0);
+  b.de = c.take(mb);
+  b.dl = c.take(mb);
+  b.rowd = c.take(mb * 3 * D);
+  d_out = c.take(mb * D);
+  dq = c.take(mb * D);
+  dk = c.take(mb * D);
+  dv = c.take(mb * D);
+}
 
 // One mini-batch backwards (the CPU layer's mb_backward), after mb_gradients and mb_outputs at
 // its entering state W: given dL/d(out rows) (d_out, stride C) and dS = dL/d(state leaving it);
@@ -1111,38 +1145,13 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
   float* Wc = state_on_chip ? sm + rows_n : slice + a.gsz * a.SZ;  // the running state
   // [gsz, SZ]: the state entering each mini-batch of a group
   float* states = (a.place & ttt_group_on_chip) ? sm + rows_n + state_n : slice;
-  const auto take = [&p](std::size_t n) {
-    float* r = p;
-    p += n;
-    return r;
-  };
   mb_fwd bf;
   float* lrm;
   mb_rows rs;
-  p = carve_forward<Mlp>(p, D, F, mb, bf, lrm, rs);
-  const unsigned fw = Mlp ? mb * F : 0;
   mb_bwd bb;
-  bb.xhb = take(mb * D);
-  bb.sigb = take(mb);
-  bb.dx2b = take(fw);
-  bb.dz1b = take(fw);
-  bb.dg1 = take(fw);
-  bb.dx2 = take(fw);
-  bb.dz1 = take(fw);
-  bb.s1 = take(mb * F);
-  bb.s2 = take(mb * F);
-  bb.dzb = take(mb * D);
-  bb.dg2 = take(mb * D);
-  bb.dz2 = take(mb * D);
-  bb.dp1 = take(mb * mb);
-  bb.dp2 = take(Mlp ? mb * mb : 0);
-  bb.de = take(mb);
-  bb.dl = take(mb);
-  bb.rowd = take(mb * 3 * D);
-  float* d_out = take(mb * D);  // the staged rows of d_o, dq, dk, dv
-  float* dqs = take(mb * D);
-  float* dks = take(mb * D);
-  float* dvs = take(mb * D);
+  float *d_out, *dqs, *dks, *dvs;  // the staged rows of d_o, dq, dk, dv
+  carve_backward<Mlp>(carve_forward<Mlp>(p, D, F, mb, bf, lrm, rs), D, F, mb, bb, d_out, dqs, dks,
+                      dvs);
 
   // dL/d(state) runs beside the running state; the partials get it at the end.
   float* part = a.part + task * (a.SZ + 2 * a.D + a.mb);
