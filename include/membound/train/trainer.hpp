@@ -574,6 +574,7 @@ class trainer {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
       if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
     }
+    if constexpr (!on_host) glue::template check_optimizer_spans<Optimizer>(opt_spans_);
     if (world() > 1) {
       blocks_.resize(world());
       norm_parts_.resize(world());

@@ -27,6 +27,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -158,6 +159,9 @@ struct adamw8bit_tables {
   unsigned spans;
   std::uint8_t zero_m, zero_v;
 };
+static_assert(sizeof(adamw8bit_tables) + 512 <= 32764,
+              "membound: adamw8bit_tables is a kernel parameter: it and the kernel's other arguments must "
+              "stay within CUDA's 32,764 bytes; lower adamw8bit_max_spans");
 
 // The nearest code to x among the 255 midpoints (ties to the lower code; NaN → 0), as
 // quantization_map::quantize.
@@ -1063,6 +1067,12 @@ struct backend_kernels<cuda_backend, model_glue> {
     gpu::adamw_update(ex, w, g, state, state_bytes, n, std::span<const gpu::adamw_segment>(seg), step.t, step.lr,
                       step.config, step.grad_scale);
   }
+  // Whether the device can step Optimizer over these spans: throws the launch's own typed error
+  // before step 1 (adamw8bit takes at most gpu::adamw8bit_max_spans runs in one launch).
+  template <typename Optimizer>
+  static void check_optimizer_spans(std::span<const param_span> spans) {
+    if constexpr (is_adamw8bit_v<Optimizer>) (void)gpu::adamw8bit_tables_for(spans);
+  }
   // The trainer's optimizer step: adamw<S> or adamw8bit<S, Block>, each over its CPU state layout.
   template <typename Optimizer, typename S>
   static void optimizer_update(cuda_executor& ex, S* w, const S* g, void* state, std::size_t state_bytes,
@@ -1096,10 +1106,13 @@ struct backend_kernels<cuda_backend, model_glue> {
     needs_nvcc<float, S>();
     return 0;
   }
-  template <typename S, typename... Args>
-  static void adamw_update(Args&&...) { needs_nvcc<float, S>(); }
-  template <typename Optimizer, typename S, typename... Args>
-  static void optimizer_update(Args&&...) { needs_nvcc<float, S>(); }
+  // (Nothing to deduce the storage from: the arguments' types keep the assertion dependent.)
+  template <typename... Args>
+  static void adamw_update(Args&&...) { needs_nvcc<float, std::tuple<Args...>>(); }
+  template <typename Optimizer, typename... Args>
+  static void optimizer_update(Args&&...) { needs_nvcc<float, Optimizer>(); }
+  template <typename Optimizer, typename... Args>
+  static void check_optimizer_spans(Args&&...) { needs_nvcc<float, Optimizer>(); }
 
  private:
   template <typename A, typename S>

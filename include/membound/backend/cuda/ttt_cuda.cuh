@@ -1533,21 +1533,26 @@ inline unsigned blocks_for(std::size_t n, std::size_t threads) {
   return detail::grid_for(n, threads);
 }
 
-// The dynamic shared memory the inner loop may take on ex's device: the opt-in limit per block
-// (the inner kernels have no static shared memory), under gpu::ttt_shared_limit().
-inline std::size_t inner_shared_limit(const cuda_executor& ex) {
+// The device's opt-in limit of dynamic shared memory per block (the inner kernels have no static
+// shared memory).
+inline std::size_t device_shared_limit(const cuda_executor& ex) {
   int v = 0;
   cuda_check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
              "cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)");
-  const std::size_t device = v > 0 ? static_cast<std::size_t>(v) : 0;
-  const std::size_t cap = ttt_shared_limit().load();
+  return v > 0 ? static_cast<std::size_t>(v) : 0;
+}
+// What the inner loop may take: the device's limit under gpu::ttt_shared_limit().
+inline std::size_t inner_shared_limit(const cuda_executor& ex) {
+  const std::size_t device = device_shared_limit(ex), cap = ttt_shared_limit().load();
   return device < cap ? device : cap;
 }
-// Above 48 KiB of dynamic shared memory a kernel must opt in.
+// Above 48 KiB of dynamic shared memory a kernel must opt in. The attribute is one value per
+// kernel for the whole process, so it is always the device's whole limit (a launch asks for what
+// it needs below it): two threads launching one kernel with other shapes never undo each other.
 template <typename Kernel>
-void allow_shared(Kernel kernel, std::size_t bytes) {
+void allow_shared(Kernel kernel, const cuda_executor& ex) {
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(bytes)),
+                                  static_cast<int>(device_shared_limit(ex))),
              "cudaFuncSetAttribute(ttt inner loop, MaxDynamicSharedMemorySize)");
 }
 
@@ -1593,7 +1598,7 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
   cuda_check(cudaGetLastError(), "ttt rates_kernel launch");
 
   const auto place = on_chip<Mlp, MB, G>(s, td::inner_shared_limit(ex)).forward;
-  td::allow_shared(td::ttt_forward_kernel<Mlp, S>, place.shared_bytes);
+  td::allow_shared(td::ttt_forward_kernel<Mlp, S>, ex);
   const td::inner_args args{q,  k,  v,   lr,  tok, T,   H,   d.D,   d.F,
                             d.SZ, MB, G, ncp, nmb, 1e-6f, place.place};
   td::ttt_forward_kernel<Mlp, S><<<static_cast<unsigned>(s.batch * H), gpu::ttt_inner_threads,
@@ -1705,7 +1710,7 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
 
   // The inner loop backwards, then its partials summed over the batch.
   const auto place = on_chip<Mlp, MB, G>(s, td::inner_shared_limit(ex)).backward;
-  td::allow_shared(td::ttt_backward_kernel<Mlp, S>, place.shared_bytes);
+  td::allow_shared(td::ttt_backward_kernel<Mlp, S>, ex);
   const td::backward_args args{q,  k,  v,  lr,  tok,  d_o,  ckpt,  dq,  dk,  dv, dlr,
                                part, scratch, T, H, d.D, d.F, d.SZ, MB, G, gsz, ncp, nmb, 1e-6f,
                                place.place};
