@@ -3,6 +3,10 @@
 // training step of the layer: the backward recomputes q, k, v and the groups' states, so it is
 // the figure to set against PyTorch's forward + backward, bench/peers/ttt_peer.py). Timed with
 // CUDA events on the layer's stream. Without a device each benchmark is skipped.
+// The second argument is the inner loop's placement: 1 what the device allows on chip (the
+// default), 0 nothing (gpu::ttt_shared_limit() = 0: every part through global scratch, the
+// placement before on-chip existed; the same bits): the ratio of the two, in one run, is what
+// keeping the working set on chip buys.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
@@ -49,6 +53,8 @@ void bm_layer(benchmark::State& state) {
                               mb::cuda_backend>;
   using S = typename layer::storage_type;
   const mb::ttt_shape s{1, static_cast<std::size_t>(state.range(0)), 1024, 16};
+  const std::size_t cap_before = mb::gpu::ttt_shared_limit().load();
+  mb::gpu::ttt_shared_limit() = state.range(1) != 0 ? cap_before : 0;
   const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, D = s.head_dim();
   const std::size_t F = layer::hidden(s);
   std::vector<void*> owned;
@@ -115,27 +121,41 @@ void bm_layer(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(N), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["saved_MiB"] = static_cast<double>(saved_n) / (1 << 20);
   state.counters["workspace_MiB"] = static_cast<double>(ws_n) / (1 << 20);
+  const auto chip = mb::backend_kernels<mb::cuda_backend, mb::ttt_shape>::on_chip<Mlp, 16, 4>(
+      s, mb::gpu::ttt_detail::inner_shared_limit(ex));
+  state.counters["fwd_shared_KiB"] = static_cast<double>(chip.forward.shared_bytes) / 1024;
+  state.counters["bwd_shared_KiB"] = static_cast<double>(chip.backward.shared_bytes) / 1024;
+  mb::gpu::ttt_shared_limit() = cap_before;
   (void)cudaEventDestroy(start);
   (void)cudaEventDestroy(stop);
   for (void* p : owned) (void)cudaFree(p);
 }
 
+// {T, placement}: each length on chip (1) and through global memory (0), side by side.
+void seq_2k_8k(benchmark::internal::Benchmark* b) {
+  for (const std::int64_t T : {2048, 8192})
+    for (const std::int64_t on_chip : {1, 0}) b->Args({T, on_chip});
+}
+void seq_2k(benchmark::internal::Benchmark* b) {
+  for (const std::int64_t on_chip : {1, 0}) b->Args({2048, on_chip});
+}
+
 BENCHMARK_TEMPLATE(bm_layer, false, mb::bf16_precision, false)
-    ->Name("ttt_linear_bf16_forward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_linear_bf16_forward")->Apply(seq_2k_8k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, false, mb::bf16_precision, true)
-    ->Name("ttt_linear_bf16_forward_backward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_linear_bf16_forward_backward")->Apply(seq_2k_8k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, true, mb::bf16_precision, false)
-    ->Name("ttt_mlp_bf16_forward")->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_mlp_bf16_forward")->Apply(seq_2k_8k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, true, mb::bf16_precision, true)
-    ->Name("ttt_mlp_bf16_forward_backward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_mlp_bf16_forward_backward")->Apply(seq_2k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, false, mb::fp32_precision, false)
-    ->Name("ttt_linear_fp32_forward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_linear_fp32_forward")->Apply(seq_2k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, false, mb::fp32_precision, true)
-    ->Name("ttt_linear_fp32_forward_backward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_linear_fp32_forward_backward")->Apply(seq_2k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, true, mb::fp32_precision, false)
-    ->Name("ttt_mlp_fp32_forward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_mlp_fp32_forward")->Apply(seq_2k)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(bm_layer, true, mb::fp32_precision, true)
-    ->Name("ttt_mlp_fp32_forward_backward")->Arg(2048)->UseManualTime()->Unit(benchmark::kMillisecond);
+    ->Name("ttt_mlp_fp32_forward_backward")->Apply(seq_2k)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

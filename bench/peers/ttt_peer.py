@@ -684,8 +684,8 @@ def device_row(kind, T, bwd, group, reps, device):
 
 
 def ours_tokens_per_s(bench):
-    """{(kind, pass, T): tokens/s} of bench_cuda_ttt's bf16 rows (G = 4)."""
-    cmd = [bench, "--benchmark_format=json", "--benchmark_filter=bf16"]
+    """{(kind, pass, T): tokens/s} of bench_cuda_ttt's bf16 rows (G = 4), the inner loop on chip."""
+    cmd = [bench, "--benchmark_format=json", "--benchmark_filter=bf16_.*/[0-9]+/1/"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
@@ -693,7 +693,9 @@ def ours_tokens_per_s(bench):
     for b in json.loads(proc.stdout)["benchmarks"]:
         if "error_occurred" in b and b["error_occurred"]:
             raise RuntimeError(f"{b['name']}: {b.get('error_message', 'error')}")
-        name, T = b["name"].split("/")[:2]  # ttt_<kind>_bf16_<pass>/<T>/manual_time
+        name, T, placement = b["name"].split("/")[:3]  # ttt_<kind>_bf16_<pass>/<T>/<placement>/manual_time
+        if placement != "1":
+            continue
         kind = "mlp" if name.startswith("ttt_mlp") else "linear"
         pass_ = "fwd+bwd" if name.endswith("forward_backward") else "fwd"
         out[(kind, pass_, int(T))] = b["tokens/s"]
