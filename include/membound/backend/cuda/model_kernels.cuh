@@ -236,6 +236,25 @@ inline void need_workspace(const void* ws, std::size_t given, std::size_t requir
   if (ws == nullptr || given < required) throw workspace_too_small(name, required, ws == nullptr ? 0 : given);
 }
 
+// An optimizer setting in [lo, hi] (NaN never is).
+inline void need_finite_in(double x, double lo, double hi, const char* name, const char* expected) {
+  if (!(x >= lo && x <= hi)) throw invalid_argument(name, expected, std::to_string(x), "Fix the optimizer settings");
+}
+// One AdamW step's scalars (adamw_update and adamw8bit_update): t from 1, a finite rate, betas in
+// [0, 1), a positive eps, a finite decay and gradient scale.
+inline void check_adamw_step(std::uint64_t t, double lr, const adamw_config& c, double grad_scale) {
+  need_finite_in(lr, 0.0, std::numeric_limits<double>::max(), "lr", "a finite rate, 0 or more");
+  need_finite_in(c.beta1, 0.0, std::nextafter(1.0, 0.0), "config.beta1", "in [0, 1)");
+  need_finite_in(c.beta2, 0.0, std::nextafter(1.0, 0.0), "config.beta2", "in [0, 1)");
+  need_finite_in(c.eps, std::numeric_limits<double>::min(), std::numeric_limits<double>::max(), "config.eps",
+                 "a positive finite number");
+  need_finite_in(c.weight_decay, 0.0, std::numeric_limits<double>::max(), "config.weight_decay",
+                 "0 or more, finite");
+  need_finite_in(grad_scale, -std::numeric_limits<double>::max(), std::numeric_limits<double>::max(), "grad_scale",
+                 "a finite number");
+  if (t == 0) throw invalid_argument("t", "a step counted from 1", "0", "Pass the number of updates done plus one");
+}
+
 // Rows index the grid's x dimension and elements are addressed in size_t: keep both in range.
 inline void need_extent(std::size_t n, std::size_t max, const char* name) {
   if (n > max) {
@@ -836,20 +855,9 @@ template <kernel_storage S>
 void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::size_t state_bytes, std::size_t n,
                   std::span<const adamw_segment> segments, std::uint64_t t, double lr, const adamw_config& c,
                   double grad_scale = 1.0, const adamw_device_inputs& dev = {}) {
-  const auto finite_in = [](double x, double lo, double hi, const char* name, const char* expected) {
-    if (!(x >= lo && x <= hi)) throw invalid_argument(name, expected, std::to_string(x), "Fix the optimizer settings");
-  };
-  finite_in(lr, 0.0, std::numeric_limits<double>::max(), "lr", "a finite rate, 0 or more");
-  finite_in(c.beta1, 0.0, std::nextafter(1.0, 0.0), "config.beta1", "in [0, 1)");
-  finite_in(c.beta2, 0.0, std::nextafter(1.0, 0.0), "config.beta2", "in [0, 1)");
-  finite_in(c.eps, std::numeric_limits<double>::min(), std::numeric_limits<double>::max(), "config.eps",
-            "a positive finite number");
-  finite_in(c.weight_decay, 0.0, std::numeric_limits<double>::max(), "config.weight_decay", "0 or more, finite");
-  finite_in(grad_scale, -std::numeric_limits<double>::max(), std::numeric_limits<double>::max(), "grad_scale",
-            "a finite number");
-  finite_in(dev.loss_scale, std::numeric_limits<double>::min(), std::numeric_limits<double>::max(),
-            "dev.loss_scale", "a positive finite number");
-  if (t == 0) throw invalid_argument("t", "a step counted from 1", "0", "Pass the number of updates done plus one");
+  detail::check_adamw_step(t, lr, c, grad_scale);
+  detail::need_finite_in(dev.loss_scale, std::numeric_limits<double>::min(), std::numeric_limits<double>::max(),
+                         "dev.loss_scale", "a positive finite number");
   std::size_t prev_end = 0;  // segments in increasing order, apart: no element updated twice
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const adamw_segment& s = segments[i];
@@ -904,26 +912,21 @@ void adamw8bit_update(const cuda_executor& ex, S* w, const S* g, void* state, st
                       std::size_t n, std::span<const param_span> spans, const optimizer_step& s,
                       const unsigned* skip = nullptr) {
   using opt = adamw8bit<S, Block>;
+  const adamw_config& c = s.config;
+  detail::check_adamw_step(s.t, s.lr, c, s.grad_scale);
   membound::detail::check_param_spans(spans, n);
   if (n == 0) return;
-  if (w == nullptr || g == nullptr || state == nullptr) {
-    throw invalid_argument(w == nullptr ? "w" : g == nullptr ? "g" : "state", "a device pointer", "nullptr",
-                           "Pass the trainer's weights, gradients and optimizer state");
-  }
-  if (state_bytes < opt::state_bytes(n)) {
-    throw workspace_too_small("state", opt::state_bytes(n), state_bytes);
-  }
-  const adamw_config& c = s.config;
+  detail::need_pointer(w, "w");
+  detail::need_pointer(g, "g");
+  detail::need_workspace(state, state_bytes, opt::state_bytes(n), "state");
+  detail::need_aligned(state, alignof(float), "state");
   const auto kd = adamw_coefficients<float>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
   const auto kn = adamw_coefficients<float>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, false);
   const typename opt::view p = opt::parts(state, n);
   const adamw8bit_tables tb = adamw8bit_tables_for(spans);
   constexpr unsigned threads = Block < adamw8bit_threads ? static_cast<unsigned>(Block) : adamw8bit_threads;
   const std::size_t blocks = opt::blocks(n);
-  if (blocks > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
-    throw invalid_argument("n", "at most 2^31 - 1 blocks of " + std::to_string(Block), std::to_string(n),
-                           "Shard the optimizer state (ZeRO-1) or use a larger Block");
-  }
+  detail::need_extent(blocks, static_cast<std::size_t>(std::numeric_limits<int>::max()), "n (blocks)");
   detail::adamw8bit_kernel<S, static_cast<unsigned>(Block)>
       <<<static_cast<unsigned>(blocks), threads, 0, ex.stream()>>>(w, g, p.master, p.absmax_m, p.absmax_v, p.m, p.v,
                                                                    n, tb, kd, kn, static_cast<float>(s.grad_scale),

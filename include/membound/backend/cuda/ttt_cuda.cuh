@@ -144,6 +144,7 @@ constexpr ttt_placement_t ttt_placement(std::size_t rows, std::size_t state, std
   std::size_t used = 0;
   for (int i = 0; i < 3; ++i) {
     if (parts[i] == 0) continue;
+    // (The first test keeps the sum from wrapping.)
     if (parts[i] > limit / sizeof(float) || used + parts[i] > limit / sizeof(float)) continue;
     used += parts[i];
     p.place |= bits[i];
@@ -253,10 +254,9 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   template <bool Mlp, std::size_t MB, std::size_t G>
   static constexpr on_chip_report on_chip(const ttt_shape& s, std::size_t shared_limit) noexcept {
     const auto d = gpu::ttt_dims::of(s, Mlp);
-    const std::size_t cap = shared_limit;
-    return {gpu::ttt_placement(gpu::ttt_forward_rows(d.D, d.F, MB, Mlp), d.SZ, 0, cap),
+    return {gpu::ttt_placement(gpu::ttt_forward_rows(d.D, d.F, MB, Mlp), d.SZ, 0, shared_limit),
             gpu::ttt_placement(gpu::ttt_backward_rows(d.D, d.F, MB, Mlp), 2 * d.SZ,
-                               group_in_use<MB, G>(s) * d.SZ, cap)};
+                               group_in_use<MB, G>(s) * d.SZ, shared_limit)};
   }
 
  private:
