@@ -106,12 +106,21 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   stack alloc(budget, recorder, mb::expandable_arena_options{capacity}, device);
   // What others hold now (the context, the handle, other processes) is the budget's from the start.
   mb::update_external_from_device(alloc, device);
+  // So the stack plans into the rest: a plan that fits only without them would run out of memory
+  // at its first peak (the trainer refuses one).
+  const std::size_t held = alloc.external();
+  if (held >= budget) {
+    throw mb::invalid_argument("--budget", "more than the " + mb::format_bytes(held, false) +
+                                               " the device already holds outside the stack (the CUDA context, others)",
+                               mb::format_bytes(budget, false), "Raise --budget");
+  }
+  const std::size_t stack_budget = budget - held;
   const mb::reserve_function reserve = mb::reserve_model(m, alloc);
   if (o.seq_max) {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
-    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, budget, fo, text.size()); });
+    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, stack_budget, fo, text.size()); });
     if (o.seq == 0) {
       throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget", "none fits",
                                  "Raise --budget, or lower --batch or --width");
@@ -127,16 +136,18 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
       mb::fit_options fo;
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<optimizer>();
-      return mb::fit(m, eff, budget, fo);
+      return mb::fit(m, eff, stack_budget, fo);
     }
     mb::plan_options po;
     po.optimizer_policy = mb::optimizer_of<optimizer>();
-    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, budget);
+    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, stack_budget);
     p.reserved_peak = reserve(p);
-    if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
+    if (!p.fits()) throw mb::budget_too_small(stack_budget, p.budgeted_peak());
     return p;
   });
-  plan.outside_stack = outside.total();
+  // The table shows the whole budget, with what is held outside the stack counted against it.
+  plan.budget = budget;
+  plan.outside_stack = held;
   plan.outside_note = "CUDA context " + mb::format_bytes(outside.resident, false) + " (with others' bytes then) + " +
                       "executor " + mb::format_bytes(outside.setup, false) + ", cudaMemGetInfo";
   cudaDeviceProp prop{};
@@ -210,34 +221,41 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
 
-  // The sample runs on the host: the same model on cpu_backend over a copy of the weights.
+  // What the report and the checks below say is the training's: taken before the sample.
+  const auto st = alloc.stats();
+  // The sample runs on the device (the model's forward over at most one training sequence of
+  // context, the head's logits on the host), its token buffer and activations from the same stack.
   if (o.sample > 0) {
-    using host_net = mb::model<mb::embedding<P>,
-                               mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-                               mb::lm_head<P>>;
-    const host_net hm(cfg, pattern);
-    std::vector<S> w(m.parameter_elements());
-    ex.synchronize();
-    mb::cuda_check(cudaMemcpy(w.data(), t.weights(), m.weight_bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy (weights)");
-    mb::system_allocator host;
-    mb::thread_pool pool(2);
-    const std::string out = sample_text(val, o, 256, [&](const std::int32_t* ids, std::size_t T, double* logits) {
-      hm.next_token_logits(w.data(), ids, {1, T}, logits, host, pool);
-    });
-    std::printf("\nsample:\n%s\n\n", out.c_str());
+    const std::size_t max_T = std::min<std::size_t>(256, o.seq);
+    void* ids = alloc.allocate(max_T * sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
+    try {
+      const std::string out = sample_text(val, o, max_T, [&](const std::int32_t* host_ids, std::size_t T, double* logits) {
+        // On the model's stream, after the last forward's reads of ids; done before host_ids changes.
+        mb::cuda_check(cudaMemcpyAsync(ids, host_ids, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, ex.stream()),
+                       "cudaMemcpyAsync (ids)");
+        ex.synchronize();
+        m.next_token_logits(t.weights(), static_cast<const std::int32_t*>(ids), {1, T}, logits, alloc, ex);
+      });
+      std::printf("\nsample:\n%s\n\n", out.c_str());
+    } catch (...) {
+      alloc.deallocate(ids, max_T * sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
+      throw;
+    }
+    alloc.deallocate(ids, max_T * sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
   }
 
-  const auto st = alloc.stats();
   const std::size_t predicted = t.largest_predicted_peak();
   const std::size_t predicted_reserve = t.largest_predicted_reserve();
-  const bool requested_ok = st.peak_requested <= predicted && predicted <= budget;
-  const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= budget;
+  const bool requested_ok = st.peak_requested <= predicted && predicted <= stack_budget;
+  const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= stack_budget;
   // Model FLOPs of a step (MFU's convention: forward and backward, recompute not counted).
   const double flops = 3.0 * (t.plan().forward_flops + m.head_flops(t.plan().micro)) *
                        static_cast<double>(t.plan().accumulation);
   const double step_s = t.steps_done() >= first_step ? total_ms / 1000.0 / static_cast<double>(t.steps_done() - first_step + 1) : 0;
-  std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB: %s\n",
-              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
+  std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB less %.2f MiB "
+              "outside the stack: %s\n",
+              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), mib(held),
+              requested_ok ? "yes" : "NO");
   std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s; after step 1 %.2f MiB, later at most "
               "%.2f MiB\n",
               mib(st.peak_reserved), mib(predicted_reserve), reserve_ok ? "yes" : "NO", mib(reserved_after_first),
@@ -252,6 +270,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     nlohmann::json j;
     j["device"] = prop.name;
     j["budget_bytes"] = budget;
+    j["stack_budget_bytes"] = stack_budget;  // the budget less what was held outside the stack at the start
     j["predicted_peak_bytes"] = predicted;
     j["measured_peak_bytes"] = st.peak_requested;
     j["predicted_reserved_peak_bytes"] = predicted_reserve;

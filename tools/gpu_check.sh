@@ -191,11 +191,11 @@ if ((train_steps > 0)) && [[ -x "$train_bin" ]]; then
     fail "train --device cuda" "exit $?, see train.txt"
   fi
   half=$((train_steps / 2 > 0 ? train_steps / 2 : 1))
-  if timeout "$step_timeout" "$train_bin" "${common[@]}" --budget 4GiB --foreign "2GiB@$half" \
+  if timeout "$step_timeout" "$train_bin" "${common[@]}" --budget 4GiB --foreign "1GiB@$half" \
        --report "$out/train_foreign.json" > "$out/train_foreign.txt" 2>&1; then
-    note "train --device cuda --foreign 2GiB" "ran (train_foreign.txt, train_foreign.json)"
+    note "train --device cuda --foreign 1GiB" "ran (train_foreign.txt, train_foreign.json)"
   else
-    fail "train --device cuda --foreign 2GiB" "exit $?, see train_foreign.txt"
+    fail "train --device cuda --foreign 1GiB" "exit $?, see train_foreign.txt"
   fi
   # 8-bit AdamW on the device (its kernel over the CPU's state layout): the plan counts 2 bytes
   # per parameter of moments; the report says whether the measured peak kept to it.

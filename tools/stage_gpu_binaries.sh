@@ -30,4 +30,9 @@ for t in "${targets[@]}"; do
   done
 done
 cp "$build/examples/libtrain_cuda.so" "$bin/"
+# The Debian libraries the binaries load that a GPU image may lack (OpenMPI's for train, which
+# links MPI and initializes it only under mpirun); glibc, libstdc++ and CUDA's own stay behind.
+lib="$root/.device_deps/usr/lib/x86_64-linux-gnu"
+for f in "$bin"/*; do ldd "$f"; done | awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
+  grep -v -E '/lib(c|m|dl|rt|pthread|stdc\+\+|gcc_s|z)\.so' | while read -r f; do cp -L "$f" "$lib/"; done
 echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*}"

@@ -14112,36 +14112,35 @@ class model {
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
-  // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
-  // block runs in advance mode and its input is freed as soon as its output exists, so the peak
-  // is two activations plus one block's workspace, all from `alloc`. CPU backend only for now.
+  // tokens [B, T] in the backend's memory (ids checked on the host; on a device the caller checks
+  // them before the upload, as the trainer does); logits [B, V] (double, host) for position T−1 of
+  // each sequence. Forward only: each block runs in advance mode and its input is freed as soon as
+  // its output exists, so the peak is two activations plus one block's workspace, all from
+  // `alloc`. The head is a host loop (accumulating in A) on every backend: on a device
+  // the B last rows, the final norm and the head's V×C weights are copied to host buffers first
+  // (B·C + C + V·C elements per call, the price of sampling without a logits kernel).
   template <typename Allocator>
   void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
-                         Allocator& alloc, executor& pool) const {
-    static_assert(on_cpu || dependent_false<Allocator>,
-                  "membound: model::next_token_logits runs on cpu_backend only (its head is a host "
-                  "loop); on the device, use loss() or a step, or copy the weights to a CPU model.");
+                         Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
     check(b);
-    check_tokens(tokens, b.tokens());
-    const std::size_t C = cfg_.width;
+    if constexpr (on_cpu) check_tokens(tokens, b.tokens());
+    const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &pool, glue::threads(pool));
+    const S* x = forward_only<true>(w, tokens, b, live, &ex, glue::threads(ex));
     const auto hw = head_weights(w);
-    for (std::size_t s = 0; s < b.batch; ++s) {
-      const S* row = x + (s * b.seq + b.seq - 1) * C;
-      A ss = 0;
-      for (std::size_t c = 0; c < C; ++c) ss += to_accum<A>(row[c]) * to_accum<A>(row[c]);
-      const A r = A(1) / std::sqrt(ss / A(C) + A(cfg_.norm_eps));
-      for (std::size_t v = 0; v < cfg_.vocab; ++v) {
-        A dot = 0;
-        for (std::size_t c = 0; c < C; ++c)
-          dot += to_accum<A>(from_accum<S>(to_accum<A>(row[c]) * r * to_accum<A>(hw.norm[c]))) *
-                 to_accum<A>(hw.w[v * C + c]);
-        logits[s * cfg_.vocab + v] = static_cast<double>(dot);
+    if constexpr (on_cpu) {
+      for (std::size_t s = 0; s < b.batch; ++s) head_logits(x + (s * b.seq + b.seq - 1) * C, hw.norm, hw.w, logits + s * V);
+    } else {
+      std::vector<S> row(C), norm(C), head(V * C);
+      glue::copy_to_host(ex, norm.data(), hw.norm, C * sizeof(S));
+      glue::copy_to_host(ex, head.data(), hw.w, V * C * sizeof(S));
+      for (std::size_t s = 0; s < b.batch; ++s) {
+        glue::copy_to_host(ex, row.data(), x + (s * b.seq + b.seq - 1) * C, C * sizeof(S));
+        head_logits(row.data(), norm.data(), head.data(), logits + s * V);
       }
     }
   }
@@ -14466,6 +14465,20 @@ class model {
       add_param("lm_head", {"lm_head", sat_mul(cfg_.vocab, cfg_.width), param_init::normal, detail::init_std, 0});
   }
 
+  // One row's logits on the host: RMSNorm (stored as S, as the head's forward stores it), then
+  // the V dot products in A.
+  void head_logits(const S* row, const S* norm, const S* hw, double* logits) const {
+    const std::size_t C = cfg_.width;
+    A ss = 0;
+    for (std::size_t c = 0; c < C; ++c) ss += to_accum<A>(row[c]) * to_accum<A>(row[c]);
+    const A r = A(1) / std::sqrt(ss / A(C) + A(cfg_.norm_eps));
+    for (std::size_t v = 0; v < cfg_.vocab; ++v) {
+      A dot = 0;
+      for (std::size_t c = 0; c < C; ++c)
+        dot += to_accum<A>(from_accum<S>(to_accum<A>(row[c]) * r * to_accum<A>(norm[c]))) * to_accum<A>(hw[v * C + c]);
+      logits[v] = static_cast<double>(dot);
+    }
+  }
   typename head_type::weights head_weights(const S* w) const noexcept {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {w + params_[head_first_].offset, w + params_[table].offset};
@@ -14695,7 +14708,8 @@ struct training_plan {
   std::size_t budget = 0;        // 0: none given
   // Device memory outside every allocator of the stack (the CUDA context, cuBLASLt's handle and
   // workspace, other libraries), measured once by the caller (cudaMemGetInfo before and after
-  // they exist) and shown as a line of the table; not part of the peak. 0: not measured / none.
+  // they exist) and shown as a line of the table; not part of the peak, but the budget's: fits()
+  // and the headroom count it (fit the stack into budget − outside_stack). 0: not measured / none.
   std::size_t outside_stack = 0;
   std::string outside_note;  // what it is and how it was measured, for the table
   double forward_flops = 0;      // of one micro-batch's blocks
@@ -14709,7 +14723,9 @@ struct training_plan {
   // What a budget over the planned stack counts at the peak.
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
   // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
-  bool fits() const noexcept { return !saturated(budgeted_peak()) && (budget == 0 || budgeted_peak() <= budget); }
+  bool fits() const noexcept {
+    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget);
+  }
 
   // A table a person reads before step 1.
   std::string table() const {
@@ -14754,7 +14770,7 @@ struct training_plan {
       row("reserved peak", reserved_peak, note);
     }
     if (outside_stack != 0) row("outside the stack", outside_stack, outside_note.c_str());
-    const std::size_t counted = budgeted_peak();
+    const std::size_t counted = sat_add(budgeted_peak(), outside_stack);
     if (budget != 0) {
       row("budget", budget, "");
       if (counted <= budget) {
@@ -16015,14 +16031,9 @@ class trainer {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
       plan_.reserved_peak = reserve_of(plan_);
-      if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
+      if (!fits_limit(plan_)) {
         status = start_over_budget;
-        throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
-                                           format_bytes(limit),
-                               "a reserved peak of " + format_bytes(plan_.budgeted_peak()) + " (requested " +
-                                   format_bytes(plan_.peak_bytes) + ")",
-                               "Choose it with fit_options::reserve = reserve_model(model, allocator), which counts "
-                               "the stack's rounding and segments");
+        refuse_over_limit(plan_);
       }
       use_layout(plan_);
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
@@ -16253,6 +16264,8 @@ class trainer {
   // pool.size() threads, optimizer counted, unedited). A refused plan changes nothing.
   void set_plan(training_plan p) {
     check_plan(p);
+    p.reserved_peak = reserve_of(p);
+    if (!fits_limit(p)) refuse_over_limit(p);
     adopt(std::move(p));
   }
   const training_plan& plan() const noexcept { return plan_; }
@@ -16815,6 +16828,29 @@ class trainer {
   std::size_t limit_now() const {
     if constexpr (budgeted<Allocator>) return alloc_.limit();
     else return 0;
+  }
+  // Whether p's reserved peak fits the budget beside the bytes it already counts outside the stack
+  // (a CUDA context, others' memory, set_external): a plan that fits only without them would run
+  // out of memory at its first peak.
+  std::size_t outside_bytes() const {
+    if constexpr (requires { alloc_.external(); }) return alloc_.external();
+    else return 0;
+  }
+  bool fits_limit(const training_plan& p) const {
+    const std::size_t limit = limit_now();
+    return limit == 0 || detail::saturating_add(p.budgeted_peak(), outside_bytes()) <= limit;
+  }
+  [[noreturn]] void refuse_over_limit(const training_plan& p) const {
+    const std::size_t outside = outside_bytes();
+    const std::string beside = outside == 0 ? std::string{} : " less " + format_bytes(outside) + " held outside the stack";
+    throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
+                                       format_bytes(limit_now()) + beside,
+                           "a reserved peak of " + format_bytes(p.budgeted_peak()) + " (requested " +
+                               format_bytes(p.peak_bytes) + ")",
+                           outside == 0 ? "Choose it with fit_options::reserve = reserve_model(model, allocator), "
+                                          "which counts the stack's rounding and segments"
+                                        : "Choose it with fit(model, effective, budget − allocator.external(), "
+                                          "{.reserve = reserve_model(model, allocator)}), or raise the budget");
   }
   // Between attempts nothing of the step is live, so all but the trainer's own bytes are others'.
   // Between attempts nothing of the step is live: what the allocator serves beyond the trainer's

@@ -338,8 +338,37 @@ void bad_input() {
 
 }  // namespace
 
+// The next-token logits (the example's sampling) on the device against the CPU model's, both
+// sequences of a batch; every activation through the budget and given back.
+void next_token_logits_against_cpu() {
+  using P = mb::fp32_precision;
+  const mb::batch_shape b{2, 40};
+  const cpu_model<P> cm(config());
+  const gpu_model<P> gm(config());
+  std::vector<float> w(cm.parameter_elements());
+  cm.init_weights(w.data(), 13);
+  const tokens t = make_tokens(b, config().vocab, 9);
+  std::vector<double> want(b.batch * config().vocab), got(want.size());
+  {
+    mb::system_allocator host;
+    mb::thread_pool pool(2);
+    cm.next_token_logits(w.data(), t.tokens.data(), b, want.data(), host, pool);
+  }
+  mbt::device_buffer<std::int32_t> ids(t.tokens);
+  mb::cuda_executor ex;
+  device_budget alloc(budget_bytes);
+  auto* dw = static_cast<float*>(alloc.allocate(gm.weight_bytes(), mb::default_alignment, mb::memory_tag::weights));
+  upload(dw, w.data(), w.size());
+  gm.next_token_logits(dw, ids.get(), b, got.data(), alloc, ex);
+  alloc.deallocate(dw, gm.weight_bytes(), mb::default_alignment, mb::memory_tag::weights);
+  // fp32 storage, the same sums in another order on the device: the layers' own bound.
+  mbt::close_normwise("logits", got, want, 1e-4);
+  CHECK(alloc.stats().requested == 0);
+}
+
 int main() {
   static const mbt::test_case cases[] = {
+      {"model cuda_backend next_token_logits equals the CPU model's (the example's sample)", next_token_logits_against_cpu},
       {"model cuda_backend fp32 equals the CPU model (loss, every gradient, peak)", fp32_against_cpu},
       {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
       {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},

@@ -332,16 +332,17 @@ void pressure_retry() {
   const std::size_t r_none = reserve(none), r_small = reserve(small);
   std::printf("  reserve: none %zu B, full at micro-batch 1 %zu B\n", r_none, r_small);
   CHECK(r_small < r_none);
-  // none at 90% of the limit; the foreign bytes leave room under the emergency threshold (97%) for
-  // the smaller plan but not for none.
+  // none at 90% of the limit; the foreign bytes leave room under the limit for the smaller plan but
+  // not for none. (Not the emergency threshold: the monitor reads usage at its check points, and
+  // the peak lies inside an op's workspace, between them; on an H200 a foreign figure aimed at the
+  // threshold was never seen at a check point, and the step ran on under none.)
   const std::size_t limit = r_none / 9 * 10;
   alloc.set_limit(limit);
   mb::trainer<gpu_model, plain_budget, mb::pressure_monitor<>> t(m, effective, none, alloc, ex, options(),
                                                                  mb::pressure_monitor<>{});
   (void)t.step(src);
   CHECK(t.plan().schedule.k == mb::schedule_choice::kind::none);
-  const std::size_t emergency = static_cast<std::size_t>(0.97 * static_cast<double>(limit));
-  const std::size_t foreign = emergency - r_none + (r_none - r_small) / 2;
+  const std::size_t foreign = limit - r_none + (r_none - r_small) / 2;
   mbt::device_buffer<std::uint8_t> taken(foreign);  // real device memory, outside the budget
   alloc.set_external(foreign);
   const mb::step_result r = t.step(src);

@@ -211,6 +211,13 @@ TEST_CASE("planner: the plan table names every category, the peak phase and the 
   CHECK(t2.find("500.00 MiB") != std::string::npos);
   CHECK(t2.find("context + cuBLASLt") != std::string::npos);
   CHECK(t2.find("headroom") != std::string::npos);
+  // The budget counts them: the headroom is what is left beside them, and a peak that fits only
+  // without them does not fit.
+  CHECK(t2.find(mb::format_bytes(p.budget - p.budgeted_peak() - p.outside_stack, false)) != std::string::npos);
+  CHECK(p.fits());
+  p.outside_stack = p.budget - p.budgeted_peak() + 1;
+  CHECK(!p.fits());
+  CHECK(p.table().find("OVER BUDGET") != std::string::npos);
   std::size_t mx = 0;
   for (const auto& ph : p.timeline) mx = std::max(mx, ph.peak);
   CHECK(mx == p.peak_bytes);

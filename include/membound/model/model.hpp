@@ -458,36 +458,35 @@ class model {
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
-  // tokens [B, T]; logits [B, V] (double) for position T−1 of each sequence. Forward only: each
-  // block runs in advance mode and its input is freed as soon as its output exists, so the peak
-  // is two activations plus one block's workspace, all from `alloc`. CPU backend only for now.
+  // tokens [B, T] in the backend's memory (ids checked on the host; on a device the caller checks
+  // them before the upload, as the trainer does); logits [B, V] (double, host) for position T−1 of
+  // each sequence. Forward only: each block runs in advance mode and its input is freed as soon as
+  // its output exists, so the peak is two activations plus one block's workspace, all from
+  // `alloc`. The head is a host loop (accumulating in A) on every backend: on a device
+  // the B last rows, the final norm and the head's V×C weights are copied to host buffers first
+  // (B·C + C + V·C elements per call, the price of sampling without a logits kernel).
   template <typename Allocator>
   void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
-                         Allocator& alloc, executor& pool) const {
-    static_assert(on_cpu || dependent_false<Allocator>,
-                  "membound: model::next_token_logits runs on cpu_backend only (its head is a host "
-                  "loop); on the device, use loss() or a step, or copy the weights to a CPU model.");
+                         Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
     check(b);
-    check_tokens(tokens, b.tokens());
-    const std::size_t C = cfg_.width;
+    if constexpr (on_cpu) check_tokens(tokens, b.tokens());
+    const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &pool, glue::threads(pool));
+    const S* x = forward_only<true>(w, tokens, b, live, &ex, glue::threads(ex));
     const auto hw = head_weights(w);
-    for (std::size_t s = 0; s < b.batch; ++s) {
-      const S* row = x + (s * b.seq + b.seq - 1) * C;
-      A ss = 0;
-      for (std::size_t c = 0; c < C; ++c) ss += to_accum<A>(row[c]) * to_accum<A>(row[c]);
-      const A r = A(1) / std::sqrt(ss / A(C) + A(cfg_.norm_eps));
-      for (std::size_t v = 0; v < cfg_.vocab; ++v) {
-        A dot = 0;
-        for (std::size_t c = 0; c < C; ++c)
-          dot += to_accum<A>(from_accum<S>(to_accum<A>(row[c]) * r * to_accum<A>(hw.norm[c]))) *
-                 to_accum<A>(hw.w[v * C + c]);
-        logits[s * cfg_.vocab + v] = static_cast<double>(dot);
+    if constexpr (on_cpu) {
+      for (std::size_t s = 0; s < b.batch; ++s) head_logits(x + (s * b.seq + b.seq - 1) * C, hw.norm, hw.w, logits + s * V);
+    } else {
+      std::vector<S> row(C), norm(C), head(V * C);
+      glue::copy_to_host(ex, norm.data(), hw.norm, C * sizeof(S));
+      glue::copy_to_host(ex, head.data(), hw.w, V * C * sizeof(S));
+      for (std::size_t s = 0; s < b.batch; ++s) {
+        glue::copy_to_host(ex, row.data(), x + (s * b.seq + b.seq - 1) * C, C * sizeof(S));
+        head_logits(row.data(), norm.data(), head.data(), logits + s * V);
       }
     }
   }
@@ -812,6 +811,20 @@ class model {
       add_param("lm_head", {"lm_head", sat_mul(cfg_.vocab, cfg_.width), param_init::normal, detail::init_std, 0});
   }
 
+  // One row's logits on the host: RMSNorm (stored as S, as the head's forward stores it), then
+  // the V dot products in A.
+  void head_logits(const S* row, const S* norm, const S* hw, double* logits) const {
+    const std::size_t C = cfg_.width;
+    A ss = 0;
+    for (std::size_t c = 0; c < C; ++c) ss += to_accum<A>(row[c]) * to_accum<A>(row[c]);
+    const A r = A(1) / std::sqrt(ss / A(C) + A(cfg_.norm_eps));
+    for (std::size_t v = 0; v < cfg_.vocab; ++v) {
+      A dot = 0;
+      for (std::size_t c = 0; c < C; ++c)
+        dot += to_accum<A>(from_accum<S>(to_accum<A>(row[c]) * r * to_accum<A>(norm[c]))) * to_accum<A>(hw[v * C + c]);
+      logits[v] = static_cast<double>(dot);
+    }
+  }
   typename head_type::weights head_weights(const S* w) const noexcept {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {w + params_[head_first_].offset, w + params_[table].offset};

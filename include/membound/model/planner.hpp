@@ -192,7 +192,8 @@ struct training_plan {
   std::size_t budget = 0;        // 0: none given
   // Device memory outside every allocator of the stack (the CUDA context, cuBLASLt's handle and
   // workspace, other libraries), measured once by the caller (cudaMemGetInfo before and after
-  // they exist) and shown as a line of the table; not part of the peak. 0: not measured / none.
+  // they exist) and shown as a line of the table; not part of the peak, but the budget's: fits()
+  // and the headroom count it (fit the stack into budget − outside_stack). 0: not measured / none.
   std::size_t outside_stack = 0;
   std::string outside_note;  // what it is and how it was measured, for the table
   double forward_flops = 0;      // of one micro-batch's blocks
@@ -206,7 +207,9 @@ struct training_plan {
   // What a budget over the planned stack counts at the peak.
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
   // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
-  bool fits() const noexcept { return !saturated(budgeted_peak()) && (budget == 0 || budgeted_peak() <= budget); }
+  bool fits() const noexcept {
+    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget);
+  }
 
   // A table a person reads before step 1.
   std::string table() const {
@@ -251,7 +254,7 @@ struct training_plan {
       row("reserved peak", reserved_peak, note);
     }
     if (outside_stack != 0) row("outside the stack", outside_stack, outside_note.c_str());
-    const std::size_t counted = budgeted_peak();
+    const std::size_t counted = sat_add(budgeted_peak(), outside_stack);
     if (budget != 0) {
       row("budget", budget, "");
       if (counted <= budget) {

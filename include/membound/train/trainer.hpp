@@ -588,14 +588,9 @@ class trainer {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
       plan_.reserved_peak = reserve_of(plan_);
-      if (const std::size_t limit = limit_now(); limit != 0 && plan_.budgeted_peak() > limit) {
+      if (!fits_limit(plan_)) {
         status = start_over_budget;
-        throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
-                                           format_bytes(limit),
-                               "a reserved peak of " + format_bytes(plan_.budgeted_peak()) + " (requested " +
-                                   format_bytes(plan_.peak_bytes) + ")",
-                               "Choose it with fit_options::reserve = reserve_model(model, allocator), which counts "
-                               "the stack's rounding and segments");
+        refuse_over_limit(plan_);
       }
       use_layout(plan_);
       w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
@@ -826,6 +821,8 @@ class trainer {
   // pool.size() threads, optimizer counted, unedited). A refused plan changes nothing.
   void set_plan(training_plan p) {
     check_plan(p);
+    p.reserved_peak = reserve_of(p);
+    if (!fits_limit(p)) refuse_over_limit(p);
     adopt(std::move(p));
   }
   const training_plan& plan() const noexcept { return plan_; }
@@ -1389,6 +1386,29 @@ class trainer {
   std::size_t limit_now() const {
     if constexpr (budgeted<Allocator>) return alloc_.limit();
     else return 0;
+  }
+  // Whether p's reserved peak fits the budget beside the bytes it already counts outside the stack
+  // (a CUDA context, others' memory, set_external): a plan that fits only without them would run
+  // out of memory at its first peak.
+  std::size_t outside_bytes() const {
+    if constexpr (requires { alloc_.external(); }) return alloc_.external();
+    else return 0;
+  }
+  bool fits_limit(const training_plan& p) const {
+    const std::size_t limit = limit_now();
+    return limit == 0 || detail::saturating_add(p.budgeted_peak(), outside_bytes()) <= limit;
+  }
+  [[noreturn]] void refuse_over_limit(const training_plan& p) const {
+    const std::size_t outside = outside_bytes();
+    const std::string beside = outside == 0 ? std::string{} : " less " + format_bytes(outside) + " held outside the stack";
+    throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
+                                       format_bytes(limit_now()) + beside,
+                           "a reserved peak of " + format_bytes(p.budgeted_peak()) + " (requested " +
+                               format_bytes(p.peak_bytes) + ")",
+                           outside == 0 ? "Choose it with fit_options::reserve = reserve_model(model, allocator), "
+                                          "which counts the stack's rounding and segments"
+                                        : "Choose it with fit(model, effective, budget − allocator.external(), "
+                                          "{.reserve = reserve_model(model, allocator)}), or raise the budget");
   }
   // Between attempts nothing of the step is live, so all but the trainer's own bytes are others'.
   // Between attempts nothing of the step is live: what the allocator serves beyond the trainer's

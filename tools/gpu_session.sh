@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# One lent-GPU call under a deadline: steps in priority order, each under its own timeout cut to
+# the time left, results packed after every step into $OUT (the device tool brings back at most
+# 8 files, so everything goes into one results.tgz beside summary.txt). A step the deadline leaves
+# no room for is listed as not run, never as passed.
+#
+#   bash tools/stage_gpu_binaries.sh                       # here: binaries + Debian libraries
+#   # on the GPU machine, carrying .device_deps:
+#   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 480 \
+#       --steps "tests train long soak bench_ttt peer_model"
+#   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 200 --steps sanitizers
+#
+# Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), train (the
+# example trainer: default, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
+# bench_model (bench_cuda_*), peer_ttt, peer_model (PyTorch on the same GPU: ttt_peer.py,
+# model_cuda_peer.py), long (train --seq max under --long-budget, with its trace for the plot),
+# soak (2,000 steps, reserved bytes after the first step and the most after it in the report),
+# sanitizers (memcheck and racecheck of the tests, --jobs at a time).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root" || exit 1
+prebuilt=""
+deadline=540
+steps="tests train long soak bench_ttt peer_model bench_mamba bench_model peer_ttt"
+jobs=8
+tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
+       test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
+long_budget=2GiB
+while (($#)); do
+  case "$1" in
+    --prebuilt) prebuilt="$(cd "$2" && pwd)"; shift 2 ;;
+    --deadline) deadline="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --jobs) jobs="$2"; shift 2 ;;
+    --tests) tests="$2"; shift 2 ;;
+    --long-budget) long_budget="$2"; shift 2 ;;
+    *) echo "gpu_session.sh: unknown argument '$1' (expected --prebuilt DIR, --deadline S, --steps LIST," \
+            "--jobs N, --tests LIST, --long-budget SIZE)" >&2
+       exit 2 ;;
+  esac
+done
+[[ -n "$prebuilt" ]] || { echo "gpu_session.sh: --prebuilt DIR is required (tools/stage_gpu_binaries.sh)" >&2; exit 2; }
+out="${OUT:-$root/build/gpu/session}"
+work="$(mktemp -d)"
+mkdir -p "$out"
+start=$SECONDS
+
+deps="$root/.device_deps/usr/lib/x86_64-linux-gnu"
+lt="$(find /usr/local/cuda* /usr/lib /usr/local/lib -name 'libcublasLt.so.13' 2> /dev/null | head -1)"
+export LD_LIBRARY_PATH="$deps${lt:+:$(dirname "$lt")}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1
+
+pack() {
+  cp "$work/summary.txt" "$out/summary.txt" 2> /dev/null
+  tar -C "$work" -czf "$out/results.tgz.tmp" . && mv "$out/results.tgz.tmp" "$out/results.tgz"
+}
+left() { echo $((deadline - (SECONDS - start) - 10)); }
+# step NAME TIMEOUT CMD...: runs CMD with its output in NAME.log, under min(TIMEOUT, time left).
+step() {
+  local name="$1" limit="$2"; shift 2
+  local l; l=$(left)
+  if ((l < 15)); then
+    printf '%-40s %s\n' "$name" "not run (deadline)" >> "$work/summary.txt"; return
+  fi
+  ((limit > l)) && limit=$l
+  local t0=$SECONDS rc
+  # Line-buffered, so a step killed at its limit leaves every line it printed.
+  timeout -k 5 "$limit" stdbuf -oL -eL "$@" > "$work/$name.log" 2>&1
+  rc=$?
+  local verdict="ok"
+  case $rc in
+    0) ;;
+    77) verdict="SKIPPED (no device)" ;;
+    124|137) verdict="TIMED OUT after ${limit}s" ;;
+    *) verdict="FAILED (exit $rc)" ;;
+  esac
+  printf '%-40s %s in %d s\n' "$name" "$verdict" $((SECONDS - t0)) | tee -a "$work/summary.txt"
+  pack
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$work/gpu.txt" 2>&1
+echo "== $(tail -1 "$work/gpu.txt")" | tee -a "$work/summary.txt"
+data="$root/examples/data/tinyshakespeare.txt"
+train=(--device cuda --data "$data" --eval-every 0 --sample 64)
+
+for s in $steps; do
+  case "$s" in
+    tests)
+      for t in $tests; do step "$t" 100 "$prebuilt/$t"; done ;;
+    train)
+      step train 120 "$prebuilt/train" "${train[@]}" --steps 30 --report "$work/train.json" --trace "$work/train_trace.json"
+      step train_adamw8bit 90 "$prebuilt/train" "${train[@]}" --steps 30 --optimizer adamw8bit \
+        --report "$work/train_adamw8bit.json"
+      step train_foreign 90 "$prebuilt/train" "${train[@]}" --steps 30 --budget 4GiB --foreign 1GiB@15 \
+        --report "$work/train_foreign.json" ;;
+    bench_ttt|bench_mamba|bench_model)
+      b="bench_cuda_${s#bench_}"
+      step "$b" 120 "$prebuilt/$b" --benchmark_min_time=0.05 --benchmark_counters_tabular=true \
+        --benchmark_out="$work/$b.json" --benchmark_out_format=json ;;
+    peer_ttt)
+      step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
+    peer_model)
+      step model_cuda_peer 150 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" ;;
+    long)
+      step train_long 150 "$prebuilt/train" "${train[@]}" --seq max --batch 1 --budget "$long_budget" --steps 6 \
+        --warmup 1 --report "$work/train_long.json" --trace "$work/train_long_trace.json" ;;
+    soak)
+      step train_soak 150 "$prebuilt/train" "${train[@]}" --seq 256 --batch 1 --steps 2000 --warmup 30 \
+        --report "$work/train_soak.json" ;;
+    sanitizers)
+      # --jobs at a time; the verdict is the tool's own summary line, read afterwards.
+      limit=$(left); ((limit < 20)) && limit=20
+      running=0
+      for t in $tests; do
+        for tool in memcheck racecheck; do
+          extra=()
+          [[ $tool == memcheck ]] && extra=(--leak-check full --report-api-errors no)
+          ( timeout -k 5 "$limit" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 "$prebuilt/$t" \
+              > "$work/san_${t}_${tool}.log" 2>&1
+            echo $? > "$work/san_${t}_${tool}.rc" ) &
+          running=$((running + 1))
+          if ((running >= jobs)); then wait -n; running=$((running - 1)); fi
+        done
+      done
+      wait
+      for t in $tests; do
+        for tool in memcheck racecheck; do
+          v=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/san_${t}_${tool}.log" 2> /dev/null | sed 's/=* *//')
+          printf '%-40s exit %s: %s\n' "san $t $tool" "$(cat "$work/san_${t}_${tool}.rc" 2> /dev/null)" \
+            "${v:-no summary}" | tee -a "$work/summary.txt"
+        done
+      done
+      pack ;;
+    *) echo "gpu_session.sh: unknown step '$s'" >&2 ;;
+  esac
+done
+pack
+echo "gpu_session.sh: $((SECONDS - start)) s; results in $out/results.tgz"
