@@ -108,26 +108,44 @@ for s in $steps; do
       step train_soak 150 "$prebuilt/train" "${train[@]}" --seq 256 --batch 1 --steps 2000 --warmup 30 \
         --report "$work/train_soak.json" ;;
     sanitizers)
-      # --jobs at a time; the verdict is the tool's own summary line, read afterwards.
-      limit=$(left); ((limit < 20)) && limit=20
+      # Each test case in its own process (MEMBOUND_TEST_CASE, names from MEMBOUND_TEST_LIST), so
+      # a slow program still gets verdicts for its quick cases; --jobs at a time, each under the
+      # time left when it starts. The verdict is the tool's own summary line, read afterwards.
       running=0
       for t in $tests; do
-        for tool in memcheck racecheck; do
-          extra=()
-          [[ $tool == memcheck ]] && extra=(--leak-check full --report-api-errors no)
-          ( timeout -k 5 "$limit" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 "$prebuilt/$t" \
-              > "$work/san_${t}_${tool}.log" 2>&1
-            echo $? > "$work/san_${t}_${tool}.rc" ) &
-          running=$((running + 1))
-          if ((running >= jobs)); then wait -n; running=$((running - 1)); fi
-        done
+        MEMBOUND_TEST_LIST="$work/cases_$t.txt" "$prebuilt/$t" > /dev/null 2>&1 || : > "$work/cases_$t.txt"
+        k=0
+        while IFS= read -r c; do
+          k=$((k + 1))
+          for tool in memcheck racecheck; do
+            limit=$(left)
+            if ((limit < 20)); then echo 124 > "$work/san_${t}_${k}_${tool}.rc"; continue; fi
+            extra=()
+            [[ $tool == memcheck ]] && extra=(--leak-check full --report-api-errors no)
+            ( MEMBOUND_TEST_CASE="$c" timeout -k 5 "$limit" compute-sanitizer --tool "$tool" "${extra[@]}" \
+                --error-exitcode 3 "$prebuilt/$t" > "$work/san_${t}_${k}_${tool}.log" 2>&1
+              echo $? > "$work/san_${t}_${k}_${tool}.rc" ) &
+            running=$((running + 1))
+            if ((running >= jobs)); then wait -n; running=$((running - 1)); fi
+          done
+        done < "$work/cases_$t.txt"
       done
       wait
+      # Per program and tool: how many cases the tool found clean, with findings, or without a verdict.
       for t in $tests; do
+        n=$(wc -l < "$work/cases_$t.txt")
         for tool in memcheck racecheck; do
-          v=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/san_${t}_${tool}.log" 2> /dev/null | sed 's/=* *//')
-          printf '%-40s exit %s: %s\n' "san $t $tool" "$(cat "$work/san_${t}_${tool}.rc" 2> /dev/null)" \
-            "${v:-no summary}" | tee -a "$work/summary.txt"
+          clean=0 found=0 none=0 which=""
+          for ((k = 1; k <= n; k++)); do
+            log="$work/san_${t}_${k}_${tool}.log"
+            v=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" 2> /dev/null | sed 's/=* *//')
+            if [[ -z $v ]]; then none=$((none + 1)); which+=" $k?"
+            elif [[ $v =~ (": 0 errors"|": 0 hazards displayed (0 errors") ]]; then clean=$((clean + 1))
+            else found=$((found + 1)); which+=" $k!"
+            fi
+          done
+          printf '%-40s %d cases: %d clean, %d with findings, %d without a verdict%s\n' "san $t $tool" "$n" \
+            "$clean" "$found" "$none" "${which:+ (case numbers:$which; cases_$t.txt)}" | tee -a "$work/summary.txt"
         done
       done
       pack ;;

@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <new>
 #include <string>
@@ -193,6 +195,25 @@ struct test_case {
 // "name: ok|FAILED"; exit 1 when anything failed.
 template <std::size_t N>
 int run_suite(const char* suite, const test_case (&cases)[N]) {
+  // MEMBOUND_TEST_LIST=FILE: the case names into FILE, one per line, and nothing run (no device
+  // needed; a test's host part may print first), so that a sanitizer can run each case in its
+  // own process (tools/gpu_session.sh); MEMBOUND_TEST_CASE=<name>: only the case of exactly that
+  // name (exit 2 when none has it).
+  if (const char* list = std::getenv("MEMBOUND_TEST_LIST"); list != nullptr && *list != '\0') {
+    std::FILE* f = std::fopen(list, "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "%s: MEMBOUND_TEST_LIST: cannot write '%s'\n", suite, list);
+      return 2;
+    }
+    for (const auto& t : cases) std::fprintf(f, "%s\n", t.name);
+    return std::fclose(f) == 0 ? 0 : 2;
+  }
+  const char* only = std::getenv("MEMBOUND_TEST_CASE");
+  if (only != nullptr && std::none_of(std::begin(cases), std::end(cases),
+                                      [&](const test_case& t) { return std::string(t.name) == only; })) {
+    std::fprintf(stderr, "%s: MEMBOUND_TEST_CASE names no case: '%s' (MEMBOUND_TEST_LIST=FILE lists them)\n", suite, only);
+    return 2;
+  }
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
@@ -206,6 +227,7 @@ int run_suite(const char* suite, const test_case (&cases)[N]) {
     std::printf("%s on device 0: %s (sm_%d%d)\n", suite, prop.name, prop.major, prop.minor);
   }
   for (const auto& t : cases) {
+    if (only != nullptr && std::string(t.name) != only) continue;
     const int before = failures;
     try {
       t.run();
