@@ -15,13 +15,14 @@
 # bench_model (bench_cuda_*), peer_ttt, peer_model (PyTorch on the same GPU: ttt_peer.py,
 # model_cuda_peer.py), long (train --seq max under --long-budget, with its trace for the plot),
 # soak (2,000 steps, reserved bytes after the first step and the most after it in the report),
+# profile (ncu: the model step's time by kernel, tools/kernel_breakdown.py; the TTT inner kernels),
 # sanitizers (memcheck and racecheck of the tests, --jobs at a time).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 1
 prebuilt=""
 deadline=540
-steps="tests train long soak bench_ttt peer_model bench_mamba bench_model peer_ttt"
+steps="tests train long soak profile bench_ttt peer_model bench_mamba bench_model peer_ttt"
 jobs=8
 tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
@@ -101,6 +102,19 @@ for s in $steps; do
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
     peer_model)
       step model_cuda_peer 150 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" ;;
+    profile)
+      # Where one micro-batch of the model (B = 1, T = 2048) spends its GPU time, kernel by kernel
+      # (ncu, one duration metric per launch; clocks left alone), then the TTT inner kernels'
+      # occupancy, warp stalls and throughput (one launch each, ncu's full set).
+      step profile_model 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 6000 \
+        "$prebuilt/bench_cuda_model" '--benchmark_filter=^bm_step/2048$' --benchmark_min_time=0.0001
+      [[ -s "$work/profile_model.log" ]] && python3 tools/kernel_breakdown.py "$work/profile_model.log" --top 40 \
+        > "$work/profile_model_breakdown.txt" 2>&1 && cat "$work/profile_model_breakdown.txt"
+      for k in forward backward; do
+        step "profile_ttt_$k" 90 ncu --clock-control none --set full -k "regex:ttt_${k}_kernel" --launch-count 1 \
+          "$prebuilt/bench_cuda_ttt" "--benchmark_filter=^ttt_linear_bf16_forward_backward/2048/1/" \
+          --benchmark_min_time=0.0001
+      done ;;
     long)
       step train_long 150 "$prebuilt/train" "${train[@]}" --seq max --batch 1 --budget "$long_budget" --steps 6 \
         --warmup 1 --report "$work/train_long.json" --trace "$work/train_long_trace.json" ;;
