@@ -104,34 +104,51 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   const std::size_t capacity = std::max(granule, std::min(budget, total) / granule * granule);
   using stack = mb::budget_allocator<mb::traced_allocator<mb::cuda_expandable_arena>>;
   stack alloc(budget, recorder, mb::expandable_arena_options{capacity}, device);
-  // What others hold now (the context, the handle, other processes) is the budget's from the start.
-  mb::update_external_from_device(alloc, device);
-  // So the stack plans into the rest: a plan that fits only without them would run out of memory
+  // What others hold now (the context, the handle, other processes) is the budget's from the start,
+  // so the stack plans into the rest: a plan that fits only without them would run out of memory
   // at its first peak (the trainer refuses one).
-  const std::size_t held = alloc.external();
-  if (held >= budget) {
-    throw mb::invalid_argument("--budget", "more than the " + mb::format_bytes(held, false) +
-                                               " the device already holds outside the stack (the CUDA context, others)",
-                               mb::format_bytes(budget, false), "Raise --budget");
+  const auto no_room = [&](std::size_t bytes) {
+    return mb::invalid_argument("--budget", "more than the " + mb::format_bytes(bytes, false) +
+                                                " the device already holds outside the stack (the CUDA context, others)",
+                                mb::format_bytes(budget, false), "Raise --budget");
+  };
+  try {
+    mb::update_external_from_device(alloc, device);
+  } catch (const mb::out_of_memory&) {
+    throw no_room(mb::device_others_probe{device}(alloc));
   }
+  const std::size_t held = alloc.external();
+  if (held >= budget) throw no_room(held);
   const std::size_t stack_budget = budget - held;
+  // A plan refused for the stack's share is refused for the whole budget, with the least budget
+  // that would do: the stack's least peak plus what is held outside it.
+  const auto beside_held = [&](auto make) {
+    try {
+      return make();
+    } catch (const mb::budget_too_small& e) {
+      throw mb::budget_too_small(budget, mb::sat_add(e.minimum(), held),
+                                 mb::format_bytes(held, false) + " of it held outside the stack: the CUDA context, "
+                                                                 "the executor, others");
+    }
+  };
   const mb::reserve_function reserve = mb::reserve_model(m, alloc);
   if (o.seq_max) {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
-    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, stack_budget, fo, text.size()); });
+    o.seq = under_flags(o, [&] { return beside_held([&] { return largest_fitting_seq(m, o, stack_budget, fo, text.size()); }); });
     if (o.seq == 0) {
       throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget", "none fits",
                                  "Raise --budget, or lower --batch or --width");
     }
-    std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s with %zu sequences per "
-                "step\n",
-                o.seq, mb::format_bytes(budget, false).c_str(), o.batch);
+    std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s (the budget %s less %s "
+                "held outside the stack) with %zu sequences per step\n",
+                o.seq, mb::format_bytes(stack_budget, false).c_str(), mb::format_bytes(budget, false).c_str(),
+                mb::format_bytes(held, false).c_str(), o.batch);
   }
   const mb::batch_shape eff{o.batch, o.seq};
 
-  mb::training_plan plan = under_flags(o, [&] {
+  mb::training_plan plan = under_flags(o, [&] { return beside_held([&] {
     if (!o.fixed_schedule) {
       mb::fit_options fo;
       fo.reserve = reserve;
@@ -144,7 +161,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(stack_budget, p.budgeted_peak());
     return p;
-  });
+  }); });
   // The table shows the whole budget, with what is held outside the stack counted against it.
   plan.budget = budget;
   plan.outside_stack = held;
@@ -231,6 +248,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     try {
       const std::string out = sample_text(val, o, max_T, [&](const std::int32_t* host_ids, std::size_t T, double* logits) {
         // On the model's stream, after the last forward's reads of ids; done before host_ids changes.
+        m.check_tokens(host_ids, T);
         mb::cuda_check(cudaMemcpyAsync(ids, host_ids, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, ex.stream()),
                        "cudaMemcpyAsync (ids)");
         ex.synchronize();
@@ -277,7 +295,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     j["measured_reserved_peak_bytes"] = st.peak_reserved;
     j["reserved_after_first_step_bytes"] = reserved_after_first;
     j["reserved_max_after_first_step_bytes"] = reserved_max_later;
-    j["outside_stack_bytes"] = outside.total();
+    j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
+    j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
     j["steps"] = t.steps_done();
     j["final_train_loss"] = last_loss;
     j["initial_eval_loss"] = first_eval;

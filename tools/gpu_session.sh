@@ -140,7 +140,7 @@ for s in $steps; do
                 --error-exitcode 3 "$prebuilt/$t" > "$work/san_${t}_${k}_${tool}.log" 2>&1
               echo $? > "$work/san_${t}_${k}_${tool}.rc" ) &
             running=$((running + 1))
-            if ((running >= jobs)); then wait -n; running=$((running - 1)); fi
+            if ((running >= jobs)); then wait -n; running=$((running - 1)); pack; fi
           done
         done < "$work/cases_$t.txt"
       done

@@ -30,9 +30,13 @@ for t in "${targets[@]}"; do
   done
 done
 cp "$build/examples/libtrain_cuda.so" "$bin/"
-# The Debian libraries the binaries load that a GPU image may lack (OpenMPI's for train, which
-# links MPI and initializes it only under mpirun); glibc, libstdc++ and CUDA's own stay behind.
+# The Debian libraries the binaries load that a GPU image may lack: an allow-list (OpenMPI's, for
+# train, which links MPI and initializes it only under mpirun; hwloc, libevent, libudev beneath it), so
+# that nothing of the driver's, CUDA's or the system's shadows the GPU machine's own.
 lib="$root/.device_deps/usr/lib/x86_64-linux-gnu"
-for f in "$bin"/*; do ldd "$f"; done | awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
-  grep -v -E '/lib(c|m|dl|rt|pthread|stdc\+\+|gcc_s|z)\.so' | while read -r f; do cp -L "$f" "$lib/"; done
+mkdir -p "$lib"
+for f in "$bin"/*; do { ldd "$f" 2> /dev/null || true; }; done |
+  awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
+  { grep -E '/lib(mpi|open-rte|open-pal|hwloc|event_core|event_pthreads|udev)[^/]*\.so' || true; } |
+  while read -r f; do cp -L "$f" "$lib/"; done
 echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*}"

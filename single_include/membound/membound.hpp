@@ -15803,7 +15803,8 @@ class rank_cannot_start : public invalid_argument {
       : invalid_argument("plan",
                          "a plan that fits every rank's budget",
                          "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
-                             ": a reserved peak of " + format_bytes(peak) + " over its budget of " + format_bytes(limit),
+                             ": a reserved peak of " + format_bytes(peak) + " over its budget of " + format_bytes(limit) +
+                             " (less what it held outside the stack)",
                          "Give rank " + std::to_string(rank) +
                              " a larger budget, or plan every rank with fit(model, effective, budget) for the "
                              "smallest budget of any rank; no rank started step 1"),
@@ -16261,11 +16262,28 @@ class trainer {
 
   // ---- Plans --------------------------------------------------------------------------------------
   // Switch plans between steps: a plan check_plan accepts (this model, the same effective batch,
-  // pool.size() threads, optimizer counted, unedited). A refused plan changes nothing.
+  // pool.size() threads, optimizer counted, unedited) whose reserved peak fits the budget beside
+  // what others hold. A refused plan changes nothing. Over ranks a collective (every rank calls it
+  // between the same steps): when one rank cannot fit the plan, every rank refuses it.
   void set_plan(training_plan p) {
     check_plan(p);
     p.reserved_peak = reserve_of(p);
-    if (!fits_limit(p)) refuse_over_limit(p);
+    const bool fits = fits_limit(p);
+    if (world() > 1) {
+      // Each rank judges its own budget; all refuse together, or ranks would run different plans.
+      std::vector<std::uint64_t> all(world(), 0);
+      all[comm_.rank()] = fits ? 1 : 0;
+      comm_.all_gather(static_cast<const std::uint64_t*>(all.data() + comm_.rank()), all.data(), world());
+      for (std::size_t r = 0; r < world(); ++r) {
+        if (all[r] != 0) continue;
+        if (r == comm_.rank()) refuse_over_limit(p);
+        throw invalid_argument("plan", "a plan that fits every rank's budget beside what others hold there",
+                               "rank " + std::to_string(r) + " of " + std::to_string(world()) + " cannot fit it",
+                               "Read rank " + std::to_string(r) + "'s error; every rank kept its plan");
+      }
+    } else if (!fits) {
+      refuse_over_limit(p);
+    }
     adopt(std::move(p));
   }
   const training_plan& plan() const noexcept { return plan_; }
@@ -16803,7 +16821,8 @@ class trainer {
       const std::size_t me = comm_.rank();
       rank_status_[3 * me] = status;
       rank_status_[3 * me + 1] = plan_.budgeted_peak();
-      rank_status_[3 * me + 2] = limit_now();
+      // The room the plan had: the budget less what it already counted outside the stack.
+      rank_status_[3 * me + 2] = detail::saturating_sub(limit_now(), foreign_now());
       comm_.all_gather(rank_status_.data() + 3 * me, rank_status_.data(), rank_status_.size());
       for (std::size_t r = 0; r < world(); ++r) {
         const std::uint64_t st = rank_status_[3 * r];
@@ -16829,20 +16848,17 @@ class trainer {
     if constexpr (budgeted<Allocator>) return alloc_.limit();
     else return 0;
   }
-  // Whether p's reserved peak fits the budget beside the bytes it already counts outside the stack
-  // (a CUDA context, others' memory, set_external): a plan that fits only without them would run
-  // out of memory at its first peak.
-  std::size_t outside_bytes() const {
-    if constexpr (requires { alloc_.external(); }) return alloc_.external();
-    else return 0;
-  }
+  // Whether p's reserved peak fits the budget beside what others hold (foreign_now: the bytes it
+  // counts outside the stack, a CUDA context, set_external, and others' bytes on the stack): a
+  // plan that fits only without them would run out of memory at its first peak. The replans and
+  // load() judge by the same sum.
   bool fits_limit(const training_plan& p) const {
     const std::size_t limit = limit_now();
-    return limit == 0 || detail::saturating_add(p.budgeted_peak(), outside_bytes()) <= limit;
+    return limit == 0 || detail::saturating_add(p.budgeted_peak(), foreign_now()) <= limit;
   }
   [[noreturn]] void refuse_over_limit(const training_plan& p) const {
-    const std::size_t outside = outside_bytes();
-    const std::string beside = outside == 0 ? std::string{} : " less " + format_bytes(outside) + " held outside the stack";
+    const std::size_t outside = foreign_now();
+    const std::string beside = outside == 0 ? std::string{} : " less " + format_bytes(outside) + " held by others";
     throw invalid_argument("plan", "a plan whose reserved peak on this allocator stack fits its budget of " +
                                        format_bytes(limit_now()) + beside,
                            "a reserved peak of " + format_bytes(p.budgeted_peak()) + " (requested " +
@@ -17035,6 +17051,11 @@ class trainer {
 
   void adopt(training_plan p) {
     if (p.reserved_peak == 0) p.reserved_peak = reserve_of(p);
+    // What the caller measured outside the stack stays in the plan's table and fits().
+    if (p.outside_stack == 0 && p.budget == plan_.budget) {
+      p.outside_stack = plan_.outside_stack;
+      p.outside_note = plan_.outside_note;
+    }
     use_layout(p);
     largest_peak_ = std::max(largest_peak_, p.peak_bytes);
     largest_reserve_ = std::max(largest_reserve_, p.budgeted_peak());

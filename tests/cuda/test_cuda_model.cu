@@ -336,16 +336,15 @@ void bad_input() {
   CHECK(msg.find("tokens[3]") != std::string::npos);
 }
 
-}  // namespace
-
 // The next-token logits (the example's sampling) on the device against the CPU model's, both
 // sequences of a batch; every activation through the budget and given back.
-void next_token_logits_against_cpu() {
-  using P = mb::fp32_precision;
+template <typename P>
+void next_token_logits_against_cpu(double tolerance) {
+  using S = typename P::storage_type;
   const mb::batch_shape b{2, 40};
   const cpu_model<P> cm(config());
   const gpu_model<P> gm(config());
-  std::vector<float> w(cm.parameter_elements());
+  std::vector<S> w(cm.parameter_elements());
   cm.init_weights(w.data(), 13);
   const tokens t = make_tokens(b, config().vocab, 9);
   std::vector<double> want(b.batch * config().vocab), got(want.size());
@@ -357,18 +356,23 @@ void next_token_logits_against_cpu() {
   mbt::device_buffer<std::int32_t> ids(t.tokens);
   mb::cuda_executor ex;
   device_budget alloc(budget_bytes);
-  auto* dw = static_cast<float*>(alloc.allocate(gm.weight_bytes(), mb::default_alignment, mb::memory_tag::weights));
+  auto* dw = static_cast<S*>(alloc.allocate(gm.weight_bytes(), mb::default_alignment, mb::memory_tag::weights));
   upload(dw, w.data(), w.size());
   gm.next_token_logits(dw, ids.get(), b, got.data(), alloc, ex);
   alloc.deallocate(dw, gm.weight_bytes(), mb::default_alignment, mb::memory_tag::weights);
-  // fp32 storage, the same sums in another order on the device: the layers' own bound.
-  mbt::close_normwise("logits", got, want, 1e-4);
+  mbt::close_normwise("logits", got, want, tolerance);
   CHECK(alloc.stats().requested == 0);
 }
+// The bounds of the gradients' comparison above: the same sums in another order on the device.
+void fp32_next_token_logits() { next_token_logits_against_cpu<mb::fp32_precision>(1e-4); }
+void bf16_next_token_logits() { next_token_logits_against_cpu<mb::bf16_precision>(5e-2); }
+
+}  // namespace
 
 int main() {
   static const mbt::test_case cases[] = {
-      {"model cuda_backend next_token_logits equals the CPU model's (the example's sample)", next_token_logits_against_cpu},
+      {"model cuda_backend fp32 next_token_logits equals the CPU model's (the example's sample)", fp32_next_token_logits},
+      {"model cuda_backend bf16 next_token_logits within bf16 bounds", bf16_next_token_logits},
       {"model cuda_backend fp32 equals the CPU model (loss, every gradient, peak)", fp32_against_cpu},
       {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
       {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},

@@ -528,6 +528,52 @@ TEST_CASE("trainer: out of memory with no smaller plan is budget_too_small, and 
   CHECK(ref.step(rs).loss == loss);
 }
 
+// The bytes a budget already counts outside the stack (a CUDA context measured at the start, set
+// here with set_external) are the budget's: a plan that fits only without them is refused when
+// the trainer is made and by set_plan, naming them, with nothing changed (on an H200 a plan fitted
+// into the whole budget beside 529 MiB of context ran out of memory in step 1).
+TEST_CASE("trainer: a plan that fits only without the bytes held outside the stack is refused") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  const text_source src(40);
+  mb::thread_pool pool(1);
+  const mb::training_plan none = plan_none(m, 1);
+  mb::plan_options po;
+  po.threads = 1;
+  po.head_chunk = 64;
+  const mb::training_plan full = mb::make_plan(m, effective, mb::schedules::full{}, po);
+  REQUIRE(full.peak_bytes < none.peak_bytes);
+  const std::size_t outside = (none.peak_bytes - full.peak_bytes) / 2;
+  budget_alloc a(none.peak_bytes);
+  a.set_external(outside);
+  try {
+    mb::trainer t(m, effective, none, a, pool, options());
+    FAIL("a plan over the budget less the outside bytes was accepted");
+  } catch (const mb::invalid_argument& e) {
+    const std::string what = e.what();
+    CHECK(what.find("held by others") != std::string::npos);
+    CHECK(what.find("external") != std::string::npos);
+    MESSAGE(what);
+  }
+  CHECK(a.stats().requested == 0);
+  // The plan that fits beside them is taken; switching back to none is refused, plan unchanged.
+  mb::trainer t(m, effective, full, a, pool, options());
+  auto s = src;
+  (void)t.step(s);
+  const auto w = weight_bytes(t);
+  CHECK_THROWS_AS(t.set_plan(none), mb::invalid_argument);
+  CHECK(t.plan().schedule.k == mb::schedule_choice::kind::full);
+  CHECK(weight_bytes(t) == w);
+  (void)t.step(s);
+  CHECK(t.steps_done() == 2);
+  // Without the outside bytes the same switch is accepted.
+  a.set_external(0);
+  t.set_plan(none);
+  CHECK(t.plan().schedule.k == mb::schedule_choice::kind::none);
+  (void)t.step(s);
+  CHECK(a.stats().peak_requested <= t.largest_predicted_peak());
+}
+
 TEST_CASE("trainer: a plan for another batch or thread count is refused by name") {
   using P = mb::fp32_precision;
   const hybrid<P> m(small_config());
