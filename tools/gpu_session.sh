@@ -10,7 +10,8 @@
 #       --steps "tests train long soak bench_ttt peer_model"
 #   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 200 --steps sanitizers
 #
-# Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), train (the
+# Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
+# NCCL communicator's test with one rank, no MPI), train (the
 # example trainer: default, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
 # bench_model (bench_cuda_*), peer_ttt, peer_model (PyTorch on the same GPU: ttt_peer.py,
 # model_cuda_peer.py), long (train --seq max under --long-budget, with its trace for the plot),
@@ -22,7 +23,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 1
 prebuilt=""
 deadline=540
-steps="tests train long soak profile bench_ttt peer_model bench_mamba bench_model peer_ttt"
+steps="tests train nccl long soak profile bench_ttt peer_model bench_mamba bench_model peer_ttt"
 jobs=8
 tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
@@ -102,6 +103,17 @@ for s in $steps; do
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
     peer_model)
       step model_cuda_peer 150 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" ;;
+    nccl)
+      # The NCCL path with one rank and no MPI runtime (test_nccl_communicator started alone): NCCL
+      # from wherever the machine has it (PyTorch's wheel carries one; 208 MB is too much to carry).
+      # shellcheck disable=SC2046  # the site folders, split on purpose
+      nccl="$(find /usr/local /usr/lib /opt $(python3 -c 'import site; print(*site.getsitepackages())' 2> /dev/null) \
+                -name 'libnccl.so.2' 2> /dev/null | head -1)"
+      if [[ -z "$nccl" ]]; then
+        printf '%-40s %s\n' test_nccl_communicator "not run (no libnccl.so.2 on this machine)" | tee -a "$work/summary.txt"
+      else
+        LD_LIBRARY_PATH="$(dirname "$nccl"):$LD_LIBRARY_PATH" step test_nccl_communicator 60 "$prebuilt/test_nccl_communicator"
+      fi ;;
     profile)
       # Where one micro-batch of the model (B = 1, T = 2048) spends its GPU time, kernel by kernel
       # (ncu, one duration metric per launch; clocks left alone), then the TTT inner kernels'

@@ -7,6 +7,7 @@
 //   membound::mpi_environment env(argc, argv);
 //   cudaSetDevice(local_rank);                               // one GPU per rank
 //   membound::nccl_communicator comm;                        // MPI_COMM_WORLD's ranks
+//   membound::nccl_communicator one(membound::single_process);  // or: one rank, no MPI at all
 //   comm.set_stream(my_stream);                              // the stream whose work it follows
 //   std::size_t ws = comm.all_reduce_workspace_bytes<float>(n);   // device bytes, the caller's
 //   comm.all_reduce_sum(d_grad, n, d_ws, ws);                // ordered on my_stream
@@ -79,6 +80,12 @@ __global__ void nccl_ordered_sum(const T* parts, std::size_t ranks, std::size_t 
 }
 }  // namespace detail
 
+// The tag of nccl_communicator's one-process constructor.
+struct single_process_t {
+  explicit single_process_t() = default;
+};
+inline constexpr single_process_t single_process{};
+
 class nccl_communicator {
  public:
   // The ranks of `parent`, each on the CUDA device current when it calls this (cudaSetDevice
@@ -89,20 +96,19 @@ class nccl_communicator {
     detail::nccl_mpi_check(MPI_Comm_size(parent, &n), "MPI_Comm_size");
     rank_ = static_cast<std::size_t>(r);
     size_ = static_cast<std::size_t>(n);
-    blocks_.resize(size_);
     ncclUniqueId id{};
     if (r == 0) detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     detail::nccl_mpi_check(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, parent), "MPI_Bcast(ncclUniqueId)");
     detail::nccl_mpi_check(MPI_Comm_dup(parent, &mpi_), "MPI_Comm_dup");  // barrier()'s, never a user's messages
-    detail::nccl_cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    try {
-      detail::nccl_cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-      detail::nccl_cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-      detail::nccl_check(ncclCommInitRank(&comm_, n, id, r), "ncclCommInitRank");
-    } catch (...) {
-      release();
-      throw;
-    }
+    init(id);
+  }
+  // One rank on the current device, without MPI (never initialized, never called): NCCL's own
+  // one-rank communicator, the same collectives and the same kernel, so that a machine with one
+  // GPU and no MPI runtime runs the NCCL path (tests/nccl without mpiexec).
+  explicit nccl_communicator(single_process_t) {
+    ncclUniqueId id{};
+    detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    init(id);
   }
   nccl_communicator(const nccl_communicator&) = delete;
   nccl_communicator& operator=(const nccl_communicator&) = delete;
@@ -207,7 +213,7 @@ class nccl_communicator {
   // communicator's drained, then an MPI barrier.
   void barrier() {
     synchronize();
-    detail::nccl_mpi_check(MPI_Barrier(mpi_), "MPI_Barrier");
+    if (mpi_ != MPI_COMM_NULL) detail::nccl_mpi_check(MPI_Barrier(mpi_), "MPI_Barrier");  // one process: nobody to wait for
   }
   void synchronize() {
     detail::nccl_cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
@@ -265,6 +271,20 @@ class nccl_communicator {
     end();
   }
 
+  // After rank_, size_ and (over MPI) mpi_ are set: the stream, events and NCCL's communicator.
+  void init(const ncclUniqueId& id) {
+    blocks_.resize(size_);
+    try {
+      detail::nccl_cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      detail::nccl_cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      detail::nccl_cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      detail::nccl_check(ncclCommInitRank(&comm_, static_cast<int>(size_), id, static_cast<int>(rank_)),
+                         "ncclCommInitRank");
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
   void release() noexcept {
     if (comm_ != nullptr) (void)ncclCommDestroy(comm_);
     if (done_ != nullptr) (void)cudaEventDestroy(done_);
