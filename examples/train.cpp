@@ -238,6 +238,7 @@ options checked_options(const flag_texts& f) {
   whole("--eval-sequences", o.eval_sequences, 1, 4096);
   whole("--sample", o.sample, 0, 1'000'000);
   whole("--seed", o.seed, 0, UINT64_MAX);
+  whole("--plan-only", o.plan_only, 0, 1);
   whole("--save-every", o.save_every, 0, o.steps, " (0: none; at most --steps)");
   whole("--stop-after", o.stop_after, 0, o.steps, " (0: run to --steps; at most --steps)");
 
@@ -519,6 +520,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                 : sharded   ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
                             : "every rank holds the whole model and optimizer state (ZeRO-0)");
   }
+  if (o.plan_only == 1) return 0;  // the plan is what was asked for: nothing trained
 
   mb::thread_pool pool(o.threads);
   const mb::pressure_thresholds thresholds{};
@@ -750,6 +752,9 @@ int main(int argc, char** argv) {
   flag("--report", "FILE", "write a JSON report here (its folder must exist)");
   flag("--trace", "FILE", "write the Chrome trace of memory by tag here (plot it with plot_memory)");
   flag("--foreign", "SIZE@STEP", "something else takes SIZE of the budget from STEP (1..steps) on");
+  flag("--plan-only", "0|1",
+       "1: print the plan (on cuda with --seq max, the length it chose) and exit before the first step; 0: train "
+       "(default 0)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -175,6 +175,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
   std::printf("%s\n", plan.table().c_str());
+  if (o.plan_only == 1) return 0;  // the plan (and --seq max's length) is what was asked for
 
   const mb::pressure_thresholds thresholds{};
   const std::size_t split = text.size() * 9 / 10;

@@ -145,6 +145,7 @@ def main():
             "--threads": ["0", "-1", "257", "many"],
             "--zero": ["3", "-1", "one", ""],
             "--overlap": ["2", "-1", "yes", ""],
+            "--plan-only": ["2", "-1", "yes", ""],
             "--timeout": ["-1", "86401", "1.5", "x", ""],
             "--eval-every": ["-1", "3"],
             "--eval-sequences": ["0", "-1", "4097"],
@@ -217,6 +218,10 @@ def main():
         c.accept(train, base, {"--zero": "2", "--overlap": "1"})  # one process: nothing to overlap
         c.accept(train, base, {"--zero": "1", "--overlap": "1"})  # every stage takes it
         c.accept(train, base, {"--overlap": "1"})                 # ZeRO-0 too
+        # The plan and nothing else: no step line, exit 0.
+        c.accept(train, base, {"--plan-only": "1"},
+                 lambda r: "a step ran" if STEP_LINE.search(r.stdout) else
+                 None if "predicted peak" in r.stdout else "no plan table")
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
                  lambda r: None if os.path.exists(os.path.join(out, "train.ckpt")) else "no train.ckpt")
         # A checkpoint at step 2, kept outside the output folder for the next cases.

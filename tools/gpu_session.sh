@@ -13,8 +13,8 @@
 # Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test with one rank, no MPI), train (the
 # example trainer: default, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
-# bench_model (bench_cuda_*), peer_ttt, peer_model (PyTorch on the same GPU: ttt_peer.py,
-# model_cuda_peer.py), long (train --seq max under --long-budget, with its trace for the plot),
+# bench_model (bench_cuda_*), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
+# model_cuda_peer.py, its --max-seq), long (train --seq max under --long-budget, with its trace for the plot),
 # soak (2,000 steps, reserved bytes after the first step and the most after it in the report),
 # profile (ncu: the model step's time by kernel, tools/kernel_breakdown.py; the TTT inner kernels),
 # sanitizers (memcheck and racecheck of the tests, --jobs at a time).
@@ -23,7 +23,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 1
 prebuilt=""
 deadline=540
-steps="tests train nccl long soak profile bench_ttt peer_model bench_mamba bench_model peer_ttt"
+steps="tests train nccl long soak profile bench_ttt peer_model peer_maxseq bench_mamba bench_model peer_ttt"
 jobs=8
 tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
@@ -102,7 +102,12 @@ for s in $steps; do
     peer_ttt)
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
     peer_model)
-      step model_cuda_peer 150 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" ;;
+      step model_cuda_peer 150 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" \
+        --seqs 2048 4096 --warmup 1 --reps 3 --timeout 60 ;;
+    peer_maxseq)
+      # The longest sequence each side trains in 4 GiB (ours from the planner; PyTorch checkpointed).
+      step model_cuda_peer_maxseq 200 python3 bench/peers/model_cuda_peer.py --max-seq 4 --train "$prebuilt/train" \
+        --checkpoint --timeout 90 ;;
     nccl)
       # The NCCL path with one rank and no MPI runtime (test_nccl_communicator started alone): NCCL
       # from wherever the machine has it (PyTorch's wheel carries one; 208 MB is too much to carry).

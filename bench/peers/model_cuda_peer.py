@@ -42,6 +42,8 @@ MiB = float(1 << 20)
 
 def child(args):
     import torch
+    if args.cap and args.device == "cuda":  # a budget for PyTorch: its allocator refuses past it
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap / torch.cuda.get_device_properties(0).total_memory))
     sys.path.insert(0, HERE)
     import model_peer as MPR
     blocks = [MPR.BLOCK_NAMES[b] for b in LAYERS.strip(",").split(",")]
@@ -122,6 +124,69 @@ def ours(path, seqs, bench):
     return rows, r.stderr
 
 
+def torch_child(cmd, timeout):
+    """The child's JSON line, or None when it outlived `timeout` seconds."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if r.returncode != 0:
+        raise SystemExit(f"torch child failed ({r.returncode}):\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def max_seq(args):
+    """The longest T each side trains in the budget, B = 1, in multiples of 256."""
+    import re
+    budget = int(args.max_seq * (1 << 30))
+    if not args.train:
+        raise SystemExit("--max-seq needs --train PATH (the example trainer)")
+    data = os.path.join(HERE, "..", "..", "examples", "data", "tinyshakespeare.txt")
+    r = subprocess.run([args.train, "--device", "cuda", "--data", data, "--seq", "max", "--batch", "1", "--budget",
+                        f"{budget}B", "--plan-only", "1"], capture_output=True, text=True)
+    m = re.search(r"--seq max: (\d+) tokens", r.stdout)
+    if r.returncode != 0 or not m:
+        raise SystemExit(f"{args.train} --seq max failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    ours = int(m.group(1))
+    print(r.stdout, flush=True)
+
+    def step_at(T, cap):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", "0", "--reps", "1",
+               "--cap", str(cap)] + (["--checkpoint"] if args.checkpoint else [])
+        return torch_child(cmd, args.timeout)
+
+    # PyTorch's reserved bytes are close to affine in T (SDPA keeps no T×T matrix): two probes, a line.
+    probes = [1024, 2048]
+    got = [step_at(T, 0) for T in probes]
+    if any(g is None or g["oom"] for g in got):
+        raise SystemExit(f"PyTorch probes at {probes} failed: {got}")
+    slope = (got[1]["reserved"] - got[0]["reserved"]) / (probes[1] - probes[0])
+    base = got[0]["reserved"] - slope * probes[0]
+    estimate = int((budget - base) / slope) // 256 * 256 if slope > 0 else 0
+    print(f"PyTorch{' (checkpointed)' if args.checkpoint else ''}: reserved {got[0]['reserved'] / MiB:.1f} MiB at "
+          f"T = {probes[0]}, {got[1]['reserved'] / MiB:.1f} MiB at {probes[1]}: {slope / 1024:.1f} KiB per token, "
+          f"estimate T = {estimate} in {args.max_seq:g} GiB", flush=True)
+    torch_max, T = 0, estimate
+    for _ in range(4):  # one step at the estimate under the cap, stepping down 5% until one fits
+        if T < 256:
+            break
+        t = step_at(T, budget)
+        verdict = "timed out" if t is None else "OOM" if t["oom"] else f"fits ({t['reserved'] / MiB:.1f} MiB reserved)"
+        print(f"  T = {T}: {verdict}", flush=True)
+        if t is not None and not t["oom"]:
+            torch_max = T
+            break
+        T = int(T * 0.95) // 256 * 256
+    print("(ours counts its CUDA context and executor in the budget; PyTorch's cap counts only its allocator's "
+          "bytes, not its context: the comparison leans against ours)")
+    print(f"\n| budget | ours longest T (plan) | PyTorch longest T{' (checkpointed)' if args.checkpoint else ''} | "
+          "ours/PyTorch |")
+    print("|--:|--:|--:|--:|")
+    ratio = f"{ours / torch_max:.2f}x" if torch_max else "-"
+    print(f"| {args.max_seq:g} GiB | {ours} | {torch_max or 'none found'} | {ratio} |", flush=True)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,12 +197,22 @@ def main():
     ap.add_argument("--checkpoint", action="store_true", help="torch.utils.checkpoint around every block")
     ap.add_argument("--optimizer", action="store_true",
                     help="whole optimizer steps: ours bm_train_step, torch + clip_grad_norm_ + fused AdamW")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds each PyTorch child may take (default 300)")
+    ap.add_argument("--max-seq", type=float, metavar="GIB",
+                    help="instead of timing: the longest sequence (B = 1, a multiple of 256) each side trains "
+                         "in GIB GiB (ours: train --seq max --plan-only 1, exact; PyTorch: its reserved bytes at "
+                         "two lengths extrapolated, then one step at the estimate under that cap, stepping down "
+                         "until one fits)")
+    ap.add_argument("--train", help="with --max-seq: path of the example trainer (train)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cap", type=int, default=0, help=argparse.SUPPRESS)  # bytes PyTorch may reserve
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test of the child
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.max_seq is not None:
+        return max_seq(args)
     if not args.ours:
         ap.error("--ours PATH (bench_cuda_model) is required")
     mine, plans = ours(args.ours, set(args.seqs), "bm_train_step" if args.optimizer else "bm_step")
@@ -150,23 +225,24 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", str(args.warmup),
                "--reps", str(args.reps)] + (["--checkpoint"] if args.checkpoint else []) + \
               (["--optimizer"] if args.optimizer else [])
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"torch child failed ({r.returncode}):\n{r.stderr}")
-        t = json.loads(r.stdout.strip().splitlines()[-1])
+        t = torch_child(cmd, args.timeout)
         o = mine.get(T)
+        if t is None:
+            print(f"| {T} | {o['real_time'] if o else float('nan'):.2f} | timed out after {args.timeout:.0f} s | "
+                  "- | - | - | - | - | - |", flush=True)
+            continue
         o_ms = o["real_time"] if o else float("nan")
         o_tok = T / (o_ms / 1e3) if o else float("nan")
         o_mem = o["measured_peak_MiB"] if o else float("nan")
         eq = "yes" if o and o["measured_eq_predicted"] == 1 else "NO"
         if t["oom"]:
-            print(f"| {T} | {o_ms:.2f} | OOM | {o_tok:,.0f} | - | - | {o_mem:.1f} ({eq}) | OOM | - |")
+            print(f"| {T} | {o_ms:.2f} | OOM | {o_tok:,.0f} | - | - | {o_mem:.1f} ({eq}) | OOM | - |", flush=True)
             continue
         t_ms = statistics.median(t["ms"])
         t_tok = T / (t_ms / 1e3)
         print(f"| {T} | {o_ms:.2f} | {t_ms:.2f} | {o_tok:,.0f} | {t_tok:,.0f} | {o_tok / t_tok:.2f}x | "
               f"{o_mem:.1f} ({eq}) | {t['reserved'] / MiB:.1f} ({t['allocated'] / MiB:.1f}) | "
-              f"{o_mem * MiB / t['reserved']:.3f} |")
+              f"{o_mem * MiB / t['reserved']:.3f} |", flush=True)
     return 0
 
 
