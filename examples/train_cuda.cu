@@ -136,10 +136,11 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
-    o.seq = under_flags(o, [&] { return beside_held([&] { return largest_fitting_seq(m, o, stack_budget, fo, text.size()); }); });
+    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, stack_budget, fo, text.size()); });
     if (o.seq == 0) {
-      throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget", "none fits",
-                                 "Raise --budget, or lower --batch or --width");
+      throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget less the " +
+                                              mb::format_bytes(held, false) + " held outside the stack",
+                                 "none fits", "Raise --budget, or lower --batch or --width");
     }
     std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s (the budget %s less %s "
                 "held outside the stack) with %zu sequences per step\n",

@@ -44,6 +44,18 @@ def child(args):
     import torch
     if args.cap and args.device == "cuda":  # a budget for PyTorch: its allocator refuses past it
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap / torch.cuda.get_device_properties(0).total_memory))
+    try:
+        return child_run(args, torch)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        # Out of memory anywhere (the model's upload, a library's workspace) under the cap is the
+        # answer "does not fit"; any other error is the child's failure.
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e) or "ALLOC_FAILED" in str(e):
+            print(json.dumps({"oom": True}))
+            return 0
+        raise
+
+
+def child_run(args, torch):
     sys.path.insert(0, HERE)
     import model_peer as MPR
     blocks = [MPR.BLOCK_NAMES[b] for b in LAYERS.strip(",").split(",")]
@@ -150,9 +162,9 @@ def max_seq(args):
     ours = int(m.group(1))
     print(r.stdout, flush=True)
 
-    def step_at(T, cap):
+    def step_at(T, cap):  # whole optimizer steps, as ours plans them (AdamW's moments and masters held)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", "0", "--reps", "1",
-               "--cap", str(cap)] + (["--checkpoint"] if args.checkpoint else [])
+               "--cap", str(cap), "--optimizer"] + (["--checkpoint"] if args.checkpoint else [])
         return torch_child(cmd, args.timeout)
 
     # PyTorch's reserved bytes are close to affine in T (SDPA keeps no T×T matrix): two probes, a line.
@@ -162,28 +174,44 @@ def max_seq(args):
         raise SystemExit(f"PyTorch probes at {probes} failed: {got}")
     slope = (got[1]["reserved"] - got[0]["reserved"]) / (probes[1] - probes[0])
     base = got[0]["reserved"] - slope * probes[0]
-    estimate = int((budget - base) / slope) // 256 * 256 if slope > 0 else 0
+    estimate = max(256, int((budget - base) / slope) // 256 * 256) if slope > 0 else 256
     print(f"PyTorch{' (checkpointed)' if args.checkpoint else ''}: reserved {got[0]['reserved'] / MiB:.1f} MiB at "
           f"T = {probes[0]}, {got[1]['reserved'] / MiB:.1f} MiB at {probes[1]}: {slope / 1024:.1f} KiB per token, "
           f"estimate T = {estimate} in {args.max_seq:g} GiB", flush=True)
-    torch_max, T = 0, estimate
-    for _ in range(4):  # one step at the estimate under the cap, stepping down 5% until one fits
+    # One step at the estimate under the cap, then 5% steps up while it fits or down while it does
+    # not, until the answer changes (at most 6 steps); a timeout ends the search, said as such.
+    fits, oom, note = 0, 0, ""
+    T = estimate
+    for _ in range(6):
+        t = step_at(T, budget)
+        if t is None:
+            note = f" (a step at T = {T} outran {args.timeout:.0f} s: the search stopped there)"
+            print(f"  T = {T}: timed out", flush=True)
+            break
+        print(f"  T = {T}: {'OOM' if t['oom'] else 'fits (%.1f MiB reserved)' % (t['reserved'] / MiB)}", flush=True)
+        if t["oom"]:
+            oom = T
+        else:
+            fits = T
+        if fits and oom:
+            break
+        T = (int(T * 1.05) + 255) // 256 * 256 if not oom else int(T * 0.95) // 256 * 256
         if T < 256:
             break
-        t = step_at(T, budget)
-        verdict = "timed out" if t is None else "OOM" if t["oom"] else f"fits ({t['reserved'] / MiB:.1f} MiB reserved)"
-        print(f"  T = {T}: {verdict}", flush=True)
-        if t is not None and not t["oom"]:
-            torch_max = T
-            break
-        T = int(T * 0.95) // 256 * 256
-    print("(ours counts its CUDA context and executor in the budget; PyTorch's cap counts only its allocator's "
-          "bytes, not its context: the comparison leans against ours)")
+    torch_max = fits
+    # ours is capped by the text too: train's --seq max needs T + 2 bytes of the held-out tenth.
+    with open(data, "rb") as f:
+        text_cap = (min(1 << 20, len(f.read()) // 10 - 2)) // 256 * 256
+    if ours >= text_cap:
+        note += f" (ours is capped by the data, {text_cap} tokens, not by the budget)"
+    print("(both sides hold AdamW's state; ours counts its CUDA context and executor in the budget, PyTorch's cap "
+          "counts only its allocator's bytes, not its context)")
     print(f"\n| budget | ours longest T (plan) | PyTorch longest T{' (checkpointed)' if args.checkpoint else ''} | "
           "ours/PyTorch |")
     print("|--:|--:|--:|--:|")
     ratio = f"{ours / torch_max:.2f}x" if torch_max else "-"
-    print(f"| {args.max_seq:g} GiB | {ours} | {torch_max or 'none found'} | {ratio} |", flush=True)
+    print(f"| {args.max_seq:g} GiB | {ours} | {torch_max or 'none found'}{' (< %d)' % oom if oom else ''} | "
+          f"{ratio} |{note}", flush=True)
     return 0
 
 

@@ -16032,6 +16032,8 @@ class trainer {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
       plan_.reserved_peak = reserve_of(plan_);
+      // Before the trainer's own allocations: what others hold now, the room its plan had.
+      start_room_ = detail::saturating_sub(limit_now(), foreign_now());
       if (!fits_limit(plan_)) {
         status = start_over_budget;
         refuse_over_limit(plan_);
@@ -16266,23 +16268,30 @@ class trainer {
   // what others hold. A refused plan changes nothing. Over ranks a collective (every rank calls it
   // between the same steps): when one rank cannot fit the plan, every rank refuses it.
   void set_plan(training_plan p) {
-    check_plan(p);
-    p.reserved_peak = reserve_of(p);
-    const bool fits = fits_limit(p);
+    // Each rank judges the plan against its own pool and budget; over ranks all refuse together
+    // (a rank adopting a plan the others refused would run a different step), and a rank whose
+    // check throws still joins the exchange, so that nobody waits in it forever.
+    std::exception_ptr failed;
+    try {
+      check_plan(p);
+      p.reserved_peak = reserve_of(p);
+      if (!fits_limit(p)) refuse_over_limit(p);
+    } catch (...) {
+      failed = std::current_exception();
+    }
     if (world() > 1) {
-      // Each rank judges its own budget; all refuse together, or ranks would run different plans.
       std::vector<std::uint64_t> all(world(), 0);
-      all[comm_.rank()] = fits ? 1 : 0;
+      all[comm_.rank()] = failed ? 0 : 1;
       comm_.all_gather(static_cast<const std::uint64_t*>(all.data() + comm_.rank()), all.data(), world());
+      if (failed) std::rethrow_exception(failed);
       for (std::size_t r = 0; r < world(); ++r) {
         if (all[r] != 0) continue;
-        if (r == comm_.rank()) refuse_over_limit(p);
-        throw invalid_argument("plan", "a plan that fits every rank's budget beside what others hold there",
-                               "rank " + std::to_string(r) + " of " + std::to_string(world()) + " cannot fit it",
+        throw invalid_argument("plan", "a plan every rank accepts (its pool, its budget beside what others hold there)",
+                               "rank " + std::to_string(r) + " of " + std::to_string(world()) + " refused it",
                                "Read rank " + std::to_string(r) + "'s error; every rank kept its plan");
       }
-    } else if (!fits) {
-      refuse_over_limit(p);
+    } else if (failed) {
+      std::rethrow_exception(failed);
     }
     adopt(std::move(p));
   }
@@ -16821,8 +16830,7 @@ class trainer {
       const std::size_t me = comm_.rank();
       rank_status_[3 * me] = status;
       rank_status_[3 * me + 1] = plan_.budgeted_peak();
-      // The room the plan had: the budget less what it already counted outside the stack.
-      rank_status_[3 * me + 2] = detail::saturating_sub(limit_now(), foreign_now());
+      rank_status_[3 * me + 2] = start_room_;  // the budget less what others held, before our allocations
       comm_.all_gather(rank_status_.data() + 3 * me, rank_status_.data(), rank_status_.size());
       for (std::size_t r = 0; r < world(); ++r) {
         const std::uint64_t st = rank_status_[3 * r];
@@ -16865,8 +16873,9 @@ class trainer {
                                format_bytes(p.peak_bytes) + ")",
                            outside == 0 ? "Choose it with fit_options::reserve = reserve_model(model, allocator), "
                                           "which counts the stack's rounding and segments"
-                                        : "Choose it with fit(model, effective, budget − allocator.external(), "
-                                          "{.reserve = reserve_model(model, allocator)}), or raise the budget");
+                                        : "Choose it with fit(model, effective, the budget less " +
+                                              format_bytes(outside) + ", {.reserve = reserve_model(model, allocator)}), "
+                                              "or raise the budget");
   }
   // Between attempts nothing of the step is live, so all but the trainer's own bytes are others'.
   // Between attempts nothing of the step is live: what the allocator serves beyond the trainer's
@@ -17948,6 +17957,7 @@ class trainer {
   // Replanning over ranks, sized once at construction: each rank's vote, targets and verdict on
   // rank 0's choice (see agree_on_retry, agreed_stricter_plan).
   std::vector<std::uint64_t> votes_, targets_, fits_;
+  std::size_t start_room_ = 0;  // the budget less what others held when the trainer was made
   // An out-of-memory may vote at the next agreement point: no exchange lies before it.
   bool oom_may_vote_ = false;
   // This micro-batch's backward starts gradient exchanges (ZeRO-2, or ZeRO-0/1 overlapped's last).

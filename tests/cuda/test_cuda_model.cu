@@ -363,7 +363,8 @@ void next_token_logits_against_cpu(double tolerance) {
   mbt::close_normwise("logits", got, want, tolerance);
   CHECK(alloc.stats().requested == 0);
 }
-// The bounds of the gradients' comparison above: the same sums in another order on the device.
+// The layers' own bounds (fp32, bf16), as the gradients' comparison uses: the same sums in
+// another order on the device.
 void fp32_next_token_logits() { next_token_logits_against_cpu<mb::fp32_precision>(1e-4); }
 void bf16_next_token_logits() { next_token_logits_against_cpu<mb::bf16_precision>(5e-2); }
 

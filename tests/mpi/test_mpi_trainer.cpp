@@ -954,6 +954,33 @@ int main(int argc, char** argv) {
       threw = std::string(e.argument()) == "effective.batch";
     }
     check(threw, "an effective batch of N + 1: invalid_argument naming effective.batch");
+
+    // set_plan over ranks: the last rank's plan is refused (made for another pool), so every rank
+    // refuses it, the last with its own error and the others naming it; nobody waits in the
+    // exchange and every rank keeps its plan and steps on together.
+    mb::trainer t(m, effective, plan_for(m, effective.batch / N), a, pool, options(), mb::null_monitor{}, comm);
+    text_source src(membound_test::small_config().vocab);
+    (void)t.step(src);
+    mb::training_plan q = plan_for(m, effective.batch / N, 0, {}, 1, mb::schedule_choice::of(mb::schedules::full{}));
+    if (me == N - 1) {
+      mb::plan_options po;
+      po.threads = 2;  // not this trainer's pool
+      po.head_chunk = 64;
+      po.accumulation = effective.batch / N;
+      q = mb::make_plan(m, mb::batch_shape{1, effective.seq}, mb::schedule_choice::of(mb::schedules::full{}), po);
+    }
+    std::string said;
+    try {
+      t.set_plan(q);
+    } catch (const mb::invalid_argument& e) {
+      said = e.what();
+    }
+    const bool named = me == N - 1 ? said.find("thread") != std::string::npos
+                                   : said.find("rank " + std::to_string(N - 1) + " of " + std::to_string(N)) != std::string::npos;
+    check(named && t.plan().schedule.k == mb::schedule_choice::kind::none,
+          "set_plan refused by one rank: every rank refuses, each kept its plan (" + said + ")");
+    (void)t.step(src);
+    check(t.steps_done() == 2, "the ranks step on together after a refused set_plan");
   }
 
   double worst_all = 0;

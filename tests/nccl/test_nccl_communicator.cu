@@ -106,7 +106,8 @@ int main(int argc, char** argv) {
   // Under mpiexec: MPI_COMM_WORLD's ranks. Started alone: one rank without MPI (the one-process
   // constructor), so a GPU machine without an MPI runtime runs the NCCL path too.
   const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
-                        std::getenv("PMIX_RANK") != nullptr;
+                        std::getenv("PMI_RANK") != nullptr || std::getenv("PMIX_RANK") != nullptr ||
+                        std::getenv("MV2_COMM_WORLD_SIZE") != nullptr;
   std::optional<mb::mpi_environment> env;
   int r = 0;
   if (launched) {

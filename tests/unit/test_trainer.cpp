@@ -552,7 +552,7 @@ TEST_CASE("trainer: a plan that fits only without the bytes held outside the sta
   } catch (const mb::invalid_argument& e) {
     const std::string what = e.what();
     CHECK(what.find("held by others") != std::string::npos);
-    CHECK(what.find("external") != std::string::npos);
+    CHECK(what.find("the budget less") != std::string::npos);
     MESSAGE(what);
   }
   CHECK(a.stats().requested == 0);

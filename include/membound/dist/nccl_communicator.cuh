@@ -273,8 +273,8 @@ class nccl_communicator {
 
   // After rank_, size_ and (over MPI) mpi_ are set: the stream, events and NCCL's communicator.
   void init(const ncclUniqueId& id) {
-    blocks_.resize(size_);
     try {
+      blocks_.resize(size_);
       detail::nccl_cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
