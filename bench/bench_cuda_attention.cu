@@ -3,10 +3,12 @@
 // as FlashAttention counts: 4·B·H·T²·D forward, halved when causal; backward 2.5× forward.
 // The projections (cuBLASLt GEMMs) are not timed here: bench_cuda_gemm covers them.
 //
-// fwd_*/fwdbwd_* time the fp32 SIMT kernels; fwd_wmma_bf16_* the bf16 tensor-core (WMMA) forward.
-// Nothing here is tuned yet (no cp.async, no mma.sync backward), so expect a fraction of the
-// figures the issue quotes; bench/peers/sdpa_peer.py prints PyTorch's SDPA on the same
-// shapes for the side-by-side. Without a device each benchmark is skipped.
+// fwd_*/fwdbwd_* time the fp32 SIMT kernels; *_wmma_bf16_* the first bf16 path (the WMMA forward,
+// and the SIMT backward, the bf16 default); *_mma_bf16_* attention_mma.cuh's mma.sync kernels
+// (forward, dK/dV and dQ with fragments in registers). Same shapes and data in one run, so the
+// ratios between them hold on a noisy machine. No cp.async/TMA yet; bench/peers/sdpa_peer.py
+// prints PyTorch's SDPA on the same shapes for the side-by-side. Without a device each benchmark
+// is skipped.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
@@ -47,10 +49,12 @@ struct device_floats {
   device_floats& operator=(const device_floats&) = delete;
 };
 
-// wmma: the forward is the bf16 tensor-core kernel (O stored as bf16), else the fp32 SIMT one.
+// simt: fp32 O, the SIMT forward and backward; wmma: bf16 O, the WMMA forward, the SIMT backward;
+// mma: bf16 O, the mma.sync forward and backward.
+enum class path { simt, wmma, mma };
 template <unsigned DM>
 void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with_backward,
-                  bool wmma = false) {
+                  path kernels = path::simt) {
   if (!have_device()) {
     state.SkipWithError("no CUDA device");
     return;
@@ -65,9 +69,17 @@ void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with
       delta(rows, ex.stream(), 7), dq(n, ex.stream(), 8), dk(n, ex.stream(), 9),
       dv(n, ex.stream(), 10);
   mb::bf16* o16 = nullptr;
-  if (wmma) mb::cuda_check(cudaMalloc(&o16, n * sizeof(mb::bf16)), "cudaMalloc");
+  if (kernels != path::simt) mb::cuda_check(cudaMalloc(&o16, n * sizeof(mb::bf16)), "cudaMalloc");
   auto once = [&] {
-    if (wmma) {
+    if (kernels == path::mma) {
+      gpu::detail::launch_forward_mma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p);
+      if (with_backward) {
+        gpu::detail::launch_backward_mma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, dout.p, lse.p,
+                                                       delta.p, dq.p, dk.p, dv.p);
+      }
+      return;
+    }
+    if (kernels == path::wmma) {
       gpu::detail::launch_forward_wmma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p);
     } else {
       gpu::detail::launch_forward<float, DM>(ex, s, q.p, k.p, v.p, o.p, lse.p);
@@ -109,10 +121,28 @@ void fwd_d128(benchmark::State& st, bool causal) { bm_attention<128>(st, 128, ca
 void fwdbwd_d64(benchmark::State& st, bool causal) { bm_attention<64>(st, 64, causal, true); }
 void fwdbwd_d128(benchmark::State& st, bool causal) { bm_attention<128>(st, 128, causal, true); }
 void fwd_wmma_bf16_d64(benchmark::State& st, bool causal) {
-  bm_attention<64>(st, 64, causal, false, true);
+  bm_attention<64>(st, 64, causal, false, path::wmma);
 }
 void fwd_wmma_bf16_d128(benchmark::State& st, bool causal) {
-  bm_attention<128>(st, 128, causal, false, true);
+  bm_attention<128>(st, 128, causal, false, path::wmma);
+}
+void fwdbwd_wmma_bf16_d64(benchmark::State& st, bool causal) {
+  bm_attention<64>(st, 64, causal, true, path::wmma);
+}
+void fwdbwd_wmma_bf16_d128(benchmark::State& st, bool causal) {
+  bm_attention<128>(st, 128, causal, true, path::wmma);
+}
+void fwd_mma_bf16_d64(benchmark::State& st, bool causal) {
+  bm_attention<64>(st, 64, causal, false, path::mma);
+}
+void fwd_mma_bf16_d128(benchmark::State& st, bool causal) {
+  bm_attention<128>(st, 128, causal, false, path::mma);
+}
+void fwdbwd_mma_bf16_d64(benchmark::State& st, bool causal) {
+  bm_attention<64>(st, 64, causal, true, path::mma);
+}
+void fwdbwd_mma_bf16_d128(benchmark::State& st, bool causal) {
+  bm_attention<128>(st, 128, causal, true, path::mma);
 }
 
 }  // namespace
@@ -126,5 +156,11 @@ MEMBOUND_ATTN_BENCH(fwdbwd_d64)
 MEMBOUND_ATTN_BENCH(fwdbwd_d128)
 MEMBOUND_ATTN_BENCH(fwd_wmma_bf16_d64)
 MEMBOUND_ATTN_BENCH(fwd_wmma_bf16_d128)
+MEMBOUND_ATTN_BENCH(fwdbwd_wmma_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwdbwd_wmma_bf16_d128)
+MEMBOUND_ATTN_BENCH(fwd_mma_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwd_mma_bf16_d128)
+MEMBOUND_ATTN_BENCH(fwdbwd_mma_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwdbwd_mma_bf16_d128)
 
 BENCHMARK_MAIN();

@@ -177,6 +177,13 @@ options checked_options(const flag_texts& f) {
   };
   if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
+  if (f.given("--attention-kernels")) {
+    o.attention_kernels = cc::one_of("--attention-kernels", f["--attention-kernels"], {"wmma", "mma"});
+    if (o.device != "cuda") {
+      throw mb::invalid_argument("--attention-kernels", "only with --device cuda (the CPU has one attention kernel)",
+                                 o.attention_kernels, "Leave the flag out, or add --device cuda");
+    }
+  }
   whole("--threads", o.threads, 1, 256);
   whole("--zero", o.zero, 0, 2);
   whole("--overlap", o.overlap, 0, 1);
@@ -737,6 +744,10 @@ int main(int argc, char** argv) {
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
   flag("--optimizer", "adamw|adamw8bit", "AdamW with fp32 m, v, or with 8-bit block-wise m, v (default adamw)");
+  flag("--attention-kernels", "wmma|mma",
+       "on cuda with bf16/fp16 storage and head size <= 128: wmma runs the first attention kernels (a WMMA forward, "
+       "a SIMT backward); mma the mma.sync forward and backward with fragments in registers (emulated on the host, "
+       "not yet run on a GPU); fp32 and larger heads always run the SIMT kernels (default wmma)");
   flag("--clip", "[0,10^6]", "global gradient-norm clip, 0: off (default 1)");
   flag("--warmup", "0..steps", "warm-up steps, at most --steps (default 30, or --steps if fewer)");
   flag("--eval-every", "0..steps", "steps between validation losses, 0: at the end only (default 50)");

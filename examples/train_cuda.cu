@@ -320,6 +320,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
                  {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
     j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
                      {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"device", "cuda"},
+                     {"attention_kernels", o.attention_kernels},
                      {"loss_scaling", t.loss_scaling_on()},
                      {"allocator", "budget<traced<expandable_arena<cuda_virtual_memory>>>, " + std::to_string(granule) +
                                        " B granules"},
@@ -337,6 +338,9 @@ int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) 
     throw mb::invalid_argument("--precision", "fp32 or bf16 with --device cuda", "fp16",
                                "This build's GPU trainer is compiled for fp32 and bf16: pass --precision bf16");
   }
+  // The attention kernels for this process (read at each launch); fp32 ignores the choice.
+  mb::gpu::attention_kernel_choice() = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
+                                                                    : mb::gpu::attention_kernels::simt_wmma;
   const auto with = [&]<template <typename> class Opt>() {
     if (o.precision == "bf16") return run_device<mb::bf16_precision, Opt>(o, text);
     return run_device<mb::fp32_precision, Opt>(o, text);

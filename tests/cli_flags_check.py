@@ -160,6 +160,7 @@ def main():
             # Words.
             "--precision": ["fp64", "FP32", ""],
             "--optimizer": ["adam", "ADAMW8BIT", "adamw8bit ", ""],
+            "--attention-kernels": ["MMA", "wgmma", "mma ", ""],
             "--device": ["gpu", "CUDA", "cpu ", ""],
             "--schedule": ["every:2x", "binomial:-1", "every:0", "binomial:0", "every:", "every:5", "every:+2", "bogus",
                            "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
@@ -188,6 +189,7 @@ def main():
             ("--checkpoint", {"--stop-after": "1", "--checkpoint": "/dev/null"}),  # replaced by a rename
             ("--min-lr", {"--lr": "0.001", "--min-lr": "0.002"}),
             ("--budget", {"--device": "cpu", "--budget": "0.5"}),  # a fraction is of a GPU's memory
+            ("--attention-kernels", {"--device": "cpu", "--attention-kernels": "mma"}),  # the GPU's kernels
             ("--foo", {"+": ["--foo", "1"]}),
             ("--width", {"--width": None, "+": ["--width"]}),      # no value
             ("--steps", {"+": ["--steps", "3"]}),                   # given twice

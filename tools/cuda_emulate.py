@@ -14,6 +14,9 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
   mamba      the chunk-parallel selective scan, forward and reverse, with the launchers' channels
              per CTA and at most 3: against the CPU layer in fp32 at 13 shapes
   adamw8bit  the 8-bit AdamW step: against adamw8bit::update on the CPU, bit for bit
+  attention  the tensor-core attention kernels (mma.sync forward, dQ, dK/dV), each lane a thread
+             and mma.sync emulated from the PTX ISA's fragment layouts: against a double-precision
+             attention, bf16 and fp16 operands, 6 shapes, repeats bit-identical
 
 Usage:
 
@@ -56,6 +59,12 @@ TARGETS = {
               "kernels.inc": ("// Block b of the state;", "// --- end of adamw8bit's kernel")},
         args=[""],
         label=lambda a: "one run"),
+    "attention": dict(
+        header=CUDA / "attention_mma.cuh",
+        cuts={"consts.inc": ("inline constexpr unsigned mma_tile", "}  // namespace gpu"),
+              "kernels.inc": ("// ---- tensor-core kernels", "// ---- end of the tensor-core kernels")},
+        args=["bf16", "fp16"],
+        label=lambda a: f"{a} operands"),
 }
 
 FLAGS = {"thread": ["-O1", "-g", "-fsanitize=thread"],

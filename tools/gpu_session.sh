@@ -12,8 +12,9 @@
 #
 # Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test with one rank, no MPI), train (the
-# example trainer: default, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
-# bench_model (bench_cuda_*), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
+# example trainer: default, the mma.sync attention kernels, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
+# bench_model (bench_cuda_*), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
+# T = 2048, 8192), peer_sdpa (PyTorch's SDPA on those shapes), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
 # model_cuda_peer.py, its --max-seq), long (train --seq max under --long-budget, with its trace for the plot),
 # soak (2,000 steps, reserved bytes after the first step and the most after it in the report),
 # profile (ncu: the model step's time by kernel, tools/kernel_breakdown.py; the TTT inner kernels),
@@ -23,7 +24,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 1
 prebuilt=""
 deadline=540
-steps="tests train nccl long soak profile bench_ttt peer_model peer_maxseq bench_mamba bench_model peer_ttt"
+steps="tests train nccl bench_attn peer_sdpa long soak profile bench_ttt peer_model peer_maxseq bench_mamba bench_model peer_ttt"
 jobs=8
 tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
@@ -93,6 +94,8 @@ for s in $steps; do
       for t in $tests; do step "$t" 100 "$prebuilt/$t"; done ;;
     train)
       step train 120 "$prebuilt/train" "${train[@]}" --steps 30 --report "$work/train.json" --trace "$work/train_trace.json"
+      step train_mma 90 "$prebuilt/train" "${train[@]}" --steps 30 --attention-kernels mma \
+        --report "$work/train_mma.json"
       step train_adamw8bit 90 "$prebuilt/train" "${train[@]}" --steps 30 --optimizer adamw8bit \
         --report "$work/train_adamw8bit.json"
       step train_foreign 90 "$prebuilt/train" "${train[@]}" --steps 30 --budget 4GiB --foreign 1GiB@15 \
@@ -101,6 +104,13 @@ for s in $steps; do
       b="bench_cuda_${s#bench_}"
       step "$b" 120 "$prebuilt/$b" --benchmark_min_time=0.05 --benchmark_counters_tabular=true \
         --benchmark_out="$work/$b.json" --benchmark_out_format=json ;;
+    bench_attn)
+      step bench_cuda_attention 120 "$prebuilt/bench_cuda_attention" --benchmark_min_time=0.05 \
+        '--benchmark_filter=(_bf16_d(64|128)/(causal|full)|^fwd(bwd)?_d(64|128)/causal)/(2048|8192)/' \
+        --benchmark_counters_tabular=true --benchmark_out="$work/bench_cuda_attention.json" \
+        --benchmark_out_format=json ;;
+    peer_sdpa)
+      step sdpa_peer 120 python3 bench/peers/sdpa_peer.py --dtype bf16 --reps 10 --seqs 2048 8192 ;;
     peer_ttt)
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
     peer_model)

@@ -5,7 +5,7 @@ T = 512 ... 16384), with the same FLOP count: 4·B·H·T²·D forward, halved wh
 2.5x forward. Prints one line per (backend, D, causal, T): forward and forward+backward TFLOP/s and
 the peak memory PyTorch allocated. Run it on the GPU machine next to bench_cuda_attention:
 
-    python3 bench/peers/sdpa_peer.py [--dtype bf16|fp16] [--reps 20]
+    python3 bench/peers/sdpa_peer.py [--dtype bf16|fp16] [--reps 20] [--seqs 2048 8192]
 
 A tool to run and report, not part of ctest.
 """
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seqs", type=int, nargs="+", help="only these T (default 512 ... 16384)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     h = 16
@@ -47,8 +48,7 @@ def main() -> None:
     for name, backend in backends.items():
         for d in (64, 128):
             for causal in (True, False):
-                t = 512
-                while t <= 16384:
+                for t in args.seqs or [512 << i for i in range(6)]:
                     b = max(1, 16384 // t)
                     q, k, v, do = (torch.randn(b, h, t, d, device="cuda", dtype=dtype)
                                    for _ in range(4))
@@ -73,7 +73,6 @@ def main() -> None:
                               f"{flops(b, h, t, d, causal, True) / tb / 1e12:.1f},{peak:.0f}")
                     except RuntimeError as e:  # a backend that refuses the shape or device
                         print(f"{name},{d},{int(causal)},{t},n/a,n/a,n/a  # {str(e).splitlines()[0]}")
-                    t *= 2
 
 
 if __name__ == "__main__":

@@ -181,6 +181,39 @@ void bf16_matches_cpu() {
   compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2);  // D = 256: the SIMT forward
 }
 
+// The mma.sync kernels (attention_mma.cuh) on the same comparisons, and more shapes: T = 1, T
+// past two tiles, head_dim 40 and 96 (padded to 64 and 128), MQA, save_all. They round P and dS
+// to 16 bits as operands too (2^-8 each for bf16): still one more rounding in a chain the 4e-2
+// covers (the host emulation measures 2.8e-3 for bf16 against a double attention on rounded
+// inputs). On sm_80 and up they must be the ones that run.
+struct kernel_choice {
+  mb::gpu::attention_kernels before = mb::gpu::attention_kernel_choice().load();
+  explicit kernel_choice(mb::gpu::attention_kernels k) { mb::gpu::attention_kernel_choice() = k; }
+  ~kernel_choice() { mb::gpu::attention_kernel_choice() = before; }
+  kernel_choice(const kernel_choice&) = delete;
+  kernel_choice& operator=(const kernel_choice&) = delete;
+};
+void tensor_core_matches_cpu() {
+  const kernel_choice use(mb::gpu::attention_kernels::tensor_core);
+  mb::cuda_executor ex;
+  int major = 0;
+  mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
+                 "cudaDeviceGetAttribute");
+  if (major >= 8) {
+    CHECK(mb::gpu::detail::use_mma(ex, 64));
+    CHECK(mb::gpu::detail::use_mma(ex, 40));
+  }
+  CHECK(!mb::gpu::detail::use_mma(ex, 256));  // D = 256 stays on the SIMT kernels
+  compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2);
+  compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 1, 32, 2, 1, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 150, 64, 4, 1, 40, true}, 4e-2);
+  compare<mb::fp16_precision>({2, 70, 64, 2, 2, 96, false}, 4e-2);
+  compare<mb::bf16_precision, mb::save_all>({2, 65, 32, 4, 2, 64, true}, 4e-2);
+  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2);  // falls back: SIMT
+}
+
 void step_equals_forward() {
   step_matches_forward<mb::fp32_precision>({2, 40, 32, 4, 2, 64, true}, 1e-5);
   step_matches_forward<mb::fp32_precision>({1, 9, 32, 2, 1, 256, true}, 1e-5);
@@ -212,6 +245,8 @@ int main() {
   static const mbt::test_case cases[] = {
       {"attention cuda_backend fp32 equals the CPU backend", fp32_matches_cpu},
       {"attention cuda_backend bf16/fp16 within the stated bound", bf16_matches_cpu},
+      {"attention cuda_backend tensor-core (mma.sync) kernels within the stated bound",
+       tensor_core_matches_cpu},
       {"attention cuda_backend step equals the causal forward's rows", step_equals_forward},
       {"attention cuda_backend typed errors", typed_errors},
   };

@@ -19,15 +19,19 @@
 // Causal key tiles entirely above a query tile's diagonal are never loaded (the loop stops at
 // the diagonal); only the diagonal tile is masked.
 //
-// Compute: this first version is the fp32 SIMT path for every storage type (bf16/fp16 are read
-// and widened in the loads); the tensor-core (mma.sync/WMMA) and cp.async paths are not written
-// yet. The layer's attention_tiles policy sizes the CPU tiles; the device tiles are fixed below.
+// Compute: fp32 storage runs the SIMT kernels below. bf16/fp16 storage at head_dim <= 128 runs
+// either the first kernels (a WMMA forward, the SIMT backward; the default, run on an H200) or,
+// under gpu::attention_kernel_choice() = tensor_core, attention_mma.cuh's mma.sync kernels
+// (forward, dQ and dK/dV with every fragment in registers; emulated on the host only so far).
+// No cp.async/TMA yet. The layer's attention_tiles policy sizes the CPU tiles; the device tiles
+// are fixed below.
 #pragma once
 
 #include <cstddef>
 #include <limits>
 #include <type_traits>
 
+#include "membound/backend/cuda/attention_mma.cuh"
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model_kernels.cuh"
@@ -680,6 +684,54 @@ void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, cons
   cuda_executor::check_launch("flash_forward_wmma_kernel");
 }
 
+// The tensor-core kernels run when asked for (gpu::attention_kernel_choice()), for bf16/fp16 at
+// head_dim <= 128, on sm_80 and up with the dK/dV pass's shared memory (the largest of the three)
+// within the device's opt-in limit (sm_86/sm_89 have 99 KiB: DM 128 falls back there).
+inline bool use_mma(const cuda_executor& ex, std::size_t D) {
+  if (attention_kernel_choice().load() != attention_kernels::tensor_core || D > 128) return false;
+  int major = 0, optin = 0;
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
+             "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
+  cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
+             "cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+  const unsigned dm = D <= 64 ? 64 : 128;
+  return major >= 8 && optin > 0 && static_cast<std::size_t>(optin) >= mma_dkdv_smem_bytes(dm);
+}
+
+template <typename S, unsigned DM>
+void launch_forward_mma(const cuda_executor& ex, const attention_shape& s, const float* q,
+                        const float* k, const float* v, S* o, float* lse) {
+  const std::size_t smem = mma_forward_smem_bytes(DM);
+  set_smem<DM>(flash_forward_mma_kernel<S, DM>, smem);
+  const dim3 grid(static_cast<unsigned>((s.seq + mma_tile - 1) / mma_tile),
+                  static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
+  flash_forward_mma_kernel<S, DM><<<grid, mma_threads, smem, ex.stream()>>>(
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  cuda_executor::check_launch("flash_forward_mma_kernel");
+}
+
+template <typename S, unsigned DM>
+void launch_backward_mma(const cuda_executor& ex, const attention_shape& s, const float* q,
+                         const float* k, const float* v, const float* dout, const float* lse,
+                         const float* delta, float* dq, float* dk, float* dv) {
+  const unsigned blocks = static_cast<unsigned>((s.seq + mma_tile - 1) / mma_tile);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  const std::size_t smem_kv = mma_dkdv_smem_bytes(DM), smem_q = mma_dq_smem_bytes(DM);
+  set_smem<DM>(flash_dkdv_mma_kernel<S, DM>, smem_kv);
+  flash_dkdv_mma_kernel<S, DM><<<dim3(blocks, static_cast<unsigned>(s.kv_heads),
+                                      static_cast<unsigned>(s.batch)),
+                                 mma_threads, smem_kv, ex.stream()>>>(
+      q, k, v, dout, lse, delta, dk, dv, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, scale);
+  cuda_executor::check_launch("flash_dkdv_mma_kernel");
+  set_smem<DM>(flash_dq_mma_kernel<S, DM>, smem_q);
+  flash_dq_mma_kernel<S, DM><<<dim3(blocks, static_cast<unsigned>(s.heads),
+                                    static_cast<unsigned>(s.batch)),
+                               mma_threads, smem_q, ex.stream()>>>(
+      q, k, v, dout, lse, delta, dq, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, scale);
+  cuda_executor::check_launch("flash_dq_mma_kernel");
+}
+
 template <unsigned DM>
 void launch_backward(const cuda_executor& ex, const attention_shape& s, const float* q,
                      const float* k, const float* v, const float* dout, const float* lse,
@@ -726,7 +778,13 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false);
   gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
   if constexpr (!std::is_same_v<S, float>) {  // tensor cores: bf16/fp16 storage, D <= 128
-    if (D <= 64) {
+    if (gpu::detail::use_mma(ex, D)) {
+      if (D <= 64) {
+        gpu::detail::launch_forward_mma<S, 64>(ex, s, q, k, v, o_s, lse);
+      } else {
+        gpu::detail::launch_forward_mma<S, 128>(ex, s, q, k, v, o_s, lse);
+      }
+    } else if (D <= 64) {
       gpu::detail::launch_forward_wmma<S, 64>(ex, s, q, k, v, o_s, lse);
     } else if (D <= 128) {
       gpu::detail::launch_forward_wmma<S, 128>(ex, s, q, k, v, o_s, lse);
@@ -783,10 +841,23 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   float* dq = ws.template get<float>(b_dq);
   float* dk = ws.template get<float>(b_dk);
   float* dv = ws.template get<float>(b_dv);
-  switch (gpu::detail::attn_dm(D)) {
-    case 64: gpu::detail::launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
-    case 128: gpu::detail::launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
-    default: gpu::detail::launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+  bool done = false;
+  if constexpr (!std::is_same_v<S, float>) {
+    if (gpu::detail::use_mma(ex, D)) {
+      if (D <= 64) {
+        gpu::detail::launch_backward_mma<S, 64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv);
+      } else {
+        gpu::detail::launch_backward_mma<S, 128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv);
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+    switch (gpu::detail::attn_dm(D)) {
+      case 64: gpu::detail::launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+      case 128: gpu::detail::launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+      default: gpu::detail::launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+    }
   }
   gpu::detail::rope(ex, dq, N, s.seq, s.heads, D, s.rope_base, 0, true);
   gpu::detail::rope(ex, dk, N, s.seq, s.kv_heads, D, s.rope_base, 0, true);
