@@ -9,6 +9,9 @@
 #   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 480 \
 #       --steps "tests train long soak bench_ttt peer_model"
 #   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 200 --steps sanitizers
+#   # or build there (minutes of device time; .device_deps from tools/stage_device_deps.sh gives
+#   # the headers the machine lacks):
+#   OUT=... bash tools/gpu_session.sh --build 90 --deadline 1800 --steps "tests sanitizers bench_all train"
 #
 # Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test with one rank, no MPI), train (the
@@ -18,7 +21,8 @@
 # model_cuda_peer.py, its --max-seq), long (train --seq max under --long-budget, with its trace for the plot),
 # soak (2,000 steps, reserved bytes after the first step and the most after it in the report),
 # profile (ncu: the model step's time by kernel, tools/kernel_breakdown.py; the TTT inner kernels),
-# sanitizers (memcheck and racecheck of the tests, --jobs at a time).
+# sanitizers (--tools, default memcheck and racecheck, of every test case in its own process, --jobs at a
+# time), bench_all (every bench_cuda_* program, whole).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 1
@@ -29,24 +33,56 @@ jobs=8
 tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
 long_budget=2GiB
+build_arch=""
+tools="memcheck racecheck"
 while (($#)); do
   case "$1" in
     --prebuilt) prebuilt="$(cd "$2" && pwd)"; shift 2 ;;
+    --build) build_arch="$2"; shift 2 ;;
+    --tools) tools="$2"; shift 2 ;;
     --deadline) deadline="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     --jobs) jobs="$2"; shift 2 ;;
     --tests) tests="$2"; shift 2 ;;
     --long-budget) long_budget="$2"; shift 2 ;;
-    *) echo "gpu_session.sh: unknown argument '$1' (expected --prebuilt DIR, --deadline S, --steps LIST," \
-            "--jobs N, --tests LIST, --long-budget SIZE)" >&2
+    *) echo "gpu_session.sh: unknown argument '$1' (expected --prebuilt DIR or --build ARCH, --deadline S," \
+            "--steps LIST, --jobs N, --tests LIST, --tools LIST, --long-budget SIZE)" >&2
        exit 2 ;;
   esac
 done
-[[ -n "$prebuilt" ]] || { echo "gpu_session.sh: --prebuilt DIR is required (tools/stage_gpu_binaries.sh)" >&2; exit 2; }
+[[ -n "$prebuilt" || -n "$build_arch" ]] ||
+  { echo "gpu_session.sh: give --prebuilt DIR (tools/stage_gpu_binaries.sh) or --build ARCH (e.g. 90)" >&2; exit 2; }
 out="${OUT:-$root/build/gpu/session}"
 work="$(mktemp -d)"
 mkdir -p "$out"
 start=$SECONDS
+
+if [[ -n "$build_arch" ]]; then
+  # Configure and build every GPU test, benchmark and the example trainer here, then run them as if
+  # prebuilt. Headers the machine lacks (Eigen, doctest, CLI11, ...) come from .device_deps.
+  bdir="$root/build/gpu-session-$build_arch"
+  prebuilt="$bdir/all"
+  [[ -d "$root/.device_deps/usr" ]] && export CMAKE_PREFIX_PATH="$root/.device_deps/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  targets=()
+  for f in tests/cuda/test_*.cu bench/bench_cuda_*.cu; do targets+=("$(basename "$f" .cu)"); done
+  t0=$SECONDS
+  if timeout "$((deadline - 30))" cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBOUND_REQUIRE_CUDA=ON \
+       -DCMAKE_CUDA_ARCHITECTURES="$build_arch-real" > "$work/configure.log" 2>&1 &&
+     timeout "$((deadline - (SECONDS - start) - 30))" cmake --build "$bdir" -j "$(nproc)" \
+       --target "${targets[@]}" train train_cuda > "$work/build.log" 2>&1; then
+    mkdir -p "$prebuilt"
+    find "$bdir/tests" "$bdir/bench" "$bdir/examples" -maxdepth 1 -type f \( -name 'test_cuda_*' -o \
+      -name 'bench_cuda_*' -o -name train -o -name libtrain_cuda.so \) -exec cp {} "$prebuilt/" \;
+    printf '%-40s %s in %d s\n' "build (sm $build_arch)" "ok" $((SECONDS - t0)) | tee -a "$work/summary.txt"
+  else
+    printf '%-40s %s in %d s\n' "build (sm $build_arch)" "FAILED (configure.log, build.log)" $((SECONDS - t0)) |
+      tee -a "$work/summary.txt"
+    grep -m 40 -E 'error|Error' "$work/configure.log" "$work/build.log"
+    cp "$work/summary.txt" "$out/summary.txt"
+    tar -C "$work" -czf "$out/results.tgz" .
+    exit 1
+  fi
+fi
 
 deps="$root/.device_deps/usr/lib/x86_64-linux-gnu"
 lt="$(find /usr/local/cuda* /usr/lib /usr/local/lib -name 'libcublasLt.so.13' 2> /dev/null | head -1)"
@@ -100,6 +136,12 @@ for s in $steps; do
         --report "$work/train_adamw8bit.json"
       step train_foreign 90 "$prebuilt/train" "${train[@]}" --steps 30 --budget 4GiB --foreign 1GiB@15 \
         --report "$work/train_foreign.json" ;;
+    bench_all)
+      for f in "$prebuilt"/bench_cuda_*; do
+        b="$(basename "$f")"
+        step "$b" 120 "$f" --benchmark_min_time=0.05 --benchmark_counters_tabular=true \
+          --benchmark_out="$work/$b.json" --benchmark_out_format=json
+      done ;;
     bench_ttt|bench_mamba|bench_model)
       b="bench_cuda_${s#bench_}"
       step "$b" 120 "$prebuilt/$b" --benchmark_min_time=0.05 --benchmark_counters_tabular=true \
@@ -161,7 +203,7 @@ for s in $steps; do
         k=0
         while IFS= read -r c; do
           k=$((k + 1))
-          for tool in memcheck racecheck; do
+          for tool in $tools; do
             limit=$(left)
             if ((limit < 20)); then echo 124 > "$work/san_${t}_${k}_${tool}.rc"; continue; fi
             extra=()
@@ -184,7 +226,7 @@ for s in $steps; do
           printf '%-40s %s\n' "san $t" "not listed (see list_$t.log)" | tee -a "$work/summary.txt"
           continue
         fi
-        for tool in memcheck racecheck; do
+        for tool in $tools; do
           clean=0 found=0 none=0 failing=0 which=""
           for ((k = 1; k <= n; k++)); do
             log="$work/san_${t}_${k}_${tool}.log"

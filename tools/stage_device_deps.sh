@@ -3,7 +3,7 @@
 # libraries they name) into a prefix that travels to a GPU machine that lacks them:
 #
 #   bash tools/stage_device_deps.sh            # -> .device_deps/usr (ignored by git)
-#   then carry .device_deps and run tools/gpu_check.sh there
+#   then carry .device_deps and run tools/gpu_session.sh --build ARCH there
 #
 # The packages' CMake files locate themselves relative to their own path, so
 # CMAKE_PREFIX_PATH=<prefix>/usr finds them wherever the folder lands.

@@ -6,8 +6,7 @@
 #
 #   bash tools/stage_gpu_binaries.sh [ARCH]          # default 90-real (H100, H200)
 #   # then, on the GPU machine (carry .device_deps):
-#   OUT=/tmp/g bash tools/gpu_check.sh --prebuilt .device_deps/bin --jobs 8 --timeout 120 \
-#       --sanitizers "memcheck racecheck" --bench-args "--benchmark_min_time=0.05"
+#   OUT=/tmp/g bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 470
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 arch="${1:-90-real}"
