@@ -12,6 +12,7 @@
 // peak beside its prediction. Without a device every benchmark is skipped.
 //
 //   ./build/release/bench/bench_cuda_model --benchmark_min_time=0.05 --benchmark_format=json
+//   ./build/release/bench/bench_cuda_model --attention-kernels=mma   # attention's mma.sync kernels
 //
 // The PyTorch side of the same step: bench/peers/model_peer.py --device cuda --ours-cuda PATH.
 #include <benchmark/benchmark.h>
@@ -22,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "membound/backend/cuda.cuh"
@@ -212,4 +214,30 @@ void bm_train_step(benchmark::State& state) {
 BENCHMARK(bm_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(bm_train_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
 
-BENCHMARK_MAIN();
+// --attention-kernels=wmma|mma (ours, taken out before Google Benchmark parses the rest): which
+// attention kernels the bf16 model runs (gpu::attention_kernel_choice), reported in the context.
+int main(int argc, char** argv) {
+  std::vector<char*> args;
+  std::string kernels = "wmma";
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--attention-kernels=", 0) == 0) {
+      kernels = a.substr(20);
+      if (kernels != "wmma" && kernels != "mma") {
+        std::fprintf(stderr, "bench_cuda_model: --attention-kernels takes wmma or mma, not '%s'\n", kernels.c_str());
+        return 2;
+      }
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  mb::gpu::attention_kernel_choice() =
+      kernels == "mma" ? mb::gpu::attention_kernels::tensor_core : mb::gpu::attention_kernels::simt_wmma;
+  benchmark::AddCustomContext("attention_kernels", kernels);
+  int n = static_cast<int>(args.size());
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

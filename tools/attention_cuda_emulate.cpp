@@ -317,9 +317,9 @@ void run_all(double tol) {
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "bf16";
-  // Tolerances: P and dS are rounded to the operand type before the second products (relative
-  // 2^-9 for bf16, 2^-12 for fp16), o to the storage type; each output sums up to T such terms
-  // in fp32. Eight units of each type's rounding, normwise.
+  // Tolerances: P and dS are rounded to the operand type before the second products (unit
+  // roundoff 2^-8 for bf16, 2^-11 for fp16), o to the storage type; each output sums up to T such
+  // terms in fp32. Four units of roundoff, normwise.
   if (which == "bf16") {
     run_all<membound::bf16>(8 * 0x1p-9);
   } else if (which == "fp16") {

@@ -122,10 +122,10 @@ def child_run(args, torch):
     return 0
 
 
-def ours(path, seqs, bench):
+def ours(path, seqs, bench, extra=()):
     """bench_cuda_model's JSON rows of one benchmark (bm_step or bm_train_step) by sequence length."""
-    r = subprocess.run([path, "--benchmark_format=json", "--benchmark_min_time=0.05", f"--benchmark_filter=^{bench}/"],
-                       capture_output=True, text=True)
+    r = subprocess.run([path, "--benchmark_format=json", "--benchmark_min_time=0.05", f"--benchmark_filter=^{bench}/",
+                        *extra], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{path} failed ({r.returncode}):\n{r.stderr}")
     rows = {}
@@ -225,6 +225,8 @@ def main():
     ap.add_argument("--checkpoint", action="store_true", help="torch.utils.checkpoint around every block")
     ap.add_argument("--optimizer", action="store_true",
                     help="whole optimizer steps: ours bm_train_step, torch + clip_grad_norm_ + fused AdamW")
+    ap.add_argument("--attention-kernels", choices=["wmma", "mma"], default="wmma",
+                    help="ours: attention's first kernels (wmma) or its mma.sync kernels (mma)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds each PyTorch child may take (default 300)")
     ap.add_argument("--max-seq", type=float, metavar="GIB",
                     help="instead of timing: the longest sequence (B = 1, a multiple of 256) each side trains "
@@ -243,8 +245,10 @@ def main():
         return max_seq(args)
     if not args.ours:
         ap.error("--ours PATH (bench_cuda_model) is required")
-    mine, plans = ours(args.ours, set(args.seqs), "bm_train_step" if args.optimizer else "bm_step")
+    mine, plans = ours(args.ours, set(args.seqs), "bm_train_step" if args.optimizer else "bm_step",
+                       [f"--attention-kernels={args.attention_kernels}"])
     print(plans)
+    print(f"ours: attention's {args.attention_kernels} kernels")
     print(f"| T | ours ms | torch ms{' (checkpointed)' if args.checkpoint else ''} | ours tok/s | torch tok/s | "
           "ours/torch tok/s | ours peak MiB (measured = predicted) | torch reserved MiB (allocated) | "
           "ours/torch memory |")

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -196,14 +197,27 @@ struct kernel_choice {
 void tensor_core_matches_cpu() {
   const kernel_choice use(mb::gpu::attention_kernels::tensor_core);
   mb::cuda_executor ex;
-  int major = 0;
+  int major = 0, optin = 0;
   mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
                  "cudaDeviceGetAttribute");
-  if (major >= 8) {
-    CHECK(mb::gpu::detail::use_mma(ex, 64));
-    CHECK(mb::gpu::detail::use_mma(ex, 40));
+  mb::cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
+                 "cudaDeviceGetAttribute");
+  namespace gd = mb::gpu::detail;
+  if (major < 8) {
+    std::printf("  note: sm_%d: the tensor-core kernels need sm_80; this case ran the fallback\n", major * 10);
+  } else {
+    // Every head size below must really run the new kernels where the device has room for them.
+    CHECK(gd::use_mma<mb::bf16>(ex, 64));
+    CHECK(gd::use_mma<mb::fp16>(ex, 64));
+    CHECK(gd::use_mma<mb::bf16>(ex, 40));
+    if (static_cast<std::size_t>(optin) >= mb::gpu::mma_dkdv_smem_bytes(128)) {
+      CHECK(gd::use_mma<mb::bf16>(ex, 128));
+      CHECK(gd::use_mma<mb::fp16>(ex, 96));
+    } else {
+      std::printf("  note: %d B of opt-in shared memory: head sizes over 64 ran the fallback\n", optin);
+    }
   }
-  CHECK(!mb::gpu::detail::use_mma(ex, 256));  // D = 256 stays on the SIMT kernels
+  CHECK(!gd::use_mma<mb::bf16>(ex, 256));  // D = 256 stays on the SIMT kernels
   compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2);
   compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2);
   compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2);

@@ -211,6 +211,19 @@ void schedules_on_device() {
 }
 void fp32_schedules() { schedules_on_device<mb::fp32_precision>(); }
 void bf16_schedules() { schedules_on_device<mb::bf16_precision>(); }
+// The same two bf16 checks with attention's mma.sync kernels (attention_mma.cuh): the model's
+// bounds hold, every schedule still gives the same bits, measured still equals predicted (the
+// kernels take no memory of their own, so the plan does not change).
+void bf16_tensor_core_attention() {
+  const mb::gpu::attention_kernels before = mb::gpu::attention_kernel_choice().load();
+  mb::gpu::attention_kernel_choice() = mb::gpu::attention_kernels::tensor_core;
+  struct restore {
+    mb::gpu::attention_kernels k;
+    ~restore() { mb::gpu::attention_kernel_choice() = k; }
+  } const back{before};
+  against_cpu<mb::bf16_precision>(5e-2, 1e-2);
+  schedules_on_device<mb::bf16_precision>();
+}
 
 // Two optimizer steps' requests and an evaluation on a device stack, as a trainer makes them
 // (weights, gradients, optimizer state and step buffers first; no optimizer arithmetic runs).
@@ -378,6 +391,8 @@ int main() {
       {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
       {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},
       {"model cuda_backend bf16: every schedule the same bits, measured = predicted", bf16_schedules},
+      {"model cuda_backend bf16 with attention's tensor-core kernels: bounds, bits, measured = predicted",
+       bf16_tensor_core_attention},
       {"model cuda_backend: reserve_model states each device stack's reserved peak", reserve_on_device_stacks},
       {"model cuda_backend refuses bad input and gives every byte back", bad_input},
   };

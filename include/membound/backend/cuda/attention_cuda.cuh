@@ -686,8 +686,11 @@ void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, cons
 
 // The tensor-core kernels run when asked for (gpu::attention_kernel_choice()), for bf16/fp16 at
 // head_dim <= 128, on sm_80 and up with the dK/dV pass's shared memory (the largest of the three)
-// within the device's opt-in limit (sm_86/sm_89 have 99 KiB: DM 128 falls back there).
-inline bool use_mma(const cuda_executor& ex, std::size_t D) {
+// within the device's opt-in limit (sm_86/sm_89 have 99 KiB: DM 128 falls back there), and when
+// the code the device loads was compiled for compute_80 or later (a build for older targets only,
+// JIT-compiled on a newer card, holds a trap where the mma.sync would be).
+template <typename S>
+bool use_mma(const cuda_executor& ex, std::size_t D) {
   if (attention_kernel_choice().load() != attention_kernels::tensor_core || D > 128) return false;
   int major = 0, optin = 0;
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
@@ -695,7 +698,14 @@ inline bool use_mma(const cuda_executor& ex, std::size_t D) {
   cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
              "cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)");
   const unsigned dm = D <= 64 ? 64 : 128;
-  return major >= 8 && optin > 0 && static_cast<std::size_t>(optin) >= mma_dkdv_smem_bytes(dm);
+  if (major < 8 || optin <= 0 || static_cast<std::size_t>(optin) < mma_dkdv_smem_bytes(dm)) {
+    return false;
+  }
+  cudaFuncAttributes attr{};
+  cuda_check(dm == 64 ? cudaFuncGetAttributes(&attr, flash_dkdv_mma_kernel<S, 64>)
+                      : cudaFuncGetAttributes(&attr, flash_dkdv_mma_kernel<S, 128>),
+             "cudaFuncGetAttributes(flash_dkdv_mma_kernel)");
+  return attr.ptxVersion >= 80;
 }
 
 template <typename S, unsigned DM>
@@ -778,7 +788,7 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false);
   gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
   if constexpr (!std::is_same_v<S, float>) {  // tensor cores: bf16/fp16 storage, D <= 128
-    if (gpu::detail::use_mma(ex, D)) {
+    if (gpu::detail::use_mma<S>(ex, D)) {
       if (D <= 64) {
         gpu::detail::launch_forward_mma<S, 64>(ex, s, q, k, v, o_s, lse);
       } else {
@@ -843,7 +853,7 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   float* dv = ws.template get<float>(b_dv);
   bool done = false;
   if constexpr (!std::is_same_v<S, float>) {
-    if (gpu::detail::use_mma(ex, D)) {
+    if (gpu::detail::use_mma<S>(ex, D)) {
       if (D <= 64) {
         gpu::detail::launch_backward_mma<S, 64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv);
       } else {

@@ -16,7 +16,10 @@
 //     32-bit loads.
 // Rounding: q, k, v, dO to the storage type on their way into shared memory (as the WMMA forward
 // did), P and dS to it as operands of the second products; every sum in fp32. No atomics:
-// dK/dV and dQ are separate passes with fixed orders, so repeats are bit-identical.
+// dK/dV and dQ are separate passes with fixed orders, so repeats are bit-identical. With fp16
+// storage dO and dS are fp16 operands (smallest normal 6.1e-5), as in FlashAttention-2's fp16
+// backward: gradients need the loss scaling fp16 training uses anyway (the trainer's dynamic
+// scaler); bf16 has fp32's range.
 //
 // tools/cuda_emulate.py attention compiles the kernels below the cut marker as host C++ (each
 // lane a thread, mma.sync and the shuffles emulated from the PTX ISA's fragment layouts) and
@@ -142,8 +145,10 @@ __device__ inline unsigned char* attn_mma_smem() {
 // first. B (16×8): b0 holds (k 2tq..2tq+1, n gr), b1 (k 2tq+8.., n gr). C/D (16×8): c[0], c[1] at
 // (gr, 2tq), (gr, 2tq+1); c[2], c[3] at (gr+8, 2tq), (gr+8, 2tq+1).
 
+// Two adjacent halves as one 32-bit word (even offsets from a 16-byte base). The tiles are written
+// as halves; a __syncthreads separates every such write from these reads.
 __device__ inline std::uint32_t lds32(const std::uint16_t* p) {
-  return *reinterpret_cast<const std::uint32_t*>(p);  // even offsets from a 16-byte base
+  return *reinterpret_cast<const std::uint32_t*>(p);
 }
 template <bool Bf16>
 __device__ inline std::uint32_t pack_pair(float lo, float hi) {
@@ -198,6 +203,43 @@ __device__ inline void mma_acc_to_a(std::uint32_t (&a)[4], const float (&c)[NT][
   a[3] = pack_pair<Bf16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// c += A·Bᵀ for the warp's 16 rows from row0 of the row-major tile `a` and the 8·NT rows of the
+// row-major tile `b`, over DM = 16·KB columns (S = Q·Kᵀ, dP = dO·Vᵀ and their transposes).
+template <bool Bf16, std::size_t LD, unsigned KB, unsigned NT>
+__device__ inline void mma_rows_by_rows(float (&c)[NT][4], const std::uint16_t* a, unsigned row0,
+                                        const std::uint16_t* b, unsigned lane) {
+#pragma unroll
+  for (unsigned n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+#pragma unroll
+  for (unsigned kb = 0; kb < KB; ++kb) {
+    std::uint32_t fa[4];
+    mma_frag_a<LD>(fa, a, row0, 16 * kb, lane);
+#pragma unroll
+    for (unsigned n = 0; n < NT; ++n) {
+      std::uint32_t b0, b1;
+      mma_frag_b<LD>(b0, b1, b, 8 * n, 16 * kb, lane);
+      mma_16816<Bf16>(c[n], fa, b0, b1);
+    }
+  }
+}
+// acc += P·B with P the warp's 16×(8·NT) accumulator rounded to operands (P, dS and their
+// transposes) and B[k][n] = bt[n][k] from a transposed tile (V, K, dO, Q), n over DM = 8·DT.
+template <bool Bf16, unsigned NT, unsigned DT>
+__device__ inline void mma_acc_by_tile(float (&acc)[DT][4], const float (&p)[NT][4],
+                                       const std::uint16_t* bt, unsigned lane) {
+#pragma unroll
+  for (unsigned kk = 0; kk < NT / 2; ++kk) {
+    std::uint32_t a[4];
+    mma_acc_to_a<Bf16, NT>(a, p, kk);
+#pragma unroll
+    for (unsigned n = 0; n < DT; ++n) {
+      std::uint32_t b0, b1;
+      mma_frag_b<mma_tr_stride>(b0, b1, bt, 8 * n, 16 * kk, lane);
+      mma_16816<Bf16>(acc[n], a, b0, b1);
+    }
+  }
+}
+
 // Forward: one CTA per (64 queries, head, batch), warp w owns query rows 16w..16w+15 of the
 // block. Same outputs as flash_forward_kernel: o (S) and lse (natural log of the unscaled-score
 // softmax sum plus the max, fp32). Causal: key tiles past the block's last row are never loaded.
@@ -206,7 +248,7 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
     const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
     std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
   constexpr bool Bf16 = std::is_same_v<S, bf16>;
-  constexpr std::size_t LD = mma_row_stride(DM), LT = mma_tr_stride;
+  constexpr std::size_t LD = mma_row_stride(DM);
   constexpr unsigned NT = mma_tile / 8, DT = DM / 8, KB = DM / 16;
   static_assert(DM % 16 == 0 && mma_threads == 2 * mma_tile, "membound: 4 warps of 16 rows");
   std::uint16_t* qs = reinterpret_cast<std::uint16_t*>(attn_mma_smem());
@@ -230,19 +272,7 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
     mma_load_tile<Bf16, DM>(nullptr, vt, v, b, T, j0, KD, g * D, D);
     __syncthreads();
     float s[NT][4];
-#pragma unroll
-    for (unsigned n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (unsigned kb = 0; kb < KB; ++kb) {
-      std::uint32_t a[4];
-      mma_frag_a<LD>(a, qs, w0, 16 * kb, lane);
-#pragma unroll
-      for (unsigned n = 0; n < NT; ++n) {
-        std::uint32_t b0, b1;
-        mma_frag_b<LD>(b0, b1, ks, 8 * n, 16 * kb, lane);
-        mma_16816<Bf16>(s[n], a, b0, b1);
-      }
-    }
+    mma_rows_by_rows<Bf16, LD, KB, NT>(s, qs, w0, ks, lane);  // S = Q·Kᵀ
     // Scale after the dot (as the backward recomputes it), mask, and the rows' tile maxima. A row
     // past T keeps m = -inf: its correction is 1 and its P row 0, never exp(-inf + inf).
     float mt[2] = {-INFINITY, -INFINITY};
@@ -278,18 +308,7 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
     for (unsigned n = 0; n < DT; ++n)
 #pragma unroll
       for (unsigned e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
-    // O += P·V: P straight from the score registers, V from its transposed tile.
-#pragma unroll
-    for (unsigned kk = 0; kk < NT / 2; ++kk) {
-      std::uint32_t a[4];
-      mma_acc_to_a<Bf16, NT>(a, s, kk);
-#pragma unroll
-      for (unsigned n = 0; n < DT; ++n) {
-        std::uint32_t b0, b1;
-        mma_frag_b<LT>(b0, b1, vt, 8 * n, 16 * kk, lane);
-        mma_16816<Bf16>(acc[n], a, b0, b1);
-      }
-    }
+    mma_acc_by_tile<Bf16, NT, DT>(acc, s, vt, lane);  // O += P·V, P straight from the registers
   }
 #pragma unroll
   for (unsigned r = 0; r < 2; ++r) {
@@ -317,7 +336,7 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
     const float* delta, float* dq, std::size_t T, std::size_t H, std::size_t Hkv, std::size_t D,
     bool causal, float scale) {
   constexpr bool Bf16 = std::is_same_v<S, bf16>;
-  constexpr std::size_t LD = mma_row_stride(DM), LT = mma_tr_stride;
+  constexpr std::size_t LD = mma_row_stride(DM);
   constexpr unsigned NT = mma_tile / 8, DT = DM / 8, KB = DM / 16;
   std::uint16_t* qs = reinterpret_cast<std::uint16_t*>(attn_mma_smem());
   std::uint16_t* dos = qs + mma_tile * LD;
@@ -349,24 +368,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
     mma_load_tile<Bf16, DM>(vs, nullptr, v, b, T, j0, KD, g * D, D);
     __syncthreads();
     float s[NT][4], dp[NT][4];
-#pragma unroll
-    for (unsigned n = 0; n < NT; ++n)
-#pragma unroll
-      for (unsigned e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-    for (unsigned kb = 0; kb < KB; ++kb) {
-      std::uint32_t aq[4], ad[4];
-      mma_frag_a<LD>(aq, qs, w0, 16 * kb, lane);
-      mma_frag_a<LD>(ad, dos, w0, 16 * kb, lane);
-#pragma unroll
-      for (unsigned n = 0; n < NT; ++n) {
-        std::uint32_t b0, b1;
-        mma_frag_b<LD>(b0, b1, ks, 8 * n, 16 * kb, lane);
-        mma_16816<Bf16>(s[n], aq, b0, b1);
-        mma_frag_b<LD>(b0, b1, vs, 8 * n, 16 * kb, lane);
-        mma_16816<Bf16>(dp[n], ad, b0, b1);
-      }
-    }
+    mma_rows_by_rows<Bf16, LD, KB, NT>(s, qs, w0, ks, lane);    // S = Q·Kᵀ
+    mma_rows_by_rows<Bf16, LD, KB, NT>(dp, dos, w0, vs, lane);  // dP = dO·Vᵀ
 #pragma unroll
     for (unsigned n = 0; n < NT; ++n)
 #pragma unroll
@@ -376,17 +379,7 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
         const float p = ok ? expf(s[n][e] * scale - li[e >> 1]) : 0.0f;
         s[n][e] = p * (dp[n][e] - di[e >> 1]) * scale;  // dS
       }
-#pragma unroll
-    for (unsigned kk = 0; kk < NT / 2; ++kk) {
-      std::uint32_t a[4];
-      mma_acc_to_a<Bf16, NT>(a, s, kk);
-#pragma unroll
-      for (unsigned n = 0; n < DT; ++n) {
-        std::uint32_t b0, b1;
-        mma_frag_b<LT>(b0, b1, kt, 8 * n, 16 * kk, lane);
-        mma_16816<Bf16>(acc[n], a, b0, b1);
-      }
-    }
+    mma_acc_by_tile<Bf16, NT, DT>(acc, s, kt, lane);  // dQ += dS·K
   }
 #pragma unroll
   for (unsigned r = 0; r < 2; ++r) {
@@ -448,24 +441,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
       }
       __syncthreads();
       float st_[NT][4], dpt[NT][4];
-#pragma unroll
-      for (unsigned n = 0; n < NT; ++n)
-#pragma unroll
-        for (unsigned e = 0; e < 4; ++e) st_[n][e] = dpt[n][e] = 0.0f;
-#pragma unroll
-      for (unsigned kb = 0; kb < KB; ++kb) {
-        std::uint32_t ak[4], av[4];
-        mma_frag_a<LD>(ak, ks, w0, 16 * kb, lane);
-        mma_frag_a<LD>(av, vs, w0, 16 * kb, lane);
-#pragma unroll
-        for (unsigned n = 0; n < NT; ++n) {
-          std::uint32_t b0, b1;
-          mma_frag_b<LD>(b0, b1, qs, 8 * n, 16 * kb, lane);
-          mma_16816<Bf16>(st_[n], ak, b0, b1);
-          mma_frag_b<LD>(b0, b1, dos, 8 * n, 16 * kb, lane);
-          mma_16816<Bf16>(dpt[n], av, b0, b1);
-        }
-      }
+      mma_rows_by_rows<Bf16, LD, KB, NT>(st_, ks, w0, qs, lane);   // Sᵀ = K·Qᵀ
+      mma_rows_by_rows<Bf16, LD, KB, NT>(dpt, vs, w0, dos, lane);  // dPᵀ = V·dOᵀ
 #pragma unroll
       for (unsigned n = 0; n < NT; ++n)
 #pragma unroll
@@ -477,20 +454,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
           st_[n][e] = p;
           dpt[n][e] = p * (dpt[n][e] - dl[c]) * scale;  // dSᵀ
         }
-#pragma unroll
-      for (unsigned kk = 0; kk < NT / 2; ++kk) {
-        std::uint32_t ap[4], as[4];
-        mma_acc_to_a<Bf16, NT>(ap, st_, kk);
-        mma_acc_to_a<Bf16, NT>(as, dpt, kk);
-#pragma unroll
-        for (unsigned n = 0; n < DT; ++n) {
-          std::uint32_t b0, b1;
-          mma_frag_b<LT>(b0, b1, dot, 8 * n, 16 * kk, lane);
-          mma_16816<Bf16>(dva[n], ap, b0, b1);
-          mma_frag_b<LT>(b0, b1, qt, 8 * n, 16 * kk, lane);
-          mma_16816<Bf16>(dka[n], as, b0, b1);
-        }
-      }
+      mma_acc_by_tile<Bf16, NT, DT>(dva, st_, dot, lane);  // dV += Pᵀ·dO
+      mma_acc_by_tile<Bf16, NT, DT>(dka, dpt, qt, lane);   // dK += dSᵀ·Q
     }
   }
 #pragma unroll
