@@ -169,7 +169,7 @@ PY
       step sdpa_peer 120 python3 bench/peers/sdpa_peer.py --dtype bf16 --reps 10 --seqs 2048 8192 ;;
     bench_model_mma)
       # One micro-batch at T = 2048 with attention's mma.sync kernels, beside peer_model's default run.
-      step bench_cuda_model_mma 120 "$prebuilt/bench_cuda_model" --attention-kernels=mma '--benchmark_filter=^bm_step/2048$' \
+      step bench_cuda_model_mma 120 "$prebuilt/bench_cuda_model" --attention-kernels=mma '--benchmark_filter=^bm_step/2048/' \
         --benchmark_min_time=0.05 --benchmark_counters_tabular=true ;;
     peer_ttt)
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
@@ -196,7 +196,7 @@ PY
       # (ncu, one duration metric per launch; clocks left alone), then the TTT inner kernels'
       # occupancy, warp stalls and throughput (one launch each, ncu's full set).
       step profile_model 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 6000 \
-        "$prebuilt/bench_cuda_model" '--benchmark_filter=^bm_step/2048$' --benchmark_min_time=0.0001
+        "$prebuilt/bench_cuda_model" '--benchmark_filter=^bm_step/2048/' --benchmark_min_time=0.0001
       [[ -s "$work/profile_model.log" ]] && python3 tools/kernel_breakdown.py "$work/profile_model.log" --top 40 \
         > "$work/profile_model_breakdown.txt" 2>&1 && cat "$work/profile_model_breakdown.txt"
       for k in forward backward; do
