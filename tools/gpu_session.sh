@@ -108,9 +108,11 @@ step() {
   # Line-buffered, so a step killed at its limit leaves every line it printed.
   timeout -k 5 "$limit" stdbuf -oL -eL "$@" > "$work/$name.log" 2>&1
   rc=$?
-  local verdict="ok"
+  local verdict="ok" errors
   case $rc in
-    0) ;;
+    0) # Google Benchmark exits 0 when a benchmark calls SkipWithError: count those.
+       errors=$(grep -c 'ERROR OCCURRED' "$work/$name.log")
+       ((errors > 0)) && verdict="ran, but $errors benchmark(s) reported ERROR OCCURRED" ;;
     77) verdict="SKIPPED (no device)" ;;
     124|137) verdict="TIMED OUT after ${limit}s" ;;
     *) verdict="FAILED (exit $rc)" ;;
