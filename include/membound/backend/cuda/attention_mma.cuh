@@ -77,6 +77,12 @@ constexpr std::size_t mma_dq_smem_bytes(unsigned DM) noexcept {
 constexpr std::size_t mma_dkdv_smem_bytes(unsigned DM) noexcept {
   return 2 * sizeof(float) * mma_tile + 4 * mma_rm_tile_bytes(DM) + 2 * mma_tr_tile_bytes(DM);
 }
+// The launchers check the device's opt-in limit against dK/dV's bytes alone: the largest.
+static_assert(mma_forward_smem_bytes(64) <= mma_dkdv_smem_bytes(64) &&
+                  mma_dq_smem_bytes(64) <= mma_dkdv_smem_bytes(64) &&
+                  mma_forward_smem_bytes(128) <= mma_dkdv_smem_bytes(128) &&
+                  mma_dq_smem_bytes(128) <= mma_dkdv_smem_bytes(128),
+              "membound: the dK/dV pass must need the most shared memory of the three");
 
 }  // namespace gpu
 
