@@ -68,6 +68,16 @@ void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with
       dout(n, ex.stream(), 4), o(n, ex.stream(), 5), lse(rows, ex.stream(), 6),
       delta(rows, ex.stream(), 7), dq(n, ex.stream(), 8), dk(n, ex.stream(), 9),
       dv(n, ex.stream(), 10);
+  if (kernels == path::mma) {  // where the device cannot run them, say so rather than abort
+    const gpu::attention_kernels before = gpu::attention_kernel_choice().load();
+    gpu::attention_kernel_choice() = gpu::attention_kernels::tensor_core;
+    const bool runs = gpu::detail::use_mma<mb::bf16>(ex, D);
+    gpu::attention_kernel_choice() = before;
+    if (!runs) {
+      state.SkipWithError("the mma.sync kernels need sm_80 and their shared memory on this device");
+      return;
+    }
+  }
   mb::bf16* o16 = nullptr;
   if (kernels != path::simt) mb::cuda_check(cudaMalloc(&o16, n * sizeof(mb::bf16)), "cudaMalloc");
   auto once = [&] {

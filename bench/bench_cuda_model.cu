@@ -4,8 +4,9 @@
 // budget's measured peak of requested bytes beside the plan's prediction. The model is the one
 // issue 17 names as a GPU default: 12 blocks of width 768 (12 heads of 64) repeating TTT-Linear,
 // attention, Mamba, attention; vocab 256 (bytes); batch 1; bf16 storage, fp32 accumulation;
-// T = 2k and 8k. The plan is fit()'s for an 8 GiB budget (weights, gradients, AdamW state and the
-// step buffers allocated as the trainer holds them). bm_step times one micro-batch with CUDA
+// T = 2k, 4k (bm_step only: model_cuda_peer.py's default run compares 2k and 4k) and 8k. The plan
+// is fit()'s for an 8 GiB budget (weights, gradients, AdamW state and the step buffers allocated as
+// the trainer holds them). bm_step times one micro-batch with CUDA
 // events on the executor's stream; bm_train_step times whole optimizer steps of membound::trainer
 // on the device (the same micro-batch, then the gradient norm, clipping and AdamW; host wall time
 // of trainer::step, which synchronizes at the loss and the norm), with the trainer's measured
@@ -140,6 +141,8 @@ void bm_step(benchmark::State& state) {
   state.counters["predicted_peak_MiB"] = static_cast<double>(p.peak_bytes) / (1 << 20);
   state.counters["measured_eq_predicted"] = alloc.stats().peak_requested == p.peak_bytes ? 1 : 0;
   state.counters["loss"] = loss;
+  // 1 when attention ran the mma.sync kernels (--attention-kernels=mma and the device allows them).
+  state.counters["attention_mma"] = mb::gpu::detail::use_mma<mb::bf16>(ex, 768 / 12) ? 1 : 0;
   state.SetLabel(p.schedule.name() + ", head chunk " + std::to_string(p.head_chunk));
 
   (void)cudaEventDestroy(start);
@@ -206,12 +209,14 @@ void bm_train_step(benchmark::State& state) {
     state.counters["predicted_reserve_MiB"] = static_cast<double>(t.largest_predicted_reserve()) / (1 << 20);
   }
   state.counters["loss"] = loss;
+  // 1 when attention ran the mma.sync kernels (--attention-kernels=mma and the device allows them).
+  state.counters["attention_mma"] = mb::gpu::detail::use_mma<mb::bf16>(ex, 768 / 12) ? 1 : 0;
   state.SetLabel(p.schedule.name() + ", head chunk " + std::to_string(p.head_chunk));
 }
 
 }  // namespace
 
-BENCHMARK(bm_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(bm_step)->Arg(2048)->Arg(4096)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(bm_train_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 // --attention-kernels=wmma|mma (ours, taken out before Google Benchmark parses the rest): which

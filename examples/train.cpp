@@ -745,7 +745,7 @@ int main(int argc, char** argv) {
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
   flag("--optimizer", "adamw|adamw8bit", "AdamW with fp32 m, v, or with 8-bit block-wise m, v (default adamw)");
   flag("--attention-kernels", "wmma|mma",
-       "on cuda with bf16/fp16 storage and head size <= 128: wmma runs the first attention kernels (a WMMA forward, "
+       "on cuda with bf16 storage and head size <= 128: wmma runs the first attention kernels (a WMMA forward, "
        "a SIMT backward); mma the mma.sync forward and backward with fragments in registers (emulated on the host, "
        "not yet run on a GPU); fp32 and larger heads always run the SIMT kernels (default wmma)");
   flag("--clip", "[0,10^6]", "global gradient-norm clip, 0: off (default 1)");

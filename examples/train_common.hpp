@@ -59,7 +59,7 @@ struct options {
   double budget_fraction = 0;  // --budget 0.9: that fraction of the device's memory (cuda only)
   bool seq_max = false;        // --seq max: the largest length fit() admits (cuda only)
   std::size_t plan_only = 0;   // --plan-only 1: print the plan (and --seq max's length) and stop
-  std::string attention_kernels = "wmma";  // cuda, bf16/fp16: wmma (first kernels) or mma (mma.sync)
+  std::string attention_kernels = "wmma";  // cuda, bf16: wmma (first kernels) or mma (mma.sync)
   bool saves() const { return save_every != 0 || stop_after != 0; }
 };
 

@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "membound/backend/cuda.cuh"
@@ -96,6 +97,13 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   std::optional<mb::cuda_executor> exec;
   const mb::runtime_memory outside = mb::measure_runtime_memory(device, [&] { exec.emplace(device); });
   mb::cuda_executor& ex = *exec;
+  // What attention runs (the report says this, not what --attention-kernels asked for): the
+  // mma.sync kernels only where use_mma allows them, else the WMMA/SIMT ones, fp32 always SIMT.
+  const std::size_t head_dim = o.width / o.heads;
+  std::string attention_ran = "simt";
+  if constexpr (!std::is_same_v<S, float>) {
+    attention_ran = mb::gpu::detail::use_mma<S>(ex, head_dim) ? "mma" : (head_dim <= 128 ? "wmma" : "simt");
+  }
 
   mb::trace_recorder recorder(o.trace.empty() ? std::size_t{4096} : std::size_t{1} << 20);
   const std::size_t granule = mb::cuda_virtual_memory(device).granularity();
@@ -175,6 +183,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
               o.budget_fraction > 0 ? (" (" + std::to_string(o.budget_fraction) + " of the device)").c_str() : "");
   std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
+  std::printf("attention kernels: %s (--attention-kernels %s)\n", attention_ran.c_str(), o.attention_kernels.c_str());
   std::printf("%s\n", plan.table().c_str());
   if (o.plan_only == 1) return 0;  // the plan (and --seq max's length) is what was asked for
 
@@ -320,7 +329,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
                  {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
     j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
                      {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"device", "cuda"},
-                     {"attention_kernels", o.attention_kernels},
+                     {"attention_kernels", attention_ran},
                      {"loss_scaling", t.loss_scaling_on()},
                      {"allocator", "budget<traced<expandable_arena<cuda_virtual_memory>>>, " + std::to_string(granule) +
                                        " B granules"},

@@ -246,9 +246,10 @@ def main():
     if not args.ours:
         ap.error("--ours PATH (bench_cuda_model) is required")
     mine, plans = ours(args.ours, set(args.seqs), "bm_train_step" if args.optimizer else "bm_step",
-                       [f"--attention-kernels={args.attention_kernels}"])
+                       ["--attention-kernels=mma"] if args.attention_kernels == "mma" else [])
     print(plans)
-    print(f"ours: attention's {args.attention_kernels} kernels")
+    ran = {int(r.get("attention_mma", 0)) for r in mine.values()}
+    print(f"ours: --attention-kernels {args.attention_kernels}; ran: {'mma' if ran == {1} else 'wmma'}")
     print(f"| T | ours ms | torch ms{' (checkpointed)' if args.checkpoint else ''} | ours tok/s | torch tok/s | "
           "ours/torch tok/s | ours peak MiB (measured = predicted) | torch reserved MiB (allocated) | "
           "ours/torch memory |")

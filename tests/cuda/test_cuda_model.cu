@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -221,6 +222,15 @@ void bf16_tensor_core_attention() {
     mb::gpu::attention_kernels k;
     ~restore() { mb::gpu::attention_kernel_choice() = k; }
   } const back{before};
+  mb::cuda_executor ex;
+  int major = 0;
+  mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
+                 "cudaDeviceGetAttribute");
+  if (major >= 8) {
+    CHECK(mb::gpu::detail::use_mma<mb::bf16>(ex, config().width / config().heads));  // they really run
+  } else {
+    std::printf("  note: sm_%d: the tensor-core kernels need sm_80; this case ran the fallback\n", major * 10);
+  }
   against_cpu<mb::bf16_precision>(5e-2, 1e-2);
   schedules_on_device<mb::bf16_precision>();
 }
