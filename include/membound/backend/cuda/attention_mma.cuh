@@ -246,6 +246,27 @@ __device__ inline void mma_acc_by_tile(float (&acc)[DT][4], const float (&p)[NT]
   }
 }
 
+// The warp's accumulator rows (row0 + gr and row0 + gr + 8 of the batch's T) into an fp32
+// [B·T, width] matrix from column col0; rows past T and columns past D are not written.
+template <unsigned DT>
+__device__ inline void mma_store_rows(float* dst, const float (&acc)[DT][4], std::size_t b,
+                                      std::size_t T, std::size_t row0, std::size_t width,
+                                      std::size_t col0, std::size_t D, unsigned lane) {
+  const unsigned gr = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (unsigned r = 0; r < 2; ++r) {
+    const std::size_t i = row0 + gr + 8 * r;
+    if (i >= T) continue;
+#pragma unroll
+    for (unsigned n = 0; n < DT; ++n)
+#pragma unroll
+      for (unsigned c = 0; c < 2; ++c) {
+        const std::size_t d = 8 * n + 2 * tq + c;
+        if (d < D) dst[(b * T + i) * width + col0 + d] = acc[n][2 * r + c];
+      }
+  }
+}
+
 // Forward: one CTA per (64 queries, head, batch), warp w owns query rows 16w..16w+15 of the
 // block. Same outputs as flash_forward_kernel: o (S) and lse (natural log of the unscaled-score
 // softmax sum plus the max, fp32). Causal: key tiles past the block's last row are never loaded.
@@ -387,18 +408,7 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
       }
     mma_acc_by_tile<Bf16, NT, DT>(acc, s, kt, lane);  // dQ += dS·K
   }
-#pragma unroll
-  for (unsigned r = 0; r < 2; ++r) {
-    const std::size_t i = q0 + w0 + gr + 8 * r;
-    if (i >= T) continue;
-#pragma unroll
-    for (unsigned n = 0; n < DT; ++n)
-#pragma unroll
-      for (unsigned c = 0; c < 2; ++c) {
-        const std::size_t d = 8 * n + 2 * tq + c;
-        if (d < D) dq[(b * T + i) * HD + h * D + d] = acc[n][2 * r + c];
-      }
-  }
+  mma_store_rows<DT>(dq, acc, b, T, q0 + w0, HD, h * D, D, lane);
 }
 
 // dK, dV: one CTA per (64 keys, kv head, batch), warp w its 16 keys; the group's query heads, then
@@ -464,21 +474,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
       mma_acc_by_tile<Bf16, NT, DT>(dka, dpt, qt, lane);   // dK += dSᵀ·Q
     }
   }
-#pragma unroll
-  for (unsigned r = 0; r < 2; ++r) {
-    const std::size_t j = k0 + w0 + gr + 8 * r;
-    if (j >= T) continue;
-#pragma unroll
-    for (unsigned n = 0; n < DT; ++n)
-#pragma unroll
-      for (unsigned c = 0; c < 2; ++c) {
-        const std::size_t d = 8 * n + 2 * tq + c;
-        if (d < D) {
-          dk[(b * T + j) * KD + g * D + d] = dka[n][2 * r + c];
-          dv[(b * T + j) * KD + g * D + d] = dva[n][2 * r + c];
-        }
-      }
-  }
+  mma_store_rows<DT>(dk, dka, b, T, k0 + w0, KD, g * D, D, lane);
+  mma_store_rows<DT>(dv, dva, b, T, k0 + w0, KD, g * D, D, lane);
 }
 // ---- end of the tensor-core kernels ----
 
