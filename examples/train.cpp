@@ -788,8 +788,9 @@ int main(int argc, char** argv) {
     if (o.device == "cuda") {
       if (world.size() > 1) {
         throw mb::invalid_argument("--device", "cpu under mpirun", "cuda with " + std::to_string(world.size()) + " ranks",
-                                   "Data parallel training on GPUs (NCCL) is not in the trainer yet: train on one GPU, "
-                                   "or over MPI ranks with --device cpu");
+                                   "This example trains on one GPU; data parallel training on GPUs is the library's "
+                                   "trainer with nccl_communicator (membound/nccl.cuh, tests/nccl/test_nccl_trainer.cu). "
+                                   "Train on one GPU, or over MPI ranks with --device cpu");
       }
 #if MEMBOUND_EXAMPLE_CUDA
       return run_on_device(o, text);

@@ -130,7 +130,9 @@ LAYERS = {
               "layers"},
     "train": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
               "layers", "model", "dist"},
-    "dist": {"core", "memory"},
+    # nccl_communicator's rank-order sum kernel reads and writes 16-bit storage with the CUDA
+    # backend's device loads and stores (mpi_communicator and the concept stay host-only).
+    "dist": {"core", "memory", "backend/cuda"},
 }
 
 

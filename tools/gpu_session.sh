@@ -15,7 +15,7 @@
 #   # (1243 s of nvcc summed over the CUDA files on the 2-core machine: only where a call may run long)
 #
 # Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
-# NCCL communicator's test with one rank, no MPI), train (the
+# NCCL communicator's test and the device trainer over NCCL, one rank, no MPI), train (the
 # example trainer: default, the mma.sync attention kernels, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
 # bench_model (bench_cuda_*), bench_model_mma (bench_cuda_model's T = 2048 step with --attention-kernels=mma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
 # T = 2048, 8192), peer_sdpa (PyTorch's SDPA on those shapes), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
@@ -31,7 +31,7 @@ prebuilt=""
 deadline=540
 steps="tests train nccl bench_attn peer_sdpa long soak profile bench_ttt peer_model bench_model_mma peer_maxseq bench_mamba bench_model peer_ttt"
 jobs=8
-tests="test_cuda_trainer test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
+tests="test_cuda_trainer test_cuda_data_parallel test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
 long_budget=2GiB
 build_arch=""
@@ -113,7 +113,7 @@ if [[ -n "$build_arch" ]]; then
     timeout "$limit" cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBOUND_REQUIRE_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="$build_arch-real" > "$work/configure.log" 2>&1 || exit 1
     # The NCCL test exists only where MPI and NCCL were found.
-    ninja -C "$bdir" -t targets all 2> /dev/null | grep -q '^test_nccl_communicator:' && targets+=(test_nccl_communicator)
+    ninja -C "$bdir" -t targets all 2> /dev/null | grep -q '^test_nccl_communicator:' && targets+=(test_nccl_communicator test_nccl_trainer)
     l=$(left)
     ((l >= 10)) || exit 1
     timeout "$l" cmake --build "$bdir" -j "$(nproc)" --target "${targets[@]}" train train_cuda > "$work/build.log" 2>&1
@@ -123,7 +123,7 @@ if [[ -n "$build_arch" ]]; then
   if wait "$builder"; then
     mkdir -p "$prebuilt"
     find "$bdir/tests" "$bdir/bench" "$bdir/examples" -maxdepth 1 -type f \( -name 'test_cuda_*' -o \
-      -name 'test_nccl_communicator' -o -name 'bench_cuda_*' -o -name train -o -name libtrain_cuda.so \) \
+      -name 'test_nccl_*' -o -name 'bench_cuda_*' -o -name train -o -name libtrain_cuda.so \) \
       -exec cp {} "$prebuilt/" \;
     printf '%-40s %s in %d s\n' "build (sm $build_arch)" "ok" $((SECONDS - t0)) | tee -a "$work/summary.txt"
     pack
@@ -210,12 +210,13 @@ PY
       if [[ -z "$nccl" ]]; then
         printf '%-40s %s\n' test_nccl_communicator "not run (no libnccl.so.2 on this machine)" | tee -a "$work/summary.txt"
       else
-        if [[ -x "$prebuilt/test_nccl_communicator" ]]; then
-          LD_LIBRARY_PATH="$(dirname "$nccl"):$LD_LIBRARY_PATH" step test_nccl_communicator 60 "$prebuilt/test_nccl_communicator"
-        else
-          printf '%-40s %s\n' test_nccl_communicator "not built (it needs MPI and NCCL where it is compiled)" |
-            tee -a "$work/summary.txt"
-        fi
+        for t in test_nccl_communicator test_nccl_trainer; do
+          if [[ -x "$prebuilt/$t" ]]; then
+            LD_LIBRARY_PATH="$(dirname "$nccl"):$LD_LIBRARY_PATH" step "$t" 120 "$prebuilt/$t"
+          else
+            printf '%-40s %s\n' "$t" "not built (it needs MPI and NCCL where it is compiled)" | tee -a "$work/summary.txt"
+          fi
+        done
       fi ;;
     profile)
       # Where one micro-batch of the model (B = 1, T = 2048) spends its GPU time, kernel by kernel

@@ -17,7 +17,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITEC
 targets=(train)
 for f in tests/cuda/test_*.cu bench/bench_cuda_*.cu; do targets+=("$(basename "$f" .cu)"); done
 if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^test_nccl_communicator:'; then
-  targets+=(test_nccl_communicator)
+  targets+=(test_nccl_communicator test_nccl_trainer)
 fi
 ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"
 bash tools/stage_device_deps.sh

@@ -78,6 +78,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>
@@ -155,6 +156,7 @@ struct run {
   std::size_t peak = 0, predicted = 0;
   std::size_t reserved = 0, predicted_reserve = 0;  // on the allocator stack (reserve_plan's replay)
   std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
+  std::uint64_t control_sent = 0;  // of those, through a split communicator's control()
   mb::rank_memory memory{};
 };
 
@@ -177,8 +179,8 @@ run finish(Trainer& t, alloc_t& a) {
 
 // micro: sequences per micro-batch (each rank runs effective.batch / N / micro micro-batches).
 // overlap: ZeRO-2's reduce-scatters overlapped with the next block's backward.
-template <typename Model>
-run data_parallel(const Model& m, mb::mpi_communicator& comm, std::size_t zero = 0, std::size_t micro = 1,
+template <typename Model, typename Comm>
+run data_parallel(const Model& m, Comm& comm, std::size_t zero = 0, std::size_t micro = 1,
                   bool overlap = false, mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{})) {
   alloc_t a(std::size_t{1} << 30);
   mb::thread_pool pool(1);
@@ -188,10 +190,75 @@ run data_parallel(const Model& m, mb::mpi_communicator& comm, std::size_t zero =
   mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro, schedule), a, pool,
                 options(zero, ov), mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
+  std::uint64_t control_before = 0;
+  if constexpr (mb::split_communicator<Comm>) control_before = comm.control().stats().bytes_sent;
   run r = finish(t, a);
   r.bytes_sent = comm.stats().bytes_sent - before;
+  if constexpr (mb::split_communicator<Comm>) r.control_sent = comm.control().stats().bytes_sent - control_before;
   return r;
 }
+
+// The split nccl_communicator relies on (communicator.hpp's split_communicator), on the host: the
+// data communicator takes only the storage type, so a flag, vote, loss or norm part the trainer
+// sent there instead of through control() fails to compile here; on a device it would hand NCCL
+// a host pointer. A trainer over it must give the plain communicator's bits.
+template <typename S>
+struct split_comm {
+  mb::mpi_communicator data, ctl;
+  using control_type = mb::mpi_communicator;
+  control_type& control() noexcept { return ctl; }
+  std::size_t rank() const noexcept { return data.rank(); }
+  std::size_t size() const noexcept { return data.size(); }
+  const char* name() const noexcept { return "split"; }
+  mb::communication_stats stats() const noexcept { return data.stats(); }
+
+  template <typename T>
+  static constexpr void data_only() {
+    static_assert(std::is_same_v<T, S>, "a host value went to the data communicator: route it through ctl()");
+  }
+  template <mb::summable T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
+    data_only<T>();
+    return data.template reduce_scatter_workspace_bytes<T>(n);
+  }
+  template <mb::summable T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t n) const noexcept {
+    data_only<T>();
+    return data.template reduce_scatter_blocks_workspace_bytes<T>(n);
+  }
+  template <mb::summable T>
+  std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
+    data_only<T>();
+    return data.template all_reduce_workspace_bytes<T>(n);
+  }
+  template <mb::summable T>
+  void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t b) {
+    data_only<T>();
+    data.reduce_scatter_sum(in, n, out, ws, b);
+  }
+  template <mb::summable T>
+  void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t b) {
+    data_only<T>();
+    data.reduce_scatter_blocks_sum(in, blocks, out, ws, b);
+  }
+  template <typename T>
+  void all_gather(const T* shard, T* out, std::size_t n) {
+    data_only<T>();
+    data.all_gather(shard, out, n);
+  }
+  template <mb::summable T>
+  void all_reduce_sum(T* d, std::size_t n, void* ws, std::size_t b) {
+    data_only<T>();
+    data.all_reduce_sum(d, n, ws, b);
+  }
+  template <typename T>
+  void broadcast(T* d, std::size_t n, std::size_t root) {
+    data_only<T>();
+    data.broadcast(d, n, root);
+  }
+  void barrier() { data.barrier(); }
+};
+static_assert(mb::split_communicator<split_comm<float>>);
 
 template <typename Model>
 run one_process(const Model& m) {
@@ -282,6 +349,29 @@ int main(int argc, char** argv) {
     std::printf("bytes sent per step by rank 0: ZeRO-0 %.0f, ZeRO-1 %.0f; 2(N-1)/N x 4n = %.0f\n",
                 static_cast<double>(dp.bytes_sent) / steps, static_cast<double>(zero1.bytes_sent) / steps,
                 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * 4.0 * static_cast<double>(n));
+  }
+
+  // Over a split communicator (data and control apart, as nccl_communicator): the plain
+  // communicator's bits under ZeRO-0 and ZeRO-1; the data communicator carries exactly the
+  // gradients' reduce-scatter and the weights' all-gather, control() the norm's and loss's doubles.
+  {
+    split_comm<float> split;
+    const run s0 = data_parallel(m, split);
+    const run s1 = data_parallel(m, split, 1);
+    check(same_bits(s0.losses, dp.losses) && s0.weights == dp.weights && s0.optimizer == dp.optimizer &&
+              s0.peak == dp.peak && s0.peak == s0.predicted,
+          "split communicator, ZeRO-0: the plain communicator's losses, weights, optimizer state and peak");
+    check(same_bits(s1.losses, zero1.losses) && s1.weights == zero1.weights && s1.optimizer == zero1.optimizer &&
+              s1.peak == zero1.peak && s1.peak == s1.predicted,
+          "split communicator, ZeRO-1: the plain communicator's losses, weights, optimizer state and peak");
+    const std::uint64_t data_step = N == 1 ? 0 : 4 * (n - s) + 4 * s * (N - 1);
+    const std::uint64_t control_step = N == 1 ? 0 : 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+    check(s1.bytes_sent == steps * data_step && s1.control_sent == steps * control_step,
+          "split communicator, ZeRO-1: data bytes " + std::to_string(s1.bytes_sent) + " == " +
+              std::to_string(steps * data_step) + ", control bytes " + std::to_string(s1.control_sent) + " == " +
+              std::to_string(steps * control_step));
+    check(s0.control_sent == steps * (N == 1 ? 0 : (me == 0 ? 8 * (N - 1) : 8)),
+          "split communicator, ZeRO-0: control() carries only the loss (" + std::to_string(s0.control_sent) + " bytes)");
   }
 
   // ZeRO-2 against ZeRO-0 and ZeRO-1.

@@ -77,6 +77,22 @@ concept communicator = requires(C& c, const C& cc, float* f, const float* cf, st
   c.barrier();
 };
 
+// A communicator whose collectives move the trainer's data (gradients and weights, in the
+// backend's memory: device memory for nccl_communicator) and which hands the small host values
+// ranks agree on (flags, plan votes, the loss, the gradient norm's parts) to control(), a host
+// communicator over the same ranks, called in the same order on every rank. A plain
+// communicator does both itself.
+template <typename C>
+concept split_communicator = communicator<C> && requires(C& c) {
+  typename C::control_type;
+  requires communicator<typename C::control_type>;
+  { c.control() } -> std::same_as<typename C::control_type&>;
+};
+// A split communicator whose data collectives move device memory (nccl_communicator), which a
+// trainer on a device needs; it says so with `static constexpr bool moves_device_memory = true`.
+template <typename C>
+concept device_communicator = split_communicator<C> && requires { requires C::moves_device_memory; };
+
 // A communicator that can also start reduce_scatter_blocks_sum and complete it later (ZeRO-2's
 // overlapped gradient exchange): the handle's test() lets the exchange move on, wait() completes
 // it and writes the sum. Buffers stay untouched until wait() returns.

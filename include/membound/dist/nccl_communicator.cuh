@@ -27,8 +27,15 @@
 // unlike mpi_communicator's, a call returns before its data has moved: a host that reads the
 // result reads it after synchronizing the caller's stream.
 //
-// Not built: a timeout (NCCL's non-blocking communicators and ncclCommAbort would give one), and
-// use by the trainer (the model and the trainer do not run on the device yet).
+// Storage: fp32 and fp64 summed in their type; bf16 and fp16 as the CPU communicators sum them
+// (16 bits on the wire, widened to fp32, added in rank order, rounded once).
+//
+// The trainer (train/trainer.hpp) takes it as a split_communicator: gradients and weights are
+// device memory it moves, and the host values ranks agree on (flags, plan votes, the loss, the
+// norm's parts) go through control(), an mpi_communicator over the same ranks (a
+// local_communicator's copies for a one-process communicator). The trainer sets the stream.
+//
+// Not built: a timeout (NCCL's non-blocking communicators and ncclCommAbort would give one).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -38,14 +45,17 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "membound/backend/cuda/model_kernels.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/shard.hpp"
 #include "membound/dist/communicator.hpp"
+#include "membound/dist/mpi_communicator.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -68,14 +78,21 @@ constexpr ncclDataType_t nccl_type() noexcept {
   else return ncclFloat64;
 }
 
-// out[i] = parts[i] + parts[stride + i] + ... + parts[(ranks − 1)·stride + i], added in that order.
+// out[i] = parts[i] + parts[stride + i] + ... + parts[(ranks − 1)·stride + i], added in that order
+// (16-bit parts in fp32, rounded once: detail::ordered_sum's bits).
 template <typename T>
 __global__ void nccl_ordered_sum(const T* parts, std::size_t ranks, std::size_t stride, std::size_t count, T* out) {
   const std::size_t step = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += step) {
-    T s = parts[i];
-    for (std::size_t r = 1; r < ranks; ++r) s += parts[r * stride + i];
-    out[i] = s;
+    if constexpr (reducible<T>) {
+      T s = parts[i];
+      for (std::size_t r = 1; r < ranks; ++r) s += parts[r * stride + i];
+      out[i] = s;
+    } else {
+      float s = gpu::detail::ld(parts, i);
+      for (std::size_t r = 1; r < ranks; ++r) s += gpu::detail::ld(parts, r * stride + i);
+      gpu::detail::st(out, i, s);
+    }
   }
 }
 }  // namespace detail
@@ -85,6 +102,66 @@ struct single_process_t {
   explicit single_process_t() = default;
 };
 inline constexpr single_process_t single_process{};
+
+// nccl_communicator's control(): collectives on host values over the same ranks, through an
+// mpi_communicator (its own duplicate of the ranks' MPI communicator), or, for a one-process
+// nccl_communicator, a local_communicator's copies (no MPI at all).
+class nccl_control {
+ public:
+  nccl_control() = default;  // one process
+  explicit nccl_control(MPI_Comm parent) : mpi_(std::make_unique<mpi_communicator>(parent)) {}
+
+  std::size_t rank() const noexcept { return mpi_ ? mpi_->rank() : 0; }
+  std::size_t size() const noexcept { return mpi_ ? mpi_->size() : 1; }
+  const char* name() const noexcept { return mpi_ ? "nccl (control over mpi)" : "nccl (one process)"; }
+  communication_stats stats() const noexcept { return mpi_ ? mpi_->stats() : communication_stats{}; }
+
+  template <summable T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
+    return mpi_ ? mpi_->template reduce_scatter_workspace_bytes<T>(n) : 0;
+  }
+  template <summable T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
+    return mpi_ ? mpi_->template reduce_scatter_blocks_workspace_bytes<T>(max_block) : 0;
+  }
+  template <summable T>
+  std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
+    return mpi_ ? mpi_->template all_reduce_workspace_bytes<T>(n) : 0;
+  }
+  template <summable T>
+  void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
+    with([&](auto& c) { c.reduce_scatter_sum(in, n, out, ws, ws_bytes); });
+  }
+  template <summable T>
+  void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes) {
+    with([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, ws_bytes); });
+  }
+  template <typename T>
+  void all_gather(const T* shard, T* out, std::size_t n) {
+    with([&](auto& c) { c.all_gather(shard, out, n); });
+  }
+  template <summable T>
+  void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
+    with([&](auto& c) { c.all_reduce_sum(data, n, ws, ws_bytes); });
+  }
+  template <typename T>
+  void broadcast(T* data, std::size_t n, std::size_t root) {
+    with([&](auto& c) { c.broadcast(data, n, root); });
+  }
+  void barrier() {
+    with([](auto& c) { c.barrier(); });
+  }
+
+ private:
+  template <typename F>
+  void with(F&& f) {
+    if (mpi_) f(*mpi_);
+    else f(local_);
+  }
+  std::unique_ptr<mpi_communicator> mpi_;
+  local_communicator local_;
+};
+static_assert(communicator<nccl_control>);
 
 class nccl_communicator {
  public:
@@ -101,6 +178,12 @@ class nccl_communicator {
     detail::nccl_mpi_check(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, parent), "MPI_Bcast(ncclUniqueId)");
     detail::nccl_mpi_check(MPI_Comm_dup(parent, &mpi_), "MPI_Comm_dup");  // barrier()'s, never a user's messages
     init(id);
+    try {
+      control_ = nccl_control(parent);
+    } catch (...) {
+      release();
+      throw;
+    }
   }
   // One rank on the current device, without MPI (never initialized, never called): NCCL's own
   // one-rank communicator, the same collectives and the same kernel, so that a machine with one
@@ -120,6 +203,10 @@ class nccl_communicator {
   std::size_t rank() const noexcept { return rank_; }
   std::size_t size() const noexcept { return size_; }
   const char* name() const noexcept { return "nccl"; }
+  // The host values ranks agree on (see nccl_control): the trainer's flags, votes, loss and norm.
+  using control_type = nccl_control;
+  nccl_control& control() noexcept { return control_; }
+  static constexpr bool moves_device_memory = true;  // see device_communicator
   cudaStream_t stream() const noexcept { return stream_; }
   ncclComm_t native() const noexcept { return comm_; }
   communication_stats stats() const noexcept { return stats_; }
@@ -133,33 +220,37 @@ class nccl_communicator {
     }
     user_ = s;
   }
+  // The stream set_stream gave (nullptr: none), and forgetting it before it is destroyed (a
+  // trainer does so as it goes): collectives then follow no caller stream.
+  cudaStream_t caller_stream() const noexcept { return user_; }
+  void clear_stream() noexcept { user_ = nullptr; }
 
   // Device workspace, in bytes, the caller provides (CUB-style: ask, then pass).
   // A reduce-scatter: the N received shards.
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
     return size_ * max_shard(n, size_) * sizeof(T);
   }
   // reduce_scatter_blocks_sum: the N received blocks of at most max_block elements.
-  template <reducible T>
+  template <summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
     return size_ * max_block * sizeof(T);
   }
   // An all-reduce: a reduce-scatter's workspace, then this rank's summed shard.
-  template <reducible T>
+  template <summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
     return reduce_scatter_workspace_bytes<T>(n) + max_shard(n, size_) * sizeof(T);
   }
 
   // out (shard_of(n, size(), rank()) elements) = Σ over ranks, in rank order, of in's shard.
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
     for (std::size_t r = 0; r < size_; ++r) blocks_[r] = shard_of(n, size_, r);
     reduce_blocks(in, out, ws, ws_bytes, max_shard(n, size_));
   }
   // blocks[r]: the elements of `in` rank r receives the sum of (any ranges, the same on every
   // rank); out: blocks[rank()].size() elements, which may be in + blocks[rank()].begin.
-  template <reducible T>
+  template <summable T>
   void reduce_scatter_blocks_sum(const T* in, const shard_range* blocks, T* out, void* ws, std::size_t ws_bytes) {
     std::size_t most = 0;
     for (std::size_t r = 0; r < size_; ++r) {
@@ -190,7 +281,7 @@ class nccl_communicator {
     detail::nccl_check(ncclGroupEnd(), "ncclGroupEnd");
     end();
   }
-  template <reducible T>
+  template <summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
     const std::size_t need = all_reduce_workspace_bytes<T>(n);
     detail::check_workspace(ws, ws_bytes, need);
@@ -244,7 +335,7 @@ class nccl_communicator {
 
   // blocks_ set: the all-to-all of every rank's blocks into ws (slot r: rank r's part of this
   // rank's block, `most` elements apart), then their rank-order sum into out.
-  template <reducible T>
+  template <summable T>
   void reduce_blocks(const T* in, T* out, void* ws, std::size_t ws_bytes, std::size_t most) {
     detail::check_workspace(ws, ws_bytes, size_ * most * sizeof(T));
     const shard_range mine = blocks_[rank_];
@@ -305,7 +396,8 @@ class nccl_communicator {
   MPI_Comm mpi_ = MPI_COMM_NULL;
   communication_stats stats_{};
   std::vector<shard_range> blocks_;  // each rank's block of the reduce-scatter in flight
+  nccl_control control_;
 };
-static_assert(communicator<nccl_communicator>);
+static_assert(device_communicator<nccl_communicator>);
 
 MEMBOUND_NAMESPACE_END

@@ -25,8 +25,10 @@
 // the host (the CPU run's bits) and uploaded, each micro-batch's ids are checked on the host and
 // uploaded into the step buffers (plan.step_buffers, planned like every other byte), and
 // checkpoints are written from host copies, in the same format: a CPU checkpoint resumes on a
-// GPU and back. One device, adamw<S> or adamw8bit<S>, local_communicator for now (static_asserts
-// say so).
+// GPU and back. adamw<S> or adamw8bit<S> (static_asserts say so). One device per rank: over
+// several ranks a split_communicator (nccl_communicator) moves the device's gradients and
+// weights on the executor's stream, its control() the host values ranks agree on; ZeRO-0 and
+// ZeRO-1, blocking (ZeRO-2's router and the overlapped exchanges work on host memory).
 //
 // Plans: the trainer runs only plans it would make itself. A plan given to it (constructor,
 // set_plan) is made again from its choices (micro-batch, accumulation, schedule, logit chunk)
@@ -532,10 +534,14 @@ class trainer {
 
  private:
   using glue = model_glue_of<backend>;
-  static_assert(on_host || std::same_as<Communicator, local_communicator>,
-                "membound: a trainer on cuda_backend runs on one device for now (local_communicator); "
-                "data parallel over NCCL ranks is not in the trainer yet: train over MPI ranks on "
-                "cpu_backend, or one GPU.");
+  // On a device the gradients and weights are device memory: only a communicator that moves
+  // device memory and agrees on host values through control() can exchange them.
+  static_assert(on_host || std::same_as<Communicator, local_communicator> || device_communicator<Communicator>,
+                "membound: a trainer on cuda_backend exchanges device memory: use local_communicator "
+                "(one GPU) or nccl_communicator from membound/nccl.cuh (one GPU per rank).");
+  static_assert(!on_host || !device_communicator<Communicator>,
+                "membound: this communicator moves device memory and a cpu_backend trainer's gradients are "
+                "host memory: use mpi_communicator from membound/mpi.hpp.");
   static_assert(on_host || std::same_as<Optimizer, adamw<S>> || is_adamw8bit_v<Optimizer>,
                 "membound: a trainer on cuda_backend steps with adamw<S> or adamw8bit<S, Block> (their "
                 "device kernels); other optimizer policies run on cpu_backend.");
@@ -568,6 +574,7 @@ class trainer {
         scaler_(o_.scaler), comm_(comm) {
     m_.check(eff_);
     check_options(o_);
+    follow_stream();
     check_world();
     opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     // Each tensor's part in this rank's optimizer range, relative to its start.
@@ -642,6 +649,7 @@ class trainer {
   // ---- One optimizer step ---------------------------------------------------------------------
   template <sequence_source Source>
   step_result step(Source& source) {
+    follow_stream();
     const auto t0 = std::chrono::steady_clock::now();
     step_result r;
     r.step = steps_ + 1;
@@ -779,6 +787,7 @@ class trainer {
   // removes its previous shard only once the new manifest is committed). A failure on any rank
   // is thrown on every rank.
   void save(const std::string& path) const {
+    follow_stream();
     if (sharded()) {
       save_shards(path);
       return;
@@ -810,6 +819,7 @@ class trainer {
   // one found after the ranks agreed to commit (an optimizer value out of range, which the CRC
   // cannot catch) can leave ranks loaded and others not, and says so.
   bool load(const std::string& path) {
+    follow_stream();
     if (sharded()) return load_shards(path);
     const checkpoint_reader r(path);
     check_format(r, path);
@@ -825,6 +835,7 @@ class trainer {
   // what others hold. A refused plan changes nothing. Over ranks a collective (every rank calls it
   // between the same steps): when one rank cannot fit the plan, every rank refuses it.
   void set_plan(training_plan p) {
+    follow_stream();
     // Each rank judges the plan against its own pool and budget; over ranks all refuse together
     // (a rank adopting a plan the others refused would run a different step), and a rank whose
     // check throws still joins the exchange, so that nobody waits in it forever.
@@ -839,7 +850,7 @@ class trainer {
     if (world() > 1) {
       std::vector<std::uint64_t> all(world(), 0);
       all[comm_.rank()] = failed ? 0 : 1;
-      comm_.all_gather(static_cast<const std::uint64_t*>(all.data() + comm_.rank()), all.data(), world());
+      ctl().all_gather(static_cast<const std::uint64_t*>(all.data() + comm_.rank()), all.data(), world());
       if (failed) std::rethrow_exception(failed);
       for (std::size_t r = 0; r < world(); ++r) {
         if (all[r] != 0) continue;
@@ -894,7 +905,7 @@ class trainer {
     std::vector<std::uint64_t> all(fields * N);
     const rank_memory mine = memory();
     std::memcpy(all.data() + fields * me, &mine, sizeof mine);
-    if (N > 1) comm_.all_gather(static_cast<const std::uint64_t*>(all.data() + fields * me), all.data(), all.size());
+    if (N > 1) ctl().all_gather(static_cast<const std::uint64_t*>(all.data() + fields * me), all.data(), all.size());
     std::vector<rank_memory> out(N);
     std::memcpy(static_cast<void*>(out.data()), all.data(), all.size() * sizeof(std::uint64_t));
     return out;
@@ -958,6 +969,8 @@ class trainer {
   const random_state& rng() const noexcept { return rng_; }
   const loss_scaler& scaler() const noexcept { return scaler_; }
   bool loss_scaling_on() const noexcept { return scaling_; }
+  // On a device: written in the executor's stream order (a step's or load's last all-gather may
+  // still run); read them on that stream, or after synchronizing it.
   const S* weights() const noexcept { return w_; }
   S* weights() noexcept { return w_; }
   std::size_t parameter_elements() const noexcept { return n_; }
@@ -1089,7 +1102,7 @@ class trainer {
     const std::size_t N = world(), me = comm_.rank();
     std::vector<std::uint64_t> flags(N, 0);
     flags[me] = failed ? 1 : 0;
-    comm_.all_gather(static_cast<const std::uint64_t*>(flags.data() + me), flags.data(), N);
+    ctl().all_gather(static_cast<const std::uint64_t*>(flags.data() + me), flags.data(), N);
     if (failed) std::rethrow_exception(failed);
     for (std::size_t r = 0; r < N; ++r) {
       if (flags[r] != 0) throw rank_failed(r, N, what);
@@ -1113,7 +1126,13 @@ class trainer {
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
-      write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S), opt_);
+      if constexpr (on_host) {
+        write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S), opt_);
+      } else {
+        const host_bytes w = to_host(w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+        const host_bytes state = to_host(opt_, opt_bytes());
+        write_state(cw, w.data(), opt_shard_.size() * sizeof(S), state.data());
+      }
       cw.commit(file);
     } catch (...) {
       failed = std::current_exception();
@@ -1367,6 +1386,17 @@ class trainer {
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
+    if constexpr (!on_host) {
+      // A collective (ZeRO-1's all-gather into w_) may still be writing: done before the bytes go.
+      try {
+        ex_.synchronize();
+      } catch (...) {  // a sticky device error: the frees below report nothing either
+      }
+    }
+    // The executor's stream may go before the communicator: it must not keep ordering against it.
+    if constexpr (requires { comm_.clear_stream(); comm_.caller_stream() == ex_.stream(); }) {
+      if (comm_.caller_stream() == ex_.stream()) comm_.clear_stream();
+    }
     if (sb_ != nullptr) alloc_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
     sb_ = nullptr;
     if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
@@ -1389,7 +1419,7 @@ class trainer {
       rank_status_[3 * me] = status;
       rank_status_[3 * me + 1] = plan_.budgeted_peak();
       rank_status_[3 * me + 2] = start_room_;  // the budget less what others held, before our allocations
-      comm_.all_gather(rank_status_.data() + 3 * me, rank_status_.data(), rank_status_.size());
+      ctl().all_gather(rank_status_.data() + 3 * me, rank_status_.data(), rank_status_.size());
       for (std::size_t r = 0; r < world(); ++r) {
         const std::uint64_t st = rank_status_[3 * r];
         if (st == start_ok) continue;
@@ -1795,7 +1825,7 @@ class trainer {
         exchange_all();
       }
       // The loss: one double, through a buffer made once at construction (a few dozen bytes).
-      comm_.all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
+      ctl().all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
       return loss;
     } else {
       return loss;  // check_world refused more than one rank
@@ -2139,31 +2169,44 @@ class trainer {
   // order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
   // both stages clip by the same bits.
   double gradient_norm() {
-    if constexpr (!on_host) {
-      return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
-    } else {
-      return host_gradient_norm();
-    }
-  }
-  double host_gradient_norm() {
     const std::size_t N = world();
-    if (N == 1) return global_norm(g_, n_, ex_);
+    if (N == 1) {
+      if constexpr (on_host) return global_norm(g_, n_, ex_);
+      else return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
+    }
     const std::size_t me = comm_.rank();
     if (sharded()) {
-      norm_parts_[me] = sum_squares(opt_grads(), opt_shard_.size(), ex_);
-      comm_.all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
+      norm_parts_[me] = shard_sum_squares(opt_grads(), opt_shard_.size());
+      ctl().all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
     } else {
       for (std::size_t r = 0; r < N; ++r) {
         const shard_range s = shard_of(n_, N, r);
-        norm_parts_[r] = sum_squares(g_ + s.begin, s.size(), ex_);
+        norm_parts_[r] = shard_sum_squares(g_ + s.begin, s.size());
       }
     }
     double sum = 0;
     for (const double v : norm_parts_) sum += v;
     return std::sqrt(sum);
   }
+  // Σ g² over one shard, in double (the device's fixed-shape reduction there).
+  double shard_sum_squares(const S* g, std::size_t count) {
+    if constexpr (on_host) return sum_squares(g, count, ex_);
+    else return glue::template sum_squares<S>(ex_, g, count, sb_, step_tokens(), n_);
+  }
 
   std::size_t world() const noexcept { return comm_.size(); }
+  // A device communicator orders each collective after the work enqueued on the stream it
+  // follows and before the work enqueued after it: this trainer's executor's, set again at each
+  // entry that exchanges (trainers may share a communicator) and cleared by the destructor.
+  void follow_stream() const {
+    if constexpr (requires { comm_.set_stream(ex_.stream()); }) comm_.set_stream(ex_.stream());
+  }
+  // The communicator of the host values every rank agrees on (flags, votes, plans, the loss, the
+  // norm's parts): a split communicator's control(), else the communicator itself.
+  auto& ctl() const noexcept {
+    if constexpr (split_communicator<Communicator>) return comm_.control();
+    else return comm_;
+  }
   // This rank's share of the effective batch.
   batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq}; }
 
@@ -2179,6 +2222,16 @@ class trainer {
       throw invalid_argument("options.zero", "0 for a model with fewer parameters than ranks",
                              std::to_string(o_.zero) + " with " + std::to_string(n_) + " parameters over " + std::to_string(N) + " ranks",
                              "Use ZeRO-0 (options.zero = 0)");
+    }
+    if (!on_host && o_.zero >= 2) {
+      // ZeRO-2's router zeroes and adds its buckets on the host.
+      throw invalid_argument("options.zero", "0 or 1 on cuda_backend over more than one rank", std::to_string(o_.zero),
+                             "Use ZeRO-1 (options.zero = 1): it shards AdamW's state; ZeRO-2 runs on cpu_backend");
+    }
+    if (!on_host && o_.overlap) {
+      // The device trainer's exchanges are blocking on its stream (the overlapped ones poll on the host).
+      throw invalid_argument("options.overlap", "false on cuda_backend over more than one rank", "true",
+                             "Set overlap = false; overlapped exchanges run on cpu_backend");
     }
     if (o_.overlap && o_.zero == 0 && !overlapping_all_reduce_communicator<Communicator>) {
       throw invalid_argument("options.overlap", "a communicator that starts an all-reduce and completes it later (ZeRO-0)",
@@ -2200,7 +2253,7 @@ class trainer {
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
                              "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
-      loss_ws_.resize(comm_.template all_reduce_workspace_bytes<double>(1));
+      loss_ws_.resize(ctl().template all_reduce_workspace_bytes<double>(1));
     }
   }
 
@@ -2310,7 +2363,7 @@ class trainer {
     mine[1] = detail;
     mine[2] = usage;
     mine[3] = limit;
-    comm_.all_gather(static_cast<const std::uint64_t*>(mine), votes_.data(), votes_.size());
+    ctl().all_gather(static_cast<const std::uint64_t*>(mine), votes_.data(), votes_.size());
     for (std::size_t r = 0; r < N; ++r) {
       if (votes_[vote_fields * r] != vote_none) return r;
     }
@@ -2348,7 +2401,7 @@ class trainer {
     mine[2] = foreign;
     mine[3] = limit;
     mine[4] = limit == 0 || plan_.budgeted_peak() + foreign <= limit ? 1 : 0;
-    comm_.all_gather(static_cast<const std::uint64_t*>(mine), targets_.data(), targets_.size());
+    ctl().all_gather(static_cast<const std::uint64_t*>(mine), targets_.data(), targets_.size());
     for (std::size_t level = 0; level < 2; ++level) {
       std::uint64_t least = ~std::uint64_t{0};
       for (std::size_t r = 0; r < N; ++r) least = std::min(least, targets_[target_fields * r + level]);
@@ -2364,7 +2417,7 @@ class trainer {
           choice[5] = p->head_chunk;
         }
       }
-      comm_.broadcast(choice, 6, 0);
+      ctl().broadcast(choice, 6, 0);
       std::optional<training_plan> p;
       if (choice[0] != 0) {
         p = plan_of_choices(static_cast<std::size_t>(choice[1]), static_cast<std::size_t>(choice[2]),
@@ -2372,7 +2425,7 @@ class trainer {
                             static_cast<std::size_t>(choice[5]), static_cast<std::size_t>(mine[level]));
       }
       fits_[comm_.rank()] = p ? 1 : 0;
-      comm_.all_gather(static_cast<const std::uint64_t*>(fits_.data() + comm_.rank()), fits_.data(), N);
+      ctl().all_gather(static_cast<const std::uint64_t*>(fits_.data() + comm_.rank()), fits_.data(), N);
       if (std::all_of(fits_.begin(), fits_.end(), [](std::uint64_t f) { return f != 0; })) {
         return std::pair{std::move(*p), level == 0};
       }
@@ -2392,7 +2445,7 @@ class trainer {
     }
     const std::uint64_t* t = targets_.data() + target_fields * by;
     std::uint64_t least_peak = comm_.rank() == by ? smallest_peak() : 0;
-    comm_.broadcast(&least_peak, 1, by);
+    ctl().broadcast(&least_peak, 1, by);
     const std::size_t others = static_cast<std::size_t>(t[2]), lim = static_cast<std::size_t>(t[3]);
     throw rank_budget_too_small(by, N, lim > others ? lim - others : 0, static_cast<std::size_t>(least_peak),
                                 "the budget of " + format_bytes(lim, false) + " less " + format_bytes(others, false) +

@@ -575,14 +575,16 @@ __global__ void norm_partial_kernel(const S* g, std::size_t n, double* partial) 
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-template <int = 0>
+// Root: the norm (sqrt of the sum); else the sum of squares itself (a shard's part of a norm
+// over ranks, added to the others' on the host).
+template <bool Root = true>
 __global__ void norm_final_kernel(const double* partial, std::size_t blocks, double* norm) {
   using allreduce = block_allreduce<double, 1024>;
   __shared__ typename allreduce::storage red;
   double s = 0;
   for (std::size_t b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
   s = allreduce::run(s, op_sum{}, red);
-  if (threadIdx.x == 0) *norm = sqrt(s);
+  if (threadIdx.x == 0) *norm = Root ? sqrt(s) : s;
 }
 
 // Only ever writes 1 (every writer the same value), so the race is benign and no atomic is needed.
@@ -934,22 +936,39 @@ void adamw8bit_update(const cuda_executor& ex, S* w, const S* g, void* state, st
   cuda_executor::check_launch("adamw8bit_kernel");
 }
 
-// *norm = sqrt(Σ g²) over n values (squares summed in double), in two passes of a shape fixed by
-// n: global_norm_blocks(n) block partials, then one block over them. Scratch:
+namespace detail {
+// Σ g² in two passes of a shape fixed by n: global_norm_blocks(n) block partials in double, then
+// one block over them, writing the root of the sum (Root) or the sum itself into *out.
+template <bool Root, kernel_storage S>
+void norm_passes(const cuda_executor& ex, const S* g, std::size_t n, double* out, const char* out_name,
+                 void* workspace, std::size_t workspace_bytes) {
+  need_pointer(out, out_name);
+  if (n != 0) need_pointer(g, "g");
+  need_workspace(workspace, workspace_bytes, global_norm_workspace_bytes(n), "workspace");
+  need_aligned(workspace, alignof(double), "workspace");
+  const std::size_t blocks = global_norm_blocks(n);
+  double* partial = static_cast<double*>(workspace);
+  norm_partial_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, ex.stream()>>>(g, n, partial);
+  cuda_executor::check_launch("norm_partial_kernel");
+  norm_final_kernel<Root><<<1, 1024, 0, ex.stream()>>>(partial, blocks, out);
+  cuda_executor::check_launch("norm_final_kernel");
+}
+}  // namespace detail
+
+// *norm = sqrt(Σ g²) over n values (squares summed in double). Scratch:
 // global_norm_workspace_bytes(n). The result stays on the device for adamw_update's clipping.
 template <kernel_storage S>
 void global_norm(const cuda_executor& ex, const S* g, std::size_t n, double* norm, void* workspace,
                  std::size_t workspace_bytes) {
-  detail::need_pointer(norm, "norm");
-  if (n != 0) detail::need_pointer(g, "g");
-  detail::need_workspace(workspace, workspace_bytes, global_norm_workspace_bytes(n), "workspace");
-  detail::need_aligned(workspace, alignof(double), "workspace");
-  const std::size_t blocks = global_norm_blocks(n);
-  double* partial = static_cast<double*>(workspace);
-  detail::norm_partial_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, ex.stream()>>>(g, n, partial);
-  cuda_executor::check_launch("norm_partial_kernel");
-  detail::norm_final_kernel<><<<1, 1024, 0, ex.stream()>>>(partial, blocks, norm);
-  cuda_executor::check_launch("norm_final_kernel");
+  detail::norm_passes<true>(ex, g, n, norm, "norm", workspace, workspace_bytes);
+}
+
+// *sum = Σ g² over n values: global_norm's passes without the root (the same partials, so the
+// same bits as its square before the root): one rank's shard of a norm over ranks.
+template <kernel_storage S>
+void sum_squares(const cuda_executor& ex, const S* g, std::size_t n, double* sum, void* workspace,
+                 std::size_t workspace_bytes) {
+  detail::norm_passes<false>(ex, g, n, sum, "sum", workspace, workspace_bytes);
 }
 
 // *flag = 1 when any of n values is inf or NaN; never cleared here (clear it with
@@ -1059,6 +1078,19 @@ struct backend_kernels<cuda_backend, model_glue> {
     copy_to_host(ex, &out, norm, sizeof out);
     return out;
   }
+  // Σ g² over `count` gradients of a shard (data parallel: each rank's part of the norm), through
+  // the step buffers made for `tokens` and `n` parameters (count <= n).
+  template <typename S>
+  static double sum_squares(cuda_executor& ex, const S* g, std::size_t count, void* buffers, std::size_t tokens,
+                            std::size_t n) {
+    const gpu::step_buffer_layout l = gpu::step_buffers(tokens, n);
+    auto* base = static_cast<unsigned char*>(buffers);
+    auto* sum = reinterpret_cast<double*>(base + l.norm);
+    gpu::sum_squares(ex, g, count, sum, base + l.partials, gpu::global_norm_workspace_bytes(count));
+    double out = 0;
+    copy_to_host(ex, &out, sum, sizeof out);
+    return out;
+  }
   // AdamW (adamw<S>'s state layout, the CPU optimizer's byte for byte) over the spans of
   // [0, n), each with its own decay: the step the trainer gives cpu's Optimizer::update.
   template <typename S>
@@ -1106,6 +1138,11 @@ struct backend_kernels<cuda_backend, model_glue> {
   static void embedding_scatter(Args&&...) { needs_nvcc<A, S>(); }
   template <typename S, typename... Args>
   static double gradient_norm(Args&&...) {
+    needs_nvcc<float, S>();
+    return 0;
+  }
+  template <typename S, typename... Args>
+  static double sum_squares(Args&&...) {
     needs_nvcc<float, S>();
     return 0;
   }
