@@ -15,7 +15,7 @@
 #   # (1243 s of nvcc summed over the CUDA files on the 2-core machine: only where a call may run long)
 #
 # Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
-# NCCL communicator's test and the device trainer over NCCL, one rank, no MPI), train (the
+# NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
 # example trainer: default, the mma.sync attention kernels, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
 # bench_model (bench_cuda_*), bench_model_mma (bench_cuda_model's T = 2048 step with --attention-kernels=mma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
 # T = 2048, 8192), peer_sdpa (PyTorch's SDPA on those shapes), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,

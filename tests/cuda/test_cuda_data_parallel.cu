@@ -133,8 +133,9 @@ class board_comm {
     }
     b_.sync.arrive_and_wait();
   }
-  // Rank r's contribution, at least `bytes` of it: a rank that failed and left the board has
-  // none, and the survivors fail cleanly instead of reading past it.
+  // Rank r's contribution, at least `bytes` of it: never a read past a slot. (A rank that failed
+  // and left the board may have left a stale slot of the right size: the survivors then go on with
+  // its bytes, and the failure is reported through the thread's error.)
   const std::byte* slot(std::size_t r, std::size_t bytes) const {
     if (b_.slot[r].size() < bytes) {
       throw std::runtime_error("board: rank " + std::to_string(r) + " posted " + std::to_string(b_.slot[r].size()) +

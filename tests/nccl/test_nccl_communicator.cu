@@ -1,7 +1,9 @@
 // nccl_communicator against the rank-order sums on the host (ctest: mpiexec -n 1; any N works,
 // one GPU per rank, device = rank % device count; started without mpiexec, one rank without MPI).
 // Without a GPU it reports itself skipped (77).
-// Each collective, float and double, n = 0, 1, 3, 7, 1000, 65537: rank r's input is a function of
+// Each collective, float, double, bf16 and fp16, n = 0, 1, 3, 7, 1000, 65537 (16-bit: moved as 16
+// bits, summed in fp32 in rank order, rounded once; at one rank the sum kernel's load and store
+// must give the input back bit for bit): rank r's input is a function of
 // (r, i), so every rank computes every rank's input and the expected result (detail::ordered_sum,
 // mpi_communicator's sum), and the device result must equal it bit for bit. The collectives run
 // ordered on a stream of the test's own (set_stream), read back after synchronizing it.
@@ -33,7 +35,9 @@ void cu(cudaError_t e, const char* what) {
 template <typename T>
 T input(std::size_t r, std::size_t i) {
   // Values whose sums round: different magnitudes per rank.
-  return static_cast<T>((static_cast<double>((i * 2654435761u + r * 40503u) % 1000) - 500.0) * (r + 1) / 3.0);
+  const double v = (static_cast<double>((i * 2654435761u + r * 40503u) % 1000) - 500.0) * (r + 1) / 3.0;
+  if constexpr (mb::reducible<T>) return static_cast<T>(v);
+  else return mb::from_accum<T>(static_cast<float>(v));
 }
 
 template <typename T>
@@ -54,7 +58,7 @@ void run(mb::nccl_communicator& comm, cudaStream_t s, std::size_t n) {
   std::memcpy(mine.data(), all.data() + me * n, n * sizeof(T));
   std::vector<T> sum(n);
   if (n != 0) mb::detail::ordered_sum(all.data(), N, n, n, sum.data());
-  const std::string at = std::string(sizeof(T) == 4 ? "float" : "double") + " n=" + std::to_string(n);
+  const std::string at = std::string(mb::dtype_name<T>()) + " n=" + std::to_string(n);
 
   device_buffer<T> d(n), out(n);
   device_buffer<std::byte> ws(comm.template all_reduce_workspace_bytes<T>(n));
@@ -130,6 +134,8 @@ int main(int argc, char** argv) {
                                 std::size_t{65537}}) {
       run<float>(comm, s, n);
       run<double>(comm, s, n);
+      run<mb::bf16>(comm, s, n);  // 16 bits on the wire, summed in fp32 in rank order, rounded once
+      run<mb::fp16>(comm, s, n);
     }
     comm.barrier();
     bool refused = false;

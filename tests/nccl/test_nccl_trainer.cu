@@ -1,6 +1,12 @@
-// The device trainer over nccl_communicator (ctest: mpiexec -n 1; any N with N GPUs, device =
-// rank % device count; started without mpiexec, one rank without MPI). Without a GPU, or with
+// The device trainer over nccl_communicator (ctest: mpiexec -n 1; any N with N GPUs on one node,
+// rank r on device r; started without mpiexec, one rank without MPI). Without a GPU, or with
 // fewer GPUs than ranks (NCCL refuses two ranks on one device), it reports itself skipped (77).
+// At one rank (ctest's, and the only one any machine here can give) the trainer exchanges
+// nothing: what runs is the plumbing (the trainer's static_asserts, constructing it over NCCL,
+// setting and clearing the stream, the checkpoint round trip, the bits of one process), and the
+// multi-rank checks below compare a path with itself. The multi-rank device paths are
+// test_cuda_data_parallel's (2 ranks as threads on one GPU); NCCL's transport is
+// test_nccl_communicator's. The checks below are the ones N > 1 ranks would make:
 //   - One process (local_communicator, 4 micro-batches of 1) is the reference. N ranks run
 //     4/N micro-batches each and sum in rank order: with one rank the curve is the reference's
 //     bit for bit; with more, within 1e-5 relative per step (fp32: another order of additions,

@@ -574,7 +574,6 @@ class trainer {
         scaler_(o_.scaler), comm_(comm) {
     m_.check(eff_);
     check_options(o_);
-    follow_stream();
     check_world();
     opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     // Each tensor's part in this rank's optimizer range, relative to its start.
@@ -590,6 +589,8 @@ class trainer {
     }
     // Up to here every rank decided the same from the same arguments. From here one rank may fail
     // alone (its plan, its budget, its allocations): the ranks agree before step 1 (agree_to_start).
+    // The stream is set only now: every failure from here releases (and so clears it).
+    follow_stream();
     std::exception_ptr failed;
     std::uint64_t status = start_ok;
     try {
