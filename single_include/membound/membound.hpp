@@ -15523,7 +15523,7 @@ MEMBOUND_NAMESPACE_END
 // uploaded into the step buffers (plan.step_buffers, planned like every other byte), and
 // checkpoints are written from host copies, in the same format: a CPU checkpoint resumes on a
 // GPU and back. adamw<S> or adamw8bit<S> (static_asserts say so). One device per rank: over
-// several ranks a split_communicator (nccl_communicator) moves the device's gradients and
+// several ranks a device_communicator (nccl_communicator) moves the device's gradients and
 // weights on the executor's stream, its control() the host values ranks agree on; ZeRO-0 and
 // ZeRO-1, blocking (ZeRO-2's router and the overlapped exchanges work on host memory).
 //
@@ -17656,7 +17656,7 @@ class trainer {
   std::size_t world() const noexcept { return comm_.size(); }
   // A device communicator orders each collective after the work enqueued on the stream it
   // follows and before the work enqueued after it: this trainer's executor's, set again at each
-  // entry that exchanges (trainers may share a communicator) and cleared by the destructor.
+  // entry that exchanges (trainers may share a communicator) and cleared by release().
   void follow_stream() const {
     if constexpr (requires { comm_.set_stream(ex_.stream()); }) comm_.set_stream(ex_.stream());
   }
