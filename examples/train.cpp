@@ -51,6 +51,8 @@ namespace mb = membound;
 // both was put), else where the build wrote it. A CPU run never loads it (on a machine without an
 // NVIDIA device node, not even to look for a GPU), so it maps none of the
 // CUDA libraries (linked in, cudart and cuBLASLt took the CPU run's baseline RSS from 16 to 165 MiB).
+// Under mpirun a GPU run loads libtrain_cuda_nccl.so instead (the same source over NCCL), so that
+// a one-GPU run never needs libnccl.
 namespace train_example {
 namespace {
 struct cuda_module {
@@ -59,34 +61,44 @@ struct cuda_module {
   int (*run)(const options*, const std::vector<std::int32_t>*) = nullptr;
   std::string error;  // why it could not be loaded
 };
+cuda_module load_module(const std::string& file, const char* built_at) {
+  cuda_module c;
+  std::vector<std::string> paths;
+  char exe[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n > 0) {
+    std::string dir(exe, static_cast<std::size_t>(n));
+    paths.push_back(dir.substr(0, dir.find_last_of('/') + 1) + file);
+  }
+  if (built_at != nullptr) paths.push_back(built_at);
+  void* h = nullptr;
+  for (const std::string& p : paths) {
+    if ((h = ::dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+    const char* e = ::dlerror();
+    c.error += (c.error.empty() ? "" : "; ") + p + ": " + (e != nullptr ? e : "not loaded");
+  }
+  if (h == nullptr) return c;
+  c.present = reinterpret_cast<bool (*)()>(::dlsym(h, "membound_train_cuda_present"));
+  c.memory = reinterpret_cast<std::size_t (*)()>(::dlsym(h, "membound_train_cuda_memory"));
+  c.run = reinterpret_cast<int (*)(const options*, const std::vector<std::int32_t>*)>(
+      ::dlsym(h, "membound_train_cuda_run"));
+  if (c.present == nullptr || c.memory == nullptr || c.run == nullptr) {
+    c = cuda_module{};
+    c.error = file + " lacks its entry points (a module of another build?)";
+  }
+  return c;
+}
 const cuda_module& cuda_half() {
-  static const cuda_module m = [] {
-    cuda_module c;
-    std::vector<std::string> paths;
-    char exe[PATH_MAX];
-    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n > 0) {
-      std::string dir(exe, static_cast<std::size_t>(n));
-      paths.push_back(dir.substr(0, dir.find_last_of('/') + 1) + "libtrain_cuda.so");
-    }
-    paths.push_back(MEMBOUND_TRAIN_CUDA_MODULE);
-    void* h = nullptr;
-    for (const std::string& p : paths) {
-      if ((h = ::dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
-      const char* e = ::dlerror();
-      c.error += (c.error.empty() ? "" : "; ") + p + ": " + (e != nullptr ? e : "not loaded");
-    }
-    if (h == nullptr) return c;
-    c.present = reinterpret_cast<bool (*)()>(::dlsym(h, "membound_train_cuda_present"));
-    c.memory = reinterpret_cast<std::size_t (*)()>(::dlsym(h, "membound_train_cuda_memory"));
-    c.run = reinterpret_cast<int (*)(const options*, const std::vector<std::int32_t>*)>(
-        ::dlsym(h, "membound_train_cuda_run"));
-    if (c.present == nullptr || c.memory == nullptr || c.run == nullptr) {
-      c = cuda_module{};
-      c.error = "libtrain_cuda.so lacks its entry points (a module of another build?)";
-    }
-    return c;
-  }();
+  static const cuda_module m = load_module("libtrain_cuda.so", MEMBOUND_TRAIN_CUDA_MODULE);
+  return m;
+}
+#ifdef MEMBOUND_TRAIN_CUDA_NCCL_MODULE
+constexpr const char* nccl_module_built_at = MEMBOUND_TRAIN_CUDA_NCCL_MODULE;
+#else
+constexpr const char* nccl_module_built_at = nullptr;  // not configured: NCCL or MPI was not found
+#endif
+const cuda_module& cuda_ranks_half() {
+  static const cuda_module m = load_module("libtrain_cuda_nccl.so", nccl_module_built_at);
   return m;
 }
 }  // namespace
@@ -98,6 +110,18 @@ bool cuda_device_present() {
 }
 std::size_t cuda_device_memory() { return cuda_half().memory(); }
 int run_on_device(const options& o, const std::vector<std::int32_t>& text) { return cuda_half().run(&o, &text); }
+int run_on_device_ranks(const options& o, const std::vector<std::int32_t>& text) {
+  const cuda_module& m = cuda_ranks_half();
+  if (m.run == nullptr) {
+    throw mb::invalid_argument("--device", "cpu under mpirun, or cuda with the NCCL module (libtrain_cuda_nccl.so)",
+                               "cuda under mpirun, whose module could not be loaded: " +
+                                   (m.error.empty() ? std::string("none was built") : m.error),
+                               nccl_module_built_at != nullptr
+                                   ? "Build it (cmake --build build/release --target train_cuda_nccl), or pass --device cpu"
+                                   : "This build found no NCCL (or no MPI) at configure time: pass --device cpu");
+  }
+  return m.run(&o, &text);
+}
 }  // namespace train_example
 #endif
 
@@ -611,16 +635,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
     }
     // --stop-after always saves where it stops, so that --resume can continue.
     if (saver) save_if_due(t, o, r.step, stop, bar);
-    // A test hook (tests/mpi/killed_rank.py): MEMBOUND_EXAMPLE_KILL=RANK:STEP makes that rank
-    // SIGKILL itself after that step (after its save, if any), as kill -9 would.
-    if (const char* kill_at = std::getenv("MEMBOUND_EXAMPLE_KILL"); kill_at != nullptr) {
-      unsigned long long kr = 0, ks = 0;
-      if (std::sscanf(kill_at, "%llu:%llu", &kr, &ks) == 2 && kr == world.rank() && ks == r.step) {
-        std::fprintf(stderr, "MEMBOUND_EXAMPLE_KILL: rank %llu kills itself after step %llu\n", kr, ks);
-        std::fflush(stderr);
-        ::kill(::getpid(), SIGKILL);
-      }
-    }
+    kill_if_asked(world.rank(), r.step);
   }
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
@@ -785,18 +800,19 @@ int main(int argc, char** argv) {
 #endif
     // Rank 0 prints; the others' lines would repeat it (errors still reach stderr from every rank).
     if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
-    if (o.device == "cuda") {
-      if (world.size() > 1) {
-        throw mb::invalid_argument("--device", "cpu under mpirun", "cuda with " + std::to_string(world.size()) + " ranks",
-                                   "This example trains on one GPU; data parallel training on GPUs is the library's "
-                                   "trainer with nccl_communicator (membound/nccl.cuh, tests/nccl/test_nccl_trainer.cu). "
-                                   "Train on one GPU, or over MPI ranks with --device cpu");
-      }
-#if MEMBOUND_EXAMPLE_CUDA
-      return run_on_device(o, text);
-#endif
-    }
     try {
+#if MEMBOUND_EXAMPLE_CUDA
+      if (o.device == "cuda") {
+        // Under mpirun (any -np) or when MEMBOUND_EXAMPLE_NCCL=1 asks for it: a GPU per rank over
+        // NCCL (libtrain_cuda_nccl.so); else one GPU.
+        const char* nccl = std::getenv("MEMBOUND_EXAMPLE_NCCL");
+        bool over_ranks = world.size() > 1 || (nccl != nullptr && std::string(nccl) == "1");
+#if MEMBOUND_EXAMPLE_MPI
+        over_ranks = over_ranks || mpi.has_value();
+#endif
+        return over_ranks ? run_on_device_ranks(o, text) : run_on_device(o, text);
+      }
+#endif
       // adamw8bit's default block (2048), named by a one-parameter template.
       const auto with = [&]<template <typename> class Opt>() {
         if (o.precision == "bf16") return run<mb::bf16_precision, Opt>(o, text, world);

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -202,6 +204,19 @@ void save_if_due(Trainer& t, const options& o, std::uint64_t step, std::uint64_t
   bar.note("saved " + o.checkpoint);
 }
 
+// A test hook (tests/mpi/killed_rank.py): MEMBOUND_EXAMPLE_KILL=RANK:STEP makes that rank
+// SIGKILL itself after that step (after its save, if any), as kill -9 would.
+inline void kill_if_asked(std::size_t rank, std::uint64_t step) {
+  const char* kill_at = std::getenv("MEMBOUND_EXAMPLE_KILL");
+  if (kill_at == nullptr) return;
+  unsigned long long kr = 0, ks = 0;
+  if (std::sscanf(kill_at, "%llu:%llu", &kr, &ks) == 2 && kr == rank && ks == step) {
+    std::fprintf(stderr, "MEMBOUND_EXAMPLE_KILL: rank %llu kills itself after step %llu\n", kr, ks);
+    std::fflush(stderr);
+    ::kill(::getpid(), SIGKILL);
+  }
+}
+
 // --sample: o.sample bytes drawn at temperature 0.8 from 32 bytes of `val` on, each from
 // logits_of(ids, T, logits) (the last T ≤ max_T ids; 256 logits), with the run's seed.
 template <typename Logits>
@@ -250,5 +265,8 @@ bool cuda_device_present();
 std::size_t cuda_device_memory();
 // The run on the GPU: the same flags, plan table, step line, report and trace as the CPU run.
 int run_on_device(const options& o, const std::vector<std::int32_t>& text);
+// The same over ranks, one GPU each (libtrain_cuda_nccl.so: NCCL between the GPUs); refused with
+// the target to build where that module is missing.
+int run_on_device_ranks(const options& o, const std::vector<std::int32_t>& text);
 
 }  // namespace train_example

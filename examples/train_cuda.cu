@@ -13,6 +13,16 @@
 //   ./build/release/examples/train --device cuda                    # 12 blocks, width 768, bf16, 8 GiB
 //   ./build/release/examples/train --device cuda --budget 0.9 --seq 8192
 //   ./build/release/examples/train --device cuda --steps 60 --foreign 2GiB@30 --trace t.json
+//
+// Built twice: libtrain_cuda.so trains on one GPU (local_communicator); libtrain_cuda_nccl.so
+// (target train_cuda_nccl, where NCCL and MPI were found) is what train loads under mpirun: one
+// GPU per rank (the rank's place on its node picks the device), nccl_communicator over the ranks
+// with --timeout as its watchdog's, each rank planning for its share of the sequences and, with
+// --zero 1, its shard of the optimizer state. A separate module so that a one-GPU run never needs
+// libnccl. MEMBOUND_EXAMPLE_NCCL=1 makes a process without mpirun load it too (one rank, NCCL's
+// one-process communicator: how a machine with one GPU and no mpirun runs that path).
+//
+//   mpirun -np 2 ./build/release/examples/train --device cuda --zero 1 --timeout 120
 #include <cuda_runtime_api.h>
 
 #include <nlohmann/json.hpp>
@@ -27,6 +37,9 @@
 #include <vector>
 
 #include "membound/backend/cuda.cuh"
+#if MEMBOUND_TRAIN_CUDA_NCCL
+#include "membound/nccl.cuh"
+#endif
 #include "train_common.hpp"
 
 namespace train_example {
@@ -48,14 +61,14 @@ class foreign_block {
 };
 
 // --seq max: the largest T, a multiple of 256, whose step fit() places in the budget (reserve
-// included) with o.batch sequences, no longer than the validation text allows. Plans grow with
-// T, so a bisection over T / 256 finds it; 0 when not even 256 fits.
+// included) with `batch` sequences (this rank's share), no longer than the validation text
+// allows. Plans grow with T, so a bisection over T / 256 finds it; 0 when not even 256 fits.
 template <typename Model>
-std::size_t largest_fitting_seq(const Model& m, const options& o, std::size_t budget, const mb::fit_options& fo,
+std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t budget, const mb::fit_options& fo,
                                 std::size_t text_bytes) {
   const auto fits = [&](std::size_t T) {
     try {
-      (void)mb::fit(m, {o.batch, T}, budget, fo);
+      (void)mb::fit(m, {batch, T}, budget, fo);
       return true;
     } catch (const mb::budget_too_small&) {
       return false;
@@ -73,8 +86,9 @@ std::size_t largest_fitting_seq(const Model& m, const options& o, std::size_t bu
 }
 
 // Opt: the optimizer policy for P's storage (--optimizer): adamw or adamw8bit<S, 2048>.
-template <typename P, template <typename> class Opt>
-int run_device(const options& given, const std::vector<std::int32_t>& text) {
+// Comm: local_communicator (one GPU) or nccl_communicator (a GPU per rank).
+template <typename P, template <typename> class Opt, typename Comm>
+int run_device(const options& given, const std::vector<std::int32_t>& text, Comm& world) {
   options o = given;  // --seq max settles o.seq below
   using B = mb::cuda_backend;
   using net = mb::model<mb::embedding<P>,
@@ -91,6 +105,25 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
   const int device = mb::cuda_current_device();
+  // Data parallel: each rank plans and runs its share of every step's sequences; with --zero 1
+  // it plans for its shard of the optimizer state. The device exchange is blocking ZeRO-0/1.
+  const std::size_t N = world.size();
+  if (o.batch % N != 0) {
+    throw mb::invalid_argument("--batch", "a multiple of the " + std::to_string(N) + " ranks", std::to_string(o.batch),
+                               "Give every rank an equal share of the sequences per step");
+  }
+  if (N > 1 && o.zero == 2) {
+    throw mb::invalid_argument("--zero", "0 or 1 with --device cuda over ranks", "2",
+                               "ZeRO-2 runs on CPU ranks (--device cpu); on GPUs pass --zero 1");
+  }
+  if (N > 1 && o.overlap != 0) {
+    throw mb::invalid_argument("--overlap", "0 with --device cuda over ranks", "1",
+                               "The overlapped exchange runs on CPU ranks (--device cpu); on GPUs it is blocking: "
+                               "pass --overlap 0");
+  }
+  const bool sharded = o.zero >= 1 && N > 1;
+  const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
+  const std::size_t share = o.batch / N;
 
   // Outside the stack, measured once: the context (and whatever others held then), then what the
   // executor's stream and cuBLASLt handle add.
@@ -144,29 +177,33 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
-    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, o, stack_budget, fo, text.size()); });
+    fo.optimizer_elements = shard;
+    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, share, stack_budget, fo, text.size()); });
     if (o.seq == 0) {
       throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget less the " +
                                               mb::format_bytes(held, false) + " held outside the stack",
                                  "none fits", "Raise --budget, or lower --batch or --width");
     }
     std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s (the budget %s less %s "
-                "held outside the stack) with %zu sequences per step\n",
+                "held outside the stack) with %zu sequences per step%s\n",
                 o.seq, mb::format_bytes(stack_budget, false).c_str(), mb::format_bytes(budget, false).c_str(),
-                mb::format_bytes(held, false).c_str(), o.batch);
+                mb::format_bytes(held, false).c_str(), share, N > 1 ? " on each rank" : "");
   }
   const mb::batch_shape eff{o.batch, o.seq};
+  const mb::batch_shape rank_share{share, o.seq};
 
   mb::training_plan plan = under_flags(o, [&] { return beside_held([&] {
     if (!o.fixed_schedule) {
       mb::fit_options fo;
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<optimizer>();
-      return mb::fit(m, eff, stack_budget, fo);
+      fo.optimizer_elements = shard;
+      return mb::fit(m, rank_share, stack_budget, fo);
     }
     mb::plan_options po;
     po.optimizer_policy = mb::optimizer_of<optimizer>();
-    mb::training_plan p = mb::make_plan(m, eff, *o.fixed_schedule, po, stack_budget);
+    po.optimizer_elements = shard;
+    mb::training_plan p = mb::make_plan(m, rank_share, *o.fixed_schedule, po, stack_budget);
     p.reserved_peak = reserve(p);
     if (!p.fits()) throw mb::budget_too_small(stack_budget, p.budgeted_peak());
     return p;
@@ -185,6 +222,13 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
               o.width, o.heads, o.precision.c_str(), m.parameter_count());
   std::printf("attention kernels: %s (--attention-kernels %s)\n", attention_ran.c_str(), o.attention_kernels.c_str());
   std::printf("%s\n", plan.table().c_str());
+  if (N > 1) {
+    std::printf("data parallel: %zu ranks (%s, one GPU each), %zu of the %zu sequences per step each; %s; the plan "
+                "above is rank 0's, each rank's line follows\n",
+                N, world.name(), share, o.batch,
+                sharded ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
+                        : "every rank holds the whole model and optimizer state (ZeRO-0)");
+  }
   if (o.plan_only == 1) return 0;  // the plan (and --seq max's length) is what was asked for
 
   const mb::pressure_thresholds thresholds{};
@@ -197,11 +241,17 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
   to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
   to.clip = o.clip;
   to.seed = o.seed;
-  to.replan_under_pressure = true;
+  to.replan_under_pressure = true;  // over ranks the ranks agree on the retry and the stricter plan
+  to.zero = o.zero;
   using monitor = mb::foreign_memory_monitor<mb::pressure_monitor<mb::all_check_points>, mb::device_others_probe>;
-  mb::trainer<net, stack, monitor, mb::local_communicator, optimizer> t(m, eff, plan, alloc, ex, to,
-                                     monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
-                                             mb::device_others_probe{device}));
+  mb::trainer<net, stack, monitor, Comm, optimizer> t(m, eff, plan, alloc, ex, to,
+                                                      monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
+                                                              mb::device_others_probe{device}),
+                                                      world);
+  const bool writer = world.rank() == 0;  // the report and trace: rank 0's
+  // ZeRO-1 checkpoints are a collective: every rank writes its shard, rank 0 the manifest.
+  const bool saver = writer || sharded;
+  if (N > 1) std::printf("%s\n", mb::rank_memory_table(t.memory_of_ranks()).c_str());  // a collective
   t.monitor().inner().attach(recorder);
   resume_from(t, o);
 
@@ -244,7 +294,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
       last_eval = eval();
       bar.note(eval_line(r.step, o, last_eval));
     }
-    save_if_due(t, o, r.step, stop, bar);
+    if (saver) save_if_due(t, o, r.step, stop, bar);
+    kill_if_asked(world.rank(), r.step);
   }
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
@@ -294,7 +345,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
                 static_cast<double>(tokens_done) / (total_ms / 1000.0), flops / step_s / 1e12,
                 100.0 * flops / step_s / 989e12);
   }
-  if (!o.report.empty()) {
+  if (writer && !o.report.empty()) {
     const mb::training_plan& p = t.plan();
     nlohmann::json j;
     j["device"] = prop.name;
@@ -308,6 +359,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
     j["reserved_max_after_first_step_bytes"] = reserved_max_later;
     j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
     j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
+    j["ranks"] = N;
+    j["zero"] = sharded ? 1 : 0;
     j["steps"] = t.steps_done();
     j["final_train_loss"] = last_loss;
     j["initial_eval_loss"] = first_eval;
@@ -336,11 +389,43 @@ int run_device(const options& given, const std::vector<std::int32_t>& text) {
                      {"monitor", "foreign_memory_monitor<pressure_monitor<all_check_points>, device_others_probe>"}};
     cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
-  if (!o.trace.empty()) {
+  if (writer && !o.trace.empty()) {
     cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
   }
   return requested_ok && reserve_ok ? 0 : 3;
 }
+
+#if MEMBOUND_TRAIN_CUDA_NCCL
+// The ranks of this run, one GPU each: under mpirun (train initialized MPI) MPI_COMM_WORLD's, the
+// rank's place among the ranks of its node picking the device; without MPI one rank over NCCL's
+// one-process communicator. Made before the plan, so NCCL's own device memory is among what the
+// budget counts outside the stack.
+mb::nccl_communicator& gpu_ranks(const options& o, std::optional<mb::nccl_communicator>& made) {
+  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::seconds(o.timeout));
+  int ready = 0;
+  if (MPI_Initialized(&ready) != MPI_SUCCESS || ready == 0) {
+    made.emplace(mb::single_process, timeout);
+    return *made;
+  }
+  MPI_Comm node = MPI_COMM_NULL;
+  int local = 0, on_node = 1;
+  const bool placed = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS &&
+                      MPI_Comm_rank(node, &local) == MPI_SUCCESS && MPI_Comm_size(node, &on_node) == MPI_SUCCESS;
+  if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+  if (!placed) throw mb::communication_error("MPI_Comm_split_type", 0, "could not find this rank's place on its node");
+  int devices = 0;
+  mb::cuda_check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  if (on_node > devices) {  // the same on every rank of the node: they all stop here
+    throw mb::invalid_argument("mpirun -np", "at most one rank per GPU of a node (" + std::to_string(devices) + " here)",
+                               std::to_string(on_node) + " ranks on this node",
+                               "Start at most " + std::to_string(devices) + " ranks per node, or train on CPU ranks "
+                               "with --device cpu");
+  }
+  mb::cuda_check(cudaSetDevice(local), "cudaSetDevice");
+  made.emplace(MPI_COMM_WORLD, timeout);
+  return *made;
+}
+#endif
 
 int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) {
   if (o.precision == "fp16") {
@@ -350,12 +435,33 @@ int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) 
   // The attention kernels for this process (read at each launch); fp32 ignores the choice.
   mb::gpu::attention_kernel_choice() = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
                                                                     : mb::gpu::attention_kernels::simt_wmma;
+#if MEMBOUND_TRAIN_CUDA_NCCL
+  std::optional<mb::nccl_communicator> made;
+  mb::nccl_communicator& world = gpu_ranks(o, made);
+#else
+  mb::local_communicator world;
+#endif
   const auto with = [&]<template <typename> class Opt>() {
-    if (o.precision == "bf16") return run_device<mb::bf16_precision, Opt>(o, text);
-    return run_device<mb::fp32_precision, Opt>(o, text);
+    if (o.precision == "bf16") return run_device<mb::bf16_precision, Opt>(o, text, world);
+    return run_device<mb::fp32_precision, Opt>(o, text, world);
   };
+#if MEMBOUND_TRAIN_CUDA_NCCL
+  try {
+    if (o.optimizer == "adamw8bit") return with.template operator()<adamw8bit_2048>();
+    return with.template operator()<mb::adamw>();
+  } catch (const std::exception& e) {
+    // The other ranks may wait in a collective this rank will never join: end them all here,
+    // before the communicator's destructor (without a timeout it would wait for them forever).
+    if (world.size() > 1) {
+      std::fprintf(stderr, "error: rank %zu: %s\n", world.rank(), cli_checks::one_line(e.what()).c_str());
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    throw;
+  }
+#else
   if (o.optimizer == "adamw8bit") return with.template operator()<adamw8bit_2048>();
   return with.template operator()<mb::adamw>();
+#endif
 }
 
 }  // namespace

@@ -113,7 +113,8 @@ if [[ -n "$build_arch" ]]; then
     timeout "$limit" cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBOUND_REQUIRE_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="$build_arch-real" > "$work/configure.log" 2>&1 || exit 1
     # The NCCL test exists only where MPI and NCCL were found.
-    ninja -C "$bdir" -t targets all 2> /dev/null | grep -q '^test_nccl_communicator:' && targets+=(test_nccl_communicator test_nccl_trainer)
+    ninja -C "$bdir" -t targets all 2> /dev/null | grep -q '^test_nccl_communicator:' &&
+      targets+=(test_nccl_communicator test_nccl_trainer train_cuda_nccl)
     l=$(left)
     ((l >= 10)) || exit 1
     timeout "$l" cmake --build "$bdir" -j "$(nproc)" --target "${targets[@]}" train train_cuda > "$work/build.log" 2>&1
@@ -123,7 +124,7 @@ if [[ -n "$build_arch" ]]; then
   if wait "$builder"; then
     mkdir -p "$prebuilt"
     find "$bdir/tests" "$bdir/bench" "$bdir/examples" -maxdepth 1 -type f \( -name 'test_cuda_*' -o \
-      -name 'test_nccl_*' -o -name 'bench_cuda_*' -o -name train -o -name libtrain_cuda.so \) \
+      -name 'test_nccl_*' -o -name 'bench_cuda_*' -o -name train -o -name 'libtrain_cuda*.so' \) \
       -exec cp {} "$prebuilt/" \;
     printf '%-40s %s in %d s\n' "build (sm $build_arch)" "ok" $((SECONDS - t0)) | tee -a "$work/summary.txt"
     pack
@@ -217,6 +218,16 @@ PY
             printf '%-40s %s\n' "$t" "not built (it needs MPI and NCCL where it is compiled)" | tee -a "$work/summary.txt"
           fi
         done
+        # The timeout's watchdog (a collective held past a 200 ms deadline), then the example's
+        # NCCL module at one rank (MEMBOUND_EXAMPLE_NCCL=1: no mpirun needed) with ZeRO-1 and a timeout.
+        if [[ -x "$prebuilt/test_nccl_communicator" ]]; then
+          LD_LIBRARY_PATH="$(dirname "$nccl"):$LD_LIBRARY_PATH" step test_nccl_watchdog 60 \
+            "$prebuilt/test_nccl_communicator" --watchdog
+        fi
+        if [[ -f "$prebuilt/libtrain_cuda_nccl.so" ]]; then
+          MEMBOUND_EXAMPLE_NCCL=1 LD_LIBRARY_PATH="$(dirname "$nccl"):$LD_LIBRARY_PATH" step train_nccl 120 \
+            "$prebuilt/train" "${train[@]}" --steps 10 --zero 1 --timeout 60 --report "$work/train_nccl.json"
+        fi
       fi ;;
     profile)
       # Where one micro-batch of the model (B = 1, T = 2048) spends its GPU time, kernel by kernel

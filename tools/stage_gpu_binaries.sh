@@ -17,7 +17,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITEC
 targets=(train)
 for f in tests/cuda/test_*.cu bench/bench_cuda_*.cu; do targets+=("$(basename "$f" .cu)"); done
 if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^test_nccl_communicator:'; then
-  targets+=(test_nccl_communicator test_nccl_trainer)
+  targets+=(test_nccl_communicator test_nccl_trainer train_cuda_nccl)
 fi
 ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"
 bash tools/stage_device_deps.sh
@@ -29,6 +29,7 @@ for t in "${targets[@]}"; do
   done
 done
 cp "$build/examples/libtrain_cuda.so" "$bin/"
+if [[ -f "$build/examples/libtrain_cuda_nccl.so" ]]; then cp "$build/examples/libtrain_cuda_nccl.so" "$bin/"; fi
 # The Debian libraries the binaries load that a GPU image may lack: an allow-list (OpenMPI's, for
 # train, which links MPI and initializes it only under mpirun; hwloc, libevent, libudev beneath it), so
 # that nothing of the driver's, CUDA's or the system's shadows the GPU machine's own.

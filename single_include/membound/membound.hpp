@@ -17661,8 +17661,12 @@ class trainer {
     if constexpr (requires { comm_.set_stream(ex_.stream()); }) comm_.set_stream(ex_.stream());
   }
   // The communicator of the host values every rank agrees on (flags, votes, plans, the loss, the
-  // norm's parts): a split communicator's control(), else the communicator itself.
-  auto& ctl() const noexcept {
+  // norm's parts): a split communicator's control(), else the communicator itself. A device
+  // communicator's collectives return before their data moved, so one whose watchdog aborted a
+  // collective (nccl_communicator with a timeout) says so here, before a host value built on its
+  // data is exchanged (and before the optimizer step that would use it).
+  auto& ctl() const {
+    if constexpr (requires { comm_.check(); }) comm_.check();
     if constexpr (split_communicator<Communicator>) return comm_.control();
     else return comm_;
   }

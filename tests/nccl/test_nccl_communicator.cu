@@ -7,11 +7,24 @@
 // (r, i), so every rank computes every rank's input and the expected result (detail::ordered_sum,
 // mpi_communicator's sum), and the device result must equal it bit for bit. The collectives run
 // ordered on a stream of the test's own (set_stream), read back after synchronizing it.
+//
+// `--watchdog` (ctest test_nccl_communicator_watchdog, one process without MPI): the same checks
+// through a communicator with a timeout (non-blocking NCCL and the watchdog thread: the same
+// bits), then a collective that cannot finish in time: the caller's stream holds a kernel that
+// sleeps 1.5 s, standing in for a peer that never joins (one rank has no peer to lose), under a
+// 200 ms timeout. Required: 500 ms after the enqueue the communicator is already marked failed
+// (usable() false, while the collective still waits behind the kernel: it is aborted only once
+// it reaches the device), synchronize() throws collective_timeout, every later call
+// communication_error, and the destructor returns. At one rank the
+// collective launches no NCCL kernel (the all-to-all has no peer), so this checks the watchdog and
+// the abort's bookkeeping, not that NCCL's kernels return when aborted (that needs two GPUs).
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "membound/nccl.cuh"
@@ -99,6 +112,78 @@ void run(mb::nccl_communicator& comm, cudaStream_t s, std::size_t n) {
   check(std::equal(back.begin(), back.end(), all.begin() + static_cast<std::ptrdiff_t>((N - 1) * n)), "broadcast " + at);
 }
 
+// Sleeps on the device for ns nanoseconds (the %globaltimer clock).
+__global__ void hold(unsigned long long ns) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(100000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+void all_types(mb::nccl_communicator& comm, cudaStream_t s) {
+  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{1000},
+                              std::size_t{65537}}) {
+    run<float>(comm, s, n);
+    run<double>(comm, s, n);
+    run<mb::bf16>(comm, s, n);  // 16 bits on the wire, summed in fp32 in rank order, rounded once
+    run<mb::fp16>(comm, s, n);
+  }
+}
+
+void watchdog(cudaStream_t s) {
+  {
+    mb::nccl_communicator comm(mb::single_process, std::chrono::milliseconds(5000));
+    comm.set_stream(s);
+    all_types(comm, s);
+    check(comm.usable(), "no collective timed out within 5 s");
+  }
+  mb::nccl_communicator comm(mb::single_process, std::chrono::milliseconds(200));
+  comm.set_stream(s);
+  const std::size_t n = 1000;
+  device_buffer<float> d(n);
+  device_buffer<std::byte> ws(comm.template all_reduce_workspace_bytes<float>(n));
+  cu(cudaMemsetAsync(d.p, 0, n * sizeof(float), s), "cudaMemsetAsync");
+  hold<<<1, 1, 0, s>>>(1500ull * 1000 * 1000);
+  cu(cudaGetLastError(), "hold<<<>>>");
+  const auto t0 = std::chrono::steady_clock::now();
+  comm.all_reduce_sum(d.p, n, ws.p, comm.template all_reduce_workspace_bytes<float>(n));  // returns at once
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  check(!comm.usable(), "marked failed at its deadline, while still queued behind the caller's kernel");
+  std::string first = "nothing";
+  try {
+    comm.synchronize();
+  } catch (const mb::collective_timeout& e) {
+    first = "collective_timeout";
+    check(e.timeout() == std::chrono::milliseconds(200), "the timeout it names is the communicator's");
+  } catch (const std::exception& e) {
+    first = e.what();
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  check(first == "collective_timeout", "a collective past its deadline: collective_timeout from synchronize(), got " +
+                                           first + " after " + std::to_string(waited) + " s");
+  check(!comm.usable(), "the communicator is unusable after a timeout");
+  std::string later = "nothing";
+  try {
+    comm.all_reduce_sum(d.p, n, ws.p, comm.template all_reduce_workspace_bytes<float>(n));
+  } catch (const mb::collective_timeout&) {
+    later = "collective_timeout again";
+  } catch (const mb::communication_error&) {
+    later = "communication_error";
+  }
+  check(later == "communication_error", "a later collective: communication_error (unusable), got " + later);
+  bool checked = false;
+  try {
+    comm.check();
+  } catch (const mb::communication_error&) {
+    checked = true;
+  }
+  check(checked, "check() throws after a timeout");
+  std::printf("test_nccl_communicator --watchdog: timed out after %.2f s (timeout 0.2 s behind a 1.5 s kernel)\n",
+              waited);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -112,9 +197,12 @@ int main(int argc, char** argv) {
   const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
                         std::getenv("PMI_RANK") != nullptr || std::getenv("PMIX_RANK") != nullptr ||
                         std::getenv("MV2_COMM_WORLD_SIZE") != nullptr;
+  const bool watch = argc > 1 && std::strcmp(argv[1], "--watchdog") == 0;
   std::optional<mb::mpi_environment> env;
   int r = 0;
-  if (launched) {
+  if (watch) {
+    std::printf("test_nccl_communicator --watchdog: one process, no MPI\n");
+  } else if (launched) {
     env.emplace(argc, argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &r);
   } else {
@@ -123,20 +211,20 @@ int main(int argc, char** argv) {
   me = static_cast<std::size_t>(r);
   try {
     cu(cudaSetDevice(r % devices), "cudaSetDevice");
+    cudaStream_t s = nullptr;
+    cu(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    if (watch) {
+      watchdog(s);
+      (void)cudaStreamDestroy(s);
+      std::printf("test_nccl_communicator --watchdog: %s\n", failures == 0 ? "all checks passed" : "FAILED");
+      return failures == 0 ? 0 : 1;
+    }
     std::optional<mb::nccl_communicator> made;
     if (launched) made.emplace();
     else made.emplace(mb::single_process);
     mb::nccl_communicator& comm = *made;
-    cudaStream_t s = nullptr;
-    cu(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     comm.set_stream(s);
-    for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{7}, std::size_t{1000},
-                                std::size_t{65537}}) {
-      run<float>(comm, s, n);
-      run<double>(comm, s, n);
-      run<mb::bf16>(comm, s, n);  // 16 bits on the wire, summed in fp32 in rank order, rounded once
-      run<mb::fp16>(comm, s, n);
-    }
+    all_types(comm, s);
     comm.barrier();
     bool refused = false;
     try {

@@ -24,8 +24,11 @@
 //   - Refusals (N > 1): ZeRO-2 and overlap on a device, typed errors naming the option.
 //   - NCCL's own device memory (outside every budget: the trainer sees it as others' bytes) is
 //     measured around the communicator's construction and printed.
+//   - The fp32 checks again through a communicator with a timeout (non-blocking NCCL, the
+//     watchdog): the same bits, and no collective timed out.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -174,6 +177,17 @@ int main(int argc, char** argv) {
     // so its barrier synchronizes only its own.
     check(comm.caller_stream() == nullptr, "no trainer's stream is left set on the communicator");
     comm.barrier();
+
+    // With a timeout: non-blocking NCCL and the watchdog following every collective, the same
+    // checks (the trainer also asks the communicator's check() before each host exchange).
+    {
+      std::optional<mb::nccl_communicator> timed;
+      if (launched) timed.emplace(MPI_COMM_WORLD, std::chrono::seconds(120));
+      else timed.emplace(mb::single_process, std::chrono::seconds(120));
+      suite<mb::fp32_precision>(*timed, "fp32, timeout 120 s");
+      check(timed->usable(), "no collective timed out (120 s)");
+      timed->barrier();
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rank %zu: %s\n", me, e.what());
     ++failures;

@@ -35,7 +35,20 @@
 // norm's parts) go through control(), an mpi_communicator over the same ranks (a
 // local_communicator's copies for a one-process communicator). The trainer sets the stream.
 //
-// Not built: a timeout (NCCL's non-blocking communicators and ncclCommAbort would give one).
+// Faults (nccl_communicator(parent, timeout), timeout > 0): NCCL's communicator is made
+// non-blocking (ncclConfig_t::blocking = 0) and a watchdog thread follows every collective from
+// its enqueue. One that the device has not finished `timeout` after it was enqueued (a rank died
+// or hangs and never joins), or an asynchronous NCCL error, marks the communicator failed: its
+// next call, or check(), throws collective_timeout (communication_error for an NCCL error) and it
+// cannot be used again. Once the late collective has reached the device (its stream passed the
+// caller's earlier work) the watchdog aborts NCCL's communicator (ncclCommAbort: kernels waiting
+// for the missing rank return), so no host waiting on a stream hangs on a missing rank; an abort
+// never frees NCCL's resources under a kernel still queued behind the caller's work. The
+// bootstrap's id broadcast, barrier() and control() go through an mpi_communicator with the same
+// timeout (its MPI_Comm_dup, when it is made, has none: MPI gives none). The deadline runs from the
+// enqueue, as PyTorch's NCCL watchdog's does, so give more than the host may run ahead of the
+// device plus the slowest collective. timeout = 0 (the default): blocking NCCL, no watchdog, a rank
+// that never joins hangs the others.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -43,11 +56,17 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "membound/backend/cuda/model_kernels.cuh"
@@ -109,7 +128,9 @@ inline constexpr single_process_t single_process{};
 class nccl_control {
  public:
   nccl_control() = default;  // one process
-  explicit nccl_control(MPI_Comm parent) : mpi_(std::make_unique<mpi_communicator>(parent)) {}
+  // timeout: mpi_communicator's (0: none).
+  explicit nccl_control(MPI_Comm parent, std::chrono::milliseconds timeout = std::chrono::milliseconds{0})
+      : mpi_(std::make_unique<mpi_communicator>(parent, timeout)) {}
 
   std::size_t rank() const noexcept { return mpi_ ? mpi_->rank() : 0; }
   std::size_t size() const noexcept { return mpi_ ? mpi_->size() : 1; }
@@ -166,29 +187,25 @@ static_assert(communicator<nccl_control>);
 class nccl_communicator {
  public:
   // The ranks of `parent`, each on the CUDA device current when it calls this (cudaSetDevice
-  // first). A collective over parent: every rank must construct it.
-  explicit nccl_communicator(MPI_Comm parent = MPI_COMM_WORLD) {
-    int r = 0, n = 0;
-    detail::nccl_mpi_check(MPI_Comm_rank(parent, &r), "MPI_Comm_rank");
-    detail::nccl_mpi_check(MPI_Comm_size(parent, &n), "MPI_Comm_size");
-    rank_ = static_cast<std::size_t>(r);
-    size_ = static_cast<std::size_t>(n);
+  // first). A collective over parent: every rank must construct it. timeout: 0 waits as long as
+  // it takes; otherwise the most a collective may take from its enqueue (see Faults above).
+  explicit nccl_communicator(MPI_Comm parent = MPI_COMM_WORLD,
+                             std::chrono::milliseconds timeout = std::chrono::milliseconds{0})
+      : timeout_(checked_timeout(timeout)), control_(parent, timeout) {
+    rank_ = control_.rank();
+    size_ = control_.size();
     ncclUniqueId id{};
-    if (r == 0) detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    detail::nccl_mpi_check(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, parent), "MPI_Bcast(ncclUniqueId)");
-    detail::nccl_mpi_check(MPI_Comm_dup(parent, &mpi_), "MPI_Comm_dup");  // barrier()'s, never a user's messages
+    if (rank_ == 0) detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    // Through control(), under its timeout: a rank that never gets here cannot hang the rest in
+    // it (control's MPI_Comm_dup above is a collective without one).
+    control_.broadcast(reinterpret_cast<unsigned char*>(&id), sizeof id, 0);
     init(id);
-    try {
-      control_ = nccl_control(parent);
-    } catch (...) {
-      release();
-      throw;
-    }
   }
   // One rank on the current device, without MPI (never initialized, never called): NCCL's own
   // one-rank communicator, the same collectives and the same kernel, so that a machine with one
   // GPU and no MPI runtime runs the NCCL path (tests/nccl without mpiexec).
-  explicit nccl_communicator(single_process_t) {
+  explicit nccl_communicator(single_process_t, std::chrono::milliseconds timeout = std::chrono::milliseconds{0})
+      : timeout_(checked_timeout(timeout)) {
     ncclUniqueId id{};
     detail::nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     init(id);
@@ -196,6 +213,7 @@ class nccl_communicator {
   nccl_communicator(const nccl_communicator&) = delete;
   nccl_communicator& operator=(const nccl_communicator&) = delete;
   ~nccl_communicator() {
+    // With a watchdog this cannot hang: a collective past its deadline is aborted, which ends it.
     if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
     release();
   }
@@ -208,8 +226,25 @@ class nccl_communicator {
   nccl_control& control() noexcept { return control_; }
   static constexpr bool moves_device_memory = true;  // see device_communicator
   cudaStream_t stream() const noexcept { return stream_; }
-  ncclComm_t native() const noexcept { return comm_; }
+  // NCCL's communicator; nullptr once aborted (the watchdog may do so at any time with a timeout).
+  ncclComm_t native() const {
+    std::lock_guard<std::mutex> lock(m_);
+    return comm_;
+  }
   communication_stats stats() const noexcept { return stats_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  // False once a collective timed out or NCCL reported an error (the communicator was aborted).
+  bool usable() const {
+    std::lock_guard<std::mutex> lock(m_);
+    return failure_ == nullptr;
+  }
+  // Throws collective_timeout (or communication_error) when the watchdog aborted a collective,
+  // else nothing. Every collective checks first; the trainer also checks before it uses a host
+  // value that depends on the data collectives (data collectives return before their data moved).
+  void check() const {
+    std::lock_guard<std::mutex> lock(m_);
+    throw_if_failed();
+  }
 
   // The stream whose work the collectives follow and which follows them. Not the legacy default
   // stream (0): membound launches nothing there.
@@ -246,7 +281,7 @@ class nccl_communicator {
   template <summable T>
   void reduce_scatter_sum(const T* in, std::size_t n, T* out, void* ws, std::size_t ws_bytes) {
     for (std::size_t r = 0; r < size_; ++r) blocks_[r] = shard_of(n, size_, r);
-    reduce_blocks(in, out, ws, ws_bytes, max_shard(n, size_));
+    reduce_blocks(in, out, ws, ws_bytes, max_shard(n, size_), "reduce_scatter_sum");
   }
   // blocks[r]: the elements of `in` rank r receives the sum of (any ranges, the same on every
   // rank); out: blocks[rank()].size() elements, which may be in + blocks[rank()].begin.
@@ -257,13 +292,14 @@ class nccl_communicator {
       blocks_[r] = blocks[r];
       most = std::max(most, blocks[r].size());
     }
-    reduce_blocks(in, out, ws, ws_bytes, most);
+    reduce_blocks(in, out, ws, ws_bytes, most, "reduce_scatter_blocks_sum");
   }
   // out (n elements) = every rank's shard_of(n) of `shard` (shard_of(n, size(), rank()) elements,
   // which may be out + its shard's begin).
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
+    std::unique_lock<std::mutex> lock(m_);
     begin();
     const shard_range mine = shard_of(n, size_, rank_);
     if (mine.size() != 0 && shard != out + mine.begin) {
@@ -271,15 +307,15 @@ class nccl_communicator {
                                               stream_),
                               "cudaMemcpyAsync");
     }
-    detail::nccl_check(ncclGroupStart(), "ncclGroupStart");
+    group g(*this);
     for (std::size_t r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       const shard_range s = shard_of(n, size_, r);
       if (mine.size() != 0) send_bytes(out + mine.begin, mine.size() * sizeof(T), r);
       if (s.size() != 0) recv_bytes(out + s.begin, s.size() * sizeof(T), r);
     }
-    detail::nccl_check(ncclGroupEnd(), "ncclGroupEnd");
-    end();
+    g.end("all_gather (ncclGroupEnd)");
+    end("all_gather");
   }
   template <summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t ws_bytes) {
@@ -294,109 +330,311 @@ class nccl_communicator {
   void broadcast(T* data, std::size_t n, std::size_t root) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
     detail::check_root(root, size_);
+    std::unique_lock<std::mutex> lock(m_);
     begin();
-    detail::nccl_check(ncclBroadcast(data, data, n * sizeof(T), ncclChar, static_cast<int>(root), comm_, stream_),
-                       "ncclBroadcast");
+    call(ncclBroadcast(data, data, n * sizeof(T), ncclChar, static_cast<int>(root), comm_, stream_), "ncclBroadcast");
     if (rank_ == root) stats_.bytes_sent += (size_ - 1) * n * sizeof(T);
-    end();
+    end("broadcast");
   }
   // Every rank's work so far done, on the device and on the host: the caller's stream and the
-  // communicator's drained, then an MPI barrier.
+  // communicator's drained, then a barrier through control() (under its timeout).
   void barrier() {
     synchronize();
-    if (mpi_ != MPI_COMM_NULL) detail::nccl_mpi_check(MPI_Barrier(mpi_), "MPI_Barrier");  // one process: nobody to wait for
+    control_.barrier();  // one process: a local_communicator's, nobody to wait for
   }
+  // With a timeout, a collective past its deadline ends these waits once it is on the device (the
+  // watchdog aborts it); work of the caller's that never ends is not the communicator's to end.
+  // Then check() throws.
   void synchronize() {
     detail::nccl_cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     if (user_ != nullptr) detail::nccl_cuda_check(cudaStreamSynchronize(user_), "cudaStreamSynchronize");
+    check();
   }
 
  private:
-  // stream_ waits for the caller's work so far.
-  void begin() {
-    ++stats_.collectives;
-    if (user_ == nullptr) return;
-    detail::nccl_cuda_check(cudaEventRecord(ready_, user_), "cudaEventRecord");
-    detail::nccl_cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
+  // A collective enqueued on stream_ that the watchdog follows until its event completes.
+  struct flight {
+    cudaEvent_t started = nullptr;  // stream_ past the caller's earlier work: the collective is on the device
+    cudaEvent_t done = nullptr;
+    std::chrono::steady_clock::time_point enqueued;
+    const char* call = "";
+  };
+
+  static std::chrono::milliseconds checked_timeout(std::chrono::milliseconds t) {
+    if (t.count() < 0) {
+      throw invalid_argument("timeout", "0 (none) or a positive time", std::to_string(t.count()) + " ms",
+                             "Give the longest a collective may take from its enqueue, e.g. 60000 ms");
+    }
+    return t;
   }
-  // The caller's later work waits for this collective.
-  void end() {
+
+  // Under m_. Throws when the watchdog (or a call past its deadline) aborted NCCL's communicator.
+  void throw_if_failed() const {
+    if (failure_ == nullptr) return;
+    if (reported_) {
+      throw communication_error(failure_, 0, "an earlier collective failed, so this communicator cannot be used again");
+    }
+    reported_ = true;
+    if (timed_out_) throw collective_timeout(failure_, timeout_);
+    throw communication_error(failure_, static_cast<int>(async_), ncclGetErrorString(async_));
+  }
+  // Under m_: ends every NCCL operation of this rank (a kernel waiting for a peer returns) and
+  // frees NCCL's communicator; what the ranks exchanged is lost, the communicator unusable.
+  void abort_nccl(const char* what, bool timed_out, ncclResult_t why) noexcept {
+    mark_failed(what, timed_out, why);
+    if (comm_ != nullptr) (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+  // Under m_: the first failure is the one reported.
+  void mark_failed(const char* what, bool timed_out, ncclResult_t why) noexcept {
+    if (failure_ != nullptr) return;
+    failure_ = what;  // a string literal: nothing to allocate here
+    timed_out_ = timed_out;
+    async_ = why;
+  }
+  // Under m_: r is an NCCL call's result. Non-blocking (a timeout), NCCL may still be enqueueing
+  // (ncclInProgress): wait for it until the deadline, as NCCL asks before the next call.
+  void call(ncclResult_t r, const char* what) {
+    if (r == ncclInProgress && timeout_.count() != 0) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout_;
+      while (r == ncclInProgress) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          abort_nccl(what, true, ncclInProgress);
+          throw_if_failed();
+        }
+        std::this_thread::yield();
+        if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess) break;
+      }
+    }
+    if (r == ncclSuccess) return;
+    if (timeout_.count() != 0) {
+      abort_nccl(what, false, r);  // an NCCL error leaves its communicator in no known state
+      throw_if_failed();
+    }
+    detail::nccl_check(r, what);
+  }
+
+  // Under m_. stream_ waits for the caller's work so far.
+  void begin() {
+    throw_if_failed();
+    ++stats_.collectives;
+    enqueued_ = std::chrono::steady_clock::now();
+    if (user_ != nullptr) {
+      detail::nccl_cuda_check(cudaEventRecord(ready_, user_), "cudaEventRecord");
+      detail::nccl_cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
+    }
+    if (timeout_.count() != 0) {
+      if (started_ != nullptr) spare_.push_back(std::exchange(started_, nullptr));  // of a call that threw
+      started_ = record_watched();
+    }
+  }
+  // Under m_: an event from the spare ones (or a new one) recorded on stream_.
+  cudaEvent_t record_watched() {
+    cudaEvent_t e = nullptr;
+    if (spare_.empty()) {
+      detail::nccl_cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    } else {
+      e = spare_.back();
+      spare_.pop_back();
+    }
+    const cudaError_t rec = cudaEventRecord(e, stream_);
+    if (rec != cudaSuccess) spare_.push_back(e);
+    detail::nccl_cuda_check(rec, "cudaEventRecord");
+    return e;
+  }
+  // Under m_. The caller's later work waits for this collective; the watchdog follows it.
+  void end(const char* what) {
+    if (timeout_.count() != 0) {
+      const cudaEvent_t done = record_watched();
+      flights_.push_back(flight{std::exchange(started_, nullptr), done, enqueued_, what});
+      wake_.notify_one();
+    }
     if (user_ == nullptr) return;
     detail::nccl_cuda_check(cudaEventRecord(done_, stream_), "cudaEventRecord");
     detail::nccl_cuda_check(cudaStreamWaitEvent(user_, done_, 0), "cudaStreamWaitEvent");
   }
+  // Under m_: ncclGroupStart, and ncclGroupEnd on every path (a call that throws inside the group
+  // must not leave this thread's NCCL group open).
+  class group {
+   public:
+    explicit group(nccl_communicator& c) : c_(c) { c_.call(ncclGroupStart(), "ncclGroupStart"); }
+    group(const group&) = delete;
+    group& operator=(const group&) = delete;
+    ~group() {
+      if (open_) (void)ncclGroupEnd();
+    }
+    void end(const char* what) {
+      open_ = false;
+      c_.call(ncclGroupEnd(), what);
+    }
+
+   private:
+    nccl_communicator& c_;
+    bool open_ = true;
+  };
   void send_bytes(const void* p, std::size_t bytes, std::size_t peer) {
-    detail::nccl_check(ncclSend(p, bytes, ncclChar, static_cast<int>(peer), comm_, stream_), "ncclSend");
+    call(ncclSend(p, bytes, ncclChar, static_cast<int>(peer), comm_, stream_), "ncclSend");
     stats_.bytes_sent += bytes;
   }
   void recv_bytes(void* p, std::size_t bytes, std::size_t peer) {
-    detail::nccl_check(ncclRecv(p, bytes, ncclChar, static_cast<int>(peer), comm_, stream_), "ncclRecv");
+    call(ncclRecv(p, bytes, ncclChar, static_cast<int>(peer), comm_, stream_), "ncclRecv");
   }
 
   // blocks_ set: the all-to-all of every rank's blocks into ws (slot r: rank r's part of this
   // rank's block, `most` elements apart), then their rank-order sum into out.
   template <summable T>
-  void reduce_blocks(const T* in, T* out, void* ws, std::size_t ws_bytes, std::size_t most) {
+  void reduce_blocks(const T* in, T* out, void* ws, std::size_t ws_bytes, std::size_t most, const char* what) {
     detail::check_workspace(ws, ws_bytes, size_ * most * sizeof(T));
     const shard_range mine = blocks_[rank_];
     T* parts = static_cast<T*>(ws);
+    std::unique_lock<std::mutex> lock(m_);
     begin();
     if (mine.size() != 0) {
       detail::nccl_cuda_check(cudaMemcpyAsync(parts + rank_ * most, in + mine.begin, mine.size() * sizeof(T),
                                               cudaMemcpyDeviceToDevice, stream_),
                               "cudaMemcpyAsync");
     }
-    detail::nccl_check(ncclGroupStart(), "ncclGroupStart");
+    group g(*this);
     for (std::size_t r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       if (blocks_[r].size() != 0) send_bytes(in + blocks_[r].begin, blocks_[r].size() * sizeof(T), r);
       if (mine.size() != 0) recv_bytes(parts + r * most, mine.size() * sizeof(T), r);
     }
-    detail::nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+    g.end(what);
     if (mine.size() != 0) {
       const unsigned threads = 256;
       const auto grid = static_cast<unsigned>(std::min<std::size_t>((mine.size() + threads - 1) / threads, 4096));
       detail::nccl_ordered_sum<T><<<grid, threads, 0, stream_>>>(parts, size_, most, mine.size(), out);
       detail::nccl_cuda_check(cudaGetLastError(), "nccl_ordered_sum<<<>>>");
     }
-    end();
+    end(what);
   }
 
-  // After rank_, size_ and (over MPI) mpi_ are set: the stream, events and NCCL's communicator.
+  // After rank_ and size_ are set: the stream, events, NCCL's communicator and (with a timeout)
+  // the watchdog.
   void init(const ncclUniqueId& id) {
     try {
       blocks_.resize(size_);
+      detail::nccl_cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
       detail::nccl_cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-      detail::nccl_check(ncclCommInitRank(&comm_, static_cast<int>(size_), id, static_cast<int>(rank_)),
-                         "ncclCommInitRank");
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      if (timeout_.count() != 0) config.blocking = 0;  // so that a wait can end and ncclCommAbort can run
+      std::unique_lock<std::mutex> lock(m_);
+      call(ncclCommInitRankConfig(&comm_, static_cast<int>(size_), id, static_cast<int>(rank_), &config),
+           "ncclCommInitRank");
+      lock.unlock();
+      if (timeout_.count() != 0) watchdog_ = std::thread([this] { watch(); });
     } catch (...) {
       release();
       throw;
     }
   }
+
+  // The watchdog: every few milliseconds, the oldest collectives in flight (stream order: the
+  // first one not done is the one holding the rest) and NCCL's asynchronous error.
+  void watch() noexcept {
+    (void)cudaSetDevice(device_);  // the comm's device, for the CUDA calls of this thread
+    std::unique_lock<std::mutex> lock(m_);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(5));
+      if (stop_ || comm_ == nullptr) continue;
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+        abort_nccl("an NCCL collective (asynchronous error)", false, async);
+        continue;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      while (!flights_.empty()) {
+        const flight f = flights_.front();
+        const cudaError_t q = cudaEventQuery(f.done);
+        if (q == cudaSuccess) {
+          spare_.push_back(f.started);
+          spare_.push_back(f.done);
+          flights_.pop_front();
+          continue;
+        }
+        if (q != cudaErrorNotReady) {
+          (void)cudaGetLastError();
+          abort_nccl(f.call, false, ncclUnhandledCudaError);
+        } else if (now - f.enqueued >= timeout_) {
+          mark_failed(f.call, true, ncclInProgress);  // callers learn it now
+          // Its kernels are on the device (or ran): ending them frees nothing a queued kernel needs.
+          if (cudaEventQuery(f.started) == cudaSuccess) abort_nccl(f.call, true, ncclInProgress);
+          else (void)cudaGetLastError();
+        }
+        break;
+      }
+    }
+  }
+
+  bool finalized() noexcept {
+    ncclResult_t r = ncclCommFinalize(comm_);
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (r == ncclInProgress) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::yield();
+      if (ncclCommGetAsyncError(comm_, &r) != ncclSuccess) return false;
+    }
+    return r == ncclSuccess;
+  }
+
   void release() noexcept {
-    if (comm_ != nullptr) (void)ncclCommDestroy(comm_);
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        stop_ = true;
+      }
+      wake_.notify_one();
+      watchdog_.join();
+    }
+    if (comm_ != nullptr) {
+      // Non-blocking, NCCL's communicator is finalized (its operations flushed) before it is
+      // destroyed; one that does not finalize within the timeout is aborted instead.
+      if (timeout_.count() != 0 && (failure_ != nullptr || !finalized())) (void)ncclCommAbort(comm_);
+      else (void)ncclCommDestroy(comm_);
+    }
+    comm_ = nullptr;
+    for (const flight& f : flights_) {
+      (void)cudaEventDestroy(f.started);
+      (void)cudaEventDestroy(f.done);
+    }
+    if (started_ != nullptr) (void)cudaEventDestroy(started_);
+    started_ = nullptr;
+    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
+    flights_.clear();
+    spare_.clear();
     if (done_ != nullptr) (void)cudaEventDestroy(done_);
     if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
-    comm_ = nullptr;
     done_ = ready_ = nullptr;
     stream_ = nullptr;
-    int finalized = 0;
-    if (mpi_ != MPI_COMM_NULL && MPI_Finalized(&finalized) == MPI_SUCCESS && finalized == 0) (void)MPI_Comm_free(&mpi_);
-    mpi_ = MPI_COMM_NULL;
   }
 
+  std::chrono::milliseconds timeout_{0};
   std::size_t rank_ = 0, size_ = 1;
+  int device_ = 0;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr, user_ = nullptr;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
-  MPI_Comm mpi_ = MPI_COMM_NULL;
   communication_stats stats_{};
   std::vector<shard_range> blocks_;  // each rank's block of the reduce-scatter in flight
-  nccl_control control_;
+  nccl_control control_;             // declared after timeout_: made from it, and before the id broadcast
+
+  // Guarded by m_ (the watchdog and the calling thread; NCCL is never called by both at once).
+  mutable std::mutex m_;
+  std::condition_variable wake_;
+  std::thread watchdog_;
+  bool stop_ = false;
+  std::chrono::steady_clock::time_point enqueued_{};
+  cudaEvent_t started_ = nullptr;  // the collective being enqueued's (begin() to end())
+  std::deque<flight> flights_;
+  std::vector<cudaEvent_t> spare_;
+  const char* failure_ = nullptr;  // the call that failed (a literal); nullptr while usable
+  bool timed_out_ = false;      // failure_ is a timeout (collective_timeout), else an NCCL error
+  ncclResult_t async_ = ncclSuccess;
+  mutable bool reported_ = false;  // failure_ thrown once as itself; later calls say it is unusable
 };
 static_assert(device_communicator<nccl_communicator>);
 

@@ -2184,6 +2184,9 @@ class trainer {
         const shard_range s = shard_of(n_, N, r);
         norm_parts_[r] = shard_sum_squares(g_ + s.begin, s.size());
       }
+      // The reads above waited for the exchange: a device communicator whose watchdog ended it
+      // says so here, before the optimizer step would use what arrived (ZeRO-1 asks in ctl()).
+      if constexpr (requires { comm_.check(); }) comm_.check();
     }
     double sum = 0;
     for (const double v : norm_parts_) sum += v;
@@ -2203,8 +2206,12 @@ class trainer {
     if constexpr (requires { comm_.set_stream(ex_.stream()); }) comm_.set_stream(ex_.stream());
   }
   // The communicator of the host values every rank agrees on (flags, votes, plans, the loss, the
-  // norm's parts): a split communicator's control(), else the communicator itself.
-  auto& ctl() const noexcept {
+  // norm's parts): a split communicator's control(), else the communicator itself. A device
+  // communicator's collectives return before their data moved, so one whose watchdog aborted a
+  // collective (nccl_communicator with a timeout) says so here, before a host value built on its
+  // data is exchanged (and before the optimizer step that would use it).
+  auto& ctl() const {
+    if constexpr (requires { comm_.check(); }) comm_.check();
     if constexpr (split_communicator<Communicator>) return comm_.control();
     else return comm_;
   }
