@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -29,11 +30,13 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <system_error>
 
 #include "membound/core/error.hpp"
+#include "membound/core/file_io.hpp"
 
 namespace cli_checks {
 
@@ -195,10 +198,11 @@ inline void input_file(std::string_view flag, const std::string& path, const std
 }
 
 // A file to write, checked before the work whose result it keeps, so that a long run is not lost
-// at its end: the path names no folder, its folder exists and can be written (or, when the file
-// exists and is written in place, the file can). `replaced`: the writer renames a temporary file
-// over the path (checkpoints), so the folder must be writable and the path a regular file or new.
-inline void output_file(std::string_view flag, const std::string& path, bool replaced = false) {
+// at its end: the path names no folder and is a regular file or new (every output is replaced by
+// a rename: write_file below, the trainer's checkpoints), and its folder exists and takes a new
+// file, tried for real (a temporary made and removed: root passes access() in /proc, which takes
+// none). `replaced` is kept for callers that said so; every output is now written that way.
+inline void output_file(std::string_view flag, const std::string& path, [[maybe_unused]] bool replaced = true) {
   namespace fs = std::filesystem;
   const std::string f(flag), todo = "Create the folder first, or choose another path";
   if (path.empty()) throw membound::invalid_argument(f, "a file path", "''", "e.g. " + f + " out.json");
@@ -208,7 +212,7 @@ inline void output_file(std::string_view flag, const std::string& path, bool rep
   if (fs::is_directory(st) || !p.has_filename()) {
     throw membound::invalid_argument(f, "a file path, not a folder", in_quotes(path), "Name a file inside the folder");
   }
-  if (replaced && fs::exists(st) && !fs::is_regular_file(st)) {
+  if (fs::exists(st) && !fs::is_regular_file(st)) {
     throw membound::invalid_argument(f, "a regular file or a new path (it is replaced by a rename)", in_quotes(path),
                                      "Choose a plain file path");
   }
@@ -222,11 +226,17 @@ inline void output_file(std::string_view flag, const std::string& path, bool rep
     throw membound::invalid_argument(f, "a path in a folder", in_quotes(path) + " (" + in_quotes(dir.string()) +
                                      " is not a folder)", todo);
   }
-  const bool in_place = fs::exists(st) && !replaced;
-  if (in_place ? ::access(path.c_str(), W_OK) != 0 : ::access(dir.c_str(), W_OK | X_OK) != 0) {
-    throw membound::invalid_argument(f, in_place ? "a writable file" : "a path in a writable folder",
-                                     in_quotes(path) + errno_reason(errno), todo);
+  std::string probe = (dir / ".membound-write-probe-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) {
+    const int e = errno;
+    throw membound::invalid_argument(f, "a path in a folder that takes new files", in_quotes(path) + errno_reason(e),
+                                     e == ENOENT || e == EACCES || e == EPERM || e == EROFS
+                                         ? "Choose a folder on a writable file system that this user may write to"
+                                         : todo);
   }
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 // Refuses an output path that is another flag's file (an input it would overwrite, or an output
@@ -247,17 +257,17 @@ inline void distinct(std::string_view flag, const std::string& path, std::string
   }
 }
 
-// Writes a file and checks every step (open, write, close): a full disk or a vanished folder is an
-// error naming the flag, never a silently missing file.
+// Writes a file atomically (the library's write_file_atomically: a temporary in the same folder,
+// fsync, rename over the path): a full disk or a vanished folder is a file_error naming the flag,
+// and a file already at the path is left as it was, never truncated (a run's earlier report or
+// trace survives a failed write).
 inline void write_file(std::string_view flag, const std::string& path, const std::function<void(std::ostream&)>& fill) {
-  errno = 0;  // so that a reason below is this write's, not an earlier call's
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (out) fill(out);
-  out.close();  // flushes; a full disk often shows only here
-  if (out.fail()) {
-    throw membound::invalid_argument(std::string(flag), "a file that can be written",
-                                     in_quotes(path) + errno_reason(errno), "Check the folder and the free space");
-  }
+  std::ostringstream out(std::ios::binary);
+  fill(out);
+  const std::string bytes = std::move(out).str();
+  const membound::detail::byte_range parts[] = {{bytes.data(), bytes.size()}};
+  const std::string argument(flag);
+  membound::detail::write_file_atomically(path, argument.c_str(), "result", parts);
 }
 
 }  // namespace cli_checks

@@ -11,6 +11,7 @@
 //   memory_tour [--budget-mib N] [--steps N] [--trace FILE]
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -35,6 +36,13 @@ options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     const bool has_value = i + 1 < argc;
+    if (a == "--help" || a == "-h") {
+      std::printf("memory_tour: one model's buffers through the allocator stack, step by step, with a trace\n"
+                  "  --budget-mib N  the budget in MiB, 1..2^20 (default 160)\n"
+                  "  --steps N       training steps, 1..10000 (default 9)\n"
+                  "  --trace FILE    where the trace goes (default memory_tour_trace.json)\n");
+      std::exit(0);
+    }
     if (a == "--budget-mib" && has_value) {
       o.budget_mib = cli_checks::whole(a, argv[++i], 1, std::size_t{1} << 20, "--budget-mib 160");
     } else if (a == "--steps" && has_value) {

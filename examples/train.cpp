@@ -349,7 +349,10 @@ std::vector<std::int32_t> read_data(const options& o) {
     throw mb::invalid_argument("--data", "a readable text file", cli_checks::in_quotes(o.data), "Pass --data FILE");
   }
   if (s.size() / 10 < std::max<std::size_t>(o.seq + 2, 33)) {
-    throw mb::invalid_argument("--data", "at least 10·max(--seq + 2, 33) bytes (a tenth is held out for validation)",
+    const std::size_t least = 10 * std::max<std::size_t>(o.seq + 2, 33);
+    throw mb::invalid_argument("--data",
+                               "at least " + std::to_string(least) + " bytes, 10·max(--seq + 2, 33) (a tenth is held "
+                               "out for validation)",
                                std::to_string(s.size()) + " bytes", "Use a longer file or a shorter --seq");
   }
   std::vector<std::int32_t> text(s.size());
@@ -725,7 +728,8 @@ int main(int argc, char** argv) {
   flag("--device", "auto|cpu|cuda",
        "where to train: auto is cuda when this build has CUDA and a GPU is visible, else cpu; on cuda the defaults "
        "are 12 blocks of width 768 (ttt,attn,mamba,attn three times), 12 heads, --seq 2048, --batch 8, bf16, "
-       "--budget 8GiB, --eval-sequences 8 (default auto)");
+       "--budget 8GiB, --eval-sequences 8; under mpirun cuda runs one GPU per rank over NCCL "
+       "(libtrain_cuda_nccl.so, --zero 0 or 1) (default auto)");
   flag("--data", "FILE", "text file to train on (default: tiny-shakespeare)");
   flag("--budget", "SIZE",
        "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space, "
@@ -745,16 +749,18 @@ int main(int argc, char** argv) {
   flag("--threads", "1..256", "CPU threads (default 2)");
   flag("--zero", "0|1|2",
        "ZeRO stage under mpirun: 1 shards AdamW's state and the checkpoints over the ranks (each rank writes its "
-       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too; with one process 1 and 2 are the same as "
-       "0 (default 0)");
+       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too (CPU ranks only); with one process 1 and 2 "
+       "are the same as 0 (default 0)");
   flag("--overlap", "0|1",
        "under mpirun, 1 starts each block's gradient exchange as its backward ends and completes it after the next "
        "block's, which runs meanwhile: with --zero 2 every micro-batch's reduce-scatter of the block (one bucket and "
        "its workspace more in flight), with --zero 0 or 1 the last micro-batch's all-reduce or reduce-scatter of the "
-       "block's accumulated gradients (one workspace more in flight); the same sums, planned (default 0)");
+       "block's accumulated gradients (one workspace more in flight); the same sums, planned; CPU ranks only "
+       "(default 0)");
   flag("--timeout", "0..86400",
-       "under mpirun, the most seconds any collective may take: a rank that died or hangs makes the others stop "
-       "with collective_timeout after this long (0: wait as long as it takes, default)");
+       "under mpirun, the most seconds any collective may take (on GPU ranks from its enqueue, NCCL's watchdog): a "
+       "rank that died or hangs makes the others stop with collective_timeout after this long (0: wait as long as "
+       "it takes, default)");
   flag("--lr", "(0,1]", "peak learning rate (default 0.003)");
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
@@ -769,7 +775,8 @@ int main(int argc, char** argv) {
   flag("--eval-sequences", "1..4096", "validation sequences per evaluation (default 32)");
   flag("--sample", "0..10^6", "characters to sample at the end (default 200)");
   flag("--seed", "0..2^64-1", "random seed (default 1)");
-  flag("--save-every", "0..steps", "steps between checkpoints to --checkpoint, 0: none (default 0)");
+  flag("--save-every", "0..steps",
+       "steps between checkpoints to --checkpoint, and one after the last step; 0: none (default 0)");
   flag("--checkpoint", "FILE", "where --save-every and --stop-after write (default train.ckpt)");
   flag("--resume", "FILE", "checkpoint to resume from");
   flag("--stop-after", "0..steps",
@@ -781,6 +788,18 @@ int main(int argc, char** argv) {
   flag("--plan-only", "0|1",
        "1: print the plan (on cuda with --seq max, the length it chose) and exit before the first step; 0: train "
        "(default 0)");
+  // A flag given twice is refused by name (CLI11 would say only "At Most 1 required but received 2").
+  std::map<std::string, int> seen;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (!a.starts_with("--") || a == "--") continue;
+    const std::string name = a.substr(0, a.find('='));
+    if (f.text.count(name) != 0 && ++seen[name] == 2) {
+      std::fprintf(stderr, "error: invalid argument '%s': expected it at most once, got it twice or more. Give each "
+                           "flag once (see --help)\n", name.c_str());
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -826,6 +845,7 @@ int main(int argc, char** argv) {
       // The other ranks may be waiting in a collective this rank will never join: end them all
       // (a normal exit would finalize MPI, which can wait on them forever).
       if (world.size() > 1) {
+        std::fflush(stdout);
         std::fprintf(stderr, "error: rank %zu: %s\n", world.rank(), cli_checks::one_line(e.what()).c_str());
         MPI_Abort(MPI_COMM_WORLD, 1);
       }
@@ -833,7 +853,13 @@ int main(int argc, char** argv) {
       throw;
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", cli_checks::one_line(e.what()).c_str());
+    // Under mpirun every rank that fails says so, named (the flags are the same on every rank,
+    // but a file or a device may not be).
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (rank == nullptr) rank = std::getenv("PMIX_RANK");
+    std::fflush(stdout);  // what was printed comes first, and the error on a line of its own
+    if (rank != nullptr) std::fprintf(stderr, "error: rank %s: %s\n", rank, cli_checks::one_line(e.what()).c_str());
+    else std::fprintf(stderr, "error: %s\n", cli_checks::one_line(e.what()).c_str());
     return 1;
   }
 }

@@ -172,6 +172,21 @@ void resume_from(Trainer& t, const options& o) {
   bool same_plan = false;
   try {
     same_plan = t.load(o.resume);
+  } catch (const mb::checkpoint_mismatch& e) {
+    // The library says "build the trainer as..."; here the model is built from flags: name them.
+    const std::string& f = e.field();
+    const std::string flag = f.starts_with("config.width")     ? "--width"
+                             : f.starts_with("config.heads")   ? "--heads"
+                             : f == "storage"                  ? "--precision"
+                             : f.starts_with("optimizer")      ? "--optimizer"
+                             : f == "effective_batch"          ? "--batch"
+                             : f == "zero" || f == "ranks"     ? "--zero and mpirun -np"
+                             : f == "depth" || f.starts_with("blocks.") || f.starts_with("parameters.")
+                                 ? "--layers, --width and --heads"
+                                 : "";
+    throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e),
+                               flag.empty() ? "Pass the flags of the run that wrote it"
+                                            : "Pass the flags of the run that wrote it (" + flag + ": " + e.saved() + ")");
   } catch (const mb::error& e) {
     throw mb::invalid_argument("--resume", "a checkpoint of this model that can be read", cli_checks::inner(e), "");
   }
@@ -195,7 +210,10 @@ inline std::string eval_line(std::uint64_t step, const options& o, double loss) 
 // --save-every and --stop-after: t.save(--checkpoint) after `step` when they ask for it.
 template <typename Trainer>
 void save_if_due(Trainer& t, const options& o, std::uint64_t step, std::uint64_t stop, progress& bar) {
-  if (!((o.save_every != 0 && step % o.save_every == 0) || (o.stop_after != 0 && step == stop))) return;
+  // --save-every also saves after the last step, so the end of a run is never left unsaved.
+  if (!((o.save_every != 0 && (step % o.save_every == 0 || step == o.steps)) || (o.stop_after != 0 && step == stop))) {
+    return;
+  }
   try {
     t.save(o.checkpoint);
   } catch (const mb::error& e) {

@@ -58,6 +58,7 @@
 #include "membound/backend/cpu/ttt_cpu.hpp"
 #include "membound/layers/ttt.hpp"
 #include "membound/layers/layer_support.hpp"
+#include "membound/dist/collective_watchdog.hpp"
 #include "membound/dist/communicator.hpp"
 #include "membound/backend/cpu/model_cpu.hpp"
 #include "membound/layers/swiglu_mlp.hpp"

@@ -1261,7 +1261,12 @@ inline void write_file_atomically(const std::string& path, const char* argument,
   remove_stale_temporaries(target);
   pending_temporary tmp;
   if (const int e = tmp.create(target); e != 0) {
-    fail("no temporary file in its folder: " + errno_text(e), e, advice_for(e, true));
+    // The folder exists (checked above, or it holds the file): ENOENT here means it takes no new
+    // files (/proc, /sys), not that a folder is missing.
+    fail("no temporary file in its folder: " + errno_text(e), e,
+         e == ENOENT ? "Its folder takes no new files (a virtual file system such as /proc or /sys): choose a path "
+                       "on a regular file system"
+                     : advice_for(e, true));
   }
   if (keep_mode != 0) (void)::fchmod(tmp.fd(), keep_mode);  // replacing keeps the permissions
   for (const byte_range& part : parts) {
@@ -5150,6 +5155,20 @@ concept has_shadow = requires(const A& a) {
 template <typename A>
 using shadow_t = typename shadow_traits<A>::type;
 
+// What a shadow keeps of its stack's limits: all of them (same), or all but the arenas' address
+// ranges (unbounded_capacity). reserve_model asks the latter what a plan would reserve under a
+// larger budget, since a stack made for that budget sizes its arena from it too (the example
+// trainers do): the least budget a user is told must be one that works once the stack is remade.
+enum class shadow_scope { same, unbounded_capacity };
+
+// shadow_traits<A>::args(a, scope) where a layer takes the scope (an arena, the layers above
+// one), else args(a).
+template <typename A>
+auto shadow_args(const A& a, shadow_scope scope) {
+  if constexpr (requires { shadow_traits<A>::args(a, scope); }) return shadow_traits<A>::args(a, scope);
+  else return shadow_traits<A>::args(a);
+}
+
 template <>
 struct shadow_traits<system_allocator> {
   using type = address_only_allocator<memory_space::host>;
@@ -5168,8 +5187,8 @@ template <typename U>
   requires has_shadow<U>
 struct shadow_traits<caching_allocator<U>> {
   using type = caching_allocator<shadow_t<U>>;
-  static auto args(const caching_allocator<U>& a) {
-    return std::tuple_cat(std::tuple<caching_options>{a.options()}, shadow_traits<U>::args(a.upstream()));
+  static auto args(const caching_allocator<U>& a, shadow_scope scope = shadow_scope::same) {
+    return std::tuple_cat(std::tuple<caching_options>{a.options()}, shadow_args(a.upstream(), scope));
   }
   static void sync(type& s, const caching_allocator<U>& a) {
     s.set_reserve_limit(a.reserve_limit());
@@ -5181,8 +5200,13 @@ struct shadow_traits<caching_allocator<U>> {
 template <typename VM>
 struct shadow_traits<expandable_arena<VM>> {
   using type = expandable_arena<address_only_vm<VM::space>>;
-  static auto args(const expandable_arena<VM>& a) {
-    return std::tuple<expandable_arena_options, std::size_t>{expandable_arena_options{a.capacity()}, a.granularity()};
+  // unbounded_capacity: 64 TiB of address space in name (whole granules), never less than a's.
+  static auto args(const expandable_arena<VM>& a, shadow_scope scope = shadow_scope::same) {
+    std::size_t capacity = a.capacity();
+    if (scope == shadow_scope::unbounded_capacity) {
+      capacity = std::max(capacity, (std::size_t{1} << 46) / a.granularity() * a.granularity());
+    }
+    return std::tuple<expandable_arena_options, std::size_t>{expandable_arena_options{capacity}, a.granularity()};
   }
   static void sync(type&, const expandable_arena<VM>&) noexcept {}
 };
@@ -5191,8 +5215,8 @@ template <typename U>
   requires has_shadow<U>
 struct shadow_traits<budget_allocator<U>> {
   using type = budget_allocator<shadow_t<U>>;
-  static auto args(const budget_allocator<U>& a) {
-    return std::tuple_cat(std::tuple<std::size_t>{a.limit()}, shadow_traits<U>::args(a.upstream()));
+  static auto args(const budget_allocator<U>& a, shadow_scope scope = shadow_scope::same) {
+    return std::tuple_cat(std::tuple<std::size_t>{a.limit()}, shadow_args(a.upstream(), scope));
   }
   static void sync(type& s, const budget_allocator<U>& a) {
     shadow_traits<U>::sync(s.upstream(), a.upstream());
@@ -5206,26 +5230,31 @@ template <typename U>
   requires has_shadow<U>
 struct shadow_traits<traced_allocator<U>> {
   using type = shadow_t<U>;
-  static auto args(const traced_allocator<U>& a) { return shadow_traits<U>::args(a.upstream()); }
+  static auto args(const traced_allocator<U>& a, shadow_scope scope = shadow_scope::same) {
+    return shadow_args(a.upstream(), scope);
+  }
   static void sync(type& s, const traced_allocator<U>& a) { shadow_traits<U>::sync(s, a.upstream()); }
 };
 template <typename U>
   requires has_shadow<U>
 struct shadow_traits<fault_injecting<U>> {
   using type = shadow_t<U>;
-  static auto args(const fault_injecting<U>& a) { return shadow_traits<U>::args(a.upstream()); }
+  static auto args(const fault_injecting<U>& a, shadow_scope scope = shadow_scope::same) {
+    return shadow_args(a.upstream(), scope);
+  }
   static void sync(type& s, const fault_injecting<U>& a) { shadow_traits<U>::sync(s, a.upstream()); }
 };
 
 // A fresh shadow of `a`'s stack with its settings (options, capacity, granularity, budget limit
-// and external bytes), holding nothing: what `a` would do from empty.
+// and external bytes), holding nothing: what `a` would do from empty. With
+// shadow_scope::unbounded_capacity its arenas have room for any plan (see shadow_scope).
 template <typename A>
-std::unique_ptr<shadow_t<A>> make_shadow(const A& a) {
+std::unique_ptr<shadow_t<A>> make_shadow(const A& a, shadow_scope scope = shadow_scope::same) {
   static_assert(has_shadow<A>,
                 "membound: make_shadow: this allocator stack has a layer with no shadow. "
                 "Specialize membound::shadow_traits for it (type, args, sync), or plan with "
                 "requested bytes only.");
-  auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_traits<A>::args(a));
+  auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_args(a, scope));
   shadow_traits<A>::sync(*s, a);
   return s;
 }
@@ -10738,6 +10767,183 @@ using ttt_mlp = basic_ttt<true, Policies...>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/ttt.hpp ----
+// ---- begin membound/dist/collective_watchdog.hpp ----
+// A watchdog for collectives that run on a device: what nccl_communicator's timeout is, written
+// against a small device interface so that its rules run (and are tested) on the host.
+//
+// The communicator, holding mutex(), hands over each collective as it enqueues it: an event
+// recorded when the device reaches it (its stream has passed the caller's earlier work), an
+// event recorded after it, its name and when it was enqueued. A thread (or a test calling poll())
+// looks, every period, at the oldest collective not yet done (stream order: it holds the rest):
+//   - done: its events are free for reuse (spare());
+//   - the device library reports an asynchronous error, or an event query fails: failed, and the
+//     device's work aborted (Device::abort(): NCCL's ncclCommAbort);
+//   - not done `timeout` after its enqueue: failed (timed out) at once, so the caller's next call
+//     throws; aborted only once the device has reached it, so an abort never frees the library's
+//     resources under a kernel still queued behind the caller's own work.
+// The deadline runs from the enqueue, as PyTorch's NCCL watchdog's does. The first failure is the
+// one kept; abort() is called at most once.
+//
+//   struct my_device {
+//     using event = cudaEvent_t;
+//     device_event_state query(event e);   // done, pending or failed (cudaEventQuery)
+//     int async_error();                    // 0: none (ncclCommGetAsyncError)
+//     void abort() noexcept;                // end the device work (ncclCommAbort)
+//     void on_thread_start() noexcept;      // the watchdog thread's setup (cudaSetDevice)
+//   };
+
+#include <deque>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+enum class device_event_state { done, pending, failed };
+
+template <typename D>
+concept watchdog_device = requires(D& d, typename D::event e) {
+  { d.query(e) } -> std::same_as<device_event_state>;
+  { d.async_error() } -> std::convertible_to<int>;
+  { d.abort() } noexcept;
+  { d.on_thread_start() } noexcept;
+};
+
+template <watchdog_device Device>
+class collective_watchdog {
+ public:
+  using clock = std::chrono::steady_clock;
+  using event = typename Device::event;
+  // How the first failure happened: the collective's name (a string literal), whether it timed
+  // out (else an error with `code`: the library's, or -1 for a failed event query).
+  struct failure {
+    const char* call = nullptr;
+    bool timed_out = false;
+    int code = 0;
+  };
+
+  // timeout 0: nothing is followed and no thread runs (the mutex still serves the caller).
+  // threaded false: no thread either; the caller drives poll() (tests).
+  collective_watchdog(Device& device, std::chrono::milliseconds timeout, bool threaded = true,
+                      std::chrono::milliseconds period = std::chrono::milliseconds(5))
+      : device_(device), timeout_(timeout), period_(period) {
+    if (threaded && timeout.count() > 0) thread_ = std::thread([this] { run(); });
+  }
+  collective_watchdog(const collective_watchdog&) = delete;
+  collective_watchdog& operator=(const collective_watchdog&) = delete;
+  ~collective_watchdog() { stop(); }
+
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  bool enabled() const noexcept { return timeout_.count() > 0; }
+  // The caller holds it while it calls the device library and while it reads the state below.
+  std::mutex& mutex() const noexcept { return m_; }
+
+  // ---- Under mutex() -----------------------------------------------------------------------------
+  // Follow one collective; its events are the watchdog's until spare() hands them back.
+  void follow(event started, event done, const char* call, clock::time_point enqueued) {
+    flights_.push_back(flight{started, done, enqueued, call});
+    wake_.notify_one();
+  }
+  // One look at the oldest collectives at time `now` (the thread's body).
+  void poll(clock::time_point now) {
+    if (aborted_) return;
+    if (const int e = device_.async_error(); e != 0) {
+      abort_device({"an asynchronous error of the device library", false, e});
+      return;
+    }
+    while (!flights_.empty()) {
+      const flight f = flights_.front();
+      const device_event_state s = device_.query(f.done);
+      if (s == device_event_state::done) {
+        spare_.push_back(f.started);
+        spare_.push_back(f.done);
+        flights_.pop_front();
+        continue;
+      }
+      if (s == device_event_state::failed) {
+        abort_device({f.call, false, -1});
+      } else if (now - f.enqueued >= timeout_) {
+        mark({f.call, true, 0});  // callers learn it now
+        const device_event_state reached = device_.query(f.started);
+        if (reached != device_event_state::pending) abort_device({f.call, true, 0});
+      }
+      return;
+    }
+  }
+  // A failure the caller saw itself (a call past its deadline, an error returned): kept if first.
+  void mark(failure f) noexcept {
+    if (failure_.call == nullptr) failure_ = f;
+  }
+  // mark(f), then the device's work ended (once).
+  void abort_device(failure f) noexcept {
+    mark(f);
+    if (aborted_) return;
+    aborted_ = true;
+    device_.abort();
+  }
+  bool failed() const noexcept { return failure_.call != nullptr; }
+  const failure& first_failure() const noexcept { return failure_; }
+  bool aborted() const noexcept { return aborted_; }
+  std::size_t in_flight() const noexcept { return flights_.size(); }
+  // Events of finished collectives, for reuse (the caller takes them).
+  std::vector<event>& spare() noexcept { return spare_; }
+  // ---- End of "under mutex()" --------------------------------------------------------------------
+
+  // Joins the thread (not under mutex()); then every event still held, for the caller to destroy.
+  std::vector<event> stop() {
+    if (thread_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(m_);
+        stop_ = true;
+      }
+      wake_.notify_one();
+      thread_.join();
+    }
+    std::lock_guard<std::mutex> lock(m_);
+    std::vector<event> all = std::move(spare_);
+    spare_.clear();
+    for (const flight& f : flights_) {
+      all.push_back(f.started);
+      all.push_back(f.done);
+    }
+    flights_.clear();
+    return all;
+  }
+
+ private:
+  struct flight {
+    event started;
+    event done;
+    clock::time_point enqueued;
+    const char* call;
+  };
+
+  void run() noexcept {
+    device_.on_thread_start();
+    std::unique_lock<std::mutex> lock(m_);
+    while (!stop_) {
+      wake_.wait_for(lock, period_);
+      if (stop_) break;
+      try {
+        poll(clock::now());
+      } catch (...) {  // spare_'s growth can throw: give up on the device rather than the process
+        abort_device({"the collective watchdog (out of memory)", false, -1});
+      }
+    }
+  }
+
+  Device& device_;
+  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds period_;
+  mutable std::mutex m_;
+  std::condition_variable wake_;
+  std::thread thread_;
+  bool stop_ = false;
+  bool aborted_ = false;
+  failure failure_{};
+  std::deque<flight> flights_;
+  std::vector<event> spare_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/dist/collective_watchdog.hpp ----
 // ---- begin membound/dist/communicator.hpp ----
 // Communicators: how data-parallel ranks exchange gradients and parameters. A communicator is a
 // policy object the trainer is given (like its allocator): `local_communicator` is one process,
@@ -15467,8 +15673,10 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
   return [&m, &alloc](const training_plan& p) -> std::size_t {
     const run_requests run = record_run(m, p);
     const std::vector<recorded_request> q = training_requests(run);
+    // Uncapped: without the stack's budgets, and with arenas large enough (a stack remade for a
+    // larger budget sizes its arena from it), so that the figure is what the plan reserves.
     auto replay = [&](bool capped) {
-      auto shadow = make_shadow(alloc);
+      auto shadow = make_shadow(alloc, capped ? shadow_scope::same : shadow_scope::unbounded_capacity);
       if (!capped) detail::lift_budgets(*shadow);
       // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
       if constexpr (has_planned_layer<shadow_t<Allocator>>) {
@@ -15484,9 +15692,9 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
     const reserve_replay u = replay(false);
     const auto [limit, external] = detail::tightest_budget(alloc);
     const std::size_t over_cap = sat_add(sat_sub(limit, external), 1);
-    // Refused even without the budget (an arena's capacity, sized from the budget): the reserve
-    // is unknown, but never below the requested peak, which is then the floor a caller is told.
-    // With no budget in the stack at all this stays SIZE_MAX: no budget makes it fit.
+    // Refused even then (a layer with a limit of its own): the reserve is unknown, but never below
+    // the requested peak, which is then the floor a caller is told. With no budget in the stack
+    // at all this stays SIZE_MAX: no budget makes it fit.
     if (!u.fits) return std::max(p.peak_bytes, over_cap);
     return std::max(u.peak_reserved, over_cap);
   };
@@ -17642,6 +17850,9 @@ class trainer {
         const shard_range s = shard_of(n_, N, r);
         norm_parts_[r] = shard_sum_squares(g_ + s.begin, s.size());
       }
+      // The reads above waited for the exchange: a device communicator whose watchdog ended it
+      // says so here, before the optimizer step would use what arrived (ZeRO-1 asks in ctl()).
+      if constexpr (requires { comm_.check(); }) comm_.check();
     }
     double sum = 0;
     for (const double v : norm_parts_) sum += v;

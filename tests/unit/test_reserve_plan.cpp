@@ -362,26 +362,53 @@ TEST_CASE("reserve: randomized, no plan that fits on its reserve runs out of mem
   CHECK(planned.worst_ratio <= 1.05);
 }
 
-TEST_CASE("reserve: a plan over an arena sized to the budget names a real floor, never SIZE_MAX") {
-  // The example trainer sizes its arena to the budget, so lifting the budget in the replay still
-  // meets the arena's capacity. The reserve then falls back to the requested peak: the error
-  // a user sees names bytes, not 16384 PiB.
+TEST_CASE("reserve: over an arena sized to the budget, the least budget named is one that works once the stack is remade") {
+  // The example trainers size their arena to the budget, so lifting only the budget in the
+  // replay still meets the arena's capacity. The uncapped replay lifts the capacity too: the
+  // figure is the plan's reserve on a stack made for a budget that holds it, so a user who
+  // follows "at least N" gets a run, and N − 1 is refused (not "at least N + 1" forever).
   const hybrid<mb::fp32_precision> m(small_config());
   mb::plan_options o;
   o.threads = 1;
   o.head_chunk = 16;
   mb::training_plan p = mb::make_plan(m, {2, 24}, mb::schedules::none{}, o);
-  const std::size_t budget = mb::align_up(p.peak_bytes / 2, std::size_t{4} << 10);
-  p.budget = budget;
-  arena_stack alloc(budget, mb::expandable_arena_options{budget}, std::size_t{4} << 10);
-  p.reserved_peak = mb::reserve_model(m, alloc)(p);
-  CHECK(p.reserved_peak >= p.peak_bytes);
-  CHECK_FALSE(mb::saturated(p.reserved_peak));
-  CHECK_FALSE(p.fits());
-  const mb::budget_too_small e(budget, p.budgeted_peak());
-  CHECK(e.minimum() == p.peak_bytes);
-  CHECK(std::string(e.what()).find("PiB") == std::string::npos);
+  const std::size_t page = std::size_t{4} << 10;
+  const auto stack_for = [&](std::size_t budget) {  // as train.cpp makes it
+    return std::make_unique<arena_stack>(budget, mb::expandable_arena_options{mb::align_up(budget, page)}, page);
+  };
+  for (const std::size_t small : {page, mb::align_up(p.peak_bytes / 2, page), p.peak_bytes - 1}) {
+    const auto tight = stack_for(small);
+    mb::training_plan q = p;
+    q.budget = small;
+    q.reserved_peak = mb::reserve_model(m, *tight)(q);
+    CHECK_FALSE(mb::saturated(q.reserved_peak));
+    CHECK_FALSE(q.fits());
+    const mb::budget_too_small e(small, q.budgeted_peak());
+    const std::size_t least = e.minimum();
+    CHECK(least >= p.peak_bytes);
+    CHECK(std::string(e.what()).find("PiB") == std::string::npos);
+    // Remade for `least`, the stack holds the plan's reserve, and runs it within it.
+    {
+      const auto remade = stack_for(least);
+      mb::training_plan r = p;
+      r.budget = least;
+      r.reserved_peak = mb::reserve_model(m, *remade)(r);
+      CHECK(r.reserved_peak == least);
+      CHECK(r.fits());
+      mb::thread_pool pool(1);
+      run_training_requests(m, r, *remade, pool);
+      CHECK(remade->stats().peak_reserved == least);
+    }
+    // One byte less is refused, naming the same least budget.
+    const auto short_by_one = stack_for(least - 1);
+    mb::training_plan r = p;
+    r.budget = least - 1;
+    r.reserved_peak = mb::reserve_model(m, *short_by_one)(r);
+    CHECK_FALSE(r.fits());
+    CHECK(r.budgeted_peak() == least);
+  }
   // Without any budget in the stack no budget can make the plan fit: it stays saturated.
-  mb::expandable_arena<mb::host_virtual_memory> bare(mb::expandable_arena_options{budget}, std::size_t{4} << 10);
+  const std::size_t budget = mb::align_up(p.peak_bytes / 2, page);
+  mb::expandable_arena<mb::host_virtual_memory> bare(mb::expandable_arena_options{budget}, page);
   CHECK(mb::saturated(mb::reserve_model(m, bare)(p)));
 }

@@ -412,7 +412,12 @@ inline void write_file_atomically(const std::string& path, const char* argument,
   remove_stale_temporaries(target);
   pending_temporary tmp;
   if (const int e = tmp.create(target); e != 0) {
-    fail("no temporary file in its folder: " + errno_text(e), e, advice_for(e, true));
+    // The folder exists (checked above, or it holds the file): ENOENT here means it takes no new
+    // files (/proc, /sys), not that a folder is missing.
+    fail("no temporary file in its folder: " + errno_text(e), e,
+         e == ENOENT ? "Its folder takes no new files (a virtual file system such as /proc or /sys): choose a path "
+                       "on a regular file system"
+                     : advice_for(e, true));
   }
   if (keep_mode != 0) (void)::fchmod(tmp.fd(), keep_mode);  // replacing keeps the permissions
   for (const byte_range& part : parts) {

@@ -57,10 +57,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -73,6 +71,7 @@
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/shard.hpp"
+#include "membound/dist/collective_watchdog.hpp"
 #include "membound/dist/communicator.hpp"
 #include "membound/dist/mpi_communicator.hpp"
 
@@ -114,6 +113,29 @@ __global__ void nccl_ordered_sum(const T* parts, std::size_t ranks, std::size_t 
     }
   }
 }
+// What collective_watchdog asks of NCCL and CUDA (dist/collective_watchdog.hpp).
+struct nccl_watch_device {
+  using event = cudaEvent_t;
+  ncclComm_t* comm = nullptr;  // the communicator's handle; abort() sets it to nullptr
+  int device = 0;
+  device_event_state query(cudaEvent_t e) {
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaSuccess) return device_event_state::done;
+    if (q == cudaErrorNotReady) return device_event_state::pending;
+    (void)cudaGetLastError();
+    return device_event_state::failed;
+  }
+  int async_error() {
+    ncclResult_t r = ncclSuccess;
+    if (*comm == nullptr || ncclCommGetAsyncError(*comm, &r) != ncclSuccess) return 0;
+    return r == ncclSuccess || r == ncclInProgress ? 0 : static_cast<int>(r);
+  }
+  void abort() noexcept {
+    if (*comm != nullptr) (void)ncclCommAbort(*comm);
+    *comm = nullptr;
+  }
+  void on_thread_start() noexcept { (void)cudaSetDevice(device); }
+};
 }  // namespace detail
 
 // The tag of nccl_communicator's one-process constructor.
@@ -228,21 +250,21 @@ class nccl_communicator {
   cudaStream_t stream() const noexcept { return stream_; }
   // NCCL's communicator; nullptr once aborted (the watchdog may do so at any time with a timeout).
   ncclComm_t native() const {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::mutex> lock(dog_->mutex());
     return comm_;
   }
   communication_stats stats() const noexcept { return stats_; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   // False once a collective timed out or NCCL reported an error (the communicator was aborted).
   bool usable() const {
-    std::lock_guard<std::mutex> lock(m_);
-    return failure_ == nullptr;
+    std::lock_guard<std::mutex> lock(dog_->mutex());
+    return !dog_->failed();
   }
   // Throws collective_timeout (or communication_error) when the watchdog aborted a collective,
   // else nothing. Every collective checks first; the trainer also checks before it uses a host
   // value that depends on the data collectives (data collectives return before their data moved).
   void check() const {
-    std::lock_guard<std::mutex> lock(m_);
+    std::lock_guard<std::mutex> lock(dog_->mutex());
     throw_if_failed();
   }
 
@@ -299,7 +321,7 @@ class nccl_communicator {
   template <typename T>
   void all_gather(const T* shard, T* out, std::size_t n) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
-    std::unique_lock<std::mutex> lock(m_);
+    std::unique_lock<std::mutex> lock(dog_->mutex());
     begin();
     const shard_range mine = shard_of(n, size_, rank_);
     if (mine.size() != 0 && shard != out + mine.begin) {
@@ -330,7 +352,7 @@ class nccl_communicator {
   void broadcast(T* data, std::size_t n, std::size_t root) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: broadcast copies bytes: T must be trivially copyable");
     detail::check_root(root, size_);
-    std::unique_lock<std::mutex> lock(m_);
+    std::unique_lock<std::mutex> lock(dog_->mutex());
     begin();
     call(ncclBroadcast(data, data, n * sizeof(T), ncclChar, static_cast<int>(root), comm_, stream_), "ncclBroadcast");
     if (rank_ == root) stats_.bytes_sent += (size_ - 1) * n * sizeof(T);
@@ -352,14 +374,6 @@ class nccl_communicator {
   }
 
  private:
-  // A collective enqueued on stream_ that the watchdog follows until its event completes.
-  struct flight {
-    cudaEvent_t started = nullptr;  // stream_ past the caller's earlier work: the collective is on the device
-    cudaEvent_t done = nullptr;
-    std::chrono::steady_clock::time_point enqueued;
-    const char* call = "";
-  };
-
   static std::chrono::milliseconds checked_timeout(std::chrono::milliseconds t) {
     if (t.count() < 0) {
       throw invalid_argument("timeout", "0 (none) or a positive time", std::to_string(t.count()) + " ms",
@@ -368,31 +382,24 @@ class nccl_communicator {
     return t;
   }
 
-  // Under m_. Throws when the watchdog (or a call past its deadline) aborted NCCL's communicator.
+  // Under the watchdog's mutex. Throws when a collective failed (timed out, or an NCCL error).
   void throw_if_failed() const {
-    if (failure_ == nullptr) return;
+    if (!dog_->failed()) return;
+    const auto& f = dog_->first_failure();
     if (reported_) {
-      throw communication_error(failure_, 0, "an earlier collective failed, so this communicator cannot be used again");
+      throw communication_error(f.call, 0, "an earlier collective failed, so this communicator cannot be used again");
     }
     reported_ = true;
-    if (timed_out_) throw collective_timeout(failure_, timeout_);
-    throw communication_error(failure_, static_cast<int>(async_), ncclGetErrorString(async_));
+    if (f.timed_out) throw collective_timeout(f.call, timeout_);
+    throw communication_error(f.call, f.code,
+                              f.code > 0 ? ncclGetErrorString(static_cast<ncclResult_t>(f.code)) : "a CUDA event failed");
   }
-  // Under m_: ends every NCCL operation of this rank (a kernel waiting for a peer returns) and
-  // frees NCCL's communicator; what the ranks exchanged is lost, the communicator unusable.
+  // Under the mutex: ends every NCCL operation of this rank (a kernel waiting for a peer returns)
+  // and frees NCCL's communicator; what the ranks exchanged is lost, the communicator unusable.
   void abort_nccl(const char* what, bool timed_out, ncclResult_t why) noexcept {
-    mark_failed(what, timed_out, why);
-    if (comm_ != nullptr) (void)ncclCommAbort(comm_);
-    comm_ = nullptr;
+    dog_->abort_device({what, timed_out, static_cast<int>(why)});
   }
-  // Under m_: the first failure is the one reported.
-  void mark_failed(const char* what, bool timed_out, ncclResult_t why) noexcept {
-    if (failure_ != nullptr) return;
-    failure_ = what;  // a string literal: nothing to allocate here
-    timed_out_ = timed_out;
-    async_ = why;
-  }
-  // Under m_: r is an NCCL call's result. Non-blocking (a timeout), NCCL may still be enqueueing
+  // Under the mutex: r is an NCCL call's result. Non-blocking (a timeout), NCCL may still be enqueueing
   // (ncclInProgress): wait for it until the deadline, as NCCL asks before the next call.
   void call(ncclResult_t r, const char* what) {
     if (r == ncclInProgress && timeout_.count() != 0) {
@@ -414,7 +421,7 @@ class nccl_communicator {
     detail::nccl_check(r, what);
   }
 
-  // Under m_. stream_ waits for the caller's work so far.
+  // Under the mutex. stream_ waits for the caller's work so far.
   void begin() {
     throw_if_failed();
     ++stats_.collectives;
@@ -424,36 +431,36 @@ class nccl_communicator {
       detail::nccl_cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
     }
     if (timeout_.count() != 0) {
-      if (started_ != nullptr) spare_.push_back(std::exchange(started_, nullptr));  // of a call that threw
+      if (started_ != nullptr) dog_->spare().push_back(std::exchange(started_, nullptr));  // of a call that threw
       started_ = record_watched();
     }
   }
-  // Under m_: an event from the spare ones (or a new one) recorded on stream_.
+  // Under the mutex: an event from the spare ones (or a new one) recorded on stream_.
   cudaEvent_t record_watched() {
+    std::vector<cudaEvent_t>& spare = dog_->spare();
     cudaEvent_t e = nullptr;
-    if (spare_.empty()) {
+    if (spare.empty()) {
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     } else {
-      e = spare_.back();
-      spare_.pop_back();
+      e = spare.back();
+      spare.pop_back();
     }
     const cudaError_t rec = cudaEventRecord(e, stream_);
-    if (rec != cudaSuccess) spare_.push_back(e);
+    if (rec != cudaSuccess) spare.push_back(e);
     detail::nccl_cuda_check(rec, "cudaEventRecord");
     return e;
   }
-  // Under m_. The caller's later work waits for this collective; the watchdog follows it.
+  // Under the mutex. The caller's later work waits for this collective; the watchdog follows it.
   void end(const char* what) {
     if (timeout_.count() != 0) {
       const cudaEvent_t done = record_watched();
-      flights_.push_back(flight{std::exchange(started_, nullptr), done, enqueued_, what});
-      wake_.notify_one();
+      dog_->follow(std::exchange(started_, nullptr), done, what, enqueued_);
     }
     if (user_ == nullptr) return;
     detail::nccl_cuda_check(cudaEventRecord(done_, stream_), "cudaEventRecord");
     detail::nccl_cuda_check(cudaStreamWaitEvent(user_, done_, 0), "cudaStreamWaitEvent");
   }
-  // Under m_: ncclGroupStart, and ncclGroupEnd on every path (a call that throws inside the group
+  // Under the mutex: ncclGroupStart, and ncclGroupEnd on every path (a call that throws inside the group
   // must not leave this thread's NCCL group open).
   class group {
    public:
@@ -487,7 +494,7 @@ class nccl_communicator {
     detail::check_workspace(ws, ws_bytes, size_ * most * sizeof(T));
     const shard_range mine = blocks_[rank_];
     T* parts = static_cast<T*>(ws);
-    std::unique_lock<std::mutex> lock(m_);
+    std::unique_lock<std::mutex> lock(dog_->mutex());
     begin();
     if (mine.size() != 0) {
       detail::nccl_cuda_check(cudaMemcpyAsync(parts + rank_ * most, in + mine.begin, mine.size() * sizeof(T),
@@ -515,57 +522,20 @@ class nccl_communicator {
   void init(const ncclUniqueId& id) {
     try {
       blocks_.resize(size_);
-      detail::nccl_cuda_check(cudaGetDevice(&device_), "cudaGetDevice");
+      detail::nccl_cuda_check(cudaGetDevice(&watched_.device), "cudaGetDevice");
+      watched_.comm = &comm_;
+      dog_ = std::make_unique<collective_watchdog<detail::nccl_watch_device>>(watched_, timeout_);
       detail::nccl_cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
       detail::nccl_cuda_check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       if (timeout_.count() != 0) config.blocking = 0;  // so that a wait can end and ncclCommAbort can run
-      std::unique_lock<std::mutex> lock(m_);
+      std::lock_guard<std::mutex> lock(dog_->mutex());
       call(ncclCommInitRankConfig(&comm_, static_cast<int>(size_), id, static_cast<int>(rank_), &config),
            "ncclCommInitRank");
-      lock.unlock();
-      if (timeout_.count() != 0) watchdog_ = std::thread([this] { watch(); });
     } catch (...) {
       release();
       throw;
-    }
-  }
-
-  // The watchdog: every few milliseconds, the oldest collectives in flight (stream order: the
-  // first one not done is the one holding the rest) and NCCL's asynchronous error.
-  void watch() noexcept {
-    (void)cudaSetDevice(device_);  // the comm's device, for the CUDA calls of this thread
-    std::unique_lock<std::mutex> lock(m_);
-    while (!stop_) {
-      wake_.wait_for(lock, std::chrono::milliseconds(5));
-      if (stop_ || comm_ == nullptr) continue;
-      ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
-        abort_nccl("an NCCL collective (asynchronous error)", false, async);
-        continue;
-      }
-      const auto now = std::chrono::steady_clock::now();
-      while (!flights_.empty()) {
-        const flight f = flights_.front();
-        const cudaError_t q = cudaEventQuery(f.done);
-        if (q == cudaSuccess) {
-          spare_.push_back(f.started);
-          spare_.push_back(f.done);
-          flights_.pop_front();
-          continue;
-        }
-        if (q != cudaErrorNotReady) {
-          (void)cudaGetLastError();
-          abort_nccl(f.call, false, ncclUnhandledCudaError);
-        } else if (now - f.enqueued >= timeout_) {
-          mark_failed(f.call, true, ncclInProgress);  // callers learn it now
-          // Its kernels are on the device (or ran): ending them frees nothing a queued kernel needs.
-          if (cudaEventQuery(f.started) == cudaSuccess) abort_nccl(f.call, true, ncclInProgress);
-          else (void)cudaGetLastError();
-        }
-        break;
-      }
     }
   }
 
@@ -581,30 +551,23 @@ class nccl_communicator {
   }
 
   void release() noexcept {
-    if (watchdog_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(m_);
-        stop_ = true;
+    bool failed = false;
+    if (dog_ != nullptr) {
+      try {
+        for (cudaEvent_t e : dog_->stop()) (void)cudaEventDestroy(e);  // the thread joined first
+      } catch (...) {  // the list of events could not be made: they stay with the context
       }
-      wake_.notify_one();
-      watchdog_.join();
+      failed = dog_->failed();
     }
     if (comm_ != nullptr) {
       // Non-blocking, NCCL's communicator is finalized (its operations flushed) before it is
-      // destroyed; one that does not finalize within the timeout is aborted instead.
-      if (timeout_.count() != 0 && (failure_ != nullptr || !finalized())) (void)ncclCommAbort(comm_);
+      // destroyed; a failed one, or one that does not finalize within the timeout, is aborted.
+      if (timeout_.count() != 0 && (failed || !finalized())) (void)ncclCommAbort(comm_);
       else (void)ncclCommDestroy(comm_);
     }
     comm_ = nullptr;
-    for (const flight& f : flights_) {
-      (void)cudaEventDestroy(f.started);
-      (void)cudaEventDestroy(f.done);
-    }
     if (started_ != nullptr) (void)cudaEventDestroy(started_);
     started_ = nullptr;
-    for (cudaEvent_t e : spare_) (void)cudaEventDestroy(e);
-    flights_.clear();
-    spare_.clear();
     if (done_ != nullptr) (void)cudaEventDestroy(done_);
     if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
@@ -614,7 +577,6 @@ class nccl_communicator {
 
   std::chrono::milliseconds timeout_{0};
   std::size_t rank_ = 0, size_ = 1;
-  int device_ = 0;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr, user_ = nullptr;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
@@ -622,19 +584,13 @@ class nccl_communicator {
   std::vector<shard_range> blocks_;  // each rank's block of the reduce-scatter in flight
   nccl_control control_;             // declared after timeout_: made from it, and before the id broadcast
 
-  // Guarded by m_ (the watchdog and the calling thread; NCCL is never called by both at once).
-  mutable std::mutex m_;
-  std::condition_variable wake_;
-  std::thread watchdog_;
-  bool stop_ = false;
+  // The watchdog (made in init(), without a thread when timeout_ is 0) and the state under its
+  // mutex, which the calling thread holds while it calls NCCL: NCCL is never called by both.
+  detail::nccl_watch_device watched_;
+  std::unique_ptr<collective_watchdog<detail::nccl_watch_device>> dog_;
   std::chrono::steady_clock::time_point enqueued_{};
   cudaEvent_t started_ = nullptr;  // the collective being enqueued's (begin() to end())
-  std::deque<flight> flights_;
-  std::vector<cudaEvent_t> spare_;
-  const char* failure_ = nullptr;  // the call that failed (a literal); nullptr while usable
-  bool timed_out_ = false;      // failure_ is a timeout (collective_timeout), else an NCCL error
-  ncclResult_t async_ = ncclSuccess;
-  mutable bool reported_ = false;  // failure_ thrown once as itself; later calls say it is unusable
+  mutable bool reported_ = false;  // the failure thrown once as itself; later calls say it is unusable
 };
 static_assert(device_communicator<nccl_communicator>);
 

@@ -14,6 +14,7 @@
 //   void* p = s->allocate(1 << 20, 64, membound::memory_tag::activations);  // no memory behind p
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -134,6 +135,20 @@ concept has_shadow = requires(const A& a) {
 template <typename A>
 using shadow_t = typename shadow_traits<A>::type;
 
+// What a shadow keeps of its stack's limits: all of them (same), or all but the arenas' address
+// ranges (unbounded_capacity). reserve_model asks the latter what a plan would reserve under a
+// larger budget, since a stack made for that budget sizes its arena from it too (the example
+// trainers do): the least budget a user is told must be one that works once the stack is remade.
+enum class shadow_scope { same, unbounded_capacity };
+
+// shadow_traits<A>::args(a, scope) where a layer takes the scope (an arena, the layers above
+// one), else args(a).
+template <typename A>
+auto shadow_args(const A& a, shadow_scope scope) {
+  if constexpr (requires { shadow_traits<A>::args(a, scope); }) return shadow_traits<A>::args(a, scope);
+  else return shadow_traits<A>::args(a);
+}
+
 template <>
 struct shadow_traits<system_allocator> {
   using type = address_only_allocator<memory_space::host>;
@@ -152,8 +167,8 @@ template <typename U>
   requires has_shadow<U>
 struct shadow_traits<caching_allocator<U>> {
   using type = caching_allocator<shadow_t<U>>;
-  static auto args(const caching_allocator<U>& a) {
-    return std::tuple_cat(std::tuple<caching_options>{a.options()}, shadow_traits<U>::args(a.upstream()));
+  static auto args(const caching_allocator<U>& a, shadow_scope scope = shadow_scope::same) {
+    return std::tuple_cat(std::tuple<caching_options>{a.options()}, shadow_args(a.upstream(), scope));
   }
   static void sync(type& s, const caching_allocator<U>& a) {
     s.set_reserve_limit(a.reserve_limit());
@@ -165,8 +180,13 @@ struct shadow_traits<caching_allocator<U>> {
 template <typename VM>
 struct shadow_traits<expandable_arena<VM>> {
   using type = expandable_arena<address_only_vm<VM::space>>;
-  static auto args(const expandable_arena<VM>& a) {
-    return std::tuple<expandable_arena_options, std::size_t>{expandable_arena_options{a.capacity()}, a.granularity()};
+  // unbounded_capacity: 64 TiB of address space in name (whole granules), never less than a's.
+  static auto args(const expandable_arena<VM>& a, shadow_scope scope = shadow_scope::same) {
+    std::size_t capacity = a.capacity();
+    if (scope == shadow_scope::unbounded_capacity) {
+      capacity = std::max(capacity, (std::size_t{1} << 46) / a.granularity() * a.granularity());
+    }
+    return std::tuple<expandable_arena_options, std::size_t>{expandable_arena_options{capacity}, a.granularity()};
   }
   static void sync(type&, const expandable_arena<VM>&) noexcept {}
 };
@@ -175,8 +195,8 @@ template <typename U>
   requires has_shadow<U>
 struct shadow_traits<budget_allocator<U>> {
   using type = budget_allocator<shadow_t<U>>;
-  static auto args(const budget_allocator<U>& a) {
-    return std::tuple_cat(std::tuple<std::size_t>{a.limit()}, shadow_traits<U>::args(a.upstream()));
+  static auto args(const budget_allocator<U>& a, shadow_scope scope = shadow_scope::same) {
+    return std::tuple_cat(std::tuple<std::size_t>{a.limit()}, shadow_args(a.upstream(), scope));
   }
   static void sync(type& s, const budget_allocator<U>& a) {
     shadow_traits<U>::sync(s.upstream(), a.upstream());
@@ -190,26 +210,31 @@ template <typename U>
   requires has_shadow<U>
 struct shadow_traits<traced_allocator<U>> {
   using type = shadow_t<U>;
-  static auto args(const traced_allocator<U>& a) { return shadow_traits<U>::args(a.upstream()); }
+  static auto args(const traced_allocator<U>& a, shadow_scope scope = shadow_scope::same) {
+    return shadow_args(a.upstream(), scope);
+  }
   static void sync(type& s, const traced_allocator<U>& a) { shadow_traits<U>::sync(s, a.upstream()); }
 };
 template <typename U>
   requires has_shadow<U>
 struct shadow_traits<fault_injecting<U>> {
   using type = shadow_t<U>;
-  static auto args(const fault_injecting<U>& a) { return shadow_traits<U>::args(a.upstream()); }
+  static auto args(const fault_injecting<U>& a, shadow_scope scope = shadow_scope::same) {
+    return shadow_args(a.upstream(), scope);
+  }
   static void sync(type& s, const fault_injecting<U>& a) { shadow_traits<U>::sync(s, a.upstream()); }
 };
 
 // A fresh shadow of `a`'s stack with its settings (options, capacity, granularity, budget limit
-// and external bytes), holding nothing: what `a` would do from empty.
+// and external bytes), holding nothing: what `a` would do from empty. With
+// shadow_scope::unbounded_capacity its arenas have room for any plan (see shadow_scope).
 template <typename A>
-std::unique_ptr<shadow_t<A>> make_shadow(const A& a) {
+std::unique_ptr<shadow_t<A>> make_shadow(const A& a, shadow_scope scope = shadow_scope::same) {
   static_assert(has_shadow<A>,
                 "membound: make_shadow: this allocator stack has a layer with no shadow. "
                 "Specialize membound::shadow_traits for it (type, args, sync), or plan with "
                 "requested bytes only.");
-  auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_traits<A>::args(a));
+  auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_args(a, scope));
   shadow_traits<A>::sync(*s, a);
   return s;
 }

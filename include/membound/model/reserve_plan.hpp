@@ -286,8 +286,10 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
   return [&m, &alloc](const training_plan& p) -> std::size_t {
     const run_requests run = record_run(m, p);
     const std::vector<recorded_request> q = training_requests(run);
+    // Uncapped: without the stack's budgets, and with arenas large enough (a stack remade for a
+    // larger budget sizes its arena from it), so that the figure is what the plan reserves.
     auto replay = [&](bool capped) {
-      auto shadow = make_shadow(alloc);
+      auto shadow = make_shadow(alloc, capped ? shadow_scope::same : shadow_scope::unbounded_capacity);
       if (!capped) detail::lift_budgets(*shadow);
       // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
       if constexpr (has_planned_layer<shadow_t<Allocator>>) {
@@ -303,9 +305,9 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
     const reserve_replay u = replay(false);
     const auto [limit, external] = detail::tightest_budget(alloc);
     const std::size_t over_cap = sat_add(sat_sub(limit, external), 1);
-    // Refused even without the budget (an arena's capacity, sized from the budget): the reserve
-    // is unknown, but never below the requested peak, which is then the floor a caller is told.
-    // With no budget in the stack at all this stays SIZE_MAX: no budget makes it fit.
+    // Refused even then (a layer with a limit of its own): the reserve is unknown, but never below
+    // the requested peak, which is then the floor a caller is told. With no budget in the stack
+    // at all this stays SIZE_MAX: no budget makes it fit.
     if (!u.fits) return std::max(p.peak_bytes, over_cap);
     return std::max(u.peak_reserved, over_cap);
   };
