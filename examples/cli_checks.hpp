@@ -216,7 +216,9 @@ inline void output_file(std::string_view flag, const std::string& path, [[maybe_
     throw membound::invalid_argument(f, "a regular file or a new path (it is replaced by a rename)", in_quotes(path),
                                      "Choose a plain file path");
   }
-  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  // A symbolic link's file is replaced where it lies (write_file_atomically): probe that folder.
+  const fs::path real = fs::is_symlink(fs::symlink_status(p, ec)) ? fs::weakly_canonical(p, ec) : p;
+  const fs::path dir = real.parent_path().empty() ? fs::path(".") : real.parent_path();
   const fs::file_status dst = fs::status(dir, ec);
   if (!fs::exists(dst)) {
     throw membound::invalid_argument(f, "a path in an existing folder",

@@ -178,6 +178,8 @@ void resume_from(Trainer& t, const options& o) {
     const std::string flag = f.starts_with("config.width")     ? "--width"
                              : f.starts_with("config.heads")   ? "--heads"
                              : f == "storage"                  ? "--precision"
+                             : f == "sequence_length"          ? "--seq"
+                             : f == "optimizer.shard"          ? "--zero and mpirun -np"
                              : f.starts_with("optimizer")      ? "--optimizer"
                              : f == "effective_batch"          ? "--batch"
                              : f == "zero" || f == "ranks"     ? "--zero and mpirun -np"

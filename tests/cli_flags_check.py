@@ -232,8 +232,6 @@ def main():
         c.refuse(train, base, "--resume", {"--resume": ckpt, "--width": "64", "--heads": "8"})  # another model
         c.refuse(train, base, "--report", {"--resume": ckpt, "--report": ckpt})  # would overwrite it
 
-        # A write that fails at the end is an error, not a silent exit 0.
-
         # --- plot_memory -----------------------------------------------------------------------
         trace, report = p("trace.json"), p("report.json")
         events = [{"name": "memory by tag", "cat": "memory", "ph": "C", "ts": t, "pid": 1, "tid": 1,

@@ -10812,7 +10812,8 @@ class collective_watchdog {
   using clock = std::chrono::steady_clock;
   using event = typename Device::event;
   // How the first failure happened: the collective's name (a string literal), whether it timed
-  // out (else an error with `code`: the library's, or -1 for a failed event query).
+  // out (else an error with `code`: the library's, -1 for a failed event query, -2 when the
+  // watchdog itself could not go on).
   struct failure {
     const char* call = nullptr;
     bool timed_out = false;
@@ -10828,7 +10829,13 @@ class collective_watchdog {
   }
   collective_watchdog(const collective_watchdog&) = delete;
   collective_watchdog& operator=(const collective_watchdog&) = delete;
-  ~collective_watchdog() { stop(); }
+  // The owner calls stop() first and destroys the events it returns; this only joins the thread.
+  ~collective_watchdog() {
+    try {
+      (void)stop();
+    } catch (...) {  // the list of events could not be made: the thread is joined all the same
+    }
+  }
 
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   bool enabled() const noexcept { return timeout_.count() > 0; }
@@ -10923,8 +10930,8 @@ class collective_watchdog {
       if (stop_) break;
       try {
         poll(clock::now());
-      } catch (...) {  // spare_'s growth can throw: give up on the device rather than the process
-        abort_device({"the collective watchdog (out of memory)", false, -1});
+      } catch (...) {  // spare_'s growth, or the device's calls: give up on the device, not the process
+        abort_device({"the collective watchdog", false, -2});
       }
     }
   }
@@ -15691,7 +15698,12 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
     // over what the cap leaves, so that the plan never passes for one that fits.
     const reserve_replay u = replay(false);
     const auto [limit, external] = detail::tightest_budget(alloc);
-    const std::size_t over_cap = sat_add(sat_sub(limit, external), 1);
+    const std::size_t room = sat_sub(limit, external);
+    const std::size_t over_cap = sat_add(room, 1);
+    // The budget had room for the whole reserve, so it never refused: the stack's own capacity did
+    // (an arena sized apart from the budget). No budget makes it fit: SIZE_MAX, which fit() turns
+    // into "raise the allocator's capacity" rather than "at least room + 1" again and again.
+    if (u.fits && u.peak_reserved <= room) return std::numeric_limits<std::size_t>::max();
     // Refused even then (a layer with a limit of its own): the reserve is unknown, but never below
     // the requested peak, which is then the floor a caller is told. With no budget in the stack
     // at all this stays SIZE_MAX: no budget makes it fit.

@@ -407,8 +407,12 @@ TEST_CASE("reserve: over an arena sized to the budget, the least budget named is
     CHECK_FALSE(r.fits());
     CHECK(r.budgeted_peak() == least);
   }
-  // Without any budget in the stack no budget can make the plan fit: it stays saturated.
+  // An arena whose capacity is fixed apart from a budget with room: the capacity refuses, and no
+  // budget can change that, so the figure saturates (fit() then says to raise the capacity).
   const std::size_t budget = mb::align_up(p.peak_bytes / 2, page);
+  arena_stack fixed(std::size_t{1} << 30, mb::expandable_arena_options{budget}, page);
+  CHECK(mb::saturated(mb::reserve_model(m, fixed)(p)));
+  // Without any budget in the stack no budget can make the plan fit: it stays saturated.
   mb::expandable_arena<mb::host_virtual_memory> bare(mb::expandable_arena_options{budget}, page);
   CHECK(mb::saturated(mb::reserve_model(m, bare)(p)));
 }

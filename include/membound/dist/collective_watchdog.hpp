@@ -26,6 +26,7 @@
 #include <chrono>
 #include <concepts>
 #include <condition_variable>
+#include <cstddef>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -52,7 +53,8 @@ class collective_watchdog {
   using clock = std::chrono::steady_clock;
   using event = typename Device::event;
   // How the first failure happened: the collective's name (a string literal), whether it timed
-  // out (else an error with `code`: the library's, or -1 for a failed event query).
+  // out (else an error with `code`: the library's, -1 for a failed event query, -2 when the
+  // watchdog itself could not go on).
   struct failure {
     const char* call = nullptr;
     bool timed_out = false;
@@ -68,7 +70,13 @@ class collective_watchdog {
   }
   collective_watchdog(const collective_watchdog&) = delete;
   collective_watchdog& operator=(const collective_watchdog&) = delete;
-  ~collective_watchdog() { stop(); }
+  // The owner calls stop() first and destroys the events it returns; this only joins the thread.
+  ~collective_watchdog() {
+    try {
+      (void)stop();
+    } catch (...) {  // the list of events could not be made: the thread is joined all the same
+    }
+  }
 
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   bool enabled() const noexcept { return timeout_.count() > 0; }
@@ -163,8 +171,8 @@ class collective_watchdog {
       if (stop_) break;
       try {
         poll(clock::now());
-      } catch (...) {  // spare_'s growth can throw: give up on the device rather than the process
-        abort_device({"the collective watchdog (out of memory)", false, -1});
+      } catch (...) {  // spare_'s growth, or the device's calls: give up on the device, not the process
+        abort_device({"the collective watchdog", false, -2});
       }
     }
   }

@@ -392,7 +392,9 @@ class nccl_communicator {
     reported_ = true;
     if (f.timed_out) throw collective_timeout(f.call, timeout_);
     throw communication_error(f.call, f.code,
-                              f.code > 0 ? ncclGetErrorString(static_cast<ncclResult_t>(f.code)) : "a CUDA event failed");
+                              f.code > 0    ? ncclGetErrorString(static_cast<ncclResult_t>(f.code))
+                              : f.code == -1 ? "a CUDA event query failed"
+                                             : "the watchdog could not go on (out of memory or a failed CUDA call)");
   }
   // Under the mutex: ends every NCCL operation of this rank (a kernel waiting for a peer returns)
   // and frees NCCL's communicator; what the ranks exchanged is lost, the communicator unusable.

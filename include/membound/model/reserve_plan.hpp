@@ -304,7 +304,12 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
     // over what the cap leaves, so that the plan never passes for one that fits.
     const reserve_replay u = replay(false);
     const auto [limit, external] = detail::tightest_budget(alloc);
-    const std::size_t over_cap = sat_add(sat_sub(limit, external), 1);
+    const std::size_t room = sat_sub(limit, external);
+    const std::size_t over_cap = sat_add(room, 1);
+    // The budget had room for the whole reserve, so it never refused: the stack's own capacity did
+    // (an arena sized apart from the budget). No budget makes it fit: SIZE_MAX, which fit() turns
+    // into "raise the allocator's capacity" rather than "at least room + 1" again and again.
+    if (u.fits && u.peak_reserved <= room) return std::numeric_limits<std::size_t>::max();
     // Refused even then (a layer with a limit of its own): the reserve is unknown, but never below
     // the requested peak, which is then the floor a caller is told. With no budget in the stack
     // at all this stays SIZE_MAX: no budget makes it fit.
