@@ -728,7 +728,7 @@ int main(int argc, char** argv) {
   flag("--device", "auto|cpu|cuda",
        "where to train: auto is cuda when this build has CUDA and a GPU is visible, else cpu; on cuda the defaults "
        "are 12 blocks of width 768 (ttt,attn,mamba,attn three times), 12 heads, --seq 2048, --batch 8, bf16, "
-       "--budget 8GiB, --eval-sequences 8; under mpirun cuda runs one GPU per rank over NCCL "
+       "--budget 8GiB, --eval-sequences 8; over several mpirun ranks cuda runs one GPU per rank over NCCL "
        "(libtrain_cuda_nccl.so, --zero 0 or 1) (default auto)");
   flag("--data", "FILE", "text file to train on (default: tiny-shakespeare)");
   flag("--budget", "SIZE",
@@ -822,13 +822,10 @@ int main(int argc, char** argv) {
     try {
 #if MEMBOUND_EXAMPLE_CUDA
       if (o.device == "cuda") {
-        // Under mpirun (any -np) or when MEMBOUND_EXAMPLE_NCCL=1 asks for it: a GPU per rank over
-        // NCCL (libtrain_cuda_nccl.so); else one GPU.
+        // Over several ranks, or when MEMBOUND_EXAMPLE_NCCL=1 asks for it: a GPU per rank over NCCL
+        // (libtrain_cuda_nccl.so); else one GPU (mpirun -np 1 included: no NCCL needed for it).
         const char* nccl = std::getenv("MEMBOUND_EXAMPLE_NCCL");
-        bool over_ranks = world.size() > 1 || (nccl != nullptr && std::string(nccl) == "1");
-#if MEMBOUND_EXAMPLE_MPI
-        over_ranks = over_ranks || mpi.has_value();
-#endif
+        const bool over_ranks = world.size() > 1 || (nccl != nullptr && std::string(nccl) == "1");
         return over_ranks ? run_on_device_ranks(o, text) : run_on_device(o, text);
       }
 #endif

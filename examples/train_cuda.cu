@@ -15,7 +15,7 @@
 //   ./build/release/examples/train --device cuda --steps 60 --foreign 2GiB@30 --trace t.json
 //
 // Built twice: libtrain_cuda.so trains on one GPU (local_communicator); libtrain_cuda_nccl.so
-// (target train_cuda_nccl, where NCCL and MPI were found) is what train loads under mpirun: one
+// (target train_cuda_nccl, where NCCL and MPI were found) is what train loads over several ranks: one
 // GPU per rank (the rank's place on its node picks the device), nccl_communicator over the ranks
 // with --timeout as its watchdog's, each rank planning for its share of the sequences and, with
 // --zero 1, its shard of the optimizer state. A separate module so that a one-GPU run never needs
