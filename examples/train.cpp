@@ -51,8 +51,8 @@ namespace mb = membound;
 // both was put), else where the build wrote it. A CPU run never loads it (on a machine without an
 // NVIDIA device node, not even to look for a GPU), so it maps none of the
 // CUDA libraries (linked in, cudart and cuBLASLt took the CPU run's baseline RSS from 16 to 165 MiB).
-// Under mpirun a GPU run loads libtrain_cuda_nccl.so instead (the same source over NCCL), so that
-// a one-GPU run never needs libnccl.
+// Over several mpirun ranks a GPU run loads libtrain_cuda_nccl.so instead (the same source over
+// NCCL), so that a one-GPU run never needs libnccl.
 namespace train_example {
 namespace {
 struct cuda_module {
