@@ -235,7 +235,8 @@ class nccl_communicator {
   nccl_communicator(const nccl_communicator&) = delete;
   nccl_communicator& operator=(const nccl_communicator&) = delete;
   ~nccl_communicator() {
-    // With a watchdog this cannot hang: a collective past its deadline is aborted, which ends it.
+    // With a watchdog a collective waiting for a missing rank cannot hang this: past its deadline,
+    // once on the device, it is aborted (the caller's own work on its stream is the caller's).
     if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
     release();
   }
@@ -255,7 +256,8 @@ class nccl_communicator {
   }
   communication_stats stats() const noexcept { return stats_; }
   std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-  // False once a collective timed out or NCCL reported an error (the communicator was aborted).
+  // False once a collective timed out or NCCL reported an error (marked at once; NCCL's
+  // communicator is aborted when the late collective reaches the device).
   bool usable() const {
     std::lock_guard<std::mutex> lock(dog_->mutex());
     return !dog_->failed();
