@@ -15463,6 +15463,45 @@ class request_recorder {
   std::size_t growth_for(std::size_t bytes, std::size_t) const noexcept { return bytes; }
   memory_stats stats() const noexcept { return {}; }
 
+  // Appends `times` more copies of the requests recorded since requests().size() was `from`, each
+  // under fresh ids: a micro-batch recorded once stands for all of a step's identical ones, so
+  // that planning a large accumulation does not work out every op's layout again per micro-batch.
+  // The span must give back everything it takes (it is then a cycle the recorder can repeat).
+  void repeat(std::size_t from, std::size_t times) {
+    if (from > requests_.size()) {
+      throw invalid_argument("from", "at most requests().size() = " + std::to_string(requests_.size()),
+                             std::to_string(from), "Pass a size requests() had earlier");
+    }
+    std::size_t first = next_id_, taken = 0, least_given = next_id_;
+    for (std::size_t k = from; k < requests_.size(); ++k) {
+      const recorded_request& q = requests_[k];
+      if (q.free) {
+        least_given = std::min<std::size_t>(least_given, q.id);
+      } else {
+        first = std::min<std::size_t>(first, q.id);
+        ++taken;
+      }
+    }
+    // Ids are handed out in order: the span took first..next_id_-1, and gave back only those.
+    const std::size_t given = requests_.size() - from - taken;
+    if (given != taken || next_id_ - first != taken || least_given < first) {
+      throw invalid_argument("from", "the start of a span that gives back every block it takes",
+                             std::to_string(taken) + " taken, " + std::to_string(given) + " given back",
+                             "Repeat only a whole micro-batch's requests");
+    }
+    const std::size_t n = requests_.size() - from;
+    requests_.reserve(requests_.size() + n * times);
+    for (std::size_t t = 0; t < times; ++t) {
+      const std::size_t shift = next_id_ - first;
+      for (std::size_t k = 0; k < n; ++k) {
+        recorded_request q = requests_[from + k];
+        q.id = static_cast<std::uint32_t>(q.id + shift);
+        requests_.push_back(q);
+      }
+      next_id_ += taken;
+    }
+  }
+
   const std::vector<recorded_request>& requests() const noexcept { return requests_; }
   std::size_t live_blocks() const noexcept { return live_.size(); }
 
@@ -15608,7 +15647,15 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   (void)rec.allocate(Model::step_buffer_bytes(sat_mul(micro.tokens(), accumulation), m.parameter_elements()),
                      default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
+  // Every micro-batch but an overlapped exchange's last makes the same requests: the first is
+  // recorded, the others are its copies (request_recorder::repeat).
+  const std::size_t alike = gs.whole_overlapped() ? accumulation - 1 : accumulation;
   for (std::size_t k = 0; k < accumulation; ++k) {
+    if (k == 1 && alike > 1) {
+      rec.repeat(k0, alike - 1);
+      k = alike - 1;
+      continue;
+    }
     if (gs.whole_overlapped() && k + 1 == accumulation) {
       // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
       // block's backward, then the embedding's and the head's exchanges, one after the other.

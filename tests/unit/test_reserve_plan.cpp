@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wfree-nonheap-object"
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -415,4 +416,98 @@ TEST_CASE("reserve: over an arena sized to the budget, the least budget named is
   // Without any budget in the stack no budget can make the plan fit: it stays saturated.
   mb::expandable_arena<mb::host_virtual_memory> bare(mb::expandable_arena_options{budget}, page);
   CHECK(mb::saturated(mb::reserve_model(m, bare)(p)));
+}
+
+// record_run records one micro-batch and repeats it (request_recorder::repeat): the cycle of an
+// accumulation of A must be, request for request, what recording every micro-batch gives (the
+// trainer's order, unrolled here with the model's request functions and the exchange routers).
+TEST_CASE("reserve: an accumulation's requests are its micro-batches', recorded one by one, for every exchange") {
+  using S = float;
+  using M = hybrid<mb::fp32_precision>;
+  const M m(small_config());
+  const mb::batch_shape b{2, 12};
+  constexpr std::size_t chunk = 16, threads = 2;
+  const auto plan_of = [&](const mb::gradient_shards& gs, std::size_t accumulation) {
+    mb::plan_options o;
+    o.threads = threads;
+    o.head_chunk = chunk;
+    o.accumulation = accumulation;
+    o.gradients = gs;
+    return mb::make_plan(m, b, mb::schedules::every<2>{}, o);
+  };
+  const auto unrolled = [&](const mb::gradient_shards& gs, std::size_t A) {
+    const mb::training_plan p = plan_of(gs, A);
+    mb::request_recorder rec;
+    const auto exchange = [&](mb::shard_range q) {
+      const std::size_t wsb = mb::gradient_exchange_bytes(m, gs, q, A);
+      rec.deallocate(rec.allocate(wsb, mb::default_alignment, mb::memory_tag::workspace), wsb,
+                     mb::default_alignment, mb::memory_tag::workspace);
+    };
+    for (std::size_t k = 0; k < A; ++k) {
+      if (gs.whole_overlapped() && k + 1 == A) {
+        mb::detail::exchange_request_router<M> router{m, rec, gs, A};
+        m.step_requests_routed(b, p.ops, chunk, threads, rec, router);
+        router.finish();
+        exchange(m.embedding_parameters());
+        exchange(m.head_parameters());
+      } else if (!gs.on()) {
+        m.step_requests(b, p.ops, chunk, threads, rec);
+      } else {
+        const std::size_t held = mb::bytes_of<S>(m.embedding_parameters().size() + m.head_parameters().size());
+        void* kept = rec.allocate(held, mb::default_alignment, mb::memory_tag::gradients);
+        mb::detail::zero2_request_router<M> router{m, rec, gs, A};
+        m.step_requests_routed(b, p.ops, chunk, threads, rec, router);
+        router.finish();
+        exchange(m.embedding_parameters());
+        exchange(m.head_parameters());
+        rec.deallocate(kept, held, mb::default_alignment, mb::memory_tag::gradients);
+      }
+    }
+    m.loss_requests(b, chunk, threads, rec);
+    return rec.requests();
+  };
+  // Ids made relative (the n-th new id of a sequence is n): the prefix shifts them.
+  const auto relative = [](const std::vector<mb::recorded_request>& q) {
+    std::vector<mb::recorded_request> out;
+    std::vector<std::uint32_t> seen;
+    for (const mb::recorded_request& r : q) {
+      auto it = std::find(seen.begin(), seen.end(), r.id);
+      if (it == seen.end()) it = seen.insert(seen.end(), r.id);
+      out.push_back({static_cast<std::uint32_t>(it - seen.begin()), r.free, r.bytes, r.tag});
+    }
+    return out;
+  };
+  const mb::gradient_shards off{}, zero2{2, 0, 8, 256, false, 2}, zero2_overlap{2, 1, 8, 256, true, 2},
+      zero1_overlap{2, 1, 8, 256, true, 1}, zero0_overlap{2, 0, 8, 256, true, 0};
+  for (const mb::gradient_shards& gs : {off, zero2, zero2_overlap, zero1_overlap, zero0_overlap}) {
+    for (std::size_t A : {1u, 2u, 3u, 7u}) {
+      CAPTURE(gs.zero);
+      CAPTURE(gs.overlap);
+      CAPTURE(A);
+      const std::vector<mb::recorded_request> want = unrolled(gs, A), got = mb::record_run(m, plan_of(gs, A)).cycle;
+      REQUIRE(got.size() == want.size());
+      CHECK(relative(got) == relative(want));
+    }
+  }
+}
+
+TEST_CASE("reserve: request_recorder repeats only a span that gives back what it takes") {
+  mb::request_recorder rec;
+  void* held = rec.allocate(64);
+  const std::size_t from = rec.requests().size();
+  void* a = rec.allocate(128, mb::default_alignment, mb::memory_tag::activations);
+  rec.deallocate(a, 128, mb::default_alignment, mb::memory_tag::activations);
+  rec.repeat(from, 2);
+  REQUIRE(rec.requests().size() == 7);
+  CHECK(rec.requests()[3].id == rec.requests()[4].id);
+  CHECK(rec.requests()[3].id != rec.requests()[1].id);
+  CHECK(rec.requests()[5].id != rec.requests()[3].id);
+  CHECK(rec.live_blocks() == 1);
+  // A span that frees a block taken before it, or keeps one, is not a cycle.
+  const std::size_t before = rec.requests().size();
+  rec.deallocate(held, 64);
+  (void)rec.allocate(32);
+  CHECK_THROWS_AS(rec.repeat(before, 1), mb::invalid_argument);
+  CHECK_THROWS_AS(rec.repeat(rec.requests().size() + 1, 1), mb::invalid_argument);
+  CHECK(rec.requests().size() == before + 2);
 }
