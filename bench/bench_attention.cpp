@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_flags.hpp"
 #include "membound/membound.hpp"
 
 #include "fma_peak.hpp"
@@ -338,33 +339,29 @@ void rows(const char* precision_name, const options& opt, double peak, mb::threa
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_main(int argc, char** argv) {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> long {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return std::atol(argv[++i]);
-    };
-    if (a == "--threads") opt.threads = static_cast<std::size_t>(std::max(1L, next()));
-    else if (a == "--reps") opt.reps = static_cast<int>(std::max(1L, next()));
-    else if (a == "--max-seq") opt.max_seq = static_cast<std::size_t>(next());
-    else if (a == "--min-seq") opt.min_seq = static_cast<std::size_t>(next());
-    else if (a == "--dim") opt.dim = static_cast<std::size_t>(next());
-    else if (a == "--fp32-only") opt.fp32_only = true;
-    else if (a == "--no-naive") opt.no_naive = true;
-    else if (a == "--quick") opt.quick = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--threads N] [--reps N] [--max-seq T] [--min-seq T] [--dim D] "
-                   "[--fp32-only] [--no-naive] [--quick]\n"
-                   "  attention layer vs the naive path; see the header of bench_attention.cpp\n",
-                   argv[0]);
-      return a == "--help" || a == "-h" ? 0 : 2;
-    }
+  bench_flags::args a(argc, argv,
+                      "usage: bench_attention [--threads N] [--reps N] [--max-seq T] [--min-seq T] [--dim 0|64|128]\n"
+                      "                       [--fp32-only] [--no-naive] [--quick]\n"
+                      "  attention layer vs the naive path; see the header of bench_attention.cpp");
+  while (a.next()) {
+    if (a.is("--threads")) opt.threads = static_cast<std::size_t>(a.whole(1, 1024));
+    else if (a.is("--reps")) opt.reps = static_cast<int>(a.whole(1, 1000000));
+    else if (a.is("--max-seq")) opt.max_seq = static_cast<std::size_t>(a.whole(1, std::size_t{1} << 20));
+    else if (a.is("--min-seq")) opt.min_seq = static_cast<std::size_t>(a.whole(0, std::size_t{1} << 20));
+    else if (a.is("--dim")) opt.dim = static_cast<std::size_t>(a.whole(0, 256));
+    else if (a.is("--fp32-only")) opt.fp32_only = true;
+    else if (a.is("--no-naive")) opt.no_naive = true;
+    else if (a.is("--quick")) opt.quick = true;
+    else a.unknown();
+  }
+  if (opt.dim != 0 && opt.dim != 64 && opt.dim != 128) {
+    throw membound::invalid_argument("--dim", "0 (both), 64 or 128", std::to_string(opt.dim), "e.g. --dim 64");
+  }
+  if (opt.min_seq > opt.max_seq) {
+    throw membound::invalid_argument("--min-seq", "at most --max-seq (" + std::to_string(opt.max_seq) + ")",
+                                     std::to_string(opt.min_seq), "Lower --min-seq or raise --max-seq");
   }
   mb::thread_pool pool(opt.threads);
   const double peak1 = fma_peak_gflops(1), peak = fma_peak_gflops(opt.threads);
@@ -380,4 +377,9 @@ int main(int argc, char** argv) {
   rows<float, mb::attention<mb::fp32_precision, mb::save_all>>("fp32 save_all", opt, peak, pool,
                                                                true);
   return 0;
+}
+
+// Any error, a flag's or the library's, is one `error:` line and exit 1.
+int main(int argc, char** argv) {
+  return bench_flags::run([&] { return bench_main(argc, argv); });
 }

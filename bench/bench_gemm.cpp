@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_flags.hpp"
 #include "membound/membound.hpp"
 
 #include "fma_peak.hpp"
@@ -106,20 +107,23 @@ void row(const shape& s, mb::thread_pool& pool, int reps, double peak) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_main(int argc, char** argv) {
   std::size_t max_threads = 2;
   int reps = 15;
   const char* filter = "";  // run only the shapes whose name contains it
   std::size_t min_threads = 1;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) max_threads = std::strtoul(argv[++i], nullptr, 10);
-    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
-    else if (!std::strcmp(argv[i], "--min-threads") && i + 1 < argc) min_threads = std::strtoul(argv[++i], nullptr, 10);
-    else {
-      std::fprintf(stderr, "usage: %s [--threads N] [--min-threads N] [--reps N] [--filter NAME]\n", argv[0]);
-      return 2;
-    }
+  std::string filter_text;
+  bench_flags::args a(argc, argv, "usage: bench_gemm [--threads N] [--min-threads N] [--reps N] [--filter NAME]");
+  while (a.next()) {
+    if (a.is("--threads")) max_threads = static_cast<std::size_t>(a.whole(1, 1024));
+    else if (a.is("--reps")) reps = static_cast<int>(a.whole(1, 1000000));
+    else if (a.is("--filter")) filter = (filter_text = a.text()).c_str();
+    else if (a.is("--min-threads")) min_threads = static_cast<std::size_t>(a.whole(1, 1024));
+    else a.unknown();
+  }
+  if (min_threads > max_threads) {
+    throw membound::invalid_argument("--min-threads", "at most --threads (" + std::to_string(max_threads) + ")",
+                                     std::to_string(min_threads), "Lower --min-threads or raise --threads");
   }
   // The example trainer's default (batch 8 · seq 128 rows, width 128, MLP 4x, vocab 256) and a
   // long-sequence layer (T = 4096, width 512: attention with 8 heads of 64, MLP 4x).
@@ -157,4 +161,9 @@ int main(int argc, char** argv) {
       if (std::strstr(s.what, filter)) row(s, pool, reps, peak);
   }
   return 0;
+}
+
+// Any error, a flag's or the library's, is one `error:` line and exit 1.
+int main(int argc, char** argv) {
+  return bench_flags::run([&] { return bench_main(argc, argv); });
 }

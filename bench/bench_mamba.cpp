@@ -62,6 +62,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bench_flags.hpp"
 #include "membound/membound.hpp"
 
 namespace mb = membound;
@@ -650,28 +651,17 @@ const char* const table_header =
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_main(int argc, char** argv) {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> long {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return std::atol(argv[++i]);
-    };
-    if (a == "--threads") opt.threads = static_cast<std::size_t>(std::max(1L, next()));
-    else if (a == "--reps") opt.reps = static_cast<int>(std::max(1L, next()));
-    else if (a == "--max-seq") opt.max_seq = static_cast<std::size_t>(next());
-    else if (a == "--quick") opt.quick = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--threads N] [--reps N] [--max-seq T] [--quick]\n"
-                   "  Mamba block vs the naive path; see the header of bench_mamba.cpp\n",
-                   argv[0]);
-      return a == "--help" || a == "-h" ? 0 : 2;
-    }
+  bench_flags::args a(argc, argv,
+                      "usage: bench_mamba [--threads N] [--reps N] [--max-seq T] [--quick]\n"
+                      "  Mamba block vs the naive path; see the header of bench_mamba.cpp");
+  while (a.next()) {
+    if (a.is("--threads")) opt.threads = static_cast<std::size_t>(a.whole(1, 1024));
+    else if (a.is("--reps")) opt.reps = static_cast<int>(a.whole(1, 1000000));
+    else if (a.is("--max-seq")) opt.max_seq = static_cast<std::size_t>(a.whole(1, std::size_t{1} << 20));
+    else if (a.is("--quick")) opt.quick = true;
+    else a.unknown();
   }
   mb::thread_pool pool(opt.threads);
   const double bw = triad_gbps(pool, opt.quick ? 5 : 10);
@@ -707,4 +697,9 @@ int main(int argc, char** argv) {
                                                                                trade_names, opt,
                                                                                pool, true);
   return ok ? 0 : 1;
+}
+
+// Any error, a flag's or the library's, is one `error:` line and exit 1.
+int main(int argc, char** argv) {
+  return bench_flags::run([&] { return bench_main(argc, argv); });
 }

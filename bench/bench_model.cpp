@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_flags.hpp"
 #include "membound/membound.hpp"
 #include "membound/model/planner.hpp"
 
@@ -109,19 +110,16 @@ void run_shape(const char* label, std::size_t width, std::size_t heads, mb::batc
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_main(int argc, char** argv) {
   std::size_t threads = 2;
   int reps = 3;
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--threads" && i + 1 < argc) threads = std::strtoul(argv[++i], nullptr, 10);
-    else if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (a == "--quick") quick = true;
-    else {
-      std::fprintf(stderr, "bench_model: unknown argument '%s' (use --threads N, --reps N, --quick)\n", a.c_str());
-      return 2;
-    }
+  bench_flags::args a(argc, argv, "usage: bench_model [--threads N] [--reps N] [--quick]");
+  while (a.next()) {
+    if (a.is("--threads")) threads = static_cast<std::size_t>(a.whole(1, 1024));
+    else if (a.is("--reps")) reps = static_cast<int>(a.whole(1, 1000000));
+    else if (a.is("--quick")) quick = true;
+    else a.unknown();
   }
   std::printf("bench_model: %zu threads, best of %d\n", threads, reps);
   run_shape<pattern1>("shape A", 128, 4, {4, 256}, threads, reps);
@@ -130,4 +128,9 @@ int main(int argc, char** argv) {
     run_shape<pattern3>("shape C", 128, 4, {1, 1024}, threads, reps);
   }
   return 0;
+}
+
+// Any error, a flag's or the library's, is one `error:` line and exit 1.
+int main(int argc, char** argv) {
+  return bench_flags::run([&] { return bench_main(argc, argv); });
 }

@@ -92,8 +92,11 @@ BENCHMARK(BM_fit)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillisecon
 }  // namespace
 
 int main(int argc, char** argv) {
-  table();
+  // Google Benchmark's flags first (its --help exits there); anything else is refused before the
+  // table is worked out.
   benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  table();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -94,6 +94,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_flags.hpp"
 #include "membound/membound.hpp"
 
 namespace mb = membound;
@@ -1081,29 +1082,17 @@ void rows(const char* precision_name, const options& opt, mb::thread_pool& pool)
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_main(int argc, char** argv) {
   options opt;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> long {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return std::atol(argv[++i]);
-    };
-    if (a == "--threads") opt.threads = static_cast<std::size_t>(std::max(1L, next()));
-    else if (a == "--reps") opt.reps = static_cast<int>(std::max(1L, next()));
-    else if (a == "--max-seq") opt.max_seq = static_cast<std::size_t>(next());
-    else if (a == "--quick") opt.quick = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--threads N] [--reps N] [--max-seq T] [--quick]\n"
-                   "  TTT-Linear and TTT-MLP layers vs the naive primal paths; see the header of "
-                   "bench_ttt.cpp\n",
-                   argv[0]);
-      return a == "--help" || a == "-h" ? 0 : 2;
-    }
+  bench_flags::args a(argc, argv,
+                      "usage: bench_ttt [--threads N] [--reps N] [--max-seq T] [--quick]\n"
+                      "  TTT-Linear and TTT-MLP layers vs the naive primal paths; see the header of bench_ttt.cpp");
+  while (a.next()) {
+    if (a.is("--threads")) opt.threads = static_cast<std::size_t>(a.whole(1, 1024));
+    else if (a.is("--reps")) opt.reps = static_cast<int>(a.whole(1, 1000000));
+    else if (a.is("--max-seq")) opt.max_seq = static_cast<std::size_t>(a.whole(1, std::size_t{1} << 20));
+    else if (a.is("--quick")) opt.quick = true;
+    else a.unknown();
   }
   mb::thread_pool pool(opt.threads);
   std::printf("TTT-Linear and TTT-MLP: B=1 C=512 H=8 D=64 b=%zu, no gate; %zu threads, best of "
@@ -1127,4 +1116,9 @@ int main(int argc, char** argv) {
   rows<mb::fp32_precision, true>("fp32", opt, pool);
   rows<mb::bf16_precision, true>("bf16", opt, pool);
   return ok_linear && ok_mlp ? 0 : 1;
+}
+
+// Any error, a flag's or the library's, is one `error:` line and exit 1.
+int main(int argc, char** argv) {
+  return bench_flags::run([&] { return bench_main(argc, argv); });
 }

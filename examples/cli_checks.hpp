@@ -177,7 +177,8 @@ inline std::string one_of(std::string_view flag, std::string_view text, std::ini
 inline std::string reason(const std::error_code& ec) { return ec ? " (" + ec.message() + ")" : ""; }
 inline std::string errno_reason(int e) { return e != 0 ? std::string(" (") + std::strerror(e) + ")" : ""; }
 
-// A file to read, checked before any work: it exists, is no folder, can be read and is not empty.
+// A file to read, checked before any work: it exists, is a regular file (a device such as
+// /dev/zero or a pipe would be read without end, or wait forever), can be read and is not empty.
 inline void input_file(std::string_view flag, const std::string& path, const std::string& todo) {
   namespace fs = std::filesystem;
   const std::string f(flag);
@@ -189,10 +190,18 @@ inline void input_file(std::string_view flag, const std::string& path, const std
                                      todo);
   }
   if (fs::is_directory(st)) throw membound::invalid_argument(f, "a file, not a folder", in_quotes(path), todo);
+  if (!fs::is_regular_file(st)) {
+    const char* kind = fs::is_fifo(st)       ? "a pipe"
+                       : fs::is_socket(st)   ? "a socket"
+                       : fs::is_character_file(st) || fs::is_block_file(st) ? "a device"
+                                                                             : "not a regular file";
+    throw membound::invalid_argument(f, "a regular file (pipes and devices are not read)",
+                                     in_quotes(path) + " (" + kind + ")", todo);
+  }
   if (::access(path.c_str(), R_OK) != 0) {
     throw membound::invalid_argument(f, "a readable file", in_quotes(path) + errno_reason(errno), todo);
   }
-  if (fs::is_regular_file(st) && fs::file_size(path, ec) == 0 && !ec) {
+  if (fs::file_size(path, ec) == 0 && !ec) {
     throw membound::invalid_argument(f, "a non-empty file", in_quotes(path) + " (0 bytes)", todo);
   }
 }

@@ -270,6 +270,7 @@ options checked_options(const flag_texts& f) {
   whole("--sample", o.sample, 0, 1'000'000);
   whole("--seed", o.seed, 0, UINT64_MAX);
   whole("--plan-only", o.plan_only, 0, 1);
+  whole("--accept-changes", o.accept_changes, 0, 1);
   whole("--save-every", o.save_every, 0, o.steps, " (0: none; at most --steps)");
   whole("--stop-after", o.stop_after, 0, o.steps, " (0: run to --steps; at most --steps)");
 
@@ -311,6 +312,9 @@ options checked_options(const flag_texts& f) {
   if (f.given("--resume")) {
     o.resume = f["--resume"];
     cc::input_file("--resume", o.resume, "Pass a checkpoint written by --save-every or --stop-after");
+  } else if (o.accept_changes != 0) {  // it would be silently unused
+    throw mb::invalid_argument("--accept-changes", "--resume FILE with it", "no --resume",
+                               "Add --resume FILE, or leave --accept-changes out");
   }
   if (f.given("--checkpoint")) {
     o.checkpoint = f["--checkpoint"];
@@ -322,6 +326,13 @@ options checked_options(const flag_texts& f) {
   if (o.saves()) cc::output_file("--checkpoint", o.checkpoint, /*replaced=*/true);
   if (f.given("--report")) cc::output_file("--report", o.report = f["--report"]);
   if (f.given("--trace")) cc::output_file("--trace", o.trace = f["--trace"]);
+  // --plan-only trains nothing: a report or trace asked for would silently not be written.
+  for (const char* out : {"--report", "--trace"}) {
+    if (o.plan_only == 1 && f.given(out)) {
+      throw mb::invalid_argument(out, "no " + std::string(out) + " with --plan-only 1 (nothing is trained)",
+                                 f[out], "Leave " + std::string(out) + " out, or drop --plan-only");
+    }
+  }
   // An output over an input, or two outputs over each other, would lose one of them. --checkpoint
   // may be --resume: a resumed run goes on saving where it started.
   const std::string checkpoint = o.saves() ? o.checkpoint : "";
@@ -531,6 +542,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       fo.optimizer_elements = shard;
       fo.gradients = grad_shards;
+      fo.prefer_below = emergency_line(budget);
       return mb::fit(m, share, budget, fo);
     }
     mb::plan_options po;
@@ -554,7 +566,12 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                 : sharded   ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
                             : "every rank holds the whole model and optimizer state (ZeRO-0)");
   }
-  if (o.plan_only == 1) return 0;  // the plan is what was asked for: nothing trained
+  if (o.plan_only == 1) {
+    // The trainer is not made, so no checkpoint is read: a plan it holds (a pressure replan's)
+    // would replace this one when it fits.
+    if (!o.resume.empty()) std::printf("--resume: not read with --plan-only; its own plan replaces this one if it fits\n");
+    return 0;  // the plan is what was asked for: nothing trained
+  }
 
   mb::thread_pool pool(o.threads);
   const mb::pressure_thresholds thresholds{};
@@ -566,14 +583,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   mb::reset_peak_rss();
   const mb::process_memory_info baseline = mb::process_memory();
 
-  mb::trainer_options to;
-  to.adam = mb::adamw_config{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
-  to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
-  to.clip = o.clip;
-  to.seed = o.seed;
-  // Over ranks the ranks agree on the retry and the stricter plan (see trainer.hpp).
-  to.replan_under_pressure = true;
-  to.zero = o.zero;
+  mb::trainer_options to = trainer_options_of(o, text);
   to.overlap = o.overlap != 0 && N > 1;
   using monitor = mb::pressure_monitor<mb::all_check_points>;
   mb::trainer<net, stack, monitor, ranks, Opt<typename net::storage_type>> t(m, eff, plan, alloc, pool, to,
@@ -688,7 +698,9 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
     j["address_sanitizer"] = false;
 #endif
     j["steps"] = t.steps_done();
-    j["final_train_loss"] = last_loss;
+    // No step in this invocation (a resume at --steps): no train loss to report.
+    if (total_ms > 0) j["final_train_loss"] = last_loss;
+    else j["final_train_loss"] = nullptr;
     j["initial_eval_loss"] = first_eval;
     j["final_eval_loss"] = last_eval;
     j["tokens_per_second"] = total_ms > 0 ? static_cast<double>(tokens_done) / (total_ms / 1000.0) : 0.0;
@@ -778,7 +790,13 @@ int main(int argc, char** argv) {
   flag("--save-every", "0..steps",
        "steps between checkpoints to --checkpoint, and one after the last step; 0: none (default 0)");
   flag("--checkpoint", "FILE", "where --save-every and --stop-after write (default train.ckpt)");
-  flag("--resume", "FILE", "checkpoint to resume from");
+  flag("--resume", "FILE",
+       "checkpoint to resume from; the run goes on bit for bit when the flags are the ones it was written with, and "
+       "flags that change the run from there (--lr, --min-lr, --warmup, --steps, --weight-decay, --clip, --data, "
+       "--seed) are refused by name");
+  flag("--accept-changes", "0|1",
+       "1: with --resume, go on under flags that change the run (a longer --steps, a lower --lr), naming what "
+       "changed; 0: refuse them (default 0)");
   flag("--stop-after", "0..steps",
        "stop after this many steps of this invocation, saving to --checkpoint (the schedule still spans --steps; "
        "--resume it later)");
@@ -844,6 +862,7 @@ int main(int argc, char** argv) {
       if (world.size() > 1) {
         std::fflush(stdout);
         std::fprintf(stderr, "error: rank %zu: %s\n", world.rank(), cli_checks::one_line(e.what()).c_str());
+        let_failing_rank_speak(e);
         MPI_Abort(MPI_COMM_WORLD, 1);
       }
 #endif

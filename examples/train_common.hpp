@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <sys/ioctl.h>
@@ -61,6 +63,7 @@ struct options {
   double budget_fraction = 0;  // --budget 0.9: that fraction of the device's memory (cuda only)
   bool seq_max = false;        // --seq max: the largest length fit() admits (cuda only)
   std::size_t plan_only = 0;   // --plan-only 1: print the plan (and --seq max's length) and stop
+  std::size_t accept_changes = 0;  // --resume under flags that change the run: refused (0) or taken (1)
   std::string attention_kernels = "wmma";  // cuda, bf16: wmma (first kernels) or mma (mma.sync)
   bool saves() const { return save_every != 0 || stop_after != 0; }
 };
@@ -72,7 +75,10 @@ struct options {
   try {
     throw;
   } catch (const mb::budget_too_small& e) {
-    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do());
+    // Each thread has its own workspace: with many, fewer threads is a way out too.
+    const std::string threads =
+        o.threads > 2 ? " Or lower --threads (" + std::to_string(o.threads) + " now: each thread has its own workspace)." : "";
+    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do() + threads);
   } catch (const mb::invalid_argument& e) {
     const std::string& a = e.argument();
     const bool shape = a.starts_with("config.") || a.starts_with("shape.");
@@ -121,7 +127,13 @@ struct windows {
 // One step's line: plain for logs, or a bar redrawn in place on a terminal.
 class progress {
  public:
-  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stdout)) != 0) {}
+  explicit progress(std::size_t total) : total_(total), tty_(isatty(fileno(stdout)) != 0 && !under_mpirun()) {}
+  // OpenMPI gives each rank a terminal even when mpirun's own output goes to a file: under it,
+  // plain lines, so that a logged run keeps every step.
+  static bool under_mpirun() {
+    return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr ||
+           std::getenv("PMI_SIZE") != nullptr;
+  }
   void step(const mb::step_result& r, std::size_t used, std::size_t peak, std::size_t budget) {
     char line[256];
     std::snprintf(line, sizeof line,
@@ -165,13 +177,88 @@ class progress {
   bool open_ = false;
 };
 
+// The most bytes a plan's peak may reach and stay under the pressure monitor's emergency
+// threshold of `budget` (fit_options::prefer_below): a plan over it would have its first step
+// abandoned for a stricter one.
+inline std::size_t emergency_line(std::size_t budget) {
+  const double at = std::ceil(mb::pressure_thresholds{}.emergency * static_cast<double>(budget));
+  return at >= 1 && at < static_cast<double>(budget) ? static_cast<std::size_t>(at) - 1 : 0;
+}
+
+// Under mpirun, before MPI_Abort: a rank that stops because another failed (rank_failed, or
+// rank_cannot_start naming it) waits a moment, so that the failing rank's own line, which says
+// why, is printed before the first abort ends every rank.
+inline void let_failing_rank_speak(const std::exception& e) {
+  if (dynamic_cast<const mb::rank_failed*>(&e) != nullptr || dynamic_cast<const mb::rank_cannot_start*>(&e) != nullptr) {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+  }
+}
+
+// The trainer's options from the flags. Its checkpoints record the run's settings (lr schedule,
+// clip, weight decay: trainer::run_settings) and, as run tags, what the library cannot see: the
+// text trained on, by a digest, and the seed, which picks the evaluation windows. A resume under
+// other flags is then refused by name (resume_from) instead of silently being another run.
+inline mb::trainer_options trainer_options_of(const options& o, const std::vector<std::int32_t>& text) {
+  mb::trainer_options to;
+  to.adam = mb::adamw_config{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
+  to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
+  to.clip = o.clip;
+  to.seed = o.seed;
+  to.replan_under_pressure = true;  // over ranks the ranks agree on the retry and the stricter plan
+  to.zero = o.zero;
+  std::uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the bytes: a digest to tell texts apart, not a defence
+  for (const std::int32_t byte : text) h = (h ^ static_cast<std::uint8_t>(byte)) * 0x100000001b3ULL;
+  char digest[64];
+  std::snprintf(digest, sizeof digest, "fnv1a %016llx of %zu bytes", static_cast<unsigned long long>(h), text.size());
+  to.run_tags = {{"data", digest}, {"seed", std::to_string(o.seed)}};
+  return to;
+}
+
+// The flag that sets a run setting of the trainer (run_settings, or a tag of trainer_options_of).
+inline std::string flag_of_setting(const std::string& field) {
+  return field == "lr.peak"             ? "--lr"
+         : field == "lr.min_lr"         ? "--min-lr"
+         : field == "lr.warmup"         ? "--warmup"
+         : field == "lr.total"          ? "--steps"
+         : field == "adam.weight_decay" ? "--weight-decay"
+         : field == "clip"              ? "--clip"
+         : field == "tag.data"          ? "--data"
+         : field == "tag.seed"          ? "--seed"
+                                        : "";
+}
+// A setting's value as a flag takes it: "0.003 (0x3f689374bc6a7efa)" as 0.003.
+inline std::string plain_setting(const std::string& v) { return v.substr(0, v.find(" (0x")); }
+
+// The changed settings as flags, as saved (`saved`) or as now: "--lr 0.003, --steps 16".
+inline std::string describe_changes(const std::vector<mb::run_field_change>& changes, bool saved) {
+  std::string s;
+  for (const mb::run_field_change& c : changes) {
+    const std::string flag = flag_of_setting(c.field);
+    const std::string& v = saved ? c.saved : c.current;
+    s += (s.empty() ? "" : ", ") + (flag.empty() ? c.field : flag) + " " +
+         (c.field == "tag.data" ? "of a text with " + v : plain_setting(v));
+  }
+  return s;
+}
+
 // --resume: load the checkpoint into t (any error under the flag's name) and say where it goes on.
 template <typename Trainer>
 void resume_from(Trainer& t, const options& o) {
   if (o.resume.empty()) return;
   bool same_plan = false;
+  const std::string planned = mb::plan_summary(t.plan());
   try {
-    same_plan = t.load(o.resume);
+    same_plan = t.load(o.resume, {.changes = o.accept_changes != 0 ? mb::run_changes::accept : mb::run_changes::refuse});
+  } catch (const mb::checkpoint_run_changed& e) {
+    // The first changed flag names the error; every change is listed.
+    const mb::run_field_change& c = e.changes().front();
+    const std::string flag = flag_of_setting(c.field);
+    std::string advice = "Pass the flags of the run that wrote it to continue that run bit for bit";
+    if (!flag.empty() && c.field != "tag.data") advice += " (" + flag + " " + plain_setting(c.saved) + ")";
+    advice += ", or --accept-changes 1 to go on under these";
+    throw mb::invalid_argument(flag.empty() ? "--resume" : flag,
+                               describe_changes(e.changes(), true) + ", as the run that wrote --resume's checkpoint",
+                               describe_changes(e.changes(), false), advice);
   } catch (const mb::checkpoint_mismatch& e) {
     // The library says "build the trainer as..."; here the model is built from flags: name them.
     const std::string& f = e.field();
@@ -199,6 +286,14 @@ void resume_from(Trainer& t, const options& o) {
   std::printf("resumed from %s at step %llu%s\n", o.resume.c_str(), static_cast<unsigned long long>(t.steps_done()),
               same_plan ? "" : " (its plan is not restored: written by another world size, or over this budget; "
                                "continuing under the plan above)");
+  // The checkpoint's plan (one a pressure replan chose, say) replaces the one printed above.
+  if (same_plan && mb::plan_summary(t.plan()) != planned) {
+    std::printf("its plan is restored in place of the one above:\n%s\n", t.plan().table().c_str());
+  }
+  if (!t.changed_at_load().empty()) {
+    std::printf("continuing under changed settings (--accept-changes 1): %s; it was written with %s\n",
+                describe_changes(t.changed_at_load(), false).c_str(), describe_changes(t.changed_at_load(), true).c_str());
+  }
 }
 
 // The line of an evaluation at `step`.

@@ -198,6 +198,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<optimizer>();
       fo.optimizer_elements = shard;
+      fo.prefer_below = emergency_line(stack_budget);
       return mb::fit(m, rank_share, stack_budget, fo);
     }
     mb::plan_options po;
@@ -229,20 +230,19 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
                 sharded ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
                         : "every rank holds the whole model and optimizer state (ZeRO-0)");
   }
-  if (o.plan_only == 1) return 0;  // the plan (and --seq max's length) is what was asked for
+  if (o.plan_only == 1) {
+    // The trainer is not made, so no checkpoint is read: a plan it holds (a pressure replan's)
+    // would replace this one when it fits.
+    if (!o.resume.empty()) std::printf("--resume: not read with --plan-only; its own plan replaces this one if it fits\n");
+    return 0;  // the plan (and --seq max's length) is what was asked for
+  }
 
   const mb::pressure_thresholds thresholds{};
   const std::size_t split = text.size() * 9 / 10;
   const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(split));
   const std::vector<std::int32_t> val(text.begin() + static_cast<std::ptrdiff_t>(split), text.end());
 
-  mb::trainer_options to;
-  to.adam = mb::adamw_config{o.lr, 0.9, 0.95, 1e-8, o.weight_decay};
-  to.lr = mb::cosine_lr{o.lr, o.min_lr, o.warmup, o.steps};
-  to.clip = o.clip;
-  to.seed = o.seed;
-  to.replan_under_pressure = true;  // over ranks the ranks agree on the retry and the stricter plan
-  to.zero = o.zero;
+  const mb::trainer_options to = trainer_options_of(o, text);
   using monitor = mb::foreign_memory_monitor<mb::pressure_monitor<mb::all_check_points>, mb::device_others_probe>;
   mb::trainer<net, stack, monitor, Comm, optimizer> t(m, eff, plan, alloc, ex, to,
                                                       monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
@@ -362,7 +362,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
     j["ranks"] = N;
     j["zero"] = sharded ? 1 : 0;
     j["steps"] = t.steps_done();
-    j["final_train_loss"] = last_loss;
+    // No step in this invocation (a resume at --steps): no train loss to report.
+    if (total_ms > 0) j["final_train_loss"] = last_loss;
+    else j["final_train_loss"] = nullptr;
     j["initial_eval_loss"] = first_eval;
     j["final_eval_loss"] = last_eval;
     j["tokens_per_second"] = total_ms > 0 ? static_cast<double>(tokens_done) / (total_ms / 1000.0) : 0.0;
@@ -454,6 +456,7 @@ int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) 
     // before the communicator's destructor (without a timeout it would wait for them forever).
     if (world.size() > 1) {
       std::fprintf(stderr, "error: rank %zu: %s\n", world.rank(), cli_checks::one_line(e.what()).c_str());
+      let_failing_rank_speak(e);
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     throw;

@@ -111,8 +111,11 @@ def main():
         line = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
         open(p("tiny.txt"), "w").write(line * 100)  # 8.7 KB: enough for --seq 16
         open(p("short.txt"), "w").write(line)        # too short for a tenth of validation text
+        open(p("other.txt"), "w").write(line.upper() * 100)  # another text of the same length
         open(p("empty.txt"), "w").close()
         open(p("corrupt.ckpt"), "wb").write(b"MBCKPT\0\1 not a checkpoint")
+        fifo = p("fifo")
+        os.mkfifo(fifo)
         open(p("notjson.json"), "w").write("{not json")
         c = Checker(out)
         missing, adir, tiny = p("nofolder", "x"), p("adir"), p("tiny.txt")
@@ -145,6 +148,7 @@ def main():
             "--sample": ["-1", "1000001"],
             "--save-every": ["-1", "3"],
             "--stop-after": ["-1", "3", "1.0"],
+            "--accept-changes": ["2", "-1", "yes", "", "1"],  # 1: without --resume
             # Reals: finite and in range.
             "--lr": ["nan", "inf", "-inf", "0", "-0.1", "2", "1e999", "1e-400", "0x1p-3", " 0.1", "abc", ""],
             "--min-lr": ["nan", "-1", "0.1", "inf"],
@@ -159,7 +163,8 @@ def main():
                            "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
             # Files: inputs exist, are files, readable, not empty; outputs in an existing folder.
-            "--data": [p("missing.txt"), adir, p("empty.txt"), p("short.txt"), ""],
+            # A device or a pipe would be read without end, or wait for a writer forever.
+            "--data": [p("missing.txt"), adir, p("empty.txt"), p("short.txt"), "", "/dev/zero", fifo],
             "--resume": [p("missing.ckpt"), adir, p("empty.txt"), p("corrupt.ckpt"), ""],
             # A device (/dev/full: written by a rename, so never a device) and a folder that takes
             # no new files (/proc, even for root) are refused before training, not at its end.
@@ -218,7 +223,9 @@ def main():
         c.accept(train, base, {"--zero": "1", "--overlap": "1"})  # every stage takes it
         c.accept(train, base, {"--overlap": "1"})                 # ZeRO-0 too
         # The plan and nothing else: no step line, exit 0.
-        c.accept(train, base, {"--plan-only": "1"},
+        c.refuse(train, base, "--report", {"--plan-only": "1"})  # nothing trained: no report
+        c.refuse(train, base, "--trace", {"--plan-only": "1", "--report": None})
+        c.accept(train, base, {"--plan-only": "1", "--report": None, "--trace": None},
                  lambda r: "a step ran" if STEP_LINE.search(r.stdout) else
                  None if "predicted peak" in r.stdout else "no plan table")
         c.accept(train, base, {"--steps": "1", "--stop-after": "1"},
@@ -226,9 +233,18 @@ def main():
         # A checkpoint at step 2, kept outside the output folder for the next cases.
         ckpt = p("run.ckpt")
         c.accept(train, base, {"--stop-after": "2", "--checkpoint": ckpt})
-        c.accept(train, base, {"--resume": ckpt, "--steps": "3", "--save-every": "1", "--checkpoint": ckpt},
-                 report_says(steps=3))
-        c.refuse(train, base, "--steps", {"--resume": ckpt, "--steps": "1"})  # the checkpoint is past it
+        # The same flags continue the run; each flag that changes it from there is refused by its
+        # own name (the error's argument), before the accepted change below rewrites the file.
+        c.accept(train, base, {"--resume": ckpt}, lambda r: None if "resumed from" in r.stdout else "not resumed")
+        for flag, value in [("--lr", "0.001"), ("--min-lr", "0"), ("--clip", "0.5"), ("--weight-decay", "0"),
+                            ("--seed", "7"), ("--data", p("other.txt")), ("--steps", "3"), ("--warmup", "1")]:
+            c.refuse(train, base, f"invalid argument '{flag}'", {"--resume": ckpt, flag: value})
+        c.refuse(train, base, "invalid argument '--steps'",  # the checkpoint is past it
+                 {"--resume": ckpt, "--steps": "1", "--accept-changes": "1"})
+        c.accept(train, base, {"--resume": ckpt, "--steps": "3", "--save-every": "1", "--checkpoint": ckpt,
+                               "--accept-changes": "1"},
+                 lambda r: report_says(steps=3)(r) or
+                 (None if "continuing under changed settings" in r.stdout else "the change not named"))
         c.refuse(train, base, "--resume", {"--resume": ckpt, "--width": "64", "--heads": "8"})  # another model
         c.refuse(train, base, "--report", {"--resume": ckpt, "--report": ckpt})  # would overwrite it
 
@@ -253,7 +269,7 @@ def main():
                              " 0.9,0.95,0.97", "0.9,,0.97", "0x1p-1,0.95,0.97", "0,0.5,0.9", "", "0.9,0.95,0.97,",
                              "inf,inf,inf"],
             "--trace": [p("missing.json"), adir, p("empty.txt"), p("notjson.json"), json_file("list.json", []),
-                        json_file("nocounters.json", {"traceEvents": []}), neg, ""],
+                        json_file("nocounters.json", {"traceEvents": []}), neg, "", "/dev/zero", fifo],
             "--report": [p("missing.json"), adir, p("empty.txt"), p("notjson.json"),
                          json_file("b1.json", dict(good_report, budget_bytes=-1)),
                          json_file("b2.json", dict(good_report, budget_bytes="x")),

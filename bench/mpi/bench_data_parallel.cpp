@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "../bench_flags.hpp"
 #include "membound/mpi.hpp"
 
 namespace mb = membound;
@@ -111,10 +112,15 @@ std::string load_average() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  mb::mpi_environment env(argc, argv);
+// [STEPS]: steps per measured run (default 5), the only argument.
+static int bench_main(int argc, char** argv) {
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf("usage: mpirun -np N bench_data_parallel [STEPS]\n  STEPS: steps per measured run, 1 to 100000 (default 5)\n");
+    return 0;
+  }
+  if (argc > 2) throw membound::invalid_argument(argv[2], "at most one argument, STEPS", "another", "See --help");
   mb::mpi_communicator comm;
-  const std::size_t steps = argc > 1 ? static_cast<std::size_t>(std::max(1, std::atoi(argv[1]))) : 5;
+  const std::size_t steps = argc > 1 ? static_cast<std::size_t>(cli_checks::whole("STEPS", argv[1], 1, 100000, "5")) : 5;
   const std::size_t N = comm.size();
   mb::model_config cfg;
   cfg.vocab = 256;
@@ -201,4 +207,9 @@ int main(int argc, char** argv) {
                 P, s, Q, q, Q - P);
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  mb::mpi_environment env(argc, argv);
+  return bench_flags::run([&] { return bench_main(argc, argv); });
 }

@@ -93,6 +93,11 @@ int main(int argc, char** argv) {
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        std::printf("usage: model_peer_runner [--data F] [--layers L] [--width N] [--heads N] [--seq N] [--batch N] "
+                    "[--threads N] [--budget SIZE] [--schedule S] [--warmup N] [--reps N] [--dump-weights F]\n");
+        return 0;
+      }
       if (i + 1 >= argc) throw std::invalid_argument(a + ": needs a value");
       const std::string v = argv[++i];
       if (a == "--data") data = v;

@@ -55,6 +55,8 @@
 //     N = 4, through two 2-rank halves: 2 -> 4 and 4 -> 2 manifests under ZeRO-1, bit for bit
 //     against ZeRO-0 resuming a whole checkpoint of the same state.
 //     adamw8bit's block-wise state is not re-sliced: checkpoint_world_mismatch, nothing loaded.
+//     Shards written under another peak lr are refused (checkpoint_run_changed) on every rank with
+//     nothing loaded, through the shards and re-sharded into one process, and load when accepted.
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
@@ -671,6 +673,33 @@ int main(int argc, char** argv) {
       const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(t.weights()));
       check(same_bits(losses, zero1.losses) && std::vector<unsigned char>(w, w + m.weight_bytes()) == zero1.weights,
             "ZeRO-1 resumed from its shards: the losses and weights of the uninterrupted run, bit for bit");
+    }
+    // Run settings over ranks: the shards under another peak lr are refused on every rank with
+    // nothing loaded, through load_shards (N ranks) and load_resharded (one process); accepted,
+    // they load and the change is listed.
+    for (const bool alone : {false, true}) {
+      mb::mpi_communicator self_comm(MPI_COMM_SELF);
+      mb::trainer_options other = options(alone ? 0 : 1);
+      other.lr.peak = 5e-3;
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      const mb::training_plan p = alone ? plan_for(m, effective.batch) : plan_for(m, effective.batch / N, shard.size());
+      mb::trainer t(m, effective, p, a, pool, other, mb::null_monitor{}, alone ? self_comm : comm);
+      const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(t.weights()));
+      const std::vector<unsigned char> before(w, w + m.weight_bytes());
+      const std::string how = alone ? "re-sharded into one process" : "ZeRO-1 shards";
+      bool refused = false;
+      try {
+        t.load(path);
+      } catch (const mb::checkpoint_run_changed& e) {
+        refused = e.field() == "lr.peak" && e.changes().size() == 1;
+      }
+      check(refused && t.steps_done() == 0 && std::vector<unsigned char>(w, w + m.weight_bytes()) == before &&
+                t.changed_at_load().empty(),
+            how + " under another lr: checkpoint_run_changed naming lr.peak, nothing loaded");
+      t.load(path, {.changes = mb::run_changes::accept});
+      check(t.steps_done() == half && t.changed_at_load().size() == 1 && t.changed_at_load()[0].field == "lr.peak",
+            how + " under another lr, accepted: loaded, the change listed");
     }
     // Re-sharding. What is asserted: loading another world's checkpoint gives exactly the saved
     // state (weights, AdamW's m and v, counters), so the continuation is bit for bit the run of the

@@ -92,6 +92,39 @@ TEST_CASE("planner: the issue's case: fit at every<2>'s exact peak finds it (two
   }
 }
 
+TEST_CASE("planner: prefer_below picks the best plan under the line when there is one, else the best under the budget") {
+  using net = mb::model<mb::embedding<mb::fp32_precision>, mb::block<mb::ttt_linear<mb::fp32_precision>>,
+                        mb::block<mb::ttt_linear<mb::fp32_precision>>, mb::lm_head<mb::fp32_precision>>;
+  mb::model_config c;
+  c.vocab = 4096;
+  c.width = 32;
+  c.heads = 1;
+  const net m(c);
+  const mb::batch_shape eff{4, 64};
+  // A budget a hair above the cheapest plan's peak: the line just below it excludes that plan.
+  const mb::training_plan best = mb::fit(m, eff, std::size_t{1} << 30);
+  const std::size_t budget = best.peak_bytes + 64;
+  mb::fit_options fo;
+  fo.prefer_below = best.peak_bytes - 1;
+  const mb::training_plan under = mb::fit(m, eff, budget, fo);
+  CHECK(under.peak_bytes <= fo.prefer_below);
+  CHECK(under.budget == budget);
+  CHECK(under.recompute_flops * static_cast<double>(under.accumulation) >=
+        best.recompute_flops * static_cast<double>(best.accumulation));
+  // It is the plan fit() gives for the line as a budget, with the caller's budget.
+  mb::training_plan at_line = mb::fit(m, eff, fo.prefer_below);
+  at_line.budget = budget;
+  CHECK(under.table() == at_line.table());
+  // No plan under the line: the best under the budget; a line at or over the budget changes nothing.
+  fo.prefer_below = 1;
+  CHECK(mb::fit(m, eff, budget, fo).table() == mb::fit(m, eff, budget).table());
+  fo.prefer_below = budget;
+  CHECK(mb::fit(m, eff, budget, fo).table() == mb::fit(m, eff, budget).table());
+  // Nothing under the budget: budget_too_small as without the line.
+  fo.prefer_below = 1;
+  CHECK_THROWS_AS((void)mb::fit(m, eff, 2, fo), mb::budget_too_small);
+}
+
 TEST_CASE("planner: randomized, fit meets a budget equal to any generated schedule's exact peak; minimum() is achievable") {
   rng r{42};
   std::size_t cases = 0;

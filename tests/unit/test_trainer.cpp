@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -494,6 +495,23 @@ TEST_CASE("trainer: an emergency no plan can get under is retried once, then tol
   CHECK(events[3] == 0);
   CHECK(t.steps_done() == 4);
   CHECK(a.stats().requested == t.own_bytes());
+
+  // Resumed under the same pressure, the tolerance goes on: no replan where the uninterrupted run
+  // had none, and the same losses and weights (the checkpoint carries it).
+  const std::string path = temp_path("tolerated.ckpt");
+  t.save(path);
+  budget_alloc b(limit);
+  mb::trainer u(m, effective, p0, b, pool, options(), mb::pressure_monitor<>(th));
+  b.set_external(limit * 3 / 10);
+  CHECK(u.load(path));
+  auto s2 = s;
+  for (int k = 0; k < 3; ++k) {
+    const mb::step_result r = t.step(s), q = u.step(s2);
+    CHECK(q.replans.size() == r.replans.size());
+    CHECK(bits({q.loss}) == bits({r.loss}));
+  }
+  CHECK(weight_bytes(u) == weight_bytes(t));
+  std::filesystem::remove(path);
 }
 
 TEST_CASE("trainer: out of memory with no smaller plan is budget_too_small, and nothing is lost") {
@@ -652,7 +670,8 @@ struct trainer_state {
 
 const char* const checkpoint_sections[] = {"format", "fingerprint", "model",    "weights",
                                            "optimizer", "step",     "updates",  "rng",
-                                           "data_position", "loss_scale", "loss_scale_clean_steps", "plan"};
+                                           "data_position", "loss_scale", "loss_scale_clean_steps", "plan",
+                                           "run", "tolerated"};
 
 // A checkpoint file's sections, to write back with one of them changed.
 struct checkpoint_sections_of {
@@ -731,6 +750,170 @@ void save_fresh(const Model& m, mb::batch_shape eff, const std::string& path) {
 }
 
 }  // namespace
+
+TEST_CASE("trainer: a checkpoint written under other run settings is refused by the setting's name, unless accepted") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  text_source src(40);
+  mb::thread_pool pool(1);
+  const std::string path = temp_path("run_settings.ckpt");
+  const auto tagged = [](mb::trainer_options o) {
+    o.run_tags = {{"data", "fnv1a 0123, 4096 bytes"}};
+    return o;
+  };
+  {
+    budget_alloc a(1ull << 30);
+    mb::trainer t(m, effective, plan_none(m, 1), a, pool, tagged(options()));
+    run_steps(t, src, 2);
+    t.save(path);
+  }
+  struct change {
+    std::string field;
+    std::size_t fields;  // how many settings the edit changes
+    std::function<void(mb::trainer_options&)> edit;
+  };
+  const std::vector<change> changes{
+      {"lr.peak", 1, [](auto& o) { o.lr.peak = 5e-3; }},
+      {"lr.min_lr", 1, [](auto& o) { o.lr.min_lr = 2e-3; }},
+      {"lr.warmup", 1, [](auto& o) { o.lr.warmup = 3; }},
+      {"lr.total", 1, [](auto& o) { o.lr.total = 40; }},  // a longer run: another schedule from here on
+      {"adam.beta1", 1, [](auto& o) { o.adam.beta1 = 0.8; }},
+      {"adam.beta2", 1, [](auto& o) { o.adam.beta2 = 0.999; }},
+      {"adam.eps", 1, [](auto& o) { o.adam.eps = 1e-6; }},
+      {"adam.weight_decay", 1, [](auto& o) { o.adam.weight_decay = 0.0; }},
+      {"clip", 1, [](auto& o) { o.clip = 0.5; }},
+      // The scaler's settings come with it; a file without them (scaling off) is not compared on them.
+      {"loss_scaling", 1, [](auto& o) { o.scaling = mb::loss_scaling::dynamic; }},
+      {"tag.data", 1, [](auto& o) { o.run_tags[0].value = "fnv1a 4567, 4096 bytes"; }},
+      {"tag.data", 1, [](auto& o) { o.run_tags.clear(); }},
+      {"tag.config", 1, [](auto& o) { o.run_tags.push_back({"config", "small"}); }},
+  };
+  for (const change& c : changes) {
+    CAPTURE(c.field);
+    mb::trainer_options o = tagged(options());
+    c.edit(o);
+    budget_alloc a(1ull << 30);
+    mb::trainer t(m, effective, plan_none(m, 1), a, pool, o);
+    run_steps(t, src, 1);
+    const trainer_state before(t);
+    try {
+      t.load(path);
+      FAIL("a checkpoint of another " << c.field << " loaded");
+    } catch (const mb::checkpoint_run_changed& e) {
+      CHECK(e.field() == c.field);
+      CHECK(e.changes().size() == c.fields);
+      const std::string what = e.what();
+      CHECK(what.find(c.field + " " + e.saved() + " there, " + e.current() + " here") != std::string::npos);
+      CHECK(what.find("run_changes::accept") != std::string::npos);
+    }
+    CHECK(trainer_state(t) == before);
+    CHECK(t.changed_at_load().empty());
+    // Accepted: loaded, and what differed is listed.
+    CHECK_NOTHROW(t.load(path, {.changes = mb::run_changes::accept}));
+    CHECK(t.steps_done() == 2);
+    REQUIRE(t.changed_at_load().size() == c.fields);
+    CHECK(t.changed_at_load()[0].field == c.field);
+    // A refused load after it keeps the list; a load of unchanged settings clears it.
+    const std::string mine = temp_path("run_settings_mine.ckpt");
+    t.save(mine);
+    CHECK_THROWS_AS(t.load(path), mb::checkpoint_run_changed);
+    CHECK(t.changed_at_load().size() == c.fields);
+    CHECK_NOTHROW(t.load(mine));
+    CHECK(t.changed_at_load().empty());
+    std::filesystem::remove(mine);
+  }
+  // A file that records fewer settings (a build that knew fewer) is checked on those it has; a
+  // tag it lacks is a change.
+  for (const auto& [line, refused_by] : {std::pair<std::string, std::string>{"lr.peak=", ""}, {"tag.data=", "tag.data"}}) {
+    CAPTURE(line);
+    checkpoint_sections_of f(path);
+    std::string& run = f["run"];
+    const std::size_t at = run.find(line);
+    REQUIRE(at != std::string::npos);
+    run.erase(at, run.find('\n', at) + 1 - at);
+    const std::string fewer = temp_path("run_settings_fewer.ckpt");
+    f.write(fewer);
+    budget_alloc a(1ull << 30);
+    mb::trainer t(m, effective, plan_none(m, 1), a, pool, tagged(options()));
+    if (refused_by.empty()) {
+      CHECK_NOTHROW(t.load(fewer));
+      CHECK(t.changed_at_load().empty());
+    } else {
+      try {
+        t.load(fewer);
+        FAIL("a file without a tag loaded");
+      } catch (const mb::checkpoint_run_changed& e) {
+        CHECK(e.field() == refused_by);
+        CHECK(e.saved() == "(none)");
+      }
+    }
+    std::filesystem::remove(fewer);
+  }
+  // The same settings (and another seed, which load() replaces): loaded, nothing changed, and
+  // a run that goes on equals one under the writer's trainer.
+  {
+    budget_alloc a(1ull << 30), b(1ull << 30);
+    mb::trainer t(m, effective, plan_none(m, 1), a, pool, tagged(options(99)));
+    mb::trainer u(m, effective, plan_none(m, 1), b, pool, tagged(options()));
+    CHECK_NOTHROW(t.load(path));
+    CHECK_NOTHROW(u.load(path));
+    CHECK(t.changed_at_load().empty());
+    CHECK(bits(run_steps(t, src, 2)) == bits(run_steps(u, src, 2)));
+  }
+  // A checkpoint from before run settings were recorded loads as it is (nothing to compare).
+  {
+    checkpoint_sections_of f(path);
+    f.erase("run");
+    const std::string old = temp_path("run_settings_old.ckpt");
+    f.write(old);
+    mb::trainer_options o = tagged(options());
+    o.lr.peak = 5e-3;
+    budget_alloc a(1ull << 30);
+    mb::trainer t(m, effective, plan_none(m, 1), a, pool, o);
+    CHECK_NOTHROW(t.load(old));
+    CHECK(t.steps_done() == 2);
+    CHECK(t.changed_at_load().empty());
+    std::filesystem::remove(old);
+  }
+  // A damaged settings section is a corrupt checkpoint, not a change.
+  {
+    checkpoint_sections_of f(path);
+    f["run"] = "lr.peak=1\nno equals sign\n";
+    const std::string bad = temp_path("run_settings_bad.ckpt");
+    f.write(bad);
+    budget_alloc a(1ull << 30);
+    mb::trainer t(m, effective, plan_none(m, 1), a, pool, tagged(options()));
+    try {
+      t.load(bad);
+      FAIL("a damaged run section loaded");
+    } catch (const mb::checkpoint_mismatch&) {
+      FAIL("a damaged run section read as a change");
+    } catch (const mb::corrupt_checkpoint& e) {
+      CHECK(std::string(e.what()).find("line 2 of its run settings is not name=value") != std::string::npos);
+    }
+    std::filesystem::remove(bad);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("trainer: run tags that cannot be written as settings are refused by name") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::thread_pool pool(1);
+  for (const std::vector<mb::fingerprint_field>& tags :
+       {std::vector<mb::fingerprint_field>{{"", "x"}}, {{"a=b", "x"}}, {{"a\nb", "x"}}, {{"data", "two\nlines"}},
+        {{"data", "x"}, {"data", "y"}}}) {
+    mb::trainer_options o = options();
+    o.run_tags = tags;
+    budget_alloc a(1ull << 30);
+    try {
+      mb::trainer t(m, effective, plan_none(m, 1), a, pool, o);
+      FAIL("bad run tags taken");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument().starts_with("options.run_tags["));
+    }
+    CHECK(a.stats().peak_requested == 0);
+  }
+}
 
 TEST_CASE("trainer: the fingerprint names every model_config field, the types, blocks, layout, optimizer and batch") {
   loader l;

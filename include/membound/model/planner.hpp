@@ -564,6 +564,10 @@ struct fit_options {
   reserve_function reserve{};
   gradient_shards gradients{};  // as plan_options: ZeRO-2's gradient shard, off by default (last: positional
                                 // initializers written before it still compile)
+  // A line to stay under when some plan can (0: none): a pressure monitor's emergency threshold
+  // of the budget, over which a plan's first step is abandoned for a stricter one. fit() picks
+  // the best plan under it; only when none fits there, the best under the budget.
+  std::size_t prefer_below = 0;
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -574,6 +578,17 @@ struct fit_options {
 template <typename Model>
 training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
   m.check(effective);
+  if (fo.prefer_below != 0 && fo.prefer_below < budget) {
+    fit_options under = fo;
+    under.prefer_below = 0;
+    try {
+      training_plan p = fit(m, effective, fo.prefer_below, under);
+      p.budget = budget;  // the plan's budget is the caller's; the line only chose among plans
+      return p;
+    } catch (const budget_too_small&) {
+      // Nothing under the line: the best plan under the budget, below.
+    }
+  }
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();

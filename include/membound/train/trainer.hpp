@@ -105,6 +105,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <type_traits>
 #include <utility>
@@ -159,6 +160,14 @@ concept sequence_source = std::invocable<F&, const sequence_request&, std::int32
 // automatic: dynamic loss scaling for fp16 storage (its range needs it), none otherwise.
 enum class loss_scaling : std::uint8_t { automatic, off, dynamic };
 
+// One entry of a checkpoint's fingerprint: a name ("storage", "config.rope_base", "blocks.2")
+// and its value as text. Doubles carry their bit pattern, so equal text means equal bits.
+struct fingerprint_field {
+  std::string name;
+  std::string value;
+  friend bool operator==(const fingerprint_field&, const fingerprint_field&) = default;
+};
+
 struct trainer_options {
   adamw_config adam{};      // adam.lr is not used: `lr` gives each step's rate
   cosine_lr lr{};
@@ -182,6 +191,27 @@ struct trainer_options {
   // gradient_exchange_of). Needs an overlapping_communicator (ZeRO-1/2) or an
   // overlapping_all_reduce_communicator (ZeRO-0).
   bool overlap = false;
+  // The caller's own settings of the run, which its checkpoints record beside the trainer's
+  // (run_settings) and load() compares: {"data", a digest of the training text}, a config name.
+  // A name is not empty and holds no '=' or new line; a value holds no new line. Over ranks give
+  // every rank the same tags (a whole checkpoint loaded under ZeRO-0 is checked by each rank alone).
+  std::vector<fingerprint_field> run_tags{};
+};
+
+// Whether load() takes a checkpoint written under other run settings (trainer::run_settings: the
+// learning-rate schedule, AdamW's hyper-parameters, clipping, loss scaling, the caller's
+// run_tags). refuse (the default): checkpoint_run_changed, nothing loaded, so that a resumed run
+// is the uninterrupted one unless asked otherwise. accept: loaded, the run goes on under this
+// trainer's settings, and trainer::changed_at_load() lists what differed.
+enum class run_changes : std::uint8_t { refuse, accept };
+struct load_options {
+  run_changes changes = run_changes::refuse;
+};
+
+// A run setting that differs between a checkpoint and the trainer loading it.
+struct run_field_change {
+  std::string field, saved, current;
+  friend bool operator==(const run_field_change&, const run_field_change&) = default;
 };
 
 // A change of plan, and why.
@@ -329,14 +359,6 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
-// One entry of a checkpoint's fingerprint: a name ("storage", "config.rope_base", "blocks.2")
-// and its value as text. Doubles carry their bit pattern, so equal text means equal bits.
-struct fingerprint_field {
-  std::string name;
-  std::string value;
-  friend bool operator==(const fingerprint_field&, const fingerprint_field&) = default;
-};
-
 // A checkpoint this run cannot resume because it was written for something else: another model,
 // precision, batch, block type or checkpoint format. field() is the first that differs (what()
 // names every one), saved() its value in the file, current() in this run.
@@ -345,6 +367,12 @@ class checkpoint_mismatch : public corrupt_checkpoint {
   checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
                       const std::string& why)
       : corrupt_checkpoint(path, why), field_(std::move(field)), saved_(std::move(saved)), current_(std::move(current)) {}
+  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
+                      const std::string& why, const std::string& what_to_do)
+      : corrupt_checkpoint(path, why, what_to_do),
+        field_(std::move(field)),
+        saved_(std::move(saved)),
+        current_(std::move(current)) {}
   const std::string& field() const noexcept { return field_; }
   const std::string& saved() const noexcept { return saved_; }
   const std::string& current() const noexcept { return current_; }
@@ -393,6 +421,31 @@ class checkpoint_world_mismatch : public checkpoint_mismatch {
                                 std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
                                 ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
                                 saved_ranks + " ...)") {}
+};
+
+// A checkpoint of this model written under other run settings (see load_options): field(),
+// saved() and current() are the first that differs, changes() every one. Nothing was loaded.
+class checkpoint_run_changed : public checkpoint_mismatch {
+ public:
+  checkpoint_run_changed(const std::string& path, std::vector<run_field_change> changes)
+      : checkpoint_mismatch(path, changes.at(0).field, changes.at(0).saved, changes.at(0).current, describe(changes),
+                            "Build the trainer with the settings it was written with to continue that run bit for "
+                            "bit, or load it with load_options{.changes = run_changes::accept} to go on under "
+                            "this trainer's"),
+        changes_(std::move(changes)) {}
+  const std::vector<run_field_change>& changes() const noexcept { return changes_; }
+
+ private:
+  static std::string describe(const std::vector<run_field_change>& d) {
+    constexpr std::size_t shown = 4;
+    std::string why = "it was written by a run with other settings (";
+    for (std::size_t k = 0; k < d.size() && k < shown; ++k) {
+      why += (k == 0 ? "" : "; ") + d[k].field + " " + d[k].saved + " there, " + d[k].current + " here";
+    }
+    if (d.size() > shown) why += "; and " + std::to_string(d.size() - shown) + " more";
+    return why + ")";
+  }
+  std::vector<run_field_change> changes_;
 };
 
 // No plan fits what one rank of a data-parallel run has left under pressure: every rank throws
@@ -486,20 +539,21 @@ struct fnv1a {
 };
 
 // "name=value" lines; a section that is not that is corrupt.
-inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text, const std::string& path) {
+inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text, const std::string& path,
+                                                       const std::string& section = "fingerprint") {
   std::vector<fingerprint_field> f;
   std::size_t at = 0, line = 1;
   while (at < text.size()) {
     const std::size_t end = text.find('\n', at);
-    if (end == std::string::npos) throw corrupt_checkpoint(path, "its fingerprint does not end with a new line");
+    if (end == std::string::npos) throw corrupt_checkpoint(path, "its " + section + " does not end with a new line");
     const std::string l = text.substr(at, end - at);
     const std::size_t eq = l.find('=');
     if (eq == std::string::npos || eq == 0) {
-      throw corrupt_checkpoint(path, "line " + std::to_string(line) + " of its fingerprint is not name=value");
+      throw corrupt_checkpoint(path, "line " + std::to_string(line) + " of its " + section + " is not name=value");
     }
     fingerprint_field e{l.substr(0, eq), l.substr(eq + 1)};
     for (const fingerprint_field& g : f) {
-      if (g.name == e.name) throw corrupt_checkpoint(path, "its fingerprint names '" + e.name + "' twice");
+      if (g.name == e.name) throw corrupt_checkpoint(path, "its " + section + " names '" + e.name + "' twice");
     }
     f.push_back(std::move(e));
     at = end + 1;
@@ -651,6 +705,7 @@ class trainer {
   template <sequence_source Source>
   step_result step(Source& source) {
     follow_stream();
+    ran_ = true;
     const auto t0 = std::chrono::steady_clock::now();
     step_result r;
     r.step = steps_ + 1;
@@ -765,6 +820,7 @@ class trainer {
   template <sequence_source Source>
   double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
     if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
+    ran_ = true;
     const std::size_t T = eff_.seq;
     double sum = 0;
     for (std::size_t k = 0; k < sequences; k += plan_.micro.batch) {
@@ -819,13 +875,18 @@ class trainer {
   // refused with checkpoint_world_mismatch. An error on any rank is thrown on every rank; only
   // one found after the ranks agreed to commit (an optimizer value out of range, which the CRC
   // cannot catch) can leave ranks loaded and others not, and says so.
-  bool load(const std::string& path) {
+  //
+  // The run's settings (run_settings()) are compared too: by default a checkpoint written under
+  // others is refused with checkpoint_run_changed; lo.changes = run_changes::accept loads it and
+  // changed_at_load() lists what differed. A checkpoint from before settings were recorded is
+  // taken as it is.
+  bool load(const std::string& path, const load_options& lo = {}) {
     follow_stream();
-    if (sharded()) return load_shards(path);
+    if (sharded()) return load_shards(path, lo);
     const checkpoint_reader r(path);
     check_format(r, path);
-    if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path);
-    staged st = stage(r, path, m_.weight_bytes());
+    if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path, lo);
+    staged st = stage(r, path, m_.weight_bytes(), lo);
     commit(r, path, st, w_, m_.weight_bytes());
     return st.restored;
   }
@@ -865,8 +926,8 @@ class trainer {
     adopt(std::move(p));
   }
   const training_plan& plan() const noexcept { return plan_; }
-  // The largest predicted peak of any plan this trainer ran under: what the measured peak of its
-  // own bytes stays within.
+  // The largest predicted peak of any plan this trainer ran a step or an evaluation under, or
+  // holds now: what the measured peak of its own bytes stays within.
   std::size_t largest_predicted_peak() const noexcept { return largest_peak_; }
   // The largest predicted reserve of those plans on the trainer's allocator stack (what its
   // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
@@ -963,6 +1024,36 @@ class trainer {
     add("sequence_length", num(eff_.seq));
     return f;
   }
+  // The settings of the run, which its checkpoints record beside the fingerprint and load()
+  // compares (load_options): they do not shape the state, but decide what the run computes from
+  // here on. The learning-rate schedule, AdamW's hyper-parameters (its lr is not used), clipping,
+  // loss scaling (the scale itself is state), and the caller's trainer_options::run_tags as
+  // "tag.NAME". Not the seed: it only starts the weights and the generator, which load() replaces.
+  std::vector<fingerprint_field> run_settings() const {
+    std::vector<fingerprint_field> f;
+    const auto add = [&](std::string name, std::string value) { f.push_back({std::move(name), std::move(value)}); };
+    const auto real = [](double v) { return detail::exact_text(v); };
+    add("lr.total", std::to_string(o_.lr.total));  // first: a run's length often sets its warm-up too
+    add("lr.peak", real(o_.lr.peak));
+    add("lr.min_lr", real(o_.lr.min_lr));
+    add("lr.warmup", std::to_string(o_.lr.warmup));
+    add("adam.beta1", real(o_.adam.beta1));
+    add("adam.beta2", real(o_.adam.beta2));
+    add("adam.eps", real(o_.adam.eps));
+    add("adam.weight_decay", real(o_.adam.weight_decay));
+    add("clip", o_.clip > 0 ? real(o_.clip) : "off");  // every clip <= 0 is off
+    add("loss_scaling", scaling_ ? "dynamic" : "off");
+    if (scaling_) {
+      add("scaler.growth_interval", std::to_string(o_.scaler.growth_interval));
+      add("scaler.min_scale", real(o_.scaler.min_scale));
+      add("scaler.max_scale", real(o_.scaler.max_scale));
+    }
+    for (const fingerprint_field& t : o_.run_tags) add("tag." + t.name, t.value);
+    return f;
+  }
+  // The run settings the last load() found changed and accepted (load_options); empty when it
+  // found none, or when no load ran.
+  const std::vector<run_field_change>& changed_at_load() const noexcept { return changed_; }
   batch_shape effective_batch() const noexcept { return eff_; }
   std::uint64_t steps_done() const noexcept { return steps_; }
   std::uint64_t updates_applied() const noexcept { return updates_; }
@@ -994,6 +1085,8 @@ class trainer {
     loss_scaler scaler{};
     std::optional<training_plan> plan;
     bool restored = false;
+    std::vector<run_field_change> changes;  // the run settings that differ (accepted)
+    std::size_t tolerated_peak = 0, tolerated_foreign = 0;  // see tolerating(); 0 in older files
   };
 
   // weights and state: host memory (a device trainer's host copies).
@@ -1002,6 +1095,9 @@ class trainer {
     std::string fp;
     for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
     cw.add("fingerprint", fp.data(), fp.size());
+    std::string run;
+    for (const fingerprint_field& f : run_settings()) run += f.name + "=" + f.value + "\n";
+    cw.add("run", run.data(), run.size());
     cw.add("weights", weights, weight_bytes);
     const std::span<const std::byte> state = Optimizer::save_state(state_bytes, opt_shard_.size());
     cw.add("optimizer", state.data(), state.size());
@@ -1014,6 +1110,10 @@ class trainer {
     const std::uint64_t pl[5] = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk,
                                  static_cast<std::uint64_t>(plan_.schedule.k), plan_.schedule.param};
     cw.add("plan", pl, sizeof pl);
+    // An emergency the run tolerates (no plan gets under it) is not abandoned again: a resumed
+    // run must know it, or it would replan where the uninterrupted one went on.
+    const std::uint64_t tol[2] = {tolerated_peak_, tolerated_foreign_};
+    cw.add("tolerated", tol, sizeof tol);
   }
 
   static void check_format(const checkpoint_reader& r, const std::string& path) {
@@ -1030,7 +1130,8 @@ class trainer {
   }
 
   // Everything of a checkpoint file checked, nothing of this trainer changed.
-  staged stage(const checkpoint_reader& r, const std::string& path, std::size_t weight_bytes) const {
+  staged stage(const checkpoint_reader& r, const std::string& path, std::size_t weight_bytes,
+               const load_options& lo) const {
     check_format(r, path);
     std::string text(r.size("fingerprint"), '\0');
     r.copy("fingerprint", text.data(), text.size());
@@ -1038,16 +1139,28 @@ class trainer {
     if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
-    return stage_counters(r, path);
+    return stage_counters(r, path, lo);
   }
 
   // The counters, the loss scaler and the plan of a checked file.
-  staged stage_counters(const checkpoint_reader& r, const std::string& path) const {
+  staged stage_counters(const checkpoint_reader& r, const std::string& path, const load_options& lo) const {
     std::uint64_t pl[5];
     r.copy("plan", pl, sizeof pl);
     staged st;
     st.steps = r.value<std::uint64_t>("step");
     st.updates = r.value<std::uint64_t>("updates");
+    if (r.has("tolerated")) {
+      std::uint64_t tol[2];
+      r.copy("tolerated", tol, sizeof tol);
+      st.tolerated_peak = static_cast<std::size_t>(tol[0]);
+      st.tolerated_foreign = static_cast<std::size_t>(tol[1]);
+    }
+    if (r.has("run")) {
+      std::string text(r.size("run"), '\0');
+      r.copy("run", text.data(), text.size());
+      st.changes = run_differences(detail::parse_fingerprint(text, path, "run settings"));
+      if (!st.changes.empty() && lo.changes == run_changes::refuse) throw checkpoint_run_changed(path, st.changes);
+    }
     st.rng = random_state{r.value<std::uint64_t>("rng")};
     st.position = r.value<std::uint64_t>("data_position");
     st.scaler = scaler_;
@@ -1094,6 +1207,9 @@ class trainer {
     rng_ = st.rng;
     position_ = st.position;
     scaler_ = st.scaler;
+    changed_ = std::move(st.changes);
+    tolerated_peak_ = st.tolerated_peak;
+    tolerated_foreign_ = st.tolerated_foreign;
     if (st.plan) adopt(std::move(*st.plan));
   }
 
@@ -1176,7 +1292,7 @@ class trainer {
     return detail::parse_fingerprint(text, path);
   }
 
-  bool load_shards(const std::string& path) {
+  bool load_shards(const std::string& path, const load_options& lo) {
     {
       // Another world size, or a whole checkpoint (ZeRO-0, one process): re-sharded.
       std::exception_ptr failed;
@@ -1196,7 +1312,7 @@ class trainer {
         failed = std::current_exception();
       }
       agree(failed, "read the checkpoint");
-      if (other) return load_resharded(*other, path);
+      if (other) return load_resharded(*other, path, lo);
     }
     const std::size_t me = comm_.rank();
     std::exception_ptr failed;
@@ -1223,7 +1339,7 @@ class trainer {
       }
       shard_path = folder_of(path) + entry.substr(range.size());
       shard.emplace(shard_path);
-      st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S));
+      st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S), lo);
       if (std::to_string(st.steps) != manifest_value(f, "step", path)) {
         throw corrupt_checkpoint(shard_path, "it is of step " + std::to_string(st.steps) + ", its manifest '" + path +
                                                  "' of step " + manifest_value(f, "step", path));
@@ -1297,7 +1413,7 @@ class trainer {
   // (adamw: m, v, masters); a block-wise state (adamw8bit) is refused. A collective over ranks
   // like load(): an error on any rank is thrown on every rank, and nothing changes before all
   // ranks have read and checked everything.
-  bool load_resharded(const std::vector<source_shard>& src, const std::string& path) {
+  bool load_resharded(const std::vector<source_shard>& src, const std::string& path, const load_options& lo) {
     if constexpr (!requires { Optimizer::state_arrays; Optimizer::state_element_bytes; }) {
       // The same refusal on every rank (all read the same manifest): nothing to agree on.
       throw checkpoint_world_mismatch(path, std::to_string(src.size()), world(), sharded() ? o_.zero : 0,
@@ -1324,6 +1440,24 @@ class trainer {
             r.copy("fingerprint", text.data(), text.size());
             const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
             check_fingerprint(f, s.file, /*any_world=*/true);
+            // The file must hold what its manifest names it for: a shard file copied or renamed over
+            // another of the same size would otherwise load another rank's weights and state.
+            const auto field = [&](const char* name) -> const std::string* {
+              for (const fingerprint_field& e : f)
+                if (e.name == name) return &e.value;
+              return nullptr;
+            };
+            const std::string named = std::to_string(s.range.begin) + ".." + std::to_string(s.range.end);
+            const std::string* held = field("optimizer.shard");
+            const std::string holds = held != nullptr ? *held : "0.." + std::to_string(n_);
+            const std::string* of = field("ranks");
+            const std::string world_of = of != nullptr ? *of : "1";
+            if (holds != named || world_of != std::to_string(src.size())) {
+              throw corrupt_checkpoint(s.file, "it holds parameters " + holds + " of a world of " + world_of +
+                                                   " rank(s), and its manifest '" + path + "' names it for " + named +
+                                                   " of " + std::to_string(src.size()) +
+                                                   " (a shard file renamed or copied over another?)");
+            }
             const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
             const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
             if (saved == f.end() || saved->value != want) {
@@ -1344,7 +1478,7 @@ class trainer {
                             view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
               }
             }
-            const staged sk = stage_counters(r, s.file);
+            const staged sk = stage_counters(r, s.file, lo);
             if (k == 0) {
               st = sk;
             } else if (sk.steps != st.steps || sk.updates != st.updates || sk.position != st.position || !(sk.rng == st.rng)) {
@@ -1514,6 +1648,19 @@ class trainer {
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
          static_cast<double>(o.scaler.growth_interval), "The usual value is 2000");
+    for (std::size_t k = 0; k < o.run_tags.size(); ++k) {
+      const fingerprint_field& t = o.run_tags[k];
+      const std::string name = "options.run_tags[" + std::to_string(k) + "]";
+      if (t.name.empty() || t.name.find_first_of("=\n") != std::string::npos || t.value.find('\n') != std::string::npos) {
+        throw invalid_argument(name, "a name that is not empty and holds no '=' or new line, and a value with no new line",
+                               "'" + t.name + "'", "Name the setting plainly, e.g. {\"data\", digest}");
+      }
+      for (std::size_t j = 0; j < k; ++j) {
+        if (o.run_tags[j].name == t.name) {
+          throw invalid_argument(name, "a name no other tag has", "'" + t.name + "' again", "Give each tag its own name");
+        }
+      }
+    }
     if (o.head_chunks.empty() || std::find(o.head_chunks.begin(), o.head_chunks.end(), 0u) != o.head_chunks.end()) {
       throw invalid_argument("options.head_chunks", "one or more positive logit chunk sizes",
                              std::to_string(o.head_chunks.size()) + " sizes, or a 0", "e.g. {256, 64}");
@@ -1655,8 +1802,10 @@ class trainer {
       p.outside_note = plan_.outside_note;
     }
     use_layout(p);
-    largest_peak_ = std::max(largest_peak_, p.peak_bytes);
-    largest_reserve_ = std::max(largest_reserve_, p.budgeted_peak());
+    // Before any step or evaluation only the state is held, which every plan counts: a plan that
+    // never ran (the constructor's, replaced by load() or set_plan()) is no longer a bound.
+    largest_peak_ = ran_ ? std::max(largest_peak_, p.peak_bytes) : p.peak_bytes;
+    largest_reserve_ = ran_ ? std::max(largest_reserve_, p.budgeted_peak()) : p.budgeted_peak();
     plan_ = std::move(p);
   }
 
@@ -1734,8 +1883,19 @@ class trainer {
 
   template <check_point P>
   void observe(pressure_level& highest) {
+    const bool asked = monitor_.stricter_plan_requested();
     const pressure_level l = monitor_.template check<P>(alloc_);
     highest = std::max(highest, l);
+    // Where and at what usage the emergency began: the step is abandoned at a later point, with
+    // less in use, and the event names both.
+    if (!asked && monitor_.stricter_plan_requested()) emergency_seen_ = {to_string(P), usage_now(), limit_now()};
+  }
+
+  // "pressure emergency at after_forward", and where the step was abandoned when elsewhere.
+  std::string emergency_reason(std::string_view acted_at) const {
+    std::string r = "pressure emergency at " + std::string(emergency_seen_.at.empty() ? acted_at : emergency_seen_.at);
+    if (!emergency_seen_.at.empty() && emergency_seen_.at != acted_at) r += " (acted on at " + std::string(acted_at) + ")";
+    return r;
   }
 
   // Checks P and abandons the step when the monitor asks for a stricter plan.
@@ -1752,13 +1912,14 @@ class trainer {
       // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
       // later, maybe past an exchange (ZeRO-2's backward), where no rank can abandon: say so now.
       const std::uint64_t why = mine ? vote_pressure : room_for_plan() ? vote_none : vote_no_room;
-      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(P), usage_now(), limit_now());
+      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(P), mine ? emergency_seen_.usage : usage_now(),
+                                             mine ? emergency_seen_.limit : limit_now());
       if (who < world()) throw retry_of(who);
       return;
     }
     if (may_abandon && monitor_.stricter_plan_requested()) {
       monitor_.clear_stricter_plan_request();
-      throw detail::abandon_step{"pressure emergency at " + std::string(to_string(P)), usage_now(), limit_now()};
+      throw detail::abandon_step{emergency_reason(to_string(P)), emergency_seen_.usage, emergency_seen_.limit};
     }
   }
 
@@ -2494,6 +2655,32 @@ class trainer {
     tolerated_foreign_ = foreign_now();
   }
 
+  // The run settings of a checkpoint against run_settings(), in run_settings()'s order, then any
+  // only the checkpoint has.
+  std::vector<run_field_change> run_differences(const std::vector<fingerprint_field>& saved) const {
+    std::vector<run_field_change> d;
+    const std::vector<fingerprint_field> now = run_settings();
+    const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
+      for (const fingerprint_field& e : f)
+        if (e.name == name) return &e;
+      return nullptr;
+    };
+    // A setting of the trainer's that the file does not record is taken as unchanged (a file from
+    // a build that recorded fewer); the caller's tags are compared both ways.
+    const auto tag = [](const std::string& name) { return name.starts_with("tag."); };
+    for (const fingerprint_field& e : now) {
+      const fingerprint_field* s = find(saved, e.name);
+      if (s == nullptr && tag(e.name)) d.push_back({e.name, "(none)", e.value});
+      else if (s != nullptr && s->value != e.value) d.push_back({e.name, s->value, e.value});
+    }
+    for (const fingerprint_field& s : saved) {
+      if (find(now, s.name) == nullptr && (tag(s.name) || s.name.starts_with("scaler."))) {
+        d.push_back({s.name, s.value, "(none)"});
+      }
+    }
+    return d;
+  }
+
   // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
   // any_world: the fields that name a world size and a shard (a file being re-sharded) are
   // left out; the caller checks the optimizer's layout itself.
@@ -2558,8 +2745,14 @@ class trainer {
   std::size_t step_buffer_bytes_ = 0;
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()
+  std::vector<run_field_change> changed_;                 // see changed_at_load()
   std::size_t largest_peak_ = 0;
   std::size_t largest_reserve_ = 0;
+  bool ran_ = false;  // a step or an evaluation has run (see adopt)
+  struct emergency_point {
+    std::string_view at;
+    std::size_t usage = 0, limit = 0;
+  } emergency_seen_{};  // where the monitor last asked for a stricter plan (see observe)
   reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   shard_range opt_shard_{};  // the parameters whose AdamW state this rank holds
