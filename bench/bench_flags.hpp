@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <utility>
 
 #include "../examples/cli_checks.hpp"
 #include "membound/core/error.hpp"

@@ -118,15 +118,23 @@ void read_config(flag_texts& f) {
                                  "Remove or rename the key");
     }
     const std::string flag = "--" + key;
-    if (f.on_line(flag)) continue;
+    // Checked even when the command line overrides it: a malformed file is not silently kept.
+    static const std::map<std::string, std::string> example = {
+        {"layers", "\"attn,mamba\""}, {"vary", "\"none\""}, {"order", "\"sequential\""},
+        {"statistic", "\"min\""}};  // budget: a size as text ("32MiB") or a whole number of bytes
+    const auto e = example.find(key);
+    std::string text;
     if (value.is_string()) {
-      f.text[flag] = value.get<std::string>();
-    } else if (value.is_number_unsigned()) {
-      f.text[flag] = std::to_string(value.get<std::uint64_t>());
+      text = value.get<std::string>();
+    } else if (value.is_number_unsigned() && e == example.end()) {
+      text = std::to_string(value.get<std::uint64_t>());
     } else {
-      throw mb::invalid_argument("--config", "key \"" + key + "\" to be a string or a whole number",
-                                 cc::in_quotes(path) + " has " + value.dump(), "Write e.g. \"" + key + "\": 64");
+      throw mb::invalid_argument("--config", "key \"" + key + "\" to be " + (e == example.end() ? "a whole number" : "a string"),
+                                 cc::in_quotes(path) + " has " + value.dump(),
+                                 "Write e.g. \"" + key + "\": " + (e == example.end() ? std::string("64") : e->second));
     }
+    if (f.on_line(flag)) continue;
+    f.text[flag] = text;
     f.configured.insert(flag);
   }
 }
@@ -138,9 +146,9 @@ options checked_options(const flag_texts& f) {
     if (f.given(flag)) to = cc::whole(f.label(flag), f[flag], lo, hi, flag + (" " + std::to_string(to)));
   };
   if (f.given("--backend")) {
-    // The grid times the trainer's step; the trainer runs on the CPU backend until the CUDA model exists.
+    // The grid times the trainer's step on the CPU backend; on a GPU the model is timed by bench_cuda_model.
     if (f["--backend"] != "cpu") {
-      throw mb::invalid_argument(f.label("--backend"), "cpu (the model and trainer do not run on cuda_backend yet)",
+      throw mb::invalid_argument(f.label("--backend"), "cpu (the grid runs on the CPU backend; bench_cuda_model times the GPU)",
                                  cc::in_quotes(f["--backend"]), "Leave --backend out, or pass --backend cpu");
     }
   }
@@ -851,7 +859,7 @@ int main(int argc, char** argv) {
   flag("--vary", "LIST", "compile-time axes varied from the base, comma-separated, or none (default: all of " +
                              grid::axis_names() + ")");
   flag("--config", "FILE", "a JSON object of the settings above, keys without dashes (flags override it)");
-  flag("--backend", "cpu", "where the step runs (default cpu; the CUDA model is not built yet)");
+  flag("--backend", "cpu", "where the step runs: cpu only (default; on a GPU, bench_cuda_model times the model)");
   flag("--order", "interleaved|sequential",
        "interleaved (default): --repetitions rounds, each a fresh warm-up and one timed step of every point; "
        "sequential: one warm-up, then every repetition of a point back to back");

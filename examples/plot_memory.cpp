@@ -78,6 +78,12 @@ json read_json(const std::string& path, const std::string& flag, const std::stri
   }
 }
 
+// A byte count as the trainer writes one: a whole number from 0 to 2^64 - 1. 1e300, 0.5 or -1
+// is no count of bytes: a file that holds one was not written by membound, or was damaged.
+bool byte_count(double b) {
+  return b >= 0 && b < 18446744073709551616.0 && std::floor(b) == b;  // 2^64 exactly is out; NaN fails every test
+}
+
 trace_data load_trace(const std::string& path) {
   const std::string fix = "Pass a trace written by train --trace or trace_recorder::save_chrome_trace";
   const json doc = read_json(path, "--trace", fix);
@@ -96,8 +102,8 @@ trace_data load_trace(const std::string& path) {
           // A tag unknown here (a newer trace) goes to "other" so the total stays right.
           const auto k = static_cast<std::size_t>(std::find(tag_names.begin(), tag_names.end(), key) - tag_names.begin());
           const double b = value.get<double>();
-          if (!(b >= 0)) {
-            throw mb::invalid_argument("--trace", "byte counts of 0 or more",
+          if (!byte_count(b)) {
+            throw mb::invalid_argument("--trace", "byte counts: whole numbers from 0 to 2^64 - 1",
                                        "'" + path + "': " + key + " = " + value.dump(), fix);
           }
           s.bytes[std::min(k, tag_count - 1)] += b;
@@ -138,13 +144,13 @@ report_data load_report(const std::string& path) {
   try {
     // A value that is there must be usable: a report that says 0 or -1 is not silently ignored.
     if (doc.contains("budget_bytes")) r.budget = doc.at("budget_bytes").get<double>();
-    if (r.budget && !(*r.budget > 0 && std::isfinite(*r.budget))) {
-      throw mb::invalid_argument("--report", "a positive budget_bytes",
+    if (r.budget && !(*r.budget > 0 && byte_count(*r.budget))) {
+      throw mb::invalid_argument("--report", "a budget_bytes from 1 to 2^64 - 1, a whole number",
                                  "'" + path + "': " + doc.at("budget_bytes").dump(), fix);
     }
     if (doc.contains("predicted_peak_bytes")) r.predicted_peak = doc.at("predicted_peak_bytes").get<double>();
-    if (r.predicted_peak && !(*r.predicted_peak >= 0 && std::isfinite(*r.predicted_peak))) {
-      throw mb::invalid_argument("--report", "a predicted_peak_bytes of 0 or more",
+    if (r.predicted_peak && !byte_count(*r.predicted_peak)) {
+      throw mb::invalid_argument("--report", "a predicted_peak_bytes from 0 to 2^64 - 1, a whole number",
                                  "'" + path + "': " + doc.at("predicted_peak_bytes").dump(), fix);
     }
     if (doc.contains("thresholds")) {

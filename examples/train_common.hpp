@@ -350,7 +350,15 @@ std::string sample_text(const std::vector<std::int32_t>& val, const options& o, 
     std::size_t v = 0;
     while (v + 1 < 256 && (u -= logits[v]) > 0) ++v;
     ctx.push_back(static_cast<std::int32_t>(v));
-    out.push_back(static_cast<char>(v));
+    // Printed to a terminal: a control byte (ESC, BEL, ... of a model trained on binary data) is
+    // shown as \xNN rather than obeyed; new lines and tabs stay.
+    if ((v < 0x20 && v != '\n' && v != '\t') || v == 0x7f) {
+      char esc[16];
+      std::snprintf(esc, sizeof esc, "\\x%02x", static_cast<unsigned>(v));
+      out += esc;
+    } else {
+      out.push_back(static_cast<char>(v));
+    }
   }
   return out;
 }

@@ -198,7 +198,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<optimizer>();
       fo.optimizer_elements = shard;
-      fo.prefer_below = emergency_line(stack_budget);
+      // The monitor counts the bytes held outside the stack against the whole budget.
+      const std::size_t line = emergency_line(budget);
+      fo.prefer_below = line > held ? line - held : 0;
       return mb::fit(m, rank_share, stack_budget, fo);
     }
     mb::plan_options po;

@@ -262,6 +262,9 @@ def main():
             json.dump(doc, open(path, "w"))
             return path
         neg = json_file("neg.json", {"traceEvents": [dict(events[0], args={"weights": -5})]})
+        # Byte counts are whole numbers below 2^64: 1e300 and 0.5 are no count of bytes.
+        huge = json_file("huge.json", {"traceEvents": [dict(events[0], args={"weights": 1e300})]})
+        half = json_file("half.json", {"traceEvents": [dict(events[0], args={"weights": 0.5})]})
         pbase = {"--trace": trace, "--report": report, "--out": p("out", "mem.svg")}
         pbad = {
             "--budget": ["inf", "0", "-1", "0.5", "5 MiB", "1e30GiB", "nan", "", "0x20"],
@@ -269,12 +272,14 @@ def main():
                              " 0.9,0.95,0.97", "0.9,,0.97", "0x1p-1,0.95,0.97", "0,0.5,0.9", "", "0.9,0.95,0.97,",
                              "inf,inf,inf"],
             "--trace": [p("missing.json"), adir, p("empty.txt"), p("notjson.json"), json_file("list.json", []),
-                        json_file("nocounters.json", {"traceEvents": []}), neg, "", "/dev/zero", fifo],
+                        json_file("nocounters.json", {"traceEvents": []}), neg, huge, half, "", "/dev/zero", fifo],
             "--report": [p("missing.json"), adir, p("empty.txt"), p("notjson.json"),
                          json_file("b1.json", dict(good_report, budget_bytes=-1)),
                          json_file("b2.json", dict(good_report, budget_bytes="x")),
                          json_file("b3.json", dict(good_report, budget_bytes=0)),
                          json_file("b4.json", dict(good_report, predicted_peak_bytes=-5)),
+                         json_file("b6.json", dict(good_report, budget_bytes=1e30)),
+                         json_file("b7.json", dict(good_report, predicted_peak_bytes=1.5)),
                          json_file("b5.json", dict(good_report, thresholds={"warning": 0.97, "critical": 0.95,
                                                                             "emergency": 0.9})), ""],
             "--out": [missing, adir, "", adir + "/", trace, report, p("tiny.txt", "x.svg")],

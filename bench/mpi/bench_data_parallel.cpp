@@ -211,5 +211,20 @@ static int bench_main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   mb::mpi_environment env(argc, argv);
-  return bench_flags::run([&] { return bench_main(argc, argv); });
+  return bench_flags::run([&] {
+    try {
+      return bench_main(argc, argv);
+    } catch (const std::exception& e) {
+      // An error on one rank (a flag's is every rank's) would leave the others in a collective
+      // forever: its line, then end them all.
+      int size = 1;
+      MPI_Comm_size(MPI_COMM_WORLD, &size);
+      if (size > 1) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "error: %s\n", e.what());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      throw;
+    }
+  });
 }

@@ -55,6 +55,8 @@
 //     N = 4, through two 2-rank halves: 2 -> 4 and 4 -> 2 manifests under ZeRO-1, bit for bit
 //     against ZeRO-0 resuming a whole checkpoint of the same state.
 //     adamw8bit's block-wise state is not re-sliced: checkpoint_world_mismatch, nothing loaded.
+//     A whole checkpoint loaded by N ranks whose last rank cannot fit its plan: no rank restores
+//     the plan (ranks under different plans would make different collectives).
 //     Shards written under another peak lr are refused (checkpoint_run_changed) on every rank with
 //     nothing loaded, through the shards and re-sharded into one process, and load when accepted.
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
@@ -723,6 +725,23 @@ int main(int argc, char** argv) {
         u.save(whole_1);
       }
       comm.barrier();
+    }
+    // The saved plan is restored over ranks only where every rank fits it: the last rank's budget
+    // fits a full-recompute plan but not the checkpoint's (schedule none), so no rank restores it
+    // and every rank keeps the plan it runs (ranks under different plans would make different
+    // collectives).
+    {
+      const mb::training_plan none_plan = plan_for(m, effective.batch / N);
+      const mb::training_plan full_plan = plan_for(m, effective.batch / N, 0, {}, 1,
+                                                   mb::schedule_choice::of(mb::schedules::full{}));
+      check(full_plan.peak_bytes < none_plan.peak_bytes, "the full-recompute plan's peak is below schedule none's");
+      const std::size_t tight = full_plan.peak_bytes + (none_plan.peak_bytes - full_plan.peak_bytes) / 2;
+      alloc_t a(me + 1 == N ? tight : std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      mb::trainer t(m, effective, full_plan, a, pool, options(0), mb::null_monitor{}, comm);
+      const bool restored = t.load(whole_n);
+      check(!restored && t.steps_done() == half && t.plan().schedule == full_plan.schedule,
+            "a plan one rank cannot fit is restored on no rank: every rank keeps its own, and the state is loaded");
     }
     struct cont {
       std::vector<double> losses;

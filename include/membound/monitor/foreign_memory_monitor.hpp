@@ -50,6 +50,18 @@ class foreign_memory_monitor {
   pressure_level level() const noexcept { return inner_.level(); }
   bool stricter_plan_requested() const noexcept { return inner_.stricter_plan_requested(); }
   void clear_stricter_plan_request() noexcept { inner_.clear_stricter_plan_request(); }
+  // What the trainer asks of a pressure monitor, where the inner one has it: its thresholds (a
+  // stricter plan aims under the emergency line) and where its last request began.
+  decltype(auto) thresholds() const noexcept
+    requires requires(const Inner& i) { i.thresholds(); }
+  {
+    return inner_.thresholds();
+  }
+  decltype(auto) last_request() const noexcept
+    requires requires(const Inner& i) { i.last_request(); }
+  {
+    return inner_.last_request();
+  }
   Inner& inner() noexcept { return inner_; }
   const Inner& inner() const noexcept { return inner_; }
   Probe& probe() noexcept { return probe_; }

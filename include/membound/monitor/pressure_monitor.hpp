@@ -106,7 +106,10 @@ class pressure_monitor {
 
       const pressure_actions& a = actions_[index_of(next)];
       if (a.callback) a.callback(pressure_event{P, previous, next, usage, limit});
-      if (a.request_stricter_plan) stricter_plan_requested_ = true;
+      if (a.request_stricter_plan) {
+        stricter_plan_requested_ = true;
+        last_request_ = pressure_event{P, previous, next, usage, limit};
+      }
       // Any budget with release_cached() qualifies (caching_allocator_like ones and plain fakes).
       if constexpr (requires { budget.release_cached(); }) {
         if (a.release_cached) {
@@ -123,6 +126,8 @@ class pressure_monitor {
 
   pressure_level level() const noexcept { return level_; }
   bool stricter_plan_requested() const noexcept { return stricter_plan_requested_; }
+  // Where, and at what usage (before any cache was released), the last request was made.
+  const pressure_event& last_request() const noexcept { return last_request_; }
   void clear_stricter_plan_request() noexcept { stricter_plan_requested_ = false; }
   // How many times each level was entered (a change into it, up or down).
   std::uint64_t entered(pressure_level l) const noexcept { return entered_[index_of(l)]; }
@@ -174,6 +179,7 @@ class pressure_monitor {
   trace_recorder* recorder_ = nullptr;
   pressure_level level_ = pressure_level::normal;
   bool stricter_plan_requested_ = false;
+  pressure_event last_request_{};
   std::array<std::uint64_t, pressure_level_count> entered_{};
 };
 

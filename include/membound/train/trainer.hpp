@@ -792,19 +792,23 @@ class trainer {
       // Every rank reaches this point once a step: a request here changes the plan of every rank
       // from the next step on.
       const bool mine = monitor_.stricter_plan_requested() && !tolerating();
-      monitor_.clear_stricter_plan_request();
-      const std::size_t who = agree_on_retry(mine ? vote_pressure : vote_none,
-                                             static_cast<std::uint64_t>(check_point::after_optimizer_step), usage_now(),
-                                             limit_now());
+      const emergency_point seen = emergency_seen_;
+      clear_request();
+      const std::size_t who = agree_on_retry(
+          mine ? vote_pressure : vote_none,
+          static_cast<std::uint64_t>(mine && seen.known ? seen.at : check_point::after_optimizer_step),
+          mine && seen.known ? seen.usage : usage_now(), mine && seen.known ? seen.limit : limit_now());
       if (who < world()) {
         const detail::abandon_step a = retry_of(who);
         if (replan(r, a.reason, a.usage, a.limit, false) != replan_outcome::below_emergency) tolerate();
       }
     } else if (monitor_.stricter_plan_requested()) {
-      monitor_.clear_stricter_plan_request();
+      const emergency_point seen = emergency_seen_;
+      clear_request();
       if (o_.replan_under_pressure && !tolerating()) {
-        if (replan(r, "pressure emergency at after_optimizer_step", usage_now(), limit_now(), false) !=
-            replan_outcome::below_emergency) {
+        constexpr check_point here = check_point::after_optimizer_step;
+        if (replan(r, emergency_reason(seen.known ? seen.at : here, here), seen.known ? seen.usage : usage_now(),
+                   seen.known ? seen.limit : limit_now(), false) != replan_outcome::below_emergency) {
           tolerate();
         }
       }
@@ -883,11 +887,37 @@ class trainer {
   bool load(const std::string& path, const load_options& lo = {}) {
     follow_stream();
     if (sharded()) return load_shards(path, lo);
-    const checkpoint_reader r(path);
-    check_format(r, path);
-    if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path, lo);
-    staged st = stage(r, path, m_.weight_bytes(), lo);
-    commit(r, path, st, w_, m_.weight_bytes());
+    if (world() <= 1) {
+      const checkpoint_reader r(path);
+      check_format(r, path);
+      if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path, lo);
+      staged st = stage(r, path, m_.weight_bytes(), lo);
+      commit(r, path, st, w_, m_.weight_bytes());
+      return st.restored;
+    }
+    // ZeRO-0 over ranks: every rank reads the whole file; they agree that all could, and on the
+    // plan, before any commits.
+    std::exception_ptr failed;
+    std::optional<checkpoint_reader> r;
+    staged st;
+    bool manifest = false;
+    try {
+      r.emplace(path);
+      check_format(*r, path);
+      manifest = r->has("manifest");
+      if (!manifest) st = stage(*r, path, m_.weight_bytes(), lo);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "read the checkpoint");
+    if (manifest) return load_resharded(manifest_sources(read_manifest(*r, path), path), path, lo);
+    agree_on_restoring(st);
+    try {
+      commit(*r, path, st, w_, m_.weight_bytes());
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    agree(failed, "load the checkpoint (the ranks that did are loaded: load again before training)");
     return st.restored;
   }
 
@@ -1112,7 +1142,7 @@ class trainer {
     cw.add("plan", pl, sizeof pl);
     // An emergency the run tolerates (no plan gets under it) is not abandoned again: a resumed
     // run must know it, or it would replan where the uninterrupted one went on.
-    const std::uint64_t tol[2] = {tolerated_peak_, tolerated_foreign_};
+    const std::uint64_t tol[3] = {tolerated_peak_, tolerated_foreign_, limit_now()};
     cw.add("tolerated", tol, sizeof tol);
   }
 
@@ -1149,12 +1179,8 @@ class trainer {
     staged st;
     st.steps = r.value<std::uint64_t>("step");
     st.updates = r.value<std::uint64_t>("updates");
-    if (r.has("tolerated")) {
-      std::uint64_t tol[2];
-      r.copy("tolerated", tol, sizeof tol);
-      st.tolerated_peak = static_cast<std::size_t>(tol[0]);
-      st.tolerated_foreign = static_cast<std::size_t>(tol[1]);
-    }
+    std::uint64_t tol[3] = {0, 0, 0};
+    if (r.has("tolerated") && r.size("tolerated") == sizeof tol) r.copy("tolerated", tol, sizeof tol);
     if (r.has("run")) {
       std::string text(r.size("run"), '\0');
       r.copy("run", text.data(), text.size());
@@ -1182,6 +1208,12 @@ class trainer {
       }
     }
     st.restored = st.plan.has_value();
+    // The tolerance holds for the plan it was granted to under the same budget: a run resumed
+    // with more room decides again.
+    if (st.restored && tol[0] == st.plan->peak_bytes && tol[2] == limit_now()) {
+      st.tolerated_peak = static_cast<std::size_t>(tol[0]);
+      st.tolerated_foreign = static_cast<std::size_t>(tol[1]);
+    }
     return st;
   }
 
@@ -1211,6 +1243,20 @@ class trainer {
     tolerated_peak_ = st.tolerated_peak;
     tolerated_foreign_ = st.tolerated_foreign;
     if (st.plan) adopt(std::move(*st.plan));
+  }
+
+  // Over ranks the saved plan is restored only where every rank can restore it (each judges it
+  // against its own budget): ranks under different plans would make different collectives.
+  void agree_on_restoring(staged& st) const {
+    if (world() <= 1) return;
+    const std::size_t N = world(), me = comm_.rank();
+    std::vector<std::uint64_t> flags(N, 0);
+    flags[me] = st.restored ? 1 : 0;
+    ctl().all_gather(static_cast<const std::uint64_t*>(flags.data() + me), flags.data(), N);
+    if (std::find(flags.begin(), flags.end(), std::uint64_t{0}) == flags.end()) return;
+    st.plan.reset();
+    st.restored = false;
+    st.tolerated_peak = st.tolerated_foreign = 0;
   }
 
   // Whether every rank succeeded at `what`: each rank's flag gathered. A failed rank rethrows its
@@ -1348,6 +1394,7 @@ class trainer {
       failed = std::current_exception();
     }
     agree(failed, "read its checkpoint shard");
+    agree_on_restoring(st);
     try {
       commit(*shard, shard_path, st, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
     } catch (...) {
@@ -1491,6 +1538,7 @@ class trainer {
         failed = std::current_exception();
       }
       agree(failed, "read the checkpoint it re-shards");
+      agree_on_restoring(st);
       try {
         commit_state(std::span<const std::byte>(state), path, st,
                      [&] { put_bytes(w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
@@ -1883,18 +1931,31 @@ class trainer {
 
   template <check_point P>
   void observe(pressure_level& highest) {
-    const bool asked = monitor_.stricter_plan_requested();
     const pressure_level l = monitor_.template check<P>(alloc_);
     highest = std::max(highest, l);
-    // Where and at what usage the emergency began: the step is abandoned at a later point, with
-    // less in use, and the event names both.
-    if (!asked && monitor_.stricter_plan_requested()) emergency_seen_ = {to_string(P), usage_now(), limit_now()};
+    // Where and at what usage the emergency began (the monitor's own classification, before it
+    // released the cache): the step is abandoned at a later point, with less in use, and the
+    // event names both. A request made elsewhere (between steps) is dated here.
+    if (monitor_.stricter_plan_requested() && !emergency_seen_.known) {
+      if constexpr (requires { monitor_.last_request().usage; }) {
+        const auto& e = monitor_.last_request();
+        emergency_seen_ = e.limit != 0 ? emergency_point{e.point, e.usage, e.limit, true}
+                                       : emergency_point{P, usage_now(), limit_now(), true};
+      } else {
+        emergency_seen_ = {P, usage_now(), limit_now(), true};
+      }
+    }
+  }
+  // The monitor's request acted on (or cleared): the next one is dated afresh.
+  void clear_request() {
+    monitor_.clear_stricter_plan_request();
+    emergency_seen_ = {};
   }
 
   // "pressure emergency at after_forward", and where the step was abandoned when elsewhere.
-  std::string emergency_reason(std::string_view acted_at) const {
-    std::string r = "pressure emergency at " + std::string(emergency_seen_.at.empty() ? acted_at : emergency_seen_.at);
-    if (!emergency_seen_.at.empty() && emergency_seen_.at != acted_at) r += " (acted on at " + std::string(acted_at) + ")";
+  static std::string emergency_reason(check_point began, check_point acted_at) {
+    std::string r = "pressure emergency at " + std::string(to_string(began));
+    if (began != acted_at) r += " (acted on at " + std::string(to_string(acted_at)) + ")";
     return r;
   }
 
@@ -1908,18 +1969,21 @@ class trainer {
       // So does an overlapped ZeRO-0/1 last micro-batch's (its blocks' exchanges have started).
       if (P == check_point::after_backward && backward_exchanges_) return;
       const bool mine = may_abandon && monitor_.stricter_plan_requested();
-      if (mine) monitor_.clear_stricter_plan_request();
+      const emergency_point seen = emergency_seen_;
+      if (mine) clear_request();
       // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
       // later, maybe past an exchange (ZeRO-2's backward), where no rank can abandon: say so now.
+      // A pressure vote carries where the emergency began and its usage there.
       const std::uint64_t why = mine ? vote_pressure : room_for_plan() ? vote_none : vote_no_room;
-      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(P), mine ? emergency_seen_.usage : usage_now(),
-                                             mine ? emergency_seen_.limit : limit_now());
+      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(mine ? seen.at : P),
+                                             mine ? seen.usage : usage_now(), mine ? seen.limit : limit_now());
       if (who < world()) throw retry_of(who);
       return;
     }
     if (may_abandon && monitor_.stricter_plan_requested()) {
-      monitor_.clear_stricter_plan_request();
-      throw detail::abandon_step{emergency_reason(to_string(P)), emergency_seen_.usage, emergency_seen_.limit};
+      const emergency_point seen = emergency_seen_;
+      clear_request();
+      throw detail::abandon_step{emergency_reason(seen.at, P), seen.usage, seen.limit};
     }
   }
 
@@ -2750,9 +2814,10 @@ class trainer {
   std::size_t largest_reserve_ = 0;
   bool ran_ = false;  // a step or an evaluation has run (see adopt)
   struct emergency_point {
-    std::string_view at;
+    check_point at = check_point::before_forward;
     std::size_t usage = 0, limit = 0;
-  } emergency_seen_{};  // where the monitor last asked for a stricter plan (see observe)
+    bool known = false;
+  } emergency_seen_{};  // where the monitor's pending request for a stricter plan began (see observe)
   reserve_function reserve_{};
   std::uint64_t steps_ = 0, updates_ = 0, position_ = 0;
   shard_range opt_shard_{};  // the parameters whose AdamW state this rank holds
