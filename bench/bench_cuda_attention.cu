@@ -4,8 +4,8 @@
 // The projections (cuBLASLt GEMMs) are not timed here: bench_cuda_gemm covers them.
 //
 // fwd_*/fwdbwd_* time the fp32 SIMT kernels; *_wmma_bf16_* the first bf16 path (the WMMA forward,
-// and the SIMT backward, the bf16 default); *_mma_bf16_* attention_mma.cuh's mma.sync kernels
-// (forward, dK/dV and dQ with fragments in registers). Same shapes and data in one run, so the
+// and the SIMT backward, now the fallback); *_mma_bf16_* attention_mma.cuh's mma.sync kernels
+// (forward, dK/dV and dQ with fragments in registers, the bf16 default). Same shapes and data in one run, so the
 // ratios between them hold on a noisy machine. No cp.async/TMA yet; bench/peers/sdpa_peer.py
 // prints PyTorch's SDPA on the same shapes for the side-by-side. Without a device each benchmark
 // is skipped.

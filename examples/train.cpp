@@ -224,7 +224,7 @@ options checked_options(const flag_texts& f) {
       throw mb::invalid_argument("--seq", "a length from 1 to 2^20 on the CPU (max is for --device cuda)", "max",
                                  "Give a length, or add --device cuda");
     }
-    o.seq_max = true;  // the device run searches the largest length fit() admits (train_cuda.cu)
+    o.seq_max = true;  // the device run searches the longest length under the emergency line (train_cuda.cu)
   } else {
     whole("--seq", o.seq, 1, 1u << 20);
   }
@@ -612,43 +612,110 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   bar.note(eval_line(t.steps_done(), o, first_eval));
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
   std::size_t tokens_done = 0, skipped = 0, replans = 0;
+  std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop
   const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
   bool foreign_taken = false;
-  while (t.steps_done() < stop) {
-    // ">=": a run resumed past STEP takes the bytes at once, as the uninterrupted run held them.
-    if (foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= foreign.at_step) {
-      foreign_taken = true;
-      // What the arena holds beyond live blocks is nobody's: others can take it.
-      alloc.release_cached();
-      if (foreign.bytes > alloc.headroom()) {
-        throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
-                                                    mb::format_bytes(alloc.headroom(), false),
-                                   mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
+  // The report and the trace: after the run, and also for the steps that ran when an error ends
+  // it (no plan fits beside memory taken by others, another rank failed), so that what led to the
+  // error is kept.
+  const auto write_files = [&](const char* stopped_by) {
+    if (!writer) return;
+    if (!o.report.empty()) {
+      const mb::training_plan& p = t.plan();
+      const auto st = alloc.stats();
+      const std::size_t predicted = t.largest_predicted_peak();
+      const std::size_t predicted_reserve = t.largest_predicted_reserve();
+      const mb::process_memory_info rss = mb::process_memory();
+      nlohmann::json j;
+      j["budget_bytes"] = budget;
+      j["predicted_peak_bytes"] = predicted;
+      j["measured_peak_bytes"] = st.peak_requested;
+      j["predicted_reserved_peak_bytes"] = predicted_reserve;
+      j["measured_reserved_peak_bytes"] = st.peak_reserved;
+      // What `top` sees: the process before the trainer existed, and its peak since then.
+      j["baseline_rss_bytes"] = baseline.known ? baseline.rss : 0;
+      j["peak_rss_bytes"] = rss.known ? rss.peak_rss : 0;
+      // A sanitizer's shadow memory and quarantine are in the RSS too: the figure is not the plan's.
+#if defined(__SANITIZE_ADDRESS__)
+      j["address_sanitizer"] = true;
+#else
+      j["address_sanitizer"] = false;
+#endif
+      add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
+                     t.steps_done(), stopped_by);
+      j["foreign_bytes"] = alloc.external();
+      j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
+      j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
+                         {"emergency", thresholds.emergency}};
+      j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
+                   {"optimizer", p.optimizer},   {"activations", p.activations},
+                   {"workspace", p.workspace},   {"peak", p.peak_bytes},
+                   {"reserved_peak", p.reserved_peak},
+                   {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
+                   {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
+      j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
+                       {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
+                       {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<expandable_arena<host_virtual_memory>>>, " + std::to_string(page) + " B granules"},
+                       {"monitor", "pressure_monitor<all_check_points>"}};
+      cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n"; });
+    }
+    if (!o.trace.empty()) {
+      cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
+    }
+  };
+  try {
+    while (t.steps_done() < stop) {
+      // ">=": a run resumed past STEP takes the bytes at once, as the uninterrupted run held them.
+      if (foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= foreign.at_step) {
+        foreign_taken = true;
+        // What the arena holds beyond live blocks is nobody's: others can take it.
+        alloc.release_cached();
+        if (foreign.bytes > alloc.headroom()) {
+          throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
+                                                      mb::format_bytes(alloc.headroom(), false),
+                                     mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
+        }
+        alloc.set_external(foreign.bytes);
+        // In the trace as tag "other", so that a plot shows what the budget is shared with.
+        recorder.record_allocation(mb::memory_tag::other, foreign.bytes, nullptr);
+        bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(foreign.bytes, false) +
+                 " of the budget are now held by something else (--foreign)");
       }
-      alloc.set_external(foreign.bytes);
-      // In the trace as tag "other", so that a plot shows what the budget is shared with.
-      recorder.record_allocation(mb::memory_tag::other, foreign.bytes, nullptr);
-      bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(foreign.bytes, false) +
-               " of the budget are now held by something else (--foreign)");
+      const mb::step_result r = t.step(train_src);
+      for (const mb::replan_event& e : r.replans) {
+        bar.note(e.describe());
+        ++replans;
+      }
+      total_ms += r.ms;
+      tokens_done += r.tokens;
+      last_loss = r.loss;
+      skipped += r.applied ? 0 : 1;
+      const auto st = alloc.stats();
+      bar.step(r, alloc.usage(), st.peak_requested, budget);
+      if (o.eval_every != 0 && r.step % o.eval_every == 0) {
+        last_eval = eval();
+        last_eval_step = r.step;
+        bar.note(eval_line(r.step, o, last_eval));
+      }
+      // --stop-after always saves where it stops, so that --resume can continue.
+      if (saver) save_if_due(t, o, r.step, stop, bar);
+      kill_if_asked(world.rank(), r.step);
     }
-    const mb::step_result r = t.step(train_src);
-    for (const mb::replan_event& e : r.replans) {
-      bar.note(e.describe());
-      ++replans;
+  } catch (const std::exception&) {
+    bar.finish();
+    // The error as the command line names it (no plan fits any more: --budget, and --foreign
+    // when its bytes were taken), in the report too.
+    try {
+      rethrow_mid_run(o, budget, foreign_taken);
+    } catch (const std::exception& named) {
+      try {
+        write_files(named.what());
+      } catch (const std::exception& w) {
+        // The run's own error is the one to report; the files' is said beside it.
+        std::fprintf(stderr, "train: the report or trace of the steps that ran was not written: %s\n", w.what());
+      }
+      throw;
     }
-    total_ms += r.ms;
-    tokens_done += r.tokens;
-    last_loss = r.loss;
-    skipped += r.applied ? 0 : 1;
-    const auto st = alloc.stats();
-    bar.step(r, alloc.usage(), st.peak_requested, budget);
-    if (o.eval_every != 0 && r.step % o.eval_every == 0) {
-      last_eval = eval();
-      bar.note(eval_line(r.step, o, last_eval));
-    }
-    // --stop-after always saves where it stops, so that --resume can continue.
-    if (saver) save_if_due(t, o, r.step, stop, bar);
-    kill_if_asked(world.rank(), r.step);
   }
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
@@ -680,51 +747,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
                 mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), other < 0 ? '-' : '+', std::abs(other));
   }
   std::printf("\n");
-  if (writer && !o.report.empty()) {
-    const mb::training_plan& p = t.plan();
-    nlohmann::json j;
-    j["budget_bytes"] = budget;
-    j["predicted_peak_bytes"] = predicted;
-    j["measured_peak_bytes"] = st.peak_requested;
-    j["predicted_reserved_peak_bytes"] = predicted_reserve;
-    j["measured_reserved_peak_bytes"] = st.peak_reserved;
-    // What `top` sees: the process before the trainer existed, and its peak since then.
-    j["baseline_rss_bytes"] = baseline.known ? baseline.rss : 0;
-    j["peak_rss_bytes"] = rss.known ? rss.peak_rss : 0;
-    // A sanitizer's shadow memory and quarantine are in the RSS too: the figure is not the plan's.
-#if defined(__SANITIZE_ADDRESS__)
-    j["address_sanitizer"] = true;
-#else
-    j["address_sanitizer"] = false;
-#endif
-    j["steps"] = t.steps_done();
-    // No step in this invocation (a resume at --steps): no train loss to report.
-    if (total_ms > 0) j["final_train_loss"] = last_loss;
-    else j["final_train_loss"] = nullptr;
-    j["initial_eval_loss"] = first_eval;
-    j["final_eval_loss"] = last_eval;
-    j["tokens_per_second"] = total_ms > 0 ? static_cast<double>(tokens_done) / (total_ms / 1000.0) : 0.0;
-    j["skipped_steps"] = skipped;
-    j["replans"] = replans;
-    j["foreign_bytes"] = alloc.external();
-    j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
-    j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
-                       {"emergency", thresholds.emergency}};
-    j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
-                 {"optimizer", p.optimizer},   {"activations", p.activations},
-                 {"workspace", p.workspace},   {"peak", p.peak_bytes},
-                 {"reserved_peak", p.reserved_peak},
-                 {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
-                 {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
-    j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
-                     {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
-                     {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<expandable_arena<host_virtual_memory>>>, " + std::to_string(page) + " B granules"},
-                     {"monitor", "pressure_monitor<all_check_points>"}};
-    cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
-  }
-  if (writer && !o.trace.empty()) {
-    cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
-  }
+  write_files(nullptr);
   return requested_ok && reserve_ok ? 0 : 3;
 }
 
@@ -751,7 +774,8 @@ int main(int argc, char** argv) {
   flag("--heads", "1..1024", "attention and TTT heads, a divisor of --width (default 4)");
   flag("--seq", "1..2^20|max",
        "sequence length (default 128; 2048 on cuda); on cuda, max trains at the largest multiple of 256 that the "
-       "planner fits in --budget with --batch sequences");
+       "planner fits with --batch sequences under the pressure monitor's emergency line (97% of --budget, less what "
+       "the device holds outside the stack), or under --budget when none fits there");
   flag("--batch", "1..65536", "sequences per optimizer step (default 8)");
   flag("--steps", "1..10^9", "optimizer steps (default 200)");
   flag("--precision", "fp32|bf16|fp16", "storage precision; fp16 turns on dynamic loss scaling (default fp32)");
@@ -777,10 +801,10 @@ int main(int argc, char** argv) {
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
   flag("--optimizer", "adamw|adamw8bit", "AdamW with fp32 m, v, or with 8-bit block-wise m, v (default adamw)");
-  flag("--attention-kernels", "wmma|mma",
-       "on cuda with bf16 storage and head size <= 128: wmma runs the first attention kernels (a WMMA forward, "
-       "a SIMT backward); mma the mma.sync forward and backward with fragments in registers (emulated on the host, "
-       "not yet run on a GPU); fp32 and larger heads always run the SIMT kernels (default wmma)");
+  flag("--attention-kernels", "mma|wmma",
+       "on cuda with bf16 storage and head size <= 128: mma runs the mma.sync forward and backward with fragments "
+       "in registers (sm_80 and up; elsewhere wmma runs); wmma the first kernels (a WMMA forward, a SIMT backward); "
+       "fp32 and larger heads always run the SIMT kernels; the first lines say which ran (default mma)");
   flag("--clip", "[0,10^6]", "global gradient-norm clip, 0: off (default 1)");
   flag("--warmup", "0..steps", "warm-up steps, at most --steps (default 30, or --steps if fewer)");
   flag("--eval-every", "0..steps", "steps between validation losses, 0: at the end only (default 50)");

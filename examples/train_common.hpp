@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <sys/ioctl.h>
 #include <unistd.h>
 
@@ -61,12 +62,18 @@ struct options {
   // and a device is visible, with the GPU's defaults below (apply_device_defaults).
   std::string device = "cpu";
   double budget_fraction = 0;  // --budget 0.9: that fraction of the device's memory (cuda only)
-  bool seq_max = false;        // --seq max: the largest length fit() admits (cuda only)
+  bool seq_max = false;        // --seq max: the longest length fit() admits under the emergency line (cuda only)
   std::size_t plan_only = 0;   // --plan-only 1: print the plan (and --seq max's length) and stop
   std::size_t accept_changes = 0;  // --resume under flags that change the run: refused (0) or taken (1)
-  std::string attention_kernels = "wmma";  // cuda, bf16: wmma (first kernels) or mma (mma.sync)
+  std::string attention_kernels = "mma";  // cuda, bf16: mma (mma.sync, the default) or wmma (the fallback)
   bool saves() const { return save_every != 0 || stop_after != 0; }
 };
+
+// Each thread has its own workspace: with many, fewer threads is a way out of a budget too.
+inline std::string fewer_threads(const options& o) {
+  return o.threads > 2 ? " Or lower --threads (" + std::to_string(o.threads) + " now: each thread has its own workspace)."
+                       : "";
+}
 
 // The library refuses what the flags could not know alone: a shape a block does not take (TTT: an
 // even head size; attention: a multiple of 8 up to 256) or a budget no plan fits. Its refusal is
@@ -75,10 +82,7 @@ struct options {
   try {
     throw;
   } catch (const mb::budget_too_small& e) {
-    // Each thread has its own workspace: with many, fewer threads is a way out too.
-    const std::string threads =
-        o.threads > 2 ? " Or lower --threads (" + std::to_string(o.threads) + " now: each thread has its own workspace)." : "";
-    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do() + threads);
+    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do() + fewer_threads(o));
   } catch (const mb::invalid_argument& e) {
     const std::string& a = e.argument();
     const bool shape = a.starts_with("config.") || a.starts_with("shape.");
@@ -91,6 +95,28 @@ struct options {
                                "e.g. --width 128 --heads 4");
   }
 }
+// A step that found no plan fitting beside the bytes others hold (--foreign's, and on a GPU the
+// context's and other processes'): the budget must grow by what the least plan lacks, or
+// --foreign take that much less. `budget`: the whole budget in bytes. Anything else is rethrown
+// as it is. Call inside a catch block.
+[[noreturn]] inline void rethrow_mid_run(const options& o, std::size_t budget, bool foreign_taken) {
+  try {
+    throw;
+  } catch (const mb::budget_too_small& e) {
+    // e.budget() is the room left beside the others' bytes; e.minimum() the least plan's peak.
+    const std::size_t lacking = e.minimum() > e.budget() ? e.minimum() - e.budget() : 0;
+    // Exact byte counts, as the flags take them (a SIZE is a whole number of bytes).
+    const auto as_flag = [](std::size_t b) { return std::to_string(b) + "B (" + mb::format_bytes(b, false) + ")"; };
+    std::string todo = "Raise --budget to at least " + as_flag(mb::sat_add(budget, lacking));
+    if (foreign_taken && o.foreign.bytes > lacking) {
+      todo += ", or take at most " + as_flag(o.foreign.bytes - lacking) + " with --foreign (" +
+              mb::format_bytes(o.foreign.bytes, false) + " from step " + std::to_string(o.foreign.at_step) + " now)";
+    }
+    throw mb::invalid_argument(foreign_taken ? "--budget and --foreign" : "--budget", e.expected(), e.actual(),
+                               todo + "." + fewer_threads(o));
+  }
+}
+
 template <typename F>
 auto under_flags(const options& o, F make) -> decltype(make()) {
   try {
@@ -297,6 +323,36 @@ void resume_from(Trainer& t, const options& o) {
 }
 
 // The line of an evaluation at `step`.
+// What the step loop counted, for the report: the same fields on both devices.
+struct run_tally {
+  double first_eval = 0, last_eval = 0, last_loss = 0, total_ms = 0;
+  std::size_t tokens = 0, skipped = 0, replans = 0;
+  std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop (0: none)
+};
+// stopped_by: null after a whole run, else the error that ended it (the report then covers the
+// steps before it, and no final evaluation ran).
+inline void add_run_fields(nlohmann::json& j, const run_tally& r, std::uint64_t steps, const char* stopped_by) {
+  j["steps"] = steps;
+  if (stopped_by != nullptr) j["stopped_by"] = stopped_by;
+  else j["stopped_by"] = nullptr;
+  // No step in this invocation (a resume at --steps): no train loss to report.
+  if (r.total_ms > 0) j["final_train_loss"] = r.last_loss;
+  else j["final_train_loss"] = nullptr;
+  j["initial_eval_loss"] = r.first_eval;
+  if (stopped_by == nullptr) {
+    j["final_eval_loss"] = r.last_eval;
+  } else {
+    j["final_eval_loss"] = nullptr;
+    if (r.last_eval_step > 0) {
+      j["last_eval_loss"] = r.last_eval;
+      j["last_eval_step"] = r.last_eval_step;
+    }
+  }
+  j["tokens_per_second"] = r.total_ms > 0 ? static_cast<double>(r.tokens) / (r.total_ms / 1000.0) : 0.0;
+  j["skipped_steps"] = r.skipped;
+  j["replans"] = r.replans;
+}
+
 inline std::string eval_line(std::uint64_t step, const options& o, double loss) {
   char line[96];
   std::snprintf(line, sizeof line, "step %5llu/%zu  eval loss %.4f", static_cast<unsigned long long>(step), o.steps,

@@ -60,9 +60,10 @@ class foreign_block {
   void* p_ = nullptr;
 };
 
-// --seq max: the largest T, a multiple of 256, whose step fit() places in the budget (reserve
-// included) with `batch` sequences (this rank's share), no longer than the validation text
-// allows. Plans grow with T, so a bisection over T / 256 finds it; 0 when not even 256 fits.
+// --seq max: the largest T, a multiple of 256, whose step fit() places in `budget` (reserve
+// included; the caller passes the room under the monitor's emergency line) with `batch` sequences
+// (this rank's share), no longer than the validation text allows. Plans grow with T, so a
+// bisection over T / 256 finds it; 0 when not even 256 fits.
 template <typename Model>
 std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t budget, const mb::fit_options& fo,
                                 std::size_t text_bytes) {
@@ -173,21 +174,38 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
     }
   };
   const mb::reserve_function reserve = mb::reserve_model(m, alloc);
+  // The monitor counts the bytes held outside the stack against the whole budget: a plan whose
+  // peak crosses its emergency line is abandoned in step 1, so plans aim under it where one fits.
+  const std::size_t line = emergency_line(budget);
+  const std::size_t below_line = line > held ? line - held : 0;
   if (o.seq_max) {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
     fo.optimizer_elements = shard;
-    o.seq = under_flags(o, [&] { return largest_fitting_seq(m, share, stack_budget, fo, text.size()); });
+    // The longest T under the line (the longest under the whole budget would sit above it: the H200
+    // run of 2026-11-27 chose 1536 tokens at 99.9% of 2 GiB, and step 1 was retried); when not even
+    // 256 tokens fit there, the longest under the budget.
+    std::size_t room = below_line;
+    o.seq = below_line > 0 ? under_flags(o, [&] { return largest_fitting_seq(m, share, room, fo, text.size()); }) : 0;
+    const bool under_line = o.seq != 0;
+    if (!under_line) {
+      room = stack_budget;
+      o.seq = under_flags(o, [&] { return largest_fitting_seq(m, share, room, fo, text.size()); });
+    }
     if (o.seq == 0) {
       throw mb::invalid_argument("--seq", "max: a length of at least 256 that fits --budget less the " +
                                               mb::format_bytes(held, false) + " held outside the stack",
                                  "none fits", "Raise --budget, or lower --batch or --width");
     }
-    std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s (the budget %s less %s "
-                "held outside the stack) with %zu sequences per step%s\n",
-                o.seq, mb::format_bytes(stack_budget, false).c_str(), mb::format_bytes(budget, false).c_str(),
-                mb::format_bytes(held, false).c_str(), share, N > 1 ? " on each rank" : "");
+    const std::string where = under_line
+                                  ? "the monitor's emergency line, " + mb::format_bytes(line, false) + " of the budget " +
+                                        mb::format_bytes(budget, false)
+                                  : "the budget " + mb::format_bytes(budget, false) + ", above the monitor's emergency line";
+    std::printf("--seq max: %zu tokens, the longest multiple of 256 the planner fits in %s (%s, less %s held outside "
+                "the stack) with %zu sequences per step%s\n",
+                o.seq, mb::format_bytes(room, false).c_str(), where.c_str(), mb::format_bytes(held, false).c_str(),
+                share, N > 1 ? " on each rank" : "");
   }
   const mb::batch_shape eff{o.batch, o.seq};
   const mb::batch_shape rank_share{share, o.seq};
@@ -198,9 +216,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       fo.reserve = reserve;
       fo.optimizer_policy = mb::optimizer_of<optimizer>();
       fo.optimizer_elements = shard;
-      // The monitor counts the bytes held outside the stack against the whole budget.
-      const std::size_t line = emergency_line(budget);
-      fo.prefer_below = line > held ? line - held : 0;
+      fo.prefer_below = below_line;
       return mb::fit(m, rank_share, stack_budget, fo);
     }
     mb::plan_options po;
@@ -264,40 +280,119 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   bar.note(eval_line(t.steps_done(), o, first_eval));
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
   std::size_t tokens_done = 0, skipped = 0, replans = 0;
+  std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop
   // Reserved bytes after each step: flat after the first step, or the stack creeps.
   std::size_t reserved_after_first = 0, reserved_max_later = 0;
   const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
   foreign_block foreign;
   bool foreign_taken = false;
   const std::uint64_t first_step = t.steps_done() + 1;
-  while (t.steps_done() < stop) {
-    if (o.foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= o.foreign.at_step) {
-      foreign_taken = true;
-      alloc.release_cached();  // the arena's free tail is nobody's: others can take it
-      foreign.take(o.foreign.bytes);
-      recorder.record_allocation(mb::memory_tag::other, o.foreign.bytes, nullptr);
-      bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(o.foreign.bytes, false) +
-               " of device memory are now held by something else (--foreign: cudaMalloc outside the budget)");
+  // Model FLOPs of a step (MFU's convention: forward and backward, recompute not counted), and
+  // the mean seconds of this invocation's steps.
+  const auto step_flops = [&] {
+    return 3.0 * (t.plan().forward_flops + m.head_flops(t.plan().micro)) * static_cast<double>(t.plan().accumulation);
+  };
+  const auto seconds_per_step = [&] {
+    return t.steps_done() >= first_step ? total_ms / 1000.0 / static_cast<double>(t.steps_done() - first_step + 1) : 0.0;
+  };
+  // The report and the trace: after the run, and also for the steps that ran when an error ends
+  // it (no plan fits beside memory taken by others, another rank failed, a collective timed out),
+  // so that what led to the error is kept. `st`: the stack's statistics of the training.
+  const auto write_files = [&](const char* stopped_by, const auto& st) {
+    if (!writer) return;
+    if (!o.report.empty()) {
+      const mb::training_plan& p = t.plan();
+      const std::size_t predicted = t.largest_predicted_peak();
+      const std::size_t predicted_reserve = t.largest_predicted_reserve();
+      const double flops = step_flops();
+      const double step_s = seconds_per_step();
+      nlohmann::json j;
+      j["device"] = prop.name;
+      j["budget_bytes"] = budget;
+      j["stack_budget_bytes"] = stack_budget;  // the budget less what was held outside the stack at the start
+      j["predicted_peak_bytes"] = predicted;
+      j["measured_peak_bytes"] = st.peak_requested;
+      j["predicted_reserved_peak_bytes"] = predicted_reserve;
+      j["measured_reserved_peak_bytes"] = st.peak_reserved;
+      j["reserved_after_first_step_bytes"] = reserved_after_first;
+      j["reserved_max_after_first_step_bytes"] = reserved_max_later;
+      j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
+      j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
+      j["ranks"] = N;
+      j["zero"] = sharded ? 1 : 0;
+      add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
+                     t.steps_done(), stopped_by);
+      j["model_tflops_per_second"] = step_s > 0 ? flops / step_s / 1e12 : 0.0;
+      j["foreign_bytes"] = alloc.external();
+      j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
+      j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
+                         {"emergency", thresholds.emergency}};
+      j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
+                   {"optimizer", p.optimizer},   {"step_buffers", p.step_buffers},
+                   {"activations", p.activations},
+                   {"workspace", p.workspace},   {"peak", p.peak_bytes},
+                   {"reserved_peak", p.reserved_peak},
+                   {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
+                   {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
+      j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
+                       {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"device", "cuda"},
+                       {"attention_kernels", attention_ran},
+                       {"loss_scaling", t.loss_scaling_on()},
+                       {"allocator", "budget<traced<expandable_arena<cuda_virtual_memory>>>, " + std::to_string(granule) +
+                                         " B granules"},
+                       {"monitor", "foreign_memory_monitor<pressure_monitor<all_check_points>, device_others_probe>"}};
+      cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n"; });
     }
-    const mb::step_result r = t.step(train_src);
-    for (const mb::replan_event& e : r.replans) {
-      bar.note(e.describe());
-      ++replans;
+    if (!o.trace.empty()) {
+      cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
     }
-    total_ms += r.ms;
-    tokens_done += r.tokens;
-    last_loss = r.loss;
-    skipped += r.applied ? 0 : 1;
-    const auto st = alloc.stats();
-    if (r.step == first_step) reserved_after_first = st.reserved;
-    else reserved_max_later = std::max(reserved_max_later, st.reserved);
-    bar.step(r, alloc.usage(), st.peak_requested, budget);
-    if (o.eval_every != 0 && r.step % o.eval_every == 0) {
-      last_eval = eval();
-      bar.note(eval_line(r.step, o, last_eval));
+  };
+  try {
+    while (t.steps_done() < stop) {
+      if (o.foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= o.foreign.at_step) {
+        foreign_taken = true;
+        alloc.release_cached();  // the arena's free tail is nobody's: others can take it
+        foreign.take(o.foreign.bytes);
+        recorder.record_allocation(mb::memory_tag::other, o.foreign.bytes, nullptr);
+        bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(o.foreign.bytes, false) +
+                 " of device memory are now held by something else (--foreign: cudaMalloc outside the budget)");
+      }
+      const mb::step_result r = t.step(train_src);
+      for (const mb::replan_event& e : r.replans) {
+        bar.note(e.describe());
+        ++replans;
+      }
+      total_ms += r.ms;
+      tokens_done += r.tokens;
+      last_loss = r.loss;
+      skipped += r.applied ? 0 : 1;
+      const auto st = alloc.stats();
+      if (r.step == first_step) reserved_after_first = st.reserved;
+      else reserved_max_later = std::max(reserved_max_later, st.reserved);
+      bar.step(r, alloc.usage(), st.peak_requested, budget);
+      if (o.eval_every != 0 && r.step % o.eval_every == 0) {
+        last_eval = eval();
+        last_eval_step = r.step;
+        bar.note(eval_line(r.step, o, last_eval));
+      }
+      if (saver) save_if_due(t, o, r.step, stop, bar);
+      kill_if_asked(world.rank(), r.step);
     }
-    if (saver) save_if_due(t, o, r.step, stop, bar);
-    kill_if_asked(world.rank(), r.step);
+  } catch (const std::exception&) {
+    bar.finish();
+    // The error as the command line names it (no plan fits any more: --budget, and --foreign
+    // when its bytes were taken), in the report too.
+    try {
+      rethrow_mid_run(o, budget, foreign_taken);
+    } catch (const std::exception& named) {
+      try {
+        write_files(named.what(), alloc.stats());
+      } catch (const std::exception& w) {
+        // The run's own error is the one to report; the files' is said beside it.
+        std::fprintf(stderr, "train: the report or trace of the steps that ran was not written: %s\n", w.what());
+      }
+      throw;
+    }
   }
   bar.finish();
   if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
@@ -330,10 +425,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   const std::size_t predicted_reserve = t.largest_predicted_reserve();
   const bool requested_ok = st.peak_requested <= predicted && predicted <= stack_budget;
   const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= stack_budget;
-  // Model FLOPs of a step (MFU's convention: forward and backward, recompute not counted).
-  const double flops = 3.0 * (t.plan().forward_flops + m.head_flops(t.plan().micro)) *
-                       static_cast<double>(t.plan().accumulation);
-  const double step_s = t.steps_done() >= first_step ? total_ms / 1000.0 / static_cast<double>(t.steps_done() - first_step + 1) : 0;
+  const double flops = step_flops();
+  const double step_s = seconds_per_step();
   std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB less %.2f MiB "
               "outside the stack: %s\n",
               first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), mib(held),
@@ -347,55 +440,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
                 static_cast<double>(tokens_done) / (total_ms / 1000.0), flops / step_s / 1e12,
                 100.0 * flops / step_s / 989e12);
   }
-  if (writer && !o.report.empty()) {
-    const mb::training_plan& p = t.plan();
-    nlohmann::json j;
-    j["device"] = prop.name;
-    j["budget_bytes"] = budget;
-    j["stack_budget_bytes"] = stack_budget;  // the budget less what was held outside the stack at the start
-    j["predicted_peak_bytes"] = predicted;
-    j["measured_peak_bytes"] = st.peak_requested;
-    j["predicted_reserved_peak_bytes"] = predicted_reserve;
-    j["measured_reserved_peak_bytes"] = st.peak_reserved;
-    j["reserved_after_first_step_bytes"] = reserved_after_first;
-    j["reserved_max_after_first_step_bytes"] = reserved_max_later;
-    j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
-    j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
-    j["ranks"] = N;
-    j["zero"] = sharded ? 1 : 0;
-    j["steps"] = t.steps_done();
-    // No step in this invocation (a resume at --steps): no train loss to report.
-    if (total_ms > 0) j["final_train_loss"] = last_loss;
-    else j["final_train_loss"] = nullptr;
-    j["initial_eval_loss"] = first_eval;
-    j["final_eval_loss"] = last_eval;
-    j["tokens_per_second"] = total_ms > 0 ? static_cast<double>(tokens_done) / (total_ms / 1000.0) : 0.0;
-    j["model_tflops_per_second"] = step_s > 0 ? flops / step_s / 1e12 : 0.0;
-    j["skipped_steps"] = skipped;
-    j["replans"] = replans;
-    j["foreign_bytes"] = alloc.external();
-    j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
-    j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
-                       {"emergency", thresholds.emergency}};
-    j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
-                 {"optimizer", p.optimizer},   {"step_buffers", p.step_buffers},
-                 {"activations", p.activations},
-                 {"workspace", p.workspace},   {"peak", p.peak_bytes},
-                 {"reserved_peak", p.reserved_peak},
-                 {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
-                 {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
-    j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
-                     {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"device", "cuda"},
-                     {"attention_kernels", attention_ran},
-                     {"loss_scaling", t.loss_scaling_on()},
-                     {"allocator", "budget<traced<expandable_arena<cuda_virtual_memory>>>, " + std::to_string(granule) +
-                                       " B granules"},
-                     {"monitor", "foreign_memory_monitor<pressure_monitor<all_check_points>, device_others_probe>"}};
-    cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2) << "\n"; });
-  }
-  if (writer && !o.trace.empty()) {
-    cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
-  }
+  write_files(nullptr, st);
   return requested_ok && reserve_ok ? 0 : 3;
 }
 

@@ -33,6 +33,7 @@ with tempfile.TemporaryDirectory() as d:
     p = r["plan"]
     assert p["weights"] + p["gradients"] + p["optimizer"] + p["activations"] <= r["predicted_peak_bytes"]
     assert r["final_eval_loss"] < r["initial_eval_loss"] - 0.5, (r["initial_eval_loss"], r["final_eval_loss"])
+    assert r["stopped_by"] is None, r["stopped_by"]
     assert r["tokens_per_second"] > 0
 
     # Resume: 8 steps, stop, resume for the other 8 = 16 uninterrupted steps, to the bit (the
@@ -67,6 +68,23 @@ with tempfile.TemporaryDirectory() as d:
     assert press["foreign_bytes"] == foreign
     assert press["measured_peak_bytes"] <= press["predicted_peak_bytes"] <= press["budget_bytes"], press
     assert press["measured_reserved_peak_bytes"] <= press["predicted_reserved_peak_bytes"] <= press["budget_bytes"], press
+
+    # Something else takes all but 256 KiB of the room between steps, less than any plan needs:
+    # the run stops at step 3 with one error line naming both flags, and its report and trace
+    # keep the two steps that ran, the error in the report's stopped_by.
+    p = calm["plan"]
+    taken = budget - (p["weights"] + p["gradients"] + p["optimizer"]) - 256 * 1024
+    rp, tr = os.path.join(d, "stopped.json"), os.path.join(d, "stopped_trace.json")
+    b = subprocess.run([train] + small + ["--budget", "8MiB", "--foreign", f"{taken}B@3", "--report", rp, "--trace", tr],
+                       capture_output=True, text=True, timeout=600)
+    lines = [l for l in b.stderr.splitlines() if l.strip()]
+    assert b.returncode == 1 and len(lines) == 1 and "'--budget and --foreign'" in lines[0], b.stderr
+    # The advice names what is lacking: the budget grown by it, or --foreign shrunk by it.
+    assert "Raise --budget to at least" in lines[0] and "or take at most" in lines[0], lines[0]
+    stopped = json.load(open(rp))
+    assert stopped["steps"] == 2 and "least peak of any plan" in stopped["stopped_by"], stopped
+    assert stopped["measured_peak_bytes"] <= stopped["predicted_peak_bytes"], stopped
+    assert json.load(open(tr)), "the trace of the steps that ran is empty"
 
     # The trace of that run becomes a plot (the foreign bytes are in it as tag "other").
     if len(sys.argv) > 2:

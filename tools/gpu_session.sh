@@ -16,8 +16,8 @@
 #
 # Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
-# example trainer: default, the mma.sync attention kernels, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
-# bench_model (bench_cuda_*), bench_model_mma (bench_cuda_model's T = 2048 step with --attention-kernels=mma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
+# example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
+# bench_model (bench_cuda_*), bench_model_wmma (bench_cuda_model's T = 2048 step with --attention-kernels=wmma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
 # T = 2048, 8192), peer_sdpa (PyTorch's SDPA on those shapes), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
 # model_cuda_peer.py, its --max-seq), long (train --seq max under --long-budget, with its trace for the plot),
 # soak (2,000 steps, reserved bytes after the first step and the most after it in the report),
@@ -29,7 +29,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 1
 prebuilt=""
 deadline=540
-steps="tests train nccl bench_attn peer_sdpa long soak profile bench_ttt peer_model bench_model_mma peer_maxseq bench_mamba bench_model peer_ttt"
+steps="tests train nccl bench_attn peer_sdpa long soak profile bench_ttt peer_model bench_model_wmma peer_maxseq bench_mamba bench_model peer_ttt"
 jobs=8
 tests="test_cuda_trainer test_cuda_data_parallel test_cuda_model test_cuda_ttt test_cuda_mamba test_cuda_gemm test_cuda_model_kernels
        test_cuda_attention test_cuda_mlp test_cuda_lm_head test_cuda_backend test_cuda_memory"
@@ -148,24 +148,25 @@ for s in $steps; do
       for t in $tests; do step "$t" 100 "$prebuilt/$t"; done ;;
     train)
       step train 120 "$prebuilt/train" "${train[@]}" --steps 30 --report "$work/train.json" --trace "$work/train_trace.json"
-      step train_mma 120 "$prebuilt/train" "${train[@]}" --steps 30 --attention-kernels mma \
-        --report "$work/train_mma.json" --trace "$work/train_mma_trace.json"
+      step train_wmma 120 "$prebuilt/train" "${train[@]}" --steps 30 --attention-kernels wmma \
+        --report "$work/train_wmma.json" --trace "$work/train_wmma_trace.json"
       # Exit 0 is not enough: the same seed's loss must follow the default kernels' (bf16 sums in
       # another order: within 3% after 30 steps).
-      python3 - "$work/train.json" "$work/train_mma.json" >> "$work/summary.txt" 2>&1 <<'PY'
+      python3 - "$work/train.json" "$work/train_wmma.json" >> "$work/summary.txt" 2>&1 <<'PY'
 import json, sys
 try:
     ja, jb = (json.load(open(f)) for f in sys.argv[1:3])
     a, b = ja["final_train_loss"], jb["final_train_loss"]
     d = abs(b - a) / abs(a)
-    ran = jb["policies"].get("attention_kernels", "?")  # what ran, not what was asked for
+    # What ran, not what was asked for.
+    ran = (ja["policies"].get("attention_kernels", "?"), jb["policies"].get("attention_kernels", "?"))
     verdict = "ok" if d <= 0.03 else "MISMATCH (over 3%)"
-    if ran != "mma":
-        verdict = f"NOT COMPARED: the mma run ran {ran}"
-    print(f"{'train_mma loss vs train':<40} {b:.4f} vs {a:.4f}: {d:.2%} {verdict};"
+    if ran != ("mma", "wmma"):
+        verdict = f"NOT COMPARED: the runs ran {ran[0]} and {ran[1]}"
+    print(f"{'train_wmma loss vs train':<40} {b:.4f} vs {a:.4f}: {d:.2%} {verdict};"
           f" tokens/s {jb['tokens_per_second']:.0f} vs {ja['tokens_per_second']:.0f} (train ran first)")
 except Exception as e:  # a report missing: its step failed, and says so above
-    print(f"{'train_mma loss vs train':<40} not compared ({e})")
+    print(f"{'train_wmma loss vs train':<40} not compared ({e})")
 PY
       tail -1 "$work/summary.txt"
       step train_adamw8bit 90 "$prebuilt/train" "${train[@]}" --steps 30 --optimizer adamw8bit \
@@ -189,9 +190,9 @@ PY
         --benchmark_out_format=json ;;
     peer_sdpa)
       step sdpa_peer 120 python3 bench/peers/sdpa_peer.py --dtype bf16 --reps 10 --seqs 2048 8192 ;;
-    bench_model_mma)
-      # One micro-batch at T = 2048 with attention's mma.sync kernels, beside peer_model's default run.
-      step bench_cuda_model_mma 120 "$prebuilt/bench_cuda_model" --attention-kernels=mma '--benchmark_filter=^bm_step/2048/' \
+    bench_model_wmma)
+      # One micro-batch at T = 2048 with attention's fallback kernels, beside peer_model's default run.
+      step bench_cuda_model_wmma 120 "$prebuilt/bench_cuda_model" --attention-kernels=wmma '--benchmark_filter=^bm_step/2048/' \
         --benchmark_min_time=0.05 --benchmark_counters_tabular=true ;;
     peer_ttt)
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;

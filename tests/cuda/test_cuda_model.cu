@@ -212,25 +212,29 @@ void schedules_on_device() {
 }
 void fp32_schedules() { schedules_on_device<mb::fp32_precision>(); }
 void bf16_schedules() { schedules_on_device<mb::bf16_precision>(); }
-// The same two bf16 checks with attention's mma.sync kernels (attention_mma.cuh): the model's
-// bounds hold, every schedule still gives the same bits, measured still equals predicted (the
-// kernels take no memory of their own, so the plan does not change).
-void bf16_tensor_core_attention() {
-  const mb::gpu::attention_kernels before = mb::gpu::attention_kernel_choice().load();
-  mb::gpu::attention_kernel_choice() = mb::gpu::attention_kernels::tensor_core;
-  struct restore {
-    mb::gpu::attention_kernels k;
-    ~restore() { mb::gpu::attention_kernel_choice() = k; }
-  } const back{before};
+// The two bf16 checks above run attention's default, the mma.sync kernels (attention_mma.cuh),
+// where the device can (on sm_80 and up they must be the ones that run). This case runs them
+// again on the fallback (WMMA forward, SIMT backward) that older devices and head_dim > 128 get:
+// the same bounds, every schedule the same bits, measured = predicted (neither set of kernels
+// takes memory of its own, so the plan does not change).
+void bf16_fallback_attention() {
   mb::cuda_executor ex;
   int major = 0;
   mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
                  "cudaDeviceGetAttribute");
+  CHECK(mb::gpu::attention_kernel_choice().load() == mb::gpu::attention_kernels::tensor_core);
   if (major >= 8) {
-    CHECK(mb::gpu::detail::use_mma<mb::bf16>(ex, config().width / config().heads));  // they really run
+    CHECK(mb::gpu::detail::use_mma<mb::bf16>(ex, config().width / config().heads));  // the default really runs them
   } else {
-    std::printf("  note: sm_%d: the tensor-core kernels need sm_80; this case ran the fallback\n", major * 10);
+    std::printf("  note: sm_%d: the tensor-core kernels need sm_80; the cases above ran the fallback\n", major * 10);
   }
+  const mb::gpu::attention_kernels before = mb::gpu::attention_kernel_choice().load();
+  mb::gpu::attention_kernel_choice() = mb::gpu::attention_kernels::simt_wmma;
+  struct restore {
+    mb::gpu::attention_kernels k;
+    ~restore() { mb::gpu::attention_kernel_choice() = k; }
+  } const back{before};
+  CHECK(!mb::gpu::detail::use_mma<mb::bf16>(ex, config().width / config().heads));
   against_cpu<mb::bf16_precision>(5e-2, 1e-2);
   schedules_on_device<mb::bf16_precision>();
 }
@@ -401,8 +405,8 @@ int main() {
       {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
       {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},
       {"model cuda_backend bf16: every schedule the same bits, measured = predicted", bf16_schedules},
-      {"model cuda_backend bf16 with attention's tensor-core kernels: bounds, bits, measured = predicted",
-       bf16_tensor_core_attention},
+      {"model cuda_backend bf16 on attention's fallback kernels (WMMA/SIMT): bounds, bits, measured = predicted",
+       bf16_fallback_attention},
       {"model cuda_backend: reserve_model states each device stack's reserved peak", reserve_on_device_stacks},
       {"model cuda_backend refuses bad input and gives every byte back", bad_input},
   };

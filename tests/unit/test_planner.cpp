@@ -69,16 +69,21 @@ mb::chain random_chain(rng& r, std::size_t L) {
   return c;
 }
 
-}  // namespace
-
-TEST_CASE("planner: the issue's case: fit at every<2>'s exact peak finds it (two TTT-Linear blocks)") {
-  using net = mb::model<mb::embedding<mb::fp32_precision>, mb::block<mb::ttt_linear<mb::fp32_precision>>,
-                        mb::block<mb::ttt_linear<mb::fp32_precision>>, mb::lm_head<mb::fp32_precision>>;
+// Two TTT-Linear blocks, the issue's model: small enough to fit at any budget the cases try.
+using two_ttt_blocks = mb::model<mb::embedding<mb::fp32_precision>, mb::block<mb::ttt_linear<mb::fp32_precision>>,
+                                 mb::block<mb::ttt_linear<mb::fp32_precision>>, mb::lm_head<mb::fp32_precision>>;
+two_ttt_blocks two_ttt_blocks_model() {
   mb::model_config c;
   c.vocab = 4096;
   c.width = 32;
   c.heads = 1;
-  const net m(c);
+  return two_ttt_blocks(c);
+}
+
+}  // namespace
+
+TEST_CASE("planner: the issue's case: fit at every<2>'s exact peak finds it (two TTT-Linear blocks)") {
+  const two_ttt_blocks m = two_ttt_blocks_model();
   const mb::training_plan every2 = mb::make_plan(m, {1, 64}, mb::schedules::every<2>{});
   const mb::training_plan p = mb::fit(m, {1, 64}, every2.peak_bytes);
   CHECK(p.peak_bytes <= every2.peak_bytes);
@@ -93,13 +98,7 @@ TEST_CASE("planner: the issue's case: fit at every<2>'s exact peak finds it (two
 }
 
 TEST_CASE("planner: prefer_below picks the best plan under the line when there is one, else the best under the budget") {
-  using net = mb::model<mb::embedding<mb::fp32_precision>, mb::block<mb::ttt_linear<mb::fp32_precision>>,
-                        mb::block<mb::ttt_linear<mb::fp32_precision>>, mb::lm_head<mb::fp32_precision>>;
-  mb::model_config c;
-  c.vocab = 4096;
-  c.width = 32;
-  c.heads = 1;
-  const net m(c);
+  const two_ttt_blocks m = two_ttt_blocks_model();
   const mb::batch_shape eff{4, 64};
   // A budget a hair above the cheapest plan's peak: the line just below it excludes that plan.
   const mb::training_plan best = mb::fit(m, eff, std::size_t{1} << 30);

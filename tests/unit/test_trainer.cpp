@@ -406,6 +406,9 @@ TEST_CASE("trainer: memory pressure retries the step under a stricter plan, whic
     const mb::training_plan& p1 = t.plan();
     CHECK(p1.peak_bytes < p0.peak_bytes);
     CHECK(p1.peak_bytes + foreign < limit);
+    // The event names the new plan in the plan table's own words.
+    CHECK(events.back().to == mb::plan_summary(p1));
+    CHECK(p1.table().starts_with("plan: " + mb::plan_summary(p1) + ","));
     MESSAGE("stricter plan " << mb::plan_summary(p1) << ": peak + others' bytes = "
                              << 100.0 * static_cast<double>(p1.peak_bytes + foreign) / static_cast<double>(limit)
                              << "% of the budget");

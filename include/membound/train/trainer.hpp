@@ -214,6 +214,34 @@ struct run_field_change {
   friend bool operator==(const run_field_change&, const run_field_change&) = default;
 };
 
+namespace detail {
+// The fields of `saved` (a checkpoint's) and `now` (this trainer's) that differ, in now's order,
+// then those only the checkpoint has. A field on one side only counts where
+// counts_missing(name, missing_from_saved) says so; its absent side reads "(none)".
+template <typename CountsMissing>
+std::vector<run_field_change> field_differences(const std::vector<fingerprint_field>& saved,
+                                                const std::vector<fingerprint_field>& now, CountsMissing counts_missing) {
+  const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
+    for (const fingerprint_field& e : f)
+      if (e.name == name) return &e;
+    return nullptr;
+  };
+  std::vector<run_field_change> d;
+  for (const fingerprint_field& e : now) {
+    const fingerprint_field* s = find(saved, e.name);
+    if (s == nullptr) {
+      if (counts_missing(e.name, true)) d.push_back({e.name, "(none)", e.value});
+    } else if (s->value != e.value) {
+      d.push_back({e.name, s->value, e.value});
+    }
+  }
+  for (const fingerprint_field& s : saved) {
+    if (find(now, s.name) == nullptr && counts_missing(s.name, false)) d.push_back({s.name, s.value, "(none)"});
+  }
+  return d;
+}
+}  // namespace detail
+
 // A change of plan, and why.
 struct replan_event {
   std::uint64_t step = 0;         // 1-based step it happened in
@@ -345,10 +373,12 @@ inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
   return s;
 }
 
-// One line naming a plan: "micro 4 x 2, none, chunk 256".
+// One line naming a plan, in the plan table's words: "micro-batch 4 x 128 tokens, 2 micro-batches
+// per step, schedule none, logit chunk 256".
 inline std::string plan_summary(const training_plan& p) {
-  return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.accumulation) + ", " +
-         p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
+  return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.micro.seq) + " tokens, " +
+         std::to_string(p.accumulation) + (p.accumulation == 1 ? " micro-batch" : " micro-batches") +
+         " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
 }
 
 // What a monitor must offer the trainer (null_monitor and pressure_monitor<...> do).
@@ -2722,27 +2752,12 @@ class trainer {
   // The run settings of a checkpoint against run_settings(), in run_settings()'s order, then any
   // only the checkpoint has.
   std::vector<run_field_change> run_differences(const std::vector<fingerprint_field>& saved) const {
-    std::vector<run_field_change> d;
-    const std::vector<fingerprint_field> now = run_settings();
-    const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
-      for (const fingerprint_field& e : f)
-        if (e.name == name) return &e;
-      return nullptr;
-    };
     // A setting of the trainer's that the file does not record is taken as unchanged (a file from
-    // a build that recorded fewer); the caller's tags are compared both ways.
-    const auto tag = [](const std::string& name) { return name.starts_with("tag."); };
-    for (const fingerprint_field& e : now) {
-      const fingerprint_field* s = find(saved, e.name);
-      if (s == nullptr && tag(e.name)) d.push_back({e.name, "(none)", e.value});
-      else if (s != nullptr && s->value != e.value) d.push_back({e.name, s->value, e.value});
-    }
-    for (const fingerprint_field& s : saved) {
-      if (find(now, s.name) == nullptr && (tag(s.name) || s.name.starts_with("scaler."))) {
-        d.push_back({s.name, s.value, "(none)"});
-      }
-    }
-    return d;
+    // a build that recorded fewer); the caller's tags are compared both ways, and the scaler's
+    // settings count when only the file has them (it was written with loss scaling on).
+    return detail::field_differences(saved, run_settings(), [](const std::string& name, bool missing_from_saved) {
+      return name.starts_with("tag.") || (!missing_from_saved && name.starts_with("scaler."));
+    });
   }
 
   // Every field of `saved` against fingerprint(): checkpoint_mismatch naming each one that differs.
@@ -2757,23 +2772,9 @@ class trainer {
       std::erase_if(now, world_field);
       std::erase_if(saved, world_field);
     }
-    struct diff {
-      std::string field, saved, current;
-    };
-    std::vector<diff> d;
-    const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
-      for (const fingerprint_field& e : f)
-        if (e.name == name) return &e;
-      return nullptr;
-    };
-    for (const fingerprint_field& e : now) {
-      const fingerprint_field* s = find(saved, e.name);
-      if (s == nullptr) d.push_back({e.name, "(none)", e.value});
-      else if (s->value != e.value) d.push_back({e.name, s->value, e.value});
-    }
-    for (const fingerprint_field& s : saved) {
-      if (find(now, s.name) == nullptr) d.push_back({s.name, s.value, "(none)"});
-    }
+    // Every field counts, present on one side or both.
+    const std::vector<run_field_change> d =
+        detail::field_differences(saved, now, [](const std::string&, bool) { return true; });
     if (d.empty()) return;
     // The first few: a change of precision differs in every block, and one line is enough.
     constexpr std::size_t shown = 4;

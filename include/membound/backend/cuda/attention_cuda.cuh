@@ -20,9 +20,9 @@
 // the diagonal); only the diagonal tile is masked.
 //
 // Compute: fp32 storage runs the SIMT kernels below. bf16/fp16 storage at head_dim <= 128 runs
-// either the first kernels (a WMMA forward, the SIMT backward; the default, run on an H200) or,
-// under gpu::attention_kernel_choice() = tensor_core, attention_mma.cuh's mma.sync kernels
-// (forward, dQ and dK/dV with every fragment in registers; emulated on the host only so far).
+// attention_mma.cuh's mma.sync kernels (forward, dQ and dK/dV with every fragment in registers;
+// the default, gpu::attention_kernel_choice() = tensor_core) where use_mma allows them, else the
+// first kernels (a WMMA forward, the SIMT backward). Both ran on an H200 (2026-11-27).
 // No cp.async/TMA yet. The layer's attention_tiles policy sizes the CPU tiles; the device tiles
 // are fixed below.
 #pragma once
