@@ -5,7 +5,8 @@
 # .device_deps/bin, so that the GPU machine spends its minutes running, not compiling:
 #
 #   bash tools/stage_gpu_binaries.sh [ARCH]          # default 90-real (H100, H200)
-#   # then, on the GPU machine (carry .device_deps):
+#   # then, on the GPU machine (carry .device_deps/bin and .device_deps/usr/lib: the headers under
+#   # .device_deps/usr/include are for --build only, and the device tool carries 64 MiB at most):
 #   OUT=/tmp/g bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 470
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -39,4 +40,12 @@ for f in "$bin"/*; do { ldd "$f" 2> /dev/null || true; }; done |
   awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
   { grep -E '/lib(mpi|open-rte|open-pal|hwloc|event_core|event_pthreads|udev)[^/]*\.so' || true; } |
   while read -r f; do cp -L "$f" "$lib/"; done
-echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*}"
+# Symbols are not needed there, and the carry limit is tight (69 MiB unstripped on 2026-11-27).
+strip --strip-unneeded "$bin"/*
+kib=$(du -s --apparent-size -B1K "$bin" "$lib" | awk '{s += $1} END {print s}')
+echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*};" \
+     "carry .device_deps/bin and .device_deps/usr/lib: $((kib / 1024)) MiB"
+if ((kib > 64 * 1024)); then
+  echo "stage_gpu_binaries.sh: over the device tool's 64 MiB carry limit: stage fewer targets" >&2
+  exit 1
+fi
