@@ -10,6 +10,10 @@
   --layering         each folder includes only the folders below it (LAYERS), so the memory core
                      never depends on the monitor, backends never on the layers, the planner
                      never on the trainer
+  --backend-branches above the backend floor no file branches on the backend more often than
+                     BACKEND_BRANCHES allows: a layer front makes one call into
+                     backend_kernels<Backend, Shape> and the backends answer it (the figures only
+                     fall, to 0)
 
 Exits 1 listing every offending file.
 """
@@ -171,14 +175,45 @@ def check_layering() -> list[str]:
     return problems
 
 
+# `if constexpr` on the backend above backend/: what is left of the CPU code that lived in the
+# layer fronts (45 at 98b529b: attention 6, lm_head 3, swiglu_mlp 4, mamba 7, ttt 7, model 4,
+# trainer 14). Lower a figure when a seam removes branches; never raise one.
+BACKEND_BRANCHES = {
+    "membound/layers/mamba.hpp": 7,
+    "membound/layers/ttt.hpp": 7,
+    "membound/model/model.hpp": 4,
+    "membound/train/trainer.hpp": 14,
+}
+BACKEND_BRANCH_RE = re.compile(r"if\s+constexpr\s*\([^)]*\b(on_cpu|on_host|is_cpu_backend_v)\b")
+
+
+def check_backend_branches() -> list[str]:
+    problems = []
+    for name in headers():
+        if name.startswith("membound/backend/"):
+            continue
+        text = (INCLUDE_DIR / name).read_text(encoding="utf-8")
+        found = len(BACKEND_BRANCH_RE.findall(text))
+        allowed = BACKEND_BRANCHES.get(name, 0)
+        if found > allowed:
+            problems.append(f"include/{name}: {found} `if constexpr` branches on the backend, at most "
+                            f"{allowed} allowed: put the backend's part behind backend_kernels<Backend, "
+                            "Shape> in backend/cpu/ and backend/cuda/")
+        elif found < allowed:
+            problems.append(f"include/{name}: {found} branches on the backend, fewer than the {allowed} "
+                            "recorded: lower its figure in BACKEND_BRANCHES (tools/check_headers.py)")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-cuda-in-host", action="store_true")
     parser.add_argument("--umbrella", action="store_true")
     parser.add_argument("--layering", action="store_true")
+    parser.add_argument("--backend-branches", action="store_true")
     args = parser.parse_args()
-    if not (args.no_cuda_in_host or args.umbrella or args.layering):
-        parser.error("pass --no-cuda-in-host, --umbrella and/or --layering")
+    if not (args.no_cuda_in_host or args.umbrella or args.layering or args.backend_branches):
+        parser.error("pass --no-cuda-in-host, --umbrella, --layering and/or --backend-branches")
     problems = []
     if args.no_cuda_in_host:
         problems += check_no_cuda_in_host()
@@ -186,6 +221,8 @@ def main() -> int:
         problems += check_umbrella()
     if args.layering:
         problems += check_layering()
+    if args.backend_branches:
+        problems += check_backend_branches()
     for p in problems:
         print(p, file=sys.stderr)
     if problems:

@@ -858,6 +858,10 @@ class thread_pool {
   std::exception_ptr error_;
 };
 
+// How many per-thread scratch slices a layer's workspace holds for this executor: the pool's
+// threads. A device executor has its own overload (0: its workspace does not grow with them).
+inline std::size_t workspace_threads(const thread_pool& pool) noexcept { return pool.size(); }
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/core/parallel.hpp ----
 // ---- begin membound/core/file_io.hpp ----
@@ -1903,8 +1907,6 @@ class block_pool {
     auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     return it == live_.end() ? nullptr : it->second;
   }
-  std::size_t live_count() const noexcept { return live_.size(); }
-  std::size_t segment_count() const noexcept { return segments_.size(); }
   bool empty() const noexcept { return segments_.empty(); }
 
   // ---- segments ------------------------------------------------------------------------------
@@ -7019,6 +7021,360 @@ void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_
 
 }  // namespace cpu
 
+// The attention layer on the host: the same calls as backend_kernels<cuda_backend,
+// attention_shape> (backend/cuda/attention_cuda.cuh), which the layer front makes without
+// knowing which backend runs them. The front has checked every argument and the workspace's
+// size; this carves the workspace (slots of disjoint lifetimes share bytes) and runs. Tiles sizes
+// the flash tiles; `threads` sizes the per-thread scratch (the pool's size).
+template <>
+struct backend_kernels<cpu_backend, attention_shape> {
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s, bool keep_qkv,
+                                                       std::size_t threads) noexcept {
+    const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
+                             q_bytes<A>(s), kv_bytes<A>(s),
+                             bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile, s.head_dim)),
+                             rope_bytes<A>(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, forward_pack_bytes<A, Tiles>(s))};
+    return fits(b) ? forward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+  }
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv,
+                                                        std::size_t threads) noexcept {
+    const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
+                             q_bytes<A>(s), kv_bytes<A>(s),
+                             bytes_of<A>(threads, cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
+                             bytes_of<A>(s.d_model, s.heads * s.head_dim),
+                             rope_bytes<A>(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, backward_pack_bytes<A, Tiles>(s))};
+    return fits(b) ? backward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+  }
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) noexcept {
+    const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, max_len),
+                             bytes_of<A>(s.batch, s.heads, s.head_dim),
+                             bytes_of<std::byte>(threads, step_pack_bytes<A>(s))};
+    return fits(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
+  }
+
+  // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], A); q, k, v are the saved slots under
+  // save_all (non-null) or nullptr (then they live in the workspace).
+  template <typename S, typename A, typename Tiles>
+  static void forward(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
+                      const S* x, S* y, S* o_s, A* lse, A* q_saved, A* k_saved, A* v_saved,
+                      void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    constexpr std::size_t qt = Tiles::q_tile, kt = Tiles::kv_tile;
+    const bool keep = q_saved != nullptr;
+    const std::size_t threads = ex.size();
+    const auto ws = carve(forward_layout<S, A, Tiles>(s, keep, threads), workspace, workspace_size);
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim;
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(f_x));
+    const wptrs<A> wa = widen_weights(s, wq, wk, wv, wo, ws.template get<A>(f_w), ex);
+    A* q = keep ? q_saved : ws.template get<A>(f_q);
+    A* k = keep ? k_saved : ws.template get<A>(f_k);
+    A* v = keep ? v_saved : ws.template get<A>(f_v);
+    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm),
+                                  threads * forward_pack_bytes<A, Tiles>(s)};
+    A* table = ws.template get<A>(f_rope);
+    cpu::rope_table(ex, table, T, s.head_dim, s.rope_base, 0);
+    project_qkv(s, xa, wa, q, k, v, table, pk, ex);
+
+    A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
+    cpu::flash_forward(ex, s, qt, kt, q, k, v, o, lse, ws.template get<A>(f_scratch), pk.data());
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(o), N * HD, o_s);
+
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(ex, static_cast<const A*>(o), wa.o, ya, N, HD, C, false, cpu::ld3{HD, C, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(ya), N * C, y);
+  }
+
+  template <typename S, typename A, typename Tiles>
+  static void backward(const attention_shape& s, const S* wq, const S* wk, const S* wv,
+                       const S* wo, const S* x, const S* o_s, const A* lse, A* q_saved,
+                       A* k_saved, A* v_saved, const S* dy, S* dx, S* gwq, S* gwk, S* gwv,
+                       S* gwo, void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    constexpr std::size_t qt = Tiles::q_tile, kt = Tiles::kv_tile;
+    const bool keep = q_saved != nullptr;
+    const std::size_t threads = ex.size();
+    const auto ws = carve(backward_layout<S, A, Tiles>(s, keep, threads), workspace, workspace_size);
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+
+    // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(b_x));
+    const wptrs<A> wa = widen_weights(s, wq, wk, wv, wo, ws.template get<A>(b_w), ex);
+    A* q = keep ? q_saved : ws.template get<A>(b_q);
+    A* k = keep ? k_saved : ws.template get<A>(b_k);
+    A* v = keep ? v_saved : ws.template get<A>(b_v);
+    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm),
+                                  threads * backward_pack_bytes<A, Tiles>(s)};
+    A* table = ws.template get<A>(b_rope);
+    cpu::rope_table(ex, table, T, s.head_dim, s.rope_base, 0);
+    if (!keep) project_qkv(s, xa, wa, q, k, v, table, pk, ex);
+    const A* dya = cpu::widen_or_alias(ex, dy, N * C, ws.template get<A>(b_dy));
+    const A* o = cpu::widen_or_alias(ex, o_s, N * HD, ws.template get<A>(b_o));
+    A* d_out = ws.template get<A>(b_dout);
+    A* delta = ws.template get<A>(b_delta);
+    cpu::matmul_bt(ex, dya, wa.o, d_out, N, C, HD, false, cpu::ld3{C, C, HD}, pk);
+    cpu::row_dot(ex, s, static_cast<const A*>(d_out), o, delta);
+
+    // Phase 1: the tiled attention backward.
+    A* dq = ws.template get<A>(b_dq);
+    A* dk = ws.template get<A>(b_dk);
+    A* dv = ws.template get<A>(b_dv);
+    cpu::flash_backward(ex, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
+                        static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
+                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch),
+                        pk.data());
+
+    // Phase 2: undo RoPE (its transpose) and the weight gradients.
+    cpu::rope_rows(ex, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
+    cpu::rope_rows(ex, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
+    A* tmp = ws.template get<A>(b_dw);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dq), gwq, tmp, N, C, HD, pk);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dk), gwk, tmp, N, C, KD, pk);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dv), gwv, tmp, N, C, KD, pk);
+    cpu::weight_grad(ex, o, dya, gwo, tmp, N, HD, C, pk);
+
+    // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(ex, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false,
+                   cpu::ld3{HD, HD, C}, pk);
+    cpu::matmul_bt(ex, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk);
+    cpu::matmul_bt(ex, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(dxa), N * C, dx);
+  }
+
+  // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
+  // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
+  template <typename S, typename A, typename Tiles>
+  static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
+                   S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
+                   const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
+                   thread_pool& ex) {
+    const std::size_t L = max_len, threads = ex.size();
+    const auto ws = carve(step_layout<S, A>(s, L, threads), workspace, workspace_size);
+    const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
+    const std::size_t HD = s.heads * D, KD = Hkv * D, t = length;
+
+    const A* xa = cpu::widen_or_alias(ex, x_t, B * C, ws.template get<A>(st_x));
+    const wptrs<A> wa = widen_weights(s, wq, wk, wv, wo, ws.template get<A>(st_w), ex);
+    A* q = ws.template get<A>(st_q);
+    A* k = ws.template get<A>(st_k);
+    A* v = ws.template get<A>(st_v);
+    const std::span<std::byte> pk{ws.template get<std::byte>(st_gemm),
+                                  threads * step_pack_bytes<A>(s)};
+    A* table = ws.template get<A>(st_rope);
+    cpu::rope_table(ex, table, 1, D, s.rope_base, t);
+    cpu::matmul(ex, xa, wa.q, q, B, C, HD, false, cpu::ld3{C, HD, HD}, pk);
+    cpu::matmul(ex, xa, wa.k, k, B, C, KD, false, cpu::ld3{C, KD, KD}, pk);
+    cpu::matmul(ex, xa, wa.v, v, B, C, KD, false, cpu::ld3{C, KD, KD}, pk);
+    cpu::rope_rows(ex, q, B, 1, s.heads, D, static_cast<const A*>(table), false);
+    cpu::rope_rows(ex, k, B, 1, Hkv, D, static_cast<const A*>(table), false);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t g = 0; g < Hkv; ++g)
+        for (std::size_t d = 0; d < D; ++d) {
+          cache_keys[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
+          cache_values[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
+        }
+    A* o = ws.template get<A>(st_o);
+    cpu::attend_cache(ex, s, L, t + 1, static_cast<const A*>(q),
+                      static_cast<const S*>(cache_keys), static_cast<const S*>(cache_values), o,
+                      ws.template get<A>(st_scratch));
+    A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
+    cpu::matmul(ex, static_cast<const A*>(o), wa.o, ya, B, HD, C, false, cpu::ld3{HD, C, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(ya), B * C, y_t);
+  }
+
+ private:
+  static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
+  // bf16/fp16 storage: convert to A first (fp32/fp64 read the caller's buffers).
+  template <typename S, typename A>
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
+  template <std::size_t N>
+  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
+    for (std::size_t b : bytes)
+      if (b >= too_large / 32) return false;
+    return true;
+  }
+  template <typename A>
+  static constexpr std::size_t q_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.heads, s.head_dim);
+  }
+  template <typename A>
+  static constexpr std::size_t kv_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.kv_heads, s.head_dim);
+  }
+  // An accumulator copy that only bf16/fp16 storage needs.
+  template <typename S, typename A>
+  static constexpr std::size_t acc_bytes(auto... extents) noexcept {
+    return widened<S, A> ? bytes_of<A>(extents...) : 0;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return acc_bytes<S, A>(s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model);
+  }
+  template <typename A>
+  static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {
+    return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
+  }
+
+  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
+  // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
+  template <typename A, typename Tiles>
+  static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, HD, C),
+                     cpu::flash_gemm_bytes<A>(Tiles::q_tile, Tiles::kv_tile, s.head_dim)});
+  }
+  template <typename A, typename Tiles>
+  static constexpr std::size_t backward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({forward_pack_bytes<A, Tiles>(s), cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, KD, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, HD, C)});
+  }
+  template <typename A>
+  static constexpr std::size_t step_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(s.batch, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, HD, C)});
+  }
+
+  // Phases: 0 projections, 1 tiled attention, 2 output projection. q, k, v live here only
+  // under recompute.
+  enum forward_slot : std::size_t {
+    f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y, f_rope, f_gemm
+  };
+  template <typename S, typename A, typename Tiles>
+  static constexpr workspace_layout<10> forward_layout(const attention_shape& s, bool keep_qkv,
+                                                       std::size_t threads) {
+    const std::size_t x_acc = acc_bytes<S, A>(s.batch, s.seq, s.d_model);
+    workspace_layout<10> l;
+    l.add(x_acc, default_alignment, {0, 0});
+    l.add(w_acc_bytes<S, A>(s), default_alignment, {0, 2});
+    l.add(keep_qkv ? 0 : q_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile, s.head_dim)),
+          default_alignment, {1, 1});
+    l.add(widened<S, A> ? q_bytes<A>(s) : 0, default_alignment, {1, 2});
+    l.add(x_acc, default_alignment, {2, 2});
+    l.add(rope_bytes<A>(s.seq, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, forward_pack_bytes<A, Tiles>(s)), default_alignment, {0, 2});
+    return l;
+  }
+
+  // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
+  // 3 dx.
+  enum backward_slot : std::size_t {
+    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx,
+    b_rope, b_gemm
+  };
+  template <typename S, typename A, typename Tiles>
+  static constexpr workspace_layout<18> backward_layout(const attention_shape& s, bool keep_qkv,
+                                                        std::size_t threads) {
+    const std::size_t x_acc = acc_bytes<S, A>(s.batch, s.seq, s.d_model);
+    workspace_layout<18> l;
+    l.add(x_acc, default_alignment, {0, 2});
+    l.add(w_acc_bytes<S, A>(s), default_alignment, {0, 3});
+    l.add(keep_qkv ? 0 : q_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(x_acc, default_alignment, {0, 2});  // dy
+    l.add(widened<S, A> ? q_bytes<A>(s) : 0, default_alignment, {0, 2});  // O
+    l.add(q_bytes<A>(s), default_alignment, {0, 1});  // dO
+    l.add(bytes_of<A>(s.batch, s.heads, s.seq), default_alignment, {0, 1});  // Δ
+    l.add(q_bytes<A>(s), default_alignment, {1, 3});
+    l.add(kv_bytes<A>(s), default_alignment, {1, 3});
+    l.add(kv_bytes<A>(s), default_alignment, {1, 3});
+    l.add(bytes_of<A>(threads, cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
+          default_alignment, {1, 1});
+    // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
+    l.add(acc_bytes<S, A>(s.d_model, s.heads * s.head_dim), default_alignment, {2, 2});
+    l.add(x_acc, default_alignment, {3, 3});  // dx
+    l.add(rope_bytes<A>(s.seq, s.head_dim), default_alignment, {0, 2});
+    l.add(bytes_of<std::byte>(threads, backward_pack_bytes<A, Tiles>(s)), default_alignment, {0, 3});
+    return l;
+  }
+
+  // Phases: 0 projections, 1 attention over the cache, 2 output projection.
+  enum step_slot : std::size_t {
+    st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
+  };
+  template <typename S, typename A>
+  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) {
+    workspace_layout<10> l;
+    l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {0, 0});
+    l.add(w_acc_bytes<S, A>(s), default_alignment, {0, 2});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
+    l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {2, 2});
+    l.add(rope_bytes<A>(1, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, step_pack_bytes<A>(s)), default_alignment, {0, 2});
+    return l;
+  }
+
+  template <typename A>
+  struct wptrs {
+    const A *q, *k, *v, *o;
+  };
+  // q, k, v = x·Wq, x·Wk, x·Wv, with RoPE on q and k: forward computes them, backward recomputes
+  // them the same way (bit for bit, so P recomputed from the saved lse matches forward's).
+  template <typename A>
+  static void project_qkv(const attention_shape& s, const A* xa, const wptrs<A>& wa, A* q, A* k,
+                          A* v, const A* table, std::span<std::byte> packing, thread_pool& ex) {
+    const std::size_t N = s.batch * s.seq, C = s.d_model;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    cpu::matmul(ex, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
+    cpu::matmul(ex, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::matmul(ex, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::rope_rows(ex, q, N, s.seq, s.heads, s.head_dim, table, false);
+    cpu::rope_rows(ex, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
+  }
+
+  // The weights in A: the caller's own for fp32/fp64, converted copies in `slot` otherwise.
+  template <typename S, typename A>
+  static wptrs<A> widen_weights(const attention_shape& s, const S* wq, const S* wk, const S* wv,
+                                const S* wo, A* slot, thread_pool& ex) {
+    if constexpr (widened<S, A>) {
+      const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+      A* q = slot;
+      A* k = q + C * HD;
+      A* v = k + C * KD;
+      A* o = v + C * KD;
+      cpu::widen(ex, wq, C * HD, q);
+      cpu::widen(ex, wk, C * KD, k);
+      cpu::widen(ex, wv, C * KD, v);
+      cpu::widen(ex, wo, HD * C, o);
+      return {q, k, v, o};
+    } else {
+      (void)s;
+      (void)slot;
+      (void)ex;
+      return {wq, wk, wv, wo};
+    }
+  }
+};
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/backend/cpu/attention_cpu.hpp ----
 // ---- begin membound/layers/attention.hpp ----
@@ -7044,13 +7400,14 @@ MEMBOUND_NAMESPACE_END
 // the caller's workspace (CUB-style: query the size, then run), with slots of disjoint lifetimes
 // sharing bytes; on the CPU that includes every GEMM's packing buffers (threads × the largest
 // per-thread need of the pass, so size with the pool's thread count) and the RoPE table
-// ([T, D] cos/sin, made once per call). The kernels are in backend/cpu/attention_cpu.hpp.
+// ([T, D] cos/sin, made once per call).
 //
-// With cuda_backend in the policies (attention<bf16_precision, cuda_backend>) every pointer is
-// device memory, the executor is a cuda_executor, and the kernels and the device workspace
-// layouts are backend/cuda/attention_cuda.cuh's (include membound/backend/cuda.cuh, compile with
-// nvcc). Same checks, same saved layout, same kv cache layout; the size functions keep their
-// signatures and ignore `threads`.
+// This file is the front: checks, sizes, the saved and cache layouts, and one call into
+// backend_kernels<backend, attention_shape>, the same call for every backend. The host's kernels
+// and workspace layouts are backend/cpu/attention_cpu.hpp's; with cuda_backend in the policies
+// (attention<bf16_precision, cuda_backend>) every pointer is device memory, the executor is a
+// cuda_executor, and they are backend/cuda/attention_cuda.cuh's (include
+// membound/backend/cuda.cuh, compile with nvcc). The device ignores `threads` and the tiles.
 
 // ---- begin membound/layers/layer_support.hpp ----
 // What every layer front end shares: can_implement's answer, the argument checks that name what
@@ -7122,6 +7479,15 @@ workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t nee
   return carve(layout, base, bytes);
 }
 
+// The backend carves the workspace; the front checks its size and base first (the typed
+// workspace_too_small naming "workspace") against the backend's own figure, so every backend
+// refuses the same arguments the same way.
+inline void check_workspace(std::size_t need, void* workspace, std::size_t workspace_size) {
+  workspace_layout<1> l;
+  l.add(need);
+  carve_named(l, need, workspace, workspace_size, "workspace");
+}
+
 }  // namespace detail
 
 MEMBOUND_NAMESPACE_END
@@ -7155,14 +7521,8 @@ class attention {
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool widened = !std::is_same_v<S, A>;  // bf16/fp16: convert to A first
-  static constexpr std::size_t qt = tiles::q_tile, kt = tiles::kv_tile;
   static constexpr bool keep_qkv = std::is_same_v<checkpoint, save_all>;
-  // With cuda_backend every pointer is device memory and the kernels are
-  // backend/cuda/attention_cuda.cuh's; the size functions keep the CPU's signatures and ignore
-  // `threads` on the device.
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
-  using device = backend_kernels<backend, attention_shape>;
+  using kernels = backend_kernels<backend, attention_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -7211,24 +7571,11 @@ class attention {
   }
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
                                                        std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device::template forward_workspace_bytes<S>(s, keep_qkv);
-    const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
-                             bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)),
-                             y_acc_bytes(s), rope_bytes(s.seq, s.head_dim),
-                             bytes_of<std::byte>(threads, forward_pack_bytes(s))};
-    return detail::fits_layout(b) ? forward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template forward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
   }
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
                                                         std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device::template backward_workspace_bytes<S>(s, keep_qkv);
-    const std::size_t b[] = {x_acc_bytes(s), w_acc_bytes(s), q_bytes(s), kv_bytes(s),
-                             bytes_of<A>(threads, cpu::backward_scratch(qt, kt)),
-                             y_acc_bytes(s), bytes_of<A>(s.d_model, s.heads * s.head_dim),
-                             rope_bytes(s.seq, s.head_dim),
-                             bytes_of<std::byte>(threads, backward_pack_bytes(s))};
-    return detail::fits_layout(b) ? backward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template backward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
   }
   // Rotated keys then values, each [B, Hkv, max_len, D] in storage_type.
   static constexpr std::size_t kv_cache_bytes(const attention_shape& s,
@@ -7238,12 +7585,7 @@ class attention {
   }
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device::template step_workspace_bytes<S>(s, max_len);
-    const std::size_t b[] = {w_acc_bytes(s), bytes_of<A>(threads, max_len),
-                             bytes_of<A>(s.batch, s.heads, s.head_dim),
-                             bytes_of<std::byte>(threads, step_pack_bytes(s))};
-    return detail::fits_layout(b) ? step_layout(s, max_len, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template step_workspace_bytes<S, A, tiles>(s, max_len, threads);
   }
 
   struct weights {
@@ -7296,52 +7638,23 @@ class attention {
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      executor& pool) {
+                      executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    if constexpr (!on_cpu) {
-      detail::carve_named(device_layout(forward_workspace_bytes(s, 0)), forward_workspace_bytes(s, 0),
-                          workspace, workspace_size, "workspace");
-      device::template forward<S, A>(s, w.wq, w.wk, w.wv, w.wo, x, y, sv.template get<S>(s_o),
-                                     sv.template get<A>(s_lse), kept<A>(sv, s_q), kept<A>(sv, s_k),
-                                     kept<A>(sv, s_v), workspace, workspace_size, pool);
-    } else {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(forward_layout(s, threads), forward_workspace_bytes(s, threads),
-                                workspace, workspace_size, "workspace");
+    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     // Nothing below throws: every output is written after every check.
-    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
-    const std::size_t HD = s.heads * s.head_dim;
-    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(f_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w), pool);
-    A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(f_q);
-    A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(f_k);
-    A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(f_v);
-    const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
-    A* table = ws.template get<A>(f_rope);
-    cpu::rope_table(pool, table, T, s.head_dim, s.rope_base, 0);
-    project_qkv(s, xa, wa, q, k, v, table, pk.span(), pool);
-
-    S* o_saved = sv.template get<S>(s_o);
-    A* o = cpu::accum_target(o_saved, ws.template get<A>(f_o));
-    cpu::flash_forward(pool, s, qt, kt, q, k, v, o, sv.template get<A>(s_lse),
-                       ws.template get<A>(f_scratch), pk.data);
-    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(o), N * HD, o_saved);
-
-    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, N, HD, C, false, cpu::ld3{HD, C, C},
-                pk.span());
-    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), N * C, y);
-    }
+    kernels::template forward<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, x, y, sv.template get<S>(s_o),
+                                           sv.template get<A>(s_lse), kept(sv, s_q), kept(sv, s_k),
+                                           kept(sv, s_v), workspace, workspace_size, ex);
   }
 
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, executor& pool) {
+                       void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
@@ -7352,69 +7665,12 @@ class attention {
     detail::not_null(g.wv, "gradients.wv");
     detail::not_null(g.wo, "gradients.wo");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
-                                saved_size, "saved");
-    if constexpr (!on_cpu) {
-      detail::carve_named(device_layout(backward_workspace_bytes(s, 0)),
-                          backward_workspace_bytes(s, 0), workspace, workspace_size, "workspace");
-      device::template backward<S, A>(
-          s, w.wq, w.wk, w.wv, w.wo, x, static_cast<const S*>(sv.template get<S>(s_o)),
-          static_cast<const A*>(sv.template get<A>(s_lse)), static_cast<const A*>(kept<A>(sv, s_q)),
-          static_cast<const A*>(kept<A>(sv, s_k)), static_cast<const A*>(kept<A>(sv, s_v)), dy, dx,
-          g.wq, g.wk, g.wv, g.wo, workspace, workspace_size, pool);
-    } else {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(backward_layout(s, threads), backward_workspace_bytes(s, threads),
-                                workspace, workspace_size, "workspace");
-    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-
-    // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
-    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(b_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w), pool);
-    A* q = keep_qkv ? sv.template get<A>(s_q) : ws.template get<A>(b_q);
-    A* k = keep_qkv ? sv.template get<A>(s_k) : ws.template get<A>(b_k);
-    A* v = keep_qkv ? sv.template get<A>(s_v) : ws.template get<A>(b_v);
-    const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
-    A* table = ws.template get<A>(b_rope);
-    cpu::rope_table(pool, table, T, s.head_dim, s.rope_base, 0);
-    if constexpr (!keep_qkv) project_qkv(s, xa, wa, q, k, v, table, pk.span(), pool);
-    const A* dya = cpu::widen_or_alias(pool, dy, N * C, ws.template get<A>(b_dy));
-    const A* o = cpu::widen_or_alias(pool, static_cast<const S*>(sv.template get<S>(s_o)), N * HD,
-                                     ws.template get<A>(b_o));
-    const A* lse = sv.template get<A>(s_lse);
-    A* d_out = ws.template get<A>(b_dout);
-    A* delta = ws.template get<A>(b_delta);
-    cpu::matmul_bt(pool, dya, wa.o, d_out, N, C, HD, false, cpu::ld3{C, C, HD}, pk.span());
-    cpu::row_dot(pool, s, static_cast<const A*>(d_out), o, delta);
-
-    // Phase 1: the tiled attention backward.
-    A* dq = ws.template get<A>(b_dq);
-    A* dk = ws.template get<A>(b_dk);
-    A* dv = ws.template get<A>(b_dv);
-    cpu::flash_backward(pool, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
-                        static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
-                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch),
-                        pk.data);
-
-    // Phase 2: undo RoPE (its transpose) and the weight gradients.
-    cpu::rope_rows(pool, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
-    cpu::rope_rows(pool, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
-    A* tmp = ws.template get<A>(b_dw);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, HD, pk.span());
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, KD, pk.span());
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, KD, pk.span());
-    cpu::weight_grad(pool, o, dya, g.wo, tmp, N, HD, C, pk.span());
-
-    // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
-    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false,
-                   cpu::ld3{HD, HD, C}, pk.span());
-    cpu::matmul_bt(pool, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true,
-                   cpu::ld3{KD, KD, C}, pk.span());
-    cpu::matmul_bt(pool, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true,
-                   cpu::ld3{KD, KD, C}, pk.span());
-    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(dxa), N * C, dx);
-    }
+                                        saved_size, "saved");
+    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template backward<S, A, tiles>(
+        s, w.wq, w.wk, w.wv, w.wo, x, static_cast<const S*>(sv.template get<S>(s_o)),
+        static_cast<const A*>(sv.template get<A>(s_lse)), kept(sv, s_q), kept(sv, s_k),
+        kept(sv, s_v), dy, dx, g.wq, g.wk, g.wv, g.wo, workspace, workspace_size, ex);
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
@@ -7422,7 +7678,7 @@ class attention {
   // rotated key and value are appended to the cache. shape.seq is ignored. Checks everything
   // (including room in the cache) before touching the cache or y_t.
   static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
-                   S* y_t, void* workspace, std::size_t workspace_size, executor& pool) {
+                   S* y_t, void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
@@ -7442,51 +7698,11 @@ class attention {
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
-    if constexpr (!on_cpu) {
-      detail::carve_named(device_layout(step_workspace_bytes(s, L, 0)),
-                          step_workspace_bytes(s, L, 0), workspace, workspace_size, "workspace");
-      const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
-      device::template step<S, A>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half), L,
-                                  cache.length, x_t, y_t, workspace, workspace_size, pool);
-      cache.length += 1;
-    } else {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(step_layout(s, L, threads), step_workspace_bytes(s, L, threads),
-                                workspace, workspace_size, "workspace");
-    const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
-    const std::size_t HD = s.heads * D, KD = Hkv * D, t = cache.length;
-
-    const A* xa = cpu::widen_or_alias(pool, x_t, B * C, ws.template get<A>(st_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w), pool);
-    A* q = ws.template get<A>(st_q);
-    A* k = ws.template get<A>(st_k);
-    A* v = ws.template get<A>(st_v);
-    const gemm_ws pk{ws.template get<std::byte>(st_gemm), threads * step_pack_bytes(s)};
-    A* table = ws.template get<A>(st_rope);
-    cpu::rope_table(pool, table, 1, D, s.rope_base, t);
-    cpu::matmul(pool, xa, wa.q, q, B, C, HD, false, cpu::ld3{C, HD, HD}, pk.span());
-    cpu::matmul(pool, xa, wa.k, k, B, C, KD, false, cpu::ld3{C, KD, KD}, pk.span());
-    cpu::matmul(pool, xa, wa.v, v, B, C, KD, false, cpu::ld3{C, KD, KD}, pk.span());
-    cpu::rope_rows(pool, q, B, 1, s.heads, D, static_cast<const A*>(table), false);
-    cpu::rope_rows(pool, k, B, 1, Hkv, D, static_cast<const A*>(table), false);
-    const std::size_t half = B * Hkv * L * D;
-    S* ck = cache.keys();
-    S* cv = cache.values(half);
-    for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t g = 0; g < Hkv; ++g)
-        for (std::size_t d = 0; d < D; ++d) {
-          ck[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
-          cv[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
-        }
-    cache.length = t + 1;
-    A* o = ws.template get<A>(st_o);
-    cpu::attend_cache(pool, s, L, t + 1, static_cast<const A*>(q), static_cast<const S*>(ck),
-                      static_cast<const S*>(cv), o, ws.template get<A>(st_scratch));
-    A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
-    cpu::matmul(pool, static_cast<const A*>(o), wa.o, ya, B, HD, C, false, cpu::ld3{HD, C, C},
-                pk.span());
-    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), B * C, y_t);
-    }
+    detail::check_workspace(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
+    const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
+    kernels::template step<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half),
+                                        L, cache.length, x_t, y_t, workspace, workspace_size, ex);
+    cache.length += 1;
   }
 
  private:
@@ -7503,20 +7719,6 @@ class attention {
   static constexpr std::size_t kv_bytes(const attention_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.seq, s.kv_heads, s.head_dim);
   }
-  // Accumulator copies that only bf16/fp16 storage needs (fp32/fp64 read the caller's buffers).
-  static constexpr std::size_t x_acc_bytes(const attention_shape& s) noexcept {
-    return widened ? bytes_of<A>(s.batch, s.seq, s.d_model) : 0;
-  }
-  static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
-    return widened ? bytes_of<A>(weight_elements(s)) : 0;
-  }
-  static constexpr std::size_t y_acc_bytes(const attention_shape& s) noexcept {
-    return x_acc_bytes(s);
-  }
-  static constexpr std::size_t o_acc_bytes(const attention_shape& s) noexcept {
-    return widened ? q_bytes(s) : 0;
-  }
-
   // q, k, v: only under save_all (0 bytes otherwise).
   enum saved_slot : std::size_t { s_o, s_lse, s_q, s_k, s_v };
   static constexpr workspace_layout<5> saved_layout(const attention_shape& s) {
@@ -7528,134 +7730,13 @@ class attention {
     l.add(keep_qkv ? kv_bytes(s) : 0);
     return l;
   }
-  // q, k, v in the workspace: only under recompute.
-  static constexpr std::size_t ws_q_bytes(const attention_shape& s) noexcept {
-    return keep_qkv ? 0 : q_bytes(s);
-  }
-  static constexpr std::size_t ws_kv_bytes(const attention_shape& s) noexcept {
-    return keep_qkv ? 0 : kv_bytes(s);
-  }
-
-  // Phases: 0 projections, 1 tiled attention, 2 output projection.
-  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
-  // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
-  static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {
-    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
-    const std::size_t KD = s.kv_heads * s.head_dim;
-    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
-                     cpu::matmul_thread_scratch_bytes<A>(N, C, KD),
-                     cpu::matmul_thread_scratch_bytes<A>(N, HD, C),
-                     cpu::flash_gemm_bytes<A>(qt, kt, s.head_dim)});
-  }
-  static constexpr std::size_t backward_pack_bytes(const attention_shape& s) noexcept {
-    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
-    const std::size_t KD = s.kv_heads * s.head_dim;
-    return std::max({forward_pack_bytes(s), cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
-                     cpu::matmul_thread_scratch_bytes<A>(N, KD, C),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, HD),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, KD),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, HD, C)});
-  }
-  static constexpr std::size_t step_pack_bytes(const attention_shape& s) noexcept {
-    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    return std::max({cpu::matmul_thread_scratch_bytes<A>(s.batch, C, HD),
-                     cpu::matmul_thread_scratch_bytes<A>(s.batch, C, KD),
-                     cpu::matmul_thread_scratch_bytes<A>(s.batch, HD, C)});
-  }
-  static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {
-    return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
-  }
-  // The packing slot: a byte pointer and its size, as the span the products take.
-  struct gemm_ws {
-    std::byte* data;
-    std::size_t bytes;
-    std::span<std::byte> span() const noexcept { return {data, bytes}; }
-  };
-
-  // Phases: 0 projections, 1 tiled attention, 2 output projection.
-  enum forward_slot : std::size_t {
-    f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y, f_rope, f_gemm
-  };
-  static constexpr workspace_layout<10> forward_layout(const attention_shape& s,
-                                                       std::size_t threads) {
-    workspace_layout<10> l;
-    l.add(x_acc_bytes(s), default_alignment, {0, 0});
-    l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(ws_q_bytes(s), default_alignment, {0, 1});
-    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
-    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
-    l.add(bytes_of<A>(threads, cpu::forward_scratch(qt, kt, s.head_dim)), default_alignment,
-          {1, 1});
-    l.add(o_acc_bytes(s), default_alignment, {1, 2});
-    l.add(y_acc_bytes(s), default_alignment, {2, 2});
-    l.add(rope_bytes(s.seq, s.head_dim), default_alignment, {0, 0});
-    l.add(bytes_of<std::byte>(threads, forward_pack_bytes(s)), default_alignment, {0, 2});
-    return l;
-  }
-
-  // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
-  // 3 dx.
-  enum backward_slot : std::size_t {
-    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx,
-    b_rope, b_gemm
-  };
-  static constexpr workspace_layout<18> backward_layout(const attention_shape& s,
-                                                        std::size_t threads) {
-    workspace_layout<18> l;
-    l.add(x_acc_bytes(s), default_alignment, {0, 2});
-    l.add(w_acc_bytes(s), default_alignment, {0, 3});
-    l.add(ws_q_bytes(s), default_alignment, {0, 1});
-    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
-    l.add(ws_kv_bytes(s), default_alignment, {0, 1});
-    l.add(y_acc_bytes(s), default_alignment, {0, 2});  // dy
-    l.add(o_acc_bytes(s), default_alignment, {0, 2});
-    l.add(q_bytes(s), default_alignment, {0, 1});  // dO
-    l.add(lse_bytes(s), default_alignment, {0, 1});  // Δ
-    l.add(q_bytes(s), default_alignment, {1, 3});
-    l.add(kv_bytes(s), default_alignment, {1, 3});
-    l.add(kv_bytes(s), default_alignment, {1, 3});
-    l.add(bytes_of<A>(threads, cpu::backward_scratch(qt, kt)), default_alignment, {1, 1});
-    // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
-    l.add(widened ? bytes_of<A>(s.d_model, s.heads * s.head_dim) : 0, default_alignment, {2, 2});
-    l.add(x_acc_bytes(s), default_alignment, {3, 3});  // dx
-    l.add(rope_bytes(s.seq, s.head_dim), default_alignment, {0, 2});
-    l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 3});
-    return l;
-  }
-
-  // Phases: 0 projections, 1 attention over the cache, 2 output projection.
-  enum step_slot : std::size_t {
-    st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
-  };
-  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
-                                                    std::size_t threads) {
-    workspace_layout<10> l;
-    l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {0, 0});
-    l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
-    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
-    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
-    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
-    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
-    l.add(widened ? bytes_of<A>(s.batch, s.d_model) : 0, default_alignment, {2, 2});
-    l.add(rope_bytes(1, s.head_dim), default_alignment, {0, 0});
-    l.add(bytes_of<std::byte>(threads, step_pack_bytes(s)), default_alignment, {0, 2});
-    return l;
-  }
 
   // ---- Helpers -------------------------------------------------------------------------------
-  // The device backend carves its own workspace; the layer only checks the caller's size (the
-  // typed workspace_too_small, as on the CPU) with a one-slot layout of that size.
-  static constexpr workspace_layout<1> device_layout(std::size_t bytes) {
-    workspace_layout<1> l;
-    l.add(bytes);
-    return l;
-  }
   // q, k or v kept in `saved` under save_all; nullptr under recompute.
-  template <typename T, typename View>
-  static T* kept(const View& sv, saved_slot slot) {
+  template <typename View>
+  static A* kept(const View& sv, saved_slot slot) {
     if constexpr (keep_qkv) {
-      return sv.template get<T>(slot);
+      return sv.template get<A>(slot);
     } else {
       (void)sv;
       (void)slot;
@@ -7668,46 +7749,6 @@ class attention {
     detail::not_null(w.wv, "weights.wv");
     detail::not_null(w.wo, "weights.wo");
   }
-
-  struct wptrs {
-    const A *q, *k, *v, *o;
-  };
-  // q, k, v = x·Wq, x·Wk, x·Wv, with RoPE on q and k: forward computes them, backward recomputes
-  // them the same way (bit for bit, so P recomputed from the saved lse matches forward's).
-  static void project_qkv(const attention_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v,
-                          const A* table, std::span<std::byte> packing, thread_pool& pool) {
-    const std::size_t N = s.batch * s.seq, C = s.d_model;
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    cpu::matmul(pool, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
-    cpu::matmul(pool, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
-    cpu::matmul(pool, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
-    cpu::rope_rows(pool, q, N, s.seq, s.heads, s.head_dim, table, false);
-    cpu::rope_rows(pool, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
-  }
-
-  static wptrs widen_weights(const weights& w, const attention_shape& s, A* slot,
-                             thread_pool& pool) {
-    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    if constexpr (widened) {
-      A* q = slot;
-      A* k = q + C * HD;
-      A* v = k + C * KD;
-      A* o = v + C * KD;
-      cpu::widen(pool, w.wq, C * HD, q);
-      cpu::widen(pool, w.wk, C * KD, k);
-      cpu::widen(pool, w.wv, C * KD, v);
-      cpu::widen(pool, w.wo, HD * C, o);
-      return {q, k, v, o};
-    } else {
-      (void)slot;
-      (void)pool;
-      (void)C;
-      (void)HD;
-      (void)KD;
-      return {w.wq, w.wk, w.wv, w.wo};
-    }
-  }
-
 };
 
 MEMBOUND_NAMESPACE_END
@@ -7758,16 +7799,9 @@ constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_sta
 template <typename A>
 using vec_map = Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>>;
 template <typename A>
-using cvec_map = Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>;
-template <typename A>
 vec_map<A> vec(A* p, std::size_t n) {
   return vec_map<A>(p, static_cast<Eigen::Index>(n));
 }
-template <typename A>
-cvec_map<A> cvec(const A* p, std::size_t n) {
-  return cvec_map<A>(p, static_cast<Eigen::Index>(n));
-}
-
 template <typename A>
 A sigmoid(A v) {
   return A(1) / (A(1) + std::exp(-v));
@@ -11344,9 +11378,199 @@ MEMBOUND_NAMESPACE_END
 // backward uses them as stored; the product SiLU(a)⊙b is recomputed (elementwise, cheap) rather
 // than kept. Every buffer is the caller's.
 //
-// With cuda_backend in the policies every pointer is device memory, the executor is a
+// This file is the front (checks, sizes, the saved layout) and makes one call into
+// backend_kernels<backend, mlp_shape> for every backend: backend/cpu/mlp_cpu.hpp on the host;
+// with cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor, and the kernels are backend/cuda/mlp_cuda.cuh's (include membound/backend/cuda.cuh
 // and compile with nvcc); saved_bytes is the same, the workspace holds cuBLASLt's too.
+
+// ---- begin membound/backend/cpu/mlp_cpu.hpp ----
+// The SwiGLU MLP on the host: the same calls as backend_kernels<cuda_backend, mlp_shape>
+// (backend/cuda/mlp_cuda.cuh), which layers/swiglu_mlp.hpp makes without knowing which backend
+// runs them. Three GEMMs (linalg.hpp, packing buffers per thread from the caller's workspace)
+// and the fused SwiGLU rows (model_cpu.hpp), in the accumulator type A; bf16/fp16 storage is
+// widened into workspace slots first. The front has checked every argument and the workspace's
+// size; this carves the workspace and runs.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <>
+struct backend_kernels<cpu_backend, mlp_shape> {
+  // The workspace holds the GEMMs' packing buffers, per thread: size it with the pool's size.
+  template <typename S, typename A>
+  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s,
+                                                       std::size_t threads) noexcept {
+    return fits<S, A>(s, threads) ? forward_layout<S, A>(s, threads).size() : too_large;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
+                                                        std::size_t threads) noexcept {
+    return fits<S, A>(s, threads) ? backward_layout<S, A>(s, threads).size() : too_large;
+  }
+
+  // a_s, b_s: the saved pre-activations [N, F], written here.
+  template <typename S, typename A>
+  static void forward(const mlp_shape& s, const S* wg, const S* wu, const S* wd, const S* x, S* y,
+                      S* a_s, S* b_s, void* workspace, std::size_t workspace_size,
+                      thread_pool& ex) {
+    const std::size_t threads = ex.size();
+    const auto ws = carve(forward_layout<S, A>(s, threads), workspace, workspace_size);
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm), threads * pack_bytes<A>(s)};
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(f_x));
+    const wptrs<A> wa = widen_weights(s, wg, wu, wd, ws.template get<A>(f_w), ex);
+    A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
+    A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
+    cpu::matmul(ex, xa, wa.g, a, N, C, F, false, cpu::ld3{C, F, F}, pk);
+    cpu::matmul(ex, xa, wa.u, b, N, C, F, false, cpu::ld3{C, F, F}, pk);
+    if constexpr (widened<S, A>) {  // backward sees the rounded values: use them here too
+      cpu::narrow(ex, static_cast<const A*>(a), N * F, a_s);
+      cpu::narrow(ex, static_cast<const A*>(b), N * F, b_s);
+    }
+    A* act = ws.template get<A>(f_act);
+    activation(ex, a_s, b_s, act, N, F);
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(ex, static_cast<const A*>(act), wa.d, ya, N, F, C, false, cpu::ld3{F, C, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(ya), N * C, y);
+  }
+
+  // Gradients are accumulated (+=) into gwg, gwu, gwd.
+  template <typename S, typename A>
+  static void backward(const mlp_shape& s, const S* wg, const S* wu, const S* wd, const S* x,
+                       const S* a_s, const S* b_s, const S* dy, S* dx, S* gwg, S* gwu, S* gwd,
+                       void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    const std::size_t threads = ex.size();
+    const auto ws = carve(backward_layout<S, A>(s, threads), workspace, workspace_size);
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm), threads * pack_bytes<A>(s)};
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(b_x));
+    const A* dya = cpu::widen_or_alias(ex, dy, N * C, ws.template get<A>(b_dy));
+    const wptrs<A> wa = widen_weights(s, wg, wu, wd, ws.template get<A>(b_w), ex);
+    A* act = ws.template get<A>(b_act);
+    A* tmp = ws.template get<A>(b_tmp);
+    activation(ex, a_s, b_s, act, N, F);
+    cpu::weight_grad(ex, static_cast<const A*>(act), dya, gwd, tmp, N, F, C, pk);
+    // dact = dy·Wdᵀ, then da = dact·b·SiLU'(a) and db = dact·SiLU(a), in place over act's slot.
+    A* da = act;
+    A* db = ws.template get<A>(b_db);
+    cpu::matmul_bt(ex, dya, wa.d, db, N, C, F, false, cpu::ld3{C, C, F}, pk);
+    activation_backward(ex, a_s, b_s, da, db, N, F);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(da), gwg, tmp, N, C, F, pk);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(db), gwu, tmp, N, C, F, pk);
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(ex, static_cast<const A*>(da), wa.g, dxa, N, F, C, false, cpu::ld3{F, F, C},
+                   pk);
+    cpu::matmul_bt(ex, static_cast<const A*>(db), wa.u, dxa, N, F, C, true, cpu::ld3{F, F, C},
+                   pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(dxa), N * C, dx);
+  }
+
+ private:
+  static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
+  template <typename S, typename A>
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+  template <typename A>
+  static constexpr std::size_t h_a(const mlp_shape& s) noexcept {
+    return bytes_of<A>(s.batch * s.seq, s.hidden);
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t x_acc(const mlp_shape& s) noexcept {
+    return widened<S, A> ? bytes_of<A>(s.batch * s.seq, s.width) : 0;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t w_acc(const mlp_shape& s) noexcept {
+    return widened<S, A> ? bytes_of<A>(3 * s.width, s.hidden) : 0;
+  }
+  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
+  template <typename S, typename A>
+  static constexpr bool fits(const mlp_shape& s, std::size_t threads) noexcept {
+    const std::size_t b[] = {h_a<A>(s), w_acc<S, A>(s), x_acc<S, A>(s),
+                             bytes_of<std::byte>(threads, pack_bytes<A>(s))};
+    for (std::size_t v : b)
+      if (v >= too_large / 32) return false;
+    return true;
+  }
+  // Per-thread packing bytes of the GEMMs (linalg.hpp's gemm with the caller's buffers): the
+  // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
+  template <typename A>
+  static constexpr std::size_t pack_bytes(const mlp_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, F),
+                     cpu::matmul_thread_scratch_bytes<A>(N, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, F)});
+  }
+  // Phases: 0 the two up projections, 1 the down projection.
+  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y, f_gemm };
+  template <typename S, typename A>
+  static constexpr workspace_layout<7> forward_layout(const mlp_shape& s, std::size_t threads) {
+    workspace_layout<7> l;
+    l.add(x_acc<S, A>(s), default_alignment, {0, 0});
+    l.add(w_acc<S, A>(s), default_alignment, {0, 1});
+    l.add(widened<S, A> ? h_a<A>(s) : 0, default_alignment, {0, 0});
+    l.add(widened<S, A> ? h_a<A>(s) : 0, default_alignment, {0, 0});
+    l.add(h_a<A>(s), default_alignment, {1, 1});
+    l.add(x_acc<S, A>(s), default_alignment, {1, 1});
+    l.add(bytes_of<std::byte>(threads, pack_bytes<A>(s)), default_alignment, {0, 1});
+    return l;
+  }
+  // Phases: 0 Wd's gradient and dact, 1 the gate's backward and Wg, Wu gradients, 2 dx.
+  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx, b_gemm };
+  template <typename S, typename A>
+  static constexpr workspace_layout<8> backward_layout(const mlp_shape& s, std::size_t threads) {
+    workspace_layout<8> l;
+    l.add(x_acc<S, A>(s), default_alignment, {0, 1});
+    l.add(x_acc<S, A>(s), default_alignment, {0, 0});
+    l.add(w_acc<S, A>(s), default_alignment, {0, 2});
+    l.add(h_a<A>(s), default_alignment, {0, 2});
+    l.add(h_a<A>(s), default_alignment, {0, 2});
+    l.add(widened<S, A> ? bytes_of<A>(s.width, s.hidden) : 0, default_alignment, {0, 1});
+    l.add(x_acc<S, A>(s), default_alignment, {2, 2});
+    l.add(bytes_of<std::byte>(threads, pack_bytes<A>(s)), default_alignment, {0, 2});
+    return l;
+  }
+
+  template <typename A>
+  struct wptrs {
+    const A *g, *u, *d;
+  };
+  template <typename S, typename A>
+  static wptrs<A> widen_weights(const mlp_shape& s, const S* wg, const S* wu, const S* wd, A* slot,
+                                thread_pool& ex) {
+    if constexpr (widened<S, A>) {
+      const std::size_t CF = s.width * s.hidden;
+      cpu::widen(ex, wg, CF, slot);
+      cpu::widen(ex, wu, CF, slot + CF);
+      cpu::widen(ex, wd, CF, slot + 2 * CF);
+      return {slot, slot + CF, slot + 2 * CF};
+    } else {
+      (void)s;
+      (void)ex;
+      (void)slot;
+      return {wg, wu, wd};
+    }
+  }
+  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (model_cpu.hpp).
+  template <typename S, typename A>
+  static void activation(thread_pool& ex, const S* a, const S* b, A* act, std::size_t N,
+                         std::size_t F) {
+    cpu::for_rows(ex, N, [&](std::size_t n) {
+      cpu::swiglu_row(a + n * F, b + n * F, act + n * F, F);
+    });
+  }
+  // da = dact·b·SiLU'(a), db = dact·SiLU(a), with dact in db on entry.
+  template <typename S, typename A>
+  static void activation_backward(thread_pool& ex, const S* a, const S* b, A* da, A* db,
+                                  std::size_t N, std::size_t F) {
+    cpu::for_rows(ex, N, [&](std::size_t n) {
+      cpu::swiglu_backward_row(a + n * F, b + n * F, da + n * F, db + n * F, F);
+    });
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/mlp_cpu.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -11363,8 +11587,7 @@ class swiglu_mlp {
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool widened = !std::is_same_v<S, A>;
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using kernels = backend_kernels<backend, mlp_shape>;
 
  public:
   static constexpr layer_support can_implement(const mlp_shape& s) noexcept {
@@ -11390,17 +11613,11 @@ class swiglu_mlp {
   // pool's thread count (the device ignores `threads`).
   static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s,
                                                        std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template forward_workspace_bytes<S>(s);
-    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s), bytes_of<std::byte>(threads, pack_bytes(s))};
-    return detail::fits_layout(b) ? forward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template forward_workspace_bytes<S, A>(s, threads);
   }
   static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
                                                         std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return backend_kernels<backend, mlp_shape>::template backward_workspace_bytes<S>(s);
-    const std::size_t b[] = {h_a(s), w_acc(s), x_acc(s), bytes_of<std::byte>(threads, pack_bytes(s))};
-    return detail::fits_layout(b) ? backward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template backward_workspace_bytes<S, A>(s, threads);
   }
 
   struct weights {
@@ -11416,24 +11633,20 @@ class swiglu_mlp {
 
   static void forward(const mlp_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      executor& pool) {
+                      executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    if constexpr (!on_cpu) {
-      backend_kernels<backend, mlp_shape>::template forward<S, A>(
-          s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a), sv.template get<S>(s_b),
-          workspace, workspace_size, pool);
-    } else {
-      forward_cpu(s, w, x, y, sv, workspace, workspace_size, pool);
-    }
+    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template forward<S, A>(s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a),
+                                    sv.template get<S>(s_b), workspace, workspace_size, ex);
   }
 
   static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, executor& pool) {
+                       void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
@@ -11444,87 +11657,15 @@ class swiglu_mlp {
     detail::not_null(g.w_down, "gradients.w_down");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    if constexpr (!on_cpu) {
-      backend_kernels<backend, mlp_shape>::template backward<S, A>(
-          s, w.w_gate, w.w_up, w.w_down, x, sv.template get<S>(s_a), sv.template get<S>(s_b), dy,
-          dx, g.w_gate, g.w_up, g.w_down, workspace, workspace_size, pool);
-    } else {
-      backward_cpu(s, w, x, sv, dy, dx, g, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  template <typename SavedView>
-  static void forward_cpu(const mlp_shape& s, const weights& w, const S* x, S* y, const SavedView& sv,
-                          void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(forward_layout(s, threads),
-                                        forward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
-    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm), threads * pack_bytes(s)};
-    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(f_x));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w), pool);
-    S* a_s = sv.template get<S>(s_a);
-    S* b_s = sv.template get<S>(s_b);
-    A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
-    A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
-    cpu::matmul(pool, xa, wa.g, a, N, C, F, false, cpu::ld3{C, F, F}, pk);
-    cpu::matmul(pool, xa, wa.u, b, N, C, F, false, cpu::ld3{C, F, F}, pk);
-    if constexpr (widened) {  // backward sees the rounded values: use them here too
-      cpu::narrow(pool, static_cast<const A*>(a), N * F, a_s);
-      cpu::narrow(pool, static_cast<const A*>(b), N * F, b_s);
-    }
-    A* act = ws.template get<A>(f_act);
-    activation(pool, a_s, b_s, act, N, F);
-    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    cpu::matmul(pool, static_cast<const A*>(act), wa.d, ya, N, F, C, false, cpu::ld3{F, C, C}, pk);
-    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(ya), N * C, y);
-  }
-
-  template <typename SavedView>
-  static void backward_cpu(const mlp_shape& s, const weights& w, const S* x, const SavedView& sv,
-                           const S* dy, S* dx, const gradients& g, void* workspace,
-                           std::size_t workspace_size, thread_pool& pool) {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(backward_layout(s, threads),
-                                        backward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
-    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm), threads * pack_bytes(s)};
-    const S* a_s = sv.template get<S>(s_a);
-    const S* b_s = sv.template get<S>(s_b);
-    const A* xa = cpu::widen_or_alias(pool, x, N * C, ws.template get<A>(b_x));
-    const A* dya = cpu::widen_or_alias(pool, dy, N * C, ws.template get<A>(b_dy));
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w), pool);
-    A* act = ws.template get<A>(b_act);
-    A* tmp = ws.template get<A>(b_tmp);
-    activation(pool, a_s, b_s, act, N, F);
-    cpu::weight_grad(pool, static_cast<const A*>(act), dya, g.w_down, tmp, N, F, C, pk);
-    // dact = dy·Wdᵀ, then da = dact·b·SiLU'(a) and db = dact·SiLU(a), in place over act's slot.
-    A* da = act;
-    A* db = ws.template get<A>(b_db);
-    cpu::matmul_bt(pool, dya, wa.d, db, N, C, F, false, cpu::ld3{C, C, F}, pk);
-    activation_backward(pool, a_s, b_s, da, db, N, F);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(da), g.w_gate, tmp, N, C, F, pk);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(db), g.w_up, tmp, N, C, F, pk);
-    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(da), wa.g, dxa, N, F, C, false, cpu::ld3{F, F, C},
-                   pk);
-    cpu::matmul_bt(pool, static_cast<const A*>(db), wa.u, dxa, N, F, C, true, cpu::ld3{F, F, C},
-                   pk);
-    if constexpr (widened) cpu::narrow(pool, static_cast<const A*>(dxa), N * C, dx);
+    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template backward<S, A>(s, w.w_gate, w.w_up, w.w_down, x,
+                                     static_cast<const S*>(sv.template get<S>(s_a)),
+                                     static_cast<const S*>(sv.template get<S>(s_b)), dy, dx,
+                                     g.w_gate, g.w_up, g.w_down, workspace, workspace_size, ex);
   }
 
  private:
   static constexpr std::size_t h_s(const mlp_shape& s) noexcept { return bytes_of<S>(s.batch * s.seq, s.hidden); }
-  static constexpr std::size_t h_a(const mlp_shape& s) noexcept { return bytes_of<A>(s.batch * s.seq, s.hidden); }
-  static constexpr std::size_t x_acc(const mlp_shape& s) noexcept {
-    return widened ? bytes_of<A>(s.batch * s.seq, s.width) : 0;
-  }
-  static constexpr std::size_t w_acc(const mlp_shape& s) noexcept {
-    return widened ? bytes_of<A>(3 * s.width, s.hidden) : 0;
-  }
 
   enum saved_slot : std::size_t { s_a, s_b };
   static constexpr workspace_layout<2> saved_layout(const mlp_shape& s) {
@@ -11533,78 +11674,10 @@ class swiglu_mlp {
     l.add(h_s(s));
     return l;
   }
-  // Per-thread packing bytes of the GEMMs (linalg.hpp's gemm with the caller's buffers): the
-  // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
-  static constexpr std::size_t pack_bytes(const mlp_shape& s) noexcept {
-    const std::size_t N = s.batch * s.seq, C = s.width, F = s.hidden;
-    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, F),
-                     cpu::matmul_thread_scratch_bytes<A>(N, F, C),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, F, C),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, F)});
-  }
-  // Phases: 0 the two up projections, 1 the down projection.
-  enum forward_slot : std::size_t { f_x, f_w, f_a, f_b, f_act, f_y, f_gemm };
-  static constexpr workspace_layout<7> forward_layout(const mlp_shape& s, std::size_t threads) {
-    workspace_layout<7> l;
-    l.add(x_acc(s), default_alignment, {0, 0});
-    l.add(w_acc(s), default_alignment, {0, 1});
-    l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
-    l.add(widened ? h_a(s) : 0, default_alignment, {0, 0});
-    l.add(h_a(s), default_alignment, {1, 1});
-    l.add(x_acc(s), default_alignment, {1, 1});
-    l.add(bytes_of<std::byte>(threads, pack_bytes(s)), default_alignment, {0, 1});
-    return l;
-  }
-  // Phases: 0 Wd's gradient and dact, 1 the gate's backward and Wg, Wu gradients, 2 dx.
-  enum backward_slot : std::size_t { b_x, b_dy, b_w, b_act, b_db, b_tmp, b_dx, b_gemm };
-  static constexpr workspace_layout<8> backward_layout(const mlp_shape& s, std::size_t threads) {
-    workspace_layout<8> l;
-    l.add(x_acc(s), default_alignment, {0, 1});
-    l.add(x_acc(s), default_alignment, {0, 0});
-    l.add(w_acc(s), default_alignment, {0, 2});
-    l.add(h_a(s), default_alignment, {0, 2});
-    l.add(h_a(s), default_alignment, {0, 2});
-    l.add(widened ? bytes_of<A>(s.width, s.hidden) : 0, default_alignment, {0, 1});
-    l.add(x_acc(s), default_alignment, {2, 2});
-    l.add(bytes_of<std::byte>(threads, pack_bytes(s)), default_alignment, {0, 2});
-    return l;
-  }
-
-  struct wptrs {
-    const A *g, *u, *d;
-  };
-  static wptrs widen_weights(const weights& w, const mlp_shape& s, A* slot, thread_pool& pool) {
-    if constexpr (widened) {
-      const std::size_t CF = s.width * s.hidden;
-      cpu::widen(pool, w.w_gate, CF, slot);
-      cpu::widen(pool, w.w_up, CF, slot + CF);
-      cpu::widen(pool, w.w_down, CF, slot + 2 * CF);
-      return {slot, slot + CF, slot + 2 * CF};
-    } else {
-      (void)s;
-      (void)pool;
-      (void)slot;
-      return {w.w_gate, w.w_up, w.w_down};
-    }
-  }
   static void check_weights(const weights& w) {
     detail::not_null(w.w_gate, "weights.w_gate");
     detail::not_null(w.w_up, "weights.w_up");
     detail::not_null(w.w_down, "weights.w_down");
-  }
-  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (model_cpu.hpp).
-  static void activation(thread_pool& pool, const S* a, const S* b, A* act, std::size_t N,
-                         std::size_t F) {
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      cpu::swiglu_row(a + n * F, b + n * F, act + n * F, F);
-    });
-  }
-  // da = dact·b·SiLU'(a), db = dact·SiLU(a), with dact in db on entry.
-  static void activation_backward(thread_pool& pool, const S* a, const S* b, A* da, A* db,
-                                  std::size_t N, std::size_t F) {
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      cpu::swiglu_backward_row(a + n * F, b + n * F, da + n * F, db + n * F, F);
-    });
   }
 };
 
@@ -11621,13 +11694,159 @@ MEMBOUND_NAMESPACE_END
 //   std::size_t ws = head::workspace_bytes(shape, pool.size());
 //   double loss = head::loss_backward(shape, w, x, targets, scale, dx, g, buf, ws, pool);
 //
-// With cuda_backend in the policies every pointer (the targets too) is device memory, the executor
+// This file is the front (checks and sizes) and makes one call into backend_kernels<backend,
+// lm_head_shape> for every backend: backend/cpu/lm_head_cpu.hpp on the host. With cuda_backend
+// in the policies every pointer (the targets too) is device memory, the executor
 // is a cuda_executor, and the kernels are backend/cuda/lm_head_cuda.cuh's (include
 // membound/backend/cuda.cuh and compile with nvcc); workspace_bytes holds cuBLASLt's workspace too.
 // The loss comes back as a host double, so a GPU call synchronizes the executor's stream once, at
 // its end. Device targets are not checked here (that would be a copy and a sync): check the host
 // copy with check_targets before the upload, as model does; an id outside [0, V) on the device
 // reads nothing out of bounds and makes the returned loss NaN.
+
+// ---- begin membound/backend/cpu/lm_head_cpu.hpp ----
+// The LM head on the host: the same calls as backend_kernels<cuda_backend, lm_head_shape>
+// (backend/cuda/lm_head_cuda.cuh), which layers/lm_head.hpp makes without knowing which backend
+// runs them. The final RMSNorm, then for each chunk of rows its logits ([chunk, V] in A) turned
+// into cross-entropy and its gradient in place and consumed at once (dW += dlogitsᵀ·xn,
+// dxn = dlogits·W). The front has checked the shape and the pointers; the targets' values are
+// checked here, where they can be read.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace cpu {
+
+// Every target in [0, V): a bad id would index outside the logits.
+inline void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
+      throw invalid_argument("targets[" + std::to_string(i) + "]",
+                             "a token id in [0, " + std::to_string(vocab) + ")",
+                             std::to_string(t[i]), "Encode the data with the model's vocabulary");
+    }
+  }
+}
+
+}  // namespace cpu
+
+template <>
+struct backend_kernels<cpu_backend, lm_head_shape> {
+  // Exact: what loss_backward and loss carve (both take the same workspace).
+  template <typename S, typename A>
+  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
+    return layout<S, A>(s, threads).size();
+  }
+
+  // Σ_rows cross-entropy; dx = ∂(scale·Σ loss)/∂x, dnorm and dw accumulated (+=).
+  template <typename S, typename A>
+  static double loss_backward(const lm_head_shape& s, const S* norm, const S* w, const S* x,
+                              const std::int32_t* targets, double scale, S* dx, S* dnorm, S* dw,
+                              void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    const std::size_t N = s.rows, C = s.width, V = s.vocab;
+    A* dwa = nullptr;
+    A* dxn = nullptr;
+    std::span<std::byte> scratch;
+    const auto start = [&](const auto& ws) {
+      scratch = gemm_scratch_of<A>(ws, s, ex.size());
+      dwa = cpu::accum_target(dw, ws.template get<A>(w_dw));
+      if constexpr (widened<S, A>) std::fill(dwa, dwa + V * C, A(0));
+      dxn = ws.template get<A>(w_dxn);
+    };
+    // Each chunk's logits, now its gradient, are consumed at once: dW += dlogitsᵀ·xn, dxn = dlogits·W.
+    const auto consume = [&](std::size_t r0, std::size_t r, const A* dlogits, const A* xa, const A* wa) {
+      cpu::matmul_at(ex, dlogits, xa + r0 * C, dwa, r, V, C, true, cpu::ld3{V, C, C}, scratch);
+      cpu::matmul(ex, dlogits, wa, dxn + r0 * C, r, V, C, false, cpu::ld3{V, C, C}, scratch);
+    };
+    return chunked<S, A>(s, norm, w, x, targets, static_cast<A>(scale), workspace, workspace_size,
+                         ex, start, consume, [&](const auto& ws, S* xn, const A* rstd) {
+                           if constexpr (widened<S, A>) cpu::add_grad(static_cast<const A*>(dwa), V * C, dw);
+                           S* dxn_s = xn;  // xn is no longer needed: dxn rounds into its slot
+                           cpu::narrow(static_cast<const A*>(dxn), N * C, dxn_s);
+                           cpu::rmsnorm_backward(ex, x, norm, rstd, static_cast<const S*>(dxn_s),
+                                                 static_cast<const S*>(nullptr), dx, dnorm,
+                                                 ws.template get<A>(w_partial), N, C);
+                         });
+  }
+
+  // The summed cross-entropy alone: the same norm, chunks and row order, so the same value.
+  template <typename S, typename A>
+  static double loss(const lm_head_shape& s, const S* norm, const S* w, const S* x,
+                     const std::int32_t* targets, void* workspace, std::size_t workspace_size,
+                     thread_pool& ex) {
+    const auto nothing = [](auto&&...) {};
+    return chunked<S, A>(s, norm, w, x, targets, A(0), workspace, workspace_size, ex, nothing,
+                         nothing, nothing);
+  }
+
+ private:
+  template <typename S, typename A>
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+  // The path both share: the targets' check, the final RMSNorm, then for each chunk of rows its
+  // logits turned into cross-entropy and (times scale) its gradient in place, handed to
+  // consume(r0, r, dlogits, xa, wa); start(ws) runs before the chunks and finish(ws, xn, rstd)
+  // after them.
+  template <typename S, typename A, typename Start, typename Consume, typename Finish>
+  static double chunked(const lm_head_shape& s, const S* norm, const S* w, const S* x,
+                        const std::int32_t* targets, A scale, void* workspace,
+                        std::size_t workspace_size, thread_pool& ex, Start&& start,
+                        Consume&& consume, Finish&& finish) {
+    cpu::check_targets(targets, s.rows, s.vocab);
+    const auto ws = carve(layout<S, A>(s, ex.size()), workspace, workspace_size);
+    const std::span<std::byte> scratch = gemm_scratch_of<A>(ws, s, ex.size());
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
+    S* xn = ws.template get<S>(w_xn);
+    A* rstd = ws.template get<A>(w_rstd);
+    cpu::rmsnorm_forward(ex, x, norm, xn, rstd, N, C, s.eps);
+    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
+    const A* wa = cpu::widen_or_alias(w, V * C, ws.template get<A>(w_wa));
+    start(ws);
+    A* logits = ws.template get<A>(w_logits);
+    double* row_loss = ws.template get<double>(w_rowloss);
+    double total = 0;
+    for (std::size_t r0 = 0; r0 < N; r0 += R) {
+      const std::size_t r = std::min(R, N - r0);
+      cpu::matmul_bt(ex, xa + r0 * C, wa, logits, r, C, V, false, cpu::ld3{C, C, V}, scratch);
+      total += cpu::cross_entropy_chunk(ex, logits, targets + r0, r, V, scale, row_loss);
+      consume(r0, r, static_cast<const A*>(logits), xa, wa);
+    }
+    finish(ws, xn, static_cast<const A*>(rstd));
+    return total;
+  }
+
+  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial, w_gemm };
+  // Packing buffers of the three products per chunk (logits, dW, dxn), one set per thread.
+  template <typename A>
+  static constexpr std::size_t gemm_bytes(const lm_head_shape& s, std::size_t threads) {
+    const std::size_t C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
+    return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(R, C, V),
+                               cpu::matmul_at_thread_scratch_bytes<A>(R, V, C),
+                               cpu::matmul_thread_scratch_bytes<A>(R, V, C)});
+  }
+  template <typename A, typename W>
+  static std::span<std::byte> gemm_scratch_of(const W& ws, const lm_head_shape& s, std::size_t threads) {
+    return {ws.template get<std::byte>(w_gemm), gemm_bytes<A>(s, threads)};
+  }
+  template <typename S, typename A>
+  static constexpr workspace_layout<10> layout(const lm_head_shape& s, std::size_t threads) {
+    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
+    workspace_layout<10> l;
+    l.add(bytes_of<S>(N, C));
+    l.add(bytes_of<A>(N));
+    l.add(widened<S, A> ? bytes_of<A>(N, C) : 0);
+    l.add(widened<S, A> ? bytes_of<A>(V, C) : 0);
+    l.add(widened<S, A> ? bytes_of<A>(V, C) : 0);
+    l.add(bytes_of<A>(N, C));
+    l.add(bytes_of<A>(R, V));
+    l.add(bytes_of<double>(R));
+    l.add(bytes_of<A>(cpu::row_partials(N, C)));
+    l.add(gemm_bytes<A>(s, threads));
+    return l;
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/lm_head_cpu.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -11644,8 +11863,7 @@ class lm_head {
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool widened = !std::is_same_v<S, A>;
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using kernels = backend_kernels<backend, lm_head_shape>;
 
  public:
   static constexpr layer_support can_implement(const lm_head_shape& s) noexcept {
@@ -11661,8 +11879,7 @@ class lm_head {
   }
 
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
-    if constexpr (!on_cpu) return backend_kernels<backend, lm_head_shape>::template workspace_bytes<S>(s);
-    return layout(s, threads).size();
+    return kernels::template workspace_bytes<S, A>(s, threads);
   }
   // FLOPs of one call: logits, dW and dxn products.
   static constexpr double flops(const lm_head_shape& s) noexcept {
@@ -11683,76 +11900,31 @@ class lm_head {
   static double loss_backward(const lm_head_shape& s, const weights& w, const S* x,
                               const std::int32_t* targets, double scale, S* dx,
                               const gradients& g, void* workspace, std::size_t workspace_size,
-                              executor& pool) {
+                              executor& ex) {
     detail::not_null(dx, "dx");
     detail::not_null(g.norm, "gradients.norm");
     detail::not_null(g.w, "gradients.w");
-    if constexpr (!on_cpu) {
-      check_inputs(s, w, x, targets);
-      return backend_kernels<backend, lm_head_shape>::template loss_backward<S, A>(
-          s, w.norm, w.w, x, targets, scale, dx, g.norm, g.w, workspace, workspace_size, pool);
-    } else {
-      return loss_backward_cpu(s, w, x, targets, scale, dx, g, workspace, workspace_size, pool);
-    }
+    check_inputs(s, w, x, targets);
+    detail::check_workspace(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    return kernels::template loss_backward<S, A>(s, w.norm, w.w, x, targets, scale, dx, g.norm,
+                                                 g.w, workspace, workspace_size, ex);
   }
 
   // The summed cross-entropy alone (evaluation): the same norm, chunks and row order as
   // loss_backward, so the same value to the bit, without a gradient; the same workspace.
   static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
-                     void* workspace, std::size_t workspace_size, executor& pool) {
-    if constexpr (!on_cpu) {
-      check_inputs(s, w, x, targets);
-      return backend_kernels<backend, lm_head_shape>::template loss<S, A>(
-          s, w.norm, w.w, x, targets, workspace, workspace_size, pool);
-    } else {
-      const auto nothing = [](auto&&...) {};
-      return chunked(s, w, x, targets, A(0), workspace, workspace_size, pool, nothing, nothing, nothing);
-    }
+                     void* workspace, std::size_t workspace_size, executor& ex) {
+    check_inputs(s, w, x, targets);
+    detail::check_workspace(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    return kernels::template loss<S, A>(s, w.norm, w.w, x, targets, workspace, workspace_size, ex);
   }
 
   // Every target in [0, V): a bad id would index outside the logits.
   static void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
-    for (std::size_t i = 0; i < n; ++i) {
-      if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
-        throw invalid_argument("targets[" + std::to_string(i) + "]",
-                               "a token id in [0, " + std::to_string(vocab) + ")",
-                               std::to_string(t[i]),
-                               "Encode the data with the model's vocabulary");
-      }
-    }
+    cpu::check_targets(t, n, vocab);
   }
 
  private:
-  static double loss_backward_cpu(const lm_head_shape& s, const weights& w, const S* x,
-                                  const std::int32_t* targets, double scale, S* dx,
-                                  const gradients& g, void* workspace, std::size_t workspace_size,
-                                  thread_pool& pool) {
-    const std::size_t N = s.rows, C = s.width, V = s.vocab;
-    A* dw = nullptr;
-    A* dxn = nullptr;
-    std::span<std::byte> scratch;
-    const auto start = [&](const auto& ws) {
-      scratch = gemm_scratch_of(ws, s, pool.size());
-      dw = cpu::accum_target(g.w, ws.template get<A>(w_dw));
-      if constexpr (widened) std::fill(dw, dw + V * C, A(0));
-      dxn = ws.template get<A>(w_dxn);
-    };
-    // Each chunk's logits, now its gradient, are consumed at once: dW += dlogitsᵀ·xn, dxn = dlogits·W.
-    const auto consume = [&](std::size_t r0, std::size_t r, const A* dlogits, const A* xa, const A* wa) {
-      cpu::matmul_at(pool, dlogits, xa + r0 * C, dw, r, V, C, true, cpu::ld3{V, C, C}, scratch);
-      cpu::matmul(pool, dlogits, wa, dxn + r0 * C, r, V, C, false, cpu::ld3{V, C, C}, scratch);
-    };
-    return chunked(s, w, x, targets, static_cast<A>(scale), workspace, workspace_size, pool, start, consume,
-                   [&](const auto& ws, S* xn, const A* rstd) {
-                     if constexpr (widened) cpu::add_grad(static_cast<const A*>(dw), V * C, g.w);
-                     S* dxn_s = xn;  // xn is no longer needed: dxn rounds into its slot
-                     cpu::narrow(static_cast<const A*>(dxn), N * C, dxn_s);
-                     cpu::rmsnorm_backward(pool, x, w.norm, rstd, static_cast<const S*>(dxn_s),
-                                           static_cast<const S*>(nullptr), dx, g.norm,
-                                           ws.template get<A>(w_partial), N, C);
-                   });
-  }
-
   // The shape and the pointers, on both backends (the targets' values on the CPU only: see the top).
   static void check_inputs(const lm_head_shape& s, const weights& w, const S* x,
                            const std::int32_t* targets) {
@@ -11761,66 +11933,6 @@ class lm_head {
     detail::not_null(w.w, "weights.w");
     detail::not_null(x, "x");
     detail::not_null(targets, "targets");
-  }
-
-  // The path both share: checks, the final RMSNorm, then for each chunk of rows its logits turned
-  // into cross-entropy and (times scale) its gradient in place, handed to consume(r0, r, dlogits,
-  // xa, wa); start(ws) runs before the chunks and finish(ws, xn, rstd) after them.
-  template <typename Start, typename Consume, typename Finish>
-  static double chunked(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
-                        A scale, void* workspace, std::size_t workspace_size, thread_pool& pool,
-                        Start&& start, Consume&& consume, Finish&& finish) {
-    check_inputs(s, w, x, targets);
-    check_targets(targets, s.rows, s.vocab);
-    const auto l = layout(s, pool.size());
-    const auto ws = detail::carve_named(l, l.size(), workspace, workspace_size, "workspace");
-    const std::span<std::byte> scratch = gemm_scratch_of(ws, s, pool.size());
-    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
-    S* xn = ws.template get<S>(w_xn);
-    A* rstd = ws.template get<A>(w_rstd);
-    cpu::rmsnorm_forward(pool, x, w.norm, xn, rstd, N, C, s.eps);
-    const A* xa = cpu::widen_or_alias(static_cast<const S*>(xn), N * C, ws.template get<A>(w_xa));
-    const A* wa = cpu::widen_or_alias(w.w, V * C, ws.template get<A>(w_wa));
-    start(ws);
-    A* logits = ws.template get<A>(w_logits);
-    double* row_loss = ws.template get<double>(w_rowloss);
-    double total = 0;
-    for (std::size_t r0 = 0; r0 < N; r0 += R) {
-      const std::size_t r = std::min(R, N - r0);
-      cpu::matmul_bt(pool, xa + r0 * C, wa, logits, r, C, V, false, cpu::ld3{C, C, V}, scratch);
-      total += cpu::cross_entropy_chunk(pool, logits, targets + r0, r, V, scale, row_loss);
-      consume(r0, r, static_cast<const A*>(logits), xa, wa);
-    }
-    finish(ws, xn, static_cast<const A*>(rstd));
-    return total;
-  }
-
-  enum slot : std::size_t { w_xn, w_rstd, w_xa, w_wa, w_dw, w_dxn, w_logits, w_rowloss, w_partial, w_gemm };
-  // Packing buffers of the three products per chunk (logits, dW, dxn), one set per thread.
-  static constexpr std::size_t gemm_bytes(const lm_head_shape& s, std::size_t threads) {
-    const std::size_t C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
-    return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(R, C, V),
-                               cpu::matmul_at_thread_scratch_bytes<A>(R, V, C),
-                               cpu::matmul_thread_scratch_bytes<A>(R, V, C)});
-  }
-  template <typename W>
-  static std::span<std::byte> gemm_scratch_of(const W& ws, const lm_head_shape& s, std::size_t threads) {
-    return {ws.template get<std::byte>(w_gemm), gemm_bytes(s, threads)};
-  }
-  static constexpr workspace_layout<10> layout(const lm_head_shape& s, std::size_t threads) {
-    const std::size_t N = s.rows, C = s.width, V = s.vocab, R = std::min(s.chunk, s.rows);
-    workspace_layout<10> l;
-    l.add(bytes_of<S>(N, C));
-    l.add(bytes_of<A>(N));
-    l.add(widened ? bytes_of<A>(N, C) : 0);
-    l.add(widened ? bytes_of<A>(V, C) : 0);
-    l.add(widened ? bytes_of<A>(V, C) : 0);
-    l.add(bytes_of<A>(N, C));
-    l.add(bytes_of<A>(R, V));
-    l.add(bytes_of<double>(R));
-    l.add(bytes_of<A>(cpu::row_partials(N, C)));
-    l.add(gemm_bytes(s, threads));
-    return l;
   }
 };
 
@@ -14411,12 +14523,6 @@ class model {
     (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
   }
 
-  // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
-  // schedules trade against memory.
-  template <typename B>
-  double block_flops(batch_shape b) const noexcept {
-    return flops_of<B>(cfg_, b);
-  }
   template <typename B>
   static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
     const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
@@ -14448,16 +14554,6 @@ class model {
     for (std::size_t k = 0; k < p.size(); ++k) {
       const param_entry& e = params_[first + k];
       p[k] = e.count == 0 ? nullptr : w + e.offset;
-    }
-    return p;
-  }
-  template <typename B>
-  typename B::grad_ptrs block_grads(S* g, std::size_t i) const {
-    typename B::grad_ptrs p{};
-    const std::size_t first = block_first_[i];
-    for (std::size_t k = 0; k < p.size(); ++k) {
-      const param_entry& e = params_[first + k];
-      p[k] = e.count == 0 ? nullptr : g + e.offset;
     }
     return p;
   }
@@ -14730,11 +14826,6 @@ class model {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {w + params_[head_first_].offset, w + params_[table].offset};
   }
-  typename head_type::gradients head_grads(S* g) const noexcept {
-    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
-    return {g + params_[head_first_].offset, g + params_[table].offset};
-  }
-
   template <typename Router>
   typename head_type::gradients routed_head_grads(Router& g) const {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
@@ -15104,12 +15195,6 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
   }
   return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
                  gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
-}
-
-template <typename Model>
-std::size_t persistent_bytes(const Model& m, const plan_options& o) {
-  const std::size_t w = m.weight_bytes();
-  return sat_add(w, w, optimizer_state_bytes(m, o));
 }
 
 // The plan of one training step of m: micro-batch b, schedule s.

@@ -148,4 +148,8 @@ class thread_pool {
   std::exception_ptr error_;
 };
 
+// How many per-thread scratch slices a layer's workspace holds for this executor: the pool's
+// threads. A device executor has its own overload (0: its workspace does not grow with them).
+inline std::size_t workspace_threads(const thread_pool& pool) noexcept { return pool.size(); }
+
 MEMBOUND_NAMESPACE_END

@@ -86,16 +86,6 @@ inline void nccl_cuda_check(cudaError_t e, const char* call) {
   (void)cudaGetLastError();
   throw backend_error(call, static_cast<int>(e), std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e));
 }
-inline void nccl_mpi_check(int code, const char* call) {
-  if (code != MPI_SUCCESS) throw communication_error(call, code, "the MPI bootstrap of NCCL failed");
-}
-
-template <typename T>
-constexpr ncclDataType_t nccl_type() noexcept {
-  if constexpr (std::is_same_v<T, float>) return ncclFloat32;
-  else return ncclFloat64;
-}
-
 // out[i] = parts[i] + parts[stride + i] + ... + parts[(ranks − 1)·stride + i], added in that order
 // (16-bit parts in fp32, rounded once: detail::ordered_sum's bits).
 template <typename T>

@@ -78,6 +78,15 @@ workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t nee
   return carve(layout, base, bytes);
 }
 
+// The backend carves the workspace; the front checks its size and base first (the typed
+// workspace_too_small naming "workspace") against the backend's own figure, so every backend
+// refuses the same arguments the same way.
+inline void check_workspace(std::size_t need, void* workspace, std::size_t workspace_size) {
+  workspace_layout<1> l;
+  l.add(need);
+  carve_named(l, need, workspace, workspace_size, "workspace");
+}
+
 }  // namespace detail
 
 MEMBOUND_NAMESPACE_END

@@ -510,12 +510,6 @@ class model {
     (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
   }
 
-  // FLOPs of one block's forward (its matrix products and its sequence mixing), the cost the
-  // schedules trade against memory.
-  template <typename B>
-  double block_flops(batch_shape b) const noexcept {
-    return flops_of<B>(cfg_, b);
-  }
   template <typename B>
   static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
     const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
@@ -547,16 +541,6 @@ class model {
     for (std::size_t k = 0; k < p.size(); ++k) {
       const param_entry& e = params_[first + k];
       p[k] = e.count == 0 ? nullptr : w + e.offset;
-    }
-    return p;
-  }
-  template <typename B>
-  typename B::grad_ptrs block_grads(S* g, std::size_t i) const {
-    typename B::grad_ptrs p{};
-    const std::size_t first = block_first_[i];
-    for (std::size_t k = 0; k < p.size(); ++k) {
-      const param_entry& e = params_[first + k];
-      p[k] = e.count == 0 ? nullptr : g + e.offset;
     }
     return p;
   }
@@ -829,11 +813,6 @@ class model {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {w + params_[head_first_].offset, w + params_[table].offset};
   }
-  typename head_type::gradients head_grads(S* g) const noexcept {
-    const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
-    return {g + params_[head_first_].offset, g + params_[table].offset};
-  }
-
   template <typename Router>
   typename head_type::gradients routed_head_grads(Router& g) const {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;

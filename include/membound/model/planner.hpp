@@ -343,12 +343,6 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
-template <typename Model>
-std::size_t persistent_bytes(const Model& m, const plan_options& o) {
-  const std::size_t w = m.weight_bytes();
-  return sat_add(w, w, optimizer_state_bytes(m, o));
-}
-
 // The plan of one training step of m: micro-batch b, schedule s.
 template <typename Model, typename Schedule>
 training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_options& o = {},

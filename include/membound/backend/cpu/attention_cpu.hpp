@@ -16,10 +16,15 @@
 #include <cstddef>
 #include <limits>
 
+#include <span>
+#include <type_traits>
+
+#include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
-#include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/parallel.hpp"
+#include "membound/memory/workspace.hpp"
+#include "membound/policy/backend.hpp"
 #include "membound/shape/attention_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -373,5 +378,359 @@ void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_
 }
 
 }  // namespace cpu
+
+// The attention layer on the host: the same calls as backend_kernels<cuda_backend,
+// attention_shape> (backend/cuda/attention_cuda.cuh), which the layer front makes without
+// knowing which backend runs them. The front has checked every argument and the workspace's
+// size; this carves the workspace (slots of disjoint lifetimes share bytes) and runs. Tiles sizes
+// the flash tiles; `threads` sizes the per-thread scratch (the pool's size).
+template <>
+struct backend_kernels<cpu_backend, attention_shape> {
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s, bool keep_qkv,
+                                                       std::size_t threads) noexcept {
+    const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
+                             q_bytes<A>(s), kv_bytes<A>(s),
+                             bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile, s.head_dim)),
+                             rope_bytes<A>(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, forward_pack_bytes<A, Tiles>(s))};
+    return fits(b) ? forward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+  }
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv,
+                                                        std::size_t threads) noexcept {
+    const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
+                             q_bytes<A>(s), kv_bytes<A>(s),
+                             bytes_of<A>(threads, cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
+                             bytes_of<A>(s.d_model, s.heads * s.head_dim),
+                             rope_bytes<A>(s.seq, s.head_dim),
+                             bytes_of<std::byte>(threads, backward_pack_bytes<A, Tiles>(s))};
+    return fits(b) ? backward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+  }
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) noexcept {
+    const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, max_len),
+                             bytes_of<A>(s.batch, s.heads, s.head_dim),
+                             bytes_of<std::byte>(threads, step_pack_bytes<A>(s))};
+    return fits(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
+  }
+
+  // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], A); q, k, v are the saved slots under
+  // save_all (non-null) or nullptr (then they live in the workspace).
+  template <typename S, typename A, typename Tiles>
+  static void forward(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
+                      const S* x, S* y, S* o_s, A* lse, A* q_saved, A* k_saved, A* v_saved,
+                      void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    constexpr std::size_t qt = Tiles::q_tile, kt = Tiles::kv_tile;
+    const bool keep = q_saved != nullptr;
+    const std::size_t threads = ex.size();
+    const auto ws = carve(forward_layout<S, A, Tiles>(s, keep, threads), workspace, workspace_size);
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim;
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(f_x));
+    const wptrs<A> wa = widen_weights(s, wq, wk, wv, wo, ws.template get<A>(f_w), ex);
+    A* q = keep ? q_saved : ws.template get<A>(f_q);
+    A* k = keep ? k_saved : ws.template get<A>(f_k);
+    A* v = keep ? v_saved : ws.template get<A>(f_v);
+    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm),
+                                  threads * forward_pack_bytes<A, Tiles>(s)};
+    A* table = ws.template get<A>(f_rope);
+    cpu::rope_table(ex, table, T, s.head_dim, s.rope_base, 0);
+    project_qkv(s, xa, wa, q, k, v, table, pk, ex);
+
+    A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
+    cpu::flash_forward(ex, s, qt, kt, q, k, v, o, lse, ws.template get<A>(f_scratch), pk.data());
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(o), N * HD, o_s);
+
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+    cpu::matmul(ex, static_cast<const A*>(o), wa.o, ya, N, HD, C, false, cpu::ld3{HD, C, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(ya), N * C, y);
+  }
+
+  template <typename S, typename A, typename Tiles>
+  static void backward(const attention_shape& s, const S* wq, const S* wk, const S* wv,
+                       const S* wo, const S* x, const S* o_s, const A* lse, A* q_saved,
+                       A* k_saved, A* v_saved, const S* dy, S* dx, S* gwq, S* gwk, S* gwv,
+                       S* gwo, void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    constexpr std::size_t qt = Tiles::q_tile, kt = Tiles::kv_tile;
+    const bool keep = q_saved != nullptr;
+    const std::size_t threads = ex.size();
+    const auto ws = carve(backward_layout<S, A, Tiles>(s, keep, threads), workspace, workspace_size);
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model, N = B * T;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+
+    // Phase 0: q, k, v (kept, or projected again); dO = dy·Woᵀ and Δ = rowsum(dO ⊙ O).
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(b_x));
+    const wptrs<A> wa = widen_weights(s, wq, wk, wv, wo, ws.template get<A>(b_w), ex);
+    A* q = keep ? q_saved : ws.template get<A>(b_q);
+    A* k = keep ? k_saved : ws.template get<A>(b_k);
+    A* v = keep ? v_saved : ws.template get<A>(b_v);
+    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm),
+                                  threads * backward_pack_bytes<A, Tiles>(s)};
+    A* table = ws.template get<A>(b_rope);
+    cpu::rope_table(ex, table, T, s.head_dim, s.rope_base, 0);
+    if (!keep) project_qkv(s, xa, wa, q, k, v, table, pk, ex);
+    const A* dya = cpu::widen_or_alias(ex, dy, N * C, ws.template get<A>(b_dy));
+    const A* o = cpu::widen_or_alias(ex, o_s, N * HD, ws.template get<A>(b_o));
+    A* d_out = ws.template get<A>(b_dout);
+    A* delta = ws.template get<A>(b_delta);
+    cpu::matmul_bt(ex, dya, wa.o, d_out, N, C, HD, false, cpu::ld3{C, C, HD}, pk);
+    cpu::row_dot(ex, s, static_cast<const A*>(d_out), o, delta);
+
+    // Phase 1: the tiled attention backward.
+    A* dq = ws.template get<A>(b_dq);
+    A* dk = ws.template get<A>(b_dk);
+    A* dv = ws.template get<A>(b_dv);
+    cpu::flash_backward(ex, s, qt, kt, static_cast<const A*>(q), static_cast<const A*>(k),
+                        static_cast<const A*>(v), static_cast<const A*>(d_out), lse,
+                        static_cast<const A*>(delta), dq, dk, dv, ws.template get<A>(b_scratch),
+                        pk.data());
+
+    // Phase 2: undo RoPE (its transpose) and the weight gradients.
+    cpu::rope_rows(ex, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
+    cpu::rope_rows(ex, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
+    A* tmp = ws.template get<A>(b_dw);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dq), gwq, tmp, N, C, HD, pk);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dk), gwk, tmp, N, C, KD, pk);
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dv), gwv, tmp, N, C, KD, pk);
+    cpu::weight_grad(ex, o, dya, gwo, tmp, N, HD, C, pk);
+
+    // Phase 3: dx = dq·Wqᵀ + dk·Wkᵀ + dv·Wvᵀ.
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+    cpu::matmul_bt(ex, static_cast<const A*>(dq), wa.q, dxa, N, HD, C, false,
+                   cpu::ld3{HD, HD, C}, pk);
+    cpu::matmul_bt(ex, static_cast<const A*>(dk), wa.k, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk);
+    cpu::matmul_bt(ex, static_cast<const A*>(dv), wa.v, dxa, N, KD, C, true,
+                   cpu::ld3{KD, KD, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(dxa), N * C, dx);
+  }
+
+  // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
+  // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
+  template <typename S, typename A, typename Tiles>
+  static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
+                   S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
+                   const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
+                   thread_pool& ex) {
+    const std::size_t L = max_len, threads = ex.size();
+    const auto ws = carve(step_layout<S, A>(s, L, threads), workspace, workspace_size);
+    const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
+    const std::size_t HD = s.heads * D, KD = Hkv * D, t = length;
+
+    const A* xa = cpu::widen_or_alias(ex, x_t, B * C, ws.template get<A>(st_x));
+    const wptrs<A> wa = widen_weights(s, wq, wk, wv, wo, ws.template get<A>(st_w), ex);
+    A* q = ws.template get<A>(st_q);
+    A* k = ws.template get<A>(st_k);
+    A* v = ws.template get<A>(st_v);
+    const std::span<std::byte> pk{ws.template get<std::byte>(st_gemm),
+                                  threads * step_pack_bytes<A>(s)};
+    A* table = ws.template get<A>(st_rope);
+    cpu::rope_table(ex, table, 1, D, s.rope_base, t);
+    cpu::matmul(ex, xa, wa.q, q, B, C, HD, false, cpu::ld3{C, HD, HD}, pk);
+    cpu::matmul(ex, xa, wa.k, k, B, C, KD, false, cpu::ld3{C, KD, KD}, pk);
+    cpu::matmul(ex, xa, wa.v, v, B, C, KD, false, cpu::ld3{C, KD, KD}, pk);
+    cpu::rope_rows(ex, q, B, 1, s.heads, D, static_cast<const A*>(table), false);
+    cpu::rope_rows(ex, k, B, 1, Hkv, D, static_cast<const A*>(table), false);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t g = 0; g < Hkv; ++g)
+        for (std::size_t d = 0; d < D; ++d) {
+          cache_keys[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
+          cache_values[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
+        }
+    A* o = ws.template get<A>(st_o);
+    cpu::attend_cache(ex, s, L, t + 1, static_cast<const A*>(q),
+                      static_cast<const S*>(cache_keys), static_cast<const S*>(cache_values), o,
+                      ws.template get<A>(st_scratch));
+    A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
+    cpu::matmul(ex, static_cast<const A*>(o), wa.o, ya, B, HD, C, false, cpu::ld3{HD, C, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(ya), B * C, y_t);
+  }
+
+ private:
+  static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
+  // bf16/fp16 storage: convert to A first (fp32/fp64 read the caller's buffers).
+  template <typename S, typename A>
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
+  template <std::size_t N>
+  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
+    for (std::size_t b : bytes)
+      if (b >= too_large / 32) return false;
+    return true;
+  }
+  template <typename A>
+  static constexpr std::size_t q_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.heads, s.head_dim);
+  }
+  template <typename A>
+  static constexpr std::size_t kv_bytes(const attention_shape& s) noexcept {
+    return bytes_of<A>(s.batch, s.seq, s.kv_heads, s.head_dim);
+  }
+  // An accumulator copy that only bf16/fp16 storage needs.
+  template <typename S, typename A>
+  static constexpr std::size_t acc_bytes(auto... extents) noexcept {
+    return widened<S, A> ? bytes_of<A>(extents...) : 0;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return acc_bytes<S, A>(s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model);
+  }
+  template <typename A>
+  static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {
+    return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
+  }
+
+  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
+  // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
+  template <typename A, typename Tiles>
+  static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, HD, C),
+                     cpu::flash_gemm_bytes<A>(Tiles::q_tile, Tiles::kv_tile, s.head_dim)});
+  }
+  template <typename A, typename Tiles>
+  static constexpr std::size_t backward_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t N = s.batch * s.seq, C = s.d_model, HD = s.heads * s.head_dim;
+    const std::size_t KD = s.kv_heads * s.head_dim;
+    return std::max({forward_pack_bytes<A, Tiles>(s), cpu::matmul_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(N, KD, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, HD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, KD),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, HD, C)});
+  }
+  template <typename A>
+  static constexpr std::size_t step_pack_bytes(const attention_shape& s) noexcept {
+    const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(s.batch, C, HD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, C, KD),
+                     cpu::matmul_thread_scratch_bytes<A>(s.batch, HD, C)});
+  }
+
+  // Phases: 0 projections, 1 tiled attention, 2 output projection. q, k, v live here only
+  // under recompute.
+  enum forward_slot : std::size_t {
+    f_x, f_w, f_q, f_k, f_v, f_scratch, f_o, f_y, f_rope, f_gemm
+  };
+  template <typename S, typename A, typename Tiles>
+  static constexpr workspace_layout<10> forward_layout(const attention_shape& s, bool keep_qkv,
+                                                       std::size_t threads) {
+    const std::size_t x_acc = acc_bytes<S, A>(s.batch, s.seq, s.d_model);
+    workspace_layout<10> l;
+    l.add(x_acc, default_alignment, {0, 0});
+    l.add(w_acc_bytes<S, A>(s), default_alignment, {0, 2});
+    l.add(keep_qkv ? 0 : q_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile, s.head_dim)),
+          default_alignment, {1, 1});
+    l.add(widened<S, A> ? q_bytes<A>(s) : 0, default_alignment, {1, 2});
+    l.add(x_acc, default_alignment, {2, 2});
+    l.add(rope_bytes<A>(s.seq, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, forward_pack_bytes<A, Tiles>(s)), default_alignment, {0, 2});
+    return l;
+  }
+
+  // Phases: 0 recompute q, k, v and dO, Δ; 1 tiled backward; 2 RoPE undo and weight gradients;
+  // 3 dx.
+  enum backward_slot : std::size_t {
+    b_x, b_w, b_q, b_k, b_v, b_dy, b_o, b_dout, b_delta, b_dq, b_dk, b_dv, b_scratch, b_dw, b_dx,
+    b_rope, b_gemm
+  };
+  template <typename S, typename A, typename Tiles>
+  static constexpr workspace_layout<18> backward_layout(const attention_shape& s, bool keep_qkv,
+                                                        std::size_t threads) {
+    const std::size_t x_acc = acc_bytes<S, A>(s.batch, s.seq, s.d_model);
+    workspace_layout<18> l;
+    l.add(x_acc, default_alignment, {0, 2});
+    l.add(w_acc_bytes<S, A>(s), default_alignment, {0, 3});
+    l.add(keep_qkv ? 0 : q_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(keep_qkv ? 0 : kv_bytes<A>(s), default_alignment, {0, 1});
+    l.add(x_acc, default_alignment, {0, 2});  // dy
+    l.add(widened<S, A> ? q_bytes<A>(s) : 0, default_alignment, {0, 2});  // O
+    l.add(q_bytes<A>(s), default_alignment, {0, 1});  // dO
+    l.add(bytes_of<A>(s.batch, s.heads, s.seq), default_alignment, {0, 1});  // Δ
+    l.add(q_bytes<A>(s), default_alignment, {1, 3});
+    l.add(kv_bytes<A>(s), default_alignment, {1, 3});
+    l.add(kv_bytes<A>(s), default_alignment, {1, 3});
+    l.add(bytes_of<A>(threads, cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
+          default_alignment, {1, 1});
+    // One weight gradient at a time, in A before the rounded +=; Hkv·D <= H·D.
+    l.add(acc_bytes<S, A>(s.d_model, s.heads * s.head_dim), default_alignment, {2, 2});
+    l.add(x_acc, default_alignment, {3, 3});  // dx
+    l.add(rope_bytes<A>(s.seq, s.head_dim), default_alignment, {0, 2});
+    l.add(bytes_of<std::byte>(threads, backward_pack_bytes<A, Tiles>(s)), default_alignment, {0, 3});
+    return l;
+  }
+
+  // Phases: 0 projections, 1 attention over the cache, 2 output projection.
+  enum step_slot : std::size_t {
+    st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
+  };
+  template <typename S, typename A>
+  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t threads) {
+    workspace_layout<10> l;
+    l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {0, 0});
+    l.add(w_acc_bytes<S, A>(s), default_alignment, {0, 2});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
+    l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
+    l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {2, 2});
+    l.add(rope_bytes<A>(1, s.head_dim), default_alignment, {0, 0});
+    l.add(bytes_of<std::byte>(threads, step_pack_bytes<A>(s)), default_alignment, {0, 2});
+    return l;
+  }
+
+  template <typename A>
+  struct wptrs {
+    const A *q, *k, *v, *o;
+  };
+  // q, k, v = x·Wq, x·Wk, x·Wv, with RoPE on q and k: forward computes them, backward recomputes
+  // them the same way (bit for bit, so P recomputed from the saved lse matches forward's).
+  template <typename A>
+  static void project_qkv(const attention_shape& s, const A* xa, const wptrs<A>& wa, A* q, A* k,
+                          A* v, const A* table, std::span<std::byte> packing, thread_pool& ex) {
+    const std::size_t N = s.batch * s.seq, C = s.d_model;
+    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+    cpu::matmul(ex, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
+    cpu::matmul(ex, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::matmul(ex, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
+    cpu::rope_rows(ex, q, N, s.seq, s.heads, s.head_dim, table, false);
+    cpu::rope_rows(ex, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
+  }
+
+  // The weights in A: the caller's own for fp32/fp64, converted copies in `slot` otherwise.
+  template <typename S, typename A>
+  static wptrs<A> widen_weights(const attention_shape& s, const S* wq, const S* wk, const S* wv,
+                                const S* wo, A* slot, thread_pool& ex) {
+    if constexpr (widened<S, A>) {
+      const std::size_t C = s.d_model, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+      A* q = slot;
+      A* k = q + C * HD;
+      A* v = k + C * KD;
+      A* o = v + C * KD;
+      cpu::widen(ex, wq, C * HD, q);
+      cpu::widen(ex, wk, C * KD, k);
+      cpu::widen(ex, wv, C * KD, v);
+      cpu::widen(ex, wo, HD * C, o);
+      return {q, k, v, o};
+    } else {
+      (void)s;
+      (void)slot;
+      (void)ex;
+      return {wq, wk, wv, wo};
+    }
+  }
+};
 
 MEMBOUND_NAMESPACE_END

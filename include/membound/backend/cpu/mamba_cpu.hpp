@@ -58,16 +58,9 @@ constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_sta
 template <typename A>
 using vec_map = Eigen::Map<Eigen::Array<A, Eigen::Dynamic, 1>>;
 template <typename A>
-using cvec_map = Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>;
-template <typename A>
 vec_map<A> vec(A* p, std::size_t n) {
   return vec_map<A>(p, static_cast<Eigen::Index>(n));
 }
-template <typename A>
-cvec_map<A> cvec(const A* p, std::size_t n) {
-  return cvec_map<A>(p, static_cast<Eigen::Index>(n));
-}
-
 template <typename A>
 A sigmoid(A v) {
   return A(1) / (A(1) + std::exp(-v));

@@ -62,18 +62,23 @@ constexpr std::size_t attention_smem_bytes(std::size_t D) noexcept {
 
 template <>
 struct backend_kernels<cuda_backend, attention_shape> {
-  // keep_qkv: the layer's save_all (q, k, v live in `saved`, not in the workspace).
-  template <typename S>
-  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s, bool keep_qkv) {
+  // keep_qkv: the layer's save_all (q, k, v live in `saved`, not in the workspace). The device's
+  // tiles are its own (below) and its workspace does not grow with the host's thread count: A,
+  // Tiles and `threads` are the host backend's and are ignored here.
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t forward_workspace_bytes(const attention_shape& s, bool keep_qkv,
+                                                       std::size_t /*threads*/) noexcept {
     return fits(s) ? forward_layout<S>(s, keep_qkv).size() : std::numeric_limits<std::size_t>::max();
   }
-  template <typename S>
-  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv) {
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv,
+                                                        std::size_t /*threads*/) noexcept {
     return fits(s) ? backward_layout<S>(s, keep_qkv).size()
                    : std::numeric_limits<std::size_t>::max();
   }
-  template <typename S>
-  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len) {
+  template <typename S, typename A, typename Tiles>
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+                                                    std::size_t /*threads*/) noexcept {
     return fits(s) && bytes_of<float>(s.batch, s.heads, max_len) != std::numeric_limits<std::size_t>::max()
                ? step_layout<S>(s, max_len).size()
                : std::numeric_limits<std::size_t>::max();
@@ -145,12 +150,12 @@ struct backend_kernels<cuda_backend, attention_shape> {
 #if MEMBOUND_CUDA_COMPILER
   // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], fp32); q, k, v are the saved slots under
   // save_all (non-null) or nullptr (then they live in the workspace).
-  template <typename S, typename A>
+  template <typename S, typename A, typename Tiles>
   static void forward(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
                       const S* x, S* y, S* o_s, float* lse, float* q_saved, float* k_saved,
                       float* v_saved, void* workspace, std::size_t workspace_size,
                       const cuda_executor& ex);
-  template <typename S, typename A>
+  template <typename S, typename A, typename Tiles>
   static void backward(const attention_shape& s, const S* wq, const S* wk, const S* wv,
                        const S* wo, const S* x, const S* o_s, const float* lse,
                        const float* q_saved, const float* k_saved, const float* v_saved,
@@ -158,25 +163,25 @@ struct backend_kernels<cuda_backend, attention_shape> {
                        std::size_t workspace_size, const cuda_executor& ex);
   // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
   // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
-  template <typename S, typename A>
+  template <typename S, typename A, typename Tiles>
   static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
                    S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
                    const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
                    const cuda_executor& ex);
 #else
-  template <typename S, typename A, typename... Args>
+  template <typename S, typename A, typename Tiles, typename... Args>
   static void forward(Args&&...) {
     static_assert(dependent_false<S, A>,
                   "membound: attention<..., cuda_backend>::forward launches CUDA kernels; compile "
                   "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
   }
-  template <typename S, typename A, typename... Args>
+  template <typename S, typename A, typename Tiles, typename... Args>
   static void backward(Args&&...) {
     static_assert(dependent_false<S, A>,
                   "membound: attention<..., cuda_backend>::backward launches CUDA kernels; compile "
                   "this translation unit with nvcc (a .cu file, or LANGUAGE CUDA in CMake).");
   }
-  template <typename S, typename A, typename... Args>
+  template <typename S, typename A, typename Tiles, typename... Args>
   static void step(Args&&...) {
     static_assert(dependent_false<S, A>,
                   "membound: attention<..., cuda_backend>::step launches CUDA kernels; compile "
@@ -768,7 +773,7 @@ void launch_backward(const cuda_executor& ex, const attention_shape& s, const fl
 }  // namespace detail
 }  // namespace gpu
 
-template <typename S, typename A>
+template <typename S, typename A, typename Tiles>
 void backend_kernels<cuda_backend, attention_shape>::forward(
     const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, const S* x,
     S* y, S* o_s, float* lse, float* q_saved, float* k_saved, float* v_saved, void* workspace,
@@ -811,7 +816,7 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::matmul(ctx, static_cast<const S*>(o_s), wo, y, N, HD, C, false);
 }
 
-template <typename S, typename A>
+template <typename S, typename A, typename Tiles>
 void backend_kernels<cuda_backend, attention_shape>::backward(
     const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, const S* x,
     const S* o_s, const float* lse, const float* q_saved, const float* k_saved,
@@ -907,7 +912,7 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   }
 }
 
-template <typename S, typename A>
+template <typename S, typename A, typename Tiles>
 void backend_kernels<cuda_backend, attention_shape>::step(
     const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, S* cache_keys,
     S* cache_values, std::size_t max_len, std::size_t length, const S* x_t, S* y_t,

@@ -74,9 +74,10 @@ void add_accumulated(const cuda_executor& ex, const float* acc, S* g, std::size_
 
 template <>
 struct backend_kernels<cuda_backend, lm_head_shape> {
-  // Exact: what loss_backward and loss carve (both take the same workspace).
-  template <typename S>
-  static constexpr std::size_t workspace_bytes(const lm_head_shape& s) {
+  // Exact: what loss_backward and loss carve (both take the same workspace). A and `threads` are
+  // the host backend's (the device computes in fp32 and sizes nothing per host thread).
+  template <typename S, typename A>
+  static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t /*threads*/) {
     return fits<S>(s) ? layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
 

@@ -32,12 +32,16 @@ MEMBOUND_NAMESPACE_BEGIN
 
 template <>
 struct backend_kernels<cuda_backend, mlp_shape> {
-  template <typename S>
-  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s) {
+  // A and `threads` are the host backend's (the device computes in fp32 and sizes nothing per
+  // host thread).
+  template <typename S, typename A>
+  static constexpr std::size_t forward_workspace_bytes(const mlp_shape& s,
+                                                       std::size_t /*threads*/) noexcept {
     return fits(s) ? forward_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  template <typename S>
-  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s) {
+  template <typename S, typename A>
+  static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
+                                                        std::size_t /*threads*/) noexcept {
     return fits(s) ? backward_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
 

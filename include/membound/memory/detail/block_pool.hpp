@@ -152,8 +152,6 @@ class block_pool {
     auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
     return it == live_.end() ? nullptr : it->second;
   }
-  std::size_t live_count() const noexcept { return live_.size(); }
-  std::size_t segment_count() const noexcept { return segments_.size(); }
   bool empty() const noexcept { return segments_.empty(); }
 
   // ---- segments ------------------------------------------------------------------------------
