@@ -859,7 +859,8 @@ class thread_pool {
 };
 
 // How many per-thread scratch slices a layer's workspace holds for this executor: the pool's
-// threads. A device executor has its own overload (0: its workspace does not grow with them).
+// threads. Every size function takes it; a device executor has its own overload (1: the device's
+// workspaces do not grow with it).
 inline std::size_t workspace_threads(const thread_pool& pool) noexcept { return pool.size(); }
 
 MEMBOUND_NAMESPACE_END
@@ -6045,8 +6046,8 @@ struct attention_shape {
 MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/attention_shape.hpp ----
 // ---- begin membound/shape/mamba_shape.hpp ----
-// The sizes of one Mamba block call, shared by the front end (layers/mamba.hpp) and the CPU
-// kernels (backend/cpu/mamba_cpu.hpp).
+// The sizes of one Mamba block call and the pointers it takes, shared by the front end
+// (layers/mamba.hpp) and both backends (backend/cpu/mamba_cpu.hpp, backend/cuda/mamba_cuda.cuh).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6072,11 +6073,49 @@ struct mamba_shape {
   }
 };
 
+// The parameters, in this order (W is [in, out], row-major: y = x·W).
+template <typename S>
+struct mamba_weights {
+  const S* in_proj;   // [C, 2·Di]   x half, then z half
+  const S* conv_w;    // [Di, K]     tap K−1 multiplies the current token
+  const S* conv_b;    // [Di]
+  const S* x_proj;    // [Di, R + 2·Ns]  dt_low, B, C
+  const S* dt_proj;   // [R, Di]
+  const S* dt_bias;   // [Di]
+  const S* a_log;     // [Di, Ns]    A = −exp(a_log)
+  const S* d;         // [Di]
+  const S* out_proj;  // [Di, C]
+};
+// Their gradients, accumulated (+=): the caller zeroes them.
+template <typename S>
+struct mamba_gradients {
+  S* in_proj;
+  S* conv_w;
+  S* conv_b;
+  S* x_proj;
+  S* dt_proj;
+  S* dt_bias;
+  S* a_log;
+  S* d;
+  S* out_proj;
+};
+// What forward keeps for backward, carved by the front: xz [N, 2·Di] and x_dbl [N, R + 2·Ns] in
+// storage, the chunk-entry scan states [B, chunks − 1, Di, Ns] in the accumulator type, and the
+// conv output and Δ [N, Di] under save_all (null otherwise).
+template <typename S, typename A>
+struct mamba_saved {
+  S* xz;
+  S* xdbl;
+  A* states;
+  S* c;
+  S* delta;
+};
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/mamba_shape.hpp ----
 // ---- begin membound/shape/ttt_shape.hpp ----
-// The sizes of one TTT layer call, shared by the front end (layers/ttt.hpp) and the backends'
-// kernels.
+// The sizes of one TTT layer call and the pointers it takes, shared by the front end
+// (layers/ttt.hpp) and both backends (backend/cpu/ttt_cpu.hpp, backend/cuda/ttt_cuda.cuh).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6089,6 +6128,45 @@ struct ttt_shape {
   double base_lr = 1.0;
   double rope_base = 10000.0;
   constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
+};
+
+// The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
+// W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
+constexpr std::size_t ttt_hidden(const ttt_shape& s, bool mlp) noexcept {
+  return mlp ? 4 * s.head_dim() : s.head_dim();
+}
+constexpr std::size_t ttt_inner_elements(const ttt_shape& s, bool mlp) noexcept {
+  const std::size_t D = s.head_dim(), F = ttt_hidden(s, mlp);
+  return mlp ? 2 * D * F + F + D : D * D + D;
+}
+
+// The parameters (all [in, out], row-major: y = x·W).
+template <typename S>
+struct ttt_weights {
+  const S* wq;         // [C, C]
+  const S* wk;         // [C, C]
+  const S* wv;         // [C, C]
+  const S* ttt_norm_w; // [H, D]   the inner LayerNorm's scale
+  const S* ttt_norm_b; // [H, D]   and shift
+  const S* w1;         // [H, D, F] the inner W1 at the start of the sequence
+  const S* b1;         // [H, F]
+  const S* lr_w;       // [H, C]   learning-rate gate
+  const S* lr_b;       // [H]
+  const S* tok_offset; // [b]      learnable offset of the token scales 1/(i+1)
+  const S* post_w;     // [C]      post LayerNorm
+  const S* post_b;     // [C]
+  const S* wg;         // [C, C]   the gate (read only when shape.use_gate)
+  const S* wo;         // [C, C]
+  const S* w2 = nullptr;  // [H, F, D] TTT-MLP only
+  const S* b2 = nullptr;  // [H, D]    TTT-MLP only
+};
+// Their gradients, accumulated (+=); wg only when shape.use_gate, w2 and b2 only for TTT-MLP.
+template <typename S>
+struct ttt_gradients {
+  S *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
+      *post_b, *wg, *wo;
+  S* w2 = nullptr;
+  S* b2 = nullptr;
 };
 
 MEMBOUND_NAMESPACE_END
@@ -8392,6 +8470,600 @@ void reduce_bc(thread_pool& pool, const mamba_shape& s, const A* part, A* dxdbl)
 
 }  // namespace cpu
 
+// The Mamba block on the host: the same calls as backend_kernels<cuda_backend, mamba_shape>
+// (backend/cuda/mamba_cuda.cuh), which layers/mamba.hpp makes without knowing which backend runs
+// them. L is the layer's scan_chunk; `keep` its save_all (then c and Δ live in `saved`, and
+// saved.c is not null). The front has checked every argument and the workspace's size; this
+// carves the workspace and runs, in the accumulator type A (bf16/fp16 storage is widened into
+// workspace slots first).
+template <>
+struct backend_kernels<cpu_backend, mamba_shape> {
+  template <typename S, typename A>
+  static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s, std::size_t /*L*/,
+                                                       bool /*keep*/, std::size_t threads) noexcept {
+    using P = pass<S, A>;
+    const std::size_t b[] = {P::w_acc_bytes(s), P::xz_acc_bytes(s), P::inner_bytes(s),
+                             P::xdbl_acc_bytes(s),
+                             bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)),
+                             P::forward_gemm_bytes(s, threads)};
+    return fits(b) ? P::forward_layout(s, threads).size() : too_large;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s, std::size_t L,
+                                                        bool keep, std::size_t threads) noexcept {
+    using P = pass<S, A>;
+    const std::size_t b[] = {P::w_acc_bytes(s), P::xz_acc_bytes(s), P::inner_bytes(s),
+                             P::part_bytes(s),
+                             bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
+                                                                             s.d_state)),
+                             P::backward_gemm_bytes(s, threads)};
+    return fits(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
+    return pass<S, A>::step_layout(s).size();
+  }
+
+  template <typename S, typename A>
+  static void forward(const mamba_shape& s, std::size_t L, const mamba_weights<S>& w, const S* x,
+                      S* out, const mamba_saved<S, A>& sv, void* workspace,
+                      std::size_t workspace_size, thread_pool& ex) {
+    pass<S, A>::forward(s, L, w, x, out, sv, workspace, workspace_size, ex);
+  }
+  template <typename S, typename A>
+  static void backward(const mamba_shape& s, std::size_t L, const mamba_weights<S>& w, const S* x,
+                       const mamba_saved<S, A>& sv, const S* dout, S* dx,
+                       const mamba_gradients<S>& g, void* workspace, std::size_t workspace_size,
+                       thread_pool& ex) {
+    pass<S, A>::backward(s, L, w, x, sv, dout, dx, g, workspace, workspace_size, ex);
+  }
+  template <typename S, typename A>
+  static void step(const mamba_shape& s, const mamba_weights<S>& w, A* state, const S* x_t,
+                   S* out_t, void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    pass<S, A>::step(s, w, state, x_t, out_t, workspace, workspace_size, ex);
+  }
+  // Zeroes the decoding state: the host writes it at once (the device's overload takes its stream).
+  static void reset_state(void* state, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memset(state, 0, bytes);
+  }
+  static void reset_state(void* state, std::size_t bytes, thread_pool&) noexcept {
+    reset_state(state, bytes);
+  }
+
+ private:
+  static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
+  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
+  template <std::size_t N>
+  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
+    for (std::size_t b : bytes)
+      if (b >= too_large / 32) return false;
+    return true;
+  }
+
+  // One precision's passes: S storage, A accumulation.
+  template <typename S, typename A>
+  struct pass {
+    static constexpr bool widened = !std::is_same_v<S, A>;
+
+    static void forward(const mamba_shape& s, std::size_t L, const mamba_weights<S>& w, const S* x,
+                        S* out, const mamba_saved<S, A>& sv, void* workspace,
+                        std::size_t workspace_size, thread_pool& ex) {
+      const std::size_t threads = ex.size();
+      const auto ws = carve(forward_layout(s, threads), workspace, workspace_size);
+      const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), forward_gemm_bytes(s, threads)};
+      const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner;
+      const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+      const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
+      const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
+      A* const a_neg = ws.template get<A>(f_a);
+      negexp(wa.a_log, Di * Ns, a_neg);
+
+      // Phase 0: xz = x·in_proj, stored (rounded) and used as stored.
+      S* xz_s = sv.xz;
+      A* xz = cpu::accum_target(xz_s, ws.template get<A>(f_xz));
+      cpu::matmul(ex, xa, wa.in_proj, xz, N, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs);
+      store(ex, xz, N * 2 * Di, xz_s);
+      // c = conv(xi) + b, then u = SiLU(c) in place.
+      A* u = ws.template get<A>(f_u);
+      conv_forward(ex, s, xz, wa, u, sv.c);
+      cpu::for_rows(ex, N, [&](std::size_t n) { silu_row(u + n * Di, Di); });
+
+      // Phase 1: x_dbl = u·x_proj (stored), Δ = softplus(dt_low·dt_proj + dt_bias).
+      S* xdbl_s = sv.xdbl;
+      A* xdbl = cpu::accum_target(xdbl_s, ws.template get<A>(f_xdbl));
+      cpu::matmul(ex, static_cast<const A*>(u), wa.x_proj, xdbl, N, Di, ldx, false,
+                  cpu::ld3{Di, ldx, ldx}, gs);
+      store(ex, xdbl, N * ldx, xdbl_s);
+      A* delta = ws.template get<A>(f_delta);
+      delta_forward(ex, s, xdbl, wa, delta, sv.delta,
+                    gs);
+
+      // Phase 2: the scan, keeping the chunk-entry states; then the gate, in place.
+      A* y = ws.template get<A>(f_y);
+      cpu::scan_forward(ex, s, L, static_cast<const A*>(u), static_cast<const A*>(delta),
+                        static_cast<const A*>(xdbl), static_cast<const A*>(a_neg), wa.d, y,
+                        sv.states, ws.template get<A>(f_scratch));
+      cpu::for_rows(ex, N, [&](std::size_t n) { gate_row(y + n * Di, xz + n * 2 * Di + Di, Di); });
+
+      // Phase 3: out = g·out_proj.
+      A* oa = cpu::accum_target(out, ws.template get<A>(f_out));
+      cpu::matmul(ex, static_cast<const A*>(y), wa.out_proj, oa, N, Di, C, false,
+                  cpu::ld3{Di, C, C}, gs);
+      if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), N * C, out);
+    }
+
+    static void backward(const mamba_shape& s, std::size_t L, const mamba_weights<S>& w, const S* x,
+                         const mamba_saved<S, A>& sv, const S* dout, S* dx,
+                         const mamba_gradients<S>& g, void* workspace, std::size_t workspace_size,
+                         thread_pool& ex) {
+      const std::size_t threads = ex.size();
+      const bool keep = sv.c != nullptr;
+      const auto ws = carve(backward_layout(s, L, keep, threads), workspace, workspace_size);
+      const std::span<std::byte> gs{ws.template get<std::byte>(b_gemm), backward_gemm_bytes(s, threads)};
+      const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner, K = s.d_conv;
+      const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+      const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
+      A* const a_neg = ws.template get<A>(b_a);
+      negexp(wa.a_log, Di * Ns, a_neg);
+
+      // Phase 0: the forward's values, as stored (or recomputed from what is stored).
+      const A* xz = cpu::widen_or_alias(static_cast<const S*>(sv.xz), N * 2 * Di,
+                                   ws.template get<A>(b_xz));
+      const A* xdbl = cpu::widen_or_alias(static_cast<const S*>(sv.xdbl), N * ldx,
+                                     ws.template get<A>(b_xdbl));
+      const A* c;
+      const A* delta;
+      if (keep) {
+        c = cpu::widen_or_alias(static_cast<const S*>(sv.c), N * Di,
+                           ws.template get<A>(b_c));
+        delta = cpu::widen_or_alias(static_cast<const S*>(sv.delta), N * Di,
+                               ws.template get<A>(b_delta));
+      } else {
+        A* cw = ws.template get<A>(b_c);
+        conv_forward(ex, s, xz, wa, cw, nullptr);
+        A* dw = ws.template get<A>(b_delta);
+        delta_forward(ex, s, xdbl, wa, dw, nullptr, gs);
+        c = cw;
+        delta = dw;
+      }
+      A* u = ws.template get<A>(b_u);
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        const A* cn = c + n * Di;
+        A* un = u + n * Di;
+        for (std::size_t i = 0; i < Di; ++i) un[i] = cpu::vmath::silu(cn[i]);
+      });
+      // dg = dout·out_projᵀ; the scan's output gradient dy = dg ⊙ SiLU(z).
+      const A* dya = cpu::widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
+      A* dg = ws.template get<A>(b_dg);
+      cpu::matmul_bt(ex, dya, wa.out_proj, dg, N, C, Di, false, cpu::ld3{C, C, Di}, gs);
+      A* dys = ws.template get<A>(b_dys);
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        const A* z = xz + n * 2 * Di + Di;
+        const A* dgn = dg + n * Di;
+        A* dyn = dys + n * Di;
+        for (std::size_t i = 0; i < Di; ++i) dyn[i] = dgn[i] * cpu::vmath::silu(z[i]);
+      });
+
+      // Phase 1: the reverse scan.
+      A* y = ws.template get<A>(b_y);
+      A* du = ws.template get<A>(b_du);
+      A* ddelta = ws.template get<A>(b_ddelta);
+      A* small = ws.template get<A>(b_small);
+      A* da = small;                  // [Di, Ns] w.r.t. A
+      A* dd = da + Di * Ns;           // [Di]
+      A* dconv_w = dd + Di;           // [Di, K]
+      A* dconv_b = dconv_w + Di * K;  // [Di]
+      A* ddt_bias = dconv_b + Di;     // [Di]
+      A* dxdbl = ws.template get<A>(b_dxdbl);
+      cpu::scan_backward(ex, s, L, static_cast<const A*>(u), delta, xdbl,
+                         static_cast<const A*>(a_neg), wa.d, sv.states,
+                         static_cast<const A*>(dys), y, du, ddelta, da, dd,
+                         ws.template get<A>(b_part), ws.template get<A>(b_scratch));
+      cpu::reduce_bc(ex, s, static_cast<const A*>(ws.template get<A>(b_part)), dxdbl);
+
+      // Phase 2: dz = dg ⊙ y ⊙ SiLU'(z) into dxz's z half; g = y ⊙ SiLU(z); dout_proj = gᵀ·dout.
+      A* dxz = ws.template get<A>(b_dxz);
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        const A* z = xz + n * 2 * Di + Di;
+        A* dz = dxz + n * 2 * Di + Di;
+        const A* dgn = dg + n * Di;
+        A* yn = y + n * Di;
+        for (std::size_t i = 0; i < Di; ++i) {
+          const A sg = cpu::vmath::sigmoid(z[i]);  // SiLU = z·σ, SiLU' = σ·(1 + z·(1 − σ))
+          dz[i] = dgn[i] * yn[i] * (sg * (A(1) + z[i] * (A(1) - sg)));
+          yn[i] *= z[i] * sg;
+        }
+      });
+      A* tmp = ws.template get<A>(b_wtmp);
+      weight_grad(ex, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C, gs);
+
+      // Phase 3: dt = dt_low·dt_proj + dt_bias went through softplus, whose derivative σ(dt) is
+      // 1 − exp(−Δ) = −expm1(−Δ): the gradient follows from Δ alone, as stored.
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        for (std::size_t i = 0; i < Di; ++i)
+          ddelta[n * Di + i] *= -std::expm1(-delta[n * Di + i]);
+      });
+      column_sums(ex, static_cast<const A*>(ddelta), N, Di, ddt_bias);
+      if constexpr (widened) {
+        cpu::matmul_at(ex, xdbl, static_cast<const A*>(ddelta), tmp, N, R, Di, false,
+                       cpu::ld3{ldx, Di, Di}, gs);
+        cpu::narrow_add(static_cast<const A*>(tmp), R * Di, g.dt_proj);
+      } else {
+        cpu::matmul_at(ex, xdbl, static_cast<const A*>(ddelta), g.dt_proj, N, R, Di, true,
+                       cpu::ld3{ldx, Di, Di}, gs);
+      }
+      cpu::matmul_bt(ex, static_cast<const A*>(ddelta), wa.dt_proj, dxdbl, N, Di, R, false,
+                     cpu::ld3{Di, Di, ldx}, gs);
+
+      // Phase 4: x_proj's gradients; dc = du ⊙ SiLU'(c); the convolution's transpose.
+      weight_grad(ex, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N, Di,
+                  ldx, gs);
+      cpu::matmul_bt(ex, static_cast<const A*>(dxdbl), wa.x_proj, du, N, ldx, Di, true,
+                     cpu::ld3{ldx, ldx, Di}, gs);
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        const A* cn = c + n * Di;
+        A* dun = du + n * Di;
+        for (std::size_t i = 0; i < Di; ++i) dun[i] *= cpu::vmath::silu_grad(cn[i]);
+      });
+      cpu::causal_conv_backward(ex, s, xz, 2 * Di, wa.conv_w, static_cast<const A*>(du), dxz,
+                                2 * Di, dconv_w, dconv_b);
+
+      // Phase 5: in_proj's gradients and dx = dxz·in_projᵀ.
+      const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
+      weight_grad(ex, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di, gs);
+      A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+      cpu::matmul_bt(ex, static_cast<const A*>(dxz), wa.in_proj, dxa, N, 2 * Di, C, false,
+                     cpu::ld3{2 * Di, 2 * Di, C}, gs);
+      if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+
+      // The small parameters, each rounded once into its gradient. dA_log = dA ⊙ A.
+      for (std::size_t j = 0; j < Di * Ns; ++j) da[j] *= a_neg[j];
+      cpu::add_grad(da, Di * Ns, g.a_log);
+      cpu::add_grad(dd, Di, g.d);
+      cpu::add_grad(dconv_w, Di * K, g.conv_w);
+      cpu::add_grad(dconv_b, Di, g.conv_b);
+      cpu::add_grad(ddt_bias, Di, g.dt_bias);
+    }
+
+    static void step(const mamba_shape& s, const mamba_weights<S>& w, A* state, const S* x_t,
+                     S* out_t, void* workspace, std::size_t workspace_size, thread_pool& ex) {
+      const auto ws = carve(step_layout(s), workspace, workspace_size);
+      const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;
+      const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
+      const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
+      A* a_neg = ws.template get<A>(st_a);
+      negexp(wa.a_log, Di * Ns, a_neg);
+      const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
+      A* xz = ws.template get<A>(st_xz);
+      // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256, none
+      // for B = 1).
+      const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
+      constexpr auto per_task = cpu::scratch_slots::per_task;
+      cpu::matmul(ex, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,
+                  per_task);
+      cpu::round_through<S>(xz, B * 2 * Di);
+      A* conv_state = state;                        // [B, Di, K − 1]
+      A* ssm_state = conv_state + B * Di * (K - 1);   // [B, Di, Ns]
+      A* u = ws.template get<A>(st_u);
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t i = 0; i < Di; ++i) {
+          A* cs = conv_state + (b * Di + i) * (K - 1);
+          const A xi = xz[b * 2 * Di + i];
+          A c = wa.conv_b[i];
+          for (std::size_t k = 0; k + 1 < K; ++k) c += wa.conv_w[i * K + k] * cs[k];
+          c += wa.conv_w[i * K + K - 1] * xi;
+          if (K > 1) {
+            std::copy(cs + 1, cs + (K - 1), cs);
+            cs[K - 2] = xi;
+          }
+          u[b * Di + i] = c;
+        }
+      cpu::round_through<S>(u, B * Di);
+      for (std::size_t b = 0; b < B; ++b) silu_row(u + b * Di, Di);
+      A* xdbl = ws.template get<A>(st_xdbl);
+      cpu::matmul(ex, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false,
+                  cpu::ld3{Di, ldx, ldx}, gs, per_task);
+      cpu::round_through<S>(xdbl, B * ldx);
+      A* delta = ws.template get<A>(st_delta);
+      cpu::matmul(ex, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
+                  cpu::ld3{ldx, Di, Di}, gs, per_task);
+      for (std::size_t b = 0; b < B; ++b) softplus_row(delta + b * Di, wa.dt_bias, Di);
+      cpu::round_through<S>(delta, B * Di);
+      // The scan through the forward's own group kernel: the carried state [Di, Ns] is transposed
+      // to the kernel's [Ns][lanes] and back, lanes past Di padded with zeros.
+      A* y = ws.template get<A>(st_y);
+      constexpr std::size_t W = cpu::scan_lanes<A>;
+      A* hg = ws.template get<A>(st_scan);
+      A* at = hg + Ns * W;
+      A* pad = at + Ns * W;
+      for (std::size_t b = 0; b < B; ++b) {
+        const A* bt = xdbl + b * ldx + R;
+        A* hb = ssm_state + b * Di * Ns;
+        for (std::size_t ch = 0; ch < Di; ch += W) {
+          const std::size_t nw = std::min(W, Di - ch);
+          cpu::transpose_in(static_cast<const A*>(a_neg), ch, nw, Ns, at);
+          cpu::transpose_in(static_cast<const A*>(hb), ch, nw, Ns, hg);
+          A* yo = nw == W ? y + b * Di + ch : pad + 3 * W;
+          cpu::scan_group_step(hg, static_cast<const A*>(at),
+                               cpu::lanes_of(static_cast<const A*>(delta) + b * Di + ch, nw, pad),
+                               cpu::lanes_of(static_cast<const A*>(u) + b * Di + ch, nw, pad + W),
+                               cpu::lanes_of(wa.d + ch, nw, pad + 2 * W), bt, bt + Ns, Ns, yo);
+          if (nw != W) std::copy(yo, yo + nw, y + b * Di + ch);
+          cpu::transpose_out(static_cast<const A*>(hg), nw, Ns, hb + ch * Ns);
+        }
+        gate_row(y + b * Di, xz + b * 2 * Di + Di, Di);
+      }
+      A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
+      cpu::matmul(ex, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false,
+                  cpu::ld3{Di, C, C}, gs, per_task);
+      if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
+    }
+
+    // ---- Sizes ---------------------------------------------------------------------------------
+    static constexpr std::size_t rows(const mamba_shape& s) noexcept { return s.batch * s.seq; }
+    static constexpr std::size_t inner_bytes(const mamba_shape& s) noexcept {  // [N, Di] in A
+      return bytes_of<A>(rows(s), s.d_inner);
+    }
+    static constexpr std::size_t w_acc_bytes(const mamba_shape& s) noexcept {
+      const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+      return widened ? bytes_of<A>(C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di +
+                                   Di * Ns + Di + Di * C)
+                     : 0;
+    }
+    static constexpr std::size_t xz_acc_bytes(const mamba_shape& s) noexcept {
+      return widened ? bytes_of<A>(rows(s), 2 * s.d_inner) : 0;
+    }
+    static constexpr std::size_t xdbl_acc_bytes(const mamba_shape& s) noexcept {
+      return widened ? bytes_of<A>(rows(s), s.dt_rank + 2 * s.d_state) : 0;
+    }
+    static constexpr std::size_t io_acc_bytes(const mamba_shape& s) noexcept {  // x, out, dout, dx
+      return widened ? bytes_of<A>(rows(s), s.d_model) : 0;
+    }
+    static constexpr std::size_t part_bytes(const mamba_shape& s) noexcept {
+      return bytes_of<A>(blocks_of_channels(s), rows(s), 2 * s.d_state);
+    }
+    static constexpr std::size_t blocks_of_channels(const mamba_shape& s) noexcept {
+      return cpu::blocks(s.d_inner, cpu::scan_channels);
+    }
+    // A conv output / Δ that backward reads straight from `saved` needs no workspace copy.
+    static constexpr std::size_t recomputed_inner_bytes(const mamba_shape& s, bool keep) noexcept {
+      return keep && !widened ? 0 : inner_bytes(s);
+    }
+    static constexpr std::size_t wtmp_bytes(const mamba_shape& s) noexcept {
+      if (!widened) return 0;
+      const std::size_t C = s.d_model, Di = s.d_inner, R = s.dt_rank, Ns = s.d_state;
+      return bytes_of<A>(std::max({C * 2 * Di, Di * (R + 2 * Ns), R * Di, Di * C}));
+    }
+
+    // Packing buffers of the projections (one set per thread, sized for the largest product of the
+    // pass; cpu::matmul's tasks each use their thread's slice).
+    static constexpr std::size_t forward_gemm_bytes(const mamba_shape& s, std::size_t threads) noexcept {
+      const std::size_t N = rows(s), C = s.d_model, Di = s.d_inner, R = s.dt_rank;
+      const std::size_t ldx = R + 2 * s.d_state;
+      return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, 2 * Di),
+                                 cpu::matmul_thread_scratch_bytes<A>(N, Di, ldx),
+                                 cpu::matmul_thread_scratch_bytes<A>(N, R, Di),
+                                 cpu::matmul_thread_scratch_bytes<A>(N, Di, C)});
+    }
+    static constexpr std::size_t backward_gemm_bytes(const mamba_shape& s, std::size_t threads) noexcept {
+      const std::size_t N = rows(s), C = s.d_model, Di = s.d_inner, R = s.dt_rank;
+      const std::size_t ldx = R + 2 * s.d_state;
+      return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(N, R, Di),       // Δ (recompute)
+                                 cpu::matmul_thread_scratch_bytes<A>(N, C, Di),       // dg
+                                 cpu::matmul_at_thread_scratch_bytes<A>(N, Di, C),    // d out_proj
+                                 cpu::matmul_at_thread_scratch_bytes<A>(N, R, Di),    // d dt_proj
+                                 cpu::matmul_thread_scratch_bytes<A>(N, Di, R),       // d dt_low
+                                 cpu::matmul_at_thread_scratch_bytes<A>(N, Di, ldx),  // d x_proj
+                                 cpu::matmul_thread_scratch_bytes<A>(N, ldx, Di),     // du
+                                 cpu::matmul_at_thread_scratch_bytes<A>(N, C, 2 * Di),  // d in_proj
+                                 cpu::matmul_thread_scratch_bytes<A>(N, 2 * Di, C)});   // dx
+    }
+
+    // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
+    // takes no thread count; cpu::scratch_slots::per_task), none for B = 1 (GEMVs).
+    static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
+      const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
+      const std::size_t ldx = R + 2 * s.d_state;
+      return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, 2 * Di),
+                       cpu::matmul_task_scratch_bytes<A>(B, Di, ldx),
+                       cpu::matmul_task_scratch_bytes<A>(B, R, Di),
+                       cpu::matmul_task_scratch_bytes<A>(B, Di, C)});
+    }
+
+    // Phases: 0 in_proj and conv, 1 x_proj and Δ, 2 scan and gate, 3 out_proj.
+    enum forward_slot : std::size_t {
+      f_w, f_a, f_x, f_xz, f_u, f_xdbl, f_delta, f_y, f_scratch, f_out, f_gemm
+    };
+    static constexpr workspace_layout<11> forward_layout(const mamba_shape& s, std::size_t threads) {
+      workspace_layout<11> l;
+      l.add(w_acc_bytes(s), default_alignment, {0, 3});
+      l.add(bytes_of<A>(s.d_inner, s.d_state), default_alignment, {0, 3});
+      l.add(io_acc_bytes(s), default_alignment, {0, 0});
+      l.add(xz_acc_bytes(s), default_alignment, {0, 2});
+      l.add(inner_bytes(s), default_alignment, {0, 2});
+      l.add(xdbl_acc_bytes(s), default_alignment, {1, 2});
+      l.add(inner_bytes(s), default_alignment, {1, 2});
+      l.add(inner_bytes(s), default_alignment, {2, 3});
+      l.add(bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)), default_alignment, {2, 2});
+      l.add(io_acc_bytes(s), default_alignment, {3, 3});
+      l.add(forward_gemm_bytes(s, threads), default_alignment, {0, 3});
+      return l;
+    }
+
+    // Phases: 0 forward values, dg and the scan's dy; 1 reverse scan; 2 gate and out_proj grads;
+    // 3 Δ's projection grads; 4 x_proj and conv grads; 5 in_proj grads and dx.
+    enum backward_slot : std::size_t {
+      b_w, b_a, b_xz, b_xdbl, b_c, b_delta, b_u, b_dout, b_dg, b_dys, b_y, b_du, b_ddelta,
+      b_small, b_part, b_scratch, b_dxdbl, b_dxz, b_wtmp, b_x, b_dx, b_gemm
+    };
+    static constexpr workspace_layout<22> backward_layout(const mamba_shape& s, std::size_t L,
+                                                          bool keep, std::size_t threads) {
+      const std::size_t Di = s.d_inner, Ns = s.d_state;
+      workspace_layout<22> l;
+      l.add(w_acc_bytes(s), default_alignment, {0, 5});
+      l.add(bytes_of<A>(Di, Ns), default_alignment, {0, 5});
+      l.add(xz_acc_bytes(s), default_alignment, {0, 4});
+      l.add(xdbl_acc_bytes(s), default_alignment, {0, 3});
+      l.add(recomputed_inner_bytes(s, keep), default_alignment, {0, 4});  // c
+      l.add(recomputed_inner_bytes(s, keep), default_alignment, {0, 3});  // Δ
+      l.add(inner_bytes(s), default_alignment, {0, 4});             // u
+      l.add(io_acc_bytes(s), default_alignment, {0, 2});            // dout
+      l.add(inner_bytes(s), default_alignment, {0, 2});             // dg
+      l.add(inner_bytes(s), default_alignment, {0, 1});             // the scan's dy
+      l.add(inner_bytes(s), default_alignment, {1, 2});             // y, then g
+      l.add(inner_bytes(s), default_alignment, {1, 4});             // du, then dc
+      l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
+      l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
+      l.add(part_bytes(s), default_alignment, {1, 1});
+      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns)),
+            default_alignment, {1, 1});
+      l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
+      l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});
+      l.add(wtmp_bytes(s), default_alignment, {2, 5});
+      l.add(io_acc_bytes(s), default_alignment, {5, 5});  // x
+      l.add(io_acc_bytes(s), default_alignment, {5, 5});  // dx
+      // Every phase but the reverse scan runs a projection; phase 1 could share these bytes, but
+      // the scan's part/scratch are the larger and a {0, 5} slot keeps the layout simple.
+      l.add(backward_gemm_bytes(s, threads), default_alignment, {0, 5});
+      return l;
+    }
+
+    enum step_slot : std::size_t {
+      st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan, st_gemm
+    };
+    static constexpr workspace_layout<11> step_layout(const mamba_shape& s) {
+      const std::size_t B = s.batch, Di = s.d_inner;
+      workspace_layout<11> l;
+      l.add(w_acc_bytes(s));
+      l.add(bytes_of<A>(Di, s.d_state));
+      l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
+      l.add(bytes_of<A>(B, 2 * Di));
+      l.add(bytes_of<A>(B, Di));
+      l.add(bytes_of<A>(B, s.dt_rank + 2 * s.d_state));
+      l.add(bytes_of<A>(B, Di));
+      l.add(bytes_of<A>(B, Di));
+      l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
+      // One scan group's state and A ([Ns][lanes] each) and its padded rows.
+      l.add(bytes_of<A>(2 * s.d_state + 4, cpu::scan_lanes<A>));
+      l.add(step_gemm_bytes(s));
+      return l;
+    }
+
+    struct wptrs {
+      const A *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
+    };
+    static wptrs widen_weights(const mamba_weights<S>& w, const mamba_shape& s, A* slot) {
+      if constexpr (widened) {
+        const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+        A* p = slot;
+        const auto take = [&](const S* src, std::size_t n) {
+          cpu::widen(src, n, p);
+          const A* out = p;
+          p += n;
+          return out;
+        };
+        wptrs r;
+        r.in_proj = take(w.in_proj, C * 2 * Di);
+        r.conv_w = take(w.conv_w, Di * s.d_conv);
+        r.conv_b = take(w.conv_b, Di);
+        r.x_proj = take(w.x_proj, Di * (R + 2 * Ns));
+        r.dt_proj = take(w.dt_proj, R * Di);
+        r.dt_bias = take(w.dt_bias, Di);
+        r.a_log = take(w.a_log, Di * Ns);
+        r.d = take(w.d, Di);
+        r.out_proj = take(w.out_proj, Di * C);
+        return r;
+      } else {
+        (void)s;
+        (void)slot;
+        return {w.in_proj, w.conv_w, w.conv_b, w.x_proj, w.dt_proj, w.dt_bias, w.a_log, w.d,
+                w.out_proj};
+      }
+    }
+
+    static void negexp(const A* a_log, std::size_t n, A* out) {
+      for (std::size_t j = 0; j < n; ++j) out[j] = -std::exp(a_log[j]);
+    }
+
+    // Rounds an A buffer through storage and writes it to the S slot (a no-op for S = A, where the
+    // buffer is the slot).
+    static void store(thread_pool& ex, A* values, std::size_t n, S* slot) {
+      if constexpr (widened) {
+        (void)ex;
+        cpu::narrow(static_cast<const A*>(values), n, slot);
+        cpu::widen(static_cast<const S*>(slot), n, values);
+      } else {
+        (void)ex;
+        (void)values;
+        (void)n;
+        (void)slot;
+      }
+    }
+
+    // c = conv(xi) + conv_b into `c`, rounded through storage (and kept when `keep` is not null).
+    static void conv_forward(thread_pool& ex, const mamba_shape& s, const A* xz, const wptrs& wa,
+                             A* c, S* keep) {
+      const std::size_t N = rows(s), Di = s.d_inner;
+      cpu::causal_conv(ex, s, xz, 2 * Di, wa.conv_w, wa.conv_b, c);
+      if (keep != nullptr) {
+        cpu::narrow(static_cast<const A*>(c), N * Di, keep);
+        if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, c);
+      } else {
+        cpu::round_through<S>(c, N * Di);
+      }
+    }
+
+    // Δ = softplus(dt_low·dt_proj + dt_bias), rounded through storage (kept when `keep` is set).
+    static void delta_forward(thread_pool& ex, const mamba_shape& s, const A* xdbl,
+                              const wptrs& wa, A* delta, S* keep, std::span<std::byte> gs) {
+      const std::size_t N = rows(s), Di = s.d_inner, ldx = s.dt_rank + 2 * s.d_state;
+      cpu::matmul(ex, xdbl, wa.dt_proj, delta, N, s.dt_rank, Di, false, cpu::ld3{ldx, Di, Di}, gs);
+      cpu::for_rows(ex, N, [&](std::size_t n) { softplus_row(delta + n * Di, wa.dt_bias, Di); });
+      if (keep != nullptr) {
+        cpu::narrow(static_cast<const A*>(delta), N * Di, keep);
+        if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, delta);
+      } else {
+        cpu::round_through<S>(delta, N * Di);
+      }
+    }
+
+    // g[K, M] += x[N, K]ᵀ·d[N, M] with packing buffers from the workspace; for bf16/fp16 through
+    // tmp in A, rounded once per element.
+    static void weight_grad(thread_pool& ex, const A* x, const A* d, S* g, A* tmp, std::size_t N,
+                            std::size_t K, std::size_t M, std::span<std::byte> gs) {
+      if constexpr (widened) {
+        cpu::matmul_at(ex, x, d, tmp, N, K, M, false, cpu::ld3{K, M, M}, gs);
+        cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
+      } else {
+        (void)tmp;
+        cpu::matmul_at(ex, x, d, g, N, K, M, true, cpu::ld3{K, M, M}, gs);
+      }
+    }
+
+    // The elementwise steps that decoding must reproduce bit for bit, shared by forward and step
+    // (vmath: vectorized by the compiler).
+    static void silu_row(A* v, std::size_t n) {
+      for (std::size_t i = 0; i < n; ++i) v[i] = cpu::vmath::silu(v[i]);
+    }
+    static void softplus_row(A* v, const A* bias, std::size_t n) {
+      for (std::size_t i = 0; i < n; ++i) v[i] = cpu::vmath::softplus(v[i] + bias[i]);
+    }
+    static void gate_row(A* y, const A* z, std::size_t n) {
+      for (std::size_t i = 0; i < n; ++i) y[i] *= cpu::vmath::silu(z[i]);
+    }
+
+    // out[j] = Σ_n x[n, j], in row order per column block (thread-count independent).
+    static void column_sums(thread_pool& ex, const A* x, std::size_t N, std::size_t M, A* out) {
+      ex.parallel_for(cpu::blocks(M, cpu::scan_channels), [&](std::size_t blk, std::size_t) {
+        const std::size_t j0 = blk * cpu::scan_channels, j1 = std::min(M, j0 + cpu::scan_channels);
+        std::fill(out + j0, out + j1, A(0));
+        for (std::size_t n = 0; n < N; ++n)
+          for (std::size_t j = j0; j < j1; ++j) out[j] += x[n * M + j];
+      });
+    }
+  };
+};
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/backend/cpu/mamba_cpu.hpp ----
 // ---- begin membound/layers/mamba.hpp ----
@@ -8418,6 +9090,8 @@ MEMBOUND_NAMESPACE_END
 // same gradients bit for bit. The scan state is accumulated in the accumulator type (float or
 // double). Nothing allocates: every buffer is carved from the caller's saved/workspace bytes.
 //
+// This file is the front (checks, sizes, the saved and state layouts) and makes one call into
+// backend_kernels<backend, mamba_shape> for every backend: backend/cpu/mamba_cpu.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor and the kernels are backend/cuda/mamba_cuda.cuh's (include membound/backend/cuda.cuh
 // and compile with nvcc). saved_bytes and saved_state_bytes are the same (the same states are
@@ -8453,10 +9127,9 @@ class mamba {
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr bool keep_conv_delta = std::is_same_v<checkpoint, save_all>;
   static constexpr std::size_t L = chunking::chunk;
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
+  using kernels = backend_kernels<backend, mamba_shape>;
 
  public:
   static constexpr std::size_t chunk = L;
@@ -8504,28 +9177,11 @@ class mamba {
   }
   static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s,
                                                        std::size_t threads) noexcept {
-    if constexpr (!on_cpu) {
-      return backend_kernels<backend, mamba_shape>::template forward_workspace_bytes<S>(
-          s, L, keep_conv_delta);
-    }
-    const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), xdbl_acc_bytes(s),
-                             bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)),
-                             forward_gemm_bytes(s, threads)};
-    return detail::fits_layout(b) ? forward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template forward_workspace_bytes<S, A>(s, L, keep_conv_delta, threads);
   }
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s,
                                                         std::size_t threads) noexcept {
-    if constexpr (!on_cpu) {
-      return backend_kernels<backend, mamba_shape>::template backward_workspace_bytes<S>(
-          s, L, keep_conv_delta);
-    }
-    const std::size_t b[] = {w_acc_bytes(s), xz_acc_bytes(s), inner_bytes(s), part_bytes(s),
-                             bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
-                                                                             s.d_state)),
-                             backward_gemm_bytes(s, threads)};
-    return detail::fits_layout(b) ? backward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template backward_workspace_bytes<S, A>(s, L, keep_conv_delta, threads);
   }
   // The decoding state: conv [B, Di, K − 1] (the last K − 1 inputs, oldest first), then the scan
   // state [B, Di, Ns], in the accumulator type. Constant in the sequence length.
@@ -8533,34 +9189,11 @@ class mamba {
     return bytes_of<A>(s.batch, s.d_inner, s.d_conv - 1 + s.d_state);
   }
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
-    if constexpr (!on_cpu) {
-      return backend_kernels<backend, mamba_shape>::template step_workspace_bytes<S>(s);
-    }
-    return step_layout(s).size();
+    return kernels::template step_workspace_bytes<S, A>(s);
   }
 
-  struct weights {
-    const S* in_proj;   // [C, 2·Di]   x half, then z half
-    const S* conv_w;    // [Di, K]     tap K−1 multiplies the current token
-    const S* conv_b;    // [Di]
-    const S* x_proj;    // [Di, R + 2·Ns]  dt_low, B, C
-    const S* dt_proj;   // [R, Di]
-    const S* dt_bias;   // [Di]
-    const S* a_log;     // [Di, Ns]    A = −exp(a_log)
-    const S* d;         // [Di]
-    const S* out_proj;  // [Di, C]
-  };
-  struct gradients {  // accumulated (+=): the caller zeroes them
-    S* in_proj;
-    S* conv_w;
-    S* conv_b;
-    S* x_proj;
-    S* dt_proj;
-    S* dt_bias;
-    S* a_log;
-    S* d;
-    S* out_proj;
-  };
+  using weights = mamba_weights<S>;      // shape/mamba_shape.hpp: the parameters and their shapes
+  using gradients = mamba_gradients<S>;  // accumulated (+=): the caller zeroes them
 
   // The decoding state over the caller's state_bytes(shape) bytes (aligned to accum_type).
   struct state {
@@ -8569,7 +9202,7 @@ class mamba {
     std::size_t position = 0;  // tokens consumed since reset
   };
   static state make_state(const mamba_shape& s, void* data, std::size_t bytes) {
-    static_assert(on_cpu,
+    static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is zeroed on the executor's stream: call "
                   "make_state(shape, data, bytes, executor) for mamba<..., cuda_backend>.");
     check(s);
@@ -8591,98 +9224,37 @@ class mamba {
     return st;
   }
   static void reset(const mamba_shape& s, state& st, executor& ex) {
-    if constexpr (on_cpu) {
-      (void)ex;
-      reset(s, st);
-    } else {
-      backend_kernels<backend, mamba_shape>::reset_state(st.data, state_bytes(s), ex);
-      st.position = 0;
-    }
+    kernels::reset_state(st.data, state_bytes(s), ex);
+    st.position = 0;
   }
   static void reset(const mamba_shape& s, state& st) {
-    static_assert(on_cpu,
+    static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is zeroed on the executor's stream: call "
                   "reset(shape, state, executor) for mamba<..., cuda_backend>.");
-    A* p = static_cast<A*>(st.data);
-    std::fill(p, p + state_bytes(s) / sizeof(A), A(0));
+    kernels::reset_state(st.data, state_bytes(s));
     st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const mamba_shape& s, const weights& w, const S* x, S* out, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      executor& pool) {
+                      executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
     detail::not_null(out, "out");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    if constexpr (!on_cpu) {
-      using kernels = backend_kernels<backend, mamba_shape>;
-      kernels::template forward<S, A>(s, L, device_weights(w), x, out, device_saved(sv),
-                                      workspace, workspace_size, pool);
-    } else {
-      forward_cpu(s, w, x, out, sv, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  template <typename SavedView>
-  static void forward_cpu(const mamba_shape& s, const weights& w, const S* x, S* out,
-                          const SavedView& sv, void* workspace, std::size_t workspace_size,
-                          thread_pool& pool) {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(forward_layout(s, threads),
-                                        forward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), forward_gemm_bytes(s, threads)};
+    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                            workspace_size);
     // Nothing below throws: every output is written after every check.
-    const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner;
-    const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(f_w));
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    A* const a_neg = ws.template get<A>(f_a);
-    negexp(wa.a_log, Di * Ns, a_neg);
-
-    // Phase 0: xz = x·in_proj, stored (rounded) and used as stored.
-    S* xz_s = sv.template get<S>(s_xz);
-    A* xz = cpu::accum_target(xz_s, ws.template get<A>(f_xz));
-    cpu::matmul(pool, xa, wa.in_proj, xz, N, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs);
-    store(pool, xz, N * 2 * Di, xz_s);
-    // c = conv(xi) + b, then u = SiLU(c) in place.
-    A* u = ws.template get<A>(f_u);
-    conv_forward(pool, s, xz, wa, u, keep_conv_delta ? sv.template get<S>(s_c) : nullptr);
-    cpu::for_rows(pool, N, [&](std::size_t n) { silu_row(u + n * Di, Di); });
-
-    // Phase 1: x_dbl = u·x_proj (stored), Δ = softplus(dt_low·dt_proj + dt_bias).
-    S* xdbl_s = sv.template get<S>(s_xdbl);
-    A* xdbl = cpu::accum_target(xdbl_s, ws.template get<A>(f_xdbl));
-    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, N, Di, ldx, false,
-                cpu::ld3{Di, ldx, ldx}, gs);
-    store(pool, xdbl, N * ldx, xdbl_s);
-    A* delta = ws.template get<A>(f_delta);
-    delta_forward(pool, s, xdbl, wa, delta, keep_conv_delta ? sv.template get<S>(s_delta) : nullptr,
-                  gs);
-
-    // Phase 2: the scan, keeping the chunk-entry states; then the gate, in place.
-    A* y = ws.template get<A>(f_y);
-    cpu::scan_forward(pool, s, L, static_cast<const A*>(u), static_cast<const A*>(delta),
-                      static_cast<const A*>(xdbl), static_cast<const A*>(a_neg), wa.d, y,
-                      sv.template get<A>(s_states), ws.template get<A>(f_scratch));
-    cpu::for_rows(pool, N, [&](std::size_t n) { gate_row(y + n * Di, xz + n * 2 * Di + Di, Di); });
-
-    // Phase 3: out = g·out_proj.
-    A* oa = cpu::accum_target(out, ws.template get<A>(f_out));
-    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, N, Di, C, false,
-                cpu::ld3{Di, C, C}, gs);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), N * C, out);
+    kernels::template forward<S, A>(s, L, w, x, out, saved_view(sv), workspace, workspace_size, ex);
   }
 
   // ---- Backward ------------------------------------------------------------------------------
  public:
   static void backward(const mamba_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, executor& pool) {
+                       void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x, "x");
@@ -8691,151 +9263,10 @@ class mamba {
     check_gradients(g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    if constexpr (!on_cpu) {
-      using kernels = backend_kernels<backend, mamba_shape>;
-      kernels::template backward<S, A>(
-          s, L, device_weights(w), x, device_saved(sv), dout, dx,
-          typename kernels::template gradients<S>{g.in_proj, g.conv_w, g.conv_b, g.x_proj,
-                                                  g.dt_proj, g.dt_bias, g.a_log, g.d, g.out_proj},
-          workspace, workspace_size, pool);
-    } else {
-      backward_cpu(s, w, x, sv, dout, dx, g, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  template <typename SavedView>
-  static void backward_cpu(const mamba_shape& s, const weights& w, const S* x, const SavedView& sv,
-                           const S* dout, S* dx, const gradients& g, void* workspace,
-                           std::size_t workspace_size, thread_pool& pool) {
-    const std::size_t threads = pool.size();
-    const auto ws = detail::carve_named(backward_layout(s, threads),
-                                        backward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::span<std::byte> gs{ws.template get<std::byte>(b_gemm), backward_gemm_bytes(s, threads)};
-    const std::size_t N = s.batch * s.seq, C = s.d_model, Di = s.d_inner, K = s.d_conv;
-    const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(b_w));
-    A* const a_neg = ws.template get<A>(b_a);
-    negexp(wa.a_log, Di * Ns, a_neg);
-
-    // Phase 0: the forward's values, as stored (or recomputed from what is stored).
-    const A* xz = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xz)), N * 2 * Di,
-                                 ws.template get<A>(b_xz));
-    const A* xdbl = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_xdbl)), N * ldx,
-                                   ws.template get<A>(b_xdbl));
-    const A* c;
-    const A* delta;
-    if constexpr (keep_conv_delta) {
-      c = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_c)), N * Di,
-                         ws.template get<A>(b_c));
-      delta = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_delta)), N * Di,
-                             ws.template get<A>(b_delta));
-    } else {
-      A* cw = ws.template get<A>(b_c);
-      conv_forward(pool, s, xz, wa, cw, nullptr);
-      A* dw = ws.template get<A>(b_delta);
-      delta_forward(pool, s, xdbl, wa, dw, nullptr, gs);
-      c = cw;
-      delta = dw;
-    }
-    A* u = ws.template get<A>(b_u);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      const A* cn = c + n * Di;
-      A* un = u + n * Di;
-      for (std::size_t i = 0; i < Di; ++i) un[i] = cpu::vmath::silu(cn[i]);
-    });
-    // dg = dout·out_projᵀ; the scan's output gradient dy = dg ⊙ SiLU(z).
-    const A* dya = cpu::widen_or_alias(dout, N * C, ws.template get<A>(b_dout));
-    A* dg = ws.template get<A>(b_dg);
-    cpu::matmul_bt(pool, dya, wa.out_proj, dg, N, C, Di, false, cpu::ld3{C, C, Di}, gs);
-    A* dys = ws.template get<A>(b_dys);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      const A* z = xz + n * 2 * Di + Di;
-      const A* dgn = dg + n * Di;
-      A* dyn = dys + n * Di;
-      for (std::size_t i = 0; i < Di; ++i) dyn[i] = dgn[i] * cpu::vmath::silu(z[i]);
-    });
-
-    // Phase 1: the reverse scan.
-    A* y = ws.template get<A>(b_y);
-    A* du = ws.template get<A>(b_du);
-    A* ddelta = ws.template get<A>(b_ddelta);
-    A* small = ws.template get<A>(b_small);
-    A* da = small;                  // [Di, Ns] w.r.t. A
-    A* dd = da + Di * Ns;           // [Di]
-    A* dconv_w = dd + Di;           // [Di, K]
-    A* dconv_b = dconv_w + Di * K;  // [Di]
-    A* ddt_bias = dconv_b + Di;     // [Di]
-    A* dxdbl = ws.template get<A>(b_dxdbl);
-    cpu::scan_backward(pool, s, L, static_cast<const A*>(u), delta, xdbl,
-                       static_cast<const A*>(a_neg), wa.d, sv.template get<A>(s_states),
-                       static_cast<const A*>(dys), y, du, ddelta, da, dd,
-                       ws.template get<A>(b_part), ws.template get<A>(b_scratch));
-    cpu::reduce_bc(pool, s, static_cast<const A*>(ws.template get<A>(b_part)), dxdbl);
-
-    // Phase 2: dz = dg ⊙ y ⊙ SiLU'(z) into dxz's z half; g = y ⊙ SiLU(z); dout_proj = gᵀ·dout.
-    A* dxz = ws.template get<A>(b_dxz);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      const A* z = xz + n * 2 * Di + Di;
-      A* dz = dxz + n * 2 * Di + Di;
-      const A* dgn = dg + n * Di;
-      A* yn = y + n * Di;
-      for (std::size_t i = 0; i < Di; ++i) {
-        const A sg = cpu::vmath::sigmoid(z[i]);  // SiLU = z·σ, SiLU' = σ·(1 + z·(1 − σ))
-        dz[i] = dgn[i] * yn[i] * (sg * (A(1) + z[i] * (A(1) - sg)));
-        yn[i] *= z[i] * sg;
-      }
-    });
-    A* tmp = ws.template get<A>(b_wtmp);
-    weight_grad(pool, static_cast<const A*>(y), dya, g.out_proj, tmp, N, Di, C, gs);
-
-    // Phase 3: dt = dt_low·dt_proj + dt_bias went through softplus, whose derivative σ(dt) is
-    // 1 − exp(−Δ) = −expm1(−Δ): the gradient follows from Δ alone, as stored.
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t i = 0; i < Di; ++i)
-        ddelta[n * Di + i] *= -std::expm1(-delta[n * Di + i]);
-    });
-    column_sums(pool, static_cast<const A*>(ddelta), N, Di, ddt_bias);
-    if constexpr (widened) {
-      cpu::matmul_at(pool, xdbl, static_cast<const A*>(ddelta), tmp, N, R, Di, false,
-                     cpu::ld3{ldx, Di, Di}, gs);
-      cpu::narrow_add(static_cast<const A*>(tmp), R * Di, g.dt_proj);
-    } else {
-      cpu::matmul_at(pool, xdbl, static_cast<const A*>(ddelta), g.dt_proj, N, R, Di, true,
-                     cpu::ld3{ldx, Di, Di}, gs);
-    }
-    cpu::matmul_bt(pool, static_cast<const A*>(ddelta), wa.dt_proj, dxdbl, N, Di, R, false,
-                   cpu::ld3{Di, Di, ldx}, gs);
-
-    // Phase 4: x_proj's gradients; dc = du ⊙ SiLU'(c); the convolution's transpose.
-    weight_grad(pool, static_cast<const A*>(u), static_cast<const A*>(dxdbl), g.x_proj, tmp, N, Di,
-                ldx, gs);
-    cpu::matmul_bt(pool, static_cast<const A*>(dxdbl), wa.x_proj, du, N, ldx, Di, true,
-                   cpu::ld3{ldx, ldx, Di}, gs);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      const A* cn = c + n * Di;
-      A* dun = du + n * Di;
-      for (std::size_t i = 0; i < Di; ++i) dun[i] *= cpu::vmath::silu_grad(cn[i]);
-    });
-    cpu::causal_conv_backward(pool, s, xz, 2 * Di, wa.conv_w, static_cast<const A*>(du), dxz,
-                              2 * Di, dconv_w, dconv_b);
-
-    // Phase 5: in_proj's gradients and dx = dxz·in_projᵀ.
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    weight_grad(pool, xa, static_cast<const A*>(dxz), g.in_proj, tmp, N, C, 2 * Di, gs);
-    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
-    cpu::matmul_bt(pool, static_cast<const A*>(dxz), wa.in_proj, dxa, N, 2 * Di, C, false,
-                   cpu::ld3{2 * Di, 2 * Di, C}, gs);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
-
-    // The small parameters, each rounded once into its gradient. dA_log = dA ⊙ A.
-    for (std::size_t j = 0; j < Di * Ns; ++j) da[j] *= a_neg[j];
-    cpu::add_grad(da, Di * Ns, g.a_log);
-    cpu::add_grad(dd, Di, g.d);
-    cpu::add_grad(dconv_w, Di * K, g.conv_w);
-    cpu::add_grad(dconv_b, Di, g.conv_b);
-    cpu::add_grad(ddt_bias, Di, g.dt_bias);
+    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                            workspace_size);
+    kernels::template backward<S, A>(s, L, w, x, saved_view(sv), dout, dx, g, workspace,
+                                     workspace_size, ex);
   }
 
   // ---- Decoding ------------------------------------------------------------------------------
@@ -8843,7 +9274,7 @@ class mamba {
   // One token per sequence: x_t [B, C] -> out_t [B, C], carrying the conv and scan states.
   // shape.seq is ignored. Checks everything before touching the state or out_t.
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
-                   void* workspace, std::size_t workspace_size, executor& pool) {
+                   void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
     detail::not_null(x_t, "x_t");
@@ -8852,104 +9283,19 @@ class mamba {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    if constexpr (!on_cpu) {
-      using kernels = backend_kernels<backend, mamba_shape>;
-      kernels::template step<S, A>(s, device_weights(w), static_cast<A*>(st.data), x_t, out_t,
-                                   workspace, workspace_size, pool);
-      ++st.position;
-    } else {
-      step_cpu(s, w, st, x_t, out_t, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void step_cpu(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const auto ws = detail::carve_named(step_layout(s), step_workspace_bytes(s), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, K = s.d_conv;
-    const std::size_t Ns = s.d_state, R = s.dt_rank, ldx = R + 2 * Ns;
-    const wptrs wa = widen_weights(w, s, ws.template get<A>(st_w));
-    A* a_neg = ws.template get<A>(st_a);
-    negexp(wa.a_log, Di * Ns, a_neg);
-    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(st_x));
-    A* xz = ws.template get<A>(st_xz);
-    // The forward's GEMM, packing buffers per task (step_gemm_bytes: one set for B <= 256, none
-    // for B = 1).
-    const std::span<std::byte> gs{ws.template get<std::byte>(st_gemm), step_gemm_bytes(s)};
-    constexpr auto per_task = cpu::scratch_slots::per_task;
-    cpu::matmul(pool, xa, wa.in_proj, xz, B, C, 2 * Di, false, cpu::ld3{C, 2 * Di, 2 * Di}, gs,
-                per_task);
-    cpu::round_through<S>(xz, B * 2 * Di);
-    A* conv_state = static_cast<A*>(st.data);        // [B, Di, K − 1]
-    A* ssm_state = conv_state + B * Di * (K - 1);   // [B, Di, Ns]
-    A* u = ws.template get<A>(st_u);
-    for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t i = 0; i < Di; ++i) {
-        A* cs = conv_state + (b * Di + i) * (K - 1);
-        const A xi = xz[b * 2 * Di + i];
-        A c = wa.conv_b[i];
-        for (std::size_t k = 0; k + 1 < K; ++k) c += wa.conv_w[i * K + k] * cs[k];
-        c += wa.conv_w[i * K + K - 1] * xi;
-        if (K > 1) {
-          std::copy(cs + 1, cs + (K - 1), cs);
-          cs[K - 2] = xi;
-        }
-        u[b * Di + i] = c;
-      }
-    cpu::round_through<S>(u, B * Di);
-    for (std::size_t b = 0; b < B; ++b) silu_row(u + b * Di, Di);
-    A* xdbl = ws.template get<A>(st_xdbl);
-    cpu::matmul(pool, static_cast<const A*>(u), wa.x_proj, xdbl, B, Di, ldx, false,
-                cpu::ld3{Di, ldx, ldx}, gs, per_task);
-    cpu::round_through<S>(xdbl, B * ldx);
-    A* delta = ws.template get<A>(st_delta);
-    cpu::matmul(pool, static_cast<const A*>(xdbl), wa.dt_proj, delta, B, R, Di, false,
-                cpu::ld3{ldx, Di, Di}, gs, per_task);
-    for (std::size_t b = 0; b < B; ++b) softplus_row(delta + b * Di, wa.dt_bias, Di);
-    cpu::round_through<S>(delta, B * Di);
-    // The scan through the forward's own group kernel: the carried state [Di, Ns] is transposed
-    // to the kernel's [Ns][lanes] and back, lanes past Di padded with zeros.
-    A* y = ws.template get<A>(st_y);
-    constexpr std::size_t W = cpu::scan_lanes<A>;
-    A* hg = ws.template get<A>(st_scan);
-    A* at = hg + Ns * W;
-    A* pad = at + Ns * W;
-    for (std::size_t b = 0; b < B; ++b) {
-      const A* bt = xdbl + b * ldx + R;
-      A* hb = ssm_state + b * Di * Ns;
-      for (std::size_t ch = 0; ch < Di; ch += W) {
-        const std::size_t nw = std::min(W, Di - ch);
-        cpu::transpose_in(static_cast<const A*>(a_neg), ch, nw, Ns, at);
-        cpu::transpose_in(static_cast<const A*>(hb), ch, nw, Ns, hg);
-        A* yo = nw == W ? y + b * Di + ch : pad + 3 * W;
-        cpu::scan_group_step(hg, static_cast<const A*>(at),
-                             cpu::lanes_of(static_cast<const A*>(delta) + b * Di + ch, nw, pad),
-                             cpu::lanes_of(static_cast<const A*>(u) + b * Di + ch, nw, pad + W),
-                             cpu::lanes_of(wa.d + ch, nw, pad + 2 * W), bt, bt + Ns, Ns, yo);
-        if (nw != W) std::copy(yo, yo + nw, y + b * Di + ch);
-        cpu::transpose_out(static_cast<const A*>(hg), nw, Ns, hb + ch * Ns);
-      }
-      gate_row(y + b * Di, xz + b * 2 * Di + Di, Di);
-    }
-    A* oa = cpu::accum_target(out_t, ws.template get<A>(st_out));
-    cpu::matmul(pool, static_cast<const A*>(y), wa.out_proj, oa, B, Di, C, false,
-                cpu::ld3{Di, C, C}, gs, per_task);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(oa), B * C, out_t);
+    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    kernels::template step<S, A>(s, w, static_cast<A*>(st.data), x_t, out_t, workspace,
+                                 workspace_size, ex);
     ++st.position;
   }
 
-  // The device kernels' views of the weights and of the saved buffers.
-  static auto device_weights(const weights& w) {
-    return typename backend_kernels<backend, mamba_shape>::template weights<S>{
-        w.in_proj, w.conv_w, w.conv_b, w.x_proj, w.dt_proj, w.dt_bias, w.a_log, w.d, w.out_proj};
-  }
+ private:
+  // The backends' view of the saved buffers (c and Δ null unless save_all).
   template <typename SavedView>
-  static auto device_saved(const SavedView& sv) {
-    return typename backend_kernels<backend, mamba_shape>::template saved<S>{
-        sv.template get<S>(s_xz), sv.template get<S>(s_xdbl), sv.template get<A>(s_states),
-        keep_conv_delta ? sv.template get<S>(s_c) : nullptr,
-        keep_conv_delta ? sv.template get<S>(s_delta) : nullptr};
+  static mamba_saved<S, A> saved_view(const SavedView& sv) {
+    return {sv.template get<S>(s_xz), sv.template get<S>(s_xdbl), sv.template get<A>(s_states),
+            keep_conv_delta ? sv.template get<S>(s_c) : nullptr,
+            keep_conv_delta ? sv.template get<S>(s_delta) : nullptr};
   }
 
  public:
@@ -8975,71 +9321,6 @@ class mamba {
   static constexpr std::size_t inner_s_bytes(const mamba_shape& s) noexcept {  // c or Δ, kept
     return keep_conv_delta ? bytes_of<S>(rows(s), s.d_inner) : 0;
   }
-  static constexpr std::size_t inner_bytes(const mamba_shape& s) noexcept {  // [N, Di] in A
-    return bytes_of<A>(rows(s), s.d_inner);
-  }
-  static constexpr std::size_t w_acc_bytes(const mamba_shape& s) noexcept {
-    return widened ? bytes_of<A>(weight_elements(s)) : 0;
-  }
-  static constexpr std::size_t xz_acc_bytes(const mamba_shape& s) noexcept {
-    return widened ? bytes_of<A>(rows(s), 2 * s.d_inner) : 0;
-  }
-  static constexpr std::size_t xdbl_acc_bytes(const mamba_shape& s) noexcept {
-    return widened ? bytes_of<A>(rows(s), s.dt_rank + 2 * s.d_state) : 0;
-  }
-  static constexpr std::size_t io_acc_bytes(const mamba_shape& s) noexcept {  // x, out, dout, dx
-    return widened ? bytes_of<A>(rows(s), s.d_model) : 0;
-  }
-  static constexpr std::size_t part_bytes(const mamba_shape& s) noexcept {
-    return bytes_of<A>(blocks_of_channels(s), rows(s), 2 * s.d_state);
-  }
-  static constexpr std::size_t blocks_of_channels(const mamba_shape& s) noexcept {
-    return cpu::blocks(s.d_inner, cpu::scan_channels);
-  }
-  // A conv output / Δ that backward reads straight from `saved` needs no workspace copy.
-  static constexpr std::size_t recomputed_inner_bytes(const mamba_shape& s) noexcept {
-    return keep_conv_delta && !widened ? 0 : inner_bytes(s);
-  }
-  static constexpr std::size_t wtmp_bytes(const mamba_shape& s) noexcept {
-    if (!widened) return 0;
-    const std::size_t C = s.d_model, Di = s.d_inner, R = s.dt_rank, Ns = s.d_state;
-    return bytes_of<A>(std::max({C * 2 * Di, Di * (R + 2 * Ns), R * Di, Di * C}));
-  }
-
-  // Packing buffers of the projections (one set per thread, sized for the largest product of the
-  // pass; cpu::matmul's tasks each use their thread's slice).
-  static constexpr std::size_t forward_gemm_bytes(const mamba_shape& s, std::size_t threads) noexcept {
-    const std::size_t N = rows(s), C = s.d_model, Di = s.d_inner, R = s.dt_rank;
-    const std::size_t ldx = R + 2 * s.d_state;
-    return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, 2 * Di),
-                               cpu::matmul_thread_scratch_bytes<A>(N, Di, ldx),
-                               cpu::matmul_thread_scratch_bytes<A>(N, R, Di),
-                               cpu::matmul_thread_scratch_bytes<A>(N, Di, C)});
-  }
-  static constexpr std::size_t backward_gemm_bytes(const mamba_shape& s, std::size_t threads) noexcept {
-    const std::size_t N = rows(s), C = s.d_model, Di = s.d_inner, R = s.dt_rank;
-    const std::size_t ldx = R + 2 * s.d_state;
-    return threads * std::max({cpu::matmul_thread_scratch_bytes<A>(N, R, Di),       // Δ (recompute)
-                               cpu::matmul_thread_scratch_bytes<A>(N, C, Di),       // dg
-                               cpu::matmul_at_thread_scratch_bytes<A>(N, Di, C),    // d out_proj
-                               cpu::matmul_at_thread_scratch_bytes<A>(N, R, Di),    // d dt_proj
-                               cpu::matmul_thread_scratch_bytes<A>(N, Di, R),       // d dt_low
-                               cpu::matmul_at_thread_scratch_bytes<A>(N, Di, ldx),  // d x_proj
-                               cpu::matmul_thread_scratch_bytes<A>(N, ldx, Di),     // du
-                               cpu::matmul_at_thread_scratch_bytes<A>(N, C, 2 * Di),  // d in_proj
-                               cpu::matmul_thread_scratch_bytes<A>(N, 2 * Di, C)});   // dx
-  }
-
-  // Decoding's packing buffers, one set per 256-row task of its largest projection (its size
-  // takes no thread count; cpu::scratch_slots::per_task), none for B = 1 (GEMVs).
-  static constexpr std::size_t step_gemm_bytes(const mamba_shape& s) noexcept {
-    const std::size_t B = s.batch, C = s.d_model, Di = s.d_inner, R = s.dt_rank;
-    const std::size_t ldx = R + 2 * s.d_state;
-    return std::max({cpu::matmul_task_scratch_bytes<A>(B, C, 2 * Di),
-                     cpu::matmul_task_scratch_bytes<A>(B, Di, ldx),
-                     cpu::matmul_task_scratch_bytes<A>(B, R, Di),
-                     cpu::matmul_task_scratch_bytes<A>(B, Di, C)});
-  }
 
   // ---- Layouts (shared by the size functions and the carving) ----------------------------------
   enum saved_slot : std::size_t { s_xz, s_xdbl, s_states, s_c, s_delta };
@@ -9050,84 +9331,6 @@ class mamba {
     l.add(states_bytes(s));
     l.add(inner_s_bytes(s));
     l.add(inner_s_bytes(s));
-    return l;
-  }
-
-  // Phases: 0 in_proj and conv, 1 x_proj and Δ, 2 scan and gate, 3 out_proj.
-  enum forward_slot : std::size_t {
-    f_w, f_a, f_x, f_xz, f_u, f_xdbl, f_delta, f_y, f_scratch, f_out, f_gemm
-  };
-  static constexpr workspace_layout<11> forward_layout(const mamba_shape& s, std::size_t threads) {
-    workspace_layout<11> l;
-    l.add(w_acc_bytes(s), default_alignment, {0, 3});
-    l.add(bytes_of<A>(s.d_inner, s.d_state), default_alignment, {0, 3});
-    l.add(io_acc_bytes(s), default_alignment, {0, 0});
-    l.add(xz_acc_bytes(s), default_alignment, {0, 2});
-    l.add(inner_bytes(s), default_alignment, {0, 2});
-    l.add(xdbl_acc_bytes(s), default_alignment, {1, 2});
-    l.add(inner_bytes(s), default_alignment, {1, 2});
-    l.add(inner_bytes(s), default_alignment, {2, 3});
-    l.add(bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)), default_alignment, {2, 2});
-    l.add(io_acc_bytes(s), default_alignment, {3, 3});
-    l.add(forward_gemm_bytes(s, threads), default_alignment, {0, 3});
-    return l;
-  }
-
-  // Phases: 0 forward values, dg and the scan's dy; 1 reverse scan; 2 gate and out_proj grads;
-  // 3 Δ's projection grads; 4 x_proj and conv grads; 5 in_proj grads and dx.
-  enum backward_slot : std::size_t {
-    b_w, b_a, b_xz, b_xdbl, b_c, b_delta, b_u, b_dout, b_dg, b_dys, b_y, b_du, b_ddelta,
-    b_small, b_part, b_scratch, b_dxdbl, b_dxz, b_wtmp, b_x, b_dx, b_gemm
-  };
-  static constexpr workspace_layout<22> backward_layout(const mamba_shape& s, std::size_t threads) {
-    const std::size_t Di = s.d_inner, Ns = s.d_state;
-    workspace_layout<22> l;
-    l.add(w_acc_bytes(s), default_alignment, {0, 5});
-    l.add(bytes_of<A>(Di, Ns), default_alignment, {0, 5});
-    l.add(xz_acc_bytes(s), default_alignment, {0, 4});
-    l.add(xdbl_acc_bytes(s), default_alignment, {0, 3});
-    l.add(recomputed_inner_bytes(s), default_alignment, {0, 4});  // c
-    l.add(recomputed_inner_bytes(s), default_alignment, {0, 3});  // Δ
-    l.add(inner_bytes(s), default_alignment, {0, 4});             // u
-    l.add(io_acc_bytes(s), default_alignment, {0, 2});            // dout
-    l.add(inner_bytes(s), default_alignment, {0, 2});             // dg
-    l.add(inner_bytes(s), default_alignment, {0, 1});             // the scan's dy
-    l.add(inner_bytes(s), default_alignment, {1, 2});             // y, then g
-    l.add(inner_bytes(s), default_alignment, {1, 4});             // du, then dc
-    l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
-    l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
-    l.add(part_bytes(s), default_alignment, {1, 1});
-    l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns)),
-          default_alignment, {1, 1});
-    l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
-    l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});
-    l.add(wtmp_bytes(s), default_alignment, {2, 5});
-    l.add(io_acc_bytes(s), default_alignment, {5, 5});  // x
-    l.add(io_acc_bytes(s), default_alignment, {5, 5});  // dx
-    // Every phase but the reverse scan runs a projection; phase 1 could share these bytes, but
-    // the scan's part/scratch are the larger and a {0, 5} slot keeps the layout simple.
-    l.add(backward_gemm_bytes(s, threads), default_alignment, {0, 5});
-    return l;
-  }
-
-  enum step_slot : std::size_t {
-    st_w, st_a, st_x, st_xz, st_u, st_xdbl, st_delta, st_y, st_out, st_scan, st_gemm
-  };
-  static constexpr workspace_layout<11> step_layout(const mamba_shape& s) {
-    const std::size_t B = s.batch, Di = s.d_inner;
-    workspace_layout<11> l;
-    l.add(w_acc_bytes(s));
-    l.add(bytes_of<A>(Di, s.d_state));
-    l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
-    l.add(bytes_of<A>(B, 2 * Di));
-    l.add(bytes_of<A>(B, Di));
-    l.add(bytes_of<A>(B, s.dt_rank + 2 * s.d_state));
-    l.add(bytes_of<A>(B, Di));
-    l.add(bytes_of<A>(B, Di));
-    l.add(widened ? bytes_of<A>(B, s.d_model) : 0);
-    // One scan group's state and A ([Ns][lanes] each) and its padded rows.
-    l.add(bytes_of<A>(2 * s.d_state + 4, cpu::scan_lanes<A>));
-    l.add(step_gemm_bytes(s));
     return l;
   }
 
@@ -9154,120 +9357,6 @@ class mamba {
     detail::not_null(g.d, "gradients.d");
     detail::not_null(g.out_proj, "gradients.out_proj");
   }
-
-  struct wptrs {
-    const A *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
-  };
-  static wptrs widen_weights(const weights& w, const mamba_shape& s, A* slot) {
-    if constexpr (widened) {
-      const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
-      A* p = slot;
-      const auto take = [&](const S* src, std::size_t n) {
-        cpu::widen(src, n, p);
-        const A* out = p;
-        p += n;
-        return out;
-      };
-      wptrs r;
-      r.in_proj = take(w.in_proj, C * 2 * Di);
-      r.conv_w = take(w.conv_w, Di * s.d_conv);
-      r.conv_b = take(w.conv_b, Di);
-      r.x_proj = take(w.x_proj, Di * (R + 2 * Ns));
-      r.dt_proj = take(w.dt_proj, R * Di);
-      r.dt_bias = take(w.dt_bias, Di);
-      r.a_log = take(w.a_log, Di * Ns);
-      r.d = take(w.d, Di);
-      r.out_proj = take(w.out_proj, Di * C);
-      return r;
-    } else {
-      (void)s;
-      (void)slot;
-      return {w.in_proj, w.conv_w, w.conv_b, w.x_proj, w.dt_proj, w.dt_bias, w.a_log, w.d,
-              w.out_proj};
-    }
-  }
-
-  static void negexp(const A* a_log, std::size_t n, A* out) {
-    for (std::size_t j = 0; j < n; ++j) out[j] = -std::exp(a_log[j]);
-  }
-
-  // Rounds an A buffer through storage and writes it to the S slot (a no-op for S = A, where the
-  // buffer is the slot).
-  static void store(thread_pool& pool, A* values, std::size_t n, S* slot) {
-    if constexpr (widened) {
-      (void)pool;
-      cpu::narrow(static_cast<const A*>(values), n, slot);
-      cpu::widen(static_cast<const S*>(slot), n, values);
-    } else {
-      (void)pool;
-      (void)values;
-      (void)n;
-      (void)slot;
-    }
-  }
-
-  // c = conv(xi) + conv_b into `c`, rounded through storage (and kept when `keep` is not null).
-  static void conv_forward(thread_pool& pool, const mamba_shape& s, const A* xz, const wptrs& wa,
-                           A* c, S* keep) {
-    const std::size_t N = rows(s), Di = s.d_inner;
-    cpu::causal_conv(pool, s, xz, 2 * Di, wa.conv_w, wa.conv_b, c);
-    if (keep != nullptr) {
-      cpu::narrow(static_cast<const A*>(c), N * Di, keep);
-      if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, c);
-    } else {
-      cpu::round_through<S>(c, N * Di);
-    }
-  }
-
-  // Δ = softplus(dt_low·dt_proj + dt_bias), rounded through storage (kept when `keep` is set).
-  static void delta_forward(thread_pool& pool, const mamba_shape& s, const A* xdbl,
-                            const wptrs& wa, A* delta, S* keep, std::span<std::byte> gs) {
-    const std::size_t N = rows(s), Di = s.d_inner, ldx = s.dt_rank + 2 * s.d_state;
-    cpu::matmul(pool, xdbl, wa.dt_proj, delta, N, s.dt_rank, Di, false, cpu::ld3{ldx, Di, Di}, gs);
-    cpu::for_rows(pool, N, [&](std::size_t n) { softplus_row(delta + n * Di, wa.dt_bias, Di); });
-    if (keep != nullptr) {
-      cpu::narrow(static_cast<const A*>(delta), N * Di, keep);
-      if constexpr (widened) cpu::widen(static_cast<const S*>(keep), N * Di, delta);
-    } else {
-      cpu::round_through<S>(delta, N * Di);
-    }
-  }
-
-  // g[K, M] += x[N, K]ᵀ·d[N, M] with packing buffers from the workspace; for bf16/fp16 through
-  // tmp in A, rounded once per element.
-  static void weight_grad(thread_pool& pool, const A* x, const A* d, S* g, A* tmp, std::size_t N,
-                          std::size_t K, std::size_t M, std::span<std::byte> gs) {
-    if constexpr (widened) {
-      cpu::matmul_at(pool, x, d, tmp, N, K, M, false, cpu::ld3{K, M, M}, gs);
-      cpu::narrow_add(static_cast<const A*>(tmp), K * M, g);
-    } else {
-      (void)tmp;
-      cpu::matmul_at(pool, x, d, g, N, K, M, true, cpu::ld3{K, M, M}, gs);
-    }
-  }
-
-  // The elementwise steps that decoding must reproduce bit for bit, shared by forward and step
-  // (vmath: vectorized by the compiler).
-  static void silu_row(A* v, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) v[i] = cpu::vmath::silu(v[i]);
-  }
-  static void softplus_row(A* v, const A* bias, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) v[i] = cpu::vmath::softplus(v[i] + bias[i]);
-  }
-  static void gate_row(A* y, const A* z, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) y[i] *= cpu::vmath::silu(z[i]);
-  }
-
-  // out[j] = Σ_n x[n, j], in row order per column block (thread-count independent).
-  static void column_sums(thread_pool& pool, const A* x, std::size_t N, std::size_t M, A* out) {
-    pool.parallel_for(cpu::blocks(M, cpu::scan_channels), [&](std::size_t blk, std::size_t) {
-      const std::size_t j0 = blk * cpu::scan_channels, j1 = std::min(M, j0 + cpu::scan_channels);
-      std::fill(out + j0, out + j1, A(0));
-      for (std::size_t n = 0; n < N; ++n)
-        for (std::size_t j = j0; j < j1; ++j) out[j] += x[n * M + j];
-    });
-  }
-
 };
 
 MEMBOUND_NAMESPACE_END
@@ -9582,6 +9671,963 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
 
 }  // namespace cpu
 
+// The TTT layers on the host: the same calls as backend_kernels<cuda_backend, ttt_shape>
+// (backend/cuda/ttt_cuda.cuh), which layers/ttt.hpp makes without knowing which backend runs
+// them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the checkpoint group. The front
+// has checked every argument and the workspace's size; this carves the workspace and runs the
+// dual form in the accumulator type A, one (batch, head) task per thread.
+template <>
+struct backend_kernels<cpu_backend, ttt_shape> {
+  template <bool Mlp, std::size_t MB, typename S, typename A>
+  static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
+                                                       std::size_t threads) noexcept {
+    using P = pass<Mlp, MB, 1, S, A>;
+    const std::size_t b[] = {P::w_acc_bytes(s), P::wide(s), P::task_scratch(s, threads, false),
+                             bytes_of<std::byte>(threads, P::forward_pack_bytes(s))};
+    return fits(b) ? P::forward_layout(s, threads).size() : too_large;
+  }
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
+  static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
+                                                        std::size_t threads) noexcept {
+    using P = pass<Mlp, MB, G, S, A>;
+    const std::size_t b[] = {P::w_acc_bytes(s), P::wide(s), P::partial_bytes(s),
+                             P::task_scratch(s, threads, true),
+                             bytes_of<std::byte>(threads, P::backward_pack_bytes(s))};
+    return fits(b) ? P::backward_layout(s, threads).size() : too_large;
+  }
+  template <bool Mlp, std::size_t MB, typename S, typename A>
+  static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
+    using P = pass<Mlp, MB, 1, S, A>;
+    ttt_shape one = s;
+    one.seq = 1;
+    const std::size_t b[] = {P::w_acc_bytes(one), P::wide(one),
+                             bytes_of<A>(ttt_inner_elements(s, Mlp)), P::step_pack_bytes(s)};
+    return fits(b) ? P::forward_layout(one, 1, true).size() : too_large;
+  }
+
+  // ckpt: the saved inner states [B·H, checkpoints, SZ] (A); o_s: the heads' output [N, C]
+  // (storage).
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
+  static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
+                      S* o_s, void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    pass<Mlp, MB, G, S, A>::forward(s, w, x, y, ckpt, o_s, workspace, workspace_size, ex);
+  }
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
+  static void backward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, const A* ckpt,
+                       const S* o_s, const S* dy, S* dx, const ttt_gradients<S>& g,
+                       void* workspace, std::size_t workspace_size, thread_pool& ex) {
+    pass<Mlp, MB, G, S, A>::backward(s, w, x, ckpt, o_s, dy, dx, g, workspace, workspace_size, ex);
+  }
+  // One decoding token per sequence at mini-batch position i (state: [B·H, 2, SZ], the starting
+  // state then the running sums).
+  template <bool Mlp, std::size_t MB, typename S, typename A>
+  static void step(const ttt_shape& s, const ttt_weights<S>& w, A* state, std::size_t i,
+                   const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
+                   thread_pool& ex) {
+    pass<Mlp, MB, 1, S, A>::step(s, w, state, i, x_t, y_t, workspace, workspace_size, ex);
+  }
+  // Per (b, h): the layer's W1, b1 (W2, b2), then the running sums zeroed, each SZ long.
+  template <bool Mlp, typename A, typename S>
+  static void reset_state(const ttt_shape& s, const ttt_weights<S>& w, A* state) {
+    const std::size_t SZ = ttt_inner_elements(s, Mlp);
+    for (std::size_t b = 0; b < s.batch; ++b)
+      for (std::size_t h = 0; h < s.heads; ++h) {
+        A* q = state + (b * s.heads + h) * 2 * SZ;
+        pass<Mlp, 1, 1, S, A>::load_initial(s, w, h, q);
+        std::fill(q + SZ, q + 2 * SZ, A(0));
+      }
+  }
+  template <bool Mlp, typename A, typename S>
+  static void reset_state(const ttt_shape& s, const ttt_weights<S>& w, A* state, thread_pool&) {
+    reset_state<Mlp, A>(s, w, state);
+  }
+
+ private:
+  static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
+  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
+  template <std::size_t N>
+  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
+    for (std::size_t b : bytes)
+      if (b >= too_large / 32) return false;
+    return true;
+  }
+
+  // One configuration's passes: Mlp, mini-batch mb, checkpoint group, S storage, A accumulation.
+  template <bool Mlp, std::size_t mb, std::size_t group, typename S, typename A>
+  struct pass {
+    static constexpr bool widened = !std::is_same_v<S, A>;
+    static constexpr A ln_eps = A(1e-6);
+    static constexpr std::size_t hidden(const ttt_shape& s) noexcept { return ttt_hidden(s, Mlp); }
+    static constexpr std::size_t inner_elements(const ttt_shape& s) noexcept {
+      return ttt_inner_elements(s, Mlp);
+    }
+    static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
+      return cpu::blocks(s.seq, mb);
+    }
+    static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
+      return cpu::blocks(mini_batches(s), group);
+    }
+
+    static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
+                        S* o_s, void* workspace, std::size_t workspace_size, thread_pool& ex) {
+      const std::size_t threads = ex.size();
+      const auto ws = carve(forward_layout(s, threads), workspace, workspace_size);
+      const std::size_t N = rows(s), C = s.width;
+      const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
+      const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
+      A* q = ws.template get<A>(f_q);
+      A* k = ws.template get<A>(f_k);
+      A* v = ws.template get<A>(f_v);
+      A* lr = ws.template get<A>(f_lr);
+      A* sig = ws.template get<A>(f_sig);
+      A* tok = ws.template get<A>(f_tok);
+      const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
+      project(s, xa, wa, q, k, v, lr, sig, tok, ex, pk.span());
+
+      // The inner loop, one task per (b, h); its output rounded through storage into `saved`.
+      A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
+      inner_forward(s, q, k, v, lr, tok, wa, o, ckpt,
+                    ws.template get<A>(f_scratch), pk, ex);
+      if constexpr (widened) {
+        cpu::narrow(static_cast<const A*>(o), N * C, o_s);
+        cpu::widen(static_cast<const S*>(o_s), N * C, o);
+      }
+      // Post norm, gate, output projection (pn reuses q's slot).
+      A* pn = q;
+      post_norm(s, o, wa, pn, nullptr, nullptr, ex);
+      if (s.use_gate) {
+        A* gpre = k;
+        mm(ex, xa, wa.wg, gpre, N, C, C, false, pk.span());
+        cpu::for_rows(ex, N, [&](std::size_t n) {
+          for (std::size_t j = 0; j < C; ++j) pn[n * C + j] *= gelu(gpre[n * C + j]);
+        });
+      }
+      A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+      mm(ex, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false, pk.span());
+      if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+    }
+
+    static void backward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, const A* ckpt,
+                         const S* o_s, const S* dy, S* dx, const ttt_gradients<S>& g,
+                         void* workspace, std::size_t workspace_size, thread_pool& ex) {
+      const std::size_t threads = ex.size();
+      const auto ws = carve(backward_layout(s, threads), workspace, workspace_size);
+      const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim(), B = s.batch;
+      const wptrs wa = widen_weights(s, w, ws.template get<A>(b_w));
+      const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
+      A* q = ws.template get<A>(b_q);
+      A* k = ws.template get<A>(b_k);
+      A* v = ws.template get<A>(b_v);
+      A* lr = ws.template get<A>(b_lr);
+      A* sig = ws.template get<A>(b_sig);
+      A* tok = ws.template get<A>(b_tok);
+      const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
+      const std::span<std::byte> gs = pk.span();
+      project(s, xa, wa, q, k, v, lr, sig, tok, ex, gs);
+      const A* o = cpu::widen_or_alias(o_s, N * C,
+                                  ws.template get<A>(b_o));
+      const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
+      A* tmp = ws.template get<A>(b_wtmp);
+      A* dxa = ws.template get<A>(b_dx);
+
+      // Output projection, gate and post norm, backwards. pn: the post norm's output; xh: its x̂.
+      A* pn = ws.template get<A>(b_pn);
+      A* xh = ws.template get<A>(b_xh);
+      A* rsig = ws.template get<A>(b_rsig);
+      post_norm(s, o, wa, pn, xh, rsig, ex);
+      A* dpn = ws.template get<A>(b_dpn);
+      mm_bt(ex, dya, wa.wo, dpn, N, C, C, false, gs);  // dL/d(gated)
+      if (s.use_gate) {
+        A* gpre = ws.template get<A>(b_gpre);
+        mm(ex, xa, wa.wg, gpre, N, C, C, false, gs);
+        // gated = pn ⊙ gelu(gpre): dgpre = dgated ⊙ pn ⊙ gelu'(gpre), then dpn = dgated ⊙ gelu.
+        cpu::for_rows(ex, N, [&](std::size_t n) {
+          for (std::size_t j = 0; j < C; ++j) {
+            const std::size_t e = n * C + j;
+            const A gl = gelu(gpre[e]), dgated = dpn[e];
+            dpn[e] = dgated * gl;
+            gpre[e] = dgated * pn[e] * gelu_grad(gpre[e]);  // now dgpre
+            pn[e] *= gl;                                     // now the gated value
+          }
+        });
+        cpu::weight_grad(ex, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
+        cpu::weight_grad(ex, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C, gs);
+        mm_bt(ex, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false, gs);
+      } else {
+        cpu::weight_grad(ex, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
+        std::fill(dxa, dxa + N * C, A(0));
+      }
+      // Post norm: pn = x̂ ⊙ post_w + post_b. d(post_w) = Σ dpn ⊙ x̂, d(post_b) = Σ dpn.
+      A* small = ws.template get<A>(b_small);
+      column_sums_product(ex, static_cast<const A*>(dpn), static_cast<const A*>(xh), N, C, small,
+                          small + C);
+      cpu::add_grad(small, C, g.post_w);
+      cpu::add_grad(small + C, C, g.post_b);
+      A* d_o = ws.template get<A>(b_do);
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        A* dxh = d_o + n * C;  // dL/dx̂, then dL/do in place
+        for (std::size_t j = 0; j < C; ++j) dxh[j] = dpn[n * C + j] * wa.post_w[j];
+        A tmp_row_m1 = 0, tmp_row_m2 = 0;
+        for (std::size_t j = 0; j < C; ++j) {
+          tmp_row_m1 += dxh[j];
+          tmp_row_m2 += dxh[j] * xh[n * C + j];
+        }
+        tmp_row_m1 /= static_cast<A>(C);
+        tmp_row_m2 /= static_cast<A>(C);
+        for (std::size_t j = 0; j < C; ++j)
+          dxh[j] = (dxh[j] - tmp_row_m1 - xh[n * C + j] * tmp_row_m2) / rsig[n];
+      });
+
+      // The inner loop backwards: dq, dk, dv, dlr and per-(b, h) partial parameter gradients.
+      A* dq = ws.template get<A>(b_dq);
+      A* dk = ws.template get<A>(b_dk);
+      A* dv = ws.template get<A>(b_dv);
+      A* dlr = ws.template get<A>(b_dlr);
+      A* part = ws.template get<A>(b_part);
+      inner_backward(s, q, k, v, lr, tok, wa, ckpt, d_o, dq, dk, dv, dlr,
+                     part, ws.template get<A>(b_scratch), pk, ex);
+
+      // Partials summed over the batch in order: the inner state per head, then γ, β per head,
+      // then the token offsets per head.
+      const std::size_t per = part_elements(s), SZ = inner_elements(s), F = hidden(s);
+      A* sum = small;  // [per]
+      for (std::size_t j = 0; j < per; ++j) {
+        A acc = 0;
+        for (std::size_t b = 0; b < B; ++b) acc += part[b * per + j];
+        sum[j] = acc;
+      }
+      for (std::size_t h = 0; h < H; ++h) {
+        const A* ph = sum + h * SZ;
+        cpu::add_grad(ph, D * F, g.w1 + h * D * F);
+        cpu::add_grad(ph + D * F, F, g.b1 + h * F);
+        if constexpr (Mlp) {
+          cpu::add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
+          cpu::add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
+        }
+      }
+      cpu::add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
+      cpu::add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
+      A* dtok = sum + H * SZ + 2 * H * D;  // [H, mb]: summed over heads, masked by the clamp
+      for (std::size_t i = 0; i < mb; ++i) {
+        A acc = 0;
+        for (std::size_t h = 0; h < H; ++h) acc += dtok[h * mb + i];
+        const A raw = A(1) / static_cast<A>(i + 1) + wa.tok_offset[i];
+        dtok[i] = raw > A(0) ? acc : A(0);  // clamp_min(·, 0): no gradient where clamped
+      }
+      cpu::add_grad(dtok, mb, g.tok_offset);
+
+      // The learning-rate gate: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ).
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        for (std::size_t h = 0; h < H; ++h) dlr[n * H + h] *= lr[n * H + h] * (A(1) - sig[n * H + h]);
+      });
+      if constexpr (widened) {
+        cpu::matmul_at(ex, static_cast<const A*>(dlr), xa, tmp, N, H, C, false,
+                       cpu::ld3{H, C, C}, gs);
+        cpu::narrow_add(static_cast<const A*>(tmp), H * C, g.lr_w);
+      } else {
+        cpu::matmul_at(ex, static_cast<const A*>(dlr), xa, g.lr_w, N, H, C, true,
+                       cpu::ld3{H, C, C}, gs);
+      }
+      column_sums_product(ex, static_cast<const A*>(dlr), static_cast<const A*>(nullptr), N, H,
+                          sum, nullptr);
+      cpu::add_grad(sum, H, g.lr_b);
+      mm(ex, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true, gs);
+
+      // RoPE's transpose, then the projections.
+      cpu::rope_pairs(ex, dq, N, s.seq, H, D, s.rope_base, mb, true);
+      cpu::rope_pairs(ex, dk, N, s.seq, H, D, s.rope_base, mb, true);
+      cpu::weight_grad(ex, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C, gs);
+      cpu::weight_grad(ex, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C, gs);
+      cpu::weight_grad(ex, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C, gs);
+      mm_bt(ex, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true, gs);
+      mm_bt(ex, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true, gs);
+      mm_bt(ex, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true, gs);
+      cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    }
+
+    static void step(const ttt_shape& s, const ttt_weights<S>& w, A* state, std::size_t i,
+                     const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
+                     thread_pool& ex) {
+      ttt_shape one = s;
+      one.seq = 1;
+      const auto ws = carve(forward_layout(one, 1, true), workspace, workspace_size);
+      const std::size_t B = s.batch, C = s.width, H = s.heads, D = s.head_dim();
+      const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
+      const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
+      A* q = ws.template get<A>(f_q);
+      A* k = ws.template get<A>(f_k);
+      A* v = ws.template get<A>(f_v);
+      A* lr = ws.template get<A>(f_lr);
+      A* sig = ws.template get<A>(f_sig);
+      A* tok = ws.template get<A>(f_tok);
+      // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
+      // products (GEMVs) use none.
+      const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
+      const packing pk{gs, cpu::scratch_slots::per_task};
+      const cpu::gemm_scratch inner_pk{};
+      project(one, xa, wa, q, k, v, lr, sig, tok, ex, pk, i);
+      A* o = ws.template get<A>(f_o);
+      A* scratch = ws.template get<A>(f_scratch);
+      const std::size_t SZ = inner_elements(s), F = hidden(s);
+      A* weff = scratch;  // the token's effective inner state, W − tok_i·Σ
+      const mb_buffers sc = carve_mb(weff + SZ, D, F, 1, false);
+      for (std::size_t b = 0; b < B; ++b)
+        for (std::size_t h = 0; h < H; ++h) {
+          A* W = state + (b * H + h) * 2 * SZ;
+          A* Gs = W + SZ;
+          const A lr_t = lr[b * H + h];
+          const cpu::ttt_minibatch<A> m{q + b * C + h * D, k + b * C + h * D, v + b * C + h * D, 1,
+                                        D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
+                                        wa.ttt_norm_b + h * D, ln_eps};
+          // This token's inner gradients at the mini-batch's starting state, added to the sums.
+          mb_forward(m, W, sc, false, inner_pk);
+          const ilayout L = layout_of(D, F);
+          accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
+          if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
+          for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
+          // The output through the effective state (the dual form's row i).
+          if constexpr (Mlp) {
+            cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, inner_pk);
+            for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
+            cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
+                                 weff + L.b2, sc.zb, inner_pk);
+          } else {
+            cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, inner_pk);
+          }
+          cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
+          for (std::size_t c = 0; c < D; ++c)
+            o[b * C + h * D + c] =
+                m.q[c] + wa.ttt_norm_w[h * D + c] * sc.xhb[c] + wa.ttt_norm_b[h * D + c];
+          if (i == mb - 1) {  // the mini-batch ends: its last state starts the next
+            std::copy(weff, weff + SZ, W);
+            std::fill(Gs, Gs + SZ, A(0));
+          }
+        }
+      if constexpr (widened) {  // as forward: the heads' output is rounded through storage
+        for (std::size_t e = 0; e < B * C; ++e) o[e] = to_accum<A>(from_accum<S>(o[e]));
+      }
+      A* pn = q;
+      post_norm(one, o, wa, pn, nullptr, nullptr, ex);
+      if (s.use_gate) {
+        mm(ex, xa, wa.wg, k, B, C, C, false, pk);
+        for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
+      }
+      A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
+      mm(ex, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false, pk);
+      if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    }
+
+    static constexpr std::size_t rows(const ttt_shape& s) noexcept { return s.batch * s.seq; }
+    static constexpr std::size_t wide(const ttt_shape& s) noexcept {
+      return bytes_of<A>(rows(s), s.width);
+    }
+    static constexpr std::size_t w_acc_bytes(const ttt_shape& s) noexcept {
+      const std::size_t C = s.width, H = s.heads, D = s.head_dim();
+      return widened ? bytes_of<A>(5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb +
+                                   2 * C)
+                     : 0;
+    }
+    static constexpr std::size_t io_acc_bytes(const ttt_shape& s) noexcept {
+      return widened ? wide(s) : 0;
+    }
+    static constexpr std::size_t group_in_use(const ttt_shape& s) noexcept {
+      return std::min(group, mini_batches(s));
+    }
+    // Per thread: forward, one mini-batch's buffers plus the running state; backward, the group's
+    // entering states, the state's gradient, the running state and the buffers with gradients.
+    static constexpr std::size_t task_scratch(const ttt_shape& s, std::size_t threads,
+                                              bool backward) noexcept {
+      const std::size_t SZ = inner_elements(s), D = s.head_dim(), F = hidden(s);
+      const std::size_t per = backward ? (group_in_use(s) + 2) * SZ + mb_elements(D, F, mb, true)
+                                       : SZ + mb_elements(D, F, mb, false);
+      return bytes_of<A>(threads, per);
+    }
+    // Per batch row: the inner state's gradient [H, inner_elements], dγ, dβ [H, D], dtok [H, mb].
+    static constexpr std::size_t part_elements(const ttt_shape& s) noexcept {
+      const std::size_t H = s.heads, D = s.head_dim();
+      return H * inner_elements(s) + 2 * H * D + H * mb;
+    }
+    static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
+      return bytes_of<A>(s.batch, part_elements(s));
+    }
+    // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
+    // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
+    // their thread's slice.
+    static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
+      const std::size_t N = rows(s), C = s.width, H = s.heads;
+      return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
+                       cpu::matmul_thread_scratch_bytes<A>(N, C, H),  // the rates' pre-activation
+                       cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), mb)});
+    }
+    static constexpr std::size_t backward_pack_bytes(const ttt_shape& s) noexcept {
+      const std::size_t N = rows(s), C = s.width, H = s.heads;
+      return std::max({forward_pack_bytes(s),
+                       cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
+                       cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
+                       cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
+    }
+    // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
+    // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
+    // row each, GEMVs too, so they pack nothing.
+    static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
+      const std::size_t B = s.batch, C = s.width, H = s.heads;
+      return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
+                      cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
+    }
+    struct gemm_ws {
+      std::byte* data;
+      std::size_t bytes;  // threads · the per-thread bytes
+      std::span<std::byte> span() const noexcept { return {data, bytes}; }
+      // Thread t's slice for the inner loop's products.
+      cpu::gemm_scratch of(std::size_t t, std::size_t threads) const noexcept {
+        const std::size_t per = bytes / threads;
+        return {data + t * per, per};
+      }
+    };
+
+    // Phases: 0 projections, 1 inner loop, 2 post norm, gate and output projection.
+    enum forward_slot : std::size_t {
+      f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
+    };
+    // Decoding computes the heads' output in the workspace even when it is the accumulator type
+    // (forward writes it straight into `saved`), and sizes its packing buffers per task.
+    static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
+                                                         bool decoding = false) {
+      const std::size_t N = rows(s), H = s.heads;
+      workspace_layout<12> l;
+      l.add(w_acc_bytes(s), default_alignment, {0, 2});
+      l.add(io_acc_bytes(s), default_alignment, {0, 2});
+      l.add(wide(s), default_alignment, {0, 2});
+      l.add(wide(s), default_alignment, {0, 2});
+      l.add(wide(s), default_alignment, {0, 1});
+      l.add(bytes_of<A>(N, H), default_alignment, {0, 1});
+      l.add(bytes_of<A>(N, H), default_alignment, {0, 1});
+      l.add(bytes_of<A>(mb), default_alignment, {0, 1});
+      l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
+      l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
+      l.add(io_acc_bytes(s), default_alignment, {2, 2});
+      l.add(decoding ? step_pack_bytes(s) : bytes_of<std::byte>(threads, forward_pack_bytes(s)),
+            default_alignment, {0, 2});
+      return l;
+    }
+
+    // Phases: 0 projections, post norm and gate backwards; 1 inner loop backwards; 2 gradients
+    // of the learning-rate gate and the projections, dx.
+    enum backward_slot : std::size_t {
+      b_w, b_x, b_q, b_k, b_v, b_lr, b_sig, b_tok, b_o, b_dy, b_pn, b_xh, b_rsig, b_dpn, b_gpre,
+      b_small, b_do, b_dq, b_dk, b_dv, b_dlr, b_part, b_scratch, b_wtmp, b_dx, b_gemm
+    };
+    static constexpr workspace_layout<26> backward_layout(const ttt_shape& s, std::size_t threads) {
+      const std::size_t N = rows(s), H = s.heads, C = s.width;
+      workspace_layout<26> l;
+      l.add(w_acc_bytes(s), default_alignment, {0, 2});
+      l.add(io_acc_bytes(s), default_alignment, {0, 2});
+      l.add(wide(s), default_alignment, {0, 1});  // q
+      l.add(wide(s), default_alignment, {0, 1});  // k
+      l.add(wide(s), default_alignment, {0, 1});  // v
+      l.add(bytes_of<A>(N, H), default_alignment, {0, 2});
+      l.add(bytes_of<A>(N, H), default_alignment, {0, 2});
+      l.add(bytes_of<A>(mb), default_alignment, {0, 2});
+      l.add(io_acc_bytes(s), default_alignment, {0, 0});  // o widened
+      l.add(io_acc_bytes(s), default_alignment, {0, 0});  // dy widened
+      l.add(wide(s), default_alignment, {0, 0});          // pn
+      l.add(wide(s), default_alignment, {0, 0});          // x̂
+      l.add(bytes_of<A>(N), default_alignment, {0, 0});   // σ per row
+      l.add(wide(s), default_alignment, {0, 0});          // dpn
+      l.add(s.use_gate ? wide(s) : 0, default_alignment, {0, 0});
+      l.add(bytes_of<A>(std::max(2 * C, part_elements(s))), default_alignment, {0, 2});
+      l.add(wide(s), default_alignment, {0, 1});          // d(o)
+      l.add(wide(s), default_alignment, {1, 2});          // dq
+      l.add(wide(s), default_alignment, {1, 2});          // dk
+      l.add(wide(s), default_alignment, {1, 2});          // dv
+      l.add(bytes_of<A>(N, H), default_alignment, {1, 2});
+      l.add(partial_bytes(s), default_alignment, {1, 2});
+      l.add(task_scratch(s, threads, true), default_alignment, {1, 1});
+      l.add(widened ? bytes_of<A>(std::max(C * C, H * C)) : 0, default_alignment, {0, 2});
+      l.add(wide(s), default_alignment, {0, 2});          // dx in A
+      l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 2});
+      return l;
+    }
+
+    // ---- Helpers -------------------------------------------------------------------------------
+    static A gelu(A v) { return cpu::gelu_tanh<A>::f(v); }  // the gate's, as upstream's
+    static A gelu_grad(A v) { return cpu::gelu_tanh<A>::d1(v); }
+
+    struct wptrs {
+      const A *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
+          *post_b, *wg, *wo, *w2, *b2;
+    };
+    static wptrs widen_weights(const ttt_shape& s, const ttt_weights<S>& w, A* slot) {
+      if constexpr (widened) {
+        const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = hidden(s);
+        A* p = slot;
+        const auto take = [&](const S* src, std::size_t n) -> const A* {
+          if (src == nullptr) return nullptr;
+          cpu::widen(src, n, p);
+          const A* out = p;
+          p += n;
+          return out;
+        };
+        wptrs r;
+        r.wq = take(w.wq, C * C);
+        r.wk = take(w.wk, C * C);
+        r.wv = take(w.wv, C * C);
+        r.ttt_norm_w = take(w.ttt_norm_w, H * D);
+        r.ttt_norm_b = take(w.ttt_norm_b, H * D);
+        r.w1 = take(w.w1, H * D * F);
+        r.b1 = take(w.b1, H * F);
+        r.lr_w = take(w.lr_w, H * C);
+        r.lr_b = take(w.lr_b, H);
+        r.tok_offset = take(w.tok_offset, mb);
+        r.post_w = take(w.post_w, C);
+        r.post_b = take(w.post_b, C);
+        r.wg = s.use_gate ? take(w.wg, C * C) : nullptr;
+        r.wo = take(w.wo, C * C);
+        r.w2 = Mlp ? take(w.w2, H * F * D) : nullptr;
+        r.b2 = Mlp ? take(w.b2, H * D) : nullptr;
+        return r;
+      } else {
+        (void)s;
+        (void)slot;
+        return {w.wq, w.wk, w.wv, w.ttt_norm_w, w.ttt_norm_b, w.w1, w.b1, w.lr_w, w.lr_b,
+                w.tok_offset, w.post_w, w.post_b, w.wg, w.wo, w.w2, w.b2};
+      }
+    }
+    // The packing buffers of the projections: training passes index them by thread (threads · the
+    // per-thread bytes of *_pack_bytes), decoding by task (step_pack_bytes).
+    struct packing {
+      std::span<std::byte> bytes;
+      cpu::scratch_slots slots = cpu::scratch_slots::per_thread;
+      packing(std::span<std::byte> b, cpu::scratch_slots s = cpu::scratch_slots::per_thread)
+          : bytes(b), slots(s) {}
+    };
+    // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]).
+    static void mm(thread_pool& ex, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+                   std::size_t M, bool accumulate, packing pk) {
+      cpu::matmul(ex, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk.bytes, pk.slots);
+    }
+    static void mm_bt(thread_pool& ex, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
+                      std::size_t M, bool accumulate, packing pk) {
+      cpu::matmul_bt(ex, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk.bytes, pk.slots);
+    }
+
+    // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
+    // `position0` offsets the position inside the mini-batch (decoding).
+    static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
+                        A* sig, A* tok, thread_pool& ex, packing pk,
+                        std::size_t position0 = 0) {
+      const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
+      mm(ex, xa, wa.wq, q, N, C, C, false, pk);
+      mm(ex, xa, wa.wk, k, N, C, C, false, pk);
+      mm(ex, xa, wa.wv, v, N, C, C, false, pk);
+      if (position0 == 0) {
+        cpu::rope_pairs(ex, q, N, s.seq, H, D, s.rope_base, mb, false);
+        cpu::rope_pairs(ex, k, N, s.seq, H, D, s.rope_base, mb, false);
+      } else {  // one token per row at position position0 (seq is 1 here)
+        rope_at(q, N, H, D, s.rope_base, position0);
+        rope_at(k, N, H, D, s.rope_base, position0);
+      }
+      mm_bt(ex, xa, wa.lr_w, sig, N, C, H, false, pk);
+      const A scale = static_cast<A>(s.base_lr / static_cast<double>(D));
+      for (std::size_t n = 0; n < N; ++n)
+        for (std::size_t h = 0; h < H; ++h) {
+          A& e = sig[n * H + h];
+          e = A(1) / (A(1) + std::exp(-(e + wa.lr_b[h])));
+          lr[n * H + h] = scale * e;
+        }
+      for (std::size_t i = 0; i < mb; ++i)
+        tok[i] = std::max(A(0), A(1) / static_cast<A>(i + 1) + wa.tok_offset[i]);
+    }
+    static void rope_at(A* x, std::size_t N, std::size_t H, std::size_t D, double base,
+                        std::size_t position) {
+      for (std::size_t n = 0; n < N; ++n)
+        for (std::size_t i = 0; i < D / 2; ++i) {
+          const double inv_freq = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+          const double angle = static_cast<double>(position) * inv_freq;
+          const A c = static_cast<A>(std::cos(angle)), sn = static_cast<A>(std::sin(angle));
+          for (std::size_t h = 0; h < H; ++h) {
+            A* p = x + n * H * D + h * D + 2 * i;
+            const A x1 = p[0], x2 = p[1];
+            p[0] = x1 * c - x2 * sn;
+            p[1] = x2 * c + x1 * sn;
+          }
+        }
+    }
+
+    // pn = LN_C(o)·post_w + post_b; keeps x̂ and σ per row when asked (backward).
+    static void post_norm(const ttt_shape& s, const A* o, const wptrs& wa, A* pn, A* xh, A* rsig,
+                          thread_pool& ex) {
+      const std::size_t N = rows(s), C = s.width;
+      cpu::for_rows(ex, N, [&](std::size_t n) {
+        A* dst = xh ? xh + n * C : pn + n * C;
+        const A sg = cpu::ln_row(o + n * C, C, ln_eps, dst);
+        if (rsig) rsig[n] = sg;
+        for (std::size_t j = 0; j < C; ++j) pn[n * C + j] = dst[j] * wa.post_w[j] + wa.post_b[j];
+      });
+    }
+
+    // ---- One mini-batch ------------------------------------------------------------------------
+    // Offsets inside an inner state: W1 [D, F], b1 [F], W2 [F, D], b2 [D].
+    struct ilayout {
+      std::size_t w1, b1, w2, b2;
+    };
+    static constexpr ilayout layout_of(std::size_t D, std::size_t F) noexcept {
+      return {0, D * F, D * F + F, D * F + F + F * D};
+    }
+    static void load_initial(const ttt_shape& s, const ttt_weights<S>& w, std::size_t h, A* dst) {
+      const std::size_t D = s.head_dim(), F = hidden(s);
+      const ilayout L = layout_of(D, F);
+      cpu::widen(w.w1 + h * D * F, D * F, dst + L.w1);
+      cpu::widen(w.b1 + h * F, F, dst + L.b1);
+      if constexpr (Mlp) {
+        cpu::widen(w.w2 + h * F * D, F * D, dst + L.w2);
+        cpu::widen(w.b2 + h * D, D, dst + L.b2);
+      }
+    }
+
+    // A mini-batch's buffers ([K ≤ mb] rows each); the second group only in backward.
+    struct mb_buffers {
+      A *z1, *x2, *g1, *z2, *xh2, *g2, *sig2, *att1, *p1, *z1b, *x2b, *att2, *p2, *zb, *xhb, *sigb,
+          *eg, *lrm;
+      A *dzb, *dx2b, *dz1b, *dg1, *dg2, *dx2, *dz1, *dz2, *s1, *s2, *dp1, *dp2, *de, *dl, *rowd;
+    };
+    static constexpr std::size_t mb_elements(std::size_t D, std::size_t F, std::size_t m,
+                                             bool backward) noexcept {
+      const std::size_t fwd = 6 * m * F + 5 * m * D + 4 * m * m + 3 * m;
+      return backward ? fwd + 7 * m * F + 3 * m * D + 2 * m * m + 2 * m + 3 * D : fwd;
+    }
+    static mb_buffers carve_mb(A* p, std::size_t D, std::size_t F, std::size_t m, bool backward) {
+      mb_buffers b{};
+      const auto take = [&](std::size_t n) {
+        A* r = p;
+        p += n;
+        return r;
+      };
+      b.z1 = take(m * F);
+      b.x2 = take(m * F);
+      b.g1 = take(m * F);
+      b.z1b = take(m * F);
+      b.x2b = take(m * F);
+      b.eg = take(m * F);
+      b.z2 = take(m * D);
+      b.xh2 = take(m * D);
+      b.g2 = take(m * D);
+      b.zb = take(m * D);
+      b.xhb = take(m * D);
+      b.att1 = take(m * m);
+      b.p1 = take(m * m);
+      b.att2 = take(m * m);
+      b.p2 = take(m * m);
+      b.sig2 = take(m);
+      b.sigb = take(m);
+      b.lrm = take(m);
+      if (backward) {
+        b.dx2b = take(m * F);
+        b.dz1b = take(m * F);
+        b.dg1 = take(m * F);
+        b.dx2 = take(m * F);
+        b.dz1 = take(m * F);
+        b.s1 = take(m * F);
+        b.s2 = take(m * F);
+        b.dzb = take(m * D);
+        b.dg2 = take(m * D);
+        b.dz2 = take(m * D);
+        b.dp1 = take(m * m);
+        b.dp2 = take(m * m);
+        b.de = take(m);
+        b.dl = take(m);
+        b.rowd = take(3 * D);
+      }
+      return b;
+    }
+    // The gradient the first layer's update uses: G1 (MLP) or the only layer's G (Linear, in g2).
+    static A* first_grad(const mb_buffers& b) { return Mlp ? b.g1 : b.g2; }
+
+    // The inner gradients at state W (and, with need_out, Zbar of the output rows).
+    static void mb_forward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
+                           bool need_out, cpu::gemm_scratch pk) {
+      const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
+      const ilayout L = layout_of(D, F);
+      if constexpr (Mlp) {
+        cpu::ttt_linear_rows(m.k, m.ld, K, D, F, W + L.w1, W + L.b1, b.z1, pk);
+        for (std::size_t e = 0; e < K * F; ++e) b.x2[e] = cpu::gelu_tanh<A>::f(b.z1[e]);
+        cpu::ttt_linear_rows(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, W + L.b2, b.z2, pk);
+        cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
+        // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
+        auto G1 = cpu::view(b.g1, K, F, F);
+        cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                  cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+        for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
+        if (!need_out) return;
+        cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
+        cpu::ttt_dual_rows(m.q, m.ld, K, D, F, W + L.w1, W + L.b1, b.p1, b.g1, b.z1b, pk);
+        for (std::size_t e = 0; e < K * F; ++e) b.x2b[e] = cpu::gelu_tanh<A>::f(b.z1b[e]);
+        cpu::ttt_p_matrix(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K, F,
+                          m.tok, m.lr, b.att2, b.p2, pk);
+        cpu::ttt_dual_rows(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, W + L.b2, b.p2,
+                           b.g2, b.zb, pk);
+      } else {
+        cpu::ttt_linear_rows(m.k, m.ld, K, D, D, W + L.w1, W + L.b1, b.z2, pk);
+        cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
+        if (!need_out) return;
+        cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
+        cpu::ttt_dual_rows(m.q, m.ld, K, D, D, W + L.w1, W + L.b1, b.p1, b.g2, b.zb, pk);
+      }
+    }
+    // The state's update at the mini-batch's end (gradients from mb_forward).
+    static void mb_update(const cpu::ttt_minibatch<A>& m, A* W, const mb_buffers& b,
+                          cpu::gemm_scratch pk) {
+      const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
+      const ilayout L = layout_of(D, F);
+      const A tl = m.tok[K - 1];
+      cpu::ttt_update(m.k, m.ld, K, D, F, static_cast<const A*>(first_grad(b)), tl, m.lr, W + L.w1,
+                      W + L.b1, b.eg, pk);
+      if constexpr (Mlp) {
+        cpu::ttt_update(static_cast<const A*>(b.x2), F, K, F, D, static_cast<const A*>(b.g2), tl,
+                        m.lr, W + L.w2, W + L.b2, b.eg, pk);
+      }
+    }
+    // Gw += lr·xᵀ·g and gb += lr·g for one row (decoding's running sums).
+    static void accumulate_outer(const A* x, std::size_t nin, std::size_t nout, const A* g, A lr,
+                                 A* Gw, A* gb) {
+      for (std::size_t a = 0; a < nin; ++a)
+        for (std::size_t c = 0; c < nout; ++c) Gw[a * nout + c] += lr * x[a] * g[c];
+      for (std::size_t c = 0; c < nout; ++c) gb[c] += lr * g[c];
+    }
+
+    // ---- The inner loop --------------------------------------------------------------------------
+    static cpu::ttt_minibatch<A> minibatch(const ttt_shape& s, const A* q, const A* k, const A* v,
+                                           const A* lr_row, const A* tok, const wptrs& wa,
+                                           std::size_t b, std::size_t h, std::size_t t0) {
+      const std::size_t C = s.width, D = s.head_dim(), K = std::min(mb, s.seq - t0);
+      const std::size_t r = (b * s.seq + t0) * C + h * D;
+      return cpu::ttt_minibatch<A>{q + r, k + r, v + r, K, D, C, lr_row, tok,
+                                   wa.ttt_norm_w + h * D, wa.ttt_norm_b + h * D, ln_eps};
+    }
+    // The mini-batch's rates, gathered contiguous: lr[(b·T + t0 + s)·H + h].
+    static void gather_lr(const ttt_shape& s, const A* lr, std::size_t b, std::size_t h,
+                          std::size_t t0, std::size_t K, A* out) {
+      for (std::size_t i = 0; i < K; ++i) out[i] = lr[(b * s.seq + t0 + i) * s.heads + h];
+    }
+    static A* initial_state(const ttt_shape& s, const wptrs& wa, std::size_t h, A* dst) {
+      const std::size_t D = s.head_dim(), F = hidden(s);
+      const ilayout L = layout_of(D, F);
+      std::copy(wa.w1 + h * D * F, wa.w1 + (h + 1) * D * F, dst + L.w1);
+      std::copy(wa.b1 + h * F, wa.b1 + (h + 1) * F, dst + L.b1);
+      if constexpr (Mlp) {
+        std::copy(wa.w2 + h * F * D, wa.w2 + (h + 1) * F * D, dst + L.w2);
+        std::copy(wa.b2 + h * D, wa.b2 + (h + 1) * D, dst + L.b2);
+      }
+      return dst;
+    }
+
+    static void inner_forward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
+                              const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
+                              const gemm_ws& gw, thread_pool& ex) {
+      const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
+      const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
+      const std::size_t per = SZ + mb_elements(D, F, mb, false);
+      ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
+        const std::size_t b = task / H, h = task % H;
+        A* W = initial_state(s, wa, h, scratch + thread * per);
+        const mb_buffers sc = carve_mb(W + SZ, D, F, mb, false);
+        const cpu::gemm_scratch pk = gw.of(thread, ex.size());
+        for (std::size_t m = 0; m < nmb; ++m) {
+          const std::size_t t0 = m * mb;
+          if (m % group == 0) std::copy(W, W + SZ, ckpt + (task * ncp + m / group) * SZ);
+          const std::size_t K = std::min(mb, s.seq - t0);
+          gather_lr(s, lr, b, h, t0, K, sc.lrm);
+          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
+          mb_forward(mbt, W, sc, true, pk);
+          for (std::size_t i = 0; i < K; ++i) {
+            cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
+            A* out = o + (b * s.seq + t0 + i) * C + h * D;
+            const A* qr = mbt.q + i * C;
+            for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
+          }
+          mb_update(mbt, W, sc, pk);
+        }
+      });
+    }
+
+    // dX += dZ·Wᵀ, dW += Xᵀ·dZ, db += Σ dZ for Z = X·W + b (X [K, nin] stride ldx).
+    static void linear_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
+                                     std::size_t nout, const A* W, const A* dz, A* dx,
+                                     std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
+      const auto dZ = cpu::cview(dz, K, nout, nout);
+      auto dX = cpu::view(dx, K, nin, lddx);
+      cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
+      auto dWm = cpu::view(dW, nin, nout, nout);
+      cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
+      for (std::size_t i = 0; i < K; ++i)
+        for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
+    }
+
+    // One mini-batch backwards, given dL/d(out rows) and dS = dL/d(state leaving it); on return dS
+    // is dL/d(state entering it). dq, dk, dv rows (stride C) are written; ptok, pgam, pbet
+    // accumulated; returns the rates' gradients in b.dl.
+    static void mb_backward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
+                            const A* d_out, A* dq, A* dk, A* dv, A* dS, A* pgam, A* pbet,
+                            A* ptok, cpu::gemm_scratch pk) {
+      const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D, C = m.ld;
+      const ilayout L = layout_of(D, F);
+      // out = XQ + γ ⊙ x̂(Zbar) + β
+      for (std::size_t i = 0; i < K; ++i) {
+        b.sigb[i] = cpu::ln_row(b.zb + i * D, D, m.eps, b.xhb + i * D);
+        const A* dout = d_out + i * C;
+        for (std::size_t j = 0; j < D; ++j) {
+          pgam[j] += dout[j] * b.xhb[i * D + j];
+          pbet[j] += dout[j];
+          b.rowd[j] = dout[j] * m.gamma[j];
+        }
+        cpu::ln_row_backward(b.xhb + i * D, b.sigb[i], b.rowd, A(0), D, b.dzb + i * D);
+        std::copy(dout, dout + D, dq + i * C);  // the residual XQ
+        std::fill(dk + i * C, dk + i * C + D, A(0));
+        std::fill(dv + i * C, dv + i * C + D, A(0));
+      }
+      std::fill(b.de, b.de + K, A(0));
+      std::fill(b.dl, b.dl + K, A(0));
+      std::fill(b.dg2, b.dg2 + K * D, A(0));
+      const A tl = m.tok[K - 1];
+      A* dW1 = dS + L.w1;
+      A* db1 = dS + L.b1;
+      if constexpr (Mlp) {
+        A* dW2 = dS + L.w2;
+        A* db2 = dS + L.b2;
+        std::fill(b.dg1, b.dg1 + K * F, A(0));
+        std::fill(b.dx2, b.dx2 + K * F, A(0));
+        std::fill(b.dx2b, b.dx2b + K * F, A(0));
+        // The updates read dS as dL/d(state leaving); everything after adds to it.
+        cpu::ttt_update_backward(static_cast<const A*>(b.x2), F, K, F, D,
+                                 static_cast<const A*>(b.g2), tl, m.lr, dW2, db2, b.dx2, F, b.dg2,
+                                 b.de, b.s1, b.s2, pk);
+        cpu::ttt_update_backward(m.k, C, K, D, F, static_cast<const A*>(b.g1), tl, m.lr, dW1, db1,
+                                 dk, C, b.dg1, b.de, b.s1, b.s2, pk);
+        // Zbar2 = X2bar·W2 + b2 − P2·G2, P2 from tril(X2bar·X2ᵀ).
+        cpu::ttt_dual_rows_backward(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, b.p2,
+                                    b.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2, pk);
+        cpu::ttt_p_backward(K, m.tok, m.lr, b.att2, b.dp2, ptok, b.dl);
+        cpu::ttt_att_backward(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K,
+                              F, b.dp2, b.dx2b, F, b.dx2, F, pk);
+        for (std::size_t e = 0; e < K * F; ++e) b.dz1b[e] = b.dx2b[e] * cpu::gelu_tanh<A>::d1(b.z1b[e]);
+        // Zbar1 = XQ·W1 + b1 − P1·G1, P1 from tril(XQ·XKᵀ).
+        cpu::ttt_dual_rows_backward(m.q, C, K, D, F, W + L.w1, b.p1, b.g1, b.dz1b, dq, C, dW1, db1,
+                                    b.dg1, b.dp1, pk);
+        cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
+        cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
+        // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
+        auto Hm = cpu::view(b.s1, K, F, F);
+        cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                  cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
+        for (std::size_t e = 0; e < K * F; ++e) {
+          const A z = b.z1[e];
+          b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
+          b.s2[e] = b.dg1[e] * cpu::gelu_tanh<A>::d1(z);  // dL/dHm
+        }
+        const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
+        auto dG2 = cpu::view(b.dg2, K, D, D);
+        cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
+        auto dW2m = cpu::view(dW2, F, D, D);
+        cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
+                  A(1), true, pk);
+        // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
+        cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
+        linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,
+                             dW2, db2, pk);
+        for (std::size_t e = 0; e < K * F; ++e) b.dz1[e] += b.dx2[e] * cpu::gelu_tanh<A>::d1(b.z1[e]);
+        linear_rows_backward(m.k, C, K, D, F, W + L.w1, b.dz1, dk, C, dW1, db1, pk);
+      } else {
+        cpu::ttt_update_backward(m.k, C, K, D, D, static_cast<const A*>(b.g2), tl, m.lr, dW1, db1,
+                                 dk, C, b.dg2, b.de, b.s1, b.s2, pk);
+        cpu::ttt_dual_rows_backward(m.q, C, K, D, D, W + L.w1, b.p1, b.g2, b.dzb, dq, C, dW1, db1,
+                                    b.dg2, b.dp1, pk);
+        cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
+        cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
+        cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
+        linear_rows_backward(m.k, C, K, D, D, W + L.w1, b.dz2, dk, C, dW1, db1, pk);
+      }
+      // e_s = tok[K−1]·lr_s
+      for (std::size_t i = 0; i < K; ++i) {
+        ptok[K - 1] += b.de[i] * m.lr[i];
+        b.dl[i] += b.de[i] * tl;
+      }
+    }
+
+    // The inner loop backwards, per (b, h). d_o = dL/d(out) [N, C]. Writes dq, dk, dv [N, C] and
+    // dlr [N, H]; part[b] gets this row's inner-state gradient, dγ, dβ and dtok for head h.
+    static void inner_backward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
+                               const A* tok, const wptrs& wa, const A* ckpt, const A* d_o, A* dq,
+                               A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
+                               thread_pool& ex) {
+      const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
+      const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
+      const std::size_t SZ = inner_elements(s), pe = part_elements(s);
+      const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
+      ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
+        const std::size_t b = task / H, h = task % H;
+        A* states = scratch + thread * per;  // [gsz, SZ]: the state entering each mini-batch
+        A* dS = states + gsz * SZ;           // dL/d(state)
+        A* Wc = dS + SZ;                     // the running state while recomputing
+        const mb_buffers sc = carve_mb(Wc + SZ, D, F, mb, true);
+        const cpu::gemm_scratch pk = gw.of(thread, ex.size());
+        A* pt = part + b * pe;
+        A* pS = pt + h * SZ;
+        A* pgam = pt + H * SZ + h * D;
+        A* pbet = pt + H * SZ + H * D + h * D;
+        A* ptok = pt + H * SZ + 2 * H * D + h * mb;
+        std::fill(pgam, pgam + D, A(0));
+        std::fill(pbet, pbet + D, A(0));
+        std::fill(ptok, ptok + mb, A(0));
+        std::fill(dS, dS + SZ, A(0));
+        for (std::size_t c = ncp; c-- > 0;) {
+          const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
+          // Recompute the group's entering states from its checkpoint.
+          std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
+          for (std::size_t m = m0; m < m1; ++m) {
+            std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
+            if (m + 1 == m1) break;  // the last one's update is not needed
+            const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
+            gather_lr(s, lr, b, h, t0, K, sc.lrm);
+            const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
+            mb_forward(mbt, Wc, sc, false, pk);
+            mb_update(mbt, Wc, sc, pk);
+          }
+          for (std::size_t m = m1; m-- > m0;) {
+            const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
+            const A* W = states + (m - m0) * SZ;
+            gather_lr(s, lr, b, h, t0, K, sc.lrm);
+            const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
+            mb_forward(mbt, W, sc, true, pk);
+            const std::size_t r0 = (b * T + t0) * C + h * D;
+            mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok,
+                        pk);
+            for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
+          }
+        }
+        std::copy(dS, dS + SZ, pS);
+      });
+    }
+
+    // Σ_n a[n, j]·b[n, j] into out_ab and Σ_n a[n, j] into out_a (when not null); b may be null
+    // (then out_ab gets Σ a). Column blocks in parallel; rows outer so that each block streams
+    // contiguous memory, and each column still sums its rows in order.
+    static void column_sums_product(thread_pool& ex, const A* a, const A* b, std::size_t N,
+                                    std::size_t M, A* out_ab, A* out_a) {
+      ex.parallel_for(cpu::blocks(M, 64), [&](std::size_t blk, std::size_t) {
+        const std::size_t j0 = blk * 64, j1 = std::min(M, j0 + 64);
+        std::fill(out_ab + j0, out_ab + j1, A(0));
+        if (out_a) std::fill(out_a + j0, out_a + j1, A(0));
+        for (std::size_t n = 0; n < N; ++n) {
+          const A* ar = a + n * M;
+          for (std::size_t j = j0; j < j1; ++j) out_ab[j] += ar[j] * (b ? b[n * M + j] : A(1));
+          if (out_a)
+            for (std::size_t j = j0; j < j1; ++j) out_a[j] += ar[j];
+        }
+      });
+    }
+  };
+};
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/backend/cpu/ttt_cpu.hpp ----
 // ---- begin membound/layers/ttt.hpp ----
@@ -9602,6 +10648,8 @@ MEMBOUND_NAMESPACE_END
 // ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// This file is the front (checks, sizes, the saved and state layouts) and makes one call into
+// backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt_cpu.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
@@ -9635,23 +10683,16 @@ class basic_ttt {
   static constexpr bool is_mlp = Mlp;
   // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
   // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
-  static constexpr std::size_t hidden(const ttt_shape& s) noexcept {
-    return Mlp ? 4 * s.head_dim() : s.head_dim();
-  }
+  static constexpr std::size_t hidden(const ttt_shape& s) noexcept { return ttt_hidden(s, Mlp); }
   static constexpr std::size_t inner_elements(const ttt_shape& s) noexcept {
-    const std::size_t D = s.head_dim(), F = hidden(s);
-    return Mlp ? 2 * D * F + F + D : D * D + D;
+    return ttt_inner_elements(s, Mlp);
   }
 
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr std::size_t mb = mini_batch;
-  static constexpr A ln_eps = A(1e-6);
-  // cuda_backend: backend/cuda/ttt_cuda.cuh's kernels (include membound/backend/cuda.cuh, nvcc).
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
-  using device_kernels = backend_kernels<backend, ttt_shape>;
+  using kernels = backend_kernels<backend, ttt_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -9700,20 +10741,11 @@ class basic_ttt {
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template forward_workspace_bytes<Mlp, mb, S>(s);
-    const std::size_t b[] = {w_acc_bytes(s), wide(s), task_scratch(s, threads, false),
-                             bytes_of<std::byte>(threads, forward_pack_bytes(s))};
-    return detail::fits_layout(b) ? forward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template forward_workspace_bytes<Mlp, mb, S, A>(s, threads);
   }
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, group, S>(s);
-    const std::size_t b[] = {w_acc_bytes(s), wide(s), partial_bytes(s),
-                             task_scratch(s, threads, true),
-                             bytes_of<std::byte>(threads, backward_pack_bytes(s))};
-    return detail::fits_layout(b) ? backward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template backward_workspace_bytes<Mlp, mb, group, S, A>(s, threads);
   }
   // Decoding state per (batch, head): the mini-batch's starting W, w and the running
   // Σ lr_s·XK_sᵀ·G_s, Σ lr_s·G_s of its tokens so far, in the accumulator type.
@@ -9721,39 +10753,13 @@ class basic_ttt {
     return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
-    ttt_shape one = s;
-    one.seq = 1;
-    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s)),
-                             step_pack_bytes(s)};
-    return detail::fits_layout(b) ? forward_layout(one, 1, true).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template step_workspace_bytes<Mlp, mb, S, A>(s);
   }
 
-  struct weights {
-    const S* wq;         // [C, C]
-    const S* wk;         // [C, C]
-    const S* wv;         // [C, C]
-    const S* ttt_norm_w; // [H, D]   the inner LayerNorm's scale
-    const S* ttt_norm_b; // [H, D]   and shift
-    const S* w1;         // [H, D, F] the inner W1 at the start of the sequence
-    const S* b1;         // [H, F]
-    const S* lr_w;       // [H, C]   learning-rate gate
-    const S* lr_b;       // [H]
-    const S* tok_offset; // [b]      learnable offset of the token scales 1/(i+1)
-    const S* post_w;     // [C]      post LayerNorm
-    const S* post_b;     // [C]
-    const S* wg;         // [C, C]   the gate (read only when shape.use_gate)
-    const S* wo;         // [C, C]
-    const S* w2 = nullptr;  // [H, F, D] TTT-MLP only
-    const S* b2 = nullptr;  // [H, D]    TTT-MLP only
-  };
-  struct gradients {  // accumulated (+=); wg only when shape.use_gate, w2 and b2 only for MLP
-    S *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
-        *post_b, *wg, *wo;
-    S* w2 = nullptr;
-    S* b2 = nullptr;
-  };
+  using weights = ttt_weights<S>;      // shape/ttt_shape.hpp: the parameters and their shapes
+  using gradients = ttt_gradients<S>;  // accumulated (+=); wg only when shape.use_gate, w2 and b2
+                                       // only for TTT-MLP
+
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
     const std::size_t C = s.width, H = s.heads, D = s.head_dim();
     return 5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb + 2 * C;
@@ -9766,7 +10772,7 @@ class basic_ttt {
   };
   // The state starts from the layer's W1, b1 (so it needs the weights).
   static state make_state(const ttt_shape& s, const weights& w, void* data, std::size_t bytes) {
-    static_assert(on_cpu,
+    static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is written on the executor's stream: call "
                   "make_state(shape, weights, data, bytes, executor) for ttt<..., cuda_backend>.");
     check(s);
@@ -9782,19 +10788,10 @@ class basic_ttt {
   // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
   // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    static_assert(on_cpu,
+    static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is written on the executor's stream: call "
                   "reset(shape, weights, state, executor) for ttt<..., cuda_backend>.");
-    {
-      const std::size_t SZ = inner_elements(s);
-      A* p = static_cast<A*>(st.data);
-      for (std::size_t b = 0; b < s.batch; ++b)
-        for (std::size_t h = 0; h < s.heads; ++h) {
-          A* q = p + (b * s.heads + h) * 2 * SZ;
-          load_initial(s, w, h, q);
-          std::fill(q + SZ, q + 2 * SZ, A(0));
-        }
-    }
+    kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data));
     st.position = 0;
   }
   // The same on either backend with its executor: on the device the state is written on the
@@ -9811,242 +10808,44 @@ class basic_ttt {
     return st;
   }
   static void reset(const ttt_shape& s, const weights& w, state& st, executor& ex) {
-    if constexpr (on_cpu) {
-      (void)ex;
-      reset(s, w, st);
-    } else {
-      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
-      st.position = 0;
-    }
+    kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
+    st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      executor& pool) {
+                      executor& ex) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
-    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
-      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-      device_kernels::template forward<Mlp, mb, group, S, A>(
-          s, w, x, y, dsv.template get<A>(s_ckpt), dsv.template get<S>(s_o), workspace,
-          workspace_size, pool);
-    } else {
-      forward_cpu(s, w, x, y, saved, saved_size, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void forward_cpu(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
-                          std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                          thread_pool& pool) {
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    const auto ws = detail::carve_named(forward_layout(s, threads),
-                                        forward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t N = rows(s), C = s.width;
-    const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    A* q = ws.template get<A>(f_q);
-    A* k = ws.template get<A>(f_k);
-    A* v = ws.template get<A>(f_v);
-    A* lr = ws.template get<A>(f_lr);
-    A* sig = ws.template get<A>(f_sig);
-    A* tok = ws.template get<A>(f_tok);
-    const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
-    project(s, xa, wa, q, k, v, lr, sig, tok, pool, pk.span());
-
-    // The inner loop, one task per (b, h); its output rounded through storage into `saved`.
-    S* o_s = sv.template get<S>(s_o);
-    A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
-    inner_forward(s, q, k, v, lr, tok, wa, o, sv.template get<A>(s_ckpt),
-                  ws.template get<A>(f_scratch), pk, pool);
-    if constexpr (widened) {
-      cpu::narrow(static_cast<const A*>(o), N * C, o_s);
-      cpu::widen(static_cast<const S*>(o_s), N * C, o);
-    }
-    // Post norm, gate, output projection (pn reuses q's slot).
-    A* pn = q;
-    post_norm(s, o, wa, pn, nullptr, nullptr, pool);
-    if (s.use_gate) {
-      A* gpre = k;
-      mm(pool, xa, wa.wg, gpre, N, C, C, false, pk.span());
-      cpu::for_rows(pool, N, [&](std::size_t n) {
-        for (std::size_t j = 0; j < C; ++j) pn[n * C + j] *= gelu(gpre[n * C + j]);
-      });
-    }
-    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    mm(pool, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false, pk.span());
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                            workspace_size);
+    kernels::template forward<Mlp, mb, group, S, A>(s, w, x, y, sv.template get<A>(s_ckpt),
+                                                    sv.template get<S>(s_o), workspace,
+                                                    workspace_size, ex);
   }
 
  public:
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const ttt_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, executor& pool) {
+                       void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(dy, "dy");
     detail::not_null(dx, "dx");
     check_gradients(s, g);
-    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
-      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
-                                           saved_size, "saved");
-      device_kernels::template backward<Mlp, mb, group, S, A>(
-          s, w, x, static_cast<const A*>(dsv.template get<A>(s_ckpt)),
-          static_cast<const S*>(dsv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size,
-          pool);
-    } else {
-      backward_cpu(s, w, x, saved, saved_size, dy, dx, g, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void backward_cpu(const ttt_shape& s, const weights& w, const S* x, const void* saved,
-                           std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                           void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    const auto ws = detail::carve_named(backward_layout(s, threads),
-                                        backward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim(), B = s.batch;
-    const wptrs wa = widen_weights(s, w, ws.template get<A>(b_w));
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    A* q = ws.template get<A>(b_q);
-    A* k = ws.template get<A>(b_k);
-    A* v = ws.template get<A>(b_v);
-    A* lr = ws.template get<A>(b_lr);
-    A* sig = ws.template get<A>(b_sig);
-    A* tok = ws.template get<A>(b_tok);
-    const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
-    const std::span<std::byte> gs = pk.span();
-    project(s, xa, wa, q, k, v, lr, sig, tok, pool, gs);
-    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
-                                ws.template get<A>(b_o));
-    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    A* tmp = ws.template get<A>(b_wtmp);
-    A* dxa = ws.template get<A>(b_dx);
-
-    // Output projection, gate and post norm, backwards. pn: the post norm's output; xh: its x̂.
-    A* pn = ws.template get<A>(b_pn);
-    A* xh = ws.template get<A>(b_xh);
-    A* rsig = ws.template get<A>(b_rsig);
-    post_norm(s, o, wa, pn, xh, rsig, pool);
-    A* dpn = ws.template get<A>(b_dpn);
-    mm_bt(pool, dya, wa.wo, dpn, N, C, C, false, gs);  // dL/d(gated)
-    if (s.use_gate) {
-      A* gpre = ws.template get<A>(b_gpre);
-      mm(pool, xa, wa.wg, gpre, N, C, C, false, gs);
-      // gated = pn ⊙ gelu(gpre): dgpre = dgated ⊙ pn ⊙ gelu'(gpre), then dpn = dgated ⊙ gelu.
-      cpu::for_rows(pool, N, [&](std::size_t n) {
-        for (std::size_t j = 0; j < C; ++j) {
-          const std::size_t e = n * C + j;
-          const A gl = gelu(gpre[e]), dgated = dpn[e];
-          dpn[e] = dgated * gl;
-          gpre[e] = dgated * pn[e] * gelu_grad(gpre[e]);  // now dgpre
-          pn[e] *= gl;                                     // now the gated value
-        }
-      });
-      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
-      cpu::weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C, gs);
-      mm_bt(pool, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false, gs);
-    } else {
-      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
-      std::fill(dxa, dxa + N * C, A(0));
-    }
-    // Post norm: pn = x̂ ⊙ post_w + post_b. d(post_w) = Σ dpn ⊙ x̂, d(post_b) = Σ dpn.
-    A* small = ws.template get<A>(b_small);
-    column_sums_product(pool, static_cast<const A*>(dpn), static_cast<const A*>(xh), N, C, small,
-                        small + C);
-    cpu::add_grad(small, C, g.post_w);
-    cpu::add_grad(small + C, C, g.post_b);
-    A* d_o = ws.template get<A>(b_do);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      A* dxh = d_o + n * C;  // dL/dx̂, then dL/do in place
-      for (std::size_t j = 0; j < C; ++j) dxh[j] = dpn[n * C + j] * wa.post_w[j];
-      A tmp_row_m1 = 0, tmp_row_m2 = 0;
-      for (std::size_t j = 0; j < C; ++j) {
-        tmp_row_m1 += dxh[j];
-        tmp_row_m2 += dxh[j] * xh[n * C + j];
-      }
-      tmp_row_m1 /= static_cast<A>(C);
-      tmp_row_m2 /= static_cast<A>(C);
-      for (std::size_t j = 0; j < C; ++j)
-        dxh[j] = (dxh[j] - tmp_row_m1 - xh[n * C + j] * tmp_row_m2) / rsig[n];
-    });
-
-    // The inner loop backwards: dq, dk, dv, dlr and per-(b, h) partial parameter gradients.
-    A* dq = ws.template get<A>(b_dq);
-    A* dk = ws.template get<A>(b_dk);
-    A* dv = ws.template get<A>(b_dv);
-    A* dlr = ws.template get<A>(b_dlr);
-    A* part = ws.template get<A>(b_part);
-    inner_backward(s, q, k, v, lr, tok, wa, sv.template get<A>(s_ckpt), d_o, dq, dk, dv, dlr,
-                   part, ws.template get<A>(b_scratch), pk, pool);
-
-    // Partials summed over the batch in order: the inner state per head, then γ, β per head,
-    // then the token offsets per head.
-    const std::size_t per = part_elements(s), SZ = inner_elements(s), F = hidden(s);
-    A* sum = small;  // [per]
-    for (std::size_t j = 0; j < per; ++j) {
-      A acc = 0;
-      for (std::size_t b = 0; b < B; ++b) acc += part[b * per + j];
-      sum[j] = acc;
-    }
-    for (std::size_t h = 0; h < H; ++h) {
-      const A* ph = sum + h * SZ;
-      cpu::add_grad(ph, D * F, g.w1 + h * D * F);
-      cpu::add_grad(ph + D * F, F, g.b1 + h * F);
-      if constexpr (Mlp) {
-        cpu::add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
-        cpu::add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
-      }
-    }
-    cpu::add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
-    cpu::add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
-    A* dtok = sum + H * SZ + 2 * H * D;  // [H, mb]: summed over heads, masked by the clamp
-    for (std::size_t i = 0; i < mb; ++i) {
-      A acc = 0;
-      for (std::size_t h = 0; h < H; ++h) acc += dtok[h * mb + i];
-      const A raw = A(1) / static_cast<A>(i + 1) + wa.tok_offset[i];
-      dtok[i] = raw > A(0) ? acc : A(0);  // clamp_min(·, 0): no gradient where clamped
-    }
-    cpu::add_grad(dtok, mb, g.tok_offset);
-
-    // The learning-rate gate: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ).
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t h = 0; h < H; ++h) dlr[n * H + h] *= lr[n * H + h] * (A(1) - sig[n * H + h]);
-    });
-    if constexpr (widened) {
-      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, tmp, N, H, C, false,
-                     cpu::ld3{H, C, C}, gs);
-      cpu::narrow_add(static_cast<const A*>(tmp), H * C, g.lr_w);
-    } else {
-      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, g.lr_w, N, H, C, true,
-                     cpu::ld3{H, C, C}, gs);
-    }
-    column_sums_product(pool, static_cast<const A*>(dlr), static_cast<const A*>(nullptr), N, H,
-                        sum, nullptr);
-    cpu::add_grad(sum, H, g.lr_b);
-    mm(pool, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true, gs);
-
-    // RoPE's transpose, then the projections.
-    cpu::rope_pairs(pool, dq, N, s.seq, H, D, s.rope_base, mb, true);
-    cpu::rope_pairs(pool, dk, N, s.seq, H, D, s.rope_base, mb, true);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C, gs);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C, gs);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C, gs);
-    mm_bt(pool, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true, gs);
-    mm_bt(pool, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true, gs);
-    mm_bt(pool, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true, gs);
-    cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                            workspace_size);
+    kernels::template backward<Mlp, mb, group, S, A>(
+        s, w, x, static_cast<const A*>(sv.template get<A>(s_ckpt)),
+        static_cast<const S*>(sv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size, ex);
   }
 
  public:
@@ -10055,7 +10854,7 @@ class basic_ttt {
   // mini-batch uses W − tok_i·Σ_{s≤i} lr_s·XK_sᵀ·G_s (the dual form's row i); the mini-batch's
   // last token folds the sums into W. Checks everything before touching the state or y_t.
   static void step(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
-                   void* workspace, std::size_t workspace_size, executor& pool) {
+                   void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
     detail::not_null(x_t, "x_t");
@@ -10064,159 +10863,17 @@ class basic_ttt {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    if constexpr (!on_cpu) {
-      device_kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data),
-                                                   st.position % mb, x_t, y_t, workspace,
-                                                   workspace_size, pool);
-      ++st.position;
-    } else {
-      step_cpu(s, w, st, x_t, y_t, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void step_cpu(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    ttt_shape one = s;
-    one.seq = 1;
-    const auto ws = detail::carve_named(forward_layout(one, 1, true), step_workspace_bytes(s), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t B = s.batch, C = s.width, H = s.heads, D = s.head_dim();
-    const std::size_t i = st.position % mb;
-    const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
-    A* q = ws.template get<A>(f_q);
-    A* k = ws.template get<A>(f_k);
-    A* v = ws.template get<A>(f_v);
-    A* lr = ws.template get<A>(f_lr);
-    A* sig = ws.template get<A>(f_sig);
-    A* tok = ws.template get<A>(f_tok);
-    // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
-    // products (GEMVs) use none.
-    const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
-    const packing pk{gs, cpu::scratch_slots::per_task};
-    const cpu::gemm_scratch inner_pk{};
-    project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
-    A* o = ws.template get<A>(f_o);
-    A* scratch = ws.template get<A>(f_scratch);
-    const std::size_t SZ = inner_elements(s), F = hidden(s);
-    A* weff = scratch;  // the token's effective inner state, W − tok_i·Σ
-    const mb_buffers sc = carve_mb(weff + SZ, D, F, 1, false);
-    for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t h = 0; h < H; ++h) {
-        A* W = static_cast<A*>(st.data) + (b * H + h) * 2 * SZ;
-        A* Gs = W + SZ;
-        const A lr_t = lr[b * H + h];
-        const cpu::ttt_minibatch<A> m{q + b * C + h * D, k + b * C + h * D, v + b * C + h * D, 1,
-                                      D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
-                                      wa.ttt_norm_b + h * D, ln_eps};
-        // This token's inner gradients at the mini-batch's starting state, added to the sums.
-        mb_forward(m, W, sc, false, inner_pk);
-        const ilayout L = layout_of(D, F);
-        accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
-        if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
-        for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
-        // The output through the effective state (the dual form's row i).
-        if constexpr (Mlp) {
-          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, inner_pk);
-          for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
-          cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
-                               weff + L.b2, sc.zb, inner_pk);
-        } else {
-          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, inner_pk);
-        }
-        cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
-        for (std::size_t c = 0; c < D; ++c)
-          o[b * C + h * D + c] =
-              m.q[c] + wa.ttt_norm_w[h * D + c] * sc.xhb[c] + wa.ttt_norm_b[h * D + c];
-        if (i == mb - 1) {  // the mini-batch ends: its last state starts the next
-          std::copy(weff, weff + SZ, W);
-          std::fill(Gs, Gs + SZ, A(0));
-        }
-      }
-    if constexpr (widened) {  // as forward: the heads' output is rounded through storage
-      for (std::size_t e = 0; e < B * C; ++e) o[e] = to_accum<A>(from_accum<S>(o[e]));
-    }
-    A* pn = q;
-    post_norm(one, o, wa, pn, nullptr, nullptr, pool);
-    if (s.use_gate) {
-      mm(pool, xa, wa.wg, k, B, C, C, false, pk);
-      for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
-    }
-    A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
-    mm(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false, pk);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data), st.position % mb, x_t,
+                                          y_t, workspace, workspace_size, ex);
     ++st.position;
   }
 
  private:
   static constexpr std::size_t rows(const ttt_shape& s) noexcept { return s.batch * s.seq; }
-  static constexpr std::size_t wide(const ttt_shape& s) noexcept {
-    return bytes_of<A>(rows(s), s.width);
-  }
   static constexpr std::size_t ckpt_bytes(const ttt_shape& s) noexcept {
     return bytes_of<A>(s.batch * s.heads, checkpoints(s), inner_elements(s));
   }
-  static constexpr std::size_t w_acc_bytes(const ttt_shape& s) noexcept {
-    return widened ? bytes_of<A>(weight_elements(s)) : 0;
-  }
-  static constexpr std::size_t io_acc_bytes(const ttt_shape& s) noexcept {
-    return widened ? wide(s) : 0;
-  }
-  static constexpr std::size_t group_in_use(const ttt_shape& s) noexcept {
-    return std::min(group, mini_batches(s));
-  }
-  // Per thread: forward, one mini-batch's buffers plus the running state; backward, the group's
-  // entering states, the state's gradient, the running state and the buffers with gradients.
-  static constexpr std::size_t task_scratch(const ttt_shape& s, std::size_t threads,
-                                            bool backward) noexcept {
-    const std::size_t SZ = inner_elements(s), D = s.head_dim(), F = hidden(s);
-    const std::size_t per = backward ? (group_in_use(s) + 2) * SZ + mb_elements(D, F, mb, true)
-                                     : SZ + mb_elements(D, F, mb, false);
-    return bytes_of<A>(threads, per);
-  }
-  // Per batch row: the inner state's gradient [H, inner_elements], dγ, dβ [H, D], dtok [H, mb].
-  static constexpr std::size_t part_elements(const ttt_shape& s) noexcept {
-    const std::size_t H = s.heads, D = s.head_dim();
-    return H * inner_elements(s) + 2 * H * D + H * mb;
-  }
-  static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
-    return bytes_of<A>(s.batch, part_elements(s));
-  }
-  // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
-  // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
-  // their thread's slice.
-  static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
-    const std::size_t N = rows(s), C = s.width, H = s.heads;
-    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
-                     cpu::matmul_thread_scratch_bytes<A>(N, C, H),  // the rates' pre-activation
-                     cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), mb)});
-  }
-  static constexpr std::size_t backward_pack_bytes(const ttt_shape& s) noexcept {
-    const std::size_t N = rows(s), C = s.width, H = s.heads;
-    return std::max({forward_pack_bytes(s),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
-                     cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
-  }
-  // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
-  // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
-  // row each, GEMVs too, so they pack nothing.
-  static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
-    const std::size_t B = s.batch, C = s.width, H = s.heads;
-    return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
-                    cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
-  }
-  struct gemm_ws {
-    std::byte* data;
-    std::size_t bytes;  // threads · the per-thread bytes
-    std::span<std::byte> span() const noexcept { return {data, bytes}; }
-    // Thread t's slice for the inner loop's products.
-    cpu::gemm_scratch of(std::size_t t, std::size_t threads) const noexcept {
-      const std::size_t per = bytes / threads;
-      return {data + t * per, per};
-    }
-  };
 
   enum saved_slot : std::size_t { s_ckpt, s_o };
   static constexpr workspace_layout<2> saved_layout(const ttt_shape& s) {
@@ -10226,114 +10883,6 @@ class basic_ttt {
     return l;
   }
 
-  // Phases: 0 projections, 1 inner loop, 2 post norm, gate and output projection.
-  enum forward_slot : std::size_t {
-    f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
-  };
-  // Decoding computes the heads' output in the workspace even when it is the accumulator type
-  // (forward writes it straight into `saved`), and sizes its packing buffers per task.
-  static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
-                                                       bool decoding = false) {
-    const std::size_t N = rows(s), H = s.heads;
-    workspace_layout<12> l;
-    l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(io_acc_bytes(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 1});
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 1});
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 1});
-    l.add(bytes_of<A>(mb), default_alignment, {0, 1});
-    l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
-    l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
-    l.add(io_acc_bytes(s), default_alignment, {2, 2});
-    l.add(decoding ? step_pack_bytes(s) : bytes_of<std::byte>(threads, forward_pack_bytes(s)),
-          default_alignment, {0, 2});
-    return l;
-  }
-
-  // Phases: 0 projections, post norm and gate backwards; 1 inner loop backwards; 2 gradients
-  // of the learning-rate gate and the projections, dx.
-  enum backward_slot : std::size_t {
-    b_w, b_x, b_q, b_k, b_v, b_lr, b_sig, b_tok, b_o, b_dy, b_pn, b_xh, b_rsig, b_dpn, b_gpre,
-    b_small, b_do, b_dq, b_dk, b_dv, b_dlr, b_part, b_scratch, b_wtmp, b_dx, b_gemm
-  };
-  static constexpr workspace_layout<26> backward_layout(const ttt_shape& s, std::size_t threads) {
-    const std::size_t N = rows(s), H = s.heads, C = s.width;
-    workspace_layout<26> l;
-    l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(io_acc_bytes(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 1});  // q
-    l.add(wide(s), default_alignment, {0, 1});  // k
-    l.add(wide(s), default_alignment, {0, 1});  // v
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 2});
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 2});
-    l.add(bytes_of<A>(mb), default_alignment, {0, 2});
-    l.add(io_acc_bytes(s), default_alignment, {0, 0});  // o widened
-    l.add(io_acc_bytes(s), default_alignment, {0, 0});  // dy widened
-    l.add(wide(s), default_alignment, {0, 0});          // pn
-    l.add(wide(s), default_alignment, {0, 0});          // x̂
-    l.add(bytes_of<A>(N), default_alignment, {0, 0});   // σ per row
-    l.add(wide(s), default_alignment, {0, 0});          // dpn
-    l.add(s.use_gate ? wide(s) : 0, default_alignment, {0, 0});
-    l.add(bytes_of<A>(std::max(2 * C, part_elements(s))), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 1});          // d(o)
-    l.add(wide(s), default_alignment, {1, 2});          // dq
-    l.add(wide(s), default_alignment, {1, 2});          // dk
-    l.add(wide(s), default_alignment, {1, 2});          // dv
-    l.add(bytes_of<A>(N, H), default_alignment, {1, 2});
-    l.add(partial_bytes(s), default_alignment, {1, 2});
-    l.add(task_scratch(s, threads, true), default_alignment, {1, 1});
-    l.add(widened ? bytes_of<A>(std::max(C * C, H * C)) : 0, default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 2});          // dx in A
-    l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 2});
-    return l;
-  }
-
-  // ---- Helpers -------------------------------------------------------------------------------
-  static A gelu(A v) { return cpu::gelu_tanh<A>::f(v); }  // the gate's, as upstream's
-  static A gelu_grad(A v) { return cpu::gelu_tanh<A>::d1(v); }
-
-  struct wptrs {
-    const A *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
-        *post_b, *wg, *wo, *w2, *b2;
-  };
-  static wptrs widen_weights(const ttt_shape& s, const weights& w, A* slot) {
-    if constexpr (widened) {
-      const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = hidden(s);
-      A* p = slot;
-      const auto take = [&](const S* src, std::size_t n) -> const A* {
-        if (src == nullptr) return nullptr;
-        cpu::widen(src, n, p);
-        const A* out = p;
-        p += n;
-        return out;
-      };
-      wptrs r;
-      r.wq = take(w.wq, C * C);
-      r.wk = take(w.wk, C * C);
-      r.wv = take(w.wv, C * C);
-      r.ttt_norm_w = take(w.ttt_norm_w, H * D);
-      r.ttt_norm_b = take(w.ttt_norm_b, H * D);
-      r.w1 = take(w.w1, H * D * F);
-      r.b1 = take(w.b1, H * F);
-      r.lr_w = take(w.lr_w, H * C);
-      r.lr_b = take(w.lr_b, H);
-      r.tok_offset = take(w.tok_offset, mb);
-      r.post_w = take(w.post_w, C);
-      r.post_b = take(w.post_b, C);
-      r.wg = s.use_gate ? take(w.wg, C * C) : nullptr;
-      r.wo = take(w.wo, C * C);
-      r.w2 = Mlp ? take(w.w2, H * F * D) : nullptr;
-      r.b2 = Mlp ? take(w.b2, H * D) : nullptr;
-      return r;
-    } else {
-      (void)s;
-      (void)slot;
-      return {w.wq, w.wk, w.wv, w.ttt_norm_w, w.ttt_norm_b, w.w1, w.b1, w.lr_w, w.lr_b,
-              w.tok_offset, w.post_w, w.post_b, w.wg, w.wo, w.w2, w.b2};
-    }
-  }
   static void check_weights(const ttt_shape& s, const weights& w) {
     detail::not_null(w.wq, "weights.wq");
     detail::not_null(w.wk, "weights.wk");
@@ -10374,440 +10923,6 @@ class basic_ttt {
       detail::not_null(g.b2, "gradients.b2");
     }
   }
-
-  // The packing buffers of the projections: training passes index them by thread (threads · the
-  // per-thread bytes of *_pack_bytes), decoding by task (step_pack_bytes).
-  struct packing {
-    std::span<std::byte> bytes;
-    cpu::scratch_slots slots = cpu::scratch_slots::per_thread;
-    packing(std::span<std::byte> b, cpu::scratch_slots s = cpu::scratch_slots::per_thread)
-        : bytes(b), slots(s) {}
-  };
-  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]).
-  static void mm(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                 std::size_t M, bool accumulate, packing pk) {
-    cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk.bytes, pk.slots);
-  }
-  static void mm_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                    std::size_t M, bool accumulate, packing pk) {
-    cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk.bytes, pk.slots);
-  }
-
-  // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
-  // `position0` offsets the position inside the mini-batch (decoding).
-  static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
-                      A* sig, A* tok, thread_pool& pool, packing pk,
-                      std::size_t position0 = 0) {
-    const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
-    mm(pool, xa, wa.wq, q, N, C, C, false, pk);
-    mm(pool, xa, wa.wk, k, N, C, C, false, pk);
-    mm(pool, xa, wa.wv, v, N, C, C, false, pk);
-    if (position0 == 0) {
-      cpu::rope_pairs(pool, q, N, s.seq, H, D, s.rope_base, mb, false);
-      cpu::rope_pairs(pool, k, N, s.seq, H, D, s.rope_base, mb, false);
-    } else {  // one token per row at position position0 (seq is 1 here)
-      rope_at(q, N, H, D, s.rope_base, position0);
-      rope_at(k, N, H, D, s.rope_base, position0);
-    }
-    mm_bt(pool, xa, wa.lr_w, sig, N, C, H, false, pk);
-    const A scale = static_cast<A>(s.base_lr / static_cast<double>(D));
-    for (std::size_t n = 0; n < N; ++n)
-      for (std::size_t h = 0; h < H; ++h) {
-        A& e = sig[n * H + h];
-        e = A(1) / (A(1) + std::exp(-(e + wa.lr_b[h])));
-        lr[n * H + h] = scale * e;
-      }
-    for (std::size_t i = 0; i < mb; ++i)
-      tok[i] = std::max(A(0), A(1) / static_cast<A>(i + 1) + wa.tok_offset[i]);
-  }
-  static void rope_at(A* x, std::size_t N, std::size_t H, std::size_t D, double base,
-                      std::size_t position) {
-    for (std::size_t n = 0; n < N; ++n)
-      for (std::size_t i = 0; i < D / 2; ++i) {
-        const double inv_freq = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-        const double angle = static_cast<double>(position) * inv_freq;
-        const A c = static_cast<A>(std::cos(angle)), sn = static_cast<A>(std::sin(angle));
-        for (std::size_t h = 0; h < H; ++h) {
-          A* p = x + n * H * D + h * D + 2 * i;
-          const A x1 = p[0], x2 = p[1];
-          p[0] = x1 * c - x2 * sn;
-          p[1] = x2 * c + x1 * sn;
-        }
-      }
-  }
-
-  // pn = LN_C(o)·post_w + post_b; keeps x̂ and σ per row when asked (backward).
-  static void post_norm(const ttt_shape& s, const A* o, const wptrs& wa, A* pn, A* xh, A* rsig,
-                        thread_pool& pool) {
-    const std::size_t N = rows(s), C = s.width;
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      A* dst = xh ? xh + n * C : pn + n * C;
-      const A sg = cpu::ln_row(o + n * C, C, ln_eps, dst);
-      if (rsig) rsig[n] = sg;
-      for (std::size_t j = 0; j < C; ++j) pn[n * C + j] = dst[j] * wa.post_w[j] + wa.post_b[j];
-    });
-  }
-
-  // ---- One mini-batch ------------------------------------------------------------------------
-  // Offsets inside an inner state: W1 [D, F], b1 [F], W2 [F, D], b2 [D].
-  struct ilayout {
-    std::size_t w1, b1, w2, b2;
-  };
-  static constexpr ilayout layout_of(std::size_t D, std::size_t F) noexcept {
-    return {0, D * F, D * F + F, D * F + F + F * D};
-  }
-  static void load_initial(const ttt_shape& s, const weights& w, std::size_t h, A* dst) {
-    const std::size_t D = s.head_dim(), F = hidden(s);
-    const ilayout L = layout_of(D, F);
-    cpu::widen(w.w1 + h * D * F, D * F, dst + L.w1);
-    cpu::widen(w.b1 + h * F, F, dst + L.b1);
-    if constexpr (Mlp) {
-      cpu::widen(w.w2 + h * F * D, F * D, dst + L.w2);
-      cpu::widen(w.b2 + h * D, D, dst + L.b2);
-    }
-  }
-
-  // A mini-batch's buffers ([K ≤ mb] rows each); the second group only in backward.
-  struct mb_buffers {
-    A *z1, *x2, *g1, *z2, *xh2, *g2, *sig2, *att1, *p1, *z1b, *x2b, *att2, *p2, *zb, *xhb, *sigb,
-        *eg, *lrm;
-    A *dzb, *dx2b, *dz1b, *dg1, *dg2, *dx2, *dz1, *dz2, *s1, *s2, *dp1, *dp2, *de, *dl, *rowd;
-  };
-  static constexpr std::size_t mb_elements(std::size_t D, std::size_t F, std::size_t m,
-                                           bool backward) noexcept {
-    const std::size_t fwd = 6 * m * F + 5 * m * D + 4 * m * m + 3 * m;
-    return backward ? fwd + 7 * m * F + 3 * m * D + 2 * m * m + 2 * m + 3 * D : fwd;
-  }
-  static mb_buffers carve_mb(A* p, std::size_t D, std::size_t F, std::size_t m, bool backward) {
-    mb_buffers b{};
-    const auto take = [&](std::size_t n) {
-      A* r = p;
-      p += n;
-      return r;
-    };
-    b.z1 = take(m * F);
-    b.x2 = take(m * F);
-    b.g1 = take(m * F);
-    b.z1b = take(m * F);
-    b.x2b = take(m * F);
-    b.eg = take(m * F);
-    b.z2 = take(m * D);
-    b.xh2 = take(m * D);
-    b.g2 = take(m * D);
-    b.zb = take(m * D);
-    b.xhb = take(m * D);
-    b.att1 = take(m * m);
-    b.p1 = take(m * m);
-    b.att2 = take(m * m);
-    b.p2 = take(m * m);
-    b.sig2 = take(m);
-    b.sigb = take(m);
-    b.lrm = take(m);
-    if (backward) {
-      b.dx2b = take(m * F);
-      b.dz1b = take(m * F);
-      b.dg1 = take(m * F);
-      b.dx2 = take(m * F);
-      b.dz1 = take(m * F);
-      b.s1 = take(m * F);
-      b.s2 = take(m * F);
-      b.dzb = take(m * D);
-      b.dg2 = take(m * D);
-      b.dz2 = take(m * D);
-      b.dp1 = take(m * m);
-      b.dp2 = take(m * m);
-      b.de = take(m);
-      b.dl = take(m);
-      b.rowd = take(3 * D);
-    }
-    return b;
-  }
-  // The gradient the first layer's update uses: G1 (MLP) or the only layer's G (Linear, in g2).
-  static A* first_grad(const mb_buffers& b) { return Mlp ? b.g1 : b.g2; }
-
-  // The inner gradients at state W (and, with need_out, Zbar of the output rows).
-  static void mb_forward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
-                         bool need_out, cpu::gemm_scratch pk) {
-    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
-    const ilayout L = layout_of(D, F);
-    if constexpr (Mlp) {
-      cpu::ttt_linear_rows(m.k, m.ld, K, D, F, W + L.w1, W + L.b1, b.z1, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.x2[e] = cpu::gelu_tanh<A>::f(b.z1[e]);
-      cpu::ttt_linear_rows(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, W + L.b2, b.z2, pk);
-      cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
-      // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
-      auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
-      if (!need_out) return;
-      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
-      cpu::ttt_dual_rows(m.q, m.ld, K, D, F, W + L.w1, W + L.b1, b.p1, b.g1, b.z1b, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.x2b[e] = cpu::gelu_tanh<A>::f(b.z1b[e]);
-      cpu::ttt_p_matrix(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K, F,
-                        m.tok, m.lr, b.att2, b.p2, pk);
-      cpu::ttt_dual_rows(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, W + L.b2, b.p2,
-                         b.g2, b.zb, pk);
-    } else {
-      cpu::ttt_linear_rows(m.k, m.ld, K, D, D, W + L.w1, W + L.b1, b.z2, pk);
-      cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
-      if (!need_out) return;
-      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
-      cpu::ttt_dual_rows(m.q, m.ld, K, D, D, W + L.w1, W + L.b1, b.p1, b.g2, b.zb, pk);
-    }
-  }
-  // The state's update at the mini-batch's end (gradients from mb_forward).
-  static void mb_update(const cpu::ttt_minibatch<A>& m, A* W, const mb_buffers& b,
-                        cpu::gemm_scratch pk) {
-    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
-    const ilayout L = layout_of(D, F);
-    const A tl = m.tok[K - 1];
-    cpu::ttt_update(m.k, m.ld, K, D, F, static_cast<const A*>(first_grad(b)), tl, m.lr, W + L.w1,
-                    W + L.b1, b.eg, pk);
-    if constexpr (Mlp) {
-      cpu::ttt_update(static_cast<const A*>(b.x2), F, K, F, D, static_cast<const A*>(b.g2), tl,
-                      m.lr, W + L.w2, W + L.b2, b.eg, pk);
-    }
-  }
-  // Gw += lr·xᵀ·g and gb += lr·g for one row (decoding's running sums).
-  static void accumulate_outer(const A* x, std::size_t nin, std::size_t nout, const A* g, A lr,
-                               A* Gw, A* gb) {
-    for (std::size_t a = 0; a < nin; ++a)
-      for (std::size_t c = 0; c < nout; ++c) Gw[a * nout + c] += lr * x[a] * g[c];
-    for (std::size_t c = 0; c < nout; ++c) gb[c] += lr * g[c];
-  }
-
-  // ---- The inner loop --------------------------------------------------------------------------
-  static cpu::ttt_minibatch<A> minibatch(const ttt_shape& s, const A* q, const A* k, const A* v,
-                                         const A* lr_row, const A* tok, const wptrs& wa,
-                                         std::size_t b, std::size_t h, std::size_t t0) {
-    const std::size_t C = s.width, D = s.head_dim(), K = std::min(mb, s.seq - t0);
-    const std::size_t r = (b * s.seq + t0) * C + h * D;
-    return cpu::ttt_minibatch<A>{q + r, k + r, v + r, K, D, C, lr_row, tok,
-                                 wa.ttt_norm_w + h * D, wa.ttt_norm_b + h * D, ln_eps};
-  }
-  // The mini-batch's rates, gathered contiguous: lr[(b·T + t0 + s)·H + h].
-  static void gather_lr(const ttt_shape& s, const A* lr, std::size_t b, std::size_t h,
-                        std::size_t t0, std::size_t K, A* out) {
-    for (std::size_t i = 0; i < K; ++i) out[i] = lr[(b * s.seq + t0 + i) * s.heads + h];
-  }
-  static A* initial_state(const ttt_shape& s, const wptrs& wa, std::size_t h, A* dst) {
-    const std::size_t D = s.head_dim(), F = hidden(s);
-    const ilayout L = layout_of(D, F);
-    std::copy(wa.w1 + h * D * F, wa.w1 + (h + 1) * D * F, dst + L.w1);
-    std::copy(wa.b1 + h * F, wa.b1 + (h + 1) * F, dst + L.b1);
-    if constexpr (Mlp) {
-      std::copy(wa.w2 + h * F * D, wa.w2 + (h + 1) * F * D, dst + L.w2);
-      std::copy(wa.b2 + h * D, wa.b2 + (h + 1) * D, dst + L.b2);
-    }
-    return dst;
-  }
-
-  static void inner_forward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
-                            const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
-                            const gemm_ws& gw, thread_pool& pool) {
-    const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
-    const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
-    const std::size_t per = SZ + mb_elements(D, F, mb, false);
-    pool.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
-      const std::size_t b = task / H, h = task % H;
-      A* W = initial_state(s, wa, h, scratch + thread * per);
-      const mb_buffers sc = carve_mb(W + SZ, D, F, mb, false);
-      const cpu::gemm_scratch pk = gw.of(thread, pool.size());
-      for (std::size_t m = 0; m < nmb; ++m) {
-        const std::size_t t0 = m * mb;
-        if (m % group == 0) std::copy(W, W + SZ, ckpt + (task * ncp + m / group) * SZ);
-        const std::size_t K = std::min(mb, s.seq - t0);
-        gather_lr(s, lr, b, h, t0, K, sc.lrm);
-        const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-        mb_forward(mbt, W, sc, true, pk);
-        for (std::size_t i = 0; i < K; ++i) {
-          cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
-          A* out = o + (b * s.seq + t0 + i) * C + h * D;
-          const A* qr = mbt.q + i * C;
-          for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
-        }
-        mb_update(mbt, W, sc, pk);
-      }
-    });
-  }
-
-  // dX += dZ·Wᵀ, dW += Xᵀ·dZ, db += Σ dZ for Z = X·W + b (X [K, nin] stride ldx).
-  static void linear_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
-                                   std::size_t nout, const A* W, const A* dz, A* dx,
-                                   std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
-    const auto dZ = cpu::cview(dz, K, nout, nout);
-    auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
-    auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
-    for (std::size_t i = 0; i < K; ++i)
-      for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
-  }
-
-  // One mini-batch backwards, given dL/d(out rows) and dS = dL/d(state leaving it); on return dS
-  // is dL/d(state entering it). dq, dk, dv rows (stride C) are written; ptok, pgam, pbet
-  // accumulated; returns the rates' gradients in b.dl.
-  static void mb_backward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
-                          const A* d_out, A* dq, A* dk, A* dv, A* dS, A* pgam, A* pbet,
-                          A* ptok, cpu::gemm_scratch pk) {
-    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D, C = m.ld;
-    const ilayout L = layout_of(D, F);
-    // out = XQ + γ ⊙ x̂(Zbar) + β
-    for (std::size_t i = 0; i < K; ++i) {
-      b.sigb[i] = cpu::ln_row(b.zb + i * D, D, m.eps, b.xhb + i * D);
-      const A* dout = d_out + i * C;
-      for (std::size_t j = 0; j < D; ++j) {
-        pgam[j] += dout[j] * b.xhb[i * D + j];
-        pbet[j] += dout[j];
-        b.rowd[j] = dout[j] * m.gamma[j];
-      }
-      cpu::ln_row_backward(b.xhb + i * D, b.sigb[i], b.rowd, A(0), D, b.dzb + i * D);
-      std::copy(dout, dout + D, dq + i * C);  // the residual XQ
-      std::fill(dk + i * C, dk + i * C + D, A(0));
-      std::fill(dv + i * C, dv + i * C + D, A(0));
-    }
-    std::fill(b.de, b.de + K, A(0));
-    std::fill(b.dl, b.dl + K, A(0));
-    std::fill(b.dg2, b.dg2 + K * D, A(0));
-    const A tl = m.tok[K - 1];
-    A* dW1 = dS + L.w1;
-    A* db1 = dS + L.b1;
-    if constexpr (Mlp) {
-      A* dW2 = dS + L.w2;
-      A* db2 = dS + L.b2;
-      std::fill(b.dg1, b.dg1 + K * F, A(0));
-      std::fill(b.dx2, b.dx2 + K * F, A(0));
-      std::fill(b.dx2b, b.dx2b + K * F, A(0));
-      // The updates read dS as dL/d(state leaving); everything after adds to it.
-      cpu::ttt_update_backward(static_cast<const A*>(b.x2), F, K, F, D,
-                               static_cast<const A*>(b.g2), tl, m.lr, dW2, db2, b.dx2, F, b.dg2,
-                               b.de, b.s1, b.s2, pk);
-      cpu::ttt_update_backward(m.k, C, K, D, F, static_cast<const A*>(b.g1), tl, m.lr, dW1, db1,
-                               dk, C, b.dg1, b.de, b.s1, b.s2, pk);
-      // Zbar2 = X2bar·W2 + b2 − P2·G2, P2 from tril(X2bar·X2ᵀ).
-      cpu::ttt_dual_rows_backward(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, b.p2,
-                                  b.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2, pk);
-      cpu::ttt_p_backward(K, m.tok, m.lr, b.att2, b.dp2, ptok, b.dl);
-      cpu::ttt_att_backward(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K,
-                            F, b.dp2, b.dx2b, F, b.dx2, F, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.dz1b[e] = b.dx2b[e] * cpu::gelu_tanh<A>::d1(b.z1b[e]);
-      // Zbar1 = XQ·W1 + b1 − P1·G1, P1 from tril(XQ·XKᵀ).
-      cpu::ttt_dual_rows_backward(m.q, C, K, D, F, W + L.w1, b.p1, b.g1, b.dz1b, dq, C, dW1, db1,
-                                  b.dg1, b.dp1, pk);
-      cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
-      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
-      // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
-      auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
-      for (std::size_t e = 0; e < K * F; ++e) {
-        const A z = b.z1[e];
-        b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
-        b.s2[e] = b.dg1[e] * cpu::gelu_tanh<A>::d1(z);  // dL/dHm
-      }
-      const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
-      auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
-      auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                A(1), true, pk);
-      // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
-      cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
-      linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,
-                           dW2, db2, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.dz1[e] += b.dx2[e] * cpu::gelu_tanh<A>::d1(b.z1[e]);
-      linear_rows_backward(m.k, C, K, D, F, W + L.w1, b.dz1, dk, C, dW1, db1, pk);
-    } else {
-      cpu::ttt_update_backward(m.k, C, K, D, D, static_cast<const A*>(b.g2), tl, m.lr, dW1, db1,
-                               dk, C, b.dg2, b.de, b.s1, b.s2, pk);
-      cpu::ttt_dual_rows_backward(m.q, C, K, D, D, W + L.w1, b.p1, b.g2, b.dzb, dq, C, dW1, db1,
-                                  b.dg2, b.dp1, pk);
-      cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
-      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
-      cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
-      linear_rows_backward(m.k, C, K, D, D, W + L.w1, b.dz2, dk, C, dW1, db1, pk);
-    }
-    // e_s = tok[K−1]·lr_s
-    for (std::size_t i = 0; i < K; ++i) {
-      ptok[K - 1] += b.de[i] * m.lr[i];
-      b.dl[i] += b.de[i] * tl;
-    }
-  }
-
-  // The inner loop backwards, per (b, h). d_o = dL/d(out) [N, C]. Writes dq, dk, dv [N, C] and
-  // dlr [N, H]; part[b] gets this row's inner-state gradient, dγ, dβ and dtok for head h.
-  static void inner_backward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
-                             const A* tok, const wptrs& wa, const A* ckpt, const A* d_o, A* dq,
-                             A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
-                             thread_pool& pool) {
-    const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
-    const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
-    const std::size_t SZ = inner_elements(s), pe = part_elements(s);
-    const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
-    pool.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
-      const std::size_t b = task / H, h = task % H;
-      A* states = scratch + thread * per;  // [gsz, SZ]: the state entering each mini-batch
-      A* dS = states + gsz * SZ;           // dL/d(state)
-      A* Wc = dS + SZ;                     // the running state while recomputing
-      const mb_buffers sc = carve_mb(Wc + SZ, D, F, mb, true);
-      const cpu::gemm_scratch pk = gw.of(thread, pool.size());
-      A* pt = part + b * pe;
-      A* pS = pt + h * SZ;
-      A* pgam = pt + H * SZ + h * D;
-      A* pbet = pt + H * SZ + H * D + h * D;
-      A* ptok = pt + H * SZ + 2 * H * D + h * mb;
-      std::fill(pgam, pgam + D, A(0));
-      std::fill(pbet, pbet + D, A(0));
-      std::fill(ptok, ptok + mb, A(0));
-      std::fill(dS, dS + SZ, A(0));
-      for (std::size_t c = ncp; c-- > 0;) {
-        const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
-        // Recompute the group's entering states from its checkpoint.
-        std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
-        for (std::size_t m = m0; m < m1; ++m) {
-          std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
-          if (m + 1 == m1) break;  // the last one's update is not needed
-          const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-          gather_lr(s, lr, b, h, t0, K, sc.lrm);
-          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, Wc, sc, false, pk);
-          mb_update(mbt, Wc, sc, pk);
-        }
-        for (std::size_t m = m1; m-- > m0;) {
-          const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-          const A* W = states + (m - m0) * SZ;
-          gather_lr(s, lr, b, h, t0, K, sc.lrm);
-          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, W, sc, true, pk);
-          const std::size_t r0 = (b * T + t0) * C + h * D;
-          mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok,
-                      pk);
-          for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
-        }
-      }
-      std::copy(dS, dS + SZ, pS);
-    });
-  }
-
-  // Σ_n a[n, j]·b[n, j] into out_ab and Σ_n a[n, j] into out_a (when not null); b may be null
-  // (then out_ab gets Σ a). Column blocks in parallel; rows outer so that each block streams
-  // contiguous memory, and each column still sums its rows in order.
-  static void column_sums_product(thread_pool& pool, const A* a, const A* b, std::size_t N,
-                                  std::size_t M, A* out_ab, A* out_a) {
-    pool.parallel_for(cpu::blocks(M, 64), [&](std::size_t blk, std::size_t) {
-      const std::size_t j0 = blk * 64, j1 = std::min(M, j0 + 64);
-      std::fill(out_ab + j0, out_ab + j1, A(0));
-      if (out_a) std::fill(out_a + j0, out_a + j1, A(0));
-      for (std::size_t n = 0; n < N; ++n) {
-        const A* ar = a + n * M;
-        for (std::size_t j = j0; j < j1; ++j) out_ab[j] += ar[j] * (b ? b[n * M + j] : A(1));
-        if (out_a)
-          for (std::size_t j = j0; j < j1; ++j) out_a[j] += ar[j];
-      }
-    });
-  }
-
 };
 
 // TTT-Linear: the inner model is one linear map (W1 [D, D], b1 [D]).
@@ -11194,6 +11309,8 @@ MEMBOUND_NAMESPACE_END
 // rows (norm scale gradients, embedding gradients) goes through per-row-block partials summed in
 // a fixed order, so results do not depend on which thread ran what.
 
+#include <numeric>
+
 MEMBOUND_NAMESPACE_BEGIN
 
 namespace cpu {
@@ -11362,7 +11479,145 @@ double cross_entropy_chunk(thread_pool& pool, A* logits, const std::int32_t* tar
   return total;
 }
 
+// The sum of squares of a gradient array, in double (double sums in fixed blocks from g: the same
+// value for every thread count). inf or NaN anywhere gives a non-finite result. Over ranks the
+// trainer adds each rank shard's sum in rank order, so ZeRO-0 and ZeRO-1 get the same bits.
+template <typename S>
+double sum_squares(const S* g, std::size_t n, thread_pool& pool) {
+  constexpr std::size_t block = 1 << 14;
+  const std::size_t nb = (n + block - 1) / block;
+  std::vector<double> part(nb, 0.0);
+  pool.parallel_for(nb, [&](std::size_t b, std::size_t) {
+    const std::size_t i0 = b * block, i1 = std::min(n, i0 + block);
+    double s = 0;
+    for (std::size_t i = i0; i < i1; ++i) {
+      const double v = static_cast<double>(to_accum<float>(g[i]));
+      s += v * v;
+    }
+    part[b] = s;
+  });
+  double s = 0;
+  for (double v : part) s += v;
+  return s;
+}
+
+// The global L2 norm of a gradient array: sqrt(sum_squares).
+template <typename S>
+double global_norm(const S* g, std::size_t n, thread_pool& pool) {
+  return std::sqrt(sum_squares(g, n, pool));
+}
+
 }  // namespace cpu
+
+// The model's glue on the host (model/glue.hpp names the interface; backend/cuda/model_kernels.cuh
+// has the device's).
+template <>
+struct backend_kernels<cpu_backend, model_glue> {
+  using executor = thread_pool;
+
+  template <typename A, typename S>
+  static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
+    return bytes_of<A>(cpu::row_partials(N, C));
+  }
+  template <typename A, typename S>
+  static void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, std::size_t N,
+                              std::size_t C, double eps) {
+    cpu::rmsnorm_forward(pool, x, g, y, rstd, N, C, eps);
+  }
+  template <typename A, typename S>
+  static void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
+                            std::size_t C) {
+    cpu::rmsnorm_apply(pool, x, g, rstd, y, N, C);
+  }
+  // dx = residual + RMSNorm'ᵀ(dy), dg += its scale gradient; scratch: norm_backward_scratch_bytes.
+  template <typename A, typename S>
+  static void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, const S* dy,
+                               const S* residual, S* dx, S* dg, void* scratch, std::size_t N, std::size_t C) {
+    cpu::rmsnorm_backward(pool, x, g, rstd, dy, residual, dx, dg, static_cast<A*>(scratch), N, C);
+  }
+  template <typename A, typename S>
+  static void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
+    cpu::add_rows<A>(pool, a, b, y, N, C);
+  }
+  // The ids were checked against V before (model::check_tokens): V is the device's bound only.
+  template <typename A, typename S>
+  static void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
+                               std::size_t C, std::size_t /*V*/) {
+    cpu::embedding_gather(pool, tokens, table, x, N, C);
+  }
+  template <typename A, typename S>
+  static void embedding_scatter(thread_pool& pool, const std::int32_t* tokens, const S* dx, S* dtable,
+                                std::size_t N, std::size_t C, std::size_t /*V*/) {
+    cpu::embedding_scatter<A>(pool, tokens, dx, dtable, N, C);
+  }
+
+  // What a trainer keeps in the backend's memory beyond weights, gradients and optimizer state,
+  // for steps of `tokens` tokens over n parameters. None on the host: the tokens stay in the
+  // trainer's vectors and the gradient norm is a double on the stack.
+  static constexpr std::size_t step_buffer_bytes(std::size_t /*tokens*/, std::size_t /*n*/) noexcept { return 0; }
+
+  // ---- The trainer's memory moves: this backend's memory is the host's, so they write and read
+  // in place, complete on return (the device's copy through its stream).
+  static void fill_zero(thread_pool&, void* p, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memset(p, 0, bytes);
+  }
+  static void synchronize(thread_pool&) noexcept {}
+  // fill(p) writes `bytes` at dst; p is dst itself.
+  template <typename Fill>
+  static void write_via_host(thread_pool&, void* dst, std::size_t /*bytes*/, Fill&& fill) {
+    fill(dst);
+  }
+  // read(p) reads `bytes` at src; p is src itself.
+  template <typename Read>
+  static void read_via_host(thread_pool&, const void* src, std::size_t /*bytes*/, Read&& read) {
+    read(src);
+  }
+  // A step's ids are read where the trainer keeps them: nothing to stage.
+  static void stage_ids(thread_pool&, void* /*buffers*/, const std::int32_t* /*tokens*/,
+                        const std::int32_t* /*targets*/, std::size_t /*n*/,
+                        std::size_t /*step_tokens*/) noexcept {}
+  static const std::int32_t* staged_tokens(const void* /*buffers*/, const std::int32_t* host) noexcept {
+    return host;
+  }
+  static const std::int32_t* staged_targets(const void* /*buffers*/, const std::int32_t* host,
+                                            std::size_t /*step_tokens*/) noexcept {
+    return host;
+  }
+
+  // ---- The trainer's arithmetic -----------------------------------------------------------------
+  // sqrt(Σ g²) over n gradients in double (fixed blocks: the same bits for every thread count);
+  // the device's takes its step buffers, the host needs none.
+  template <typename S>
+  static double gradient_norm(thread_pool& ex, const S* g, std::size_t n, void* /*buffers*/,
+                              std::size_t /*tokens*/) {
+    return cpu::global_norm(g, n, ex);
+  }
+  // Σ g² over `count` gradients of a shard (data parallel: each rank's part of the norm).
+  template <typename S>
+  static double sum_squares(thread_pool& ex, const S* g, std::size_t count, void* /*buffers*/,
+                            std::size_t /*tokens*/, std::size_t /*n*/) {
+    return cpu::sum_squares(g, count, ex);
+  }
+  // Every optimizer steps here, over any spans (the device takes adamw and adamw8bit).
+  template <typename Optimizer, typename Spans>
+  static void check_optimizer_spans(const Spans& /*spans*/) noexcept {}
+  // The trainer's optimizer step: the optimizer's own host update.
+  template <typename Optimizer, typename S, typename Spans, typename Step>
+  static void optimizer_update(thread_pool& ex, S* w, const S* g, void* state,
+                               std::size_t /*state_bytes*/, std::size_t n, Spans spans,
+                               const Step& step) {
+    Optimizer::update(w, g, state, n, spans, step, ex);
+  }
+
+  // Token ids where the host can read them without a copy: here, the caller's own (the model
+  // checks them against the vocabulary before any work).
+  static const std::int32_t* host_ids(const std::int32_t* ids) noexcept { return ids; }
+  // `n` elements at p readable on the host: p itself (nothing is copied; `buffer` stays empty).
+  template <typename S>
+  static const S* host_view(thread_pool&, const S* p, std::size_t /*n*/, std::vector<S>& /*buffer*/) noexcept {
+    return p;
+  }
+};
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/backend/cpu/model_cpu.hpp ----
@@ -12765,7 +13020,8 @@ MEMBOUND_NAMESPACE_END
 // The model's own ops (RMSNorm, the residual add, the embedding's gather and scatter) on the
 // backend its layers run on. block and model call them through model_glue_of<Backend>, so one
 // schedule, one allocation order and one plan serve both backends:
-//   cpu_backend   cpu_model_glue below (backend/cpu/model_cpu.hpp over a thread_pool);
+//   cpu_backend   backend_kernels<cpu_backend, model_glue> (backend/cpu/model_cpu.hpp, over a
+//                 thread_pool);
 //   cuda_backend  backend_kernels<cuda_backend, model_glue> (backend/cuda/model_kernels.cuh, over
 //                 a cuda_executor: every pointer is device memory, nothing synchronizes).
 // Every function takes the accumulation type A first; the norm's backward scratch is sized by
@@ -12773,58 +13029,10 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
-struct cpu_model_glue {
-  using executor = thread_pool;
-  // The thread count the CPU size functions take (per-thread scratch).
-  static std::size_t threads(const thread_pool& pool) noexcept { return pool.size(); }
-
-  template <typename A, typename S>
-  static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
-    return bytes_of<A>(cpu::row_partials(N, C));
-  }
-  template <typename A, typename S>
-  static void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, std::size_t N,
-                              std::size_t C, double eps) {
-    cpu::rmsnorm_forward(pool, x, g, y, rstd, N, C, eps);
-  }
-  template <typename A, typename S>
-  static void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
-                            std::size_t C) {
-    cpu::rmsnorm_apply(pool, x, g, rstd, y, N, C);
-  }
-  // dx = residual + RMSNorm'ᵀ(dy), dg += its scale gradient; scratch: norm_backward_scratch_bytes.
-  template <typename A, typename S>
-  static void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, const S* dy,
-                               const S* residual, S* dx, S* dg, void* scratch, std::size_t N, std::size_t C) {
-    cpu::rmsnorm_backward(pool, x, g, rstd, dy, residual, dx, dg, static_cast<A*>(scratch), N, C);
-  }
-  template <typename A, typename S>
-  static void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
-    cpu::add_rows<A>(pool, a, b, y, N, C);
-  }
-  // The ids were checked against V before (model::check_tokens): V is the device's bound only.
-  template <typename A, typename S>
-  static void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
-                               std::size_t C, std::size_t /*V*/) {
-    cpu::embedding_gather(pool, tokens, table, x, N, C);
-  }
-  template <typename A, typename S>
-  static void embedding_scatter(thread_pool& pool, const std::int32_t* tokens, const S* dx, S* dtable,
-                                std::size_t N, std::size_t C, std::size_t /*V*/) {
-    cpu::embedding_scatter<A>(pool, tokens, dx, dtable, N, C);
-  }
-
-  // What a trainer keeps in the backend's memory beyond weights, gradients and optimizer state,
-  // for steps of `tokens` tokens over n parameters. None on the host: the tokens stay in the
-  // trainer's vectors and the gradient norm is a double on the stack.
-  static constexpr std::size_t step_buffer_bytes(std::size_t /*tokens*/, std::size_t /*n*/) noexcept { return 0; }
-};
-
 // Naming backend_kernels<B, model_glue> does not instantiate it: a host-only translation unit
 // that uses a CUDA model gets backend_kernels' sentence only when it calls into it.
 template <typename Backend>
-using model_glue_of =
-    std::conditional_t<is_cpu_backend_v<Backend>, cpu_model_glue, backend_kernels<Backend, model_glue>>;
+using model_glue_of = backend_kernels<Backend, model_glue>;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/glue.hpp ----
@@ -12903,7 +13111,7 @@ struct part {
   // y = x + L(RMSNorm(x)). `saved` is used only when keep.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
                       void* workspace, bool keep, executor& ex) {
-    const std::size_t threads = glue::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const auto fl = forward_layout(d, threads, keep);
     const auto ws = carve(fl, workspace, fl.size());
     S* n = ws.template get<S>(f_n);
@@ -12928,7 +13136,7 @@ struct part {
   // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
                        const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
-    const std::size_t threads = glue::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
@@ -13062,7 +13270,7 @@ class block {
   // saved_bytes (ignored under advance).
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
                       void* workspace, forward_mode mode, executor& ex) {
-    const std::size_t threads = model_glue_of<backend>::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const bool keep = mode != forward_mode::advance;
     const auto fl = forward_layout(d, threads, mode);
     const auto ws = carve(fl, workspace, fl.size());
@@ -13085,7 +13293,7 @@ class block {
 
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
                        const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
-    const std::size_t threads = model_glue_of<backend>::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
@@ -13143,33 +13351,10 @@ struct cosine_lr {
   }
 };
 
-// The sum of squares of a gradient array, in double (double sums in fixed blocks from g: the same
-// value for every thread count). inf or NaN anywhere gives a non-finite result. Over ranks the
-// trainer adds each rank shard's sum in rank order, so ZeRO-0 and ZeRO-1 get the same bits.
-template <typename S>
-double sum_squares(const S* g, std::size_t n, thread_pool& pool) {
-  constexpr std::size_t block = 1 << 14;
-  const std::size_t nb = (n + block - 1) / block;
-  std::vector<double> part(nb, 0.0);
-  pool.parallel_for(nb, [&](std::size_t b, std::size_t) {
-    const std::size_t i0 = b * block, i1 = std::min(n, i0 + block);
-    double s = 0;
-    for (std::size_t i = i0; i < i1; ++i) {
-      const double v = static_cast<double>(to_accum<float>(g[i]));
-      s += v * v;
-    }
-    part[b] = s;
-  });
-  double s = 0;
-  for (double v : part) s += v;
-  return s;
-}
-
-// The global L2 norm of a gradient array: sqrt(sum_squares).
-template <typename S>
-double global_norm(const S* g, std::size_t n, thread_pool& pool) {
-  return std::sqrt(sum_squares(g, n, pool));
-}
+// sum_squares(g, n, pool) and global_norm(g, n, pool): backend/cpu/model_cpu.hpp's (the host's
+// gradient norm, which the trainer reaches through its backend's glue).
+using cpu::global_norm;
+using cpu::sum_squares;
 
 // The factor that scales gradients of norm `norm` to at most max_norm (1 when already below;
 // max_norm <= 0 disables clipping).
@@ -14163,7 +14348,6 @@ class model {
   // targets) is device memory and the executor is a cuda_executor.
   using backend = typename head_type::backend;
   using executor = typename backend::executor;
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  private:
   using S = storage_type;
@@ -14298,6 +14482,12 @@ class model {
 
   // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
   // model's caller checks its host copy before the upload).
+  // Where the host reads the ids in place (the CPU), tokens and targets against the vocabulary;
+  // device ids are the caller's to check on the host before the upload.
+  void check_ids(const std::int32_t* tokens, const std::int32_t* targets, std::size_t n) const {
+    if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, n);
+    if (const std::int32_t* t = glue::host_ids(targets)) head_type::check_targets(t, n, cfg_.vocab);
+  }
   void check_tokens(const std::int32_t* t, std::size_t n) const {
     for (std::size_t i = 0; i < n; ++i) {
       if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
@@ -14415,7 +14605,7 @@ class model {
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -14438,7 +14628,7 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -14486,21 +14676,17 @@ class model {
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
     check(b);
-    if constexpr (on_cpu) check_tokens(tokens, b.tokens());
+    if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &ex, glue::threads(ex));
+    const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex));
     const auto hw = head_weights(w);
-    if constexpr (on_cpu) {
-      for (std::size_t s = 0; s < b.batch; ++s) head_logits(x + (s * b.seq + b.seq - 1) * C, hw.norm, hw.w, logits + s * V);
-    } else {
-      std::vector<S> row(C), norm(C), head(V * C);
-      glue::copy_to_host(ex, norm.data(), hw.norm, C * sizeof(S));
-      glue::copy_to_host(ex, head.data(), hw.w, V * C * sizeof(S));
-      for (std::size_t s = 0; s < b.batch; ++s) {
-        glue::copy_to_host(ex, row.data(), x + (s * b.seq + b.seq - 1) * C, C * sizeof(S));
-        head_logits(row.data(), norm.data(), head.data(), logits + s * V);
-      }
+    std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
+    const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
+    const S* head = glue::host_view(ex, hw.w, V * C, head_copy);
+    for (std::size_t s = 0; s < b.batch; ++s) {
+      const S* row = glue::host_view(ex, x + (s * b.seq + b.seq - 1) * C, C, row_copy);
+      head_logits(row, norm, head, logits + s * V);
     }
   }
 
@@ -14515,7 +14701,7 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, glue::threads(ex));
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex));
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
@@ -14589,10 +14775,7 @@ class model {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
-    if constexpr (Run && on_cpu) {
-      check_tokens(tokens, N);
-      head_type::check_targets(targets, N, cfg_.vocab);
-    }
+    if constexpr (Run) check_ids(tokens, targets, N);
     const std::size_t a = activation_bytes(b);
 
     live_set<Allocator> live(alloc, L);
@@ -14679,10 +14862,7 @@ class model {
     const std::size_t N = b.tokens();
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
-    if constexpr (Run && on_cpu) {
-      check_tokens(tokens, N);
-      head_type::check_targets(targets, N, cfg_.vocab);
-    }
+    if constexpr (Run) check_ids(tokens, targets, N);
     live_set<Allocator> live(alloc, depth());
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
@@ -16508,7 +16688,7 @@ class trainer {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
       if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
     }
-    if constexpr (!on_host) glue::template check_optimizer_spans<Optimizer>(opt_spans_);
+    glue::template check_optimizer_spans<Optimizer>(std::span<const param_span>(opt_spans_));
     if (world() > 1) {
       blocks_.resize(world());
       norm_parts_.resize(world());
@@ -16548,18 +16728,14 @@ class trainer {
     // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
     try {
-      if constexpr (on_host) {
-        m_.init_weights(w_, o_.seed);
-        Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
-      } else {
-        // Made on the host, as the CPU run makes them (the same bits), then uploaded.
-        std::vector<S> w(n_);
-        m_.init_weights(w.data(), o_.seed);
-        host_bytes state(opt_bytes());
-        Optimizer::init(w.data() + opt_shard_.begin, opt_shard_.size(), state.data(), opt_bytes());
-        glue::copy_to_device(ex_, w_, w.data(), m_.weight_bytes());
-        glue::copy_to_device(ex_, opt_, state.data(), opt_bytes());
-      }
+      // Made on the host on every backend (the same bits), in place or uploaded.
+      glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* wh) {
+        S* w = static_cast<S*>(wh);
+        m_.init_weights(w, o_.seed);
+        glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* state) {
+          Optimizer::init(w + opt_shard_.begin, opt_shard_.size(), state, opt_bytes());
+        });
+      });
       zero_gradients();
     } catch (...) {
       release();
@@ -16648,12 +16824,8 @@ class trainer {
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
-      if constexpr (on_host) {
-        Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_, os, ex_);
-      } else {
-        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
-                                                   std::span<const param_span>(opt_spans_), os);
-      }
+      glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                                                 std::span<const param_span>(opt_spans_), os);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -16727,12 +16899,10 @@ class trainer {
       return;
     }
     checkpoint_writer cw;
-    if constexpr (on_host) {
-      write_state(cw, w_, m_.weight_bytes(), opt_);
-    } else {
-      const host_bytes w = to_host(w_, m_.weight_bytes()), state = to_host(opt_, opt_bytes());
-      write_state(cw, w.data(), m_.weight_bytes(), state.data());
-    }
+    glue::read_via_host(ex_, w_, m_.weight_bytes(), [&](const void* w) {
+      glue::read_via_host(ex_, opt_, opt_bytes(),
+                          [&](const void* state) { write_state(cw, w, m_.weight_bytes(), state); });
+    });
     cw.commit(path);
   }
 
@@ -17094,14 +17264,14 @@ class trainer {
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
     commit_state(r.view("optimizer"), path, st,
-                 [&] { put_bytes(weights, weight_bytes, [&](void* h) { r.copy("weights", h, weight_bytes); }); });
+                 [&] { glue::write_via_host(ex_, weights, weight_bytes, [&](void* h) { r.copy("weights", h, weight_bytes); }); });
   }
   // The same from this rank's optimizer state and a way to put the weights in place (a file's,
   // or the re-sharded ones).
   template <typename CopyWeights>
   void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      put_bytes(opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
+      glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
@@ -17162,13 +17332,11 @@ class trainer {
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
-      if constexpr (on_host) {
-        write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S), opt_);
-      } else {
-        const host_bytes w = to_host(w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
-        const host_bytes state = to_host(opt_, opt_bytes());
-        write_state(cw, w.data(), opt_shard_.size() * sizeof(S), state.data());
-      }
+      const std::size_t shard_bytes = opt_shard_.size() * sizeof(S);
+      glue::read_via_host(ex_, w_ + opt_shard_.begin, shard_bytes, [&](const void* w) {
+        glue::read_via_host(ex_, opt_, opt_bytes(),
+                            [&](const void* state) { write_state(cw, w, shard_bytes, state); });
+      });
       cw.commit(file);
     } catch (...) {
       failed = std::current_exception();
@@ -17413,7 +17581,7 @@ class trainer {
       agree_on_restoring(st);
       try {
         commit_state(std::span<const std::byte>(state), path, st,
-                     [&] { put_bytes(w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
+                     [&] { glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -17441,12 +17609,10 @@ class trainer {
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
-    if constexpr (!on_host) {
-      // A collective (ZeRO-1's all-gather into w_) may still be writing: done before the bytes go.
-      try {
-        ex_.synchronize();
-      } catch (...) {  // a sticky device error: the frees below report nothing either
-      }
+    // A collective (ZeRO-1's all-gather into w_) may still be writing: done before the bytes go.
+    try {
+      glue::synchronize(ex_);
+    } catch (...) {  // a sticky device error: the frees below report nothing either
     }
     // The executor's stream may go before the communicator: it must not keep ordering against it.
     if constexpr (requires { comm_.clear_stream(); comm_.caller_stream() == ex_.stream(); }) {
@@ -17745,61 +17911,25 @@ class trainer {
     x_.resize(b * T);
     y_.resize(b * T);
     for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
-    if constexpr (!on_host) {
-      // The device cannot throw on a bad id: check the host copies, then upload them.
-      m_.check_tokens(x_.data(), b * T);
-      Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
-      auto* l = static_cast<unsigned char*>(sb_);
-      const std::size_t bytes = b * T * sizeof(std::int32_t);
-      glue::copy_to_device(ex_, l, x_.data(), bytes);
-      glue::copy_to_device(ex_, l + glue::step_targets_offset(step_tokens()), y_.data(), bytes);
-    }
+    // A device cannot throw on a bad id: the host copies are checked (on every backend), then
+    // staged where the step reads them (uploaded into the step buffers on a device).
+    m_.check_tokens(x_.data(), b * T);
+    Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
+    glue::stage_ids(ex_, sb_, x_.data(), y_.data(), b * T, step_tokens());
   }
 
   // The ids a micro-batch reads: the host arrays, or on a device their upload in the step buffers.
-  const std::int32_t* tokens_in() const noexcept {
-    if constexpr (on_host) return x_.data();
-    else return static_cast<const std::int32_t*>(sb_);
-  }
+  const std::int32_t* tokens_in() const noexcept { return glue::staged_tokens(sb_, x_.data()); }
   const std::int32_t* targets_in() const noexcept {
-    if constexpr (on_host) return y_.data();
-    else return reinterpret_cast<const std::int32_t*>(static_cast<const unsigned char*>(sb_) +
-                                                      glue::step_targets_offset(step_tokens()));
+    return glue::staged_targets(sb_, y_.data(), step_tokens());
   }
   // Tokens of a whole step of this rank: every plan's micro-batch × accumulation.
   std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
-  std::size_t threads() const noexcept { return glue::threads(ex_); }
+  std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
-  // ---- Memory moves between the host and the backend's memory (plain copies on the host) -------
-  // Host bytes aligned for any optimizer state (its load_state, init and save_state read and
-  // write them as floats, doubles or blocks).
-  struct host_bytes {
-    explicit host_bytes(std::size_t n) : v((n + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)) {}
-    void* data() noexcept { return v.data(); }
-    const void* data() const noexcept { return v.data(); }
-    std::vector<std::max_align_t> v;
-  };
-  void zero_gradients() {
-    if constexpr (on_host) std::memset(static_cast<void*>(g_), 0, grad_bytes());
-    else glue::fill_zero(ex_, g_, grad_bytes());
-  }
-  host_bytes to_host(const void* src, std::size_t bytes) const {
-    host_bytes h(bytes);
-    if constexpr (on_host) std::memcpy(h.data(), src, bytes);
-    else glue::copy_to_host(ex_, h.data(), src, bytes);
-    return h;
-  }
-  // fill(p) writes `bytes` at p: dst itself on the host, a host buffer uploaded to dst on a device.
-  template <typename Fill>
-  void put_bytes(void* dst, std::size_t bytes, Fill&& fill) {
-    if constexpr (on_host) {
-      fill(dst);
-    } else {
-      host_bytes h(bytes);
-      fill(h.data());
-      glue::copy_to_device(ex_, dst, h.data(), bytes);
-    }
-  }
+  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/
+  // model_cpu.hpp writes and reads in place; backend/cuda/model_kernels.cuh copies on the stream).
+  void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
 
   template <check_point P>
   void observe(pressure_level& highest) {
@@ -18269,8 +18399,7 @@ class trainer {
   double gradient_norm() {
     const std::size_t N = world();
     if (N == 1) {
-      if constexpr (on_host) return global_norm(g_, n_, ex_);
-      else return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
+      return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
     }
     const std::size_t me = comm_.rank();
     if (sharded()) {
@@ -18291,8 +18420,7 @@ class trainer {
   }
   // Σ g² over one shard, in double (the device's fixed-shape reduction there).
   double shard_sum_squares(const S* g, std::size_t count) {
-    if constexpr (on_host) return sum_squares(g, count, ex_);
-    else return glue::template sum_squares<S>(ex_, g, count, sb_, step_tokens(), n_);
+    return glue::template sum_squares<S>(ex_, g, count, sb_, step_tokens(), n_);
   }
 
   std::size_t world() const noexcept { return comm_.size(); }

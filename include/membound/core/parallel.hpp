@@ -149,7 +149,8 @@ class thread_pool {
 };
 
 // How many per-thread scratch slices a layer's workspace holds for this executor: the pool's
-// threads. A device executor has its own overload (0: its workspace does not grow with them).
+// threads. Every size function takes it; a device executor has its own overload (1: the device's
+// workspaces do not grow with it).
 inline std::size_t workspace_threads(const thread_pool& pool) noexcept { return pool.size(); }
 
 MEMBOUND_NAMESPACE_END

@@ -15,22 +15,20 @@
 // ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// This file is the front (checks, sizes, the saved and state layouts) and makes one call into
+// backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt_cpu.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
 // workspace is the device's own (backward too: the same recomputation from the checkpoints).
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <limits>
-#include <span>
 #include <string>
 #include <type_traits>
 
-#include "membound/backend/cpu/linalg.hpp"
-#include "membound/backend/cpu/ttt_cpu.hpp"
+#include "membound/backend/cpu/ttt_cpu.hpp"  // backend_kernels<cpu_backend, ttt_shape>
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -73,23 +71,16 @@ class basic_ttt {
   static constexpr bool is_mlp = Mlp;
   // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
   // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
-  static constexpr std::size_t hidden(const ttt_shape& s) noexcept {
-    return Mlp ? 4 * s.head_dim() : s.head_dim();
-  }
+  static constexpr std::size_t hidden(const ttt_shape& s) noexcept { return ttt_hidden(s, Mlp); }
   static constexpr std::size_t inner_elements(const ttt_shape& s) noexcept {
-    const std::size_t D = s.head_dim(), F = hidden(s);
-    return Mlp ? 2 * D * F + F + D : D * D + D;
+    return ttt_inner_elements(s, Mlp);
   }
 
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool widened = !std::is_same_v<S, A>;
   static constexpr std::size_t mb = mini_batch;
-  static constexpr A ln_eps = A(1e-6);
-  // cuda_backend: backend/cuda/ttt_cuda.cuh's kernels (include membound/backend/cuda.cuh, nvcc).
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
-  using device_kernels = backend_kernels<backend, ttt_shape>;
+  using kernels = backend_kernels<backend, ttt_shape>;
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
@@ -138,20 +129,11 @@ class basic_ttt {
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template forward_workspace_bytes<Mlp, mb, S>(s);
-    const std::size_t b[] = {w_acc_bytes(s), wide(s), task_scratch(s, threads, false),
-                             bytes_of<std::byte>(threads, forward_pack_bytes(s))};
-    return detail::fits_layout(b) ? forward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template forward_workspace_bytes<Mlp, mb, S, A>(s, threads);
   }
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template backward_workspace_bytes<Mlp, mb, group, S>(s);
-    const std::size_t b[] = {w_acc_bytes(s), wide(s), partial_bytes(s),
-                             task_scratch(s, threads, true),
-                             bytes_of<std::byte>(threads, backward_pack_bytes(s))};
-    return detail::fits_layout(b) ? backward_layout(s, threads).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template backward_workspace_bytes<Mlp, mb, group, S, A>(s, threads);
   }
   // Decoding state per (batch, head): the mini-batch's starting W, w and the running
   // Σ lr_s·XK_sᵀ·G_s, Σ lr_s·G_s of its tokens so far, in the accumulator type.
@@ -159,39 +141,13 @@ class basic_ttt {
     return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
-    if constexpr (!on_cpu) return device_kernels::template step_workspace_bytes<Mlp, mb, S>(s);
-    ttt_shape one = s;
-    one.seq = 1;
-    const std::size_t b[] = {w_acc_bytes(one), wide(one), bytes_of<A>(inner_elements(s)),
-                             step_pack_bytes(s)};
-    return detail::fits_layout(b) ? forward_layout(one, 1, true).size()
-                                  : std::numeric_limits<std::size_t>::max();
+    return kernels::template step_workspace_bytes<Mlp, mb, S, A>(s);
   }
 
-  struct weights {
-    const S* wq;         // [C, C]
-    const S* wk;         // [C, C]
-    const S* wv;         // [C, C]
-    const S* ttt_norm_w; // [H, D]   the inner LayerNorm's scale
-    const S* ttt_norm_b; // [H, D]   and shift
-    const S* w1;         // [H, D, F] the inner W1 at the start of the sequence
-    const S* b1;         // [H, F]
-    const S* lr_w;       // [H, C]   learning-rate gate
-    const S* lr_b;       // [H]
-    const S* tok_offset; // [b]      learnable offset of the token scales 1/(i+1)
-    const S* post_w;     // [C]      post LayerNorm
-    const S* post_b;     // [C]
-    const S* wg;         // [C, C]   the gate (read only when shape.use_gate)
-    const S* wo;         // [C, C]
-    const S* w2 = nullptr;  // [H, F, D] TTT-MLP only
-    const S* b2 = nullptr;  // [H, D]    TTT-MLP only
-  };
-  struct gradients {  // accumulated (+=); wg only when shape.use_gate, w2 and b2 only for MLP
-    S *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
-        *post_b, *wg, *wo;
-    S* w2 = nullptr;
-    S* b2 = nullptr;
-  };
+  using weights = ttt_weights<S>;      // shape/ttt_shape.hpp: the parameters and their shapes
+  using gradients = ttt_gradients<S>;  // accumulated (+=); wg only when shape.use_gate, w2 and b2
+                                       // only for TTT-MLP
+
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
     const std::size_t C = s.width, H = s.heads, D = s.head_dim();
     return 5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb + 2 * C;
@@ -204,7 +160,7 @@ class basic_ttt {
   };
   // The state starts from the layer's W1, b1 (so it needs the weights).
   static state make_state(const ttt_shape& s, const weights& w, void* data, std::size_t bytes) {
-    static_assert(on_cpu,
+    static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is written on the executor's stream: call "
                   "make_state(shape, weights, data, bytes, executor) for ttt<..., cuda_backend>.");
     check(s);
@@ -220,19 +176,10 @@ class basic_ttt {
   // Per (b, h): the mini-batch's starting inner state, then the running sums of its tokens'
   // lr_s-weighted gradients, each inner_elements long.
   static void reset(const ttt_shape& s, const weights& w, state& st) {
-    static_assert(on_cpu,
+    static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is written on the executor's stream: call "
                   "reset(shape, weights, state, executor) for ttt<..., cuda_backend>.");
-    {
-      const std::size_t SZ = inner_elements(s);
-      A* p = static_cast<A*>(st.data);
-      for (std::size_t b = 0; b < s.batch; ++b)
-        for (std::size_t h = 0; h < s.heads; ++h) {
-          A* q = p + (b * s.heads + h) * 2 * SZ;
-          load_initial(s, w, h, q);
-          std::fill(q + SZ, q + 2 * SZ, A(0));
-        }
-    }
+    kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data));
     st.position = 0;
   }
   // The same on either backend with its executor: on the device the state is written on the
@@ -249,242 +196,44 @@ class basic_ttt {
     return st;
   }
   static void reset(const ttt_shape& s, const weights& w, state& st, executor& ex) {
-    if constexpr (on_cpu) {
-      (void)ex;
-      reset(s, w, st);
-    } else {
-      device_kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
-      st.position = 0;
-    }
+    kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
+    st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
   static void forward(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                      executor& pool) {
+                      executor& ex) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(y, "y");
-    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
-      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-      device_kernels::template forward<Mlp, mb, group, S, A>(
-          s, w, x, y, dsv.template get<A>(s_ckpt), dsv.template get<S>(s_o), workspace,
-          workspace_size, pool);
-    } else {
-      forward_cpu(s, w, x, y, saved, saved_size, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void forward_cpu(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
-                          std::size_t saved_size, void* workspace, std::size_t workspace_size,
-                          thread_pool& pool) {
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    const auto ws = detail::carve_named(forward_layout(s, threads),
-                                        forward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t N = rows(s), C = s.width;
-    const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(f_x));
-    A* q = ws.template get<A>(f_q);
-    A* k = ws.template get<A>(f_k);
-    A* v = ws.template get<A>(f_v);
-    A* lr = ws.template get<A>(f_lr);
-    A* sig = ws.template get<A>(f_sig);
-    A* tok = ws.template get<A>(f_tok);
-    const gemm_ws pk{ws.template get<std::byte>(f_gemm), threads * forward_pack_bytes(s)};
-    project(s, xa, wa, q, k, v, lr, sig, tok, pool, pk.span());
-
-    // The inner loop, one task per (b, h); its output rounded through storage into `saved`.
-    S* o_s = sv.template get<S>(s_o);
-    A* o = cpu::accum_target(o_s, ws.template get<A>(f_o));
-    inner_forward(s, q, k, v, lr, tok, wa, o, sv.template get<A>(s_ckpt),
-                  ws.template get<A>(f_scratch), pk, pool);
-    if constexpr (widened) {
-      cpu::narrow(static_cast<const A*>(o), N * C, o_s);
-      cpu::widen(static_cast<const S*>(o_s), N * C, o);
-    }
-    // Post norm, gate, output projection (pn reuses q's slot).
-    A* pn = q;
-    post_norm(s, o, wa, pn, nullptr, nullptr, pool);
-    if (s.use_gate) {
-      A* gpre = k;
-      mm(pool, xa, wa.wg, gpre, N, C, C, false, pk.span());
-      cpu::for_rows(pool, N, [&](std::size_t n) {
-        for (std::size_t j = 0; j < C; ++j) pn[n * C + j] *= gelu(gpre[n * C + j]);
-      });
-    }
-    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
-    mm(pool, static_cast<const A*>(pn), wa.wo, ya, N, C, C, false, pk.span());
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), N * C, y);
+    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                            workspace_size);
+    kernels::template forward<Mlp, mb, group, S, A>(s, w, x, y, sv.template get<A>(s_ckpt),
+                                                    sv.template get<S>(s_o), workspace,
+                                                    workspace_size, ex);
   }
 
  public:
   // ---- Backward ------------------------------------------------------------------------------
   static void backward(const ttt_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                       void* workspace, std::size_t workspace_size, executor& pool) {
+                       void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
     detail::not_null(x, "x");
     detail::not_null(dy, "dy");
     detail::not_null(dx, "dx");
     check_gradients(s, g);
-    if constexpr (!on_cpu) {  // same saved layout; the device owns its workspace
-      const auto dsv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
-                                           saved_size, "saved");
-      device_kernels::template backward<Mlp, mb, group, S, A>(
-          s, w, x, static_cast<const A*>(dsv.template get<A>(s_ckpt)),
-          static_cast<const S*>(dsv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size,
-          pool);
-    } else {
-      backward_cpu(s, w, x, saved, saved_size, dy, dx, g, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void backward_cpu(const ttt_shape& s, const weights& w, const S* x, const void* saved,
-                           std::size_t saved_size, const S* dy, S* dx, const gradients& g,
-                           void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    const std::size_t threads = pool.size();
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    const auto ws = detail::carve_named(backward_layout(s, threads),
-                                        backward_workspace_bytes(s, threads), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim(), B = s.batch;
-    const wptrs wa = widen_weights(s, w, ws.template get<A>(b_w));
-    const A* xa = cpu::widen_or_alias(x, N * C, ws.template get<A>(b_x));
-    A* q = ws.template get<A>(b_q);
-    A* k = ws.template get<A>(b_k);
-    A* v = ws.template get<A>(b_v);
-    A* lr = ws.template get<A>(b_lr);
-    A* sig = ws.template get<A>(b_sig);
-    A* tok = ws.template get<A>(b_tok);
-    const gemm_ws pk{ws.template get<std::byte>(b_gemm), threads * backward_pack_bytes(s)};
-    const std::span<std::byte> gs = pk.span();
-    project(s, xa, wa, q, k, v, lr, sig, tok, pool, gs);
-    const A* o = cpu::widen_or_alias(static_cast<const S*>(sv.template get<S>(s_o)), N * C,
-                                ws.template get<A>(b_o));
-    const A* dya = cpu::widen_or_alias(dy, N * C, ws.template get<A>(b_dy));
-    A* tmp = ws.template get<A>(b_wtmp);
-    A* dxa = ws.template get<A>(b_dx);
-
-    // Output projection, gate and post norm, backwards. pn: the post norm's output; xh: its x̂.
-    A* pn = ws.template get<A>(b_pn);
-    A* xh = ws.template get<A>(b_xh);
-    A* rsig = ws.template get<A>(b_rsig);
-    post_norm(s, o, wa, pn, xh, rsig, pool);
-    A* dpn = ws.template get<A>(b_dpn);
-    mm_bt(pool, dya, wa.wo, dpn, N, C, C, false, gs);  // dL/d(gated)
-    if (s.use_gate) {
-      A* gpre = ws.template get<A>(b_gpre);
-      mm(pool, xa, wa.wg, gpre, N, C, C, false, gs);
-      // gated = pn ⊙ gelu(gpre): dgpre = dgated ⊙ pn ⊙ gelu'(gpre), then dpn = dgated ⊙ gelu.
-      cpu::for_rows(pool, N, [&](std::size_t n) {
-        for (std::size_t j = 0; j < C; ++j) {
-          const std::size_t e = n * C + j;
-          const A gl = gelu(gpre[e]), dgated = dpn[e];
-          dpn[e] = dgated * gl;
-          gpre[e] = dgated * pn[e] * gelu_grad(gpre[e]);  // now dgpre
-          pn[e] *= gl;                                     // now the gated value
-        }
-      });
-      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
-      cpu::weight_grad(pool, xa, static_cast<const A*>(gpre), g.wg, tmp, N, C, C, gs);
-      mm_bt(pool, static_cast<const A*>(gpre), wa.wg, dxa, N, C, C, false, gs);
-    } else {
-      cpu::weight_grad(pool, static_cast<const A*>(pn), dya, g.wo, tmp, N, C, C, gs);
-      std::fill(dxa, dxa + N * C, A(0));
-    }
-    // Post norm: pn = x̂ ⊙ post_w + post_b. d(post_w) = Σ dpn ⊙ x̂, d(post_b) = Σ dpn.
-    A* small = ws.template get<A>(b_small);
-    column_sums_product(pool, static_cast<const A*>(dpn), static_cast<const A*>(xh), N, C, small,
-                        small + C);
-    cpu::add_grad(small, C, g.post_w);
-    cpu::add_grad(small + C, C, g.post_b);
-    A* d_o = ws.template get<A>(b_do);
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      A* dxh = d_o + n * C;  // dL/dx̂, then dL/do in place
-      for (std::size_t j = 0; j < C; ++j) dxh[j] = dpn[n * C + j] * wa.post_w[j];
-      A tmp_row_m1 = 0, tmp_row_m2 = 0;
-      for (std::size_t j = 0; j < C; ++j) {
-        tmp_row_m1 += dxh[j];
-        tmp_row_m2 += dxh[j] * xh[n * C + j];
-      }
-      tmp_row_m1 /= static_cast<A>(C);
-      tmp_row_m2 /= static_cast<A>(C);
-      for (std::size_t j = 0; j < C; ++j)
-        dxh[j] = (dxh[j] - tmp_row_m1 - xh[n * C + j] * tmp_row_m2) / rsig[n];
-    });
-
-    // The inner loop backwards: dq, dk, dv, dlr and per-(b, h) partial parameter gradients.
-    A* dq = ws.template get<A>(b_dq);
-    A* dk = ws.template get<A>(b_dk);
-    A* dv = ws.template get<A>(b_dv);
-    A* dlr = ws.template get<A>(b_dlr);
-    A* part = ws.template get<A>(b_part);
-    inner_backward(s, q, k, v, lr, tok, wa, sv.template get<A>(s_ckpt), d_o, dq, dk, dv, dlr,
-                   part, ws.template get<A>(b_scratch), pk, pool);
-
-    // Partials summed over the batch in order: the inner state per head, then γ, β per head,
-    // then the token offsets per head.
-    const std::size_t per = part_elements(s), SZ = inner_elements(s), F = hidden(s);
-    A* sum = small;  // [per]
-    for (std::size_t j = 0; j < per; ++j) {
-      A acc = 0;
-      for (std::size_t b = 0; b < B; ++b) acc += part[b * per + j];
-      sum[j] = acc;
-    }
-    for (std::size_t h = 0; h < H; ++h) {
-      const A* ph = sum + h * SZ;
-      cpu::add_grad(ph, D * F, g.w1 + h * D * F);
-      cpu::add_grad(ph + D * F, F, g.b1 + h * F);
-      if constexpr (Mlp) {
-        cpu::add_grad(ph + D * F + F, F * D, g.w2 + h * F * D);
-        cpu::add_grad(ph + 2 * D * F + F, D, g.b2 + h * D);
-      }
-    }
-    cpu::add_grad(sum + H * SZ, H * D, g.ttt_norm_w);
-    cpu::add_grad(sum + H * SZ + H * D, H * D, g.ttt_norm_b);
-    A* dtok = sum + H * SZ + 2 * H * D;  // [H, mb]: summed over heads, masked by the clamp
-    for (std::size_t i = 0; i < mb; ++i) {
-      A acc = 0;
-      for (std::size_t h = 0; h < H; ++h) acc += dtok[h * mb + i];
-      const A raw = A(1) / static_cast<A>(i + 1) + wa.tok_offset[i];
-      dtok[i] = raw > A(0) ? acc : A(0);  // clamp_min(·, 0): no gradient where clamped
-    }
-    cpu::add_grad(dtok, mb, g.tok_offset);
-
-    // The learning-rate gate: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ).
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      for (std::size_t h = 0; h < H; ++h) dlr[n * H + h] *= lr[n * H + h] * (A(1) - sig[n * H + h]);
-    });
-    if constexpr (widened) {
-      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, tmp, N, H, C, false,
-                     cpu::ld3{H, C, C}, gs);
-      cpu::narrow_add(static_cast<const A*>(tmp), H * C, g.lr_w);
-    } else {
-      cpu::matmul_at(pool, static_cast<const A*>(dlr), xa, g.lr_w, N, H, C, true,
-                     cpu::ld3{H, C, C}, gs);
-    }
-    column_sums_product(pool, static_cast<const A*>(dlr), static_cast<const A*>(nullptr), N, H,
-                        sum, nullptr);
-    cpu::add_grad(sum, H, g.lr_b);
-    mm(pool, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true, gs);
-
-    // RoPE's transpose, then the projections.
-    cpu::rope_pairs(pool, dq, N, s.seq, H, D, s.rope_base, mb, true);
-    cpu::rope_pairs(pool, dk, N, s.seq, H, D, s.rope_base, mb, true);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C, gs);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C, gs);
-    cpu::weight_grad(pool, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C, gs);
-    mm_bt(pool, static_cast<const A*>(dq), wa.wq, dxa, N, C, C, true, gs);
-    mm_bt(pool, static_cast<const A*>(dk), wa.wk, dxa, N, C, C, true, gs);
-    mm_bt(pool, static_cast<const A*>(dv), wa.wv, dxa, N, C, C, true, gs);
-    cpu::narrow(static_cast<const A*>(dxa), N * C, dx);
+    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                            workspace_size);
+    kernels::template backward<Mlp, mb, group, S, A>(
+        s, w, x, static_cast<const A*>(sv.template get<A>(s_ckpt)),
+        static_cast<const S*>(sv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size, ex);
   }
 
  public:
@@ -493,7 +242,7 @@ class basic_ttt {
   // mini-batch uses W − tok_i·Σ_{s≤i} lr_s·XK_sᵀ·G_s (the dual form's row i); the mini-batch's
   // last token folds the sums into W. Checks everything before touching the state or y_t.
   static void step(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
-                   void* workspace, std::size_t workspace_size, executor& pool) {
+                   void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
     detail::not_null(x_t, "x_t");
@@ -502,159 +251,17 @@ class basic_ttt {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    if constexpr (!on_cpu) {
-      device_kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data),
-                                                   st.position % mb, x_t, y_t, workspace,
-                                                   workspace_size, pool);
-      ++st.position;
-    } else {
-      step_cpu(s, w, st, x_t, y_t, workspace, workspace_size, pool);
-    }
-  }
-
- private:
-  static void step_cpu(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
-                       void* workspace, std::size_t workspace_size, thread_pool& pool) {
-    ttt_shape one = s;
-    one.seq = 1;
-    const auto ws = detail::carve_named(forward_layout(one, 1, true), step_workspace_bytes(s), workspace,
-                                        workspace_size, "workspace");
-    const std::size_t B = s.batch, C = s.width, H = s.heads, D = s.head_dim();
-    const std::size_t i = st.position % mb;
-    const wptrs wa = widen_weights(s, w, ws.template get<A>(f_w));
-    const A* xa = cpu::widen_or_alias(x_t, B * C, ws.template get<A>(f_x));
-    A* q = ws.template get<A>(f_q);
-    A* k = ws.template get<A>(f_k);
-    A* v = ws.template get<A>(f_v);
-    A* lr = ws.template get<A>(f_lr);
-    A* sig = ws.template get<A>(f_sig);
-    A* tok = ws.template get<A>(f_tok);
-    // The forward's GEMM: the projections' packing buffers per task; the inner loop's one-row
-    // products (GEMVs) use none.
-    const std::span<std::byte> gs{ws.template get<std::byte>(f_gemm), step_pack_bytes(s)};
-    const packing pk{gs, cpu::scratch_slots::per_task};
-    const cpu::gemm_scratch inner_pk{};
-    project(one, xa, wa, q, k, v, lr, sig, tok, pool, pk, i);
-    A* o = ws.template get<A>(f_o);
-    A* scratch = ws.template get<A>(f_scratch);
-    const std::size_t SZ = inner_elements(s), F = hidden(s);
-    A* weff = scratch;  // the token's effective inner state, W − tok_i·Σ
-    const mb_buffers sc = carve_mb(weff + SZ, D, F, 1, false);
-    for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t h = 0; h < H; ++h) {
-        A* W = static_cast<A*>(st.data) + (b * H + h) * 2 * SZ;
-        A* Gs = W + SZ;
-        const A lr_t = lr[b * H + h];
-        const cpu::ttt_minibatch<A> m{q + b * C + h * D, k + b * C + h * D, v + b * C + h * D, 1,
-                                      D, C, &lr_t, tok, wa.ttt_norm_w + h * D,
-                                      wa.ttt_norm_b + h * D, ln_eps};
-        // This token's inner gradients at the mini-batch's starting state, added to the sums.
-        mb_forward(m, W, sc, false, inner_pk);
-        const ilayout L = layout_of(D, F);
-        accumulate_outer(m.k, D, F, first_grad(sc), lr_t, Gs + L.w1, Gs + L.b1);
-        if constexpr (Mlp) accumulate_outer(sc.x2, F, D, sc.g2, lr_t, Gs + L.w2, Gs + L.b2);
-        for (std::size_t e = 0; e < SZ; ++e) weff[e] = W[e] - tok[i] * Gs[e];
-        // The output through the effective state (the dual form's row i).
-        if constexpr (Mlp) {
-          cpu::ttt_linear_rows(m.q, C, 1, D, F, weff + L.w1, weff + L.b1, sc.z1b, inner_pk);
-          for (std::size_t j = 0; j < F; ++j) sc.x2b[j] = cpu::gelu_tanh<A>::f(sc.z1b[j]);
-          cpu::ttt_linear_rows(static_cast<const A*>(sc.x2b), F, 1, F, D, weff + L.w2,
-                               weff + L.b2, sc.zb, inner_pk);
-        } else {
-          cpu::ttt_linear_rows(m.q, C, 1, D, D, weff + L.w1, weff + L.b1, sc.zb, inner_pk);
-        }
-        cpu::ln_row(sc.zb, D, ln_eps, sc.xhb);
-        for (std::size_t c = 0; c < D; ++c)
-          o[b * C + h * D + c] =
-              m.q[c] + wa.ttt_norm_w[h * D + c] * sc.xhb[c] + wa.ttt_norm_b[h * D + c];
-        if (i == mb - 1) {  // the mini-batch ends: its last state starts the next
-          std::copy(weff, weff + SZ, W);
-          std::fill(Gs, Gs + SZ, A(0));
-        }
-      }
-    if constexpr (widened) {  // as forward: the heads' output is rounded through storage
-      for (std::size_t e = 0; e < B * C; ++e) o[e] = to_accum<A>(from_accum<S>(o[e]));
-    }
-    A* pn = q;
-    post_norm(one, o, wa, pn, nullptr, nullptr, pool);
-    if (s.use_gate) {
-      mm(pool, xa, wa.wg, k, B, C, C, false, pk);
-      for (std::size_t e = 0; e < B * C; ++e) pn[e] *= gelu(k[e]);
-    }
-    A* ya = cpu::accum_target(y_t, ws.template get<A>(f_y));
-    mm(pool, static_cast<const A*>(pn), wa.wo, ya, B, C, C, false, pk);
-    if constexpr (widened) cpu::narrow(static_cast<const A*>(ya), B * C, y_t);
+    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data), st.position % mb, x_t,
+                                          y_t, workspace, workspace_size, ex);
     ++st.position;
   }
 
  private:
   static constexpr std::size_t rows(const ttt_shape& s) noexcept { return s.batch * s.seq; }
-  static constexpr std::size_t wide(const ttt_shape& s) noexcept {
-    return bytes_of<A>(rows(s), s.width);
-  }
   static constexpr std::size_t ckpt_bytes(const ttt_shape& s) noexcept {
     return bytes_of<A>(s.batch * s.heads, checkpoints(s), inner_elements(s));
   }
-  static constexpr std::size_t w_acc_bytes(const ttt_shape& s) noexcept {
-    return widened ? bytes_of<A>(weight_elements(s)) : 0;
-  }
-  static constexpr std::size_t io_acc_bytes(const ttt_shape& s) noexcept {
-    return widened ? wide(s) : 0;
-  }
-  static constexpr std::size_t group_in_use(const ttt_shape& s) noexcept {
-    return std::min(group, mini_batches(s));
-  }
-  // Per thread: forward, one mini-batch's buffers plus the running state; backward, the group's
-  // entering states, the state's gradient, the running state and the buffers with gradients.
-  static constexpr std::size_t task_scratch(const ttt_shape& s, std::size_t threads,
-                                            bool backward) noexcept {
-    const std::size_t SZ = inner_elements(s), D = s.head_dim(), F = hidden(s);
-    const std::size_t per = backward ? (group_in_use(s) + 2) * SZ + mb_elements(D, F, mb, true)
-                                     : SZ + mb_elements(D, F, mb, false);
-    return bytes_of<A>(threads, per);
-  }
-  // Per batch row: the inner state's gradient [H, inner_elements], dγ, dβ [H, D], dtok [H, mb].
-  static constexpr std::size_t part_elements(const ttt_shape& s) noexcept {
-    const std::size_t H = s.heads, D = s.head_dim();
-    return H * inner_elements(s) + 2 * H * D + H * mb;
-  }
-  static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
-    return bytes_of<A>(s.batch, part_elements(s));
-  }
-  // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
-  // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
-  // their thread's slice.
-  static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
-    const std::size_t N = rows(s), C = s.width, H = s.heads;
-    return std::max({cpu::matmul_thread_scratch_bytes<A>(N, C, C),  // q, k, v, gate, output
-                     cpu::matmul_thread_scratch_bytes<A>(N, C, H),  // the rates' pre-activation
-                     cpu::ttt_inner_gemm_bytes<A>(s.head_dim(), hidden(s), mb)});
-  }
-  static constexpr std::size_t backward_pack_bytes(const ttt_shape& s) noexcept {
-    const std::size_t N = rows(s), C = s.width, H = s.heads;
-    return std::max({forward_pack_bytes(s),
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, C),  // d wq, wk, wv, wg, wo
-                     cpu::matmul_at_thread_scratch_bytes<A>(N, H, C),  // d lr_w
-                     cpu::matmul_thread_scratch_bytes<A>(N, H, C)});   // dx from the rates
-  }
-  // Decoding's packing bytes, which take no thread count: one set per 256-row task of the
-  // projections (one for B <= 256; none for B = 1, a GEMV). The inner loop's products are one
-  // row each, GEMVs too, so they pack nothing.
-  static constexpr std::size_t step_pack_bytes(const ttt_shape& s) noexcept {
-    const std::size_t B = s.batch, C = s.width, H = s.heads;
-    return std::max(cpu::matmul_task_scratch_bytes<A>(B, C, C),   // q, k, v, gate, output
-                    cpu::matmul_task_scratch_bytes<A>(B, C, H));  // the rates' pre-activation
-  }
-  struct gemm_ws {
-    std::byte* data;
-    std::size_t bytes;  // threads · the per-thread bytes
-    std::span<std::byte> span() const noexcept { return {data, bytes}; }
-    // Thread t's slice for the inner loop's products.
-    cpu::gemm_scratch of(std::size_t t, std::size_t threads) const noexcept {
-      const std::size_t per = bytes / threads;
-      return {data + t * per, per};
-    }
-  };
 
   enum saved_slot : std::size_t { s_ckpt, s_o };
   static constexpr workspace_layout<2> saved_layout(const ttt_shape& s) {
@@ -664,114 +271,6 @@ class basic_ttt {
     return l;
   }
 
-  // Phases: 0 projections, 1 inner loop, 2 post norm, gate and output projection.
-  enum forward_slot : std::size_t {
-    f_w, f_x, f_q, f_k, f_v, f_lr, f_sig, f_tok, f_scratch, f_o, f_y, f_gemm
-  };
-  // Decoding computes the heads' output in the workspace even when it is the accumulator type
-  // (forward writes it straight into `saved`), and sizes its packing buffers per task.
-  static constexpr workspace_layout<12> forward_layout(const ttt_shape& s, std::size_t threads,
-                                                       bool decoding = false) {
-    const std::size_t N = rows(s), H = s.heads;
-    workspace_layout<12> l;
-    l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(io_acc_bytes(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 1});
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 1});
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 1});
-    l.add(bytes_of<A>(mb), default_alignment, {0, 1});
-    l.add(task_scratch(s, threads, false), default_alignment, {1, 1});
-    l.add(decoding ? wide(s) : io_acc_bytes(s), default_alignment, {1, 2});
-    l.add(io_acc_bytes(s), default_alignment, {2, 2});
-    l.add(decoding ? step_pack_bytes(s) : bytes_of<std::byte>(threads, forward_pack_bytes(s)),
-          default_alignment, {0, 2});
-    return l;
-  }
-
-  // Phases: 0 projections, post norm and gate backwards; 1 inner loop backwards; 2 gradients
-  // of the learning-rate gate and the projections, dx.
-  enum backward_slot : std::size_t {
-    b_w, b_x, b_q, b_k, b_v, b_lr, b_sig, b_tok, b_o, b_dy, b_pn, b_xh, b_rsig, b_dpn, b_gpre,
-    b_small, b_do, b_dq, b_dk, b_dv, b_dlr, b_part, b_scratch, b_wtmp, b_dx, b_gemm
-  };
-  static constexpr workspace_layout<26> backward_layout(const ttt_shape& s, std::size_t threads) {
-    const std::size_t N = rows(s), H = s.heads, C = s.width;
-    workspace_layout<26> l;
-    l.add(w_acc_bytes(s), default_alignment, {0, 2});
-    l.add(io_acc_bytes(s), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 1});  // q
-    l.add(wide(s), default_alignment, {0, 1});  // k
-    l.add(wide(s), default_alignment, {0, 1});  // v
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 2});
-    l.add(bytes_of<A>(N, H), default_alignment, {0, 2});
-    l.add(bytes_of<A>(mb), default_alignment, {0, 2});
-    l.add(io_acc_bytes(s), default_alignment, {0, 0});  // o widened
-    l.add(io_acc_bytes(s), default_alignment, {0, 0});  // dy widened
-    l.add(wide(s), default_alignment, {0, 0});          // pn
-    l.add(wide(s), default_alignment, {0, 0});          // x̂
-    l.add(bytes_of<A>(N), default_alignment, {0, 0});   // σ per row
-    l.add(wide(s), default_alignment, {0, 0});          // dpn
-    l.add(s.use_gate ? wide(s) : 0, default_alignment, {0, 0});
-    l.add(bytes_of<A>(std::max(2 * C, part_elements(s))), default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 1});          // d(o)
-    l.add(wide(s), default_alignment, {1, 2});          // dq
-    l.add(wide(s), default_alignment, {1, 2});          // dk
-    l.add(wide(s), default_alignment, {1, 2});          // dv
-    l.add(bytes_of<A>(N, H), default_alignment, {1, 2});
-    l.add(partial_bytes(s), default_alignment, {1, 2});
-    l.add(task_scratch(s, threads, true), default_alignment, {1, 1});
-    l.add(widened ? bytes_of<A>(std::max(C * C, H * C)) : 0, default_alignment, {0, 2});
-    l.add(wide(s), default_alignment, {0, 2});          // dx in A
-    l.add(bytes_of<std::byte>(threads, backward_pack_bytes(s)), default_alignment, {0, 2});
-    return l;
-  }
-
-  // ---- Helpers -------------------------------------------------------------------------------
-  static A gelu(A v) { return cpu::gelu_tanh<A>::f(v); }  // the gate's, as upstream's
-  static A gelu_grad(A v) { return cpu::gelu_tanh<A>::d1(v); }
-
-  struct wptrs {
-    const A *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
-        *post_b, *wg, *wo, *w2, *b2;
-  };
-  static wptrs widen_weights(const ttt_shape& s, const weights& w, A* slot) {
-    if constexpr (widened) {
-      const std::size_t C = s.width, H = s.heads, D = s.head_dim(), F = hidden(s);
-      A* p = slot;
-      const auto take = [&](const S* src, std::size_t n) -> const A* {
-        if (src == nullptr) return nullptr;
-        cpu::widen(src, n, p);
-        const A* out = p;
-        p += n;
-        return out;
-      };
-      wptrs r;
-      r.wq = take(w.wq, C * C);
-      r.wk = take(w.wk, C * C);
-      r.wv = take(w.wv, C * C);
-      r.ttt_norm_w = take(w.ttt_norm_w, H * D);
-      r.ttt_norm_b = take(w.ttt_norm_b, H * D);
-      r.w1 = take(w.w1, H * D * F);
-      r.b1 = take(w.b1, H * F);
-      r.lr_w = take(w.lr_w, H * C);
-      r.lr_b = take(w.lr_b, H);
-      r.tok_offset = take(w.tok_offset, mb);
-      r.post_w = take(w.post_w, C);
-      r.post_b = take(w.post_b, C);
-      r.wg = s.use_gate ? take(w.wg, C * C) : nullptr;
-      r.wo = take(w.wo, C * C);
-      r.w2 = Mlp ? take(w.w2, H * F * D) : nullptr;
-      r.b2 = Mlp ? take(w.b2, H * D) : nullptr;
-      return r;
-    } else {
-      (void)s;
-      (void)slot;
-      return {w.wq, w.wk, w.wv, w.ttt_norm_w, w.ttt_norm_b, w.w1, w.b1, w.lr_w, w.lr_b,
-              w.tok_offset, w.post_w, w.post_b, w.wg, w.wo, w.w2, w.b2};
-    }
-  }
   static void check_weights(const ttt_shape& s, const weights& w) {
     detail::not_null(w.wq, "weights.wq");
     detail::not_null(w.wk, "weights.wk");
@@ -812,441 +311,6 @@ class basic_ttt {
       detail::not_null(g.b2, "gradients.b2");
     }
   }
-
-
-  // The packing buffers of the projections: training passes index them by thread (threads · the
-  // per-thread bytes of *_pack_bytes), decoding by task (step_pack_bytes).
-  struct packing {
-    std::span<std::byte> bytes;
-    cpu::scratch_slots slots = cpu::scratch_slots::per_thread;
-    packing(std::span<std::byte> b, cpu::scratch_slots s = cpu::scratch_slots::per_thread)
-        : bytes(b), slots(s) {}
-  };
-  // y[N, M] (+)= x[N, K]·w (mm) or x·wᵀ (mm_bt, w [M, K]).
-  static void mm(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                 std::size_t M, bool accumulate, packing pk) {
-    cpu::matmul(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M}, pk.bytes, pk.slots);
-  }
-  static void mm_bt(thread_pool& pool, const A* x, const A* w, A* y, std::size_t N, std::size_t K,
-                    std::size_t M, bool accumulate, packing pk) {
-    cpu::matmul_bt(pool, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M}, pk.bytes, pk.slots);
-  }
-
-  // q, k, v (RoPE'd), lr = base·σ(pre)/D and σ itself [N, H], and the clamped token scales.
-  // `position0` offsets the position inside the mini-batch (decoding).
-  static void project(const ttt_shape& s, const A* xa, const wptrs& wa, A* q, A* k, A* v, A* lr,
-                      A* sig, A* tok, thread_pool& pool, packing pk,
-                      std::size_t position0 = 0) {
-    const std::size_t N = rows(s), C = s.width, H = s.heads, D = s.head_dim();
-    mm(pool, xa, wa.wq, q, N, C, C, false, pk);
-    mm(pool, xa, wa.wk, k, N, C, C, false, pk);
-    mm(pool, xa, wa.wv, v, N, C, C, false, pk);
-    if (position0 == 0) {
-      cpu::rope_pairs(pool, q, N, s.seq, H, D, s.rope_base, mb, false);
-      cpu::rope_pairs(pool, k, N, s.seq, H, D, s.rope_base, mb, false);
-    } else {  // one token per row at position position0 (seq is 1 here)
-      rope_at(q, N, H, D, s.rope_base, position0);
-      rope_at(k, N, H, D, s.rope_base, position0);
-    }
-    mm_bt(pool, xa, wa.lr_w, sig, N, C, H, false, pk);
-    const A scale = static_cast<A>(s.base_lr / static_cast<double>(D));
-    for (std::size_t n = 0; n < N; ++n)
-      for (std::size_t h = 0; h < H; ++h) {
-        A& e = sig[n * H + h];
-        e = A(1) / (A(1) + std::exp(-(e + wa.lr_b[h])));
-        lr[n * H + h] = scale * e;
-      }
-    for (std::size_t i = 0; i < mb; ++i)
-      tok[i] = std::max(A(0), A(1) / static_cast<A>(i + 1) + wa.tok_offset[i]);
-  }
-  static void rope_at(A* x, std::size_t N, std::size_t H, std::size_t D, double base,
-                      std::size_t position) {
-    for (std::size_t n = 0; n < N; ++n)
-      for (std::size_t i = 0; i < D / 2; ++i) {
-        const double inv_freq = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-        const double angle = static_cast<double>(position) * inv_freq;
-        const A c = static_cast<A>(std::cos(angle)), sn = static_cast<A>(std::sin(angle));
-        for (std::size_t h = 0; h < H; ++h) {
-          A* p = x + n * H * D + h * D + 2 * i;
-          const A x1 = p[0], x2 = p[1];
-          p[0] = x1 * c - x2 * sn;
-          p[1] = x2 * c + x1 * sn;
-        }
-      }
-  }
-
-  // pn = LN_C(o)·post_w + post_b; keeps x̂ and σ per row when asked (backward).
-  static void post_norm(const ttt_shape& s, const A* o, const wptrs& wa, A* pn, A* xh, A* rsig,
-                        thread_pool& pool) {
-    const std::size_t N = rows(s), C = s.width;
-    cpu::for_rows(pool, N, [&](std::size_t n) {
-      A* dst = xh ? xh + n * C : pn + n * C;
-      const A sg = cpu::ln_row(o + n * C, C, ln_eps, dst);
-      if (rsig) rsig[n] = sg;
-      for (std::size_t j = 0; j < C; ++j) pn[n * C + j] = dst[j] * wa.post_w[j] + wa.post_b[j];
-    });
-  }
-
-  // ---- One mini-batch ------------------------------------------------------------------------
-  // Offsets inside an inner state: W1 [D, F], b1 [F], W2 [F, D], b2 [D].
-  struct ilayout {
-    std::size_t w1, b1, w2, b2;
-  };
-  static constexpr ilayout layout_of(std::size_t D, std::size_t F) noexcept {
-    return {0, D * F, D * F + F, D * F + F + F * D};
-  }
-  static void load_initial(const ttt_shape& s, const weights& w, std::size_t h, A* dst) {
-    const std::size_t D = s.head_dim(), F = hidden(s);
-    const ilayout L = layout_of(D, F);
-    cpu::widen(w.w1 + h * D * F, D * F, dst + L.w1);
-    cpu::widen(w.b1 + h * F, F, dst + L.b1);
-    if constexpr (Mlp) {
-      cpu::widen(w.w2 + h * F * D, F * D, dst + L.w2);
-      cpu::widen(w.b2 + h * D, D, dst + L.b2);
-    }
-  }
-
-  // A mini-batch's buffers ([K ≤ mb] rows each); the second group only in backward.
-  struct mb_buffers {
-    A *z1, *x2, *g1, *z2, *xh2, *g2, *sig2, *att1, *p1, *z1b, *x2b, *att2, *p2, *zb, *xhb, *sigb,
-        *eg, *lrm;
-    A *dzb, *dx2b, *dz1b, *dg1, *dg2, *dx2, *dz1, *dz2, *s1, *s2, *dp1, *dp2, *de, *dl, *rowd;
-  };
-  static constexpr std::size_t mb_elements(std::size_t D, std::size_t F, std::size_t m,
-                                           bool backward) noexcept {
-    const std::size_t fwd = 6 * m * F + 5 * m * D + 4 * m * m + 3 * m;
-    return backward ? fwd + 7 * m * F + 3 * m * D + 2 * m * m + 2 * m + 3 * D : fwd;
-  }
-  static mb_buffers carve_mb(A* p, std::size_t D, std::size_t F, std::size_t m, bool backward) {
-    mb_buffers b{};
-    const auto take = [&](std::size_t n) {
-      A* r = p;
-      p += n;
-      return r;
-    };
-    b.z1 = take(m * F);
-    b.x2 = take(m * F);
-    b.g1 = take(m * F);
-    b.z1b = take(m * F);
-    b.x2b = take(m * F);
-    b.eg = take(m * F);
-    b.z2 = take(m * D);
-    b.xh2 = take(m * D);
-    b.g2 = take(m * D);
-    b.zb = take(m * D);
-    b.xhb = take(m * D);
-    b.att1 = take(m * m);
-    b.p1 = take(m * m);
-    b.att2 = take(m * m);
-    b.p2 = take(m * m);
-    b.sig2 = take(m);
-    b.sigb = take(m);
-    b.lrm = take(m);
-    if (backward) {
-      b.dx2b = take(m * F);
-      b.dz1b = take(m * F);
-      b.dg1 = take(m * F);
-      b.dx2 = take(m * F);
-      b.dz1 = take(m * F);
-      b.s1 = take(m * F);
-      b.s2 = take(m * F);
-      b.dzb = take(m * D);
-      b.dg2 = take(m * D);
-      b.dz2 = take(m * D);
-      b.dp1 = take(m * m);
-      b.dp2 = take(m * m);
-      b.de = take(m);
-      b.dl = take(m);
-      b.rowd = take(3 * D);
-    }
-    return b;
-  }
-  // The gradient the first layer's update uses: G1 (MLP) or the only layer's G (Linear, in g2).
-  static A* first_grad(const mb_buffers& b) { return Mlp ? b.g1 : b.g2; }
-
-  // The inner gradients at state W (and, with need_out, Zbar of the output rows).
-  static void mb_forward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
-                         bool need_out, cpu::gemm_scratch pk) {
-    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
-    const ilayout L = layout_of(D, F);
-    if constexpr (Mlp) {
-      cpu::ttt_linear_rows(m.k, m.ld, K, D, F, W + L.w1, W + L.b1, b.z1, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.x2[e] = cpu::gelu_tanh<A>::f(b.z1[e]);
-      cpu::ttt_linear_rows(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, W + L.b2, b.z2, pk);
-      cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
-      // G1 = (G2·W2ᵀ) ⊙ GELU'(Z1)
-      auto G1 = cpu::view(b.g1, K, F, F);
-      cpu::gemm(G1, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.g1[e] *= cpu::gelu_tanh<A>::d1(b.z1[e]);
-      if (!need_out) return;
-      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
-      cpu::ttt_dual_rows(m.q, m.ld, K, D, F, W + L.w1, W + L.b1, b.p1, b.g1, b.z1b, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.x2b[e] = cpu::gelu_tanh<A>::f(b.z1b[e]);
-      cpu::ttt_p_matrix(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K, F,
-                        m.tok, m.lr, b.att2, b.p2, pk);
-      cpu::ttt_dual_rows(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, W + L.b2, b.p2,
-                         b.g2, b.zb, pk);
-    } else {
-      cpu::ttt_linear_rows(m.k, m.ld, K, D, D, W + L.w1, W + L.b1, b.z2, pk);
-      cpu::ttt_ln_l2(m, static_cast<const A*>(b.z2), b.xh2, b.sig2, b.g2);
-      if (!need_out) return;
-      cpu::ttt_p_matrix(m.q, m.ld, m.k, m.ld, K, D, m.tok, m.lr, b.att1, b.p1, pk);
-      cpu::ttt_dual_rows(m.q, m.ld, K, D, D, W + L.w1, W + L.b1, b.p1, b.g2, b.zb, pk);
-    }
-  }
-  // The state's update at the mini-batch's end (gradients from mb_forward).
-  static void mb_update(const cpu::ttt_minibatch<A>& m, A* W, const mb_buffers& b,
-                        cpu::gemm_scratch pk) {
-    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D;
-    const ilayout L = layout_of(D, F);
-    const A tl = m.tok[K - 1];
-    cpu::ttt_update(m.k, m.ld, K, D, F, static_cast<const A*>(first_grad(b)), tl, m.lr, W + L.w1,
-                    W + L.b1, b.eg, pk);
-    if constexpr (Mlp) {
-      cpu::ttt_update(static_cast<const A*>(b.x2), F, K, F, D, static_cast<const A*>(b.g2), tl,
-                      m.lr, W + L.w2, W + L.b2, b.eg, pk);
-    }
-  }
-  // Gw += lr·xᵀ·g and gb += lr·g for one row (decoding's running sums).
-  static void accumulate_outer(const A* x, std::size_t nin, std::size_t nout, const A* g, A lr,
-                               A* Gw, A* gb) {
-    for (std::size_t a = 0; a < nin; ++a)
-      for (std::size_t c = 0; c < nout; ++c) Gw[a * nout + c] += lr * x[a] * g[c];
-    for (std::size_t c = 0; c < nout; ++c) gb[c] += lr * g[c];
-  }
-
-  // ---- The inner loop --------------------------------------------------------------------------
-  static cpu::ttt_minibatch<A> minibatch(const ttt_shape& s, const A* q, const A* k, const A* v,
-                                         const A* lr_row, const A* tok, const wptrs& wa,
-                                         std::size_t b, std::size_t h, std::size_t t0) {
-    const std::size_t C = s.width, D = s.head_dim(), K = std::min(mb, s.seq - t0);
-    const std::size_t r = (b * s.seq + t0) * C + h * D;
-    return cpu::ttt_minibatch<A>{q + r, k + r, v + r, K, D, C, lr_row, tok,
-                                 wa.ttt_norm_w + h * D, wa.ttt_norm_b + h * D, ln_eps};
-  }
-  // The mini-batch's rates, gathered contiguous: lr[(b·T + t0 + s)·H + h].
-  static void gather_lr(const ttt_shape& s, const A* lr, std::size_t b, std::size_t h,
-                        std::size_t t0, std::size_t K, A* out) {
-    for (std::size_t i = 0; i < K; ++i) out[i] = lr[(b * s.seq + t0 + i) * s.heads + h];
-  }
-  static A* initial_state(const ttt_shape& s, const wptrs& wa, std::size_t h, A* dst) {
-    const std::size_t D = s.head_dim(), F = hidden(s);
-    const ilayout L = layout_of(D, F);
-    std::copy(wa.w1 + h * D * F, wa.w1 + (h + 1) * D * F, dst + L.w1);
-    std::copy(wa.b1 + h * F, wa.b1 + (h + 1) * F, dst + L.b1);
-    if constexpr (Mlp) {
-      std::copy(wa.w2 + h * F * D, wa.w2 + (h + 1) * F * D, dst + L.w2);
-      std::copy(wa.b2 + h * D, wa.b2 + (h + 1) * D, dst + L.b2);
-    }
-    return dst;
-  }
-
-  static void inner_forward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
-                            const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
-                            const gemm_ws& gw, thread_pool& pool) {
-    const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
-    const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
-    const std::size_t per = SZ + mb_elements(D, F, mb, false);
-    pool.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
-      const std::size_t b = task / H, h = task % H;
-      A* W = initial_state(s, wa, h, scratch + thread * per);
-      const mb_buffers sc = carve_mb(W + SZ, D, F, mb, false);
-      const cpu::gemm_scratch pk = gw.of(thread, pool.size());
-      for (std::size_t m = 0; m < nmb; ++m) {
-        const std::size_t t0 = m * mb;
-        if (m % group == 0) std::copy(W, W + SZ, ckpt + (task * ncp + m / group) * SZ);
-        const std::size_t K = std::min(mb, s.seq - t0);
-        gather_lr(s, lr, b, h, t0, K, sc.lrm);
-        const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-        mb_forward(mbt, W, sc, true, pk);
-        for (std::size_t i = 0; i < K; ++i) {
-          cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
-          A* out = o + (b * s.seq + t0 + i) * C + h * D;
-          const A* qr = mbt.q + i * C;
-          for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
-        }
-        mb_update(mbt, W, sc, pk);
-      }
-    });
-  }
-
-  // dX += dZ·Wᵀ, dW += Xᵀ·dZ, db += Σ dZ for Z = X·W + b (X [K, nin] stride ldx).
-  static void linear_rows_backward(const A* x, std::size_t ldx, std::size_t K, std::size_t nin,
-                                   std::size_t nout, const A* W, const A* dz, A* dx,
-                                   std::size_t lddx, A* dW, A* db, cpu::gemm_scratch pk) {
-    const auto dZ = cpu::cview(dz, K, nout, nout);
-    auto dX = cpu::view(dx, K, nin, lddx);
-    cpu::gemm(dX, dZ, cpu::cview(W, nin, nout, nout).transpose(), A(1), true, pk);
-    auto dWm = cpu::view(dW, nin, nout, nout);
-    cpu::gemm(dWm, cpu::cview(x, K, nin, ldx).transpose(), dZ, A(1), true, pk);
-    for (std::size_t i = 0; i < K; ++i)
-      for (std::size_t j = 0; j < nout; ++j) db[j] += dz[i * nout + j];
-  }
-
-  // One mini-batch backwards, given dL/d(out rows) and dS = dL/d(state leaving it); on return dS
-  // is dL/d(state entering it). dq, dk, dv rows (stride C) are written; ptok, pgam, pbet
-  // accumulated; returns the rates' gradients in b.dl.
-  static void mb_backward(const cpu::ttt_minibatch<A>& m, const A* W, const mb_buffers& b,
-                          const A* d_out, A* dq, A* dk, A* dv, A* dS, A* pgam, A* pbet,
-                          A* ptok, cpu::gemm_scratch pk) {
-    const std::size_t K = m.K, D = m.D, F = Mlp ? 4 * D : D, C = m.ld;
-    const ilayout L = layout_of(D, F);
-    // out = XQ + γ ⊙ x̂(Zbar) + β
-    for (std::size_t i = 0; i < K; ++i) {
-      b.sigb[i] = cpu::ln_row(b.zb + i * D, D, m.eps, b.xhb + i * D);
-      const A* dout = d_out + i * C;
-      for (std::size_t j = 0; j < D; ++j) {
-        pgam[j] += dout[j] * b.xhb[i * D + j];
-        pbet[j] += dout[j];
-        b.rowd[j] = dout[j] * m.gamma[j];
-      }
-      cpu::ln_row_backward(b.xhb + i * D, b.sigb[i], b.rowd, A(0), D, b.dzb + i * D);
-      std::copy(dout, dout + D, dq + i * C);  // the residual XQ
-      std::fill(dk + i * C, dk + i * C + D, A(0));
-      std::fill(dv + i * C, dv + i * C + D, A(0));
-    }
-    std::fill(b.de, b.de + K, A(0));
-    std::fill(b.dl, b.dl + K, A(0));
-    std::fill(b.dg2, b.dg2 + K * D, A(0));
-    const A tl = m.tok[K - 1];
-    A* dW1 = dS + L.w1;
-    A* db1 = dS + L.b1;
-    if constexpr (Mlp) {
-      A* dW2 = dS + L.w2;
-      A* db2 = dS + L.b2;
-      std::fill(b.dg1, b.dg1 + K * F, A(0));
-      std::fill(b.dx2, b.dx2 + K * F, A(0));
-      std::fill(b.dx2b, b.dx2b + K * F, A(0));
-      // The updates read dS as dL/d(state leaving); everything after adds to it.
-      cpu::ttt_update_backward(static_cast<const A*>(b.x2), F, K, F, D,
-                               static_cast<const A*>(b.g2), tl, m.lr, dW2, db2, b.dx2, F, b.dg2,
-                               b.de, b.s1, b.s2, pk);
-      cpu::ttt_update_backward(m.k, C, K, D, F, static_cast<const A*>(b.g1), tl, m.lr, dW1, db1,
-                               dk, C, b.dg1, b.de, b.s1, b.s2, pk);
-      // Zbar2 = X2bar·W2 + b2 − P2·G2, P2 from tril(X2bar·X2ᵀ).
-      cpu::ttt_dual_rows_backward(static_cast<const A*>(b.x2b), F, K, F, D, W + L.w2, b.p2,
-                                  b.g2, b.dzb, b.dx2b, F, dW2, db2, b.dg2, b.dp2, pk);
-      cpu::ttt_p_backward(K, m.tok, m.lr, b.att2, b.dp2, ptok, b.dl);
-      cpu::ttt_att_backward(static_cast<const A*>(b.x2b), F, static_cast<const A*>(b.x2), F, K,
-                            F, b.dp2, b.dx2b, F, b.dx2, F, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.dz1b[e] = b.dx2b[e] * cpu::gelu_tanh<A>::d1(b.z1b[e]);
-      // Zbar1 = XQ·W1 + b1 − P1·G1, P1 from tril(XQ·XKᵀ).
-      cpu::ttt_dual_rows_backward(m.q, C, K, D, F, W + L.w1, b.p1, b.g1, b.dz1b, dq, C, dW1, db1,
-                                  b.dg1, b.dp1, pk);
-      cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
-      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
-      // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ (s1 holds Hm).
-      auto Hm = cpu::view(b.s1, K, F, F);
-      cpu::gemm(Hm, cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                cpu::cview(W + L.w2, F, D, D).transpose(), A(1), false, pk);
-      for (std::size_t e = 0; e < K * F; ++e) {
-        const A z = b.z1[e];
-        b.dz1[e] = b.dg1[e] * b.s1[e] * cpu::gelu_tanh<A>::d2(z);
-        b.s2[e] = b.dg1[e] * cpu::gelu_tanh<A>::d1(z);  // dL/dHm
-      }
-      const auto dHm = cpu::cview(static_cast<const A*>(b.s2), K, F, F);
-      auto dG2 = cpu::view(b.dg2, K, D, D);
-      cpu::gemm(dG2, dHm, cpu::cview(W + L.w2, F, D, D), A(1), true, pk);
-      auto dW2m = cpu::view(dW2, F, D, D);
-      cpu::gemm(dW2m, dHm.transpose(), cpu::cview(static_cast<const A*>(b.g2), K, D, D),
-                A(1), true, pk);
-      // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
-      cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
-      linear_rows_backward(static_cast<const A*>(b.x2), F, K, F, D, W + L.w2, b.dz2, b.dx2, F,
-                           dW2, db2, pk);
-      for (std::size_t e = 0; e < K * F; ++e) b.dz1[e] += b.dx2[e] * cpu::gelu_tanh<A>::d1(b.z1[e]);
-      linear_rows_backward(m.k, C, K, D, F, W + L.w1, b.dz1, dk, C, dW1, db1, pk);
-    } else {
-      cpu::ttt_update_backward(m.k, C, K, D, D, static_cast<const A*>(b.g2), tl, m.lr, dW1, db1,
-                               dk, C, b.dg2, b.de, b.s1, b.s2, pk);
-      cpu::ttt_dual_rows_backward(m.q, C, K, D, D, W + L.w1, b.p1, b.g2, b.dzb, dq, C, dW1, db1,
-                                  b.dg2, b.dp1, pk);
-      cpu::ttt_p_backward(K, m.tok, m.lr, b.att1, b.dp1, ptok, b.dl);
-      cpu::ttt_att_backward(m.q, C, m.k, C, K, D, b.dp1, dq, C, dk, C, pk);
-      cpu::ttt_ln_l2_backward(m, b.xh2, b.sig2, b.g2, b.dg2, pgam, pbet, b.dz2, dk, dv, b.rowd);
-      linear_rows_backward(m.k, C, K, D, D, W + L.w1, b.dz2, dk, C, dW1, db1, pk);
-    }
-    // e_s = tok[K−1]·lr_s
-    for (std::size_t i = 0; i < K; ++i) {
-      ptok[K - 1] += b.de[i] * m.lr[i];
-      b.dl[i] += b.de[i] * tl;
-    }
-  }
-
-  // The inner loop backwards, per (b, h). d_o = dL/d(out) [N, C]. Writes dq, dk, dv [N, C] and
-  // dlr [N, H]; part[b] gets this row's inner-state gradient, dγ, dβ and dtok for head h.
-  static void inner_backward(const ttt_shape& s, const A* q, const A* k, const A* v, const A* lr,
-                             const A* tok, const wptrs& wa, const A* ckpt, const A* d_o, A* dq,
-                             A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
-                             thread_pool& pool) {
-    const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
-    const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
-    const std::size_t SZ = inner_elements(s), pe = part_elements(s);
-    const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
-    pool.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
-      const std::size_t b = task / H, h = task % H;
-      A* states = scratch + thread * per;  // [gsz, SZ]: the state entering each mini-batch
-      A* dS = states + gsz * SZ;           // dL/d(state)
-      A* Wc = dS + SZ;                     // the running state while recomputing
-      const mb_buffers sc = carve_mb(Wc + SZ, D, F, mb, true);
-      const cpu::gemm_scratch pk = gw.of(thread, pool.size());
-      A* pt = part + b * pe;
-      A* pS = pt + h * SZ;
-      A* pgam = pt + H * SZ + h * D;
-      A* pbet = pt + H * SZ + H * D + h * D;
-      A* ptok = pt + H * SZ + 2 * H * D + h * mb;
-      std::fill(pgam, pgam + D, A(0));
-      std::fill(pbet, pbet + D, A(0));
-      std::fill(ptok, ptok + mb, A(0));
-      std::fill(dS, dS + SZ, A(0));
-      for (std::size_t c = ncp; c-- > 0;) {
-        const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
-        // Recompute the group's entering states from its checkpoint.
-        std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
-        for (std::size_t m = m0; m < m1; ++m) {
-          std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
-          if (m + 1 == m1) break;  // the last one's update is not needed
-          const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-          gather_lr(s, lr, b, h, t0, K, sc.lrm);
-          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, Wc, sc, false, pk);
-          mb_update(mbt, Wc, sc, pk);
-        }
-        for (std::size_t m = m1; m-- > m0;) {
-          const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-          const A* W = states + (m - m0) * SZ;
-          gather_lr(s, lr, b, h, t0, K, sc.lrm);
-          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, W, sc, true, pk);
-          const std::size_t r0 = (b * T + t0) * C + h * D;
-          mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok,
-                      pk);
-          for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
-        }
-      }
-      std::copy(dS, dS + SZ, pS);
-    });
-  }
-
-  // Σ_n a[n, j]·b[n, j] into out_ab and Σ_n a[n, j] into out_a (when not null); b may be null
-  // (then out_ab gets Σ a). Column blocks in parallel; rows outer so that each block streams
-  // contiguous memory, and each column still sums its rows in order.
-  static void column_sums_product(thread_pool& pool, const A* a, const A* b, std::size_t N,
-                                  std::size_t M, A* out_ab, A* out_a) {
-    pool.parallel_for(cpu::blocks(M, 64), [&](std::size_t blk, std::size_t) {
-      const std::size_t j0 = blk * 64, j1 = std::min(M, j0 + 64);
-      std::fill(out_ab + j0, out_ab + j1, A(0));
-      if (out_a) std::fill(out_a + j0, out_a + j1, A(0));
-      for (std::size_t n = 0; n < N; ++n) {
-        const A* ar = a + n * M;
-        for (std::size_t j = j0; j < j1; ++j) out_ab[j] += ar[j] * (b ? b[n * M + j] : A(1));
-        if (out_a)
-          for (std::size_t j = j0; j < j1; ++j) out_a[j] += ar[j];
-      }
-    });
-  }
-
 };
 
 // TTT-Linear: the inner model is one linear map (W1 [D, D], b1 [D]).

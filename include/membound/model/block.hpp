@@ -96,7 +96,7 @@ struct part {
   // y = x + L(RMSNorm(x)). `saved` is used only when keep.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
                       void* workspace, bool keep, executor& ex) {
-    const std::size_t threads = glue::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const auto fl = forward_layout(d, threads, keep);
     const auto ws = carve(fl, workspace, fl.size());
     S* n = ws.template get<S>(f_n);
@@ -121,7 +121,7 @@ struct part {
   // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
                        const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
-    const std::size_t threads = glue::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);
@@ -255,7 +255,7 @@ class block {
   // saved_bytes (ignored under advance).
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
                       void* workspace, forward_mode mode, executor& ex) {
-    const std::size_t threads = model_glue_of<backend>::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const bool keep = mode != forward_mode::advance;
     const auto fl = forward_layout(d, threads, mode);
     const auto ws = carve(fl, workspace, fl.size());
@@ -278,7 +278,7 @@ class block {
 
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
                        const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
-    const std::size_t threads = model_glue_of<backend>::threads(ex);
+    const std::size_t threads = workspace_threads(ex);
     const auto bl = backward_layout(d, threads);
     const auto ws = carve(bl, workspace, bl.size());
     const auto sl = saved_layout(d);

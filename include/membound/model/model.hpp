@@ -150,7 +150,6 @@ class model {
   // targets) is device memory and the executor is a cuda_executor.
   using backend = typename head_type::backend;
   using executor = typename backend::executor;
-  static constexpr bool on_cpu = is_cpu_backend_v<backend>;
 
  private:
   using S = storage_type;
@@ -285,6 +284,12 @@ class model {
 
   // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
   // model's caller checks its host copy before the upload).
+  // Where the host reads the ids in place (the CPU), tokens and targets against the vocabulary;
+  // device ids are the caller's to check on the host before the upload.
+  void check_ids(const std::int32_t* tokens, const std::int32_t* targets, std::size_t n) const {
+    if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, n);
+    if (const std::int32_t* t = glue::host_ids(targets)) head_type::check_targets(t, n, cfg_.vocab);
+  }
   void check_tokens(const std::int32_t* t, std::size_t n) const {
     for (std::size_t i = 0; i < n; ++i) {
       if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
@@ -402,7 +407,7 @@ class model {
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -425,7 +430,7 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, glue::threads(ex), observe);
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -473,21 +478,17 @@ class model {
     detail::not_null(tokens, "tokens");
     detail::not_null(logits, "logits");
     check(b);
-    if constexpr (on_cpu) check_tokens(tokens, b.tokens());
+    if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &ex, glue::threads(ex));
+    const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex));
     const auto hw = head_weights(w);
-    if constexpr (on_cpu) {
-      for (std::size_t s = 0; s < b.batch; ++s) head_logits(x + (s * b.seq + b.seq - 1) * C, hw.norm, hw.w, logits + s * V);
-    } else {
-      std::vector<S> row(C), norm(C), head(V * C);
-      glue::copy_to_host(ex, norm.data(), hw.norm, C * sizeof(S));
-      glue::copy_to_host(ex, head.data(), hw.w, V * C * sizeof(S));
-      for (std::size_t s = 0; s < b.batch; ++s) {
-        glue::copy_to_host(ex, row.data(), x + (s * b.seq + b.seq - 1) * C, C * sizeof(S));
-        head_logits(row.data(), norm.data(), head.data(), logits + s * V);
-      }
+    std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
+    const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
+    const S* head = glue::host_view(ex, hw.w, V * C, head_copy);
+    for (std::size_t s = 0; s < b.batch; ++s) {
+      const S* row = glue::host_view(ex, x + (s * b.seq + b.seq - 1) * C, C, row_copy);
+      head_logits(row, norm, head, logits + s * V);
     }
   }
 
@@ -502,7 +503,7 @@ class model {
     detail::not_null(w, "weights");
     detail::not_null(tokens, "tokens");
     detail::not_null(targets, "targets");
-    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, glue::threads(ex));
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex));
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
@@ -576,10 +577,7 @@ class model {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
-    if constexpr (Run && on_cpu) {
-      check_tokens(tokens, N);
-      head_type::check_targets(targets, N, cfg_.vocab);
-    }
+    if constexpr (Run) check_ids(tokens, targets, N);
     const std::size_t a = activation_bytes(b);
 
     live_set<Allocator> live(alloc, L);
@@ -666,10 +664,7 @@ class model {
     const std::size_t N = b.tokens();
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
-    if constexpr (Run && on_cpu) {
-      check_tokens(tokens, N);
-      head_type::check_targets(targets, N, cfg_.vocab);
-    }
+    if constexpr (Run) check_ids(tokens, targets, N);
     live_set<Allocator> live(alloc, depth());
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);

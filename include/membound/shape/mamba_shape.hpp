@@ -1,5 +1,5 @@
-// The sizes of one Mamba block call, shared by the front end (layers/mamba.hpp) and the CPU
-// kernels (backend/cpu/mamba_cpu.hpp).
+// The sizes of one Mamba block call and the pointers it takes, shared by the front end
+// (layers/mamba.hpp) and both backends (backend/cpu/mamba_cpu.hpp, backend/cuda/mamba_cuda.cuh).
 #pragma once
 
 #include <cstddef>
@@ -28,6 +28,44 @@ struct mamba_shape {
     s.dt_rank = (d_model + 15) / 16;
     return s;
   }
+};
+
+// The parameters, in this order (W is [in, out], row-major: y = x·W).
+template <typename S>
+struct mamba_weights {
+  const S* in_proj;   // [C, 2·Di]   x half, then z half
+  const S* conv_w;    // [Di, K]     tap K−1 multiplies the current token
+  const S* conv_b;    // [Di]
+  const S* x_proj;    // [Di, R + 2·Ns]  dt_low, B, C
+  const S* dt_proj;   // [R, Di]
+  const S* dt_bias;   // [Di]
+  const S* a_log;     // [Di, Ns]    A = −exp(a_log)
+  const S* d;         // [Di]
+  const S* out_proj;  // [Di, C]
+};
+// Their gradients, accumulated (+=): the caller zeroes them.
+template <typename S>
+struct mamba_gradients {
+  S* in_proj;
+  S* conv_w;
+  S* conv_b;
+  S* x_proj;
+  S* dt_proj;
+  S* dt_bias;
+  S* a_log;
+  S* d;
+  S* out_proj;
+};
+// What forward keeps for backward, carved by the front: xz [N, 2·Di] and x_dbl [N, R + 2·Ns] in
+// storage, the chunk-entry scan states [B, chunks − 1, Di, Ns] in the accumulator type, and the
+// conv output and Δ [N, Di] under save_all (null otherwise).
+template <typename S, typename A>
+struct mamba_saved {
+  S* xz;
+  S* xdbl;
+  A* states;
+  S* c;
+  S* delta;
 };
 
 MEMBOUND_NAMESPACE_END

@@ -1,5 +1,5 @@
-// The sizes of one TTT layer call, shared by the front end (layers/ttt.hpp) and the backends'
-// kernels.
+// The sizes of one TTT layer call and the pointers it takes, shared by the front end
+// (layers/ttt.hpp) and both backends (backend/cpu/ttt_cpu.hpp, backend/cuda/ttt_cuda.cuh).
 #pragma once
 
 #include <cstddef>
@@ -17,6 +17,45 @@ struct ttt_shape {
   double base_lr = 1.0;
   double rope_base = 10000.0;
   constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
+};
+
+// The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
+// W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
+constexpr std::size_t ttt_hidden(const ttt_shape& s, bool mlp) noexcept {
+  return mlp ? 4 * s.head_dim() : s.head_dim();
+}
+constexpr std::size_t ttt_inner_elements(const ttt_shape& s, bool mlp) noexcept {
+  const std::size_t D = s.head_dim(), F = ttt_hidden(s, mlp);
+  return mlp ? 2 * D * F + F + D : D * D + D;
+}
+
+// The parameters (all [in, out], row-major: y = x·W).
+template <typename S>
+struct ttt_weights {
+  const S* wq;         // [C, C]
+  const S* wk;         // [C, C]
+  const S* wv;         // [C, C]
+  const S* ttt_norm_w; // [H, D]   the inner LayerNorm's scale
+  const S* ttt_norm_b; // [H, D]   and shift
+  const S* w1;         // [H, D, F] the inner W1 at the start of the sequence
+  const S* b1;         // [H, F]
+  const S* lr_w;       // [H, C]   learning-rate gate
+  const S* lr_b;       // [H]
+  const S* tok_offset; // [b]      learnable offset of the token scales 1/(i+1)
+  const S* post_w;     // [C]      post LayerNorm
+  const S* post_b;     // [C]
+  const S* wg;         // [C, C]   the gate (read only when shape.use_gate)
+  const S* wo;         // [C, C]
+  const S* w2 = nullptr;  // [H, F, D] TTT-MLP only
+  const S* b2 = nullptr;  // [H, D]    TTT-MLP only
+};
+// Their gradients, accumulated (+=); wg only when shape.use_gate, w2 and b2 only for TTT-MLP.
+template <typename S>
+struct ttt_gradients {
+  S *wq, *wk, *wv, *ttt_norm_w, *ttt_norm_b, *w1, *b1, *lr_w, *lr_b, *tok_offset, *post_w,
+      *post_b, *wg, *wo;
+  S* w2 = nullptr;
+  S* b2 = nullptr;
 };
 
 MEMBOUND_NAMESPACE_END

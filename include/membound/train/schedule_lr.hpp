@@ -10,6 +10,7 @@
 #include <numbers>
 #include <vector>
 
+#include "membound/backend/cpu/model_cpu.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
@@ -32,33 +33,10 @@ struct cosine_lr {
   }
 };
 
-// The sum of squares of a gradient array, in double (double sums in fixed blocks from g: the same
-// value for every thread count). inf or NaN anywhere gives a non-finite result. Over ranks the
-// trainer adds each rank shard's sum in rank order, so ZeRO-0 and ZeRO-1 get the same bits.
-template <typename S>
-double sum_squares(const S* g, std::size_t n, thread_pool& pool) {
-  constexpr std::size_t block = 1 << 14;
-  const std::size_t nb = (n + block - 1) / block;
-  std::vector<double> part(nb, 0.0);
-  pool.parallel_for(nb, [&](std::size_t b, std::size_t) {
-    const std::size_t i0 = b * block, i1 = std::min(n, i0 + block);
-    double s = 0;
-    for (std::size_t i = i0; i < i1; ++i) {
-      const double v = static_cast<double>(to_accum<float>(g[i]));
-      s += v * v;
-    }
-    part[b] = s;
-  });
-  double s = 0;
-  for (double v : part) s += v;
-  return s;
-}
-
-// The global L2 norm of a gradient array: sqrt(sum_squares).
-template <typename S>
-double global_norm(const S* g, std::size_t n, thread_pool& pool) {
-  return std::sqrt(sum_squares(g, n, pool));
-}
+// sum_squares(g, n, pool) and global_norm(g, n, pool): backend/cpu/model_cpu.hpp's (the host's
+// gradient norm, which the trainer reaches through its backend's glue).
+using cpu::global_norm;
+using cpu::sum_squares;
 
 // The factor that scales gradients of norm `norm` to at most max_norm (1 when already below;
 // max_norm <= 0 disables clipping).

@@ -665,7 +665,7 @@ class trainer {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
       if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
     }
-    if constexpr (!on_host) glue::template check_optimizer_spans<Optimizer>(opt_spans_);
+    glue::template check_optimizer_spans<Optimizer>(std::span<const param_span>(opt_spans_));
     if (world() > 1) {
       blocks_.resize(world());
       norm_parts_.resize(world());
@@ -705,18 +705,14 @@ class trainer {
     // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
     try {
-      if constexpr (on_host) {
-        m_.init_weights(w_, o_.seed);
-        Optimizer::init(w_ + opt_shard_.begin, opt_shard_.size(), opt_, opt_bytes());
-      } else {
-        // Made on the host, as the CPU run makes them (the same bits), then uploaded.
-        std::vector<S> w(n_);
-        m_.init_weights(w.data(), o_.seed);
-        host_bytes state(opt_bytes());
-        Optimizer::init(w.data() + opt_shard_.begin, opt_shard_.size(), state.data(), opt_bytes());
-        glue::copy_to_device(ex_, w_, w.data(), m_.weight_bytes());
-        glue::copy_to_device(ex_, opt_, state.data(), opt_bytes());
-      }
+      // Made on the host on every backend (the same bits), in place or uploaded.
+      glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* wh) {
+        S* w = static_cast<S*>(wh);
+        m_.init_weights(w, o_.seed);
+        glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* state) {
+          Optimizer::init(w + opt_shard_.begin, opt_shard_.size(), state, opt_bytes());
+        });
+      });
       zero_gradients();
     } catch (...) {
       release();
@@ -805,12 +801,8 @@ class trainer {
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
-      if constexpr (on_host) {
-        Optimizer::update(w_ + b, opt_grads(), opt_, opt_shard_.size(), opt_spans_, os, ex_);
-      } else {
-        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
-                                                   std::span<const param_span>(opt_spans_), os);
-      }
+      glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                                                 std::span<const param_span>(opt_spans_), os);
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -884,12 +876,10 @@ class trainer {
       return;
     }
     checkpoint_writer cw;
-    if constexpr (on_host) {
-      write_state(cw, w_, m_.weight_bytes(), opt_);
-    } else {
-      const host_bytes w = to_host(w_, m_.weight_bytes()), state = to_host(opt_, opt_bytes());
-      write_state(cw, w.data(), m_.weight_bytes(), state.data());
-    }
+    glue::read_via_host(ex_, w_, m_.weight_bytes(), [&](const void* w) {
+      glue::read_via_host(ex_, opt_, opt_bytes(),
+                          [&](const void* state) { write_state(cw, w, m_.weight_bytes(), state); });
+    });
     cw.commit(path);
   }
 
@@ -1251,14 +1241,14 @@ class trainer {
   // writes any, and nothing after it can fail.
   void commit(const checkpoint_reader& r, const std::string& path, staged& st, S* weights, std::size_t weight_bytes) {
     commit_state(r.view("optimizer"), path, st,
-                 [&] { put_bytes(weights, weight_bytes, [&](void* h) { r.copy("weights", h, weight_bytes); }); });
+                 [&] { glue::write_via_host(ex_, weights, weight_bytes, [&](void* h) { r.copy("weights", h, weight_bytes); }); });
   }
   // The same from this rank's optimizer state and a way to put the weights in place (a file's,
   // or the re-sharded ones).
   template <typename CopyWeights>
   void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      put_bytes(opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
+      glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
@@ -1319,13 +1309,11 @@ class trainer {
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
-      if constexpr (on_host) {
-        write_state(cw, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S), opt_);
-      } else {
-        const host_bytes w = to_host(w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
-        const host_bytes state = to_host(opt_, opt_bytes());
-        write_state(cw, w.data(), opt_shard_.size() * sizeof(S), state.data());
-      }
+      const std::size_t shard_bytes = opt_shard_.size() * sizeof(S);
+      glue::read_via_host(ex_, w_ + opt_shard_.begin, shard_bytes, [&](const void* w) {
+        glue::read_via_host(ex_, opt_, opt_bytes(),
+                            [&](const void* state) { write_state(cw, w, shard_bytes, state); });
+      });
       cw.commit(file);
     } catch (...) {
       failed = std::current_exception();
@@ -1571,7 +1559,7 @@ class trainer {
       agree_on_restoring(st);
       try {
         commit_state(std::span<const std::byte>(state), path, st,
-                     [&] { put_bytes(w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
+                     [&] { glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -1599,12 +1587,10 @@ class trainer {
   std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
-    if constexpr (!on_host) {
-      // A collective (ZeRO-1's all-gather into w_) may still be writing: done before the bytes go.
-      try {
-        ex_.synchronize();
-      } catch (...) {  // a sticky device error: the frees below report nothing either
-      }
+    // A collective (ZeRO-1's all-gather into w_) may still be writing: done before the bytes go.
+    try {
+      glue::synchronize(ex_);
+    } catch (...) {  // a sticky device error: the frees below report nothing either
     }
     // The executor's stream may go before the communicator: it must not keep ordering against it.
     if constexpr (requires { comm_.clear_stream(); comm_.caller_stream() == ex_.stream(); }) {
@@ -1903,61 +1889,25 @@ class trainer {
     x_.resize(b * T);
     y_.resize(b * T);
     for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
-    if constexpr (!on_host) {
-      // The device cannot throw on a bad id: check the host copies, then upload them.
-      m_.check_tokens(x_.data(), b * T);
-      Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
-      auto* l = static_cast<unsigned char*>(sb_);
-      const std::size_t bytes = b * T * sizeof(std::int32_t);
-      glue::copy_to_device(ex_, l, x_.data(), bytes);
-      glue::copy_to_device(ex_, l + glue::step_targets_offset(step_tokens()), y_.data(), bytes);
-    }
+    // A device cannot throw on a bad id: the host copies are checked (on every backend), then
+    // staged where the step reads them (uploaded into the step buffers on a device).
+    m_.check_tokens(x_.data(), b * T);
+    Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
+    glue::stage_ids(ex_, sb_, x_.data(), y_.data(), b * T, step_tokens());
   }
 
   // The ids a micro-batch reads: the host arrays, or on a device their upload in the step buffers.
-  const std::int32_t* tokens_in() const noexcept {
-    if constexpr (on_host) return x_.data();
-    else return static_cast<const std::int32_t*>(sb_);
-  }
+  const std::int32_t* tokens_in() const noexcept { return glue::staged_tokens(sb_, x_.data()); }
   const std::int32_t* targets_in() const noexcept {
-    if constexpr (on_host) return y_.data();
-    else return reinterpret_cast<const std::int32_t*>(static_cast<const unsigned char*>(sb_) +
-                                                      glue::step_targets_offset(step_tokens()));
+    return glue::staged_targets(sb_, y_.data(), step_tokens());
   }
   // Tokens of a whole step of this rank: every plan's micro-batch × accumulation.
   std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
-  std::size_t threads() const noexcept { return glue::threads(ex_); }
+  std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
-  // ---- Memory moves between the host and the backend's memory (plain copies on the host) -------
-  // Host bytes aligned for any optimizer state (its load_state, init and save_state read and
-  // write them as floats, doubles or blocks).
-  struct host_bytes {
-    explicit host_bytes(std::size_t n) : v((n + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)) {}
-    void* data() noexcept { return v.data(); }
-    const void* data() const noexcept { return v.data(); }
-    std::vector<std::max_align_t> v;
-  };
-  void zero_gradients() {
-    if constexpr (on_host) std::memset(static_cast<void*>(g_), 0, grad_bytes());
-    else glue::fill_zero(ex_, g_, grad_bytes());
-  }
-  host_bytes to_host(const void* src, std::size_t bytes) const {
-    host_bytes h(bytes);
-    if constexpr (on_host) std::memcpy(h.data(), src, bytes);
-    else glue::copy_to_host(ex_, h.data(), src, bytes);
-    return h;
-  }
-  // fill(p) writes `bytes` at p: dst itself on the host, a host buffer uploaded to dst on a device.
-  template <typename Fill>
-  void put_bytes(void* dst, std::size_t bytes, Fill&& fill) {
-    if constexpr (on_host) {
-      fill(dst);
-    } else {
-      host_bytes h(bytes);
-      fill(h.data());
-      glue::copy_to_device(ex_, dst, h.data(), bytes);
-    }
-  }
+  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/
+  // model_cpu.hpp writes and reads in place; backend/cuda/model_kernels.cuh copies on the stream).
+  void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
 
   template <check_point P>
   void observe(pressure_level& highest) {
@@ -2427,8 +2377,7 @@ class trainer {
   double gradient_norm() {
     const std::size_t N = world();
     if (N == 1) {
-      if constexpr (on_host) return global_norm(g_, n_, ex_);
-      else return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
+      return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
     }
     const std::size_t me = comm_.rank();
     if (sharded()) {
@@ -2449,8 +2398,7 @@ class trainer {
   }
   // Σ g² over one shard, in double (the device's fixed-shape reduction there).
   double shard_sum_squares(const S* g, std::size_t count) {
-    if constexpr (on_host) return sum_squares(g, count, ex_);
-    else return glue::template sum_squares<S>(ex_, g, count, sb_, step_tokens(), n_);
+    return glue::template sum_squares<S>(ex_, g, count, sb_, step_tokens(), n_);
   }
 
   std::size_t world() const noexcept { return comm_.size(); }

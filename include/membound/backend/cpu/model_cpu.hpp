@@ -8,13 +8,17 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <numeric>
+#include <vector>
 
 #include "membound/backend/cpu/linalg.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
+#include "membound/policy/backend.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -184,6 +188,144 @@ double cross_entropy_chunk(thread_pool& pool, A* logits, const std::int32_t* tar
   return total;
 }
 
+// The sum of squares of a gradient array, in double (double sums in fixed blocks from g: the same
+// value for every thread count). inf or NaN anywhere gives a non-finite result. Over ranks the
+// trainer adds each rank shard's sum in rank order, so ZeRO-0 and ZeRO-1 get the same bits.
+template <typename S>
+double sum_squares(const S* g, std::size_t n, thread_pool& pool) {
+  constexpr std::size_t block = 1 << 14;
+  const std::size_t nb = (n + block - 1) / block;
+  std::vector<double> part(nb, 0.0);
+  pool.parallel_for(nb, [&](std::size_t b, std::size_t) {
+    const std::size_t i0 = b * block, i1 = std::min(n, i0 + block);
+    double s = 0;
+    for (std::size_t i = i0; i < i1; ++i) {
+      const double v = static_cast<double>(to_accum<float>(g[i]));
+      s += v * v;
+    }
+    part[b] = s;
+  });
+  double s = 0;
+  for (double v : part) s += v;
+  return s;
+}
+
+// The global L2 norm of a gradient array: sqrt(sum_squares).
+template <typename S>
+double global_norm(const S* g, std::size_t n, thread_pool& pool) {
+  return std::sqrt(sum_squares(g, n, pool));
+}
+
 }  // namespace cpu
+
+// The model's glue on the host (model/glue.hpp names the interface; backend/cuda/model_kernels.cuh
+// has the device's).
+template <>
+struct backend_kernels<cpu_backend, model_glue> {
+  using executor = thread_pool;
+
+  template <typename A, typename S>
+  static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
+    return bytes_of<A>(cpu::row_partials(N, C));
+  }
+  template <typename A, typename S>
+  static void rmsnorm_forward(thread_pool& pool, const S* x, const S* g, S* y, A* rstd, std::size_t N,
+                              std::size_t C, double eps) {
+    cpu::rmsnorm_forward(pool, x, g, y, rstd, N, C, eps);
+  }
+  template <typename A, typename S>
+  static void rmsnorm_apply(thread_pool& pool, const S* x, const S* g, const A* rstd, S* y, std::size_t N,
+                            std::size_t C) {
+    cpu::rmsnorm_apply(pool, x, g, rstd, y, N, C);
+  }
+  // dx = residual + RMSNorm'ᵀ(dy), dg += its scale gradient; scratch: norm_backward_scratch_bytes.
+  template <typename A, typename S>
+  static void rmsnorm_backward(thread_pool& pool, const S* x, const S* g, const A* rstd, const S* dy,
+                               const S* residual, S* dx, S* dg, void* scratch, std::size_t N, std::size_t C) {
+    cpu::rmsnorm_backward(pool, x, g, rstd, dy, residual, dx, dg, static_cast<A*>(scratch), N, C);
+  }
+  template <typename A, typename S>
+  static void add_rows(thread_pool& pool, const S* a, const S* b, S* y, std::size_t N, std::size_t C) {
+    cpu::add_rows<A>(pool, a, b, y, N, C);
+  }
+  // The ids were checked against V before (model::check_tokens): V is the device's bound only.
+  template <typename A, typename S>
+  static void embedding_gather(thread_pool& pool, const std::int32_t* tokens, const S* table, S* x, std::size_t N,
+                               std::size_t C, std::size_t /*V*/) {
+    cpu::embedding_gather(pool, tokens, table, x, N, C);
+  }
+  template <typename A, typename S>
+  static void embedding_scatter(thread_pool& pool, const std::int32_t* tokens, const S* dx, S* dtable,
+                                std::size_t N, std::size_t C, std::size_t /*V*/) {
+    cpu::embedding_scatter<A>(pool, tokens, dx, dtable, N, C);
+  }
+
+  // What a trainer keeps in the backend's memory beyond weights, gradients and optimizer state,
+  // for steps of `tokens` tokens over n parameters. None on the host: the tokens stay in the
+  // trainer's vectors and the gradient norm is a double on the stack.
+  static constexpr std::size_t step_buffer_bytes(std::size_t /*tokens*/, std::size_t /*n*/) noexcept { return 0; }
+
+  // ---- The trainer's memory moves: this backend's memory is the host's, so they write and read
+  // in place, complete on return (the device's copy through its stream).
+  static void fill_zero(thread_pool&, void* p, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memset(p, 0, bytes);
+  }
+  static void synchronize(thread_pool&) noexcept {}
+  // fill(p) writes `bytes` at dst; p is dst itself.
+  template <typename Fill>
+  static void write_via_host(thread_pool&, void* dst, std::size_t /*bytes*/, Fill&& fill) {
+    fill(dst);
+  }
+  // read(p) reads `bytes` at src; p is src itself.
+  template <typename Read>
+  static void read_via_host(thread_pool&, const void* src, std::size_t /*bytes*/, Read&& read) {
+    read(src);
+  }
+  // A step's ids are read where the trainer keeps them: nothing to stage.
+  static void stage_ids(thread_pool&, void* /*buffers*/, const std::int32_t* /*tokens*/,
+                        const std::int32_t* /*targets*/, std::size_t /*n*/,
+                        std::size_t /*step_tokens*/) noexcept {}
+  static const std::int32_t* staged_tokens(const void* /*buffers*/, const std::int32_t* host) noexcept {
+    return host;
+  }
+  static const std::int32_t* staged_targets(const void* /*buffers*/, const std::int32_t* host,
+                                            std::size_t /*step_tokens*/) noexcept {
+    return host;
+  }
+
+  // ---- The trainer's arithmetic -----------------------------------------------------------------
+  // sqrt(Σ g²) over n gradients in double (fixed blocks: the same bits for every thread count);
+  // the device's takes its step buffers, the host needs none.
+  template <typename S>
+  static double gradient_norm(thread_pool& ex, const S* g, std::size_t n, void* /*buffers*/,
+                              std::size_t /*tokens*/) {
+    return cpu::global_norm(g, n, ex);
+  }
+  // Σ g² over `count` gradients of a shard (data parallel: each rank's part of the norm).
+  template <typename S>
+  static double sum_squares(thread_pool& ex, const S* g, std::size_t count, void* /*buffers*/,
+                            std::size_t /*tokens*/, std::size_t /*n*/) {
+    return cpu::sum_squares(g, count, ex);
+  }
+  // Every optimizer steps here, over any spans (the device takes adamw and adamw8bit).
+  template <typename Optimizer, typename Spans>
+  static void check_optimizer_spans(const Spans& /*spans*/) noexcept {}
+  // The trainer's optimizer step: the optimizer's own host update.
+  template <typename Optimizer, typename S, typename Spans, typename Step>
+  static void optimizer_update(thread_pool& ex, S* w, const S* g, void* state,
+                               std::size_t /*state_bytes*/, std::size_t n, Spans spans,
+                               const Step& step) {
+    Optimizer::update(w, g, state, n, spans, step, ex);
+  }
+
+  // Token ids where the host can read them without a copy: here, the caller's own (the model
+  // checks them against the vocabulary before any work).
+  static const std::int32_t* host_ids(const std::int32_t* ids) noexcept { return ids; }
+  // `n` elements at p readable on the host: p itself (nothing is copied; `buffer` stays empty).
+  template <typename S>
+  static const S* host_view(thread_pool&, const S* p, std::size_t /*n*/, std::vector<S>& /*buffer*/) noexcept {
+    return p;
+  }
+};
 
 MEMBOUND_NAMESPACE_END

@@ -90,8 +90,9 @@ class cuda_executor {
   cublasLtHandle_t lt_ = nullptr;
 };
 
-// The device's workspaces do not grow with host threads (core/parallel.hpp's thread_pool overload).
-inline constexpr std::size_t workspace_threads(const cuda_executor&) noexcept { return 0; }
+// The device's workspaces do not grow with host threads: its size functions ignore the count,
+// which is 1 here (core/parallel.hpp has the thread_pool's overload).
+inline constexpr std::size_t workspace_threads(const cuda_executor&) noexcept { return 1; }
 
 // The device backend: CUDA kernels and cuBLASLt on a cuda_executor's stream, over device memory.
 struct cuda_backend {

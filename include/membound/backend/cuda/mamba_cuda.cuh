@@ -108,20 +108,22 @@ template <>
 struct backend_kernels<cuda_backend, mamba_shape> {
   // ---- Sizes (exactly what the launches carve) -------------------------------------------------
   // keep: the save_all policy (c and Δ live in `saved`, not in the workspace). L: scan_chunk.
-  template <typename S>
+  // A and `threads` are the host backend's (the device accumulates in fp32 and sizes nothing per
+  // host thread).
+  template <typename S, typename A>
   static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s, std::size_t L,
-                                                       bool keep) {
+                                                       bool keep, std::size_t /*threads*/) noexcept {
     return fits(s) ? forward_layout<S>(s, L, keep).size()
                    : std::numeric_limits<std::size_t>::max();
   }
-  template <typename S>
+  template <typename S, typename A>
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s, std::size_t L,
-                                                        bool keep) {
+                                                        bool keep, std::size_t /*threads*/) noexcept {
     return fits(s) ? backward_layout<S>(s, L, keep).size()
                    : std::numeric_limits<std::size_t>::max();
   }
-  template <typename S>
-  static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) {
+  template <typename S, typename A>
+  static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
     return fits(s) ? step_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
   // Of the backward workspace (fp32; for tests and the plan table): the dB/dC partials [scan
@@ -150,24 +152,14 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     return bytes_of<float>(gpu::mamba_chunk_sum_elements(s.batch, s.seq, L, s.d_inner));
   }
 
-  // The device pointers of the weights and gradients, in the layer's order.
+  // The device pointers of the weights, gradients and saved buffers (shape/mamba_shape.hpp; c and
+  // delta null unless save_all); the states are fp32.
   template <typename S>
-  struct weights {
-    const S *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
-  };
+  using weights = mamba_weights<S>;
   template <typename S>
-  struct gradients {
-    S *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj, *dt_bias, *a_log, *d, *out_proj;
-  };
-  // The saved buffers the layer carved (c and delta null unless save_all).
+  using gradients = mamba_gradients<S>;
   template <typename S>
-  struct saved {
-    S* xz;
-    S* xdbl;
-    float* states;
-    S* c;
-    S* delta;
-  };
+  using saved = mamba_saved<S, float>;
 
 #if MEMBOUND_CUDA_COMPILER
   template <typename S, typename A>

@@ -991,8 +991,6 @@ void check_finite(const cuda_executor& ex, const S* data, std::size_t n, unsigne
 template <>
 struct backend_kernels<cuda_backend, model_glue> {
   using executor = cuda_executor;
-  // The device size functions take no thread count; the CPU's per-thread scratch is 1 here.
-  static constexpr std::size_t threads(const cuda_executor&) noexcept { return 1; }
 
   template <typename A, typename S>
   static constexpr std::size_t norm_backward_scratch_bytes(std::size_t N, std::size_t C) noexcept {
@@ -1024,6 +1022,56 @@ struct backend_kernels<cuda_backend, model_glue> {
     if (bytes == 0) return;
     cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ex.stream()), "cudaMemcpyAsync (to host)");
     ex.synchronize();
+  }
+  static void synchronize(cuda_executor& ex) { ex.synchronize(); }
+  // fill(p) writes `bytes` at dst: p is a host buffer, uploaded to dst when fill returns.
+  template <typename Fill>
+  static void write_via_host(cuda_executor& ex, void* dst, std::size_t bytes, Fill&& fill) {
+    std::vector<host_block> h = host_buffer(bytes);
+    fill(static_cast<void*>(h.data()));
+    copy_to_device(ex, dst, h.data(), bytes);
+  }
+  // read(p) reads `bytes` at src: p is a host copy of them.
+  template <typename Read>
+  static void read_via_host(cuda_executor& ex, const void* src, std::size_t bytes, Read&& read) {
+    std::vector<host_block> h = host_buffer(bytes);
+    copy_to_host(ex, h.data(), src, bytes);
+    read(static_cast<const void*>(h.data()));
+  }
+  // Host bytes aligned for any optimizer state (its load_state, init and save_state read and
+  // write them as floats, doubles or blocks). A named block type: nvcc 13's front end fails an
+  // internal assertion destroying a std::vector<std::max_align_t> (an unnamed struct in glibc).
+  struct alignas(alignof(std::max_align_t)) host_block {
+    unsigned char bytes[alignof(std::max_align_t)];
+  };
+  static std::vector<host_block> host_buffer(std::size_t bytes) {
+    return std::vector<host_block>((bytes + sizeof(host_block) - 1) / sizeof(host_block));
+  }
+  // A step's n token and target ids, uploaded into the step buffers (step_targets_offset).
+  static void stage_ids(cuda_executor& ex, void* buffers, const std::int32_t* tokens,
+                        const std::int32_t* targets, std::size_t n, std::size_t step_tokens) {
+    auto* l = static_cast<unsigned char*>(buffers);
+    const std::size_t bytes = n * sizeof(std::int32_t);
+    copy_to_device(ex, l, tokens, bytes);
+    copy_to_device(ex, l + step_targets_offset(step_tokens), targets, bytes);
+  }
+  static const std::int32_t* staged_tokens(const void* buffers, const std::int32_t* /*host*/) noexcept {
+    return static_cast<const std::int32_t*>(buffers);
+  }
+  static const std::int32_t* staged_targets(const void* buffers, const std::int32_t* /*host*/,
+                                            std::size_t step_tokens) noexcept {
+    return reinterpret_cast<const std::int32_t*>(static_cast<const unsigned char*>(buffers) +
+                                                 step_targets_offset(step_tokens));
+  }
+  // Device ids cannot be read without a copy and a sync: none here (the caller checks its host
+  // copy before the upload; a bad id on the device reads nothing outside a table).
+  static const std::int32_t* host_ids(const std::int32_t*) noexcept { return nullptr; }
+  // `n` elements at p readable on the host: copied into `buffer` (resized), on the stream.
+  template <typename S>
+  static const S* host_view(cuda_executor& ex, const S* p, std::size_t n, std::vector<S>& buffer) {
+    buffer.resize(n);
+    copy_to_host(ex, buffer.data(), p, n * sizeof(S));
+    return buffer.data();
   }
 
 #if MEMBOUND_CUDA_COMPILER

@@ -174,25 +174,29 @@ inline constexpr unsigned ttt_backward_threads = 128;
 
 template <>
 struct backend_kernels<cuda_backend, ttt_shape> {
-  template <bool Mlp, std::size_t MB, typename S>
-  static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s) {
+  // A and `threads` are the host backend's (the device accumulates in fp32 and sizes nothing per
+  // host thread).
+  template <bool Mlp, std::size_t MB, typename S, typename A>
+  static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
+                                                       std::size_t /*threads*/) noexcept {
     return fits<Mlp, MB>(s) ? forward_layout<Mlp, MB, S>(s).size()
                             : std::numeric_limits<std::size_t>::max();
   }
   // G: the checkpoint group (its entering states are the backward's largest per-head buffer).
-  template <bool Mlp, std::size_t MB, std::size_t G, typename S>
-  static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s) {
+  template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
+  static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
+                                                        std::size_t /*threads*/) noexcept {
     return fits<Mlp, MB>(s) && backward_fits<Mlp, MB, G>(s)
                ? backward_layout<Mlp, MB, G, S>(s).size()
                : std::numeric_limits<std::size_t>::max();
   }
   // The forward's layout at T = 1, plus the heads' output [B, C] in storage (forward writes it
   // into `saved`; decoding has none).
-  template <bool Mlp, std::size_t MB, typename S>
-  static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) {
+  template <bool Mlp, std::size_t MB, typename S, typename A>
+  static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
     ttt_shape one = s;
     one.seq = 1;
-    const std::size_t f = forward_workspace_bytes<Mlp, MB, S>(one);
+    const std::size_t f = forward_workspace_bytes<Mlp, MB, S, A>(one, 0);
     if (f == std::numeric_limits<std::size_t>::max()) return f;
     return step_layout<Mlp, MB, S>(one).size();
   }

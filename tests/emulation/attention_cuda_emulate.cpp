@@ -1,5 +1,5 @@
 // Host emulation of backend/cuda/attention_mma.cuh's tensor-core kernels (forward, dQ, dK/dV), for
-// a machine without a GPU. Built and run by `tools/cuda_emulate.py attention`, which cuts the
+// a machine without a GPU. Built and run by `tests/emulation/cuda_emulate.py attention`, which cuts the
 // kernels' text out of the header (consts.inc, kernels.inc) and compiles it here as plain C++:
 // each CTA runs as 128 host threads (threadIdx a thread_local, __syncthreads a std::barrier), and
 // the warp-level operations are emulated per warp of 32 threads: mma.sync.m16n8k16 gathers the

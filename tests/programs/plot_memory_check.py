@@ -2,7 +2,7 @@
 """Checks examples/plot_memory: a small synthetic trace becomes a well-formed SVG with the budget
 line and the stacked areas, and a missing trace fails with exactly one 'error:' line.
 
-usage: python3 tests/plot_memory_check.py PATH_TO_plot_memory
+usage: python3 tests/programs/plot_memory_check.py PATH_TO_plot_memory
 """
 import json
 import os

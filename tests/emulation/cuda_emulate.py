@@ -20,7 +20,7 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
 
 Usage:
 
-    python3 tools/cuda_emulate.py [ttt|mamba|adamw8bit ...] [--args A B ...]
+    python3 tests/emulation/cuda_emulate.py [ttt|mamba|adamw8bit ...] [--args A B ...]
                                   [--sanitize thread|address|none] [--header FILE] [-v]
 
 No target: all of them. --args replaces the target's argument sets (one argv[1] each). Exits 0
@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CUDA = ROOT / "include/membound/backend/cuda"
 
 # header, {file: (start marker, end marker)}, argument sets and what one argument means
@@ -87,7 +87,7 @@ def run_target(name: str, args: argparse.Namespace, cxx: str) -> bool:
             (d / file).write_text(cut(text, start, end))
         exe = d / "emu"
         cmd = [cxx, "-std=c++20", *FLAGS[args.sanitize], "-w", "-I", str(d), "-I", str(ROOT / "include"),
-               "-isystem", "/usr/include/eigen3", str(ROOT / f"tools/{name}_cuda_emulate.cpp"), "-o", str(exe)]
+               "-isystem", "/usr/include/eigen3", str(ROOT / f"tests/emulation/{name}_cuda_emulate.cpp"), "-o", str(exe)]
         if subprocess.run(cmd).returncode != 0:
             print(f"cuda_emulate.py: the {name} emulation did not compile", file=sys.stderr)
             return False

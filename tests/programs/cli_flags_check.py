@@ -8,7 +8,7 @@ byte in the report). Output paths that cannot take the file (a device such as /d
 rename would replace; a folder such as /proc that takes no new files) are refused before the
 work, not at its end; every output is written by a rename, so a failed write keeps the old file.
 
-usage: python3 tests/cli_flags_check.py TRAIN PLOT_MEMORY [MEMORY_TOUR]
+usage: python3 tests/programs/cli_flags_check.py TRAIN PLOT_MEMORY [MEMORY_TOUR]
 """
 import json
 import os

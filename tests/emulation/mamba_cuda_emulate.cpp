@@ -1,5 +1,5 @@
 // Host emulation of backend/cuda/mamba_cuda.cuh's kernels, for a machine without a GPU. Built and
-// run by `tools/cuda_emulate.py mamba`, which cuts the kernels' text (kernels.inc) and the chunk
+// run by `tests/emulation/cuda_emulate.py mamba`, which cuts the kernels' text (kernels.inc) and the chunk
 // sizes they share with the launchers (consts.inc) out of the header and compiles them here as
 // plain C++: __global__/__device__ vanish, threadIdx/blockIdx are thread_locals. A kernel with
 // __syncthreads (the forward scan's output pass, the reverse scan) runs its cpb·Ns threads as host

@@ -1,5 +1,5 @@
 // Host emulation of the device adamw8bit step (backend/cuda/model_kernels.cuh), for a machine
-// without a GPU. Built and run by `tools/cuda_emulate.py adamw8bit`, which cuts the kernel's text
+// without a GPU. Built and run by `tests/emulation/cuda_emulate.py adamw8bit`, which cuts the kernel's text
 // (kernels.inc) and its tables, constants and host table builder (consts.inc) out of the header
 // and compiles them here as plain C++: __global__/__device__ vanish, each CTA runs its threads as
 // host threads, one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a
