@@ -1,4 +1,4 @@
-// TFLOP/s of the attention core on the GPU (backend/cuda/attention_cuda.cuh): the flash forward
+// TFLOP/s of the attention core on the GPU (backend/cuda/attention.cuh): the flash forward
 // kernel, and forward + backward (the dK/dV pass and the dQ pass), on rotated fp32 q, k, v, counted
 // as FlashAttention counts: 4·B·H·T²·D forward, halved when causal; backward 2.5× forward.
 // The projections (cuBLASLt GEMMs) are not timed here: bench_cuda_gemm covers them.

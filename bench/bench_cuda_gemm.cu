@@ -181,7 +181,7 @@ void bm_gemm(benchmark::State& state, gpu::gemm_op op, std::size_t N, std::size_
   gpu::gemm_cache cache;
   const std::size_t ws_bytes = gpu::gemm_workspace_bytes(exec);
   device_array<unsigned char> ws(ws_bytes, exec.stream(), 0);
-  // Row-major sizes as linalg.hpp has them: x N×K; w K×M, M×K or (d) N×M; y N×M or K×M.
+  // Row-major sizes as backend/cpu/gemm.hpp has them: x N×K; w K×M, M×K or (d) N×M; y N×M or K×M.
   const std::size_t w_elems = op == gpu::gemm_op::at ? N * M : K * M;
   const std::size_t y_elems = op == gpu::gemm_op::at ? K * M : N * M;
   device_array<T> x(N * K, exec.stream(), 1), w(w_elems, exec.stream(), 2);

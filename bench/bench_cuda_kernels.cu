@@ -1,4 +1,4 @@
-// Achieved bandwidth of the memory-bound model kernels (backend/cuda/model_kernels.cuh), bf16
+// Achieved bandwidth of the memory-bound model kernels (backend/cuda/model.cuh), bf16
 // storage, against cudaMemcpyAsync device-to-device moving the same bytes in the same run: the
 // `of_copy` counter is kernel GB/s over copy GB/s (1.0 = as fast as the copy engine path).
 // Bytes are the essential traffic (each input read once, each output written once); scratch

@@ -1,4 +1,4 @@
-// The Mamba block on cuda_backend (backend/cuda/mamba_cuda.cuh), bf16 storage:
+// The Mamba block on cuda_backend (backend/cuda/mamba.cuh), bf16 storage:
 //   scan:    the forward scan's kernels alone (chunk-local pass, combine over chunks, outputs;
 //            Δ, u = SiLU(c), B, C and z in; y ⊙ SiLU(z) and the chunk-entry states out) at
 //            d_state 16: GB/s of the bytes it must move against a

@@ -682,7 +682,7 @@ MEMBOUND_HOST_DEVICE inline void adamw_step(const adamw_coefficients<T>& k, T g,
 }
 
 // GELU, tanh form (ttt-lm-pytorch's, the TTT layers' inner MLP and gate), and its first two
-// derivatives: the one definition for the CUDA TTT kernels and cpu::gelu_tanh (ttt_cpu.hpp).
+// derivatives: the one definition for the CUDA TTT kernels and cpu::gelu_tanh (backend/cpu/ttt.hpp).
 namespace detail {
 template <typename A>
 MEMBOUND_HOST_DEVICE inline A tanh_of(A v) {
@@ -6028,7 +6028,7 @@ MEMBOUND_NAMESPACE_END
 
 // ---- begin membound/shape/attention_shape.hpp ----
 // The sizes of one attention layer call, shared by the front end (layers/attention.hpp) and the
-// backends' kernels (backend/cpu/attention_cpu.hpp).
+// backends' kernels (backend/cpu/attention.hpp).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6047,7 +6047,7 @@ MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/attention_shape.hpp ----
 // ---- begin membound/shape/mamba_shape.hpp ----
 // The sizes of one Mamba block call and the pointers it takes, shared by the front end
-// (layers/mamba.hpp) and both backends (backend/cpu/mamba_cpu.hpp, backend/cuda/mamba_cuda.cuh).
+// (layers/mamba.hpp) and both backends (backend/cpu/mamba.hpp, backend/cuda/mamba.cuh).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6115,7 +6115,7 @@ MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/mamba_shape.hpp ----
 // ---- begin membound/shape/ttt_shape.hpp ----
 // The sizes of one TTT layer call and the pointers it takes, shared by the front end
-// (layers/ttt.hpp) and both backends (backend/cpu/ttt_cpu.hpp, backend/cuda/ttt_cuda.cuh).
+// (layers/ttt.hpp) and both backends (backend/cpu/ttt.hpp, backend/cuda/ttt.cuh).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6203,11 +6203,11 @@ struct lm_head_shape {
 MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/lm_head_shape.hpp ----
 
-// ---- begin membound/backend/cpu/attention_cpu.hpp ----
+// ---- begin membound/backend/cpu/attention.hpp ----
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
-// (projections are linalg.hpp's). Everything here works in the accumulator type A on buffers the front end
+// (projections are backend/cpu/gemm.hpp's). Everything here works in the accumulator type A on buffers the front end
 // (layers/attention.hpp) has already carved and converted; nothing allocates: the tile products
-// run through linalg.hpp's gemm with per-thread packing buffers from the caller's workspace
+// run through backend/cpu/gemm.hpp's gemm with per-thread packing buffers from the caller's workspace
 // (flash_gemm_bytes each), and RoPE reads a table of cosines and sines made once per call. Each
 // parallel task writes a disjoint region and computes it in a fixed order, so results do not
 // depend on the thread count.
@@ -6216,11 +6216,25 @@ MEMBOUND_NAMESPACE_END
 // h of token t is the D-wide slice at column h·D of row b·T + t (tiles are strided Eigen maps:
 // no transposition copies); lse and the backward's row sums Δ are [B, H, T].
 
-// ---- begin membound/backend/cpu/linalg.hpp ----
+// ---- begin membound/backend/cpu/gemm.hpp ----
 // Dense linear algebra shared by the CPU layers: strided Eigen maps over the caller's buffers,
 // a GEMM that never touches the heap, row-parallel products with their transposes (for input and
 // weight gradients), and the storage <-> accumulator conversions. Each parallel task writes a
 // disjoint block and computes it in a fixed order, so results do not depend on the thread count.
+
+// ---- begin membound/shape/gemm_shape.hpp ----
+// The leading dimensions of a row-major GEMM, shared by both backends' GEMMs
+// (backend/cpu/gemm.hpp, backend/cuda/gemm.cuh): elements between rows of x, w and y, for column
+// slices such as Mamba's dt_low = x_dbl[:, 0:R].
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct ld3 {
+  std::size_t x, w, y;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/gemm_shape.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6478,11 +6492,9 @@ void narrow_add(thread_pool& pool, const A* src, std::size_t n, S* dst) {
              [&](std::size_t i0, std::size_t len) { narrow_add(src + i0, len, dst + i0); });
 }
 
-// Row-major operands with leading dimensions (elements between rows), for column slices such
-// as Mamba's dt_low = x_dbl[:, 0:R]. The overloads without them take contiguous rows.
-struct ld3 {
-  std::size_t x, w, y;
-};
+// Row-major operands with leading dimensions (shape/gemm_shape.hpp's ld3). The overloads
+// without them take contiguous rows.
+using ::membound::ld3;
 
 // y[N, M] (+)= x[N, K] · w[K, M]
 template <typename A>
@@ -6745,7 +6757,7 @@ void add_grad(const A* src, std::size_t n, S* g) {
 }  // namespace cpu
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/linalg.hpp ----
+// ---- end membound/backend/cpu/gemm.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6759,7 +6771,7 @@ constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
 constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
   return 2 * q_tile * kv_tile;  // S/P and dP/dS
 }
-// Per-thread packing bytes of the tile products (linalg.hpp's gemm with the caller's buffers):
+// Per-thread packing bytes of the tile products (backend/cpu/gemm.hpp's gemm with the caller's buffers):
 // the largest of S = Q·Kᵀ [qt, kt] depth D, O += P·V [qt, D] depth kt, dV += Pᵀ·dO and
 // dK += dSᵀ·Q [kt, D] depth qt, dQ += dS·K [qt, D] depth kt.
 template <typename A>
@@ -7100,7 +7112,7 @@ void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_
 }  // namespace cpu
 
 // The attention layer on the host: the same calls as backend_kernels<cuda_backend,
-// attention_shape> (backend/cuda/attention_cuda.cuh), which the layer front makes without
+// attention_shape> (backend/cuda/attention.cuh), which the layer front makes without
 // knowing which backend runs them. The front has checked every argument and the workspace's
 // size; this carves the workspace (slots of disjoint lifetimes share bytes) and runs. Tiles sizes
 // the flash tiles; `threads` sizes the per-thread scratch (the pool's size).
@@ -7304,7 +7316,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
   }
 
-  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
+  // Per-thread packing bytes of every product of a pass (backend/cpu/gemm.hpp's gemm with the caller's
   // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
   template <typename A, typename Tiles>
   static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {
@@ -7454,7 +7466,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/attention_cpu.hpp ----
+// ---- end membound/backend/cpu/attention.hpp ----
 // ---- begin membound/layers/attention.hpp ----
 // The attention layer: causal or bidirectional multi-head attention with GQA/MQA and RoPE, whose
 // memory is known before it runs. Semantics are those of tests/support/attention_reference.hpp:
@@ -7482,9 +7494,9 @@ MEMBOUND_NAMESPACE_END
 //
 // This file is the front: checks, sizes, the saved and cache layouts, and one call into
 // backend_kernels<backend, attention_shape>, the same call for every backend. The host's kernels
-// and workspace layouts are backend/cpu/attention_cpu.hpp's; with cuda_backend in the policies
+// and workspace layouts are backend/cpu/attention.hpp's; with cuda_backend in the policies
 // (attention<bf16_precision, cuda_backend>) every pointer is device memory, the executor is a
-// cuda_executor, and they are backend/cuda/attention_cuda.cuh's (include
+// cuda_executor, and they are backend/cuda/attention.cuh's (include
 // membound/backend/cuda.cuh, compile with nvcc). The device ignores `threads` and the tiles.
 
 // ---- begin membound/layers/layer_support.hpp ----
@@ -7831,7 +7843,7 @@ class attention {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/attention.hpp ----
-// ---- begin membound/backend/cpu/mamba_cpu.hpp ----
+// ---- begin membound/backend/cpu/mamba.hpp ----
 // CPU kernels of the Mamba block: the causal depthwise convolution, softplus/SiLU, and the
 // chunked selective scan forward and backward. Everything works in the accumulator type A on
 // buffers the front end (layers/mamba.hpp) has carved; nothing allocates.
@@ -8471,7 +8483,7 @@ void reduce_bc(thread_pool& pool, const mamba_shape& s, const A* part, A* dxdbl)
 }  // namespace cpu
 
 // The Mamba block on the host: the same calls as backend_kernels<cuda_backend, mamba_shape>
-// (backend/cuda/mamba_cuda.cuh), which layers/mamba.hpp makes without knowing which backend runs
+// (backend/cuda/mamba.cuh), which layers/mamba.hpp makes without knowing which backend runs
 // them. L is the layer's scan_chunk; `keep` its save_all (then c and Δ live in `saved`, and
 // saved.c is not null). The front has checked every argument and the workspace's size; this
 // carves the workspace and runs, in the accumulator type A (bf16/fp16 storage is widened into
@@ -9065,7 +9077,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/mamba_cpu.hpp ----
+// ---- end membound/backend/cpu/mamba.hpp ----
 // ---- begin membound/layers/mamba.hpp ----
 // The Mamba-1 block (Gu & Dao 2023; the `Mamba` module of state-spaces/mamba with its reference
 // path), whose saved memory is set by the scan chunk, not by the sequence length. Semantics are
@@ -9091,9 +9103,9 @@ MEMBOUND_NAMESPACE_END
 // double). Nothing allocates: every buffer is carved from the caller's saved/workspace bytes.
 //
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
-// backend_kernels<backend, mamba_shape> for every backend: backend/cpu/mamba_cpu.hpp on the host.
+// backend_kernels<backend, mamba_shape> for every backend: backend/cpu/mamba.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
-// cuda_executor and the kernels are backend/cuda/mamba_cuda.cuh's (include membound/backend/cuda.cuh
+// cuda_executor and the kernels are backend/cuda/mamba.cuh's (include membound/backend/cuda.cuh
 // and compile with nvcc). saved_bytes and saved_state_bytes are the same (the same states are
 // saved, in the same place); the workspaces are the device's own and hold cuBLASLt's; the thread
 // count the size functions take is ignored there. The decoding state lives on the device: make it
@@ -9361,7 +9373,7 @@ class mamba {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/mamba.hpp ----
-// ---- begin membound/backend/cpu/ttt_cpu.hpp ----
+// ---- begin membound/backend/cpu/ttt.hpp ----
 // CPU kernels of the TTT-Linear layer: the inner loop over mini-batches in the dual form, its
 // hand-derived backward (with recomputation inside checkpoint groups), and the row LayerNorms.
 // Everything works in the accumulator type A on buffers the front end (layers/ttt.hpp) carved.
@@ -9672,7 +9684,7 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
 }  // namespace cpu
 
 // The TTT layers on the host: the same calls as backend_kernels<cuda_backend, ttt_shape>
-// (backend/cuda/ttt_cuda.cuh), which layers/ttt.hpp makes without knowing which backend runs
+// (backend/cuda/ttt.cuh), which layers/ttt.hpp makes without knowing which backend runs
 // them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the checkpoint group. The front
 // has checked every argument and the workspace's size; this carves the workspace and runs the
 // dual form in the accumulator type A, one (batch, head) task per thread.
@@ -10050,7 +10062,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
       return bytes_of<A>(s.batch, part_elements(s));
     }
-    // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
+    // Packing bytes per thread (backend/cpu/gemm.hpp's gemm with the caller's buffers), one slot shared by
     // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
     // their thread's slice.
     static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {
@@ -10629,7 +10641,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/ttt_cpu.hpp ----
+// ---- end membound/backend/cpu/ttt.hpp ----
 // ---- begin membound/layers/ttt.hpp ----
 // The TTT layers (Sun et al. 2024; the TTTLinear and TTTMLP modules of test-time-training/
 // ttt-lm-pytorch without the shared-QK convolution), trained inside a memory budget. Per head h
@@ -10649,9 +10661,9 @@ MEMBOUND_NAMESPACE_END
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
-// backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt_cpu.hpp on the host.
+// backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
-// cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
+// cuda_executor and forward, step and the state run backend/cuda/ttt.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
 // workspace is the device's own (backward too: the same recomputation from the checkpoints).
 
@@ -11303,7 +11315,7 @@ static_assert(communicator<local_communicator>);
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/dist/communicator.hpp ----
-// ---- begin membound/backend/cpu/model_cpu.hpp ----
+// ---- begin membound/backend/cpu/model.hpp ----
 // CPU kernels of the model's glue: RMSNorm, the SwiGLU nonlinearity, the embedding's gather and
 // scatter, and one chunk of the fused cross-entropy. Rows run in parallel; every reduction over
 // rows (norm scale gradients, embedding gradients) goes through per-row-block partials summed in
@@ -11509,7 +11521,7 @@ double global_norm(const S* g, std::size_t n, thread_pool& pool) {
 
 }  // namespace cpu
 
-// The model's glue on the host (model/glue.hpp names the interface; backend/cuda/model_kernels.cuh
+// The model's glue on the host (model/glue.hpp names the interface; backend/cuda/model.cuh
 // has the device's).
 template <>
 struct backend_kernels<cpu_backend, model_glue> {
@@ -11620,7 +11632,7 @@ struct backend_kernels<cpu_backend, model_glue> {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/model_cpu.hpp ----
+// ---- end membound/backend/cpu/model.hpp ----
 // ---- begin membound/layers/swiglu_mlp.hpp ----
 // The SwiGLU MLP of a block (Shazeer 2020, as in LLaMA): y = (SiLU(x·Wg) ⊙ (x·Wu))·Wd, with the
 // same front end as the sequence layers, so a block composes it exactly like a mixer:
@@ -11634,16 +11646,16 @@ MEMBOUND_NAMESPACE_END
 // than kept. Every buffer is the caller's.
 //
 // This file is the front (checks, sizes, the saved layout) and makes one call into
-// backend_kernels<backend, mlp_shape> for every backend: backend/cpu/mlp_cpu.hpp on the host;
+// backend_kernels<backend, mlp_shape> for every backend: backend/cpu/mlp.hpp on the host;
 // with cuda_backend in the policies every pointer is device memory, the executor is a
-// cuda_executor, and the kernels are backend/cuda/mlp_cuda.cuh's (include membound/backend/cuda.cuh
+// cuda_executor, and the kernels are backend/cuda/mlp.cuh's (include membound/backend/cuda.cuh
 // and compile with nvcc); saved_bytes is the same, the workspace holds cuBLASLt's too.
 
-// ---- begin membound/backend/cpu/mlp_cpu.hpp ----
+// ---- begin membound/backend/cpu/mlp.hpp ----
 // The SwiGLU MLP on the host: the same calls as backend_kernels<cuda_backend, mlp_shape>
-// (backend/cuda/mlp_cuda.cuh), which layers/swiglu_mlp.hpp makes without knowing which backend
-// runs them. Three GEMMs (linalg.hpp, packing buffers per thread from the caller's workspace)
-// and the fused SwiGLU rows (model_cpu.hpp), in the accumulator type A; bf16/fp16 storage is
+// (backend/cuda/mlp.cuh), which layers/swiglu_mlp.hpp makes without knowing which backend
+// runs them. Three GEMMs (backend/cpu/gemm.hpp, packing buffers per thread from the caller's workspace)
+// and the fused SwiGLU rows (backend/cpu/model.hpp), in the accumulator type A; bf16/fp16 storage is
 // widened into workspace slots first. The front has checked every argument and the workspace's
 // size; this carves the workspace and runs.
 
@@ -11746,7 +11758,7 @@ struct backend_kernels<cpu_backend, mlp_shape> {
       if (v >= too_large / 32) return false;
     return true;
   }
-  // Per-thread packing bytes of the GEMMs (linalg.hpp's gemm with the caller's buffers): the
+  // Per-thread packing bytes of the GEMMs (backend/cpu/gemm.hpp's gemm with the caller's buffers): the
   // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
   template <typename A>
   static constexpr std::size_t pack_bytes(const mlp_shape& s) noexcept {
@@ -11806,7 +11818,7 @@ struct backend_kernels<cpu_backend, mlp_shape> {
       return {wg, wu, wd};
     }
   }
-  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (model_cpu.hpp).
+  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (backend/cpu/model.hpp).
   template <typename S, typename A>
   static void activation(thread_pool& ex, const S* a, const S* b, A* act, std::size_t N,
                          std::size_t F) {
@@ -11825,7 +11837,7 @@ struct backend_kernels<cpu_backend, mlp_shape> {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/mlp_cpu.hpp ----
+// ---- end membound/backend/cpu/mlp.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -11950,18 +11962,18 @@ MEMBOUND_NAMESPACE_END
 //   double loss = head::loss_backward(shape, w, x, targets, scale, dx, g, buf, ws, pool);
 //
 // This file is the front (checks and sizes) and makes one call into backend_kernels<backend,
-// lm_head_shape> for every backend: backend/cpu/lm_head_cpu.hpp on the host. With cuda_backend
+// lm_head_shape> for every backend: backend/cpu/lm_head.hpp on the host. With cuda_backend
 // in the policies every pointer (the targets too) is device memory, the executor
-// is a cuda_executor, and the kernels are backend/cuda/lm_head_cuda.cuh's (include
+// is a cuda_executor, and the kernels are backend/cuda/lm_head.cuh's (include
 // membound/backend/cuda.cuh and compile with nvcc); workspace_bytes holds cuBLASLt's workspace too.
 // The loss comes back as a host double, so a GPU call synchronizes the executor's stream once, at
 // its end. Device targets are not checked here (that would be a copy and a sync): check the host
 // copy with check_targets before the upload, as model does; an id outside [0, V) on the device
 // reads nothing out of bounds and makes the returned loss NaN.
 
-// ---- begin membound/backend/cpu/lm_head_cpu.hpp ----
+// ---- begin membound/backend/cpu/lm_head.hpp ----
 // The LM head on the host: the same calls as backend_kernels<cuda_backend, lm_head_shape>
-// (backend/cuda/lm_head_cuda.cuh), which layers/lm_head.hpp makes without knowing which backend
+// (backend/cuda/lm_head.cuh), which layers/lm_head.hpp makes without knowing which backend
 // runs them. The final RMSNorm, then for each chunk of rows its logits ([chunk, V] in A) turned
 // into cross-entropy and its gradient in place and consumed at once (dW += dlogitsᵀ·xn,
 // dxn = dlogits·W). The front has checked the shape and the pointers; the targets' values are
@@ -12101,7 +12113,7 @@ struct backend_kernels<cpu_backend, lm_head_shape> {
 };
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/backend/cpu/lm_head_cpu.hpp ----
+// ---- end membound/backend/cpu/lm_head.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -13020,9 +13032,9 @@ MEMBOUND_NAMESPACE_END
 // The model's own ops (RMSNorm, the residual add, the embedding's gather and scatter) on the
 // backend its layers run on. block and model call them through model_glue_of<Backend>, so one
 // schedule, one allocation order and one plan serve both backends:
-//   cpu_backend   backend_kernels<cpu_backend, model_glue> (backend/cpu/model_cpu.hpp, over a
+//   cpu_backend   backend_kernels<cpu_backend, model_glue> (backend/cpu/model.hpp, over a
 //                 thread_pool);
-//   cuda_backend  backend_kernels<cuda_backend, model_glue> (backend/cuda/model_kernels.cuh, over
+//   cuda_backend  backend_kernels<cuda_backend, model_glue> (backend/cuda/model.cuh, over
 //                 a cuda_executor: every pointer is device memory, nothing synchronizes).
 // Every function takes the accumulation type A first; the norm's backward scratch is sized by
 // norm_backward_scratch_bytes<A, S>(N, C), the exact bytes of that backend's row-block partials.
@@ -13351,7 +13363,7 @@ struct cosine_lr {
   }
 };
 
-// sum_squares(g, n, pool) and global_norm(g, n, pool): backend/cpu/model_cpu.hpp's (the host's
+// sum_squares(g, n, pool) and global_norm(g, n, pool): backend/cpu/model.hpp's (the host's
 // gradient norm, which the trainer reaches through its backend's glue).
 using cpu::global_norm;
 using cpu::sum_squares;
@@ -17928,7 +17940,7 @@ class trainer {
   std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
   // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/
-  // model_cpu.hpp writes and reads in place; backend/cuda/model_kernels.cuh copies on the stream).
+  // backend/cpu/model.hpp writes and reads in place; backend/cuda/model.cuh copies on the stream).
   void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
 
   template <check_point P>

@@ -115,7 +115,7 @@ struct shape {
   std::size_t N, K, M;
 };
 
-// Row-major rows×cols of x, w (d for matmul_at) and y (g) for each form, as linalg.hpp has them.
+// Row-major rows×cols of x, w (d for matmul_at) and y (g) for each form, as backend/cpu/gemm.hpp has them.
 struct dims {
   std::size_t xr, xc, wr, wc, yr, yc;
 };

@@ -16,7 +16,7 @@
 //   bf16, fp16: against the CPU's fp32 block on the same rounded inputs, with the CPU's own
 //         bound (16u: 6.25e-2 bf16, 7.8e-3 fp16): the device rounds u, y ⊙ SiLU(z), dΔ·σ,
 //         dx_dbl and dxz to storage once more each than the CPU (the GEMMs take one type). A host
-//         emulation of mamba_cuda.cuh's launch sequence (kernels run per block with a barrier per
+//         emulation of backend/cuda/mamba.cuh's launch sequence (kernels run per block with a barrier per
 //         __syncthreads, GEMMs as fp32 sums rounded to their output type) gives at most 1.2e-2
 //         (bf16) and 1.4e-3 (fp16) on this problem: a margin of 5 over the bound.
 //   step: the same kernels' formulas and order as the forward row; the GEMMs over B rows instead

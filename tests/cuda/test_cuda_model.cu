@@ -16,7 +16,7 @@
 //         1e-5 on the loss.
 //   bf16: every layer's output and gradient is rounded to bf16 once on both sides but from values
 //         that differ in the last fp32 bits, and the device keeps some GEMM inputs in bf16 where
-//         the CPU keeps fp32 (mlp_cuda.cuh, lm_head_cuda.cuh): 5e-2 per tensor (the layers' 4e-2
+//         the CPU keeps fp32 (backend/cuda/mlp.cuh, backend/cuda/lm_head.cuh): 5e-2 per tensor (the layers' 4e-2
 //         plus the chain), 1e-2 on the loss.
 #include <cuda_runtime_api.h>
 

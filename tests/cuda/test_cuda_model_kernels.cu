@@ -1,4 +1,4 @@
-// The model kernels of backend/cuda/model_kernels.cuh against the CPU backend (model_cpu.hpp, the
+// The model kernels of backend/cuda/model.cuh against the CPU backend (backend/cpu/model.hpp, the
 // CPU AdamW and global_norm), for float and bf16 storage at odd sizes, plus bit-identical repeats
 // and the typed errors. Without a device it exits 77 (skipped).
 //

@@ -1,4 +1,4 @@
-// Host emulation of the device adamw8bit step (backend/cuda/model_kernels.cuh), for a machine
+// Host emulation of the device adamw8bit step (backend/cuda/model.cuh), for a machine
 // without a GPU. Built and run by `tests/emulation/cuda_emulate.py adamw8bit`, which cuts the kernel's text
 // (kernels.inc) and its tables, constants and host table builder (consts.inc) out of the header
 // and compiles them here as plain C++: __global__/__device__ vanish, each CTA runs its threads as
@@ -48,7 +48,7 @@ namespace mb = membound;
 
 static int fails = 0;
 
-// The launcher's sequence (model_kernels.cuh's adamw8bit_update) on host threads.
+// The launcher's sequence (backend/cuda/model.cuh's adamw8bit_update) on host threads.
 template <class S, std::size_t Block>
 void device_step(S* w, const S* g, void* state, std::size_t n, std::span<const mb::param_span> spans,
                  const mb::optimizer_step& s) {

@@ -41,20 +41,20 @@ CUDA = ROOT / "include/membound/backend/cuda"
 # header, {file: (start marker, end marker)}, argument sets and what one argument means
 TARGETS = {
     "ttt": dict(
-        header=CUDA / "ttt_cuda.cuh",
+        header=CUDA / "ttt.cuh",
         cuts={"consts.inc": ("constexpr std::size_t ttt_step_elements(",
                              "inline constexpr unsigned ttt_inner_threads"),
               "kernels.inc": ("// RoPE on interleaved pairs", "inline unsigned blocks_for(")},
         args=["1", "5", "32"],
         label=lambda a: f"{a} threads per CTA"),
     "mamba": dict(
-        header=CUDA / "mamba_cuda.cuh",
+        header=CUDA / "mamba.cuh",
         cuts={"consts.inc": ("inline constexpr std::size_t mamba_scan_channels", "}  // namespace gpu"),
               "kernels.inc": ("// v rounded through storage S", "inline unsigned grid_for(")},
         args=["0", "3"],
         label=lambda a: "the launchers' channels per CTA" if a == "0" else f"at most {a} channels per CTA"),
     "adamw8bit": dict(
-        header=CUDA / "model_kernels.cuh",
+        header=CUDA / "model.cuh",
         cuts={"consts.inc": ("// Runs of parameters one launch takes", "// --- Host-side argument checks"),
               "kernels.inc": ("// Block b of the state;", "// --- end of adamw8bit's kernel")},
         args=[""],

@@ -1,4 +1,4 @@
-// Host emulation of backend/cuda/mamba_cuda.cuh's kernels, for a machine without a GPU. Built and
+// Host emulation of backend/cuda/mamba.cuh's kernels, for a machine without a GPU. Built and
 // run by `tests/emulation/cuda_emulate.py mamba`, which cuts the kernels' text (kernels.inc) and the chunk
 // sizes they share with the launchers (consts.inc) out of the header and compiles them here as
 // plain C++: __global__/__device__ vanish, threadIdx/blockIdx are thread_locals. A kernel with

@@ -1,4 +1,4 @@
-// Host emulation of backend/cuda/ttt_cuda.cuh's kernels, for a machine without a GPU. Built and run
+// Host emulation of backend/cuda/ttt.cuh's kernels, for a machine without a GPU. Built and run
 // by `tests/emulation/cuda_emulate.py ttt`, which cuts the kernels' text out of the header (consts.inc,
 // kernels.inc) and compiles it here as plain C++: __global__/__device__ vanish, threadIdx is a
 // thread_local, each CTA of the inner loop's kernels (forward and backward) runs as `nt` host

@@ -127,14 +127,15 @@ LAYERS = {
     "shape": {"core"},
     "optimizer": {"core"},
     "backend/cpu": {"core", "memory", "policy", "shape"},
-    "backend/cuda": {"core", "memory", "policy", "shape", "optimizer", "backend/cpu"},
+    "backend/cuda": {"core", "memory", "policy", "shape", "optimizer"},
     "layers": {"core", "memory", "policy", "shape", "backend/cpu"},
     "model": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
               "layers"},
     "train": {"core", "memory", "monitor", "policy", "shape", "optimizer", "backend/cpu",
               "layers", "model", "dist"},
     # nccl_communicator's rank-order sum kernel reads and writes 16-bit storage with the CUDA
-    # backend's device loads and stores (mpi_communicator and the concept stay host-only).
+    # backend's device loads and stores (backend/cuda/storage.cuh; mpi_communicator and the
+    # concept stay host-only).
     "dist": {"core", "memory", "backend/cuda"},
 }
 

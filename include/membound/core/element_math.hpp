@@ -138,7 +138,7 @@ MEMBOUND_HOST_DEVICE inline void adamw_step(const adamw_coefficients<T>& k, T g,
 }
 
 // GELU, tanh form (ttt-lm-pytorch's, the TTT layers' inner MLP and gate), and its first two
-// derivatives: the one definition for the CUDA TTT kernels and cpu::gelu_tanh (ttt_cpu.hpp).
+// derivatives: the one definition for the CUDA TTT kernels and cpu::gelu_tanh (backend/cpu/ttt.hpp).
 namespace detail {
 template <typename A>
 MEMBOUND_HOST_DEVICE inline A tanh_of(A v) {

@@ -67,7 +67,7 @@
 #include <utility>
 #include <vector>
 
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/storage.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/shard.hpp"

@@ -24,9 +24,9 @@
 //
 // This file is the front: checks, sizes, the saved and cache layouts, and one call into
 // backend_kernels<backend, attention_shape>, the same call for every backend. The host's kernels
-// and workspace layouts are backend/cpu/attention_cpu.hpp's; with cuda_backend in the policies
+// and workspace layouts are backend/cpu/attention.hpp's; with cuda_backend in the policies
 // (attention<bf16_precision, cuda_backend>) every pointer is device memory, the executor is a
-// cuda_executor, and they are backend/cuda/attention_cuda.cuh's (include
+// cuda_executor, and they are backend/cuda/attention.cuh's (include
 // membound/backend/cuda.cuh, compile with nvcc). The device ignores `threads` and the tiles.
 #pragma once
 
@@ -39,7 +39,7 @@
 #include <string>
 #include <type_traits>
 
-#include "membound/backend/cpu/attention_cpu.hpp"  // backend_kernels<cpu_backend, attention_shape>
+#include "membound/backend/cpu/attention.hpp"  // backend_kernels<cpu_backend, attention_shape>
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"

@@ -9,9 +9,9 @@
 //   double loss = head::loss_backward(shape, w, x, targets, scale, dx, g, buf, ws, pool);
 //
 // This file is the front (checks and sizes) and makes one call into backend_kernels<backend,
-// lm_head_shape> for every backend: backend/cpu/lm_head_cpu.hpp on the host. With cuda_backend
+// lm_head_shape> for every backend: backend/cpu/lm_head.hpp on the host. With cuda_backend
 // in the policies every pointer (the targets too) is device memory, the executor
-// is a cuda_executor, and the kernels are backend/cuda/lm_head_cuda.cuh's (include
+// is a cuda_executor, and the kernels are backend/cuda/lm_head.cuh's (include
 // membound/backend/cuda.cuh and compile with nvcc); workspace_bytes holds cuBLASLt's workspace too.
 // The loss comes back as a host double, so a GPU call synchronizes the executor's stream once, at
 // its end. Device targets are not checked here (that would be a copy and a sync): check the host
@@ -22,7 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "membound/backend/cpu/lm_head_cpu.hpp"  // backend_kernels<cpu_backend, lm_head_shape>
+#include "membound/backend/cpu/lm_head.hpp"  // backend_kernels<cpu_backend, lm_head_shape>
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"

@@ -22,9 +22,9 @@
 // double). Nothing allocates: every buffer is carved from the caller's saved/workspace bytes.
 //
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
-// backend_kernels<backend, mamba_shape> for every backend: backend/cpu/mamba_cpu.hpp on the host.
+// backend_kernels<backend, mamba_shape> for every backend: backend/cpu/mamba.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
-// cuda_executor and the kernels are backend/cuda/mamba_cuda.cuh's (include membound/backend/cuda.cuh
+// cuda_executor and the kernels are backend/cuda/mamba.cuh's (include membound/backend/cuda.cuh
 // and compile with nvcc). saved_bytes and saved_state_bytes are the same (the same states are
 // saved, in the same place); the workspaces are the device's own and hold cuBLASLt's; the thread
 // count the size functions take is ignored there. The decoding state lives on the device: make it
@@ -35,7 +35,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "membound/backend/cpu/mamba_cpu.hpp"  // backend_kernels<cpu_backend, mamba_shape>
+#include "membound/backend/cpu/mamba.hpp"  // backend_kernels<cpu_backend, mamba_shape>
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"

@@ -10,16 +10,16 @@
 // than kept. Every buffer is the caller's.
 //
 // This file is the front (checks, sizes, the saved layout) and makes one call into
-// backend_kernels<backend, mlp_shape> for every backend: backend/cpu/mlp_cpu.hpp on the host;
+// backend_kernels<backend, mlp_shape> for every backend: backend/cpu/mlp.hpp on the host;
 // with cuda_backend in the policies every pointer is device memory, the executor is a
-// cuda_executor, and the kernels are backend/cuda/mlp_cuda.cuh's (include membound/backend/cuda.cuh
+// cuda_executor, and the kernels are backend/cuda/mlp.cuh's (include membound/backend/cuda.cuh
 // and compile with nvcc); saved_bytes is the same, the workspace holds cuBLASLt's too.
 #pragma once
 
 #include <cstddef>
 #include <limits>
 
-#include "membound/backend/cpu/mlp_cpu.hpp"  // backend_kernels<cpu_backend, mlp_shape>
+#include "membound/backend/cpu/mlp.hpp"  // backend_kernels<cpu_backend, mlp_shape>
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"

@@ -16,9 +16,9 @@
 // recomputes q, k, v from x and each group's states from its checkpoint, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
-// backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt_cpu.hpp on the host.
+// backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
-// cuda_executor and forward, step and the state run backend/cuda/ttt_cuda.cuh's kernels (include
+// cuda_executor and forward, step and the state run backend/cuda/ttt.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
 // workspace is the device's own (backward too: the same recomputation from the checkpoints).
 #pragma once
@@ -28,7 +28,7 @@
 #include <string>
 #include <type_traits>
 
-#include "membound/backend/cpu/ttt_cpu.hpp"  // backend_kernels<cpu_backend, ttt_shape>
+#include "membound/backend/cpu/ttt.hpp"  // backend_kernels<cpu_backend, ttt_shape>
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"

@@ -1,5 +1,5 @@
 // The sizes of one attention layer call, shared by the front end (layers/attention.hpp) and the
-// backends' kernels (backend/cpu/attention_cpu.hpp).
+// backends' kernels (backend/cpu/attention.hpp).
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
 // The sizes of one Mamba block call and the pointers it takes, shared by the front end
-// (layers/mamba.hpp) and both backends (backend/cpu/mamba_cpu.hpp, backend/cuda/mamba_cuda.cuh).
+// (layers/mamba.hpp) and both backends (backend/cpu/mamba.hpp, backend/cuda/mamba.cuh).
 #pragma once
 
 #include <cstddef>

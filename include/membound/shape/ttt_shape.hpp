@@ -1,5 +1,5 @@
 // The sizes of one TTT layer call and the pointers it takes, shared by the front end
-// (layers/ttt.hpp) and both backends (backend/cpu/ttt_cpu.hpp, backend/cuda/ttt_cuda.cuh).
+// (layers/ttt.hpp) and both backends (backend/cpu/ttt.hpp, backend/cuda/ttt.cuh).
 #pragma once
 
 #include <cstddef>

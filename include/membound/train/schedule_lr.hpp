@@ -10,7 +10,7 @@
 #include <numbers>
 #include <vector>
 
-#include "membound/backend/cpu/model_cpu.hpp"
+#include "membound/backend/cpu/model.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
@@ -33,7 +33,7 @@ struct cosine_lr {
   }
 };
 
-// sum_squares(g, n, pool) and global_norm(g, n, pool): backend/cpu/model_cpu.hpp's (the host's
+// sum_squares(g, n, pool) and global_norm(g, n, pool): backend/cpu/model.hpp's (the host's
 // gradient norm, which the trainer reaches through its backend's glue).
 using cpu::global_norm;
 using cpu::sum_squares;

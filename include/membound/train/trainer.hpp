@@ -1906,7 +1906,7 @@ class trainer {
   std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
   // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/
-  // model_cpu.hpp writes and reads in place; backend/cuda/model_kernels.cuh copies on the stream).
+  // backend/cpu/model.hpp writes and reads in place; backend/cuda/model.cuh copies on the stream).
   void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
 
   template <check_point P>

@@ -1,5 +1,5 @@
 // Tensor-core attention kernels: mma.sync.m16n8k16 (bf16 or fp16 operands, fp32 accumulation)
-// with every fragment in registers, FlashAttention-2's order of work. attention_cuda.cuh launches
+// with every fragment in registers, FlashAttention-2's order of work. backend/cuda/attention.cuh launches
 // them for bf16/fp16 storage at head_dim <= 128 when gpu::attention_kernel_choice() asks for
 // them and the device has them (sm_80 and up, enough opt-in shared memory); otherwise the first
 // kernels (WMMA forward, SIMT backward) run.
@@ -33,7 +33,7 @@
 
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_check.cuh"
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/model.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 

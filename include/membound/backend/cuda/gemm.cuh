@@ -1,5 +1,6 @@
 // Row-major GEMMs on the GPU through cuBLASLt, with exactly the semantics of cpu::matmul,
-// cpu::matmul_bt and cpu::matmul_at (backend/cpu/linalg.hpp): the pool becomes a gemm_context.
+// cpu::matmul_bt and cpu::matmul_at (backend/cpu/gemm.hpp, its twin): the pool becomes a
+// gemm_context.
 //
 //   membound::gpu::gemm_cache cache;                       // plans, one per problem
 //   const std::size_t ws_bytes = membound::gpu::gemm_workspace_bytes(exec);
@@ -64,7 +65,7 @@
 #include <utility>
 #include <vector>
 
-#include "membound/backend/cpu/linalg.hpp"
+#include "membound/shape/gemm_shape.hpp"
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/core/checked_math.hpp"
@@ -152,7 +153,7 @@ inline const char* gemm_op_name(gemm_op op) noexcept {
 struct gemm_problem {
   gemm_op op = gemm_op::nn;
   std::size_t N = 0, K = 0, M = 0;
-  cpu::ld3 ld{0, 0, 0};
+  ld3 ld{0, 0, 0};
   cudaDataType_t in = CUDA_R_32F, out = CUDA_R_32F;
   bool allow_tf32 = false;
   bool split_k = false;  // matmul_at only: may run as split_k_for's fixed split (header comment)
@@ -722,7 +723,7 @@ inline void gemm(const gemm_context& ctx, gemm_problem p, const void* x, const v
 
 namespace detail {
 template <typename T, typename Out>
-gemm_problem make_problem(gemm_op op, std::size_t N, std::size_t K, std::size_t M, cpu::ld3 ld,
+gemm_problem make_problem(gemm_op op, std::size_t N, std::size_t K, std::size_t M, ld3 ld,
                           const gemm_options& o) {
   // matmul_at's problems may split (header comment); the other two never do.
   return gemm_problem{op,          N,           K, M, ld, cuda_data_type_v<T>, cuda_data_type_v<Out>,
@@ -762,27 +763,27 @@ __global__ void split_k_reduce_kernel(const float* __restrict__ partials, std::s
 // y[N, M] (+)= alpha · x[N, K] · w[K, M]
 template <gemm_element T, gemm_output<T> Out>
 void matmul(const gemm_context& ctx, const T* x, const T* w, Out* y, std::size_t N, std::size_t K,
-            std::size_t M, bool accumulate, cpu::ld3 ld) {
+            std::size_t M, bool accumulate, ld3 ld) {
   gemm(ctx, detail::make_problem<T, Out>(gemm_op::nn, N, K, M, ld, ctx.options()), x, w, y,
        accumulate);
 }
 template <gemm_element T, gemm_output<T> Out>
 void matmul(const gemm_context& ctx, const T* x, const T* w, Out* y, std::size_t N, std::size_t K,
             std::size_t M, bool accumulate) {
-  matmul(ctx, x, w, y, N, K, M, accumulate, cpu::ld3{K, M, M});
+  matmul(ctx, x, w, y, N, K, M, accumulate, ld3{K, M, M});
 }
 
 // y[N, M] (+)= alpha · x[N, K] · w[M, K]ᵀ   (input gradients: dx = dq · Wqᵀ)
 template <gemm_element T, gemm_output<T> Out>
 void matmul_bt(const gemm_context& ctx, const T* x, const T* w, Out* y, std::size_t N,
-               std::size_t K, std::size_t M, bool accumulate, cpu::ld3 ld) {
+               std::size_t K, std::size_t M, bool accumulate, ld3 ld) {
   gemm(ctx, detail::make_problem<T, Out>(gemm_op::bt, N, K, M, ld, ctx.options()), x, w, y,
        accumulate);
 }
 template <gemm_element T, gemm_output<T> Out>
 void matmul_bt(const gemm_context& ctx, const T* x, const T* w, Out* y, std::size_t N,
                std::size_t K, std::size_t M, bool accumulate) {
-  matmul_bt(ctx, x, w, y, N, K, M, accumulate, cpu::ld3{K, K, M});
+  matmul_bt(ctx, x, w, y, N, K, M, accumulate, ld3{K, K, M});
 }
 
 // g[K, M] (+)= alpha · x[N, K]ᵀ · d[N, M]   (weight gradients). ld.w is d's. Split over N when
@@ -790,7 +791,7 @@ void matmul_bt(const gemm_context& ctx, const T* x, const T* w, Out* y, std::siz
 #if MEMBOUND_CUDA_COMPILER
 template <gemm_element T, gemm_output<T> Out>
 void matmul_at(const gemm_context& ctx, const T* x, const T* d, Out* g, std::size_t N,
-               std::size_t K, std::size_t M, bool accumulate, cpu::ld3 ld) {
+               std::size_t K, std::size_t M, bool accumulate, ld3 ld) {
   const gemm_plan& plan = detail::launch_gemm(
       ctx, detail::make_problem<T, Out>(gemm_op::at, N, K, M, ld, ctx.options()), x, d, g,
       accumulate);
@@ -809,7 +810,7 @@ void matmul_at(const gemm_context& ctx, const T* x, const T* d, Out* g, std::siz
 #else
 template <gemm_element T, gemm_output<T> Out>
 void matmul_at(const gemm_context&, const T*, const T*, Out*, std::size_t, std::size_t,
-               std::size_t, bool, cpu::ld3) {
+               std::size_t, bool, ld3) {
   static_assert(sizeof(T) == 0,
                 "membound: gpu::matmul_at may split a weight gradient and sum the slices in its "
                 "own kernel: compile this file with nvcc (as .cu), or call gpu::gemm, which never "
@@ -819,7 +820,7 @@ void matmul_at(const gemm_context&, const T*, const T*, Out*, std::size_t, std::
 template <gemm_element T, gemm_output<T> Out>
 void matmul_at(const gemm_context& ctx, const T* x, const T* d, Out* g, std::size_t N,
                std::size_t K, std::size_t M, bool accumulate) {
-  matmul_at(ctx, x, d, g, N, K, M, accumulate, cpu::ld3{K, M, M});
+  matmul_at(ctx, x, d, g, N, K, M, accumulate, ld3{K, M, M});
 }
 
 }  // namespace gpu

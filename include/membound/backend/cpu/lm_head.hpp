@@ -1,5 +1,5 @@
 // The LM head on the host: the same calls as backend_kernels<cuda_backend, lm_head_shape>
-// (backend/cuda/lm_head_cuda.cuh), which layers/lm_head.hpp makes without knowing which backend
+// (backend/cuda/lm_head.cuh), which layers/lm_head.hpp makes without knowing which backend
 // runs them. The final RMSNorm, then for each chunk of rows its logits ([chunk, V] in A) turned
 // into cross-entropy and its gradient in place and consumed at once (dW += dlogitsᵀ·xn,
 // dxn = dlogits·W). The front has checked the shape and the pointers; the targets' values are
@@ -13,8 +13,8 @@
 #include <string>
 #include <type_traits>
 
-#include "membound/backend/cpu/linalg.hpp"
-#include "membound/backend/cpu/model_cpu.hpp"
+#include "membound/backend/cpu/gemm.hpp"
+#include "membound/backend/cpu/model.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"

@@ -13,7 +13,7 @@
 #include <numeric>
 #include <vector>
 
-#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/gemm.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/element_math.hpp"
@@ -218,7 +218,7 @@ double global_norm(const S* g, std::size_t n, thread_pool& pool) {
 
 }  // namespace cpu
 
-// The model's glue on the host (model/glue.hpp names the interface; backend/cuda/model_kernels.cuh
+// The model's glue on the host (model/glue.hpp names the interface; backend/cuda/model.cuh
 // has the device's).
 template <>
 struct backend_kernels<cpu_backend, model_glue> {

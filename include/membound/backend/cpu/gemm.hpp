@@ -12,6 +12,7 @@
 #include <string>
 #include <type_traits>
 
+#include "membound/shape/gemm_shape.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -273,11 +274,9 @@ void narrow_add(thread_pool& pool, const A* src, std::size_t n, S* dst) {
              [&](std::size_t i0, std::size_t len) { narrow_add(src + i0, len, dst + i0); });
 }
 
-// Row-major operands with leading dimensions (elements between rows), for column slices such
-// as Mamba's dt_low = x_dbl[:, 0:R]. The overloads without them take contiguous rows.
-struct ld3 {
-  std::size_t x, w, y;
-};
+// Row-major operands with leading dimensions (shape/gemm_shape.hpp's ld3). The overloads
+// without them take contiguous rows.
+using ::membound::ld3;
 
 // y[N, M] (+)= x[N, K] · w[K, M]
 template <typename A>

@@ -1,5 +1,5 @@
 // The Mamba block on the GPU: the kernels that mamba<..., cuda_backend> runs. Same semantics,
-// saved layout and decoding state as the CPU block (layers/mamba.hpp, backend/cpu/mamba_cpu.hpp):
+// saved layout and decoding state as the CPU block (layers/mamba.hpp, backend/cpu/mamba.hpp):
 //
 //   forward:  xz = x·in_proj (cuBLASLt, into saved) -> conv + SiLU kernel -> x_dbl = u·x_proj
 //             (into saved) -> dt = dt_low·dt_proj (fp32) -> Δ kernel (softplus + bias, rounded
@@ -34,7 +34,7 @@
 // across threads or chunks goes through per-block or per-chunk partials reduced in index order by
 // a second kernel, so repeated runs give the same bits.
 //
-// Precision: storage S (float, bf16, fp16), fp32 everywhere else. As in mlp_cuda.cuh, values that
+// Precision: storage S (float, bf16, fp16), fp32 everywhere else. As in backend/cuda/mlp.cuh, values that
 // feed a GEMM (u, the gated y, dΔ·σ, dx_dbl, dxz) are rounded to S, where the CPU keeps them in
 // fp32: no difference for fp32 storage, one more rounding each for bf16/fp16 (the tests bound it).
 // The scan itself reads u = SiLU(c) in fp32 from the stored conv output, as the CPU does.
@@ -50,7 +50,7 @@
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/backend/cuda/gemm.cuh"
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/model.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -977,7 +977,7 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
   cuda_executor::check_launch("mamba conv_silu_kernel");
   gpu::matmul(ctx, static_cast<const S*>(u), w.x_proj, sv.xdbl, N, Di, ldx, false);
   gpu::matmul(ctx, static_cast<const S*>(sv.xdbl), w.dt_proj, dt, N, R, Di, false,
-              cpu::ld3{ldx, Di, Di});
+              ld3{ldx, Di, Di});
   md::delta_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const float*>(dt), w.dt_bias,
                                                          delta, N, Di);
   cuda_executor::check_launch("mamba delta_kernel");
@@ -1051,7 +1051,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(xz, w.conv_w, w.conv_b, c, u, N, T,
                                                                Di, K, true);
     cuda_executor::check_launch("mamba conv_silu_kernel");
-    gpu::matmul(ctx, xdbl, w.dt_proj, dt, N, R, Di, false, cpu::ld3{ldx, Di, Di});
+    gpu::matmul(ctx, xdbl, w.dt_proj, dt, N, R, Di, false, ld3{ldx, Di, Di});
     md::delta_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const float*>(dt),
                                                            w.dt_bias, delta, N, Di);
     cuda_executor::check_launch("mamba delta_kernel");
@@ -1119,9 +1119,9 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
       g.dt_bias, B * nch, Di, Ns);
   cuda_executor::check_launch("mamba reduce_small_kernel");
   gpu::matmul_at(ctx, xdbl, static_cast<const S*>(ddt), g.dt_proj, N, R, Di, true,
-                 cpu::ld3{ldx, Di, Di});
+                 ld3{ldx, Di, Di});
   gpu::matmul_bt(ctx, static_cast<const S*>(ddt), w.dt_proj, dxdbl, N, Di, R, false,
-                 cpu::ld3{Di, Di, ldx});
+                 ld3{Di, Di, ldx});
   gpu::matmul_at(ctx, static_cast<const S*>(u), static_cast<const S*>(dxdbl), g.x_proj, N, Di, ldx,
                  true);
 
@@ -1176,7 +1176,7 @@ void backend_kernels<cuda_backend, mamba_shape>::step(const mamba_shape& s, cons
   cuda_executor::check_launch("mamba step_conv_kernel");
   gpu::matmul(ctx, static_cast<const S*>(us), w.x_proj, xdbl, B, Di, ldx, false);
   gpu::matmul(ctx, static_cast<const S*>(xdbl), w.dt_proj, dt, B, R, Di, false,
-              cpu::ld3{ldx, Di, Di});
+              ld3{ldx, Di, Di});
   md::step_scan_kernel<<<md::grid_for(B * Di), 256, 0, st>>>(
       static_cast<const S*>(xz), static_cast<const float*>(uf), static_cast<const float*>(dt),
       static_cast<const S*>(xdbl), w.a_log, w.dt_bias, w.d, ssm, gated, B, Di, Ns, R);

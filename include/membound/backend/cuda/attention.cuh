@@ -1,5 +1,5 @@
 // Attention on the GPU: the kernels that attention<..., cuda_backend> runs. The CPU layer
-// (layers/attention.hpp, backend/cpu/attention_cpu.hpp) is the specification; this file is its
+// (layers/attention.hpp, backend/cpu/attention.hpp) is the specification; this file is its
 // device twin, keyed by the shape type (backend_kernels<cuda_backend, attention_shape>), so it
 // needs the shape only: the layer owns the argument checks and the saved layout (O in storage,
 // lse in fp32, and q, k, v in fp32 under save_all), this owns the device workspace and launches.
@@ -34,7 +34,7 @@
 #include "membound/backend/cuda/attention_mma.cuh"
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/gemm.cuh"
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/model.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"

@@ -22,7 +22,7 @@
 #include <span>
 #include <type_traits>
 
-#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/gemm.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
@@ -656,7 +656,7 @@ void reduce_bc(thread_pool& pool, const mamba_shape& s, const A* part, A* dxdbl)
 }  // namespace cpu
 
 // The Mamba block on the host: the same calls as backend_kernels<cuda_backend, mamba_shape>
-// (backend/cuda/mamba_cuda.cuh), which layers/mamba.hpp makes without knowing which backend runs
+// (backend/cuda/mamba.cuh), which layers/mamba.hpp makes without knowing which backend runs
 // them. L is the layer's scan_chunk; `keep` its save_all (then c and Δ live in `saved`, and
 // saved.c is not null). The front has checked every argument and the workspace's size; this
 // carves the workspace and runs, in the accumulator type A (bf16/fp16 storage is widened into

@@ -1,7 +1,7 @@
 // The SwiGLU MLP on the host: the same calls as backend_kernels<cuda_backend, mlp_shape>
-// (backend/cuda/mlp_cuda.cuh), which layers/swiglu_mlp.hpp makes without knowing which backend
-// runs them. Three GEMMs (linalg.hpp, packing buffers per thread from the caller's workspace)
-// and the fused SwiGLU rows (model_cpu.hpp), in the accumulator type A; bf16/fp16 storage is
+// (backend/cuda/mlp.cuh), which layers/swiglu_mlp.hpp makes without knowing which backend
+// runs them. Three GEMMs (backend/cpu/gemm.hpp, packing buffers per thread from the caller's workspace)
+// and the fused SwiGLU rows (backend/cpu/model.hpp), in the accumulator type A; bf16/fp16 storage is
 // widened into workspace slots first. The front has checked every argument and the workspace's
 // size; this carves the workspace and runs.
 #pragma once
@@ -12,8 +12,8 @@
 #include <span>
 #include <type_traits>
 
-#include "membound/backend/cpu/linalg.hpp"
-#include "membound/backend/cpu/model_cpu.hpp"
+#include "membound/backend/cpu/gemm.hpp"
+#include "membound/backend/cpu/model.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
@@ -120,7 +120,7 @@ struct backend_kernels<cpu_backend, mlp_shape> {
       if (v >= too_large / 32) return false;
     return true;
   }
-  // Per-thread packing bytes of the GEMMs (linalg.hpp's gemm with the caller's buffers): the
+  // Per-thread packing bytes of the GEMMs (backend/cpu/gemm.hpp's gemm with the caller's buffers): the
   // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
   template <typename A>
   static constexpr std::size_t pack_bytes(const mlp_shape& s) noexcept {
@@ -180,7 +180,7 @@ struct backend_kernels<cpu_backend, mlp_shape> {
       return {wg, wu, wd};
     }
   }
-  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (model_cpu.hpp).
+  // act = SiLU(a)·b from the stored pre-activations; vectorized per row (backend/cpu/model.hpp).
   template <typename S, typename A>
   static void activation(thread_pool& ex, const S* a, const S* b, A* act, std::size_t N,
                          std::size_t F) {

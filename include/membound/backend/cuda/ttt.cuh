@@ -1,5 +1,5 @@
 // TTT-Linear and TTT-MLP on the GPU: the kernels that basic_ttt<Mlp, ..., cuda_backend> runs.
-// The CPU layer (layers/ttt.hpp, backend/cpu/ttt_cpu.hpp) is the specification; this file follows
+// The CPU layer (layers/ttt.hpp, backend/cpu/ttt.hpp) is the specification; this file follows
 // its forward step by step:
 //   q, k, v = x·Wq, x·Wk, x·Wv            cuBLASLt (gpu::matmul), fp32 out
 //   RoPE at t mod b on q, k               rope kernel (angles in double, as the CPU)
@@ -53,7 +53,7 @@
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/backend/cuda/gemm.cuh"
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/model.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -787,7 +787,7 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   }
 }
 
-// ---- Backward pieces: the reverse of cpu::ttt_* (backend/cpu/ttt_cpu.hpp), one phase each ------
+// ---- Backward pieces: the reverse of cpu::ttt_* (backend/cpu/ttt.hpp), one phase each ------
 
 // The update's backward (cpu::ttt_update_backward) given dL/dW' (dWn [nin, nout]) and dL/db'
 // (dbn): accumulates dX (stride lddx), dG [K, nout] and de. s1 [K, nout], s2 [K, nin] scratch.
@@ -1356,7 +1356,7 @@ __global__ void ttt_reduce_partials_kernel(const float* part, std::size_t B, std
 }
 
 // The learning-rate gate backwards: lr = base·σ(pre)/D, so dpre = dlr · lr · (1 − σ), in place.
-// (A template only so that it is inline for the linker, as model_kernels' are.)
+// (A template only so that it is inline for the linker, as backend/cuda/model.cuh's are.)
 template <int = 0>
 __global__ void ttt_rate_grad_kernel(float* dlr, const float* lr, const float* sig, std::size_t n) {
   const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;

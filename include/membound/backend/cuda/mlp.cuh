@@ -20,7 +20,7 @@
 
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/gemm.cuh"
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/model.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"

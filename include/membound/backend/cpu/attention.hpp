@@ -1,7 +1,7 @@
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
-// (projections are linalg.hpp's). Everything here works in the accumulator type A on buffers the front end
+// (projections are backend/cpu/gemm.hpp's). Everything here works in the accumulator type A on buffers the front end
 // (layers/attention.hpp) has already carved and converted; nothing allocates: the tile products
-// run through linalg.hpp's gemm with per-thread packing buffers from the caller's workspace
+// run through backend/cpu/gemm.hpp's gemm with per-thread packing buffers from the caller's workspace
 // (flash_gemm_bytes each), and RoPE reads a table of cosines and sines made once per call. Each
 // parallel task writes a disjoint region and computes it in a fixed order, so results do not
 // depend on the thread count.
@@ -19,7 +19,7 @@
 #include <span>
 #include <type_traits>
 
-#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/gemm.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/parallel.hpp"
@@ -39,7 +39,7 @@ constexpr std::size_t forward_scratch(std::size_t q_tile, std::size_t kv_tile,
 constexpr std::size_t backward_scratch(std::size_t q_tile, std::size_t kv_tile) noexcept {
   return 2 * q_tile * kv_tile;  // S/P and dP/dS
 }
-// Per-thread packing bytes of the tile products (linalg.hpp's gemm with the caller's buffers):
+// Per-thread packing bytes of the tile products (backend/cpu/gemm.hpp's gemm with the caller's buffers):
 // the largest of S = Q·Kᵀ [qt, kt] depth D, O += P·V [qt, D] depth kt, dV += Pᵀ·dO and
 // dK += dSᵀ·Q [kt, D] depth qt, dQ += dS·K [qt, D] depth kt.
 template <typename A>
@@ -380,7 +380,7 @@ void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_
 }  // namespace cpu
 
 // The attention layer on the host: the same calls as backend_kernels<cuda_backend,
-// attention_shape> (backend/cuda/attention_cuda.cuh), which the layer front makes without
+// attention_shape> (backend/cuda/attention.cuh), which the layer front makes without
 // knowing which backend runs them. The front has checked every argument and the workspace's
 // size; this carves the workspace (slots of disjoint lifetimes share bytes) and runs. Tiles sizes
 // the flash tiles; `threads` sizes the per-thread scratch (the pool's size).
@@ -584,7 +584,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     return bytes_of<A>(positions, head_dim);  // cpu::rope_table_elements, saturating
   }
 
-  // Per-thread packing bytes of every product of a pass (linalg.hpp's gemm with the caller's
+  // Per-thread packing bytes of every product of a pass (backend/cpu/gemm.hpp's gemm with the caller's
   // buffers): the projections' row tasks and the flash kernel's tile products share one slot.
   template <typename A, typename Tiles>
   static constexpr std::size_t forward_pack_bytes(const attention_shape& s) noexcept {

@@ -19,7 +19,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "membound/backend/cpu/linalg.hpp"
+#include "membound/backend/cpu/gemm.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/element_math.hpp"
@@ -326,7 +326,7 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
 }  // namespace cpu
 
 // The TTT layers on the host: the same calls as backend_kernels<cuda_backend, ttt_shape>
-// (backend/cuda/ttt_cuda.cuh), which layers/ttt.hpp makes without knowing which backend runs
+// (backend/cuda/ttt.cuh), which layers/ttt.hpp makes without knowing which backend runs
 // them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the checkpoint group. The front
 // has checked every argument and the workspace's size; this carves the workspace and runs the
 // dual form in the accumulator type A, one (batch, head) task per thread.
@@ -704,7 +704,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     static constexpr std::size_t partial_bytes(const ttt_shape& s) noexcept {
       return bytes_of<A>(s.batch, part_elements(s));
     }
-    // Packing bytes per thread (linalg.hpp's gemm with the caller's buffers), one slot shared by
+    // Packing bytes per thread (backend/cpu/gemm.hpp's gemm with the caller's buffers), one slot shared by
     // every product of a pass: the projections' tasks and the inner loop's (b, h) tasks each use
     // their thread's slice.
     static constexpr std::size_t forward_pack_bytes(const ttt_shape& s) noexcept {

@@ -1,4 +1,4 @@
-// The model's non-GEMM pieces on the GPU: the device twins of backend/cpu/model_cpu.hpp plus the
+// The model's non-GEMM pieces on the GPU: the device twins of backend/cpu/model.hpp plus the
 // trainer's optimizer steps (adamw<S>, adamw8bit<S, Block>), gradient norm and non-finite check.
 //
 //   cuda_executor ex;
@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "membound/backend/cuda/cuda_backend.cuh"
+#include "membound/backend/cuda/storage.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -288,35 +289,7 @@ inline unsigned grid_for(std::size_t n, std::size_t threads) {
 
 namespace detail {
 
-// Loads and stores through the raw bits, so device code depends on no host type's conversions.
-template <typename S>
-__device__ inline float ld(const S* p, std::size_t i) {
-  if constexpr (std::is_same_v<S, float>) {
-    return p[i];
-  } else if constexpr (std::is_same_v<S, bf16>) {
-    const unsigned short bits = reinterpret_cast<const unsigned short*>(p)[i];
-    return __uint_as_float(static_cast<unsigned>(bits) << 16);  // exact: bf16 is a float's top half
-  } else {
-    return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(p)[i]));
-  }
-}
-
-template <typename S>
-__device__ inline void st(S* p, std::size_t i, float v) {
-  if constexpr (std::is_same_v<S, float>) {
-    p[i] = v;
-  } else if constexpr (std::is_same_v<S, bf16>) {
-    unsigned u = __float_as_uint(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      u = (u >> 16) | 0x40u;  // NaN stays a quiet NaN of its sign
-    } else {
-      u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even; overflow reaches inf
-    }
-    reinterpret_cast<unsigned short*>(p)[i] = static_cast<unsigned short>(u);
-  } else {
-    reinterpret_cast<unsigned short*>(p)[i] = __half_as_ushort(__float2half_rn(v));
-  }
-}
+// ld and st: backend/cuda/storage.cuh.
 
 struct op_sum {
   template <typename T>

@@ -37,7 +37,7 @@
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/backend/cuda/gemm.cuh"
-#include "membound/backend/cuda/model_kernels.cuh"
+#include "membound/backend/cuda/model.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
