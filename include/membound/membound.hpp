@@ -1,6 +1,6 @@
 // membound: everything on the host side in one include. Host-only, so plain g++/clang++ can
 // compile it; the CUDA backend is membound/backend/cuda.cuh (which includes this file too).
-// tools/check_headers.py fails the tests when a host header is not reachable from here.
+// tests/structure/check_headers.py fails the tests when a host header is not reachable from here.
 #pragma once
 
 #include "membound/core/config.hpp"

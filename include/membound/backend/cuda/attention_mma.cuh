@@ -21,7 +21,7 @@
 // backward: gradients need the loss scaling fp16 training uses anyway (the trainer's dynamic
 // scaler); bf16 has fp32's range.
 //
-// tools/cuda_emulate.py attention compiles the kernels below the cut marker as host C++ (each
+// tests/emulation/cuda_emulate.py attention compiles the kernels below the cut marker as host C++ (each
 // lane a thread, mma.sync and the shuffles emulated from the PTX ISA's fragment layouts) and
 // checks them against a double-precision attention; that is not a GPU run.
 #pragma once
@@ -147,7 +147,7 @@ __device__ inline unsigned char* attn_mma_smem() {
   return attn_mma_dynamic;
 }
 
-// ---- tensor-core kernels (tools/cuda_emulate.py attention cuts from here) ----
+// ---- tensor-core kernels (tests/emulation/cuda_emulate.py attention cuts from here) ----
 // Fragment coordinates, PTX ISA "mma.m16n8k16": lane = 4·gr + tq. A (16×16, row-major): a[0]
 // holds (gr, 2tq..2tq+1), a[1] (gr+8, 2tq..), a[2] (gr, 2tq+8..), a[3] (gr+8, 2tq+8..), low half
 // first. B (16×8): b0 holds (k 2tq..2tq+1, n gr), b1 (k 2tq+8.., n gr). C/D (16×8): c[0], c[1] at

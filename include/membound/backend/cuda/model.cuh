@@ -570,7 +570,7 @@ __global__ void check_finite_kernel(const S* data, std::size_t n, unsigned* flag
 
 // --- adamw8bit<S, Block>'s step (the CPU optimizer's, optimizer/adamw8bit.hpp, byte for byte in
 // state layout): one CTA per quantization block. The kernel's text between these two markers is
-// what tools/cuda_emulate.py adamw8bit compiles on the host.
+// what tests/emulation/cuda_emulate.py adamw8bit compiles on the host.
 // Block b of the state; Threads = min(Block, adamw8bit_threads) threads. The loads of m, v and
 // the stores of the codes are strided by the thread count (coalesced).
 template <typename S, unsigned Block>

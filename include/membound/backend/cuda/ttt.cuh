@@ -377,7 +377,7 @@ namespace ttt_detail {
 using detail::ld;
 using detail::st;
 
-// The inner loop's dynamic shared memory (outside the part tools/cuda_emulate.py ttt cuts out: the
+// The inner loop's dynamic shared memory (outside the part tests/emulation/cuda_emulate.py ttt cuts out: the
 // emulation gives each CTA its own buffer).
 __device__ inline float* ttt_smem() {
   extern __shared__ float4 ttt_smem_f4[];
