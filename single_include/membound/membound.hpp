@@ -7,7 +7,7 @@
 // ---- begin membound/membound.hpp ----
 // membound: everything on the host side in one include. Host-only, so plain g++/clang++ can
 // compile it; the CUDA backend is membound/backend/cuda.cuh (which includes this file too).
-// tools/check_headers.py fails the tests when a host header is not reachable from here.
+// tests/structure/check_headers.py fails the tests when a host header is not reachable from here.
 
 // ---- begin membound/core/config.hpp ----
 // membound: configuration, version and the ABI namespace.
@@ -4651,6 +4651,21 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+namespace detail {
+
+// Slots this large would overflow a layout's placement: the size functions of the layers and of
+// both backends report SIZE_MAX for them instead (a request no budget serves) and stay noexcept.
+inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
+
+template <std::size_t N>
+constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
+  for (std::size_t b : bytes)
+    if (b >= huge_slot) return false;
+  return true;
+}
+
+}  // namespace detail
+
 // Inclusive [first, last] phase indices during which a slot holds live data.
 struct slot_lifetime {
   std::size_t first = 0;
@@ -5977,8 +5992,9 @@ MEMBOUND_NAMESPACE_END
 //                                                        // and its cuBLASLt handle)
 //
 // cuda_backend is declared in membound/backend/cuda/cuda_backend.cuh: host headers name only the
-// backend_kind and cpu_backend, so they never need a CUDA header. A layer finds the device code
-// of a backend through backend_kernels<Backend, Layer>, which the CUDA headers specialize.
+// backend_kind and cpu_backend, so they never need a CUDA header. A layer finds the code of a
+// backend through backend_kernels<Backend, Shape>, which backend/cpu/*.hpp and backend/cuda/*.cuh
+// specialize (docs/architecture.md).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -6008,13 +6024,14 @@ template <typename B>
 inline constexpr bool is_cpu_backend_v = std::same_as<B, cpu_backend>;
 
 // The key of the model's own ops on a backend (RMSNorm, the residual add, the embedding's gather
-// and scatter): backend_kernels<Backend, model_glue>. Declared here so that the CUDA headers,
-// which never see model/, can specialize it; model/glue.hpp has the host's.
+// and scatter, the trainer's moves): backend_kernels<Backend, model_glue>. Declared here so that
+// the backends, which never see model/, can specialize it (backend/cpu/model.hpp,
+// backend/cuda/model.cuh).
 struct model_glue;
 
-// The device code of `Layer` on `Backend`. Only declared here: backend/cuda/*.cuh defines the
-// specializations, so a host-only translation unit that names cuda_backend gets the sentence
-// below instead of an incomplete-type error deep inside a layer.
+// The code of `Layer` on `Backend`. Only declared here: backend/cpu/*.hpp and backend/cuda/*.cuh
+// define the specializations, so a host-only translation unit that names cuda_backend gets the
+// sentence below instead of an incomplete-type error deep inside a layer.
 template <typename Backend, typename Layer>
 struct backend_kernels {
   static_assert(dependent_false<Backend, Layer>,
@@ -6042,6 +6059,12 @@ struct attention_shape {
   bool causal = true;
   double rope_base = 10000.0;
 };
+
+// Parameter elements: Wq [C, H·D], Wk and Wv [C, Hkv·D], Wo [H·D, C].
+constexpr std::size_t attention_weight_elements(const attention_shape& s) noexcept {
+  const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  return s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model;
+}
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/attention_shape.hpp ----
@@ -6111,6 +6134,12 @@ struct mamba_saved {
   S* delta;
 };
 
+// Parameter elements, in the order of mamba_weights.
+constexpr std::size_t mamba_weight_elements(const mamba_shape& s) noexcept {
+  const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+  return C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di + Di * Ns + Di + Di * C;
+}
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/mamba_shape.hpp ----
 // ---- begin membound/shape/ttt_shape.hpp ----
@@ -6169,6 +6198,24 @@ struct ttt_gradients {
   S* b2 = nullptr;
 };
 
+// Mini-batches of `mini_batch` tokens per sequence, and the saved inner states per (batch, head):
+// one at the start of every group of `group` mini-batches. ceil(n / block) without the overflow
+// of n + block − 1 for a huge group (ttt_checkpoint_all), as cpu::blocks.
+constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batch) noexcept {
+  return s.seq == 0 ? 0 : (s.seq - 1) / mini_batch + 1;
+}
+constexpr std::size_t ttt_checkpoints(const ttt_shape& s, std::size_t mini_batch,
+                                      std::size_t group) noexcept {
+  const std::size_t n = ttt_mini_batches(s, mini_batch);
+  return n == 0 ? 0 : (n - 1) / group + 1;
+}
+// Parameter elements, in the order of ttt_weights (w2, b2 inside the inner state for TTT-MLP).
+constexpr std::size_t ttt_weight_elements(const ttt_shape& s, bool mlp,
+                                          std::size_t mini_batch) noexcept {
+  const std::size_t C = s.width, H = s.heads, D = s.head_dim();
+  return 5 * C * C + 2 * H * D + H * ttt_inner_elements(s, mlp) + H * C + H + mini_batch + 2 * C;
+}
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/shape/ttt_shape.hpp ----
 // ---- begin membound/shape/mlp_shape.hpp ----
@@ -6205,9 +6252,10 @@ MEMBOUND_NAMESPACE_END
 
 // ---- begin membound/backend/cpu/attention.hpp ----
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
-// (projections are backend/cpu/gemm.hpp's). Everything here works in the accumulator type A on buffers the front end
-// (layers/attention.hpp) has already carved and converted; nothing allocates: the tile products
-// run through backend/cpu/gemm.hpp's gemm with per-thread packing buffers from the caller's workspace
+// (projections are backend/cpu/gemm.hpp's). Everything here works in the accumulator type A on
+// buffers carved from the caller's saved bytes (by layers/attention.hpp) and workspace (by
+// backend_kernels<cpu_backend, attention_shape> below); nothing allocates: the tile products run
+// through backend/cpu/gemm.hpp's gemm with per-thread packing buffers from the caller's workspace
 // (flash_gemm_bytes each), and RoPE reads a table of cosines and sines made once per call. Each
 // parallel task writes a disjoint region and computes it in a fixed order, so results do not
 // depend on the thread count.
@@ -7123,21 +7171,25 @@ struct backend_kernels<cpu_backend, attention_shape> {
                                                        std::size_t threads) noexcept {
     const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
                              q_bytes<A>(s), kv_bytes<A>(s),
-                             bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile, s.head_dim)),
+                             bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile,
+                                                                       s.head_dim)),
                              rope_bytes<A>(s.seq, s.head_dim),
                              bytes_of<std::byte>(threads, forward_pack_bytes<A, Tiles>(s))};
-    return fits(b) ? forward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+    return detail::fits_layout(b) ? forward_layout<S, A, Tiles>(s, keep_qkv, threads).size()
+                                  : too_large;
   }
   template <typename S, typename A, typename Tiles>
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv,
                                                         std::size_t threads) noexcept {
     const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
                              q_bytes<A>(s), kv_bytes<A>(s),
-                             bytes_of<A>(threads, cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
+                             bytes_of<A>(threads,
+                                         cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
                              bytes_of<A>(s.d_model, s.heads * s.head_dim),
                              rope_bytes<A>(s.seq, s.head_dim),
                              bytes_of<std::byte>(threads, backward_pack_bytes<A, Tiles>(s))};
-    return fits(b) ? backward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+    return detail::fits_layout(b) ? backward_layout<S, A, Tiles>(s, keep_qkv, threads).size()
+                                  : too_large;
   }
   template <typename S, typename A, typename Tiles>
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
@@ -7145,7 +7197,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, max_len),
                              bytes_of<A>(s.batch, s.heads, s.head_dim),
                              bytes_of<std::byte>(threads, step_pack_bytes<A>(s))};
-    return fits(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
+    return detail::fits_layout(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
   }
 
   // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], A); q, k, v are the saved slots under
@@ -7286,13 +7338,6 @@ struct backend_kernels<cpu_backend, attention_shape> {
   template <typename S, typename A>
   static constexpr bool widened = !std::is_same_v<S, A>;
 
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
-  template <std::size_t N>
-  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
-    for (std::size_t b : bytes)
-      if (b >= too_large / 32) return false;
-    return true;
-  }
   template <typename A>
   static constexpr std::size_t q_bytes(const attention_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.seq, s.heads, s.head_dim);
@@ -7308,8 +7353,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
   }
   template <typename S, typename A>
   static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    return acc_bytes<S, A>(s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model);
+    return acc_bytes<S, A>(attention_weight_elements(s));
   }
   template <typename A>
   static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {
@@ -7520,17 +7564,6 @@ namespace detail {
 using ::membound::sat_add;
 using ::membound::sat_mul;
 
-// Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
-// them instead (a request no budget serves) so that they can stay noexcept.
-inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
-
-template <std::size_t N>
-constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
-  for (std::size_t b : bytes)
-    if (b >= huge_slot) return false;
-  return true;
-}
-
 // Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
 // their value as a real number, the others as an integer.
 inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
@@ -7569,13 +7602,15 @@ workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t nee
   return carve(layout, base, bytes);
 }
 
-// The backend carves the workspace; the front checks its size and base first (the typed
-// workspace_too_small naming "workspace") against the backend's own figure, so every backend
-// refuses the same arguments the same way.
-inline void check_workspace(std::size_t need, void* workspace, std::size_t workspace_size) {
-  workspace_layout<1> l;
-  l.add(need);
-  carve_named(l, need, workspace, workspace_size, "workspace");
+// The backend carves the workspace; the front checks its size and base first against the
+// backend's own figure, as carve_named does (workspace_too_small naming "workspace", then the
+// 256-byte alignment of every layout's slots), so a short or misaligned workspace is refused the
+// same way on every backend, a SIZE_MAX requirement included.
+inline void check_workspace_size(std::size_t need, void* workspace, std::size_t workspace_size) {
+  if (need != 0 && (workspace == nullptr || workspace_size < need)) {
+    throw workspace_too_small("workspace", need, workspace == nullptr ? 0 : workspace_size);
+  }
+  check_aligned(workspace, default_alignment, "workspace");
 }
 
 }  // namespace detail
@@ -7649,8 +7684,7 @@ class attention {
 
   // ---- Memory known before running ------------------------------------------------------------
   static constexpr std::size_t weight_elements(const attention_shape& s) noexcept {
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    return s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model;
+    return attention_weight_elements(s);
   }
 
   // O ([B, T, H·D], storage) and lse ([B, H, T], accumulator: fp64 keeps a double lse so that
@@ -7734,7 +7768,7 @@ class attention {
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     // Nothing below throws: every output is written after every check.
     kernels::template forward<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, x, y, sv.template get<S>(s_o),
                                            sv.template get<A>(s_lse), kept(sv, s_q), kept(sv, s_k),
@@ -7756,7 +7790,7 @@ class attention {
     detail::not_null(g.wo, "gradients.wo");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template backward<S, A, tiles>(
         s, w.wq, w.wk, w.wv, w.wo, x, static_cast<const S*>(sv.template get<S>(s_o)),
         static_cast<const A*>(sv.template get<A>(s_lse)), kept(sv, s_q), kept(sv, s_k),
@@ -7788,7 +7822,7 @@ class attention {
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
-    detail::check_workspace(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
     const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
     kernels::template step<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half),
                                         L, cache.length, x_t, y_t, workspace, workspace_size, ex);
@@ -7846,7 +7880,8 @@ MEMBOUND_NAMESPACE_END
 // ---- begin membound/backend/cpu/mamba.hpp ----
 // CPU kernels of the Mamba block: the causal depthwise convolution, softplus/SiLU, and the
 // chunked selective scan forward and backward. Everything works in the accumulator type A on
-// buffers the front end (layers/mamba.hpp) has carved; nothing allocates.
+// buffers carved from the caller's saved bytes (by layers/mamba.hpp) and workspace (by
+// backend_kernels<cpu_backend, mamba_shape> below); nothing allocates.
 //
 // Layouts (row-major, n = b·T + t): xz [N, 2·Di] (x half, then z half); c, u, Δ, y [N, Di];
 // x_dbl [N, R + 2·Ns] (dt_low, B, C); A = −exp(A_log) and dA [Di, Ns]; saved chunk states
@@ -8498,7 +8533,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
                              P::xdbl_acc_bytes(s),
                              bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)),
                              P::forward_gemm_bytes(s, threads)};
-    return fits(b) ? P::forward_layout(s, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::forward_layout(s, threads).size() : too_large;
   }
   template <typename S, typename A>
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s, std::size_t L,
@@ -8509,7 +8544,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
                                                                              s.d_state)),
                              P::backward_gemm_bytes(s, threads)};
-    return fits(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
   }
   template <typename S, typename A>
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
@@ -8544,13 +8579,6 @@ struct backend_kernels<cpu_backend, mamba_shape> {
 
  private:
   static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
-  template <std::size_t N>
-  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
-    for (std::size_t b : bytes)
-      if (b >= too_large / 32) return false;
-    return true;
-  }
 
   // One precision's passes: S storage, A accumulation.
   template <typename S, typename A>
@@ -8817,10 +8845,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
       return bytes_of<A>(rows(s), s.d_inner);
     }
     static constexpr std::size_t w_acc_bytes(const mamba_shape& s) noexcept {
-      const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
-      return widened ? bytes_of<A>(C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di +
-                                   Di * Ns + Di + Di * C)
-                     : 0;
+      return widened ? bytes_of<A>(mamba_weight_elements(s)) : 0;
     }
     static constexpr std::size_t xz_acc_bytes(const mamba_shape& s) noexcept {
       return widened ? bytes_of<A>(rows(s), 2 * s.d_inner) : 0;
@@ -9174,9 +9199,7 @@ class mamba {
   // ---- Memory known before running ------------------------------------------------------------
   // Parameter elements, in the order of `weights`.
   static constexpr std::size_t weight_elements(const mamba_shape& s) noexcept {
-    const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
-    return C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di + Di * Ns + Di +
-           Di * C;
+    return mamba_weight_elements(s);
   }
 
   static constexpr std::size_t saved_bytes(const mamba_shape& s) noexcept {
@@ -9256,8 +9279,8 @@ class mamba {
     detail::not_null(x, "x");
     detail::not_null(out, "out");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     // Nothing below throws: every output is written after every check.
     kernels::template forward<S, A>(s, L, w, x, out, saved_view(sv), workspace, workspace_size, ex);
   }
@@ -9275,8 +9298,8 @@ class mamba {
     check_gradients(g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     kernels::template backward<S, A>(s, L, w, x, saved_view(sv), dout, dx, g, workspace,
                                      workspace_size, ex);
   }
@@ -9295,7 +9318,7 @@ class mamba {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<S, A>(s, w, static_cast<A*>(st.data), x_t, out_t, workspace,
                                  workspace_size, ex);
     ++st.position;
@@ -9376,7 +9399,8 @@ MEMBOUND_NAMESPACE_END
 // ---- begin membound/backend/cpu/ttt.hpp ----
 // CPU kernels of the TTT-Linear layer: the inner loop over mini-batches in the dual form, its
 // hand-derived backward (with recomputation inside checkpoint groups), and the row LayerNorms.
-// Everything works in the accumulator type A on buffers the front end (layers/ttt.hpp) carved.
+// Everything works in the accumulator type A on buffers carved from the caller's saved bytes (by
+// layers/ttt.hpp) and workspace (by backend_kernels<cpu_backend, ttt_shape> below).
 //
 // Per (batch row b, head h), per mini-batch of K ≤ b_mb tokens with inner state (W [D, D], w [D]):
 //   Z1 = XK·W + w,  G = ∇_Z1 ½‖LN(Z1) − (XV − XK)‖²  (LN over D with the head's γ, β)
@@ -9696,7 +9720,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     using P = pass<Mlp, MB, 1, S, A>;
     const std::size_t b[] = {P::w_acc_bytes(s), P::wide(s), P::task_scratch(s, threads, false),
                              bytes_of<std::byte>(threads, P::forward_pack_bytes(s))};
-    return fits(b) ? P::forward_layout(s, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::forward_layout(s, threads).size() : too_large;
   }
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
@@ -9705,7 +9729,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     const std::size_t b[] = {P::w_acc_bytes(s), P::wide(s), P::partial_bytes(s),
                              P::task_scratch(s, threads, true),
                              bytes_of<std::byte>(threads, P::backward_pack_bytes(s))};
-    return fits(b) ? P::backward_layout(s, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::backward_layout(s, threads).size() : too_large;
   }
   template <bool Mlp, std::size_t MB, typename S, typename A>
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
@@ -9714,7 +9738,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     one.seq = 1;
     const std::size_t b[] = {P::w_acc_bytes(one), P::wide(one),
                              bytes_of<A>(ttt_inner_elements(s, Mlp)), P::step_pack_bytes(s)};
-    return fits(b) ? P::forward_layout(one, 1, true).size() : too_large;
+    return detail::fits_layout(b) ? P::forward_layout(one, 1, true).size() : too_large;
   }
 
   // ckpt: the saved inner states [B·H, checkpoints, SZ] (A); o_s: the heads' output [N, C]
@@ -9756,13 +9780,6 @@ struct backend_kernels<cpu_backend, ttt_shape> {
 
  private:
   static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
-  template <std::size_t N>
-  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
-    for (std::size_t b : bytes)
-      if (b >= too_large / 32) return false;
-    return true;
-  }
 
   // One configuration's passes: Mlp, mini-batch mb, checkpoint group, S storage, A accumulation.
   template <bool Mlp, std::size_t mb, std::size_t group, typename S, typename A>
@@ -9774,10 +9791,10 @@ struct backend_kernels<cpu_backend, ttt_shape> {
       return ttt_inner_elements(s, Mlp);
     }
     static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
-      return cpu::blocks(s.seq, mb);
+      return ttt_mini_batches(s, mb);
     }
     static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-      return cpu::blocks(mini_batches(s), group);
+      return ttt_checkpoints(s, mb, group);
     }
 
     static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
@@ -10034,10 +10051,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
       return bytes_of<A>(rows(s), s.width);
     }
     static constexpr std::size_t w_acc_bytes(const ttt_shape& s) noexcept {
-      const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-      return widened ? bytes_of<A>(5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb +
-                                   2 * C)
-                     : 0;
+      return widened ? bytes_of<A>(ttt_weight_elements(s, Mlp, mb)) : 0;
     }
     static constexpr std::size_t io_acc_bytes(const ttt_shape& s) noexcept {
       return widened ? wide(s) : 0;
@@ -10739,11 +10753,11 @@ class basic_ttt {
 
   // ---- Memory known before running ------------------------------------------------------------
   static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
-    return cpu::blocks(s.seq, mb);
+    return ttt_mini_batches(s, mb);
   }
   // Checkpoints per (batch, head): ceil(mini-batches / G).
   static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-    return cpu::blocks(mini_batches(s), group);
+    return ttt_checkpoints(s, mb, group);
   }
   static constexpr std::size_t saved_bytes(const ttt_shape& s) noexcept {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
@@ -10773,8 +10787,7 @@ class basic_ttt {
                                        // only for TTT-MLP
 
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
-    const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-    return 5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb + 2 * C;
+    return ttt_weight_elements(s, Mlp, mb);
   }
 
   struct state {
@@ -10833,8 +10846,8 @@ class basic_ttt {
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     kernels::template forward<Mlp, mb, group, S, A>(s, w, x, y, sv.template get<A>(s_ckpt),
                                                     sv.template get<S>(s_o), workspace,
                                                     workspace_size, ex);
@@ -10853,8 +10866,8 @@ class basic_ttt {
     check_gradients(s, g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     kernels::template backward<Mlp, mb, group, S, A>(
         s, w, x, static_cast<const A*>(sv.template get<A>(s_ckpt)),
         static_cast<const S*>(sv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size, ex);
@@ -10875,7 +10888,7 @@ class basic_ttt {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data), st.position % mb, x_t,
                                           y_t, workspace, workspace_size, ex);
     ++st.position;
@@ -11749,14 +11762,11 @@ struct backend_kernels<cpu_backend, mlp_shape> {
   static constexpr std::size_t w_acc(const mlp_shape& s) noexcept {
     return widened<S, A> ? bytes_of<A>(3 * s.width, s.hidden) : 0;
   }
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
   template <typename S, typename A>
   static constexpr bool fits(const mlp_shape& s, std::size_t threads) noexcept {
     const std::size_t b[] = {h_a<A>(s), w_acc<S, A>(s), x_acc<S, A>(s),
                              bytes_of<std::byte>(threads, pack_bytes<A>(s))};
-    for (std::size_t v : b)
-      if (v >= too_large / 32) return false;
-    return true;
+    return detail::fits_layout(b);
   }
   // Per-thread packing bytes of the GEMMs (backend/cpu/gemm.hpp's gemm with the caller's buffers): the
   // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.
@@ -11906,7 +11916,7 @@ class swiglu_mlp {
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template forward<S, A>(s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a),
                                     sv.template get<S>(s_b), workspace, workspace_size, ex);
   }
@@ -11924,7 +11934,7 @@ class swiglu_mlp {
     detail::not_null(g.w_down, "gradients.w_down");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template backward<S, A>(s, w.w_gate, w.w_up, w.w_down, x,
                                      static_cast<const S*>(sv.template get<S>(s_a)),
                                      static_cast<const S*>(sv.template get<S>(s_b)), dy, dx,
@@ -11976,8 +11986,8 @@ MEMBOUND_NAMESPACE_END
 // (backend/cuda/lm_head.cuh), which layers/lm_head.hpp makes without knowing which backend
 // runs them. The final RMSNorm, then for each chunk of rows its logits ([chunk, V] in A) turned
 // into cross-entropy and its gradient in place and consumed at once (dW += dlogitsᵀ·xn,
-// dxn = dlogits·W). The front has checked the shape and the pointers; the targets' values are
-// checked here, where they can be read.
+// dxn = dlogits·W). The front has checked the shape and the pointers, then asked check_call for
+// the targets' values (read here, in place) before the workspace.
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -11998,6 +12008,13 @@ inline void check_targets(const std::int32_t* t, std::size_t n, std::size_t voca
 
 template <>
 struct backend_kernels<cpu_backend, lm_head_shape> {
+  // What only the host checks, before the front checks the workspace: every target id in [0, V),
+  // read in place (the scale is the caller's).
+  template <typename S>
+  static void check_call(const lm_head_shape& s, const std::int32_t* targets, double /*scale*/) {
+    cpu::check_targets(targets, s.rows, s.vocab);
+  }
+
   // Exact: what loss_backward and loss carve (both take the same workspace).
   template <typename S, typename A>
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
@@ -12049,7 +12066,7 @@ struct backend_kernels<cpu_backend, lm_head_shape> {
   template <typename S, typename A>
   static constexpr bool widened = !std::is_same_v<S, A>;
 
-  // The path both share: the targets' check, the final RMSNorm, then for each chunk of rows its
+  // The path both share (check_call has run): the final RMSNorm, then for each chunk of rows its
   // logits turned into cross-entropy and (times scale) its gradient in place, handed to
   // consume(r0, r, dlogits, xa, wa); start(ws) runs before the chunks and finish(ws, xn, rstd)
   // after them.
@@ -12058,7 +12075,6 @@ struct backend_kernels<cpu_backend, lm_head_shape> {
                         const std::int32_t* targets, A scale, void* workspace,
                         std::size_t workspace_size, thread_pool& ex, Start&& start,
                         Consume&& consume, Finish&& finish) {
-    cpu::check_targets(targets, s.rows, s.vocab);
     const auto ws = carve(layout<S, A>(s, ex.size()), workspace, workspace_size);
     const std::span<std::byte> scratch = gemm_scratch_of<A>(ws, s, ex.size());
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;
@@ -12172,7 +12188,8 @@ class lm_head {
     detail::not_null(g.norm, "gradients.norm");
     detail::not_null(g.w, "gradients.w");
     check_inputs(s, w, x, targets);
-    detail::check_workspace(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template check_call<S>(s, targets, scale);
+    detail::check_workspace_size(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     return kernels::template loss_backward<S, A>(s, w.norm, w.w, x, targets, scale, dx, g.norm,
                                                  g.w, workspace, workspace_size, ex);
   }
@@ -12182,7 +12199,8 @@ class lm_head {
   static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
                      void* workspace, std::size_t workspace_size, executor& ex) {
     check_inputs(s, w, x, targets);
-    detail::check_workspace(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template check_call<S>(s, targets, 0.0);
+    detail::check_workspace_size(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     return kernels::template loss<S, A>(s, w.norm, w.w, x, targets, workspace, workspace_size, ex);
   }
 
@@ -14492,14 +14510,14 @@ class model {
     for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
   }
 
-  // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
-  // model's caller checks its host copy before the upload).
   // Where the host reads the ids in place (the CPU), tokens and targets against the vocabulary;
   // device ids are the caller's to check on the host before the upload.
   void check_ids(const std::int32_t* tokens, const std::int32_t* targets, std::size_t n) const {
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, n);
     if (const std::int32_t* t = glue::host_ids(targets)) head_type::check_targets(t, n, cfg_.vocab);
   }
+  // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
+  // model's caller checks its host copy before the upload).
   void check_tokens(const std::int32_t* t, std::size_t n) const {
     for (std::size_t i = 0; i < n; ++i) {
       if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {
@@ -16740,7 +16758,8 @@ class trainer {
     // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
     try {
-      // Made on the host on every backend (the same bits), in place or uploaded.
+      // Made on the host on every backend (the same bits), in place or uploaded (on a device the
+      // optimizer state goes up first, then the weights: both before step 1).
       glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* wh) {
         S* w = static_cast<S*>(wh);
         m_.init_weights(w, o_.seed);
@@ -17939,8 +17958,8 @@ class trainer {
   std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
   std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
-  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/
-  // backend/cpu/model.hpp writes and reads in place; backend/cuda/model.cuh copies on the stream).
+  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/model.hpp
+  // writes and reads in place; backend/cuda/model.cuh copies on the stream).
   void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
 
   template <check_point P>

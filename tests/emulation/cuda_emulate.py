@@ -3,7 +3,7 @@
 
 For each target, cuts the kernels (and the constants and size functions the launchers share with
 them) out of a header in include/membound/backend/cuda/ between fixed markers, compiles them with
-the target's tools/<target>_cuda_emulate.cpp as plain C++ (g++, -fsanitize=thread by default, so a
+the target's tests/emulation/<target>_cuda_emulate.cpp as plain C++ (g++, -fsanitize=thread by default, so a
 missing barrier is a data race; --sanitize address runs ASan and UBSan instead: every buffer has the
 launchers' exact size, so a kernel that indexes past one shows) and runs the result once per
 argument set. Each .cpp's header says what it checks and what it cannot; none replaces a GPU run.

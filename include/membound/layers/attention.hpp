@@ -120,8 +120,7 @@ class attention {
 
   // ---- Memory known before running ------------------------------------------------------------
   static constexpr std::size_t weight_elements(const attention_shape& s) noexcept {
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    return s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model;
+    return attention_weight_elements(s);
   }
 
   // O ([B, T, H·D], storage) and lse ([B, H, T], accumulator: fp64 keeps a double lse so that
@@ -205,7 +204,7 @@ class attention {
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     // Nothing below throws: every output is written after every check.
     kernels::template forward<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, x, y, sv.template get<S>(s_o),
                                            sv.template get<A>(s_lse), kept(sv, s_q), kept(sv, s_k),
@@ -227,7 +226,7 @@ class attention {
     detail::not_null(g.wo, "gradients.wo");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template backward<S, A, tiles>(
         s, w.wq, w.wk, w.wv, w.wo, x, static_cast<const S*>(sv.template get<S>(s_o)),
         static_cast<const A*>(sv.template get<A>(s_lse)), kept(sv, s_q), kept(sv, s_k),
@@ -259,7 +258,7 @@ class attention {
                              "length " + std::to_string(cache.length),
                              "Make the cache with a larger max_len");
     }
-    detail::check_workspace(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
     const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
     kernels::template step<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half),
                                         L, cache.length, x_t, y_t, workspace, workspace_size, ex);

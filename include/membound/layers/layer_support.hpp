@@ -29,17 +29,6 @@ namespace detail {
 using ::membound::sat_add;
 using ::membound::sat_mul;
 
-// Slots this large would overflow a layout's placement; the size functions report SIZE_MAX for
-// them instead (a request no budget serves) so that they can stay noexcept.
-inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
-
-template <std::size_t N>
-constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
-  for (std::size_t b : bytes)
-    if (b >= huge_slot) return false;
-  return true;
-}
-
 // Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
 // their value as a real number, the others as an integer.
 inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
@@ -78,13 +67,15 @@ workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t nee
   return carve(layout, base, bytes);
 }
 
-// The backend carves the workspace; the front checks its size and base first (the typed
-// workspace_too_small naming "workspace") against the backend's own figure, so every backend
-// refuses the same arguments the same way.
-inline void check_workspace(std::size_t need, void* workspace, std::size_t workspace_size) {
-  workspace_layout<1> l;
-  l.add(need);
-  carve_named(l, need, workspace, workspace_size, "workspace");
+// The backend carves the workspace; the front checks its size and base first against the
+// backend's own figure, as carve_named does (workspace_too_small naming "workspace", then the
+// 256-byte alignment of every layout's slots), so a short or misaligned workspace is refused the
+// same way on every backend, a SIZE_MAX requirement included.
+inline void check_workspace_size(std::size_t need, void* workspace, std::size_t workspace_size) {
+  if (need != 0 && (workspace == nullptr || workspace_size < need)) {
+    throw workspace_too_small("workspace", need, workspace == nullptr ? 0 : workspace_size);
+  }
+  check_aligned(workspace, default_alignment, "workspace");
 }
 
 }  // namespace detail

@@ -92,7 +92,8 @@ class lm_head {
     detail::not_null(g.norm, "gradients.norm");
     detail::not_null(g.w, "gradients.w");
     check_inputs(s, w, x, targets);
-    detail::check_workspace(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template check_call<S>(s, targets, scale);
+    detail::check_workspace_size(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     return kernels::template loss_backward<S, A>(s, w.norm, w.w, x, targets, scale, dx, g.norm,
                                                  g.w, workspace, workspace_size, ex);
   }
@@ -102,7 +103,8 @@ class lm_head {
   static double loss(const lm_head_shape& s, const weights& w, const S* x, const std::int32_t* targets,
                      void* workspace, std::size_t workspace_size, executor& ex) {
     check_inputs(s, w, x, targets);
-    detail::check_workspace(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template check_call<S>(s, targets, 0.0);
+    detail::check_workspace_size(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     return kernels::template loss<S, A>(s, w.norm, w.w, x, targets, workspace, workspace_size, ex);
   }
 

@@ -113,9 +113,7 @@ class mamba {
   // ---- Memory known before running ------------------------------------------------------------
   // Parameter elements, in the order of `weights`.
   static constexpr std::size_t weight_elements(const mamba_shape& s) noexcept {
-    const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
-    return C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di + Di * Ns + Di +
-           Di * C;
+    return mamba_weight_elements(s);
   }
 
   static constexpr std::size_t saved_bytes(const mamba_shape& s) noexcept {
@@ -195,8 +193,8 @@ class mamba {
     detail::not_null(x, "x");
     detail::not_null(out, "out");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     // Nothing below throws: every output is written after every check.
     kernels::template forward<S, A>(s, L, w, x, out, saved_view(sv), workspace, workspace_size, ex);
   }
@@ -214,8 +212,8 @@ class mamba {
     check_gradients(g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     kernels::template backward<S, A>(s, L, w, x, saved_view(sv), dout, dx, g, workspace,
                                      workspace_size, ex);
   }
@@ -234,7 +232,7 @@ class mamba {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<S, A>(s, w, static_cast<A*>(st.data), x_t, out_t, workspace,
                                  workspace_size, ex);
     ++st.position;

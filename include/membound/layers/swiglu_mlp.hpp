@@ -98,7 +98,7 @@ class swiglu_mlp {
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template forward<S, A>(s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a),
                                     sv.template get<S>(s_b), workspace, workspace_size, ex);
   }
@@ -116,7 +116,7 @@ class swiglu_mlp {
     detail::not_null(g.w_down, "gradients.w_down");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template backward<S, A>(s, w.w_gate, w.w_up, w.w_down, x,
                                      static_cast<const S*>(sv.template get<S>(s_a)),
                                      static_cast<const S*>(sv.template get<S>(s_b)), dy, dx,

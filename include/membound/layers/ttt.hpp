@@ -115,11 +115,11 @@ class basic_ttt {
 
   // ---- Memory known before running ------------------------------------------------------------
   static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
-    return cpu::blocks(s.seq, mb);
+    return ttt_mini_batches(s, mb);
   }
   // Checkpoints per (batch, head): ceil(mini-batches / G).
   static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-    return cpu::blocks(mini_batches(s), group);
+    return ttt_checkpoints(s, mb, group);
   }
   static constexpr std::size_t saved_bytes(const ttt_shape& s) noexcept {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
@@ -149,8 +149,7 @@ class basic_ttt {
                                        // only for TTT-MLP
 
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
-    const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-    return 5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb + 2 * C;
+    return ttt_weight_elements(s, Mlp, mb);
   }
 
   struct state {
@@ -209,8 +208,8 @@ class basic_ttt {
     detail::not_null(x, "x");
     detail::not_null(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
-    detail::check_workspace(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     kernels::template forward<Mlp, mb, group, S, A>(s, w, x, y, sv.template get<A>(s_ckpt),
                                                     sv.template get<S>(s_o), workspace,
                                                     workspace_size, ex);
@@ -229,8 +228,8 @@ class basic_ttt {
     check_gradients(s, g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
-    detail::check_workspace(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
-                            workspace_size);
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace,
+                                 workspace_size);
     kernels::template backward<Mlp, mb, group, S, A>(
         s, w, x, static_cast<const A*>(sv.template get<A>(s_ckpt)),
         static_cast<const S*>(sv.template get<S>(s_o)), dy, dx, g, workspace, workspace_size, ex);
@@ -251,7 +250,7 @@ class basic_ttt {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
     detail::check_aligned(st.data, alignof(A), "state");
-    detail::check_workspace(step_workspace_bytes(s), workspace, workspace_size);
+    detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data), st.position % mb, x_t,
                                           y_t, workspace, workspace_size, ex);
     ++st.position;

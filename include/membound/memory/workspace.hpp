@@ -24,6 +24,21 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+namespace detail {
+
+// Slots this large would overflow a layout's placement: the size functions of the layers and of
+// both backends report SIZE_MAX for them instead (a request no budget serves) and stay noexcept.
+inline constexpr std::size_t huge_slot = std::numeric_limits<std::size_t>::max() / 32;
+
+template <std::size_t N>
+constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
+  for (std::size_t b : bytes)
+    if (b >= huge_slot) return false;
+  return true;
+}
+
+}  // namespace detail
+
 // Inclusive [first, last] phase indices during which a slot holds live data.
 struct slot_lifetime {
   std::size_t first = 0;

@@ -282,14 +282,14 @@ class model {
     for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
   }
 
-  // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
-  // model's caller checks its host copy before the upload).
   // Where the host reads the ids in place (the CPU), tokens and targets against the vocabulary;
   // device ids are the caller's to check on the host before the upload.
   void check_ids(const std::int32_t* tokens, const std::int32_t* targets, std::size_t n) const {
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, n);
     if (const std::int32_t* t = glue::host_ids(targets)) head_type::check_targets(t, n, cfg_.vocab);
   }
+  // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
+  // model's caller checks its host copy before the upload).
   void check_tokens(const std::int32_t* t, std::size_t n) const {
     for (std::size_t i = 0; i < n; ++i) {
       if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= cfg_.vocab) {

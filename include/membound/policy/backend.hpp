@@ -7,8 +7,9 @@
 //                                                        // and its cuBLASLt handle)
 //
 // cuda_backend is declared in membound/backend/cuda/cuda_backend.cuh: host headers name only the
-// backend_kind and cpu_backend, so they never need a CUDA header. A layer finds the device code
-// of a backend through backend_kernels<Backend, Layer>, which the CUDA headers specialize.
+// backend_kind and cpu_backend, so they never need a CUDA header. A layer finds the code of a
+// backend through backend_kernels<Backend, Shape>, which backend/cpu/*.hpp and backend/cuda/*.cuh
+// specialize (docs/architecture.md).
 #pragma once
 
 #include <concepts>
@@ -46,13 +47,14 @@ template <typename B>
 inline constexpr bool is_cpu_backend_v = std::same_as<B, cpu_backend>;
 
 // The key of the model's own ops on a backend (RMSNorm, the residual add, the embedding's gather
-// and scatter): backend_kernels<Backend, model_glue>. Declared here so that the CUDA headers,
-// which never see model/, can specialize it; model/glue.hpp has the host's.
+// and scatter, the trainer's moves): backend_kernels<Backend, model_glue>. Declared here so that
+// the backends, which never see model/, can specialize it (backend/cpu/model.hpp,
+// backend/cuda/model.cuh).
 struct model_glue;
 
-// The device code of `Layer` on `Backend`. Only declared here: backend/cuda/*.cuh defines the
-// specializations, so a host-only translation unit that names cuda_backend gets the sentence
-// below instead of an incomplete-type error deep inside a layer.
+// The code of `Layer` on `Backend`. Only declared here: backend/cpu/*.hpp and backend/cuda/*.cuh
+// define the specializations, so a host-only translation unit that names cuda_backend gets the
+// sentence below instead of an incomplete-type error deep inside a layer.
 template <typename Backend, typename Layer>
 struct backend_kernels {
   static_assert(dependent_false<Backend, Layer>,

@@ -19,4 +19,10 @@ struct attention_shape {
   double rope_base = 10000.0;
 };
 
+// Parameter elements: Wq [C, H·D], Wk and Wv [C, Hkv·D], Wo [H·D, C].
+constexpr std::size_t attention_weight_elements(const attention_shape& s) noexcept {
+  const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  return s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model;
+}
+
 MEMBOUND_NAMESPACE_END

@@ -68,4 +68,10 @@ struct mamba_saved {
   S* delta;
 };
 
+// Parameter elements, in the order of mamba_weights.
+constexpr std::size_t mamba_weight_elements(const mamba_shape& s) noexcept {
+  const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
+  return C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di + Di * Ns + Di + Di * C;
+}
+
 MEMBOUND_NAMESPACE_END

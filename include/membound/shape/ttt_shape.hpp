@@ -58,4 +58,22 @@ struct ttt_gradients {
   S* b2 = nullptr;
 };
 
+// Mini-batches of `mini_batch` tokens per sequence, and the saved inner states per (batch, head):
+// one at the start of every group of `group` mini-batches. ceil(n / block) without the overflow
+// of n + block − 1 for a huge group (ttt_checkpoint_all), as cpu::blocks.
+constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batch) noexcept {
+  return s.seq == 0 ? 0 : (s.seq - 1) / mini_batch + 1;
+}
+constexpr std::size_t ttt_checkpoints(const ttt_shape& s, std::size_t mini_batch,
+                                      std::size_t group) noexcept {
+  const std::size_t n = ttt_mini_batches(s, mini_batch);
+  return n == 0 ? 0 : (n - 1) / group + 1;
+}
+// Parameter elements, in the order of ttt_weights (w2, b2 inside the inner state for TTT-MLP).
+constexpr std::size_t ttt_weight_elements(const ttt_shape& s, bool mlp,
+                                          std::size_t mini_batch) noexcept {
+  const std::size_t C = s.width, H = s.heads, D = s.head_dim();
+  return 5 * C * C + 2 * H * D + H * ttt_inner_elements(s, mlp) + H * C + H + mini_batch + 2 * C;
+}
+
 MEMBOUND_NAMESPACE_END

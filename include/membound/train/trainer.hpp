@@ -705,7 +705,8 @@ class trainer {
     // the budget's external bytes, are others' (see foreign_now).
     own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
     try {
-      // Made on the host on every backend (the same bits), in place or uploaded.
+      // Made on the host on every backend (the same bits), in place or uploaded (on a device the
+      // optimizer state goes up first, then the weights: both before step 1).
       glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* wh) {
         S* w = static_cast<S*>(wh);
         m_.init_weights(w, o_.seed);
@@ -1905,8 +1906,8 @@ class trainer {
   std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
   std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
-  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/
-  // backend/cpu/model.hpp writes and reads in place; backend/cuda/model.cuh copies on the stream).
+  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/model.hpp
+  // writes and reads in place; backend/cuda/model.cuh copies on the stream).
   void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
 
   template <check_point P>

@@ -1,7 +1,8 @@
 // CPU kernels of the attention layer: RoPE, and the flash-style tiled forward and backward
-// (projections are backend/cpu/gemm.hpp's). Everything here works in the accumulator type A on buffers the front end
-// (layers/attention.hpp) has already carved and converted; nothing allocates: the tile products
-// run through backend/cpu/gemm.hpp's gemm with per-thread packing buffers from the caller's workspace
+// (projections are backend/cpu/gemm.hpp's). Everything here works in the accumulator type A on
+// buffers carved from the caller's saved bytes (by layers/attention.hpp) and workspace (by
+// backend_kernels<cpu_backend, attention_shape> below); nothing allocates: the tile products run
+// through backend/cpu/gemm.hpp's gemm with per-thread packing buffers from the caller's workspace
 // (flash_gemm_bytes each), and RoPE reads a table of cosines and sines made once per call. Each
 // parallel task writes a disjoint region and computes it in a fixed order, so results do not
 // depend on the thread count.
@@ -391,21 +392,25 @@ struct backend_kernels<cpu_backend, attention_shape> {
                                                        std::size_t threads) noexcept {
     const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
                              q_bytes<A>(s), kv_bytes<A>(s),
-                             bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile, s.head_dim)),
+                             bytes_of<A>(threads, cpu::forward_scratch(Tiles::q_tile, Tiles::kv_tile,
+                                                                       s.head_dim)),
                              rope_bytes<A>(s.seq, s.head_dim),
                              bytes_of<std::byte>(threads, forward_pack_bytes<A, Tiles>(s))};
-    return fits(b) ? forward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+    return detail::fits_layout(b) ? forward_layout<S, A, Tiles>(s, keep_qkv, threads).size()
+                                  : too_large;
   }
   template <typename S, typename A, typename Tiles>
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s, bool keep_qkv,
                                                         std::size_t threads) noexcept {
     const std::size_t b[] = {acc_bytes<S, A>(s.batch, s.seq, s.d_model), w_acc_bytes<S, A>(s),
                              q_bytes<A>(s), kv_bytes<A>(s),
-                             bytes_of<A>(threads, cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
+                             bytes_of<A>(threads,
+                                         cpu::backward_scratch(Tiles::q_tile, Tiles::kv_tile)),
                              bytes_of<A>(s.d_model, s.heads * s.head_dim),
                              rope_bytes<A>(s.seq, s.head_dim),
                              bytes_of<std::byte>(threads, backward_pack_bytes<A, Tiles>(s))};
-    return fits(b) ? backward_layout<S, A, Tiles>(s, keep_qkv, threads).size() : too_large;
+    return detail::fits_layout(b) ? backward_layout<S, A, Tiles>(s, keep_qkv, threads).size()
+                                  : too_large;
   }
   template <typename S, typename A, typename Tiles>
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
@@ -413,7 +418,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, max_len),
                              bytes_of<A>(s.batch, s.heads, s.head_dim),
                              bytes_of<std::byte>(threads, step_pack_bytes<A>(s))};
-    return fits(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
+    return detail::fits_layout(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
   }
 
   // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], A); q, k, v are the saved slots under
@@ -554,13 +559,6 @@ struct backend_kernels<cpu_backend, attention_shape> {
   template <typename S, typename A>
   static constexpr bool widened = !std::is_same_v<S, A>;
 
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
-  template <std::size_t N>
-  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
-    for (std::size_t b : bytes)
-      if (b >= too_large / 32) return false;
-    return true;
-  }
   template <typename A>
   static constexpr std::size_t q_bytes(const attention_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.seq, s.heads, s.head_dim);
@@ -576,8 +574,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
   }
   template <typename S, typename A>
   static constexpr std::size_t w_acc_bytes(const attention_shape& s) noexcept {
-    const std::size_t HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
-    return acc_bytes<S, A>(s.d_model * HD + 2 * s.d_model * KD + HD * s.d_model);
+    return acc_bytes<S, A>(attention_weight_elements(s));
   }
   template <typename A>
   static constexpr std::size_t rope_bytes(std::size_t positions, std::size_t head_dim) noexcept {

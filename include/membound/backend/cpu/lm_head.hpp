@@ -2,8 +2,8 @@
 // (backend/cuda/lm_head.cuh), which layers/lm_head.hpp makes without knowing which backend
 // runs them. The final RMSNorm, then for each chunk of rows its logits ([chunk, V] in A) turned
 // into cross-entropy and its gradient in place and consumed at once (dW += dlogitsᵀ·xn,
-// dxn = dlogits·W). The front has checked the shape and the pointers; the targets' values are
-// checked here, where they can be read.
+// dxn = dlogits·W). The front has checked the shape and the pointers, then asked check_call for
+// the targets' values (read here, in place) before the workspace.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +42,13 @@ inline void check_targets(const std::int32_t* t, std::size_t n, std::size_t voca
 
 template <>
 struct backend_kernels<cpu_backend, lm_head_shape> {
+  // What only the host checks, before the front checks the workspace: every target id in [0, V),
+  // read in place (the scale is the caller's).
+  template <typename S>
+  static void check_call(const lm_head_shape& s, const std::int32_t* targets, double /*scale*/) {
+    cpu::check_targets(targets, s.rows, s.vocab);
+  }
+
   // Exact: what loss_backward and loss carve (both take the same workspace).
   template <typename S, typename A>
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
@@ -93,7 +100,7 @@ struct backend_kernels<cpu_backend, lm_head_shape> {
   template <typename S, typename A>
   static constexpr bool widened = !std::is_same_v<S, A>;
 
-  // The path both share: the targets' check, the final RMSNorm, then for each chunk of rows its
+  // The path both share (check_call has run): the final RMSNorm, then for each chunk of rows its
   // logits turned into cross-entropy and (times scale) its gradient in place, handed to
   // consume(r0, r, dlogits, xa, wa); start(ws) runs before the chunks and finish(ws, xn, rstd)
   // after them.
@@ -102,7 +109,6 @@ struct backend_kernels<cpu_backend, lm_head_shape> {
                         const std::int32_t* targets, A scale, void* workspace,
                         std::size_t workspace_size, thread_pool& ex, Start&& start,
                         Consume&& consume, Finish&& finish) {
-    cpu::check_targets(targets, s.rows, s.vocab);
     const auto ws = carve(layout<S, A>(s, ex.size()), workspace, workspace_size);
     const std::span<std::byte> scratch = gemm_scratch_of<A>(ws, s, ex.size());
     const std::size_t N = s.rows, C = s.width, V = s.vocab, R = s.chunk;

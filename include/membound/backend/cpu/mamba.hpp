@@ -1,6 +1,7 @@
 // CPU kernels of the Mamba block: the causal depthwise convolution, softplus/SiLU, and the
 // chunked selective scan forward and backward. Everything works in the accumulator type A on
-// buffers the front end (layers/mamba.hpp) has carved; nothing allocates.
+// buffers carved from the caller's saved bytes (by layers/mamba.hpp) and workspace (by
+// backend_kernels<cpu_backend, mamba_shape> below); nothing allocates.
 //
 // Layouts (row-major, n = b·T + t): xz [N, 2·Di] (x half, then z half); c, u, Δ, y [N, Di];
 // x_dbl [N, R + 2·Ns] (dt_low, B, C); A = −exp(A_log) and dA [Di, Ns]; saved chunk states
@@ -671,7 +672,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
                              P::xdbl_acc_bytes(s),
                              bytes_of<A>(threads, cpu::scan_forward_scratch(s.d_state)),
                              P::forward_gemm_bytes(s, threads)};
-    return fits(b) ? P::forward_layout(s, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::forward_layout(s, threads).size() : too_large;
   }
   template <typename S, typename A>
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s, std::size_t L,
@@ -682,7 +683,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
                                                                              s.d_state)),
                              P::backward_gemm_bytes(s, threads)};
-    return fits(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
   }
   template <typename S, typename A>
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
@@ -717,13 +718,6 @@ struct backend_kernels<cpu_backend, mamba_shape> {
 
  private:
   static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
-  template <std::size_t N>
-  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
-    for (std::size_t b : bytes)
-      if (b >= too_large / 32) return false;
-    return true;
-  }
 
   // One precision's passes: S storage, A accumulation.
   template <typename S, typename A>
@@ -990,10 +984,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
       return bytes_of<A>(rows(s), s.d_inner);
     }
     static constexpr std::size_t w_acc_bytes(const mamba_shape& s) noexcept {
-      const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
-      return widened ? bytes_of<A>(C * 2 * Di + Di * s.d_conv + Di + Di * (R + 2 * Ns) + R * Di + Di +
-                                   Di * Ns + Di + Di * C)
-                     : 0;
+      return widened ? bytes_of<A>(mamba_weight_elements(s)) : 0;
     }
     static constexpr std::size_t xz_acc_bytes(const mamba_shape& s) noexcept {
       return widened ? bytes_of<A>(rows(s), 2 * s.d_inner) : 0;

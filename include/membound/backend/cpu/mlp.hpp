@@ -111,14 +111,11 @@ struct backend_kernels<cpu_backend, mlp_shape> {
   static constexpr std::size_t w_acc(const mlp_shape& s) noexcept {
     return widened<S, A> ? bytes_of<A>(3 * s.width, s.hidden) : 0;
   }
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
   template <typename S, typename A>
   static constexpr bool fits(const mlp_shape& s, std::size_t threads) noexcept {
     const std::size_t b[] = {h_a<A>(s), w_acc<S, A>(s), x_acc<S, A>(s),
                              bytes_of<std::byte>(threads, pack_bytes<A>(s))};
-    for (std::size_t v : b)
-      if (v >= too_large / 32) return false;
-    return true;
+    return detail::fits_layout(b);
   }
   // Per-thread packing bytes of the GEMMs (backend/cpu/gemm.hpp's gemm with the caller's buffers): the
   // largest of x·W [N, F] depth C, act·Wd and d·Wᵀ [N, C] depth F, and the weight gradients.

@@ -1,6 +1,7 @@
 // CPU kernels of the TTT-Linear layer: the inner loop over mini-batches in the dual form, its
 // hand-derived backward (with recomputation inside checkpoint groups), and the row LayerNorms.
-// Everything works in the accumulator type A on buffers the front end (layers/ttt.hpp) carved.
+// Everything works in the accumulator type A on buffers carved from the caller's saved bytes (by
+// layers/ttt.hpp) and workspace (by backend_kernels<cpu_backend, ttt_shape> below).
 //
 // Per (batch row b, head h), per mini-batch of K ≤ b_mb tokens with inner state (W [D, D], w [D]):
 //   Z1 = XK·W + w,  G = ∇_Z1 ½‖LN(Z1) − (XV − XK)‖²  (LN over D with the head's γ, β)
@@ -338,7 +339,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     using P = pass<Mlp, MB, 1, S, A>;
     const std::size_t b[] = {P::w_acc_bytes(s), P::wide(s), P::task_scratch(s, threads, false),
                              bytes_of<std::byte>(threads, P::forward_pack_bytes(s))};
-    return fits(b) ? P::forward_layout(s, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::forward_layout(s, threads).size() : too_large;
   }
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
@@ -347,7 +348,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     const std::size_t b[] = {P::w_acc_bytes(s), P::wide(s), P::partial_bytes(s),
                              P::task_scratch(s, threads, true),
                              bytes_of<std::byte>(threads, P::backward_pack_bytes(s))};
-    return fits(b) ? P::backward_layout(s, threads).size() : too_large;
+    return detail::fits_layout(b) ? P::backward_layout(s, threads).size() : too_large;
   }
   template <bool Mlp, std::size_t MB, typename S, typename A>
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
@@ -356,7 +357,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     one.seq = 1;
     const std::size_t b[] = {P::w_acc_bytes(one), P::wide(one),
                              bytes_of<A>(ttt_inner_elements(s, Mlp)), P::step_pack_bytes(s)};
-    return fits(b) ? P::forward_layout(one, 1, true).size() : too_large;
+    return detail::fits_layout(b) ? P::forward_layout(one, 1, true).size() : too_large;
   }
 
   // ckpt: the saved inner states [B·H, checkpoints, SZ] (A); o_s: the heads' output [N, C]
@@ -398,13 +399,6 @@ struct backend_kernels<cpu_backend, ttt_shape> {
 
  private:
   static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
-  // Slots this large would overflow a layout's placement; the sizes report SIZE_MAX for them.
-  template <std::size_t N>
-  static constexpr bool fits(const std::size_t (&bytes)[N]) noexcept {
-    for (std::size_t b : bytes)
-      if (b >= too_large / 32) return false;
-    return true;
-  }
 
   // One configuration's passes: Mlp, mini-batch mb, checkpoint group, S storage, A accumulation.
   template <bool Mlp, std::size_t mb, std::size_t group, typename S, typename A>
@@ -416,10 +410,10 @@ struct backend_kernels<cpu_backend, ttt_shape> {
       return ttt_inner_elements(s, Mlp);
     }
     static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
-      return cpu::blocks(s.seq, mb);
+      return ttt_mini_batches(s, mb);
     }
     static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-      return cpu::blocks(mini_batches(s), group);
+      return ttt_checkpoints(s, mb, group);
     }
 
     static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
@@ -676,10 +670,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
       return bytes_of<A>(rows(s), s.width);
     }
     static constexpr std::size_t w_acc_bytes(const ttt_shape& s) noexcept {
-      const std::size_t C = s.width, H = s.heads, D = s.head_dim();
-      return widened ? bytes_of<A>(5 * C * C + 2 * H * D + H * inner_elements(s) + H * C + H + mb +
-                                   2 * C)
-                     : 0;
+      return widened ? bytes_of<A>(ttt_weight_elements(s, Mlp, mb)) : 0;
     }
     static constexpr std::size_t io_acc_bytes(const ttt_shape& s) noexcept {
       return widened ? wide(s) : 0;

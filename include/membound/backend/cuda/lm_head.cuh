@@ -74,6 +74,23 @@ void add_accumulated(const cuda_executor& ex, const float* acc, S* g, std::size_
 
 template <>
 struct backend_kernels<cuda_backend, lm_head_shape> {
+  // What only the device checks, before the front checks the workspace (and again before any
+  // launch): a finite scale (the loss alone passes 0) and buffers that fit in memory. Device
+  // targets are not read here (see layers/lm_head.hpp).
+  template <typename S>
+  static void check_call(const lm_head_shape& s, const std::int32_t* /*targets*/, double scale) {
+    if (!std::isfinite(scale)) {
+      throw invalid_argument("scale", "a finite number", std::to_string(scale),
+                             "Pass e.g. 1/tokens");
+    }
+    if (!fits<S>(s)) {
+      throw invalid_argument("shape", "rows·width, chunk·vocab and vocab·width that fit in memory",
+                             std::to_string(s.rows) + "·" + std::to_string(s.width) + ", " +
+                                 std::to_string(s.vocab),
+                             "Check the lm_head_shape");
+    }
+  }
+
   // Exact: what loss_backward and loss carve (both take the same workspace). A and `threads` are
   // the host backend's (the device computes in fp32 and sizes nothing per host thread).
   template <typename S, typename A>
@@ -109,16 +126,7 @@ struct backend_kernels<cuda_backend, lm_head_shape> {
                     const std::int32_t* targets, double scale, S* dx, S* dnorm, S* dw,
                     void* workspace, std::size_t workspace_size, const cuda_executor& ex) {
     constexpr bool fp32 = std::is_same_v<S, float>;
-    if (!std::isfinite(scale)) {  // here, before any launch, rather than at the first chunk
-      throw invalid_argument("scale", "a finite number", std::to_string(scale),
-                             "Pass e.g. 1/tokens");
-    }
-    if (!fits<S>(s)) {
-      throw invalid_argument("shape", "rows·width, chunk·vocab and vocab·width that fit in memory",
-                             std::to_string(s.rows) + "·" + std::to_string(s.width) + ", " +
-                                 std::to_string(s.vocab),
-                             "Check the lm_head_shape");
-    }
+    check_call<S>(s, targets, scale);
     const auto l = layout<S>(s);
     const auto ws = carve(l, workspace, workspace_size);
     std::optional<cuda_device_guard> guard;  // the memset, copy and launches go to the current device
@@ -185,7 +193,7 @@ struct backend_kernels<cuda_backend, lm_head_shape> {
  private:
 #endif  // MEMBOUND_CUDA_COMPILER
 
-  // Slots this large would overflow the layout's placement (as layers' huge_slot).
+  // Slots this large would overflow the layout's placement (as memory/workspace.hpp's detail::huge_slot).
   static constexpr std::size_t huge = std::numeric_limits<std::size_t>::max() / 32;
   template <typename S>
   static constexpr bool fits(const lm_head_shape& s) noexcept {

@@ -276,7 +276,7 @@ struct backend_kernels<cuda_backend, mamba_shape> {
 
  private:
   // Every [N, ·] size fits, and the backward's [B, nch, Di, Ns] too for any L (nch ≤ T). Each
-  // below SIZE_MAX / 32 (the layers' detail::huge_slot), not merely below SIZE_MAX: the layouts
+  // below SIZE_MAX / 32 (memory/workspace.hpp's detail::huge_slot), not merely below SIZE_MAX: the layouts
   // add up to 15 such slots, and a sum that overflowed would make workspace_layout::add throw
   // inside the layer's noexcept size functions (std::terminate) instead of reporting SIZE_MAX.
   static constexpr bool fits(const mamba_shape& s) noexcept {

@@ -959,8 +959,8 @@ void check_finite(const cuda_executor& ex, const S* data, std::size_t n, unsigne
 
 }  // namespace gpu
 
-// The model's glue on the device (model/glue.hpp names the interface; cpu_model_glue is the
-// host's): block and model call these with their storage S and accumulation A.
+// The model's glue on the device (model/glue.hpp names the interface; backend/cpu/model.hpp has
+// the host's): block and model call these with their storage S and accumulation A.
 template <>
 struct backend_kernels<cuda_backend, model_glue> {
   using executor = cuda_executor;
