@@ -168,7 +168,7 @@ struct run_requests {
 };
 
 namespace detail {
-// ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
+// ZeRO-2's requests in a block's backward (gradient_exchange's zero2_router): the block's gradient
 // bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
 // Overlapped (gs.overlap): at end_block the exchange in flight is given back (workspace, then
 // bucket), then this block's workspace is taken and both stay in flight until the next

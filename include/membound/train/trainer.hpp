@@ -65,11 +65,11 @@
 // under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
 // re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
-// reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
+// reduce-scattered into the ranks' shards as it ends (train/gradient_exchange.hpp); with overlap = true
 // that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
 // ZeRO-0/1 with overlap = true exchange in the last micro-batch's backward instead of after it:
 // each block's all-reduce (reduce-scatter) runs during the next block's backward (see
-// exchange_router); the same bits as the blocking path.
+// gradient_exchange::overlapped_micro_batch); the same bits as the blocking path.
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
@@ -129,257 +129,15 @@
 #include "membound/optimizer/adamw8bit.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/train/checkpoint_file.hpp"
+#include "membound/train/data_source.hpp"
+#include "membound/train/fingerprint.hpp"
+#include "membound/train/gradient_exchange.hpp"
 #include "membound/train/schedule_lr.hpp"
+#include "membound/train/trainer_errors.hpp"
+#include "membound/train/trainer_options.hpp"
+#include "membound/train/trainer_report.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
-
-// splitmix64: the whole generator is one 64-bit word, so a checkpoint holds it exactly.
-struct random_state {
-  std::uint64_t state = 0;
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  friend constexpr bool operator==(const random_state&, const random_state&) = default;
-};
-
-// What the trainer asks its data for, one sequence at a time: `index` counts the sequences of the
-// run (the data position), `random` is 64 fresh bits from the run's generator. A source that
-// samples windows uses `random`; one that walks the data in order uses `index`.
-struct sequence_request {
-  std::uint64_t index = 0;
-  std::uint64_t random = 0;
-};
-
-// source(request, tokens, targets) writes T token ids and T next-token targets.
-template <typename F>
-concept sequence_source = std::invocable<F&, const sequence_request&, std::int32_t*, std::int32_t*>;
-
-// automatic: dynamic loss scaling for fp16 storage (its range needs it), none otherwise.
-enum class loss_scaling : std::uint8_t { automatic, off, dynamic };
-
-// One entry of a checkpoint's fingerprint: a name ("storage", "config.rope_base", "blocks.2")
-// and its value as text. Doubles carry their bit pattern, so equal text means equal bits.
-struct fingerprint_field {
-  std::string name;
-  std::string value;
-  friend bool operator==(const fingerprint_field&, const fingerprint_field&) = default;
-};
-
-struct trainer_options {
-  adamw_config adam{};      // adam.lr is not used: `lr` gives each step's rate
-  cosine_lr lr{};
-  double clip = 1.0;        // global-norm clipping; <= 0 turns it off
-  loss_scaling scaling = loss_scaling::automatic;
-  loss_scaler scaler{};     // its starting scale and growth interval
-  std::uint64_t seed = 1;   // weights and the data generator
-  bool replan_under_pressure = true;
-  std::vector<std::size_t> head_chunks{256, 64};  // what a stricter plan may choose from
-  // ZeRO stage over more than one rank: 0 keeps AdamW's state for every parameter on every rank,
-  // 1 shards it (each rank updates its shard_of the parameters, then the weights are gathered),
-  // 2 shards the gradients too (each block's gradients reduce-scattered as its backward ends).
-  std::size_t zero = 0;
-  // Each block's gradient exchange is started as its backward ends and completed at the end of the
-  // next block's backward, which runs while it is in flight. ZeRO-2: every micro-batch's
-  // reduce-scatter of the block's bucket (one bucket and its workspace more between two backward
-  // ops); ZeRO-0/1: in the step's last micro-batch (the earlier ones accumulate), the all-reduce
-  // (ZeRO-0) or reduce-scatter into the shards (ZeRO-1) of the block's accumulated gradients (one
-  // exchange workspace more), then the embedding's and head's after the backward. The same sums,
-  // bit for bit; the plan counts what is in flight (plan_options::gradients, see
-  // gradient_exchange_of). Needs an overlapping_communicator (ZeRO-1/2) or an
-  // overlapping_all_reduce_communicator (ZeRO-0).
-  bool overlap = false;
-  // The caller's own settings of the run, which its checkpoints record beside the trainer's
-  // (run_settings) and load() compares: {"data", a digest of the training text}, a config name.
-  // A name is not empty and holds no '=' or new line; a value holds no new line. Over ranks give
-  // every rank the same tags (a whole checkpoint loaded under ZeRO-0 is checked by each rank alone).
-  std::vector<fingerprint_field> run_tags{};
-};
-
-// Whether load() takes a checkpoint written under other run settings (trainer::run_settings: the
-// learning-rate schedule, AdamW's hyper-parameters, clipping, loss scaling, the caller's
-// run_tags). refuse (the default): checkpoint_run_changed, nothing loaded, so that a resumed run
-// is the uninterrupted one unless asked otherwise. accept: loaded, the run goes on under this
-// trainer's settings, and trainer::changed_at_load() lists what differed.
-enum class run_changes : std::uint8_t { refuse, accept };
-struct load_options {
-  run_changes changes = run_changes::refuse;
-};
-
-// A run setting that differs between a checkpoint and the trainer loading it.
-struct run_field_change {
-  std::string field, saved, current;
-  friend bool operator==(const run_field_change&, const run_field_change&) = default;
-};
-
-namespace detail {
-// The fields of `saved` (a checkpoint's) and `now` (this trainer's) that differ, in now's order,
-// then those only the checkpoint has. A field on one side only counts where
-// counts_missing(name, missing_from_saved) says so; its absent side reads "(none)".
-template <typename CountsMissing>
-std::vector<run_field_change> field_differences(const std::vector<fingerprint_field>& saved,
-                                                const std::vector<fingerprint_field>& now, CountsMissing counts_missing) {
-  const auto find = [](const std::vector<fingerprint_field>& f, const std::string& name) -> const fingerprint_field* {
-    for (const fingerprint_field& e : f)
-      if (e.name == name) return &e;
-    return nullptr;
-  };
-  std::vector<run_field_change> d;
-  for (const fingerprint_field& e : now) {
-    const fingerprint_field* s = find(saved, e.name);
-    if (s == nullptr) {
-      if (counts_missing(e.name, true)) d.push_back({e.name, "(none)", e.value});
-    } else if (s->value != e.value) {
-      d.push_back({e.name, s->value, e.value});
-    }
-  }
-  for (const fingerprint_field& s : saved) {
-    if (find(now, s.name) == nullptr && counts_missing(s.name, false)) d.push_back({s.name, s.value, "(none)"});
-  }
-  return d;
-}
-}  // namespace detail
-
-// A change of plan, and why.
-struct replan_event {
-  std::uint64_t step = 0;         // 1-based step it happened in
-  std::string reason;             // "pressure emergency at after_forward", "out of memory", ...
-  std::size_t usage = 0;          // footprint when it was seen
-  std::size_t limit = 0;
-  std::size_t foreign = 0;        // bytes held by others when the new plan was chosen
-  std::string from, to;           // plan summaries
-  std::size_t from_peak = 0, to_peak = 0;
-  bool retried = false;           // the step was run again under `to` (else: from the next step)
-  bool stricter_found = true;     // false: no smaller plan fits; the step went on as it was
-
-  std::string describe() const {
-    std::string s = "step " + std::to_string(step) + ": " + reason;
-    if (limit != 0) {
-      char pct[32];
-      std::snprintf(pct, sizeof pct, " (%.1f%%)", 100.0 * static_cast<double>(usage) / static_cast<double>(limit));
-      s += " at " + format_bytes(usage, false) + " of " + format_bytes(limit, false) + pct;
-    }
-    if (foreign != 0) s += ", " + format_bytes(foreign, false) + " held by others";
-    if (!stricter_found) return s + "; no smaller plan fits, continuing under " + from;
-    s += retried ? "; retrying the step under " : "; from the next step: ";
-    return s + to + " (predicted peak " + format_bytes(to_peak, false) + ", was " + format_bytes(from_peak, false) + ")";
-  }
-};
-
-struct step_result {
-  std::uint64_t step = 0;       // 1-based
-  double loss = 0;              // mean cross-entropy over the effective batch
-  double lr = 0;
-  double grad_norm = 0;         // of the true (unscaled) gradient, before clipping
-  bool applied = true;          // false: the gradients held inf/NaN and the update was skipped
-  double loss_scale = 1;        // after the step
-  pressure_level pressure = pressure_level::normal;  // the highest level seen in the step
-  std::vector<replan_event> replans;
-  double ms = 0;
-  std::size_t tokens = 0;
-};
-
-// The gradient of an unscaled run is inf or NaN: training has diverged. Nothing was updated.
-class non_finite_gradient : public error {
- public:
-  non_finite_gradient(std::uint64_t step, double loss, double norm)
-      : error("membound: step " + std::to_string(step) + ": the gradient norm is " + std::to_string(norm) +
-              " (loss " + std::to_string(loss) +
-              "); the weights were not updated. Lower the learning rate, turn on loss scaling "
-              "(trainer_options::scaling = loss_scaling::dynamic), or resume from the last checkpoint") {}
-};
-
-// One rank's persistent and transient bytes as its plan predicts them (requested bytes): what the
-// plan table says per rank of a data-parallel run. exchange is the gradient exchange's buffer,
-// sized to fit inside the step's peak (so it is part of `peak`, not added to it).
-struct rank_memory {
-  std::uint64_t rank = 0, ranks = 1, zero = 0;
-  std::uint64_t weights = 0, gradients = 0, optimizer = 0;
-  std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
-  std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
-};
-
-// ZeRO-2's plan_options::gradients for a rank of `comm` (storage S): its rank, the world size and
-// the communicator's reduce-scatter workspace (affine in the block size; anything else is refused).
-// Off (ranks 0) for a world of one.
-//   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
-//   po.gradients = gradient_shards_of<float>(comm);
-template <typename S, typename Communicator>
-gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = false) {
-  if constexpr (!summable<S>) {
-    return {};  // the trainer refuses storage its communicator cannot sum over more than one rank
-  } else {
-    if (comm.size() <= 1) return {};
-    const std::size_t w0 = comm.template reduce_scatter_blocks_workspace_bytes<S>(0);
-    const std::size_t w1 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1);
-    const std::size_t w1000 = comm.template reduce_scatter_blocks_workspace_bytes<S>(1000);
-    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
-      throw invalid_argument("communicator", "a reduce_scatter_blocks_workspace_bytes affine in the block size",
-                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) + ", " +
-                                 std::to_string(w1000) + " bytes for 0, 1, 1000 elements",
-                             "ZeRO-2's planner counts a + b·k bytes per exchange: use zero = 1 with this communicator");
-    }
-    return {comm.size(), comm.rank(), w1 - w0, w0, overlap};
-  }
-}
-
-// plan_options::gradients for a trainer of ZeRO stage `zero` (trainer_options::zero, overlap) over
-// `comm` (storage S): ZeRO-2's gradient_shards_of; ZeRO-0/1 overlapped, the exchange the last
-// micro-batch's backward carries (gradient_shards::whole_overlapped: the communicator's all-reduce
-// workspace, affine in the largest shard of the range, or its reduce_scatter_blocks workspace);
-// otherwise off (ZeRO-0/1 exchange inside the step's peak, after the backward).
-//   po.gradients = gradient_exchange_of<float>(comm, options.zero, options.overlap);
-template <typename S, typename Communicator>
-gradient_shards gradient_exchange_of(const Communicator& comm, std::size_t zero, bool overlap) {
-  if (zero >= 2) return gradient_shards_of<S>(comm, overlap);
-  if constexpr (!summable<S>) {
-    return {};
-  } else {
-    const std::size_t N = comm.size();
-    if (!overlap || N <= 1) return {};
-    const auto ws = [&](std::size_t most) {
-      return zero == 0 ? comm.template all_reduce_workspace_bytes<S>(most * N)
-                       : comm.template reduce_scatter_blocks_workspace_bytes<S>(most);
-    };
-    const std::size_t w0 = ws(0), w1 = ws(1), w1000 = ws(1000);
-    if (w1 < w0 || w1000 != w0 + 1000 * (w1 - w0)) {
-      throw invalid_argument("communicator",
-                             zero == 0 ? "an all_reduce_workspace_bytes affine in the largest shard"
-                                       : "a reduce_scatter_blocks_workspace_bytes affine in the block size",
-                             std::string(comm.name()) + " gives " + std::to_string(w0) + ", " + std::to_string(w1) +
-                                 ", " + std::to_string(w1000) + " bytes for shards of 0, 1, 1000 elements",
-                             "The overlapped exchange's planner counts a + b·k bytes per block: set overlap = false");
-    }
-    gradient_shards g{N, comm.rank(), w1 - w0, w0, true};
-    g.zero = zero;
-    return g;
-  }
-}
-
-// One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
-// (parameters [28048, 56096)), exchange buffer 99.1 KiB (inside the peak), predicted peak ...".
-inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
-  std::string s;
-  for (const rank_memory& r : ranks) {
-    s += "rank " + std::to_string(r.rank) + "/" + std::to_string(r.ranks) + " (ZeRO-" + std::to_string(r.zero) +
-         "): weights " + format_bytes(r.weights, false) + ", gradients " + format_bytes(r.gradients, false) +
-         ", optimizer " + format_bytes(r.optimizer, false) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
-         std::to_string(r.shard_end) + ")), exchange buffer " + format_bytes(r.exchange, false) +
-         " (inside the peak), predicted peak " + format_bytes(r.peak, false) +
-         (r.limit != 0 ? " of a budget of " + format_bytes(r.limit, false) : std::string{}) + "\n";
-  }
-  return s;
-}
-
-// One line naming a plan, in the plan table's words: "micro-batch 4 x 128 tokens, 2 micro-batches
-// per step, schedule none, logit chunk 256".
-inline std::string plan_summary(const training_plan& p) {
-  return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.micro.seq) + " tokens, " +
-         std::to_string(p.accumulation) + (p.accumulation == 1 ? " micro-batch" : " micro-batches") +
-         " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
-}
 
 // What a monitor must offer the trainer (null_monitor and pressure_monitor<...> do).
 template <typename M, typename Allocator>
@@ -389,208 +147,13 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
-// A checkpoint this run cannot resume because it was written for something else: another model,
-// precision, batch, block type or checkpoint format. field() is the first that differs (what()
-// names every one), saved() its value in the file, current() in this run.
-class checkpoint_mismatch : public corrupt_checkpoint {
- public:
-  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
-                      const std::string& why)
-      : corrupt_checkpoint(path, why), field_(std::move(field)), saved_(std::move(saved)), current_(std::move(current)) {}
-  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
-                      const std::string& why, const std::string& what_to_do)
-      : corrupt_checkpoint(path, why, what_to_do),
-        field_(std::move(field)),
-        saved_(std::move(saved)),
-        current_(std::move(current)) {}
-  const std::string& field() const noexcept { return field_; }
-  const std::string& saved() const noexcept { return saved_; }
-  const std::string& current() const noexcept { return current_; }
-
- private:
-  std::string field_, saved_, current_;
-};
-
-// A rank of a data-parallel run could not start: every rank throws it before step 1 (from the
-// trainer's constructor, a collective), naming the rank. Over budget: that rank's plan peak and
-// budget; otherwise that rank threw its own error (see its stderr).
-class rank_cannot_start : public invalid_argument {
- public:
-  rank_cannot_start(std::size_t rank, std::size_t ranks, std::size_t peak, std::size_t limit)
-      : invalid_argument("plan",
-                         "a plan that fits every rank's budget",
-                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
-                             ": a reserved peak of " + format_bytes(peak) + " over its budget of " + format_bytes(limit) +
-                             " (less what it held outside the stack)",
-                         "Give rank " + std::to_string(rank) +
-                             " a larger budget, or plan every rank with fit(model, effective, budget) for the "
-                             "smallest budget of any rank; no rank started step 1"),
-        rank_(rank), peak_(peak), limit_(limit) {}
-  rank_cannot_start(std::size_t rank, std::size_t ranks)
-      : invalid_argument("plan", "every rank ready to start",
-                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " failed (its own error says why)",
-                         "Read rank " + std::to_string(rank) + "'s error; no rank started step 1"),
-        rank_(rank) {}
-  std::size_t rank() const noexcept { return rank_; }
-  std::size_t peak() const noexcept { return peak_; }    // 0 when the rank failed otherwise
-  std::size_t limit() const noexcept { return limit_; }
-
- private:
-  std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
-};
-
-// A checkpoint of another world size that cannot be re-sharded to this one (an optimizer whose
-// state is block-wise, adamw8bit): only the same ranks can resume it. field() is "ranks", saved()
-// the world that wrote it. (Elementwise states, adamw's, are re-sharded: see trainer::load.)
-class checkpoint_world_mismatch : public checkpoint_mismatch {
- public:
-  checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
-                            std::size_t zero, const std::string& why)
-      : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
-                            "it was written by " + saved_ranks + " rank(s) and cannot be re-sharded to this run's " +
-                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
-                                ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
-                                saved_ranks + " ...)") {}
-};
-
-// A checkpoint of this model written under other run settings (see load_options): field(),
-// saved() and current() are the first that differs, changes() every one. Nothing was loaded.
-class checkpoint_run_changed : public checkpoint_mismatch {
- public:
-  checkpoint_run_changed(const std::string& path, std::vector<run_field_change> changes)
-      : checkpoint_mismatch(path, changes.at(0).field, changes.at(0).saved, changes.at(0).current, describe(changes),
-                            "Build the trainer with the settings it was written with to continue that run bit for "
-                            "bit, or load it with load_options{.changes = run_changes::accept} to go on under "
-                            "this trainer's"),
-        changes_(std::move(changes)) {}
-  const std::vector<run_field_change>& changes() const noexcept { return changes_; }
-
- private:
-  static std::string describe(const std::vector<run_field_change>& d) {
-    constexpr std::size_t shown = 4;
-    std::string why = "it was written by a run with other settings (";
-    for (std::size_t k = 0; k < d.size() && k < shown; ++k) {
-      why += (k == 0 ? "" : "; ") + d[k].field + " " + d[k].saved + " there, " + d[k].current + " here";
-    }
-    if (d.size() > shown) why += "; and " + std::to_string(d.size() - shown) + " more";
-    return why + ")";
-  }
-  std::vector<run_field_change> changes_;
-};
-
-// No plan fits what one rank of a data-parallel run has left under pressure: every rank throws
-// it, with that rank's numbers (its budget less the bytes others hold there, and the least peak).
-class rank_budget_too_small : public budget_too_small {
- public:
-  rank_budget_too_small(std::size_t rank, std::size_t ranks, std::size_t available, std::size_t minimum,
-                        const std::string& context)
-      : budget_too_small(available, minimum, "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + ": " + context),
-        rank_(rank) {}
-  std::size_t rank() const noexcept { return rank_; }
-
- private:
-  std::size_t rank_;
-};
-
-// Another rank failed at a collective step (saving, loading); this one throws this, that rank
-// its own error.
-class rank_failed : public error {
- public:
-  rank_failed(std::size_t rank, std::size_t ranks, const std::string& what)
-      : error("membound: rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " could not " + what +
-              " (its own error says why); every rank stops here"),
-        rank_(rank) {}
-  std::size_t rank() const noexcept { return rank_; }
-
- private:
-  std::size_t rank_;
-};
-
 namespace detail {
-// The handle of a started reduce-scatter (ZeRO-2's overlap); a stand-in for communicators that
-// cannot start one (the trainer refuses overlap with them).
-template <typename C>
-struct pending_exchange_of {
-  struct type {
-    bool test() noexcept { return true; }
-    void wait() noexcept {}
-  };
-};
-template <overlapping_communicator C>
-struct pending_exchange_of<C> {
-  using type = decltype(std::declval<C&>().start_reduce_scatter_blocks_sum(
-      std::declval<const float*>(), std::declval<const shard_range*>(), std::declval<float*>(), std::declval<void*>(),
-      std::size_t{}));
-};
-
-// The handle of a started all-reduce (ZeRO-0's overlap); a stand-in as above.
-template <typename C>
-struct pending_all_reduce_of {
-  struct type {
-    bool test() noexcept { return true; }
-    void wait() noexcept {}
-  };
-};
-template <overlapping_all_reduce_communicator C>
-struct pending_all_reduce_of<C> {
-  using type = decltype(std::declval<C&>().start_all_reduce_sum(std::declval<float*>(), std::size_t{},
-                                                                std::declval<void*>(), std::size_t{}));
-};
-
 // Thrown through forward_backward by the check-point observer: the step is abandoned.
 struct abandon_step {
   std::string reason;
   std::size_t usage = 0, limit = 0;
   bool out_of_memory = false;  // over ranks: some rank ran out (no plan then is an error)
 };
-
-// "1e-05 (0x3ee4f8b588e368f1)": the shortest text that reads back the same, and the bits.
-inline std::string exact_text(double v) {
-  char buf[40];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  char bits[24];
-  std::snprintf(bits, sizeof bits, "%016llx", static_cast<unsigned long long>(std::bit_cast<std::uint64_t>(v)));
-  return std::string(buf, r.ptr) + " (0x" + bits + ")";
-}
-
-// FNV-1a, 64 bits: a checksum of the parameter layout, not a defence against forgery (the
-// file's CRC and the other fields do the rest).
-struct fnv1a {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  void bytes(const void* p, std::size_t n) noexcept {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ULL;
-  }
-  void u64(std::uint64_t v) noexcept {
-    unsigned char b[8];
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
-    bytes(b, 8);
-  }
-};
-
-// "name=value" lines; a section that is not that is corrupt.
-inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text, const std::string& path,
-                                                       const std::string& section = "fingerprint") {
-  std::vector<fingerprint_field> f;
-  std::size_t at = 0, line = 1;
-  while (at < text.size()) {
-    const std::size_t end = text.find('\n', at);
-    if (end == std::string::npos) throw corrupt_checkpoint(path, "its " + section + " does not end with a new line");
-    const std::string l = text.substr(at, end - at);
-    const std::size_t eq = l.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      throw corrupt_checkpoint(path, "line " + std::to_string(line) + " of its " + section + " is not name=value");
-    }
-    fingerprint_field e{l.substr(0, eq), l.substr(eq + 1)};
-    for (const fingerprint_field& g : f) {
-      if (g.name == e.name) throw corrupt_checkpoint(path, "its " + section + " names '" + e.name + "' twice");
-    }
-    f.push_back(std::move(e));
-    at = end + 1;
-    ++line;
-  }
-  return f;
-}
 }  // namespace detail
 
 // Optimizer: an optimizer_policy for the model's storage (optimizer/optimizer_policy.hpp):
@@ -655,22 +218,18 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), comm_(comm) {
+        scaler_(o_.scaler), comm_(comm), exchange_(m, alloc, ex, comm, o_.zero, o_.overlap) {
     m_.check(eff_);
     check_options(o_);
     check_world();
-    opt_shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
+    opt_shard_ = exchange_.shard();
     // Each tensor's part in this rank's optimizer range, relative to its start.
     for (const param_entry& e : m_.parameters()) {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
       if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
     }
     glue::template check_optimizer_spans<Optimizer>(std::span<const param_span>(opt_spans_));
-    if (world() > 1) {
-      blocks_.resize(world());
-      norm_parts_.resize(world());
-      rank_status_.resize(3 * world());
-    }
+    if (world() > 1) rank_status_.resize(3 * world());
     // Up to here every rank decided the same from the same arguments. From here one rank may fail
     // alone (its plan, its budget, its allocations): the ranks agree before step 1 (agree_to_start).
     // The stream is set only now: every failure from here releases (and so clears it).
@@ -788,7 +347,7 @@ class trainer {
       }
     }
 
-    const double scaled_norm = gradient_norm();
+    const double scaled_norm = exchange_.gradient_norm(g_, sb_, step_tokens());
     r.grad_norm = scaled_norm / scale;
     r.lr = o_.lr(steps_);
     if (scaling_) {
@@ -996,16 +555,7 @@ class trainer {
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    if (zero2() || whole_overlapped()) {
-      r.exchange = std::max(range_exchange_bytes(m_.embedding_parameters()), range_exchange_bytes(m_.head_parameters()));
-      for (std::size_t i = 0; i < m_.depth(); ++i) r.exchange = std::max(r.exchange, range_exchange_bytes(m_.block_parameters(i)));
-    } else if (world() > 1) {
-      try {
-        r.exchange = exchange_workspace_bytes(exchange_bucket(exchange_headroom()));
-      } catch (const invalid_argument&) {
-        r.exchange = 0;  // no room for an exchange: the first step says so
-      }
-    }
+    r.exchange = exchange_.largest_exchange_bytes(plan_.accumulation, exchange_headroom());
     r.peak = plan_.peak_bytes;
     r.limit = limit_now();
     return r;
@@ -1571,21 +1121,19 @@ class trainer {
   }
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
-  bool sharded() const noexcept { return o_.zero >= 1 && world() > 1; }
-  bool zero2() const noexcept { return o_.zero == 2 && world() > 1; }
-  // The gradients this rank keeps: all of them, or under ZeRO-2 its shard's (opt_shard_).
-  std::size_t grad_elements() const noexcept { return zero2() ? opt_shard_.size() : n_; }
-  std::size_t grad_bytes() const noexcept { return grad_elements() * sizeof(S); }
+  // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
+  bool sharded() const noexcept { return exchange_.sharded(); }
+  bool zero2() const noexcept { return exchange_.zero2(); }
+  bool whole_overlapped() const noexcept { return exchange_.whole_overlapped(); }
+  std::size_t grad_bytes() const noexcept { return exchange_.grad_bytes(); }
   // The summed gradient of this rank's optimizer shard.
-  S* opt_grads() const noexcept { return zero2() ? g_ : g_ + opt_shard_.begin; }
-  // What plan_options::gradients says for this trainer.
-  gradient_shards gradient_sharding() const {
-    return world() > 1 ? gradient_exchange_of<S>(comm_, o_.zero, o_.overlap) : gradient_shards{};
+  S* opt_grads() const noexcept { return exchange_.shard_gradients(g_); }
+  gradient_shards gradient_sharding() const { return exchange_.sharding(); }
+  std::size_t optimizer_elements() const noexcept { return exchange_.optimizer_elements(); }
+  // The bytes the blocking gradient exchange may take: the step's predicted peak less the trainer's own.
+  std::size_t exchange_headroom() const noexcept {
+    return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
   }
-  // ZeRO-0/1 overlapped: the last micro-batch's blocks start their exchanges in the backward.
-  bool whole_overlapped() const noexcept { return o_.overlap && o_.zero < 2 && world() > 1; }
-  // What plan_options / fit_options say about this rank's optimizer state.
-  std::size_t optimizer_elements() const noexcept { return sharded() ? opt_shard_.size() : 0; }
 
   void release() noexcept {
     // A collective (ZeRO-1's all-gather into w_) may still be writing: done before the bytes go.
@@ -1993,10 +1541,14 @@ class trainer {
           default: break;
         }
       };
+      const auto routed = [&](auto& router) {
+        return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+                                          plan_.head_chunk, scale / accum, alloc_, ex_, observer);
+      };
       if (zero2()) {
-        loss += zero2_micro_batch(micro == 0, scale / accum, observer) / accum;
+        loss += exchange_.zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
       } else if (backward_exchanges_) {
-        loss += overlapped_micro_batch(scale / accum, observer) / accum;
+        loss += exchange_.overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
       } else {
         loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
@@ -2006,7 +1558,7 @@ class trainer {
     oom_may_vote_ = false;  // the exchange follows
     backward_exchanges_ = false;
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
-    if (world() > 1) loss = exchange(loss);
+    if (world() > 1) loss = exchange_.exchange(g_, loss, exchange_headroom());
     return loss;
   }
 
@@ -2018,390 +1570,6 @@ class trainer {
     }
   }
 
-  // The sum over ranks, in rank order, of the gradients (in place) and of the loss. The gradient
-  // exchange goes in buckets whose workspace fits in the headroom between the step's predicted
-  // peak and the trainer's own bytes: every activation is gone by now, so the exchange never
-  // raises the peak the plan predicted.
-  double exchange(double loss) {
-    if constexpr (summable<S>) {
-      if (zero2() || whole_overlapped()) {
-        // Reduce-scattered (all-reduced) during the backward already.
-      } else if (sharded()) {
-        exchange_shards();
-      } else {
-        exchange_all();
-      }
-      // The loss: one double, through a buffer made once at construction (a few dozen bytes).
-      ctl().all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
-      return loss;
-    } else {
-      return loss;  // check_world refused more than one rank
-    }
-  }
-
-  // ---- ZeRO-2 ------------------------------------------------------------------------------------
-  // What this rank keeps of a micro-batch's gradients, and when: its shard (g_, between steps
-  // too); in each block's backward, that block's gradients (a bucket allocated after the block's
-  // δ and freed once reduce-scattered into the ranks' shards at the end of its backward); for the
-  // whole micro-batch, the embedding's and head's (one bucket, reduce-scattered after the
-  // micro-batch). The first micro-batch of a step writes the sums into the shard, the others add
-  // theirs: so with one micro-batch per rank the shard holds ZeRO-0's sum, bit for bit, and with
-  // more it is a sum of the micro-batches' rank-order sums (another order than ZeRO-0's).
-  // Overlapped (options.overlap): a block's reduce-scatter is started at the end of its backward
-  // and completed at the end of the next block's (the last block's after the micro-batch's
-  // backward), its bucket and workspace kept until then; the next block's begin_block polls it,
-  // since MPI moves a non-blocking collective on only inside MPI calls. One exchange is in flight
-  // at a time and each is summed as the blocking path sums it, so the results are its bits.
-  using pending_exchange = typename detail::pending_exchange_of<Communicator>::type;
-  struct zero2_router {
-    trainer& t;
-    bool first;
-    S* held = nullptr;    // the embedding's and head's gradients
-    S* bucket = nullptr;  // the current block's
-    shard_range range{};
-    // The exchange in flight (overlapped): its handle, bucket, workspace and destination.
-    pending_exchange flight{};
-    S* flight_bucket = nullptr;
-    void* flight_ws = nullptr;
-    std::size_t flight_bucket_bytes = 0, flight_ws_bytes = 0;
-    S* flight_dst = nullptr;
-    S* flight_out = nullptr;
-    std::size_t flight_count = 0;
-    zero2_router(trainer& tr, bool f) : t(tr), first(f) {}
-    zero2_router(const zero2_router&) = delete;
-    zero2_router& operator=(const zero2_router&) = delete;
-    ~zero2_router() {
-      flight = pending_exchange{};  // waits for an exchange still in flight before its buffers go
-      release_flight();
-      if (bucket != nullptr) t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
-      if (held != nullptr) t.alloc_.deallocate(held, t.held_bytes(), default_alignment, memory_tag::gradients);
-    }
-    S* at(std::size_t offset) const noexcept {
-      if (bucket != nullptr && offset >= range.begin && offset < range.end) return bucket + (offset - range.begin);
-      const shard_range e = t.m_.embedding_parameters();
-      if (offset < e.end) return held + offset;
-      return held + e.size() + (offset - t.m_.head_parameters().begin);
-    }
-    void begin_block(std::size_t i) {
-      const shard_range r = t.m_.block_parameters(i);
-      bucket = static_cast<S*>(t.alloc_.allocate(r.size() * sizeof(S), default_alignment, memory_tag::gradients));
-      range = r;
-      std::memset(static_cast<void*>(bucket), 0, r.size() * sizeof(S));
-      if (flight_bucket != nullptr) (void)flight.test();
-    }
-    void end_block(std::size_t) {
-      if constexpr (overlapping_communicator<Communicator> && summable<S>) {
-        if (t.o_.overlap) {
-          finish();
-          // The workspace first, then the bucket becomes the flight's: a throw leaves each owned once.
-          flight_ws_bytes = t.range_exchange_bytes(range);
-          flight_ws = t.alloc_.allocate(flight_ws_bytes, default_alignment, memory_tag::workspace);
-          flight_bucket = std::exchange(bucket, nullptr);
-          flight_bucket_bytes = range.size() * sizeof(S);
-          const auto x = t.prepare_range(range, flight_ws, first);
-          flight_dst = x.dst;
-          flight_out = x.out;
-          flight_count = x.add ? x.count : 0;
-          flight = t.comm_.start_reduce_scatter_blocks_sum(static_cast<const S*>(flight_bucket), t.blocks_.data(),
-                                                           x.out, flight_ws, x.exchange_bytes);
-          return;
-        }
-      }
-      t.reduce_scatter_range(bucket, range, first);
-      t.alloc_.deallocate(bucket, range.size() * sizeof(S), default_alignment, memory_tag::gradients);
-      bucket = nullptr;
-    }
-    // Completes the exchange in flight, adds its partial sum (after the first micro-batch) into
-    // the shard and gives its workspace, then its bucket, back.
-    void finish() {
-      if (flight_bucket == nullptr) return;
-      flight.wait();
-      add_into(flight_dst, flight_out, flight_count);
-      release_flight();
-    }
-    void release_flight() noexcept {
-      if (flight_ws != nullptr) {
-        t.alloc_.deallocate(std::exchange(flight_ws, nullptr), flight_ws_bytes, default_alignment, memory_tag::workspace);
-      }
-      if (flight_bucket != nullptr) {
-        t.alloc_.deallocate(std::exchange(flight_bucket, nullptr), flight_bucket_bytes, default_alignment,
-                            memory_tag::gradients);
-      }
-    }
-  };
-
-  std::size_t held_bytes() const noexcept {
-    return (m_.embedding_parameters().size() + m_.head_parameters().size()) * sizeof(S);
-  }
-
-  template <typename Observer>
-  double zero2_micro_batch(bool first, double scale, Observer& observer) {
-    zero2_router router(*this, first);
-    router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
-    std::memset(static_cast<void*>(router.held), 0, held_bytes());
-    const double loss = m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
-                                                   plan_.head_chunk, scale, alloc_, ex_, observer);
-    router.finish();
-    const shard_range e = m_.embedding_parameters();
-    reduce_scatter_range(router.held, e, first);
-    reduce_scatter_range(router.held + e.size(), m_.head_parameters(), first);
-    return loss;
-  }
-
-  // The workspace of one range's reduce-scatter (and, with more than one micro-batch, the
-  // partial sum it adds into the shard), as the planner counts it (gradient_shards).
-  std::size_t range_exchange_bytes(shard_range r) const {
-    return gradient_exchange_bytes(m_, gradient_sharding(), r, plan_.accumulation);
-  }
-  // Where one range's reduce-scatter writes: the shard (first micro-batch), or a partial sum in
-  // the workspace after the exchange's own part, added to the shard once complete.
-  struct range_exchange {
-    S* dst = nullptr;                // this rank's shard elements of the range
-    S* out = nullptr;                // where the exchange writes their sum
-    std::size_t count = 0;           // how many
-    std::size_t exchange_bytes = 0;  // the reduce-scatter's part of the workspace
-    bool add = false;                // out is a partial sum to add into dst
-  };
-  // Fills blocks_ with every rank's part of r (relative to r.begin) and says where the sum goes.
-  range_exchange prepare_range(shard_range r, void* ws, bool first) {
-    const std::size_t N = world();
-    std::size_t most = 0;
-    for (std::size_t k = 0; k < N; ++k) {
-      const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
-      blocks_[k] = {o.begin - r.begin, o.end - r.begin};
-      most = std::max(most, o.size());
-    }
-    const shard_range mine = overlap(opt_shard_, r.begin, r.end);
-    range_exchange x;
-    x.dst = mine.size() == 0 ? g_ : g_ + (mine.begin - opt_shard_.begin);
-    x.count = mine.size();
-    if constexpr (summable<S>) x.exchange_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(most);
-    x.add = !first;
-    x.out = first ? x.dst : reinterpret_cast<S*>(static_cast<std::byte*>(ws) + x.exchange_bytes);
-    return x;
-  }
-  // dst += part, elementwise; 16-bit storage adds in fp32 and rounds once, as its accumulation does.
-  static void add_into(S* dst, const S* part, std::size_t count) noexcept {
-    using A = std::conditional_t<std::is_same_v<S, double>, double, float>;
-    for (std::size_t i = 0; i < count; ++i) dst[i] = from_accum<S>(to_accum<A>(dst[i]) + to_accum<A>(part[i]));
-  }
-  // in: the gradients of the parameters [r.begin, r.end) of this rank's micro-batch. Every rank's
-  // part of them summed over ranks in rank order into (first) or onto its shard g_.
-  void reduce_scatter_range(const S* in, shard_range r, bool first) {
-    if constexpr (summable<S>) {
-      const std::size_t ws_bytes = range_exchange_bytes(r);
-      void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
-      try {
-        const range_exchange x = prepare_range(r, ws, first);
-        comm_.reduce_scatter_blocks_sum(in, blocks_.data(), x.out, ws, x.exchange_bytes);
-        if (x.add) add_into(x.dst, x.out, x.count);
-      } catch (...) {
-        alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-        throw;
-      }
-      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-    }
-  }
-
-  // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------
-  // The step's last micro-batch (the earlier ones accumulate into g_ as the blocking path does):
-  // once its block i's backward has ended, block i's gradients (block_parameters(i), contiguous)
-  // are complete, so their exchange is started there, non-blocking, on g_ in place: ZeRO-0
-  // all-reduces the range, ZeRO-1 reduce-scatters it into the ranks' optimizer shards (each
-  // rank's part of the range, as exchange_shards' rounds carry them). It is completed as the next
-  // block's backward ends (test() polled as that one begins, since MPI moves a non-blocking
-  // collective on only inside MPI calls); the last block's after the backward, then the
-  // embedding's and the head's ranges are exchanged, one after the other. One exchange in
-  // flight at a time, holding only its workspace (the planner's carry). Every element's sum is
-  // the rank-order sum the blocking path computes, so the bits are its bits.
-  using pending_all_reduce = typename detail::pending_all_reduce_of<Communicator>::type;
-  struct exchange_router {
-    trainer& t;
-    pending_exchange scatter{};   // ZeRO-1's reduce-scatter in flight
-    pending_all_reduce reduce{};  // ZeRO-0's all-reduce in flight
-    void* ws = nullptr;           // its workspace
-    std::size_t ws_bytes = 0;
-    explicit exchange_router(trainer& tr) : t(tr) {}
-    exchange_router(const exchange_router&) = delete;
-    exchange_router& operator=(const exchange_router&) = delete;
-    ~exchange_router() {
-      scatter = pending_exchange{};  // waits for an exchange still in flight before its workspace goes
-      reduce = pending_all_reduce{};
-      release();
-    }
-    S* at(std::size_t offset) const noexcept { return t.g_ + offset; }
-    void begin_block(std::size_t) {
-      if (ws == nullptr) return;
-      if (t.sharded()) {
-        (void)scatter.test();
-      } else {
-        (void)reduce.test();
-      }
-    }
-    void end_block(std::size_t i) {
-      finish();
-      start(t.m_.block_parameters(i));
-    }
-    // Takes the range's workspace and starts its exchange.
-    void start(shard_range r) {
-      ws_bytes = t.range_exchange_bytes(r);
-      ws = t.alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
-      if constexpr (summable<S>) {
-        if (t.sharded()) {
-          if constexpr (overlapping_communicator<Communicator>) {
-            const shard_range mine = t.range_blocks(r);
-            scatter = t.comm_.start_reduce_scatter_blocks_sum(static_cast<const S*>(t.g_ + r.begin), t.blocks_.data(),
-                                                              t.g_ + mine.begin, ws, ws_bytes);
-          }
-        } else {
-          if constexpr (overlapping_all_reduce_communicator<Communicator>) {
-            reduce = t.comm_.start_all_reduce_sum(t.g_ + r.begin, r.size(), ws, ws_bytes);
-          }
-        }
-      }
-    }
-    // Completes the exchange in flight and gives its workspace back.
-    void finish() {
-      if (ws == nullptr) return;
-      if (t.sharded()) {
-        scatter.wait();
-      } else {
-        reduce.wait();
-      }
-      release();
-    }
-    void release() noexcept {
-      if (ws != nullptr) t.alloc_.deallocate(std::exchange(ws, nullptr), ws_bytes, default_alignment, memory_tag::workspace);
-    }
-  };
-
-  template <typename Observer>
-  double overlapped_micro_batch(double scale, Observer& observer) {
-    exchange_router router(*this);
-    const double loss = m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
-                                                   plan_.head_chunk, scale, alloc_, ex_, observer);
-    router.finish();
-    for (const shard_range r : {m_.embedding_parameters(), m_.head_parameters()}) {
-      router.start(r);
-      router.finish();
-    }
-    return loss;
-  }
-
-  // Fills blocks_ with every rank's optimizer-shard part of r (relative to r.begin); returns this
-  // rank's part (absolute).
-  shard_range range_blocks(shard_range r) {
-    const std::size_t N = world();
-    for (std::size_t k = 0; k < N; ++k) {
-      const shard_range o = overlap(shard_of(n_, N, k), r.begin, r.end);
-      blocks_[k] = {o.begin - r.begin, o.end - r.begin};
-    }
-    return overlap(opt_shard_, r.begin, r.end);
-  }
-
-  // The bytes the gradient exchange may take: the step's predicted peak less the trainer's own.
-  std::size_t exchange_headroom() const noexcept {
-    return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
-  }
-
-  // ZeRO-1: each rank receives only the summed gradient of its optimizer shard, in place, in
-  // rounds: round k carries the k-th bucket of every rank's shard. The sum for each element is
-  // the all-reduce's (rank order), so the shard equals ZeRO-0's gradient there, bit for bit.
-  void exchange_shards() {
-    const std::size_t N = world(), bucket = exchange_bucket(exchange_headroom());
-    const std::size_t ws_bytes = comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket);
-    void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
-    try {
-      for (std::size_t at = 0; at < max_shard(n_, N); at += bucket) {
-        for (std::size_t r = 0; r < N; ++r) {
-          const shard_range s = shard_of(n_, N, r);
-          blocks_[r] = {s.begin + std::min(at, s.size()), s.begin + std::min(at + bucket, s.size())};
-        }
-        comm_.reduce_scatter_blocks_sum(static_cast<const S*>(g_), blocks_.data(), g_ + blocks_[comm_.rank()].begin, ws,
-                                        ws_bytes);
-      }
-    } catch (...) {
-      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-      throw;
-    }
-    alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-  }
-
-  void exchange_all() {
-    if constexpr (summable<S>) {
-      const std::size_t bucket = exchange_bucket(exchange_headroom());
-      const std::size_t ws_bytes = comm_.template all_reduce_workspace_bytes<S>(bucket);
-      void* ws = alloc_.allocate(ws_bytes, default_alignment, memory_tag::workspace);
-      try {
-        for (std::size_t at = 0; at < n_; at += bucket) {
-          comm_.all_reduce_sum(g_ + at, std::min(bucket, n_ - at), ws, ws_bytes);
-        }
-      } catch (...) {
-        alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-        throw;
-      }
-      alloc_.deallocate(ws, ws_bytes, default_alignment, memory_tag::workspace);
-    }
-  }
-
-  // The gradient exchange's workspace for `bucket` elements: an all-reduce's (ZeRO-0), or a
-  // reduce-scatter of `bucket` elements of every rank's shard (ZeRO-1).
-  std::size_t exchange_workspace_bytes(std::size_t bucket) const {
-    if constexpr (summable<S>) {
-      return sharded() ? comm_.template reduce_scatter_blocks_workspace_bytes<S>(bucket)
-                       : comm_.template all_reduce_workspace_bytes<S>(bucket);
-    } else {
-      return 0;
-    }
-  }
-
-  // The most gradient elements per exchange whose workspace fits `headroom` bytes (per rank's
-  // shard under ZeRO-1).
-  std::size_t exchange_bucket(std::size_t headroom) const {
-    std::size_t lo = 0, hi = sharded() ? max_shard(n_, world()) : n_;
-    while (lo < hi) {  // the largest k in [0, hi] with workspace(k) <= headroom
-      const std::size_t mid = lo + (hi - lo + 1) / 2;
-      if (exchange_workspace_bytes(mid) <= headroom) lo = mid;
-      else hi = mid - 1;
-    }
-    if (lo == 0) {  // a step whose activations and workspace are smaller than a few dozen bytes
-      throw invalid_argument("plan", "a step peak at least " + format_bytes(exchange_workspace_bytes(1)) +
-                                         " above the trainer's own bytes (the gradient exchange's least workspace)",
-                             format_bytes(headroom) + " above them", "Use a larger micro-batch");
-    }
-    return lo;
-  }
-
-  // The global norm of the summed gradient. Over ranks: each shard's sum of squares added in rank
-  // order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
-  // both stages clip by the same bits.
-  double gradient_norm() {
-    const std::size_t N = world();
-    if (N == 1) {
-      return glue::template gradient_norm<S>(ex_, g_, n_, sb_, step_tokens());
-    }
-    const std::size_t me = comm_.rank();
-    if (sharded()) {
-      norm_parts_[me] = shard_sum_squares(opt_grads(), opt_shard_.size());
-      ctl().all_gather(static_cast<const double*>(norm_parts_.data() + me), norm_parts_.data(), N);
-    } else {
-      for (std::size_t r = 0; r < N; ++r) {
-        const shard_range s = shard_of(n_, N, r);
-        norm_parts_[r] = shard_sum_squares(g_ + s.begin, s.size());
-      }
-      // The reads above waited for the exchange: a device communicator whose watchdog ended it
-      // says so here, before the optimizer step would use what arrived (ZeRO-1 asks in ctl()).
-      if constexpr (requires { comm_.check(); }) comm_.check();
-    }
-    double sum = 0;
-    for (const double v : norm_parts_) sum += v;
-    return std::sqrt(sum);
-  }
-  // Σ g² over one shard, in double (the device's fixed-shape reduction there).
-  double shard_sum_squares(const S* g, std::size_t count) {
-    return glue::template sum_squares<S>(ex_, g, count, sb_, step_tokens(), n_);
-  }
-
   std::size_t world() const noexcept { return comm_.size(); }
   // A device communicator orders each collective after the work enqueued on the stream it
   // follows and before the work enqueued after it: this trainer's executor's, set again at each
@@ -2409,16 +1577,8 @@ class trainer {
   void follow_stream() const {
     if constexpr (requires { comm_.set_stream(ex_.stream()); }) comm_.set_stream(ex_.stream());
   }
-  // The communicator of the host values every rank agrees on (flags, votes, plans, the loss, the
-  // norm's parts): a split communicator's control(), else the communicator itself. A device
-  // communicator's collectives return before their data moved, so one whose watchdog aborted a
-  // collective (nccl_communicator with a timeout) says so here, before a host value built on its
-  // data is exchanged (and before the optimizer step that would use it).
-  auto& ctl() const {
-    if constexpr (requires { comm_.check(); }) comm_.check();
-    if constexpr (split_communicator<Communicator>) return comm_.control();
-    else return comm_;
-  }
+  // The communicator of the host values every rank agrees on (see detail::control_of).
+  auto& ctl() const { return detail::control_of(comm_); }
   // This rank's share of the effective batch.
   batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq}; }
 
@@ -2465,7 +1625,7 @@ class trainer {
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
                              "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
-      loss_ws_.resize(ctl().template all_reduce_workspace_bytes<double>(1));
+      exchange_.reserve_loss_workspace();
     }
   }
 
@@ -2775,11 +1935,8 @@ class trainer {
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
-  std::vector<std::byte> loss_ws_;  // the loss exchange's workspace (more than one rank)
-  // Over ranks, sized once at construction: each exchange round's blocks, each shard's sum of
-  // squares, each rank's (status, peak, limit) before step 1.
-  std::vector<shard_range> blocks_;
-  std::vector<double> norm_parts_;
+  gradient_exchange<Model, Allocator, Communicator> exchange_;  // ZeRO-0/1/2, overlapped or not
+  // Over ranks, sized once at construction: each rank's (status, peak, limit) before step 1.
   std::vector<std::uint64_t> rank_status_;
   // Replanning over ranks, sized once at construction: each rank's vote, targets and verdict on
   // rank 0's choice (see agree_on_retry, agreed_stricter_plan).
