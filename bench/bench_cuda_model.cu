@@ -37,6 +37,9 @@ namespace mb = membound;
 
 namespace {
 
+// The kernel choices of every executor the benchmarks make (main sets them from the flags).
+mb::gpu::kernel_choices run_kernels{};
+
 using P = mb::bf16_precision;
 using B = mb::cuda_backend;
 using net = mb::model<mb::embedding<P>, mb::block_pattern<mb::ttt_linear<P, B>, mb::attention<P, B>, mb::mamba<P, B>>,
@@ -86,6 +89,7 @@ void bm_step(benchmark::State& state) {
   std::optional<mb::cuda_executor> exec;
   const mb::runtime_memory rt = mb::measure_runtime_memory(mb::cuda_current_device(), [&] { exec.emplace(); });
   mb::cuda_executor& ex = *exec;
+  ex.set_kernels(run_kernels);
   mb::training_plan p = mb::fit(m, b, budget > rt.total() ? budget - rt.total() : 0);
   const std::size_t n = m.parameter_elements(), wb = m.weight_bytes();
   p.budget = budget;
@@ -173,6 +177,7 @@ void bm_train_step(benchmark::State& state) {
   fo.reserve = mb::reserve_model(m, alloc);
   const mb::training_plan p = mb::fit(m, b, budget, fo);
   mb::cuda_executor ex;
+  ex.set_kernels(run_kernels);
   // Random bytes from the request's bits: each window's targets are its tokens shifted by one.
   const auto source = [T](const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) {
     std::uint64_t s = r.random;
@@ -220,7 +225,7 @@ BENCHMARK(bm_step)->Arg(2048)->Arg(4096)->Arg(8192)->UseManualTime()->Unit(bench
 BENCHMARK(bm_train_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 // --attention-kernels=mma|wmma (ours, default mma, taken out before Google Benchmark parses the rest): which
-// attention kernels the bf16 model runs (gpu::attention_kernel_choice), reported in the context.
+// attention kernels the bf16 model runs (the executors' kernels().attention), reported in the context.
 int main(int argc, char** argv) {
   std::vector<char*> args;
   std::string kernels = "mma";  // the library's default
@@ -236,7 +241,7 @@ int main(int argc, char** argv) {
       args.push_back(argv[i]);
     }
   }
-  mb::gpu::attention_kernel_choice() =
+  run_kernels.attention =
       kernels == "mma" ? mb::gpu::attention_kernels::tensor_core : mb::gpu::attention_kernels::simt_wmma;
   benchmark::AddCustomContext("attention_kernels", kernels);
   int n = static_cast<int>(args.size());

@@ -4,7 +4,7 @@
 // the figure to set against PyTorch's forward + backward, bench/peers/ttt_peer.py). Timed with
 // CUDA events on the layer's stream. Without a device each benchmark is skipped.
 // The second argument is the inner loop's placement: 1 what the device allows on chip (the
-// default), 0 nothing (gpu::ttt_shared_limit() = 0: every part through global scratch, the
+// default), 0 nothing (cuda_executor::set_kernels({.ttt_shared_limit = 0}): every part through global scratch, the
 // placement before on-chip existed; the same bits): the ratio of the two, in one run, is what
 // keeping the working set on chip buys.
 #include <benchmark/benchmark.h>
@@ -49,12 +49,10 @@ void bm_layer(benchmark::State& state) {
     state.SkipWithError("no CUDA device");
     return;
   }
-  using layer = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<16>, mb::ttt_checkpoint_groups<4>,
+  using layer = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<16>, mb::ttt_state_groups<4>,
                               mb::cuda_backend>;
   using S = typename layer::storage_type;
   const mb::ttt_shape s{1, static_cast<std::size_t>(state.range(0)), 1024, 16};
-  const std::size_t cap_before = mb::gpu::ttt_shared_limit().load();
-  mb::gpu::ttt_shared_limit() = state.range(1) != 0 ? cap_before : 0;
   const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, D = s.head_dim();
   const std::size_t F = layer::hidden(s);
   std::vector<void*> owned;
@@ -99,6 +97,7 @@ void bm_layer(benchmark::State& state) {
   owned.push_back(saved);
   owned.push_back(ws);
   mb::cuda_executor ex;
+  if (state.range(1) == 0) ex.set_kernels({.ttt_shared_limit = 0});
   cudaEvent_t start, stop;
   mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
   mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
@@ -125,7 +124,6 @@ void bm_layer(benchmark::State& state) {
       s, mb::gpu::ttt_detail::inner_shared_limit(ex));
   state.counters["fwd_shared_KiB"] = static_cast<double>(chip.forward.shared_bytes) / 1024;
   state.counters["bwd_shared_KiB"] = static_cast<double>(chip.backward.shared_bytes) / 1024;
-  mb::gpu::ttt_shared_limit() = cap_before;
   (void)cudaEventDestroy(start);
   (void)cudaEventDestroy(stop);
   for (void* p : owned) (void)cudaFree(p);

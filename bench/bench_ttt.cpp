@@ -7,7 +7,7 @@
 //     out the GELU's second-derivative term of the MLP's hand backward alone shows up as 5.7e-3);
 //   - for T in {1024, 4096}, width C = 512 with H = 8 heads (D = 64), mini-batch b = 16, B = 1,
 //     no gate, fp32 and bf16 storage: forward and forward+backward of membound::ttt_linear under
-//     the checkpoint policies ttt_checkpoint_groups<1>, <4> and ttt_checkpoint_all (G = 1, 4,
+//     the checkpoint policies ttt_state_groups<1>, <4> and ttt_state_groups_all (G = 1, 4,
 //     all), and of the naive TTT-Linear layer;
 //   - the same for membound::ttt_mlp (F = 4·D = 256) and the naive TTT-MLP layer.
 //
@@ -966,7 +966,7 @@ bool check_naive(mb::thread_pool& pool) {
   s.seq = 256;
   s.width = 512;
   s.heads = 8;
-  using layer = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_checkpoint_groups<4>>;
+  using layer = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_state_groups<4>>;
   layer_io<float> a(s, Mlp), b(s, Mlp);
   ours<layer>::run(s, a, true, pool);
   naive<float, Mlp>::run(s, b, true, pool);
@@ -1028,9 +1028,9 @@ std::size_t naive_state_bytes(const mb::ttt_shape& s, bool mlp) {
 template <typename Prec, bool Mlp>
 void rows(const char* precision_name, const options& opt, mb::thread_pool& pool) {
   using S = typename Prec::storage_type;
-  using g1 = mb::basic_ttt<Mlp, Prec, mb::ttt_mini_batch<MBATCH>, mb::ttt_checkpoint_groups<1>>;
-  using g4 = mb::basic_ttt<Mlp, Prec, mb::ttt_mini_batch<MBATCH>, mb::ttt_checkpoint_groups<4>>;
-  using gall = mb::basic_ttt<Mlp, Prec, mb::ttt_mini_batch<MBATCH>, mb::ttt_checkpoint_all>;
+  using g1 = mb::basic_ttt<Mlp, Prec, mb::ttt_mini_batch<MBATCH>, mb::ttt_state_groups<1>>;
+  using g4 = mb::basic_ttt<Mlp, Prec, mb::ttt_mini_batch<MBATCH>, mb::ttt_state_groups<4>>;
+  using gall = mb::basic_ttt<Mlp, Prec, mb::ttt_mini_batch<MBATCH>, mb::ttt_state_groups_all>;
   using nv = naive<S, Mlp>;
   for (std::size_t T : {std::size_t{1024}, std::size_t{4096}}) {
     if (T > opt.max_seq || (opt.quick && T > 1024)) continue;

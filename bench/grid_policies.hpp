@@ -25,14 +25,14 @@ namespace mb = membound;
 // ---- The lists ----------------------------------------------------------------------------------
 using precisions = mb::type_list<mb::fp32_precision, mb::bf16_precision, mb::fp16_precision>;
 using attention_tiles = mb::type_list<mb::attention_tiles<64, 64>, mb::attention_tiles<32, 32>>;
-using attention_checkpoints = mb::type_list<mb::recompute, mb::save_all>;
+using attention_recomputes = mb::type_list<mb::recompute, mb::save_all>;
 using scan_chunks = mb::type_list<mb::scan_chunk<128>, mb::scan_chunk<32>>;
-using mamba_checkpoints = mb::type_list<mb::recompute, mb::save_all>;
+using mamba_recomputes = mb::type_list<mb::recompute, mb::save_all>;
 // A mini-batch is part of the TTT model's definition (one inner step per mini-batch), not only a
 // schedule: a point on this axis trains a different model, with its own loss.
 using ttt_mini_batches = mb::type_list<mb::ttt_mini_batch<16>, mb::ttt_mini_batch<8>>;
-using ttt_checkpoints =
-    mb::type_list<mb::ttt_checkpoint_groups<4>, mb::ttt_checkpoint_groups<1>, mb::ttt_checkpoint_all>;
+using ttt_state_group_sizes =
+    mb::type_list<mb::ttt_state_groups<4>, mb::ttt_state_groups<1>, mb::ttt_state_groups_all>;
 
 // ---- Labels (tables, JSON, the SVG) ------------------------------------------------------------
 template <typename T>
@@ -62,7 +62,7 @@ struct policy_label<mb::ttt_mini_batch<M>> {
   static std::string get() { return std::to_string(M); }
 };
 template <std::size_t G>
-struct policy_label<mb::ttt_checkpoint_groups<G>> {
+struct policy_label<mb::ttt_state_groups<G>> {
   static std::string get() { return G == std::numeric_limits<std::size_t>::max() ? "all" : std::to_string(G); }
 };
 template <>
@@ -99,9 +99,9 @@ struct attention_tiles_axis {
   static constexpr const char* short_name = "attn tiles ";
   static bool applies(const block_kinds& k) { return k.attention; }
 };
-struct attention_checkpoint_axis {
-  using list = attention_checkpoints;
-  static constexpr const char* name = "attention_checkpoint";
+struct attention_recompute_axis {
+  using list = attention_recomputes;
+  static constexpr const char* name = "attention_recompute";
   static constexpr const char* short_name = "attn ";
   static bool applies(const block_kinds& k) { return k.attention; }
 };
@@ -111,9 +111,9 @@ struct scan_chunk_axis {
   static constexpr const char* short_name = "mamba chunk ";
   static bool applies(const block_kinds& k) { return k.mamba; }
 };
-struct mamba_checkpoint_axis {
-  using list = mamba_checkpoints;
-  static constexpr const char* name = "mamba_checkpoint";
+struct mamba_recompute_axis {
+  using list = mamba_recomputes;
+  static constexpr const char* name = "mamba_recompute";
   static constexpr const char* short_name = "mamba ";
   static bool applies(const block_kinds& k) { return k.mamba; }
 };
@@ -123,16 +123,16 @@ struct ttt_mini_batch_axis {
   static constexpr const char* short_name = "ttt b=";
   static bool applies(const block_kinds& k) { return k.ttt; }
 };
-struct ttt_checkpoint_axis {
-  using list = ttt_checkpoints;
-  static constexpr const char* name = "ttt_checkpoint";
+struct ttt_state_groups_axis {
+  using list = ttt_state_group_sizes;
+  static constexpr const char* name = "ttt_state_groups";
   static constexpr const char* short_name = "ttt G=";
   static bool applies(const block_kinds& k) { return k.ttt; }
 };
 
 // The order of the slots of a combination (grid_model reads them by index).
-using axes = mb::type_list<precision_axis, attention_tiles_axis, attention_checkpoint_axis, scan_chunk_axis,
-                           mamba_checkpoint_axis, ttt_mini_batch_axis, ttt_checkpoint_axis>;
+using axes = mb::type_list<precision_axis, attention_tiles_axis, attention_recompute_axis, scan_chunk_axis,
+                           mamba_recompute_axis, ttt_mini_batch_axis, ttt_state_groups_axis>;
 
 // ---- Type-list plumbing --------------------------------------------------------------------------
 template <typename L, std::size_t I>

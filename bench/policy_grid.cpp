@@ -11,8 +11,8 @@
 //
 // The grid:
 //   compile time  the lists of bench/grid_policies.hpp: precision (fp32, bf16, fp16), attention
-//                 tiles and checkpoint (recompute, save_all), Mamba scan chunk and checkpoint, TTT
-//                 mini-batch and checkpoint groups; the base (each list's first entry) and each
+//                 tiles and recompute policy (recompute, save_all), Mamba scan chunk and recompute policy, TTT
+//                 mini-batch and state groups; the base (each list's first entry) and each
 //                 other entry one axis at a time (--vary picks the axes; axes no block of --layers
 //                 takes are skipped)
 //   schedule      none, full, every:K, binomial:S (--quick: every:2, binomial:1; else every K from
@@ -196,7 +196,7 @@ options checked_options(const flag_texts& f) {
         if (std::find(o.vary.begin(), o.vary.end(), name) == o.vary.end()) {
           throw mb::invalid_argument(f.label("--vary"), "none, or a comma-separated list of " + grid::axis_names(),
                                      cc::in_quotes(text) + (name == text ? "" : " (" + cc::in_quotes(name) + ")"),
-                                     "e.g. --vary precision,attention_checkpoint");
+                                     "e.g. --vary precision,attention_recompute");
         }
         chosen.push_back(name);
         at = comma + 1;

@@ -131,6 +131,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   std::optional<mb::cuda_executor> exec;
   const mb::runtime_memory outside = mb::measure_runtime_memory(device, [&] { exec.emplace(device); });
   mb::cuda_executor& ex = *exec;
+  // The attention kernels of this run's executor; fp32 ignores the choice.
+  ex.set_kernels({.attention = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
+                                                            : mb::gpu::attention_kernels::simt_wmma});
   // What attention runs (the report says this, not what --attention-kernels asked for): the
   // mma.sync kernels only where use_mma allows them, else the WMMA/SIMT ones, fp32 always SIMT.
   const std::size_t head_dim = o.width / o.heads;
@@ -481,9 +484,6 @@ int run_on_device_here(const options& o, const std::vector<std::int32_t>& text) 
     throw mb::invalid_argument("--precision", "fp32 or bf16 with --device cuda", "fp16",
                                "This build's GPU trainer is compiled for fp32 and bf16: pass --precision bf16");
   }
-  // The attention kernels for this process (read at each launch); fp32 ignores the choice.
-  mb::gpu::attention_kernel_choice() = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
-                                                                    : mb::gpu::attention_kernels::simt_wmma;
 #if MEMBOUND_TRAIN_CUDA_NCCL
   std::optional<mb::nccl_communicator> made;
   mb::nccl_communicator& world = gpu_ranks(o, made);

@@ -14,7 +14,7 @@ Build the runner and run (from the repository root; the PyTorch here is /tmp/tor
 
 Shapes: B = 1, mamba_shape::defaults (Di = 2·C, Ns = 16, K = 4, R = ceil(C/16)), T = 1024
 (quick) or T in {1024, 4096} (all), C in {256, 768}; fp32 and (unless --no-bf16) bf16; forward
-and forward+backward. Ours runs the default checkpoint policy (`recompute`) with --chunk
+and forward+backward. Ours runs the default recompute policy (`recompute`) with --chunk
 (default 256).
 
 The PyTorch block is mamba_ssm's Mamba.forward without its CUDA kernels, i.e. the way its

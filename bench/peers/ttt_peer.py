@@ -17,7 +17,7 @@ Build the runner and run (from the repository root; the PyTorch here is /tmp/tor
 --kind linear|mlp|both (default both): which layers, one table and one output check each.
 Shapes: B = 1, width C = 512, H = 8 heads (D = 64), mini-batch b = 16, no gate, fp32;
 T = 1024 (quick) or T in {1024, 4096} (all); TTT-MLP's hidden width F = 4D = 256. Per kind and
-T: forward, and forward+backward with the checkpoint group G (mini-batches per checkpoint) in
+T: forward, and forward+backward with the state group G (mini-batches per saved inner state) in
 {1, 4, all} on both sides.
 
 The PyTorch TTT-Linear layer follows upstream's TTTLinear (test-time-training/ttt-lm-pytorch,
@@ -47,7 +47,7 @@ Checkpointing as upstream: scan() wraps runs of mini-batches in torch.utils.chec
 (use_reentrant=False). Upstream's code computes ckpt_every_n = num_mini_batches //
 scan_checkpoint_group_size, i.e. its argument counts GROUPS (its docstring says group size); we
 pass num_mini_batches // G so that every checkpoint covers G mini-batches, as ours does with
-ttt_checkpoint_groups<G> (G = all: one checkpoint around the whole scan). "fwd" runs PyTorch in
+ttt_state_groups<G> (G = all: one checkpoint around the whole scan). "fwd" runs PyTorch in
 eval() under torch.no_grad() (upstream disables the checkpointing outside training; inference
 keeps nothing for backward, its best case; ours still writes what backward needs); "fwdbwd" runs
 y = layer(x) in train() with x and every parameter requiring grad, then y.backward(dy), x.grad and
@@ -123,7 +123,7 @@ other inputs) shows ≤ 1.4e-6 on all but the token offsets, 1.2e-5 there. TTT-M
 (T = 1024): ≤ 1.9e-6 on every tensor for ours, ≤ 1e-6 for PyTorch's fp32 layer; bench_ttt.cpp's
 naive fp32 TTT-MLP against ours (T = 256): ≤ 4.8e-6. 2e-4 leaves a >10x margin over the worst
 fp32-vs-fp32 disagreement seen; a real error (a wrong sign, a missing term, a state carried
-wrongly across a checkpoint group) is O(1e-2) or more (dropping only the GELU's second-derivative
+wrongly across a state group) is O(1e-2) or more (dropping only the GELU's second-derivative
 term in bench_ttt.cpp's naive TTT-MLP backward moves its W1 gradient by 5.7e-3).
 """
 import argparse
@@ -590,7 +590,7 @@ def run_kind(kind, seqs, args):
     """One kind's table and output check; returns whether ours passed the check."""
     name = "TTT-MLP (F = 4D)" if kind == "mlp" else "TTT-Linear"
     print(f"\n{name} B=1 C={C} H={H} D={D} b={MB}, no gate, fp32; G = mini-batches per "
-          "checkpoint group on both sides (torch: upstream's scan with torch.utils.checkpoint); "
+          "state group on both sides (torch: upstream's scan with torch.utils.checkpoint); "
           "torch fwd in eval() under no_grad; RSS = peak RSS growth of one call (outputs "
           "included)\n")
     print("| T | pass | G | ours ms | torch ms | torch/ours | ours alloc MiB | ours RSS MiB"

@@ -14,7 +14,7 @@
 // OUT: y, then for fwdbwd dx and the gradients in the order above (wg only when use_gate, w2 and
 // b2 only for TTT-MLP), in the storage type, from one fresh call (gradients zeroed: ours
 // accumulate +=).
-// --group: the checkpoint policy, ttt_checkpoint_groups<1>, <4> (default) or ttt_checkpoint_all.
+// --group: the checkpoint policy, ttt_state_groups<1>, <4> (default) or ttt_state_groups_all.
 // stdout: one JSON line {"ms", "peak_alloc_bytes", "peak_rss_bytes", "threads", ...}:
 //   ms                best of --reps wall times of one call after one warm-up; a call allocates
 //                     saved + workspace from a system_allocator, runs forward (and backward into
@@ -221,17 +221,17 @@ int run(const mb::ttt_shape& s, std::ifstream& in, const std::string& out_path, 
 template <bool Mlp, typename Prec>
 int dispatch_group(const std::string& group, const mb::ttt_shape& s, std::ifstream& in,
                    const std::string& out, bool bwd, int reps, std::size_t threads) {
-  using mb::ttt_checkpoint_groups;
+  using mb::ttt_state_groups;
   using mb::ttt_mini_batch;
   if (group == "1") {
-    return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, ttt_checkpoint_groups<1>>>(
+    return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, ttt_state_groups<1>>>(
         s, in, out, bwd, reps, threads);
   }
   if (group == "4") {
-    return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, ttt_checkpoint_groups<4>>>(
+    return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, ttt_state_groups<4>>>(
         s, in, out, bwd, reps, threads);
   }
-  return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, mb::ttt_checkpoint_all>>(
+  return run<mb::basic_ttt<Mlp, Prec, ttt_mini_batch<mini_batch>, mb::ttt_state_groups_all>>(
       s, in, out, bwd, reps, threads);
 }
 

@@ -1674,6 +1674,72 @@ inline void fill_usage(oom_report& r, const memory_stats& s) noexcept {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/allocator.hpp ----
+// ---- begin membound/memory/over_alignment.hpp ----
+// Alignments above what an upstream guarantees, served by over-allocating: the bookkeeping the
+// CUDA device and pinned allocators share (cudaMalloc and cudaHostAlloc promise 256 bytes).
+//
+//   detail::over_aligned_blocks<256> over;
+//   const std::size_t reserved = over.growth_for(bytes, alignment);  // bytes + alignment - 256 above 256
+//   void* raw = upstream_alloc(reserved);
+//   void* p = over.place(raw, reserved, alignment);   // throws only if the record cannot be made
+//   ...
+//   const auto [raw, reserved] = over.release(p, bytes, alignment);  // what to free, and how much
+
+#include <unordered_map>
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+
+template <std::size_t Guaranteed>
+class over_aligned_blocks {
+ public:
+  static constexpr std::size_t guaranteed_alignment = Guaranteed;
+
+  // What the upstream must reserve for `bytes` at `alignment`: exact, so that growth_for (and the
+  // planner's reserve) counts what an allocation really takes.
+  static constexpr std::size_t growth_for(std::size_t bytes, std::size_t alignment) noexcept {
+    if (bytes == 0) return 0;
+    return alignment <= Guaranteed ? bytes : bytes + (alignment - Guaranteed);
+  }
+
+  // The pointer to hand out for the upstream's block `raw` of `reserved` bytes: raw itself at a
+  // guaranteed alignment, else the first aligned address in it, recorded for release. If the
+  // record cannot be made (std::bad_alloc) the caller still owns raw and frees it.
+  void* place(void* raw, std::size_t reserved, std::size_t alignment) {
+    if (alignment <= Guaranteed) return raw;
+    void* p = reinterpret_cast<void*>(align_up(reinterpret_cast<std::uintptr_t>(raw), alignment));
+    blocks_.emplace(p, block{raw, reserved});
+    return p;
+  }
+
+  // The upstream block behind p (handed out for `bytes` at `alignment`) and its reserved bytes;
+  // the record is dropped.
+  std::pair<void*, std::size_t> release(void* p, std::size_t bytes, std::size_t alignment) noexcept {
+    if (alignment > Guaranteed) {
+      if (const auto it = blocks_.find(p); it != blocks_.end()) {
+        const block b = it->second;
+        blocks_.erase(it);
+        return {b.raw, b.reserved};
+      }
+    }
+    return {p, bytes};
+  }
+
+  std::size_t recorded() const noexcept { return blocks_.size(); }
+
+ private:
+  struct block {
+    void* raw;             // what the upstream returned, for its free
+    std::size_t reserved;  // bytes asked of it
+  };
+  std::unordered_map<void*, block> blocks_;  // usually empty
+};
+
+}  // namespace detail
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/over_alignment.hpp ----
 // ---- begin membound/memory/system_allocator.hpp ----
 // The system allocator policy: aligned host memory straight from the C++ runtime.
 // Every request is an upstream call; it caches nothing. The CUDA twin (cudaMalloc/cudaFree)
@@ -1765,7 +1831,6 @@ MEMBOUND_NAMESPACE_END
 // caches device memory when Upstream::space is memory_space::device.
 
 #include <optional>
-#include <unordered_map>
 
 // ---- begin membound/memory/detail/block_pool.hpp ----
 // The block engine shared by caching_allocator and expandable_arena: blocks carved out of
@@ -3642,7 +3707,7 @@ inline std::string budget_hint(const oom_report& r, std::size_t usage) {
   switch (top) {
     case memory_tag::activations:
       return held + free_need +
-             " with a stricter checkpoint policy (e.g. `full`, or `every<K>` with a smaller K), " +
+             " with a stricter recompute schedule (e.g. `full`, or `every<K>` with a smaller K), " +
              raise;
     case memory_tag::workspace:
       return held + free_need + " with a chunking policy that uses smaller tiles/chunks, " + raise;
@@ -5793,49 +5858,58 @@ inline constexpr bool is_ttt_mini_batch_v<ttt_mini_batch<M>> = true;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/policy/chunking.hpp ----
-// ---- begin membound/policy/checkpoint.hpp ----
-// Checkpoint policies at the sequence level: what one layer keeps from forward for backward.
-// Block-level schedules across layers (which blocks to checkpoint) belong to the planner and
-// have their own names.
+// ---- begin membound/policy/recompute.hpp ----
+// Recompute policies at the sequence level: what one layer keeps from forward for backward, and
+// what it recomputes (what PyTorch calls activation checkpointing; in membound "checkpoint" means a
+// checkpoint file only). Block-level schedules across layers (which blocks' activations to keep)
+// belong to the planner: model/recompute_schedule.hpp.
 
 MEMBOUND_NAMESPACE_BEGIN
 
-MEMBOUND_POLICY_KIND(checkpoint_kind, "checkpoint");
+MEMBOUND_POLICY_KIND(recompute_kind, "recompute");
 
 // Keep everything forward produces: the most memory, no recomputation.
 struct save_all {
-  using policy_kind = checkpoint_kind;
+  using policy_kind = recompute_kind;
 };
 
 // Keep the minimum (the layer's inputs and small per-row statistics) and recompute the rest in
 // backward: the least memory, one more forward's work.
 struct recompute {
-  using policy_kind = checkpoint_kind;
+  using policy_kind = recompute_kind;
 };
 
-// TTT: keep the inner model's state at the start of every group of G consecutive mini-batches
-// and recompute the states inside a group in backward (G is ttt-lm's scan_checkpoint_group_size).
-// G = 1 keeps every state; a larger G keeps 1/G of them and recomputes the rest.
+// TTT state groups: keep the inner model's state at the start of every group of G consecutive
+// mini-batches and recompute the states inside a group in backward (G is ttt-lm's
+// scan_checkpoint_group_size). G = 1 keeps every state; a larger G keeps 1/G of them.
 template <std::size_t G>
-struct ttt_checkpoint_groups {
+struct ttt_state_groups {
   static_assert(G >= 1,
-                "membound: ttt_checkpoint_groups<G>: G (mini-batches per checkpoint group) must "
-                "be at least 1; G = 1 keeps every inner state.");
+                "membound: ttt_state_groups<G>: G (mini-batches per saved inner state) must be at "
+                "least 1; G = 1 keeps every inner state.");
 
-  using policy_kind = checkpoint_kind;
+  using policy_kind = recompute_kind;
   static constexpr std::size_t group_size = G;
 };
 
 // One group for the whole sequence: only the initial inner state is kept ("G = all").
-using ttt_checkpoint_all = ttt_checkpoint_groups<static_cast<std::size_t>(-1)>;
+using ttt_state_groups_all = ttt_state_groups<static_cast<std::size_t>(-1)>;
 
 template <typename T>
-inline constexpr bool is_ttt_checkpoint_groups_v = false;
+inline constexpr bool is_ttt_state_groups_v = false;
 template <std::size_t G>
-inline constexpr bool is_ttt_checkpoint_groups_v<ttt_checkpoint_groups<G>> = true;
+inline constexpr bool is_ttt_state_groups_v<ttt_state_groups<G>> = true;
+
+// The names before "checkpoint" came to mean a checkpoint file only; kept for one release.
+using checkpoint_kind [[deprecated("membound: checkpoint_kind is now recompute_kind")]] = recompute_kind;
+template <std::size_t G>
+using ttt_checkpoint_groups [[deprecated("membound: ttt_checkpoint_groups<G> is now ttt_state_groups<G>")]] =
+    ttt_state_groups<G>;
+using ttt_checkpoint_all [[deprecated("membound: ttt_checkpoint_all is now ttt_state_groups_all")]] =
+    ttt_state_groups_all;
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/policy/checkpoint.hpp ----
+// ---- end membound/policy/recompute.hpp ----
 // ---- begin membound/policy/policy_set.hpp ----
 // A layer's policies, in the style of dragonbox's policy holder: the layer names one default per
 // kind, the user passes any policies in any order, and get<Kind> is the user's policy of that
@@ -5894,7 +5968,7 @@ consteval bool check_policy() {
   static_assert(requires { typename Policy::policy_kind; },
                 "membound: invalid policy: Policy has no policy_kind; pass a precision<>, a "
                 "chunking policy (attention_tiles<>, scan_chunk<>, ttt_mini_batch<>) or a "
-                "checkpoint policy (save_all, recompute, ttt_checkpoint_groups<>).");
+                "recompute policy (save_all, recompute, ttt_state_groups<>).");
   if constexpr (requires { typename Policy::policy_kind; }) {
     static_assert(policy_kind_tag<typename Policy::policy_kind>,
                   "membound: invalid policy: Policy::policy_kind is not a policy kind tag; "
@@ -6200,11 +6274,11 @@ struct ttt_gradients {
 
 // Mini-batches of `mini_batch` tokens per sequence, and the saved inner states per (batch, head):
 // one at the start of every group of `group` mini-batches. ceil(n / block) without the overflow
-// of n + block − 1 for a huge group (ttt_checkpoint_all), as cpu::blocks.
+// of n + block − 1 for a huge group (ttt_state_groups_all), as cpu::blocks.
 constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batch) noexcept {
   return s.seq == 0 ? 0 : (s.seq - 1) / mini_batch + 1;
 }
-constexpr std::size_t ttt_checkpoints(const ttt_shape& s, std::size_t mini_batch,
+constexpr std::size_t ttt_saved_states(const ttt_shape& s, std::size_t mini_batch,
                                       std::size_t group) noexcept {
   const std::size_t n = ttt_mini_batches(s, mini_batch);
   return n == 0 ? 0 : (n - 1) / group + 1;
@@ -6441,7 +6515,7 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
                                                          nullptr);
 }
 
-// ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_checkpoint_all).
+// ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_state_groups_all).
 constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return n == 0 ? 0 : (n - 1) / block + 1;
 }
@@ -7527,7 +7601,7 @@ MEMBOUND_NAMESPACE_END
 //
 // Forward keeps only O ([B, T, H·D], storage) and lse ([B, H, T], accumulator); backward
 // recomputes q, k, v from x and every score tile from q, k and lse, so no T×T matrix ever
-// exists and every buffer grows linearly in T. The checkpoint policy chooses what q, k, v cost:
+// exists and every buffer grows linearly in T. The recompute policy chooses what q, k, v cost:
 // `recompute` (the default) projects them again in backward, `save_all` keeps them (rotated, in
 // the accumulator type, so backward sees forward's exact values) for 2·(H + 2·Hkv)·D more bytes
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
@@ -7546,6 +7620,46 @@ MEMBOUND_NAMESPACE_END
 // ---- begin membound/layers/layer_support.hpp ----
 // What every layer front end shares: can_implement's answer, the argument checks that name what
 // is wrong, carving the caller's saved/workspace bytes, and overflow-safe size arithmetic.
+
+// ---- begin membound/core/argument_checks.hpp ----
+// The argument checks every public call makes, one family for the whole library: a buffer that
+// is missing, misaligned or too small is a typed error naming the argument, what was expected and
+// what to do (core/error.hpp), before anything runs.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+
+// A buffer the call cannot run without (host or device memory: only its address is read).
+inline void need_pointer(const void* p, const char* name) {
+  if (p == nullptr) {
+    throw invalid_argument(name, "a non-null pointer", "nullptr",
+                           "Pass the buffer (its shape is in the function's header)");
+  }
+}
+
+// A base address at a multiple of `alignment` bytes.
+inline void need_aligned(const void* p, std::size_t alignment, const char* name) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  if (addr % alignment != 0) {
+    throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
+                           "an address " + std::to_string(addr % alignment) + " bytes past such a boundary",
+                           "Allocate it with at least that alignment");
+  }
+}
+
+// A buffer of at least `required` bytes (none needed when required is 0): workspace_too_small
+// naming it otherwise.
+inline void need_space(const void* p, std::size_t given, std::size_t required, const char* name) {
+  if (required != 0 && (p == nullptr || given < required)) {
+    throw workspace_too_small(name, required, p == nullptr ? 0 : given);
+  }
+}
+
+}  // namespace detail
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/core/argument_checks.hpp ----
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -7573,32 +7687,12 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
                          what_to_do);
 }
 
-template <typename P>
-void not_null(const P* p, const char* name) {
-  if (p == nullptr) {
-    throw invalid_argument(name, "a non-null pointer", "nullptr",
-                           "Pass the buffer (see the layer's header for its shape)");
-  }
-}
-
-inline void check_aligned(const void* p, std::size_t alignment, const char* name) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(p);
-  if (addr % alignment != 0) {
-    throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
-                           "an address " + std::to_string(addr % alignment) +
-                               " bytes past such a boundary",
-                           "Allocate it with at least that alignment");
-  }
-}
-
 // carve, but the errors name `name` (saved, workspace, state...).
 template <std::size_t N>
 workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need, void* base,
                               std::size_t bytes, const char* name) {
-  if (need != 0 && (base == nullptr || bytes < need)) {
-    throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
-  }
-  check_aligned(base, layout.alignment(), name);
+  need_space(base, bytes, need, name);
+  need_aligned(base, layout.alignment(), name);
   return carve(layout, base, bytes);
 }
 
@@ -7607,10 +7701,8 @@ workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t nee
 // 256-byte alignment of every layout's slots), so a short or misaligned workspace is refused the
 // same way on every backend, a SIZE_MAX requirement included.
 inline void check_workspace_size(std::size_t need, void* workspace, std::size_t workspace_size) {
-  if (need != 0 && (workspace == nullptr || workspace_size < need)) {
-    throw workspace_too_small("workspace", need, workspace == nullptr ? 0 : workspace_size);
-  }
-  check_aligned(workspace, default_alignment, "workspace");
+  need_space(workspace, workspace_size, need, "workspace");
+  need_aligned(workspace, default_alignment, "workspace");
 }
 
 }  // namespace detail
@@ -7632,21 +7724,23 @@ class attention {
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using tiles = get_policy<policies, chunking_kind>;
-  using checkpoint = get_policy<policies, checkpoint_kind>;
+  using recompute_policy = get_policy<policies, recompute_kind>;
+  using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
+      recompute_policy;
   static_assert(is_attention_tiles_v<tiles>,
                 "membound: attention takes attention_tiles<QTile, KVTile> as its chunking policy "
                 "(scan_chunk and ttt_mini_batch belong to Mamba and TTT).");
-  static_assert(std::is_same_v<checkpoint, recompute> || std::is_same_v<checkpoint, save_all>,
+  static_assert(std::is_same_v<recompute_policy, recompute> || std::is_same_v<recompute_policy, save_all>,
                 "membound: attention takes `recompute` (keep O and lse, project q, k, v again in "
-                "backward) or `save_all` (keep q, k, v too) as its checkpoint policy; "
-                "ttt_checkpoint_groups belongs to the TTT layer.");
+                "backward) or `save_all` (keep q, k, v too) as its recompute policy; "
+                "ttt_state_groups belongs to the TTT layer.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
 
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool keep_qkv = std::is_same_v<checkpoint, save_all>;
+  static constexpr bool keep_qkv = std::is_same_v<recompute_policy, save_all>;
   using kernels = backend_kernels<backend, attention_shape>;
 
  public:
@@ -7749,7 +7843,7 @@ class attention {
     if (data == nullptr || bytes < need) {
       throw workspace_too_small("cache", need, data == nullptr ? 0 : bytes);
     }
-    detail::check_aligned(data, alignof(S), "cache");
+    detail::need_aligned(data, alignof(S), "cache");
     return kv_cache{data, bytes, max_len, 0};
   }
 
@@ -7765,8 +7859,8 @@ class attention {
                       executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(y, "y");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     // Nothing below throws: every output is written after every check.
@@ -7781,13 +7875,13 @@ class attention {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
-    detail::not_null(g.wq, "gradients.wq");
-    detail::not_null(g.wk, "gradients.wk");
-    detail::not_null(g.wv, "gradients.wv");
-    detail::not_null(g.wo, "gradients.wo");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.wq, "gradients.wq");
+    detail::need_pointer(g.wk, "gradients.wk");
+    detail::need_pointer(g.wv, "gradients.wv");
+    detail::need_pointer(g.wo, "gradients.wo");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
     detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
@@ -7809,14 +7903,14 @@ class attention {
                              "Single-step decoding reproduces only causal attention");
     }
     check_weights(w);
-    detail::not_null(x_t, "x_t");
-    detail::not_null(y_t, "y_t");
+    detail::need_pointer(x_t, "x_t");
+    detail::need_pointer(y_t, "y_t");
     const std::size_t L = cache.max_len;
     if (L == 0 || cache.data == nullptr || cache.bytes < kv_cache_bytes(s, L)) {
       throw workspace_too_small("cache", kv_cache_bytes(s, L),
                                 cache.data == nullptr ? 0 : cache.bytes);
     }
-    detail::check_aligned(cache.data, alignof(S), "cache");
+    detail::need_aligned(cache.data, alignof(S), "cache");
     if (cache.length >= L) {
       throw invalid_argument("cache", "room for one more position (max_len " + std::to_string(L) + ")",
                              "length " + std::to_string(cache.length),
@@ -7868,10 +7962,10 @@ class attention {
     }
   }
   static void check_weights(const weights& w) {
-    detail::not_null(w.wq, "weights.wq");
-    detail::not_null(w.wk, "weights.wk");
-    detail::not_null(w.wv, "weights.wv");
-    detail::not_null(w.wo, "weights.wo");
+    detail::need_pointer(w.wq, "weights.wq");
+    detail::need_pointer(w.wk, "weights.wk");
+    detail::need_pointer(w.wv, "weights.wv");
+    detail::need_pointer(w.wo, "weights.wo");
   }
 };
 
@@ -9120,7 +9214,7 @@ MEMBOUND_NAMESPACE_END
 //
 // Forward keeps xz, x_dbl (storage type) and the scan state entering every chunk after the first
 // (accumulator type): O(B·Di·Ns·T/chunk) state bytes, not O(B·Di·Ns·T). Backward recomputes the
-// states inside each chunk from its entry state and runs the reverse scan. The checkpoint policy
+// states inside each chunk from its entry state and runs the reverse scan. The recompute policy
 // mirrors mamba_ssm's checkpoint_lvl: `recompute` (default, lvl 1) recomputes the conv output and
 // Δ in backward, `save_all` (lvl 0) keeps them. Values forward stores (xz, the conv output, x_dbl,
 // Δ) are rounded to the storage type once and then used as stored, so both policies give the
@@ -9147,14 +9241,16 @@ class mamba {
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using chunking = get_policy<policies, chunking_kind>;
-  using checkpoint = get_policy<policies, checkpoint_kind>;
+  using recompute_policy = get_policy<policies, recompute_kind>;
+  using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
+      recompute_policy;
   static_assert(is_scan_chunk_v<chunking>,
                 "membound: mamba takes scan_chunk<L> as its chunking policy (attention_tiles and "
                 "ttt_mini_batch belong to attention and TTT).");
-  static_assert(std::is_same_v<checkpoint, recompute> || std::is_same_v<checkpoint, save_all>,
+  static_assert(std::is_same_v<recompute_policy, recompute> || std::is_same_v<recompute_policy, save_all>,
                 "membound: mamba takes `recompute` (mamba_ssm checkpoint_lvl 1: recompute the conv "
-                "output and delta in backward) or `save_all` (lvl 0: keep them) as its checkpoint "
-                "policy; ttt_checkpoint_groups belongs to the TTT layer.");
+                "output and delta in backward) or `save_all` (lvl 0: keep them) as its recompute "
+                "policy; ttt_state_groups belongs to the TTT layer.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
@@ -9164,7 +9260,7 @@ class mamba {
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool keep_conv_delta = std::is_same_v<checkpoint, save_all>;
+  static constexpr bool keep_conv_delta = std::is_same_v<recompute_policy, save_all>;
   static constexpr std::size_t L = chunking::chunk;
   using kernels = backend_kernels<backend, mamba_shape>;
 
@@ -9243,7 +9339,7 @@ class mamba {
     check(s);
     const std::size_t need = state_bytes(s);
     if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     state st{data, bytes, 0};
     reset(s, st);
     return st;
@@ -9253,7 +9349,7 @@ class mamba {
     check(s);
     const std::size_t need = state_bytes(s);
     if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     state st{data, bytes, 0};
     reset(s, st, ex);
     return st;
@@ -9276,8 +9372,8 @@ class mamba {
                       executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(out, "out");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(out, "out");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
                                  workspace_size);
@@ -9292,9 +9388,9 @@ class mamba {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dout, "dout");
-    detail::not_null(dx, "dx");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dout, "dout");
+    detail::need_pointer(dx, "dx");
     check_gradients(g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
@@ -9312,12 +9408,12 @@ class mamba {
                    void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x_t, "x_t");
-    detail::not_null(out_t, "out_t");
+    detail::need_pointer(x_t, "x_t");
+    detail::need_pointer(out_t, "out_t");
     if (st.data == nullptr || st.bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
-    detail::check_aligned(st.data, alignof(A), "state");
+    detail::need_aligned(st.data, alignof(A), "state");
     detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<S, A>(s, w, static_cast<A*>(st.data), x_t, out_t, workspace,
                                  workspace_size, ex);
@@ -9371,26 +9467,26 @@ class mamba {
 
   // ---- Helpers -------------------------------------------------------------------------------
   static void check_weights(const weights& w) {
-    detail::not_null(w.in_proj, "weights.in_proj");
-    detail::not_null(w.conv_w, "weights.conv_w");
-    detail::not_null(w.conv_b, "weights.conv_b");
-    detail::not_null(w.x_proj, "weights.x_proj");
-    detail::not_null(w.dt_proj, "weights.dt_proj");
-    detail::not_null(w.dt_bias, "weights.dt_bias");
-    detail::not_null(w.a_log, "weights.a_log");
-    detail::not_null(w.d, "weights.d");
-    detail::not_null(w.out_proj, "weights.out_proj");
+    detail::need_pointer(w.in_proj, "weights.in_proj");
+    detail::need_pointer(w.conv_w, "weights.conv_w");
+    detail::need_pointer(w.conv_b, "weights.conv_b");
+    detail::need_pointer(w.x_proj, "weights.x_proj");
+    detail::need_pointer(w.dt_proj, "weights.dt_proj");
+    detail::need_pointer(w.dt_bias, "weights.dt_bias");
+    detail::need_pointer(w.a_log, "weights.a_log");
+    detail::need_pointer(w.d, "weights.d");
+    detail::need_pointer(w.out_proj, "weights.out_proj");
   }
   static void check_gradients(const gradients& g) {
-    detail::not_null(g.in_proj, "gradients.in_proj");
-    detail::not_null(g.conv_w, "gradients.conv_w");
-    detail::not_null(g.conv_b, "gradients.conv_b");
-    detail::not_null(g.x_proj, "gradients.x_proj");
-    detail::not_null(g.dt_proj, "gradients.dt_proj");
-    detail::not_null(g.dt_bias, "gradients.dt_bias");
-    detail::not_null(g.a_log, "gradients.a_log");
-    detail::not_null(g.d, "gradients.d");
-    detail::not_null(g.out_proj, "gradients.out_proj");
+    detail::need_pointer(g.in_proj, "gradients.in_proj");
+    detail::need_pointer(g.conv_w, "gradients.conv_w");
+    detail::need_pointer(g.conv_b, "gradients.conv_b");
+    detail::need_pointer(g.x_proj, "gradients.x_proj");
+    detail::need_pointer(g.dt_proj, "gradients.dt_proj");
+    detail::need_pointer(g.dt_bias, "gradients.dt_bias");
+    detail::need_pointer(g.a_log, "gradients.a_log");
+    detail::need_pointer(g.d, "gradients.d");
+    detail::need_pointer(g.out_proj, "gradients.out_proj");
   }
 };
 
@@ -9398,7 +9494,7 @@ MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/mamba.hpp ----
 // ---- begin membound/backend/cpu/ttt.hpp ----
 // CPU kernels of the TTT-Linear layer: the inner loop over mini-batches in the dual form, its
-// hand-derived backward (with recomputation inside checkpoint groups), and the row LayerNorms.
+// hand-derived backward (with recomputation inside TTT state groups), and the row LayerNorms.
 // Everything works in the accumulator type A on buffers carved from the caller's saved bytes (by
 // layers/ttt.hpp) and workspace (by backend_kernels<cpu_backend, ttt_shape> below).
 //
@@ -9709,7 +9805,7 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
 
 // The TTT layers on the host: the same calls as backend_kernels<cuda_backend, ttt_shape>
 // (backend/cuda/ttt.cuh), which layers/ttt.hpp makes without knowing which backend runs
-// them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the checkpoint group. The front
+// them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the TTT state group. The front
 // has checked every argument and the workspace's size; this carves the workspace and runs the
 // dual form in the accumulator type A, one (batch, head) task per thread.
 template <>
@@ -9741,7 +9837,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     return detail::fits_layout(b) ? P::forward_layout(one, 1, true).size() : too_large;
   }
 
-  // ckpt: the saved inner states [B·H, checkpoints, SZ] (A); o_s: the heads' output [N, C]
+  // ckpt: the saved inner states [B·H, saved states, SZ] (A); o_s: the heads' output [N, C]
   // (storage).
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
   static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
@@ -9781,7 +9877,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
  private:
   static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
 
-  // One configuration's passes: Mlp, mini-batch mb, checkpoint group, S storage, A accumulation.
+  // One configuration's passes: Mlp, mini-batch mb, state group, S storage, A accumulation.
   template <bool Mlp, std::size_t mb, std::size_t group, typename S, typename A>
   struct pass {
     static constexpr bool widened = !std::is_same_v<S, A>;
@@ -9793,8 +9889,8 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
       return ttt_mini_batches(s, mb);
     }
-    static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-      return ttt_checkpoints(s, mb, group);
+    static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
+      return ttt_saved_states(s, mb, group);
     }
 
     static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
@@ -10451,7 +10547,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
                               const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
                               const gemm_ws& gw, thread_pool& ex) {
       const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
-      const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
+      const std::size_t nmb = mini_batches(s), ncp = saved_states(s), SZ = inner_elements(s);
       const std::size_t per = SZ + mb_elements(D, F, mb, false);
       ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
         const std::size_t b = task / H, h = task % H;
@@ -10586,7 +10682,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
                                A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
                                thread_pool& ex) {
       const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
-      const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
+      const std::size_t nmb = mini_batches(s), ncp = saved_states(s), gsz = group_in_use(s);
       const std::size_t SZ = inner_elements(s), pe = part_elements(s);
       const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
       ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
@@ -10607,7 +10703,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
         std::fill(dS, dS + SZ, A(0));
         for (std::size_t c = ncp; c-- > 0;) {
           const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
-          // Recompute the group's entering states from its checkpoint.
+          // Recompute the group's entering states from its saved state.
           std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
           for (std::size_t m = m0; m < m1; ++m) {
             std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
@@ -10670,16 +10766,16 @@ MEMBOUND_NAMESPACE_END
 //   out_t = XQ_t + LN_h(f(XQ_t; W_t)); heads concatenated; post LayerNorm over the width;
 //   optional gate GELU_tanh(x·Wg) ⊙; then ·Wo.
 // Forward runs the dual form (no per-token W ever exists) and keeps, per (batch, head), the inner
-// state at the start of every G-th mini-batch (the checkpoint policy ttt_checkpoint_groups<G>;
-// ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
-// recomputes q, k, v from x and each group's states from its checkpoint, then runs the
+// state at the start of every G-th mini-batch (the recompute policy ttt_state_groups<G>;
+// ttt_state_groups_all keeps only the first) plus the heads' output before the post norm. Backward
+// recomputes q, k, v from x and each group's states from its saved state, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
 // backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor and forward, step and the state run backend/cuda/ttt.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
-// workspace is the device's own (backward too: the same recomputation from the checkpoints).
+// workspace is the device's own (backward too: the same recomputation from the saved states).
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -10687,25 +10783,27 @@ template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
   using policies = policy_set<
-      type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>, cpu_backend>,
+      type_list<fp32_precision, ttt_mini_batch<16>, ttt_state_groups<4>, cpu_backend>,
       Policies...>;
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using chunking = get_policy<policies, chunking_kind>;
-  using checkpoint = get_policy<policies, checkpoint_kind>;
+  using recompute_policy = get_policy<policies, recompute_kind>;
+  using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
+      recompute_policy;
   static_assert(is_ttt_mini_batch_v<chunking>,
                 "membound: a TTT layer takes ttt_mini_batch<b> as its chunking policy "
                 "(attention_tiles and scan_chunk belong to attention and Mamba).");
-  static_assert(is_ttt_checkpoint_groups_v<checkpoint>,
-                "membound: a TTT layer takes ttt_checkpoint_groups<G> (or ttt_checkpoint_all) as its "
-                "checkpoint policy.");
+  static_assert(is_ttt_state_groups_v<recompute_policy>,
+                "membound: a TTT layer takes ttt_state_groups<G> (or ttt_state_groups_all) as its "
+                "recompute policy.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
                 "membound: a TTT layer accumulates its inner W in float or double.");
   static constexpr std::size_t mini_batch = chunking::mini_batch;
-  static constexpr std::size_t group = checkpoint::group_size;
+  static constexpr std::size_t group = recompute_policy::group_size;
   static constexpr bool is_mlp = Mlp;
   // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
   // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
@@ -10756,14 +10854,14 @@ class basic_ttt {
     return ttt_mini_batches(s, mb);
   }
   // Checkpoints per (batch, head): ceil(mini-batches / G).
-  static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-    return ttt_checkpoints(s, mb, group);
+  static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
+    return ttt_saved_states(s, mb, group);
   }
   static constexpr std::size_t saved_bytes(const ttt_shape& s) noexcept {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  // Of saved_bytes, the inner-state checkpoints: B·H·ceil(ceil(T/b)/G)·inner_elements.
+  // Of saved_bytes, the saved inner states: B·H·ceil(ceil(T/b)/G)·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
@@ -10804,7 +10902,7 @@ class basic_ttt {
     if (data == nullptr || bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
     }
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     check_weights(s, w);
     state st{data, bytes, 0};
     reset(s, w, st);
@@ -10826,7 +10924,7 @@ class basic_ttt {
     if (data == nullptr || bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
     }
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     check_weights(s, w);
     state st{data, bytes, 0};
     reset(s, w, st, ex);
@@ -10843,8 +10941,8 @@ class basic_ttt {
                       executor& ex) {
     check(s);
     check_weights(s, w);
-    detail::not_null(x, "x");
-    detail::not_null(y, "y");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
                                  workspace_size);
@@ -10860,9 +10958,9 @@ class basic_ttt {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
     check_gradients(s, g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
@@ -10882,12 +10980,12 @@ class basic_ttt {
                    void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
-    detail::not_null(x_t, "x_t");
-    detail::not_null(y_t, "y_t");
+    detail::need_pointer(x_t, "x_t");
+    detail::need_pointer(y_t, "y_t");
     if (st.data == nullptr || st.bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
-    detail::check_aligned(st.data, alignof(A), "state");
+    detail::need_aligned(st.data, alignof(A), "state");
     detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data), st.position % mb, x_t,
                                           y_t, workspace, workspace_size, ex);
@@ -10897,7 +10995,7 @@ class basic_ttt {
  private:
   static constexpr std::size_t rows(const ttt_shape& s) noexcept { return s.batch * s.seq; }
   static constexpr std::size_t ckpt_bytes(const ttt_shape& s) noexcept {
-    return bytes_of<A>(s.batch * s.heads, checkpoints(s), inner_elements(s));
+    return bytes_of<A>(s.batch * s.heads, saved_states(s), inner_elements(s));
   }
 
   enum saved_slot : std::size_t { s_ckpt, s_o };
@@ -10909,43 +11007,43 @@ class basic_ttt {
   }
 
   static void check_weights(const ttt_shape& s, const weights& w) {
-    detail::not_null(w.wq, "weights.wq");
-    detail::not_null(w.wk, "weights.wk");
-    detail::not_null(w.wv, "weights.wv");
-    detail::not_null(w.ttt_norm_w, "weights.ttt_norm_w");
-    detail::not_null(w.ttt_norm_b, "weights.ttt_norm_b");
-    detail::not_null(w.w1, "weights.w1");
-    detail::not_null(w.b1, "weights.b1");
-    detail::not_null(w.lr_w, "weights.lr_w");
-    detail::not_null(w.lr_b, "weights.lr_b");
-    detail::not_null(w.tok_offset, "weights.tok_offset");
-    detail::not_null(w.post_w, "weights.post_w");
-    detail::not_null(w.post_b, "weights.post_b");
-    if (s.use_gate) detail::not_null(w.wg, "weights.wg");
-    detail::not_null(w.wo, "weights.wo");
+    detail::need_pointer(w.wq, "weights.wq");
+    detail::need_pointer(w.wk, "weights.wk");
+    detail::need_pointer(w.wv, "weights.wv");
+    detail::need_pointer(w.ttt_norm_w, "weights.ttt_norm_w");
+    detail::need_pointer(w.ttt_norm_b, "weights.ttt_norm_b");
+    detail::need_pointer(w.w1, "weights.w1");
+    detail::need_pointer(w.b1, "weights.b1");
+    detail::need_pointer(w.lr_w, "weights.lr_w");
+    detail::need_pointer(w.lr_b, "weights.lr_b");
+    detail::need_pointer(w.tok_offset, "weights.tok_offset");
+    detail::need_pointer(w.post_w, "weights.post_w");
+    detail::need_pointer(w.post_b, "weights.post_b");
+    if (s.use_gate) detail::need_pointer(w.wg, "weights.wg");
+    detail::need_pointer(w.wo, "weights.wo");
     if (Mlp) {
-      detail::not_null(w.w2, "weights.w2");
-      detail::not_null(w.b2, "weights.b2");
+      detail::need_pointer(w.w2, "weights.w2");
+      detail::need_pointer(w.b2, "weights.b2");
     }
   }
   static void check_gradients(const ttt_shape& s, const gradients& g) {
-    detail::not_null(g.wq, "gradients.wq");
-    detail::not_null(g.wk, "gradients.wk");
-    detail::not_null(g.wv, "gradients.wv");
-    detail::not_null(g.ttt_norm_w, "gradients.ttt_norm_w");
-    detail::not_null(g.ttt_norm_b, "gradients.ttt_norm_b");
-    detail::not_null(g.w1, "gradients.w1");
-    detail::not_null(g.b1, "gradients.b1");
-    detail::not_null(g.lr_w, "gradients.lr_w");
-    detail::not_null(g.lr_b, "gradients.lr_b");
-    detail::not_null(g.tok_offset, "gradients.tok_offset");
-    detail::not_null(g.post_w, "gradients.post_w");
-    detail::not_null(g.post_b, "gradients.post_b");
-    if (s.use_gate) detail::not_null(g.wg, "gradients.wg");
-    detail::not_null(g.wo, "gradients.wo");
+    detail::need_pointer(g.wq, "gradients.wq");
+    detail::need_pointer(g.wk, "gradients.wk");
+    detail::need_pointer(g.wv, "gradients.wv");
+    detail::need_pointer(g.ttt_norm_w, "gradients.ttt_norm_w");
+    detail::need_pointer(g.ttt_norm_b, "gradients.ttt_norm_b");
+    detail::need_pointer(g.w1, "gradients.w1");
+    detail::need_pointer(g.b1, "gradients.b1");
+    detail::need_pointer(g.lr_w, "gradients.lr_w");
+    detail::need_pointer(g.lr_b, "gradients.lr_b");
+    detail::need_pointer(g.tok_offset, "gradients.tok_offset");
+    detail::need_pointer(g.post_w, "gradients.post_w");
+    detail::need_pointer(g.post_b, "gradients.post_b");
+    if (s.use_gate) detail::need_pointer(g.wg, "gradients.wg");
+    detail::need_pointer(g.wo, "gradients.wo");
     if (Mlp) {
-      detail::not_null(g.w2, "gradients.w2");
-      detail::not_null(g.b2, "gradients.b2");
+      detail::need_pointer(g.w2, "gradients.w2");
+      detail::need_pointer(g.b2, "gradients.b2");
     }
   }
 };
@@ -11276,9 +11374,7 @@ inline void check_root(std::size_t root, std::size_t ranks) {
   }
 }
 inline void check_workspace(const void* ws, std::size_t bytes, std::size_t need) {
-  if (need != 0 && (ws == nullptr || bytes < need)) {
-    throw workspace_too_small("workspace", need, ws == nullptr ? 0 : bytes);
-  }
+  need_space(ws, bytes, need, "workspace");
 }
 }  // namespace detail
 
@@ -11913,8 +12009,8 @@ class swiglu_mlp {
                       executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(y, "y");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template forward<S, A>(s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a),
@@ -11926,12 +12022,12 @@ class swiglu_mlp {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
-    detail::not_null(g.w_gate, "gradients.w_gate");
-    detail::not_null(g.w_up, "gradients.w_up");
-    detail::not_null(g.w_down, "gradients.w_down");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.w_gate, "gradients.w_gate");
+    detail::need_pointer(g.w_up, "gradients.w_up");
+    detail::need_pointer(g.w_down, "gradients.w_down");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
     detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
@@ -11952,9 +12048,9 @@ class swiglu_mlp {
     return l;
   }
   static void check_weights(const weights& w) {
-    detail::not_null(w.w_gate, "weights.w_gate");
-    detail::not_null(w.w_up, "weights.w_up");
-    detail::not_null(w.w_down, "weights.w_down");
+    detail::need_pointer(w.w_gate, "weights.w_gate");
+    detail::need_pointer(w.w_up, "weights.w_up");
+    detail::need_pointer(w.w_down, "weights.w_down");
   }
 };
 
@@ -12184,9 +12280,9 @@ class lm_head {
                               const std::int32_t* targets, double scale, S* dx,
                               const gradients& g, void* workspace, std::size_t workspace_size,
                               executor& ex) {
-    detail::not_null(dx, "dx");
-    detail::not_null(g.norm, "gradients.norm");
-    detail::not_null(g.w, "gradients.w");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.norm, "gradients.norm");
+    detail::need_pointer(g.w, "gradients.w");
     check_inputs(s, w, x, targets);
     kernels::template check_call<S>(s, targets, scale);
     detail::check_workspace_size(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
@@ -12214,10 +12310,10 @@ class lm_head {
   static void check_inputs(const lm_head_shape& s, const weights& w, const S* x,
                            const std::int32_t* targets) {
     check(s);
-    detail::not_null(w.norm, "weights.norm");
-    detail::not_null(w.w, "weights.w");
-    detail::not_null(x, "x");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w.norm, "weights.norm");
+    detail::need_pointer(w.w, "weights.w");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(targets, "targets");
   }
 };
 
@@ -12382,7 +12478,8 @@ inline void check_param_spans(std::span<const param_span> spans, std::size_t n) 
 
 // A state buffer of the wrong size, or none.
 inline void check_state_buffer(const void* state, std::size_t bytes, std::size_t need) {
-  if (state == nullptr || bytes < need) throw workspace_too_small("optimizer state", need, state == nullptr ? 0 : bytes);
+  if (state == nullptr) throw workspace_too_small("optimizer state", need, 0);  // even when need is 0
+  need_space(state, bytes, need, "optimizer state");
 }
 }  // namespace detail
 
@@ -13655,8 +13752,8 @@ class checkpoint_reader {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/train/checkpoint_file.hpp ----
-// ---- begin membound/model/checkpoint_schedule.hpp ----
-// Block-level checkpoint schedules for a chain of blocks, and the exact simulator that defines
+// ---- begin membound/model/recompute_schedule.hpp ----
+// Block-level recompute schedules for a chain of blocks, and the exact simulator that defines
 // what a schedule costs in bytes and FLOPs.
 //
 // A model step is a chain: x_0 → block 0 → x_1 → … → x_L → loss, then backward δ_L → … → δ_0.
@@ -13675,7 +13772,7 @@ MEMBOUND_NAMESPACE_END
 //
 // Generators: schedule_none (keep everything), schedule_full (keep block inputs, recompute every
 // block), schedule_every (keep every K-th input, recompute segments), schedule_binomial
-// (Griewank's Revolve: the fewest forward steps for a number of checkpoint slots) and
+// (Griewank's Revolve: the fewest forward steps for a number of slots for saved block inputs) and
 // optimal_schedule (the least recompute under a byte budget, by dynamic programming over
 // segments and memory for a heterogeneous chain, after Beaumont et al. 2019).
 
@@ -13776,7 +13873,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   double total = 0;
   auto bad = [&](std::size_t k, const std::string& why) {
     throw invalid_argument("ops[" + std::to_string(k) + "] (" + to_string(ops[k]) + ")", why, "",
-                           "Build schedules with the generators in model/checkpoint_schedule.hpp");
+                           "Build schedules with the generators in model/recompute_schedule.hpp");
   };
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const chain_op& op = ops[k];
@@ -13850,7 +13947,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   if (!clean) {
     throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded, every saved used",
                            "one that stops early (next backward " + std::to_string(next_backward) + ")",
-                           "Build schedules with the generators in model/checkpoint_schedule.hpp");
+                           "Build schedules with the generators in model/recompute_schedule.hpp");
   }
   for (const chain_link& l : c.links) total -= l.forward_cost;
   st.recompute_cost = total;
@@ -13921,7 +14018,7 @@ constexpr std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
 
 constexpr std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
 
-// ---- Binomial checkpointing (Revolve) -------------------------------------------------------
+// ---- Binomial recompute schedules (Revolve) -------------------------------------------------------
 // Slots count the stored block inputs, x_0 included (Revolve's snapshots); the value being
 // advanced is not a slot. A reverse step is retape(i) + backward(i) (Revolve's "youturn"); the
 // last block is taped in the first sweep ("firsturn"). binomial_min_forwards counts advance ops.
@@ -14004,7 +14101,7 @@ constexpr void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::s
 constexpr std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
   detail::check_length(L);
   if (slots == 0 && L > 1) {
-    throw invalid_argument("slots", "at least 1 checkpoint slot (x_0 takes one)", "0",
+    throw invalid_argument("slots", "at least 1 slot for a saved block input (x_0 takes one)", "0",
                            "Use binomial<1> for the least memory");
   }
   const std::size_t c = std::max<std::size_t>(1, std::min(slots, L));
@@ -14253,7 +14350,7 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
 }
 
 MEMBOUND_NAMESPACE_END
-// ---- end membound/model/checkpoint_schedule.hpp ----
+// ---- end membound/model/recompute_schedule.hpp ----
 // ---- begin membound/model/model.hpp ----
 // A model assembled at compile time: an embedding, a list of blocks and an LM head.
 //
@@ -14268,7 +14365,7 @@ MEMBOUND_NAMESPACE_END
 //
 // The model owns no memory: weights and gradients are flat arrays the caller allocates
 // (weight_bytes() each), and a training step takes every activation and workspace from the
-// caller's allocator, in exactly the order model/checkpoint_schedule.hpp's simulate() assumes, so the plan's
+// caller's allocator, in exactly the order model/recompute_schedule.hpp's simulate() assumes, so the plan's
 // predicted peak is the allocator's measured one.
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -14530,7 +14627,7 @@ class model {
 
   // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
   void init_weights(S* w, std::uint64_t seed) const {
-    detail::not_null(w, "weights");
+    detail::need_pointer(w, "weights");
     std::fill(w, w + elements_, from_accum<S>(A(0)));
     for (std::size_t k = 0; k < params_.size(); ++k) {
       const param_entry& p = params_[k];
@@ -14546,7 +14643,7 @@ class model {
     return {b.tokens(), cfg_.width, cfg_.vocab, chunk, cfg_.norm_eps};
   }
 
-  // The chain model/checkpoint_schedule.hpp plans over: exact bytes of every op of this model's step.
+  // The chain model/recompute_schedule.hpp plans over: exact bytes of every op of this model's step.
   chain make_chain(batch_shape b, std::size_t threads, std::size_t head_chunk,
                    std::size_t base_bytes) const {
     check(b);
@@ -14630,10 +14727,10 @@ class model {
                           double loss_scale, Allocator& alloc, executor& ex,
                           Observer observe = {}) const {
     static_assert(in_backend_space<Allocator>());
-    detail::not_null(w, "weights");
-    detail::not_null(g, "gradients");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(g, "gradients");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
     return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
@@ -14655,9 +14752,9 @@ class model {
       r.begin_block(k);
       r.end_block(k);
     }, "membound: a gradient router offers S* at(offset), begin_block(i) and end_block(i): see flat_gradients");
-    detail::not_null(w, "weights");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(targets, "targets");
     return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
 
@@ -14702,9 +14799,9 @@ class model {
   void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
                          Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
-    detail::not_null(w, "weights");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(logits, "logits");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(logits, "logits");
     check(b);
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
@@ -14728,9 +14825,9 @@ class model {
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::size_t head_chunk, Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
-    detail::not_null(w, "weights");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(targets, "targets");
     return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex));
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
@@ -15090,13 +15187,13 @@ MEMBOUND_NAMESPACE_END
 //   auto q = membound::fit(m, {32, 256}, 2ull << 30, {.threads = 2});  // micro-batch, schedule, chunk
 //
 // Exactness comes from construction: the step (model::forward_backward) allocates, op by op, in
-// the order model/checkpoint_schedule.hpp's simulate() counts, and every size is the layers' own pure size
+// the order model/recompute_schedule.hpp's simulate() counts, and every size is the layers' own pure size
 // function. The tests compare the prediction with the budget allocator's measured peak for every
 // layer type × schedule × precision.
 
 MEMBOUND_NAMESPACE_BEGIN
 
-// Block-level checkpoint schedules, as policies.
+// Block-level recompute schedules, as policies.
 namespace schedules {
 struct none {};    // keep everything forward produces
 struct full {};    // keep block inputs only, recompute every block in backward
@@ -15105,8 +15202,8 @@ struct every {     // keep the input of every K-th block
   static_assert(K >= 1, "membound: schedules::every<K>: K (blocks per segment) must be at least 1.");
 };
 template <std::size_t Slots>
-struct binomial {  // Revolve's optimal schedule with Slots checkpoint slots
-  static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one checkpoint slot.");
+struct binomial {  // Revolve's optimal schedule with Slots slots for saved block inputs
+  static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one slot for a saved block input.");
 };
 struct budget {    // the least recompute whose peak fits this many bytes (the planner's DP)
   std::size_t bytes = 0;
@@ -15890,7 +15987,7 @@ struct run_requests {
 };
 
 namespace detail {
-// ZeRO-2's requests in a block's backward (the trainer's zero2_router): the block's gradient
+// ZeRO-2's requests in a block's backward (gradient_exchange's zero2_router): the block's gradient
 // bucket at begin_block; at end_block its reduce-scatter's workspace, then both given back.
 // Overlapped (gs.overlap): at end_block the exchange in flight is given back (workspace, then
 // bucket), then this block's workspace is taken and both stay in flight until the next
@@ -16157,11 +16254,11 @@ MEMBOUND_NAMESPACE_END
 // under both stages. Its checkpoint is one shard file per rank and a manifest (see save); load
 // re-shards a checkpoint of another world size (elementwise optimizer states). With zero = 2 the
 // gradients are sharded too: each block's gradients live in a bucket during its backward and are
-// reduce-scattered into the ranks' shards as it ends (see zero2_router); with overlap = true
+// reduce-scattered into the ranks' shards as it ends (train/gradient_exchange.hpp); with overlap = true
 // that reduce-scatter runs during the next block's backward (the plan counts what is in flight).
 // ZeRO-0/1 with overlap = true exchange in the last micro-batch's backward instead of after it:
 // each block's all-reduce (reduce-scatter) runs during the next block's backward (see
-// exchange_router); the same bits as the blocking path.
+// gradient_exchange::overlapped_micro_batch); the same bits as the blocking path.
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
@@ -16183,6 +16280,18 @@ MEMBOUND_NAMESPACE_END
 // micro-batches) cannot be retried over ranks.
 
 #include <charconv>
+
+// ---- begin membound/train/checkpoint_state.hpp ----
+// What the trainer's checkpoints hold and how their files are named (one part of the trainer,
+// train/trainer.hpp; the container, sections and CRC, is train/checkpoint_file.hpp).
+//
+// A whole checkpoint is one file: the format, the fingerprint and run settings as name=value
+// lines, the weights, the optimizer's saved state, the counters (step, updates, generator, data
+// position, loss scale), the plan's choices and the tolerance of an emergency. A sharded one
+// (ZeRO-1/2) is one such file per rank, holding the rank's slice of the weights and its optimizer
+// state, named "<path>.step-<step>.rank-<r>-of-<N>" beside `path`, and a manifest at `path` naming
+// them. The trainer decides what to do with what is read (the fingerprint, the plan, the ranks'
+// agreement); this file only writes, reads and checks the bytes.
 
 // ---- begin membound/train/data_source.hpp ----
 // What the trainer asks its data for and the generator behind it (one part of the trainer,
@@ -16318,6 +16427,361 @@ inline std::vector<fingerprint_field> parse_fingerprint(const std::string& text,
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/train/fingerprint.hpp ----
+// ---- begin membound/train/trainer_errors.hpp ----
+// The trainer's typed errors (one part of the trainer, train/trainer.hpp): a diverged gradient,
+// a checkpoint this run cannot resume (by field, world size or run settings), and a rank of a
+// data-parallel run that cannot start, has no plan left, or failed at a collective step.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// The gradient of an unscaled run is inf or NaN: training has diverged. Nothing was updated.
+class non_finite_gradient : public error {
+ public:
+  non_finite_gradient(std::uint64_t step, double loss, double norm)
+      : error("membound: step " + std::to_string(step) + ": the gradient norm is " + std::to_string(norm) +
+              " (loss " + std::to_string(loss) +
+              "); the weights were not updated. Lower the learning rate, turn on loss scaling "
+              "(trainer_options::scaling = loss_scaling::dynamic), or resume from the last checkpoint") {}
+};
+
+// A checkpoint this run cannot resume because it was written for something else: another model,
+// precision, batch, block type or checkpoint format. field() is the first that differs (what()
+// names every one), saved() its value in the file, current() in this run.
+class checkpoint_mismatch : public corrupt_checkpoint {
+ public:
+  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
+                      const std::string& why)
+      : corrupt_checkpoint(path, why), field_(std::move(field)), saved_(std::move(saved)), current_(std::move(current)) {}
+  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
+                      const std::string& why, const std::string& what_to_do)
+      : corrupt_checkpoint(path, why, what_to_do),
+        field_(std::move(field)),
+        saved_(std::move(saved)),
+        current_(std::move(current)) {}
+  const std::string& field() const noexcept { return field_; }
+  const std::string& saved() const noexcept { return saved_; }
+  const std::string& current() const noexcept { return current_; }
+
+ private:
+  std::string field_, saved_, current_;
+};
+
+// A rank of a data-parallel run could not start: every rank throws it before step 1 (from the
+// trainer's constructor, a collective), naming the rank. Over budget: that rank's plan peak and
+// budget; otherwise that rank threw its own error (see its stderr).
+class rank_cannot_start : public invalid_argument {
+ public:
+  rank_cannot_start(std::size_t rank, std::size_t ranks, std::size_t peak, std::size_t limit)
+      : invalid_argument("plan",
+                         "a plan that fits every rank's budget",
+                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                             ": a reserved peak of " + format_bytes(peak) + " over its budget of " + format_bytes(limit) +
+                             " (less what it held outside the stack)",
+                         "Give rank " + std::to_string(rank) +
+                             " a larger budget, or plan every rank with fit(model, effective, budget) for the "
+                             "smallest budget of any rank; no rank started step 1"),
+        rank_(rank), peak_(peak), limit_(limit) {}
+  rank_cannot_start(std::size_t rank, std::size_t ranks)
+      : invalid_argument("plan", "every rank ready to start",
+                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " failed (its own error says why)",
+                         "Read rank " + std::to_string(rank) + "'s error; no rank started step 1"),
+        rank_(rank) {}
+  std::size_t rank() const noexcept { return rank_; }
+  std::size_t peak() const noexcept { return peak_; }    // 0 when the rank failed otherwise
+  std::size_t limit() const noexcept { return limit_; }
+
+ private:
+  std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
+};
+
+// A checkpoint of another world size that cannot be re-sharded to this one (an optimizer whose
+// state is block-wise, adamw8bit): only the same ranks can resume it. field() is "ranks", saved()
+// the world that wrote it. (Elementwise states, adamw's, are re-sharded: see trainer::load.)
+class checkpoint_world_mismatch : public checkpoint_mismatch {
+ public:
+  checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
+                            std::size_t zero, const std::string& why)
+      : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
+                            "it was written by " + saved_ranks + " rank(s) and cannot be re-sharded to this run's " +
+                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
+                                ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
+                                saved_ranks + " ...)") {}
+};
+
+// A checkpoint of this model written under other run settings (see load_options): field(),
+// saved() and current() are the first that differs, changes() every one. Nothing was loaded.
+class checkpoint_run_changed : public checkpoint_mismatch {
+ public:
+  checkpoint_run_changed(const std::string& path, std::vector<run_field_change> changes)
+      : checkpoint_mismatch(path, changes.at(0).field, changes.at(0).saved, changes.at(0).current, describe(changes),
+                            "Build the trainer with the settings it was written with to continue that run bit for "
+                            "bit, or load it with load_options{.changes = run_changes::accept} to go on under "
+                            "this trainer's"),
+        changes_(std::move(changes)) {}
+  const std::vector<run_field_change>& changes() const noexcept { return changes_; }
+
+ private:
+  static std::string describe(const std::vector<run_field_change>& d) {
+    constexpr std::size_t shown = 4;
+    std::string why = "it was written by a run with other settings (";
+    for (std::size_t k = 0; k < d.size() && k < shown; ++k) {
+      why += (k == 0 ? "" : "; ") + d[k].field + " " + d[k].saved + " there, " + d[k].current + " here";
+    }
+    if (d.size() > shown) why += "; and " + std::to_string(d.size() - shown) + " more";
+    return why + ")";
+  }
+  std::vector<run_field_change> changes_;
+};
+
+// No plan fits what one rank of a data-parallel run has left under pressure: every rank throws
+// it, with that rank's numbers (its budget less the bytes others hold there, and the least peak).
+class rank_budget_too_small : public budget_too_small {
+ public:
+  rank_budget_too_small(std::size_t rank, std::size_t ranks, std::size_t available, std::size_t minimum,
+                        const std::string& context)
+      : budget_too_small(available, minimum, "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + ": " + context),
+        rank_(rank) {}
+  std::size_t rank() const noexcept { return rank_; }
+
+ private:
+  std::size_t rank_;
+};
+
+// Another rank failed at a collective step (saving, loading); this one throws this, that rank
+// its own error.
+class rank_failed : public error {
+ public:
+  rank_failed(std::size_t rank, std::size_t ranks, const std::string& what)
+      : error("membound: rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " could not " + what +
+              " (its own error says why); every rank stops here"),
+        rank_(rank) {}
+  std::size_t rank() const noexcept { return rank_; }
+
+ private:
+  std::size_t rank_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/trainer_errors.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
+inline constexpr std::uint64_t checkpoint_format_version = 2;
+
+// What a step depends on besides the weights and the optimizer state.
+struct checkpoint_counters {
+  std::uint64_t steps = 0, updates = 0, position = 0;
+  random_state rng{};
+  double loss_scale = 1;
+  std::uint64_t loss_scale_clean_steps = 0;
+};
+
+// The plan a checkpoint was written under, as its choices: a loading trainer makes it again.
+struct checkpoint_plan_choices {
+  std::uint64_t micro_batch = 0, accumulation = 0, head_chunk = 0, schedule_kind = 0, schedule_param = 0;
+};
+
+// An emergency the run tolerates because no plan gets under it: the plan's peak, the bytes others
+// held and the budget then (all 0 in files from before it was recorded, or when none).
+struct checkpoint_tolerance {
+  std::uint64_t peak = 0, foreign = 0, limit = 0;
+};
+
+// One checkpoint file's contents. weights and optimizer: host memory (a device trainer's copies).
+struct checkpoint_contents {
+  std::vector<fingerprint_field> fingerprint, run_settings;
+  const void* weights = nullptr;
+  std::size_t weight_bytes = 0;
+  std::span<const std::byte> optimizer;
+  checkpoint_counters counters;
+  checkpoint_plan_choices plan;
+  checkpoint_tolerance tolerated;
+};
+
+namespace detail {
+inline std::string fields_text(const std::vector<fingerprint_field>& f) {
+  std::string text;
+  for (const fingerprint_field& e : f) text += e.name + "=" + e.value + "\n";
+  return text;
+}
+inline std::string folder_of(const std::string& path) {
+  const std::size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? std::string{} : path.substr(0, slash + 1);
+}
+inline std::string base_of(const std::string& path) {
+  const std::size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+}  // namespace detail
+
+// Adds every section of one checkpoint file to cw (the caller commits it).
+inline void write_checkpoint_state(checkpoint_writer& cw, const checkpoint_contents& c) {
+  cw.add_value<std::uint64_t>("format", checkpoint_format_version);
+  const std::string fp = detail::fields_text(c.fingerprint);
+  cw.add("fingerprint", fp.data(), fp.size());
+  const std::string run = detail::fields_text(c.run_settings);
+  cw.add("run", run.data(), run.size());
+  cw.add("weights", c.weights, c.weight_bytes);
+  cw.add("optimizer", c.optimizer.data(), c.optimizer.size());
+  cw.add_value<std::uint64_t>("step", c.counters.steps);
+  cw.add_value<std::uint64_t>("updates", c.counters.updates);
+  cw.add_value<std::uint64_t>("rng", c.counters.rng.state);
+  cw.add_value<std::uint64_t>("data_position", c.counters.position);
+  cw.add_value<double>("loss_scale", c.counters.loss_scale);
+  cw.add_value<std::uint64_t>("loss_scale_clean_steps", c.counters.loss_scale_clean_steps);
+  const std::uint64_t pl[5] = {c.plan.micro_batch, c.plan.accumulation, c.plan.head_chunk, c.plan.schedule_kind,
+                               c.plan.schedule_param};
+  cw.add("plan", pl, sizeof pl);
+  const std::uint64_t tol[3] = {c.tolerated.peak, c.tolerated.foreign, c.tolerated.limit};
+  cw.add("tolerated", tol, sizeof tol);
+}
+
+// A file of another format is checkpoint_mismatch naming "format".
+inline void check_checkpoint_format(const checkpoint_reader& r, const std::string& path) {
+  if (const auto format = r.value<std::uint64_t>("format"); format != checkpoint_format_version) {
+    const std::string saved = std::to_string(format), current = std::to_string(checkpoint_format_version);
+    throw checkpoint_mismatch(
+        path, "format", saved, current,
+        "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
+            (format < checkpoint_format_version
+                 ? ": an older format, whose fingerprint neither named its fields nor told "
+                   "bf16 from fp16, so this run cannot check it; resume it with the "
+                   "membound that wrote it"
+                 : ": a newer membound wrote it; resume it with that version"));
+  }
+}
+
+// A section of name=value lines (the fingerprint, the run settings, a manifest), parsed; `label`
+// names it in errors.
+inline std::vector<fingerprint_field> read_checkpoint_fields(const checkpoint_reader& r, const std::string& section,
+                                                            const std::string& path,
+                                                            const std::string& label = "fingerprint") {
+  std::string text(r.size(section), '\0');
+  r.copy(section, text.data(), text.size());
+  return detail::parse_fingerprint(text, path, label);
+}
+
+// What read_checkpoint_record finds: everything but the bytes and the fingerprint.
+struct checkpoint_record {
+  checkpoint_counters counters;
+  checkpoint_plan_choices plan;
+  checkpoint_tolerance tolerated;
+  bool has_run_settings = false;  // files from before they were recorded have none
+  std::vector<fingerprint_field> run_settings;
+};
+
+// The counters, the plan's choices, the tolerance and the run settings of a file; counters out of
+// range are corrupt_checkpoint.
+inline checkpoint_record read_checkpoint_record(const checkpoint_reader& r, const std::string& path) {
+  checkpoint_record c;
+  std::uint64_t pl[5];
+  r.copy("plan", pl, sizeof pl);
+  c.plan = {pl[0], pl[1], pl[2], pl[3], pl[4]};
+  c.counters.steps = r.value<std::uint64_t>("step");
+  c.counters.updates = r.value<std::uint64_t>("updates");
+  std::uint64_t tol[3] = {0, 0, 0};
+  if (r.has("tolerated") && r.size("tolerated") == sizeof tol) r.copy("tolerated", tol, sizeof tol);
+  c.tolerated = {tol[0], tol[1], tol[2]};
+  if (r.has("run")) {
+    c.has_run_settings = true;
+    c.run_settings = read_checkpoint_fields(r, "run", path, "run settings");
+  }
+  c.counters.rng = random_state{r.value<std::uint64_t>("rng")};
+  c.counters.position = r.value<std::uint64_t>("data_position");
+  c.counters.loss_scale = r.value<double>("loss_scale");
+  c.counters.loss_scale_clean_steps = r.value<std::uint64_t>("loss_scale_clean_steps");
+  if (!(c.counters.loss_scale > 0) || !std::isfinite(c.counters.loss_scale) || c.counters.updates > c.counters.steps) {
+    throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
+  }
+  return c;
+}
+
+// ---- Sharded checkpoints ----------------------------------------------------------------------
+// Rank r's shard file of the checkpoint at `path` written at step `steps` by `ranks` ranks, as
+// its manifest names it (without the folder).
+inline std::string checkpoint_shard_name(const std::string& path, std::uint64_t steps, std::size_t r, std::size_t ranks) {
+  return detail::base_of(path) + ".step-" + std::to_string(steps) + ".rank-" + std::to_string(r) + "-of-" +
+         std::to_string(ranks);
+}
+// The same, where it lies: beside `path`.
+inline std::string checkpoint_shard_path(const std::string& path, std::uint64_t steps, std::size_t r, std::size_t ranks) {
+  return detail::folder_of(path) + checkpoint_shard_name(path, steps, r, ranks);
+}
+
+// The manifest of `ranks` shard files of n parameters (shard_of's ranges), committed at `path`.
+inline void write_checkpoint_manifest(const std::string& path, std::size_t ranks, std::uint64_t steps, std::size_t n) {
+  std::string text = "ranks=" + std::to_string(ranks) + "\nzero=1\nstep=" + std::to_string(steps) +
+                     "\nparameters=" + std::to_string(n) + "\n";
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const shard_range s = shard_of(n, ranks, r);
+    text += "shard." + std::to_string(r) + "=" + std::to_string(s.begin) + ".." + std::to_string(s.end) + " " +
+            checkpoint_shard_name(path, steps, r, ranks) + "\n";
+  }
+  checkpoint_writer cw;
+  cw.add_value<std::uint64_t>("format", checkpoint_format_version);
+  cw.add("manifest", text.data(), text.size());
+  cw.commit(path);
+}
+
+inline std::vector<fingerprint_field> read_checkpoint_manifest(const checkpoint_reader& r, const std::string& path) {
+  return read_checkpoint_fields(r, "manifest", path);
+}
+
+// A manifest's field; a missing one is corrupt_checkpoint.
+inline std::string manifest_value(const std::vector<fingerprint_field>& f, const std::string& name,
+                                  const std::string& path) {
+  for (const fingerprint_field& e : f)
+    if (e.name == name) return e.value;
+  throw corrupt_checkpoint(path, "its manifest names no '" + name + "'");
+}
+
+// One file of a checkpoint and the parameters it holds (a shard file of a manifest, or a whole
+// checkpoint: [0, n)).
+struct checkpoint_source {
+  shard_range range;
+  std::string file;
+};
+
+// The files a manifest at `path` names, in rank order; they must tile the n parameters.
+inline std::vector<checkpoint_source> manifest_sources(const std::vector<fingerprint_field>& f, const std::string& path,
+                                                       std::size_t n) {
+  const std::string ranks_text = manifest_value(f, "ranks", path);
+  std::size_t ranks = 0;
+  if (std::from_chars(ranks_text.data(), ranks_text.data() + ranks_text.size(), ranks).ec != std::errc{} || ranks == 0 ||
+      ranks > (std::size_t{1} << 20)) {
+    throw corrupt_checkpoint(path, "its manifest's ranks = '" + ranks_text + "' is not a world size");
+  }
+  if (manifest_value(f, "parameters", path) != std::to_string(n)) {
+    throw checkpoint_mismatch(path, "parameters", manifest_value(f, "parameters", path), std::to_string(n),
+                              "it was written for a model of " + manifest_value(f, "parameters", path) +
+                                  " parameter elements, this one has " + std::to_string(n) +
+                                  ". Build the trainer as the run that wrote it was built to resume it");
+  }
+  std::vector<checkpoint_source> src;
+  std::size_t at = 0;
+  for (std::size_t k = 0; k < ranks; ++k) {
+    const std::string entry = manifest_value(f, "shard." + std::to_string(k), path);
+    std::size_t b = 0, e = 0;
+    const char* p = entry.data();
+    const char* end = p + entry.size();
+    auto r1 = std::from_chars(p, end, b);
+    const bool dots = r1.ec == std::errc{} && end - r1.ptr > 2 && r1.ptr[0] == '.' && r1.ptr[1] == '.';
+    auto r2 = dots ? std::from_chars(r1.ptr + 2, end, e) : r1;
+    if (!dots || r2.ec != std::errc{} || r2.ptr == end || *r2.ptr != ' ' || r2.ptr + 1 == end || b != at || e < b ||
+        e > n) {
+      throw corrupt_checkpoint(path, "its shard " + std::to_string(k) + " is '" + entry +
+                                         "', expected 'BEGIN..END FILE' starting at parameter " + std::to_string(at));
+    }
+    src.push_back({{b, e}, detail::folder_of(path) + std::string(r2.ptr + 1, end)});
+    at = e;
+  }
+  if (at != n) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n));
+  return src;
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/checkpoint_state.hpp ----
 // ---- begin membound/train/gradient_exchange.hpp ----
 // The trainer's gradient exchange over ranks, one part of the trainer (train/trainer.hpp composes
 // it): which gradients and optimizer state a rank keeps (ZeRO-0, 1, 2), how a micro-batch's
@@ -16906,142 +17370,6 @@ class gradient_exchange {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/train/gradient_exchange.hpp ----
-// ---- begin membound/train/trainer_errors.hpp ----
-// The trainer's typed errors (one part of the trainer, train/trainer.hpp): a diverged gradient,
-// a checkpoint this run cannot resume (by field, world size or run settings), and a rank of a
-// data-parallel run that cannot start, has no plan left, or failed at a collective step.
-
-MEMBOUND_NAMESPACE_BEGIN
-
-// The gradient of an unscaled run is inf or NaN: training has diverged. Nothing was updated.
-class non_finite_gradient : public error {
- public:
-  non_finite_gradient(std::uint64_t step, double loss, double norm)
-      : error("membound: step " + std::to_string(step) + ": the gradient norm is " + std::to_string(norm) +
-              " (loss " + std::to_string(loss) +
-              "); the weights were not updated. Lower the learning rate, turn on loss scaling "
-              "(trainer_options::scaling = loss_scaling::dynamic), or resume from the last checkpoint") {}
-};
-
-// A checkpoint this run cannot resume because it was written for something else: another model,
-// precision, batch, block type or checkpoint format. field() is the first that differs (what()
-// names every one), saved() its value in the file, current() in this run.
-class checkpoint_mismatch : public corrupt_checkpoint {
- public:
-  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
-                      const std::string& why)
-      : corrupt_checkpoint(path, why), field_(std::move(field)), saved_(std::move(saved)), current_(std::move(current)) {}
-  checkpoint_mismatch(const std::string& path, std::string field, std::string saved, std::string current,
-                      const std::string& why, const std::string& what_to_do)
-      : corrupt_checkpoint(path, why, what_to_do),
-        field_(std::move(field)),
-        saved_(std::move(saved)),
-        current_(std::move(current)) {}
-  const std::string& field() const noexcept { return field_; }
-  const std::string& saved() const noexcept { return saved_; }
-  const std::string& current() const noexcept { return current_; }
-
- private:
-  std::string field_, saved_, current_;
-};
-
-// A rank of a data-parallel run could not start: every rank throws it before step 1 (from the
-// trainer's constructor, a collective), naming the rank. Over budget: that rank's plan peak and
-// budget; otherwise that rank threw its own error (see its stderr).
-class rank_cannot_start : public invalid_argument {
- public:
-  rank_cannot_start(std::size_t rank, std::size_t ranks, std::size_t peak, std::size_t limit)
-      : invalid_argument("plan",
-                         "a plan that fits every rank's budget",
-                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
-                             ": a reserved peak of " + format_bytes(peak) + " over its budget of " + format_bytes(limit) +
-                             " (less what it held outside the stack)",
-                         "Give rank " + std::to_string(rank) +
-                             " a larger budget, or plan every rank with fit(model, effective, budget) for the "
-                             "smallest budget of any rank; no rank started step 1"),
-        rank_(rank), peak_(peak), limit_(limit) {}
-  rank_cannot_start(std::size_t rank, std::size_t ranks)
-      : invalid_argument("plan", "every rank ready to start",
-                         "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " failed (its own error says why)",
-                         "Read rank " + std::to_string(rank) + "'s error; no rank started step 1"),
-        rank_(rank) {}
-  std::size_t rank() const noexcept { return rank_; }
-  std::size_t peak() const noexcept { return peak_; }    // 0 when the rank failed otherwise
-  std::size_t limit() const noexcept { return limit_; }
-
- private:
-  std::size_t rank_ = 0, peak_ = 0, limit_ = 0;
-};
-
-// A checkpoint of another world size that cannot be re-sharded to this one (an optimizer whose
-// state is block-wise, adamw8bit): only the same ranks can resume it. field() is "ranks", saved()
-// the world that wrote it. (Elementwise states, adamw's, are re-sharded: see trainer::load.)
-class checkpoint_world_mismatch : public checkpoint_mismatch {
- public:
-  checkpoint_world_mismatch(const std::string& path, const std::string& saved_ranks, std::size_t ranks,
-                            std::size_t zero, const std::string& why)
-      : checkpoint_mismatch(path, "ranks", saved_ranks, std::to_string(ranks),
-                            "it was written by " + saved_ranks + " rank(s) and cannot be re-sharded to this run's " +
-                                std::to_string(ranks) + " rank(s) under ZeRO-" + std::to_string(zero) + ": " + why +
-                                ". Resume it with " + saved_ranks + " ranks and the same optimizer (mpirun -np " +
-                                saved_ranks + " ...)") {}
-};
-
-// A checkpoint of this model written under other run settings (see load_options): field(),
-// saved() and current() are the first that differs, changes() every one. Nothing was loaded.
-class checkpoint_run_changed : public checkpoint_mismatch {
- public:
-  checkpoint_run_changed(const std::string& path, std::vector<run_field_change> changes)
-      : checkpoint_mismatch(path, changes.at(0).field, changes.at(0).saved, changes.at(0).current, describe(changes),
-                            "Build the trainer with the settings it was written with to continue that run bit for "
-                            "bit, or load it with load_options{.changes = run_changes::accept} to go on under "
-                            "this trainer's"),
-        changes_(std::move(changes)) {}
-  const std::vector<run_field_change>& changes() const noexcept { return changes_; }
-
- private:
-  static std::string describe(const std::vector<run_field_change>& d) {
-    constexpr std::size_t shown = 4;
-    std::string why = "it was written by a run with other settings (";
-    for (std::size_t k = 0; k < d.size() && k < shown; ++k) {
-      why += (k == 0 ? "" : "; ") + d[k].field + " " + d[k].saved + " there, " + d[k].current + " here";
-    }
-    if (d.size() > shown) why += "; and " + std::to_string(d.size() - shown) + " more";
-    return why + ")";
-  }
-  std::vector<run_field_change> changes_;
-};
-
-// No plan fits what one rank of a data-parallel run has left under pressure: every rank throws
-// it, with that rank's numbers (its budget less the bytes others hold there, and the least peak).
-class rank_budget_too_small : public budget_too_small {
- public:
-  rank_budget_too_small(std::size_t rank, std::size_t ranks, std::size_t available, std::size_t minimum,
-                        const std::string& context)
-      : budget_too_small(available, minimum, "rank " + std::to_string(rank) + " of " + std::to_string(ranks) + ": " + context),
-        rank_(rank) {}
-  std::size_t rank() const noexcept { return rank_; }
-
- private:
-  std::size_t rank_;
-};
-
-// Another rank failed at a collective step (saving, loading); this one throws this, that rank
-// its own error.
-class rank_failed : public error {
- public:
-  rank_failed(std::size_t rank, std::size_t ranks, const std::string& what)
-      : error("membound: rank " + std::to_string(rank) + " of " + std::to_string(ranks) + " could not " + what +
-              " (its own error says why); every rank stops here"),
-        rank_(rank) {}
-  std::size_t rank() const noexcept { return rank_; }
-
- private:
-  std::size_t rank_;
-};
-
-MEMBOUND_NAMESPACE_END
-// ---- end membound/train/trainer_errors.hpp ----
 // ---- begin membound/train/trainer_options.hpp ----
 // The trainer's options and load options (one part of the trainer, train/trainer.hpp).
 
@@ -17505,8 +17833,8 @@ class trainer {
     if (sharded()) return load_shards(path, lo);
     if (world() <= 1) {
       const checkpoint_reader r(path);
-      check_format(r, path);
-      if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path, lo);
+      check_checkpoint_format(r, path);
+      if (r.has("manifest")) return load_resharded(manifest_sources(read_checkpoint_manifest(r, path), path, n_), path, lo);
       staged st = stage(r, path, m_.weight_bytes(), lo);
       commit(r, path, st, w_, m_.weight_bytes());
       return st.restored;
@@ -17519,14 +17847,14 @@ class trainer {
     bool manifest = false;
     try {
       r.emplace(path);
-      check_format(*r, path);
+      check_checkpoint_format(*r, path);
       manifest = r->has("manifest");
       if (!manifest) st = stage(*r, path, m_.weight_bytes(), lo);
     } catch (...) {
       failed = std::current_exception();
     }
     agree(failed, "read the checkpoint");
-    if (manifest) return load_resharded(manifest_sources(read_manifest(*r, path), path), path, lo);
+    if (manifest) return load_resharded(manifest_sources(read_checkpoint_manifest(*r, path), path, n_), path, lo);
     agree_on_restoring(st);
     try {
       commit(*r, path, st, w_, m_.weight_bytes());
@@ -17712,9 +18040,6 @@ class trainer {
   std::size_t foreign_bytes() const { return foreign_now(); }
 
  private:
-  // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
-  static constexpr std::uint64_t format_version = 2;
-
   // ---- Checkpoint helpers -------------------------------------------------------------------------
   struct staged {
     std::uint64_t steps = 0, updates = 0, position = 0;
@@ -17728,51 +18053,26 @@ class trainer {
 
   // weights and state: host memory (a device trainer's host copies).
   void write_state(checkpoint_writer& cw, const void* weights, std::size_t weight_bytes, const void* state_bytes) const {
-    cw.add_value<std::uint64_t>("format", format_version);
-    std::string fp;
-    for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
-    cw.add("fingerprint", fp.data(), fp.size());
-    std::string run;
-    for (const fingerprint_field& f : run_settings()) run += f.name + "=" + f.value + "\n";
-    cw.add("run", run.data(), run.size());
-    cw.add("weights", weights, weight_bytes);
-    const std::span<const std::byte> state = Optimizer::save_state(state_bytes, opt_shard_.size());
-    cw.add("optimizer", state.data(), state.size());
-    cw.add_value<std::uint64_t>("step", steps_);
-    cw.add_value<std::uint64_t>("updates", updates_);
-    cw.add_value<std::uint64_t>("rng", rng_.state);
-    cw.add_value<std::uint64_t>("data_position", position_);
-    cw.add_value<double>("loss_scale", scaler_.scale);
-    cw.add_value<std::uint64_t>("loss_scale_clean_steps", scaler_.clean_steps);
-    const std::uint64_t pl[5] = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk,
-                                 static_cast<std::uint64_t>(plan_.schedule.k), plan_.schedule.param};
-    cw.add("plan", pl, sizeof pl);
+    checkpoint_contents c;
+    c.fingerprint = fingerprint();
+    c.run_settings = run_settings();
+    c.weights = weights;
+    c.weight_bytes = weight_bytes;
+    c.optimizer = Optimizer::save_state(state_bytes, opt_shard_.size());
+    c.counters = {steps_, updates_, position_, rng_, scaler_.scale, scaler_.clean_steps};
+    c.plan = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk, static_cast<std::uint64_t>(plan_.schedule.k),
+              plan_.schedule.param};
     // An emergency the run tolerates (no plan gets under it) is not abandoned again: a resumed
     // run must know it, or it would replan where the uninterrupted one went on.
-    const std::uint64_t tol[3] = {tolerated_peak_, tolerated_foreign_, limit_now()};
-    cw.add("tolerated", tol, sizeof tol);
-  }
-
-  static void check_format(const checkpoint_reader& r, const std::string& path) {
-    if (const auto format = r.value<std::uint64_t>("format"); format != format_version) {
-      const std::string saved = std::to_string(format), current = std::to_string(format_version);
-      throw checkpoint_mismatch(
-          path, "format", saved, current,
-          "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
-              (format < format_version ? ": an older format, whose fingerprint neither named its fields nor told "
-                                         "bf16 from fp16, so this run cannot check it; resume it with the "
-                                         "membound that wrote it"
-                                       : ": a newer membound wrote it; resume it with that version"));
-    }
+    c.tolerated = {tolerated_peak_, tolerated_foreign_, limit_now()};
+    write_checkpoint_state(cw, c);
   }
 
   // Everything of a checkpoint file checked, nothing of this trainer changed.
   staged stage(const checkpoint_reader& r, const std::string& path, std::size_t weight_bytes,
                const load_options& lo) const {
-    check_format(r, path);
-    std::string text(r.size("fingerprint"), '\0');
-    r.copy("fingerprint", text.data(), text.size());
-    check_fingerprint(detail::parse_fingerprint(text, path), path);
+    check_checkpoint_format(r, path);
+    check_fingerprint(read_checkpoint_fields(r, "fingerprint", path), path);
     if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
@@ -17781,33 +18081,29 @@ class trainer {
 
   // The counters, the loss scaler and the plan of a checked file.
   staged stage_counters(const checkpoint_reader& r, const std::string& path, const load_options& lo) const {
-    std::uint64_t pl[5];
-    r.copy("plan", pl, sizeof pl);
+    const checkpoint_record c = read_checkpoint_record(r, path);
     staged st;
-    st.steps = r.value<std::uint64_t>("step");
-    st.updates = r.value<std::uint64_t>("updates");
-    std::uint64_t tol[3] = {0, 0, 0};
-    if (r.has("tolerated") && r.size("tolerated") == sizeof tol) r.copy("tolerated", tol, sizeof tol);
-    if (r.has("run")) {
-      std::string text(r.size("run"), '\0');
-      r.copy("run", text.data(), text.size());
-      st.changes = run_differences(detail::parse_fingerprint(text, path, "run settings"));
+    if (c.has_run_settings) {
+      st.changes = run_differences(c.run_settings);
       if (!st.changes.empty() && lo.changes == run_changes::refuse) throw checkpoint_run_changed(path, st.changes);
     }
-    st.rng = random_state{r.value<std::uint64_t>("rng")};
-    st.position = r.value<std::uint64_t>("data_position");
+    st.steps = c.counters.steps;
+    st.updates = c.counters.updates;
+    st.rng = c.counters.rng;
+    st.position = c.counters.position;
     st.scaler = scaler_;
-    st.scaler.scale = r.value<double>("loss_scale");
-    st.scaler.clean_steps = r.value<std::uint64_t>("loss_scale_clean_steps");
-    if (!(st.scaler.scale > 0) || !std::isfinite(st.scaler.scale) || st.updates > st.steps) {
-      throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
-    }
-    if (pl[0] != 0 && rank_batch().batch % pl[0] == 0 && pl[1] == rank_batch().batch / pl[0] && pl[2] != 0 &&
-        pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
+    st.scaler.scale = c.counters.loss_scale;
+    st.scaler.clean_steps = c.counters.loss_scale_clean_steps;
+    const checkpoint_plan_choices& pc = c.plan;
+    if (pc.micro_batch != 0 && rank_batch().batch % pc.micro_batch == 0 &&
+        pc.accumulation == rank_batch().batch / pc.micro_batch && pc.head_chunk != 0 &&
+        pc.schedule_kind <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
       try {
-        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
-                                   schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
-                                   static_cast<std::size_t>(pl[2]), plan_.budget);
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pc.micro_batch), eff_.seq},
+                                   static_cast<std::size_t>(pc.accumulation),
+                                   schedule_choice{static_cast<schedule_choice::kind>(pc.schedule_kind),
+                                                   static_cast<std::size_t>(pc.schedule_param)},
+                                   static_cast<std::size_t>(pc.head_chunk), plan_.budget);
         p.reserved_peak = reserve_of(p);
         if (p.fits() && (limit_now() == 0 || p.budgeted_peak() + foreign_now() <= limit_now())) st.plan = std::move(p);
       } catch (const error&) {
@@ -17817,9 +18113,9 @@ class trainer {
     st.restored = st.plan.has_value();
     // The tolerance holds for the plan it was granted to under the same budget: a run resumed
     // with more room decides again.
-    if (st.restored && tol[0] == st.plan->peak_bytes && tol[2] == limit_now()) {
-      st.tolerated_peak = static_cast<std::size_t>(tol[0]);
-      st.tolerated_foreign = static_cast<std::size_t>(tol[1]);
+    if (st.restored && c.tolerated.peak == st.plan->peak_bytes && c.tolerated.limit == limit_now()) {
+      st.tolerated_peak = static_cast<std::size_t>(c.tolerated.peak);
+      st.tolerated_foreign = static_cast<std::size_t>(c.tolerated.foreign);
     }
     return st;
   }
@@ -17879,20 +18175,9 @@ class trainer {
     }
   }
 
-  static std::string folder_of(const std::string& path) {
-    const std::size_t slash = path.find_last_of('/');
-    return slash == std::string::npos ? std::string{} : path.substr(0, slash + 1);
-  }
-  static std::string base_of(const std::string& path) {
-    const std::size_t slash = path.find_last_of('/');
-    return slash == std::string::npos ? path : path.substr(slash + 1);
-  }
-
   void save_shards(const std::string& path) const {
     const std::size_t N = world(), me = comm_.rank();
-    const std::string name = base_of(path) + ".step-" + std::to_string(steps_) + ".rank-" + std::to_string(me) + "-of-" +
-                             std::to_string(N);
-    const std::string file = folder_of(path) + name;
+    const std::string file = checkpoint_shard_path(path, steps_, me, N);
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
@@ -17908,18 +18193,7 @@ class trainer {
     agree(failed, "write its checkpoint shard");
     if (me == 0) {
       try {
-        std::string text = "ranks=" + std::to_string(N) + "\nzero=1\nstep=" + std::to_string(steps_) +
-                           "\nparameters=" + std::to_string(n_) + "\n";
-        for (std::size_t r = 0; r < N; ++r) {
-          const shard_range s = shard_of(n_, N, r);
-          text += "shard." + std::to_string(r) + "=" + std::to_string(s.begin) + ".." + std::to_string(s.end) + " " +
-                  base_of(path) + ".step-" + std::to_string(steps_) + ".rank-" + std::to_string(r) + "-of-" +
-                  std::to_string(N) + "\n";
-        }
-        checkpoint_writer cw;
-        cw.add_value<std::uint64_t>("format", format_version);
-        cw.add("manifest", text.data(), text.size());
-        cw.commit(path);
+        write_checkpoint_manifest(path, N, steps_, n_);
       } catch (...) {
         failed = std::current_exception();
       }
@@ -17930,33 +18204,20 @@ class trainer {
     last_shard_ = file;
   }
 
-  static std::string manifest_value(const std::vector<fingerprint_field>& f, const std::string& name,
-                                    const std::string& path) {
-    for (const fingerprint_field& e : f)
-      if (e.name == name) return e.value;
-    throw corrupt_checkpoint(path, "its manifest names no '" + name + "'");
-  }
-
-  std::vector<fingerprint_field> read_manifest(const checkpoint_reader& r, const std::string& path) const {
-    std::string text(r.size("manifest"), '\0');
-    r.copy("manifest", text.data(), text.size());
-    return detail::parse_fingerprint(text, path);
-  }
-
   bool load_shards(const std::string& path, const load_options& lo) {
     {
       // Another world size, or a whole checkpoint (ZeRO-0, one process): re-sharded.
       std::exception_ptr failed;
-      std::optional<std::vector<source_shard>> other;
+      std::optional<std::vector<checkpoint_source>> other;
       try {
         const checkpoint_reader r(path);
-        check_format(r, path);
+        check_checkpoint_format(r, path);
         if (!r.has("manifest")) {
-          other = std::vector<source_shard>{{shard_range{0, n_}, path}};
+          other = std::vector<checkpoint_source>{{shard_range{0, n_}, path}};
         } else {
-          const std::vector<fingerprint_field> f = read_manifest(r, path);
+          const std::vector<fingerprint_field> f = read_checkpoint_manifest(r, path);
           if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
-            other = manifest_sources(f, path);
+            other = manifest_sources(f, path, n_);
           }
         }
       } catch (...) {
@@ -17972,14 +18233,14 @@ class trainer {
     staged st;
     try {
       const checkpoint_reader r(path);
-      check_format(r, path);
+      check_checkpoint_format(r, path);
       if (!r.has("manifest")) {
         throw checkpoint_mismatch(path, "zero", "0", "1",
                                   "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-1 over " +
                                       std::to_string(world()) + " ranks, which resumes the manifest a ZeRO-1 save "
                                       "wrote. Resume it with trainer_options::zero = 0");
       }
-      const std::vector<fingerprint_field> f = read_manifest(r, path);
+      const std::vector<fingerprint_field> f = read_checkpoint_manifest(r, path);
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
         throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
@@ -17988,7 +18249,7 @@ class trainer {
       if (entry.rfind(range, 0) != 0 || entry.size() == range.size()) {
         throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " is '" + entry + "', this rank holds " + range);
       }
-      shard_path = folder_of(path) + entry.substr(range.size());
+      shard_path = detail::folder_of(path) + entry.substr(range.size());
       shard.emplace(shard_path);
       st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S), lo);
       if (std::to_string(st.steps) != manifest_value(f, "step", path)) {
@@ -18013,49 +18274,6 @@ class trainer {
   }
 
   // ---- Re-sharding ---------------------------------------------------------------------------------
-  // One file of a checkpoint and the parameters it holds (a shard file of a manifest, or a whole
-  // checkpoint: [0, n)).
-  struct source_shard {
-    shard_range range;
-    std::string file;
-  };
-
-  // The files a manifest names, in rank order; they must tile [0, n).
-  std::vector<source_shard> manifest_sources(const std::vector<fingerprint_field>& f, const std::string& path) const {
-    const std::string ranks_text = manifest_value(f, "ranks", path);
-    std::size_t ranks = 0;
-    if (std::from_chars(ranks_text.data(), ranks_text.data() + ranks_text.size(), ranks).ec != std::errc{} || ranks == 0 ||
-        ranks > (std::size_t{1} << 20)) {
-      throw corrupt_checkpoint(path, "its manifest's ranks = '" + ranks_text + "' is not a world size");
-    }
-    if (manifest_value(f, "parameters", path) != std::to_string(n_)) {
-      throw checkpoint_mismatch(path, "parameters", manifest_value(f, "parameters", path), std::to_string(n_),
-                                "it was written for a model of " + manifest_value(f, "parameters", path) +
-                                    " parameter elements, this one has " + std::to_string(n_) +
-                                    ". Build the trainer as the run that wrote it was built to resume it");
-    }
-    std::vector<source_shard> src;
-    std::size_t at = 0;
-    for (std::size_t k = 0; k < ranks; ++k) {
-      const std::string entry = manifest_value(f, "shard." + std::to_string(k), path);
-      std::size_t b = 0, e = 0;
-      const char* p = entry.data();
-      const char* end = p + entry.size();
-      auto r1 = std::from_chars(p, end, b);
-      const bool dots = r1.ec == std::errc{} && end - r1.ptr > 2 && r1.ptr[0] == '.' && r1.ptr[1] == '.';
-      auto r2 = dots ? std::from_chars(r1.ptr + 2, end, e) : r1;
-      if (!dots || r2.ec != std::errc{} || r2.ptr == end || *r2.ptr != ' ' || r2.ptr + 1 == end || b != at || e < b ||
-          e > n_) {
-        throw corrupt_checkpoint(path, "its shard " + std::to_string(k) + " is '" + entry +
-                                           "', expected 'BEGIN..END FILE' starting at parameter " + std::to_string(at));
-      }
-      src.push_back({{b, e}, folder_of(path) + std::string(r2.ptr + 1, end)});
-      at = e;
-    }
-    if (at != n_) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n_));
-    return src;
-  }
-
   // Loads a checkpoint written by another world size (or ZeRO stage): every rank reads every
   // source file's weights (the whole model) and, from each file whose parameters overlap its own
   // optimizer range (opt_shard_: all of them but under ZeRO-1/2), the same slice of each of the
@@ -18064,7 +18282,7 @@ class trainer {
   // (adamw: m, v, masters); a block-wise state (adamw8bit) is refused. A collective over ranks
   // like load(): an error on any rank is thrown on every rank, and nothing changes before all
   // ranks have read and checked everything.
-  bool load_resharded(const std::vector<source_shard>& src, const std::string& path, const load_options& lo) {
+  bool load_resharded(const std::vector<checkpoint_source>& src, const std::string& path, const load_options& lo) {
     if constexpr (!requires { Optimizer::state_arrays; Optimizer::state_element_bytes; }) {
       // The same refusal on every rank (all read the same manifest): nothing to agree on.
       throw checkpoint_world_mismatch(path, std::to_string(src.size()), world(), sharded() ? o_.zero : 0,
@@ -18084,12 +18302,10 @@ class trainer {
           weights.resize(n_);
           state.resize(opt_bytes());
           for (std::size_t k = 0; k < src.size(); ++k) {
-            const source_shard& s = src[k];
+            const checkpoint_source& s = src[k];
             const checkpoint_reader r(s.file);
-            check_format(r, s.file);
-            std::string text(r.size("fingerprint"), '\0');
-            r.copy("fingerprint", text.data(), text.size());
-            const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
+            check_checkpoint_format(r, s.file);
+            const std::vector<fingerprint_field> f = read_checkpoint_fields(r, "fingerprint", s.file);
             check_fingerprint(f, s.file, /*any_world=*/true);
             // The file must hold what its manifest names it for: a shard file copied or renamed over
             // another of the same size would otherwise load another rank's weights and state.
@@ -18489,9 +18705,10 @@ class trainer {
   std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
   std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
-  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/model.hpp
-  // writes and reads in place; backend/cuda/model.cuh copies on the stream).
+  // The gradients zeroed where they live (the glue: host memory in place, device memory on the stream).
   void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
+
+  // ---- The step's parts: the monitor at the check points, the micro-batches -----------------------
 
   template <check_point P>
   void observe(pressure_level& highest) {

@@ -1,6 +1,6 @@
-// Must NOT compile: a layer whose defaults name no checkpoint policy does not take one, and
+// Must NOT compile: a layer whose defaults name no recompute policy does not take one, and
 // policy_set must name the kind (tests/CMakeLists.txt matches the sentence).
-#include "membound/policy/checkpoint.hpp"
+#include "membound/policy/recompute.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"

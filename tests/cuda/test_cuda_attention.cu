@@ -33,8 +33,9 @@ struct run_result {
 };
 
 
+// k: the device executor's kernel choices.
 template <typename Precision, typename... Extra>
-void compare(const mb::attention_shape& s, double tolerance) {
+void compare(const mb::attention_shape& s, double tolerance, const mb::gpu::kernel_choices& k = {}) {
   using cpu_attn = mb::attention<Precision, Extra...>;
   using gpu_attn = mb::attention<Precision, Extra..., mb::cuda_backend>;
   using S = typename cpu_attn::storage_type;
@@ -68,6 +69,7 @@ void compare(const mb::attention_shape& s, double tolerance) {
                      {gq_c.data(), gk_c.data(), gv_c.data(), go_c.data()}, wsp, wsn, pool);
 
   mb::cuda_executor ex;
+  ex.set_kernels(k);
   mbt::device_buffer<S> dx_(x), dwq(wq), dwk(wk), dwv(wv), dwo(wo), ddy(dy), dy_(N * C),
       ddx(N * C);
   mbt::device_buffer<S> dgq(gq0), dgk(gk0), dgv(gv0), dgo(go0);
@@ -172,24 +174,24 @@ void fp32_matches_cpu() {
   compare<mb::fp32_precision, mb::save_all>({2, 37, 32, 4, 2, 16, true}, 1e-5);
 }
 
-// Pins the process-wide kernel choice for one case.
-struct kernel_choice {
-  mb::gpu::attention_kernels before = mb::gpu::attention_kernel_choice().load();
-  explicit kernel_choice(mb::gpu::attention_kernels k) { mb::gpu::attention_kernel_choice() = k; }
-  ~kernel_choice() { mb::gpu::attention_kernel_choice() = before; }
-  kernel_choice(const kernel_choice&) = delete;
-  kernel_choice& operator=(const kernel_choice&) = delete;
-};
 // bf16/fp16 on the fallback kernels (the WMMA forward, the SIMT backward: what devices before
 // sm_80 and head_dim > 128 run): the device rounds O, dq, dk, dv to 16 bits (2^-8 relative each
 // for bf16) before the GEMMs that read them, and the WMMA forward (D <= 128) rounds q, k, v and P
 // too, where the CPU keeps fp32; as for the MLP, 4e-2 covers a chain of up to three such roundings.
 void bf16_matches_cpu() {
-  const kernel_choice use(mb::gpu::attention_kernels::simt_wmma);
-  compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2);
-  compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2);
-  compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2);
-  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2);  // D = 256: the SIMT forward
+  const mb::gpu::kernel_choices use{.attention = mb::gpu::attention_kernels::simt_wmma};
+  compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2, use);
+  compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2, use);
+  compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2, use);
+  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2, use);  // D = 256: the SIMT forward
+  // The choice is the executor's: one left at the default beside it still runs the mma kernels.
+  mb::cuda_executor fallback, plain;
+  fallback.set_kernels(use);
+  CHECK(!mb::gpu::detail::use_mma<mb::bf16>(fallback, 64));
+  int major = 0;
+  mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, plain.device()),
+                 "cudaDeviceGetAttribute");
+  if (major >= 8) CHECK(mb::gpu::detail::use_mma<mb::bf16>(plain, 64));
 }
 
 // The mma.sync kernels (attention_mma.cuh), the default, on the same comparisons, and more shapes: T = 1, T
@@ -198,8 +200,8 @@ void bf16_matches_cpu() {
 // covers (the host emulation measures 2.8e-3 for bf16 against a double attention on rounded
 // inputs). On sm_80 and up they must be the ones that run.
 void tensor_core_matches_cpu() {
-  const kernel_choice use(mb::gpu::attention_kernels::tensor_core);
   mb::cuda_executor ex;
+  CHECK(ex.kernels().attention == mb::gpu::attention_kernels::tensor_core);  // the default
   int major = 0, optin = 0;
   mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
                  "cudaDeviceGetAttribute");

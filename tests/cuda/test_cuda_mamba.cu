@@ -2,7 +2,7 @@
 // same process: the output, the saved chunk-entry states, dx and the nine weight gradients (the
 // ten gradients of the issue), over chunks that do not divide T, chunk 1, chunk > T, T = 1,
 // d_state 1 and 16, d_inner not a multiple of the scan block (70: neither of the forward's 8 nor
-// of the backward's 64 channels), both checkpoint policies; bit-identical repeats; no device
+// of the backward's 64 channels), both recompute policies; bit-identical repeats; no device
 // memory beyond the caller's; decoding steps equal to the forward's rows; typed errors. Without a
 // device it exits 77 (skipped).
 //
@@ -307,7 +307,7 @@ void check_case(const char* name, const mb::mamba_shape& s, double tol) {
   // saved_state_bytes is the planner's number and the device's: the same function.
   CHECK(GpuBlock::saved_state_bytes(s) == CpuBlock::saved_state_bytes(s));
   using host_twin = mb::mamba<typename GpuBlock::precision, typename GpuBlock::chunking,
-                              typename GpuBlock::checkpoint>;
+                              typename GpuBlock::recompute_policy>;
   CHECK(GpuBlock::saved_bytes(s) == host_twin::saved_bytes(s));
 }
 
@@ -535,7 +535,7 @@ void typed_errors() {
 
 int main() {
   static const mbt::test_case cases[] = {
-      {"mamba cuda_backend fp32: chunk 8 not dividing T, both checkpoint policies",
+      {"mamba cuda_backend fp32: chunk 8 not dividing T, both recompute policies",
        fp32_chunk_not_dividing_t},
       {"mamba cuda_backend fp32: chunk 1, d_state 1, d_conv 1", fp32_chunk_1_and_d_state_1},
       {"mamba cuda_backend fp32: chunk > T, T = 1", fp32_chunk_above_t_and_t_1},

@@ -86,13 +86,15 @@ struct gpu_step {
 
 // One micro-batch on the device under plan p, the weights and gradients allocated through the
 // budget as a trainer would (the plan's base: weights, gradients, optimizer state, step buffers).
+// k: the executor's kernel choices.
 template <typename Model>
 gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<typename Model::storage_type>& w_host,
-                 const tokens& t, bool with_eval = false) {
+                 const tokens& t, bool with_eval = false, const mb::gpu::kernel_choices& k = {}) {
   using S = typename Model::storage_type;
   const std::size_t n = m.parameter_elements(), wb = m.weight_bytes();
   mbt::device_buffer<std::int32_t> ids(t.tokens), targets(t.targets);
   mb::cuda_executor ex;
+  ex.set_kernels(k);
   device_budget alloc(budget_bytes);
   S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
   S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
@@ -144,7 +146,7 @@ bool same_layout(const cpu_model<P>& c, const gpu_model<P>& d) {
 }
 
 template <typename P>
-void against_cpu(double tolerance, double loss_tolerance) {
+void against_cpu(double tolerance, double loss_tolerance, const mb::gpu::kernel_choices& k = {}) {
   using S = typename P::storage_type;
   const mb::batch_shape b{2, 40};  // T = 40: TTT's last mini-batch is short, attention's last tile too
   const cpu_model<P> cm(config());
@@ -159,7 +161,7 @@ void against_cpu(double tolerance, double loss_tolerance) {
   mb::plan_options o;
   o.head_chunk = 16;
   const mb::training_plan p = mb::make_plan(gm, b, mb::schedules::none{}, o);
-  const gpu_step r = run_gpu(gm, p, w, t, true);
+  const gpu_step r = run_gpu(gm, p, w, t, true, k);
   const std::vector<S> got = mbt::from_bytes<S>(r.grads);
 
   std::printf("  loss: cpu %.9g, gpu %.9g (eval %.9g)\n", cpu_loss, r.loss, r.eval_loss);
@@ -182,7 +184,7 @@ void bf16_against_cpu() { against_cpu<mb::bf16_precision>(5e-2, 1e-2); }
 // Every schedule on the device: the same loss and gradient bits as `none`, and the budget's
 // measured peak equal to each plan's prediction. A repeat of `none` gives the same bits.
 template <typename P>
-void schedules_on_device() {
+void schedules_on_device(const mb::gpu::kernel_choices& k = {}) {
   using S = typename P::storage_type;
   using K = mb::schedule_choice::kind;
   const mb::batch_shape b{2, 32};
@@ -193,15 +195,15 @@ void schedules_on_device() {
   mb::plan_options o;
   o.head_chunk = 24;
   const mb::training_plan base = mb::make_plan(m, b, mb::schedule_choice{K::none, 0}, o);
-  const gpu_step ref = run_gpu(m, base, w, t);
+  const gpu_step ref = run_gpu(m, base, w, t, false, k);
   CHECK(ref.measured_peak == base.peak_bytes);
-  const gpu_step again = run_gpu(m, base, w, t);
+  const gpu_step again = run_gpu(m, base, w, t, false, k);
   CHECK(again.grads == ref.grads);
   CHECK(mbt::same_bits(again.loss, ref.loss));
   const std::vector<mb::schedule_choice> all{{K::full, 0}, {K::every, 2}, {K::every, 3}, {K::binomial, 1}, {K::binomial, 2}};
   for (const mb::schedule_choice& s : all) {
     const mb::training_plan p = mb::make_plan(m, b, s, o);
-    const gpu_step r = run_gpu(m, p, w, t);
+    const gpu_step r = run_gpu(m, p, w, t, false, k);
     std::printf("  %s: predicted peak %zu B, measured %zu B, same bits as none: %s\n", s.name().c_str(), p.peak_bytes,
                 r.measured_peak, r.grads == ref.grads && mbt::same_bits(r.loss, ref.loss) ? "yes" : "no");
     CHECK(r.measured_peak == p.peak_bytes);
@@ -222,21 +224,17 @@ void bf16_fallback_attention() {
   int major = 0;
   mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
                  "cudaDeviceGetAttribute");
-  CHECK(mb::gpu::attention_kernel_choice().load() == mb::gpu::attention_kernels::tensor_core);
+  CHECK(ex.kernels().attention == mb::gpu::attention_kernels::tensor_core);  // the default
   if (major >= 8) {
     CHECK(mb::gpu::detail::use_mma<mb::bf16>(ex, config().width / config().heads));  // the default really runs them
   } else {
     std::printf("  note: sm_%d: the tensor-core kernels need sm_80; the cases above ran the fallback\n", major * 10);
   }
-  const mb::gpu::attention_kernels before = mb::gpu::attention_kernel_choice().load();
-  mb::gpu::attention_kernel_choice() = mb::gpu::attention_kernels::simt_wmma;
-  struct restore {
-    mb::gpu::attention_kernels k;
-    ~restore() { mb::gpu::attention_kernel_choice() = k; }
-  } const back{before};
+  const mb::gpu::kernel_choices fallback{.attention = mb::gpu::attention_kernels::simt_wmma};
+  ex.set_kernels(fallback);
   CHECK(!mb::gpu::detail::use_mma<mb::bf16>(ex, config().width / config().heads));
-  against_cpu<mb::bf16_precision>(5e-2, 1e-2);
-  schedules_on_device<mb::bf16_precision>();
+  against_cpu<mb::bf16_precision>(5e-2, 1e-2, fallback);
+  schedules_on_device<mb::bf16_precision>(fallback);
 }
 
 // Two optimizer steps' requests and an evaluation on a device stack, as a trainer makes them

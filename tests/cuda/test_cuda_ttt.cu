@@ -102,8 +102,8 @@ struct gpu_result {
 // Runs one configuration on both backends; returns the device's y bytes (for the across-G check).
 template <bool Mlp, typename Precision, std::size_t B, std::size_t G>
 std::vector<std::uint8_t> compare(const mb::ttt_shape& s, double tolerance) {
-  using cpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_checkpoint_groups<G>>;
-  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_checkpoint_groups<G>,
+  using cpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_state_groups<G>>;
+  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_state_groups<G>,
                               mb::cuda_backend>;
   using S = typename cpu_l::storage_type;
   const std::size_t N = s.batch * s.seq, C = s.width;
@@ -229,10 +229,11 @@ struct backward_bytes {
 
 // Forward then backward on both backends from the same inputs and the same starting gradients;
 // checks the device against the CPU and two device runs against each other; returns the first.
+// k: the device executor's kernel choices (the inner loop's shared memory).
 template <bool Mlp, typename Precision, std::size_t B, std::size_t G>
-backward_bytes compare_backward(const mb::ttt_shape& s, double tol_y, double tol_g) {
-  using cpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_checkpoint_groups<G>>;
-  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_checkpoint_groups<G>,
+backward_bytes compare_backward(const mb::ttt_shape& s, double tol_y, double tol_g, const mb::gpu::kernel_choices& k = {}) {
+  using cpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_state_groups<G>>;
+  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<B>, mb::ttt_state_groups<G>,
                               mb::cuda_backend>;
   using S = typename cpu_l::storage_type;
   const std::size_t N = s.batch * s.seq, C = s.width;
@@ -259,6 +260,7 @@ backward_bytes compare_backward(const mb::ttt_shape& s, double tol_y, double tol
 
   // The device, twice from the same starting gradients.
   mb::cuda_executor ex;
+  ex.set_kernels(k);
   device_weights<S> dw(hw);
   const auto wd = weights_of<gpu_l>(dw, Mlp);
   mbt::device_buffer<S> dxin(x), ddy(dy), dyout(N * C), ddx(N * C);
@@ -304,14 +306,6 @@ backward_bytes compare_backward(const mb::ttt_shape& s, double tol_y, double tol
   return first;
 }
 
-// Caps the inner loop's shared memory for a scope (gpu::ttt_shared_limit).
-struct shared_cap {
-  std::size_t before = mb::gpu::ttt_shared_limit().load();
-  explicit shared_cap(std::size_t cap) { mb::gpu::ttt_shared_limit() = cap; }
-  ~shared_cap() { mb::gpu::ttt_shared_limit() = before; }
-  shared_cap(const shared_cap&) = delete;
-  shared_cap& operator=(const shared_cap&) = delete;
-};
 
 template <bool Mlp, typename Precision>
 void kind_backward_matches_cpu(double tol_y, double tol_g) {
@@ -327,9 +321,9 @@ void kind_backward_matches_cpu(double tol_y, double tol_g) {
   // The inner loop's placement moves bytes only: with its shared memory capped (nothing on
   // chip; part of it) the device's own placement's bits come back.
   for (const std::size_t cap : {std::size_t{0}, std::size_t{16} << 10, std::size_t{26000}}) {
-    const shared_cap scope(cap);
-    const auto c1 = compare_backward<Mlp, Precision, 16, 1>(s, tol_y, tol_g);
-    const auto c2 = compare_backward<Mlp, Precision, 16, 2>(s, tol_y, tol_g);
+    const mb::gpu::kernel_choices capped{.ttt_shared_limit = cap};
+    const auto c1 = compare_backward<Mlp, Precision, 16, 1>(s, tol_y, tol_g, capped);
+    const auto c2 = compare_backward<Mlp, Precision, 16, 2>(s, tol_y, tol_g, capped);
     CHECK(c1 == r1);
     CHECK(c2 == r1);
   }
@@ -357,7 +351,7 @@ void mlp_backward_bf16() {
 template <bool Mlp, std::size_t G>
 void peak_of(const mb::ttt_shape& s, mb::cuda_executor& ex) {
   using L = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_mini_batch<16>,
-                          mb::ttt_checkpoint_groups<G>, mb::cuda_backend>;
+                          mb::ttt_state_groups<G>, mb::cuda_backend>;
   const std::size_t N = s.batch * s.seq, C = s.width;
   const host_weights<float> hw(s, L::hidden(s), 16, Mlp);
   device_weights<float> dw(hw);
@@ -412,7 +406,7 @@ void peak_is_saved_plus_workspace() {
 // across two mini-batch boundaries and a partial third.
 template <bool Mlp, typename Precision>
 void step_equals_forward(double tol, bool gate) {
-  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<4>, mb::ttt_checkpoint_groups<2>,
+  using gpu_l = mb::basic_ttt<Mlp, Precision, mb::ttt_mini_batch<4>, mb::ttt_state_groups<2>,
                               mb::cuda_backend>;
   using S = typename gpu_l::storage_type;
   mb::ttt_shape s{2, 11, 16, 2};

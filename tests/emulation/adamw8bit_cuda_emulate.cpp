@@ -1,7 +1,7 @@
 // Host emulation of the device adamw8bit step (backend/cuda/model.cuh), for a machine
-// without a GPU. Built and run by `tests/emulation/cuda_emulate.py adamw8bit`, which cuts the kernel's text
-// (kernels.inc) and its tables, constants and host table builder (consts.inc) out of the header
-// and compiles them here as plain C++: __global__/__device__ vanish, each CTA runs its threads as
+// without a GPU. Built and run by `tests/emulation/cuda_emulate.py adamw8bit`, which compiles the kernel
+// (backend/cuda/adamw8bit_kernels.inl) and its tables, constants and host table builder
+// (adamw8bit_sizes.inl), the same text nvcc compiles, here as plain C++: __global__/__device__ vanish, each CTA runs its threads as
 // host threads, one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a
 // missing barrier in the absmax reduction shows as a data race). A host copy of the launcher drives
 // it against adamw8bit<S, Block>::update on the CPU over several steps, from the same initial state:
@@ -40,8 +40,8 @@ namespace emu {
 using namespace membound;
 template <class S> inline float ld(const S* p, std::size_t i) { return to_accum<float>(p[i]); }
 template <class S> inline void st(S* p, std::size_t i, float v) { p[i] = from_accum<S>(v); }
-#include "consts.inc"
-#include "kernels.inc"
+#include "membound/backend/cuda/adamw8bit_sizes.inl"
+#include "membound/backend/cuda/adamw8bit_kernels.inl"
 }  // namespace emu
 
 namespace mb = membound;

@@ -1,6 +1,6 @@
 // Host emulation of backend/cuda/attention_mma.cuh's tensor-core kernels (forward, dQ, dK/dV), for
-// a machine without a GPU. Built and run by `tests/emulation/cuda_emulate.py attention`, which cuts the
-// kernels' text out of the header (consts.inc, kernels.inc) and compiles it here as plain C++:
+// a machine without a GPU. Built and run by `tests/emulation/cuda_emulate.py attention`, which compiles the
+// kernels' text (backend/cuda/attention_mma_sizes.inl, attention_mma_kernels.inl) here as plain C++:
 // each CTA runs as 128 host threads (threadIdx a thread_local, __syncthreads a std::barrier), and
 // the warp-level operations are emulated per warp of 32 threads: mma.sync.m16n8k16 gathers the
 // 32 lanes' registers and computes each lane's D elements from the PTX ISA's fragment layouts
@@ -117,10 +117,10 @@ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t 
 }
 
 namespace gpu {
-#include "consts.inc"
+#include "membound/backend/cuda/attention_mma_sizes.inl"
 }  // namespace gpu
 using namespace gpu;
-#include "kernels.inc"
+#include "membound/backend/cuda/attention_mma_kernels.inl"
 }  // namespace emu
 
 namespace {

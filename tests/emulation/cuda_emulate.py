@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Device kernels emulated on the host, against the CPU backend (no GPU needed).
 
-For each target, cuts the kernels (and the constants and size functions the launchers share with
-them) out of a header in include/membound/backend/cuda/ between fixed markers, compiles them with
-the target's tests/emulation/<target>_cuda_emulate.cpp as plain C++ (g++, -fsanitize=thread by default, so a
-missing barrier is a data race; --sanitize address runs ASan and UBSan instead: every buffer has the
+For each target, compiles the target's tests/emulation/<target>_cuda_emulate.cpp, which includes the
+kernels' own text (include/membound/backend/cuda/<family>_kernels.inl and the constants and size
+functions the launchers share with them, <family>_sizes.inl: the files nvcc compiles), as plain
+C++ (g++, -fsanitize=thread by default, so a missing barrier is a data race; --sanitize address runs ASan and UBSan instead: every buffer has the
 launchers' exact size, so a kernel that indexes past one shows) and runs the result once per
 argument set. Each .cpp's header says what it checks and what it cannot; none replaces a GPU run.
 
   ttt        the TTT inner loop, forward and backward, at 1, 5 and 32 threads per CTA: against
-             the CPU layer in fp32, bits across the checkpoint group and the inner loop's
+             the CPU layer in fp32, bits across the state group and the inner loop's
              shared-memory placements
   mamba      the chunk-parallel selective scan, forward and reverse, with the launchers' channels
              per CTA and at most 3: against the CPU layer in fp32 at 13 shapes
@@ -21,7 +21,7 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
 Usage:
 
     python3 tests/emulation/cuda_emulate.py [ttt|mamba|adamw8bit ...] [--args A B ...]
-                                  [--sanitize thread|address|none] [--header FILE] [-v]
+                                  [--sanitize thread|address|none] [-v]
 
 No target: all of them. --args replaces the target's argument sets (one argv[1] each). Exits 0
 when every run passes, 1 otherwise.
@@ -36,33 +36,19 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CUDA = ROOT / "include/membound/backend/cuda"
 
-# header, {file: (start marker, end marker)}, argument sets and what one argument means
+# argument sets and what one argument means
 TARGETS = {
     "ttt": dict(
-        header=CUDA / "ttt.cuh",
-        cuts={"consts.inc": ("constexpr std::size_t ttt_step_elements(",
-                             "inline constexpr unsigned ttt_inner_threads"),
-              "kernels.inc": ("// RoPE on interleaved pairs", "inline unsigned blocks_for(")},
         args=["1", "5", "32"],
         label=lambda a: f"{a} threads per CTA"),
     "mamba": dict(
-        header=CUDA / "mamba.cuh",
-        cuts={"consts.inc": ("inline constexpr std::size_t mamba_scan_channels", "}  // namespace gpu"),
-              "kernels.inc": ("// v rounded through storage S", "inline unsigned grid_for(")},
         args=["0", "3"],
         label=lambda a: "the launchers' channels per CTA" if a == "0" else f"at most {a} channels per CTA"),
     "adamw8bit": dict(
-        header=CUDA / "model.cuh",
-        cuts={"consts.inc": ("// Runs of parameters one launch takes", "// --- Host-side argument checks"),
-              "kernels.inc": ("// Block b of the state;", "// --- end of adamw8bit's kernel")},
         args=[""],
         label=lambda a: "one run"),
     "attention": dict(
-        header=CUDA / "attention_mma.cuh",
-        cuts={"consts.inc": ("inline constexpr unsigned mma_tile", "}  // namespace gpu"),
-              "kernels.inc": ("// ---- tensor-core kernels", "// ---- end of the tensor-core kernels")},
         args=["bf16", "fp16"],
         label=lambda a: f"{a} operands"),
 }
@@ -72,21 +58,12 @@ FLAGS = {"thread": ["-O1", "-g", "-fsanitize=thread"],
          "none": ["-O2"]}
 
 
-def cut(text: str, start: str, end: str) -> str:
-    a = text.index(start)
-    b = text.index(end, a)
-    return text[a:b]
-
-
 def run_target(name: str, args: argparse.Namespace, cxx: str) -> bool:
     t = TARGETS[name]
-    text = (args.header or t["header"]).read_text()
     with tempfile.TemporaryDirectory(prefix=f"{name}_emu_") as tmp:
         d = Path(tmp)
-        for file, (start, end) in t["cuts"].items():
-            (d / file).write_text(cut(text, start, end))
         exe = d / "emu"
-        cmd = [cxx, "-std=c++20", *FLAGS[args.sanitize], "-w", "-I", str(d), "-I", str(ROOT / "include"),
+        cmd = [cxx, "-std=c++20", *FLAGS[args.sanitize], "-w", "-I", str(ROOT / "include"),
                "-isystem", "/usr/include/eigen3", str(ROOT / f"tests/emulation/{name}_cuda_emulate.cpp"), "-o", str(exe)]
         if subprocess.run(cmd).returncode != 0:
             print(f"cuda_emulate.py: the {name} emulation did not compile", file=sys.stderr)
@@ -111,7 +88,6 @@ def main() -> int:
                     help="what to emulate (default: all)")
     ap.add_argument("--args", nargs="+", help="the argument sets to run (replaces the target's)")
     ap.add_argument("--sanitize", choices=tuple(FLAGS), default="thread")
-    ap.add_argument("--header", type=Path, help="the header to cut the kernels from (a modified copy, say)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every run's report")
     args = ap.parse_args()
     cxx = shutil.which("g++") or sys.exit("cuda_emulate.py: g++ not found")

@@ -1,6 +1,6 @@
 // Host emulation of backend/cuda/mamba.cuh's kernels, for a machine without a GPU. Built and
-// run by `tests/emulation/cuda_emulate.py mamba`, which cuts the kernels' text (kernels.inc) and the chunk
-// sizes they share with the launchers (consts.inc) out of the header and compiles them here as
+// run by `tests/emulation/cuda_emulate.py mamba`, which compiles the kernels (backend/cuda/mamba_kernels.inl)
+// and the chunk sizes they share with the launchers (mamba_sizes.inl), nvcc's text, here as
 // plain C++: __global__/__device__ vanish, threadIdx/blockIdx are thread_locals. A kernel with
 // __syncthreads (the forward scan's output pass, the reverse scan) runs its cpb·Ns threads as host
 // threads, one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a missing
@@ -49,8 +49,8 @@ static std::barrier<>* g_bar = nullptr;
 namespace emu {
 template <class S> inline float ld(const S* p, std::size_t i) { return p[i]; }
 template <class S> inline void st(S* p, std::size_t i, float v) { p[i] = v; }
-#include "consts.inc"
-#include "kernels.inc"
+#include "membound/backend/cuda/mamba_sizes.inl"
+#include "membound/backend/cuda/mamba_kernels.inl"
 }  // namespace emu
 
 namespace mb = membound;
@@ -411,7 +411,7 @@ void run_case(const char* name, size_t B, size_t T, size_t C, size_t Di, size_t 
               "fp64: %.3g here, %.3g the CPU\n", worst, worst_dev, worst_cpu);
   // The backward's y (phase C alone, on the saved states) is the forward's.
   check_bits("y in backward vs forward", yb, yf);
-  // The checkpoint policy changes nothing (device and CPU alike).
+  // The recompute policy changes nothing (device and CPU alike).
   check_bits("save_all vs recompute: out", got_keep.out, got.out);
   check_bits("save_all vs recompute: states", got_keep.states, got.states);
   check_bits("save_all vs recompute: dx", got_keep.dx, got.dx);
@@ -432,7 +432,7 @@ int main(int argc, char** argv) {
   run_case<8>("T 1", 2, 1, 8, 20, 16, 3, 1);
   run_case<16>("T = chunk", 1, 16, 8, 9, 16, 4, 2);
   run_case<16>("T = chunk + 1, B 3", 3, 17, 8, 9, 16, 4, 2);
-  // Chunks of more than mamba_backward_checkpoints tiles: the reverse scan's runs of m > 1 tiles
+  // Chunks of more than mamba_backward_saved_states tiles: the reverse scan's runs of m > 1 tiles
   // (a tile's states recomputed through its run's earlier tiles), a last run cut short.
   run_case<256>("chunk 256: runs of 2 tiles, then a short chunk", 1, 300, 8, 5, 4, 4, 2);
   run_case<512>("T < chunk, 26 tiles (runs of 2, the last one short)", 2, 203, 8, 3, 16, 4, 2);

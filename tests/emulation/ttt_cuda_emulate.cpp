@@ -1,6 +1,6 @@
 // Host emulation of backend/cuda/ttt.cuh's kernels, for a machine without a GPU. Built and run
-// by `tests/emulation/cuda_emulate.py ttt`, which cuts the kernels' text out of the header (consts.inc,
-// kernels.inc) and compiles it here as plain C++: __global__/__device__ vanish, threadIdx is a
+// by `tests/emulation/cuda_emulate.py ttt`, which compiles the kernels' text (backend/cuda/ttt_sizes.inl,
+// ttt_kernels.inl, what nvcc compiles) here as plain C++: __global__/__device__ vanish, threadIdx is a
 // thread_local, each CTA of the inner loop's kernels (forward and backward) runs as `nt` host
 // threads with __syncthreads a std::barrier (under -fsanitize=thread a missing barrier shows as
 // a data race), every other kernel one thread per CTA. A host copy of the launchers' sequence
@@ -50,8 +50,8 @@ constexpr unsigned ttt_inner_threads = 1, ttt_backward_threads = 1;
 // carve past it), shared by the CTA's threads.
 static float* g_smem = nullptr;
 inline float* ttt_smem() { return g_smem; }
-#include "consts.inc"
-#include "kernels.inc"
+#include "membound/backend/cuda/ttt_sizes.inl"
+#include "membound/backend/cuda/ttt_kernels.inl"
 }  // namespace emu
 
 namespace mb = membound;
@@ -122,7 +122,7 @@ struct Out { std::vector<float> y, dx; std::vector<std::vector<float>> g; };
 // 4 the running state alone.
 template <bool Mlp, size_t MB, size_t G>
 Out run(const mb::ttt_shape& s, int level = 3) {
-  using L = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_mini_batch<MB>, mb::ttt_checkpoint_groups<G>>;
+  using L = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_mini_batch<MB>, mb::ttt_state_groups<G>>;
   const size_t B = s.batch, T = s.seq, C = s.width, H = s.heads, D = s.head_dim(), F = Mlp ? 4*D : D, N = B*T;
   const size_t SZ = Mlp ? 2*D*F + F + D : D*D + D;
   W w{rnd(C*C,1,.3f), rnd(C*C,2,.3f), rnd(C*C,3,.3f), rnd(H*D,4,.1f,1), rnd(H*D,5,.1f), rnd(H*D*F,6,.2f),

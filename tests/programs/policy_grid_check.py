@@ -129,8 +129,8 @@ def main():
         if doc:
             varied = check_points("nobudget", doc, None)
             # The default --layers (ttt,attn,mamba,attn) takes every axis but TTT-MLP's alone.
-            check(varied == {"", "precision", "attention_tiles", "attention_checkpoint", "scan_chunk",
-                             "mamba_checkpoint", "ttt_mini_batch", "ttt_checkpoint"},
+            check(varied == {"", "precision", "attention_tiles", "attention_recompute", "scan_chunk",
+                             "mamba_recompute", "ttt_mini_batch", "ttt_state_groups"},
                   f"nobudget: every axis varied (got {sorted(varied)})")
             check_svg("nobudget", paths["svg"], None)
             with open(paths["csv"]) as f:

@@ -28,7 +28,7 @@ using mixed = membound::model<
                             membound::ttt_linear<P, membound::ttt_mini_batch<8>>,
                             membound::attention<P, membound::attention_tiles<32, 32>>,
                             membound::attention<P, membound::save_all>, membound::mamba<P, membound::scan_chunk<8>>,
-                            membound::ttt_linear<P, membound::ttt_checkpoint_groups<1>>,
+                            membound::ttt_linear<P, membound::ttt_state_groups<1>>,
                             membound::mamba<P, membound::save_all>>,
     membound::lm_head<P>>;
 namespace mixers {

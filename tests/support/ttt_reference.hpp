@@ -1,6 +1,6 @@
 // Naive double-precision reference for one TTT layer (Sun et al. 2024, "Learning to (Learn at
 // Test Time): RNNs with Expressive Hidden States"): TTT-Linear and TTT-MLP, the yardstick the
-// optimized layer (dual form, hand-derived backward, checkpoint groups) is checked against. Test
+// optimized layer (dual form, hand-derived backward, state groups) is checked against. Test
 // support, not library code.
 //
 // Written to be obviously right rather than fast: plain loops over row-major std::vector<double>,

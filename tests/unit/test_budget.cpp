@@ -113,7 +113,7 @@ TEST_CASE("budget over system_allocator: the cap holds exactly, refusal changes 
   CHECK(r.detail.empty());
   // need = growth - free = 1000 B; activations are the largest holder; raise to 6000 + 5000.
   CHECK(contains(r.hint, "activations hold the most"));
-  CHECK(contains(r.hint, "checkpoint policy"));
+  CHECK(contains(r.hint, "recompute schedule"));
   CHECK(contains(r.hint, "free at least 1000 B"));
   CHECK(contains(r.hint, "raise the budget to at least " + format_bytes(11000)));
   CHECK(contains(r.hint, "(11000 B)"));

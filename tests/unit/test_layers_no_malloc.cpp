@@ -210,9 +210,9 @@ TEST_CASE("ttt_linear and ttt_mlp allocate nothing beyond its workspace: forward
   s.use_gate = true;
   for (std::size_t threads : {1u, 2u}) {
     ttt_without_heap<ttt_linear<>>(s, threads);
-    ttt_without_heap<ttt_linear<bf16_precision, ttt_checkpoint_all>>(s, threads);
+    ttt_without_heap<ttt_linear<bf16_precision, ttt_state_groups_all>>(s, threads);
     ttt_without_heap<ttt_linear<fp64_precision, ttt_mini_batch<8>>>(s, threads);
     ttt_without_heap<ttt_mlp<>>(s, threads);
-    ttt_without_heap<ttt_mlp<bf16_precision, ttt_checkpoint_groups<2>>>(s, threads);
+    ttt_without_heap<ttt_mlp<bf16_precision, ttt_state_groups<2>>>(s, threads);
   }
 }

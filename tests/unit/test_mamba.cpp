@@ -1,6 +1,6 @@
 // The Mamba block against the naive double reference (tests/support/mamba_reference.hpp, itself
 // checked by finite differences and against PyTorch): fp64 to 1e-10 for the output and every
-// gradient, thread-count independence, the checkpoint policies agreeing bit for bit, fp32 and
+// gradient, thread-count independence, the recompute policies agreeing bit for bit, fp32 and
 // bf16/fp16 to stated tolerances, stepping against the full forward, the memory taken from an
 // allocator (saved state bytes shrinking with the chunk), and typed errors for bad input.
 #include <doctest/doctest.h>

@@ -135,10 +135,10 @@ TEST_CASE("model: every schedule gives none's gradients bit for bit; measured pe
   SUBCASE("layers' own sequence policies compose with every schedule (fp32)") {
     using P = mb::fp32_precision;
     using tuned = mb::model<mb::embedding<P>,
-                            mb::block<mb::ttt_linear<P, mb::ttt_mini_batch<4>, mb::ttt_checkpoint_groups<1>>>,
+                            mb::block<mb::ttt_linear<P, mb::ttt_mini_batch<4>, mb::ttt_state_groups<1>>>,
                             mb::block<mb::attention<P, mb::attention_tiles<8, 16>, mb::save_all>>,
                             mb::block<mb::mamba<P, mb::scan_chunk<5>, mb::save_all>>,
-                            mb::block<mb::ttt_mlp<P, mb::ttt_checkpoint_all>>, mb::lm_head<P>>;
+                            mb::block<mb::ttt_mlp<P, mb::ttt_state_groups_all>>, mb::lm_head<P>>;
     check_schedules(tuned(c), b, 2);
   }
   SUBCASE("untied head, fp64") {

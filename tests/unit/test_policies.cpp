@@ -10,7 +10,7 @@
 
 #include "membound/core/dtype.hpp"
 #include "membound/core/type_list.hpp"
-#include "membound/policy/checkpoint.hpp"
+#include "membound/policy/recompute.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
@@ -71,18 +71,18 @@ static_assert(is_precision_v<bf16_precision> && !is_precision_v<float>);
 
 static_assert(std::string_view(precision_kind::name) == "precision");
 static_assert(std::string_view(chunking_kind::name) == "chunking");
-static_assert(std::string_view(checkpoint_kind::name) == "checkpoint");
+static_assert(std::string_view(recompute_kind::name) == "recompute");
 static_assert(std::is_same_v<bf16_precision::policy_kind, precision_kind>);
 static_assert(std::is_same_v<attention_tiles<64, 64>::policy_kind, chunking_kind>);
 static_assert(std::is_same_v<scan_chunk<64>::policy_kind, chunking_kind>);
 static_assert(std::is_same_v<ttt_mini_batch<16>::policy_kind, chunking_kind>);
-static_assert(std::is_same_v<save_all::policy_kind, checkpoint_kind>);
-static_assert(std::is_same_v<recompute::policy_kind, checkpoint_kind>);
-static_assert(std::is_same_v<ttt_checkpoint_groups<4>::policy_kind, checkpoint_kind>);
+static_assert(std::is_same_v<save_all::policy_kind, recompute_kind>);
+static_assert(std::is_same_v<recompute::policy_kind, recompute_kind>);
+static_assert(std::is_same_v<ttt_state_groups<4>::policy_kind, recompute_kind>);
 
 static_assert(policy<fp32_precision> && policy<attention_tiles<64, 128>> && policy<scan_chunk<1>> &&
               policy<default_ttt_mini_batch> && policy<save_all> && policy<recompute> &&
-              policy<ttt_checkpoint_groups<1>>);
+              policy<ttt_state_groups<1>>);
 static_assert(!policy<int> && !policy<float> && !policy<precision_kind>);
 struct fake_kind_only {
   using policy_kind = int;  // has a policy_kind, but not a kind tag
@@ -95,12 +95,24 @@ static_assert(attention_tiles<8, 8>::q_tile == 8);
 static_assert(scan_chunk<256>::chunk == 256 && scan_chunk<1>::chunk == 1);
 static_assert(ttt_mini_batch<4>::mini_batch == 4);
 static_assert(std::is_same_v<default_ttt_mini_batch, ttt_mini_batch<16>>);
-static_assert(ttt_checkpoint_groups<1>::group_size == 1 && ttt_checkpoint_groups<8>::group_size == 8);
+static_assert(ttt_state_groups<1>::group_size == 1 && ttt_state_groups<8>::group_size == 8);
 
 static_assert(is_attention_tiles_v<attention_tiles<16, 32>> && !is_attention_tiles_v<scan_chunk<16>>);
 static_assert(is_scan_chunk_v<scan_chunk<16>> && !is_scan_chunk_v<ttt_mini_batch<16>>);
 static_assert(is_ttt_mini_batch_v<default_ttt_mini_batch> && !is_ttt_mini_batch_v<scan_chunk<16>>);
-static_assert(is_ttt_checkpoint_groups_v<ttt_checkpoint_groups<2>> && !is_ttt_checkpoint_groups_v<recompute>);
+static_assert(is_ttt_state_groups_v<ttt_state_groups<2>> && !is_ttt_state_groups_v<recompute>);
+
+// The names from before "checkpoint" meant a checkpoint file only: deprecated aliases of the same types.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+static_assert(std::is_same_v<checkpoint_kind, recompute_kind>);
+static_assert(std::is_same_v<ttt_checkpoint_groups<4>, ttt_state_groups<4>>);
+static_assert(std::is_same_v<ttt_checkpoint_all, ttt_state_groups_all>);
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
 
 // --- policy_set -------------------------------------------------------------------------------
 // The header's example.
@@ -114,15 +126,15 @@ using attention_defaults = type_list<fp32_precision, attention_tiles<64, 64>, re
 using none = policy_set<attention_defaults>;
 static_assert(std::is_same_v<none::get<precision_kind>, fp32_precision>);
 static_assert(std::is_same_v<none::get<chunking_kind>, attention_tiles<64, 64>>);
-static_assert(std::is_same_v<none::get<checkpoint_kind>, recompute>);
+static_assert(std::is_same_v<none::get<recompute_kind>, recompute>);
 static_assert(!none::is_given<precision_kind>);
 static_assert(std::is_same_v<none::resolved, attention_defaults>);
 
 // One given: that kind changes, the others stay.
 using one = policy_set<attention_defaults, save_all>;
-static_assert(std::is_same_v<one::get<checkpoint_kind>, save_all>);
+static_assert(std::is_same_v<one::get<recompute_kind>, save_all>);
 static_assert(std::is_same_v<one::get<precision_kind>, fp32_precision>);
-static_assert(one::is_given<checkpoint_kind> && !one::is_given<chunking_kind>);
+static_assert(one::is_given<recompute_kind> && !one::is_given<chunking_kind>);
 
 // All given, in every order: the same result.
 template <typename... Ps>
@@ -130,7 +142,7 @@ constexpr bool resolves_to_the_same() {
   using set = policy_set<attention_defaults, Ps...>;
   return std::is_same_v<typename set::template get<precision_kind>, bf16_precision> &&
          std::is_same_v<typename set::template get<chunking_kind>, attention_tiles<128, 32>> &&
-         std::is_same_v<typename set::template get<checkpoint_kind>, save_all> &&
+         std::is_same_v<typename set::template get<recompute_kind>, save_all> &&
          std::is_same_v<typename set::resolved,
                         type_list<bf16_precision, attention_tiles<128, 32>, save_all>>;
 }
@@ -145,15 +157,15 @@ static_assert(resolves_to_the_same<save_all, attention_tiles<128, 32>, bf16_prec
 template <typename... Policies>
 struct ttt_layer_like {
   using policies = policy_set<type_list<fp32_precision, default_ttt_mini_batch,
-                                        ttt_checkpoint_groups<1>>,
+                                        ttt_state_groups<1>>,
                               Policies...>;
   using prec = get_policy<policies, precision_kind>;
   static constexpr std::size_t mini_batch = get_policy<policies, chunking_kind>::mini_batch;
-  static constexpr std::size_t group_size = get_policy<policies, checkpoint_kind>::group_size;
+  static constexpr std::size_t group_size = get_policy<policies, recompute_kind>::group_size;
 };
 static_assert(ttt_layer_like<>::mini_batch == 16 && ttt_layer_like<>::group_size == 1);
-static_assert(ttt_layer_like<ttt_checkpoint_groups<4>, ttt_mini_batch<8>>::mini_batch == 8);
-static_assert(ttt_layer_like<ttt_checkpoint_groups<4>, ttt_mini_batch<8>>::group_size == 4);
+static_assert(ttt_layer_like<ttt_state_groups<4>, ttt_mini_batch<8>>::mini_batch == 8);
+static_assert(ttt_layer_like<ttt_state_groups<4>, ttt_mini_batch<8>>::group_size == 4);
 static_assert(std::is_same_v<ttt_layer_like<fp64_precision>::prec, fp64_precision>);
 
 // A layer with no policies at all is a valid set.

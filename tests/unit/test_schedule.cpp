@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "../support/test_rng.hpp"
-#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/model/recompute_schedule.hpp"
 
 namespace mb = membound;
 using K = mb::chain_op_kind;

@@ -1154,7 +1154,7 @@ TEST_CASE("trainer: a checkpoint of other blocks (family, math-changing policy, 
 TEST_CASE("trainer: blocks that compute the same load each other: another C++ type, a memory-only policy") {
   // The identity is what a block computes, not its C++ type: hybrid's checkpoint resumes in a
   // block_pattern model of the same blocks, and in one whose blocks keep more (save_all,
-  // checkpoint groups of 1), and every run continues bit for bit.
+  // state groups of 1), and every run continues bit for bit.
   using P = mb::fp32_precision;
   const hybrid<P> h(small_config());
   const mixed<P> same(small_config(), {mixers::ttt, mixers::attn, mixers::mamba, mixers::attn});

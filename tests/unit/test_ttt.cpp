@@ -1,5 +1,5 @@
 // The TTT-Linear layer: its hand-derived backward against central finite differences of its own
-// forward in double (every outer parameter and the input), checkpoint groups G ∈ {1, 2, all}
+// forward in double (every outer parameter and the input), state groups G ∈ {1, 2, all}
 // giving identical results, thread-count independence, stepping against the full forward, the
 // memory taken from an allocator (saved bytes falling with G as reported), and typed errors.
 #include <doctest/doctest.h>
@@ -166,21 +166,21 @@ using f64_mlp = membound::ttt_mlp<membound::fp64_precision, membound::ttt_mini_b
 }  // namespace
 
 TEST_CASE("ttt_linear: backward equals finite differences of forward (double)") {
-  using membound::ttt_checkpoint_groups;
+  using membound::ttt_state_groups;
   SUBCASE("mini-batch 3, T 8 (a short last mini-batch), gate") {
-    finite_difference_case<f64_layer<3, ttt_checkpoint_groups<2>>>(shape_of(2, 8, 8, 2, true), 1);
+    finite_difference_case<f64_layer<3, ttt_state_groups<2>>>(shape_of(2, 8, 8, 2, true), 1);
   }
   SUBCASE("mini-batch 4, T 4, no gate") {
-    finite_difference_case<f64_layer<4, ttt_checkpoint_groups<1>>>(shape_of(1, 4, 8, 2, false), 2);
+    finite_difference_case<f64_layer<4, ttt_state_groups<1>>>(shape_of(1, 4, 8, 2, false), 2);
   }
   SUBCASE("TTT-MLP: mini-batch 3, T 8, gate") {
-    finite_difference_case<f64_mlp<3, ttt_checkpoint_groups<2>>>(shape_of(2, 8, 8, 2, true), 4);
+    finite_difference_case<f64_mlp<3, ttt_state_groups<2>>>(shape_of(2, 8, 8, 2, true), 4);
   }
   SUBCASE("TTT-MLP: mini-batch 1, no gate") {
-    finite_difference_case<f64_mlp<1, membound::ttt_checkpoint_all>>(shape_of(1, 4, 4, 1, false), 5);
+    finite_difference_case<f64_mlp<1, membound::ttt_state_groups_all>>(shape_of(1, 4, 4, 1, false), 5);
   }
   SUBCASE("mini-batch 1") {
-    finite_difference_case<f64_layer<1, membound::ttt_checkpoint_all>>(shape_of(1, 5, 4, 1, true), 3);
+    finite_difference_case<f64_layer<1, membound::ttt_state_groups_all>>(shape_of(1, 5, 4, 1, true), 3);
   }
 }
 
@@ -214,7 +214,7 @@ membound::reference::ttt_weights to_reference(const params& p, bool gate) {
 // checked against upstream's TTTLinear in PyTorch float64. Same operations in another order:
 // agreement to a few hundred ulps of double; 1e-10 relative per tensor.
 TEST_CASE("ttt_linear and ttt_mlp <fp64> match the primal-form reference to 1e-10") {
-  using membound::ttt_checkpoint_groups;
+  using membound::ttt_state_groups;
   const auto check_case = [](auto tag, const ttt_shape& s, std::uint64_t seed) {
     using Layer = typename decltype(tag)::type;
     rng r{seed};
@@ -263,15 +263,15 @@ TEST_CASE("ttt_linear and ttt_mlp <fp64> match the primal-form reference to 1e-1
     }
     MESSAGE("worst gradient relative error " << worst);
   };
-  check_case(std::type_identity<f64_layer<4, ttt_checkpoint_groups<2>>>{},
+  check_case(std::type_identity<f64_layer<4, ttt_state_groups<2>>>{},
              shape_of(2, 11, 16, 2, true), 21);  // short last mini-batch, gate
-  check_case(std::type_identity<f64_layer<1, ttt_checkpoint_groups<3>>>{},
+  check_case(std::type_identity<f64_layer<1, ttt_state_groups<3>>>{},
              shape_of(1, 5, 8, 2, false), 22);   // b = 1
-  check_case(std::type_identity<f64_layer<16, membound::ttt_checkpoint_all>>{},
+  check_case(std::type_identity<f64_layer<16, membound::ttt_state_groups_all>>{},
              shape_of(1, 7, 8, 1, false), 23);   // T < b
-  check_case(std::type_identity<f64_mlp<4, ttt_checkpoint_groups<2>>>{},
+  check_case(std::type_identity<f64_mlp<4, ttt_state_groups<2>>>{},
              shape_of(2, 11, 16, 2, true), 24);  // TTT-MLP
-  check_case(std::type_identity<f64_mlp<16, membound::ttt_checkpoint_all>>{},
+  check_case(std::type_identity<f64_mlp<16, membound::ttt_state_groups_all>>{},
              shape_of(1, 7, 8, 1, false), 25);   // TTT-MLP, T < b
 }
 
@@ -281,13 +281,13 @@ TEST_CASE("ttt_linear and ttt_mlp <fp64> match the primal-form reference to 1e-1
 // bf16/fp16 (u = 2^-8, 2^-11) round x, the weights, the heads' output and y once each against
 // fp32 on the same inputs; 16u relative per tensor.
 TEST_CASE("ttt_linear: fp32 against the reference, bf16 and fp16 against fp32") {
-  using membound::ttt_checkpoint_groups;
+  using membound::ttt_state_groups;
   using membound::ttt_mini_batch;
   const ttt_shape s = shape_of(2, 11, 16, 2, true);
   rng r{31};
   params prm = make_params<4>(s, r);
   std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
-  using f32 = membound::ttt_linear<ttt_mini_batch<4>, ttt_checkpoint_groups<2>>;
+  using f32 = membound::ttt_linear<ttt_mini_batch<4>, ttt_state_groups<2>>;
   const auto compare = [](const result& a, const result& b, double tol) {
     CHECK(rel_err(a.y, b.y) <= tol);
     CHECK(rel_err(a.dx, b.dx) <= tol);
@@ -308,27 +308,27 @@ TEST_CASE("ttt_linear: fp32 against the reference, bf16 and fp16 against fp32") 
     dy = membound_test::rounded<S>(dy);
   };
   round_all(std::type_identity<float>{});
-  const result want = run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2);
+  const result want = run<f64_layer<4, ttt_state_groups<2>>>(s, prm, x, dy, 2);
   MESSAGE("fp32 worst relative error " << compare(run<f32>(s, prm, x, dy, 2), want, 2e-5));
   round_all(std::type_identity<membound::bf16>{});
   const result base = run<f32>(s, prm, x, dy, 2);
   MESSAGE("bf16 worst relative error against fp32 "
           << compare(run<membound::ttt_linear<membound::bf16_precision, ttt_mini_batch<4>,
-                                              ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2),
+                                              ttt_state_groups<2>>>(s, prm, x, dy, 2),
                      base, 16 * 0x1.0p-8));
   MESSAGE("fp16 worst relative error against fp32 "
           << compare(run<membound::ttt_linear<membound::fp16_precision, ttt_mini_batch<4>,
-                                              ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2),
+                                              ttt_state_groups<2>>>(s, prm, x, dy, 2),
                      base, 16 * 0x1.0p-11));
 }
 
-TEST_CASE("ttt_linear: checkpoint groups and thread counts do not change the results") {
-  using membound::ttt_checkpoint_groups;
+TEST_CASE("ttt_linear: state groups and thread counts do not change the results") {
+  using membound::ttt_state_groups;
   const ttt_shape s = shape_of(2, 23, 16, 2, true);
   rng r{4};
   const params prm = make_params<4>(s, r);
   const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
-  const result g1 = run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 1);
+  const result g1 = run<f64_layer<4, ttt_state_groups<1>>>(s, prm, x, dy, 1);
   const auto same = [&](const result& o) {
     CHECK(o.y == g1.y);
     CHECK(o.dx == g1.dx);
@@ -337,16 +337,16 @@ TEST_CASE("ttt_linear: checkpoint groups and thread counts do not change the res
       CHECK(o.g.p[i] == g1.g.p[i]);
     }
   };
-  same(run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 2));
-  same(run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 1));
-  same(run<f64_layer<4, ttt_checkpoint_groups<2>>>(s, prm, x, dy, 2));
-  same(run<f64_layer<4, membound::ttt_checkpoint_all>>(s, prm, x, dy, 3));
-  same(run<f64_layer<4, ttt_checkpoint_groups<1>>>(s, prm, x, dy, 3));
+  same(run<f64_layer<4, ttt_state_groups<1>>>(s, prm, x, dy, 2));
+  same(run<f64_layer<4, ttt_state_groups<2>>>(s, prm, x, dy, 1));
+  same(run<f64_layer<4, ttt_state_groups<2>>>(s, prm, x, dy, 2));
+  same(run<f64_layer<4, membound::ttt_state_groups_all>>(s, prm, x, dy, 3));
+  same(run<f64_layer<4, ttt_state_groups<1>>>(s, prm, x, dy, 3));
   // TTT-MLP too.
   const params pm = make_params<4, true>(s, r);
-  const result m1 = run<f64_mlp<4, ttt_checkpoint_groups<1>>>(s, pm, x, dy, 1);
-  for (const result& o : {run<f64_mlp<4, ttt_checkpoint_groups<2>>>(s, pm, x, dy, 2),
-                          run<f64_mlp<4, membound::ttt_checkpoint_all>>(s, pm, x, dy, 3)}) {
+  const result m1 = run<f64_mlp<4, ttt_state_groups<1>>>(s, pm, x, dy, 1);
+  for (const result& o : {run<f64_mlp<4, ttt_state_groups<2>>>(s, pm, x, dy, 2),
+                          run<f64_mlp<4, membound::ttt_state_groups_all>>(s, pm, x, dy, 3)}) {
     CHECK(o.y == m1.y);
     CHECK(o.dx == m1.dx);
     for (int i = 0; i < n_params; ++i) CHECK(o.g.p[i] == m1.g.p[i]);
@@ -354,11 +354,11 @@ TEST_CASE("ttt_linear: checkpoint groups and thread counts do not change the res
 }
 
 TEST_CASE("ttt_linear: saved bytes fall with G as reported; peak is as reported") {
-  using membound::ttt_checkpoint_groups;
+  using membound::ttt_state_groups;
   const ttt_shape s = shape_of(1, 256, 64, 4, false);  // 16 mini-batches of 16, D = 16
-  using g1 = membound::ttt_linear<ttt_checkpoint_groups<1>>;
-  using g4 = membound::ttt_linear<ttt_checkpoint_groups<4>>;
-  using gall = membound::ttt_linear<membound::ttt_checkpoint_all>;
+  using g1 = membound::ttt_linear<ttt_state_groups<1>>;
+  using g4 = membound::ttt_linear<ttt_state_groups<4>>;
+  using gall = membound::ttt_linear<membound::ttt_state_groups_all>;
   const std::size_t per_state = (16 * 16 + 16) * sizeof(float) * 4;  // 4 heads
   CHECK(g1::saved_state_bytes(s) == 16 * per_state);
   CHECK(g4::saved_state_bytes(s) == 4 * per_state);
@@ -438,10 +438,10 @@ void step_case(std::size_t batch = 2, std::size_t seq = 11, std::size_t threads 
 }  // namespace
 
 TEST_CASE("ttt_linear::step and ttt_mlp::step reproduce the full forward, token by token") {
-  step_case<f64_layer<4, membound::ttt_checkpoint_groups<2>>>();
-  step_case<f64_mlp<4, membound::ttt_checkpoint_groups<2>>>();
+  step_case<f64_layer<4, membound::ttt_state_groups<2>>>();
+  step_case<f64_mlp<4, membound::ttt_state_groups<2>>>();
   // 300 sequences: the projections run as two 256-row tasks, each with its own packing buffers.
-  step_case<f64_layer<4, membound::ttt_checkpoint_groups<2>>>(300, 5, 2);
+  step_case<f64_layer<4, membound::ttt_state_groups<2>>>(300, 5, 2);
 }
 
 TEST_CASE("ttt_linear: bad input is refused by name") {

@@ -25,6 +25,7 @@
 #include <string>
 #include <type_traits>
 
+#include "membound/core/argument_checks.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -143,9 +144,7 @@ inline void check_root(std::size_t root, std::size_t ranks) {
   }
 }
 inline void check_workspace(const void* ws, std::size_t bytes, std::size_t need) {
-  if (need != 0 && (ws == nullptr || bytes < need)) {
-    throw workspace_too_small("workspace", need, ws == nullptr ? 0 : bytes);
-  }
+  need_space(ws, bytes, need, "workspace");
 }
 }  // namespace detail
 

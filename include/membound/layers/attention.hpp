@@ -13,7 +13,7 @@
 //
 // Forward keeps only O ([B, T, H·D], storage) and lse ([B, H, T], accumulator); backward
 // recomputes q, k, v from x and every score tile from q, k and lse, so no T×T matrix ever
-// exists and every buffer grows linearly in T. The checkpoint policy chooses what q, k, v cost:
+// exists and every buffer grows linearly in T. The recompute policy chooses what q, k, v cost:
 // `recompute` (the default) projects them again in backward, `save_all` keeps them (rotated, in
 // the accumulator type, so backward sees forward's exact values) for 2·(H + 2·Hkv)·D more bytes
 // per token in fp32 and no recomputation. Nothing allocates: all scratch is carved from
@@ -48,7 +48,7 @@
 #include "membound/shape/attention_shape.hpp"
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
-#include "membound/policy/checkpoint.hpp"
+#include "membound/policy/recompute.hpp"
 #include "membound/policy/backend.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
@@ -68,21 +68,23 @@ class attention {
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using tiles = get_policy<policies, chunking_kind>;
-  using checkpoint = get_policy<policies, checkpoint_kind>;
+  using recompute_policy = get_policy<policies, recompute_kind>;
+  using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
+      recompute_policy;
   static_assert(is_attention_tiles_v<tiles>,
                 "membound: attention takes attention_tiles<QTile, KVTile> as its chunking policy "
                 "(scan_chunk and ttt_mini_batch belong to Mamba and TTT).");
-  static_assert(std::is_same_v<checkpoint, recompute> || std::is_same_v<checkpoint, save_all>,
+  static_assert(std::is_same_v<recompute_policy, recompute> || std::is_same_v<recompute_policy, save_all>,
                 "membound: attention takes `recompute` (keep O and lse, project q, k, v again in "
-                "backward) or `save_all` (keep q, k, v too) as its checkpoint policy; "
-                "ttt_checkpoint_groups belongs to the TTT layer.");
+                "backward) or `save_all` (keep q, k, v too) as its recompute policy; "
+                "ttt_state_groups belongs to the TTT layer.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
 
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool keep_qkv = std::is_same_v<checkpoint, save_all>;
+  static constexpr bool keep_qkv = std::is_same_v<recompute_policy, save_all>;
   using kernels = backend_kernels<backend, attention_shape>;
 
  public:
@@ -185,7 +187,7 @@ class attention {
     if (data == nullptr || bytes < need) {
       throw workspace_too_small("cache", need, data == nullptr ? 0 : bytes);
     }
-    detail::check_aligned(data, alignof(S), "cache");
+    detail::need_aligned(data, alignof(S), "cache");
     return kv_cache{data, bytes, max_len, 0};
   }
 
@@ -201,8 +203,8 @@ class attention {
                       executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(y, "y");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     // Nothing below throws: every output is written after every check.
@@ -217,13 +219,13 @@ class attention {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
-    detail::not_null(g.wq, "gradients.wq");
-    detail::not_null(g.wk, "gradients.wk");
-    detail::not_null(g.wv, "gradients.wv");
-    detail::not_null(g.wo, "gradients.wo");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.wq, "gradients.wq");
+    detail::need_pointer(g.wk, "gradients.wk");
+    detail::need_pointer(g.wv, "gradients.wv");
+    detail::need_pointer(g.wo, "gradients.wo");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
     detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
@@ -245,14 +247,14 @@ class attention {
                              "Single-step decoding reproduces only causal attention");
     }
     check_weights(w);
-    detail::not_null(x_t, "x_t");
-    detail::not_null(y_t, "y_t");
+    detail::need_pointer(x_t, "x_t");
+    detail::need_pointer(y_t, "y_t");
     const std::size_t L = cache.max_len;
     if (L == 0 || cache.data == nullptr || cache.bytes < kv_cache_bytes(s, L)) {
       throw workspace_too_small("cache", kv_cache_bytes(s, L),
                                 cache.data == nullptr ? 0 : cache.bytes);
     }
-    detail::check_aligned(cache.data, alignof(S), "cache");
+    detail::need_aligned(cache.data, alignof(S), "cache");
     if (cache.length >= L) {
       throw invalid_argument("cache", "room for one more position (max_len " + std::to_string(L) + ")",
                              "length " + std::to_string(cache.length),
@@ -304,10 +306,10 @@ class attention {
     }
   }
   static void check_weights(const weights& w) {
-    detail::not_null(w.wq, "weights.wq");
-    detail::not_null(w.wk, "weights.wk");
-    detail::not_null(w.wv, "weights.wv");
-    detail::not_null(w.wo, "weights.wo");
+    detail::need_pointer(w.wq, "weights.wq");
+    detail::need_pointer(w.wk, "weights.wk");
+    detail::need_pointer(w.wv, "weights.wv");
+    detail::need_pointer(w.wo, "weights.wo");
   }
 };
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "membound/core/checked_math.hpp"
+#include "membound/core/argument_checks.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/workspace.hpp"
@@ -38,32 +39,12 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
                          what_to_do);
 }
 
-template <typename P>
-void not_null(const P* p, const char* name) {
-  if (p == nullptr) {
-    throw invalid_argument(name, "a non-null pointer", "nullptr",
-                           "Pass the buffer (see the layer's header for its shape)");
-  }
-}
-
-inline void check_aligned(const void* p, std::size_t alignment, const char* name) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(p);
-  if (addr % alignment != 0) {
-    throw invalid_argument(name, "a base aligned to " + std::to_string(alignment) + " bytes",
-                           "an address " + std::to_string(addr % alignment) +
-                               " bytes past such a boundary",
-                           "Allocate it with at least that alignment");
-  }
-}
-
 // carve, but the errors name `name` (saved, workspace, state...).
 template <std::size_t N>
 workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need, void* base,
                               std::size_t bytes, const char* name) {
-  if (need != 0 && (base == nullptr || bytes < need)) {
-    throw workspace_too_small(name, need, base == nullptr ? 0 : bytes);
-  }
-  check_aligned(base, layout.alignment(), name);
+  need_space(base, bytes, need, name);
+  need_aligned(base, layout.alignment(), name);
   return carve(layout, base, bytes);
 }
 
@@ -72,10 +53,8 @@ workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t nee
 // 256-byte alignment of every layout's slots), so a short or misaligned workspace is refused the
 // same way on every backend, a SIZE_MAX requirement included.
 inline void check_workspace_size(std::size_t need, void* workspace, std::size_t workspace_size) {
-  if (need != 0 && (workspace == nullptr || workspace_size < need)) {
-    throw workspace_too_small("workspace", need, workspace == nullptr ? 0 : workspace_size);
-  }
-  check_aligned(workspace, default_alignment, "workspace");
+  need_space(workspace, workspace_size, need, "workspace");
+  need_aligned(workspace, default_alignment, "workspace");
 }
 
 }  // namespace detail

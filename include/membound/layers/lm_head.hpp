@@ -88,9 +88,9 @@ class lm_head {
                               const std::int32_t* targets, double scale, S* dx,
                               const gradients& g, void* workspace, std::size_t workspace_size,
                               executor& ex) {
-    detail::not_null(dx, "dx");
-    detail::not_null(g.norm, "gradients.norm");
-    detail::not_null(g.w, "gradients.w");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.norm, "gradients.norm");
+    detail::need_pointer(g.w, "gradients.w");
     check_inputs(s, w, x, targets);
     kernels::template check_call<S>(s, targets, scale);
     detail::check_workspace_size(workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
@@ -118,10 +118,10 @@ class lm_head {
   static void check_inputs(const lm_head_shape& s, const weights& w, const S* x,
                            const std::int32_t* targets) {
     check(s);
-    detail::not_null(w.norm, "weights.norm");
-    detail::not_null(w.w, "weights.w");
-    detail::not_null(x, "x");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w.norm, "weights.norm");
+    detail::need_pointer(w.w, "weights.w");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(targets, "targets");
   }
 };
 

@@ -14,7 +14,7 @@
 //
 // Forward keeps xz, x_dbl (storage type) and the scan state entering every chunk after the first
 // (accumulator type): O(B·Di·Ns·T/chunk) state bytes, not O(B·Di·Ns·T). Backward recomputes the
-// states inside each chunk from its entry state and runs the reverse scan. The checkpoint policy
+// states inside each chunk from its entry state and runs the reverse scan. The recompute policy
 // mirrors mamba_ssm's checkpoint_lvl: `recompute` (default, lvl 1) recomputes the conv output and
 // Δ in backward, `save_all` (lvl 0) keeps them. Values forward stores (xz, the conv output, x_dbl,
 // Δ) are rounded to the storage type once and then used as stored, so both policies give the
@@ -45,7 +45,7 @@
 #include "membound/shape/mamba_shape.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/backend.hpp"
-#include "membound/policy/checkpoint.hpp"
+#include "membound/policy/recompute.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
@@ -61,14 +61,16 @@ class mamba {
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using chunking = get_policy<policies, chunking_kind>;
-  using checkpoint = get_policy<policies, checkpoint_kind>;
+  using recompute_policy = get_policy<policies, recompute_kind>;
+  using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
+      recompute_policy;
   static_assert(is_scan_chunk_v<chunking>,
                 "membound: mamba takes scan_chunk<L> as its chunking policy (attention_tiles and "
                 "ttt_mini_batch belong to attention and TTT).");
-  static_assert(std::is_same_v<checkpoint, recompute> || std::is_same_v<checkpoint, save_all>,
+  static_assert(std::is_same_v<recompute_policy, recompute> || std::is_same_v<recompute_policy, save_all>,
                 "membound: mamba takes `recompute` (mamba_ssm checkpoint_lvl 1: recompute the conv "
-                "output and delta in backward) or `save_all` (lvl 0: keep them) as its checkpoint "
-                "policy; ttt_checkpoint_groups belongs to the TTT layer.");
+                "output and delta in backward) or `save_all` (lvl 0: keep them) as its recompute "
+                "policy; ttt_state_groups belongs to the TTT layer.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
@@ -78,7 +80,7 @@ class mamba {
  private:
   using S = storage_type;
   using A = accum_type;
-  static constexpr bool keep_conv_delta = std::is_same_v<checkpoint, save_all>;
+  static constexpr bool keep_conv_delta = std::is_same_v<recompute_policy, save_all>;
   static constexpr std::size_t L = chunking::chunk;
   using kernels = backend_kernels<backend, mamba_shape>;
 
@@ -157,7 +159,7 @@ class mamba {
     check(s);
     const std::size_t need = state_bytes(s);
     if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     state st{data, bytes, 0};
     reset(s, st);
     return st;
@@ -167,7 +169,7 @@ class mamba {
     check(s);
     const std::size_t need = state_bytes(s);
     if (data == nullptr || bytes < need) throw workspace_too_small("state", need, data == nullptr ? 0 : bytes);
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     state st{data, bytes, 0};
     reset(s, st, ex);
     return st;
@@ -190,8 +192,8 @@ class mamba {
                       executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(out, "out");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(out, "out");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
                                  workspace_size);
@@ -206,9 +208,9 @@ class mamba {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dout, "dout");
-    detail::not_null(dx, "dx");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dout, "dout");
+    detail::need_pointer(dx, "dx");
     check_gradients(g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
@@ -226,12 +228,12 @@ class mamba {
                    void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x_t, "x_t");
-    detail::not_null(out_t, "out_t");
+    detail::need_pointer(x_t, "x_t");
+    detail::need_pointer(out_t, "out_t");
     if (st.data == nullptr || st.bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
-    detail::check_aligned(st.data, alignof(A), "state");
+    detail::need_aligned(st.data, alignof(A), "state");
     detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<S, A>(s, w, static_cast<A*>(st.data), x_t, out_t, workspace,
                                  workspace_size, ex);
@@ -285,26 +287,26 @@ class mamba {
 
   // ---- Helpers -------------------------------------------------------------------------------
   static void check_weights(const weights& w) {
-    detail::not_null(w.in_proj, "weights.in_proj");
-    detail::not_null(w.conv_w, "weights.conv_w");
-    detail::not_null(w.conv_b, "weights.conv_b");
-    detail::not_null(w.x_proj, "weights.x_proj");
-    detail::not_null(w.dt_proj, "weights.dt_proj");
-    detail::not_null(w.dt_bias, "weights.dt_bias");
-    detail::not_null(w.a_log, "weights.a_log");
-    detail::not_null(w.d, "weights.d");
-    detail::not_null(w.out_proj, "weights.out_proj");
+    detail::need_pointer(w.in_proj, "weights.in_proj");
+    detail::need_pointer(w.conv_w, "weights.conv_w");
+    detail::need_pointer(w.conv_b, "weights.conv_b");
+    detail::need_pointer(w.x_proj, "weights.x_proj");
+    detail::need_pointer(w.dt_proj, "weights.dt_proj");
+    detail::need_pointer(w.dt_bias, "weights.dt_bias");
+    detail::need_pointer(w.a_log, "weights.a_log");
+    detail::need_pointer(w.d, "weights.d");
+    detail::need_pointer(w.out_proj, "weights.out_proj");
   }
   static void check_gradients(const gradients& g) {
-    detail::not_null(g.in_proj, "gradients.in_proj");
-    detail::not_null(g.conv_w, "gradients.conv_w");
-    detail::not_null(g.conv_b, "gradients.conv_b");
-    detail::not_null(g.x_proj, "gradients.x_proj");
-    detail::not_null(g.dt_proj, "gradients.dt_proj");
-    detail::not_null(g.dt_bias, "gradients.dt_bias");
-    detail::not_null(g.a_log, "gradients.a_log");
-    detail::not_null(g.d, "gradients.d");
-    detail::not_null(g.out_proj, "gradients.out_proj");
+    detail::need_pointer(g.in_proj, "gradients.in_proj");
+    detail::need_pointer(g.conv_w, "gradients.conv_w");
+    detail::need_pointer(g.conv_b, "gradients.conv_b");
+    detail::need_pointer(g.x_proj, "gradients.x_proj");
+    detail::need_pointer(g.dt_proj, "gradients.dt_proj");
+    detail::need_pointer(g.dt_bias, "gradients.dt_bias");
+    detail::need_pointer(g.a_log, "gradients.a_log");
+    detail::need_pointer(g.d, "gradients.d");
+    detail::need_pointer(g.out_proj, "gradients.out_proj");
   }
 };
 

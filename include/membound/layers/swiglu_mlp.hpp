@@ -95,8 +95,8 @@ class swiglu_mlp {
                       executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(y, "y");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
     kernels::template forward<S, A>(s, w.w_gate, w.w_up, w.w_down, x, y, sv.template get<S>(s_a),
@@ -108,12 +108,12 @@ class swiglu_mlp {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
-    detail::not_null(g.w_gate, "gradients.w_gate");
-    detail::not_null(g.w_up, "gradients.w_up");
-    detail::not_null(g.w_down, "gradients.w_down");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.w_gate, "gradients.w_gate");
+    detail::need_pointer(g.w_up, "gradients.w_up");
+    detail::need_pointer(g.w_down, "gradients.w_down");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
     detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
@@ -134,9 +134,9 @@ class swiglu_mlp {
     return l;
   }
   static void check_weights(const weights& w) {
-    detail::not_null(w.w_gate, "weights.w_gate");
-    detail::not_null(w.w_up, "weights.w_up");
-    detail::not_null(w.w_down, "weights.w_down");
+    detail::need_pointer(w.w_gate, "weights.w_gate");
+    detail::need_pointer(w.w_up, "weights.w_up");
+    detail::need_pointer(w.w_down, "weights.w_down");
   }
 };
 

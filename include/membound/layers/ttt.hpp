@@ -11,16 +11,16 @@
 //   out_t = XQ_t + LN_h(f(XQ_t; W_t)); heads concatenated; post LayerNorm over the width;
 //   optional gate GELU_tanh(x·Wg) ⊙; then ·Wo.
 // Forward runs the dual form (no per-token W ever exists) and keeps, per (batch, head), the inner
-// state at the start of every G-th mini-batch (the checkpoint policy ttt_checkpoint_groups<G>;
-// ttt_checkpoint_all keeps only the first) plus the heads' output before the post norm. Backward
-// recomputes q, k, v from x and each group's states from its checkpoint, then runs the
+// state at the start of every G-th mini-batch (the recompute policy ttt_state_groups<G>;
+// ttt_state_groups_all keeps only the first) plus the heads' output before the post norm. Backward
+// recomputes q, k, v from x and each group's states from its saved state, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
 // backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
 // cuda_executor and forward, step and the state run backend/cuda/ttt.cuh's kernels (include
 // membound/backend/cuda.cuh, compile with nvcc); saved_bytes and state_bytes are the same, the
-// workspace is the device's own (backward too: the same recomputation from the checkpoints).
+// workspace is the device's own (backward too: the same recomputation from the saved states).
 #pragma once
 
 #include <cstddef>
@@ -37,7 +37,7 @@
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/backend.hpp"
-#include "membound/policy/checkpoint.hpp"
+#include "membound/policy/recompute.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/precision.hpp"
@@ -49,25 +49,27 @@ template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
   using policies = policy_set<
-      type_list<fp32_precision, ttt_mini_batch<16>, ttt_checkpoint_groups<4>, cpu_backend>,
+      type_list<fp32_precision, ttt_mini_batch<16>, ttt_state_groups<4>, cpu_backend>,
       Policies...>;
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
   using precision = get_policy<policies, precision_kind>;
   using chunking = get_policy<policies, chunking_kind>;
-  using checkpoint = get_policy<policies, checkpoint_kind>;
+  using recompute_policy = get_policy<policies, recompute_kind>;
+  using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
+      recompute_policy;
   static_assert(is_ttt_mini_batch_v<chunking>,
                 "membound: a TTT layer takes ttt_mini_batch<b> as its chunking policy "
                 "(attention_tiles and scan_chunk belong to attention and Mamba).");
-  static_assert(is_ttt_checkpoint_groups_v<checkpoint>,
-                "membound: a TTT layer takes ttt_checkpoint_groups<G> (or ttt_checkpoint_all) as its "
-                "checkpoint policy.");
+  static_assert(is_ttt_state_groups_v<recompute_policy>,
+                "membound: a TTT layer takes ttt_state_groups<G> (or ttt_state_groups_all) as its "
+                "recompute policy.");
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
                 "membound: a TTT layer accumulates its inner W in float or double.");
   static constexpr std::size_t mini_batch = chunking::mini_batch;
-  static constexpr std::size_t group = checkpoint::group_size;
+  static constexpr std::size_t group = recompute_policy::group_size;
   static constexpr bool is_mlp = Mlp;
   // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
   // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
@@ -118,14 +120,14 @@ class basic_ttt {
     return ttt_mini_batches(s, mb);
   }
   // Checkpoints per (batch, head): ceil(mini-batches / G).
-  static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-    return ttt_checkpoints(s, mb, group);
+  static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
+    return ttt_saved_states(s, mb, group);
   }
   static constexpr std::size_t saved_bytes(const ttt_shape& s) noexcept {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  // Of saved_bytes, the inner-state checkpoints: B·H·ceil(ceil(T/b)/G)·inner_elements.
+  // Of saved_bytes, the saved inner states: B·H·ceil(ceil(T/b)/G)·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
@@ -166,7 +168,7 @@ class basic_ttt {
     if (data == nullptr || bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
     }
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     check_weights(s, w);
     state st{data, bytes, 0};
     reset(s, w, st);
@@ -188,7 +190,7 @@ class basic_ttt {
     if (data == nullptr || bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), data == nullptr ? 0 : bytes);
     }
-    detail::check_aligned(data, alignof(A), "state");
+    detail::need_aligned(data, alignof(A), "state");
     check_weights(s, w);
     state st{data, bytes, 0};
     reset(s, w, st, ex);
@@ -205,8 +207,8 @@ class basic_ttt {
                       executor& ex) {
     check(s);
     check_weights(s, w);
-    detail::not_null(x, "x");
-    detail::not_null(y, "y");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
     detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace,
                                  workspace_size);
@@ -222,9 +224,9 @@ class basic_ttt {
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
-    detail::not_null(x, "x");
-    detail::not_null(dy, "dy");
-    detail::not_null(dx, "dx");
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
     check_gradients(s, g);
     const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
                                         saved_size, "saved");
@@ -244,12 +246,12 @@ class basic_ttt {
                    void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
     check_weights(s, w);
-    detail::not_null(x_t, "x_t");
-    detail::not_null(y_t, "y_t");
+    detail::need_pointer(x_t, "x_t");
+    detail::need_pointer(y_t, "y_t");
     if (st.data == nullptr || st.bytes < state_bytes(s)) {
       throw workspace_too_small("state", state_bytes(s), st.data == nullptr ? 0 : st.bytes);
     }
-    detail::check_aligned(st.data, alignof(A), "state");
+    detail::need_aligned(st.data, alignof(A), "state");
     detail::check_workspace_size(step_workspace_bytes(s), workspace, workspace_size);
     kernels::template step<Mlp, mb, S, A>(s, w, static_cast<A*>(st.data), st.position % mb, x_t,
                                           y_t, workspace, workspace_size, ex);
@@ -259,7 +261,7 @@ class basic_ttt {
  private:
   static constexpr std::size_t rows(const ttt_shape& s) noexcept { return s.batch * s.seq; }
   static constexpr std::size_t ckpt_bytes(const ttt_shape& s) noexcept {
-    return bytes_of<A>(s.batch * s.heads, checkpoints(s), inner_elements(s));
+    return bytes_of<A>(s.batch * s.heads, saved_states(s), inner_elements(s));
   }
 
   enum saved_slot : std::size_t { s_ckpt, s_o };
@@ -271,43 +273,43 @@ class basic_ttt {
   }
 
   static void check_weights(const ttt_shape& s, const weights& w) {
-    detail::not_null(w.wq, "weights.wq");
-    detail::not_null(w.wk, "weights.wk");
-    detail::not_null(w.wv, "weights.wv");
-    detail::not_null(w.ttt_norm_w, "weights.ttt_norm_w");
-    detail::not_null(w.ttt_norm_b, "weights.ttt_norm_b");
-    detail::not_null(w.w1, "weights.w1");
-    detail::not_null(w.b1, "weights.b1");
-    detail::not_null(w.lr_w, "weights.lr_w");
-    detail::not_null(w.lr_b, "weights.lr_b");
-    detail::not_null(w.tok_offset, "weights.tok_offset");
-    detail::not_null(w.post_w, "weights.post_w");
-    detail::not_null(w.post_b, "weights.post_b");
-    if (s.use_gate) detail::not_null(w.wg, "weights.wg");
-    detail::not_null(w.wo, "weights.wo");
+    detail::need_pointer(w.wq, "weights.wq");
+    detail::need_pointer(w.wk, "weights.wk");
+    detail::need_pointer(w.wv, "weights.wv");
+    detail::need_pointer(w.ttt_norm_w, "weights.ttt_norm_w");
+    detail::need_pointer(w.ttt_norm_b, "weights.ttt_norm_b");
+    detail::need_pointer(w.w1, "weights.w1");
+    detail::need_pointer(w.b1, "weights.b1");
+    detail::need_pointer(w.lr_w, "weights.lr_w");
+    detail::need_pointer(w.lr_b, "weights.lr_b");
+    detail::need_pointer(w.tok_offset, "weights.tok_offset");
+    detail::need_pointer(w.post_w, "weights.post_w");
+    detail::need_pointer(w.post_b, "weights.post_b");
+    if (s.use_gate) detail::need_pointer(w.wg, "weights.wg");
+    detail::need_pointer(w.wo, "weights.wo");
     if (Mlp) {
-      detail::not_null(w.w2, "weights.w2");
-      detail::not_null(w.b2, "weights.b2");
+      detail::need_pointer(w.w2, "weights.w2");
+      detail::need_pointer(w.b2, "weights.b2");
     }
   }
   static void check_gradients(const ttt_shape& s, const gradients& g) {
-    detail::not_null(g.wq, "gradients.wq");
-    detail::not_null(g.wk, "gradients.wk");
-    detail::not_null(g.wv, "gradients.wv");
-    detail::not_null(g.ttt_norm_w, "gradients.ttt_norm_w");
-    detail::not_null(g.ttt_norm_b, "gradients.ttt_norm_b");
-    detail::not_null(g.w1, "gradients.w1");
-    detail::not_null(g.b1, "gradients.b1");
-    detail::not_null(g.lr_w, "gradients.lr_w");
-    detail::not_null(g.lr_b, "gradients.lr_b");
-    detail::not_null(g.tok_offset, "gradients.tok_offset");
-    detail::not_null(g.post_w, "gradients.post_w");
-    detail::not_null(g.post_b, "gradients.post_b");
-    if (s.use_gate) detail::not_null(g.wg, "gradients.wg");
-    detail::not_null(g.wo, "gradients.wo");
+    detail::need_pointer(g.wq, "gradients.wq");
+    detail::need_pointer(g.wk, "gradients.wk");
+    detail::need_pointer(g.wv, "gradients.wv");
+    detail::need_pointer(g.ttt_norm_w, "gradients.ttt_norm_w");
+    detail::need_pointer(g.ttt_norm_b, "gradients.ttt_norm_b");
+    detail::need_pointer(g.w1, "gradients.w1");
+    detail::need_pointer(g.b1, "gradients.b1");
+    detail::need_pointer(g.lr_w, "gradients.lr_w");
+    detail::need_pointer(g.lr_b, "gradients.lr_b");
+    detail::need_pointer(g.tok_offset, "gradients.tok_offset");
+    detail::need_pointer(g.post_w, "gradients.post_w");
+    detail::need_pointer(g.post_b, "gradients.post_b");
+    if (s.use_gate) detail::need_pointer(g.wg, "gradients.wg");
+    detail::need_pointer(g.wo, "gradients.wo");
     if (Mlp) {
-      detail::not_null(g.w2, "gradients.w2");
-      detail::not_null(g.b2, "gradients.b2");
+      detail::need_pointer(g.w2, "gradients.w2");
+      detail::need_pointer(g.b2, "gradients.b2");
     }
   }
 };

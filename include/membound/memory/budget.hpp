@@ -88,7 +88,7 @@ inline std::string budget_hint(const oom_report& r, std::size_t usage) {
   switch (top) {
     case memory_tag::activations:
       return held + free_need +
-             " with a stricter checkpoint policy (e.g. `full`, or `every<K>` with a smaller K), " +
+             " with a stricter recompute schedule (e.g. `full`, or `every<K>` with a smaller K), " +
              raise;
     case memory_tag::workspace:
       return held + free_need + " with a chunking policy that uses smaller tiles/chunks, " + raise;

@@ -11,7 +11,7 @@
 //
 // The model owns no memory: weights and gradients are flat arrays the caller allocates
 // (weight_bytes() each), and a training step takes every activation and workspace from the
-// caller's allocator, in exactly the order model/checkpoint_schedule.hpp's simulate() assumes, so the plan's
+// caller's allocator, in exactly the order model/recompute_schedule.hpp's simulate() assumes, so the plan's
 // predicted peak is the allocator's measured one.
 #pragma once
 
@@ -40,7 +40,7 @@
 #include "membound/model/block.hpp"
 #include "membound/model/glue.hpp"
 #include "membound/model/model_config.hpp"
-#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/model/recompute_schedule.hpp"
 #include "membound/core/check_point.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -302,7 +302,7 @@ class model {
 
   // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
   void init_weights(S* w, std::uint64_t seed) const {
-    detail::not_null(w, "weights");
+    detail::need_pointer(w, "weights");
     std::fill(w, w + elements_, from_accum<S>(A(0)));
     for (std::size_t k = 0; k < params_.size(); ++k) {
       const param_entry& p = params_[k];
@@ -318,7 +318,7 @@ class model {
     return {b.tokens(), cfg_.width, cfg_.vocab, chunk, cfg_.norm_eps};
   }
 
-  // The chain model/checkpoint_schedule.hpp plans over: exact bytes of every op of this model's step.
+  // The chain model/recompute_schedule.hpp plans over: exact bytes of every op of this model's step.
   chain make_chain(batch_shape b, std::size_t threads, std::size_t head_chunk,
                    std::size_t base_bytes) const {
     check(b);
@@ -402,10 +402,10 @@ class model {
                           double loss_scale, Allocator& alloc, executor& ex,
                           Observer observe = {}) const {
     static_assert(in_backend_space<Allocator>());
-    detail::not_null(w, "weights");
-    detail::not_null(g, "gradients");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(g, "gradients");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
     return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
@@ -427,9 +427,9 @@ class model {
       r.begin_block(k);
       r.end_block(k);
     }, "membound: a gradient router offers S* at(offset), begin_block(i) and end_block(i): see flat_gradients");
-    detail::not_null(w, "weights");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(targets, "targets");
     return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
   }
 
@@ -474,9 +474,9 @@ class model {
   void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
                          Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
-    detail::not_null(w, "weights");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(logits, "logits");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(logits, "logits");
     check(b);
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
@@ -500,9 +500,9 @@ class model {
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::size_t head_chunk, Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
-    detail::not_null(w, "weights");
-    detail::not_null(tokens, "tokens");
-    detail::not_null(targets, "targets");
+    detail::need_pointer(w, "weights");
+    detail::need_pointer(tokens, "tokens");
+    detail::need_pointer(targets, "targets");
     return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex));
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).

@@ -6,7 +6,7 @@
 //   auto q = membound::fit(m, {32, 256}, 2ull << 30, {.threads = 2});  // micro-batch, schedule, chunk
 //
 // Exactness comes from construction: the step (model::forward_backward) allocates, op by op, in
-// the order model/checkpoint_schedule.hpp's simulate() counts, and every size is the layers' own pure size
+// the order model/recompute_schedule.hpp's simulate() counts, and every size is the layers' own pure size
 // function. The tests compare the prediction with the budget allocator's measured peak for every
 // layer type × schedule × precision.
 #pragma once
@@ -25,14 +25,14 @@
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
 #include "membound/model/model.hpp"
-#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/model/recompute_schedule.hpp"
 #include "membound/core/shard.hpp"
 #include "membound/optimizer/adamw.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
-// Block-level checkpoint schedules, as policies.
+// Block-level recompute schedules, as policies.
 namespace schedules {
 struct none {};    // keep everything forward produces
 struct full {};    // keep block inputs only, recompute every block in backward
@@ -41,8 +41,8 @@ struct every {     // keep the input of every K-th block
   static_assert(K >= 1, "membound: schedules::every<K>: K (blocks per segment) must be at least 1.");
 };
 template <std::size_t Slots>
-struct binomial {  // Revolve's optimal schedule with Slots checkpoint slots
-  static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one checkpoint slot.");
+struct binomial {  // Revolve's optimal schedule with Slots slots for saved block inputs
+  static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one slot for a saved block input.");
 };
 struct budget {    // the least recompute whose peak fits this many bytes (the planner's DP)
   std::size_t bytes = 0;

@@ -29,7 +29,7 @@
 #include "membound/core/memory_tag.hpp"
 #include "membound/memory/planned_layout.hpp"
 #include "membound/memory/shadow.hpp"
-#include "membound/model/checkpoint_schedule.hpp"
+#include "membound/model/recompute_schedule.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/optimizer/adamw.hpp"

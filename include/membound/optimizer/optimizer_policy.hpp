@@ -32,6 +32,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "membound/core/argument_checks.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -170,7 +171,8 @@ inline void check_param_spans(std::span<const param_span> spans, std::size_t n) 
 
 // A state buffer of the wrong size, or none.
 inline void check_state_buffer(const void* state, std::size_t bytes, std::size_t need) {
-  if (state == nullptr || bytes < need) throw workspace_too_small("optimizer state", need, state == nullptr ? 0 : bytes);
+  if (state == nullptr) throw workspace_too_small("optimizer state", need, 0);  // even when need is 0
+  need_space(state, bytes, need, "optimizer state");
 }
 }  // namespace detail
 

@@ -63,7 +63,7 @@ consteval bool check_policy() {
   static_assert(requires { typename Policy::policy_kind; },
                 "membound: invalid policy: Policy has no policy_kind; pass a precision<>, a "
                 "chunking policy (attention_tiles<>, scan_chunk<>, ttt_mini_batch<>) or a "
-                "checkpoint policy (save_all, recompute, ttt_checkpoint_groups<>).");
+                "recompute policy (save_all, recompute, ttt_state_groups<>).");
   if constexpr (requires { typename Policy::policy_kind; }) {
     static_assert(policy_kind_tag<typename Policy::policy_kind>,
                   "membound: invalid policy: Policy::policy_kind is not a policy kind tag; "

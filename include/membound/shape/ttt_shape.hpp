@@ -60,11 +60,11 @@ struct ttt_gradients {
 
 // Mini-batches of `mini_batch` tokens per sequence, and the saved inner states per (batch, head):
 // one at the start of every group of `group` mini-batches. ceil(n / block) without the overflow
-// of n + block − 1 for a huge group (ttt_checkpoint_all), as cpu::blocks.
+// of n + block − 1 for a huge group (ttt_state_groups_all), as cpu::blocks.
 constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batch) noexcept {
   return s.seq == 0 ? 0 : (s.seq - 1) / mini_batch + 1;
 }
-constexpr std::size_t ttt_checkpoints(const ttt_shape& s, std::size_t mini_batch,
+constexpr std::size_t ttt_saved_states(const ttt_shape& s, std::size_t mini_batch,
                                       std::size_t group) noexcept {
   const std::size_t n = ttt_mini_batches(s, mini_batch);
   return n == 0 ? 0 : (n - 1) / group + 1;

@@ -129,6 +129,7 @@
 #include "membound/optimizer/adamw8bit.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/train/checkpoint_file.hpp"
+#include "membound/train/checkpoint_state.hpp"
 #include "membound/train/data_source.hpp"
 #include "membound/train/fingerprint.hpp"
 #include "membound/train/gradient_exchange.hpp"
@@ -469,8 +470,8 @@ class trainer {
     if (sharded()) return load_shards(path, lo);
     if (world() <= 1) {
       const checkpoint_reader r(path);
-      check_format(r, path);
-      if (r.has("manifest")) return load_resharded(manifest_sources(read_manifest(r, path), path), path, lo);
+      check_checkpoint_format(r, path);
+      if (r.has("manifest")) return load_resharded(manifest_sources(read_checkpoint_manifest(r, path), path, n_), path, lo);
       staged st = stage(r, path, m_.weight_bytes(), lo);
       commit(r, path, st, w_, m_.weight_bytes());
       return st.restored;
@@ -483,14 +484,14 @@ class trainer {
     bool manifest = false;
     try {
       r.emplace(path);
-      check_format(*r, path);
+      check_checkpoint_format(*r, path);
       manifest = r->has("manifest");
       if (!manifest) st = stage(*r, path, m_.weight_bytes(), lo);
     } catch (...) {
       failed = std::current_exception();
     }
     agree(failed, "read the checkpoint");
-    if (manifest) return load_resharded(manifest_sources(read_manifest(*r, path), path), path, lo);
+    if (manifest) return load_resharded(manifest_sources(read_checkpoint_manifest(*r, path), path, n_), path, lo);
     agree_on_restoring(st);
     try {
       commit(*r, path, st, w_, m_.weight_bytes());
@@ -676,9 +677,6 @@ class trainer {
   std::size_t foreign_bytes() const { return foreign_now(); }
 
  private:
-  // 2: the fingerprint names its fields ("name=value" lines); 1 was an unnamed list of sizes.
-  static constexpr std::uint64_t format_version = 2;
-
   // ---- Checkpoint helpers -------------------------------------------------------------------------
   struct staged {
     std::uint64_t steps = 0, updates = 0, position = 0;
@@ -692,51 +690,26 @@ class trainer {
 
   // weights and state: host memory (a device trainer's host copies).
   void write_state(checkpoint_writer& cw, const void* weights, std::size_t weight_bytes, const void* state_bytes) const {
-    cw.add_value<std::uint64_t>("format", format_version);
-    std::string fp;
-    for (const fingerprint_field& f : fingerprint()) fp += f.name + "=" + f.value + "\n";
-    cw.add("fingerprint", fp.data(), fp.size());
-    std::string run;
-    for (const fingerprint_field& f : run_settings()) run += f.name + "=" + f.value + "\n";
-    cw.add("run", run.data(), run.size());
-    cw.add("weights", weights, weight_bytes);
-    const std::span<const std::byte> state = Optimizer::save_state(state_bytes, opt_shard_.size());
-    cw.add("optimizer", state.data(), state.size());
-    cw.add_value<std::uint64_t>("step", steps_);
-    cw.add_value<std::uint64_t>("updates", updates_);
-    cw.add_value<std::uint64_t>("rng", rng_.state);
-    cw.add_value<std::uint64_t>("data_position", position_);
-    cw.add_value<double>("loss_scale", scaler_.scale);
-    cw.add_value<std::uint64_t>("loss_scale_clean_steps", scaler_.clean_steps);
-    const std::uint64_t pl[5] = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk,
-                                 static_cast<std::uint64_t>(plan_.schedule.k), plan_.schedule.param};
-    cw.add("plan", pl, sizeof pl);
+    checkpoint_contents c;
+    c.fingerprint = fingerprint();
+    c.run_settings = run_settings();
+    c.weights = weights;
+    c.weight_bytes = weight_bytes;
+    c.optimizer = Optimizer::save_state(state_bytes, opt_shard_.size());
+    c.counters = {steps_, updates_, position_, rng_, scaler_.scale, scaler_.clean_steps};
+    c.plan = {plan_.micro.batch, plan_.accumulation, plan_.head_chunk, static_cast<std::uint64_t>(plan_.schedule.k),
+              plan_.schedule.param};
     // An emergency the run tolerates (no plan gets under it) is not abandoned again: a resumed
     // run must know it, or it would replan where the uninterrupted one went on.
-    const std::uint64_t tol[3] = {tolerated_peak_, tolerated_foreign_, limit_now()};
-    cw.add("tolerated", tol, sizeof tol);
-  }
-
-  static void check_format(const checkpoint_reader& r, const std::string& path) {
-    if (const auto format = r.value<std::uint64_t>("format"); format != format_version) {
-      const std::string saved = std::to_string(format), current = std::to_string(format_version);
-      throw checkpoint_mismatch(
-          path, "format", saved, current,
-          "it is in checkpoint format " + saved + ", this build reads format " + current + " only" +
-              (format < format_version ? ": an older format, whose fingerprint neither named its fields nor told "
-                                         "bf16 from fp16, so this run cannot check it; resume it with the "
-                                         "membound that wrote it"
-                                       : ": a newer membound wrote it; resume it with that version"));
-    }
+    c.tolerated = {tolerated_peak_, tolerated_foreign_, limit_now()};
+    write_checkpoint_state(cw, c);
   }
 
   // Everything of a checkpoint file checked, nothing of this trainer changed.
   staged stage(const checkpoint_reader& r, const std::string& path, std::size_t weight_bytes,
                const load_options& lo) const {
-    check_format(r, path);
-    std::string text(r.size("fingerprint"), '\0');
-    r.copy("fingerprint", text.data(), text.size());
-    check_fingerprint(detail::parse_fingerprint(text, path), path);
+    check_checkpoint_format(r, path);
+    check_fingerprint(read_checkpoint_fields(r, "fingerprint", path), path);
     if (r.size("weights") != weight_bytes || r.size("optimizer") != opt_bytes()) {
       throw corrupt_checkpoint(path, "its weight or optimizer section has the wrong size");
     }
@@ -745,33 +718,29 @@ class trainer {
 
   // The counters, the loss scaler and the plan of a checked file.
   staged stage_counters(const checkpoint_reader& r, const std::string& path, const load_options& lo) const {
-    std::uint64_t pl[5];
-    r.copy("plan", pl, sizeof pl);
+    const checkpoint_record c = read_checkpoint_record(r, path);
     staged st;
-    st.steps = r.value<std::uint64_t>("step");
-    st.updates = r.value<std::uint64_t>("updates");
-    std::uint64_t tol[3] = {0, 0, 0};
-    if (r.has("tolerated") && r.size("tolerated") == sizeof tol) r.copy("tolerated", tol, sizeof tol);
-    if (r.has("run")) {
-      std::string text(r.size("run"), '\0');
-      r.copy("run", text.data(), text.size());
-      st.changes = run_differences(detail::parse_fingerprint(text, path, "run settings"));
+    if (c.has_run_settings) {
+      st.changes = run_differences(c.run_settings);
       if (!st.changes.empty() && lo.changes == run_changes::refuse) throw checkpoint_run_changed(path, st.changes);
     }
-    st.rng = random_state{r.value<std::uint64_t>("rng")};
-    st.position = r.value<std::uint64_t>("data_position");
+    st.steps = c.counters.steps;
+    st.updates = c.counters.updates;
+    st.rng = c.counters.rng;
+    st.position = c.counters.position;
     st.scaler = scaler_;
-    st.scaler.scale = r.value<double>("loss_scale");
-    st.scaler.clean_steps = r.value<std::uint64_t>("loss_scale_clean_steps");
-    if (!(st.scaler.scale > 0) || !std::isfinite(st.scaler.scale) || st.updates > st.steps) {
-      throw corrupt_checkpoint(path, "its loss scale or step counters are out of range");
-    }
-    if (pl[0] != 0 && rank_batch().batch % pl[0] == 0 && pl[1] == rank_batch().batch / pl[0] && pl[2] != 0 &&
-        pl[3] <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
+    st.scaler.scale = c.counters.loss_scale;
+    st.scaler.clean_steps = c.counters.loss_scale_clean_steps;
+    const checkpoint_plan_choices& pc = c.plan;
+    if (pc.micro_batch != 0 && rank_batch().batch % pc.micro_batch == 0 &&
+        pc.accumulation == rank_batch().batch / pc.micro_batch && pc.head_chunk != 0 &&
+        pc.schedule_kind <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
       try {
-        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pl[0]), eff_.seq}, static_cast<std::size_t>(pl[1]),
-                                   schedule_choice{static_cast<schedule_choice::kind>(pl[3]), static_cast<std::size_t>(pl[4])},
-                                   static_cast<std::size_t>(pl[2]), plan_.budget);
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pc.micro_batch), eff_.seq},
+                                   static_cast<std::size_t>(pc.accumulation),
+                                   schedule_choice{static_cast<schedule_choice::kind>(pc.schedule_kind),
+                                                   static_cast<std::size_t>(pc.schedule_param)},
+                                   static_cast<std::size_t>(pc.head_chunk), plan_.budget);
         p.reserved_peak = reserve_of(p);
         if (p.fits() && (limit_now() == 0 || p.budgeted_peak() + foreign_now() <= limit_now())) st.plan = std::move(p);
       } catch (const error&) {
@@ -781,9 +750,9 @@ class trainer {
     st.restored = st.plan.has_value();
     // The tolerance holds for the plan it was granted to under the same budget: a run resumed
     // with more room decides again.
-    if (st.restored && tol[0] == st.plan->peak_bytes && tol[2] == limit_now()) {
-      st.tolerated_peak = static_cast<std::size_t>(tol[0]);
-      st.tolerated_foreign = static_cast<std::size_t>(tol[1]);
+    if (st.restored && c.tolerated.peak == st.plan->peak_bytes && c.tolerated.limit == limit_now()) {
+      st.tolerated_peak = static_cast<std::size_t>(c.tolerated.peak);
+      st.tolerated_foreign = static_cast<std::size_t>(c.tolerated.foreign);
     }
     return st;
   }
@@ -843,20 +812,9 @@ class trainer {
     }
   }
 
-  static std::string folder_of(const std::string& path) {
-    const std::size_t slash = path.find_last_of('/');
-    return slash == std::string::npos ? std::string{} : path.substr(0, slash + 1);
-  }
-  static std::string base_of(const std::string& path) {
-    const std::size_t slash = path.find_last_of('/');
-    return slash == std::string::npos ? path : path.substr(slash + 1);
-  }
-
   void save_shards(const std::string& path) const {
     const std::size_t N = world(), me = comm_.rank();
-    const std::string name = base_of(path) + ".step-" + std::to_string(steps_) + ".rank-" + std::to_string(me) + "-of-" +
-                             std::to_string(N);
-    const std::string file = folder_of(path) + name;
+    const std::string file = checkpoint_shard_path(path, steps_, me, N);
     std::exception_ptr failed;
     try {
       checkpoint_writer cw;
@@ -872,18 +830,7 @@ class trainer {
     agree(failed, "write its checkpoint shard");
     if (me == 0) {
       try {
-        std::string text = "ranks=" + std::to_string(N) + "\nzero=1\nstep=" + std::to_string(steps_) +
-                           "\nparameters=" + std::to_string(n_) + "\n";
-        for (std::size_t r = 0; r < N; ++r) {
-          const shard_range s = shard_of(n_, N, r);
-          text += "shard." + std::to_string(r) + "=" + std::to_string(s.begin) + ".." + std::to_string(s.end) + " " +
-                  base_of(path) + ".step-" + std::to_string(steps_) + ".rank-" + std::to_string(r) + "-of-" +
-                  std::to_string(N) + "\n";
-        }
-        checkpoint_writer cw;
-        cw.add_value<std::uint64_t>("format", format_version);
-        cw.add("manifest", text.data(), text.size());
-        cw.commit(path);
+        write_checkpoint_manifest(path, N, steps_, n_);
       } catch (...) {
         failed = std::current_exception();
       }
@@ -894,33 +841,20 @@ class trainer {
     last_shard_ = file;
   }
 
-  static std::string manifest_value(const std::vector<fingerprint_field>& f, const std::string& name,
-                                    const std::string& path) {
-    for (const fingerprint_field& e : f)
-      if (e.name == name) return e.value;
-    throw corrupt_checkpoint(path, "its manifest names no '" + name + "'");
-  }
-
-  std::vector<fingerprint_field> read_manifest(const checkpoint_reader& r, const std::string& path) const {
-    std::string text(r.size("manifest"), '\0');
-    r.copy("manifest", text.data(), text.size());
-    return detail::parse_fingerprint(text, path);
-  }
-
   bool load_shards(const std::string& path, const load_options& lo) {
     {
       // Another world size, or a whole checkpoint (ZeRO-0, one process): re-sharded.
       std::exception_ptr failed;
-      std::optional<std::vector<source_shard>> other;
+      std::optional<std::vector<checkpoint_source>> other;
       try {
         const checkpoint_reader r(path);
-        check_format(r, path);
+        check_checkpoint_format(r, path);
         if (!r.has("manifest")) {
-          other = std::vector<source_shard>{{shard_range{0, n_}, path}};
+          other = std::vector<checkpoint_source>{{shard_range{0, n_}, path}};
         } else {
-          const std::vector<fingerprint_field> f = read_manifest(r, path);
+          const std::vector<fingerprint_field> f = read_checkpoint_manifest(r, path);
           if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
-            other = manifest_sources(f, path);
+            other = manifest_sources(f, path, n_);
           }
         }
       } catch (...) {
@@ -936,14 +870,14 @@ class trainer {
     staged st;
     try {
       const checkpoint_reader r(path);
-      check_format(r, path);
+      check_checkpoint_format(r, path);
       if (!r.has("manifest")) {
         throw checkpoint_mismatch(path, "zero", "0", "1",
                                   "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-1 over " +
                                       std::to_string(world()) + " ranks, which resumes the manifest a ZeRO-1 save "
                                       "wrote. Resume it with trainer_options::zero = 0");
       }
-      const std::vector<fingerprint_field> f = read_manifest(r, path);
+      const std::vector<fingerprint_field> f = read_checkpoint_manifest(r, path);
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
         throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
@@ -952,7 +886,7 @@ class trainer {
       if (entry.rfind(range, 0) != 0 || entry.size() == range.size()) {
         throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " is '" + entry + "', this rank holds " + range);
       }
-      shard_path = folder_of(path) + entry.substr(range.size());
+      shard_path = detail::folder_of(path) + entry.substr(range.size());
       shard.emplace(shard_path);
       st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S), lo);
       if (std::to_string(st.steps) != manifest_value(f, "step", path)) {
@@ -978,49 +912,6 @@ class trainer {
 
 
   // ---- Re-sharding ---------------------------------------------------------------------------------
-  // One file of a checkpoint and the parameters it holds (a shard file of a manifest, or a whole
-  // checkpoint: [0, n)).
-  struct source_shard {
-    shard_range range;
-    std::string file;
-  };
-
-  // The files a manifest names, in rank order; they must tile [0, n).
-  std::vector<source_shard> manifest_sources(const std::vector<fingerprint_field>& f, const std::string& path) const {
-    const std::string ranks_text = manifest_value(f, "ranks", path);
-    std::size_t ranks = 0;
-    if (std::from_chars(ranks_text.data(), ranks_text.data() + ranks_text.size(), ranks).ec != std::errc{} || ranks == 0 ||
-        ranks > (std::size_t{1} << 20)) {
-      throw corrupt_checkpoint(path, "its manifest's ranks = '" + ranks_text + "' is not a world size");
-    }
-    if (manifest_value(f, "parameters", path) != std::to_string(n_)) {
-      throw checkpoint_mismatch(path, "parameters", manifest_value(f, "parameters", path), std::to_string(n_),
-                                "it was written for a model of " + manifest_value(f, "parameters", path) +
-                                    " parameter elements, this one has " + std::to_string(n_) +
-                                    ". Build the trainer as the run that wrote it was built to resume it");
-    }
-    std::vector<source_shard> src;
-    std::size_t at = 0;
-    for (std::size_t k = 0; k < ranks; ++k) {
-      const std::string entry = manifest_value(f, "shard." + std::to_string(k), path);
-      std::size_t b = 0, e = 0;
-      const char* p = entry.data();
-      const char* end = p + entry.size();
-      auto r1 = std::from_chars(p, end, b);
-      const bool dots = r1.ec == std::errc{} && end - r1.ptr > 2 && r1.ptr[0] == '.' && r1.ptr[1] == '.';
-      auto r2 = dots ? std::from_chars(r1.ptr + 2, end, e) : r1;
-      if (!dots || r2.ec != std::errc{} || r2.ptr == end || *r2.ptr != ' ' || r2.ptr + 1 == end || b != at || e < b ||
-          e > n_) {
-        throw corrupt_checkpoint(path, "its shard " + std::to_string(k) + " is '" + entry +
-                                           "', expected 'BEGIN..END FILE' starting at parameter " + std::to_string(at));
-      }
-      src.push_back({{b, e}, folder_of(path) + std::string(r2.ptr + 1, end)});
-      at = e;
-    }
-    if (at != n_) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n_));
-    return src;
-  }
-
   // Loads a checkpoint written by another world size (or ZeRO stage): every rank reads every
   // source file's weights (the whole model) and, from each file whose parameters overlap its own
   // optimizer range (opt_shard_: all of them but under ZeRO-1/2), the same slice of each of the
@@ -1029,7 +920,7 @@ class trainer {
   // (adamw: m, v, masters); a block-wise state (adamw8bit) is refused. A collective over ranks
   // like load(): an error on any rank is thrown on every rank, and nothing changes before all
   // ranks have read and checked everything.
-  bool load_resharded(const std::vector<source_shard>& src, const std::string& path, const load_options& lo) {
+  bool load_resharded(const std::vector<checkpoint_source>& src, const std::string& path, const load_options& lo) {
     if constexpr (!requires { Optimizer::state_arrays; Optimizer::state_element_bytes; }) {
       // The same refusal on every rank (all read the same manifest): nothing to agree on.
       throw checkpoint_world_mismatch(path, std::to_string(src.size()), world(), sharded() ? o_.zero : 0,
@@ -1049,12 +940,10 @@ class trainer {
           weights.resize(n_);
           state.resize(opt_bytes());
           for (std::size_t k = 0; k < src.size(); ++k) {
-            const source_shard& s = src[k];
+            const checkpoint_source& s = src[k];
             const checkpoint_reader r(s.file);
-            check_format(r, s.file);
-            std::string text(r.size("fingerprint"), '\0');
-            r.copy("fingerprint", text.data(), text.size());
-            const std::vector<fingerprint_field> f = detail::parse_fingerprint(text, s.file);
+            check_checkpoint_format(r, s.file);
+            const std::vector<fingerprint_field> f = read_checkpoint_fields(r, "fingerprint", s.file);
             check_fingerprint(f, s.file, /*any_world=*/true);
             // The file must hold what its manifest names it for: a shard file copied or renamed over
             // another of the same size would otherwise load another rank's weights and state.
@@ -1454,9 +1343,10 @@ class trainer {
   std::size_t step_tokens() const noexcept { return rank_batch().tokens(); }
   std::size_t threads() const noexcept { return workspace_threads(ex_); }
 
-  // ---- Memory moves between the host and the backend's memory: the glue's (backend/cpu/model.hpp
-  // writes and reads in place; backend/cuda/model.cuh copies on the stream).
+  // The gradients zeroed where they live (the glue: host memory in place, device memory on the stream).
   void zero_gradients() { glue::fill_zero(ex_, g_, grad_bytes()); }
+
+  // ---- The step's parts: the monitor at the check points, the micro-batches -----------------------
 
   template <check_point P>
   void observe(pressure_level& highest) {

@@ -175,7 +175,7 @@ void gemm(Y&& y, const L& l, const R& r, Scalar alpha, bool accumulate, gemm_scr
                                                          nullptr);
 }
 
-// ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_checkpoint_all).
+// ceil(n / block), without the overflow of (n + block − 1) for a huge block (ttt_state_groups_all).
 constexpr std::size_t blocks(std::size_t n, std::size_t block) noexcept {
   return n == 0 ? 0 : (n - 1) / block + 1;
 }

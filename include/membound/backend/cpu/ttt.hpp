@@ -1,5 +1,5 @@
 // CPU kernels of the TTT-Linear layer: the inner loop over mini-batches in the dual form, its
-// hand-derived backward (with recomputation inside checkpoint groups), and the row LayerNorms.
+// hand-derived backward (with recomputation inside TTT state groups), and the row LayerNorms.
 // Everything works in the accumulator type A on buffers carved from the caller's saved bytes (by
 // layers/ttt.hpp) and workspace (by backend_kernels<cpu_backend, ttt_shape> below).
 //
@@ -328,7 +328,7 @@ void ttt_att_backward(const A* x, std::size_t ldx, const A* y, std::size_t ldy, 
 
 // The TTT layers on the host: the same calls as backend_kernels<cuda_backend, ttt_shape>
 // (backend/cuda/ttt.cuh), which layers/ttt.hpp makes without knowing which backend runs
-// them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the checkpoint group. The front
+// them. Mlp: TTT-MLP (else TTT-Linear); MB: the mini-batch; G: the TTT state group. The front
 // has checked every argument and the workspace's size; this carves the workspace and runs the
 // dual form in the accumulator type A, one (batch, head) task per thread.
 template <>
@@ -360,7 +360,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     return detail::fits_layout(b) ? P::forward_layout(one, 1, true).size() : too_large;
   }
 
-  // ckpt: the saved inner states [B·H, checkpoints, SZ] (A); o_s: the heads' output [N, C]
+  // ckpt: the saved inner states [B·H, saved states, SZ] (A); o_s: the heads' output [N, C]
   // (storage).
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A>
   static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
@@ -400,7 +400,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
  private:
   static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
 
-  // One configuration's passes: Mlp, mini-batch mb, checkpoint group, S storage, A accumulation.
+  // One configuration's passes: Mlp, mini-batch mb, state group, S storage, A accumulation.
   template <bool Mlp, std::size_t mb, std::size_t group, typename S, typename A>
   struct pass {
     static constexpr bool widened = !std::is_same_v<S, A>;
@@ -412,8 +412,8 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
       return ttt_mini_batches(s, mb);
     }
-    static constexpr std::size_t checkpoints(const ttt_shape& s) noexcept {
-      return ttt_checkpoints(s, mb, group);
+    static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
+      return ttt_saved_states(s, mb, group);
     }
 
     static void forward(const ttt_shape& s, const ttt_weights<S>& w, const S* x, S* y, A* ckpt,
@@ -1070,7 +1070,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
                               const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
                               const gemm_ws& gw, thread_pool& ex) {
       const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
-      const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), SZ = inner_elements(s);
+      const std::size_t nmb = mini_batches(s), ncp = saved_states(s), SZ = inner_elements(s);
       const std::size_t per = SZ + mb_elements(D, F, mb, false);
       ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
         const std::size_t b = task / H, h = task % H;
@@ -1205,7 +1205,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
                                A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
                                thread_pool& ex) {
       const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
-      const std::size_t nmb = mini_batches(s), ncp = checkpoints(s), gsz = group_in_use(s);
+      const std::size_t nmb = mini_batches(s), ncp = saved_states(s), gsz = group_in_use(s);
       const std::size_t SZ = inner_elements(s), pe = part_elements(s);
       const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
       ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
@@ -1226,7 +1226,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
         std::fill(dS, dS + SZ, A(0));
         for (std::size_t c = ncp; c-- > 0;) {
           const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
-          // Recompute the group's entering states from its checkpoint.
+          // Recompute the group's entering states from its saved state.
           std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
           for (std::size_t m = m0; m < m1; ++m) {
             std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);

@@ -21,7 +21,7 @@
 //
 // Compute: fp32 storage runs the SIMT kernels below. bf16/fp16 storage at head_dim <= 128 runs
 // attention_mma.cuh's mma.sync kernels (forward, dQ and dK/dV with every fragment in registers;
-// the default, gpu::attention_kernel_choice() = tensor_core) where use_mma allows them, else the
+// the default, cuda_executor::kernels().attention = tensor_core) where use_mma allows them, else the
 // first kernels (a WMMA forward, the SIMT backward). Both ran on an H200 (2026-11-27).
 // No cp.async/TMA yet. The layer's attention_tiles policy sizes the CPU tiles; the device tiles
 // are fixed below.
@@ -689,14 +689,14 @@ void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, cons
   cuda_executor::check_launch("flash_forward_wmma_kernel");
 }
 
-// The tensor-core kernels run when asked for (gpu::attention_kernel_choice()), for bf16/fp16 at
+// The tensor-core kernels run when the executor asks for them (kernels().attention), for bf16/fp16 at
 // head_dim <= 128, on sm_80 and up with the dK/dV pass's shared memory (the largest of the three)
 // within the device's opt-in limit (sm_86/sm_89 have 99 KiB: DM 128 falls back there), and when
 // the code the device loads was compiled for compute_80 or later (a build for older targets only,
 // JIT-compiled on a newer card, holds a trap where the mma.sync would be).
 template <typename S>
 bool use_mma(const cuda_executor& ex, std::size_t D) {
-  if (attention_kernel_choice().load() != attention_kernels::tensor_core || D > 128) return false;
+  if (ex.kernels().attention != attention_kernels::tensor_core || D > 128) return false;
   int major = 0, optin = 0;
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
              "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");

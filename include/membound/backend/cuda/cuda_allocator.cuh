@@ -11,7 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -21,6 +20,7 @@
 #include "membound/core/format.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
+#include "membound/memory/over_alignment.hpp"
 #include "membound/memory/shadow.hpp"
 #include "membound/memory/stream.hpp"
 #include "membound/core/memory_tag.hpp"
@@ -54,19 +54,14 @@ class cuda_device_allocator {
     if (bytes == 0) return nullptr;
     cuda_device_guard guard(device_);
     const std::size_t reserved = growth_for(bytes, alignment);
+    void* raw = malloc_or_throw(bytes, reserved);
     void* p = nullptr;
-    if (alignment <= guaranteed_alignment) {
-      p = malloc_or_throw(bytes, reserved);
-    } else {
-      void* raw = malloc_or_throw(bytes, reserved);
-      p = reinterpret_cast<void*>(align_up(reinterpret_cast<std::uintptr_t>(raw), alignment));
-      try {
-        over_aligned_.emplace(p, over_aligned{raw, reserved});
-      } catch (...) {
-        (void)cudaFree(raw);
-        stats_.on_failure();
-        throw;
-      }
+    try {
+      p = over_aligned_.place(raw, reserved, alignment);
+    } catch (...) {
+      (void)cudaFree(raw);
+      stats_.on_failure();
+      throw;
     }
     stats_.on_reserve(reserved);
     stats_.on_allocate(bytes, reserved, tag);
@@ -76,15 +71,7 @@ class cuda_device_allocator {
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) noexcept {
     if (p == nullptr) return;
-    void* raw = p;
-    std::size_t reserved = bytes;
-    if (alignment > guaranteed_alignment) {
-      if (const auto it = over_aligned_.find(p); it != over_aligned_.end()) {
-        raw = it->second.raw;
-        reserved = it->second.reserved;
-        over_aligned_.erase(it);
-      }
-    }
+    const auto [raw, reserved] = over_aligned_.release(p, bytes, alignment);
     // cudaFree needs no particular current device. Its errors (e.g. cudartUnloading at exit)
     // cannot be reported from a noexcept path; the bytes are gone either way.
     if (cudaFree(raw) != cudaSuccess) (void)cudaGetLastError();
@@ -93,8 +80,7 @@ class cuda_device_allocator {
   }
 
   std::size_t growth_for(std::size_t bytes, std::size_t alignment) const noexcept {
-    if (bytes == 0) return 0;
-    return alignment <= guaranteed_alignment ? bytes : bytes + (alignment - guaranteed_alignment);
+    return detail::over_aligned_blocks<guaranteed_alignment>::growth_for(bytes, alignment);
   }
   memory_stats stats() const noexcept { return stats_.stats(); }
   void reset_peaks() noexcept { stats_.reset_peaks(); }
@@ -145,11 +131,6 @@ class cuda_device_allocator {
   static stream_id to_stream_id(cudaStream_t s) noexcept { return reinterpret_cast<stream_id>(s); }
 
  private:
-  struct over_aligned {
-    void* raw;              // what cudaMalloc returned, for cudaFree
-    std::size_t reserved;   // bytes asked of cudaMalloc
-  };
-
   // Called with device_ current. cudaErrorMemoryAllocation is an out_of_memory, the rest are
   // backend errors.
   void* malloc_or_throw(std::size_t requested, std::size_t bytes) {
@@ -186,7 +167,7 @@ class cuda_device_allocator {
   static cudaEvent_t to_event(event_id e) noexcept { return reinterpret_cast<cudaEvent_t>(e); }
 
   stats_tracker stats_;
-  std::unordered_map<void*, over_aligned> over_aligned_;  // usually empty
+  detail::over_aligned_blocks<guaranteed_alignment> over_aligned_;
   std::vector<event_id> spare_events_;                     // recycled events of device_
 };
 

@@ -8,12 +8,20 @@
 // The executor is to the device what thread_pool is to the host: every kernel of a call is
 // launched on its stream, in order, and nothing is synchronized on the host. It never uses the
 // legacy default stream, which would serialize against every other stream of the process.
+//
+// It also carries the kernel choices of the layers it runs (gpu::kernel_choices): where more than
+// one set of kernels computes a layer, which one. They are the executor's, not the process's, so
+// two executors (two models, a test beside a run) choose independently; each default is the
+// fastest the device takes, and a choice a device cannot run falls back per launch.
+//   membound::cuda_executor exec;
+//   exec.set_kernels({.attention = membound::gpu::attention_kernels::simt_wmma});
 #pragma once
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <limits>
 #include <string>
 
 #include "membound/backend/cuda/cuda_check.cuh"
@@ -29,6 +37,26 @@ inline void cublas_check(cublasStatus_t status, const char* call) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
   throw backend_error(call, static_cast<int>(status), cublasLtGetStatusString(status));
 }
+
+namespace gpu {
+// Which attention kernels run for bf16/fp16 storage at head_dim <= 128. tensor_core (the default
+// since its own test cases and the example trainer passed on an H200, 2026-11-27: 6.8-25x the
+// WMMA/SIMT pair's TFLOP/s at T = 2k-8k, the trainer's loss within 0.73% after 30 steps): the
+// mma.sync kernels of attention_mma.cuh, where the device can run them (sm_80 and up with the
+// dK/dV pass's shared memory; else the others run). simt_wmma: the first kernels (a WMMA forward,
+// the SIMT backward). fp32 storage and larger heads always run the SIMT kernels.
+enum class attention_kernels : unsigned { simt_wmma = 0, tensor_core = 1 };
+
+// A cuda_executor's kernel choices (see the top of this file).
+struct kernel_choices {
+  attention_kernels attention = attention_kernels::tensor_core;
+  // The most dynamic shared memory the TTT inner loop takes, under the device's own opt-in limit
+  // (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89; the default: all of it). Lower, its
+  // buffers move to global scratch, coldest first (gpu::ttt_placement); the results do not change
+  // by a bit and the plan does not change (the scratch is reserved in full).
+  std::size_t ttt_shared_limit = std::numeric_limits<std::size_t>::max();
+};
+}  // namespace gpu
 
 // A stream and a cuBLASLt handle on one device. Owns what it creates; a stream passed in is
 // borrowed (the caller keeps it alive and destroys it).
@@ -75,6 +103,10 @@ class cuda_executor {
   cudaStream_t stream() const noexcept { return stream_; }
   cublasLtHandle_t lt() const noexcept { return lt_; }
   int device() const noexcept { return device_; }
+  // The kernels this executor's layers choose (see gpu::kernel_choices). Set between calls: a
+  // layer reads them as it launches.
+  const gpu::kernel_choices& kernels() const noexcept { return kernels_; }
+  void set_kernels(const gpu::kernel_choices& k) noexcept { kernels_ = k; }
 
   // Waits for everything launched on the stream; reports an asynchronous kernel error as a
   // backend_error. For tests and step boundaries, never inside a layer.
@@ -88,6 +120,7 @@ class cuda_executor {
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
   cublasLtHandle_t lt_ = nullptr;
+  gpu::kernel_choices kernels_{};
 };
 
 // The device's workspaces do not grow with host threads: its size functions ignore the count,

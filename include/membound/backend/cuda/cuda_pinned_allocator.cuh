@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <utility>
 
 #include "membound/backend/cuda/cuda_check.cuh"
@@ -20,6 +19,7 @@
 #include "membound/core/memory_tag.hpp"
 #include "membound/memory/allocator.hpp"
 #include "membound/memory/memory_stats.hpp"
+#include "membound/memory/over_alignment.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -46,16 +46,13 @@ class cuda_pinned_allocator {
     if (bytes == 0) return nullptr;
     const std::size_t reserved = growth_for(bytes, alignment);
     void* raw = host_alloc_or_throw(bytes, reserved);
-    void* p = raw;
-    if (alignment > guaranteed_alignment) {
-      p = reinterpret_cast<void*>(align_up(reinterpret_cast<std::uintptr_t>(raw), alignment));
-      try {
-        over_aligned_.emplace(p, over_aligned{raw, reserved});
-      } catch (...) {
-        (void)cudaFreeHost(raw);
-        stats_.on_failure();
-        throw;
-      }
+    void* p = nullptr;
+    try {
+      p = over_aligned_.place(raw, reserved, alignment);
+    } catch (...) {
+      (void)cudaFreeHost(raw);
+      stats_.on_failure();
+      throw;
     }
     stats_.on_reserve(reserved);
     stats_.on_allocate(bytes, reserved, tag);
@@ -65,15 +62,7 @@ class cuda_pinned_allocator {
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) noexcept {
     if (p == nullptr) return;
-    void* raw = p;
-    std::size_t reserved = bytes;
-    if (alignment > guaranteed_alignment) {
-      if (const auto it = over_aligned_.find(p); it != over_aligned_.end()) {
-        raw = it->second.raw;
-        reserved = it->second.reserved;
-        over_aligned_.erase(it);
-      }
-    }
+    const auto [raw, reserved] = over_aligned_.release(p, bytes, alignment);
     // cudaFreeHost waits for pending copies from the block; its errors (e.g. at exit) cannot be
     // reported from a noexcept path.
     if (cudaFreeHost(raw) != cudaSuccess) (void)cudaGetLastError();
@@ -82,19 +71,13 @@ class cuda_pinned_allocator {
   }
 
   std::size_t growth_for(std::size_t bytes, std::size_t alignment) const noexcept {
-    if (bytes == 0) return 0;
-    return alignment <= guaranteed_alignment ? bytes : bytes + (alignment - guaranteed_alignment);
+    return detail::over_aligned_blocks<guaranteed_alignment>::growth_for(bytes, alignment);
   }
   memory_stats stats() const noexcept { return stats_.stats(); }
   void reset_peaks() noexcept { stats_.reset_peaks(); }
   unsigned int flags() const noexcept { return flags_; }
 
  private:
-  struct over_aligned {
-    void* raw;             // what cudaHostAlloc returned, for cudaFreeHost
-    std::size_t reserved;  // bytes asked of cudaHostAlloc
-  };
-
   void* host_alloc_or_throw(std::size_t requested, std::size_t bytes) {
     void* p = nullptr;
     const cudaError_t status = cudaHostAlloc(&p, bytes, flags_);
@@ -116,7 +99,7 @@ class cuda_pinned_allocator {
 
   unsigned int flags_;
   stats_tracker stats_;
-  std::unordered_map<void*, over_aligned> over_aligned_;  // usually empty
+  detail::over_aligned_blocks<guaranteed_alignment> over_aligned_;
 };
 
 static_assert(check_allocator<cuda_pinned_allocator>());

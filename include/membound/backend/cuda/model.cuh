@@ -34,6 +34,7 @@
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/storage.cuh"
 #include "membound/core/checked_math.hpp"
+#include "membound/core/argument_checks.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/element_math.hpp"
@@ -146,96 +147,15 @@ struct adamw_device_inputs {
 // At most this many segments go into one launch (a kernel parameter); more take several.
 inline constexpr std::size_t adamw_segments_per_launch = 32;
 
-// Runs of parameters one launch takes (adjacent spans with the same decay merged first): a model
-// has a few per block.
-inline constexpr std::size_t adamw8bit_max_spans = 1024;
-inline constexpr unsigned adamw8bit_threads = 256;
-
-// The step's tables, a kernel parameter: both maps (codes and midpoints), the codes of 0, and the
-// spans as [first, end) with their decay.
-struct adamw8bit_tables {
-  float code_m[256], code_v[256], mid_m[255], mid_v[255];
-  std::uint64_t first[adamw8bit_max_spans], end[adamw8bit_max_spans];
-  std::uint8_t decay[adamw8bit_max_spans];
-  unsigned spans;
-  std::uint8_t zero_m, zero_v;
-};
-static_assert(sizeof(adamw8bit_tables) + 512 <= 32764,
-              "membound: adamw8bit_tables is a kernel parameter: it and the kernel's other arguments must "
-              "stay within CUDA's 32,764 bytes; lower adamw8bit_max_spans");
-
-// The nearest code to x among the 255 midpoints (ties to the lower code; NaN → 0), as
-// quantization_map::quantize.
-MEMBOUND_HOST_DEVICE inline std::uint8_t nearest_code(const float* mid, float x) {
-  unsigned lo = 0, hi = 255;
-  while (lo < hi) {
-    const unsigned m = (lo + hi) / 2;
-    if (mid[m] < x) lo = m + 1;
-    else hi = m;
-  }
-  return static_cast<std::uint8_t>(lo);
-}
-
-// The tables for one step: the maps, and the spans with adjacent runs of one decay merged.
-// Throws invalid_argument when more than adamw8bit_max_spans runs remain.
-inline adamw8bit_tables adamw8bit_tables_for(std::span<const param_span> spans) {
-  adamw8bit_tables tb{};
-  const quantization_map& qm = signed_dynamic_map();
-  const quantization_map& qv = unsigned_dynamic_map();
-  for (std::size_t q = 0; q < 256; ++q) {
-    tb.code_m[q] = qm.code[q];
-    tb.code_v[q] = qv.code[q];
-  }
-  for (std::size_t q = 0; q < 255; ++q) {
-    tb.mid_m[q] = qm.mid[q];
-    tb.mid_v[q] = qv.mid[q];
-  }
-  tb.zero_m = qm.quantize(0.0f);
-  tb.zero_v = qv.quantize(0.0f);
-  std::size_t runs = 0;
-  for (const param_span& s : spans) {
-    if (s.count == 0) continue;
-    if (runs > 0 && tb.end[runs - 1] == s.first && (tb.decay[runs - 1] != 0) == s.decay) {
-      tb.end[runs - 1] += s.count;
-      continue;
-    }
-    if (runs == adamw8bit_max_spans) {
-      throw invalid_argument("spans", "at most " + std::to_string(adamw8bit_max_spans) +
-                                          " runs of parameters with one decay (adjacent spans merged)",
-                             "more", "Step this model with adamw on the device, or order its tensors so that "
-                                     "those with weight decay are adjacent");
-    }
-    tb.first[runs] = s.first;
-    tb.end[runs] = s.first + s.count;
-    tb.decay[runs] = s.decay ? 1 : 0;
-    ++runs;
-  }
-  tb.spans = static_cast<unsigned>(runs);
-  return tb;
-}
+#include "membound/backend/cuda/adamw8bit_sizes.inl"
 
 // --- Host-side argument checks --------------------------------------------------------------------
 
 namespace detail {
-
-inline void need_pointer(const void* p, const char* name) {
-  if (p == nullptr) {
-    throw invalid_argument(name, "a device pointer", "nullptr",
-                           "Allocate the buffer on the executor's device before the call");
-  }
-}
-
-inline void need_aligned(const void* p, std::size_t alignment, const char* name) {
-  if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0) {
-    throw invalid_argument(name, "an address aligned to " + std::to_string(alignment) + " bytes",
-                           "an unaligned address", "Carve the buffer at a multiple of its element size");
-  }
-}
-
-inline void need_workspace(const void* ws, std::size_t given, std::size_t required, const char* name) {
-  if (required == 0) return;
-  if (ws == nullptr || given < required) throw workspace_too_small(name, required, ws == nullptr ? 0 : given);
-}
+// The library's one family (core/argument_checks.hpp), by the names the kernels' callers use.
+using membound::detail::need_aligned;
+using membound::detail::need_pointer;
+using membound::detail::need_space;
 
 // An optimizer setting in [lo, hi] (NaN never is).
 inline void need_finite_in(double x, double lo, double hi, const char* name, const char* expected) {
@@ -569,85 +489,8 @@ __global__ void check_finite_kernel(const S* data, std::size_t n, unsigned* flag
 }
 
 // --- adamw8bit<S, Block>'s step (the CPU optimizer's, optimizer/adamw8bit.hpp, byte for byte in
-// state layout): one CTA per quantization block. The kernel's text between these two markers is
-// what tests/emulation/cuda_emulate.py adamw8bit compiles on the host.
-// Block b of the state; Threads = min(Block, adamw8bit_threads) threads. The loads of m, v and
-// the stores of the codes are strided by the thread count (coalesced).
-template <typename S, unsigned Block>
-__global__ void __launch_bounds__(adamw8bit_threads)
-    adamw8bit_kernel(S* w, const S* g, float* master, float* absmax_m, float* absmax_v,
-                     std::uint8_t* qm, std::uint8_t* qv, std::size_t n, adamw8bit_tables tb,
-                     adamw_coefficients<float> kd, adamw_coefficients<float> kn, float gs,
-                     const unsigned* skip) {
-  constexpr unsigned Threads = Block < adamw8bit_threads ? Block : adamw8bit_threads;
-  constexpr unsigned per = Block / Threads;
-  if (skip != nullptr && *skip != 0) return;
-  __shared__ float code[2][256];
-  __shared__ float mid[2][255];
-  __shared__ float red[2][Threads];
-  const unsigned tid = threadIdx.x;
-  for (unsigned q = tid; q < 256; q += Threads) {
-    code[0][q] = tb.code_m[q];
-    code[1][q] = tb.code_v[q];
-    if (q < 255) {
-      mid[0][q] = tb.mid_m[q];
-      mid[1][q] = tb.mid_v[q];
-    }
-  }
-  __syncthreads();
-  const std::size_t b = blockIdx.x, i0 = b * Block, i1 = n - i0 < Block ? n : i0 + Block;
-  const float am = absmax_m[b], av = absmax_v[b];
-  float mf[per], vf[per];
-  float lm = 0.0f, lv = 0.0f;
-  for (unsigned j = 0; j < per; ++j) {
-    mf[j] = vf[j] = 0.0f;
-    const std::size_t i = i0 + j * Threads + tid;
-    if (i >= i1) continue;
-    float m = code[0][qm[i]] * am;
-    float v = code[1][qv[i]] * av;
-    // The first span ending past i (spans sorted, apart); i is in it when it starts at or before i.
-    unsigned lo = 0, hi = tb.spans;
-    while (lo < hi) {
-      const unsigned k = (lo + hi) / 2;
-      if (tb.end[k] <= i) lo = k + 1;
-      else hi = k;
-    }
-    // An element in no span (padding between tensors) keeps its weight and its moments.
-    if (lo < tb.spans && tb.first[lo] <= i) {
-      float p = master != nullptr ? master[i] : ld(w, i);
-      adamw_step(tb.decay[lo] ? kd : kn, ld(g, i) * gs, m, v, p);
-      if (master != nullptr) master[i] = p;
-      st(w, i, p);
-    }
-    mf[j] = m;
-    vf[j] = v;
-    const float a = m < 0.0f ? -m : m;  // std::abs; std::max(x, y) is (x < y) ? y : x
-    lm = lm < a ? a : lm;
-    lv = lv < v ? v : lv;
-  }
-  red[0][tid] = lm;
-  red[1][tid] = lv;
-  __syncthreads();
-  for (unsigned s = Threads / 2; s > 0; s /= 2) {
-    if (tid < s) {
-      red[0][tid] = red[0][tid] < red[0][tid + s] ? red[0][tid + s] : red[0][tid];
-      red[1][tid] = red[1][tid] < red[1][tid + s] ? red[1][tid + s] : red[1][tid];
-    }
-    __syncthreads();
-  }
-  const float sm = red[0][0], sv = red[1][0];
-  for (unsigned j = 0; j < per; ++j) {
-    const std::size_t i = i0 + j * Threads + tid;
-    if (i >= i1) continue;
-    qm[i] = sm > 0.0f ? nearest_code(mid[0], mf[j] / sm) : tb.zero_m;
-    qv[i] = sv > 0.0f ? nearest_code(mid[1], vf[j] / sv) : tb.zero_v;
-  }
-  if (tid == 0) {  // every thread read the old scales before the first barrier
-    absmax_m[b] = sm;
-    absmax_v[b] = sv;
-  }
-}
-// --- end of adamw8bit's kernel
+// state layout): one CTA per quantization block (its text is shared with the host emulation).
+#include "membound/backend/cuda/adamw8bit_kernels.inl"
 
 }  // namespace detail
 
@@ -699,7 +542,7 @@ void rmsnorm_backward(const cuda_executor& ex, const S* x, const S* g, const flo
   detail::need_pointer(dy, "dy");
   detail::need_pointer(dx, "dx");
   detail::need_pointer(dg, "dg");
-  detail::need_workspace(workspace, workspace_bytes, rmsnorm_backward_workspace_bytes(N, C), "workspace");
+  detail::need_space(workspace, workspace_bytes, rmsnorm_backward_workspace_bytes(N, C), "workspace");
   detail::need_aligned(workspace, alignof(float), "workspace");
   const std::size_t blocks = rmsnorm_backward_partials(N);
   float* partial = static_cast<float*>(workspace);
@@ -813,7 +656,7 @@ inline void cross_entropy_chunk(const cuda_executor& ex, float* logits, const st
   detail::need_pointer(logits, "logits");
   detail::need_pointer(targets, "targets");
   detail::need_pointer(loss_total, "loss_total");
-  detail::need_workspace(workspace, workspace_bytes, cross_entropy_workspace_bytes(R), "workspace");
+  detail::need_space(workspace, workspace_bytes, cross_entropy_workspace_bytes(R), "workspace");
   detail::need_aligned(workspace, alignof(double), "workspace");
   double* row_loss = static_cast<double*>(workspace);
   detail::cross_entropy_kernel<><<<static_cast<unsigned>(R), detail::row_threads, 0, ex.stream()>>>(
@@ -847,7 +690,7 @@ void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::s
   if (n == 0 || segments.empty()) return;
   detail::need_pointer(w, "w");
   detail::need_pointer(g, "g");
-  detail::need_workspace(state, state_bytes, adamw<S>::state_bytes(n), "state");
+  detail::need_space(state, state_bytes, adamw<S>::state_bytes(n), "state");
   detail::need_aligned(state, alignof(float), "state");
   using opt = adamw<S>;
   static_assert(std::is_same_v<typename opt::moment_type, float>);
@@ -893,7 +736,7 @@ void adamw8bit_update(const cuda_executor& ex, S* w, const S* g, void* state, st
   if (n == 0) return;
   detail::need_pointer(w, "w");
   detail::need_pointer(g, "g");
-  detail::need_workspace(state, state_bytes, opt::state_bytes(n), "state");
+  detail::need_space(state, state_bytes, opt::state_bytes(n), "state");
   detail::need_aligned(state, alignof(float), "state");
   const auto kd = adamw_coefficients<float>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
   const auto kn = adamw_coefficients<float>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, false);
@@ -917,7 +760,7 @@ void norm_passes(const cuda_executor& ex, const S* g, std::size_t n, double* out
                  void* workspace, std::size_t workspace_bytes) {
   need_pointer(out, out_name);
   if (n != 0) need_pointer(g, "g");
-  need_workspace(workspace, workspace_bytes, global_norm_workspace_bytes(n), "workspace");
+  need_space(workspace, workspace_bytes, global_norm_workspace_bytes(n), "workspace");
   need_aligned(workspace, alignof(double), "workspace");
   const std::size_t blocks = global_norm_blocks(n);
   double* partial = static_cast<double*>(workspace);

@@ -1,4 +1,4 @@
-// Block-level checkpoint schedules for a chain of blocks, and the exact simulator that defines
+// Block-level recompute schedules for a chain of blocks, and the exact simulator that defines
 // what a schedule costs in bytes and FLOPs.
 //
 // A model step is a chain: x_0 → block 0 → x_1 → … → x_L → loss, then backward δ_L → … → δ_0.
@@ -17,7 +17,7 @@
 //
 // Generators: schedule_none (keep everything), schedule_full (keep block inputs, recompute every
 // block), schedule_every (keep every K-th input, recompute segments), schedule_binomial
-// (Griewank's Revolve: the fewest forward steps for a number of checkpoint slots) and
+// (Griewank's Revolve: the fewest forward steps for a number of slots for saved block inputs) and
 // optimal_schedule (the least recompute under a byte budget, by dynamic programming over
 // segments and memory for a heterogeneous chain, after Beaumont et al. 2019).
 #pragma once
@@ -132,7 +132,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   double total = 0;
   auto bad = [&](std::size_t k, const std::string& why) {
     throw invalid_argument("ops[" + std::to_string(k) + "] (" + to_string(ops[k]) + ")", why, "",
-                           "Build schedules with the generators in model/checkpoint_schedule.hpp");
+                           "Build schedules with the generators in model/recompute_schedule.hpp");
   };
   for (std::size_t k = 0; k < ops.size(); ++k) {
     const chain_op& op = ops[k];
@@ -206,7 +206,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
   if (!clean) {
     throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded, every saved used",
                            "one that stops early (next backward " + std::to_string(next_backward) + ")",
-                           "Build schedules with the generators in model/checkpoint_schedule.hpp");
+                           "Build schedules with the generators in model/recompute_schedule.hpp");
   }
   for (const chain_link& l : c.links) total -= l.forward_cost;
   st.recompute_cost = total;
@@ -277,7 +277,7 @@ constexpr std::vector<chain_op> schedule_every(std::size_t L, std::size_t K) {
 
 constexpr std::vector<chain_op> schedule_full(std::size_t L) { return schedule_every(L, 1); }
 
-// ---- Binomial checkpointing (Revolve) -------------------------------------------------------
+// ---- Binomial recompute schedules (Revolve) -------------------------------------------------------
 // Slots count the stored block inputs, x_0 included (Revolve's snapshots); the value being
 // advanced is not a slot. A reverse step is retape(i) + backward(i) (Revolve's "youturn"); the
 // last block is taped in the first sweep ("firsturn"). binomial_min_forwards counts advance ops.
@@ -360,7 +360,7 @@ constexpr void revolve(std::vector<chain_op>& o, const revolve_table& tb, std::s
 constexpr std::vector<chain_op> schedule_binomial(std::size_t L, std::size_t slots) {
   detail::check_length(L);
   if (slots == 0 && L > 1) {
-    throw invalid_argument("slots", "at least 1 checkpoint slot (x_0 takes one)", "0",
+    throw invalid_argument("slots", "at least 1 slot for a saved block input (x_0 takes one)", "0",
                            "Use binomial<1> for the least memory");
   }
   const std::size_t c = std::max<std::size_t>(1, std::min(slots, L));
