@@ -16905,9 +16905,15 @@ class gradient_exchange {
   using S = typename Model::storage_type;
   using executor = typename Model::executor;
 
-  // zero and overlap: trainer_options's (the trainer checks them against the world first).
+  // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
+  // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
       : m_(m), alloc_(alloc), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
+    if (zero > 2) {
+      throw invalid_argument("zero", "0, 1 or 2 (the ZeRO stage)", std::to_string(zero),
+                             "Use 1 to shard the optimizer state over the ranks, 2 to shard the gradients too, "
+                             "0 to keep both whole");
+    }
     shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     if (world() > 1) {
       blocks_.resize(world());
@@ -16970,6 +16976,7 @@ class gradient_exchange {
   // predicted peak and the trainer's own: every activation is gone by now, so the exchange never
   // raises the peak the plan predicted.
   double exchange(S* g, double loss, std::size_t headroom) {
+    detail::need_pointer(g, "g");
     if constexpr (summable<S>) {
       if (zero2() || whole_overlapped()) {
         // Reduce-scattered (all-reduced) during the backward already.
@@ -17004,6 +17011,7 @@ class gradient_exchange {
   // forward_backward_routed) and returns its loss.
   template <typename Run>
   double zero2_micro_batch(S* g, bool first, std::size_t accumulation, Run&& run) {
+    detail::need_pointer(g, "g");
     zero2_router router(*this, g, first, accumulation);
     router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
     std::memset(static_cast<void*>(router.held), 0, held_bytes());
@@ -17028,6 +17036,7 @@ class gradient_exchange {
   // the rank-order sum the blocking path computes, so the bits are its bits.
   template <typename Run>
   double overlapped_micro_batch(S* g, std::size_t accumulation, Run&& run) {
+    detail::need_pointer(g, "g");
     exchange_router router(*this, g, accumulation);
     const double loss = run(router);
     router.finish();
@@ -17042,6 +17051,7 @@ class gradient_exchange {
   // rank order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
   // both stages clip by the same bits. step_buffers and tokens: the device glue's partials.
   double gradient_norm(S* g, void* step_buffers, std::size_t tokens) {
+    detail::need_pointer(g, "g");
     using glue = model_glue_of<typename Model::backend>;
     const std::size_t N = world();
     if (N == 1) {
@@ -17582,11 +17592,13 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), comm_(comm), exchange_(m, alloc, ex, comm, o_.zero, o_.overlap) {
+        scaler_(o_.scaler), comm_(comm) {
     m_.check(eff_);
     check_options(o_);
+    // After the option checks, so that a bad stage is named as options.zero, in its turn.
+    exchange_.emplace(m, alloc, ex, comm, o_.zero, o_.overlap);
     check_world();
-    opt_shard_ = exchange_.shard();
+    opt_shard_ = exchange_->shard();
     // Each tensor's part in this rank's optimizer range, relative to its start.
     for (const param_entry& e : m_.parameters()) {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
@@ -17711,7 +17723,7 @@ class trainer {
       }
     }
 
-    const double scaled_norm = exchange_.gradient_norm(g_, sb_, step_tokens());
+    const double scaled_norm = exchange_->gradient_norm(g_, sb_, step_tokens());
     r.grad_norm = scaled_norm / scale;
     r.lr = o_.lr(steps_);
     if (scaling_) {
@@ -17919,7 +17931,7 @@ class trainer {
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    r.exchange = exchange_.largest_exchange_bytes(plan_.accumulation, exchange_headroom());
+    r.exchange = exchange_->largest_exchange_bytes(plan_.accumulation, exchange_headroom());
     r.peak = plan_.peak_bytes;
     r.limit = limit_now();
     return r;
@@ -18373,14 +18385,14 @@ class trainer {
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
-  bool sharded() const noexcept { return exchange_.sharded(); }
-  bool zero2() const noexcept { return exchange_.zero2(); }
-  bool whole_overlapped() const noexcept { return exchange_.whole_overlapped(); }
-  std::size_t grad_bytes() const noexcept { return exchange_.grad_bytes(); }
+  bool sharded() const noexcept { return exchange_->sharded(); }
+  bool zero2() const noexcept { return exchange_->zero2(); }
+  bool whole_overlapped() const noexcept { return exchange_->whole_overlapped(); }
+  std::size_t grad_bytes() const noexcept { return exchange_->grad_bytes(); }
   // The summed gradient of this rank's optimizer shard.
-  S* opt_grads() const noexcept { return exchange_.shard_gradients(g_); }
-  gradient_shards gradient_sharding() const { return exchange_.sharding(); }
-  std::size_t optimizer_elements() const noexcept { return exchange_.optimizer_elements(); }
+  S* opt_grads() const noexcept { return exchange_->shard_gradients(g_); }
+  gradient_shards gradient_sharding() const { return exchange_->sharding(); }
+  std::size_t optimizer_elements() const noexcept { return exchange_->optimizer_elements(); }
   // The bytes the blocking gradient exchange may take: the step's predicted peak less the trainer's own.
   std::size_t exchange_headroom() const noexcept {
     return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
@@ -18798,9 +18810,9 @@ class trainer {
                                           plan_.head_chunk, scale / accum, alloc_, ex_, observer);
       };
       if (zero2()) {
-        loss += exchange_.zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
+        loss += exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
       } else if (backward_exchanges_) {
-        loss += exchange_.overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
+        loss += exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
       } else {
         loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
@@ -18810,7 +18822,7 @@ class trainer {
     oom_may_vote_ = false;  // the exchange follows
     backward_exchanges_ = false;
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
-    if (world() > 1) loss = exchange_.exchange(g_, loss, exchange_headroom());
+    if (world() > 1) loss = exchange_->exchange(g_, loss, exchange_headroom());
     return loss;
   }
 
@@ -18877,7 +18889,7 @@ class trainer {
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
                              "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
-      exchange_.reserve_loss_workspace();
+      exchange_->reserve_loss_workspace();
     }
   }
 
@@ -19187,7 +19199,8 @@ class trainer {
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
-  gradient_exchange<Model, Allocator, Communicator> exchange_;  // ZeRO-0/1/2, overlapped or not
+  // ZeRO-0/1/2, overlapped or not; made once the options are checked.
+  std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;
   // Over ranks, sized once at construction: each rank's (status, peak, limit) before step 1.
   std::vector<std::uint64_t> rank_status_;
   // Replanning over ranks, sized once at construction: each rank's vote, targets and verdict on

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "membound/core/argument_checks.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
@@ -140,9 +141,15 @@ class gradient_exchange {
   using S = typename Model::storage_type;
   using executor = typename Model::executor;
 
-  // zero and overlap: trainer_options's (the trainer checks them against the world first).
+  // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
+  // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
       : m_(m), alloc_(alloc), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
+    if (zero > 2) {
+      throw invalid_argument("zero", "0, 1 or 2 (the ZeRO stage)", std::to_string(zero),
+                             "Use 1 to shard the optimizer state over the ranks, 2 to shard the gradients too, "
+                             "0 to keep both whole");
+    }
     shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     if (world() > 1) {
       blocks_.resize(world());
@@ -205,6 +212,7 @@ class gradient_exchange {
   // predicted peak and the trainer's own: every activation is gone by now, so the exchange never
   // raises the peak the plan predicted.
   double exchange(S* g, double loss, std::size_t headroom) {
+    detail::need_pointer(g, "g");
     if constexpr (summable<S>) {
       if (zero2() || whole_overlapped()) {
         // Reduce-scattered (all-reduced) during the backward already.
@@ -239,6 +247,7 @@ class gradient_exchange {
   // forward_backward_routed) and returns its loss.
   template <typename Run>
   double zero2_micro_batch(S* g, bool first, std::size_t accumulation, Run&& run) {
+    detail::need_pointer(g, "g");
     zero2_router router(*this, g, first, accumulation);
     router.held = static_cast<S*>(alloc_.allocate(held_bytes(), default_alignment, memory_tag::gradients));
     std::memset(static_cast<void*>(router.held), 0, held_bytes());
@@ -263,6 +272,7 @@ class gradient_exchange {
   // the rank-order sum the blocking path computes, so the bits are its bits.
   template <typename Run>
   double overlapped_micro_batch(S* g, std::size_t accumulation, Run&& run) {
+    detail::need_pointer(g, "g");
     exchange_router router(*this, g, accumulation);
     const double loss = run(router);
     router.finish();
@@ -277,6 +287,7 @@ class gradient_exchange {
   // rank order (ZeRO-0 computes every shard's itself, ZeRO-1 its own and gathers the others'), so
   // both stages clip by the same bits. step_buffers and tokens: the device glue's partials.
   double gradient_norm(S* g, void* step_buffers, std::size_t tokens) {
+    detail::need_pointer(g, "g");
     using glue = model_glue_of<typename Model::backend>;
     const std::size_t N = world();
     if (N == 1) {

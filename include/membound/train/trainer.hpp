@@ -219,11 +219,13 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), comm_(comm), exchange_(m, alloc, ex, comm, o_.zero, o_.overlap) {
+        scaler_(o_.scaler), comm_(comm) {
     m_.check(eff_);
     check_options(o_);
+    // After the option checks, so that a bad stage is named as options.zero, in its turn.
+    exchange_.emplace(m, alloc, ex, comm, o_.zero, o_.overlap);
     check_world();
-    opt_shard_ = exchange_.shard();
+    opt_shard_ = exchange_->shard();
     // Each tensor's part in this rank's optimizer range, relative to its start.
     for (const param_entry& e : m_.parameters()) {
       const std::size_t lo = std::max(e.offset, opt_shard_.begin), hi = std::min(e.offset + e.count, opt_shard_.end);
@@ -348,7 +350,7 @@ class trainer {
       }
     }
 
-    const double scaled_norm = exchange_.gradient_norm(g_, sb_, step_tokens());
+    const double scaled_norm = exchange_->gradient_norm(g_, sb_, step_tokens());
     r.grad_norm = scaled_norm / scale;
     r.lr = o_.lr(steps_);
     if (scaling_) {
@@ -556,7 +558,7 @@ class trainer {
     r.optimizer = opt_bytes();
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
-    r.exchange = exchange_.largest_exchange_bytes(plan_.accumulation, exchange_headroom());
+    r.exchange = exchange_->largest_exchange_bytes(plan_.accumulation, exchange_headroom());
     r.peak = plan_.peak_bytes;
     r.limit = limit_now();
     return r;
@@ -1011,14 +1013,14 @@ class trainer {
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
-  bool sharded() const noexcept { return exchange_.sharded(); }
-  bool zero2() const noexcept { return exchange_.zero2(); }
-  bool whole_overlapped() const noexcept { return exchange_.whole_overlapped(); }
-  std::size_t grad_bytes() const noexcept { return exchange_.grad_bytes(); }
+  bool sharded() const noexcept { return exchange_->sharded(); }
+  bool zero2() const noexcept { return exchange_->zero2(); }
+  bool whole_overlapped() const noexcept { return exchange_->whole_overlapped(); }
+  std::size_t grad_bytes() const noexcept { return exchange_->grad_bytes(); }
   // The summed gradient of this rank's optimizer shard.
-  S* opt_grads() const noexcept { return exchange_.shard_gradients(g_); }
-  gradient_shards gradient_sharding() const { return exchange_.sharding(); }
-  std::size_t optimizer_elements() const noexcept { return exchange_.optimizer_elements(); }
+  S* opt_grads() const noexcept { return exchange_->shard_gradients(g_); }
+  gradient_shards gradient_sharding() const { return exchange_->sharding(); }
+  std::size_t optimizer_elements() const noexcept { return exchange_->optimizer_elements(); }
   // The bytes the blocking gradient exchange may take: the step's predicted peak less the trainer's own.
   std::size_t exchange_headroom() const noexcept {
     return plan_.peak_bytes > own_bytes_ ? plan_.peak_bytes - own_bytes_ : 0;
@@ -1436,9 +1438,9 @@ class trainer {
                                           plan_.head_chunk, scale / accum, alloc_, ex_, observer);
       };
       if (zero2()) {
-        loss += exchange_.zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
+        loss += exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
       } else if (backward_exchanges_) {
-        loss += exchange_.overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
+        loss += exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
       } else {
         loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
@@ -1448,7 +1450,7 @@ class trainer {
     oom_may_vote_ = false;  // the exchange follows
     backward_exchanges_ = false;
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
-    if (world() > 1) loss = exchange_.exchange(g_, loss, exchange_headroom());
+    if (world() > 1) loss = exchange_->exchange(g_, loss, exchange_headroom());
     return loss;
   }
 
@@ -1515,7 +1517,7 @@ class trainer {
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
                              "Train over several ranks in fp32, fp64, bf16 or fp16 storage, or on one rank");
     } else {
-      exchange_.reserve_loss_workspace();
+      exchange_->reserve_loss_workspace();
     }
   }
 
@@ -1825,7 +1827,8 @@ class trainer {
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   Communicator& comm_;
-  gradient_exchange<Model, Allocator, Communicator> exchange_;  // ZeRO-0/1/2, overlapped or not
+  // ZeRO-0/1/2, overlapped or not; made once the options are checked.
+  std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;
   // Over ranks, sized once at construction: each rank's (status, peak, limit) before step 1.
   std::vector<std::uint64_t> rank_status_;
   // Replanning over ranks, sized once at construction: each rank's vote, targets and verdict on
