@@ -1,8 +1,8 @@
 // Host emulation of the device adamw8bit step (backend/cuda/model.cuh), for a machine
 // without a GPU. Built and run by `tests/emulation/cuda_emulate.py adamw8bit`, which compiles the kernel
 // (backend/cuda/adamw8bit_kernels.inl) and its tables, constants and host table builder
-// (adamw8bit_sizes.inl), the same text nvcc compiles, here as plain C++: __global__/__device__ vanish, each CTA runs its threads as
-// host threads, one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a
+// (adamw8bit_sizes.inl), the same text nvcc compiles, here as plain C++: __global__/__device__ vanish, each CTA runs its threads on
+// a team of host threads (cta_threads.hpp), one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a
 // missing barrier in the absmax reduction shows as a data race). A host copy of the launcher drives
 // it against adamw8bit<S, Block>::update on the CPU over several steps, from the same initial state:
 // the whole state (masters, absmax scales, codes) and the weights must be the CPU's bit for bit (one
@@ -20,10 +20,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <span>
-#include <thread>
 #include <vector>
 
 #include "membound/membound.hpp"
+
+#include "cta_threads.hpp"
 
 struct dim3e {
   unsigned x = 0;
@@ -62,15 +63,12 @@ void device_step(S* w, const S* g, void* state, std::size_t n, std::span<const m
   for (std::size_t b = 0; b < opt::blocks(n); ++b) {
     std::barrier<> bar(threads);
     g_bar = &bar;
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < threads; ++t)
-      ts.emplace_back([&, t] {
-        threadIdx.x = t;
-        blockIdx.x = static_cast<unsigned>(b);
-        emu::adamw8bit_kernel<S, unsigned(Block)>(w, g, p.master, p.absmax_m, p.absmax_v, p.m, p.v, n, tb, kd, kn,
-                                                  static_cast<float>(s.grad_scale), nullptr);
-      });
-    for (auto& th : ts) th.join();
+    emu_support::cta_team(threads).run([&](unsigned t) {
+      threadIdx.x = t;
+      blockIdx.x = static_cast<unsigned>(b);
+      emu::adamw8bit_kernel<S, unsigned(Block)>(w, g, p.master, p.absmax_m, p.absmax_v, p.m, p.v, n, tb, kd, kn,
+                                                static_cast<float>(s.grad_scale), nullptr);
+    });
   }
 }
 

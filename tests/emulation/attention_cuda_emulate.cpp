@@ -1,7 +1,7 @@
 // Host emulation of backend/cuda/attention_mma.cuh's tensor-core kernels (forward, dQ, dK/dV), for
 // a machine without a GPU. Built and run by `tests/emulation/cuda_emulate.py attention`, which compiles the
 // kernels' text (backend/cuda/attention_mma_sizes.inl, attention_mma_kernels.inl) here as plain C++:
-// each CTA runs as 128 host threads (threadIdx a thread_local, __syncthreads a std::barrier), and
+// each CTA runs on a team of 128 host threads (cta_threads.hpp; threadIdx a thread_local, __syncthreads a std::barrier), and
 // the warp-level operations are emulated per warp of 32 threads: mma.sync.m16n8k16 gathers the
 // 32 lanes' registers and computes each lane's D elements from the PTX ISA's fragment layouts
 // (A row-major 16×16, B 16×8, C/D 16×8, low half of a register first), __shfl_xor_sync exchanges
@@ -24,10 +24,11 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "membound/membound.hpp"
+
+#include "cta_threads.hpp"
 
 struct dim3e {
   unsigned x, y, z;
@@ -125,7 +126,7 @@ using namespace gpu;
 
 namespace {
 
-// Every CTA of a grid, one after another, each as mma_threads host threads.
+// Every CTA of a grid, one after another, each on the team of mma_threads host threads.
 template <class F>
 void launch(unsigned gx, unsigned gy, unsigned gz, std::size_t smem_bytes, F kernel) {
   for (unsigned z = 0; z < gz; ++z)
@@ -138,14 +139,11 @@ void launch(unsigned gx, unsigned gy, unsigned gz, std::size_t smem_bytes, F ker
         g_cta_bar = &bar;
         std::vector<emu::warp_state> warps(emu::gpu::mma_threads / 32);
         emu::g_warps = warps.data();
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < emu::gpu::mma_threads; ++t)
-          ts.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            blockIdx = {x, y, z};
-            kernel();
-          });
-        for (auto& th : ts) th.join();
+        emu_support::cta_team(emu::gpu::mma_threads).run([&](unsigned t) {
+          threadIdx = {t, 0, 0};
+          blockIdx = {x, y, z};
+          kernel();
+        });
       }
 }
 
@@ -287,7 +285,7 @@ void run_shape(const shape& s, double tol, double& worst) {
   check("dq", widen(a.dq), dq_r, tol, w);
   check("dk", widen(a.dk), dk_r, tol, w);
   check("dv", widen(a.dv), dv_r, tol, w);
-  if (T > 1) {  // a repeat, on new threads: the same bits (no atomics, fixed orders)
+  if (T > 1) {  // a repeat: the same bits (no atomics, fixed orders)
     const out b2 = once();
     const bool same = std::memcmp(a.o.data(), b2.o.data(), a.o.size() * sizeof(S)) == 0 &&
                       a.lse == b2.lse && a.dq == b2.dq && a.dk == b2.dk && a.dv == b2.dv;

@@ -26,12 +26,13 @@
 #include <functional>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "membound/layers/mamba.hpp"
 #include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
+
+#include "cta_threads.hpp"
 
 struct dim3e {
   unsigned x = 1, y = 1, z = 1;
@@ -75,25 +76,22 @@ void launch_seq(dim3e grid, unsigned nt, const std::function<void()>& f) {
 void launch_flat(size_t total, const std::function<void()>& f) {
   launch_seq(dim3e{static_cast<unsigned>(std::max<size_t>(total, 1)), 1, 1}, 1, f);
 }
-// A kernel with barriers: its nt threads as host threads, running the CTAs one after another
+// A kernel with barriers: its nt threads on a kept team of host threads (cta_threads.hpp), running the CTAs one after another
 // (a barrier between CTAs: __shared__ is one static array here).
 void launch_cta(dim3e grid, unsigned nt, const std::function<void()>& f) {
   gridDim = grid;
   blockDim = dim3e{nt, 1, 1};
   std::barrier<> bar(nt);
   g_bar = &bar;
-  std::vector<std::thread> ts;
-  for (unsigned t = 0; t < nt; ++t)
-    ts.emplace_back([&, t] {
-      threadIdx = dim3e{t, 0, 0};
-      for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-          blockIdx = dim3e{bx, by, 0};
-          f();
-          bar.arrive_and_wait();
-        }
-    });
-  for (auto& th : ts) th.join();
+  emu_support::cta_team(nt).run([&](unsigned t) {
+    threadIdx = dim3e{t, 0, 0};
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        blockIdx = dim3e{bx, by, 0};
+        f();
+        bar.arrive_and_wait();
+      }
+  });
 }
 
 // The GEMMs, fp32 sums in k order. nn: y[N,M] (+)= x[N,K]·w[K,M]; bt: w is [M,K];

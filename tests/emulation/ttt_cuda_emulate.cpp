@@ -18,8 +18,9 @@
 #include <limits>
 #include "membound/membound.hpp"
 
+#include "cta_threads.hpp"
+
 #include <barrier>
-#include <thread>
 struct dim3e { unsigned x; };
 static thread_local dim3e threadIdx{0}, blockIdx{0};
 static dim3e blockDim{1};
@@ -64,7 +65,7 @@ template <class F> void launch(std::size_t grid, F f) {
   g_bar = &bar;
   for (std::size_t b = 0; b < grid; ++b) { blockIdx.x = static_cast<unsigned>(b); f(); }
 }
-// One CTA of nt threads at a time, __syncthreads a std::barrier (races show under TSan).
+// One CTA of nt threads at a time (a kept team, cta_threads.hpp), __syncthreads a std::barrier (races show under TSan).
 unsigned g_nt = 7;
 template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f) {
   const unsigned nt = g_nt;
@@ -74,10 +75,11 @@ template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f
     g_smem = smem_bytes ? sm.get() : nullptr;
     std::barrier<> bar(nt);
     g_bar = &bar;
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < nt; ++t)
-      ts.emplace_back([&, t] { threadIdx.x = t; blockIdx.x = static_cast<unsigned>(b); f(); });
-    for (auto& th : ts) th.join();
+    emu_support::cta_team(nt).run([&](unsigned t) {
+      threadIdx.x = t;
+      blockIdx.x = static_cast<unsigned>(b);
+      f();
+    });
   }
   blockDim.x = 1;
 }

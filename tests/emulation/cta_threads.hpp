@@ -1,0 +1,67 @@
+// The host threads that play a CTA's threads in the kernel emulations (*_cuda_emulate.cpp), kept
+// from one CTA to the next. Starting a CTA's 64 to 128 threads and joining them again was most of
+// an emulation's time under ThreadSanitizer, for which starting a thread is the costliest event;
+// a kept team costs two barrier phases per CTA.
+//
+// What TSan can see is unchanged: run() orders everything before it before every thread's body
+// and every body before its return (a std::barrier both ways, as the start and the join did), so
+// the only unordered accesses left are those between one CTA's threads, a missing __syncthreads.
+#pragma once
+
+#include <barrier>
+#include <functional>
+#include <map>
+#include <memory>
+#include <thread>
+#include <vector>
+
+namespace emu_support {
+
+class cta_threads {
+ public:
+  explicit cta_threads(unsigned n) : start_(n + 1), done_(n + 1) {
+    threads_.reserve(n);
+    for (unsigned t = 0; t < n; ++t) threads_.emplace_back([this, t] { work(t); });
+  }
+  cta_threads(const cta_threads&) = delete;
+  cta_threads& operator=(const cta_threads&) = delete;
+  ~cta_threads() {
+    stop_ = true;  // read after the start barrier: ordered by it
+    start_.arrive_and_wait();
+    for (auto& th : threads_) th.join();
+  }
+
+  unsigned size() const noexcept { return static_cast<unsigned>(threads_.size()); }
+
+  // body(t) on the team's thread t for every t < size(); returns when every body has returned.
+  void run(const std::function<void(unsigned)>& body) {
+    body_ = &body;
+    start_.arrive_and_wait();
+    done_.arrive_and_wait();
+  }
+
+ private:
+  void work(unsigned t) {
+    for (;;) {
+      start_.arrive_and_wait();
+      if (stop_) return;
+      (*body_)(t);
+      done_.arrive_and_wait();
+    }
+  }
+
+  std::barrier<> start_, done_;
+  const std::function<void(unsigned)>* body_ = nullptr;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// The team of n threads, started on first use and kept until the program exits.
+inline cta_threads& cta_team(unsigned n) {
+  static std::map<unsigned, std::unique_ptr<cta_threads>> teams;
+  auto& team = teams[n];
+  if (!team) team = std::make_unique<cta_threads>(n);
+  return *team;
+}
+
+}  // namespace emu_support
