@@ -2,7 +2,7 @@
 // without a GPU. Built and run by `tests/emulation/cuda_emulate.py adamw8bit`, which compiles the kernel
 // (backend/cuda/adamw8bit_kernels.inl) and its tables, constants and host table builder
 // (adamw8bit_sizes.inl), the same text nvcc compiles, here as plain C++: __global__/__device__ vanish, each CTA runs its threads on
-// a team of host threads (cta_threads.hpp), one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a
+// a team of host threads (cta_threads.hpp), one CTA after another, __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a
 // missing barrier in the absmax reduction shows as a data race). A host copy of the launcher drives
 // it against adamw8bit<S, Block>::update on the CPU over several steps, from the same initial state:
 // the whole state (masters, absmax scales, codes) and the weights must be the CPU's bit for bit (one
@@ -13,7 +13,6 @@
 // typed refusal of more than adamw8bit_max_spans runs. What it cannot check: the launcher itself
 // (copied by hand), the kernel-parameter size on a real device, and anything about speed.
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,7 +29,7 @@ struct dim3e {
   unsigned x = 0;
 };
 static thread_local dim3e threadIdx, blockIdx;
-static std::barrier<>* g_bar = nullptr;
+static emu_support::barrier* g_bar = nullptr;
 #define __global__
 #define __device__
 #define __launch_bounds__(...)
@@ -61,7 +60,7 @@ void device_step(S* w, const S* g, void* state, std::size_t n, std::span<const m
   const emu::adamw8bit_tables tb = emu::adamw8bit_tables_for(spans);
   constexpr unsigned threads = Block < emu::adamw8bit_threads ? unsigned(Block) : emu::adamw8bit_threads;
   for (std::size_t b = 0; b < opt::blocks(n); ++b) {
-    std::barrier<> bar(threads);
+    emu_support::barrier bar(threads);
     g_bar = &bar;
     emu_support::cta_team(threads).run([&](unsigned t) {
       threadIdx.x = t;

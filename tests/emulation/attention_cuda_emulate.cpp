@@ -1,7 +1,7 @@
 // Host emulation of backend/cuda/attention_mma.cuh's tensor-core kernels (forward, dQ, dK/dV), for
 // a machine without a GPU. Built and run by `tests/emulation/cuda_emulate.py attention`, which compiles the
 // kernels' text (backend/cuda/attention_mma_sizes.inl, attention_mma_kernels.inl) here as plain C++:
-// each CTA runs on a team of 128 host threads (cta_threads.hpp; threadIdx a thread_local, __syncthreads a std::barrier), and
+// each CTA runs on a team of 128 host threads (cta_threads.hpp; threadIdx a thread_local, __syncthreads a barrier (cta_threads.hpp)), and
 // the warp-level operations are emulated per warp of 32 threads: mma.sync.m16n8k16 gathers the
 // 32 lanes' registers and computes each lane's D elements from the PTX ISA's fragment layouts
 // (A row-major 16×16, B 16×8, C/D 16×8, low half of a register first), __shfl_xor_sync exchanges
@@ -15,7 +15,6 @@
 // device's mma.sync matches the ISA's layouts as emulated here, its accumulation order, expf,
 // the launchers, occupancy and speed. None of it replaces a GPU run.
 #include <algorithm>
-#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -34,7 +33,7 @@ struct dim3e {
   unsigned x, y, z;
 };
 static thread_local dim3e threadIdx{0, 0, 0}, blockIdx{0, 0, 0};
-static std::barrier<>* g_cta_bar = nullptr;
+static emu_support::barrier* g_cta_bar = nullptr;
 #define __global__
 #define __device__
 #define __launch_bounds__(...)
@@ -69,7 +68,7 @@ inline float from_bits(std::uint32_t u) {
 // One warp's rendezvous: each lane posts its registers, waits, reads what it needs, waits again
 // (so the next post never overwrites a value still being read).
 struct warp_state {
-  std::barrier<> bar{32};
+  emu_support::barrier bar{32};
   std::uint32_t a[32][4];
   std::uint32_t b[32][2];
   float f[32];
@@ -135,7 +134,7 @@ void launch(unsigned gx, unsigned gy, unsigned gz, std::size_t smem_bytes, F ker
         std::unique_ptr<unsigned char[]> smem(new unsigned char[smem_bytes]);
         std::memset(smem.get(), 0xff, smem_bytes);  // NaN-ish bits: a read before a write shows
         emu::g_smem = smem.get();
-        std::barrier<> bar(emu::gpu::mma_threads);
+        emu_support::barrier bar(emu::gpu::mma_threads);
         g_cta_bar = &bar;
         std::vector<emu::warp_state> warps(emu::gpu::mma_threads / 32);
         emu::g_warps = warps.data();

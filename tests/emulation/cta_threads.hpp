@@ -4,18 +4,50 @@
 // a kept team costs two barrier phases per CTA.
 //
 // What TSan can see is unchanged: run() orders everything before it before every thread's body
-// and every body before its return (a std::barrier both ways, as the start and the join did), so
+// and every body before its return (a barrier both ways, as the start and the join did), so
 // the only unordered accesses left are those between one CTA's threads, a missing __syncthreads.
 #pragma once
 
-#include <barrier>
+#include <condition_variable>
+#include <cstddef>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 namespace emu_support {
+
+// __syncthreads (and a warp's rendezvous): n threads wait until all n have arrived; reusable.
+// A mutex and a condition variable rather than std::barrier: libstdc++'s barrier waits by
+// spinning on atomic loads with sched_yield, and under ThreadSanitizer every one of those loads
+// merges a vector clock, which made the barriers most of an emulation's time. Here a waiting
+// thread sleeps, and the mutex orders every write before the barrier before every read after it.
+class barrier {
+ public:
+  explicit barrier(std::ptrdiff_t n) : n_(n) {}
+  barrier(const barrier&) = delete;
+  barrier& operator=(const barrier&) = delete;
+
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(m_);
+    const std::size_t phase = phase_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++phase_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return phase_ != phase; });
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::ptrdiff_t n_, arrived_ = 0;
+  std::size_t phase_ = 0;
+};
 
 class cta_threads {
  public:
@@ -50,7 +82,7 @@ class cta_threads {
     }
   }
 
-  std::barrier<> start_, done_;
+  barrier start_, done_;
   const std::function<void(unsigned)>* body_ = nullptr;
   bool stop_ = false;
   std::vector<std::thread> threads_;

@@ -3,7 +3,7 @@
 // and the chunk sizes they share with the launchers (mamba_sizes.inl), nvcc's text, here as
 // plain C++: __global__/__device__ vanish, threadIdx/blockIdx are thread_locals. A kernel with
 // __syncthreads (the forward scan's output pass, the reverse scan) runs its cpb·Ns threads as host
-// threads, one CTA after another, __syncthreads a std::barrier (under -fsanitize=thread a missing
+// threads, one CTA after another, __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing
 // barrier shows as a data race); every barrier-free kernel (the chunk-local pass, the combine over
 // chunks, the reverse scan's chunk-local pass and its carry over chunks, the reductions, the conv)
 // runs one thread at a time. A host copy of the launchers'
@@ -18,7 +18,6 @@
 // themselves (copied here by hand), cuBLASLt, the bf16/fp16 paths, the device's expf, warps, and
 // anything about speed.
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -39,7 +38,7 @@ struct dim3e {
 };
 static thread_local dim3e threadIdx, blockIdx;
 static dim3e blockDim, gridDim;
-static std::barrier<>* g_bar = nullptr;
+static emu_support::barrier* g_bar = nullptr;
 #define __global__
 #define __device__
 #define __noinline__
@@ -62,7 +61,7 @@ using std::size_t;
 void launch_seq(dim3e grid, unsigned nt, const std::function<void()>& f) {
   gridDim = grid;
   blockDim = dim3e{nt, 1, 1};
-  std::barrier<> one(1);
+  emu_support::barrier one(1);
   g_bar = &one;
   for (unsigned by = 0; by < grid.y; ++by)
     for (unsigned bx = 0; bx < grid.x; ++bx)
@@ -81,7 +80,7 @@ void launch_flat(size_t total, const std::function<void()>& f) {
 void launch_cta(dim3e grid, unsigned nt, const std::function<void()>& f) {
   gridDim = grid;
   blockDim = dim3e{nt, 1, 1};
-  std::barrier<> bar(nt);
+  emu_support::barrier bar(nt);
   g_bar = &bar;
   emu_support::cta_team(nt).run([&](unsigned t) {
     threadIdx = dim3e{t, 0, 0};

@@ -2,7 +2,7 @@
 // by `tests/emulation/cuda_emulate.py ttt`, which compiles the kernels' text (backend/cuda/ttt_sizes.inl,
 // ttt_kernels.inl, what nvcc compiles) here as plain C++: __global__/__device__ vanish, threadIdx is a
 // thread_local, each CTA of the inner loop's kernels (forward and backward) runs as `nt` host
-// threads with __syncthreads a std::barrier (under -fsanitize=thread a missing barrier shows as
+// threads with __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing barrier shows as
 // a data race), every other kernel one thread per CTA. A host copy of the launchers' sequence
 // (naive fp32 loops for the cuBLASLt GEMMs) drives them, against the CPU layer on the same inputs:
 // the saved checkpoints, y, dx and every gradient (normwise 1e-5), and bits across G and across
@@ -20,11 +20,10 @@
 
 #include "cta_threads.hpp"
 
-#include <barrier>
 struct dim3e { unsigned x; };
 static thread_local dim3e threadIdx{0}, blockIdx{0};
 static dim3e blockDim{1};
-static std::barrier<>* g_bar = nullptr;
+static emu_support::barrier* g_bar = nullptr;
 #define __global__
 #define __device__
 #define __noinline__
@@ -61,11 +60,11 @@ using namespace emu;
 template <class F> void launch(std::size_t grid, F f) {
   blockDim.x = 1;
   threadIdx.x = 0;
-  std::barrier<> bar(1);
+  emu_support::barrier bar(1);
   g_bar = &bar;
   for (std::size_t b = 0; b < grid; ++b) { blockIdx.x = static_cast<unsigned>(b); f(); }
 }
-// One CTA of nt threads at a time (a kept team, cta_threads.hpp), __syncthreads a std::barrier (races show under TSan).
+// One CTA of nt threads at a time (a kept team, cta_threads.hpp), __syncthreads a barrier (cta_threads.hpp) (races show under TSan).
 unsigned g_nt = 7;
 template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f) {
   const unsigned nt = g_nt;
@@ -73,7 +72,7 @@ template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f
   for (std::size_t b = 0; b < grid; ++b) {
     std::unique_ptr<float[]> sm(new float[smem_bytes / sizeof(float) + (smem_bytes == 0)]);
     g_smem = smem_bytes ? sm.get() : nullptr;
-    std::barrier<> bar(nt);
+    emu_support::barrier bar(nt);
     g_bar = &bar;
     emu_support::cta_team(nt).run([&](unsigned t) {
       threadIdx.x = t;
