@@ -342,6 +342,19 @@ void fp16_builds() {  // fp16 storage through the same kernels: a smoke run of e
   for (std::size_t i = 0; i < y.size(); ++i) CHECK(std::isfinite(mb::to_accum<float>(y[i])));
 }
 
+// Kernels that only the model and trainer tests and the programs launch. A check build (CI)
+// compiles those to PTX at cicc -O1 (CMakeLists.txt, membound_cuda_device_checked_elsewhere), so
+// their addresses are taken here: this unit puts them through cicc -O3 and ptxas with warnings as
+// errors. `python3 tools/cuda_kernel_lists.py build/ci` lists any kernel that still escapes.
+[[maybe_unused]] const void* const compiled_in_full[] = {
+    reinterpret_cast<const void*>(&mc::detail::rmsnorm_apply_kernel<float>),
+    reinterpret_cast<const void*>(&mc::detail::rmsnorm_apply_kernel<mb::bf16>),
+    reinterpret_cast<const void*>(&mc::detail::norm_final_kernel<false>),
+    reinterpret_cast<const void*>(&mc::detail::adamw8bit_kernel<float, 256u>),
+    reinterpret_cast<const void*>(&mc::detail::adamw8bit_kernel<float, 2048u>),
+    reinterpret_cast<const void*>(&mc::detail::adamw8bit_kernel<mb::bf16, 2048u>),
+};
+
 }  // namespace
 
 int main() {
