@@ -16270,7 +16270,7 @@ MEMBOUND_NAMESPACE_END
 // blocks' exchanges have started by then) every rank gathers every rank's vote (pressure
 // emergency; a plan whose peak no longer fits beside the budget's external bytes; an
 // out-of-memory met since the last such point). One vote makes every rank abandon
-// the step (see agree_on_retry), then all gather their targets (the emergency threshold and the
+// the step (rank_agreement::agree_on_retry), then all gather their targets (the emergency threshold and the
 // budget, each less the rank's others' bytes), take the least of each, and adopt rank 0's fit()
 // for it once every rank has checked it under its own target: the same choices everywhere, so the
 // exchanges (ZeRO-2's reduce-scatters, ZeRO-0/1's buckets, sized from the plan's headroom) match.
@@ -17380,6 +17380,203 @@ class gradient_exchange {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/train/gradient_exchange.hpp ----
+// ---- begin membound/train/rank_agreement.hpp ----
+// What the ranks of a data-parallel run agree on, the trainer's part for replanning over ranks.
+// One rank cannot change its plan alone (the ranks' collectives must match), nor start while
+// another cannot, so at each such point every rank gathers every rank's word and all read the
+// same answer from it:
+//   - agree_to_start: each rank's status before step 1; the first that cannot start is named.
+//   - agree_on_retry: each rank's vote at an agreement point of the step (pressure, no room for
+//     the plan beside others' bytes, an out-of-memory); the first rank that asks for a retry.
+//   - agree_on_plan: each rank's targets; the least of each is the world's, rank 0's plan for it
+//     is broadcast and adopted once every rank finds it within its own target. With none, the
+//     rank that forces the error is named (rank_budget_too_small) on every rank.
+// It knows no model, allocator or monitor: the trainer hands in its numbers and the ways to find
+// and check a plan, and the host-value communicator (detail::control_of). Its buffers are sized
+// at construction, so an agreement allocates nothing.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+// Thrown through forward_backward by the check-point observer: the step is abandoned.
+struct abandon_step {
+  std::string reason;
+  std::size_t usage = 0, limit = 0;
+  bool out_of_memory = false;  // over ranks: some rank ran out (no plan then is an error)
+};
+}  // namespace detail
+
+// A rank's vote at an agreement point. none keeps going.
+enum class retry_vote : std::uint64_t { none = 0, pressure = 1, out_of_memory = 2, no_room = 3 };
+
+// A rank's status before step 1.
+enum class start_status : std::uint64_t { ok = 0, over_budget = 1, failed = 2 };
+
+// What one rank knows of its memory when the ranks look for a stricter plan: its targets (the
+// emergency threshold and the budget, each less the bytes others hold there and below the current
+// plan's peak; 0: no such target), the others' bytes, its limit (0: none) and whether its current
+// plan still fits the budget beside them.
+struct rank_targets {
+  std::size_t emergency = 0, budget = 0;
+  std::size_t foreign = 0, limit = 0;
+  bool current_fits = true;
+};
+
+// The choices that make a plan, as rank 0 broadcasts them.
+struct plan_choices {
+  std::size_t micro = 0, accumulation = 0;
+  schedule_choice schedule{};
+  std::size_t head_chunk = 0;
+};
+
+class rank_agreement {
+ public:
+  rank_agreement(std::size_t rank, std::size_t world)
+      : rank_(rank), world_(world), status_(start_fields * world), votes_(vote_fields * world),
+        targets_(target_fields * world), fits_(world) {}
+
+  std::size_t rank() const noexcept { return rank_; }
+  std::size_t world() const noexcept { return world_; }
+
+  // A rank that cannot start, as every rank learns it: its status, and for over_budget its
+  // reserved peak and the room it had (the budget less what others held).
+  struct start_refusal {
+    std::size_t rank = 0;
+    start_status status = start_status::ok;
+    std::size_t peak = 0, room = 0;
+  };
+  // Every rank's status, gathered: the first rank that cannot start, or none.
+  template <typename Control>
+  std::optional<start_refusal> agree_to_start(Control& ctl, start_status status, std::size_t peak, std::size_t room) {
+    std::uint64_t* mine = status_.data() + start_fields * rank_;
+    mine[0] = static_cast<std::uint64_t>(status);
+    mine[1] = peak;
+    mine[2] = room;
+    ctl.all_gather(static_cast<const std::uint64_t*>(mine), status_.data(), status_.size());
+    for (std::size_t r = 0; r < world_; ++r) {
+      const std::uint64_t* v = status_.data() + start_fields * r;
+      if (v[0] != static_cast<std::uint64_t>(start_status::ok)) {
+        return start_refusal{r, static_cast<start_status>(v[0]), static_cast<std::size_t>(v[1]),
+                             static_cast<std::size_t>(v[2])};
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Every rank's vote, gathered (each rank calls it at the same agreement point, or, after an
+  // out-of-memory, at the one the others reach next: no collective lies between). detail: the
+  // check point of a pressure or no-room vote, the bytes an out-of-memory asked for. Returns the
+  // first rank that asks for a retry, or world() when none does: the same answer on every rank.
+  template <typename Control>
+  std::size_t agree_on_retry(Control& ctl, retry_vote why, std::uint64_t detail, std::size_t usage,
+                             std::size_t limit) {
+    std::uint64_t* mine = votes_.data() + vote_fields * rank_;
+    mine[0] = static_cast<std::uint64_t>(why);
+    mine[1] = detail;
+    mine[2] = usage;
+    mine[3] = limit;
+    ctl.all_gather(static_cast<const std::uint64_t*>(mine), votes_.data(), votes_.size());
+    for (std::size_t r = 0; r < world_; ++r) {
+      if (votes_[vote_fields * r] != static_cast<std::uint64_t>(retry_vote::none)) return r;
+    }
+    return world_;
+  }
+
+  // What every rank abandons the step for after agree_on_retry named rank r.
+  detail::abandon_step retry_of(std::size_t r) const {
+    const std::uint64_t* v = votes_.data() + vote_fields * r;
+    const auto why = static_cast<retry_vote>(v[0]);
+    const bool oom = why == retry_vote::out_of_memory || why == retry_vote::no_room;
+    const std::string reason =
+        why == retry_vote::out_of_memory
+            ? "out of memory (a request of " + format_bytes(static_cast<std::size_t>(v[1]), false) + ")"
+        : why == retry_vote::no_room
+            ? "no room for the plan's peak beside others' bytes at " + std::string(to_string(static_cast<check_point>(v[1])))
+            : "pressure emergency at " + std::string(to_string(static_cast<check_point>(v[1])));
+    return {reason + " on rank " + std::to_string(r) + " of " + std::to_string(world_),
+            static_cast<std::size_t>(v[2]), static_cast<std::size_t>(v[3]), oom};
+  }
+
+  // A stricter plan agreed by every rank (a collective, after every rank gave the step's bytes
+  // back). For the emergency target, then the budget's: the least of the ranks' targets; rank 0
+  // finds choices for it (choose(target) -> optional<plan_choices>) and broadcasts them; each rank
+  // makes its plan of them under its own target (make(choices, target) -> optional<Plan>), and all
+  // adopt it when every rank could. Returns the plan and whether it is below the emergency
+  // threshold. With none: nothing when every rank's current plan still fits and no rank ran out
+  // of memory; else every rank throws the same rank_budget_too_small naming the first rank whose
+  // plan no longer fits (after an out-of-memory, the one with the least budget left), with the
+  // least peak that rank could run (least_peak(), asked of that rank only).
+  template <typename Control, typename Choose, typename Make, typename LeastPeak,
+            typename Plan = typename std::invoke_result_t<Make&, const plan_choices&, std::size_t>::value_type>
+  std::optional<std::pair<Plan, bool>> agree_on_plan(Control& ctl, const rank_targets& own, bool out_of_memory,
+                                                     Choose&& choose, Make&& make, LeastPeak&& least_peak) {
+    std::uint64_t* mine = targets_.data() + target_fields * rank_;
+    mine[0] = own.emergency;
+    mine[1] = own.budget;
+    mine[2] = own.foreign;
+    mine[3] = own.limit;
+    mine[4] = own.current_fits ? 1 : 0;
+    ctl.all_gather(static_cast<const std::uint64_t*>(mine), targets_.data(), targets_.size());
+    for (std::size_t level = 0; level < 2; ++level) {
+      std::uint64_t least = ~std::uint64_t{0};
+      for (std::size_t r = 0; r < world_; ++r) least = std::min(least, targets_[target_fields * r + level]);
+      if (least == 0) continue;  // some rank has no such target: nobody tries it
+      std::uint64_t choice[choice_fields] = {};  // found, micro, accumulation, schedule kind, its parameter, logit chunk
+      if (rank_ == 0) {
+        if (const std::optional<plan_choices> c = choose(static_cast<std::size_t>(least))) {
+          choice[0] = 1;
+          choice[1] = c->micro;
+          choice[2] = c->accumulation;
+          choice[3] = static_cast<std::uint64_t>(c->schedule.k);
+          choice[4] = c->schedule.param;
+          choice[5] = c->head_chunk;
+        }
+      }
+      ctl.broadcast(choice, choice_fields, 0);
+      std::optional<Plan> p;
+      if (choice[0] != 0) {
+        const plan_choices c{static_cast<std::size_t>(choice[1]), static_cast<std::size_t>(choice[2]),
+                             schedule_choice{static_cast<schedule_choice::kind>(choice[3]),
+                                             static_cast<std::size_t>(choice[4])},
+                             static_cast<std::size_t>(choice[5])};
+        p = make(c, static_cast<std::size_t>(mine[level]));
+      }
+      fits_[rank_] = p ? 1 : 0;
+      ctl.all_gather(static_cast<const std::uint64_t*>(fits_.data() + rank_), fits_.data(), world_);
+      if (std::all_of(fits_.begin(), fits_.end(), [](std::uint64_t f) { return f != 0; })) {
+        return std::pair{std::move(*p), level == 0};
+      }
+    }
+    std::size_t by = world_;
+    for (std::size_t r = 0; r < world_ && by == world_; ++r) {
+      if (targets_[target_fields * r + 4] == 0) by = r;
+    }
+    if (by == world_ && !out_of_memory) return std::nullopt;  // every rank runs on under its plan
+    if (by == world_) {
+      by = 0;
+      for (std::size_t r = 1; r < world_; ++r) {
+        if (targets_[target_fields * r + 1] < targets_[target_fields * by + 1]) by = r;
+      }
+    }
+    const std::uint64_t* t = targets_.data() + target_fields * by;
+    std::uint64_t least_peak_there = rank_ == by ? static_cast<std::uint64_t>(least_peak()) : 0;
+    ctl.broadcast(&least_peak_there, 1, by);
+    const std::size_t others = static_cast<std::size_t>(t[2]), lim = static_cast<std::size_t>(t[3]);
+    throw rank_budget_too_small(by, world_, lim > others ? lim - others : 0, static_cast<std::size_t>(least_peak_there),
+                                "the budget of " + format_bytes(lim, false) + " less " + format_bytes(others, false) +
+                                    " held by others");
+  }
+
+ private:
+  static constexpr std::size_t start_fields = 3, vote_fields = 4, target_fields = 5, choice_fields = 6;
+  std::size_t rank_, world_;
+  // Each rank's (status, peak, room), (vote, detail, usage, limit), (emergency, budget, foreign,
+  // limit, current fits) and verdict on rank 0's choice.
+  std::vector<std::uint64_t> status_, votes_, targets_, fits_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/rank_agreement.hpp ----
 // ---- begin membound/train/trainer_options.hpp ----
 // The trainer's options and load options (one part of the trainer, train/trainer.hpp).
 
@@ -17521,15 +17718,6 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
-namespace detail {
-// Thrown through forward_backward by the check-point observer: the step is abandoned.
-struct abandon_step {
-  std::string reason;
-  std::size_t usage = 0, limit = 0;
-  bool out_of_memory = false;  // over ranks: some rank ran out (no plan then is an error)
-};
-}  // namespace detail
-
 // Optimizer: an optimizer_policy for the model's storage (optimizer/optimizer_policy.hpp):
 // adamw<S> (the default) or adamw8bit<S>.
 template <typename Model, typename Allocator, typename Monitor = null_monitor,
@@ -17605,13 +17793,13 @@ class trainer {
       if (lo < hi) opt_spans_.push_back({lo - opt_shard_.begin, hi - lo, e.decay});
     }
     glue::template check_optimizer_spans<Optimizer>(std::span<const param_span>(opt_spans_));
-    if (world() > 1) rank_status_.resize(3 * world());
+    if (world() > 1) agreement_.emplace(comm_.rank(), world());
     // Up to here every rank decided the same from the same arguments. From here one rank may fail
     // alone (its plan, its budget, its allocations): the ranks agree before step 1 (agree_to_start).
     // The stream is set only now: every failure from here releases (and so clears it).
     follow_stream();
     std::exception_ptr failed;
-    std::uint64_t status = start_ok;
+    start_status status = start_status::ok;
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
@@ -17619,7 +17807,7 @@ class trainer {
       // Before the trainer's own allocations: what others hold now, the room its plan had.
       start_room_ = detail::saturating_sub(limit_now(), foreign_now());
       if (!fits_limit(plan_)) {
-        status = start_over_budget;
+        status = start_status::over_budget;
         refuse_over_limit(plan_);
       }
       use_layout(plan_);
@@ -17632,7 +17820,7 @@ class trainer {
       }
     } catch (...) {
       failed = std::current_exception();
-      if (status == start_ok) status = start_failed;
+      if (status == start_status::ok) status = start_status::failed;
       release();
     }
     agree_to_start(status, failed);
@@ -17697,7 +17885,8 @@ class trainer {
           // The other ranks go on to their next agreement point; this rank's vote meets them there
           // (no collective lies between, see oom_may_vote_). Past an exchange it cannot.
           if (!oom_may_vote_) throw;
-          const detail::abandon_step a = retry_of(agree_on_retry(vote_out_of_memory, rep.requested, use, lim));
+          const detail::abandon_step a =
+              agreement_->retry_of(agreement_->agree_on_retry(ctl(), retry_vote::out_of_memory, rep.requested, use, lim));
           if (replan(r, a.reason, a.usage, a.limit, true, true) == replan_outcome::below_budget) {
             tolerate();
             may_abandon = false;
@@ -17752,12 +17941,12 @@ class trainer {
       const bool mine = monitor_.stricter_plan_requested() && !tolerating();
       const emergency_point seen = emergency_seen_;
       clear_request();
-      const std::size_t who = agree_on_retry(
-          mine ? vote_pressure : vote_none,
+      const std::size_t who = agreement_->agree_on_retry(
+          ctl(), mine ? retry_vote::pressure : retry_vote::none,
           static_cast<std::uint64_t>(mine && seen.known ? seen.at : check_point::after_optimizer_step),
           mine && seen.known ? seen.usage : usage_now(), mine && seen.known ? seen.limit : limit_now());
       if (who < world()) {
-        const detail::abandon_step a = retry_of(who);
+        const detail::abandon_step a = agreement_->retry_of(who);
         if (replan(r, a.reason, a.usage, a.limit, false) != replan_outcome::below_emergency) tolerate();
       }
     } else if (monitor_.stricter_plan_requested()) {
@@ -18418,29 +18607,20 @@ class trainer {
     w_ = nullptr;
   }
 
-  static constexpr std::uint64_t start_ok = 0, start_over_budget = 1, start_failed = 2;
-
-  // Every rank's (status, reserved peak, limit), gathered: when one rank cannot start, every rank
-  // throws before step 1 (a rank that went on would wait forever in the first exchange). The
-  // failing rank throws its own error, unless it is over budget: then every rank throws the same
-  // rank_cannot_start with that rank's numbers.
-  void agree_to_start(std::uint64_t status, const std::exception_ptr& failed) {
+  // Every rank's status, gathered (rank_agreement::agree_to_start): when one rank cannot start,
+  // every rank throws before step 1 (a rank that went on would wait forever in the first
+  // exchange). The failing rank throws its own error, unless it is over budget: then every rank
+  // throws the same rank_cannot_start with that rank's numbers.
+  void agree_to_start(start_status status, const std::exception_ptr& failed) {
     if (world() > 1) {
-      const std::size_t me = comm_.rank();
-      rank_status_[3 * me] = status;
-      rank_status_[3 * me + 1] = plan_.budgeted_peak();
-      rank_status_[3 * me + 2] = start_room_;  // the budget less what others held, before our allocations
-      ctl().all_gather(rank_status_.data() + 3 * me, rank_status_.data(), rank_status_.size());
-      for (std::size_t r = 0; r < world(); ++r) {
-        const std::uint64_t st = rank_status_[3 * r];
-        if (st == start_ok) continue;
+      // start_room_: the budget less what others held, before our allocations.
+      if (const auto refusal = agreement_->agree_to_start(ctl(), status, plan_.budgeted_peak(), start_room_)) {
         release();
-        if (st == start_over_budget) {
-          throw rank_cannot_start(r, world(), static_cast<std::size_t>(rank_status_[3 * r + 1]),
-                                  static_cast<std::size_t>(rank_status_[3 * r + 2]));
+        if (refusal->status == start_status::over_budget) {
+          throw rank_cannot_start(refusal->rank, world(), refusal->peak, refusal->room);
         }
         if (failed) std::rethrow_exception(failed);
-        throw rank_cannot_start(r, world());
+        throw rank_cannot_start(refusal->rank, world());
       }
     } else if (failed) {
       std::rethrow_exception(failed);
@@ -18767,10 +18947,10 @@ class trainer {
       // A plan that cannot fit beside the bytes held outside the allocator would run out of memory
       // later, maybe past an exchange (ZeRO-2's backward), where no rank can abandon: say so now.
       // A pressure vote carries where the emergency began and its usage there.
-      const std::uint64_t why = mine ? vote_pressure : room_for_plan() ? vote_none : vote_no_room;
-      const std::size_t who = agree_on_retry(why, static_cast<std::uint64_t>(mine ? seen.at : P),
-                                             mine ? seen.usage : usage_now(), mine ? seen.limit : limit_now());
-      if (who < world()) throw retry_of(who);
+      const retry_vote why = mine ? retry_vote::pressure : room_for_plan() ? retry_vote::none : retry_vote::no_room;
+      const std::size_t who = agreement_->agree_on_retry(ctl(), why, static_cast<std::uint64_t>(mine ? seen.at : P),
+                                                         mine ? seen.usage : usage_now(), mine ? seen.limit : limit_now());
+      if (who < world()) throw agreement_->retry_of(who);
       return;
     }
     if (may_abandon && monitor_.stricter_plan_requested()) {
@@ -18879,11 +19059,6 @@ class trainer {
                              std::string(comm_.name()) + ", which has no start_reduce_scatter_blocks_sum",
                              "Use mpi_communicator, or set overlap = false");
     }
-    if (o_.replan_under_pressure) {
-      votes_.resize(vote_fields * N);
-      targets_.resize(target_fields * N);
-      fits_.resize(N);
-    }
     if constexpr (!summable<S>) {
       throw invalid_argument("communicator", "a single rank for storage the gradient exchange cannot sum",
                              std::to_string(N) + " ranks with " + std::string(dtype_name<S>()) + " storage",
@@ -18973,10 +19148,6 @@ class trainer {
   // Whether the ranks agree at the step's check points (more than one rank, replanning on).
   bool agreeing() const noexcept { return world() > 1 && o_.replan_under_pressure; }
 
-  // A rank's vote: (why, detail, usage, limit); why 0 keeps going, detail is the check point or
-  // the bytes an out-of-memory asked for.
-  static constexpr std::uint64_t vote_none = 0, vote_pressure = 1, vote_out_of_memory = 2, vote_no_room = 3;
-
   // Whether the plan's reserved peak still fits beside the budget's external bytes (held outside
   // the allocator, so they are others' even mid-step).
   bool room_for_plan() const {
@@ -18987,105 +19158,25 @@ class trainer {
       return true;
     }
   }
-  static constexpr std::size_t vote_fields = 4;
-
-  // Every rank's vote, gathered (each rank calls it at the same agreement point, or, after an
-  // out-of-memory, at the one the others reach next: no collective lies between). Returns the
-  // first rank that asks for a retry, or world() when none does: the same answer on every rank.
-  std::size_t agree_on_retry(std::uint64_t why, std::uint64_t detail, std::size_t usage, std::size_t limit) {
-    const std::size_t N = world();
-    std::uint64_t* mine = votes_.data() + vote_fields * comm_.rank();
-    mine[0] = why;
-    mine[1] = detail;
-    mine[2] = usage;
-    mine[3] = limit;
-    ctl().all_gather(static_cast<const std::uint64_t*>(mine), votes_.data(), votes_.size());
-    for (std::size_t r = 0; r < N; ++r) {
-      if (votes_[vote_fields * r] != vote_none) return r;
-    }
-    return N;
-  }
-  // What every rank abandons the step for after agree_on_retry named rank r.
-  detail::abandon_step retry_of(std::size_t r) const {
-    const std::uint64_t* v = votes_.data() + vote_fields * r;
-    const bool oom = v[0] == vote_out_of_memory || v[0] == vote_no_room;
-    std::string why =
-        v[0] == vote_out_of_memory ? "out of memory (a request of " + format_bytes(static_cast<std::size_t>(v[1]), false) + ")"
-        : v[0] == vote_no_room     ? "no room for the plan's peak beside others' bytes at " +
-                                     std::string(to_string(static_cast<check_point>(v[1])))
-                                   : "pressure emergency at " + std::string(to_string(static_cast<check_point>(v[1])));
-    return {why + " on rank " + std::to_string(r) + " of " + std::to_string(world()), static_cast<std::size_t>(v[2]),
-            static_cast<std::size_t>(v[3]), oom};
-  }
-
-  // Per rank: (emergency target, budget target, others' bytes, limit, whether the current plan
-  // still fits the budget); see plan_targets.
-  static constexpr std::size_t target_fields = 5;
-
-  // stricter_plan() agreed by every rank (a collective, after every rank gave the step's bytes
-  // back): each target is the least of the ranks', rank 0's fit for it is broadcast, and every rank
-  // adopts it only when each finds it within its own target, so all run the same choices. With
-  // none, and a rank whose current plan no longer fits its budget (or after an out-of-memory),
-  // every rank throws rank_budget_too_small naming that rank.
+  // stricter_plan() agreed by every rank (rank_agreement::agree_on_plan, a collective, after every
+  // rank gave the step's bytes back): rank 0 fits the least of the ranks' targets, and every rank
+  // adopts the plan only when each finds it within its own target, so all run the same choices.
+  // With none, and a rank whose current plan no longer fits its budget (or after an
+  // out-of-memory), every rank throws rank_budget_too_small naming that rank.
   std::optional<std::pair<training_plan, bool>> agreed_stricter_plan(bool out_of_memory) {
-    const std::size_t N = world();
     const plan_targets own = targets_now();
     const std::size_t foreign = foreign_now(), limit = limit_now();
-    std::uint64_t* mine = targets_.data() + target_fields * comm_.rank();
-    mine[0] = own.emergency;
-    mine[1] = own.budget;
-    mine[2] = foreign;
-    mine[3] = limit;
-    mine[4] = limit == 0 || plan_.budgeted_peak() + foreign <= limit ? 1 : 0;
-    ctl().all_gather(static_cast<const std::uint64_t*>(mine), targets_.data(), targets_.size());
-    for (std::size_t level = 0; level < 2; ++level) {
-      std::uint64_t least = ~std::uint64_t{0};
-      for (std::size_t r = 0; r < N; ++r) least = std::min(least, targets_[target_fields * r + level]);
-      if (least == 0) continue;  // some rank has no such target: nobody tries it
-      std::uint64_t choice[6] = {};  // found, micro, accumulation, schedule kind, its parameter, logit chunk
-      if (comm_.rank() == 0) {
-        if (const auto p = plan_within(static_cast<std::size_t>(least))) {
-          choice[0] = 1;
-          choice[1] = p->micro.batch;
-          choice[2] = p->accumulation;
-          choice[3] = static_cast<std::uint64_t>(p->schedule.k);
-          choice[4] = p->schedule.param;
-          choice[5] = p->head_chunk;
-        }
-      }
-      ctl().broadcast(choice, 6, 0);
-      std::optional<training_plan> p;
-      if (choice[0] != 0) {
-        p = plan_of_choices(static_cast<std::size_t>(choice[1]), static_cast<std::size_t>(choice[2]),
-                            schedule_choice{static_cast<schedule_choice::kind>(choice[3]), static_cast<std::size_t>(choice[4])},
-                            static_cast<std::size_t>(choice[5]), static_cast<std::size_t>(mine[level]));
-      }
-      fits_[comm_.rank()] = p ? 1 : 0;
-      ctl().all_gather(static_cast<const std::uint64_t*>(fits_.data() + comm_.rank()), fits_.data(), N);
-      if (std::all_of(fits_.begin(), fits_.end(), [](std::uint64_t f) { return f != 0; })) {
-        return std::pair{std::move(*p), level == 0};
-      }
-    }
-    // The rank that forces the error: the first whose current plan no longer fits, else (after an
-    // out-of-memory) the one with the least left.
-    std::size_t by = N;
-    for (std::size_t r = 0; r < N && by == N; ++r) {
-      if (targets_[target_fields * r + 4] == 0) by = r;
-    }
-    if (by == N && !out_of_memory) return std::nullopt;  // every rank runs on under its plan
-    if (by == N) {
-      by = 0;
-      for (std::size_t r = 1; r < N; ++r) {
-        if (targets_[target_fields * r + 1] < targets_[target_fields * by + 1]) by = r;
-      }
-    }
-    const std::uint64_t* t = targets_.data() + target_fields * by;
-    std::uint64_t least_peak = comm_.rank() == by ? smallest_peak() : 0;
-    ctl().broadcast(&least_peak, 1, by);
-    const std::size_t others = static_cast<std::size_t>(t[2]), lim = static_cast<std::size_t>(t[3]);
-    throw rank_budget_too_small(by, N, lim > others ? lim - others : 0, static_cast<std::size_t>(least_peak),
-                                "the budget of " + format_bytes(lim, false) + " less " + format_bytes(others, false) +
-                                    " held by others");
+    const rank_targets mine{own.emergency, own.budget, foreign, limit,
+                            limit == 0 || plan_.budgeted_peak() + foreign <= limit};
+    const auto choose = [&](std::size_t target) -> std::optional<plan_choices> {
+      const std::optional<training_plan> p = plan_within(target);
+      if (!p) return std::nullopt;
+      return plan_choices{p->micro.batch, p->accumulation, p->schedule, p->head_chunk};
+    };
+    const auto make = [&](const plan_choices& c, std::size_t target) {
+      return plan_of_choices(c.micro, c.accumulation, c.schedule, c.head_chunk, target);
+    };
+    return agreement_->agree_on_plan(ctl(), mine, out_of_memory, choose, make, [&] { return smallest_peak(); });
   }
 
   // Records the event in r; returns which kind of stricter plan was adopted, if any. Over ranks a
@@ -19201,11 +19292,8 @@ class trainer {
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
   std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;
-  // Over ranks, sized once at construction: each rank's (status, peak, limit) before step 1.
-  std::vector<std::uint64_t> rank_status_;
-  // Replanning over ranks, sized once at construction: each rank's vote, targets and verdict on
-  // rank 0's choice (see agree_on_retry, agreed_stricter_plan).
-  std::vector<std::uint64_t> votes_, targets_, fits_;
+  // Over ranks: what they agree on before step 1 and when one asks for a stricter plan.
+  std::optional<rank_agreement> agreement_;
   std::size_t start_room_ = 0;  // the budget less what others held when the trainer was made
   // An out-of-memory may vote at the next agreement point: no exchange lies before it.
   bool oom_may_vote_ = false;
