@@ -58,6 +58,7 @@ struct options {
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, threads = 2, repetitions = 3;
   std::optional<std::size_t> budget;
+  std::string budget_label = "--budget";  // the flag, or the --config key it came from
   bool quick = false;
   bool interleave = true;
   bool rank_by_min = false;  // --statistic min  // one timed step per point per round, --repetitions rounds
@@ -79,8 +80,8 @@ struct options {
 struct flag_texts {
   std::map<std::string, std::string> text;
   std::set<std::string> configured;  // flags whose text came from --config
-  const CLI::App* app = nullptr;
-  bool on_line(const std::string& flag) const { return app->count(flag) > 0; }
+  const CLI::App* app = nullptr;     // none: the --config file's own texts (see read_config)
+  bool on_line(const std::string& flag) const { return app != nullptr && app->count(flag) > 0; }
   bool given(const std::string& flag) const { return on_line(flag) || configured.count(flag) > 0; }
   const std::string& operator[](const std::string& flag) const { return text.at(flag); }
   // The name an error message gives: the flag, or the key of --config's file.
@@ -91,8 +92,10 @@ struct flag_texts {
 
 // --config FILE: a JSON object whose keys are the model and grid flags without the dashes, e.g.
 // {"layers": "ttt,attn", "width": 64, "seq": 256, "budget": "24MiB"}. A flag on the command line
-// overrides its key.
-void read_config(flag_texts& f) {
+// overrides its key. Returns the file's own texts (no command line), which main checks as a
+// whole, as strictly as the command line, before the merged flags: a bad key is refused by name
+// even where a flag overrides it.
+flag_texts read_config(flag_texts& f) {
   namespace cc = cli_checks;
   const std::string& path = f["--config"];
   cc::input_file("--config", path, "Pass a JSON file such as {\"layers\": \"attn,mamba\", \"width\": 64}");
@@ -100,9 +103,9 @@ void read_config(flag_texts& f) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // syntax, and numbers past a double (1e400)
     throw mb::invalid_argument("--config", "a JSON object of model and grid settings", cc::in_quotes(path) + ": " + e.what(),
-                               "Fix the file's JSON syntax");
+                               "Fix the file's JSON");
   }
   static const std::set<std::string> keys = {"layers", "width", "heads", "seq", "batch", "threads", "budget",
                                              "repetitions", "vary", "order", "statistic"};
@@ -110,6 +113,7 @@ void read_config(flag_texts& f) {
     throw mb::invalid_argument("--config", "a JSON object", cc::in_quotes(path) + " holds a " + j.type_name(),
                                "Write the settings as {\"key\": value, ...}");
   }
+  flag_texts own;
   for (const auto& [key, value] : j.items()) {
     if (keys.count(key) == 0) {
       std::string known;
@@ -133,10 +137,13 @@ void read_config(flag_texts& f) {
                                  cc::in_quotes(path) + " has " + value.dump(),
                                  "Write e.g. \"" + key + "\": " + (e == example.end() ? std::string("64") : e->second));
     }
+    own.text[flag] = text;
+    own.configured.insert(flag);
     if (f.on_line(flag)) continue;
     f.text[flag] = text;
     f.configured.insert(flag);
   }
+  return own;
 }
 
 options checked_options(const flag_texts& f) {
@@ -156,7 +163,7 @@ options checked_options(const flag_texts& f) {
   whole("--width", o.width, 1, 16384);
   whole("--heads", o.heads, 1, 1024);
   if (o.width % o.heads != 0) {
-    throw mb::invalid_argument("--heads", "a divisor of --width (" + std::to_string(o.width) + ")",
+    throw mb::invalid_argument(f.label("--heads"), "a divisor of the width (" + std::to_string(o.width) + ")",
                                std::to_string(o.heads), "Choose --width and --heads so that width / heads is the head size");
   }
   whole("--seq", o.seq, 1, 1u << 20);
@@ -180,10 +187,13 @@ options checked_options(const flag_texts& f) {
       at = comma + 1;
     } while (at <= o.layers.size());
     if (o.blocks.size() > 128) {
-      throw mb::invalid_argument("--layers", "at most 128 blocks", std::to_string(o.blocks.size()), "List fewer blocks");
+      throw mb::invalid_argument(f.label("--layers"), "at most 128 blocks", std::to_string(o.blocks.size()), "List fewer blocks");
     }
   }
-  if (f.given("--budget")) o.budget = cc::size(f.label("--budget"), f["--budget"], "--budget 64MiB");
+  if (f.given("--budget")) {
+    o.budget_label = f.label("--budget");
+    o.budget = cc::size(o.budget_label, f["--budget"], "--budget 64MiB");
+  }
   grid::for_each_axis([&]<typename Axis>() { o.vary.emplace_back(Axis::name); });
   if (f.given("--vary")) {
     const std::string& text = f["--vary"];
@@ -292,6 +302,14 @@ class progress {
 using stack = mb::budget_allocator<mb::traced_allocator<mb::expandable_arena<mb::host_virtual_memory>>>;
 constexpr std::size_t no_budget_limit = std::size_t{1} << 34;  // without --budget: what a plan may reserve
 
+// The arena's address range for a budget: the budget in pages, at most 1 TiB (as the example
+// trainer's). The whole range is reserved up front, so a budget of 100 TiB would ask the kernel
+// for 100 TiB of address space, and one within a page of 2^64 would round to 0; no grid point
+// commits a terabyte.
+std::size_t arena_capacity(std::size_t limit, std::size_t page) {
+  return mb::align_up(std::min<std::size_t>(limit, std::size_t{1} << 40), page);
+}
+
 // The library refuses what the flags could not know alone (a head size a block does not take).
 template <typename F>
 auto under_flags(const options& o, F make) -> decltype(make()) {
@@ -331,7 +349,7 @@ void plan_points(const options& o, std::vector<point>& out, const std::string& a
   const std::size_t page = mb::host_virtual_memory::page_size();
   mb::trace_recorder recorder(4096);
   // A stack like each point's run, for its reserve function (the shadow of its rounding).
-  stack probe(limit, recorder, mb::expandable_arena_options{mb::align_up(limit, page)}, page);
+  stack probe(limit, recorder, mb::expandable_arena_options{arena_capacity(limit, page)}, page);
   const mb::reserve_function reserve = mb::reserve_model(m, probe);
 
   using K = mb::schedule_choice::kind;
@@ -428,7 +446,7 @@ void run_point(const options& o, point& q) {
   const std::size_t page = mb::host_virtual_memory::page_size();
   const std::size_t limit = o.budget.value_or(no_budget_limit);
   mb::trace_recorder recorder(4096);
-  stack alloc(limit, recorder, mb::expandable_arena_options{mb::align_up(limit, page)}, page);
+  stack alloc(limit, recorder, mb::expandable_arena_options{arena_capacity(limit, page)}, page);
   mb::thread_pool pool(o.threads);
   mb::trainer_options to;
   to.replan_under_pressure = false;  // the point's plan, never another
@@ -764,9 +782,9 @@ int run(const options& o) {
   if (o.budget && std::none_of(pts.begin(), pts.end(), [](const point& p) { return p.fits; })) {
     std::size_t least = SIZE_MAX;
     for (const point& p : pts) least = std::min(least, p.predicted_reserved);
-    throw mb::invalid_argument("--budget", "a budget at least one point of the grid fits (the least predicted peak is " +
-                                               mb::format_bytes(least, false) + ")",
-                               mb::format_bytes(*o.budget, false), "Raise --budget, or leave it out");
+    throw mb::invalid_argument(o.budget_label, "a budget at least one point of the grid fits (the least predicted peak is " +
+                                                   mb::format_bytes(least, false) + ")",
+                               mb::format_bytes(*o.budget, false), "Raise it, or leave it out");
   }
   std::size_t to_run = 0;
   for (const point& p : pts) to_run += p.fits ? 1 : 0;
@@ -878,7 +896,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    if (f.on_line("--config")) read_config(f);
+    if (f.on_line("--config")) (void)checked_options(read_config(f));  // the file on its own first
     return run(checked_options(f));
   } catch (const std::exception& e) {
     std::fflush(stdout);

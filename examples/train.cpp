@@ -791,8 +791,8 @@ int main(int argc, char** argv) {
        "under mpirun, 1 starts each block's gradient exchange as its backward ends and completes it after the next "
        "block's, which runs meanwhile: with --zero 2 every micro-batch's reduce-scatter of the block (one bucket and "
        "its workspace more in flight), with --zero 0 or 1 the last micro-batch's all-reduce or reduce-scatter of the "
-       "block's accumulated gradients (one workspace more in flight); the same sums, planned; CPU ranks only "
-       "(default 0)");
+       "block's accumulated gradients (one workspace more in flight); the same sums, planned; CPU ranks only; "
+       "refused in one process, which exchanges nothing (default 0)");
   flag("--timeout", "0..86400",
        "under mpirun, the most seconds any collective may take (on GPU ranks from its enqueue, NCCL's watchdog): a "
        "rank that died or hangs makes the others stop with collective_timeout after this long (0: wait as long as "
@@ -862,6 +862,10 @@ int main(int argc, char** argv) {
     // Rank 0 prints; the others' lines would repeat it (errors still reach stderr from every rank).
     if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
     try {
+      if (o.overlap != 0 && world.size() == 1) {
+        throw mb::invalid_argument("--overlap", "0 in one process (there is no gradient exchange to overlap)", "1",
+                                   "Run under mpirun -np N with N > 1, or leave --overlap out");
+      }
 #if MEMBOUND_EXAMPLE_CUDA
       if (o.device == "cuda") {
         // Over several ranks, or when MEMBOUND_EXAMPLE_NCCL=1 asks for it: a GPU per rank over NCCL

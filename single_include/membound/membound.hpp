@@ -16293,6 +16293,8 @@ MEMBOUND_NAMESPACE_END
 // them. The trainer decides what to do with what is read (the fingerprint, the plan, the ranks'
 // agreement); this file only writes, reads and checks the bytes.
 
+#include <filesystem>
+
 // ---- begin membound/train/data_source.hpp ----
 // What the trainer asks its data for and the generator behind it (one part of the trainer,
 // train/trainer.hpp): a run's data position and random state are a checkpoint's, so a resumed run
@@ -16709,6 +16711,53 @@ inline std::string checkpoint_shard_path(const std::string& path, std::uint64_t 
   return detail::folder_of(path) + checkpoint_shard_name(path, steps, r, ranks);
 }
 
+// Whether `name` is the name of a shard file of a checkpoint at a path named `base`:
+// "<base>.step-<digits>.rank-<digits>-of-<digits>" and nothing after it (a writer's temporary,
+// "<name>.tmp...", is not one).
+inline bool is_checkpoint_shard_name(const std::string& name, const std::string& base) {
+  const auto digits = [&](std::size_t& at) {
+    const std::size_t from = at;
+    while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
+    return at > from;
+  };
+  const auto word = [&](std::size_t& at, const char* w) {
+    const std::string_view v(w);
+    if (name.compare(at, v.size(), v) != 0) return false;
+    at += v.size();
+    return true;
+  };
+  std::size_t at = 0;
+  return word(at, base.c_str()) && word(at, ".step-") && digits(at) && word(at, ".rank-") && digits(at) &&
+         word(at, "-of-") && digits(at) && at == name.size();
+}
+
+// Removes the shard files beside `path` (is_checkpoint_shard_name of its file name) that `keep`
+// does not name (paths as manifest_sources gives them; none for a whole checkpoint): what no
+// checkpoint committed at `path` needs. Call it once the checkpoint that names `keep` is committed:
+// a crash before leaves the previous checkpoint's files, one after leaves files the next call
+// removes, so a committed manifest never loses a file it names. Best effort: a file that is gone
+// already (removed by another rank sharing the folder) or cannot be removed is skipped, and the
+// save or load that called it stands. Returns how many this call removed.
+inline std::size_t remove_unreferenced_shards(const std::string& path, const std::vector<std::string>& keep) {
+  namespace fs = std::filesystem;
+  const std::string base = detail::base_of(path), folder = detail::folder_of(path);
+  std::vector<std::string> kept;
+  for (const std::string& k : keep) kept.push_back(detail::base_of(k));
+  std::size_t removed = 0;
+  std::error_code ec;
+  fs::directory_iterator it(folder.empty() ? fs::path(".") : fs::path(folder), ec);
+  if (ec) return 0;
+  std::vector<fs::path> doomed;
+  for (const fs::directory_entry& e : it) {
+    const std::string name = e.path().filename().string();
+    if (is_checkpoint_shard_name(name, base) && std::find(kept.begin(), kept.end(), name) == kept.end()) {
+      doomed.push_back(e.path());
+    }
+  }
+  for (const fs::path& f : doomed) removed += fs::remove(f, ec) ? 1 : 0;
+  return removed;
+}
+
 // The manifest of `ranks` shard files of n parameters (shard_of's ranges), committed at `path`.
 inline void write_checkpoint_manifest(const std::string& path, std::size_t ranks, std::uint64_t steps, std::size_t n) {
   std::string text = "ranks=" + std::to_string(ranks) + "\nzero=1\nstep=" + std::to_string(steps) +
@@ -16778,6 +16827,44 @@ inline std::vector<checkpoint_source> manifest_sources(const std::vector<fingerp
   }
   if (at != n) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n));
   return src;
+}
+
+// A file read through a manifest must hold what the manifest names it for: a shard file copied
+// or renamed over another of the same size would otherwise load another rank's weights and
+// state. f: the file's fingerprint (a whole checkpoint records no shard: [0, n) of one rank);
+// ranks: the manifest's world size; n: the model's parameter elements.
+inline void check_source_identity(const std::vector<fingerprint_field>& f, const checkpoint_source& s,
+                                  std::size_t ranks, std::size_t n, const std::string& manifest) {
+  const auto field = [&](const char* name) -> const std::string* {
+    for (const fingerprint_field& e : f)
+      if (e.name == name) return &e.value;
+    return nullptr;
+  };
+  const std::string named = std::to_string(s.range.begin) + ".." + std::to_string(s.range.end);
+  const std::string* held = field("optimizer.shard");
+  const std::string holds = held != nullptr ? *held : "0.." + std::to_string(n);
+  const std::string* of = field("ranks");
+  const std::string world_of = of != nullptr ? *of : "1";
+  if (holds != named || world_of != std::to_string(ranks)) {
+    throw corrupt_checkpoint(s.file, "it holds parameters " + holds + " of a world of " + world_of +
+                                         " rank(s), and its manifest '" + manifest + "' names it for " + named + " of " +
+                                         std::to_string(ranks) + " (a shard file renamed or copied over another?)");
+  }
+}
+
+// Re-sharding an elementwise optimizer state (`arrays` arrays of `element_bytes`-byte elements,
+// each over a range of parameters, one after another): copies the part of `from` (the state over
+// the parameters `from_range`) that overlaps `to_range` into `to` (the state over `to_range`), in
+// every array. Nothing is written outside the overlap; none at all when the ranges are disjoint.
+inline void copy_state_overlap(std::span<const std::byte> from, shard_range from_range, std::span<std::byte> to,
+                               shard_range to_range, std::size_t arrays, std::size_t element_bytes) {
+  const shard_range o = overlap(to_range, from_range.begin, from_range.end);
+  if (o.size() == 0) return;
+  for (std::size_t a = 0; a < arrays; ++a) {
+    const std::size_t src = (a * from_range.size() + (o.begin - from_range.begin)) * element_bytes;
+    const std::size_t dst = (a * to_range.size() + (o.begin - to_range.begin)) * element_bytes;
+    std::memcpy(to.data() + dst, from.data() + src, o.size() * element_bytes);
+  }
 }
 
 MEMBOUND_NAMESPACE_END
@@ -17991,9 +18078,10 @@ class trainer {
   // collective (the same files for both: gradients are not saved): every rank writes its shard
   // file (its slice of the weights, its optimizer state, the counters), then rank 0 writes
   // `path`, a manifest naming them (world size, ZeRO stage, each rank's shard and file, the step). Each file is committed atomically and the manifest
-  // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
-  // removes its previous shard only once the new manifest is committed). A failure on any rank
-  // is thrown on every rank.
+  // last, so a crash leaves the previous manifest, whose shard files are still there. The files
+  // belong to the checkpoint committed at `path`: once it is, every other shard file of `path`
+  // (an earlier step's, another world size's, a killed save's) is removed, by the save and by a
+  // load of it (remove_unreferenced_shards). A failure on any rank is thrown on every rank.
   void save(const std::string& path) const {
     follow_stream();
     if (sharded()) {
@@ -18006,6 +18094,8 @@ class trainer {
                           [&](const void* state) { write_state(cw, w, m_.weight_bytes(), state); });
     });
     cw.commit(path);
+    // A whole checkpoint at `path` names no shard file: any left beside it are garbage.
+    (void)remove_unreferenced_shards(path, {});
   }
 
   // Reads and checks the whole file first; on any error this trainer is unchanged. A file of
@@ -18400,9 +18490,12 @@ class trainer {
       }
     }
     agree(failed, "write the checkpoint manifest");
-    // The previous save's shard is named by no manifest now.
-    if (!last_shard_.empty() && last_shard_ != file) std::remove(last_shard_.c_str());
-    last_shard_ = file;
+    // The committed manifest owns the files it names; every other shard file of `path` (an earlier
+    // step's, another world's, one a killed save left) is named by no manifest now. Each rank
+    // cleans its own folder's view (node-local or shared).
+    std::vector<std::string> named;
+    for (std::size_t r = 0; r < N; ++r) named.push_back(checkpoint_shard_path(path, steps_, r, N));
+    (void)remove_unreferenced_shards(path, named);
   }
 
   bool load_shards(const std::string& path, const load_options& lo) {
@@ -18431,6 +18524,7 @@ class trainer {
     std::exception_ptr failed;
     std::optional<checkpoint_reader> shard;
     std::string shard_path;
+    std::vector<std::string> named_files;
     staged st;
     try {
       const checkpoint_reader r(path);
@@ -18445,12 +18539,17 @@ class trainer {
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
         throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
-      const std::string entry = manifest_value(f, "shard." + std::to_string(me), path);
-      const std::string range = std::to_string(opt_shard_.begin) + ".." + std::to_string(opt_shard_.end) + " ";
-      if (entry.rfind(range, 0) != 0 || entry.size() == range.size()) {
-        throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " is '" + entry + "', this rank holds " + range);
+      // Every field against this run, as at another world size: the parameters, each shard's range.
+      const std::vector<checkpoint_source> sources = manifest_sources(f, path, n_);
+      for (const checkpoint_source& c : sources) named_files.push_back(c.file);
+      const checkpoint_source mine = sources[me];
+      if (mine.range.begin != opt_shard_.begin || mine.range.end != opt_shard_.end) {
+        throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " holds parameters " +
+                                           std::to_string(mine.range.begin) + ".." + std::to_string(mine.range.end) +
+                                           ", this rank holds " + std::to_string(opt_shard_.begin) + ".." +
+                                           std::to_string(opt_shard_.end));
       }
-      shard_path = detail::folder_of(path) + entry.substr(range.size());
+      shard_path = mine.file;
       shard.emplace(shard_path);
       st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S), lo);
       if (std::to_string(st.steps) != manifest_value(f, "step", path)) {
@@ -18470,7 +18569,8 @@ class trainer {
     agree(failed, "load its checkpoint shard (the ranks that did are loaded: load again before training)");
     // Every rank holds its shard of the weights: gather the whole model (in place).
     comm_.all_gather(static_cast<const S*>(w_ + opt_shard_.begin), w_, n_);
-    last_shard_ = shard_path;
+    // What the loaded manifest does not name (a killed save's files) goes now, not at the next save.
+    (void)remove_unreferenced_shards(path, named_files);
     return st.restored;
   }
 
@@ -18508,24 +18608,7 @@ class trainer {
             check_checkpoint_format(r, s.file);
             const std::vector<fingerprint_field> f = read_checkpoint_fields(r, "fingerprint", s.file);
             check_fingerprint(f, s.file, /*any_world=*/true);
-            // The file must hold what its manifest names it for: a shard file copied or renamed over
-            // another of the same size would otherwise load another rank's weights and state.
-            const auto field = [&](const char* name) -> const std::string* {
-              for (const fingerprint_field& e : f)
-                if (e.name == name) return &e.value;
-              return nullptr;
-            };
-            const std::string named = std::to_string(s.range.begin) + ".." + std::to_string(s.range.end);
-            const std::string* held = field("optimizer.shard");
-            const std::string holds = held != nullptr ? *held : "0.." + std::to_string(n_);
-            const std::string* of = field("ranks");
-            const std::string world_of = of != nullptr ? *of : "1";
-            if (holds != named || world_of != std::to_string(src.size())) {
-              throw corrupt_checkpoint(s.file, "it holds parameters " + holds + " of a world of " + world_of +
-                                                   " rank(s), and its manifest '" + path + "' names it for " + named +
-                                                   " of " + std::to_string(src.size()) +
-                                                   " (a shard file renamed or copied over another?)");
-            }
+            check_source_identity(f, s, src.size(), n_, path);
             const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
             const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
             if (saved == f.end() || saved->value != want) {
@@ -18538,14 +18621,7 @@ class trainer {
                                                    std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
             }
             r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
-            const shard_range o = overlap(mine, s.range.begin, s.range.end);
-            if (o.size() != 0) {
-              const std::span<const std::byte> view = r.view("optimizer");
-              for (std::size_t a = 0; a < arrays; ++a) {
-                std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
-                            view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
-              }
-            }
+            copy_state_overlap(r.view("optimizer"), s.range, std::span<std::byte>(state), mine, arrays, eb);
             const staged sk = stage_counters(r, s.file, lo);
             if (k == 0) {
               st = sk;
@@ -18567,7 +18643,12 @@ class trainer {
         failed = std::current_exception();
       }
       agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
-      last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
+      // The files the loaded checkpoint names stay (the next save's manifest replaces it); others go.
+      std::vector<std::string> named;
+      if (src.size() != 1 || src[0].file != path) {
+        for (const checkpoint_source& c : src) named.push_back(c.file);
+      }
+      (void)remove_unreferenced_shards(path, named);
       return st.restored;
     }
   }
@@ -19299,7 +19380,6 @@ class trainer {
   bool oom_may_vote_ = false;
   // This micro-batch's backward starts gradient exchanges (ZeRO-2, or ZeRO-0/1 overlapped's last).
   bool backward_exchanges_ = false;
-  mutable std::string last_shard_;  // this rank's shard file of the last ZeRO-1 save or load
 };
 
 MEMBOUND_NAMESPACE_END

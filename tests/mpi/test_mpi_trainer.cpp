@@ -676,6 +676,38 @@ int main(int argc, char** argv) {
       check(same_bits(losses, zero1.losses) && std::vector<unsigned char>(w, w + m.weight_bytes()) == zero1.weights,
             "ZeRO-1 resumed from its shards: the losses and weights of the uninterrupted run, bit for bit");
     }
+    {
+      // Every field of a manifest is checked against the run, at the same world size too: a copy of
+      // it with a valid checksum and one edited field (the parameter count) is refused by name on
+      // every rank, nothing loaded.
+      const std::string forged = std::string(dir) + "/forged.ckpt";
+      if (me == 0) {
+        const std::vector<mb::fingerprint_field> f = mb::read_checkpoint_manifest(mb::checkpoint_reader(path), path);
+        std::string text;
+        for (const mb::fingerprint_field& e : f) {
+          text += e.name + "=" + (e.name == "parameters" ? std::to_string(m.parameter_elements() + 1) : e.value) + "\n";
+        }
+        mb::checkpoint_writer cw;
+        cw.add_value<std::uint64_t>("format", mb::checkpoint_format_version);
+        cw.add("manifest", text.data(), text.size());
+        cw.commit(forged);
+      }
+      comm.barrier();
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size()), a, pool, options(1), mb::null_monitor{},
+                    comm);
+      bool refused = false;
+      try {
+        t.load(forged);
+      } catch (const mb::checkpoint_mismatch& e) {
+        refused = e.field() == "parameters";
+      }
+      check(refused && t.steps_done() == 0, "a manifest with an edited parameter count: checkpoint_mismatch naming "
+                                            "parameters on every rank, nothing loaded");
+      comm.barrier();
+      if (me == 0) std::filesystem::remove(forged);
+    }
     // Run settings over ranks: the shards under another peak lr are refused on every rank with
     // nothing loaded, through load_shards (N ranks) and load_resharded (one process); accepted,
     // they load and the change is listed.
@@ -890,10 +922,26 @@ int main(int argc, char** argv) {
     std::size_t files = 0;
     if (me == 0) {
       for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++files;
-      std::filesystem::remove_all(dir);
     }
     comm.broadcast(&files, 1, 0);
     check(files == N + 1, "the manifest and one shard file per rank, nothing else (" + std::to_string(files) + " files)");
+    // The N ranks' checkpoint resumed in one process (re-sharded) and saved whole at the same
+    // path: the shard files belong to no checkpoint now and are gone.
+    if (me == 0) {
+      mb::mpi_communicator alone(MPI_COMM_SELF);
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      mb::trainer t(m, effective, plan_for(m, effective.batch), a, pool, options(0), mb::null_monitor{}, alone);
+      t.load(path);
+      (void)t.step(src);
+      t.save(path);
+      files = 0;
+      for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++files;
+      std::filesystem::remove_all(dir);
+    }
+    comm.broadcast(&files, 1, 0);
+    check(files == 1, "resumed in one process and saved whole: the whole file, no shard left (" + std::to_string(files) +
+                          " files)");
   }
 
   // The per-rank plan lines, and the ranks agreeing before step 1.

@@ -219,9 +219,11 @@ def main():
         c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
-        c.accept(train, base, {"--zero": "2", "--overlap": "1"})  # one process: nothing to overlap
-        c.accept(train, base, {"--zero": "1", "--overlap": "1"})  # every stage takes it
-        c.accept(train, base, {"--overlap": "1"})                 # ZeRO-0 too
+        # One process exchanges nothing: --overlap 1 is refused by name at every stage, never ignored.
+        c.refuse(train, base, "--overlap", {"--zero": "2", "--overlap": "1"})
+        c.refuse(train, base, "--overlap", {"--zero": "1", "--overlap": "1"})
+        c.refuse(train, base, "--overlap", {"--overlap": "1"})
+        c.accept(train, base, {"--overlap": "0"})
         # The plan and nothing else: no step line, exit 0.
         c.refuse(train, base, "--report", {"--plan-only": "1"})  # nothing trained: no report
         c.refuse(train, base, "--trace", {"--plan-only": "1", "--report": None})

@@ -4,8 +4,9 @@ is exactly the non-dominated set over (time_ms, measured_peak_bytes) among the p
 points over --budget are marked fits: false and not run, the SVG is well-formed XML with a budget
 line, every compile-time variant differs from the base on its own axis only, --vary and --config
 are honoured; and bad input (unknown layer or axis, --backend cuda, a budget no point fits, an
-unwritable output, a corrupt or misspelt --config) exits 1 with one `error:` line and writes
-nothing.
+unwritable output, a corrupt or misspelt --config, a bad key in it even where a flag overrides it)
+exits 1 with one `error:` line naming the flag or key and writes nothing; a budget past any machine
+(2^64 - 1 bytes, 100 TiB) runs.
 
 usage: policy_grid_check.py PATH/TO/policy_grid
 """
@@ -111,13 +112,15 @@ def check_svg(name, path, budget):
           f"{name}: a Pareto front line")
 
 
-def check_bad(exe, tmp, name, args):
+def check_bad(exe, tmp, name, args, names=None):
     out = os.path.join(tmp, f"bad_{name}.json")
     before = set(os.listdir(tmp))
     r = run(exe, TINY + args + (["--json", out] if "--json" not in args else []))
     err = [l for l in r.stderr.splitlines() if l.strip()]
     check(r.returncode == 1, f"bad {name}: exit 1 (got {r.returncode})")
     check(len(err) == 1 and err[0].startswith("error: "), f"bad {name}: one error line (got {r.stderr!r})")
+    if names is not None and err:
+        check(names in err[0], f"bad {name}: the error names {names} (got {err[0]!r})")
     check(r.stdout == "", f"bad {name}: nothing on stdout (got {r.stdout[:200]!r})")
     check(set(os.listdir(tmp)) == before, f"bad {name}: nothing written")
 
@@ -182,6 +185,26 @@ def main():
         with open(bad_cfg, "w") as f:
             f.write('{"widht": 32}')
         check_bad(exe, tmp, "config_key", ["--config", bad_cfg])
+        # A key is checked as strictly as its flag, where a flag on the line overrides it too (TINY
+        # passes --width, --heads and --repetitions), and the error names the key.
+        for name, text, line in [("width", '{"width": "abc"}', []),
+                                 ("layers", '{"layers": ""}', ["--layers", "attn"]),
+                                 ("repetitions", '{"repetitions": 0}', []),
+                                 ("heads", '{"heads": 3}', []),
+                                 ("budget", '{"budget": "1KiB"}', [])]:
+            with open(bad_cfg, "w") as f:
+                f.write(text)
+            check_bad(exe, tmp, f"config_{name}", ["--config", bad_cfg] + line, names=f'--config key "{name}"')
+        with open(bad_cfg, "w") as f:
+            f.write('{"width": 1e400}')  # past a double: nlohmann's out_of_range, not a syntax error
+        check_bad(exe, tmp, "config_huge_number", ["--config", bad_cfg], names="--config")
+        # Budgets past any machine: the arena's range is capped (1 TiB), never wrapped or mapped whole.
+        for budget in ["18446744073709551615", "100TiB"]:
+            out = os.path.join(tmp, "huge_budget.json")
+            r = run(exe, TINY + ["--vary", "none", "--budget", budget, "--json", out])
+            check(r.returncode == 0, f"budget {budget}: runs (got {r.returncode}; stderr {r.stderr!r})")
+            if os.path.exists(out):
+                os.remove(out)
     if failures:
         print(f"{len(failures)} check(s) failed")
         return 1

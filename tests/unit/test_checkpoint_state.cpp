@@ -6,14 +6,22 @@
 //     were recorded reads with none;
 //   - a manifest names shard files beside it that tile the parameters (shard_of's ranges); one for
 //     another parameter count is checkpoint_mismatch naming "parameters"; a gap, an overlap, a
-//     world of 0 or a missing field is corrupt_checkpoint naming the manifest.
+//     world of 0 or a missing field is corrupt_checkpoint naming the manifest;
+//   - a file read through a manifest must hold the parameters and world the manifest names it for;
+//   - re-sharding copies the overlap of each optimizer array and nothing else;
+//   - the shard files of a path that the committed checkpoint does not name are removed, and no
+//     other file (temporaries, other paths' files).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "membound/train/checkpoint_state.hpp"
@@ -171,4 +179,80 @@ TEST_CASE("checkpoint state: a manifest names shard files beside it that tile th
   CHECK_THROWS_AS(mb::manifest_sources(edited("ranks", "4"), path, 10), mb::corrupt_checkpoint);  // no shard.3
   CHECK_THROWS_AS(mb::manifest_value(f, "zero3", path), mb::corrupt_checkpoint);
   std::filesystem::remove_all(folder);
+}
+
+TEST_CASE("checkpoint state: a file read through a manifest holds what the manifest names it for") {
+  const std::vector<mb::fingerprint_field> shard1 = {{"config.width", "32"}, {"ranks", "2"}, {"optimizer.shard", "5..10"}};
+  mb::check_source_identity(shard1, {{5, 10}, "b"}, 2, 10, "m");  // as named: nothing thrown
+  try {
+    mb::check_source_identity(shard1, {{0, 5}, "a"}, 2, 10, "m");  // shard 1 copied over shard 0
+    FAIL("a shard file named for another rank's parameters was taken");
+  } catch (const mb::corrupt_checkpoint& e) {
+    const std::string w = e.what();
+    CHECK(w.find("holds parameters 5..10 of a world of 2") != std::string::npos);
+    CHECK(w.find("names it for 0..5 of 2") != std::string::npos);
+  }
+  CHECK_THROWS_AS(mb::check_source_identity(shard1, {{5, 10}, "b"}, 4, 10, "m"), mb::corrupt_checkpoint);  // another world
+  // A whole checkpoint records no shard: all the parameters, one rank.
+  const std::vector<mb::fingerprint_field> whole = {{"config.width", "32"}};
+  mb::check_source_identity(whole, {{0, 10}, "w"}, 1, 10, "m");
+  CHECK_THROWS_AS(mb::check_source_identity(whole, {{0, 5}, "w"}, 2, 10, "m"), mb::corrupt_checkpoint);
+}
+
+TEST_CASE("checkpoint state: re-sharding copies the overlap of each optimizer array, nothing else") {
+  // Three arrays of 4-byte elements; element value: array·1000 + parameter index.
+  constexpr std::size_t arrays = 3, eb = sizeof(std::uint32_t);
+  const auto state_of = [&](mb::shard_range r) {
+    std::vector<std::uint32_t> v(arrays * r.size());
+    for (std::size_t a = 0; a < arrays; ++a)
+      for (std::size_t i = r.begin; i < r.end; ++i) v[a * r.size() + (i - r.begin)] = static_cast<std::uint32_t>(a * 1000 + i);
+    return v;
+  };
+  const auto bytes = [](const std::vector<std::uint32_t>& v) { return std::as_bytes(std::span<const std::uint32_t>(v)); };
+  const auto writable = [](std::vector<std::uint32_t>& v) { return std::as_writable_bytes(std::span<std::uint32_t>(v)); };
+  const std::uint32_t untouched = 0xdeadbeef;
+  for (const auto& [from, to] : std::vector<std::pair<mb::shard_range, mb::shard_range>>{
+           {{4, 10}, {0, 7}}, {{0, 4}, {0, 7}}, {{0, 10}, {3, 6}}, {{3, 6}, {0, 10}}, {{7, 10}, {0, 7}}}) {
+    const std::vector<std::uint32_t> src = state_of(from);
+    std::vector<std::uint32_t> dst(arrays * to.size(), untouched);
+    mb::copy_state_overlap(bytes(src), from, writable(dst), to, arrays, eb);
+    const mb::shard_range o = mb::overlap(to, from.begin, from.end);
+    for (std::size_t a = 0; a < arrays; ++a)
+      for (std::size_t i = to.begin; i < to.end; ++i) {
+        const bool in = i >= o.begin && i < o.end && o.size() != 0;
+        CHECK(dst[a * to.size() + (i - to.begin)] == (in ? a * 1000 + i : untouched));
+      }
+  }
+}
+
+TEST_CASE("checkpoint state: shard files no committed checkpoint names are removed, nothing else") {
+  CHECK(mb::is_checkpoint_shard_name("run.ckpt.step-12.rank-0-of-2", "run.ckpt"));
+  CHECK_FALSE(mb::is_checkpoint_shard_name("run.ckpt.step-12.rank-0-of-2.tmp.123", "run.ckpt"));  // a writer's temporary
+  CHECK_FALSE(mb::is_checkpoint_shard_name("run.ckpt.step-12.rank-0-of-", "run.ckpt"));
+  CHECK_FALSE(mb::is_checkpoint_shard_name("run.ckpt.step-x.rank-0-of-2", "run.ckpt"));
+  CHECK_FALSE(mb::is_checkpoint_shard_name("other.ckpt.step-1.rank-0-of-2", "run.ckpt"));
+  CHECK_FALSE(mb::is_checkpoint_shard_name("run.ckpt", "run.ckpt"));
+
+  namespace fs = std::filesystem;
+  const fs::path folder = temp_path("cleanup");
+  fs::remove_all(folder);
+  fs::create_directories(folder);
+  const std::string path = (folder / "run.ckpt").string();
+  const std::vector<std::string> all = {"run.ckpt.step-4.rank-0-of-2", "run.ckpt.step-4.rank-1-of-2",  // an earlier step
+                                        "run.ckpt.step-8.rank-0-of-4", "run.ckpt.step-8.rank-3-of-4",  // another world
+                                        "run.ckpt.step-8.rank-0-of-2", "run.ckpt.step-8.rank-1-of-2",  // the manifest's
+                                        "run.ckpt.step-8.rank-0-of-2.tmp.77",                          // a temporary
+                                        "run.ckpt", "other.ckpt.step-4.rank-0-of-2", "notes.txt"};
+  for (const std::string& f : all) std::ofstream(folder / f) << "x";
+  const std::vector<std::string> keep = {mb::checkpoint_shard_path(path, 8, 0, 2), mb::checkpoint_shard_path(path, 8, 1, 2)};
+  CHECK(mb::remove_unreferenced_shards(path, keep) == 4);
+  std::vector<std::string> left;
+  for (const fs::directory_entry& e : fs::directory_iterator(folder)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  CHECK(left == std::vector<std::string>{"notes.txt", "other.ckpt.step-4.rank-0-of-2", "run.ckpt",
+                                         "run.ckpt.step-8.rank-0-of-2", "run.ckpt.step-8.rank-0-of-2.tmp.77",
+                                         "run.ckpt.step-8.rank-1-of-2"});
+  CHECK(mb::remove_unreferenced_shards(path, keep) == 0);  // again: nothing more
+  CHECK(mb::remove_unreferenced_shards(path, {}) == 2);    // a whole checkpoint names none
+  fs::remove_all(folder);
 }

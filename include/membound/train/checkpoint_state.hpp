@@ -10,12 +10,16 @@
 // agreement); this file only writes, reads and checks the bytes.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <filesystem>
 #include <span>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -171,6 +175,53 @@ inline std::string checkpoint_shard_path(const std::string& path, std::uint64_t 
   return detail::folder_of(path) + checkpoint_shard_name(path, steps, r, ranks);
 }
 
+// Whether `name` is the name of a shard file of a checkpoint at a path named `base`:
+// "<base>.step-<digits>.rank-<digits>-of-<digits>" and nothing after it (a writer's temporary,
+// "<name>.tmp...", is not one).
+inline bool is_checkpoint_shard_name(const std::string& name, const std::string& base) {
+  const auto digits = [&](std::size_t& at) {
+    const std::size_t from = at;
+    while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
+    return at > from;
+  };
+  const auto word = [&](std::size_t& at, const char* w) {
+    const std::string_view v(w);
+    if (name.compare(at, v.size(), v) != 0) return false;
+    at += v.size();
+    return true;
+  };
+  std::size_t at = 0;
+  return word(at, base.c_str()) && word(at, ".step-") && digits(at) && word(at, ".rank-") && digits(at) &&
+         word(at, "-of-") && digits(at) && at == name.size();
+}
+
+// Removes the shard files beside `path` (is_checkpoint_shard_name of its file name) that `keep`
+// does not name (paths as manifest_sources gives them; none for a whole checkpoint): what no
+// checkpoint committed at `path` needs. Call it once the checkpoint that names `keep` is committed:
+// a crash before leaves the previous checkpoint's files, one after leaves files the next call
+// removes, so a committed manifest never loses a file it names. Best effort: a file that is gone
+// already (removed by another rank sharing the folder) or cannot be removed is skipped, and the
+// save or load that called it stands. Returns how many this call removed.
+inline std::size_t remove_unreferenced_shards(const std::string& path, const std::vector<std::string>& keep) {
+  namespace fs = std::filesystem;
+  const std::string base = detail::base_of(path), folder = detail::folder_of(path);
+  std::vector<std::string> kept;
+  for (const std::string& k : keep) kept.push_back(detail::base_of(k));
+  std::size_t removed = 0;
+  std::error_code ec;
+  fs::directory_iterator it(folder.empty() ? fs::path(".") : fs::path(folder), ec);
+  if (ec) return 0;
+  std::vector<fs::path> doomed;
+  for (const fs::directory_entry& e : it) {
+    const std::string name = e.path().filename().string();
+    if (is_checkpoint_shard_name(name, base) && std::find(kept.begin(), kept.end(), name) == kept.end()) {
+      doomed.push_back(e.path());
+    }
+  }
+  for (const fs::path& f : doomed) removed += fs::remove(f, ec) ? 1 : 0;
+  return removed;
+}
+
 // The manifest of `ranks` shard files of n parameters (shard_of's ranges), committed at `path`.
 inline void write_checkpoint_manifest(const std::string& path, std::size_t ranks, std::uint64_t steps, std::size_t n) {
   std::string text = "ranks=" + std::to_string(ranks) + "\nzero=1\nstep=" + std::to_string(steps) +
@@ -240,6 +291,44 @@ inline std::vector<checkpoint_source> manifest_sources(const std::vector<fingerp
   }
   if (at != n) throw corrupt_checkpoint(path, "its shards end at parameter " + std::to_string(at) + " of " + std::to_string(n));
   return src;
+}
+
+// A file read through a manifest must hold what the manifest names it for: a shard file copied
+// or renamed over another of the same size would otherwise load another rank's weights and
+// state. f: the file's fingerprint (a whole checkpoint records no shard: [0, n) of one rank);
+// ranks: the manifest's world size; n: the model's parameter elements.
+inline void check_source_identity(const std::vector<fingerprint_field>& f, const checkpoint_source& s,
+                                  std::size_t ranks, std::size_t n, const std::string& manifest) {
+  const auto field = [&](const char* name) -> const std::string* {
+    for (const fingerprint_field& e : f)
+      if (e.name == name) return &e.value;
+    return nullptr;
+  };
+  const std::string named = std::to_string(s.range.begin) + ".." + std::to_string(s.range.end);
+  const std::string* held = field("optimizer.shard");
+  const std::string holds = held != nullptr ? *held : "0.." + std::to_string(n);
+  const std::string* of = field("ranks");
+  const std::string world_of = of != nullptr ? *of : "1";
+  if (holds != named || world_of != std::to_string(ranks)) {
+    throw corrupt_checkpoint(s.file, "it holds parameters " + holds + " of a world of " + world_of +
+                                         " rank(s), and its manifest '" + manifest + "' names it for " + named + " of " +
+                                         std::to_string(ranks) + " (a shard file renamed or copied over another?)");
+  }
+}
+
+// Re-sharding an elementwise optimizer state (`arrays` arrays of `element_bytes`-byte elements,
+// each over a range of parameters, one after another): copies the part of `from` (the state over
+// the parameters `from_range`) that overlaps `to_range` into `to` (the state over `to_range`), in
+// every array. Nothing is written outside the overlap; none at all when the ranges are disjoint.
+inline void copy_state_overlap(std::span<const std::byte> from, shard_range from_range, std::span<std::byte> to,
+                               shard_range to_range, std::size_t arrays, std::size_t element_bytes) {
+  const shard_range o = overlap(to_range, from_range.begin, from_range.end);
+  if (o.size() == 0) return;
+  for (std::size_t a = 0; a < arrays; ++a) {
+    const std::size_t src = (a * from_range.size() + (o.begin - from_range.begin)) * element_bytes;
+    const std::size_t dst = (a * to_range.size() + (o.begin - to_range.begin)) * element_bytes;
+    std::memcpy(to.data() + dst, from.data() + src, o.size() * element_bytes);
+  }
 }
 
 MEMBOUND_NAMESPACE_END

@@ -422,9 +422,10 @@ class trainer {
   // collective (the same files for both: gradients are not saved): every rank writes its shard
   // file (its slice of the weights, its optimizer state, the counters), then rank 0 writes
   // `path`, a manifest naming them (world size, ZeRO stage, each rank's shard and file, the step). Each file is committed atomically and the manifest
-  // last, so a crash leaves the previous manifest, whose shard files are still there (a rank
-  // removes its previous shard only once the new manifest is committed). A failure on any rank
-  // is thrown on every rank.
+  // last, so a crash leaves the previous manifest, whose shard files are still there. The files
+  // belong to the checkpoint committed at `path`: once it is, every other shard file of `path`
+  // (an earlier step's, another world size's, a killed save's) is removed, by the save and by a
+  // load of it (remove_unreferenced_shards). A failure on any rank is thrown on every rank.
   void save(const std::string& path) const {
     follow_stream();
     if (sharded()) {
@@ -437,6 +438,8 @@ class trainer {
                           [&](const void* state) { write_state(cw, w, m_.weight_bytes(), state); });
     });
     cw.commit(path);
+    // A whole checkpoint at `path` names no shard file: any left beside it are garbage.
+    (void)remove_unreferenced_shards(path, {});
   }
 
   // Reads and checks the whole file first; on any error this trainer is unchanged. A file of
@@ -831,9 +834,12 @@ class trainer {
       }
     }
     agree(failed, "write the checkpoint manifest");
-    // The previous save's shard is named by no manifest now.
-    if (!last_shard_.empty() && last_shard_ != file) std::remove(last_shard_.c_str());
-    last_shard_ = file;
+    // The committed manifest owns the files it names; every other shard file of `path` (an earlier
+    // step's, another world's, one a killed save left) is named by no manifest now. Each rank
+    // cleans its own folder's view (node-local or shared).
+    std::vector<std::string> named;
+    for (std::size_t r = 0; r < N; ++r) named.push_back(checkpoint_shard_path(path, steps_, r, N));
+    (void)remove_unreferenced_shards(path, named);
   }
 
   bool load_shards(const std::string& path, const load_options& lo) {
@@ -862,6 +868,7 @@ class trainer {
     std::exception_ptr failed;
     std::optional<checkpoint_reader> shard;
     std::string shard_path;
+    std::vector<std::string> named_files;
     staged st;
     try {
       const checkpoint_reader r(path);
@@ -876,12 +883,17 @@ class trainer {
       if (manifest_value(f, "ranks", path) != std::to_string(world()) || manifest_value(f, "zero", path) != "1") {
         throw corrupt_checkpoint(path, "its manifest changed while it was read");
       }
-      const std::string entry = manifest_value(f, "shard." + std::to_string(me), path);
-      const std::string range = std::to_string(opt_shard_.begin) + ".." + std::to_string(opt_shard_.end) + " ";
-      if (entry.rfind(range, 0) != 0 || entry.size() == range.size()) {
-        throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " is '" + entry + "', this rank holds " + range);
+      // Every field against this run, as at another world size: the parameters, each shard's range.
+      const std::vector<checkpoint_source> sources = manifest_sources(f, path, n_);
+      for (const checkpoint_source& c : sources) named_files.push_back(c.file);
+      const checkpoint_source mine = sources[me];
+      if (mine.range.begin != opt_shard_.begin || mine.range.end != opt_shard_.end) {
+        throw corrupt_checkpoint(path, "its shard " + std::to_string(me) + " holds parameters " +
+                                           std::to_string(mine.range.begin) + ".." + std::to_string(mine.range.end) +
+                                           ", this rank holds " + std::to_string(opt_shard_.begin) + ".." +
+                                           std::to_string(opt_shard_.end));
       }
-      shard_path = detail::folder_of(path) + entry.substr(range.size());
+      shard_path = mine.file;
       shard.emplace(shard_path);
       st = stage(*shard, shard_path, opt_shard_.size() * sizeof(S), lo);
       if (std::to_string(st.steps) != manifest_value(f, "step", path)) {
@@ -901,7 +913,8 @@ class trainer {
     agree(failed, "load its checkpoint shard (the ranks that did are loaded: load again before training)");
     // Every rank holds its shard of the weights: gather the whole model (in place).
     comm_.all_gather(static_cast<const S*>(w_ + opt_shard_.begin), w_, n_);
-    last_shard_ = shard_path;
+    // What the loaded manifest does not name (a killed save's files) goes now, not at the next save.
+    (void)remove_unreferenced_shards(path, named_files);
     return st.restored;
   }
 
@@ -940,24 +953,7 @@ class trainer {
             check_checkpoint_format(r, s.file);
             const std::vector<fingerprint_field> f = read_checkpoint_fields(r, "fingerprint", s.file);
             check_fingerprint(f, s.file, /*any_world=*/true);
-            // The file must hold what its manifest names it for: a shard file copied or renamed over
-            // another of the same size would otherwise load another rank's weights and state.
-            const auto field = [&](const char* name) -> const std::string* {
-              for (const fingerprint_field& e : f)
-                if (e.name == name) return &e.value;
-              return nullptr;
-            };
-            const std::string named = std::to_string(s.range.begin) + ".." + std::to_string(s.range.end);
-            const std::string* held = field("optimizer.shard");
-            const std::string holds = held != nullptr ? *held : "0.." + std::to_string(n_);
-            const std::string* of = field("ranks");
-            const std::string world_of = of != nullptr ? *of : "1";
-            if (holds != named || world_of != std::to_string(src.size())) {
-              throw corrupt_checkpoint(s.file, "it holds parameters " + holds + " of a world of " + world_of +
-                                                   " rank(s), and its manifest '" + path + "' names it for " + named +
-                                                   " of " + std::to_string(src.size()) +
-                                                   " (a shard file renamed or copied over another?)");
-            }
+            check_source_identity(f, s, src.size(), n_, path);
             const std::string want = Optimizer::description() + ", " + std::to_string(Optimizer::state_bytes(s.range.size())) + " bytes";
             const auto saved = std::find_if(f.begin(), f.end(), [](const fingerprint_field& e) { return e.name == "optimizer"; });
             if (saved == f.end() || saved->value != want) {
@@ -970,14 +966,7 @@ class trainer {
                                                    std::to_string(s.range.begin) + ", " + std::to_string(s.range.end) + ")");
             }
             r.copy("weights", weights.data() + s.range.begin, s.range.size() * sizeof(S));
-            const shard_range o = overlap(mine, s.range.begin, s.range.end);
-            if (o.size() != 0) {
-              const std::span<const std::byte> view = r.view("optimizer");
-              for (std::size_t a = 0; a < arrays; ++a) {
-                std::memcpy(state.data() + (a * mine.size() + (o.begin - mine.begin)) * eb,
-                            view.data() + (a * s.range.size() + (o.begin - s.range.begin)) * eb, o.size() * eb);
-              }
-            }
+            copy_state_overlap(r.view("optimizer"), s.range, std::span<std::byte>(state), mine, arrays, eb);
             const staged sk = stage_counters(r, s.file, lo);
             if (k == 0) {
               st = sk;
@@ -999,7 +988,12 @@ class trainer {
         failed = std::current_exception();
       }
       agree(failed, "load the checkpoint it re-shards (the ranks that did are loaded: load again before training)");
-      last_shard_.clear();  // the files belong to the world that wrote them: a later save removes none of them
+      // The files the loaded checkpoint names stay (the next save's manifest replaces it); others go.
+      std::vector<std::string> named;
+      if (src.size() != 1 || src[0].file != path) {
+        for (const checkpoint_source& c : src) named.push_back(c.file);
+      }
+      (void)remove_unreferenced_shards(path, named);
       return st.restored;
     }
   }
@@ -1731,7 +1725,6 @@ class trainer {
   bool oom_may_vote_ = false;
   // This micro-batch's backward starts gradient exchanges (ZeRO-2, or ZeRO-0/1 overlapped's last).
   bool backward_exchanges_ = false;
-  mutable std::string last_shard_;  // this rank's shard file of the last ZeRO-1 save or load
 };
 
 MEMBOUND_NAMESPACE_END
