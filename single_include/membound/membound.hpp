@@ -16743,17 +16743,18 @@ inline std::size_t remove_unreferenced_shards(const std::string& path, const std
   const std::string base = detail::base_of(path), folder = detail::folder_of(path);
   std::vector<std::string> kept;
   for (const std::string& k : keep) kept.push_back(detail::base_of(k));
-  std::size_t removed = 0;
+  // Listed first, then removed; every step with an error_code, so that another rank removing the
+  // same files meanwhile (a shared folder) ends the listing or skips a file, never throws.
   std::error_code ec;
-  fs::directory_iterator it(folder.empty() ? fs::path(".") : fs::path(folder), ec);
-  if (ec) return 0;
   std::vector<fs::path> doomed;
-  for (const fs::directory_entry& e : it) {
-    const std::string name = e.path().filename().string();
+  for (fs::directory_iterator it(folder.empty() ? fs::path(".") : fs::path(folder), ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     if (is_checkpoint_shard_name(name, base) && std::find(kept.begin(), kept.end(), name) == kept.end()) {
-      doomed.push_back(e.path());
+      doomed.push_back(it->path());
     }
   }
+  std::size_t removed = 0;
   for (const fs::path& f : doomed) removed += fs::remove(f, ec) ? 1 : 0;
   return removed;
 }
