@@ -71,7 +71,7 @@ struct logging {
   mb::memory_stats stats() const { return up.stats(); }
 };
 
-// A trainer's requests for real, in the order training_requests() assumes: weights, gradients,
+// A trainer's requests for real, in the order replay_run() assumes: weights, gradients,
 // optimizer state, then `steps` x (accumulation micro-batches, one evaluation micro-batch).
 template <typename Model, typename Alloc>
 void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& alloc, mb::thread_pool& pool,
@@ -484,7 +484,7 @@ TEST_CASE("reserve: an accumulation's requests are its micro-batches', recorded 
       CAPTURE(gs.zero);
       CAPTURE(gs.overlap);
       CAPTURE(A);
-      const std::vector<mb::recorded_request> want = unrolled(gs, A), got = mb::record_run(m, plan_of(gs, A)).cycle;
+      const std::vector<mb::recorded_request> want = unrolled(gs, A), got = mb::record_run(m, plan_of(gs, A)).cycle();
       REQUIRE(got.size() == want.size());
       CHECK(relative(got) == relative(want));
     }
@@ -510,4 +510,119 @@ TEST_CASE("reserve: request_recorder repeats only a span that gives back what it
   CHECK_THROWS_AS(rec.repeat(before, 1), mb::invalid_argument);
   CHECK_THROWS_AS(rec.repeat(rec.requests().size() + 1, 1), mb::invalid_argument);
   CHECK(rec.requests().size() == before + 2);
+}
+
+namespace {
+
+// A stack without a state key: replay_run then replays every micro-batch, the reference the
+// skipping replay is checked against.
+template <typename A>
+struct unkeyed {
+  static constexpr mb::memory_space space = A::space;
+  A& a;
+  void* allocate(std::size_t bytes, std::size_t alignment, mb::memory_tag tag) { return a.allocate(bytes, alignment, tag); }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment, mb::memory_tag tag) {
+    a.deallocate(p, bytes, alignment, tag);
+  }
+  mb::memory_stats stats() const { return a.stats(); }
+};
+
+}  // namespace
+
+// replay_run skips a step's remaining micro-batches once one leaves the stack as it found it:
+// what it measures (peaks, a refusal and its message) equals replaying every micro-batch, on
+// every stack, for accumulations that settle at once and ones whose cache still grows, with
+// budgets that refuse in the first micro-batch, a later one, and never.
+TEST_CASE("reserve: skipping settled micro-batches measures what replaying all of them does") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  const auto check = [&](const auto& stack, const std::string& name) {
+    static_assert(mb::has_state_key<mb::shadow_t<std::remove_cvref_t<decltype(stack)>>>());
+    for (const mb::schedule_choice& s : all_schedules(m.depth())) {
+      for (std::size_t accumulation : {3u, 7u, 40u}) {
+        CAPTURE(name);
+        CAPTURE(s.name());
+        CAPTURE(accumulation);
+        mb::plan_options o;
+        o.threads = 2;
+        o.head_chunk = 16;
+        o.accumulation = accumulation;
+        const mb::training_plan p = mb::make_plan(m, {2, 24}, s, o);
+        const mb::run_requests run = mb::record_run(m, p);
+        REQUIRE(run.repeats == accumulation);
+        const auto both = [&](auto& keyed_shadow, auto& full_shadow) {
+          if constexpr (mb::has_planned_layer<std::remove_cvref_t<decltype(keyed_shadow)>>) {
+            for (auto* sh : {&keyed_shadow, &full_shadow}) {
+              if (auto* layer = mb::planned_layer(*sh)) layer->set_layout(mb::make_layout(run.prefix, run.cycle()));
+            }
+          }
+          unkeyed<std::remove_cvref_t<decltype(full_shadow)>> full{full_shadow};
+          const mb::reserve_replay a = mb::replay_run(keyed_shadow, run), b = mb::replay_run(full, run);
+          CHECK(a.peak_reserved == b.peak_reserved);
+          CHECK(a.peak_requested == b.peak_requested);
+          CHECK(a.fits == b.fits);
+          CHECK(a.refusal == b.refusal);
+          return a;
+        };
+        auto k0 = mb::make_shadow(stack);
+        auto f0 = mb::make_shadow(stack);
+        const mb::reserve_replay whole = both(*k0, *f0);
+        REQUIRE(whole.fits);
+        // It did skip: a planned layout places each micro-batch elsewhere (never the same state).
+        const bool planned_stack = name.find("planned") != std::string::npos;
+        CHECK((k0->stats().allocations < f0->stats().allocations) == !planned_stack);
+        if (!planned_stack) CHECK(k0->stats().allocations <= 2 * f0->stats().allocations / accumulation + 2 * run.rest.size());
+        // Budgets that refuse (at the persistent state, inside the step, just below the requested
+        // peak), and one just below the reserved peak, which a stack near its cap may still meet
+        // with smaller segments.
+        const std::size_t held = p.weights + p.gradients + p.optimizer;
+        for (std::size_t limit : {held / 2, (whole.peak_requested + held) / 2, whole.peak_requested - 1,
+                                  whole.peak_reserved - 1}) {
+          auto k = mb::make_shadow(stack);
+          auto f = mb::make_shadow(stack);
+          k->set_limit(limit);
+          f->set_limit(limit);
+          const mb::reserve_replay r = both(*k, *f);
+          if (limit < whole.peak_requested) CHECK_FALSE(r.fits);
+        }
+      }
+    }
+  };
+  check(caching_stack(std::size_t{1} << 30), "budget<caching<system>>");
+  mb::caching_options planned;
+  planned.planned = true;
+  check(caching_stack(std::size_t{1} << 30, planned), "budget<caching<system>>, planned");
+  mb::caching_options small_segments;
+  small_segments.large_segment_size = std::size_t{2} << 20;
+  small_segments.large_segment_limit = std::size_t{1} << 20;
+  check(caching_stack(std::size_t{1} << 30, small_segments), "budget<caching<system>>, 1 MiB segments");
+  check(arena_stack(std::size_t{1} << 30, mb::expandable_arena_options{std::size_t{1} << 30}), "budget<arena, 2 MiB>");
+  check(arena_stack(std::size_t{1} << 30, mb::expandable_arena_options{std::size_t{1} << 30}, std::size_t{64} << 10),
+        "budget<arena, 64 KiB>");
+  check(mb::budget_allocator<mb::system_allocator>(std::size_t{1} << 30), "budget<system>");
+}
+
+// The real stacks over a real run of a long accumulation measure what replay_run predicts (the
+// skipped micro-batches included).
+TEST_CASE("reserve: a long accumulation's predicted reserve is the real stack's, to the byte") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::thread_pool pool(2);
+  const auto check = [&](auto& alloc) {
+    for (const mb::schedule_choice& s : {mb::schedule_choice{mb::schedule_choice::kind::none, 0},
+                                         mb::schedule_choice{mb::schedule_choice::kind::every, 2}}) {
+      CAPTURE(s.name());
+      mb::plan_options o;
+      o.threads = 2;
+      o.head_chunk = 16;
+      o.accumulation = 6;
+      const mb::training_plan p = mb::make_plan(m, {2, 24}, s, o);
+      const std::size_t predicted = mb::reserve_model(m, alloc)(p);
+      alloc.reset_peaks();
+      run_training_requests(m, p, alloc, pool);
+      CHECK(alloc.stats().peak_reserved == predicted);
+    }
+  };
+  caching_stack c(std::size_t{1} << 30);
+  check(c);
+  arena_stack a(std::size_t{1} << 30, mb::expandable_arena_options{std::size_t{1} << 30});
+  check(a);
 }

@@ -17,6 +17,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
@@ -265,6 +266,10 @@ class budget_allocator {
   }
 
   // Allocating through the upstream directly bypasses the cap; use it to inspect.
+  // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.insert(out.end(), {limit_, external_, outer_reserve_limit_});
+  }
   Upstream& upstream() noexcept { return upstream_; }
   const Upstream& upstream() const noexcept { return upstream_; }
 

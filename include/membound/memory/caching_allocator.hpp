@@ -402,6 +402,21 @@ class caching_allocator {
   void set_reserve_limit(std::size_t bytes) noexcept { reserve_limit_ = bytes; }
   std::size_t reserve_limit() const noexcept { return reserve_limit_; }
 
+  // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp):
+  // both pools, the current statistics, the limit, stream uses, and the planned layout's place.
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.insert(out.end(), {reserve_limit_, uses_.size(), pending_blocks_, pending_bytes_});
+    small_.append_state(out);
+    large_.append_state(out);
+    stats_.append_state(out);
+    out.push_back(plan_.has_value());
+    if (!plan_) return;
+    const planned_state& st = *plan_;
+    out.insert(out.end(), {reinterpret_cast<std::uintptr_t>(st.prefix_seg), reinterpret_cast<std::uintptr_t>(st.cycle_seg),
+                           st.prefix_next, st.cursor, st.stream, st.live.size()});
+    for (const auto& b : st.live) out.insert(out.end(), {b.p, b.bytes, b.size, b.alignment, std::uint64_t{b.cycle}});
+  }
+
   // requested: sum of callers' bytes; allocated: sum of block sizes (after rounding, including
   // a remainder too small to split off); reserved: segment bytes held from the upstream.
   memory_stats stats() const noexcept { return stats_.stats(); }

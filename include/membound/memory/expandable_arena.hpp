@@ -17,6 +17,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
@@ -151,6 +152,12 @@ class expandable_arena {
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
   std::size_t capacity() const noexcept { return capacity_; }
+  // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.push_back(capacity_);
+    pool_.append_state(out);
+    stats_.append_state(out);
+  }
   std::size_t committed() const noexcept { return seg_->size; }
   std::size_t granularity() const noexcept { return granularity_; }
   // Start of the reserved range; blocks are handed out from here upwards.

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "membound/core/config.hpp"
 #include "membound/core/memory_tag.hpp"
@@ -88,6 +89,12 @@ class stats_tracker {
     for (auto& t : s_.tags) t.peak = t.current;
   }
   constexpr const memory_stats& stats() const noexcept { return s_; }
+  // The current values (no peaks, no counters): the part of the statistics an allocator's next
+  // decisions can depend on (allocator_state_key in memory/shadow.hpp).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.insert(out.end(), {s_.requested, s_.allocated, s_.reserved, s_.largest_free_block});
+    for (const tag_usage& t : s_.tags) out.push_back(t.current);
+  }
 
  private:
   memory_stats s_{};

@@ -20,7 +20,9 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
@@ -90,6 +92,10 @@ class address_only_allocator {
   }
   memory_stats stats() const noexcept { return stats_.stats(); }
   void reset_peaks() noexcept { stats_.reset_peaks(); }
+  // The statistics only: where the next address falls is not part of the state a prediction may
+  // depend on (a real leaf's addresses are the system's), and every new one lies above all
+  // earlier ones, so two states that differ only in it make the same decisions above the leaf.
+  void append_state(std::vector<std::uint64_t>& out) const { stats_.append_state(out); }
 
  private:
   std::uintptr_t next_ = detail::shadow_address_base;
@@ -237,6 +243,28 @@ std::unique_ptr<shadow_t<A>> make_shadow(const A& a, shadow_scope scope = shadow
   auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_args(a, scope));
   shadow_traits<A>::sync(*s, a);
   return s;
+}
+
+// A stack whose every layer can write down the state that decides its next answers
+// (append_state): two stacks with equal keys give the same answers to the same requests from
+// then on. The planner uses it to stop replaying identical micro-batches once the stack is back
+// where it started (replay_run in model/reserve_plan.hpp).
+template <typename A>
+constexpr bool has_state_key() {
+  if constexpr (!requires(const A& a, std::vector<std::uint64_t>& v) { a.append_state(v); }) {
+    return false;
+  } else if constexpr (requires(const A& a) { a.upstream(); }) {
+    return has_state_key<std::remove_cvref_t<decltype(std::declval<const A&>().upstream())>>();
+  } else {
+    return true;
+  }
+}
+
+// The state key of a stack, layer by layer from the top (has_state_key<A>() must hold).
+template <typename A>
+void allocator_state_key(const A& a, std::vector<std::uint64_t>& out) {
+  a.append_state(out);
+  if constexpr (requires { a.upstream(); }) allocator_state_key(a.upstream(), out);
 }
 
 namespace detail {

@@ -69,11 +69,9 @@ class request_recorder {
   std::size_t growth_for(std::size_t bytes, std::size_t) const noexcept { return bytes; }
   memory_stats stats() const noexcept { return {}; }
 
-  // Appends `times` more copies of the requests recorded since requests().size() was `from`, each
-  // under fresh ids: a micro-batch recorded once stands for all of a step's identical ones, so
-  // that planning a large accumulation does not work out every op's layout again per micro-batch.
-  // The span must give back everything it takes (it is then a cycle the recorder can repeat).
-  void repeat(std::size_t from, std::size_t times) {
+  // Checks that the requests recorded since requests().size() was `from` give back every block
+  // they take and no other (a cycle the recorder can repeat); returns the blocks they take.
+  std::size_t check_cycle(std::size_t from) const {
     if (from > requests_.size()) {
       throw invalid_argument("from", "at most requests().size() = " + std::to_string(requests_.size()),
                              std::to_string(from), "Pass a size requests() had earlier");
@@ -95,17 +93,22 @@ class request_recorder {
                              std::to_string(taken) + " taken, " + std::to_string(given) + " given back",
                              "Repeat only a whole micro-batch's requests");
     }
-    const std::size_t n = requests_.size() - from;
+    return taken;
+  }
+
+  // Appends `times` more copies of the requests recorded since requests().size() was `from`
+  // (check_cycle(from) must pass), each under fresh ids.
+  void repeat(std::size_t from, std::size_t times) {
+    const std::size_t taken = check_cycle(from), n = requests_.size() - from;
     requests_.reserve(requests_.size() + n * times);
-    for (std::size_t t = 0; t < times; ++t) {
-      const std::size_t shift = next_id_ - first;
+    for (std::size_t t = 1; t <= times; ++t) {
       for (std::size_t k = 0; k < n; ++k) {
         recorded_request q = requests_[from + k];
-        q.id = static_cast<std::uint32_t>(q.id + shift);
+        q.id = static_cast<std::uint32_t>(q.id + t * taken);
         requests_.push_back(q);
       }
-      next_id_ += taken;
     }
+    next_id_ += taken * times;
   }
 
   const std::vector<recorded_request>& requests() const noexcept { return requests_; }
@@ -117,6 +120,41 @@ class request_recorder {
   std::vector<std::uint32_t> live_;
 };
 
+// The requests of a training run under a plan, as the trainer makes them: the prefix (weights,
+// gradients, optimizer state, a device's step buffers: its constructor), then the cycle every
+// optimizer step repeats: `repeats` times one micro-batch's requests (`micro`, which gives back
+// every block it takes), then `rest` (an overlapped exchange's last micro-batch, which differs,
+// and one evaluation of a micro-batch: trainer::evaluate). A step of 65,536 micro-batches is
+// recorded and stored in the size of one (and replayed in the time of a few: replay_run).
+struct run_requests {
+  std::vector<recorded_request> prefix, micro, rest;
+  std::size_t repeats = 0;
+
+  // The cycle in full, each copy of `micro` under fresh ids (as a planned layout needs it).
+  std::vector<recorded_request> cycle() const {
+    std::size_t taken = 0;
+    std::uint32_t first = std::numeric_limits<std::uint32_t>::max();
+    for (const recorded_request& q : micro) {
+      if (!q.free) ++taken, first = std::min(first, q.id);
+    }
+    std::vector<recorded_request> out;
+    out.reserve(micro.size() * repeats + rest.size());
+    for (std::size_t t = 0; t < repeats; ++t) {
+      for (recorded_request q : micro) {
+        q.id = static_cast<std::uint32_t>(q.id + t * taken);
+        out.push_back(q);
+      }
+    }
+    // rest's ids follow micro's one recorded copy: they move past the copies.
+    const std::size_t shift = repeats > 1 ? (repeats - 1) * taken : 0;
+    for (recorded_request q : rest) {
+      if (q.id >= first) q.id = static_cast<std::uint32_t>(q.id + shift);
+      out.push_back(q);
+    }
+    return out;
+  }
+};
+
 // What a replay measured on a shadow stack.
 struct reserve_replay {
   std::size_t peak_reserved = 0;   // the stack's reserved peak: what a budget over it counts
@@ -125,33 +163,60 @@ struct reserve_replay {
   std::string refusal;             // the out_of_memory message when it did not fit
 };
 
-// Replays `requests` (ids as recorded) on `shadow`, a fresh stack or one that already holds state.
+// Replays a run on `shadow` (a fresh stack or one that already holds state): the prefix, `steps`
+// cycles (two reach the steady state of every stack here: the second finds the first one's free
+// blocks), and the prefix given back in reverse. Once a micro-batch leaves the stack in the state
+// it found it in (allocator_state_key, when every layer has one), the step's remaining copies
+// would repeat it answer for answer, peaks included, and are skipped: the replay's cost does not
+// grow with the number of micro-batches.
 template <typename Allocator>
-reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_request>& requests) {
+reserve_replay replay_run(Allocator& shadow, const run_requests& run, std::size_t steps = 2) {
   std::vector<void*> ptr;
+  const auto apply = [&](const recorded_request& q) {
+    if (q.id >= ptr.size()) ptr.resize(std::size_t{q.id} + 1, nullptr);
+    if (q.free) {
+      shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
+      ptr[q.id] = nullptr;
+    } else {
+      ptr[q.id] = shadow.allocate(q.bytes, default_alignment, q.tag);
+    }
+  };
+  // The bytes and tag each id was taken with, to give back what a refusal leaves live.
+  std::vector<const recorded_request*> taken_by;
+  for (const auto* part : {&run.prefix, &run.micro, &run.rest}) {
+    for (const recorded_request& q : *part) {
+      if (q.id >= taken_by.size()) taken_by.resize(std::size_t{q.id} + 1, nullptr);
+      if (!q.free) taken_by[q.id] = &q;
+    }
+  }
   reserve_replay r;
-  std::size_t at = 0;
   try {
-    for (; at < requests.size(); ++at) {
-      const recorded_request& q = requests[at];
-      if (q.id >= ptr.size()) ptr.resize(q.id + 1, nullptr);
-      if (q.free) {
-        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
-        ptr[q.id] = nullptr;
-      } else {
-        ptr[q.id] = shadow.allocate(q.bytes, default_alignment, q.tag);
+    for (const recorded_request& q : run.prefix) apply(q);
+    std::vector<std::uint64_t> last, now;
+    for (std::size_t s = 0; s < steps; ++s) {
+      last.clear();
+      for (std::size_t k = 0; k < run.repeats; ++k) {
+        for (const recorded_request& q : run.micro) apply(q);
+        if constexpr (has_state_key<Allocator>()) {
+          if (k + 1 == run.repeats) break;
+          now.clear();
+          allocator_state_key(shadow, now);
+          if (k > 0 && now == last) break;  // micro-batch k started and ended in this state
+          std::swap(last, now);
+        }
       }
+      for (const recorded_request& q : run.rest) apply(q);
+    }
+    for (std::size_t k = run.prefix.size(); k-- > 0;) {
+      const recorded_request& q = run.prefix[k];
+      apply({q.id, true, q.bytes, q.tag});
     }
   } catch (const out_of_memory& e) {
     r.fits = false;
     r.refusal = e.what();
-    // Give back what is still live, in reverse, as the run's own unwinding would.
-    for (std::size_t k = at; k-- > 0;) {
-      const recorded_request& q = requests[k];
-      if (!q.free && ptr[q.id] != nullptr) {
-        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
-        ptr[q.id] = nullptr;
-      }
+    // Give back what is still live, newest first, as the run's own unwinding would.
+    for (std::size_t id = ptr.size(); id-- > 0;) {
+      if (ptr[id] != nullptr) shadow.deallocate(ptr[id], taken_by[id]->bytes, default_alignment, taken_by[id]->tag);
     }
   }
   const memory_stats st = shadow.stats();
@@ -159,13 +224,6 @@ reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_req
   r.peak_requested = st.peak_requested;
   return r;
 }
-
-// The requests of a training run under a plan, as the trainer makes them, in two parts: the
-// prefix (weights, gradients, optimizer state, a device's step buffers: its constructor) and the cycle every optimizer step
-// repeats (`accumulation` micro-batches, then one evaluation of a micro-batch: trainer::evaluate).
-struct run_requests {
-  std::vector<recorded_request> prefix, cycle;
-};
 
 namespace detail {
 // ZeRO-2's requests in a block's backward (gradient_exchange's zero2_router): the block's gradient
@@ -235,6 +293,34 @@ struct exchange_request_router {
 };
 }  // namespace detail
 
+namespace detail {
+// One micro-batch's requests that are alike across a step: no exchange (ZeRO-0/1), or ZeRO-2's
+// (the trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch, the
+// blocks' buckets in their backward, then the two held ranges' reduce-scatters).
+template <typename Model>
+void micro_batch_requests(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
+                          std::size_t threads, std::size_t accumulation, const gradient_shards& gs,
+                          request_recorder& rec) {
+  using S = typename Model::storage_type;
+  if (!gs.on()) {
+    m.step_requests(micro, ops, head_chunk, threads, rec);
+    return;
+  }
+  const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+  const std::size_t held = bytes_of<S>(e.size() + h.size());
+  void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
+  zero2_request_router<Model> router{m, rec, gs, accumulation};
+  m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+  router.finish();
+  for (const shard_range q : {e, h}) {
+    const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+    rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                   memory_tag::workspace);
+  }
+  rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+}
+}  // namespace detail
+
 // gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
 // gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too, or
 // ZeRO-0/1 overlapped, whose last micro-batch's exchanges are.
@@ -242,7 +328,6 @@ template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
                         std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
                         std::size_t gradients = 0, const gradient_shards& gs = {}) {
-  using S = typename Model::storage_type;
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
@@ -253,50 +338,29 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   (void)rec.allocate(Model::step_buffer_bytes(sat_mul(micro.tokens(), accumulation), m.parameter_elements()),
                      default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
-  // Every micro-batch but an overlapped exchange's last makes the same requests: the first is
-  // recorded, the others are its copies (request_recorder::repeat).
-  const std::size_t alike = gs.whole_overlapped() ? accumulation - 1 : accumulation;
-  for (std::size_t k = 0; k < accumulation; ++k) {
-    if (k == 1 && alike > 1) {
-      rec.repeat(k0, alike - 1);
-      k = alike - 1;
-      continue;
-    }
-    if (gs.whole_overlapped() && k + 1 == accumulation) {
-      // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
-      // block's backward, then the embedding's and the head's exchanges, one after the other.
-      detail::exchange_request_router<Model> router{m, rec, gs, accumulation};
-      m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
-      router.finish();
-      for (const shard_range q : {m.embedding_parameters(), m.head_parameters()}) {
-        const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
-        rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
-                       memory_tag::workspace);
-      }
-      continue;
-    }
-    if (!gs.on()) {
-      m.step_requests(micro, ops, head_chunk, threads, rec);
-      continue;
-    }
-    // The trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch,
-    // the blocks' buckets in their backward, then the two held ranges' reduce-scatters.
-    const shard_range e = m.embedding_parameters(), h = m.head_parameters();
-    const std::size_t held = bytes_of<S>(e.size() + h.size());
-    void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
-    detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
+  r.prefix = rec.requests();
+  // Every micro-batch but an overlapped exchange's last makes the same requests: one is recorded
+  // and stands for all (run_requests::repeats).
+  r.repeats = gs.whole_overlapped() ? accumulation - 1 : accumulation;
+  if (r.repeats > 0) detail::micro_batch_requests(m, micro, ops, head_chunk, threads, accumulation, gs, rec);
+  (void)rec.check_cycle(k0);
+  const std::size_t k1 = rec.requests().size();
+  r.micro.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0),
+                 rec.requests().begin() + static_cast<std::ptrdiff_t>(k1));
+  if (gs.whole_overlapped()) {
+    // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
+    // block's backward, then the embedding's and the head's exchanges, one after the other.
+    detail::exchange_request_router<Model> router{m, rec, gs, accumulation};
     m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
     router.finish();
-    for (const shard_range q : {e, h}) {
+    for (const shard_range q : {m.embedding_parameters(), m.head_parameters()}) {
       const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
       rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
                      memory_tag::workspace);
     }
-    rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
   }
   m.loss_requests(micro, head_chunk, threads, rec);
-  r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
-  r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
+  r.rest.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k1), rec.requests().end());
   return r;
 }
 template <typename Model>
@@ -305,20 +369,11 @@ run_requests record_run(const Model& m, const training_plan& p) {
                     p.gradient_sharding);
 }
 
-// The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
-// the second finds the first one's free blocks), and the prefix given back.
-inline std::vector<recorded_request> training_requests(const run_requests& r, std::size_t steps = 2) {
-  std::vector<recorded_request> q = r.prefix;
-  for (std::size_t s = 0; s < steps; ++s) q.insert(q.end(), r.cycle.begin(), r.cycle.end());
-  for (std::size_t k = r.prefix.size(); k-- > 0;) q.push_back({r.prefix[k].id, true, r.prefix[k].bytes, r.prefix[k].tag});
-  return q;
-}
-
 // The layout a planned allocator (caching_options::planned) serves a plan's run from.
 template <typename Model>
 memory_layout plan_layout(const Model& m, const training_plan& p) {
   const run_requests r = record_run(m, p);
-  return make_layout(r.prefix, r.cycle);
+  return make_layout(r.prefix, r.cycle());
 }
 
 // The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
@@ -332,7 +387,6 @@ template <typename Model, typename Allocator>
 reserve_function reserve_model(const Model& m, const Allocator& alloc) {
   return [&m, &alloc](const training_plan& p) -> std::size_t {
     const run_requests run = record_run(m, p);
-    const std::vector<recorded_request> q = training_requests(run);
     // Uncapped: without the stack's budgets, and with arenas large enough (a stack remade for a
     // larger budget sizes its arena from it), so that the figure is what the plan reserves.
     auto replay = [&](bool capped) {
@@ -340,9 +394,9 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
       if (!capped) detail::lift_budgets(*shadow);
       // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
       if constexpr (has_planned_layer<shadow_t<Allocator>>) {
-        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle));
+        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle()));
       }
-      return replay_requests(*shadow, q);
+      return replay_run(*shadow, run);
     };
     const reserve_replay r = replay(true);
     if (r.fits) return r.peak_reserved;

@@ -199,7 +199,8 @@ inline bool is_checkpoint_shard_name(const std::string& name, const std::string&
 // does not name (paths as manifest_sources gives them; none for a whole checkpoint): what no
 // checkpoint committed at `path` needs. Call it once the checkpoint that names `keep` is committed:
 // a crash before leaves the previous checkpoint's files, one after leaves files the next call
-// removes, so a committed manifest never loses a file it names. Best effort: a file that is gone
+// removes, so a committed manifest never loses a file it names. The temporaries a killed shard
+// writer left go too, once their writer is gone. Best effort: a file that is gone
 // already (removed by another rank sharing the folder) or cannot be removed is skipped, and the
 // save or load that called it stands. Returns how many this call removed.
 inline std::size_t remove_unreferenced_shards(const std::string& path, const std::vector<std::string>& keep) {
@@ -211,15 +212,26 @@ inline std::size_t remove_unreferenced_shards(const std::string& path, const std
   // same files meanwhile (a shared folder) ends the listing or skips a file, never throws.
   std::error_code ec;
   std::vector<fs::path> doomed;
+  std::vector<std::string> written;  // shard files a writer left temporaries of
   for (fs::directory_iterator it(folder.empty() ? fs::path(".") : fs::path(folder), ec), end; !ec && it != end;
        it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (is_checkpoint_shard_name(name, base) && std::find(kept.begin(), kept.end(), name) == kept.end()) {
       doomed.push_back(it->path());
     }
+    // A save killed while writing its shard left `<shard>.tmp.<pid>`: no later save or load of
+    // `path` writes or reads that shard's name again, so its temporaries are cleared here, by
+    // the rule every temporary goes by (its writer gone: remove_stale_temporaries).
+    const std::size_t tmp = name.rfind(".tmp.");
+    if (tmp != std::string::npos && is_checkpoint_shard_name(name.substr(0, tmp), base) &&
+        detail::temporary_pid(name, name.substr(0, tmp)) != 0 &&
+        std::find(written.begin(), written.end(), name.substr(0, tmp)) == written.end()) {
+      written.push_back(name.substr(0, tmp));
+    }
   }
   std::size_t removed = 0;
   for (const fs::path& f : doomed) removed += fs::remove(f, ec) ? 1 : 0;
+  for (const std::string& shard : written) detail::remove_stale_temporaries(folder + shard);
   return removed;
 }
 

@@ -154,6 +154,20 @@ class block_pool {
   }
   bool empty() const noexcept { return segments_.empty(); }
 
+  // Every segment (oldest first) and its blocks in address order: the whole state placement
+  // depends on (the indexes and the spare list follow from it or decide nothing).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.push_back(segments_.size());
+    for (const auto& s : segments_) {
+      out.insert(out.end(), {s->base, s->size, static_cast<std::uint64_t>(s->tag), s->stream});
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        out.insert(out.end(), {b->addr, b->size, std::uint64_t{b->free}});
+        if (!b->free) out.insert(out.end(), {b->requested, b->alignment, static_cast<std::uint64_t>(b->tag)});
+      }
+      out.push_back(~std::uint64_t{0});  // the segment's end
+    }
+  }
+
   // ---- segments ------------------------------------------------------------------------------
 
   // Adds [base, base+size) as the youngest segment, holding one free block (none when size is 0).
