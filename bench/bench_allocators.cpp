@@ -12,6 +12,8 @@
 
 #include "membound/membound.hpp"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 
 namespace {
@@ -158,4 +160,4 @@ BENCHMARK(BM_training_fragmentation<mb::system_allocator>)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

@@ -17,6 +17,8 @@
 
 #include "membound/backend/cuda.cuh"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 namespace gpu = membound::gpu;
 
@@ -170,4 +172,4 @@ MEMBOUND_ATTN_BENCH(fwd_mma_bf16_d128)
 MEMBOUND_ATTN_BENCH(fwdbwd_mma_bf16_d64)
 MEMBOUND_ATTN_BENCH(fwdbwd_mma_bf16_d128)
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

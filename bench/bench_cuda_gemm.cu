@@ -21,6 +21,8 @@
 
 #include "membound/backend/cuda.cuh"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 namespace gpu = membound::gpu;
 
@@ -262,4 +264,4 @@ MEMBOUND_GEMM_SHAPES(bm_fp32);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

@@ -15,6 +15,8 @@
 
 #include "membound/backend/cuda.cuh"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 namespace mc = membound::gpu;
 
@@ -231,4 +233,4 @@ BENCHMARK(BM_global_norm)->Arg(1 << 26)->UseManualTime();
 BENCHMARK(BM_check_finite)->Arg(1 << 26)->UseManualTime();
 BENCHMARK(BM_cross_entropy)->Args({256, 50257})->UseManualTime();
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

@@ -19,6 +19,8 @@
 
 #include "membound/backend/cuda.cuh"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 namespace gpu = membound::gpu;
 
@@ -261,4 +263,4 @@ BENCHMARK(bm_decode)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

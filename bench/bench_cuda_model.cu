@@ -33,6 +33,8 @@
 #include "membound/model/planner.hpp"
 #include "membound/train/trainer.hpp"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 
 namespace {
@@ -226,28 +228,29 @@ BENCHMARK(bm_train_step)->Arg(2048)->Arg(8192)->UseManualTime()->Unit(benchmark:
 
 // --attention-kernels=mma|wmma (ours, default mma, taken out before Google Benchmark parses the rest): which
 // attention kernels the bf16 model runs (the executors' kernels().attention), reported in the context.
+// --attention-kernels=wmma|mma is this program's own flag, checked as every benchmark's are
+// (bench_flags.hpp: one `error:` line naming it, exit 1, before any CUDA call); Google
+// Benchmark's flags go to it, and it refuses the ones it does not know.
 int main(int argc, char** argv) {
-  std::vector<char*> args;
-  std::string kernels = "mma";  // the library's default
-  for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--attention-kernels=", 0) == 0) {
-      kernels = a.substr(20);
-      if (kernels != "wmma" && kernels != "mma") {
-        std::fprintf(stderr, "bench_cuda_model: --attention-kernels takes wmma or mma, not '%s'\n", kernels.c_str());
-        return 2;
+  return bench_flags::run([&] {
+    std::vector<char*> args;
+    std::string kernels = "mma";  // the library's default
+    for (int i = 0; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--attention-kernels" || a.rfind("--attention-kernels=", 0) == 0) {
+        const bool joined = a.size() > 19;  // --attention-kernels=VALUE, else the next argument
+        if (!joined && (i + 1 == argc || std::string(argv[i + 1]).starts_with("--"))) {
+          throw membound::invalid_argument("--attention-kernels", "a value after it", "none",
+                                           "e.g. --attention-kernels mma");
+        }
+        kernels = cli_checks::one_of("--attention-kernels", joined ? a.substr(20) : argv[++i], {"mma", "wmma"});
+      } else {
+        args.push_back(argv[i]);
       }
-    } else {
-      args.push_back(argv[i]);
     }
-  }
-  run_kernels.attention =
-      kernels == "mma" ? mb::gpu::attention_kernels::tensor_core : mb::gpu::attention_kernels::simt_wmma;
-  benchmark::AddCustomContext("attention_kernels", kernels);
-  int n = static_cast<int>(args.size());
-  benchmark::Initialize(&n, args.data());
-  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+    run_kernels.attention =
+        kernels == "mma" ? mb::gpu::attention_kernels::tensor_core : mb::gpu::attention_kernels::simt_wmma;
+    benchmark::AddCustomContext("attention_kernels", kernels);
+    return bench_flags::benchmark_main(static_cast<int>(args.size()), args.data());
+  });
 }

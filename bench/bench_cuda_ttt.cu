@@ -16,6 +16,8 @@
 
 #include "membound/backend/cuda.cuh"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 
 namespace {
@@ -157,4 +159,4 @@ BENCHMARK_TEMPLATE(bm_layer, true, mb::fp32_precision, true)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

@@ -13,6 +13,8 @@
 
 #include "membound/membound.hpp"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 
 namespace {
@@ -92,12 +94,6 @@ BENCHMARK(BM_fit)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillisecon
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Google Benchmark's flags first (its --help exits there); anything else is refused before the
-  // table is worked out.
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  table();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  // The flags are checked first; the table is worked out before the benchmarks run.
+  return bench_flags::benchmark_main(argc, argv, [] { table(); });
 }

@@ -15,6 +15,8 @@
 
 #include "membound/membound.hpp"
 
+#include "benchmark_main.hpp"
+
 namespace mb = membound;
 
 namespace {
@@ -106,4 +108,4 @@ BENCHMARK(ttt_step<true>)->Name("ttt_mlp_step")->Apply(shapes);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

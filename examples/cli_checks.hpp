@@ -30,6 +30,7 @@
 #include <functional>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -172,6 +173,14 @@ inline std::string one_of(std::string_view flag, std::string_view text, std::ini
   }
   throw membound::invalid_argument(std::string(flag), "one of " + list, in_quotes(text),
                                    "e.g. " + std::string(flag) + " " + std::string(*words.begin()));
+}
+
+// An environment variable the program reads: its value (nullopt when unset), to be checked as a
+// flag's is, with the variable's name standing for the flag in the one-line error.
+inline std::optional<std::string> environment(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
 }
 
 inline std::string reason(const std::error_code& ec) { return ec ? " (" + ec.message() + ")" : ""; }

@@ -344,6 +344,9 @@ options checked_options(const flag_texts& f) {
   cc::distinct("--trace", o.trace, "--resume", o.resume);
   cc::distinct("--trace", o.trace, "--checkpoint", checkpoint);
   cc::distinct("--trace", o.trace, "--report", o.report);
+  // The environment the program reads, checked with its flags.
+  (void)kill_request_from_environment();
+  (void)nccl_asked_from_environment();
   return o;
 }
 
@@ -870,8 +873,7 @@ int main(int argc, char** argv) {
       if (o.device == "cuda") {
         // Over several ranks, or when MEMBOUND_EXAMPLE_NCCL=1 asks for it: a GPU per rank over NCCL
         // (libtrain_cuda_nccl.so); else one GPU (mpirun -np 1 included: no NCCL needed for it).
-        const char* nccl = std::getenv("MEMBOUND_EXAMPLE_NCCL");
-        const bool over_ranks = world.size() > 1 || (nccl != nullptr && std::string(nccl) == "1");
+        const bool over_ranks = world.size() > 1 || nccl_asked_from_environment();
         return over_ranks ? run_on_device_ranks(o, text) : run_on_device(o, text);
       }
 #endif

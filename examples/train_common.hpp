@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -376,16 +377,41 @@ void save_if_due(Trainer& t, const options& o, std::uint64_t step, std::uint64_t
 }
 
 // A test hook (tests/mpi/killed_rank.py): MEMBOUND_EXAMPLE_KILL=RANK:STEP makes that rank
-// SIGKILL itself after that step (after its save, if any), as kill -9 would.
+// SIGKILL itself after that step (after its save, if any), as kill -9 would. Checked with the
+// flags (checked_options): a malformed value is a one-line error naming the variable, not a
+// hook that silently never fires.
+struct kill_request {
+  std::uint64_t rank = 0, step = 0;
+};
+inline std::optional<kill_request> kill_request_from_environment() {
+  const char* name = "MEMBOUND_EXAMPLE_KILL";
+  const std::optional<std::string> v = cli_checks::environment(name);
+  if (!v) return std::nullopt;
+  const std::size_t colon = v->find(':');
+  if (colon == std::string::npos) {
+    throw mb::invalid_argument(name, "RANK:STEP (two whole numbers)", cli_checks::in_quotes(*v),
+                               std::string("e.g. ") + name + "=1:7, or unset it");
+  }
+  const std::string example = std::string(name) + "=1:7";
+  kill_request k;
+  k.rank = cli_checks::whole(name, v->substr(0, colon), 0, std::numeric_limits<std::uint32_t>::max(), example);
+  k.step = cli_checks::whole(name, v->substr(colon + 1), 1, std::numeric_limits<std::uint64_t>::max(), example);
+  return k;
+}
 inline void kill_if_asked(std::size_t rank, std::uint64_t step) {
-  const char* kill_at = std::getenv("MEMBOUND_EXAMPLE_KILL");
-  if (kill_at == nullptr) return;
-  unsigned long long kr = 0, ks = 0;
-  if (std::sscanf(kill_at, "%llu:%llu", &kr, &ks) == 2 && kr == rank && ks == step) {
-    std::fprintf(stderr, "MEMBOUND_EXAMPLE_KILL: rank %llu kills itself after step %llu\n", kr, ks);
+  const std::optional<kill_request> k = kill_request_from_environment();
+  if (k && k->rank == rank && k->step == step) {
+    std::fprintf(stderr, "MEMBOUND_EXAMPLE_KILL: rank %zu kills itself after step %llu\n", rank,
+                 static_cast<unsigned long long>(step));
     std::fflush(stderr);
     ::kill(::getpid(), SIGKILL);
   }
+}
+
+// MEMBOUND_EXAMPLE_NCCL=1: a GPU run in one process goes through NCCL too (0 or unset: not).
+inline bool nccl_asked_from_environment() {
+  const std::optional<std::string> v = cli_checks::environment("MEMBOUND_EXAMPLE_NCCL");
+  return v && cli_checks::one_of("MEMBOUND_EXAMPLE_NCCL", *v, {"1", "0"}) == "1";
 }
 
 // --sample: o.sample bytes drawn at temperature 0.8 from 32 bytes of `val` on, each from

@@ -1501,6 +1501,12 @@ class stats_tracker {
     for (auto& t : s_.tags) t.peak = t.current;
   }
   constexpr const memory_stats& stats() const noexcept { return s_; }
+  // The current values (no peaks, no counters): the part of the statistics an allocator's next
+  // decisions can depend on (allocator_state_key in memory/shadow.hpp).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.insert(out.end(), {s_.requested, s_.allocated, s_.reserved, s_.largest_free_block});
+    for (const tag_usage& t : s_.tags) out.push_back(t.current);
+  }
 
  private:
   memory_stats s_{};
@@ -1974,6 +1980,20 @@ class block_pool {
     return it == live_.end() ? nullptr : it->second;
   }
   bool empty() const noexcept { return segments_.empty(); }
+
+  // Every segment (oldest first) and its blocks in address order: the whole state placement
+  // depends on (the indexes and the spare list follow from it or decide nothing).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.push_back(segments_.size());
+    for (const auto& s : segments_) {
+      out.insert(out.end(), {s->base, s->size, static_cast<std::uint64_t>(s->tag), s->stream});
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        out.insert(out.end(), {b->addr, b->size, std::uint64_t{b->free}});
+        if (!b->free) out.insert(out.end(), {b->requested, b->alignment, static_cast<std::uint64_t>(b->tag)});
+      }
+      out.push_back(~std::uint64_t{0});  // the segment's end
+    }
+  }
 
   // ---- segments ------------------------------------------------------------------------------
 
@@ -2804,6 +2824,21 @@ class caching_allocator {
   void set_reserve_limit(std::size_t bytes) noexcept { reserve_limit_ = bytes; }
   std::size_t reserve_limit() const noexcept { return reserve_limit_; }
 
+  // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp):
+  // both pools, the current statistics, the limit, stream uses, and the planned layout's place.
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.insert(out.end(), {reserve_limit_, uses_.size(), pending_blocks_, pending_bytes_});
+    small_.append_state(out);
+    large_.append_state(out);
+    stats_.append_state(out);
+    out.push_back(plan_.has_value());
+    if (!plan_) return;
+    const planned_state& st = *plan_;
+    out.insert(out.end(), {reinterpret_cast<std::uintptr_t>(st.prefix_seg), reinterpret_cast<std::uintptr_t>(st.cycle_seg),
+                           st.prefix_next, st.cursor, st.stream, st.live.size()});
+    for (const auto& b : st.live) out.insert(out.end(), {b.p, b.bytes, b.size, b.alignment, std::uint64_t{b.cycle}});
+  }
+
   // requested: sum of callers' bytes; allocated: sum of block sizes (after rounding, including
   // a remainder too small to split off); reserved: segment bytes held from the upstream.
   memory_stats stats() const noexcept { return stats_.stats(); }
@@ -3537,6 +3572,12 @@ class expandable_arena {
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
   std::size_t capacity() const noexcept { return capacity_; }
+  // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.push_back(capacity_);
+    pool_.append_state(out);
+    stats_.append_state(out);
+  }
   std::size_t committed() const noexcept { return seg_->size; }
   std::size_t granularity() const noexcept { return granularity_; }
   // Start of the reserved range; blocks are handed out from here upwards.
@@ -3884,6 +3925,10 @@ class budget_allocator {
   }
 
   // Allocating through the upstream directly bypasses the cap; use it to inspect.
+  // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
+  void append_state(std::vector<std::uint64_t>& out) const {
+    out.insert(out.end(), {limit_, external_, outer_reserve_limit_});
+  }
   Upstream& upstream() noexcept { return upstream_; }
   const Upstream& upstream() const noexcept { return upstream_; }
 
@@ -5193,6 +5238,10 @@ class address_only_allocator {
   }
   memory_stats stats() const noexcept { return stats_.stats(); }
   void reset_peaks() noexcept { stats_.reset_peaks(); }
+  // The statistics only: where the next address falls is not part of the state a prediction may
+  // depend on (a real leaf's addresses are the system's), and every new one lies above all
+  // earlier ones, so two states that differ only in it make the same decisions above the leaf.
+  void append_state(std::vector<std::uint64_t>& out) const { stats_.append_state(out); }
 
  private:
   std::uintptr_t next_ = detail::shadow_address_base;
@@ -5340,6 +5389,28 @@ std::unique_ptr<shadow_t<A>> make_shadow(const A& a, shadow_scope scope = shadow
   auto s = std::apply([](auto&&... x) { return std::make_unique<shadow_t<A>>(x...); }, shadow_args(a, scope));
   shadow_traits<A>::sync(*s, a);
   return s;
+}
+
+// A stack whose every layer can write down the state that decides its next answers
+// (append_state): two stacks with equal keys give the same answers to the same requests from
+// then on. The planner uses it to stop replaying identical micro-batches once the stack is back
+// where it started (replay_run in model/reserve_plan.hpp).
+template <typename A>
+constexpr bool has_state_key() {
+  if constexpr (!requires(const A& a, std::vector<std::uint64_t>& v) { a.append_state(v); }) {
+    return false;
+  } else if constexpr (requires(const A& a) { a.upstream(); }) {
+    return has_state_key<std::remove_cvref_t<decltype(std::declval<const A&>().upstream())>>();
+  } else {
+    return true;
+  }
+}
+
+// The state key of a stack, layer by layer from the top (has_state_key<A>() must hold).
+template <typename A>
+void allocator_state_key(const A& a, std::vector<std::uint64_t>& out) {
+  a.append_state(out);
+  if constexpr (requires { a.upstream(); }) allocator_state_key(a.upstream(), out);
 }
 
 namespace detail {
@@ -15888,11 +15959,9 @@ class request_recorder {
   std::size_t growth_for(std::size_t bytes, std::size_t) const noexcept { return bytes; }
   memory_stats stats() const noexcept { return {}; }
 
-  // Appends `times` more copies of the requests recorded since requests().size() was `from`, each
-  // under fresh ids: a micro-batch recorded once stands for all of a step's identical ones, so
-  // that planning a large accumulation does not work out every op's layout again per micro-batch.
-  // The span must give back everything it takes (it is then a cycle the recorder can repeat).
-  void repeat(std::size_t from, std::size_t times) {
+  // Checks that the requests recorded since requests().size() was `from` give back every block
+  // they take and no other (a cycle the recorder can repeat); returns the blocks they take.
+  std::size_t check_cycle(std::size_t from) const {
     if (from > requests_.size()) {
       throw invalid_argument("from", "at most requests().size() = " + std::to_string(requests_.size()),
                              std::to_string(from), "Pass a size requests() had earlier");
@@ -15914,17 +15983,22 @@ class request_recorder {
                              std::to_string(taken) + " taken, " + std::to_string(given) + " given back",
                              "Repeat only a whole micro-batch's requests");
     }
-    const std::size_t n = requests_.size() - from;
+    return taken;
+  }
+
+  // Appends `times` more copies of the requests recorded since requests().size() was `from`
+  // (check_cycle(from) must pass), each under fresh ids.
+  void repeat(std::size_t from, std::size_t times) {
+    const std::size_t taken = check_cycle(from), n = requests_.size() - from;
     requests_.reserve(requests_.size() + n * times);
-    for (std::size_t t = 0; t < times; ++t) {
-      const std::size_t shift = next_id_ - first;
+    for (std::size_t t = 1; t <= times; ++t) {
       for (std::size_t k = 0; k < n; ++k) {
         recorded_request q = requests_[from + k];
-        q.id = static_cast<std::uint32_t>(q.id + shift);
+        q.id = static_cast<std::uint32_t>(q.id + t * taken);
         requests_.push_back(q);
       }
-      next_id_ += taken;
     }
+    next_id_ += taken * times;
   }
 
   const std::vector<recorded_request>& requests() const noexcept { return requests_; }
@@ -15936,6 +16010,41 @@ class request_recorder {
   std::vector<std::uint32_t> live_;
 };
 
+// The requests of a training run under a plan, as the trainer makes them: the prefix (weights,
+// gradients, optimizer state, a device's step buffers: its constructor), then the cycle every
+// optimizer step repeats: `repeats` times one micro-batch's requests (`micro`, which gives back
+// every block it takes), then `rest` (an overlapped exchange's last micro-batch, which differs,
+// and one evaluation of a micro-batch: trainer::evaluate). A step of 65,536 micro-batches is
+// recorded and stored in the size of one (and replayed in the time of a few: replay_run).
+struct run_requests {
+  std::vector<recorded_request> prefix, micro, rest;
+  std::size_t repeats = 0;
+
+  // The cycle in full, each copy of `micro` under fresh ids (as a planned layout needs it).
+  std::vector<recorded_request> cycle() const {
+    std::size_t taken = 0;
+    std::uint32_t first = std::numeric_limits<std::uint32_t>::max();
+    for (const recorded_request& q : micro) {
+      if (!q.free) ++taken, first = std::min(first, q.id);
+    }
+    std::vector<recorded_request> out;
+    out.reserve(micro.size() * repeats + rest.size());
+    for (std::size_t t = 0; t < repeats; ++t) {
+      for (recorded_request q : micro) {
+        q.id = static_cast<std::uint32_t>(q.id + t * taken);
+        out.push_back(q);
+      }
+    }
+    // rest's ids follow micro's one recorded copy: they move past the copies.
+    const std::size_t shift = repeats > 1 ? (repeats - 1) * taken : 0;
+    for (recorded_request q : rest) {
+      if (q.id >= first) q.id = static_cast<std::uint32_t>(q.id + shift);
+      out.push_back(q);
+    }
+    return out;
+  }
+};
+
 // What a replay measured on a shadow stack.
 struct reserve_replay {
   std::size_t peak_reserved = 0;   // the stack's reserved peak: what a budget over it counts
@@ -15944,33 +16053,60 @@ struct reserve_replay {
   std::string refusal;             // the out_of_memory message when it did not fit
 };
 
-// Replays `requests` (ids as recorded) on `shadow`, a fresh stack or one that already holds state.
+// Replays a run on `shadow` (a fresh stack or one that already holds state): the prefix, `steps`
+// cycles (two reach the steady state of every stack here: the second finds the first one's free
+// blocks), and the prefix given back in reverse. Once a micro-batch leaves the stack in the state
+// it found it in (allocator_state_key, when every layer has one), the step's remaining copies
+// would repeat it answer for answer, peaks included, and are skipped: the replay's cost does not
+// grow with the number of micro-batches.
 template <typename Allocator>
-reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_request>& requests) {
+reserve_replay replay_run(Allocator& shadow, const run_requests& run, std::size_t steps = 2) {
   std::vector<void*> ptr;
+  const auto apply = [&](const recorded_request& q) {
+    if (q.id >= ptr.size()) ptr.resize(std::size_t{q.id} + 1, nullptr);
+    if (q.free) {
+      shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
+      ptr[q.id] = nullptr;
+    } else {
+      ptr[q.id] = shadow.allocate(q.bytes, default_alignment, q.tag);
+    }
+  };
+  // The bytes and tag each id was taken with, to give back what a refusal leaves live.
+  std::vector<const recorded_request*> taken_by;
+  for (const auto* part : {&run.prefix, &run.micro, &run.rest}) {
+    for (const recorded_request& q : *part) {
+      if (q.id >= taken_by.size()) taken_by.resize(std::size_t{q.id} + 1, nullptr);
+      if (!q.free) taken_by[q.id] = &q;
+    }
+  }
   reserve_replay r;
-  std::size_t at = 0;
   try {
-    for (; at < requests.size(); ++at) {
-      const recorded_request& q = requests[at];
-      if (q.id >= ptr.size()) ptr.resize(q.id + 1, nullptr);
-      if (q.free) {
-        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
-        ptr[q.id] = nullptr;
-      } else {
-        ptr[q.id] = shadow.allocate(q.bytes, default_alignment, q.tag);
+    for (const recorded_request& q : run.prefix) apply(q);
+    std::vector<std::uint64_t> last, now;
+    for (std::size_t s = 0; s < steps; ++s) {
+      last.clear();
+      for (std::size_t k = 0; k < run.repeats; ++k) {
+        for (const recorded_request& q : run.micro) apply(q);
+        if constexpr (has_state_key<Allocator>()) {
+          if (k + 1 == run.repeats) break;
+          now.clear();
+          allocator_state_key(shadow, now);
+          if (k > 0 && now == last) break;  // micro-batch k started and ended in this state
+          std::swap(last, now);
+        }
       }
+      for (const recorded_request& q : run.rest) apply(q);
+    }
+    for (std::size_t k = run.prefix.size(); k-- > 0;) {
+      const recorded_request& q = run.prefix[k];
+      apply({q.id, true, q.bytes, q.tag});
     }
   } catch (const out_of_memory& e) {
     r.fits = false;
     r.refusal = e.what();
-    // Give back what is still live, in reverse, as the run's own unwinding would.
-    for (std::size_t k = at; k-- > 0;) {
-      const recorded_request& q = requests[k];
-      if (!q.free && ptr[q.id] != nullptr) {
-        shadow.deallocate(ptr[q.id], q.bytes, default_alignment, q.tag);
-        ptr[q.id] = nullptr;
-      }
+    // Give back what is still live, newest first, as the run's own unwinding would.
+    for (std::size_t id = ptr.size(); id-- > 0;) {
+      if (ptr[id] != nullptr) shadow.deallocate(ptr[id], taken_by[id]->bytes, default_alignment, taken_by[id]->tag);
     }
   }
   const memory_stats st = shadow.stats();
@@ -15978,13 +16114,6 @@ reserve_replay replay_requests(Allocator& shadow, const std::vector<recorded_req
   r.peak_requested = st.peak_requested;
   return r;
 }
-
-// The requests of a training run under a plan, as the trainer makes them, in two parts: the
-// prefix (weights, gradients, optimizer state, a device's step buffers: its constructor) and the cycle every optimizer step
-// repeats (`accumulation` micro-batches, then one evaluation of a micro-batch: trainer::evaluate).
-struct run_requests {
-  std::vector<recorded_request> prefix, cycle;
-};
 
 namespace detail {
 // ZeRO-2's requests in a block's backward (gradient_exchange's zero2_router): the block's gradient
@@ -16054,6 +16183,34 @@ struct exchange_request_router {
 };
 }  // namespace detail
 
+namespace detail {
+// One micro-batch's requests that are alike across a step: no exchange (ZeRO-0/1), or ZeRO-2's
+// (the trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch, the
+// blocks' buckets in their backward, then the two held ranges' reduce-scatters).
+template <typename Model>
+void micro_batch_requests(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
+                          std::size_t threads, std::size_t accumulation, const gradient_shards& gs,
+                          request_recorder& rec) {
+  using S = typename Model::storage_type;
+  if (!gs.on()) {
+    m.step_requests(micro, ops, head_chunk, threads, rec);
+    return;
+  }
+  const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+  const std::size_t held = bytes_of<S>(e.size() + h.size());
+  void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
+  zero2_request_router<Model> router{m, rec, gs, accumulation};
+  m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
+  router.finish();
+  for (const shard_range q : {e, h}) {
+    const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
+    rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
+                   memory_tag::workspace);
+  }
+  rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+}
+}  // namespace detail
+
 // gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
 // gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too, or
 // ZeRO-0/1 overlapped, whose last micro-batch's exchanges are.
@@ -16061,7 +16218,6 @@ template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
                         std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
                         std::size_t gradients = 0, const gradient_shards& gs = {}) {
-  using S = typename Model::storage_type;
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
@@ -16072,50 +16228,29 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   (void)rec.allocate(Model::step_buffer_bytes(sat_mul(micro.tokens(), accumulation), m.parameter_elements()),
                      default_alignment, memory_tag::other);
   const std::size_t k0 = rec.requests().size();
-  // Every micro-batch but an overlapped exchange's last makes the same requests: the first is
-  // recorded, the others are its copies (request_recorder::repeat).
-  const std::size_t alike = gs.whole_overlapped() ? accumulation - 1 : accumulation;
-  for (std::size_t k = 0; k < accumulation; ++k) {
-    if (k == 1 && alike > 1) {
-      rec.repeat(k0, alike - 1);
-      k = alike - 1;
-      continue;
-    }
-    if (gs.whole_overlapped() && k + 1 == accumulation) {
-      // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
-      // block's backward, then the embedding's and the head's exchanges, one after the other.
-      detail::exchange_request_router<Model> router{m, rec, gs, accumulation};
-      m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
-      router.finish();
-      for (const shard_range q : {m.embedding_parameters(), m.head_parameters()}) {
-        const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
-        rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
-                       memory_tag::workspace);
-      }
-      continue;
-    }
-    if (!gs.on()) {
-      m.step_requests(micro, ops, head_chunk, threads, rec);
-      continue;
-    }
-    // The trainer's zero2_micro_batch: the embedding's and head's bucket for the micro-batch,
-    // the blocks' buckets in their backward, then the two held ranges' reduce-scatters.
-    const shard_range e = m.embedding_parameters(), h = m.head_parameters();
-    const std::size_t held = bytes_of<S>(e.size() + h.size());
-    void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
-    detail::zero2_request_router<Model> router{m, rec, gs, accumulation};
+  r.prefix = rec.requests();
+  // Every micro-batch but an overlapped exchange's last makes the same requests: one is recorded
+  // and stands for all (run_requests::repeats).
+  r.repeats = gs.whole_overlapped() ? accumulation - 1 : accumulation;
+  if (r.repeats > 0) detail::micro_batch_requests(m, micro, ops, head_chunk, threads, accumulation, gs, rec);
+  (void)rec.check_cycle(k0);
+  const std::size_t k1 = rec.requests().size();
+  r.micro.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0),
+                 rec.requests().begin() + static_cast<std::ptrdiff_t>(k1));
+  if (gs.whole_overlapped()) {
+    // The trainer's overlapped_micro_batch: each block's exchange in flight through the next
+    // block's backward, then the embedding's and the head's exchanges, one after the other.
+    detail::exchange_request_router<Model> router{m, rec, gs, accumulation};
     m.step_requests_routed(micro, ops, head_chunk, threads, rec, router);
     router.finish();
-    for (const shard_range q : {e, h}) {
+    for (const shard_range q : {m.embedding_parameters(), m.head_parameters()}) {
       const std::size_t wsb = gradient_exchange_bytes(m, gs, q, accumulation);
       rec.deallocate(rec.allocate(wsb, default_alignment, memory_tag::workspace), wsb, default_alignment,
                      memory_tag::workspace);
     }
-    rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
   }
   m.loss_requests(micro, head_chunk, threads, rec);
-  r.prefix.assign(rec.requests().begin(), rec.requests().begin() + static_cast<std::ptrdiff_t>(k0));
-  r.cycle.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k0), rec.requests().end());
+  r.rest.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k1), rec.requests().end());
   return r;
 }
 template <typename Model>
@@ -16124,20 +16259,11 @@ run_requests record_run(const Model& m, const training_plan& p) {
                     p.gradient_sharding);
 }
 
-// The whole sequence: the prefix, `steps` cycles (two reach the steady state of every stack here:
-// the second finds the first one's free blocks), and the prefix given back.
-inline std::vector<recorded_request> training_requests(const run_requests& r, std::size_t steps = 2) {
-  std::vector<recorded_request> q = r.prefix;
-  for (std::size_t s = 0; s < steps; ++s) q.insert(q.end(), r.cycle.begin(), r.cycle.end());
-  for (std::size_t k = r.prefix.size(); k-- > 0;) q.push_back({r.prefix[k].id, true, r.prefix[k].bytes, r.prefix[k].tag});
-  return q;
-}
-
 // The layout a planned allocator (caching_options::planned) serves a plan's run from.
 template <typename Model>
 memory_layout plan_layout(const Model& m, const training_plan& p) {
   const run_requests r = record_run(m, p);
-  return make_layout(r.prefix, r.cycle);
+  return make_layout(r.prefix, r.cycle());
 }
 
 // The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
@@ -16151,7 +16277,6 @@ template <typename Model, typename Allocator>
 reserve_function reserve_model(const Model& m, const Allocator& alloc) {
   return [&m, &alloc](const training_plan& p) -> std::size_t {
     const run_requests run = record_run(m, p);
-    const std::vector<recorded_request> q = training_requests(run);
     // Uncapped: without the stack's budgets, and with arenas large enough (a stack remade for a
     // larger budget sizes its arena from it), so that the figure is what the plan reserves.
     auto replay = [&](bool capped) {
@@ -16159,9 +16284,9 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
       if (!capped) detail::lift_budgets(*shadow);
       // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
       if constexpr (has_planned_layer<shadow_t<Allocator>>) {
-        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle));
+        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle()));
       }
-      return replay_requests(*shadow, q);
+      return replay_run(*shadow, run);
     };
     const reserve_replay r = replay(true);
     if (r.fits) return r.peak_reserved;
@@ -16735,7 +16860,8 @@ inline bool is_checkpoint_shard_name(const std::string& name, const std::string&
 // does not name (paths as manifest_sources gives them; none for a whole checkpoint): what no
 // checkpoint committed at `path` needs. Call it once the checkpoint that names `keep` is committed:
 // a crash before leaves the previous checkpoint's files, one after leaves files the next call
-// removes, so a committed manifest never loses a file it names. Best effort: a file that is gone
+// removes, so a committed manifest never loses a file it names. The temporaries a killed shard
+// writer left go too, once their writer is gone. Best effort: a file that is gone
 // already (removed by another rank sharing the folder) or cannot be removed is skipped, and the
 // save or load that called it stands. Returns how many this call removed.
 inline std::size_t remove_unreferenced_shards(const std::string& path, const std::vector<std::string>& keep) {
@@ -16747,15 +16873,26 @@ inline std::size_t remove_unreferenced_shards(const std::string& path, const std
   // same files meanwhile (a shared folder) ends the listing or skips a file, never throws.
   std::error_code ec;
   std::vector<fs::path> doomed;
+  std::vector<std::string> written;  // shard files a writer left temporaries of
   for (fs::directory_iterator it(folder.empty() ? fs::path(".") : fs::path(folder), ec), end; !ec && it != end;
        it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (is_checkpoint_shard_name(name, base) && std::find(kept.begin(), kept.end(), name) == kept.end()) {
       doomed.push_back(it->path());
     }
+    // A save killed while writing its shard left `<shard>.tmp.<pid>`: no later save or load of
+    // `path` writes or reads that shard's name again, so its temporaries are cleared here, by
+    // the rule every temporary goes by (its writer gone: remove_stale_temporaries).
+    const std::size_t tmp = name.rfind(".tmp.");
+    if (tmp != std::string::npos && is_checkpoint_shard_name(name.substr(0, tmp), base) &&
+        detail::temporary_pid(name, name.substr(0, tmp)) != 0 &&
+        std::find(written.begin(), written.end(), name.substr(0, tmp)) == written.end()) {
+      written.push_back(name.substr(0, tmp));
+    }
   }
   std::size_t removed = 0;
   for (const fs::path& f : doomed) removed += fs::remove(f, ec) ? 1 : 0;
+  for (const std::string& shard : written) detail::remove_stale_temporaries(folder + shard);
   return removed;
 }
 

@@ -59,6 +59,9 @@
 //     the plan (ranks under different plans would make different collectives).
 //     Shards written under another peak lr are refused (checkpoint_run_changed) on every rank with
 //     nothing loaded, through the shards and re-sharded into one process, and load when accepted.
+//   - A sharded save killed at each point of its protocol (shards being written, some committed,
+//     the manifest being written, committed with none or some of the old shards removed): the next
+//     load resumes the committed step and leaves exactly the manifest and the shards it names.
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
@@ -707,6 +710,99 @@ int main(int argc, char** argv) {
                                             "parameters on every rank, nothing loaded");
       comm.barrier();
       if (me == 0) std::filesystem::remove(forged);
+    }
+    {
+      // A save killed at any point of its protocol (each rank writes its shard under a temporary
+      // and renames it; rank 0 then commits the manifest the same way; then each rank removes the
+      // files no manifest names) leaves one of the folders below. The next load resumes the
+      // committed step and leaves exactly the files its manifest names: no orphaned shard, no
+      // temporary of a dead writer. A: step `half` (the files at `path` now); B: one step on.
+      namespace fs = std::filesystem;
+      const fs::path folder(dir);
+      std::vector<std::string> sa, sb;
+      for (std::size_t r = 0; r < N; ++r) {
+        sa.push_back(mb::checkpoint_shard_name(path, half, r, N));
+        sb.push_back(mb::checkpoint_shard_name(path, half + 1, r, N));
+      }
+      const auto run_files = [&] {
+        std::vector<std::string> v;
+        for (const auto& e : fs::directory_iterator(folder)) {
+          const std::string n = e.path().filename().string();
+          if (n.rfind("run.ckpt", 0) == 0) v.push_back(n);
+        }
+        std::sort(v.begin(), v.end());
+        return v;
+      };
+      const auto set_aside = [&](const char* sub, const std::vector<std::string>& names) {
+        if (me != 0) return;
+        fs::create_directories(folder / sub);
+        for (const std::string& n : names) fs::copy_file(folder / n, folder / sub / n, fs::copy_options::overwrite_existing);
+      };
+      std::vector<std::string> files_a = sa, files_b = sb;
+      files_a.push_back("run.ckpt");
+      files_b.push_back("run.ckpt");
+      set_aside("A", files_a);
+      comm.barrier();
+      {
+        alloc_t a(std::size_t{1} << 30);
+        mb::thread_pool pool(1);
+        mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size()), a, pool, options(1),
+                      mb::null_monitor{}, comm);
+        t.load(path);
+        (void)t.step(src);
+        t.save(path);
+      }
+      comm.barrier();
+      set_aside("B", files_b);
+      const pid_t gone = 2147483646;  // above any pid_max: no process has it
+      check(mb::detail::process_gone(gone), "the dead writer's pid names no process");
+      const std::string tmp = ".tmp." + std::to_string(gone);
+      struct crash {
+        std::string point;
+        bool committed;                   // B's manifest committed
+        std::vector<std::string> from_a;  // besides A's manifest or B's
+        std::vector<std::string> from_b;
+        std::vector<std::string> temporaries;
+      };
+      std::vector<std::string> b_temps, b_rest_temps;
+      for (std::size_t r = 0; r < N; ++r) {
+        b_temps.push_back(sb[r] + tmp);
+        if (r > 0) b_rest_temps.push_back(sb[r] + tmp);
+      }
+      const std::vector<crash> crashes{
+          {"after the manifest's commit, before any removal", true, sa, sb, {}},
+          {"after the manifest's commit, removal half done", true, {sa.back()}, sb, {}},
+          {"while every rank writes its shard", false, sa, {}, b_temps},
+          {"rank 0's shard committed, the others' being written", false, sa, {sb[0]}, b_rest_temps},
+          {"every shard committed, the manifest being written", false, sa, sb, {"run.ckpt" + tmp, "run.ckpt" + tmp + ".1"}},
+      };
+      for (const crash& c : crashes) {
+        if (me == 0) {
+          for (const std::string& n : run_files()) fs::remove(folder / n);
+          fs::copy_file(folder / (c.committed ? "B" : "A") / "run.ckpt", folder / "run.ckpt");
+          for (const std::string& n : c.from_a) fs::copy_file(folder / "A" / n, folder / n);
+          for (const std::string& n : c.from_b) fs::copy_file(folder / "B" / n, folder / n);
+          for (const std::string& n : c.temporaries) std::fclose(std::fopen((folder / n).c_str(), "wb"));
+        }
+        comm.barrier();
+        alloc_t a(std::size_t{1} << 30);
+        mb::thread_pool pool(1);
+        mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size()), a, pool, options(1),
+                      mb::null_monitor{}, comm);
+        t.load(path);
+        comm.barrier();
+        std::vector<std::string> want = c.committed ? files_b : files_a;
+        std::sort(want.begin(), want.end());
+        check(t.steps_done() == (c.committed ? half + 1 : half) && run_files() == want,
+              "a save killed " + c.point + ": the load resumes step " + std::to_string(c.committed ? half + 1 : half) +
+                  " and leaves exactly its manifest and the " + std::to_string(N) + " shards it names");
+        comm.barrier();
+      }
+      if (me == 0) {
+        fs::remove_all(folder / "A");
+        fs::remove_all(folder / "B");
+      }
+      comm.barrier();
     }
     // Run settings over ranks: the shards under another peak lr are refused on every rank with
     // nothing loaded, through load_shards (N ranks) and load_resharded (one process); accepted,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The benchmark programs' flags (bench/bench_flags.hpp): each malformed command line exits 1 with
+"""The benchmark programs' flags (bench/bench_flags.hpp, bench/benchmark_main.hpp): each malformed command line exits 1 with
 one `error:` line naming the flag, before any work (a refusal takes milliseconds: 20 s means the
 benchmark ran); --help prints the usage and exits 0.
 
@@ -22,7 +22,18 @@ BAD = {
     "bench_gemm": [("--threads", ["--threads", "0"]), ("--min-threads", ["--min-threads", "4", "--threads", "2"]),
                    ("--filter", ["--filter"])],
     "bench_data_parallel": [("STEPS", ["abc"]), ("STEPS", ["0"]), ("--bogus", ["5", "--bogus"])],
+    # Google Benchmark's programs (bench/benchmark_main.hpp): its --benchmark_* flags go to it,
+    # anything else is refused by name before a benchmark runs (no GPU needed to be refused).
+    "bench_cuda_model": [("--attention-kernels", ["--attention-kernels=simt"]),
+                         ("--attention-kernels", ["--attention-kernels"]),
+                         ("--attention-kernels", ["--attention-kernels="]),
+                         ("--attention-kernels", ["--attention-kernels", "--benchmark_list_tests"]),
+                         ("--bogus", ["--attention-kernels", "wmma", "--bogus"])],
 }
+GOOGLE_BENCHMARK = ["bench_cuda_model", "bench_allocators", "bench_step", "bench_reserve", "bench_cuda_attention", "bench_cuda_gemm",
+            "bench_cuda_kernels", "bench_cuda_mamba", "bench_cuda_ttt"]
+for _gb in GOOGLE_BENCHMARK[1:]:
+    BAD[_gb] = [("--bogus", ["--bogus"]), ("stray", ["stray"]), ("--threads", ["--benchmark_filter=x", "--threads", "2"])]
 
 
 def main():
@@ -52,7 +63,8 @@ def main():
                 failures.append(f"{prog} {' '.join(args)}: {'; '.join(problems)}\n    stderr: {r.stderr!r}")
         tried += 1
         r = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=20)
-        if r.returncode != 0 or "usage:" not in r.stdout:
+        help_says = "--benchmark_filter" if prog in GOOGLE_BENCHMARK else "usage:"
+        if r.returncode != 0 or help_says not in r.stdout:
             failures.append(f"{prog} --help: exit {r.returncode}, stdout {r.stdout[:200]!r}")
     for f in failures:
         print("FAIL:", f)

@@ -241,7 +241,9 @@ TEST_CASE("checkpoint state: shard files no committed checkpoint names are remov
   const std::vector<std::string> all = {"run.ckpt.step-4.rank-0-of-2", "run.ckpt.step-4.rank-1-of-2",  // an earlier step
                                         "run.ckpt.step-8.rank-0-of-4", "run.ckpt.step-8.rank-3-of-4",  // another world
                                         "run.ckpt.step-8.rank-0-of-2", "run.ckpt.step-8.rank-1-of-2",  // the manifest's
-                                        "run.ckpt.step-8.rank-0-of-2.tmp.77",                          // a temporary
+                                        "run.ckpt.step-8.rank-0-of-2.tmp.1",    // a live writer's temporary
+                                        "run.ckpt.step-9.rank-1-of-2.tmp.2147483646",  // a dead writer's
+                                        "other.ckpt.step-9.rank-1-of-2.tmp.2147483646",  // another path's
                                         "run.ckpt", "other.ckpt.step-4.rank-0-of-2", "notes.txt"};
   for (const std::string& f : all) std::ofstream(folder / f) << "x";
   const std::vector<std::string> keep = {mb::checkpoint_shard_path(path, 8, 0, 2), mb::checkpoint_shard_path(path, 8, 1, 2)};
@@ -249,8 +251,11 @@ TEST_CASE("checkpoint state: shard files no committed checkpoint names are remov
   std::vector<std::string> left;
   for (const fs::directory_entry& e : fs::directory_iterator(folder)) left.push_back(e.path().filename().string());
   std::sort(left.begin(), left.end());
-  CHECK(left == std::vector<std::string>{"notes.txt", "other.ckpt.step-4.rank-0-of-2", "run.ckpt",
-                                         "run.ckpt.step-8.rank-0-of-2", "run.ckpt.step-8.rank-0-of-2.tmp.77",
+  // The dead writer's temporary of a shard goes (a killed save's; no later save writes that name
+  // again); a live writer's (pid 1 never ends) and another checkpoint's stay.
+  CHECK(left == std::vector<std::string>{"notes.txt", "other.ckpt.step-4.rank-0-of-2",
+                                         "other.ckpt.step-9.rank-1-of-2.tmp.2147483646", "run.ckpt",
+                                         "run.ckpt.step-8.rank-0-of-2", "run.ckpt.step-8.rank-0-of-2.tmp.1",
                                          "run.ckpt.step-8.rank-1-of-2"});
   CHECK(mb::remove_unreferenced_shards(path, keep) == 0);  // again: nothing more
   CHECK(mb::remove_unreferenced_shards(path, {}) == 2);    // a whole checkpoint names none
