@@ -164,15 +164,16 @@ inline std::uint64_t size(std::string_view flag, std::string_view text, const st
   return static_cast<std::uint64_t>(r);
 }
 
-// One of a few words.
-inline std::string one_of(std::string_view flag, std::string_view text, std::initializer_list<std::string_view> words) {
+// One of a few words. `between`: how the example joins name and value ("=" for a variable).
+inline std::string one_of(std::string_view flag, std::string_view text, std::initializer_list<std::string_view> words,
+                          std::string_view between = " ") {
   std::string list;
   for (std::string_view w : words) {
     if (w == text) return std::string(text);
     list += (list.empty() ? "" : ", ") + std::string(w);
   }
   throw membound::invalid_argument(std::string(flag), "one of " + list, in_quotes(text),
-                                   "e.g. " + std::string(flag) + " " + std::string(*words.begin()));
+                                   "e.g. " + std::string(flag) + std::string(between) + std::string(*words.begin()));
 }
 
 // An environment variable the program reads: its value (nullopt when unset), to be checked as a

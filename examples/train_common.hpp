@@ -411,7 +411,7 @@ inline void kill_if_asked(std::size_t rank, std::uint64_t step) {
 // MEMBOUND_EXAMPLE_NCCL=1: a GPU run in one process goes through NCCL too (0 or unset: not).
 inline bool nccl_asked_from_environment() {
   const std::optional<std::string> v = cli_checks::environment("MEMBOUND_EXAMPLE_NCCL");
-  return v && cli_checks::one_of("MEMBOUND_EXAMPLE_NCCL", *v, {"1", "0"}) == "1";
+  return v && cli_checks::one_of("MEMBOUND_EXAMPLE_NCCL", *v, {"1", "0"}, "=") == "1";
 }
 
 // --sample: o.sample bytes drawn at temperature 0.8 from 32 bytes of `val` on, each from

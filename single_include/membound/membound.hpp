@@ -17634,6 +17634,21 @@ struct abandon_step {
 // A rank's vote at an agreement point. none keeps going.
 enum class retry_vote : std::uint64_t { none = 0, pressure = 1, out_of_memory = 2, no_room = 3 };
 
+// Why a step is abandoned, in the words of the trainer's report and errors: `detail` is the
+// request's bytes (out_of_memory) or the check point (pressure, no_room). One process and a
+// retry over ranks say it alike.
+inline std::string retry_reason(retry_vote why, std::uint64_t detail) {
+  switch (why) {
+    case retry_vote::out_of_memory:
+      return "out of memory (a request of " + format_bytes(static_cast<std::size_t>(detail), false) + ")";
+    case retry_vote::no_room:
+      return "no room for the plan's peak beside others' bytes at " +
+             std::string(to_string(static_cast<check_point>(detail)));
+    default:
+      return "pressure emergency at " + std::string(to_string(static_cast<check_point>(detail)));
+  }
+}
+
 // A rank's status before step 1.
 enum class start_status : std::uint64_t { ok = 0, over_budget = 1, failed = 2 };
 
@@ -17712,13 +17727,7 @@ class rank_agreement {
     const std::uint64_t* v = votes_.data() + vote_fields * r;
     const auto why = static_cast<retry_vote>(v[0]);
     const bool oom = why == retry_vote::out_of_memory || why == retry_vote::no_room;
-    const std::string reason =
-        why == retry_vote::out_of_memory
-            ? "out of memory (a request of " + format_bytes(static_cast<std::size_t>(v[1]), false) + ")"
-        : why == retry_vote::no_room
-            ? "no room for the plan's peak beside others' bytes at " + std::string(to_string(static_cast<check_point>(v[1])))
-            : "pressure emergency at " + std::string(to_string(static_cast<check_point>(v[1])));
-    return {reason + " on rank " + std::to_string(r) + " of " + std::to_string(world_),
+    return {retry_reason(why, v[1]) + " on rank " + std::to_string(r) + " of " + std::to_string(world_),
             static_cast<std::size_t>(v[2]), static_cast<std::size_t>(v[3]), oom};
   }
 
@@ -18119,7 +18128,7 @@ class trainer {
           continue;
         }
         const replan_outcome got =
-            replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true);
+            replan(r, retry_reason(retry_vote::out_of_memory, rep.requested), use, lim, true);
         if (got == replan_outcome::below_budget) {
           tolerate();
           may_abandon = false;
@@ -19146,7 +19155,7 @@ class trainer {
 
   // "pressure emergency at after_forward", and where the step was abandoned when elsewhere.
   static std::string emergency_reason(check_point began, check_point acted_at) {
-    std::string r = "pressure emergency at " + std::string(to_string(began));
+    std::string r = retry_reason(retry_vote::pressure, static_cast<std::uint64_t>(began));
     if (began != acted_at) r += " (acted on at " + std::string(to_string(acted_at)) + ")";
     return r;
   }

@@ -28,22 +28,16 @@
 #include "membound/train/gradient_exchange.hpp"
 
 #include "../support/small_models.hpp"
+#include "../support/rank_checks.hpp"
 
 namespace mb = membound;
 
 namespace {
 
-std::size_t me = 0;
-int failures = 0;
+std::size_t& me = membound_test::rank_checks::me;
+int& failures = membound_test::rank_checks::failures;
 
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::fprintf(stderr, "rank %zu: FAIL: %s\n", me, what.c_str());
-  } else if (me == 0) {
-    std::printf("ok: %s\n", what.c_str());
-  }
-}
+using membound_test::rank_checks::check;
 
 using model_t = membound_test::hybrid<mb::fp32_precision>;
 using alloc_t = mb::budget_allocator<mb::system_allocator>;
@@ -183,6 +177,7 @@ void routed(const model_t& m, mb::mpi_communicator& comm) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  membound_test::rank_checks::say_passed = true;
   mb::mpi_environment env(argc, argv);
   mb::mpi_communicator comm;
   me = comm.rank();

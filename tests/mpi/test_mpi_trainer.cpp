@@ -94,19 +94,15 @@
 #include "membound/mpi.hpp"
 
 #include "../support/small_models.hpp"
+#include "../support/rank_checks.hpp"
 
 namespace mb = membound;
 
 namespace {
 
-int failures = 0;
-std::size_t me = 0;
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::fprintf(stderr, "rank %zu: FAIL: %s\n", me, what.c_str());
-  }
-}
+int& failures = membound_test::rank_checks::failures;
+std::size_t& me = membound_test::rank_checks::me;
+using membound_test::rank_checks::check;
 
 constexpr mb::batch_shape effective{4, 16};
 constexpr std::size_t steps = 30;

@@ -19,22 +19,17 @@
 
 #include "membound/mpi.hpp"
 #include "membound/train/rank_agreement.hpp"
+#include "../support/rank_checks.hpp"
 
 namespace mb = membound;
 
 namespace {
 
-std::size_t me = 0, N = 1;
-int failures = 0;
+std::size_t& me = membound_test::rank_checks::me;
+std::size_t N = 1;
+int& failures = membound_test::rank_checks::failures;
 
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::fprintf(stderr, "rank %zu: FAIL: %s\n", me, what.c_str());
-  } else if (me == 0) {
-    std::printf("ok: %s\n", what.c_str());
-  }
-}
+using membound_test::rank_checks::check;
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
@@ -153,6 +148,7 @@ void plans(mb::mpi_communicator& comm) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  membound_test::rank_checks::say_passed = true;
   mb::mpi_environment env(argc, argv);
   mb::mpi_communicator comm;
   me = comm.rank();

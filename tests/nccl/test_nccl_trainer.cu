@@ -44,19 +44,15 @@
 #include "membound/nccl.cuh"
 
 #include "../cuda/data_parallel_support.cuh"
+#include "../support/rank_checks.hpp"
 
 namespace mb = membound;
 
 namespace {
 
-int failures = 0;
-std::size_t me = 0;
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::fprintf(stderr, "rank %zu: FAIL: %s\n", me, what.c_str());
-  }
-}
+int& failures = membound_test::rank_checks::failures;
+std::size_t& me = membound_test::rank_checks::me;
+using membound_test::rank_checks::check;
 void cu(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw mb::backend_error(what, static_cast<int>(e), cudaGetErrorString(e));
 }

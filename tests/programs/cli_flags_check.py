@@ -22,20 +22,22 @@ MIB = 1 << 20
 STEP_LINE = re.compile(r"^step\s+[1-9]\d*/\d+\s+loss", re.M)  # a training step ran
 
 
-def run(cmd, cwd, timeout=60):
+def run(cmd, cwd, timeout=60, env=None):
     """A run that outlives its time counts as a failure of the case, not of this script."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd)
+        return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd,
+                              env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(cmd, -9, "", f"(still running after {timeout} s: killed)\n")
 
 
 def argv(tool, base, change):
     """base with change applied: a value replaces the flag's, None removes the flag; the key
-    '+' lists raw arguments appended as they are (unknown, repeated or value-less flags)."""
+    '+' lists raw arguments appended as they are (unknown, repeated or value-less flags); the key
+    'env' holds environment variables the run gets."""
     flags = dict(base)
     for k, v in change.items():
-        if k == "+":
+        if k in ("+", "env"):
             continue
         if v is None:
             flags.pop(k, None)
@@ -60,7 +62,7 @@ class Checker:
 
     def refuse(self, tool, base, flag, change):
         cmd = argv(tool, base, change)
-        r = run(cmd, self.out, timeout=20)  # a refusal takes milliseconds; 20 s means it trained
+        r = run(cmd, self.out, timeout=20, env=change.get("env"))  # milliseconds; 20 s means it trained
         self.refused += 1
         shown = " ".join(repr(a) if a == "" or " " in a else a for a in cmd[1:])
         lines = r.stderr.split("\n")
@@ -220,6 +222,11 @@ def main():
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
         # One process exchanges nothing: --overlap 1 is refused by name at every stage, never ignored.
+        # The environment the trainer reads is checked with its flags, named as a flag is.
+        for var, values in (("MEMBOUND_EXAMPLE_KILL", ["1", "a:3", "1:0", "1:x", "-1:3", ":", "1:2:3"]),
+                            ("MEMBOUND_EXAMPLE_NCCL", ["2", "yes", ""])):
+            for v in values:
+                c.refuse(train, base, var, {"env": {var: v}})
         c.refuse(train, base, "--overlap", {"--zero": "2", "--overlap": "1"})
         c.refuse(train, base, "--overlap", {"--zero": "1", "--overlap": "1"})
         c.refuse(train, base, "--overlap", {"--overlap": "1"})

@@ -325,7 +325,7 @@ class trainer {
           continue;
         }
         const replan_outcome got =
-            replan(r, "out of memory (a request of " + format_bytes(rep.requested, false) + ")", use, lim, true);
+            replan(r, retry_reason(retry_vote::out_of_memory, rep.requested), use, lim, true);
         if (got == replan_outcome::below_budget) {
           tolerate();
           may_abandon = false;
@@ -1353,7 +1353,7 @@ class trainer {
 
   // "pressure emergency at after_forward", and where the step was abandoned when elsewhere.
   static std::string emergency_reason(check_point began, check_point acted_at) {
-    std::string r = "pressure emergency at " + std::string(to_string(began));
+    std::string r = retry_reason(retry_vote::pressure, static_cast<std::uint64_t>(began));
     if (began != acted_at) r += " (acted on at " + std::string(to_string(acted_at)) + ")";
     return r;
   }
