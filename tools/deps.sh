@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ python3 git libeigen3-dev doctest-dev libbenchmark-dev
-          nlohmann-json3-dev libcli11-dev libfmt-dev libopenmpi-dev openmpi-bin)
+          nlohmann-json3-dev libcli11-dev libfmt-dev libopenmpi-dev openmpi-bin pkg-config)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -13,6 +13,14 @@
 // membound: configuration, version and the ABI namespace.
 // Host-only: never includes CUDA headers, so every consumer builds with plain g++.
 
+// membound is C++20 (concepts, requires, std::span): an older standard stops here, with one
+// sentence rather than a hundred errors about concepts. MSVC reports its standard in _MSVC_LANG.
+#if defined(_MSVC_LANG) ? (_MSVC_LANG < 202002L) : (__cplusplus < 202002L)
+#error "membound needs C++20: compile with -std=c++20 (g++, clang++ and nvcc alike), or link the CMake target membound::membound, which sets it"
+// Stop at once: what follows would only add errors about concepts.
+#include "membound_stops_here_because_it_needs_cxx20"
+#endif
+
 #define MEMBOUND_VERSION_MAJOR 0
 #define MEMBOUND_VERSION_MINOR 1
 #define MEMBOUND_VERSION_PATCH 0
