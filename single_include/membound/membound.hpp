@@ -2367,6 +2367,9 @@ struct memory_layout {
   std::size_t prefix_extent = 0;     // bytes of the prefix's segment
   std::size_t cycle_extent = 0;      // bytes of the cycle's segment
   std::size_t cycle_live_peak = 0;   // most slot bytes alive at once in the cycle (the extent's floor)
+  // The first repeat_slots slots of the cycle are served `repeats` times in a row before the rest
+  // (a step's identical micro-batches): the layout of one stands for all of them.
+  std::size_t repeat_slots = 0, repeats = 1;
   friend bool operator==(const memory_layout&, const memory_layout&) = default;
 };
 
@@ -2457,6 +2460,23 @@ inline memory_layout make_layout(std::span<const recorded_request> prefix, std::
     l.cycle_extent = std::max(l.cycle_extent, at + f.size);
   }
   for (std::size_t i = 0; i < lives.size(); ++i) l.cycle[lives[i].order].offset = offset[i];
+  return l;
+}
+
+// The layout of a cycle that is `span` `repeats` times, then `rest`, where `span` gives back every
+// block it takes: the span is placed once and its slots serve every copy (memory_layout::
+// repeat_slots, repeats), and the rest is placed on its own, over the same bytes, since no block
+// of the span outlives it. Its cost and size are the span's and the rest's, whatever `repeats`.
+inline memory_layout make_layout(std::span<const recorded_request> prefix, std::span<const recorded_request> span,
+                                 std::size_t repeats, std::span<const recorded_request> rest) {
+  if (repeats == 0 || span.empty()) return make_layout(prefix, rest);
+  memory_layout l = make_layout(prefix, span);
+  const memory_layout r = make_layout({}, rest);
+  l.repeat_slots = l.cycle.size();
+  l.repeats = repeats;
+  l.cycle.insert(l.cycle.end(), r.cycle.begin(), r.cycle.end());
+  l.cycle_extent = std::max(l.cycle_extent, r.cycle_extent);
+  l.cycle_live_peak = std::max(l.cycle_live_peak, r.cycle_live_peak);
   return l;
 }
 
@@ -2814,6 +2834,7 @@ class caching_allocator {
       }
       plan_->layout = std::move(l);
       plan_->cursor = 0;
+      plan_->round = 0;
     } else {
       plan_.emplace();
       plan_->layout = std::move(l);
@@ -2843,7 +2864,7 @@ class caching_allocator {
     if (!plan_) return;
     const planned_state& st = *plan_;
     out.insert(out.end(), {reinterpret_cast<std::uintptr_t>(st.prefix_seg), reinterpret_cast<std::uintptr_t>(st.cycle_seg),
-                           st.prefix_next, st.cursor, st.stream, st.live.size()});
+                           st.prefix_next, st.cursor, st.round, st.stream, st.live.size()});
     for (const auto& b : st.live) out.insert(out.end(), {b.p, b.bytes, b.size, b.alignment, std::uint64_t{b.cycle}});
   }
 
@@ -3053,6 +3074,7 @@ class caching_allocator {
     void* prefix_seg = nullptr;
     void* cycle_seg = nullptr;
     std::size_t prefix_next = 0, cursor = 0, hits = 0;
+    std::size_t round = 0;  // copies of the layout's repeated span served so far in this cycle
     std::vector<live_block> live;
     stream_id stream = host_stream;
   };
@@ -3109,7 +3131,16 @@ class caching_allocator {
     const std::size_t size = align_up(bytes, memory_layout::slot_alignment);
     st.live.push_back({p, bytes, size, alignment, tag, m->cycle});  // reserved in set_layout: no heap call
     if (m->cycle) {
-      st.cursor = m->index + 1 == st.layout.cycle.size() ? 0 : m->index + 1;
+      const memory_layout& l = st.layout;
+      if (m->index == 0 && st.cursor != 0) st.round = 0;  // a new step started early
+      std::size_t next = m->index + 1;
+      // The end of the repeated span: again from its start until every copy was served.
+      if (next == l.repeat_slots && ++st.round < l.repeats) next = 0;
+      if (next == l.cycle.size()) {
+        next = 0;
+        st.round = 0;
+      }
+      st.cursor = next;
     } else {
       ++st.prefix_next;
     }
@@ -3158,6 +3189,7 @@ class caching_allocator {
       stats_.on_release(st.layout.cycle_extent);
       st.cycle_seg = nullptr;
       st.cursor = 0;
+      st.round = 0;
     }
     if (st.prefix_seg != nullptr && !prefix_live) {
       upstream_.deallocate(st.prefix_seg, st.layout.prefix_extent, opts_.segment_alignment, memory_tag::other);
@@ -16028,7 +16060,7 @@ struct run_requests {
   std::vector<recorded_request> prefix, micro, rest;
   std::size_t repeats = 0;
 
-  // The cycle in full, each copy of `micro` under fresh ids (as a planned layout needs it).
+  // The cycle in full, each copy of `micro` under fresh ids.
   std::vector<recorded_request> cycle() const {
     std::size_t taken = 0;
     std::uint32_t first = std::numeric_limits<std::uint32_t>::max();
@@ -16267,11 +16299,12 @@ run_requests record_run(const Model& m, const training_plan& p) {
                     p.gradient_sharding);
 }
 
-// The layout a planned allocator (caching_options::planned) serves a plan's run from.
+// The layout a planned allocator (caching_options::planned) serves a run from: one micro-batch's
+// slots serve every identical one (memory_layout::repeats).
+inline memory_layout run_layout(const run_requests& r) { return make_layout(r.prefix, r.micro, r.repeats, r.rest); }
 template <typename Model>
 memory_layout plan_layout(const Model& m, const training_plan& p) {
-  const run_requests r = record_run(m, p);
-  return make_layout(r.prefix, r.cycle());
+  return run_layout(record_run(m, p));
 }
 
 // The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
@@ -16292,7 +16325,7 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
       if (!capped) detail::lift_budgets(*shadow);
       // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
       if constexpr (has_planned_layer<shadow_t<Allocator>>) {
-        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle()));
+        if (auto* layer = planned_layer(*shadow)) layer->set_layout(run_layout(run));
       }
       return replay_run(*shadow, run);
     };

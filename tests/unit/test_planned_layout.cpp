@@ -174,6 +174,54 @@ TEST_CASE("planned mode: a sequence that follows the layout takes exactly the la
   }
 }
 
+// A step of R identical micro-batches, then a rest (an evaluation): one micro-batch's layout
+// serves all R (memory_layout::repeats), so the layout's size does not grow with R, and the
+// sequence, replayed in full and checked block by block, is served from it alone: every request a
+// hit, the reserve the two extents, no bytes shared.
+TEST_CASE("planned mode: one micro-batch's slots serve every identical one, then the rest") {
+  rng r{17};
+  for (int t = 0; t < 30; ++t) {
+    const std::vector<mb::recorded_request> prefix{{5000, false, 3000 + r.below(100000), mb::memory_tag::weights}};
+    const auto span = random_cycle(r, 20 + r.below(60), 2 + r.below(8), 1 + r.below(200000));
+    auto rest = random_cycle(r, 10 + r.below(30), 2 + r.below(6), 1 + r.below(200000));
+    for (auto& q : rest) q.id += 2000;  // the rest's ids follow the span's, as the recorder numbers them
+    const std::size_t R = 1 + r.below(40);
+    CAPTURE(R);
+    const mb::memory_layout l = mb::make_layout(prefix, span, R, rest);
+    const mb::memory_layout one = mb::make_layout({}, span), alone = mb::make_layout({}, rest);
+    CHECK(l.repeats == R);
+    CHECK(l.repeat_slots == one.cycle.size());
+    CHECK(l.cycle.size() == one.cycle.size() + alone.cycle.size());
+    CHECK(l.cycle_extent == std::max(one.cycle_extent, alone.cycle_extent));
+    CHECK(mb::make_layout(prefix, span, R + 1000, rest).cycle == l.cycle);  // independent of R
+    auto a = planned_cache();
+    a.set_layout(l);
+    std::vector<void*> ptr;
+    run_checked(a, prefix, ptr);
+    std::size_t requests = prefix.size();
+    for (int step = 0; step < 2; ++step) {
+      for (std::size_t k = 0; k < R; ++k) run_checked(a, span, ptr);
+      run_checked(a, rest, ptr);
+      requests += R * one.cycle.size() + alone.cycle.size();
+    }
+    CHECK(a.planned_hits() == requests);
+    CHECK(a.stats().peak_reserved == l.prefix_extent + l.cycle_extent);
+    CHECK(a.stats().upstream_allocations == 2);
+    // A step abandoned inside the repeats, then retried: the trainer sets the layout again (its
+    // retry adopts a plan), and the whole step is served from the layout. (Without that, a
+    // layout cannot tell a new step's first micro-batch from the next copy: sizes alone decide.)
+    for (std::size_t k = 0; k < (R + 1) / 2; ++k) run_checked(a, span, ptr);
+    a.set_layout(l);
+    const std::size_t before = a.planned_hits();
+    for (std::size_t k = 0; k < R; ++k) run_checked(a, span, ptr);
+    run_checked(a, rest, ptr);
+    CHECK(a.planned_hits() - before == R * one.cycle.size() + alone.cycle.size());
+    CHECK(a.check_invariants());
+    for (const auto& p : prefix) a.deallocate(ptr[p.id], p.bytes, mb::default_alignment, p.tag);
+    CHECK(a.stats().requested == 0);
+  }
+}
+
 TEST_CASE("planned mode: requests that stray from the layout never share bytes") {
   rng r{13};
   std::size_t strayed = 0, served = 0;

@@ -552,7 +552,7 @@ TEST_CASE("reserve: skipping settled micro-batches measures what replaying all o
         const auto both = [&](auto& keyed_shadow, auto& full_shadow) {
           if constexpr (mb::has_planned_layer<std::remove_cvref_t<decltype(keyed_shadow)>>) {
             for (auto* sh : {&keyed_shadow, &full_shadow}) {
-              if (auto* layer = mb::planned_layer(*sh)) layer->set_layout(mb::make_layout(run.prefix, run.cycle()));
+              if (auto* layer = mb::planned_layer(*sh)) layer->set_layout(mb::run_layout(run));
             }
           }
           unkeyed<std::remove_cvref_t<decltype(full_shadow)>> full{full_shadow};
@@ -619,10 +619,17 @@ TEST_CASE("reserve: a long accumulation's predicted reserve is the real stack's,
       alloc.reset_peaks();
       run_training_requests(m, p, alloc, pool);
       CHECK(alloc.stats().peak_reserved == predicted);
+      alloc.release_cached();  // each plan from a fresh stack, as reserve_model assumes
     }
   };
   caching_stack c(std::size_t{1} << 30);
   check(c);
   arena_stack a(std::size_t{1} << 30, mb::expandable_arena_options{std::size_t{1} << 30});
   check(a);
+  // Planned: one micro-batch's slots serve all six (memory_layout::repeats).
+  mb::caching_options planned;
+  planned.planned = true;
+  caching_stack p(std::size_t{1} << 30, planned);
+  check(p);
+  CHECK(mb::planned_layer(p)->layout()->repeats == 6);
 }

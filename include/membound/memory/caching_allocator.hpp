@@ -384,6 +384,7 @@ class caching_allocator {
       }
       plan_->layout = std::move(l);
       plan_->cursor = 0;
+      plan_->round = 0;
     } else {
       plan_.emplace();
       plan_->layout = std::move(l);
@@ -413,7 +414,7 @@ class caching_allocator {
     if (!plan_) return;
     const planned_state& st = *plan_;
     out.insert(out.end(), {reinterpret_cast<std::uintptr_t>(st.prefix_seg), reinterpret_cast<std::uintptr_t>(st.cycle_seg),
-                           st.prefix_next, st.cursor, st.stream, st.live.size()});
+                           st.prefix_next, st.cursor, st.round, st.stream, st.live.size()});
     for (const auto& b : st.live) out.insert(out.end(), {b.p, b.bytes, b.size, b.alignment, std::uint64_t{b.cycle}});
   }
 
@@ -623,6 +624,7 @@ class caching_allocator {
     void* prefix_seg = nullptr;
     void* cycle_seg = nullptr;
     std::size_t prefix_next = 0, cursor = 0, hits = 0;
+    std::size_t round = 0;  // copies of the layout's repeated span served so far in this cycle
     std::vector<live_block> live;
     stream_id stream = host_stream;
   };
@@ -679,7 +681,16 @@ class caching_allocator {
     const std::size_t size = align_up(bytes, memory_layout::slot_alignment);
     st.live.push_back({p, bytes, size, alignment, tag, m->cycle});  // reserved in set_layout: no heap call
     if (m->cycle) {
-      st.cursor = m->index + 1 == st.layout.cycle.size() ? 0 : m->index + 1;
+      const memory_layout& l = st.layout;
+      if (m->index == 0 && st.cursor != 0) st.round = 0;  // a new step started early
+      std::size_t next = m->index + 1;
+      // The end of the repeated span: again from its start until every copy was served.
+      if (next == l.repeat_slots && ++st.round < l.repeats) next = 0;
+      if (next == l.cycle.size()) {
+        next = 0;
+        st.round = 0;
+      }
+      st.cursor = next;
     } else {
       ++st.prefix_next;
     }
@@ -728,6 +739,7 @@ class caching_allocator {
       stats_.on_release(st.layout.cycle_extent);
       st.cycle_seg = nullptr;
       st.cursor = 0;
+      st.round = 0;
     }
     if (st.prefix_seg != nullptr && !prefix_live) {
       upstream_.deallocate(st.prefix_seg, st.layout.prefix_extent, opts_.segment_alignment, memory_tag::other);

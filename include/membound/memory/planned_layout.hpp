@@ -54,6 +54,9 @@ struct memory_layout {
   std::size_t prefix_extent = 0;     // bytes of the prefix's segment
   std::size_t cycle_extent = 0;      // bytes of the cycle's segment
   std::size_t cycle_live_peak = 0;   // most slot bytes alive at once in the cycle (the extent's floor)
+  // The first repeat_slots slots of the cycle are served `repeats` times in a row before the rest
+  // (a step's identical micro-batches): the layout of one stands for all of them.
+  std::size_t repeat_slots = 0, repeats = 1;
   friend bool operator==(const memory_layout&, const memory_layout&) = default;
 };
 
@@ -144,6 +147,23 @@ inline memory_layout make_layout(std::span<const recorded_request> prefix, std::
     l.cycle_extent = std::max(l.cycle_extent, at + f.size);
   }
   for (std::size_t i = 0; i < lives.size(); ++i) l.cycle[lives[i].order].offset = offset[i];
+  return l;
+}
+
+// The layout of a cycle that is `span` `repeats` times, then `rest`, where `span` gives back every
+// block it takes: the span is placed once and its slots serve every copy (memory_layout::
+// repeat_slots, repeats), and the rest is placed on its own, over the same bytes, since no block
+// of the span outlives it. Its cost and size are the span's and the rest's, whatever `repeats`.
+inline memory_layout make_layout(std::span<const recorded_request> prefix, std::span<const recorded_request> span,
+                                 std::size_t repeats, std::span<const recorded_request> rest) {
+  if (repeats == 0 || span.empty()) return make_layout(prefix, rest);
+  memory_layout l = make_layout(prefix, span);
+  const memory_layout r = make_layout({}, rest);
+  l.repeat_slots = l.cycle.size();
+  l.repeats = repeats;
+  l.cycle.insert(l.cycle.end(), r.cycle.begin(), r.cycle.end());
+  l.cycle_extent = std::max(l.cycle_extent, r.cycle_extent);
+  l.cycle_live_peak = std::max(l.cycle_live_peak, r.cycle_live_peak);
   return l;
 }
 

@@ -130,7 +130,7 @@ struct run_requests {
   std::vector<recorded_request> prefix, micro, rest;
   std::size_t repeats = 0;
 
-  // The cycle in full, each copy of `micro` under fresh ids (as a planned layout needs it).
+  // The cycle in full, each copy of `micro` under fresh ids.
   std::vector<recorded_request> cycle() const {
     std::size_t taken = 0;
     std::uint32_t first = std::numeric_limits<std::uint32_t>::max();
@@ -369,11 +369,12 @@ run_requests record_run(const Model& m, const training_plan& p) {
                     p.gradient_sharding);
 }
 
-// The layout a planned allocator (caching_options::planned) serves a plan's run from.
+// The layout a planned allocator (caching_options::planned) serves a run from: one micro-batch's
+// slots serve every identical one (memory_layout::repeats).
+inline memory_layout run_layout(const run_requests& r) { return make_layout(r.prefix, r.micro, r.repeats, r.rest); }
 template <typename Model>
 memory_layout plan_layout(const Model& m, const training_plan& p) {
-  const run_requests r = record_run(m, p);
-  return make_layout(r.prefix, r.cycle());
+  return run_layout(record_run(m, p));
 }
 
 // The reserve function of a stack for a model: for a plan, the reserved peak of a run under it
@@ -394,7 +395,7 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
       if (!capped) detail::lift_budgets(*shadow);
       // A planned stack runs each plan from that plan's layout (the trainer sets it on adopting).
       if constexpr (has_planned_layer<shadow_t<Allocator>>) {
-        if (auto* layer = planned_layer(*shadow)) layer->set_layout(make_layout(run.prefix, run.cycle()));
+        if (auto* layer = planned_layer(*shadow)) layer->set_layout(run_layout(run));
       }
       return replay_run(*shadow, run);
     };
