@@ -16000,7 +16000,8 @@ class request_recorder {
   memory_stats stats() const noexcept { return {}; }
 
   // Checks that the requests recorded since requests().size() was `from` give back every block
-  // they take and no other (a cycle the recorder can repeat); returns the blocks they take.
+  // they take and no other (a cycle that can stand for its copies: run_requests::micro); returns
+  // the blocks they take.
   std::size_t check_cycle(std::size_t from) const {
     if (from > requests_.size()) {
       throw invalid_argument("from", "at most requests().size() = " + std::to_string(requests_.size()),
@@ -16024,21 +16025,6 @@ class request_recorder {
                              "Repeat only a whole micro-batch's requests");
     }
     return taken;
-  }
-
-  // Appends `times` more copies of the requests recorded since requests().size() was `from`
-  // (check_cycle(from) must pass), each under fresh ids.
-  void repeat(std::size_t from, std::size_t times) {
-    const std::size_t taken = check_cycle(from), n = requests_.size() - from;
-    requests_.reserve(requests_.size() + n * times);
-    for (std::size_t t = 1; t <= times; ++t) {
-      for (std::size_t k = 0; k < n; ++k) {
-        recorded_request q = requests_[from + k];
-        q.id = static_cast<std::uint32_t>(q.id + t * taken);
-        requests_.push_back(q);
-      }
-    }
-    next_id_ += taken * times;
   }
 
   const std::vector<recorded_request>& requests() const noexcept { return requests_; }
