@@ -99,10 +99,11 @@ void bm_step(benchmark::State& state) {
   p.outside_note = "on the device before us (context, others) + the executor: cudaMemGetInfo";
   mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> alloc(budget);
   std::fprintf(stderr, "T = %zu\n%s", T, p.table().c_str());
-  S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
-  S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
-  void* opt = p.optimizer == 0 ? nullptr : alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
-  void* sb = alloc.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);  // as the trainer
+  mb::stream_view mem(alloc, mb::stream_of(ex));  // the trainer's persistent blocks are on its stream too
+  S* w = static_cast<S*>(mem.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  S* g = static_cast<S*>(mem.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
+  void* opt = p.optimizer == 0 ? nullptr : mem.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  void* sb = mem.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);  // as the trainer
   {
     std::vector<S> h(n);
     m.init_weights(h.data(), 1);

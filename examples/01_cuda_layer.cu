@@ -17,10 +17,12 @@
 #include <vector>
 
 #include <membound/backend/cuda/cuda_allocator.cuh>
+#include <membound/backend/cuda/interop.cuh>
 #include <membound/backend/cuda/mlp.cuh>
 #include <membound/layers/swiglu_mlp.hpp>
 #include <membound/memory/budget.hpp>
 #include <membound/memory/caching_allocator.hpp>
+#include <membound/memory/stream.hpp>
 
 namespace mb = membound;
 
@@ -31,42 +33,50 @@ int main() {
     return 77;
   }
   using mlp = mb::swiglu_mlp<mb::bf16_precision, mb::cuda_backend>;
-  using S = mlp::storage_type;
-  mb::cuda_executor ex;  // the project's stream would do as well: the layer runs where ex says
-  const mb::stream_id stream = mb::cuda_device_allocator::to_stream_id(ex.stream());
+  // The project's stream; membound's executor borrows it, so the layer's kernels queue behind the
+  // project's own work and before what follows, with no synchronization in between.
+  cudaStream_t stream = nullptr;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  mb::cuda_executor ex(stream, 0);
   mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> alloc(std::size_t{64} << 20);
+  // The allocator as the stream sees it: a block freed while the stream's kernels may still use
+  // it goes back to that stream only, never to another stream's request (memory/stream.hpp).
+  mb::stream_view mem(alloc, mb::stream_of(ex));
 
   const mb::mlp_shape s{.batch = 2, .seq = 64, .width = 128, .hidden = 256};
   const std::size_t n = s.batch * s.seq * s.width, w = s.width * s.hidden;
-  // Every buffer from the budget, on the executor's stream (blocks freed there are reused there).
-  auto take = [&](std::size_t bytes) { return alloc.allocate(bytes, mb::default_alignment, mb::memory_tag::other, stream); };
-  void* x = take(n * sizeof(S));
-  void* y = take(n * sizeof(S));
-  void* weights = take(3 * w * sizeof(S));
-  void* saved = take(mlp::saved_bytes(s));
-  const std::size_t ws_bytes = mlp::forward_workspace_bytes(s, 1);
-  void* ws = take(ws_bytes);
+  const std::size_t act_bytes = n * sizeof(__nv_bfloat16), w_bytes = 3 * w * sizeof(__nv_bfloat16);
+  // The project's own buffers, in CUDA's bf16 type; storage_ptr hands them to the layer as they
+  // are (same bits, no copy: backend/cuda/interop.cuh).
+  auto* x = static_cast<__nv_bfloat16*>(mem.allocate(act_bytes));
+  auto* y = static_cast<__nv_bfloat16*>(mem.allocate(act_bytes));
+  auto* weights = static_cast<__nv_bfloat16*>(mem.allocate(w_bytes));
+  // What the layer needs besides, asked before it runs.
+  const std::size_t saved_bytes = mlp::saved_bytes(s), ws_bytes = mlp::forward_workspace_bytes(s, 1);
+  void* saved = mem.allocate(saved_bytes);
+  void* ws = mem.allocate(ws_bytes);
   // Zero inputs and weights: the output must be zero, whatever the kernels' order of sums.
-  cudaMemsetAsync(x, 0, n * sizeof(S), ex.stream());
-  cudaMemsetAsync(weights, 0, 3 * w * sizeof(S), ex.stream());
-  const auto* W = static_cast<const S*>(weights);
-  mlp::forward(s, {W, W + w, W + 2 * w}, static_cast<const S*>(x), static_cast<S*>(y), saved,
-               mlp::saved_bytes(s), ws, ws_bytes, ex);
-  std::vector<unsigned char> host(n * sizeof(S), 1);
-  cudaMemcpyAsync(host.data(), y, host.size(), cudaMemcpyDeviceToHost, ex.stream());
-  ex.synchronize();
+  cudaMemsetAsync(x, 0, act_bytes, stream);
+  cudaMemsetAsync(weights, 0, w_bytes, stream);
+  const auto* W = mb::storage_ptr(static_cast<const __nv_bfloat16*>(weights));
+  mlp::forward(s, {W, W + w, W + 2 * w}, mb::storage_ptr(static_cast<const __nv_bfloat16*>(x)), mb::storage_ptr(y),
+               saved, saved_bytes, ws, ws_bytes, ex);
+  std::vector<unsigned char> host(act_bytes, 1);
+  cudaMemcpyAsync(host.data(), y, host.size(), cudaMemcpyDeviceToHost, stream);
+  cudaStreamSynchronize(stream);
   bool zero = true;
   for (unsigned char b : host) zero = zero && b == 0;
 
   const std::size_t peak = alloc.stats().peak_requested;
-  alloc.deallocate(ws, ws_bytes, mb::default_alignment, mb::memory_tag::other);
-  alloc.deallocate(saved, mlp::saved_bytes(s), mb::default_alignment, mb::memory_tag::other);
-  alloc.deallocate(weights, 3 * w * sizeof(S), mb::default_alignment, mb::memory_tag::other);
-  alloc.deallocate(y, n * sizeof(S), mb::default_alignment, mb::memory_tag::other);
-  alloc.deallocate(x, n * sizeof(S), mb::default_alignment, mb::memory_tag::other);
-  const bool ok = zero && peak == 2 * n * sizeof(S) + 3 * w * sizeof(S) + mlp::saved_bytes(s) + ws_bytes &&
-                  alloc.stats().requested == 0;
-  std::printf("01_cuda_layer: swiglu_mlp<bf16, cuda_backend> forward on its own stream, %zu bytes from the budget: %s\n",
+  mem.deallocate(ws, ws_bytes);
+  mem.deallocate(saved, saved_bytes);
+  mem.deallocate(weights, w_bytes);
+  mem.deallocate(y, act_bytes);
+  mem.deallocate(x, act_bytes);
+  const bool ok = zero && peak == 2 * act_bytes + w_bytes + saved_bytes + ws_bytes && alloc.stats().requested == 0;
+  std::printf("01_cuda_layer: swiglu_mlp<bf16, cuda_backend> forward on the program's stream, %zu bytes from the budget: %s\n",
               peak, ok ? "OK" : "FAILED");
+  alloc.upstream().release_cached();  // before the stream goes: nothing of it stays cached
+  cudaStreamDestroy(stream);
   return ok ? 0 : 1;
 }

@@ -1350,81 +1350,29 @@ MEMBOUND_NAMESPACE_END
 // A CUDA upstream passes reinterpret_cast<stream_id>(cudaStream_t); host upstreams use
 // host_stream only.
 
-MEMBOUND_NAMESPACE_BEGIN
+// ---- begin membound/memory/allocator.hpp ----
+// The allocator concept every membound allocator policy models, with readable diagnostics.
+//
+// Required members (A is the allocator, a an lvalue of it):
+//   void* a.allocate(std::size_t bytes, std::size_t alignment, memory_tag tag);
+//       Returns storage aligned to `alignment` (a power of two), nullptr when bytes == 0.
+//       Throws membound::out_of_memory when it cannot, membound::invalid_argument on bad input;
+//       either way its state is unchanged.
+//   void a.deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag);
+//       Sized deallocation, as std::pmr does it: the same bytes, alignment and tag as allocate.
+//   memory_stats a.stats() const;
+//   static constexpr memory_space space;  // host or device
+//
+// Optional members, detected and used by adaptors when present:
+//   void a.release_cached();                 hand free cached memory back to the upstream
+//   std::size_t a.growth_for(bytes, alignment) const;
+//       bytes the reserve would grow by to serve this request (0 when a free block fits);
+//       lets a budget refuse a request before any upstream call.
+//   void a.reset_peaks();                    restart peak statistics from current values
+//   void a.set_reserve_limit(std::size_t bytes);
+//       a ceiling on the reserve, set by a budget above: rather than cross it with a preferred
+//       (larger) segment, the allocator grows by just what the request needs.
 
-using stream_id = std::uintptr_t;
-using event_id = std::uintptr_t;
-
-// The default (legacy) stream of a device, and the only stream of host memory.
-inline constexpr stream_id host_stream = 0;
-
-// An upstream whose memory is used by asynchronous streams, and which can mark points in them:
-//   event_id create_event();                       a fresh (or recycled) event
-//   void record_event(event_id, stream_id);        completes once the stream's prior work has
-//   bool event_done(event_id);                     non-blocking query
-//   void destroy_event(event_id);                  gives the event back (may recycle it)
-// caching_allocator uses it to defer reuse of a block freed while other streams still use it
-// (record_stream). Upstreams without it (host memory) have nothing to wait for.
-template <typename U>
-concept stream_event_source = requires(U& u, event_id e, stream_id s) {
-  { u.create_event() } -> std::same_as<event_id>;
-  u.record_event(e, s);
-  { u.event_done(e) } -> std::convertible_to<bool>;
-  u.destroy_event(e);
-};
-
-// An allocator that serves requests per stream (caching_allocator, and the wrappers above it):
-//   void* allocate(bytes, alignment, tag, stream);  growth_for(bytes, alignment, stream);
-//   record_stream(p, stream).
-template <typename A>
-concept stream_ordered_allocator =
-    requires(A& a, void* p, std::size_t n, memory_tag t, stream_id s) {
-      { a.allocate(n, n, t, s) } -> std::same_as<void*>;
-      { a.growth_for(n, n, s) } -> std::convertible_to<std::size_t>;
-      a.record_stream(p, s);
-    };
-
-namespace detail {
-
-// The wrappers (budget, traced, synchronized, fault injection) take a stream whatever their
-// upstream is, so one stack type reads the same on host and device; a stream other than
-// host_stream over an upstream without streams would silently lose the ordering, so it is refused.
-inline void check_host_stream(stream_id stream, const char* who) {
-  if (stream == host_stream) return;
-  throw invalid_argument(
-      "stream", std::string("host_stream (0): the allocator under ") + who + " has no streams",
-      std::to_string(stream),
-      "Put a stream-ordered allocator (caching_allocator<cuda_device_allocator>) under it, or "
-      "allocate without a stream");
-}
-
-template <typename U>
-void* allocate_on(U& u, std::size_t bytes, std::size_t alignment, memory_tag tag, stream_id stream,
-                  const char* who) {
-  if constexpr (stream_ordered_allocator<U>) {
-    return u.allocate(bytes, alignment, tag, stream);
-  } else {
-    check_host_stream(stream, who);
-    return u.allocate(bytes, alignment, tag);
-  }
-}
-
-// U may be const: a const upstream's growth_for does not poll events (see caching_allocator).
-template <typename U>
-std::size_t growth_on(U& u, std::size_t bytes, std::size_t alignment, stream_id stream,
-                      const char* who) {
-  if constexpr (requires { u.growth_for(bytes, alignment, stream); }) {
-    return u.growth_for(bytes, alignment, stream);
-  } else {
-    check_host_stream(stream, who);
-    return u.growth_for(bytes, alignment);
-  }
-}
-
-}  // namespace detail
-
-MEMBOUND_NAMESPACE_END
-// ---- end membound/memory/stream.hpp ----
 // ---- begin membound/memory/memory_stats.hpp ----
 // The statistics every allocator reports, and the tracker that keeps them.
 
@@ -1522,28 +1470,6 @@ class stats_tracker {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/memory_stats.hpp ----
-// ---- begin membound/memory/allocator.hpp ----
-// The allocator concept every membound allocator policy models, with readable diagnostics.
-//
-// Required members (A is the allocator, a an lvalue of it):
-//   void* a.allocate(std::size_t bytes, std::size_t alignment, memory_tag tag);
-//       Returns storage aligned to `alignment` (a power of two), nullptr when bytes == 0.
-//       Throws membound::out_of_memory when it cannot, membound::invalid_argument on bad input;
-//       either way its state is unchanged.
-//   void a.deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag);
-//       Sized deallocation, as std::pmr does it: the same bytes, alignment and tag as allocate.
-//   memory_stats a.stats() const;
-//   static constexpr memory_space space;  // host or device
-//
-// Optional members, detected and used by adaptors when present:
-//   void a.release_cached();                 hand free cached memory back to the upstream
-//   std::size_t a.growth_for(bytes, alignment) const;
-//       bytes the reserve would grow by to serve this request (0 when a free block fits);
-//       lets a budget refuse a request before any upstream call.
-//   void a.reset_peaks();                    restart peak statistics from current values
-//   void a.set_reserve_limit(std::size_t bytes);
-//       a ceiling on the reserve, set by a budget above: rather than cross it with a preferred
-//       (larger) segment, the allocator grows by just what the request needs.
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -1569,18 +1495,22 @@ concept has_space = requires {
 };
 }  // namespace detail
 
+// What every membound allocator policy models: the required members listed at the top.
 template <typename A>
 concept allocator = detail::has_allocate<A> && detail::has_deallocate<A> &&
                     detail::has_stats<A> && detail::has_space<A>;
 
+// An allocator that caches free memory and can give it back (release_cached).
 template <typename A>
 concept caching_allocator_like = allocator<A> && requires(A& a) { a.release_cached(); };
 
+// An allocator that predicts how much its reserve would grow (growth_for): what a budget needs.
 template <typename A>
 concept reports_growth = allocator<A> && requires(const A& a, std::size_t n) {
   { a.growth_for(n, n) } -> std::convertible_to<std::size_t>;
 };
 
+// An allocator of host memory, which the CPU reads and writes.
 template <typename A>
 concept host_allocator = allocator<A> && (A::space == memory_space::host);
 
@@ -1604,8 +1534,10 @@ consteval bool check_allocator() {
   return allocator<A>;
 }
 
+// Whether x is a valid alignment: a power of two (0 is not).
 constexpr bool is_power_of_two(std::size_t x) noexcept { return x != 0 && (x & (x - 1)) == 0; }
 
+// x rounded up to a multiple of alignment, a power of two.
 constexpr std::size_t align_up(std::size_t x, std::size_t alignment) noexcept {
   return (x + alignment - 1) & ~(alignment - 1);
 }
@@ -1688,6 +1620,152 @@ inline void fill_usage(oom_report& r, const memory_stats& s) noexcept {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/allocator.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// A stream as the allocators see it: a cudaStream_t cast to an integer, or host_stream.
+using stream_id = std::uintptr_t;
+// A point in a stream that an upstream can query (a cudaEvent_t cast to an integer).
+using event_id = std::uintptr_t;
+
+// The default (legacy) stream of a device, and the only stream of host memory.
+inline constexpr stream_id host_stream = 0;
+
+// An upstream whose memory is used by asynchronous streams, and which can mark points in them:
+//   event_id create_event();                       a fresh (or recycled) event
+//   void record_event(event_id, stream_id);        completes once the stream's prior work has
+//   bool event_done(event_id);                     non-blocking query
+//   void destroy_event(event_id);                  gives the event back (may recycle it)
+// caching_allocator uses it to defer reuse of a block freed while other streams still use it
+// (record_stream). Upstreams without it (host memory) have nothing to wait for.
+template <typename U>
+concept stream_event_source = requires(U& u, event_id e, stream_id s) {
+  { u.create_event() } -> std::same_as<event_id>;
+  u.record_event(e, s);
+  { u.event_done(e) } -> std::convertible_to<bool>;
+  u.destroy_event(e);
+};
+
+// An allocator that serves requests per stream (caching_allocator, and the wrappers above it):
+//   void* allocate(bytes, alignment, tag, stream);  growth_for(bytes, alignment, stream);
+//   record_stream(p, stream).
+template <typename A>
+concept stream_ordered_allocator =
+    requires(A& a, void* p, std::size_t n, memory_tag t, stream_id s) {
+      { a.allocate(n, n, t, s) } -> std::same_as<void*>;
+      { a.growth_for(n, n, s) } -> std::convertible_to<std::size_t>;
+      a.record_stream(p, s);
+    };
+
+namespace detail {
+
+// The wrappers (budget, traced, synchronized, fault injection) take a stream whatever their
+// upstream is, so one stack type reads the same on host and device; a stream other than
+// host_stream over an upstream without streams would silently lose the ordering, so it is refused.
+inline void check_host_stream(stream_id stream, const char* who) {
+  if (stream == host_stream) return;
+  throw invalid_argument(
+      "stream", std::string("host_stream (0): the allocator under ") + who + " has no streams",
+      std::to_string(stream),
+      "Put a stream-ordered allocator (caching_allocator<cuda_device_allocator>) under it, or "
+      "allocate without a stream");
+}
+
+template <typename U>
+void* allocate_on(U& u, std::size_t bytes, std::size_t alignment, memory_tag tag, stream_id stream,
+                  const char* who) {
+  if constexpr (stream_ordered_allocator<U>) {
+    return u.allocate(bytes, alignment, tag, stream);
+  } else {
+    check_host_stream(stream, who);
+    return u.allocate(bytes, alignment, tag);
+  }
+}
+
+// U may be const: a const upstream's growth_for does not poll events (see caching_allocator).
+template <typename U>
+std::size_t growth_on(U& u, std::size_t bytes, std::size_t alignment, stream_id stream,
+                      const char* who) {
+  if constexpr (requires { u.growth_for(bytes, alignment, stream); }) {
+    return u.growth_for(bytes, alignment, stream);
+  } else {
+    check_host_stream(stream, who);
+    return u.growth_for(bytes, alignment);
+  }
+}
+
+}  // namespace detail
+
+// The stream an executor's work is ordered on: a device executor's stream() (a cudaStream_t,
+// reinterpret_cast as cuda_device_allocator::to_stream_id does), host_stream for the host.
+template <typename Executor>
+stream_id stream_of(const Executor& ex) noexcept {
+  if constexpr (requires { ex.stream(); }) {
+    return reinterpret_cast<stream_id>(ex.stream());
+  } else {
+    return host_stream;
+  }
+}
+
+// An allocator as the work of one stream sees it: allocate(bytes, alignment, tag) is served on
+// that stream. Blocks then belong to the stream that uses them, so a block freed while kernels
+// on the stream may still read it is reused only by later work of the same stream (ordered after
+// them), never handed to another stream early; work on other streams goes through
+// record_stream. membound's model and trainer allocate through one, bound to their executor's
+// stream; a caller's own buffers for a layer should too (examples/01_cuda_layer.cu):
+//   stream_view mem(alloc, stream_of(ex));   void* x = mem.allocate(bytes);
+// Over an allocator without streams (system_allocator, an arena, plain cudaMalloc/cudaFree whose
+// free synchronizes) there is nothing to order: the view serves host_stream, as before.
+// It refers to `a`, which must outlive it.
+template <typename A>
+class stream_view {
+ public:
+  // Host or device: the allocator's memory.
+  static constexpr memory_space space = A::space;
+  // Whether A serves requests per stream; if not, the view serves host_stream.
+  static constexpr bool ordered = stream_ordered_allocator<A>;
+
+  // A view of `a` serving `stream` (host_stream when `a` has no streams).
+  stream_view(A& a, stream_id stream) noexcept : a_(&a), stream_(ordered ? stream : host_stream) {}
+
+  // A block used by the view's stream; reused only by that stream's later work once freed.
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
+                 memory_tag tag = memory_tag::other) {
+    if constexpr (ordered) {
+      return a_->allocate(bytes, alignment, tag, stream_);
+    } else {
+      return a_->allocate(bytes, alignment, tag);
+    }
+  }
+  // Gives the block back: the same bytes, alignment and tag as allocate.
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
+                  memory_tag tag = memory_tag::other) noexcept {
+    a_->deallocate(p, bytes, alignment, tag);
+  }
+  // Bytes the next allocate would grow the allocator's reserve by, on the view's stream.
+  std::size_t growth_for(std::size_t bytes, std::size_t alignment) const
+    requires requires(A& a) { a.growth_for(bytes, alignment); }
+  {
+    if constexpr (ordered) {
+      return a_->growth_for(bytes, alignment, stream_);
+    } else {
+      return a_->growth_for(bytes, alignment);
+    }
+  }
+  // The allocator's statistics (all streams together).
+  memory_stats stats() const noexcept { return a_->stats(); }
+  // The stream requests are served on (host_stream over an allocator without streams).
+  stream_id stream() const noexcept { return stream_; }
+  // The allocator the view serves from.
+  A& upstream() const noexcept { return *a_; }
+
+ private:
+  A* a_;
+  stream_id stream_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/stream.hpp ----
 // ---- begin membound/memory/over_alignment.hpp ----
 // Alignments above what an upstream guarantees, served by over-allocating: the bookkeeping the
 // CUDA device and pinned allocators share (cudaMalloc and cudaHostAlloc promise 256 bytes).
@@ -2537,17 +2615,21 @@ struct caching_options {
   bool planned = false;
 };
 
+// The caching allocator (see the file comment): segments from Upstream, tuned by caching_options.
 template <typename Upstream = system_allocator>
 class caching_allocator {
   static_assert(check_allocator<Upstream>());
 
  public:
+  // Host or device: the upstream's memory.
   static constexpr memory_space space = Upstream::space;
   // Every block size is a multiple of this, and every block starts on it.
   static constexpr std::size_t block_granule = 512;
+  // The largest alignment allocate accepts: every block starts on a granule.
   static constexpr std::size_t max_alignment = block_granule;
 
   caching_allocator() : caching_allocator(caching_options{}) {}  // not explicit: `= {}` works
+  // Builds the upstream in place from upstream_args; inconsistent opts throw invalid_argument.
   template <typename... Args>
   explicit caching_allocator(caching_options opts, Args&&... upstream_args)
       : opts_(validated(opts)), upstream_(std::forward<Args>(upstream_args)...) {}
@@ -2726,9 +2808,18 @@ class caching_allocator {
     return done_blocks;
   }
 
-  // Freed blocks waiting for other streams' events, and their bytes (block sizes). They count
-  // as reserved, not allocated.
+  // The stream a live block of the ordinary path was allocated on (its segment's); nullopt for
+  // a pointer that is not one (free, foreign, or a planned layout's block: those are on
+  // set_layout's stream).
+  std::optional<stream_id> block_stream(const void* p) const noexcept {
+    const detail::block_pool::block* b = small_.find_live(p);
+    if (b == nullptr) b = large_.find_live(p);
+    if (b == nullptr) return std::nullopt;
+    return b->seg->stream;
+  }
+  // Freed blocks waiting for other streams' events. They count as reserved, not allocated.
   std::size_t pending_blocks() const noexcept { return pending_blocks_; }
+  // The pending blocks' bytes (block sizes).
   std::size_t pending_bytes() const noexcept { return pending_bytes_; }
 
   // Gives every fully free segment back to the upstream. Live blocks never move.
@@ -2765,6 +2856,7 @@ class caching_allocator {
     }
     return std::as_const(*this).growth_for(bytes, alignment, stream);
   }
+  // The same without polling the events: it may over-predict while blocks are pending.
   std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream) const {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     if (bytes == 0) return 0;
@@ -2779,6 +2871,7 @@ class caching_allocator {
   }
 
   // ---- Planned mode (caching_options::planned) ------------------------------------------------
+  // Whether it was made with caching_options::planned, which set_layout requires.
   bool planned() const noexcept { return opts_.planned; }
   // Takes a layout; between steps (no block of the cycle live). The prefix (weights, gradients,
   // optimizer state) cannot change once its blocks exist: a layout with another prefix throws
@@ -2842,6 +2935,7 @@ class caching_allocator {
     plan_->stream = stream;
     plan_->live.reserve(plan_->layout.prefix.size() + plan_->layout.cycle.size());
   }
+  // The layout set_layout took, or nullptr before.
   const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
   // Requests served from the layout, and requests that did not follow it (ordinary path).
   std::size_t planned_hits() const noexcept { return plan_ ? plan_->hits : 0; }
@@ -2851,6 +2945,7 @@ class caching_allocator {
   // hard budget, the slack of a shared segment must not decide between fitting and failing.
   // growth_for reports the shrunk size, so the budget's check stays exact.
   void set_reserve_limit(std::size_t bytes) noexcept { reserve_limit_ = bytes; }
+  // The ceiling set_reserve_limit set; SIZE_MAX when none was.
   std::size_t reserve_limit() const noexcept { return reserve_limit_; }
 
   // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp):
@@ -2871,6 +2966,7 @@ class caching_allocator {
   // requested: sum of callers' bytes; allocated: sum of block sizes (after rounding, including
   // a remainder too small to split off); reserved: segment bytes held from the upstream.
   memory_stats stats() const noexcept { return stats_.stats(); }
+  // Restarts the peak statistics from the current values.
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
   // The size class a request of `bytes` is served with (bytes > 0).
@@ -2886,8 +2982,11 @@ class caching_allocator {
     return size;
   }
 
+  // The options it was made with.
   const caching_options& options() const noexcept { return opts_; }
+  // The allocator below, where segments come from. Allocating through it bypasses the cache.
   Upstream& upstream() noexcept { return upstream_; }
+  // The same, read only.
   const Upstream& upstream() const noexcept { return upstream_; }
 
   // O(blocks) consistency check of the internal structures, for tests and debugging.
@@ -3491,6 +3590,7 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// Settings of expandable_arena, checked by its constructor.
 struct expandable_arena_options {
   // Bytes of address space reserved at construction: the most the arena can ever commit.
   // Reserving costs no memory, so the default is generous. A nonzero multiple of the backend's
@@ -3498,17 +3598,21 @@ struct expandable_arena_options {
   std::size_t capacity = std::size_t{64} << 30;  // 64 GiB
 };
 
+// The expandable arena (see the file comment) over VirtualMemory's reserve/commit calls.
 template <typename VirtualMemory = host_virtual_memory>
 class expandable_arena {
   static_assert(check_virtual_memory<VirtualMemory>());
 
  public:
+  // Host or device: the virtual memory backend's.
   static constexpr memory_space space = VirtualMemory::space;
+  // Every block size is a multiple of this, and every block starts on it.
   static constexpr std::size_t block_granule = 512;
+  // The largest alignment allocate accepts.
   static constexpr std::size_t max_alignment = block_granule;
 
-  // Constructs the backend from vm_args and reserves opts.capacity bytes of address space.
   expandable_arena() : expandable_arena(expandable_arena_options{}) {}  // not explicit: `= {}` works
+  // Constructs the backend from vm_args and reserves opts.capacity bytes of address space.
   template <typename... Args>
   explicit expandable_arena(expandable_arena_options opts, Args&&... vm_args)
       : vm_(std::forward<Args>(vm_args)...),
@@ -3609,8 +3713,10 @@ class expandable_arena {
   // reserved = committed bytes; upstream_allocations / upstream_deallocations = commit /
   // decommit calls.
   memory_stats stats() const noexcept { return stats_.stats(); }
+  // Restarts the peak statistics from the current values.
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
+  // Bytes of address space reserved: the most it can ever commit.
   std::size_t capacity() const noexcept { return capacity_; }
   // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
   void append_state(std::vector<std::uint64_t>& out) const {
@@ -3618,11 +3724,15 @@ class expandable_arena {
     pool_.append_state(out);
     stats_.append_state(out);
   }
+  // Bytes committed now: the reserve's prefix in use or cached.
   std::size_t committed() const noexcept { return seg_->size; }
+  // The backend's commit granule: commits and decommits are whole multiples of it.
   std::size_t granularity() const noexcept { return granularity_; }
   // Start of the reserved range; blocks are handed out from here upwards.
   void* base() const noexcept { return seg_->ptr(); }
+  // The virtual memory backend, for inspection: commit or decommit through it breaks the arena.
   VirtualMemory& vm() noexcept { return vm_; }
+  // The same, read only.
   const VirtualMemory& vm() const noexcept { return vm_; }
 
   // O(blocks) consistency check of the internal structures, for tests and debugging.
@@ -3810,6 +3920,8 @@ inline std::string budget_hint(const oom_report& r, std::size_t usage) {
 
 }  // namespace detail
 
+// The budget adaptor (see the file comment): every byte of Upstream's reserve, plus the external
+// bytes, stays within `limit`.
 template <typename Upstream>
 class budget_allocator {
   static_assert(check_allocator<Upstream>());
@@ -3822,6 +3934,7 @@ class budget_allocator {
                 "fits), as system_allocator, caching_allocator and expandable_arena do.");
 
  public:
+  // Host or device: the upstream's memory.
   static constexpr memory_space space = Upstream::space;
 
   // The upstream is built in place: allocators own statistics and are usually not movable.
@@ -3880,6 +3993,7 @@ class budget_allocator {
     return p;
   }
 
+  // Gives the block back to the upstream: the same bytes, alignment and tag as allocate.
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) noexcept(noexcept(
       std::declval<Upstream&>().deallocate(p, bytes, alignment, tag))) {
@@ -3893,6 +4007,7 @@ class budget_allocator {
     return s;
   }
 
+  // The cap on usage(), in bytes.
   std::size_t limit() const noexcept { return limit_; }
 
   // Lowering the limit below what is held would break the invariant at once, so it is refused.
@@ -3929,12 +4044,15 @@ class budget_allocator {
     external_ = bytes;
     push_reserve_limit();
   }
+  // Bytes last given to set_external.
   std::size_t external() const noexcept { return external_; }
 
   // The real footprint: everything the stack below holds plus the external bytes.
   std::size_t usage() const { return detail::saturating_add(reserved(), external_); }
+  // How far usage() may still grow: limit() − usage(), 0 at or over the cap.
   std::size_t headroom() const { return detail::saturating_sub(limit_, usage()); }
 
+  // Frees the upstream's cache of free blocks; until then they count in usage().
   void release_cached() requires caching_allocator_like<Upstream> { upstream_.release_cached(); }
 
   // Forwarded, so that budgets stack: an outer budget asks through an inner one.
@@ -3956,6 +4074,7 @@ class budget_allocator {
     upstream_.record_stream(p, stream);
   }
 
+  // Restarts the upstream's peak statistics from the current values.
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
 
   // From a budget stacked above: the reserve below must also stay under its ceiling.
@@ -3964,12 +4083,13 @@ class budget_allocator {
     push_reserve_limit();
   }
 
-  // Allocating through the upstream directly bypasses the cap; use it to inspect.
   // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
   void append_state(std::vector<std::uint64_t>& out) const {
     out.insert(out.end(), {limit_, external_, outer_reserve_limit_});
   }
+  // The allocator below. Allocating through it directly bypasses the cap; use it to inspect.
   Upstream& upstream() noexcept { return upstream_; }
+  // The same, read only.
   const Upstream& upstream() const noexcept { return upstream_; }
 
  private:
@@ -4818,19 +4938,23 @@ constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
 
 // Inclusive [first, last] phase indices during which a slot holds live data.
 struct slot_lifetime {
-  std::size_t first = 0;
-  std::size_t last = 0;
+  std::size_t first = 0;  // the first phase the slot is live in
+  std::size_t last = 0;   // the last one (inclusive)
 
+  // Whether the two are live in a common phase, so their slots cannot share bytes.
   constexpr bool overlaps(const slot_lifetime& o) const noexcept {
     return first <= o.last && o.first <= last;
   }
 };
 
+// Scratch slots packed into one buffer, slots of disjoint lifetimes sharing bytes. A fixed array
+// of MaxSlots, so a layout is built and sized in constant expressions.
 template <std::size_t MaxSlots>
 class workspace_layout {
   static_assert(MaxSlots > 0, "membound: a workspace_layout needs room for at least one slot.");
 
  public:
+  // The most slots add() accepts.
   static constexpr std::size_t max_slots = MaxSlots;
 
   // Returns the slot's index. By default every slot lives in phase 0, so none share bytes.
@@ -4872,13 +4996,18 @@ class workspace_layout {
 
   // Total bytes, with slots of disjoint lifetimes sharing.
   constexpr std::size_t size() const noexcept { return size_; }
+  // Slots added so far.
   constexpr std::size_t slots() const noexcept { return count_; }
   // The largest slot alignment: the base of a carved buffer must be aligned to it.
   constexpr std::size_t alignment() const noexcept { return alignment_; }
 
+  // The slot's byte offset from the buffer's base (an index add() returned, or invalid_argument).
   constexpr std::size_t offset(std::size_t slot) const { return at(slot).offset; }
+  // Bytes the slot was added with.
   constexpr std::size_t slot_bytes(std::size_t slot) const { return at(slot).bytes; }
+  // Alignment the slot was added with.
   constexpr std::size_t slot_alignment(std::size_t slot) const { return at(slot).alignment; }
+  // Phases the slot was added with.
   constexpr slot_lifetime lifetime(std::size_t slot) const { return at(slot).life; }
 
  private:
@@ -4959,10 +5088,12 @@ template <std::size_t MaxSlots>
 class workspace_view {
  public:
   constexpr workspace_view() = default;
+  // Unchecked: carve() checks the buffer against the layout first.
   constexpr workspace_view(const workspace_layout<MaxSlots>& layout, std::byte* base,
                            std::size_t bytes) noexcept
       : layout_(layout), base_(base), bytes_(bytes) {}
 
+  // The slot's address as T*; throws invalid_argument if T needs more alignment than the slot has.
   template <typename T>
   T* get(std::size_t slot) const {
     const std::size_t a = layout_.slot_alignment(slot);  // also checks the index
@@ -4982,8 +5113,11 @@ class workspace_view {
     return {get<T>(slot), layout_.slot_bytes(slot) / sizeof(T)};
   }
 
+  // The carved buffer's base.
   void* data() const noexcept { return base_; }
+  // The carved buffer's bytes (at least layout().size()).
   std::size_t size() const noexcept { return bytes_; }
+  // The layout's copy the slots are found by.
   const workspace_layout<MaxSlots>& layout() const noexcept { return layout_; }
 
  private:
@@ -5021,17 +5155,20 @@ class scoped_allocation {
 
  public:
   scoped_allocation() noexcept = default;
+  // Allocates from `a` (which must outlive it); throws what a.allocate throws.
   scoped_allocation(Allocator& a, std::size_t bytes, std::size_t alignment = default_alignment,
                     memory_tag tag = memory_tag::workspace)
       : alloc_(&a), ptr_(a.allocate(bytes, alignment, tag)), bytes_(bytes),
         alignment_(alignment), tag_(tag) {}
 
+  // Takes o's block, leaving o empty.
   scoped_allocation(scoped_allocation&& o) noexcept
       : alloc_(o.alloc_),
         ptr_(std::exchange(o.ptr_, nullptr)),
         bytes_(std::exchange(o.bytes_, 0)),
         alignment_(o.alignment_),
         tag_(o.tag_) {}
+  // Gives back the block held, then takes o's, leaving o empty.
   scoped_allocation& operator=(scoped_allocation&& o) noexcept {
     if (this != &o) {
       reset();
@@ -5047,20 +5184,27 @@ class scoped_allocation {
   scoped_allocation& operator=(const scoped_allocation&) = delete;
   ~scoped_allocation() { reset(); }
 
+  // Gives the block back now, leaving this empty.
   void reset() noexcept {
     if (ptr_ != nullptr) alloc_->deallocate(ptr_, bytes_, alignment_, tag_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
 
+  // The block, or nullptr when empty.
   void* get() const noexcept { return ptr_; }
+  // The block as T*.
   template <typename T>
   T* as() const noexcept {
     return static_cast<T*>(ptr_);
   }
+  // Bytes requested; 0 when empty.
   std::size_t size() const noexcept { return bytes_; }
+  // Alignment the block was requested with.
   std::size_t alignment() const noexcept { return alignment_; }
+  // Tag the block was requested with.
   memory_tag tag() const noexcept { return tag_; }
+  // Whether a block is held.
   explicit operator bool() const noexcept { return ptr_ != nullptr; }
 
  private:
@@ -5071,6 +5215,7 @@ class scoped_allocation {
   memory_tag tag_ = memory_tag::workspace;
 };
 
+// Carves a scoped_allocation's block (its whole size) by the layout.
 template <std::size_t MaxSlots, typename Allocator>
 workspace_view<MaxSlots> carve(const workspace_layout<MaxSlots>& layout,
                                const scoped_allocation<Allocator>& storage) {
@@ -7731,6 +7876,12 @@ MEMBOUND_NAMESPACE_END
 // ---- begin membound/layers/layer_support.hpp ----
 // What every layer front end shares: can_implement's answer, the argument checks that name what
 // is wrong, carving the caller's saved/workspace bytes, and overflow-safe size arithmetic.
+//
+// Every layer runs on the caller's buffers and the caller's executor (on cuda_backend, its
+// stream: cuda_executor(stream, device) borrows one). A CUDA project's __nv_bfloat16* / __half*
+// buffers have the bits of the layers' bf16 / fp16 storage and pass as they are through
+// storage_ptr (backend/cuda/interop.cuh); memory for them and for saved/workspace bytes should
+// come from the allocator as the executor's stream sees it (stream_view, memory/stream.hpp).
 
 // ---- begin membound/core/argument_checks.hpp ----
 // The argument checks every public call makes, one family for the whole library: a buffer that
@@ -7823,19 +7974,27 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// What attention::can_implement answers (layer_support under the layer's own name).
 using attention_support = layer_support;
 
+// The attention layer (see the file comment); Policies override the defaults in any order.
 template <typename... Policies>
 class attention {
  public:
+  // Precision, tiles, recompute policy and backend: the defaults, overridden by Policies.
   using policies =
       policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, cpu_backend>,
                  Policies...>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // The CPU kernels' query and key/value tile sizes (attention_tiles<64, 64> by default).
   using tiles = get_policy<policies, chunking_kind>;
+  // `recompute` (project q, k, v again in backward) or `save_all` (keep them in `saved`).
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
   static_assert(is_attention_tiles_v<tiles>,
@@ -7845,7 +8004,9 @@ class attention {
                 "membound: attention takes `recompute` (keep O and lse, project q, k, v again in "
                 "backward) or `save_all` (keep q, k, v too) as its recompute policy; "
                 "ttt_state_groups belongs to the TTT layer.");
+  // Element type of x, y, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type the kernels accumulate in; lse is saved in it.
   using accum_type = typename precision::accum_type;
 
  private:
@@ -7856,6 +8017,7 @@ class attention {
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr attention_support can_implement(const attention_shape& s) noexcept {
     auto no = [](const char* arg, const char* expected, double actual) {
       return attention_support{false, arg, expected, actual};
@@ -7879,6 +8041,7 @@ class attention {
     return {};
   }
 
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const attention_shape& s) {
     const attention_support r = can_implement(s);
     if (!r.ok) {
@@ -7888,6 +8051,7 @@ class attention {
   }
 
   // ---- Memory known before running ------------------------------------------------------------
+  // Elements of Wq, Wk, Wv and Wo together.
   static constexpr std::size_t weight_elements(const attention_shape& s) noexcept {
     return attention_weight_elements(s);
   }
@@ -7898,10 +8062,12 @@ class attention {
     const std::size_t b[] = {o_bytes(s), lse_bytes(s), q_bytes(s), kv_bytes(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
+  // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
@@ -7912,37 +8078,43 @@ class attention {
     const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, max_len, s.head_dim);
     return detail::sat_add(half, half);
   }
+  // Scratch bytes one decoding step needs with a cache of max_len positions.
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
     return kernels::template step_workspace_bytes<S, A, tiles>(s, max_len, threads);
   }
 
+  // The layer's parameters, read only: [in, out] matrices, row-major, in storage_type.
   struct weights {
     const S* wq;  // [C, H·D]
     const S* wk;  // [C, Hkv·D]
     const S* wv;  // [C, Hkv·D]
     const S* wo;  // [H·D, C]
   };
-  struct gradients {  // accumulated (+=): the caller zeroes them
-    S* wq;
-    S* wk;
-    S* wv;
-    S* wo;
+  // Where backward adds (+=) the weight gradients, shaped as `weights`: the caller zeroes them.
+  struct gradients {
+    S* wq;  // dL/dWq, [C, H·D]
+    S* wk;  // dL/dWk, [C, Hkv·D]
+    S* wv;  // dL/dWv, [C, Hkv·D]
+    S* wo;  // dL/dWo, [H·D, C]
   };
 
   // A KV cache over the caller's bytes (kv_cache_bytes(shape, max_len) of them, aligned to
   // storage_type): rotated keys [B, Hkv, max_len, D], then values. `length` positions are
   // filled; the next step runs at position `length`. Reset by setting length = 0.
   struct kv_cache {
-    void* data = nullptr;
-    std::size_t bytes = 0;
-    std::size_t max_len = 0;
-    std::size_t length = 0;
+    void* data = nullptr;     // the caller's bytes, aligned to storage_type
+    std::size_t bytes = 0;    // size of data; at least kv_cache_bytes(shape, max_len)
+    std::size_t max_len = 0;  // positions the cache can hold
+    std::size_t length = 0;   // positions filled; the next step writes position `length`
 
+    // Start of the rotated keys, [B, Hkv, max_len, D].
     S* keys() const noexcept { return static_cast<S*>(data); }
+    // Start of the values, half_elements (B·Hkv·max_len·D) past the keys.
     S* values(std::size_t half_elements) const noexcept { return keys() + half_elements; }
   };
 
+  // An empty cache over the caller's bytes; throws if they are too few or misaligned.
   static kv_cache make_kv_cache(const attention_shape& s, void* data, std::size_t bytes,
                                 std::size_t max_len) {
     check(s);
@@ -7965,6 +8137,8 @@ class attention {
   }
 
   // ---- Forward -------------------------------------------------------------------------------
+  // y = attention(x) for the whole sequence; keeps O and lse (and q, k, v under save_all) in
+  // `saved` for backward. Checks every argument before writing anything.
   static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -7981,6 +8155,7 @@ class attention {
   }
 
   // ---- Backward ------------------------------------------------------------------------------
+  // dx from dy (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
@@ -9343,16 +9518,23 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The Mamba-1 block (see the file comment); Policies override the defaults in any order.
 template <typename... Policies>
 class mamba {
  public:
+  // Precision, scan chunk, recompute policy and backend: the defaults, overridden by Policies.
   using policies =
       policy_set<type_list<fp32_precision, scan_chunk<128>, recompute, cpu_backend>, Policies...>;
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // scan_chunk<L>: tokens per scan chunk, which sets how many scan states forward saves.
   using chunking = get_policy<policies, chunking_kind>;
+  // `recompute` (the conv output and Δ again in backward) or `save_all` (keep them in `saved`).
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
   static_assert(is_scan_chunk_v<chunking>,
@@ -9362,7 +9544,9 @@ class mamba {
                 "membound: mamba takes `recompute` (mamba_ssm checkpoint_lvl 1: recompute the conv "
                 "output and delta in backward) or `save_all` (lvl 0: keep them) as its recompute "
                 "policy; ttt_state_groups belongs to the TTT layer.");
+  // Element type of x, out, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type of the scan state (float or double), saved and decoding states included.
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
                 "membound: mamba accumulates its scan state in float or double; choose a "
@@ -9376,9 +9560,12 @@ class mamba {
   using kernels = backend_kernels<backend, mamba_shape>;
 
  public:
+  // Tokens per scan chunk (scan_chunk<L>): forward saves the state entering each chunk after the
+  // first.
   static constexpr std::size_t chunk = L;
 
   // ---- Checks --------------------------------------------------------------------------------
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const mamba_shape& s) noexcept {
     auto no = [](const char* arg, const char* expected, double actual) {
       return layer_support{false, arg, expected, actual};
@@ -9396,6 +9583,7 @@ class mamba {
     return {};
   }
 
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const mamba_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) {
@@ -9409,6 +9597,8 @@ class mamba {
     return mamba_weight_elements(s);
   }
 
+  // Bytes forward keeps for backward: xz, x_dbl, the chunk-entry states (c and Δ too under
+  // save_all).
   static constexpr std::size_t saved_bytes(const mamba_shape& s) noexcept {
     const std::size_t b[] = {xz_bytes(s), xdbl_bytes(s), states_bytes(s), inner_s_bytes(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
@@ -9417,10 +9607,12 @@ class mamba {
   static constexpr std::size_t saved_state_bytes(const mamba_shape& s) noexcept {
     return states_bytes(s);
   }
+  // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s,
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<S, A>(s, L, keep_conv_delta, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A>(s, L, keep_conv_delta, threads);
@@ -9430,6 +9622,7 @@ class mamba {
   static constexpr std::size_t state_bytes(const mamba_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.d_inner, s.d_conv - 1 + s.d_state);
   }
+  // Scratch bytes one decoding step needs.
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
     return kernels::template step_workspace_bytes<S, A>(s);
   }
@@ -9439,10 +9632,11 @@ class mamba {
 
   // The decoding state over the caller's state_bytes(shape) bytes (aligned to accum_type).
   struct state {
-    void* data = nullptr;
-    std::size_t bytes = 0;
+    void* data = nullptr;      // the caller's bytes, aligned to accum_type
+    std::size_t bytes = 0;     // size of data; at least state_bytes(shape)
     std::size_t position = 0;  // tokens consumed since reset
   };
+  // A zeroed host state over the caller's bytes; throws if they are too few or misaligned.
   static state make_state(const mamba_shape& s, void* data, std::size_t bytes) {
     static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is zeroed on the executor's stream: call "
@@ -9465,10 +9659,12 @@ class mamba {
     reset(s, st, ex);
     return st;
   }
+  // Zeroes the state on the executor (a device state on its stream) to start new sequences.
   static void reset(const mamba_shape& s, state& st, executor& ex) {
     kernels::reset_state(st.data, state_bytes(s), ex);
     st.position = 0;
   }
+  // Zeroes a host state to start new sequences.
   static void reset(const mamba_shape& s, state& st) {
     static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is zeroed on the executor's stream: call "
@@ -9478,6 +9674,8 @@ class mamba {
   }
 
   // ---- Forward -------------------------------------------------------------------------------
+  // out = mamba(x) for the whole sequence; keeps what backward needs in `saved`. Checks every
+  // argument before writing anything.
   static void forward(const mamba_shape& s, const weights& w, const S* x, S* out, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -9494,6 +9692,7 @@ class mamba {
 
   // ---- Backward ------------------------------------------------------------------------------
  public:
+  // dx from dout (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const mamba_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
@@ -10890,17 +11089,26 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The TTT layers (see the file comment): Mlp picks TTT-MLP over TTT-Linear. Users name them
+// ttt_linear<...> and ttt_mlp<...> (below); Policies override the defaults in any order.
 template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
+  // Precision, mini-batch, state groups and backend: the defaults, overridden by Policies.
   using policies = policy_set<
       type_list<fp32_precision, ttt_mini_batch<16>, ttt_state_groups<4>, cpu_backend>,
       Policies...>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // ttt_mini_batch<b>: tokens per inner-loop mini-batch.
   using chunking = get_policy<policies, chunking_kind>;
+  // ttt_state_groups<G>: forward saves the inner state every G mini-batches, backward recomputes
+  // the rest.
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
   static_assert(is_ttt_mini_batch_v<chunking>,
@@ -10909,16 +11117,22 @@ class basic_ttt {
   static_assert(is_ttt_state_groups_v<recompute_policy>,
                 "membound: a TTT layer takes ttt_state_groups<G> (or ttt_state_groups_all) as its "
                 "recompute policy.");
+  // Element type of x, y, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type of the inner W (float or double), saved and decoding states included.
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
                 "membound: a TTT layer accumulates its inner W in float or double.");
+  // Tokens per inner-loop mini-batch (ttt_mini_batch<b>).
   static constexpr std::size_t mini_batch = chunking::mini_batch;
+  // Mini-batches per saved inner state (ttt_state_groups<G>).
   static constexpr std::size_t group = recompute_policy::group_size;
+  // True for TTT-MLP, false for TTT-Linear.
   static constexpr bool is_mlp = Mlp;
   // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
   // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
   static constexpr std::size_t hidden(const ttt_shape& s) noexcept { return ttt_hidden(s, Mlp); }
+  // Elements of one head's inner state: W1, b1 (and W2, b2 for TTT-MLP).
   static constexpr std::size_t inner_elements(const ttt_shape& s) noexcept {
     return ttt_inner_elements(s, Mlp);
   }
@@ -10931,6 +11145,7 @@ class basic_ttt {
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const ttt_shape& s) noexcept {
     auto no = [](const char* arg, const char* expected, double actual) {
       return layer_support{false, arg, expected, actual};
@@ -10951,6 +11166,7 @@ class basic_ttt {
     }
     return {};
   }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const ttt_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) {
@@ -10961,6 +11177,7 @@ class basic_ttt {
   }
 
   // ---- Memory known before running ------------------------------------------------------------
+  // Mini-batches per sequence: ceil(T / b), the last one possibly partial.
   static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
     return ttt_mini_batches(s, mb);
   }
@@ -10968,16 +11185,20 @@ class basic_ttt {
   static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
     return ttt_saved_states(s, mb, group);
   }
+  // Bytes forward keeps for backward: the saved inner states and the heads' output before the post
+  // norm.
   static constexpr std::size_t saved_bytes(const ttt_shape& s) noexcept {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
   // Of saved_bytes, the saved inner states: B·H·ceil(ceil(T/b)/G)·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
+  // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<Mlp, mb, S, A>(s, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<Mlp, mb, group, S, A>(s, threads);
@@ -10987,6 +11208,7 @@ class basic_ttt {
   static constexpr std::size_t state_bytes(const ttt_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
+  // Scratch bytes one decoding step needs.
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
     return kernels::template step_workspace_bytes<Mlp, mb, S, A>(s);
   }
@@ -10995,13 +11217,15 @@ class basic_ttt {
   using gradients = ttt_gradients<S>;  // accumulated (+=); wg only when shape.use_gate, w2 and b2
                                        // only for TTT-MLP
 
+  // Parameter elements, in the order of `weights`.
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
     return ttt_weight_elements(s, Mlp, mb);
   }
 
+  // The decoding state over the caller's state_bytes(shape) bytes (aligned to accum_type).
   struct state {
-    void* data = nullptr;
-    std::size_t bytes = 0;
+    void* data = nullptr;      // the caller's bytes, aligned to accum_type
+    std::size_t bytes = 0;     // size of data; at least state_bytes(shape)
     std::size_t position = 0;  // tokens consumed since reset
   };
   // The state starts from the layer's W1, b1 (so it needs the weights).
@@ -11041,12 +11265,15 @@ class basic_ttt {
     reset(s, w, st, ex);
     return st;
   }
+  // Restarts the state from the weights on the executor (a device state on its stream).
   static void reset(const ttt_shape& s, const weights& w, state& st, executor& ex) {
     kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
     st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
+  // y = ttt(x) for the whole sequence; keeps the inner states every G mini-batches and the heads'
+  // output in `saved` for backward. Checks every argument before writing anything.
   static void forward(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -11064,6 +11291,7 @@ class basic_ttt {
 
  public:
   // ---- Backward ------------------------------------------------------------------------------
+  // dx from dy (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const ttt_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
@@ -12058,14 +12286,20 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The SwiGLU MLP (see the file comment); Policies set the precision and the backend.
 template <typename... Policies>
 class swiglu_mlp {
  public:
+  // Precision and backend: the defaults, overridden by Policies.
   using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Element type of x, y, the weights, the gradients and the saved pre-activations.
   using storage_type = typename precision::storage_type;
+  // Type the GEMMs accumulate in.
   using accum_type = typename precision::accum_type;
 
  private:
@@ -12074,6 +12308,7 @@ class swiglu_mlp {
   using kernels = backend_kernels<backend, mlp_shape>;
 
  public:
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const mlp_shape& s) noexcept {
     if (s.batch == 0) return {false, "shape.batch", "at least 1", 0.0};
     if (s.seq == 0) return {false, "shape.seq", "at least 1", 0.0};
@@ -12081,14 +12316,17 @@ class swiglu_mlp {
     if (s.hidden == 0) return {false, "shape.hidden", "at least 1", 0.0};
     return {};
   }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const mlp_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) detail::throw_unsupported(r, false, "Fix the mlp_shape before sizing or running the MLP");
   }
 
+  // Elements of Wg, Wu and Wd together: 3·C·F.
   static constexpr std::size_t weight_elements(const mlp_shape& s) noexcept {
     return 3 * s.width * s.hidden;
   }
+  // Bytes forward keeps for backward: the pre-activations a and b, [B·T, F] each.
   static constexpr std::size_t saved_bytes(const mlp_shape& s) noexcept {
     const std::size_t b[] = {h_s(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
@@ -12099,22 +12337,26 @@ class swiglu_mlp {
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<S, A>(s, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A>(s, threads);
   }
 
+  // The MLP's parameters, read only: [in, out] matrices, row-major, in storage_type.
   struct weights {
     const S* w_gate;  // [C, F]
     const S* w_up;    // [C, F]
     const S* w_down;  // [F, C]
   };
-  struct gradients {  // accumulated (+=)
-    S* w_gate;
-    S* w_up;
-    S* w_down;
+  // Where backward adds (+=) the weight gradients, shaped as `weights`: the caller zeroes them.
+  struct gradients {
+    S* w_gate;  // dL/dWg, [C, F]
+    S* w_up;    // dL/dWu, [C, F]
+    S* w_down;  // dL/dWd, [F, C]
   };
 
+  // y = MLP(x); keeps a and b in `saved` for backward. Checks every argument before writing.
   static void forward(const mlp_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -12128,6 +12370,7 @@ class swiglu_mlp {
                                     sv.template get<S>(s_b), workspace, workspace_size, ex);
   }
 
+  // dx from dy (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
@@ -12340,14 +12583,20 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The LM head (see the file comment); Policies set the precision and the backend.
 template <typename... Policies>
 class lm_head {
  public:
+  // Precision and backend: the defaults, overridden by Policies.
   using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Element type of x, dx, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type a chunk's logits ([chunk, V]) are computed in.
   using accum_type = typename precision::accum_type;
 
  private:
@@ -12356,6 +12605,7 @@ class lm_head {
   using kernels = backend_kernels<backend, lm_head_shape>;
 
  public:
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const lm_head_shape& s) noexcept {
     if (s.rows == 0) return {false, "shape.rows", "at least 1", 0.0};
     if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
@@ -12363,11 +12613,14 @@ class lm_head {
     if (s.chunk == 0) return {false, "shape.chunk", "at least 1 logit row per chunk", 0.0};
     return {};
   }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const lm_head_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) detail::throw_unsupported(r, false, "Fix the lm_head_shape before sizing or running the head");
   }
 
+  // Scratch bytes of loss_backward and loss (the normalized rows, one chunk of logits, the GEMMs'
+  // buffers) for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
     return kernels::template workspace_bytes<S, A>(s, threads);
   }
@@ -12377,13 +12630,16 @@ class lm_head {
            static_cast<double>(s.vocab);
   }
 
+  // The head's parameters, read only, in storage_type.
   struct weights {
     const S* norm;  // [C]
     const S* w;     // [V, C]
   };
-  struct gradients {  // accumulated (+=)
-    S* norm;
-    S* w;
+  // Where loss_backward adds (+=) the gradients of scale·Σ loss, shaped as `weights`: the caller
+  // zeroes them.
+  struct gradients {
+    S* norm;  // [C]
+    S* w;     // [V, C]
   };
 
   // Returns Σ_rows cross-entropy (natural log, in double); dx = ∂(scale·Σ loss)/∂x.
@@ -14487,11 +14743,14 @@ struct embedding {
   static_assert(is_precision_v<Precision>,
                 "membound: embedding<P>: P is a precision policy, e.g. fp32_precision or "
                 "bf16_precision.");
+  // Storage and accumulator types; the blocks and the head must use the same.
   using precision = Precision;
 };
 
+// True for embedding<P>: what a model's first part must be.
 template <typename T>
 inline constexpr bool is_embedding_v = false;
+// embedding<P>: true.
 template <typename P>
 inline constexpr bool is_embedding_v<embedding<P>> = true;
 // A sequence of blocks chosen at run time from these mixers (model(config, pattern)): what a
@@ -14501,13 +14760,17 @@ struct block_pattern {
   static_assert(sizeof...(Mixers) >= 1, "membound: block_pattern<Mixers...> needs at least one mixer type.");
 };
 
+// True for block_pattern<Mixers...>: a model whose blocks are chosen at run time.
 template <typename T>
 inline constexpr bool is_block_pattern_v = false;
+// block_pattern<Mixers...>: true.
 template <typename... M>
 inline constexpr bool is_block_pattern_v<block_pattern<M...>> = true;
 
+// True for lm_head<P...>: what a model's last part must be.
 template <typename T>
 inline constexpr bool is_lm_head_v = false;
+// lm_head<P...>: true.
 template <typename... P>
 inline constexpr bool is_lm_head_v<lm_head<P...>> = true;
 
@@ -14515,8 +14778,8 @@ inline constexpr bool is_lm_head_v<lm_head<P...>> = true;
 struct param_entry {
   std::string name;         // "blocks.1.attention.wq", "embedding", ...
   std::size_t offset = 0;   // elements from the start
-  std::size_t count = 0;
-  param_spec spec{};
+  std::size_t count = 0;  // elements, without padding
+  param_spec spec{};      // how the layer declares and initializes it
   bool decay = false;       // matrices take weight decay, norms and biases do not
 };
 
@@ -14561,15 +14824,21 @@ inline double uniform01(std::uint64_t& s) noexcept {
 
 }  // namespace detail
 
+// The model (see the file comment). Parts: embedding<P>, then block<Mixer>... or one
+// block_pattern<Mixers...>, then lm_head<P...>.
 template <typename... Parts>
 class model {
   using parts = detail::model_parts<Parts...>;
 
  public:
+  // The first part: embedding<P>, whose P is the model's precision.
   using embedding_type = typename parts::first;
+  // The last part: lm_head<P...>, whose backend is the model's.
   using head_type = typename parts::last;
   using blocks = typename parts::blocks;  // listed blocks, or a block_pattern's choices
+  // Whether the blocks are a block_pattern, chosen at run time (model(config, pattern)).
   static constexpr bool runtime_pattern = parts::runtime;
+  // Entries of `blocks`: the listed blocks, or the pattern's mixers.
   static constexpr std::size_t block_types = std::tuple_size_v<blocks>;
 
   static_assert(is_embedding_v<embedding_type>,
@@ -14579,12 +14848,15 @@ class model {
                 "membound: the last part of a model is its head: model<embedding<P>, "
                 "block<Mixer>..., lm_head<P>>.");
 
+  // Element type of the weights, the gradients and the activations.
   using storage_type = typename embedding_type::precision::storage_type;
+  // Type the layers accumulate in.
   using accum_type = typename embedding_type::precision::accum_type;
   // Where the whole model runs: its head's backend (the embedding follows it), which every block's
   // mixer must share. With cuda_backend every pointer a step takes (weights, gradients, tokens,
   // targets) is device memory and the executor is a cuda_executor.
   using backend = typename head_type::backend;
+  // thread_pool on cpu_backend, cuda_executor on cuda_backend.
   using executor = typename backend::executor;
 
  private:
@@ -14662,7 +14934,9 @@ class model {
     build_params();
   }
 
+  // Number of blocks.
   std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
+  // Each block's mixer index (block_pattern models); empty for a model that lists its blocks.
   const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
   // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp") among
   // the block types, or block_types when there is none.
@@ -14674,14 +14948,18 @@ class model {
     return r;
   }
 
+  // The widths it was made with.
   const model_config& config() const noexcept { return cfg_; }
+  // Every parameter tensor, in the flat array's order.
   const std::vector<param_entry>& parameters() const noexcept { return params_; }
   std::size_t parameter_elements() const noexcept { return elements_; }  // with alignment padding
+  // Parameters without the alignment padding: the count to report.
   std::size_t parameter_count() const noexcept {
     std::size_t n = 0;
     for (const auto& p : params_) n = sat_add(n, p.count);
     return n;
   }
+  // Bytes of the flat weight array (and of the gradient array): parameter_elements() elements.
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
   // What a trainer keeps in the backend's memory for steps of `tokens` tokens beyond weights,
   // gradients and optimizer state (on a device: the step's token and target ids, the gradient
@@ -14694,6 +14972,7 @@ class model {
   // [h, parameter_elements()). ZeRO-2 exchanges each block's gradients as that block's backward
   // produces them, and the embedding's and head's once the micro-batch is done.
   shard_range embedding_parameters() const noexcept { return {0, depth() == 0 ? params_[head_first_].offset : params_[block_first_[0]].offset}; }
+  // Block i's part of the flat array; throws invalid_argument for i >= depth().
   shard_range block_parameters(std::size_t i) const {
     if (i >= depth()) {
       throw invalid_argument("block", "an index below " + std::to_string(depth()), std::to_string(i),
@@ -14702,7 +14981,9 @@ class model {
     const std::size_t end = i + 1 < depth() ? params_[block_first_[i + 1]].offset : params_[head_first_].offset;
     return {params_[block_first_[i]].offset, end};
   }
+  // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
+  // Block i's mixer name: "attention", "mamba", "ttt_linear" or "ttt_mlp".
   const char* block_name(std::size_t i) const {
     const char* n = "";
     visit_block(i, [&]<typename B>(B*) { n = B::name; });
@@ -14749,7 +15030,9 @@ class model {
   }
 
   // ---- Sizes of one micro-batch step ------------------------------------------------------------
+  // Bytes of one activation, [B·T, C] in storage_type.
   std::size_t activation_bytes(batch_shape b) const noexcept { return bytes_of<S>(b.tokens(), cfg_.width); }
+  // The LM head's shape for b, computing `chunk` logit rows at a time.
   lm_head_shape head_shape(batch_shape b, std::size_t chunk) const noexcept {
     return {b.tokens(), cfg_.width, cfg_.vocab, chunk, cfg_.norm_eps};
   }
@@ -14781,6 +15064,7 @@ class model {
     if (!c.tie_embeddings) n = sat_add(n, round_param(sat_mul(c.vocab, c.width)));
     return n;
   }
+  // make_chain's chain from the config alone, for static_plan.
   static constexpr chain static_chain(const model_config& c, batch_shape b, std::size_t threads,
                                       std::size_t head_chunk, std::size_t base_bytes)
     requires(!runtime_pattern)
@@ -14822,10 +15106,10 @@ class model {
   // host before the upload (check_tokens; lm_head's check_targets): the device cannot throw
   // without a sync. A bad id still reads nothing outside a table (its row is zero). The
   // returned loss is a host double, so the call synchronizes the executor's stream once, at the
-  // loss; the backward after it is only enqueued. Blocks come from `alloc` on host_stream and
-  // are used on the executor's one stream only, so a block freed and handed out again is ordered
-  // after its last use; share a stream-ordered allocator with work on other streams only
-  // through its record_stream.
+  // loss; the backward after it is only enqueued. Blocks come from `alloc` on the executor's
+  // stream (stream_view) and are used there only, so a block freed and handed out again is
+  // ordered after its last use, and another stream sharing a stream-ordered allocator never
+  // receives one early; work of other streams on these blocks goes through record_stream.
   //
   // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
   // before_backward (loss and its gradient computed) and at after_backward (before the last
@@ -14871,9 +15155,12 @@ class model {
 
   // The default router: one flat array of parameter_elements() gradients.
   struct flat_gradients {
-    S* g = nullptr;
+    S* g = nullptr;  // the gradient array, parameter_elements() long
+    // Where the gradient of the element at `offset` accumulates.
     S* at(std::size_t offset) const noexcept { return g + offset; }
+    // Nothing to do: the flat array holds every block's gradients throughout.
     void begin_block(std::size_t) const noexcept {}
+    // Nothing to do, as for begin_block.
     void end_block(std::size_t) const noexcept {}
   };
 
@@ -14916,7 +15203,7 @@ class model {
     check(b);
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
-    live_set<Allocator> live(alloc, depth());
+    live_set<Allocator> live(alloc, &ex, depth());
     const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex));
     const auto hw = head_weights(w);
     std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
@@ -14947,6 +15234,7 @@ class model {
     (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
   }
 
+  // Forward FLOPs of one block of type B on b: its MLP, its mixer's projections and its mixing.
   template <typename B>
   static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
     const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
@@ -14966,6 +15254,7 @@ class model {
     }
     return f;
   }
+  // FLOPs of the LM head on b: logits, dW and dxn products.
   double head_flops(batch_shape b) const noexcept {
     return head_type::flops(head_shape(b, 1));
   }
@@ -15016,7 +15305,7 @@ class model {
     if constexpr (Run) check_ids(tokens, targets, N);
     const std::size_t a = activation_bytes(b);
 
-    live_set<Allocator> live(alloc, L);
+    live_set<Allocator> live(alloc, ex, L);
     std::vector<S*> x(L + 1, nullptr);
     std::vector<void*> saved(L, nullptr);
     S* delta = nullptr;
@@ -15101,7 +15390,7 @@ class model {
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
     if constexpr (Run) check_ids(tokens, targets, N);
-    live_set<Allocator> live(alloc, depth());
+    live_set<Allocator> live(alloc, ex, depth());
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
@@ -15133,11 +15422,16 @@ class model {
     return x;
   }
 
-  // Every allocation of a step, so that an exception gives all of them back.
+  // Every allocation of a step, so that an exception gives all of them back. Served on the
+  // executor's stream (stream_view): a block freed here is reused only by later work of that
+  // stream, never handed early to another stream sharing the allocator.
   template <typename Allocator>
   class live_set {
    public:
-    live_set(Allocator& a, std::size_t depth) : a_(a) { blocks_.reserve(4 * depth + 8); }
+    live_set(Allocator& a, const executor* ex, std::size_t depth)
+        : a_(a, ex != nullptr ? stream_of(*ex) : host_stream) {
+      blocks_.reserve(4 * depth + 8);
+    }
     live_set(const live_set&) = delete;
     live_set& operator=(const live_set&) = delete;
     ~live_set() {
@@ -15164,7 +15458,7 @@ class model {
       std::size_t bytes;
       memory_tag tag;
     };
-    Allocator& a_;
+    stream_view<Allocator> a_;
     std::vector<rec> blocks_;
   };
 
@@ -15308,34 +15602,45 @@ MEMBOUND_NAMESPACE_BEGIN
 namespace schedules {
 struct none {};    // keep everything forward produces
 struct full {};    // keep block inputs only, recompute every block in backward
+// Keep the input of every K-th block.
 template <std::size_t K>
-struct every {     // keep the input of every K-th block
+struct every {
   static_assert(K >= 1, "membound: schedules::every<K>: K (blocks per segment) must be at least 1.");
 };
+// Revolve's optimal schedule with Slots slots for saved block inputs.
 template <std::size_t Slots>
-struct binomial {  // Revolve's optimal schedule with Slots slots for saved block inputs
+struct binomial {
   static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one slot for a saved block input.");
 };
-struct budget {    // the least recompute whose peak fits this many bytes (the planner's DP)
-  std::size_t bytes = 0;
+// The least recompute whose peak fits this many bytes (the planner's DP).
+struct budget {
+  std::size_t bytes = 0;  // the budget the step's peak must fit
 };
 }  // namespace schedules
 
 // A schedule chosen at run time (what fit() returns, what a command line asks for).
 struct schedule_choice {
+  // The schedules:: policy of the same name.
   enum class kind : unsigned char { none, full, every, binomial, budget };
-  kind k = kind::none;
+  kind k = kind::none;    // which schedule
   std::size_t param = 0;  // K, slots or bytes
 
+  // Each policy as a choice, so that what takes a choice takes a policy too.
   static constexpr schedule_choice of(schedules::none) noexcept { return {kind::none, 0}; }
+  // schedules::full as a choice.
   static constexpr schedule_choice of(schedules::full) noexcept { return {kind::full, 0}; }
+  // schedules::every<K> as a choice: param = K.
   template <std::size_t K>
   static constexpr schedule_choice of(schedules::every<K>) noexcept { return {kind::every, K}; }
+  // schedules::binomial<N> as a choice: param = N.
   template <std::size_t N>
   static constexpr schedule_choice of(schedules::binomial<N>) noexcept { return {kind::binomial, N}; }
+  // schedules::budget as a choice: param = its bytes.
   static constexpr schedule_choice of(schedules::budget b) noexcept { return {kind::budget, b.bytes}; }
+  // A choice is already one.
   static constexpr schedule_choice of(schedule_choice c) noexcept { return c; }
 
+  // As the plan table writes it: "none", "every<2>", "budget(1.50 GiB)".
   std::string name() const {
     switch (k) {
       case kind::none: return "none";
@@ -15346,6 +15651,7 @@ struct schedule_choice {
     }
     return "?";
   }
+  // The same kind with the same parameter.
   friend constexpr bool operator==(const schedule_choice&, const schedule_choice&) = default;
 };
 
@@ -15371,9 +15677,11 @@ struct schedule_choice {
 // backward ends: its workspace is that backward's carry. The embedding's and head's exchanges
 // follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
 struct gradient_shards {
+  // Processes sharing the gradients (off at 1 or fewer) and this process's index among them.
   std::size_t ranks = 0, rank = 0;
+  // The exchange's workspace for blocks of k elements per rank: per_element · k + fixed bytes.
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
-  bool overlap = false;
+  bool overlap = false;  // each block's exchange started as its backward ends (see above)
   std::size_t zero = 2;  // the ZeRO stage the exchange serves (see above)
   // ZeRO-2: the gradients sharded.
   constexpr bool on() const noexcept { return ranks > 1 && zero == 2; }
@@ -15381,8 +15689,9 @@ struct gradient_shards {
   constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
 
+// What make_plan plans for besides the model, the micro-batch and the schedule.
 struct plan_options {
-  std::size_t threads = 1;
+  std::size_t threads = 1;        // CPU threads the step runs with: the workspaces depend on it
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
   std::size_t accumulation = 1;   // micro-batches per optimizer step
   bool optimizer = true;          // count the optimizer's state (AdamW: m, v, and fp32 masters for 16-bit storage)
@@ -15429,18 +15738,21 @@ std::string optimizer_description(const plan_options& o) {
 
 // One op of the step's timeline: what it is, bytes live before it and its peak.
 struct plan_phase {
-  std::string name;
-  std::size_t live_before = 0;
-  std::size_t peak = 0;
+  std::string name;              // the op, as the table prints it
+  std::size_t live_before = 0;   // bytes live when it starts
+  std::size_t peak = 0;          // the most bytes live while it runs
 };
 
+// make_plan's and fit()'s answer: the exact bytes of a training step, by category and by op.
 struct training_plan {
   batch_shape micro;                   // one micro-batch
   std::size_t accumulation = 1;        // micro-batches per optimizer step
-  schedule_choice schedule;
-  std::size_t head_chunk = 0;
-  std::size_t threads = 1;
-  std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  schedule_choice schedule;            // which block inputs forward keeps
+  std::size_t head_chunk = 0;          // logit rows per cross-entropy chunk
+  std::size_t threads = 1;             // CPU threads the sizes are for
+  // Persistent bytes: the weights, the gradients (this rank's shard under ZeRO-2) and the
+  // optimizer's state.
+  std::size_t weights = 0, gradients = 0, optimizer = 0;
   // Persistent too, on a device only: the step's token and target ids and the gradient norm's
   // partials (Model::step_buffer_bytes for micro.tokens() · accumulation); 0 on the host.
   std::size_t step_buffers = 0;
@@ -15451,7 +15763,7 @@ struct training_plan {
   // Overlapped (gradient_shards::overlap): the most bytes in flight between two blocks' backward
   // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
-  std::size_t gradient_ranks = 1;
+  std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
@@ -15460,7 +15772,7 @@ struct training_plan {
   // rounding, segments and holes included; 0 when no stack was given (then only requested
   // bytes were planned, which is exact over system_allocator alone).
   std::size_t reserved_peak = 0;
-  std::string peak_phase;
+  std::string peak_phase;        // the timeline's op at the peak
   std::size_t budget = 0;        // 0: none given
   // Device memory outside every allocator of the stack (the CUDA context, cuBLASLt's handle and
   // workspace, other libraries), measured once by the caller (cudaMemGetInfo before and after
@@ -15470,9 +15782,10 @@ struct training_plan {
   std::string outside_note;  // what it is and how it was measured, for the table
   double forward_flops = 0;      // of one micro-batch's blocks
   double recompute_flops = 0;    // of one micro-batch
-  std::vector<chain_op> ops;
-  std::vector<plan_phase> timeline;
+  std::vector<chain_op> ops;         // the schedule's ops, in the order the step runs them
+  std::vector<plan_phase> timeline;  // every op of the step with its bytes, in order
 
+  // Recompute FLOPs as a fraction of the blocks' forward FLOPs.
   double recompute_overhead() const noexcept {
     return forward_flops == 0 ? 0.0 : recompute_flops / forward_flops;
   }
@@ -15561,7 +15874,9 @@ class budget_too_small : public invalid_argument {
                              ", or shrink the model, the sequence or the vocabulary"),
         budget_(budget),
         minimum_(minimum) {}
+  // The budget fit() was given, in bytes.
   std::size_t budget() const noexcept { return budget_; }
+  // The least peak of any plan fit() considered: the smallest budget that would fit.
   std::size_t minimum() const noexcept { return minimum_; }
 
  private:
@@ -15813,19 +16128,21 @@ template <typename Model, model_config Config, batch_shape Shape, typename Sched
           std::size_t Budget, std::size_t Threads = 1, std::size_t HeadChunk = 256,
           bool Optimizer = true>
 struct static_plan {
+  // The step's predicted peak, computed by the compiler.
   static constexpr std::size_t peak_bytes = predicted_peak<Model>(
       Config, Shape, schedule_choice::of(Schedule{}), plan_options{Threads, HeadChunk, 1, Optimizer});
-  static constexpr std::size_t budget = Budget;
+  static constexpr std::size_t budget = Budget;  // in bytes
+  // true; when the peak exceeds the budget, naming it stops the build (see above).
   static constexpr bool fits = detail::check_fits<(peak_bytes <= Budget), peak_bytes, Budget>();
 };
 
 // Every (micro-batch, schedule, chunk) fit() considers for an effective batch.
 struct fit_options {
-  std::size_t threads = 1;
-  bool optimizer = true;
+  std::size_t threads = 1;             // as plan_options: CPU threads the step runs with
+  bool optimizer = true;               // as plan_options: count the optimizer's state
   std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
   optimizer_ref optimizer_policy{};    // as plan_options: the default is adamw<S>
-  std::vector<std::size_t> head_chunks{256, 64};
+  std::vector<std::size_t> head_chunks{256, 64};  // the logit chunk sizes to try
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
   gradient_shards gradients{};  // as plan_options: ZeRO-2's gradient shard, off by default (last: positional
@@ -17160,7 +17477,7 @@ class gradient_exchange {
   // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
   // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
-      : m_(m), alloc_(alloc), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
+      : m_(m), alloc_(alloc, stream_of(ex)), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
     if (zero > 2) {
       throw invalid_argument("zero", "0, 1 or 2 (the ZeRO stage)", std::to_string(zero),
                              "Use 1 to shard the optimizer state over the ranks, 2 to shard the gradients too, "
@@ -17618,7 +17935,7 @@ class gradient_exchange {
   }
 
   const Model& m_;
-  Allocator& alloc_;
+  stream_view<Allocator> alloc_;  // the executor's stream, as the model's blocks (memory/stream.hpp)
   executor& ex_;
   Communicator& comm_;
   std::size_t n_, zero_;
@@ -17979,6 +18296,7 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
+// The training loop (see the file comment) for a Model whose bytes all come from an Allocator.
 // Optimizer: an optimizer_policy for the model's storage (optimizer/optimizer_policy.hpp):
 // adamw<S> (the default) or adamw8bit<S>.
 template <typename Model, typename Allocator, typename Monitor = null_monitor,
@@ -17995,11 +18313,14 @@ class trainer {
                 "local_communicator, or mpi_communicator from membound/mpi.hpp.");
 
  public:
+  // The model's storage type: the weights and the gradients are arrays of it.
   using S = typename Model::storage_type;
   // The model's backend runs everything: the layers, and the trainer's own zeroing, norm and
   // optimizer step (model_glue_of). cpu_backend: a thread_pool; cuda_backend: a cuda_executor.
   using backend = typename Model::backend;
+  // Where every kernel of the run goes: a thread_pool, or a cuda_executor.
   using executor = typename Model::executor;
+  // Whether the run is on the host (cpu_backend): weights and gradients are then host memory.
   static constexpr bool on_host = is_cpu_backend_v<backend>;
 
  private:
@@ -18037,7 +18358,7 @@ class trainer {
   // sequences per step); every rank passes the same model, batch, options and seed.
   trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, executor& ex,
           trainer_options o, Monitor monitor, Communicator& comm)
-      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), ex_(ex), o_(std::move(o)),
+      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), ex_(ex), mem_(alloc, stream_of(ex)), o_(std::move(o)),
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
@@ -18072,12 +18393,12 @@ class trainer {
         refuse_over_limit(plan_);
       }
       use_layout(plan_);
-      w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
-      g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
-      opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      w_ = static_cast<S*>(mem_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+      g_ = static_cast<S*>(mem_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
+      opt_ = mem_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
       step_buffer_bytes_ = plan_.step_buffers;  // the same for every plan of this batch (check_plan)
       if (step_buffer_bytes_ != 0) {
-        sb_ = alloc_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
+        sb_ = mem_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
       }
     } catch (...) {
       failed = std::current_exception();
@@ -18113,6 +18434,9 @@ class trainer {
   ~trainer() { release(); }
 
   // ---- One optimizer step ---------------------------------------------------------------------
+  // One optimizer step: every micro-batch of the plan (its sequences from `source`), the gradient
+  // exchange, clipping and the update; abandoned and run again under a stricter plan when memory
+  // runs short (see the file comment).
   template <sequence_source Source>
   step_result step(Source& source) {
     follow_stream();
@@ -18364,6 +18688,7 @@ class trainer {
     }
     adopt(std::move(p));
   }
+  // The plan the next step runs under.
   const training_plan& plan() const noexcept { return plan_; }
   // The largest predicted peak of any plan this trainer ran a step or an evaluation under, or
   // holds now: what the measured peak of its own bytes stays within.
@@ -18404,6 +18729,7 @@ class trainer {
   }
 
   // ---- State --------------------------------------------------------------------------------------
+  // The model it trains.
   const Model& model() const noexcept { return m_; }
   // What a checkpoint of this trainer must match to be loaded, in the order load() compares it:
   // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits), the
@@ -18484,24 +18810,38 @@ class trainer {
   // The run settings the last load() found changed and accepted (load_options); empty when it
   // found none, or when no load ran.
   const std::vector<run_field_change>& changed_at_load() const noexcept { return changed_; }
+  // Sequences per optimizer step (over all ranks) and their length.
   batch_shape effective_batch() const noexcept { return eff_; }
+  // Optimizer steps run, skipped updates included.
   std::uint64_t steps_done() const noexcept { return steps_; }
+  // Steps whose update was applied (inf/NaN gradients skip it): the optimizer's step count.
   std::uint64_t updates_applied() const noexcept { return updates_; }
+  // Sequences drawn from the source so far: the next request's index.
   std::uint64_t data_position() const noexcept { return position_; }
+  // The run's random generator, as a checkpoint saves it.
   const random_state& rng() const noexcept { return rng_; }
+  // The loss scaler's state: its scale and its clean steps.
   const loss_scaler& scaler() const noexcept { return scaler_; }
+  // Whether the loss is scaled (trainer_options::scaling; `automatic` turns it on for fp16).
   bool loss_scaling_on() const noexcept { return scaling_; }
   // On a device: written in the executor's stream order (a step's or load's last all-gather may
   // still run); read them on that stream, or after synchronizing it.
   const S* weights() const noexcept { return w_; }
+  // The same, writable.
   S* weights() noexcept { return w_; }
+  // Elements of the weight array, padding included (the model's parameter_elements()).
   std::size_t parameter_elements() const noexcept { return n_; }
+  // The optimizer state this rank holds, in the Optimizer's layout and the backend's memory.
   const void* optimizer_state() const noexcept { return opt_; }
+  // Bytes of optimizer_state().
   std::size_t optimizer_bytes() const noexcept { return opt_bytes(); }
+  // The pressure monitor, to read or adjust between steps.
   Monitor& monitor() noexcept { return monitor_; }
   // Bytes held by the trainer itself between steps (weights, gradients, optimizer) as the
   // allocator counts them, and by others (usage minus those), when the allocator has a budget.
   std::size_t own_bytes() const noexcept { return own_bytes_; }
+  // The bytes others hold: the budget's external bytes plus what the allocator serves beyond
+  // own_bytes().
   std::size_t foreign_bytes() const { return foreign_now(); }
 
  private:
@@ -18852,11 +19192,11 @@ class trainer {
     if constexpr (requires { comm_.clear_stream(); comm_.caller_stream() == ex_.stream(); }) {
       if (comm_.caller_stream() == ex_.stream()) comm_.clear_stream();
     }
-    if (sb_ != nullptr) alloc_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
+    if (sb_ != nullptr) mem_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
     sb_ = nullptr;
-    if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
-    if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+    if (opt_ != nullptr) mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    if (g_ != nullptr) mem_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
+    if (w_ != nullptr) mem_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
     w_ = nullptr;
@@ -18933,7 +19273,7 @@ class trainer {
                                "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
                                "zero = 1, or an allocator stack without a planned layout");
       }
-      if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
+      if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p), mem_.stream());
     }
   }
 
@@ -19517,6 +19857,7 @@ class trainer {
   training_plan plan_;
   Allocator& alloc_;
   executor& ex_;
+  stream_view<Allocator> mem_;  // alloc_ on ex_'s stream: every block of a step is served there
   trainer_options o_;
   Monitor monitor_;
   std::size_t n_;

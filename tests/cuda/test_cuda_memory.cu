@@ -217,10 +217,42 @@ void test_budget_over_cuda_arena() {
 
 }  // namespace
 
+// The hazard safe stream defaults close: an executor's kernel still writes a block the host has
+// freed. Through the executor's stream_view the block stays with the executor's stream, so a
+// request without a stream (the legacy stream's, as every plain allocate was before) gets other
+// memory, and a synchronous copy into that memory cannot race the kernel.
+void test_executor_view_keeps_freed_blocks_on_its_stream() {
+  mb::cuda_executor ex;
+  const std::size_t bytes = 4 * MiB;
+  mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> alloc(64 * MiB);
+  mb::stream_view mem(alloc, mb::stream_of(ex));
+  CHECK(mem.stream() == mb::cuda_device_allocator::to_stream_id(ex.stream()));
+  void* p = mem.allocate(bytes);
+  launch_spin_fill(p, bytes, 0xC0C0C0C0u, long_spin_cycles(), ex.stream());
+  mem.deallocate(p, bytes);  // the kernel is still spinning
+  const bool busy = cudaStreamQuery(ex.stream()) == cudaErrorNotReady;
+  (void)cudaGetLastError();
+  CHECK(busy);
+  void* legacy = alloc.allocate(bytes);  // no stream: the legacy stream's pool
+  CHECK(legacy != p);
+  CHECK(alloc.upstream().block_stream(legacy) == mb::host_stream);
+  mb::cuda_check(cudaMemset(legacy, 0, bytes), "cudaMemset");  // legacy stream, synchronous
+  ex.synchronize();
+  CHECK(holds(p, bytes, 0xC0C0C0C0u));  // the kernel's write landed where it was meant to
+  CHECK(holds(legacy, bytes, 0u));
+  void* again = mem.allocate(bytes);  // the executor's own later work: the same block at once
+  CHECK(again == p);
+  mem.deallocate(again, bytes);
+  alloc.deallocate(legacy, bytes);
+  alloc.upstream().release_cached();
+  CHECK(alloc.stats().reserved == 0);
+}
+
 int main() {
   static constexpr mbt::test_case cases[] = {
       {"record_stream defers reuse across streams", test_record_stream_defers_reuse},
       {"same-stream reuse is immediate and ordered", test_same_stream_reuse_is_immediate},
+      {"an executor's stream_view keeps freed blocks on its stream", test_executor_view_keeps_freed_blocks_on_its_stream},
       {"cuda_pinned_allocator round trip", test_pinned_round_trip},
       {"cudaMemGetInfo feeds the budget's external bytes", test_memory_info_feeds_budget},
       {"budget over cuda_expandable_arena", test_budget_over_cuda_arena}};

@@ -96,11 +96,12 @@ gpu_step run_gpu(const Model& m, const mb::training_plan& p, const std::vector<t
   mb::cuda_executor ex;
   ex.set_kernels(k);
   device_budget alloc(budget_bytes);
-  S* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
-  S* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
-  void* opt = p.optimizer == 0 ? nullptr : alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  mb::stream_view mem(alloc, mb::stream_of(ex));  // as the trainer: every block on ex's stream
+  S* w = static_cast<S*>(mem.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  S* g = static_cast<S*>(mem.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
+  void* opt = p.optimizer == 0 ? nullptr : mem.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
   // The trainer's step buffers (its token upload, the norm's partials), held as it holds them.
-  void* sb = alloc.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);
+  void* sb = mem.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   upload(w, w_host.data(), n);
   mb::cuda_check(cudaMemset(g, 0, wb), "cudaMemset");
   mb::cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -242,16 +243,19 @@ void bf16_fallback_attention() {
 template <typename Model, typename Alloc>
 void run_training_requests(const Model& m, const mb::training_plan& p, Alloc& alloc, const tokens& t) {
   using S = typename Model::storage_type;
-  if constexpr (mb::has_planned_layer<Alloc>) {
-    if (auto* layer = mb::planned_layer(alloc)) layer->set_layout(mb::plan_layout(m, p));
-  }
   mbt::device_buffer<std::int32_t> ids(t.tokens), targets(t.targets);
   mb::cuda_executor ex;
+  // The model serves its blocks on ex's stream; the persistent blocks go there too, as the
+  // trainer's do, so that one stream's pools hold the step (the plan's replay has one stream).
+  mb::stream_view mem(alloc, mb::stream_of(ex));
+  if constexpr (mb::has_planned_layer<Alloc>) {
+    if (auto* layer = mb::planned_layer(alloc)) layer->set_layout(mb::plan_layout(m, p), mem.stream());
+  }
   const std::size_t wb = m.weight_bytes();
-  auto* w = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
-  auto* g = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
-  void* o = alloc.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
-  void* sb = alloc.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);
+  auto* w = static_cast<S*>(mem.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  auto* g = static_cast<S*>(mem.allocate(wb, mb::default_alignment, mb::memory_tag::gradients));
+  void* o = mem.allocate(p.optimizer, mb::default_alignment, mb::memory_tag::optimizer);
+  void* sb = mem.allocate(p.step_buffers, mb::default_alignment, mb::memory_tag::other);
   std::vector<S> h(m.parameter_elements());
   m.init_weights(h.data(), 5);
   upload(w, h.data(), h.size());

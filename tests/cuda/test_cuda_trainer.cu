@@ -139,6 +139,8 @@ run_result run_device(std::size_t steps, mb::schedule_choice s = {mb::schedule_c
     if (print_plan) std::fputs(t.plan().table().c_str(), stdout);
     for (std::size_t k = 0; k < steps; ++k) r.losses.push_back(t.step(src).loss);
     r.weights = mbt::to_bytes(download(t.weights(), t.parameter_elements()));
+    // Every block of the trainer is served on its executor's stream (safe stream defaults).
+    CHECK(alloc.upstream().block_stream(t.weights()) == mb::stream_of(ex));
     r.predicted_peak = t.largest_predicted_peak();
     r.predicted_reserve = t.largest_predicted_reserve();
   }

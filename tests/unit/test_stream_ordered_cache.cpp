@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "membound/memory/budget.hpp"
@@ -397,4 +398,65 @@ TEST_CASE("stream-ordered cache: a wrapper over an allocator without streams ref
   CHECK_THROWS_AS((void)a.growth_for(4 * KiB, 64, stream_a), invalid_argument);
   CHECK(a.stats().allocated == 0);
   CHECK(a.stats().reserved == 0);
+}
+
+namespace {
+// An executor whose work runs on a stream, as cuda_executor's does (stream() returns a pointer).
+struct fake_stream_executor {
+  void* s;
+  void* stream() const noexcept { return s; }
+};
+struct host_executor {};
+}  // namespace
+
+TEST_CASE("stream_view: an executor's blocks stay with its stream until that stream's work is done") {
+  // The hazard: work on the executor's stream may still use a block when the host frees it. A
+  // request on another stream (the legacy one, another executor's) must not get it then.
+  const fake_stream_executor ex{reinterpret_cast<void*>(stream_a)};
+  CHECK(stream_of(ex) == stream_a);
+  CHECK(stream_of(host_executor{}) == host_stream);
+  budget_allocator<cache> alloc(64 * MiB);
+  stream_view mem(alloc, stream_of(ex));
+  static_assert(allocator<decltype(mem)>);
+  CHECK(mem.stream() == stream_a);
+
+  void* p = mem.allocate(100 * KiB, 256, memory_tag::activations);
+  CHECK(alloc.upstream().block_stream(p) == stream_a);
+  mem.deallocate(p, 100 * KiB, 256, memory_tag::activations);  // kernels of stream a may still read it
+  CHECK(alloc.upstream().block_stream(p) == std::nullopt);     // free now
+  // Without a stream (legacy) and on another stream: other memory.
+  void* legacy = alloc.allocate(100 * KiB, 256, memory_tag::activations);
+  void* other = alloc.allocate(100 * KiB, 256, memory_tag::activations, stream_b);
+  CHECK(legacy != p);
+  CHECK(other != p);
+  CHECK(alloc.upstream().block_stream(legacy) == host_stream);
+  // The executor's own later work gets it back at once: ordered after the work that used it.
+  CHECK(mem.growth_for(100 * KiB, 256) == 0);
+  void* again = mem.allocate(100 * KiB, 256, memory_tag::activations);
+  CHECK(again == p);
+  // Used on the legacy stream too (record_stream), it waits for that stream's events as well.
+  alloc.record_stream(again, host_stream);
+  mem.deallocate(again, 100 * KiB, 256, memory_tag::activations);
+  CHECK(alloc.upstream().pending_blocks() == 1);
+  void* busy = mem.allocate(100 * KiB, 256, memory_tag::activations);
+  CHECK(busy != p);
+  alloc.upstream().upstream().complete(host_stream);
+  CHECK(alloc.upstream().process_events() == 1);
+  void* done = mem.allocate(100 * KiB, 256, memory_tag::activations);
+  CHECK(done == p);
+  for (void* q : {legacy, other, busy, done}) alloc.deallocate(q, 100 * KiB, 256, memory_tag::activations);
+  CHECK(alloc.stats().allocated == 0);
+  CHECK(alloc.upstream().check_invariants());
+}
+
+TEST_CASE("stream_view: over an allocator without streams it serves the host stream") {
+  // Nothing to order there (system memory; an arena, or cudaMalloc/cudaFree whose free waits).
+  budget_allocator<system_allocator> alloc(1 * MiB);
+  stream_view mem(alloc, stream_a);
+  CHECK(mem.stream() == host_stream);
+  void* p = mem.allocate(4 * KiB, 64, memory_tag::other);
+  CHECK(mem.stats().allocated == 4 * KiB);
+  CHECK(mem.growth_for(4 * KiB, 64) == alloc.growth_for(4 * KiB, 64));
+  mem.deallocate(p, 4 * KiB, 64, memory_tag::other);
+  CHECK(alloc.stats().allocated == 0);
 }

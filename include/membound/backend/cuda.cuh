@@ -6,6 +6,7 @@
 #include "membound/membound.hpp"
 
 #include "membound/backend/cuda/cuda_check.cuh"
+#include "membound/backend/cuda/interop.cuh"
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_allocator.cuh"
 #include "membound/backend/cuda/cuda_virtual_memory.cuh"

@@ -56,19 +56,27 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// What attention::can_implement answers (layer_support under the layer's own name).
 using attention_support = layer_support;
 
+// The attention layer (see the file comment); Policies override the defaults in any order.
 template <typename... Policies>
 class attention {
  public:
+  // Precision, tiles, recompute policy and backend: the defaults, overridden by Policies.
   using policies =
       policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, cpu_backend>,
                  Policies...>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // The CPU kernels' query and key/value tile sizes (attention_tiles<64, 64> by default).
   using tiles = get_policy<policies, chunking_kind>;
+  // `recompute` (project q, k, v again in backward) or `save_all` (keep them in `saved`).
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
   static_assert(is_attention_tiles_v<tiles>,
@@ -78,7 +86,9 @@ class attention {
                 "membound: attention takes `recompute` (keep O and lse, project q, k, v again in "
                 "backward) or `save_all` (keep q, k, v too) as its recompute policy; "
                 "ttt_state_groups belongs to the TTT layer.");
+  // Element type of x, y, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type the kernels accumulate in; lse is saved in it.
   using accum_type = typename precision::accum_type;
 
  private:
@@ -89,6 +99,7 @@ class attention {
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr attention_support can_implement(const attention_shape& s) noexcept {
     auto no = [](const char* arg, const char* expected, double actual) {
       return attention_support{false, arg, expected, actual};
@@ -112,6 +123,7 @@ class attention {
     return {};
   }
 
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const attention_shape& s) {
     const attention_support r = can_implement(s);
     if (!r.ok) {
@@ -121,6 +133,7 @@ class attention {
   }
 
   // ---- Memory known before running ------------------------------------------------------------
+  // Elements of Wq, Wk, Wv and Wo together.
   static constexpr std::size_t weight_elements(const attention_shape& s) noexcept {
     return attention_weight_elements(s);
   }
@@ -131,10 +144,12 @@ class attention {
     const std::size_t b[] = {o_bytes(s), lse_bytes(s), q_bytes(s), kv_bytes(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
+  // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const attention_shape& s,
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const attention_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
@@ -145,37 +160,43 @@ class attention {
     const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, max_len, s.head_dim);
     return detail::sat_add(half, half);
   }
+  // Scratch bytes one decoding step needs with a cache of max_len positions.
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
     return kernels::template step_workspace_bytes<S, A, tiles>(s, max_len, threads);
   }
 
+  // The layer's parameters, read only: [in, out] matrices, row-major, in storage_type.
   struct weights {
     const S* wq;  // [C, H·D]
     const S* wk;  // [C, Hkv·D]
     const S* wv;  // [C, Hkv·D]
     const S* wo;  // [H·D, C]
   };
-  struct gradients {  // accumulated (+=): the caller zeroes them
-    S* wq;
-    S* wk;
-    S* wv;
-    S* wo;
+  // Where backward adds (+=) the weight gradients, shaped as `weights`: the caller zeroes them.
+  struct gradients {
+    S* wq;  // dL/dWq, [C, H·D]
+    S* wk;  // dL/dWk, [C, Hkv·D]
+    S* wv;  // dL/dWv, [C, Hkv·D]
+    S* wo;  // dL/dWo, [H·D, C]
   };
 
   // A KV cache over the caller's bytes (kv_cache_bytes(shape, max_len) of them, aligned to
   // storage_type): rotated keys [B, Hkv, max_len, D], then values. `length` positions are
   // filled; the next step runs at position `length`. Reset by setting length = 0.
   struct kv_cache {
-    void* data = nullptr;
-    std::size_t bytes = 0;
-    std::size_t max_len = 0;
-    std::size_t length = 0;
+    void* data = nullptr;     // the caller's bytes, aligned to storage_type
+    std::size_t bytes = 0;    // size of data; at least kv_cache_bytes(shape, max_len)
+    std::size_t max_len = 0;  // positions the cache can hold
+    std::size_t length = 0;   // positions filled; the next step writes position `length`
 
+    // Start of the rotated keys, [B, Hkv, max_len, D].
     S* keys() const noexcept { return static_cast<S*>(data); }
+    // Start of the values, half_elements (B·Hkv·max_len·D) past the keys.
     S* values(std::size_t half_elements) const noexcept { return keys() + half_elements; }
   };
 
+  // An empty cache over the caller's bytes; throws if they are too few or misaligned.
   static kv_cache make_kv_cache(const attention_shape& s, void* data, std::size_t bytes,
                                 std::size_t max_len) {
     check(s);
@@ -198,6 +219,8 @@ class attention {
   }
 
   // ---- Forward -------------------------------------------------------------------------------
+  // y = attention(x) for the whole sequence; keeps O and lse (and q, k, v under save_all) in
+  // `saved` for backward. Checks every argument before writing anything.
   static void forward(const attention_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -214,6 +237,7 @@ class attention {
   }
 
   // ---- Backward ------------------------------------------------------------------------------
+  // dx from dy (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const attention_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {

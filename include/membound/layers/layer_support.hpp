@@ -1,5 +1,11 @@
 // What every layer front end shares: can_implement's answer, the argument checks that name what
 // is wrong, carving the caller's saved/workspace bytes, and overflow-safe size arithmetic.
+//
+// Every layer runs on the caller's buffers and the caller's executor (on cuda_backend, its
+// stream: cuda_executor(stream, device) borrows one). A CUDA project's __nv_bfloat16* / __half*
+// buffers have the bits of the layers' bf16 / fp16 storage and pass as they are through
+// storage_ptr (backend/cuda/interop.cuh); memory for them and for saved/workspace bytes should
+// come from the allocator as the executor's stream sees it (stream_view, memory/stream.hpp).
 #pragma once
 
 #include <cstddef>

@@ -37,14 +37,20 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The LM head (see the file comment); Policies set the precision and the backend.
 template <typename... Policies>
 class lm_head {
  public:
+  // Precision and backend: the defaults, overridden by Policies.
   using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Element type of x, dx, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type a chunk's logits ([chunk, V]) are computed in.
   using accum_type = typename precision::accum_type;
 
  private:
@@ -53,6 +59,7 @@ class lm_head {
   using kernels = backend_kernels<backend, lm_head_shape>;
 
  public:
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const lm_head_shape& s) noexcept {
     if (s.rows == 0) return {false, "shape.rows", "at least 1", 0.0};
     if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
@@ -60,11 +67,14 @@ class lm_head {
     if (s.chunk == 0) return {false, "shape.chunk", "at least 1 logit row per chunk", 0.0};
     return {};
   }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const lm_head_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) detail::throw_unsupported(r, false, "Fix the lm_head_shape before sizing or running the head");
   }
 
+  // Scratch bytes of loss_backward and loss (the normalized rows, one chunk of logits, the GEMMs'
+  // buffers) for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t workspace_bytes(const lm_head_shape& s, std::size_t threads) {
     return kernels::template workspace_bytes<S, A>(s, threads);
   }
@@ -74,13 +84,16 @@ class lm_head {
            static_cast<double>(s.vocab);
   }
 
+  // The head's parameters, read only, in storage_type.
   struct weights {
     const S* norm;  // [C]
     const S* w;     // [V, C]
   };
-  struct gradients {  // accumulated (+=)
-    S* norm;
-    S* w;
+  // Where loss_backward adds (+=) the gradients of scale·Σ loss, shaped as `weights`: the caller
+  // zeroes them.
+  struct gradients {
+    S* norm;  // [C]
+    S* w;     // [V, C]
   };
 
   // Returns Σ_rows cross-entropy (natural log, in double); dx = ∂(scale·Σ loss)/∂x.

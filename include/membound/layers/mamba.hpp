@@ -52,16 +52,23 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The Mamba-1 block (see the file comment); Policies override the defaults in any order.
 template <typename... Policies>
 class mamba {
  public:
+  // Precision, scan chunk, recompute policy and backend: the defaults, overridden by Policies.
   using policies =
       policy_set<type_list<fp32_precision, scan_chunk<128>, recompute, cpu_backend>, Policies...>;
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // scan_chunk<L>: tokens per scan chunk, which sets how many scan states forward saves.
   using chunking = get_policy<policies, chunking_kind>;
+  // `recompute` (the conv output and Δ again in backward) or `save_all` (keep them in `saved`).
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
   static_assert(is_scan_chunk_v<chunking>,
@@ -71,7 +78,9 @@ class mamba {
                 "membound: mamba takes `recompute` (mamba_ssm checkpoint_lvl 1: recompute the conv "
                 "output and delta in backward) or `save_all` (lvl 0: keep them) as its recompute "
                 "policy; ttt_state_groups belongs to the TTT layer.");
+  // Element type of x, out, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type of the scan state (float or double), saved and decoding states included.
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
                 "membound: mamba accumulates its scan state in float or double; choose a "
@@ -85,9 +94,12 @@ class mamba {
   using kernels = backend_kernels<backend, mamba_shape>;
 
  public:
+  // Tokens per scan chunk (scan_chunk<L>): forward saves the state entering each chunk after the
+  // first.
   static constexpr std::size_t chunk = L;
 
   // ---- Checks --------------------------------------------------------------------------------
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const mamba_shape& s) noexcept {
     auto no = [](const char* arg, const char* expected, double actual) {
       return layer_support{false, arg, expected, actual};
@@ -105,6 +117,7 @@ class mamba {
     return {};
   }
 
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const mamba_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) {
@@ -118,6 +131,8 @@ class mamba {
     return mamba_weight_elements(s);
   }
 
+  // Bytes forward keeps for backward: xz, x_dbl, the chunk-entry states (c and Δ too under
+  // save_all).
   static constexpr std::size_t saved_bytes(const mamba_shape& s) noexcept {
     const std::size_t b[] = {xz_bytes(s), xdbl_bytes(s), states_bytes(s), inner_s_bytes(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
@@ -126,10 +141,12 @@ class mamba {
   static constexpr std::size_t saved_state_bytes(const mamba_shape& s) noexcept {
     return states_bytes(s);
   }
+  // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const mamba_shape& s,
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<S, A>(s, L, keep_conv_delta, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const mamba_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A>(s, L, keep_conv_delta, threads);
@@ -139,6 +156,7 @@ class mamba {
   static constexpr std::size_t state_bytes(const mamba_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.d_inner, s.d_conv - 1 + s.d_state);
   }
+  // Scratch bytes one decoding step needs.
   static constexpr std::size_t step_workspace_bytes(const mamba_shape& s) noexcept {
     return kernels::template step_workspace_bytes<S, A>(s);
   }
@@ -148,10 +166,11 @@ class mamba {
 
   // The decoding state over the caller's state_bytes(shape) bytes (aligned to accum_type).
   struct state {
-    void* data = nullptr;
-    std::size_t bytes = 0;
+    void* data = nullptr;      // the caller's bytes, aligned to accum_type
+    std::size_t bytes = 0;     // size of data; at least state_bytes(shape)
     std::size_t position = 0;  // tokens consumed since reset
   };
+  // A zeroed host state over the caller's bytes; throws if they are too few or misaligned.
   static state make_state(const mamba_shape& s, void* data, std::size_t bytes) {
     static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is zeroed on the executor's stream: call "
@@ -174,10 +193,12 @@ class mamba {
     reset(s, st, ex);
     return st;
   }
+  // Zeroes the state on the executor (a device state on its stream) to start new sequences.
   static void reset(const mamba_shape& s, state& st, executor& ex) {
     kernels::reset_state(st.data, state_bytes(s), ex);
     st.position = 0;
   }
+  // Zeroes a host state to start new sequences.
   static void reset(const mamba_shape& s, state& st) {
     static_assert(is_cpu_backend_v<backend>,
                   "membound: a device decoding state is zeroed on the executor's stream: call "
@@ -187,6 +208,8 @@ class mamba {
   }
 
   // ---- Forward -------------------------------------------------------------------------------
+  // out = mamba(x) for the whole sequence; keeps what backward needs in `saved`. Checks every
+  // argument before writing anything.
   static void forward(const mamba_shape& s, const weights& w, const S* x, S* out, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -203,6 +226,7 @@ class mamba {
 
   // ---- Backward ------------------------------------------------------------------------------
  public:
+  // dx from dout (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const mamba_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {

@@ -33,14 +33,20 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The SwiGLU MLP (see the file comment); Policies set the precision and the backend.
 template <typename... Policies>
 class swiglu_mlp {
  public:
+  // Precision and backend: the defaults, overridden by Policies.
   using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Element type of x, y, the weights, the gradients and the saved pre-activations.
   using storage_type = typename precision::storage_type;
+  // Type the GEMMs accumulate in.
   using accum_type = typename precision::accum_type;
 
  private:
@@ -49,6 +55,7 @@ class swiglu_mlp {
   using kernels = backend_kernels<backend, mlp_shape>;
 
  public:
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const mlp_shape& s) noexcept {
     if (s.batch == 0) return {false, "shape.batch", "at least 1", 0.0};
     if (s.seq == 0) return {false, "shape.seq", "at least 1", 0.0};
@@ -56,14 +63,17 @@ class swiglu_mlp {
     if (s.hidden == 0) return {false, "shape.hidden", "at least 1", 0.0};
     return {};
   }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const mlp_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) detail::throw_unsupported(r, false, "Fix the mlp_shape before sizing or running the MLP");
   }
 
+  // Elements of Wg, Wu and Wd together: 3·C·F.
   static constexpr std::size_t weight_elements(const mlp_shape& s) noexcept {
     return 3 * s.width * s.hidden;
   }
+  // Bytes forward keeps for backward: the pre-activations a and b, [B·T, F] each.
   static constexpr std::size_t saved_bytes(const mlp_shape& s) noexcept {
     const std::size_t b[] = {h_s(s)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
@@ -74,22 +84,26 @@ class swiglu_mlp {
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<S, A>(s, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const mlp_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A>(s, threads);
   }
 
+  // The MLP's parameters, read only: [in, out] matrices, row-major, in storage_type.
   struct weights {
     const S* w_gate;  // [C, F]
     const S* w_up;    // [C, F]
     const S* w_down;  // [F, C]
   };
-  struct gradients {  // accumulated (+=)
-    S* w_gate;
-    S* w_up;
-    S* w_down;
+  // Where backward adds (+=) the weight gradients, shaped as `weights`: the caller zeroes them.
+  struct gradients {
+    S* w_gate;  // dL/dWg, [C, F]
+    S* w_up;    // dL/dWu, [C, F]
+    S* w_down;  // dL/dWd, [F, C]
   };
 
+  // y = MLP(x); keeps a and b in `saved` for backward. Checks every argument before writing.
   static void forward(const mlp_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -103,6 +117,7 @@ class swiglu_mlp {
                                     sv.template get<S>(s_b), workspace, workspace_size, ex);
   }
 
+  // dx from dy (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const mlp_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {

@@ -45,17 +45,26 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The TTT layers (see the file comment): Mlp picks TTT-MLP over TTT-Linear. Users name them
+// ttt_linear<...> and ttt_mlp<...> (below); Policies override the defaults in any order.
 template <bool Mlp, typename... Policies>
 class basic_ttt {
  public:
+  // Precision, mini-batch, state groups and backend: the defaults, overridden by Policies.
   using policies = policy_set<
       type_list<fp32_precision, ttt_mini_batch<16>, ttt_state_groups<4>, cpu_backend>,
       Policies...>;
+  // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
   using executor = typename backend::executor;  // thread_pool, or cuda_executor
+  // Storage and accumulator types (fp32_precision by default).
   using precision = get_policy<policies, precision_kind>;
+  // ttt_mini_batch<b>: tokens per inner-loop mini-batch.
   using chunking = get_policy<policies, chunking_kind>;
+  // ttt_state_groups<G>: forward saves the inner state every G mini-batches, backward recomputes
+  // the rest.
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
   static_assert(is_ttt_mini_batch_v<chunking>,
@@ -64,16 +73,22 @@ class basic_ttt {
   static_assert(is_ttt_state_groups_v<recompute_policy>,
                 "membound: a TTT layer takes ttt_state_groups<G> (or ttt_state_groups_all) as its "
                 "recompute policy.");
+  // Element type of x, y, the weights and the gradients.
   using storage_type = typename precision::storage_type;
+  // Type of the inner W (float or double), saved and decoding states included.
   using accum_type = typename precision::accum_type;
   static_assert(std::is_same_v<accum_type, float> || std::is_same_v<accum_type, double>,
                 "membound: a TTT layer accumulates its inner W in float or double.");
+  // Tokens per inner-loop mini-batch (ttt_mini_batch<b>).
   static constexpr std::size_t mini_batch = chunking::mini_batch;
+  // Mini-batches per saved inner state (ttt_state_groups<G>).
   static constexpr std::size_t group = recompute_policy::group_size;
+  // True for TTT-MLP, false for TTT-Linear.
   static constexpr bool is_mlp = Mlp;
   // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
   // W1 [D, F], b1 [F] (then W2 [F, D], b2 [D] for TTT-MLP), contiguous.
   static constexpr std::size_t hidden(const ttt_shape& s) noexcept { return ttt_hidden(s, Mlp); }
+  // Elements of one head's inner state: W1, b1 (and W2, b2 for TTT-MLP).
   static constexpr std::size_t inner_elements(const ttt_shape& s) noexcept {
     return ttt_inner_elements(s, Mlp);
   }
@@ -86,6 +101,7 @@ class basic_ttt {
 
  public:
   // ---- Checks --------------------------------------------------------------------------------
+  // Whether the shape can run, and if not which field fails and why. Never throws.
   static constexpr layer_support can_implement(const ttt_shape& s) noexcept {
     auto no = [](const char* arg, const char* expected, double actual) {
       return layer_support{false, arg, expected, actual};
@@ -106,6 +122,7 @@ class basic_ttt {
     }
     return {};
   }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
   static void check(const ttt_shape& s) {
     const layer_support r = can_implement(s);
     if (!r.ok) {
@@ -116,6 +133,7 @@ class basic_ttt {
   }
 
   // ---- Memory known before running ------------------------------------------------------------
+  // Mini-batches per sequence: ceil(T / b), the last one possibly partial.
   static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
     return ttt_mini_batches(s, mb);
   }
@@ -123,16 +141,20 @@ class basic_ttt {
   static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
     return ttt_saved_states(s, mb, group);
   }
+  // Bytes forward keeps for backward: the saved inner states and the heads' output before the post
+  // norm.
   static constexpr std::size_t saved_bytes(const ttt_shape& s) noexcept {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
   // Of saved_bytes, the saved inner states: B·H·ceil(ceil(T/b)/G)·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
+  // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
                                                        std::size_t threads) noexcept {
     return kernels::template forward_workspace_bytes<Mlp, mb, S, A>(s, threads);
   }
+  // Scratch bytes backward needs for `threads` CPU threads.
   static constexpr std::size_t backward_workspace_bytes(const ttt_shape& s,
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<Mlp, mb, group, S, A>(s, threads);
@@ -142,6 +164,7 @@ class basic_ttt {
   static constexpr std::size_t state_bytes(const ttt_shape& s) noexcept {
     return bytes_of<A>(s.batch, s.heads, 2 * inner_elements(s));
   }
+  // Scratch bytes one decoding step needs.
   static constexpr std::size_t step_workspace_bytes(const ttt_shape& s) noexcept {
     return kernels::template step_workspace_bytes<Mlp, mb, S, A>(s);
   }
@@ -150,13 +173,15 @@ class basic_ttt {
   using gradients = ttt_gradients<S>;  // accumulated (+=); wg only when shape.use_gate, w2 and b2
                                        // only for TTT-MLP
 
+  // Parameter elements, in the order of `weights`.
   static constexpr std::size_t weight_elements(const ttt_shape& s) noexcept {
     return ttt_weight_elements(s, Mlp, mb);
   }
 
+  // The decoding state over the caller's state_bytes(shape) bytes (aligned to accum_type).
   struct state {
-    void* data = nullptr;
-    std::size_t bytes = 0;
+    void* data = nullptr;      // the caller's bytes, aligned to accum_type
+    std::size_t bytes = 0;     // size of data; at least state_bytes(shape)
     std::size_t position = 0;  // tokens consumed since reset
   };
   // The state starts from the layer's W1, b1 (so it needs the weights).
@@ -196,12 +221,15 @@ class basic_ttt {
     reset(s, w, st, ex);
     return st;
   }
+  // Restarts the state from the weights on the executor (a device state on its stream).
   static void reset(const ttt_shape& s, const weights& w, state& st, executor& ex) {
     kernels::template reset_state<Mlp, A>(s, w, static_cast<A*>(st.data), ex);
     st.position = 0;
   }
 
   // ---- Forward -------------------------------------------------------------------------------
+  // y = ttt(x) for the whole sequence; keeps the inner states every G mini-batches and the heads'
+  // output in `saved` for backward. Checks every argument before writing anything.
   static void forward(const ttt_shape& s, const weights& w, const S* x, S* y, void* saved,
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
@@ -219,6 +247,7 @@ class basic_ttt {
 
  public:
   // ---- Backward ------------------------------------------------------------------------------
+  // dx from dy (overwritten), and the weight gradients added to `g`, from forward's `saved`.
   static void backward(const ttt_shape& s, const weights& w, const S* x, const void* saved,
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {

@@ -56,18 +56,22 @@ concept has_space = requires {
 };
 }  // namespace detail
 
+// What every membound allocator policy models: the required members listed at the top.
 template <typename A>
 concept allocator = detail::has_allocate<A> && detail::has_deallocate<A> &&
                     detail::has_stats<A> && detail::has_space<A>;
 
+// An allocator that caches free memory and can give it back (release_cached).
 template <typename A>
 concept caching_allocator_like = allocator<A> && requires(A& a) { a.release_cached(); };
 
+// An allocator that predicts how much its reserve would grow (growth_for): what a budget needs.
 template <typename A>
 concept reports_growth = allocator<A> && requires(const A& a, std::size_t n) {
   { a.growth_for(n, n) } -> std::convertible_to<std::size_t>;
 };
 
+// An allocator of host memory, which the CPU reads and writes.
 template <typename A>
 concept host_allocator = allocator<A> && (A::space == memory_space::host);
 
@@ -91,8 +95,10 @@ consteval bool check_allocator() {
   return allocator<A>;
 }
 
+// Whether x is a valid alignment: a power of two (0 is not).
 constexpr bool is_power_of_two(std::size_t x) noexcept { return x != 0 && (x & (x - 1)) == 0; }
 
+// x rounded up to a multiple of alignment, a power of two.
 constexpr std::size_t align_up(std::size_t x, std::size_t alignment) noexcept {
   return (x + alignment - 1) & ~(alignment - 1);
 }

@@ -111,6 +111,8 @@ inline std::string budget_hint(const oom_report& r, std::size_t usage) {
 
 }  // namespace detail
 
+// The budget adaptor (see the file comment): every byte of Upstream's reserve, plus the external
+// bytes, stays within `limit`.
 template <typename Upstream>
 class budget_allocator {
   static_assert(check_allocator<Upstream>());
@@ -123,6 +125,7 @@ class budget_allocator {
                 "fits), as system_allocator, caching_allocator and expandable_arena do.");
 
  public:
+  // Host or device: the upstream's memory.
   static constexpr memory_space space = Upstream::space;
 
   // The upstream is built in place: allocators own statistics and are usually not movable.
@@ -181,6 +184,7 @@ class budget_allocator {
     return p;
   }
 
+  // Gives the block back to the upstream: the same bytes, alignment and tag as allocate.
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
                   memory_tag tag = memory_tag::other) noexcept(noexcept(
       std::declval<Upstream&>().deallocate(p, bytes, alignment, tag))) {
@@ -194,6 +198,7 @@ class budget_allocator {
     return s;
   }
 
+  // The cap on usage(), in bytes.
   std::size_t limit() const noexcept { return limit_; }
 
   // Lowering the limit below what is held would break the invariant at once, so it is refused.
@@ -230,12 +235,15 @@ class budget_allocator {
     external_ = bytes;
     push_reserve_limit();
   }
+  // Bytes last given to set_external.
   std::size_t external() const noexcept { return external_; }
 
   // The real footprint: everything the stack below holds plus the external bytes.
   std::size_t usage() const { return detail::saturating_add(reserved(), external_); }
+  // How far usage() may still grow: limit() − usage(), 0 at or over the cap.
   std::size_t headroom() const { return detail::saturating_sub(limit_, usage()); }
 
+  // Frees the upstream's cache of free blocks; until then they count in usage().
   void release_cached() requires caching_allocator_like<Upstream> { upstream_.release_cached(); }
 
   // Forwarded, so that budgets stack: an outer budget asks through an inner one.
@@ -257,6 +265,7 @@ class budget_allocator {
     upstream_.record_stream(p, stream);
   }
 
+  // Restarts the upstream's peak statistics from the current values.
   void reset_peaks() requires detail::has_reset_peaks<Upstream> { upstream_.reset_peaks(); }
 
   // From a budget stacked above: the reserve below must also stay under its ceiling.
@@ -265,12 +274,13 @@ class budget_allocator {
     push_reserve_limit();
   }
 
-  // Allocating through the upstream directly bypasses the cap; use it to inspect.
   // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
   void append_state(std::vector<std::uint64_t>& out) const {
     out.insert(out.end(), {limit_, external_, outer_reserve_limit_});
   }
+  // The allocator below. Allocating through it directly bypasses the cap; use it to inspect.
   Upstream& upstream() noexcept { return upstream_; }
+  // The same, read only.
   const Upstream& upstream() const noexcept { return upstream_; }
 
  private:

@@ -87,17 +87,21 @@ struct caching_options {
   bool planned = false;
 };
 
+// The caching allocator (see the file comment): segments from Upstream, tuned by caching_options.
 template <typename Upstream = system_allocator>
 class caching_allocator {
   static_assert(check_allocator<Upstream>());
 
  public:
+  // Host or device: the upstream's memory.
   static constexpr memory_space space = Upstream::space;
   // Every block size is a multiple of this, and every block starts on it.
   static constexpr std::size_t block_granule = 512;
+  // The largest alignment allocate accepts: every block starts on a granule.
   static constexpr std::size_t max_alignment = block_granule;
 
   caching_allocator() : caching_allocator(caching_options{}) {}  // not explicit: `= {}` works
+  // Builds the upstream in place from upstream_args; inconsistent opts throw invalid_argument.
   template <typename... Args>
   explicit caching_allocator(caching_options opts, Args&&... upstream_args)
       : opts_(validated(opts)), upstream_(std::forward<Args>(upstream_args)...) {}
@@ -276,9 +280,18 @@ class caching_allocator {
     return done_blocks;
   }
 
-  // Freed blocks waiting for other streams' events, and their bytes (block sizes). They count
-  // as reserved, not allocated.
+  // The stream a live block of the ordinary path was allocated on (its segment's); nullopt for
+  // a pointer that is not one (free, foreign, or a planned layout's block: those are on
+  // set_layout's stream).
+  std::optional<stream_id> block_stream(const void* p) const noexcept {
+    const detail::block_pool::block* b = small_.find_live(p);
+    if (b == nullptr) b = large_.find_live(p);
+    if (b == nullptr) return std::nullopt;
+    return b->seg->stream;
+  }
+  // Freed blocks waiting for other streams' events. They count as reserved, not allocated.
   std::size_t pending_blocks() const noexcept { return pending_blocks_; }
+  // The pending blocks' bytes (block sizes).
   std::size_t pending_bytes() const noexcept { return pending_bytes_; }
 
   // Gives every fully free segment back to the upstream. Live blocks never move.
@@ -315,6 +328,7 @@ class caching_allocator {
     }
     return std::as_const(*this).growth_for(bytes, alignment, stream);
   }
+  // The same without polling the events: it may over-predict while blocks are pending.
   std::size_t growth_for(std::size_t bytes, std::size_t alignment, stream_id stream = host_stream) const {
     detail::check_alignment(alignment, max_alignment, "caching_allocator");
     if (bytes == 0) return 0;
@@ -329,6 +343,7 @@ class caching_allocator {
   }
 
   // ---- Planned mode (caching_options::planned) ------------------------------------------------
+  // Whether it was made with caching_options::planned, which set_layout requires.
   bool planned() const noexcept { return opts_.planned; }
   // Takes a layout; between steps (no block of the cycle live). The prefix (weights, gradients,
   // optimizer state) cannot change once its blocks exist: a layout with another prefix throws
@@ -392,6 +407,7 @@ class caching_allocator {
     plan_->stream = stream;
     plan_->live.reserve(plan_->layout.prefix.size() + plan_->layout.cycle.size());
   }
+  // The layout set_layout took, or nullptr before.
   const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
   // Requests served from the layout, and requests that did not follow it (ordinary path).
   std::size_t planned_hits() const noexcept { return plan_ ? plan_->hits : 0; }
@@ -401,6 +417,7 @@ class caching_allocator {
   // hard budget, the slack of a shared segment must not decide between fitting and failing.
   // growth_for reports the shrunk size, so the budget's check stays exact.
   void set_reserve_limit(std::size_t bytes) noexcept { reserve_limit_ = bytes; }
+  // The ceiling set_reserve_limit set; SIZE_MAX when none was.
   std::size_t reserve_limit() const noexcept { return reserve_limit_; }
 
   // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp):
@@ -421,6 +438,7 @@ class caching_allocator {
   // requested: sum of callers' bytes; allocated: sum of block sizes (after rounding, including
   // a remainder too small to split off); reserved: segment bytes held from the upstream.
   memory_stats stats() const noexcept { return stats_.stats(); }
+  // Restarts the peak statistics from the current values.
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
   // The size class a request of `bytes` is served with (bytes > 0).
@@ -436,8 +454,11 @@ class caching_allocator {
     return size;
   }
 
+  // The options it was made with.
   const caching_options& options() const noexcept { return opts_; }
+  // The allocator below, where segments come from. Allocating through it bypasses the cache.
   Upstream& upstream() noexcept { return upstream_; }
+  // The same, read only.
   const Upstream& upstream() const noexcept { return upstream_; }
 
   // O(blocks) consistency check of the internal structures, for tests and debugging.

@@ -31,6 +31,7 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// Settings of expandable_arena, checked by its constructor.
 struct expandable_arena_options {
   // Bytes of address space reserved at construction: the most the arena can ever commit.
   // Reserving costs no memory, so the default is generous. A nonzero multiple of the backend's
@@ -38,17 +39,21 @@ struct expandable_arena_options {
   std::size_t capacity = std::size_t{64} << 30;  // 64 GiB
 };
 
+// The expandable arena (see the file comment) over VirtualMemory's reserve/commit calls.
 template <typename VirtualMemory = host_virtual_memory>
 class expandable_arena {
   static_assert(check_virtual_memory<VirtualMemory>());
 
  public:
+  // Host or device: the virtual memory backend's.
   static constexpr memory_space space = VirtualMemory::space;
+  // Every block size is a multiple of this, and every block starts on it.
   static constexpr std::size_t block_granule = 512;
+  // The largest alignment allocate accepts.
   static constexpr std::size_t max_alignment = block_granule;
 
-  // Constructs the backend from vm_args and reserves opts.capacity bytes of address space.
   expandable_arena() : expandable_arena(expandable_arena_options{}) {}  // not explicit: `= {}` works
+  // Constructs the backend from vm_args and reserves opts.capacity bytes of address space.
   template <typename... Args>
   explicit expandable_arena(expandable_arena_options opts, Args&&... vm_args)
       : vm_(std::forward<Args>(vm_args)...),
@@ -149,8 +154,10 @@ class expandable_arena {
   // reserved = committed bytes; upstream_allocations / upstream_deallocations = commit /
   // decommit calls.
   memory_stats stats() const noexcept { return stats_.stats(); }
+  // Restarts the peak statistics from the current values.
   void reset_peaks() noexcept { stats_.reset_peaks(); }
 
+  // Bytes of address space reserved: the most it can ever commit.
   std::size_t capacity() const noexcept { return capacity_; }
   // This layer's state that decides its next answers (allocator_state_key, memory/shadow.hpp).
   void append_state(std::vector<std::uint64_t>& out) const {
@@ -158,11 +165,15 @@ class expandable_arena {
     pool_.append_state(out);
     stats_.append_state(out);
   }
+  // Bytes committed now: the reserve's prefix in use or cached.
   std::size_t committed() const noexcept { return seg_->size; }
+  // The backend's commit granule: commits and decommits are whole multiples of it.
   std::size_t granularity() const noexcept { return granularity_; }
   // Start of the reserved range; blocks are handed out from here upwards.
   void* base() const noexcept { return seg_->ptr(); }
+  // The virtual memory backend, for inspection: commit or decommit through it breaks the arena.
   VirtualMemory& vm() noexcept { return vm_; }
+  // The same, read only.
   const VirtualMemory& vm() const noexcept { return vm_; }
 
   // O(blocks) consistency check of the internal structures, for tests and debugging.

@@ -41,19 +41,23 @@ constexpr bool fits_layout(const std::size_t (&bytes)[N]) noexcept {
 
 // Inclusive [first, last] phase indices during which a slot holds live data.
 struct slot_lifetime {
-  std::size_t first = 0;
-  std::size_t last = 0;
+  std::size_t first = 0;  // the first phase the slot is live in
+  std::size_t last = 0;   // the last one (inclusive)
 
+  // Whether the two are live in a common phase, so their slots cannot share bytes.
   constexpr bool overlaps(const slot_lifetime& o) const noexcept {
     return first <= o.last && o.first <= last;
   }
 };
 
+// Scratch slots packed into one buffer, slots of disjoint lifetimes sharing bytes. A fixed array
+// of MaxSlots, so a layout is built and sized in constant expressions.
 template <std::size_t MaxSlots>
 class workspace_layout {
   static_assert(MaxSlots > 0, "membound: a workspace_layout needs room for at least one slot.");
 
  public:
+  // The most slots add() accepts.
   static constexpr std::size_t max_slots = MaxSlots;
 
   // Returns the slot's index. By default every slot lives in phase 0, so none share bytes.
@@ -95,13 +99,18 @@ class workspace_layout {
 
   // Total bytes, with slots of disjoint lifetimes sharing.
   constexpr std::size_t size() const noexcept { return size_; }
+  // Slots added so far.
   constexpr std::size_t slots() const noexcept { return count_; }
   // The largest slot alignment: the base of a carved buffer must be aligned to it.
   constexpr std::size_t alignment() const noexcept { return alignment_; }
 
+  // The slot's byte offset from the buffer's base (an index add() returned, or invalid_argument).
   constexpr std::size_t offset(std::size_t slot) const { return at(slot).offset; }
+  // Bytes the slot was added with.
   constexpr std::size_t slot_bytes(std::size_t slot) const { return at(slot).bytes; }
+  // Alignment the slot was added with.
   constexpr std::size_t slot_alignment(std::size_t slot) const { return at(slot).alignment; }
+  // Phases the slot was added with.
   constexpr slot_lifetime lifetime(std::size_t slot) const { return at(slot).life; }
 
  private:
@@ -182,10 +191,12 @@ template <std::size_t MaxSlots>
 class workspace_view {
  public:
   constexpr workspace_view() = default;
+  // Unchecked: carve() checks the buffer against the layout first.
   constexpr workspace_view(const workspace_layout<MaxSlots>& layout, std::byte* base,
                            std::size_t bytes) noexcept
       : layout_(layout), base_(base), bytes_(bytes) {}
 
+  // The slot's address as T*; throws invalid_argument if T needs more alignment than the slot has.
   template <typename T>
   T* get(std::size_t slot) const {
     const std::size_t a = layout_.slot_alignment(slot);  // also checks the index
@@ -205,8 +216,11 @@ class workspace_view {
     return {get<T>(slot), layout_.slot_bytes(slot) / sizeof(T)};
   }
 
+  // The carved buffer's base.
   void* data() const noexcept { return base_; }
+  // The carved buffer's bytes (at least layout().size()).
   std::size_t size() const noexcept { return bytes_; }
+  // The layout's copy the slots are found by.
   const workspace_layout<MaxSlots>& layout() const noexcept { return layout_; }
 
  private:
@@ -244,17 +258,20 @@ class scoped_allocation {
 
  public:
   scoped_allocation() noexcept = default;
+  // Allocates from `a` (which must outlive it); throws what a.allocate throws.
   scoped_allocation(Allocator& a, std::size_t bytes, std::size_t alignment = default_alignment,
                     memory_tag tag = memory_tag::workspace)
       : alloc_(&a), ptr_(a.allocate(bytes, alignment, tag)), bytes_(bytes),
         alignment_(alignment), tag_(tag) {}
 
+  // Takes o's block, leaving o empty.
   scoped_allocation(scoped_allocation&& o) noexcept
       : alloc_(o.alloc_),
         ptr_(std::exchange(o.ptr_, nullptr)),
         bytes_(std::exchange(o.bytes_, 0)),
         alignment_(o.alignment_),
         tag_(o.tag_) {}
+  // Gives back the block held, then takes o's, leaving o empty.
   scoped_allocation& operator=(scoped_allocation&& o) noexcept {
     if (this != &o) {
       reset();
@@ -270,20 +287,27 @@ class scoped_allocation {
   scoped_allocation& operator=(const scoped_allocation&) = delete;
   ~scoped_allocation() { reset(); }
 
+  // Gives the block back now, leaving this empty.
   void reset() noexcept {
     if (ptr_ != nullptr) alloc_->deallocate(ptr_, bytes_, alignment_, tag_);
     ptr_ = nullptr;
     bytes_ = 0;
   }
 
+  // The block, or nullptr when empty.
   void* get() const noexcept { return ptr_; }
+  // The block as T*.
   template <typename T>
   T* as() const noexcept {
     return static_cast<T*>(ptr_);
   }
+  // Bytes requested; 0 when empty.
   std::size_t size() const noexcept { return bytes_; }
+  // Alignment the block was requested with.
   std::size_t alignment() const noexcept { return alignment_; }
+  // Tag the block was requested with.
   memory_tag tag() const noexcept { return tag_; }
+  // Whether a block is held.
   explicit operator bool() const noexcept { return ptr_ != nullptr; }
 
  private:
@@ -294,6 +318,7 @@ class scoped_allocation {
   memory_tag tag_ = memory_tag::workspace;
 };
 
+// Carves a scoped_allocation's block (its whole size) by the layout.
 template <std::size_t MaxSlots, typename Allocator>
 workspace_view<MaxSlots> carve(const workspace_layout<MaxSlots>& layout,
                                const scoped_allocation<Allocator>& storage) {

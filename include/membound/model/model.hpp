@@ -41,6 +41,7 @@
 #include "membound/model/glue.hpp"
 #include "membound/model/model_config.hpp"
 #include "membound/model/recompute_schedule.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/core/check_point.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -51,11 +52,14 @@ struct embedding {
   static_assert(is_precision_v<Precision>,
                 "membound: embedding<P>: P is a precision policy, e.g. fp32_precision or "
                 "bf16_precision.");
+  // Storage and accumulator types; the blocks and the head must use the same.
   using precision = Precision;
 };
 
+// True for embedding<P>: what a model's first part must be.
 template <typename T>
 inline constexpr bool is_embedding_v = false;
+// embedding<P>: true.
 template <typename P>
 inline constexpr bool is_embedding_v<embedding<P>> = true;
 // A sequence of blocks chosen at run time from these mixers (model(config, pattern)): what a
@@ -65,13 +69,17 @@ struct block_pattern {
   static_assert(sizeof...(Mixers) >= 1, "membound: block_pattern<Mixers...> needs at least one mixer type.");
 };
 
+// True for block_pattern<Mixers...>: a model whose blocks are chosen at run time.
 template <typename T>
 inline constexpr bool is_block_pattern_v = false;
+// block_pattern<Mixers...>: true.
 template <typename... M>
 inline constexpr bool is_block_pattern_v<block_pattern<M...>> = true;
 
+// True for lm_head<P...>: what a model's last part must be.
 template <typename T>
 inline constexpr bool is_lm_head_v = false;
+// lm_head<P...>: true.
 template <typename... P>
 inline constexpr bool is_lm_head_v<lm_head<P...>> = true;
 
@@ -79,8 +87,8 @@ inline constexpr bool is_lm_head_v<lm_head<P...>> = true;
 struct param_entry {
   std::string name;         // "blocks.1.attention.wq", "embedding", ...
   std::size_t offset = 0;   // elements from the start
-  std::size_t count = 0;
-  param_spec spec{};
+  std::size_t count = 0;  // elements, without padding
+  param_spec spec{};      // how the layer declares and initializes it
   bool decay = false;       // matrices take weight decay, norms and biases do not
 };
 
@@ -125,15 +133,21 @@ inline double uniform01(std::uint64_t& s) noexcept {
 
 }  // namespace detail
 
+// The model (see the file comment). Parts: embedding<P>, then block<Mixer>... or one
+// block_pattern<Mixers...>, then lm_head<P...>.
 template <typename... Parts>
 class model {
   using parts = detail::model_parts<Parts...>;
 
  public:
+  // The first part: embedding<P>, whose P is the model's precision.
   using embedding_type = typename parts::first;
+  // The last part: lm_head<P...>, whose backend is the model's.
   using head_type = typename parts::last;
   using blocks = typename parts::blocks;  // listed blocks, or a block_pattern's choices
+  // Whether the blocks are a block_pattern, chosen at run time (model(config, pattern)).
   static constexpr bool runtime_pattern = parts::runtime;
+  // Entries of `blocks`: the listed blocks, or the pattern's mixers.
   static constexpr std::size_t block_types = std::tuple_size_v<blocks>;
 
   static_assert(is_embedding_v<embedding_type>,
@@ -143,12 +157,15 @@ class model {
                 "membound: the last part of a model is its head: model<embedding<P>, "
                 "block<Mixer>..., lm_head<P>>.");
 
+  // Element type of the weights, the gradients and the activations.
   using storage_type = typename embedding_type::precision::storage_type;
+  // Type the layers accumulate in.
   using accum_type = typename embedding_type::precision::accum_type;
   // Where the whole model runs: its head's backend (the embedding follows it), which every block's
   // mixer must share. With cuda_backend every pointer a step takes (weights, gradients, tokens,
   // targets) is device memory and the executor is a cuda_executor.
   using backend = typename head_type::backend;
+  // thread_pool on cpu_backend, cuda_executor on cuda_backend.
   using executor = typename backend::executor;
 
  private:
@@ -226,7 +243,9 @@ class model {
     build_params();
   }
 
+  // Number of blocks.
   std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
+  // Each block's mixer index (block_pattern models); empty for a model that lists its blocks.
   const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
   // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp") among
   // the block types, or block_types when there is none.
@@ -238,14 +257,18 @@ class model {
     return r;
   }
 
+  // The widths it was made with.
   const model_config& config() const noexcept { return cfg_; }
+  // Every parameter tensor, in the flat array's order.
   const std::vector<param_entry>& parameters() const noexcept { return params_; }
   std::size_t parameter_elements() const noexcept { return elements_; }  // with alignment padding
+  // Parameters without the alignment padding: the count to report.
   std::size_t parameter_count() const noexcept {
     std::size_t n = 0;
     for (const auto& p : params_) n = sat_add(n, p.count);
     return n;
   }
+  // Bytes of the flat weight array (and of the gradient array): parameter_elements() elements.
   std::size_t weight_bytes() const noexcept { return bytes_of<S>(elements_); }
   // What a trainer keeps in the backend's memory for steps of `tokens` tokens beyond weights,
   // gradients and optimizer state (on a device: the step's token and target ids, the gradient
@@ -258,6 +281,7 @@ class model {
   // [h, parameter_elements()). ZeRO-2 exchanges each block's gradients as that block's backward
   // produces them, and the embedding's and head's once the micro-batch is done.
   shard_range embedding_parameters() const noexcept { return {0, depth() == 0 ? params_[head_first_].offset : params_[block_first_[0]].offset}; }
+  // Block i's part of the flat array; throws invalid_argument for i >= depth().
   shard_range block_parameters(std::size_t i) const {
     if (i >= depth()) {
       throw invalid_argument("block", "an index below " + std::to_string(depth()), std::to_string(i),
@@ -266,7 +290,9 @@ class model {
     const std::size_t end = i + 1 < depth() ? params_[block_first_[i + 1]].offset : params_[head_first_].offset;
     return {params_[block_first_[i]].offset, end};
   }
+  // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
+  // Block i's mixer name: "attention", "mamba", "ttt_linear" or "ttt_mlp".
   const char* block_name(std::size_t i) const {
     const char* n = "";
     visit_block(i, [&]<typename B>(B*) { n = B::name; });
@@ -313,7 +339,9 @@ class model {
   }
 
   // ---- Sizes of one micro-batch step ------------------------------------------------------------
+  // Bytes of one activation, [B·T, C] in storage_type.
   std::size_t activation_bytes(batch_shape b) const noexcept { return bytes_of<S>(b.tokens(), cfg_.width); }
+  // The LM head's shape for b, computing `chunk` logit rows at a time.
   lm_head_shape head_shape(batch_shape b, std::size_t chunk) const noexcept {
     return {b.tokens(), cfg_.width, cfg_.vocab, chunk, cfg_.norm_eps};
   }
@@ -345,6 +373,7 @@ class model {
     if (!c.tie_embeddings) n = sat_add(n, round_param(sat_mul(c.vocab, c.width)));
     return n;
   }
+  // make_chain's chain from the config alone, for static_plan.
   static constexpr chain static_chain(const model_config& c, batch_shape b, std::size_t threads,
                                       std::size_t head_chunk, std::size_t base_bytes)
     requires(!runtime_pattern)
@@ -386,10 +415,10 @@ class model {
   // host before the upload (check_tokens; lm_head's check_targets): the device cannot throw
   // without a sync. A bad id still reads nothing outside a table (its row is zero). The
   // returned loss is a host double, so the call synchronizes the executor's stream once, at the
-  // loss; the backward after it is only enqueued. Blocks come from `alloc` on host_stream and
-  // are used on the executor's one stream only, so a block freed and handed out again is ordered
-  // after its last use; share a stream-ordered allocator with work on other streams only
-  // through its record_stream.
+  // loss; the backward after it is only enqueued. Blocks come from `alloc` on the executor's
+  // stream (stream_view) and are used there only, so a block freed and handed out again is
+  // ordered after its last use, and another stream sharing a stream-ordered allocator never
+  // receives one early; work of other streams on these blocks goes through record_stream.
   //
   // observe(check_point) runs at after_forward (all blocks forward, before the loss), at
   // before_backward (loss and its gradient computed) and at after_backward (before the last
@@ -435,9 +464,12 @@ class model {
 
   // The default router: one flat array of parameter_elements() gradients.
   struct flat_gradients {
-    S* g = nullptr;
+    S* g = nullptr;  // the gradient array, parameter_elements() long
+    // Where the gradient of the element at `offset` accumulates.
     S* at(std::size_t offset) const noexcept { return g + offset; }
+    // Nothing to do: the flat array holds every block's gradients throughout.
     void begin_block(std::size_t) const noexcept {}
+    // Nothing to do, as for begin_block.
     void end_block(std::size_t) const noexcept {}
   };
 
@@ -480,7 +512,7 @@ class model {
     check(b);
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
-    live_set<Allocator> live(alloc, depth());
+    live_set<Allocator> live(alloc, &ex, depth());
     const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex));
     const auto hw = head_weights(w);
     std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
@@ -511,6 +543,7 @@ class model {
     (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
   }
 
+  // Forward FLOPs of one block of type B on b: its MLP, its mixer's projections and its mixing.
   template <typename B>
   static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
     const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
@@ -530,6 +563,7 @@ class model {
     }
     return f;
   }
+  // FLOPs of the LM head on b: logits, dW and dxn products.
   double head_flops(batch_shape b) const noexcept {
     return head_type::flops(head_shape(b, 1));
   }
@@ -580,7 +614,7 @@ class model {
     if constexpr (Run) check_ids(tokens, targets, N);
     const std::size_t a = activation_bytes(b);
 
-    live_set<Allocator> live(alloc, L);
+    live_set<Allocator> live(alloc, ex, L);
     std::vector<S*> x(L + 1, nullptr);
     std::vector<void*> saved(L, nullptr);
     S* delta = nullptr;
@@ -665,7 +699,7 @@ class model {
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
     if constexpr (Run) check_ids(tokens, targets, N);
-    live_set<Allocator> live(alloc, depth());
+    live_set<Allocator> live(alloc, ex, depth());
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
@@ -697,11 +731,16 @@ class model {
     return x;
   }
 
-  // Every allocation of a step, so that an exception gives all of them back.
+  // Every allocation of a step, so that an exception gives all of them back. Served on the
+  // executor's stream (stream_view): a block freed here is reused only by later work of that
+  // stream, never handed early to another stream sharing the allocator.
   template <typename Allocator>
   class live_set {
    public:
-    live_set(Allocator& a, std::size_t depth) : a_(a) { blocks_.reserve(4 * depth + 8); }
+    live_set(Allocator& a, const executor* ex, std::size_t depth)
+        : a_(a, ex != nullptr ? stream_of(*ex) : host_stream) {
+      blocks_.reserve(4 * depth + 8);
+    }
     live_set(const live_set&) = delete;
     live_set& operator=(const live_set&) = delete;
     ~live_set() {
@@ -728,7 +767,7 @@ class model {
       std::size_t bytes;
       memory_tag tag;
     };
-    Allocator& a_;
+    stream_view<Allocator> a_;
     std::vector<rec> blocks_;
   };
 

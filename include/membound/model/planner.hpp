@@ -36,34 +36,45 @@ MEMBOUND_NAMESPACE_BEGIN
 namespace schedules {
 struct none {};    // keep everything forward produces
 struct full {};    // keep block inputs only, recompute every block in backward
+// Keep the input of every K-th block.
 template <std::size_t K>
-struct every {     // keep the input of every K-th block
+struct every {
   static_assert(K >= 1, "membound: schedules::every<K>: K (blocks per segment) must be at least 1.");
 };
+// Revolve's optimal schedule with Slots slots for saved block inputs.
 template <std::size_t Slots>
-struct binomial {  // Revolve's optimal schedule with Slots slots for saved block inputs
+struct binomial {
   static_assert(Slots >= 1, "membound: schedules::binomial<Slots>: at least one slot for a saved block input.");
 };
-struct budget {    // the least recompute whose peak fits this many bytes (the planner's DP)
-  std::size_t bytes = 0;
+// The least recompute whose peak fits this many bytes (the planner's DP).
+struct budget {
+  std::size_t bytes = 0;  // the budget the step's peak must fit
 };
 }  // namespace schedules
 
 // A schedule chosen at run time (what fit() returns, what a command line asks for).
 struct schedule_choice {
+  // The schedules:: policy of the same name.
   enum class kind : unsigned char { none, full, every, binomial, budget };
-  kind k = kind::none;
+  kind k = kind::none;    // which schedule
   std::size_t param = 0;  // K, slots or bytes
 
+  // Each policy as a choice, so that what takes a choice takes a policy too.
   static constexpr schedule_choice of(schedules::none) noexcept { return {kind::none, 0}; }
+  // schedules::full as a choice.
   static constexpr schedule_choice of(schedules::full) noexcept { return {kind::full, 0}; }
+  // schedules::every<K> as a choice: param = K.
   template <std::size_t K>
   static constexpr schedule_choice of(schedules::every<K>) noexcept { return {kind::every, K}; }
+  // schedules::binomial<N> as a choice: param = N.
   template <std::size_t N>
   static constexpr schedule_choice of(schedules::binomial<N>) noexcept { return {kind::binomial, N}; }
+  // schedules::budget as a choice: param = its bytes.
   static constexpr schedule_choice of(schedules::budget b) noexcept { return {kind::budget, b.bytes}; }
+  // A choice is already one.
   static constexpr schedule_choice of(schedule_choice c) noexcept { return c; }
 
+  // As the plan table writes it: "none", "every<2>", "budget(1.50 GiB)".
   std::string name() const {
     switch (k) {
       case kind::none: return "none";
@@ -74,6 +85,7 @@ struct schedule_choice {
     }
     return "?";
   }
+  // The same kind with the same parameter.
   friend constexpr bool operator==(const schedule_choice&, const schedule_choice&) = default;
 };
 
@@ -99,9 +111,11 @@ struct schedule_choice {
 // backward ends: its workspace is that backward's carry. The embedding's and head's exchanges
 // follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
 struct gradient_shards {
+  // Processes sharing the gradients (off at 1 or fewer) and this process's index among them.
   std::size_t ranks = 0, rank = 0;
+  // The exchange's workspace for blocks of k elements per rank: per_element · k + fixed bytes.
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
-  bool overlap = false;
+  bool overlap = false;  // each block's exchange started as its backward ends (see above)
   std::size_t zero = 2;  // the ZeRO stage the exchange serves (see above)
   // ZeRO-2: the gradients sharded.
   constexpr bool on() const noexcept { return ranks > 1 && zero == 2; }
@@ -109,8 +123,9 @@ struct gradient_shards {
   constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
 
+// What make_plan plans for besides the model, the micro-batch and the schedule.
 struct plan_options {
-  std::size_t threads = 1;
+  std::size_t threads = 1;        // CPU threads the step runs with: the workspaces depend on it
   std::size_t head_chunk = 256;   // logit rows per cross-entropy chunk
   std::size_t accumulation = 1;   // micro-batches per optimizer step
   bool optimizer = true;          // count the optimizer's state (AdamW: m, v, and fp32 masters for 16-bit storage)
@@ -157,18 +172,21 @@ std::string optimizer_description(const plan_options& o) {
 
 // One op of the step's timeline: what it is, bytes live before it and its peak.
 struct plan_phase {
-  std::string name;
-  std::size_t live_before = 0;
-  std::size_t peak = 0;
+  std::string name;              // the op, as the table prints it
+  std::size_t live_before = 0;   // bytes live when it starts
+  std::size_t peak = 0;          // the most bytes live while it runs
 };
 
+// make_plan's and fit()'s answer: the exact bytes of a training step, by category and by op.
 struct training_plan {
   batch_shape micro;                   // one micro-batch
   std::size_t accumulation = 1;        // micro-batches per optimizer step
-  schedule_choice schedule;
-  std::size_t head_chunk = 0;
-  std::size_t threads = 1;
-  std::size_t weights = 0, gradients = 0, optimizer = 0;  // persistent
+  schedule_choice schedule;            // which block inputs forward keeps
+  std::size_t head_chunk = 0;          // logit rows per cross-entropy chunk
+  std::size_t threads = 1;             // CPU threads the sizes are for
+  // Persistent bytes: the weights, the gradients (this rank's shard under ZeRO-2) and the
+  // optimizer's state.
+  std::size_t weights = 0, gradients = 0, optimizer = 0;
   // Persistent too, on a device only: the step's token and target ids and the gradient norm's
   // partials (Model::step_buffer_bytes for micro.tokens() · accumulation); 0 on the host.
   std::size_t step_buffers = 0;
@@ -179,7 +197,7 @@ struct training_plan {
   // Overlapped (gradient_shards::overlap): the most bytes in flight between two blocks' backward
   // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
-  std::size_t gradient_ranks = 1;
+  std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
@@ -188,7 +206,7 @@ struct training_plan {
   // rounding, segments and holes included; 0 when no stack was given (then only requested
   // bytes were planned, which is exact over system_allocator alone).
   std::size_t reserved_peak = 0;
-  std::string peak_phase;
+  std::string peak_phase;        // the timeline's op at the peak
   std::size_t budget = 0;        // 0: none given
   // Device memory outside every allocator of the stack (the CUDA context, cuBLASLt's handle and
   // workspace, other libraries), measured once by the caller (cudaMemGetInfo before and after
@@ -198,9 +216,10 @@ struct training_plan {
   std::string outside_note;  // what it is and how it was measured, for the table
   double forward_flops = 0;      // of one micro-batch's blocks
   double recompute_flops = 0;    // of one micro-batch
-  std::vector<chain_op> ops;
-  std::vector<plan_phase> timeline;
+  std::vector<chain_op> ops;         // the schedule's ops, in the order the step runs them
+  std::vector<plan_phase> timeline;  // every op of the step with its bytes, in order
 
+  // Recompute FLOPs as a fraction of the blocks' forward FLOPs.
   double recompute_overhead() const noexcept {
     return forward_flops == 0 ? 0.0 : recompute_flops / forward_flops;
   }
@@ -289,7 +308,9 @@ class budget_too_small : public invalid_argument {
                              ", or shrink the model, the sequence or the vocabulary"),
         budget_(budget),
         minimum_(minimum) {}
+  // The budget fit() was given, in bytes.
   std::size_t budget() const noexcept { return budget_; }
+  // The least peak of any plan fit() considered: the smallest budget that would fit.
   std::size_t minimum() const noexcept { return minimum_; }
 
  private:
@@ -541,19 +562,21 @@ template <typename Model, model_config Config, batch_shape Shape, typename Sched
           std::size_t Budget, std::size_t Threads = 1, std::size_t HeadChunk = 256,
           bool Optimizer = true>
 struct static_plan {
+  // The step's predicted peak, computed by the compiler.
   static constexpr std::size_t peak_bytes = predicted_peak<Model>(
       Config, Shape, schedule_choice::of(Schedule{}), plan_options{Threads, HeadChunk, 1, Optimizer});
-  static constexpr std::size_t budget = Budget;
+  static constexpr std::size_t budget = Budget;  // in bytes
+  // true; when the peak exceeds the budget, naming it stops the build (see above).
   static constexpr bool fits = detail::check_fits<(peak_bytes <= Budget), peak_bytes, Budget>();
 };
 
 // Every (micro-batch, schedule, chunk) fit() considers for an effective batch.
 struct fit_options {
-  std::size_t threads = 1;
-  bool optimizer = true;
+  std::size_t threads = 1;             // as plan_options: CPU threads the step runs with
+  bool optimizer = true;               // as plan_options: count the optimizer's state
   std::size_t optimizer_elements = 0;  // as plan_options: 0 for all, else this process's ZeRO-1 shard
   optimizer_ref optimizer_policy{};    // as plan_options: the default is adamw<S>
-  std::vector<std::size_t> head_chunks{256, 64};
+  std::vector<std::size_t> head_chunks{256, 64};  // the logit chunk sizes to try
   // When set, a plan fits when its reserved peak on the stack does (reserve_model(m, alloc)).
   reserve_function reserve{};
   gradient_shards gradients{};  // as plan_options: ZeRO-2's gradient shard, off by default (last: positional

@@ -29,6 +29,7 @@
 #include "membound/core/memory_tag.hpp"
 #include "membound/dist/communicator.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/model/glue.hpp"
 #include "membound/model/planner.hpp"
 
@@ -144,7 +145,7 @@ class gradient_exchange {
   // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
   // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
-      : m_(m), alloc_(alloc), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
+      : m_(m), alloc_(alloc, stream_of(ex)), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
     if (zero > 2) {
       throw invalid_argument("zero", "0, 1 or 2 (the ZeRO stage)", std::to_string(zero),
                              "Use 1 to shard the optimizer state over the ranks, 2 to shard the gradients too, "
@@ -602,7 +603,7 @@ class gradient_exchange {
   }
 
   const Model& m_;
-  Allocator& alloc_;
+  stream_view<Allocator> alloc_;  // the executor's stream, as the model's blocks (memory/stream.hpp)
   executor& ex_;
   Communicator& comm_;
   std::size_t n_, zero_;

@@ -117,6 +117,7 @@
 #include "membound/core/format.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/stream.hpp"
 #include "membound/core/memory_tag.hpp"
 #include "membound/model/glue.hpp"
 #include "membound/model/planner.hpp"
@@ -149,6 +150,7 @@ concept step_monitor = requires(M& m, Allocator& a) {
   m.clear_stricter_plan_request();
 };
 
+// The training loop (see the file comment) for a Model whose bytes all come from an Allocator.
 // Optimizer: an optimizer_policy for the model's storage (optimizer/optimizer_policy.hpp):
 // adamw<S> (the default) or adamw8bit<S>.
 template <typename Model, typename Allocator, typename Monitor = null_monitor,
@@ -165,11 +167,14 @@ class trainer {
                 "local_communicator, or mpi_communicator from membound/mpi.hpp.");
 
  public:
+  // The model's storage type: the weights and the gradients are arrays of it.
   using S = typename Model::storage_type;
   // The model's backend runs everything: the layers, and the trainer's own zeroing, norm and
   // optimizer step (model_glue_of). cpu_backend: a thread_pool; cuda_backend: a cuda_executor.
   using backend = typename Model::backend;
+  // Where every kernel of the run goes: a thread_pool, or a cuda_executor.
   using executor = typename Model::executor;
+  // Whether the run is on the host (cpu_backend): weights and gradients are then host memory.
   static constexpr bool on_host = is_cpu_backend_v<backend>;
 
  private:
@@ -207,7 +212,7 @@ class trainer {
   // sequences per step); every rank passes the same model, batch, options and seed.
   trainer(const Model& m, batch_shape effective, training_plan plan, Allocator& alloc, executor& ex,
           trainer_options o, Monitor monitor, Communicator& comm)
-      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), ex_(ex), o_(std::move(o)),
+      : m_(m), eff_(effective), plan_(std::move(plan)), alloc_(alloc), ex_(ex), mem_(alloc, stream_of(ex)), o_(std::move(o)),
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
@@ -242,12 +247,12 @@ class trainer {
         refuse_over_limit(plan_);
       }
       use_layout(plan_);
-      w_ = static_cast<S*>(alloc_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
-      g_ = static_cast<S*>(alloc_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
-      opt_ = alloc_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      w_ = static_cast<S*>(mem_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+      g_ = static_cast<S*>(mem_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
+      opt_ = mem_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
       step_buffer_bytes_ = plan_.step_buffers;  // the same for every plan of this batch (check_plan)
       if (step_buffer_bytes_ != 0) {
-        sb_ = alloc_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
+        sb_ = mem_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
       }
     } catch (...) {
       failed = std::current_exception();
@@ -283,6 +288,9 @@ class trainer {
   ~trainer() { release(); }
 
   // ---- One optimizer step ---------------------------------------------------------------------
+  // One optimizer step: every micro-batch of the plan (its sequences from `source`), the gradient
+  // exchange, clipping and the update; abandoned and run again under a stricter plan when memory
+  // runs short (see the file comment).
   template <sequence_source Source>
   step_result step(Source& source) {
     follow_stream();
@@ -534,6 +542,7 @@ class trainer {
     }
     adopt(std::move(p));
   }
+  // The plan the next step runs under.
   const training_plan& plan() const noexcept { return plan_; }
   // The largest predicted peak of any plan this trainer ran a step or an evaluation under, or
   // holds now: what the measured peak of its own bytes stays within.
@@ -574,6 +583,7 @@ class trainer {
   }
 
   // ---- State --------------------------------------------------------------------------------------
+  // The model it trains.
   const Model& model() const noexcept { return m_; }
   // What a checkpoint of this trainer must match to be loaded, in the order load() compares it:
   // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits), the
@@ -654,24 +664,38 @@ class trainer {
   // The run settings the last load() found changed and accepted (load_options); empty when it
   // found none, or when no load ran.
   const std::vector<run_field_change>& changed_at_load() const noexcept { return changed_; }
+  // Sequences per optimizer step (over all ranks) and their length.
   batch_shape effective_batch() const noexcept { return eff_; }
+  // Optimizer steps run, skipped updates included.
   std::uint64_t steps_done() const noexcept { return steps_; }
+  // Steps whose update was applied (inf/NaN gradients skip it): the optimizer's step count.
   std::uint64_t updates_applied() const noexcept { return updates_; }
+  // Sequences drawn from the source so far: the next request's index.
   std::uint64_t data_position() const noexcept { return position_; }
+  // The run's random generator, as a checkpoint saves it.
   const random_state& rng() const noexcept { return rng_; }
+  // The loss scaler's state: its scale and its clean steps.
   const loss_scaler& scaler() const noexcept { return scaler_; }
+  // Whether the loss is scaled (trainer_options::scaling; `automatic` turns it on for fp16).
   bool loss_scaling_on() const noexcept { return scaling_; }
   // On a device: written in the executor's stream order (a step's or load's last all-gather may
   // still run); read them on that stream, or after synchronizing it.
   const S* weights() const noexcept { return w_; }
+  // The same, writable.
   S* weights() noexcept { return w_; }
+  // Elements of the weight array, padding included (the model's parameter_elements()).
   std::size_t parameter_elements() const noexcept { return n_; }
+  // The optimizer state this rank holds, in the Optimizer's layout and the backend's memory.
   const void* optimizer_state() const noexcept { return opt_; }
+  // Bytes of optimizer_state().
   std::size_t optimizer_bytes() const noexcept { return opt_bytes(); }
+  // The pressure monitor, to read or adjust between steps.
   Monitor& monitor() noexcept { return monitor_; }
   // Bytes held by the trainer itself between steps (weights, gradients, optimizer) as the
   // allocator counts them, and by others (usage minus those), when the allocator has a budget.
   std::size_t own_bytes() const noexcept { return own_bytes_; }
+  // The bytes others hold: the budget's external bytes plus what the allocator serves beyond
+  // own_bytes().
   std::size_t foreign_bytes() const { return foreign_now(); }
 
  private:
@@ -1023,11 +1047,11 @@ class trainer {
     if constexpr (requires { comm_.clear_stream(); comm_.caller_stream() == ex_.stream(); }) {
       if (comm_.caller_stream() == ex_.stream()) comm_.clear_stream();
     }
-    if (sb_ != nullptr) alloc_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
+    if (sb_ != nullptr) mem_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
     sb_ = nullptr;
-    if (opt_ != nullptr) alloc_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
-    if (g_ != nullptr) alloc_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
-    if (w_ != nullptr) alloc_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+    if (opt_ != nullptr) mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    if (g_ != nullptr) mem_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
+    if (w_ != nullptr) mem_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
     w_ = nullptr;
@@ -1104,7 +1128,7 @@ class trainer {
                                "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
                                "zero = 1, or an allocator stack without a planned layout");
       }
-      if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p));
+      if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p), mem_.stream());
     }
   }
 
@@ -1688,6 +1712,7 @@ class trainer {
   training_plan plan_;
   Allocator& alloc_;
   executor& ex_;
+  stream_view<Allocator> mem_;  // alloc_ on ex_'s stream: every block of a step is served there
   trainer_options o_;
   Monitor monitor_;
   std::size_t n_;

@@ -68,19 +68,13 @@
 #include "membound/shape/gemm_shape.hpp"
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/cuda_check.cuh"
+#include "membound/backend/cuda/interop.cuh"  // bf16/fp16 have the bits of CUDA_R_16BF/CUDA_R_16F
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/format.hpp"
 
-// The host types are handed to cuBLASLt as CUDA_R_16BF / CUDA_R_16F arrays.
-static_assert(sizeof(membound::bf16) == sizeof(__nv_bfloat16) &&
-                  alignof(membound::bf16) == alignof(__nv_bfloat16),
-              "membound: bf16 must have the layout of __nv_bfloat16.");
-static_assert(sizeof(membound::fp16) == sizeof(__half) &&
-                  alignof(membound::fp16) == alignof(__half),
-              "membound: fp16 must have the layout of __half.");
 
 MEMBOUND_NAMESPACE_BEGIN
 
