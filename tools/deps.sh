@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs the build and test dependencies that are missing, with apt-get only. Idempotent:
-# nothing is updated or installed when everything is already there.
+# Installs the build and test dependencies that are missing: Debian packages with apt-get, and the
+# Python package's build and test tools, which Debian 12 lacks (nanobind, scikit-build-core; pytest
+# with them), from PyPI for the python3 on PATH. Idempotent: nothing is updated or installed when
+# everything is already there.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ python3 git libeigen3-dev doctest-dev libbenchmark-dev
-          nlohmann-json3-dev libcli11-dev libfmt-dev libopenmpi-dev openmpi-bin pkg-config)
+packages=(cmake ninja-build g++ python3 python3-dev python3-pip git libeigen3-dev doctest-dev
+          libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev libopenmpi-dev openmpi-bin
+          pkg-config doxygen)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -14,17 +17,35 @@ for p in "${packages[@]}"; do
   fi
 done
 
-if ((${#missing[@]} == 0)); then
-  echo "deps.sh: all ${#packages[@]} packages already installed"
-  exit 0
-fi
-
 sudo=()
 if ((EUID != 0)); then
   sudo=(sudo)
 fi
-echo "deps.sh: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-"${sudo[@]}" apt-get update -qq
-"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+if ((${#missing[@]} == 0)); then
+  echo "deps.sh: all ${#packages[@]} packages already installed"
+else
+  echo "deps.sh: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# PyPI modules, by import name=distribution name.
+modules=(nanobind=nanobind scikit_build_core=scikit-build-core pytest=pytest)
+wanted=()
+for m in "${modules[@]}"; do
+  python3 -c "import ${m%%=*}" 2>/dev/null || wanted+=("${m#*=}")
+done
+if ((${#wanted[@]} == 0)); then
+  echo "deps.sh: python3 has nanobind, scikit-build-core and pytest"
+else
+  echo "deps.sh: pip installing ${wanted[*]} for $(command -v python3)"
+  pip_args=(--quiet --disable-pip-version-check --root-user-action=ignore)
+  # Debian's own python3 refuses pip outside a virtual environment (PEP 668): into the user's
+  # site-packages then, which that python3 reads and no Debian package owns.
+  if python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then
+    pip_args+=(--user --break-system-packages)
+  fi
+  python3 -m pip install "${pip_args[@]}" "${wanted[@]}"
+fi
 echo "deps.sh: done"

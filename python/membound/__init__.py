@@ -1,0 +1,236 @@
+"""membound: the exact peak memory of a training step, before step 1, and the plan that fits a budget.
+
+    import membound
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=768, heads=12)
+    plan = membound.fit(model, batch=8, seq=2048, budget="24GiB", precision="bf16")
+    print(plan)                     # the table the C++ planner prints, byte for byte
+    plan.micro_batch, plan.accumulation, plan.schedule, plan.reserved_peak
+
+The planner is membound's C++ planner (membound._core); this module checks arguments and names
+what is wrong in a typed error (InvalidArgument, BudgetTooSmall) before anything is computed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Optional, Sequence, Union
+
+from . import _core
+from ._errors import BudgetTooSmall, InvalidArgument, OutOfMemory, invalid
+
+__all__ = ["Model", "Plan", "plan", "fit", "parse_size", "InvalidArgument", "BudgetTooSmall",
+           "OutOfMemory", "__version__"]
+
+__version__: str = _core.version()
+
+# The library's block names, and the example trainer's short --layers spellings of two of them.
+LAYER_NAMES = ("ttt_linear", "ttt_mlp", "attention", "mamba")
+LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention"}
+PRECISIONS = ("fp32", "bf16", "fp16")
+ALLOCATORS = ("arena", "caching", "none")
+OPTIMIZERS = ("adamw", "adamw8bit", "none")
+
+Size = Union[int, str]
+
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?")
+
+
+def parse_size(value: Size, argument: str = "size") -> int:
+    """Bytes from an int or a string such as "24GiB", "512MiB", "1.5GB" (the C++ flags' grammar).
+
+    Exact: the result must be a whole number of bytes from 1 to 2**64 - 1 ("0.5KiB" is 512,
+    "1.3KiB" is refused); no sign, space or hex.
+    """
+    expected = ("a size: a positive int, or a number and at once an optional unit among "
+                "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise invalid(argument, expected, value, 'e.g. budget="24GiB"')
+    if isinstance(value, int):
+        exact = Fraction(value)
+    else:
+        m = _SIZE.fullmatch(value)
+        if m is None:
+            raise invalid(argument, expected, value, 'e.g. budget="24GiB"')
+        try:
+            exact = Fraction(Decimal(m.group(1))) * _UNITS[m.group(2) or ""]
+        except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
+            raise invalid(argument, expected, value, 'e.g. budget="24GiB"') from None
+    if exact.denominator != 1:
+        raise invalid(argument, "a whole number of bytes", value, 'e.g. budget="24GiB"')
+    if exact < 1:
+        raise invalid(argument, "a positive size, at least 1 byte", value, 'e.g. budget="24GiB"')
+    if exact >= 1 << 64:
+        raise invalid(argument, "at most 2^64 - 1 bytes (16 EiB)", value, 'e.g. budget="24GiB"')
+    return int(exact)
+
+
+def _whole(argument: str, value: object, low: int, high: int, example: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise invalid(argument, f"a whole number from {low} to {high}", value, f"e.g. {example}")
+    return value
+
+
+def _one_of(argument: str, value: object, words: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in words:
+        raise invalid(argument, "one of " + ", ".join(words), value, f'e.g. {argument}="{words[0]}"')
+    return value
+
+
+@dataclass(frozen=True)
+class Model:
+    """A hybrid language model as the example trainer builds it: an embedding, blocks of TTT-Linear
+    ("ttt_linear" or "ttt"), TTT-MLP ("ttt_mlp"), attention ("attention" or "attn") and Mamba
+    ("mamba"), each followed by a
+    SwiGLU MLP, and a tied LM head. width divides by heads; kv_heads 0 means heads (no GQA);
+    mlp_hidden 0 means 8/3 of width rounded up to a multiple of 8."""
+
+    layers: Sequence[str]
+    width: int
+    heads: int
+    vocab: int = 256
+    kv_heads: int = 0
+    mlp_hidden: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layers, str) or not isinstance(self.layers, Sequence) or len(self.layers) == 0:
+            raise invalid("layers", "a non-empty list of block names among " + ", ".join(LAYER_NAMES),
+                          self.layers, 'e.g. layers=["ttt", "attn", "mamba", "attn"]')
+        for name in self.layers:
+            _one_of("layers", name, LAYER_NAMES + tuple(LAYER_SHORT))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        _whole("width", self.width, 1, 1 << 20, "width=768")
+        _whole("heads", self.heads, 1, self.width, "heads=12")
+        if self.width % self.heads != 0:
+            raise invalid("heads", f"a divisor of width {self.width}", self.heads, "e.g. heads=12 with width=768")
+        _whole("vocab", self.vocab, 1, 1 << 24, "vocab=256")
+        _whole("kv_heads", self.kv_heads, 0, self.heads, "kv_heads=0 (as many as heads)")
+        if self.kv_heads != 0 and self.heads % self.kv_heads != 0:
+            raise invalid("kv_heads", f"a divisor of heads {self.heads}", self.kv_heads, "e.g. kv_heads=4 with heads=12")
+        _whole("mlp_hidden", self.mlp_hidden, 0, 1 << 22, "mlp_hidden=0 (8/3 of width)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A training step's plan: its micro-batch, schedule, and every byte of its peak.
+
+    Sizes are in bytes. reserved_peak is what the allocator stack holds at the peak (0 when the
+    plan was made without one, allocator="none"); str(plan) is the C++ planner's table.
+    """
+
+    micro_batch: int
+    seq: int
+    accumulation: int
+    schedule: str
+    head_chunk: int
+    threads: int
+    weights: int
+    gradients: int
+    optimizer: int
+    optimizer_policy: str
+    activations: int
+    workspace: int
+    peak_bytes: int
+    reserved_peak: int
+    peak_phase: str
+    budget: int
+    fits: bool
+    forward_flops: float
+    recompute_flops: float
+    parameters: int
+    table: str = field(repr=False)
+    model_line: str = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.table
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """The peak's persistent and transient parts, in bytes, as the table lists them."""
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "workspace": self.workspace}
+
+
+def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precision: str,
+             allocator: Optional[str], optimizer: str, threads: int) -> _core.Request:
+    if not isinstance(model, Model):
+        raise invalid("model", "a membound.Model", model, 'e.g. membound.Model(layers=["ttt", "attn"], width=256, heads=4)')
+    r = _core.Request()
+    r.layers = [LAYER_SHORT.get(name, name) for name in model.layers]
+    r.width, r.heads, r.vocab = model.width, model.heads, model.vocab
+    r.kv_heads, r.mlp_hidden = model.kv_heads, model.mlp_hidden
+    r.batch = _whole("batch", batch, 1, 1 << 24, "batch=8")
+    r.seq = _whole("seq", seq, 1, 1 << 24, "seq=2048")
+    r.budget = 0 if budget is None else parse_size(budget, "budget")
+    r.precision = _one_of("precision", precision, PRECISIONS)
+    if allocator is None:  # the trainer's stack under a budget; requested bytes without one
+        allocator = "arena" if r.budget != 0 else "none"
+    r.allocator = _one_of("allocator", allocator, ALLOCATORS)
+    r.optimizer = _one_of("optimizer", optimizer, OPTIMIZERS)
+    r.threads = _whole("threads", threads, 1, 4096, "threads=8")
+    if r.allocator != "none" and r.budget == 0:
+        raise invalid("budget", f"a size with allocator={allocator!r} (its reserve is planned under a budget)",
+                      budget, 'e.g. budget="24GiB", or allocator="none"')
+    return r
+
+
+def _plan(r: _core.Request) -> Plan:
+    p = _core.make_plan(r)
+    return Plan(micro_batch=p.micro_batch, seq=p.seq, accumulation=p.accumulation, schedule=p.schedule,
+                head_chunk=p.head_chunk, threads=p.threads, weights=p.weights, gradients=p.gradients,
+                optimizer=p.optimizer, optimizer_policy=p.optimizer_policy, activations=p.activations,
+                workspace=p.workspace, peak_bytes=p.peak_bytes, reserved_peak=p.reserved_peak,
+                peak_phase=p.peak_phase, budget=p.budget, fits=p.fits, forward_flops=p.forward_flops,
+                recompute_flops=p.recompute_flops, parameters=p.parameters, table=p.table,
+                model_line=p.model_line)
+
+
+def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "fp32",
+        allocator: Optional[str] = None, optimizer: str = "adamw", threads: int = 1,
+        head_chunks: Sequence[int] = (256, 64), prefer_below: Optional[Size] = None) -> Plan:
+    """The plan with the least recompute whose peak fits `budget`: the micro-batch (dividing
+    `batch`; gradient accumulation keeps the effective batch), the recompute schedule and the
+    logit chunk. allocator: the stack whose reserve the plan counts ("arena", the default: one
+    expandable range at page granularity, the example trainer's; "caching": a PyTorch-style
+    caching allocator; "none": requested bytes only); host stacks for now. prefer_below: a line under the budget to stay
+    under when some plan can (a pressure monitor's emergency threshold).
+    Raises BudgetTooSmall (with .minimum) when no plan fits."""
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads)
+    if isinstance(head_chunks, (str, bytes)) or not isinstance(head_chunks, Sequence) or len(head_chunks) == 0:
+        raise invalid("head_chunks", "a non-empty list of logit rows per chunk", head_chunks, "e.g. head_chunks=(256, 64)")
+    r.head_chunks = [_whole("head_chunks", c, 1, 1 << 24, "head_chunks=(256, 64)") for c in head_chunks]
+    if prefer_below is not None:
+        r.prefer_below = parse_size(prefer_below, "prefer_below")
+    r.schedule = "auto"
+    return _plan(r)
+
+
+_SCHEDULE = re.compile(r"(none|full)|(every|binomial):(\d+)")
+
+
+def plan(model: Model, *, batch: int, seq: int, schedule: str = "none", budget: Optional[Size] = None,
+         precision: str = "fp32", allocator: Optional[str] = None, optimizer: str = "adamw",
+         threads: int = 1, head_chunk: int = 256) -> Plan:
+    """The plan of one fixed schedule for the whole batch in one micro-batch: "none" (keep every
+    block's activations), "full" (recompute every block), "every:K" (keep every K-th block's
+    input), "binomial:S" (Griewank's S slots). With a budget, raises BudgetTooSmall when the
+    plan does not fit it; without one, only states the peak (allocator "none")."""
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads)
+    m = _SCHEDULE.fullmatch(schedule) if isinstance(schedule, str) else None
+    depth = len(model.layers)
+    if m is None:
+        raise invalid("schedule", "none, full, every:K or binomial:S", schedule, 'e.g. schedule="every:2"')
+    if m.group(1):
+        r.schedule = m.group(1)
+    else:
+        r.schedule = m.group(2)
+        r.schedule_param = int(m.group(3))
+        if not 1 <= r.schedule_param <= depth:
+            raise invalid("schedule", f"{m.group(2)}:K with K from 1 to the {depth} blocks", schedule,
+                          f'e.g. schedule="{m.group(2)}:1"')
+    r.head_chunks = [_whole("head_chunk", head_chunk, 1, 1 << 24, "head_chunk=256")]
+    return _plan(r)

@@ -1,0 +1,50 @@
+"""What `pip install .` gives a user, end to end: the wheel built from this source tree
+(`pip wheel --no-build-isolation`, the build `pip install .` runs, with the build tools already
+installed) holds the package and its module and nothing else (no headers, no CMake files), and,
+installed into an empty folder, imports and plans in a fresh interpreter.
+
+    python3 tests/python/check_wheel.py SOURCE_DIR WORK_DIR
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+
+def main() -> int:
+    source, work = sys.argv[1], sys.argv[2]
+    shutil.rmtree(work, ignore_errors=True)
+    wheels, target = os.path.join(work, "wheels"), os.path.join(work, "site")
+    env = dict(os.environ)
+    for name in ("MEMBOUND_REQUIRE_CUDA", "MEMBOUND_REQUIRE_MPI"):  # CI's; the wheel is CPU only
+        env.pop(name, None)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet",
+                    "--disable-pip-version-check", "-w", wheels,
+                    f"--config-settings=build-dir={os.path.join(work, 'build')}", source], check=True, env=env)
+    (wheel,) = glob.glob(os.path.join(wheels, "membound-*.whl"))
+    names = sorted(zipfile.ZipFile(wheel).namelist())
+    package = [n for n in names if not n.startswith("membound-")]
+    print(os.path.basename(wheel), *package, sep="\n  ")
+    assert any(n.startswith("membound/_core.") and n.endswith((".so", ".pyd")) for n in package), names
+    for needed in ("membound/__init__.py", "membound/_errors.py", "membound/py.typed", "membound/_core.pyi"):
+        assert needed in package, f"{needed} missing from the wheel"
+    assert all(n.startswith("membound/") for n in package), f"files outside the package: {package}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
+                    "--root-user-action=ignore", "--no-index", "--target", target, wheel], check=True)
+    probe = ("import membound; m = membound.Model(layers=['ttt', 'attn'], width=64, heads=2); "
+             "p = membound.fit(m, batch=4, seq=64, budget='64MiB'); "
+             "assert p.fits and p.reserved_peak >= p.peak_bytes > 0; print(membound.__version__, p.schedule)")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    clean["PYTHONPATH"] = target
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, cwd=work, env=clean)
+    print("installed and planned:", out.stdout.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

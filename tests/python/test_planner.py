@@ -1,0 +1,168 @@
+"""The Python planner against the C++ one: each plan's table equals `train --plan-only 1`'s for the
+same model, batch, budget, precision, optimizer and schedule (the trainer's fit passes its
+emergency line, 97% of the budget, as prefer_below; here too), byte for byte; and every bad
+argument is refused with a typed error that names it, before anything is computed.
+
+Run by ctest (python_planner) with PYTHONPATH at the build tree's module and MEMBOUND_TRAIN at
+the example trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+
+import pytest
+
+import membound
+
+TRAIN = os.environ.get("MEMBOUND_TRAIN", "")
+
+needs_train = pytest.mark.skipif(not TRAIN, reason="MEMBOUND_TRAIN (the example trainer) not given")
+
+
+def trainer_table(args: list[str]) -> str:
+    """The plan table `train --plan-only 1` prints: from its "plan:" line to its "recompute:" line."""
+    out = subprocess.run([TRAIN, "--plan-only", "1", *args], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines(keepends=True)
+    start = next(i for i, l in enumerate(lines) if l.startswith("plan: "))
+    end = next(i for i, l in enumerate(lines) if l.startswith("  recompute: "))
+    return "".join(lines[start:end + 1])
+
+
+def emergency_line(budget: int) -> int:
+    """The trainer's prefer_below: the byte under 97% of the budget (train_common.hpp)."""
+    at = math.ceil(0.97 * budget)
+    return at - 1 if 1 <= at < budget else 0
+
+
+# (layers, width, heads, batch, seq, budget, precision, optimizer, schedule)
+CASES = [
+    (["ttt", "attn", "mamba", "attn"], 128, 4, 8, 128, "64MiB", "fp32", "adamw", "auto"),
+    (["ttt", "attn", "mamba", "attn"], 128, 4, 8, 128, "24MiB", "fp32", "adamw", "auto"),  # accumulation
+    (["ttt", "attn", "mamba", "attn"], 128, 4, 8, 256, "40MiB", "bf16", "adamw", "auto"),  # recompute
+    (["mamba", "ttt_mlp", "attn"], 64, 2, 4, 64, "16MiB", "fp16", "adamw8bit", "auto"),
+    (["ttt", "ttt", "attn", "mamba", "attn", "mamba"], 96, 3, 6, 96, "48MiB", "bf16", "adamw", "every:2"),
+    (["ttt", "attn", "mamba", "attn"], 128, 4, 8, 128, "64MiB", "fp32", "adamw", "binomial:2"),
+    (["attn", "attn"], 64, 4, 2, 32, "8MiB", "fp32", "adamw8bit", "full"),
+    (["ttt", "attn", "mamba", "attn"], 128, 4, 8, 128, "64MiB", "fp32", "adamw", "none"),
+]
+
+
+@needs_train
+@pytest.mark.parametrize("layers,width,heads,batch,seq,budget,precision,optimizer,schedule", CASES)
+def test_table_equals_the_cpp_trainers(layers, width, heads, batch, seq, budget, precision, optimizer, schedule):
+    want = trainer_table(["--layers", ",".join(layers), "--width", str(width), "--heads", str(heads),
+                          "--batch", str(batch), "--seq", str(seq), "--budget", budget, "--precision", precision,
+                          "--optimizer", optimizer, "--schedule", schedule, "--threads", "2"])
+    model = membound.Model(layers=layers, width=width, heads=heads)
+    if schedule == "auto":
+        bytes_ = membound.parse_size(budget)
+        got = membound.fit(model, batch=batch, seq=seq, budget=budget, precision=precision, optimizer=optimizer,
+                           threads=2, prefer_below=emergency_line(bytes_) or None)
+    else:
+        got = membound.plan(model, batch=batch, seq=seq, schedule=schedule, budget=budget, precision=precision,
+                            optimizer=optimizer, threads=2)
+    assert str(got) == want
+    assert got.fits
+
+
+def test_plan_fields_add_up():
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
+    p = membound.fit(model, batch=8, seq=128, budget="24MiB", threads=2)
+    assert p.micro_batch * p.accumulation == 8 and p.seq == 128
+    assert p.budget == 24 << 20 and p.fits
+    assert p.peak_bytes <= p.reserved_peak <= p.budget  # the arena rounds to pages, never below
+    assert p.peak_bytes <= p.weights + p.gradients + p.optimizer + p.activations + p.workspace
+    assert p.parts["weights"] == p.weights == p.gradients  # fp32: gradients as the weights
+    assert p.parameters > 0 and p.weights >= 4 * p.parameters
+    # No budget, no stack: only the requested bytes.
+    q = membound.plan(model, batch=8, seq=128)
+    assert q.reserved_peak == 0 and q.budget == 0 and q.schedule == "none" and q.accumulation == 1
+
+
+def test_allocators_differ_only_in_the_reserve():
+    model = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
+    plans = {a: membound.plan(model, batch=4, seq=64, budget="64MiB", allocator=a) for a in ("arena", "caching", "none")}
+    assert len({p.peak_bytes for p in plans.values()}) == 1
+    assert plans["none"].reserved_peak == 0
+    assert plans["arena"].reserved_peak >= plans["arena"].peak_bytes
+    assert plans["caching"].reserved_peak > plans["caching"].peak_bytes  # 512-byte rounding, 2 MiB segments
+
+
+def test_budget_too_small_names_the_least_budget_and_it_suffices():
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
+    with pytest.raises(membound.BudgetTooSmall) as e:
+        membound.fit(model, batch=8, seq=128, budget="4MiB")
+    assert e.value.argument == "budget" and e.value.budget == 4 << 20
+    assert e.value.minimum > 4 << 20
+    assert isinstance(e.value, membound.InvalidArgument) and isinstance(e.value, ValueError)
+    p = membound.fit(model, batch=8, seq=128, budget=e.value.minimum)
+    assert p.fits and max(p.peak_bytes, p.reserved_peak) <= e.value.minimum
+    with pytest.raises(membound.BudgetTooSmall):
+        membound.plan(model, batch=8, seq=128, schedule="none", budget=e.value.minimum - 1)
+
+
+@pytest.mark.parametrize("text,bytes_", [("1", 1), ("512", 512), ("0.5KiB", 512), ("24GiB", 24 << 30),
+                                          ("1.5GB", 1_500_000_000), ("2e3", 2000), ("1TiB", 1 << 40),
+                                          (24 << 30, 24 << 30)])
+def test_sizes(text, bytes_):
+    assert membound.parse_size(text) == bytes_
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1", "+5", "5 MiB", "0x10", "inf", "1.3KiB", "0.5", "1mib",
+                                  "1e30GiB", "18446744073709551616", True, 1.5, None, -3])
+def test_bad_sizes(text):
+    with pytest.raises(membound.InvalidArgument) as e:
+        membound.parse_size(text, "budget")
+    assert e.value.argument == "budget"
+    assert "budget" in str(e.value) and e.value.todo
+
+
+MODEL = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
+
+
+@pytest.mark.parametrize("call,argument", [
+    (lambda: membound.Model(layers=[], width=64, heads=2), "layers"),
+    (lambda: membound.Model(layers="ttt", width=64, heads=2), "layers"),
+    (lambda: membound.Model(layers=["ttt", "rnn"], width=64, heads=2), "layers"),
+    (lambda: membound.Model(layers=["ttt"], width=0, heads=2), "width"),
+    (lambda: membound.Model(layers=["ttt"], width=64, heads=3), "heads"),
+    (lambda: membound.Model(layers=["ttt"], width=64, heads=4, kv_heads=3), "kv_heads"),
+    (lambda: membound.Model(layers=["ttt"], width=64, heads=2, vocab=0), "vocab"),
+    (lambda: membound.fit("ttt", batch=1, seq=1, budget="1GiB"), "model"),
+    (lambda: membound.fit(MODEL, batch=0, seq=64, budget="1GiB"), "batch"),
+    (lambda: membound.fit(MODEL, batch=2, seq=2.5, budget="1GiB"), "seq"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", precision="fp8"), "precision"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", allocator="slab"), "allocator"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", optimizer="sgd"), "optimizer"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", threads=0), "threads"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", head_chunks=()), "head_chunks"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", prefer_below="1.5B"), "prefer_below"),
+    (lambda: membound.plan(MODEL, batch=2, seq=64, schedule="every:3"), "schedule"),
+    (lambda: membound.plan(MODEL, batch=2, seq=64, schedule="sqrt"), "schedule"),
+    (lambda: membound.plan(MODEL, batch=2, seq=64, allocator="caching"), "budget"),
+    (lambda: membound.plan(MODEL, batch=2, seq=64, head_chunk=0), "head_chunk"),
+])
+def test_bad_arguments_are_named(call, argument):
+    with pytest.raises(membound.InvalidArgument) as e:
+        call()
+    assert e.value.argument == argument
+    assert str(e.value).startswith(f"membound: invalid argument '{argument}'")
+
+
+def test_the_library_checks_too():
+    # A shape the Python checks pass but a layer refuses (TTT's head dimension must be even for
+    # its rotary embedding): the C++ error crosses typed, with its fields.
+    with pytest.raises(membound.InvalidArgument) as e:
+        membound.plan(membound.Model(layers=["ttt"], width=63, heads=7), batch=1, seq=16)
+    assert e.value.argument and e.value.expected and str(e.value).startswith("membound: invalid argument")
+
+
+def test_version():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", membound.__version__)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        assert f'version = "{membound.__version__}"' in f.read()
