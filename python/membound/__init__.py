@@ -8,6 +8,7 @@
 
 The planner is membound's C++ planner (membound._core); this module checks arguments and names
 what is wrong in a typed error (InvalidArgument, BudgetTooSmall) before anything is computed.
+membound.torch has the budgeted allocator for PyTorch (use_allocator).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ same model, batch, budget, precision, optimizer and schedule (the trainer's fit 
 emergency line, 97% of the budget, as prefer_below; here too), byte for byte; and every bad
 argument is refused with a typed error that names it, before anything is computed.
 
-Run by ctest (python_planner) with PYTHONPATH at the build tree's module and MEMBOUND_TRAIN at
+Run by ctest (python_pytest) with PYTHONPATH at the build tree's module and MEMBOUND_TRAIN at
 the example trainer.
 """
 
@@ -166,3 +166,23 @@ def test_version():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml")) as f:
         assert f'version = "{membound.__version__}"' in f.read()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_no_leak_across_a_thousand_plans():
+    model = membound.Model(layers=["attn"], width=32, heads=2)
+    for _ in range(100):  # warm: the allocator's pools, the interpreter's caches
+        membound.fit(model, batch=2, seq=16, budget="64MiB")
+    before = resident_bytes()
+    for k in range(1000):
+        membound.fit(model, batch=2, seq=16, budget="64MiB")
+        if k % 10 == 0:  # and a hundred refusals, whose error objects cross into Python
+            with pytest.raises(membound.BudgetTooSmall):
+                membound.fit(model, batch=2, seq=16, budget=4096)
+    grown = resident_bytes() - before
+    assert grown < 2 << 20, f"resident memory grew by {grown} bytes over 1,000 plans and 100 refusals"

@@ -1,0 +1,141 @@
+"""The framework allocator's C hooks (python/src/framework_allocator.hpp) through ctypes.
+
+Two builds of one service: `host` (system memory; what the tests drive on any machine) and `cuda`
+(cudaMalloc; what membound.torch.use_allocator hands to PyTorch). Each is a shared library beside
+this file, loaded once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ._errors import InvalidArgument
+
+LEVELS = ("normal", "warning", "critical", "emergency")
+
+_STATS = ("requested", "peak_requested", "reserved", "peak_reserved", "limit", "external", "allocations",
+          "deallocations", "refusals", "upstream_allocations", "level", "cached")
+
+CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
+
+
+@dataclass(frozen=True)
+class PressureEvent:
+    """A change of pressure level on one device: usage / limit crossed a threshold, up or down."""
+
+    device: int
+    previous: str  # "normal", "warning", "critical" or "emergency"
+    level: str
+    usage: int  # bytes: the allocator's reserve plus what others hold on the device
+    limit: int  # the budget
+
+
+def library_path(kind: str) -> str:
+    """Where the `kind` ("host" or "cuda") build of the service lies, beside this package."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"libmembound_alloc_{kind}.so")
+
+
+def _typed_error(message: str) -> InvalidArgument:
+    m = re.match(r"membound: invalid argument '([^']*)': expected (.*?)(?:, got (.*?))?(?:\. (.*))?$", message)
+    if m is None:
+        return InvalidArgument(message, "", "", "", "")
+    return InvalidArgument(message, m.group(1), m.group(2) or "", m.group(3) or "", m.group(4) or "")
+
+
+class Service:
+    """One build of the service: configure it, then allocate and free through it (or let a
+    framework do so through its hooks)."""
+
+    _loaded: dict[str, "Service"] = {}
+
+    def __new__(cls, kind: str = "host") -> "Service":
+        if kind not in ("host", "cuda"):
+            raise InvalidArgument(f"membound: invalid argument 'kind': expected host or cuda, got {kind!r}",
+                                  "kind", "host or cuda", repr(kind), 'e.g. Service("host")')
+        if kind not in cls._loaded:
+            path = library_path(kind)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"membound: {path} was not built (the cuda service needs the CUDA toolkit "
+                                        "where the package is built)")
+            self = super().__new__(cls)
+            self.kind, self.path = kind, path
+            self._lib = lib = ctypes.CDLL(path)
+            lib.membound_alloc_configure.argtypes = [ctypes.c_uint64, ctypes.c_double, ctypes.c_double, ctypes.c_double]
+            lib.membound_alloc_configure.restype = ctypes.c_int
+            lib.membound_alloc_set_callback.argtypes = [CALLBACK]
+            lib.membound_alloc_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.membound_alloc_malloc.restype = ctypes.c_void_p
+            lib.membound_alloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.membound_alloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            lib.membound_alloc_record_stream.restype = ctypes.c_int
+            lib.membound_alloc_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+            lib.membound_alloc_stats.restype = ctypes.c_int
+            lib.membound_alloc_stat_count.restype = ctypes.c_int
+            lib.membound_alloc_set_others.argtypes = [ctypes.c_int, ctypes.c_uint64]
+            lib.membound_alloc_last_refusal.restype = ctypes.c_char_p
+            lib.membound_alloc_last_error.restype = ctypes.c_char_p
+            assert lib.membound_alloc_stat_count() == len(_STATS), "the library and _service.py disagree"
+            self._callback = None  # the ctypes thunk must live as long as the library may call it
+            cls._loaded[kind] = self
+        return cls._loaded[kind]
+
+    def configure(self, budget: int, thresholds: tuple[float, float, float] = (0.90, 0.95, 0.97)) -> None:
+        """The budget per device, in bytes, and the warning, critical and emergency fractions of it.
+        Before the first allocation (InvalidArgument with blocks live: the previous one stays)."""
+        if len(thresholds) != 3:
+            raise InvalidArgument("membound: invalid argument 'thresholds': expected (warning, critical, emergency)",
+                                  "thresholds", "(warning, critical, emergency)", repr(thresholds),
+                                  "e.g. thresholds=(0.92, 0.95, 0.97)")
+        if self._lib.membound_alloc_configure(budget, *map(float, thresholds)) != 0:
+            raise _typed_error(self.last_error())
+
+    def on_pressure(self, callback: Optional[Callable[[PressureEvent], None]]) -> None:
+        """Calls callback(PressureEvent) on every change of level, from the allocating thread,
+        outside the service's lock. An exception in it is printed and dropped (ctypes)."""
+        if callback is None:
+            self._callback = CALLBACK()
+        else:
+            def thunk(device: int, previous: int, level: int, usage: int, limit: int) -> None:
+                callback(PressureEvent(device, LEVELS[previous], LEVELS[level], usage, limit))
+            self._callback = CALLBACK(thunk)
+        self._lib.membound_alloc_set_callback(self._callback)
+
+    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        """An address, or 0 when the budget refuses (last_refusal() then says why)."""
+        return self._lib.membound_alloc_malloc(size, device, stream) or 0
+
+    def free(self, address: int, size: int, device: int = 0, stream: int = 0) -> None:
+        self._lib.membound_alloc_free(address, size, device, stream)
+
+    def record_stream(self, address: int, stream: int, device: int = 0) -> None:
+        if self._lib.membound_alloc_record_stream(address, device, stream) != 0:
+            raise _typed_error(self.last_error())
+
+    def empty_cache(self) -> None:
+        """Gives every device's free cached segments back (to cudaFree, or the heap)."""
+        self._lib.membound_alloc_empty_cache()
+
+    def set_others(self, device: int, size: int) -> None:
+        """Bytes others hold on the device (on a GPU the service measures them itself)."""
+        self._lib.membound_alloc_set_others(device, size)
+
+    def stats(self, device: int = 0) -> dict[str, object]:
+        """The device's figures in bytes (and counts): requested, reserved and their peaks, limit,
+        external (others' bytes the budget counts), allocations, refusals, cached, level."""
+        out = (ctypes.c_uint64 * len(_STATS))()
+        if self._lib.membound_alloc_stats(device, out) != 0:
+            return {}
+        s: dict[str, object] = dict(zip(_STATS, out))
+        s["level"] = LEVELS[out[_STATS.index("level")]]
+        return s
+
+    def last_refusal(self) -> str:
+        """membound's out-of-memory report for the last refused request: every field."""
+        return self._lib.membound_alloc_last_refusal().decode()
+
+    def last_error(self) -> str:
+        return self._lib.membound_alloc_last_error().decode()

@@ -1,0 +1,281 @@
+// A budgeted allocator behind C hooks, for a framework that takes its allocations from functions
+// it loads by name (PyTorch's torch.cuda.memory.CUDAPluggableAllocator: malloc(size, device,
+// stream) and free(ptr, size, device, stream)).
+//
+// Per device, one stack: budget_allocator<caching_allocator<Upstream>>, stream-ordered (a block
+// freed on a stream is reused by that stream only), every byte counted against the budget, the
+// bytes others hold on the device (Probe: the CUDA context, other processes) counted too. After
+// each call that changes the reserve, the usage is classified by the pressure monitor's thresholds
+// and a change of level is delivered to a C callback (up and down), outside the lock. A refused
+// request returns nullptr, as the hook's contract asks (the framework raises its own out-of-memory
+// error); the refusal's report (membound's out_of_memory message, every field) is kept for the
+// caller to read. Thread-safe: one mutex, as the framework allocates from any thread.
+//
+// Nothing here throws across the C boundary: each hook (framework_allocator_hooks.inl) catches
+// and records.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "membound/core/pressure_level.hpp"
+#include "membound/memory/budget.hpp"
+#include "membound/memory/caching_allocator.hpp"
+#include "membound/memory/stream.hpp"
+#include "membound/monitor/pressure_monitor.hpp"
+
+namespace membound_python {
+
+namespace mb = membound;
+
+// The callback's arguments: the device, the previous and the new level (0 normal, 1 warning,
+// 2 critical, 3 emergency), the budget's usage and limit in bytes.
+using pressure_callback = void (*)(int device, int previous, int level, std::uint64_t usage, std::uint64_t limit);
+
+// Figures of one device's stack, for the stats hook (a fixed layout: a C array of 12 values).
+enum stat_index : int {
+  stat_requested,
+  stat_peak_requested,
+  stat_reserved,
+  stat_peak_reserved,
+  stat_limit,
+  stat_external,
+  stat_allocations,
+  stat_deallocations,
+  stat_refusals,
+  stat_upstream_allocations,
+  stat_level,
+  stat_cached,  // reserved but free: what empty_cache gives back
+  stat_count
+};
+
+// Upstream: the device allocator (constructed from the device index). Probe(device, budget):
+// the bytes others hold on that device, or nullopt where nothing is measured.
+template <typename Upstream, typename Probe>
+class framework_allocator {
+ public:
+  using stack = mb::budget_allocator<mb::caching_allocator<Upstream>>;
+
+  // Before the first allocation: the budget per device and the thresholds (fractions of it).
+  // Refused (invalid_argument naming the field) with blocks live, or for a zero budget or
+  // thresholds out of order; the previous configuration then stays.
+  void configure(std::size_t budget, mb::pressure_thresholds t) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (budget == 0) {
+      throw mb::invalid_argument("budget", "at least 1 byte per device", "0", "e.g. budget=\"24GiB\"");
+    }
+    const mb::pressure_monitor<> check(t);  // validates the thresholds, naming the one that is wrong
+    for (const auto& [device, d] : devices_) {
+      if (d->alloc.stats().requested != 0) {
+        throw mb::invalid_argument("budget", "a configuration made before any block is allocated",
+                                   "a change with blocks live on device " + std::to_string(device),
+                                   "Configure once, before the framework's first allocation");
+      }
+    }
+    devices_.clear();
+    budget_ = budget;
+    thresholds_ = check.thresholds();
+  }
+  bool configured() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return budget_ != 0;
+  }
+
+  void set_callback(pressure_callback cb) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    callback_ = cb;
+  }
+
+  void* allocate(std::size_t bytes, int device, mb::stream_id stream) noexcept {
+    std::optional<event> e;
+    void* p = nullptr;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      try {
+        state& d = state_of(device);
+        try {
+          // The others' bytes before the reserve grows: what the budget must leave them.
+          if (d.alloc.growth_for(bytes, mb::default_alignment, stream) != 0) measure_others(d, device);
+          p = d.alloc.allocate(bytes, mb::default_alignment, mb::memory_tag::other, stream);
+        } catch (const mb::out_of_memory& oom) {
+          ++d.refusals;
+          last_refusal_ = oom.what();
+        }
+        e = classify(d, device);
+      } catch (const std::exception& x) {
+        last_error_ = x.what();
+      }
+    }
+    deliver(e);
+    return p;
+  }
+
+  void deallocate(void* p, std::size_t bytes, int device) noexcept {
+    if (p == nullptr) return;
+    std::optional<event> e;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      try {
+        state& d = state_of(device);
+        d.alloc.deallocate(p, bytes, mb::default_alignment, mb::memory_tag::other);
+        e = classify(d, device);
+      } catch (const std::exception& x) {
+        last_error_ = x.what();
+      }
+    }
+    deliver(e);
+  }
+
+  // A live block used on another stream too: its reuse then waits for that stream's work.
+  bool record_stream(void* p, int device, mb::stream_id stream) noexcept {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      state_of(device).alloc.record_stream(p, stream);
+      return true;
+    } catch (const std::exception& x) {
+      last_error_ = x.what();
+      return false;
+    }
+  }
+
+  // Gives every device's cached (free) segments back to the upstream.
+  void empty_cache() noexcept {
+    std::map<int, event> changed;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [device, d] : devices_) {
+        d->alloc.upstream().release_cached();
+        if (auto e = classify(*d, device)) changed.emplace(device, *e);
+      }
+    }
+    for (const auto& [device, e] : changed) deliver(e);
+  }
+
+  // The device's figures (stat_index order); false for a device never used.
+  bool stats(int device, std::uint64_t* out) const noexcept {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = devices_.find(device);
+    if (it == devices_.end()) return false;
+    const state& d = *it->second;
+    const mb::memory_stats s = d.alloc.stats();
+    out[stat_requested] = s.requested;
+    out[stat_peak_requested] = s.peak_requested;
+    out[stat_reserved] = s.reserved;
+    out[stat_peak_reserved] = s.peak_reserved;
+    out[stat_limit] = d.alloc.limit();
+    out[stat_external] = d.alloc.external();
+    out[stat_allocations] = s.allocations;
+    out[stat_deallocations] = s.deallocations;
+    out[stat_refusals] = d.refusals;
+    out[stat_upstream_allocations] = s.upstream_allocations;
+    out[stat_level] = static_cast<std::uint64_t>(d.level);
+    out[stat_cached] = s.reserved - s.allocated;
+    return true;
+  }
+
+  // The others' bytes on a device, set by hand (a test's stand-in for another process): then
+  // classified and delivered as any change.
+  void set_others(int device, std::size_t bytes) noexcept {
+    std::optional<event> e;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      try {
+        state& d = state_of(device);
+        set_external(d, bytes);
+        e = classify(d, device);
+      } catch (const std::exception& x) {
+        last_error_ = x.what();
+      }
+    }
+    deliver(e);
+  }
+
+  std::string last_refusal() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return last_refusal_;
+  }
+  std::string last_error() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return last_error_;
+  }
+  void note_error(std::string what) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    last_error_ = std::move(what);
+  }
+
+ private:
+  struct state {
+    state(std::size_t budget, int device) : alloc(budget, mb::caching_options{}, device) {}
+    stack alloc;
+    mb::pressure_level level = mb::pressure_level::normal;
+    std::uint64_t refusals = 0;
+    std::size_t others = 0;  // what the probe or set_others said last (the budget may refuse it)
+  };
+  struct event {
+    int device;
+    mb::pressure_level previous, level;
+    std::size_t usage, limit;
+  };
+
+  state& state_of(int device) {
+    if (budget_ == 0) {
+      throw mb::invalid_argument("budget", "a configured allocator", "none",
+                                 "Call configure (membound.torch.use_allocator does) before the first allocation");
+    }
+    if (device < 0) throw mb::invalid_argument("device", "a device index, 0 or more", std::to_string(device), "");
+    auto it = devices_.find(device);
+    if (it == devices_.end()) it = devices_.emplace(device, std::make_unique<state>(budget_, device)).first;
+    return *it->second;
+  }
+
+  void measure_others(state& d, int device) {
+    if (const std::optional<std::size_t> others = Probe{}(device, d.alloc)) set_external(d, *others);
+  }
+  // The budget refuses others' bytes past its headroom (after releasing its cache); the level
+  // still counts them: that is the pressure to report.
+  void set_external(state& d, std::size_t bytes) {
+    d.others = bytes;
+    try {
+      d.alloc.set_external(bytes);
+    } catch (const mb::out_of_memory&) {
+    }
+  }
+
+  std::optional<event> classify(state& d, int device) {
+    const std::size_t limit = d.alloc.limit();
+    const std::size_t usage = d.alloc.stats().reserved + std::max(d.others, d.alloc.external());
+    const mb::pressure_monitor<> m(thresholds_);
+    const mb::pressure_level next = m.classify(usage, limit);
+    if (next == d.level) return std::nullopt;
+    const event e{device, d.level, next, usage, limit};
+    d.level = next;
+    return e;
+  }
+
+  void deliver(const std::optional<event>& e) noexcept {
+    pressure_callback cb = nullptr;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      cb = callback_;
+    }
+    if (e && cb != nullptr) {
+      cb(e->device, static_cast<int>(e->previous), static_cast<int>(e->level), e->usage, e->limit);
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::size_t budget_ = 0;
+  mb::pressure_thresholds thresholds_{};
+  pressure_callback callback_ = nullptr;
+  std::map<int, std::unique_ptr<state>> devices_;
+  std::string last_refusal_, last_error_;
+};
+
+}  // namespace membound_python

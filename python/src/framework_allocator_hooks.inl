@@ -1,0 +1,46 @@
+// The C hooks over one framework_allocator. The including file defines, before including this:
+//   service()                    the framework_allocator instance (a function-local static)
+//   stream_from(void* stream)    the stream_id of a framework's stream handle
+// The names are the same in every variant (host, cuda): each is a shared library of its own.
+#define MEMBOUND_HOOK extern "C" __attribute__((visibility("default")))
+
+// 0, or 1 with last_error saying which argument was wrong.
+MEMBOUND_HOOK int membound_alloc_configure(std::uint64_t budget, double warning, double critical, double emergency) {
+  try {
+    service().configure(budget, membound::pressure_thresholds{warning, critical, emergency});
+    return 0;
+  } catch (const std::exception& e) {
+    service().note_error(e.what());
+    return 1;
+  }
+}
+MEMBOUND_HOOK void membound_alloc_set_callback(membound_python::pressure_callback cb) { service().set_callback(cb); }
+// PyTorch's CUDAPluggableAllocator signatures: malloc(size, device, stream), free(ptr, size, device, stream).
+MEMBOUND_HOOK void* membound_alloc_malloc(std::size_t size, int device, void* stream) {
+  return service().allocate(size, device, stream_from(stream));
+}
+MEMBOUND_HOOK void membound_alloc_free(void* p, std::size_t size, int device, void* /*stream*/) {
+  service().deallocate(p, size, device);
+}
+MEMBOUND_HOOK int membound_alloc_record_stream(void* p, int device, void* stream) {
+  return service().record_stream(p, device, stream_from(stream)) ? 0 : 1;
+}
+MEMBOUND_HOOK void membound_alloc_empty_cache() { service().empty_cache(); }
+// Fills out[membound_python::stat_count]; 1 for a device never used.
+MEMBOUND_HOOK int membound_alloc_stats(int device, std::uint64_t* out) { return service().stats(device, out) ? 0 : 1; }
+MEMBOUND_HOOK int membound_alloc_stat_count() { return membound_python::stat_count; }
+MEMBOUND_HOOK void membound_alloc_set_others(int device, std::uint64_t bytes) { service().set_others(device, bytes); }
+// The last refusal's out-of-memory report and the last other error, valid until the next call
+// from the same thread.
+MEMBOUND_HOOK const char* membound_alloc_last_refusal() {
+  thread_local std::string s;
+  s = service().last_refusal();
+  return s.c_str();
+}
+MEMBOUND_HOOK const char* membound_alloc_last_error() {
+  thread_local std::string s;
+  s = service().last_error();
+  return s.c_str();
+}
+
+#undef MEMBOUND_HOOK
