@@ -1,8 +1,8 @@
 """What `pip install .` gives a user, end to end: the wheel built from this source tree
 (`pip wheel --no-build-isolation`, the build `pip install .` runs, with the build tools already
 installed) holds the package and its module and nothing else (no headers, no CMake files), and,
-installed into an empty folder, imports, plans and allocates through the framework allocator's
-host build in a fresh interpreter.
+installed into an empty folder (WORK_DIR/site, kept: ctest's python_pytest runs against it),
+imports, plans and allocates through the framework allocator's host build in a fresh interpreter.
 
     python3 tests/python/check_wheel.py SOURCE_DIR WORK_DIR
 """
@@ -26,9 +26,7 @@ def main() -> int:
         env.pop(name, None)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet",
                     "--disable-pip-version-check", "-w", wheels,
-                    f"--config-settings=build-dir={os.path.join(work, 'build')}",
-                    # What is packaged, not how fast it runs: -O0 compiles the module in half the time.
-                    "--config-settings=cmake.build-type=Debug", source], check=True, env=env)
+                    f"--config-settings=build-dir={os.path.join(work, 'build')}", source], check=True, env=env)
     (wheel,) = glob.glob(os.path.join(wheels, "membound-*.whl"))
     names = sorted(zipfile.ZipFile(wheel).namelist())
     package = [n for n in names if not n.startswith("membound-")]
