@@ -5,7 +5,7 @@
 # everything is already there.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ python3 python3-dev python3-pip git libeigen3-dev doctest-dev
+packages=(cmake ninja-build g++ python3 python3-dev python3-pip python3-venv git libeigen3-dev doctest-dev
           libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev libopenmpi-dev openmpi-bin
           pkg-config doxygen)
 
@@ -40,7 +40,8 @@ if ((${#wanted[@]} == 0)); then
   echo "deps.sh: python3 has nanobind, scikit-build-core and pytest"
 else
   echo "deps.sh: pip installing ${wanted[*]} for $(command -v python3)"
-  pip_args=(--quiet --disable-pip-version-check --root-user-action=ignore)
+  pip_args=(--quiet --disable-pip-version-check)
+  export PIP_ROOT_USER_ACTION=ignore  # as root (CI): no warning; older pips ignore the variable
   # Debian's own python3 refuses pip outside a virtual environment (PEP 668): into the user's
   # site-packages then, which that python3 reads and no Debian package owns.
   if python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'; then

@@ -13,6 +13,7 @@ membound.torch has the budgeted allocator for PyTorch (use_allocator).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -38,7 +39,7 @@ Size = Union[int, str]
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
           "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_SIZE = re.compile(r"(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?", re.ASCII)
 
 
 def parse_size(value: Size, argument: str = "size") -> int:
@@ -58,9 +59,15 @@ def parse_size(value: Size, argument: str = "size") -> int:
         if m is None:
             raise invalid(argument, expected, value, 'e.g. budget="24GiB"')
         try:
-            exact = Fraction(Decimal(m.group(1))) * _UNITS[m.group(2) or ""]
+            number = Decimal(m.group(1))
         except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
             raise invalid(argument, expected, value, 'e.g. budget="24GiB"') from None
+        # Far outside 1 .. 2^64 whatever the digits: refused before 10**exponent is ever built.
+        if number and number.adjusted() > 40:
+            raise invalid(argument, "at most 2^64 - 1 bytes (16 EiB)", value, 'e.g. budget="24GiB"')
+        if number and number.adjusted() < -40:
+            raise invalid(argument, "a whole number of bytes", value, 'e.g. budget="24GiB"')
+        exact = Fraction(number) * _UNITS[m.group(2) or ""]
     if exact.denominator != 1:
         raise invalid(argument, "a whole number of bytes", value, 'e.g. budget="24GiB"')
     if exact < 1:
@@ -103,6 +110,8 @@ class Model:
                           self.layers, 'e.g. layers=["ttt", "attn", "mamba", "attn"]')
         for name in self.layers:
             _one_of("layers", name, LAYER_NAMES + tuple(LAYER_SHORT))
+        if len(self.layers) > 1024:
+            raise invalid("layers", "at most 1024 blocks", len(self.layers), "Plan a deeper model in parts")
         object.__setattr__(self, "layers", tuple(self.layers))
         _whole("width", self.width, 1, 1 << 20, "width=768")
         _whole("heads", self.heads, 1, self.width, "heads=12")
@@ -113,6 +122,11 @@ class Model:
         if self.kv_heads != 0 and self.heads % self.kv_heads != 0:
             raise invalid("kv_heads", f"a divisor of heads {self.heads}", self.kv_heads, "e.g. kv_heads=4 with heads=12")
         _whole("mlp_hidden", self.mlp_hidden, 0, 1 << 22, "mlp_hidden=0 (8/3 of width)")
+        head_dim = self.width // self.heads
+        if any(LAYER_SHORT.get(n, n) == "attention" for n in self.layers) and (head_dim % 8 or head_dim > 256):
+            raise invalid("heads", f"a head dimension (width / heads) that is a multiple of 8 up to 256 for "
+                          f"attention; width {self.width} / heads {self.heads} is {head_dim}", self.heads,
+                          "e.g. heads=16 with width=2048 (head dimension 128)")
 
 
 @dataclass(frozen=True)
@@ -192,19 +206,31 @@ def _plan(r: _core.Request) -> Plan:
 
 def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "fp32",
         allocator: Optional[str] = None, optimizer: str = "adamw", threads: int = 1,
-        head_chunks: Sequence[int] = (256, 64), prefer_below: Optional[Size] = None) -> Plan:
+        head_chunks: Sequence[int] = (256, 64), prefer_below: Union[Size, float, None] = None) -> Plan:
     """The plan with the least recompute whose peak fits `budget`: the micro-batch (dividing
     `batch`; gradient accumulation keeps the effective batch), the recompute schedule and the
     logit chunk. allocator: the stack whose reserve the plan counts ("arena", the default: one
     expandable range at page granularity, the example trainer's; "caching": a PyTorch-style
-    caching allocator; "none": requested bytes only); host stacks for now. prefer_below: a line under the budget to stay
-    under when some plan can (a pressure monitor's emergency threshold).
+    caching allocator; "none": requested bytes only); host stacks for now. prefer_below: a line under
+    the budget to stay under when some plan can, a size or a fraction of the budget (0.97 is the
+    example trainer's emergency line: with it, the plan is the one `train --plan-only 1` prints).
     Raises BudgetTooSmall (with .minimum) when no plan fits."""
+    if budget is None:
+        raise invalid("budget", "a size: fit chooses the plan that fits it", budget,
+                      'e.g. budget="24GiB"; membound.plan states the peak of one schedule without a budget')
     r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads)
     if isinstance(head_chunks, (str, bytes)) or not isinstance(head_chunks, Sequence) or len(head_chunks) == 0:
         raise invalid("head_chunks", "a non-empty list of logit rows per chunk", head_chunks, "e.g. head_chunks=(256, 64)")
     r.head_chunks = [_whole("head_chunks", c, 1, 1 << 24, "head_chunks=(256, 64)") for c in head_chunks]
-    if prefer_below is not None:
+    if isinstance(prefer_below, float):
+        # A fraction of the budget, as the trainer's pressure monitor draws its emergency line:
+        # the byte under ceil(fraction x budget).
+        if not 0 < prefer_below < 1:
+            raise invalid("prefer_below", "a fraction of the budget in (0, 1), or a size", prefer_below,
+                          "e.g. prefer_below=0.97 (the trainer's emergency line)")
+        at = math.ceil(prefer_below * r.budget)
+        r.prefer_below = at - 1 if 1 <= at < r.budget else 0
+    elif prefer_below is not None:
         r.prefer_below = parse_size(prefer_below, "prefer_below")
     r.schedule = "auto"
     return _plan(r)

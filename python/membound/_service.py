@@ -7,6 +7,7 @@ this file, loaded once per process.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
@@ -18,7 +19,7 @@ from ._errors import InvalidArgument
 LEVELS = ("normal", "warning", "critical", "emergency")
 
 _STATS = ("requested", "peak_requested", "reserved", "peak_reserved", "limit", "external", "allocations",
-          "deallocations", "refusals", "upstream_allocations", "level", "cached")
+          "deallocations", "refusals", "upstream_allocations", "level", "cached", "bad_frees")
 
 CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64)
 
@@ -67,8 +68,9 @@ class Service:
             lib.membound_alloc_configure.argtypes = [ctypes.c_uint64, ctypes.c_double, ctypes.c_double, ctypes.c_double]
             lib.membound_alloc_configure.restype = ctypes.c_int
             lib.membound_alloc_set_callback.argtypes = [CALLBACK]
-            lib.membound_alloc_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-            lib.membound_alloc_malloc.restype = ctypes.c_void_p
+            # membound_alloc_malloc throws on a refusal (for PyTorch): never through ctypes.
+            lib.membound_alloc_try_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.membound_alloc_try_malloc.restype = ctypes.c_void_p
             lib.membound_alloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             lib.membound_alloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
             lib.membound_alloc_record_stream.restype = ctypes.c_int
@@ -79,34 +81,43 @@ class Service:
             lib.membound_alloc_last_refusal.restype = ctypes.c_char_p
             lib.membound_alloc_last_error.restype = ctypes.c_char_p
             assert lib.membound_alloc_stat_count() == len(_STATS), "the library and _service.py disagree"
-            self._callback = None  # the ctypes thunk must live as long as the library may call it
+            # Every thunk handed to the library, kept for the process's life: a thread may be
+            # calling the previous one while it is replaced.
+            self._callbacks = [CALLBACK()]
+            lib.membound_alloc_set_callback(self._callbacks[0])
             cls._loaded[kind] = self
         return cls._loaded[kind]
 
     def configure(self, budget: int, thresholds: tuple[float, float, float] = (0.90, 0.95, 0.97)) -> None:
         """The budget per device, in bytes, and the warning, critical and emergency fractions of it.
         Before the first allocation (InvalidArgument with blocks live: the previous one stays)."""
-        if len(thresholds) != 3:
-            raise InvalidArgument("membound: invalid argument 'thresholds': expected (warning, critical, emergency)",
-                                  "thresholds", "(warning, critical, emergency)", repr(thresholds),
-                                  "e.g. thresholds=(0.92, 0.95, 0.97)")
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget < 1 << 64:
+            raise InvalidArgument(f"membound: invalid argument 'budget': expected bytes from 1 to 2^64 - 1, got {budget!r}",
+                                  "budget", "bytes from 1 to 2^64 - 1", repr(budget), "e.g. 20 << 30")
+        if (not isinstance(thresholds, (tuple, list)) or len(thresholds) != 3
+                or not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in thresholds)):
+            raise InvalidArgument(f"membound: invalid argument 'thresholds': expected (warning, critical, emergency) "
+                                  f"fractions, got {thresholds!r}", "thresholds", "(warning, critical, emergency)",
+                                  repr(thresholds), "e.g. thresholds=(0.92, 0.95, 0.97)")
         if self._lib.membound_alloc_configure(budget, *map(float, thresholds)) != 0:
             raise _typed_error(self.last_error())
 
     def on_pressure(self, callback: Optional[Callable[[PressureEvent], None]]) -> None:
         """Calls callback(PressureEvent) on every change of level, from the allocating thread,
-        outside the service's lock. An exception in it is printed and dropped (ctypes)."""
+        outside the service's lock (with several threads, in the order they deliver). An exception
+        in it is printed and dropped (ctypes)."""
         if callback is None:
-            self._callback = CALLBACK()
+            thunk = CALLBACK()
         else:
-            def thunk(device: int, previous: int, level: int, usage: int, limit: int) -> None:
+            def call(device: int, previous: int, level: int, usage: int, limit: int) -> None:
                 callback(PressureEvent(device, LEVELS[previous], LEVELS[level], usage, limit))
-            self._callback = CALLBACK(thunk)
-        self._lib.membound_alloc_set_callback(self._callback)
+            thunk = CALLBACK(call)
+        self._callbacks.append(thunk)  # kept before the library sees it, never dropped
+        self._lib.membound_alloc_set_callback(thunk)
 
     def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
         """An address, or 0 when the budget refuses (last_refusal() then says why)."""
-        return self._lib.membound_alloc_malloc(size, device, stream) or 0
+        return self._lib.membound_alloc_try_malloc(size, device, stream) or 0
 
     def free(self, address: int, size: int, device: int = 0, stream: int = 0) -> None:
         self._lib.membound_alloc_free(address, size, device, stream)
@@ -125,7 +136,8 @@ class Service:
 
     def stats(self, device: int = 0) -> dict[str, object]:
         """The device's figures in bytes (and counts): requested, reserved and their peaks, limit,
-        external (others' bytes the budget counts), allocations, refusals, cached, level."""
+        external (others' bytes on the device), allocations, refusals, cached, level, bad_frees
+        (frees that matched no live block, on any device)."""
         out = (ctypes.c_uint64 * len(_STATS))()
         if self._lib.membound_alloc_stats(device, out) != 0:
             return {}
@@ -139,3 +151,11 @@ class Service:
 
     def last_error(self) -> str:
         return self._lib.membound_alloc_last_error().decode()
+
+
+@atexit.register
+def _quiet_at_exit() -> None:
+    # The libraries outlive the interpreter (a framework may free during its own teardown): no
+    # Python callback may run after this point.
+    for service in Service._loaded.values():
+        service._lib.membound_alloc_set_callback(service._callbacks[0])

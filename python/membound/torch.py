@@ -8,8 +8,9 @@
 Every CUDA tensor PyTorch allocates then comes from membound's stream-ordered caching allocator
 under a hard budget per device (the bytes other processes hold on the device counted too), and
 each change of pressure level reaches `on_pressure`: what training programs write by hand as
-"spike mode" and "emergency cleanup". A request past the budget makes PyTorch raise its
-out-of-memory error; membound.torch.last_refusal() holds membound's report of it.
+"spike mode" and "emergency cleanup". A request past the budget raises a RuntimeError carrying
+membound's out-of-memory report (PyTorch takes the hook's exception as the error; it would not
+check a null pointer); membound.torch.last_refusal() holds the report too.
 
 Limits, as PyTorch's CUDAPluggableAllocator defines them (read in its source, not yet run here):
 it must be installed before the first CUDA allocation of the process; its Python constructor takes

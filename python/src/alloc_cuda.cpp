@@ -25,8 +25,9 @@ struct device_probe {
 
 using service_type = membound_python::framework_allocator<membound::cuda_device_allocator, device_probe>;
 
+// Never destroyed: the framework may free from its own static destructors, after ours would run.
 service_type& service() {
-  static service_type s;
+  static service_type& s = *new service_type;
   return s;
 }
 membound::stream_id stream_from(void* stream) {

@@ -25,8 +25,9 @@ struct no_probe {
 
 using service_type = membound_python::framework_allocator<host_upstream, no_probe>;
 
+// Never destroyed: the framework may free from its own static destructors, after ours would run.
 service_type& service() {
-  static service_type s;
+  static service_type& s = *new service_type;
   return s;
 }
 // A host "stream" is any integer: blocks are pooled per value, as on a device.

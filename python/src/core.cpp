@@ -218,7 +218,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("forward_flops", [](const plan_result& r) { return r.plan.forward_flops; })
       .def_prop_ro("recompute_flops", [](const plan_result& r) { return r.plan.recompute_flops; });
 
-  m.def("make_plan", &make, nb::arg("request"), "The plan for a checked request (membound.plan and membound.fit call it).");
+  // Without the GIL: a deep model's plan takes seconds, and other Python threads may run meanwhile.
+  m.def("make_plan", &make, nb::arg("request"), nb::call_guard<nb::gil_scoped_release>(),
+        "The plan for a checked request (membound.plan and membound.fit call it).");
   m.def("version", [] {
     return std::to_string(MEMBOUND_VERSION_MAJOR) + "." + std::to_string(MEMBOUND_VERSION_MINOR) + "." +
            std::to_string(MEMBOUND_VERSION_PATCH);

@@ -6,10 +6,12 @@
 // freed on a stream is reused by that stream only), every byte counted against the budget, the
 // bytes others hold on the device (Probe: the CUDA context, other processes) counted too. After
 // each call that changes the reserve, the usage is classified by the pressure monitor's thresholds
-// and a change of level is delivered to a C callback (up and down), outside the lock. A refused
-// request returns nullptr, as the hook's contract asks (the framework raises its own out-of-memory
-// error); the refusal's report (membound's out_of_memory message, every field) is kept for the
-// caller to read. Thread-safe: one mutex, as the framework allocates from any thread.
+// and a change of level is delivered to a C callback (up and down), outside the lock (so with
+// several threads, events may arrive in another order than the levels changed). A refused
+// request returns nullptr; the refusal's report (membound's out_of_memory message, every field) is
+// kept for the
+// caller to read; the hook PyTorch calls throws it instead (PyTorch does not check for nullptr).
+// Thread-safe: one mutex, as the framework allocates from any thread.
 //
 // Nothing here throws across the C boundary: each hook (framework_allocator_hooks.inl) catches
 // and records.
@@ -52,7 +54,8 @@ enum stat_index : int {
   stat_refusals,
   stat_upstream_allocations,
   stat_level,
-  stat_cached,  // reserved but free: what empty_cache gives back
+  stat_cached,     // reserved but free: what empty_cache gives back
+  stat_bad_frees,  // frees that matched no live block (every device)
   stat_count
 };
 
@@ -94,6 +97,7 @@ class framework_allocator {
   }
 
   void* allocate(std::size_t bytes, int device, mb::stream_id stream) noexcept {
+    thread_refusal().clear();
     std::optional<event> e;
     void* p = nullptr;
     {
@@ -107,6 +111,7 @@ class framework_allocator {
         } catch (const mb::out_of_memory& oom) {
           ++d.refusals;
           last_refusal_ = oom.what();
+          thread_refusal() = last_refusal_;
         }
         e = classify(d, device);
       } catch (const std::exception& x) {
@@ -117,16 +122,23 @@ class framework_allocator {
     return p;
   }
 
+  // A free that does not match a live block (another size, another device) changes nothing; it
+  // is counted (stat_bad_frees) and described in last_error.
   void deallocate(void* p, std::size_t bytes, int device) noexcept {
     if (p == nullptr) return;
     std::optional<event> e;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
+      state* d = existing(device);
       try {
-        state& d = state_of(device);
-        d.alloc.deallocate(p, bytes, mb::default_alignment, mb::memory_tag::other);
-        e = classify(d, device);
+        if (d == nullptr) {
+          throw mb::invalid_argument("device", "a device this allocator served", std::to_string(device),
+                                     "Free a block with the device it was allocated on");
+        }
+        d->alloc.deallocate(p, bytes, mb::default_alignment, mb::memory_tag::other);
+        e = classify(*d, device);
       } catch (const std::exception& x) {
+        ++bad_frees_;
         last_error_ = x.what();
       }
     }
@@ -137,7 +149,12 @@ class framework_allocator {
   bool record_stream(void* p, int device, mb::stream_id stream) noexcept {
     const std::lock_guard<std::mutex> lock(mutex_);
     try {
-      state_of(device).alloc.record_stream(p, stream);
+      state* d = existing(device);
+      if (d == nullptr) {
+        throw mb::invalid_argument("device", "a device this allocator served", std::to_string(device),
+                                   "Pass the device the block was allocated on");
+      }
+      d->alloc.record_stream(p, stream);
       return true;
     } catch (const std::exception& x) {
       last_error_ = x.what();
@@ -170,13 +187,14 @@ class framework_allocator {
     out[stat_reserved] = s.reserved;
     out[stat_peak_reserved] = s.peak_reserved;
     out[stat_limit] = d.alloc.limit();
-    out[stat_external] = d.alloc.external();
+    out[stat_external] = std::max(d.others, d.alloc.external());  // measured, even where the budget clamped it
     out[stat_allocations] = s.allocations;
     out[stat_deallocations] = s.deallocations;
     out[stat_refusals] = d.refusals;
     out[stat_upstream_allocations] = s.upstream_allocations;
     out[stat_level] = static_cast<std::uint64_t>(d.level);
     out[stat_cached] = s.reserved - s.allocated;
+    out[stat_bad_frees] = bad_frees_;
     return true;
   }
 
@@ -195,6 +213,12 @@ class framework_allocator {
       }
     }
     deliver(e);
+  }
+
+  // The report of the last refusal on this thread's call (the throwing hook raises it).
+  static std::string& thread_refusal() {
+    thread_local std::string r;
+    return r;
   }
 
   std::string last_refusal() const {
@@ -224,6 +248,11 @@ class framework_allocator {
     std::size_t usage, limit;
   };
 
+  state* existing(int device) {
+    const auto it = devices_.find(device);
+    return it == devices_.end() ? nullptr : it->second.get();
+  }
+
   state& state_of(int device) {
     if (budget_ == 0) {
       throw mb::invalid_argument("budget", "a configured allocator", "none",
@@ -235,16 +264,22 @@ class framework_allocator {
     return *it->second;
   }
 
+  // Before the reserve grows: the others' bytes measured now (or, without a probe, the last
+  // figure set, which the budget may have clamped since).
   void measure_others(state& d, int device) {
-    if (const std::optional<std::size_t> others = Probe{}(device, d.alloc)) set_external(d, *others);
+    const std::optional<std::size_t> others = Probe{}(device, d.alloc);
+    set_external(d, others ? *others : d.others);
   }
-  // The budget refuses others' bytes past its headroom (after releasing its cache); the level
-  // still counts them: that is the pressure to report.
+  // The budget refuses others' bytes past its headroom (after releasing its cache): then it
+  // counts as many as leave no headroom, so that nothing more is granted while others hold the
+  // rest; the level counts all of them: that is the pressure to report.
   void set_external(state& d, std::size_t bytes) {
     d.others = bytes;
     try {
       d.alloc.set_external(bytes);
     } catch (const mb::out_of_memory&) {
+      const std::size_t reserved = d.alloc.stats().reserved;
+      d.alloc.set_external(d.alloc.limit() > reserved ? d.alloc.limit() - reserved : 0);
     }
   }
 
@@ -275,6 +310,7 @@ class framework_allocator {
   mb::pressure_thresholds thresholds_{};
   pressure_callback callback_ = nullptr;
   std::map<int, std::unique_ptr<state>> devices_;
+  std::uint64_t bad_frees_ = 0;
   std::string last_refusal_, last_error_;
 };
 

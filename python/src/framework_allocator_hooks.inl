@@ -1,7 +1,11 @@
 // The C hooks over one framework_allocator. The including file defines, before including this:
-//   service()                    the framework_allocator instance (a function-local static)
+//   service_type                 its framework_allocator<...>
+//   service()                    the instance (never destroyed)
 //   stream_from(void* stream)    the stream_id of a framework's stream handle
 // The names are the same in every variant (host, cuda): each is a shared library of its own.
+#include <stdexcept>
+#include <string>
+
 #define MEMBOUND_HOOK extern "C" __attribute__((visibility("default")))
 
 // 0, or 1 with last_error saying which argument was wrong.
@@ -16,7 +20,19 @@ MEMBOUND_HOOK int membound_alloc_configure(std::uint64_t budget, double warning,
 }
 MEMBOUND_HOOK void membound_alloc_set_callback(membound_python::pressure_callback cb) { service().set_callback(cb); }
 // PyTorch's CUDAPluggableAllocator signatures: malloc(size, device, stream), free(ptr, size, device, stream).
+// PyTorch wraps whatever malloc returns without checking for nullptr, and takes a C++ exception
+// from it as the error (it reaches Python as a RuntimeError with this message): so a refusal
+// throws membound's report here. Only for PyTorch: an exception must not reach ctypes.
 MEMBOUND_HOOK void* membound_alloc_malloc(std::size_t size, int device, void* stream) {
+  void* p = service().allocate(size, device, stream_from(stream));
+  if (p == nullptr && size != 0) {
+    const std::string& refusal = service_type::thread_refusal();
+    throw std::runtime_error(refusal.empty() ? "membound: allocation failed: " + service().last_error() : refusal);
+  }
+  return p;
+}
+// The same request for callers that check the result (ctypes, C): nullptr when refused.
+MEMBOUND_HOOK void* membound_alloc_try_malloc(std::size_t size, int device, void* stream) {
   return service().allocate(size, device, stream_from(stream));
 }
 MEMBOUND_HOOK void membound_alloc_free(void* p, std::size_t size, int device, void* /*stream*/) {

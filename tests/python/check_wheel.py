@@ -37,7 +37,7 @@ def main() -> int:
         assert needed in package, f"{needed} missing from the wheel"
     assert all(n.startswith("membound/") for n in package), f"files outside the package: {package}"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
-                    "--root-user-action=ignore", "--no-index", "--target", target, wheel], check=True)
+                    "--no-index", "--target", target, wheel], check=True, env={**env, "PIP_ROOT_USER_ACTION": "ignore"})
     probe = ("import membound; m = membound.Model(layers=['ttt', 'attn'], width=64, heads=2); "
              "p = membound.fit(m, batch=4, seq=64, budget='64MiB'); "
              "assert p.fits and p.reserved_peak >= p.peak_bytes > 0; "

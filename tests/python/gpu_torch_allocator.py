@@ -6,7 +6,7 @@
 Checks, and writes torch_allocator.json to OUT_DIR: a small model trains 50 steps with every
 tensor from the budget (the allocator's peak reserve under it); another process taking memory on
 the device raises the pressure level through the callback at the next growth; a request past
-the budget raises torch.cuda.OutOfMemoryError with membound's report kept; empty_cache gives the
+the budget raises a RuntimeError carrying membound's report; empty_cache gives the
 cache back. It has not run yet (2026-11-29: no GPU lent).
 """
 
@@ -56,8 +56,9 @@ def main() -> int:
     try:
         torch.empty(budget, dtype=torch.uint8, device="cuda")
         result["refused"] = False
-    except torch.cuda.OutOfMemoryError:
-        result["refused"] = True
+    except RuntimeError as e:  # the hook's exception: membound's report as the message
+        result["refused"] = "out of memory" in str(e)
+        result["refusal_type"] = type(e).__name__
     result["last_refusal"] = mt.last_refusal()
     del big
     mt.empty_cache()

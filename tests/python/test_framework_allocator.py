@@ -103,6 +103,13 @@ def test_bad_configuration_is_named_and_changes_nothing(service):
     with pytest.raises(membound.InvalidArgument) as e:
         service.configure(100 * MiB, (0.9, 0.95, 1.5))
     assert e.value.argument == "emergency"
+    for bad in (-1, 1 << 64, 2.5, True):  # ctypes would wrap these silently
+        with pytest.raises(membound.InvalidArgument) as e:
+            service.configure(bad)
+        assert e.value.argument == "budget"
+    with pytest.raises(membound.InvalidArgument) as e:
+        service.configure(100 * MiB, (0.9, "0.95", 0.97))
+    assert e.value.argument == "thresholds"
     a = service.malloc(MiB)
     with pytest.raises(membound.InvalidArgument) as e:  # blocks live: the budget stays
         service.configure(200 * MiB)
@@ -147,3 +154,57 @@ def test_torch_module_needs_use_allocator_first():
     with pytest.raises(membound.InvalidArgument) as e:
         mt.stats()
     assert e.value.argument == "use_allocator"
+
+
+def test_others_past_the_headroom_leave_none(service):
+    # Others take more than is left: the budget counts as much as leaves no headroom, so nothing
+    # more is granted while they hold it (ours 60 + theirs 50 > 100 MiB).
+    a = service.malloc(60 * MiB)
+    service.set_others(0, 50 * MiB)
+    assert service.stats()["external"] == 50 * MiB and service.stats()["level"] == "emergency"
+    assert service.malloc(30 * MiB) == 0
+    assert service.malloc(MiB) == 0
+    service.set_others(0, 10 * MiB)  # they give most of it back: room again
+    b = service.malloc(20 * MiB)
+    assert b != 0
+    service.free(b, 20 * MiB)
+    service.free(a, 60 * MiB)
+    service.set_others(0, 0)
+
+
+def test_a_wrong_free_changes_nothing_and_is_counted(service):
+    a = service.malloc(MiB)
+    before = service.stats()["bad_frees"]
+    service.free(a, 2 * MiB)  # another size
+    service.free(a, MiB, device=3)  # another device: no stack is made for it
+    assert service.stats()["bad_frees"] == before + 2
+    assert service.stats(3) == {}
+    assert service.stats()["requested"] == MiB
+    assert "invalid argument" in service.last_error()
+    service.free(a, MiB)
+
+
+def test_swapping_the_callback_while_threads_allocate():
+    # A thread may be delivering through the previous callback while it is replaced.
+    s = Service("host")
+    s.configure(64 * MiB, (0.1, 0.2, 0.3))
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            a = s.malloc(8 * MiB)
+            if a:
+                s.free(a, 8 * MiB)
+            s.empty_cache()
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    seen = []
+    for k in range(300):
+        s.on_pressure(seen.append if k % 2 else None)
+    stop.set()
+    for t in threads:
+        t.join()
+    s.on_pressure(None)
+    assert s.stats()["requested"] == 0

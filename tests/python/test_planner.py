@@ -59,9 +59,12 @@ def test_table_equals_the_cpp_trainers(layers, width, heads, batch, seq, budget,
                           "--optimizer", optimizer, "--schedule", schedule, "--threads", "2"])
     model = membound.Model(layers=layers, width=width, heads=heads)
     if schedule == "auto":
-        bytes_ = membound.parse_size(budget)
         got = membound.fit(model, batch=batch, seq=seq, budget=budget, precision=precision, optimizer=optimizer,
-                           threads=2, prefer_below=emergency_line(bytes_) or None)
+                           threads=2, prefer_below=0.97)
+        # The line as a size gives the same plan.
+        line = emergency_line(membound.parse_size(budget))
+        assert str(membound.fit(model, batch=batch, seq=seq, budget=budget, precision=precision,
+                                optimizer=optimizer, threads=2, prefer_below=line)) == want
     else:
         got = membound.plan(model, batch=batch, seq=seq, schedule=schedule, budget=budget, precision=precision,
                             optimizer=optimizer, threads=2)
@@ -113,7 +116,8 @@ def test_sizes(text, bytes_):
 
 
 @pytest.mark.parametrize("text", ["", "0", "-1", "+5", "5 MiB", "0x10", "inf", "1.3KiB", "0.5", "1mib",
-                                  "1e30GiB", "18446744073709551616", True, 1.5, None, -3])
+                                  "1e30GiB", "18446744073709551616", True, 1.5, None, -3,
+                                  "1e999999999999999999", "1e-999999999999999999", "\u0661\u0662GiB"])
 def test_bad_sizes(text):
     with pytest.raises(membound.InvalidArgument) as e:
         membound.parse_size(text, "budget")
@@ -145,6 +149,11 @@ MODEL = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
     (lambda: membound.plan(MODEL, batch=2, seq=64, schedule="sqrt"), "schedule"),
     (lambda: membound.plan(MODEL, batch=2, seq=64, allocator="caching"), "budget"),
     (lambda: membound.plan(MODEL, batch=2, seq=64, head_chunk=0), "head_chunk"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget=None), "budget"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", prefer_below=1.5), "prefer_below"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", prefer_below=float("nan")), "prefer_below"),
+    (lambda: membound.Model(layers=["attn"], width=64, heads=64), "heads"),
+    (lambda: membound.Model(layers=["ttt"] * 1025, width=64, heads=2), "layers"),
 ])
 def test_bad_arguments_are_named(call, argument):
     with pytest.raises(membound.InvalidArgument) as e:

@@ -449,6 +449,18 @@ TEST_CASE("stream_view: an executor's blocks stay with its stream until that str
   CHECK(alloc.upstream().check_invariants());
 }
 
+TEST_CASE("stream_view: a wrong free still reaches the caller as the allocator's error") {
+  // As noexcept as the allocator under it: the caching allocator's refusal is not a terminate.
+  cache alloc;
+  stream_view mem(alloc, stream_a);
+  static_assert(!noexcept(mem.deallocate(nullptr, 1)));
+  static_assert(noexcept(stream_view(*static_cast<system_allocator*>(nullptr), host_stream).deallocate(nullptr, 1)));
+  void* p = mem.allocate(4 * KiB, 256, memory_tag::other);
+  CHECK_THROWS_AS(mem.deallocate(p, 8 * KiB, 256, memory_tag::other), invalid_argument);
+  mem.deallocate(p, 4 * KiB, 256, memory_tag::other);
+  CHECK(alloc.stats().allocated == 0);
+}
+
 TEST_CASE("stream_view: over an allocator without streams it serves the host stream") {
   // Nothing to order there (system memory; an arena, or cudaMalloc/cudaFree whose free waits).
   budget_allocator<system_allocator> alloc(1 * MiB);

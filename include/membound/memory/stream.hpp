@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
@@ -131,8 +132,10 @@ class stream_view {
     }
   }
   // Gives the block back: the same bytes, alignment and tag as allocate.
+  // As noexcept as A's: a caching allocator's refusal of a wrong free still reaches the caller.
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment,
-                  memory_tag tag = memory_tag::other) noexcept {
+                  memory_tag tag = memory_tag::other) noexcept(noexcept(std::declval<A&>().deallocate(p, bytes,
+                                                                                                    alignment, tag))) {
     a_->deallocate(p, bytes, alignment, tag);
   }
   // Bytes the next allocate would grow the allocator's reserve by, on the view's stream.
