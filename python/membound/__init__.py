@@ -113,15 +113,15 @@ class Model:
         if len(self.layers) > 1024:
             raise invalid("layers", "at most 1024 blocks", len(self.layers), "Plan a deeper model in parts")
         object.__setattr__(self, "layers", tuple(self.layers))
-        _whole("width", self.width, 1, 1 << 20, "width=768")
-        _whole("heads", self.heads, 1, self.width, "heads=12")
+        _whole("width", self.width, 1, 1 << 16, "width=768")
+        _whole("heads", self.heads, 1, min(self.width, 1024), "heads=12")
         if self.width % self.heads != 0:
             raise invalid("heads", f"a divisor of width {self.width}", self.heads, "e.g. heads=12 with width=768")
-        _whole("vocab", self.vocab, 1, 1 << 24, "vocab=256")
+        _whole("vocab", self.vocab, 1, 1 << 22, "vocab=256")
         _whole("kv_heads", self.kv_heads, 0, self.heads, "kv_heads=0 (as many as heads)")
         if self.kv_heads != 0 and self.heads % self.kv_heads != 0:
             raise invalid("kv_heads", f"a divisor of heads {self.heads}", self.kv_heads, "e.g. kv_heads=4 with heads=12")
-        _whole("mlp_hidden", self.mlp_hidden, 0, 1 << 22, "mlp_hidden=0 (8/3 of width)")
+        _whole("mlp_hidden", self.mlp_hidden, 0, 1 << 18, "mlp_hidden=0 (8/3 of width)")
         head_dim = self.width // self.heads
         if any(LAYER_SHORT.get(n, n) == "attention" for n in self.layers) and (head_dim % 8 or head_dim > 256):
             raise invalid("heads", f"a head dimension (width / heads) that is a multiple of 8 up to 256 for "
@@ -178,15 +178,15 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     r.layers = [LAYER_SHORT.get(name, name) for name in model.layers]
     r.width, r.heads, r.vocab = model.width, model.heads, model.vocab
     r.kv_heads, r.mlp_hidden = model.kv_heads, model.mlp_hidden
-    r.batch = _whole("batch", batch, 1, 1 << 24, "batch=8")
-    r.seq = _whole("seq", seq, 1, 1 << 24, "seq=2048")
+    r.batch = _whole("batch", batch, 1, 1 << 16, "batch=8")
+    r.seq = _whole("seq", seq, 1, 1 << 20, "seq=2048")
     r.budget = 0 if budget is None else parse_size(budget, "budget")
     r.precision = _one_of("precision", precision, PRECISIONS)
     if allocator is None:  # the trainer's stack under a budget; requested bytes without one
         allocator = "arena" if r.budget != 0 else "none"
     r.allocator = _one_of("allocator", allocator, ALLOCATORS)
     r.optimizer = _one_of("optimizer", optimizer, OPTIMIZERS)
-    r.threads = _whole("threads", threads, 1, 4096, "threads=8")
+    r.threads = _whole("threads", threads, 1, 1024, "threads=8")
     if r.allocator != "none" and r.budget == 0:
         raise invalid("budget", f"a size with allocator={allocator!r} (its reserve is planned under a budget)",
                       budget, 'e.g. budget="24GiB", or allocator="none"')
