@@ -20,9 +20,7 @@ namespace mb = membound;
 namespace {
 
 template <typename P>
-using net = mb::model<mb::embedding<P>,
-                      mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-                      mb::lm_head<P>>;
+using net = mb::hybrid_model<P>;
 
 struct row {
   const char* name;

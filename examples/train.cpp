@@ -498,9 +498,7 @@ static_assert(mb::overlapping_all_reduce_communicator<ranks>);
 // Opt: the optimizer policy for P's storage (--optimizer).
 template <typename P, template <typename> class Opt>
 int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
-  using net = mb::model<mb::embedding<P>,
-                        mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-                        mb::lm_head<P>>;
+  using net = mb::hybrid_model<P>;
   std::vector<std::size_t> pattern;
   for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
   mb::model_config cfg;

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "membound/backend/cuda.cuh"
+#include "membound/model/hybrid.hpp"
 #if MEMBOUND_TRAIN_CUDA_NCCL
 #include "membound/nccl.cuh"
 #endif
@@ -92,9 +93,7 @@ template <typename P, template <typename> class Opt, typename Comm>
 int run_device(const options& given, const std::vector<std::int32_t>& text, Comm& world) {
   options o = given;  // --seq max settles o.seq below
   using B = mb::cuda_backend;
-  using net = mb::model<mb::embedding<P>,
-                        mb::block_pattern<mb::ttt_linear<P, B>, mb::attention<P, B>, mb::mamba<P, B>, mb::ttt_mlp<P, B>>,
-                        mb::lm_head<P, B>>;
+  using net = mb::hybrid_model<P, B>;
   using S = typename net::storage_type;
   using optimizer = Opt<S>;
   std::vector<std::size_t> pattern;

@@ -47,9 +47,7 @@
 
 namespace mb = membound;
 using P = mb::fp32_precision;
-using net = mb::model<mb::embedding<P>,
-                      mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-                      mb::lm_head<P>>;
+using net = mb::hybrid_model<P>;
 
 namespace {
 

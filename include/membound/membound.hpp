@@ -74,6 +74,7 @@
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/model/recompute_schedule.hpp"
 #include "membound/model/model.hpp"
+#include "membound/model/hybrid.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/model/reserve_plan.hpp"
 #include "membound/train/trainer.hpp"

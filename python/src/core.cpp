@@ -23,9 +23,7 @@ namespace mb = membound;
 namespace {
 
 template <typename P>
-using hybrid = mb::model<mb::embedding<P>,
-                         mb::block_pattern<mb::ttt_linear<P>, mb::attention<P>, mb::mamba<P>, mb::ttt_mlp<P>>,
-                         mb::lm_head<P>>;
+using hybrid = mb::hybrid_model<P>;
 
 // adamw8bit at the example trainer's block (2048), named by a one-parameter template.
 template <typename S>

@@ -15585,6 +15585,38 @@ class model {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/model.hpp ----
+// ---- begin membound/model/hybrid.hpp ----
+// The hybrid whose blocks are chosen at run time: an embedding, a pattern of TTT-Linear,
+// attention, Mamba and TTT-MLP blocks (each with its SwiGLU MLP), and the LM head, at precision P
+// on a backend. The example trainer (both halves), the benchmarks and the Python package build
+// this one model; model::mixer_index maps the names "ttt_linear", "attention", "mamba", "ttt_mlp" to the
+// pattern's indices.
+//
+//   membound::hybrid_model<membound::bf16_precision> m(config, {0, 1, 2, 1});
+
+MEMBOUND_NAMESPACE_BEGIN
+
+namespace detail {
+template <typename P, typename Backend>
+struct hybrid_of {
+  using type = model<embedding<P>,
+                     block_pattern<ttt_linear<P, Backend>, attention<P, Backend>, mamba<P, Backend>, ttt_mlp<P, Backend>>,
+                     lm_head<P, Backend>>;
+};
+// On the CPU the layers' own default: the very types the library's CPU models have always used.
+template <typename P>
+struct hybrid_of<P, cpu_backend> {
+  using type = model<embedding<P>, block_pattern<ttt_linear<P>, attention<P>, mamba<P>, ttt_mlp<P>>, lm_head<P>>;
+};
+}  // namespace detail
+
+// The pattern's mixers in index order: 0 TTT-Linear, 1 attention, 2 Mamba, 3 TTT-MLP. Backend:
+// cpu_backend, or cuda_backend (backend/cuda.cuh, in a .cu file).
+template <typename P = fp32_precision, typename Backend = cpu_backend>
+using hybrid_model = typename detail::hybrid_of<P, Backend>::type;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/model/hybrid.hpp ----
 // ---- begin membound/model/planner.hpp ----
 // The planner: before the first step, the exact bytes of a training step of a model, and the
 // schedule that fits a budget.
