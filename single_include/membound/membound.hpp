@@ -6390,7 +6390,65 @@ struct attention_shape {
   std::size_t head_dim = 0;  // D, a multiple of 8 up to 256
   bool causal = true;
   double rope_base = 10000.0;
+  // Sliding window W (0: none). Causal: query i sees keys i − W + 1 .. i, W of them with itself,
+  // as FlashAttention's window_size = (W − 1, 0) and Mistral's sliding_window = W; bidirectional:
+  // keys with |i − j| < W. Any W ≥ 1 is valid; W ≥ T changes nothing.
+  std::size_t window = 0;
 };
+
+// Which keys each query sees: the causal mask and the window as ranges, so a tiled kernel skips
+// every tile outside the band (O(T·W) work) and masks only the tiles that cross its edges. Every
+// query sees at least itself. The ends are monotone in the position, so a tile's range is the
+// union of its first and last rows' ranges. Shared by the CPU and CUDA kernels.
+struct attention_band {
+  std::size_t seq = 1;
+  std::size_t window = 0;
+  bool causal = true;
+
+  MEMBOUND_HOST_DEVICE constexpr bool sees(std::size_t i, std::size_t j) const noexcept {
+    return key_begin(i) <= j && j < key_end(i);
+  }
+  // First key query i sees.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t key_begin(std::size_t i) const noexcept {
+    return window != 0 && i >= window ? i - window + 1 : 0;
+  }
+  // One past the last key query i sees.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t key_end(std::size_t i) const noexcept {
+    if (causal || i >= seq) return i + 1 < seq ? i + 1 : seq;
+    return window != 0 && window < seq - i ? i + window : seq;
+  }
+  // First query that sees key j.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t query_begin(std::size_t j) const noexcept {
+    if (causal) return j;
+    return window != 0 && j >= window ? j - window + 1 : 0;
+  }
+  // One past the last query that sees key j.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t query_end(std::size_t j) const noexcept {
+    return window != 0 && j < seq && window < seq - j ? j + window : seq;
+  }
+};
+
+constexpr attention_band band_of(const attention_shape& s) noexcept {
+  return attention_band{s.seq, s.window, s.causal};
+}
+
+// Positions a decoding cache keeps for max_len positions: all of them, or the window's last W
+// (a ring: position p lives in slot p mod W), so decoding memory stays flat at any length.
+constexpr std::size_t kv_cache_slots(const attention_shape& s, std::size_t max_len) noexcept {
+  return s.window != 0 && s.window < max_len ? s.window : max_len;
+}
+
+// (query, key) pairs one sequence's attention computes: T(T + 1)/2 causal, T² bidirectional,
+// fewer under a window. For FLOP counts.
+constexpr double attention_pairs(const attention_shape& s) noexcept {
+  // Rows before the window fills, then the rows with a full window, in closed form.
+  const std::size_t T = s.seq;
+  const std::size_t W = s.window == 0 || s.window > T ? T : s.window;
+  const double t = static_cast<double>(T), w = static_cast<double>(W);
+  if (s.causal) return w * (w + 1.0) / 2.0 + (t - w) * w;
+  // Query i sees keys in [i − W + 1, i + W − 1] ∩ [0, T): 2W − 1 less the clipped ends.
+  return t * (2.0 * w - 1.0) - (w - 1.0) * w;
+}
 
 // Parameter elements: Wq [C, H·D], Wk and Wv [C, Hkv·D], Wo [H·D, C].
 constexpr std::size_t attention_weight_elements(const attention_shape& s) noexcept {
@@ -7252,9 +7310,32 @@ void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_
   });
 }
 
+// The live keys of query i inside the key tile [j0, j0 + nk): columns [first, end) of its row.
+struct live_columns {
+  std::size_t first, end;
+};
+inline live_columns live_in_tile(const attention_band& band, std::size_t i, std::size_t j0,
+                                 std::size_t nk) noexcept {
+  const std::size_t lo = std::clamp(band.key_begin(i), j0, j0 + nk);
+  const std::size_t hi = std::clamp(band.key_end(i), lo, j0 + nk);
+  return {lo - j0, hi - j0};
+}
+// Key tiles (of kt, aligned so that a window ≥ T sums exactly as no window) that query rows
+// [i0, i0 + ni) see: [begin, end).
+inline live_columns key_tiles(const attention_band& band, std::size_t i0, std::size_t ni,
+                              std::size_t kt) noexcept {
+  return {band.key_begin(i0) / kt * kt, band.key_end(i0 + ni - 1)};
+}
+// Query tiles (of qt) that see some key of [j0, j0 + nk): [begin, end).
+inline live_columns query_tiles(const attention_band& band, std::size_t j0, std::size_t nk,
+                                std::size_t qt) noexcept {
+  return {band.query_begin(j0) / qt * qt, band.query_end(j0 + nk - 1)};
+}
+
 // Flash forward: o [B·T, H·D] and lse [B, H, T] from rotated q, k and v. One task per
-// (b, h, query tile); key tiles entirely above the diagonal are skipped when causal, and the
-// diagonal tile is masked. Online softmax: running max m, running sum l, rescaled accumulator.
+// (b, h, query tile); key tiles outside the band (above the diagonal when causal, before the
+// window) are skipped, and the tiles on its edges are masked. Online softmax: running max m,
+// running sum l, rescaled accumulator.
 template <typename A>
 void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
                    const A* q, const A* k, const A* v, A* o, A* lse, A* scratch,
@@ -7276,9 +7357,10 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
     acc.setZero();
     std::fill(m, m + ni, neg_inf);
     std::fill(l, l + ni, A(0));
-    // Keys past the tile's last query are masked for every row: the loop stops there.
-    const std::size_t kv_end = sh.causal ? i0 + ni : T;
-    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+    // Key tiles no row of this query tile sees are never visited.
+    const attention_band band = band_of(sh);
+    const auto [kv_begin, kv_end] = key_tiles(band, i0, ni, kt);
+    for (std::size_t j0 = kv_begin; j0 < kv_end; j0 += kt) {
       const std::size_t nk = std::min(kt, kv_end - j0);
       const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
       const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
@@ -7286,13 +7368,14 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
       gemm(St, Q, K.transpose(), scale, false, pk);
       for (std::size_t r = 0; r < ni; ++r) {
         const auto ri = static_cast<Eigen::Index>(r);
-        // Keys after query i = i0 + r are masked: the row's tail from column i + 1 - j0 on.
-        const std::size_t i = i0 + r;
-        const std::size_t live = !sh.causal ? nk : (i < j0 ? 0 : std::min(nk, i + 1 - j0));
-        St.row(ri).tail(static_cast<Eigen::Index>(nk - live)).setZero();  // exp(-inf)
-        if (live == 0) continue;  // a key tile wholly after this query: m, l, acc unchanged
-        auto row = St.row(ri).head(static_cast<Eigen::Index>(live)).array();
-        // Tile 0 holds key 0, which no query masks, so m is finite from the first tile on.
+        // Keys outside query i's band are masked (exp(-inf) = 0): the row's head and tail.
+        const auto [first, end] = live_in_tile(band, i0 + r, j0, nk);
+        St.row(ri).head(static_cast<Eigen::Index>(first)).setZero();
+        St.row(ri).tail(static_cast<Eigen::Index>(nk - end)).setZero();
+        if (end == first) continue;  // a key tile wholly outside this row's band: m, l, acc unchanged
+        auto row = St.row(ri).segment(static_cast<Eigen::Index>(first),
+                                      static_cast<Eigen::Index>(end - first)).array();
+        // m = -inf until the row's first live tile: alpha = exp(-inf) = 0 on an accumulator of 0.
         const A mn = std::max(m[r], row.maxCoeff());
         const A alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first tile
         row = (row - mn).exp();  // Eigen's vectorized exp: the scalar one costs more than the GEMMs
@@ -7332,17 +7415,18 @@ void row_dot(thread_pool& pool, const attention_shape& sh, const A* d_out, const
 
 // P = exp(S - lse) over a (query tile, key tile), 0 where masked; S recomputed from q and k.
 template <typename A, typename QMap, typename KMap, typename PMap>
-void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
-                 std::size_t i0, std::size_t j0, gemm_scratch pk) {
+void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row,
+                 const attention_band& band, std::size_t i0, std::size_t j0, gemm_scratch pk) {
   gemm(P, Q, K.transpose(), A(1), false, pk);
   const std::size_t nk = static_cast<std::size_t>(P.cols());
   for (Eigen::Index r = 0; r < P.rows(); ++r) {
-    const std::size_t i = i0 + static_cast<std::size_t>(r);
-    // Keys after query i are masked (P = 0); a row may be fully masked in a diagonal tile.
-    const std::size_t live = !causal ? nk : (i < j0 ? 0 : std::min(nk, i + 1 - j0));
-    auto row = P.row(r).head(static_cast<Eigen::Index>(live)).array();
+    // Keys outside query i's band are masked (P = 0); a row may be fully masked in an edge tile.
+    const auto [first, end] = live_in_tile(band, i0 + static_cast<std::size_t>(r), j0, nk);
+    auto row = P.row(r).segment(static_cast<Eigen::Index>(first),
+                                static_cast<Eigen::Index>(end - first)).array();
     row = (row * scale - lse_row[r]).exp();
-    P.row(r).tail(static_cast<Eigen::Index>(nk - live)).setZero();
+    P.row(r).head(static_cast<Eigen::Index>(first)).setZero();
+    P.row(r).tail(static_cast<Eigen::Index>(nk - end)).setZero();
   }
 }
 
@@ -7377,8 +7461,7 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     return gemm_scratch{packing + thread * pack, pack};
   };
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
-  // Earlier query tiles see no key of tile j0 when causal.
-  const auto first_query_tile = [&](std::size_t j0) { return sh.causal ? (j0 / qt) * qt : 0; };
+  const attention_band band = band_of(sh);
 
   // One tile pair for query head h: P and dS into the thread's scratch, dV and dK accumulated;
   // returns dS (its P is still beside it) for the caller's dQ.
@@ -7391,7 +7474,7 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
     auto P = view(s_buf, ni, nk, nk);
     auto dS = view(s_buf + qt * kt, ni, nk, nk);
-    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0, pk);
+    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, band, i0, j0, pk);
     if (want_dkv) gemm(dV, P.transpose(), dO, A(1), true, pk);
     gemm(dS, dO, V.transpose(), A(1), false, pk);  // dP
     softmax_grad(P, dS, delta + (b * H + h) * T + i0);
@@ -7413,8 +7496,9 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
         dK.setZero();
         dV.setZero();
         const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+        const auto [i_begin, i_end] = query_tiles(band, j0, nk, qt);
         for (std::size_t h = g * group; h < (g + 1) * group; ++h)
-          for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt) {
+          for (std::size_t i0 = i_begin; i0 < i_end; i0 += qt) {
             const auto dS = pair(s_buf, packing_of(thread), b, h, i0, j0, dK, dV, true);
             auto dQ = view(dq + (b * T + i0) * HD + h * D, std::min(qt, T - i0), D, HD);
             gemm(dQ, dS, K, scale, true, packing_of(thread));
@@ -7431,8 +7515,9 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     auto dV = view(dv + (b * T + j0) * KD + g * D, nk, D, KD);
     dK.setZero();
     dV.setZero();
+    const auto [i_begin, i_end] = query_tiles(band, j0, nk, qt);
     for (std::size_t h = g * group; h < (g + 1) * group; ++h)
-      for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt)
+      for (std::size_t i0 = i_begin; i0 < i_end; i0 += qt)
         pair(scratch + thread * per, packing_of(thread), b, h, i0, j0, dK, dV, true);
   });
 
@@ -7441,8 +7526,8 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     const std::size_t g = h / group, ni = std::min(qt, T - i0);
     auto dQ = view(dq + (b * T + i0) * HD + h * D, ni, D, HD);
     dQ.setZero();
-    const std::size_t kv_end = sh.causal ? i0 + ni : T;
-    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+    const auto [kv_begin, kv_end] = key_tiles(band, i0, ni, kt);
+    for (std::size_t j0 = kv_begin; j0 < kv_end; j0 += kt) {
       const std::size_t nk = std::min(kt, T - j0);
       auto unused = view(dk, 0, D, KD);
       const auto dS =
@@ -7453,25 +7538,31 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
   });
 }
 
-// One decoding position per sequence: o [B, H·D] from rotated q [B, H·D] against the cache's
-// first `len` rotated keys and values ([B, Hkv, max_len, D] in storage S). One task per (b, h).
+// One decoding position t per sequence: o [B, H·D] from rotated q [B, H·D] against the rotated
+// keys and values of the positions it sees, t − W + 1 .. t under a window W, else 0 .. t, read
+// from the cache ([B, Hkv, slots, D] in storage S; position p in slot p mod slots). One task per
+// (b, h); positions in ascending order.
 template <typename A, typename S>
-void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_len,
-                  std::size_t len, const A* q, const S* cache_k, const S* cache_v, A* o,
+void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t slots,
+                  std::size_t t, const A* q, const S* cache_k, const S* cache_v, A* o,
                   A* scratch) {
+  const std::size_t first = attention_band{t + 1, sh.window, true}.key_begin(t);
+  const std::size_t len = t + 1 - first;
   const std::size_t B = sh.batch, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
   const std::size_t HD = H * D, group = H / Hkv;
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
   pool.parallel_for(B * H, [&](std::size_t task, std::size_t thread) {
     const std::size_t b = task / H, h = task % H, g = h / group;
-    A* s = scratch + thread * max_len;
+    A* s = scratch + thread * slots;
     const A* qh = q + b * HD + h * D;
-    const S* kc = cache_k + (b * Hkv + g) * max_len * D;
-    const S* vc = cache_v + (b * Hkv + g) * max_len * D;
+    const S* kc = cache_k + (b * Hkv + g) * slots * D;
+    const S* vc = cache_v + (b * Hkv + g) * slots * D;
+    const auto slot = [&](std::size_t j) { return (first + j) % slots; };
     A m = -std::numeric_limits<A>::infinity();
     for (std::size_t j = 0; j < len; ++j) {
       A dot = 0;
-      for (std::size_t d = 0; d < D; ++d) dot += qh[d] * to_accum<A>(kc[j * D + d]);
+      const S* kr = kc + slot(j) * D;
+      for (std::size_t d = 0; d < D; ++d) dot += qh[d] * to_accum<A>(kr[d]);
       s[j] = dot * scale;
       m = std::max(m, s[j]);
     }
@@ -7484,7 +7575,8 @@ void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_
     std::fill(oh, oh + D, A(0));
     for (std::size_t j = 0; j < len; ++j) {
       const A p = s[j] / sum;
-      for (std::size_t d = 0; d < D; ++d) oh[d] += p * to_accum<A>(vc[j * D + d]);
+      const S* vr = vc + slot(j) * D;
+      for (std::size_t d = 0; d < D; ++d) oh[d] += p * to_accum<A>(vr[d]);
     }
   });
 }
@@ -7524,12 +7616,12 @@ struct backend_kernels<cpu_backend, attention_shape> {
                                   : too_large;
   }
   template <typename S, typename A, typename Tiles>
-  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t slots,
                                                     std::size_t threads) noexcept {
-    const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, max_len),
+    const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, slots),
                              bytes_of<A>(s.batch, s.heads, s.head_dim),
                              bytes_of<std::byte>(threads, step_pack_bytes<A>(s))};
-    return detail::fits_layout(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
+    return detail::fits_layout(b) ? step_layout<S, A>(s, slots, threads).size() : too_large;
   }
 
   // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], A); q, k, v are the saved slots under
@@ -7623,14 +7715,15 @@ struct backend_kernels<cpu_backend, attention_shape> {
     if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(dxa), N * C, dx);
   }
 
-  // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
-  // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
+  // Writes the rotated key and value of position t = `length` into the cache (keys, then values,
+  // each [B, Hkv, slots, D] in S; slot t mod slots, over the oldest position under a window) and
+  // y_t [B, C].
   template <typename S, typename A, typename Tiles>
   static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
-                   S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
+                   S* cache_keys, S* cache_values, std::size_t slots, std::size_t length,
                    const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
                    thread_pool& ex) {
-    const std::size_t L = max_len, threads = ex.size();
+    const std::size_t L = slots, threads = ex.size();
     const auto ws = carve(step_layout<S, A>(s, L, threads), workspace, workspace_size);
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = length;
@@ -7652,11 +7745,11 @@ struct backend_kernels<cpu_backend, attention_shape> {
     for (std::size_t b = 0; b < B; ++b)
       for (std::size_t g = 0; g < Hkv; ++g)
         for (std::size_t d = 0; d < D; ++d) {
-          cache_keys[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
-          cache_values[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
+          cache_keys[((b * Hkv + g) * L + t % L) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
+          cache_values[((b * Hkv + g) * L + t % L) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
         }
     A* o = ws.template get<A>(st_o);
-    cpu::attend_cache(ex, s, L, t + 1, static_cast<const A*>(q),
+    cpu::attend_cache(ex, s, L, t, static_cast<const A*>(q),
                       static_cast<const S*>(cache_keys), static_cast<const S*>(cache_values), o,
                       ws.template get<A>(st_scratch));
     A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
@@ -7783,7 +7876,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
   };
   template <typename S, typename A>
-  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
+  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t slots,
                                                     std::size_t threads) {
     workspace_layout<10> l;
     l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {0, 0});
@@ -7791,7 +7884,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
     l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
     l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
-    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
+    l.add(bytes_of<A>(threads, slots), default_alignment, {1, 1});
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
     l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {2, 2});
     l.add(rope_bytes<A>(1, s.head_dim), default_alignment, {0, 0});
@@ -7849,6 +7942,8 @@ MEMBOUND_NAMESPACE_END
 //   q = x·Wq, k = x·Wk, v = x·Wv (W is [in, out], row-major), RoPE rotate-half on q and k at
 //   position t, head h reads kv head h / (H / Hkv), S = q·kᵀ/√D, P = softmax (causal mask),
 //   o = P·v with heads concatenated, y = o·Wo; lse is the natural-log logsumexp of S's rows.
+//   shape.window = W > 0 keeps only keys i − W + 1 .. i (causal; |i − j| < W bidirectional):
+//   Mistral-style sliding-window attention in O(T·W) work, decoding over a ring of W positions.
 //
 //   using attn = membound::attention<membound::bf16_precision>;
 //   attn::check(shape);                                          // throws, naming the argument
@@ -8074,16 +8169,18 @@ class attention {
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
   }
-  // Rotated keys then values, each [B, Hkv, max_len, D] in storage_type.
+  // Rotated keys then values, each [B, Hkv, slots, D] in storage_type: slots = max_len, or the
+  // window W when shape.window is below max_len (a ring of the last W positions: flat at any
+  // length, so max_len may be as large as the generation can run).
   static constexpr std::size_t kv_cache_bytes(const attention_shape& s,
                                               std::size_t max_len) noexcept {
-    const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, max_len, s.head_dim);
+    const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, kv_cache_slots(s, max_len), s.head_dim);
     return detail::sat_add(half, half);
   }
-  // Scratch bytes one decoding step needs with a cache of max_len positions.
+  // Scratch bytes one decoding step needs with a cache for max_len positions.
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
-    return kernels::template step_workspace_bytes<S, A, tiles>(s, max_len, threads);
+    return kernels::template step_workspace_bytes<S, A, tiles>(s, kv_cache_slots(s, max_len), threads);
   }
 
   // The layer's parameters, read only: [in, out] matrices, row-major, in storage_type.
@@ -8102,17 +8199,18 @@ class attention {
   };
 
   // A KV cache over the caller's bytes (kv_cache_bytes(shape, max_len) of them, aligned to
-  // storage_type): rotated keys [B, Hkv, max_len, D], then values. `length` positions are
-  // filled; the next step runs at position `length`. Reset by setting length = 0.
+  // storage_type): rotated keys [B, Hkv, slots, D], then values, slots = kv_cache_slots(shape,
+  // max_len); position p lives in slot p mod slots. `length` positions have been decoded; the
+  // next step runs at position `length`. Reset by setting length = 0.
   struct kv_cache {
     void* data = nullptr;     // the caller's bytes, aligned to storage_type
     std::size_t bytes = 0;    // size of data; at least kv_cache_bytes(shape, max_len)
-    std::size_t max_len = 0;  // positions the cache can hold
-    std::size_t length = 0;   // positions filled; the next step writes position `length`
+    std::size_t max_len = 0;  // positions the cache can decode (it keeps the last W under a window)
+    std::size_t length = 0;   // positions decoded; the next step writes position `length`
 
-    // Start of the rotated keys, [B, Hkv, max_len, D].
+    // Start of the rotated keys, [B, Hkv, slots, D].
     S* keys() const noexcept { return static_cast<S*>(data); }
-    // Start of the values, half_elements (B·Hkv·max_len·D) past the keys.
+    // Start of the values, half_elements (B·Hkv·slots·D) past the keys.
     S* values(std::size_t half_elements) const noexcept { return keys() + half_elements; }
   };
 
@@ -8205,9 +8303,10 @@ class attention {
                              "Make the cache with a larger max_len");
     }
     detail::check_workspace_size(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
-    const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
+    const std::size_t slots = kv_cache_slots(s, L);
+    const std::size_t half = s.batch * s.kv_heads * slots * s.head_dim;
     kernels::template step<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half),
-                                        L, cache.length, x_t, y_t, workspace, workspace_size, ex);
+                                        slots, cache.length, x_t, y_t, workspace, workspace_size, ex);
     cache.length += 1;
   }
 

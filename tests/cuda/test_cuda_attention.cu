@@ -236,6 +236,23 @@ void tensor_core_matches_cpu() {
 void step_equals_forward() {
   step_matches_forward<mb::fp32_precision>({2, 40, 32, 4, 2, 64, true}, 1e-5);
   step_matches_forward<mb::fp32_precision>({1, 9, 32, 2, 1, 256, true}, 1e-5);
+  // A window: the cache is a ring of W slots, wrapped several times over T = 40.
+  step_matches_forward<mb::fp32_precision>({2, 40, 32, 4, 2, 64, true, 10000.0, 7}, 1e-5);
+  step_matches_forward<mb::bf16_precision>({1, 40, 32, 2, 1, 64, true, 10000.0, 1}, 4e-2);
+}
+
+// Sliding windows on every kernel family (SIMT fp32, the WMMA/SIMT fallback, mma.sync): T = 150
+// spans three 64-row tiles, so whole tiles fall outside the band and its edges cross tiles.
+void sliding_window_matches_cpu() {
+  const mb::gpu::kernel_choices fallback{.attention = mb::gpu::attention_kernels::simt_wmma};
+  // (W = 1 would make dS exactly 0: its gradients are roundoff over a zero norm.)
+  for (const std::size_t w : {std::size_t{2}, std::size_t{40}, std::size_t{64}, std::size_t{149}}) {
+    compare<mb::fp32_precision>({1, 150, 64, 4, 2, 64, true, 10000.0, w}, 1e-5);
+    compare<mb::fp32_precision>({1, 150, 64, 4, 2, 64, false, 10000.0, w}, 1e-5);
+    compare<mb::bf16_precision>({1, 150, 64, 4, 2, 64, true, 10000.0, w}, 4e-2, fallback);
+    compare<mb::bf16_precision>({1, 150, 64, 4, 2, 64, true, 10000.0, w}, 4e-2);
+    compare<mb::fp16_precision>({2, 150, 64, 4, 1, 40, false, 10000.0, w}, 4e-2);
+  }
 }
 
 void typed_errors() {
@@ -267,6 +284,7 @@ int main() {
       {"attention cuda_backend tensor-core (mma.sync) kernels within the stated bound",
        tensor_core_matches_cpu},
       {"attention cuda_backend step equals the causal forward's rows", step_equals_forward},
+      {"attention cuda_backend sliding windows equal the CPU backend's", sliding_window_matches_cpu},
       {"attention cuda_backend typed errors", typed_errors},
   };
   return mbt::run_suite("test_cuda_attention", cases);

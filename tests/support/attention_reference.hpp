@@ -39,6 +39,7 @@ struct attention_config {
   std::size_t head_dim = 0;  // D, even (the layer itself will also require a multiple of 8, <= 256)
   bool causal = true;
   double rope_base = 10000.0;
+  std::size_t window = 0;  // W > 0: only keys with |i − j| < W (and j ≤ i when causal)
 };
 
 struct attention_weights {
@@ -110,6 +111,13 @@ inline void validate(const attention_config& c, const attention_weights& w) {
   require_size(w.wk, C * KD, "weights.wk", "[C, Hkv*D]");
   require_size(w.wv, C * KD, "weights.wv", "[C, Hkv*D]");
   require_size(w.wo, HD * C, "weights.wo", "[H*D, C]");
+}
+
+// Whether query i sees key j: the causal mask and the sliding window, spelled out per pair.
+inline bool visible(const attention_config& c, std::size_t i, std::size_t j) {
+  if (c.causal && j > i) return false;
+  const std::size_t distance = i > j ? i - j : j - i;
+  return c.window == 0 || distance < c.window;
 }
 
 // out[n, m] = Σ_k a[n, k] · b[k, m]          a [N, K], b [K, M]
@@ -228,23 +236,25 @@ inline attention_forward_result attention_forward(const attention_config& cfg,
       const double* v = &r.v[(b * Hkv + g) * T * D];  // [T, D]
       double* P = &r.p[(b * H + h) * T * T];          // [T, T]
       for (std::size_t i = 0; i < T; ++i) {
-        const std::size_t keys = cfg.causal ? i + 1 : T;  // unmasked keys: j < keys
-        std::vector<double> s(keys);
+        std::vector<double> s(T);  // masked keys are skipped and keep P = 0
         double m = -std::numeric_limits<double>::infinity();
-        for (std::size_t j = 0; j < keys; ++j) {
+        for (std::size_t j = 0; j < T; ++j) {
+          if (!detail::visible(cfg, i, j)) continue;
           double dot = 0.0;
           for (std::size_t d = 0; d < D; ++d) dot += q[i * D + d] * k[j * D + d];
           s[j] = dot * scale;
           if (s[j] > m) m = s[j];
         }
         double sum = 0.0;
-        for (std::size_t j = 0; j < keys; ++j) sum += std::exp(s[j] - m);
+        for (std::size_t j = 0; j < T; ++j)
+          if (detail::visible(cfg, i, j)) sum += std::exp(s[j] - m);
         const double lse = m + std::log(sum);
         r.lse[(b * H + h) * T + i] = lse;
-        for (std::size_t j = 0; j < keys; ++j) P[i * T + j] = std::exp(s[j] - lse);
+        for (std::size_t j = 0; j < T; ++j)
+          if (detail::visible(cfg, i, j)) P[i * T + j] = std::exp(s[j] - lse);
         for (std::size_t d = 0; d < D; ++d) {
           double acc = 0.0;
-          for (std::size_t j = 0; j < keys; ++j) acc += P[i * T + j] * v[j * D + d];
+          for (std::size_t j = 0; j < T; ++j) acc += P[i * T + j] * v[j * D + d];
           r.o[(b * T + i) * HD + h * D + d] = acc;  // heads concatenated: [B, T, H·D]
         }
       }
@@ -292,7 +302,7 @@ inline attention_grads attention_backward(const attention_config& cfg, const att
       double* dkh = &dk[(b * Hkv + kvh) * T * D];  // query heads sharing a kv head accumulate
       double* dvh = &dv[(b * Hkv + kvh) * T * D];
       for (std::size_t i = 0; i < T; ++i) {
-        const std::size_t keys = cfg.causal ? i + 1 : T;  // masked keys have P = 0 and dS = 0
+        const std::size_t keys = T;  // masked keys have P = 0 and so dS = 0
         const double* doi = &d_o[(b * T + i) * HD + h * D];  // dO[i, :]  [D]
         // O = P·v:  dP[i][j] = dO[i]·v[j],  dv[j] += P[i][j]·dO[i]
         std::vector<double> dP(keys);

@@ -34,7 +34,7 @@ using membound_test::to_storage;
 
 ref::attention_config to_config(const attention_shape& s) {
   return ref::attention_config{s.batch, s.seq, s.d_model, s.heads, s.kv_heads, s.head_dim,
-                               s.causal, s.rope_base};
+                               s.causal, s.rope_base, s.window};
 }
 
 ref::attention_weights random_weights(const attention_shape& c, rng& r) {
@@ -331,6 +331,93 @@ TEST_CASE("attention<fp64_precision> matches the reference to 1e-10") {
       {"tile > T causal, head_dim 128", shape_of(1, 13, 32, 2, 1, 128, true)},
       {"tile > T non-causal GQA", shape_of(2, 11, 16, 4, 2, 16, false)},
   });
+}
+
+// ---- Sliding window ----------------------------------------------------------------------------
+
+namespace {
+attention_shape windowed(attention_shape s, std::size_t window) {
+  s.window = window;
+  return s;
+}
+}  // namespace
+
+// Against the reference's per-pair band mask in float64, every W from 1 to past T, both masks;
+// 16×16 tiles over T = 37 put the band's edges inside tiles, on their borders and past the end.
+TEST_CASE("attention: a sliding window matches the band-masked reference to 1e-10, every W") {
+  using membound::attention_tiles;
+  using membound::fp64_precision;
+  std::vector<fp64_case> cases;
+  std::vector<std::string> names;
+  for (const bool causal : {true, false})
+    for (std::size_t w = 1; w <= 39; ++w) {
+      names.push_back(std::string(causal ? "causal" : "bidirectional") + " W" + std::to_string(w));
+      cases.push_back({nullptr, windowed(shape_of(2, 37, 24, 4, 2, 8, causal), w)});
+    }
+  for (std::size_t i = 0; i < cases.size(); ++i) cases[i].name = names[i].c_str();
+  fp64_cases<attention<fp64_precision, attention_tiles<16, 16>>>(cases);
+  // Unequal tiles: the key tiles' alignment differs from the query tiles'.
+  fp64_cases<attention<fp64_precision, attention_tiles<8, 24>>>({
+      {"q8 kv24 causal W5", windowed(shape_of(1, 37, 16, 4, 2, 8, true), 5)},
+      {"q8 kv24 bidirectional W9", windowed(shape_of(1, 37, 16, 4, 2, 8, false), 9)},
+  });
+  fp64_cases<attention<fp64_precision, attention_tiles<24, 8>>>({
+      {"q24 kv8 causal W30", windowed(shape_of(1, 37, 16, 4, 4, 8, true), 30)},
+  });
+}
+
+// A window that covers the sequence computes exactly what no window computes (the same tiles,
+// the same sums), and the sizes never depend on it.
+TEST_CASE("attention: a window of at least T is bit-identical to none") {
+  using attn = attention<membound::attention_tiles<16, 16>>;
+  for (const bool causal : {true, false}) {
+    const attention_shape full = shape_of(2, 37, 32, 4, 2, 16, causal);
+    const problem p = make_problem(full, 3);
+    const outputs want = run_layer<attn>(p, 2);
+    for (const std::size_t w : {std::size_t{37}, std::size_t{38}, std::size_t{1} << 40}) {
+      problem q = p;
+      q.shape.window = w;
+      compare(run_layer<attn>(q, 2), want, 0.0);
+      CHECK(attn::saved_bytes(q.shape) == attn::saved_bytes(full));
+      CHECK(attn::forward_workspace_bytes(q.shape, 2) == attn::forward_workspace_bytes(full, 2));
+      CHECK(attn::backward_workspace_bytes(q.shape, 2) == attn::backward_workspace_bytes(full, 2));
+    }
+  }
+  // The pairs a FLOP count uses: T(T + 1)/2 causal, T² bidirectional, fewer under a window.
+  constexpr attention_shape c{1, 10, 8, 1, 1, 8, true, 10000.0, 3};
+  static_assert(membound::attention_pairs(c) == 1 + 2 + 3 * 8);
+  static_assert(membound::attention_pairs(attention_shape{1, 10, 8, 1, 1, 8, false, 1e4, 3}) ==
+                10 * 5 - 2 * 3);  // 5 keys a row, less the ends' 2 + 1 on each side
+  static_assert(membound::attention_pairs(attention_shape{1, 10, 8, 1, 1, 8, true, 1e4, 0}) == 55);
+}
+
+// Decoding under a window keeps a ring of W positions: the cache's bytes are flat in max_len, and
+// every step equals the windowed forward's row, long after the ring has wrapped.
+TEST_CASE("attention::step with a window decodes from a ring of W positions") {
+  using attn = attention<membound::fp64_precision>;
+  for (const std::size_t W : {std::size_t{1}, std::size_t{4}, std::size_t{7}}) {
+    const attention_shape s = windowed(shape_of(2, 23, 24, 4, 2, 16, true), W);
+    const problem p = make_problem(s, 9);
+    const ref::attention_forward_result f = ref::attention_forward(to_config(s), p.w, p.x);
+    thread_pool pool(2);
+    const std::size_t B = s.batch, T = s.seq, C = s.d_model;
+    const std::size_t ring = 2 * B * s.kv_heads * W * s.head_dim * sizeof(double);
+    CHECK(attn::kv_cache_bytes(s, T) == ring);
+    CHECK(attn::kv_cache_bytes(s, std::size_t{1} << 40) == ring);  // flat at any length
+    CHECK(attn::kv_cache_bytes(s, W - 1 + 1) == ring);
+    aligned_buffer cache_bytes(attn::kv_cache_bytes(s, T));
+    attn::kv_cache cache = attn::make_kv_cache(s, cache_bytes.get(), cache_bytes.bytes, T);
+    aligned_buffer ws(attn::step_workspace_bytes(s, T, pool.size()));
+    const attn::weights w{p.w.wq.data(), p.w.wk.data(), p.w.wv.data(), p.w.wo.data()};
+    std::vector<double> x_t(B * C), y_t(B * C), got(B * T * C);
+    for (std::size_t t = 0; t < T; ++t) {
+      for (std::size_t b = 0; b < B; ++b) std::copy_n(&p.x[(b * T + t) * C], C, &x_t[b * C]);
+      attn::step(s, w, cache, x_t.data(), y_t.data(), ws.get(), ws.bytes, pool);
+      for (std::size_t b = 0; b < B; ++b) std::copy_n(&y_t[b * C], C, &got[(b * T + t) * C]);
+    }
+    INFO("W " << W);
+    CHECK(rel_err(got, f.y) <= 1e-10);
+  }
 }
 
 // ---- Milestone 3: fp32, bf16, fp16 ----------------------------------------------------------------

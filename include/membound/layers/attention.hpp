@@ -3,6 +3,8 @@
 //   q = x·Wq, k = x·Wk, v = x·Wv (W is [in, out], row-major), RoPE rotate-half on q and k at
 //   position t, head h reads kv head h / (H / Hkv), S = q·kᵀ/√D, P = softmax (causal mask),
 //   o = P·v with heads concatenated, y = o·Wo; lse is the natural-log logsumexp of S's rows.
+//   shape.window = W > 0 keeps only keys i − W + 1 .. i (causal; |i − j| < W bidirectional):
+//   Mistral-style sliding-window attention in O(T·W) work, decoding over a ring of W positions.
 //
 //   using attn = membound::attention<membound::bf16_precision>;
 //   attn::check(shape);                                          // throws, naming the argument
@@ -154,16 +156,18 @@ class attention {
                                                         std::size_t threads) noexcept {
     return kernels::template backward_workspace_bytes<S, A, tiles>(s, keep_qkv, threads);
   }
-  // Rotated keys then values, each [B, Hkv, max_len, D] in storage_type.
+  // Rotated keys then values, each [B, Hkv, slots, D] in storage_type: slots = max_len, or the
+  // window W when shape.window is below max_len (a ring of the last W positions: flat at any
+  // length, so max_len may be as large as the generation can run).
   static constexpr std::size_t kv_cache_bytes(const attention_shape& s,
                                               std::size_t max_len) noexcept {
-    const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, max_len, s.head_dim);
+    const std::size_t half = bytes_of<S>(s.batch, s.kv_heads, kv_cache_slots(s, max_len), s.head_dim);
     return detail::sat_add(half, half);
   }
-  // Scratch bytes one decoding step needs with a cache of max_len positions.
+  // Scratch bytes one decoding step needs with a cache for max_len positions.
   static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
                                                     std::size_t threads) noexcept {
-    return kernels::template step_workspace_bytes<S, A, tiles>(s, max_len, threads);
+    return kernels::template step_workspace_bytes<S, A, tiles>(s, kv_cache_slots(s, max_len), threads);
   }
 
   // The layer's parameters, read only: [in, out] matrices, row-major, in storage_type.
@@ -182,17 +186,18 @@ class attention {
   };
 
   // A KV cache over the caller's bytes (kv_cache_bytes(shape, max_len) of them, aligned to
-  // storage_type): rotated keys [B, Hkv, max_len, D], then values. `length` positions are
-  // filled; the next step runs at position `length`. Reset by setting length = 0.
+  // storage_type): rotated keys [B, Hkv, slots, D], then values, slots = kv_cache_slots(shape,
+  // max_len); position p lives in slot p mod slots. `length` positions have been decoded; the
+  // next step runs at position `length`. Reset by setting length = 0.
   struct kv_cache {
     void* data = nullptr;     // the caller's bytes, aligned to storage_type
     std::size_t bytes = 0;    // size of data; at least kv_cache_bytes(shape, max_len)
-    std::size_t max_len = 0;  // positions the cache can hold
-    std::size_t length = 0;   // positions filled; the next step writes position `length`
+    std::size_t max_len = 0;  // positions the cache can decode (it keeps the last W under a window)
+    std::size_t length = 0;   // positions decoded; the next step writes position `length`
 
-    // Start of the rotated keys, [B, Hkv, max_len, D].
+    // Start of the rotated keys, [B, Hkv, slots, D].
     S* keys() const noexcept { return static_cast<S*>(data); }
-    // Start of the values, half_elements (B·Hkv·max_len·D) past the keys.
+    // Start of the values, half_elements (B·Hkv·slots·D) past the keys.
     S* values(std::size_t half_elements) const noexcept { return keys() + half_elements; }
   };
 
@@ -285,9 +290,10 @@ class attention {
                              "Make the cache with a larger max_len");
     }
     detail::check_workspace_size(step_workspace_bytes(s, L, workspace_threads(ex)), workspace, workspace_size);
-    const std::size_t half = s.batch * s.kv_heads * L * s.head_dim;
+    const std::size_t slots = kv_cache_slots(s, L);
+    const std::size_t half = s.batch * s.kv_heads * slots * s.head_dim;
     kernels::template step<S, A, tiles>(s, w.wq, w.wk, w.wv, w.wo, cache.keys(), cache.values(half),
-                                        L, cache.length, x_t, y_t, workspace, workspace_size, ex);
+                                        slots, cache.length, x_t, y_t, workspace, workspace_size, ex);
     cache.length += 1;
   }
 

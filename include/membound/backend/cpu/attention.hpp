@@ -141,9 +141,32 @@ void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_
   });
 }
 
+// The live keys of query i inside the key tile [j0, j0 + nk): columns [first, end) of its row.
+struct live_columns {
+  std::size_t first, end;
+};
+inline live_columns live_in_tile(const attention_band& band, std::size_t i, std::size_t j0,
+                                 std::size_t nk) noexcept {
+  const std::size_t lo = std::clamp(band.key_begin(i), j0, j0 + nk);
+  const std::size_t hi = std::clamp(band.key_end(i), lo, j0 + nk);
+  return {lo - j0, hi - j0};
+}
+// Key tiles (of kt, aligned so that a window ≥ T sums exactly as no window) that query rows
+// [i0, i0 + ni) see: [begin, end).
+inline live_columns key_tiles(const attention_band& band, std::size_t i0, std::size_t ni,
+                              std::size_t kt) noexcept {
+  return {band.key_begin(i0) / kt * kt, band.key_end(i0 + ni - 1)};
+}
+// Query tiles (of qt) that see some key of [j0, j0 + nk): [begin, end).
+inline live_columns query_tiles(const attention_band& band, std::size_t j0, std::size_t nk,
+                                std::size_t qt) noexcept {
+  return {band.query_begin(j0) / qt * qt, band.query_end(j0 + nk - 1)};
+}
+
 // Flash forward: o [B·T, H·D] and lse [B, H, T] from rotated q, k and v. One task per
-// (b, h, query tile); key tiles entirely above the diagonal are skipped when causal, and the
-// diagonal tile is masked. Online softmax: running max m, running sum l, rescaled accumulator.
+// (b, h, query tile); key tiles outside the band (above the diagonal when causal, before the
+// window) are skipped, and the tiles on its edges are masked. Online softmax: running max m,
+// running sum l, rescaled accumulator.
 template <typename A>
 void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt, std::size_t kt,
                    const A* q, const A* k, const A* v, A* o, A* lse, A* scratch,
@@ -165,9 +188,10 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
     acc.setZero();
     std::fill(m, m + ni, neg_inf);
     std::fill(l, l + ni, A(0));
-    // Keys past the tile's last query are masked for every row: the loop stops there.
-    const std::size_t kv_end = sh.causal ? i0 + ni : T;
-    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+    // Key tiles no row of this query tile sees are never visited.
+    const attention_band band = band_of(sh);
+    const auto [kv_begin, kv_end] = key_tiles(band, i0, ni, kt);
+    for (std::size_t j0 = kv_begin; j0 < kv_end; j0 += kt) {
       const std::size_t nk = std::min(kt, kv_end - j0);
       const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
       const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
@@ -175,13 +199,14 @@ void flash_forward(thread_pool& pool, const attention_shape& sh, std::size_t qt,
       gemm(St, Q, K.transpose(), scale, false, pk);
       for (std::size_t r = 0; r < ni; ++r) {
         const auto ri = static_cast<Eigen::Index>(r);
-        // Keys after query i = i0 + r are masked: the row's tail from column i + 1 - j0 on.
-        const std::size_t i = i0 + r;
-        const std::size_t live = !sh.causal ? nk : (i < j0 ? 0 : std::min(nk, i + 1 - j0));
-        St.row(ri).tail(static_cast<Eigen::Index>(nk - live)).setZero();  // exp(-inf)
-        if (live == 0) continue;  // a key tile wholly after this query: m, l, acc unchanged
-        auto row = St.row(ri).head(static_cast<Eigen::Index>(live)).array();
-        // Tile 0 holds key 0, which no query masks, so m is finite from the first tile on.
+        // Keys outside query i's band are masked (exp(-inf) = 0): the row's head and tail.
+        const auto [first, end] = live_in_tile(band, i0 + r, j0, nk);
+        St.row(ri).head(static_cast<Eigen::Index>(first)).setZero();
+        St.row(ri).tail(static_cast<Eigen::Index>(nk - end)).setZero();
+        if (end == first) continue;  // a key tile wholly outside this row's band: m, l, acc unchanged
+        auto row = St.row(ri).segment(static_cast<Eigen::Index>(first),
+                                      static_cast<Eigen::Index>(end - first)).array();
+        // m = -inf until the row's first live tile: alpha = exp(-inf) = 0 on an accumulator of 0.
         const A mn = std::max(m[r], row.maxCoeff());
         const A alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first tile
         row = (row - mn).exp();  // Eigen's vectorized exp: the scalar one costs more than the GEMMs
@@ -221,17 +246,18 @@ void row_dot(thread_pool& pool, const attention_shape& sh, const A* d_out, const
 
 // P = exp(S - lse) over a (query tile, key tile), 0 where masked; S recomputed from q and k.
 template <typename A, typename QMap, typename KMap, typename PMap>
-void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row, bool causal,
-                 std::size_t i0, std::size_t j0, gemm_scratch pk) {
+void recompute_p(const QMap& Q, const KMap& K, PMap& P, A scale, const A* lse_row,
+                 const attention_band& band, std::size_t i0, std::size_t j0, gemm_scratch pk) {
   gemm(P, Q, K.transpose(), A(1), false, pk);
   const std::size_t nk = static_cast<std::size_t>(P.cols());
   for (Eigen::Index r = 0; r < P.rows(); ++r) {
-    const std::size_t i = i0 + static_cast<std::size_t>(r);
-    // Keys after query i are masked (P = 0); a row may be fully masked in a diagonal tile.
-    const std::size_t live = !causal ? nk : (i < j0 ? 0 : std::min(nk, i + 1 - j0));
-    auto row = P.row(r).head(static_cast<Eigen::Index>(live)).array();
+    // Keys outside query i's band are masked (P = 0); a row may be fully masked in an edge tile.
+    const auto [first, end] = live_in_tile(band, i0 + static_cast<std::size_t>(r), j0, nk);
+    auto row = P.row(r).segment(static_cast<Eigen::Index>(first),
+                                static_cast<Eigen::Index>(end - first)).array();
     row = (row * scale - lse_row[r]).exp();
-    P.row(r).tail(static_cast<Eigen::Index>(nk - live)).setZero();
+    P.row(r).head(static_cast<Eigen::Index>(first)).setZero();
+    P.row(r).tail(static_cast<Eigen::Index>(nk - end)).setZero();
   }
 }
 
@@ -266,8 +292,7 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     return gemm_scratch{packing + thread * pack, pack};
   };
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
-  // Earlier query tiles see no key of tile j0 when causal.
-  const auto first_query_tile = [&](std::size_t j0) { return sh.causal ? (j0 / qt) * qt : 0; };
+  const attention_band band = band_of(sh);
 
   // One tile pair for query head h: P and dS into the thread's scratch, dV and dK accumulated;
   // returns dS (its P is still beside it) for the caller's dQ.
@@ -280,7 +305,7 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     const auto V = cview(v + (b * T + j0) * KD + g * D, nk, D, KD);
     auto P = view(s_buf, ni, nk, nk);
     auto dS = view(s_buf + qt * kt, ni, nk, nk);
-    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, sh.causal, i0, j0, pk);
+    recompute_p(Q, K, P, scale, lse + (b * H + h) * T + i0, band, i0, j0, pk);
     if (want_dkv) gemm(dV, P.transpose(), dO, A(1), true, pk);
     gemm(dS, dO, V.transpose(), A(1), false, pk);  // dP
     softmax_grad(P, dS, delta + (b * H + h) * T + i0);
@@ -302,8 +327,9 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
         dK.setZero();
         dV.setZero();
         const auto K = cview(k + (b * T + j0) * KD + g * D, nk, D, KD);
+        const auto [i_begin, i_end] = query_tiles(band, j0, nk, qt);
         for (std::size_t h = g * group; h < (g + 1) * group; ++h)
-          for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt) {
+          for (std::size_t i0 = i_begin; i0 < i_end; i0 += qt) {
             const auto dS = pair(s_buf, packing_of(thread), b, h, i0, j0, dK, dV, true);
             auto dQ = view(dq + (b * T + i0) * HD + h * D, std::min(qt, T - i0), D, HD);
             gemm(dQ, dS, K, scale, true, packing_of(thread));
@@ -320,8 +346,9 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     auto dV = view(dv + (b * T + j0) * KD + g * D, nk, D, KD);
     dK.setZero();
     dV.setZero();
+    const auto [i_begin, i_end] = query_tiles(band, j0, nk, qt);
     for (std::size_t h = g * group; h < (g + 1) * group; ++h)
-      for (std::size_t i0 = first_query_tile(j0); i0 < T; i0 += qt)
+      for (std::size_t i0 = i_begin; i0 < i_end; i0 += qt)
         pair(scratch + thread * per, packing_of(thread), b, h, i0, j0, dK, dV, true);
   });
 
@@ -330,8 +357,8 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
     const std::size_t g = h / group, ni = std::min(qt, T - i0);
     auto dQ = view(dq + (b * T + i0) * HD + h * D, ni, D, HD);
     dQ.setZero();
-    const std::size_t kv_end = sh.causal ? i0 + ni : T;
-    for (std::size_t j0 = 0; j0 < kv_end; j0 += kt) {
+    const auto [kv_begin, kv_end] = key_tiles(band, i0, ni, kt);
+    for (std::size_t j0 = kv_begin; j0 < kv_end; j0 += kt) {
       const std::size_t nk = std::min(kt, T - j0);
       auto unused = view(dk, 0, D, KD);
       const auto dS =
@@ -342,25 +369,31 @@ void flash_backward(thread_pool& pool, const attention_shape& sh, std::size_t qt
   });
 }
 
-// One decoding position per sequence: o [B, H·D] from rotated q [B, H·D] against the cache's
-// first `len` rotated keys and values ([B, Hkv, max_len, D] in storage S). One task per (b, h).
+// One decoding position t per sequence: o [B, H·D] from rotated q [B, H·D] against the rotated
+// keys and values of the positions it sees, t − W + 1 .. t under a window W, else 0 .. t, read
+// from the cache ([B, Hkv, slots, D] in storage S; position p in slot p mod slots). One task per
+// (b, h); positions in ascending order.
 template <typename A, typename S>
-void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_len,
-                  std::size_t len, const A* q, const S* cache_k, const S* cache_v, A* o,
+void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t slots,
+                  std::size_t t, const A* q, const S* cache_k, const S* cache_v, A* o,
                   A* scratch) {
+  const std::size_t first = attention_band{t + 1, sh.window, true}.key_begin(t);
+  const std::size_t len = t + 1 - first;
   const std::size_t B = sh.batch, H = sh.heads, Hkv = sh.kv_heads, D = sh.head_dim;
   const std::size_t HD = H * D, group = H / Hkv;
   const A scale = static_cast<A>(1.0 / std::sqrt(static_cast<double>(D)));
   pool.parallel_for(B * H, [&](std::size_t task, std::size_t thread) {
     const std::size_t b = task / H, h = task % H, g = h / group;
-    A* s = scratch + thread * max_len;
+    A* s = scratch + thread * slots;
     const A* qh = q + b * HD + h * D;
-    const S* kc = cache_k + (b * Hkv + g) * max_len * D;
-    const S* vc = cache_v + (b * Hkv + g) * max_len * D;
+    const S* kc = cache_k + (b * Hkv + g) * slots * D;
+    const S* vc = cache_v + (b * Hkv + g) * slots * D;
+    const auto slot = [&](std::size_t j) { return (first + j) % slots; };
     A m = -std::numeric_limits<A>::infinity();
     for (std::size_t j = 0; j < len; ++j) {
       A dot = 0;
-      for (std::size_t d = 0; d < D; ++d) dot += qh[d] * to_accum<A>(kc[j * D + d]);
+      const S* kr = kc + slot(j) * D;
+      for (std::size_t d = 0; d < D; ++d) dot += qh[d] * to_accum<A>(kr[d]);
       s[j] = dot * scale;
       m = std::max(m, s[j]);
     }
@@ -373,7 +406,8 @@ void attend_cache(thread_pool& pool, const attention_shape& sh, std::size_t max_
     std::fill(oh, oh + D, A(0));
     for (std::size_t j = 0; j < len; ++j) {
       const A p = s[j] / sum;
-      for (std::size_t d = 0; d < D; ++d) oh[d] += p * to_accum<A>(vc[j * D + d]);
+      const S* vr = vc + slot(j) * D;
+      for (std::size_t d = 0; d < D; ++d) oh[d] += p * to_accum<A>(vr[d]);
     }
   });
 }
@@ -413,12 +447,12 @@ struct backend_kernels<cpu_backend, attention_shape> {
                                   : too_large;
   }
   template <typename S, typename A, typename Tiles>
-  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t slots,
                                                     std::size_t threads) noexcept {
-    const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, max_len),
+    const std::size_t b[] = {w_acc_bytes<S, A>(s), bytes_of<A>(threads, slots),
                              bytes_of<A>(s.batch, s.heads, s.head_dim),
                              bytes_of<std::byte>(threads, step_pack_bytes<A>(s))};
-    return detail::fits_layout(b) ? step_layout<S, A>(s, max_len, threads).size() : too_large;
+    return detail::fits_layout(b) ? step_layout<S, A>(s, slots, threads).size() : too_large;
   }
 
   // Writes o_s ([B·T, H·D], S) and lse ([B, H, T], A); q, k, v are the saved slots under
@@ -512,14 +546,15 @@ struct backend_kernels<cpu_backend, attention_shape> {
     if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(dxa), N * C, dx);
   }
 
-  // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
-  // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
+  // Writes the rotated key and value of position t = `length` into the cache (keys, then values,
+  // each [B, Hkv, slots, D] in S; slot t mod slots, over the oldest position under a window) and
+  // y_t [B, C].
   template <typename S, typename A, typename Tiles>
   static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
-                   S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
+                   S* cache_keys, S* cache_values, std::size_t slots, std::size_t length,
                    const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
                    thread_pool& ex) {
-    const std::size_t L = max_len, threads = ex.size();
+    const std::size_t L = slots, threads = ex.size();
     const auto ws = carve(step_layout<S, A>(s, L, threads), workspace, workspace_size);
     const std::size_t B = s.batch, C = s.d_model, Hkv = s.kv_heads, D = s.head_dim;
     const std::size_t HD = s.heads * D, KD = Hkv * D, t = length;
@@ -541,11 +576,11 @@ struct backend_kernels<cpu_backend, attention_shape> {
     for (std::size_t b = 0; b < B; ++b)
       for (std::size_t g = 0; g < Hkv; ++g)
         for (std::size_t d = 0; d < D; ++d) {
-          cache_keys[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
-          cache_values[((b * Hkv + g) * L + t) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
+          cache_keys[((b * Hkv + g) * L + t % L) * D + d] = from_accum<S>(k[b * KD + g * D + d]);
+          cache_values[((b * Hkv + g) * L + t % L) * D + d] = from_accum<S>(v[b * KD + g * D + d]);
         }
     A* o = ws.template get<A>(st_o);
-    cpu::attend_cache(ex, s, L, t + 1, static_cast<const A*>(q),
+    cpu::attend_cache(ex, s, L, t, static_cast<const A*>(q),
                       static_cast<const S*>(cache_keys), static_cast<const S*>(cache_values), o,
                       ws.template get<A>(st_scratch));
     A* ya = cpu::accum_target(y_t, ws.template get<A>(st_y));
@@ -672,7 +707,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     st_x, st_w, st_q, st_k, st_v, st_scratch, st_o, st_y, st_rope, st_gemm
   };
   template <typename S, typename A>
-  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t max_len,
+  static constexpr workspace_layout<10> step_layout(const attention_shape& s, std::size_t slots,
                                                     std::size_t threads) {
     workspace_layout<10> l;
     l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {0, 0});
@@ -680,7 +715,7 @@ struct backend_kernels<cpu_backend, attention_shape> {
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {0, 1});
     l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
     l.add(bytes_of<A>(s.batch, s.kv_heads, s.head_dim), default_alignment, {0, 0});
-    l.add(bytes_of<A>(threads, max_len), default_alignment, {1, 1});
+    l.add(bytes_of<A>(threads, slots), default_alignment, {1, 1});
     l.add(bytes_of<A>(s.batch, s.heads, s.head_dim), default_alignment, {1, 2});
     l.add(acc_bytes<S, A>(s.batch, s.d_model), default_alignment, {2, 2});
     l.add(rope_bytes<A>(1, s.head_dim), default_alignment, {0, 0});

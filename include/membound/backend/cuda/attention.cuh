@@ -77,10 +77,10 @@ struct backend_kernels<cuda_backend, attention_shape> {
                    : std::numeric_limits<std::size_t>::max();
   }
   template <typename S, typename A, typename Tiles>
-  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t max_len,
+  static constexpr std::size_t step_workspace_bytes(const attention_shape& s, std::size_t slots,
                                                     std::size_t /*threads*/) noexcept {
-    return fits(s) && bytes_of<float>(s.batch, s.heads, max_len) != std::numeric_limits<std::size_t>::max()
-               ? step_layout<S>(s, max_len).size()
+    return fits(s) && bytes_of<float>(s.batch, s.heads, slots) != std::numeric_limits<std::size_t>::max()
+               ? step_layout<S>(s, slots).size()
                : std::numeric_limits<std::size_t>::max();
   }
 
@@ -135,13 +135,13 @@ struct backend_kernels<cuda_backend, attention_shape> {
   }
   enum step_slot : std::size_t { st_gemm, st_q, st_k, st_v, st_scores, st_o };
   template <typename S>
-  static constexpr workspace_layout<6> step_layout(const attention_shape& s, std::size_t max_len) {
+  static constexpr workspace_layout<6> step_layout(const attention_shape& s, std::size_t slots) {
     workspace_layout<6> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
     l.add(bytes_of<float>(s.batch, hd(s)));
     l.add(bytes_of<float>(s.batch, kd(s)));
     l.add(bytes_of<float>(s.batch, kd(s)));
-    l.add(bytes_of<float>(s.batch, s.heads, max_len));  // one score per cached key
+    l.add(bytes_of<float>(s.batch, s.heads, slots));  // one score per cached key
     l.add(bytes_of<S>(s.batch, hd(s)));                 // o, in S: an operand of o·Wo
     return l;
   }
@@ -162,10 +162,10 @@ struct backend_kernels<cuda_backend, attention_shape> {
                        const S* dy, S* dx, S* gwq, S* gwk, S* gwv, S* gwo, void* workspace,
                        std::size_t workspace_size, const cuda_executor& ex);
   // Appends the rotated key and value at position t = `length` to the cache (keys, then values,
-  // each [B, Hkv, max_len, D] in S) and writes y_t [B, C].
+  // each [B, Hkv, slots, D] in S) and writes y_t [B, C].
   template <typename S, typename A, typename Tiles>
   static void step(const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo,
-                   S* cache_keys, S* cache_values, std::size_t max_len, std::size_t length,
+                   S* cache_keys, S* cache_values, std::size_t slots, std::size_t length,
                    const S* x_t, S* y_t, void* workspace, std::size_t workspace_size,
                    const cuda_executor& ex);
 #else
@@ -240,7 +240,7 @@ __device__ inline void load_tile(float* tile, const float* src, std::size_t b, s
 template <typename S, unsigned DM>
 __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
     const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
-    std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
+    std::size_t H, std::size_t Hkv, std::size_t D, attention_band band, float scale) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + std::size_t{attn_tile} * D;
@@ -257,8 +257,9 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
   }
   float m = -INFINITY, l = 0.0f;
   const std::size_t last = q0 + attn_rows < T ? q0 + attn_rows : T;  // one past the block's rows
-  const std::size_t kv_end = causal ? last : T;
-  for (std::size_t j0 = 0; j0 < kv_end; j0 += attn_tile) {
+  // Key tiles outside the block's band are never loaded.
+  const std::size_t kv_end = band.key_end(last - 1);
+  for (std::size_t j0 = band.key_begin(q0) / attn_tile * attn_tile; j0 < kv_end; j0 += attn_tile) {
     __syncthreads();  // the previous tile is no longer read
     load_tile(ks, k, b, T, j0, KD, g * D, D);
     load_tile(vs, v, b, T, j0, KD, g * D, D);
@@ -266,15 +267,15 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
     if (!row_ok) continue;
     for (unsigned jj = 0; jj < attn_tile; ++jj) {
       const std::size_t j = j0 + jj;
-      if (j >= T || (causal && j > i)) break;  // later keys of the tile are masked too
+      if (j >= band.key_end(i)) break;  // later keys of the tile are masked too
+      if (j < band.key_begin(i)) continue;
       const float* kr = ks + std::size_t{jj} * D;
       float sc = 0.0f;
 #pragma unroll
       for (unsigned d = 0; d < DM; ++d)
         if (d < D) sc += qr[d] * kr[d];
       sc *= scale;  // scaled after the dot, as the backward kernels recompute it
-      // Key 0 is always visible, so m is finite from the first key on and exp(-inf) = 0 handles
-      // the first rescale.
+      // The row's first visible key makes m finite, and exp(-inf) = 0 handles that first rescale.
       const float m_new = sc > m ? sc : m;
       const float corr = expf(m - m_new);
       const float p = expf(sc - m_new);
@@ -336,7 +337,7 @@ __device__ inline void load_tile_half(H* tile, const float* src, std::size_t b, 
 template <typename S, unsigned DM>
 __global__ void __launch_bounds__(wmma_threads) flash_forward_wmma_kernel(
     const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
-    std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
+    std::size_t H, std::size_t Hkv, std::size_t D, attention_band band, float scale) {
   namespace wmma = nvcuda::wmma;
   using HT = wmma_half_t<S>;
   static_assert(DM % 16 == 0 && wmma_rows == wmma_keys && wmma_rows == 16 * (wmma_threads / 32),
@@ -364,8 +365,8 @@ __global__ void __launch_bounds__(wmma_threads) flash_forward_wmma_kernel(
     ls[threadIdx.x] = 0.0f;
   }
   const std::size_t last = q0 + wmma_rows < T ? q0 + wmma_rows : T;
-  const std::size_t kv_end = causal ? last : T;  // key tiles past the diagonal are never loaded
-  for (std::size_t j0 = 0; j0 < kv_end; j0 += wmma_keys) {
+  const std::size_t kv_end = band.key_end(last - 1);  // key tiles outside the band are never loaded
+  for (std::size_t j0 = band.key_begin(q0) / wmma_keys * wmma_keys; j0 < kv_end; j0 += wmma_keys) {
     __syncthreads();  // the previous tile's K, V, S, P are no longer read
     load_tile_half(ks, k, b, T, j0, KD, g * D, D, DM);
     load_tile_half(vs, v, b, T, j0, KD, g * D, D, DM);
@@ -394,7 +395,7 @@ __global__ void __launch_bounds__(wmma_threads) flash_forward_wmma_kernel(
       float mt = -INFINITY;
       for (unsigned c = 0; c < wmma_keys; ++c) {
         const std::size_t j = j0 + c;
-        const bool ok = i < T && j < T && (!causal || j <= i);
+        const bool ok = i < T && j < T && band.sees(i, j);
         srow[c] = ok ? srow[c] * scale : -INFINITY;
         mt = fmaxf(mt, srow[c]);
       }
@@ -468,7 +469,7 @@ template <unsigned DM>
 __global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
     const float* q, const float* k, const float* v, const float* dout, const float* lse,
     const float* delta, float* dk, float* dv, std::size_t T, std::size_t H, std::size_t Hkv,
-    std::size_t D, bool causal, float scale) {
+    std::size_t D, attention_band band, float scale) {
   extern __shared__ float smem[];
   float* qs = smem;
   float* dos = smem + std::size_t{attn_tile} * D;
@@ -488,10 +489,12 @@ __global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
     dkr[d] = 0.0f;
     dvr[d] = 0.0f;
   }
-  const std::size_t i_begin = causal ? (k0 / attn_tile) * attn_tile : 0;
+  // Query tiles outside the block's band are skipped.
+  const std::size_t i_begin = band.query_begin(k0) / attn_tile * attn_tile;
+  const std::size_t i_end = band.query_end((k0 + attn_rows < T ? k0 + attn_rows : T) - 1);
   for (std::size_t hh = 0; hh < group; ++hh) {
     const std::size_t h = g * group + hh;
-    for (std::size_t i0 = i_begin; i0 < T; i0 += attn_tile) {
+    for (std::size_t i0 = i_begin; i0 < i_end; i0 += attn_tile) {
       __syncthreads();
       load_tile(qs, q, b, T, i0, HD, h * D, D);
       load_tile(dos, dout, b, T, i0, HD, h * D, D);
@@ -505,7 +508,7 @@ __global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
       for (unsigned ii = 0; ii < attn_tile; ++ii) {
         const std::size_t i = i0 + ii;
         if (i >= T) break;
-        if (causal && j > i) continue;
+        if (!band.sees(i, j)) continue;
         const float* qr = qs + std::size_t{ii} * D;
         const float* dor = dos + std::size_t{ii} * D;
         float sc = 0.0f, dp = 0.0f;
@@ -540,7 +543,7 @@ template <unsigned DM>
 __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
     const float* q, const float* k, const float* v, const float* dout, const float* lse,
     const float* delta, float* dq, std::size_t T, std::size_t H, std::size_t Hkv, std::size_t D,
-    bool causal, float scale) {
+    attention_band band, float scale) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + std::size_t{attn_tile} * D;
@@ -560,8 +563,8 @@ __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
   const float li = row_ok ? lse[(b * H + h) * T + i] : 0.0f;
   const float di = row_ok ? delta[(b * H + h) * T + i] : 0.0f;
   const std::size_t last = q0 + attn_rows < T ? q0 + attn_rows : T;
-  const std::size_t kv_end = causal ? last : T;
-  for (std::size_t j0 = 0; j0 < kv_end; j0 += attn_tile) {
+  const std::size_t kv_end = band.key_end(last - 1);
+  for (std::size_t j0 = band.key_begin(q0) / attn_tile * attn_tile; j0 < kv_end; j0 += attn_tile) {
     __syncthreads();
     load_tile(ks, k, b, T, j0, KD, g * D, D);
     load_tile(vs, v, b, T, j0, KD, g * D, D);
@@ -569,7 +572,8 @@ __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
     if (!row_ok) continue;
     for (unsigned jj = 0; jj < attn_tile; ++jj) {
       const std::size_t j = j0 + jj;
-      if (j >= T || (causal && j > i)) break;
+      if (j >= band.key_end(i)) break;
+      if (j < band.key_begin(i)) continue;
       const float* kr = ks + std::size_t{jj} * D;
       const float* vr = vs + std::size_t{jj} * D;
       float sc = 0.0f, dp = 0.0f;
@@ -592,29 +596,31 @@ __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
     if (d < D) dq[(b * T + i) * HD + h * D + d] = dqr[d];
 }
 
-// Writes the rotated k and v of position t into the cache ([B, Hkv, L, D] each, S).
+// Writes the rotated k and v of position t into slot t mod L of the cache ([B, Hkv, L, D] each,
+// S; under a window the ring's oldest position).
 template <typename S>
 __global__ void cache_append_kernel(const float* k, const float* v, S* ck, S* cv, std::size_t B,
                                     std::size_t Hkv, std::size_t L, std::size_t D, std::size_t t) {
   const std::size_t idx = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   if (idx >= B * Hkv * D) return;
   const std::size_t d = idx % D, g = (idx / D) % Hkv, b = idx / (D * Hkv);
-  const std::size_t dst = ((b * Hkv + g) * L + t) * D + d;
+  const std::size_t dst = ((b * Hkv + g) * L + t % L) * D + d;
   st(ck, dst, k[idx]);
   st(cv, dst, v[idx]);
 }
 
-// Decode pass 1: the scaled score of every cached key 0..len-1 for every (batch, head), in
-// parallel over keys (the split over the cache): one thread per (b, h, key).
+// Decode pass 1: the scaled score of every visible key, positions first .. first + len − 1 (in
+// slots p mod L), for every (batch, head), in parallel over keys (the split over the cache): one
+// thread per (b, h, key).
 template <typename S>
 __global__ void decode_scores_kernel(const float* q, const S* ck, float* scores, std::size_t H,
                                      std::size_t Hkv, std::size_t L, std::size_t D,
-                                     std::size_t len, float scale) {
+                                     std::size_t first, std::size_t len, float scale) {
   const std::size_t j = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t h = blockIdx.y, b = blockIdx.z, g = h / (H / Hkv);
   if (j >= len) return;
   const float* qr = q + (b * H + h) * D;
-  const std::size_t kbase = ((b * Hkv + g) * L + j) * D;
+  const std::size_t kbase = ((b * Hkv + g) * L + (first + j) % L) * D;
   float sc = 0.0f;
   for (std::size_t d = 0; d < D; ++d) sc += qr[d] * ld(ck, kbase + d);
   scores[(b * H + h) * L + j] = sc * scale;
@@ -625,7 +631,7 @@ __global__ void decode_scores_kernel(const float* q, const S* ck, float* scores,
 template <typename S>
 __global__ void __launch_bounds__(decode_threads) decode_combine_kernel(
     const float* scores, const S* cv, S* o, std::size_t H, std::size_t Hkv, std::size_t L,
-    std::size_t D, std::size_t len) {
+    std::size_t D, std::size_t first, std::size_t len) {
   using reduce = block_allreduce<float, decode_threads>;
   __shared__ typename reduce::storage red;
   const std::size_t h = blockIdx.x, b = blockIdx.y, g = h / (H / Hkv);
@@ -639,7 +645,8 @@ __global__ void __launch_bounds__(decode_threads) decode_combine_kernel(
   const float inv = 1.0f / l;
   for (std::size_t d = threadIdx.x; d < D; d += decode_threads) {
     float acc = 0.0f;
-    for (std::size_t j = 0; j < len; ++j) acc += expf(sr[j] - m) * ld(cv, ((b * Hkv + g) * L + j) * D + d);
+    for (std::size_t j = 0; j < len; ++j)
+      acc += expf(sr[j] - m) * ld(cv, ((b * Hkv + g) * L + (first + j) % L) * D + d);
     st(o, (b * H + h) * D + d, acc * inv);
   }
 }
@@ -670,7 +677,7 @@ void launch_forward(const cuda_executor& ex, const attention_shape& s, const flo
   const dim3 grid(static_cast<unsigned>((s.seq + attn_rows - 1) / attn_rows),
                   static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
   flash_forward_kernel<S, DM><<<grid, attn_rows, smem, ex.stream()>>>(
-      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s),
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   cuda_executor::check_launch("flash_forward_kernel");
 }
@@ -684,7 +691,7 @@ void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, cons
   const dim3 grid(static_cast<unsigned>((s.seq + wmma_rows - 1) / wmma_rows),
                   static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
   flash_forward_wmma_kernel<S, DM><<<grid, wmma_threads, smem, ex.stream()>>>(
-      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s),
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   cuda_executor::check_launch("flash_forward_wmma_kernel");
 }
@@ -721,7 +728,7 @@ void launch_forward_mma(const cuda_executor& ex, const attention_shape& s, const
   const dim3 grid(static_cast<unsigned>((s.seq + mma_tile - 1) / mma_tile),
                   static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
   flash_forward_mma_kernel<S, DM><<<grid, mma_threads, smem, ex.stream()>>>(
-      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal,
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s),
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   cuda_executor::check_launch("flash_forward_mma_kernel");
 }
@@ -737,13 +744,13 @@ void launch_backward_mma(const cuda_executor& ex, const attention_shape& s, cons
   flash_dkdv_mma_kernel<S, DM><<<dim3(blocks, static_cast<unsigned>(s.kv_heads),
                                       static_cast<unsigned>(s.batch)),
                                  mma_threads, smem_kv, ex.stream()>>>(
-      q, k, v, dout, lse, delta, dk, dv, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, scale);
+      q, k, v, dout, lse, delta, dk, dv, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s), scale);
   cuda_executor::check_launch("flash_dkdv_mma_kernel");
   set_smem<DM>(flash_dq_mma_kernel<S, DM>, smem_q);
   flash_dq_mma_kernel<S, DM><<<dim3(blocks, static_cast<unsigned>(s.heads),
                                     static_cast<unsigned>(s.batch)),
                                mma_threads, smem_q, ex.stream()>>>(
-      q, k, v, dout, lse, delta, dq, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, scale);
+      q, k, v, dout, lse, delta, dq, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s), scale);
   cuda_executor::check_launch("flash_dq_mma_kernel");
 }
 
@@ -759,13 +766,13 @@ void launch_backward(const cuda_executor& ex, const attention_shape& s, const fl
                                static_cast<unsigned>(s.batch)),
                           attn_rows, smem, ex.stream()>>>(q, k, v, dout, lse, delta, dk, dv, s.seq,
                                                           s.heads, s.kv_heads, s.head_dim,
-                                                          s.causal, scale);
+                                                          band_of(s), scale);
   cuda_executor::check_launch("flash_dkdv_kernel");
   set_smem<DM>(flash_dq_kernel<DM>, smem);
   flash_dq_kernel<DM><<<dim3(blocks, static_cast<unsigned>(s.heads),
                              static_cast<unsigned>(s.batch)),
                         attn_rows, smem, ex.stream()>>>(q, k, v, dout, lse, delta, dq, s.seq,
-                                                        s.heads, s.kv_heads, s.head_dim, s.causal,
+                                                        s.heads, s.kv_heads, s.head_dim, band_of(s),
                                                         scale);
   cuda_executor::check_launch("flash_dq_kernel");
 }
@@ -915,12 +922,14 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
 template <typename S, typename A, typename Tiles>
 void backend_kernels<cuda_backend, attention_shape>::step(
     const attention_shape& s, const S* wq, const S* wk, const S* wv, const S* wo, S* cache_keys,
-    S* cache_values, std::size_t max_len, std::size_t length, const S* x_t, S* y_t,
+    S* cache_values, std::size_t slots, std::size_t length, const S* x_t, S* y_t,
     void* workspace, std::size_t workspace_size, const cuda_executor& ex) {
   gpu::check_types<S, A>();
-  const auto ws = carve(step_layout<S>(s, max_len), workspace, workspace_size);
+  const auto ws = carve(step_layout<S>(s, slots), workspace, workspace_size);
   const std::size_t B = s.batch, C = s.d_model, HD = hd(s), KD = kd(s), D = s.head_dim;
-  const std::size_t t = length, len = length + 1;
+  // Positions first .. t are visible (the last W under a window), position p in slot p mod slots.
+  const std::size_t t = length, first = attention_band{t + 1, s.window, true}.key_begin(t);
+  const std::size_t len = t + 1 - first;
   const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(st_gemm),
                               gpu::gemm_workspace_bytes_max);
   float* q = ws.template get<float>(st_q);
@@ -934,7 +943,7 @@ void backend_kernels<cuda_backend, attention_shape>::step(
   {
     const std::size_t n = B * KD;
     gpu::detail::cache_append_kernel<S><<<gpu::detail::grid_for(n, 256), 256, 0, ex.stream()>>>(
-        k, v, cache_keys, cache_values, B, s.kv_heads, max_len, D, t);
+        k, v, cache_keys, cache_values, B, s.kv_heads, slots, D, t);
     cuda_executor::check_launch("cache_append_kernel");
   }
   float* scores = ws.template get<float>(st_scores);
@@ -943,11 +952,11 @@ void backend_kernels<cuda_backend, attention_shape>::step(
   gpu::detail::decode_scores_kernel<S>
       <<<dim3(static_cast<unsigned>((len + 255) / 256), static_cast<unsigned>(s.heads),
               static_cast<unsigned>(B)),
-         256, 0, ex.stream()>>>(q, cache_keys, scores, s.heads, s.kv_heads, max_len, D, len, scale);
+         256, 0, ex.stream()>>>(q, cache_keys, scores, s.heads, s.kv_heads, slots, D, first, len, scale);
   cuda_executor::check_launch("decode_scores_kernel");
   gpu::detail::decode_combine_kernel<S>
       <<<dim3(static_cast<unsigned>(s.heads), static_cast<unsigned>(B)), gpu::decode_threads, 0,
-         ex.stream()>>>(scores, cache_values, o, s.heads, s.kv_heads, max_len, D, len);
+         ex.stream()>>>(scores, cache_values, o, s.heads, s.kv_heads, slots, D, first, len);
   cuda_executor::check_launch("decode_combine_kernel");
   gpu::matmul(ctx, static_cast<const S*>(o), wo, y_t, B, HD, C, false);
 }

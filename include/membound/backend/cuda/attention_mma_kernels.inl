@@ -130,7 +130,7 @@ __device__ inline void mma_store_rows(float* dst, const float (&acc)[DT][4], std
 template <typename S, unsigned DM>
 __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
     const float* q, const float* k, const float* v, S* o, float* lse, std::size_t T,
-    std::size_t H, std::size_t Hkv, std::size_t D, bool causal, float scale) {
+    std::size_t H, std::size_t Hkv, std::size_t D, attention_band band, float scale) {
   constexpr bool Bf16 = std::is_same_v<S, bf16>;
   constexpr std::size_t LD = mma_row_stride(DM);
   constexpr unsigned NT = mma_tile / 8, DT = DM / 8, KB = DM / 16;
@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
 #pragma unroll
   for (unsigned n = 0; n < DT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const std::size_t last = q0 + mma_tile < T ? q0 + mma_tile : T;
-  const std::size_t kv_end = causal ? last : T;
-  for (std::size_t j0 = 0; j0 < kv_end; j0 += mma_tile) {
+  const std::size_t kv_end = band.key_end(last - 1);  // key tiles outside the band: never loaded
+  for (std::size_t j0 = band.key_begin(q0) / mma_tile * mma_tile; j0 < kv_end; j0 += mma_tile) {
     __syncthreads();  // the previous K and V tiles are no longer read
     mma_load_tile<Bf16, DM>(ks, nullptr, k, b, T, j0, KD, g * D, D);
     mma_load_tile<Bf16, DM>(nullptr, vt, v, b, T, j0, KD, g * D, D);
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
 #pragma unroll
       for (unsigned e = 0; e < 4; ++e) {
         const std::size_t i = q0 + w0 + gr + 8 * (e >> 1), j = j0 + 8 * n + 2 * tq + (e & 1);
-        const bool ok = i < T && j < T && (!causal || j <= i);
+        const bool ok = i < T && j < T && band.sees(i, j);
         s[n][e] = ok ? s[n][e] * scale : -INFINITY;
         mt[e >> 1] = fmaxf(mt[e >> 1], s[n][e]);
       }
@@ -218,7 +218,7 @@ template <typename S, unsigned DM>
 __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
     const float* q, const float* k, const float* v, const float* dout, const float* lse,
     const float* delta, float* dq, std::size_t T, std::size_t H, std::size_t Hkv, std::size_t D,
-    bool causal, float scale) {
+    attention_band band, float scale) {
   constexpr bool Bf16 = std::is_same_v<S, bf16>;
   constexpr std::size_t LD = mma_row_stride(DM);
   constexpr unsigned NT = mma_tile / 8, DT = DM / 8, KB = DM / 16;
@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
 #pragma unroll
   for (unsigned n = 0; n < DT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const std::size_t last = q0 + mma_tile < T ? q0 + mma_tile : T;
-  const std::size_t kv_end = causal ? last : T;
-  for (std::size_t j0 = 0; j0 < kv_end; j0 += mma_tile) {
+  const std::size_t kv_end = band.key_end(last - 1);  // key tiles outside the band: never loaded
+  for (std::size_t j0 = band.key_begin(q0) / mma_tile * mma_tile; j0 < kv_end; j0 += mma_tile) {
     __syncthreads();
     mma_load_tile<Bf16, DM>(ks, kt, k, b, T, j0, KD, g * D, D);
     mma_load_tile<Bf16, DM>(vs, nullptr, v, b, T, j0, KD, g * D, D);
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
 #pragma unroll
       for (unsigned e = 0; e < 4; ++e) {
         const std::size_t i = q0 + w0 + gr + 8 * (e >> 1), j = j0 + 8 * n + 2 * tq + (e & 1);
-        const bool ok = i < T && j < T && (!causal || j <= i);
+        const bool ok = i < T && j < T && band.sees(i, j);
         const float p = ok ? expf(s[n][e] * scale - li[e >> 1]) : 0.0f;
         s[n][e] = p * (dp[n][e] - di[e >> 1]) * scale;  // dS
       }
@@ -276,7 +276,7 @@ template <typename S, unsigned DM>
 __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
     const float* q, const float* k, const float* v, const float* dout, const float* lse,
     const float* delta, float* dk, float* dv, std::size_t T, std::size_t H, std::size_t Hkv,
-    std::size_t D, bool causal, float scale) {
+    std::size_t D, attention_band band, float scale) {
   constexpr bool Bf16 = std::is_same_v<S, bf16>;
   constexpr std::size_t LD = mma_row_stride(DM), LT = mma_tr_stride;
   constexpr unsigned NT = mma_tile / 8, DT = DM / 8, KB = DM / 16;
@@ -300,10 +300,12 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
   for (unsigned n = 0; n < DT; ++n)
 #pragma unroll
     for (unsigned e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
-  const std::size_t i_begin = causal ? k0 : 0;  // k0 is a multiple of the query tile
+  // Query tiles outside the block's band are skipped (k0 is a multiple of the query tile).
+  const std::size_t i_begin = band.query_begin(k0) / mma_tile * mma_tile;
+  const std::size_t i_end = band.query_end((k0 + mma_tile < T ? k0 + mma_tile : T) - 1);
   for (std::size_t hh = 0; hh < group; ++hh) {
     const std::size_t h = g * group + hh;
-    for (std::size_t i0 = i_begin; i0 < T; i0 += mma_tile) {
+    for (std::size_t i0 = i_begin; i0 < i_end; i0 += mma_tile) {
       __syncthreads();  // the previous query tile is no longer read
       mma_load_tile<Bf16, DM>(qs, qt, q, b, T, i0, HD, h * D, D);
       mma_load_tile<Bf16, DM>(dos, dot, dout, b, T, i0, HD, h * D, D);
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
         for (unsigned e = 0; e < 4; ++e) {
           const unsigned c = 8 * n + 2 * tq + (e & 1);  // the query's row in the tile
           const std::size_t j = k0 + w0 + gr + 8 * (e >> 1), i = i0 + c;
-          const bool ok = i < T && j < T && (!causal || j <= i);
+          const bool ok = i < T && j < T && band.sees(i, j);
           const float p = ok ? expf(st_[n][e] * scale - ls[c]) : 0.0f;
           st_[n][e] = p;
           dpt[n][e] = p * (dpt[n][e] - dl[c]) * scale;  // dSᵀ
