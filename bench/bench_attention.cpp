@@ -22,8 +22,11 @@
 //               between its forward and backward passes.
 //
 // Run: ./build/release/bench/bench_attention [--threads N] [--reps N] [--max-seq T] [--min-seq T]
-//                                            [--dim D] [--fp32-only] [--no-naive] [--quick]
-// (--no-naive: the naive layer is not run; its columns read 0)
+//                                            [--dim D] [--fp32-only] [--no-naive] [--quick] [--window W]
+// (--no-naive: the naive layer is not run; its columns read 0. --window W: ours runs a causal
+// sliding window of W, the attn GF/s count the band's pairs only, and the comparison columns are
+// membound's own full causal attention at the same shape, in the same run: "x naive" reads full
+// time / windowed time, "naive MiB" the full layer's peak.)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -276,6 +279,7 @@ struct options {
   bool fp32_only = false;
   bool no_naive = false;     // skip the naive layer (its T×T buffers are slow at T = 4096)
   bool quick = false;
+  std::size_t window = 0;    // > 0: ours with this sliding window, against ours without
 };
 
 template <typename F>
@@ -307,7 +311,15 @@ void rows(const char* precision_name, const options& opt, double peak, mb::threa
       s.d_model = s.heads * D;
       s.causal = true;
       layer_io<S> io(s);
-      const double attn_fwd = 4.0 * s.batch * s.heads * double(T) * double(T) * double(D) * 0.5;
+      const mb::attention_shape full = s;
+      s.window = opt.window;
+      // The pairs the band keeps (T²/2 causal, as before, without a window).
+      const double pairs = opt.window == 0 ? double(T) * double(T) * 0.5 : mb::attention_pairs(s);
+      const double attn_fwd = 4.0 * s.batch * s.heads * pairs * double(D);
+      // The comparison: the naive layer, or under --window ours on every key.
+      const auto other = [&](bool bwd) {
+        return opt.window != 0 ? ours<Attn>::run(full, io, bwd, pool) : naive<S>::run(s, io, bwd, pool);
+      };
       const double proj_fwd = 2.0 * double(s.batch * T) * double(s.d_model) *
                               double(2 * s.heads * D + 2 * s.kv_heads * D);
       for (bool bwd : {false, true}) {
@@ -315,12 +327,12 @@ void rows(const char* precision_name, const options& opt, double peak, mb::threa
         std::size_t ours_peak = 0, naive_peak = 0;
         // Warm-up (first touch of every page), then alternate so both see the same machine.
         ours_peak = ours<Attn>::run(s, io, bwd, pool);
-        if (!opt.no_naive) naive_peak = naive<S>::run(s, io, bwd, pool);
+        if (!opt.no_naive) naive_peak = other(bwd);
         double t_ours = 1e300, t_naive = 1e300;
         for (int r = 0; r < opt.reps; ++r) {
           t_ours = std::min(t_ours, best_ms(1, [&] { ours<Attn>::run(s, io, bwd, pool); }));
           if (!opt.no_naive)
-            t_naive = std::min(t_naive, best_ms(1, [&] { naive<S>::run(s, io, bwd, pool); }));
+            t_naive = std::min(t_naive, best_ms(1, [&] { other(bwd); }));
         }
         if (opt.no_naive) t_naive = 0;
         const double attn_flops = attn_fwd * (bwd ? 3.5 : 1.0);
@@ -343,7 +355,7 @@ static int bench_main(int argc, char** argv) {
   options opt;
   bench_flags::args a(argc, argv,
                       "usage: bench_attention [--threads N] [--reps N] [--max-seq T] [--min-seq T] [--dim 0|64|128]\n"
-                      "                       [--fp32-only] [--no-naive] [--quick]\n"
+                      "                       [--fp32-only] [--no-naive] [--quick] [--window W]\n"
                       "  attention layer vs the naive path; see the header of bench_attention.cpp");
   while (a.next()) {
     if (a.is("--threads")) opt.threads = static_cast<std::size_t>(a.whole(1, 1024));
@@ -354,6 +366,7 @@ static int bench_main(int argc, char** argv) {
     else if (a.is("--fp32-only")) opt.fp32_only = true;
     else if (a.is("--no-naive")) opt.no_naive = true;
     else if (a.is("--quick")) opt.quick = true;
+    else if (a.is("--window")) opt.window = static_cast<std::size_t>(a.whole(1, std::size_t{1} << 20));
     else a.unknown();
   }
   if (opt.dim != 0 && opt.dim != 64 && opt.dim != 128) {
@@ -367,10 +380,12 @@ static int bench_main(int argc, char** argv) {
   const double peak1 = fma_peak_gflops(1), peak = fma_peak_gflops(opt.threads);
   std::printf("FMA peak (%s, fp32): %.1f GFLOP/s on 1 thread, %.1f GFLOP/s on %zu threads\n", isa,
               peak1, peak, opt.threads);
-  std::printf("B=1 H=Hkv=8 C=H*D causal, best of %d, %%peak of %zu-thread peak\n\n", opt.reps,
-              opt.threads);
-  std::printf("| T | D | policy | pass | ms | attn GF/s | all GF/s | %%peak | x naive | peak MiB | "
-              "naive MiB | saved MiB |\n|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+  std::printf("B=1 H=Hkv=8 C=H*D causal%s, best of %d, %%peak of %zu-thread peak\n\n",
+              opt.window ? (", sliding window " + std::to_string(opt.window) + " (vs membound's full causal)").c_str() : "",
+              opt.reps, opt.threads);
+  const char* vs = opt.window ? "x full | peak MiB | full MiB" : "x naive | peak MiB | naive MiB";
+  std::printf("| T | D | policy | pass | ms | attn GF/s | all GF/s | %%peak | %s | saved MiB |\n"
+              "|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n", vs);
   rows<float, mb::attention<mb::fp32_precision>>("fp32", opt, peak, pool);
   if (!opt.fp32_only) rows<mb::bf16, mb::attention<mb::bf16_precision>>("bf16", opt, peak, pool);
   // The checkpoint trade: keep q, k, v instead of projecting them again in backward.

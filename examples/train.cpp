@@ -238,9 +238,13 @@ options checked_options(const flag_texts& f) {
     do {  // split on ',' keeping empty names, so that "attn," and ",attn" are refused
       const std::size_t comma = std::min(o.layers.find(',', at), o.layers.size());
       const std::string name = o.layers.substr(at, comma - at);
-      const std::string full = name == "ttt" ? "ttt_linear" : name == "attn" ? "attention" : name;
-      if (full != "ttt_linear" && full != "ttt_mlp" && full != "attention" && full != "mamba") {
-        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, mamba (no empty names)",
+      const std::string full = name == "ttt"    ? "ttt_linear"
+                               : name == "attn" ? "attention"
+                               : name == "swa"  ? "local_attention"
+                                                : name;
+      if (full != "ttt_linear" && full != "ttt_mlp" && full != "attention" && full != "mamba" &&
+          full != "local_attention") {
+        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, swa, mamba (no empty names)",
                                    cc::in_quotes(o.layers) + " (block " + std::to_string(o.blocks.size() + 1) + ": " +
                                        cc::in_quotes(name) + ")", "e.g. --layers ttt,attn,mamba,attn");
       }
@@ -251,6 +255,17 @@ options checked_options(const flag_texts& f) {
       throw mb::invalid_argument("--layers", "at most 128 blocks", std::to_string(o.blocks.size()),
                                  "List fewer blocks");
     }
+  }
+  // Sliding-window blocks need their window, and a window needs a block that reads it.
+  whole("--window", o.window, 1, 1u << 20);
+  const bool local = std::find(o.blocks.begin(), o.blocks.end(), "local_attention") != o.blocks.end();
+  if (local && o.window == 0) {
+    throw mb::invalid_argument("--window", "the sliding window of the swa blocks in --layers " + cc::in_quotes(o.layers),
+                               "none", "e.g. --window 64: each token attends to itself and the 63 before it");
+  }
+  if (!local && o.window != 0) {
+    throw mb::invalid_argument("--window", "only with swa blocks in --layers", std::to_string(o.window),
+                               "Add swa blocks (e.g. --layers ttt,swa,mamba,attn), or leave --window out");
   }
   if (f.given("--schedule")) {
     o.schedule = f["--schedule"];
@@ -505,6 +520,7 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   cfg.vocab = 256;
   cfg.width = o.width;
   cfg.heads = o.heads;
+  cfg.attention_window = o.window;
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
   const mb::batch_shape eff{o.batch, o.seq};
@@ -770,7 +786,8 @@ int main(int argc, char** argv) {
   flag("--budget", "SIZE",
        "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space, "
        "or on cuda a fraction of the device's memory such as 0.9 (default 32MiB; 8GiB on cuda)");
-  flag("--layers", "LIST", "block pattern: ttt, ttt_mlp, attn, mamba, comma-separated (default ttt,attn,mamba,attn)");
+  flag("--layers", "LIST", "block pattern: ttt, ttt_mlp, attn, swa, mamba, comma-separated (default ttt,attn,mamba,attn)");
+  flag("--window", "1..2^20", "swa blocks' sliding window: each token attends to itself and the W - 1 before it");
   flag("--width", "1..16384", "model width (default 128)");
   flag("--heads", "1..1024", "attention and TTT heads, a divisor of --width (default 4)");
   flag("--seq", "1..2^20|max",

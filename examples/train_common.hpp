@@ -47,6 +47,7 @@ struct options {
   std::string layers = "ttt,attn,mamba,attn";
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
+  std::size_t window = 0;  // --window: W of the swa (sliding-window attention) blocks
   std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
   std::size_t overlap = 0;  // 1: each block's gradient exchange overlaps the next block's backward
   std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit

@@ -102,6 +102,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   cfg.vocab = 256;
   cfg.width = o.width;
   cfg.heads = o.heads;
+  cfg.attention_window = o.window;
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
   const int device = mb::cuda_current_device();

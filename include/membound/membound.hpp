@@ -44,6 +44,7 @@
 #include "membound/policy/recompute.hpp"
 #include "membound/policy/policy_set.hpp"
 #include "membound/policy/backend.hpp"
+#include "membound/policy/attention_span.hpp"
 
 #include "membound/shape/attention_shape.hpp"
 #include "membound/shape/mamba_shape.hpp"

@@ -29,8 +29,8 @@ __all__ = ["Model", "Plan", "plan", "fit", "parse_size", "InvalidArgument", "Bud
 __version__: str = _core.version()
 
 # The library's block names, and the example trainer's short --layers spellings of two of them.
-LAYER_NAMES = ("ttt_linear", "ttt_mlp", "attention", "mamba")
-LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention"}
+LAYER_NAMES = ("ttt_linear", "ttt_mlp", "attention", "mamba", "local_attention")
+LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention", "swa": "local_attention"}
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATORS = ("arena", "caching", "none")
 OPTIMIZERS = ("adamw", "adamw8bit", "none")
@@ -92,10 +92,11 @@ def _one_of(argument: str, value: object, words: Sequence[str]) -> str:
 @dataclass(frozen=True)
 class Model:
     """A hybrid language model as the example trainer builds it: an embedding, blocks of TTT-Linear
-    ("ttt_linear" or "ttt"), TTT-MLP ("ttt_mlp"), attention ("attention" or "attn") and Mamba
-    ("mamba"), each followed by a
-    SwiGLU MLP, and a tied LM head. width divides by heads; kv_heads 0 means heads (no GQA);
-    mlp_hidden 0 means 8/3 of width rounded up to a multiple of 8."""
+    ("ttt_linear" or "ttt"), TTT-MLP ("ttt_mlp"), attention ("attention" or "attn"), sliding-window
+    attention ("local_attention" or "swa": each token sees itself and the window - 1 before it)
+    and Mamba ("mamba"), each followed by a SwiGLU MLP, and a tied LM head. width divides by
+    heads; kv_heads 0 means heads (no GQA); mlp_hidden 0 means 8/3 of width rounded up to a
+    multiple of 8; window is the local layers' (required with them, refused without)."""
 
     layers: Sequence[str]
     width: int
@@ -103,6 +104,7 @@ class Model:
     vocab: int = 256
     kv_heads: int = 0
     mlp_hidden: int = 0
+    window: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str) or not isinstance(self.layers, Sequence) or len(self.layers) == 0:
@@ -122,8 +124,15 @@ class Model:
         if self.kv_heads != 0 and self.heads % self.kv_heads != 0:
             raise invalid("kv_heads", f"a divisor of heads {self.heads}", self.kv_heads, "e.g. kv_heads=4 with heads=12")
         _whole("mlp_hidden", self.mlp_hidden, 0, 1 << 18, "mlp_hidden=0 (8/3 of width)")
+        local = any(LAYER_SHORT.get(n, n) == "local_attention" for n in self.layers)
+        if local:
+            _whole("window", self.window, 1, 1 << 20, "window=4096")
+        elif self.window != 0:
+            raise invalid("window", "0 without local_attention (swa) layers", self.window,
+                          'Add "swa" layers, or leave window out')
         head_dim = self.width // self.heads
-        if any(LAYER_SHORT.get(n, n) == "attention" for n in self.layers) and (head_dim % 8 or head_dim > 256):
+        if any(LAYER_SHORT.get(n, n) in ("attention", "local_attention") for n in self.layers) and (
+                head_dim % 8 or head_dim > 256):
             raise invalid("heads", f"a head dimension (width / heads) that is a multiple of 8 up to 256 for "
                           f"attention; width {self.width} / heads {self.heads} is {head_dim}", self.heads,
                           "e.g. heads=16 with width=2048 (head dimension 128)")
@@ -177,7 +186,7 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     r = _core.Request()
     r.layers = [LAYER_SHORT.get(name, name) for name in model.layers]
     r.width, r.heads, r.vocab = model.width, model.heads, model.vocab
-    r.kv_heads, r.mlp_hidden = model.kv_heads, model.mlp_hidden
+    r.kv_heads, r.mlp_hidden, r.window = model.kv_heads, model.mlp_hidden, model.window
     r.batch = _whole("batch", batch, 1, 1 << 16, "batch=8")
     r.seq = _whole("seq", seq, 1, 1 << 20, "seq=2048")
     r.budget = 0 if budget is None else parse_size(budget, "budget")

@@ -9,6 +9,7 @@ class Request:
     heads: int
     kv_heads: int
     mlp_hidden: int
+    window: int
     batch: int
     seq: int
     budget: int

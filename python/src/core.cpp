@@ -32,7 +32,7 @@ using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
 // What Python asks for; every field already checked there.
 struct request {
   std::vector<std::string> layers;
-  std::size_t vocab = 256, width = 0, heads = 0, kv_heads = 0, mlp_hidden = 0;
+  std::size_t vocab = 256, width = 0, heads = 0, kv_heads = 0, mlp_hidden = 0, window = 0;
   std::size_t batch = 1, seq = 1, budget = 0, threads = 1, prefer_below = 0;
   std::string precision = "fp32";  // fp32 | bf16 | fp16
   std::string allocator = "arena";  // arena | caching | none
@@ -84,7 +84,7 @@ plan_result plan_for(const request& r) {
   for (const std::string& name : r.layers) {
     const std::size_t k = net::mixer_index(name);
     if (k == net::block_types) {
-      throw mb::invalid_argument("layers", "names among ttt_linear, ttt_mlp, attention, mamba", name,
+      throw mb::invalid_argument("layers", "names among ttt_linear, ttt_mlp, attention, mamba, local_attention", name,
                                  "e.g. layers=[\"ttt_linear\", \"attention\"]");
     }
     pattern.push_back(k);
@@ -95,6 +95,7 @@ plan_result plan_for(const request& r) {
   cfg.heads = r.heads;
   cfg.kv_heads = r.kv_heads;
   cfg.mlp_hidden = r.mlp_hidden;
+  cfg.attention_window = r.window;
   const net m(cfg, pattern);
   const mb::batch_shape batch{r.batch, r.seq};
   const bool count_optimizer = r.optimizer != "none";
@@ -180,6 +181,7 @@ NB_MODULE(_core, m) {
       .def_rw("heads", &request::heads)
       .def_rw("kv_heads", &request::kv_heads)
       .def_rw("mlp_hidden", &request::mlp_hidden)
+      .def_rw("window", &request::window)
       .def_rw("batch", &request::batch)
       .def_rw("seq", &request::seq)
       .def_rw("budget", &request::budget)

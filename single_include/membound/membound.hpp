@@ -6374,6 +6374,29 @@ struct backend_kernels {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/policy/backend.hpp ----
+// ---- begin membound/policy/attention_span.hpp ----
+// Attention span policies: which keys an attention layer may see beyond its causal mask. A model
+// mixes local and global layers (Mistral, Gemma) by giving blocks either one: a local layer takes
+// model_config::attention_window as its sliding window, a global one sees every key.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+MEMBOUND_POLICY_KIND(attention_span_kind, "attention span");
+
+// The default: the layer runs the shape's window as given (0: every key the mask allows); in a
+// model, every key.
+struct global_attention {
+  using policy_kind = attention_span_kind;
+};
+
+// A sliding-window layer: its shape must set a window (check() refuses window 0, so a local
+// layer never silently attends to everything); in a model, model_config::attention_window.
+struct local_attention {
+  using policy_kind = attention_span_kind;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/policy/attention_span.hpp ----
 
 // ---- begin membound/shape/attention_shape.hpp ----
 // The sizes of one attention layer call, shared by the front end (layers/attention.hpp) and the
@@ -8080,7 +8103,8 @@ class attention {
  public:
   // Precision, tiles, recompute policy and backend: the defaults, overridden by Policies.
   using policies =
-      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, cpu_backend>,
+      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, global_attention,
+                           cpu_backend>,
                  Policies...>;
   // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
@@ -8091,6 +8115,11 @@ class attention {
   using tiles = get_policy<policies, chunking_kind>;
   // `recompute` (project q, k, v again in backward) or `save_all` (keep them in `saved`).
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // global_attention (the default: shape.window as given) or local_attention (a window required;
+  // in a model, model_config::attention_window).
+  using span = get_policy<policies, attention_span_kind>;
+  // Whether span is local_attention.
+  static constexpr bool local = std::is_same_v<span, local_attention>;
   // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
@@ -8131,6 +8160,9 @@ class attention {
     if (s.heads % s.kv_heads != 0) {
       return no("shape.kv_heads", "a divisor of shape.heads", d(s.kv_heads));
     }
+    if (local && s.window == 0) {
+      return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
+    }
     // NaN fails the first comparison, +inf the second.
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
@@ -8142,8 +8174,10 @@ class attention {
   static void check(const attention_shape& s) {
     const attention_support r = can_implement(s);
     if (!r.ok) {
+      const bool window = std::string(r.argument) == "shape.window";
       detail::throw_unsupported(r, std::string(r.argument) == "shape.rope_base",
-                                "Fix the attention_shape before sizing or running the layer");
+                                window ? "Set the window (in a model: model_config::attention_window)"
+                                       : "Fix the attention_shape before sizing or running the layer");
     }
   }
 
@@ -13325,6 +13359,7 @@ struct model_config {
   double norm_eps = 1e-5;       // RMSNorm
   double rope_base = 10000.0;   // attention and TTT
   double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
+  std::size_t attention_window = 0;  // W of the local_attention layers (keys i − W + 1 .. i)
 
   constexpr std::size_t hidden() const noexcept {
     // 8/3·C up to a multiple of 8, saturating (a width near SIZE_MAX is refused by its sizes).
@@ -13401,15 +13436,19 @@ struct mixer_traits<attention<P...>> {
   using layer = attention<P...>;
   using shape_type = attention_shape;
   using S = typename layer::storage_type;
-  static constexpr const char* name = "attention";
+  // A local_attention layer is its own block type: its parameters are named after it, and a
+  // pattern mixes it with global layers.
+  static constexpr const char* name = layer::local ? "local_attention" : "attention";
   static constexpr std::size_t param_count = 4;
 
-  // The tiles set the order of the online softmax's sums. The checkpoint policy is left out on
-  // purpose: save_all keeps the q, k, v that recompute would rebuild bit for bit, so it changes
-  // memory only and a resumed run may switch it.
-  static std::string identity(const model_config&) {
+  // The tiles set the order of the online softmax's sums; a local layer's window sets its keys.
+  // The checkpoint policy is left out on purpose: save_all keeps the q, k, v that recompute would
+  // rebuild bit for bit, so it changes memory only and a resumed run may switch it.
+  static std::string identity(const model_config& c) {
     return std::string(name) + "<" + detail::precision_identity<layer>() + ", tiles " +
-           std::to_string(layer::tiles::q_tile) + "x" + std::to_string(layer::tiles::kv_tile) + ", causal, rope>";
+           std::to_string(layer::tiles::q_tile) + "x" + std::to_string(layer::tiles::kv_tile) +
+           ", causal" + (layer::local ? ", window " + std::to_string(c.attention_window) : std::string()) +
+           ", rope>";
   }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
@@ -13422,6 +13461,7 @@ struct mixer_traits<attention<P...>> {
     s.head_dim = c.heads == 0 ? 0 : c.width / c.heads;
     s.causal = true;
     s.rope_base = c.rope_base;
+    s.window = layer::local ? c.attention_window : 0;
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
@@ -15039,8 +15079,8 @@ class model {
   std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
   // Each block's mixer index (block_pattern models); empty for a model that lists its blocks.
   const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
-  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp") among
-  // the block types, or block_types when there is none.
+  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp",
+  // "local_attention") among the block types, or block_types when there is none.
   static std::size_t mixer_index(const std::string& name) {
     std::size_t r = block_types;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -15084,7 +15124,7 @@ class model {
   }
   // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
-  // Block i's mixer name: "attention", "mamba", "ttt_linear" or "ttt_mlp".
+  // Block i's mixer name: "attention", "mamba", "ttt_linear", "ttt_mlp" or "local_attention".
   const char* block_name(std::size_t i) const {
     const char* n = "";
     visit_block(i, [&]<typename B>(B*) { n = B::name; });
@@ -15347,7 +15387,11 @@ class model {
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
     if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, attention_shape>) {
-      f += 2.0 * N * T * C;  // causal QKᵀ and PV: 2·(2·N·T·C)/2
+      // QKᵀ and PV over the pairs the mask keeps: T²/2 causal (as it always counted), the band's
+      // exact count under a window.
+      const attention_shape& a = d.p1.layer;
+      f += a.window == 0 ? 2.0 * N * T * C
+                         : 4.0 * static_cast<double>(b.batch) * attention_pairs(a) * C;
     } else if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, mamba_shape>) {
       f += 9.0 * N * static_cast<double>(d.p1.layer.d_inner * d.p1.layer.d_state);
     } else {
@@ -15686,10 +15730,11 @@ MEMBOUND_NAMESPACE_END
 // ---- end membound/model/model.hpp ----
 // ---- begin membound/model/hybrid.hpp ----
 // The hybrid whose blocks are chosen at run time: an embedding, a pattern of TTT-Linear,
-// attention, Mamba and TTT-MLP blocks (each with its SwiGLU MLP), and the LM head, at precision P
-// on a backend. The example trainer (both halves), the benchmarks and the Python package build
-// this one model; model::mixer_index maps the names "ttt_linear", "attention", "mamba", "ttt_mlp" to the
-// pattern's indices.
+// attention, Mamba, TTT-MLP and sliding-window attention blocks (each with its SwiGLU MLP), and
+// the LM head, at precision P on a backend. The example trainer (both halves), the benchmarks and
+// the Python package build this one model; model::mixer_index maps the names "ttt_linear",
+// "attention", "mamba", "ttt_mlp", "local_attention" to the pattern's indices. The local blocks'
+// window is model_config::attention_window.
 //
 //   membound::hybrid_model<membound::bf16_precision> m(config, {0, 1, 2, 1});
 
@@ -15699,17 +15744,21 @@ namespace detail {
 template <typename P, typename Backend>
 struct hybrid_of {
   using type = model<embedding<P>,
-                     block_pattern<ttt_linear<P, Backend>, attention<P, Backend>, mamba<P, Backend>, ttt_mlp<P, Backend>>,
+                     block_pattern<ttt_linear<P, Backend>, attention<P, Backend>, mamba<P, Backend>, ttt_mlp<P, Backend>,
+                                   attention<P, Backend, local_attention>>,
                      lm_head<P, Backend>>;
 };
 // On the CPU the layers' own default: the very types the library's CPU models have always used.
 template <typename P>
 struct hybrid_of<P, cpu_backend> {
-  using type = model<embedding<P>, block_pattern<ttt_linear<P>, attention<P>, mamba<P>, ttt_mlp<P>>, lm_head<P>>;
+  using type = model<embedding<P>,
+                     block_pattern<ttt_linear<P>, attention<P>, mamba<P>, ttt_mlp<P>, attention<P, local_attention>>,
+                     lm_head<P>>;
 };
 }  // namespace detail
 
-// The pattern's mixers in index order: 0 TTT-Linear, 1 attention, 2 Mamba, 3 TTT-MLP. Backend:
+// The pattern's mixers in index order: 0 TTT-Linear, 1 attention, 2 Mamba, 3 TTT-MLP, 4 local
+// (sliding-window) attention. Backend:
 // cpu_backend, or cuda_backend (backend/cuda.cuh, in a .cu file).
 template <typename P = fp32_precision, typename Backend = cpu_backend>
 using hybrid_model = typename detail::hybrid_of<P, Backend>::type;

@@ -164,6 +164,7 @@ def main():
             "--schedule": ["every:2x", "binomial:-1", "every:0", "binomial:0", "every:", "every:5", "every:+2", "bogus",
                            "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
+            "--window": ["0", "-1", "1048577", "x", "", "8"],  # 8: no swa block in the default --layers
             # Files: inputs exist, are files, readable, not empty; outputs in an existing folder.
             # A device or a pipe would be read without end, or wait for a writer forever.
             "--data": [p("missing.txt"), adir, p("empty.txt"), p("short.txt"), "", "/dev/zero", fifo],
@@ -194,6 +195,7 @@ def main():
             ("--min-lr", {"--lr": "0.001", "--min-lr": "0.002"}),
             ("--budget", {"--device": "cpu", "--budget": "0.5"}),  # a fraction is of a GPU's memory
             ("--attention-kernels", {"--device": "cpu", "--attention-kernels": "mma"}),  # the GPU's kernels
+            ("--window", {"--layers": "ttt,swa"}),                  # a sliding-window block without its window
             ("--foo", {"+": ["--foo", "1"]}),
             ("--width", {"--width": None, "+": ["--width"]}),      # no value
             ("--steps", {"+": ["--steps", "3"]}),                   # given twice
@@ -219,6 +221,8 @@ def main():
         c.accept(train, base, {"--precision": "bf16", "--lr": "1", "--min-lr": "0", "--clip": "0",
                                "--weight-decay": "0", "--schedule": "binomial:4", "--threads": "1"})
         c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
+        c.accept(train, base, {"--layers": "swa,attn,swa", "--window": "4"})  # local and global layers
+        c.accept(train, base, {"--layers": "swa", "--window": "1048576"})    # a window past the sequence
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
         # One process exchanges nothing: --overlap 1 is refused by name at every stage, never ignored.

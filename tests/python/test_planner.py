@@ -72,6 +72,21 @@ def test_table_equals_the_cpp_trainers(layers, width, heads, batch, seq, budget,
     assert got.fits
 
 
+@needs_train
+def test_local_attention_table_equals_the_cpp_trainers():
+    """Sliding-window blocks: the same plan table as `train --layers swa,attn,... --window W`."""
+    want = trainer_table(["--layers", "swa,attn,mamba,swa", "--window", "32", "--width", "128", "--heads", "4",
+                          "--batch", "8", "--seq", "256", "--budget", "40MiB", "--precision", "bf16", "--threads", "2"])
+    model = membound.Model(layers=["swa", "attn", "mamba", "local_attention"], width=128, heads=4, window=32)
+    got = membound.fit(model, batch=8, seq=256, budget="40MiB", precision="bf16", threads=2, prefer_below=0.97)
+    assert str(got) == want and got.fits
+    # The window changes the work (fewer key positions), never the bytes: an attention layer's
+    # buffers are linear in the sequence either way.
+    full = membound.fit(membound.Model(layers=["attn", "attn", "mamba", "attn"], width=128, heads=4),
+                        batch=8, seq=256, budget="40MiB", precision="bf16", threads=2, prefer_below=0.97)
+    assert got.peak_bytes == full.peak_bytes and got.forward_flops < full.forward_flops
+
+
 def test_plan_fields_add_up():
     model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
     p = membound.fit(model, batch=8, seq=128, budget="24MiB", threads=2)
@@ -136,6 +151,9 @@ MODEL = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
     (lambda: membound.Model(layers=["ttt"], width=64, heads=3), "heads"),
     (lambda: membound.Model(layers=["ttt"], width=64, heads=4, kv_heads=3), "kv_heads"),
     (lambda: membound.Model(layers=["ttt"], width=64, heads=2, vocab=0), "vocab"),
+    (lambda: membound.Model(layers=["ttt", "swa"], width=64, heads=2), "window"),
+    (lambda: membound.Model(layers=["ttt", "swa"], width=64, heads=2, window=-1), "window"),
+    (lambda: membound.Model(layers=["ttt", "attn"], width=64, heads=2, window=8), "window"),
     (lambda: membound.fit("ttt", batch=1, seq=1, budget="1GiB"), "model"),
     (lambda: membound.fit(MODEL, batch=0, seq=64, budget="1GiB"), "batch"),
     (lambda: membound.fit(MODEL, batch=2, seq=2.5, budget="1GiB"), "seq"),

@@ -35,6 +35,11 @@ using membound_test::hybrid;
 template <typename P>
 using attn3 = mb::model<mb::embedding<P>, mb::block<mb::attention<P>>, mb::block<mb::attention<P>>,
                         mb::block<mb::attention<P>>, mb::lm_head<P>>;
+// Mistral/Gemma-style: local (sliding-window) layers around a global one.
+template <typename P>
+using local3 = mb::model<mb::embedding<P>, mb::block<mb::attention<P, mb::local_attention>>,
+                         mb::block<mb::attention<P>>, mb::block<mb::attention<P, mb::local_attention>>,
+                         mb::lm_head<P>>;
 template <typename P>
 using mamba3 = mb::model<mb::embedding<P>, mb::block<mb::mamba<P>>, mb::block<mb::mamba<P>>,
                          mb::block<mb::mamba<P>>, mb::lm_head<P>>;
@@ -128,6 +133,12 @@ TEST_CASE("model: every schedule gives none's gradients bit for bit; measured pe
   SUBCASE("hybrid bf16") { check_schedules(hybrid<mb::bf16_precision>(c), b, 2); }
   SUBCASE("attention fp32") { check_schedules(attn3<mb::fp32_precision>(c), b, 1); }
   SUBCASE("attention bf16") { check_schedules(attn3<mb::bf16_precision>(c), b, 2); }
+  SUBCASE("local and global attention fp32, bf16") {
+    mb::model_config w = c;
+    w.attention_window = 5;  // 19 tokens: the window slides well inside the sequence
+    check_schedules(local3<mb::fp32_precision>(w), b, 2);
+    check_schedules(local3<mb::bf16_precision>(w), b, 1);
+  }
   SUBCASE("mamba fp32") { check_schedules(mamba3<mb::fp32_precision>(c), b, 2); }
   SUBCASE("mamba bf16") { check_schedules(mamba3<mb::bf16_precision>(c), b, 1); }
   SUBCASE("ttt fp32") { check_schedules(ttt3<mb::fp32_precision>(c), b, 2); }
@@ -190,6 +201,66 @@ TEST_CASE("model: finite differences in double agree with the backward for every
     }
   }
   CHECK(checked >= 3 * 40);
+}
+
+// The local layers' window reaches the loss (the same weights give another loss than with every
+// key), their gradients agree with finite differences, and a local layer without a window is
+// refused naming it.
+TEST_CASE("model: local_attention blocks take model_config::attention_window") {
+  mb::model_config c = small_config();
+  c.tie_embeddings = false;
+  c.attention_window = 3;
+  const local3<mb::fp64_precision> m(c);
+  const mb::batch_shape b{2, 11};
+  const data d = make_data(b, c.vocab, 5);
+  mb::plan_options o;
+  o.threads = 2;
+  o.head_chunk = 4;
+  o.optimizer = false;
+  const mb::training_plan p = mb::make_plan(m, b, mb::schedules::every<2>{}, o);
+  mb::thread_pool pool(2);
+  mb::budget_allocator<mb::system_allocator> alloc(std::size_t{1} << 32);
+  std::vector<double> w(m.parameter_elements()), g(w.size(), 0.0), scratch(w.size());
+  m.init_weights(w.data(), 9);
+  const auto loss_of = [&](const auto& model, std::vector<double>& grads) {
+    return model.forward_backward(w.data(), grads.data(), d.tokens.data(), d.targets.data(), b, p.ops,
+                                  p.head_chunk, 1.0, alloc, pool);
+  };
+  const double windowed = loss_of(m, g);
+  mb::model_config wide = c;
+  wide.attention_window = 11;  // covers the sequence: every key, as the global layer
+  const local3<mb::fp64_precision> everything(wide);
+  using global3 = attn3<mb::fp64_precision>;
+  std::vector<double> g2(w.size(), 0.0), g3(w.size(), 0.0);
+  CHECK(loss_of(everything, g2) == loss_of(global3(wide), g3));
+  CHECK(loss_of(everything, g2) != windowed);
+  CHECK(m.block_name(0) == std::string("local_attention"));
+  CHECK(m.parameters()[1].name == "blocks.0.local_attention.norm1");
+  for (const mb::param_entry& e : m.parameters()) {
+    if (e.count == 0 || e.name.find("local_attention.w") == std::string::npos) continue;
+    for (std::size_t j : {std::size_t{0}, e.count / 2, e.count - 1}) {
+      CAPTURE(e.name);
+      CAPTURE(j);
+      const std::size_t k = e.offset + j;
+      const double h = 1e-5, orig = w[k];
+      w[k] = orig + h;
+      const double lp = loss_of(m, scratch);
+      w[k] = orig - h;
+      const double lm = loss_of(m, scratch);
+      w[k] = orig;
+      CHECK(std::abs((lp - lm) / (2 * h) - g[k]) <= 1e-4 * std::abs(g[k]) + 1e-9);
+    }
+  }
+  mb::model_config none = c;
+  none.attention_window = 0;
+  const local3<mb::fp64_precision> unset(none);
+  try {
+    (void)mb::make_plan(unset, b, mb::schedules::none{}, o);
+    FAIL("a local layer without a window was planned");
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "shape.window");
+    CHECK(std::string(e.what()).find("model_config::attention_window") != std::string::npos);
+  }
 }
 
 TEST_CASE("planner: the plan table names every category, the peak phase and the headroom") {

@@ -51,6 +51,7 @@
 #include "membound/layers/layer_support.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/policy/recompute.hpp"
+#include "membound/policy/attention_span.hpp"
 #include "membound/policy/backend.hpp"
 #include "membound/policy/chunking.hpp"
 #include "membound/policy/policy_set.hpp"
@@ -67,7 +68,8 @@ class attention {
  public:
   // Precision, tiles, recompute policy and backend: the defaults, overridden by Policies.
   using policies =
-      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, cpu_backend>,
+      policy_set<type_list<fp32_precision, attention_tiles<64, 64>, recompute, global_attention,
+                           cpu_backend>,
                  Policies...>;
   // cpu_backend (the default) or cuda_backend: where the pointers live and whose kernels run.
   using backend = get_policy<policies, backend_kind>;
@@ -78,6 +80,11 @@ class attention {
   using tiles = get_policy<policies, chunking_kind>;
   // `recompute` (project q, k, v again in backward) or `save_all` (keep them in `saved`).
   using recompute_policy = get_policy<policies, recompute_kind>;
+  // global_attention (the default: shape.window as given) or local_attention (a window required;
+  // in a model, model_config::attention_window).
+  using span = get_policy<policies, attention_span_kind>;
+  // Whether span is local_attention.
+  static constexpr bool local = std::is_same_v<span, local_attention>;
   // The former name of recompute_policy, kept so that old code still compiles (with a warning).
   using checkpoint [[deprecated("membound: a layer's checkpoint policy is now its recompute_policy")]] =
       recompute_policy;
@@ -118,6 +125,9 @@ class attention {
     if (s.heads % s.kv_heads != 0) {
       return no("shape.kv_heads", "a divisor of shape.heads", d(s.kv_heads));
     }
+    if (local && s.window == 0) {
+      return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
+    }
     // NaN fails the first comparison, +inf the second.
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
@@ -129,8 +139,10 @@ class attention {
   static void check(const attention_shape& s) {
     const attention_support r = can_implement(s);
     if (!r.ok) {
+      const bool window = std::string(r.argument) == "shape.window";
       detail::throw_unsupported(r, std::string(r.argument) == "shape.rope_base",
-                                "Fix the attention_shape before sizing or running the layer");
+                                window ? "Set the window (in a model: model_config::attention_window)"
+                                       : "Fix the attention_shape before sizing or running the layer");
     }
   }
 

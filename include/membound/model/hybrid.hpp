@@ -1,8 +1,9 @@
 // The hybrid whose blocks are chosen at run time: an embedding, a pattern of TTT-Linear,
-// attention, Mamba and TTT-MLP blocks (each with its SwiGLU MLP), and the LM head, at precision P
-// on a backend. The example trainer (both halves), the benchmarks and the Python package build
-// this one model; model::mixer_index maps the names "ttt_linear", "attention", "mamba", "ttt_mlp" to the
-// pattern's indices.
+// attention, Mamba, TTT-MLP and sliding-window attention blocks (each with its SwiGLU MLP), and
+// the LM head, at precision P on a backend. The example trainer (both halves), the benchmarks and
+// the Python package build this one model; model::mixer_index maps the names "ttt_linear",
+// "attention", "mamba", "ttt_mlp", "local_attention" to the pattern's indices. The local blocks'
+// window is model_config::attention_window.
 //
 //   membound::hybrid_model<membound::bf16_precision> m(config, {0, 1, 2, 1});
 #pragma once
@@ -20,17 +21,21 @@ namespace detail {
 template <typename P, typename Backend>
 struct hybrid_of {
   using type = model<embedding<P>,
-                     block_pattern<ttt_linear<P, Backend>, attention<P, Backend>, mamba<P, Backend>, ttt_mlp<P, Backend>>,
+                     block_pattern<ttt_linear<P, Backend>, attention<P, Backend>, mamba<P, Backend>, ttt_mlp<P, Backend>,
+                                   attention<P, Backend, local_attention>>,
                      lm_head<P, Backend>>;
 };
 // On the CPU the layers' own default: the very types the library's CPU models have always used.
 template <typename P>
 struct hybrid_of<P, cpu_backend> {
-  using type = model<embedding<P>, block_pattern<ttt_linear<P>, attention<P>, mamba<P>, ttt_mlp<P>>, lm_head<P>>;
+  using type = model<embedding<P>,
+                     block_pattern<ttt_linear<P>, attention<P>, mamba<P>, ttt_mlp<P>, attention<P, local_attention>>,
+                     lm_head<P>>;
 };
 }  // namespace detail
 
-// The pattern's mixers in index order: 0 TTT-Linear, 1 attention, 2 Mamba, 3 TTT-MLP. Backend:
+// The pattern's mixers in index order: 0 TTT-Linear, 1 attention, 2 Mamba, 3 TTT-MLP, 4 local
+// (sliding-window) attention. Backend:
 // cpu_backend, or cuda_backend (backend/cuda.cuh, in a .cu file).
 template <typename P = fp32_precision, typename Backend = cpu_backend>
 using hybrid_model = typename detail::hybrid_of<P, Backend>::type;

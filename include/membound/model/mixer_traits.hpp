@@ -55,15 +55,19 @@ struct mixer_traits<attention<P...>> {
   using layer = attention<P...>;
   using shape_type = attention_shape;
   using S = typename layer::storage_type;
-  static constexpr const char* name = "attention";
+  // A local_attention layer is its own block type: its parameters are named after it, and a
+  // pattern mixes it with global layers.
+  static constexpr const char* name = layer::local ? "local_attention" : "attention";
   static constexpr std::size_t param_count = 4;
 
-  // The tiles set the order of the online softmax's sums. The checkpoint policy is left out on
-  // purpose: save_all keeps the q, k, v that recompute would rebuild bit for bit, so it changes
-  // memory only and a resumed run may switch it.
-  static std::string identity(const model_config&) {
+  // The tiles set the order of the online softmax's sums; a local layer's window sets its keys.
+  // The checkpoint policy is left out on purpose: save_all keeps the q, k, v that recompute would
+  // rebuild bit for bit, so it changes memory only and a resumed run may switch it.
+  static std::string identity(const model_config& c) {
     return std::string(name) + "<" + detail::precision_identity<layer>() + ", tiles " +
-           std::to_string(layer::tiles::q_tile) + "x" + std::to_string(layer::tiles::kv_tile) + ", causal, rope>";
+           std::to_string(layer::tiles::q_tile) + "x" + std::to_string(layer::tiles::kv_tile) +
+           ", causal" + (layer::local ? ", window " + std::to_string(c.attention_window) : std::string()) +
+           ", rope>";
   }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
@@ -76,6 +80,7 @@ struct mixer_traits<attention<P...>> {
     s.head_dim = c.heads == 0 ? 0 : c.width / c.heads;
     s.causal = true;
     s.rope_base = c.rope_base;
+    s.window = layer::local ? c.attention_window : 0;
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {

@@ -247,8 +247,8 @@ class model {
   std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
   // Each block's mixer index (block_pattern models); empty for a model that lists its blocks.
   const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
-  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp") among
-  // the block types, or block_types when there is none.
+  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp",
+  // "local_attention") among the block types, or block_types when there is none.
   static std::size_t mixer_index(const std::string& name) {
     std::size_t r = block_types;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -292,7 +292,7 @@ class model {
   }
   // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
-  // Block i's mixer name: "attention", "mamba", "ttt_linear" or "ttt_mlp".
+  // Block i's mixer name: "attention", "mamba", "ttt_linear", "ttt_mlp" or "local_attention".
   const char* block_name(std::size_t i) const {
     const char* n = "";
     visit_block(i, [&]<typename B>(B*) { n = B::name; });
@@ -555,7 +555,11 @@ class model {
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
     if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, attention_shape>) {
-      f += 2.0 * N * T * C;  // causal QKᵀ and PV: 2·(2·N·T·C)/2
+      // QKᵀ and PV over the pairs the mask keeps: T²/2 causal (as it always counted), the band's
+      // exact count under a window.
+      const attention_shape& a = d.p1.layer;
+      f += a.window == 0 ? 2.0 * N * T * C
+                         : 4.0 * static_cast<double>(b.batch) * attention_pairs(a) * C;
     } else if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, mamba_shape>) {
       f += 9.0 * N * static_cast<double>(d.p1.layer.d_inner * d.p1.layer.d_state);
     } else {

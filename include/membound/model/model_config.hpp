@@ -20,6 +20,7 @@ struct model_config {
   double norm_eps = 1e-5;       // RMSNorm
   double rope_base = 10000.0;   // attention and TTT
   double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
+  std::size_t attention_window = 0;  // W of the local_attention layers (keys i − W + 1 .. i)
 
   constexpr std::size_t hidden() const noexcept {
     // 8/3·C up to a multiple of 8, saturating (a width near SIZE_MAX is refused by its sizes).

@@ -35,6 +35,7 @@
 #include "membound/backend/cuda/model.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/shape/attention_shape.hpp"  // attention_band
 
 MEMBOUND_NAMESPACE_BEGIN
 
