@@ -28,6 +28,7 @@ double fma_kernel(long iters) {
   const __m512 a = _mm512_set1_ps(0.9999f), b = _mm512_set1_ps(1e-7f);
   for (int c = 0; c < chains; ++c) acc[c] = _mm512_set1_ps(static_cast<float>(c));
   for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 16  // every chain in its own register: a loop over acc[] goes through memory
     for (int c = 0; c < chains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
   __m512 s = acc[0];
   for (int c = 1; c < chains; ++c) s = _mm512_add_ps(s, acc[c]);
@@ -41,6 +42,7 @@ double fma_kernel(long iters) {
   const __m256 a = _mm256_set1_ps(0.9999f), b = _mm256_set1_ps(1e-7f);
   for (int c = 0; c < chains; ++c) acc[c] = _mm256_set1_ps(static_cast<float>(c));
   for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 16  // every chain in its own register: a loop over acc[] goes through memory
     for (int c = 0; c < chains; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
   float out[8];
   __m256 s = acc[0];
@@ -60,6 +62,7 @@ double fma_kernel(long iters) {
   const v4 a = {0.9999f, 0.9999f, 0.9999f, 0.9999f}, b = {1e-7f, 1e-7f, 1e-7f, 1e-7f};
   for (int c = 0; c < chains; ++c) acc[c] = v4{} + static_cast<float>(c);
   for (long i = 0; i < iters; ++i)
+#pragma GCC unroll 16  // every chain in its own register: a loop over acc[] goes through memory
     for (int c = 0; c < chains; ++c) acc[c] = acc[c] * a + b;
   double r = 0;
   for (int c = 0; c < chains; ++c)
