@@ -6417,42 +6417,81 @@ struct attention_shape {
   // as FlashAttention's window_size = (W − 1, 0) and Mistral's sliding_window = W; bidirectional:
   // keys with |i − j| < W. Any W ≥ 1 is valid; W ≥ T changes nothing.
   std::size_t window = 0;
+  // Packed variable-length sequences (nullptr: none): `sequences` sequences laid end to end on one
+  // token axis (batch 1, seq their total), sequence s at tokens [offsets[s], offsets[s + 1]);
+  // offsets has sequences + 1 entries, 0 first, seq last, never decreasing (FlashAttention's
+  // cu_seqlens; empty sequences are allowed). Each attends only inside itself and its RoPE
+  // positions restart at 0: packed equals each sequence run alone, with no padding.
+  const std::int32_t* offsets = nullptr;
+  std::size_t sequences = 0;
 };
 
-// Which keys each query sees: the causal mask and the window as ranges, so a tiled kernel skips
-// every tile outside the band (O(T·W) work) and masks only the tiles that cross its edges. Every
-// query sees at least itself. The ends are monotone in the position, so a tile's range is the
-// union of its first and last rows' ranges. Shared by the CPU and CUDA kernels.
+// Which keys each query sees: the causal mask, the window and the packed sequences' bounds as
+// ranges, so a tiled kernel skips every tile outside the band (O(T·W) work) and masks only the
+// tiles that cross its edges. Every query sees at least itself. The ends are monotone in the
+// position, so a tile's range is the union of its first and last rows' ranges. Shared by the CPU
+// and CUDA kernels.
 struct attention_band {
   std::size_t seq = 1;
   std::size_t window = 0;
   bool causal = true;
+  const std::int32_t* offsets = nullptr;  // packed sequences (see attention_shape), or none
+  std::size_t sequences = 0;
 
   MEMBOUND_HOST_DEVICE constexpr bool sees(std::size_t i, std::size_t j) const noexcept {
     return key_begin(i) <= j && j < key_end(i);
   }
   // First key query i sees.
   MEMBOUND_HOST_DEVICE constexpr std::size_t key_begin(std::size_t i) const noexcept {
-    return window != 0 && i >= window ? i - window + 1 : 0;
+    const std::size_t w = window != 0 && i >= window ? i - window + 1 : 0;
+    const std::size_t s = sequence_begin(i);
+    return w > s ? w : s;
   }
   // One past the last key query i sees.
   MEMBOUND_HOST_DEVICE constexpr std::size_t key_end(std::size_t i) const noexcept {
     if (causal || i >= seq) return i + 1 < seq ? i + 1 : seq;
-    return window != 0 && window < seq - i ? i + window : seq;
+    return window_end(i);
   }
   // First query that sees key j.
   MEMBOUND_HOST_DEVICE constexpr std::size_t query_begin(std::size_t j) const noexcept {
-    if (causal) return j;
-    return window != 0 && j >= window ? j - window + 1 : 0;
+    return causal ? j : key_begin(j);  // the bidirectional band is symmetric
   }
   // One past the last query that sees key j.
   MEMBOUND_HOST_DEVICE constexpr std::size_t query_end(std::size_t j) const noexcept {
-    return window != 0 && j < seq && window < seq - j ? j + window : seq;
+    return window_end(j);
+  }
+  // Where token i's sequence starts (0 unpacked), and i's position in it.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_begin(std::size_t i) const noexcept {
+    return sequences == 0 ? 0 : static_cast<std::size_t>(offsets[sequence_of(i)]);
+  }
+  MEMBOUND_HOST_DEVICE constexpr std::size_t position(std::size_t i) const noexcept {
+    return i - sequence_begin(i);
+  }
+
+ private:
+  // The sequence holding token i < seq: the last s with offsets[s] <= i (binary search; an empty
+  // sequence shares its offset with the next one, which is the one that holds i).
+  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_of(std::size_t i) const noexcept {
+    std::size_t lo = 0, hi = sequences;  // offsets[lo] <= i < offsets[hi]
+    while (hi - lo > 1) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (static_cast<std::size_t>(offsets[mid]) <= i) lo = mid; else hi = mid;
+    }
+    return lo;
+  }
+  // One past the last key (or query) within the window of token j and inside its sequence.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t window_end(std::size_t j) const noexcept {
+    std::size_t e = window != 0 && j < seq && window < seq - j ? j + window : seq;
+    if (sequences != 0 && j < seq) {
+      const std::size_t s = static_cast<std::size_t>(offsets[sequence_of(j) + 1]);
+      e = e < s ? e : s;
+    }
+    return e;
   }
 };
 
 constexpr attention_band band_of(const attention_shape& s) noexcept {
-  return attention_band{s.seq, s.window, s.causal};
+  return attention_band{s.seq, s.window, s.causal, s.offsets, s.offsets == nullptr ? 0 : s.sequences};
 }
 
 // Positions a decoding cache keeps for max_len positions: all of them, or the window's last W
@@ -7271,17 +7310,20 @@ void rope_table(thread_pool& pool, A* table, std::size_t T, std::size_t D, doubl
   });
 }
 
-// RoPE from the table (rope_table of T positions): row n is token n % T. inverse rotates by
-// −angle (sin negated exactly: the transpose, for gradients). The inner loop runs over the D/2
-// pairs of a head, contiguous in x and in the table, so it vectorizes.
+// RoPE from the table (rope_table of T positions): row n is token n % T, or under packed
+// sequences (`packing`, the band of a shape with offsets) token n's position in its sequence.
+// inverse rotates by −angle (sin negated exactly: the transpose, for gradients). The inner loop
+// runs over the D/2 pairs of a head, contiguous in x and in the table, so it vectorizes.
 template <typename A>
 void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
-               std::size_t D, const A* table, bool inverse) {
+               std::size_t D, const A* table, bool inverse,
+               const attention_band& packing = attention_band{}) {
   const std::size_t half = D / 2, width = heads * D;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) {
-      const A* c = table + (n % T) * 2 * half;
+      const std::size_t position = packing.sequences != 0 ? packing.position(n) : n % T;
+      const A* c = table + position * 2 * half;
       const A* sn = c + half;
       A* row = x + n * width;
       for (std::size_t h = 0; h < heads; ++h) {
@@ -7719,8 +7761,8 @@ struct backend_kernels<cpu_backend, attention_shape> {
                         pk.data());
 
     // Phase 2: undo RoPE (its transpose) and the weight gradients.
-    cpu::rope_rows(ex, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
-    cpu::rope_rows(ex, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
+    cpu::rope_rows(ex, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true, band_of(s));
+    cpu::rope_rows(ex, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true, band_of(s));
     A* tmp = ws.template get<A>(b_dw);
     cpu::weight_grad(ex, xa, static_cast<const A*>(dq), gwq, tmp, N, C, HD, pk);
     cpu::weight_grad(ex, xa, static_cast<const A*>(dk), gwk, tmp, N, C, KD, pk);
@@ -7929,8 +7971,8 @@ struct backend_kernels<cpu_backend, attention_shape> {
     cpu::matmul(ex, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
     cpu::matmul(ex, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
     cpu::matmul(ex, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
-    cpu::rope_rows(ex, q, N, s.seq, s.heads, s.head_dim, table, false);
-    cpu::rope_rows(ex, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
+    cpu::rope_rows(ex, q, N, s.seq, s.heads, s.head_dim, table, false, band_of(s));
+    cpu::rope_rows(ex, k, N, s.seq, s.kv_heads, s.head_dim, table, false, band_of(s));
   }
 
   // The weights in A: the caller's own for fp32/fp64, converted copies in `slot` otherwise.
@@ -7967,6 +8009,8 @@ MEMBOUND_NAMESPACE_END
 //   o = P·v with heads concatenated, y = o·Wo; lse is the natural-log logsumexp of S's rows.
 //   shape.window = W > 0 keeps only keys i − W + 1 .. i (causal; |i − j| < W bidirectional):
 //   Mistral-style sliding-window attention in O(T·W) work, decoding over a ring of W positions.
+//   shape.offsets packs variable-length sequences on one token axis (FlashAttention's varlen):
+//   each attends inside itself from RoPE position 0, as if run alone (CPU backend so far).
 //
 //   using attn = membound::attention<membound::bf16_precision>;
 //   attn::check(shape);                                          // throws, naming the argument
@@ -8163,9 +8207,33 @@ class attention {
     if (local && s.window == 0) {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
+    if (s.offsets != nullptr || s.sequences != 0) return check_packing(s);
     // NaN fails the first comparison, +inf the second.
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
+    }
+    return {};
+  }
+
+  // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
+  static constexpr attention_support check_packing(const attention_shape& s) noexcept {
+    auto no = [](const char* arg, const char* expected, double actual) {
+      return attention_support{false, arg, expected, actual};
+    };
+    if constexpr (!std::is_same_v<backend, cpu_backend>) {
+      return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+    }
+    if (s.offsets == nullptr) return no("shape.offsets", "the sequences' offsets (shape.sequences is set)", 0.0);
+    if (s.sequences == 0) return no("shape.sequences", "at least 1 with shape.offsets", 0.0);
+    if (s.batch != 1) return no("shape.batch", "1 with packed sequences (they share one token axis)", static_cast<double>(s.batch));
+    if (s.offsets[0] != 0) return no("shape.offsets", "offsets[0] = 0", static_cast<double>(s.offsets[0]));
+    for (std::size_t k = 0; k < s.sequences; ++k) {
+      if (s.offsets[k + 1] < s.offsets[k]) {
+        return no("shape.offsets", "never decreasing (sequence lengths of 0 or more)", static_cast<double>(s.offsets[k + 1]));
+      }
+    }
+    if (static_cast<std::size_t>(s.offsets[s.sequences]) != s.seq) {
+      return no("shape.offsets", "offsets[sequences] = shape.seq (the packed tokens)", static_cast<double>(s.offsets[s.sequences]));
     }
     return {};
   }
@@ -8321,6 +8389,10 @@ class attention {
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
                              "Single-step decoding reproduces only causal attention");
+    }
+    if (s.offsets != nullptr) {
+      throw invalid_argument("shape.offsets", "nullptr for decoding", "packed sequences",
+                             "Decode each sequence as a batch row: its cache holds its own positions");
     }
     check_weights(w);
     detail::need_pointer(x_t, "x_t");

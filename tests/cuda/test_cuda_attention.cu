@@ -273,6 +273,14 @@ void typed_errors() {
   EXPECT_THROW(mb::invalid_argument, gpu_attn::check({1, 4, 16, 2, 1, 12, true}));
   EXPECT_THROW(mb::invalid_argument, gpu_attn::check({1, 4, 16, 3, 2, 8, true}));
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
+  // Packed sequences are the CPU backend's so far: refused by name, before anything runs.
+  const std::int32_t offsets[] = {0, 1, 4};
+  mb::attention_shape packed = s;
+  packed.offsets = offsets;
+  packed.sequences = 2;
+  CHECK(!gpu_attn::can_implement(packed).ok);
+  CHECK(std::string(gpu_attn::can_implement(packed).argument) == "shape.offsets");
+  EXPECT_THROW(mb::invalid_argument, gpu_attn::check(packed));
 }
 
 }  // namespace

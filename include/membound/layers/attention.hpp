@@ -5,6 +5,8 @@
 //   o = P·v with heads concatenated, y = o·Wo; lse is the natural-log logsumexp of S's rows.
 //   shape.window = W > 0 keeps only keys i − W + 1 .. i (causal; |i − j| < W bidirectional):
 //   Mistral-style sliding-window attention in O(T·W) work, decoding over a ring of W positions.
+//   shape.offsets packs variable-length sequences on one token axis (FlashAttention's varlen):
+//   each attends inside itself from RoPE position 0, as if run alone (CPU backend so far).
 //
 //   using attn = membound::attention<membound::bf16_precision>;
 //   attn::check(shape);                                          // throws, naming the argument
@@ -128,9 +130,33 @@ class attention {
     if (local && s.window == 0) {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
+    if (s.offsets != nullptr || s.sequences != 0) return check_packing(s);
     // NaN fails the first comparison, +inf the second.
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
+    }
+    return {};
+  }
+
+  // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
+  static constexpr attention_support check_packing(const attention_shape& s) noexcept {
+    auto no = [](const char* arg, const char* expected, double actual) {
+      return attention_support{false, arg, expected, actual};
+    };
+    if constexpr (!std::is_same_v<backend, cpu_backend>) {
+      return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+    }
+    if (s.offsets == nullptr) return no("shape.offsets", "the sequences' offsets (shape.sequences is set)", 0.0);
+    if (s.sequences == 0) return no("shape.sequences", "at least 1 with shape.offsets", 0.0);
+    if (s.batch != 1) return no("shape.batch", "1 with packed sequences (they share one token axis)", static_cast<double>(s.batch));
+    if (s.offsets[0] != 0) return no("shape.offsets", "offsets[0] = 0", static_cast<double>(s.offsets[0]));
+    for (std::size_t k = 0; k < s.sequences; ++k) {
+      if (s.offsets[k + 1] < s.offsets[k]) {
+        return no("shape.offsets", "never decreasing (sequence lengths of 0 or more)", static_cast<double>(s.offsets[k + 1]));
+      }
+    }
+    if (static_cast<std::size_t>(s.offsets[s.sequences]) != s.seq) {
+      return no("shape.offsets", "offsets[sequences] = shape.seq (the packed tokens)", static_cast<double>(s.offsets[s.sequences]));
     }
     return {};
   }
@@ -286,6 +312,10 @@ class attention {
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
                              "Single-step decoding reproduces only causal attention");
+    }
+    if (s.offsets != nullptr) {
+      throw invalid_argument("shape.offsets", "nullptr for decoding", "packed sequences",
+                             "Decode each sequence as a batch row: its cache holds its own positions");
     }
     check_weights(w);
     detail::need_pointer(x_t, "x_t");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "membound/core/config.hpp"
 
@@ -21,42 +22,81 @@ struct attention_shape {
   // as FlashAttention's window_size = (W − 1, 0) and Mistral's sliding_window = W; bidirectional:
   // keys with |i − j| < W. Any W ≥ 1 is valid; W ≥ T changes nothing.
   std::size_t window = 0;
+  // Packed variable-length sequences (nullptr: none): `sequences` sequences laid end to end on one
+  // token axis (batch 1, seq their total), sequence s at tokens [offsets[s], offsets[s + 1]);
+  // offsets has sequences + 1 entries, 0 first, seq last, never decreasing (FlashAttention's
+  // cu_seqlens; empty sequences are allowed). Each attends only inside itself and its RoPE
+  // positions restart at 0: packed equals each sequence run alone, with no padding.
+  const std::int32_t* offsets = nullptr;
+  std::size_t sequences = 0;
 };
 
-// Which keys each query sees: the causal mask and the window as ranges, so a tiled kernel skips
-// every tile outside the band (O(T·W) work) and masks only the tiles that cross its edges. Every
-// query sees at least itself. The ends are monotone in the position, so a tile's range is the
-// union of its first and last rows' ranges. Shared by the CPU and CUDA kernels.
+// Which keys each query sees: the causal mask, the window and the packed sequences' bounds as
+// ranges, so a tiled kernel skips every tile outside the band (O(T·W) work) and masks only the
+// tiles that cross its edges. Every query sees at least itself. The ends are monotone in the
+// position, so a tile's range is the union of its first and last rows' ranges. Shared by the CPU
+// and CUDA kernels.
 struct attention_band {
   std::size_t seq = 1;
   std::size_t window = 0;
   bool causal = true;
+  const std::int32_t* offsets = nullptr;  // packed sequences (see attention_shape), or none
+  std::size_t sequences = 0;
 
   MEMBOUND_HOST_DEVICE constexpr bool sees(std::size_t i, std::size_t j) const noexcept {
     return key_begin(i) <= j && j < key_end(i);
   }
   // First key query i sees.
   MEMBOUND_HOST_DEVICE constexpr std::size_t key_begin(std::size_t i) const noexcept {
-    return window != 0 && i >= window ? i - window + 1 : 0;
+    const std::size_t w = window != 0 && i >= window ? i - window + 1 : 0;
+    const std::size_t s = sequence_begin(i);
+    return w > s ? w : s;
   }
   // One past the last key query i sees.
   MEMBOUND_HOST_DEVICE constexpr std::size_t key_end(std::size_t i) const noexcept {
     if (causal || i >= seq) return i + 1 < seq ? i + 1 : seq;
-    return window != 0 && window < seq - i ? i + window : seq;
+    return window_end(i);
   }
   // First query that sees key j.
   MEMBOUND_HOST_DEVICE constexpr std::size_t query_begin(std::size_t j) const noexcept {
-    if (causal) return j;
-    return window != 0 && j >= window ? j - window + 1 : 0;
+    return causal ? j : key_begin(j);  // the bidirectional band is symmetric
   }
   // One past the last query that sees key j.
   MEMBOUND_HOST_DEVICE constexpr std::size_t query_end(std::size_t j) const noexcept {
-    return window != 0 && j < seq && window < seq - j ? j + window : seq;
+    return window_end(j);
+  }
+  // Where token i's sequence starts (0 unpacked), and i's position in it.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_begin(std::size_t i) const noexcept {
+    return sequences == 0 ? 0 : static_cast<std::size_t>(offsets[sequence_of(i)]);
+  }
+  MEMBOUND_HOST_DEVICE constexpr std::size_t position(std::size_t i) const noexcept {
+    return i - sequence_begin(i);
+  }
+
+ private:
+  // The sequence holding token i < seq: the last s with offsets[s] <= i (binary search; an empty
+  // sequence shares its offset with the next one, which is the one that holds i).
+  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_of(std::size_t i) const noexcept {
+    std::size_t lo = 0, hi = sequences;  // offsets[lo] <= i < offsets[hi]
+    while (hi - lo > 1) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (static_cast<std::size_t>(offsets[mid]) <= i) lo = mid; else hi = mid;
+    }
+    return lo;
+  }
+  // One past the last key (or query) within the window of token j and inside its sequence.
+  MEMBOUND_HOST_DEVICE constexpr std::size_t window_end(std::size_t j) const noexcept {
+    std::size_t e = window != 0 && j < seq && window < seq - j ? j + window : seq;
+    if (sequences != 0 && j < seq) {
+      const std::size_t s = static_cast<std::size_t>(offsets[sequence_of(j) + 1]);
+      e = e < s ? e : s;
+    }
+    return e;
   }
 };
 
 constexpr attention_band band_of(const attention_shape& s) noexcept {
-  return attention_band{s.seq, s.window, s.causal};
+  return attention_band{s.seq, s.window, s.causal, s.offsets, s.offsets == nullptr ? 0 : s.sequences};
 }
 
 // Positions a decoding cache keeps for max_len positions: all of them, or the window's last W

@@ -79,17 +79,20 @@ void rope_table(thread_pool& pool, A* table, std::size_t T, std::size_t D, doubl
   });
 }
 
-// RoPE from the table (rope_table of T positions): row n is token n % T. inverse rotates by
-// −angle (sin negated exactly: the transpose, for gradients). The inner loop runs over the D/2
-// pairs of a head, contiguous in x and in the table, so it vectorizes.
+// RoPE from the table (rope_table of T positions): row n is token n % T, or under packed
+// sequences (`packing`, the band of a shape with offsets) token n's position in its sequence.
+// inverse rotates by −angle (sin negated exactly: the transpose, for gradients). The inner loop
+// runs over the D/2 pairs of a head, contiguous in x and in the table, so it vectorizes.
 template <typename A>
 void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
-               std::size_t D, const A* table, bool inverse) {
+               std::size_t D, const A* table, bool inverse,
+               const attention_band& packing = attention_band{}) {
   const std::size_t half = D / 2, width = heads * D;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) {
-      const A* c = table + (n % T) * 2 * half;
+      const std::size_t position = packing.sequences != 0 ? packing.position(n) : n % T;
+      const A* c = table + position * 2 * half;
       const A* sn = c + half;
       A* row = x + n * width;
       for (std::size_t h = 0; h < heads; ++h) {
@@ -527,8 +530,8 @@ struct backend_kernels<cpu_backend, attention_shape> {
                         pk.data());
 
     // Phase 2: undo RoPE (its transpose) and the weight gradients.
-    cpu::rope_rows(ex, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true);
-    cpu::rope_rows(ex, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true);
+    cpu::rope_rows(ex, dq, N, T, s.heads, s.head_dim, static_cast<const A*>(table), true, band_of(s));
+    cpu::rope_rows(ex, dk, N, T, s.kv_heads, s.head_dim, static_cast<const A*>(table), true, band_of(s));
     A* tmp = ws.template get<A>(b_dw);
     cpu::weight_grad(ex, xa, static_cast<const A*>(dq), gwq, tmp, N, C, HD, pk);
     cpu::weight_grad(ex, xa, static_cast<const A*>(dk), gwk, tmp, N, C, KD, pk);
@@ -737,8 +740,8 @@ struct backend_kernels<cpu_backend, attention_shape> {
     cpu::matmul(ex, xa, wa.q, q, N, C, HD, false, cpu::ld3{C, HD, HD}, packing);
     cpu::matmul(ex, xa, wa.k, k, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
     cpu::matmul(ex, xa, wa.v, v, N, C, KD, false, cpu::ld3{C, KD, KD}, packing);
-    cpu::rope_rows(ex, q, N, s.seq, s.heads, s.head_dim, table, false);
-    cpu::rope_rows(ex, k, N, s.seq, s.kv_heads, s.head_dim, table, false);
+    cpu::rope_rows(ex, q, N, s.seq, s.heads, s.head_dim, table, false, band_of(s));
+    cpu::rope_rows(ex, k, N, s.seq, s.kv_heads, s.head_dim, table, false, band_of(s));
   }
 
   // The weights in A: the caller's own for fp32/fp64, converted copies in `slot` otherwise.
