@@ -6402,6 +6402,80 @@ MEMBOUND_NAMESPACE_END
 // The sizes of one attention layer call, shared by the front end (layers/attention.hpp) and the
 // backends' kernels (backend/cpu/attention.hpp).
 
+// ---- begin membound/shape/packed_sequences.hpp ----
+// Packed variable-length sequences: S sequences laid end to end on one token axis (batch 1, seq
+// their total), sequence s at tokens [offsets[s], offsets[s + 1]) (FlashAttention's cu_seqlens,
+// Mamba's seq_idx in offset form). offsets has S + 1 entries, 0 first, the total last, never
+// decreasing (empty sequences are allowed). Every layer that takes them restarts at each start
+// (attention's keys and RoPE positions, Mamba's convolution and scan state), so a packed batch
+// computes what its sequences compute alone, with no padding. Shared by the shapes and the kernels.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct packed_sequences {
+  const std::int32_t* offsets = nullptr;  // S + 1 entries, or nullptr: one sequence per batch row
+  std::size_t count = 0;                  // S (0: not packed)
+
+  MEMBOUND_HOST_DEVICE constexpr bool packed() const noexcept { return count != 0; }
+  // Where token i's sequence starts and ends (i < the total).
+  MEMBOUND_HOST_DEVICE constexpr std::size_t begin_of(std::size_t i) const noexcept {
+    return static_cast<std::size_t>(offsets[index_of(i)]);
+  }
+  MEMBOUND_HOST_DEVICE constexpr std::size_t end_of(std::size_t i) const noexcept {
+    return static_cast<std::size_t>(offsets[index_of(i) + 1]);
+  }
+  // The sequence holding token i: the last s with offsets[s] <= i (binary search; an empty
+  // sequence shares its offset with the next one, which is the one that holds i).
+  MEMBOUND_HOST_DEVICE constexpr std::size_t index_of(std::size_t i) const noexcept {
+    std::size_t lo = 0, hi = count;  // offsets[lo] <= i < offsets[hi]
+    while (hi - lo > 1) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (static_cast<std::size_t>(offsets[mid]) <= i) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  }
+};
+
+// Whether `offsets` and `sequences` describe a token axis of `seq` tokens in batch 1, and if not
+// the field at fault ("shape.offsets", "shape.sequences" or "shape.batch") and what it needed.
+// O(sequences). A layer front turns the answer into its layer_support.
+struct packing_check {
+  bool ok = true;
+  const char* argument = "";
+  const char* expected = "";
+  double actual = 0.0;
+};
+constexpr packing_check check_packing(const std::int32_t* offsets, std::size_t sequences,
+                                      std::size_t batch, std::size_t seq) noexcept {
+  const auto no = [](const char* arg, const char* expected, double actual) {
+    return packing_check{false, arg, expected, actual};
+  };
+  if (offsets == nullptr) return no("shape.offsets", "the sequences' offsets (shape.sequences is set)", 0.0);
+  if (sequences == 0) return no("shape.sequences", "at least 1 with shape.offsets", 0.0);
+  if (batch != 1) {
+    return no("shape.batch", "1 with packed sequences (they share one token axis)", static_cast<double>(batch));
+  }
+  if (offsets[0] != 0) return no("shape.offsets", "offsets[0] = 0", static_cast<double>(offsets[0]));
+  for (std::size_t k = 0; k < sequences; ++k) {
+    if (offsets[k + 1] < offsets[k]) {
+      return no("shape.offsets", "never decreasing (sequence lengths of 0 or more)",
+                static_cast<double>(offsets[k + 1]));
+    }
+  }
+  if (static_cast<std::size_t>(offsets[sequences]) != seq) {
+    return no("shape.offsets", "offsets[sequences] = shape.seq (the packed tokens)",
+              static_cast<double>(offsets[sequences]));
+  }
+  return {};
+}
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/packed_sequences.hpp ----
+
 MEMBOUND_NAMESPACE_BEGIN
 
 struct attention_shape {
@@ -6417,11 +6491,10 @@ struct attention_shape {
   // as FlashAttention's window_size = (W − 1, 0) and Mistral's sliding_window = W; bidirectional:
   // keys with |i − j| < W. Any W ≥ 1 is valid; W ≥ T changes nothing.
   std::size_t window = 0;
-  // Packed variable-length sequences (nullptr: none): `sequences` sequences laid end to end on one
-  // token axis (batch 1, seq their total), sequence s at tokens [offsets[s], offsets[s + 1]);
-  // offsets has sequences + 1 entries, 0 first, seq last, never decreasing (FlashAttention's
-  // cu_seqlens; empty sequences are allowed). Each attends only inside itself and its RoPE
-  // positions restart at 0: packed equals each sequence run alone, with no padding.
+  // Packed variable-length sequences (nullptr: none; shape/packed_sequences.hpp): `sequences`
+  // sequences end to end on one token axis (batch 1, seq their total), sequence s at tokens
+  // [offsets[s], offsets[s + 1]). Each attends only inside itself and its RoPE positions restart
+  // at 0: packed equals each sequence run alone, with no padding.
   const std::int32_t* offsets = nullptr;
   std::size_t sequences = 0;
 };
@@ -6435,8 +6508,7 @@ struct attention_band {
   std::size_t seq = 1;
   std::size_t window = 0;
   bool causal = true;
-  const std::int32_t* offsets = nullptr;  // packed sequences (see attention_shape), or none
-  std::size_t sequences = 0;
+  packed_sequences packing{};  // the shape's packed sequences, or none
 
   MEMBOUND_HOST_DEVICE constexpr bool sees(std::size_t i, std::size_t j) const noexcept {
     return key_begin(i) <= j && j < key_end(i);
@@ -6444,7 +6516,7 @@ struct attention_band {
   // First key query i sees.
   MEMBOUND_HOST_DEVICE constexpr std::size_t key_begin(std::size_t i) const noexcept {
     const std::size_t w = window != 0 && i >= window ? i - window + 1 : 0;
-    const std::size_t s = sequence_begin(i);
+    const std::size_t s = packing.packed() && i < seq ? packing.begin_of(i) : 0;
     return w > s ? w : s;
   }
   // One past the last key query i sees.
@@ -6460,30 +6532,17 @@ struct attention_band {
   MEMBOUND_HOST_DEVICE constexpr std::size_t query_end(std::size_t j) const noexcept {
     return window_end(j);
   }
-  // Where token i's sequence starts (0 unpacked), and i's position in it.
-  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_begin(std::size_t i) const noexcept {
-    return sequences == 0 ? 0 : static_cast<std::size_t>(offsets[sequence_of(i)]);
-  }
+  // Token i's position in its sequence (its RoPE position): i − its start when packed.
   MEMBOUND_HOST_DEVICE constexpr std::size_t position(std::size_t i) const noexcept {
-    return i - sequence_begin(i);
+    return packing.packed() ? i - packing.begin_of(i) : i;
   }
 
  private:
-  // The sequence holding token i < seq: the last s with offsets[s] <= i (binary search; an empty
-  // sequence shares its offset with the next one, which is the one that holds i).
-  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_of(std::size_t i) const noexcept {
-    std::size_t lo = 0, hi = sequences;  // offsets[lo] <= i < offsets[hi]
-    while (hi - lo > 1) {
-      const std::size_t mid = lo + (hi - lo) / 2;
-      if (static_cast<std::size_t>(offsets[mid]) <= i) lo = mid; else hi = mid;
-    }
-    return lo;
-  }
   // One past the last key (or query) within the window of token j and inside its sequence.
   MEMBOUND_HOST_DEVICE constexpr std::size_t window_end(std::size_t j) const noexcept {
     std::size_t e = window != 0 && j < seq && window < seq - j ? j + window : seq;
-    if (sequences != 0 && j < seq) {
-      const std::size_t s = static_cast<std::size_t>(offsets[sequence_of(j) + 1]);
+    if (packing.packed() && j < seq) {
+      const std::size_t s = packing.end_of(j);
       e = e < s ? e : s;
     }
     return e;
@@ -6491,7 +6550,8 @@ struct attention_band {
 };
 
 constexpr attention_band band_of(const attention_shape& s) noexcept {
-  return attention_band{s.seq, s.window, s.causal, s.offsets, s.offsets == nullptr ? 0 : s.sequences};
+  return attention_band{s.seq, s.window, s.causal,
+                        packed_sequences{s.offsets, s.offsets == nullptr ? 0 : s.sequences}};
 }
 
 // Positions a decoding cache keeps for max_len positions: all of them, or the window's last W
@@ -6534,6 +6594,15 @@ struct mamba_shape {
   std::size_t d_state = 16;  // N
   std::size_t d_conv = 4;    // K, the causal depthwise convolution's width
   std::size_t dt_rank = 0;   // R, the rank of Δ's projection
+  // Packed variable-length sequences (nullptr: none; shape/packed_sequences.hpp): `sequences`
+  // sequences end to end on one token axis (batch 1, seq their total). The convolution and the
+  // scan state restart at each start (mamba_ssm's seq_idx): packed equals each sequence alone.
+  const std::int32_t* offsets = nullptr;
+  std::size_t sequences = 0;
+
+  constexpr packed_sequences packing() const noexcept {
+    return packed_sequences{offsets, offsets == nullptr ? 0 : sequences};
+  }
 
   // mamba_simple's defaults: expand 2, d_state 16, d_conv 4, dt_rank ceil(C / 16).
   static constexpr mamba_shape defaults(std::size_t batch, std::size_t seq,
@@ -7311,18 +7380,18 @@ void rope_table(thread_pool& pool, A* table, std::size_t T, std::size_t D, doubl
 }
 
 // RoPE from the table (rope_table of T positions): row n is token n % T, or under packed
-// sequences (`packing`, the band of a shape with offsets) token n's position in its sequence.
+// sequences (`band`, of a shape with offsets) token n's position in its sequence.
 // inverse rotates by −angle (sin negated exactly: the transpose, for gradients). The inner loop
 // runs over the D/2 pairs of a head, contiguous in x and in the table, so it vectorizes.
 template <typename A>
 void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
                std::size_t D, const A* table, bool inverse,
-               const attention_band& packing = attention_band{}) {
+               const attention_band& band = attention_band{}) {
   const std::size_t half = D / 2, width = heads * D;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) {
-      const std::size_t position = packing.sequences != 0 ? packing.position(n) : n % T;
+      const std::size_t position = band.packing.packed() ? band.position(n) : n % T;
       const A* c = table + position * 2 * half;
       const A* sn = c + half;
       A* row = x + n * width;
@@ -8217,25 +8286,11 @@ class attention {
 
   // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
   static constexpr attention_support check_packing(const attention_shape& s) noexcept {
-    auto no = [](const char* arg, const char* expected, double actual) {
-      return attention_support{false, arg, expected, actual};
-    };
     if constexpr (!std::is_same_v<backend, cpu_backend>) {
-      return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+      return attention_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
     }
-    if (s.offsets == nullptr) return no("shape.offsets", "the sequences' offsets (shape.sequences is set)", 0.0);
-    if (s.sequences == 0) return no("shape.sequences", "at least 1 with shape.offsets", 0.0);
-    if (s.batch != 1) return no("shape.batch", "1 with packed sequences (they share one token axis)", static_cast<double>(s.batch));
-    if (s.offsets[0] != 0) return no("shape.offsets", "offsets[0] = 0", static_cast<double>(s.offsets[0]));
-    for (std::size_t k = 0; k < s.sequences; ++k) {
-      if (s.offsets[k + 1] < s.offsets[k]) {
-        return no("shape.offsets", "never decreasing (sequence lengths of 0 or more)", static_cast<double>(s.offsets[k + 1]));
-      }
-    }
-    if (static_cast<std::size_t>(s.offsets[s.sequences]) != s.seq) {
-      return no("shape.offsets", "offsets[sequences] = shape.seq (the packed tokens)", static_cast<double>(s.offsets[s.sequences]));
-    }
-    return {};
+    const packing_check r = membound::check_packing(s.offsets, s.sequences, s.batch, s.seq);
+    return attention_support{r.ok, r.argument, r.expected, r.actual};
   }
 
   // Throws invalid_argument naming the failing field, as can_implement reports it.
@@ -8503,9 +8558,11 @@ constexpr std::size_t scan_chunks(std::size_t T, std::size_t L) noexcept { retur
 constexpr std::size_t scan_forward_scratch(std::size_t d_state) noexcept {
   return 2 * scan_channels * d_state + 4 * max_scan_lanes;
 }
-constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_state) noexcept {
+// Packed sequences add one zero group state: the state before a sequence's first token.
+constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_state,
+                                            bool packed = false) noexcept {
   return (chunk + 4) * scan_channels * d_state + 2 * d_state * max_scan_lanes + scan_channels +
-         8 * max_scan_lanes;
+         8 * max_scan_lanes + (packed ? d_state * max_scan_lanes : 0);
 }
 
 template <typename A>
@@ -8882,8 +8939,19 @@ const A* lanes_of(const A* p, std::size_t nw, A* pad) {
   return pad;
 }
 
+// Token n's position in its sequence: t = n mod T, or n − its start under packed sequences.
+inline std::size_t position_in_sequence(const mamba_shape& s, std::size_t n) noexcept {
+  const packed_sequences pk = s.packing();
+  return pk.packed() ? n - pk.begin_of(n) : n % s.seq;
+}
+// One past the last token of n's sequence, on the [B·T] token axis.
+inline std::size_t sequence_end(const mamba_shape& s, std::size_t n) noexcept {
+  const packed_sequences pk = s.packing();
+  return pk.packed() ? pk.end_of(n) : (n / s.seq + 1) * s.seq;
+}
+
 // c[n, i] = bias[i] + Σ_k w[i, k] · xi[b, t − (K−1) + k, i], xi read with row stride ldx (it is
-// the x half of xz). Zero before the sequence's start.
+// the x half of xz). Zero before the sequence's start (each packed sequence's own).
 template <typename A>
 void causal_conv(thread_pool& pool, const mamba_shape& s, const A* xi, std::size_t ldx,
                  const A* w, const A* bias, A* c) {
@@ -8891,7 +8959,7 @@ void causal_conv(thread_pool& pool, const mamba_shape& s, const A* xi, std::size
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) {
-      const std::size_t t = n % T;
+      const std::size_t t = position_in_sequence(s, n);
       A* out = c + n * Di;
       std::copy(bias, bias + Di, out);
       for (std::size_t k = 0; k < K; ++k) {
@@ -8917,8 +8985,10 @@ void causal_conv_backward(thread_pool& pool, const mamba_shape& s, const A* xi, 
       dbias[i] = A(0);
     }
     for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t t = 0; t < T; ++t) {
-        const std::size_t n = b * T + t;
+      for (std::size_t t0 = 0; t0 < T; ++t0) {
+        const std::size_t n = b * T + t0;
+        // Position in the sequence, and the tokens left in it from n on.
+        const std::size_t t = position_in_sequence(s, n), left = sequence_end(s, n) - n;
         const A* g = dc + n * Di;
         A* out = dxi + n * lddx;
         for (std::size_t i = i0; i < i1; ++i) {
@@ -8930,7 +9000,7 @@ void causal_conv_backward(thread_pool& pool, const mamba_shape& s, const A* xi, 
             const A* src = xi + (n + k + 1 - K) * ldx;
             for (std::size_t i = i0; i < i1; ++i) dw[i * K + k] += g[i] * src[i];
           }
-          if (t + K - 1 - k < T) {  // dxi: xi at t fed output t + K−1 − k through tap k
+          if (K - 1 - k < left) {  // dxi: xi at t fed output t + K−1 − k (in its sequence) through tap k
             const A* later = dc + (n + K - 1 - k) * Di;
             for (std::size_t i = i0; i < i1; ++i) out[i] += w[i * K + k] * later[i];
           }
@@ -8950,6 +9020,7 @@ void scan_forward(thread_pool& pool, const mamba_shape& s, std::size_t L, const 
   constexpr std::size_t W = scan_lanes<A>;
   const std::size_t B = s.batch, T = s.seq, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
   const std::size_t ldx = R + 2 * Ns, nch = scan_chunks(T, L);
+  const packed_sequences pk = s.packing();
   pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t thread) {
     const std::size_t i0 = blk * scan_channels, ni = std::min(scan_channels, Di - i0);
     const std::size_t G = blocks(ni, W), gs = Ns * W;  // groups, elements per group state
@@ -8966,6 +9037,7 @@ void scan_forward(thread_pool& pool, const mamba_shape& s, std::size_t L, const 
           A* dst = states + ((b * (nch - 1) + t / L - 1) * Di + i0) * Ns;
           for (std::size_t g = 0; g < G; ++g) transpose_out(h + g * gs, width(g), Ns, dst + g * W * Ns);
         }
+        if (pk.packed() && t > 0 && pk.begin_of(n) == n) std::fill(h, h + G * gs, A(0));  // a new sequence
         const A* bt = xdbl + n * ldx + R;
         for (std::size_t g = 0; g < G; ++g) {
           const std::size_t ch = i0 + g * W, nw = width(g);
@@ -9007,10 +9079,14 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
   const std::size_t ldx = R + 2 * Ns, nch = scan_chunks(T, L), N = B * T;
   const std::size_t Lc = std::min(L, T);  // states per chunk actually held
   const std::size_t bs = scan_channels * Ns;  // elements of one block state
+  const packed_sequences pk = s.packing();
+  // A packed sequence's first token: its state starts at 0 and no gradient crosses to the token
+  // before it (another sequence's last).
+  const auto starts = [&](std::size_t n, std::size_t t) { return pk.packed() && t > 0 && pk.begin_of(n) == n; };
   pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t thread) {
     const std::size_t i0 = blk * scan_channels, ni = std::min(scan_channels, Di - i0);
     const std::size_t G = blocks(ni, W), gs = Ns * W;
-    A* hs = scratch + thread * scan_backward_scratch(Lc, Ns);  // [Lc + 1][G][Ns][W]: entry, then
+    A* hs = scratch + thread * scan_backward_scratch(Lc, Ns, pk.packed());  // [Lc + 1][G][Ns][W]: entry, then
     A* dh = hs + (Lc + 1) * bs;                                 // the state after each step
     A* at = dh + bs;
     A* dav = at + bs;                     // dA sums [G][Ns][W]
@@ -9018,6 +9094,8 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
     A* pc = pb + Ns * max_scan_lanes;     // dC lane sums [Ns][W]
     A* ddv = pc + Ns * max_scan_lanes;    // dD sums [G·W]
     A* pad = ddv + scan_channels;         // padded rows of a partial group
+    A* zero = pad + 8 * max_scan_lanes;   // packed: the group state before a sequence starts
+    if (pk.packed()) std::fill(zero, zero + gs, A(0));
     A* pblk = part + blk * N * 2 * Ns;
     const auto width = [&](std::size_t g) { return std::min(W, ni - g * W); };
     for (std::size_t g = 0; g < G; ++g) transpose_in(a, i0 + g * W, width(g), Ns, at + g * gs);
@@ -9038,7 +9116,11 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
         for (std::size_t t = t0; t < t1; ++t) {
           const std::size_t n = b * T + t;
           A* hc = state_at(t);
-          std::copy(hc - bs, hc - bs + G * gs, hc);
+          if (starts(n, t)) {
+            std::fill(hc, hc + G * gs, A(0));
+          } else {
+            std::copy(hc - bs, hc - bs + G * gs, hc);
+          }
           const A* bt = xdbl + n * ldx + R;
           for (std::size_t g = 0; g < G; ++g) {
             const std::size_t ch = i0 + g * W, nw = width(g);
@@ -9060,10 +9142,11 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
             A* ddo = nw == W ? ddelta + n * Di + ch : pad + 4 * W;
             A* duo = nw == W ? du + n * Di + ch : pad + 5 * W;
             const A* hg = state_at(t) + g * gs;
+            const A* before = starts(n, t) ? static_cast<const A*>(zero) : hg - bs;
             scan_group_back_step(lanes_of(dy + n * Di + ch, nw, pad),
                                  lanes_of(u + n * Di + ch, nw, pad + W),
                                  lanes_of(delta + n * Di + ch, nw, pad + 2 * W),
-                                 lanes_of(dskip + ch, nw, pad + 3 * W), hg, hg - bs,
+                                 lanes_of(dskip + ch, nw, pad + 3 * W), hg, before,
                                  static_cast<const A*>(at + g * gs), bt, ct, Ns, dh + g * gs,
                                  dav + g * gs, pb, pc, ddv + g * W, ddo, duo);
             if (nw != W) {
@@ -9073,6 +9156,7 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
           }
           lane_sums(pb, Ns, pblk + n * 2 * Ns);
           lane_sums(pc, Ns, pblk + n * 2 * Ns + Ns);
+          if (starts(n, t)) std::fill(dh, dh + G * gs, A(0));  // nothing flows into the sequence before
         }
       }
     }
@@ -9129,7 +9213,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
     const std::size_t b[] = {P::w_acc_bytes(s), P::xz_acc_bytes(s), P::inner_bytes(s),
                              P::part_bytes(s),
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
-                                                                             s.d_state)),
+                                                                             s.d_state, s.offsets != nullptr)),
                              P::backward_gemm_bytes(s, threads)};
     return detail::fits_layout(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
   }
@@ -9539,7 +9623,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
       l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
       l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
       l.add(part_bytes(s), default_alignment, {1, 1});
-      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns)),
+      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns, s.offsets != nullptr)),
             default_alignment, {1, 1});
       l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
       l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});
@@ -9787,6 +9871,13 @@ class mamba {
     }
     if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
+    if (s.offsets != nullptr || s.sequences != 0) {
+      if constexpr (!std::is_same_v<backend, cpu_backend>) {
+        return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+      }
+      const packing_check r = check_packing(s.offsets, s.sequences, s.batch, s.seq);
+      return layer_support{r.ok, r.argument, r.expected, r.actual};
+    }
     return {};
   }
 
@@ -9924,6 +10015,10 @@ class mamba {
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    if (s.offsets != nullptr) {
+      throw invalid_argument("shape.offsets", "nullptr for decoding", "packed sequences",
+                             "Decode each sequence as a batch row: its state carries its own past");
+    }
     check_weights(w);
     detail::need_pointer(x_t, "x_t");
     detail::need_pointer(out_t, "out_t");

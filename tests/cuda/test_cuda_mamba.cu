@@ -529,6 +529,12 @@ void typed_errors() {
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
   CHECK(block::backward_workspace_bytes(s, 1) >= mb::gpu::gemm_workspace_bytes(ex));
   CHECK(block::step_workspace_bytes(s) >= mb::gpu::gemm_workspace_bytes(ex));
+  // Packed sequences are the CPU backend's so far: refused by name.
+  const std::int32_t offsets[] = {0, 3, 8};
+  mb::mamba_shape packed = shape_of(1, 8, 8, 16, 16, 4, 1);
+  packed.offsets = offsets;
+  packed.sequences = 2;
+  CHECK(std::string(gpu_block<mb::scan_chunk<8>>::can_implement(packed).argument) == "shape.offsets");
 }
 
 }  // namespace

@@ -185,6 +185,71 @@ void fp64_cases(const std::vector<fp64_case>& cases) {
 
 }  // namespace
 
+// Packed sequences against each sequence run alone through the float64 reference: out and dx row
+// for row, the weight gradients as the sum over sequences. Scan chunks of 8 so that sequences
+// start inside chunks, on their borders, and span several; lengths 1 (shorter than the
+// convolution), K − 1, K, an empty one, a long one among short ones; the same bits on 1, 2, 3
+// threads; save_all as recompute.
+TEST_CASE("mamba: packed sequences equal each sequence run alone") {
+  using block = mamba<membound::fp64_precision, membound::scan_chunk<8>>;
+  const std::vector<std::size_t> lengths = {1, 3, 4, 8, 0, 29, 2, 9};
+  std::vector<std::int32_t> offsets{0};
+  for (const std::size_t n : lengths) offsets.push_back(offsets.back() + static_cast<std::int32_t>(n));
+  const auto N = static_cast<std::size_t>(offsets.back());
+  mamba_shape s = shape_of(1, N, 8, 16, 4, 4, 2);
+  s.offsets = offsets.data();
+  s.sequences = lengths.size();
+  REQUIRE(block::can_implement(s).ok);
+  const problem p = make_problem(s, 17);
+  const outputs got = run_block<block>(p, 2);
+  compare(run_block<block>(p, 1), got, 0.0);
+  compare(run_block<block>(p, 3), got, 0.0);
+  compare(run_block<mamba<membound::fp64_precision, membound::scan_chunk<8>, membound::save_all>>(p, 2), got, 0.0);
+
+  const std::size_t C = s.d_model;
+  outputs want = run_reference(make_problem(shape_of(1, 1, 8, 16, 4, 4, 2), 17));  // shapes only
+  for (auto* v : fields(want)) std::fill(const_cast<std::vector<double>*>(v)->begin(), const_cast<std::vector<double>*>(v)->end(), 0.0);
+  want.out.assign(N * C, 0.0);
+  want.dx.assign(N * C, 0.0);
+  for (std::size_t q = 0; q < lengths.size(); ++q) {
+    const std::size_t T = lengths[q], o = static_cast<std::size_t>(offsets[q]);
+    if (T == 0) continue;
+    problem one = p;
+    one.shape = shape_of(1, T, 8, 16, 4, 4, 2);
+    one.x.assign(p.x.begin() + o * C, p.x.begin() + (o + T) * C);
+    one.dy.assign(p.dy.begin() + o * C, p.dy.begin() + (o + T) * C);
+    const outputs alone = run_reference(one);
+    std::copy(alone.out.begin(), alone.out.end(), want.out.begin() + o * C);
+    std::copy(alone.dx.begin(), alone.dx.end(), want.dx.begin() + o * C);
+    const auto fa = fields(alone), fw = fields(want);
+    for (std::size_t f = 2; f < fa.size(); ++f) {
+      auto& to = *const_cast<std::vector<double>*>(fw[f]);
+      for (std::size_t e = 0; e < to.size(); ++e) to[e] += (*fa[f])[e];
+    }
+  }
+  MESSAGE("packed Mamba: worst relative error " << compare(got, want, 1e-10));
+}
+
+// Offsets that do not describe the token axis are refused naming the field; decoding refuses
+// packed sequences (a state is one sequence's).
+TEST_CASE("mamba: bad packed offsets get a typed error") {
+  using block = mamba<>;
+  std::vector<std::int32_t> offsets{0, 3, 7};
+  mamba_shape s = shape_of(1, 7, 8, 16, 4, 4, 1);
+  s.offsets = offsets.data();
+  s.sequences = 2;
+  CHECK(block::can_implement(s).ok);
+  offsets = {0, 3, 8};
+  CHECK(std::string(block::can_implement(s).argument) == "shape.offsets");
+  offsets = {0, 4, 3};
+  CHECK(std::string(block::can_implement(s).argument) == "shape.offsets");
+  offsets = {0, 3, 7};
+  mamba_shape b2 = s;
+  b2.batch = 2;
+  CHECK(std::string(block::can_implement(b2).argument) == "shape.batch");
+  CHECK_THROWS_AS(block::check(b2), membound::invalid_argument);
+}
+
 TEST_CASE("mamba: can_implement and check name the argument at fault") {
   using block = mamba<>;
   const mamba_shape good = shape_of(1, 8, 8, 16, 4, 4, 1);

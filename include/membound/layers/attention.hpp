@@ -140,25 +140,11 @@ class attention {
 
   // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
   static constexpr attention_support check_packing(const attention_shape& s) noexcept {
-    auto no = [](const char* arg, const char* expected, double actual) {
-      return attention_support{false, arg, expected, actual};
-    };
     if constexpr (!std::is_same_v<backend, cpu_backend>) {
-      return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+      return attention_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
     }
-    if (s.offsets == nullptr) return no("shape.offsets", "the sequences' offsets (shape.sequences is set)", 0.0);
-    if (s.sequences == 0) return no("shape.sequences", "at least 1 with shape.offsets", 0.0);
-    if (s.batch != 1) return no("shape.batch", "1 with packed sequences (they share one token axis)", static_cast<double>(s.batch));
-    if (s.offsets[0] != 0) return no("shape.offsets", "offsets[0] = 0", static_cast<double>(s.offsets[0]));
-    for (std::size_t k = 0; k < s.sequences; ++k) {
-      if (s.offsets[k + 1] < s.offsets[k]) {
-        return no("shape.offsets", "never decreasing (sequence lengths of 0 or more)", static_cast<double>(s.offsets[k + 1]));
-      }
-    }
-    if (static_cast<std::size_t>(s.offsets[s.sequences]) != s.seq) {
-      return no("shape.offsets", "offsets[sequences] = shape.seq (the packed tokens)", static_cast<double>(s.offsets[s.sequences]));
-    }
-    return {};
+    const packing_check r = membound::check_packing(s.offsets, s.sequences, s.batch, s.seq);
+    return attention_support{r.ok, r.argument, r.expected, r.actual};
   }
 
   // Throws invalid_argument naming the failing field, as can_implement reports it.

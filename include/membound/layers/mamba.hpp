@@ -114,6 +114,13 @@ class mamba {
     }
     if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
+    if (s.offsets != nullptr || s.sequences != 0) {
+      if constexpr (!std::is_same_v<backend, cpu_backend>) {
+        return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+      }
+      const packing_check r = check_packing(s.offsets, s.sequences, s.batch, s.seq);
+      return layer_support{r.ok, r.argument, r.expected, r.actual};
+    }
     return {};
   }
 
@@ -251,6 +258,10 @@ class mamba {
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    if (s.offsets != nullptr) {
+      throw invalid_argument("shape.offsets", "nullptr for decoding", "packed sequences",
+                             "Decode each sequence as a batch row: its state carries its own past");
+    }
     check_weights(w);
     detail::need_pointer(x_t, "x_t");
     detail::need_pointer(out_t, "out_t");

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "membound/core/config.hpp"
+#include "membound/shape/packed_sequences.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -22,11 +23,10 @@ struct attention_shape {
   // as FlashAttention's window_size = (W − 1, 0) and Mistral's sliding_window = W; bidirectional:
   // keys with |i − j| < W. Any W ≥ 1 is valid; W ≥ T changes nothing.
   std::size_t window = 0;
-  // Packed variable-length sequences (nullptr: none): `sequences` sequences laid end to end on one
-  // token axis (batch 1, seq their total), sequence s at tokens [offsets[s], offsets[s + 1]);
-  // offsets has sequences + 1 entries, 0 first, seq last, never decreasing (FlashAttention's
-  // cu_seqlens; empty sequences are allowed). Each attends only inside itself and its RoPE
-  // positions restart at 0: packed equals each sequence run alone, with no padding.
+  // Packed variable-length sequences (nullptr: none; shape/packed_sequences.hpp): `sequences`
+  // sequences end to end on one token axis (batch 1, seq their total), sequence s at tokens
+  // [offsets[s], offsets[s + 1]). Each attends only inside itself and its RoPE positions restart
+  // at 0: packed equals each sequence run alone, with no padding.
   const std::int32_t* offsets = nullptr;
   std::size_t sequences = 0;
 };
@@ -40,8 +40,7 @@ struct attention_band {
   std::size_t seq = 1;
   std::size_t window = 0;
   bool causal = true;
-  const std::int32_t* offsets = nullptr;  // packed sequences (see attention_shape), or none
-  std::size_t sequences = 0;
+  packed_sequences packing{};  // the shape's packed sequences, or none
 
   MEMBOUND_HOST_DEVICE constexpr bool sees(std::size_t i, std::size_t j) const noexcept {
     return key_begin(i) <= j && j < key_end(i);
@@ -49,7 +48,7 @@ struct attention_band {
   // First key query i sees.
   MEMBOUND_HOST_DEVICE constexpr std::size_t key_begin(std::size_t i) const noexcept {
     const std::size_t w = window != 0 && i >= window ? i - window + 1 : 0;
-    const std::size_t s = sequence_begin(i);
+    const std::size_t s = packing.packed() && i < seq ? packing.begin_of(i) : 0;
     return w > s ? w : s;
   }
   // One past the last key query i sees.
@@ -65,30 +64,17 @@ struct attention_band {
   MEMBOUND_HOST_DEVICE constexpr std::size_t query_end(std::size_t j) const noexcept {
     return window_end(j);
   }
-  // Where token i's sequence starts (0 unpacked), and i's position in it.
-  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_begin(std::size_t i) const noexcept {
-    return sequences == 0 ? 0 : static_cast<std::size_t>(offsets[sequence_of(i)]);
-  }
+  // Token i's position in its sequence (its RoPE position): i − its start when packed.
   MEMBOUND_HOST_DEVICE constexpr std::size_t position(std::size_t i) const noexcept {
-    return i - sequence_begin(i);
+    return packing.packed() ? i - packing.begin_of(i) : i;
   }
 
  private:
-  // The sequence holding token i < seq: the last s with offsets[s] <= i (binary search; an empty
-  // sequence shares its offset with the next one, which is the one that holds i).
-  MEMBOUND_HOST_DEVICE constexpr std::size_t sequence_of(std::size_t i) const noexcept {
-    std::size_t lo = 0, hi = sequences;  // offsets[lo] <= i < offsets[hi]
-    while (hi - lo > 1) {
-      const std::size_t mid = lo + (hi - lo) / 2;
-      if (static_cast<std::size_t>(offsets[mid]) <= i) lo = mid; else hi = mid;
-    }
-    return lo;
-  }
   // One past the last key (or query) within the window of token j and inside its sequence.
   MEMBOUND_HOST_DEVICE constexpr std::size_t window_end(std::size_t j) const noexcept {
     std::size_t e = window != 0 && j < seq && window < seq - j ? j + window : seq;
-    if (sequences != 0 && j < seq) {
-      const std::size_t s = static_cast<std::size_t>(offsets[sequence_of(j) + 1]);
+    if (packing.packed() && j < seq) {
+      const std::size_t s = packing.end_of(j);
       e = e < s ? e : s;
     }
     return e;
@@ -96,7 +82,8 @@ struct attention_band {
 };
 
 constexpr attention_band band_of(const attention_shape& s) noexcept {
-  return attention_band{s.seq, s.window, s.causal, s.offsets, s.offsets == nullptr ? 0 : s.sequences};
+  return attention_band{s.seq, s.window, s.causal,
+                        packed_sequences{s.offsets, s.offsets == nullptr ? 0 : s.sequences}};
 }
 
 // Positions a decoding cache keeps for max_len positions: all of them, or the window's last W

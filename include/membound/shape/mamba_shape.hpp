@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "membound/core/config.hpp"
+#include "membound/shape/packed_sequences.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -16,6 +18,15 @@ struct mamba_shape {
   std::size_t d_state = 16;  // N
   std::size_t d_conv = 4;    // K, the causal depthwise convolution's width
   std::size_t dt_rank = 0;   // R, the rank of Δ's projection
+  // Packed variable-length sequences (nullptr: none; shape/packed_sequences.hpp): `sequences`
+  // sequences end to end on one token axis (batch 1, seq their total). The convolution and the
+  // scan state restart at each start (mamba_ssm's seq_idx): packed equals each sequence alone.
+  const std::int32_t* offsets = nullptr;
+  std::size_t sequences = 0;
+
+  constexpr packed_sequences packing() const noexcept {
+    return packed_sequences{offsets, offsets == nullptr ? 0 : sequences};
+  }
 
   // mamba_simple's defaults: expand 2, d_state 16, d_conv 4, dt_rank ceil(C / 16).
   static constexpr mamba_shape defaults(std::size_t batch, std::size_t seq,

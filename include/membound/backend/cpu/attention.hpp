@@ -80,18 +80,18 @@ void rope_table(thread_pool& pool, A* table, std::size_t T, std::size_t D, doubl
 }
 
 // RoPE from the table (rope_table of T positions): row n is token n % T, or under packed
-// sequences (`packing`, the band of a shape with offsets) token n's position in its sequence.
+// sequences (`band`, of a shape with offsets) token n's position in its sequence.
 // inverse rotates by −angle (sin negated exactly: the transpose, for gradients). The inner loop
 // runs over the D/2 pairs of a head, contiguous in x and in the table, so it vectorizes.
 template <typename A>
 void rope_rows(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
                std::size_t D, const A* table, bool inverse,
-               const attention_band& packing = attention_band{}) {
+               const attention_band& band = attention_band{}) {
   const std::size_t half = D / 2, width = heads * D;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) {
-      const std::size_t position = packing.sequences != 0 ? packing.position(n) : n % T;
+      const std::size_t position = band.packing.packed() ? band.position(n) : n % T;
       const A* c = table + position * 2 * half;
       const A* sn = c + half;
       A* row = x + n * width;

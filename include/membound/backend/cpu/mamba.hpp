@@ -55,9 +55,11 @@ constexpr std::size_t scan_chunks(std::size_t T, std::size_t L) noexcept { retur
 constexpr std::size_t scan_forward_scratch(std::size_t d_state) noexcept {
   return 2 * scan_channels * d_state + 4 * max_scan_lanes;
 }
-constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_state) noexcept {
+// Packed sequences add one zero group state: the state before a sequence's first token.
+constexpr std::size_t scan_backward_scratch(std::size_t chunk, std::size_t d_state,
+                                            bool packed = false) noexcept {
   return (chunk + 4) * scan_channels * d_state + 2 * d_state * max_scan_lanes + scan_channels +
-         8 * max_scan_lanes;
+         8 * max_scan_lanes + (packed ? d_state * max_scan_lanes : 0);
 }
 
 template <typename A>
@@ -434,8 +436,19 @@ const A* lanes_of(const A* p, std::size_t nw, A* pad) {
   return pad;
 }
 
+// Token n's position in its sequence: t = n mod T, or n − its start under packed sequences.
+inline std::size_t position_in_sequence(const mamba_shape& s, std::size_t n) noexcept {
+  const packed_sequences pk = s.packing();
+  return pk.packed() ? n - pk.begin_of(n) : n % s.seq;
+}
+// One past the last token of n's sequence, on the [B·T] token axis.
+inline std::size_t sequence_end(const mamba_shape& s, std::size_t n) noexcept {
+  const packed_sequences pk = s.packing();
+  return pk.packed() ? pk.end_of(n) : (n / s.seq + 1) * s.seq;
+}
+
 // c[n, i] = bias[i] + Σ_k w[i, k] · xi[b, t − (K−1) + k, i], xi read with row stride ldx (it is
-// the x half of xz). Zero before the sequence's start.
+// the x half of xz). Zero before the sequence's start (each packed sequence's own).
 template <typename A>
 void causal_conv(thread_pool& pool, const mamba_shape& s, const A* xi, std::size_t ldx,
                  const A* w, const A* bias, A* c) {
@@ -443,7 +456,7 @@ void causal_conv(thread_pool& pool, const mamba_shape& s, const A* xi, std::size
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
     for (std::size_t n = r0; n < r1; ++n) {
-      const std::size_t t = n % T;
+      const std::size_t t = position_in_sequence(s, n);
       A* out = c + n * Di;
       std::copy(bias, bias + Di, out);
       for (std::size_t k = 0; k < K; ++k) {
@@ -469,8 +482,10 @@ void causal_conv_backward(thread_pool& pool, const mamba_shape& s, const A* xi, 
       dbias[i] = A(0);
     }
     for (std::size_t b = 0; b < B; ++b)
-      for (std::size_t t = 0; t < T; ++t) {
-        const std::size_t n = b * T + t;
+      for (std::size_t t0 = 0; t0 < T; ++t0) {
+        const std::size_t n = b * T + t0;
+        // Position in the sequence, and the tokens left in it from n on.
+        const std::size_t t = position_in_sequence(s, n), left = sequence_end(s, n) - n;
         const A* g = dc + n * Di;
         A* out = dxi + n * lddx;
         for (std::size_t i = i0; i < i1; ++i) {
@@ -482,7 +497,7 @@ void causal_conv_backward(thread_pool& pool, const mamba_shape& s, const A* xi, 
             const A* src = xi + (n + k + 1 - K) * ldx;
             for (std::size_t i = i0; i < i1; ++i) dw[i * K + k] += g[i] * src[i];
           }
-          if (t + K - 1 - k < T) {  // dxi: xi at t fed output t + K−1 − k through tap k
+          if (K - 1 - k < left) {  // dxi: xi at t fed output t + K−1 − k (in its sequence) through tap k
             const A* later = dc + (n + K - 1 - k) * Di;
             for (std::size_t i = i0; i < i1; ++i) out[i] += w[i * K + k] * later[i];
           }
@@ -502,6 +517,7 @@ void scan_forward(thread_pool& pool, const mamba_shape& s, std::size_t L, const 
   constexpr std::size_t W = scan_lanes<A>;
   const std::size_t B = s.batch, T = s.seq, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
   const std::size_t ldx = R + 2 * Ns, nch = scan_chunks(T, L);
+  const packed_sequences pk = s.packing();
   pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t thread) {
     const std::size_t i0 = blk * scan_channels, ni = std::min(scan_channels, Di - i0);
     const std::size_t G = blocks(ni, W), gs = Ns * W;  // groups, elements per group state
@@ -518,6 +534,7 @@ void scan_forward(thread_pool& pool, const mamba_shape& s, std::size_t L, const 
           A* dst = states + ((b * (nch - 1) + t / L - 1) * Di + i0) * Ns;
           for (std::size_t g = 0; g < G; ++g) transpose_out(h + g * gs, width(g), Ns, dst + g * W * Ns);
         }
+        if (pk.packed() && t > 0 && pk.begin_of(n) == n) std::fill(h, h + G * gs, A(0));  // a new sequence
         const A* bt = xdbl + n * ldx + R;
         for (std::size_t g = 0; g < G; ++g) {
           const std::size_t ch = i0 + g * W, nw = width(g);
@@ -559,10 +576,14 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
   const std::size_t ldx = R + 2 * Ns, nch = scan_chunks(T, L), N = B * T;
   const std::size_t Lc = std::min(L, T);  // states per chunk actually held
   const std::size_t bs = scan_channels * Ns;  // elements of one block state
+  const packed_sequences pk = s.packing();
+  // A packed sequence's first token: its state starts at 0 and no gradient crosses to the token
+  // before it (another sequence's last).
+  const auto starts = [&](std::size_t n, std::size_t t) { return pk.packed() && t > 0 && pk.begin_of(n) == n; };
   pool.parallel_for(blocks(Di, scan_channels), [&](std::size_t blk, std::size_t thread) {
     const std::size_t i0 = blk * scan_channels, ni = std::min(scan_channels, Di - i0);
     const std::size_t G = blocks(ni, W), gs = Ns * W;
-    A* hs = scratch + thread * scan_backward_scratch(Lc, Ns);  // [Lc + 1][G][Ns][W]: entry, then
+    A* hs = scratch + thread * scan_backward_scratch(Lc, Ns, pk.packed());  // [Lc + 1][G][Ns][W]: entry, then
     A* dh = hs + (Lc + 1) * bs;                                 // the state after each step
     A* at = dh + bs;
     A* dav = at + bs;                     // dA sums [G][Ns][W]
@@ -570,6 +591,8 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
     A* pc = pb + Ns * max_scan_lanes;     // dC lane sums [Ns][W]
     A* ddv = pc + Ns * max_scan_lanes;    // dD sums [G·W]
     A* pad = ddv + scan_channels;         // padded rows of a partial group
+    A* zero = pad + 8 * max_scan_lanes;   // packed: the group state before a sequence starts
+    if (pk.packed()) std::fill(zero, zero + gs, A(0));
     A* pblk = part + blk * N * 2 * Ns;
     const auto width = [&](std::size_t g) { return std::min(W, ni - g * W); };
     for (std::size_t g = 0; g < G; ++g) transpose_in(a, i0 + g * W, width(g), Ns, at + g * gs);
@@ -590,7 +613,11 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
         for (std::size_t t = t0; t < t1; ++t) {
           const std::size_t n = b * T + t;
           A* hc = state_at(t);
-          std::copy(hc - bs, hc - bs + G * gs, hc);
+          if (starts(n, t)) {
+            std::fill(hc, hc + G * gs, A(0));
+          } else {
+            std::copy(hc - bs, hc - bs + G * gs, hc);
+          }
           const A* bt = xdbl + n * ldx + R;
           for (std::size_t g = 0; g < G; ++g) {
             const std::size_t ch = i0 + g * W, nw = width(g);
@@ -612,10 +639,11 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
             A* ddo = nw == W ? ddelta + n * Di + ch : pad + 4 * W;
             A* duo = nw == W ? du + n * Di + ch : pad + 5 * W;
             const A* hg = state_at(t) + g * gs;
+            const A* before = starts(n, t) ? static_cast<const A*>(zero) : hg - bs;
             scan_group_back_step(lanes_of(dy + n * Di + ch, nw, pad),
                                  lanes_of(u + n * Di + ch, nw, pad + W),
                                  lanes_of(delta + n * Di + ch, nw, pad + 2 * W),
-                                 lanes_of(dskip + ch, nw, pad + 3 * W), hg, hg - bs,
+                                 lanes_of(dskip + ch, nw, pad + 3 * W), hg, before,
                                  static_cast<const A*>(at + g * gs), bt, ct, Ns, dh + g * gs,
                                  dav + g * gs, pb, pc, ddv + g * W, ddo, duo);
             if (nw != W) {
@@ -625,6 +653,7 @@ void scan_backward(thread_pool& pool, const mamba_shape& s, std::size_t L, const
           }
           lane_sums(pb, Ns, pblk + n * 2 * Ns);
           lane_sums(pc, Ns, pblk + n * 2 * Ns + Ns);
+          if (starts(n, t)) std::fill(dh, dh + G * gs, A(0));  // nothing flows into the sequence before
         }
       }
     }
@@ -681,7 +710,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
     const std::size_t b[] = {P::w_acc_bytes(s), P::xz_acc_bytes(s), P::inner_bytes(s),
                              P::part_bytes(s),
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
-                                                                             s.d_state)),
+                                                                             s.d_state, s.offsets != nullptr)),
                              P::backward_gemm_bytes(s, threads)};
     return detail::fits_layout(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
   }
@@ -1091,7 +1120,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
       l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
       l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
       l.add(part_bytes(s), default_alignment, {1, 1});
-      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns)),
+      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns, s.offsets != nullptr)),
             default_alignment, {1, 1});
       l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
       l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});
