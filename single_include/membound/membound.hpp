@@ -8174,11 +8174,13 @@ using ::membound::sat_add;
 using ::membound::sat_mul;
 
 // Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
-// their value as a real number, the others as an integer.
+// their value as a real number, the others as an integer (signed: a negative offset is a value
+// a caller can give, and converting it to size_t would be undefined).
 inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
   throw invalid_argument(r.argument, r.expected,
-                         real_valued ? std::to_string(r.actual)
-                                     : std::to_string(static_cast<std::size_t>(r.actual)),
+                         real_valued      ? std::to_string(r.actual)
+                         : r.actual < 0.0 ? std::to_string(static_cast<long long>(r.actual))
+                                          : std::to_string(static_cast<std::size_t>(r.actual)),
                          what_to_do);
 }
 
@@ -8276,7 +8278,10 @@ class attention {
     if (local && s.window == 0) {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
-    if (s.offsets != nullptr || s.sequences != 0) return check_packing(s);
+    if (s.offsets != nullptr || s.sequences != 0) {
+      const attention_support r = check_packing(s);
+      if (!r.ok) return r;
+    }
     // NaN fails the first comparison, +inf the second.
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
@@ -8287,7 +8292,10 @@ class attention {
   // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
   static constexpr attention_support check_packing(const attention_shape& s) noexcept {
     if constexpr (!std::is_same_v<backend, cpu_backend>) {
-      return attention_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
+      return s.offsets == nullptr
+                 ? attention_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
+                                     static_cast<double>(s.sequences)}
+                 : attention_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
     }
     const packing_check r = membound::check_packing(s.offsets, s.sequences, s.batch, s.seq);
     return attention_support{r.ok, r.argument, r.expected, r.actual};
@@ -8440,14 +8448,15 @@ class attention {
   // (including room in the cache) before touching the cache or y_t.
   static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
                    S* y_t, void* workspace, std::size_t workspace_size, executor& ex) {
+    if (s.offsets != nullptr || s.sequences != 0) {  // before check(): step ignores shape.seq
+      throw invalid_argument(s.offsets != nullptr ? "shape.offsets" : "shape.sequences",
+                             "none for decoding", "packed sequences",
+                             "Decode each sequence as a batch row: its cache holds its own positions");
+    }
     check(s);
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
                              "Single-step decoding reproduces only causal attention");
-    }
-    if (s.offsets != nullptr) {
-      throw invalid_argument("shape.offsets", "nullptr for decoding", "packed sequences",
-                             "Decode each sequence as a batch row: its cache holds its own positions");
     }
     check_weights(w);
     detail::need_pointer(x_t, "x_t");
@@ -9873,7 +9882,9 @@ class mamba {
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
     if (s.offsets != nullptr || s.sequences != 0) {
       if constexpr (!std::is_same_v<backend, cpu_backend>) {
-        return no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
+        return s.offsets == nullptr
+                   ? no("shape.sequences", "0: packed sequences run on the CPU backend so far", d(s.sequences))
+                   : no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
       }
       const packing_check r = check_packing(s.offsets, s.sequences, s.batch, s.seq);
       return layer_support{r.ok, r.argument, r.expected, r.actual};
@@ -10014,11 +10025,12 @@ class mamba {
   // shape.seq is ignored. Checks everything before touching the state or out_t.
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
-    check(s);
-    if (s.offsets != nullptr) {
-      throw invalid_argument("shape.offsets", "nullptr for decoding", "packed sequences",
+    if (s.offsets != nullptr || s.sequences != 0) {  // before check(): step ignores shape.seq
+      throw invalid_argument(s.offsets != nullptr ? "shape.offsets" : "shape.sequences",
+                             "none for decoding", "packed sequences",
                              "Decode each sequence as a batch row: its state carries its own past");
     }
+    check(s);
     check_weights(w);
     detail::need_pointer(x_t, "x_t");
     detail::need_pointer(out_t, "out_t");
@@ -15554,11 +15566,11 @@ class model {
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
     if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, attention_shape>) {
-      // QKᵀ and PV over the pairs the mask keeps: T²/2 causal (as it always counted), the band's
-      // exact count under a window.
+      // QKᵀ and PV over the pairs the mask keeps: T²/2 causal (as it always counted, also for a
+      // window that covers the sequence), the band's exact count under a narrower window.
       const attention_shape& a = d.p1.layer;
-      f += a.window == 0 ? 2.0 * N * T * C
-                         : 4.0 * static_cast<double>(b.batch) * attention_pairs(a) * C;
+      f += a.window == 0 || a.window >= a.seq ? 2.0 * N * T * C
+                                              : 4.0 * static_cast<double>(b.batch) * attention_pairs(a) * C;
     } else if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, mamba_shape>) {
       f += 9.0 * N * static_cast<double>(d.p1.layer.d_inner * d.p1.layer.d_state);
     } else {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
 #include <string>
@@ -504,6 +505,39 @@ TEST_CASE("attention: bad packed offsets get a typed error; y is untouched") {
   attention_shape null = s;
   null.offsets = nullptr;
   refused(null, "shape.offsets");
+  // Packing does not skip the other checks (a NaN RoPE base is refused packed as unpacked).
+  attention_shape nan = s;
+  nan.rope_base = std::numeric_limits<double>::quiet_NaN();
+  refused(nan, "shape.rope_base");
+  // A negative offset is reported as given, not as a wrapped-around size_t.
+  offsets = {-5, 3, 7};
+  try {
+    attn::check(s);
+    FAIL("a negative offset was accepted");
+  } catch (const membound::invalid_argument& e) {
+    CHECK(e.argument() == "shape.offsets");
+    CHECK(e.actual() == "-5");
+  }
+  offsets = {0, 3, 7};
+  // Decoding refuses packed sequences by name, before checking them against shape.seq.
+  {
+    attention_shape d = s;
+    d.seq = 1;
+    thread_pool one(1);
+    const problem q = make_problem(shape_of(1, 1, 16, 2, 1, 8, true), 4);
+    aligned_buffer cache_bytes(attn::kv_cache_bytes(shape_of(1, 1, 16, 2, 1, 8, true), 4));
+    attn::kv_cache cache = attn::make_kv_cache(shape_of(1, 1, 16, 2, 1, 8, true), cache_bytes.get(), cache_bytes.bytes, 4);
+    aligned_buffer sws(attn::step_workspace_bytes(shape_of(1, 1, 16, 2, 1, 8, true), 4, 1));
+    std::vector<double> yt(16);
+    const attn::weights wq{q.w.wq.data(), q.w.wk.data(), q.w.wv.data(), q.w.wo.data()};
+    try {
+      attn::step(d, wq, cache, q.x.data(), yt.data(), sws.get(), sws.bytes, one);
+      FAIL("decoding took packed sequences");
+    } catch (const membound::invalid_argument& e) {
+      CHECK(e.argument() == "shape.offsets");
+    }
+    CHECK(cache.length == 0);
+  }
   // A forward with bad offsets throws before writing y.
   offsets = {0, 5, 3};
   const problem p = make_problem(shape_of(1, 7, 16, 2, 1, 8, true), 4);

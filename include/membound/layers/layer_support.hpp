@@ -37,11 +37,13 @@ using ::membound::sat_add;
 using ::membound::sat_mul;
 
 // Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
-// their value as a real number, the others as an integer.
+// their value as a real number, the others as an integer (signed: a negative offset is a value
+// a caller can give, and converting it to size_t would be undefined).
 inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
   throw invalid_argument(r.argument, r.expected,
-                         real_valued ? std::to_string(r.actual)
-                                     : std::to_string(static_cast<std::size_t>(r.actual)),
+                         real_valued      ? std::to_string(r.actual)
+                         : r.actual < 0.0 ? std::to_string(static_cast<long long>(r.actual))
+                                          : std::to_string(static_cast<std::size_t>(r.actual)),
                          what_to_do);
 }
 

@@ -555,11 +555,11 @@ class model {
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
     if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, attention_shape>) {
-      // QKᵀ and PV over the pairs the mask keeps: T²/2 causal (as it always counted), the band's
-      // exact count under a window.
+      // QKᵀ and PV over the pairs the mask keeps: T²/2 causal (as it always counted, also for a
+      // window that covers the sequence), the band's exact count under a narrower window.
       const attention_shape& a = d.p1.layer;
-      f += a.window == 0 ? 2.0 * N * T * C
-                         : 4.0 * static_cast<double>(b.batch) * attention_pairs(a) * C;
+      f += a.window == 0 || a.window >= a.seq ? 2.0 * N * T * C
+                                              : 4.0 * static_cast<double>(b.batch) * attention_pairs(a) * C;
     } else if constexpr (std::is_same_v<typename mixer_traits<M>::shape_type, mamba_shape>) {
       f += 9.0 * N * static_cast<double>(d.p1.layer.d_inner * d.p1.layer.d_state);
     } else {
