@@ -8184,6 +8184,31 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
                          what_to_do);
 }
 
+// A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer: refused by
+// name on a backend whose kernels do not take them yet, else check_packing's verdict.
+constexpr layer_support packing_support(bool backend_takes_them, const std::int32_t* offsets,
+                                        std::size_t sequences, std::size_t batch,
+                                        std::size_t seq) noexcept {
+  if (!backend_takes_them) {
+    return offsets == nullptr
+               ? layer_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
+                               static_cast<double>(sequences)}
+               : layer_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
+  }
+  const packing_check r = check_packing(offsets, sequences, batch, seq);
+  return layer_support{r.ok, r.argument, r.expected, r.actual};
+}
+
+// Decoding takes one sequence per batch row: a packed shape is refused before check(), which
+// would measure its offsets against shape.seq (which decoding ignores).
+inline void refuse_packed_decoding(const std::int32_t* offsets, std::size_t sequences,
+                                   const char* what_to_do) {
+  if (offsets != nullptr || sequences != 0) {
+    throw invalid_argument(offsets != nullptr ? "shape.offsets" : "shape.sequences", "none for decoding",
+                           "packed sequences", what_to_do);
+  }
+}
+
 // carve, but the errors name `name` (saved, workspace, state...).
 template <std::size_t N>
 workspace_view<N> carve_named(const workspace_layout<N>& layout, std::size_t need, void* base,
@@ -8279,7 +8304,8 @@ class attention {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
     if (s.offsets != nullptr || s.sequences != 0) {
-      const attention_support r = check_packing(s);
+      const attention_support r = detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets,
+                                                          s.sequences, s.batch, s.seq);
       if (!r.ok) return r;
     }
     // NaN fails the first comparison, +inf the second.
@@ -8287,18 +8313,6 @@ class attention {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
     }
     return {};
-  }
-
-  // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
-  static constexpr attention_support check_packing(const attention_shape& s) noexcept {
-    if constexpr (!std::is_same_v<backend, cpu_backend>) {
-      return s.offsets == nullptr
-                 ? attention_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
-                                     static_cast<double>(s.sequences)}
-                 : attention_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
-    }
-    const packing_check r = membound::check_packing(s.offsets, s.sequences, s.batch, s.seq);
-    return attention_support{r.ok, r.argument, r.expected, r.actual};
   }
 
   // Throws invalid_argument naming the failing field, as can_implement reports it.
@@ -8448,11 +8462,8 @@ class attention {
   // (including room in the cache) before touching the cache or y_t.
   static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
                    S* y_t, void* workspace, std::size_t workspace_size, executor& ex) {
-    if (s.offsets != nullptr || s.sequences != 0) {  // before check(): step ignores shape.seq
-      throw invalid_argument(s.offsets != nullptr ? "shape.offsets" : "shape.sequences",
-                             "none for decoding", "packed sequences",
-                             "Decode each sequence as a batch row: its cache holds its own positions");
-    }
+    detail::refuse_packed_decoding(s.offsets, s.sequences,
+                                   "Decode each sequence as a batch row: its cache holds its own positions");
     check(s);
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",
@@ -9881,13 +9892,8 @@ class mamba {
     if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
     if (s.offsets != nullptr || s.sequences != 0) {
-      if constexpr (!std::is_same_v<backend, cpu_backend>) {
-        return s.offsets == nullptr
-                   ? no("shape.sequences", "0: packed sequences run on the CPU backend so far", d(s.sequences))
-                   : no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
-      }
-      const packing_check r = check_packing(s.offsets, s.sequences, s.batch, s.seq);
-      return layer_support{r.ok, r.argument, r.expected, r.actual};
+      return detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets, s.sequences, s.batch,
+                                     s.seq);
     }
     return {};
   }
@@ -10025,11 +10031,8 @@ class mamba {
   // shape.seq is ignored. Checks everything before touching the state or out_t.
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
-    if (s.offsets != nullptr || s.sequences != 0) {  // before check(): step ignores shape.seq
-      throw invalid_argument(s.offsets != nullptr ? "shape.offsets" : "shape.sequences",
-                             "none for decoding", "packed sequences",
-                             "Decode each sequence as a batch row: its state carries its own past");
-    }
+    detail::refuse_packed_decoding(s.offsets, s.sequences,
+                                   "Decode each sequence as a batch row: its state carries its own past");
     check(s);
     check_weights(w);
     detail::need_pointer(x_t, "x_t");

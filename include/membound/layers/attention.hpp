@@ -131,7 +131,8 @@ class attention {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
     if (s.offsets != nullptr || s.sequences != 0) {
-      const attention_support r = check_packing(s);
+      const attention_support r = detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets,
+                                                          s.sequences, s.batch, s.seq);
       if (!r.ok) return r;
     }
     // NaN fails the first comparison, +inf the second.
@@ -139,18 +140,6 @@ class attention {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
     }
     return {};
-  }
-
-  // Packed sequences (shape.offsets): whether they describe the token axis. O(sequences).
-  static constexpr attention_support check_packing(const attention_shape& s) noexcept {
-    if constexpr (!std::is_same_v<backend, cpu_backend>) {
-      return s.offsets == nullptr
-                 ? attention_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
-                                     static_cast<double>(s.sequences)}
-                 : attention_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
-    }
-    const packing_check r = membound::check_packing(s.offsets, s.sequences, s.batch, s.seq);
-    return attention_support{r.ok, r.argument, r.expected, r.actual};
   }
 
   // Throws invalid_argument naming the failing field, as can_implement reports it.
@@ -300,11 +289,8 @@ class attention {
   // (including room in the cache) before touching the cache or y_t.
   static void step(const attention_shape& s, const weights& w, kv_cache& cache, const S* x_t,
                    S* y_t, void* workspace, std::size_t workspace_size, executor& ex) {
-    if (s.offsets != nullptr || s.sequences != 0) {  // before check(): step ignores shape.seq
-      throw invalid_argument(s.offsets != nullptr ? "shape.offsets" : "shape.sequences",
-                             "none for decoding", "packed sequences",
-                             "Decode each sequence as a batch row: its cache holds its own positions");
-    }
+    detail::refuse_packed_decoding(s.offsets, s.sequences,
+                                   "Decode each sequence as a batch row: its cache holds its own positions");
     check(s);
     if (!s.causal) {
       throw invalid_argument("shape.causal", "true", "false",

@@ -18,6 +18,7 @@
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/memory/workspace.hpp"
+#include "membound/shape/packed_sequences.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -45,6 +46,31 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
                          : r.actual < 0.0 ? std::to_string(static_cast<long long>(r.actual))
                                           : std::to_string(static_cast<std::size_t>(r.actual)),
                          what_to_do);
+}
+
+// A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer: refused by
+// name on a backend whose kernels do not take them yet, else check_packing's verdict.
+constexpr layer_support packing_support(bool backend_takes_them, const std::int32_t* offsets,
+                                        std::size_t sequences, std::size_t batch,
+                                        std::size_t seq) noexcept {
+  if (!backend_takes_them) {
+    return offsets == nullptr
+               ? layer_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
+                               static_cast<double>(sequences)}
+               : layer_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
+  }
+  const packing_check r = check_packing(offsets, sequences, batch, seq);
+  return layer_support{r.ok, r.argument, r.expected, r.actual};
+}
+
+// Decoding takes one sequence per batch row: a packed shape is refused before check(), which
+// would measure its offsets against shape.seq (which decoding ignores).
+inline void refuse_packed_decoding(const std::int32_t* offsets, std::size_t sequences,
+                                   const char* what_to_do) {
+  if (offsets != nullptr || sequences != 0) {
+    throw invalid_argument(offsets != nullptr ? "shape.offsets" : "shape.sequences", "none for decoding",
+                           "packed sequences", what_to_do);
+  }
 }
 
 // carve, but the errors name `name` (saved, workspace, state...).

@@ -115,13 +115,8 @@ class mamba {
     if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
     if (s.offsets != nullptr || s.sequences != 0) {
-      if constexpr (!std::is_same_v<backend, cpu_backend>) {
-        return s.offsets == nullptr
-                   ? no("shape.sequences", "0: packed sequences run on the CPU backend so far", d(s.sequences))
-                   : no("shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0);
-      }
-      const packing_check r = check_packing(s.offsets, s.sequences, s.batch, s.seq);
-      return layer_support{r.ok, r.argument, r.expected, r.actual};
+      return detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets, s.sequences, s.batch,
+                                     s.seq);
     }
     return {};
   }
@@ -259,11 +254,8 @@ class mamba {
   // shape.seq is ignored. Checks everything before touching the state or out_t.
   static void step(const mamba_shape& s, const weights& w, state& st, const S* x_t, S* out_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
-    if (s.offsets != nullptr || s.sequences != 0) {  // before check(): step ignores shape.seq
-      throw invalid_argument(s.offsets != nullptr ? "shape.offsets" : "shape.sequences",
-                             "none for decoding", "packed sequences",
-                             "Decode each sequence as a batch row: its state carries its own past");
-    }
+    detail::refuse_packed_decoding(s.offsets, s.sequences,
+                                   "Decode each sequence as a batch row: its state carries its own past");
     check(s);
     check_weights(w);
     detail::need_pointer(x_t, "x_t");
