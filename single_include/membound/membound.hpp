@@ -6677,7 +6677,17 @@ struct ttt_shape {
   bool use_gate = false;
   double base_lr = 1.0;
   double rope_base = 10000.0;
+  // Packed variable-length sequences (nullptr: none; shape/packed_sequences.hpp): `sequences`
+  // sequences end to end on one token axis (batch 1, seq their total). Each starts from the
+  // layer's inner state with mini-batches of its own (the last one partial) and RoPE positions
+  // counted from its start: packed equals each sequence alone.
+  const std::int32_t* offsets = nullptr;
+  std::size_t sequences = 0;
+
   constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
+  constexpr packed_sequences packing() const noexcept {
+    return packed_sequences{offsets, offsets == nullptr ? 0 : sequences};
+  }
 };
 
 // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
@@ -6719,14 +6729,24 @@ struct ttt_gradients {
   S* b2 = nullptr;
 };
 
-// Mini-batches of `mini_batch` tokens per sequence, and the saved inner states per (batch, head):
-// one at the start of every group of `group` mini-batches. ceil(n / block) without the overflow
-// of n + block − 1 for a huge group (ttt_state_groups_all), as cpu::blocks.
+// Mini-batches of `mini_batch` tokens per sequence (of T tokens: the most any packed sequence
+// has), and the saved inner states per (batch, head): one at the start of every group of `group`
+// mini-batches of every sequence. ceil(n / block) without the overflow of n + block − 1 for a
+// huge group (ttt_state_groups_all), as cpu::blocks.
 constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batch) noexcept {
   return s.seq == 0 ? 0 : (s.seq - 1) / mini_batch + 1;
 }
+// Packed, a sequence of L tokens keeps ceil(ceil(L/b)/G) = 1 + floor((L − 1)/(b·G)) states, so
+// N tokens in at most S sequences keep at most S' + floor(floor((N − S')/b)/G) with S' = min(S, N)
+// (S' − 1 single tokens and one long sequence reach it). The size depends on N and S only, never
+// on where the sequences start, so one buffer serves every packing of the same totals and a plan
+// over (tokens, sequences) is exact for its worst case.
 constexpr std::size_t ttt_saved_states(const ttt_shape& s, std::size_t mini_batch,
                                       std::size_t group) noexcept {
+  if (s.packing().packed()) {
+    const std::size_t n = s.sequences < s.seq ? s.sequences : s.seq;
+    return n + (s.seq - n) / mini_batch / group;
+  }
   const std::size_t n = ttt_mini_batches(s, mini_batch);
   return n == 0 ? 0 : (n - 1) / group + 1;
 }
@@ -10166,11 +10186,13 @@ void ln_row_backward(const A* xhat, A sigma, const A* dxhat, A dsigma, std::size
 }
 
 // RoPE on interleaved pairs (x[2i], x[2i+1]) of every D-wide head of rows [N, heads·D], at
-// position (n mod T) mod period (TTT counts positions inside each mini-batch): the rotation
-// ttt-lm-pytorch gets from permute_qk + rotate-half + undo_permute_qk. inverse: the transpose.
+// position (n mod T) mod period (TTT counts positions inside each mini-batch), or under packed
+// sequences (n − its sequence's start) mod period: the rotation ttt-lm-pytorch gets from
+// permute_qk + rotate-half + undo_permute_qk. inverse: the transpose.
 template <typename A>
 void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size_t heads,
-                std::size_t D, double base, std::size_t period, bool inverse) {
+                std::size_t D, double base, std::size_t period, bool inverse,
+                const packed_sequences& packing = {}) {
   const std::size_t width = heads * D;
   // Frequency outer, rows inner: one pow per (block, pair) instead of per row, and the block's
   // rows share a handful of positions (there are `period` of them), so cos/sin are cached by
@@ -10178,14 +10200,17 @@ void rope_pairs(thread_pool& pool, A* x, std::size_t N, std::size_t T, std::size
   constexpr std::size_t cache = 64;
   pool.parallel_for(blocks(N, row_block), [&](std::size_t blk, std::size_t) {
     const std::size_t r0 = blk * row_block, r1 = std::min(N, r0 + row_block);
-    std::size_t tag[cache];
+    std::size_t tag[cache], position[row_block];
     A cs[cache], sn[cache];
+    for (std::size_t n = r0; n < r1; ++n) {
+      position[n - r0] = (packing.packed() ? n - packing.begin_of(n) : n % T) % period;
+    }
     for (std::size_t i = 0; i < D / 2; ++i) {
       const double inv_freq =
           std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
       std::fill(tag, tag + cache, ~std::size_t{0});
       for (std::size_t n = r0; n < r1; ++n) {
-        const std::size_t pos = (n % T) % period, slot = pos % cache;
+        const std::size_t pos = position[n - r0], slot = pos % cache;
         if (tag[slot] != pos) {
           const double angle = static_cast<double>(pos) * inv_freq * (inverse ? -1.0 : 1.0);
           cs[slot] = static_cast<A>(std::cos(angle));
@@ -10686,8 +10711,8 @@ struct backend_kernels<cpu_backend, ttt_shape> {
       mm(ex, static_cast<const A*>(dlr), wa.lr_w, dxa, N, H, C, true, gs);
 
       // RoPE's transpose, then the projections.
-      cpu::rope_pairs(ex, dq, N, s.seq, H, D, s.rope_base, mb, true);
-      cpu::rope_pairs(ex, dk, N, s.seq, H, D, s.rope_base, mb, true);
+      cpu::rope_pairs(ex, dq, N, s.seq, H, D, s.rope_base, mb, true, s.packing());
+      cpu::rope_pairs(ex, dk, N, s.seq, H, D, s.rope_base, mb, true, s.packing());
       cpu::weight_grad(ex, xa, static_cast<const A*>(dq), g.wq, tmp, N, C, C, gs);
       cpu::weight_grad(ex, xa, static_cast<const A*>(dk), g.wk, tmp, N, C, C, gs);
       cpu::weight_grad(ex, xa, static_cast<const A*>(dv), g.wv, tmp, N, C, C, gs);
@@ -10970,8 +10995,8 @@ struct backend_kernels<cpu_backend, ttt_shape> {
       mm(ex, xa, wa.wk, k, N, C, C, false, pk);
       mm(ex, xa, wa.wv, v, N, C, C, false, pk);
       if (position0 == 0) {
-        cpu::rope_pairs(ex, q, N, s.seq, H, D, s.rope_base, mb, false);
-        cpu::rope_pairs(ex, k, N, s.seq, H, D, s.rope_base, mb, false);
+        cpu::rope_pairs(ex, q, N, s.seq, H, D, s.rope_base, mb, false, s.packing());
+        cpu::rope_pairs(ex, k, N, s.seq, H, D, s.rope_base, mb, false, s.packing());
       } else {  // one token per row at position position0 (seq is 1 here)
         rope_at(q, N, H, D, s.rope_base, position0);
         rope_at(k, N, H, D, s.rope_base, position0);
@@ -11145,10 +11170,28 @@ struct backend_kernels<cpu_backend, ttt_shape> {
     }
 
     // ---- The inner loop --------------------------------------------------------------------------
+    // The sequences of a batch row, as token ranges of the row: the whole row, or under packed
+    // sequences (batch 1) each [offsets[q], offsets[q + 1]). Each restarts the inner state from
+    // the weights and cuts its own mini-batches, and keeps states_of(its length) saved states, in
+    // order, from slot 0 of its (b, h).
+    struct token_range {
+      std::size_t begin, end;
+    };
+    static std::size_t sequence_count(const ttt_shape& s) noexcept {
+      return s.packing().packed() ? s.sequences : 1;
+    }
+    static token_range sequence(const ttt_shape& s, std::size_t q) noexcept {
+      if (!s.packing().packed()) return {0, s.seq};
+      return {static_cast<std::size_t>(s.offsets[q]), static_cast<std::size_t>(s.offsets[q + 1])};
+    }
+    static constexpr std::size_t states_of(std::size_t tokens) noexcept {
+      return tokens == 0 ? 0 : (tokens - 1) / mb / group + 1;  // ceil(ceil(L / b) / G)
+    }
     static cpu::ttt_minibatch<A> minibatch(const ttt_shape& s, const A* q, const A* k, const A* v,
                                            const A* lr_row, const A* tok, const wptrs& wa,
-                                           std::size_t b, std::size_t h, std::size_t t0) {
-      const std::size_t C = s.width, D = s.head_dim(), K = std::min(mb, s.seq - t0);
+                                           std::size_t b, std::size_t h, std::size_t t0,
+                                           std::size_t K) {
+      const std::size_t C = s.width, D = s.head_dim();
       const std::size_t r = (b * s.seq + t0) * C + h * D;
       return cpu::ttt_minibatch<A>{q + r, k + r, v + r, K, D, C, lr_row, tok,
                                    wa.ttt_norm_w + h * D, wa.ttt_norm_b + h * D, ln_eps};
@@ -11174,27 +11217,31 @@ struct backend_kernels<cpu_backend, ttt_shape> {
                               const A* tok, const wptrs& wa, A* o, A* ckpt, A* scratch,
                               const gemm_ws& gw, thread_pool& ex) {
       const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width;
-      const std::size_t nmb = mini_batches(s), ncp = saved_states(s), SZ = inner_elements(s);
+      const std::size_t ncp = saved_states(s), SZ = inner_elements(s);
       const std::size_t per = SZ + mb_elements(D, F, mb, false);
       ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
         const std::size_t b = task / H, h = task % H;
-        A* W = initial_state(s, wa, h, scratch + thread * per);
+        A* W = scratch + thread * per;
         const mb_buffers sc = carve_mb(W + SZ, D, F, mb, false);
         const cpu::gemm_scratch pk = gw.of(thread, ex.size());
-        for (std::size_t m = 0; m < nmb; ++m) {
-          const std::size_t t0 = m * mb;
-          if (m % group == 0) std::copy(W, W + SZ, ckpt + (task * ncp + m / group) * SZ);
-          const std::size_t K = std::min(mb, s.seq - t0);
-          gather_lr(s, lr, b, h, t0, K, sc.lrm);
-          const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-          mb_forward(mbt, W, sc, true, pk);
-          for (std::size_t i = 0; i < K; ++i) {
-            cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
-            A* out = o + (b * s.seq + t0 + i) * C + h * D;
-            const A* qr = mbt.q + i * C;
-            for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
+        A* saved = ckpt + task * ncp * SZ;  // this (b, h)'s states, every sequence's in order
+        for (std::size_t sq = 0; sq < sequence_count(s); ++sq) {
+          const token_range r = sequence(s, sq);
+          initial_state(s, wa, h, W);
+          for (std::size_t m = 0, t0 = r.begin; t0 < r.end; ++m, t0 += mb) {
+            if (m % group == 0) saved = std::copy(W, W + SZ, saved);
+            const std::size_t K = std::min(mb, r.end - t0);
+            gather_lr(s, lr, b, h, t0, K, sc.lrm);
+            const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0, K);
+            mb_forward(mbt, W, sc, true, pk);
+            for (std::size_t i = 0; i < K; ++i) {
+              cpu::ln_row(sc.zb + i * D, D, ln_eps, sc.xhb);
+              A* out = o + (b * s.seq + t0 + i) * C + h * D;
+              const A* qr = mbt.q + i * C;
+              for (std::size_t j = 0; j < D; ++j) out[j] = qr[j] + mbt.gamma[j] * sc.xhb[j] + mbt.beta[j];
+            }
+            mb_update(mbt, W, sc, pk);
           }
-          mb_update(mbt, W, sc, pk);
         }
       });
     }
@@ -11309,7 +11356,7 @@ struct backend_kernels<cpu_backend, ttt_shape> {
                                A* dk, A* dv, A* dlr, A* part, A* scratch, const gemm_ws& gw,
                                thread_pool& ex) {
       const std::size_t H = s.heads, D = s.head_dim(), F = hidden(s), C = s.width, T = s.seq;
-      const std::size_t nmb = mini_batches(s), ncp = saved_states(s), gsz = group_in_use(s);
+      const std::size_t ncp = saved_states(s), gsz = group_in_use(s);
       const std::size_t SZ = inner_elements(s), pe = part_elements(s);
       const std::size_t per = (gsz + 2) * SZ + mb_elements(D, F, mb, true);
       ex.parallel_for(s.batch * H, [&](std::size_t task, std::size_t thread) {
@@ -11327,33 +11374,55 @@ struct backend_kernels<cpu_backend, ttt_shape> {
         std::fill(pgam, pgam + D, A(0));
         std::fill(pbet, pbet + D, A(0));
         std::fill(ptok, ptok + mb, A(0));
-        std::fill(dS, dS + SZ, A(0));
-        for (std::size_t c = ncp; c-- > 0;) {
-          const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
-          // Recompute the group's entering states from its saved state.
-          std::copy(ckpt + (task * ncp + c) * SZ, ckpt + (task * ncp + c + 1) * SZ, Wc);
-          for (std::size_t m = m0; m < m1; ++m) {
-            std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
-            if (m + 1 == m1) break;  // the last one's update is not needed
-            const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-            gather_lr(s, lr, b, h, t0, K, sc.lrm);
-            const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-            mb_forward(mbt, Wc, sc, false, pk);
-            mb_update(mbt, Wc, sc, pk);
-          }
-          for (std::size_t m = m1; m-- > m0;) {
-            const std::size_t t0 = m * mb, K = std::min(mb, T - t0);
-            const A* W = states + (m - m0) * SZ;
-            gather_lr(s, lr, b, h, t0, K, sc.lrm);
-            const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0);
-            mb_forward(mbt, W, sc, true, pk);
-            const std::size_t r0 = (b * T + t0) * C + h * D;
-            mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok,
-                        pk);
-            for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
-          }
+        // Sequences last to first, each from its last group: `slot` is one past its saved states.
+        std::size_t slot = 0;
+        for (std::size_t sq = 0; sq < sequence_count(s); ++sq) {
+          const token_range r = sequence(s, sq);
+          slot += states_of(r.end - r.begin);
         }
-        std::copy(dS, dS + SZ, pS);
+        const A* saved = ckpt + task * ncp * SZ;
+        bool first = true;
+        for (std::size_t sq = sequence_count(s); sq-- > 0;) {
+          const token_range r = sequence(s, sq);
+          if (r.end == r.begin) continue;
+          const std::size_t nmb = (r.end - r.begin - 1) / mb + 1, nst = states_of(r.end - r.begin);
+          slot -= nst;
+          std::fill(dS, dS + SZ, A(0));  // nothing reads the state leaving a sequence
+          for (std::size_t c = nst; c-- > 0;) {
+            const std::size_t m0 = c * group, m1 = std::min(nmb, m0 + gsz);
+            // Recompute the group's entering states from its saved state.
+            std::copy(saved + (slot + c) * SZ, saved + (slot + c + 1) * SZ, Wc);
+            for (std::size_t m = m0; m < m1; ++m) {
+              std::copy(Wc, Wc + SZ, states + (m - m0) * SZ);
+              if (m + 1 == m1) break;  // the last one's update is not needed
+              const std::size_t t0 = r.begin + m * mb, K = std::min(mb, r.end - t0);
+              gather_lr(s, lr, b, h, t0, K, sc.lrm);
+              const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0, K);
+              mb_forward(mbt, Wc, sc, false, pk);
+              mb_update(mbt, Wc, sc, pk);
+            }
+            for (std::size_t m = m1; m-- > m0;) {
+              const std::size_t t0 = r.begin + m * mb, K = std::min(mb, r.end - t0);
+              const A* W = states + (m - m0) * SZ;
+              gather_lr(s, lr, b, h, t0, K, sc.lrm);
+              const auto mbt = minibatch(s, q, k, v, sc.lrm, tok, wa, b, h, t0, K);
+              mb_forward(mbt, W, sc, true, pk);
+              const std::size_t r0 = (b * T + t0) * C + h * D;
+              mb_backward(mbt, W, sc, d_o + r0, dq + r0, dk + r0, dv + r0, dS, pgam, pbet, ptok,
+                          pk);
+              for (std::size_t i = 0; i < K; ++i) dlr[(b * T + t0 + i) * H + h] = sc.dl[i];
+            }
+          }
+          // Every sequence starts from the layer's inner weights: their gradient sums the
+          // sequences' (copied, not added, for the first, so one sequence keeps its bits).
+          if (first) {
+            std::copy(dS, dS + SZ, pS);
+          } else {
+            for (std::size_t e = 0; e < SZ; ++e) pS[e] += dS[e];
+          }
+          first = false;
+        }
+        if (first) std::fill(pS, pS + SZ, A(0));  // every sequence empty
       });
     }
 
@@ -11397,6 +11466,8 @@ MEMBOUND_NAMESPACE_END
 // ttt_state_groups_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its saved state, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// Packed sequences (ttt_shape::offsets, CPU): each starts from W1, b1 with mini-batches and RoPE
+// positions of its own, as if run alone; saved_bytes is the worst case over packings of the totals.
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
 // backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
@@ -11481,6 +11552,9 @@ class basic_ttt {
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
     }
+    if (s.offsets != nullptr || s.sequences != 0) {
+      return detail::packing_support(is_cpu_backend_v<backend>, s.offsets, s.sequences, s.batch, s.seq);
+    }
     return {};
   }
   // Throws invalid_argument naming the failing field, as can_implement reports it.
@@ -11498,7 +11572,8 @@ class basic_ttt {
   static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
     return ttt_mini_batches(s, mb);
   }
-  // Checkpoints per (batch, head): ceil(mini-batches / G).
+  // Checkpoints per (batch, head): ceil(mini-batches / G); packed, the most any packing of
+  // shape.seq tokens into shape.sequences sequences keeps (shape/ttt_shape.hpp).
   static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
     return ttt_saved_states(s, mb, group);
   }
@@ -11508,7 +11583,7 @@ class basic_ttt {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  // Of saved_bytes, the saved inner states: B·H·ceil(ceil(T/b)/G)·inner_elements.
+  // Of saved_bytes, the saved inner states: B·H·saved_states·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
@@ -11634,6 +11709,8 @@ class basic_ttt {
   // last token folds the sums into W. Checks everything before touching the state or y_t.
   static void step(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
+    detail::refuse_packed_decoding(s.offsets, s.sequences,
+                                   "Decode each sequence as a batch row: its state carries its own past");
     check(s);
     check_weights(s, w);
     detail::need_pointer(x_t, "x_t");

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -494,6 +495,14 @@ void typed_errors() {
   EXPECT_THROW(mb::workspace_too_small, gpu_l::make_state(s, wd, state.get(), state.size() - 1, ex));
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
   CHECK(bws >= mb::gpu::gemm_workspace_bytes(ex));
+  // Packed sequences are the CPU backend's so far: refused by name.
+  const std::int32_t offsets[] = {0, 1, 4};
+  mb::ttt_shape packed = s;
+  packed.offsets = offsets;
+  packed.sequences = 2;
+  CHECK(std::string(gpu_l::can_implement(packed).argument) == "shape.offsets");
+  EXPECT_THROW(mb::invalid_argument,
+               gpu_l::forward(packed, wd, x.get(), y.get(), saved.get(), saved.size(), ws.get(), fws, ex));
 }
 
 // What the inner loop keeps on chip (host only; runs without a device): the parts on chip fit the

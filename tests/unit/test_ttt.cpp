@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -208,6 +209,38 @@ membound::reference::ttt_weights to_reference(const params& p, bool gate) {
   return w;
 }
 
+// The reference's config for a layer at shape s (one sequence per batch row).
+template <typename Layer>
+membound::reference::ttt_config reference_config(const ttt_shape& s) {
+  membound::reference::ttt_config c;
+  c.kind = Layer::is_mlp ? membound::reference::ttt_kind::mlp : membound::reference::ttt_kind::linear;
+  c.batch = s.batch;
+  c.seq = s.seq;
+  c.width = s.width;
+  c.heads = s.heads;
+  c.mini_batch = Layer::mini_batch;
+  c.use_gate = s.use_gate;
+  return c;
+}
+
+// The reference's y, dx and gradients in the order of `params` (wg empty without the gate).
+result reference_result(const membound::reference::ttt_config& c, const params& prm,
+                        const std::vector<double>& x, const std::vector<double>& dy) {
+  const auto w = to_reference(prm, c.use_gate);
+  const auto want = membound::reference::ttt_reference_gradients(c, w, x, dy);
+  result r;
+  r.y = membound::reference::ttt_forward(c, w, x).out;
+  r.dx = want.dx;
+  const std::vector<double>* g[n_params] = {
+      &want.dw.wq,          &want.dw.wk,           &want.dw.wv,        &want.dw.ttt_norm_weight,
+      &want.dw.ttt_norm_bias, &want.dw.w1,         &want.dw.b1,        &want.dw.lr_weight,
+      &want.dw.lr_bias,     &want.dw.token_offset, &want.dw.post_norm_weight,
+      &want.dw.post_norm_bias, &want.dw.wg,        &want.dw.wo,        &want.dw.w2,
+      &want.dw.b2};
+  for (int i = 0; i < n_params; ++i) r.g.p[i] = *g[i];
+  return r;
+}
+
 }  // namespace
 
 // The primal-form reference (explicit per-token W, exact gradients by dual numbers), itself
@@ -220,40 +253,12 @@ TEST_CASE("ttt_linear and ttt_mlp <fp64> match the primal-form reference to 1e-1
     rng r{seed};
     const params prm = make_params<Layer::mini_batch, Layer::is_mlp>(s, r);
     const std::vector<double> x = r.fill(s.batch * s.seq * s.width, 1.0), dy = r.fill(x.size(), 1.0);
-    membound::reference::ttt_config c;
-    c.kind = Layer::is_mlp ? membound::reference::ttt_kind::mlp : membound::reference::ttt_kind::linear;
-    c.batch = s.batch;
-    c.seq = s.seq;
-    c.width = s.width;
-    c.heads = s.heads;
-    c.mini_batch = Layer::mini_batch;
-    c.use_gate = s.use_gate;
-    const auto w = to_reference(prm, s.use_gate);
-    const auto want_y = membound::reference::ttt_forward(c, w, x).out;
-    const auto want = membound::reference::ttt_reference_gradients(c, w, x, dy);
     const result got = run<Layer>(s, prm, x, dy, 2);
-    CHECK(rel_err(got.y, want_y) <= 1e-10);
+    const result want = reference_result(reference_config<Layer>(s), prm, x, dy);
+    CHECK(rel_err(got.y, want.y) <= 1e-10);
     CHECK(rel_err(got.dx, want.dx) <= 1e-10);
-    const params want_g = [&] {
-      params g;
-      g.p[0] = want.dw.wq;
-      g.p[1] = want.dw.wk;
-      g.p[2] = want.dw.wv;
-      g.p[3] = want.dw.ttt_norm_weight;
-      g.p[4] = want.dw.ttt_norm_bias;
-      g.p[5] = want.dw.w1;
-      g.p[6] = want.dw.b1;
-      g.p[7] = want.dw.lr_weight;
-      g.p[8] = want.dw.lr_bias;
-      g.p[9] = want.dw.token_offset;
-      g.p[10] = want.dw.post_norm_weight;
-      g.p[11] = want.dw.post_norm_bias;
-      g.p[12] = s.use_gate ? want.dw.wg : got.g.p[12];
-      g.p[13] = want.dw.wo;
-      g.p[14] = want.dw.w2;
-      g.p[15] = want.dw.b2;
-      return g;
-    }();
+    params want_g = want.g;
+    if (!s.use_gate) want_g.p[12] = got.g.p[12];
     double worst = 0;
     for (int i = 0; i < n_params; ++i) {
       const double e = rel_err(got.g.p[i], want_g.p[i]);
@@ -351,6 +356,185 @@ TEST_CASE("ttt_linear: state groups and thread counts do not change the results"
     CHECK(o.dx == m1.dx);
     for (int i = 0; i < n_params; ++i) CHECK(o.g.p[i] == m1.g.p[i]);
   }
+}
+
+namespace {
+
+// Sequence lengths as packed offsets [0, l0, l0 + l1, ...].
+std::vector<std::int32_t> offsets_of(const std::vector<std::size_t>& lengths) {
+  std::vector<std::int32_t> o{0};
+  for (const std::size_t n : lengths) o.push_back(o.back() + static_cast<std::int32_t>(n));
+  return o;
+}
+
+// One layer over packed sequences against each sequence alone through the primal-form reference
+// (rows of y and dx in place, the weight gradients summed over sequences), 1e-10 relative per
+// tensor as for one sequence; the same bits on 1, 2 and 3 threads and under every state group.
+template <typename Layer, typename... Same>
+void packed_case(const std::vector<std::size_t>& lengths, bool gate, std::uint64_t seed) {
+  const std::vector<std::int32_t> offsets = offsets_of(lengths);
+  const auto N = static_cast<std::size_t>(offsets.back());
+  ttt_shape s = shape_of(1, N, 8, 2, gate);
+  s.offsets = offsets.data();
+  s.sequences = lengths.size();
+  REQUIRE(Layer::can_implement(s).ok);
+  rng r{seed};
+  const params prm = make_params<Layer::mini_batch, Layer::is_mlp>(s, r);
+  const std::vector<double> x = r.fill(N * s.width, 1.0), dy = r.fill(x.size(), 1.0);
+  const result got = run<Layer>(s, prm, x, dy, 2);
+
+  const std::size_t C = s.width;
+  result want;
+  want.y.assign(N * C, 0.0);
+  want.dx.assign(N * C, 0.0);
+  for (int i = 0; i < n_params; ++i) want.g.p[i].assign(got.g.p[i].size(), 0.0);
+  for (std::size_t q = 0; q < lengths.size(); ++q) {
+    const std::size_t T = lengths[q], o = static_cast<std::size_t>(offsets[q]);
+    if (T == 0) continue;
+    const auto rows = [&](const std::vector<double>& v) {
+      return std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(o * C),
+                                 v.begin() + static_cast<std::ptrdiff_t>((o + T) * C));
+    };
+    const result alone = reference_result(reference_config<Layer>(shape_of(1, T, 8, 2, gate)), prm,
+                                          rows(x), rows(dy));
+    std::copy(alone.y.begin(), alone.y.end(), want.y.begin() + static_cast<std::ptrdiff_t>(o * C));
+    std::copy(alone.dx.begin(), alone.dx.end(), want.dx.begin() + static_cast<std::ptrdiff_t>(o * C));
+    for (int i = 0; i < n_params; ++i)
+      for (std::size_t e = 0; e < alone.g.p[i].size(); ++e) want.g.p[i][e] += alone.g.p[i][e];
+  }
+  double worst = std::max(rel_err(got.y, want.y), rel_err(got.dx, want.dx));
+  CHECK(rel_err(got.y, want.y) <= 1e-10);
+  CHECK(rel_err(got.dx, want.dx) <= 1e-10);
+  for (int i = 0; i < n_params; ++i) {
+    if (i == 12 && !gate) continue;
+    const double e = rel_err(got.g.p[i], want.g.p[i]);
+    INFO(std::string(param_names[i]) << " relative error " << e);
+    CHECK(e <= 1e-10);
+    worst = std::max(worst, e);
+  }
+  MESSAGE(std::string(Layer::is_mlp ? "packed TTT-MLP" : "packed TTT-Linear") << ": worst relative error " << worst);
+
+  const auto same = [&](const result& o) {
+    CHECK(o.y == got.y);
+    CHECK(o.dx == got.dx);
+    for (int i = 0; i < n_params; ++i) {
+      INFO(std::string(param_names[i]));
+      CHECK(o.g.p[i] == got.g.p[i]);
+    }
+  };
+  same(run<Layer>(s, prm, x, dy, 1));
+  same(run<Layer>(s, prm, x, dy, 3));
+  (same(run<Same>(s, prm, x, dy, 2)), ...);
+}
+
+}  // namespace
+
+// Lengths 1, b − 1, b, b + 1, an empty one, a long one among short ones (several state groups),
+// with b = 4 and G = 2; then S − 1 single tokens and one long sequence, the packing that keeps
+// the most states (saved_states' worst case, reached exactly).
+TEST_CASE("ttt_linear and ttt_mlp: packed sequences equal each sequence run alone") {
+  using membound::ttt_state_groups;
+  using membound::ttt_state_groups_all;
+  const std::vector<std::size_t> mixed = {1, 3, 4, 5, 0, 14, 2, 9}, worst = {1, 1, 1, 1, 1, 1, 1, 31};
+  packed_case<f64_layer<4, ttt_state_groups<2>>, f64_layer<4, ttt_state_groups<1>>,
+              f64_layer<4, ttt_state_groups_all>>(mixed, true, 41);
+  packed_case<f64_layer<4, ttt_state_groups<2>>, f64_layer<4, ttt_state_groups<3>>>(worst, false, 42);
+  packed_case<f64_mlp<4, ttt_state_groups<2>>, f64_mlp<4, ttt_state_groups_all>>(mixed, true, 43);
+  packed_case<f64_mlp<4, ttt_state_groups<2>>>(worst, false, 44);
+}
+
+// The saved states of a packed shape are the most any packing of its tokens into its sequences
+// keeps: at least every packing's Σ ceil(ceil(L / b) / G), equal for the worst one, and the same
+// whatever the offsets say (one buffer serves every batch of the same totals). One sequence keeps
+// what the unpacked shape keeps, and a packed layer with one sequence is the unpacked layer, bit
+// for bit.
+TEST_CASE("ttt_linear: packed saved states are the worst case over packings, exactly") {
+  using membound::ttt_state_groups;
+  using layer = membound::ttt_linear<membound::ttt_mini_batch<4>, ttt_state_groups<3>>;
+  rng r{45};
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t S = 1 + static_cast<std::size_t>(r.uniform(0.0, 9.99));
+    std::vector<std::size_t> lengths(S);
+    std::size_t kept = 0;
+    for (std::size_t& n : lengths) {
+      n = static_cast<std::size_t>(r.uniform(0.0, 40.0));
+      if (n != 0) kept += ((n - 1) / 4) / 3 + 1;  // ceil(ceil(n / 4) / 3)
+    }
+    const std::vector<std::int32_t> offsets = offsets_of(lengths);
+    ttt_shape s = shape_of(1, static_cast<std::size_t>(offsets.back()), 8, 2, false);
+    if (s.seq == 0) continue;
+    s.offsets = offsets.data();
+    s.sequences = S;
+    REQUIRE(layer::can_implement(s).ok);
+    CHECK(layer::saved_states(s) >= kept);
+    // The worst packing of the same totals: S' − 1 single tokens and the rest in one.
+    const std::size_t n = std::min(S, s.seq), rest = s.seq - (n - 1);
+    CHECK(layer::saved_states(s) == (n - 1) + (((rest - 1) / 4) / 3 + 1));
+  }
+  const std::vector<std::int32_t> one = {0, 23};
+  ttt_shape s = shape_of(1, 23, 8, 2, false), packed = s;
+  packed.offsets = one.data();
+  packed.sequences = 1;
+  CHECK(layer::saved_bytes(packed) == layer::saved_bytes(s));
+  CHECK(layer::backward_workspace_bytes(packed, 2) == layer::backward_workspace_bytes(s, 2));
+  const params prm = make_params<4>(s, r);
+  const std::vector<double> x = r.fill(23 * 8, 1.0), dy = r.fill(x.size(), 1.0);
+  const result a = run<f64_layer<4, ttt_state_groups<3>>>(s, prm, x, dy, 2),
+               b = run<f64_layer<4, ttt_state_groups<3>>>(packed, prm, x, dy, 2);
+  CHECK(a.y == b.y);
+  CHECK(a.dx == b.dx);
+  for (int i = 0; i < n_params; ++i) CHECK(a.g.p[i] == b.g.p[i]);
+}
+
+// Offsets that do not describe the token axis are refused naming the field, and so is decoding a
+// packed shape (a decoding state is one sequence's: decode sequences as batch rows).
+TEST_CASE("ttt_linear: bad packed offsets and packed decoding get typed errors") {
+  using layer = membound::ttt_linear<>;
+  std::vector<std::int32_t> offsets{0, 3, 7};
+  ttt_shape s = shape_of(1, 7, 8, 2, false);
+  s.offsets = offsets.data();
+  s.sequences = 2;
+  CHECK(layer::can_implement(s).ok);
+  offsets = {0, 3, 8};
+  CHECK(std::string(layer::can_implement(s).argument) == "shape.offsets");
+  offsets = {0, 4, 3};
+  CHECK(std::string(layer::can_implement(s).argument) == "shape.offsets");
+  offsets = {1, 3, 7};
+  CHECK(std::string(layer::can_implement(s).argument) == "shape.offsets");
+  offsets = {0, 3, 7};
+  ttt_shape b2 = s;
+  b2.batch = 2;
+  CHECK(std::string(layer::can_implement(b2).argument) == "shape.batch");
+  ttt_shape no_offsets = s;
+  no_offsets.offsets = nullptr;
+  CHECK(std::string(layer::can_implement(no_offsets).argument) == "shape.offsets");
+  try {
+    layer::check(b2);
+    FAIL("no throw");
+  } catch (const membound::invalid_argument& e) {
+    CHECK(e.argument() == "shape.batch");
+  }
+  // Decoding: refused before the state or y_t is touched.
+  rng r{46};
+  const params prm = make_params<16>(s, r);
+  std::vector<float> w[n_params];
+  for (int i = 0; i < n_params; ++i) w[i] = to_storage<float>(prm.p[i]);
+  const layer::weights wv{w[0].data(), w[1].data(), w[2].data(), w[3].data(), w[4].data(),
+                          w[5].data(), w[6].data(), w[7].data(), w[8].data(), w[9].data(),
+                          w[10].data(), w[11].data(), w[12].data(), w[13].data()};
+  const ttt_shape plain = shape_of(1, 7, 8, 2, false);
+  aligned_buffer st_mem(layer::state_bytes(plain)), ws(layer::step_workspace_bytes(plain));
+  layer::state st = layer::make_state(plain, wv, st_mem.get(), st_mem.bytes);
+  std::vector<float> xt(8, 0.5f), yt(8, 7.0f);
+  thread_pool pool(1);
+  try {
+    layer::step(s, wv, st, xt.data(), yt.data(), ws.get(), ws.bytes, pool);
+    FAIL("no throw");
+  } catch (const membound::invalid_argument& e) {
+    CHECK(e.argument() == "shape.offsets");
+  }
+  CHECK(st.position == 0);
+  CHECK(std::all_of(yt.begin(), yt.end(), [](float v) { return v == 7.0f; }));
 }
 
 TEST_CASE("ttt_linear: saved bytes fall with G as reported; peak is as reported") {

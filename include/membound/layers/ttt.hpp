@@ -15,6 +15,8 @@
 // ttt_state_groups_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its saved state, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
+// Packed sequences (ttt_shape::offsets, CPU): each starts from W1, b1 with mini-batches and RoPE
+// positions of its own, as if run alone; saved_bytes is the worst case over packings of the totals.
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
 // backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
 // With cuda_backend in the policies every pointer is device memory, the executor is a
@@ -120,6 +122,9 @@ class basic_ttt {
     if (!(s.rope_base > 0.0) || !(s.rope_base < std::numeric_limits<double>::infinity())) {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
     }
+    if (s.offsets != nullptr || s.sequences != 0) {
+      return detail::packing_support(is_cpu_backend_v<backend>, s.offsets, s.sequences, s.batch, s.seq);
+    }
     return {};
   }
   // Throws invalid_argument naming the failing field, as can_implement reports it.
@@ -137,7 +142,8 @@ class basic_ttt {
   static constexpr std::size_t mini_batches(const ttt_shape& s) noexcept {
     return ttt_mini_batches(s, mb);
   }
-  // Checkpoints per (batch, head): ceil(mini-batches / G).
+  // Checkpoints per (batch, head): ceil(mini-batches / G); packed, the most any packing of
+  // shape.seq tokens into shape.sequences sequences keeps (shape/ttt_shape.hpp).
   static constexpr std::size_t saved_states(const ttt_shape& s) noexcept {
     return ttt_saved_states(s, mb, group);
   }
@@ -147,7 +153,7 @@ class basic_ttt {
     const std::size_t b[] = {ckpt_bytes(s), bytes_of<S>(rows(s), s.width)};
     return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
   }
-  // Of saved_bytes, the saved inner states: B·H·ceil(ceil(T/b)/G)·inner_elements.
+  // Of saved_bytes, the saved inner states: B·H·saved_states·inner_elements.
   static constexpr std::size_t saved_state_bytes(const ttt_shape& s) noexcept { return ckpt_bytes(s); }
   // Scratch bytes forward needs for `threads` CPU threads (the pool's size; the device ignores it).
   static constexpr std::size_t forward_workspace_bytes(const ttt_shape& s,
@@ -273,6 +279,8 @@ class basic_ttt {
   // last token folds the sums into W. Checks everything before touching the state or y_t.
   static void step(const ttt_shape& s, const weights& w, state& st, const S* x_t, S* y_t,
                    void* workspace, std::size_t workspace_size, executor& ex) {
+    detail::refuse_packed_decoding(s.offsets, s.sequences,
+                                   "Decode each sequence as a batch row: its state carries its own past");
     check(s);
     check_weights(s, w);
     detail::need_pointer(x_t, "x_t");

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "membound/core/config.hpp"
+#include "membound/shape/packed_sequences.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -16,7 +18,17 @@ struct ttt_shape {
   bool use_gate = false;
   double base_lr = 1.0;
   double rope_base = 10000.0;
+  // Packed variable-length sequences (nullptr: none; shape/packed_sequences.hpp): `sequences`
+  // sequences end to end on one token axis (batch 1, seq their total). Each starts from the
+  // layer's inner state with mini-batches of its own (the last one partial) and RoPE positions
+  // counted from its start: packed equals each sequence alone.
+  const std::int32_t* offsets = nullptr;
+  std::size_t sequences = 0;
+
   constexpr std::size_t head_dim() const noexcept { return heads == 0 ? 0 : width / heads; }
+  constexpr packed_sequences packing() const noexcept {
+    return packed_sequences{offsets, offsets == nullptr ? 0 : sequences};
+  }
 };
 
 // The inner model's hidden width F (D for TTT-Linear, 4·D for TTT-MLP) and its state size:
@@ -58,14 +70,24 @@ struct ttt_gradients {
   S* b2 = nullptr;
 };
 
-// Mini-batches of `mini_batch` tokens per sequence, and the saved inner states per (batch, head):
-// one at the start of every group of `group` mini-batches. ceil(n / block) without the overflow
-// of n + block − 1 for a huge group (ttt_state_groups_all), as cpu::blocks.
+// Mini-batches of `mini_batch` tokens per sequence (of T tokens: the most any packed sequence
+// has), and the saved inner states per (batch, head): one at the start of every group of `group`
+// mini-batches of every sequence. ceil(n / block) without the overflow of n + block − 1 for a
+// huge group (ttt_state_groups_all), as cpu::blocks.
 constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batch) noexcept {
   return s.seq == 0 ? 0 : (s.seq - 1) / mini_batch + 1;
 }
+// Packed, a sequence of L tokens keeps ceil(ceil(L/b)/G) = 1 + floor((L − 1)/(b·G)) states, so
+// N tokens in at most S sequences keep at most S' + floor(floor((N − S')/b)/G) with S' = min(S, N)
+// (S' − 1 single tokens and one long sequence reach it). The size depends on N and S only, never
+// on where the sequences start, so one buffer serves every packing of the same totals and a plan
+// over (tokens, sequences) is exact for its worst case.
 constexpr std::size_t ttt_saved_states(const ttt_shape& s, std::size_t mini_batch,
                                       std::size_t group) noexcept {
+  if (s.packing().packed()) {
+    const std::size_t n = s.sequences < s.seq ? s.sequences : s.seq;
+    return n + (s.seq - n) / mini_batch / group;
+  }
   const std::size_t n = ttt_mini_batches(s, mini_batch);
   return n == 0 ? 0 : (n - 1) / group + 1;
 }
