@@ -6743,7 +6743,7 @@ constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batc
 // over (tokens, sequences) is exact for its worst case.
 constexpr std::size_t ttt_saved_states(const ttt_shape& s, std::size_t mini_batch,
                                       std::size_t group) noexcept {
-  if (s.packing().packed()) {
+  if (s.sequences != 0) {  // offsets or not: the size is the worst case
     const std::size_t n = s.sequences < s.seq ? s.sequences : s.seq;
     return n + (s.seq - n) / mini_batch / group;
   }
@@ -6779,6 +6779,11 @@ MEMBOUND_NAMESPACE_END
 // the front end (layers/lm_head.hpp) and the backends' kernels.
 
 MEMBOUND_NAMESPACE_BEGIN
+
+// A target that takes no part in the loss (PyTorch's ignore_index default): its row's loss and
+// gradient are zero, and a model's mean counts only the other targets. Packed sequences give it
+// to each sequence's last token, whose next token belongs to another sequence.
+inline constexpr std::int32_t ignore_target = -100;
 
 struct lm_head_shape {
   std::size_t rows = 1;    // N = B·T tokens
@@ -8205,7 +8210,10 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
 }
 
 // A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer: refused by
-// name on a backend whose kernels do not take them yet, else check_packing's verdict.
+// name on a backend whose kernels do not take them yet, else check_packing's verdict. A shape
+// with `sequences` set and no offsets sizes a call for any packing of its tokens into that many
+// sequences (a plan made before the data exists): accepted here, and forward and backward refuse
+// it (need_offsets), since they need to know where each sequence starts.
 constexpr layer_support packing_support(bool backend_takes_them, const std::int32_t* offsets,
                                         std::size_t sequences, std::size_t batch,
                                         std::size_t seq) noexcept {
@@ -8215,8 +8223,23 @@ constexpr layer_support packing_support(bool backend_takes_them, const std::int3
                                static_cast<double>(sequences)}
                : layer_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
   }
+  if (offsets == nullptr && batch != 1) {
+    return layer_support{false, "shape.batch", "1 with packed sequences (they share one token axis)",
+                         static_cast<double>(batch)};
+  }
+  if (offsets == nullptr) return {};
   const packing_check r = check_packing(offsets, sequences, batch, seq);
   return layer_support{r.ok, r.argument, r.expected, r.actual};
+}
+
+// Forward and backward run packed sequences only with their offsets: a shape that has
+// `sequences` and no offsets only sizes the call (packing_support).
+inline void need_offsets(const std::int32_t* offsets, std::size_t sequences) {
+  if (sequences != 0 && offsets == nullptr) {
+    throw invalid_argument("shape.offsets", "the offsets of the shape.sequences packed sequences",
+                           "nullptr",
+                           "A shape without offsets sizes a packed call; set them to run it");
+  }
 }
 
 // Decoding takes one sequence per batch row: a packed shape is refused before check(), which
@@ -8442,6 +8465,7 @@ class attention {
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(y, "y");
@@ -8459,6 +8483,7 @@ class attention {
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(dy, "dy");
@@ -9253,7 +9278,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
     const std::size_t b[] = {P::w_acc_bytes(s), P::xz_acc_bytes(s), P::inner_bytes(s),
                              P::part_bytes(s),
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
-                                                                             s.d_state, s.offsets != nullptr)),
+                                                                             s.d_state, s.sequences != 0)),
                              P::backward_gemm_bytes(s, threads)};
     return detail::fits_layout(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
   }
@@ -9663,7 +9688,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
       l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
       l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
       l.add(part_bytes(s), default_alignment, {1, 1});
-      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns, s.offsets != nullptr)),
+      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns, s.sequences != 0)),
             default_alignment, {1, 1});
       l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
       l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});
@@ -10015,6 +10040,7 @@ class mamba {
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(out, "out");
@@ -10032,6 +10058,7 @@ class mamba {
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(dout, "dout");
@@ -11670,6 +11697,7 @@ class basic_ttt {
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(s, w);
     detail::need_pointer(x, "x");
     detail::need_pointer(y, "y");
@@ -11688,6 +11716,7 @@ class basic_ttt {
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(s, w);
     detail::need_pointer(x, "x");
     detail::need_pointer(dy, "dy");
@@ -12314,6 +12343,11 @@ double cross_entropy_chunk(thread_pool& pool, A* logits, const std::int32_t* tar
                            std::size_t R, std::size_t V, A scale, double* row_loss) {
   for_rows(pool, R, [&](std::size_t r) {
     A* l = logits + r * V;
+    if (targets[r] == ignore_target) {  // no loss, no gradient
+      row_loss[r] = 0.0;
+      std::fill(l, l + V, A(0));
+      return;
+    }
     A m = -std::numeric_limits<A>::infinity();
     for (std::size_t v = 0; v < V; ++v) m = std::max(m, l[v]);
     const std::size_t t = static_cast<std::size_t>(targets[r]);
@@ -12837,12 +12871,12 @@ MEMBOUND_NAMESPACE_BEGIN
 
 namespace cpu {
 
-// Every target in [0, V): a bad id would index outside the logits.
+// Every target in [0, V) or ignore_target: a bad id would index outside the logits.
 inline void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
   for (std::size_t i = 0; i < n; ++i) {
-    if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
+    if (t[i] != ignore_target && (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab)) {
       throw invalid_argument("targets[" + std::to_string(i) + "]",
-                             "a token id in [0, " + std::to_string(vocab) + ")",
+                             "a token id in [0, " + std::to_string(vocab) + ") or ignore_target (-100)",
                              std::to_string(t[i]), "Encode the data with the model's vocabulary");
     }
   }
@@ -13627,12 +13661,21 @@ struct model_config {
   constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
 };
 
-// The work one micro-batch step does: batch sequences of seq tokens.
+// The work one micro-batch step does: batch sequences of seq tokens, or (sequences > 0) one row
+// of seq tokens packed with `sequences` variable-length sequences end to end
+// (shape/packed_sequences.hpp; empty ones pad a batch with fewer). Sizes, and so every plan,
+// depend on the three counts only: offsets are the step's data, set on the plan's shape for each
+// micro-batch (sequences + 1 entries, 0 first, seq last), and left out of ==.
 struct batch_shape {
   std::size_t batch = 1;
   std::size_t seq = 1;
+  std::size_t sequences = 0;
+  const std::int32_t* offsets = nullptr;
   constexpr std::size_t tokens() const noexcept { return sat_mul(batch, seq); }
-  friend constexpr bool operator==(const batch_shape&, const batch_shape&) = default;
+  constexpr bool packed() const noexcept { return sequences != 0; }
+  friend constexpr bool operator==(const batch_shape& a, const batch_shape& b) noexcept {
+    return a.batch == b.batch && a.seq == b.seq && a.sequences == b.sequences;
+  }
 };
 
 // How a parameter tensor starts. Each rule is the one its layer's reference uses.
@@ -13721,6 +13764,8 @@ struct mixer_traits<attention<P...>> {
     s.causal = true;
     s.rope_base = c.rope_base;
     s.window = layer::local ? c.attention_window : 0;
+    s.offsets = b.offsets;
+    s.sequences = b.sequences;
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
@@ -13759,7 +13804,10 @@ struct mixer_traits<mamba<P...>> {
   }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
-    return mamba_shape::defaults(b.batch, b.seq, c.width);
+    shape_type s = mamba_shape::defaults(b.batch, b.seq, c.width);
+    s.offsets = b.offsets;
+    s.sequences = b.sequences;
+    return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
     const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
@@ -13811,6 +13859,8 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
     s.use_gate = false;
     s.base_lr = c.ttt_base_lr;
     s.rope_base = c.rope_base;
+    s.offsets = b.offsets;
+    s.sequences = b.sequences;
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
@@ -15405,6 +15455,16 @@ class model {
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, n);
     if (const std::int32_t* t = glue::host_ids(targets)) head_type::check_targets(t, n, cfg_.vocab);
   }
+  // The mean's denominator: the targets that are not ignore_target (at least 1, so a micro-batch
+  // of ignored targets has loss 0), read in place on the host. Device ids are not read (that
+  // would be a copy and a sync): a device micro-batch divides by every position.
+  static double counted_targets(const std::int32_t* targets, std::size_t n) noexcept {
+    const std::int32_t* t = glue::host_ids(targets);
+    if (t == nullptr) return static_cast<double>(n);
+    std::size_t c = 0;
+    for (std::size_t i = 0; i < n; ++i) c += t[i] != ignore_target ? 1 : 0;
+    return static_cast<double>(c == 0 ? 1 : c);
+  }
   // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
   // model's caller checks its host copy before the upload).
   void check_tokens(const std::int32_t* t, std::size_t n) const {
@@ -15499,7 +15559,11 @@ class model {
   // ---- One micro-batch: forward, loss and backward under a schedule -----------------------------
   // tokens and targets: [B, T] ids. Gradients accumulate into g (zero them per optimizer step).
   // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
-  // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
+  // Returns the mean cross-entropy over the micro-batch's targets other than ignore_target (on
+  // cuda_backend over every position: see counted_targets). A packed b (b.sequences, with
+  // b.offsets set for this micro-batch: one row of sequences end to end) runs every block on its
+  // sequences alone; give each sequence's last token ignore_target so that no loss crosses a
+  // boundary. On any exception every byte this call
   // allocated is given back; weights are untouched (gradients may hold a partial sum).
   //
   // On cuda_backend, tokens and targets are device arrays whose ids the caller checked on the
@@ -15707,6 +15771,7 @@ class model {
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
     if constexpr (Run) check_ids(tokens, targets, N);
+    const double counted = Run ? counted_targets(targets, N) : 1.0;
     const std::size_t a = activation_bytes(b);
 
     live_set<Allocator> live(alloc, ex, L);
@@ -15745,7 +15810,7 @@ class model {
           const std::size_t wsb = head_type::workspace_bytes(hs, threads);
           void* ws = live.get(wsb, memory_tag::workspace);
           if constexpr (Run) {
-            const double scale = loss_scale / static_cast<double>(N);
+            const double scale = loss_scale / counted;
             loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, routed_head_grads(g), ws,
                                                 wsb, *ex);
           }
@@ -15782,7 +15847,7 @@ class model {
       observe(check_point::after_backward);
     }
     live.put(delta);
-    return loss_sum / static_cast<double>(N);
+    return loss_sum / counted;
   }
 
   template <bool Run, typename Allocator>
@@ -15794,6 +15859,7 @@ class model {
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
     if constexpr (Run) check_ids(tokens, targets, N);
+    const double counted = Run ? counted_targets(targets, N) : 1.0;
     live_set<Allocator> live(alloc, ex, depth());
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
@@ -15802,7 +15868,7 @@ class model {
     if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *ex);
     live.put(ws);
     live.put(x);
-    return total / static_cast<double>(N);
+    return total / counted;
   }
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).

@@ -502,9 +502,14 @@ TEST_CASE("attention: bad packed offsets get a typed error; y is untouched") {
   attention_shape none = s;
   none.sequences = 0;
   refused(none, "shape.sequences");
+  // Sequences without offsets size a call for any packing (a plan's shape); running needs them.
   attention_shape null = s;
   null.offsets = nullptr;
-  refused(null, "shape.offsets");
+  CHECK(attn::can_implement(null).ok);
+  CHECK(attn::saved_bytes(null) == attn::saved_bytes(s));
+  attention_shape null2 = null;
+  null2.batch = 2;
+  refused(null2, "shape.batch");
   // Packing does not skip the other checks (a NaN RoPE base is refused packed as unpacked).
   attention_shape nan = s;
   nan.rope_base = std::numeric_limits<double>::quiet_NaN();
@@ -547,6 +552,12 @@ TEST_CASE("attention: bad packed offsets get a typed error; y is untouched") {
   const attn::weights w{p.w.wq.data(), p.w.wk.data(), p.w.wv.data(), p.w.wo.data()};
   CHECK_THROWS_AS(attn::forward(s, w, p.x.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool),
                   membound::invalid_argument);
+  try {
+    attn::forward(null, w, p.x.data(), y.data(), saved.get(), saved.bytes, ws.get(), ws.bytes, pool);
+    FAIL("a forward ran packed sequences without their offsets");
+  } catch (const membound::invalid_argument& e) {
+    CHECK(e.argument() == "shape.offsets");
+  }
   CHECK(std::all_of(y.begin(), y.end(), [](double v) { return v == 42.0; }));
 }
 

@@ -248,6 +248,13 @@ TEST_CASE("mamba: bad packed offsets get a typed error") {
   b2.batch = 2;
   CHECK(std::string(block::can_implement(b2).argument) == "shape.batch");
   CHECK_THROWS_AS(block::check(b2), membound::invalid_argument);
+  // Sequences without offsets size a call for any packing (a plan's shape): the same bytes.
+  mamba_shape sizing = s;
+  sizing.offsets = nullptr;
+  CHECK(block::can_implement(sizing).ok);
+  CHECK(block::saved_bytes(sizing) == block::saved_bytes(s));
+  CHECK(block::backward_workspace_bytes(sizing, 2) == block::backward_workspace_bytes(s, 2));
+  CHECK(block::backward_workspace_bytes(sizing, 2) > block::backward_workspace_bytes(shape_of(1, 7, 8, 16, 4, 4, 1), 2));
 }
 
 TEST_CASE("mamba: can_implement and check name the argument at fault") {

@@ -335,6 +335,160 @@ TEST_CASE("planner: fit picks the least recompute that fits (exhaustive search) 
   CHECK(mb::fit(m, eff, least, fo).peak_bytes == least);
 }
 
+namespace {
+
+// A packed micro-batch: `lengths` end to end, random tokens and targets, and each sequence's last
+// target ignored (its next token belongs to another sequence).
+struct packed_data {
+  std::vector<std::int32_t> offsets{0};
+  data d;
+};
+packed_data make_packed(const std::vector<std::size_t>& lengths, std::size_t vocab, std::uint32_t seed) {
+  packed_data p;
+  for (const std::size_t n : lengths) p.offsets.push_back(p.offsets.back() + static_cast<std::int32_t>(n));
+  p.d = make_data({1, static_cast<std::size_t>(p.offsets.back())}, vocab, seed);
+  for (std::size_t q = 0; q + 1 < p.offsets.size(); ++q)
+    if (p.offsets[q + 1] > p.offsets[q]) p.d.targets[static_cast<std::size_t>(p.offsets[q + 1] - 1)] = mb::ignore_target;
+  return p;
+}
+
+// One packed step against each sequence alone: the loss is the mean over the counted targets of
+// all sequences, so sequence q's step runs with loss_scale counted_q / counted and its gradients
+// accumulate into one array; in double they agree to rounding (1e-12 relative: the same terms
+// summed in another order over ~50 tokens).
+template <typename Model>
+void packed_equals_alone(const Model& m, const std::vector<std::size_t>& lengths) {
+  const packed_data pd = make_packed(lengths, m.config().vocab, 5);
+  const auto N = static_cast<std::size_t>(pd.offsets.back());
+  mb::batch_shape b{1, N, lengths.size()};
+  mb::plan_options o;
+  o.threads = 2;
+  o.head_chunk = 7;
+  mb::training_plan p = mb::make_plan(m, b, mb::schedules::none{}, o);
+  p.micro.offsets = pd.offsets.data();
+  const step_result got = run_step(m, p, pd.d);
+  CHECK(got.measured_peak == p.peak_bytes);
+
+  std::size_t counted = 0;
+  for (const std::int32_t t : pd.d.targets) counted += t != mb::ignore_target ? 1 : 0;
+  mb::budget_allocator<mb::system_allocator> alloc(std::size_t{1} << 34);
+  mb::thread_pool pool(2);
+  std::vector<double> w(m.parameter_elements()), g(w.size(), 0.0);
+  m.init_weights(w.data(), 7);
+  double loss = 0;
+  for (std::size_t q = 0; q < lengths.size(); ++q) {
+    const auto o0 = static_cast<std::size_t>(pd.offsets[q]), L = lengths[q];
+    if (L < 2) continue;  // nothing counted (a single token's target is ignored)
+    const mb::batch_shape one{1, L};
+    const mb::training_plan pq = mb::make_plan(m, one, mb::schedules::none{}, o);
+    const std::vector<std::int32_t> tok(pd.d.tokens.begin() + static_cast<std::ptrdiff_t>(o0),
+                                        pd.d.tokens.begin() + static_cast<std::ptrdiff_t>(o0 + L)),
+        tgt(pd.d.targets.begin() + static_cast<std::ptrdiff_t>(o0), pd.d.targets.begin() + static_cast<std::ptrdiff_t>(o0 + L));
+    const double share = static_cast<double>(L - 1) / static_cast<double>(counted);
+    loss += share * m.forward_backward(w.data(), g.data(), tok.data(), tgt.data(), one, pq.ops, 7, share, alloc, pool);
+  }
+  std::vector<double> got_g(w.size());
+  std::memcpy(got_g.data(), got.grad_bytes.data(), got.grad_bytes.size());
+  CHECK(std::abs(got.loss - loss) <= 1e-12 * std::abs(loss));
+  double diff = 0, norm = 0;  // ‖got − want‖ / ‖want‖ over every gradient element
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    diff += (got_g[i] - g[i]) * (got_g[i] - g[i]);
+    norm += g[i] * g[i];
+  }
+  const double e = std::sqrt(diff / norm);
+  CHECK(e <= 1e-12);
+  MESSAGE("packed model: loss " << got.loss << " vs " << loss << ", gradients' relative error " << e);
+}
+
+}  // namespace
+
+// Every block type on packed sequences (lengths 0, 1, around TTT's mini-batch of 16, a long one):
+// the step equals each sequence run alone, every schedule gives none's gradients bit for bit, and
+// the measured peak equals the plan's, which depends on the token and sequence counts only (the
+// worst packing of them gives the same bytes).
+TEST_CASE("model: packed sequences equal each sequence alone; every schedule exact") {
+  const std::vector<std::size_t> lengths = {5, 0, 17, 1, 16, 9, 2};
+  packed_equals_alone(hybrid<mb::fp64_precision>(small_config()), lengths);
+  packed_equals_alone(ttt3<mb::fp64_precision>(small_config()), lengths);
+  mb::model_config w = small_config();
+  w.attention_window = 4;
+  packed_equals_alone(local3<mb::fp64_precision>(w), lengths);
+
+  const hybrid<mb::fp32_precision> m(small_config());
+  const packed_data pd = make_packed(lengths, 40, 9), worst = make_packed({1, 1, 1, 1, 1, 1, 44}, 40, 9);
+  const mb::batch_shape b{1, 50, lengths.size()};
+  mb::plan_options o;
+  o.threads = 2;
+  o.head_chunk = 7;
+  mb::training_plan base = mb::make_plan(m, b, mb::schedules::none{}, o);
+  base.micro.offsets = pd.offsets.data();
+  const step_result ref = run_step(m, base, pd.d);
+  CHECK(ref.measured_peak == base.peak_bytes);
+  for (const mb::schedule_choice& s : all_schedules(m.depth())) {
+    CAPTURE(s.name());
+    mb::training_plan p = mb::make_plan(m, b, s, o);
+    p.micro.offsets = pd.offsets.data();
+    const step_result r = run_step(m, p, pd.d);
+    CHECK(r.measured_peak == p.peak_bytes);
+    CHECK(r.loss == ref.loss);
+    CHECK(r.grad_bytes == ref.grad_bytes);
+    p.micro.offsets = worst.offsets.data();
+    CHECK(run_step(m, p, worst.d).measured_peak == p.peak_bytes);
+  }
+}
+
+TEST_CASE("model: packed shapes and ignored targets are checked by name") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::budget_allocator<mb::system_allocator> alloc(std::size_t{1} << 30);
+  mb::thread_pool pool(1);
+  std::vector<float> w(m.parameter_elements()), g(w.size(), 0.0f);
+  m.init_weights(w.data(), 1);
+  const packed_data pd = make_packed({3, 5}, 40, 2);
+  mb::batch_shape b{1, 8, 2};
+  const mb::training_plan p = mb::make_plan(m, b, mb::schedules::none{}, mb::plan_options{});
+  // Packed sequences share one row.
+  try {
+    m.check({2, 8, 2});
+    FAIL("a packed batch of 2 rows was accepted");
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "shape.batch");
+  }
+  // Running needs the offsets; the plan's shape alone only sizes.
+  try {
+    m.forward_backward(w.data(), g.data(), pd.d.tokens.data(), pd.d.targets.data(), b, p.ops, 16, 1.0, alloc, pool);
+    FAIL("a packed step ran without offsets");
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "shape.offsets");
+  }
+  CHECK(alloc.stats().requested == 0);
+  CHECK(g == std::vector<float>(w.size(), 0.0f));
+  // Offsets that do not cover the row.
+  const std::vector<std::int32_t> short_offsets = {0, 3, 7};
+  b.offsets = short_offsets.data();
+  try {
+    m.forward_backward(w.data(), g.data(), pd.d.tokens.data(), pd.d.targets.data(), b, p.ops, 16, 1.0, alloc, pool);
+    FAIL("offsets ending at 7 of 8 tokens were accepted");
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "shape.offsets");
+  }
+  CHECK(alloc.stats().requested == 0);
+  // ignore_target is the only negative target; a micro-batch of ignored targets has loss 0 and
+  // leaves the gradients at 0.
+  b.offsets = pd.offsets.data();
+  data d = pd.d;
+  d.targets[2] = -1;
+  try {
+    m.forward_backward(w.data(), g.data(), d.tokens.data(), d.targets.data(), b, p.ops, 16, 1.0, alloc, pool);
+    FAIL("target -1 was accepted");
+  } catch (const mb::invalid_argument& e) {
+    CHECK(e.argument() == "targets[2]");
+  }
+  std::fill(d.targets.begin(), d.targets.end(), mb::ignore_target);
+  CHECK(m.forward_backward(w.data(), g.data(), d.tokens.data(), d.targets.data(), b, p.ops, 16, 1.0, alloc, pool) == 0.0);
+  CHECK(g == std::vector<float>(w.size(), 0.0f));
+  CHECK(m.loss(w.data(), d.tokens.data(), d.targets.data(), b, 16, alloc, pool) == 0.0);
+}
+
 TEST_CASE("model: bad input gets a typed error; nothing leaks and the gradients are untouched") {
   const hybrid<mb::fp32_precision> m(small_config());
   const mb::batch_shape b{1, 8};

@@ -505,9 +505,12 @@ TEST_CASE("ttt_linear: bad packed offsets and packed decoding get typed errors")
   ttt_shape b2 = s;
   b2.batch = 2;
   CHECK(std::string(layer::can_implement(b2).argument) == "shape.batch");
+  // Sequences without offsets size a call for any packing (a plan's shape): the same bytes.
   ttt_shape no_offsets = s;
   no_offsets.offsets = nullptr;
-  CHECK(std::string(layer::can_implement(no_offsets).argument) == "shape.offsets");
+  CHECK(layer::can_implement(no_offsets).ok);
+  CHECK(layer::saved_bytes(no_offsets) == layer::saved_bytes(s));
+  CHECK(layer::backward_workspace_bytes(no_offsets, 2) == layer::backward_workspace_bytes(s, 2));
   try {
     layer::check(b2);
     FAIL("no throw");
@@ -534,6 +537,16 @@ TEST_CASE("ttt_linear: bad packed offsets and packed decoding get typed errors")
     CHECK(e.argument() == "shape.offsets");
   }
   CHECK(st.position == 0);
+  // Running needs the offsets: forward refuses a sizing-only shape before writing y.
+  std::vector<float> x(7 * 8, 0.5f), y(7 * 8, 7.0f);
+  aligned_buffer saved(layer::saved_bytes(no_offsets)), fws(layer::forward_workspace_bytes(no_offsets, 1));
+  try {
+    layer::forward(no_offsets, wv, x.data(), y.data(), saved.get(), saved.bytes, fws.get(), fws.bytes, pool);
+    FAIL("a forward ran packed sequences without their offsets");
+  } catch (const membound::invalid_argument& e) {
+    CHECK(e.argument() == "shape.offsets");
+  }
+  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 7.0f; }));
   CHECK(std::all_of(yt.begin(), yt.end(), [](float v) { return v == 7.0f; }));
 }
 

@@ -249,6 +249,7 @@ class attention {
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(y, "y");
@@ -266,6 +267,7 @@ class attention {
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(dy, "dy");

@@ -49,7 +49,10 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
 }
 
 // A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer: refused by
-// name on a backend whose kernels do not take them yet, else check_packing's verdict.
+// name on a backend whose kernels do not take them yet, else check_packing's verdict. A shape
+// with `sequences` set and no offsets sizes a call for any packing of its tokens into that many
+// sequences (a plan made before the data exists): accepted here, and forward and backward refuse
+// it (need_offsets), since they need to know where each sequence starts.
 constexpr layer_support packing_support(bool backend_takes_them, const std::int32_t* offsets,
                                         std::size_t sequences, std::size_t batch,
                                         std::size_t seq) noexcept {
@@ -59,8 +62,23 @@ constexpr layer_support packing_support(bool backend_takes_them, const std::int3
                                static_cast<double>(sequences)}
                : layer_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
   }
+  if (offsets == nullptr && batch != 1) {
+    return layer_support{false, "shape.batch", "1 with packed sequences (they share one token axis)",
+                         static_cast<double>(batch)};
+  }
+  if (offsets == nullptr) return {};
   const packing_check r = check_packing(offsets, sequences, batch, seq);
   return layer_support{r.ok, r.argument, r.expected, r.actual};
+}
+
+// Forward and backward run packed sequences only with their offsets: a shape that has
+// `sequences` and no offsets only sizes the call (packing_support).
+inline void need_offsets(const std::int32_t* offsets, std::size_t sequences) {
+  if (sequences != 0 && offsets == nullptr) {
+    throw invalid_argument("shape.offsets", "the offsets of the shape.sequences packed sequences",
+                           "nullptr",
+                           "A shape without offsets sizes a packed call; set them to run it");
+  }
 }
 
 // Decoding takes one sequence per batch row: a packed shape is refused before check(), which

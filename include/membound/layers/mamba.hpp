@@ -218,6 +218,7 @@ class mamba {
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(out, "out");
@@ -235,6 +236,7 @@ class mamba {
                        std::size_t saved_size, const S* dout, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(w);
     detail::need_pointer(x, "x");
     detail::need_pointer(dout, "dout");

@@ -240,6 +240,7 @@ class basic_ttt {
                       std::size_t saved_size, void* workspace, std::size_t workspace_size,
                       executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(s, w);
     detail::need_pointer(x, "x");
     detail::need_pointer(y, "y");
@@ -258,6 +259,7 @@ class basic_ttt {
                        std::size_t saved_size, const S* dy, S* dx, const gradients& g,
                        void* workspace, std::size_t workspace_size, executor& ex) {
     check(s);
+    detail::need_offsets(s.offsets, s.sequences);
     check_weights(s, w);
     detail::need_pointer(x, "x");
     detail::need_pointer(dy, "dy");

@@ -81,6 +81,8 @@ struct mixer_traits<attention<P...>> {
     s.causal = true;
     s.rope_base = c.rope_base;
     s.window = layer::local ? c.attention_window : 0;
+    s.offsets = b.offsets;
+    s.sequences = b.sequences;
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
@@ -119,7 +121,10 @@ struct mixer_traits<mamba<P...>> {
   }
 
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
-    return mamba_shape::defaults(b.batch, b.seq, c.width);
+    shape_type s = mamba_shape::defaults(b.batch, b.seq, c.width);
+    s.offsets = b.offsets;
+    s.sequences = b.sequences;
+    return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
     const std::size_t C = s.d_model, Di = s.d_inner, Ns = s.d_state, R = s.dt_rank;
@@ -171,6 +176,8 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
     s.use_gate = false;
     s.base_lr = c.ttt_base_lr;
     s.rope_base = c.rope_base;
+    s.offsets = b.offsets;
+    s.sequences = b.sequences;
     return s;
   }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {

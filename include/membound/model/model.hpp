@@ -314,6 +314,16 @@ class model {
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, n);
     if (const std::int32_t* t = glue::host_ids(targets)) head_type::check_targets(t, n, cfg_.vocab);
   }
+  // The mean's denominator: the targets that are not ignore_target (at least 1, so a micro-batch
+  // of ignored targets has loss 0), read in place on the host. Device ids are not read (that
+  // would be a copy and a sync): a device micro-batch divides by every position.
+  static double counted_targets(const std::int32_t* targets, std::size_t n) noexcept {
+    const std::int32_t* t = glue::host_ids(targets);
+    if (t == nullptr) return static_cast<double>(n);
+    std::size_t c = 0;
+    for (std::size_t i = 0; i < n; ++i) c += t[i] != ignore_target ? 1 : 0;
+    return static_cast<double>(c == 0 ? 1 : c);
+  }
   // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
   // model's caller checks its host copy before the upload).
   void check_tokens(const std::int32_t* t, std::size_t n) const {
@@ -408,7 +418,11 @@ class model {
   // ---- One micro-batch: forward, loss and backward under a schedule -----------------------------
   // tokens and targets: [B, T] ids. Gradients accumulate into g (zero them per optimizer step).
   // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
-  // Returns the mean cross-entropy over the micro-batch. On any exception every byte this call
+  // Returns the mean cross-entropy over the micro-batch's targets other than ignore_target (on
+  // cuda_backend over every position: see counted_targets). A packed b (b.sequences, with
+  // b.offsets set for this micro-batch: one row of sequences end to end) runs every block on its
+  // sequences alone; give each sequence's last token ignore_target so that no loss crosses a
+  // boundary. On any exception every byte this call
   // allocated is given back; weights are untouched (gradients may hold a partial sum).
   //
   // On cuda_backend, tokens and targets are device arrays whose ids the caller checked on the
@@ -616,6 +630,7 @@ class model {
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
     if constexpr (Run) check_ids(tokens, targets, N);
+    const double counted = Run ? counted_targets(targets, N) : 1.0;
     const std::size_t a = activation_bytes(b);
 
     live_set<Allocator> live(alloc, ex, L);
@@ -654,7 +669,7 @@ class model {
           const std::size_t wsb = head_type::workspace_bytes(hs, threads);
           void* ws = live.get(wsb, memory_tag::workspace);
           if constexpr (Run) {
-            const double scale = loss_scale / static_cast<double>(N);
+            const double scale = loss_scale / counted;
             loss_sum = head_type::loss_backward(hs, head_weights(w), x[L], targets, scale, d_out, routed_head_grads(g), ws,
                                                 wsb, *ex);
           }
@@ -691,7 +706,7 @@ class model {
       observe(check_point::after_backward);
     }
     live.put(delta);
-    return loss_sum / static_cast<double>(N);
+    return loss_sum / counted;
   }
 
   template <bool Run, typename Allocator>
@@ -703,6 +718,7 @@ class model {
     const lm_head_shape hs = head_shape(b, head_chunk);
     head_type::check(hs);
     if constexpr (Run) check_ids(tokens, targets, N);
+    const double counted = Run ? counted_targets(targets, N) : 1.0;
     live_set<Allocator> live(alloc, ex, depth());
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
@@ -711,7 +727,7 @@ class model {
     if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *ex);
     live.put(ws);
     live.put(x);
-    return total / static_cast<double>(N);
+    return total / counted;
   }
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).

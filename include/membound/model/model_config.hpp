@@ -29,12 +29,21 @@ struct model_config {
   constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
 };
 
-// The work one micro-batch step does: batch sequences of seq tokens.
+// The work one micro-batch step does: batch sequences of seq tokens, or (sequences > 0) one row
+// of seq tokens packed with `sequences` variable-length sequences end to end
+// (shape/packed_sequences.hpp; empty ones pad a batch with fewer). Sizes, and so every plan,
+// depend on the three counts only: offsets are the step's data, set on the plan's shape for each
+// micro-batch (sequences + 1 entries, 0 first, seq last), and left out of ==.
 struct batch_shape {
   std::size_t batch = 1;
   std::size_t seq = 1;
+  std::size_t sequences = 0;
+  const std::int32_t* offsets = nullptr;
   constexpr std::size_t tokens() const noexcept { return sat_mul(batch, seq); }
-  friend constexpr bool operator==(const batch_shape&, const batch_shape&) = default;
+  constexpr bool packed() const noexcept { return sequences != 0; }
+  friend constexpr bool operator==(const batch_shape& a, const batch_shape& b) noexcept {
+    return a.batch == b.batch && a.seq == b.seq && a.sequences == b.sequences;
+  }
 };
 
 // How a parameter tensor starts. Each rule is the one its layer's reference uses.

@@ -3,10 +3,16 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "membound/core/config.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
+
+// A target that takes no part in the loss (PyTorch's ignore_index default): its row's loss and
+// gradient are zero, and a model's mean counts only the other targets. Packed sequences give it
+// to each sequence's last token, whose next token belongs to another sequence.
+inline constexpr std::int32_t ignore_target = -100;
 
 struct lm_head_shape {
   std::size_t rows = 1;    // N = B·T tokens

@@ -84,7 +84,7 @@ constexpr std::size_t ttt_mini_batches(const ttt_shape& s, std::size_t mini_batc
 // over (tokens, sequences) is exact for its worst case.
 constexpr std::size_t ttt_saved_states(const ttt_shape& s, std::size_t mini_batch,
                                       std::size_t group) noexcept {
-  if (s.packing().packed()) {
+  if (s.sequences != 0) {  // offsets or not: the size is the worst case
     const std::size_t n = s.sequences < s.seq ? s.sequences : s.seq;
     return n + (s.seq - n) / mini_batch / group;
   }

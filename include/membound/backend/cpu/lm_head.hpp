@@ -27,12 +27,12 @@ MEMBOUND_NAMESPACE_BEGIN
 
 namespace cpu {
 
-// Every target in [0, V): a bad id would index outside the logits.
+// Every target in [0, V) or ignore_target: a bad id would index outside the logits.
 inline void check_targets(const std::int32_t* t, std::size_t n, std::size_t vocab) {
   for (std::size_t i = 0; i < n; ++i) {
-    if (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab) {
+    if (t[i] != ignore_target && (t[i] < 0 || static_cast<std::size_t>(t[i]) >= vocab)) {
       throw invalid_argument("targets[" + std::to_string(i) + "]",
-                             "a token id in [0, " + std::to_string(vocab) + ")",
+                             "a token id in [0, " + std::to_string(vocab) + ") or ignore_target (-100)",
                              std::to_string(t[i]), "Encode the data with the model's vocabulary");
     }
   }

@@ -710,7 +710,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
     const std::size_t b[] = {P::w_acc_bytes(s), P::xz_acc_bytes(s), P::inner_bytes(s),
                              P::part_bytes(s),
                              bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq),
-                                                                             s.d_state, s.offsets != nullptr)),
+                                                                             s.d_state, s.sequences != 0)),
                              P::backward_gemm_bytes(s, threads)};
     return detail::fits_layout(b) ? P::backward_layout(s, L, keep, threads).size() : too_large;
   }
@@ -1120,7 +1120,7 @@ struct backend_kernels<cpu_backend, mamba_shape> {
       l.add(inner_bytes(s), default_alignment, {1, 3});             // dΔ, then d(dt)
       l.add(bytes_of<A>(Di * (Ns + s.d_conv + 3)), default_alignment, {1, 5});
       l.add(part_bytes(s), default_alignment, {1, 1});
-      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns, s.offsets != nullptr)),
+      l.add(bytes_of<A>(threads, cpu::scan_backward_scratch(std::min(L, s.seq), Ns, s.sequences != 0)),
             default_alignment, {1, 1});
       l.add(bytes_of<A>(rows(s), s.dt_rank + 2 * Ns), default_alignment, {1, 4});
       l.add(bytes_of<A>(rows(s), 2 * Di), default_alignment, {2, 5});

@@ -19,6 +19,7 @@
 #include "membound/core/element_math.hpp"
 #include "membound/core/parallel.hpp"
 #include "membound/policy/backend.hpp"
+#include "membound/shape/lm_head_shape.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -169,6 +170,11 @@ double cross_entropy_chunk(thread_pool& pool, A* logits, const std::int32_t* tar
                            std::size_t R, std::size_t V, A scale, double* row_loss) {
   for_rows(pool, R, [&](std::size_t r) {
     A* l = logits + r * V;
+    if (targets[r] == ignore_target) {  // no loss, no gradient
+      row_loss[r] = 0.0;
+      std::fill(l, l + V, A(0));
+      return;
+    }
     A m = -std::numeric_limits<A>::infinity();
     for (std::size_t v = 0; v < V; ++v) m = std::max(m, l[v]);
     const std::size_t t = static_cast<std::size_t>(targets[r]);

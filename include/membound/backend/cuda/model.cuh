@@ -42,6 +42,7 @@
 #include "membound/optimizer/adamw.hpp"
 #include "membound/optimizer/adamw8bit.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
+#include "membound/shape/lm_head_shape.hpp"
 
 #if MEMBOUND_CUDA_COMPILER
 #include <cub/block/block_reduce.cuh>
@@ -385,6 +386,11 @@ __global__ void cross_entropy_kernel(float* logits, const std::int32_t* targets,
   __shared__ typename allreduce::storage red;
   float* l = logits + std::size_t{blockIdx.x} * V;
   const std::int32_t t = targets[blockIdx.x];
+  if (t == ignore_target) {  // the whole block returns here, before any barrier: no loss, no gradient
+    for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = 0.0f;
+    if (threadIdx.x == 0) row_loss[blockIdx.x] = 0.0;
+    return;
+  }
   const bool ok = t >= 0 && static_cast<std::size_t>(t) < V;
   const float lt = ok ? l[t] : 0.0f;  // read before any thread overwrites the row
   float m = -INFINITY;
