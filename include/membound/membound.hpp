@@ -78,4 +78,5 @@
 #include "membound/model/hybrid.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/model/reserve_plan.hpp"
+#include "membound/train/token_packing.hpp"
 #include "membound/train/trainer.hpp"

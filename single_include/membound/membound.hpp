@@ -13676,6 +13676,9 @@ struct batch_shape {
   friend constexpr bool operator==(const batch_shape& a, const batch_shape& b) noexcept {
     return a.batch == b.batch && a.seq == b.seq && a.sequences == b.sequences;
   }
+  // The shape one step runs: the batch itself, or one packed row of it (a step runs packed rows
+  // one at a time; an effective batch of `batch` packed rows accumulates over them).
+  constexpr batch_shape row() const noexcept { return packed() ? batch_shape{1, seq, sequences, offsets} : *this; }
 };
 
 // How a parameter tensor starts. Each rule is the one its layer's reference uses.
@@ -16662,12 +16665,13 @@ struct fit_options {
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
 // accumulation) whose peak fits `budget`: micro-batch sizes dividing the batch (gradient
-// accumulation keeps the effective batch), every schedule, the logit chunk sizes given. Ties go
+// accumulation keeps the effective batch; packed rows run one per micro-batch), every schedule,
+// the logit chunk sizes given. Ties go
 // to fewer micro-batches, then to the lower peak. Throws budget_too_small naming the least peak
 // of any candidate when none fits.
 template <typename Model>
 training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
-  m.check(effective);
+  m.check(effective.row());
   if (fo.prefer_below != 0 && fo.prefer_below < budget) {
     fit_options under = fo;
     under.prefer_below = 0;
@@ -16725,12 +16729,13 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   };
   std::vector<combo> combos;
   const std::size_t L = m.depth();
-  for (std::size_t mb = effective.batch; mb >= 1; --mb) {
+  // Packed rows run one per micro-batch (their sequences share one token axis).
+  for (std::size_t mb = effective.packed() ? 1 : effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
                      fo.gradients};
-      const batch_shape b{mb, effective.seq};
+      const batch_shape b{mb, effective.seq, effective.sequences};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
                                          {schedule_choice::kind::full, 0}};
@@ -16768,6 +16773,42 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   }
   best.budget = budget;
   return best;
+}
+
+// The plan for the most packed tokens per micro-batch that fits `budget`: one row of N tokens
+// holding at most `sequences` sequences (batch_shape{1, N, min(sequences, N)}), N a multiple of
+// `multiple` up to max_tokens, chosen as fit would choose each row's plan. Its sizes are those of
+// the worst packing of N tokens into that many sequences, so any batch of at most N tokens in at
+// most `sequences` sequences (padded to N) runs within them. Every plan's peak grows with N, so
+// the largest N is found by bisection (O(log max_tokens) fits). Throws budget_too_small, naming
+// the least plan's peak at `multiple` tokens, when not even that fits; invalid_argument for a
+// multiple of 0, or above max_tokens.
+template <typename Model>
+training_plan fit_tokens(const Model& m, std::size_t max_tokens, std::size_t sequences, std::size_t budget,
+                         const fit_options& fo = {}, std::size_t multiple = 1) {
+  if (multiple == 0 || multiple > max_tokens) {
+    throw invalid_argument("multiple", "between 1 and max_tokens (" + std::to_string(max_tokens) + ")",
+                           std::to_string(multiple), "Ask for rows of a whole number of tokens up to max_tokens");
+  }
+  if (sequences == 0) {
+    throw invalid_argument("sequences", "at least 1 per row", "0", "Give the most sequences a row may hold");
+  }
+  const auto row = [&](std::size_t k) {  // k multiples of `multiple`
+    const std::size_t n = k * multiple;
+    return batch_shape{1, n, std::min(sequences, n)};
+  };
+  training_plan best = fit(m, row(1), budget, fo);  // throws budget_too_small when nothing fits
+  std::size_t lo = 1, hi = max_tokens / multiple;    // row(lo) fits; find the last k that does
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    try {
+      best = fit(m, row(mid), budget, fo);
+      lo = mid;
+    } catch (const budget_too_small&) {
+      hi = mid - 1;
+    }
+  }
+  return best;  // row(lo)'s: every success moved lo to it
 }
 
 MEMBOUND_NAMESPACE_END
@@ -17162,6 +17203,203 @@ reserve_function reserve_model(const Model& m, const Allocator& alloc) {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/reserve_plan.hpp ----
+// ---- begin membound/train/token_packing.hpp ----
+// Variable-length samples packed into rows of a token budget instead of padded or truncated to
+// one length (one part of the trainer, train/trainer.hpp). A row holds `seq` tokens in at most
+// `sequences` sequences laid end to end (what a packed batch_shape{rows, seq, sequences} plans
+// for); the layers run each sequence alone, so packing changes no result, only the padding.
+//
+//   const membound::token_packing pack(lengths, 512, 16);   // samples' token counts
+//   pack.write(r, [&](std::size_t i) { return std::span(sample_ids[i]); }, row);  // in a packed_source
+//
+// Best-fit decreasing: samples longest first, each into the fullest row that still has room for
+// it (its tokens and a sequence slot), a new row when none has. A sample longer than a row is cut
+// into row-long pieces first (each its own sequence: the only cut context); a sample of fewer than
+// 2 tokens has no next-token target and is left out. Deterministic: ties keep the samples' order.
+
+#include <map>
+
+// ---- begin membound/train/data_source.hpp ----
+// What the trainer asks its data for and the generator behind it (one part of the trainer,
+// train/trainer.hpp): a run's data position and random state are a checkpoint's, so a resumed run
+// draws the same sequences.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// splitmix64: the whole generator is one 64-bit word, so a checkpoint holds it exactly.
+struct random_state {
+  std::uint64_t state = 0;
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  friend constexpr bool operator==(const random_state&, const random_state&) = default;
+};
+
+// What the trainer asks its data for, one sequence at a time: `index` counts the sequences of the
+// run (the data position), `random` is 64 fresh bits from the run's generator. A source that
+// samples windows uses `random`; one that walks the data in order uses `index`.
+struct sequence_request {
+  std::uint64_t index = 0;
+  std::uint64_t random = 0;
+};
+
+// source(request, tokens, targets) writes T token ids and T next-token targets.
+template <typename F>
+concept sequence_source = std::invocable<F&, const sequence_request&, std::int32_t*, std::int32_t*>;
+
+// One packed row to fill (a trainer whose effective batch_shape has sequences): `seq` token ids
+// and targets, and the offsets of at most `sequences` sequences laid end to end
+// (shape/packed_sequences.hpp): sequences + 1 entries, 0 first, seq last, never decreasing, so a
+// row of fewer sequences repeats seq (empty ones). Give each sequence's last token
+// ignore_target (its next token is another sequence's), and padding tokens too.
+struct packed_row {
+  std::int32_t* tokens = nullptr;
+  std::int32_t* targets = nullptr;
+  std::int32_t* offsets = nullptr;
+  std::size_t seq = 0;
+  std::size_t sequences = 0;
+};
+
+// source(request, row) fills one packed row; `index` counts rows.
+template <typename F>
+concept packed_source = std::invocable<F&, const sequence_request&, const packed_row&>;
+
+// What a trainer's step and evaluate take: rows of one sequence each, or packed rows.
+template <typename F>
+concept data_source = sequence_source<F> || packed_source<F>;
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/data_source.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// Tokens [begin, begin + length) of sample `sample`: one sequence of a row.
+struct token_piece {
+  std::size_t sample = 0;
+  std::size_t begin = 0;
+  std::size_t length = 0;
+};
+
+class token_packing {
+ public:
+  // lengths: each sample's token count. seq: tokens per row (at least 2); sequences: the most a
+  // row holds (at least 1). Throws invalid_argument naming the argument otherwise.
+  token_packing(std::span<const std::size_t> lengths, std::size_t seq, std::size_t sequences)
+      : seq_(seq), sequences_(sequences), lengths_(lengths.begin(), lengths.end()) {
+    if (seq < 2) {
+      throw invalid_argument("seq", "at least 2 tokens per row", std::to_string(seq),
+                             "A row needs a token and its next-token target");
+    }
+    if (sequences == 0) throw invalid_argument("sequences", "at least 1 per row", "0", "Let a row hold a sequence");
+    // Pieces: every sample cut into row-long parts (most are one part), longest first.
+    std::vector<token_piece> pieces;
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      if (lengths[i] < 2) continue;  // no target to learn
+      for (std::size_t b = 0; b < lengths[i]; b += seq) pieces.push_back({i, b, std::min(seq, lengths[i] - b)});
+      tokens_ += lengths[i];
+    }
+    std::stable_sort(pieces.begin(), pieces.end(),
+                     [](const token_piece& a, const token_piece& b) { return a.length > b.length; });
+    // Rows with room, by free tokens: the least room that takes a piece is the best fit.
+    std::multimap<std::size_t, std::size_t> open;  // free tokens -> row
+    std::vector<std::vector<token_piece>> rows;
+    std::vector<std::size_t> used;
+    for (const token_piece& p : pieces) {
+      auto it = open.lower_bound(p.length);
+      std::size_t r;
+      if (it == open.end()) {
+        r = rows.size();
+        rows.emplace_back();
+        used.push_back(0);
+      } else {
+        r = it->second;
+        open.erase(it);
+      }
+      rows[r].push_back(p);
+      used[r] += p.length;
+      if (used[r] < seq && rows[r].size() < sequences) open.emplace(seq - used[r], r);
+    }
+    // Flattened: row r's pieces are pieces_[first_[r], first_[r + 1]), in the order placed.
+    first_.push_back(0);
+    for (const auto& row : rows) {
+      pieces_.insert(pieces_.end(), row.begin(), row.end());
+      first_.push_back(pieces_.size());
+    }
+  }
+
+  std::size_t rows() const noexcept { return first_.size() - 1; }
+  std::size_t seq() const noexcept { return seq_; }
+  std::size_t sequences() const noexcept { return sequences_; }
+  // Row r's pieces, each one sequence of it (r < rows()).
+  std::span<const token_piece> row(std::size_t r) const noexcept {
+    return {pieces_.data() + first_[r], first_[r + 1] - first_[r]};
+  }
+  // The samples' tokens (those of at least 2), and the rows' tokens no sample fills.
+  std::size_t tokens() const noexcept { return tokens_; }
+  std::size_t padding() const noexcept { return rows() * seq_ - tokens_; }
+  // Of the rows' tokens, the share that is data: 1 − padding / (rows · seq).
+  double efficiency() const noexcept {
+    return rows() == 0 ? 1.0 : static_cast<double>(tokens_) / static_cast<double>(rows() * seq_);
+  }
+
+  // Writes row r into `out` (out.seq = seq(), out.sequences = sequences()). sample(i) gives sample
+  // i's token ids (a span of exactly its length). Each piece's targets are the sample's next
+  // ids; the sample's last token gets ignore_target (its next token is another sample's). The
+  // row's padding is `pad` ids with ignore_target, a sequence of its own when a slot is free,
+  // else at the end of the last sequence: every layer is causal, so no data token sees it.
+  // Unused sequences are empty (their offsets repeat seq).
+  template <typename Samples>
+  void write(std::size_t r, Samples&& sample, const packed_row& out, std::int32_t pad = 0) const {
+    if (r >= rows()) {
+      throw invalid_argument("row", "an index below rows() = " + std::to_string(rows()), std::to_string(r),
+                             "Ask for a row of this packing");
+    }
+    if (out.seq != seq_ || out.sequences != sequences_) {
+      throw invalid_argument("out", "a packed_row of " + std::to_string(seq_) + " tokens and " +
+                                        std::to_string(sequences_) + " sequences (this packing's)",
+                             std::to_string(out.seq) + " tokens, " + std::to_string(out.sequences) + " sequences",
+                             "Pack for the trainer's effective batch_shape{rows, seq, sequences}");
+    }
+    std::size_t t = 0, k = 0;
+    out.offsets[0] = 0;
+    for (const token_piece& p : row(r)) {
+      const auto ids = sample(p.sample);
+      if (ids.size() != lengths_[p.sample]) {
+        throw invalid_argument("sample(" + std::to_string(p.sample) + ")",
+                               std::to_string(lengths_[p.sample]) + " ids (the length it was packed with)",
+                               std::to_string(ids.size()) + " ids", "Give write() the samples the packing was made of");
+      }
+      for (std::size_t j = 0; j < p.length; ++j) {
+        const std::size_t at = p.begin + j;
+        out.tokens[t + j] = static_cast<std::int32_t>(ids[at]);
+        out.targets[t + j] = at + 1 < ids.size() ? static_cast<std::int32_t>(ids[at + 1]) : ignore_target;
+      }
+      t += p.length;
+      out.offsets[++k] = static_cast<std::int32_t>(t);
+    }
+    if (t < seq_) {
+      for (; t < seq_; ++t) {
+        out.tokens[t] = pad;
+        out.targets[t] = ignore_target;
+      }
+      if (k < sequences_) ++k;
+      out.offsets[k] = static_cast<std::int32_t>(seq_);
+    }
+    for (++k; k <= sequences_; ++k) out.offsets[k] = static_cast<std::int32_t>(seq_);
+  }
+
+ private:
+  std::size_t seq_ = 0, sequences_ = 0, tokens_ = 0;
+  std::vector<std::size_t> lengths_;
+  std::vector<token_piece> pieces_;
+  std::vector<std::size_t> first_;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/train/token_packing.hpp ----
 // ---- begin membound/train/trainer.hpp ----
 // The training loop, written once: gradient accumulation over a plan's micro-batches, global-norm
 // clipping, cosine learning rate, AdamW, dynamic loss scaling, the pressure monitor at the step's
@@ -17271,39 +17509,6 @@ MEMBOUND_NAMESPACE_END
 
 #include <filesystem>
 
-// ---- begin membound/train/data_source.hpp ----
-// What the trainer asks its data for and the generator behind it (one part of the trainer,
-// train/trainer.hpp): a run's data position and random state are a checkpoint's, so a resumed run
-// draws the same sequences.
-
-MEMBOUND_NAMESPACE_BEGIN
-
-// splitmix64: the whole generator is one 64-bit word, so a checkpoint holds it exactly.
-struct random_state {
-  std::uint64_t state = 0;
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  friend constexpr bool operator==(const random_state&, const random_state&) = default;
-};
-
-// What the trainer asks its data for, one sequence at a time: `index` counts the sequences of the
-// run (the data position), `random` is 64 fresh bits from the run's generator. A source that
-// samples windows uses `random`; one that walks the data in order uses `index`.
-struct sequence_request {
-  std::uint64_t index = 0;
-  std::uint64_t random = 0;
-};
-
-// source(request, tokens, targets) writes T token ids and T next-token targets.
-template <typename F>
-concept sequence_source = std::invocable<F&, const sequence_request&, std::int32_t*, std::int32_t*>;
-
-MEMBOUND_NAMESPACE_END
-// ---- end membound/train/data_source.hpp ----
 // ---- begin membound/train/fingerprint.hpp ----
 // A checkpoint's fingerprint and run settings as name=value fields (one part of the trainer,
 // train/trainer.hpp): the fields, their differences, exact text for doubles, the layout checksum
@@ -18870,7 +19075,7 @@ class trainer {
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
         scaler_(o_.scaler), comm_(comm) {
-    m_.check(eff_);
+    m_.check(eff_.row());
     check_options(o_);
     // After the option checks, so that a bad stage is named as options.zero, in its turn.
     exchange_.emplace(m, alloc, ex, comm, o_.zero, o_.overlap);
@@ -18944,8 +19149,9 @@ class trainer {
   // One optimizer step: every micro-batch of the plan (its sequences from `source`), the gradient
   // exchange, clipping and the update; abandoned and run again under a stricter plan when memory
   // runs short (see the file comment).
-  template <sequence_source Source>
+  template <data_source Source>
   step_result step(Source& source) {
+    check_source<Source>();
     follow_stream();
     ran_ = true;
     const auto t0 = std::chrono::steady_clock::now();
@@ -19060,8 +19266,11 @@ class trainer {
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
   // plan's, and nothing of the training state is touched.
-  template <sequence_source Source>
+  // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows, each
+  // row's mean over its counted targets weighted alike.
+  template <data_source Source>
   double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
+    check_source<Source>();
     if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
     ran_ = true;
     const std::size_t T = eff_.seq;
@@ -19072,8 +19281,8 @@ class trainer {
         random_state h{seed ^ (0xd1b54a32d192ed03ULL * (k + j + 1))};
         return sequence_request{k + j, h.next()};
       });
-      sum += static_cast<double>(b) *
-             m_.loss(w_, tokens_in(), targets_in(), batch_shape{b, T}, plan_.head_chunk, alloc_, ex_);
+      sum += static_cast<double>(b) * m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
+                                              plan_.head_chunk, alloc_, ex_);
     }
     return sum / static_cast<double>(sequences);
   }
@@ -19285,6 +19494,7 @@ class trainer {
     }
     add("effective_batch", num(eff_.batch));
     add("sequence_length", num(eff_.seq));
+    if (eff_.packed()) add("sequences_per_row", num(eff_.sequences));  // absent unpacked: older files match
     return f;
   }
   // The settings of the run, which its checkpoints record beside the fingerprint and load()
@@ -19411,7 +19621,7 @@ class trainer {
         pc.accumulation == rank_batch().batch / pc.micro_batch && pc.head_chunk != 0 &&
         pc.schedule_kind <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
       try {
-        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pc.micro_batch), eff_.seq},
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pc.micro_batch), eff_.seq, eff_.sequences},
                                    static_cast<std::size_t>(pc.accumulation),
                                    schedule_choice{static_cast<schedule_choice::kind>(pc.schedule_kind),
                                                    static_cast<std::size_t>(pc.schedule_param)},
@@ -19851,11 +20061,14 @@ class trainer {
         "edit its fields";
     const std::size_t B = rank_batch().batch;
     // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
-    if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
-        B / p.micro.batch != p.accumulation) {
+    if (p.micro.seq != eff_.seq || p.micro.sequences != eff_.sequences || p.micro.batch == 0 || p.accumulation == 0 ||
+        B % p.micro.batch != 0 || B / p.micro.batch != p.accumulation || (eff_.packed() && p.micro.batch != 1)) {
       throw invalid_argument("plan", "micro-batches of " + std::string(world() > 1 ? "this rank's share of " : "") +
                                          "the effective batch, " + std::to_string(B) + " x " +
-                                         std::to_string(eff_.seq),
+                                         std::to_string(eff_.seq) +
+                                         (eff_.packed() ? " (packed: one row per micro-batch, " +
+                                                              std::to_string(eff_.sequences) + " sequences)"
+                                                        : std::string()),
                              std::to_string(p.accumulation) + " x " + std::to_string(p.micro.batch) + " x " +
                                  std::to_string(p.micro.seq),
                              "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
@@ -19977,17 +20190,48 @@ class trainer {
     }
   }
 
-  template <sequence_source Source, typename Request>
+  template <data_source Source, typename Request>
   void fill(Source& source, std::size_t b, Request&& request) {
     const std::size_t T = eff_.seq;
     x_.resize(b * T);
     y_.resize(b * T);
-    for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+    if constexpr (packed_source<Source>) {
+      const std::size_t S = eff_.sequences;
+      offsets_.assign(S + 1, -1);  // b is 1: one packed row per micro-batch
+      source(request(0), packed_row{x_.data(), y_.data(), offsets_.data(), T, S});
+      const packing_check c = check_packing(offsets_.data(), S, 1, T);
+      if (!c.ok) {
+        throw invalid_argument("source's offsets", c.expected,
+                               c.actual < 0 ? std::to_string(static_cast<long long>(c.actual))
+                                            : std::to_string(static_cast<std::size_t>(c.actual)),
+                               "Write packed_row::sequences + 1 offsets, 0 first and packed_row::seq last (an "
+                               "unused sequence is empty: repeat seq)");
+      }
+    } else {
+      for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+    }
     // A device cannot throw on a bad id: the host copies are checked (on every backend), then
     // staged where the step reads them (uploaded into the step buffers on a device).
     m_.check_tokens(x_.data(), b * T);
     Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
     glue::stage_ids(ex_, sb_, x_.data(), y_.data(), b * T, step_tokens());
+  }
+
+  // The source's kind matches the effective batch: packed rows for packed sequences, else rows of
+  // one sequence each.
+  template <typename Source>
+  void check_source() const {
+    if (packed_source<Source> != eff_.packed()) {
+      throw invalid_argument("source", eff_.packed() ? "a packed_source (the effective batch packs sequences)"
+                                                     : "a sequence_source (the effective batch has no packed sequences)",
+                             packed_source<Source> ? "a packed_source" : "a sequence_source",
+                             "Pass the source that fills the rows the effective batch_shape describes");
+    }
+  }
+  // A micro-batch's shape with the offsets of the row fill() staged (packed rows).
+  batch_shape micro_in(batch_shape b) const noexcept {
+    if (b.packed()) b.offsets = offsets_.data();
+    return b;
   }
 
   // The ids a micro-batch reads: the host arrays, or on a device their upload in the step buffers.
@@ -20062,7 +20306,7 @@ class trainer {
     }
   }
 
-  template <sequence_source Source>
+  template <data_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
     zero_gradients();
     double loss = 0;
@@ -20076,6 +20320,7 @@ class trainer {
       backward_exchanges_ = zero2() || (whole_overlapped() && micro + 1 == plan_.accumulation);
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
+      const batch_shape shape = micro_in(plan_.micro);
       auto observer = [&](check_point p) {
         switch (p) {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
@@ -20088,7 +20333,7 @@ class trainer {
         }
       };
       const auto routed = [&](auto& router) {
-        return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+        return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
                                           plan_.head_chunk, scale / accum, alloc_, ex_, observer);
       };
       if (zero2()) {
@@ -20096,7 +20341,7 @@ class trainer {
       } else if (backward_exchanges_) {
         loss += exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
       } else {
-        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
+        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
                 accum;
       }
@@ -20126,7 +20371,7 @@ class trainer {
   // The communicator of the host values every rank agrees on (see detail::control_of).
   auto& ctl() const { return detail::control_of(comm_); }
   // This rank's share of the effective batch.
-  batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq}; }
+  batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq, eff_.sequences}; }
 
   void check_world() {
     const std::size_t N = world();
@@ -20217,7 +20462,7 @@ class trainer {
   // own_plan of these choices when its reserved peak is within `target`.
   std::optional<training_plan> plan_of_choices(std::size_t micro, std::size_t accumulation, schedule_choice s,
                                                std::size_t head_chunk, std::size_t target) const {
-    training_plan p = own_plan(batch_shape{micro, eff_.seq}, accumulation, s, head_chunk, plan_.budget);
+    training_plan p = own_plan(batch_shape{micro, eff_.seq, eff_.sequences}, accumulation, s, head_chunk, plan_.budget);
     p.budget = plan_.budget;
     p.reserved_peak = reserve_of(p);
     if (p.budgeted_peak() > target) return std::nullopt;
@@ -20392,6 +20637,7 @@ class trainer {
   std::vector<param_span> opt_spans_;  // each tensor's part of opt_shard_, relative to its start
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
+  std::vector<std::int32_t> offsets_;  // the packed row's offsets (host: the layers read them there)
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
   std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;

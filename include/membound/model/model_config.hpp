@@ -44,6 +44,9 @@ struct batch_shape {
   friend constexpr bool operator==(const batch_shape& a, const batch_shape& b) noexcept {
     return a.batch == b.batch && a.seq == b.seq && a.sequences == b.sequences;
   }
+  // The shape one step runs: the batch itself, or one packed row of it (a step runs packed rows
+  // one at a time; an effective batch of `batch` packed rows accumulates over them).
+  constexpr batch_shape row() const noexcept { return packed() ? batch_shape{1, seq, sequences, offsets} : *this; }
 };
 
 // How a parameter tensor starts. Each rule is the one its layer's reference uses.

@@ -589,12 +589,13 @@ struct fit_options {
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
 // accumulation) whose peak fits `budget`: micro-batch sizes dividing the batch (gradient
-// accumulation keeps the effective batch), every schedule, the logit chunk sizes given. Ties go
+// accumulation keeps the effective batch; packed rows run one per micro-batch), every schedule,
+// the logit chunk sizes given. Ties go
 // to fewer micro-batches, then to the lower peak. Throws budget_too_small naming the least peak
 // of any candidate when none fits.
 template <typename Model>
 training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
-  m.check(effective);
+  m.check(effective.row());
   if (fo.prefer_below != 0 && fo.prefer_below < budget) {
     fit_options under = fo;
     under.prefer_below = 0;
@@ -652,12 +653,13 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   };
   std::vector<combo> combos;
   const std::size_t L = m.depth();
-  for (std::size_t mb = effective.batch; mb >= 1; --mb) {
+  // Packed rows run one per micro-batch (their sequences share one token axis).
+  for (std::size_t mb = effective.packed() ? 1 : effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
                      fo.gradients};
-      const batch_shape b{mb, effective.seq};
+      const batch_shape b{mb, effective.seq, effective.sequences};
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
                                          {schedule_choice::kind::full, 0}};
@@ -695,6 +697,42 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   }
   best.budget = budget;
   return best;
+}
+
+// The plan for the most packed tokens per micro-batch that fits `budget`: one row of N tokens
+// holding at most `sequences` sequences (batch_shape{1, N, min(sequences, N)}), N a multiple of
+// `multiple` up to max_tokens, chosen as fit would choose each row's plan. Its sizes are those of
+// the worst packing of N tokens into that many sequences, so any batch of at most N tokens in at
+// most `sequences` sequences (padded to N) runs within them. Every plan's peak grows with N, so
+// the largest N is found by bisection (O(log max_tokens) fits). Throws budget_too_small, naming
+// the least plan's peak at `multiple` tokens, when not even that fits; invalid_argument for a
+// multiple of 0, or above max_tokens.
+template <typename Model>
+training_plan fit_tokens(const Model& m, std::size_t max_tokens, std::size_t sequences, std::size_t budget,
+                         const fit_options& fo = {}, std::size_t multiple = 1) {
+  if (multiple == 0 || multiple > max_tokens) {
+    throw invalid_argument("multiple", "between 1 and max_tokens (" + std::to_string(max_tokens) + ")",
+                           std::to_string(multiple), "Ask for rows of a whole number of tokens up to max_tokens");
+  }
+  if (sequences == 0) {
+    throw invalid_argument("sequences", "at least 1 per row", "0", "Give the most sequences a row may hold");
+  }
+  const auto row = [&](std::size_t k) {  // k multiples of `multiple`
+    const std::size_t n = k * multiple;
+    return batch_shape{1, n, std::min(sequences, n)};
+  };
+  training_plan best = fit(m, row(1), budget, fo);  // throws budget_too_small when nothing fits
+  std::size_t lo = 1, hi = max_tokens / multiple;    // row(lo) fits; find the last k that does
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    try {
+      best = fit(m, row(mid), budget, fo);
+      lo = mid;
+    } catch (const budget_too_small&) {
+      hi = mid - 1;
+    }
+  }
+  return best;  // row(lo)'s: every success moved lo to it
 }
 
 MEMBOUND_NAMESPACE_END

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 
 #include "membound/core/config.hpp"
@@ -33,5 +34,26 @@ struct sequence_request {
 // source(request, tokens, targets) writes T token ids and T next-token targets.
 template <typename F>
 concept sequence_source = std::invocable<F&, const sequence_request&, std::int32_t*, std::int32_t*>;
+
+// One packed row to fill (a trainer whose effective batch_shape has sequences): `seq` token ids
+// and targets, and the offsets of at most `sequences` sequences laid end to end
+// (shape/packed_sequences.hpp): sequences + 1 entries, 0 first, seq last, never decreasing, so a
+// row of fewer sequences repeats seq (empty ones). Give each sequence's last token
+// ignore_target (its next token is another sequence's), and padding tokens too.
+struct packed_row {
+  std::int32_t* tokens = nullptr;
+  std::int32_t* targets = nullptr;
+  std::int32_t* offsets = nullptr;
+  std::size_t seq = 0;
+  std::size_t sequences = 0;
+};
+
+// source(request, row) fills one packed row; `index` counts rows.
+template <typename F>
+concept packed_source = std::invocable<F&, const sequence_request&, const packed_row&>;
+
+// What a trainer's step and evaluate take: rows of one sequence each, or packed rows.
+template <typename F>
+concept data_source = sequence_source<F> || packed_source<F>;
 
 MEMBOUND_NAMESPACE_END

@@ -131,6 +131,7 @@
 #include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/train/checkpoint_state.hpp"
+#include "membound/shape/packed_sequences.hpp"
 #include "membound/train/data_source.hpp"
 #include "membound/train/fingerprint.hpp"
 #include "membound/train/gradient_exchange.hpp"
@@ -217,7 +218,7 @@ class trainer {
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
         scaler_(o_.scaler), comm_(comm) {
-    m_.check(eff_);
+    m_.check(eff_.row());
     check_options(o_);
     // After the option checks, so that a bad stage is named as options.zero, in its turn.
     exchange_.emplace(m, alloc, ex, comm, o_.zero, o_.overlap);
@@ -291,8 +292,9 @@ class trainer {
   // One optimizer step: every micro-batch of the plan (its sequences from `source`), the gradient
   // exchange, clipping and the update; abandoned and run again under a stricter plan when memory
   // runs short (see the file comment).
-  template <sequence_source Source>
+  template <data_source Source>
   step_result step(Source& source) {
+    check_source<Source>();
     follow_stream();
     ran_ = true;
     const auto t0 = std::chrono::steady_clock::now();
@@ -407,8 +409,11 @@ class trainer {
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
   // plan's, and nothing of the training state is touched.
-  template <sequence_source Source>
+  // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows, each
+  // row's mean over its counted targets weighted alike.
+  template <data_source Source>
   double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
+    check_source<Source>();
     if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
     ran_ = true;
     const std::size_t T = eff_.seq;
@@ -419,8 +424,8 @@ class trainer {
         random_state h{seed ^ (0xd1b54a32d192ed03ULL * (k + j + 1))};
         return sequence_request{k + j, h.next()};
       });
-      sum += static_cast<double>(b) *
-             m_.loss(w_, tokens_in(), targets_in(), batch_shape{b, T}, plan_.head_chunk, alloc_, ex_);
+      sum += static_cast<double>(b) * m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
+                                              plan_.head_chunk, alloc_, ex_);
     }
     return sum / static_cast<double>(sequences);
   }
@@ -632,6 +637,7 @@ class trainer {
     }
     add("effective_batch", num(eff_.batch));
     add("sequence_length", num(eff_.seq));
+    if (eff_.packed()) add("sequences_per_row", num(eff_.sequences));  // absent unpacked: older files match
     return f;
   }
   // The settings of the run, which its checkpoints record beside the fingerprint and load()
@@ -758,7 +764,7 @@ class trainer {
         pc.accumulation == rank_batch().batch / pc.micro_batch && pc.head_chunk != 0 &&
         pc.schedule_kind <= static_cast<std::uint64_t>(schedule_choice::kind::budget)) {
       try {
-        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pc.micro_batch), eff_.seq},
+        training_plan p = own_plan(batch_shape{static_cast<std::size_t>(pc.micro_batch), eff_.seq, eff_.sequences},
                                    static_cast<std::size_t>(pc.accumulation),
                                    schedule_choice{static_cast<schedule_choice::kind>(pc.schedule_kind),
                                                    static_cast<std::size_t>(pc.schedule_param)},
@@ -1199,11 +1205,14 @@ class trainer {
         "edit its fields";
     const std::size_t B = rank_batch().batch;
     // By division, so that a huge micro-batch times accumulation cannot wrap around to B.
-    if (p.micro.seq != eff_.seq || p.micro.batch == 0 || p.accumulation == 0 || B % p.micro.batch != 0 ||
-        B / p.micro.batch != p.accumulation) {
+    if (p.micro.seq != eff_.seq || p.micro.sequences != eff_.sequences || p.micro.batch == 0 || p.accumulation == 0 ||
+        B % p.micro.batch != 0 || B / p.micro.batch != p.accumulation || (eff_.packed() && p.micro.batch != 1)) {
       throw invalid_argument("plan", "micro-batches of " + std::string(world() > 1 ? "this rank's share of " : "") +
                                          "the effective batch, " + std::to_string(B) + " x " +
-                                         std::to_string(eff_.seq),
+                                         std::to_string(eff_.seq) +
+                                         (eff_.packed() ? " (packed: one row per micro-batch, " +
+                                                              std::to_string(eff_.sequences) + " sequences)"
+                                                        : std::string()),
                              std::to_string(p.accumulation) + " x " + std::to_string(p.micro.batch) + " x " +
                                  std::to_string(p.micro.seq),
                              "Make the plan with fit(model, effective, budget) or make_plan for the same batch");
@@ -1325,17 +1334,48 @@ class trainer {
     }
   }
 
-  template <sequence_source Source, typename Request>
+  template <data_source Source, typename Request>
   void fill(Source& source, std::size_t b, Request&& request) {
     const std::size_t T = eff_.seq;
     x_.resize(b * T);
     y_.resize(b * T);
-    for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+    if constexpr (packed_source<Source>) {
+      const std::size_t S = eff_.sequences;
+      offsets_.assign(S + 1, -1);  // b is 1: one packed row per micro-batch
+      source(request(0), packed_row{x_.data(), y_.data(), offsets_.data(), T, S});
+      const packing_check c = check_packing(offsets_.data(), S, 1, T);
+      if (!c.ok) {
+        throw invalid_argument("source's offsets", c.expected,
+                               c.actual < 0 ? std::to_string(static_cast<long long>(c.actual))
+                                            : std::to_string(static_cast<std::size_t>(c.actual)),
+                               "Write packed_row::sequences + 1 offsets, 0 first and packed_row::seq last (an "
+                               "unused sequence is empty: repeat seq)");
+      }
+    } else {
+      for (std::size_t j = 0; j < b; ++j) source(request(j), x_.data() + j * T, y_.data() + j * T);
+    }
     // A device cannot throw on a bad id: the host copies are checked (on every backend), then
     // staged where the step reads them (uploaded into the step buffers on a device).
     m_.check_tokens(x_.data(), b * T);
     Model::head_type::check_targets(y_.data(), b * T, m_.config().vocab);
     glue::stage_ids(ex_, sb_, x_.data(), y_.data(), b * T, step_tokens());
+  }
+
+  // The source's kind matches the effective batch: packed rows for packed sequences, else rows of
+  // one sequence each.
+  template <typename Source>
+  void check_source() const {
+    if (packed_source<Source> != eff_.packed()) {
+      throw invalid_argument("source", eff_.packed() ? "a packed_source (the effective batch packs sequences)"
+                                                     : "a sequence_source (the effective batch has no packed sequences)",
+                             packed_source<Source> ? "a packed_source" : "a sequence_source",
+                             "Pass the source that fills the rows the effective batch_shape describes");
+    }
+  }
+  // A micro-batch's shape with the offsets of the row fill() staged (packed rows).
+  batch_shape micro_in(batch_shape b) const noexcept {
+    if (b.packed()) b.offsets = offsets_.data();
+    return b;
   }
 
   // The ids a micro-batch reads: the host arrays, or on a device their upload in the step buffers.
@@ -1410,7 +1450,7 @@ class trainer {
     }
   }
 
-  template <sequence_source Source>
+  template <data_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
     zero_gradients();
     double loss = 0;
@@ -1424,6 +1464,7 @@ class trainer {
       backward_exchanges_ = zero2() || (whole_overlapped() && micro + 1 == plan_.accumulation);
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
+      const batch_shape shape = micro_in(plan_.micro);
       auto observer = [&](check_point p) {
         switch (p) {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
@@ -1436,7 +1477,7 @@ class trainer {
         }
       };
       const auto routed = [&](auto& router) {
-        return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), plan_.micro, plan_.ops,
+        return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
                                           plan_.head_chunk, scale / accum, alloc_, ex_, observer);
       };
       if (zero2()) {
@@ -1444,7 +1485,7 @@ class trainer {
       } else if (backward_exchanges_) {
         loss += exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
       } else {
-        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), plan_.micro, plan_.ops, plan_.head_chunk,
+        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
                                     scale / accum, alloc_, ex_, observer) /
                 accum;
       }
@@ -1474,7 +1515,7 @@ class trainer {
   // The communicator of the host values every rank agrees on (see detail::control_of).
   auto& ctl() const { return detail::control_of(comm_); }
   // This rank's share of the effective batch.
-  batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq}; }
+  batch_shape rank_batch() const noexcept { return {eff_.batch / world(), eff_.seq, eff_.sequences}; }
 
   void check_world() {
     const std::size_t N = world();
@@ -1565,7 +1606,7 @@ class trainer {
   // own_plan of these choices when its reserved peak is within `target`.
   std::optional<training_plan> plan_of_choices(std::size_t micro, std::size_t accumulation, schedule_choice s,
                                                std::size_t head_chunk, std::size_t target) const {
-    training_plan p = own_plan(batch_shape{micro, eff_.seq}, accumulation, s, head_chunk, plan_.budget);
+    training_plan p = own_plan(batch_shape{micro, eff_.seq, eff_.sequences}, accumulation, s, head_chunk, plan_.budget);
     p.budget = plan_.budget;
     p.reserved_peak = reserve_of(p);
     if (p.budgeted_peak() > target) return std::nullopt;
@@ -1740,6 +1781,7 @@ class trainer {
   std::vector<param_span> opt_spans_;  // each tensor's part of opt_shard_, relative to its start
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
+  std::vector<std::int32_t> offsets_;  // the packed row's offsets (host: the layers read them there)
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
   std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;
