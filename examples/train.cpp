@@ -219,16 +219,25 @@ options checked_options(const flag_texts& f) {
                                std::to_string(o.heads),
                                "Choose --width and --heads so that width / heads is the head size");
   }
+  whole("--pack", o.pack, 1, 4096);
+  if (o.pack != 0 && o.device == "cuda") {
+    throw mb::invalid_argument("--pack", "only with --device cpu (packed sequences run on the CPU backend so far)",
+                               std::to_string(o.pack), "Leave --pack out, or add --device cpu");
+  }
   if (f.given("--seq") && f["--seq"] == "max") {
-    if (o.device != "cuda") {
-      throw mb::invalid_argument("--seq", "a length from 1 to 2^20 on the CPU (max is for --device cuda)", "max",
-                                 "Give a length, or add --device cuda");
+    if (o.device != "cuda" && o.pack == 0) {
+      throw mb::invalid_argument("--seq", "a length from 1 to 2^20 on the CPU (max is for --device cuda or --pack)",
+                                 "max", "Give a length, or add --device cuda, or --pack");
     }
-    o.seq_max = true;  // the device run searches the longest length under the emergency line (train_cuda.cu)
+    o.seq_max = true;  // the longest length under the emergency line (train_cuda.cu; run() below for --pack)
   } else {
     whole("--seq", o.seq, 1, 1u << 20);
   }
   whole("--batch", o.batch, 1, 1u << 16);
+  if (o.pack != 0 && o.seq < 2) {
+    throw mb::invalid_argument("--seq", "at least 2 tokens per packed row (--pack)", std::to_string(o.seq),
+                               "e.g. --seq 256 --pack 16");
+  }
   whole("--steps", o.steps, 1, 1'000'000'000);
 
   if (f.given("--layers")) {
@@ -512,7 +521,8 @@ static_assert(mb::overlapping_all_reduce_communicator<ranks>);
 
 // Opt: the optimizer policy for P's storage (--optimizer).
 template <typename P, template <typename> class Opt>
-int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
+int run(const options& flags, const std::vector<std::int32_t>& text, ranks& world) {
+  options o = flags;  // --seq max with --pack: the row length chosen below
   using net = mb::hybrid_model<P>;
   std::vector<std::size_t> pattern;
   for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
@@ -523,14 +533,12 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   cfg.attention_window = o.window;
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
-  const mb::batch_shape eff{o.batch, o.seq};
   // Data parallel: each rank plans and runs its share of every step's sequences.
   const std::size_t N = world.size();
   if (o.batch % N != 0) {
     throw mb::invalid_argument("--batch", "a multiple of the " + std::to_string(N) + " ranks", std::to_string(o.batch),
                                "Give every rank an equal share of the sequences per step");
   }
-  const mb::batch_shape share{o.batch / N, o.seq};
   // ZeRO-1 over ranks: this rank plans for the optimizer state of its shard of the parameters.
   const bool sharded = o.zero >= 1 && N > 1;
   const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
@@ -550,18 +558,37 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   using stack = mb::budget_allocator<mb::traced_allocator<mb::expandable_arena<mb::host_virtual_memory>>>;
   stack alloc(budget, recorder, mb::expandable_arena_options{capacity}, page);
   const mb::reserve_function reserve = mb::reserve_model(m, alloc);
+  const auto fit_opts = [&] {
+    mb::fit_options fo;
+    fo.threads = o.threads;
+    fo.reserve = reserve;
+    fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
+    fo.optimizer_elements = shard;
+    fo.gradients = grad_shards;
+    fo.prefer_below = emergency_line(budget);
+    return fo;
+  };
+  // --pack with --seq max: the most tokens per packed row (a multiple of 64) that a plan fits under
+  // the emergency line, or under the budget when none does (as the device run's --seq max).
+  if (o.pack != 0 && o.seq_max) {
+    o.seq = under_flags(o, [&] {
+      mb::fit_options fo = fit_opts();
+      fo.prefer_below = 0;
+      try {
+        return mb::fit_tokens(m, 65536, o.pack, emergency_line(budget), fo, 64).micro.seq;
+      } catch (const mb::budget_too_small&) {
+        return mb::fit_tokens(m, 65536, o.pack, budget, fo, 64).micro.seq;
+      }
+    });
+    std::printf("--seq max: %zu tokens per packed row, at most %zu paragraphs each (the most that fit)\n", o.seq,
+                o.pack);
+  }
+  // Packed (--pack): rows of --seq tokens holding at most --pack paragraphs each.
+  const mb::batch_shape eff{o.batch, o.seq, o.pack};
+  const mb::batch_shape share{o.batch / N, o.seq, o.pack};
 
   const mb::training_plan plan = under_flags(o, [&] {
-    if (!o.fixed_schedule) {
-      mb::fit_options fo;
-      fo.threads = o.threads;
-      fo.reserve = reserve;
-      fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
-      fo.optimizer_elements = shard;
-      fo.gradients = grad_shards;
-      fo.prefer_below = emergency_line(budget);
-      return mb::fit(m, share, budget, fo);
-    }
+    if (!o.fixed_schedule) return mb::fit(m, share, budget, fit_opts());
     mb::plan_options po;
     po.threads = o.threads;
     po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
@@ -621,151 +648,172 @@ int run(const options& o, const std::vector<std::int32_t>& text, ranks& world) {
   }
   resume_from(t, o);
 
-  windows train_src{&train, o.seq}, val_src{&val, o.seq};
-  auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
+  // The steps over either kind of source: random windows of the text, or packed rows of its
+  // paragraphs (--pack).
+  const auto train_with = [&](auto& train_src, auto& val_src) -> int {
+    auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
 
-  progress bar(o.steps);
-  const double first_eval = eval();
-  bar.note(eval_line(t.steps_done(), o, first_eval));
-  double last_loss = 0, last_eval = first_eval, total_ms = 0;
-  std::size_t tokens_done = 0, skipped = 0, replans = 0;
-  std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop
-  const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
-  bool foreign_taken = false;
-  // The report and the trace: after the run, and also for the steps that ran when an error ends
-  // it (no plan fits beside memory taken by others, another rank failed), so that what led to the
-  // error is kept.
-  const auto write_files = [&](const char* stopped_by) {
-    if (!writer) return;
-    if (!o.report.empty()) {
-      const mb::training_plan& p = t.plan();
-      const auto st = alloc.stats();
-      const std::size_t predicted = t.largest_predicted_peak();
-      const std::size_t predicted_reserve = t.largest_predicted_reserve();
-      const mb::process_memory_info rss = mb::process_memory();
-      nlohmann::json j;
-      j["budget_bytes"] = budget;
-      j["predicted_peak_bytes"] = predicted;
-      j["measured_peak_bytes"] = st.peak_requested;
-      j["predicted_reserved_peak_bytes"] = predicted_reserve;
-      j["measured_reserved_peak_bytes"] = st.peak_reserved;
-      // What `top` sees: the process before the trainer existed, and its peak since then.
-      j["baseline_rss_bytes"] = baseline.known ? baseline.rss : 0;
-      j["peak_rss_bytes"] = rss.known ? rss.peak_rss : 0;
-      // A sanitizer's shadow memory and quarantine are in the RSS too: the figure is not the plan's.
-#if defined(__SANITIZE_ADDRESS__)
-      j["address_sanitizer"] = true;
-#else
-      j["address_sanitizer"] = false;
-#endif
-      add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
-                     t.steps_done(), stopped_by);
-      j["foreign_bytes"] = alloc.external();
-      j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
-      j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
-                         {"emergency", thresholds.emergency}};
-      j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
-                   {"optimizer", p.optimizer},   {"activations", p.activations},
-                   {"workspace", p.workspace},   {"peak", p.peak_bytes},
-                   {"reserved_peak", p.reserved_peak},
-                   {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
-                   {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
-      j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
-                       {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
-                       {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<expandable_arena<host_virtual_memory>>>, " + std::to_string(page) + " B granules"},
-                       {"monitor", "pressure_monitor<all_check_points>"}};
-      cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n"; });
-    }
-    if (!o.trace.empty()) {
-      cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
-    }
-  };
-  try {
-    while (t.steps_done() < stop) {
-      // ">=": a run resumed past STEP takes the bytes at once, as the uninterrupted run held them.
-      if (foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= foreign.at_step) {
-        foreign_taken = true;
-        // What the arena holds beyond live blocks is nobody's: others can take it.
-        alloc.release_cached();
-        if (foreign.bytes > alloc.headroom()) {
-          throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
-                                                      mb::format_bytes(alloc.headroom(), false),
-                                     mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
-        }
-        alloc.set_external(foreign.bytes);
-        // In the trace as tag "other", so that a plot shows what the budget is shared with.
-        recorder.record_allocation(mb::memory_tag::other, foreign.bytes, nullptr);
-        bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(foreign.bytes, false) +
-                 " of the budget are now held by something else (--foreign)");
+    progress bar(o.steps);
+    const double first_eval = eval();
+    bar.note(eval_line(t.steps_done(), o, first_eval));
+    double last_loss = 0, last_eval = first_eval, total_ms = 0;
+    std::size_t tokens_done = 0, skipped = 0, replans = 0;
+    std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop
+    const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
+    bool foreign_taken = false;
+    // The report and the trace: after the run, and also for the steps that ran when an error ends
+    // it (no plan fits beside memory taken by others, another rank failed), so that what led to the
+    // error is kept.
+    const auto write_files = [&](const char* stopped_by) {
+      if (!writer) return;
+      if (!o.report.empty()) {
+        const mb::training_plan& p = t.plan();
+        const auto st = alloc.stats();
+        const std::size_t predicted = t.largest_predicted_peak();
+        const std::size_t predicted_reserve = t.largest_predicted_reserve();
+        const mb::process_memory_info rss = mb::process_memory();
+        nlohmann::json j;
+        j["budget_bytes"] = budget;
+        j["predicted_peak_bytes"] = predicted;
+        j["measured_peak_bytes"] = st.peak_requested;
+        j["predicted_reserved_peak_bytes"] = predicted_reserve;
+        j["measured_reserved_peak_bytes"] = st.peak_reserved;
+        // What `top` sees: the process before the trainer existed, and its peak since then.
+        j["baseline_rss_bytes"] = baseline.known ? baseline.rss : 0;
+        j["peak_rss_bytes"] = rss.known ? rss.peak_rss : 0;
+        // A sanitizer's shadow memory and quarantine are in the RSS too: the figure is not the plan's.
+  #if defined(__SANITIZE_ADDRESS__)
+        j["address_sanitizer"] = true;
+  #else
+        j["address_sanitizer"] = false;
+  #endif
+        add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
+                       t.steps_done(), stopped_by);
+        j["foreign_bytes"] = alloc.external();
+        j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
+        j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
+                           {"emergency", thresholds.emergency}};
+        j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
+                     {"optimizer", p.optimizer},   {"activations", p.activations},
+                     {"workspace", p.workspace},   {"peak", p.peak_bytes},
+                     {"reserved_peak", p.reserved_peak},
+                     {"peak_phase", p.peak_phase}, {"micro_batch", p.micro.batch},
+                     {"accumulation", p.accumulation}, {"schedule", p.schedule.name()}};
+        j["policies"] = {{"precision", o.precision}, {"schedule", p.schedule.name()},
+                         {"head_chunk", p.head_chunk}, {"layers", o.layers}, {"threads", o.threads},
+                         {"loss_scaling", t.loss_scaling_on()}, {"allocator", "budget<traced<expandable_arena<host_virtual_memory>>>, " + std::to_string(page) + " B granules"},
+                         {"monitor", "pressure_monitor<all_check_points>"}};
+        cli_checks::write_file("--report", o.report, [&](std::ostream& os) { os << j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n"; });
       }
-      const mb::step_result r = t.step(train_src);
-      for (const mb::replan_event& e : r.replans) {
-        bar.note(e.describe());
-        ++replans;
+      if (!o.trace.empty()) {
+        cli_checks::write_file("--trace", o.trace, [&](std::ostream& os) { recorder.write_chrome_trace(os); });
       }
-      total_ms += r.ms;
-      tokens_done += r.tokens;
-      last_loss = r.loss;
-      skipped += r.applied ? 0 : 1;
-      const auto st = alloc.stats();
-      bar.step(r, alloc.usage(), st.peak_requested, budget);
-      if (o.eval_every != 0 && r.step % o.eval_every == 0) {
-        last_eval = eval();
-        last_eval_step = r.step;
-        bar.note(eval_line(r.step, o, last_eval));
-      }
-      // --stop-after always saves where it stops, so that --resume can continue.
-      if (saver) save_if_due(t, o, r.step, stop, bar);
-      kill_if_asked(world.rank(), r.step);
-    }
-  } catch (const std::exception&) {
-    bar.finish();
-    // The error as the command line names it (no plan fits any more: --budget, and --foreign
-    // when its bytes were taken), in the report too.
+    };
     try {
-      rethrow_mid_run(o, budget, foreign_taken);
-    } catch (const std::exception& named) {
-      try {
-        write_files(named.what());
-      } catch (const std::exception& w) {
-        // The run's own error is the one to report; the files' is said beside it.
-        std::fprintf(stderr, "train: the report or trace of the steps that ran was not written: %s\n", w.what());
+      while (t.steps_done() < stop) {
+        // ">=": a run resumed past STEP takes the bytes at once, as the uninterrupted run held them.
+        if (foreign.bytes != 0 && !foreign_taken && t.steps_done() + 1 >= foreign.at_step) {
+          foreign_taken = true;
+          // What the arena holds beyond live blocks is nobody's: others can take it.
+          alloc.release_cached();
+          if (foreign.bytes > alloc.headroom()) {
+            throw mb::invalid_argument("--foreign", "at most the budget's headroom between steps, " +
+                                                        mb::format_bytes(alloc.headroom(), false),
+                                       mb::format_bytes(foreign.bytes, false), "Take less, or raise --budget");
+          }
+          alloc.set_external(foreign.bytes);
+          // In the trace as tag "other", so that a plot shows what the budget is shared with.
+          recorder.record_allocation(mb::memory_tag::other, foreign.bytes, nullptr);
+          bar.note("step " + std::to_string(t.steps_done() + 1) + ": " + mb::format_bytes(foreign.bytes, false) +
+                   " of the budget are now held by something else (--foreign)");
+        }
+        const mb::step_result r = t.step(train_src);
+        for (const mb::replan_event& e : r.replans) {
+          bar.note(e.describe());
+          ++replans;
+        }
+        total_ms += r.ms;
+        tokens_done += r.tokens;
+        last_loss = r.loss;
+        skipped += r.applied ? 0 : 1;
+        const auto st = alloc.stats();
+        bar.step(r, alloc.usage(), st.peak_requested, budget);
+        if (o.eval_every != 0 && r.step % o.eval_every == 0) {
+          last_eval = eval();
+          last_eval_step = r.step;
+          bar.note(eval_line(r.step, o, last_eval));
+        }
+        // --stop-after always saves where it stops, so that --resume can continue.
+        if (saver) save_if_due(t, o, r.step, stop, bar);
+        kill_if_asked(world.rank(), r.step);
       }
-      throw;
+    } catch (const std::exception&) {
+      bar.finish();
+      // The error as the command line names it (no plan fits any more: --budget, and --foreign
+      // when its bytes were taken), in the report too.
+      try {
+        rethrow_mid_run(o, budget, foreign_taken);
+      } catch (const std::exception& named) {
+        try {
+          write_files(named.what());
+        } catch (const std::exception& w) {
+          // The run's own error is the one to report; the files' is said beside it.
+          std::fprintf(stderr, "train: the report or trace of the steps that ran was not written: %s\n", w.what());
+        }
+        throw;
+      }
     }
-  }
-  bar.finish();
-  if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
+    bar.finish();
+    if (o.eval_every == 0 || t.steps_done() % o.eval_every != 0) last_eval = eval();
 
-  // The samples' requests are not part of the plan: give the free tail back first, so they take
-  // fresh pages below the training peak.
-  alloc.release_cached();
-  if (o.sample > 0) {
-    const std::string out = sample_text(val, o, o.seq, [&](const std::int32_t* ids, std::size_t T, double* logits) {
-      m.next_token_logits(t.weights(), ids, {1, T}, logits, alloc, pool);
-    });
-    std::printf("\nsample:\n%s\n\n", out.c_str());
-  }
+    // The samples' requests are not part of the plan: give the free tail back first, so they take
+    // fresh pages below the training peak.
+    alloc.release_cached();
+    if (o.sample > 0) {
+      const std::string out = sample_text(val, o, o.seq, [&](const std::int32_t* ids, std::size_t T, double* logits) {
+        m.next_token_logits(t.weights(), ids, {1, T}, logits, alloc, pool);
+      });
+      std::printf("\nsample:\n%s\n\n", out.c_str());
+    }
 
-  const auto st = alloc.stats();
-  const std::size_t predicted = t.largest_predicted_peak();
-  const std::size_t predicted_reserve = t.largest_predicted_reserve();
-  const mb::process_memory_info rss = mb::process_memory();
-  const bool requested_ok = st.peak_requested <= predicted && predicted <= budget;
-  const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= budget;
-  std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB: %s\n",
-              first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
-  std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
-              mib(predicted_reserve), reserve_ok ? "yes" : "NO");
-  if (rss.known && baseline.known) {
-    // Beyond the baseline and the reserve: thread stacks and the heap's own bookkeeping.
-    const double other = mib(rss.peak_rss) - mib(baseline.rss) - mib(predicted_reserve);
-    std::printf("\nprocess peak RSS %.2f MiB = baseline %.2f MiB + predicted reserve %.2f MiB %c %.2f MiB other",
-                mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), other < 0 ? '-' : '+', std::abs(other));
+    const auto st = alloc.stats();
+    const std::size_t predicted = t.largest_predicted_peak();
+    const std::size_t predicted_reserve = t.largest_predicted_reserve();
+    const mb::process_memory_info rss = mb::process_memory();
+    const bool requested_ok = st.peak_requested <= predicted && predicted <= budget;
+    const bool reserve_ok = st.peak_reserved <= predicted_reserve && predicted_reserve <= budget;
+    std::printf("eval loss %.4f -> %.4f; measured peak %.2f MiB <= predicted %.2f MiB <= budget %.2f MiB: %s\n",
+                first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
+    std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
+                mib(predicted_reserve), reserve_ok ? "yes" : "NO");
+    if (rss.known && baseline.known) {
+      // Beyond the baseline and the reserve: thread stacks and the heap's own bookkeeping.
+      const double other = mib(rss.peak_rss) - mib(baseline.rss) - mib(predicted_reserve);
+      std::printf("\nprocess peak RSS %.2f MiB = baseline %.2f MiB + predicted reserve %.2f MiB %c %.2f MiB other",
+                  mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), other < 0 ? '-' : '+', std::abs(other));
+    }
+    std::printf("\n");
+    write_files(nullptr);
+    return requested_ok && reserve_ok ? 0 : 3;
+  };
+  if (o.pack == 0) {
+    windows train_src{&train, o.seq}, val_src{&val, o.seq};
+    return train_with(train_src, val_src);
   }
-  std::printf("\n");
-  write_files(nullptr);
-  return requested_ok && reserve_ok ? 0 : 3;
+  const paragraphs train_par(train), val_par(val);
+  const mb::token_packing train_pack(train_par.lengths, o.seq, o.pack), val_pack(val_par.lengths, o.seq, o.pack);
+  if (train_pack.rows() == 0 || val_pack.rows() == 0) {
+    throw mb::invalid_argument("--data", "paragraphs of at least 2 bytes in the training text and in its last tenth",
+                               std::to_string(train_pack.rows()) + " and " + std::to_string(val_pack.rows()) +
+                                   " packed rows",
+                               "Use a text of paragraphs separated by blank lines, or leave --pack out");
+  }
+  std::printf("packed: %zu paragraphs into %zu rows of %zu tokens, at most %zu per row, %.1f%% of the tokens data "
+              "(%zu padding); validation %zu rows\n",
+              train_par.lengths.size(), train_pack.rows(), o.seq, o.pack, 100.0 * train_pack.efficiency(),
+              train_pack.padding(), val_pack.rows());
+  packed_rows train_src{&train_pack, &train_par}, val_src{&val_pack, &val_par};
+  return train_with(train_src, val_src);
 }
 
 }  // namespace
@@ -793,8 +841,13 @@ int main(int argc, char** argv) {
   flag("--seq", "1..2^20|max",
        "sequence length (default 128; 2048 on cuda); on cuda, max trains at the largest multiple of 256 that the "
        "planner fits with --batch sequences under the pressure monitor's emergency line (97% of --budget, less what "
-       "the device holds outside the stack), or under --budget when none fits there");
-  flag("--batch", "1..65536", "sequences per optimizer step (default 8)");
+       "the device holds outside the stack), or under --budget when none fits there; with --pack, max is the largest "
+       "multiple of 64 tokens per packed row that fits the same way");
+  flag("--batch", "1..65536", "sequences per optimizer step, or with --pack packed rows (default 8)");
+  flag("--pack", "1..4096",
+       "train on whole paragraphs (runs of lines between blank lines) packed into rows of --seq tokens, at most this "
+       "many per row, instead of random windows: no padding beyond each row's end, no paragraph cut unless longer "
+       "than a row; with --seq max the row is the longest that fits --budget (CPU only)");
   flag("--steps", "1..10^9", "optimizer steps (default 200)");
   flag("--precision", "fp32|bf16|fp16", "storage precision; fp16 turns on dynamic loss scaling (default fp32)");
   flag("--schedule", "SCHEDULE",

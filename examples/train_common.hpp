@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +49,7 @@ struct options {
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
   std::size_t window = 0;  // --window: W of the swa (sliding-window attention) blocks
+  std::size_t pack = 0;    // --pack S: paragraphs packed into rows of --seq tokens, at most S per row (0: windows)
   std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
   std::size_t overlap = 0;  // 1: each block's gradient exchange overlaps the next block's backward
   std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit
@@ -64,7 +66,7 @@ struct options {
   // and a device is visible, with the GPU's defaults below (apply_device_defaults).
   std::string device = "cpu";
   double budget_fraction = 0;  // --budget 0.9: that fraction of the device's memory (cuda only)
-  bool seq_max = false;        // --seq max: the longest length fit() admits under the emergency line (cuda only)
+  bool seq_max = false;        // --seq max: the longest length fit() admits under the emergency line (cuda, or --pack)
   std::size_t plan_only = 0;   // --plan-only 1: print the plan (and --seq max's length) and stop
   std::size_t accept_changes = 0;  // --resume under flags that change the run: refused (0) or taken (1)
   std::string attention_kernels = "mma";  // cuda, bf16: mma (mma.sync, the default) or wmma (the fallback)
@@ -149,6 +151,36 @@ struct windows {
       x[t] = (*text)[at + t];
       y[t] = (*text)[at + t + 1];
     }
+  }
+};
+
+// The text's paragraphs (runs of lines between blank lines), each with the new line that ends
+// it: the variable-length samples --pack trains on.
+struct paragraphs {
+  const std::vector<std::int32_t>* text;
+  std::vector<std::size_t> begin, lengths;
+  explicit paragraphs(const std::vector<std::int32_t>& t) : text(&t) {
+    const std::size_t n = t.size();
+    std::size_t i = 0;
+    while (i < n) {
+      while (i < n && t[i] == '\n') ++i;  // blank lines between paragraphs
+      if (i == n) break;
+      const std::size_t b = i;
+      while (i < n && !(t[i] == '\n' && (i + 1 == n || t[i + 1] == '\n'))) ++i;
+      if (i < n) ++i;  // the paragraph's last new line
+      begin.push_back(b);
+      lengths.push_back(i - b);
+    }
+  }
+  std::span<const std::int32_t> operator()(std::size_t k) const { return {text->data() + begin[k], lengths[k]}; }
+};
+
+// Packed rows of paragraphs (--pack): a row drawn from the trainer's generator, as windows are.
+struct packed_rows {
+  const mb::token_packing* pack;
+  const paragraphs* samples;
+  void operator()(const mb::sequence_request& r, const mb::packed_row& row) const {
+    pack->write(r.random % pack->rows(), *samples, row, '\n');
   }
 };
 

@@ -113,6 +113,7 @@ def main():
         line = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
         open(p("tiny.txt"), "w").write(line * 100)  # 8.7 KB: enough for --seq 16
         open(p("short.txt"), "w").write(line)        # too short for a tenth of validation text
+        open(p("blank.txt"), "w").write("\n" * 1000)  # long enough, but no paragraph
         open(p("other.txt"), "w").write(line.upper() * 100)  # another text of the same length
         open(p("empty.txt"), "w").close()
         open(p("corrupt.ckpt"), "wb").write(b"MBCKPT\0\1 not a checkpoint")
@@ -165,6 +166,7 @@ def main():
                            "every:99999999999999999999999", "EVERY:2", "every: 2", "", "auto "],
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
             "--window": ["0", "-1", "1048577", "x", "", "8"],  # 8: no swa block in the default --layers
+            "--pack": ["0", "-1", "4097", "x", ""],
             # Files: inputs exist, are files, readable, not empty; outputs in an existing folder.
             # A device or a pipe would be read without end, or wait for a writer forever.
             "--data": [p("missing.txt"), adir, p("empty.txt"), p("short.txt"), "", "/dev/zero", fifo],
@@ -196,6 +198,9 @@ def main():
             ("--budget", {"--device": "cpu", "--budget": "0.5"}),  # a fraction is of a GPU's memory
             ("--attention-kernels", {"--device": "cpu", "--attention-kernels": "mma"}),  # the GPU's kernels
             ("--window", {"--layers": "ttt,swa"}),                  # a sliding-window block without its window
+            ("--seq", {"--seq": "max"}),                            # max on the CPU needs --pack
+            ("--seq", {"--pack": "4", "--seq": "1"}),                # a packed row needs a token and its target
+            ("--data", {"--pack": "4", "--data": p("blank.txt")}),  # no paragraph to pack
             ("--foo", {"+": ["--foo", "1"]}),
             ("--width", {"--width": None, "+": ["--width"]}),      # no value
             ("--steps", {"+": ["--steps", "3"]}),                   # given twice
@@ -203,6 +208,8 @@ def main():
             c.refuse(train, base, flag, change)
         if not os.path.exists("/dev/nvidia0"):  # no GPU here: --device cuda is refused, naming the flag
             c.refuse(train, base, "--device", {"--device": "cuda"})
+        else:  # packed sequences run on the CPU so far
+            c.refuse(train, base, "--pack", {"--device": "cuda", "--pack": "4"})
 
         # Valid edge cases still run, and sizes arrive in the report exactly.
         def report_says(**want):
@@ -223,6 +230,8 @@ def main():
         c.accept(train, base, {"--optimizer": "adamw8bit", "--precision": "bf16"})
         c.accept(train, base, {"--layers": "swa,attn,swa", "--window": "4"})  # local and global layers
         c.accept(train, base, {"--layers": "swa", "--window": "1048576"})    # a window past the sequence
+        c.accept(train, base, {"--pack": "3", "--eval-every": "1"})           # paragraphs packed into rows
+        c.accept(train, base, {"--pack": "4096", "--seq": "max", "--steps": "1"})  # the longest row that fits
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
         # One process exchanges nothing: --overlap 1 is refused by name at every stage, never ignored.

@@ -238,10 +238,12 @@ struct training_plan {
       std::snprintf(line, sizeof line, "  %-22s %14s  %s\n", what, format_bytes(bytes, false).c_str(), note);
       s += line;
     };
+    char packing[64] = "";
+    if (micro.packed()) std::snprintf(packing, sizeof packing, " (packed: at most %zu sequences)", micro.sequences);
     std::snprintf(line, sizeof line,
-                  "plan: micro-batch %zu x %zu tokens, %zu micro-batch%s per step, schedule %s, "
+                  "plan: micro-batch %zu x %zu tokens%s, %zu micro-batch%s per step, schedule %s, "
                   "logit chunk %zu, %zu thread%s\n",
-                  micro.batch, micro.seq, accumulation, accumulation == 1 ? "" : "es",
+                  micro.batch, micro.seq, packing, accumulation, accumulation == 1 ? "" : "es",
                   schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
     s += line;
     row("weights", weights, "");
