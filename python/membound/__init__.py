@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 from . import _core
 from ._errors import BudgetTooSmall, InvalidArgument, OutOfMemory, invalid
 
-__all__ = ["Model", "Plan", "plan", "fit", "parse_size", "InvalidArgument", "BudgetTooSmall",
+__all__ = ["Model", "Plan", "plan", "fit", "fit_tokens", "parse_size", "InvalidArgument", "BudgetTooSmall",
            "OutOfMemory", "__version__"]
 
 __version__: str = _core.version()
@@ -148,6 +148,7 @@ class Plan:
 
     micro_batch: int
     seq: int
+    sequences: int
     accumulation: int
     schedule: str
     head_chunk: int
@@ -180,7 +181,7 @@ class Plan:
 
 
 def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precision: str,
-             allocator: Optional[str], optimizer: str, threads: int) -> _core.Request:
+             allocator: Optional[str], optimizer: str, threads: int, sequences: int = 0) -> _core.Request:
     if not isinstance(model, Model):
         raise invalid("model", "a membound.Model", model, 'e.g. membound.Model(layers=["ttt", "attn"], width=256, heads=4)')
     r = _core.Request()
@@ -189,6 +190,7 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     r.kv_heads, r.mlp_hidden, r.window = model.kv_heads, model.mlp_hidden, model.window
     r.batch = _whole("batch", batch, 1, 1 << 16, "batch=8")
     r.seq = _whole("seq", seq, 1, 1 << 20, "seq=2048")
+    r.sequences = _whole("sequences", sequences, 0, 1 << 20, "sequences=16")
     r.budget = 0 if budget is None else parse_size(budget, "budget")
     r.precision = _one_of("precision", precision, PRECISIONS)
     if allocator is None:  # the trainer's stack under a budget; requested bytes without one
@@ -204,7 +206,8 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
 
 def _plan(r: _core.Request) -> Plan:
     p = _core.make_plan(r)
-    return Plan(micro_batch=p.micro_batch, seq=p.seq, accumulation=p.accumulation, schedule=p.schedule,
+    return Plan(micro_batch=p.micro_batch, seq=p.seq, sequences=p.sequences, accumulation=p.accumulation,
+                schedule=p.schedule,
                 head_chunk=p.head_chunk, threads=p.threads, weights=p.weights, gradients=p.gradients,
                 optimizer=p.optimizer, optimizer_policy=p.optimizer_policy, activations=p.activations,
                 workspace=p.workspace, peak_bytes=p.peak_bytes, reserved_peak=p.reserved_peak,
@@ -215,10 +218,13 @@ def _plan(r: _core.Request) -> Plan:
 
 def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "fp32",
         allocator: Optional[str] = None, optimizer: str = "adamw", threads: int = 1,
-        head_chunks: Sequence[int] = (256, 64), prefer_below: Union[Size, float, None] = None) -> Plan:
+        head_chunks: Sequence[int] = (256, 64), prefer_below: Union[Size, float, None] = None,
+        sequences: int = 0) -> Plan:
     """The plan with the least recompute whose peak fits `budget`: the micro-batch (dividing
     `batch`; gradient accumulation keeps the effective batch), the recompute schedule and the
-    logit chunk. allocator: the stack whose reserve the plan counts ("arena", the default: one
+    logit chunk. sequences > 0: `batch` packed rows of `seq` tokens, each holding at most that many
+    variable-length sequences end to end (one row per micro-batch; the plan holds for any packing
+    of them, as the example trainer's --pack). allocator: the stack whose reserve the plan counts ("arena", the default: one
     expandable range at page granularity, the example trainer's; "caching": a PyTorch-style
     caching allocator; "none": requested bytes only); host stacks for now. prefer_below: a line under
     the budget to stay under when some plan can, a size or a fraction of the budget (0.97 is the
@@ -227,7 +233,31 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
     if budget is None:
         raise invalid("budget", "a size: fit chooses the plan that fits it", budget,
                       'e.g. budget="24GiB"; membound.plan states the peak of one schedule without a budget')
-    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads)
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences)
+    _fit_fields(r, head_chunks, prefer_below)
+    return _plan(r)
+
+
+def fit_tokens(model: Model, *, max_tokens: int, sequences: int, budget: Size, batch: int = 1,
+               multiple: int = 64, precision: str = "fp32", allocator: Optional[str] = None,
+               optimizer: str = "adamw", threads: int = 1, head_chunks: Sequence[int] = (256, 64),
+               prefer_below: Union[Size, float, None] = None) -> Plan:
+    """The plan for the most tokens per packed row that fit `budget`: rows of N tokens (a multiple
+    of `multiple`, at most max_tokens) holding at most `sequences` sequences each, N chosen under
+    prefer_below when some row fits there, else under the budget; then fit's plan for `batch` such
+    rows (plan.seq is N). With prefer_below=0.97 it is `train --pack S --seq max --plan-only 1`'s.
+    Raises BudgetTooSmall when not even a row of `multiple` tokens fits."""
+    if budget is None:
+        raise invalid("budget", "a size: fit_tokens chooses the row that fits it", budget, 'e.g. budget="24GiB"')
+    r = _request(model, batch, 1, budget, precision, allocator, optimizer, threads,
+                 _whole("sequences", sequences, 1, 1 << 20, "sequences=16"))
+    r.max_tokens = _whole("max_tokens", max_tokens, 1, 1 << 20, "max_tokens=65536")
+    r.multiple = _whole("multiple", multiple, 1, r.max_tokens, "multiple=64 (at most max_tokens)")
+    _fit_fields(r, head_chunks, prefer_below)
+    return _plan(r)
+
+
+def _fit_fields(r: _core.Request, head_chunks: Sequence[int], prefer_below: Union[Size, float, None]) -> None:
     if isinstance(head_chunks, (str, bytes)) or not isinstance(head_chunks, Sequence) or len(head_chunks) == 0:
         raise invalid("head_chunks", "a non-empty list of logit rows per chunk", head_chunks, "e.g. head_chunks=(256, 64)")
     r.head_chunks = [_whole("head_chunks", c, 1, 1 << 24, "head_chunks=(256, 64)") for c in head_chunks]
@@ -242,7 +272,6 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
     elif prefer_below is not None:
         r.prefer_below = parse_size(prefer_below, "prefer_below")
     r.schedule = "auto"
-    return _plan(r)
 
 
 _SCHEDULE = re.compile(r"(none|full)|(every|binomial):(\d+)")
@@ -250,12 +279,15 @@ _SCHEDULE = re.compile(r"(none|full)|(every|binomial):(\d+)")
 
 def plan(model: Model, *, batch: int, seq: int, schedule: str = "none", budget: Optional[Size] = None,
          precision: str = "fp32", allocator: Optional[str] = None, optimizer: str = "adamw",
-         threads: int = 1, head_chunk: int = 256) -> Plan:
+         threads: int = 1, head_chunk: int = 256, sequences: int = 0) -> Plan:
     """The plan of one fixed schedule for the whole batch in one micro-batch: "none" (keep every
     block's activations), "full" (recompute every block), "every:K" (keep every K-th block's
     input), "binomial:S" (Griewank's S slots). With a budget, raises BudgetTooSmall when the
-    plan does not fit it; without one, only states the peak (allocator "none")."""
-    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads)
+    plan does not fit it; without one, only states the peak (allocator "none"). sequences > 0:
+    one packed row (batch 1) of `seq` tokens holding at most that many sequences."""
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences)
+    if r.sequences != 0 and r.batch != 1:
+        raise invalid("batch", "1 with sequences (one packed row; fit plans several)", batch, "e.g. batch=1")
     m = _SCHEDULE.fullmatch(schedule) if isinstance(schedule, str) else None
     depth = len(model.layers)
     if m is None:

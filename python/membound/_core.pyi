@@ -12,6 +12,9 @@ class Request:
     window: int
     batch: int
     seq: int
+    sequences: int
+    max_tokens: int
+    multiple: int
     budget: int
     threads: int
     prefer_below: int
@@ -36,6 +39,8 @@ class PlanResult:
     def micro_batch(self) -> int: ...
     @property
     def seq(self) -> int: ...
+    @property
+    def sequences(self) -> int: ...
     @property
     def accumulation(self) -> int: ...
     @property

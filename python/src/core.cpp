@@ -34,6 +34,9 @@ struct request {
   std::vector<std::string> layers;
   std::size_t vocab = 256, width = 0, heads = 0, kv_heads = 0, mlp_hidden = 0, window = 0;
   std::size_t batch = 1, seq = 1, budget = 0, threads = 1, prefer_below = 0;
+  std::size_t sequences = 0;    // packed rows: at most this many sequences per row of seq tokens
+  std::size_t max_tokens = 0;   // fit_tokens: the row length is chosen up to this (seq is ignored)
+  std::size_t multiple = 64;    // fit_tokens: the row length's step
   std::string precision = "fp32";  // fp32 | bf16 | fp16
   std::string allocator = "arena";  // arena | caching | none
   std::string optimizer = "adamw";  // adamw | adamw8bit | none
@@ -97,7 +100,7 @@ plan_result plan_for(const request& r) {
   cfg.mlp_hidden = r.mlp_hidden;
   cfg.attention_window = r.window;
   const net m(cfg, pattern);
-  const mb::batch_shape batch{r.batch, r.seq};
+  mb::batch_shape batch{r.batch, r.seq, r.sequences};
   const bool count_optimizer = r.optimizer != "none";
   plan_result out = with_reserve(m, r, [&](const mb::reserve_function& reserve) {
     plan_result o;
@@ -108,6 +111,17 @@ plan_result plan_for(const request& r) {
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       fo.head_chunks = r.head_chunks;
       fo.reserve = reserve;
+      if (r.max_tokens != 0) {
+        // As the example trainer's --pack with --seq max: the longest row under the line when one
+        // fits there, else under the budget; then fit's plan for the batch of such rows.
+        mb::fit_options rows = fo;
+        try {
+          if (r.prefer_below == 0) throw mb::budget_too_small(r.budget, 0);
+          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple).micro.seq;
+        } catch (const mb::budget_too_small&) {
+          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple).micro.seq;
+        }
+      }
       fo.prefer_below = r.prefer_below;
       o.plan = mb::fit(m, batch, r.budget, fo);
     } else {
@@ -184,6 +198,9 @@ NB_MODULE(_core, m) {
       .def_rw("window", &request::window)
       .def_rw("batch", &request::batch)
       .def_rw("seq", &request::seq)
+      .def_rw("sequences", &request::sequences)
+      .def_rw("max_tokens", &request::max_tokens)
+      .def_rw("multiple", &request::multiple)
       .def_rw("budget", &request::budget)
       .def_rw("threads", &request::threads)
       .def_rw("prefer_below", &request::prefer_below)
@@ -200,6 +217,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("parameters", [](const plan_result& r) { return r.parameters; })
       .def_prop_ro("micro_batch", [](const plan_result& r) { return r.plan.micro.batch; })
       .def_prop_ro("seq", [](const plan_result& r) { return r.plan.micro.seq; })
+      .def_prop_ro("sequences", [](const plan_result& r) { return r.plan.micro.sequences; })
       .def_prop_ro("accumulation", [](const plan_result& r) { return r.plan.accumulation; })
       .def_prop_ro("schedule", [](const plan_result& r) { return r.plan.schedule.name(); })
       .def_prop_ro("head_chunk", [](const plan_result& r) { return r.plan.head_chunk; })

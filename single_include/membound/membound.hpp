@@ -15563,7 +15563,8 @@ class model {
   // tokens and targets: [B, T] ids. Gradients accumulate into g (zero them per optimizer step).
   // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
   // Returns the mean cross-entropy over the micro-batch's targets other than ignore_target (on
-  // cuda_backend over every position: see counted_targets). A packed b (b.sequences, with
+  // cuda_backend over every position, see counted_targets; the trainer corrects it from its host
+  // copy of the targets). A packed b (b.sequences, with
   // b.offsets set for this micro-batch: one row of sequences end to end) runs every block on its
   // sequences alone; give each sequence's last token ignore_target so that no loss crosses a
   // boundary. On any exception every byte this call
@@ -19283,8 +19284,9 @@ class trainer {
         random_state h{seed ^ (0xd1b54a32d192ed03ULL * (k + j + 1))};
         return sequence_request{k + j, h.next()};
       });
-      sum += static_cast<double>(b) * m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
-                                              plan_.head_chunk, alloc_, ex_);
+      sum += static_cast<double>(b) * mean_fix() *
+             m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}), plan_.head_chunk,
+                     alloc_, ex_);
     }
     return sum / static_cast<double>(sequences);
   }
@@ -20230,6 +20232,15 @@ class trainer {
                              "Pass the source that fills the rows the effective batch_shape describes");
     }
   }
+  // The model's mean divides by the targets it can read as counted (Model::counted_targets: on a
+  // device, where it reads no ids, every position). This factor, from the host copy of the staged
+  // targets, makes it the mean over the counted ones (those not ignore_target) on every backend:
+  // exactly 1 on the host, and wherever no target is ignored.
+  double mean_fix() const noexcept {
+    std::size_t counted = 0;
+    for (const std::int32_t t : y_) counted += t != ignore_target ? 1 : 0;
+    return Model::counted_targets(targets_in(), y_.size()) / static_cast<double>(counted == 0 ? 1 : counted);
+  }
   // A micro-batch's shape with the offsets of the row fill() staged (packed rows).
   batch_shape micro_in(batch_shape b) const noexcept {
     if (b.packed()) b.offsets = offsets_.data();
@@ -20323,6 +20334,7 @@ class trainer {
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
       const batch_shape shape = micro_in(plan_.micro);
+      const double mean = mean_fix();
       auto observer = [&](check_point p) {
         switch (p) {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
@@ -20336,15 +20348,16 @@ class trainer {
       };
       const auto routed = [&](auto& router) {
         return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
-                                          plan_.head_chunk, scale / accum, alloc_, ex_, observer);
+                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer);
       };
       if (zero2()) {
-        loss += exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
+        loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
       } else if (backward_exchanges_) {
-        loss += exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
+        loss += mean * exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
       } else {
-        loss += m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
-                                    scale / accum, alloc_, ex_, observer) /
+        loss += mean *
+                m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
+                                    scale * mean / accum, alloc_, ex_, observer) /
                 accum;
       }
     }

@@ -22,6 +22,8 @@ BAD = {
     "bench_gemm": [("--threads", ["--threads", "0"]), ("--min-threads", ["--min-threads", "4", "--threads", "2"]),
                    ("--filter", ["--filter"])],
     "bench_data_parallel": [("STEPS", ["abc"]), ("STEPS", ["0"]), ("--bogus", ["5", "--bogus"])],
+    "bench_packing": [("--tokens", ["--tokens", "1"]), ("--sequences", ["--sequences", "0"]),
+                      ("--data", ["--data"]), ("--bogus", ["--bogus"])],
     # Google Benchmark's programs (bench/benchmark_main.hpp): its --benchmark_* flags go to it,
     # anything else is refused by name before a benchmark runs (no GPU needed to be refused).
     "bench_cuda_model": [("--attention-kernels", ["--attention-kernels=simt"]),

@@ -87,6 +87,24 @@ def test_local_attention_table_equals_the_cpp_trainers():
     assert got.peak_bytes == full.peak_bytes and got.forward_flops < full.forward_flops
 
 
+@needs_train
+def test_packed_rows_table_equals_the_cpp_trainers():
+    """Packed rows: the tables of `train --pack 16 --seq 256` and of `--seq max` (the longest row
+    fit_tokens admits under the emergency line)."""
+    args = ["--width", "128", "--heads", "4", "--batch", "4", "--budget", "32MiB", "--threads", "2", "--pack", "16"]
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
+    got = membound.fit(model, batch=4, seq=256, sequences=16, budget="32MiB", threads=2, prefer_below=0.97)
+    assert str(got) == trainer_table(args + ["--seq", "256"])
+    assert got.micro_batch == 1 and got.accumulation == 4 and got.sequences == 16
+    longest = membound.fit_tokens(model, max_tokens=65536, sequences=16, batch=4, budget="32MiB", threads=2,
+                                  prefer_below=0.97)
+    assert str(longest) == trainer_table(args + ["--seq", "max"])
+    assert longest.seq % 64 == 0 and longest.seq > 256 and longest.fits
+    # One row of 64 more tokens no longer fits under the line.
+    with pytest.raises(membound.BudgetTooSmall):
+        membound.fit(model, batch=1, seq=longest.seq + 64, sequences=16, budget=emergency_line(32 << 20), threads=2)
+
+
 def test_plan_fields_add_up():
     model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
     p = membound.fit(model, batch=8, seq=128, budget="24MiB", threads=2)
@@ -163,6 +181,12 @@ MODEL = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
     (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", threads=0), "threads"),
     (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", head_chunks=()), "head_chunks"),
     (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", prefer_below="1.5B"), "prefer_below"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", sequences=-1), "sequences"),
+    (lambda: membound.plan(MODEL, batch=2, seq=64, sequences=4), "batch"),
+    (lambda: membound.fit_tokens(MODEL, max_tokens=0, sequences=4, budget="1GiB"), "max_tokens"),
+    (lambda: membound.fit_tokens(MODEL, max_tokens=256, sequences=0, budget="1GiB"), "sequences"),
+    (lambda: membound.fit_tokens(MODEL, max_tokens=256, sequences=4, budget="1GiB", multiple=512), "multiple"),
+    (lambda: membound.fit_tokens(MODEL, max_tokens=256, sequences=4, budget=None), "budget"),
     (lambda: membound.plan(MODEL, batch=2, seq=64, schedule="every:3"), "schedule"),
     (lambda: membound.plan(MODEL, batch=2, seq=64, schedule="sqrt"), "schedule"),
     (lambda: membound.plan(MODEL, batch=2, seq=64, allocator="caching"), "budget"),

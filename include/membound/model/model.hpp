@@ -419,7 +419,8 @@ class model {
   // tokens and targets: [B, T] ids. Gradients accumulate into g (zero them per optimizer step).
   // loss_scale multiplies the mean loss's gradient (1/accumulation for gradient accumulation).
   // Returns the mean cross-entropy over the micro-batch's targets other than ignore_target (on
-  // cuda_backend over every position: see counted_targets). A packed b (b.sequences, with
+  // cuda_backend over every position, see counted_targets; the trainer corrects it from its host
+  // copy of the targets). A packed b (b.sequences, with
   // b.offsets set for this micro-batch: one row of sequences end to end) runs every block on its
   // sequences alone; give each sequence's last token ignore_target so that no loss crosses a
   // boundary. On any exception every byte this call
