@@ -13,12 +13,14 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -186,7 +188,8 @@ options checked_options(const flag_texts& f) {
                                           : "This build has no CUDA (nvcc was not found at configure time): configure "
                                             "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
   }
-  o.device = device == "auto" ? (gpu ? "cuda" : "cpu") : device;
+  // auto picks the CPU for --pack: packed sequences run on the CPU backend so far.
+  o.device = device == "auto" ? (gpu && !f.given("--pack") ? "cuda" : "cpu") : device;
   if (o.device == "cuda") apply_device_defaults(o);
   const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,
                          const std::string& bound = {}) {
@@ -571,13 +574,23 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
   // --pack with --seq max: the most tokens per packed row (a multiple of 64) that a plan fits under
   // the emergency line, or under the budget when none does (as the device run's --seq max).
   if (o.pack != 0 && o.seq_max) {
+    // No longer than the --pack longest training paragraphs end to end (a longer row could only
+    // hold padding), a multiple of 64 from 64 to 65536.
+    std::vector<std::size_t> longest = paragraphs(std::vector<std::int32_t>(
+                                                      text.begin(), text.begin() + static_cast<std::ptrdiff_t>(text.size() * 9 / 10)))
+                                           .lengths;
+    std::sort(longest.begin(), longest.end(), std::greater<>());
+    std::size_t most = 0;
+    for (std::size_t k = 0; k < std::min(o.pack, longest.size()); ++k) most += longest[k];
+    most = std::clamp<std::size_t>((most + 63) / 64 * 64, 64, 65536);
     o.seq = under_flags(o, [&] {
       mb::fit_options fo = fit_opts();
       fo.prefer_below = 0;
+      const std::size_t rows = o.batch / N;  // each rank's rows per step
       try {
-        return mb::fit_tokens(m, 65536, o.pack, emergency_line(budget), fo, 64).micro.seq;
+        return mb::fit_tokens(m, most, o.pack, emergency_line(budget), fo, 64, rows).micro.seq;
       } catch (const mb::budget_too_small&) {
-        return mb::fit_tokens(m, 65536, o.pack, budget, fo, 64).micro.seq;
+        return mb::fit_tokens(m, most, o.pack, budget, fo, 64, rows).micro.seq;
       }
     });
     std::printf("--seq max: %zu tokens per packed row, at most %zu paragraphs each (the most that fit)\n", o.seq,

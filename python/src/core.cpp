@@ -116,10 +116,12 @@ plan_result plan_for(const request& r) {
         // fits there, else under the budget; then fit's plan for the batch of such rows.
         mb::fit_options rows = fo;
         try {
-          if (r.prefer_below == 0) throw mb::budget_too_small(r.budget, 0);
-          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple).micro.seq;
+          // A line at or above the budget is none (as fit ignores it).
+          if (r.prefer_below == 0 || r.prefer_below >= r.budget) throw mb::budget_too_small(r.budget, 0);
+          batch.seq =
+              mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple, r.batch).micro.seq;
         } catch (const mb::budget_too_small&) {
-          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple).micro.seq;
+          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, r.batch).micro.seq;
         }
       }
       fo.prefer_below = r.prefer_below;

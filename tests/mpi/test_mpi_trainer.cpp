@@ -341,9 +341,10 @@ int main(int argc, char** argv) {
   // Communication per step under ZeRO-1, exactly: the gradient reduce-scatter sends every other
   // rank its shard (4·(n − s) bytes), the weight all-gather this rank's shard to every other rank
   // (4·s·(N − 1)): 2·(N − 1)/N·4n together when N divides n, as ZeRO-0's all-reduce. Then 8·(N − 1)
-  // for the shards' sums of squares and the loss's all-reduce (8 to rank 0, or 8·(N − 1) from it).
+  // for the shards' sums of squares, and the all-reduces of the loss and of the step's counted
+  // targets (8 each to rank 0, or 8·(N − 1) each from it).
   const std::uint64_t s = shard.size();
-  const std::uint64_t per_step = N == 1 ? 0 : 4 * (n - s) + 4 * s * (N - 1) + 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+  const std::uint64_t per_step = N == 1 ? 0 : 4 * (n - s) + 4 * s * (N - 1) + 8 * (N - 1) + (me == 0 ? 16 * (N - 1) : 16);
   check(zero1.bytes_sent == steps * per_step, "ZeRO-1: bytes sent " + std::to_string(zero1.bytes_sent) + " == " +
                                                    std::to_string(steps) + " x " + std::to_string(per_step));
   if (me == 0) {
@@ -356,7 +357,8 @@ int main(int argc, char** argv) {
 
   // Over a split communicator (data and control apart, as nccl_communicator): the plain
   // communicator's bits under ZeRO-0 and ZeRO-1; the data communicator carries exactly the
-  // gradients' reduce-scatter and the weights' all-gather, control() the norm's and loss's doubles.
+  // gradients' reduce-scatter and the weights' all-gather, control() the norm's, the loss's and the
+  // counted targets' doubles.
   {
     split_comm<float> split;
     const run s0 = data_parallel(m, split);
@@ -368,13 +370,14 @@ int main(int argc, char** argv) {
               s1.peak == zero1.peak && s1.peak == s1.predicted,
           "split communicator, ZeRO-1: the plain communicator's losses, weights, optimizer state and peak");
     const std::uint64_t data_step = N == 1 ? 0 : 4 * (n - s) + 4 * s * (N - 1);
-    const std::uint64_t control_step = N == 1 ? 0 : 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+    const std::uint64_t control_step = N == 1 ? 0 : 8 * (N - 1) + (me == 0 ? 16 * (N - 1) : 16);
     check(s1.bytes_sent == steps * data_step && s1.control_sent == steps * control_step,
           "split communicator, ZeRO-1: data bytes " + std::to_string(s1.bytes_sent) + " == " +
               std::to_string(steps * data_step) + ", control bytes " + std::to_string(s1.control_sent) + " == " +
               std::to_string(steps * control_step));
-    check(s0.control_sent == steps * (N == 1 ? 0 : (me == 0 ? 8 * (N - 1) : 8)),
-          "split communicator, ZeRO-0: control() carries only the loss (" + std::to_string(s0.control_sent) + " bytes)");
+    check(s0.control_sent == steps * (N == 1 ? 0 : (me == 0 ? 16 * (N - 1) : 16)),
+          "split communicator, ZeRO-0: control() carries only the loss and the counted targets (" +
+              std::to_string(s0.control_sent) + " bytes)");
   }
 
   // ZeRO-2 against ZeRO-0 and ZeRO-1.
@@ -399,7 +402,7 @@ int main(int argc, char** argv) {
     // (4·s·(N − 1)), the norm's and loss's doubles as under ZeRO-1.
     const std::uint64_t s2 = shard.size();
     const std::uint64_t per_step2 =
-        N == 1 ? 0 : A * 4 * (n - s2) + 4 * s2 * (N - 1) + 8 * (N - 1) + (me == 0 ? 8 * (N - 1) : 8);
+        N == 1 ? 0 : A * 4 * (n - s2) + 4 * s2 * (N - 1) + 8 * (N - 1) + (me == 0 ? 16 * (N - 1) : 16);
     check(zero2.bytes_sent == steps * per_step2, "ZeRO-2: bytes sent " + std::to_string(zero2.bytes_sent) + " == " +
                                                      std::to_string(steps) + " x " + std::to_string(per_step2));
     double gap_all = 0;

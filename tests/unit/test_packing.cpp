@@ -215,6 +215,64 @@ TEST_CASE("trainer: packed rows run within the plan, learn, resume bit for bit; 
   }
 }
 
+// A step's loss and gradients are the mean over every counted target of the step, not a mean of
+// the rows' means: a row that is mostly padding weighs by its few targets (as one batch of the
+// same tokens would).
+TEST_CASE("trainer: packed rows weigh by their counted targets") {
+  using P = mb::fp32_precision;
+  const membound_test::hybrid<P> m(membound_test::small_config());
+  // Row 0 full of long samples, row 1 nearly empty: a 3-token sample in a row of 48.
+  std::vector<std::vector<std::int32_t>> samples = make_samples(60, 40, 40, 9);
+  samples.push_back({3, 4, 5});
+  const mb::token_packing pack(lengths_of(samples), 48, 1);  // one sample per row
+  std::size_t small_row = pack.rows();
+  for (std::size_t r = 0; r < pack.rows(); ++r)
+    if (pack.row(r)[0].length == 3) small_row = r;
+  REQUIRE(small_row < pack.rows());
+  // Requests 0 and 1 take row 0 and the small row.
+  auto src = [&](const mb::sequence_request& q, const mb::packed_row& row) {
+    pack.write(q.index == 0 ? 0 : small_row, [&](std::size_t i) { return std::span<const std::int32_t>(samples[i]); },
+               row);
+  };
+  const mb::batch_shape eff{2, 48, 1};
+  mb::fit_options fo;
+  fo.threads = 1;
+  fo.head_chunks = {64};
+  mb::trainer_options o;
+  o.seed = 3;
+  o.clip = 0;
+  mb::thread_pool pool(1);
+  mb::budget_allocator<mb::system_allocator> a(1ull << 30);
+  mb::trainer t(m, eff, mb::fit(m, eff, 1ull << 30, fo), a, pool, o);
+  // The expected mean, from each row alone with the same starting weights.
+  std::vector<float> w(m.parameter_elements()), g(w.size(), 0.0f);
+  m.init_weights(w.data(), o.seed);
+  double loss_sum = 0, counted = 0, mean_of_means = 0;
+  std::vector<std::vector<std::int32_t>> x(2, std::vector<std::int32_t>(48)), y = x, off(2, std::vector<std::int32_t>(2));
+  for (std::size_t k = 0; k < 2; ++k) {
+    src(mb::sequence_request{k, 0}, mb::packed_row{x[k].data(), y[k].data(), off[k].data(), 48, 1});
+    const double c = static_cast<double>(std::count_if(y[k].begin(), y[k].end(), [](std::int32_t v) { return v != mb::ignore_target; }));
+    const double l = m.loss(w.data(), x[k].data(), y[k].data(), mb::batch_shape{1, 48, 1, off[k].data()}, 64, a, pool);
+    loss_sum += c * l;
+    counted += c;
+    mean_of_means += l / 2;
+  }
+  for (std::size_t k = 0; k < 2; ++k) {
+    const double c = static_cast<double>(std::count_if(y[k].begin(), y[k].end(), [](std::int32_t v) { return v != mb::ignore_target; }));
+    const mb::training_plan p = mb::make_plan(m, mb::batch_shape{1, 48, 1}, mb::schedules::none{}, {});
+    (void)m.forward_backward(w.data(), g.data(), x[k].data(), y[k].data(), mb::batch_shape{1, 48, 1, off[k].data()},
+                             p.ops, 64, c / counted, a, pool);
+  }
+  double norm = 0;
+  for (const float v : g) norm += static_cast<double>(v) * v;
+  const mb::step_result r = t.step(src);
+  // fp32: the same terms summed in another order (1e-6 relative).
+  CHECK(r.loss == doctest::Approx(loss_sum / counted).epsilon(1e-6));
+  CHECK(r.grad_norm == doctest::Approx(std::sqrt(norm)).epsilon(1e-5));
+  // The weighting matters here: a mean of the two rows' means is far off.
+  CHECK(std::abs(mean_of_means - loss_sum / counted) > 1e-3 * std::abs(loss_sum / counted));
+}
+
 // fit_tokens bisects over the row length; a scan over every length gives the same answer (the
 // peak grows with the tokens), and below the least row's peak it names that peak.
 TEST_CASE("fit_tokens: the most tokens per row that fit, as a scan finds them") {

@@ -46,7 +46,10 @@ struct batch_shape {
   }
   // The shape one step runs: the batch itself, or one packed row of it (a step runs packed rows
   // one at a time; an effective batch of `batch` packed rows accumulates over them).
-  constexpr batch_shape row() const noexcept { return packed() ? batch_shape{1, seq, sequences, offsets} : *this; }
+  // (A batch of 0 rows stays 0, so that checks refuse it.)
+  constexpr batch_shape row() const noexcept {
+    return packed() ? batch_shape{batch == 0 ? 0 : std::size_t{1}, seq, sequences, offsets} : *this;
+  }
 };
 
 // How a parameter tensor starts. Each rule is the one its layer's reference uses.

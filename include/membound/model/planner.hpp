@@ -701,9 +701,10 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   return best;
 }
 
-// The plan for the most packed tokens per micro-batch that fits `budget`: one row of N tokens
-// holding at most `sequences` sequences (batch_shape{1, N, min(sequences, N)}), N a multiple of
-// `multiple` up to max_tokens, chosen as fit would choose each row's plan. Its sizes are those of
+// The plan for the most packed tokens per micro-batch that fits `budget`: `rows` rows per step
+// (one per micro-batch) of N tokens holding at most `sequences` sequences each
+// (batch_shape{rows, N, min(sequences, N)}), N a multiple of `multiple` up to max_tokens, chosen
+// as fit would choose each row length's plan. Its sizes are those of
 // the worst packing of N tokens into that many sequences, so any batch of at most N tokens in at
 // most `sequences` sequences (padded to N) runs within them. Every plan's peak grows with N, so
 // the largest N is found by bisection (O(log max_tokens) fits). Throws budget_too_small, naming
@@ -711,7 +712,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
 // multiple of 0, or above max_tokens.
 template <typename Model>
 training_plan fit_tokens(const Model& m, std::size_t max_tokens, std::size_t sequences, std::size_t budget,
-                         const fit_options& fo = {}, std::size_t multiple = 1) {
+                         const fit_options& fo = {}, std::size_t multiple = 1, std::size_t rows = 1) {
   if (multiple == 0 || multiple > max_tokens) {
     throw invalid_argument("multiple", "between 1 and max_tokens (" + std::to_string(max_tokens) + ")",
                            std::to_string(multiple), "Ask for rows of a whole number of tokens up to max_tokens");
@@ -719,9 +720,10 @@ training_plan fit_tokens(const Model& m, std::size_t max_tokens, std::size_t seq
   if (sequences == 0) {
     throw invalid_argument("sequences", "at least 1 per row", "0", "Give the most sequences a row may hold");
   }
+  if (rows == 0) throw invalid_argument("rows", "at least 1 per step", "0", "Plan one or more rows per step");
   const auto row = [&](std::size_t k) {  // k multiples of `multiple`
     const std::size_t n = k * multiple;
-    return batch_shape{1, n, std::min(sequences, n)};
+    return batch_shape{rows, n, std::min(sequences, n)};
   };
   training_plan best = fit(m, row(1), budget, fo);  // throws budget_too_small when nothing fits
   std::size_t lo = 1, hi = max_tokens / multiple;    // row(lo) fits; find the last k that does

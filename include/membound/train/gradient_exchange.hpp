@@ -212,7 +212,7 @@ class gradient_exchange {
   // exchange goes in buckets whose workspace fits `headroom`, the bytes between the step's
   // predicted peak and the trainer's own: every activation is gone by now, so the exchange never
   // raises the peak the plan predicted.
-  double exchange(S* g, double loss, std::size_t headroom) {
+  double exchange(S* g, double loss, std::size_t headroom, double* counted = nullptr) {
     detail::need_pointer(g, "g");
     if constexpr (summable<S>) {
       if (zero2() || whole_overlapped()) {
@@ -222,8 +222,10 @@ class gradient_exchange {
       } else {
         exchange_all(g, headroom);
       }
-      // The loss: one double, through a buffer made once before step 1 (a few dozen bytes).
+      // The loss, then the counted targets when given (summed over ranks into *counted): one
+      // double each, through a buffer made once before step 1 (a few dozen bytes).
       detail::control_of(comm_).all_reduce_sum(&loss, 1, loss_ws_.data(), loss_ws_.size());
+      if (counted != nullptr) detail::control_of(comm_).all_reduce_sum(counted, 1, loss_ws_.data(), loss_ws_.size());
       return loss;
     } else {
       return loss;  // the trainer refuses more than one rank

@@ -354,7 +354,11 @@ class trainer {
     }
 
     const double scaled_norm = exchange_->gradient_norm(g_, sb_, step_tokens());
-    r.grad_norm = scaled_norm / scale;
+    // The gradients are scale times the sum over tokens divided by every position: unscaled by
+    // scale / counted_ratio_, they are the mean over the counted targets (scale itself when none
+    // is ignored).
+    const double unscale = scale / counted_ratio_;
+    r.grad_norm = scaled_norm / unscale;
     r.lr = o_.lr(steps_);
     if (scaling_) {
       r.applied = scaler_.update(scaled_norm);
@@ -363,7 +367,7 @@ class trainer {
       throw non_finite_gradient(r.step, r.loss, scaled_norm);
     }
     if (r.applied) {
-      const double gs = clip_factor(r.grad_norm, o_.clip) / scale;
+      const double gs = clip_factor(r.grad_norm, o_.clip) / unscale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
@@ -417,18 +421,21 @@ class trainer {
     if (sequences == 0) throw invalid_argument("sequences", "at least 1", "0", "Ask for one or more sequences");
     ran_ = true;
     const std::size_t T = eff_.seq;
-    double sum = 0;
+    double sum = 0, weight = 0;
     for (std::size_t k = 0; k < sequences; k += plan_.micro.batch) {
       const std::size_t b = std::min(plan_.micro.batch, sequences - k);
       fill(source, b, [&](std::size_t j) {
         random_state h{seed ^ (0xd1b54a32d192ed03ULL * (k + j + 1))};
         return sequence_request{k + j, h.next()};
       });
-      sum += static_cast<double>(b) * mean_fix() *
-             m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}), plan_.head_chunk,
-                     alloc_, ex_);
+      // Weighted by counted targets (per sequence: b when nothing is ignored), so the result is
+      // the mean over every counted target whatever the batches hold.
+      const double counted = static_cast<double>(counted_host()) / static_cast<double>(T);
+      sum += counted * m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
+                               plan_.head_chunk, alloc_, ex_);
+      weight += counted;
     }
-    return sum / static_cast<double>(sequences);
+    return weight == 0 ? 0.0 : sum / weight;
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
@@ -1373,14 +1380,18 @@ class trainer {
                              "Pass the source that fills the rows the effective batch_shape describes");
     }
   }
-  // The model's mean divides by the targets it can read as counted (Model::counted_targets: on a
-  // device, where it reads no ids, every position). This factor, from the host copy of the staged
-  // targets, makes it the mean over the counted ones (those not ignore_target) on every backend:
-  // exactly 1 on the host, and wherever no target is ignored.
-  double mean_fix() const noexcept {
-    std::size_t counted = 0;
-    for (const std::int32_t t : y_) counted += t != ignore_target ? 1 : 0;
-    return Model::counted_targets(targets_in(), y_.size()) / static_cast<double>(counted == 0 ? 1 : counted);
+  // Targets of the staged micro-batch that count (not ignore_target), from the host copy.
+  std::size_t counted_host() const noexcept {
+    std::size_t c = 0;
+    for (const std::int32_t t : y_) c += t != ignore_target ? 1 : 0;
+    return c;
+  }
+  // The staged micro-batch's weight in the step's sum over tokens: the model's mean divides by the
+  // targets it reads as counted (Model::counted_targets; on a device, which it does not read, by
+  // every position), so scaling it by that count over the positions makes every micro-batch a sum
+  // over its tokens divided by the same number. Exactly 1 wherever nothing is ignored.
+  double micro_weight() const noexcept {
+    return Model::counted_targets(targets_in(), y_.size()) / static_cast<double>(y_.size());
   }
   // A micro-batch's shape with the offsets of the row fill() staged (packed rows).
   batch_shape micro_in(batch_shape b) const noexcept {
@@ -1464,6 +1475,7 @@ class trainer {
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
     zero_gradients();
     double loss = 0;
+    std::size_t counted = 0;  // this rank's counted targets in the step
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
     // The ranks before this one take the step's first sequences: draw them as they would.
@@ -1475,7 +1487,8 @@ class trainer {
       watch<check_point::before_forward>(highest, may_abandon);
       fill(source, plan_.micro.batch, [&](std::size_t) { return sequence_request{position_++, rng_.next()}; });
       const batch_shape shape = micro_in(plan_.micro);
-      const double mean = mean_fix();
+      const double mean = micro_weight();
+      counted += counted_host();
       auto observer = [&](check_point p) {
         switch (p) {
           case check_point::after_forward: watch<check_point::after_forward>(highest, may_abandon); break;
@@ -1505,8 +1518,14 @@ class trainer {
     oom_may_vote_ = false;  // the exchange follows
     backward_exchanges_ = false;
     skip_requests((world() - 1 - comm_.rank()) * rank_batch().batch);
-    if (world() > 1) loss = exchange_->exchange(g_, loss, exchange_headroom());
-    return loss;
+    // The step's mean is over every counted target of every rank: the micro-batches summed over
+    // their tokens divided by all positions, then rescaled by positions / counted (1 when nothing
+    // is ignored, so no bit changes); the gradients by the same factor, through the unscale.
+    double all_counted = static_cast<double>(counted);
+    if (world() > 1) loss = exchange_->exchange(g_, loss, exchange_headroom(), &all_counted);
+    const double positions = static_cast<double>(step_tokens()) * static_cast<double>(world());
+    counted_ratio_ = all_counted == 0 || all_counted == positions ? 1.0 : positions / all_counted;
+    return loss * counted_ratio_;
   }
 
   // Advances the data position and the generator past k sequences other ranks run.
@@ -1794,6 +1813,7 @@ class trainer {
   random_state rng_{};
   std::vector<std::int32_t> x_, y_;
   std::vector<std::int32_t> offsets_;  // the packed row's offsets (host: the layers read them there)
+  double counted_ratio_ = 1.0;  // the last step's positions / counted targets (see accumulate)
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
   std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;

@@ -83,7 +83,8 @@ inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
 // One line naming a plan, in the plan table's words: "micro-batch 4 x 128 tokens, 2 micro-batches
 // per step, schedule none, logit chunk 256".
 inline std::string plan_summary(const training_plan& p) {
-  return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.micro.seq) + " tokens, " +
+  return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.micro.seq) + " tokens" +
+         (p.micro.packed() ? " (packed: at most " + std::to_string(p.micro.sequences) + " sequences)" : "") + ", " +
          std::to_string(p.accumulation) + (p.accumulation == 1 ? " micro-batch" : " micro-batches") +
          " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
 }

@@ -19,8 +19,9 @@
 // cudaMemcpyAsync of the device total on the executor's stream and one cudaStreamSynchronize of
 // that stream; that is the only sync. The targets are device int32 and are not checked here
 // (checking them would take a copy and a sync): the caller checks the host copy with
-// lm_head::check_targets before the upload, as model does. An id outside [0, V) still reads
-// nothing outside the logits: its row's loss is NaN, so the returned loss is NaN.
+// lm_head::check_targets before the upload, as model does. ignore_target rows count nothing; any
+// other id outside [0, V) still reads nothing outside the logits: its row's loss is NaN, so the
+// returned loss is NaN.
 #pragma once
 
 #include <cuda_runtime_api.h>

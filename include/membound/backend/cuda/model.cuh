@@ -377,8 +377,9 @@ __global__ void embedding_scatter_kernel(const std::int32_t* tokens, const S* dx
   }
 }
 
-// One block per row of logits: log-sum-exp, then the row becomes scale·(softmax − onehot). A
-// target outside [0, V) makes the row's loss NaN (the non-finite check then catches it).
+// One block per row of logits: log-sum-exp, then the row becomes scale·(softmax − onehot). An
+// ignore_target row is zero (loss and gradient); any other target outside [0, V) makes the row's
+// loss NaN (the non-finite check then catches it).
 template <int = 0>
 __global__ void cross_entropy_kernel(float* logits, const std::int32_t* targets, std::size_t V, float scale,
                                             double* row_loss) {
