@@ -413,8 +413,8 @@ class trainer {
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
   // plan's, and nothing of the training state is touched.
-  // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows, each
-  // row's mean over its counted targets weighted alike.
+  // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows. The
+  // result is the mean over every counted target (each batch weighted by its count).
   template <data_source Source>
   double evaluate(Source& source, std::size_t sequences, std::uint64_t seed = 0) {
     check_source<Source>();
