@@ -16,7 +16,8 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
   adamw8bit  the 8-bit AdamW step: against adamw8bit::update on the CPU, bit for bit
   attention  the tensor-core attention kernels (mma.sync forward, dQ, dK/dV), each lane a thread
              and mma.sync emulated from the PTX ISA's fragment layouts: against a double-precision
-             attention, bf16 and fp16 operands, 6 shapes, repeats bit-identical
+             attention, bf16 operands at 9 shapes (3 sliding windows) run twice, bit-identical; fp16 at
+             the 6 full-attention shapes once
 
 Usage:
 
