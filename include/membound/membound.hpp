@@ -64,6 +64,7 @@
 #include "membound/dist/communicator.hpp"
 #include "membound/backend/cpu/model.hpp"
 #include "membound/layers/swiglu_mlp.hpp"
+#include "membound/layers/moe_mlp.hpp"
 #include "membound/layers/lm_head.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/optimizer/adamw.hpp"

@@ -114,12 +114,20 @@ MEMBOUND_NAMESPACE_END
 #include <utility>
 
 // ---- begin membound/core/format.hpp ----
-// Human-readable byte counts for messages, tables and logs.
+// Human-readable byte counts and numbers for messages, tables, logs and identities.
 
+#include <charconv>
 #include <cstdint>
 #include <cstdio>
 
 MEMBOUND_NAMESPACE_BEGIN
+
+// The shortest text that reads back as the same double ("1.25", "0.01", "1e-05").
+inline std::string shortest_text(double v) {
+  char buf[40];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
 
 // "1.50 GiB (1610612736 B)": the binary unit for people, the exact count for tools and tests.
 inline std::string format_bytes(std::size_t bytes, bool exact = true) {
@@ -12838,6 +12846,715 @@ class swiglu_mlp {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/layers/swiglu_mlp.hpp ----
+// ---- begin membound/layers/moe_mlp.hpp ----
+// A mixture-of-experts feed-forward (Switch, GShard, Mixtral): a router picks k of E SwiGLU
+// experts per token, a capacity bounds the rows each expert computes, and the gates mix the
+// experts' outputs. The same front end as swiglu_mlp:
+//
+//   using moe = membound::moe_mlp<membound::fp32_precision>;
+//   membound::moe_shape s{.batch = 1, .seq = T, .width = C, .hidden = F, .experts = 8, .top_k = 2,
+//                         .capacity_factor = 1.25, .aux_loss_weight = 0.01};
+//   membound::moe_stats st;
+//   moe::forward(s, w, x, y, saved, moe::saved_bytes(s), ws, fws, pool, &st);  // st.dropped ...
+//   moe::backward(s, w, x, saved, saved_bytes, dy, dx, grads, ws, bws, pool);
+//
+// Memory does not depend on the routing: every buffer holds moe_rows(s) expert rows, the most
+// any routing can send (every choice, or every slot when the capacity binds), so the sizes below
+// are exact for the worst router and the same for every other. backend/cpu/moe.hpp says what one
+// call computes (router, top-k, dispatch order, drops, combine) and how backward runs.
+//
+// CPU backend so far. Expert parallelism over ranks would plug in at the dispatch: the grouped
+// buffer's per-expert row ranges are what an all-to-all would exchange.
+
+// ---- begin membound/backend/cpu/moe.hpp ----
+// The mixture-of-experts feed-forward on the host (layers/moe_mlp.hpp is the front). One call:
+//
+//   router   p = softmax(x·Wr) [N, E]; each token's k largest (ties: the lower expert);
+//            gates g = p of those, divided by their sum when shape.renormalize and k > 1;
+//   dispatch choices in priority order, every token's first choice before any second (GShard),
+//            tokens in order within a rank; a choice whose expert already holds `capacity` rows is
+//            dropped. Kept choices are grouped by expert: rows [off_e, off_{e+1}) of one buffer
+//            of moe_rows(shape) rows, whatever the routing;
+//   experts  per expert, its rows through SwiGLU (a = X·Wg_e, b = X·Wu_e, Y = (SiLU(a)⊙b)·Wd_e);
+//   combine  y[t] = Σ_j g[t, j] · Y[row(t, j)] over the kept choices, j in order.
+//
+// Backward recomputes the gathered rows from x and never keeps Y: the gate's gradient is
+// dg = (dy·Wdᵀ)·act, the product backward needs anyway. The load-balancing loss's gradient
+// α·E·f_e/N (f_e = count_e/N) is added to every token's probabilities before the softmax's backward.
+// Everything runs in the accumulator type A; bf16/fp16 storage is widened in workspace slots,
+// the pre-activations a, b are kept rounded to storage (backward sees what forward used).
+
+// ---- begin membound/shape/moe_shape.hpp ----
+// The sizes of one mixture-of-experts feed-forward call (layers/moe_mlp.hpp), shared by the front
+// end and the backends' kernels, and the two counts every size follows from: the slots one
+// expert has (its capacity) and the rows all experts compute together at most.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct moe_shape {
+  std::size_t batch = 1;
+  std::size_t seq = 1;
+  std::size_t width = 0;    // C
+  std::size_t hidden = 0;   // F, of each expert's SwiGLU
+  std::size_t experts = 0;  // E
+  std::size_t top_k = 1;    // k: experts per token, 1 (Switch) or 2 (GShard, Mixtral)
+  // Slots per expert: floor(capacity_factor · tokens · k / E), Switch's rule; a token's choice
+  // that finds its expert full is dropped (the block's residual carries the token). 0: no
+  // capacity limit (Mixtral): every choice is computed.
+  double capacity_factor = 0.0;
+  // The k gates divided by their sum (Mixtral, GShard), else the router's probabilities as they
+  // are. Only for k > 1: one gate is always its probability (Switch; renormalised it would be 1
+  // and teach the router nothing).
+  bool renormalize = true;
+  // The load-balancing loss's weight α (Switch's; Mixtral's router_aux_loss_coef, which HF
+  // applies once to all layers pooled, where each block here adds its own, as in Switch):
+  // α · E · Σ_e f_e · P_e, f_e = (choices that name expert e) / tokens (the k choices of a token
+  // each count: Σ_e f_e = k), P_e the mean probability of e. Backward adds its gradient; 0 turns
+  // it off. Capacity, dispatch order and this loss are per call: in a model, per micro-batch.
+  double aux_loss_weight = 0.0;
+
+  constexpr std::size_t tokens() const noexcept { return batch * seq; }
+};
+
+// Slots per expert: the capacity rule above, at most the tokens (a token names an expert once).
+constexpr std::size_t moe_capacity(const moe_shape& s) noexcept {
+  const std::size_t n = s.tokens();
+  if (s.experts == 0) return 0;
+  if (!(s.capacity_factor > 0.0)) return n;
+  const double c = s.capacity_factor * static_cast<double>(n) * static_cast<double>(s.top_k) /
+                   static_cast<double>(s.experts);
+  return c >= static_cast<double>(n) ? n : static_cast<std::size_t>(c);  // truncation: the floor
+}
+
+// Rows the experts compute in one call, at most: every choice (N·k) or every slot (E·capacity),
+// whichever is fewer. Every buffer is sized for it, so no routing needs more memory than the
+// plan says: balanced routing fills it, all tokens to one expert fill `capacity` of it.
+constexpr std::size_t moe_rows(const moe_shape& s) noexcept {
+  return std::min(s.tokens() * s.top_k, s.experts * moe_capacity(s));
+}
+
+// What forward did with its tokens (the caller's, optional): the load-balancing loss it adds and
+// the choices the capacity dropped. += sums calls (a model's blocks, a step's micro-batches).
+struct moe_stats {
+  double aux_loss = 0.0;            // α · E · Σ_e f_e · P_e, already weighted by α
+  std::size_t choices = 0;          // tokens · k
+  std::size_t dropped = 0;          // choices dropped at capacity
+  std::size_t tokens = 0;
+  std::size_t tokens_dropped = 0;   // tokens all of whose choices were dropped (only the residual)
+  std::size_t max_expert_rows = 0;  // the fullest expert's kept rows (at most the capacity)
+
+  constexpr moe_stats& operator+=(const moe_stats& o) noexcept {
+    aux_loss += o.aux_loss;
+    choices += o.choices;
+    dropped += o.dropped;
+    tokens += o.tokens;
+    tokens_dropped += o.tokens_dropped;
+    max_expert_rows = std::max(max_expert_rows, o.max_expert_rows);
+    return *this;
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/moe_shape.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+template <>
+struct backend_kernels<cpu_backend, moe_shape> {
+  template <typename S, typename A>
+  static constexpr std::size_t forward_workspace_bytes(const moe_shape& s,
+                                                       std::size_t threads) noexcept {
+    return fits<S, A>(s, threads) ? forward_layout<S, A>(s, threads).size() : too_large;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t backward_workspace_bytes(const moe_shape& s,
+                                                        std::size_t threads) noexcept {
+    return fits<S, A>(s, threads) ? backward_layout<S, A>(s, threads).size() : too_large;
+  }
+
+  // The routing forward keeps: p [N, E] (A), choice and row [N, k] (int32; row −1: dropped),
+  // g [N, k] (A), off [E + 1] (int32).
+  template <typename A>
+  struct routing {
+    A* p;
+    std::int32_t* choice;
+    std::int32_t* row;
+    A* g;
+    std::int32_t* off;
+  };
+
+  // a_s, b_s: the experts' pre-activations [moe_rows, F], written here (rows past off[E] unused).
+  template <typename S, typename A>
+  static void forward(const moe_shape& s, const S* wr, const S* wg, const S* wu, const S* wd,
+                      const S* x, S* y, routing<A> r, S* a_s, S* b_s, void* workspace,
+                      std::size_t workspace_size, thread_pool& ex, moe_stats* stats) {
+    const std::size_t threads = ex.size();
+    const auto ws = carve(forward_layout<S, A>(s, threads), workspace, workspace_size);
+    const std::size_t N = s.tokens(), C = s.width, F = s.hidden, E = s.experts;
+    const std::span<std::byte> pk{ws.template get<std::byte>(f_gemm), threads * pack_bytes<A>(s)};
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(f_x));
+    const A* wra = cpu::widen_or_alias(ex, wr, C * E, ws.template get<A>(f_wr));
+    route(s, xa, wra, r, pk, ex, stats);
+
+    A* xg = ws.template get<A>(f_xg);
+    gather(s, xa, r, xg, ex);
+    A* a = cpu::accum_target(a_s, ws.template get<A>(f_a));
+    A* b = cpu::accum_target(b_s, ws.template get<A>(f_b));
+    A* act = ws.template get<A>(f_act);
+    A* yg = ws.template get<A>(f_yg);
+    A* we = ws.template get<A>(f_we);
+    for (std::size_t e = 0; e < E; ++e) {
+      const std::size_t r0 = static_cast<std::size_t>(r.off[e]);
+      const std::size_t n = static_cast<std::size_t>(r.off[e + 1]) - r0;
+      if (n == 0) continue;
+      const expert<A> w = expert_weights(s, wg, wu, wd, e, we, ex);
+      cpu::matmul(ex, xg + r0 * C, w.g, a + r0 * F, n, C, F, false, cpu::ld3{C, F, F}, pk);
+      cpu::matmul(ex, xg + r0 * C, w.u, b + r0 * F, n, C, F, false, cpu::ld3{C, F, F}, pk);
+      if constexpr (widened<S, A>) {  // backward sees the rounded values: use them here too
+        cpu::narrow(ex, static_cast<const A*>(a + r0 * F), n * F, a_s + r0 * F);
+        cpu::narrow(ex, static_cast<const A*>(b + r0 * F), n * F, b_s + r0 * F);
+      }
+      cpu::for_rows(ex, n, [&](std::size_t i) {
+        cpu::swiglu_row(a_s + (r0 + i) * F, b_s + (r0 + i) * F, act + (r0 + i) * F, F);
+      });
+      cpu::matmul(ex, static_cast<const A*>(act + r0 * F), w.d, yg + r0 * C, n, F, C, false,
+                  cpu::ld3{F, C, C}, pk);
+    }
+    // Combine, each token's choices in order; a token with none kept gets 0.
+    A* ya = cpu::accum_target(y, ws.template get<A>(f_y));
+    const std::size_t k = s.top_k;
+    cpu::for_rows(ex, N, [&](std::size_t t) {
+      A* yt = ya + t * C;
+      std::fill(yt, yt + C, A(0));
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int32_t row = r.row[t * k + j];
+        if (row < 0) continue;
+        const A gj = r.g[t * k + j];
+        const A* src = yg + static_cast<std::size_t>(row) * C;
+        for (std::size_t c = 0; c < C; ++c) yt[c] += gj * src[c];
+      }
+    });
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(ya), N * C, y);
+  }
+
+  // dx overwritten; the weight gradients added (+=) to gwr, gwg, gwu, gwd.
+  template <typename S, typename A>
+  static void backward(const moe_shape& s, const S* wr, const S* wg, const S* wu, const S* wd,
+                       const S* x, routing<A> r, const S* a_s, const S* b_s, const S* dy, S* dx,
+                       S* gwr, S* gwg, S* gwu, S* gwd, void* workspace, std::size_t workspace_size,
+                       thread_pool& ex) {
+    const std::size_t threads = ex.size();
+    const auto ws = carve(backward_layout<S, A>(s, threads), workspace, workspace_size);
+    const std::size_t N = s.tokens(), C = s.width, F = s.hidden, E = s.experts, k = s.top_k;
+    const std::span<std::byte> pk{ws.template get<std::byte>(b_gemm), threads * pack_bytes<A>(s)};
+    const A* xa = cpu::widen_or_alias(ex, x, N * C, ws.template get<A>(b_x));
+    const A* dya = cpu::widen_or_alias(ex, dy, N * C, ws.template get<A>(b_dy));
+    A* xg = ws.template get<A>(b_xg);
+    gather(s, xa, r, xg, ex);
+    // dyg: each kept choice's dy row (its gate applied below, after u = dy·Wdᵀ).
+    A* dyg = ws.template get<A>(b_dyg);
+    gather(s, dya, r, dyg, ex);
+    A* act = ws.template get<A>(b_act);
+    A* da = ws.template get<A>(b_da);
+    A* db = ws.template get<A>(b_db);
+    A* tmp = ws.template get<A>(b_tmp);
+    A* we = ws.template get<A>(b_we);
+    A* dg = ws.template get<A>(b_dg);  // [N, k]: the gates' gradients; 0 for dropped choices
+    std::fill(dg, dg + N * k, A(0));
+    // Row i of the grouped buffer came from token src_t[i], choice src_j[i] (the inverse of row).
+    std::int32_t* src = ws.template get<std::int32_t>(b_src);
+    for (std::size_t t = 0; t < N; ++t)
+      for (std::size_t j = 0; j < k; ++j)
+        if (r.row[t * k + j] >= 0) src[r.row[t * k + j]] = static_cast<std::int32_t>(t * k + j);
+
+    for (std::size_t e = 0; e < E; ++e) {
+      const std::size_t r0 = static_cast<std::size_t>(r.off[e]);
+      const std::size_t n = static_cast<std::size_t>(r.off[e + 1]) - r0;
+      if (n == 0) continue;
+      const expert<A> w = expert_weights(s, wg, wu, wd, e, we, ex);
+      A* act_e = act + r0 * F;
+      A* u = db + r0 * F;  // u = dy·Wdᵀ, ungated, then dact = g·u, then db in place
+      cpu::for_rows(ex, n, [&](std::size_t i) {
+        cpu::swiglu_row(a_s + (r0 + i) * F, b_s + (r0 + i) * F, act_e + i * F, F);
+      });
+      cpu::matmul_bt(ex, static_cast<const A*>(dyg + r0 * C), w.d, u, n, C, F, false,
+                     cpu::ld3{C, C, F}, pk);
+      cpu::for_rows(ex, n, [&](std::size_t i) {
+        const std::size_t q = static_cast<std::size_t>(src[r0 + i]);
+        const A gq = r.g[q];
+        A dot = 0;
+        A* ui = u + i * F;
+        const A* ai = act_e + i * F;
+        for (std::size_t f = 0; f < F; ++f) dot += ui[f] * ai[f];
+        dg[q] = dot;
+        for (std::size_t f = 0; f < F; ++f) ui[f] *= gq;
+        A* di = dyg + (r0 + i) * C;
+        for (std::size_t c = 0; c < C; ++c) di[c] *= gq;
+      });
+      // dWd_e += actᵀ·(g·dy)
+      cpu::weight_grad(ex, static_cast<const A*>(act_e), static_cast<const A*>(dyg + r0 * C),
+                       gwd + e * F * C, tmp, n, F, C, pk);
+      // da, db from dact (in db's rows on entry)
+      cpu::for_rows(ex, n, [&](std::size_t i) {
+        cpu::swiglu_backward_row(a_s + (r0 + i) * F, b_s + (r0 + i) * F, da + (r0 + i) * F,
+                                 db + (r0 + i) * F, F);
+      });
+      cpu::weight_grad(ex, static_cast<const A*>(xg + r0 * C), static_cast<const A*>(da + r0 * F),
+                       gwg + e * C * F, tmp, n, C, F, pk);
+      cpu::weight_grad(ex, static_cast<const A*>(xg + r0 * C), static_cast<const A*>(db + r0 * F),
+                       gwu + e * C * F, tmp, n, C, F, pk);
+      // dX rows = da·Wgᵀ + db·Wuᵀ, over dyg's rows (no longer needed)
+      A* dxg = dyg + r0 * C;
+      cpu::matmul_bt(ex, static_cast<const A*>(da + r0 * F), w.g, dxg, n, F, C, false,
+                     cpu::ld3{F, F, C}, pk);
+      cpu::matmul_bt(ex, static_cast<const A*>(db + r0 * F), w.u, dxg, n, F, C, true,
+                     cpu::ld3{F, F, C}, pk);
+    }
+
+    // dx = Σ_j dX[row(t, j)], then the router's term dlogits·Wrᵀ.
+    A* dxa = cpu::accum_target(dx, ws.template get<A>(b_dx));
+    cpu::for_rows(ex, N, [&](std::size_t t) {
+      A* d = dxa + t * C;
+      std::fill(d, d + C, A(0));
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int32_t row = r.row[t * k + j];
+        if (row < 0) continue;
+        const A* sr = dyg + static_cast<std::size_t>(row) * C;
+        for (std::size_t c = 0; c < C; ++c) d[c] += sr[c];
+      }
+    });
+    A* dl = ws.template get<A>(b_dl);  // [N, E]: dp, then dlogits in place
+    router_backward(s, r, dg, dl, ex);
+    const A* wra = cpu::widen_or_alias(ex, wr, C * E, ws.template get<A>(b_wr));
+    cpu::weight_grad(ex, xa, static_cast<const A*>(dl), gwr, tmp, N, C, E, pk);
+    cpu::matmul_bt(ex, static_cast<const A*>(dl), wra, dxa, N, E, C, true, cpu::ld3{E, E, C}, pk);
+    if constexpr (widened<S, A>) cpu::narrow(ex, static_cast<const A*>(dxa), N * C, dx);
+  }
+
+ private:
+  static constexpr std::size_t too_large = std::numeric_limits<std::size_t>::max();
+  template <typename S, typename A>
+  static constexpr bool widened = !std::is_same_v<S, A>;
+
+  // One choice's gate is its probability: renormalising it would make it 1 (Switch, k = 1).
+  static constexpr bool renormalized(const moe_shape& s) noexcept { return s.renormalize && s.top_k > 1; }
+
+  template <typename A>
+  struct expert {
+    const A *g, *u, *d;
+  };
+  // Expert e's three matrices in A: in place, or widened into `slot` (3·C·F).
+  template <typename S, typename A>
+  static expert<A> expert_weights(const moe_shape& s, const S* wg, const S* wu, const S* wd,
+                                  std::size_t e, A* slot, thread_pool& ex) {
+    const std::size_t CF = s.width * s.hidden;
+    if constexpr (widened<S, A>) {
+      cpu::widen(ex, wg + e * CF, CF, slot);
+      cpu::widen(ex, wu + e * CF, CF, slot + CF);
+      cpu::widen(ex, wd + e * CF, CF, slot + 2 * CF);
+      return {slot, slot + CF, slot + 2 * CF};
+    } else {
+      (void)ex;
+      (void)slot;
+      return {wg + e * CF, wu + e * CF, wd + e * CF};
+    }
+  }
+
+  // The router, the top-k, the gates and the dispatch (file comment); fills r and the stats.
+  template <typename A>
+  static void route(const moe_shape& s, const A* xa, const A* wra, routing<A> r,
+                    std::span<std::byte> pk, thread_pool& ex, moe_stats* stats) {
+    const std::size_t N = s.tokens(), C = s.width, E = s.experts, k = s.top_k;
+    cpu::matmul(ex, xa, wra, r.p, N, C, E, false, cpu::ld3{C, E, E}, pk);
+    cpu::for_rows(ex, N, [&](std::size_t t) {
+      A* p = r.p + t * E;
+      A m = p[0];
+      for (std::size_t e = 1; e < E; ++e) m = std::max(m, p[e]);
+      A sum = 0;
+      for (std::size_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - m));
+      for (std::size_t e = 0; e < E; ++e) p[e] /= sum;
+      // The k largest, in descending order; a tie goes to the lower expert (strict >).
+      std::int32_t* ch = r.choice + t * k;
+      for (std::size_t j = 0; j < k; ++j) {
+        std::size_t best = E;
+        for (std::size_t e = 0; e < E; ++e) {
+          bool taken = false;
+          for (std::size_t i = 0; i < j; ++i) taken = taken || ch[i] == static_cast<std::int32_t>(e);
+          if (!taken && (best == E || p[e] > p[best])) best = e;
+        }
+        ch[j] = static_cast<std::int32_t>(best);
+      }
+      A gs = 0;
+      for (std::size_t j = 0; j < k; ++j) gs += p[ch[j]];
+      for (std::size_t j = 0; j < k; ++j) r.g[t * k + j] = renormalized(s) ? p[ch[j]] / gs : p[ch[j]];
+    });
+    // Dispatch: counts of kept choices per expert, in priority order, then their rows.
+    const std::size_t cap = moe_capacity(s);
+    std::int32_t* off = r.off;
+    std::fill(off, off + E + 1, 0);
+    std::size_t dropped = 0;
+    for (std::size_t j = 0; j < k; ++j)
+      for (std::size_t t = 0; t < N; ++t) {
+        const auto e = static_cast<std::size_t>(r.choice[t * k + j]);
+        if (static_cast<std::size_t>(off[e + 1]) < cap) {
+          r.row[t * k + j] = off[e + 1]++;  // rank within the expert, made a row below
+        } else {
+          r.row[t * k + j] = -1;
+          ++dropped;
+        }
+      }
+    std::size_t max_rows = 0;
+    for (std::size_t e = 0; e < E; ++e) {
+      max_rows = std::max(max_rows, static_cast<std::size_t>(off[e + 1]));
+      off[e + 1] += off[e];
+    }
+    std::size_t tokens_dropped = 0;
+    for (std::size_t t = 0; t < N; ++t) {
+      bool any = false;
+      for (std::size_t j = 0; j < k; ++j) {
+        std::int32_t& row = r.row[t * k + j];
+        if (row >= 0) {
+          row += off[r.choice[t * k + j]];
+          any = true;
+        }
+      }
+      tokens_dropped += any ? 0 : 1;
+    }
+    if (stats != nullptr) *stats = {aux_loss(s, r), N * k, dropped, N, tokens_dropped, max_rows};
+  }
+
+  // α · E · Σ_e f_e · P_e: f_e the fraction of the N tokens whose choices name e (before the
+  // capacity, as Mixtral's load_balancing_loss_func counts them), P_e the mean probability.
+  template <typename A>
+  static double aux_loss(const moe_shape& s, routing<A> r) {
+    if (s.aux_loss_weight == 0.0) return 0.0;
+    const std::size_t N = s.tokens(), E = s.experts, k = s.top_k;
+    double total = 0;
+    for (std::size_t e = 0; e < E; ++e) {
+      double f = 0, P = 0;
+      for (std::size_t q = 0; q < N * k; ++q) f += r.choice[q] == static_cast<std::int32_t>(e) ? 1.0 : 0.0;
+      for (std::size_t t = 0; t < N; ++t) P += static_cast<double>(r.p[t * E + e]);
+      total += (f / static_cast<double>(N)) * (P / static_cast<double>(N));
+    }
+    return s.aux_loss_weight * static_cast<double>(E) * total;
+  }
+
+  // dl [N, E] = the router logits' gradient, from the gates' dg [N, k] and the balancing loss.
+  template <typename A>
+  static void router_backward(const moe_shape& s, routing<A> r, const A* dg, A* dl,
+                              thread_pool& ex) {
+    const std::size_t N = s.tokens(), E = s.experts, k = s.top_k;
+    // The balancing loss's dL/dp[t, e] = α·E·f_e/N with f_e = count_e/N, the same for every token.
+    const A scale = static_cast<A>(s.aux_loss_weight * static_cast<double>(E) /
+                                   (static_cast<double>(N) * static_cast<double>(N)));
+    cpu::for_rows(ex, N, [&](std::size_t t) {
+      A* d = dl + t * E;
+      const A* p = r.p + t * E;
+      for (std::size_t e = 0; e < E; ++e) d[e] = 0;
+      const std::int32_t* ch = r.choice + t * k;
+      const A* g = r.g + t * k;
+      const A* dgt = dg + t * k;
+      if (renormalized(s)) {
+        // g_j = p_j / Σ_l p_l: dp_j = (dg_j − Σ_l g_l·dg_l) / Σ_l p_l
+        A gs = 0, gd = 0;
+        for (std::size_t j = 0; j < k; ++j) {
+          gs += p[ch[j]];
+          gd += g[j] * dgt[j];
+        }
+        for (std::size_t j = 0; j < k; ++j) d[ch[j]] += (dgt[j] - gd) / gs;
+      } else {
+        for (std::size_t j = 0; j < k; ++j) d[ch[j]] += dgt[j];
+      }
+    });
+    if (s.aux_loss_weight != 0.0) {
+      for (std::size_t e = 0; e < E; ++e) {
+        std::size_t f = 0;
+        for (std::size_t q = 0; q < N * k; ++q) f += r.choice[q] == static_cast<std::int32_t>(e) ? 1 : 0;
+        const A c = scale * static_cast<A>(f);
+        for (std::size_t t = 0; t < N; ++t) dl[t * E + e] += c;
+      }
+    }
+    // softmax backward: dlogit = p ⊙ (dp − Σ p·dp)
+    cpu::for_rows(ex, N, [&](std::size_t t) {
+      A* d = dl + t * E;
+      const A* p = r.p + t * E;
+      A dot = 0;
+      for (std::size_t e = 0; e < E; ++e) dot += p[e] * d[e];
+      for (std::size_t e = 0; e < E; ++e) d[e] = p[e] * (d[e] - dot);
+    });
+  }
+
+  // Row i of the grouped buffer = v[token of row i], for every kept choice.
+  template <typename A>
+  static void gather(const moe_shape& s, const A* v, routing<A> r, A* out, thread_pool& ex) {
+    const std::size_t C = s.width, k = s.top_k;
+    cpu::for_rows(ex, s.tokens(), [&](std::size_t t) {
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int32_t row = r.row[t * k + j];
+        if (row >= 0) std::copy(v + t * C, v + t * C + C, out + static_cast<std::size_t>(row) * C);
+      }
+    });
+  }
+
+  template <typename A>
+  static constexpr std::size_t rows_a(const moe_shape& s, std::size_t cols) noexcept {
+    return bytes_of<A>(moe_rows(s), cols);
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t x_acc(const moe_shape& s) noexcept {
+    return widened<S, A> ? bytes_of<A>(s.tokens(), s.width) : 0;
+  }
+  template <typename S, typename A>
+  static constexpr bool fits(const moe_shape& s, std::size_t threads) noexcept {
+    const std::size_t b[] = {rows_a<A>(s, s.width), rows_a<A>(s, s.hidden),
+                             bytes_of<A>(s.tokens(), s.width), bytes_of<A>(s.tokens(), s.experts),
+                             bytes_of<A>(3 * s.width, s.hidden),
+                             bytes_of<std::byte>(threads, pack_bytes<A>(s))};
+    return detail::fits_layout(b);
+  }
+  // Per-thread packing bytes: the experts' products over at most `capacity` rows each, the
+  // router's over every token.
+  template <typename A>
+  static constexpr std::size_t pack_bytes(const moe_shape& s) noexcept {
+    const std::size_t N = s.tokens(), R = moe_capacity(s), C = s.width, F = s.hidden,
+                      E = s.experts;
+    return std::max({cpu::matmul_thread_scratch_bytes<A>(R, C, F),
+                     cpu::matmul_thread_scratch_bytes<A>(R, F, C),
+                     cpu::matmul_thread_scratch_bytes<A>(R, C, F),
+                     cpu::matmul_at_thread_scratch_bytes<A>(R, F, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(R, C, F),
+                     cpu::matmul_thread_scratch_bytes<A>(N, C, E),
+                     cpu::matmul_thread_scratch_bytes<A>(N, E, C),
+                     cpu::matmul_at_thread_scratch_bytes<A>(N, C, E)});
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t we_bytes(const moe_shape& s) noexcept {
+    return widened<S, A> ? bytes_of<A>(3 * s.width, s.hidden) : 0;
+  }
+  template <typename S, typename A>
+  static constexpr std::size_t wr_bytes(const moe_shape& s) noexcept {
+    return widened<S, A> ? bytes_of<A>(s.width, s.experts) : 0;
+  }
+
+  enum forward_slot : std::size_t { f_x, f_wr, f_xg, f_a, f_b, f_act, f_yg, f_we, f_y, f_gemm };
+  template <typename S, typename A>
+  static constexpr workspace_layout<10> forward_layout(const moe_shape& s, std::size_t threads) {
+    workspace_layout<10> l;
+    l.add(x_acc<S, A>(s));
+    l.add(wr_bytes<S, A>(s));
+    l.add(rows_a<A>(s, s.width));
+    l.add(widened<S, A> ? rows_a<A>(s, s.hidden) : 0);
+    l.add(widened<S, A> ? rows_a<A>(s, s.hidden) : 0);
+    l.add(rows_a<A>(s, s.hidden));
+    l.add(rows_a<A>(s, s.width));
+    l.add(we_bytes<S, A>(s));
+    l.add(x_acc<S, A>(s));
+    l.add(bytes_of<std::byte>(threads, pack_bytes<A>(s)));
+    return l;
+  }
+  enum backward_slot : std::size_t {
+    b_x, b_dy, b_wr, b_xg, b_dyg, b_act, b_da, b_db, b_tmp, b_we, b_dg, b_src, b_dx, b_dl, b_gemm
+  };
+  template <typename S, typename A>
+  static constexpr workspace_layout<15> backward_layout(const moe_shape& s, std::size_t threads) {
+    const std::size_t N = s.tokens(), C = s.width, F = s.hidden, E = s.experts, k = s.top_k;
+    workspace_layout<15> l;
+    l.add(x_acc<S, A>(s));
+    l.add(x_acc<S, A>(s));
+    l.add(wr_bytes<S, A>(s));
+    l.add(rows_a<A>(s, C));
+    l.add(rows_a<A>(s, C));
+    l.add(rows_a<A>(s, F));
+    l.add(rows_a<A>(s, F));
+    l.add(rows_a<A>(s, F));
+    l.add(widened<S, A> ? bytes_of<A>(std::max(C * F, C * E)) : 0);
+    l.add(we_bytes<S, A>(s));
+    l.add(bytes_of<A>(N, k));
+    l.add(bytes_of<std::int32_t>(moe_rows(s)));
+    l.add(x_acc<S, A>(s));
+    l.add(bytes_of<A>(N, E));
+    l.add(bytes_of<std::byte>(threads, pack_bytes<A>(s)));
+    return l;
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/backend/cpu/moe.hpp ----
+
+MEMBOUND_NAMESPACE_BEGIN
+
+// The mixture-of-experts feed-forward (see the file comment); Policies set the precision.
+template <typename... Policies>
+class moe_mlp {
+ public:
+  using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
+  using precision = get_policy<policies, precision_kind>;
+  using backend = get_policy<policies, backend_kind>;
+  static_assert(is_cpu_backend_v<backend>,
+                "membound: moe_mlp runs on the CPU backend so far (its CUDA kernels are not "
+                "written yet); use cpu_backend, or swiglu_mlp on cuda_backend.");
+  using executor = typename backend::executor;
+  using storage_type = typename precision::storage_type;
+  using accum_type = typename precision::accum_type;
+
+ private:
+  using S = storage_type;
+  using A = accum_type;
+  using kernels = backend_kernels<backend, moe_shape>;
+  using routing = typename kernels::template routing<A>;
+
+ public:
+  // Whether the shape can run, and if not which field fails and why. Never throws.
+  static constexpr layer_support can_implement(const moe_shape& s) noexcept {
+    if (s.batch == 0) return {false, "shape.batch", "at least 1", 0.0};
+    if (s.seq == 0) return {false, "shape.seq", "at least 1", 0.0};
+    if (s.width == 0) return {false, "shape.width", "at least 1", 0.0};
+    if (s.hidden == 0) return {false, "shape.hidden", "at least 1", 0.0};
+    if (s.experts == 0) return {false, "shape.experts", "at least 1", 0.0};
+    if (s.experts > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+      return {false, "shape.experts", "below 2^31 (int32 expert indices)", static_cast<double>(s.experts)};
+    }
+    if (s.top_k != 1 && s.top_k != 2) {
+      return {false, "shape.top_k", "1 or 2 experts per token", static_cast<double>(s.top_k)};
+    }
+    if (s.top_k > s.experts) {
+      return {false, "shape.top_k", "at most shape.experts", static_cast<double>(s.top_k)};
+    }
+    // Row indices and offsets are int32: the tokens' choices must fit.
+    constexpr std::size_t most = static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max());
+    if (s.tokens() / s.batch != s.seq || s.tokens() > most / s.top_k) {
+      return {false, "shape.seq", "batch · seq · top_k below 2^31 (int32 row indices)",
+              static_cast<double>(s.seq)};
+    }
+    if (!finite_nonnegative(s.capacity_factor)) {
+      return {false, "shape.capacity_factor", "a finite value >= 0 (0: no capacity limit)",
+              s.capacity_factor};
+    }
+    if (moe_capacity(s) == 0) {
+      return {false, "shape.capacity_factor",
+              "a capacity of at least one token per expert: capacity_factor >= experts / "
+              "(tokens · top_k)",
+              s.capacity_factor};
+    }
+    if (!finite_nonnegative(s.aux_loss_weight)) {
+      return {false, "shape.aux_loss_weight", "a finite value >= 0", s.aux_loss_weight};
+    }
+    return {};
+  }
+  // Throws invalid_argument naming the failing field, as can_implement reports it.
+  static void check(const moe_shape& s) {
+    const layer_support r = can_implement(s);
+    const bool real = r.argument == std::string_view("shape.capacity_factor") ||
+                      r.argument == std::string_view("shape.aux_loss_weight");
+    if (!r.ok) detail::throw_unsupported(r, real, "Fix the moe_shape before sizing or running the layer");
+  }
+
+  // Elements of the router and the experts: C·E + E·3·C·F.
+  static constexpr std::size_t weight_elements(const moe_shape& s) noexcept {
+    return detail::sat_add(detail::sat_mul(s.width, s.experts),
+                           detail::sat_mul(detail::sat_mul(s.experts, 3), detail::sat_mul(s.width, s.hidden)));
+  }
+  // Bytes forward keeps for backward: the routing (probabilities, choices, rows, gates, expert
+  // offsets) and the experts' pre-activations for moe_rows(s) rows, whatever the routing.
+  static constexpr std::size_t saved_bytes(const moe_shape& s) noexcept {
+    const std::size_t b[] = {bytes_of<A>(s.tokens(), s.experts), bytes_of<S>(moe_rows(s), s.hidden)};
+    return detail::fits_layout(b) ? saved_layout(s).size() : std::numeric_limits<std::size_t>::max();
+  }
+  // The GEMMs' packing buffers are per thread: size with the pool's thread count.
+  static constexpr std::size_t forward_workspace_bytes(const moe_shape& s, std::size_t threads) noexcept {
+    return kernels::template forward_workspace_bytes<S, A>(s, threads);
+  }
+  static constexpr std::size_t backward_workspace_bytes(const moe_shape& s, std::size_t threads) noexcept {
+    return kernels::template backward_workspace_bytes<S, A>(s, threads);
+  }
+
+  // Row-major, storage_type: the router [C, E]; the experts stacked, expert e at e·C·F.
+  struct weights {
+    const S* router;  // [C, E]
+    const S* w_gate;  // [E, C, F]
+    const S* w_up;    // [E, C, F]
+    const S* w_down;  // [E, F, C]
+  };
+  // Where backward adds (+=) the weight gradients, shaped as `weights`: the caller zeroes them.
+  struct gradients {
+    S* router;
+    S* w_gate;
+    S* w_up;
+    S* w_down;
+  };
+
+  // y = MoE(x); keeps the routing and the pre-activations in `saved`; `stats` (optional) gets the
+  // balancing loss and the drops. Checks every argument before writing.
+  static void forward(const moe_shape& s, const weights& w, const S* x, S* y, void* saved,
+                      std::size_t saved_size, void* workspace, std::size_t workspace_size,
+                      executor& ex, moe_stats* stats = nullptr) {
+    check(s);
+    check_weights(w);
+    detail::need_pointer(x, "x");
+    detail::need_pointer(y, "y");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), saved, saved_size, "saved");
+    detail::check_workspace_size(forward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template forward<S, A>(s, w.router, w.w_gate, w.w_up, w.w_down, x, y, routes(sv),
+                                    sv.template get<S>(s_a), sv.template get<S>(s_b), workspace,
+                                    workspace_size, ex, stats);
+  }
+
+  // dx from dy (overwritten), the weight gradients added to `g` (the balancing loss's included),
+  // from forward's `saved`.
+  static void backward(const moe_shape& s, const weights& w, const S* x, const void* saved,
+                       std::size_t saved_size, const S* dy, S* dx, const gradients& g,
+                       void* workspace, std::size_t workspace_size, executor& ex) {
+    check(s);
+    check_weights(w);
+    detail::need_pointer(x, "x");
+    detail::need_pointer(dy, "dy");
+    detail::need_pointer(dx, "dx");
+    detail::need_pointer(g.router, "gradients.router");
+    detail::need_pointer(g.w_gate, "gradients.w_gate");
+    detail::need_pointer(g.w_up, "gradients.w_up");
+    detail::need_pointer(g.w_down, "gradients.w_down");
+    const auto sv = detail::carve_named(saved_layout(s), saved_bytes(s), const_cast<void*>(saved),
+                                        saved_size, "saved");
+    detail::check_workspace_size(backward_workspace_bytes(s, workspace_threads(ex)), workspace, workspace_size);
+    kernels::template backward<S, A>(s, w.router, w.w_gate, w.w_up, w.w_down, x, routes(sv),
+                                     sv.template get<S>(s_a), sv.template get<S>(s_b), dy, dx,
+                                     g.router, g.w_gate, g.w_up, g.w_down, workspace,
+                                     workspace_size, ex);
+  }
+
+ private:
+  static constexpr bool finite_nonnegative(double v) noexcept {
+    return v >= 0.0 && v <= std::numeric_limits<double>::max();  // false for NaN and infinity
+  }
+  enum saved_slot : std::size_t { s_p, s_choice, s_row, s_g, s_off, s_a, s_b };
+  static constexpr workspace_layout<7> saved_layout(const moe_shape& s) {
+    const std::size_t N = s.tokens(), k = s.top_k;
+    workspace_layout<7> l;
+    l.add(bytes_of<A>(N, s.experts));
+    l.add(bytes_of<std::int32_t>(N, k));
+    l.add(bytes_of<std::int32_t>(N, k));
+    l.add(bytes_of<A>(N, k));
+    l.add(bytes_of<std::int32_t>(s.experts + 1));
+    l.add(bytes_of<S>(moe_rows(s), s.hidden));
+    l.add(bytes_of<S>(moe_rows(s), s.hidden));
+    return l;
+  }
+  template <typename View>
+  static routing routes(const View& sv) {
+    return {sv.template get<A>(s_p), sv.template get<std::int32_t>(s_choice),
+            sv.template get<std::int32_t>(s_row), sv.template get<A>(s_g),
+            sv.template get<std::int32_t>(s_off)};
+  }
+  static void check_weights(const weights& w) {
+    detail::need_pointer(w.router, "weights.router");
+    detail::need_pointer(w.w_gate, "weights.w_gate");
+    detail::need_pointer(w.w_up, "weights.w_up");
+    detail::need_pointer(w.w_down, "weights.w_down");
+  }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/layers/moe_mlp.hpp ----
 // ---- begin membound/layers/lm_head.hpp ----
 // The LM head with chunked cross-entropy: final RMSNorm, logits = xn·Wᵀ (W [V, C], the embedding
 // table when tied), mean cross-entropy against the targets, and in the same pass its backward.
@@ -13642,6 +14359,17 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The mixture-of-experts feed-forward of the blocks that take one (block<Mixer, moe_ffn>;
+// layers/moe_mlp.hpp and shape/moe_shape.hpp say what each field does).
+struct moe_config {
+  std::size_t experts = 8;        // E
+  std::size_t top_k = 2;          // k: 1 (Switch) or 2 (GShard, Mixtral)
+  std::size_t hidden = 0;         // F of each expert (0: the dense MLP's, model_config::hidden())
+  double capacity_factor = 1.25;  // slots per expert floor(factor · tokens · k / E); 0: no limit
+  bool renormalize = true;        // the k gates divided by their sum (k = 2; one gate stays p)
+  double aux_loss_weight = 0.01;  // α of the load-balancing loss the model adds to its loss
+};
+
 struct model_config {
   std::size_t vocab = 256;      // byte-level by default
   std::size_t width = 0;        // C, the residual stream
@@ -13653,12 +14381,14 @@ struct model_config {
   double rope_base = 10000.0;   // attention and TTT
   double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
   std::size_t attention_window = 0;  // W of the local_attention layers (keys i − W + 1 .. i)
+  moe_config moe{};               // the moe_ffn blocks' experts
 
   constexpr std::size_t hidden() const noexcept {
     // 8/3·C up to a multiple of 8, saturating (a width near SIZE_MAX is refused by its sizes).
     return mlp_hidden != 0 ? mlp_hidden : sat_round_up(sat_mul(width, 8) / 3, 8);
   }
   constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
+  constexpr std::size_t expert_hidden() const noexcept { return moe.hidden != 0 ? moe.hidden : hidden(); }
 };
 
 // The work one micro-batch step does: batch sequences of seq tokens, or (sequences > 0) one row
@@ -13938,6 +14668,11 @@ struct mixer_traits<swiglu_mlp<P...>> {
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     return {b.batch, b.seq, c.width, c.hidden()};
   }
+  // Forward FLOPs: three products of N × C × F.
+  static constexpr double flops(const shape_type& s) noexcept {
+    return 6.0 * static_cast<double>(s.batch * s.seq) * static_cast<double>(s.width) *
+           static_cast<double>(s.hidden);
+  }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
     return {{{"w_gate", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
              {"w_up", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
@@ -13953,10 +14688,56 @@ struct mixer_traits<swiglu_mlp<P...>> {
   }
 };
 
+template <typename... P>
+struct mixer_traits<moe_mlp<P...>> {
+  using layer = moe_mlp<P...>;
+  using shape_type = moe_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "moe";
+  static constexpr std::size_t param_count = 4;
+
+  // Everything that changes what it computes: "moe<8 experts top-2 of swiglu 64, capacity
+  // 1.25, renormalized, aux 0.01, bf16/fp32>".
+  static std::string identity(const model_config& c) {
+    return std::string(name) + "<" + std::to_string(c.moe.experts) + " experts top-" +
+           std::to_string(c.moe.top_k) + " of swiglu " + std::to_string(c.expert_hidden()) +
+           ", capacity " + shortest_text(c.moe.capacity_factor) +
+           (c.moe.renormalize ? ", renormalized" : "") + ", aux " + shortest_text(c.moe.aux_loss_weight) +
+           ", " + detail::precision_identity<layer>() + ">";
+  }
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    return {b.batch, b.seq, c.width, c.expert_hidden(), c.moe.experts, c.moe.top_k,
+            c.moe.capacity_factor, c.moe.renormalize, c.moe.aux_loss_weight};
+  }
+  // Forward FLOPs of the worst routing the capacity allows (moe_rows rows through the experts)
+  // and the router's product.
+  static constexpr double flops(const shape_type& s) noexcept {
+    return 6.0 * static_cast<double>(moe_rows(s)) * static_cast<double>(s.width) * static_cast<double>(s.hidden) +
+           2.0 * static_cast<double>(s.tokens()) * static_cast<double>(s.width) * static_cast<double>(s.experts);
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t CF = sat_mul(s.width, s.hidden);
+    return {{{"router", sat_mul(s.width, s.experts), param_init::normal, detail::init_std, 0},
+             {"w_gate", sat_mul(s.experts, CF), param_init::normal, detail::init_std, 0},
+             {"w_up", sat_mul(s.experts, CF), param_init::normal, detail::init_std, 0},
+             {"w_down", sat_mul(s.experts, CF), param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2], p[3]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2], p[3]};
+    }
+  }
+};
+
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/mixer_traits.hpp ----
 // ---- begin membound/model/block.hpp ----
-// A block: h = x + Mixer(RMSNorm(x)), then y = h + SwiGLU(RMSNorm(h)). Each half is a `part`
+// A block: h = x + Mixer(RMSNorm(x)), then y = h + FFN(RMSNorm(h)), the feed-forward the dense
+// SwiGLU MLP (swiglu_ffn, the default) or a mixture of SwiGLU experts (moe_ffn). Each half is a `part`
 // (pre-norm, layer, residual) with its own forward, backward and size functions; the block adds
 // the three forward modes a checkpoint schedule needs (see model/schedule.hpp):
 //   advance - x -> y, keeping nothing (the layers' saved tensors live in the workspace);
@@ -14003,6 +14784,7 @@ struct part {
   using glue = model_glue_of<typename Layer::backend>;
   using executor = typename Layer::executor;
   static constexpr std::size_t param_count = traits::param_count + 1;  // norm scale first
+  static constexpr bool reports_stats = std::is_same_v<shape_type, moe_shape>;
 
   struct dims {
     std::size_t rows = 0, width = 0;
@@ -14058,9 +14840,10 @@ struct part {
     return traits::bind(q);
   }
 
-  // y = x + L(RMSNorm(x)). `saved` is used only when keep.
+  // y = x + L(RMSNorm(x)). `saved` is used only when keep. A layer that reports what it did
+  // (moe_mlp's moe_stats) writes into `stats` when it is given.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, bool keep, executor& ex) {
+                      void* workspace, bool keep, executor& ex, moe_stats* stats = nullptr) {
     const std::size_t threads = workspace_threads(ex);
     const auto fl = forward_layout(d, threads, keep);
     const auto ws = carve(fl, workspace, fl.size());
@@ -14078,8 +14861,14 @@ struct part {
     }
     glue::template rmsnorm_forward<A>(ex, x, w[0], n, rstd, d.rows, d.width, d.eps);
     S* m = ws.template get<S>(f_m);
-    Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer),
-                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), ex);
+    void* lws = ws.template get<std::byte>(f_ws);
+    const std::size_t lwsb = Layer::forward_workspace_bytes(d.layer, threads);
+    if constexpr (reports_stats) {
+      Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer), lws, lwsb, ex, stats);
+    } else {
+      (void)stats;
+      Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer), lws, lwsb, ex);
+    }
     glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
   }
 
@@ -14105,17 +14894,32 @@ struct part {
 
 }  // namespace detail
 
-// The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>.
-template <block_mixer Mixer>
+// A block's feed-forward: the layer template it instantiates with the mixer's precision and
+// backend. swiglu_ffn, the dense SwiGLU MLP, is the default; moe_ffn takes model_config::moe.
+struct swiglu_ffn {
+  template <typename Precision, typename Backend>
+  using layer = swiglu_mlp<Precision, Backend>;
+};
+struct moe_ffn {
+  template <typename Precision, typename Backend>
+  using layer = moe_mlp<Precision, Backend>;
+};
+template <typename F>
+concept block_feed_forward = requires { typename F::template layer<fp32_precision, cpu_backend>; };
+
+// The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>,
+// block<attention<>, moe_ffn> (a mixture-of-experts feed-forward).
+template <block_mixer Mixer, block_feed_forward FeedForward = swiglu_ffn>
 class block {
  public:
   using mixer = Mixer;
+  using feed_forward = FeedForward;
   using storage_type = typename Mixer::storage_type;
   using accum_type = typename Mixer::accum_type;
   // The MLP runs where the mixer runs; so does the block's glue (model/glue.hpp).
   using backend = typename Mixer::backend;
   using executor = typename backend::executor;
-  using mlp = swiglu_mlp<precision<storage_type, accum_type>, backend>;
+  using mlp = typename FeedForward::template layer<precision<storage_type, accum_type>, backend>;
 
  private:
   using S = storage_type;
@@ -14150,6 +14954,30 @@ class block {
     d.p2 = {b.tokens(), c.width, c.norm_eps, mixer_traits<mlp>::shape(c, b)};
     return d;
   }
+  // The feed-forward's FLOPs on the block's shape (a mixture's: its worst routing, moe_rows).
+  static constexpr double feed_forward_flops(const dims& d) noexcept {
+    return mixer_traits<mlp>::flops(d.p2.layer);
+  }
+  // Backward weighs a mixture's balancing loss as the model weighs the step's loss (its
+  // loss_scale); nothing for a dense block.
+  static constexpr void scale_aux_loss(dims& d, double loss_scale) noexcept {
+    if constexpr (part2::reports_stats) {
+      d.p2.layer.aux_loss_weight *= loss_scale;
+    } else {
+      (void)d;
+      (void)loss_scale;
+    }
+  }
+
+  // A mixture computes every choice (inference: model::next_token_logits); a dense block is as it is.
+  static constexpr void without_capacity(dims& d) noexcept {
+    if constexpr (part2::reports_stats) {
+      d.p2.layer.capacity_factor = 0.0;
+    } else {
+      (void)d;
+    }
+  }
+
   // Throws invalid_argument naming the mixer's or the MLP's shape argument.
   static void check(const dims& d) {
     Mixer::check(d.p1.layer);
@@ -14217,9 +15045,9 @@ class block {
 
   // ---- Run -------------------------------------------------------------------------------------
   // y: the output (ignored under retape, which computes it in the workspace); saved: the block's
-  // saved_bytes (ignored under advance).
+  // saved_bytes (ignored under advance); stats (optional): what a mixture of experts did.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, forward_mode mode, executor& ex) {
+                      void* workspace, forward_mode mode, executor& ex, moe_stats* stats = nullptr) {
     const std::size_t threads = workspace_threads(ex);
     const bool keep = mode != forward_mode::advance;
     const auto fl = forward_layout(d, threads, mode);
@@ -14238,7 +15066,7 @@ class block {
     }
     if (mode == forward_mode::retape) y = ws.template get<S>(f_y);
     part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, ex);
-    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, ex);
+    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, ex, stats);
   }
 
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
@@ -14271,8 +15099,8 @@ class block {
 
 template <typename T>
 inline constexpr bool is_block_v = false;
-template <typename M>
-inline constexpr bool is_block_v<block<M>> = true;
+template <typename M, typename F>
+inline constexpr bool is_block_v<block<M, F>> = true;
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/block.hpp ----
@@ -15447,12 +16275,17 @@ class model {
   }
 
   // Throws invalid_argument naming the first block or head argument the shape breaks.
-  void check(batch_shape b) const {
+  // inference: as next_token_logits runs it (a mixture of experts without its capacity).
+  void check(batch_shape b, bool inference = false) const {
     if (b.batch == 0 || b.seq == 0) {
       throw invalid_argument(b.batch == 0 ? "batch" : "seq", "at least 1", "0",
                              "A step needs at least one sequence of one token");
     }
-    for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      auto d = B::make_dims(cfg_, b);
+      if (inference) B::without_capacity(d);
+      B::check(d);
+    });
   }
 
   // Where the host reads the ids in place (the CPU), tokens and targets against the vocabulary;
@@ -15586,19 +16419,23 @@ class model {
   // before_backward (loss and its gradient computed) and at after_backward (before the last
   // gradient is freed): where a pressure monitor looks. An observer may throw to abandon the
   // micro-batch; everything is given back as for any exception.
+  //
+  // moe (optional): what the mixture-of-experts blocks did, summed over them (zero without such
+  // blocks): the balancing loss the returned loss includes, the choices their capacity dropped.
   template <typename Allocator, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                           double loss_scale, Allocator& alloc, executor& ex,
-                          Observer observe = {}) const {
+                          Observer observe = {}, moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
     detail::need_pointer(w, "weights");
     detail::need_pointer(g, "gradients");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
+                      moe);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -15611,7 +16448,8 @@ class model {
     requires std::invocable<Observer&, check_point>
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                                 double loss_scale, Allocator& alloc, executor& ex, Observer observe = {}) const {
+                                 double loss_scale, Allocator& alloc, executor& ex, Observer observe = {},
+                                 moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
@@ -15621,7 +16459,8 @@ class model {
     detail::need_pointer(w, "weights");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
+                      moe);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -15644,7 +16483,7 @@ class model {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
     flat_gradients flat{};
-    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
   }
   // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
   // buckets, replayed by model/reserve_plan.hpp); at() is not called.
@@ -15653,7 +16492,7 @@ class model {
                             Allocator& alloc, Router& grads) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -15671,11 +16510,11 @@ class model {
     detail::need_pointer(w, "weights");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(logits, "logits");
-    check(b);
+    check(b, true);
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, &ex, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex));
+    const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex), true, nullptr);
     const auto hw = head_weights(w);
     std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
     const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
@@ -15687,32 +16526,33 @@ class model {
   }
 
   // ---- Evaluation: the mean cross-entropy without a backward pass ------------------------------
-  // The same value, to the bit, as forward_backward's; forward only, each block's input freed
-  // once its output exists, so the peak is two activations plus the larger of one block's
-  // forward workspace and the head's, all from `alloc` (below any training plan's for b).
+  // The same value, to the bit, as forward_backward's (a mixture's balancing loss included; moe
+  // as there); forward only, each block's input freed once its output exists, so the peak is two
+  // activations plus the larger of one block's forward workspace and the head's, all from
+  // `alloc` (below any training plan's for b).
   template <typename Allocator>
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-              std::size_t head_chunk, Allocator& alloc, executor& ex) const {
+              std::size_t head_chunk, Allocator& alloc, executor& ex, moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
     detail::need_pointer(w, "weights");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
-    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex));
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex), moe);
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
   void loss_requests(batch_shape b, std::size_t head_chunk, std::size_t threads, Allocator& alloc) const {
-    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
+    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads, nullptr);
   }
 
   // Forward FLOPs of one block of type B on b: its MLP, its mixer's projections and its mixing.
   template <typename B>
   static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
     const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
-    const double F = static_cast<double>(cfg.hidden()), T = static_cast<double>(b.seq);
-    double f = 2.0 * N * 3.0 * C * F;  // SwiGLU
+    const double T = static_cast<double>(b.seq);
     using M = typename B::mixer;
     const auto d = B::make_dims(cfg, b);
+    double f = B::feed_forward_flops(d);
     std::size_t mixer_params = 0;
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
@@ -15773,15 +16613,17 @@ class model {
   template <bool Run, typename Allocator, typename Router, typename Observer>
   double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
-              executor* ex, std::size_t threads, Observer& observe) const {
+              executor* ex, std::size_t threads, Observer& observe, moe_stats* moe) const {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
     if constexpr (Run) check_ids(tokens, targets, N);
     const double counted = Run ? counted_targets(targets, N) : 1.0;
     const std::size_t a = activation_bytes(b);
+    moe_stats experts{};  // the mixture blocks' first forwards
 
     live_set<Allocator> live(alloc, ex, L);
+    std::vector<char> reported(L, 0);  // a block's stats count once: recomputations repeat them
     std::vector<S*> x(L + 1, nullptr);
     std::vector<void*> saved(L, nullptr);
     S* delta = nullptr;
@@ -15806,7 +16648,14 @@ class model {
               saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
             const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
             void* ws = live.get(wsb, memory_tag::workspace);
-            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *ex);
+            if constexpr (Run) {
+              // A block's first forward reports; a recomputation repeats the same routing.
+              moe_stats st;
+              B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *ex,
+                         reported[i] != 0 ? nullptr : &st);
+              reported[i] = 1;
+              experts += st;
+            }
             live.put(ws);
           });
           break;
@@ -15828,7 +16677,8 @@ class model {
         }
         case chain_op_kind::backward: {
           visit_block(i, [&]<typename B>(B*) {
-            const auto d = B::make_dims(cfg_, b);
+            auto d = B::make_dims(cfg_, b);
+            B::scale_aux_loss(d, loss_scale);
             S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
             g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
@@ -15854,12 +16704,14 @@ class model {
       observe(check_point::after_backward);
     }
     live.put(delta);
-    return loss_sum / counted;
+    if (moe != nullptr) *moe = experts;
+    return loss_sum / counted + experts.aux_loss;
   }
 
   template <bool Run, typename Allocator>
   double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-                   std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads) const {
+                   std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads,
+                   moe_stats* moe) const {
     static_assert(check_allocator<Allocator>());
     check(b);
     const std::size_t N = b.tokens();
@@ -15868,29 +16720,38 @@ class model {
     if constexpr (Run) check_ids(tokens, targets, N);
     const double counted = Run ? counted_targets(targets, N) : 1.0;
     live_set<Allocator> live(alloc, ex, depth());
-    S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
+    moe_stats experts{};
+    S* x = forward_only<Run>(w, tokens, b, live, ex, threads, false, &experts);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
     double total = 0;
     if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *ex);
     live.put(ws);
     live.put(x);
-    return total / counted;
+    if (moe != nullptr) *moe = experts;
+    return total / counted + experts.aux_loss;
   }
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).
+  // inference: a mixture of experts computes every choice (no capacity, as Mixtral and
+  // Switch's evaluation do: a prompt of a few tokens would otherwise leave experts no slot).
   template <bool Run, typename Live>
   S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
-                  std::size_t threads) const {
+                  std::size_t threads, bool inference, moe_stats* moe) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
     if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
       visit_block(i, [&]<typename B>(B*) {
-        const auto d = B::make_dims(cfg_, b);
+        auto d = B::make_dims(cfg_, b);
+        if (inference) B::without_capacity(d);
         S* y = static_cast<S*>(live.get(a, memory_tag::activations));
         void* ws = live.get(B::forward_workspace_bytes(d, threads, forward_mode::advance), memory_tag::workspace);
-        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *ex);
+        if constexpr (Run) {
+          moe_stats st;
+          B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *ex, moe ? &st : nullptr);
+          if (moe != nullptr) *moe += st;
+        }
         live.put(ws);
         live.put(x);
         x = y;
@@ -16742,6 +17603,13 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
                      fo.gradients};
       const batch_shape b{mb, effective.seq, effective.sequences};
+      // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
+      // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
+      try {
+        m.check(b);
+      } catch (const invalid_argument&) {
+        continue;
+      }
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
                                          {schedule_choice::kind::full, 0}};
@@ -17500,8 +18368,6 @@ MEMBOUND_NAMESPACE_END
 // rank_budget_too_small naming that rank. An out-of-memory after that micro-batch's exchanges have
 // started (ZeRO-2's backward, ZeRO-0/1 overlapped's last backward, the exchange after the
 // micro-batches) cannot be retried over ranks.
-
-#include <charconv>
 
 // ---- begin membound/train/checkpoint_state.hpp ----
 // What the trainer's checkpoints hold and how their files are named (one part of the trainer,
@@ -18970,6 +19836,10 @@ struct step_result {
   std::vector<replan_event> replans;
   double ms = 0;
   std::size_t tokens = 0;
+  // This rank's mixture-of-experts blocks, summed over its micro-batches (zero without them):
+  // the balancing loss (`loss` holds its mean over the micro-batches, weighted as theirs), the
+  // choices and the tokens their capacity dropped.
+  moe_stats moe{};
 };
 
 // One rank's persistent and transient bytes as its plan predicts them (requested bytes): what the
@@ -19177,6 +20047,7 @@ class trainer {
     for (;;) {
       try {
         r.loss = accumulate(source, scale, may_abandon, r.pressure);
+        r.moe = moe_;
         break;
       } catch (const detail::abandon_step& a) {
         rewind(rng0, position0);
@@ -19467,9 +20338,10 @@ class trainer {
   // The model it trains.
   const Model& model() const noexcept { return m_; }
   // What a checkpoint of this trainer must match to be loaded, in the order load() compares it:
-  // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits), the
-  // storage and accumulation types by name, the depth and each block's identity (its mixer's
-  // family and the policies that change what it computes), the parameter layout, the optimizer
+  // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits; the
+  // window and the experts' settings through the blocks that use them), the storage and
+  // accumulation types by name, the depth and each block's identity (its mixer's family, its
+  // feed-forward and the policies that change what it computes), the parameter layout, the optimizer
   // state's layout, the effective batch and sequence length.
   std::vector<fingerprint_field> fingerprint() const {
     const model_config& c = m_.config();
@@ -20342,6 +21214,7 @@ class trainer {
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
     zero_gradients();
     double loss = 0;
+    moe_ = {};
     std::size_t counted = 0;  // this rank's counted targets in the step
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -20367,9 +21240,10 @@ class trainer {
           default: break;
         }
       };
+      moe_stats micro_moe{};
       const auto routed = [&](auto& router) {
         return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
-                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer);
+                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe);
       };
       if (zero2()) {
         loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
@@ -20378,9 +21252,10 @@ class trainer {
       } else {
         loss += mean *
                 m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
-                                    scale * mean / accum, alloc_, ex_, observer) /
+                                    scale * mean / accum, alloc_, ex_, observer, &micro_moe) /
                 accum;
       }
+      moe_ += micro_moe;
     }
     oom_may_vote_ = false;  // the exchange follows
     backward_exchanges_ = false;
@@ -20681,6 +21556,7 @@ class trainer {
   std::vector<std::int32_t> x_, y_;
   std::vector<std::int32_t> offsets_;  // the packed row's offsets (host: the layers read them there)
   double counted_ratio_ = 1.0;  // the last step's positions / counted targets (see accumulate)
+  moe_stats moe_{};             // this rank's mixture-of-experts blocks over the step's micro-batches
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
   std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;

@@ -24,6 +24,8 @@ BAD = {
     "bench_data_parallel": [("STEPS", ["abc"]), ("STEPS", ["0"]), ("--bogus", ["5", "--bogus"])],
     "bench_packing": [("--tokens", ["--tokens", "1"]), ("--sequences", ["--sequences", "0"]),
                       ("--data", ["--data"]), ("--bogus", ["--bogus"])],
+    "bench_moe": [("--experts", ["--experts", "1"]), ("--seq", ["--seq", "abc"]), ("--data", ["--data", "/nonexistent"]),
+                  ("--bogus", ["--bogus"])],
     # Google Benchmark's programs (bench/benchmark_main.hpp): its --benchmark_* flags go to it,
     # anything else is refused by name before a benchmark runs (no GPU needed to be refused).
     "bench_cuda_model": [("--attention-kernels", ["--attention-kernels=simt"]),

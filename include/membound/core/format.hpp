@@ -1,6 +1,7 @@
-// Human-readable byte counts for messages, tables and logs.
+// Human-readable byte counts and numbers for messages, tables, logs and identities.
 #pragma once
 
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -9,6 +10,13 @@
 #include "membound/core/config.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
+
+// The shortest text that reads back as the same double ("1.25", "0.01", "1e-05").
+inline std::string shortest_text(double v) {
+  char buf[40];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
 
 // "1.50 GiB (1610612736 B)": the binary unit for people, the exact count for tools and tests.
 inline std::string format_bytes(std::size_t bytes, bool exact = true) {

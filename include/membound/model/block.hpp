@@ -1,4 +1,5 @@
-// A block: h = x + Mixer(RMSNorm(x)), then y = h + SwiGLU(RMSNorm(h)). Each half is a `part`
+// A block: h = x + Mixer(RMSNorm(x)), then y = h + FFN(RMSNorm(h)), the feed-forward the dense
+// SwiGLU MLP (swiglu_ffn, the default) or a mixture of SwiGLU experts (moe_ffn). Each half is a `part`
 // (pre-norm, layer, residual) with its own forward, backward and size functions; the block adds
 // the three forward modes a checkpoint schedule needs (see model/schedule.hpp):
 //   advance - x -> y, keeping nothing (the layers' saved tensors live in the workspace);
@@ -13,6 +14,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -38,6 +40,7 @@ struct part {
   using glue = model_glue_of<typename Layer::backend>;
   using executor = typename Layer::executor;
   static constexpr std::size_t param_count = traits::param_count + 1;  // norm scale first
+  static constexpr bool reports_stats = std::is_same_v<shape_type, moe_shape>;
 
   struct dims {
     std::size_t rows = 0, width = 0;
@@ -93,9 +96,10 @@ struct part {
     return traits::bind(q);
   }
 
-  // y = x + L(RMSNorm(x)). `saved` is used only when keep.
+  // y = x + L(RMSNorm(x)). `saved` is used only when keep. A layer that reports what it did
+  // (moe_mlp's moe_stats) writes into `stats` when it is given.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, bool keep, executor& ex) {
+                      void* workspace, bool keep, executor& ex, moe_stats* stats = nullptr) {
     const std::size_t threads = workspace_threads(ex);
     const auto fl = forward_layout(d, threads, keep);
     const auto ws = carve(fl, workspace, fl.size());
@@ -113,8 +117,14 @@ struct part {
     }
     glue::template rmsnorm_forward<A>(ex, x, w[0], n, rstd, d.rows, d.width, d.eps);
     S* m = ws.template get<S>(f_m);
-    Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer),
-                   ws.template get<std::byte>(f_ws), Layer::forward_workspace_bytes(d.layer, threads), ex);
+    void* lws = ws.template get<std::byte>(f_ws);
+    const std::size_t lwsb = Layer::forward_workspace_bytes(d.layer, threads);
+    if constexpr (reports_stats) {
+      Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer), lws, lwsb, ex, stats);
+    } else {
+      (void)stats;
+      Layer::forward(d.layer, layer_weights(w), n, m, lsaved, Layer::saved_bytes(d.layer), lws, lwsb, ex);
+    }
     glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
   }
 
@@ -140,17 +150,32 @@ struct part {
 
 }  // namespace detail
 
-// The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>.
-template <block_mixer Mixer>
+// A block's feed-forward: the layer template it instantiates with the mixer's precision and
+// backend. swiglu_ffn, the dense SwiGLU MLP, is the default; moe_ffn takes model_config::moe.
+struct swiglu_ffn {
+  template <typename Precision, typename Backend>
+  using layer = swiglu_mlp<Precision, Backend>;
+};
+struct moe_ffn {
+  template <typename Precision, typename Backend>
+  using layer = moe_mlp<Precision, Backend>;
+};
+template <typename F>
+concept block_feed_forward = requires { typename F::template layer<fp32_precision, cpu_backend>; };
+
+// The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>,
+// block<attention<>, moe_ffn> (a mixture-of-experts feed-forward).
+template <block_mixer Mixer, block_feed_forward FeedForward = swiglu_ffn>
 class block {
  public:
   using mixer = Mixer;
+  using feed_forward = FeedForward;
   using storage_type = typename Mixer::storage_type;
   using accum_type = typename Mixer::accum_type;
   // The MLP runs where the mixer runs; so does the block's glue (model/glue.hpp).
   using backend = typename Mixer::backend;
   using executor = typename backend::executor;
-  using mlp = swiglu_mlp<precision<storage_type, accum_type>, backend>;
+  using mlp = typename FeedForward::template layer<precision<storage_type, accum_type>, backend>;
 
  private:
   using S = storage_type;
@@ -185,6 +210,30 @@ class block {
     d.p2 = {b.tokens(), c.width, c.norm_eps, mixer_traits<mlp>::shape(c, b)};
     return d;
   }
+  // The feed-forward's FLOPs on the block's shape (a mixture's: its worst routing, moe_rows).
+  static constexpr double feed_forward_flops(const dims& d) noexcept {
+    return mixer_traits<mlp>::flops(d.p2.layer);
+  }
+  // Backward weighs a mixture's balancing loss as the model weighs the step's loss (its
+  // loss_scale); nothing for a dense block.
+  static constexpr void scale_aux_loss(dims& d, double loss_scale) noexcept {
+    if constexpr (part2::reports_stats) {
+      d.p2.layer.aux_loss_weight *= loss_scale;
+    } else {
+      (void)d;
+      (void)loss_scale;
+    }
+  }
+
+  // A mixture computes every choice (inference: model::next_token_logits); a dense block is as it is.
+  static constexpr void without_capacity(dims& d) noexcept {
+    if constexpr (part2::reports_stats) {
+      d.p2.layer.capacity_factor = 0.0;
+    } else {
+      (void)d;
+    }
+  }
+
   // Throws invalid_argument naming the mixer's or the MLP's shape argument.
   static void check(const dims& d) {
     Mixer::check(d.p1.layer);
@@ -252,9 +301,9 @@ class block {
 
   // ---- Run -------------------------------------------------------------------------------------
   // y: the output (ignored under retape, which computes it in the workspace); saved: the block's
-  // saved_bytes (ignored under advance).
+  // saved_bytes (ignored under advance); stats (optional): what a mixture of experts did.
   static void forward(const dims& d, const weight_ptrs& w, const S* x, S* y, void* saved,
-                      void* workspace, forward_mode mode, executor& ex) {
+                      void* workspace, forward_mode mode, executor& ex, moe_stats* stats = nullptr) {
     const std::size_t threads = workspace_threads(ex);
     const bool keep = mode != forward_mode::advance;
     const auto fl = forward_layout(d, threads, mode);
@@ -273,7 +322,7 @@ class block {
     }
     if (mode == forward_mode::retape) y = ws.template get<S>(f_y);
     part1::forward(d.p1, first(w), x, h, sv1, ws.template get<std::byte>(f_p1), keep, ex);
-    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, ex);
+    part2::forward(d.p2, second(w), h, y, sv2, ws.template get<std::byte>(f_p2), keep, ex, stats);
   }
 
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
@@ -306,7 +355,7 @@ class block {
 
 template <typename T>
 inline constexpr bool is_block_v = false;
-template <typename M>
-inline constexpr bool is_block_v<block<M>> = true;
+template <typename M, typename F>
+inline constexpr bool is_block_v<block<M, F>> = true;
 
 MEMBOUND_NAMESPACE_END

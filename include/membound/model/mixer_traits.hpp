@@ -14,8 +14,10 @@
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
+#include "membound/core/format.hpp"
 #include "membound/layers/attention.hpp"
 #include "membound/layers/mamba.hpp"
+#include "membound/layers/moe_mlp.hpp"
 #include "membound/layers/swiglu_mlp.hpp"
 #include "membound/layers/ttt.hpp"
 #include "membound/model/model_config.hpp"
@@ -249,6 +251,11 @@ struct mixer_traits<swiglu_mlp<P...>> {
   static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
     return {b.batch, b.seq, c.width, c.hidden()};
   }
+  // Forward FLOPs: three products of N × C × F.
+  static constexpr double flops(const shape_type& s) noexcept {
+    return 6.0 * static_cast<double>(s.batch * s.seq) * static_cast<double>(s.width) *
+           static_cast<double>(s.hidden);
+  }
   static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
     return {{{"w_gate", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
              {"w_up", sat_mul(s.width, s.hidden), param_init::normal, detail::init_std, 0},
@@ -260,6 +267,51 @@ struct mixer_traits<swiglu_mlp<P...>> {
       return typename layer::weights{p[0], p[1], p[2]};
     } else {
       return typename layer::gradients{p[0], p[1], p[2]};
+    }
+  }
+};
+
+template <typename... P>
+struct mixer_traits<moe_mlp<P...>> {
+  using layer = moe_mlp<P...>;
+  using shape_type = moe_shape;
+  using S = typename layer::storage_type;
+  static constexpr const char* name = "moe";
+  static constexpr std::size_t param_count = 4;
+
+  // Everything that changes what it computes: "moe<8 experts top-2 of swiglu 64, capacity
+  // 1.25, renormalized, aux 0.01, bf16/fp32>".
+  static std::string identity(const model_config& c) {
+    return std::string(name) + "<" + std::to_string(c.moe.experts) + " experts top-" +
+           std::to_string(c.moe.top_k) + " of swiglu " + std::to_string(c.expert_hidden()) +
+           ", capacity " + shortest_text(c.moe.capacity_factor) +
+           (c.moe.renormalize ? ", renormalized" : "") + ", aux " + shortest_text(c.moe.aux_loss_weight) +
+           ", " + detail::precision_identity<layer>() + ">";
+  }
+
+  static constexpr shape_type shape(const model_config& c, batch_shape b) noexcept {
+    return {b.batch, b.seq, c.width, c.expert_hidden(), c.moe.experts, c.moe.top_k,
+            c.moe.capacity_factor, c.moe.renormalize, c.moe.aux_loss_weight};
+  }
+  // Forward FLOPs of the worst routing the capacity allows (moe_rows rows through the experts)
+  // and the router's product.
+  static constexpr double flops(const shape_type& s) noexcept {
+    return 6.0 * static_cast<double>(moe_rows(s)) * static_cast<double>(s.width) * static_cast<double>(s.hidden) +
+           2.0 * static_cast<double>(s.tokens()) * static_cast<double>(s.width) * static_cast<double>(s.experts);
+  }
+  static constexpr std::array<param_spec, param_count> params(const shape_type& s) noexcept {
+    const std::size_t CF = sat_mul(s.width, s.hidden);
+    return {{{"router", sat_mul(s.width, s.experts), param_init::normal, detail::init_std, 0},
+             {"w_gate", sat_mul(s.experts, CF), param_init::normal, detail::init_std, 0},
+             {"w_up", sat_mul(s.experts, CF), param_init::normal, detail::init_std, 0},
+             {"w_down", sat_mul(s.experts, CF), param_init::normal, detail::init_std, 0}}};
+  }
+  template <typename T>
+  static auto bind(const std::array<T*, param_count>& p) noexcept {
+    if constexpr (std::is_const_v<T>) {
+      return typename layer::weights{p[0], p[1], p[2], p[3]};
+    } else {
+      return typename layer::gradients{p[0], p[1], p[2], p[3]};
     }
   }
 };

@@ -300,12 +300,17 @@ class model {
   }
 
   // Throws invalid_argument naming the first block or head argument the shape breaks.
-  void check(batch_shape b) const {
+  // inference: as next_token_logits runs it (a mixture of experts without its capacity).
+  void check(batch_shape b, bool inference = false) const {
     if (b.batch == 0 || b.seq == 0) {
       throw invalid_argument(b.batch == 0 ? "batch" : "seq", "at least 1", "0",
                              "A step needs at least one sequence of one token");
     }
-    for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::make_dims(cfg_, b)); });
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      auto d = B::make_dims(cfg_, b);
+      if (inference) B::without_capacity(d);
+      B::check(d);
+    });
   }
 
   // Where the host reads the ids in place (the CPU), tokens and targets against the vocabulary;
@@ -439,19 +444,23 @@ class model {
   // before_backward (loss and its gradient computed) and at after_backward (before the last
   // gradient is freed): where a pressure monitor looks. An observer may throw to abandon the
   // micro-batch; everything is given back as for any exception.
+  //
+  // moe (optional): what the mixture-of-experts blocks did, summed over them (zero without such
+  // blocks): the balancing loss the returned loss includes, the choices their capacity dropped.
   template <typename Allocator, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                           double loss_scale, Allocator& alloc, executor& ex,
-                          Observer observe = {}) const {
+                          Observer observe = {}, moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
     detail::need_pointer(w, "weights");
     detail::need_pointer(g, "gradients");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
+    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
+                      moe);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -464,7 +473,8 @@ class model {
     requires std::invocable<Observer&, check_point>
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
-                                 double loss_scale, Allocator& alloc, executor& ex, Observer observe = {}) const {
+                                 double loss_scale, Allocator& alloc, executor& ex, Observer observe = {},
+                                 moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
@@ -474,7 +484,8 @@ class model {
     detail::need_pointer(w, "weights");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe);
+    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
+                      moe);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -497,7 +508,7 @@ class model {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
     flat_gradients flat{};
-    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
   }
   // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
   // buckets, replayed by model/reserve_plan.hpp); at() is not called.
@@ -506,7 +517,7 @@ class model {
                             Allocator& alloc, Router& grads) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none);
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -524,11 +535,11 @@ class model {
     detail::need_pointer(w, "weights");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(logits, "logits");
-    check(b);
+    check(b, true);
     if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, b.tokens());
     const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, &ex, depth());
-    const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex));
+    const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex), true, nullptr);
     const auto hw = head_weights(w);
     std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
     const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
@@ -540,32 +551,33 @@ class model {
   }
 
   // ---- Evaluation: the mean cross-entropy without a backward pass ------------------------------
-  // The same value, to the bit, as forward_backward's; forward only, each block's input freed
-  // once its output exists, so the peak is two activations plus the larger of one block's
-  // forward workspace and the head's, all from `alloc` (below any training plan's for b).
+  // The same value, to the bit, as forward_backward's (a mixture's balancing loss included; moe
+  // as there); forward only, each block's input freed once its output exists, so the peak is two
+  // activations plus the larger of one block's forward workspace and the head's, all from
+  // `alloc` (below any training plan's for b).
   template <typename Allocator>
   double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-              std::size_t head_chunk, Allocator& alloc, executor& ex) const {
+              std::size_t head_chunk, Allocator& alloc, executor& ex, moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
     detail::need_pointer(w, "weights");
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
-    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex));
+    return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex), moe);
   }
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
   void loss_requests(batch_shape b, std::size_t head_chunk, std::size_t threads, Allocator& alloc) const {
-    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads);
+    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads, nullptr);
   }
 
   // Forward FLOPs of one block of type B on b: its MLP, its mixer's projections and its mixing.
   template <typename B>
   static constexpr double flops_of(const model_config& cfg, batch_shape b) noexcept {
     const double N = static_cast<double>(b.tokens()), C = static_cast<double>(cfg.width);
-    const double F = static_cast<double>(cfg.hidden()), T = static_cast<double>(b.seq);
-    double f = 2.0 * N * 3.0 * C * F;  // SwiGLU
+    const double T = static_cast<double>(b.seq);
     using M = typename B::mixer;
     const auto d = B::make_dims(cfg, b);
+    double f = B::feed_forward_flops(d);
     std::size_t mixer_params = 0;
     for (const auto& p : mixer_traits<M>::params(d.p1.layer)) mixer_params += p.count;
     f += 2.0 * N * static_cast<double>(mixer_params);
@@ -626,15 +638,17 @@ class model {
   template <bool Run, typename Allocator, typename Router, typename Observer>
   double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
-              executor* ex, std::size_t threads, Observer& observe) const {
+              executor* ex, std::size_t threads, Observer& observe, moe_stats* moe) const {
     (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
     if constexpr (Run) check_ids(tokens, targets, N);
     const double counted = Run ? counted_targets(targets, N) : 1.0;
     const std::size_t a = activation_bytes(b);
+    moe_stats experts{};  // the mixture blocks' first forwards
 
     live_set<Allocator> live(alloc, ex, L);
+    std::vector<char> reported(L, 0);  // a block's stats count once: recomputations repeat them
     std::vector<S*> x(L + 1, nullptr);
     std::vector<void*> saved(L, nullptr);
     S* delta = nullptr;
@@ -659,7 +673,14 @@ class model {
               saved[i] = live.get(B::saved_bytes(d), memory_tag::activations);
             const std::size_t wsb = B::forward_workspace_bytes(d, threads, mode);
             void* ws = live.get(wsb, memory_tag::workspace);
-            if constexpr (Run) B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *ex);
+            if constexpr (Run) {
+              // A block's first forward reports; a recomputation repeats the same routing.
+              moe_stats st;
+              B::forward(d, block_weights<B>(w, i), x[i], x[i + 1], saved[i], ws, mode, *ex,
+                         reported[i] != 0 ? nullptr : &st);
+              reported[i] = 1;
+              experts += st;
+            }
             live.put(ws);
           });
           break;
@@ -681,7 +702,8 @@ class model {
         }
         case chain_op_kind::backward: {
           visit_block(i, [&]<typename B>(B*) {
-            const auto d = B::make_dims(cfg_, b);
+            auto d = B::make_dims(cfg_, b);
+            B::scale_aux_loss(d, loss_scale);
             S* dx = static_cast<S*>(live.get(a, memory_tag::activations));
             g.begin_block(i);
             void* ws = live.get(B::backward_workspace_bytes(d, threads), memory_tag::workspace);
@@ -707,12 +729,14 @@ class model {
       observe(check_point::after_backward);
     }
     live.put(delta);
-    return loss_sum / counted;
+    if (moe != nullptr) *moe = experts;
+    return loss_sum / counted + experts.aux_loss;
   }
 
   template <bool Run, typename Allocator>
   double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
-                   std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads) const {
+                   std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads,
+                   moe_stats* moe) const {
     static_assert(check_allocator<Allocator>());
     check(b);
     const std::size_t N = b.tokens();
@@ -721,29 +745,38 @@ class model {
     if constexpr (Run) check_ids(tokens, targets, N);
     const double counted = Run ? counted_targets(targets, N) : 1.0;
     live_set<Allocator> live(alloc, ex, depth());
-    S* x = forward_only<Run>(w, tokens, b, live, ex, threads);
+    moe_stats experts{};
+    S* x = forward_only<Run>(w, tokens, b, live, ex, threads, false, &experts);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
     double total = 0;
     if constexpr (Run) total = head_type::loss(hs, head_weights(w), x, targets, ws, wsb, *ex);
     live.put(ws);
     live.put(x);
-    return total / counted;
+    if (moe != nullptr) *moe = experts;
+    return total / counted + experts.aux_loss;
   }
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).
+  // inference: a mixture of experts computes every choice (no capacity, as Mixtral and
+  // Switch's evaluation do: a prompt of a few tokens would otherwise leave experts no slot).
   template <bool Run, typename Live>
   S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
-                  std::size_t threads) const {
+                  std::size_t threads, bool inference, moe_stats* moe) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
     if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
       visit_block(i, [&]<typename B>(B*) {
-        const auto d = B::make_dims(cfg_, b);
+        auto d = B::make_dims(cfg_, b);
+        if (inference) B::without_capacity(d);
         S* y = static_cast<S*>(live.get(a, memory_tag::activations));
         void* ws = live.get(B::forward_workspace_bytes(d, threads, forward_mode::advance), memory_tag::workspace);
-        if constexpr (Run) B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *ex);
+        if constexpr (Run) {
+          moe_stats st;
+          B::forward(d, block_weights<B>(w, i), x, y, nullptr, ws, forward_mode::advance, *ex, moe ? &st : nullptr);
+          if (moe != nullptr) *moe += st;
+        }
         live.put(ws);
         live.put(x);
         x = y;

@@ -10,6 +10,17 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// The mixture-of-experts feed-forward of the blocks that take one (block<Mixer, moe_ffn>;
+// layers/moe_mlp.hpp and shape/moe_shape.hpp say what each field does).
+struct moe_config {
+  std::size_t experts = 8;        // E
+  std::size_t top_k = 2;          // k: 1 (Switch) or 2 (GShard, Mixtral)
+  std::size_t hidden = 0;         // F of each expert (0: the dense MLP's, model_config::hidden())
+  double capacity_factor = 1.25;  // slots per expert floor(factor · tokens · k / E); 0: no limit
+  bool renormalize = true;        // the k gates divided by their sum (k = 2; one gate stays p)
+  double aux_loss_weight = 0.01;  // α of the load-balancing loss the model adds to its loss
+};
+
 struct model_config {
   std::size_t vocab = 256;      // byte-level by default
   std::size_t width = 0;        // C, the residual stream
@@ -21,12 +32,14 @@ struct model_config {
   double rope_base = 10000.0;   // attention and TTT
   double ttt_base_lr = 1.0;     // TTT's inner learning rate scale
   std::size_t attention_window = 0;  // W of the local_attention layers (keys i − W + 1 .. i)
+  moe_config moe{};               // the moe_ffn blocks' experts
 
   constexpr std::size_t hidden() const noexcept {
     // 8/3·C up to a multiple of 8, saturating (a width near SIZE_MAX is refused by its sizes).
     return mlp_hidden != 0 ? mlp_hidden : sat_round_up(sat_mul(width, 8) / 3, 8);
   }
   constexpr std::size_t kv() const noexcept { return kv_heads != 0 ? kv_heads : heads; }
+  constexpr std::size_t expert_hidden() const noexcept { return moe.hidden != 0 ? moe.hidden : hidden(); }
 };
 
 // The work one micro-batch step does: batch sequences of seq tokens, or (sequences > 0) one row

@@ -662,6 +662,13 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
                      fo.gradients};
       const batch_shape b{mb, effective.seq, effective.sequences};
+      // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
+      // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
+      try {
+        m.check(b);
+      } catch (const invalid_argument&) {
+        continue;
+      }
       combos.push_back({b, o});
       std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
                                          {schedule_choice::kind::full, 0}};

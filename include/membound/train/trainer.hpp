@@ -309,6 +309,7 @@ class trainer {
     for (;;) {
       try {
         r.loss = accumulate(source, scale, may_abandon, r.pressure);
+        r.moe = moe_;
         break;
       } catch (const detail::abandon_step& a) {
         rewind(rng0, position0);
@@ -599,9 +600,10 @@ class trainer {
   // The model it trains.
   const Model& model() const noexcept { return m_; }
   // What a checkpoint of this trainer must match to be loaded, in the order load() compares it:
-  // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits), the
-  // storage and accumulation types by name, the depth and each block's identity (its mixer's
-  // family and the policies that change what it computes), the parameter layout, the optimizer
+  // every model_config field (effective kv_heads and mlp_hidden, doubles by their bits; the
+  // window and the experts' settings through the blocks that use them), the storage and
+  // accumulation types by name, the depth and each block's identity (its mixer's family, its
+  // feed-forward and the policies that change what it computes), the parameter layout, the optimizer
   // state's layout, the effective batch and sequence length.
   std::vector<fingerprint_field> fingerprint() const {
     const model_config& c = m_.config();
@@ -1475,6 +1477,7 @@ class trainer {
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
     zero_gradients();
     double loss = 0;
+    moe_ = {};
     std::size_t counted = 0;  // this rank's counted targets in the step
     // Every rank's micro-batches count in the mean: the accumulation of the whole world.
     const double accum = static_cast<double>(plan_.accumulation * world());
@@ -1500,9 +1503,10 @@ class trainer {
           default: break;
         }
       };
+      moe_stats micro_moe{};
       const auto routed = [&](auto& router) {
         return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
-                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer);
+                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe);
       };
       if (zero2()) {
         loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
@@ -1511,9 +1515,10 @@ class trainer {
       } else {
         loss += mean *
                 m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
-                                    scale * mean / accum, alloc_, ex_, observer) /
+                                    scale * mean / accum, alloc_, ex_, observer, &micro_moe) /
                 accum;
       }
+      moe_ += micro_moe;
     }
     oom_may_vote_ = false;  // the exchange follows
     backward_exchanges_ = false;
@@ -1814,6 +1819,7 @@ class trainer {
   std::vector<std::int32_t> x_, y_;
   std::vector<std::int32_t> offsets_;  // the packed row's offsets (host: the layers read them there)
   double counted_ratio_ = 1.0;  // the last step's positions / counted targets (see accumulate)
+  moe_stats moe_{};             // this rank's mixture-of-experts blocks over the step's micro-batches
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
   std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;

@@ -52,6 +52,10 @@ struct step_result {
   std::vector<replan_event> replans;
   double ms = 0;
   std::size_t tokens = 0;
+  // This rank's mixture-of-experts blocks, summed over its micro-batches (zero without them):
+  // the balancing loss (`loss` holds its mean over the micro-batches, weighted as theirs), the
+  // choices and the tokens their capacity dropped.
+  moe_stats moe{};
 };
 
 
