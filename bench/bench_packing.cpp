@@ -141,8 +141,7 @@ static int bench_main(int argc, char** argv) {
     b.targets.resize(tokens);
     pack.write(r, [&](std::size_t i) { return samples[i]; },
                mb::packed_row{b.tokens.data(), b.targets.data(), b.offsets.data(), tokens, sequences});
-    b.data = static_cast<std::size_t>(std::count_if(b.targets.begin(), b.targets.end(),
-                                                    [](std::int32_t t) { return t != mb::ignore_target; }));
+    b.data = mb::counted_targets(b.targets.data(), b.targets.size());
   }
   // Padded to the longest of each micro-batch, in corpus order; truncated to the budget.
   std::vector<micro_batch> padded;

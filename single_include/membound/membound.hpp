@@ -122,6 +122,12 @@ MEMBOUND_NAMESPACE_END
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// A whole number held in a double (can_implement's `actual`, a packing check's) as text, signed:
+// a negative offset is a value a caller can give, and converting it to size_t would be undefined.
+inline std::string whole_text(double v) {
+  return v < 0.0 ? std::to_string(static_cast<long long>(v)) : std::to_string(static_cast<std::size_t>(v));
+}
+
 // The shortest text that reads back as the same double ("1.25", "0.01", "1e-05").
 inline std::string shortest_text(double v) {
   char buf[40];
@@ -6793,6 +6799,13 @@ MEMBOUND_NAMESPACE_BEGIN
 // to each sequence's last token, whose next token belongs to another sequence.
 inline constexpr std::int32_t ignore_target = -100;
 
+// How many of the n host targets count (are not ignore_target): what a mean loss divides by.
+constexpr std::size_t counted_targets(const std::int32_t* targets, std::size_t n) noexcept {
+  std::size_t c = 0;
+  for (std::size_t i = 0; i < n; ++i) c += targets[i] != ignore_target ? 1 : 0;
+  return c;
+}
+
 struct lm_head_shape {
   std::size_t rows = 1;    // N = B·T tokens
   std::size_t width = 0;   // C
@@ -8207,13 +8220,9 @@ using ::membound::sat_add;
 using ::membound::sat_mul;
 
 // Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
-// their value as a real number, the others as an integer (signed: a negative offset is a value
-// a caller can give, and converting it to size_t would be undefined).
+// their value as a real number, the others as a signed whole number (whole_text).
 inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
-  throw invalid_argument(r.argument, r.expected,
-                         real_valued      ? std::to_string(r.actual)
-                         : r.actual < 0.0 ? std::to_string(static_cast<long long>(r.actual))
-                                          : std::to_string(static_cast<std::size_t>(r.actual)),
+  throw invalid_argument(r.argument, r.expected, real_valued ? std::to_string(r.actual) : whole_text(r.actual),
                          what_to_do);
 }
 
@@ -14907,6 +14916,25 @@ struct moe_ffn {
 template <typename F>
 concept block_feed_forward = requires { typename F::template layer<fp32_precision, cpu_backend>; };
 
+namespace detail {
+template <typename Mixer, typename FeedForward>
+struct block_name {
+  static constexpr const char* value = mixer_traits<Mixer>::name;
+};
+template <typename Mixer>
+struct block_name<Mixer, moe_ffn> {
+  static constexpr std::size_t n = std::char_traits<char>::length(mixer_traits<Mixer>::name);
+  static constexpr std::array<char, n + 5> chars = [] {
+    std::array<char, n + 5> a{};
+    for (std::size_t i = 0; i < n; ++i) a[i] = mixer_traits<Mixer>::name[i];
+    const char suffix[] = "_moe";
+    for (std::size_t i = 0; i < 5; ++i) a[n + i] = suffix[i];
+    return a;
+  }();
+  static constexpr const char* value = chars.data();
+};
+}  // namespace detail
+
 // The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>,
 // block<attention<>, moe_ffn> (a mixture-of-experts feed-forward).
 template <block_mixer Mixer, block_feed_forward FeedForward = swiglu_ffn>
@@ -14928,7 +14956,9 @@ class block {
   using part2 = detail::part<mlp>;
 
  public:
-  static constexpr const char* name = mixer_traits<Mixer>::name;
+  // The mixer's name, "_moe" after it with a mixture of experts ("attention_moe"): the block's
+  // name in parameter names, plan tables and model::mixer_index.
+  static constexpr const char* name = detail::block_name<Mixer, FeedForward>::value;
   static constexpr std::size_t param_count = part1::param_count + part2::param_count;
 
   // What this block computes, as text: two blocks with the same identity (whatever their C++
@@ -16037,9 +16067,14 @@ inline constexpr bool is_embedding_v = false;
 // embedding<P>: true.
 template <typename P>
 inline constexpr bool is_embedding_v<embedding<P>> = true;
-// A sequence of blocks chosen at run time from these mixers (model(config, pattern)): what a
-// trainer whose --layers flag names the pattern uses. The compile-time spelling lists blocks.
-template <block_mixer... Mixers>
+// What a block_pattern lists: a mixer (its block has the dense SwiGLU MLP) or a whole block
+// (block<attention<P>, moe_ffn>).
+template <typename T>
+concept pattern_choice = block_mixer<T> || is_block_v<T>;
+
+// A sequence of blocks chosen at run time from these mixers or blocks (model(config, pattern)):
+// what a trainer whose --layers flag names the pattern uses. The compile-time spelling lists blocks.
+template <pattern_choice... Mixers>
 struct block_pattern {
   static_assert(sizeof...(Mixers) >= 1, "membound: block_pattern<Mixers...> needs at least one mixer type.");
 };
@@ -16082,8 +16117,17 @@ struct model_parts {
   static auto middle(std::index_sequence<I...>) -> std::tuple<std::tuple_element_t<I + 1, tuple>...>;
   using listed = decltype(middle(std::make_index_sequence<depth>{}));
   static constexpr bool runtime = depth == 1 && is_block_pattern_v<std::tuple_element_t<0, listed>>;
+  // A pattern lists mixers (a block<M> each) or whole blocks (block<M, moe_ffn>).
+  template <typename T>
+  struct as_block {
+    using type = block<T>;
+  };
+  template <typename M, typename F>
+  struct as_block<block<M, F>> {
+    using type = block<M, F>;
+  };
   template <typename... M>
-  static auto choices(block_pattern<M...>*) -> std::tuple<block<M>...>;
+  static auto choices(block_pattern<M...>*) -> std::tuple<typename as_block<M>::type...>;
   static auto pick() {
     if constexpr (runtime) {
       return static_cast<decltype(choices(static_cast<std::tuple_element_t<0, listed>*>(nullptr)))*>(nullptr);
@@ -16222,8 +16266,8 @@ class model {
   std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
   // Each block's mixer index (block_pattern models); empty for a model that lists its blocks.
   const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
-  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp",
-  // "local_attention") among the block types, or block_types when there is none.
+  // The index of the block type called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp",
+  // "local_attention", "attention_moe") among the block types, or block_types when there is none.
   static std::size_t mixer_index(const std::string& name) {
     std::size_t r = block_types;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -16300,8 +16344,7 @@ class model {
   static double counted_targets(const std::int32_t* targets, std::size_t n) noexcept {
     const std::int32_t* t = glue::host_ids(targets);
     if (t == nullptr) return static_cast<double>(n);
-    std::size_t c = 0;
-    for (std::size_t i = 0; i < n; ++i) c += t[i] != ignore_target ? 1 : 0;
+    const std::size_t c = ::membound::counted_targets(t, n);
     return static_cast<double>(c == 0 ? 1 : c);
   }
   // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device
@@ -21092,9 +21135,7 @@ class trainer {
       source(request(0), packed_row{x_.data(), y_.data(), offsets_.data(), T, S});
       const packing_check c = check_packing(offsets_.data(), S, 1, T);
       if (!c.ok) {
-        throw invalid_argument("source's offsets", c.expected,
-                               c.actual < 0 ? std::to_string(static_cast<long long>(c.actual))
-                                            : std::to_string(static_cast<std::size_t>(c.actual)),
+        throw invalid_argument("source's offsets", c.expected, whole_text(c.actual),
                                "Write packed_row::sequences + 1 offsets, 0 first and packed_row::seq last (an "
                                "unused sequence is empty: repeat seq)");
       }
@@ -21120,11 +21161,7 @@ class trainer {
     }
   }
   // Targets of the staged micro-batch that count (not ignore_target), from the host copy.
-  std::size_t counted_host() const noexcept {
-    std::size_t c = 0;
-    for (const std::int32_t t : y_) c += t != ignore_target ? 1 : 0;
-    return c;
-  }
+  std::size_t counted_host() const noexcept { return counted_targets(y_.data(), y_.size()); }
   // The staged micro-batch's weight in the step's sum over tokens: the model's mean divides by the
   // targets it reads as counted (Model::counted_targets; on a device, which it does not read, by
   // every position), so scaling it by that count over the positions makes every micro-batch a sum

@@ -11,6 +11,12 @@
 
 MEMBOUND_NAMESPACE_BEGIN
 
+// A whole number held in a double (can_implement's `actual`, a packing check's) as text, signed:
+// a negative offset is a value a caller can give, and converting it to size_t would be undefined.
+inline std::string whole_text(double v) {
+  return v < 0.0 ? std::to_string(static_cast<long long>(v)) : std::to_string(static_cast<std::size_t>(v));
+}
+
 // The shortest text that reads back as the same double ("1.25", "0.01", "1e-05").
 inline std::string shortest_text(double v) {
   char buf[40];

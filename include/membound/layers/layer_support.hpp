@@ -17,6 +17,7 @@
 #include "membound/core/argument_checks.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
+#include "membound/core/format.hpp"
 #include "membound/memory/workspace.hpp"
 #include "membound/shape/packed_sequences.hpp"
 
@@ -38,13 +39,9 @@ using ::membound::sat_add;
 using ::membound::sat_mul;
 
 // Throws invalid_argument for a failed can_implement answer; `real_valued` arguments print
-// their value as a real number, the others as an integer (signed: a negative offset is a value
-// a caller can give, and converting it to size_t would be undefined).
+// their value as a real number, the others as a signed whole number (whole_text).
 inline void throw_unsupported(const layer_support& r, bool real_valued, const char* what_to_do) {
-  throw invalid_argument(r.argument, r.expected,
-                         real_valued      ? std::to_string(r.actual)
-                         : r.actual < 0.0 ? std::to_string(static_cast<long long>(r.actual))
-                                          : std::to_string(static_cast<std::size_t>(r.actual)),
+  throw invalid_argument(r.argument, r.expected, real_valued ? std::to_string(r.actual) : whole_text(r.actual),
                          what_to_do);
 }
 

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "membound/core/config.hpp"
@@ -163,6 +164,25 @@ struct moe_ffn {
 template <typename F>
 concept block_feed_forward = requires { typename F::template layer<fp32_precision, cpu_backend>; };
 
+namespace detail {
+template <typename Mixer, typename FeedForward>
+struct block_name {
+  static constexpr const char* value = mixer_traits<Mixer>::name;
+};
+template <typename Mixer>
+struct block_name<Mixer, moe_ffn> {
+  static constexpr std::size_t n = std::char_traits<char>::length(mixer_traits<Mixer>::name);
+  static constexpr std::array<char, n + 5> chars = [] {
+    std::array<char, n + 5> a{};
+    for (std::size_t i = 0; i < n; ++i) a[i] = mixer_traits<Mixer>::name[i];
+    const char suffix[] = "_moe";
+    for (std::size_t i = 0; i < 5; ++i) a[n + i] = suffix[i];
+    return a;
+  }();
+  static constexpr const char* value = chars.data();
+};
+}  // namespace detail
+
 // The user's spelling: block<ttt_linear<>>, block<attention<bf16_precision>>, block<mamba<>>,
 // block<attention<>, moe_ffn> (a mixture-of-experts feed-forward).
 template <block_mixer Mixer, block_feed_forward FeedForward = swiglu_ffn>
@@ -184,7 +204,9 @@ class block {
   using part2 = detail::part<mlp>;
 
  public:
-  static constexpr const char* name = mixer_traits<Mixer>::name;
+  // The mixer's name, "_moe" after it with a mixture of experts ("attention_moe"): the block's
+  // name in parameter names, plan tables and model::mixer_index.
+  static constexpr const char* name = detail::block_name<Mixer, FeedForward>::value;
   static constexpr std::size_t param_count = part1::param_count + part2::param_count;
 
   // What this block computes, as text: two blocks with the same identity (whatever their C++

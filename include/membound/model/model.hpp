@@ -62,9 +62,14 @@ inline constexpr bool is_embedding_v = false;
 // embedding<P>: true.
 template <typename P>
 inline constexpr bool is_embedding_v<embedding<P>> = true;
-// A sequence of blocks chosen at run time from these mixers (model(config, pattern)): what a
-// trainer whose --layers flag names the pattern uses. The compile-time spelling lists blocks.
-template <block_mixer... Mixers>
+// What a block_pattern lists: a mixer (its block has the dense SwiGLU MLP) or a whole block
+// (block<attention<P>, moe_ffn>).
+template <typename T>
+concept pattern_choice = block_mixer<T> || is_block_v<T>;
+
+// A sequence of blocks chosen at run time from these mixers or blocks (model(config, pattern)):
+// what a trainer whose --layers flag names the pattern uses. The compile-time spelling lists blocks.
+template <pattern_choice... Mixers>
 struct block_pattern {
   static_assert(sizeof...(Mixers) >= 1, "membound: block_pattern<Mixers...> needs at least one mixer type.");
 };
@@ -107,8 +112,17 @@ struct model_parts {
   static auto middle(std::index_sequence<I...>) -> std::tuple<std::tuple_element_t<I + 1, tuple>...>;
   using listed = decltype(middle(std::make_index_sequence<depth>{}));
   static constexpr bool runtime = depth == 1 && is_block_pattern_v<std::tuple_element_t<0, listed>>;
+  // A pattern lists mixers (a block<M> each) or whole blocks (block<M, moe_ffn>).
+  template <typename T>
+  struct as_block {
+    using type = block<T>;
+  };
+  template <typename M, typename F>
+  struct as_block<block<M, F>> {
+    using type = block<M, F>;
+  };
   template <typename... M>
-  static auto choices(block_pattern<M...>*) -> std::tuple<block<M>...>;
+  static auto choices(block_pattern<M...>*) -> std::tuple<typename as_block<M>::type...>;
   static auto pick() {
     if constexpr (runtime) {
       return static_cast<decltype(choices(static_cast<std::tuple_element_t<0, listed>*>(nullptr)))*>(nullptr);
@@ -247,8 +261,8 @@ class model {
   std::size_t depth() const noexcept { return runtime_pattern ? pattern_.size() : parts::depth; }
   // Each block's mixer index (block_pattern models); empty for a model that lists its blocks.
   const std::vector<std::size_t>& pattern() const noexcept { return pattern_; }
-  // The index of the mixer called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp",
-  // "local_attention") among the block types, or block_types when there is none.
+  // The index of the block type called `name` ("attention", "mamba", "ttt_linear", "ttt_mlp",
+  // "local_attention", "attention_moe") among the block types, or block_types when there is none.
   static std::size_t mixer_index(const std::string& name) {
     std::size_t r = block_types;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
@@ -325,8 +339,7 @@ class model {
   static double counted_targets(const std::int32_t* targets, std::size_t n) noexcept {
     const std::int32_t* t = glue::host_ids(targets);
     if (t == nullptr) return static_cast<double>(n);
-    std::size_t c = 0;
-    for (std::size_t i = 0; i < n; ++i) c += t[i] != ignore_target ? 1 : 0;
+    const std::size_t c = ::membound::counted_targets(t, n);
     return static_cast<double>(c == 0 ? 1 : c);
   }
   // Throws invalid_argument naming the first id outside [0, vocab): host arrays only (a device

@@ -14,6 +14,13 @@ MEMBOUND_NAMESPACE_BEGIN
 // to each sequence's last token, whose next token belongs to another sequence.
 inline constexpr std::int32_t ignore_target = -100;
 
+// How many of the n host targets count (are not ignore_target): what a mean loss divides by.
+constexpr std::size_t counted_targets(const std::int32_t* targets, std::size_t n) noexcept {
+  std::size_t c = 0;
+  for (std::size_t i = 0; i < n; ++i) c += targets[i] != ignore_target ? 1 : 0;
+  return c;
+}
+
 struct lm_head_shape {
   std::size_t rows = 1;    // N = B·T tokens
   std::size_t width = 0;   // C

@@ -1355,9 +1355,7 @@ class trainer {
       source(request(0), packed_row{x_.data(), y_.data(), offsets_.data(), T, S});
       const packing_check c = check_packing(offsets_.data(), S, 1, T);
       if (!c.ok) {
-        throw invalid_argument("source's offsets", c.expected,
-                               c.actual < 0 ? std::to_string(static_cast<long long>(c.actual))
-                                            : std::to_string(static_cast<std::size_t>(c.actual)),
+        throw invalid_argument("source's offsets", c.expected, whole_text(c.actual),
                                "Write packed_row::sequences + 1 offsets, 0 first and packed_row::seq last (an "
                                "unused sequence is empty: repeat seq)");
       }
@@ -1383,11 +1381,7 @@ class trainer {
     }
   }
   // Targets of the staged micro-batch that count (not ignore_target), from the host copy.
-  std::size_t counted_host() const noexcept {
-    std::size_t c = 0;
-    for (const std::int32_t t : y_) c += t != ignore_target ? 1 : 0;
-    return c;
-  }
+  std::size_t counted_host() const noexcept { return counted_targets(y_.data(), y_.size()); }
   // The staged micro-batch's weight in the step's sum over tokens: the model's mean divides by the
   // targets it reads as counted (Model::counted_targets; on a device, which it does not read, by
   // every position), so scaling it by that count over the positions makes every micro-batch a sum
