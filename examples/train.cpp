@@ -188,8 +188,15 @@ options checked_options(const flag_texts& f) {
                                           : "This build has no CUDA (nvcc was not found at configure time): configure "
                                             "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
   }
-  // auto picks the CPU for --pack: packed sequences run on the CPU backend so far.
-  o.device = device == "auto" ? (gpu && !f.given("--pack") ? "cuda" : "cpu") : device;
+  // auto picks the CPU for --pack and for attn_moe blocks: packed sequences and the mixture of
+  // experts run on the CPU backend so far.
+  const bool lists_moe = f.given("--layers") && ("," + f["--layers"] + ",").find(",attn_moe,") != std::string::npos;
+  o.device = device == "auto" ? (gpu && !f.given("--pack") && !lists_moe ? "cuda" : "cpu") : device;
+  if (lists_moe && o.device == "cuda") {
+    throw mb::invalid_argument("--layers", "no attn_moe blocks with --device cuda (the mixture of experts runs on the "
+                               "CPU backend so far)",
+                               cli_checks::in_quotes(f["--layers"]), "Use attn blocks, or add --device cpu");
+  }
   if (o.device == "cuda") apply_device_defaults(o);
   const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,
                          const std::string& bound = {}) {
@@ -250,13 +257,15 @@ options checked_options(const flag_texts& f) {
     do {  // split on ',' keeping empty names, so that "attn," and ",attn" are refused
       const std::size_t comma = std::min(o.layers.find(',', at), o.layers.size());
       const std::string name = o.layers.substr(at, comma - at);
-      const std::string full = name == "ttt"    ? "ttt_linear"
-                               : name == "attn" ? "attention"
-                               : name == "swa"  ? "local_attention"
-                                                : name;
+      const std::string full = name == "ttt"        ? "ttt_linear"
+                               : name == "attn"     ? "attention"
+                               : name == "swa"      ? "local_attention"
+                               : name == "attn_moe" ? "attention_moe"
+                                                    : name;
       if (full != "ttt_linear" && full != "ttt_mlp" && full != "attention" && full != "mamba" &&
-          full != "local_attention") {
-        throw mb::invalid_argument("--layers", "a comma-separated list of ttt, ttt_mlp, attn, swa, mamba (no empty names)",
+          full != "local_attention" && full != "attention_moe") {
+        throw mb::invalid_argument("--layers",
+                                   "a comma-separated list of ttt, ttt_mlp, attn, swa, mamba, attn_moe (no empty names)",
                                    cc::in_quotes(o.layers) + " (block " + std::to_string(o.blocks.size() + 1) + ": " +
                                        cc::in_quotes(name) + ")", "e.g. --layers ttt,attn,mamba,attn");
       }
@@ -279,6 +288,19 @@ options checked_options(const flag_texts& f) {
     throw mb::invalid_argument("--window", "only with swa blocks in --layers", std::to_string(o.window),
                                "Add swa blocks (e.g. --layers ttt,swa,mamba,attn), or leave --window out");
   }
+  // The mixture's settings need a block that reads them.
+  const bool moe = std::find(o.blocks.begin(), o.blocks.end(), "attention_moe") != o.blocks.end();
+  for (const char* flag : {"--experts", "--top-k", "--capacity", "--aux"}) {
+    if (f.given(flag) && !moe) {
+      throw mb::invalid_argument(flag, "only with attn_moe blocks in --layers", f[flag],
+                                 std::string("Add attn_moe blocks (e.g. --layers ttt,attn_moe,mamba,attn_moe), or leave ") +
+                                     flag + " out");
+    }
+  }
+  whole("--experts", o.experts, 2, 256);
+  whole("--top-k", o.top_k, 1, 2);
+  real("--capacity", o.capacity, 0, 1e6, false);
+  real("--aux", o.aux, 0, 1e3, false);
   if (f.given("--schedule")) {
     o.schedule = f["--schedule"];
     if (o.schedule != "auto") o.fixed_schedule = parse_schedule(o.schedule, o.blocks.size());
@@ -534,6 +556,10 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
   cfg.width = o.width;
   cfg.heads = o.heads;
   cfg.attention_window = o.window;
+  cfg.moe.experts = o.experts;
+  cfg.moe.top_k = o.top_k;
+  cfg.moe.capacity_factor = o.capacity;
+  cfg.moe.aux_loss_weight = o.aux;
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
   // Data parallel: each rank plans and runs its share of every step's sequences.
@@ -847,8 +873,14 @@ int main(int argc, char** argv) {
   flag("--budget", "SIZE",
        "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space, "
        "or on cuda a fraction of the device's memory such as 0.9 (default 32MiB; 8GiB on cuda)");
-  flag("--layers", "LIST", "block pattern: ttt, ttt_mlp, attn, swa, mamba, comma-separated (default ttt,attn,mamba,attn)");
+  flag("--layers", "LIST",
+       "block pattern: ttt, ttt_mlp, attn, swa, mamba, attn_moe (attention with a mixture of experts, CPU), "
+       "comma-separated (default ttt,attn,mamba,attn)");
   flag("--window", "1..2^20", "swa blocks' sliding window: each token attends to itself and the W - 1 before it");
+  flag("--experts", "2..256", "attn_moe blocks' experts (default 8), each a SwiGLU of the MLP's width");
+  flag("--top-k", "1..2", "experts per token (default 2; 1: Switch, the gate is the router's probability)");
+  flag("--capacity", "[0,10^6]", "slots per expert, floor(F * tokens * k / experts); 0: no limit (default 1.25)");
+  flag("--aux", "[0,10^3]", "weight of the load-balancing loss added to the loss (default 0.01)");
   flag("--width", "1..16384", "model width (default 128)");
   flag("--heads", "1..1024", "attention and TTT heads, a divisor of --width (default 4)");
   flag("--seq", "1..2^20|max",

@@ -49,6 +49,8 @@ struct options {
   std::vector<std::string> blocks = {"ttt_linear", "attention", "mamba", "attention"};  // layers, full names
   std::size_t width = 128, heads = 4, seq = 128, batch = 8, steps = 200, threads = 2;
   std::size_t window = 0;  // --window: W of the swa (sliding-window attention) blocks
+  std::size_t experts = 8, top_k = 2;  // --experts, --top-k: the attn_moe blocks' mixture
+  double capacity = 1.25, aux = 0.01;  // --capacity, --aux: its capacity factor, balancing-loss weight
   std::size_t pack = 0;    // --pack S: paragraphs packed into rows of --seq tokens, at most S per row (0: windows)
   std::size_t zero = 0;  // ZeRO stage over MPI ranks (one process: 1 is 0)
   std::size_t overlap = 0;  // 1: each block's gradient exchange overlaps the next block's backward
@@ -89,6 +91,11 @@ inline std::string fewer_threads(const options& o) {
     throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do() + fewer_threads(o));
   } catch (const mb::invalid_argument& e) {
     const std::string& a = e.argument();
+    if (a == "shape.capacity_factor") {  // attn_moe blocks: no slot per expert at these tokens
+      throw mb::invalid_argument("--capacity", e.expected(), e.actual(),
+                                 "Raise --capacity, or give each micro-batch more tokens (--seq, --batch), or "
+                                 "--capacity 0 (no limit)");
+    }
     const bool shape = a.starts_with("config.") || a.starts_with("shape.");
     if (!shape || (a.find("width") == a.npos && a.find("head") == a.npos && a.find("d_model") == a.npos)) throw;
     throw mb::invalid_argument("--width and --heads",
@@ -131,6 +138,14 @@ auto under_flags(const options& o, F make) -> decltype(make()) {
 }
 
 inline double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
+
+// "  moe drop 3.1% aux 0.0213": the choices a mixture of experts dropped, and its balancing loss.
+inline std::string moe_text(const mb::moe_stats& m) {
+  char s[64];
+  std::snprintf(s, sizeof s, "  moe drop %.1f%% aux %.4f",
+                100.0 * static_cast<double>(m.dropped) / static_cast<double>(m.choices), m.aux_loss);
+  return s;
+}
 
 inline std::string human_rate(double tok_s) {
   char b[32];
@@ -201,8 +216,11 @@ class progress {
                   static_cast<unsigned long long>(r.step), total_, r.loss, r.lr, r.grad_norm,
                   r.applied ? "" : " (skipped)", r.ms, human_rate(static_cast<double>(r.tokens) / (r.ms / 1000.0)).c_str(),
                   mib(used), mib(peak), mib(budget), std::string(mb::to_string(r.pressure)).c_str());
+    // A mixture of experts: the share of its choices the capacity dropped, and the balancing loss
+    // inside `loss` (summed over the step's micro-batches and blocks).
+    const std::string moe = r.moe.choices == 0 ? std::string{} : moe_text(r.moe);
     if (!tty_) {
-      std::printf("%s\n", line);
+      std::printf("%s%s\n", line, moe.c_str());
       return;
     }
     // The same fields, tighter, so that the bar and memory fit an 80-column terminal.
@@ -212,7 +230,7 @@ class progress {
                   mib(budget), std::string(mb::to_string(r.pressure)).c_str());
     constexpr std::size_t width = 12;
     const std::size_t done = total_ == 0 ? width : std::min<std::size_t>(width, r.step * width / total_);
-    std::string bar = "[" + std::string(done, '#') + std::string(width - done, '.') + "] " + line;
+    std::string bar = "[" + std::string(done, '#') + std::string(width - done, '.') + "] " + line + moe;
     // A wrapped line cannot be redrawn with \r: cut it to the terminal's width.
     winsize ws{};
     if (ioctl(fileno(stdout), TIOCGWINSZ, &ws) == 0 && ws.ws_col > 1 && bar.size() >= ws.ws_col) bar.resize(ws.ws_col - 1u);

@@ -28,9 +28,9 @@ __all__ = ["Model", "Plan", "plan", "fit", "fit_tokens", "parse_size", "InvalidA
 
 __version__: str = _core.version()
 
-# The library's block names, and the example trainer's short --layers spellings of two of them.
-LAYER_NAMES = ("ttt_linear", "ttt_mlp", "attention", "mamba", "local_attention")
-LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention", "swa": "local_attention"}
+# The library's block names, and the example trainer's short --layers spellings of some of them.
+LAYER_NAMES = ("ttt_linear", "ttt_mlp", "attention", "mamba", "local_attention", "attention_moe")
+LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention", "swa": "local_attention", "attn_moe": "attention_moe"}
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATORS = ("arena", "caching", "none")
 OPTIMIZERS = ("adamw", "adamw8bit", "none")
@@ -94,9 +94,13 @@ class Model:
     """A hybrid language model as the example trainer builds it: an embedding, blocks of TTT-Linear
     ("ttt_linear" or "ttt"), TTT-MLP ("ttt_mlp"), attention ("attention" or "attn"), sliding-window
     attention ("local_attention" or "swa": each token sees itself and the window - 1 before it)
-    and Mamba ("mamba"), each followed by a SwiGLU MLP, and a tied LM head. width divides by
-    heads; kv_heads 0 means heads (no GQA); mlp_hidden 0 means 8/3 of width rounded up to a
-    multiple of 8; window is the local layers' (required with them, refused without)."""
+    and Mamba ("mamba"), each followed by a SwiGLU MLP, or attention followed by a mixture of
+    SwiGLU experts ("attention_moe" or "attn_moe"), and a tied LM head. width divides by heads;
+    kv_heads 0 means heads (no GQA); mlp_hidden 0 means 8/3 of width rounded up to a multiple of
+    8; window is the local layers' (required with them, refused without). The mixture's experts
+    (2 to 256, each a SwiGLU of mlp_hidden), top_k (1 or 2), capacity (slots per expert
+    floor(capacity * tokens * top_k / experts); 0: no limit) and aux (the balancing loss's weight)
+    are the example trainer's --experts, --top-k, --capacity and --aux."""
 
     layers: Sequence[str]
     width: int
@@ -105,6 +109,10 @@ class Model:
     kv_heads: int = 0
     mlp_hidden: int = 0
     window: int = 0
+    experts: int = 8
+    top_k: int = 2
+    capacity: float = 1.25
+    aux: float = 0.01
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str) or not isinstance(self.layers, Sequence) or len(self.layers) == 0:
@@ -130,8 +138,13 @@ class Model:
         elif self.window != 0:
             raise invalid("window", "0 without local_attention (swa) layers", self.window,
                           'Add "swa" layers, or leave window out')
+        _whole("experts", self.experts, 2, 256, "experts=8")
+        _whole("top_k", self.top_k, 1, 2, "top_k=2")
+        for name, value, high in (("capacity", self.capacity, 1e6), ("aux", self.aux, 1e3)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+                raise invalid(name, f"a number from 0 to {high:g}", value, f"e.g. {name}={getattr(Model, name)}")
         head_dim = self.width // self.heads
-        if any(LAYER_SHORT.get(n, n) in ("attention", "local_attention") for n in self.layers) and (
+        if any(LAYER_SHORT.get(n, n) in ("attention", "local_attention", "attention_moe") for n in self.layers) and (
                 head_dim % 8 or head_dim > 256):
             raise invalid("heads", f"a head dimension (width / heads) that is a multiple of 8 up to 256 for "
                           f"attention; width {self.width} / heads {self.heads} is {head_dim}", self.heads,
@@ -188,6 +201,7 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     r.layers = [LAYER_SHORT.get(name, name) for name in model.layers]
     r.width, r.heads, r.vocab = model.width, model.heads, model.vocab
     r.kv_heads, r.mlp_hidden, r.window = model.kv_heads, model.mlp_hidden, model.window
+    r.experts, r.top_k, r.capacity, r.aux = model.experts, model.top_k, float(model.capacity), float(model.aux)
     r.batch = _whole("batch", batch, 1, 1 << 16, "batch=8")
     r.seq = _whole("seq", seq, 1, 1 << 20, "seq=2048")
     r.sequences = _whole("sequences", sequences, 0, 1 << 20, "sequences=16")

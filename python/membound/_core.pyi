@@ -10,6 +10,10 @@ class Request:
     kv_heads: int
     mlp_hidden: int
     window: int
+    experts: int
+    top_k: int
+    capacity: float
+    aux: float
     batch: int
     seq: int
     sequences: int

@@ -33,6 +33,8 @@ using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
 struct request {
   std::vector<std::string> layers;
   std::size_t vocab = 256, width = 0, heads = 0, kv_heads = 0, mlp_hidden = 0, window = 0;
+  std::size_t experts = 8, top_k = 2;   // attention_moe blocks' mixture (model_config::moe)
+  double capacity = 1.25, aux = 0.01;
   std::size_t batch = 1, seq = 1, budget = 0, threads = 1, prefer_below = 0;
   std::size_t sequences = 0;    // packed rows: at most this many sequences per row of seq tokens
   std::size_t max_tokens = 0;   // fit_tokens: the row length is chosen up to this (seq is ignored)
@@ -87,7 +89,7 @@ plan_result plan_for(const request& r) {
   for (const std::string& name : r.layers) {
     const std::size_t k = net::mixer_index(name);
     if (k == net::block_types) {
-      throw mb::invalid_argument("layers", "names among ttt_linear, ttt_mlp, attention, mamba, local_attention", name,
+      throw mb::invalid_argument("layers", "names among ttt_linear, ttt_mlp, attention, mamba, local_attention, attention_moe", name,
                                  "e.g. layers=[\"ttt_linear\", \"attention\"]");
     }
     pattern.push_back(k);
@@ -99,6 +101,10 @@ plan_result plan_for(const request& r) {
   cfg.kv_heads = r.kv_heads;
   cfg.mlp_hidden = r.mlp_hidden;
   cfg.attention_window = r.window;
+  cfg.moe.experts = r.experts;
+  cfg.moe.top_k = r.top_k;
+  cfg.moe.capacity_factor = r.capacity;
+  cfg.moe.aux_loss_weight = r.aux;
   const net m(cfg, pattern);
   mb::batch_shape batch{r.batch, r.seq, r.sequences};
   const bool count_optimizer = r.optimizer != "none";
@@ -198,6 +204,10 @@ NB_MODULE(_core, m) {
       .def_rw("kv_heads", &request::kv_heads)
       .def_rw("mlp_hidden", &request::mlp_hidden)
       .def_rw("window", &request::window)
+      .def_rw("experts", &request::experts)
+      .def_rw("top_k", &request::top_k)
+      .def_rw("capacity", &request::capacity)
+      .def_rw("aux", &request::aux)
       .def_rw("batch", &request::batch)
       .def_rw("seq", &request::seq)
       .def_rw("sequences", &request::sequences)

@@ -167,6 +167,11 @@ def main():
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
             "--window": ["0", "-1", "1048577", "x", "", "8"],  # 8: no swa block in the default --layers
             "--pack": ["0", "-1", "4097", "x", ""],
+            # The mixture's flags need an attn_moe block (the default --layers has none: "4", "1.0").
+            "--experts": ["4"],
+            "--top-k": ["1"],
+            "--capacity": ["1.0"],
+            "--aux": ["0.1"],
             # Files: inputs exist, are files, readable, not empty; outputs in an existing folder.
             # A device or a pipe would be read without end, or wait for a writer forever.
             "--data": [p("missing.txt"), adir, p("empty.txt"), p("short.txt"), "", "/dev/zero", fifo],
@@ -198,6 +203,14 @@ def main():
             ("--budget", {"--device": "cpu", "--budget": "0.5"}),  # a fraction is of a GPU's memory
             ("--attention-kernels", {"--device": "cpu", "--attention-kernels": "mma"}),  # the GPU's kernels
             ("--window", {"--layers": "ttt,swa"}),                  # a sliding-window block without its window
+            ("--experts", {"--layers": "attn_moe", "--experts": "1"}),    # a mixture of one expert
+            ("--experts", {"--layers": "attn_moe", "--experts": "257"}),
+            ("--top-k", {"--layers": "attn_moe", "--top-k": "3"}),
+            ("--top-k", {"--layers": "attn_moe", "--top-k": "0"}),
+            ("--capacity", {"--layers": "attn_moe", "--capacity": "-1"}),
+            ("--capacity", {"--layers": "attn_moe", "--capacity": "nan"}),
+            ("--capacity", {"--layers": "attn_moe", "--capacity": "0.001"}),  # no slot for an expert
+            ("--aux", {"--layers": "attn_moe", "--aux": "inf"}),
             ("--seq", {"--seq": "max"}),                            # max on the CPU needs --pack
             ("--seq", {"--pack": "4", "--seq": "1"}),                # a packed row needs a token and its target
             ("--data", {"--pack": "4", "--data": p("blank.txt")}),  # no paragraph to pack
@@ -208,8 +221,9 @@ def main():
             c.refuse(train, base, flag, change)
         if not os.path.exists("/dev/nvidia0"):  # no GPU here: --device cuda is refused, naming the flag
             c.refuse(train, base, "--device", {"--device": "cuda"})
-        else:  # packed sequences run on the CPU so far
+        else:  # packed sequences and the mixture of experts run on the CPU so far
             c.refuse(train, base, "--pack", {"--device": "cuda", "--pack": "4"})
+            c.refuse(train, base, "--layers", {"--device": "cuda", "--layers": "attn_moe"})
 
         # Valid edge cases still run, and sizes arrive in the report exactly.
         def report_says(**want):
@@ -231,6 +245,8 @@ def main():
         c.accept(train, base, {"--layers": "swa,attn,swa", "--window": "4"})  # local and global layers
         c.accept(train, base, {"--layers": "swa", "--window": "1048576"})    # a window past the sequence
         c.accept(train, base, {"--pack": "3", "--eval-every": "1"})           # paragraphs packed into rows
+        c.accept(train, base, {"--layers": "attn_moe,mamba,attn_moe", "--experts": "4", "--top-k": "1",
+                               "--capacity": "1.5", "--aux": "0.05"})  # mixtures of experts
         c.accept(train, base, {"--pack": "4096", "--seq": "max", "--steps": "1"})  # the longest row that fits
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only

@@ -88,6 +88,22 @@ def test_local_attention_table_equals_the_cpp_trainers():
 
 
 @needs_train
+def test_mixture_of_experts_table_equals_the_cpp_trainers():
+    """attn_moe blocks: the same plan table as `train --layers attn_moe,... --experts 4 --top-k 1 ...`."""
+    want = trainer_table(["--layers", "attn_moe,mamba,attn_moe", "--experts", "4", "--top-k", "1", "--capacity", "1.5",
+                          "--aux", "0.05", "--width", "128", "--heads", "4", "--batch", "8", "--seq", "128",
+                          "--budget", "40MiB", "--threads", "2"])
+    model = membound.Model(layers=["attn_moe", "mamba", "attention_moe"], width=128, heads=4, experts=4, top_k=1,
+                           capacity=1.5, aux=0.05)
+    got = membound.fit(model, batch=8, seq=128, budget="40MiB", threads=2, prefer_below=0.97)
+    assert str(got) == want and got.fits
+    # Four experts of the MLP's width: more parameters than the dense model's.
+    dense = membound.fit(membound.Model(layers=["attn", "mamba", "attn"], width=128, heads=4),
+                         batch=8, seq=128, budget="40MiB", threads=2, prefer_below=0.97)
+    assert got.parameters > dense.parameters
+
+
+@needs_train
 def test_packed_rows_table_equals_the_cpp_trainers():
     """Packed rows: the tables of `train --pack 16 --seq 256` and of `--seq max` (the longest row
     fit_tokens admits under the emergency line)."""
@@ -172,6 +188,10 @@ MODEL = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
     (lambda: membound.Model(layers=["ttt", "swa"], width=64, heads=2), "window"),
     (lambda: membound.Model(layers=["ttt", "swa"], width=64, heads=2, window=-1), "window"),
     (lambda: membound.Model(layers=["ttt", "attn"], width=64, heads=2, window=8), "window"),
+    (lambda: membound.Model(layers=["attn_moe"], width=64, heads=2, experts=1), "experts"),
+    (lambda: membound.Model(layers=["attn_moe"], width=64, heads=2, top_k=3), "top_k"),
+    (lambda: membound.Model(layers=["attn_moe"], width=64, heads=2, capacity=float("nan")), "capacity"),
+    (lambda: membound.Model(layers=["attn_moe"], width=64, heads=2, aux=-1), "aux"),
     (lambda: membound.fit("ttt", batch=1, seq=1, budget="1GiB"), "model"),
     (lambda: membound.fit(MODEL, batch=0, seq=64, budget="1GiB"), "batch"),
     (lambda: membound.fit(MODEL, batch=2, seq=2.5, budget="1GiB"), "seq"),
