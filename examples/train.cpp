@@ -211,6 +211,20 @@ options checked_options(const flag_texts& f) {
   };
   if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
+  if (f.given("--offload")) {
+    o.offload = cc::one_of("--offload", f["--offload"], {"none", "auto", "optimizer"});
+    if (o.offload != "none" && o.device == "cuda") {
+      throw mb::invalid_argument("--offload", "none with --device cuda (optimizer offload runs on the CPU backend so far)",
+                                 o.offload, "Leave --offload out, or add --device cpu");
+    }
+  }
+  if (f.given("--host-budget")) {
+    if (o.offload == "none") {
+      throw mb::invalid_argument("--host-budget", "only with --offload auto or optimizer", f["--host-budget"],
+                                 "Add --offload auto, or leave --host-budget out");
+    }
+    o.host_budget = cc::size("--host-budget", f["--host-budget"], "--host-budget 1GiB");
+  }
   if (f.given("--attention-kernels")) {
     o.attention_kernels = cc::one_of("--attention-kernels", f["--attention-kernels"], {"wmma", "mma"});
     if (o.device != "cuda") {
@@ -595,6 +609,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     fo.optimizer_elements = shard;
     fo.gradients = grad_shards;
     fo.prefer_below = emergency_line(budget);
+    fo.offload = {o.offload != "none", 0, o.host_budget};
+    fo.offload_only_when_needed = o.offload == "auto";
     return fo;
   };
   // --pack with --seq max: the most tokens per packed row (a multiple of 64) that a plan fits under
@@ -633,8 +649,15 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
     po.optimizer_elements = shard;
     po.gradients = grad_shards;
+    po.offload = {o.offload == "optimizer", 0, o.host_budget};
     mb::training_plan p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
+    if (!p.fits() && o.offload == "auto") {  // the state beside it does not fit: on the host then
+      po.offload = {true, 0, o.host_budget};
+      p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
+      p.reserved_peak = reserve(p);
+    }
+    if (!p.host_fits()) throw mb::host_budget_too_small(o.host_budget, p.host_peak(), budget);
     if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
     return p;
   });
@@ -668,6 +691,10 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
 
   mb::trainer_options to = trainer_options_of(o, text);
   to.overlap = o.overlap != 0 && N > 1;
+  // The host space of --offload: a budget over the system's heap (--host-budget; none: unbounded,
+  // measured all the same).
+  mb::budget_allocator<mb::system_allocator> host_space(o.host_budget != 0 ? o.host_budget : SIZE_MAX);
+  to.host = mb::host_allocator_ref(host_space);
   using monitor = mb::pressure_monitor<mb::all_check_points>;
   mb::trainer<net, stack, monitor, ranks, Opt<typename net::storage_type>> t(m, eff, plan, alloc, pool, to,
                                                                             monitor(thresholds), world);
@@ -732,6 +759,10 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
         j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
         j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
                            {"emergency", thresholds.emergency}};
+        j["host"] = {{"offload_optimizer", p.offload_optimizer},
+                     {"predicted_peak_bytes", p.host_peak()},
+                     {"measured_peak_bytes", host_space.stats().peak_requested},
+                     {"budget_bytes", o.host_budget}};
         j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
                      {"optimizer", p.optimizer},   {"activations", p.activations},
                      {"workspace", p.workspace},   {"peak", p.peak_bytes},
@@ -825,6 +856,15 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
                 first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
     std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
                 mib(predicted_reserve), reserve_ok ? "yes" : "NO");
+    // The offloaded state and its staging buffers: made before step 1 and kept, so the host
+    // space's measured peak is its prediction exactly.
+    const bool host_ok = host_space.stats().peak_requested == t.plan().host_peak();
+    if (t.plan().offload_optimizer) {
+      std::printf("\nhost space (--offload): measured peak %.2f MiB = predicted %.2f MiB%s: %s",
+                  mib(host_space.stats().peak_requested), mib(t.plan().host_peak()),
+                  o.host_budget != 0 ? (" <= --host-budget " + mb::format_bytes(o.host_budget, false)).c_str() : "",
+                  host_ok ? "yes" : "NO");
+    }
     if (rss.known && baseline.known) {
       // Beyond the baseline and the reserve: thread stacks and the heap's own bookkeeping.
       const double other = mib(rss.peak_rss) - mib(baseline.rss) - mib(predicted_reserve);
@@ -833,7 +873,7 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     }
     std::printf("\n");
     write_files(nullptr);
-    return requested_ok && reserve_ok ? 0 : 3;
+    return requested_ok && reserve_ok && host_ok ? 0 : 3;
   };
   if (o.pack == 0) {
     windows train_src{&train, o.seq}, val_src{&val, o.seq};
@@ -917,6 +957,11 @@ int main(int argc, char** argv) {
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
   flag("--optimizer", "adamw|adamw8bit", "AdamW with fp32 m, v, or with 8-bit block-wise m, v (default adamw)");
+  flag("--offload", "none|auto|optimizer",
+       "optimizer: keep the optimizer's state (AdamW's m, v, fp32 masters) in a host space beside --budget, updated "
+       "there bucket by bucket (the same bits); auto: only when no plan fits --budget with the state in it; the plan "
+       "table gives both spaces' bytes (CPU only; default none)");
+  flag("--host-budget", "SIZE", "with --offload, the host space's budget, e.g. 1GiB (default: none, measured)");
   flag("--attention-kernels", "mma|wmma",
        "on cuda with bf16 storage and head size <= 128: mma runs the mma.sync forward and backward with fragments "
        "in registers (sm_80 and up; elsewhere wmma runs); wmma the first kernels (a WMMA forward, a SIMT backward); "

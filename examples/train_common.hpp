@@ -57,6 +57,10 @@ struct options {
   std::size_t timeout = 0;  // seconds any collective may take under mpirun; 0: no limit
   std::string precision = "fp32";
   std::string optimizer = "adamw";
+  // --offload: none, auto (the optimizer's state on the host only when no plan fits --budget with
+  // it), optimizer (always); --host-budget: the host space's budget (0: none).
+  std::string offload = "none";
+  std::size_t host_budget = 0;
   std::string schedule = "auto";
   std::optional<mb::schedule_choice> fixed_schedule;  // empty: auto, the planner's fit
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, clip = 1.0;
@@ -88,7 +92,17 @@ inline std::string fewer_threads(const options& o) {
   try {
     throw;
   } catch (const mb::budget_too_small& e) {
-    throw mb::invalid_argument("--budget", e.expected(), e.actual(), e.what_to_do() + fewer_threads(o));
+    throw mb::invalid_argument("--budget", e.expected(), e.actual(),
+                               e.what_to_do() +
+                                   (o.offload == "none" && o.device == "cpu"
+                                        ? "; or --offload auto (the optimizer's state in a host space beside it)"
+                                        : "") +
+                                   fewer_threads(o));
+  } catch (const mb::host_budget_too_small& e) {
+    throw mb::invalid_argument("--host-budget", e.expected(), e.actual(),
+                               "Raise --host-budget to at least " + mb::format_bytes(e.host_minimum(), false) +
+                                   ", or --budget so that the optimizer's state fits beside the step, or "
+                                   "--optimizer adamw8bit");
   } catch (const mb::invalid_argument& e) {
     const std::string& a = e.argument();
     if (a == "shape.capacity_factor") {  // attn_moe blocks: no slot per expert at these tokens

@@ -18,6 +18,7 @@
 #include "membound/memory/stream.hpp"
 #include "membound/memory/memory_stats.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/host_allocator_ref.hpp"
 #include "membound/memory/over_alignment.hpp"
 #include "membound/memory/system_allocator.hpp"
 #include "membound/memory/caching_allocator.hpp"

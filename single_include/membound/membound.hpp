@@ -1782,6 +1782,63 @@ class stream_view {
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/memory/stream.hpp ----
+// ---- begin membound/memory/host_allocator_ref.hpp ----
+// A reference to a caller's host allocator whose type the holder does not name, as
+// std::pmr::memory_resource* is for the standard library: what the trainer takes for the second
+// memory space of an offloaded plan (trainer_options::host), so that the trainer's type stays
+// the same with or without offload.
+//
+//   membound::budget_allocator<membound::system_allocator> host(8ull << 30);
+//   membound::trainer_options o;  o.host = membound::host_allocator_ref(host);
+//
+// It refers, it does not own: the allocator must outlive every holder of the reference.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+class host_allocator_ref {
+ public:
+  // No allocator: empty() is true, and a plan that needs the host space is refused.
+  host_allocator_ref() = default;
+
+  template <typename A>
+    requires host_allocator<A>
+  explicit host_allocator_ref(A& a) noexcept
+      : a_(&a),
+        allocate_([](void* a, std::size_t n, std::size_t al, memory_tag t) { return static_cast<A*>(a)->allocate(n, al, t); }),
+        deallocate_([](void* a, void* p, std::size_t n, std::size_t al, memory_tag t) {
+          static_cast<A*>(a)->deallocate(p, n, al, t);
+        }),
+        stats_([](const void* a) -> memory_stats { return static_cast<const A*>(a)->stats(); }),
+        limit_([](const void* a) -> std::size_t {
+          if constexpr (budgeted<A>) return static_cast<const A*>(a)->limit();
+          else return 0;
+        }) {}
+
+  // Whether no allocator is referred to.
+  bool empty() const noexcept { return a_ == nullptr; }
+  // The allocator's allocate; nullptr for 0 bytes, out_of_memory when it cannot.
+  void* allocate(std::size_t bytes, std::size_t alignment, memory_tag tag) const {
+    return allocate_(a_, bytes, alignment, tag);
+  }
+  // The allocator's sized deallocate.
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment, memory_tag tag) const {
+    deallocate_(a_, p, bytes, alignment, tag);
+  }
+  // The allocator's statistics (its peak is what an offloaded plan's host peak is measured by).
+  memory_stats stats() const { return stats_(a_); }
+  // The allocator's budget when it has one (budget_allocator), else 0.
+  std::size_t limit() const { return limit_(a_); }
+
+ private:
+  void* a_ = nullptr;
+  void* (*allocate_)(void*, std::size_t, std::size_t, memory_tag) = nullptr;
+  void (*deallocate_)(void*, void*, std::size_t, std::size_t, memory_tag) = nullptr;
+  memory_stats (*stats_)(const void*) = nullptr;
+  std::size_t (*limit_)(const void*) = nullptr;
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/memory/host_allocator_ref.hpp ----
 // ---- begin membound/memory/over_alignment.hpp ----
 // Alignments above what an upstream guarantees, served by over-allocating: the bookkeeping the
 // CUDA device and pinned allocators share (cudaMalloc and cudaHostAlloc promise 256 bytes).
@@ -12513,6 +12570,22 @@ struct backend_kernels<cpu_backend, model_glue> {
                                const Step& step) {
     Optimizer::update(w, g, state, n, spans, step, ex);
   }
+  // Optimizer offload (planner: offload_options) runs here. The state is in the host space;
+  // bucket by bucket the gradients and weights are copied into its staging buffers (a device's
+  // copies to the host; here between the two host arenas), updated there by update_range, and the
+  // weights copied back: the bits of optimizer_update.
+  static constexpr bool offloads_optimizer = true;
+  template <typename Optimizer, typename S, typename Spans, typename Step>
+  static void offloaded_update(thread_pool& ex, S* w, const S* g, void* host_state, std::size_t n, Spans spans,
+                               const Step& step, S* stage_w, S* stage_g, std::size_t bucket) {
+    for (std::size_t a = 0; a < n; a += bucket) {
+      const std::size_t k = std::min(bucket, n - a);
+      std::memcpy(stage_g, g + a, k * sizeof(S));
+      std::memcpy(stage_w, w + a, k * sizeof(S));
+      Optimizer::update_range(stage_w, stage_g, host_state, n, a, k, spans, step, ex);
+      std::memcpy(w + a, stage_w, k * sizeof(S));
+    }
+  }
 
   // Token ids where the host can read them without a copy: here, the caller's own (the model
   // checks them against the vocabulary before any work).
@@ -13859,6 +13932,16 @@ MEMBOUND_NAMESPACE_END
 //   static std::span<const std::byte> save_state(const void* state, std::size_t n);
 //   static void load_state(std::span<const std::byte> from, void* state, std::size_t n);
 //
+// A policy may also offer an update of one range of its elements, which optimizer offload runs
+// bucket by bucket on the host (planner: plan_options::offload):
+//   static constexpr std::size_t range_granule;   // first and count are multiples of it (count
+//                                                 // may end at n instead)
+//   static void update_range(S* w, const S* g, void* state, std::size_t n, std::size_t first,
+//                            std::size_t count, std::span<const param_span> spans,
+//                            const optimizer_step& s, thread_pool& pool);
+// w and g hold the range's count elements (w[0] is element first); state and spans are the whole
+// range's, as for update. Updating [0, n) range by range gives update's bits.
+//
 // update covers the n elements the state was made for, given as spans inside [0, n) in order
 // (each tensor's part; the padding between tensors is in none and takes no step): one call per
 // step over the whole flat range, so a policy whose state is kept per block of elements
@@ -13922,6 +14005,13 @@ concept optimizer_has_save_load = requires(const void* cs, void* state, std::siz
   { O::save_state(cs, n) } -> std::same_as<std::span<const std::byte>>;
   O::load_state(b, state, n);
 };
+template <typename O, typename S>
+concept optimizer_has_update_range = requires(S* w, const S* g, void* state, std::size_t n,
+                                              std::span<const param_span> sp, const optimizer_step& s,
+                                              thread_pool& pool) {
+  { O::range_granule } -> std::convertible_to<std::size_t>;
+  O::update_range(w, g, state, n, n, n, sp, s, pool);
+};
 }  // namespace detail
 
 template <typename O, typename S>
@@ -13929,6 +14019,10 @@ concept optimizer_policy =
     detail::optimizer_has_storage_type<O> && detail::optimizer_has_name<O> &&
     detail::optimizer_state_bytes_constexpr<O> && detail::optimizer_has_init<O, S> &&
     detail::optimizer_has_update<O, S> && detail::optimizer_has_save_load<O>;
+
+// A policy whose update runs one range at a time: what optimizer offload needs.
+template <typename O, typename S>
+concept offloadable_optimizer = optimizer_policy<O, S> && detail::optimizer_has_update_range<O, S>;
 
 // The concept one requirement at a time, each with a sentence: static_assert(check_optimizer_policy<O, S>()).
 template <typename O, typename S>
@@ -13970,14 +14064,19 @@ struct optimizer_ref {
   std::string_view storage{};
   std::size_t (*state_bytes)(std::size_t) noexcept = nullptr;
   std::string (*description)() = nullptr;
+  // update_range's granule (offload's buckets are multiples of it); 0: the policy has no
+  // update_range and cannot be offloaded. The default (adamw<S>) has 1.
+  std::size_t granule = 1;
 };
 
 template <typename O>
   requires detail::optimizer_state_bytes_constexpr<O> && detail::optimizer_has_name<O> &&
            detail::optimizer_has_storage_type<O>
 constexpr optimizer_ref optimizer_of() noexcept {
+  std::size_t granule = 0;
+  if constexpr (requires { O::range_granule; }) granule = O::range_granule;
   return {O::name, dtype_name<typename O::storage_type>(), [](std::size_t n) noexcept { return O::state_bytes(n); },
-          [] { return std::string(O::description()); }};
+          [] { return std::string(O::description()); }, granule};
 }
 
 namespace detail {
@@ -13994,6 +14093,19 @@ inline void check_param_spans(std::span<const param_span> spans, std::size_t n) 
                              "List every tensor's part of the optimizer's range once, in order of offset");
     }
     at = spans[k].first + spans[k].count;
+  }
+}
+
+// update_range's range: inside [0, n), starting at a multiple of the granule, and of a multiple of
+// it or ending at n.
+inline void check_update_range(std::size_t first, std::size_t count, std::size_t n, std::size_t granule) {
+  const bool inside = first <= n && count <= n - first;
+  if (!inside || first % granule != 0 || (count % granule != 0 && first + count != n)) {
+    throw invalid_argument("first, count",
+                           "a range inside [0, " + std::to_string(n) + ") starting at a multiple of " +
+                               std::to_string(granule) + ", of a multiple of it or ending at n",
+                           "[" + std::to_string(first) + ", +" + std::to_string(count) + ")",
+                           "Cut the state's range into buckets of a multiple of the policy's range_granule");
   }
 }
 
@@ -14056,30 +14168,30 @@ class adamw {
   static void update(S* w, const S* g, void* state, std::size_t n, std::size_t first,
                      std::size_t count, std::uint64_t t, double lr, const adamw_config& c,
                      bool decay, double grad_scale, thread_pool& pool) {
-    moment_type* m = static_cast<moment_type*>(state);
-    moment_type* v = m + n;
-    moment_type* master = has_master ? m + 2 * n : nullptr;
-    const auto k = adamw_coefficients<moment_type>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, decay);
-    const moment_type gs = static_cast<moment_type>(grad_scale);
-    constexpr std::size_t block = 4096;
-    pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
-      const std::size_t i0 = first + b * block, i1 = std::min(first + count, i0 + block);
-      for (std::size_t i = i0; i < i1; ++i) {
-        const moment_type gi = to_accum<moment_type>(g[i]) * gs;
-        moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
-        adamw_step(k, gi, m[i], v[i], p);
-        if constexpr (has_master) master[i] = p;
-        w[i] = from_accum<S>(p);
-      }
-    });
+    step_run(w + first, g + first, state, n, first, count, t, lr, c, decay, grad_scale, pool);
   }
 
   // The policy's update: every span of [0, n) in turn, as the per-range update above.
   static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
                      const optimizer_step& s, thread_pool& pool) {
+    update_range(w, g, state, n, 0, n, spans, s, pool);
+  }
+
+  // Elementwise: any range is a whole one.
+  static constexpr std::size_t range_granule = 1;
+  // update over [first, first + count) only: w and g hold that range (w[0] is element first);
+  // the spans are update's, over [0, n). The same bits as update for those elements.
+  static void update_range(S* w, const S* g, void* state, std::size_t n, std::size_t first, std::size_t count,
+                           std::span<const param_span> spans, const optimizer_step& s, thread_pool& pool) {
     detail::check_param_spans(spans, n);
+    detail::check_update_range(first, count, n, range_granule);
+    const std::size_t last = first + count;
     for (const param_span& sp : spans) {
-      if (sp.count != 0) update(w, g, state, n, sp.first, sp.count, s.t, s.lr, s.config, sp.decay, s.grad_scale, pool);
+      const std::size_t lo = std::max(sp.first, first), hi = std::min(sp.first + sp.count, last);
+      if (lo < hi) {
+        step_run(w + (lo - first), g + (lo - first), state, n, lo, hi - lo, s.t, s.lr, s.config, sp.decay,
+                 s.grad_scale, pool);
+      }
     }
   }
 
@@ -14106,6 +14218,29 @@ class adamw {
       }
     }
     std::memcpy(state, from.data(), from.size());
+  }
+
+ private:
+  // The step over elements [first, first + count) of the state; w and g hold exactly those.
+  static void step_run(S* w, const S* g, void* state, std::size_t n, std::size_t first, std::size_t count,
+                       std::uint64_t t, double lr, const adamw_config& c, bool decay, double grad_scale,
+                       thread_pool& pool) {
+    moment_type* m = static_cast<moment_type*>(state) + first;
+    moment_type* v = static_cast<moment_type*>(state) + n + first;
+    moment_type* master = has_master ? static_cast<moment_type*>(state) + 2 * n + first : nullptr;
+    const auto k = adamw_coefficients<moment_type>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, decay);
+    const moment_type gs = static_cast<moment_type>(grad_scale);
+    constexpr std::size_t block = 4096;
+    pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
+      const std::size_t i0 = b * block, i1 = std::min(count, i0 + block);
+      for (std::size_t i = i0; i < i1; ++i) {
+        const moment_type gi = to_accum<moment_type>(g[i]) * gs;
+        moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
+        adamw_step(k, gi, m[i], v[i], p);
+        if constexpr (has_master) master[i] = p;
+        w[i] = from_accum<S>(p);
+      }
+    });
   }
 };
 
@@ -14269,7 +14404,18 @@ class adamw8bit {
   // elements take a step and which of those decay.
   static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
                      const optimizer_step& s, thread_pool& pool) {
+    update_range(w, g, state, n, 0, n, spans, s, pool);
+  }
+
+  // A range is whole blocks: the moments are quantized per block.
+  static constexpr std::size_t range_granule = Block;
+  // update over [first, first + count), whole blocks (first a multiple of Block, count one too or
+  // ending at n): w and g hold that range (w[0] is element first); the spans are update's, over
+  // [0, n). The same bits as update for those blocks.
+  static void update_range(S* w, const S* g, void* state, std::size_t n, std::size_t first, std::size_t count,
+                           std::span<const param_span> spans, const optimizer_step& s, thread_pool& pool) {
     detail::check_param_spans(spans, n);
+    detail::check_update_range(first, count, n, range_granule);
     using T = compute_type;
     const view p = parts(state, n);
     const quantization_map& qm = signed_dynamic_map();
@@ -14278,8 +14424,10 @@ class adamw8bit {
     const auto kd = adamw_coefficients<T>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
     const auto kn = adamw_coefficients<T>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, false);
     const T gs = static_cast<T>(s.grad_scale);
-    pool.parallel_for(blocks(n), [&](std::size_t b, std::size_t) {
-      const std::size_t i0 = b * Block, i1 = std::min(n, i0 + Block);
+    const std::size_t b0 = first / Block;
+    pool.parallel_for(blocks(count), [&](std::size_t bb, std::size_t) {
+      const std::size_t b = b0 + bb;
+      const std::size_t i0 = b * Block, i1 = std::min(first + count, i0 + Block);
       T mf[Block], vf[Block];
       const T am = p.absmax_m[b], av = p.absmax_v[b];
       T new_am = 0, new_av = 0;
@@ -14294,10 +14442,10 @@ class adamw8bit {
         T v = static_cast<T>(qv[p.v[i]]) * av;
         // An element in no span (padding between tensors) keeps its weight and its moments.
         if (k < spans.size() && spans[k].first <= i) {
-          T w_i = has_master ? static_cast<T>(p.master[i]) : to_accum<T>(w[i]);
-          adamw_step(spans[k].decay ? kd : kn, to_accum<T>(g[i]) * gs, m, v, w_i);
+          T w_i = has_master ? static_cast<T>(p.master[i]) : to_accum<T>(w[i - first]);
+          adamw_step(spans[k].decay ? kd : kn, to_accum<T>(g[i - first]) * gs, m, v, w_i);
           if constexpr (has_master) p.master[i] = static_cast<float>(w_i);
-          w[i] = from_accum<S>(w_i);
+          w[i - first] = from_accum<S>(w_i);
         }
         mf[i - i0] = m;
         vf[i - i0] = v;
@@ -17111,6 +17259,23 @@ struct gradient_shards {
   constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
 
+// Optimizer offload (ZeRO-Offload's placement): the optimizer's state (AdamW's m, v and fp32
+// masters) lives in a second memory space, the host's (pinned memory beside a GPU; a second arena
+// on the CPU), with its own budget. After the gradient norm, the state's range is walked in
+// buckets: each bucket's gradients and weights are copied into two host staging buffers of
+// `bucket` parameters, updated there by the policy's update_range, and the weights copied back.
+// The device then holds weights, gradients and activations only; the host holds the state and
+// the two buffers, all made before step 1 and kept (its peak is their sum).
+inline constexpr std::size_t default_offload_bucket = std::size_t{1} << 20;
+// Whether the optimizer's state is offloaded, its bucket and the host space's budget.
+struct offload_options {
+  bool optimizer = false;       // the optimizer's state in the host space
+  // Parameters per staged bucket (0: default_offload_bucket), rounded up to a multiple of the
+  // policy's range_granule and at most the parameters whose state this process holds.
+  std::size_t bucket = 0;
+  std::size_t host_budget = 0;  // the host space's budget (0: none)
+};
+
 // What make_plan plans for besides the model, the micro-batch and the schedule.
 struct plan_options {
   std::size_t threads = 1;        // CPU threads the step runs with: the workspaces depend on it
@@ -17124,6 +17289,8 @@ struct plan_options {
   optimizer_ref optimizer_policy{};
   // ZeRO-2: the gradients sharded too (gradient_shards); off by default.
   gradient_shards gradients{};
+  // The optimizer's state in the host space (offload_options); off by default.
+  offload_options offload{};
 };
 
 namespace detail {
@@ -17187,6 +17354,18 @@ struct training_plan {
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
+  // Optimizer offload (plan_options::offload): then `optimizer` is 0 and the host space holds the
+  // state (host_optimizer) and two staging buffers of offload_bucket parameters (host_staging),
+  // under host_budget (0: none).
+  bool offload_optimizer = false;
+  std::size_t host_optimizer = 0;  // the optimizer's state, in the host space
+  std::size_t host_staging = 0;    // the two staging buffers
+  std::size_t offload_bucket = 0;  // parameters per bucket
+  std::size_t host_budget = 0;     // the host space's budget (0: none)
+  // The host space's peak: everything it holds is made before step 1 and kept.
+  std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging); }
+  // Whether the host space's bytes fit its budget (none: always).
+  bool host_fits() const noexcept { return host_budget == 0 || host_peak() <= host_budget; }
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -17215,7 +17394,8 @@ struct training_plan {
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
   // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
   bool fits() const noexcept {
-    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget);
+    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget) &&
+           host_fits();
   }
 
   // A table a person reads before step 1.
@@ -17250,7 +17430,10 @@ struct training_plan {
       row("gradients", gradients, "");
     }
     row("optimizer", optimizer,
-        optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
+        offload_optimizer ? "offloaded: in the host space (below)"
+        : optimizer == 0  ? "(not counted)"
+        : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)"
+                                   : optimizer_policy.c_str());
     if (step_buffers != 0) row("step buffers", step_buffers, "the step's token ids and targets, the norm's partials");
     row("activations (kept)", activations, "at most, between ops");
     row("workspace (at peak)", workspace, "transient");
@@ -17275,6 +17458,25 @@ struct training_plan {
                       ("-" + format_bytes(counted - budget, false)).c_str());
       }
       s += line;
+    }
+    if (offload_optimizer) {
+      s += "host space (optimizer offload):\n";
+      row("optimizer", host_optimizer, optimizer_policy.c_str());
+      const std::string note = "a gradient and a weight bucket of " + std::to_string(offload_bucket) + " parameters";
+      row("staging", host_staging, note.c_str());
+      row("host peak", host_peak(), "made before step 1, kept");
+      if (host_budget != 0) {
+        row("host budget", host_budget, "");
+        if (host_fits()) {
+          std::snprintf(line, sizeof line, "  %-22s %14s  %.1f%% of the host budget free\n", "host headroom",
+                        format_bytes(host_budget - host_peak(), false).c_str(),
+                        100.0 * static_cast<double>(host_budget - host_peak()) / static_cast<double>(host_budget));
+        } else {
+          std::snprintf(line, sizeof line, "  %-22s %14s  OVER THE HOST BUDGET\n", "host headroom",
+                        ("-" + format_bytes(host_peak() - host_budget, false)).c_str());
+        }
+        s += line;
+      }
     }
     std::snprintf(line, sizeof line, "  recompute: %.3g FLOPs per micro-batch (%.1f%% of the blocks' forward)\n",
                   recompute_flops, 100.0 * recompute_overhead());
@@ -17354,6 +17556,33 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
+namespace detail {
+// Moves the optimizer's state of plan p to the host space (plan_options::offload) for the
+// `elements` parameters whose state this process holds, S-sized, with its two staging buffers.
+template <typename S>
+void plan_offload_of(training_plan& p, const plan_options& o, std::size_t elements) {
+  if (!o.optimizer) {
+    throw invalid_argument("options.offload.optimizer", "false when options.optimizer is false",
+                           "true with the optimizer's state not counted",
+                           "Count the optimizer (options.optimizer = true) to offload it");
+  }
+  const std::size_t granule = o.optimizer_policy.state_bytes == nullptr ? 1 : o.optimizer_policy.granule;
+  if (granule == 0) {
+    throw invalid_argument("options.offload.optimizer", "an optimizer policy with update_range (adamw, adamw8bit)",
+                           std::string(o.optimizer_policy.name) + ", which has none",
+                           "Offload adamw<S> or adamw8bit<S>, or give the policy range_granule and update_range");
+  }
+  const std::size_t asked = o.offload.bucket != 0 ? o.offload.bucket : default_offload_bucket;
+  const std::size_t rounded = sat_round_up(asked, granule);
+  p.offload_optimizer = true;
+  p.offload_bucket = std::max<std::size_t>(1, std::min(rounded, elements));
+  p.host_optimizer = p.optimizer;
+  p.optimizer = 0;
+  p.host_staging = sat_mul(bytes_of<S>(p.offload_bucket), 2);
+  p.host_budget = o.offload.host_budget;
+}
+}  // namespace detail
+
 // The plan of one training step of m: micro-batch b, schedule s.
 template <typename Model, typename Schedule>
 training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_options& o = {},
@@ -17380,6 +17609,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
+  if (o.offload.optimizer) detail::plan_offload_of<S>(p, o, o.optimizer_elements != 0 ? o.optimizer_elements : n);
   p.step_buffers = Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer, p.step_buffers);
@@ -17477,10 +17707,14 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     }
     p.peak_bytes = std::max(p.peak_bytes, peak);
   }
-  p.timeline.push_back({"optimizer step (" +
-                            std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
-                                                                                   : o.optimizer_policy.name) +
-                            ", in place)",
+  const std::string opt_name(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
+                                                                        : o.optimizer_policy.name);
+  const std::size_t elements = o.optimizer_elements != 0 ? o.optimizer_elements : n;
+  p.timeline.push_back({"optimizer step (" + opt_name +
+                            (p.offload_optimizer ? ", on the host: " + std::to_string(elements / p.offload_bucket + (elements % p.offload_bucket != 0)) +
+                                                       " buckets of " + std::to_string(p.offload_bucket) + " parameters"
+                                                 : std::string(", in place")) +
+                            ")",
                         base, base});
   if (best != p.peak_bytes) {
     throw error("membound: planner timeline and simulate() disagree on the peak (" +
@@ -17499,7 +17733,7 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
   const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n),
-                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0,
+                                   o.optimizer && !o.offload.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0,
                                    Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n));
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
@@ -17575,6 +17809,38 @@ struct fit_options {
   // of the budget, over which a plan's first step is abandoned for a stricter one. fit() picks
   // the best plan under it; only when none fits there, the best under the budget.
   std::size_t prefer_below = 0;
+  // Optimizer offload (offload_options): with offload.optimizer set, fit() may put the state in
+  // the host space, under offload.host_budget. Only when no plan fits the budget without it
+  // (offload_only_when_needed, the default: offload's copies and host update are not weighed
+  // against recompute yet), or always (false: a trainer whose state already lives there).
+  offload_options offload{};
+  // true: offloaded plans only when none fits in place; false: offloaded plans only.
+  bool offload_only_when_needed = true;
+};
+
+// fit() found plans under the device budget only with the optimizer offloaded, and none of them
+// fits the host budget: both budgets and the least host peak.
+class host_budget_too_small : public invalid_argument {
+ public:
+  // The host budget given, the least host peak of the plans under the device budget, and that budget.
+  host_budget_too_small(std::size_t host_budget, std::size_t host_minimum, std::size_t device_budget)
+      : invalid_argument("options.offload.host_budget",
+                         "at least " + format_bytes(host_minimum) +
+                             " (the least host peak of a plan that fits the device budget of " +
+                             format_bytes(device_budget) + " with the optimizer offloaded)",
+                         format_bytes(host_budget),
+                         "Raise the host budget to at least " + format_bytes(host_minimum, false) +
+                             ", or the device budget so that the state fits there, or use a smaller offload bucket "
+                             "or an 8-bit optimizer"),
+        host_budget_(host_budget),
+        host_minimum_(host_minimum) {}
+  // The host budget fit() was given.
+  std::size_t host_budget() const noexcept { return host_budget_; }
+  // The least host peak among the plans that fit the device budget.
+  std::size_t host_minimum() const noexcept { return host_minimum_; }
+
+ private:
+  std::size_t host_budget_, host_minimum_;
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -17597,9 +17863,20 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       // Nothing under the line: the best plan under the budget, below.
     }
   }
+  if (fo.offload.optimizer && fo.offload_only_when_needed) {
+    fit_options on_device = fo;
+    on_device.offload = {};
+    try {
+      return fit(m, effective, budget, on_device);
+    } catch (const budget_too_small&) {
+      // The state does not fit beside the step: offloaded below.
+    }
+  }
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();
+  // Offloaded: the least host peak of a plan that fit the device budget but not the host's.
+  std::size_t host_minimum = std::numeric_limits<std::size_t>::max();
   // With a reserve function, what counts is the reserved peak on the stack.
   auto reserve = [&](training_plan& p) {
     if (fo.reserve && p.reserved_peak == 0) p.reserved_peak = fo.reserve(p);
@@ -17609,6 +17886,10 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
     const std::size_t counted = reserve(p);
     minimum = std::min(minimum, counted);
     if (saturated(counted) || counted > budget) return;
+    if (!p.host_fits()) {
+      host_minimum = std::min(host_minimum, p.host_peak());
+      return;
+    }
     const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
     const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
     if (!found || cost < best_cost ||
@@ -17648,7 +17929,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
-                     fo.gradients};
+                     fo.gradients, fo.offload};
       const batch_shape b{mb, effective.seq, effective.sequences};
       // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
       // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
@@ -17668,6 +17949,9 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
       if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
     }
+  }
+  if (!found && host_minimum != std::numeric_limits<std::size_t>::max()) {
+    throw host_budget_too_small(fo.offload.host_budget, host_minimum, budget);
   }
   if (!found) {
     // The DP can meet budgets below every generated schedule's peak. Search, per micro-batch and
@@ -18399,6 +18683,15 @@ MEMBOUND_NAMESPACE_END
 // 16-bit storage moves 16-bit gradients and sums them in fp32, rounding once (summable). The
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
+//
+// Optimizer offload (a plan made with plan_options::offload, ZeRO-Offload's placement): the
+// optimizer's state and two staging buffers of plan.offload_bucket parameters come from
+// trainer_options::host, a second (host) memory space with its own budget, before step 1; after
+// the gradient norm each bucket of gradients and weights is copied there, updated by the policy's
+// update_range and the weights copied back: the same bits as the in-place step, so checkpoints
+// move between offloaded and in-place runs. The placement is the trainer's for its lifetime: the
+// plans it takes later (set_plan, load, a retry) keep it. cpu_backend only so far (the device's
+// copies and a host update overlapped with them are not built).
 //
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
@@ -19826,6 +20119,10 @@ struct trainer_options {
   // A name is not empty and holds no '=' or new line; a value holds no new line. Over ranks give
   // every rank the same tags (a whole checkpoint loaded under ZeRO-0 is checked by each rank alone).
   std::vector<fingerprint_field> run_tags{};
+  // The host space of a plan with the optimizer offloaded (plan_options::offload): the caller's
+  // host allocator (a budget_allocator for a host budget), which serves the optimizer's state and
+  // the two staging buffers before step 1. Needed only by such a plan; it must outlive the trainer.
+  host_allocator_ref host{};
 };
 
 // Whether load() takes a checkpoint written under other run settings (trainer::run_settings: the
@@ -19897,6 +20194,7 @@ struct rank_memory {
   std::uint64_t weights = 0, gradients = 0, optimizer = 0;
   std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
   std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
+  std::uint64_t host = 0;  // optimizer offload: the host space's bytes (state and staging), else 0
 };
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
@@ -19906,7 +20204,7 @@ inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
   for (const rank_memory& r : ranks) {
     s += "rank " + std::to_string(r.rank) + "/" + std::to_string(r.ranks) + " (ZeRO-" + std::to_string(r.zero) +
          "): weights " + format_bytes(r.weights, false) + ", gradients " + format_bytes(r.gradients, false) +
-         ", optimizer " + format_bytes(r.optimizer, false) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
+         ", optimizer " + (r.host != 0 ? "offloaded, " + format_bytes(r.host, false) + " on the host" : format_bytes(r.optimizer, false)) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
          std::to_string(r.shard_end) + ")), exchange buffer " + format_bytes(r.exchange, false) +
          " (inside the peak), predicted peak " + format_bytes(r.peak, false) +
          (r.limit != 0 ? " of a budget of " + format_bytes(r.limit, false) : std::string{}) + "\n";
@@ -20002,7 +20300,7 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), comm_(comm) {
+        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget}, comm_(comm) {
     m_.check(eff_.row());
     check_options(o_);
     // After the option checks, so that a bad stage is named as options.zero, in its turn.
@@ -20025,6 +20323,7 @@ class trainer {
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
+      check_host_space(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       // Before the trainer's own allocations: what others hold now, the room its plan had.
       start_room_ = detail::saturating_sub(limit_now(), foreign_now());
@@ -20035,7 +20334,14 @@ class trainer {
       use_layout(plan_);
       w_ = static_cast<S*>(mem_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
       g_ = static_cast<S*>(mem_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
-      opt_ = mem_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      if (offload_.optimizer) {
+        // The host space: the state, then the staging buffers (plan.host_peak()).
+        opt_ = o_.host.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+        stage_w_ = static_cast<S*>(o_.host.allocate(stage_bytes(), default_alignment, memory_tag::optimizer));
+        stage_g_ = static_cast<S*>(o_.host.allocate(stage_bytes(), default_alignment, memory_tag::optimizer));
+      } else {
+        opt_ = mem_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      }
       step_buffer_bytes_ = plan_.step_buffers;  // the same for every plan of this batch (check_plan)
       if (step_buffer_bytes_ != 0) {
         sb_ = mem_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
@@ -20048,7 +20354,7 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + (offload_.optimizer ? 0 : opt_bytes()) + step_buffer_bytes_;
     try {
       // Made on the host on every backend (the same bits), in place or uploaded (on a device the
       // optimizer state goes up first, then the weights: both before step 1).
@@ -20157,8 +20463,12 @@ class trainer {
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
-      glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
-                                                 std::span<const param_span>(opt_spans_), os);
+      if (offload_.optimizer) {
+        offloaded_update(os);
+      } else {
+        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                                                   std::span<const param_span>(opt_spans_), os);
+      }
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -20359,7 +20669,8 @@ class trainer {
     r.zero = sharded() ? o_.zero : 0;
     r.weights = m_.weight_bytes();
     r.gradients = grad_bytes();
-    r.optimizer = opt_bytes();
+    r.optimizer = offload_.optimizer ? 0 : opt_bytes();
+    r.host = offload_.optimizer ? plan_.host_peak() : 0;
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
     r.exchange = exchange_->largest_exchange_bytes(plan_.accumulation, exchange_headroom());
@@ -20823,6 +21134,53 @@ class trainer {
   }
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
+  // One staging buffer of the offloaded update: a bucket of parameters.
+  std::size_t stage_bytes() const noexcept { return bytes_of<S>(offload_.bucket); }
+
+  // The offloaded optimizer step (plan_options::offload): the backend's glue copies each bucket
+  // of this rank's gradients and weights into the host's staging buffers and runs the policy's
+  // update_range there. check_host_space refused the plan where either cannot.
+  void offloaded_update(const optimizer_step& os) {
+    if constexpr (glue::offloads_optimizer && offloadable_optimizer<Optimizer, S>) {
+      glue::template offloaded_update<Optimizer>(ex_, w_ + opt_shard_.begin, opt_grads(), opt_, opt_shard_.size(),
+                                                 std::span<const param_span>(opt_spans_), os, stage_w_, stage_g_,
+                                                 offload_.bucket);
+    } else {
+      (void)os;
+      throw error("membound: an offloaded plan reached a trainer that cannot run it (check_host_space): a bug, "
+                  "please report it");
+    }
+  }
+
+  // A plan with the optimizer offloaded needs a backend that offloads, a policy with
+  // update_range, and a host space (options.host) whose budget holds the plan's host peak beside
+  // what it serves already. Both budgets are named.
+  void check_host_space(const training_plan& p) const {
+    if (!p.offload_optimizer) return;
+    if (!glue::offloads_optimizer) {
+      throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
+                             "true", "Plan without offload: the device path of optimizer offload is not built yet");
+    }
+    if (!offloadable_optimizer<Optimizer, S>) {
+      throw invalid_argument("plan.offload_optimizer", "false for an optimizer policy without update_range", "true",
+                             "Offload adamw<S> or adamw8bit<S>, or plan without offload");
+    }
+    if (o_.host.empty()) {
+      throw invalid_argument("options.host", "a host allocator for the offloaded optimizer state (" +
+                                                 format_bytes(p.host_peak()) + " with its staging buffers)",
+                             "none", "Pass trainer_options::host = host_allocator_ref(your host allocator)");
+    }
+    const std::size_t limit = o_.host.limit(), held = o_.host.stats().requested;
+    if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
+      throw invalid_argument(
+          "options.host", "a host space whose budget holds the plan's host peak of " + format_bytes(p.host_peak()) +
+                              (held != 0 ? " beside the " + format_bytes(held) + " it serves already" : std::string{}),
+          "a host budget of " + format_bytes(limit) + " (the device's: " +
+              (limit_now() != 0 ? format_bytes(limit_now()) : std::string("none")) + ")",
+          "Raise the host budget, or plan with fit_options::offload.host_budget = the host budget so that fit "
+          "refuses first");
+    }
+  }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
   bool sharded() const noexcept { return exchange_->sharded(); }
   bool zero2() const noexcept { return exchange_->zero2(); }
@@ -20849,7 +21207,13 @@ class trainer {
     }
     if (sb_ != nullptr) mem_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
     sb_ = nullptr;
-    if (opt_ != nullptr) mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    if (stage_g_ != nullptr) o_.host.deallocate(stage_g_, stage_bytes(), default_alignment, memory_tag::optimizer);
+    if (stage_w_ != nullptr) o_.host.deallocate(stage_w_, stage_bytes(), default_alignment, memory_tag::optimizer);
+    stage_g_ = stage_w_ = nullptr;
+    if (opt_ != nullptr) {
+      if (offload_.optimizer) o_.host.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+      else mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    }
     if (g_ != nullptr) mem_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) mem_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
@@ -20985,6 +21349,7 @@ class trainer {
     po.optimizer_elements = optimizer_elements();
     po.optimizer_policy = optimizer_of<Optimizer>();
     po.gradients = gradient_sharding();
+    po.offload = offload_;  // fixed for the trainer: its state lives where it was made
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -21045,6 +21410,14 @@ class trainer {
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
     bytes("plan.step_buffers", q.step_buffers, p.step_buffers);
+    if (q.offload_optimizer != p.offload_optimizer) {
+      differs("plan.offload_optimizer", q.offload_optimizer ? "true" : "false", p.offload_optimizer ? "true" : "false");
+    }
+    bytes("plan.host_optimizer", q.host_optimizer, p.host_optimizer);
+    bytes("plan.host_staging", q.host_staging, p.host_staging);
+    if (q.offload_bucket != p.offload_bucket) {
+      differs("plan.offload_bucket", std::to_string(q.offload_bucket), std::to_string(p.offload_bucket));
+    }
     if (q.gradient_sharding.overlap != p.gradient_sharding.overlap) {
       differs("plan.gradient_sharding.overlap", q.gradient_sharding.overlap ? "true" : "false",
               p.gradient_sharding.overlap ? "true" : "false");
@@ -21403,6 +21776,8 @@ class trainer {
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
+    fo.offload = offload_;  // a stricter plan keeps the state where it lives
+    fo.offload_only_when_needed = false;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;
   }
@@ -21577,6 +21952,11 @@ class trainer {
   S* g_ = nullptr;
   void* opt_ = nullptr;
   void* sb_ = nullptr;  // the step buffers (a device's; none on the host)
+  // Optimizer offload (plan.offload_optimizer, fixed when the trainer is made): opt_ and the two
+  // staging buffers come from options.host.
+  offload_options offload_{};
+  S* stage_w_ = nullptr;
+  S* stage_g_ = nullptr;
   std::size_t step_buffer_bytes_ = 0;
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()

@@ -143,8 +143,10 @@ mb::trainer_options options(std::size_t zero = 0, bool overlap = false) {
 template <typename Model>
 mb::training_plan plan_for(const Model& m, std::size_t micro_batches, std::size_t optimizer_elements = 0,
                            mb::gradient_shards gradients = {}, std::size_t micro = 1,
-                           mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{})) {
+                           mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{}),
+                           mb::offload_options offload = {}) {
   mb::plan_options po;
+  po.offload = offload;
   po.optimizer_elements = optimizer_elements;
   po.gradients = gradients;
   po.threads = 1;
@@ -157,6 +159,7 @@ struct run {
   std::vector<double> losses;
   std::vector<unsigned char> weights, optimizer;
   std::size_t peak = 0, predicted = 0;
+  std::size_t host_peak = 0, predicted_host = 0;  // optimizer offload's host space
   std::size_t reserved = 0, predicted_reserve = 0;  // on the allocator stack (reserve_plan's replay)
   std::uint64_t bytes_sent = 0;  // by this rank over the steps (data parallel runs)
   std::uint64_t control_sent = 0;  // of those, through a split communicator's control()
@@ -181,23 +184,30 @@ run finish(Trainer& t, alloc_t& a) {
 }
 
 // micro: sequences per micro-batch (each rank runs effective.batch / N / micro micro-batches).
-// overlap: ZeRO-2's reduce-scatters overlapped with the next block's backward.
+// overlap: ZeRO-2's reduce-scatters overlapped with the next block's backward. offload: the
+// optimizer's state (this rank's shard) in a host space, buckets of 1000 parameters.
 template <typename Model, typename Comm>
 run data_parallel(const Model& m, Comm& comm, std::size_t zero = 0, std::size_t micro = 1,
-                  bool overlap = false, mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{})) {
-  alloc_t a(std::size_t{1} << 30);
+                  bool overlap = false, mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{}),
+                  bool offload = false) {
+  alloc_t a(std::size_t{1} << 30), host(std::size_t{1} << 30);
+  mb::trainer_options o = options(zero, overlap && comm.size() > 1);
+  o.host = mb::host_allocator_ref(host);
   mb::thread_pool pool(1);
   const std::size_t shard = zero >= 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
   const bool ov = overlap && comm.size() > 1;
   const mb::gradient_shards gs = mb::gradient_exchange_of<typename Model::storage_type>(comm, zero, ov);
-  mb::trainer t(m, effective, plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro, schedule), a, pool,
-                options(zero, ov), mb::null_monitor{}, comm);
+  mb::trainer t(m, effective,
+                plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro, schedule, {offload, 1000, 0}), a,
+                pool, o, mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
   std::uint64_t control_before = 0;
   if constexpr (mb::split_communicator<Comm>) control_before = comm.control().stats().bytes_sent;
   run r = finish(t, a);
   r.bytes_sent = comm.stats().bytes_sent - before;
   if constexpr (mb::split_communicator<Comm>) r.control_sent = comm.control().stats().bytes_sent - control_before;
+  r.host_peak = host.stats().peak_requested;
+  r.predicted_host = t.plan().host_peak();
   return r;
 }
 
@@ -378,6 +388,24 @@ int main(int argc, char** argv) {
     check(s0.control_sent == steps * (N == 1 ? 0 : (me == 0 ? 16 * (N - 1) : 16)),
           "split communicator, ZeRO-0: control() carries only the loss and the counted targets (" +
               std::to_string(s0.control_sent) + " bytes)");
+  }
+
+  // Optimizer offload under ZeRO-1 and ZeRO-2: the same bits as the in-place run of the stage,
+  // this rank's shard of the state (and two buckets) in the host space, both peaks as predicted.
+  for (const std::size_t z : {std::size_t{1}, std::size_t{2}}) {
+    const std::string stage = "ZeRO-" + std::to_string(z) + " offloaded: ";
+    const run in_place = z == 1 ? zero1 : data_parallel(m, comm, 2);
+    const run off = data_parallel(m, comm, z, 1, false, mb::schedule_choice::of(mb::schedules::none{}), true);
+    check(same_bits(off.losses, in_place.losses) && off.weights == in_place.weights && off.optimizer == in_place.optimizer,
+          stage + "the in-place run's losses, weights and optimizer state, bit for bit");
+    check(off.peak == off.predicted, stage + "measured device peak " + std::to_string(off.peak) + " == predicted " +
+                                         std::to_string(off.predicted));
+    check(in_place.peak - off.peak == in_place.optimizer.size(),
+          stage + "the device holds exactly the state's " + std::to_string(in_place.optimizer.size()) + " bytes less");
+    check(off.host_peak == off.predicted_host && off.host_peak == off.optimizer.size() + 2 * 1000 * sizeof(float),
+          stage + "measured host peak " + std::to_string(off.host_peak) + " == predicted " +
+              std::to_string(off.predicted_host) + " (the shard's state and two buckets)");
+    check(off.memory.optimizer == 0 && off.memory.host == off.predicted_host, stage + "memory() puts the state on the host");
   }
 
   // ZeRO-2 against ZeRO-0 and ZeRO-1.

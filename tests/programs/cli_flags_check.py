@@ -167,6 +167,8 @@ def main():
             "--layers": ["attn,", ",attn", "attn,,mamba", "", "lstm", "ATTN", "attn ,mamba", ",".join(["attn"] * 129)],
             "--window": ["0", "-1", "1048577", "x", "", "8"],  # 8: no swa block in the default --layers
             "--pack": ["0", "-1", "4097", "x", ""],
+            "--offload": ["host", "OPTIMIZER", "auto ", "", "zero3"],
+            "--host-budget": ["1GiB"],  # without --offload
             # The mixture's flags need an attn_moe block (the default --layers has none: "4", "1.0").
             "--experts": ["4"],
             "--top-k": ["1"],
@@ -211,6 +213,12 @@ def main():
             ("--capacity", {"--layers": "attn_moe", "--capacity": "nan"}),
             ("--capacity", {"--layers": "attn_moe", "--capacity": "0.001"}),  # no slot for an expert
             ("--aux", {"--layers": "attn_moe", "--aux": "inf"}),
+            ("--host-budget", {"--offload": "auto", "--host-budget": "-1"}),
+            ("--host-budget", {"--offload": "auto", "--host-budget": "1.2MiB"}),  # not a whole number of bytes
+            # 1 MiB fits this model only with the optimizer's state offloaded; 100 KiB cannot hold it.
+            ("--budget", {"--budget": "1MiB"}),
+            ("--host-budget", {"--budget": "1MiB", "--offload": "auto", "--host-budget": "100KiB"}),
+            ("--host-budget", {"--offload": "optimizer", "--schedule": "none", "--host-budget": "100KiB"}),
             ("--seq", {"--seq": "max"}),                            # max on the CPU needs --pack
             ("--seq", {"--pack": "4", "--seq": "1"}),                # a packed row needs a token and its target
             ("--data", {"--pack": "4", "--data": p("blank.txt")}),  # no paragraph to pack
@@ -224,6 +232,7 @@ def main():
         else:  # packed sequences and the mixture of experts run on the CPU so far
             c.refuse(train, base, "--pack", {"--device": "cuda", "--pack": "4"})
             c.refuse(train, base, "--layers", {"--device": "cuda", "--layers": "attn_moe"})
+            c.refuse(train, base, "--offload", {"--device": "cuda", "--offload": "auto"})
 
         # Valid edge cases still run, and sizes arrive in the report exactly.
         def report_says(**want):
@@ -247,7 +256,25 @@ def main():
         c.accept(train, base, {"--pack": "3", "--eval-every": "1"})           # paragraphs packed into rows
         c.accept(train, base, {"--layers": "attn_moe,mamba,attn_moe", "--experts": "4", "--top-k": "1",
                                "--capacity": "1.5", "--aux": "0.05"})  # mixtures of experts
-        c.accept(train, base, {"--pack": "4096", "--seq": "max", "--steps": "1"})  # the longest row that fits
+        # the longest row that fits; one evaluation row (two of 32 rows of 6144 tokens took half the 60 s
+        # limit alone at -O1, and passed it under ctest -j2's load)
+        c.accept(train, base, {"--pack": "4096", "--seq": "max", "--steps": "1", "--eval-sequences": "1"})
+        def host_says(**want):
+            def check(r):
+                got = json.load(open(os.path.join(out, "report.json")))["host"]
+                wrong = {k: got.get(k) for k, v in want.items() if got.get(k) != v}
+                if wrong:
+                    return f"report's host has {wrong}, expected {want}"
+                if got["measured_peak_bytes"] != got["predicted_peak_bytes"]:
+                    return f"host space measured {got['measured_peak_bytes']} != predicted {got['predicted_peak_bytes']}"
+                return None
+            return check
+        # Only an offloaded plan fits 1 MiB here: auto takes it, and the host's peak is its prediction.
+        c.accept(train, base, {"--budget": "1MiB", "--offload": "auto", "--host-budget": "1MiB"},
+                 host_says(offload_optimizer=True, budget_bytes=MIB))
+        c.accept(train, base, {"--offload": "auto"}, host_says(offload_optimizer=False, predicted_peak_bytes=0))
+        c.accept(train, base, {"--offload": "optimizer", "--optimizer": "adamw8bit", "--precision": "bf16"},
+                 host_says(offload_optimizer=True))
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
         # One process exchanges nothing: --overlap 1 is refused by name at every stage, never ignored.

@@ -123,6 +123,23 @@ struct gradient_shards {
   constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
 
+// Optimizer offload (ZeRO-Offload's placement): the optimizer's state (AdamW's m, v and fp32
+// masters) lives in a second memory space, the host's (pinned memory beside a GPU; a second arena
+// on the CPU), with its own budget. After the gradient norm, the state's range is walked in
+// buckets: each bucket's gradients and weights are copied into two host staging buffers of
+// `bucket` parameters, updated there by the policy's update_range, and the weights copied back.
+// The device then holds weights, gradients and activations only; the host holds the state and
+// the two buffers, all made before step 1 and kept (its peak is their sum).
+inline constexpr std::size_t default_offload_bucket = std::size_t{1} << 20;
+// Whether the optimizer's state is offloaded, its bucket and the host space's budget.
+struct offload_options {
+  bool optimizer = false;       // the optimizer's state in the host space
+  // Parameters per staged bucket (0: default_offload_bucket), rounded up to a multiple of the
+  // policy's range_granule and at most the parameters whose state this process holds.
+  std::size_t bucket = 0;
+  std::size_t host_budget = 0;  // the host space's budget (0: none)
+};
+
 // What make_plan plans for besides the model, the micro-batch and the schedule.
 struct plan_options {
   std::size_t threads = 1;        // CPU threads the step runs with: the workspaces depend on it
@@ -136,6 +153,8 @@ struct plan_options {
   optimizer_ref optimizer_policy{};
   // ZeRO-2: the gradients sharded too (gradient_shards); off by default.
   gradient_shards gradients{};
+  // The optimizer's state in the host space (offload_options); off by default.
+  offload_options offload{};
 };
 
 namespace detail {
@@ -199,6 +218,18 @@ struct training_plan {
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
+  // Optimizer offload (plan_options::offload): then `optimizer` is 0 and the host space holds the
+  // state (host_optimizer) and two staging buffers of offload_bucket parameters (host_staging),
+  // under host_budget (0: none).
+  bool offload_optimizer = false;
+  std::size_t host_optimizer = 0;  // the optimizer's state, in the host space
+  std::size_t host_staging = 0;    // the two staging buffers
+  std::size_t offload_bucket = 0;  // parameters per bucket
+  std::size_t host_budget = 0;     // the host space's budget (0: none)
+  // The host space's peak: everything it holds is made before step 1 and kept.
+  std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging); }
+  // Whether the host space's bytes fit its budget (none: always).
+  bool host_fits() const noexcept { return host_budget == 0 || host_peak() <= host_budget; }
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
   std::size_t workspace = 0;     // the transient bytes of the peak op
   std::size_t peak_bytes = 0;    // max over the timeline; what the budget allocator measures
@@ -227,7 +258,8 @@ struct training_plan {
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
   // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
   bool fits() const noexcept {
-    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget);
+    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget) &&
+           host_fits();
   }
 
   // A table a person reads before step 1.
@@ -262,7 +294,10 @@ struct training_plan {
       row("gradients", gradients, "");
     }
     row("optimizer", optimizer,
-        optimizer == 0 ? "(not counted)" : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)" : optimizer_policy.c_str());
+        offload_optimizer ? "offloaded: in the host space (below)"
+        : optimizer == 0  ? "(not counted)"
+        : optimizer_policy.empty() ? "AdamW m, v (+ fp32 masters)"
+                                   : optimizer_policy.c_str());
     if (step_buffers != 0) row("step buffers", step_buffers, "the step's token ids and targets, the norm's partials");
     row("activations (kept)", activations, "at most, between ops");
     row("workspace (at peak)", workspace, "transient");
@@ -287,6 +322,25 @@ struct training_plan {
                       ("-" + format_bytes(counted - budget, false)).c_str());
       }
       s += line;
+    }
+    if (offload_optimizer) {
+      s += "host space (optimizer offload):\n";
+      row("optimizer", host_optimizer, optimizer_policy.c_str());
+      const std::string note = "a gradient and a weight bucket of " + std::to_string(offload_bucket) + " parameters";
+      row("staging", host_staging, note.c_str());
+      row("host peak", host_peak(), "made before step 1, kept");
+      if (host_budget != 0) {
+        row("host budget", host_budget, "");
+        if (host_fits()) {
+          std::snprintf(line, sizeof line, "  %-22s %14s  %.1f%% of the host budget free\n", "host headroom",
+                        format_bytes(host_budget - host_peak(), false).c_str(),
+                        100.0 * static_cast<double>(host_budget - host_peak()) / static_cast<double>(host_budget));
+        } else {
+          std::snprintf(line, sizeof line, "  %-22s %14s  OVER THE HOST BUDGET\n", "host headroom",
+                        ("-" + format_bytes(host_peak() - host_budget, false)).c_str());
+        }
+        s += line;
+      }
     }
     std::snprintf(line, sizeof line, "  recompute: %.3g FLOPs per micro-batch (%.1f%% of the blocks' forward)\n",
                   recompute_flops, 100.0 * recompute_overhead());
@@ -366,6 +420,33 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
+namespace detail {
+// Moves the optimizer's state of plan p to the host space (plan_options::offload) for the
+// `elements` parameters whose state this process holds, S-sized, with its two staging buffers.
+template <typename S>
+void plan_offload_of(training_plan& p, const plan_options& o, std::size_t elements) {
+  if (!o.optimizer) {
+    throw invalid_argument("options.offload.optimizer", "false when options.optimizer is false",
+                           "true with the optimizer's state not counted",
+                           "Count the optimizer (options.optimizer = true) to offload it");
+  }
+  const std::size_t granule = o.optimizer_policy.state_bytes == nullptr ? 1 : o.optimizer_policy.granule;
+  if (granule == 0) {
+    throw invalid_argument("options.offload.optimizer", "an optimizer policy with update_range (adamw, adamw8bit)",
+                           std::string(o.optimizer_policy.name) + ", which has none",
+                           "Offload adamw<S> or adamw8bit<S>, or give the policy range_granule and update_range");
+  }
+  const std::size_t asked = o.offload.bucket != 0 ? o.offload.bucket : default_offload_bucket;
+  const std::size_t rounded = sat_round_up(asked, granule);
+  p.offload_optimizer = true;
+  p.offload_bucket = std::max<std::size_t>(1, std::min(rounded, elements));
+  p.host_optimizer = p.optimizer;
+  p.optimizer = 0;
+  p.host_staging = sat_mul(bytes_of<S>(p.offload_bucket), 2);
+  p.host_budget = o.offload.host_budget;
+}
+}  // namespace detail
+
 // The plan of one training step of m: micro-batch b, schedule s.
 template <typename Model, typename Schedule>
 training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_options& o = {},
@@ -392,6 +473,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   p.gradient_sharding = gs;
   p.optimizer = optimizer_state_bytes(m, o);
   p.optimizer_policy = optimizer_description<Model>(o);
+  if (o.offload.optimizer) detail::plan_offload_of<S>(p, o, o.optimizer_elements != 0 ? o.optimizer_elements : n);
   p.step_buffers = Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n);
   p.budget = budget != 0 ? budget : (sc.k == schedule_choice::kind::budget ? sc.param : 0);
   const std::size_t base = sat_add(p.weights, p.gradients, p.optimizer, p.step_buffers);
@@ -489,10 +571,14 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     }
     p.peak_bytes = std::max(p.peak_bytes, peak);
   }
-  p.timeline.push_back({"optimizer step (" +
-                            std::string(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
-                                                                                   : o.optimizer_policy.name) +
-                            ", in place)",
+  const std::string opt_name(o.optimizer_policy.state_bytes == nullptr ? adamw<typename Model::storage_type>::name
+                                                                        : o.optimizer_policy.name);
+  const std::size_t elements = o.optimizer_elements != 0 ? o.optimizer_elements : n;
+  p.timeline.push_back({"optimizer step (" + opt_name +
+                            (p.offload_optimizer ? ", on the host: " + std::to_string(elements / p.offload_bucket + (elements % p.offload_bucket != 0)) +
+                                                       " buckets of " + std::to_string(p.offload_bucket) + " parameters"
+                                                 : std::string(", in place")) +
+                            ")",
                         base, base});
   if (best != p.peak_bytes) {
     throw error("membound: planner timeline and simulate() disagree on the peak (" +
@@ -511,7 +597,7 @@ constexpr std::size_t predicted_peak(const model_config& c, batch_shape b, sched
   using S = typename Model::storage_type;
   const std::size_t n = Model::count_elements(c);
   const std::size_t base = sat_add(bytes_of<S>(n), bytes_of<S>(n),
-                                   o.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0,
+                                   o.optimizer && !o.offload.optimizer ? detail::policy_state_bytes<S>(o.optimizer_policy, n) : 0,
                                    Model::step_buffer_bytes(sat_mul(b.tokens(), o.accumulation), n));
   const chain ch = Model::static_chain(c, b, o.threads, o.head_chunk, base);
   const std::size_t L = ch.length();
@@ -587,6 +673,38 @@ struct fit_options {
   // of the budget, over which a plan's first step is abandoned for a stricter one. fit() picks
   // the best plan under it; only when none fits there, the best under the budget.
   std::size_t prefer_below = 0;
+  // Optimizer offload (offload_options): with offload.optimizer set, fit() may put the state in
+  // the host space, under offload.host_budget. Only when no plan fits the budget without it
+  // (offload_only_when_needed, the default: offload's copies and host update are not weighed
+  // against recompute yet), or always (false: a trainer whose state already lives there).
+  offload_options offload{};
+  // true: offloaded plans only when none fits in place; false: offloaded plans only.
+  bool offload_only_when_needed = true;
+};
+
+// fit() found plans under the device budget only with the optimizer offloaded, and none of them
+// fits the host budget: both budgets and the least host peak.
+class host_budget_too_small : public invalid_argument {
+ public:
+  // The host budget given, the least host peak of the plans under the device budget, and that budget.
+  host_budget_too_small(std::size_t host_budget, std::size_t host_minimum, std::size_t device_budget)
+      : invalid_argument("options.offload.host_budget",
+                         "at least " + format_bytes(host_minimum) +
+                             " (the least host peak of a plan that fits the device budget of " +
+                             format_bytes(device_budget) + " with the optimizer offloaded)",
+                         format_bytes(host_budget),
+                         "Raise the host budget to at least " + format_bytes(host_minimum, false) +
+                             ", or the device budget so that the state fits there, or use a smaller offload bucket "
+                             "or an 8-bit optimizer"),
+        host_budget_(host_budget),
+        host_minimum_(host_minimum) {}
+  // The host budget fit() was given.
+  std::size_t host_budget() const noexcept { return host_budget_; }
+  // The least host peak among the plans that fit the device budget.
+  std::size_t host_minimum() const noexcept { return host_minimum_; }
+
+ private:
+  std::size_t host_budget_, host_minimum_;
 };
 
 // The plan with the least recompute (over the whole optimizer step: per micro-batch times the
@@ -609,9 +727,20 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       // Nothing under the line: the best plan under the budget, below.
     }
   }
+  if (fo.offload.optimizer && fo.offload_only_when_needed) {
+    fit_options on_device = fo;
+    on_device.offload = {};
+    try {
+      return fit(m, effective, budget, on_device);
+    } catch (const budget_too_small&) {
+      // The state does not fit beside the step: offloaded below.
+    }
+  }
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();
+  // Offloaded: the least host peak of a plan that fit the device budget but not the host's.
+  std::size_t host_minimum = std::numeric_limits<std::size_t>::max();
   // With a reserve function, what counts is the reserved peak on the stack.
   auto reserve = [&](training_plan& p) {
     if (fo.reserve && p.reserved_peak == 0) p.reserved_peak = fo.reserve(p);
@@ -621,6 +750,10 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
     const std::size_t counted = reserve(p);
     minimum = std::min(minimum, counted);
     if (saturated(counted) || counted > budget) return;
+    if (!p.host_fits()) {
+      host_minimum = std::min(host_minimum, p.host_peak());
+      return;
+    }
     const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
     const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
     if (!found || cost < best_cost ||
@@ -660,7 +793,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
       plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
-                     fo.gradients};
+                     fo.gradients, fo.offload};
       const batch_shape b{mb, effective.seq, effective.sequences};
       // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
       // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
@@ -680,6 +813,9 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
       if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
     }
+  }
+  if (!found && host_minimum != std::numeric_limits<std::size_t>::max()) {
+    throw host_budget_too_small(fo.offload.host_budget, host_minimum, budget);
   }
   if (!found) {
     // The DP can meet budgets below every generated schedule's peak. Search, per micro-batch and

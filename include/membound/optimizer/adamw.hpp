@@ -67,30 +67,30 @@ class adamw {
   static void update(S* w, const S* g, void* state, std::size_t n, std::size_t first,
                      std::size_t count, std::uint64_t t, double lr, const adamw_config& c,
                      bool decay, double grad_scale, thread_pool& pool) {
-    moment_type* m = static_cast<moment_type*>(state);
-    moment_type* v = m + n;
-    moment_type* master = has_master ? m + 2 * n : nullptr;
-    const auto k = adamw_coefficients<moment_type>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, decay);
-    const moment_type gs = static_cast<moment_type>(grad_scale);
-    constexpr std::size_t block = 4096;
-    pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
-      const std::size_t i0 = first + b * block, i1 = std::min(first + count, i0 + block);
-      for (std::size_t i = i0; i < i1; ++i) {
-        const moment_type gi = to_accum<moment_type>(g[i]) * gs;
-        moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
-        adamw_step(k, gi, m[i], v[i], p);
-        if constexpr (has_master) master[i] = p;
-        w[i] = from_accum<S>(p);
-      }
-    });
+    step_run(w + first, g + first, state, n, first, count, t, lr, c, decay, grad_scale, pool);
   }
 
   // The policy's update: every span of [0, n) in turn, as the per-range update above.
   static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
                      const optimizer_step& s, thread_pool& pool) {
+    update_range(w, g, state, n, 0, n, spans, s, pool);
+  }
+
+  // Elementwise: any range is a whole one.
+  static constexpr std::size_t range_granule = 1;
+  // update over [first, first + count) only: w and g hold that range (w[0] is element first);
+  // the spans are update's, over [0, n). The same bits as update for those elements.
+  static void update_range(S* w, const S* g, void* state, std::size_t n, std::size_t first, std::size_t count,
+                           std::span<const param_span> spans, const optimizer_step& s, thread_pool& pool) {
     detail::check_param_spans(spans, n);
+    detail::check_update_range(first, count, n, range_granule);
+    const std::size_t last = first + count;
     for (const param_span& sp : spans) {
-      if (sp.count != 0) update(w, g, state, n, sp.first, sp.count, s.t, s.lr, s.config, sp.decay, s.grad_scale, pool);
+      const std::size_t lo = std::max(sp.first, first), hi = std::min(sp.first + sp.count, last);
+      if (lo < hi) {
+        step_run(w + (lo - first), g + (lo - first), state, n, lo, hi - lo, s.t, s.lr, s.config, sp.decay,
+                 s.grad_scale, pool);
+      }
     }
   }
 
@@ -117,6 +117,29 @@ class adamw {
       }
     }
     std::memcpy(state, from.data(), from.size());
+  }
+
+ private:
+  // The step over elements [first, first + count) of the state; w and g hold exactly those.
+  static void step_run(S* w, const S* g, void* state, std::size_t n, std::size_t first, std::size_t count,
+                       std::uint64_t t, double lr, const adamw_config& c, bool decay, double grad_scale,
+                       thread_pool& pool) {
+    moment_type* m = static_cast<moment_type*>(state) + first;
+    moment_type* v = static_cast<moment_type*>(state) + n + first;
+    moment_type* master = has_master ? static_cast<moment_type*>(state) + 2 * n + first : nullptr;
+    const auto k = adamw_coefficients<moment_type>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, decay);
+    const moment_type gs = static_cast<moment_type>(grad_scale);
+    constexpr std::size_t block = 4096;
+    pool.parallel_for((count + block - 1) / block, [&](std::size_t b, std::size_t) {
+      const std::size_t i0 = b * block, i1 = std::min(count, i0 + block);
+      for (std::size_t i = i0; i < i1; ++i) {
+        const moment_type gi = to_accum<moment_type>(g[i]) * gs;
+        moment_type p = has_master ? master[i] : to_accum<moment_type>(w[i]);
+        adamw_step(k, gi, m[i], v[i], p);
+        if constexpr (has_master) master[i] = p;
+        w[i] = from_accum<S>(p);
+      }
+    });
   }
 };
 

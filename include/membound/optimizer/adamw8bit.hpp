@@ -176,7 +176,18 @@ class adamw8bit {
   // elements take a step and which of those decay.
   static void update(S* w, const S* g, void* state, std::size_t n, std::span<const param_span> spans,
                      const optimizer_step& s, thread_pool& pool) {
+    update_range(w, g, state, n, 0, n, spans, s, pool);
+  }
+
+  // A range is whole blocks: the moments are quantized per block.
+  static constexpr std::size_t range_granule = Block;
+  // update over [first, first + count), whole blocks (first a multiple of Block, count one too or
+  // ending at n): w and g hold that range (w[0] is element first); the spans are update's, over
+  // [0, n). The same bits as update for those blocks.
+  static void update_range(S* w, const S* g, void* state, std::size_t n, std::size_t first, std::size_t count,
+                           std::span<const param_span> spans, const optimizer_step& s, thread_pool& pool) {
     detail::check_param_spans(spans, n);
+    detail::check_update_range(first, count, n, range_granule);
     using T = compute_type;
     const view p = parts(state, n);
     const quantization_map& qm = signed_dynamic_map();
@@ -185,8 +196,10 @@ class adamw8bit {
     const auto kd = adamw_coefficients<T>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
     const auto kn = adamw_coefficients<T>::at(s.t, s.lr, c.beta1, c.beta2, c.eps, c.weight_decay, false);
     const T gs = static_cast<T>(s.grad_scale);
-    pool.parallel_for(blocks(n), [&](std::size_t b, std::size_t) {
-      const std::size_t i0 = b * Block, i1 = std::min(n, i0 + Block);
+    const std::size_t b0 = first / Block;
+    pool.parallel_for(blocks(count), [&](std::size_t bb, std::size_t) {
+      const std::size_t b = b0 + bb;
+      const std::size_t i0 = b * Block, i1 = std::min(first + count, i0 + Block);
       T mf[Block], vf[Block];
       const T am = p.absmax_m[b], av = p.absmax_v[b];
       T new_am = 0, new_av = 0;
@@ -201,10 +214,10 @@ class adamw8bit {
         T v = static_cast<T>(qv[p.v[i]]) * av;
         // An element in no span (padding between tensors) keeps its weight and its moments.
         if (k < spans.size() && spans[k].first <= i) {
-          T w_i = has_master ? static_cast<T>(p.master[i]) : to_accum<T>(w[i]);
-          adamw_step(spans[k].decay ? kd : kn, to_accum<T>(g[i]) * gs, m, v, w_i);
+          T w_i = has_master ? static_cast<T>(p.master[i]) : to_accum<T>(w[i - first]);
+          adamw_step(spans[k].decay ? kd : kn, to_accum<T>(g[i - first]) * gs, m, v, w_i);
           if constexpr (has_master) p.master[i] = static_cast<float>(w_i);
-          w[i] = from_accum<S>(w_i);
+          w[i - first] = from_accum<S>(w_i);
         }
         mf[i - i0] = m;
         vf[i - i0] = v;

@@ -16,6 +16,16 @@
 //   static std::span<const std::byte> save_state(const void* state, std::size_t n);
 //   static void load_state(std::span<const std::byte> from, void* state, std::size_t n);
 //
+// A policy may also offer an update of one range of its elements, which optimizer offload runs
+// bucket by bucket on the host (planner: plan_options::offload):
+//   static constexpr std::size_t range_granule;   // first and count are multiples of it (count
+//                                                 // may end at n instead)
+//   static void update_range(S* w, const S* g, void* state, std::size_t n, std::size_t first,
+//                            std::size_t count, std::span<const param_span> spans,
+//                            const optimizer_step& s, thread_pool& pool);
+// w and g hold the range's count elements (w[0] is element first); state and spans are the whole
+// range's, as for update. Updating [0, n) range by range gives update's bits.
+//
 // update covers the n elements the state was made for, given as spans inside [0, n) in order
 // (each tensor's part; the padding between tensors is in none and takes no step): one call per
 // step over the whole flat range, so a policy whose state is kept per block of elements
@@ -94,6 +104,13 @@ concept optimizer_has_save_load = requires(const void* cs, void* state, std::siz
   { O::save_state(cs, n) } -> std::same_as<std::span<const std::byte>>;
   O::load_state(b, state, n);
 };
+template <typename O, typename S>
+concept optimizer_has_update_range = requires(S* w, const S* g, void* state, std::size_t n,
+                                              std::span<const param_span> sp, const optimizer_step& s,
+                                              thread_pool& pool) {
+  { O::range_granule } -> std::convertible_to<std::size_t>;
+  O::update_range(w, g, state, n, n, n, sp, s, pool);
+};
 }  // namespace detail
 
 template <typename O, typename S>
@@ -101,6 +118,10 @@ concept optimizer_policy =
     detail::optimizer_has_storage_type<O> && detail::optimizer_has_name<O> &&
     detail::optimizer_state_bytes_constexpr<O> && detail::optimizer_has_init<O, S> &&
     detail::optimizer_has_update<O, S> && detail::optimizer_has_save_load<O>;
+
+// A policy whose update runs one range at a time: what optimizer offload needs.
+template <typename O, typename S>
+concept offloadable_optimizer = optimizer_policy<O, S> && detail::optimizer_has_update_range<O, S>;
 
 // The concept one requirement at a time, each with a sentence: static_assert(check_optimizer_policy<O, S>()).
 template <typename O, typename S>
@@ -142,14 +163,19 @@ struct optimizer_ref {
   std::string_view storage{};
   std::size_t (*state_bytes)(std::size_t) noexcept = nullptr;
   std::string (*description)() = nullptr;
+  // update_range's granule (offload's buckets are multiples of it); 0: the policy has no
+  // update_range and cannot be offloaded. The default (adamw<S>) has 1.
+  std::size_t granule = 1;
 };
 
 template <typename O>
   requires detail::optimizer_state_bytes_constexpr<O> && detail::optimizer_has_name<O> &&
            detail::optimizer_has_storage_type<O>
 constexpr optimizer_ref optimizer_of() noexcept {
+  std::size_t granule = 0;
+  if constexpr (requires { O::range_granule; }) granule = O::range_granule;
   return {O::name, dtype_name<typename O::storage_type>(), [](std::size_t n) noexcept { return O::state_bytes(n); },
-          [] { return std::string(O::description()); }};
+          [] { return std::string(O::description()); }, granule};
 }
 
 namespace detail {
@@ -166,6 +192,19 @@ inline void check_param_spans(std::span<const param_span> spans, std::size_t n) 
                              "List every tensor's part of the optimizer's range once, in order of offset");
     }
     at = spans[k].first + spans[k].count;
+  }
+}
+
+// update_range's range: inside [0, n), starting at a multiple of the granule, and of a multiple of
+// it or ending at n.
+inline void check_update_range(std::size_t first, std::size_t count, std::size_t n, std::size_t granule) {
+  const bool inside = first <= n && count <= n - first;
+  if (!inside || first % granule != 0 || (count % granule != 0 && first + count != n)) {
+    throw invalid_argument("first, count",
+                           "a range inside [0, " + std::to_string(n) + ") starting at a multiple of " +
+                               std::to_string(granule) + ", of a multiple of it or ending at n",
+                           "[" + std::to_string(first) + ", +" + std::to_string(count) + ")",
+                           "Cut the state's range into buckets of a multiple of the policy's range_granule");
   }
 }
 

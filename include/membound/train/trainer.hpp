@@ -74,6 +74,15 @@
 // constructor is a collective over ranks: a rank whose plan does not fit its budget, or that
 // fails to allocate, makes every rank throw before step 1 (rank_cannot_start).
 //
+// Optimizer offload (a plan made with plan_options::offload, ZeRO-Offload's placement): the
+// optimizer's state and two staging buffers of plan.offload_bucket parameters come from
+// trainer_options::host, a second (host) memory space with its own budget, before step 1; after
+// the gradient norm each bucket of gradients and weights is copied there, updated by the policy's
+// update_range and the weights copied back: the same bits as the in-place step, so checkpoints
+// move between offloaded and in-place runs. The placement is the trainer's for its lifetime: the
+// plans it takes later (set_plan, load, a retry) keep it. cpu_backend only so far (the device's
+// copies and a host update overlapped with them are not built).
+//
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
 // micro-batch (before_forward, after_forward, before_backward; after_backward too under ZeRO-0/1,
@@ -217,7 +226,7 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), comm_(comm) {
+        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget}, comm_(comm) {
     m_.check(eff_.row());
     check_options(o_);
     // After the option checks, so that a bad stage is named as options.zero, in its turn.
@@ -240,6 +249,7 @@ class trainer {
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_plan(plan_);
+      check_host_space(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       // Before the trainer's own allocations: what others hold now, the room its plan had.
       start_room_ = detail::saturating_sub(limit_now(), foreign_now());
@@ -250,7 +260,14 @@ class trainer {
       use_layout(plan_);
       w_ = static_cast<S*>(mem_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
       g_ = static_cast<S*>(mem_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
-      opt_ = mem_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      if (offload_.optimizer) {
+        // The host space: the state, then the staging buffers (plan.host_peak()).
+        opt_ = o_.host.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+        stage_w_ = static_cast<S*>(o_.host.allocate(stage_bytes(), default_alignment, memory_tag::optimizer));
+        stage_g_ = static_cast<S*>(o_.host.allocate(stage_bytes(), default_alignment, memory_tag::optimizer));
+      } else {
+        opt_ = mem_.allocate(opt_bytes(), default_alignment, memory_tag::optimizer);
+      }
       step_buffer_bytes_ = plan_.step_buffers;  // the same for every plan of this batch (check_plan)
       if (step_buffer_bytes_ != 0) {
         sb_ = mem_.allocate(step_buffer_bytes_, default_alignment, memory_tag::other);
@@ -263,7 +280,7 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = m_.weight_bytes() + grad_bytes() + opt_bytes() + step_buffer_bytes_;
+    own_bytes_ = m_.weight_bytes() + grad_bytes() + (offload_.optimizer ? 0 : opt_bytes()) + step_buffer_bytes_;
     try {
       // Made on the host on every backend (the same bits), in place or uploaded (on a device the
       // optimizer state goes up first, then the weights: both before step 1).
@@ -372,8 +389,12 @@ class trainer {
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
       const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
-      glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
-                                                 std::span<const param_span>(opt_spans_), os);
+      if (offload_.optimizer) {
+        offloaded_update(os);
+      } else {
+        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+                                                   std::span<const param_span>(opt_spans_), os);
+      }
       // Every rank updated its shard: gather the whole model on every rank (in place).
       if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
       ++updates_;
@@ -574,7 +595,8 @@ class trainer {
     r.zero = sharded() ? o_.zero : 0;
     r.weights = m_.weight_bytes();
     r.gradients = grad_bytes();
-    r.optimizer = opt_bytes();
+    r.optimizer = offload_.optimizer ? 0 : opt_bytes();
+    r.host = offload_.optimizer ? plan_.host_peak() : 0;
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
     r.exchange = exchange_->largest_exchange_bytes(plan_.accumulation, exchange_headroom());
@@ -1039,6 +1061,53 @@ class trainer {
   }
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
+  // One staging buffer of the offloaded update: a bucket of parameters.
+  std::size_t stage_bytes() const noexcept { return bytes_of<S>(offload_.bucket); }
+
+  // The offloaded optimizer step (plan_options::offload): the backend's glue copies each bucket
+  // of this rank's gradients and weights into the host's staging buffers and runs the policy's
+  // update_range there. check_host_space refused the plan where either cannot.
+  void offloaded_update(const optimizer_step& os) {
+    if constexpr (glue::offloads_optimizer && offloadable_optimizer<Optimizer, S>) {
+      glue::template offloaded_update<Optimizer>(ex_, w_ + opt_shard_.begin, opt_grads(), opt_, opt_shard_.size(),
+                                                 std::span<const param_span>(opt_spans_), os, stage_w_, stage_g_,
+                                                 offload_.bucket);
+    } else {
+      (void)os;
+      throw error("membound: an offloaded plan reached a trainer that cannot run it (check_host_space): a bug, "
+                  "please report it");
+    }
+  }
+
+  // A plan with the optimizer offloaded needs a backend that offloads, a policy with
+  // update_range, and a host space (options.host) whose budget holds the plan's host peak beside
+  // what it serves already. Both budgets are named.
+  void check_host_space(const training_plan& p) const {
+    if (!p.offload_optimizer) return;
+    if (!glue::offloads_optimizer) {
+      throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
+                             "true", "Plan without offload: the device path of optimizer offload is not built yet");
+    }
+    if (!offloadable_optimizer<Optimizer, S>) {
+      throw invalid_argument("plan.offload_optimizer", "false for an optimizer policy without update_range", "true",
+                             "Offload adamw<S> or adamw8bit<S>, or plan without offload");
+    }
+    if (o_.host.empty()) {
+      throw invalid_argument("options.host", "a host allocator for the offloaded optimizer state (" +
+                                                 format_bytes(p.host_peak()) + " with its staging buffers)",
+                             "none", "Pass trainer_options::host = host_allocator_ref(your host allocator)");
+    }
+    const std::size_t limit = o_.host.limit(), held = o_.host.stats().requested;
+    if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
+      throw invalid_argument(
+          "options.host", "a host space whose budget holds the plan's host peak of " + format_bytes(p.host_peak()) +
+                              (held != 0 ? " beside the " + format_bytes(held) + " it serves already" : std::string{}),
+          "a host budget of " + format_bytes(limit) + " (the device's: " +
+              (limit_now() != 0 ? format_bytes(limit_now()) : std::string("none")) + ")",
+          "Raise the host budget, or plan with fit_options::offload.host_budget = the host budget so that fit "
+          "refuses first");
+    }
+  }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
   bool sharded() const noexcept { return exchange_->sharded(); }
   bool zero2() const noexcept { return exchange_->zero2(); }
@@ -1065,7 +1134,13 @@ class trainer {
     }
     if (sb_ != nullptr) mem_.deallocate(sb_, step_buffer_bytes_, default_alignment, memory_tag::other);
     sb_ = nullptr;
-    if (opt_ != nullptr) mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    if (stage_g_ != nullptr) o_.host.deallocate(stage_g_, stage_bytes(), default_alignment, memory_tag::optimizer);
+    if (stage_w_ != nullptr) o_.host.deallocate(stage_w_, stage_bytes(), default_alignment, memory_tag::optimizer);
+    stage_g_ = stage_w_ = nullptr;
+    if (opt_ != nullptr) {
+      if (offload_.optimizer) o_.host.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+      else mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
+    }
     if (g_ != nullptr) mem_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
     if (w_ != nullptr) mem_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
@@ -1201,6 +1276,7 @@ class trainer {
     po.optimizer_elements = optimizer_elements();
     po.optimizer_policy = optimizer_of<Optimizer>();
     po.gradients = gradient_sharding();
+    po.offload = offload_;  // fixed for the trainer: its state lives where it was made
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -1261,6 +1337,14 @@ class trainer {
     bytes("plan.weights", q.weights, p.weights);
     bytes("plan.gradients", q.gradients, p.gradients);
     bytes("plan.step_buffers", q.step_buffers, p.step_buffers);
+    if (q.offload_optimizer != p.offload_optimizer) {
+      differs("plan.offload_optimizer", q.offload_optimizer ? "true" : "false", p.offload_optimizer ? "true" : "false");
+    }
+    bytes("plan.host_optimizer", q.host_optimizer, p.host_optimizer);
+    bytes("plan.host_staging", q.host_staging, p.host_staging);
+    if (q.offload_bucket != p.offload_bucket) {
+      differs("plan.offload_bucket", std::to_string(q.offload_bucket), std::to_string(p.offload_bucket));
+    }
     if (q.gradient_sharding.overlap != p.gradient_sharding.overlap) {
       differs("plan.gradient_sharding.overlap", q.gradient_sharding.overlap ? "true" : "false",
               p.gradient_sharding.overlap ? "true" : "false");
@@ -1619,6 +1703,8 @@ class trainer {
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
+    fo.offload = offload_;  // a stricter plan keeps the state where it lives
+    fo.offload_only_when_needed = false;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;
   }
@@ -1793,6 +1879,11 @@ class trainer {
   S* g_ = nullptr;
   void* opt_ = nullptr;
   void* sb_ = nullptr;  // the step buffers (a device's; none on the host)
+  // Optimizer offload (plan.offload_optimizer, fixed when the trainer is made): opt_ and the two
+  // staging buffers come from options.host.
+  offload_options offload_{};
+  S* stage_w_ = nullptr;
+  S* stage_g_ = nullptr;
   std::size_t step_buffer_bytes_ = 0;
   std::size_t own_bytes_ = 0;
   std::size_t tolerated_peak_ = 0, tolerated_foreign_ = 0;  // see tolerating()

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "membound/core/config.hpp"
+#include "membound/memory/host_allocator_ref.hpp"
 #include "membound/optimizer/adamw.hpp"
 #include "membound/train/fingerprint.hpp"
 #include "membound/train/schedule_lr.hpp"
@@ -44,6 +45,10 @@ struct trainer_options {
   // A name is not empty and holds no '=' or new line; a value holds no new line. Over ranks give
   // every rank the same tags (a whole checkpoint loaded under ZeRO-0 is checked by each rank alone).
   std::vector<fingerprint_field> run_tags{};
+  // The host space of a plan with the optimizer offloaded (plan_options::offload): the caller's
+  // host allocator (a budget_allocator for a host budget), which serves the optimizer's state and
+  // the two staging buffers before step 1. Needed only by such a plan; it must outlive the trainer.
+  host_allocator_ref host{};
 };
 
 // Whether load() takes a checkpoint written under other run settings (trainer::run_settings: the

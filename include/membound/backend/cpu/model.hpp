@@ -323,6 +323,22 @@ struct backend_kernels<cpu_backend, model_glue> {
                                const Step& step) {
     Optimizer::update(w, g, state, n, spans, step, ex);
   }
+  // Optimizer offload (planner: offload_options) runs here. The state is in the host space;
+  // bucket by bucket the gradients and weights are copied into its staging buffers (a device's
+  // copies to the host; here between the two host arenas), updated there by update_range, and the
+  // weights copied back: the bits of optimizer_update.
+  static constexpr bool offloads_optimizer = true;
+  template <typename Optimizer, typename S, typename Spans, typename Step>
+  static void offloaded_update(thread_pool& ex, S* w, const S* g, void* host_state, std::size_t n, Spans spans,
+                               const Step& step, S* stage_w, S* stage_g, std::size_t bucket) {
+    for (std::size_t a = 0; a < n; a += bucket) {
+      const std::size_t k = std::min(bucket, n - a);
+      std::memcpy(stage_g, g + a, k * sizeof(S));
+      std::memcpy(stage_w, w + a, k * sizeof(S));
+      Optimizer::update_range(stage_w, stage_g, host_state, n, a, k, spans, step, ex);
+      std::memcpy(w + a, stage_w, k * sizeof(S));
+    }
+  }
 
   // Token ids where the host can read them without a copy: here, the caller's own (the model
   // checks them against the vocabulary before any work).

@@ -897,6 +897,9 @@ struct backend_kernels<cuda_backend, model_glue> {
     return buffer.data();
   }
 
+  // Optimizer offload (the state in pinned host memory, the update on the host) is not built on
+  // the device yet: the trainer refuses an offloaded plan here.
+  static constexpr bool offloads_optimizer = false;
 #if MEMBOUND_CUDA_COMPILER
   template <typename A, typename S>
   static void rmsnorm_forward(cuda_executor& ex, const S* x, const S* g, S* y, A* rstd, std::size_t N,

@@ -1,0 +1,333 @@
+// Optimizer offload (planner.hpp: offload_options; trainer_options::host), on the CPU with two
+// budgeted host arenas standing for the device and the host:
+//   - the plan moves the optimizer's state off the device, to the byte: the device peak is the
+//     in-place plan's less the state, the host peak the state plus two staging buckets (rounded
+//     to the policy's granule, at most the parameters), and the table says so;
+//   - fit() offloads only when nothing fits the device budget without it, and a host budget too
+//     small is refused naming both budgets;
+//   - an offloaded run equals the in-place run bit for bit (losses, weights, optimizer state) for
+//     fp32 and bf16 storage (fp32 masters), adamw and adamw8bit, over many buckets; the measured
+//     device and host peaks equal their predictions;
+//   - checkpoints move between offloaded and in-place runs (the state's layout is the same);
+//   - bad input: no host allocator, a host budget too small, a plan that disagrees with the
+//     trainer's placement, an optimizer without update_range: typed errors naming the argument.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "membound/memory/budget.hpp"
+#include "membound/memory/host_allocator_ref.hpp"
+#include "membound/memory/system_allocator.hpp"
+#include "membound/model/planner.hpp"
+#include "membound/optimizer/adamw8bit.hpp"
+#include "membound/train/trainer.hpp"
+
+#include "../support/small_models.hpp"
+
+namespace mb = membound;
+
+namespace {
+
+using membound_test::hybrid;
+using membound_test::small_config;
+using budget_alloc = mb::budget_allocator<mb::system_allocator>;
+
+constexpr mb::batch_shape effective{4, 16};
+
+// A repeating phrase with a little noise (test_trainer's source).
+struct text_source {
+  std::vector<std::int32_t> text;
+  explicit text_source(std::size_t vocab) {
+    std::uint32_t s = 7;
+    for (std::size_t i = 0; i < 4000; ++i) {
+      s = s * 1664525u + 1013904223u;
+      const bool noise = (s >> 24) % 10 == 0;
+      text.push_back(static_cast<std::int32_t>(noise ? (s >> 8) % vocab : (i * 7 + i / 13) % vocab));
+    }
+  }
+  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
+    const std::size_t at = r.random % (text.size() - effective.seq - 1);
+    for (std::size_t t = 0; t < effective.seq; ++t) {
+      x[t] = text[at + t];
+      y[t] = text[at + t + 1];
+    }
+  }
+};
+
+mb::trainer_options options() {
+  mb::trainer_options o;
+  o.seed = 5;
+  o.lr = mb::cosine_lr{1e-2, 1e-3, 2, 30};
+  o.head_chunks = {64, 16};
+  return o;
+}
+
+template <typename Opt, typename Model>
+mb::plan_options plan_opts(const Model&, std::size_t threads, mb::offload_options off = {}) {
+  mb::plan_options po;
+  po.threads = threads;
+  po.head_chunk = 64;
+  po.optimizer_policy = mb::optimizer_of<Opt>();
+  po.offload = off;
+  return po;
+}
+
+std::vector<unsigned char> raw(const void* p, std::size_t bytes) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  return {b, b + bytes};
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("membound_test_offload_" + name)).string();
+}
+
+// What a run leaves: the loss bits, the weights and the optimizer state.
+struct run_result {
+  std::vector<double> losses;
+  std::vector<unsigned char> weights, state;
+  std::size_t device_peak = 0, host_peak = 0;
+};
+
+template <typename P, typename Opt>
+run_result train(const hybrid<P>& m, const mb::training_plan& p, std::size_t steps, mb::thread_pool& pool) {
+  budget_alloc device(1ull << 30), host(1ull << 30);
+  mb::trainer_options o = options();
+  o.host = mb::host_allocator_ref(host);
+  mb::trainer<hybrid<P>, budget_alloc, mb::null_monitor, mb::local_communicator, Opt> t(m, effective, p, device, pool, o);
+  text_source src(40);
+  run_result r;
+  for (std::size_t k = 0; k < steps; ++k) r.losses.push_back(t.step(src).loss);
+  r.weights = raw(t.weights(), m.weight_bytes());
+  r.state = raw(t.optimizer_state(), t.optimizer_bytes());
+  r.device_peak = device.stats().peak_requested;
+  r.host_peak = host.stats().peak_requested;
+  return r;
+}
+
+template <typename P, typename Opt>
+void check_offload_equals_in_place(std::size_t bucket) {
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(2);
+  const mb::training_plan in_place = mb::make_plan(m, effective, mb::schedules::every<2>{}, plan_opts<Opt>(m, 2));
+  const mb::training_plan off =
+      mb::make_plan(m, effective, mb::schedules::every<2>{}, plan_opts<Opt>(m, 2, {true, bucket, 0}));
+  // The plan: the state leaves the device, to the byte, and nothing else moves.
+  REQUIRE(off.offload_optimizer);
+  CHECK(off.optimizer == 0);
+  CHECK(off.host_optimizer == in_place.optimizer);
+  CHECK(off.host_optimizer == Opt::state_bytes(m.parameter_elements()));
+  CHECK(off.offload_bucket % Opt::range_granule == 0);
+  CHECK(off.offload_bucket >= bucket);
+  CHECK(off.offload_bucket < bucket + Opt::range_granule);
+  CHECK(off.host_staging == 2 * off.offload_bucket * sizeof(typename P::storage_type));
+  CHECK(off.peak_bytes == in_place.peak_bytes - in_place.optimizer);
+  CHECK(off.ops == in_place.ops);
+  const std::size_t buckets = (m.parameter_elements() + off.offload_bucket - 1) / off.offload_bucket;
+  REQUIRE(buckets >= 3);  // several buckets, the last one partial
+  CHECK(off.timeline.back().name.find("on the host: " + std::to_string(buckets) + " buckets") != std::string::npos);
+  CHECK(off.table().find("offloaded: in the host space") != std::string::npos);
+  CHECK(off.table().find("host peak") != std::string::npos);
+
+  const run_result a = train<P, Opt>(m, in_place, 30, pool);
+  const run_result b = train<P, Opt>(m, off, 30, pool);
+  CHECK(raw(a.losses.data(), a.losses.size() * sizeof(double)) == raw(b.losses.data(), b.losses.size() * sizeof(double)));
+  CHECK(a.weights == b.weights);
+  CHECK(a.state == b.state);
+  CHECK(a.losses.back() < a.losses.front());
+  // Measured = predicted, in both spaces.
+  CHECK(a.device_peak == in_place.peak_bytes);
+  CHECK(a.host_peak == 0);
+  CHECK(b.device_peak == off.peak_bytes);
+  CHECK(b.host_peak == off.host_peak());
+  MESSAGE("device peak " << a.device_peak << " B in place, " << b.device_peak << " B offloaded (+ " << b.host_peak
+                         << " B on the host)");
+}
+
+}  // namespace
+
+TEST_CASE("offload: fp32 adamw, offloaded in buckets of 1000, equals the in-place run bit for bit") {
+  check_offload_equals_in_place<mb::fp32_precision, mb::adamw<float>>(1000);
+}
+
+TEST_CASE("offload: bf16 with fp32 masters equals the in-place run bit for bit") {
+  check_offload_equals_in_place<mb::bf16_precision, mb::adamw<mb::bf16>>(777);
+}
+
+TEST_CASE("offload: adamw8bit's buckets are whole quantization blocks and equal the in-place run") {
+  check_offload_equals_in_place<mb::bf16_precision, mb::adamw8bit<mb::bf16, 256>>(300);  // rounded to 512
+}
+
+TEST_CASE("offload: the bucket is at most the parameters, and the default is 1 Mi parameters") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  const mb::training_plan p =
+      mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<mb::adamw<float>>(m, 1, {true, 0, 0}));
+  CHECK(mb::default_offload_bucket == (std::size_t{1} << 20));
+  CHECK(p.offload_bucket == m.parameter_elements());  // the model is smaller than the default
+  CHECK(p.timeline.back().name.find("1 buckets") != std::string::npos);
+}
+
+TEST_CASE("offload: fit() offloads only when nothing fits the device without it, under the host budget") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::fit_options fo;
+  fo.threads = 1;
+  fo.head_chunks = {64};
+  std::size_t least_in_place = 0;
+  try {
+    (void)mb::fit(m, effective, 1, fo);
+  } catch (const mb::budget_too_small& e) {
+    least_in_place = e.minimum();
+  }
+  REQUIRE(least_in_place > 0);
+  fo.offload = {true, 0, 1ull << 30};
+
+  // Room for the state on the device: no offload.
+  const mb::training_plan roomy = mb::fit(m, effective, least_in_place, fo);
+  CHECK_FALSE(roomy.offload_optimizer);
+  CHECK(roomy.budgeted_peak() <= least_in_place);
+
+  // One byte less: only an offloaded plan fits, and fit takes one.
+  const mb::training_plan tight = mb::fit(m, effective, least_in_place - 1, fo);
+  CHECK(tight.offload_optimizer);
+  CHECK(tight.budgeted_peak() <= least_in_place - 1);
+  CHECK(tight.fits());
+  CHECK(tight.host_peak() <= fo.offload.host_budget);
+
+  // A host budget one byte short of the state and its buckets: refused naming both budgets.
+  fo.offload.host_budget = tight.host_peak() - 1;
+  try {
+    (void)mb::fit(m, effective, least_in_place - 1, fo);
+    FAIL("fit took a plan over the host budget");
+  } catch (const mb::host_budget_too_small& e) {
+    CHECK(e.argument() == "options.offload.host_budget");
+    CHECK(e.host_minimum() == tight.host_peak());
+    CHECK(std::string(e.what()).find("device budget") != std::string::npos);
+  }
+
+  // Without offload the tight budget is too small, naming the least in-place peak.
+  fo.offload = {};
+  CHECK_THROWS_AS((void)mb::fit(m, effective, least_in_place - 1, fo), mb::budget_too_small);
+}
+
+TEST_CASE("offload: a checkpoint moves between offloaded and in-place runs, bit for bit") {
+  using P = mb::bf16_precision;
+  using Opt = mb::adamw<mb::bf16>;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(2);
+  const mb::training_plan in_place = mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<Opt>(m, 2));
+  const mb::training_plan off =
+      mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<Opt>(m, 2, {true, 500, 0}));
+  const run_result whole = train<P, Opt>(m, off, 12, pool);
+  const std::string path = temp_path("resume.ckpt");
+  for (const bool first_offloaded : {true, false}) {
+    CAPTURE(first_offloaded);
+    budget_alloc d1(1ull << 30), h1(1ull << 30), d2(1ull << 30), h2(1ull << 30);
+    mb::trainer_options o1 = options(), o2 = options();
+    o1.host = mb::host_allocator_ref(h1);
+    o2.host = mb::host_allocator_ref(h2);
+    text_source src(40);
+    std::vector<double> losses;
+    {
+      mb::trainer t(m, effective, first_offloaded ? off : in_place, d1, pool, o1);
+      for (int k = 0; k < 6; ++k) losses.push_back(t.step(src).loss);
+      t.save(path);
+    }
+    mb::trainer t(m, effective, first_offloaded ? in_place : off, d2, pool, o2);
+    REQUIRE(t.load(path));
+    text_source src2(40);
+    for (int k = 0; k < 6; ++k) losses.push_back(t.step(src2).loss);
+    CHECK(raw(losses.data(), losses.size() * sizeof(double)) ==
+          raw(whole.losses.data(), whole.losses.size() * sizeof(double)));
+    CHECK(raw(t.weights(), m.weight_bytes()) == whole.weights);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("offload: bad input is refused by name, before anything is allocated") {
+  using P = mb::fp32_precision;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(1);
+  const mb::training_plan off =
+      mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<mb::adamw<float>>(m, 1, {true, 1000, 0}));
+  const mb::training_plan in_place =
+      mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<mb::adamw<float>>(m, 1));
+  budget_alloc device(1ull << 30);
+
+  SUBCASE("no host allocator") {
+    try {
+      mb::trainer t(m, effective, off, device, pool, options());
+      FAIL("an offloaded plan ran without a host space");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.host");
+    }
+    CHECK(device.stats().requested == 0);
+  }
+  SUBCASE("a host budget below the host peak names both budgets") {
+    budget_alloc host(off.host_peak() - 1);
+    mb::trainer_options o = options();
+    o.host = mb::host_allocator_ref(host);
+    try {
+      mb::trainer t(m, effective, off, device, pool, o);
+      FAIL("an offloaded plan ran over its host budget");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.host");
+      CHECK(std::string(e.what()).find("host budget") != std::string::npos);
+      CHECK(std::string(e.what()).find("the device's: 1.00 GiB") != std::string::npos);
+    }
+    CHECK(device.stats().requested == 0);
+    CHECK(host.stats().requested == 0);
+  }
+  SUBCASE("a plan placed elsewhere than the trainer's state") {
+    budget_alloc host(1ull << 30);
+    mb::trainer_options o = options();
+    o.host = mb::host_allocator_ref(host);
+    mb::trainer t(m, effective, off, device, pool, o);
+    const std::size_t before = device.stats().requested;
+    try {
+      t.set_plan(in_place);
+      FAIL("set_plan moved the state");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "plan");
+      CHECK(std::string(e.what()).find("plan.offload_optimizer") != std::string::npos);
+    }
+    CHECK(t.plan().offload_optimizer);
+    CHECK(device.stats().requested == before);
+  }
+  SUBCASE("offload with the optimizer not counted, or a bucket policy without update_range") {
+    mb::plan_options po = plan_opts<mb::adamw<float>>(m, 1, {true, 0, 0});
+    po.optimizer = false;
+    try {
+      (void)mb::make_plan(m, effective, mb::schedules::none{}, po);
+      FAIL("offloaded nothing");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.offload.optimizer");
+    }
+    po.optimizer = true;
+    po.optimizer_policy.granule = 0;  // as optimizer_of gives a policy without update_range
+    try {
+      (void)mb::make_plan(m, effective, mb::schedules::none{}, po);
+      FAIL("offloaded a policy that cannot update a range");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.offload.optimizer");
+    }
+  }
+  SUBCASE("update_range outside whole blocks") {
+    using O8 = mb::adamw8bit<float, 256>;
+    const std::size_t n = 1000;
+    std::vector<float> w(n, 1.0f), g(n, 0.5f);
+    std::vector<std::byte> state(O8::state_bytes(n));
+    O8::init(w.data(), n, state.data(), state.size());
+    const std::vector<mb::param_span> spans{{0, n, true}};
+    for (const auto& [first, count] : {std::pair<std::size_t, std::size_t>{100, 256}, {0, 300}, {768, 300}}) {
+      CAPTURE(first);
+      CAPTURE(count);
+      CHECK_THROWS_AS(O8::update_range(w.data(), g.data(), state.data(), n, first, count, spans, {}, pool),
+                      mb::invalid_argument);
+    }
+    // The last block ends at n: whole.
+    CHECK_NOTHROW(O8::update_range(w.data() + 768, g.data() + 768, state.data(), n, 768, 232, spans, {}, pool));
+  }
+}
