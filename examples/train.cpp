@@ -867,9 +867,14 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     }
     if (rss.known && baseline.known) {
       // Beyond the baseline and the reserve: thread stacks and the heap's own bookkeeping.
-      const double other = mib(rss.peak_rss) - mib(baseline.rss) - mib(predicted_reserve);
-      std::printf("\nprocess peak RSS %.2f MiB = baseline %.2f MiB + predicted reserve %.2f MiB %c %.2f MiB other",
-                  mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), other < 0 ? '-' : '+', std::abs(other));
+      // The host space (--offload) is the process's memory too.
+      const std::size_t host = t.plan().host_peak();
+      const double other = mib(rss.peak_rss) - mib(baseline.rss) - mib(predicted_reserve) - mib(host);
+      char host_part[64] = "";
+      if (host != 0) std::snprintf(host_part, sizeof host_part, " + host space %.2f MiB", mib(host));
+      std::printf("\nprocess peak RSS %.2f MiB = baseline %.2f MiB + predicted reserve %.2f MiB%s %c %.2f MiB other",
+                  mib(rss.peak_rss), mib(baseline.rss), mib(predicted_reserve), host_part, other < 0 ? '-' : '+',
+                  std::abs(other));
     }
     std::printf("\n");
     write_files(nullptr);

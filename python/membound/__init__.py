@@ -34,6 +34,7 @@ LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention", "swa": "local_attention
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATORS = ("arena", "caching", "none")
 OPTIMIZERS = ("adamw", "adamw8bit", "none")
+OFFLOADS = ("none", "auto", "optimizer")
 
 Size = Union[int, str]
 
@@ -170,6 +171,12 @@ class Plan:
     gradients: int
     optimizer: int
     optimizer_policy: str
+    offload_optimizer: bool
+    host_optimizer: int
+    host_staging: int
+    offload_bucket: int
+    host_peak: int
+    host_budget: int
     activations: int
     workspace: int
     peak_bytes: int
@@ -194,7 +201,8 @@ class Plan:
 
 
 def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precision: str,
-             allocator: Optional[str], optimizer: str, threads: int, sequences: int = 0) -> _core.Request:
+             allocator: Optional[str], optimizer: str, threads: int, sequences: int = 0,
+             offload: str = "none", host_budget: Optional[Size] = None) -> _core.Request:
     if not isinstance(model, Model):
         raise invalid("model", "a membound.Model", model, 'e.g. membound.Model(layers=["ttt", "attn"], width=256, heads=4)')
     r = _core.Request()
@@ -212,6 +220,15 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     r.allocator = _one_of("allocator", allocator, ALLOCATORS)
     r.optimizer = _one_of("optimizer", optimizer, OPTIMIZERS)
     r.threads = _whole("threads", threads, 1, 1024, "threads=8")
+    r.offload = _one_of("offload", offload, OFFLOADS)
+    if r.offload != "none" and r.optimizer == "none":
+        raise invalid("offload", 'none with optimizer="none" (there is no state to offload)', offload,
+                      'e.g. optimizer="adamw", offload="auto"')
+    if host_budget is not None:
+        if r.offload == "none":
+            raise invalid("host_budget", 'only with offload="auto" or "optimizer"', host_budget,
+                          'e.g. offload="auto", host_budget="64GiB"')
+        r.host_budget = parse_size(host_budget, "host_budget")
     if r.allocator != "none" and r.budget == 0:
         raise invalid("budget", f"a size with allocator={allocator!r} (its reserve is planned under a budget)",
                       budget, 'e.g. budget="24GiB", or allocator="none"')
@@ -223,7 +240,10 @@ def _plan(r: _core.Request) -> Plan:
     return Plan(micro_batch=p.micro_batch, seq=p.seq, sequences=p.sequences, accumulation=p.accumulation,
                 schedule=p.schedule,
                 head_chunk=p.head_chunk, threads=p.threads, weights=p.weights, gradients=p.gradients,
-                optimizer=p.optimizer, optimizer_policy=p.optimizer_policy, activations=p.activations,
+                optimizer=p.optimizer, optimizer_policy=p.optimizer_policy,
+                offload_optimizer=p.offload_optimizer, host_optimizer=p.host_optimizer,
+                host_staging=p.host_staging, offload_bucket=p.offload_bucket, host_peak=p.host_peak,
+                host_budget=p.host_budget, activations=p.activations,
                 workspace=p.workspace, peak_bytes=p.peak_bytes, reserved_peak=p.reserved_peak,
                 peak_phase=p.peak_phase, budget=p.budget, fits=p.fits, forward_flops=p.forward_flops,
                 recompute_flops=p.recompute_flops, parameters=p.parameters, table=p.table,
@@ -233,7 +253,7 @@ def _plan(r: _core.Request) -> Plan:
 def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "fp32",
         allocator: Optional[str] = None, optimizer: str = "adamw", threads: int = 1,
         head_chunks: Sequence[int] = (256, 64), prefer_below: Union[Size, float, None] = None,
-        sequences: int = 0) -> Plan:
+        sequences: int = 0, offload: str = "none", host_budget: Optional[Size] = None) -> Plan:
     """The plan with the least recompute whose peak fits `budget`: the micro-batch (dividing
     `batch`; gradient accumulation keeps the effective batch), the recompute schedule and the
     logit chunk. sequences > 0: `batch` packed rows of `seq` tokens, each holding at most that many
@@ -243,11 +263,15 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
     caching allocator; "none": requested bytes only); host stacks for now. prefer_below: a line under
     the budget to stay under when some plan can, a size or a fraction of the budget (0.97 is the
     example trainer's emergency line: with it, the plan is the one `train --plan-only 1` prints).
-    Raises BudgetTooSmall (with .minimum) when no plan fits."""
+    offload: "auto" puts the optimizer's state in a host space (host_budget: its budget) when no
+    plan fits the budget with it, "optimizer" always, "none" never (the example trainer's
+    --offload); the plan then states the host space's bytes too (host_peak).
+    Raises BudgetTooSmall (with .minimum) when no plan fits, InvalidArgument naming host_budget
+    when only offloaded plans fit and none fits the host budget."""
     if budget is None:
         raise invalid("budget", "a size: fit chooses the plan that fits it", budget,
                       'e.g. budget="24GiB"; membound.plan states the peak of one schedule without a budget')
-    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences)
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget)
     _fit_fields(r, head_chunks, prefer_below)
     return _plan(r)
 
@@ -255,16 +279,17 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
 def fit_tokens(model: Model, *, max_tokens: int, sequences: int, budget: Size, batch: int = 1,
                multiple: int = 64, precision: str = "fp32", allocator: Optional[str] = None,
                optimizer: str = "adamw", threads: int = 1, head_chunks: Sequence[int] = (256, 64),
-               prefer_below: Union[Size, float, None] = None) -> Plan:
+               prefer_below: Union[Size, float, None] = None, offload: str = "none",
+               host_budget: Optional[Size] = None) -> Plan:
     """The plan for the most tokens per packed row that fit `budget`: rows of N tokens (a multiple
     of `multiple`, at most max_tokens) holding at most `sequences` sequences each, N chosen under
     prefer_below when some row fits there, else under the budget; then fit's plan for `batch` such
     rows (plan.seq is N). With prefer_below=0.97 it is `train --pack S --seq max --plan-only 1`'s.
-    Raises BudgetTooSmall when not even a row of `multiple` tokens fits."""
+    offload: as fit's. Raises BudgetTooSmall when not even a row of `multiple` tokens fits."""
     if budget is None:
         raise invalid("budget", "a size: fit_tokens chooses the row that fits it", budget, 'e.g. budget="24GiB"')
     r = _request(model, batch, 1, budget, precision, allocator, optimizer, threads,
-                 _whole("sequences", sequences, 1, 1 << 20, "sequences=16"))
+                 _whole("sequences", sequences, 1, 1 << 20, "sequences=16"), offload, host_budget)
     r.max_tokens = _whole("max_tokens", max_tokens, 1, 1 << 20, "max_tokens=65536")
     r.multiple = _whole("multiple", multiple, 1, r.max_tokens, "multiple=64 (at most max_tokens)")
     _fit_fields(r, head_chunks, prefer_below)
@@ -293,13 +318,15 @@ _SCHEDULE = re.compile(r"(none|full)|(every|binomial):(\d+)")
 
 def plan(model: Model, *, batch: int, seq: int, schedule: str = "none", budget: Optional[Size] = None,
          precision: str = "fp32", allocator: Optional[str] = None, optimizer: str = "adamw",
-         threads: int = 1, head_chunk: int = 256, sequences: int = 0) -> Plan:
+         threads: int = 1, head_chunk: int = 256, sequences: int = 0, offload: str = "none",
+         host_budget: Optional[Size] = None) -> Plan:
     """The plan of one fixed schedule for the whole batch in one micro-batch: "none" (keep every
     block's activations), "full" (recompute every block), "every:K" (keep every K-th block's
     input), "binomial:S" (Griewank's S slots). With a budget, raises BudgetTooSmall when the
     plan does not fit it; without one, only states the peak (allocator "none"). sequences > 0:
-    one packed row (batch 1) of `seq` tokens holding at most that many sequences."""
-    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences)
+    one packed row (batch 1) of `seq` tokens holding at most that many sequences. offload: as fit's
+    ("auto": offloaded when the plan does not fit the budget with the optimizer's state)."""
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget)
     if r.sequences != 0 and r.batch != 1:
         raise invalid("batch", "1 with sequences (one packed row; fit plans several)", batch, "e.g. batch=1")
     m = _SCHEDULE.fullmatch(schedule) if isinstance(schedule, str) else None

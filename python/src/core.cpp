@@ -42,6 +42,8 @@ struct request {
   std::string precision = "fp32";  // fp32 | bf16 | fp16
   std::string allocator = "arena";  // arena | caching | none
   std::string optimizer = "adamw";  // adamw | adamw8bit | none
+  std::string offload = "none";     // none | auto | optimizer (the example trainer's --offload)
+  std::size_t host_budget = 0;      // the offloaded state's host budget (0: none)
   std::string schedule = "auto";    // auto | none | full | every | binomial (schedule_param: K or S)
   std::size_t schedule_param = 0;
   std::vector<std::size_t> head_chunks{256, 64};
@@ -117,6 +119,8 @@ plan_result plan_for(const request& r) {
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       fo.head_chunks = r.head_chunks;
       fo.reserve = reserve;
+      fo.offload = {r.offload != "none", 0, r.host_budget};
+      fo.offload_only_when_needed = r.offload == "auto";
       if (r.max_tokens != 0) {
         // As the example trainer's --pack with --seq max: the longest row under the line when one
         // fits there, else under the budget; then fit's plan for the batch of such rows.
@@ -138,8 +142,16 @@ plan_result plan_for(const request& r) {
       po.optimizer = count_optimizer;
       po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       po.head_chunk = r.head_chunks.front();
+      po.offload = {r.offload == "optimizer", 0, r.host_budget};
       o.plan = mb::make_plan(m, batch, schedule_of(r), po, r.budget);
       if (reserve) o.plan.reserved_peak = reserve(o.plan);
+      // As the example trainer: auto offloads when the state does not fit beside the step.
+      if (!o.plan.fits() && r.offload == "auto") {
+        po.offload = {true, 0, r.host_budget};
+        o.plan = mb::make_plan(m, batch, schedule_of(r), po, r.budget);
+        if (reserve) o.plan.reserved_peak = reserve(o.plan);
+      }
+      if (!o.plan.host_fits()) throw mb::host_budget_too_small(r.host_budget, o.plan.host_peak(), r.budget);
       if (!o.plan.fits()) throw mb::budget_too_small(r.budget, o.plan.budgeted_peak());
     }
     return o;
@@ -188,6 +200,11 @@ NB_MODULE(_core, m) {
     } catch (const mb::budget_too_small& e) {
       raise(budget_too_small_type, budget_too_small_type(e.what(), e.argument(), e.expected(), e.actual(),
                                                          e.what_to_do(), e.budget(), e.minimum()));
+    } catch (const mb::host_budget_too_small& e) {
+      // Named as the Python argument is.
+      const mb::invalid_argument named("host_budget", e.expected(), e.actual(), e.what_to_do());
+      raise(invalid_argument_type, invalid_argument_type(named.what(), named.argument(), named.expected(), named.actual(),
+                                                         named.what_to_do()));
     } catch (const mb::invalid_argument& e) {
       raise(invalid_argument_type, invalid_argument_type(e.what(), e.argument(), e.expected(), e.actual(), e.what_to_do()));
     } catch (const mb::out_of_memory& e) {
@@ -219,6 +236,8 @@ NB_MODULE(_core, m) {
       .def_rw("precision", &request::precision)
       .def_rw("allocator", &request::allocator)
       .def_rw("optimizer", &request::optimizer)
+      .def_rw("offload", &request::offload)
+      .def_rw("host_budget", &request::host_budget)
       .def_rw("schedule", &request::schedule)
       .def_rw("schedule_param", &request::schedule_param)
       .def_rw("head_chunks", &request::head_chunks);
@@ -238,6 +257,12 @@ NB_MODULE(_core, m) {
       .def_prop_ro("gradients", [](const plan_result& r) { return r.plan.gradients; })
       .def_prop_ro("optimizer", [](const plan_result& r) { return r.plan.optimizer; })
       .def_prop_ro("optimizer_policy", [](const plan_result& r) { return r.plan.optimizer_policy; })
+      .def_prop_ro("offload_optimizer", [](const plan_result& r) { return r.plan.offload_optimizer; })
+      .def_prop_ro("host_optimizer", [](const plan_result& r) { return r.plan.host_optimizer; })
+      .def_prop_ro("host_staging", [](const plan_result& r) { return r.plan.host_staging; })
+      .def_prop_ro("offload_bucket", [](const plan_result& r) { return r.plan.offload_bucket; })
+      .def_prop_ro("host_peak", [](const plan_result& r) { return r.plan.host_peak(); })
+      .def_prop_ro("host_budget", [](const plan_result& r) { return r.plan.host_budget; })
       .def_prop_ro("activations", [](const plan_result& r) { return r.plan.activations; })
       .def_prop_ro("workspace", [](const plan_result& r) { return r.plan.workspace; })
       .def_prop_ro("peak_bytes", [](const plan_result& r) { return r.plan.peak_bytes; })

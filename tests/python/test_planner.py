@@ -121,6 +121,35 @@ def test_packed_rows_table_equals_the_cpp_trainers():
         membound.fit(model, batch=1, seq=longest.seq + 64, sequences=16, budget=emergency_line(32 << 20), threads=2)
 
 
+@needs_train
+def test_offloaded_table_equals_the_cpp_trainers():
+    """--offload: at a budget only an offloaded plan fits, the same table (both spaces) as `train
+    --offload auto --host-budget ...`; with room, auto leaves the state on the device."""
+    args = ["--width", "128", "--heads", "4", "--batch", "8", "--seq", "128", "--threads", "2", "--offload", "auto"]
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
+    got = membound.fit(model, batch=8, seq=128, budget="14MiB", threads=2, prefer_below=0.97, offload="auto",
+                       host_budget="16MiB")
+    assert str(got) == trainer_table(args + ["--budget", "14MiB", "--host-budget", "16MiB"])
+    assert got.offload_optimizer and got.optimizer == 0 and got.fits
+    assert got.host_peak == got.host_optimizer + got.host_staging <= 16 << 20
+    with pytest.raises(membound.BudgetTooSmall):  # the state does not fit beside the step
+        membound.fit(model, batch=8, seq=128, budget="14MiB", threads=2, prefer_below=0.97)
+    roomy = membound.fit(model, batch=8, seq=128, budget="64MiB", threads=2, prefer_below=0.97, offload="auto")
+    assert not roomy.offload_optimizer and roomy.host_peak == 0
+    assert str(roomy) == trainer_table(args + ["--budget", "64MiB"])
+    # A fixed schedule, always offloaded, 8-bit AdamW: its bucket is whole quantization blocks.
+    fixed = membound.plan(model, batch=8, seq=128, schedule="full", budget="1GiB", threads=2, offload="optimizer",
+                          optimizer="adamw8bit")
+    assert str(fixed) == trainer_table(["--width", "128", "--heads", "4", "--batch", "8", "--seq", "128",
+                                        "--threads", "2", "--offload", "optimizer", "--optimizer", "adamw8bit",
+                                        "--schedule", "full", "--budget", "1GiB"])
+    assert fixed.offload_optimizer and fixed.host_staging == 2 * 4 * fixed.offload_bucket
+    # Too small a host space: named as the argument.
+    with pytest.raises(membound.InvalidArgument) as e:
+        membound.fit(model, batch=8, seq=128, budget="14MiB", threads=2, offload="auto", host_budget="1MiB")
+    assert e.value.argument == "host_budget" and "device budget" in str(e.value)
+
+
 def test_plan_fields_add_up():
     model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
     p = membound.fit(model, batch=8, seq=128, budget="24MiB", threads=2)
@@ -214,6 +243,10 @@ MODEL = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
     (lambda: membound.fit(MODEL, batch=2, seq=64, budget=None), "budget"),
     (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", prefer_below=1.5), "prefer_below"),
     (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", prefer_below=float("nan")), "prefer_below"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", offload="zero3"), "offload"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", host_budget="1GiB"), "host_budget"),
+    (lambda: membound.fit(MODEL, batch=2, seq=64, budget="1GiB", offload="auto", host_budget="1.5B"), "host_budget"),
+    (lambda: membound.plan(MODEL, batch=2, seq=64, optimizer="none", offload="optimizer"), "offload"),
     (lambda: membound.Model(layers=["attn"], width=64, heads=64), "heads"),
     (lambda: membound.Model(layers=["ttt"] * 1025, width=64, heads=2), "layers"),
 ])
