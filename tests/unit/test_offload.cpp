@@ -331,3 +331,50 @@ TEST_CASE("offload: bad input is refused by name, before anything is allocated")
     CHECK_NOTHROW(O8::update_range(w.data() + 768, g.data() + 768, state.data(), n, 768, 232, spans, {}, pool));
   }
 }
+
+TEST_CASE("offload: an out-of-memory retries the step under a stricter plan that keeps the state on the host") {
+  using P = mb::fp32_precision;
+  using Opt = mb::adamw<float>;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(1);
+  const mb::training_plan off = mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<Opt>(m, 1, {true, 1000, 0}));
+  mb::plan_options po = plan_opts<Opt>(m, 1, {true, 1000, 0});
+  const mb::training_plan full = mb::make_plan(m, effective, mb::schedules::full{}, po);
+  REQUIRE(full.peak_bytes < off.peak_bytes);
+  // Others take enough that `none` no longer fits but `full` does.
+  const std::size_t limit = off.peak_bytes + 1024;
+  const std::size_t foreign = limit - full.peak_bytes;
+  REQUIRE(off.peak_bytes + foreign > limit);
+
+  budget_alloc device(limit), host(1ull << 30);
+  mb::trainer_options o = options();
+  o.host = mb::host_allocator_ref(host);
+  mb::trainer t(m, effective, off, device, pool, o);
+  text_source src(40);
+  std::vector<double> losses;
+  losses.push_back(t.step(src).loss);
+  device.set_external(foreign);
+  const mb::step_result r = t.step(src);
+  losses.push_back(r.loss);
+  REQUIRE(!r.replans.empty());
+  CHECK(r.replans.front().retried);
+  CHECK(r.replans.front().reason.find("out of memory") == 0);
+  // The stricter plan keeps the placement: the state never moved.
+  CHECK(t.plan().offload_optimizer);
+  CHECK(t.plan().peak_bytes + foreign <= limit);
+  CHECK(host.stats().peak_requested == off.host_peak());
+  for (int k = 0; k < 3; ++k) losses.push_back(t.step(src).loss);
+
+  // The same run without the pressure, switching to that plan before step 2: the same bits.
+  budget_alloc d2(1ull << 30), h2(1ull << 30);
+  mb::trainer_options o2 = options();
+  o2.host = mb::host_allocator_ref(h2);
+  mb::trainer ref(m, effective, off, d2, pool, o2);
+  text_source src2(40);
+  std::vector<double> expected;
+  expected.push_back(ref.step(src2).loss);
+  ref.set_plan(t.plan());
+  for (int k = 0; k < 4; ++k) expected.push_back(ref.step(src2).loss);
+  CHECK(raw(losses.data(), losses.size() * sizeof(double)) == raw(expected.data(), expected.size() * sizeof(double)));
+  CHECK(raw(t.weights(), m.weight_bytes()) == raw(ref.weights(), m.weight_bytes()));
+}
