@@ -52,7 +52,7 @@ std::optional<mb::training_plan> fit_at(std::size_t w, std::size_t blocks, mb::b
   fo.threads = threads;
   fo.optimizer_policy = mb::optimizer_of<Opt>();
   fo.offload = {offload, 0, 0};
-  fo.offload_only_when_needed = false;
+  fo.offload_mode = mb::fit_options::offload_choice::always;
   try {
     return mb::fit(m, b, budget, fo);
   } catch (const mb::budget_too_small&) {

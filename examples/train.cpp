@@ -188,10 +188,11 @@ options checked_options(const flag_texts& f) {
                                           : "This build has no CUDA (nvcc was not found at configure time): configure "
                                             "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
   }
-  // auto picks the CPU for --pack and for attn_moe blocks: packed sequences and the mixture of
-  // experts run on the CPU backend so far.
+  // auto picks the CPU for --pack, for attn_moe blocks and for --offload: packed sequences, the
+  // mixture of experts and optimizer offload run on the CPU backend so far.
   const bool lists_moe = f.given("--layers") && ("," + f["--layers"] + ",").find(",attn_moe,") != std::string::npos;
-  o.device = device == "auto" ? (gpu && !f.given("--pack") && !lists_moe ? "cuda" : "cpu") : device;
+  const bool offloads = f.given("--offload") && f["--offload"] != "none";
+  o.device = device == "auto" ? (gpu && !f.given("--pack") && !lists_moe && !offloads ? "cuda" : "cpu") : device;
   if (lists_moe && o.device == "cuda") {
     throw mb::invalid_argument("--layers", "no attn_moe blocks with --device cuda (the mixture of experts runs on the "
                                "CPU backend so far)",
@@ -215,7 +216,7 @@ options checked_options(const flag_texts& f) {
     o.offload = cc::one_of("--offload", f["--offload"], {"none", "auto", "optimizer"});
     if (o.offload != "none" && o.device == "cuda") {
       throw mb::invalid_argument("--offload", "none with --device cuda (optimizer offload runs on the CPU backend so far)",
-                                 o.offload, "Leave --offload out, or add --device cpu");
+                                 o.offload, "Leave --offload out, or use --device cpu or auto");
     }
   }
   if (f.given("--host-budget")) {
@@ -610,7 +611,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     fo.gradients = grad_shards;
     fo.prefer_below = emergency_line(budget);
     fo.offload = {o.offload != "none", 0, o.host_budget};
-    fo.offload_only_when_needed = o.offload == "auto";
+    fo.offload_mode = o.offload == "auto" ? mb::fit_options::offload_choice::when_needed
+                                          : mb::fit_options::offload_choice::always;
     return fo;
   };
   // --pack with --seq max: the most tokens per packed row (a multiple of 64) that a plan fits under
@@ -631,6 +633,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
       const std::size_t rows = o.batch / N;  // each rank's rows per step
       try {
         return mb::fit_tokens(m, most, o.pack, emergency_line(budget), fo, 64, rows).micro.seq;
+      } catch (const mb::host_budget_too_small&) {
+        return mb::fit_tokens(m, most, o.pack, budget, fo, 64, rows).micro.seq;
       } catch (const mb::budget_too_small&) {
         return mb::fit_tokens(m, most, o.pack, budget, fo, 64, rows).micro.seq;
       }
@@ -657,8 +661,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
       p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
       p.reserved_peak = reserve(p);
     }
+    if (!p.device_fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
     if (!p.host_fits()) throw mb::host_budget_too_small(o.host_budget, p.host_peak(), budget);
-    if (!p.fits()) throw mb::budget_too_small(budget, p.budgeted_peak());
     return p;
   });
   std::printf("model: %zu blocks (%s), width %zu, %zu heads, %s, %zu parameters\n", m.depth(), o.layers.c_str(),

@@ -120,7 +120,8 @@ plan_result plan_for(const request& r) {
       fo.head_chunks = r.head_chunks;
       fo.reserve = reserve;
       fo.offload = {r.offload != "none", 0, r.host_budget};
-      fo.offload_only_when_needed = r.offload == "auto";
+      fo.offload_mode = r.offload == "auto" ? mb::fit_options::offload_choice::when_needed
+                                            : mb::fit_options::offload_choice::always;
       if (r.max_tokens != 0) {
         // As the example trainer's --pack with --seq max: the longest row under the line when one
         // fits there, else under the budget; then fit's plan for the batch of such rows.
@@ -130,6 +131,8 @@ plan_result plan_for(const request& r) {
           if (r.prefer_below == 0 || r.prefer_below >= r.budget) throw mb::budget_too_small(r.budget, 0);
           batch.seq =
               mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple, r.batch).micro.seq;
+        } catch (const mb::host_budget_too_small&) {
+          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, r.batch).micro.seq;
         } catch (const mb::budget_too_small&) {
           batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, r.batch).micro.seq;
         }
@@ -151,8 +154,8 @@ plan_result plan_for(const request& r) {
         o.plan = mb::make_plan(m, batch, schedule_of(r), po, r.budget);
         if (reserve) o.plan.reserved_peak = reserve(o.plan);
       }
+      if (!o.plan.device_fits()) throw mb::budget_too_small(r.budget, o.plan.budgeted_peak());
       if (!o.plan.host_fits()) throw mb::host_budget_too_small(r.host_budget, o.plan.host_peak(), r.budget);
-      if (!o.plan.fits()) throw mb::budget_too_small(r.budget, o.plan.budgeted_peak());
     }
     return o;
   });

@@ -1826,6 +1826,8 @@ class host_allocator_ref {
   }
   // The allocator's statistics (its peak is what an offloaded plan's host peak is measured by).
   memory_stats stats() const { return stats_(a_); }
+  // Whether it refers to the object at p (the trainer refuses its own allocator as the host space).
+  bool refers_to(const void* p) const noexcept { return a_ == p; }
   // The allocator's budget when it has one (budget_allocator), else 0.
   std::size_t limit() const { return limit_(a_); }
 
@@ -14065,8 +14067,8 @@ struct optimizer_ref {
   std::size_t (*state_bytes)(std::size_t) noexcept = nullptr;
   std::string (*description)() = nullptr;
   // update_range's granule (offload's buckets are multiples of it); 0: the policy has no
-  // update_range and cannot be offloaded. The default (adamw<S>) has 1.
-  std::size_t granule = 1;
+  // update_range and cannot be offloaded (the planner takes the default, adamw<S>, as 1).
+  std::size_t granule = 0;
 };
 
 template <typename O>
@@ -17393,9 +17395,10 @@ struct training_plan {
   // What a budget over the planned stack counts at the peak.
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
   // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
-  bool fits() const noexcept {
-    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget) &&
-           host_fits();
+  bool fits() const noexcept { return device_fits() && host_fits(); }
+  // The device's budget alone (what fits() asks besides host_fits()).
+  bool device_fits() const noexcept {
+    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget);
   }
 
   // A table a person reads before step 1.
@@ -17810,12 +17813,21 @@ struct fit_options {
   // the best plan under it; only when none fits there, the best under the budget.
   std::size_t prefer_below = 0;
   // Optimizer offload (offload_options): with offload.optimizer set, fit() may put the state in
-  // the host space, under offload.host_budget. Only when no plan fits the budget without it
-  // (offload_only_when_needed, the default: offload's copies and host update are not weighed
-  // against recompute yet), or always (false: a trainer whose state already lives there).
+  // the host space, under offload.host_budget, as offload_mode says.
   offload_options offload{};
-  // true: offloaded plans only when none fits in place; false: offloaded plans only.
-  bool offload_only_when_needed = true;
+  // Where fit() puts the optimizer's state when offload.optimizer is set.
+  enum class offload_choice : unsigned char {
+    when_needed,  // offloaded plans only when no plan fits the budget with the state in place
+    weighed,      // every plan, the cheapest by recompute FLOPs + offload_flops_per_byte x the
+                  // bytes offload moves a step (3 copies of the shard: its gradients out, its
+                  // weights out and back); in place first at equal cost
+    always,       // offloaded plans only (a trainer whose state already lives there)
+  };
+  // when_needed by default.
+  offload_choice offload_mode = offload_choice::when_needed;
+  // weighed: what one byte over the host link costs, in FLOPs of recompute (a device's measured
+  // FLOP/s over its measured copy bandwidth; 0: free).
+  double offload_flops_per_byte = 0;
 };
 
 // fit() found plans under the device budget only with the optimizer offloaded, and none of them
@@ -17825,9 +17837,10 @@ class host_budget_too_small : public invalid_argument {
   // The host budget given, the least host peak of the plans under the device budget, and that budget.
   host_budget_too_small(std::size_t host_budget, std::size_t host_minimum, std::size_t device_budget)
       : invalid_argument("options.offload.host_budget",
-                         "at least " + format_bytes(host_minimum) +
-                             " (the least host peak of a plan that fits the device budget of " +
-                             format_bytes(device_budget) + " with the optimizer offloaded)",
+                         "at least " + format_bytes(host_minimum) + " (the least host peak of a plan" +
+                             (device_budget != 0 ? " that fits the device budget of " + format_bytes(device_budget)
+                                                 : std::string()) +
+                             " with the optimizer offloaded)",
                          format_bytes(host_budget),
                          "Raise the host budget to at least " + format_bytes(host_minimum, false) +
                              ", or the device budget so that the state fits there, or use a smaller offload bucket "
@@ -17852,6 +17865,21 @@ class host_budget_too_small : public invalid_argument {
 template <typename Model>
 training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
   m.check(effective.row());
+  using offload_choice = fit_options::offload_choice;
+  // Offload only when needed: in place first (under the line, then under the budget), then
+  // offloaded (the same way).
+  if (fo.offload.optimizer && fo.offload_mode == offload_choice::when_needed) {
+    fit_options in_place = fo;
+    in_place.offload = {};
+    try {
+      return fit(m, effective, budget, in_place);
+    } catch (const budget_too_small&) {
+      // The state does not fit beside the step: offloaded below.
+    }
+    fit_options offloaded = fo;
+    offloaded.offload_mode = offload_choice::always;
+    return fit(m, effective, budget, offloaded);
+  }
   if (fo.prefer_below != 0 && fo.prefer_below < budget) {
     fit_options under = fo;
     under.prefer_below = 0;
@@ -17861,17 +17889,17 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       return p;
     } catch (const budget_too_small&) {
       // Nothing under the line: the best plan under the budget, below.
+    } catch (const host_budget_too_small&) {
+      // Nothing under the line within the host budget: the same.
     }
   }
-  if (fo.offload.optimizer && fo.offload_only_when_needed) {
-    fit_options on_device = fo;
-    on_device.offload = {};
-    try {
-      return fit(m, effective, budget, on_device);
-    } catch (const budget_too_small&) {
-      // The state does not fit beside the step: offloaded below.
-    }
-  }
+  // Where the state may live: in place, offloaded, or either (weighed).
+  std::vector<bool> placements{false};
+  if (fo.offload.optimizer) placements = fo.offload_mode == offload_choice::always ? std::vector<bool>{true}
+                                                                                   : std::vector<bool>{false, true};
+  using S = typename Model::storage_type;
+  const std::size_t shard = fo.optimizer_elements != 0 ? fo.optimizer_elements : m.parameter_elements();
+  const double offload_cost = fo.offload_flops_per_byte * 3.0 * static_cast<double>(bytes_of<S>(shard));
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();
@@ -17890,11 +17918,15 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       host_minimum = std::min(host_minimum, p.host_peak());
       return;
     }
-    const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
-    const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
-    if (!found || cost < best_cost ||
-        (cost == best_cost && (p.accumulation < best.accumulation ||
-                               (p.accumulation == best.accumulation && counted < best.budgeted_peak())))) {
+    const auto cost_of = [&](const training_plan& q) {
+      return q.recompute_flops * static_cast<double>(q.accumulation) + (q.offload_optimizer ? offload_cost : 0.0);
+    };
+    const double cost = cost_of(p), best_cost = cost_of(best);
+    // At equal cost: in place, then fewer micro-batches, then the lower peak.
+    const auto order = [](const training_plan& q, std::size_t peak) {
+      return std::tuple{q.offload_optimizer, q.accumulation, peak};
+    };
+    if (!found || cost < best_cost || (cost == best_cost && order(p, counted) < order(best, best.budgeted_peak()))) {
       best = std::move(p);
       found = true;
     }
@@ -17928,26 +17960,28 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.packed() ? 1 : effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
-                     fo.gradients, fo.offload};
-      const batch_shape b{mb, effective.seq, effective.sequences};
-      // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
-      // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
-      try {
-        m.check(b);
-      } catch (const invalid_argument&) {
-        continue;
+      for (const bool off : placements) {
+        plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements,
+                       fo.optimizer_policy, fo.gradients, {off, fo.offload.bucket, fo.offload.host_budget}};
+        const batch_shape b{mb, effective.seq, effective.sequences};
+        // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
+        // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
+        try {
+          m.check(b);
+        } catch (const invalid_argument&) {
+          continue;
+        }
+        combos.push_back({b, o});
+        std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
+                                           {schedule_choice::kind::full, 0}};
+        // every<k> for every segment length up to L (every<L> keeps only the chain's ends), and
+        // binomial<s> for every slot count Revolve's table allows.
+        for (std::size_t k = 2; k <= L; ++k) cands.push_back({schedule_choice::kind::every, k});
+        for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
+          cands.push_back({schedule_choice::kind::binomial, s});
+        for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
+        if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
       }
-      combos.push_back({b, o});
-      std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
-                                         {schedule_choice::kind::full, 0}};
-      // every<k> for every segment length up to L (every<L> keeps only the chain's ends), and
-      // binomial<s> for every slot count Revolve's table allows.
-      for (std::size_t k = 2; k <= L; ++k) cands.push_back({schedule_choice::kind::every, k});
-      for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
-        cands.push_back({schedule_choice::kind::binomial, s});
-      for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
-      if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
     }
   }
   if (!found && host_minimum != std::numeric_limits<std::size_t>::max()) {
@@ -18012,6 +18046,8 @@ training_plan fit_tokens(const Model& m, std::size_t max_tokens, std::size_t seq
       best = fit(m, row(mid), budget, fo);
       lo = mid;
     } catch (const budget_too_small&) {
+      hi = mid - 1;
+    } catch (const host_budget_too_small&) {  // fits the device only offloaded, and not the host
       hi = mid - 1;
     }
   }
@@ -20322,6 +20358,7 @@ class trainer {
     start_status status = start_status::ok;
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
+      check_offload_capability(plan_);
       check_plan(plan_);
       check_host_space(plan_);
       plan_.reserved_peak = reserve_of(plan_);
@@ -21152,10 +21189,9 @@ class trainer {
     }
   }
 
-  // A plan with the optimizer offloaded needs a backend that offloads, a policy with
-  // update_range, and a host space (options.host) whose budget holds the plan's host peak beside
-  // what it serves already. Both budgets are named.
-  void check_host_space(const training_plan& p) const {
+  // A plan with the optimizer offloaded needs a backend that offloads and a policy with
+  // update_range (checked before the plan itself, which make_plan would refuse less plainly).
+  static void check_offload_capability(const training_plan& p) {
     if (!p.offload_optimizer) return;
     if (!glue::offloads_optimizer) {
       throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
@@ -21165,10 +21201,28 @@ class trainer {
       throw invalid_argument("plan.offload_optimizer", "false for an optimizer policy without update_range", "true",
                              "Offload adamw<S> or adamw8bit<S>, or plan without offload");
     }
+  }
+
+  // ... and a host space (options.host), another allocator than the trainer's, whose budget
+  // holds the plan's host peak beside what it serves already (both budgets named), and a plan
+  // within its own host budget.
+  void check_host_space(const training_plan& p) const {
+    if (!p.offload_optimizer) return;
     if (o_.host.empty()) {
       throw invalid_argument("options.host", "a host allocator for the offloaded optimizer state (" +
                                                  format_bytes(p.host_peak()) + " with its staging buffers)",
                              "none", "Pass trainer_options::host = host_allocator_ref(your host allocator)");
+    }
+    if (o_.host.refers_to(&alloc_)) {
+      throw invalid_argument("options.host", "another allocator than the trainer's (the device space)",
+                             "the trainer's own allocator",
+                             "Give the offloaded state its own host allocator: the plan counts it outside the device's");
+    }
+    if (!p.host_fits()) {
+      throw invalid_argument("plan.host_budget", "at least the plan's host peak of " + format_bytes(p.host_peak()),
+                             format_bytes(p.host_budget),
+                             "Make the plan with fit(..., {.offload = {true, bucket, host budget}}), which keeps "
+                             "under the host budget, or raise it");
     }
     const std::size_t limit = o_.host.limit(), held = o_.host.stats().requested;
     if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
@@ -21776,8 +21830,9 @@ class trainer {
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
-    fo.offload = offload_;  // a stricter plan keeps the state where it lives
-    fo.offload_only_when_needed = false;
+    // A stricter plan keeps the state where it lives; its host bytes are fixed and already held.
+    fo.offload = {offload_.optimizer, offload_.bucket, 0};
+    if (offload_.optimizer) fo.offload_mode = fit_options::offload_choice::always;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;
   }

@@ -212,6 +212,73 @@ TEST_CASE("offload: fit() offloads only when nothing fits the device without it,
   CHECK_THROWS_AS((void)mb::fit(m, effective, least_in_place - 1, fo), mb::budget_too_small);
 }
 
+TEST_CASE("offload: fit() keeps the state in place under the budget before it looks under the line offloaded") {
+  // A line (prefer_below) under which only an offloaded plan fits, and a budget an in-place plan
+  // fits: when needed means not needed here.
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::fit_options fo;
+  fo.threads = 1;
+  fo.head_chunks = {64};
+  std::size_t least_in_place = 0;
+  try {
+    (void)mb::fit(m, effective, 1, fo);
+  } catch (const mb::budget_too_small& e) {
+    least_in_place = e.minimum();
+  }
+  fo.offload = {true, 0, 0};
+  fo.prefer_below = least_in_place - 1;
+  const mb::training_plan p = mb::fit(m, effective, least_in_place, fo);
+  CHECK_FALSE(p.offload_optimizer);
+  CHECK(p.budget == least_in_place);
+  // A host budget no offloaded plan fits does not stop the in-place answer, under the line or not.
+  fo.offload.host_budget = 1;
+  CHECK_FALSE(mb::fit(m, effective, least_in_place, fo).offload_optimizer);
+  // fit_tokens: rows longer than the in-place ones fit only offloaded, and the host budget has no
+  // room: the longest in-place row, not an error.
+  fo.prefer_below = 0;
+  fo.offload = {};
+  std::size_t least_row = 0;  // the least in-place budget of one row of 16 tokens in 4 sequences
+  try {
+    (void)mb::fit(m, {1, 16, 4}, 1, fo);
+  } catch (const mb::budget_too_small& e) {
+    least_row = e.minimum();
+  }
+  fo.offload = {true, 0, 1};
+  const mb::training_plan rows = mb::fit_tokens(m, 4096, 4, least_row, fo, 16);
+  CHECK_FALSE(rows.offload_optimizer);
+  CHECK(rows.micro.seq >= 16);
+  fo.offload.host_budget = 0;  // with room on the host, longer rows fit offloaded
+  CHECK(mb::fit_tokens(m, 4096, 4, least_row, fo, 16).micro.seq > rows.micro.seq);
+}
+
+TEST_CASE("offload: weighed, fit() takes offload when its copies cost less than the recompute it saves") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::fit_options fo;
+  fo.threads = 1;
+  fo.head_chunks = {64};
+  // A budget where the in-place plans must recompute and an offloaded one need not.
+  // The smallest micro-batch (1 sequence, 4 per step) without recompute, one byte short.
+  const mb::training_plan none_in_place = mb::make_plan(m, {1, effective.seq}, mb::schedules::none{}, {1, 64, 4});
+  const std::size_t budget = none_in_place.peak_bytes - 1;
+  const mb::training_plan in_place = mb::fit(m, effective, budget, fo);
+  REQUIRE(in_place.recompute_flops * static_cast<double>(in_place.accumulation) > 0);
+  fo.offload = {true, 0, 0};
+  fo.offload_mode = mb::fit_options::offload_choice::weighed;
+  fo.offload_flops_per_byte = 0;  // a free link: offload wins as soon as it saves recompute
+  const mb::training_plan cheap = mb::fit(m, effective, budget, fo);
+  CHECK(cheap.offload_optimizer);
+  CHECK(cheap.recompute_flops * static_cast<double>(cheap.accumulation) <
+        in_place.recompute_flops * static_cast<double>(in_place.accumulation));
+  // A link so slow that the copies cost more than any recompute: in place.
+  fo.offload_flops_per_byte = 1e12;
+  const mb::training_plan dear = mb::fit(m, effective, budget, fo);
+  CHECK_FALSE(dear.offload_optimizer);
+  CHECK(dear.recompute_flops == in_place.recompute_flops);
+  // Room for everything: in place at equal (zero) cost.
+  fo.offload_flops_per_byte = 0;
+  CHECK_FALSE(mb::fit(m, effective, 1ull << 30, fo).offload_optimizer);
+}
+
 TEST_CASE("offload: a checkpoint moves between offloaded and in-place runs, bit for bit") {
   using P = mb::bf16_precision;
   using Opt = mb::adamw<mb::bf16>;
@@ -278,6 +345,33 @@ TEST_CASE("offload: bad input is refused by name, before anything is allocated")
       CHECK(std::string(e.what()).find("the device's: 1.00 GiB") != std::string::npos);
     }
     CHECK(device.stats().requested == 0);
+    CHECK(host.stats().requested == 0);
+  }
+  SUBCASE("the trainer's own allocator as the host space") {
+    mb::trainer_options o = options();
+    o.host = mb::host_allocator_ref(device);
+    try {
+      mb::trainer t(m, effective, off, device, pool, o);
+      FAIL("the state went to the device space unplanned");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.host");
+    }
+    CHECK(device.stats().requested == 0);
+  }
+  SUBCASE("a plan over its own host budget") {
+    budget_alloc host(1ull << 30);
+    mb::trainer_options o = options();
+    o.host = mb::host_allocator_ref(host);
+    const mb::training_plan over =
+        mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<mb::adamw<float>>(m, 1, {true, 1000, 1024}));
+    CHECK_FALSE(over.fits());
+    CHECK(over.device_fits());
+    try {
+      mb::trainer t(m, effective, over, device, pool, o);
+      FAIL("a plan over its host budget ran");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "plan.host_budget");
+    }
     CHECK(host.stats().requested == 0);
   }
   SUBCASE("a plan placed elsewhere than the trainer's state") {

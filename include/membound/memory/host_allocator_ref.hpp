@@ -49,6 +49,8 @@ class host_allocator_ref {
   }
   // The allocator's statistics (its peak is what an offloaded plan's host peak is measured by).
   memory_stats stats() const { return stats_(a_); }
+  // Whether it refers to the object at p (the trainer refuses its own allocator as the host space).
+  bool refers_to(const void* p) const noexcept { return a_ == p; }
   // The allocator's budget when it has one (budget_allocator), else 0.
   std::size_t limit() const { return limit_(a_); }
 

@@ -18,6 +18,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "membound/core/checked_math.hpp"
@@ -257,9 +258,10 @@ struct training_plan {
   // What a budget over the planned stack counts at the peak.
   std::size_t budgeted_peak() const noexcept { return std::max(peak_bytes, reserved_peak); }
   // A saturated peak (a model or shape past any address space) fits no budget, SIZE_MAX included.
-  bool fits() const noexcept {
-    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget) &&
-           host_fits();
+  bool fits() const noexcept { return device_fits() && host_fits(); }
+  // The device's budget alone (what fits() asks besides host_fits()).
+  bool device_fits() const noexcept {
+    return !saturated(budgeted_peak()) && (budget == 0 || sat_add(budgeted_peak(), outside_stack) <= budget);
   }
 
   // A table a person reads before step 1.
@@ -674,12 +676,21 @@ struct fit_options {
   // the best plan under it; only when none fits there, the best under the budget.
   std::size_t prefer_below = 0;
   // Optimizer offload (offload_options): with offload.optimizer set, fit() may put the state in
-  // the host space, under offload.host_budget. Only when no plan fits the budget without it
-  // (offload_only_when_needed, the default: offload's copies and host update are not weighed
-  // against recompute yet), or always (false: a trainer whose state already lives there).
+  // the host space, under offload.host_budget, as offload_mode says.
   offload_options offload{};
-  // true: offloaded plans only when none fits in place; false: offloaded plans only.
-  bool offload_only_when_needed = true;
+  // Where fit() puts the optimizer's state when offload.optimizer is set.
+  enum class offload_choice : unsigned char {
+    when_needed,  // offloaded plans only when no plan fits the budget with the state in place
+    weighed,      // every plan, the cheapest by recompute FLOPs + offload_flops_per_byte x the
+                  // bytes offload moves a step (3 copies of the shard: its gradients out, its
+                  // weights out and back); in place first at equal cost
+    always,       // offloaded plans only (a trainer whose state already lives there)
+  };
+  // when_needed by default.
+  offload_choice offload_mode = offload_choice::when_needed;
+  // weighed: what one byte over the host link costs, in FLOPs of recompute (a device's measured
+  // FLOP/s over its measured copy bandwidth; 0: free).
+  double offload_flops_per_byte = 0;
 };
 
 // fit() found plans under the device budget only with the optimizer offloaded, and none of them
@@ -689,9 +700,10 @@ class host_budget_too_small : public invalid_argument {
   // The host budget given, the least host peak of the plans under the device budget, and that budget.
   host_budget_too_small(std::size_t host_budget, std::size_t host_minimum, std::size_t device_budget)
       : invalid_argument("options.offload.host_budget",
-                         "at least " + format_bytes(host_minimum) +
-                             " (the least host peak of a plan that fits the device budget of " +
-                             format_bytes(device_budget) + " with the optimizer offloaded)",
+                         "at least " + format_bytes(host_minimum) + " (the least host peak of a plan" +
+                             (device_budget != 0 ? " that fits the device budget of " + format_bytes(device_budget)
+                                                 : std::string()) +
+                             " with the optimizer offloaded)",
                          format_bytes(host_budget),
                          "Raise the host budget to at least " + format_bytes(host_minimum, false) +
                              ", or the device budget so that the state fits there, or use a smaller offload bucket "
@@ -716,6 +728,21 @@ class host_budget_too_small : public invalid_argument {
 template <typename Model>
 training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
   m.check(effective.row());
+  using offload_choice = fit_options::offload_choice;
+  // Offload only when needed: in place first (under the line, then under the budget), then
+  // offloaded (the same way).
+  if (fo.offload.optimizer && fo.offload_mode == offload_choice::when_needed) {
+    fit_options in_place = fo;
+    in_place.offload = {};
+    try {
+      return fit(m, effective, budget, in_place);
+    } catch (const budget_too_small&) {
+      // The state does not fit beside the step: offloaded below.
+    }
+    fit_options offloaded = fo;
+    offloaded.offload_mode = offload_choice::always;
+    return fit(m, effective, budget, offloaded);
+  }
   if (fo.prefer_below != 0 && fo.prefer_below < budget) {
     fit_options under = fo;
     under.prefer_below = 0;
@@ -725,17 +752,17 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       return p;
     } catch (const budget_too_small&) {
       // Nothing under the line: the best plan under the budget, below.
+    } catch (const host_budget_too_small&) {
+      // Nothing under the line within the host budget: the same.
     }
   }
-  if (fo.offload.optimizer && fo.offload_only_when_needed) {
-    fit_options on_device = fo;
-    on_device.offload = {};
-    try {
-      return fit(m, effective, budget, on_device);
-    } catch (const budget_too_small&) {
-      // The state does not fit beside the step: offloaded below.
-    }
-  }
+  // Where the state may live: in place, offloaded, or either (weighed).
+  std::vector<bool> placements{false};
+  if (fo.offload.optimizer) placements = fo.offload_mode == offload_choice::always ? std::vector<bool>{true}
+                                                                                   : std::vector<bool>{false, true};
+  using S = typename Model::storage_type;
+  const std::size_t shard = fo.optimizer_elements != 0 ? fo.optimizer_elements : m.parameter_elements();
+  const double offload_cost = fo.offload_flops_per_byte * 3.0 * static_cast<double>(bytes_of<S>(shard));
   training_plan best;
   bool found = false;
   std::size_t minimum = std::numeric_limits<std::size_t>::max();
@@ -754,11 +781,15 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       host_minimum = std::min(host_minimum, p.host_peak());
       return;
     }
-    const double cost = p.recompute_flops * static_cast<double>(p.accumulation);
-    const double best_cost = best.recompute_flops * static_cast<double>(best.accumulation);
-    if (!found || cost < best_cost ||
-        (cost == best_cost && (p.accumulation < best.accumulation ||
-                               (p.accumulation == best.accumulation && counted < best.budgeted_peak())))) {
+    const auto cost_of = [&](const training_plan& q) {
+      return q.recompute_flops * static_cast<double>(q.accumulation) + (q.offload_optimizer ? offload_cost : 0.0);
+    };
+    const double cost = cost_of(p), best_cost = cost_of(best);
+    // At equal cost: in place, then fewer micro-batches, then the lower peak.
+    const auto order = [](const training_plan& q, std::size_t peak) {
+      return std::tuple{q.offload_optimizer, q.accumulation, peak};
+    };
+    if (!found || cost < best_cost || (cost == best_cost && order(p, counted) < order(best, best.budgeted_peak()))) {
       best = std::move(p);
       found = true;
     }
@@ -792,26 +823,28 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   for (std::size_t mb = effective.packed() ? 1 : effective.batch; mb >= 1; --mb) {
     if (effective.batch % mb != 0) continue;
     for (std::size_t chunk : fo.head_chunks) {
-      plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements, fo.optimizer_policy,
-                     fo.gradients, fo.offload};
-      const batch_shape b{mb, effective.seq, effective.sequences};
-      // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
-      // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
-      try {
-        m.check(b);
-      } catch (const invalid_argument&) {
-        continue;
+      for (const bool off : placements) {
+        plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements,
+                       fo.optimizer_policy, fo.gradients, {off, fo.offload.bucket, fo.offload.host_budget}};
+        const batch_shape b{mb, effective.seq, effective.sequences};
+        // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
+        // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
+        try {
+          m.check(b);
+        } catch (const invalid_argument&) {
+          continue;
+        }
+        combos.push_back({b, o});
+        std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
+                                           {schedule_choice::kind::full, 0}};
+        // every<k> for every segment length up to L (every<L> keeps only the chain's ends), and
+        // binomial<s> for every slot count Revolve's table allows.
+        for (std::size_t k = 2; k <= L; ++k) cands.push_back({schedule_choice::kind::every, k});
+        for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
+          cands.push_back({schedule_choice::kind::binomial, s});
+        for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
+        if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
       }
-      combos.push_back({b, o});
-      std::vector<schedule_choice> cands{{schedule_choice::kind::none, 0},
-                                         {schedule_choice::kind::full, 0}};
-      // every<k> for every segment length up to L (every<L> keeps only the chain's ends), and
-      // binomial<s> for every slot count Revolve's table allows.
-      for (std::size_t k = 2; k <= L; ++k) cands.push_back({schedule_choice::kind::every, k});
-      for (std::size_t s = 1; s <= L && (L + 1) * (s + 1) <= detail::max_table_entries; ++s)
-        cands.push_back({schedule_choice::kind::binomial, s});
-      for (const schedule_choice& s : cands) consider(make_plan(m, b, s, o, budget));
-      if (auto p = dp_plan(b, o, budget)) consider(std::move(*p));
     }
   }
   if (!found && host_minimum != std::numeric_limits<std::size_t>::max()) {
@@ -876,6 +909,8 @@ training_plan fit_tokens(const Model& m, std::size_t max_tokens, std::size_t seq
       best = fit(m, row(mid), budget, fo);
       lo = mid;
     } catch (const budget_too_small&) {
+      hi = mid - 1;
+    } catch (const host_budget_too_small&) {  // fits the device only offloaded, and not the host
       hi = mid - 1;
     }
   }

@@ -164,8 +164,8 @@ struct optimizer_ref {
   std::size_t (*state_bytes)(std::size_t) noexcept = nullptr;
   std::string (*description)() = nullptr;
   // update_range's granule (offload's buckets are multiples of it); 0: the policy has no
-  // update_range and cannot be offloaded. The default (adamw<S>) has 1.
-  std::size_t granule = 1;
+  // update_range and cannot be offloaded (the planner takes the default, adamw<S>, as 1).
+  std::size_t granule = 0;
 };
 
 template <typename O>

@@ -248,6 +248,7 @@ class trainer {
     start_status status = start_status::ok;
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
+      check_offload_capability(plan_);
       check_plan(plan_);
       check_host_space(plan_);
       plan_.reserved_peak = reserve_of(plan_);
@@ -1079,10 +1080,9 @@ class trainer {
     }
   }
 
-  // A plan with the optimizer offloaded needs a backend that offloads, a policy with
-  // update_range, and a host space (options.host) whose budget holds the plan's host peak beside
-  // what it serves already. Both budgets are named.
-  void check_host_space(const training_plan& p) const {
+  // A plan with the optimizer offloaded needs a backend that offloads and a policy with
+  // update_range (checked before the plan itself, which make_plan would refuse less plainly).
+  static void check_offload_capability(const training_plan& p) {
     if (!p.offload_optimizer) return;
     if (!glue::offloads_optimizer) {
       throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
@@ -1092,10 +1092,28 @@ class trainer {
       throw invalid_argument("plan.offload_optimizer", "false for an optimizer policy without update_range", "true",
                              "Offload adamw<S> or adamw8bit<S>, or plan without offload");
     }
+  }
+
+  // ... and a host space (options.host), another allocator than the trainer's, whose budget
+  // holds the plan's host peak beside what it serves already (both budgets named), and a plan
+  // within its own host budget.
+  void check_host_space(const training_plan& p) const {
+    if (!p.offload_optimizer) return;
     if (o_.host.empty()) {
       throw invalid_argument("options.host", "a host allocator for the offloaded optimizer state (" +
                                                  format_bytes(p.host_peak()) + " with its staging buffers)",
                              "none", "Pass trainer_options::host = host_allocator_ref(your host allocator)");
+    }
+    if (o_.host.refers_to(&alloc_)) {
+      throw invalid_argument("options.host", "another allocator than the trainer's (the device space)",
+                             "the trainer's own allocator",
+                             "Give the offloaded state its own host allocator: the plan counts it outside the device's");
+    }
+    if (!p.host_fits()) {
+      throw invalid_argument("plan.host_budget", "at least the plan's host peak of " + format_bytes(p.host_peak()),
+                             format_bytes(p.host_budget),
+                             "Make the plan with fit(..., {.offload = {true, bucket, host budget}}), which keeps "
+                             "under the host budget, or raise it");
     }
     const std::size_t limit = o_.host.limit(), held = o_.host.stats().requested;
     if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
@@ -1703,8 +1721,9 @@ class trainer {
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
-    fo.offload = offload_;  // a stricter plan keeps the state where it lives
-    fo.offload_only_when_needed = false;
+    // A stricter plan keeps the state where it lives; its host bytes are fixed and already held.
+    fo.offload = {offload_.optimizer, offload_.bucket, 0};
+    if (offload_.optimizer) fo.offload_mode = fit_options::offload_choice::always;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;
   }
