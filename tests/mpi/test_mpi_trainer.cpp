@@ -94,6 +94,7 @@
 #include "membound/mpi.hpp"
 
 #include "../support/small_models.hpp"
+#include "../support/text_source.hpp"
 #include "../support/rank_checks.hpp"
 
 namespace mb = membound;
@@ -107,24 +108,7 @@ using membound_test::rank_checks::check;
 constexpr mb::batch_shape effective{4, 16};
 constexpr std::size_t steps = 30;
 
-struct text_source {
-  std::vector<std::int32_t> text;
-  explicit text_source(std::size_t vocab) {
-    std::uint32_t s = 7;
-    for (std::size_t i = 0; i < 4000; ++i) {
-      s = s * 1664525u + 1013904223u;
-      const bool noise = (s >> 24) % 10 == 0;
-      text.push_back(static_cast<std::int32_t>(noise ? (s >> 8) % vocab : (i * 7 + i / 13) % vocab));
-    }
-  }
-  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
-    const std::size_t at = r.random % (text.size() - effective.seq - 1);
-    for (std::size_t t = 0; t < effective.seq; ++t) {
-      x[t] = text[at + t];
-      y[t] = text[at + t + 1];
-    }
-  }
-};
+using text_source = membound_test::text_source<effective.seq>;
 
 using model_t = membound_test::hybrid<mb::fp32_precision>;
 using alloc_t = mb::budget_allocator<mb::system_allocator>;

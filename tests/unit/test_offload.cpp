@@ -27,6 +27,7 @@
 #include "membound/train/trainer.hpp"
 
 #include "../support/small_models.hpp"
+#include "../support/text_source.hpp"
 
 namespace mb = membound;
 
@@ -38,25 +39,7 @@ using budget_alloc = mb::budget_allocator<mb::system_allocator>;
 
 constexpr mb::batch_shape effective{4, 16};
 
-// A repeating phrase with a little noise (test_trainer's source).
-struct text_source {
-  std::vector<std::int32_t> text;
-  explicit text_source(std::size_t vocab) {
-    std::uint32_t s = 7;
-    for (std::size_t i = 0; i < 4000; ++i) {
-      s = s * 1664525u + 1013904223u;
-      const bool noise = (s >> 24) % 10 == 0;
-      text.push_back(static_cast<std::int32_t>(noise ? (s >> 8) % vocab : (i * 7 + i / 13) % vocab));
-    }
-  }
-  void operator()(const mb::sequence_request& r, std::int32_t* x, std::int32_t* y) const {
-    const std::size_t at = r.random % (text.size() - effective.seq - 1);
-    for (std::size_t t = 0; t < effective.seq; ++t) {
-      x[t] = text[at + t];
-      y[t] = text[at + t + 1];
-    }
-  }
-};
+using text_source = membound_test::text_source<effective.seq>;
 
 mb::trainer_options options() {
   mb::trainer_options o;
