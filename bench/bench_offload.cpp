@@ -8,6 +8,10 @@
 // 2. The step time of an offloaded run against the in-place run of the same plan on the CPU (the
 //    same bits; both spaces are host memory here, so the figure is the copies' and the bucketed
 //    update's cost), with the measured device and host peaks against their predictions.
+// 3. Activation offload (offload_options::activations): at device budgets from the least-memory
+//    generated schedule's peak (Revolve with one slot) up, the budget DP's recompute with block
+//    inputs kept on the device only and with them offloadable, the host bytes it takes, and both
+//    runs' step times and measured peaks.
 //
 // No peer: DeepSpeed's ZeRO-Offload (the design this follows) needs a GPU and is not installed
 // here; the ratios are against membound's own in-place step.
@@ -46,12 +50,12 @@ mb::hybrid_model<P> make_model(std::size_t width, std::size_t blocks, std::size_
 // fit()'s plan for width w, or nothing when none fits the budget.
 template <typename Opt>
 std::optional<mb::training_plan> fit_at(std::size_t w, std::size_t blocks, mb::batch_shape b, std::size_t budget,
-                                        std::size_t threads, bool offload) {
+                                        std::size_t threads, bool offload, bool activations) {
   const auto m = make_model<mb::bf16_precision>(w, blocks);
   mb::fit_options fo;
   fo.threads = threads;
   fo.optimizer_policy = mb::optimizer_of<Opt>();
-  fo.offload = {offload, 0, 0};
+  fo.offload = {offload, 0, 0, activations};
   fo.offload_mode = mb::fit_options::offload_choice::always;
   try {
     return mb::fit(m, b, budget, fo);
@@ -67,12 +71,13 @@ struct largest {
 
 // The widest multiple of 64 that fits (every plan's bytes grow with the width: bisection).
 template <typename Opt>
-largest widest(std::size_t blocks, mb::batch_shape b, std::size_t budget, std::size_t threads, bool offload) {
+largest widest(std::size_t blocks, mb::batch_shape b, std::size_t budget, std::size_t threads, bool offload,
+               bool activations = false) {
   std::size_t lo = 0, hi = 256;  // in units of 64; lo fits (0: nothing), hi + 1 does not
   largest best;
   while (lo < hi) {
     const std::size_t mid = lo + (hi - lo + 1) / 2;
-    if (auto p = fit_at<Opt>(mid * 64, blocks, b, budget, threads, offload)) {
+    if (auto p = fit_at<Opt>(mid * 64, blocks, b, budget, threads, offload, activations)) {
       lo = mid;
       best.plan = std::move(*p);
     } else {
@@ -167,8 +172,10 @@ int main(int argc, char** argv) {
     const largest a_off = widest<mb::adamw<mb::bf16>>(blocks, b, budget, threads, true);
     const largest q_dev = widest<mb::adamw8bit<mb::bf16>>(blocks, b, budget, threads, false);
     const largest q_off = widest<mb::adamw8bit<mb::bf16>>(blocks, b, budget, threads, true);
+    const largest a_all = widest<mb::adamw<mb::bf16>>(blocks, b, budget, threads, true, true);
     row("adamw", "device", a_dev, a_dev.params);
     row("adamw", "offloaded", a_off, a_dev.params);
+    row("adamw", "offloaded, + block inputs", a_all, a_dev.params);
     row("adamw8bit", "device", q_dev, a_dev.params);
     row("adamw8bit", "offloaded", q_off, a_dev.params);
 
@@ -202,6 +209,43 @@ int main(int argc, char** argv) {
     measure("adamw", static_cast<mb::adamw<mb::bf16>*>(nullptr));
     measure("adamw8bit", static_cast<mb::adamw8bit<mb::bf16>*>(nullptr));
     std::printf("\n(the offloaded and in-place runs' losses are equal bit for bit, checked)\n");
+
+    // 3. Activation offload at tight budgets.
+    const auto deep = make_model<mb::bf16_precision>(256, blocks, 4);
+    mb::plan_options po;
+    po.threads = threads;
+    const std::size_t least = mb::make_plan(deep, tb, mb::schedules::binomial<1>{}, po).peak_bytes;
+    const std::size_t most = mb::make_plan(deep, tb, mb::schedules::none{}, po).peak_bytes;
+    std::printf("\n3. Activation offload on the CPU: the budget DP's plan with block inputs on the device only and "
+                "offloadable (free copies: offload_options::flops_per_byte 0), bf16, width 256, %zu blocks, %zu x %zu "
+                "tokens, adamw in place, %zu threads, mean of %zu steps after one; budgets from Revolve-with-one-slot's "
+                "peak (%.2f MiB) toward schedule none's (%.2f MiB):\n\n",
+                blocks, batch, tb.seq, threads, steps, mib(least), mib(most));
+    std::printf("| device budget | block inputs | recompute (%% of forward) | ms/step | x on the device | device peak "
+                "(measured = predicted) | host peak (measured = predicted) | copied out per step | schedule ops |\n"
+                "|---:|---|---:|---:|---:|---|---|---:|---|\n");
+    for (const double f : {0.0, 0.1, 0.25}) {
+      const std::size_t B = least + static_cast<std::size_t>(f * static_cast<double>(most - least));
+      po.offload = {};
+      const mb::training_plan dev = mb::make_plan(deep, tb, mb::schedule_choice{mb::schedule_choice::kind::budget, B}, po);
+      po.offload.activations = true;
+      const mb::training_plan off = mb::make_plan(deep, tb, mb::schedule_choice{mb::schedule_choice::kind::budget, B}, po);
+      const timed x = time_steps<mb::adamw<mb::bf16>>(deep, tb, dev, threads, steps);
+      const timed y = time_steps<mb::adamw<mb::bf16>>(deep, tb, off, threads, steps);
+      if (x.last_loss != y.last_loss) {
+        throw mb::error("bench_offload: the activation-offloaded run's loss differs from the device run's: a bug");
+      }
+      const auto eq = [](std::size_t got, std::size_t want) {
+        return mb::format_bytes(got, false) + (got == want ? " = " : " != ") + mb::format_bytes(want, false);
+      };
+      std::printf("| %.2f MiB | device | %.1f | %.1f | 1.00 | %s | | | %s |\n", mib(B), 100.0 * dev.recompute_overhead(),
+                  x.ms, eq(x.device_peak, dev.peak_bytes).c_str(), mb::to_string(dev.ops).c_str());
+      std::printf("| %.2f MiB | offloadable | %.1f | %.1f | %.3f | %s | %s | %s | %s |\n", mib(B),
+                  100.0 * off.recompute_overhead(), y.ms, y.ms / x.ms, eq(y.device_peak, off.peak_bytes).c_str(),
+                  eq(y.host_peak, off.host_peak()).c_str(), mb::format_bytes(off.offloaded_bytes, false).c_str(),
+                  mb::to_string(off.ops).c_str());
+    }
+    std::printf("\n(each budget's two runs' losses are equal bit for bit, checked)\n");
     return 0;
   });
 }

@@ -213,15 +213,15 @@ options checked_options(const flag_texts& f) {
   if (f.given("--precision")) o.precision = cc::one_of("--precision", f["--precision"], {"fp32", "bf16", "fp16"});
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
   if (f.given("--offload")) {
-    o.offload = cc::one_of("--offload", f["--offload"], {"none", "auto", "optimizer"});
+    o.offload = cc::one_of("--offload", f["--offload"], {"none", "auto", "optimizer", "activations", "all"});
     if (o.offload != "none" && o.device == "cuda") {
-      throw mb::invalid_argument("--offload", "none with --device cuda (optimizer offload runs on the CPU backend so far)",
+      throw mb::invalid_argument("--offload", "none with --device cuda (offload runs on the CPU backend so far)",
                                  o.offload, "Leave --offload out, or use --device cpu or auto");
     }
   }
   if (f.given("--host-budget")) {
     if (o.offload == "none") {
-      throw mb::invalid_argument("--host-budget", "only with --offload auto or optimizer", f["--host-budget"],
+      throw mb::invalid_argument("--host-budget", "only with --offload auto, optimizer, activations or all", f["--host-budget"],
                                  "Add --offload auto, or leave --host-budget out");
     }
     o.host_budget = cc::size("--host-budget", f["--host-budget"], "--host-budget 1GiB");
@@ -610,7 +610,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     fo.optimizer_elements = shard;
     fo.gradients = grad_shards;
     fo.prefer_below = emergency_line(budget);
-    fo.offload = {o.offload != "none", 0, o.host_budget};
+    fo.offload = {o.offload == "auto" || o.offload == "optimizer" || o.offload == "all", 0, o.host_budget,
+                  o.offload == "activations" || o.offload == "all"};
     fo.offload_mode = o.offload == "auto" ? mb::fit_options::offload_choice::when_needed
                                           : mb::fit_options::offload_choice::always;
     return fo;
@@ -653,7 +654,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
     po.optimizer_elements = shard;
     po.gradients = grad_shards;
-    po.offload = {o.offload == "optimizer", 0, o.host_budget};
+    po.offload = {o.offload == "optimizer" || o.offload == "all", 0, o.host_budget,
+                  o.offload == "activations" || o.offload == "all"};
     mb::training_plan p = mb::make_plan(m, share, *o.fixed_schedule, po, budget);
     p.reserved_peak = reserve(p);
     if (!p.fits() && o.offload == "auto") {  // the state beside it does not fit: on the host then
@@ -764,6 +766,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
         j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
                            {"emergency", thresholds.emergency}};
         j["host"] = {{"offload_optimizer", p.offload_optimizer},
+                     {"activations_bytes", p.host_activations},
+                     {"offloaded_bytes_per_micro_batch", p.offloaded_bytes},
                      {"predicted_peak_bytes", p.host_peak()},
                      {"measured_peak_bytes", host_space.stats().peak_requested},
                      {"budget_bytes", o.host_budget}};
@@ -860,10 +864,10 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
                 first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
     std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
                 mib(predicted_reserve), reserve_ok ? "yes" : "NO");
-    // The offloaded state and its staging buffers: made before step 1 and kept, so the host
-    // space's measured peak is its prediction exactly.
+    // The offloaded state and its staging buffers (made before step 1 and kept) and the block
+    // inputs a step offloads: the host space's measured peak is its prediction exactly.
     const bool host_ok = host_space.stats().peak_requested == t.plan().host_peak();
-    if (t.plan().offload_optimizer) {
+    if (t.plan().offloads()) {
       std::printf("\nhost space (--offload): measured peak %.2f MiB = predicted %.2f MiB%s: %s",
                   mib(host_space.stats().peak_requested), mib(t.plan().host_peak()),
                   o.host_budget != 0 ? (" <= --host-budget " + mb::format_bytes(o.host_budget, false)).c_str() : "",
@@ -966,10 +970,11 @@ int main(int argc, char** argv) {
   flag("--min-lr", "[0,lr]", "learning rate at the end of the cosine (default 0.0003, at most --lr)");
   flag("--weight-decay", "[0,1]", "AdamW's decoupled weight decay (default 0.1)");
   flag("--optimizer", "adamw|adamw8bit", "AdamW with fp32 m, v, or with 8-bit block-wise m, v (default adamw)");
-  flag("--offload", "none|auto|optimizer",
+  flag("--offload", "none|auto|optimizer|activations|all",
        "optimizer: keep the optimizer's state (AdamW's m, v, fp32 masters) in a host space beside --budget, updated "
-       "there bucket by bucket (the same bits); auto: only when no plan fits --budget with the state in it; the plan "
-       "table gives both spaces' bytes (CPU only; default none)");
+       "there bucket by bucket (the same bits); auto: only when no plan fits --budget with the state in it; "
+       "activations: a budget schedule may keep block inputs there instead of recomputing (copied out in forward, "
+       "back before their backward); all: both; the plan table gives both spaces' bytes (CPU only; default none)");
   flag("--host-budget", "SIZE", "with --offload, the host space's budget, e.g. 1GiB (default: none, measured)");
   flag("--attention-kernels", "mma|wmma",
        "on cuda with bf16 storage and head size <= 128: mma runs the mma.sync forward and backward with fragments "

@@ -34,7 +34,7 @@ LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention", "swa": "local_attention
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATORS = ("arena", "caching", "none")
 OPTIMIZERS = ("adamw", "adamw8bit", "none")
-OFFLOADS = ("none", "auto", "optimizer")
+OFFLOADS = ("none", "auto", "optimizer", "activations", "all")
 
 Size = Union[int, str]
 
@@ -175,6 +175,8 @@ class Plan:
     host_optimizer: int
     host_staging: int
     offload_bucket: int
+    host_activations: int
+    offloaded_bytes: int
     host_peak: int
     host_budget: int
     activations: int
@@ -221,12 +223,12 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     r.optimizer = _one_of("optimizer", optimizer, OPTIMIZERS)
     r.threads = _whole("threads", threads, 1, 1024, "threads=8")
     r.offload = _one_of("offload", offload, OFFLOADS)
-    if r.offload != "none" and r.optimizer == "none":
+    if r.offload in ("auto", "optimizer", "all") and r.optimizer == "none":
         raise invalid("offload", 'none with optimizer="none" (there is no state to offload)', offload,
                       'e.g. optimizer="adamw", offload="auto"')
     if host_budget is not None:
         if r.offload == "none":
-            raise invalid("host_budget", 'only with offload="auto" or "optimizer"', host_budget,
+            raise invalid("host_budget", 'only with offload="auto", "optimizer", "activations" or "all"', host_budget,
                           'e.g. offload="auto", host_budget="64GiB"')
         r.host_budget = parse_size(host_budget, "host_budget")
     if r.allocator != "none" and r.budget == 0:
@@ -242,7 +244,8 @@ def _plan(r: _core.Request) -> Plan:
                 head_chunk=p.head_chunk, threads=p.threads, weights=p.weights, gradients=p.gradients,
                 optimizer=p.optimizer, optimizer_policy=p.optimizer_policy,
                 offload_optimizer=p.offload_optimizer, host_optimizer=p.host_optimizer,
-                host_staging=p.host_staging, offload_bucket=p.offload_bucket, host_peak=p.host_peak,
+                host_staging=p.host_staging, offload_bucket=p.offload_bucket,
+                host_activations=p.host_activations, offloaded_bytes=p.offloaded_bytes, host_peak=p.host_peak,
                 host_budget=p.host_budget, activations=p.activations,
                 workspace=p.workspace, peak_bytes=p.peak_bytes, reserved_peak=p.reserved_peak,
                 peak_phase=p.peak_phase, budget=p.budget, fits=p.fits, forward_flops=p.forward_flops,
@@ -264,8 +267,10 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
     the budget to stay under when some plan can, a size or a fraction of the budget (0.97 is the
     example trainer's emergency line: with it, the plan is the one `train --plan-only 1` prints).
     offload: "auto" puts the optimizer's state in a host space (host_budget: its budget) when no
-    plan fits the budget with it, "optimizer" always, "none" never (the example trainer's
-    --offload); the plan then states the host space's bytes too (host_peak).
+    plan fits the budget with it, "optimizer" always, "none" never; "activations" lets a budget
+    schedule keep block inputs there instead of recomputing them, "all" both (the example
+    trainer's --offload); the plan then states the host space's bytes too (host_peak,
+    host_activations, offloaded_bytes per micro-batch).
     Raises BudgetTooSmall (with .minimum) when no plan fits, InvalidArgument naming host_budget
     when only offloaded plans fit and none fits the host budget."""
     if budget is None:

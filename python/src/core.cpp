@@ -42,8 +42,8 @@ struct request {
   std::string precision = "fp32";  // fp32 | bf16 | fp16
   std::string allocator = "arena";  // arena | caching | none
   std::string optimizer = "adamw";  // adamw | adamw8bit | none
-  std::string offload = "none";     // none | auto | optimizer (the example trainer's --offload)
-  std::size_t host_budget = 0;      // the offloaded state's host budget (0: none)
+  std::string offload = "none";     // none | auto | optimizer | activations | all (train's --offload)
+  std::size_t host_budget = 0;      // the host space's budget (0: none)
   std::string schedule = "auto";    // auto | none | full | every | binomial (schedule_param: K or S)
   std::size_t schedule_param = 0;
   std::vector<std::size_t> head_chunks{256, 64};
@@ -119,7 +119,8 @@ plan_result plan_for(const request& r) {
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       fo.head_chunks = r.head_chunks;
       fo.reserve = reserve;
-      fo.offload = {r.offload != "none", 0, r.host_budget};
+      fo.offload = {r.offload == "auto" || r.offload == "optimizer" || r.offload == "all", 0, r.host_budget,
+                    r.offload == "activations" || r.offload == "all"};
       fo.offload_mode = r.offload == "auto" ? mb::fit_options::offload_choice::when_needed
                                             : mb::fit_options::offload_choice::always;
       if (r.max_tokens != 0) {
@@ -145,7 +146,8 @@ plan_result plan_for(const request& r) {
       po.optimizer = count_optimizer;
       po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       po.head_chunk = r.head_chunks.front();
-      po.offload = {r.offload == "optimizer", 0, r.host_budget};
+      po.offload = {r.offload == "optimizer" || r.offload == "all", 0, r.host_budget,
+                    r.offload == "activations" || r.offload == "all"};
       o.plan = mb::make_plan(m, batch, schedule_of(r), po, r.budget);
       if (reserve) o.plan.reserved_peak = reserve(o.plan);
       // As the example trainer: auto offloads when the state does not fit beside the step.
@@ -264,6 +266,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("host_optimizer", [](const plan_result& r) { return r.plan.host_optimizer; })
       .def_prop_ro("host_staging", [](const plan_result& r) { return r.plan.host_staging; })
       .def_prop_ro("offload_bucket", [](const plan_result& r) { return r.plan.offload_bucket; })
+      .def_prop_ro("host_activations", [](const plan_result& r) { return r.plan.host_activations; })
+      .def_prop_ro("offloaded_bytes", [](const plan_result& r) { return r.plan.offloaded_bytes; })
       .def_prop_ro("host_peak", [](const plan_result& r) { return r.plan.host_peak(); })
       .def_prop_ro("host_budget", [](const plan_result& r) { return r.plan.host_budget; })
       .def_prop_ro("activations", [](const plan_result& r) { return r.plan.activations; })

@@ -12589,6 +12589,14 @@ struct backend_kernels<cpu_backend, model_glue> {
     }
   }
 
+  // Activation offload (planner: offload_options::activations) runs here: a kept block input
+  // moves to the host space in forward and back before its segment's backward (a device's copies
+  // to and from pinned memory; here between the two host arenas).
+  static constexpr bool offloads_activations = true;
+  static void offload_copy(thread_pool&, void* dst, const void* src, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memcpy(dst, src, bytes);
+  }
+
   // Token ids where the host can read them without a copy: here, the caller's own (the model
   // checks them against the vocabulary before any work).
   static const std::int32_t* host_ids(const std::int32_t* ids) noexcept { return ids; }
@@ -15596,7 +15604,10 @@ MEMBOUND_NAMESPACE_END
 //   backward(i)  x_i, saved_i, δ_{i+1} → δ_i; frees saved_i and δ_{i+1}; in order L−1 … 0
 //   discard(i)   frees x_i; not while saved_i is live (backward(i) reads x_i with saved_i, so a
 //                block's input lives as long as its saved tensors: Beaumont et al.'s model)
-// Start: x_0 live. End: only δ_0 live. simulate() is the definition of a schedule's memory: live
+//   offload(i)   moves x_i to the host space (activation offload): its device bytes are freed,
+//                as many host bytes taken; not while saved_i is live
+//   fetch(i)     moves x_i back: its device bytes taken again, its host bytes freed
+// Start: x_0 live. End: only δ_0 live, nothing in the host space. simulate() is the definition of a schedule's memory: live
 // bytes are base + the live values, and an op's peak is the live bytes before it plus its own
 // peak (outputs and workspace). model::forward_backward allocates in exactly this order, so the
 // allocator's measured peak equals simulate()'s.
@@ -15632,12 +15643,19 @@ struct chain {
   std::size_t output_bytes = 0;   // a_L: x_L and δ_L
   std::size_t loss_peak = 0;      // peak of the loss op above live (>= a_L)
   std::size_t base_bytes = 0;     // live throughout: weights, gradients, optimizer state
+  // Activation offload: when set, optimal_schedule may keep a segment's input x_s in the host
+  // space while the blocks after the segment are reversed (offload, then fetch before the
+  // segment's own backward), at offload_cost_per_byte per byte moved each way, in forward_cost's
+  // unit. The host space is not bounded here: a caller bounds it (its peak is at most the sum of
+  // the block inputs). The generators never offload.
+  bool offload_inputs = false;
+  double offload_cost_per_byte = 0;
 
   constexpr std::size_t length() const noexcept { return links.size(); }
   constexpr std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
 };
 
-enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard };
+enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard, offload, fetch };
 
 struct chain_op {
   chain_op_kind kind = chain_op_kind::advance;
@@ -15654,6 +15672,8 @@ inline std::string to_string(const chain_op& op) {
     case chain_op_kind::loss: return "L";
     case chain_op_kind::backward: k = "B"; break;
     case chain_op_kind::discard: k = "D"; break;
+    case chain_op_kind::offload: k = "O"; break;
+    case chain_op_kind::fetch: k = "I"; break;
   }
   // Appended, not `k + std::to_string(...)`: GCC 12 at -O3 reports a false -Wrestrict on that
   // operator+ once inlined into a large translation unit (seen under nvcc's host pass).
@@ -15675,7 +15695,10 @@ struct schedule_stats {
   double recompute_cost = 0;         // forward cost beyond each block's first forward
   std::size_t forward_ops = 0;       // advance + tape + retape
   std::size_t advances = 0;          // Revolve's "forward steps"
-  std::size_t max_live_inputs = 0;   // most x values live at once
+  std::size_t max_live_inputs = 0;   // most x values live at once (on the device)
+  std::size_t host_peak_bytes = 0;   // most bytes of block inputs in the host space at once
+  std::size_t offloaded_bytes = 0;   // bytes moved to the host space (as many come back)
+  double offload_cost = 0;           // offload_cost_per_byte x the bytes moved both ways
 };
 
 // One op: bytes live before it and its peak.
@@ -15684,6 +15707,7 @@ struct phase_bytes {
   std::size_t live_before = 0;
   std::size_t peak = 0;
   std::size_t in_flight = 0;  // of live_before, the backward_carry still in flight
+  std::size_t host_after = 0;  // bytes of block inputs in the host space after the op
 };
 
 // Validates every precondition and the end state (invalid_argument names the op) and returns the
@@ -15692,8 +15716,10 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
                                std::vector<phase_bytes>* timeline = nullptr) {
   const std::size_t L = c.length();
   if (L == 0) throw invalid_argument("chain", "at least one block", "none", "Build the chain from a model");
+  // x[i]: 0 not live, 1 on the device, 2 in the host space (offloaded)
   std::vector<char> x(L + 1, 0), saved(L, 0);
   x[0] = 1;
+  std::size_t host = 0;
   std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
   bool loss_done = false;
   std::size_t live = sat_add(c.base_bytes, c.a(0));
@@ -15717,7 +15743,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
     switch (op.kind) {
       case chain_op_kind::advance:
       case chain_op_kind::tape:
-        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
         if (x[i + 1]) bad(k, "x_" + std::to_string(i + 1) + " not yet live");
         if (op.kind == chain_op_kind::tape && saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
         peak = sat_add(live, op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
@@ -15732,7 +15758,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         st.advances += op.kind == chain_op_kind::advance;
         break;
       case chain_op_kind::retape:
-        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
         if (saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
         peak = sat_add(live, c.links[i].retape_peak);
         saved[i] = 1;
@@ -15742,7 +15768,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         break;
       case chain_op_kind::loss:
         if (loss_done) bad(k, "one loss op");
-        if (!x[L]) bad(k, "x_L live");
+        if (x[L] != 1) bad(k, "x_L live on the device");
         peak = sat_add(live, c.loss_peak);
         live = sat_add(live, c.output_bytes);
         loss_done = true;
@@ -15750,7 +15776,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
       case chain_op_kind::backward:
         if (!loss_done) bad(k, "the loss before any backward");
         if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
-        if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
+        if (x[i] != 1 || !saved[i]) bad(k, "x_" + std::to_string(i) + " (on the device) and saved_" + std::to_string(i) + " live");
         peak = sat_add(live, c.links[i].backward_peak);
         if (c.links[i].backward_tail_peak != 0) {
           peak = std::max(peak, sat_add(sat_sub(live, carry), c.links[i].backward_tail_peak));
@@ -15763,20 +15789,38 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         next_backward = i;
         break;
       case chain_op_kind::discard:
-        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
         if (i < L && saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
         x[i] = 0;
         live = sat_sub(live, c.a(i));
         break;
+      case chain_op_kind::offload:
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
+        if (saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
+        x[i] = 2;
+        live = sat_sub(live, c.a(i));
+        host = sat_add(host, c.a(i));
+        st.host_peak_bytes = std::max(st.host_peak_bytes, host);
+        st.offloaded_bytes = sat_add(st.offloaded_bytes, c.a(i));
+        st.offload_cost += c.offload_cost_per_byte * static_cast<double>(c.a(i));
+        break;
+      case chain_op_kind::fetch:
+        if (x[i] != 2) bad(k, "x_" + std::to_string(i) + " in the host space (offloaded)");
+        peak = sat_add(live, c.a(i));
+        x[i] = 1;
+        live = sat_add(live, c.a(i));
+        host = sat_sub(host, c.a(i));
+        st.offload_cost += c.offload_cost_per_byte * static_cast<double>(c.a(i));
+        break;
     }
     st.peak_bytes = std::max(st.peak_bytes, peak);
     st.max_live_inputs = std::max<std::size_t>(st.max_live_inputs, static_cast<std::size_t>(std::count(x.begin(), x.end(), 1)));
-    if (timeline != nullptr) timeline->push_back({k, before, peak, before_carry});
+    if (timeline != nullptr) timeline->push_back({k, before, peak, before_carry, host});
   }
-  const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 1) == 0 &&
+  const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 0) == static_cast<std::ptrdiff_t>(L + 1) &&
                      std::count(saved.begin(), saved.end(), 1) == 0;
   if (!clean) {
-    throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded, every saved used",
+    throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded (none left in the host space), every saved used",
                            "one that stops early (next backward " + std::to_string(next_backward) + ")",
                            "Build schedules with the generators in model/recompute_schedule.hpp");
   }
@@ -15980,7 +16024,9 @@ namespace detail {
 //   first only:         advance s … e−1 (keeping x_s), the loss, then reverse [s, e) as non-first
 //   tape s:             keep saved_s and x_{s+1}, reverse [s+1, e), discard x_{s+1}, backward s
 //   checkpoint at m:    advance s … m−1 (keeping x_s), reverse [m, e), discard x_m, reverse [s, m)
-// Cost: forward cost of every op. Sizes are rounded up to cells, so an accepted schedule always
+//   offloaded, at m:    the same with x_s in the host space while [m, e) is reversed (offload s
+//                       after the advances, fetch s before reversing [s, m)): [m, e) has all of M
+// Cost: forward cost of every op, and offload_cost_per_byte x the bytes an offload moves both ways. Sizes are rounded up to cells, so an accepted schedule always
 // fits exactly; exact when every size is a multiple of the cell. Time O(L³·M), memory O(L²·M).
 class chain_dp {
  public:
@@ -16054,6 +16100,24 @@ class chain_dp {
         if (left < 0) continue;
         take(chain_cost + right + left, 4 + static_cast<int>(m - s));
       }
+      // the same with x_s offloaded: after a checkpoint in place, so that a tie keeps x_s there.
+      if (c_.offload_inputs) {
+        const double moved = 2.0 * c_.offload_cost_per_byte * static_cast<double>(c_.a(s));
+        chain_cost = 0;
+        chain_need = 0;
+        for (std::size_t m = s + 1; m < e; ++m) {
+          const std::size_t kk = m - 1;
+          chain_need = std::max(chain_need, sat_add(as, kk > s ? a_[kk] : 0, de, u_[kk].advance));
+          chain_cost += c_.links[kk].forward_cost;
+          if (chain_need > M) break;
+          if (sat_add(as, a_[m]) > M) continue;  // the fetch, beside δ_m
+          const double right = solve(first, m, e, M);
+          if (right < 0) continue;
+          const double left = solve(false, s, m, M);
+          if (left < 0) continue;
+          take(chain_cost + right + left + moved, 4 + static_cast<int>(L_ + m - s));
+        }
+      }
     }
     cost_[k] = best;
     pick_[k] = choice;
@@ -16081,11 +16145,19 @@ class chain_dp {
       emit(o, first, s + 1, e, M - a_[s] - u_[s].saved);
       push(o, chain_op_kind::discard, s + 1);
       push(o, chain_op_kind::backward, s);
-    } else {
+    } else if (static_cast<std::size_t>(ch - 4) < L_) {
       const std::size_t m = s + static_cast<std::size_t>(ch - 4);
       advance_to(o, s, m);
       emit(o, first, m, e, M - a_[s]);
       push(o, chain_op_kind::discard, m);
+      emit(o, false, s, m, M);
+    } else {
+      const std::size_t m = s + static_cast<std::size_t>(ch - 4) - L_;
+      advance_to(o, s, m);
+      push(o, chain_op_kind::offload, s);
+      emit(o, first, m, e, M);
+      push(o, chain_op_kind::discard, m);
+      push(o, chain_op_kind::fetch, s);
       emit(o, false, s, m, M);
     }
   }
@@ -16117,7 +16189,10 @@ class chain_dp {
 
 }  // namespace detail
 
-// The schedule of least recompute cost whose simulated peak is at most budget_bytes, over
+// The cost optimal_schedule minimizes: recompute, and the offloads' copies (chain::offload_inputs).
+constexpr double schedule_cost(const schedule_stats& s) noexcept { return s.recompute_cost + s.offload_cost; }
+
+// The schedule of least cost (schedule_cost) whose simulated peak is at most budget_bytes, over
 // memory discretized into at most max_cells cells. Throws schedule_does_not_fit (with the least
 // peak among the generated fallbacks, as the budget to ask for) when the DP finds none.
 inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
@@ -16138,7 +16213,7 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
     for (auto& ops : cands) {
       const schedule_stats st = simulate(c, ops);
       least = std::min(least, st.peak_bytes);
-      if (st.peak_bytes <= budget_bytes && (!found || st.recompute_cost < best.stats.recompute_cost)) {
+      if (st.peak_bytes <= budget_bytes && (!found || schedule_cost(st) < schedule_cost(best.stats))) {
         best.ops = std::move(ops);
         best.stats = st;
         found = true;
@@ -16173,7 +16248,7 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   // Rounding to cells can hide a generated schedule that fits exactly (none at its own peak):
   // the cheaper of the two wins.
   optimal_result g = fallback(false);
-  if (g.stats.recompute_cost < r.stats.recompute_cost) {
+  if (schedule_cost(g.stats) < schedule_cost(r.stats)) {
     g.unit = unit;
     return g;
   }
@@ -16615,12 +16690,16 @@ class model {
   //
   // moe (optional): what the mixture-of-experts blocks did, summed over them (zero without such
   // blocks): the balancing loss the returned loss includes, the choices their capacity dropped.
+  //
+  // host: where a schedule's offload ops keep block inputs (activation offload, chain::
+  // offload_inputs), another allocator than `alloc`; required when `ops` offload, on a backend
+  // that offloads activations (cpu_backend).
   template <typename Allocator, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                           double loss_scale, Allocator& alloc, executor& ex,
-                          Observer observe = {}, moe_stats* moe = nullptr) const {
+                          Observer observe = {}, moe_stats* moe = nullptr, host_allocator_ref host = {}) const {
     static_assert(in_backend_space<Allocator>());
     detail::need_pointer(w, "weights");
     detail::need_pointer(g, "gradients");
@@ -16628,7 +16707,7 @@ class model {
     detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
     return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe);
+                      moe, host);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -16642,7 +16721,7 @@ class model {
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                                  double loss_scale, Allocator& alloc, executor& ex, Observer observe = {},
-                                 moe_stats* moe = nullptr) const {
+                                 moe_stats* moe = nullptr, host_allocator_ref host = {}) const {
     static_assert(in_backend_space<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
@@ -16653,7 +16732,7 @@ class model {
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe);
+                      moe, host);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -16676,7 +16755,7 @@ class model {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
     flat_gradients flat{};
-    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
+    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
   // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
   // buckets, replayed by model/reserve_plan.hpp); at() is not called.
@@ -16685,7 +16764,7 @@ class model {
                             Allocator& alloc, Router& grads) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -16800,14 +16879,18 @@ class model {
 
  private:
   // One micro-batch under a schedule. Run: the work too (forward_backward); otherwise only the
-  // requests, in the same order (step_requests), so that the two cannot drift apart. The ops are
-  // checked first as simulate() checks them: a dropped backward or a duplicated tape is an
-  // invalid_argument naming the op, before anything is allocated.
+  // requests, in the same order (step_requests; the host space's are not the device's, and not
+  // made), so that the two cannot drift apart. The ops are checked first as simulate() checks
+  // them: a dropped backward or a duplicated tape is an invalid_argument naming the op, before
+  // anything is allocated.
   template <bool Run, typename Allocator, typename Router, typename Observer>
   double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
-              executor* ex, std::size_t threads, Observer& observe, moe_stats* moe) const {
-    (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
+              executor* ex, std::size_t threads, Observer& observe, moe_stats* moe, host_allocator_ref host) const {
+    const schedule_stats checked = simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
+    if constexpr (Run) {
+      if (checked.offloaded_bytes != 0) check_host_space(host, alloc);
+    }
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
     if constexpr (Run) check_ids(tokens, targets, N);
@@ -16819,6 +16902,7 @@ class model {
     std::vector<char> reported(L, 0);  // a block's stats count once: recomputations repeat them
     std::vector<S*> x(L + 1, nullptr);
     std::vector<void*> saved(L, nullptr);
+    host_set offloaded(Run ? host : host_allocator_ref{}, L);  // block inputs in the host space
     S* delta = nullptr;
     double loss_sum = 0;
 
@@ -16890,6 +16974,19 @@ class model {
           live.put(x[i]);
           x[i] = nullptr;
           break;
+        case chain_op_kind::offload:
+          // (Run on a backend without offload never gets here: check_host_space threw.)
+          if constexpr (Run && glue::offloads_activations) glue::offload_copy(*ex, offloaded.get(i, a), x[i], a);
+          live.put(x[i]);
+          x[i] = nullptr;
+          break;
+        case chain_op_kind::fetch:
+          x[i] = static_cast<S*>(live.get(a, memory_tag::activations));
+          if constexpr (Run && glue::offloads_activations) {
+            glue::offload_copy(*ex, x[i], offloaded.at(i), a);
+            offloaded.put(i, a);
+          }
+          break;
       }
     }
     if constexpr (Run) {
@@ -16952,6 +17049,52 @@ class model {
     }
     return x;
   }
+
+  // A schedule that offloads needs a backend that can and a host space apart from the device's.
+  template <typename Allocator>
+  static void check_host_space(host_allocator_ref host, const Allocator& alloc) {
+    if constexpr (!glue::offloads_activations) {
+      throw invalid_argument("ops", "a schedule without offload ops on this backend (activation offload runs on "
+                             "cpu_backend only)", "offload ops",
+                             "Plan without offload_options::activations: its device path is not built yet");
+    } else {
+      if (host.empty()) {
+        throw invalid_argument("host", "a host allocator for the block inputs the schedule offloads", "none",
+                               "Pass host_allocator_ref(your host allocator) (the trainer's options.host)");
+      }
+      if (host.refers_to(&alloc)) {
+        throw invalid_argument("host", "another allocator than the device's (alloc)", "the same allocator",
+                               "Give the offloaded block inputs their own host allocator: the plan counts them apart");
+      }
+    }
+  }
+
+  // The block inputs a step keeps in the host space, given back on every exit.
+  class host_set {
+   public:
+    host_set(host_allocator_ref h, std::size_t depth) : h_(h), p_(depth + 1, nullptr), bytes_(depth + 1, 0) {}
+    host_set(const host_set&) = delete;
+    host_set& operator=(const host_set&) = delete;
+    ~host_set() {
+      for (std::size_t i = 0; i < p_.size(); ++i)
+        if (p_[i] != nullptr) h_.deallocate(p_[i], bytes_[i], default_alignment, memory_tag::activations);
+    }
+    void* get(std::size_t i, std::size_t bytes) {
+      p_[i] = h_.allocate(bytes, default_alignment, memory_tag::activations);
+      bytes_[i] = bytes;
+      return p_[i];
+    }
+    const void* at(std::size_t i) const noexcept { return p_[i]; }
+    void put(std::size_t i, std::size_t bytes) {
+      h_.deallocate(p_[i], bytes, default_alignment, memory_tag::activations);
+      p_[i] = nullptr;
+    }
+
+   private:
+    host_allocator_ref h_;
+    std::vector<void*> p_;
+    std::vector<std::size_t> bytes_;
+  };
 
   // Every allocation of a step, so that an exception gives all of them back. Served on the
   // executor's stream (stream_view): a block freed here is reused only by later work of that
@@ -17269,13 +17412,25 @@ struct gradient_shards {
 // The device then holds weights, gradients and activations only; the host holds the state and
 // the two buffers, all made before step 1 and kept (its peak is their sum).
 inline constexpr std::size_t default_offload_bucket = std::size_t{1} << 20;
-// Whether the optimizer's state is offloaded, its bucket and the host space's budget.
+// Activation offload: a budget schedule (the DP) may keep a segment's input x_s in the host space
+// while the blocks after the segment are reversed: copied out after the forward passes it,
+// fetched back before the segment's backward (chain::offload_inputs), each byte each way costing
+// flops_per_byte in the DP's cost (recompute FLOPs). The host space holds the inputs offloaded at
+// once (their most, host_activations) beside the optimizer's part; when the DP's schedule would
+// take it over the host budget, the plan is made without activation offload.
+// Whether the optimizer's state is offloaded, its bucket, the host space's budget, and whether
+// block inputs may be offloaded.
 struct offload_options {
   bool optimizer = false;       // the optimizer's state in the host space
   // Parameters per staged bucket (0: default_offload_bucket), rounded up to a multiple of the
   // policy's range_granule and at most the parameters whose state this process holds.
   std::size_t bucket = 0;
   std::size_t host_budget = 0;  // the host space's budget (0: none)
+  bool activations = false;     // budget schedules may offload block inputs (above)
+  // The DP's cost of moving one byte (each way) in FLOPs: the device's FLOP rate over the
+  // link's bandwidth (0: free, so that any offload that saves recompute is taken). fit() sets it
+  // from fit_options::offload_flops_per_byte.
+  double flops_per_byte = 0;
 };
 
 // What make_plan plans for besides the model, the micro-batch and the schedule.
@@ -17364,8 +17519,18 @@ struct training_plan {
   std::size_t host_staging = 0;    // the two staging buffers
   std::size_t offload_bucket = 0;  // parameters per bucket
   std::size_t host_budget = 0;     // the host space's budget (0: none)
-  // The host space's peak: everything it holds is made before step 1 and kept.
-  std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging); }
+  // Activation offload (offload_options::activations): the most bytes of block inputs in the
+  // host space at once, those a micro-batch copies out (and as many back), and what the
+  // copies cost in the DP's unit (offload_options::flops_per_byte). All 0 when the schedule
+  // offloads nothing.
+  std::size_t host_activations = 0;
+  std::size_t offloaded_bytes = 0;
+  double offload_flops = 0;
+  // The host space's peak: the optimizer's part is made before step 1 and kept, the block
+  // inputs come and go within a micro-batch.
+  std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging, host_activations); }
+  // Whether the plan uses the host space at all.
+  bool offloads() const noexcept { return offload_optimizer || host_activations != 0; }
   // Whether the host space's bytes fit its budget (none: always).
   bool host_fits() const noexcept { return host_budget == 0 || host_peak() <= host_budget; }
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
@@ -17462,12 +17627,21 @@ struct training_plan {
       }
       s += line;
     }
-    if (offload_optimizer) {
-      s += "host space (optimizer offload):\n";
-      row("optimizer", host_optimizer, optimizer_policy.c_str());
-      const std::string note = "a gradient and a weight bucket of " + std::to_string(offload_bucket) + " parameters";
-      row("staging", host_staging, note.c_str());
-      row("host peak", host_peak(), "made before step 1, kept");
+    if (offloads()) {
+      s += offload_optimizer && host_activations != 0 ? "host space (optimizer and activation offload):\n"
+           : offload_optimizer                        ? "host space (optimizer offload):\n"
+                                                      : "host space (activation offload):\n";
+      if (offload_optimizer) {
+        row("optimizer", host_optimizer, optimizer_policy.c_str());
+        const std::string note = "a gradient and a weight bucket of " + std::to_string(offload_bucket) + " parameters";
+        row("staging", host_staging, note.c_str());
+      }
+      if (host_activations != 0) {
+        const std::string note = "block inputs at once; " + format_bytes(offloaded_bytes, false) +
+                                 " out and back per micro-batch";
+        row("activations", host_activations, note.c_str());
+      }
+      row("host peak", host_peak(), offload_optimizer ? "the optimizer's part made before step 1, kept" : "");
       if (host_budget != 0) {
         row("host budget", host_budget, "");
         if (host_fits()) {
@@ -17523,6 +17697,8 @@ inline std::string op_name(const chain_op& op, const char* block) {
     case chain_op_kind::loss: return "loss (head, chunked cross-entropy)";
     case chain_op_kind::backward: return b + " backward";
     case chain_op_kind::discard: return block[0] == '\0' ? "head input freed" : b + " input freed";
+    case chain_op_kind::offload: return b + " input to the host";
+    case chain_op_kind::fetch: return b + " input back from the host";
   }
   return "?";
 }
@@ -17656,9 +17832,25 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
       p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
+  if (o.offload.activations && sc.k == schedule_choice::kind::budget) {
+    c.offload_inputs = true;
+    c.offload_cost_per_byte = o.offload.flops_per_byte;
+  }
   p.ops = schedule_ops(c, sc);
   std::vector<phase_bytes> tl;
-  const schedule_stats st = simulate(c, p.ops, &tl);
+  schedule_stats st = simulate(c, p.ops, &tl);
+  if (st.offloaded_bytes != 0 && o.offload.host_budget != 0 &&
+      sat_add(p.host_peak(), st.host_peak_bytes) > o.offload.host_budget) {
+    // The host space cannot take this schedule's block inputs: the same budget without.
+    c.offload_inputs = false;
+    p.ops = schedule_ops(c, sc);
+    tl.clear();
+    st = simulate(c, p.ops, &tl);
+  }
+  if (st.offloaded_bytes != 0) p.host_budget = o.offload.host_budget;
+  p.host_activations = st.host_peak_bytes;
+  p.offloaded_bytes = st.offloaded_bytes;
+  p.offload_flops = st.offload_cost;
   p.peak_bytes = st.peak_bytes;
   p.recompute_flops = st.recompute_cost;
   for (const chain_link& l : c.links) p.forward_flops += l.forward_cost;
@@ -17690,6 +17882,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
           case chain_op_kind::loss: return c.output_bytes;
           case chain_op_kind::backward: return ai;
           case chain_op_kind::discard: return 0;
+          case chain_op_kind::offload: return 0;
+          case chain_op_kind::fetch: return ai;
         }
         return 0;
       }();
@@ -17870,7 +18064,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   // offloaded (the same way).
   if (fo.offload.optimizer && fo.offload_mode == offload_choice::when_needed) {
     fit_options in_place = fo;
-    in_place.offload = {};
+    in_place.offload.optimizer = false;  // block inputs may still be offloaded
     try {
       return fit(m, effective, budget, in_place);
     } catch (const budget_too_small&) {
@@ -17919,12 +18113,13 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       return;
     }
     const auto cost_of = [&](const training_plan& q) {
-      return q.recompute_flops * static_cast<double>(q.accumulation) + (q.offload_optimizer ? offload_cost : 0.0);
+      return (q.recompute_flops + q.offload_flops) * static_cast<double>(q.accumulation) +
+             (q.offload_optimizer ? offload_cost : 0.0);
     };
     const double cost = cost_of(p), best_cost = cost_of(best);
     // At equal cost: in place, then fewer micro-batches, then the lower peak.
     const auto order = [](const training_plan& q, std::size_t peak) {
-      return std::tuple{q.offload_optimizer, q.accumulation, peak};
+      return std::tuple{q.offload_optimizer, q.host_activations != 0, q.accumulation, peak};
     };
     if (!found || cost < best_cost || (cost == best_cost && order(p, counted) < order(best, best.budgeted_peak()))) {
       best = std::move(p);
@@ -17962,7 +18157,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
     for (std::size_t chunk : fo.head_chunks) {
       for (const bool off : placements) {
         plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements,
-                       fo.optimizer_policy, fo.gradients, {off, fo.offload.bucket, fo.offload.host_budget}};
+                       fo.optimizer_policy, fo.gradients,
+                       {off, fo.offload.bucket, fo.offload.host_budget, fo.offload.activations, fo.offload_flops_per_byte}};
         const batch_shape b{mb, effective.seq, effective.sequences};
         // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
         // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
@@ -20336,7 +20532,8 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget}, comm_(comm) {
+        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget, plan_.host_activations != 0},
+        comm_(comm) {
     m_.check(eff_.row());
     check_options(o_);
     // After the option checks, so that a bad stage is named as options.zero, in its turn.
@@ -20707,7 +20904,7 @@ class trainer {
     r.weights = m_.weight_bytes();
     r.gradients = grad_bytes();
     r.optimizer = offload_.optimizer ? 0 : opt_bytes();
-    r.host = offload_.optimizer ? plan_.host_peak() : 0;
+    r.host = plan_.offloads() ? plan_.host_peak() : 0;
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
     r.exchange = exchange_->largest_exchange_bytes(plan_.accumulation, exchange_headroom());
@@ -21192,6 +21389,11 @@ class trainer {
   // A plan with the optimizer offloaded needs a backend that offloads and a policy with
   // update_range (checked before the plan itself, which make_plan would refuse less plainly).
   static void check_offload_capability(const training_plan& p) {
+    if (p.host_activations != 0 && !glue::offloads_activations) {
+      throw invalid_argument("plan.host_activations", "0 on this backend (activation offload runs on cpu_backend only)",
+                             format_bytes(p.host_activations),
+                             "Plan without offload_options::activations: its device path is not built yet");
+    }
     if (!p.offload_optimizer) return;
     if (!glue::offloads_optimizer) {
       throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
@@ -21207,10 +21409,13 @@ class trainer {
   // holds the plan's host peak beside what it serves already (both budgets named), and a plan
   // within its own host budget.
   void check_host_space(const training_plan& p) const {
-    if (!p.offload_optimizer) return;
+    if (!p.offloads()) return;
     if (o_.host.empty()) {
-      throw invalid_argument("options.host", "a host allocator for the offloaded optimizer state (" +
-                                                 format_bytes(p.host_peak()) + " with its staging buffers)",
+      throw invalid_argument("options.host", "a host allocator for the plan's host space (" +
+                                                 format_bytes(p.host_peak()) +
+                                                 (p.offload_optimizer ? ": the optimizer's state and its staging buffers"
+                                                                      : ": offloaded block inputs") +
+                                                 ")",
                              "none", "Pass trainer_options::host = host_allocator_ref(your host allocator)");
     }
     if (o_.host.refers_to(&alloc_)) {
@@ -21711,7 +21916,8 @@ class trainer {
       moe_stats micro_moe{};
       const auto routed = [&](auto& router) {
         return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
-                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe);
+                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe,
+                                          o_.host);
       };
       if (zero2()) {
         loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
@@ -21720,7 +21926,7 @@ class trainer {
       } else {
         loss += mean *
                 m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
-                                    scale * mean / accum, alloc_, ex_, observer, &micro_moe) /
+                                    scale * mean / accum, alloc_, ex_, observer, &micro_moe, o_.host) /
                 accum;
       }
       moe_ += micro_moe;
@@ -21831,7 +22037,7 @@ class trainer {
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
     // A stricter plan keeps the state where it lives; its host bytes are fixed and already held.
-    fo.offload = {offload_.optimizer, offload_.bucket, 0};
+    fo.offload = {offload_.optimizer, offload_.bucket, 0, offload_.activations};
     if (offload_.optimizer) fo.offload_mode = fit_options::offload_choice::always;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;

@@ -11,6 +11,10 @@
 //   - checkpoints move between offloaded and in-place runs (the state's layout is the same);
 //   - bad input: no host allocator, a host budget too small, a plan that disagrees with the
 //     trainer's placement, an optimizer without update_range: typed errors naming the argument.
+// Activation offload (offload_options::activations): under a tight budget the DP keeps block
+// inputs in the host space and recomputes less; the run equals schedule none's bit for bit and
+// both spaces' peaks are exact (with the optimizer offloaded too); a host budget too small plans
+// without; fit() weighs the copies; a schedule that offloads needs a host space.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -454,4 +458,160 @@ TEST_CASE("offload: an out-of-memory retries the step under a stricter plan that
   for (int k = 0; k < 4; ++k) expected.push_back(ref.step(src2).loss);
   CHECK(raw(losses.data(), losses.size() * sizeof(double)) == raw(expected.data(), expected.size() * sizeof(double)));
   CHECK(raw(t.weights(), m.weight_bytes()) == raw(ref.weights(), m.weight_bytes()));
+}
+
+// ---- Activation offload (offload_options::activations) ---------------------------------------
+
+namespace {
+
+mb::schedule_choice budget_schedule(std::size_t bytes) { return {mb::schedule_choice::kind::budget, bytes}; }
+
+// The least-memory generated schedule's peak (Revolve with one slot): a budget where keeping
+// block inputs on the device costs recompute.
+template <typename Opt, typename Model>
+std::size_t tight_budget(const Model& m, std::size_t threads, mb::batch_shape b = effective) {
+  return mb::make_plan(m, b, mb::schedules::binomial<1>{}, plan_opts<Opt>(m, threads)).peak_bytes;
+}
+
+}  // namespace
+
+TEST_CASE("activation offload: under a tight budget the DP keeps block inputs on the host, recomputes less, bit for bit") {
+  using P = mb::fp32_precision;
+  using Opt = mb::adamw<float>;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(2);
+  const std::size_t budget = tight_budget<Opt>(m, 2);
+  const mb::training_plan in_place = mb::make_plan(m, effective, budget_schedule(budget), plan_opts<Opt>(m, 2));
+  mb::offload_options act;
+  act.activations = true;
+  const mb::training_plan off = mb::make_plan(m, effective, budget_schedule(budget), plan_opts<Opt>(m, 2, act));
+  REQUIRE(off.host_activations != 0);
+  CHECK(!off.offload_optimizer);
+  CHECK(off.offloads());
+  CHECK(off.peak_bytes <= budget);
+  CHECK(off.recompute_flops < in_place.recompute_flops);
+  CHECK(off.offloaded_bytes % m.activation_bytes(effective) == 0);
+  CHECK(off.host_activations % m.activation_bytes(effective) == 0);
+  CHECK(off.host_peak() == off.host_activations);
+  CHECK(off.offload_flops == 0);  // free by default
+  CHECK(off.table().find("host space (activation offload)") != std::string::npos);
+  bool out = false, back = false;
+  for (const mb::plan_phase& ph : off.timeline) {
+    out = out || ph.name.find("input to the host") != std::string::npos;
+    back = back || ph.name.find("input back from the host") != std::string::npos;
+  }
+  CHECK(out);
+  CHECK(back);
+  MESSAGE("budget " << budget << " B: recompute " << in_place.recompute_flops << " FLOPs in place, "
+                    << off.recompute_flops << " with " << off.host_activations << " B of block inputs on the host ("
+                    << mb::to_string(off.ops) << ")");
+
+  // The same bits as keeping everything, and both spaces' measured peaks as predicted.
+  const mb::training_plan none = mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<Opt>(m, 2));
+  const run_result a = train<P, Opt>(m, none, 30, pool);
+  const run_result b = train<P, Opt>(m, off, 30, pool);
+  CHECK(raw(a.losses.data(), a.losses.size() * sizeof(double)) == raw(b.losses.data(), b.losses.size() * sizeof(double)));
+  CHECK(a.weights == b.weights);
+  CHECK(a.state == b.state);
+  CHECK(b.device_peak == off.peak_bytes);
+  CHECK(b.host_peak == off.host_peak());
+
+  // With the optimizer offloaded too: the host holds both, and the peaks are still exact.
+  mb::offload_options both = act;
+  both.optimizer = true;
+  both.bucket = 1000;
+  const mb::training_plan two = mb::make_plan(m, effective, budget_schedule(budget - in_place.optimizer),
+                                              plan_opts<Opt>(m, 2, both));
+  REQUIRE(two.offload_optimizer);
+  REQUIRE(two.host_activations != 0);
+  CHECK(two.host_peak() == two.host_optimizer + two.host_staging + two.host_activations);
+  CHECK(two.table().find("host space (optimizer and activation offload)") != std::string::npos);
+  const run_result c = train<P, Opt>(m, two, 30, pool);
+  CHECK(a.weights == c.weights);
+  CHECK(a.state == c.state);
+  CHECK(c.device_peak == two.peak_bytes);
+  CHECK(c.host_peak == two.host_peak());
+}
+
+TEST_CASE("activation offload: a host budget too small for the block inputs plans without them") {
+  using Opt = mb::adamw<float>;
+  const hybrid<mb::fp32_precision> m(small_config());
+  const std::size_t budget = tight_budget<Opt>(m, 1);
+  const mb::training_plan in_place = mb::make_plan(m, effective, budget_schedule(budget), plan_opts<Opt>(m, 1));
+  mb::offload_options act;
+  act.activations = true;
+  const mb::training_plan off = mb::make_plan(m, effective, budget_schedule(budget), plan_opts<Opt>(m, 1, act));
+  REQUIRE(off.host_activations != 0);
+  act.host_budget = off.host_activations - 1;
+  const mb::training_plan small = mb::make_plan(m, effective, budget_schedule(budget), plan_opts<Opt>(m, 1, act));
+  CHECK(small.host_activations == 0);
+  CHECK(!small.offloads());
+  CHECK(small.ops == in_place.ops);
+  act.host_budget = off.host_activations;
+  CHECK(mb::make_plan(m, effective, budget_schedule(budget), plan_opts<Opt>(m, 1, act)).ops == off.ops);
+  // Generated schedules never offload.
+  CHECK(mb::make_plan(m, effective, mb::schedules::binomial<1>{}, plan_opts<Opt>(m, 1, {false, 0, 0, true})).host_activations == 0);
+}
+
+TEST_CASE("activation offload: fit() takes it when it saves recompute, and not when its copies cost more") {
+  using Opt = mb::adamw<float>;
+  const hybrid<mb::fp32_precision> m(small_config());
+  constexpr mb::batch_shape row{1, 64};  // one row: no smaller micro-batch to fall back on
+  const std::size_t budget = tight_budget<Opt>(m, 1, row);
+  mb::fit_options fo;
+  fo.threads = 1;
+  fo.head_chunks = {64};
+  const mb::training_plan in_place = mb::fit(m, row, budget, fo);
+  fo.offload.activations = true;
+  const mb::training_plan off = mb::fit(m, row, budget, fo);
+  CHECK(off.budgeted_peak() <= budget);
+  CHECK(off.recompute_flops * static_cast<double>(off.accumulation) <
+        in_place.recompute_flops * static_cast<double>(in_place.accumulation));
+  CHECK(off.host_activations != 0);
+  // A byte over the link priced above a whole forward pass: no copy is worth it.
+  fo.offload_flops_per_byte = 1e12;
+  const mb::training_plan dear = mb::fit(m, row, budget, fo);
+  CHECK(dear.host_activations == 0);
+  CHECK(dear.recompute_flops == in_place.recompute_flops);
+}
+
+TEST_CASE("activation offload: a schedule that offloads needs a host space, refused by name before any allocation") {
+  using P = mb::fp32_precision;
+  using Opt = mb::adamw<float>;
+  const hybrid<P> m(small_config());
+  mb::thread_pool pool(1);
+  mb::offload_options act;
+  act.activations = true;
+  const mb::training_plan off =
+      mb::make_plan(m, effective, budget_schedule(tight_budget<Opt>(m, 1)), plan_opts<Opt>(m, 1, act));
+  REQUIRE(off.host_activations != 0);
+  budget_alloc device(1ull << 30);
+  SUBCASE("the trainer") {
+    try {
+      mb::trainer t(m, effective, off, device, pool, options());
+      FAIL("a plan that offloads ran without a host space");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.host");
+      CHECK(std::string(e.what()).find("offloaded block inputs") != std::string::npos);
+    }
+  }
+  SUBCASE("the model") {
+    std::vector<float> w(m.parameter_elements()), g(m.parameter_elements());
+    std::vector<std::int32_t> tokens(effective.tokens(), 1), targets(effective.tokens(), 2);
+    try {
+      (void)m.forward_backward(w.data(), g.data(), tokens.data(), targets.data(), off.micro, off.ops, off.head_chunk,
+                               1.0, device, pool);
+      FAIL("a schedule that offloads ran without a host space");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "host");
+    }
+    try {
+      (void)m.forward_backward(w.data(), g.data(), tokens.data(), targets.data(), off.micro, off.ops, off.head_chunk,
+                               1.0, device, pool, {}, nullptr, mb::host_allocator_ref(device));
+      FAIL("a schedule that offloads ran with the device as its host space");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "host");
+    }
+  }
+  CHECK(device.stats().requested == 0);
 }

@@ -47,10 +47,10 @@ mb::chain three_blocks() {
 
 // The exact least-cost schedule under a budget, over every valid op sequence.
 struct search_state {
-  std::uint32_t x = 1, saved = 0;
+  std::uint32_t x = 1, saved = 0, host = 0;  // host: inputs offloaded (chain::offload_inputs)
   std::uint8_t next = 0;  // backward done for blocks >= next (L: none)
   bool loss = false;
-  auto key() const { return std::make_tuple(x, saved, next, loss); }
+  auto key() const { return std::make_tuple(x, saved, host, next, loss); }
   bool operator<(const search_state& o) const { return key() < o.key(); }
 };
 
@@ -79,7 +79,7 @@ double exhaustive(const mb::chain& c, std::size_t budget, bool& feasible) {
     auto [d, s] = q.top();
     q.pop();
     if (dist[s] < d) continue;
-    if (s.next == 0 && s.loss && s.x == 0 && s.saved == 0) {
+    if (s.next == 0 && s.loss && s.x == 0 && s.saved == 0 && s.host == 0) {
       feasible = true;
       return d;
     }
@@ -93,8 +93,23 @@ double exhaustive(const mb::chain& c, std::size_t budget, bool& feasible) {
       }
     };
     for (std::size_t i = 0; i < L; ++i) {
-      const bool xi = s.x >> i & 1, xn = s.x >> (i + 1) & 1, sv = s.saved >> i & 1;
+      const bool xi = s.x >> i & 1, xn = (s.x | s.host) >> (i + 1) & 1, sv = s.saved >> i & 1;
       const double f = c.links[i].forward_cost;
+      if (c.offload_inputs) {
+        const double moved = c.offload_cost_per_byte * static_cast<double>(c.a(i));
+        if (xi && !sv) {
+          search_state t = s;
+          t.x &= ~(1u << i);
+          t.host |= 1u << i;
+          relax(t, lv, moved);
+        }
+        if (s.host >> i & 1) {
+          search_state t = s;
+          t.host &= ~(1u << i);
+          t.x |= 1u << i;
+          relax(t, lv + c.a(i), moved);
+        }
+      }
       if (xi && !xn) {
         search_state t = s;
         t.x |= 1u << (i + 1);
@@ -327,6 +342,107 @@ TEST_CASE("optimal_schedule against an exhaustive search over every op sequence"
   // reversed). The search also finds "relay" schedules that keep an input only to advance it
   // once more and then drop it; they beat the DP on a few chains. Hold that to under 1%.
   CHECK(worse * 100 <= feasible_cases);
+}
+
+TEST_CASE("simulate: offload and fetch move an input's bytes between the spaces, and are checked") {
+  mb::chain c = three_blocks();
+  c.offload_cost_per_byte = 0.5;
+  // every<2>, with x_0 in the host space while block 2 is reversed.
+  const std::vector<mb::chain_op> ops{{K::advance, 0}, {K::advance, 1}, {K::discard, 1}, {K::offload, 0},
+                                      {K::advance, 2}, {K::loss, 3},    {K::discard, 3}, {K::retape, 2},
+                                      {K::backward, 2}, {K::discard, 2}, {K::fetch, 0},  {K::tape, 0},
+                                      {K::retape, 1},  {K::backward, 1}, {K::discard, 1}, {K::backward, 0},
+                                      {K::discard, 0}};
+  std::vector<mb::phase_bytes> tl;
+  const mb::schedule_stats st = mb::simulate(c, ops, &tl);
+  CHECK(st.offloaded_bytes == 10);
+  CHECK(st.host_peak_bytes == 10);
+  CHECK(st.offload_cost == 10.0);  // 10 bytes out and 10 back at 0.5
+  CHECK(tl[3].live_before == 1020);  // x_0 and x_2 (advance 1 made x_2; x_1 discarded)
+  CHECK(tl[3].peak == 1020);
+  CHECK(tl[3].host_after == 10);
+  CHECK(tl[4].live_before == 1010);  // x_0 has left the device
+  CHECK(tl[10].peak == tl[10].live_before + 10);  // the fetch takes its bytes back
+  CHECK(tl[10].host_after == 0);
+  CHECK(mb::to_string(ops).find("O0") != std::string::npos);
+  CHECK(mb::to_string(ops).find("I0") != std::string::npos);
+  auto refused = [&](std::vector<mb::chain_op> bad, const char* what) {
+    CAPTURE(what);
+    CHECK_THROWS_AS(mb::simulate(c, bad), mb::invalid_argument);
+  };
+  refused({{K::offload, 1}}, "offload of a dead x");
+  refused({{K::fetch, 0}}, "fetch of an input on the device");
+  refused({{K::tape, 0}, {K::offload, 0}}, "offload of an input whose saved tensors live");
+  refused({{K::offload, 0}, {K::advance, 0}}, "advance from an input in the host space");
+  refused({{K::offload, 0}, {K::discard, 0}}, "discard of an input in the host space");
+  refused({{K::advance, 0}, {K::offload, 1}, {K::advance, 0}}, "an output whose slot is in the host space");
+  std::vector<mb::chain_op> left = ops;
+  left.insert(left.end() - 1, {K::offload, 0});
+  left.pop_back();
+  refused(left, "ends with an input in the host space");
+}
+
+TEST_CASE("optimal_schedule with offload against an exhaustive search, and never above the DP without it") {
+  membound_test::rng r{4242};
+  std::size_t feasible_cases = 0, worse = 0, cheaper = 0, fits_only_offloaded = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const std::size_t L = 2 + static_cast<std::size_t>(trial % 4);
+    mb::chain c = random_chain(r, L);
+    mb::chain off = c;
+    off.offload_inputs = true;
+    off.offload_cost_per_byte = (trial % 3) * 0.25;  // free, and two prices
+    const std::size_t hi = mb::simulate(c, mb::schedule_none(L)).peak_bytes;
+    for (std::size_t budget = c.base_bytes; budget <= hi + 1; ++budget) {
+      CAPTURE(trial);
+      CAPTURE(budget);
+      bool ok = false;
+      const double best = exhaustive(off, budget, ok);
+      if (!ok) {
+        CHECK_THROWS_AS(mb::optimal_schedule(off, budget), mb::schedule_does_not_fit);
+        continue;
+      }
+      double total = 0;
+      for (const auto& l : c.links) total += l.forward_cost;
+      bool in_place_fits = true;
+      double in_place_cost = 0;
+      try {
+        in_place_cost = mb::schedule_cost(mb::optimal_schedule(c, budget, 10000).stats);
+      } catch (const mb::schedule_does_not_fit&) {
+        in_place_fits = false;
+      }
+      mb::optimal_result got;
+      try {
+        got = mb::optimal_schedule(off, budget, 10000);
+      } catch (const mb::schedule_does_not_fit&) {
+        ++feasible_cases;
+        ++worse;  // the search found one, the DP none
+        continue;
+      }
+      ++feasible_cases;
+      const mb::schedule_stats again = mb::simulate(off, got.ops);
+      CHECK(again.peak_bytes <= budget);
+      std::size_t inputs = 0;
+      for (const auto& l : c.links) inputs += l.input_bytes;
+      CHECK(again.host_peak_bytes <= inputs);
+      CHECK(mb::schedule_cost(again) >= best - total - 1e-9);
+      if (mb::schedule_cost(again) > best - total + 1e-9) ++worse;
+      if (!in_place_fits) {
+        ++fits_only_offloaded;
+      } else {
+        CHECK(mb::schedule_cost(again) <= in_place_cost + 1e-9);
+        if (mb::schedule_cost(again) < in_place_cost - 1e-9) ++cheaper;
+      }
+    }
+  }
+  MESSAGE(feasible_cases << " feasible (chain, budget) pairs with offload: cheaper than in place in " << cheaper
+                         << ", fitting only offloaded in " << fits_only_offloaded << ", DP above the optimum in "
+                         << worse);
+  CHECK(feasible_cases > 300);
+  CHECK(cheaper > 0);
+  CHECK(fits_only_offloaded > 0);
+  // The DP offloads only a segment's kept input while the blocks after it are reversed; the search
+  // also offloads inputs it then advances from again ("relays", as above). Hold that to under 5%.
+  CHECK(worse * 20 <= feasible_cases);
 }
 
 TEST_CASE("optimal_schedule: a large budget costs nothing; coarse cells stay within the budget") {

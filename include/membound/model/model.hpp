@@ -36,6 +36,7 @@
 #include "membound/core/shard.hpp"
 #include "membound/layers/lm_head.hpp"
 #include "membound/memory/allocator.hpp"
+#include "membound/memory/host_allocator_ref.hpp"
 #include "membound/core/memory_tag.hpp"
 #include "membound/model/block.hpp"
 #include "membound/model/glue.hpp"
@@ -460,12 +461,16 @@ class model {
   //
   // moe (optional): what the mixture-of-experts blocks did, summed over them (zero without such
   // blocks): the balancing loss the returned loss includes, the choices their capacity dropped.
+  //
+  // host: where a schedule's offload ops keep block inputs (activation offload, chain::
+  // offload_inputs), another allocator than `alloc`; required when `ops` offload, on a backend
+  // that offloads activations (cpu_backend).
   template <typename Allocator, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
   double forward_backward(const S* w, S* g, const std::int32_t* tokens, const std::int32_t* targets,
                           batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                           double loss_scale, Allocator& alloc, executor& ex,
-                          Observer observe = {}, moe_stats* moe = nullptr) const {
+                          Observer observe = {}, moe_stats* moe = nullptr, host_allocator_ref host = {}) const {
     static_assert(in_backend_space<Allocator>());
     detail::need_pointer(w, "weights");
     detail::need_pointer(g, "gradients");
@@ -473,7 +478,7 @@ class model {
     detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
     return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe);
+                      moe, host);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -487,7 +492,7 @@ class model {
   double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                                  double loss_scale, Allocator& alloc, executor& ex, Observer observe = {},
-                                 moe_stats* moe = nullptr) const {
+                                 moe_stats* moe = nullptr, host_allocator_ref host = {}) const {
     static_assert(in_backend_space<Allocator>());
     static_assert(requires(Router& r, std::size_t k) {
       { r.at(k) } -> std::same_as<S*>;
@@ -498,7 +503,7 @@ class model {
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe);
+                      moe, host);
   }
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -521,7 +526,7 @@ class model {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
     flat_gradients flat{};
-    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
+    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
   // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
   // buckets, replayed by model/reserve_plan.hpp); at() is not called.
@@ -530,7 +535,7 @@ class model {
                             Allocator& alloc, Router& grads) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr);
+    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -645,14 +650,18 @@ class model {
 
  private:
   // One micro-batch under a schedule. Run: the work too (forward_backward); otherwise only the
-  // requests, in the same order (step_requests), so that the two cannot drift apart. The ops are
-  // checked first as simulate() checks them: a dropped backward or a duplicated tape is an
-  // invalid_argument naming the op, before anything is allocated.
+  // requests, in the same order (step_requests; the host space's are not the device's, and not
+  // made), so that the two cannot drift apart. The ops are checked first as simulate() checks
+  // them: a dropped backward or a duplicated tape is an invalid_argument naming the op, before
+  // anything is allocated.
   template <bool Run, typename Allocator, typename Router, typename Observer>
   double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
-              executor* ex, std::size_t threads, Observer& observe, moe_stats* moe) const {
-    (void)simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
+              executor* ex, std::size_t threads, Observer& observe, moe_stats* moe, host_allocator_ref host) const {
+    const schedule_stats checked = simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
+    if constexpr (Run) {
+      if (checked.offloaded_bytes != 0) check_host_space(host, alloc);
+    }
     const std::size_t N = b.tokens(), C = cfg_.width, L = depth();
     const lm_head_shape hs = head_shape(b, head_chunk);
     if constexpr (Run) check_ids(tokens, targets, N);
@@ -664,6 +673,7 @@ class model {
     std::vector<char> reported(L, 0);  // a block's stats count once: recomputations repeat them
     std::vector<S*> x(L + 1, nullptr);
     std::vector<void*> saved(L, nullptr);
+    host_set offloaded(Run ? host : host_allocator_ref{}, L);  // block inputs in the host space
     S* delta = nullptr;
     double loss_sum = 0;
 
@@ -735,6 +745,19 @@ class model {
           live.put(x[i]);
           x[i] = nullptr;
           break;
+        case chain_op_kind::offload:
+          // (Run on a backend without offload never gets here: check_host_space threw.)
+          if constexpr (Run && glue::offloads_activations) glue::offload_copy(*ex, offloaded.get(i, a), x[i], a);
+          live.put(x[i]);
+          x[i] = nullptr;
+          break;
+        case chain_op_kind::fetch:
+          x[i] = static_cast<S*>(live.get(a, memory_tag::activations));
+          if constexpr (Run && glue::offloads_activations) {
+            glue::offload_copy(*ex, x[i], offloaded.at(i), a);
+            offloaded.put(i, a);
+          }
+          break;
       }
     }
     if constexpr (Run) {
@@ -797,6 +820,52 @@ class model {
     }
     return x;
   }
+
+  // A schedule that offloads needs a backend that can and a host space apart from the device's.
+  template <typename Allocator>
+  static void check_host_space(host_allocator_ref host, const Allocator& alloc) {
+    if constexpr (!glue::offloads_activations) {
+      throw invalid_argument("ops", "a schedule without offload ops on this backend (activation offload runs on "
+                             "cpu_backend only)", "offload ops",
+                             "Plan without offload_options::activations: its device path is not built yet");
+    } else {
+      if (host.empty()) {
+        throw invalid_argument("host", "a host allocator for the block inputs the schedule offloads", "none",
+                               "Pass host_allocator_ref(your host allocator) (the trainer's options.host)");
+      }
+      if (host.refers_to(&alloc)) {
+        throw invalid_argument("host", "another allocator than the device's (alloc)", "the same allocator",
+                               "Give the offloaded block inputs their own host allocator: the plan counts them apart");
+      }
+    }
+  }
+
+  // The block inputs a step keeps in the host space, given back on every exit.
+  class host_set {
+   public:
+    host_set(host_allocator_ref h, std::size_t depth) : h_(h), p_(depth + 1, nullptr), bytes_(depth + 1, 0) {}
+    host_set(const host_set&) = delete;
+    host_set& operator=(const host_set&) = delete;
+    ~host_set() {
+      for (std::size_t i = 0; i < p_.size(); ++i)
+        if (p_[i] != nullptr) h_.deallocate(p_[i], bytes_[i], default_alignment, memory_tag::activations);
+    }
+    void* get(std::size_t i, std::size_t bytes) {
+      p_[i] = h_.allocate(bytes, default_alignment, memory_tag::activations);
+      bytes_[i] = bytes;
+      return p_[i];
+    }
+    const void* at(std::size_t i) const noexcept { return p_[i]; }
+    void put(std::size_t i, std::size_t bytes) {
+      h_.deallocate(p_[i], bytes, default_alignment, memory_tag::activations);
+      p_[i] = nullptr;
+    }
+
+   private:
+    host_allocator_ref h_;
+    std::vector<void*> p_;
+    std::vector<std::size_t> bytes_;
+  };
 
   // Every allocation of a step, so that an exception gives all of them back. Served on the
   // executor's stream (stream_view): a block freed here is reused only by later work of that

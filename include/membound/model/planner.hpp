@@ -132,13 +132,25 @@ struct gradient_shards {
 // The device then holds weights, gradients and activations only; the host holds the state and
 // the two buffers, all made before step 1 and kept (its peak is their sum).
 inline constexpr std::size_t default_offload_bucket = std::size_t{1} << 20;
-// Whether the optimizer's state is offloaded, its bucket and the host space's budget.
+// Activation offload: a budget schedule (the DP) may keep a segment's input x_s in the host space
+// while the blocks after the segment are reversed: copied out after the forward passes it,
+// fetched back before the segment's backward (chain::offload_inputs), each byte each way costing
+// flops_per_byte in the DP's cost (recompute FLOPs). The host space holds the inputs offloaded at
+// once (their most, host_activations) beside the optimizer's part; when the DP's schedule would
+// take it over the host budget, the plan is made without activation offload.
+// Whether the optimizer's state is offloaded, its bucket, the host space's budget, and whether
+// block inputs may be offloaded.
 struct offload_options {
   bool optimizer = false;       // the optimizer's state in the host space
   // Parameters per staged bucket (0: default_offload_bucket), rounded up to a multiple of the
   // policy's range_granule and at most the parameters whose state this process holds.
   std::size_t bucket = 0;
   std::size_t host_budget = 0;  // the host space's budget (0: none)
+  bool activations = false;     // budget schedules may offload block inputs (above)
+  // The DP's cost of moving one byte (each way) in FLOPs: the device's FLOP rate over the
+  // link's bandwidth (0: free, so that any offload that saves recompute is taken). fit() sets it
+  // from fit_options::offload_flops_per_byte.
+  double flops_per_byte = 0;
 };
 
 // What make_plan plans for besides the model, the micro-batch and the schedule.
@@ -227,8 +239,18 @@ struct training_plan {
   std::size_t host_staging = 0;    // the two staging buffers
   std::size_t offload_bucket = 0;  // parameters per bucket
   std::size_t host_budget = 0;     // the host space's budget (0: none)
-  // The host space's peak: everything it holds is made before step 1 and kept.
-  std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging); }
+  // Activation offload (offload_options::activations): the most bytes of block inputs in the
+  // host space at once, those a micro-batch copies out (and as many back), and what the
+  // copies cost in the DP's unit (offload_options::flops_per_byte). All 0 when the schedule
+  // offloads nothing.
+  std::size_t host_activations = 0;
+  std::size_t offloaded_bytes = 0;
+  double offload_flops = 0;
+  // The host space's peak: the optimizer's part is made before step 1 and kept, the block
+  // inputs come and go within a micro-batch.
+  std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging, host_activations); }
+  // Whether the plan uses the host space at all.
+  bool offloads() const noexcept { return offload_optimizer || host_activations != 0; }
   // Whether the host space's bytes fit its budget (none: always).
   bool host_fits() const noexcept { return host_budget == 0 || host_peak() <= host_budget; }
   std::size_t activations = 0;   // most bytes kept between ops (block inputs, saved, δ)
@@ -325,12 +347,21 @@ struct training_plan {
       }
       s += line;
     }
-    if (offload_optimizer) {
-      s += "host space (optimizer offload):\n";
-      row("optimizer", host_optimizer, optimizer_policy.c_str());
-      const std::string note = "a gradient and a weight bucket of " + std::to_string(offload_bucket) + " parameters";
-      row("staging", host_staging, note.c_str());
-      row("host peak", host_peak(), "made before step 1, kept");
+    if (offloads()) {
+      s += offload_optimizer && host_activations != 0 ? "host space (optimizer and activation offload):\n"
+           : offload_optimizer                        ? "host space (optimizer offload):\n"
+                                                      : "host space (activation offload):\n";
+      if (offload_optimizer) {
+        row("optimizer", host_optimizer, optimizer_policy.c_str());
+        const std::string note = "a gradient and a weight bucket of " + std::to_string(offload_bucket) + " parameters";
+        row("staging", host_staging, note.c_str());
+      }
+      if (host_activations != 0) {
+        const std::string note = "block inputs at once; " + format_bytes(offloaded_bytes, false) +
+                                 " out and back per micro-batch";
+        row("activations", host_activations, note.c_str());
+      }
+      row("host peak", host_peak(), offload_optimizer ? "the optimizer's part made before step 1, kept" : "");
       if (host_budget != 0) {
         row("host budget", host_budget, "");
         if (host_fits()) {
@@ -386,6 +417,8 @@ inline std::string op_name(const chain_op& op, const char* block) {
     case chain_op_kind::loss: return "loss (head, chunked cross-entropy)";
     case chain_op_kind::backward: return b + " backward";
     case chain_op_kind::discard: return block[0] == '\0' ? "head input freed" : b + " input freed";
+    case chain_op_kind::offload: return b + " input to the host";
+    case chain_op_kind::fetch: return b + " input back from the host";
   }
   return "?";
 }
@@ -519,9 +552,25 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
       p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
+  if (o.offload.activations && sc.k == schedule_choice::kind::budget) {
+    c.offload_inputs = true;
+    c.offload_cost_per_byte = o.offload.flops_per_byte;
+  }
   p.ops = schedule_ops(c, sc);
   std::vector<phase_bytes> tl;
-  const schedule_stats st = simulate(c, p.ops, &tl);
+  schedule_stats st = simulate(c, p.ops, &tl);
+  if (st.offloaded_bytes != 0 && o.offload.host_budget != 0 &&
+      sat_add(p.host_peak(), st.host_peak_bytes) > o.offload.host_budget) {
+    // The host space cannot take this schedule's block inputs: the same budget without.
+    c.offload_inputs = false;
+    p.ops = schedule_ops(c, sc);
+    tl.clear();
+    st = simulate(c, p.ops, &tl);
+  }
+  if (st.offloaded_bytes != 0) p.host_budget = o.offload.host_budget;
+  p.host_activations = st.host_peak_bytes;
+  p.offloaded_bytes = st.offloaded_bytes;
+  p.offload_flops = st.offload_cost;
   p.peak_bytes = st.peak_bytes;
   p.recompute_flops = st.recompute_cost;
   for (const chain_link& l : c.links) p.forward_flops += l.forward_cost;
@@ -553,6 +602,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
           case chain_op_kind::loss: return c.output_bytes;
           case chain_op_kind::backward: return ai;
           case chain_op_kind::discard: return 0;
+          case chain_op_kind::offload: return 0;
+          case chain_op_kind::fetch: return ai;
         }
         return 0;
       }();
@@ -733,7 +784,7 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
   // offloaded (the same way).
   if (fo.offload.optimizer && fo.offload_mode == offload_choice::when_needed) {
     fit_options in_place = fo;
-    in_place.offload = {};
+    in_place.offload.optimizer = false;  // block inputs may still be offloaded
     try {
       return fit(m, effective, budget, in_place);
     } catch (const budget_too_small&) {
@@ -782,12 +833,13 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       return;
     }
     const auto cost_of = [&](const training_plan& q) {
-      return q.recompute_flops * static_cast<double>(q.accumulation) + (q.offload_optimizer ? offload_cost : 0.0);
+      return (q.recompute_flops + q.offload_flops) * static_cast<double>(q.accumulation) +
+             (q.offload_optimizer ? offload_cost : 0.0);
     };
     const double cost = cost_of(p), best_cost = cost_of(best);
     // At equal cost: in place, then fewer micro-batches, then the lower peak.
     const auto order = [](const training_plan& q, std::size_t peak) {
-      return std::tuple{q.offload_optimizer, q.accumulation, peak};
+      return std::tuple{q.offload_optimizer, q.host_activations != 0, q.accumulation, peak};
     };
     if (!found || cost < best_cost || (cost == best_cost && order(p, counted) < order(best, best.budgeted_peak()))) {
       best = std::move(p);
@@ -825,7 +877,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
     for (std::size_t chunk : fo.head_chunks) {
       for (const bool off : placements) {
         plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements,
-                       fo.optimizer_policy, fo.gradients, {off, fo.offload.bucket, fo.offload.host_budget}};
+                       fo.optimizer_policy, fo.gradients,
+                       {off, fo.offload.bucket, fo.offload.host_budget, fo.offload.activations, fo.offload_flops_per_byte}};
         const batch_shape b{mb, effective.seq, effective.sequences};
         // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
         // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).

@@ -10,7 +10,10 @@
 //   backward(i)  x_i, saved_i, δ_{i+1} → δ_i; frees saved_i and δ_{i+1}; in order L−1 … 0
 //   discard(i)   frees x_i; not while saved_i is live (backward(i) reads x_i with saved_i, so a
 //                block's input lives as long as its saved tensors: Beaumont et al.'s model)
-// Start: x_0 live. End: only δ_0 live. simulate() is the definition of a schedule's memory: live
+//   offload(i)   moves x_i to the host space (activation offload): its device bytes are freed,
+//                as many host bytes taken; not while saved_i is live
+//   fetch(i)     moves x_i back: its device bytes taken again, its host bytes freed
+// Start: x_0 live. End: only δ_0 live, nothing in the host space. simulate() is the definition of a schedule's memory: live
 // bytes are base + the live values, and an op's peak is the live bytes before it plus its own
 // peak (outputs and workspace). model::forward_backward allocates in exactly this order, so the
 // allocator's measured peak equals simulate()'s.
@@ -60,12 +63,19 @@ struct chain {
   std::size_t output_bytes = 0;   // a_L: x_L and δ_L
   std::size_t loss_peak = 0;      // peak of the loss op above live (>= a_L)
   std::size_t base_bytes = 0;     // live throughout: weights, gradients, optimizer state
+  // Activation offload: when set, optimal_schedule may keep a segment's input x_s in the host
+  // space while the blocks after the segment are reversed (offload, then fetch before the
+  // segment's own backward), at offload_cost_per_byte per byte moved each way, in forward_cost's
+  // unit. The host space is not bounded here: a caller bounds it (its peak is at most the sum of
+  // the block inputs). The generators never offload.
+  bool offload_inputs = false;
+  double offload_cost_per_byte = 0;
 
   constexpr std::size_t length() const noexcept { return links.size(); }
   constexpr std::size_t a(std::size_t i) const noexcept { return i < links.size() ? links[i].input_bytes : output_bytes; }
 };
 
-enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard };
+enum class chain_op_kind : std::uint8_t { advance, tape, retape, loss, backward, discard, offload, fetch };
 
 struct chain_op {
   chain_op_kind kind = chain_op_kind::advance;
@@ -82,6 +92,8 @@ inline std::string to_string(const chain_op& op) {
     case chain_op_kind::loss: return "L";
     case chain_op_kind::backward: k = "B"; break;
     case chain_op_kind::discard: k = "D"; break;
+    case chain_op_kind::offload: k = "O"; break;
+    case chain_op_kind::fetch: k = "I"; break;
   }
   // Appended, not `k + std::to_string(...)`: GCC 12 at -O3 reports a false -Wrestrict on that
   // operator+ once inlined into a large translation unit (seen under nvcc's host pass).
@@ -103,7 +115,10 @@ struct schedule_stats {
   double recompute_cost = 0;         // forward cost beyond each block's first forward
   std::size_t forward_ops = 0;       // advance + tape + retape
   std::size_t advances = 0;          // Revolve's "forward steps"
-  std::size_t max_live_inputs = 0;   // most x values live at once
+  std::size_t max_live_inputs = 0;   // most x values live at once (on the device)
+  std::size_t host_peak_bytes = 0;   // most bytes of block inputs in the host space at once
+  std::size_t offloaded_bytes = 0;   // bytes moved to the host space (as many come back)
+  double offload_cost = 0;           // offload_cost_per_byte x the bytes moved both ways
 };
 
 // One op: bytes live before it and its peak.
@@ -112,6 +127,7 @@ struct phase_bytes {
   std::size_t live_before = 0;
   std::size_t peak = 0;
   std::size_t in_flight = 0;  // of live_before, the backward_carry still in flight
+  std::size_t host_after = 0;  // bytes of block inputs in the host space after the op
 };
 
 // Validates every precondition and the end state (invalid_argument names the op) and returns the
@@ -120,8 +136,10 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
                                std::vector<phase_bytes>* timeline = nullptr) {
   const std::size_t L = c.length();
   if (L == 0) throw invalid_argument("chain", "at least one block", "none", "Build the chain from a model");
+  // x[i]: 0 not live, 1 on the device, 2 in the host space (offloaded)
   std::vector<char> x(L + 1, 0), saved(L, 0);
   x[0] = 1;
+  std::size_t host = 0;
   std::size_t next_backward = L;  // backward ops run L−1 … 0; δ_{next_backward} is live after the loss
   bool loss_done = false;
   std::size_t live = sat_add(c.base_bytes, c.a(0));
@@ -145,7 +163,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
     switch (op.kind) {
       case chain_op_kind::advance:
       case chain_op_kind::tape:
-        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
         if (x[i + 1]) bad(k, "x_" + std::to_string(i + 1) + " not yet live");
         if (op.kind == chain_op_kind::tape && saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
         peak = sat_add(live, op.kind == chain_op_kind::tape ? c.links[i].tape_peak : c.links[i].advance_peak);
@@ -160,7 +178,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         st.advances += op.kind == chain_op_kind::advance;
         break;
       case chain_op_kind::retape:
-        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
         if (saved[i]) bad(k, "saved_" + std::to_string(i) + " not yet live");
         peak = sat_add(live, c.links[i].retape_peak);
         saved[i] = 1;
@@ -170,7 +188,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         break;
       case chain_op_kind::loss:
         if (loss_done) bad(k, "one loss op");
-        if (!x[L]) bad(k, "x_L live");
+        if (x[L] != 1) bad(k, "x_L live on the device");
         peak = sat_add(live, c.loss_peak);
         live = sat_add(live, c.output_bytes);
         loss_done = true;
@@ -178,7 +196,7 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
       case chain_op_kind::backward:
         if (!loss_done) bad(k, "the loss before any backward");
         if (i + 1 != next_backward) bad(k, "backward of block " + std::to_string(next_backward - 1) + " next");
-        if (!x[i] || !saved[i]) bad(k, "x_" + std::to_string(i) + " and saved_" + std::to_string(i) + " live");
+        if (x[i] != 1 || !saved[i]) bad(k, "x_" + std::to_string(i) + " (on the device) and saved_" + std::to_string(i) + " live");
         peak = sat_add(live, c.links[i].backward_peak);
         if (c.links[i].backward_tail_peak != 0) {
           peak = std::max(peak, sat_add(sat_sub(live, carry), c.links[i].backward_tail_peak));
@@ -191,20 +209,38 @@ constexpr schedule_stats simulate(const chain& c, std::span<const chain_op> ops,
         next_backward = i;
         break;
       case chain_op_kind::discard:
-        if (!x[i]) bad(k, "x_" + std::to_string(i) + " live");
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
         if (i < L && saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
         x[i] = 0;
         live = sat_sub(live, c.a(i));
         break;
+      case chain_op_kind::offload:
+        if (x[i] != 1) bad(k, "x_" + std::to_string(i) + " live on the device");
+        if (saved[i]) bad(k, "saved_" + std::to_string(i) + " used first (a block's input stays while its saved tensors do)");
+        x[i] = 2;
+        live = sat_sub(live, c.a(i));
+        host = sat_add(host, c.a(i));
+        st.host_peak_bytes = std::max(st.host_peak_bytes, host);
+        st.offloaded_bytes = sat_add(st.offloaded_bytes, c.a(i));
+        st.offload_cost += c.offload_cost_per_byte * static_cast<double>(c.a(i));
+        break;
+      case chain_op_kind::fetch:
+        if (x[i] != 2) bad(k, "x_" + std::to_string(i) + " in the host space (offloaded)");
+        peak = sat_add(live, c.a(i));
+        x[i] = 1;
+        live = sat_add(live, c.a(i));
+        host = sat_sub(host, c.a(i));
+        st.offload_cost += c.offload_cost_per_byte * static_cast<double>(c.a(i));
+        break;
     }
     st.peak_bytes = std::max(st.peak_bytes, peak);
     st.max_live_inputs = std::max<std::size_t>(st.max_live_inputs, static_cast<std::size_t>(std::count(x.begin(), x.end(), 1)));
-    if (timeline != nullptr) timeline->push_back({k, before, peak, before_carry});
+    if (timeline != nullptr) timeline->push_back({k, before, peak, before_carry, host});
   }
-  const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 1) == 0 &&
+  const bool clean = next_backward == 0 && std::count(x.begin(), x.end(), 0) == static_cast<std::ptrdiff_t>(L + 1) &&
                      std::count(saved.begin(), saved.end(), 1) == 0;
   if (!clean) {
-    throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded, every saved used",
+    throw invalid_argument("ops", "a complete schedule: every backward done, every x discarded (none left in the host space), every saved used",
                            "one that stops early (next backward " + std::to_string(next_backward) + ")",
                            "Build schedules with the generators in model/recompute_schedule.hpp");
   }
@@ -408,7 +444,9 @@ namespace detail {
 //   first only:         advance s … e−1 (keeping x_s), the loss, then reverse [s, e) as non-first
 //   tape s:             keep saved_s and x_{s+1}, reverse [s+1, e), discard x_{s+1}, backward s
 //   checkpoint at m:    advance s … m−1 (keeping x_s), reverse [m, e), discard x_m, reverse [s, m)
-// Cost: forward cost of every op. Sizes are rounded up to cells, so an accepted schedule always
+//   offloaded, at m:    the same with x_s in the host space while [m, e) is reversed (offload s
+//                       after the advances, fetch s before reversing [s, m)): [m, e) has all of M
+// Cost: forward cost of every op, and offload_cost_per_byte x the bytes an offload moves both ways. Sizes are rounded up to cells, so an accepted schedule always
 // fits exactly; exact when every size is a multiple of the cell. Time O(L³·M), memory O(L²·M).
 class chain_dp {
  public:
@@ -482,6 +520,24 @@ class chain_dp {
         if (left < 0) continue;
         take(chain_cost + right + left, 4 + static_cast<int>(m - s));
       }
+      // the same with x_s offloaded: after a checkpoint in place, so that a tie keeps x_s there.
+      if (c_.offload_inputs) {
+        const double moved = 2.0 * c_.offload_cost_per_byte * static_cast<double>(c_.a(s));
+        chain_cost = 0;
+        chain_need = 0;
+        for (std::size_t m = s + 1; m < e; ++m) {
+          const std::size_t kk = m - 1;
+          chain_need = std::max(chain_need, sat_add(as, kk > s ? a_[kk] : 0, de, u_[kk].advance));
+          chain_cost += c_.links[kk].forward_cost;
+          if (chain_need > M) break;
+          if (sat_add(as, a_[m]) > M) continue;  // the fetch, beside δ_m
+          const double right = solve(first, m, e, M);
+          if (right < 0) continue;
+          const double left = solve(false, s, m, M);
+          if (left < 0) continue;
+          take(chain_cost + right + left + moved, 4 + static_cast<int>(L_ + m - s));
+        }
+      }
     }
     cost_[k] = best;
     pick_[k] = choice;
@@ -509,11 +565,19 @@ class chain_dp {
       emit(o, first, s + 1, e, M - a_[s] - u_[s].saved);
       push(o, chain_op_kind::discard, s + 1);
       push(o, chain_op_kind::backward, s);
-    } else {
+    } else if (static_cast<std::size_t>(ch - 4) < L_) {
       const std::size_t m = s + static_cast<std::size_t>(ch - 4);
       advance_to(o, s, m);
       emit(o, first, m, e, M - a_[s]);
       push(o, chain_op_kind::discard, m);
+      emit(o, false, s, m, M);
+    } else {
+      const std::size_t m = s + static_cast<std::size_t>(ch - 4) - L_;
+      advance_to(o, s, m);
+      push(o, chain_op_kind::offload, s);
+      emit(o, first, m, e, M);
+      push(o, chain_op_kind::discard, m);
+      push(o, chain_op_kind::fetch, s);
       emit(o, false, s, m, M);
     }
   }
@@ -545,7 +609,10 @@ class chain_dp {
 
 }  // namespace detail
 
-// The schedule of least recompute cost whose simulated peak is at most budget_bytes, over
+// The cost optimal_schedule minimizes: recompute, and the offloads' copies (chain::offload_inputs).
+constexpr double schedule_cost(const schedule_stats& s) noexcept { return s.recompute_cost + s.offload_cost; }
+
+// The schedule of least cost (schedule_cost) whose simulated peak is at most budget_bytes, over
 // memory discretized into at most max_cells cells. Throws schedule_does_not_fit (with the least
 // peak among the generated fallbacks, as the budget to ask for) when the DP finds none.
 inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
@@ -566,7 +633,7 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
     for (auto& ops : cands) {
       const schedule_stats st = simulate(c, ops);
       least = std::min(least, st.peak_bytes);
-      if (st.peak_bytes <= budget_bytes && (!found || st.recompute_cost < best.stats.recompute_cost)) {
+      if (st.peak_bytes <= budget_bytes && (!found || schedule_cost(st) < schedule_cost(best.stats))) {
         best.ops = std::move(ops);
         best.stats = st;
         found = true;
@@ -601,7 +668,7 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   // Rounding to cells can hide a generated schedule that fits exactly (none at its own peak):
   // the cheaper of the two wins.
   optimal_result g = fallback(false);
-  if (g.stats.recompute_cost < r.stats.recompute_cost) {
+  if (schedule_cost(g.stats) < schedule_cost(r.stats)) {
     g.unit = unit;
     return g;
   }

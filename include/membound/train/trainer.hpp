@@ -226,7 +226,8 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget}, comm_(comm) {
+        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget, plan_.host_activations != 0},
+        comm_(comm) {
     m_.check(eff_.row());
     check_options(o_);
     // After the option checks, so that a bad stage is named as options.zero, in its turn.
@@ -597,7 +598,7 @@ class trainer {
     r.weights = m_.weight_bytes();
     r.gradients = grad_bytes();
     r.optimizer = offload_.optimizer ? 0 : opt_bytes();
-    r.host = offload_.optimizer ? plan_.host_peak() : 0;
+    r.host = plan_.offloads() ? plan_.host_peak() : 0;
     r.shard_begin = opt_shard_.begin;
     r.shard_end = opt_shard_.end;
     r.exchange = exchange_->largest_exchange_bytes(plan_.accumulation, exchange_headroom());
@@ -1083,6 +1084,11 @@ class trainer {
   // A plan with the optimizer offloaded needs a backend that offloads and a policy with
   // update_range (checked before the plan itself, which make_plan would refuse less plainly).
   static void check_offload_capability(const training_plan& p) {
+    if (p.host_activations != 0 && !glue::offloads_activations) {
+      throw invalid_argument("plan.host_activations", "0 on this backend (activation offload runs on cpu_backend only)",
+                             format_bytes(p.host_activations),
+                             "Plan without offload_options::activations: its device path is not built yet");
+    }
     if (!p.offload_optimizer) return;
     if (!glue::offloads_optimizer) {
       throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
@@ -1098,10 +1104,13 @@ class trainer {
   // holds the plan's host peak beside what it serves already (both budgets named), and a plan
   // within its own host budget.
   void check_host_space(const training_plan& p) const {
-    if (!p.offload_optimizer) return;
+    if (!p.offloads()) return;
     if (o_.host.empty()) {
-      throw invalid_argument("options.host", "a host allocator for the offloaded optimizer state (" +
-                                                 format_bytes(p.host_peak()) + " with its staging buffers)",
+      throw invalid_argument("options.host", "a host allocator for the plan's host space (" +
+                                                 format_bytes(p.host_peak()) +
+                                                 (p.offload_optimizer ? ": the optimizer's state and its staging buffers"
+                                                                      : ": offloaded block inputs") +
+                                                 ")",
                              "none", "Pass trainer_options::host = host_allocator_ref(your host allocator)");
     }
     if (o_.host.refers_to(&alloc_)) {
@@ -1602,7 +1611,8 @@ class trainer {
       moe_stats micro_moe{};
       const auto routed = [&](auto& router) {
         return m_.forward_backward_routed(w_, router, tokens_in(), targets_in(), shape, plan_.ops,
-                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe);
+                                          plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe,
+                                          o_.host);
       };
       if (zero2()) {
         loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
@@ -1611,7 +1621,7 @@ class trainer {
       } else {
         loss += mean *
                 m_.forward_backward(w_, g_, tokens_in(), targets_in(), shape, plan_.ops, plan_.head_chunk,
-                                    scale * mean / accum, alloc_, ex_, observer, &micro_moe) /
+                                    scale * mean / accum, alloc_, ex_, observer, &micro_moe, o_.host) /
                 accum;
       }
       moe_ += micro_moe;
@@ -1722,7 +1732,7 @@ class trainer {
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
     // A stricter plan keeps the state where it lives; its host bytes are fixed and already held.
-    fo.offload = {offload_.optimizer, offload_.bucket, 0};
+    fo.offload = {offload_.optimizer, offload_.bucket, 0, offload_.activations};
     if (offload_.optimizer) fo.offload_mode = fit_options::offload_choice::always;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;

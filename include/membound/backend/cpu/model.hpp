@@ -340,6 +340,14 @@ struct backend_kernels<cpu_backend, model_glue> {
     }
   }
 
+  // Activation offload (planner: offload_options::activations) runs here: a kept block input
+  // moves to the host space in forward and back before its segment's backward (a device's copies
+  // to and from pinned memory; here between the two host arenas).
+  static constexpr bool offloads_activations = true;
+  static void offload_copy(thread_pool&, void* dst, const void* src, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memcpy(dst, src, bytes);
+  }
+
   // Token ids where the host can read them without a copy: here, the caller's own (the model
   // checks them against the vocabulary before any work).
   static const std::int32_t* host_ids(const std::int32_t* ids) noexcept { return ids; }

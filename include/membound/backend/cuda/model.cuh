@@ -900,6 +900,9 @@ struct backend_kernels<cuda_backend, model_glue> {
   // Optimizer offload (the state in pinned host memory, the update on the host) is not built on
   // the device yet: the trainer refuses an offloaded plan here.
   static constexpr bool offloads_optimizer = false;
+  // Activation offload (kept block inputs in pinned host memory, copied on a copy stream) is not
+  // built on the device yet either: forward_backward refuses a schedule that offloads.
+  static constexpr bool offloads_activations = false;
 #if MEMBOUND_CUDA_COMPILER
   template <typename A, typename S>
   static void rmsnorm_forward(cuda_executor& ex, const S* x, const S* g, S* y, A* rstd, std::size_t N,
