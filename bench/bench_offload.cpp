@@ -221,7 +221,7 @@ int main(int argc, char** argv) {
                 "tokens, adamw in place, %zu threads, mean of %zu steps after one; budgets from Revolve-with-one-slot's "
                 "peak (%.2f MiB) toward schedule none's (%.2f MiB):\n\n",
                 blocks, batch, tb.seq, threads, steps, mib(least), mib(most));
-    std::printf("| device budget | block inputs | recompute (%% of forward) | ms/step | x on the device | device peak "
+    std::printf("| device budget | block inputs | recompute (%% of forward) | ms/step | x device-only's | device peak "
                 "(measured = predicted) | host peak (measured = predicted) | copied out per step | schedule ops |\n"
                 "|---:|---|---:|---:|---:|---|---|---:|---|\n");
     for (const double f : {0.0, 0.1, 0.25}) {

@@ -351,6 +351,22 @@ class out_of_memory : public error {
   oom_report report_;
 };
 
+// The host space (trainer_options::host: offloaded block inputs) could not serve a step's
+// request: not the device's memory, so a trainer does not answer it with a stricter device plan.
+// report() is the host allocator's.
+class host_space_exhausted : public error {
+ public:
+  explicit host_space_exhausted(oom_report report)
+      : error("membound: the host space ran out mid-step (" + report.message() +
+              "); the plan's host peak was checked against the host allocator's budget when the plan was "
+              "adopted, so something else took host space since: give the host space its own budget"),
+        report_(std::move(report)) {}
+  const oom_report& report() const noexcept { return report_; }
+
+ private:
+  oom_report report_;
+};
+
 namespace detail {
 // A host allocation outside the allocators (a buffer the library sizes itself) failed.
 [[noreturn]] inline void throw_host_out_of_memory(std::string source, std::size_t bytes,
@@ -16192,10 +16208,38 @@ class chain_dp {
 // The cost optimal_schedule minimizes: recompute, and the offloads' copies (chain::offload_inputs).
 constexpr double schedule_cost(const schedule_stats& s) noexcept { return s.recompute_cost + s.offload_cost; }
 
+namespace detail {
+inline optimal_result optimal_schedule_of(const chain& c, std::size_t budget_bytes, std::size_t max_cells);
+}
+
 // The schedule of least cost (schedule_cost) whose simulated peak is at most budget_bytes, over
 // memory discretized into at most max_cells cells. Throws schedule_does_not_fit (with the least
-// peak among the generated fallbacks, as the budget to ask for) when the DP finds none.
+// peak among the generated fallbacks, as the budget to ask for) when the DP finds none. With
+// chain::offload_inputs, a schedule that offloads is taken only when it costs strictly less than
+// the best that does not (or when only it fits): a tie keeps every input on the device.
 inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
+  if (!c.offload_inputs) return detail::optimal_schedule_of(c, budget_bytes, max_cells);
+  chain in_place = c;
+  in_place.offload_inputs = false;
+  std::optional<optimal_result> kept;
+  try {
+    kept = detail::optimal_schedule_of(in_place, budget_bytes, max_cells);
+  } catch (const schedule_does_not_fit&) {
+    return detail::optimal_schedule_of(c, budget_bytes, max_cells);  // only offloading can fit, if anything
+  }
+  std::optional<optimal_result> moved;
+  try {
+    moved = detail::optimal_schedule_of(c, budget_bytes, max_cells);
+  } catch (const schedule_does_not_fit&) {
+    // (a superset of the choices: not expected once the in-place DP fits)
+  }
+  if (moved && schedule_cost(moved->stats) < schedule_cost(kept->stats)) return std::move(*moved);
+  kept->stats = simulate(c, kept->ops);  // the same schedule, its stats under c (nothing offloaded)
+  return std::move(*kept);
+}
+
+namespace detail {
+inline optimal_result optimal_schedule_of(const chain& c, std::size_t budget_bytes, std::size_t max_cells) {
   detail::check_length(c.length());
   const std::size_t L = c.length();
   // When the DP (whose rounding is conservative) finds nothing, the generated schedules that fit
@@ -16254,6 +16298,7 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   }
   return r;
 }
+}  // namespace detail
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/model/recompute_schedule.hpp ----
@@ -17080,7 +17125,11 @@ class model {
         if (p_[i] != nullptr) h_.deallocate(p_[i], bytes_[i], default_alignment, memory_tag::activations);
     }
     void* get(std::size_t i, std::size_t bytes) {
-      p_[i] = h_.allocate(bytes, default_alignment, memory_tag::activations);
+      try {
+        p_[i] = h_.allocate(bytes, default_alignment, memory_tag::activations);
+      } catch (const out_of_memory& e) {
+        throw host_space_exhausted(e.report());
+      }
       bytes_[i] = bytes;
       return p_[i];
     }
@@ -17526,6 +17575,10 @@ struct training_plan {
   std::size_t host_activations = 0;
   std::size_t offloaded_bytes = 0;
   double offload_flops = 0;
+  // What it was made with (plan_options::offload.activations and flops_per_byte): a trainer's
+  // replans offer the DP the same choice at the same price.
+  bool activations_offloadable = false;
+  double offload_flops_per_byte = 0;
   // The host space's peak: the optimizer's part is made before step 1 and kept, the block
   // inputs come and go within a micro-batch.
   std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging, host_activations); }
@@ -17832,6 +17885,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
       p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
+  p.activations_offloadable = o.offload.activations;
+  p.offload_flops_per_byte = o.offload.flops_per_byte;
   if (o.offload.activations && sc.k == schedule_choice::kind::budget) {
     c.offload_inputs = true;
     c.offload_cost_per_byte = o.offload.flops_per_byte;
@@ -17842,8 +17897,18 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   if (st.offloaded_bytes != 0 && o.offload.host_budget != 0 &&
       sat_add(p.host_peak(), st.host_peak_bytes) > o.offload.host_budget) {
     // The host space cannot take this schedule's block inputs: the same budget without.
+    const std::size_t wanted = sat_add(p.host_peak(), st.host_peak_bytes);
     c.offload_inputs = false;
-    p.ops = schedule_ops(c, sc);
+    try {
+      p.ops = schedule_ops(c, sc);
+    } catch (const schedule_does_not_fit&) {
+      throw invalid_argument("options.offload.host_budget",
+                             "at least " + format_bytes(wanted) + " (the host peak of the budget schedule, which fits " +
+                                 format_bytes(sc.param) + " of device only with block inputs offloaded)",
+                             format_bytes(o.offload.host_budget),
+                             "Raise the host budget to at least " + format_bytes(wanted, false) +
+                                 ", or the device budget");
+    }
     tl.clear();
     st = simulate(c, p.ops, &tl);
   }
@@ -18020,7 +18085,8 @@ struct fit_options {
   // when_needed by default.
   offload_choice offload_mode = offload_choice::when_needed;
   // weighed: what one byte over the host link costs, in FLOPs of recompute (a device's measured
-  // FLOP/s over its measured copy bandwidth; 0: free).
+  // FLOP/s over its measured copy bandwidth; 0: free); also the price of an offloaded block
+  // input's copies when offload.flops_per_byte is 0.
   double offload_flops_per_byte = 0;
 };
 
@@ -18158,7 +18224,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       for (const bool off : placements) {
         plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements,
                        fo.optimizer_policy, fo.gradients,
-                       {off, fo.offload.bucket, fo.offload.host_budget, fo.offload.activations, fo.offload_flops_per_byte}};
+                       {off, fo.offload.bucket, fo.offload.host_budget, fo.offload.activations,
+                        fo.offload.flops_per_byte != 0 ? fo.offload.flops_per_byte : fo.offload_flops_per_byte}};
         const batch_shape b{mb, effective.seq, effective.sequences};
         // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
         // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).
@@ -20426,7 +20493,7 @@ struct rank_memory {
   std::uint64_t weights = 0, gradients = 0, optimizer = 0;
   std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
   std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
-  std::uint64_t host = 0;  // optimizer offload: the host space's bytes (state and staging), else 0
+  std::uint64_t host = 0;  // offload: the host space's peak (state and staging, block inputs), else 0
 };
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
@@ -20436,9 +20503,13 @@ inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
   for (const rank_memory& r : ranks) {
     s += "rank " + std::to_string(r.rank) + "/" + std::to_string(r.ranks) + " (ZeRO-" + std::to_string(r.zero) +
          "): weights " + format_bytes(r.weights, false) + ", gradients " + format_bytes(r.gradients, false) +
-         ", optimizer " + (r.host != 0 ? "offloaded, " + format_bytes(r.host, false) + " on the host" : format_bytes(r.optimizer, false)) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
+         ", optimizer " + (r.host != 0 && r.optimizer == 0 ? "offloaded, " + format_bytes(r.host, false) + " on the host"
+                                                          : format_bytes(r.optimizer, false)) +
+         " (parameters [" + std::to_string(r.shard_begin) + ", " +
          std::to_string(r.shard_end) + ")), exchange buffer " + format_bytes(r.exchange, false) +
          " (inside the peak), predicted peak " + format_bytes(r.peak, false) +
+         (r.host != 0 && r.optimizer != 0 ? " (+ " + format_bytes(r.host, false) + " of block inputs on the host)"
+                                          : std::string{}) +
          (r.limit != 0 ? " of a budget of " + format_bytes(r.limit, false) : std::string{}) + "\n";
   }
   return s;
@@ -20450,7 +20521,9 @@ inline std::string plan_summary(const training_plan& p) {
   return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.micro.seq) + " tokens" +
          (p.micro.packed() ? " (packed: at most " + std::to_string(p.micro.sequences) + " sequences)" : "") + ", " +
          std::to_string(p.accumulation) + (p.accumulation == 1 ? " micro-batch" : " micro-batches") +
-         " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
+         " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk) +
+         (p.host_activations != 0 ? ", " + format_bytes(p.host_activations, false) + " of block inputs on the host"
+                                  : std::string{});
 }
 
 MEMBOUND_NAMESPACE_END
@@ -20532,7 +20605,8 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget, plan_.host_activations != 0},
+        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget,
+                 plan_.activations_offloadable && !o_.host.empty(), plan_.offload_flops_per_byte},
         comm_(comm) {
     m_.check(eff_.row());
     check_options(o_);
@@ -20556,8 +20630,8 @@ class trainer {
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_offload_capability(plan_);
+      check_host_space(plan_);  // first: its refusal names both budgets
       check_plan(plan_);
-      check_host_space(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       // Before the trainer's own allocations: what others hold now, the room its plan had.
       start_room_ = detail::saturating_sub(limit_now(), foreign_now());
@@ -20607,6 +20681,7 @@ class trainer {
     rng_.state = o_.seed ^ 0x6a09e667f3bcc909ULL;
     largest_peak_ = plan_.peak_bytes;
     largest_reserve_ = plan_.budgeted_peak();
+    largest_host_ = plan_.host_peak();
   }
 
   trainer(const trainer&) = delete;
@@ -20863,6 +20938,8 @@ class trainer {
     // check throws still joins the exchange, so that nobody waits in it forever.
     std::exception_ptr failed;
     try {
+      check_offload_capability(p);
+      check_host_space(p);
       check_plan(p);
       p.reserved_peak = reserve_of(p);
       if (!fits_limit(p)) refuse_over_limit(p);
@@ -20894,6 +20971,9 @@ class trainer {
   // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
   // (memory/shadow.hpp), else their requested peaks.
   std::size_t largest_predicted_reserve() const noexcept { return largest_reserve_; }
+  // The same for the host space (offload): the largest plan.host_peak() of those plans, what the
+  // host allocator's measured peak of the trainer's bytes stays within.
+  std::size_t largest_predicted_host_peak() const noexcept { return largest_host_; }
 
   // This rank's bytes as its plan predicts them (see rank_memory).
   rank_memory memory() const {
@@ -21421,7 +21501,7 @@ class trainer {
     if (o_.host.refers_to(&alloc_)) {
       throw invalid_argument("options.host", "another allocator than the trainer's (the device space)",
                              "the trainer's own allocator",
-                             "Give the offloaded state its own host allocator: the plan counts it outside the device's");
+                             "Give the host space its own host allocator: the plan counts it outside the device's");
     }
     if (!p.host_fits()) {
       throw invalid_argument("plan.host_budget", "at least the plan's host peak of " + format_bytes(p.host_peak()),
@@ -21429,7 +21509,8 @@ class trainer {
                              "Make the plan with fit(..., {.offload = {true, bucket, host budget}}), which keeps "
                              "under the host budget, or raise it");
     }
-    const std::size_t limit = o_.host.limit(), held = o_.host.stats().requested;
+    // What others hold there: the trainer's own state and staging buffers are the plan's.
+    const std::size_t limit = o_.host.limit(), held = detail::saturating_sub(o_.host.stats().requested, own_host_bytes());
     if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
       throw invalid_argument(
           "options.host", "a host space whose budget holds the plan's host peak of " + format_bytes(p.host_peak()) +
@@ -21439,6 +21520,21 @@ class trainer {
           "Raise the host budget, or plan with fit_options::offload.host_budget = the host budget so that fit "
           "refuses first");
     }
+  }
+  // The host bytes the trainer holds between steps: the offloaded state and its staging buffers
+  // once made (block inputs come and go within a step).
+  std::size_t own_host_bytes() const noexcept {
+    return offload_.optimizer && opt_ != nullptr ? detail::saturating_add(opt_bytes(), 2 * stage_bytes()) : 0;
+  }
+  // The host budget a plan of this trainer may take: the plan's own (offload_options::host_budget),
+  // within what the host allocator can serve beside others' bytes (0: no bound). Replans keep to
+  // it, so a schedule that offloads block inputs never runs the host space out mid-step.
+  std::size_t host_room() const {
+    const std::size_t own = offload_.host_budget;
+    if (o_.host.empty() || o_.host.limit() == 0) return own;
+    const std::size_t others = detail::saturating_sub(o_.host.stats().requested, own_host_bytes());
+    const std::size_t free = std::max<std::size_t>(1, detail::saturating_sub(o_.host.limit(), others));
+    return own == 0 ? free : std::min(own, free);
   }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
   bool sharded() const noexcept { return exchange_->sharded(); }
@@ -21609,6 +21705,7 @@ class trainer {
     po.optimizer_policy = optimizer_of<Optimizer>();
     po.gradients = gradient_sharding();
     po.offload = offload_;  // fixed for the trainer: its state lives where it was made
+    po.offload.host_budget = host_room();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -21746,6 +21843,7 @@ class trainer {
     // Before any step or evaluation only the state is held, which every plan counts: a plan that
     // never ran (the constructor's, replaced by load() or set_plan()) is no longer a bound.
     largest_peak_ = ran_ ? std::max(largest_peak_, p.peak_bytes) : p.peak_bytes;
+    largest_host_ = ran_ ? std::max(largest_host_, p.host_peak()) : p.host_peak();
     largest_reserve_ = ran_ ? std::max(largest_reserve_, p.budgeted_peak()) : p.budgeted_peak();
     plan_ = std::move(p);
   }
@@ -22036,8 +22134,9 @@ class trainer {
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
-    // A stricter plan keeps the state where it lives; its host bytes are fixed and already held.
-    fo.offload = {offload_.optimizer, offload_.bucket, 0, offload_.activations};
+    // A stricter plan keeps the state where it lives (its host bytes are fixed and already held),
+    // and its block inputs within the host space's room.
+    fo.offload = {offload_.optimizer, offload_.bucket, host_room(), offload_.activations, offload_.flops_per_byte};
     if (offload_.optimizer) fo.offload_mode = fit_options::offload_choice::always;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;
@@ -22050,6 +22149,8 @@ class trainer {
       const training_plan chosen = fit(m_, rank_batch(), target, own_fit_options());
       return plan_of_choices(chosen.micro.batch, chosen.accumulation, chosen.schedule, chosen.head_chunk, target);
     } catch (const budget_too_small&) {
+      return std::nullopt;
+    } catch (const host_budget_too_small&) {  // others took the host space's room meanwhile
       return std::nullopt;
     }
   }
@@ -22224,6 +22325,7 @@ class trainer {
   std::vector<run_field_change> changed_;                 // see changed_at_load()
   std::size_t largest_peak_ = 0;
   std::size_t largest_reserve_ = 0;
+  std::size_t largest_host_ = 0;  // the same for the host space (plan.host_peak())
   bool ran_ = false;  // a step or an evaluation has run (see adopt)
   struct emergency_point {
     check_point at = check_point::before_forward;

@@ -150,6 +150,23 @@ def test_offloaded_table_equals_the_cpp_trainers():
     assert e.value.argument == "host_budget" and "device budget" in str(e.value)
 
 
+def test_activation_offload_table_equals_the_cpp_trainers():
+    """offload="activations": at 40 MiB one row of 1024 tokens keeps a block input on the host
+    and recomputes 18.6% of its forward instead of 47.5%, the same table as `train --offload
+    activations`; with no room on the host, the same budget keeps every input on the device."""
+    args = ["--width", "128", "--heads", "4", "--batch", "1", "--seq", "1024", "--threads", "2", "--budget", "40MiB"]
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
+    got = membound.fit(model, batch=1, seq=1024, budget="40MiB", threads=2, prefer_below=0.97, offload="activations")
+    assert str(got) == trainer_table(args + ["--offload", "activations"])
+    assert got.host_activations == 512 << 10 and got.host_peak == got.host_activations
+    assert got.offloaded_bytes == 512 << 10 and not got.offload_optimizer
+    kept = membound.fit(model, batch=1, seq=1024, budget="40MiB", threads=2, prefer_below=0.97)
+    assert got.recompute_flops < kept.recompute_flops and kept.host_peak == 0
+    small = membound.fit(model, batch=1, seq=1024, budget="40MiB", threads=2, prefer_below=0.97,
+                         offload="activations", host_budget="256KiB")
+    assert small.host_activations == 0 and small.recompute_flops == kept.recompute_flops
+
+
 def test_plan_fields_add_up():
     model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
     p = membound.fit(model, batch=8, seq=128, budget="24MiB", threads=2)

@@ -594,6 +594,20 @@ TEST_CASE("activation offload: a schedule that offloads needs a host space, refu
       CHECK(e.argument() == "options.host");
       CHECK(std::string(e.what()).find("offloaded block inputs") != std::string::npos);
     }
+    CHECK(device.stats().requested == 0);
+  }
+  SUBCASE("set_plan on a trainer without a host space") {
+    mb::trainer t(m, effective, mb::make_plan(m, effective, mb::schedules::none{}, plan_opts<Opt>(m, 1)), device, pool,
+                  options());
+    const std::size_t held = device.stats().requested;
+    try {
+      t.set_plan(off);
+      FAIL("set_plan took a plan that offloads without a host space");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.host");
+    }
+    CHECK(device.stats().requested == held);
+    CHECK(t.plan().host_activations == 0);
   }
   SUBCASE("the model") {
     std::vector<float> w(m.parameter_elements()), g(m.parameter_elements());
@@ -612,6 +626,6 @@ TEST_CASE("activation offload: a schedule that offloads needs a host space, refu
     } catch (const mb::invalid_argument& e) {
       CHECK(e.argument() == "host");
     }
+    CHECK(device.stats().requested == 0);
   }
-  CHECK(device.stats().requested == 0);
 }

@@ -160,6 +160,22 @@ class out_of_memory : public error {
   oom_report report_;
 };
 
+// The host space (trainer_options::host: offloaded block inputs) could not serve a step's
+// request: not the device's memory, so a trainer does not answer it with a stricter device plan.
+// report() is the host allocator's.
+class host_space_exhausted : public error {
+ public:
+  explicit host_space_exhausted(oom_report report)
+      : error("membound: the host space ran out mid-step (" + report.message() +
+              "); the plan's host peak was checked against the host allocator's budget when the plan was "
+              "adopted, so something else took host space since: give the host space its own budget"),
+        report_(std::move(report)) {}
+  const oom_report& report() const noexcept { return report_; }
+
+ private:
+  oom_report report_;
+};
+
 namespace detail {
 // A host allocation outside the allocators (a buffer the library sizes itself) failed.
 [[noreturn]] inline void throw_host_out_of_memory(std::string source, std::size_t bytes,

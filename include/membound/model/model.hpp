@@ -851,7 +851,11 @@ class model {
         if (p_[i] != nullptr) h_.deallocate(p_[i], bytes_[i], default_alignment, memory_tag::activations);
     }
     void* get(std::size_t i, std::size_t bytes) {
-      p_[i] = h_.allocate(bytes, default_alignment, memory_tag::activations);
+      try {
+        p_[i] = h_.allocate(bytes, default_alignment, memory_tag::activations);
+      } catch (const out_of_memory& e) {
+        throw host_space_exhausted(e.report());
+      }
       bytes_[i] = bytes;
       return p_[i];
     }

@@ -246,6 +246,10 @@ struct training_plan {
   std::size_t host_activations = 0;
   std::size_t offloaded_bytes = 0;
   double offload_flops = 0;
+  // What it was made with (plan_options::offload.activations and flops_per_byte): a trainer's
+  // replans offer the DP the same choice at the same price.
+  bool activations_offloadable = false;
+  double offload_flops_per_byte = 0;
   // The host space's peak: the optimizer's part is made before step 1 and kept, the block
   // inputs come and go within a micro-batch.
   std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging, host_activations); }
@@ -552,6 +556,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
       p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
+  p.activations_offloadable = o.offload.activations;
+  p.offload_flops_per_byte = o.offload.flops_per_byte;
   if (o.offload.activations && sc.k == schedule_choice::kind::budget) {
     c.offload_inputs = true;
     c.offload_cost_per_byte = o.offload.flops_per_byte;
@@ -562,8 +568,18 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   if (st.offloaded_bytes != 0 && o.offload.host_budget != 0 &&
       sat_add(p.host_peak(), st.host_peak_bytes) > o.offload.host_budget) {
     // The host space cannot take this schedule's block inputs: the same budget without.
+    const std::size_t wanted = sat_add(p.host_peak(), st.host_peak_bytes);
     c.offload_inputs = false;
-    p.ops = schedule_ops(c, sc);
+    try {
+      p.ops = schedule_ops(c, sc);
+    } catch (const schedule_does_not_fit&) {
+      throw invalid_argument("options.offload.host_budget",
+                             "at least " + format_bytes(wanted) + " (the host peak of the budget schedule, which fits " +
+                                 format_bytes(sc.param) + " of device only with block inputs offloaded)",
+                             format_bytes(o.offload.host_budget),
+                             "Raise the host budget to at least " + format_bytes(wanted, false) +
+                                 ", or the device budget");
+    }
     tl.clear();
     st = simulate(c, p.ops, &tl);
   }
@@ -740,7 +756,8 @@ struct fit_options {
   // when_needed by default.
   offload_choice offload_mode = offload_choice::when_needed;
   // weighed: what one byte over the host link costs, in FLOPs of recompute (a device's measured
-  // FLOP/s over its measured copy bandwidth; 0: free).
+  // FLOP/s over its measured copy bandwidth; 0: free); also the price of an offloaded block
+  // input's copies when offload.flops_per_byte is 0.
   double offload_flops_per_byte = 0;
 };
 
@@ -878,7 +895,8 @@ training_plan fit(const Model& m, batch_shape effective, std::size_t budget, con
       for (const bool off : placements) {
         plan_options o{fo.threads, chunk, effective.batch / mb, fo.optimizer, fo.optimizer_elements,
                        fo.optimizer_policy, fo.gradients,
-                       {off, fo.offload.bucket, fo.offload.host_budget, fo.offload.activations, fo.offload_flops_per_byte}};
+                       {off, fo.offload.bucket, fo.offload.host_budget, fo.offload.activations,
+                        fo.offload.flops_per_byte != 0 ? fo.offload.flops_per_byte : fo.offload_flops_per_byte}};
         const batch_shape b{mb, effective.seq, effective.sequences};
         // A micro-batch the blocks refuse is no candidate: a mixture of experts whose capacity
         // leaves an expert no slot at its fewer tokens (the whole batch passed the check above).

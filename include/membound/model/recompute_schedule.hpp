@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -612,10 +613,38 @@ class chain_dp {
 // The cost optimal_schedule minimizes: recompute, and the offloads' copies (chain::offload_inputs).
 constexpr double schedule_cost(const schedule_stats& s) noexcept { return s.recompute_cost + s.offload_cost; }
 
+namespace detail {
+inline optimal_result optimal_schedule_of(const chain& c, std::size_t budget_bytes, std::size_t max_cells);
+}
+
 // The schedule of least cost (schedule_cost) whose simulated peak is at most budget_bytes, over
 // memory discretized into at most max_cells cells. Throws schedule_does_not_fit (with the least
-// peak among the generated fallbacks, as the budget to ask for) when the DP finds none.
+// peak among the generated fallbacks, as the budget to ask for) when the DP finds none. With
+// chain::offload_inputs, a schedule that offloads is taken only when it costs strictly less than
+// the best that does not (or when only it fits): a tie keeps every input on the device.
 inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
+  if (!c.offload_inputs) return detail::optimal_schedule_of(c, budget_bytes, max_cells);
+  chain in_place = c;
+  in_place.offload_inputs = false;
+  std::optional<optimal_result> kept;
+  try {
+    kept = detail::optimal_schedule_of(in_place, budget_bytes, max_cells);
+  } catch (const schedule_does_not_fit&) {
+    return detail::optimal_schedule_of(c, budget_bytes, max_cells);  // only offloading can fit, if anything
+  }
+  std::optional<optimal_result> moved;
+  try {
+    moved = detail::optimal_schedule_of(c, budget_bytes, max_cells);
+  } catch (const schedule_does_not_fit&) {
+    // (a superset of the choices: not expected once the in-place DP fits)
+  }
+  if (moved && schedule_cost(moved->stats) < schedule_cost(kept->stats)) return std::move(*moved);
+  kept->stats = simulate(c, kept->ops);  // the same schedule, its stats under c (nothing offloaded)
+  return std::move(*kept);
+}
+
+namespace detail {
+inline optimal_result optimal_schedule_of(const chain& c, std::size_t budget_bytes, std::size_t max_cells) {
   detail::check_length(c.length());
   const std::size_t L = c.length();
   // When the DP (whose rounding is conservative) finds nothing, the generated schedules that fit
@@ -674,5 +703,6 @@ inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes,
   }
   return r;
 }
+}  // namespace detail
 
 MEMBOUND_NAMESPACE_END

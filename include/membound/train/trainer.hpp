@@ -226,7 +226,8 @@ class trainer {
         monitor_(std::move(monitor)), n_(m.parameter_elements()),
         scaling_(o_.scaling == loss_scaling::dynamic ||
                  (o_.scaling == loss_scaling::automatic && std::is_same_v<S, fp16>)),
-        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget, plan_.host_activations != 0},
+        scaler_(o_.scaler), offload_{plan_.offload_optimizer, plan_.offload_bucket, plan_.host_budget,
+                 plan_.activations_offloadable && !o_.host.empty(), plan_.offload_flops_per_byte},
         comm_(comm) {
     m_.check(eff_.row());
     check_options(o_);
@@ -250,8 +251,8 @@ class trainer {
     try {
       if constexpr (has_shadow<Allocator>) reserve_ = reserve_model(m_, alloc_);
       check_offload_capability(plan_);
+      check_host_space(plan_);  // first: its refusal names both budgets
       check_plan(plan_);
-      check_host_space(plan_);
       plan_.reserved_peak = reserve_of(plan_);
       // Before the trainer's own allocations: what others hold now, the room its plan had.
       start_room_ = detail::saturating_sub(limit_now(), foreign_now());
@@ -301,6 +302,7 @@ class trainer {
     rng_.state = o_.seed ^ 0x6a09e667f3bcc909ULL;
     largest_peak_ = plan_.peak_bytes;
     largest_reserve_ = plan_.budgeted_peak();
+    largest_host_ = plan_.host_peak();
   }
 
   trainer(const trainer&) = delete;
@@ -557,6 +559,8 @@ class trainer {
     // check throws still joins the exchange, so that nobody waits in it forever.
     std::exception_ptr failed;
     try {
+      check_offload_capability(p);
+      check_host_space(p);
       check_plan(p);
       p.reserved_peak = reserve_of(p);
       if (!fits_limit(p)) refuse_over_limit(p);
@@ -588,6 +592,9 @@ class trainer {
   // reserved peak stays within): the plans' reserved peaks where the stack has a shadow
   // (memory/shadow.hpp), else their requested peaks.
   std::size_t largest_predicted_reserve() const noexcept { return largest_reserve_; }
+  // The same for the host space (offload): the largest plan.host_peak() of those plans, what the
+  // host allocator's measured peak of the trainer's bytes stays within.
+  std::size_t largest_predicted_host_peak() const noexcept { return largest_host_; }
 
   // This rank's bytes as its plan predicts them (see rank_memory).
   rank_memory memory() const {
@@ -1116,7 +1123,7 @@ class trainer {
     if (o_.host.refers_to(&alloc_)) {
       throw invalid_argument("options.host", "another allocator than the trainer's (the device space)",
                              "the trainer's own allocator",
-                             "Give the offloaded state its own host allocator: the plan counts it outside the device's");
+                             "Give the host space its own host allocator: the plan counts it outside the device's");
     }
     if (!p.host_fits()) {
       throw invalid_argument("plan.host_budget", "at least the plan's host peak of " + format_bytes(p.host_peak()),
@@ -1124,7 +1131,8 @@ class trainer {
                              "Make the plan with fit(..., {.offload = {true, bucket, host budget}}), which keeps "
                              "under the host budget, or raise it");
     }
-    const std::size_t limit = o_.host.limit(), held = o_.host.stats().requested;
+    // What others hold there: the trainer's own state and staging buffers are the plan's.
+    const std::size_t limit = o_.host.limit(), held = detail::saturating_sub(o_.host.stats().requested, own_host_bytes());
     if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
       throw invalid_argument(
           "options.host", "a host space whose budget holds the plan's host peak of " + format_bytes(p.host_peak()) +
@@ -1134,6 +1142,21 @@ class trainer {
           "Raise the host budget, or plan with fit_options::offload.host_budget = the host budget so that fit "
           "refuses first");
     }
+  }
+  // The host bytes the trainer holds between steps: the offloaded state and its staging buffers
+  // once made (block inputs come and go within a step).
+  std::size_t own_host_bytes() const noexcept {
+    return offload_.optimizer && opt_ != nullptr ? detail::saturating_add(opt_bytes(), 2 * stage_bytes()) : 0;
+  }
+  // The host budget a plan of this trainer may take: the plan's own (offload_options::host_budget),
+  // within what the host allocator can serve beside others' bytes (0: no bound). Replans keep to
+  // it, so a schedule that offloads block inputs never runs the host space out mid-step.
+  std::size_t host_room() const {
+    const std::size_t own = offload_.host_budget;
+    if (o_.host.empty() || o_.host.limit() == 0) return own;
+    const std::size_t others = detail::saturating_sub(o_.host.stats().requested, own_host_bytes());
+    const std::size_t free = std::max<std::size_t>(1, detail::saturating_sub(o_.host.limit(), others));
+    return own == 0 ? free : std::min(own, free);
   }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
   bool sharded() const noexcept { return exchange_->sharded(); }
@@ -1304,6 +1327,7 @@ class trainer {
     po.optimizer_policy = optimizer_of<Optimizer>();
     po.gradients = gradient_sharding();
     po.offload = offload_;  // fixed for the trainer: its state lives where it was made
+    po.offload.host_budget = host_room();
     return make_plan(m_, micro, s, po, budget);
   }
 
@@ -1441,6 +1465,7 @@ class trainer {
     // Before any step or evaluation only the state is held, which every plan counts: a plan that
     // never ran (the constructor's, replaced by load() or set_plan()) is no longer a bound.
     largest_peak_ = ran_ ? std::max(largest_peak_, p.peak_bytes) : p.peak_bytes;
+    largest_host_ = ran_ ? std::max(largest_host_, p.host_peak()) : p.host_peak();
     largest_reserve_ = ran_ ? std::max(largest_reserve_, p.budgeted_peak()) : p.budgeted_peak();
     plan_ = std::move(p);
   }
@@ -1731,8 +1756,9 @@ class trainer {
     fo.optimizer_elements = optimizer_elements();
     fo.optimizer_policy = optimizer_of<Optimizer>();
     fo.gradients = gradient_sharding();
-    // A stricter plan keeps the state where it lives; its host bytes are fixed and already held.
-    fo.offload = {offload_.optimizer, offload_.bucket, 0, offload_.activations};
+    // A stricter plan keeps the state where it lives (its host bytes are fixed and already held),
+    // and its block inputs within the host space's room.
+    fo.offload = {offload_.optimizer, offload_.bucket, host_room(), offload_.activations, offload_.flops_per_byte};
     if (offload_.optimizer) fo.offload_mode = fit_options::offload_choice::always;
     fo.reserve = reserve_;  // the stack's reserve, with the others' bytes of this moment
     return fo;
@@ -1745,6 +1771,8 @@ class trainer {
       const training_plan chosen = fit(m_, rank_batch(), target, own_fit_options());
       return plan_of_choices(chosen.micro.batch, chosen.accumulation, chosen.schedule, chosen.head_chunk, target);
     } catch (const budget_too_small&) {
+      return std::nullopt;
+    } catch (const host_budget_too_small&) {  // others took the host space's room meanwhile
       return std::nullopt;
     }
   }
@@ -1919,6 +1947,7 @@ class trainer {
   std::vector<run_field_change> changed_;                 // see changed_at_load()
   std::size_t largest_peak_ = 0;
   std::size_t largest_reserve_ = 0;
+  std::size_t largest_host_ = 0;  // the same for the host space (plan.host_peak())
   bool ran_ = false;  // a step or an evaluation has run (see adopt)
   struct emergency_point {
     check_point at = check_point::before_forward;

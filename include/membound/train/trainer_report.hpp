@@ -67,7 +67,7 @@ struct rank_memory {
   std::uint64_t weights = 0, gradients = 0, optimizer = 0;
   std::uint64_t shard_begin = 0, shard_end = 0;  // the parameters whose optimizer state it holds
   std::uint64_t exchange = 0, peak = 0, limit = 0;  // limit: the allocator's budget, 0 for none
-  std::uint64_t host = 0;  // optimizer offload: the host space's bytes (state and staging), else 0
+  std::uint64_t host = 0;  // offload: the host space's peak (state and staging, block inputs), else 0
 };
 
 // One line per rank: "rank 1/2: weights 219.2 KiB, gradients 219.2 KiB, optimizer 219.2 KiB
@@ -77,9 +77,13 @@ inline std::string rank_memory_table(const std::vector<rank_memory>& ranks) {
   for (const rank_memory& r : ranks) {
     s += "rank " + std::to_string(r.rank) + "/" + std::to_string(r.ranks) + " (ZeRO-" + std::to_string(r.zero) +
          "): weights " + format_bytes(r.weights, false) + ", gradients " + format_bytes(r.gradients, false) +
-         ", optimizer " + (r.host != 0 ? "offloaded, " + format_bytes(r.host, false) + " on the host" : format_bytes(r.optimizer, false)) + " (parameters [" + std::to_string(r.shard_begin) + ", " +
+         ", optimizer " + (r.host != 0 && r.optimizer == 0 ? "offloaded, " + format_bytes(r.host, false) + " on the host"
+                                                          : format_bytes(r.optimizer, false)) +
+         " (parameters [" + std::to_string(r.shard_begin) + ", " +
          std::to_string(r.shard_end) + ")), exchange buffer " + format_bytes(r.exchange, false) +
          " (inside the peak), predicted peak " + format_bytes(r.peak, false) +
+         (r.host != 0 && r.optimizer != 0 ? " (+ " + format_bytes(r.host, false) + " of block inputs on the host)"
+                                          : std::string{}) +
          (r.limit != 0 ? " of a budget of " + format_bytes(r.limit, false) : std::string{}) + "\n";
   }
   return s;
@@ -91,7 +95,9 @@ inline std::string plan_summary(const training_plan& p) {
   return "micro-batch " + std::to_string(p.micro.batch) + " x " + std::to_string(p.micro.seq) + " tokens" +
          (p.micro.packed() ? " (packed: at most " + std::to_string(p.micro.sequences) + " sequences)" : "") + ", " +
          std::to_string(p.accumulation) + (p.accumulation == 1 ? " micro-batch" : " micro-batches") +
-         " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk);
+         " per step, schedule " + p.schedule.name() + ", logit chunk " + std::to_string(p.head_chunk) +
+         (p.host_activations != 0 ? ", " + format_bytes(p.host_activations, false) + " of block inputs on the host"
+                                  : std::string{});
 }
 
 MEMBOUND_NAMESPACE_END
