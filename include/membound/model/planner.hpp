@@ -244,12 +244,12 @@ struct training_plan {
   // copies cost in the DP's unit (offload_options::flops_per_byte). All 0 when the schedule
   // offloads nothing.
   std::size_t host_activations = 0;
-  std::size_t offloaded_bytes = 0;
-  double offload_flops = 0;
+  std::size_t offloaded_bytes = 0;  // block input bytes copied out per micro-batch (as many back)
+  double offload_flops = 0;         // those copies' cost in the DP's unit, both ways
   // What it was made with (plan_options::offload.activations and flops_per_byte): a trainer's
   // replans offer the DP the same choice at the same price.
   bool activations_offloadable = false;
-  double offload_flops_per_byte = 0;
+  double offload_flops_per_byte = 0;  // the price of a byte moved each way (flops_per_byte)
   // The host space's peak: the optimizer's part is made before step 1 and kept, the block
   // inputs come and go within a micro-batch.
   std::size_t host_peak() const noexcept { return sat_add(host_optimizer, host_staging, host_activations); }
