@@ -169,11 +169,12 @@ run finish(Trainer& t, alloc_t& a) {
 
 // micro: sequences per micro-batch (each rank runs effective.batch / N / micro micro-batches).
 // overlap: ZeRO-2's reduce-scatters overlapped with the next block's backward. offload: the
-// optimizer's state (this rank's shard) in a host space, buckets of 1000 parameters.
+// optimizer's state (this rank's shard) in a host space, buckets of 1000 parameters. activations:
+// the schedule budget(the stage's Revolve-with-one-slot peak), block inputs offloadable.
 template <typename Model, typename Comm>
 run data_parallel(const Model& m, Comm& comm, std::size_t zero = 0, std::size_t micro = 1,
                   bool overlap = false, mb::schedule_choice schedule = mb::schedule_choice::of(mb::schedules::none{}),
-                  bool offload = false) {
+                  bool offload = false, bool activations = false) {
   alloc_t a(std::size_t{1} << 30), host(std::size_t{1} << 30);
   mb::trainer_options o = options(zero, overlap && comm.size() > 1);
   o.host = mb::host_allocator_ref(host);
@@ -181,9 +182,13 @@ run data_parallel(const Model& m, Comm& comm, std::size_t zero = 0, std::size_t 
   const std::size_t shard = zero >= 1 && comm.size() > 1 ? mb::shard_of(m.parameter_elements(), comm.size(), comm.rank()).size() : 0;
   const bool ov = overlap && comm.size() > 1;
   const mb::gradient_shards gs = mb::gradient_exchange_of<typename Model::storage_type>(comm, zero, ov);
-  mb::trainer t(m, effective,
-                plan_for(m, effective.batch / comm.size() / micro, shard, gs, micro, schedule, {offload, 1000, 0}), a,
-                pool, o, mb::null_monitor{}, comm);
+  const std::size_t A = effective.batch / comm.size() / micro;
+  if (activations) {
+    schedule = {mb::schedule_choice::kind::budget,
+                plan_for(m, A, shard, gs, micro, mb::schedule_choice::of(mb::schedules::binomial<1>{})).peak_bytes};
+  }
+  mb::trainer t(m, effective, plan_for(m, A, shard, gs, micro, schedule, {offload, 1000, 0, activations}), a, pool, o,
+                mb::null_monitor{}, comm);
   const std::uint64_t before = comm.stats().bytes_sent;
   std::uint64_t control_before = 0;
   if constexpr (mb::split_communicator<Comm>) control_before = comm.control().stats().bytes_sent;
@@ -390,6 +395,22 @@ int main(int argc, char** argv) {
           stage + "measured host peak " + std::to_string(off.host_peak) + " == predicted " +
               std::to_string(off.predicted_host) + " (the shard's state and two buckets)");
     check(off.memory.optimizer == 0 && off.memory.host == off.predicted_host, stage + "memory() puts the state on the host");
+  }
+
+  // Activation offload under ZeRO-0, 1 and 2: at the stage's Revolve-with-one-slot peak the
+  // budget DP keeps block inputs in the host space; the same bits as the stage's run under
+  // schedule none, both spaces' peaks as predicted.
+  for (const std::size_t z : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+    const std::string stage = "ZeRO-" + std::to_string(z) + ", block inputs offloaded: ";
+    const run kept = z == 1 ? zero1 : data_parallel(m, comm, z);
+    const run off = data_parallel(m, comm, z, 1, false, mb::schedule_choice::of(mb::schedules::none{}), false, true);
+    check(same_bits(off.losses, kept.losses) && off.weights == kept.weights && off.optimizer == kept.optimizer,
+          stage + "schedule none's losses, weights and optimizer state, bit for bit");
+    check(off.peak == off.predicted, stage + "measured device peak " + std::to_string(off.peak) + " == predicted " +
+                                         std::to_string(off.predicted));
+    check(off.predicted_host != 0 && off.host_peak == off.predicted_host,
+          stage + "measured host peak " + std::to_string(off.host_peak) + " == predicted " +
+              std::to_string(off.predicted_host) + " (not 0: the DP offloads)");
   }
 
   // ZeRO-2 against ZeRO-0 and ZeRO-1.
