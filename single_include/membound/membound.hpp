@@ -16101,37 +16101,24 @@ class chain_dp {
         const double sub = solve(first, s + 1, e, M - as - u.saved);
         if (sub >= 0) take(f + sub, 3);
       }
-      // checkpoint at m: the advance chain's peak grows with m; stop once it does not fit.
+      // checkpoint at m: the advance chain's peak grows with m; stop once it does not fit. x_s
+      // stays on the device, or (offloaded) leaves it while [m, e) is reversed and comes back
+      // beside δ_m; in place first, so that a tie keeps it there.
+      const double moved = 2.0 * c_.offload_cost_per_byte * static_cast<double>(c_.a(s));
       double chain_cost = 0;
       std::size_t chain_need = 0;
       for (std::size_t m = s + 1; m < e; ++m) {
         const std::size_t kk = m - 1;  // the advance that produces x_m
         chain_need = std::max(chain_need, sat_add(as, kk > s ? a_[kk] : 0, de, u_[kk].advance));
         chain_cost += c_.links[kk].forward_cost;
-        if (chain_need > M) break;
-        if (as > M) break;
-        const double right = solve(first, m, e, M - as);
-        if (right < 0) continue;
+        if (chain_need > M) break;  // (so as <= M too)
         const double left = solve(false, s, m, M);
         if (left < 0) continue;
-        take(chain_cost + right + left, 4 + static_cast<int>(m - s));
-      }
-      // the same with x_s offloaded: after a checkpoint in place, so that a tie keeps x_s there.
-      if (c_.offload_inputs) {
-        const double moved = 2.0 * c_.offload_cost_per_byte * static_cast<double>(c_.a(s));
-        chain_cost = 0;
-        chain_need = 0;
-        for (std::size_t m = s + 1; m < e; ++m) {
-          const std::size_t kk = m - 1;
-          chain_need = std::max(chain_need, sat_add(as, kk > s ? a_[kk] : 0, de, u_[kk].advance));
-          chain_cost += c_.links[kk].forward_cost;
-          if (chain_need > M) break;
-          if (sat_add(as, a_[m]) > M) continue;  // the fetch, beside δ_m
-          const double right = solve(first, m, e, M);
-          if (right < 0) continue;
-          const double left = solve(false, s, m, M);
-          if (left < 0) continue;
-          take(chain_cost + right + left + moved, 4 + static_cast<int>(L_ + m - s));
+        const double right = solve(first, m, e, M - as);
+        if (right >= 0) take(chain_cost + right + left, 4 + static_cast<int>(m - s));
+        if (c_.offload_inputs && sat_add(as, a_[m]) <= M) {
+          const double away = solve(first, m, e, M);
+          if (away >= 0) take(chain_cost + away + left + moved, 4 + static_cast<int>(L_ + m - s));
         }
       }
     }
@@ -17029,7 +17016,7 @@ class model {
           x[i] = static_cast<S*>(live.get(a, memory_tag::activations));
           if constexpr (Run && glue::offloads_activations) {
             glue::offload_copy(*ex, x[i], offloaded.at(i), a);
-            offloaded.put(i, a);
+            offloaded.put(i);
           }
           break;
       }
@@ -17134,8 +17121,8 @@ class model {
       return p_[i];
     }
     const void* at(std::size_t i) const noexcept { return p_[i]; }
-    void put(std::size_t i, std::size_t bytes) {
-      h_.deallocate(p_[i], bytes, default_alignment, memory_tag::activations);
+    void put(std::size_t i) {
+      h_.deallocate(p_[i], bytes_[i], default_alignment, memory_tag::activations);
       p_[i] = nullptr;
     }
 

@@ -755,7 +755,7 @@ class model {
           x[i] = static_cast<S*>(live.get(a, memory_tag::activations));
           if constexpr (Run && glue::offloads_activations) {
             glue::offload_copy(*ex, x[i], offloaded.at(i), a);
-            offloaded.put(i, a);
+            offloaded.put(i);
           }
           break;
       }
@@ -860,8 +860,8 @@ class model {
       return p_[i];
     }
     const void* at(std::size_t i) const noexcept { return p_[i]; }
-    void put(std::size_t i, std::size_t bytes) {
-      h_.deallocate(p_[i], bytes, default_alignment, memory_tag::activations);
+    void put(std::size_t i) {
+      h_.deallocate(p_[i], bytes_[i], default_alignment, memory_tag::activations);
       p_[i] = nullptr;
     }
 
