@@ -16206,6 +16206,11 @@ inline optimal_result optimal_schedule_of(const chain& c, std::size_t budget_byt
 // the best that does not (or when only it fits): a tie keeps every input on the device.
 inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
   if (!c.offload_inputs) return detail::optimal_schedule_of(c, budget_bytes, max_cells);
+  // A negative price would make the DP offload for gain, NaN would compare false everywhere.
+  if (!(c.offload_cost_per_byte >= 0) || c.offload_cost_per_byte > std::numeric_limits<double>::max()) {
+    throw invalid_argument("chain.offload_cost_per_byte", "a finite cost of 0 or more per byte moved",
+                           std::to_string(c.offload_cost_per_byte), "Price a byte as FLOP/s over the link's bytes/s (0: free)");
+  }
   chain in_place = c;
   in_place.offload_inputs = false;
   std::optional<optimal_result> kept;
@@ -17872,6 +17877,11 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
       p.gradient_in_flight = std::max(p.gradient_in_flight, l.backward_carry);
     }
   }
+  if (!(o.offload.flops_per_byte >= 0) || o.offload.flops_per_byte > std::numeric_limits<double>::max()) {
+    throw invalid_argument("options.offload.flops_per_byte", "a finite price of 0 or more FLOPs per byte moved",
+                           std::to_string(o.offload.flops_per_byte),
+                           "Price a byte as the device's FLOP/s over the link's bytes/s (0: free)");
+  }
   p.activations_offloadable = o.offload.activations;
   p.offload_flops_per_byte = o.offload.flops_per_byte;
   if (o.offload.activations && sc.k == schedule_choice::kind::budget) {
@@ -18113,6 +18123,11 @@ template <typename Model>
 training_plan fit(const Model& m, batch_shape effective, std::size_t budget, const fit_options& fo = {}) {
   m.check(effective.row());
   using offload_choice = fit_options::offload_choice;
+  if (!(fo.offload_flops_per_byte >= 0) || fo.offload_flops_per_byte > std::numeric_limits<double>::max()) {
+    throw invalid_argument("options.offload_flops_per_byte", "a finite price of 0 or more FLOPs per byte moved",
+                           std::to_string(fo.offload_flops_per_byte),
+                           "Price a byte as the device's FLOP/s over the link's bytes/s (0: free)");
+  }
   // Offload only when needed: in place first (under the line, then under the budget), then
   // offloaded (the same way).
   if (fo.offload.optimizer && fo.offload_mode == offload_choice::when_needed) {

@@ -17,9 +17,11 @@
 // without; fit() weighs the copies; a schedule that offloads needs a host space.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -573,6 +575,32 @@ TEST_CASE("activation offload: fit() takes it when it saves recompute, and not w
   const mb::training_plan dear = mb::fit(m, row, budget, fo);
   CHECK(dear.host_activations == 0);
   CHECK(dear.recompute_flops == in_place.recompute_flops);
+}
+
+TEST_CASE("activation offload: a price that is negative or not finite is refused by name") {
+  using Opt = mb::adamw<float>;
+  const hybrid<mb::fp32_precision> m(small_config());
+  for (const double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    CAPTURE(bad);
+    mb::offload_options act;
+    act.activations = true;
+    act.flops_per_byte = bad;
+    try {
+      (void)mb::make_plan(m, effective, budget_schedule(tight_budget<Opt>(m, 1)), plan_opts<Opt>(m, 1, act));
+      FAIL("make_plan took a bad price");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.offload.flops_per_byte");
+    }
+    mb::fit_options fo;
+    fo.offload.activations = true;
+    fo.offload_flops_per_byte = bad;
+    try {
+      (void)mb::fit(m, effective, 1ull << 30, fo);
+      FAIL("fit took a bad price");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "options.offload_flops_per_byte");
+    }
+  }
 }
 
 TEST_CASE("activation offload: a schedule that offloads needs a host space, refused by name before any allocation") {

@@ -9,7 +9,9 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <queue>
 #include <string>
@@ -380,6 +382,21 @@ TEST_CASE("simulate: offload and fetch move an input's bytes between the spaces,
   left.insert(left.end() - 1, {K::offload, 0});
   left.pop_back();
   refused(left, "ends with an input in the host space");
+}
+
+TEST_CASE("optimal_schedule: an offload price that is negative or not finite is refused by name") {
+  mb::chain c = three_blocks();
+  c.offload_inputs = true;
+  for (const double bad : {-0.5, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    CAPTURE(bad);
+    c.offload_cost_per_byte = bad;
+    try {
+      (void)mb::optimal_schedule(c, 2000);
+      FAIL("a bad price was taken");
+    } catch (const mb::invalid_argument& e) {
+      CHECK(e.argument() == "chain.offload_cost_per_byte");
+    }
+  }
 }
 
 TEST_CASE("optimal_schedule with offload against an exhaustive search, and never above the DP without it") {

@@ -611,6 +611,11 @@ inline optimal_result optimal_schedule_of(const chain& c, std::size_t budget_byt
 // the best that does not (or when only it fits): a tie keeps every input on the device.
 inline optimal_result optimal_schedule(const chain& c, std::size_t budget_bytes, std::size_t max_cells = 512) {
   if (!c.offload_inputs) return detail::optimal_schedule_of(c, budget_bytes, max_cells);
+  // A negative price would make the DP offload for gain, NaN would compare false everywhere.
+  if (!(c.offload_cost_per_byte >= 0) || c.offload_cost_per_byte > std::numeric_limits<double>::max()) {
+    throw invalid_argument("chain.offload_cost_per_byte", "a finite cost of 0 or more per byte moved",
+                           std::to_string(c.offload_cost_per_byte), "Price a byte as FLOP/s over the link's bytes/s (0: free)");
+  }
   chain in_place = c;
   in_place.offload_inputs = false;
   std::optional<optimal_result> kept;
