@@ -1131,8 +1131,7 @@ class trainer {
                              "Make the plan with fit(..., {.offload = {true, bucket, host budget}}), which keeps "
                              "under the host budget, or raise it");
     }
-    // What others hold there: the trainer's own state and staging buffers are the plan's.
-    const std::size_t limit = o_.host.limit(), held = detail::saturating_sub(o_.host.stats().requested, own_host_bytes());
+    const std::size_t limit = o_.host.limit(), held = host_others();
     if (limit != 0 && detail::saturating_add(p.host_peak(), held) > limit) {
       throw invalid_argument(
           "options.host", "a host space whose budget holds the plan's host peak of " + format_bytes(p.host_peak()) +
@@ -1148,14 +1147,15 @@ class trainer {
   std::size_t own_host_bytes() const noexcept {
     return offload_.optimizer && opt_ != nullptr ? detail::saturating_add(opt_bytes(), 2 * stage_bytes()) : 0;
   }
+  // What others hold in the host space: the trainer's own state and staging buffers are the plan's.
+  std::size_t host_others() const { return detail::saturating_sub(o_.host.stats().requested, own_host_bytes()); }
   // The host budget a plan of this trainer may take: the plan's own (offload_options::host_budget),
   // within what the host allocator can serve beside others' bytes (0: no bound). Replans keep to
   // it, so a schedule that offloads block inputs never runs the host space out mid-step.
   std::size_t host_room() const {
     const std::size_t own = offload_.host_budget;
     if (o_.host.empty() || o_.host.limit() == 0) return own;
-    const std::size_t others = detail::saturating_sub(o_.host.stats().requested, own_host_bytes());
-    const std::size_t free = std::max<std::size_t>(1, detail::saturating_sub(o_.host.limit(), others));
+    const std::size_t free = std::max<std::size_t>(1, detail::saturating_sub(o_.host.limit(), host_others()));
     return own == 0 ? free : std::min(own, free);
   }
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
