@@ -14,7 +14,8 @@
 #   OUT=... bash tools/gpu_session.sh --build 90 --deadline 570 --steps "tests train"
 #   # (1243 s of nvcc summed over the CUDA files on the 2-core machine: only where a call may run long)
 #
-# Steps: tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
+# Steps: bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
+# builds when carried), tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
 # example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
 # bench_model (bench_cuda_*), bench_model_wmma (bench_cuda_model's T = 2048 step with --attention-kernels=wmma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
@@ -178,6 +179,21 @@ PY
         b="$(basename "$f")"
         step "$b" 120 "$f" --benchmark_min_time=0.05 --benchmark_counters_tabular=true \
           --benchmark_out="$work/$b.json" --benchmark_out_format=json
+      done ;;
+    bench_kernels)
+      # The model's bandwidth-bound kernels against a device copy of the same bytes; where the
+      # previous commit's builds were carried too (copied into the prebuilt folder as
+      # bench_cuda_kernels_before, bench_cuda_model_before), those in the same call: a
+      # before/after on one machine.
+      for b in bench_cuda_kernels bench_cuda_kernels_before; do
+        [[ -x "$prebuilt/$b" ]] || continue
+        step "$b" 90 "$prebuilt/$b" --benchmark_min_time=0.1 --benchmark_counters_tabular=true \
+          --benchmark_out="$work/$b.json" --benchmark_out_format=json
+      done
+      for b in bench_cuda_model bench_cuda_model_before; do
+        [[ -x "$prebuilt/$b" ]] || continue
+        step "${b/bench_cuda_model/model_step}" 90 "$prebuilt/$b" '--benchmark_filter=^bm_step/2048/' \
+          --benchmark_min_time=0.05 --benchmark_counters_tabular=true
       done ;;
     bench_ttt|bench_mamba|bench_model)
       b="bench_cuda_${s#bench_}"

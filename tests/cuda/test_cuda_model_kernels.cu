@@ -69,8 +69,7 @@ std::vector<std::int32_t> token_ids(std::size_t n, std::size_t vocab, std::uint3
 }
 
 template <typename S>
-void rmsnorm_case() {
-  const std::size_t N = 37, C = 301;  // 2 row blocks of the dweight reduce, C not a warp multiple
+void rmsnorm_case(std::size_t N, std::size_t C) {
   mb::cuda_executor ex;
   mb::thread_pool pool(2);
   const auto x = random_values<S>(N * C, 1), g = random_values<S>(C, 2, 0.5f, 1.5f);
@@ -115,8 +114,7 @@ void rmsnorm_case() {
 }
 
 template <typename S>
-void elementwise_case() {
-  const std::size_t n = 10007;
+void elementwise_case(std::size_t n) {
   mb::cuda_executor ex;
   const auto a = random_values<S>(n, 11, -6.0f, 6.0f), b = random_values<S>(n, 12), d = random_values<S>(n, 13);
   std::vector<S> sum(n);
@@ -189,8 +187,7 @@ void embedding_case() {
                mc::embedding_scatter(ex, static_cast<const std::int32_t*>(nullptr), ddx.get(), ddt.get(), N, C, V));
 }
 
-void cross_entropy_case() {
-  const std::size_t R = 13, V = 1001;
+void cross_entropy_case(std::size_t R, std::size_t V) {
   mb::cuda_executor ex;
   mb::thread_pool pool(2);
   auto logits = random_values<float>(R * V, 31, -8.0f, 8.0f);
@@ -347,8 +344,6 @@ void fp16_builds() {  // fp16 storage through the same kernels: a smoke run of e
 // their addresses are taken here: this unit puts them through cicc -O3 and ptxas with warnings as
 // errors. `python3 tools/cuda_kernel_lists.py build/ci` lists any kernel that still escapes.
 [[maybe_unused]] const void* const compiled_in_full[] = {
-    reinterpret_cast<const void*>(&mc::detail::rmsnorm_apply_kernel<float>),
-    reinterpret_cast<const void*>(&mc::detail::rmsnorm_apply_kernel<mb::bf16>),
     reinterpret_cast<const void*>(&mc::detail::norm_final_kernel<false>),
     reinterpret_cast<const void*>(&mc::detail::adamw8bit_kernel<float, 256u>),
     reinterpret_cast<const void*>(&mc::detail::adamw8bit_kernel<float, 2048u>),
@@ -359,13 +354,19 @@ void fp16_builds() {  // fp16 storage through the same kernels: a smoke run of e
 
 int main() {
   static const mbt::test_case cases[] = {
-      {"rmsnorm float", rmsnorm_case<float>},
-      {"rmsnorm bf16", rmsnorm_case<mb::bf16>},
-      {"add and swiglu float", elementwise_case<float>},
-      {"add and swiglu bf16", elementwise_case<mb::bf16>},
+      // N 37: 2 row blocks of the dweight reduce; C 301: not a group multiple (the element path);
+      // C 768: the 16-byte path; C 7300: rows too wide for the shared partials (the wide kernel).
+      {"rmsnorm float", [] { rmsnorm_case<float>(37, 301); }},
+      {"rmsnorm bf16", [] { rmsnorm_case<mb::bf16>(37, 301); }},
+      {"rmsnorm float (16-byte path)", [] { rmsnorm_case<float>(70, 768); }},
+      {"rmsnorm bf16 (16-byte path)", [] { rmsnorm_case<mb::bf16>(70, 768); }},
+      {"rmsnorm bf16 (wide rows)", [] { rmsnorm_case<mb::bf16>(5, 7300); }},
+      {"add and swiglu float", [] { elementwise_case<float>(10007); }},
+      {"add and swiglu bf16", [] { elementwise_case<mb::bf16>(10007); }},
       {"embedding float", embedding_case<float>},
       {"embedding bf16", embedding_case<mb::bf16>},
-      {"cross-entropy chunk", cross_entropy_case},
+      {"cross-entropy chunk", [] { cross_entropy_case(13, 1001); }},
+      {"cross-entropy chunk (16-byte path)", [] { cross_entropy_case(13, 1000); }},
       {"adamw float", adamw_case<float>},
       {"adamw bf16", adamw_case<mb::bf16>},
       {"global norm and finite check float", norm_case<float>},

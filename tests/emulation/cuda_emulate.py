@@ -14,6 +14,9 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
   mamba      the chunk-parallel selective scan, forward and reverse, with the launchers' channels
              per CTA and at most 3: against the CPU layer in fp32 at 13 shapes
   adamw8bit  the 8-bit AdamW step: against adamw8bit::update on the CPU, bit for bit
+  model      the model's bandwidth-bound kernels (RMSNorm, the elementwise maps, the embedding
+             gather, the fused cross-entropy, the norm's first pass): against the CPU backend in
+             fp32 and bf16, and their 16-byte path bit-identical to their element path
   attention  the tensor-core attention kernels (mma.sync forward, dQ, dK/dV), each lane a thread
              and mma.sync emulated from the PTX ISA's fragment layouts: against a double-precision
              attention, bf16 operands at 9 shapes (3 sliding windows) run twice, bit-identical; fp16 at
@@ -21,7 +24,7 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
 
 Usage:
 
-    python3 tests/emulation/cuda_emulate.py [ttt|mamba|adamw8bit ...] [--args A B ...]
+    python3 tests/emulation/cuda_emulate.py [ttt|mamba|adamw8bit|model|attention ...] [--args A B ...]
                                   [--sanitize thread|address|none] [-v]
 
 No target: all of them. --args replaces the target's argument sets (one argv[1] each). Exits 0
@@ -47,6 +50,9 @@ TARGETS = {
         args=["0", "3"],
         label=lambda a: "the launchers' channels per CTA" if a == "0" else f"at most {a} channels per CTA"),
     "adamw8bit": dict(
+        args=[""],
+        label=lambda a: "one run"),
+    "model": dict(
         args=[""],
         label=lambda a: "one run"),
     "attention": dict(

@@ -93,10 +93,7 @@ __device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std
 #endif
 }
 
-// The value of lane (lane ^ mask): the quad reductions of a fragment row.
-__device__ inline float lane_xor(float v, unsigned mask) {
-  return __shfl_xor_sync(0xffffffffu, v, static_cast<int>(mask));
-}
+// lane_xor (the quad reductions of a fragment row): backend/cuda/storage.cuh.
 
 // The CTA's dynamic shared memory.
 __device__ inline unsigned char* attn_mma_smem() {

@@ -71,33 +71,8 @@ constexpr void check_types() {
 
 // --- Sizes ---------------------------------------------------------------------------------------
 
-// RMSNorm backward reduces dweight over rows in blocks of this many rows: one [C] partial per block.
-inline constexpr std::size_t rmsnorm_rows_per_block = 32;
-
-constexpr std::size_t rmsnorm_backward_partials(std::size_t N) noexcept {
-  return (N + rmsnorm_rows_per_block - 1) / rmsnorm_rows_per_block;
-}
-// Scratch of rmsnorm_backward: the per-row-block float partials of dweight.
-constexpr std::size_t rmsnorm_backward_workspace_bytes(std::size_t N, std::size_t C) noexcept {
-  return bytes_of<float>(rmsnorm_backward_partials(N), C);
-}
-
-// Scratch of cross_entropy_chunk: one double loss per row, summed in row order afterwards.
-constexpr std::size_t cross_entropy_workspace_bytes(std::size_t rows) noexcept {
-  return bytes_of<double>(rows);
-}
-
-// The gradient norm's first pass: a grid that depends on n alone (so the sum's shape does too).
-inline constexpr std::size_t norm_threads = 256;
-inline constexpr std::size_t norm_max_blocks = 1024;
-constexpr std::size_t global_norm_blocks(std::size_t n) noexcept {
-  const std::size_t b = (n + norm_threads * 8 - 1) / (norm_threads * 8);
-  return b == 0 ? 1 : (b < norm_max_blocks ? b : norm_max_blocks);
-}
-// Scratch of global_norm: one double partial per first-pass block.
-constexpr std::size_t global_norm_workspace_bytes(std::size_t n) noexcept {
-  return bytes_of<double>(global_norm_blocks(n));
-}
+// The kernels' sizes and workspace functions (their text is shared with the host emulation).
+#include "membound/backend/cuda/model_sizes.inl"
 
 // A device trainer's step buffers, one allocation: the step's token ids, its target ids, the
 // gradient norm's partials and the norm itself, each part at a 256-byte boundary (cudaMalloc's,
@@ -202,6 +177,22 @@ inline unsigned grid_for(std::size_t n, std::size_t threads) {
   return static_cast<unsigned>(b < 65536 ? (b == 0 ? 1 : b) : 65536);
 }
 
+// Whether every pointer (null counts) is 16-byte aligned: the kernels' 16-byte path (Vec).
+template <typename... P>
+bool aligned16(const P*... p) {
+  return ((reinterpret_cast<std::uintptr_t>(p) % 16 == 0) && ...);
+}
+
+// Blocks for a grid-stride loop over the G-element groups of n values.
+inline unsigned grid_for_groups(std::size_t n, std::size_t G, std::size_t threads) {
+  return grid_for((n + G - 1) / G, threads);
+}
+
+// The rows of a row kernel (a warp per row) as CTAs.
+inline unsigned row_ctas(std::size_t N) {
+  return static_cast<unsigned>((N + row_warps - 1) / row_warps);
+}
+
 }  // namespace detail
 
 #if MEMBOUND_CUDA_COMPILER
@@ -244,36 +235,22 @@ struct block_allreduce {
 
 inline constexpr unsigned row_threads = 256;
 
+// The CTA's dynamic shared memory (rmsnorm_backward_rows_kernel's partials).
+__device__ inline unsigned char* model_smem() {
+  extern __shared__ __align__(16) unsigned char model_dynamic_smem[];
+  return model_dynamic_smem;
+}
+
 // --- Kernels -------------------------------------------------------------------------------------
 
-template <typename S>
-__global__ void rmsnorm_forward_kernel(const S* x, const S* g, S* y, float* rstd, std::size_t C, float eps) {
-  using allreduce = block_allreduce<float, row_threads>;
-  __shared__ typename allreduce::storage red;
-  const std::size_t row = blockIdx.x * C;
-  float ss = 0;
-  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) {
-    const float v = ld(x, row + c);
-    ss += v * v;
-  }
-  ss = allreduce::run(ss, op_sum{}, red);
-  const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
-  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
-  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) st(y, row + c, ld(x, row + c) * r * ld(g, c));
-}
+// The bandwidth-bound kernels (their text is shared with the host emulation).
+#include "membound/backend/cuda/model_kernels.inl"
 
-// The forward's output again from its kept rstd: the same expression, so the same bits.
+// Rows too wide for rmsnorm_backward_rows_kernel's shared partials (C above ~7000 on an H200):
+// block b takes rows [32b, 32b + 32), dx row by row, and its own [C] partial of dweight in global
+// memory. Each column's partial is read and written by one thread only, so no atomics.
 template <typename S>
-__global__ void rmsnorm_apply_kernel(const S* x, const S* g, const float* rstd, S* y, std::size_t C) {
-  const std::size_t row = blockIdx.x * C;
-  const float r = rstd[blockIdx.x];
-  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) st(y, row + c, ld(x, row + c) * r * ld(g, c));
-}
-
-// Block b takes rows [32b, 32b + 32): dx row by row, and its own [C] partial of dweight. Each
-// column's partial is read and written by one thread only, so no atomics.
-template <typename S>
-__global__ void rmsnorm_backward_kernel(const S* x, const S* g, const float* rstd, const S* dy, const S* residual,
+__global__ void rmsnorm_backward_wide_kernel(const S* x, const S* g, const float* rstd, const S* dy, const S* residual,
                                         S* dx, float* partial, std::size_t N, std::size_t C) {
   using allreduce = block_allreduce<float, row_threads>;
   __shared__ typename allreduce::storage red;
@@ -310,51 +287,6 @@ __global__ void rmsnorm_dweight_kernel(const float* partial, S* dg, std::size_t 
   }
 }
 
-template <typename S>
-__global__ void add_kernel(const S* a, const S* b, S* y, std::size_t n) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
-    st(y, i, ld(a, i) + ld(b, i));
-}
-
-template <typename S>
-__global__ void convert_kernel(const float* src, S* dst, std::size_t n) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
-    st(dst, i, src[i]);
-}
-
-template <typename S, typename T>
-__global__ void swiglu_forward_kernel(const S* a, const S* b, T* act, std::size_t n) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x)
-    st(act, i, membound::swiglu(ld(a, i), ld(b, i)));
-}
-
-template <typename S, typename T>
-__global__ void swiglu_backward_kernel(const S* a, const S* b, const T* dact, T* da, T* db, std::size_t n) {
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    float ga, gb;
-    membound::swiglu_backward(ld(a, i), ld(b, i), ld(dact, i), ga, gb);
-    st(da, i, ga);  // dact[i] was read above, so da or db may be dact itself
-    st(db, i, gb);
-  }
-}
-
-// One block per row: a straight copy of the table row (bits, no rounding). A token outside
-// [0, V) gives a zero row and raises *bad (when given).
-template <typename S>
-__global__ void embedding_gather_kernel(const std::int32_t* tokens, const S* table, S* x, std::size_t C,
-                                        std::size_t V, unsigned* bad) {
-  const std::int32_t t = tokens[blockIdx.x];
-  const bool ok = t >= 0 && static_cast<std::size_t>(t) < V;
-  if (!ok && bad != nullptr && threadIdx.x == 0) *bad = 1;
-  const S* src = table + (ok ? static_cast<std::size_t>(t) : 0) * C;
-  S* dst = x + std::size_t{blockIdx.x} * C;
-  // Bits, not values: copy as unsigned integers of the element's size.
-  using raw = std::conditional_t<sizeof(S) == 4, unsigned, unsigned short>;
-  const raw* from = reinterpret_cast<const raw*>(src);
-  raw* to = reinterpret_cast<raw*>(dst);
-  for (std::size_t c = threadIdx.x; c < C; c += blockDim.x) to[c] = ok ? from[c] : raw(0);
-}
-
 // Thread (owner o, column c) walks all tokens in order and adds the rows whose id ≡ o (mod G):
 // every dtable element has exactly one writer and sees its tokens in token order, as on the CPU
 // (embedding_scatter there walks the tokens in order per column block), so the sums are the
@@ -375,43 +307,6 @@ __global__ void embedding_scatter_kernel(const std::int32_t* tokens, const S* dx
     const std::size_t at = static_cast<std::size_t>(t) * C + c;
     st(dtable, at, ld(dtable, at) + ld(dx, n * C + c));
   }
-}
-
-// One block per row of logits: log-sum-exp, then the row becomes scale·(softmax − onehot). An
-// ignore_target row is zero (loss and gradient); any other target outside [0, V) makes the row's
-// loss NaN (the non-finite check then catches it).
-template <int = 0>
-__global__ void cross_entropy_kernel(float* logits, const std::int32_t* targets, std::size_t V, float scale,
-                                            double* row_loss) {
-  using allreduce = block_allreduce<float, row_threads>;
-  __shared__ typename allreduce::storage red;
-  float* l = logits + std::size_t{blockIdx.x} * V;
-  const std::int32_t t = targets[blockIdx.x];
-  if (t == ignore_target) {  // the whole block returns here, before any barrier: no loss, no gradient
-    for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) l[v] = 0.0f;
-    if (threadIdx.x == 0) row_loss[blockIdx.x] = 0.0;
-    return;
-  }
-  const bool ok = t >= 0 && static_cast<std::size_t>(t) < V;
-  const float lt = ok ? l[t] : 0.0f;  // read before any thread overwrites the row
-  float m = -INFINITY;
-  for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, l[v]);
-  m = allreduce::run(m, op_max{}, red);
-  float sum = 0;
-  for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) {
-    const float e = expf(l[v] - m);
-    l[v] = e;
-    sum += e;
-  }
-  sum = allreduce::run(sum, op_sum{}, red);
-  if (threadIdx.x == 0) {
-    // log-sum-exp form: no log(0) when p[target] underflows
-    row_loss[blockIdx.x] = ok ? log(static_cast<double>(sum)) - static_cast<double>(lt - m) : NAN;
-  }
-  const float inv = scale / sum;
-  for (std::size_t v = threadIdx.x; v < V; v += blockDim.x) l[v] *= inv;
-  // The thread that scaled l[t] subtracts: program order, no barrier needed.
-  if (ok && static_cast<std::size_t>(t) % blockDim.x == threadIdx.x) l[t] -= scale;
 }
 
 // *total += Σ row_loss in row order (one thread: the CPU's order, so the same double).
@@ -462,19 +357,6 @@ __global__ void adamw_kernel(S* w, const S* g, float* m, float* v, float* master
   }
 }
 
-template <typename S>
-__global__ void norm_partial_kernel(const S* g, std::size_t n, double* partial) {
-  using allreduce = block_allreduce<double, norm_threads>;
-  __shared__ typename allreduce::storage red;
-  double s = 0;
-  for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    const double v = ld(g, i);
-    s += v * v;
-  }
-  s = allreduce::run(s, op_sum{}, red);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-
 // Root: the norm (sqrt of the sum); else the sum of squares itself (a shard's part of a norm
 // over ranks, added to the others' on the host).
 template <bool Root = true>
@@ -485,14 +367,6 @@ __global__ void norm_final_kernel(const double* partial, std::size_t blocks, dou
   for (std::size_t b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
   s = allreduce::run(s, op_sum{}, red);
   if (threadIdx.x == 0) *norm = Root ? sqrt(s) : s;
-}
-
-// Only ever writes 1 (every writer the same value), so the race is benign and no atomic is needed.
-template <typename S>
-__global__ void check_finite_kernel(const S* data, std::size_t n, unsigned* flag) {
-  for (std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    if (!isfinite(ld(data, i))) *flag = 1;
-  }
 }
 
 // --- adamw8bit<S, Block>'s step (the CPU optimizer's, optimizer/adamw8bit.hpp, byte for byte in
@@ -516,9 +390,15 @@ void rmsnorm_forward(const cuda_executor& ex, const S* x, const S* g, S* y, floa
   detail::need_pointer(g, "g");
   detail::need_pointer(y, "y");
   detail::need_pointer(rstd, "rstd");
-  detail::rmsnorm_forward_kernel<<<static_cast<unsigned>(N), detail::row_threads, 0, ex.stream()>>>(
-      x, g, y, rstd, C, static_cast<float>(eps));
-  cuda_executor::check_launch("rmsnorm_forward_kernel");
+  const float e = static_cast<float>(eps);
+  if (C % detail::group_of<S> == 0 && detail::aligned16(x, g, y)) {
+    detail::rmsnorm_rows_kernel<true><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
+        x, g, y, rstd, N, C, e, true);
+  } else {
+    detail::rmsnorm_rows_kernel<false><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
+        x, g, y, rstd, N, C, e, true);
+  }
+  cuda_executor::check_launch("rmsnorm_rows_kernel");
 }
 
 // y = x·rstd·g from a kept rstd [N] (the backward's recompute of the forward's output).
@@ -531,8 +411,15 @@ void rmsnorm_apply(const cuda_executor& ex, const S* x, const S* g, const float*
   detail::need_pointer(g, "g");
   detail::need_pointer(rstd, "rstd");
   detail::need_pointer(y, "y");
-  detail::rmsnorm_apply_kernel<<<static_cast<unsigned>(N), detail::row_threads, 0, ex.stream()>>>(x, g, rstd, y, C);
-  cuda_executor::check_launch("rmsnorm_apply_kernel");
+  float* kept = const_cast<float*>(rstd);  // only read: compute is false
+  if (C % detail::group_of<S> == 0 && detail::aligned16(x, g, y)) {
+    detail::rmsnorm_rows_kernel<true><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
+        x, g, y, kept, N, C, 0.0f, false);
+  } else {
+    detail::rmsnorm_rows_kernel<false><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
+        x, g, y, kept, N, C, 0.0f, false);
+  }
+  cuda_executor::check_launch("rmsnorm_rows_kernel (apply)");
 }
 
 // dx = residual + rstd·(dy⊙g) − x·rstd³/C·Σ(dy⊙g⊙x) (residual may be null), dg += Σ_n dy⊙x·rstd,
@@ -553,9 +440,28 @@ void rmsnorm_backward(const cuda_executor& ex, const S* x, const S* g, const flo
   detail::need_aligned(workspace, alignof(float), "workspace");
   const std::size_t blocks = rmsnorm_backward_partials(N);
   float* partial = static_cast<float*>(workspace);
-  detail::rmsnorm_backward_kernel<<<static_cast<unsigned>(blocks), detail::row_threads, 0, ex.stream()>>>(
-      x, g, rstd, dy, residual, dx, partial, N, C);
-  cuda_executor::check_launch("rmsnorm_backward_kernel");
+  const std::size_t smem = detail::rmsnorm_backward_smem_bytes<S>(C);
+  int optin = 0;
+  cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
+             "cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+  if (smem <= static_cast<std::size_t>(optin)) {
+    const auto launch = [&](auto kernel) {
+      cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                 "cudaFuncSetAttribute(rmsnorm_backward_rows_kernel)");
+      kernel<<<static_cast<unsigned>(blocks), row_cta_threads, smem, ex.stream()>>>(x, g, rstd, dy, residual,
+                                                                                             dx, partial, N, C);
+    };
+    if (C % detail::group_of<S> == 0 && detail::aligned16(x, g, dy, residual, dx)) {
+      launch(detail::rmsnorm_backward_rows_kernel<true, S>);
+    } else {
+      launch(detail::rmsnorm_backward_rows_kernel<false, S>);
+    }
+    cuda_executor::check_launch("rmsnorm_backward_rows_kernel");
+  } else {
+    detail::rmsnorm_backward_wide_kernel<<<static_cast<unsigned>(blocks), detail::row_threads, 0, ex.stream()>>>(
+        x, g, rstd, dy, residual, dx, partial, N, C);
+    cuda_executor::check_launch("rmsnorm_backward_wide_kernel");
+  }
   detail::rmsnorm_dweight_kernel<<<detail::grid_for(C, 256), 256, 0, ex.stream()>>>(partial, dg, blocks, C);
   cuda_executor::check_launch("rmsnorm_dweight_kernel");
 }
@@ -567,7 +473,12 @@ void add_rows(const cuda_executor& ex, const S* a, const S* b, S* y, std::size_t
   detail::need_pointer(a, "a");
   detail::need_pointer(b, "b");
   detail::need_pointer(y, "y");
-  detail::add_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, y, n);
+  const unsigned grid = detail::grid_for_groups(n, detail::group_of<S>, 256);
+  if (detail::aligned16(a, b, y)) {
+    detail::add_kernel<true><<<grid, 256, 0, ex.stream()>>>(a, b, y, n);
+  } else {
+    detail::add_kernel<false><<<grid, 256, 0, ex.stream()>>>(a, b, y, n);
+  }
   cuda_executor::check_launch("add_kernel");
 }
 
@@ -577,7 +488,12 @@ void convert(const cuda_executor& ex, const float* src, S* dst, std::size_t n) {
   if (n == 0) return;
   detail::need_pointer(src, "src");
   detail::need_pointer(dst, "dst");
-  detail::convert_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(src, dst, n);
+  const unsigned grid = detail::grid_for_groups(n, detail::group_of<S>, 256);
+  if (detail::aligned16(src, dst)) {
+    detail::convert_kernel<true><<<grid, 256, 0, ex.stream()>>>(src, dst, n);
+  } else {
+    detail::convert_kernel<false><<<grid, 256, 0, ex.stream()>>>(src, dst, n);
+  }
   cuda_executor::check_launch("convert_kernel");
 }
 
@@ -589,7 +505,12 @@ void swiglu_forward(const cuda_executor& ex, const S* a, const S* b, T* act, std
   detail::need_pointer(a, "a");
   detail::need_pointer(b, "b");
   detail::need_pointer(act, "act");
-  detail::swiglu_forward_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, act, n);
+  const unsigned grid = detail::grid_for_groups(n, detail::group_of<S>, 256);
+  if (detail::aligned16(a, b, act)) {
+    detail::swiglu_forward_kernel<true><<<grid, 256, 0, ex.stream()>>>(a, b, act, n);
+  } else {
+    detail::swiglu_forward_kernel<false><<<grid, 256, 0, ex.stream()>>>(a, b, act, n);
+  }
   cuda_executor::check_launch("swiglu_forward_kernel");
 }
 
@@ -607,7 +528,12 @@ void swiglu_backward(const cuda_executor& ex, const S* a, const S* b, const T* d
     throw invalid_argument("db", "a buffer apart from da", "the same pointer as da",
                            "Give the two gradients separate buffers (one may be dact)");
   }
-  detail::swiglu_backward_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(a, b, dact, da, db, n);
+  const unsigned grid = detail::grid_for_groups(n, detail::group_of<S>, 256);
+  if (detail::aligned16(a, b, dact, da, db)) {
+    detail::swiglu_backward_kernel<true><<<grid, 256, 0, ex.stream()>>>(a, b, dact, da, db, n);
+  } else {
+    detail::swiglu_backward_kernel<false><<<grid, 256, 0, ex.stream()>>>(a, b, dact, da, db, n);
+  }
   cuda_executor::check_launch("swiglu_backward_kernel");
 }
 
@@ -625,8 +551,13 @@ void embedding_gather(const cuda_executor& ex, const std::int32_t* tokens, const
   detail::need_pointer(tokens, "tokens");
   detail::need_pointer(table, "table");
   detail::need_pointer(x, "x");
-  detail::embedding_gather_kernel<<<static_cast<unsigned>(N), detail::row_threads, 0, ex.stream()>>>(
-      tokens, table, x, C, V, bad_token);
+  if (C * sizeof(S) % 16 == 0 && detail::aligned16(table, x)) {
+    detail::embedding_gather_kernel<true><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
+        tokens, table, x, N, C, V, bad_token);
+  } else {
+    detail::embedding_gather_kernel<false><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
+        tokens, table, x, N, C, V, bad_token);
+  }
   cuda_executor::check_launch("embedding_gather_kernel");
 }
 
@@ -666,8 +597,14 @@ inline void cross_entropy_chunk(const cuda_executor& ex, float* logits, const st
   detail::need_space(workspace, workspace_bytes, cross_entropy_workspace_bytes(R), "workspace");
   detail::need_aligned(workspace, alignof(double), "workspace");
   double* row_loss = static_cast<double*>(workspace);
-  detail::cross_entropy_kernel<><<<static_cast<unsigned>(R), detail::row_threads, 0, ex.stream()>>>(
-      logits, targets, V, static_cast<float>(scale), row_loss);
+  const float sc = static_cast<float>(scale);
+  if (V % 4 == 0 && detail::aligned16(logits)) {
+    detail::cross_entropy_kernel<true><<<static_cast<unsigned>(R), detail::xent_threads, 0, ex.stream()>>>(
+        logits, targets, V, sc, row_loss);
+  } else {
+    detail::cross_entropy_kernel<false><<<static_cast<unsigned>(R), detail::xent_threads, 0, ex.stream()>>>(
+        logits, targets, V, sc, row_loss);
+  }
   cuda_executor::check_launch("cross_entropy_kernel");
   detail::row_sum_kernel<><<<1, 1, 0, ex.stream()>>>(row_loss, R, loss_total);
   cuda_executor::check_launch("row_sum_kernel");
@@ -771,7 +708,11 @@ void norm_passes(const cuda_executor& ex, const S* g, std::size_t n, double* out
   need_aligned(workspace, alignof(double), "workspace");
   const std::size_t blocks = global_norm_blocks(n);
   double* partial = static_cast<double*>(workspace);
-  norm_partial_kernel<<<static_cast<unsigned>(blocks), norm_threads, 0, ex.stream()>>>(g, n, partial);
+  if (aligned16(g)) {
+    norm_partial_kernel<true><<<static_cast<unsigned>(blocks), norm_threads, 0, ex.stream()>>>(g, n, partial);
+  } else {
+    norm_partial_kernel<false><<<static_cast<unsigned>(blocks), norm_threads, 0, ex.stream()>>>(g, n, partial);
+  }
   cuda_executor::check_launch("norm_partial_kernel");
   norm_final_kernel<Root><<<1, 1024, 0, ex.stream()>>>(partial, blocks, out);
   cuda_executor::check_launch("norm_final_kernel");
@@ -801,7 +742,12 @@ void check_finite(const cuda_executor& ex, const S* data, std::size_t n, unsigne
   detail::need_pointer(flag, "flag");
   if (n == 0) return;
   detail::need_pointer(data, "data");
-  detail::check_finite_kernel<<<detail::grid_for(n, 256), 256, 0, ex.stream()>>>(data, n, flag);
+  const unsigned grid = detail::grid_for_groups(n, detail::group_of<S>, 256);
+  if (detail::aligned16(data)) {
+    detail::check_finite_kernel<true><<<grid, 256, 0, ex.stream()>>>(data, n, flag);
+  } else {
+    detail::check_finite_kernel<false><<<grid, 256, 0, ex.stream()>>>(data, n, flag);
+  }
   cuda_executor::check_launch("check_finite_kernel");
 }
 
