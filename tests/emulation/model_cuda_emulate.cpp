@@ -1,6 +1,6 @@
 // Host emulation of the model's bandwidth-bound device kernels (backend/cuda/model_kernels.inl:
 // RMSNorm forward, apply and backward, the elementwise maps, the embedding gather, the fused
-// cross-entropy, the gradient norm's first pass), for a machine without a GPU. Built and run by
+// cross-entropy, the gradient norm's first pass, AdamW's step), for a machine without a GPU. Built and run by
 // `tests/emulation/cuda_emulate.py model`, which compiles the kernels' own text (the file nvcc
 // compiles) as plain C++: __global__/__device__ vanish, each CTA runs its threads on a team of
 // host threads (cta_threads.hpp), one CTA after another, __syncthreads a barrier, a warp's lane
@@ -11,7 +11,8 @@
 // sum_squares): float within 2e-6 relative (1e-4 for RMSNorm's dx and dg, sums of many terms in
 // another order), bf16 within one rounding (2^-8 relative) of it; the exact ones (add, convert, gather) bit for bit; the 16-byte path
 // (Vec) and the element path give the same bits on the same aligned data (one order of sums
-// whatever the alignment); apply reproduces the forward's bits; a grid-stride loop over several
+// whatever the alignment); AdamW bit for bit adamw_step per element over segments with gaps and
+// unaligned offsets, clipping through the device norm, the skip flag; apply reproduces the forward's bits; a grid-stride loop over several
 // blocks; tails shorter than a group; in-place SwiGLU backward; ignore_target rows; a bad token.
 // What it cannot check: the launchers themselves, 16-byte access on a real device, timing.
 #include <cmath>
@@ -483,6 +484,88 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
   expect("cross-entropy: a target outside [0, V) gives a NaN loss", std::isnan(bloss.p[0]));
 }
 
+// --- AdamW ------------------------------------------------------------------------------------------
+
+// Segments with gaps, an offset that is not a group multiple (its groups go element by element),
+// counts that end inside a group and a segment longer than one CTA; clipping through the device
+// norm, then a step that a set skip flag leaves undone. Against adamw_step per element, bit for bit.
+template <class S>
+void adamw_case() {
+  constexpr bool has_master = !std::is_same_v<S, float>;
+  const std::size_t n = 5000;
+  const std::vector<emu::adamw_segment> segs = {{0, 37, true}, {40, 2100, false}, {2141, 9, true}, {2160, 2840, true}};
+  const auto w0 = rnd<S>(n, 41), g = rnd<S>(n, 42);
+  const auto m0 = rnd<float>(n, 43, -0.01f, 0.01f), v0 = rnd<float>(n, 44, 0.0f, 0.01f);
+  const auto coeff = mb::adamw_coefficients<float>::at(3, 1e-3, 0.9, 0.95, 1e-8, 0.1, true);
+  const double norm = 4.0, max_norm = 1.0, loss_scale = 2.0, grad_scale = 0.5;
+  const float gs = static_cast<float>(max_norm / (norm / loss_scale) / loss_scale * grad_scale);
+  // The reference: each listed element stepped once, the rest unchanged.
+  std::vector<S> w = w0;
+  std::vector<float> m = m0, v = v0, master(n);
+  for (std::size_t i = 0; i < n; ++i) master[i] = mb::to_accum<float>(w0[i]);
+  for (const auto& sg : segs) {
+    auto k = coeff;
+    k.wd = sg.decay ? coeff.wd : 0.0f;
+    for (std::size_t i = sg.offset; i < sg.offset + sg.count; ++i) {
+      float p = master[i];
+      mb::adamw_step(k, mb::to_accum<float>(g[i]) * gs, m[i], v[i], p);
+      master[i] = p;
+      w[i] = mb::from_accum<S>(p);
+    }
+  }
+  for (int vec = 0; vec < 2; ++vec) {
+    for (int skip = 0; skip < 2; ++skip) {
+      buf<S> bw(w0), bg(g);
+      buf<float> state(3 * n);  // m, v, master: adamw<S>'s layout (the master only for 16-bit S)
+      std::copy(m0.begin(), m0.end(), state.p);
+      std::copy(v0.begin(), v0.end(), state.p + n);
+      for (std::size_t i = 0; i < n; ++i) state.p[2 * n + i] = mb::to_accum<float>(w0[i]);
+      buf<double> dnorm(std::vector<double>{norm});
+      buf<unsigned> dskip(std::vector<unsigned>{static_cast<unsigned>(skip)});
+      emu::adamw_batch batch{};
+      std::size_t blocks = 0;
+      for (std::size_t i = 0; i < segs.size(); ++i) {  // adamw_update's batch
+        batch.offset[i] = segs[i].offset;
+        batch.count[i] = segs[i].count;
+        batch.first_block[i] = blocks;
+        batch.wd[i] = segs[i].decay ? coeff.wd : 0.0f;
+        blocks += (segs[i].count + emu::adamw_per_block<S> - 1) / emu::adamw_per_block<S>;
+      }
+      batch.first_block[segs.size()] = blocks;
+      batch.segments = static_cast<unsigned>(segs.size());
+      const emu::adamw_device_inputs dev{dnorm.p, max_norm, loss_scale, dskip.p};
+      float* ms = state.p;
+      float* vs = state.p + n;
+      float* mas = has_master ? state.p + 2 * n : nullptr;
+      if (vec) {
+        launch(static_cast<unsigned>(blocks), emu::adamw_threads, 0,
+               [&] { emu::adamw_kernel<true>(bw.p, bg.p, ms, vs, mas, batch, coeff, grad_scale, dev); });
+      } else {
+        launch(static_cast<unsigned>(blocks), emu::adamw_threads, 0,
+               [&] { emu::adamw_kernel<false>(bw.p, bg.p, ms, vs, mas, batch, coeff, grad_scale, dev); });
+      }
+      const std::vector<float> gm(state.p, state.p + n), gv(state.p + n, state.p + 2 * n);
+      const char* path = vec ? "adamw (16-byte path)" : "adamw";
+      char what[96];
+      if (skip) {
+        std::snprintf(what, sizeof what, "%s: a set skip flag changes nothing", path);
+        expect(what, std::memcmp(bw.p, w0.data(), n * sizeof(S)) == 0 && gm == m0 && gv == v0);
+        continue;
+      }
+      std::snprintf(what, sizeof what, "%s weights", path);
+      same(what, bw.vec(), w);
+      std::snprintf(what, sizeof what, "%s first moments", path);
+      same(what, gm, m);
+      std::snprintf(what, sizeof what, "%s second moments", path);
+      same(what, gv, v);
+      if (has_master) {
+        std::snprintf(what, sizeof what, "%s masters", path);
+        same(what, std::vector<float>(state.p + 2 * n, state.p + 3 * n), master);
+      }
+    }
+  }
+}
+
 int main() {
   for (std::size_t N : {37, 5}) {
     for (std::size_t C : {301, 256, 40}) {
@@ -500,6 +583,8 @@ int main() {
   cross_entropy_case(13, 1001);
   cross_entropy_case(11, 1000);
   cross_entropy_case(3, 5);
+  adamw_case<float>();
+  adamw_case<mb::bf16>();
   std::printf("%s: %d of %d checks failed\n", fails ? "FAIL" : "ok", fails, checks);
   return fails ? 1 : 0;
 }

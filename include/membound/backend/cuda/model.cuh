@@ -101,28 +101,6 @@ constexpr std::size_t embedding_scatter_owners(std::size_t C) noexcept {
   return g < 1 ? 1 : (g > 64 ? 64 : g);
 }
 
-// One parameter range of the flat weight/gradient/state arrays, as model::parameters() lists them.
-struct adamw_segment {
-  std::size_t offset = 0;
-  std::size_t count = 0;
-  bool decay = true;  // matrices decay; norms and biases do not
-};
-
-// Device-side inputs of adamw_update, so a step needs no host round trip. With `norm` (the global
-// norm of the gradients as stored, e.g. from global_norm) the gradient factor is
-// clip_factor(*norm / loss_scale, max_norm) / loss_scale · grad_scale, the trainer's formula;
-// without it, grad_scale alone. With `skip` the update does nothing while *skip != 0 (a
-// non-finite flag from check_finite).
-struct adamw_device_inputs {
-  const double* norm = nullptr;
-  double max_norm = 0;  // <= 0: no clipping
-  double loss_scale = 1;
-  const unsigned* skip = nullptr;
-};
-
-// At most this many segments go into one launch (a kernel parameter); more take several.
-inline constexpr std::size_t adamw_segments_per_launch = 32;
-
 #include "membound/backend/cuda/adamw8bit_sizes.inl"
 
 // --- Host-side argument checks --------------------------------------------------------------------
@@ -316,45 +294,6 @@ __global__ void row_sum_kernel(const double* row_loss, std::size_t R, double* to
   double s = 0;
   for (std::size_t r = 0; r < R; ++r) s += row_loss[r];
   *total += s;
-}
-
-struct adamw_batch {
-  std::size_t offset[adamw_segments_per_launch];
-  std::size_t count[adamw_segments_per_launch];
-  std::size_t first_block[adamw_segments_per_launch + 1];
-  float wd[adamw_segments_per_launch];
-  unsigned segments;
-};
-
-inline constexpr unsigned adamw_threads = 256, adamw_per_thread = 4;
-
-// Block b updates its segment's elements [base, base + 1024); the block → segment map is a prefix
-// sum over the (few) segments of this launch.
-template <typename S>
-__global__ void adamw_kernel(S* w, const S* g, float* m, float* v, float* master, adamw_batch batch,
-                             adamw_coefficients<float> k, double grad_scale, adamw_device_inputs dev) {
-  if (dev.skip != nullptr && *dev.skip != 0) return;
-  unsigned s = 0;
-  while (s + 1 < batch.segments && batch.first_block[s + 1] <= blockIdx.x) ++s;
-  double gsd = grad_scale;
-  if (dev.norm != nullptr) {
-    const double norm = *dev.norm / dev.loss_scale;
-    const double clip = (dev.max_norm <= 0.0 || !(norm > dev.max_norm)) ? 1.0 : dev.max_norm / norm;
-    gsd = clip / dev.loss_scale * grad_scale;
-  }
-  const float gs = static_cast<float>(gsd);
-  k.wd = batch.wd[s];
-  const std::size_t end = batch.offset[s] + batch.count[s];
-  const std::size_t base =
-      batch.offset[s] + (blockIdx.x - batch.first_block[s]) * std::size_t{adamw_threads * adamw_per_thread};
-  for (unsigned j = 0; j < adamw_per_thread; ++j) {
-    const std::size_t i = base + j * adamw_threads + threadIdx.x;
-    if (i >= end) break;
-    float p = master != nullptr ? master[i] : ld(w, i);
-    adamw_step(k, ld(g, i) * gs, m[i], v[i], p);
-    if (master != nullptr) master[i] = p;
-    st(w, i, p);
-  }
 }
 
 // Root: the norm (sqrt of the sum); else the sum of squares itself (a shard's part of a norm
@@ -642,7 +581,8 @@ void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::s
   float* v = m + n;
   float* master = opt::has_master ? m + 2 * n : nullptr;
   const auto k = adamw_coefficients<float>::at(t, lr, c.beta1, c.beta2, c.eps, c.weight_decay, true);
-  constexpr std::size_t per_block = detail::adamw_threads * detail::adamw_per_thread;
+  constexpr std::size_t per_block = detail::adamw_per_block<S>;
+  const bool vec = detail::aligned16(w, g, m, v, master);
   for (std::size_t first = 0; first < segments.size(); first += adamw_segments_per_launch) {
     detail::adamw_batch batch{};
     std::size_t blocks = 0;
@@ -660,8 +600,13 @@ void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::s
     batch.first_block[count] = blocks;
     batch.segments = count;
     detail::need_extent(blocks, static_cast<std::size_t>(std::numeric_limits<int>::max()), "segments (total blocks)");
-    detail::adamw_kernel<<<static_cast<unsigned>(blocks), detail::adamw_threads, 0, ex.stream()>>>(
-        w, g, m, v, master, batch, k, grad_scale, dev);
+    if (vec) {
+      detail::adamw_kernel<true><<<static_cast<unsigned>(blocks), detail::adamw_threads, 0, ex.stream()>>>(
+          w, g, m, v, master, batch, k, grad_scale, dev);
+    } else {
+      detail::adamw_kernel<false><<<static_cast<unsigned>(blocks), detail::adamw_threads, 0, ex.stream()>>>(
+          w, g, m, v, master, batch, k, grad_scale, dev);
+    }
     cuda_executor::check_launch("adamw_kernel");
   }
 }

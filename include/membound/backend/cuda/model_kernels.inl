@@ -1,5 +1,5 @@
 // The model's bandwidth-bound kernels: RMSNorm forward and backward, the elementwise maps, the
-// embedding gather, the fused cross-entropy and the gradient norm's first pass.
+// embedding gather, the fused cross-entropy, the gradient norm's first pass and AdamW's step.
 // A fragment, not a header: model.cuh includes it inside namespace membound::gpu::detail, and
 // tests/emulation/model_cuda_emulate.cpp includes the same text inside its emulation namespace,
 // where the CUDA built-ins are host threads (tests/emulation/cuda_emulate.py model). One text,
@@ -407,4 +407,68 @@ __global__ void __launch_bounds__(norm_threads)
   });
   s = cta_sum<static_cast<unsigned>(norm_threads)>(s);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// --- AdamW ----------------------------------------------------------------------------------------
+
+struct adamw_batch {
+  std::size_t offset[adamw_segments_per_launch];
+  std::size_t count[adamw_segments_per_launch];
+  std::size_t first_block[adamw_segments_per_launch + 1];
+  float wd[adamw_segments_per_launch];
+  unsigned segments;
+};
+
+inline constexpr unsigned adamw_threads = 256;
+// Elements per CTA: a group per thread.
+template <typename S>
+inline constexpr std::size_t adamw_per_block = std::size_t{adamw_threads} * group_of<S>;
+
+// CTA b updates its segment's elements [base, base + adamw_per_block<S>), thread t the group at
+// base + G·t (the block → segment map is a prefix sum over the launch's few segments). With Vec,
+// the groups of a segment whose offset is a multiple of G move as 16-byte accesses (the moments
+// and the master in G·4 bytes, w and g in 16), others element by element: an elementwise update,
+// the same bits either way.
+template <bool Vec, typename S>
+__global__ void __launch_bounds__(adamw_threads)
+    adamw_kernel(S* w, const S* g, float* m, float* v, float* master, adamw_batch batch,
+                 adamw_coefficients<float> k, double grad_scale, adamw_device_inputs dev) {
+  constexpr unsigned G = group_of<S>;
+  if (dev.skip != nullptr && *dev.skip != 0) return;
+  unsigned s = 0;
+  while (s + 1 < batch.segments && batch.first_block[s + 1] <= blockIdx.x) ++s;
+  double gsd = grad_scale;
+  if (dev.norm != nullptr) {
+    const double norm = *dev.norm / dev.loss_scale;
+    const double clip = (dev.max_norm <= 0.0 || !(norm > dev.max_norm)) ? 1.0 : dev.max_norm / norm;
+    gsd = clip / dev.loss_scale * grad_scale;
+  }
+  const float gs = static_cast<float>(gsd);
+  k.wd = batch.wd[s];
+  const std::size_t end = batch.offset[s] + batch.count[s];
+  const std::size_t i = batch.offset[s] + (blockIdx.x - batch.first_block[s]) * adamw_per_block<S> + G * threadIdx.x;
+  if (i >= end) return;
+  const auto update = [&](auto vec) {
+    constexpr bool V = decltype(vec)::value;
+    float gv[G], mv[G], vv[G], pv[G];
+    load_group<V, G>(g, i, end, gv);
+    load_group<V, G>(m, i, end, mv);
+    load_group<V, G>(v, i, end, vv);
+    if (master != nullptr) {
+      load_group<V, G>(master, i, end, pv);
+    } else {
+      load_group<V, G>(w, i, end, pv);
+    }
+#pragma unroll
+    for (unsigned j = 0; j < G; ++j) adamw_step(k, gv[j] * gs, mv[j], vv[j], pv[j]);
+    store_group<V, G>(m, i, end, mv);
+    store_group<V, G>(v, i, end, vv);
+    if (master != nullptr) store_group<V, G>(master, i, end, pv);
+    store_group<V, G>(w, i, end, pv);
+  };
+  if (Vec && batch.offset[s] % G == 0) {
+    update(std::true_type{});
+  } else {
+    update(std::false_type{});
+  }
 }

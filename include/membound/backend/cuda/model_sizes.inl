@@ -1,5 +1,6 @@
 // The sizes the model's bandwidth-bound kernels (model_kernels.inl) and their launchers share: the
-// RMSNorm backward's row blocks, the cross-entropy's and the gradient norm's scratch.
+// RMSNorm backward's row blocks, the cross-entropy's and the gradient norm's scratch, AdamW's
+// segments and device inputs.
 // A fragment, not a header: model.cuh includes it inside namespace membound::gpu, and
 // tests/emulation/model_cuda_emulate.cpp includes it inside its emulation namespace.
 
@@ -33,3 +34,25 @@ constexpr std::size_t global_norm_blocks(std::size_t n) noexcept {
 constexpr std::size_t global_norm_workspace_bytes(std::size_t n) noexcept {
   return bytes_of<double>(global_norm_blocks(n));
 }
+
+// One parameter range of the flat weight/gradient/state arrays, as model::parameters() lists them.
+struct adamw_segment {
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  bool decay = true;  // matrices decay; norms and biases do not
+};
+
+// Device-side inputs of adamw_update, so a step needs no host round trip. With `norm` (the global
+// norm of the gradients as stored, e.g. from global_norm) the gradient factor is
+// clip_factor(*norm / loss_scale, max_norm) / loss_scale · grad_scale, the trainer's formula;
+// without it, grad_scale alone. With `skip` the update does nothing while *skip != 0 (a
+// non-finite flag from check_finite).
+struct adamw_device_inputs {
+  const double* norm = nullptr;
+  double max_norm = 0;  // <= 0: no clipping
+  double loss_scale = 1;
+  const unsigned* skip = nullptr;
+};
+
+// At most this many segments go into one launch (a kernel parameter); more take several.
+inline constexpr std::size_t adamw_segments_per_launch = 32;
