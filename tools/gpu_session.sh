@@ -14,7 +14,8 @@
 #   OUT=... bash tools/gpu_session.sh --build 90 --deadline 570 --steps "tests train"
 #   # (1243 s of nvcc summed over the CUDA files on the 2-core machine: only where a call may run long)
 #
-# Steps: bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
+# Steps: torch_allocator (the Python package built there in the background, then
+# tests/python/gpu_torch_allocator.py), bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
 # builds when carried), tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
 # example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
@@ -136,6 +137,25 @@ if [[ -n "$build_arch" ]]; then
     pack
     exit 1
   fi
+fi
+
+# torch_allocator needs the Python package built for this machine's CPython (3.12 on the lent
+# image; a build here targets another): configure and build it in the background from the start,
+# so the compile overlaps the GPU steps before it. Eigen comes from .device_deps/python_deps.tgz
+# (tools/stage_gpu_binaries.sh), nanobind from the machine's Python.
+pybuild=""
+if [[ " $steps " == *" torch_allocator "* ]]; then
+  pybuild="$work/py_build.rc"
+  (
+    pyprefix="$(mktemp -d)"
+    [[ -f "$root/.device_deps/python_deps.tgz" ]] && tar -C "$pyprefix" -xzf "$root/.device_deps/python_deps.tgz"
+    cmake -S "$root" -B "$root/build/gpu-python" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBOUND_BUILD_PYTHON=ON \
+      -DMEMBOUND_BUILD_TESTS=OFF -DMEMBOUND_BUILD_EXAMPLES=OFF -DMEMBOUND_BUILD_BENCHMARKS=OFF \
+      -DMEMBOUND_BUILD_DOCS=OFF -DMEMBOUND_ENABLE_CUDA=OFF -DMEMBOUND_ENABLE_MPI=OFF \
+      -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_PREFIX_PATH="$pyprefix/usr" > "$work/py_build.log" 2>&1 &&
+      cmake --build "$root/build/gpu-python" -j "$(nproc)" --target _core membound_alloc_cuda >> "$work/py_build.log" 2>&1
+    echo $? > "$pybuild.tmp" && mv "$pybuild.tmp" "$pybuild"
+  ) &
 fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$work/gpu.txt" 2>&1
@@ -318,6 +338,15 @@ PY
         done
       done
       pack ;;
+    torch_allocator)
+      # membound.torch.use_allocator under a real PyTorch training loop (tests/python/gpu_torch_allocator.py).
+      while [[ -n "$pybuild" && ! -f "$pybuild" ]] && (($(left) > 60)); do sleep 2; done
+      if [[ "$(cat "$pybuild" 2> /dev/null)" == 0 ]]; then
+        PYTHONPATH="$root/build/gpu-python/python" step torch_allocator 120 python3 tests/python/gpu_torch_allocator.py "$work"
+      else
+        printf '%-40s %s\n' torch_allocator "not run (the Python build failed or did not finish: py_build.log)" |
+          tee -a "$work/summary.txt"
+      fi ;;
     *) echo "gpu_session.sh: unknown step '$s'" >&2 ;;
   esac
 done
