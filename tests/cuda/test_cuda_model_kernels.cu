@@ -93,7 +93,10 @@ void rmsnorm_case(std::size_t N, std::size_t C) {
   mbt::close("rmsnorm y", as_double(dy_out.download()), as_double(y), tol<S>(), 1e-5);
   mbt::close("rmsnorm rstd", as_double(drstd.download()), as_double(rstd), 1e-5);
   mbt::close("rmsnorm dx", as_double(ddx.download()), as_double(dx), tol<S>(), 1e-3);
-  mbt::close("rmsnorm dg", as_double(ddg.download()), as_double(dg), tol<S>(), 1e-3);
+  // dg sums N rows of terms of size ~1 that cancel: its error is a few ulps of the terms, not of
+  // the result, so the floor is 0.1 (a fp32 dg of -0.0029 over 70 rows differed by 8e-7 on the
+  // H200, 2026-11-29: 2.1e-4 relative to itself, 8e-6 relative to the floor).
+  mbt::close("rmsnorm dg", as_double(ddg.download()), as_double(dg), tol<S>(), 0.1);
 
   // Bit-identical repeats: the same dx and dg (dg starts over from dg0).
   const auto dx1 = ddx.download(), dg1 = ddg.download();

@@ -9,11 +9,13 @@
 //
 // Checks, for float and bf16 storage: every kernel against the CPU backend (backend/cpu/model.hpp,
 // sum_squares): float within 2e-6 relative (1e-4 for RMSNorm's dx and dg, sums of many terms in
-// another order), bf16 within one rounding (2^-8 relative) of it; the exact ones (add, convert, gather) bit for bit; the 16-byte path
-// (Vec) and the element path give the same bits on the same aligned data (one order of sums
-// whatever the alignment); AdamW bit for bit adamw_step per element over segments with gaps and
-// unaligned offsets, clipping through the device norm, the skip flag; apply reproduces the forward's bits; a grid-stride loop over several
-// blocks; tails shorter than a group; in-place SwiGLU backward; ignore_target rows; a bad token.
+// another order), bf16 within one rounding (2^-8 relative) of it; the exact ones (add, convert,
+// gather) bit for bit; the 16-byte path (Vec) and the grouped element path give the same bits on
+// the same aligned data (one order of sums whatever the alignment; rows that are not whole groups
+// take the strided element path); AdamW bit for bit adamw_step per element over segments with
+// gaps and unaligned offsets, clipping through the device norm, the skip flag; apply reproduces
+// the forward's bits; a grid-stride loop over several blocks; tails shorter than a group;
+// in-place SwiGLU backward; ignore_target rows; a bad token.
 // What it cannot check: the launchers themselves, 16-byte access on a real device, timing.
 #include <cmath>
 #include <cstdint>
@@ -231,26 +233,27 @@ constexpr double tol() {
 
 // --- RMSNorm --------------------------------------------------------------------------------------
 
-template <class S, bool Vec>
+template <class S>
 struct rms_out {
   std::vector<S> y, y_apply, dx, dg;
   std::vector<float> rstd;
 };
 
-template <class S, bool Vec>
-rms_out<S, Vec> rms_device(const std::vector<S>& x, const std::vector<S>& g, const std::vector<S>& dy,
+// W: the launchers' row path (row_path_for): G when C is a whole number of groups, else 1.
+template <class S, unsigned W, bool Vec>
+rms_out<S> rms_device(const std::vector<S>& x, const std::vector<S>& g, const std::vector<S>& dy,
                            const std::vector<S>& res, const std::vector<S>& dg0, std::size_t N, std::size_t C) {
   buf<S> bx(x), bg(g), bdy(dy), bres(res), by(N * C), bya(N * C), bdx(N * C), bdg(dg0);
   buf<float> brstd(N), part(emu::rmsnorm_backward_partials(N) * C);
   launch(row_ctas(N), emu::row_cta_threads, 0, [&] {
-    emu::rmsnorm_rows_kernel<Vec>(bx.p, bg.p, by.p, brstd.p, N, C, 1e-5f, true);
+    emu::rmsnorm_rows_kernel<W, Vec>(bx.p, bg.p, by.p, brstd.p, N, C, 1e-5f, true);
   });
   launch(row_ctas(N), emu::row_cta_threads, 0, [&] {
-    emu::rmsnorm_rows_kernel<Vec>(bx.p, bg.p, bya.p, brstd.p, N, C, 0.0f, false);
+    emu::rmsnorm_rows_kernel<W, Vec>(bx.p, bg.p, bya.p, brstd.p, N, C, 0.0f, false);
   });
   const std::size_t blocks = emu::rmsnorm_backward_partials(N);
   launch(static_cast<unsigned>(blocks), emu::row_cta_threads, emu::rmsnorm_backward_smem_bytes<S>(C), [&] {
-    emu::rmsnorm_backward_rows_kernel<Vec>(bx.p, bg.p, brstd.p, bdy.p, bres.p, bdx.p, part.p, N, C);
+    emu::rmsnorm_backward_rows_kernel<W, Vec>(bx.p, bg.p, brstd.p, bdy.p, bres.p, bdx.p, part.p, N, C);
   });
   // rmsnorm_dweight_kernel (model.cuh): dg[c] += Σ_b partial[b][c], the blocks in order.
   for (std::size_t c = 0; c < C; ++c) {
@@ -271,7 +274,10 @@ void rmsnorm_case(std::size_t N, std::size_t C) {
   mb::cpu::rmsnorm_forward<float>(pool, x.data(), g.data(), y.data(), rstd.data(), N, C, 1e-5);
   mb::cpu::rmsnorm_backward<float>(pool, x.data(), g.data(), rstd.data(), dy.data(), res.data(), dx.data(),
                                    dg.data(), part.data(), N, C);
-  const auto e = rms_device<S, false>(x, g, dy, res, dg0, N, C);
+  constexpr unsigned G = emu::group_of<S>;
+  const bool grouped = C % G == 0;
+  const auto e = grouped ? rms_device<S, G, false>(x, g, dy, res, dg0, N, C)
+                         : rms_device<S, 1, false>(x, g, dy, res, dg0, N, C);
   char what[96];
   const auto name = [&](const char* s) {
     std::snprintf(what, sizeof what, "rmsnorm %s (%s, N %zu, C %zu)", s, sizeof(S) == 4 ? "fp32" : "bf16", N, C);
@@ -285,8 +291,8 @@ void rmsnorm_case(std::size_t N, std::size_t C) {
   close(name("dx"), e.dx, dx, dtol, 1e-2);
   close(name("dg"), e.dg, dg, dtol, 1e-2);
   same(name("apply == forward"), e.y_apply, e.y);
-  if (C % emu::group_of<S> == 0) {
-    const auto v = rms_device<S, true>(x, g, dy, res, dg0, N, C);
+  if (grouped) {
+    const auto v = rms_device<S, G, true>(x, g, dy, res, dg0, N, C);
     same(name("16-byte path y"), v.y, e.y);
     same(name("16-byte path rstd"), v.rstd, e.rstd);
     same(name("16-byte path dx"), v.dx, e.dx);
@@ -459,10 +465,13 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
     buf<double> bloss(R);
     if (vec) {
       launch(static_cast<unsigned>(R), emu::xent_threads, 0,
-             [&] { emu::cross_entropy_kernel<true>(bl.p, bt.p, V, scale, bloss.p); });
-    } else {
+             [&] { emu::cross_entropy_kernel<4, true>(bl.p, bt.p, V, scale, bloss.p); });
+    } else if (V % 4 == 0) {
       launch(static_cast<unsigned>(R), emu::xent_threads, 0,
-             [&] { emu::cross_entropy_kernel<false>(bl.p, bt.p, V, scale, bloss.p); });
+             [&] { emu::cross_entropy_kernel<4, false>(bl.p, bt.p, V, scale, bloss.p); });
+    } else {  // the launcher's element path (row_path_for)
+      launch(static_cast<unsigned>(R), emu::xent_threads, 0,
+             [&] { emu::cross_entropy_kernel<1, false>(bl.p, bt.p, V, scale, bloss.p); });
     }
     outs.push_back(bl.vec());
     losses.push_back(bloss.vec());
@@ -480,7 +489,7 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
   buf<std::int32_t> bt(bad);
   buf<double> bloss(R);
   launch(static_cast<unsigned>(R), emu::xent_threads, 0,
-         [&] { emu::cross_entropy_kernel<false>(bl.p, bt.p, V, scale, bloss.p); });
+         [&] { emu::cross_entropy_kernel<1, false>(bl.p, bt.p, V, scale, bloss.p); });
   expect("cross-entropy: a target outside [0, V) gives a NaN loss", std::isnan(bloss.p[0]));
 }
 

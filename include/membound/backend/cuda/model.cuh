@@ -171,6 +171,15 @@ inline unsigned row_ctas(std::size_t N) {
   return static_cast<unsigned>((N + row_warps - 1) / row_warps);
 }
 
+// How a row kernel takes a row of C elements (model_kernels.inl): in groups of G when C is a
+// whole number of them (16-byte accesses where the buffers are aligned), else element by
+// element. The first two sum in the same order; which of groups or elements depends on C alone.
+enum class row_path { vectors, groups, elements };
+inline row_path row_path_for(std::size_t C, std::size_t G, bool aligned) {
+  if (C % G != 0) return row_path::elements;
+  return aligned ? row_path::vectors : row_path::groups;
+}
+
 }  // namespace detail
 
 #if MEMBOUND_CUDA_COMPILER
@@ -316,6 +325,24 @@ __global__ void norm_final_kernel(const double* partial, std::size_t blocks, dou
 
 // --- Launchers -------------------------------------------------------------------------------------
 
+namespace detail {
+// rmsnorm_rows_kernel over N rows on the path row_path_for picks (forward, or apply with !compute).
+template <typename S>
+void launch_rmsnorm_rows(const cuda_executor& ex, const S* x, const S* g, S* y, float* rstd, std::size_t N,
+                         std::size_t C, float eps, bool compute) {
+  constexpr unsigned G = group_of<S>;
+  const auto rows = [&](auto kernel) {
+    kernel<<<row_ctas(N), row_cta_threads, 0, ex.stream()>>>(x, g, y, rstd, N, C, eps, compute);
+  };
+  switch (row_path_for(C, G, aligned16(x, g, y))) {
+    case row_path::vectors: rows(rmsnorm_rows_kernel<G, true, S>); break;
+    case row_path::groups: rows(rmsnorm_rows_kernel<G, false, S>); break;
+    case row_path::elements: rows(rmsnorm_rows_kernel<1, false, S>); break;
+  }
+  cuda_executor::check_launch(compute ? "rmsnorm_rows_kernel" : "rmsnorm_rows_kernel (apply)");
+}
+}  // namespace detail
+
 // y = x·rstd·g per row with rstd = 1/sqrt(mean(x²) + eps) (float), kept [N] for backward.
 template <kernel_storage S>
 void rmsnorm_forward(const cuda_executor& ex, const S* x, const S* g, S* y, float* rstd, std::size_t N,
@@ -329,15 +356,7 @@ void rmsnorm_forward(const cuda_executor& ex, const S* x, const S* g, S* y, floa
   detail::need_pointer(g, "g");
   detail::need_pointer(y, "y");
   detail::need_pointer(rstd, "rstd");
-  const float e = static_cast<float>(eps);
-  if (C % detail::group_of<S> == 0 && detail::aligned16(x, g, y)) {
-    detail::rmsnorm_rows_kernel<true><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
-        x, g, y, rstd, N, C, e, true);
-  } else {
-    detail::rmsnorm_rows_kernel<false><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
-        x, g, y, rstd, N, C, e, true);
-  }
-  cuda_executor::check_launch("rmsnorm_rows_kernel");
+  detail::launch_rmsnorm_rows(ex, x, g, y, rstd, N, C, static_cast<float>(eps), true);
 }
 
 // y = x·rstd·g from a kept rstd [N] (the backward's recompute of the forward's output).
@@ -351,14 +370,7 @@ void rmsnorm_apply(const cuda_executor& ex, const S* x, const S* g, const float*
   detail::need_pointer(rstd, "rstd");
   detail::need_pointer(y, "y");
   float* kept = const_cast<float*>(rstd);  // only read: compute is false
-  if (C % detail::group_of<S> == 0 && detail::aligned16(x, g, y)) {
-    detail::rmsnorm_rows_kernel<true><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
-        x, g, y, kept, N, C, 0.0f, false);
-  } else {
-    detail::rmsnorm_rows_kernel<false><<<detail::row_ctas(N), row_cta_threads, 0, ex.stream()>>>(
-        x, g, y, kept, N, C, 0.0f, false);
-  }
-  cuda_executor::check_launch("rmsnorm_rows_kernel (apply)");
+  detail::launch_rmsnorm_rows(ex, x, g, y, kept, N, C, 0.0f, false);
 }
 
 // dx = residual + rstd·(dy⊙g) − x·rstd³/C·Σ(dy⊙g⊙x) (residual may be null), dg += Σ_n dy⊙x·rstd,
@@ -390,10 +402,11 @@ void rmsnorm_backward(const cuda_executor& ex, const S* x, const S* g, const flo
       kernel<<<static_cast<unsigned>(blocks), row_cta_threads, smem, ex.stream()>>>(x, g, rstd, dy, residual,
                                                                                              dx, partial, N, C);
     };
-    if (C % detail::group_of<S> == 0 && detail::aligned16(x, g, dy, residual, dx)) {
-      launch(detail::rmsnorm_backward_rows_kernel<true, S>);
-    } else {
-      launch(detail::rmsnorm_backward_rows_kernel<false, S>);
+    constexpr unsigned G = detail::group_of<S>;
+    switch (detail::row_path_for(C, G, detail::aligned16(x, g, dy, residual, dx))) {
+      case detail::row_path::vectors: launch(detail::rmsnorm_backward_rows_kernel<G, true, S>); break;
+      case detail::row_path::groups: launch(detail::rmsnorm_backward_rows_kernel<G, false, S>); break;
+      case detail::row_path::elements: launch(detail::rmsnorm_backward_rows_kernel<1, false, S>); break;
     }
     cuda_executor::check_launch("rmsnorm_backward_rows_kernel");
   } else {
@@ -537,12 +550,13 @@ inline void cross_entropy_chunk(const cuda_executor& ex, float* logits, const st
   detail::need_aligned(workspace, alignof(double), "workspace");
   double* row_loss = static_cast<double*>(workspace);
   const float sc = static_cast<float>(scale);
-  if (V % 4 == 0 && detail::aligned16(logits)) {
-    detail::cross_entropy_kernel<true><<<static_cast<unsigned>(R), detail::xent_threads, 0, ex.stream()>>>(
-        logits, targets, V, sc, row_loss);
-  } else {
-    detail::cross_entropy_kernel<false><<<static_cast<unsigned>(R), detail::xent_threads, 0, ex.stream()>>>(
-        logits, targets, V, sc, row_loss);
+  const auto xent = [&](auto kernel) {
+    kernel<<<static_cast<unsigned>(R), detail::xent_threads, 0, ex.stream()>>>(logits, targets, V, sc, row_loss);
+  };
+  switch (detail::row_path_for(V, 4, detail::aligned16(logits))) {
+    case detail::row_path::vectors: xent(detail::cross_entropy_kernel<4, true>); break;
+    case detail::row_path::groups: xent(detail::cross_entropy_kernel<4, false>); break;
+    case detail::row_path::elements: xent(detail::cross_entropy_kernel<1, false>); break;
   }
   cuda_executor::check_launch("cross_entropy_kernel");
   detail::row_sum_kernel<><<<1, 1, 0, ex.stream()>>>(row_loss, R, loss_total);

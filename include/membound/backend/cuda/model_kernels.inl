@@ -9,9 +9,13 @@
 // ignore_target and model_smem() (the CTA's dynamic shared memory).
 //
 // Values move in groups of G = 16 / sizeof(S) elements (4 floats, 8 bf16 or fp16): a thread takes
-// whole groups, as one 16-byte access each when the launcher found the buffers aligned (Vec), else
-// element by element, in the same order either way. So every sum has one shape for given sizes,
-// whatever the buffers' alignment, and the aligned path moves 16 bytes per access.
+// whole groups, as one 16-byte access each when the launcher found the buffers aligned (Vec).
+// The row kernels (RMSNorm, the cross-entropy) take a row's elements in groups of W: W = G when
+// the row is a whole number of groups, else W = 1 (lane l takes elements l, l + 32, ...: each warp
+// access coalesced, where G consecutive elements per lane would be 32 strided ones). W depends on
+// the sizes alone, and with W = G the element path keeps the 16-byte path's order: every sum has
+// one shape for given sizes, whatever the buffers' alignment. The elementwise maps (no sums) take
+// groups on the 16-byte path and single elements, grid-strided, otherwise.
 
 template <typename S>
 inline constexpr unsigned group_of = static_cast<unsigned>(16 / sizeof(S));
@@ -20,24 +24,28 @@ inline constexpr unsigned group_of = static_cast<unsigned>(16 / sizeof(S));
 // of an elementwise map) goes element by element on either path.
 template <bool Vec, unsigned G, typename S>
 __device__ inline void load_group(const S* p, std::size_t i, std::size_t n, float (&v)[G]) {
-  if (Vec && i + G <= n) {
-    ld_vec<G>(p, i, v);
-  } else {
-#pragma unroll
-    for (unsigned k = 0; k < G; ++k) v[k] = i + k < n ? ld(p, i + k) : 0.0f;
+  if constexpr (Vec) {
+    if (i + G <= n) {
+      ld_vec<G>(p, i, v);
+      return;
+    }
   }
+#pragma unroll
+  for (unsigned k = 0; k < G; ++k) v[k] = i + k < n ? ld(p, i + k) : 0.0f;
 }
 
 // p[i .. min(i + G, n)) = v (rounded to S).
 template <bool Vec, unsigned G, typename S>
 __device__ inline void store_group(S* p, std::size_t i, std::size_t n, const float (&v)[G]) {
-  if (Vec && i + G <= n) {
-    st_vec<G>(p, i, v);
-  } else {
-#pragma unroll
-    for (unsigned k = 0; k < G; ++k) {
-      if (i + k < n) st(p, i + k, v[k]);
+  if constexpr (Vec) {
+    if (i + G <= n) {
+      st_vec<G>(p, i, v);
+      return;
     }
+  }
+#pragma unroll
+  for (unsigned k = 0; k < G; ++k) {
+    if (i + k < n) st(p, i + k, v[k]);
   }
 }
 
@@ -55,11 +63,11 @@ __device__ inline T warp_sum(T v) {
 // Warp w of CTA b takes row 8b + w: rstd = 1/sqrt(mean(x²) + eps) (when compute; else the kept
 // rstd[n]), y = x·rstd·g. Lane l takes the groups l, l + 32, ...; the second pass re-reads the row
 // from L1/L2. The expression of y is the one rmsnorm_apply recomputes it by: the same bits.
-template <bool Vec, typename S>
+template <unsigned W, bool Vec, typename S>
 __global__ void __launch_bounds__(row_cta_threads)
     rmsnorm_rows_kernel(const S* x, const S* g, S* y, float* rstd, std::size_t N, std::size_t C, float eps,
                         bool compute) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = W;
   const std::size_t n = std::size_t{blockIdx.x} * row_warps + threadIdx.x / 32;
   const std::size_t lane = threadIdx.x % 32;
   if (n >= N) return;  // the whole warp; no CTA barrier below
@@ -118,11 +126,11 @@ __device__ inline std::size_t partial_slot(std::size_t c) {
 // sum), dx = rstd·dy·g − x·rstd³·dot/C (+ residual), and dy·x·rstd added into the warp's own
 // partial in shared memory (no other warp touches it: no atomics). Then the CTA adds its warps'
 // partials in warp order into partial[b] (rmsnorm_dweight_kernel adds the blocks in order).
-template <bool Vec, typename S>
+template <unsigned W, bool Vec, typename S>
 __global__ void __launch_bounds__(row_cta_threads)
     rmsnorm_backward_rows_kernel(const S* x, const S* g, const float* rstd, const S* dy, const S* residual, S* dx,
                                  float* partial, std::size_t N, std::size_t C) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = W;
   const std::size_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::size_t per = rmsnorm_warp_partial_floats<S>(C);
   float* const smem = reinterpret_cast<float*>(model_smem());
@@ -181,7 +189,7 @@ __device__ inline void for_groups(std::size_t n, F&& f) {
 
 template <bool Vec, typename S>
 __global__ void add_kernel(const S* a, const S* b, S* y, std::size_t n) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = Vec ? group_of<S> : 1;
   for_groups<G>(n, [&](std::size_t i) {
     float va[G], vb[G];
     load_group<Vec, G>(a, i, n, va);
@@ -194,7 +202,7 @@ __global__ void add_kernel(const S* a, const S* b, S* y, std::size_t n) {
 
 template <bool Vec, typename S>
 __global__ void convert_kernel(const float* src, S* dst, std::size_t n) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = Vec ? group_of<S> : 1;
   for_groups<G>(n, [&](std::size_t i) {
     float v[G];
     load_group<Vec, G>(src, i, n, v);
@@ -205,7 +213,7 @@ __global__ void convert_kernel(const float* src, S* dst, std::size_t n) {
 // Groups of S's width (the narrower type): a float side moves them in two 16-byte words.
 template <bool Vec, typename S, typename T>
 __global__ void swiglu_forward_kernel(const S* a, const S* b, T* act, std::size_t n) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = Vec ? group_of<S> : 1;
   for_groups<G>(n, [&](std::size_t i) {
     float va[G], vb[G];
     load_group<Vec, G>(a, i, n, va);
@@ -218,7 +226,7 @@ __global__ void swiglu_forward_kernel(const S* a, const S* b, T* act, std::size_
 
 template <bool Vec, typename S, typename T>
 __global__ void swiglu_backward_kernel(const S* a, const S* b, const T* dact, T* da, T* db, std::size_t n) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = Vec ? group_of<S> : 1;
   for_groups<G>(n, [&](std::size_t i) {
     float va[G], vb[G], vd[G], ga[G], gb[G];
     load_group<Vec, G>(a, i, n, va);
@@ -234,7 +242,7 @@ __global__ void swiglu_backward_kernel(const S* a, const S* b, const T* dact, T*
 // Only ever writes 1 (every writer the same value), so the race is benign and no atomic is needed.
 template <bool Vec, typename S>
 __global__ void check_finite_kernel(const S* data, std::size_t n, unsigned* flag) {
-  constexpr unsigned G = group_of<S>;
+  constexpr unsigned G = Vec ? group_of<S> : 1;
   bool bad = false;
   for_groups<G>(n, [&](std::size_t i) {
     float v[G];
@@ -306,18 +314,20 @@ __device__ inline lse_pair lse_merge(lse_pair a, lse_pair b) {
 // that writes scale·(softmax − onehot) over the row (the second read comes from L2: a CTA's row
 // was just read). An ignore_target row is zero (loss and gradient); any other target outside
 // [0, V) makes the row's loss NaN (the non-finite check then catches it).
-template <bool Vec>
+template <unsigned W, bool Vec>
 __global__ void __launch_bounds__(xent_threads)
     cross_entropy_kernel(float* logits, const std::int32_t* targets, std::size_t V, float scale,
                          double* row_loss) {
-  constexpr unsigned G = 4;
+  constexpr unsigned G = W;
   __shared__ lse_pair warps[xent_threads / 32];
   float* l = logits + std::size_t{blockIdx.x} * V;
   const std::int32_t t = targets[blockIdx.x];
   const std::size_t tid = threadIdx.x;
   constexpr std::size_t step = std::size_t{xent_threads} * G;
   if (t == ignore_target) {  // the whole CTA returns here, before any barrier: no loss, no gradient
-    const float zero[G] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float zero[G];
+#pragma unroll
+    for (unsigned k = 0; k < G; ++k) zero[k] = 0.0f;
     for (std::size_t c = tid * G; c < V; c += step) store_group<Vec, G>(l, c, V, zero);
     if (tid == 0) row_loss[blockIdx.x] = 0.0;
     return;
@@ -424,11 +434,11 @@ inline constexpr unsigned adamw_threads = 256;
 template <typename S>
 inline constexpr std::size_t adamw_per_block = std::size_t{adamw_threads} * group_of<S>;
 
-// CTA b updates its segment's elements [base, base + adamw_per_block<S>), thread t the group at
-// base + G·t (the block → segment map is a prefix sum over the launch's few segments). With Vec,
-// the groups of a segment whose offset is a multiple of G move as 16-byte accesses (the moments
-// and the master in G·4 bytes, w and g in 16), others element by element: an elementwise update,
-// the same bits either way.
+// CTA b updates its segment's elements [base, base + adamw_per_block<S>) (the block → segment map
+// is a prefix sum over the launch's few segments). With Vec, a segment whose offset is a multiple
+// of G moves in groups, thread t the group at base + G·t, as 16-byte accesses (the moments and the
+// master in G·4 bytes, w and g in 16); others element by element. An elementwise update: the same
+// bits either way.
 template <bool Vec, typename S>
 __global__ void __launch_bounds__(adamw_threads)
     adamw_kernel(S* w, const S* g, float* m, float* v, float* master, adamw_batch batch,
@@ -446,29 +456,34 @@ __global__ void __launch_bounds__(adamw_threads)
   const float gs = static_cast<float>(gsd);
   k.wd = batch.wd[s];
   const std::size_t end = batch.offset[s] + batch.count[s];
-  const std::size_t i = batch.offset[s] + (blockIdx.x - batch.first_block[s]) * adamw_per_block<S> + G * threadIdx.x;
-  if (i >= end) return;
-  const auto update = [&](auto vec) {
-    constexpr bool V = decltype(vec)::value;
+  const std::size_t base = batch.offset[s] + (blockIdx.x - batch.first_block[s]) * adamw_per_block<S>;
+  if (Vec && batch.offset[s] % G == 0) {
+    const std::size_t i = base + G * threadIdx.x;
+    if (i >= end) return;
     float gv[G], mv[G], vv[G], pv[G];
-    load_group<V, G>(g, i, end, gv);
-    load_group<V, G>(m, i, end, mv);
-    load_group<V, G>(v, i, end, vv);
+    load_group<true, G>(g, i, end, gv);
+    load_group<true, G>(m, i, end, mv);
+    load_group<true, G>(v, i, end, vv);
     if (master != nullptr) {
-      load_group<V, G>(master, i, end, pv);
+      load_group<true, G>(master, i, end, pv);
     } else {
-      load_group<V, G>(w, i, end, pv);
+      load_group<true, G>(w, i, end, pv);
     }
 #pragma unroll
     for (unsigned j = 0; j < G; ++j) adamw_step(k, gv[j] * gs, mv[j], vv[j], pv[j]);
-    store_group<V, G>(m, i, end, mv);
-    store_group<V, G>(v, i, end, vv);
-    if (master != nullptr) store_group<V, G>(master, i, end, pv);
-    store_group<V, G>(w, i, end, pv);
-  };
-  if (Vec && batch.offset[s] % G == 0) {
-    update(std::true_type{});
+    store_group<true, G>(m, i, end, mv);
+    store_group<true, G>(v, i, end, vv);
+    if (master != nullptr) store_group<true, G>(master, i, end, pv);
+    store_group<true, G>(w, i, end, pv);
   } else {
-    update(std::false_type{});
+    // Element by element, thread t taking base + t, base + t + 256, ...: each warp access coalesced.
+    for (unsigned j = 0; j < G; ++j) {
+      const std::size_t i = base + j * adamw_threads + threadIdx.x;
+      if (i >= end) break;
+      float p = master != nullptr ? master[i] : ld(w, i);
+      adamw_step(k, ld(g, i) * gs, m[i], v[i], p);
+      if (master != nullptr) master[i] = p;
+      st(w, i, p);
+    }
   }
 }
