@@ -4,8 +4,10 @@
 # 8 files, so everything goes into one results.tgz beside summary.txt). A step the deadline leaves
 # no room for is listed as not run, never as passed.
 #
-#   bash tools/stage_gpu_binaries.sh                       # here: binaries + Debian libraries
-#   # on the GPU machine, carrying .device_deps:
+#   bash tools/stage_gpu_binaries.sh                       # here: binaries + libraries, packed
+#   # on the GPU machine, carrying .device_pack, first unpack it (the line the stage script prints):
+#   mkdir -p .device_deps && tar -xJf .device_pack/bin.txz -C .device_deps &&
+#     tar -xzf .device_pack/lib.tgz -C .device_deps && cp .device_pack/python_deps.tgz .device_deps/
 #   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 480 \
 #       --steps "tests train long soak bench_ttt peer_model"
 #   OUT=... bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 200 --steps sanitizers
@@ -14,7 +16,8 @@
 #   OUT=... bash tools/gpu_session.sh --build 90 --deadline 570 --steps "tests train"
 #   # (1243 s of nvcc summed over the CUDA files on the 2-core machine: only where a call may run long)
 #
-# Steps: torch_allocator (the Python package built there in the background, then
+# Steps: train_ab (the example with and without --trace, and adamw8bit, 12 steps each),
+# torch_allocator (the Python package built there in the background, then
 # tests/python/gpu_torch_allocator.py), bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
 # builds when carried), tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
@@ -338,6 +341,19 @@ PY
         done
       done
       pack ;;
+    train_ab)
+      # The example's default run without and with --trace, then without again (order effects),
+      # and with --optimizer adamw8bit, 12 steps each: what the trace and the optimizer cost a step.
+      step train_ab_plain 60 "$prebuilt/train" "${train[@]}" --steps 12 --report "$work/train_ab_plain.json"
+      step train_ab_trace 60 "$prebuilt/train" "${train[@]}" --steps 12 --report "$work/train_ab_trace.json" \
+        --trace "$work/train_ab_trace_trace.json"
+      step train_ab_plain2 60 "$prebuilt/train" "${train[@]}" --steps 12 --report "$work/train_ab_plain2.json"
+      step train_ab_8bit 60 "$prebuilt/train" "${train[@]}" --steps 12 --optimizer adamw8bit \
+        --report "$work/train_ab_8bit.json"
+      for r in plain trace plain2 8bit; do
+        python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(f\"{'train_ab_' + sys.argv[2]:<40} {j['tokens_per_second']:.0f} tokens/s\")" \
+          "$work/train_ab_$r.json" "$r" 2> /dev/null | tee -a "$work/summary.txt"
+      done ;;
     torch_allocator)
       # membound.torch.use_allocator under a real PyTorch training loop (tests/python/gpu_torch_allocator.py).
       while [[ -n "$pybuild" && ! -f "$pybuild" ]] && (($(left) > 60)); do sleep 2; done

@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
 # Builds here, for one architecture, everything a lent GPU machine runs (the GPU tests, the GPU
 # benchmarks, the example trainer with its device module, the NCCL test when NCCL is found), then
-# stages the Debian packages (tools/stage_device_deps.sh) and copies the binaries into
-# .device_deps/bin, so that the GPU machine spends its minutes running, not compiling:
+# stages the Debian packages (tools/stage_device_deps.sh) and packs what travels into
+# .device_pack (ignored by git): bin.txz (the stripped binaries, xz: 62 MiB of them packed into
+# 7.7 MiB on 2026-11-29, under the device tool's 64 MiB carry limit), lib.tgz (the Debian
+# libraries they load) and python_deps.tgz (Eigen's headers and CMake files, for the Python
+# package that gpu_session.sh's torch_allocator step builds there):
 #
-#   bash tools/stage_gpu_binaries.sh [ARCH]          # default 90-real (H100, H200)
-#   # then, on the GPU machine (carry .device_deps/bin and .device_deps/usr/lib: the headers under
-#   # .device_deps/usr/include are for --build only, and the device tool carries 64 MiB at most):
+#   bash tools/stage_gpu_binaries.sh [ARCH] [--before DIR]   # default 90-real (H100, H200)
+#   # --before DIR: a build of an earlier commit (e.g. a git worktree's build/gpu) whose
+#   # bench_cuda_kernels and bench_cuda_model travel too, as *_before, for a before/after in one call
+#   # then, on the GPU machine (carry .device_pack):
+#   mkdir -p .device_deps && tar -xJf .device_pack/bin.txz -C .device_deps &&
+#     tar -xzf .device_pack/lib.tgz -C .device_deps && cp .device_pack/python_deps.tgz .device_deps/
 #   OUT=/tmp/g bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 470
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-arch="${1:-90-real}"
+arch="90-real"
+before=""
+while (($#)); do
+  case "$1" in
+    --before) before="$(cd "$2" && pwd)"; shift 2 ;;
+    *) arch="$1"; shift ;;
+  esac
+done
 build="$root/build/gpu"
 cd "$root"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
@@ -40,12 +53,23 @@ for f in "$bin"/*; do { ldd "$f" 2> /dev/null || true; }; done |
   awk '$3 ~ /^\/(usr\/)?lib\/x86_64-linux-gnu\// {print $3}' | sort -u |
   { grep -E '/lib(mpi|open-rte|open-pal|hwloc|event_core|event_pthreads|udev)[^/]*\.so' || true; } |
   while read -r f; do cp -L "$f" "$lib/"; done
-# Symbols are not needed there, and the carry limit is tight (69 MiB unstripped on 2026-11-27).
+# Symbols are not needed there.
 strip --strip-unneeded "$bin"/*
-kib=$(du -s --apparent-size -B1K "$bin" "$lib" | awk '{s += $1} END {print s}')
-echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*};" \
-     "carry .device_deps/bin and .device_deps/usr/lib: $((kib / 1024)) MiB"
-if ((kib > 64 * 1024)); then
-  echo "stage_gpu_binaries.sh: over the device tool's 64 MiB carry limit: stage fewer targets" >&2
+if [[ -n "$before" ]]; then
+  for b in bench_cuda_kernels bench_cuda_model; do
+    strip --strip-unneeded "$before/bench/$b" -o "$bin/${b}_before"
+  done
+fi
+pack="$root/.device_pack"
+mkdir -p "$pack"
+tar -C "$root/.device_deps" -cJf "$pack/bin.txz" bin
+tar -C "$root/.device_deps" -czf "$pack/lib.tgz" usr/lib
+tar -C "$root/.device_deps" -czf "$pack/python_deps.tgz" usr/include/eigen3 usr/share/eigen3
+exclude="$root/.git/info/exclude"
+grep -qx '/.device_pack/' "$exclude" 2> /dev/null || echo '/.device_pack/' >> "$exclude"
+kib=$(du -s --apparent-size -B1K "$pack" | cut -f1)
+echo "stage_gpu_binaries.sh: $(ls "$bin" | wc -l) files in $bin for sm ${arch%%-*}, packed in $pack: carry .device_pack ($((kib / 1024)) MiB)"
+if ((kib > 48 * 1024)); then
+  echo "stage_gpu_binaries.sh: the pack leaves too little of the device tool's 64 MiB for the working tree" >&2
   exit 1
 fi

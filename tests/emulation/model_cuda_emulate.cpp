@@ -11,8 +11,8 @@
 // sum_squares): float within 2e-6 relative (1e-4 for RMSNorm's dx and dg, sums of many terms in
 // another order), bf16 within one rounding (2^-8 relative) of it; the exact ones (add, convert,
 // gather) bit for bit; the 16-byte path (Vec) and the grouped element path give the same bits on
-// the same aligned data (one order of sums whatever the alignment; rows that are not whole groups
-// take the strided element path); AdamW bit for bit adamw_step per element over segments with
+// the same aligned data (one order of sums whatever the alignment; RMSNorm's forward takes rows
+// that are not whole groups element by element, strided); AdamW bit for bit adamw_step per element over segments with
 // gaps and unaligned offsets, clipping through the device norm, the skip flag; apply reproduces
 // the forward's bits; a grid-stride loop over several blocks; tails shorter than a group;
 // in-place SwiGLU backward; ignore_target rows; a bad token.
@@ -239,7 +239,8 @@ struct rms_out {
   std::vector<float> rstd;
 };
 
-// W: the launchers' row path (row_path_for): G when C is a whole number of groups, else 1.
+// W: the forward launcher's row path (row_path_for): G when C is a whole number of groups, else 1;
+// the backward takes groups always (as its launcher).
 template <class S, unsigned W, bool Vec>
 rms_out<S> rms_device(const std::vector<S>& x, const std::vector<S>& g, const std::vector<S>& dy,
                            const std::vector<S>& res, const std::vector<S>& dg0, std::size_t N, std::size_t C) {
@@ -253,7 +254,7 @@ rms_out<S> rms_device(const std::vector<S>& x, const std::vector<S>& g, const st
   });
   const std::size_t blocks = emu::rmsnorm_backward_partials(N);
   launch(static_cast<unsigned>(blocks), emu::row_cta_threads, emu::rmsnorm_backward_smem_bytes<S>(C), [&] {
-    emu::rmsnorm_backward_rows_kernel<W, Vec>(bx.p, bg.p, brstd.p, bdy.p, bres.p, bdx.p, part.p, N, C);
+    emu::rmsnorm_backward_rows_kernel<emu::group_of<S>, Vec>(bx.p, bg.p, brstd.p, bdy.p, bres.p, bdx.p, part.p, N, C);
   });
   // rmsnorm_dweight_kernel (model.cuh): dg[c] += Σ_b partial[b][c], the blocks in order.
   for (std::size_t c = 0; c < C; ++c) {
@@ -466,12 +467,9 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
     if (vec) {
       launch(static_cast<unsigned>(R), emu::xent_threads, 0,
              [&] { emu::cross_entropy_kernel<4, true>(bl.p, bt.p, V, scale, bloss.p); });
-    } else if (V % 4 == 0) {
+    } else {
       launch(static_cast<unsigned>(R), emu::xent_threads, 0,
              [&] { emu::cross_entropy_kernel<4, false>(bl.p, bt.p, V, scale, bloss.p); });
-    } else {  // the launcher's element path (row_path_for)
-      launch(static_cast<unsigned>(R), emu::xent_threads, 0,
-             [&] { emu::cross_entropy_kernel<1, false>(bl.p, bt.p, V, scale, bloss.p); });
     }
     outs.push_back(bl.vec());
     losses.push_back(bloss.vec());
@@ -489,7 +487,7 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
   buf<std::int32_t> bt(bad);
   buf<double> bloss(R);
   launch(static_cast<unsigned>(R), emu::xent_threads, 0,
-         [&] { emu::cross_entropy_kernel<1, false>(bl.p, bt.p, V, scale, bloss.p); });
+         [&] { emu::cross_entropy_kernel<4, false>(bl.p, bt.p, V, scale, bloss.p); });
   expect("cross-entropy: a target outside [0, V) gives a NaN loss", std::isnan(bloss.p[0]));
 }
 
@@ -499,10 +497,9 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
 // counts that end inside a group and a segment longer than one CTA; clipping through the device
 // norm, then a step that a set skip flag leaves undone. Against adamw_step per element, bit for bit.
 template <class S>
-void adamw_case() {
+void adamw_case(const std::vector<emu::adamw_segment>& segs) {
   constexpr bool has_master = !std::is_same_v<S, float>;
   const std::size_t n = 5000;
-  const std::vector<emu::adamw_segment> segs = {{0, 37, true}, {40, 2100, false}, {2141, 9, true}, {2160, 2840, true}};
   const auto w0 = rnd<S>(n, 41), g = rnd<S>(n, 42);
   const auto m0 = rnd<float>(n, 43, -0.01f, 0.01f), v0 = rnd<float>(n, 44, 0.0f, 0.01f);
   const auto coeff = mb::adamw_coefficients<float>::at(3, 1e-3, 0.9, 0.95, 1e-8, 0.1, true);
@@ -522,7 +519,11 @@ void adamw_case() {
       w[i] = mb::from_accum<S>(p);
     }
   }
-  for (int vec = 0; vec < 2; ++vec) {
+  // The launcher's choice: the 16-byte path only when every segment's offset is a group multiple.
+  bool aligned = true;
+  for (const auto& sg : segs) aligned = aligned && sg.offset % emu::group_of<S> == 0;
+  for (int vec = 0; vec < (aligned ? 2 : 1); ++vec) {
+    const std::size_t per_block = vec ? emu::adamw_per_block<true, S> : emu::adamw_per_block<false, S>;
     for (int skip = 0; skip < 2; ++skip) {
       buf<S> bw(w0), bg(g);
       buf<float> state(3 * n);  // m, v, master: adamw<S>'s layout (the master only for 16-bit S)
@@ -538,7 +539,7 @@ void adamw_case() {
         batch.count[i] = segs[i].count;
         batch.first_block[i] = blocks;
         batch.wd[i] = segs[i].decay ? coeff.wd : 0.0f;
-        blocks += (segs[i].count + emu::adamw_per_block<S> - 1) / emu::adamw_per_block<S>;
+        blocks += (segs[i].count + per_block - 1) / per_block;
       }
       batch.first_block[segs.size()] = blocks;
       batch.segments = static_cast<unsigned>(segs.size());
@@ -592,8 +593,13 @@ int main() {
   cross_entropy_case(13, 1001);
   cross_entropy_case(11, 1000);
   cross_entropy_case(3, 5);
-  adamw_case<float>();
-  adamw_case<mb::bf16>();
+  // Gaps, offsets off the groups, counts ending inside a group, a segment over several CTAs.
+  const std::vector<emu::adamw_segment> ragged = {{0, 37, true}, {40, 2100, false}, {2141, 9, true}, {2160, 2840, true}};
+  const std::vector<emu::adamw_segment> grouped = {{0, 37, true}, {40, 2100, false}, {2144, 9, true}, {2160, 2840, true}};
+  adamw_case<float>(ragged);
+  adamw_case<mb::bf16>(ragged);
+  adamw_case<float>(grouped);
+  adamw_case<mb::bf16>(grouped);
   std::printf("%s: %d of %d checks failed\n", fails ? "FAIL" : "ok", fails, checks);
   return fails ? 1 : 0;
 }

@@ -8,7 +8,7 @@ tensor from the budget (the allocator's peak reserve under it); another process 
 the device raises the pressure level through the callback at the next growth, which is refused
 (RuntimeError carrying membound's report) while the others' bytes leave no room, and granted
 once the other process has gone (the level falls); a request past the budget raises the same
-error; empty_cache gives the cache back. First run on an H200: 2026-11-29 (bench/results/).
+error; empty_cache gives back the wholly free blocks. First run on an H200: 2026-11-29 (bench/results/).
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def main() -> int:
     result["after_empty_cache"] = mt.stats()
     ok = (result["refused_beside_other"] and result["refused"] and "out of memory" in result["last_refusal"]
           and len(result["events_other_process"]) > 0 and len(result["events_after_other_left"]) > 0
-          and result["after_empty_cache"]["cached"] == 0)
+          # empty_cache gives back every wholly free upstream block (the 512 MiB one); free
+          # pieces of blocks still partly in use stay cached, as in PyTorch's own allocator.
+          and result["after_other_left"]["reserved"] - result["after_empty_cache"]["reserved"] >= 512 << 20)
     result["ok"] = ok
     with open(os.path.join(out_dir, "torch_allocator.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -10,11 +10,13 @@
 //
 // Values move in groups of G = 16 / sizeof(S) elements (4 floats, 8 bf16 or fp16): a thread takes
 // whole groups, as one 16-byte access each when the launcher found the buffers aligned (Vec).
-// The row kernels (RMSNorm, the cross-entropy) take a row's elements in groups of W: W = G when
-// the row is a whole number of groups, else W = 1 (lane l takes elements l, l + 32, ...: each warp
-// access coalesced, where G consecutive elements per lane would be 32 strided ones). W depends on
-// the sizes alone, and with W = G the element path keeps the 16-byte path's order: every sum has
-// one shape for given sizes, whatever the buffers' alignment. The elementwise maps (no sums) take
+// RMSNorm's forward takes a row's elements in groups of W: W = G when the row is a whole number of
+// groups, else W = 1 (lane l takes elements l, l + 32, ...: each warp access coalesced, where G
+// consecutive elements per lane would be 32 strided ones). W depends on the sizes alone, and with
+// W = G the element path keeps the 16-byte path's order: every sum has one shape for given sizes,
+// whatever the buffers' alignment. RMSNorm's backward and the cross-entropy take groups always
+// (element by element where the row is not whole groups or the buffers are unaligned: faster
+// there than W = 1, on the H200). The elementwise maps (no sums) take
 // groups on the 16-byte path and single elements, grid-strided, otherwise.
 
 template <typename S>
@@ -430,15 +432,17 @@ struct adamw_batch {
 };
 
 inline constexpr unsigned adamw_threads = 256;
-// Elements per CTA: a group per thread.
-template <typename S>
-inline constexpr std::size_t adamw_per_block = std::size_t{adamw_threads} * group_of<S>;
+// Elements per CTA: a group per thread on the 16-byte path, 4 per thread otherwise.
+template <bool Vec, typename S>
+inline constexpr std::size_t adamw_per_block = std::size_t{adamw_threads} * (Vec ? group_of<S> : 4);
 
-// CTA b updates its segment's elements [base, base + adamw_per_block<S>) (the block → segment map
-// is a prefix sum over the launch's few segments). With Vec, a segment whose offset is a multiple
-// of G moves in groups, thread t the group at base + G·t, as 16-byte accesses (the moments and the
-// master in G·4 bytes, w and g in 16); others element by element. An elementwise update: the same
-// bits either way.
+// CTA b updates its segment's elements [base, base + adamw_per_block<Vec, S>) (the block →
+// segment map is a prefix sum over the launch's few segments). With Vec (every segment's offset
+// a multiple of G and every buffer aligned: the launcher's choice) thread t takes the group at
+// base + G·t as 16-byte accesses (the moments and the master in G·4 bytes, w and g in 16); else
+// base + t, base + t + 256, ... element by element (each warp access coalesced; as fast as this
+// kernel was before the groups, on the H200: a separate instantiation, so its registers are its
+// own). An elementwise update: the same bits either way.
 template <bool Vec, typename S>
 __global__ void __launch_bounds__(adamw_threads)
     adamw_kernel(S* w, const S* g, float* m, float* v, float* master, adamw_batch batch,
@@ -456,8 +460,8 @@ __global__ void __launch_bounds__(adamw_threads)
   const float gs = static_cast<float>(gsd);
   k.wd = batch.wd[s];
   const std::size_t end = batch.offset[s] + batch.count[s];
-  const std::size_t base = batch.offset[s] + (blockIdx.x - batch.first_block[s]) * adamw_per_block<S>;
-  if (Vec && batch.offset[s] % G == 0) {
+  const std::size_t base = batch.offset[s] + (blockIdx.x - batch.first_block[s]) * adamw_per_block<Vec, S>;
+  if constexpr (Vec) {
     const std::size_t i = base + G * threadIdx.x;
     if (i >= end) return;
     float gv[G], mv[G], vv[G], pv[G];
@@ -476,8 +480,7 @@ __global__ void __launch_bounds__(adamw_threads)
     if (master != nullptr) store_group<true, G>(master, i, end, pv);
     store_group<true, G>(w, i, end, pv);
   } else {
-    // Element by element, thread t taking base + t, base + t + 256, ...: each warp access coalesced.
-    for (unsigned j = 0; j < G; ++j) {
+    for (unsigned j = 0; j < 4; ++j) {
       const std::size_t i = base + j * adamw_threads + threadIdx.x;
       if (i >= end) break;
       float p = master != nullptr ? master[i] : ld(w, i);
