@@ -50,18 +50,20 @@ def main() -> int:
     # largest holder), and the level it measured reaches the callback all the same.
     holder = subprocess.Popen([sys.executable, "-c", "import torch, time; x = torch.empty(2 << 30, dtype=torch.uint8, "
                                "device='cuda'); print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    before = len(events)
-    try:
-        torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-        result["refused_beside_other"] = False
-    except RuntimeError as e:  # the hook's exception: membound's report as the message
-        result["refused_beside_other"] = "out of memory" in str(e) and "external" in str(e)
-        result["refusal_beside_other"] = str(e)
-    result["events_other_process"] = [e.__dict__ for e in events[before:]]
-    result["after_other_process"] = mt.stats()
-    holder.kill()
-    holder.wait()
+    try:  # the holder goes whatever happens here: left alive it would skew the next program on the device
+        assert holder.stdout.readline().strip() == "held"
+        before = len(events)
+        try:
+            torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+            result["refused_beside_other"] = False
+        except RuntimeError as e:  # the hook's exception: membound's report as the message
+            result["refused_beside_other"] = "out of memory" in str(e) and "external" in str(e)
+            result["refusal_beside_other"] = str(e)
+        result["events_other_process"] = [e.__dict__ for e in events[before:]]
+        result["after_other_process"] = mt.stats()
+    finally:
+        holder.kill()
+        holder.wait()
     # The other process gone: the next growth measures the device again and is granted.
     before = len(events)
     big = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
