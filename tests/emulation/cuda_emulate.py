@@ -15,8 +15,9 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
              per CTA and at most 3: against the CPU layer in fp32 at 13 shapes
   adamw8bit  the 8-bit AdamW step: against adamw8bit::update on the CPU, bit for bit
   model      the model's bandwidth-bound kernels (RMSNorm, the elementwise maps, the embedding
-             gather, the fused cross-entropy, the norm's first pass): against the CPU backend in
-             fp32 and bf16, and their 16-byte path bit-identical to their element path
+             gather, the fused cross-entropy, the norm's first pass, AdamW and its launches):
+             against the CPU backend in fp32 and bf16, their 16-byte path bit-identical to their
+             element path, every access inside its buffer
   attention  the tensor-core attention kernels (mma.sync forward, dQ, dK/dV), each lane a thread
              and mma.sync emulated from the PTX ISA's fragment layouts: against a double-precision
              attention, bf16 operands at 9 shapes (3 sliding windows) run twice, bit-identical; fp16 at

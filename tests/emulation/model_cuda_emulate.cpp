@@ -243,7 +243,8 @@ struct rms_out {
 // the backward takes groups always (as its launcher).
 template <class S, unsigned W, bool Vec>
 rms_out<S> rms_device(const std::vector<S>& x, const std::vector<S>& g, const std::vector<S>& dy,
-                           const std::vector<S>& res, const std::vector<S>& dg0, std::size_t N, std::size_t C) {
+                           const std::vector<S>& res, const std::vector<S>& dg0, std::size_t N, std::size_t C,
+                           bool residual = true) {
   buf<S> bx(x), bg(g), bdy(dy), bres(res), by(N * C), bya(N * C), bdx(N * C), bdg(dg0);
   buf<float> brstd(N), part(emu::rmsnorm_backward_partials(N) * C);
   launch(row_ctas(N), emu::row_cta_threads, 0, [&] {
@@ -254,7 +255,8 @@ rms_out<S> rms_device(const std::vector<S>& x, const std::vector<S>& g, const st
   });
   const std::size_t blocks = emu::rmsnorm_backward_partials(N);
   launch(static_cast<unsigned>(blocks), emu::row_cta_threads, emu::rmsnorm_backward_smem_bytes<S>(C), [&] {
-    emu::rmsnorm_backward_rows_kernel<emu::group_of<S>, Vec>(bx.p, bg.p, brstd.p, bdy.p, bres.p, bdx.p, part.p, N, C);
+    emu::rmsnorm_backward_rows_kernel<emu::group_of<S>, Vec>(bx.p, bg.p, brstd.p, bdy.p, residual ? bres.p : nullptr,
+                                                              bdx.p, part.p, N, C);
   });
   // rmsnorm_dweight_kernel (model.cuh): dg[c] += Σ_b partial[b][c], the blocks in order.
   for (std::size_t c = 0; c < C; ++c) {
@@ -299,6 +301,13 @@ void rmsnorm_case(std::size_t N, std::size_t C) {
     same(name("16-byte path dx"), v.dx, e.dx);
     same(name("16-byte path dg"), v.dg, e.dg);
   }
+  // No residual (nullptr): dx alone, against the CPU's without one.
+  std::vector<S> dx0(N * C), dg1 = dg0;
+  mb::cpu::rmsnorm_backward<float>(pool, x.data(), g.data(), rstd.data(), dy.data(), static_cast<const S*>(nullptr),
+                                   dx0.data(), dg1.data(), part.data(), N, C);
+  const auto n0 = grouped ? rms_device<S, G, false>(x, g, dy, res, dg0, N, C, false)
+                          : rms_device<S, 1, false>(x, g, dy, res, dg0, N, C, false);
+  close(name("dx without a residual"), n0.dx, dx0, dtol, 1e-2);
 }
 
 // --- Elementwise maps, check_finite, the norm's first pass ----------------------------------------------------
@@ -480,6 +489,19 @@ void cross_entropy_case(std::size_t R, std::size_t V) {
     same("16-byte path cross-entropy gradient", outs[1], outs[0]);
     same("16-byte path cross-entropy row losses", losses[1], losses[0]);
   }
+  // A NaN logit spreads to its row's loss, also alone among −inf in the last group, where the
+  // group's maximum (fmaxf) is −inf.
+  if (V > 4) {
+    auto poisoned = logits;
+    for (std::size_t v = V - 4; v < V - 1; ++v) poisoned[v] = -INFINITY;
+    poisoned[V - 1] = NAN;
+    buf<float> bp(poisoned);
+    buf<std::int32_t> btt(targets);
+    buf<double> bpl(R);
+    launch(static_cast<unsigned>(R), emu::xent_threads, 0,
+           [&] { emu::cross_entropy_kernel<4, false>(bp.p, btt.p, V, scale, bpl.p); });
+    expect("cross-entropy: a NaN logit (beside −inf) gives a NaN loss", std::isnan(bpl.p[0]) && std::isfinite(bpl.p[1]));
+  }
   // A row whose target is out of range: NaN loss.
   auto bad = targets;
   bad[0] = static_cast<std::int32_t>(V);
@@ -532,27 +554,20 @@ void adamw_case(const std::vector<emu::adamw_segment>& segs) {
       for (std::size_t i = 0; i < n; ++i) state.p[2 * n + i] = mb::to_accum<float>(w0[i]);
       buf<double> dnorm(std::vector<double>{norm});
       buf<unsigned> dskip(std::vector<unsigned>{static_cast<unsigned>(skip)});
-      emu::adamw_batch batch{};
-      std::size_t blocks = 0;
-      for (std::size_t i = 0; i < segs.size(); ++i) {  // adamw_update's batch
-        batch.offset[i] = segs[i].offset;
-        batch.count[i] = segs[i].count;
-        batch.first_block[i] = blocks;
-        batch.wd[i] = segs[i].decay ? coeff.wd : 0.0f;
-        blocks += (segs[i].count + per_block - 1) / per_block;
-      }
-      batch.first_block[segs.size()] = blocks;
-      batch.segments = static_cast<unsigned>(segs.size());
+      const auto batches = emu::adamw_batches(segs, per_block, coeff.wd);  // adamw_update's launches
       const emu::adamw_device_inputs dev{dnorm.p, max_norm, loss_scale, dskip.p};
       float* ms = state.p;
       float* vs = state.p + n;
       float* mas = has_master ? state.p + 2 * n : nullptr;
-      if (vec) {
-        launch(static_cast<unsigned>(blocks), emu::adamw_threads, 0,
-               [&] { emu::adamw_kernel<true>(bw.p, bg.p, ms, vs, mas, batch, coeff, grad_scale, dev); });
-      } else {
-        launch(static_cast<unsigned>(blocks), emu::adamw_threads, 0,
-               [&] { emu::adamw_kernel<false>(bw.p, bg.p, ms, vs, mas, batch, coeff, grad_scale, dev); });
+      for (const emu::adamw_batch& batch : batches) {
+        const auto blocks = static_cast<unsigned>(batch.blocks);
+        if (vec) {
+          launch(blocks, emu::adamw_threads, 0,
+                 [&] { emu::adamw_kernel<true>(bw.p, bg.p, ms, vs, mas, batch, coeff, grad_scale, dev); });
+        } else {
+          launch(blocks, emu::adamw_threads, 0,
+                 [&] { emu::adamw_kernel<false>(bw.p, bg.p, ms, vs, mas, batch, coeff, grad_scale, dev); });
+        }
       }
       const std::vector<float> gm(state.p, state.p + n), gv(state.p + n, state.p + 2 * n);
       const char* path = vec ? "adamw (16-byte path)" : "adamw";
@@ -600,6 +615,11 @@ int main() {
   adamw_case<mb::bf16>(ragged);
   adamw_case<float>(grouped);
   adamw_case<mb::bf16>(grouped);
+  // More segments than one launch takes, empty ones among the first 32: each stepped once.
+  std::vector<emu::adamw_segment> many;
+  for (std::size_t i = 0; i < 45; ++i) many.push_back({i * 100, i % 7 == 3 ? 0 : 90 + i % 5, i % 2 == 0});
+  adamw_case<float>(many);
+  adamw_case<mb::bf16>(many);
   std::printf("%s: %d of %d checks failed\n", fails ? "FAIL" : "ok", fails, checks);
   return fails ? 1 : 0;
 }

@@ -234,7 +234,7 @@ __device__ inline unsigned char* model_smem() {
 // The bandwidth-bound kernels (their text is shared with the host emulation).
 #include "membound/backend/cuda/model_kernels.inl"
 
-// Rows too wide for rmsnorm_backward_rows_kernel's shared partials (C above ~7000 on an H200):
+// Rows too wide for rmsnorm_backward_rows_kernel's shared partials (C above 3072):
 // block b takes rows [32b, 32b + 32), dx row by row, and its own [C] partial of dweight in global
 // memory. Each column's partial is read and written by one thread only, so no atomics.
 template <typename S>
@@ -392,11 +392,14 @@ void rmsnorm_backward(const cuda_executor& ex, const S* x, const S* g, const flo
   detail::need_aligned(workspace, alignof(float), "workspace");
   const std::size_t blocks = rmsnorm_backward_partials(N);
   float* partial = static_cast<float*>(workspace);
+  // The kernel (and so the sums' shape) follows C alone: the warps' partials in shared memory up
+  // to rmsnorm_shared_partials_limit, which every GPU from sm_80 grants (sm_86/89's opt-in is
+  // 99 KiB), else the wide kernel. An older GPU with less takes the wide kernel there too.
   const std::size_t smem = detail::rmsnorm_backward_smem_bytes<S>(C);
   int optin = 0;
   cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ex.device()),
              "cudaDeviceGetAttribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)");
-  if (smem <= static_cast<std::size_t>(optin)) {
+  if (smem <= rmsnorm_shared_partials_limit && smem <= static_cast<std::size_t>(optin)) {
     const auto launch = [&](auto kernel) {
       cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                  "cudaFuncSetAttribute(rmsnorm_backward_rows_kernel)");
@@ -603,22 +606,10 @@ void adamw_update(const cuda_executor& ex, S* w, const S* g, void* state, std::s
   bool vec = detail::aligned16(w, g, m, v, master);
   for (const adamw_segment& sg : segments) vec = vec && sg.offset % detail::group_of<S> == 0;
   const std::size_t per_block = vec ? detail::adamw_per_block<true, S> : detail::adamw_per_block<false, S>;
-  for (std::size_t first = 0; first < segments.size(); first += adamw_segments_per_launch) {
-    detail::adamw_batch batch{};
-    std::size_t blocks = 0;
-    unsigned count = 0;
-    for (std::size_t i = first; i < segments.size() && count < adamw_segments_per_launch; ++i) {
-      if (segments[i].count == 0) continue;  // a block of its own would find no element
-      batch.offset[count] = segments[i].offset;
-      batch.count[count] = segments[i].count;
-      batch.first_block[count] = blocks;
-      batch.wd[count] = segments[i].decay ? k.wd : 0.0f;
-      blocks += (segments[i].count + per_block - 1) / per_block;
-      ++count;
-    }
-    if (count == 0) continue;
-    batch.first_block[count] = blocks;
-    batch.segments = count;
+  // Each segment in exactly one launch (before 2026-11-29 an empty segment among the first 32
+  // shifted the next launch's start onto one already updated: stepped twice).
+  for (const adamw_batch& batch : adamw_batches(segments, per_block, k.wd)) {
+    const std::size_t blocks = batch.blocks;
     detail::need_extent(blocks, static_cast<std::size_t>(std::numeric_limits<int>::max()), "segments (total blocks)");
     if (vec) {
       detail::adamw_kernel<true><<<static_cast<unsigned>(blocks), detail::adamw_threads, 0, ex.stream()>>>(

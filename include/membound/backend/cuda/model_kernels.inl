@@ -132,6 +132,7 @@ template <unsigned W, bool Vec, typename S>
 __global__ void __launch_bounds__(row_cta_threads)
     rmsnorm_backward_rows_kernel(const S* x, const S* g, const float* rstd, const S* dy, const S* residual, S* dx,
                                  float* partial, std::size_t N, std::size_t C) {
+  static_assert(W == group_of<S>, "the warps' partials are sized and laid out for groups of G (partial_slot)");
   constexpr unsigned G = W;
   const std::size_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::size_t per = rmsnorm_warp_partial_floats<S>(C);
@@ -306,8 +307,9 @@ __device__ inline lse_pair lse_merge(lse_pair a, lse_pair b) {
     a = b;
     b = t;
   }
-  // a.m <= b.m: b.m is the maximum. A pair that saw nothing (m = −inf) adds nothing.
-  if (a.m == -INFINITY) return b;
+  // a.m <= b.m: b.m is the maximum. A pair that saw nothing (m = −inf) adds its s, 0 (or a NaN
+  // it met beside −inf values: it spreads).
+  if (a.m == -INFINITY) return {b.m, b.s + a.s};
   return {b.m, a.s * expf(a.m - b.m) + b.s};
 }
 
@@ -353,11 +355,15 @@ __global__ void __launch_bounds__(xent_threads)
 #pragma unroll
     for (unsigned u = 0; u < xent_unroll; ++u) {
       float gm = v[u][0];
+      bool any = v[u][0] != -INFINITY;
 #pragma unroll
-      for (unsigned k = 1; k < G; ++k) gm = fmaxf(gm, v[u][k]);
-      if (gm == -INFINITY) continue;  // nothing to add (a NaN value goes on below and spreads)
+      for (unsigned k = 1; k < G; ++k) {
+        gm = fmaxf(gm, v[u][k]);  // fmaxf drops a NaN: `any` keeps its group in (NaN != −inf)
+        any = any || v[u][k] != -INFINITY;
+      }
+      if (!any) continue;  // only −inf (or past the row): nothing to add; a NaN goes on and spreads
       if (!(gm <= p.m)) {  // a new maximum (or a NaN): rescale what was summed so far
-        p.s = p.m == -INFINITY ? 0.0f : p.s * expf(p.m - gm);
+        p.s = p.m == -INFINITY ? p.s * 0.0f : p.s * expf(p.m - gm);  // 0, or a NaN already met
         p.m = gm;
       }
 #pragma unroll
@@ -422,14 +428,6 @@ __global__ void __launch_bounds__(norm_threads)
 }
 
 // --- AdamW ----------------------------------------------------------------------------------------
-
-struct adamw_batch {
-  std::size_t offset[adamw_segments_per_launch];
-  std::size_t count[adamw_segments_per_launch];
-  std::size_t first_block[adamw_segments_per_launch + 1];
-  float wd[adamw_segments_per_launch];
-  unsigned segments;
-};
 
 inline constexpr unsigned adamw_threads = 256;
 // Elements per CTA: a group per thread on the 16-byte path, 4 per thread otherwise.
