@@ -15,8 +15,9 @@
 // stream and nothing synchronizes. Every reduction has a fixed shape that depends only on the
 // sizes (never on the device or on timing; below sm_80, a GPU granting under 99 KiB of shared
 // memory takes RMSNorm's wide backward kernel for C from 2049 to 3072) and no float atomics, so
-// repeated runs give the same bits. Device results differ from the CPU's in the last bits only: sums run in another order,
-// nvcc contracts a·b + c into FMAs, and the device's expf/logf are not the host's.
+// repeated runs give the same bits. Device results differ from the CPU's in the last bits only:
+// sums run in another order, nvcc contracts a·b + c into FMAs, and the device's expf/logf are not
+// the host's.
 #pragma once
 
 #include <cuda_runtime_api.h>
