@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "errors.hpp"
 #include "membound/membound.hpp"
 
 namespace nb = nanobind;
@@ -184,38 +185,11 @@ plan_result make(const request& r) {
   return plan_with<mb::adamw>(r);
 }
 
-// The Python classes of membound/_errors.py, set at import.
-nb::object invalid_argument_type, budget_too_small_type, out_of_memory_type;
-
-void raise(const nb::object& type, nb::object instance) {
-  PyErr_SetObject(type.ptr(), instance.ptr());
-}
-
 }  // namespace
 
 NB_MODULE(_core, m) {
   m.doc() = "membound's C++ planner (use the functions of the membound package)";
-  const nb::module_ errors = nb::module_::import_("membound._errors");
-  invalid_argument_type = errors.attr("InvalidArgument");
-  budget_too_small_type = errors.attr("BudgetTooSmall");
-  out_of_memory_type = errors.attr("OutOfMemory");
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const mb::budget_too_small& e) {
-      raise(budget_too_small_type, budget_too_small_type(e.what(), e.argument(), e.expected(), e.actual(),
-                                                         e.what_to_do(), e.budget(), e.minimum()));
-    } catch (const mb::host_budget_too_small& e) {
-      // Named as the Python argument is.
-      const mb::invalid_argument named("host_budget", e.expected(), e.actual(), e.what_to_do());
-      raise(invalid_argument_type, invalid_argument_type(named.what(), named.argument(), named.expected(), named.actual(),
-                                                         named.what_to_do()));
-    } catch (const mb::invalid_argument& e) {
-      raise(invalid_argument_type, invalid_argument_type(e.what(), e.argument(), e.expected(), e.actual(), e.what_to_do()));
-    } catch (const mb::out_of_memory& e) {
-      raise(out_of_memory_type, out_of_memory_type(e.what(), e.report().requested));
-    }
-  });
+  membound_python::translate_errors();
 
   nb::class_<request>(m, "Request")
       .def(nb::init<>())

@@ -1,0 +1,246 @@
+"""membound's layers as PyTorch custom ops (torch.library), forward and hand-written backward.
+
+    import membound.ops  # registers torch.ops.membound.{attention,mamba,ttt_linear,ttt_mlp}
+    y = membound.ops.ttt_linear(x, weights, heads=4)  # differentiable; torch.compile traces it
+
+Each op takes the input x [B, T, C] and the layer's parameters as a list in membound's order and
+layout (`parameters(kind, ...)` names them; matrices are [in, out], y = x·W) and returns y. Under
+autograd the forward op also returns the bytes it keeps for backward (a uint8 tensor of exactly the
+layer's saved_bytes) and the backward op recomputes what it did not keep, as the C++ layers do.
+Every buffer -- y, the saved bytes, the workspace -- is a tensor PyTorch allocates, sized by the
+layer's own size functions (`sizes`), so a budgeted allocator sees all of it. The fake (meta)
+implementations give torch.compile the same shapes and saved sizes without running anything.
+
+Semantics are the C++ layers' (docs/concepts.md): attention with RoPE and GQA (window for
+sliding-window attention), the Mamba-1 block (mamba_simple without the fused kernels), TTT-Linear and
+TTT-MLP as test-time-training/ttt-lm-pytorch's TTTLinear/TTTMLP without share_qk/pre_conv. The
+modules with upstream parameter names are in membound.nn.
+
+CPU tensors (float32, float64, bfloat16) only: the CUDA layers are not bound to PyTorch yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import _layers
+from ._errors import invalid
+
+__all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes"]
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
+
+
+def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str, Any]) -> Any:
+    s = _layers.Spec()
+    s.kind = kind
+    if dtype not in _DTYPES:
+        raise invalid("x", "a float32, float64 or bfloat16 tensor", str(dtype), "Cast the input and the parameters")
+    s.dtype = _DTYPES[dtype]
+    if len(x_shape) != 3:
+        raise invalid("x", "a tensor [batch, seq, width]", tuple(x_shape), "Reshape the input to three axes")
+    s.batch, s.seq, s.width = (int(d) for d in x_shape)
+    for name, value in attrs.items():
+        setattr(s, name, value)
+    s.threads = torch.get_num_threads()
+    return s
+
+
+def parameters(kind: str, width: int, **attrs: Any) -> list[tuple[str, list[int]]]:
+    """(name, shape) of each parameter an op takes, in its order and membound's layout."""
+    return [(n, list(d)) for n, d in _layers.parameters(_spec(kind, (1, 1, width), torch.float32, attrs))]
+
+
+def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32, **attrs: Any) -> dict[str, int]:
+    """Bytes one call needs besides its inputs and y: saved for backward, and the workspaces."""
+    saved, fws, bws = _layers.sizes(_spec(kind, x_shape, dtype, attrs))
+    return {"saved": saved, "forward_workspace": fws, "backward_workspace": bws}
+
+
+# The layers carve their saved and workspace bytes at membound::default_alignment; PyTorch's host
+# allocator aligns to 64.
+_ALIGN = 256
+
+
+def _aligned_bytes(n: int) -> torch.Tensor:
+    """n bytes at a 256-byte boundary: a view into a buffer _ALIGN - 1 bytes longer."""
+    buf = torch.empty(n + _ALIGN - 1, dtype=torch.uint8)
+    start = -buf.data_ptr() % _ALIGN
+    return buf[start:start + n]
+
+
+def _on_host(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        raise invalid(name, "a CPU tensor (the CUDA layers are not bound to PyTorch yet)", str(t.device),
+                      "Run the op on CPU tensors, or the C++ CUDA layers from C++")
+
+
+def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], attrs: dict[str, Any]):
+    _on_host("x", x)
+    s = _spec(kind, x.shape, x.dtype, attrs)
+    saved_bytes, fws, _ = _layers.sizes(s)
+    x = x.contiguous()
+    ws = [w.contiguous() for w in weights]
+    y = torch.empty_like(x)
+    saved, workspace = _aligned_bytes(saved_bytes), _aligned_bytes(fws)
+    _layers.forward(s, x, ws, y, saved, workspace)
+    return y, saved
+
+
+def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
+              attrs: dict[str, Any]):
+    _on_host("x", x)
+    s = _spec(kind, x.shape, x.dtype, attrs)
+    _, _, bws = _layers.sizes(s)
+    x, dy = x.contiguous(), dy.contiguous().to(x.dtype)
+    ws = [w.contiguous() for w in weights]
+    dx = torch.empty_like(x)
+    grads = [torch.zeros_like(w) for w in ws]  # the layers add (+=) their gradients
+    workspace = _aligned_bytes(bws)
+    _layers.backward(s, x, ws, saved, dy, dx, grads, workspace)
+    return dx, grads
+
+
+def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
+    # The saved size is the layer's own, so a traced graph holds the bytes the eager op would.
+    saved_bytes = _layers.sizes(_spec(kind, [int(d) for d in x.shape], x.dtype, attrs))[0]
+    return torch.empty_like(x), x.new_empty(saved_bytes, dtype=torch.uint8)
+
+
+def _fake_backward(x: torch.Tensor, weights: list[torch.Tensor]):
+    return torch.empty_like(x), [torch.empty_like(w) for w in weights]
+
+
+# ---- The ops: one forward and one backward per layer, with explicit attributes --------------------
+
+@torch.library.custom_op("membound::attention_forward", mutates_args=())
+def _attention_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int,
+                       causal: bool, window: int, rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward("attention", x, weights, _attention_attrs(heads, kv_heads, head_dim, causal, window, rope_base))
+
+
+@torch.library.custom_op("membound::attention_backward", mutates_args=())
+def _attention_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
+                        heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
+                        rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _backward("attention", x, weights, saved, dy,
+                     _attention_attrs(heads, kv_heads, head_dim, causal, window, rope_base))
+
+
+def _attention_attrs(heads, kv_heads, head_dim, causal, window, rope_base):
+    return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window, rope_base=rope_base)
+
+
+@torch.library.custom_op("membound::mamba_forward", mutates_args=())
+def _mamba_forward(x: torch.Tensor, weights: list[torch.Tensor], d_inner: int, d_state: int, d_conv: int,
+                   dt_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward("mamba", x, weights, dict(d_inner=d_inner, d_state=d_state, d_conv=d_conv, dt_rank=dt_rank))
+
+
+@torch.library.custom_op("membound::mamba_backward", mutates_args=())
+def _mamba_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
+                    d_inner: int, d_state: int, d_conv: int, dt_rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _backward("mamba", x, weights, saved, dy,
+                     dict(d_inner=d_inner, d_state=d_state, d_conv=d_conv, dt_rank=dt_rank))
+
+
+def _ttt_attrs(heads, use_gate, base_lr, rope_base):
+    return dict(heads=heads, use_gate=use_gate, base_lr=base_lr, rope_base=rope_base)
+
+
+@torch.library.custom_op("membound::ttt_linear_forward", mutates_args=())
+def _ttt_linear_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
+                        rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward("ttt_linear", x, weights, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+
+
+@torch.library.custom_op("membound::ttt_linear_backward", mutates_args=())
+def _ttt_linear_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
+                         heads: int, use_gate: bool, base_lr: float,
+                         rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _backward("ttt_linear", x, weights, saved, dy, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+
+
+@torch.library.custom_op("membound::ttt_mlp_forward", mutates_args=())
+def _ttt_mlp_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
+                     rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward("ttt_mlp", x, weights, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+
+
+@torch.library.custom_op("membound::ttt_mlp_backward", mutates_args=())
+def _ttt_mlp_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
+                      heads: int, use_gate: bool, base_lr: float,
+                      rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _backward("ttt_mlp", x, weights, saved, dy, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+
+
+# ---- Fake implementations and autograd, the same for the four layers ---------------------------------
+
+# kind -> (forward op, backward op, names of the attributes after x and weights, in schema order)
+_OPS = {
+    "attention": (_attention_forward, _attention_backward,
+                  ("heads", "kv_heads", "head_dim", "causal", "window", "rope_base")),
+    "mamba": (_mamba_forward, _mamba_backward, ("d_inner", "d_state", "d_conv", "dt_rank")),
+    "ttt_linear": (_ttt_linear_forward, _ttt_linear_backward, ("heads", "use_gate", "base_lr", "rope_base")),
+    "ttt_mlp": (_ttt_mlp_forward, _ttt_mlp_backward, ("heads", "use_gate", "base_lr", "rope_base")),
+}
+
+
+def _register(kind: str) -> None:
+    fwd, bwd, names = _OPS[kind]
+
+    def fake_forward(x, weights, *attrs):
+        return _fake_forward(kind, x, dict(zip(names, attrs)))
+
+    def fake_backward(x, weights, saved, dy, *attrs):
+        return _fake_backward(x, weights)
+
+    def setup_context(ctx, inputs, output):
+        x, weights, *attrs = inputs
+        ctx.save_for_backward(x, output[1], *weights)
+        ctx.attrs = attrs
+
+    def backward(ctx, dy, _dsaved):
+        x, saved, *weights = ctx.saved_tensors
+        dx, grads = bwd(x, list(weights), saved, dy, *ctx.attrs)
+        return (dx, list(grads)) + (None,) * len(ctx.attrs)
+
+    fwd.register_fake(fake_forward)
+    bwd.register_fake(fake_backward)
+    fwd.register_autograd(backward, setup_context=setup_context)
+
+
+for _kind in _OPS:
+    _register(_kind)
+
+
+# ---- What users call ------------------------------------------------------------------------------
+
+def attention(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, kv_heads: int | None = None,
+              head_dim: int | None = None, causal: bool = True, window: int = 0,
+              rope_base: float = 10000.0) -> torch.Tensor:
+    """Multi-head attention with RoPE and GQA: weights [wq, wk, wv, wo] ([in, out] each)."""
+    kv = heads if kv_heads is None else kv_heads
+    hd = x.shape[-1] // heads if head_dim is None else head_dim
+    return _attention_forward(x, list(weights), heads, kv, hd, causal, window, float(rope_base))[0]
+
+
+def mamba(x: torch.Tensor, weights: Sequence[torch.Tensor], *, d_inner: int, d_state: int = 16, d_conv: int = 4,
+          dt_rank: int | None = None) -> torch.Tensor:
+    """The Mamba-1 block: weights as parameters("mamba", ...) lists them."""
+    r = -(-x.shape[-1] // 16) if dt_rank is None else dt_rank
+    return _mamba_forward(x, list(weights), d_inner, d_state, d_conv, r)[0]
+
+
+def ttt_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use_gate: bool = False,
+               base_lr: float = 1.0, rope_base: float = 10000.0) -> torch.Tensor:
+    """TTT-Linear with mini-batches of 16 tokens: weights as parameters("ttt_linear", ...) lists them."""
+    return _ttt_linear_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base))[0]
+
+
+def ttt_mlp(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use_gate: bool = False,
+            base_lr: float = 1.0, rope_base: float = 10000.0) -> torch.Tensor:
+    """TTT-MLP with mini-batches of 16 tokens: weights as parameters("ttt_mlp", ...) lists them."""
+    return _ttt_mlp_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base))[0]
