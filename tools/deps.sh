@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the build and test dependencies that are missing: Debian packages with apt-get, and the
 # Python package's build and test tools, which Debian 12 lacks (nanobind, scikit-build-core; pytest
-# with them), from PyPI for the python3 on PATH. Idempotent: nothing is updated or installed when
+# and PyTorch, whose ops membound.ops registers and tests against, with them), from PyPI for the
+# python3 on PATH. PyPI's torch wheel brings its CUDA libraries (~5 GB installed, about a minute);
+# the tests run it on the CPU. Idempotent: nothing is updated or installed when
 # everything is already there.
 set -euo pipefail
 
@@ -31,13 +33,13 @@ else
 fi
 
 # PyPI modules, by import name=distribution name.
-modules=(nanobind=nanobind scikit_build_core=scikit-build-core pytest=pytest)
+modules=(nanobind=nanobind scikit_build_core=scikit-build-core pytest=pytest numpy=numpy torch=torch)
 wanted=()
 for m in "${modules[@]}"; do
   python3 -c "import ${m%%=*}" 2>/dev/null || wanted+=("${m#*=}")
 done
 if ((${#wanted[@]} == 0)); then
-  echo "deps.sh: python3 has nanobind, scikit-build-core and pytest"
+  echo "deps.sh: python3 has nanobind, scikit-build-core, pytest and torch"
 else
   echo "deps.sh: pip installing ${wanted[*]} for $(command -v python3)"
   pip_args=(--quiet --disable-pip-version-check)

@@ -1,12 +1,13 @@
 """membound's layers as PyTorch custom ops (torch.library), forward and hand-written backward.
 
-    import membound.ops  # registers torch.ops.membound.{attention,mamba,ttt_linear,ttt_mlp}
+    import membound.ops  # registers torch.ops.membound.{attention,mamba,ttt_linear,ttt_mlp}_{forward,backward}
     y = membound.ops.ttt_linear(x, weights, heads=4)  # differentiable; torch.compile traces it
 
 Each op takes the input x [B, T, C] and the layer's parameters as a list in membound's order and
 layout (`parameters(kind, ...)` names them; matrices are [in, out], y = x·W) and returns y. Under
-autograd the forward op also returns the bytes it keeps for backward (a uint8 tensor of exactly the
-layer's saved_bytes) and the backward op recomputes what it did not keep, as the C++ layers do.
+autograd the forward op also returns the bytes it keeps for backward (a uint8 tensor of the layer's
+saved_bytes plus 255, to start them at the 256-byte boundary the layers carve from; PyTorch's host
+allocator aligns to 64) and the backward op recomputes what it did not keep, as the C++ layers do.
 Every buffer -- y, the saved bytes, the workspace -- is a tensor PyTorch allocates, sized by the
 layer's own size functions (`sizes`), so a budgeted allocator sees all of it. The fake (meta)
 implementations give torch.compile the same shapes and saved sizes without running anything.
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _layers
-from ._errors import invalid
+from ._errors import InvalidArgument, invalid
 
 __all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes"]
 
@@ -48,27 +49,32 @@ def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str
     return s
 
 
+_X_FIELDS = ("shape.batch", "shape.seq", "shape.width", "shape.d_model")
+
+
+def _layer_call(fn, *args):
+    """Calls _layers.fn; the C++ layers name shape fields (shape.kv_heads), which are this module's
+    arguments (kv_heads) or the input's axes (x)."""
+    try:
+        return fn(*args)
+    except InvalidArgument as e:
+        if not e.argument.startswith("shape."):
+            raise
+        name = "x" if e.argument in _X_FIELDS else e.argument[len("shape."):]
+        shown = f"{e.argument} (x's axes)" if name == "x" else name
+        raise InvalidArgument(str(e).replace(f"'{e.argument}'", f"'{shown}'", 1), name, e.expected, e.got,
+                              e.todo) from None
+
+
 def parameters(kind: str, width: int, **attrs: Any) -> list[tuple[str, list[int]]]:
     """(name, shape) of each parameter an op takes, in its order and membound's layout."""
-    return [(n, list(d)) for n, d in _layers.parameters(_spec(kind, (1, 1, width), torch.float32, attrs))]
+    return [(n, list(d)) for n, d in _layer_call(_layers.parameters, _spec(kind, (1, 1, width), torch.float32, attrs))]
 
 
 def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32, **attrs: Any) -> dict[str, int]:
     """Bytes one call needs besides its inputs and y: saved for backward, and the workspaces."""
-    saved, fws, bws = _layers.sizes(_spec(kind, x_shape, dtype, attrs))
+    saved, fws, bws = _layer_call(_layers.sizes, _spec(kind, x_shape, dtype, attrs))
     return {"saved": saved, "forward_workspace": fws, "backward_workspace": bws}
-
-
-# The layers carve their saved and workspace bytes at membound::default_alignment; PyTorch's host
-# allocator aligns to 64.
-_ALIGN = 256
-
-
-def _aligned_bytes(n: int) -> torch.Tensor:
-    """n bytes at a 256-byte boundary: a view into a buffer _ALIGN - 1 bytes longer."""
-    buf = torch.empty(n + _ALIGN - 1, dtype=torch.uint8)
-    start = -buf.data_ptr() % _ALIGN
-    return buf[start:start + n]
 
 
 def _on_host(name: str, t: torch.Tensor) -> None:
@@ -80,12 +86,12 @@ def _on_host(name: str, t: torch.Tensor) -> None:
 def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], attrs: dict[str, Any]):
     _on_host("x", x)
     s = _spec(kind, x.shape, x.dtype, attrs)
-    saved_bytes, fws, _ = _layers.sizes(s)
+    saved_bytes, fws, _ = _layer_call(_layers.sizes, s)
     x = x.contiguous()
     ws = [w.contiguous() for w in weights]
     y = torch.empty_like(x)
-    saved, workspace = _aligned_bytes(saved_bytes), _aligned_bytes(fws)
-    _layers.forward(s, x, ws, y, saved, workspace)
+    saved, workspace = _bytes(saved_bytes), _bytes(fws)
+    _layer_call(_layers.forward, s, x, ws, y, saved, workspace)
     return y, saved
 
 
@@ -93,20 +99,25 @@ def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: to
               attrs: dict[str, Any]):
     _on_host("x", x)
     s = _spec(kind, x.shape, x.dtype, attrs)
-    _, _, bws = _layers.sizes(s)
+    _, _, bws = _layer_call(_layers.sizes, s)
     x, dy = x.contiguous(), dy.contiguous().to(x.dtype)
     ws = [w.contiguous() for w in weights]
     dx = torch.empty_like(x)
     grads = [torch.zeros_like(w) for w in ws]  # the layers add (+=) their gradients
-    workspace = _aligned_bytes(bws)
-    _layers.backward(s, x, ws, saved, dy, dx, grads, workspace)
+    workspace = _bytes(bws)
+    _layer_call(_layers.backward, s, x, ws, saved, dy, dx, grads, workspace)
     return dx, grads
+
+
+def _bytes(n: int) -> torch.Tensor:
+    # The layers start their bytes at a 256-byte boundary; PyTorch's host allocator aligns to 64.
+    return torch.empty(n + _layers.pad, dtype=torch.uint8)
 
 
 def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
     # The saved size is the layer's own, so a traced graph holds the bytes the eager op would.
-    saved_bytes = _layers.sizes(_spec(kind, [int(d) for d in x.shape], x.dtype, attrs))[0]
-    return torch.empty_like(x), x.new_empty(saved_bytes, dtype=torch.uint8)
+    saved_bytes = _layer_call(_layers.sizes, _spec(kind, [int(d) for d in x.shape], x.dtype, attrs))[0]
+    return torch.empty_like(x), x.new_empty(saved_bytes + _layers.pad, dtype=torch.uint8)
 
 
 def _fake_backward(x: torch.Tensor, weights: list[torch.Tensor]):

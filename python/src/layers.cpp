@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -195,9 +196,16 @@ S* data_of(const array& a, const std::string& argument, std::size_t elements, co
   return static_cast<S*>(a.data());
 }
 
+// The layers carve saved and workspace bytes at membound::default_alignment (256) and PyTorch's
+// host allocator aligns to 64: the caller passes `needed` + 255 bytes and the call starts at the
+// first 256-byte boundary inside them (`pad` below).
+constexpr std::size_t pad = mb::default_alignment - 1;
+
 void* bytes_at(const array& a, const std::string& argument, std::size_t needed) {
-  if (bytes_of(a) < needed) throw mb::workspace_too_small(argument, needed, bytes_of(a));
-  return a.data();
+  const auto address = reinterpret_cast<std::uintptr_t>(a.data());
+  const std::size_t skip = (mb::default_alignment - address % mb::default_alignment) % mb::default_alignment;
+  if (bytes_of(a) < needed + skip) throw mb::workspace_too_small(argument, needed + pad, bytes_of(a));
+  return static_cast<std::byte*>(a.data()) + skip;
 }
 
 // ---- The calls, per precision ------------------------------------------------------------------------
@@ -335,11 +343,13 @@ NB_MODULE(_layers, m) {
     return out;
   }, nb::arg("spec"), "(name, dims) of each parameter in membound's order and layout ([in, out] matrices).");
   m.def("sizes", &sizes, nb::arg("spec"),
-        "(saved, forward workspace, backward workspace) bytes of one call, from the layer's size functions.");
+        "(saved, forward workspace, backward workspace) bytes of one call, from the layer's size functions; "
+        "pass buffers of these plus `pad` bytes.");
   m.def("forward", &forward, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("y"), nb::arg("saved"),
         nb::arg("workspace"), "y = layer(x); fills `saved` for backward.");
   m.def("backward", &backward, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("saved"), nb::arg("dy"),
         nb::arg("dx"), nb::arg("grads"), nb::arg("workspace"),
         "dx from dy (overwritten); the parameter gradients added (+=) to `grads`.");
   m.attr("ttt_mini_batch") = ttt_mini_batch;
+  m.attr("pad") = pad;
 }

@@ -31,9 +31,10 @@ def main() -> int:
     names = sorted(zipfile.ZipFile(wheel).namelist())
     package = [n for n in names if not n.startswith("membound-")]
     print(os.path.basename(wheel), *package, sep="\n  ")
-    assert any(n.startswith("membound/_core.") and n.endswith((".so", ".pyd")) for n in package), names
+    for module in ("_core", "_layers"):
+        assert any(n.startswith(f"membound/{module}.") and n.endswith((".so", ".pyd")) for n in package), names
     for needed in ("membound/__init__.py", "membound/_errors.py", "membound/py.typed", "membound/_core.pyi",
-                   "membound/_service.py", "membound/torch.py", "membound/libmembound_alloc_host.so"):
+                   "membound/_service.py", "membound/torch.py", "membound/ops.py", "membound/nn.py", "membound/libmembound_alloc_host.so"):
         assert needed in package, f"{needed} missing from the wheel"
     assert all(n.startswith("membound/") for n in package), f"files outside the package: {package}"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
@@ -43,6 +44,8 @@ def main() -> int:
              "assert p.fits and p.reserved_peak >= p.peak_bytes > 0; "
              "from membound._service import Service; s = Service('host'); s.configure(1 << 20); "
              "a = s.malloc(4096); assert a and s.stats()['requested'] == 4096; s.free(a, 4096); "
+             "from membound import _layers; sp = _layers.Spec(); sp.kind = 'mamba'; sp.width = 8; "
+             "sp.d_inner = 16; sp.dt_rank = 1; assert _layers.sizes(sp)[0] > 0; "
              "print(membound.__version__, p.schedule)")
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     clean["PYTHONPATH"] = target
