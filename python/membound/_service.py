@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ class Service:
             lib.membound_alloc_set_others.argtypes = [ctypes.c_int, ctypes.c_uint64]
             lib.membound_alloc_last_refusal.restype = ctypes.c_char_p
             lib.membound_alloc_last_error.restype = ctypes.c_char_p
+            lib.membound_alloc_record_history.argtypes = [ctypes.c_uint64]
+            lib.membound_alloc_snapshot.restype = ctypes.c_char_p
             assert lib.membound_alloc_stat_count() == len(_STATS), "the library and _service.py disagree"
             # Every thunk handed to the library, kept for the process's life: a thread may be
             # calling the previous one while it is replaced.
@@ -144,6 +147,24 @@ class Service:
         s: dict[str, object] = dict(zip(_STATS, out))
         s["level"] = LEVELS[out[_STATS.index("level")]]
         return s
+
+    def record_history(self, max_entries: int) -> None:
+        """Keeps the last max_entries allocator events of every device (0: stops, forgets them)."""
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 1 << 63:
+            raise InvalidArgument(f"membound: invalid argument 'max_entries': expected a count from 0, got {max_entries!r}",
+                                  "max_entries", "a count from 0", repr(max_entries), "e.g. max_entries=100000")
+        self._lib.membound_alloc_record_history(max_entries)
+
+    def snapshot(self) -> dict[str, object]:
+        """The segments, their blocks and the recorded events, in torch.cuda.memory._snapshot()'s
+        layout (PyTorch's memory viewer reads it pickled)."""
+        text = self._lib.membound_alloc_snapshot().decode()
+        if not text:
+            raise RuntimeError(f"membound: no snapshot: {self.last_error()}")
+        snap: dict[str, object] = json.loads(text)
+        for seg in snap["segments"]:  # type: ignore[union-attr]
+            seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
+        return snap
 
     def last_refusal(self) -> str:
         """membound's out-of-memory report for the last refused request: every field."""

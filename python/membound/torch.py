@@ -10,7 +10,9 @@ under a hard budget per device (the bytes other processes hold on the device cou
 each change of pressure level reaches `on_pressure`: what training programs write by hand as
 "spike mode" and "emergency cleanup". A request past the budget raises a RuntimeError carrying
 membound's out-of-memory report (PyTorch takes the hook's exception as the error; it would not
-check a null pointer); membound.torch.last_refusal() holds the report too.
+check a null pointer); membound.torch.last_refusal() holds the report too. record_history() and
+dump_snapshot(path) write the allocator's segments and events in PyTorch's memory-snapshot layout
+(torch.cuda.memory._dump_snapshot's pickle), for https://pytorch.org/memory_viz.
 
 Limits, as PyTorch's CUDAPluggableAllocator defines them (read in its source, not yet run here):
 it must be installed before the first CUDA allocation of the process; its Python constructor takes
@@ -28,7 +30,8 @@ from . import parse_size
 from ._errors import invalid
 from ._service import LEVELS, PressureEvent, Service, library_path
 
-__all__ = ["use_allocator", "stats", "empty_cache", "last_refusal", "PressureEvent", "LEVELS"]
+__all__ = ["use_allocator", "stats", "empty_cache", "last_refusal", "record_history", "snapshot", "dump_snapshot",
+           "PressureEvent", "LEVELS"]
 
 _service: Optional[Service] = None
 
@@ -74,3 +77,24 @@ def empty_cache() -> None:
 def last_refusal() -> str:
     """membound's out-of-memory report for the last request the budget refused."""
     return _active().last_refusal()
+
+
+def record_history(max_entries: int = 100_000) -> None:
+    """Keeps the last max_entries allocations, frees, segment changes and refusals of every device,
+    as torch.cuda.memory._record_memory_history(max_entries=...) does (0 stops)."""
+    _active().record_history(max_entries)
+
+
+def snapshot() -> dict[str, object]:
+    """The allocator's state in torch.cuda.memory._snapshot()'s layout: segments with their live
+    and free blocks, and the recorded history per device (no stack frames)."""
+    return _active().snapshot()
+
+
+def dump_snapshot(path: str) -> None:
+    """snapshot() pickled, as torch.cuda.memory._dump_snapshot writes it: drop the file on
+    https://pytorch.org/memory_viz, or render it with torch.cuda._memory_viz.trace_plot."""
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(snapshot(), f)

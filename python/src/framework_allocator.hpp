@@ -15,11 +15,19 @@
 //
 // Nothing here throws across the C boundary: each hook (framework_allocator_hooks.inl) catches
 // and records.
+//
+// The snapshot (snapshot_json) is PyTorch's torch.cuda.memory._snapshot() layout, so its tools
+// read it (membound.torch.snapshot() pickles it for PyTorch's memory viewer): per device, the
+// segments the caching allocator holds from its upstream with their live and free blocks, and,
+// once record_history(max_entries) has turned it on, the last max_entries events (alloc,
+// free_requested, free_completed, segment_alloc, segment_free, oom) with their time.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -59,12 +67,65 @@ enum stat_index : int {
   stat_count
 };
 
+// One event of PyTorch's memory history (torch.cuda.memory._record_memory_history).
+struct trace_entry {
+  const char* action;  // alloc, free_requested, free_completed, segment_alloc, segment_free, oom
+  std::uintptr_t addr;
+  std::size_t size;
+  std::uintptr_t stream;
+  std::int64_t time_us;
+  std::size_t device_free;  // oom: what the budget had left
+};
+
+// What one device's stack holds, for the snapshot: the segments from the upstream, the live
+// blocks, and the history when it is on.
+struct device_book {
+  std::map<std::uintptr_t, std::size_t> segments;                           // address -> bytes
+  std::map<std::uintptr_t, std::pair<std::size_t, std::uintptr_t>> blocks;  // address -> bytes, stream
+  std::deque<trace_entry> trace;
+  std::size_t max_entries = 0;  // 0: no history
+  std::uintptr_t stream = 0;    // the stream of the request in progress (a new segment's)
+
+  void record(const char* action, std::uintptr_t addr, std::size_t size, std::uintptr_t on_stream,
+              std::size_t device_free = 0) {
+    if (max_entries == 0) return;
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    trace.push_back({action, addr, size, on_stream,
+                     std::chrono::duration_cast<std::chrono::microseconds>(now).count(), device_free});
+    while (trace.size() > max_entries) trace.pop_front();
+  }
+};
+
+// The upstream under the caching allocator, telling the book about every segment it hands out
+// and takes back.
+template <typename Upstream>
+struct booked : Upstream {
+  using Upstream::Upstream;
+  device_book* book = nullptr;
+
+  void* allocate(std::size_t bytes, std::size_t alignment, mb::memory_tag tag) {
+    void* p = Upstream::allocate(bytes, alignment, tag);
+    if (book != nullptr && p != nullptr) {
+      book->segments[reinterpret_cast<std::uintptr_t>(p)] = bytes;
+      book->record("segment_alloc", reinterpret_cast<std::uintptr_t>(p), bytes, book->stream);
+    }
+    return p;
+  }
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment, mb::memory_tag tag) {
+    if (book != nullptr && p != nullptr) {
+      book->segments.erase(reinterpret_cast<std::uintptr_t>(p));
+      book->record("segment_free", reinterpret_cast<std::uintptr_t>(p), bytes, book->stream);
+    }
+    Upstream::deallocate(p, bytes, alignment, tag);
+  }
+};
+
 // Upstream: the device allocator (constructed from the device index). Probe(device, budget):
 // the bytes others hold on that device, or nullopt where nothing is measured.
 template <typename Upstream, typename Probe>
 class framework_allocator {
  public:
-  using stack = mb::budget_allocator<mb::caching_allocator<Upstream>>;
+  using stack = mb::budget_allocator<mb::caching_allocator<booked<Upstream>>>;
 
   // Before the first allocation: the budget per device and the thresholds (fractions of it).
   // Refused (invalid_argument naming the field) with blocks live, or for a zero budget or
@@ -107,8 +168,16 @@ class framework_allocator {
         try {
           // The others' bytes before the reserve grows: what the budget must leave them.
           if (d.alloc.growth_for(bytes, mb::default_alignment, stream) != 0) measure_others(d, device);
+          d.book.stream = static_cast<std::uintptr_t>(stream);
           p = d.alloc.allocate(bytes, mb::default_alignment, mb::memory_tag::other, stream);
+          if (p != nullptr) {
+            d.book.blocks[reinterpret_cast<std::uintptr_t>(p)] = {bytes, static_cast<std::uintptr_t>(stream)};
+            d.book.record("alloc", reinterpret_cast<std::uintptr_t>(p), bytes, static_cast<std::uintptr_t>(stream));
+          }
         } catch (const mb::out_of_memory& oom) {
+          const std::size_t used = d.alloc.stats().reserved + d.alloc.external();
+          d.book.record("oom", 0, bytes, static_cast<std::uintptr_t>(stream),
+                        d.alloc.limit() > used ? d.alloc.limit() - used : 0);
           ++d.refusals;
           last_refusal_ = oom.what();
           thread_refusal() = last_refusal_;
@@ -136,6 +205,12 @@ class framework_allocator {
                                      "Free a block with the device it was allocated on");
         }
         d->alloc.deallocate(p, bytes, mb::default_alignment, mb::memory_tag::other);
+        // Stream-ordered: the block is free for its stream at once, so both events at once.
+        const auto at = d->book.blocks.find(reinterpret_cast<std::uintptr_t>(p));
+        const std::uintptr_t on = at == d->book.blocks.end() ? 0 : at->second.second;
+        if (at != d->book.blocks.end()) d->book.blocks.erase(at);
+        d->book.record("free_requested", reinterpret_cast<std::uintptr_t>(p), bytes, on);
+        d->book.record("free_completed", reinterpret_cast<std::uintptr_t>(p), bytes, on);
         e = classify(*d, device);
       } catch (const std::exception& x) {
         ++bad_frees_;
@@ -215,6 +290,72 @@ class framework_allocator {
     deliver(e);
   }
 
+  // Keeps the last max_entries events of every device from now on (0: stops and forgets them), as
+  // torch.cuda.memory._record_memory_history(max_entries=...) does.
+  void record_history(std::size_t max_entries) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    history_ = max_entries;
+    for (auto& [device, d] : devices_) {
+      d->book.max_entries = max_entries;
+      while (d->book.trace.size() > max_entries) d->book.trace.pop_front();
+    }
+  }
+
+  // The snapshot in torch.cuda.memory._snapshot()'s layout, as JSON: {"segments": [...],
+  // "device_traces": [[...] per device index up to the largest used]}. A segment's blocks are its
+  // live blocks ("active_allocated") and the gaps between them ("inactive"); no stack frames.
+  std::string snapshot_json() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    std::string out = "{\"segments\": [";
+    const auto num = [](auto v) { return std::to_string(v); };
+    bool first_segment = true;
+    for (const auto& [device, d] : devices_) {
+      for (const auto& [base, size] : d->book.segments) {
+        std::string blocks;
+        std::size_t allocated = 0, at = base;
+        std::uintptr_t stream = 0;
+        const auto block = [&](std::uintptr_t addr, std::size_t bytes, const char* st) {
+          blocks += std::string(blocks.empty() ? "" : ", ") + "{\"address\": " + num(addr) + ", \"size\": " +
+                    num(bytes) + ", \"requested_size\": " + num(bytes) + ", \"state\": \"" + st +
+                    "\", \"frames\": []}";
+        };
+        for (auto it = d->book.blocks.lower_bound(base); it != d->book.blocks.end() && it->first < base + size; ++it) {
+          if (it->first > at) block(at, it->first - at, "inactive");
+          block(it->first, it->second.first, "active_allocated");
+          allocated += it->second.first;
+          stream = it->second.second;
+          at = it->first + it->second.first;
+        }
+        if (at < base + size) block(at, base + size - at, "inactive");
+        out += std::string(first_segment ? "" : ", ") + "{\"device\": " + num(device) + ", \"address\": " +
+               num(base) + ", \"total_size\": " + num(size) + ", \"allocated_size\": " + num(allocated) +
+               ", \"active_size\": " + num(allocated) + ", \"requested_size\": " + num(allocated) +
+               ", \"stream\": " + num(stream) + ", \"segment_type\": \"" +
+               (size <= (std::size_t{2} << 20) ? "small" : "large") +
+               "\", \"segment_pool_id\": [0, 0], \"is_expandable\": false, \"frames\": [], \"blocks\": [" +
+               blocks + "]}";
+        first_segment = false;
+      }
+    }
+    out += "], \"device_traces\": [";
+    const int devices = devices_.empty() ? 0 : devices_.rbegin()->first + 1;
+    for (int i = 0; i < devices; ++i) {
+      out += i == 0 ? "[" : ", [";
+      if (const auto it = devices_.find(i); it != devices_.end()) {
+        bool first = true;
+        for (const trace_entry& e : it->second->book.trace) {
+          out += std::string(first ? "" : ", ") + "{\"action\": \"" + e.action + "\", \"addr\": " + num(e.addr) +
+                 ", \"size\": " + num(e.size) + ", \"stream\": " + num(e.stream) + ", \"time_us\": " +
+                 num(e.time_us) + ", \"frames\": []" +
+                 (std::string(e.action) == "oom" ? ", \"device_free\": " + num(e.device_free) : std::string()) + "}";
+          first = false;
+        }
+      }
+      out += "]";
+    }
+    return out + "]}";
+  }
+
   // The report of the last refusal on this thread's call (the throwing hook raises it).
   static std::string& thread_refusal() {
     thread_local std::string r;
@@ -236,7 +377,11 @@ class framework_allocator {
 
  private:
   struct state {
-    state(std::size_t budget, int device) : alloc(budget, mb::caching_options{}, device) {}
+    state(std::size_t budget, int device, std::size_t history) : alloc(budget, mb::caching_options{}, device) {
+      alloc.upstream().upstream().book = &book;
+      book.max_entries = history;
+    }
+    device_book book;  // before alloc: the caching allocator gives its segments back through it
     stack alloc;
     mb::pressure_level level = mb::pressure_level::normal;
     std::uint64_t refusals = 0;
@@ -260,7 +405,7 @@ class framework_allocator {
     }
     if (device < 0) throw mb::invalid_argument("device", "a device index, 0 or more", std::to_string(device), "");
     auto it = devices_.find(device);
-    if (it == devices_.end()) it = devices_.emplace(device, std::make_unique<state>(budget_, device)).first;
+    if (it == devices_.end()) it = devices_.emplace(device, std::make_unique<state>(budget_, device, history_)).first;
     return *it->second;
   }
 
@@ -311,6 +456,7 @@ class framework_allocator {
   pressure_callback callback_ = nullptr;
   std::map<int, std::unique_ptr<state>> devices_;
   std::uint64_t bad_frees_ = 0;
+  std::size_t history_ = 0;  // record_history's max_entries, for devices used later too
   std::string last_refusal_, last_error_;
 };
 

@@ -59,4 +59,20 @@ MEMBOUND_HOOK const char* membound_alloc_last_error() {
   return s.c_str();
 }
 
+MEMBOUND_HOOK void membound_alloc_record_history(std::uint64_t max_entries) {
+  service().record_history(static_cast<std::size_t>(max_entries));
+}
+// The snapshot as JSON (torch.cuda.memory._snapshot()'s layout), valid until the next call from the
+// same thread.
+MEMBOUND_HOOK const char* membound_alloc_snapshot() {
+  thread_local std::string s;
+  try {
+    s = service().snapshot_json();
+  } catch (const std::exception& e) {
+    service().note_error(e.what());
+    s.clear();
+  }
+  return s.c_str();
+}
+
 #undef MEMBOUND_HOOK

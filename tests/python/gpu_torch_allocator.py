@@ -29,6 +29,7 @@ def main() -> int:
     events = []
     budget = 4 * GiB
     mt.use_allocator(budget, thresholds=(0.5, 0.7, 0.9), on_pressure=events.append)
+    mt.record_history(100_000)
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(4096, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 4096)).cuda()
@@ -85,6 +86,15 @@ def main() -> int:
           # empty_cache gives back every wholly free upstream block (the 512 MiB one); free
           # pieces of blocks still partly in use stay cached, as in PyTorch's own allocator.
           and result["after_other_left"]["reserved"] - result["after_empty_cache"]["reserved"] >= 512 << 20)
+    # The history in PyTorch's snapshot layout, read by PyTorch's own tool.
+    from torch.cuda import _memory_viz
+
+    mt.dump_snapshot(os.path.join(out_dir, "membound_snapshot.pickle"))
+    snap = mt.snapshot()
+    text = _memory_viz.trace(snap)
+    result["snapshot"] = {"segments": len(snap["segments"]), "events": len(snap["device_traces"][0]),
+                          "trace_lines": text.count("\n")}
+    ok = ok and "cudaMalloc" in text and "raise OutOfMemoryError" in text
     result["ok"] = ok
     with open(os.path.join(out_dir, "torch_allocator.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

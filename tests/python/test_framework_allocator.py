@@ -8,6 +8,8 @@ GPU yet).
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 import subprocess
 import sys
@@ -208,3 +210,48 @@ def test_swapping_the_callback_while_threads_allocate():
         t.join()
     s.on_pressure(None)
     assert s.stats()["requested"] == 0
+
+
+def test_snapshot_is_pytorchs_layout_and_its_tools_read_it(service):
+    service.record_history(1000)
+    try:
+        a = service.malloc(3 * MiB, 0, 1)
+        b = service.malloc(5000, 0, 1)
+        c = service.malloc(7 * MiB, 0, 2)
+        service.free(b, 5000, 0, 1)
+        assert service.malloc(200 * MiB) == 0  # refused: an oom event
+        snap = service.snapshot()
+        events = snap["device_traces"][0]
+        actions = [e["action"] for e in events]
+        assert actions.count("alloc") == 3 and actions.count("oom") == 1 and actions.count("segment_alloc") >= 2
+        assert actions[actions.index("free_requested") + 1] == "free_completed"
+        oom = events[actions.index("oom")]
+        assert oom["size"] == 200 * MiB and 0 < oom["device_free"] <= 100 * MiB
+        assert all(e["time_us"] >= events[0]["time_us"] for e in events)
+        live = {blk["address"]: blk["size"] for seg in snap["segments"] for blk in seg["blocks"]
+                if blk["state"] == "active_allocated"}
+        assert live == {a: 3 * MiB, c: 7 * MiB}
+        for seg in snap["segments"]:  # the blocks tile each segment
+            assert sum(blk["size"] for blk in seg["blocks"]) == seg["total_size"]
+            assert seg["allocated_size"] == sum(live.get(blk["address"], 0) for blk in seg["blocks"])
+        assert sum(seg["total_size"] for seg in snap["segments"]) == service.stats()["reserved"]
+        # PyTorch's own readers of a snapshot (torch.cuda._memory_viz) take it as they take theirs.
+        if os.environ.get("CI") or importlib.util.find_spec("torch"):
+            import io
+
+            from torch.cuda import _memory_viz
+
+            text = _memory_viz.trace(snap)
+            assert "cudaMalloc" in text and "raise OutOfMemoryError" in text and "del " in text
+            for seg in snap["segments"]:
+                _memory_viz._write_blocks(io.StringIO(), "p", seg["blocks"])
+            assert "snapshot.pickle" in _memory_viz.trace_plot(snap)
+        service.free(a, 3 * MiB, 0, 1)
+        service.free(c, 7 * MiB, 0, 2)
+        service.empty_cache()
+        after = service.snapshot()
+        assert after["segments"] == [] and after["device_traces"][0][-1]["action"] == "segment_free"
+        service.record_history(0)
+        assert service.snapshot()["device_traces"] == [[]]
+    finally:
+        service.record_history(0)
