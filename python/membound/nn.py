@@ -115,8 +115,11 @@ class Mamba(nn.Module):
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2,
                  dt_rank: Any = "auto", dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random",
                  dt_scale: float = 1.0, dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False,
-                 device: Any = None, dtype: Any = None) -> None:
+                 use_fast_path: bool = True, layer_idx: Optional[int] = None, device: Any = None,
+                 dtype: Any = None) -> None:
         super().__init__()
+        # use_fast_path chooses between mamba_ssm's kernels and its reference; membound has one path.
+        self.use_fast_path, self.layer_idx = use_fast_path, layer_idx
         if not conv_bias or bias:
             raise invalid("conv_bias, bias", "conv_bias=True, bias=False (mamba_simple's defaults)",
                           (conv_bias, bias), "Use the defaults: membound's block has exactly those parameters")
@@ -132,7 +135,9 @@ class Mamba(nn.Module):
         self.x_proj = _linear(Di, R + 2 * d_state, False, **f)
         self.dt_proj = _linear(R, Di, True, **f)
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(Di, 1).to(**f))
+        self.A_log._no_weight_decay = True  # as mamba_simple marks them for its optimizer groups
         self.D = nn.Parameter(torch.ones(Di, **f))
+        self.D._no_weight_decay = True
         self.out_proj = _linear(Di, d_model, False, **f)
         # mamba_simple's dt_proj initialisation: weights keep the variance at dt_scale, the bias is
         # softplus⁻¹ of dt drawn log-uniformly in [dt_min, dt_max].

@@ -6,10 +6,11 @@
 Each op takes the input x [B, T, C] and the layer's parameters as a list in membound's order and
 layout (`parameters(kind, ...)` names them; matrices are [in, out], y = x·W) and returns y. Under
 autograd the forward op also returns the bytes it keeps for backward (a uint8 tensor of the layer's
-saved_bytes plus 255, to start them at the 256-byte boundary the layers carve from; PyTorch's host
-allocator aligns to 64) and the backward op recomputes what it did not keep, as the C++ layers do.
+saved_bytes plus 256: the layers carve from a 256-byte boundary, PyTorch's host allocator aligns to
+64, and byte 0 says where the layer's bytes start) and the backward op recomputes what it did not keep, as the C++ layers do.
 Every buffer -- y, the saved bytes, the workspace -- is a tensor PyTorch allocates, sized by the
-layer's own size functions (`sizes`), so a budgeted allocator sees all of it. The fake (meta)
+layer's own size functions (`sizes`), so a budgeted allocator sees all of it; non-contiguous inputs
+(nn.Linear weights passed transposed) are also copied to contiguous ones for the call. The fake (meta)
 implementations give torch.compile the same shapes and saved sizes without running anything.
 
 Semantics are the C++ layers' (docs/concepts.md): attention with RoPE and GQA (window for
@@ -66,62 +67,110 @@ def _layer_call(fn, *args):
                               e.todo) from None
 
 
+def _with_defaults(kind: str, width: int, attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes with the ops' defaults filled in (as attention(), mamba() take them)."""
+    a = dict(attrs)
+    if kind == "attention" and a.get("heads"):
+        a.setdefault("kv_heads", a["heads"])
+        a.setdefault("head_dim", width // a["heads"])
+    if kind == "mamba":
+        a.setdefault("d_inner", 2 * width)
+        a.setdefault("dt_rank", -(-width // 16))
+    return a
+
+
 def parameters(kind: str, width: int, **attrs: Any) -> list[tuple[str, list[int]]]:
     """(name, shape) of each parameter an op takes, in its order and membound's layout."""
-    return [(n, list(d)) for n, d in _layer_call(_layers.parameters, _spec(kind, (1, 1, width), torch.float32, attrs))]
+    spec = _spec(kind, (1, 1, width), torch.float32, _with_defaults(kind, width, attrs))
+    return [(n, list(d)) for n, d in _layer_call(_layers.parameters, spec)]
 
 
 def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32, **attrs: Any) -> dict[str, int]:
-    """Bytes one call needs besides its inputs and y: saved for backward, and the workspaces."""
-    saved, fws, bws = _layer_call(_layers.sizes, _spec(kind, x_shape, dtype, attrs))
+    """Bytes one call needs besides its inputs and y, from the layer's size functions: saved for
+    backward, and the workspaces. The op's saved tensor is saved + 256 bytes (_saved_layout)."""
+    saved, fws, bws = _layer_call(_layers.sizes, _spec(kind, x_shape, dtype, _with_defaults(kind, x_shape[-1], attrs)))
     return {"saved": saved, "forward_workspace": fws, "backward_workspace": bws}
 
 
-def _on_host(name: str, t: torch.Tensor) -> None:
-    if t.device.type != "cpu":
-        raise invalid(name, "a CPU tensor (the CUDA layers are not bound to PyTorch yet)", str(t.device),
-                      "Run the op on CPU tensors, or the C++ CUDA layers from C++")
+def _on_host(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    for name, t in [("x", x)] + [(f"weights[{i}]", w) for i, w in enumerate(weights)]:
+        if t.device.type != "cpu":
+            raise invalid(name, "a CPU tensor (the CUDA layers are not bound to PyTorch yet)", str(t.device),
+                          "Run the op on CPU tensors, or the C++ CUDA layers from C++")
+
+
+# The layers carve their bytes from a 256-byte boundary; PyTorch's host allocator aligns to 64.
+_ALIGN = 256
+
+
+def _aligned(n: int) -> torch.Tensor:
+    """n bytes starting at a 256-byte boundary: a view into a buffer 255 bytes longer."""
+    buf = torch.empty(n + _ALIGN - 1, dtype=torch.uint8)
+    start = -buf.data_ptr() % _ALIGN
+    return buf[start:start + n]
+
+
+# The saved tensor (a forward output, so a fresh tensor at offset 0): byte 0 holds k - 1, where the
+# layer's bytes start at byte k in 1..256, a 256-byte boundary when forward wrote them. Hooks that
+# copy saved tensors (saved_tensors_hooks, save_on_cpu) move it to another address: backward then
+# finds the bytes by the header and copies them to a boundary again.
+def _saved_layout(n: int) -> torch.Tensor:
+    return torch.empty(n + _ALIGN, dtype=torch.uint8)
+
+
+def _saved_payload_for_forward(saved: torch.Tensor) -> torch.Tensor:
+    k = -(saved.data_ptr() + 1) % _ALIGN + 1
+    saved[0] = k - 1
+    return saved[k:k + saved.numel() - _ALIGN]
+
+
+def _saved_payload_for_backward(saved: torch.Tensor) -> torch.Tensor:
+    k = int(saved[0]) + 1
+    payload = saved[k:k + saved.numel() - _ALIGN]
+    if payload.data_ptr() % _ALIGN == 0:
+        return payload
+    moved = _aligned(payload.numel())
+    moved.copy_(payload)
+    return moved
 
 
 def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], attrs: dict[str, Any]):
-    _on_host("x", x)
+    _on_host(x, weights)
     s = _spec(kind, x.shape, x.dtype, attrs)
     saved_bytes, fws, _ = _layer_call(_layers.sizes, s)
+    # The layers read contiguous arrays: a transposed nn.Linear weight is copied here (not counted
+    # by sizes(); PyTorch frees the copy when the call returns).
     x = x.contiguous()
     ws = [w.contiguous() for w in weights]
     y = torch.empty_like(x)
-    saved, workspace = _bytes(saved_bytes), _bytes(fws)
-    _layer_call(_layers.forward, s, x, ws, y, saved, workspace)
+    saved = _saved_layout(saved_bytes)
+    _layer_call(_layers.forward, s, x, ws, y, _saved_payload_for_forward(saved), _aligned(fws))
     return y, saved
 
 
 def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
               attrs: dict[str, Any]):
-    _on_host("x", x)
+    _on_host(x, weights)
     s = _spec(kind, x.shape, x.dtype, attrs)
     _, _, bws = _layer_call(_layers.sizes, s)
     x, dy = x.contiguous(), dy.contiguous().to(x.dtype)
     ws = [w.contiguous() for w in weights]
     dx = torch.empty_like(x)
     grads = [torch.zeros_like(w) for w in ws]  # the layers add (+=) their gradients
-    workspace = _bytes(bws)
-    _layer_call(_layers.backward, s, x, ws, saved, dy, dx, grads, workspace)
+    _layer_call(_layers.backward, s, x, ws, _saved_payload_for_backward(saved), dy, dx, grads, _aligned(bws))
     return dx, grads
-
-
-def _bytes(n: int) -> torch.Tensor:
-    # The layers start their bytes at a 256-byte boundary; PyTorch's host allocator aligns to 64.
-    return torch.empty(n + _layers.pad, dtype=torch.uint8)
 
 
 def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
     # The saved size is the layer's own, so a traced graph holds the bytes the eager op would.
+    # int() fixes a symbolic length: each new shape traces again (the size is the C++ layer's).
     saved_bytes = _layer_call(_layers.sizes, _spec(kind, [int(d) for d in x.shape], x.dtype, attrs))[0]
-    return torch.empty_like(x), x.new_empty(saved_bytes + _layers.pad, dtype=torch.uint8)
+    return x.new_empty(x.shape), x.new_empty(saved_bytes + _ALIGN, dtype=torch.uint8)
 
 
 def _fake_backward(x: torch.Tensor, weights: list[torch.Tensor]):
-    return torch.empty_like(x), [torch.empty_like(w) for w in weights]
+    # Contiguous, as the real outputs are, whatever the inputs' strides.
+    return x.new_empty(x.shape), [w.new_empty(w.shape) for w in weights]
 
 
 # ---- The ops: one forward and one backward per layer, with explicit attributes --------------------
@@ -161,30 +210,24 @@ def _ttt_attrs(heads, use_gate, base_lr, rope_base):
     return dict(heads=heads, use_gate=use_gate, base_lr=base_lr, rope_base=rope_base)
 
 
-@torch.library.custom_op("membound::ttt_linear_forward", mutates_args=())
-def _ttt_linear_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
-                        rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward("ttt_linear", x, weights, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+def _ttt_ops(kind: str):
+    """TTT-Linear's or TTT-MLP's two ops: the same schema under two names."""
+
+    @torch.library.custom_op(f"membound::{kind}_forward", mutates_args=())
+    def forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
+                rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(kind, x, weights, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+
+    @torch.library.custom_op(f"membound::{kind}_backward", mutates_args=())
+    def backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor, heads: int,
+                 use_gate: bool, base_lr: float, rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return _backward(kind, x, weights, saved, dy, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+
+    return forward, backward
 
 
-@torch.library.custom_op("membound::ttt_linear_backward", mutates_args=())
-def _ttt_linear_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
-                         heads: int, use_gate: bool, base_lr: float,
-                         rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return _backward("ttt_linear", x, weights, saved, dy, _ttt_attrs(heads, use_gate, base_lr, rope_base))
-
-
-@torch.library.custom_op("membound::ttt_mlp_forward", mutates_args=())
-def _ttt_mlp_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
-                     rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward("ttt_mlp", x, weights, _ttt_attrs(heads, use_gate, base_lr, rope_base))
-
-
-@torch.library.custom_op("membound::ttt_mlp_backward", mutates_args=())
-def _ttt_mlp_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
-                      heads: int, use_gate: bool, base_lr: float,
-                      rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return _backward("ttt_mlp", x, weights, saved, dy, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+_ttt_linear_forward, _ttt_linear_backward = _ttt_ops("ttt_linear")
+_ttt_mlp_forward, _ttt_mlp_backward = _ttt_ops("ttt_mlp")
 
 
 # ---- Fake implementations and autograd, the same for the four layers ---------------------------------

@@ -49,7 +49,7 @@ struct param {
   std::vector<std::size_t> dims;
   std::size_t elements() const {
     std::size_t n = 1;
-    for (std::size_t d : dims) n *= d;
+    for (std::size_t d : dims) n = mb::sat_mul(n, d);  // saturated: no array has SIZE_MAX elements
     return n;
   }
 };
@@ -157,7 +157,8 @@ struct pool_slot {
 
 pool_slot& pool_for(std::size_t threads) {
   static std::mutex table_lock;
-  static std::map<std::size_t, std::unique_ptr<pool_slot>> table;  // lives until exit, as the pools
+  // Leaked on purpose: no destructor joins the workers at exit while another thread is in a call.
+  static auto& table = *new std::map<std::size_t, std::unique_ptr<pool_slot>>;
   const std::lock_guard<std::mutex> guard(table_lock);
   std::unique_ptr<pool_slot>& slot = table[threads];
   if (!slot) {
@@ -196,17 +197,9 @@ S* data_of(const array& a, const std::string& argument, std::size_t elements, co
   return static_cast<S*>(a.data());
 }
 
-// The layers carve saved and workspace bytes at membound::default_alignment (256) and PyTorch's
-// host allocator aligns to 64: the caller passes `needed` + 255 bytes and the call starts at the
-// first 256-byte boundary inside them (`pad` below).
-constexpr std::size_t pad = mb::default_alignment - 1;
-
-void* bytes_at(const array& a, const std::string& argument, std::size_t needed) {
-  const auto address = reinterpret_cast<std::uintptr_t>(a.data());
-  const std::size_t skip = (mb::default_alignment - address % mb::default_alignment) % mb::default_alignment;
-  if (bytes_of(a) < needed + skip) throw mb::workspace_too_small(argument, needed + pad, bytes_of(a));
-  return static_cast<std::byte*>(a.data()) + skip;
-}
+// A byte buffer the layer checks itself: its size (workspace_too_small) and its 256-byte alignment
+// (membound.ops hands in aligned views).
+std::pair<void*, std::size_t> bytes_in(const array& a) { return {a.data(), bytes_of(a)}; }
 
 // ---- The calls, per precision ------------------------------------------------------------------------
 
@@ -264,24 +257,35 @@ std::vector<S*> pointers(const std::vector<param>& params, const std::vector<arr
   return out;
 }
 
+std::size_t tokens_by_width(const spec& s) { return mb::sat_mul(mb::sat_mul(s.batch, s.seq), s.width); }
+
+// What every call checks first: the shape, the parameters (as the layer's weights) and x.
+template <typename L, typename Fields>
+std::pair<typename L::weights, const typename L::storage_type*> checked_inputs(const spec& s, const auto& shape,
+                                                                             const std::vector<param>& params,
+                                                                             const std::vector<array>& weights,
+                                                                             const array& x) {
+  using S = typename L::storage_type;
+  L::check(shape);
+  const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
+  const std::vector<const S*> cw(w.begin(), w.end());
+  return {Fields::template make<typename L::weights>(named<const S*>{params, cw}),
+          data_of<S>(x, "x", tokens_by_width(s), s.dtype.c_str())};
+}
+
 void forward(const spec& s, const array& x, const std::vector<array>& weights, const array& y, const array& saved,
              const array& workspace) {
   const std::vector<param> params = parameters_of(s);
   with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
     using S = typename L::storage_type;
-    L::check(shape);
-    const std::size_t n = s.batch * s.seq * s.width;
-    const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
-    const std::vector<const S*> cw(w.begin(), w.end());
-    const S* xp = data_of<S>(x, "x", n, s.dtype.c_str());
-    S* yp = data_of<S>(y, "y", n, s.dtype.c_str());
-    const std::size_t sv = L::saved_bytes(shape), ws = L::forward_workspace_bytes(shape, s.threads);
-    void* svp = bytes_at(saved, "saved", sv);
-    void* wsp = bytes_at(workspace, "workspace", ws);
+    const auto [wts, xp] = checked_inputs<L, Fields>(s, shape, params, weights, x);
+    S* yp = data_of<S>(y, "y", tokens_by_width(s), s.dtype.c_str());
+    const auto [svp, sv] = bytes_in(saved);
+    const auto [wsp, ws] = bytes_in(workspace);
     pool_slot& slot = pool_for(s.threads);
     const nb::gil_scoped_release no_gil;
     const std::lock_guard<std::mutex> guard(slot.busy);
-    L::forward(shape, Fields::template make<typename L::weights>(named<const S*>{params, cw}), xp, yp, svp, sv, wsp, ws, *slot.pool);
+    L::forward(shape, wts, xp, yp, svp, sv, wsp, ws, *slot.pool);
   });
 }
 
@@ -290,22 +294,18 @@ void backward(const spec& s, const array& x, const std::vector<array>& weights, 
   const std::vector<param> params = parameters_of(s);
   with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
     using S = typename L::storage_type;
-    L::check(shape);
-    const std::size_t n = s.batch * s.seq * s.width;
-    const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
-    const std::vector<const S*> cw(w.begin(), w.end());
+    const auto [wts, xp] = checked_inputs<L, Fields>(s, shape, params, weights, x);
     const auto g = pointers<S>(params, grads, "grads", s.dtype.c_str());
-    const S* xp = data_of<S>(x, "x", n, s.dtype.c_str());
+    const std::size_t n = tokens_by_width(s);
     const S* dyp = data_of<S>(dy, "dy", n, s.dtype.c_str());
     S* dxp = data_of<S>(dx, "dx", n, s.dtype.c_str());
-    const std::size_t sv = L::saved_bytes(shape), ws = L::backward_workspace_bytes(shape, s.threads);
-    const void* svp = bytes_at(saved, "saved", sv);
-    void* wsp = bytes_at(workspace, "workspace", ws);
+    const auto [svp, sv] = bytes_in(saved);
+    const auto [wsp, ws] = bytes_in(workspace);
     const auto gs = Fields::template make<typename L::gradients>(named<S*>{params, g});
     pool_slot& slot = pool_for(s.threads);
     const nb::gil_scoped_release no_gil;
     const std::lock_guard<std::mutex> guard(slot.busy);
-    L::backward(shape, Fields::template make<typename L::weights>(named<const S*>{params, cw}), xp, svp, sv, dyp, dxp, gs, wsp, ws, *slot.pool);
+    L::backward(shape, wts, xp, svp, sv, dyp, dxp, gs, wsp, ws, *slot.pool);
   });
 }
 
@@ -343,13 +343,13 @@ NB_MODULE(_layers, m) {
     return out;
   }, nb::arg("spec"), "(name, dims) of each parameter in membound's order and layout ([in, out] matrices).");
   m.def("sizes", &sizes, nb::arg("spec"),
-        "(saved, forward workspace, backward workspace) bytes of one call, from the layer's size functions; "
-        "pass buffers of these plus `pad` bytes.");
-  m.def("forward", &forward, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("y"), nb::arg("saved"),
-        nb::arg("workspace"), "y = layer(x); fills `saved` for backward.");
+        "(saved, forward workspace, backward workspace) bytes of one call, from the layer's size functions.");
+  // Outputs never converted: a copy would take the results and be dropped.
+  m.def("forward", &forward, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("y").noconvert(),
+        nb::arg("saved").noconvert(), nb::arg("workspace").noconvert(),
+        "y = layer(x); fills `saved` (saved_bytes, 256-byte aligned) for backward.");
   m.def("backward", &backward, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("saved"), nb::arg("dy"),
-        nb::arg("dx"), nb::arg("grads"), nb::arg("workspace"),
+        nb::arg("dx").noconvert(), nb::arg("grads").noconvert(), nb::arg("workspace").noconvert(),
         "dx from dy (overwritten); the parameter gradients added (+=) to `grads`.");
   m.attr("ttt_mini_batch") = ttt_mini_batch;
-  m.attr("pad") = pad;
 }

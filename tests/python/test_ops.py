@@ -201,12 +201,57 @@ def test_opcheck(kind):
     x = torch.randn(2, 9, 16, dtype=f64, requires_grad=True)
     ws = random_weights(kind, 16)
     attrs = [CASES[kind].get(n, v) for n, v in zip(names, _defaults(kind))]
-    torch.library.opcheck(fwd, (x, ws, *attrs), test_utils=("test_schema", "test_autograd_registration",
-                                                             "test_faketensor"))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(fwd, (x, ws, *attrs), test_utils=checks)
+    # Inputs with other strides (nn.Linear weights arrive transposed): the fakes' outputs are
+    # contiguous as the real ones are.
+    x_t = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(True)
+    ws_t = [w.detach().t().contiguous().t().requires_grad_(True) if w.dim() == 2 else w for w in ws]
+    assert not x_t.is_contiguous() and any(not w.is_contiguous() for w in ws_t)
+    torch.library.opcheck(fwd, (x_t, ws_t, *attrs), test_utils=checks)
     y, saved = fwd(x, ws, *attrs)
-    assert saved.numel() == ops.sizes(kind, x.shape, f64, **CASES[kind])["saved"] + 255
+    assert saved.numel() == ops.sizes(kind, x.shape, f64, **CASES[kind])["saved"] + 256
     torch.library.opcheck(bwd, (x.detach(), [w.detach() for w in ws], saved, torch.randn_like(y), *attrs),
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(bwd, (x_t.detach(), [w.detach() for w in ws_t], saved, torch.randn_like(y), *attrs),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_saved_bytes_survive_a_hook_that_moves_them(kind):
+    """saved_tensors_hooks (and save_on_cpu, offloading hooks) copy saved tensors elsewhere: the
+    copy here lands 64 bytes past a 256-byte boundary, so the layer's bytes must be found again."""
+    x = torch.randn(2, 21, 16, dtype=f64, generator=torch.Generator().manual_seed(4))
+    f = getattr(ops, kind)
+
+    def grads(hooked):
+        ws = random_weights(kind, 16)
+        xi = x.clone().requires_grad_(True)
+
+        def pack(t):
+            if not hooked or t.dtype != torch.uint8:
+                return t
+            buf = torch.empty(t.numel() + 512, dtype=torch.uint8)
+            at = (-buf.data_ptr() % 256) + 64
+            moved = buf[at:at + t.numel()]
+            moved.copy_(t)
+            return moved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = f(xi, ws, **CASES[kind])
+        (y * y).sum().backward()
+        return [xi.grad] + [w.grad for w in ws]
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)
+
+
+def test_parameters_and_sizes_take_the_ops_defaults():
+    assert ops.parameters("attention", 16, heads=4) == [("wq", [16, 16]), ("wk", [16, 16]), ("wv", [16, 16]),
+                                                        ("wo", [16, 16])]
+    assert ops.parameters("mamba", 32)[0] == ("in_proj", [32, 128]) and ops.parameters("mamba", 32)[4] == (
+        "dt_proj", [2, 64])
+    assert ops.sizes("mamba", (1, 8, 32))["saved"] > 0
 
 
 def _defaults(kind):
@@ -234,11 +279,14 @@ def test_torch_compile_traces_the_ops_in_one_graph():
     eager.square().sum().backward()
     eager_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    y = compiled(x)
-    y.square().sum().backward()
-    assert rel(y.detach(), eager.detach()) < 1e-13
-    assert all(rel(p.grad, g) < 1e-12 for p, g in zip(model.parameters(), eager_grads))
+    for backend in ("aot_eager", "inductor"):  # inductor: the default, with its own C++ kernels around ours
+        torch._dynamo.reset()
+        model.zero_grad()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        y = compiled(x)
+        y.square().sum().backward()
+        assert rel(y.detach(), eager.detach()) < 1e-12, backend
+        assert all(rel(p.grad, g) < 1e-11 for p, g in zip(model.parameters(), eager_grads)), backend
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -261,6 +309,7 @@ def test_bad_input_is_a_typed_error_naming_the_argument():
     x = torch.randn(1, 8, 16, dtype=f64)
     ws = random_weights("ttt_linear", 16)
     kw = CASES["ttt_linear"]
+    before = ops.ttt_linear(x, ws, **kw).detach()
     with pytest.raises(membound.InvalidArgument) as e:
         ops.ttt_linear(x, ws[:-1], **kw)
     assert e.value.argument == "weights" and "14 tensors" in str(e.value) and "got 13" in str(e.value)
@@ -282,8 +331,8 @@ def test_bad_input_is_a_typed_error_naming_the_argument():
     with pytest.raises(membound.InvalidArgument) as e:
         mnn.TTTLinear(30, 4)
     assert e.value.argument == "heads"
-    # Nothing was changed by the refused calls: the same call still gives the same answer.
-    assert torch.equal(ops.ttt_linear(x, ws, **kw), ops.ttt_linear(x, ws, **kw))
+    # Nothing was changed by the refused calls: the same call gives the answer it gave before them.
+    assert torch.equal(ops.ttt_linear(x, ws, **kw), before)
 
 
 def _rss() -> int:

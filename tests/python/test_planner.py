@@ -150,6 +150,7 @@ def test_offloaded_table_equals_the_cpp_trainers():
     assert e.value.argument == "host_budget" and "device budget" in str(e.value)
 
 
+@needs_train
 def test_activation_offload_table_equals_the_cpp_trainers():
     """offload="activations": at 40 MiB one row of 1024 tokens keeps a block input on the host
     and recomputes 18.6% of its forward instead of 47.5%, the same table as `train --offload
