@@ -80,7 +80,7 @@ struct trace_entry {
 // What one device's stack holds, for the snapshot: the segments from the upstream, the live
 // blocks, and the history when it is on.
 struct device_book {
-  std::map<std::uintptr_t, std::size_t> segments;                           // address -> bytes
+  std::map<std::uintptr_t, std::pair<std::size_t, std::uintptr_t>> segments;  // address -> bytes, stream
   std::map<std::uintptr_t, std::pair<std::size_t, std::uintptr_t>> blocks;  // address -> bytes, stream
   std::deque<trace_entry> trace;
   std::size_t max_entries = 0;  // 0: no history
@@ -103,18 +103,28 @@ struct booked : Upstream {
   using Upstream::Upstream;
   device_book* book = nullptr;
 
+  // The book is a record, never a reason to fail: an event it cannot store (bad_alloc, also inside
+  // the caching allocator's noexcept release and destructor) is dropped.
   void* allocate(std::size_t bytes, std::size_t alignment, mb::memory_tag tag) {
     void* p = Upstream::allocate(bytes, alignment, tag);
     if (book != nullptr && p != nullptr) {
-      book->segments[reinterpret_cast<std::uintptr_t>(p)] = bytes;
-      book->record("segment_alloc", reinterpret_cast<std::uintptr_t>(p), bytes, book->stream);
+      try {
+        book->segments[reinterpret_cast<std::uintptr_t>(p)] = {bytes, book->stream};
+        book->record("segment_alloc", reinterpret_cast<std::uintptr_t>(p), bytes, book->stream);
+      } catch (...) {
+      }
     }
     return p;
   }
   void deallocate(void* p, std::size_t bytes, std::size_t alignment, mb::memory_tag tag) {
     if (book != nullptr && p != nullptr) {
-      book->segments.erase(reinterpret_cast<std::uintptr_t>(p));
-      book->record("segment_free", reinterpret_cast<std::uintptr_t>(p), bytes, book->stream);
+      const auto it = book->segments.find(reinterpret_cast<std::uintptr_t>(p));
+      const std::uintptr_t stream = it == book->segments.end() ? 0 : it->second.second;
+      if (it != book->segments.end()) book->segments.erase(it);
+      try {
+        book->record("segment_free", reinterpret_cast<std::uintptr_t>(p), bytes, stream);
+      } catch (...) {
+      }
     }
     Upstream::deallocate(p, bytes, alignment, tag);
   }
@@ -303,17 +313,18 @@ class framework_allocator {
 
   // The snapshot in torch.cuda.memory._snapshot()'s layout, as JSON: {"segments": [...],
   // "device_traces": [[...] per device index up to the largest used]}. A segment's blocks are its
-  // live blocks ("active_allocated") and the gaps between them ("inactive"); no stack frames.
+  // live blocks ("active_allocated", at the size requested: the caching allocator's rounding shows
+  // as "inactive") and the gaps between them ("inactive"); no stack frames.
   std::string snapshot_json() const {
     const std::lock_guard<std::mutex> lock(mutex_);
     std::string out = "{\"segments\": [";
     const auto num = [](auto v) { return std::to_string(v); };
     bool first_segment = true;
     for (const auto& [device, d] : devices_) {
-      for (const auto& [base, size] : d->book.segments) {
+      for (const auto& [base, segment] : d->book.segments) {
+        const auto [size, stream] = segment;
         std::string blocks;
         std::size_t allocated = 0, at = base;
-        std::uintptr_t stream = 0;
         const auto block = [&](std::uintptr_t addr, std::size_t bytes, const char* st) {
           blocks += std::string(blocks.empty() ? "" : ", ") + "{\"address\": " + num(addr) + ", \"size\": " +
                     num(bytes) + ", \"requested_size\": " + num(bytes) + ", \"state\": \"" + st +
@@ -323,7 +334,6 @@ class framework_allocator {
           if (it->first > at) block(at, it->first - at, "inactive");
           block(it->first, it->second.first, "active_allocated");
           allocated += it->second.first;
-          stream = it->second.second;
           at = it->first + it->second.first;
         }
         if (at < base + size) block(at, base + size - at, "inactive");

@@ -34,7 +34,7 @@ def main() -> int:
     for module in ("_core", "_layers"):
         assert any(n.startswith(f"membound/{module}.") and n.endswith((".so", ".pyd")) for n in package), names
     for needed in ("membound/__init__.py", "membound/_errors.py", "membound/py.typed", "membound/_core.pyi",
-                   "membound/_service.py", "membound/torch.py", "membound/ops.py", "membound/nn.py", "membound/libmembound_alloc_host.so"):
+                   "membound/_service.py", "membound/torch.py", "membound/ops.py", "membound/nn.py", "membound/_layers.pyi", "membound/libmembound_alloc_host.so"):
         assert needed in package, f"{needed} missing from the wheel"
     assert all(n.startswith("membound/") for n in package), f"files outside the package: {package}"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
