@@ -10,7 +10,8 @@ a checkpoint of the upstream module loads (load_state_dict) and a membound one l
   k_proj, v_proj, o_proj; no biases), with an optional sliding window.
 
 forward(x [B, T, C]) runs membound.ops on the module's parameters: nn.Linear weights are [out, in]
-as PyTorch keeps them and pass to the ops transposed. CPU tensors (float32, float64, bfloat16).
+as PyTorch keeps them and pass to the ops transposed. step(x_t, state) decodes one token per
+sequence from decoding_state(batch, ...) (no autograd). CPU tensors (float32, float64, bfloat16).
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ class _TTT(nn.Module):
             w += [self.W2, self.b2.reshape(H, -1)]
         return w
 
+    def _attrs(self) -> dict[str, Any]:
+        return {"heads": self.num_heads, "use_gate": self.use_gate, "base_lr": self.ttt_base_lr,
+                "rope_base": self.rope_theta}
+
+    def decoding_state(self, batch: int) -> ops.DecodeState:
+        """A state for step(): the inner model starts from W1, b1 (W2, b2) as they are now."""
+        return ops.decode_state("ttt_mlp" if self._mlp else "ttt_linear", self.weights(), batch=batch, width=self.width,
+                                dtype=self.W1.dtype, **self._attrs())
+
+    def step(self, x_t: torch.Tensor, state: ops.DecodeState) -> torch.Tensor:
+        """One token per sequence, x_t [batch, width]: forward's row at state.position."""
+        return ops.decode_step(x_t, self.weights(), state)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = ops.ttt_mlp if self._mlp else ops.ttt_linear
         return op(x, self.weights(), heads=self.num_heads, use_gate=self.use_gate, base_lr=self.ttt_base_lr,
@@ -157,9 +171,20 @@ class Mamba(nn.Module):
                 self.x_proj.weight.t(), self.dt_proj.weight.t(), self.dt_proj.bias, self.A_log, self.D,
                 self.out_proj.weight.t()]
 
+    def _attrs(self) -> dict[str, Any]:
+        return {"d_inner": self.d_inner, "d_state": self.d_state, "d_conv": self.d_conv, "dt_rank": self.dt_rank}
+
+    def decoding_state(self, batch: int) -> ops.DecodeState:
+        """A zero convolution and scan state for step() (mamba_simple's inference cache)."""
+        return ops.decode_state("mamba", self.weights(), batch=batch, width=self.d_model, dtype=self.D.dtype,
+                                **self._attrs())
+
+    def step(self, x_t: torch.Tensor, state: ops.DecodeState) -> torch.Tensor:
+        """One token per sequence, x_t [batch, d_model] (Mamba.step): forward's row at state.position."""
+        return ops.decode_step(x_t, self.weights(), state)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.mamba(x, self.weights(), d_inner=self.d_inner, d_state=self.d_state, d_conv=self.d_conv,
-                         dt_rank=self.dt_rank)
+        return ops.mamba(x, self.weights(), **self._attrs())
 
 
 class Attention(nn.Module):
@@ -183,6 +208,18 @@ class Attention(nn.Module):
         """The parameters in membound.ops' order and layout."""
         return [self.q_proj.weight.t(), self.k_proj.weight.t(), self.v_proj.weight.t(), self.o_proj.weight.t()]
 
+    def _attrs(self) -> dict[str, Any]:
+        return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim, "causal": self.causal,
+                "window": self.window, "rope_base": self.rope_base}
+
+    def decoding_state(self, batch: int, max_len: int) -> ops.DecodeState:
+        """A KV cache of max_len positions for step() (the window's last W under a window: flat memory)."""
+        return ops.decode_state("attention", self.weights(), batch=batch, width=self.q_proj.in_features,
+                                dtype=self.q_proj.weight.dtype, max_len=max_len, **self._attrs())
+
+    def step(self, x_t: torch.Tensor, state: ops.DecodeState) -> torch.Tensor:
+        """One token per sequence, x_t [batch, d_model]: causal forward's row at state.position."""
+        return ops.decode_step(x_t, self.weights(), state)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.attention(x, self.weights(), heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                             causal=self.causal, window=self.window, rope_base=self.rope_base)
+        return ops.attention(x, self.weights(), **self._attrs())

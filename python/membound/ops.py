@@ -18,19 +18,23 @@ sliding-window attention), the Mamba-1 block (mamba_simple without the fused ker
 TTT-MLP as test-time-training/ttt-lm-pytorch's TTTLinear/TTTMLP without share_qk/pre_conv. The
 modules with upstream parameter names are in membound.nn.
 
+Decoding, one token per sequence: decode_state() and decode_step() (membound.nn's step()), the
+state in a byte tensor PyTorch allocates, stepped outside autograd.
+
 CPU tensors (float32, float64, bfloat16) only: the CUDA layers are not bound to PyTorch yet.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from . import _layers
 from ._errors import InvalidArgument, invalid
 
-__all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes"]
+__all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes", "DecodeState", "decode_state",
+           "decode_step"]
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
@@ -92,8 +96,8 @@ def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32,
     return {"saved": saved, "forward_workspace": fws, "backward_workspace": bws}
 
 
-def _on_host(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
-    for name, t in [("x", x)] + [(f"weights[{i}]", w) for i, w in enumerate(weights)]:
+def _on_host(x: Optional[torch.Tensor], weights: Sequence[torch.Tensor], x_name: str = "x") -> None:
+    for name, t in ([(x_name, x)] if x is not None else []) + [(f"weights[{i}]", w) for i, w in enumerate(weights)]:
         if t.device.type != "cpu":
             raise invalid(name, "a CPU tensor (the CUDA layers are not bound to PyTorch yet)", str(t.device),
                           "Run the op on CPU tensors, or the C++ CUDA layers from C++")
@@ -298,3 +302,54 @@ def ttt_mlp(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use
             base_lr: float = 1.0, rope_base: float = 10000.0) -> torch.Tensor:
     """TTT-MLP with mini-batches of 16 tokens: weights as parameters("ttt_mlp", ...) lists them."""
     return _ttt_mlp_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base))[0]
+
+
+# ---- Decoding: one token per sequence ------------------------------------------------------------
+
+class DecodeState:
+    """A layer's single-token decoding state in a byte tensor PyTorch allocated: attention's KV cache
+    (max_len positions; a ring of the window's last W under a window), Mamba's convolution and scan
+    state, TTT's inner model and running sums. `position` counts the tokens decoded since reset."""
+
+    def __init__(self, kind: str, batch: int, width: int, dtype: torch.dtype, attrs: dict[str, Any],
+                 max_len: int) -> None:
+        self.kind, self.batch, self.width, self.dtype = kind, batch, width, dtype
+        self.attrs, self.max_len, self.position = _with_defaults(kind, width, attrs), max_len, 0
+        spec = self._spec()
+        state_bytes, step_workspace = _layer_call(_layers.decode_sizes, spec, max_len)
+        self.data, self.workspace_bytes = _aligned(state_bytes), step_workspace
+
+    def _spec(self) -> Any:
+        return _spec(self.kind, (self.batch, 1, self.width), self.dtype, self.attrs)
+
+    @property
+    def nbytes(self) -> int:
+        """The state's bytes (constant in the tokens decoded, but for attention without a window)."""
+        return self.data.numel()
+
+
+def decode_state(kind: str, weights: Sequence[torch.Tensor], *, batch: int, width: int,
+                 dtype: torch.dtype = torch.float32, max_len: int = 0, **attrs: Any) -> DecodeState:
+    """A started decoding state (TTT's from its weights): see DecodeState."""
+    if kind == "attention" and max_len <= 0:
+        raise invalid("max_len", "the positions the KV cache holds, at least 1", max_len, "e.g. max_len=4096")
+    st = DecodeState(kind, batch, width, dtype, attrs, max_len)
+    with torch.no_grad():
+        ws = [w.detach().contiguous() for w in weights]
+        _on_host(None, ws)
+        _layer_call(_layers.decode_reset, st._spec(), ws, st.data, max_len)
+    return st
+
+
+def decode_step(x_t: torch.Tensor, weights: Sequence[torch.Tensor], state: DecodeState) -> torch.Tensor:
+    """y_t = layer(x_t) for x_t [batch, width] at state.position; the state advances by one token.
+    No autograd (decoding is inference); equals forward's row at that position."""
+    with torch.no_grad():
+        ws = [w.detach().contiguous() for w in weights]
+        _on_host(x_t, ws, "x_t")
+        x_t = x_t.detach().contiguous().to(state.dtype)
+        y_t = torch.empty_like(x_t)
+        _layer_call(_layers.decode_step, state._spec(), ws, state.data, state.position, state.max_len, x_t, y_t,
+                    _aligned(state.workspace_bytes))
+    state.position += 1
+    return y_t

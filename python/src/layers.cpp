@@ -309,6 +309,68 @@ void backward(const spec& s, const array& x, const std::vector<array>& weights, 
   });
 }
 
+// ---- Decoding: one token per sequence, the state in the caller's bytes -----------------------------------
+
+// (state bytes, step workspace bytes): attention's KV cache for max_len positions (a ring of the
+// window's under a window), Mamba's conv and scan state, TTT's inner state and running sums.
+std::tuple<std::size_t, std::size_t> decode_sizes(const spec& s, std::size_t max_len) {
+  return with_precision(s, [&]<typename L, typename>(const auto& shape) {
+    L::check(shape);
+    if constexpr (requires { L::kv_cache_bytes(shape, max_len); }) {
+      return std::tuple{L::kv_cache_bytes(shape, max_len), L::step_workspace_bytes(shape, max_len, s.threads)};
+    } else {
+      return std::tuple{L::state_bytes(shape), L::step_workspace_bytes(shape)};
+    }
+  });
+}
+
+// Starts the state in `state`: an empty cache, a zero Mamba state, TTT's inner model from its weights.
+void decode_reset(const spec& s, const std::vector<array>& weights, const array& state, std::size_t max_len) {
+  const std::vector<param> params = parameters_of(s);
+  with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
+    using S = typename L::storage_type;
+    L::check(shape);
+    const auto [sp, sb] = bytes_in(state);
+    if constexpr (requires { L::kv_cache_bytes(shape, max_len); }) {
+      (void)L::make_kv_cache(shape, sp, sb, max_len);  // checks; an empty cache needs no bytes written
+    } else if constexpr (requires { L::make_state(shape, sp, sb); }) {
+      (void)L::make_state(shape, sp, sb);
+    } else {
+      const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
+      const std::vector<const S*> cw(w.begin(), w.end());
+      (void)L::make_state(shape, Fields::template make<typename L::weights>(named<const S*>{params, cw}), sp, sb);
+    }
+  });
+}
+
+// y_t = layer(x_t) at `position` (tokens decoded since the reset); the state advances.
+void decode_step(const spec& s, const std::vector<array>& weights, const array& state, std::size_t position,
+                 std::size_t max_len, const array& x_t, const array& y_t, const array& workspace) {
+  const std::vector<param> params = parameters_of(s);
+  with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
+    using S = typename L::storage_type;
+    const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
+    const std::vector<const S*> cw(w.begin(), w.end());
+    const auto wts = Fields::template make<typename L::weights>(named<const S*>{params, cw});
+    L::check(shape);
+    const std::size_t n = mb::sat_mul(s.batch, s.width);
+    const S* xp = data_of<S>(x_t, "x_t", n, s.dtype.c_str());
+    S* yp = data_of<S>(y_t, "y_t", n, s.dtype.c_str());
+    const auto [sp, sb] = bytes_in(state);
+    const auto [wsp, ws] = bytes_in(workspace);
+    pool_slot& slot = pool_for(s.threads);
+    const nb::gil_scoped_release no_gil;
+    const std::lock_guard<std::mutex> guard(slot.busy);
+    if constexpr (requires { L::kv_cache_bytes(shape, max_len); }) {
+      typename L::kv_cache cache{sp, sb, max_len, position};
+      L::step(shape, wts, cache, xp, yp, wsp, ws, *slot.pool);
+    } else {
+      typename L::state st{sp, sb, position};
+      L::step(shape, wts, st, xp, yp, wsp, ws, *slot.pool);
+    }
+  });
+}
+
 }  // namespace
 
 NB_MODULE(_layers, m) {
@@ -351,5 +413,12 @@ NB_MODULE(_layers, m) {
   m.def("backward", &backward, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("saved"), nb::arg("dy"),
         nb::arg("dx").noconvert(), nb::arg("grads").noconvert(), nb::arg("workspace").noconvert(),
         "dx from dy (overwritten); the parameter gradients added (+=) to `grads`.");
+  m.def("decode_sizes", &decode_sizes, nb::arg("spec"), nb::arg("max_len"),
+        "(state, step workspace) bytes of single-token decoding (max_len: attention's cache positions).");
+  m.def("decode_reset", &decode_reset, nb::arg("spec"), nb::arg("weights"), nb::arg("state").noconvert(),
+        nb::arg("max_len"), "Starts the decoding state in `state` (TTT's from the weights).");
+  m.def("decode_step", &decode_step, nb::arg("spec"), nb::arg("weights"), nb::arg("state").noconvert(),
+        nb::arg("position"), nb::arg("max_len"), nb::arg("x_t"), nb::arg("y_t").noconvert(),
+        nb::arg("workspace").noconvert(), "y_t = layer(x_t) at `position`; the state advances.");
   m.attr("ttt_mini_batch") = ttt_mini_batch;
 }

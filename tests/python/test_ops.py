@@ -358,3 +358,27 @@ def test_a_thousand_calls_hold_no_memory():
     grown = _rss() - before
     # One step's tensors are ~0.2 MiB; a leak of one saved buffer per call would be > 20 MiB.
     assert grown < 8 << 20, f"resident memory grew {grown} bytes over 1,000 steps"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mnn.TTTLinear(32, 4, use_gate=True, dtype=f64),
+    lambda: mnn.TTTMLP(32, 2, dtype=f64),
+    lambda: mnn.Mamba(32, dtype=f64),
+    lambda: mnn.Attention(32, 4, 2, 8, dtype=f64),
+    lambda: mnn.Attention(32, 4, 2, 8, window=5, dtype=f64),
+], ids=["ttt_linear", "ttt_mlp", "mamba", "attention", "attention_window"])
+def test_stepping_token_by_token_equals_forward(make):
+    torch.manual_seed(9)
+    m = make()
+    with torch.no_grad():
+        for p in m.parameters():  # away from the initialisation's zeros, so every weight matters
+            p.add_(0.05 * torch.randn_like(p))
+    B, T = 2, 37
+    x = torch.randn(B, T, 32, dtype=f64)
+    full = m(x).detach()
+    state = m.decoding_state(B, T) if isinstance(m, mnn.Attention) else m.decoding_state(B)
+    if isinstance(m, mnn.Attention) and m.window:
+        assert state.nbytes == mnn.Attention(32, 4, 2, 8, window=5, dtype=f64).decoding_state(B, 10 * T).nbytes
+    steps = torch.stack([m.step(x[:, t], state) for t in range(T)], dim=1)
+    assert state.position == T
+    assert rel(steps, full) < 1e-12
