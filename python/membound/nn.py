@@ -5,7 +5,8 @@ a checkpoint of the upstream module loads (load_state_dict) and a membound one l
   v_proj, o_proj, g_proj, learnable_ttt_lr_weight, learnable_ttt_lr_bias, learnable_token_idx,
   ttt_norm_weight, ttt_norm_bias, post_norm, W1, b1, W2, b2), without share_qk / pre_conv.
 - Mamba: state-spaces/mamba's Mamba (mamba_simple: in_proj, conv1d, x_proj, dt_proj, A_log, D,
-  out_proj), its defaults and initialisation, without the inference cache.
+  out_proj), its defaults and initialisation; decoding through step() below (its result is
+  mamba_simple's step's, its interface membound's).
 - Attention: causal (or bidirectional) attention with RoPE and GQA under Llama's names (q_proj,
   k_proj, v_proj, o_proj; no biases), with an optional sliding window.
 
@@ -180,7 +181,8 @@ class Mamba(nn.Module):
                                 **self._attrs())
 
     def step(self, x_t: torch.Tensor, state: ops.DecodeState) -> torch.Tensor:
-        """One token per sequence, x_t [batch, d_model] (Mamba.step): forward's row at state.position."""
+        """One token per sequence, x_t [batch, d_model]: forward's row at state.position (what
+        mamba_simple's step computes, over membound's own state)."""
         return ops.decode_step(x_t, self.weights(), state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

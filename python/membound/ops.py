@@ -73,7 +73,7 @@ def _layer_call(fn, *args):
 
 def _with_defaults(kind: str, width: int, attrs: dict[str, Any]) -> dict[str, Any]:
     """The attributes with the ops' defaults filled in (as attention(), mamba() take them)."""
-    a = dict(attrs)
+    a = {k: v for k, v in attrs.items() if v is not None}  # None: the default, as attention() takes it
     if kind == "attention" and a.get("heads"):
         a.setdefault("kv_heads", a["heads"])
         a.setdefault("head_dim", width // a["heads"])
@@ -131,7 +131,7 @@ def _saved_payload_for_forward(saved: torch.Tensor) -> torch.Tensor:
 def _saved_payload_for_backward(saved: torch.Tensor) -> torch.Tensor:
     k = int(saved[0]) + 1
     payload = saved[k:k + saved.numel() - _ALIGN]
-    if payload.data_ptr() % _ALIGN == 0:
+    if payload.is_contiguous() and payload.data_ptr() % _ALIGN == 0:
         return payload
     moved = _aligned(payload.numel())
     moved.copy_(payload)
@@ -309,47 +309,68 @@ def ttt_mlp(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use
 class DecodeState:
     """A layer's single-token decoding state in a byte tensor PyTorch allocated: attention's KV cache
     (max_len positions; a ring of the window's last W under a window), Mamba's convolution and scan
-    state, TTT's inner model and running sums. `position` counts the tokens decoded since reset."""
+    state, TTT's inner model and running sums. `position` counts the tokens decoded since
+    decode_state(). TTT's inner model starts from W1, b1 (W2, b2) as they were then, and the cache
+    keeps K, V of the weights that made them: after changing the parameters, make a new state."""
 
     def __init__(self, kind: str, batch: int, width: int, dtype: torch.dtype, attrs: dict[str, Any],
                  max_len: int) -> None:
         self.kind, self.batch, self.width, self.dtype = kind, batch, width, dtype
         self.attrs, self.max_len, self.position = _with_defaults(kind, width, attrs), max_len, 0
-        spec = self._spec()
-        state_bytes, step_workspace = _layer_call(_layers.decode_sizes, spec, max_len)
+        # The pool's size is fixed with the state: the step workspace is sized for it.
+        self.threads = torch.get_num_threads()
+        state_bytes, step_workspace = _layer_call(_layers.decode_sizes, self._spec(), max_len)
         self.data, self.workspace_bytes = _aligned(state_bytes), step_workspace
+        self._weights_key: Optional[tuple] = None
+        self._weights: list[torch.Tensor] = []
 
     def _spec(self) -> Any:
-        return _spec(self.kind, (self.batch, 1, self.width), self.dtype, self.attrs)
+        s = _spec(self.kind, (self.batch, 1, self.width), self.dtype, self.attrs)
+        s.threads = self.threads
+        return s
+
+    def _contiguous(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights as the layer reads them, copied once while they do not change (the nn
+        modules pass nn.Linear weights transposed; a copy per token would triple a step's reads)."""
+        key = tuple((w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype) for w in weights)
+        if key != self._weights_key:
+            self._weights = [w.detach().contiguous() for w in weights]
+            self._weights_key = key
+        return self._weights
 
     @property
     def nbytes(self) -> int:
-        """The state's bytes (constant in the tokens decoded, but for attention without a window)."""
+        """The state's bytes, fixed when it is made (for attention without a window, ∝ max_len)."""
         return self.data.numel()
 
 
 def decode_state(kind: str, weights: Sequence[torch.Tensor], *, batch: int, width: int,
                  dtype: torch.dtype = torch.float32, max_len: int = 0, **attrs: Any) -> DecodeState:
-    """A started decoding state (TTT's from its weights): see DecodeState."""
+    """A started decoding state (TTT's from its weights): see DecodeState. Attention decodes causally,
+    at most max_len tokens (a window keeps only its last W of them)."""
     if kind == "attention" and max_len <= 0:
         raise invalid("max_len", "the positions the KV cache holds, at least 1", max_len, "e.g. max_len=4096")
+    if kind == "attention" and not attrs.get("causal", True):
+        raise invalid("causal", "True (decoding generates one token after another)", False,
+                      "Decode with a causal attention layer")
     st = DecodeState(kind, batch, width, dtype, attrs, max_len)
     with torch.no_grad():
-        ws = [w.detach().contiguous() for w in weights]
-        _on_host(None, ws)
-        _layer_call(_layers.decode_reset, st._spec(), ws, st.data, max_len)
+        _on_host(None, weights)
+        _layer_call(_layers.decode_reset, st._spec(), st._contiguous(weights), st.data, max_len)
     return st
 
 
 def decode_step(x_t: torch.Tensor, weights: Sequence[torch.Tensor], state: DecodeState) -> torch.Tensor:
-    """y_t = layer(x_t) for x_t [batch, width] at state.position; the state advances by one token.
-    No autograd (decoding is inference); equals forward's row at that position."""
+    """y_t = layer(x_t) for x_t [batch, width] at state.position; the state advances by one token
+    (not when the call is refused). No autograd (decoding is inference); equals forward's row."""
+    if tuple(x_t.shape) != (state.batch, state.width) or x_t.dtype != state.dtype:
+        raise invalid("x_t", f"a {state.dtype} tensor [{state.batch}, {state.width}] (one token per sequence)",
+                      f"{x_t.dtype} {tuple(x_t.shape)}", "Pass x[:, t] of the state's batch, width and dtype")
     with torch.no_grad():
-        ws = [w.detach().contiguous() for w in weights]
-        _on_host(x_t, ws, "x_t")
-        x_t = x_t.detach().contiguous().to(state.dtype)
+        _on_host(x_t, weights, "x_t")
+        x_t = x_t.detach().contiguous()
         y_t = torch.empty_like(x_t)
-        _layer_call(_layers.decode_step, state._spec(), ws, state.data, state.position, state.max_len, x_t, y_t,
-                    _aligned(state.workspace_bytes))
+        _layer_call(_layers.decode_step, state._spec(), state._contiguous(weights), state.data, state.position,
+                    state.max_len, x_t, y_t, _aligned(state.workspace_bytes))
     state.position += 1
     return y_t

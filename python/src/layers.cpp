@@ -330,14 +330,15 @@ void decode_reset(const spec& s, const std::vector<array>& weights, const array&
   with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
     using S = typename L::storage_type;
     L::check(shape);
+    // The weights are checked here for every layer, so that a wrong one is refused before any step.
+    const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
+    const std::vector<const S*> cw(w.begin(), w.end());
     const auto [sp, sb] = bytes_in(state);
     if constexpr (requires { L::kv_cache_bytes(shape, max_len); }) {
       (void)L::make_kv_cache(shape, sp, sb, max_len);  // checks; an empty cache needs no bytes written
     } else if constexpr (requires { L::make_state(shape, sp, sb); }) {
       (void)L::make_state(shape, sp, sb);
     } else {
-      const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
-      const std::vector<const S*> cw(w.begin(), w.end());
       (void)L::make_state(shape, Fields::template make<typename L::weights>(named<const S*>{params, cw}), sp, sb);
     }
   });

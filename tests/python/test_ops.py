@@ -382,3 +382,40 @@ def test_stepping_token_by_token_equals_forward(make):
     steps = torch.stack([m.step(x[:, t], state) for t in range(T)], dim=1)
     assert state.position == T
     assert rel(steps, full) < 1e-12
+
+
+def test_decoding_refuses_bad_input_and_keeps_its_state():
+    torch.manual_seed(10)
+    m = mnn.Attention(32, 4, 2, 8, dtype=f64)
+    x = torch.randn(2, 4, 32, dtype=f64)
+    state = m.decoding_state(2, 3)
+    ys = [m.step(x[:, t], state) for t in range(3)]
+    with pytest.raises(membound.InvalidArgument) as e:
+        m.step(x[:, 3], state)  # past max_len
+    assert e.value.argument == "cache" and state.position == 3
+    fresh = m.decoding_state(2, 3)
+    for bad in (x[:, 0].t().contiguous(), x[:, 0].float(), x[:1, 0]):
+        with pytest.raises(membound.InvalidArgument) as e:
+            m.step(bad, fresh)
+        assert e.value.argument == "x_t" and fresh.position == 0
+    assert torch.equal(m.step(x[:, 0], fresh), ys[0])
+    with pytest.raises(membound.InvalidArgument) as e:
+        mnn.Attention(32, 4, causal=False, dtype=f64).decoding_state(2, 8)
+    assert e.value.argument == "causal"
+    with pytest.raises(membound.InvalidArgument) as e:
+        membound.ops.decode_state("mamba", random_weights("mamba", 32)[:-1], batch=1, width=32, dtype=f64,
+                                  **CASES["mamba"])
+    assert e.value.argument == "weights"
+
+
+def test_decoding_keeps_its_thread_count():
+    m = mnn.Attention(32, 4, 2, 8, dtype=f64)
+    x = torch.randn(1, 6, 32, dtype=f64)
+    before = torch.get_num_threads()
+    state = m.decoding_state(1, 6)
+    try:
+        torch.set_num_threads(before + 3)  # a bigger pool would need a bigger step workspace
+        steps = torch.stack([m.step(x[:, t], state) for t in range(6)], dim=1)
+    finally:
+        torch.set_num_threads(before)
+    assert rel(steps, m(x).detach()) < 1e-12
