@@ -39,7 +39,7 @@ for m in "${modules[@]}"; do
   python3 -c "import ${m%%=*}" 2>/dev/null || wanted+=("${m#*=}")
 done
 if ((${#wanted[@]} == 0)); then
-  echo "deps.sh: python3 has nanobind, scikit-build-core, pytest and torch"
+  echo "deps.sh: python3 has nanobind, scikit-build-core, pytest, numpy and torch"
 else
   echo "deps.sh: pip installing ${wanted[*]} for $(command -v python3)"
   pip_args=(--quiet --disable-pip-version-check)

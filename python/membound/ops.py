@@ -179,10 +179,24 @@ def _fake_backward(x: torch.Tensor, weights: list[torch.Tensor]):
 
 # ---- The ops: one forward and one backward per layer, with explicit attributes --------------------
 
+# Each layer's attributes after x and weights, in schema order (the functions below name them so).
+_ATTRS = {
+    "attention": ("heads", "kv_heads", "head_dim", "causal", "window", "rope_base"),
+    "mamba": ("d_inner", "d_state", "d_conv", "dt_rank"),
+    "ttt_linear": ("heads", "use_gate", "base_lr", "rope_base"),
+    "ttt_mlp": ("heads", "use_gate", "base_lr", "rope_base"),
+}
+
+
+def _named(kind: str, values: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(_ATTRS[kind], values))
+
+
 @torch.library.custom_op("membound::attention_forward", mutates_args=())
 def _attention_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int,
                        causal: bool, window: int, rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward("attention", x, weights, _attention_attrs(heads, kv_heads, head_dim, causal, window, rope_base))
+    return _forward("attention", x, weights, _named("attention", (heads, kv_heads, head_dim, causal, window,
+                                                                  rope_base)))
 
 
 @torch.library.custom_op("membound::attention_backward", mutates_args=())
@@ -190,28 +204,19 @@ def _attention_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: tor
                         heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
                         rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return _backward("attention", x, weights, saved, dy,
-                     _attention_attrs(heads, kv_heads, head_dim, causal, window, rope_base))
-
-
-def _attention_attrs(heads, kv_heads, head_dim, causal, window, rope_base):
-    return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window, rope_base=rope_base)
+                     _named("attention", (heads, kv_heads, head_dim, causal, window, rope_base)))
 
 
 @torch.library.custom_op("membound::mamba_forward", mutates_args=())
 def _mamba_forward(x: torch.Tensor, weights: list[torch.Tensor], d_inner: int, d_state: int, d_conv: int,
                    dt_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward("mamba", x, weights, dict(d_inner=d_inner, d_state=d_state, d_conv=d_conv, dt_rank=dt_rank))
+    return _forward("mamba", x, weights, _named("mamba", (d_inner, d_state, d_conv, dt_rank)))
 
 
 @torch.library.custom_op("membound::mamba_backward", mutates_args=())
 def _mamba_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
                     d_inner: int, d_state: int, d_conv: int, dt_rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return _backward("mamba", x, weights, saved, dy,
-                     dict(d_inner=d_inner, d_state=d_state, d_conv=d_conv, dt_rank=dt_rank))
-
-
-def _ttt_attrs(heads, use_gate, base_lr, rope_base):
-    return dict(heads=heads, use_gate=use_gate, base_lr=base_lr, rope_base=rope_base)
+    return _backward("mamba", x, weights, saved, dy, _named("mamba", (d_inner, d_state, d_conv, dt_rank)))
 
 
 def _ttt_ops(kind: str):
@@ -220,12 +225,12 @@ def _ttt_ops(kind: str):
     @torch.library.custom_op(f"membound::{kind}_forward", mutates_args=())
     def forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
                 rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(kind, x, weights, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+        return _forward(kind, x, weights, _named(kind, (heads, use_gate, base_lr, rope_base)))
 
     @torch.library.custom_op(f"membound::{kind}_backward", mutates_args=())
     def backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor, heads: int,
                  use_gate: bool, base_lr: float, rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return _backward(kind, x, weights, saved, dy, _ttt_attrs(heads, use_gate, base_lr, rope_base))
+        return _backward(kind, x, weights, saved, dy, _named(kind, (heads, use_gate, base_lr, rope_base)))
 
     return forward, backward
 
@@ -236,21 +241,20 @@ _ttt_mlp_forward, _ttt_mlp_backward = _ttt_ops("ttt_mlp")
 
 # ---- Fake implementations and autograd, the same for the four layers ---------------------------------
 
-# kind -> (forward op, backward op, names of the attributes after x and weights, in schema order)
+# kind -> (forward op, backward op)
 _OPS = {
-    "attention": (_attention_forward, _attention_backward,
-                  ("heads", "kv_heads", "head_dim", "causal", "window", "rope_base")),
-    "mamba": (_mamba_forward, _mamba_backward, ("d_inner", "d_state", "d_conv", "dt_rank")),
-    "ttt_linear": (_ttt_linear_forward, _ttt_linear_backward, ("heads", "use_gate", "base_lr", "rope_base")),
-    "ttt_mlp": (_ttt_mlp_forward, _ttt_mlp_backward, ("heads", "use_gate", "base_lr", "rope_base")),
+    "attention": (_attention_forward, _attention_backward),
+    "mamba": (_mamba_forward, _mamba_backward),
+    "ttt_linear": (_ttt_linear_forward, _ttt_linear_backward),
+    "ttt_mlp": (_ttt_mlp_forward, _ttt_mlp_backward),
 }
 
 
 def _register(kind: str) -> None:
-    fwd, bwd, names = _OPS[kind]
+    fwd, bwd = _OPS[kind]
 
     def fake_forward(x, weights, *attrs):
-        return _fake_forward(kind, x, dict(zip(names, attrs)))
+        return _fake_forward(kind, x, _named(kind, attrs))
 
     def fake_backward(x, weights, saved, dy, *attrs):
         return _fake_backward(x, weights)

@@ -197,7 +197,8 @@ def test_gradcheck_in_float64(kind):
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_opcheck(kind):
-    fwd, bwd, names = ops._OPS[kind]
+    fwd, bwd = ops._OPS[kind]
+    names = ops._ATTRS[kind]
     x = torch.randn(2, 9, 16, dtype=f64, requires_grad=True)
     ws = random_weights(kind, 16)
     attrs = [CASES[kind].get(n, v) for n, v in zip(names, _defaults(kind))]
