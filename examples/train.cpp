@@ -234,7 +234,7 @@ options checked_options(const flag_texts& f) {
     }
   }
   whole("--threads", o.threads, 1, 256);
-  whole("--zero", o.zero, 0, 2);
+  whole("--zero", o.zero, 0, 3);
   whole("--overlap", o.overlap, 0, 1);
   whole("--timeout", o.timeout, 0, 86400);
   whole("--width", o.width, 1, 16384);
@@ -542,6 +542,29 @@ class ranks {
   void all_gather(const T* shard, T* out, std::size_t n) {
     call([&](auto& c) { c.all_gather(shard, out, n); });
   }
+  // ZeRO-3's gather of a block from the ranks' shards, blocking and started (the prefetch).
+  template <typename T>
+  void all_gather_blocks(T* data, const mb::shard_range* blocks) {
+    call([&](auto& c) { c.all_gather_blocks(data, blocks); });
+  }
+  struct pending_gather {
+#if MEMBOUND_EXAMPLE_MPI
+    mb::mpi_communicator::pending_gather p;
+    bool test() { return p.test(); }
+    void wait() { p.wait(); }
+#else
+    bool test() { return true; }
+    void wait() {}
+#endif
+  };
+  template <typename T>
+  pending_gather start_all_gather_blocks(T* data, const mb::shard_range* blocks) {
+#if MEMBOUND_EXAMPLE_MPI
+    if (mpi_) return {mpi_->start_all_gather_blocks(data, blocks)};
+#endif
+    local_.all_gather_blocks(data, blocks);
+    return {};
+  }
   template <mb::summable T>
   void all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.all_reduce_sum(data, n, ws, bytes); });
@@ -558,6 +581,7 @@ class ranks {
 static_assert(mb::communicator<ranks>);
 static_assert(mb::overlapping_communicator<ranks>);
 static_assert(mb::overlapping_all_reduce_communicator<ranks>);
+static_assert(mb::prefetching_communicator<ranks>);
 
 // Opt: the optimizer policy for P's storage (--optimizer).
 template <typename P, template <typename> class Opt>
@@ -586,7 +610,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
   // ZeRO-1 over ranks: this rank plans for the optimizer state of its shard of the parameters.
   const bool sharded = o.zero >= 1 && N > 1;
   const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
-  // ZeRO-2: the gradients too (each block's reduce-scattered at the end of its backward).
+  // ZeRO-2: the gradients too (each block's reduce-scattered at the end of its backward); ZeRO-3
+  // the weights too (each block's gathered before it runs).
   const mb::gradient_shards grad_shards =
       mb::gradient_exchange_of<typename net::storage_type>(world, o.zero, o.overlap != 0);
   const foreign_load foreign = o.foreign;
@@ -678,7 +703,9 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     std::printf("data parallel: %zu ranks (%s), %zu of the %zu sequences per step each; %s; the plan above is rank "
                 "0's, each rank's line follows\n",
                 N, world.name(), share.batch, o.batch,
-                o.zero == 2 ? "each rank holds the whole model and its shard of the gradients and optimizer state (ZeRO-2)"
+                o.zero == 3 ? "each rank holds its shard of the weights, gradients and optimizer state and gathers each "
+                              "block's weights as it runs (ZeRO-3)"
+                : o.zero == 2 ? "each rank holds the whole model and its shard of the gradients and optimizer state (ZeRO-2)"
                 : sharded   ? "each rank holds the whole model and its shard of the optimizer state (ZeRO-1)"
                             : "every rank holds the whole model and optimizer state (ZeRO-0)");
   }
@@ -853,7 +880,7 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     alloc.release_cached();
     if (o.sample > 0) {
       const std::string out = sample_text(val, o, o.seq, [&](const std::int32_t* ids, std::size_t T, double* logits) {
-        m.next_token_logits(t.weights(), ids, {1, T}, logits, alloc, pool);
+        t.next_token_logits(ids, {1, T}, logits);  // under ZeRO-3 every rank gathers each block
       });
       std::printf("\nsample:\n%s\n\n", out.c_str());
     }
@@ -959,15 +986,16 @@ int main(int argc, char** argv) {
        "auto (the planner's fit), none, full, every:K, binomial:S with K, S from 1 to the number of blocks "
        "(default auto)");
   flag("--threads", "1..256", "CPU threads (default 2)");
-  flag("--zero", "0|1|2",
+  flag("--zero", "0|1|2|3",
        "ZeRO stage under mpirun: 1 shards AdamW's state and the checkpoints over the ranks (each rank writes its "
-       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too (CPU ranks only); with one process 1 and 2 "
-       "are the same as 0 (default 0)");
+       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too, 3 the weights too, each block's gathered "
+       "as it runs (2 and 3: CPU ranks only); with one process 1, 2 and 3 are the same as 0 (default 0)");
   flag("--overlap", "0|1",
        "under mpirun, 1 starts each block's gradient exchange as its backward ends and completes it after the next "
-       "block's, which runs meanwhile: with --zero 2 every micro-batch's reduce-scatter of the block (one bucket and "
+       "block's, which runs meanwhile: with --zero 2 or 3 every micro-batch's reduce-scatter of the block (one bucket and "
        "its workspace more in flight), with --zero 0 or 1 the last micro-batch's all-reduce or reduce-scatter of the "
-       "block's accumulated gradients (one workspace more in flight); the same sums, planned; CPU ranks only; "
+       "block's accumulated gradients (one workspace more in flight); with --zero 3 also each block's weight gather "
+       "started as the block before it begins (a second block slot); the same sums, planned; CPU ranks only; "
        "refused in one process, which exchanges nothing (default 0)");
   flag("--timeout", "0..86400",
        "under mpirun, the most seconds any collective may take (on GPU ranks from its enqueue, NCCL's watchdog): a "

@@ -113,9 +113,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
     throw mb::invalid_argument("--batch", "a multiple of the " + std::to_string(N) + " ranks", std::to_string(o.batch),
                                "Give every rank an equal share of the sequences per step");
   }
-  if (N > 1 && o.zero == 2) {
-    throw mb::invalid_argument("--zero", "0 or 1 with --device cuda over ranks", "2",
-                               "ZeRO-2 runs on CPU ranks (--device cpu); on GPUs pass --zero 1");
+  if (N > 1 && o.zero >= 2) {
+    throw mb::invalid_argument("--zero", "0 or 1 with --device cuda over ranks", std::to_string(o.zero),
+                               "ZeRO-2 and 3 run on CPU ranks (--device cpu); on GPUs pass --zero 1");
   }
   if (N > 1 && o.overlap != 0) {
     throw mb::invalid_argument("--overlap", "0 with --device cuda over ranks", "1",

@@ -1,5 +1,5 @@
 // Data-parallel training over MPI: the example trainer's default model (4 blocks ttt, attn,
-// mamba, attn; width 128; 8 sequences of 128 tokens per step, fp32), ZeRO-0, ZeRO-1 and ZeRO-2,
+// mamba, attn; width 128; 8 sequences of 128 tokens per step, fp32), ZeRO-0, 1, 2 and 3,
 // under `mpiexec -n N`. Rank 0 prints one markdown row per stage: the median step time over the timed
 // steps, the bytes this rank sent per step against the formulas (an all-reduce of the Ψ gradient
 // bytes: 2·(N − 1)/N·Ψ; ZeRO-1 reduce-scatters the gradient, (N − 1)/N·Ψ, and all-gathers the
@@ -8,6 +8,8 @@
 // bytes per rank (weights + gradients + optimizer, as the trainer holds them between steps)
 // against the formula for our fp32 and bf16 storage and DeepSpeed's published mixed-precision
 // formulas; bf16 storage is measured under each stage too (its layout is DeepSpeed's 2 + 2 + 12).
+// ZeRO-3 also gathers each block's weights as it runs: its peak holds the gathered ones
+// (training_plan::weight_gather), and its bytes sent the gathers.
 // Each stage runs twice, blocking and overlapped (each block's exchange in flight through the next
 // block's backward: ZeRO-2's reduce-scatter of every micro-batch's bucket, ZeRO-0's all-reduce and
 // ZeRO-1's reduce-scatter of the last micro-batch's accumulated block), alternating over three
@@ -53,7 +55,7 @@ struct row {
   double ms = 0;
   std::vector<double> all_ms;  // every timed step
   double sent = 0;  // bytes per step
-  std::size_t optimizer = 0, peak = 0, predicted = 0, in_flight = 0;
+  std::size_t optimizer = 0, peak = 0, predicted = 0, in_flight = 0, gathered = 0;
   mb::rank_memory memory{};
 };
 
@@ -90,6 +92,7 @@ row measure(const Net& m, mb::mpi_communicator& comm, std::size_t zero, std::siz
   r.predicted = t.largest_predicted_peak();
   r.memory = t.memory();
   r.in_flight = plan.gradient_in_flight;
+  r.gathered = plan.weight_gather;
   return r;
 }
 
@@ -131,23 +134,26 @@ static int bench_main(int argc, char** argv) {
   const double psi = static_cast<double>(m.weight_bytes());  // gradient bytes: Ψ
   const std::string load_before = load_average();
   // Blocking and overlapped, each stage, alternating, the same steps each round.
-  std::array<row, 3> blk, ovl;
-  std::array<std::vector<double>, 3> blocking_ms, overlapped_ms;
+  constexpr std::size_t stages = 4;
+  std::array<row, stages> blk, ovl;
+  std::array<std::vector<double>, stages> blocking_ms, overlapped_ms;
   for (int round = 0; round < 3; ++round) {
-    for (std::size_t z = 0; z < 3; ++z) {
+    for (std::size_t z = 0; z < stages; ++z) {
       blk[z] = measure(m, comm, z, steps, 1);
       ovl[z] = measure(m, comm, z, steps, 1, true);
       blocking_ms[z].insert(blocking_ms[z].end(), blk[z].all_ms.begin(), blk[z].all_ms.end());
       overlapped_ms[z].insert(overlapped_ms[z].end(), ovl[z].all_ms.begin(), ovl[z].all_ms.end());
     }
   }
-  for (std::size_t z = 0; z < 3; ++z) {
+  for (std::size_t z = 0; z < stages; ++z) {
     blk[z].ms = median(blocking_ms[z]);
     ovl[z].ms = median(overlapped_ms[z]);
   }
-  const row &z0 = blk[0], &z1 = blk[1], &z2 = blk[2], &z0o = ovl[0], &z1o = ovl[1], &z2o = ovl[2];
+  const row &z0 = blk[0], &z1 = blk[1], &z2 = blk[2], &z3 = blk[3], &z0o = ovl[0], &z1o = ovl[1], &z2o = ovl[2],
+            &z3o = ovl[3];
   // bf16 storage: the model states DeepSpeed's mixed-precision formulas count.
-  const row h0 = measure(m16, comm, 0, steps, 1), h1 = measure(m16, comm, 1, steps, 1), h2 = measure(m16, comm, 2, steps, 1);
+  const row h0 = measure(m16, comm, 0, steps, 1), h1 = measure(m16, comm, 1, steps, 1), h2 = measure(m16, comm, 2, steps, 1),
+            h3 = measure(m16, comm, 3, steps, 1);
   if (comm.rank() == 0) {
     const double ring = 2.0 * static_cast<double>(N - 1) / static_cast<double>(N) * psi;
     std::printf("| ranks | stage | step ms (median of %zu) | sent per step per rank | formula | optimizer bytes per rank | peak per rank |\n",
@@ -165,12 +171,16 @@ static int bench_main(int argc, char** argv) {
                 z2.optimizer, z2.peak);
     std::printf("| %zu | ZeRO-2 overlapped | %.1f | %.0f | 2(N-1)/N·Ψ = %.0f | %zu | %zu (%zu in flight) |\n", N, z2o.ms,
                 z2o.sent, ring, z2o.optimizer, z2o.peak, z2o.in_flight);
+    std::printf("| %zu | ZeRO-3 | %.1f | %.0f | (N-1)/N·Ψ per micro-batch + the gathers | %zu | %zu (%zu gathered) |\n", N,
+                z3.ms, z3.sent, z3.optimizer, z3.peak, z3.gathered);
+    std::printf("| %zu | ZeRO-3 overlapped | %.1f | %.0f | the same | %zu | %zu (%zu gathered, %zu in flight) |\n", N,
+                z3o.ms, z3o.sent, z3o.optimizer, z3o.peak, z3o.gathered, z3o.in_flight);
     bool exact = true;
-    for (std::size_t z = 0; z < 3; ++z) exact = exact && blk[z].peak == blk[z].predicted && ovl[z].peak == ovl[z].predicted;
+    for (std::size_t z = 0; z < stages; ++z) exact = exact && blk[z].peak == blk[z].predicted && ovl[z].peak == ovl[z].predicted;
     std::printf("(Ψ = %.0f gradient bytes, 1 thread per rank; the bytes sent include the loss's all-reduce of one double, "
-                "and under ZeRO-1/2 the gather of N sums of squares for the norm; measured peak == predicted: %s)\n",
-                psi, exact ? "yes, all six" : "NO");
-    for (std::size_t z = 0; z < 3; ++z) {
+                "and under ZeRO-1/2/3 the gather of N sums of squares for the norm; measured peak == predicted: %s)\n",
+                psi, exact ? "yes, all eight" : "NO");
+    for (std::size_t z = 0; z < stages; ++z) {
       std::printf("ZeRO-%zu step time, overlapped / blocking: %.3f (medians of %zu steps each, 3 alternating rounds)\n", z,
                   ovl[z].ms / blk[z].ms, blocking_ms[z].size());
     }
@@ -194,12 +204,18 @@ static int bench_main(int argc, char** argv) {
                 8 * P + 8 * s, states(h1), 4 * Q + 12 * q, 4 * P + 12 * P / n);
     std::printf("| %zu | ZeRO-2 | %.0f | 4P + 12s = %.0f | %.0f | 2Q + 14q = %.0f | 2P + 14P/N = %.0f |\n", N, states(z2),
                 4 * P + 12 * s, states(h2), 2 * Q + 14 * q, 2 * P + 14 * P / n);
-    const bool exact16 = h0.peak == h0.predicted && h1.peak == h1.predicted && h2.peak == h2.predicted;
-    std::printf("(bf16 step ms, median of %zu: ZeRO-0 %.1f, ZeRO-1 %.1f, ZeRO-2 %.1f; sent per step per rank %.0f / %.0f / "
-                "%.0f (fp32: %.0f / %.0f / %.0f; 16-bit gradients and weights on the wire); peak per rank %zu / %zu / %zu, "
-                "measured == predicted: %s)\n",
-                steps, h0.ms, h1.ms, h2.ms, h0.sent, h1.sent, h2.sent, z0.sent, z1.sent, z2.sent, h0.peak, h1.peak, h2.peak,
-                exact16 ? "yes" : "NO");
+    std::printf("| %zu | ZeRO-3 | %.0f | 16s = %.0f | %.0f | 16q = %.0f | 16P/N = %.0f |\n", N, states(z3), 16 * s,
+                states(h3), 16 * q, 16 * P / n);
+    const bool exact16 = h0.peak == h0.predicted && h1.peak == h1.predicted && h2.peak == h2.predicted &&
+                         h3.peak == h3.predicted;
+    std::printf("(bf16 step ms, median of %zu: ZeRO-0 %.1f, ZeRO-1 %.1f, ZeRO-2 %.1f, ZeRO-3 %.1f; sent per step per rank "
+                "%.0f / %.0f / %.0f / %.0f (fp32: %.0f / %.0f / %.0f / %.0f; 16-bit gradients and weights on the wire); peak "
+                "per rank %zu / %zu / %zu / %zu, measured == predicted: %s)\n",
+                steps, h0.ms, h1.ms, h2.ms, h3.ms, h0.sent, h1.sent, h2.sent, h3.sent, z0.sent, z1.sent, z2.sent, z3.sent,
+                h0.peak, h1.peak, h2.peak, h3.peak, exact16 ? "yes" : "NO");
+    std::printf("(ZeRO-3's model states exclude the weights it gathers in a step: %zu bytes in fp32, %zu in bf16, the "
+                "embedding's and head's and the largest block's)\n",
+                z3.gathered, h3.gathered);
     std::printf("(P = %.0f parameter elements, s = %.0f the shard of rank 0 (P/N rounded up); bf16: Q = %.0f, q = %.0f "
                 "(each tensor padded to 64 bytes, so %.0f padding elements more); fp32 weights and gradients are 4 bytes "
                 "each and AdamW's m, v 8, with no masters: 4 + 4 + 8 = 16; bf16 storage is DeepSpeed's mixed precision, "

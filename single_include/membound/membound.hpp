@@ -12201,6 +12201,21 @@ concept overlapping_all_reduce_communicator =
       { c.start_all_reduce_sum(f, n, ws, n) } -> exchange_handle;
     };
 
+// A communicator that can also gather blocks of uneven size in place (ZeRO-3's gather of one
+// block's weights from the ranks' parameter shards): all_gather_blocks(data, blocks), where rank r
+// holds its blocks[r] of data before and every rank holds every block after.
+template <typename C>
+concept gathering_communicator = communicator<C> && requires(C& c, float* f) {
+  c.all_gather_blocks(f, static_cast<const shard_range*>(nullptr));
+};
+
+// One that can also start that gather and complete it later (ZeRO-3's prefetch of the next
+// block): the same handle contract as the reduce-scatter's; data stays untouched until wait().
+template <typename C>
+concept prefetching_communicator = gathering_communicator<C> && requires(C& c, float* f) {
+  { c.start_all_gather_blocks(f, static_cast<const shard_range*>(nullptr)) } -> exchange_handle;
+};
+
 namespace detail {
 // out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
 // 16-bit parts are summed in fp32 and rounded once, so the sum of N ranks' gradients rounds as
@@ -12265,6 +12280,11 @@ class local_communicator {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
     if (n != 0 && shard != out) std::memcpy(out, shard, n * sizeof(T));
   }
+  // One block, already in place.
+  template <typename T>
+  void all_gather_blocks(T*, const shard_range*) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather_blocks copies bytes: T must be trivially copyable");
+  }
   template <summable T>
   void all_reduce_sum(T*, std::size_t, void*, std::size_t) {}
   template <typename T>
@@ -12275,6 +12295,7 @@ class local_communicator {
   communication_stats stats() const noexcept { return {}; }  // one rank sends nothing
 };
 static_assert(communicator<local_communicator>);
+static_assert(gathering_communicator<local_communicator>);
 
 MEMBOUND_NAMESPACE_END
 // ---- end membound/dist/communicator.hpp ----
@@ -16622,14 +16643,27 @@ class model {
   }
 
   // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
-  void init_weights(S* w, std::uint64_t seed) const {
+  void init_weights(S* w, std::uint64_t seed) const { init_weights(w, seed, {0, elements_}); }
+  // The elements [r.begin, r.end) of that initialization, into w[0, r.size()) (ZeRO-3: a rank's
+  // shard, the same bits as its part of the whole array). Each tensor's draws up to the range's
+  // end are made, the others skipped.
+  void init_weights(S* w, std::uint64_t seed, shard_range r) const {
     detail::need_pointer(w, "weights");
-    std::fill(w, w + elements_, from_accum<S>(A(0)));
+    if (r.begin > r.end || r.end > elements_) {
+      throw invalid_argument("range", "a range within [0, " + std::to_string(elements_) + ") (parameter_elements())",
+                             "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")",
+                             "Pass a shard_of(parameter_elements(), ranks, rank)");
+    }
+    std::fill(w, w + r.size(), from_accum<S>(A(0)));
     for (std::size_t k = 0; k < params_.size(); ++k) {
       const param_entry& p = params_[k];
+      if (p.offset >= r.end || p.offset + p.count <= r.begin) continue;
       std::uint64_t st = seed * 0x2545f4914f6cdd1dULL + k;
-      S* dst = w + p.offset;
-      for (std::size_t i = 0; i < p.count; ++i) dst[i] = from_accum<S>(static_cast<A>(draw(p.spec, i, st)));
+      const std::size_t last = std::min(p.count, r.end - p.offset);
+      for (std::size_t i = 0; i < last; ++i) {
+        const S v = from_accum<S>(static_cast<A>(draw(p.spec, i, st)));
+        if (p.offset + i >= r.begin) w[p.offset + i - r.begin] = v;
+      }
     }
   }
 
@@ -16743,8 +16777,9 @@ class model {
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe, host);
+    flat_weights weights{w};
+    return step<true>(weights, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex),
+                      observe, moe, host);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -16753,9 +16788,14 @@ class model {
   // grads.begin_block(i) runs after the block's new δ is allocated and before its workspace,
   // grads.end_block(i) after the workspace is given back and before its input δ and saved
   // tensors are (so a caller that allocates there adds its bytes on top of that op's own).
-  template <typename Allocator, typename Router, typename Observer = ignore_check_points>
+  //
+  // w: the weights, one flat array, or a weight source kept elsewhere (ZeRO-3's shards, see
+  // flat_weights): w.use_block(i, next) runs before every op that reads block i's weights (next:
+  // the block the op after it reads, depth() when none), then w.at(offset) is where the weight
+  // at `offset` is read; the embedding's and the head's are read through at() without a call.
+  template <typename Allocator, typename Weights, typename Router, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
-  double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
+  double forward_backward_routed(Weights&& w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                                  double loss_scale, Allocator& alloc, executor& ex, Observer observe = {},
                                  moe_stats* moe = nullptr, host_allocator_ref host = {}) const {
@@ -16765,12 +16805,21 @@ class model {
       r.begin_block(k);
       r.end_block(k);
     }, "membound: a gradient router offers S* at(offset), begin_block(i) and end_block(i): see flat_gradients");
-    detail::need_pointer(w, "weights");
+    auto&& weights = weight_source(w);
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe, host);
+    return step<true>(weights, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex),
+                      observe, moe, host);
   }
+
+  // The default weight source: one flat array of parameter_elements() weights.
+  struct flat_weights {
+    const S* w = nullptr;  // the weight array, parameter_elements() long
+    // Where the weight at `offset` is read.
+    const S* at(std::size_t offset) const noexcept { return w + offset; }
+    // Nothing to do: the flat array holds every block's weights throughout.
+    void use_block(std::size_t, std::size_t) const noexcept {}
+  };
 
   // The default router: one flat array of parameter_elements() gradients.
   struct flat_gradients {
@@ -16792,7 +16841,8 @@ class model {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
     flat_gradients flat{};
-    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
+    flat_weights weights{};
+    (void)step<false>(weights, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
   // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
   // buckets, replayed by model/reserve_plan.hpp); at() is not called.
@@ -16801,7 +16851,8 @@ class model {
                             Allocator& alloc, Router& grads) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
+    flat_weights weights{};
+    (void)step<false>(weights, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -16812,11 +16863,12 @@ class model {
   // `alloc`. The head is a host loop (accumulating in A) on every backend: on a device
   // the B last rows, the final norm and the head's V×C weights are copied to host buffers first
   // (B·C + C + V·C elements per call, the price of sampling without a logits kernel).
-  template <typename Allocator>
-  void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
+  // w: the weights, or a weight source (see forward_backward_routed).
+  template <typename Allocator, typename Weights>
+  void next_token_logits(Weights&& weights, const std::int32_t* tokens, batch_shape b, double* logits,
                          Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
-    detail::need_pointer(w, "weights");
+    auto&& w = weight_source(weights);
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(logits, "logits");
     check(b, true);
@@ -16839,11 +16891,12 @@ class model {
   // as there); forward only, each block's input freed once its output exists, so the peak is two
   // activations plus the larger of one block's forward workspace and the head's, all from
   // `alloc` (below any training plan's for b).
-  template <typename Allocator>
-  double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  // w: the weights, or a weight source (see forward_backward_routed).
+  template <typename Allocator, typename Weights>
+  double loss(Weights&& weights, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::size_t head_chunk, Allocator& alloc, executor& ex, moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
-    detail::need_pointer(w, "weights");
+    auto&& w = weight_source(weights);
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex), moe);
@@ -16851,7 +16904,8 @@ class model {
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
   void loss_requests(batch_shape b, std::size_t head_chunk, std::size_t threads, Allocator& alloc) const {
-    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads, nullptr);
+    flat_weights weights{};
+    (void)loss_pass<false>(weights, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads, nullptr);
   }
 
   // Forward FLOPs of one block of type B on b: its MLP, its mixer's projections and its mixing.
@@ -16886,11 +16940,17 @@ class model {
   // Typed access for tests and tools: the weights of block i as its block type takes them.
   template <typename B>
   typename B::weight_ptrs block_weights(const S* w, std::size_t i) const {
+    return block_weights<B>(flat_weights{w}, i);
+  }
+  // The same from a weight source (flat_weights, ZeRO-3's gathered block).
+  template <typename B, typename Weights>
+    requires(!std::is_pointer_v<std::remove_cvref_t<Weights>>)
+  typename B::weight_ptrs block_weights(const Weights& w, std::size_t i) const {
     typename B::weight_ptrs p{};
     const std::size_t first = block_first_[i];
     for (std::size_t k = 0; k < p.size(); ++k) {
       const param_entry& e = params_[first + k];
-      p[k] = e.count == 0 ? nullptr : w + e.offset;
+      p[k] = e.count == 0 ? nullptr : w.at(e.offset);
     }
     return p;
   }
@@ -16920,8 +16980,8 @@ class model {
   // made), so that the two cannot drift apart. The ops are checked first as simulate() checks
   // them: a dropped backward or a duplicated tape is an invalid_argument naming the op, before
   // anything is allocated.
-  template <bool Run, typename Allocator, typename Router, typename Observer>
-  double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  template <bool Run, typename Weights, typename Allocator, typename Router, typename Observer>
+  double step(Weights& w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
               executor* ex, std::size_t threads, Observer& observe, moe_stats* moe, host_allocator_ref host) const {
     const schedule_stats checked = simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
@@ -16944,10 +17004,19 @@ class model {
     double loss_sum = 0;
 
     x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x[0], N, C, cfg_.vocab);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
 
-    for (const chain_op& op : ops) {
+    // For each op, the block the next op that reads a block's weights reads (L: none).
+    std::vector<std::size_t> next_use(ops.size(), L);
+    for (std::size_t k = ops.size(), after = L; k-- > 0;) {
+      next_use[k] = after;
+      if (reads_weights(ops[k].kind)) after = ops[k].block;
+    }
+
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      const chain_op& op = ops[k];
       const std::size_t i = op.block;
+      if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
       switch (op.kind) {
         case chain_op_kind::advance:
         case chain_op_kind::tape:
@@ -17035,8 +17104,8 @@ class model {
     return loss_sum / counted + experts.aux_loss;
   }
 
-  template <bool Run, typename Allocator>
-  double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  template <bool Run, typename Weights, typename Allocator>
+  double loss_pass(Weights& w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
                    std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads,
                    moe_stats* moe) const {
     static_assert(check_allocator<Allocator>());
@@ -17062,13 +17131,14 @@ class model {
   // Embedding and every block in advance mode; returns the last block's output (held by live).
   // inference: a mixture of experts computes every choice (no capacity, as Mixtral and
   // Switch's evaluation do: a prompt of a few tokens would otherwise leave experts no slot).
-  template <bool Run, typename Live>
-  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
+  template <bool Run, typename Weights, typename Live>
+  S* forward_only(Weights& w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
                   std::size_t threads, bool inference, moe_stats* moe) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x, N, C, cfg_.vocab);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
+      w.use_block(i, i + 1);
       visit_block(i, [&]<typename B>(B*) {
         auto d = B::make_dims(cfg_, b);
         if (inference) B::without_capacity(d);
@@ -17249,9 +17319,31 @@ class model {
       logits[v] = static_cast<double>(dot);
     }
   }
-  typename head_type::weights head_weights(const S* w) const noexcept {
+  template <typename Weights>
+  typename head_type::weights head_weights(const Weights& w) const noexcept {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
-    return {w + params_[head_first_].offset, w + params_[table].offset};
+    return {w.at(params_[head_first_].offset), w.at(params_[table].offset)};
+  }
+  // Which ops read a block's weights: its forwards and its backward.
+  static constexpr bool reads_weights(chain_op_kind k) noexcept {
+    return k == chain_op_kind::advance || k == chain_op_kind::tape || k == chain_op_kind::retape ||
+           k == chain_op_kind::backward;
+  }
+  // A weight array as flat_weights; a weight source as it is. A null array is named.
+  static flat_weights weight_source(const S* w) {
+    detail::need_pointer(w, "weights");
+    return {w};
+  }
+  static flat_weights weight_source(S* w) { return weight_source(static_cast<const S*>(w)); }
+  static flat_weights weight_source(std::nullptr_t) { return weight_source(static_cast<const S*>(nullptr)); }
+  template <typename Weights>
+    requires(!std::is_pointer_v<std::remove_cvref_t<Weights>> && !std::is_null_pointer_v<std::remove_cvref_t<Weights>>)
+  static Weights& weight_source(Weights& w) noexcept {
+    static_assert(requires(const Weights& c, Weights& m, std::size_t k) {
+      { c.at(k) } -> std::convertible_to<const S*>;
+      m.use_block(k, k);
+    }, "membound: a weight source offers const S* at(offset) and use_block(i, next): see flat_weights");
+    return w;
   }
   template <typename Router>
   typename head_type::gradients routed_head_grads(Router& g) const {
@@ -17432,6 +17524,14 @@ struct schedule_choice {
 // optimizer shards, affine in the largest rank's part of it), completed as the next block's
 // backward ends: its workspace is that backward's carry. The embedding's and head's exchanges
 // follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
+//
+// zero = 3 (ZeRO-3): ZeRO-2's gradients, and the weights sharded the same way: a rank keeps the
+// weights of its shard_of the parameters only. Each micro-batch gathers (all-gather of every
+// rank's part, in place) the embedding's and head's weights, held through it, and before each op
+// that reads a block's weights that block's, into a slot the size of the largest block's
+// (training_plan::weight_gather): a block already in a slot is not gathered again. With overlap
+// a second slot takes the next block's gather, started non-blocking as the block before it
+// begins (and the gradients' reduce-scatters overlap as ZeRO-2's do).
 struct gradient_shards {
   // Processes sharing the gradients (off at 1 or fewer) and this process's index among them.
   std::size_t ranks = 0, rank = 0;
@@ -17439,8 +17539,10 @@ struct gradient_shards {
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
   bool overlap = false;  // each block's exchange started as its backward ends (see above)
   std::size_t zero = 2;  // the ZeRO stage the exchange serves (see above)
-  // ZeRO-2: the gradients sharded.
-  constexpr bool on() const noexcept { return ranks > 1 && zero == 2; }
+  // ZeRO-2 and 3: the gradients sharded.
+  constexpr bool on() const noexcept { return ranks > 1 && zero >= 2; }
+  // ZeRO-3: the weights too.
+  constexpr bool weights_sharded() const noexcept { return ranks > 1 && zero == 3; }
   // ZeRO-0/1 overlapped: the whole gradient kept, each block's exchange started in its backward.
   constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
@@ -17551,6 +17653,9 @@ struct training_plan {
   // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
+  // ZeRO-3 (weights = this rank's shard): the gathered weights each micro-batch holds, the
+  // embedding's and head's and one slot of the largest block's (two with overlap: the prefetch).
+  std::size_t weight_gather = 0;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   // Optimizer offload (plan_options::offload): then `optimizer` is 0 and the host space holds the
   // state (host_optimizer) and two staging buffers of offload_bucket parameters (host_staging),
@@ -17627,11 +17732,19 @@ struct training_plan {
                   micro.batch, micro.seq, packing, accumulation, accumulation == 1 ? "" : "es",
                   schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
     s += line;
-    row("weights", weights, "");
+    if (weight_gather != 0) {
+      const std::string note = "this rank's shard (ZeRO-3 over " + std::to_string(gradient_ranks) + " ranks)";
+      row("weights", weights, note.c_str());
+      row("weights (gathered)", weight_gather,
+          gradient_sharding.overlap ? "in a micro-batch: embedding, head, two block slots (prefetch)"
+                                    : "in a micro-batch: embedding, head, one block slot");
+    } else {
+      row("weights", weights, "");
+    }
     if (gradient_ranks > 1) {
       char note[200];
-      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held%s",
-                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str(),
+      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-%zu over %zu ranks); in a step + %s per block, + %s held%s",
+                    gradient_sharding.zero, gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str(),
                     gradient_in_flight != 0 ? (", + " + format_bytes(gradient_in_flight, false) + " in flight (overlapped)").c_str()
                                             : "");
       row("gradients", gradients, note);
@@ -17777,7 +17890,18 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
     for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
   }
   return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
-                 gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+                 gs.zero >= 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+}
+
+// ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather): the
+// embedding's and the head's, then one slot of the largest block's, or two with `prefetch`
+// (gradient_shards::overlap: the block an op reads, and the next one's gather in flight).
+template <typename Model>
+std::size_t weight_gather_bytes(const Model& m, bool prefetch) {
+  std::size_t block = 0;
+  for (std::size_t i = 0; i < m.depth(); ++i) block = std::max(block, m.block_parameters(i).size());
+  return bytes_of<typename Model::storage_type>(
+      sat_add(m.embedding_parameters().size(), m.head_parameters().size(), sat_mul(block, prefetch ? 2 : 1)));
 }
 
 namespace detail {
@@ -17827,7 +17951,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   }
   // ZeRO-2: a range's reduce-scatter workspace (the largest rank's part of it) and its bucket.
   const auto exchange_of = [&](shard_range r) { return gradient_exchange_bytes(m, gs, r, o.accumulation); };
-  p.weights = m.weight_bytes();
+  p.weights = gs.weights_sharded() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
+  if (gs.weights_sharded()) p.weight_gather = weight_gather_bytes(m, gs.overlap);
   p.gradients = gs.on() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
   p.gradient_ranks = gs.on() ? gs.ranks : 1;
   p.gradient_sharding = gs;
@@ -17842,7 +17967,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   if (gs.on() || gs.whole_overlapped()) {
     held_exchange = std::max(exchange_of(m.embedding_parameters()), exchange_of(m.head_parameters()));
   }
-  const std::size_t step_base = sat_add(base, p.gradient_held);
+  const std::size_t step_base = sat_add(base, p.gradient_held, p.weight_gather);
   chain c = m.make_chain(b, o.threads, o.head_chunk, step_base);
   if (gs.on()) {
     // Block i's backward: its δ, then its gradient bucket, then the larger of its workspace and
@@ -17929,7 +18054,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
     const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
-    p.activations = std::max(p.activations, sat_sub(sat_sub(ph.live_before, base), ph.in_flight));
+    p.activations = std::max(p.activations, sat_sub(sat_sub(sat_sub(ph.live_before, base), ph.in_flight), p.weight_gather));
     if (q.peak > best) {
       best = q.peak;
       p.peak_phase = q.name;
@@ -18596,6 +18721,9 @@ void micro_batch_requests(const Model& m, batch_shape micro, std::span<const cha
     return;
   }
   const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+  // ZeRO-3: the gathered weights first (the trainer's weight_gather), held through the micro-batch.
+  const std::size_t gather = gs.weights_sharded() ? weight_gather_bytes(m, gs.overlap) : 0;
+  void* gathered = gather != 0 ? rec.allocate(gather, default_alignment, memory_tag::weights) : nullptr;
   const std::size_t held = bytes_of<S>(e.size() + h.size());
   void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
   zero2_request_router<Model> router{m, rec, gs, accumulation};
@@ -18607,12 +18735,14 @@ void micro_batch_requests(const Model& m, batch_shape micro, std::span<const cha
                    memory_tag::workspace);
   }
   rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+  if (gathered != nullptr) rec.deallocate(gathered, gather, default_alignment, memory_tag::weights);
 }
 }  // namespace detail
 
 // gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
 // gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too, or
-// ZeRO-0/1 overlapped, whose last micro-batch's exchanges are.
+// ZeRO-0/1 overlapped, whose last micro-batch's exchanges are; under ZeRO-3 the weights are this
+// rank's shard, and each micro-batch and evaluation gathers into weight_gather_bytes.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
                         std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
@@ -18620,7 +18750,10 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
-  (void)rec.allocate(wb, default_alignment, memory_tag::weights);
+  (void)rec.allocate(gs.weights_sharded() ? bytes_of<typename Model::storage_type>(
+                                                shard_of(m.parameter_elements(), gs.ranks, gs.rank).size())
+                                          : wb,
+                     default_alignment, memory_tag::weights);
   (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   // A device trainer's step buffers (token ids, the norm's partials), made after the state.
@@ -18648,7 +18781,10 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
                      memory_tag::workspace);
     }
   }
+  const std::size_t gather = gs.weights_sharded() ? weight_gather_bytes(m, gs.overlap) : 0;
+  void* gathered = gather != 0 ? rec.allocate(gather, default_alignment, memory_tag::weights) : nullptr;
   m.loss_requests(micro, head_chunk, threads, rec);
+  if (gathered != nullptr) rec.deallocate(gathered, gather, default_alignment, memory_tag::weights);
   r.rest.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k1), rec.requests().end());
   return r;
 }
@@ -19596,7 +19732,7 @@ MEMBOUND_NAMESPACE_BEGIN
 
 // ZeRO-2's plan_options::gradients for a rank of `comm` (storage S): its rank, the world size and
 // the communicator's reduce-scatter workspace (affine in the block size; anything else is refused).
-// Off (ranks 0) for a world of one.
+// Off (ranks 0) for a world of one. (ZeRO-3's: gradient_exchange_of(comm, 3, overlap).)
 //   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
@@ -19619,14 +19755,18 @@ gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = fals
 }
 
 // plan_options::gradients for a trainer of ZeRO stage `zero` (trainer_options::zero, overlap) over
-// `comm` (storage S): ZeRO-2's gradient_shards_of; ZeRO-0/1 overlapped, the exchange the last
+// `comm` (storage S): ZeRO-2's gradient_shards_of (ZeRO-3: the same, its weights sharded too); ZeRO-0/1 overlapped, the exchange the last
 // micro-batch's backward carries (gradient_shards::whole_overlapped: the communicator's all-reduce
 // workspace, affine in the largest shard of the range, or its reduce_scatter_blocks workspace);
 // otherwise off (ZeRO-0/1 exchange inside the step's peak, after the backward).
 //   po.gradients = gradient_exchange_of<float>(comm, options.zero, options.overlap);
 template <typename S, typename Communicator>
 gradient_shards gradient_exchange_of(const Communicator& comm, std::size_t zero, bool overlap) {
-  if (zero >= 2) return gradient_shards_of<S>(comm, overlap);
+  if (zero >= 2) {
+    gradient_shards g = gradient_shards_of<S>(comm, overlap);
+    if (g.ranks > 1) g.zero = zero;
+    return g;
+  }
   if constexpr (!summable<S>) {
     return {};
   } else {
@@ -19682,6 +19822,20 @@ struct pending_all_reduce_of<C> {
                                                                 std::declval<void*>(), std::size_t{}));
 };
 
+// The handle of a started all_gather_blocks (ZeRO-3's prefetch); a stand-in as above.
+template <typename C>
+struct pending_gather_of {
+  struct type {
+    bool test() noexcept { return true; }
+    void wait() noexcept {}
+  };
+};
+template <prefetching_communicator C>
+struct pending_gather_of<C> {
+  using type = decltype(std::declval<C&>().start_all_gather_blocks(std::declval<float*>(),
+                                                                    std::declval<const shard_range*>()));
+};
+
 // The communicator of the host values every rank agrees on (flags, votes, plans, the loss, the
 // norm's parts): a split communicator's control(), else the communicator itself. A device
 // communicator's collectives return before their data moved, so one whose watchdog aborted a
@@ -19700,15 +19854,17 @@ class gradient_exchange {
  public:
   using S = typename Model::storage_type;
   using executor = typename Model::executor;
+  // A started gather of ZeRO-3's prefetch (a stand-in where the communicator cannot start one).
+  using pending_gather = typename detail::pending_gather_of<Communicator>::type;
 
   // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
   // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
       : m_(m), alloc_(alloc, stream_of(ex)), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
-    if (zero > 2) {
-      throw invalid_argument("zero", "0, 1 or 2 (the ZeRO stage)", std::to_string(zero),
+    if (zero > 3) {
+      throw invalid_argument("zero", "0, 1, 2 or 3 (the ZeRO stage)", std::to_string(zero),
                              "Use 1 to shard the optimizer state over the ranks, 2 to shard the gradients too, "
-                             "0 to keep both whole");
+                             "3 the weights too, 0 to keep all whole");
     }
     shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     if (world() > 1) {
@@ -19727,8 +19883,15 @@ class gradient_exchange {
   std::size_t world() const noexcept { return comm_.size(); }
   // ZeRO-1 and 2: this rank keeps the optimizer state of its shard only.
   bool sharded() const noexcept { return zero_ >= 1 && world() > 1; }
-  // ZeRO-2: and the gradients of its shard only.
-  bool zero2() const noexcept { return zero_ == 2 && world() > 1; }
+  // ZeRO-2 (and 3): and the gradients of its shard only.
+  bool zero2() const noexcept { return zero_ >= 2 && world() > 1; }
+  // ZeRO-3: and the weights of its shard only.
+  bool zero3() const noexcept { return zero_ == 3 && world() > 1; }
+  // The weights this rank keeps: all of them, or under ZeRO-3 its shard's.
+  std::size_t weight_elements() const noexcept { return zero3() ? shard_.size() : n_; }
+  std::size_t weight_bytes() const noexcept { return weight_elements() * sizeof(S); }
+  // The weights of this rank's optimizer shard, in the weights w it keeps.
+  S* shard_weights(S* w) const noexcept { return zero3() ? w : w + shard_.begin; }
   // ZeRO-0/1 overlapped: the last micro-batch's blocks start their exchanges in the backward.
   bool whole_overlapped() const noexcept { return overlap_ && zero_ < 2 && world() > 1; }
   // The parameters whose optimizer state this rank holds (all of them unless sharded).
@@ -19820,6 +19983,127 @@ class gradient_exchange {
     reduce_scatter_range(g, router.held + e.size(), m_.head_parameters(), first, accumulation);
     return loss;
   }
+
+  // ---- ZeRO-3 ------------------------------------------------------------------------------------
+  // The weights of a micro-batch or an evaluation under ZeRO-3 (a weight source of the model's
+  // forward_backward_routed, loss and next_token_logits): one buffer of weight_gather_bytes from
+  // the trainer's allocator, made at construction (before the micro-batch's own bytes, as the
+  // planner counts it) and given back at destruction. The embedding's and the head's weights are
+  // gathered into it at construction; the slot after them holds a block (two slots with overlap).
+  // use_block(i, next) makes block i's weights present (completing its prefetch, or gathering it
+  // into the slot not used last, unless a slot holds it: a block's forward and its backward, or
+  // its recompute, read the same bits, since the weights change only in the optimizer step); with
+  // two slots it then starts the gather of `next` into the other one, non-blocking
+  // (prefetching_communicator), unless a slot holds it: it runs while block i computes. A gather
+  // is every rank's part of the range (its shard's overlap with it) copied into place, then
+  // all_gather_blocks.
+  class gathered_weights {
+   public:
+    // shard: the weights this rank keeps (weight_elements()).
+    gathered_weights(gradient_exchange& t, const S* shard) : t_(t), shard_w_(shard) {
+      e_ = t.m_.embedding_parameters();
+      h_ = t.m_.head_parameters();
+      none_ = t.m_.depth();
+      std::size_t most = 0;
+      for (std::size_t i = 0; i < t.m_.depth(); ++i) most = std::max(most, t.m_.block_parameters(i).size());
+      slots_n_ = t.overlap_ ? 2 : 1;  // the trainer refuses overlap without a prefetching communicator
+      bytes_ = weight_gather_bytes(t.m_, slots_n_ == 2);
+      buf_ = static_cast<S*>(t.alloc_.allocate(bytes_, default_alignment, memory_tag::weights));
+      slots_[0].base = buf_ + e_.size() + h_.size();
+      slots_[1].base = slots_[0].base + most;  // used with two slots only
+      for (slot& k : slots_) k.block = none_;
+      try {
+        gather(e_, buf_);
+        gather(h_, buf_ + e_.size());
+      } catch (...) {
+        t.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
+        throw;
+      }
+    }
+    gathered_weights(const gathered_weights&) = delete;
+    gathered_weights& operator=(const gathered_weights&) = delete;
+    ~gathered_weights() {
+      flight_ = pending_gather{};  // waits for a prefetch still in flight before its slot goes
+      t_.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
+    }
+    const S* at(std::size_t offset) const noexcept {
+      if (offset < e_.end) return buf_ + offset;
+      if (offset >= h_.begin) return buf_ + e_.size() + (offset - h_.begin);
+      const slot& k = slots_[current_];
+      return k.base + (offset - k.range.begin);
+    }
+    void use_block(std::size_t i, std::size_t next) {
+      if (flight_slot_ < 2) {
+        // The prefetch (of i, as the op order said) completes here; another block's is kept too.
+        flight_.wait();
+        slots_[flight_slot_].block = flight_block_;
+        flight_slot_ = 2;
+      }
+      std::size_t k = holding(i);
+      if (k == 2) {
+        k = slots_n_ == 1 ? 0 : 1 - current_;  // the slot not used last
+        slots_[k].block = none_;  // holds nothing whole until the gather completes
+        const shard_range r = t_.m_.block_parameters(i);
+        gather(r, slots_[k].base);
+        slots_[k].range = r;
+        slots_[k].block = i;
+      }
+      current_ = k;
+      if constexpr (prefetching_communicator<Communicator>) {
+        if (slots_n_ == 2 && next < none_ && holding(next) == 2) {
+          const std::size_t o = 1 - k;
+          const shard_range r = t_.m_.block_parameters(next);
+          slots_[o].block = none_;
+          copy_mine(r, slots_[o].base);
+          flight_ = t_.comm_.start_all_gather_blocks(slots_[o].base, t_.blocks_.data());
+          (void)flight_.test();  // MPI moves a started collective on only inside its calls: a first push
+          slots_[o].range = r;
+          flight_slot_ = o;
+          flight_block_ = next;
+        }
+      }
+    }
+
+   private:
+    struct slot {
+      S* base = nullptr;
+      shard_range range{};
+      std::size_t block = 0;  // none_: nothing whole
+    };
+    std::size_t holding(std::size_t i) const noexcept {
+      for (std::size_t k = 0; k < slots_n_; ++k)
+        if (slots_[k].block == i) return k;
+      return 2;
+    }
+    // Fills t_.blocks_ with every rank's part of r and copies this rank's into dst.
+    void copy_mine(shard_range r, S* dst) {
+      const shard_range mine = t_.range_blocks(r);
+      if (mine.size() != 0) {
+        std::memcpy(static_cast<void*>(dst + (mine.begin - r.begin)),
+                    static_cast<const void*>(shard_w_ + (mine.begin - t_.shard_.begin)), mine.size() * sizeof(S));
+      }
+    }
+    void gather(shard_range r, S* dst) {
+      if constexpr (gathering_communicator<Communicator>) {
+        copy_mine(r, dst);
+        t_.comm_.all_gather_blocks(dst, t_.blocks_.data());
+      } else {
+        (void)r;
+        (void)dst;  // the trainer refuses ZeRO-3 over a communicator without all_gather_blocks
+      }
+    }
+    gradient_exchange& t_;
+    const S* shard_w_;
+    shard_range e_{}, h_{};
+    std::size_t none_ = 0;
+    std::size_t bytes_ = 0;
+    S* buf_ = nullptr;
+    slot slots_[2];
+    std::size_t slots_n_ = 1;
+    std::size_t current_ = 1;  // the slot the current op reads (1: slot 0 is used first)
+    pending_gather flight_{};                     // a prefetch in flight
+    std::size_t flight_slot_ = 2, flight_block_ = 0;  // its slot (2: none) and block
+  };
 
   // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------
   // The step's last micro-batch (the earlier ones accumulate into g as the blocking path does):
@@ -20642,7 +20926,7 @@ class trainer {
         refuse_over_limit(plan_);
       }
       use_layout(plan_);
-      w_ = static_cast<S*>(mem_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+      w_ = static_cast<S*>(mem_.allocate(weight_bytes(), default_alignment, memory_tag::weights));
       g_ = static_cast<S*>(mem_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       if (offload_.optimizer) {
         // The host space: the state, then the staging buffers (plan.host_peak()).
@@ -20664,15 +20948,16 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = m_.weight_bytes() + grad_bytes() + (offload_.optimizer ? 0 : opt_bytes()) + step_buffer_bytes_;
+    own_bytes_ = weight_bytes() + grad_bytes() + (offload_.optimizer ? 0 : opt_bytes()) + step_buffer_bytes_;
     try {
       // Made on the host on every backend (the same bits), in place or uploaded (on a device the
       // optimizer state goes up first, then the weights: both before step 1).
-      glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* wh) {
+      glue::write_via_host(ex_, w_, weight_bytes(), [&](void* wh) {
         S* w = static_cast<S*>(wh);
-        m_.init_weights(w, o_.seed);
+        // Under ZeRO-3 this rank's shard only, the same bits as its part of the whole.
+        m_.init_weights(w, o_.seed, zero3() ? opt_shard_ : shard_range{0, n_});
         glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* state) {
-          Optimizer::init(w + opt_shard_.begin, opt_shard_.size(), state, opt_bytes());
+          Optimizer::init(exchange_->shard_weights(w), opt_shard_.size(), state, opt_bytes());
         });
       });
       zero_gradients();
@@ -20772,16 +21057,16 @@ class trainer {
     if (r.applied) {
       const double gs = clip_factor(r.grad_norm, o_.clip) / unscale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
-      const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
       if (offload_.optimizer) {
         offloaded_update(os);
       } else {
-        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+        glue::template optimizer_update<Optimizer>(ex_, shard_w(), opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
                                                    std::span<const param_span>(opt_spans_), os);
       }
-      // Every rank updated its shard: gather the whole model on every rank (in place).
-      if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
+      // Every rank updated its shard: gather the whole model on every rank (in place). ZeRO-3
+      // keeps the shard: its steps gather each block as they read it.
+      if (sharded() && !zero3()) comm_.all_gather(static_cast<const S*>(shard_w()), w_, n_);
       ++updates_;
     }
     ++steps_;
@@ -20819,7 +21104,9 @@ class trainer {
 
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
-  // plan's, and nothing of the training state is touched.
+  // plan's, and nothing of the training state is touched. Under ZeRO-3 a collective (each block's
+  // weights gathered as it is reached): every rank calls it with the same arguments, and a rank
+  // that fails in it leaves the others in a gather (until the communicator's timeout).
   // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows. The
   // result is the mean over every counted target (each batch weighted by its count).
   template <data_source Source>
@@ -20838,11 +21125,34 @@ class trainer {
       // Weighted by counted targets (per sequence: b when nothing is ignored), so the result is
       // the mean over every counted target whatever the batches hold.
       const double counted = static_cast<double>(counted_host()) / static_cast<double>(T);
-      sum += counted * m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
-                               plan_.head_chunk, alloc_, ex_);
+      const auto run = [&](auto&& weights) {
+        return m_.loss(weights, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
+                       plan_.head_chunk, alloc_, ex_);
+      };
+      if (zero3()) {
+        // ZeRO-3: each block's weights gathered as the forward reaches it (a collective).
+        typename exchange_type::gathered_weights gathered(*exchange_, w_);
+        sum += counted * run(gathered);
+      } else {
+        sum += counted * run(w_);
+      }
       weight += counted;
     }
     return weight == 0 ? 0.0 : sum / weight;
+  }
+
+  // The next-token logits of b's sequences under the current weights (model::next_token_logits,
+  // on the trainer's allocator and executor; not part of the plan). Under ZeRO-3 a collective:
+  // every rank calls it with the same tokens and b, and each block's weights are gathered as it
+  // is reached (a rank that fails in it leaves the others in a gather, as evaluate does).
+  void next_token_logits(const std::int32_t* tokens, batch_shape b, double* logits) {
+    follow_stream();
+    if (zero3()) {
+      typename exchange_type::gathered_weights gathered(*exchange_, w_);
+      m_.next_token_logits(gathered, tokens, b, logits, alloc_, ex_);
+    } else {
+      m_.next_token_logits(w_, tokens, b, logits, alloc_, ex_);
+    }
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
@@ -20983,7 +21293,7 @@ class trainer {
     r.rank = comm_.rank();
     r.ranks = world();
     r.zero = sharded() ? o_.zero : 0;
-    r.weights = m_.weight_bytes();
+    r.weights = weight_bytes();
     r.gradients = grad_bytes();
     r.optimizer = offload_.optimizer ? 0 : opt_bytes();
     r.host = plan_.offloads() ? plan_.host_peak() : 0;
@@ -21107,12 +21417,15 @@ class trainer {
   // Whether the loss is scaled (trainer_options::scaling; `automatic` turns it on for fp16).
   bool loss_scaling_on() const noexcept { return scaling_; }
   // On a device: written in the executor's stream order (a step's or load's last all-gather may
-  // still run); read them on that stream, or after synchronizing it.
+  // still run); read them on that stream, or after synchronizing it. Under ZeRO-3 (over more than
+  // one rank) this rank's shard only: weight_shard() says which parameters.
   const S* weights() const noexcept { return w_; }
   // The same, writable.
   S* weights() noexcept { return w_; }
   // Elements of the weight array, padding included (the model's parameter_elements()).
   std::size_t parameter_elements() const noexcept { return n_; }
+  // The parameters weights() holds: all of them, or under ZeRO-3 this rank's shard.
+  shard_range weight_shard() const noexcept { return zero3() ? opt_shard_ : shard_range{0, n_}; }
   // The optimizer state this rank holds, in the Optimizer's layout and the backend's memory.
   const void* optimizer_state() const noexcept { return opt_; }
   // Bytes of optimizer_state().
@@ -21269,7 +21582,7 @@ class trainer {
     try {
       checkpoint_writer cw;
       const std::size_t shard_bytes = opt_shard_.size() * sizeof(S);
-      glue::read_via_host(ex_, w_ + opt_shard_.begin, shard_bytes, [&](const void* w) {
+      glue::read_via_host(ex_, shard_w(), shard_bytes, [&](const void* w) {
         glue::read_via_host(ex_, opt_, opt_bytes(),
                             [&](const void* state) { write_state(cw, w, shard_bytes, state); });
       });
@@ -21327,7 +21640,7 @@ class trainer {
       check_checkpoint_format(r, path);
       if (!r.has("manifest")) {
         throw checkpoint_mismatch(path, "zero", "0", "1",
-                                  "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-1 over " +
+                                  "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-" + std::to_string(o_.zero) + " over " +
                                       std::to_string(world()) + " ranks, which resumes the manifest a ZeRO-1 save "
                                       "wrote. Resume it with trainer_options::zero = 0");
       }
@@ -21358,13 +21671,13 @@ class trainer {
     agree(failed, "read its checkpoint shard");
     agree_on_restoring(st);
     try {
-      commit(*shard, shard_path, st, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+      commit(*shard, shard_path, st, shard_w(), opt_shard_.size() * sizeof(S));
     } catch (...) {
       failed = std::current_exception();
     }
     agree(failed, "load its checkpoint shard (the ranks that did are loaded: load again before training)");
-    // Every rank holds its shard of the weights: gather the whole model (in place).
-    comm_.all_gather(static_cast<const S*>(w_ + opt_shard_.begin), w_, n_);
+    // Every rank holds its shard of the weights: gather the whole model (in place; ZeRO-3 keeps the shard).
+    if (!zero3()) comm_.all_gather(static_cast<const S*>(shard_w()), w_, n_);
     // What the loaded manifest does not name (a killed save's files) goes now, not at the next save.
     (void)remove_unreferenced_shards(path, named_files);
     return st.restored;
@@ -21434,7 +21747,13 @@ class trainer {
       agree_on_restoring(st);
       try {
         commit_state(std::span<const std::byte>(state), path, st,
-                     [&] { glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
+                     [&] {
+                       // Under ZeRO-3 this rank's shard of them.
+                       const std::size_t first = zero3() ? opt_shard_.begin : 0;
+                       glue::write_via_host(ex_, w_, weight_bytes(), [&](void* h) {
+                         std::memcpy(h, weights.data() + first, weight_bytes());
+                       });
+                     });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -21458,7 +21777,7 @@ class trainer {
   // update_range there. check_host_space refused the plan where either cannot.
   void offloaded_update(const optimizer_step& os) {
     if constexpr (glue::offloads_optimizer && offloadable_optimizer<Optimizer, S>) {
-      glue::template offloaded_update<Optimizer>(ex_, w_ + opt_shard_.begin, opt_grads(), opt_, opt_shard_.size(),
+      glue::template offloaded_update<Optimizer>(ex_, shard_w(), opt_grads(), opt_, opt_shard_.size(),
                                                  std::span<const param_span>(opt_spans_), os, stage_w_, stage_g_,
                                                  offload_.bucket);
     } else {
@@ -21541,6 +21860,11 @@ class trainer {
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
   bool sharded() const noexcept { return exchange_->sharded(); }
   bool zero2() const noexcept { return exchange_->zero2(); }
+  bool zero3() const noexcept { return exchange_->zero3(); }
+  // The weight bytes this rank keeps: the whole model's, or under ZeRO-3 its shard's.
+  std::size_t weight_bytes() const noexcept { return exchange_->weight_bytes(); }
+  // The weights of this rank's optimizer shard.
+  S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
   bool whole_overlapped() const noexcept { return exchange_->whole_overlapped(); }
   std::size_t grad_bytes() const noexcept { return exchange_->grad_bytes(); }
   // The summed gradient of this rank's optimizer shard.
@@ -21572,7 +21896,7 @@ class trainer {
       else mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
     }
     if (g_ != nullptr) mem_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
-    if (w_ != nullptr) mem_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+    if (w_ != nullptr) mem_.deallocate(w_, weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
     w_ = nullptr;
@@ -21646,7 +21970,7 @@ class trainer {
     if constexpr (has_planned_layer<Allocator>) {
       if (zero2() && planned_layer(alloc_) != nullptr) {
         throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
-                               "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
+                               std::to_string(o_.zero), "ZeRO-2's and 3's per-block buckets are not in the planned layout yet: use "
                                "zero = 1, or an allocator stack without a planned layout");
       }
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p), mem_.stream());
@@ -21669,8 +21993,9 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
-    need(o.zero <= 2, "options.zero", "0, 1 or 2", static_cast<double>(o.zero),
-         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 0 to keep both whole");
+    need(o.zero <= 3, "options.zero", "0, 1, 2 or 3", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 3 the weights too, 0 to keep "
+         "all whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -21766,6 +22091,7 @@ class trainer {
       if (want != got) differs(field, format_bytes(want), format_bytes(got));
     };
     bytes("plan.weights", q.weights, p.weights);
+    bytes("plan.weight_gather", q.weight_gather, p.weight_gather);
     bytes("plan.gradients", q.gradients, p.gradients);
     bytes("plan.step_buffers", q.step_buffers, p.step_buffers);
     if (q.offload_optimizer != p.offload_optimizer) {
@@ -21994,7 +22320,9 @@ class trainer {
     // The ranks before this one take the step's first sequences: draw them as they would.
     skip_requests(comm_.rank() * rank_batch().batch);
     for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
-      oom_may_vote_ = true;  // no exchange until this micro-batch's backward
+      // No exchange until this micro-batch's backward; under ZeRO-3 its forward gathers weights, so
+      // a rank's out-of-memory there cannot meet the others at a vote (they are in a gather).
+      oom_may_vote_ = !zero3();
       // Whether this micro-batch's backward starts exchanges (ZeRO-2's, or the last of ZeRO-0/1 overlapped).
       backward_exchanges_ = zero2() || (whole_overlapped() && micro + 1 == plan_.accumulation);
       watch<check_point::before_forward>(highest, may_abandon);
@@ -22019,7 +22347,16 @@ class trainer {
                                           plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe,
                                           o_.host);
       };
-      if (zero2()) {
+      if (zero3()) {
+        // The gathered weights first (the planner's order), held through the micro-batch.
+        typename exchange_type::gathered_weights gathered(*exchange_, w_);
+        const auto sharded_run = [&](auto& router) {
+          return m_.forward_backward_routed(gathered, router, tokens_in(), targets_in(), shape, plan_.ops,
+                                            plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe,
+                                            o_.host);
+        };
+        loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, sharded_run) / accum;
+      } else if (zero2()) {
         loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
       } else if (backward_exchanges_) {
         loss += mean * exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
@@ -22078,9 +22415,19 @@ class trainer {
                              "Use ZeRO-0 (options.zero = 0)");
     }
     if (!on_host && o_.zero >= 2) {
-      // ZeRO-2's router zeroes and adds its buckets on the host.
+      // ZeRO-2's router zeroes and adds its buckets on the host (ZeRO-3's gathers copy there too).
       throw invalid_argument("options.zero", "0 or 1 on cuda_backend over more than one rank", std::to_string(o_.zero),
-                             "Use ZeRO-1 (options.zero = 1): it shards AdamW's state; ZeRO-2 runs on cpu_backend");
+                             "Use ZeRO-1 (options.zero = 1): it shards AdamW's state; ZeRO-2 and 3 run on cpu_backend");
+    }
+    if (o_.zero == 3 && o_.overlap && !prefetching_communicator<Communicator>) {
+      throw invalid_argument("options.overlap", "false under ZeRO-3 with a communicator that cannot start a gather",
+                             std::string(comm_.name()) + ", which has no start_all_gather_blocks",
+                             "Use mpi_communicator, or set overlap = false");
+    }
+    if (o_.zero == 3 && !gathering_communicator<Communicator>) {
+      throw invalid_argument("options.zero", "0, 1 or 2 with a communicator without all_gather_blocks",
+                             std::string(comm_.name()) + ", which cannot gather a block from the ranks' shards",
+                             "Use mpi_communicator for ZeRO-3, or zero = 2");
     }
     if (!on_host && o_.overlap) {
       // The device trainer's exchanges are blocking on its stream (the overlapped ones poll on the host).
@@ -22345,7 +22692,8 @@ class trainer {
   moe_stats moe_{};             // this rank's mixture-of-experts blocks over the step's micro-batches
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
-  std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;
+  using exchange_type = gradient_exchange<Model, Allocator, Communicator>;
+  std::optional<exchange_type> exchange_;
   // Over ranks: what they agree on before step 1 and when one asks for a stricter plan.
   std::optional<rank_agreement> agreement_;
   std::size_t start_room_ = 0;  // the budget less what others held when the trainer was made

@@ -15,9 +15,13 @@ checked is what membound does about a dead peer. Checked:
      no partial or temporary file;
   4. it loads and resumes: `--resume` at the same world size runs steps 6..12 and ends with the
      final training and evaluation losses of an uninterrupted run, bit for bit (the JSON
-     report's doubles, compared as written).
+     report's doubles, compared as written);
+  5. it resumes at another world size too: one process (ZeRO-0, --accept-changes 1 for the world
+     it changes) re-shards the two shards and runs steps 6..12 to the uninterrupted run's final
+     losses within 1e-5 relative (the same data and state; one process sums its sequences in
+     another order than two ranks' exchange does).
 
-  killed_rank.py --mpiexec MPIEXEC --train TRAIN [--zero 1|2]
+  killed_rank.py --mpiexec MPIEXEC --train TRAIN [--zero 1|2|3]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +45,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mpiexec", required=True)
     ap.add_argument("--train", required=True)
-    ap.add_argument("--zero", default="1", choices=["1", "2"])
+    ap.add_argument("--zero", default="1", choices=["1", "2", "3"])
     a = ap.parse_args()
 
     env = dict(os.environ)
@@ -102,6 +107,8 @@ def main() -> int:
         print("on disk: " + ", ".join(files))
         check(files == ["run.ckpt", "run.ckpt.step-5.rank-0-of-2", "run.ckpt.step-5.rank-1-of-2"],
               "the step-5 checkpoint: its manifest and its two shards, nothing partial")
+        # A copy for the resume at another world size (the resume below saves over run/ at step 10).
+        shutil.copytree(run, d / "one")
 
         resumed = subprocess.run(mpi + args(run, "resumed.json") +
                                  ["--resume", str(run / "run.ckpt")], env=env, capture_output=True, text=True,
@@ -118,6 +125,24 @@ def main() -> int:
                   "resumed to step 12: the uninterrupted run's final losses, bit for bit")
         else:
             print(resumed.stderr[-3000:])
+
+        # The same checkpoint at another world size: one process re-shards it.
+        one = args(d / "one", "one.json")
+        one[one.index("--zero") + 1] = "0"
+        one_proc = subprocess.run([a.mpiexec, "-np", "1"] + one + ["--resume", str(d / "one" / "run.ckpt"),
+                                                                   "--accept-changes", "1"],
+                                  env=env, capture_output=True, text=True, timeout=300)
+        check(one_proc.returncode == 0 and "at step 5" in one_proc.stdout,
+              f"one process resumes the 2-rank checkpoint at step 5 (exit {one_proc.returncode})")
+        if one_proc.returncode == 0 and (d / "one.json").exists():
+            r = json.loads((d / "ref.json").read_text())
+            o = json.loads((d / "one.json").read_text())
+            gap = max(abs(o[k] - r[k]) / abs(r[k]) for k in ("final_train_loss", "final_eval_loss"))
+            print(f"one process: final train loss {o['final_train_loss']!r}, eval {o['final_eval_loss']!r}; "
+                  f"worst relative gap to the uninterrupted 2-rank run {gap:.3g}")
+            check(o["steps"] == 12 and gap <= 1e-5, "resumed by one process to step 12: the 2-rank losses within 1e-5")
+        else:
+            print(one_proc.stderr[-3000:])
 
     print(f"killed_rank (ZeRO-{a.zero}): " + ("all checks passed" if not failures else f"{len(failures)} failed"))
     return 0 if not failures else 1

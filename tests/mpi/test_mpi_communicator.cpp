@@ -11,6 +11,7 @@
 // (collective_timeout on the ranks left waiting for a late one).
 //
 // Plain main (no doctest): N processes printing one report each would interleave; rank 0 prints.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -133,6 +134,48 @@ void collectives(mb::mpi_communicator& comm, std::size_t n, const char* type) {
     std::copy(shard.begin(), shard.end(), in_place.begin() + static_cast<std::ptrdiff_t>(mine.begin));
     comm.all_gather(in_place.data() + mine.begin, in_place.data(), n);
     check(same_bits(in_place.data(), full.data(), n), at + "all_gather in place", me);
+    // Blocks of uneven sizes (the last rank's empty, rank 0's the largest), at offsets that are
+    // not the shards', in place: ZeRO-3's gather of one block's weights.
+    std::vector<mb::shard_range> blocks(N);
+    std::size_t at_k = std::min<std::size_t>(n, 1);  // element 0 belongs to no rank and stays untouched
+    for (std::size_t r = 0; r < N; ++r) {
+      const std::size_t len = r + 1 == N && N > 1 ? 0 : std::min(n - at_k, (n / (r + 2)) + 1);
+      blocks[r] = {at_k, at_k + len};
+      at_k += len;
+    }
+    std::vector<T> gathered(n, T(0));
+    std::copy(full.begin() + static_cast<std::ptrdiff_t>(blocks[me].begin),
+              full.begin() + static_cast<std::ptrdiff_t>(blocks[me].end),
+              gathered.begin() + static_cast<std::ptrdiff_t>(blocks[me].begin));
+    comm.all_gather_blocks(gathered.data(), blocks.data());
+    const T zero(0);
+    bool same = n == 0 || std::memcmp(&gathered[0], &zero, sizeof(T)) == 0;
+    for (std::size_t i = std::min<std::size_t>(n, 1); i < at_k; ++i) same = same && std::memcmp(&gathered[i], &full[i], sizeof(T)) == 0;
+    for (std::size_t i = at_k; i < n; ++i) same = same && std::memcmp(&gathered[i], &zero, sizeof(T)) == 0;
+    check(same, at + "all_gather_blocks assembles uneven blocks in place, nothing else", me);
+    // Started, with a blocking collective between start and wait (ZeRO-3's prefetch runs through
+    // the block's compute and its gradient exchange); a second start while it is in flight is refused.
+    std::vector<T> started(n, T(0));
+    std::copy(full.begin() + static_cast<std::ptrdiff_t>(blocks[me].begin),
+              full.begin() + static_cast<std::ptrdiff_t>(blocks[me].end),
+              started.begin() + static_cast<std::ptrdiff_t>(blocks[me].begin));
+    auto pg = comm.start_all_gather_blocks(started.data(), blocks.data());
+    bool refused = false;
+    try {
+      std::vector<T> other(n, T(0));
+      (void)comm.start_all_gather_blocks(other.data(), blocks.data());
+    } catch (const mb::invalid_argument& e) {
+      refused = std::string(e.argument()) == "start_all_gather_blocks";
+    }
+    check(refused, at + "a second started gather while one is in flight: invalid_argument", me);
+    std::vector<T> sum_in = data_of<T>(me, n, salt + 5);
+    std::vector<std::byte> ws_sum(comm.template all_reduce_workspace_bytes<T>(n));
+    comm.all_reduce_sum(sum_in.data(), n, ws_sum.data(), ws_sum.size());
+    (void)pg.test();
+    pg.wait();
+    check(same_bits(started.data(), gathered.data(), n), at + "a started all_gather_blocks: the blocking one's bytes", me);
+    auto again = comm.start_all_gather_blocks(started.data(), blocks.data());  // allowed once waited
+    again.wait();
   }
   // Two reduce-scatters in flight, waited in reverse order.
   {

@@ -156,7 +156,8 @@ run finish(Trainer& t, alloc_t& a) {
   run r;
   for (std::size_t k = 0; k < steps; ++k) r.losses.push_back(t.step(src).loss);
   const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(t.weights()));
-  r.weights.assign(w, w + t.model().weight_bytes());
+  // Under ZeRO-3 this rank's shard of them.
+  r.weights.assign(w, w + t.weight_shard().size() * sizeof(typename Trainer::S));
   const auto* o = static_cast<const unsigned char*>(t.optimizer_state());
   r.optimizer.assign(o, o + t.optimizer_bytes());
   r.peak = a.stats().peak_requested;
@@ -534,6 +535,94 @@ int main(int argc, char** argv) {
         threw = std::string(e.argument()) == "plan";
       }
       check(threw, "ZeRO-2 given a ZeRO-1 plan: invalid_argument naming the plan");
+    }
+  }
+
+  // ZeRO-3 (the weights sharded too): ZeRO-2's losses, optimizer state and (this rank's shard of
+  // the) weights bit for bit, blocking and overlapped (the next block's gather prefetched into a
+  // second slot), with one micro-batch per rank and with more; the measured peak is the
+  // prediction, ZeRO-2's less exactly the weights no longer held plus the gathered ones; the bytes
+  // sent are the exact sum of the gathers; evaluation gathers too and gives ZeRO-2's loss.
+  if (N > 1) {
+    for (const std::size_t micro : {std::size_t{1}, std::size_t{2}}) {
+      if (effective.batch / N / micro == 0) continue;
+      for (const bool ov : {false, true}) {
+        const std::string at = std::string("ZeRO-3") + (ov ? " overlapped" : "") + ", micro-batches of " +
+                               std::to_string(micro) + ": ";
+        const run z2 = data_parallel(m, comm, 2, micro, ov);
+        const run z3 = data_parallel(m, comm, 3, micro, ov);
+        const std::size_t A = effective.batch / N / micro;
+        check(z3.peak == z3.predicted, at + "measured peak " + std::to_string(z3.peak) + " == predicted " +
+                                           std::to_string(z3.predicted));
+        check(z3.memory.weights == shard.size() * sizeof(float),
+              at + "this rank keeps the weights of its shard only (" + std::to_string(z3.memory.weights) + " bytes)");
+        check(same_bits(z3.losses, z2.losses) && z3.optimizer == z2.optimizer,
+              at + "ZeRO-2's losses and optimizer state, bit for bit");
+        check(z3.weights.size() == shard.size() * sizeof(float) &&
+                  std::memcmp(z3.weights.data(), z2.weights.data() + shard.begin * sizeof(float), z3.weights.size()) == 0,
+              at + "this rank's shard of ZeRO-2's weights, bit for bit");
+        const std::size_t gather = mb::weight_gather_bytes(m, ov);
+        check(z3.peak + (n - shard.size()) * sizeof(float) == z2.peak + gather,
+              at + "peak " + std::to_string(z3.peak) + " = ZeRO-2's " + std::to_string(z2.peak) + " less the " +
+                  std::to_string((n - shard.size()) * sizeof(float)) + " weight bytes others hold, plus " +
+                  std::to_string(gather) + " gathered");
+        // Bytes sent: ZeRO-2's less its weight all-gather, plus every gather's part of this rank
+        // (the embedding's and head's per micro-batch, then each block as schedule none reads it:
+        // forward 0..L-1; backward L-1 still in the slot (with two slots L-2 too, prefetched
+        // during L-1's forward), the others gathered again: 2L - 1 gathers, overlapped 2L - 2).
+        const auto part = [&](mb::shard_range r) -> std::uint64_t {
+          return 4 * mb::overlap(shard, r.begin, r.end).size() * (N - 1);
+        };
+        std::uint64_t per_micro = part(m.embedding_parameters()) + part(m.head_parameters());
+        const std::size_t L = m.depth(), kept = ov ? 2 : 1;  // blocks the backward finds in a slot
+        for (std::size_t i = 0; i < L; ++i) per_micro += part(m.block_parameters(i)) * (i + kept >= L ? 1 : 2);
+        const std::uint64_t s3 = shard.size();
+        const std::uint64_t per_step = A * 4 * (n - s3) + A * per_micro + 8 * (N - 1) + (me == 0 ? 16 * (N - 1) : 16);
+        check(z3.bytes_sent == steps * per_step, at + "bytes sent " + std::to_string(z3.bytes_sent) + " == " +
+                                                     std::to_string(steps) + " x " + std::to_string(per_step));
+        if (me == 0 && micro == 1) {
+          std::printf("ZeRO-3%s (%zu micro-batch(es) per rank): weight bytes per rank %zu (ZeRO-2: %zu) + %zu gathered "
+                      "in a step; peak per rank %zu (ZeRO-2 %zu); bytes sent per step %.0f (ZeRO-2 %.0f)\n",
+                      ov ? " overlapped" : "", A, z3.memory.weights, m.weight_bytes(), gather, z3.peak, z2.peak,
+                      static_cast<double>(z3.bytes_sent) / steps, static_cast<double>(z2.bytes_sent) / steps);
+        }
+      }
+    }
+    // A ZeRO-2 plan given to a ZeRO-3 trainer is refused, naming the plan (its weights differ).
+    {
+      alloc_t a(std::size_t{1} << 30);
+      mb::thread_pool pool(1);
+      const mb::gradient_shards gs2 = mb::gradient_exchange_of<float>(comm, 2, false);
+      bool threw = false;
+      try {
+        mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size(), gs2), a, pool, options(3),
+                      mb::null_monitor{}, comm);
+      } catch (const mb::invalid_argument& e) {
+        threw = std::string(e.argument()) == "plan";
+      }
+      check(threw, "ZeRO-3 given a ZeRO-2 plan: invalid_argument naming the plan");
+    }
+    // Evaluation under ZeRO-3 gathers each block and gives ZeRO-2's loss, bit for bit, at the plan's peak or below.
+    {
+      double losses[2] = {0, 0};
+      std::size_t peaks[2] = {0, 0}, predicted[2] = {0, 0};
+      for (const std::size_t z : {std::size_t{2}, std::size_t{3}}) {
+        alloc_t a(std::size_t{1} << 30);
+        mb::thread_pool pool(1);
+        const mb::gradient_shards gs = mb::gradient_exchange_of<float>(comm, z, false);
+        mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size(), gs), a, pool, options(z),
+                      mb::null_monitor{}, comm);
+        text_source src(membound_test::small_config().vocab);
+        (void)t.step(src);
+        a.reset_peaks();
+        losses[z - 2] = t.evaluate(src, 3, 7);
+        peaks[z - 2] = a.stats().peak_requested;
+        predicted[z - 2] = t.largest_predicted_peak();
+      }
+      check(same_bits(std::vector<double>{losses[1]}, std::vector<double>{losses[0]}),
+            "ZeRO-3 evaluate: ZeRO-2's loss, bit for bit");
+      check(peaks[1] <= predicted[1], "ZeRO-3 evaluate: its peak " + std::to_string(peaks[1]) + " within the plan's " +
+                                          std::to_string(predicted[1]));
     }
   }
 

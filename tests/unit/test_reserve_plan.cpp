@@ -453,6 +453,9 @@ TEST_CASE("reserve: an accumulation's requests are its micro-batches', recorded 
       } else if (!gs.on()) {
         m.step_requests(b, p.ops, chunk, threads, rec);
       } else {
+        // ZeRO-3: the gathered weights first, through the micro-batch.
+        const std::size_t gather = gs.weights_sharded() ? mb::weight_gather_bytes(m, gs.overlap) : 0;
+        void* gathered = gather != 0 ? rec.allocate(gather, mb::default_alignment, mb::memory_tag::weights) : nullptr;
         const std::size_t held = mb::bytes_of<S>(m.embedding_parameters().size() + m.head_parameters().size());
         void* kept = rec.allocate(held, mb::default_alignment, mb::memory_tag::gradients);
         mb::detail::zero2_request_router<M> router{m, rec, gs, A};
@@ -461,9 +464,14 @@ TEST_CASE("reserve: an accumulation's requests are its micro-batches', recorded 
         exchange(m.embedding_parameters());
         exchange(m.head_parameters());
         rec.deallocate(kept, held, mb::default_alignment, mb::memory_tag::gradients);
+        if (gathered != nullptr) rec.deallocate(gathered, gather, mb::default_alignment, mb::memory_tag::weights);
       }
     }
+    // Evaluation: under ZeRO-3 inside its gathered weights too.
+    const std::size_t gather = gs.weights_sharded() ? mb::weight_gather_bytes(m, gs.overlap) : 0;
+    void* gathered = gather != 0 ? rec.allocate(gather, mb::default_alignment, mb::memory_tag::weights) : nullptr;
     m.loss_requests(b, chunk, threads, rec);
+    if (gathered != nullptr) rec.deallocate(gathered, gather, mb::default_alignment, mb::memory_tag::weights);
     return rec.requests();
   };
   // Ids made relative (the n-th new id of a sequence is n): the prefix shifts them.
@@ -478,8 +486,9 @@ TEST_CASE("reserve: an accumulation's requests are its micro-batches', recorded 
     return out;
   };
   const mb::gradient_shards off{}, zero2{2, 0, 8, 256, false, 2}, zero2_overlap{2, 1, 8, 256, true, 2},
-      zero1_overlap{2, 1, 8, 256, true, 1}, zero0_overlap{2, 0, 8, 256, true, 0};
-  for (const mb::gradient_shards& gs : {off, zero2, zero2_overlap, zero1_overlap, zero0_overlap}) {
+      zero1_overlap{2, 1, 8, 256, true, 1}, zero0_overlap{2, 0, 8, 256, true, 0}, zero3{2, 1, 8, 256, false, 3},
+      zero3_overlap{2, 0, 8, 256, true, 3};
+  for (const mb::gradient_shards& gs : {off, zero2, zero2_overlap, zero1_overlap, zero0_overlap, zero3, zero3_overlap}) {
     for (std::size_t A : {1u, 2u, 3u, 7u}) {
       CAPTURE(gs.zero);
       CAPTURE(gs.overlap);
@@ -489,6 +498,30 @@ TEST_CASE("reserve: an accumulation's requests are its micro-batches', recorded 
       CHECK(relative(got) == relative(want));
     }
   }
+  // ZeRO-3's plan: the weights line is the shard, the gathered buffer rides on every op, so the
+  // peak is ZeRO-2's (same rank, same overlap) less the weights others hold plus the gathered bytes.
+  for (const bool ov : {false, true}) {
+    for (std::size_t rank : {0u, 1u}) {
+      CAPTURE(ov);
+      CAPTURE(rank);
+      const mb::gradient_shards g2{2, rank, 8, 256, ov, 2}, g3{2, rank, 8, 256, ov, 3};
+      const mb::training_plan p2 = plan_of(g2, 2), p3 = plan_of(g3, 2);
+      const std::size_t shard = mb::bytes_of<S>(mb::shard_of(m.parameter_elements(), 2, rank).size());
+      CHECK(p3.weights == shard);
+      CHECK(p2.weights == m.weight_bytes());
+      CHECK(p3.weight_gather == mb::weight_gather_bytes(m, ov));
+      CHECK(p2.weight_gather == 0);
+      CHECK(p3.peak_bytes + (m.weight_bytes() - shard) == p2.peak_bytes + p3.weight_gather);
+      CHECK(p3.ops == p2.ops);
+      CHECK(p3.table().find("ZeRO-3 over 2 ranks") != std::string::npos);
+    }
+  }
+  // The gathered buffer: the embedding's and head's weights, then one block slot (two with prefetch).
+  std::size_t most = 0;
+  for (std::size_t i = 0; i < m.depth(); ++i) most = std::max(most, m.block_parameters(i).size());
+  const std::size_t eh = m.embedding_parameters().size() + m.head_parameters().size();
+  CHECK(mb::weight_gather_bytes(m, false) == mb::bytes_of<S>(eh + most));
+  CHECK(mb::weight_gather_bytes(m, true) == mb::bytes_of<S>(eh + 2 * most));
 }
 
 TEST_CASE("reserve: request_recorder takes as a cycle only a span that gives back what it takes") {

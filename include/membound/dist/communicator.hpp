@@ -117,6 +117,21 @@ concept overlapping_all_reduce_communicator =
       { c.start_all_reduce_sum(f, n, ws, n) } -> exchange_handle;
     };
 
+// A communicator that can also gather blocks of uneven size in place (ZeRO-3's gather of one
+// block's weights from the ranks' parameter shards): all_gather_blocks(data, blocks), where rank r
+// holds its blocks[r] of data before and every rank holds every block after.
+template <typename C>
+concept gathering_communicator = communicator<C> && requires(C& c, float* f) {
+  c.all_gather_blocks(f, static_cast<const shard_range*>(nullptr));
+};
+
+// One that can also start that gather and complete it later (ZeRO-3's prefetch of the next
+// block): the same handle contract as the reduce-scatter's; data stays untouched until wait().
+template <typename C>
+concept prefetching_communicator = gathering_communicator<C> && requires(C& c, float* f) {
+  { c.start_all_gather_blocks(f, static_cast<const shard_range*>(nullptr)) } -> exchange_handle;
+};
+
 namespace detail {
 // out = Σ_r parts[r·stride .. + count] in rank order: the one summation every communicator uses.
 // 16-bit parts are summed in fp32 and rounded once, so the sum of N ranks' gradients rounds as
@@ -181,6 +196,11 @@ class local_communicator {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather copies bytes: T must be trivially copyable");
     if (n != 0 && shard != out) std::memcpy(out, shard, n * sizeof(T));
   }
+  // One block, already in place.
+  template <typename T>
+  void all_gather_blocks(T*, const shard_range*) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather_blocks copies bytes: T must be trivially copyable");
+  }
   template <summable T>
   void all_reduce_sum(T*, std::size_t, void*, std::size_t) {}
   template <typename T>
@@ -191,5 +211,6 @@ class local_communicator {
   communication_stats stats() const noexcept { return {}; }  // one rank sends nothing
 };
 static_assert(communicator<local_communicator>);
+static_assert(gathering_communicator<local_communicator>);
 
 MEMBOUND_NAMESPACE_END

@@ -132,6 +132,7 @@ class mpi_communicator {
     size_ = static_cast<std::size_t>(n);
     // Counts and displacements of the blocking collectives, sized once here rather than per call.
     counts_.resize(4 * size_);
+    gather_counts_.resize(2 * size_);
   }
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
@@ -204,22 +205,31 @@ class mpi_communicator {
       counts[r] = detail::mpi_count(s.size() * sizeof(T), "n");
       displs[r] = detail::mpi_count(s.begin * sizeof(T), "n");
     }
-    start_pending_gather();
     // In place when the shard already sits in out (ZeRO's parameter gather does that).
     const bool in_place = shard == out + shard_of(n, size_, rank_).begin;
-    check_usable();
-    count_sent(static_cast<std::uint64_t>(counts[rank_]) * (size_ - 1));
-    const void* send = in_place ? MPI_IN_PLACE : static_cast<const void*>(shard);
-    if (timeout_.count() == 0) {
-      detail::mpi_check(MPI_Allgatherv(send, counts[rank_], MPI_BYTE, out, counts, displs, MPI_BYTE, comm_),
-                        "MPI_Allgatherv");
-      return;
-    }
-    MPI_Request req = MPI_REQUEST_NULL;
-    detail::mpi_check(MPI_Iallgatherv(send, counts[rank_], MPI_BYTE, out, counts, displs, MPI_BYTE, comm_, &req),
-                      "MPI_Iallgatherv");
-    complete(req, "MPI_Iallgatherv");
+    gather_bytes(in_place ? MPI_IN_PLACE : static_cast<const void*>(shard), out, counts, displs);
   }
+  // In place: data + blocks[r].begin holds rank r's blocks[r].size() elements on rank r; after,
+  // every rank holds every block (ZeRO-3's gather of one block's weights from the ranks' shards).
+  // blocks: size() ranges, the same on every rank, in rank order and not overlapping.
+  template <typename T>
+  void all_gather_blocks(T* data, const shard_range* blocks) {
+    static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather_blocks copies bytes: T must be trivially copyable");
+    int* counts = counts_.data();
+    int* displs = counts + size_;
+    for (std::size_t r = 0; r < size_; ++r) {
+      counts[r] = detail::mpi_count(blocks[r].size() * sizeof(T), "blocks");
+      displs[r] = detail::mpi_count(blocks[r].begin * sizeof(T), "blocks");
+    }
+    gather_bytes(MPI_IN_PLACE, data, counts, displs);
+  }
+  // The same, started (ZeRO-3's prefetch of the next block): it runs while the caller computes
+  // (test() lets MPI move it on) and wait() completes it; data stays the caller's and untouched
+  // until then. One started gather at a time per communicator (its counts live here, sized once
+  // at construction): starting another before the first is waited is an invalid_argument.
+  class pending_gather;
+  template <typename T>
+  pending_gather start_all_gather_blocks(T* data, const shard_range* blocks);
   // data (n elements) = Σ over ranks in rank order, on every rank.
   // The same, started (ZeRO-0's overlapped gradient exchange): the reduce-scatter's all-to-all
   // now; once it has completed (test() sees it, or wait()), this rank's shard is summed and the
@@ -270,6 +280,22 @@ class mpi_communicator {
   communication_stats stats() const noexcept { return stats_; }
 
  private:
+  // The all-gather of every rank's counts[r] bytes at out + displs[r] (send: this rank's, or
+  // MPI_IN_PLACE when they already sit there).
+  void gather_bytes(const void* send, void* out, const int* counts, const int* displs) {
+    start_pending_gather();
+    check_usable();
+    count_sent(static_cast<std::uint64_t>(counts[rank_]) * (size_ - 1));
+    if (timeout_.count() == 0) {
+      detail::mpi_check(MPI_Allgatherv(send, counts[rank_], MPI_BYTE, out, counts, displs, MPI_BYTE, comm_),
+                        "MPI_Allgatherv");
+      return;
+    }
+    MPI_Request req = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Iallgatherv(send, counts[rank_], MPI_BYTE, out, counts, displs, MPI_BYTE, comm_, &req),
+                      "MPI_Iallgatherv");
+    complete(req, "MPI_Iallgatherv");
+  }
   // The all-to-all of a reduce-scatter whose 4·N counts (send counts and displacements, then
   // receive ones) are at c, in the caller's workspace; its handle sums `count` elements into out.
   template <summable T>
@@ -326,6 +352,8 @@ class mpi_communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   std::size_t rank_ = 0, size_ = 1;
   std::vector<int> counts_;
+  std::vector<int> gather_counts_;  // a started all_gather_blocks' counts and displacements
+  bool gather_started_ = false;     // ... while it is in flight
   pending_all_reduce* ungathered_ = nullptr;  // a started all-reduce whose all-gather has not started
 };
 
@@ -529,6 +557,82 @@ mpi_communicator::pending_all_reduce mpi_communicator::start_all_reduce_sum(T* d
   return p;
 }
 
+// A started all_gather_blocks: wait() completes it; destroying it unwaited waits (MPI requires
+// completion before the buffer goes).
+class mpi_communicator::pending_gather {
+ public:
+  pending_gather() = default;
+  pending_gather(const pending_gather&) = delete;
+  pending_gather& operator=(const pending_gather&) = delete;
+  pending_gather(pending_gather&& o) noexcept { *this = std::move(o); }
+  pending_gather& operator=(pending_gather&& o) noexcept {
+    if (this != &o) {
+      finish_quietly();
+      req_ = std::exchange(o.req_, MPI_REQUEST_NULL);
+      owner_ = std::exchange(o.owner_, nullptr);
+    }
+    return *this;
+  }
+  ~pending_gather() { finish_quietly(); }
+  bool pending() const noexcept { return req_ != MPI_REQUEST_NULL; }
+  // Lets MPI move the gather on; true once it is complete (wait() still releases it).
+  bool test() {
+    if (req_ == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    detail::mpi_check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    return done != 0;
+  }
+  // With a timeout: collective_timeout when the gather does not complete in time.
+  void wait() {
+    if (owner_ == nullptr) return;
+    if (req_ != MPI_REQUEST_NULL) owner_->complete(req_, "MPI_Iallgatherv");
+    std::exchange(owner_, nullptr)->gather_started_ = false;
+  }
+
+ private:
+  friend class mpi_communicator;
+  void finish_quietly() noexcept {
+    if (owner_ == nullptr) return;
+    if (req_ != MPI_REQUEST_NULL) {
+      if (owner_->timeout_.count() != 0) {
+        try {
+          owner_->complete(req_, "MPI_Iallgatherv");  // past the deadline: kept by the owner as stale
+        } catch (...) {
+        }
+      } else {
+        MPI_Wait(&req_, MPI_STATUS_IGNORE);
+      }
+    }
+    std::exchange(owner_, nullptr)->gather_started_ = false;
+  }
+  MPI_Request req_ = MPI_REQUEST_NULL;
+  mpi_communicator* owner_ = nullptr;
+};
+
+template <typename T>
+mpi_communicator::pending_gather mpi_communicator::start_all_gather_blocks(T* data, const shard_range* blocks) {
+  static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather_blocks copies bytes: T must be trivially copyable");
+  if (gather_started_) {
+    throw invalid_argument("start_all_gather_blocks", "no started gather in flight on this communicator",
+                           "one started and not yet waited", "Wait the started gather first");
+  }
+  int* counts = gather_counts_.data();
+  int* displs = counts + size_;
+  for (std::size_t r = 0; r < size_; ++r) {
+    counts[r] = detail::mpi_count(blocks[r].size() * sizeof(T), "blocks");
+    displs[r] = detail::mpi_count(blocks[r].begin * sizeof(T), "blocks");
+  }
+  start_pending_gather();
+  check_usable();
+  count_sent(static_cast<std::uint64_t>(counts[rank_]) * (size_ - 1));
+  pending_gather p;
+  detail::mpi_check(MPI_Iallgatherv(MPI_IN_PLACE, counts[rank_], MPI_BYTE, data, counts, displs, MPI_BYTE, comm_, &p.req_),
+                    "MPI_Iallgatherv");
+  p.owner_ = this;
+  gather_started_ = true;
+  return p;
+}
+
 inline void mpi_communicator::start_pending_gather() {
   if (ungathered_ != nullptr) ungathered_->start_gather();  // clears ungathered_
 }
@@ -615,6 +719,7 @@ mpi_communicator::pending_reduce_scatter mpi_communicator::start_reduce_scatter_
 }
 
 static_assert(communicator<mpi_communicator>);
+static_assert(prefetching_communicator<mpi_communicator>);
 static_assert(overlapping_communicator<mpi_communicator>);
 static_assert(overlapping_all_reduce_communicator<mpi_communicator>);
 

@@ -356,14 +356,27 @@ class model {
   }
 
   // Deterministic initialization: tensor k draws from splitmix64 seeded by (seed, k).
-  void init_weights(S* w, std::uint64_t seed) const {
+  void init_weights(S* w, std::uint64_t seed) const { init_weights(w, seed, {0, elements_}); }
+  // The elements [r.begin, r.end) of that initialization, into w[0, r.size()) (ZeRO-3: a rank's
+  // shard, the same bits as its part of the whole array). Each tensor's draws up to the range's
+  // end are made, the others skipped.
+  void init_weights(S* w, std::uint64_t seed, shard_range r) const {
     detail::need_pointer(w, "weights");
-    std::fill(w, w + elements_, from_accum<S>(A(0)));
+    if (r.begin > r.end || r.end > elements_) {
+      throw invalid_argument("range", "a range within [0, " + std::to_string(elements_) + ") (parameter_elements())",
+                             "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")",
+                             "Pass a shard_of(parameter_elements(), ranks, rank)");
+    }
+    std::fill(w, w + r.size(), from_accum<S>(A(0)));
     for (std::size_t k = 0; k < params_.size(); ++k) {
       const param_entry& p = params_[k];
+      if (p.offset >= r.end || p.offset + p.count <= r.begin) continue;
       std::uint64_t st = seed * 0x2545f4914f6cdd1dULL + k;
-      S* dst = w + p.offset;
-      for (std::size_t i = 0; i < p.count; ++i) dst[i] = from_accum<S>(static_cast<A>(draw(p.spec, i, st)));
+      const std::size_t last = std::min(p.count, r.end - p.offset);
+      for (std::size_t i = 0; i < last; ++i) {
+        const S v = from_accum<S>(static_cast<A>(draw(p.spec, i, st)));
+        if (p.offset + i >= r.begin) w[p.offset + i - r.begin] = v;
+      }
     }
   }
 
@@ -477,8 +490,9 @@ class model {
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     flat_gradients flat{g};
-    return step<true>(w, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe, host);
+    flat_weights weights{w};
+    return step<true>(weights, flat, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex),
+                      observe, moe, host);
   }
 
   // forward_backward with the gradients kept elsewhere than one flat array (ZeRO-2's per-block
@@ -487,9 +501,14 @@ class model {
   // grads.begin_block(i) runs after the block's new δ is allocated and before its workspace,
   // grads.end_block(i) after the workspace is given back and before its input δ and saved
   // tensors are (so a caller that allocates there adds its bytes on top of that op's own).
-  template <typename Allocator, typename Router, typename Observer = ignore_check_points>
+  //
+  // w: the weights, one flat array, or a weight source kept elsewhere (ZeRO-3's shards, see
+  // flat_weights): w.use_block(i, next) runs before every op that reads block i's weights (next:
+  // the block the op after it reads, depth() when none), then w.at(offset) is where the weight
+  // at `offset` is read; the embedding's and the head's are read through at() without a call.
+  template <typename Allocator, typename Weights, typename Router, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
-  double forward_backward_routed(const S* w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
+  double forward_backward_routed(Weights&& w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
                                  batch_shape b, std::span<const chain_op> ops, std::size_t head_chunk,
                                  double loss_scale, Allocator& alloc, executor& ex, Observer observe = {},
                                  moe_stats* moe = nullptr, host_allocator_ref host = {}) const {
@@ -499,12 +518,21 @@ class model {
       r.begin_block(k);
       r.end_block(k);
     }, "membound: a gradient router offers S* at(offset), begin_block(i) and end_block(i): see flat_gradients");
-    detail::need_pointer(w, "weights");
+    auto&& weights = weight_source(w);
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
-    return step<true>(w, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex), observe,
-                      moe, host);
+    return step<true>(weights, grads, tokens, targets, b, ops, head_chunk, loss_scale, alloc, &ex, workspace_threads(ex),
+                      observe, moe, host);
   }
+
+  // The default weight source: one flat array of parameter_elements() weights.
+  struct flat_weights {
+    const S* w = nullptr;  // the weight array, parameter_elements() long
+    // Where the weight at `offset` is read.
+    const S* at(std::size_t offset) const noexcept { return w + offset; }
+    // Nothing to do: the flat array holds every block's weights throughout.
+    void use_block(std::size_t, std::size_t) const noexcept {}
+  };
 
   // The default router: one flat array of parameter_elements() gradients.
   struct flat_gradients {
@@ -526,7 +554,8 @@ class model {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
     flat_gradients flat{};
-    (void)step<false>(nullptr, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
+    flat_weights weights{};
+    (void)step<false>(weights, flat, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
   // The same with a gradient router whose begin_block and end_block make requests too (ZeRO-2's
   // buckets, replayed by model/reserve_plan.hpp); at() is not called.
@@ -535,7 +564,8 @@ class model {
                             Allocator& alloc, Router& grads) const {
     static_assert(check_allocator<Allocator>());
     ignore_check_points none;
-    (void)step<false>(nullptr, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
+    flat_weights weights{};
+    (void)step<false>(weights, grads, nullptr, nullptr, b, ops, head_chunk, 1.0, alloc, nullptr, threads, none, nullptr, {});
   }
 
   // ---- Inference: the next-token logits of every sequence -------------------------------------
@@ -546,11 +576,12 @@ class model {
   // `alloc`. The head is a host loop (accumulating in A) on every backend: on a device
   // the B last rows, the final norm and the head's V×C weights are copied to host buffers first
   // (B·C + C + V·C elements per call, the price of sampling without a logits kernel).
-  template <typename Allocator>
-  void next_token_logits(const S* w, const std::int32_t* tokens, batch_shape b, double* logits,
+  // w: the weights, or a weight source (see forward_backward_routed).
+  template <typename Allocator, typename Weights>
+  void next_token_logits(Weights&& weights, const std::int32_t* tokens, batch_shape b, double* logits,
                          Allocator& alloc, executor& ex) const {
     static_assert(in_backend_space<Allocator>());
-    detail::need_pointer(w, "weights");
+    auto&& w = weight_source(weights);
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(logits, "logits");
     check(b, true);
@@ -573,11 +604,12 @@ class model {
   // as there); forward only, each block's input freed once its output exists, so the peak is two
   // activations plus the larger of one block's forward workspace and the head's, all from
   // `alloc` (below any training plan's for b).
-  template <typename Allocator>
-  double loss(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  // w: the weights, or a weight source (see forward_backward_routed).
+  template <typename Allocator, typename Weights>
+  double loss(Weights&& weights, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::size_t head_chunk, Allocator& alloc, executor& ex, moe_stats* moe = nullptr) const {
     static_assert(in_backend_space<Allocator>());
-    detail::need_pointer(w, "weights");
+    auto&& w = weight_source(weights);
     detail::need_pointer(tokens, "tokens");
     detail::need_pointer(targets, "targets");
     return loss_pass<true>(w, tokens, targets, b, head_chunk, alloc, &ex, workspace_threads(ex), moe);
@@ -585,7 +617,8 @@ class model {
   // The requests loss() makes, in its order, without running any work (see step_requests).
   template <typename Allocator>
   void loss_requests(batch_shape b, std::size_t head_chunk, std::size_t threads, Allocator& alloc) const {
-    (void)loss_pass<false>(nullptr, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads, nullptr);
+    flat_weights weights{};
+    (void)loss_pass<false>(weights, nullptr, nullptr, b, head_chunk, alloc, nullptr, threads, nullptr);
   }
 
   // Forward FLOPs of one block of type B on b: its MLP, its mixer's projections and its mixing.
@@ -620,11 +653,17 @@ class model {
   // Typed access for tests and tools: the weights of block i as its block type takes them.
   template <typename B>
   typename B::weight_ptrs block_weights(const S* w, std::size_t i) const {
+    return block_weights<B>(flat_weights{w}, i);
+  }
+  // The same from a weight source (flat_weights, ZeRO-3's gathered block).
+  template <typename B, typename Weights>
+    requires(!std::is_pointer_v<std::remove_cvref_t<Weights>>)
+  typename B::weight_ptrs block_weights(const Weights& w, std::size_t i) const {
     typename B::weight_ptrs p{};
     const std::size_t first = block_first_[i];
     for (std::size_t k = 0; k < p.size(); ++k) {
       const param_entry& e = params_[first + k];
-      p[k] = e.count == 0 ? nullptr : w + e.offset;
+      p[k] = e.count == 0 ? nullptr : w.at(e.offset);
     }
     return p;
   }
@@ -654,8 +693,8 @@ class model {
   // made), so that the two cannot drift apart. The ops are checked first as simulate() checks
   // them: a dropped backward or a duplicated tape is an invalid_argument naming the op, before
   // anything is allocated.
-  template <bool Run, typename Allocator, typename Router, typename Observer>
-  double step(const S* w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  template <bool Run, typename Weights, typename Allocator, typename Router, typename Observer>
+  double step(Weights& w, Router& g, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
               std::span<const chain_op> ops, std::size_t head_chunk, double loss_scale, Allocator& alloc,
               executor* ex, std::size_t threads, Observer& observe, moe_stats* moe, host_allocator_ref host) const {
     const schedule_stats checked = simulate(make_chain(b, threads, head_chunk, 0), ops);  // checks b and the head's shape too
@@ -678,10 +717,19 @@ class model {
     double loss_sum = 0;
 
     x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x[0], N, C, cfg_.vocab);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
 
-    for (const chain_op& op : ops) {
+    // For each op, the block the next op that reads a block's weights reads (L: none).
+    std::vector<std::size_t> next_use(ops.size(), L);
+    for (std::size_t k = ops.size(), after = L; k-- > 0;) {
+      next_use[k] = after;
+      if (reads_weights(ops[k].kind)) after = ops[k].block;
+    }
+
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      const chain_op& op = ops[k];
       const std::size_t i = op.block;
+      if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
       switch (op.kind) {
         case chain_op_kind::advance:
         case chain_op_kind::tape:
@@ -769,8 +817,8 @@ class model {
     return loss_sum / counted + experts.aux_loss;
   }
 
-  template <bool Run, typename Allocator>
-  double loss_pass(const S* w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
+  template <bool Run, typename Weights, typename Allocator>
+  double loss_pass(Weights& w, const std::int32_t* tokens, const std::int32_t* targets, batch_shape b,
                    std::size_t head_chunk, Allocator& alloc, executor* ex, std::size_t threads,
                    moe_stats* moe) const {
     static_assert(check_allocator<Allocator>());
@@ -796,13 +844,14 @@ class model {
   // Embedding and every block in advance mode; returns the last block's output (held by live).
   // inference: a mixture of experts computes every choice (no capacity, as Mixtral and
   // Switch's evaluation do: a prompt of a few tokens would otherwise leave experts no slot).
-  template <bool Run, typename Live>
-  S* forward_only(const S* w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
+  template <bool Run, typename Weights, typename Live>
+  S* forward_only(Weights& w, const std::int32_t* tokens, batch_shape b, Live& live, executor* ex,
                   std::size_t threads, bool inference, moe_stats* moe) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w + params_[0].offset, x, N, C, cfg_.vocab);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
+      w.use_block(i, i + 1);
       visit_block(i, [&]<typename B>(B*) {
         auto d = B::make_dims(cfg_, b);
         if (inference) B::without_capacity(d);
@@ -983,9 +1032,31 @@ class model {
       logits[v] = static_cast<double>(dot);
     }
   }
-  typename head_type::weights head_weights(const S* w) const noexcept {
+  template <typename Weights>
+  typename head_type::weights head_weights(const Weights& w) const noexcept {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
-    return {w + params_[head_first_].offset, w + params_[table].offset};
+    return {w.at(params_[head_first_].offset), w.at(params_[table].offset)};
+  }
+  // Which ops read a block's weights: its forwards and its backward.
+  static constexpr bool reads_weights(chain_op_kind k) noexcept {
+    return k == chain_op_kind::advance || k == chain_op_kind::tape || k == chain_op_kind::retape ||
+           k == chain_op_kind::backward;
+  }
+  // A weight array as flat_weights; a weight source as it is. A null array is named.
+  static flat_weights weight_source(const S* w) {
+    detail::need_pointer(w, "weights");
+    return {w};
+  }
+  static flat_weights weight_source(S* w) { return weight_source(static_cast<const S*>(w)); }
+  static flat_weights weight_source(std::nullptr_t) { return weight_source(static_cast<const S*>(nullptr)); }
+  template <typename Weights>
+    requires(!std::is_pointer_v<std::remove_cvref_t<Weights>> && !std::is_null_pointer_v<std::remove_cvref_t<Weights>>)
+  static Weights& weight_source(Weights& w) noexcept {
+    static_assert(requires(const Weights& c, Weights& m, std::size_t k) {
+      { c.at(k) } -> std::convertible_to<const S*>;
+      m.use_block(k, k);
+    }, "membound: a weight source offers const S* at(offset) and use_block(i, next): see flat_weights");
+    return w;
   }
   template <typename Router>
   typename head_type::gradients routed_head_grads(Router& g) const {

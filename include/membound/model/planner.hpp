@@ -111,6 +111,14 @@ struct schedule_choice {
 // optimizer shards, affine in the largest rank's part of it), completed as the next block's
 // backward ends: its workspace is that backward's carry. The embedding's and head's exchanges
 // follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
+//
+// zero = 3 (ZeRO-3): ZeRO-2's gradients, and the weights sharded the same way: a rank keeps the
+// weights of its shard_of the parameters only. Each micro-batch gathers (all-gather of every
+// rank's part, in place) the embedding's and head's weights, held through it, and before each op
+// that reads a block's weights that block's, into a slot the size of the largest block's
+// (training_plan::weight_gather): a block already in a slot is not gathered again. With overlap
+// a second slot takes the next block's gather, started non-blocking as the block before it
+// begins (and the gradients' reduce-scatters overlap as ZeRO-2's do).
 struct gradient_shards {
   // Processes sharing the gradients (off at 1 or fewer) and this process's index among them.
   std::size_t ranks = 0, rank = 0;
@@ -118,8 +126,10 @@ struct gradient_shards {
   std::size_t exchange_per_element = 0, exchange_fixed = 0;
   bool overlap = false;  // each block's exchange started as its backward ends (see above)
   std::size_t zero = 2;  // the ZeRO stage the exchange serves (see above)
-  // ZeRO-2: the gradients sharded.
-  constexpr bool on() const noexcept { return ranks > 1 && zero == 2; }
+  // ZeRO-2 and 3: the gradients sharded.
+  constexpr bool on() const noexcept { return ranks > 1 && zero >= 2; }
+  // ZeRO-3: the weights too.
+  constexpr bool weights_sharded() const noexcept { return ranks > 1 && zero == 3; }
   // ZeRO-0/1 overlapped: the whole gradient kept, each block's exchange started in its backward.
   constexpr bool whole_overlapped() const noexcept { return ranks > 1 && zero < 2 && overlap; }
 };
@@ -230,6 +240,9 @@ struct training_plan {
   // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
+  // ZeRO-3 (weights = this rank's shard): the gathered weights each micro-batch holds, the
+  // embedding's and head's and one slot of the largest block's (two with overlap: the prefetch).
+  std::size_t weight_gather = 0;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   // Optimizer offload (plan_options::offload): then `optimizer` is 0 and the host space holds the
   // state (host_optimizer) and two staging buffers of offload_bucket parameters (host_staging),
@@ -306,11 +319,19 @@ struct training_plan {
                   micro.batch, micro.seq, packing, accumulation, accumulation == 1 ? "" : "es",
                   schedule.name().c_str(), head_chunk, threads, threads == 1 ? "" : "s");
     s += line;
-    row("weights", weights, "");
+    if (weight_gather != 0) {
+      const std::string note = "this rank's shard (ZeRO-3 over " + std::to_string(gradient_ranks) + " ranks)";
+      row("weights", weights, note.c_str());
+      row("weights (gathered)", weight_gather,
+          gradient_sharding.overlap ? "in a micro-batch: embedding, head, two block slots (prefetch)"
+                                    : "in a micro-batch: embedding, head, one block slot");
+    } else {
+      row("weights", weights, "");
+    }
     if (gradient_ranks > 1) {
       char note[200];
-      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-2 over %zu ranks); in a step + %s per block, + %s held%s",
-                    gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str(),
+      std::snprintf(note, sizeof note, "this rank's shard (ZeRO-%zu over %zu ranks); in a step + %s per block, + %s held%s",
+                    gradient_sharding.zero, gradient_ranks, format_bytes(gradient_bucket, false).c_str(), format_bytes(gradient_held, false).c_str(),
                     gradient_in_flight != 0 ? (", + " + format_bytes(gradient_in_flight, false) + " in flight (overlapped)").c_str()
                                             : "");
       row("gradients", gradients, note);
@@ -456,7 +477,18 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
     for (std::size_t k = 0; k < gs.ranks; ++k) most = std::max(most, overlap(shard_of(n, gs.ranks, k), r.begin, r.end).size());
   }
   return sat_add(sat_add(sat_mul(gs.exchange_per_element, most), gs.exchange_fixed),
-                 gs.zero == 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+                 gs.zero >= 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
+}
+
+// ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather): the
+// embedding's and the head's, then one slot of the largest block's, or two with `prefetch`
+// (gradient_shards::overlap: the block an op reads, and the next one's gather in flight).
+template <typename Model>
+std::size_t weight_gather_bytes(const Model& m, bool prefetch) {
+  std::size_t block = 0;
+  for (std::size_t i = 0; i < m.depth(); ++i) block = std::max(block, m.block_parameters(i).size());
+  return bytes_of<typename Model::storage_type>(
+      sat_add(m.embedding_parameters().size(), m.head_parameters().size(), sat_mul(block, prefetch ? 2 : 1)));
 }
 
 namespace detail {
@@ -506,7 +538,8 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   }
   // ZeRO-2: a range's reduce-scatter workspace (the largest rank's part of it) and its bucket.
   const auto exchange_of = [&](shard_range r) { return gradient_exchange_bytes(m, gs, r, o.accumulation); };
-  p.weights = m.weight_bytes();
+  p.weights = gs.weights_sharded() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
+  if (gs.weights_sharded()) p.weight_gather = weight_gather_bytes(m, gs.overlap);
   p.gradients = gs.on() ? bytes_of<S>(shard_of(n, gs.ranks, gs.rank).size()) : m.weight_bytes();
   p.gradient_ranks = gs.on() ? gs.ranks : 1;
   p.gradient_sharding = gs;
@@ -521,7 +554,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
   if (gs.on() || gs.whole_overlapped()) {
     held_exchange = std::max(exchange_of(m.embedding_parameters()), exchange_of(m.head_parameters()));
   }
-  const std::size_t step_base = sat_add(base, p.gradient_held);
+  const std::size_t step_base = sat_add(base, p.gradient_held, p.weight_gather);
   chain c = m.make_chain(b, o.threads, o.head_chunk, step_base);
   if (gs.on()) {
     // Block i's backward: its δ, then its gradient bucket, then the larger of its workspace and
@@ -608,7 +641,7 @@ training_plan make_plan(const Model& m, batch_shape b, Schedule s, const plan_op
     const bool is_block = op.kind != chain_op_kind::loss && op.block < c.length();
     const char* bn = is_block ? m.block_name(op.block) : "";
     plan_phase q{detail::op_name(op, bn), ph.live_before, ph.peak};
-    p.activations = std::max(p.activations, sat_sub(sat_sub(ph.live_before, base), ph.in_flight));
+    p.activations = std::max(p.activations, sat_sub(sat_sub(sat_sub(ph.live_before, base), ph.in_flight), p.weight_gather));
     if (q.peak > best) {
       best = q.peak;
       p.peak_phase = q.name;

@@ -293,6 +293,9 @@ void micro_batch_requests(const Model& m, batch_shape micro, std::span<const cha
     return;
   }
   const shard_range e = m.embedding_parameters(), h = m.head_parameters();
+  // ZeRO-3: the gathered weights first (the trainer's weight_gather), held through the micro-batch.
+  const std::size_t gather = gs.weights_sharded() ? weight_gather_bytes(m, gs.overlap) : 0;
+  void* gathered = gather != 0 ? rec.allocate(gather, default_alignment, memory_tag::weights) : nullptr;
   const std::size_t held = bytes_of<S>(e.size() + h.size());
   void* kept = rec.allocate(held, default_alignment, memory_tag::gradients);
   zero2_request_router<Model> router{m, rec, gs, accumulation};
@@ -304,12 +307,14 @@ void micro_batch_requests(const Model& m, batch_shape micro, std::span<const cha
                    memory_tag::workspace);
   }
   rec.deallocate(kept, held, default_alignment, memory_tag::gradients);
+  if (gathered != nullptr) rec.deallocate(gathered, gather, default_alignment, memory_tag::weights);
 }
 }  // namespace detail
 
 // gradients: the gradient bytes the trainer keeps (weight_bytes(), or its ZeRO-2 shard);
 // gs: ZeRO-2's sharding (off by default), whose buckets and exchanges are requests too, or
-// ZeRO-0/1 overlapped, whose last micro-batch's exchanges are.
+// ZeRO-0/1 overlapped, whose last micro-batch's exchanges are; under ZeRO-3 the weights are this
+// rank's shard, and each micro-batch and evaluation gathers into weight_gather_bytes.
 template <typename Model>
 run_requests record_run(const Model& m, batch_shape micro, std::span<const chain_op> ops, std::size_t head_chunk,
                         std::size_t threads, std::size_t accumulation, std::size_t optimizer_bytes,
@@ -317,7 +322,10 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
   run_requests r;
   request_recorder rec;
   const std::size_t wb = m.weight_bytes();
-  (void)rec.allocate(wb, default_alignment, memory_tag::weights);
+  (void)rec.allocate(gs.weights_sharded() ? bytes_of<typename Model::storage_type>(
+                                                shard_of(m.parameter_elements(), gs.ranks, gs.rank).size())
+                                          : wb,
+                     default_alignment, memory_tag::weights);
   (void)rec.allocate(gradients != 0 ? gradients : wb, default_alignment, memory_tag::gradients);
   (void)rec.allocate(optimizer_bytes, default_alignment, memory_tag::optimizer);
   // A device trainer's step buffers (token ids, the norm's partials), made after the state.
@@ -345,7 +353,10 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
                      memory_tag::workspace);
     }
   }
+  const std::size_t gather = gs.weights_sharded() ? weight_gather_bytes(m, gs.overlap) : 0;
+  void* gathered = gather != 0 ? rec.allocate(gather, default_alignment, memory_tag::weights) : nullptr;
   m.loss_requests(micro, head_chunk, threads, rec);
+  if (gathered != nullptr) rec.deallocate(gathered, gather, default_alignment, memory_tag::weights);
   r.rest.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k1), rec.requests().end());
   return r;
 }

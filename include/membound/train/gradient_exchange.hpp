@@ -37,7 +37,7 @@ MEMBOUND_NAMESPACE_BEGIN
 
 // ZeRO-2's plan_options::gradients for a rank of `comm` (storage S): its rank, the world size and
 // the communicator's reduce-scatter workspace (affine in the block size; anything else is refused).
-// Off (ranks 0) for a world of one.
+// Off (ranks 0) for a world of one. (ZeRO-3's: gradient_exchange_of(comm, 3, overlap).)
 //   po.optimizer_elements = shard_of(n, comm.size(), comm.rank()).size();
 //   po.gradients = gradient_shards_of<float>(comm);
 template <typename S, typename Communicator>
@@ -60,14 +60,18 @@ gradient_shards gradient_shards_of(const Communicator& comm, bool overlap = fals
 }
 
 // plan_options::gradients for a trainer of ZeRO stage `zero` (trainer_options::zero, overlap) over
-// `comm` (storage S): ZeRO-2's gradient_shards_of; ZeRO-0/1 overlapped, the exchange the last
+// `comm` (storage S): ZeRO-2's gradient_shards_of (ZeRO-3: the same, its weights sharded too); ZeRO-0/1 overlapped, the exchange the last
 // micro-batch's backward carries (gradient_shards::whole_overlapped: the communicator's all-reduce
 // workspace, affine in the largest shard of the range, or its reduce_scatter_blocks workspace);
 // otherwise off (ZeRO-0/1 exchange inside the step's peak, after the backward).
 //   po.gradients = gradient_exchange_of<float>(comm, options.zero, options.overlap);
 template <typename S, typename Communicator>
 gradient_shards gradient_exchange_of(const Communicator& comm, std::size_t zero, bool overlap) {
-  if (zero >= 2) return gradient_shards_of<S>(comm, overlap);
+  if (zero >= 2) {
+    gradient_shards g = gradient_shards_of<S>(comm, overlap);
+    if (g.ranks > 1) g.zero = zero;
+    return g;
+  }
   if constexpr (!summable<S>) {
     return {};
   } else {
@@ -123,6 +127,20 @@ struct pending_all_reduce_of<C> {
                                                                 std::declval<void*>(), std::size_t{}));
 };
 
+// The handle of a started all_gather_blocks (ZeRO-3's prefetch); a stand-in as above.
+template <typename C>
+struct pending_gather_of {
+  struct type {
+    bool test() noexcept { return true; }
+    void wait() noexcept {}
+  };
+};
+template <prefetching_communicator C>
+struct pending_gather_of<C> {
+  using type = decltype(std::declval<C&>().start_all_gather_blocks(std::declval<float*>(),
+                                                                    std::declval<const shard_range*>()));
+};
+
 // The communicator of the host values every rank agrees on (flags, votes, plans, the loss, the
 // norm's parts): a split communicator's control(), else the communicator itself. A device
 // communicator's collectives return before their data moved, so one whose watchdog aborted a
@@ -141,15 +159,17 @@ class gradient_exchange {
  public:
   using S = typename Model::storage_type;
   using executor = typename Model::executor;
+  // A started gather of ZeRO-3's prefetch (a stand-in where the communicator cannot start one).
+  using pending_gather = typename detail::pending_gather_of<Communicator>::type;
 
   // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
   // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
       : m_(m), alloc_(alloc, stream_of(ex)), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
-    if (zero > 2) {
-      throw invalid_argument("zero", "0, 1 or 2 (the ZeRO stage)", std::to_string(zero),
+    if (zero > 3) {
+      throw invalid_argument("zero", "0, 1, 2 or 3 (the ZeRO stage)", std::to_string(zero),
                              "Use 1 to shard the optimizer state over the ranks, 2 to shard the gradients too, "
-                             "0 to keep both whole");
+                             "3 the weights too, 0 to keep all whole");
     }
     shard_ = sharded() ? shard_of(n_, world(), comm_.rank()) : shard_range{0, n_};
     if (world() > 1) {
@@ -168,8 +188,15 @@ class gradient_exchange {
   std::size_t world() const noexcept { return comm_.size(); }
   // ZeRO-1 and 2: this rank keeps the optimizer state of its shard only.
   bool sharded() const noexcept { return zero_ >= 1 && world() > 1; }
-  // ZeRO-2: and the gradients of its shard only.
-  bool zero2() const noexcept { return zero_ == 2 && world() > 1; }
+  // ZeRO-2 (and 3): and the gradients of its shard only.
+  bool zero2() const noexcept { return zero_ >= 2 && world() > 1; }
+  // ZeRO-3: and the weights of its shard only.
+  bool zero3() const noexcept { return zero_ == 3 && world() > 1; }
+  // The weights this rank keeps: all of them, or under ZeRO-3 its shard's.
+  std::size_t weight_elements() const noexcept { return zero3() ? shard_.size() : n_; }
+  std::size_t weight_bytes() const noexcept { return weight_elements() * sizeof(S); }
+  // The weights of this rank's optimizer shard, in the weights w it keeps.
+  S* shard_weights(S* w) const noexcept { return zero3() ? w : w + shard_.begin; }
   // ZeRO-0/1 overlapped: the last micro-batch's blocks start their exchanges in the backward.
   bool whole_overlapped() const noexcept { return overlap_ && zero_ < 2 && world() > 1; }
   // The parameters whose optimizer state this rank holds (all of them unless sharded).
@@ -261,6 +288,127 @@ class gradient_exchange {
     reduce_scatter_range(g, router.held + e.size(), m_.head_parameters(), first, accumulation);
     return loss;
   }
+
+  // ---- ZeRO-3 ------------------------------------------------------------------------------------
+  // The weights of a micro-batch or an evaluation under ZeRO-3 (a weight source of the model's
+  // forward_backward_routed, loss and next_token_logits): one buffer of weight_gather_bytes from
+  // the trainer's allocator, made at construction (before the micro-batch's own bytes, as the
+  // planner counts it) and given back at destruction. The embedding's and the head's weights are
+  // gathered into it at construction; the slot after them holds a block (two slots with overlap).
+  // use_block(i, next) makes block i's weights present (completing its prefetch, or gathering it
+  // into the slot not used last, unless a slot holds it: a block's forward and its backward, or
+  // its recompute, read the same bits, since the weights change only in the optimizer step); with
+  // two slots it then starts the gather of `next` into the other one, non-blocking
+  // (prefetching_communicator), unless a slot holds it: it runs while block i computes. A gather
+  // is every rank's part of the range (its shard's overlap with it) copied into place, then
+  // all_gather_blocks.
+  class gathered_weights {
+   public:
+    // shard: the weights this rank keeps (weight_elements()).
+    gathered_weights(gradient_exchange& t, const S* shard) : t_(t), shard_w_(shard) {
+      e_ = t.m_.embedding_parameters();
+      h_ = t.m_.head_parameters();
+      none_ = t.m_.depth();
+      std::size_t most = 0;
+      for (std::size_t i = 0; i < t.m_.depth(); ++i) most = std::max(most, t.m_.block_parameters(i).size());
+      slots_n_ = t.overlap_ ? 2 : 1;  // the trainer refuses overlap without a prefetching communicator
+      bytes_ = weight_gather_bytes(t.m_, slots_n_ == 2);
+      buf_ = static_cast<S*>(t.alloc_.allocate(bytes_, default_alignment, memory_tag::weights));
+      slots_[0].base = buf_ + e_.size() + h_.size();
+      slots_[1].base = slots_[0].base + most;  // used with two slots only
+      for (slot& k : slots_) k.block = none_;
+      try {
+        gather(e_, buf_);
+        gather(h_, buf_ + e_.size());
+      } catch (...) {
+        t.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
+        throw;
+      }
+    }
+    gathered_weights(const gathered_weights&) = delete;
+    gathered_weights& operator=(const gathered_weights&) = delete;
+    ~gathered_weights() {
+      flight_ = pending_gather{};  // waits for a prefetch still in flight before its slot goes
+      t_.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
+    }
+    const S* at(std::size_t offset) const noexcept {
+      if (offset < e_.end) return buf_ + offset;
+      if (offset >= h_.begin) return buf_ + e_.size() + (offset - h_.begin);
+      const slot& k = slots_[current_];
+      return k.base + (offset - k.range.begin);
+    }
+    void use_block(std::size_t i, std::size_t next) {
+      if (flight_slot_ < 2) {
+        // The prefetch (of i, as the op order said) completes here; another block's is kept too.
+        flight_.wait();
+        slots_[flight_slot_].block = flight_block_;
+        flight_slot_ = 2;
+      }
+      std::size_t k = holding(i);
+      if (k == 2) {
+        k = slots_n_ == 1 ? 0 : 1 - current_;  // the slot not used last
+        slots_[k].block = none_;  // holds nothing whole until the gather completes
+        const shard_range r = t_.m_.block_parameters(i);
+        gather(r, slots_[k].base);
+        slots_[k].range = r;
+        slots_[k].block = i;
+      }
+      current_ = k;
+      if constexpr (prefetching_communicator<Communicator>) {
+        if (slots_n_ == 2 && next < none_ && holding(next) == 2) {
+          const std::size_t o = 1 - k;
+          const shard_range r = t_.m_.block_parameters(next);
+          slots_[o].block = none_;
+          copy_mine(r, slots_[o].base);
+          flight_ = t_.comm_.start_all_gather_blocks(slots_[o].base, t_.blocks_.data());
+          (void)flight_.test();  // MPI moves a started collective on only inside its calls: a first push
+          slots_[o].range = r;
+          flight_slot_ = o;
+          flight_block_ = next;
+        }
+      }
+    }
+
+   private:
+    struct slot {
+      S* base = nullptr;
+      shard_range range{};
+      std::size_t block = 0;  // none_: nothing whole
+    };
+    std::size_t holding(std::size_t i) const noexcept {
+      for (std::size_t k = 0; k < slots_n_; ++k)
+        if (slots_[k].block == i) return k;
+      return 2;
+    }
+    // Fills t_.blocks_ with every rank's part of r and copies this rank's into dst.
+    void copy_mine(shard_range r, S* dst) {
+      const shard_range mine = t_.range_blocks(r);
+      if (mine.size() != 0) {
+        std::memcpy(static_cast<void*>(dst + (mine.begin - r.begin)),
+                    static_cast<const void*>(shard_w_ + (mine.begin - t_.shard_.begin)), mine.size() * sizeof(S));
+      }
+    }
+    void gather(shard_range r, S* dst) {
+      if constexpr (gathering_communicator<Communicator>) {
+        copy_mine(r, dst);
+        t_.comm_.all_gather_blocks(dst, t_.blocks_.data());
+      } else {
+        (void)r;
+        (void)dst;  // the trainer refuses ZeRO-3 over a communicator without all_gather_blocks
+      }
+    }
+    gradient_exchange& t_;
+    const S* shard_w_;
+    shard_range e_{}, h_{};
+    std::size_t none_ = 0;
+    std::size_t bytes_ = 0;
+    S* buf_ = nullptr;
+    slot slots_[2];
+    std::size_t slots_n_ = 1;
+    std::size_t current_ = 1;  // the slot the current op reads (1: slot 0 is used first)
+    pending_gather flight_{};                     // a prefetch in flight
+    std::size_t flight_slot_ = 2, flight_block_ = 0;  // its slot (2: none) and block
+  };
 
   // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------
   // The step's last micro-batch (the earlier ones accumulate into g as the blocking path does):

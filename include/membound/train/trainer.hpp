@@ -261,7 +261,7 @@ class trainer {
         refuse_over_limit(plan_);
       }
       use_layout(plan_);
-      w_ = static_cast<S*>(mem_.allocate(m_.weight_bytes(), default_alignment, memory_tag::weights));
+      w_ = static_cast<S*>(mem_.allocate(weight_bytes(), default_alignment, memory_tag::weights));
       g_ = static_cast<S*>(mem_.allocate(grad_bytes(), default_alignment, memory_tag::gradients));
       if (offload_.optimizer) {
         // The host space: the state, then the staging buffers (plan.host_peak()).
@@ -283,15 +283,16 @@ class trainer {
     agree_to_start(status, failed);
     // The trainer's own requested bytes between steps; the rest of what the allocator serves, and
     // the budget's external bytes, are others' (see foreign_now).
-    own_bytes_ = m_.weight_bytes() + grad_bytes() + (offload_.optimizer ? 0 : opt_bytes()) + step_buffer_bytes_;
+    own_bytes_ = weight_bytes() + grad_bytes() + (offload_.optimizer ? 0 : opt_bytes()) + step_buffer_bytes_;
     try {
       // Made on the host on every backend (the same bits), in place or uploaded (on a device the
       // optimizer state goes up first, then the weights: both before step 1).
-      glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* wh) {
+      glue::write_via_host(ex_, w_, weight_bytes(), [&](void* wh) {
         S* w = static_cast<S*>(wh);
-        m_.init_weights(w, o_.seed);
+        // Under ZeRO-3 this rank's shard only, the same bits as its part of the whole.
+        m_.init_weights(w, o_.seed, zero3() ? opt_shard_ : shard_range{0, n_});
         glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* state) {
-          Optimizer::init(w + opt_shard_.begin, opt_shard_.size(), state, opt_bytes());
+          Optimizer::init(exchange_->shard_weights(w), opt_shard_.size(), state, opt_bytes());
         });
       });
       zero_gradients();
@@ -391,16 +392,16 @@ class trainer {
     if (r.applied) {
       const double gs = clip_factor(r.grad_norm, o_.clip) / unscale;
       // This rank's state covers opt_shard_ (all of them but under ZeRO-1): each tensor's part in it.
-      const std::size_t b = opt_shard_.begin;
       const optimizer_step os{updates_ + 1, r.lr, gs, o_.adam};
       if (offload_.optimizer) {
         offloaded_update(os);
       } else {
-        glue::template optimizer_update<Optimizer>(ex_, w_ + b, opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
+        glue::template optimizer_update<Optimizer>(ex_, shard_w(), opt_grads(), opt_, opt_bytes(), opt_shard_.size(),
                                                    std::span<const param_span>(opt_spans_), os);
       }
-      // Every rank updated its shard: gather the whole model on every rank (in place).
-      if (sharded()) comm_.all_gather(static_cast<const S*>(w_ + b), w_, n_);
+      // Every rank updated its shard: gather the whole model on every rank (in place). ZeRO-3
+      // keeps the shard: its steps gather each block as they read it.
+      if (sharded() && !zero3()) comm_.all_gather(static_cast<const S*>(shard_w()), w_, n_);
       ++updates_;
     }
     ++steps_;
@@ -438,7 +439,9 @@ class trainer {
 
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
-  // plan's, and nothing of the training state is touched.
+  // plan's, and nothing of the training state is touched. Under ZeRO-3 a collective (each block's
+  // weights gathered as it is reached): every rank calls it with the same arguments, and a rank
+  // that fails in it leaves the others in a gather (until the communicator's timeout).
   // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows. The
   // result is the mean over every counted target (each batch weighted by its count).
   template <data_source Source>
@@ -457,11 +460,34 @@ class trainer {
       // Weighted by counted targets (per sequence: b when nothing is ignored), so the result is
       // the mean over every counted target whatever the batches hold.
       const double counted = static_cast<double>(counted_host()) / static_cast<double>(T);
-      sum += counted * m_.loss(w_, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
-                               plan_.head_chunk, alloc_, ex_);
+      const auto run = [&](auto&& weights) {
+        return m_.loss(weights, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
+                       plan_.head_chunk, alloc_, ex_);
+      };
+      if (zero3()) {
+        // ZeRO-3: each block's weights gathered as the forward reaches it (a collective).
+        typename exchange_type::gathered_weights gathered(*exchange_, w_);
+        sum += counted * run(gathered);
+      } else {
+        sum += counted * run(w_);
+      }
       weight += counted;
     }
     return weight == 0 ? 0.0 : sum / weight;
+  }
+
+  // The next-token logits of b's sequences under the current weights (model::next_token_logits,
+  // on the trainer's allocator and executor; not part of the plan). Under ZeRO-3 a collective:
+  // every rank calls it with the same tokens and b, and each block's weights are gathered as it
+  // is reached (a rank that fails in it leaves the others in a gather, as evaluate does).
+  void next_token_logits(const std::int32_t* tokens, batch_shape b, double* logits) {
+    follow_stream();
+    if (zero3()) {
+      typename exchange_type::gathered_weights gathered(*exchange_, w_);
+      m_.next_token_logits(gathered, tokens, b, logits, alloc_, ex_);
+    } else {
+      m_.next_token_logits(w_, tokens, b, logits, alloc_, ex_);
+    }
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
@@ -602,7 +628,7 @@ class trainer {
     r.rank = comm_.rank();
     r.ranks = world();
     r.zero = sharded() ? o_.zero : 0;
-    r.weights = m_.weight_bytes();
+    r.weights = weight_bytes();
     r.gradients = grad_bytes();
     r.optimizer = offload_.optimizer ? 0 : opt_bytes();
     r.host = plan_.offloads() ? plan_.host_peak() : 0;
@@ -726,12 +752,15 @@ class trainer {
   // Whether the loss is scaled (trainer_options::scaling; `automatic` turns it on for fp16).
   bool loss_scaling_on() const noexcept { return scaling_; }
   // On a device: written in the executor's stream order (a step's or load's last all-gather may
-  // still run); read them on that stream, or after synchronizing it.
+  // still run); read them on that stream, or after synchronizing it. Under ZeRO-3 (over more than
+  // one rank) this rank's shard only: weight_shard() says which parameters.
   const S* weights() const noexcept { return w_; }
   // The same, writable.
   S* weights() noexcept { return w_; }
   // Elements of the weight array, padding included (the model's parameter_elements()).
   std::size_t parameter_elements() const noexcept { return n_; }
+  // The parameters weights() holds: all of them, or under ZeRO-3 this rank's shard.
+  shard_range weight_shard() const noexcept { return zero3() ? opt_shard_ : shard_range{0, n_}; }
   // The optimizer state this rank holds, in the Optimizer's layout and the backend's memory.
   const void* optimizer_state() const noexcept { return opt_; }
   // Bytes of optimizer_state().
@@ -888,7 +917,7 @@ class trainer {
     try {
       checkpoint_writer cw;
       const std::size_t shard_bytes = opt_shard_.size() * sizeof(S);
-      glue::read_via_host(ex_, w_ + opt_shard_.begin, shard_bytes, [&](const void* w) {
+      glue::read_via_host(ex_, shard_w(), shard_bytes, [&](const void* w) {
         glue::read_via_host(ex_, opt_, opt_bytes(),
                             [&](const void* state) { write_state(cw, w, shard_bytes, state); });
       });
@@ -946,7 +975,7 @@ class trainer {
       check_checkpoint_format(r, path);
       if (!r.has("manifest")) {
         throw checkpoint_mismatch(path, "zero", "0", "1",
-                                  "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-1 over " +
+                                  "it is a whole checkpoint (ZeRO-0 or one process), this run is ZeRO-" + std::to_string(o_.zero) + " over " +
                                       std::to_string(world()) + " ranks, which resumes the manifest a ZeRO-1 save "
                                       "wrote. Resume it with trainer_options::zero = 0");
       }
@@ -977,13 +1006,13 @@ class trainer {
     agree(failed, "read its checkpoint shard");
     agree_on_restoring(st);
     try {
-      commit(*shard, shard_path, st, w_ + opt_shard_.begin, opt_shard_.size() * sizeof(S));
+      commit(*shard, shard_path, st, shard_w(), opt_shard_.size() * sizeof(S));
     } catch (...) {
       failed = std::current_exception();
     }
     agree(failed, "load its checkpoint shard (the ranks that did are loaded: load again before training)");
-    // Every rank holds its shard of the weights: gather the whole model (in place).
-    comm_.all_gather(static_cast<const S*>(w_ + opt_shard_.begin), w_, n_);
+    // Every rank holds its shard of the weights: gather the whole model (in place; ZeRO-3 keeps the shard).
+    if (!zero3()) comm_.all_gather(static_cast<const S*>(shard_w()), w_, n_);
     // What the loaded manifest does not name (a killed save's files) goes now, not at the next save.
     (void)remove_unreferenced_shards(path, named_files);
     return st.restored;
@@ -1054,7 +1083,13 @@ class trainer {
       agree_on_restoring(st);
       try {
         commit_state(std::span<const std::byte>(state), path, st,
-                     [&] { glue::write_via_host(ex_, w_, m_.weight_bytes(), [&](void* h) { std::memcpy(h, weights.data(), m_.weight_bytes()); }); });
+                     [&] {
+                       // Under ZeRO-3 this rank's shard of them.
+                       const std::size_t first = zero3() ? opt_shard_.begin : 0;
+                       glue::write_via_host(ex_, w_, weight_bytes(), [&](void* h) {
+                         std::memcpy(h, weights.data() + first, weight_bytes());
+                       });
+                     });
       } catch (...) {
         failed = std::current_exception();
       }
@@ -1078,7 +1113,7 @@ class trainer {
   // update_range there. check_host_space refused the plan where either cannot.
   void offloaded_update(const optimizer_step& os) {
     if constexpr (glue::offloads_optimizer && offloadable_optimizer<Optimizer, S>) {
-      glue::template offloaded_update<Optimizer>(ex_, w_ + opt_shard_.begin, opt_grads(), opt_, opt_shard_.size(),
+      glue::template offloaded_update<Optimizer>(ex_, shard_w(), opt_grads(), opt_, opt_shard_.size(),
                                                  std::span<const param_span>(opt_spans_), os, stage_w_, stage_g_,
                                                  offload_.bucket);
     } else {
@@ -1161,6 +1196,11 @@ class trainer {
   // The layout the gradient exchange decides (ZeRO stage, world): see gradient_exchange.
   bool sharded() const noexcept { return exchange_->sharded(); }
   bool zero2() const noexcept { return exchange_->zero2(); }
+  bool zero3() const noexcept { return exchange_->zero3(); }
+  // The weight bytes this rank keeps: the whole model's, or under ZeRO-3 its shard's.
+  std::size_t weight_bytes() const noexcept { return exchange_->weight_bytes(); }
+  // The weights of this rank's optimizer shard.
+  S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
   bool whole_overlapped() const noexcept { return exchange_->whole_overlapped(); }
   std::size_t grad_bytes() const noexcept { return exchange_->grad_bytes(); }
   // The summed gradient of this rank's optimizer shard.
@@ -1192,7 +1232,7 @@ class trainer {
       else mem_.deallocate(opt_, opt_bytes(), default_alignment, memory_tag::optimizer);
     }
     if (g_ != nullptr) mem_.deallocate(g_, grad_bytes(), default_alignment, memory_tag::gradients);
-    if (w_ != nullptr) mem_.deallocate(w_, m_.weight_bytes(), default_alignment, memory_tag::weights);
+    if (w_ != nullptr) mem_.deallocate(w_, weight_bytes(), default_alignment, memory_tag::weights);
     opt_ = nullptr;
     g_ = nullptr;
     w_ = nullptr;
@@ -1266,7 +1306,7 @@ class trainer {
     if constexpr (has_planned_layer<Allocator>) {
       if (zero2() && planned_layer(alloc_) != nullptr) {
         throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
-                               "2", "ZeRO-2's per-block gradient buckets are not in the planned layout yet: use "
+                               std::to_string(o_.zero), "ZeRO-2's and 3's per-block buckets are not in the planned layout yet: use "
                                "zero = 1, or an allocator stack without a planned layout");
       }
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p), mem_.stream());
@@ -1289,8 +1329,9 @@ class trainer {
     need(o.lr.min_lr >= 0 && std::isfinite(o.lr.min_lr), "options.lr.min_lr", "a finite rate, 0 or more",
          o.lr.min_lr, "e.g. a tenth of the peak");
     need(!std::isnan(o.clip), "options.clip", "a number (<= 0 turns clipping off)", o.clip, "e.g. 1.0");
-    need(o.zero <= 2, "options.zero", "0, 1 or 2", static_cast<double>(o.zero),
-         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 0 to keep both whole");
+    need(o.zero <= 3, "options.zero", "0, 1, 2 or 3", static_cast<double>(o.zero),
+         "Use 1 to shard AdamW's state over the ranks, 2 to shard the gradients too, 3 the weights too, 0 to keep "
+         "all whole");
     need(o.scaler.scale > 0 && std::isfinite(o.scaler.scale), "options.scaler.scale", "a positive finite scale",
          o.scaler.scale, "e.g. 65536");
     need(o.scaler.growth_interval >= 1, "options.scaler.growth_interval", "1 or more",
@@ -1386,6 +1427,7 @@ class trainer {
       if (want != got) differs(field, format_bytes(want), format_bytes(got));
     };
     bytes("plan.weights", q.weights, p.weights);
+    bytes("plan.weight_gather", q.weight_gather, p.weight_gather);
     bytes("plan.gradients", q.gradients, p.gradients);
     bytes("plan.step_buffers", q.step_buffers, p.step_buffers);
     if (q.offload_optimizer != p.offload_optimizer) {
@@ -1614,7 +1656,9 @@ class trainer {
     // The ranks before this one take the step's first sequences: draw them as they would.
     skip_requests(comm_.rank() * rank_batch().batch);
     for (std::size_t micro = 0; micro < plan_.accumulation; ++micro) {
-      oom_may_vote_ = true;  // no exchange until this micro-batch's backward
+      // No exchange until this micro-batch's backward; under ZeRO-3 its forward gathers weights, so
+      // a rank's out-of-memory there cannot meet the others at a vote (they are in a gather).
+      oom_may_vote_ = !zero3();
       // Whether this micro-batch's backward starts exchanges (ZeRO-2's, or the last of ZeRO-0/1 overlapped).
       backward_exchanges_ = zero2() || (whole_overlapped() && micro + 1 == plan_.accumulation);
       watch<check_point::before_forward>(highest, may_abandon);
@@ -1639,7 +1683,16 @@ class trainer {
                                           plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe,
                                           o_.host);
       };
-      if (zero2()) {
+      if (zero3()) {
+        // The gathered weights first (the planner's order), held through the micro-batch.
+        typename exchange_type::gathered_weights gathered(*exchange_, w_);
+        const auto sharded_run = [&](auto& router) {
+          return m_.forward_backward_routed(gathered, router, tokens_in(), targets_in(), shape, plan_.ops,
+                                            plan_.head_chunk, scale * mean / accum, alloc_, ex_, observer, &micro_moe,
+                                            o_.host);
+        };
+        loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, sharded_run) / accum;
+      } else if (zero2()) {
         loss += mean * exchange_->zero2_micro_batch(g_, micro == 0, plan_.accumulation, routed) / accum;
       } else if (backward_exchanges_) {
         loss += mean * exchange_->overlapped_micro_batch(g_, plan_.accumulation, routed) / accum;
@@ -1698,9 +1751,19 @@ class trainer {
                              "Use ZeRO-0 (options.zero = 0)");
     }
     if (!on_host && o_.zero >= 2) {
-      // ZeRO-2's router zeroes and adds its buckets on the host.
+      // ZeRO-2's router zeroes and adds its buckets on the host (ZeRO-3's gathers copy there too).
       throw invalid_argument("options.zero", "0 or 1 on cuda_backend over more than one rank", std::to_string(o_.zero),
-                             "Use ZeRO-1 (options.zero = 1): it shards AdamW's state; ZeRO-2 runs on cpu_backend");
+                             "Use ZeRO-1 (options.zero = 1): it shards AdamW's state; ZeRO-2 and 3 run on cpu_backend");
+    }
+    if (o_.zero == 3 && o_.overlap && !prefetching_communicator<Communicator>) {
+      throw invalid_argument("options.overlap", "false under ZeRO-3 with a communicator that cannot start a gather",
+                             std::string(comm_.name()) + ", which has no start_all_gather_blocks",
+                             "Use mpi_communicator, or set overlap = false");
+    }
+    if (o_.zero == 3 && !gathering_communicator<Communicator>) {
+      throw invalid_argument("options.zero", "0, 1 or 2 with a communicator without all_gather_blocks",
+                             std::string(comm_.name()) + ", which cannot gather a block from the ranks' shards",
+                             "Use mpi_communicator for ZeRO-3, or zero = 2");
     }
     if (!on_host && o_.overlap) {
       // The device trainer's exchanges are blocking on its stream (the overlapped ones poll on the host).
@@ -1965,7 +2028,8 @@ class trainer {
   moe_stats moe_{};             // this rank's mixture-of-experts blocks over the step's micro-batches
   Communicator& comm_;
   // ZeRO-0/1/2, overlapped or not; made once the options are checked.
-  std::optional<gradient_exchange<Model, Allocator, Communicator>> exchange_;
+  using exchange_type = gradient_exchange<Model, Allocator, Communicator>;
+  std::optional<exchange_type> exchange_;
   // Over ranks: what they agree on before step 1 and when one asks for a stricter plan.
   std::optional<rank_agreement> agreement_;
   std::size_t start_room_ = 0;  // the budget less what others held when the trainer was made
