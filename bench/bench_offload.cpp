@@ -1,7 +1,8 @@
 // Optimizer offload (plan_options::offload), two figures from one run:
 //
 // 1. The largest model fit() admits in a fixed device budget, with the optimizer's state on the
-//    device and offloaded to a host space: the example trainer's hybrid (--blocks blocks of
+//    device and offloaded to a host space, and (rank 0's plan, the planner alone) sharded over 2
+//    and 4 MPI ranks under ZeRO-1, 2 and 3: the example trainer's hybrid (--blocks blocks of
 //    ttt, attn, mamba, attn in turn), bf16 storage with AdamW (fp32 m, v and masters: 12 bytes
 //    a parameter) or 8-bit AdamW, --batch x --seq tokens per step, its width grown in steps of 64
 //    (heads of 64) until no plan fits. The planner alone: no step runs.
@@ -47,16 +48,29 @@ mb::hybrid_model<P> make_model(std::size_t width, std::size_t blocks, std::size_
   return net(c, pattern);
 }
 
+// Data parallel over `ranks` MPI ranks at ZeRO stage `zero` (ranks 1: one process): rank 0's plan,
+// each rank taking batch / ranks sequences of the step; the world's sizes are mpi_communicator's
+// (mpi_world), so no MPI is needed to plan it.
+struct world_choice {
+  std::size_t ranks = 1, zero = 0;
+};
+
 // fit()'s plan for width w, or nothing when none fits the budget.
 template <typename Opt>
 std::optional<mb::training_plan> fit_at(std::size_t w, std::size_t blocks, mb::batch_shape b, std::size_t budget,
-                                        std::size_t threads, bool offload, bool activations) {
+                                        std::size_t threads, bool offload, bool activations, world_choice world = {}) {
   const auto m = make_model<mb::bf16_precision>(w, blocks);
   mb::fit_options fo;
   fo.threads = threads;
   fo.optimizer_policy = mb::optimizer_of<Opt>();
   fo.offload = {offload, 0, 0, activations};
   fo.offload_mode = mb::fit_options::offload_choice::always;
+  if (world.ranks > 1) {
+    const mb::mpi_world rank0{world.ranks, 0};
+    if (world.zero >= 1) fo.optimizer_elements = mb::shard_of(m.parameter_elements(), world.ranks, 0).size();
+    fo.gradients = mb::gradient_exchange_of<mb::bf16>(rank0, world.zero, false);
+    b.batch /= world.ranks;
+  }
   try {
     return mb::fit(m, b, budget, fo);
   } catch (const mb::budget_too_small&) {
@@ -72,12 +86,12 @@ struct largest {
 // The widest multiple of 64 that fits (every plan's bytes grow with the width: bisection).
 template <typename Opt>
 largest widest(std::size_t blocks, mb::batch_shape b, std::size_t budget, std::size_t threads, bool offload,
-               bool activations = false) {
+               bool activations = false, world_choice world = {}) {
   std::size_t lo = 0, hi = 256;  // in units of 64; lo fits (0: nothing), hi + 1 does not
   largest best;
   while (lo < hi) {
     const std::size_t mid = lo + (hi - lo + 1) / 2;
-    if (auto p = fit_at<Opt>(mid * 64, blocks, b, budget, threads, offload, activations)) {
+    if (auto p = fit_at<Opt>(mid * 64, blocks, b, budget, threads, offload, activations, world)) {
       lo = mid;
       best.plan = std::move(*p);
     } else {
@@ -178,6 +192,15 @@ int main(int argc, char** argv) {
     row("adamw", "offloaded, + block inputs", a_all, a_dev.params);
     row("adamw8bit", "device", q_dev, a_dev.params);
     row("adamw8bit", "offloaded", q_off, a_dev.params);
+    // Over ranks (rank 0's plan, batch / N sequences each): ZeRO-1, 2 and 3 at 2 and 4 ranks.
+    for (const std::size_t N : {std::size_t{2}, std::size_t{4}}) {
+      if (batch % N != 0) continue;
+      for (const std::size_t z : {std::size_t{1}, std::size_t{2}, std::size_t{3}}) {
+        const largest l = widest<mb::adamw<mb::bf16>>(blocks, b, budget, threads, false, false, {N, z});
+        const std::string where = "device, ZeRO-" + std::to_string(z) + " over " + std::to_string(N) + " ranks";
+        row("adamw", where.c_str(), l, a_dev.params);
+      }
+    }
 
     std::printf("\n2. Step time on the CPU, the same plan in place and offloaded (bf16, width 256, %zu blocks, "
                 "%zu x %zu tokens, %zu threads, mean of %zu steps after one):\n\n",

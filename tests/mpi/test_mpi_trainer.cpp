@@ -65,7 +65,7 @@
 //   - Fit before step 1 (N > 1): the last rank's budget is half its plan's peak; every rank's
 //     constructor throws rank_cannot_start naming that rank, its peak and its budget.
 //   - The per-rank plan lines (rank_memory): every rank's, gathered, match each rank's own.
-//   - Replanning under pressure over ranks (ZeRO-0, 1, 2, each also overlapped): the last rank
+//   - Replanning under pressure over ranks (ZeRO-0, 1, 2, 3, each also overlapped): the last rank
 //     alone sees others take memory (its budget's external bytes) before step 1 or step 3; its
 //     pressure monitor's emergency is voted at the next agreement point and every rank retries
 //     the step under the same stricter plan (same choices on every rank, rank 0's broadcast);
@@ -75,6 +75,11 @@
 //     With no monitor: external bytes that leave no room for the plan's peak on the last rank
 //     (every stage), and bytes allocated there so that the plan's peak runs out of memory
 //     (ZeRO-0/1 blocking: no exchange inside the micro-batch), retry step 1 on every rank the same way.
+//   - ZeRO-3 (N > 1; the weights sharded, each block gathered before an op reads it, the next one
+//     prefetched when overlapped): ZeRO-2's losses and optimizer state and this rank's shard of its
+//     weights bit for bit, blocking and overlapped, one and two micro-batches per rank; measured
+//     peak == predicted == ZeRO-2's less the weights others hold plus the gathered buffer; bytes
+//     sent exactly; evaluation ZeRO-2's loss; a ZeRO-2 plan refused; offload under it as above.
 //     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
 //     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
 //   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
@@ -380,11 +385,11 @@ int main(int argc, char** argv) {
               std::to_string(s0.control_sent) + " bytes)");
   }
 
-  // Optimizer offload under ZeRO-1 and ZeRO-2: the same bits as the in-place run of the stage,
+  // Optimizer offload under ZeRO-1, 2 and 3: the same bits as the in-place run of the stage,
   // this rank's shard of the state (and two buckets) in the host space, both peaks as predicted.
-  for (const std::size_t z : {std::size_t{1}, std::size_t{2}}) {
+  for (const std::size_t z : {std::size_t{1}, std::size_t{2}, std::size_t{3}}) {
     const std::string stage = "ZeRO-" + std::to_string(z) + " offloaded: ";
-    const run in_place = z == 1 ? zero1 : data_parallel(m, comm, 2);
+    const run in_place = z == 1 ? zero1 : data_parallel(m, comm, z);
     const run off = data_parallel(m, comm, z, 1, false, mb::schedule_choice::of(mb::schedules::none{}), true);
     check(same_bits(off.losses, in_place.losses) && off.weights == in_place.weights && off.optimizer == in_place.optimizer,
           stage + "the in-place run's losses, weights and optimizer state, bit for bit");
@@ -398,10 +403,10 @@ int main(int argc, char** argv) {
     check(off.memory.optimizer == 0 && off.memory.host == off.predicted_host, stage + "memory() puts the state on the host");
   }
 
-  // Activation offload under ZeRO-0, 1 and 2: at the stage's Revolve-with-one-slot peak the
+  // Activation offload under ZeRO-0, 1, 2 and 3: at the stage's Revolve-with-one-slot peak the
   // budget DP keeps block inputs in the host space; the same bits as the stage's run under
   // schedule none, both spaces' peaks as predicted.
-  for (const std::size_t z : {std::size_t{0}, std::size_t{1}, std::size_t{2}}) {
+  for (const std::size_t z : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{3}}) {
     const std::string stage = "ZeRO-" + std::to_string(z) + ", block inputs offloaded: ";
     const run kept = z == 1 ? zero1 : data_parallel(m, comm, z);
     const run off = data_parallel(m, comm, z, 1, false, mb::schedule_choice::of(mb::schedules::none{}), false, true);
@@ -1198,7 +1203,7 @@ int main(int argc, char** argv) {
       bool overlap;
     };
     for (const stage sg : {stage{0, false}, stage{1, false}, stage{2, false}, stage{2, true}, stage{0, true},
-                           stage{1, true}}) {
+                           stage{1, true}, stage{3, false}, stage{3, true}}) {
       if (N == 1 && (sg.zero != 0 || sg.overlap)) continue;  // one rank has no stages
       const std::string name = "pressure, ZeRO-" + std::to_string(sg.zero) + (sg.overlap ? " overlapped" : "");
       const std::size_t sh = sg.zero >= 1 && N > 1 ? shard.size() : 0;
@@ -1223,8 +1228,10 @@ int main(int argc, char** argv) {
           losses.push_back(ref.step(rs).loss);
         }
         const auto* w = static_cast<const unsigned char*>(static_cast<const void*>(ref.weights()));
-        return std::vector<unsigned char>(w, w + ref.model().weight_bytes());
+        return std::vector<unsigned char>(w, w + ref.weight_shard().size() * sizeof(float));  // ZeRO-3: the shard
       };
+      // Every rank holds rank 0's weights (ZeRO-3: each its own shard, nothing to compare).
+      const auto same_as_rank0 = [&](const std::vector<unsigned char>& w) { return sg.zero == 3 || rank0(comm, w) == w; };
       // The replan every rank saw, checked: the last rank's, retried, the same choices everywhere.
       const auto agreed = [&](const std::vector<mb::replan_event>& events, const mb::training_plan& p1, std::size_t at,
                               const std::string& why, const std::string& what) {
@@ -1266,9 +1273,9 @@ int main(int argc, char** argv) {
               what + ": measured peak " + std::to_string(a.stats().peak_requested) + " == the new plan's " +
                   std::to_string(p1.peak_bytes));
         check(a.stats().requested == t.own_bytes(), what + ": nothing of the abandoned attempt left");
-        std::vector<unsigned char> w(t.model().weight_bytes());
+        std::vector<unsigned char> w(t.weight_shard().size() * sizeof(float));
         std::memcpy(w.data(), t.weights(), w.size());
-        check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
+        check(same_as_rank0(w), what + ": every rank holds rank 0's weights");
 
         std::vector<double> expected;
         check(unpressured(p1, at, expected) == w, what + ": the weights of a run switched to the plan at that step, bit for bit");
@@ -1283,7 +1290,8 @@ int main(int argc, char** argv) {
       // in a backward, after its first reduce-scatter: an out-of-memory there is not retried over
       // ranks.) Either way every rank retries step 1 under the agreed plan.
       for (const bool outside : {true, false}) {
-        if (!outside && (sg.zero == 2 || sg.overlap)) continue;  // overlapped: the peak may lie past an exchange
+        // Overlapped: the peak may lie past an exchange; ZeRO-3: every forward op gathers.
+        if (!outside && (sg.zero >= 2 || sg.overlap)) continue;
         const std::string what = name + ", " + (outside ? "external" : "allocated") + " bytes on rank " +
                                  std::to_string(last) + " before step 1, no monitor";
         alloc_t c(limit);
@@ -1309,9 +1317,9 @@ int main(int argc, char** argv) {
         const std::size_t peak = c.stats().peak_requested - (others != nullptr ? taken : 0);
         check(peak == p1.peak_bytes, what + ": measured peak " + std::to_string(peak) + " == the new plan's " +
                                          std::to_string(p1.peak_bytes));
-        std::vector<unsigned char> w(v.model().weight_bytes());
+        std::vector<unsigned char> w(v.weight_shard().size() * sizeof(float));
         std::memcpy(w.data(), v.weights(), w.size());
-        check(rank0(comm, w) == w, what + ": every rank holds rank 0's weights");
+        check(same_as_rank0(w), what + ": every rank holds rank 0's weights");
         std::vector<double> expected;
         check(unpressured(p1, 0, expected) == w, what + ": the weights of a run planned with it, bit for bit");
         check(same_bits(losses, expected), what + ": its losses, bit for bit");
@@ -1324,7 +1332,7 @@ int main(int argc, char** argv) {
       pressured_t u(m, effective, p0, b, pool, o, monitor_t(th), comm);
       text_source src(membound_test::small_config().vocab);
       (void)u.step(src);
-      std::vector<unsigned char> w(u.model().weight_bytes()), opt(u.optimizer_bytes());
+      std::vector<unsigned char> w(u.weight_shard().size() * sizeof(float)), opt(u.optimizer_bytes());
       std::memcpy(w.data(), u.weights(), w.size());
       std::memcpy(opt.data(), u.optimizer_state(), opt.size());
       std::uint64_t left = u.own_bytes() + 4096;  // the last rank's, on every rank

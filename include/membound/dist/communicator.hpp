@@ -163,6 +163,33 @@ inline void check_workspace(const void* ws, std::size_t bytes, std::size_t need)
 }
 }  // namespace detail
 
+// mpi_communicator's workspace sizes for rank `me` of a world of `ranks`, without MPI
+// (mpi_communicator's own sizes are these): enough to plan a rank of a world this process is not
+// in, e.g. fit a ZeRO-3 run over 4 ranks before launching it:
+//   fo.gradients = gradient_exchange_of<bf16>(mpi_world{4, 0}, 3, false);
+struct mpi_world {
+  std::size_t ranks = 1, me = 0;
+  std::size_t rank() const noexcept { return me; }
+  std::size_t size() const noexcept { return ranks; }
+  const char* name() const noexcept { return "mpi"; }
+  // The N received shards of a reduce-scatter, then the counts of a non-blocking one (4·N ints).
+  template <summable T>
+  std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
+    return ranks * max_shard(n, ranks) * sizeof(T) + 4 * ranks * sizeof(int);
+  }
+  // The N received blocks (of at most max_block elements each) of reduce_scatter_blocks_sum,
+  // then its 4·N int counts.
+  template <summable T>
+  std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
+    return ranks * max_block * sizeof(T) + 4 * ranks * sizeof(int);
+  }
+  // A reduce-scatter's workspace, then this rank's summed shard.
+  template <summable T>
+  std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
+    return reduce_scatter_workspace_bytes<T>(n) + max_shard(n, ranks) * sizeof(T);
+  }
+};
+
 // One process: every collective is a copy (or nothing), and needs no workspace.
 class local_communicator {
  public:

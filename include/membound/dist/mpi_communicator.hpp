@@ -152,23 +152,21 @@ class mpi_communicator {
   // False after a collective timed out: every later collective throws communication_error.
   bool usable() const noexcept { return broken_.empty(); }
 
-  // ---- Sizes ------------------------------------------------------------------------------------
-  // The N received shards of a reduce-scatter, then the counts of a non-blocking one (4·N ints).
+  // ---- Sizes (mpi_world's, communicator.hpp) -----------------------------------------------------
   template <summable T>
   std::size_t reduce_scatter_workspace_bytes(std::size_t n) const noexcept {
-    return size_ * max_shard(n, size_) * sizeof(T) + 4 * size_ * sizeof(int);
+    return world().template reduce_scatter_workspace_bytes<T>(n);
   }
-  // The N received blocks (of at most max_block elements each) of reduce_scatter_blocks_sum,
-  // then its 4·N int counts.
   template <summable T>
   std::size_t reduce_scatter_blocks_workspace_bytes(std::size_t max_block) const noexcept {
-    return size_ * max_block * sizeof(T) + 4 * size_ * sizeof(int);
+    return world().template reduce_scatter_blocks_workspace_bytes<T>(max_block);
   }
-  // A reduce-scatter's workspace, then this rank's summed shard.
   template <summable T>
   std::size_t all_reduce_workspace_bytes(std::size_t n) const noexcept {
-    return reduce_scatter_workspace_bytes<T>(n) + max_shard(n, size_) * sizeof(T);
+    return world().template all_reduce_workspace_bytes<T>(n);
   }
+  // This world's sizes, without MPI.
+  mpi_world world() const noexcept { return {size_, rank_}; }
 
   // ---- Reduce-scatter ---------------------------------------------------------------------------
   // out (shard_of(n, size(), rank()).size() elements) = Σ over ranks, in rank order, of in's
