@@ -169,6 +169,7 @@ class Plan:
     threads: int
     weights: int
     gradients: int
+    weight_gather: int
     optimizer: int
     optimizer_policy: str
     offload_optimizer: bool
@@ -204,7 +205,8 @@ class Plan:
 
 def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precision: str,
              allocator: Optional[str], optimizer: str, threads: int, sequences: int = 0,
-             offload: str = "none", host_budget: Optional[Size] = None) -> _core.Request:
+             offload: str = "none", host_budget: Optional[Size] = None, ranks: int = 1, rank: int = 0,
+             zero: int = 0, overlap: bool = False) -> _core.Request:
     if not isinstance(model, Model):
         raise invalid("model", "a membound.Model", model, 'e.g. membound.Model(layers=["ttt", "attn"], width=256, heads=4)')
     r = _core.Request()
@@ -234,6 +236,17 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     if r.allocator != "none" and r.budget == 0:
         raise invalid("budget", f"a size with allocator={allocator!r} (its reserve is planned under a budget)",
                       budget, 'e.g. budget="24GiB", or allocator="none"')
+    r.ranks = _whole("ranks", ranks, 1, 1 << 20, "ranks=4 (MPI ranks, each taking batch / ranks sequences)")
+    r.rank = _whole("rank", rank, 0, r.ranks - 1, f"rank=0 (below ranks={r.ranks})")
+    r.zero = _whole("zero", zero, 0, 3, "zero=1 (the optimizer state sharded), 2 (gradients too), 3 (weights too)")
+    if not isinstance(overlap, bool):
+        raise invalid("overlap", "True or False", overlap, "e.g. overlap=True")
+    if overlap and r.ranks == 1:
+        raise invalid("overlap", "False in one process (it exchanges nothing)", overlap, "e.g. ranks=2, overlap=True")
+    r.overlap = overlap
+    if r.batch % r.ranks != 0:
+        raise invalid("batch", f"a multiple of ranks={r.ranks} (every rank takes an equal share)", batch,
+                      f"e.g. batch={r.ranks * max(1, r.batch // r.ranks)}")
     return r
 
 
@@ -242,6 +255,7 @@ def _plan(r: _core.Request) -> Plan:
     return Plan(micro_batch=p.micro_batch, seq=p.seq, sequences=p.sequences, accumulation=p.accumulation,
                 schedule=p.schedule,
                 head_chunk=p.head_chunk, threads=p.threads, weights=p.weights, gradients=p.gradients,
+                weight_gather=p.weight_gather,
                 optimizer=p.optimizer, optimizer_policy=p.optimizer_policy,
                 offload_optimizer=p.offload_optimizer, host_optimizer=p.host_optimizer,
                 host_staging=p.host_staging, offload_bucket=p.offload_bucket,
@@ -256,7 +270,8 @@ def _plan(r: _core.Request) -> Plan:
 def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "fp32",
         allocator: Optional[str] = None, optimizer: str = "adamw", threads: int = 1,
         head_chunks: Sequence[int] = (256, 64), prefer_below: Union[Size, float, None] = None,
-        sequences: int = 0, offload: str = "none", host_budget: Optional[Size] = None) -> Plan:
+        sequences: int = 0, offload: str = "none", host_budget: Optional[Size] = None, ranks: int = 1,
+        rank: int = 0, zero: int = 0, overlap: bool = False) -> Plan:
     """The plan with the least recompute whose peak fits `budget`: the micro-batch (dividing
     `batch`; gradient accumulation keeps the effective batch), the recompute schedule and the
     logit chunk. sequences > 0: `batch` packed rows of `seq` tokens, each holding at most that many
@@ -271,12 +286,18 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
     schedule keep block inputs there instead of recomputing them, "all" both (the example
     trainer's --offload); the plan then states the host space's bytes too (host_peak,
     host_activations, offloaded_bytes per micro-batch).
+    ranks > 1: the plan of rank `rank` of a data-parallel run over that many MPI ranks (the example
+    trainer under mpirun), each taking batch / ranks sequences of the step, at ZeRO stage `zero`
+    (1: the optimizer state sharded, 2: the gradients too, 3: the weights too, each block gathered
+    as it runs: weight_gather) with overlapped exchanges when `overlap` (train's --zero, --overlap);
+    budget is that rank's. No MPI is needed: the exchanges' sizes are mpi_communicator's.
     Raises BudgetTooSmall (with .minimum) when no plan fits, InvalidArgument naming host_budget
     when only offloaded plans fit and none fits the host budget."""
     if budget is None:
         raise invalid("budget", "a size: fit chooses the plan that fits it", budget,
                       'e.g. budget="24GiB"; membound.plan states the peak of one schedule without a budget')
-    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget)
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget,
+                 ranks, rank, zero, overlap)
     _fit_fields(r, head_chunks, prefer_below)
     return _plan(r)
 
@@ -285,16 +306,19 @@ def fit_tokens(model: Model, *, max_tokens: int, sequences: int, budget: Size, b
                multiple: int = 64, precision: str = "fp32", allocator: Optional[str] = None,
                optimizer: str = "adamw", threads: int = 1, head_chunks: Sequence[int] = (256, 64),
                prefer_below: Union[Size, float, None] = None, offload: str = "none",
-               host_budget: Optional[Size] = None) -> Plan:
+               host_budget: Optional[Size] = None, ranks: int = 1, rank: int = 0, zero: int = 0,
+               overlap: bool = False) -> Plan:
     """The plan for the most tokens per packed row that fit `budget`: rows of N tokens (a multiple
     of `multiple`, at most max_tokens) holding at most `sequences` sequences each, N chosen under
     prefer_below when some row fits there, else under the budget; then fit's plan for `batch` such
     rows (plan.seq is N). With prefer_below=0.97 it is `train --pack S --seq max --plan-only 1`'s.
-    offload: as fit's. Raises BudgetTooSmall when not even a row of `multiple` tokens fits."""
+    offload, ranks, rank, zero, overlap: as fit's (batch is then every rank's rows together).
+    Raises BudgetTooSmall when not even a row of `multiple` tokens fits."""
     if budget is None:
         raise invalid("budget", "a size: fit_tokens chooses the row that fits it", budget, 'e.g. budget="24GiB"')
     r = _request(model, batch, 1, budget, precision, allocator, optimizer, threads,
-                 _whole("sequences", sequences, 1, 1 << 20, "sequences=16"), offload, host_budget)
+                 _whole("sequences", sequences, 1, 1 << 20, "sequences=16"), offload, host_budget, ranks, rank, zero,
+                 overlap)
     r.max_tokens = _whole("max_tokens", max_tokens, 1, 1 << 20, "max_tokens=65536")
     r.multiple = _whole("multiple", multiple, 1, r.max_tokens, "multiple=64 (at most max_tokens)")
     _fit_fields(r, head_chunks, prefer_below)
@@ -324,16 +348,20 @@ _SCHEDULE = re.compile(r"(none|full)|(every|binomial):(\d+)")
 def plan(model: Model, *, batch: int, seq: int, schedule: str = "none", budget: Optional[Size] = None,
          precision: str = "fp32", allocator: Optional[str] = None, optimizer: str = "adamw",
          threads: int = 1, head_chunk: int = 256, sequences: int = 0, offload: str = "none",
-         host_budget: Optional[Size] = None) -> Plan:
+         host_budget: Optional[Size] = None, ranks: int = 1, rank: int = 0, zero: int = 0,
+         overlap: bool = False) -> Plan:
     """The plan of one fixed schedule for the whole batch in one micro-batch: "none" (keep every
     block's activations), "full" (recompute every block), "every:K" (keep every K-th block's
     input), "binomial:S" (Griewank's S slots). With a budget, raises BudgetTooSmall when the
     plan does not fit it; without one, only states the peak (allocator "none"). sequences > 0:
     one packed row (batch 1) of `seq` tokens holding at most that many sequences. offload: as fit's
-    ("auto": offloaded when the plan does not fit the budget with the optimizer's state)."""
-    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget)
-    if r.sequences != 0 and r.batch != 1:
-        raise invalid("batch", "1 with sequences (one packed row; fit plans several)", batch, "e.g. batch=1")
+    ("auto": offloaded when the plan does not fit the budget with the optimizer's state); ranks,
+    rank, zero, overlap: as fit's."""
+    r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget,
+                 ranks, rank, zero, overlap)
+    if r.sequences != 0 and r.batch != r.ranks:
+        raise invalid("batch", f"{r.ranks} with sequences (one packed row per rank; fit plans several)", batch,
+                      f"e.g. batch={r.ranks}")
     m = _SCHEDULE.fullmatch(schedule) if isinstance(schedule, str) else None
     depth = len(model.layers)
     if m is None:

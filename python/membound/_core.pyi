@@ -27,6 +27,10 @@ class Request:
     optimizer: str
     offload: str
     host_budget: int
+    ranks: int
+    rank: int
+    zero: int
+    overlap: bool
     schedule: str
     schedule_param: int
     head_chunks: list[int]
@@ -59,6 +63,8 @@ class PlanResult:
     def weights(self) -> int: ...
     @property
     def gradients(self) -> int: ...
+    @property
+    def weight_gather(self) -> int: ...
     @property
     def optimizer(self) -> int: ...
     @property

@@ -45,6 +45,10 @@ struct request {
   std::string optimizer = "adamw";  // adamw | adamw8bit | none
   std::string offload = "none";     // none | auto | optimizer | activations | all (train's --offload)
   std::size_t host_budget = 0;      // the host space's budget (0: none)
+  // Data parallel over MPI ranks (train under mpirun): rank `rank` of `ranks`, ZeRO stage `zero`,
+  // overlapped exchanges; batch is the whole step's, each rank planning batch / ranks of it.
+  std::size_t ranks = 1, rank = 0, zero = 0;
+  bool overlap = false;
   std::string schedule = "auto";    // auto | none | full | every | binomial (schedule_param: K or S)
   std::size_t schedule_param = 0;
   std::vector<std::size_t> head_chunks{256, 64};
@@ -109,13 +113,21 @@ plan_result plan_for(const request& r) {
   cfg.moe.capacity_factor = r.capacity;
   cfg.moe.aux_loss_weight = r.aux;
   const net m(cfg, pattern);
-  mb::batch_shape batch{r.batch, r.seq, r.sequences};
+  mb::batch_shape batch{r.batch / r.ranks, r.seq, r.sequences};  // this rank's share
   const bool count_optimizer = r.optimizer != "none";
+  // As the example trainer over ranks: the optimizer shard under ZeRO-1 and above, the exchange's
+  // plan options with mpi_communicator's sizes (mpi_world: no MPI needed to plan a rank).
+  const std::size_t shard =
+      r.ranks > 1 && r.zero >= 1 ? mb::shard_of(m.parameter_elements(), r.ranks, r.rank).size() : 0;
+  const mb::gradient_shards exchange =
+      mb::gradient_exchange_of<typename net::storage_type>(mb::mpi_world{r.ranks, r.rank}, r.zero, r.overlap);
   plan_result out = with_reserve(m, r, [&](const mb::reserve_function& reserve) {
     plan_result o;
     if (r.schedule == "auto") {
       mb::fit_options fo;
       fo.threads = r.threads;
+      fo.optimizer_elements = shard;
+      fo.gradients = exchange;
       fo.optimizer = count_optimizer;
       fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       fo.head_chunks = r.head_chunks;
@@ -132,11 +144,11 @@ plan_result plan_for(const request& r) {
           // A line at or above the budget is none (as fit ignores it).
           if (r.prefer_below == 0 || r.prefer_below >= r.budget) throw mb::budget_too_small(r.budget, 0);
           batch.seq =
-              mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple, r.batch).micro.seq;
+              mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple, batch.batch).micro.seq;
         } catch (const mb::host_budget_too_small&) {
-          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, r.batch).micro.seq;
+          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, batch.batch).micro.seq;
         } catch (const mb::budget_too_small&) {
-          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, r.batch).micro.seq;
+          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, batch.batch).micro.seq;
         }
       }
       fo.prefer_below = r.prefer_below;
@@ -144,6 +156,8 @@ plan_result plan_for(const request& r) {
     } else {
       mb::plan_options po;
       po.threads = r.threads;
+      po.optimizer_elements = shard;
+      po.gradients = exchange;
       po.optimizer = count_optimizer;
       po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
       po.head_chunk = r.head_chunks.front();
@@ -217,6 +231,10 @@ NB_MODULE(_core, m) {
       .def_rw("optimizer", &request::optimizer)
       .def_rw("offload", &request::offload)
       .def_rw("host_budget", &request::host_budget)
+      .def_rw("ranks", &request::ranks)
+      .def_rw("rank", &request::rank)
+      .def_rw("zero", &request::zero)
+      .def_rw("overlap", &request::overlap)
       .def_rw("schedule", &request::schedule)
       .def_rw("schedule_param", &request::schedule_param)
       .def_rw("head_chunks", &request::head_chunks);
@@ -234,6 +252,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("threads", [](const plan_result& r) { return r.plan.threads; })
       .def_prop_ro("weights", [](const plan_result& r) { return r.plan.weights; })
       .def_prop_ro("gradients", [](const plan_result& r) { return r.plan.gradients; })
+      .def_prop_ro("weight_gather", [](const plan_result& r) { return r.plan.weight_gather; })
       .def_prop_ro("optimizer", [](const plan_result& r) { return r.plan.optimizer; })
       .def_prop_ro("optimizer_policy", [](const plan_result& r) { return r.plan.optimizer_policy; })
       .def_prop_ro("offload_optimizer", [](const plan_result& r) { return r.plan.offload_optimizer; })

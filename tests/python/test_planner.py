@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -23,9 +24,18 @@ TRAIN = os.environ.get("MEMBOUND_TRAIN", "")
 needs_train = pytest.mark.skipif(not TRAIN, reason="MEMBOUND_TRAIN (the example trainer) not given")
 
 
-def trainer_table(args: list[str]) -> str:
-    """The plan table `train --plan-only 1` prints: from its "plan:" line to its "recompute:" line."""
-    out = subprocess.run([TRAIN, "--plan-only", "1", *args], capture_output=True, text=True, check=True).stdout
+MPIEXEC = shutil.which("mpiexec") or ""
+
+
+def trainer_table(args: list[str], ranks: int = 1) -> str:
+    """The plan table `train --plan-only 1` prints: from its "plan:" line to its "recompute:" line
+    (under `mpiexec -n ranks` when ranks > 1: rank 0's)."""
+    cmd = [TRAIN, "--plan-only", "1", *args]
+    env = None
+    if ranks > 1:
+        cmd = [MPIEXEC, "-n", str(ranks), "--oversubscribe", *cmd]
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     lines = out.splitlines(keepends=True)
     start = next(i for i, l in enumerate(lines) if l.startswith("plan: "))
     end = next(i for i, l in enumerate(lines) if l.startswith("  recompute: "))
@@ -308,3 +318,41 @@ def test_no_leak_across_a_thousand_plans():
                 membound.fit(model, batch=2, seq=16, budget=4096)
     grown = resident_bytes() - before
     assert grown < 2 << 20, f"resident memory grew by {grown} bytes over 1,000 plans and 100 refusals"
+
+
+@needs_train
+@pytest.mark.skipif(not MPIEXEC, reason="no mpiexec")
+@pytest.mark.parametrize("zero,overlap,budget", [(1, False, "64MiB"), (2, False, "64MiB"), (2, True, "64MiB"),
+                                                 (3, False, "64MiB"), (3, True, "64MiB"), (3, False, "20MiB")])
+def test_rank_table_equals_the_cpp_trainers_under_mpirun(zero, overlap, budget):
+    """Rank 0's plan over 2 MPI ranks, ZeRO-1 to 3 (3: the weights sharded, the gathered ones in
+    their own line), as `mpiexec -n 2 train --zero Z --overlap O --plan-only 1` prints it; rank 1's
+    plan differs from rank 0's only by its shard."""
+    args = ["--layers", "ttt,attn,mamba,attn", "--width", "128", "--heads", "4", "--batch", "8", "--seq", "128",
+            "--budget", budget, "--threads", "2", "--zero", str(zero), "--overlap", str(int(overlap))]
+    want = trainer_table(args, ranks=2)
+    model = membound.Model(layers=["ttt", "attn", "mamba", "attn"], width=128, heads=4)
+    got = membound.fit(model, batch=8, seq=128, budget=budget, threads=2, prefer_below=0.97, ranks=2, rank=0,
+                       zero=zero, overlap=overlap)
+    assert str(got) == want
+    whole = membound.fit(model, batch=8, seq=128, budget=budget, threads=2, prefer_below=0.97)
+    if zero == 3:
+        assert got.weight_gather > 0 and got.weights < whole.weights
+    else:
+        assert got.weight_gather == 0 and got.weights == whole.weights
+
+
+def test_ranks_arguments_are_checked():
+    model = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
+    for kwargs, name in [({"ranks": 0}, "ranks"), ({"ranks": 2, "rank": 2}, "rank"), ({"zero": 4}, "zero"),
+                         ({"overlap": True}, "overlap"), ({"ranks": 3}, "batch"), ({"ranks": 2, "overlap": 1}, "overlap")]:
+        with pytest.raises(membound.InvalidArgument) as e:
+            membound.fit(model, batch=4, seq=32, budget="64MiB", **kwargs)
+        assert e.value.argument == name
+    # Rank 1 of 2 under ZeRO-3 plans the other half of the weights: the two shards add up to the model.
+    r0 = membound.plan(model, batch=4, seq=32, ranks=2, rank=0, zero=3)
+    r1 = membound.plan(model, batch=4, seq=32, ranks=2, rank=1, zero=3)
+    one = membound.plan(model, batch=4, seq=32)
+    assert r0.weights + r1.weights == one.weights
+    assert r0.weight_gather == r1.weight_gather > 0
+    assert r0.micro_batch == 2 and one.micro_batch == 4
