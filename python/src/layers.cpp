@@ -259,6 +259,15 @@ std::vector<S*> pointers(const std::vector<param>& params, const std::vector<arr
 
 std::size_t tokens_by_width(const spec& s) { return mb::sat_mul(mb::sat_mul(s.batch, s.seq), s.width); }
 
+// The parameter arrays, each checked, as the layer's weights struct.
+template <typename L, typename Fields>
+typename L::weights weights_of(const spec& s, const std::vector<param>& params, const std::vector<array>& weights) {
+  using S = typename L::storage_type;
+  const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
+  const std::vector<const S*> cw(w.begin(), w.end());
+  return Fields::template make<typename L::weights>(named<const S*>{params, cw});
+}
+
 // What every call checks first: the shape, the parameters (as the layer's weights) and x.
 template <typename L, typename Fields>
 std::pair<typename L::weights, const typename L::storage_type*> checked_inputs(const spec& s, const auto& shape,
@@ -267,10 +276,7 @@ std::pair<typename L::weights, const typename L::storage_type*> checked_inputs(c
                                                                              const array& x) {
   using S = typename L::storage_type;
   L::check(shape);
-  const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
-  const std::vector<const S*> cw(w.begin(), w.end());
-  return {Fields::template make<typename L::weights>(named<const S*>{params, cw}),
-          data_of<S>(x, "x", tokens_by_width(s), s.dtype.c_str())};
+  return {weights_of<L, Fields>(s, params, weights), data_of<S>(x, "x", tokens_by_width(s), s.dtype.c_str())};
 }
 
 void forward(const spec& s, const array& x, const std::vector<array>& weights, const array& y, const array& saved,
@@ -328,18 +334,16 @@ std::tuple<std::size_t, std::size_t> decode_sizes(const spec& s, std::size_t max
 void decode_reset(const spec& s, const std::vector<array>& weights, const array& state, std::size_t max_len) {
   const std::vector<param> params = parameters_of(s);
   with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
-    using S = typename L::storage_type;
     L::check(shape);
     // The weights are checked here for every layer, so that a wrong one is refused before any step.
-    const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
-    const std::vector<const S*> cw(w.begin(), w.end());
+    [[maybe_unused]] const auto wts = weights_of<L, Fields>(s, params, weights);
     const auto [sp, sb] = bytes_in(state);
     if constexpr (requires { L::kv_cache_bytes(shape, max_len); }) {
       (void)L::make_kv_cache(shape, sp, sb, max_len);  // checks; an empty cache needs no bytes written
     } else if constexpr (requires { L::make_state(shape, sp, sb); }) {
       (void)L::make_state(shape, sp, sb);
     } else {
-      (void)L::make_state(shape, Fields::template make<typename L::weights>(named<const S*>{params, cw}), sp, sb);
+      (void)L::make_state(shape, wts, sp, sb);
     }
   });
 }
@@ -350,9 +354,7 @@ void decode_step(const spec& s, const std::vector<array>& weights, const array& 
   const std::vector<param> params = parameters_of(s);
   with_precision(s, [&]<typename L, typename Fields>(const auto& shape) {
     using S = typename L::storage_type;
-    const auto w = pointers<S>(params, weights, "weights", s.dtype.c_str());
-    const std::vector<const S*> cw(w.begin(), w.end());
-    const auto wts = Fields::template make<typename L::weights>(named<const S*>{params, cw});
+    const auto wts = weights_of<L, Fields>(s, params, weights);
     L::check(shape);
     const std::size_t n = mb::sat_mul(s.batch, s.width);
     const S* xp = data_of<S>(x_t, "x_t", n, s.dtype.c_str());
