@@ -499,28 +499,26 @@ class ranks {
   void reduce_scatter_blocks_sum(const T* in, const mb::shard_range* blocks, T* out, void* ws, std::size_t bytes) {
     call([&](auto& c) { c.reduce_scatter_blocks_sum(in, blocks, out, ws, bytes); });
   }
-  // A started exchange (ZeRO-2 overlapped): MPI's in flight, or none (one process copies at once).
-  struct pending {
+  // A started collective: MPI's handle P in flight, or none (one process copies at once).
 #if MEMBOUND_EXAMPLE_MPI
-    mb::mpi_communicator::pending_reduce_scatter p;
+  template <typename P>
+  struct started {
+    P p;
     bool test() { return p.test(); }
     void wait() { p.wait(); }
+  };
+  using pending = started<mb::mpi_communicator::pending_reduce_scatter>;  // ZeRO-2 overlapped
+  using pending_all = started<mb::mpi_communicator::pending_all_reduce>;  // ZeRO-0 overlapped
+  using pending_gather = started<mb::mpi_communicator::pending_gather>;   // ZeRO-3's prefetch
 #else
+  struct started {
     bool test() { return true; }
     void wait() {}
-#endif
   };
-  // A started all-reduce (ZeRO-0 overlapped), the same way.
-  struct pending_all {
-#if MEMBOUND_EXAMPLE_MPI
-    mb::mpi_communicator::pending_all_reduce p;
-    bool test() { return p.test(); }
-    void wait() { p.wait(); }
-#else
-    bool test() { return true; }
-    void wait() {}
+  using pending = started;
+  using pending_all = started;
+  using pending_gather = started;
 #endif
-  };
   template <mb::summable T>
   pending_all start_all_reduce_sum(T* data, std::size_t n, void* ws, std::size_t bytes) {
 #if MEMBOUND_EXAMPLE_MPI
@@ -547,16 +545,6 @@ class ranks {
   void all_gather_blocks(T* data, const mb::shard_range* blocks) {
     call([&](auto& c) { c.all_gather_blocks(data, blocks); });
   }
-  struct pending_gather {
-#if MEMBOUND_EXAMPLE_MPI
-    mb::mpi_communicator::pending_gather p;
-    bool test() { return p.test(); }
-    void wait() { p.wait(); }
-#else
-    bool test() { return true; }
-    void wait() {}
-#endif
-  };
   template <typename T>
   pending_gather start_all_gather_blocks(T* data, const mb::shard_range* blocks) {
 #if MEMBOUND_EXAMPLE_MPI

@@ -330,6 +330,26 @@ class mpi_communicator {
       std::this_thread::yield();
     }
   }
+  // Whether req has completed (MPI moves a started collective on inside such calls).
+  static bool test_request(MPI_Request& req) {
+    if (req == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    detail::mpi_check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    return done != 0;
+  }
+  // Completes req of a handle dropped unwaited, errors swallowed: with a timeout one past the
+  // deadline is kept by `owner` as stale (MPI cannot cancel a collective), else MPI_Wait.
+  static void complete_quietly(mpi_communicator* owner, MPI_Request& req, const char* call) noexcept {
+    if (req == MPI_REQUEST_NULL) return;
+    if (owner != nullptr && owner->timeout_.count() != 0) {
+      try {
+        owner->complete(req, call);
+      } catch (...) {
+      }
+    } else {
+      MPI_Wait(&req, MPI_STATUS_IGNORE);
+    }
+  }
   // Whether every timed-out request completed within one more timeout.
   bool drained() noexcept {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
@@ -383,12 +403,7 @@ class mpi_communicator::pending_reduce_scatter {
   bool pending() const noexcept { return req_ != MPI_REQUEST_NULL || sum_ != nullptr; }
   // Lets MPI move the exchange on (many MPI libraries progress a non-blocking collective only
   // inside MPI calls); true once every shard has arrived. The sum is still wait()'s.
-  bool test() {
-    if (req_ == MPI_REQUEST_NULL) return true;
-    int done = 0;
-    detail::mpi_check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
-    return done != 0;
-  }
+  bool test() { return test_request(req_); }
   // With a timeout: collective_timeout when the exchange does not complete in time.
   void wait() {
     if (req_ != MPI_REQUEST_NULL) {
@@ -409,16 +424,7 @@ class mpi_communicator::pending_reduce_scatter {
     detail::ordered_sum(static_cast<const T*>(parts), ranks, stride, count, static_cast<T*>(out));
   }
   void finish_quietly() noexcept {
-    if (req_ != MPI_REQUEST_NULL) {
-      if (owner_ != nullptr && owner_->timeout_.count() != 0) {
-        try {
-          owner_->complete(req_, "MPI_Ialltoallv");  // past the deadline: kept by the owner as stale
-        } catch (...) {
-        }
-      } else {
-        MPI_Wait(&req_, MPI_STATUS_IGNORE);
-      }
-    }
+    complete_quietly(owner_, req_, "MPI_Ialltoallv");
     sum_ = nullptr;
   }
 
@@ -464,10 +470,7 @@ class mpi_communicator::pending_all_reduce {
       if (!scatter_.test()) return false;
       start_gather();
     }
-    if (gather_ == MPI_REQUEST_NULL) return true;
-    int done = 0;
-    detail::mpi_check(MPI_Test(&gather_, &done, MPI_STATUS_IGNORE), "MPI_Test");
-    return done != 0;
+    return test_request(gather_);
   }
   // With a timeout: collective_timeout when a part does not complete in time.
   void wait() {
@@ -507,16 +510,7 @@ class mpi_communicator::pending_all_reduce {
       }
     }
     scatter_ = pending_reduce_scatter{};  // waits for an all-to-all still in flight
-    if (gather_ != MPI_REQUEST_NULL) {
-      if (owner_ != nullptr && owner_->timeout_.count() != 0) {
-        try {
-          owner_->complete(gather_, "MPI_Iallgatherv");
-        } catch (...) {
-        }
-      } else {
-        MPI_Wait(&gather_, MPI_STATUS_IGNORE);
-      }
-    }
+    complete_quietly(owner_, gather_, "MPI_Iallgatherv");
     gathering_ = true;
   }
 
@@ -574,12 +568,7 @@ class mpi_communicator::pending_gather {
   ~pending_gather() { finish_quietly(); }
   bool pending() const noexcept { return req_ != MPI_REQUEST_NULL; }
   // Lets MPI move the gather on; true once it is complete (wait() still releases it).
-  bool test() {
-    if (req_ == MPI_REQUEST_NULL) return true;
-    int done = 0;
-    detail::mpi_check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
-    return done != 0;
-  }
+  bool test() { return test_request(req_); }
   // With a timeout: collective_timeout when the gather does not complete in time.
   void wait() {
     if (owner_ == nullptr) return;
@@ -591,16 +580,7 @@ class mpi_communicator::pending_gather {
   friend class mpi_communicator;
   void finish_quietly() noexcept {
     if (owner_ == nullptr) return;
-    if (req_ != MPI_REQUEST_NULL) {
-      if (owner_->timeout_.count() != 0) {
-        try {
-          owner_->complete(req_, "MPI_Iallgatherv");  // past the deadline: kept by the owner as stale
-        } catch (...) {
-        }
-      } else {
-        MPI_Wait(&req_, MPI_STATUS_IGNORE);
-      }
-    }
+    complete_quietly(owner_, req_, "MPI_Iallgatherv");
     std::exchange(owner_, nullptr)->gather_started_ = false;
   }
   MPI_Request req_ = MPI_REQUEST_NULL;
