@@ -10,7 +10,7 @@
 //   - The global norm is the same bits under ZeRO-0 and ZeRO-1, and equals a double-precision
 //     norm of the exact sum to 1e-15 relative (each shard's Σ g² is a double sum of exact fp32
 //     squares; the partials are added in rank order).
-//   - A stage other than 0, 1 or 2 and null gradients are refused naming the argument.
+//   - A stage above 3 and null gradients are refused naming the argument.
 //   - ZeRO-2, one micro-batch: the real model's backward routed through zero2_micro_batch leaves
 //     this rank's shard equal, bit for bit, to that shard of ZeRO-0's exchanged full gradient;
 //     the overlapped router too, and ZeRO-0/1 overlapped equal the blocking exchange bit for bit.
@@ -111,7 +111,7 @@ void blocking(const model_t& m, mb::mpi_communicator& comm, double& norm0, doubl
     return false;
   };
   alloc_t a(1ull << 20);
-  check(names([&] { exchange_t x(m, a, pool, comm, 3, false); }, "zero"), "ZeRO-3 is refused naming zero");
+  check(names([&] { exchange_t x(m, a, pool, comm, 4, false); }, "zero"), "a stage above 3 is refused naming zero");
   exchange_t x(m, a, pool, comm, 0, false);
   check(names([&] { (void)x.gradient_norm(nullptr, nullptr, 0); }, "g"), "null gradients are refused naming g");
 }

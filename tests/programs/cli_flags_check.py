@@ -143,7 +143,7 @@ def main():
             "--batch": ["0", "-2", "65537"],
             "--steps": ["0", "-1", "1000000001", "2.5"],
             "--threads": ["0", "-1", "257", "many"],
-            "--zero": ["3", "-1", "one", ""],
+            "--zero": ["4", "-1", "one", ""],
             "--overlap": ["2", "-1", "yes", ""],
             "--plan-only": ["2", "-1", "yes", ""],
             "--timeout": ["-1", "86401", "1.5", "x", ""],
@@ -286,6 +286,7 @@ def main():
                  host_says(offload_optimizer=True, activations_bytes=0))
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only
+        c.accept(train, base, {"--zero": "3"})  # and ZeRO-3
         # One process exchanges nothing: --overlap 1 is refused by name at every stage, never ignored.
         # The environment the trainer reads is checked with its flags, named as a flag is.
         for var, values in (("MEMBOUND_EXAMPLE_KILL", ["1", "a:3", "1:0", "1:x", "-1:3", ":", "1:2:3"]),

@@ -162,7 +162,7 @@ class gradient_exchange {
   // A started gather of ZeRO-3's prefetch (a stand-in where the communicator cannot start one).
   using pending_gather = typename detail::pending_gather_of<Communicator>::type;
 
-  // zero: the ZeRO stage, 0, 1 or 2; overlap: the exchanges in the backward (trainer_options's;
+  // zero: the ZeRO stage, 0 to 3; overlap: the exchanges in the backward (trainer_options's;
   // the trainer checks them against the world and the communicator first).
   gradient_exchange(const Model& m, Allocator& alloc, executor& ex, Communicator& comm, std::size_t zero, bool overlap)
       : m_(m), alloc_(alloc, stream_of(ex)), ex_(ex), comm_(comm), n_(m.parameter_elements()), zero_(zero), overlap_(overlap) {
