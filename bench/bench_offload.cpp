@@ -103,6 +103,27 @@ largest widest(std::size_t blocks, mb::batch_shape b, std::size_t budget, std::s
   return best;
 }
 
+// The most blocks (of the same width) that fit: the parameters grow by one block's at a time, a
+// finer step than the width's (bisection; every plan's bytes grow with the depth).
+template <typename Opt>
+largest deepest(std::size_t width, mb::batch_shape b, std::size_t budget, std::size_t threads, bool offload,
+                world_choice world = {}) {
+  std::size_t lo = 0, hi = 128;  // lo fits (0: nothing), hi + 1 does not
+  largest best;
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    if (auto p = fit_at<Opt>(width, mid, b, budget, threads, offload, false, world)) {
+      lo = mid;
+      best.plan = std::move(*p);
+    } else {
+      hi = mid - 1;
+    }
+  }
+  best.width = lo;  // here: the blocks
+  if (lo != 0) best.params = make_model<mb::bf16_precision>(width, lo).parameter_count();
+  return best;
+}
+
 // A windowed source over a fixed pseudo-random text.
 struct source {
   std::size_t seq;
@@ -199,6 +220,26 @@ int main(int argc, char** argv) {
         const largest l = widest<mb::adamw<mb::bf16>>(blocks, b, budget, threads, false, false, {N, z});
         const std::string where = "device, ZeRO-" + std::to_string(z) + " over " + std::to_string(N) + " ranks";
         row("adamw", where.c_str(), l, a_dev.params);
+      }
+    }
+
+    // The same, deeper instead of wider: at the in-place model's width, the most blocks that fit.
+    if (a_dev.width != 0) {
+      std::printf("\n1b. The deepest hybrid of width %zu (the in-place one's above) fit() admits in the same budget, one "
+                  "block at a time (up to 128):\n\n",
+                  a_dev.width);
+      std::printf("| optimizer | state | blocks | parameters | x in place | device peak | host peak | micro-batches x "
+                  "sequences, schedule |\n|---|---|---:|---:|---:|---:|---:|---|\n");
+      const largest d_dev = deepest<mb::adamw<mb::bf16>>(a_dev.width, b, budget, threads, false);
+      row("adamw", "device", d_dev, d_dev.params);
+      row("adamw", "offloaded", deepest<mb::adamw<mb::bf16>>(a_dev.width, b, budget, threads, true), d_dev.params);
+      for (const std::size_t N : {std::size_t{2}, std::size_t{4}}) {
+        if (batch % N != 0) continue;
+        for (const std::size_t z : {std::size_t{1}, std::size_t{2}, std::size_t{3}}) {
+          const largest l = deepest<mb::adamw<mb::bf16>>(a_dev.width, b, budget, threads, false, {N, z});
+          const std::string where = "device, ZeRO-" + std::to_string(z) + " over " + std::to_string(N) + " ranks";
+          row("adamw", where.c_str(), l, d_dev.params);
+        }
       }
     }
 
