@@ -17033,9 +17033,11 @@ class model {
     x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
     if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
 
-    // For each op, the block the next op that reads a block's weights reads (L: none).
-    std::vector<std::size_t> next_use(ops.size(), L);
-    for (std::size_t k = ops.size(), after = L; k-- > 0;) {
+    // For each op, the block the next op that reads a block's weights reads (L: none); a flat
+    // array needs no word of it.
+    constexpr bool flat = std::is_same_v<Weights, flat_weights>;
+    std::vector<std::size_t> next_use(flat ? 0 : ops.size(), L);
+    for (std::size_t k = next_use.size(), after = L; k-- > 0;) {
       next_use[k] = after;
       if (reads_weights(ops[k].kind)) after = ops[k].block;
     }
@@ -17043,7 +17045,9 @@ class model {
     for (std::size_t k = 0; k < ops.size(); ++k) {
       const chain_op& op = ops[k];
       const std::size_t i = op.block;
-      if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
+      if constexpr (!flat) {
+        if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
+      }
       switch (op.kind) {
         case chain_op_kind::advance:
         case chain_op_kind::tape:
@@ -17920,15 +17924,21 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero >= 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
+// The parameter elements of the largest block (its part of the flat array, padding included).
+template <typename Model>
+std::size_t largest_block_elements(const Model& m) {
+  std::size_t most = 0;
+  for (std::size_t i = 0; i < m.depth(); ++i) most = std::max(most, m.block_parameters(i).size());
+  return most;
+}
+
 // ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather): the
 // embedding's and the head's, then one slot of the largest block's, or two with `prefetch`
 // (gradient_shards::overlap: the block an op reads, and the next one's gather in flight).
 template <typename Model>
 std::size_t weight_gather_bytes(const Model& m, bool prefetch) {
-  std::size_t block = 0;
-  for (std::size_t i = 0; i < m.depth(); ++i) block = std::max(block, m.block_parameters(i).size());
-  return bytes_of<typename Model::storage_type>(
-      sat_add(m.embedding_parameters().size(), m.head_parameters().size(), sat_mul(block, prefetch ? 2 : 1)));
+  return bytes_of<typename Model::storage_type>(sat_add(m.embedding_parameters().size(), m.head_parameters().size(),
+                                                        sat_mul(largest_block_elements(m), prefetch ? 2 : 1)));
 }
 
 namespace detail {
@@ -20031,13 +20041,11 @@ class gradient_exchange {
       e_ = t.m_.embedding_parameters();
       h_ = t.m_.head_parameters();
       none_ = t.m_.depth();
-      std::size_t most = 0;
-      for (std::size_t i = 0; i < t.m_.depth(); ++i) most = std::max(most, t.m_.block_parameters(i).size());
       slots_n_ = t.overlap_ ? 2 : 1;  // the trainer refuses overlap without a prefetching communicator
       bytes_ = weight_gather_bytes(t.m_, slots_n_ == 2);
       buf_ = static_cast<S*>(t.alloc_.allocate(bytes_, default_alignment, memory_tag::weights));
       slots_[0].base = buf_ + e_.size() + h_.size();
-      slots_[1].base = slots_[0].base + most;  // used with two slots only
+      slots_[1].base = slots_[0].base + largest_block_elements(t.m_);  // used with two slots only
       for (slot& k : slots_) k.block = none_;
       try {
         gather(e_, buf_);

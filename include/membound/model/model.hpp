@@ -719,9 +719,11 @@ class model {
     x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
     if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
 
-    // For each op, the block the next op that reads a block's weights reads (L: none).
-    std::vector<std::size_t> next_use(ops.size(), L);
-    for (std::size_t k = ops.size(), after = L; k-- > 0;) {
+    // For each op, the block the next op that reads a block's weights reads (L: none); a flat
+    // array needs no word of it.
+    constexpr bool flat = std::is_same_v<Weights, flat_weights>;
+    std::vector<std::size_t> next_use(flat ? 0 : ops.size(), L);
+    for (std::size_t k = next_use.size(), after = L; k-- > 0;) {
       next_use[k] = after;
       if (reads_weights(ops[k].kind)) after = ops[k].block;
     }
@@ -729,7 +731,9 @@ class model {
     for (std::size_t k = 0; k < ops.size(); ++k) {
       const chain_op& op = ops[k];
       const std::size_t i = op.block;
-      if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
+      if constexpr (!flat) {
+        if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
+      }
       switch (op.kind) {
         case chain_op_kind::advance:
         case chain_op_kind::tape:

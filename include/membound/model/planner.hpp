@@ -480,15 +480,21 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero >= 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
+// The parameter elements of the largest block (its part of the flat array, padding included).
+template <typename Model>
+std::size_t largest_block_elements(const Model& m) {
+  std::size_t most = 0;
+  for (std::size_t i = 0; i < m.depth(); ++i) most = std::max(most, m.block_parameters(i).size());
+  return most;
+}
+
 // ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather): the
 // embedding's and the head's, then one slot of the largest block's, or two with `prefetch`
 // (gradient_shards::overlap: the block an op reads, and the next one's gather in flight).
 template <typename Model>
 std::size_t weight_gather_bytes(const Model& m, bool prefetch) {
-  std::size_t block = 0;
-  for (std::size_t i = 0; i < m.depth(); ++i) block = std::max(block, m.block_parameters(i).size());
-  return bytes_of<typename Model::storage_type>(
-      sat_add(m.embedding_parameters().size(), m.head_parameters().size(), sat_mul(block, prefetch ? 2 : 1)));
+  return bytes_of<typename Model::storage_type>(sat_add(m.embedding_parameters().size(), m.head_parameters().size(),
+                                                        sat_mul(largest_block_elements(m), prefetch ? 2 : 1)));
 }
 
 namespace detail {

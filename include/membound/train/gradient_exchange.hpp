@@ -309,13 +309,11 @@ class gradient_exchange {
       e_ = t.m_.embedding_parameters();
       h_ = t.m_.head_parameters();
       none_ = t.m_.depth();
-      std::size_t most = 0;
-      for (std::size_t i = 0; i < t.m_.depth(); ++i) most = std::max(most, t.m_.block_parameters(i).size());
       slots_n_ = t.overlap_ ? 2 : 1;  // the trainer refuses overlap without a prefetching communicator
       bytes_ = weight_gather_bytes(t.m_, slots_n_ == 2);
       buf_ = static_cast<S*>(t.alloc_.allocate(bytes_, default_alignment, memory_tag::weights));
       slots_[0].base = buf_ + e_.size() + h_.size();
-      slots_[1].base = slots_[0].base + most;  // used with two slots only
+      slots_[1].base = slots_[0].base + largest_block_elements(t.m_);  // used with two slots only
       for (slot& k : slots_) k.block = none_;
       try {
         gather(e_, buf_);
