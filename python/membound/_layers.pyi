@@ -2,7 +2,7 @@
 
 from typing import Any
 
-ttt_mini_batch: int
+ttt_mini_batches: list[int]
 
 class Spec:
     """One layer call: the layer, its dtype, the input's shape and the layer's attributes."""

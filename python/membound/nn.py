@@ -39,9 +39,9 @@ class _TTT(nn.Module):
     def __init__(self, width: int, heads: int, *, mini_batch: int = 16, use_gate: bool = False,
                  base_lr: float = 1.0, rope_base: float = 10000.0, device: Any = None, dtype: Any = None) -> None:
         super().__init__()
-        if mini_batch != 16:
-            raise invalid("mini_batch", "16 (the ops are built for ttt-lm-pytorch's mini_batch_size)", mini_batch,
-                          "Use mini_batch=16")
+        if mini_batch not in ops.TTT_MINI_BATCHES:
+            raise invalid("mini_batch", f"one of {ops.TTT_MINI_BATCHES} (the sizes the ops are built for)",
+                          mini_batch, "Pick one of those (ttt-lm-pytorch's default is 16)")
         if heads <= 0 or width % heads != 0 or (width // heads) % 2 != 0:
             raise invalid("heads", f"a divisor of width {width} leaving an even head_dim", heads,
                           "Pick heads so that width / heads is even")
@@ -97,7 +97,7 @@ class _TTT(nn.Module):
 
     def _attrs(self) -> dict[str, Any]:
         return {"heads": self.num_heads, "use_gate": self.use_gate, "base_lr": self.ttt_base_lr,
-                "rope_base": self.rope_theta}
+                "rope_base": self.rope_theta, "mini_batch": self.mini_batch_size}
 
     def decoding_state(self, batch: int) -> ops.DecodeState:
         """A state for step(): the inner model starts from W1, b1 (W2, b2) as they are now."""
@@ -110,8 +110,7 @@ class _TTT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = ops.ttt_mlp if self._mlp else ops.ttt_linear
-        return op(x, self.weights(), heads=self.num_heads, use_gate=self.use_gate, base_lr=self.ttt_base_lr,
-                  rope_base=self.rope_theta)
+        return op(x, self.weights(), **self._attrs())
 
 
 class TTTLinear(_TTT):

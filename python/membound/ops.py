@@ -34,7 +34,10 @@ from . import _layers
 from ._errors import InvalidArgument, invalid
 
 __all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes", "DecodeState", "decode_state",
-           "decode_step"]
+           "decode_step", "TTT_MINI_BATCHES"]
+
+# The TTT mini-batch sizes built into the extension (a compile-time policy of the C++ layer).
+TTT_MINI_BATCHES: tuple[int, ...] = tuple(_layers.ttt_mini_batches)
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
@@ -166,9 +169,15 @@ def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: to
 
 
 def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
-    # The saved size is the layer's own, so a traced graph holds the bytes the eager op would.
-    # int() fixes a symbolic length: each new shape traces again (the size is the C++ layer's).
-    saved_bytes = _layer_call(_layers.sizes, _spec(kind, [int(d) for d in x.shape], x.dtype, attrs))[0]
+    # The saved size is the layer's own, so a traced graph holds the bytes the eager op would. Under
+    # dynamic shapes (a symbolic batch or length) it is an unbacked size instead: the C++ size
+    # functions are not symbolic, and int() on a symbolic length would specialise the graph to it,
+    # tracing again for every shape. The eager call still allocates the layer's exact bytes.
+    if any(isinstance(d, torch.SymInt) for d in x.shape):
+        saved_bytes = torch.library.get_ctx().new_dynamic_size()
+        torch._check(saved_bytes >= _ALIGN)
+        return x.new_empty(x.shape), x.new_empty(saved_bytes, dtype=torch.uint8)
+    saved_bytes = _layer_call(_layers.sizes, _spec(kind, list(x.shape), x.dtype, attrs))[0]
     return x.new_empty(x.shape), x.new_empty(saved_bytes + _ALIGN, dtype=torch.uint8)
 
 
@@ -183,8 +192,8 @@ def _fake_backward(x: torch.Tensor, weights: list[torch.Tensor]):
 _ATTRS = {
     "attention": ("heads", "kv_heads", "head_dim", "causal", "window", "rope_base"),
     "mamba": ("d_inner", "d_state", "d_conv", "dt_rank"),
-    "ttt_linear": ("heads", "use_gate", "base_lr", "rope_base"),
-    "ttt_mlp": ("heads", "use_gate", "base_lr", "rope_base"),
+    "ttt_linear": ("heads", "use_gate", "base_lr", "rope_base", "mini_batch"),
+    "ttt_mlp": ("heads", "use_gate", "base_lr", "rope_base", "mini_batch"),
 }
 
 
@@ -224,13 +233,14 @@ def _ttt_ops(kind: str):
 
     @torch.library.custom_op(f"membound::{kind}_forward", mutates_args=())
     def forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
-                rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(kind, x, weights, _named(kind, (heads, use_gate, base_lr, rope_base)))
+                rope_base: float, mini_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(kind, x, weights, _named(kind, (heads, use_gate, base_lr, rope_base, mini_batch)))
 
     @torch.library.custom_op(f"membound::{kind}_backward", mutates_args=())
     def backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor, heads: int,
-                 use_gate: bool, base_lr: float, rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return _backward(kind, x, weights, saved, dy, _named(kind, (heads, use_gate, base_lr, rope_base)))
+                 use_gate: bool, base_lr: float, rope_base: float,
+                 mini_batch: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return _backward(kind, x, weights, saved, dy, _named(kind, (heads, use_gate, base_lr, rope_base, mini_batch)))
 
     return forward, backward
 
@@ -297,15 +307,17 @@ def mamba(x: torch.Tensor, weights: Sequence[torch.Tensor], *, d_inner: int, d_s
 
 
 def ttt_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use_gate: bool = False,
-               base_lr: float = 1.0, rope_base: float = 10000.0) -> torch.Tensor:
-    """TTT-Linear with mini-batches of 16 tokens: weights as parameters("ttt_linear", ...) lists them."""
-    return _ttt_linear_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base))[0]
+               base_lr: float = 1.0, rope_base: float = 10000.0, mini_batch: int = 16) -> torch.Tensor:
+    """TTT-Linear with inner-loop mini-batches of mini_batch tokens (one of TTT_MINI_BATCHES; 16 is
+    ttt-lm-pytorch's default): weights as parameters("ttt_linear", ...) lists them."""
+    return _ttt_linear_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base), mini_batch)[0]
 
 
 def ttt_mlp(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use_gate: bool = False,
-            base_lr: float = 1.0, rope_base: float = 10000.0) -> torch.Tensor:
-    """TTT-MLP with mini-batches of 16 tokens: weights as parameters("ttt_mlp", ...) lists them."""
-    return _ttt_mlp_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base))[0]
+            base_lr: float = 1.0, rope_base: float = 10000.0, mini_batch: int = 16) -> torch.Tensor:
+    """TTT-MLP with inner-loop mini-batches of mini_batch tokens (one of TTT_MINI_BATCHES; 16 is
+    ttt-lm-pytorch's default): weights as parameters("ttt_mlp", ...) lists them."""
+    return _ttt_mlp_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base), mini_batch)[0]
 
 
 # ---- Decoding: one token per sequence ------------------------------------------------------------

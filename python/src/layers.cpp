@@ -18,6 +18,8 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "errors.hpp"
@@ -54,8 +56,30 @@ struct param {
   }
 };
 
-// The built mini-batch size of the TTT ops (ttt-lm-pytorch's mini_batch_size default).
-constexpr std::size_t ttt_mini_batch = 16;
+// The TTT mini-batch sizes the ops are built for: the layer's mini-batch is a compile-time policy
+// (ttt_mini_batch<b>), so each size is one more instantiation of both TTT layers at each dtype.
+// 16 is ttt-lm-pytorch's mini_batch_size; the others cover the TTT paper's ablations and video
+// models' 64.
+using ttt_mini_batch_sizes = std::index_sequence<1, 2, 4, 8, 16, 32, 64>;
+
+template <std::size_t... Bs>
+constexpr bool is_built_mini_batch(std::size_t b, std::index_sequence<Bs...>) {
+  return ((b == Bs) || ...);
+}
+
+template <std::size_t... Bs>
+std::vector<std::size_t> built_mini_batches(std::index_sequence<Bs...>) {
+  return {Bs...};
+}
+
+std::size_t checked_mini_batch(const spec& s) {
+  if (!is_built_mini_batch(s.mini_batch, ttt_mini_batch_sizes{})) {
+    throw mb::invalid_argument("mini_batch", "1, 2, 4, 8, 16, 32 or 64 (the sizes the torch ops are built for)",
+                               std::to_string(s.mini_batch),
+                               "Use one of those, or the C++ layer with ttt_mini_batch<b> for another size");
+  }
+  return s.mini_batch;
+}
 
 // ---- The four families: shape, parameters, and the weight/gradient structs by name ----------------
 
@@ -72,10 +96,7 @@ mb::mamba_shape mamba_shape_of(const spec& s) {
   return m;
 }
 mb::ttt_shape ttt_shape_of(const spec& s) {
-  if (s.mini_batch != ttt_mini_batch) {
-    throw mb::invalid_argument("mini_batch", "16 (the torch ops are built for ttt-lm-pytorch's mini_batch_size)",
-                               std::to_string(s.mini_batch), "Use mini_batch=16, or the C++ layer for another size");
-  }
+  (void)checked_mini_batch(s);
   mb::ttt_shape t;
   t.batch = s.batch, t.seq = s.seq, t.width = s.width, t.heads = s.heads, t.use_gate = s.use_gate;
   t.base_lr = s.base_lr, t.rope_base = s.rope_base;
@@ -99,7 +120,7 @@ std::vector<param> parameters_of(const spec& s) {
     std::vector<param> p{{"wq", {C, C}},         {"wk", {C, C}},     {"wv", {C, C}},
                          {"ttt_norm_w", {H, D}}, {"ttt_norm_b", {H, D}}, {"w1", {H, D, F}},
                          {"b1", {H, F}},         {"lr_w", {H, C}},   {"lr_b", {H}},
-                         {"tok_offset", {ttt_mini_batch}}, {"post_w", {C}}, {"post_b", {C}}};
+                         {"tok_offset", {checked_mini_batch(s)}}, {"post_w", {C}}, {"post_b", {C}}};
     if (s.use_gate) p.push_back({"wg", {C, C}});
     p.push_back({"wo", {C, C}});
     if (mlp) {
@@ -203,6 +224,18 @@ std::pair<void*, std::size_t> bytes_in(const array& a) { return {a.data(), bytes
 
 // ---- The calls, per precision ------------------------------------------------------------------------
 
+// f for TTT-Linear's or TTT-MLP's instantiation at the spec's mini-batch (one of Bs).
+template <typename P, bool Mlp, typename F, std::size_t B, std::size_t... Rest>
+decltype(auto) with_ttt(const spec& s, F&& f, std::index_sequence<B, Rest...>) {
+  if constexpr (sizeof...(Rest) > 0) {
+    if (s.mini_batch != B) return with_ttt<P, Mlp>(s, f, std::index_sequence<Rest...>{});
+  }
+  const mb::ttt_shape shape = ttt_shape_of(s);  // refuses a mini-batch that is not built
+  using C = mb::ttt_mini_batch<B>;
+  using L = std::conditional_t<Mlp, mb::ttt_mlp<P, C>, mb::ttt_linear<P, C>>;
+  return f.template operator()<L, ttt_fields>(shape);
+}
+
 // Calls f.template operator()<Layer, Fields>(shape) for the spec's layer at precision P.
 template <typename P, typename F>
 decltype(auto) with_layer(const spec& s, F&& f) {
@@ -214,14 +247,8 @@ decltype(auto) with_layer(const spec& s, F&& f) {
     using L = mb::mamba<P>;
     return f.template operator()<L, mamba_fields>(mamba_shape_of(s));
   }
-  if (s.kind == "ttt_linear") {
-    using L = mb::ttt_linear<P, mb::ttt_mini_batch<ttt_mini_batch>>;
-    return f.template operator()<L, ttt_fields>(ttt_shape_of(s));
-  }
-  if (s.kind == "ttt_mlp") {
-    using L = mb::ttt_mlp<P, mb::ttt_mini_batch<ttt_mini_batch>>;
-    return f.template operator()<L, ttt_fields>(ttt_shape_of(s));
-  }
+  if (s.kind == "ttt_linear") return with_ttt<P, false>(s, f, ttt_mini_batch_sizes{});
+  if (s.kind == "ttt_mlp") return with_ttt<P, true>(s, f, ttt_mini_batch_sizes{});
   (void)parameters_of(s);  // throws, naming `kind`
   throw mb::invalid_argument("kind", "attention, mamba, ttt_linear or ttt_mlp", s.kind, "Name one of the four layers");
 }
@@ -423,5 +450,5 @@ NB_MODULE(_layers, m) {
   m.def("decode_step", &decode_step, nb::arg("spec"), nb::arg("weights"), nb::arg("state").noconvert(),
         nb::arg("position"), nb::arg("max_len"), nb::arg("x_t"), nb::arg("y_t").noconvert(),
         nb::arg("workspace").noconvert(), "y_t = layer(x_t) at `position`; the state advances.");
-  m.attr("ttt_mini_batch") = ttt_mini_batch;
+  m.attr("ttt_mini_batches") = built_mini_batches(ttt_mini_batch_sizes{});
 }

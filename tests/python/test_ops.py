@@ -48,7 +48,8 @@ def rel(ours: torch.Tensor, want: torch.Tensor) -> float:
     return (ours - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def random_ttt_case(kind: str, use_gate: bool, B: int, T: int, C: int, H: int, gen: torch.Generator) -> dict:
+def random_ttt_case(kind: str, use_gate: bool, B: int, T: int, C: int, H: int, gen: torch.Generator,
+                    mini_batch: int = 16) -> dict:
     D = C // H
     Fh = 4 * D if kind == "mlp" else D
 
@@ -56,10 +57,10 @@ def random_ttt_case(kind: str, use_gate: bool, B: int, T: int, C: int, H: int, g
         return (shift + scale * torch.randn(*shape, generator=gen, dtype=f64)).flatten().tolist()
 
     return {
-        "config": {"width": C, "heads": H, "mini_batch": 16, "kind": kind, "use_gate": use_gate, "base_lr": 1.0,
+        "config": {"width": C, "heads": H, "mini_batch": mini_batch, "kind": kind, "use_gate": use_gate, "base_lr": 1.0,
                    "rope_base": 10000.0, "ttt_norm_eps": 1e-6, "post_norm_eps": 1e-6, "batch": B, "seq": T},
         "wq": r(C, C), "wk": r(C, C), "wv": r(C, C), "wo": r(C, C), "wg": r(C, C) if use_gate else [],
-        "lr_weight": r(H, C), "lr_bias": r(H), "token_offset": r(16, scale=0.05),
+        "lr_weight": r(H, C), "lr_bias": r(H), "token_offset": r(mini_batch, scale=0.05),
         "ttt_norm_weight": r(H, D, scale=0.1, shift=1.0), "ttt_norm_bias": r(H, D, scale=0.1),
         "post_norm_weight": r(C, scale=0.1, shift=1.0), "post_norm_bias": r(C, scale=0.1),
         "w1": r(H, D, Fh), "b1": r(H, Fh, scale=0.05),
@@ -81,14 +82,19 @@ def backward_pair(ref: torch.nn.Module, ours: torch.nn.Module, x: torch.Tensor, 
     return yr, yo, xr.grad, xo.grad
 
 
-@pytest.mark.parametrize("kind,use_gate,T", [("linear", False, 37), ("linear", True, 16), ("mlp", True, 21),
-                                             ("mlp", False, 5)])
-def test_ttt_equals_the_upstream_style_reference_and_loads_its_checkpoint(kind, use_gate, T):
+# Lengths around the mini-batch b: 1, b - 1, b, b + 1 and several mini-batches with a remainder.
+@pytest.mark.parametrize("kind,use_gate,T,b", [("linear", False, 37, 16), ("linear", True, 16, 16),
+                                               ("mlp", True, 21, 16), ("mlp", False, 5, 16),
+                                               ("linear", False, 1, 1), ("linear", True, 9, 2), ("mlp", False, 3, 4),
+                                               ("linear", False, 7, 8), ("mlp", True, 9, 8),
+                                               ("linear", True, 70, 32), ("mlp", False, 64, 64),
+                                               ("linear", False, 129, 64)])
+def test_ttt_equals_the_upstream_style_reference_and_loads_its_checkpoint(kind, use_gate, T, b):
     gen = torch.Generator().manual_seed(11)
     B, C, H = 2, 32, 4
-    ref = ttt_reference_check.TTTLayer(random_ttt_case(kind, use_gate, B, T, C, H, gen), upstream_gelu=False)
+    ref = ttt_reference_check.TTTLayer(random_ttt_case(kind, use_gate, B, T, C, H, gen, b), upstream_gelu=False)
     cls = mnn.TTTMLP if kind == "mlp" else mnn.TTTLinear
-    ours = cls(C, H, use_gate=use_gate, dtype=f64)
+    ours = cls(C, H, use_gate=use_gate, mini_batch=b, dtype=f64)
     ours.load_state_dict(upstream_state(ref), strict=True)
     assert set(ours.state_dict()) == set(upstream_state(ref))
     x = torch.randn(B, T, C, dtype=f64, generator=gen)
@@ -195,6 +201,17 @@ def test_gradcheck_in_float64(kind):
     assert torch.autograd.gradcheck(lambda x, *w: f(x, list(w), **CASES[kind]), (x, *ws), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind,b", [("ttt_linear", 4), ("ttt_mlp", 8)])
+def test_gradcheck_in_float64_at_other_mini_batches(kind, b):
+    x = torch.randn(1, 2 * b + 3, 16, dtype=f64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    kw = dict(CASES[kind], mini_batch=b)
+    gen = torch.Generator().manual_seed(3)
+    ws = [(0.5 * torch.randn(*shape, generator=gen, dtype=f64)).requires_grad_(True)
+          for _, shape in ops.parameters(kind, 16, **kw)]
+    f = getattr(ops, kind)
+    assert torch.autograd.gradcheck(lambda x, *w: f(x, list(w), **kw), (x, *ws), eps=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_opcheck(kind):
     fwd, bwd = ops._OPS[kind]
@@ -257,7 +274,7 @@ def test_parameters_and_sizes_take_the_ops_defaults():
 
 def _defaults(kind):
     return {"attention": (4, 4, 4, True, 0, 10000.0), "mamba": (32, 16, 4, 1),
-            "ttt_linear": (2, False, 1.0, 10000.0), "ttt_mlp": (2, False, 1.0, 10000.0)}[kind]
+            "ttt_linear": (2, False, 1.0, 10000.0, 16), "ttt_mlp": (2, False, 1.0, 10000.0, 16)}[kind]
 
 
 class Hybrid(torch.nn.Module):
@@ -288,6 +305,47 @@ def test_torch_compile_traces_the_ops_in_one_graph():
         y.square().sum().backward()
         assert rel(y.detach(), eager.detach()) < 1e-12, backend
         assert all(rel(p.grad, g) < 1e-11 for p, g in zip(model.parameters(), eager_grads)), backend
+
+
+def test_torch_compile_with_dynamic_shapes_traces_once():
+    """dynamic=True: one graph for every batch and length (the saved bytes are an unbacked size in
+    the trace; each eager call still allocates the layer's exact bytes)."""
+    torch.manual_seed(0)
+    model = Hybrid(f64)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting, dynamic=True, fullgraph=True)
+    for B, T in ((2, 24), (3, 40), (2, 7), (4, 100)):
+        x = torch.randn(B, T, 32, dtype=f64)
+        model.zero_grad()
+        y = compiled(x)
+        y.square().sum().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        want = model(x)
+        want.square().sum().backward()
+        assert torch.equal(y, want)
+        assert all(torch.equal(g, p.grad) for g, p in zip(got, model.parameters()))
+    assert len(graphs) == 1
+    for backend in ("aot_eager", "inductor"):  # autograd through the unbacked size, and inductor's code
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+        for B, T in ((2, 24), (3, 41)):
+            x = torch.randn(B, T, 32, dtype=f64)
+            model.zero_grad()
+            y = compiled(x)
+            y.square().sum().backward()
+            got = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            want = model(x)
+            want.square().sum().backward()
+            assert rel(y.detach(), want.detach()) < 1e-12, backend
+            assert all(rel(g, p.grad) < 1e-11 for g, p in zip(got, model.parameters())), backend
 
 
 @pytest.mark.parametrize("kind", list(CASES))
@@ -332,6 +390,15 @@ def test_bad_input_is_a_typed_error_naming_the_argument():
     with pytest.raises(membound.InvalidArgument) as e:
         mnn.TTTLinear(30, 4)
     assert e.value.argument == "heads"
+    with pytest.raises(membound.InvalidArgument) as e:
+        mnn.TTTLinear(32, 4, mini_batch=12)
+    assert e.value.argument == "mini_batch" and "(1, 2, 4, 8, 16, 32, 64)" in str(e.value)
+    with pytest.raises(membound.InvalidArgument) as e:
+        ops.ttt_linear(x, ws, **kw, mini_batch=12)
+    assert e.value.argument == "mini_batch" and "got 12" in str(e.value)
+    with pytest.raises(membound.InvalidArgument) as e:  # a token offset of 16 for mini-batches of 8
+        ops.ttt_linear(x, ws, **kw, mini_batch=8)
+    assert e.value.argument == "weights[9] (tok_offset)" and "8 elements" in str(e.value)
     # Nothing was changed by the refused calls: the same call gives the answer it gave before them.
     assert torch.equal(ops.ttt_linear(x, ws, **kw), before)
 
@@ -364,10 +431,12 @@ def test_a_thousand_calls_hold_no_memory():
 @pytest.mark.parametrize("make", [
     lambda: mnn.TTTLinear(32, 4, use_gate=True, dtype=f64),
     lambda: mnn.TTTMLP(32, 2, dtype=f64),
+    lambda: mnn.TTTLinear(32, 4, mini_batch=4, dtype=f64),
+    lambda: mnn.TTTMLP(32, 2, mini_batch=64, dtype=f64),
     lambda: mnn.Mamba(32, dtype=f64),
     lambda: mnn.Attention(32, 4, 2, 8, dtype=f64),
     lambda: mnn.Attention(32, 4, 2, 8, window=5, dtype=f64),
-], ids=["ttt_linear", "ttt_mlp", "mamba", "attention", "attention_window"])
+], ids=["ttt_linear", "ttt_mlp", "ttt_linear_b4", "ttt_mlp_b64", "mamba", "attention", "attention_window"])
 def test_stepping_token_by_token_equals_forward(make):
     torch.manual_seed(9)
     m = make()
