@@ -460,17 +460,10 @@ class trainer {
       // Weighted by counted targets (per sequence: b when nothing is ignored), so the result is
       // the mean over every counted target whatever the batches hold.
       const double counted = static_cast<double>(counted_host()) / static_cast<double>(T);
-      const auto run = [&](auto&& weights) {
+      sum += counted * with_weights([&](auto& weights) {
         return m_.loss(weights, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
                        plan_.head_chunk, alloc_, ex_);
-      };
-      if (zero3()) {
-        // ZeRO-3: each block's weights gathered as the forward reaches it (a collective).
-        typename exchange_type::gathered_weights gathered(*exchange_, w_);
-        sum += counted * run(gathered);
-      } else {
-        sum += counted * run(w_);
-      }
+      });
       weight += counted;
     }
     return weight == 0 ? 0.0 : sum / weight;
@@ -482,12 +475,7 @@ class trainer {
   // is reached (a rank that fails in it leaves the others in a gather, as evaluate does).
   void next_token_logits(const std::int32_t* tokens, batch_shape b, double* logits) {
     follow_stream();
-    if (zero3()) {
-      typename exchange_type::gathered_weights gathered(*exchange_, w_);
-      m_.next_token_logits(gathered, tokens, b, logits, alloc_, ex_);
-    } else {
-      m_.next_token_logits(w_, tokens, b, logits, alloc_, ex_);
-    }
+    with_weights([&](auto& weights) { m_.next_token_logits(weights, tokens, b, logits, alloc_, ex_); });
   }
 
   // ---- Checkpoints ------------------------------------------------------------------------------
@@ -1201,6 +1189,17 @@ class trainer {
   std::size_t weight_bytes() const noexcept { return exchange_->weight_bytes(); }
   // The weights of this rank's optimizer shard.
   S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
+  // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
+  // (their buffer from the allocator for the call; each block gathered as it is reached).
+  template <typename F>
+  decltype(auto) with_weights(F&& f) {
+    if (zero3()) {
+      typename exchange_type::gathered_weights gathered(*exchange_, w_);
+      return f(gathered);
+    }
+    S* w = w_;
+    return f(w);
+  }
   bool whole_overlapped() const noexcept { return exchange_->whole_overlapped(); }
   std::size_t grad_bytes() const noexcept { return exchange_->grad_bytes(); }
   // The summed gradient of this rank's optimizer shard.
