@@ -16621,6 +16621,24 @@ class model {
   }
   // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
+
+  // The weight units a weight source is asked for (use(unit, next), see forward_backward_routed):
+  // blocks 0 .. depth() - 1, embedding_unit() (the table, read by the lookup) and head_unit() (the
+  // final norm and the table it projects with); no_unit: no op follows.
+  std::size_t embedding_unit() const noexcept { return depth(); }
+  std::size_t head_unit() const noexcept { return depth() + 1; }
+  static constexpr std::size_t no_unit = static_cast<std::size_t>(-1);
+  // A unit's parts of the flat array, the second empty but for a tied head, whose table is the
+  // embedding's: {head_parameters(), embedding_parameters()}, in that order (the flat array's
+  // end, then its start: a rank's shard meets at most one of them unless it holds every block).
+  std::array<shard_range, 2> unit_parameters(std::size_t unit) const {
+    if (unit < depth()) return {block_parameters(unit), shard_range{}};
+    if (unit == embedding_unit()) return {embedding_parameters(), shard_range{}};
+    if (unit == head_unit())
+      return {head_parameters(), cfg_.tie_embeddings ? embedding_parameters() : shard_range{}};
+    throw invalid_argument("unit", "a block below " + std::to_string(depth()) + ", embedding_unit() or head_unit()",
+                           std::to_string(unit), "Name a unit as the model numbers them");
+  }
   // Block i's mixer name: "attention", "mamba", "ttt_linear", "ttt_mlp" or "local_attention".
   const char* block_name(std::size_t i) const {
     const char* n = "";
@@ -16817,9 +16835,10 @@ class model {
   // tensors are (so a caller that allocates there adds its bytes on top of that op's own).
   //
   // w: the weights, one flat array, or a weight source kept elsewhere (ZeRO-3's shards, see
-  // flat_weights): w.use_block(i, next) runs before every op that reads block i's weights (next:
-  // the block the op after it reads, depth() when none), then w.at(offset) is where the weight
-  // at `offset` is read; the embedding's and the head's are read through at() without a call.
+  // flat_weights): w.use(unit, next) runs before every op that reads a weight unit (block i's
+  // forwards and backward: unit i; the embedding lookup: embedding_unit(); the loss:
+  // head_unit()), next being the unit the next such op reads (no_unit when none); then
+  // w.at(offset) is where the weight at `offset` is read, until the next use().
   template <typename Allocator, typename Weights, typename Router, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
   double forward_backward_routed(Weights&& w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
@@ -16844,8 +16863,8 @@ class model {
     const S* w = nullptr;  // the weight array, parameter_elements() long
     // Where the weight at `offset` is read.
     const S* at(std::size_t offset) const noexcept { return w + offset; }
-    // Nothing to do: the flat array holds every block's weights throughout.
-    void use_block(std::size_t, std::size_t) const noexcept {}
+    // Nothing to do: the flat array holds every unit's weights throughout.
+    void use(std::size_t, std::size_t) const noexcept {}
   };
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -16903,6 +16922,7 @@ class model {
     const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, &ex, depth());
     const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex), true, nullptr);
+    w.use(head_unit(), no_unit);
     const auto hw = head_weights(w);
     std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
     const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
@@ -17030,23 +17050,25 @@ class model {
     S* delta = nullptr;
     double loss_sum = 0;
 
-    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
-
-    // For each op, the block the next op that reads a block's weights reads (L: none); a flat
-    // array needs no word of it.
+    // For each op, the unit the next op that reads weights reads (no_unit: none); a flat array
+    // needs no word of it.
     constexpr bool flat = std::is_same_v<Weights, flat_weights>;
-    std::vector<std::size_t> next_use(flat ? 0 : ops.size(), L);
-    for (std::size_t k = next_use.size(), after = L; k-- > 0;) {
-      next_use[k] = after;
-      if (reads_weights(ops[k].kind)) after = ops[k].block;
+    std::vector<std::size_t> next_use(flat ? 0 : ops.size(), no_unit);
+    std::size_t first_use = no_unit;
+    for (std::size_t k = next_use.size(); k-- > 0;) {
+      next_use[k] = first_use;
+      if (reads_weights(ops[k].kind)) first_use = unit_read(ops[k]);
     }
+
+    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
+    if constexpr (!flat) w.use(embedding_unit(), first_use);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
 
     for (std::size_t k = 0; k < ops.size(); ++k) {
       const chain_op& op = ops[k];
       const std::size_t i = op.block;
       if constexpr (!flat) {
-        if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
+        if (reads_weights(op.kind)) w.use(unit_read(op), next_use[k]);
       }
       switch (op.kind) {
         case chain_op_kind::advance:
@@ -17149,6 +17171,7 @@ class model {
     live_set<Allocator> live(alloc, ex, depth());
     moe_stats experts{};
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads, false, &experts);
+    w.use(head_unit(), no_unit);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
     double total = 0;
@@ -17160,6 +17183,7 @@ class model {
   }
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).
+  // The caller reads the head next (w.use(head_unit(), ...)).
   // inference: a mixture of experts computes every choice (no capacity, as Mixtral and
   // Switch's evaluation do: a prompt of a few tokens would otherwise leave experts no slot).
   template <bool Run, typename Weights, typename Live>
@@ -17167,9 +17191,10 @@ class model {
                   std::size_t threads, bool inference, moe_stats* moe) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
+    w.use(embedding_unit(), depth() > 0 ? 0 : head_unit());
     if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
-      w.use_block(i, i + 1);
+      w.use(i, i + 1 < depth() ? i + 1 : head_unit());
       visit_block(i, [&]<typename B>(B*) {
         auto d = B::make_dims(cfg_, b);
         if (inference) B::without_capacity(d);
@@ -17355,10 +17380,13 @@ class model {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {w.at(params_[head_first_].offset), w.at(params_[table].offset)};
   }
-  // Which ops read a block's weights: its forwards and its backward.
+  // Which ops read weights: a block's forwards and its backward (its unit), the loss (the head's).
   static constexpr bool reads_weights(chain_op_kind k) noexcept {
     return k == chain_op_kind::advance || k == chain_op_kind::tape || k == chain_op_kind::retape ||
-           k == chain_op_kind::backward;
+           k == chain_op_kind::backward || k == chain_op_kind::loss;
+  }
+  std::size_t unit_read(const chain_op& op) const noexcept {
+    return op.kind == chain_op_kind::loss ? head_unit() : op.block;
   }
   // A weight array as flat_weights; a weight source as it is. A null array is named.
   static flat_weights weight_source(const S* w) {
@@ -17372,8 +17400,8 @@ class model {
   static Weights& weight_source(Weights& w) noexcept {
     static_assert(requires(const Weights& c, Weights& m, std::size_t k) {
       { c.at(k) } -> std::convertible_to<const S*>;
-      m.use_block(k, k);
-    }, "membound: a weight source offers const S* at(offset) and use_block(i, next): see flat_weights");
+      m.use(k, k);
+    }, "membound: a weight source offers const S* at(offset) and use(unit, next): see flat_weights");
     return w;
   }
   template <typename Router>
@@ -17924,21 +17952,40 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero >= 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
-// The parameter elements of the largest block (its part of the flat array, padding included).
+// The parameter elements of a weight unit (Model::unit_parameters: a block, the embedding, the head).
 template <typename Model>
-std::size_t largest_block_elements(const Model& m) {
-  std::size_t most = 0;
-  for (std::size_t i = 0; i < m.depth(); ++i) most = std::max(most, m.block_parameters(i).size());
-  return most;
+std::size_t weight_unit_elements(const Model& m, std::size_t unit) {
+  const auto p = m.unit_parameters(unit);
+  return sat_add(p[0].size(), p[1].size());
 }
 
-// ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather): the
-// embedding's and the head's, then one slot of the largest block's, or two with `prefetch`
-// (gradient_shards::overlap: the block an op reads, and the next one's gather in flight).
+// ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather). One slot holds
+// the unit an op reads (gathered before it, kept while the next op reads it too): the largest
+// unit's elements. With `prefetch` (gradient_shards::overlap) a second slot takes the gather of
+// the unit the next op reads while this one runs; the two slots start at the buffer's two ends,
+// so they hold any two units read one after the other: the embedding and block 0, two blocks
+// (a recompute can follow any block by any), a block and the head (the loss is followed by
+// the backward of the last block, or by a recompute of any), and the embedding and the head
+// when there are no blocks.
 template <typename Model>
 std::size_t weight_gather_bytes(const Model& m, bool prefetch) {
-  return bytes_of<typename Model::storage_type>(sat_add(m.embedding_parameters().size(), m.head_parameters().size(),
-                                                        sat_mul(largest_block_elements(m), prefetch ? 2 : 1)));
+  const std::size_t L = m.depth();
+  const std::size_t E = weight_unit_elements(m, m.embedding_unit()), H = weight_unit_elements(m, m.head_unit());
+  std::size_t first = 0, second = 0;  // the two largest blocks
+  for (std::size_t i = 0; i < L; ++i) {
+    const std::size_t b = weight_unit_elements(m, i);
+    if (b > first) {
+      second = std::exchange(first, b);
+    } else if (b > second) {
+      second = b;
+    }
+  }
+  std::size_t most = std::max({E, H, first});
+  if (prefetch) {
+    most = L == 0 ? sat_add(E, H)
+                  : std::max({sat_add(E, weight_unit_elements(m, 0)), sat_add(H, first), sat_add(first, second)});
+  }
+  return bytes_of<typename Model::storage_type>(most);
 }
 
 namespace detail {
@@ -20025,35 +20072,25 @@ class gradient_exchange {
   // The weights of a micro-batch or an evaluation under ZeRO-3 (a weight source of the model's
   // forward_backward_routed, loss and next_token_logits): one buffer of weight_gather_bytes from
   // the trainer's allocator, made at construction (before the micro-batch's own bytes, as the
-  // planner counts it) and given back at destruction. The embedding's and the head's weights are
-  // gathered into it at construction; the slot after them holds a block (two slots with overlap).
-  // use_block(i, next) makes block i's weights present (completing its prefetch, or gathering it
-  // into the slot not used last, unless a slot holds it: a block's forward and its backward, or
-  // its recompute, read the same bits, since the weights change only in the optimizer step); with
-  // two slots it then starts the gather of `next` into the other one, non-blocking
-  // (prefetching_communicator), unless a slot holds it: it runs while block i computes. A gather
-  // is every rank's part of the range (its shard's overlap with it) copied into place, then
-  // all_gather_blocks.
+  // planner counts it) and given back at destruction. It holds weight units (Model::
+  // unit_parameters: a block, the embedding, the head) in one slot, or two with overlap; the
+  // two slots start at the buffer's two ends. use(u, next) makes unit u's weights present
+  // (completing its prefetch, or gathering it into the slot not used last, unless a slot holds
+  // it: a block's forward and its backward, or its recompute, read the same bits, since the
+  // weights change only in the optimizer step); with two slots it then starts the gather of
+  // `next` into the other one, non-blocking (prefetching_communicator), unless a slot holds it:
+  // it runs while unit u computes. So the embedding's table is present for the lookup and the
+  // head's for the loss, not in between. A gather is every rank's part of the unit (its shard's
+  // overlap with it) copied into place, then one all_gather_blocks; a unit that some rank meets
+  // in two pieces (a tied head's table and norm, on a rank holding every block) is gathered part
+  // by part, blocking.
   class gathered_weights {
    public:
     // shard: the weights this rank keeps (weight_elements()).
     gathered_weights(gradient_exchange& t, const S* shard) : t_(t), shard_w_(shard) {
-      e_ = t.m_.embedding_parameters();
-      h_ = t.m_.head_parameters();
-      none_ = t.m_.depth();
       slots_n_ = t.overlap_ ? 2 : 1;  // the trainer refuses overlap without a prefetching communicator
       bytes_ = weight_gather_bytes(t.m_, slots_n_ == 2);
       buf_ = static_cast<S*>(t.alloc_.allocate(bytes_, default_alignment, memory_tag::weights));
-      slots_[0].base = buf_ + e_.size() + h_.size();
-      slots_[1].base = slots_[0].base + largest_block_elements(t.m_);  // used with two slots only
-      for (slot& k : slots_) k.block = none_;
-      try {
-        gather(e_, buf_);
-        gather(h_, buf_ + e_.size());
-      } catch (...) {
-        t.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
-        throw;
-      }
     }
     gathered_weights(const gathered_weights&) = delete;
     gathered_weights& operator=(const gathered_weights&) = delete;
@@ -20062,39 +20099,37 @@ class gradient_exchange {
       t_.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
     }
     const S* at(std::size_t offset) const noexcept {
-      if (offset < e_.end) return buf_ + offset;
-      if (offset >= h_.begin) return buf_ + e_.size() + (offset - h_.begin);
       const slot& k = slots_[current_];
-      return k.base + (offset - k.range.begin);
+      const shard_range p = k.parts[0];
+      if (offset >= p.begin && offset < p.end) return k.base + (offset - p.begin);
+      return k.base + p.size() + (offset - k.parts[1].begin);
     }
-    void use_block(std::size_t i, std::size_t next) {
+    void use(std::size_t u, std::size_t next) {
       if (flight_slot_ < 2) {
-        // The prefetch (of i, as the op order said) completes here; another block's is kept too.
+        // The prefetch (of u, as the op order said) completes here; another unit's is kept too.
         flight_.wait();
-        slots_[flight_slot_].block = flight_block_;
+        slots_[flight_slot_].unit = flight_unit_;
         flight_slot_ = 2;
       }
-      std::size_t k = holding(i);
+      std::size_t k = holding(u);
       if (k == 2) {
         k = slots_n_ == 1 ? 0 : 1 - current_;  // the slot not used last
-        slots_[k].block = none_;  // holds nothing whole until the gather completes
-        const shard_range r = t_.m_.block_parameters(i);
-        gather(r, slots_[k].base);
-        slots_[k].range = r;
-        slots_[k].block = i;
+        place(k, u);
+        gather(slots_[k]);
+        slots_[k].unit = u;
       }
       current_ = k;
       if constexpr (prefetching_communicator<Communicator>) {
-        if (slots_n_ == 2 && next < none_ && holding(next) == 2) {
+        if (slots_n_ == 2 && next != Model::no_unit && holding(next) == 2) {
           const std::size_t o = 1 - k;
-          const shard_range r = t_.m_.block_parameters(next);
-          slots_[o].block = none_;
-          copy_mine(r, slots_[o].base);
-          flight_ = t_.comm_.start_all_gather_blocks(slots_[o].base, t_.blocks_.data());
-          (void)flight_.test();  // MPI moves a started collective on only inside its calls: a first push
-          slots_[o].range = r;
-          flight_slot_ = o;
-          flight_block_ = next;
+          place(o, next);
+          copy_mine(slots_[o]);
+          if (unit_blocks(slots_[o])) {
+            flight_ = t_.comm_.start_all_gather_blocks(slots_[o].base, t_.blocks_.data());
+            (void)flight_.test();  // MPI moves a started collective on only inside its calls: a first push
+            flight_slot_ = o;
+            flight_unit_ = next;
+          }  // else: gathered part by part when it is used
         }
       }
     }
@@ -20102,42 +20137,82 @@ class gradient_exchange {
    private:
     struct slot {
       S* base = nullptr;
-      shard_range range{};
-      std::size_t block = 0;  // none_: nothing whole
+      std::array<shard_range, 2> parts{};  // the unit's parts, laid out one after the other from base
+      std::size_t unit = Model::no_unit;   // no_unit: nothing whole
     };
-    std::size_t holding(std::size_t i) const noexcept {
+    std::size_t holding(std::size_t u) const noexcept {
       for (std::size_t k = 0; k < slots_n_; ++k)
-        if (slots_[k].block == i) return k;
+        if (slots_[k].unit == u) return k;
       return 2;
     }
-    // Fills t_.blocks_ with every rank's part of r and copies this rank's into dst.
-    void copy_mine(shard_range r, S* dst) {
-      const shard_range mine = t_.range_blocks(r);
-      if (mine.size() != 0) {
-        std::memcpy(static_cast<void*>(dst + (mine.begin - r.begin)),
-                    static_cast<const void*>(shard_w_ + (mine.begin - t_.shard_.begin)), mine.size() * sizeof(S));
+    // Slot k takes unit u (holding nothing whole until its gather completes): slot 0 from the
+    // buffer's start, slot 1 ending at its end.
+    void place(std::size_t k, std::size_t u) {
+      slot& s = slots_[k];
+      s.unit = Model::no_unit;
+      s.parts = t_.m_.unit_parameters(u);
+      const std::size_t n = s.parts[0].size() + s.parts[1].size();
+      s.base = k == 0 ? buf_ : buf_ + (bytes_ / sizeof(S) - n);
+    }
+    // Copies this rank's part of the slot's unit into place.
+    void copy_mine(const slot& s) {
+      std::size_t at = 0;
+      for (const shard_range p : s.parts) {
+        const shard_range mine = overlap(t_.shard_, p.begin, p.end);
+        if (mine.size() != 0) {
+          std::memcpy(static_cast<void*>(s.base + at + (mine.begin - p.begin)),
+                      static_cast<const void*>(shard_w_ + (mine.begin - t_.shard_.begin)), mine.size() * sizeof(S));
+        }
+        at += p.size();
       }
     }
-    void gather(shard_range r, S* dst) {
+    // Fills t_.blocks_ with every rank's part of the slot's unit in its layout; false when a rank's
+    // part is two pieces there.
+    bool unit_blocks(const slot& s) {
+      const shard_range p0 = s.parts[0], p1 = s.parts[1];
+      const std::size_t N = t_.world();
+      for (std::size_t r = 0; r < N; ++r) {
+        const shard_range sh = shard_of(t_.n_, N, r);
+        const shard_range o0 = overlap(sh, p0.begin, p0.end), o1 = overlap(sh, p1.begin, p1.end);
+        const shard_range a0{o0.begin - p0.begin, o0.end - p0.begin};
+        const shard_range a1{p0.size() + (o1.begin - p1.begin), p0.size() + (o1.end - p1.begin)};
+        if (o1.size() == 0) {
+          t_.blocks_[r] = a0;
+        } else if (o0.size() == 0) {
+          t_.blocks_[r] = a1;
+        } else if (a0.end == a1.begin) {
+          t_.blocks_[r] = {a0.begin, a1.end};
+        } else {
+          return false;
+        }
+      }
+      return true;
+    }
+    void gather(const slot& s) {
       if constexpr (gathering_communicator<Communicator>) {
-        copy_mine(r, dst);
-        t_.comm_.all_gather_blocks(dst, t_.blocks_.data());
+        copy_mine(s);
+        if (unit_blocks(s)) {
+          t_.comm_.all_gather_blocks(s.base, t_.blocks_.data());
+          return;
+        }
+        for (std::size_t i = 0, at = 0; i < 2; at += s.parts[i].size(), ++i) {
+          if (s.parts[i].size() == 0) continue;
+          (void)t_.range_blocks(s.parts[i]);
+          t_.comm_.all_gather_blocks(s.base + at, t_.blocks_.data());
+        }
       } else {
-        (void)r;
-        (void)dst;  // the trainer refuses ZeRO-3 over a communicator without all_gather_blocks
+        (void)s;  // the trainer refuses ZeRO-3 over a communicator without all_gather_blocks
       }
     }
     gradient_exchange& t_;
     const S* shard_w_;
-    shard_range e_{}, h_{};
-    std::size_t none_ = 0;
     std::size_t bytes_ = 0;
     S* buf_ = nullptr;
     slot slots_[2];
     std::size_t slots_n_ = 1;
     std::size_t current_ = 1;  // the slot the current op reads (1: slot 0 is used first)
-    pending_gather flight_{};                     // a prefetch in flight
-    std::size_t flight_slot_ = 2, flight_block_ = 0;  // its slot (2: none) and block
+    pending_gather flight_{};                              // a prefetch in flight
+    std::size_t flight_slot_ = 2, flight_unit_ = 0;        // its slot (2: none) and unit
   };
 
   // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------

@@ -572,14 +572,15 @@ int main(int argc, char** argv) {
                   std::to_string((n - shard.size()) * sizeof(float)) + " weight bytes others hold, plus " +
                   std::to_string(gather) + " gathered");
         // Bytes sent: ZeRO-2's less its weight all-gather, plus every gather's part of this rank
-        // (the embedding's and head's per micro-batch, then each block as schedule none reads it:
-        // forward 0..L-1; backward L-1 still in the slot (with two slots L-2 too, prefetched
-        // during L-1's forward), the others gathered again: 2L - 1 gathers, overlapped 2L - 2).
+        // (per micro-batch, as schedule none reads the units: the embedding, forward 0..L-1, the
+        // head (its norm and the tied table), backward L-1..0. One slot gathers every block twice;
+        // with two, the backward finds block L-1 still in its slot).
         const auto part = [&](mb::shard_range r) -> std::uint64_t {
           return 4 * mb::overlap(shard, r.begin, r.end).size() * (N - 1);
         };
-        std::uint64_t per_micro = part(m.embedding_parameters()) + part(m.head_parameters());
-        const std::size_t L = m.depth(), kept = ov ? 2 : 1;  // blocks the backward finds in a slot
+        std::uint64_t per_micro = part(m.embedding_parameters()) + part(m.head_parameters()) +
+                                  (m.config().tie_embeddings ? part(m.embedding_parameters()) : 0);
+        const std::size_t L = m.depth(), kept = ov ? 1 : 0;  // blocks the backward finds in a slot
         for (std::size_t i = 0; i < L; ++i) per_micro += part(m.block_parameters(i)) * (i + kept >= L ? 1 : 2);
         const std::uint64_t s3 = shard.size();
         const std::uint64_t per_step = A * 4 * (n - s3) + A * per_micro + 8 * (N - 1) + (me == 0 ? 16 * (N - 1) : 16);
@@ -591,6 +592,25 @@ int main(int argc, char** argv) {
                       ov ? " overlapped" : "", A, z3.memory.weights, m.weight_bytes(), gather, z3.peak, z2.peak,
                       static_cast<double>(z3.bytes_sent) / steps, static_cast<double>(z2.bytes_sent) / steps);
         }
+      }
+    }
+    // The head's units on other models: an untied head (its own table, one piece), and a tied
+    // table larger than the blocks, so that on 2 ranks rank 1's shard meets both the table and
+    // the final norm (the head gathered part by part, blocking, and not prefetched).
+    for (const bool tied : {false, true}) {
+      mb::model_config c = membound_test::small_config();
+      c.tie_embeddings = tied;
+      if (tied) c.vocab = 4000;
+      const model_t mm(c);
+      for (const bool ov : {false, true}) {
+        const std::string at = std::string("ZeRO-3") + (ov ? " overlapped" : "") + (tied ? ", a tied table of 4000" :
+                                                                                              ", an untied head") + ": ";
+        const run z2 = data_parallel(mm, comm, 2, 1, ov);
+        const run z3 = data_parallel(mm, comm, 3, 1, ov);
+        check(z3.peak == z3.predicted, at + "measured peak " + std::to_string(z3.peak) + " == predicted " +
+                                           std::to_string(z3.predicted));
+        check(same_bits(z3.losses, z2.losses) && z3.optimizer == z2.optimizer,
+              at + "ZeRO-2's losses and optimizer state, bit for bit");
       }
     }
     // A ZeRO-2 plan given to a ZeRO-3 trainer is refused, naming the plan (its weights differ).

@@ -209,7 +209,8 @@ class mpi_communicator {
   }
   // In place: data + blocks[r].begin holds rank r's blocks[r].size() elements on rank r; after,
   // every rank holds every block (ZeRO-3's gather of one block's weights from the ranks' shards).
-  // blocks: size() ranges, the same on every rank, in rank order and not overlapping.
+  // blocks: size() ranges, the same on every rank, not overlapping (in any order: ZeRO-3's tied
+  // head lays the array's end before its start).
   template <typename T>
   void all_gather_blocks(T* data, const shard_range* blocks) {
     static_assert(std::is_trivially_copyable_v<T>, "membound: all_gather_blocks copies bytes: T must be trivially copyable");

@@ -307,6 +307,24 @@ class model {
   }
   // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
+
+  // The weight units a weight source is asked for (use(unit, next), see forward_backward_routed):
+  // blocks 0 .. depth() - 1, embedding_unit() (the table, read by the lookup) and head_unit() (the
+  // final norm and the table it projects with); no_unit: no op follows.
+  std::size_t embedding_unit() const noexcept { return depth(); }
+  std::size_t head_unit() const noexcept { return depth() + 1; }
+  static constexpr std::size_t no_unit = static_cast<std::size_t>(-1);
+  // A unit's parts of the flat array, the second empty but for a tied head, whose table is the
+  // embedding's: {head_parameters(), embedding_parameters()}, in that order (the flat array's
+  // end, then its start: a rank's shard meets at most one of them unless it holds every block).
+  std::array<shard_range, 2> unit_parameters(std::size_t unit) const {
+    if (unit < depth()) return {block_parameters(unit), shard_range{}};
+    if (unit == embedding_unit()) return {embedding_parameters(), shard_range{}};
+    if (unit == head_unit())
+      return {head_parameters(), cfg_.tie_embeddings ? embedding_parameters() : shard_range{}};
+    throw invalid_argument("unit", "a block below " + std::to_string(depth()) + ", embedding_unit() or head_unit()",
+                           std::to_string(unit), "Name a unit as the model numbers them");
+  }
   // Block i's mixer name: "attention", "mamba", "ttt_linear", "ttt_mlp" or "local_attention".
   const char* block_name(std::size_t i) const {
     const char* n = "";
@@ -503,9 +521,10 @@ class model {
   // tensors are (so a caller that allocates there adds its bytes on top of that op's own).
   //
   // w: the weights, one flat array, or a weight source kept elsewhere (ZeRO-3's shards, see
-  // flat_weights): w.use_block(i, next) runs before every op that reads block i's weights (next:
-  // the block the op after it reads, depth() when none), then w.at(offset) is where the weight
-  // at `offset` is read; the embedding's and the head's are read through at() without a call.
+  // flat_weights): w.use(unit, next) runs before every op that reads a weight unit (block i's
+  // forwards and backward: unit i; the embedding lookup: embedding_unit(); the loss:
+  // head_unit()), next being the unit the next such op reads (no_unit when none); then
+  // w.at(offset) is where the weight at `offset` is read, until the next use().
   template <typename Allocator, typename Weights, typename Router, typename Observer = ignore_check_points>
     requires std::invocable<Observer&, check_point>
   double forward_backward_routed(Weights&& w, Router& grads, const std::int32_t* tokens, const std::int32_t* targets,
@@ -530,8 +549,8 @@ class model {
     const S* w = nullptr;  // the weight array, parameter_elements() long
     // Where the weight at `offset` is read.
     const S* at(std::size_t offset) const noexcept { return w + offset; }
-    // Nothing to do: the flat array holds every block's weights throughout.
-    void use_block(std::size_t, std::size_t) const noexcept {}
+    // Nothing to do: the flat array holds every unit's weights throughout.
+    void use(std::size_t, std::size_t) const noexcept {}
   };
 
   // The default router: one flat array of parameter_elements() gradients.
@@ -589,6 +608,7 @@ class model {
     const std::size_t C = cfg_.width, V = cfg_.vocab;
     live_set<Allocator> live(alloc, &ex, depth());
     const S* x = forward_only<true>(w, tokens, b, live, &ex, workspace_threads(ex), true, nullptr);
+    w.use(head_unit(), no_unit);
     const auto hw = head_weights(w);
     std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
     const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
@@ -716,23 +736,25 @@ class model {
     S* delta = nullptr;
     double loss_sum = 0;
 
-    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
-    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
-
-    // For each op, the block the next op that reads a block's weights reads (L: none); a flat
-    // array needs no word of it.
+    // For each op, the unit the next op that reads weights reads (no_unit: none); a flat array
+    // needs no word of it.
     constexpr bool flat = std::is_same_v<Weights, flat_weights>;
-    std::vector<std::size_t> next_use(flat ? 0 : ops.size(), L);
-    for (std::size_t k = next_use.size(), after = L; k-- > 0;) {
-      next_use[k] = after;
-      if (reads_weights(ops[k].kind)) after = ops[k].block;
+    std::vector<std::size_t> next_use(flat ? 0 : ops.size(), no_unit);
+    std::size_t first_use = no_unit;
+    for (std::size_t k = next_use.size(); k-- > 0;) {
+      next_use[k] = first_use;
+      if (reads_weights(ops[k].kind)) first_use = unit_read(ops[k]);
     }
+
+    x[0] = static_cast<S*>(live.get(a, memory_tag::activations));
+    if constexpr (!flat) w.use(embedding_unit(), first_use);
+    if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x[0], N, C, cfg_.vocab);
 
     for (std::size_t k = 0; k < ops.size(); ++k) {
       const chain_op& op = ops[k];
       const std::size_t i = op.block;
       if constexpr (!flat) {
-        if (reads_weights(op.kind)) w.use_block(i, next_use[k]);
+        if (reads_weights(op.kind)) w.use(unit_read(op), next_use[k]);
       }
       switch (op.kind) {
         case chain_op_kind::advance:
@@ -835,6 +857,7 @@ class model {
     live_set<Allocator> live(alloc, ex, depth());
     moe_stats experts{};
     S* x = forward_only<Run>(w, tokens, b, live, ex, threads, false, &experts);
+    w.use(head_unit(), no_unit);
     const std::size_t wsb = head_type::workspace_bytes(hs, threads);
     void* ws = live.get(wsb, memory_tag::workspace);
     double total = 0;
@@ -846,6 +869,7 @@ class model {
   }
 
   // Embedding and every block in advance mode; returns the last block's output (held by live).
+  // The caller reads the head next (w.use(head_unit(), ...)).
   // inference: a mixture of experts computes every choice (no capacity, as Mixtral and
   // Switch's evaluation do: a prompt of a few tokens would otherwise leave experts no slot).
   template <bool Run, typename Weights, typename Live>
@@ -853,9 +877,10 @@ class model {
                   std::size_t threads, bool inference, moe_stats* moe) const {
     const std::size_t N = b.tokens(), C = cfg_.width, a = activation_bytes(b);
     S* x = static_cast<S*>(live.get(a, memory_tag::activations));
+    w.use(embedding_unit(), depth() > 0 ? 0 : head_unit());
     if constexpr (Run) glue::template embedding_gather<A>(*ex, tokens, w.at(params_[0].offset), x, N, C, cfg_.vocab);
     for (std::size_t i = 0; i < depth(); ++i) {
-      w.use_block(i, i + 1);
+      w.use(i, i + 1 < depth() ? i + 1 : head_unit());
       visit_block(i, [&]<typename B>(B*) {
         auto d = B::make_dims(cfg_, b);
         if (inference) B::without_capacity(d);
@@ -1041,10 +1066,13 @@ class model {
     const std::size_t table = cfg_.tie_embeddings ? 0 : head_first_ + 1;
     return {w.at(params_[head_first_].offset), w.at(params_[table].offset)};
   }
-  // Which ops read a block's weights: its forwards and its backward.
+  // Which ops read weights: a block's forwards and its backward (its unit), the loss (the head's).
   static constexpr bool reads_weights(chain_op_kind k) noexcept {
     return k == chain_op_kind::advance || k == chain_op_kind::tape || k == chain_op_kind::retape ||
-           k == chain_op_kind::backward;
+           k == chain_op_kind::backward || k == chain_op_kind::loss;
+  }
+  std::size_t unit_read(const chain_op& op) const noexcept {
+    return op.kind == chain_op_kind::loss ? head_unit() : op.block;
   }
   // A weight array as flat_weights; a weight source as it is. A null array is named.
   static flat_weights weight_source(const S* w) {
@@ -1058,8 +1086,8 @@ class model {
   static Weights& weight_source(Weights& w) noexcept {
     static_assert(requires(const Weights& c, Weights& m, std::size_t k) {
       { c.at(k) } -> std::convertible_to<const S*>;
-      m.use_block(k, k);
-    }, "membound: a weight source offers const S* at(offset) and use_block(i, next): see flat_weights");
+      m.use(k, k);
+    }, "membound: a weight source offers const S* at(offset) and use(unit, next): see flat_weights");
     return w;
   }
   template <typename Router>

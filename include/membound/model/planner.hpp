@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "membound/core/checked_math.hpp"
@@ -480,21 +481,40 @@ std::size_t gradient_exchange_bytes(const Model& m, const gradient_shards& gs, s
                  gs.zero >= 2 && accumulation > 1 ? bytes_of<typename Model::storage_type>(most) : 0);
 }
 
-// The parameter elements of the largest block (its part of the flat array, padding included).
+// The parameter elements of a weight unit (Model::unit_parameters: a block, the embedding, the head).
 template <typename Model>
-std::size_t largest_block_elements(const Model& m) {
-  std::size_t most = 0;
-  for (std::size_t i = 0; i < m.depth(); ++i) most = std::max(most, m.block_parameters(i).size());
-  return most;
+std::size_t weight_unit_elements(const Model& m, std::size_t unit) {
+  const auto p = m.unit_parameters(unit);
+  return sat_add(p[0].size(), p[1].size());
 }
 
-// ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather): the
-// embedding's and the head's, then one slot of the largest block's, or two with `prefetch`
-// (gradient_shards::overlap: the block an op reads, and the next one's gather in flight).
+// ZeRO-3: the gathered weights a micro-batch holds (training_plan::weight_gather). One slot holds
+// the unit an op reads (gathered before it, kept while the next op reads it too): the largest
+// unit's elements. With `prefetch` (gradient_shards::overlap) a second slot takes the gather of
+// the unit the next op reads while this one runs; the two slots start at the buffer's two ends,
+// so they hold any two units read one after the other: the embedding and block 0, two blocks
+// (a recompute can follow any block by any), a block and the head (the loss is followed by
+// the backward of the last block, or by a recompute of any), and the embedding and the head
+// when there are no blocks.
 template <typename Model>
 std::size_t weight_gather_bytes(const Model& m, bool prefetch) {
-  return bytes_of<typename Model::storage_type>(sat_add(m.embedding_parameters().size(), m.head_parameters().size(),
-                                                        sat_mul(largest_block_elements(m), prefetch ? 2 : 1)));
+  const std::size_t L = m.depth();
+  const std::size_t E = weight_unit_elements(m, m.embedding_unit()), H = weight_unit_elements(m, m.head_unit());
+  std::size_t first = 0, second = 0;  // the two largest blocks
+  for (std::size_t i = 0; i < L; ++i) {
+    const std::size_t b = weight_unit_elements(m, i);
+    if (b > first) {
+      second = std::exchange(first, b);
+    } else if (b > second) {
+      second = b;
+    }
+  }
+  std::size_t most = std::max({E, H, first});
+  if (prefetch) {
+    most = L == 0 ? sat_add(E, H)
+                  : std::max({sat_add(E, weight_unit_elements(m, 0)), sat_add(H, first), sat_add(first, second)});
+  }
+  return bytes_of<typename Model::storage_type>(most);
 }
 
 namespace detail {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -293,35 +294,25 @@ class gradient_exchange {
   // The weights of a micro-batch or an evaluation under ZeRO-3 (a weight source of the model's
   // forward_backward_routed, loss and next_token_logits): one buffer of weight_gather_bytes from
   // the trainer's allocator, made at construction (before the micro-batch's own bytes, as the
-  // planner counts it) and given back at destruction. The embedding's and the head's weights are
-  // gathered into it at construction; the slot after them holds a block (two slots with overlap).
-  // use_block(i, next) makes block i's weights present (completing its prefetch, or gathering it
-  // into the slot not used last, unless a slot holds it: a block's forward and its backward, or
-  // its recompute, read the same bits, since the weights change only in the optimizer step); with
-  // two slots it then starts the gather of `next` into the other one, non-blocking
-  // (prefetching_communicator), unless a slot holds it: it runs while block i computes. A gather
-  // is every rank's part of the range (its shard's overlap with it) copied into place, then
-  // all_gather_blocks.
+  // planner counts it) and given back at destruction. It holds weight units (Model::
+  // unit_parameters: a block, the embedding, the head) in one slot, or two with overlap; the
+  // two slots start at the buffer's two ends. use(u, next) makes unit u's weights present
+  // (completing its prefetch, or gathering it into the slot not used last, unless a slot holds
+  // it: a block's forward and its backward, or its recompute, read the same bits, since the
+  // weights change only in the optimizer step); with two slots it then starts the gather of
+  // `next` into the other one, non-blocking (prefetching_communicator), unless a slot holds it:
+  // it runs while unit u computes. So the embedding's table is present for the lookup and the
+  // head's for the loss, not in between. A gather is every rank's part of the unit (its shard's
+  // overlap with it) copied into place, then one all_gather_blocks; a unit that some rank meets
+  // in two pieces (a tied head's table and norm, on a rank holding every block) is gathered part
+  // by part, blocking.
   class gathered_weights {
    public:
     // shard: the weights this rank keeps (weight_elements()).
     gathered_weights(gradient_exchange& t, const S* shard) : t_(t), shard_w_(shard) {
-      e_ = t.m_.embedding_parameters();
-      h_ = t.m_.head_parameters();
-      none_ = t.m_.depth();
       slots_n_ = t.overlap_ ? 2 : 1;  // the trainer refuses overlap without a prefetching communicator
       bytes_ = weight_gather_bytes(t.m_, slots_n_ == 2);
       buf_ = static_cast<S*>(t.alloc_.allocate(bytes_, default_alignment, memory_tag::weights));
-      slots_[0].base = buf_ + e_.size() + h_.size();
-      slots_[1].base = slots_[0].base + largest_block_elements(t.m_);  // used with two slots only
-      for (slot& k : slots_) k.block = none_;
-      try {
-        gather(e_, buf_);
-        gather(h_, buf_ + e_.size());
-      } catch (...) {
-        t.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
-        throw;
-      }
     }
     gathered_weights(const gathered_weights&) = delete;
     gathered_weights& operator=(const gathered_weights&) = delete;
@@ -330,39 +321,37 @@ class gradient_exchange {
       t_.alloc_.deallocate(buf_, bytes_, default_alignment, memory_tag::weights);
     }
     const S* at(std::size_t offset) const noexcept {
-      if (offset < e_.end) return buf_ + offset;
-      if (offset >= h_.begin) return buf_ + e_.size() + (offset - h_.begin);
       const slot& k = slots_[current_];
-      return k.base + (offset - k.range.begin);
+      const shard_range p = k.parts[0];
+      if (offset >= p.begin && offset < p.end) return k.base + (offset - p.begin);
+      return k.base + p.size() + (offset - k.parts[1].begin);
     }
-    void use_block(std::size_t i, std::size_t next) {
+    void use(std::size_t u, std::size_t next) {
       if (flight_slot_ < 2) {
-        // The prefetch (of i, as the op order said) completes here; another block's is kept too.
+        // The prefetch (of u, as the op order said) completes here; another unit's is kept too.
         flight_.wait();
-        slots_[flight_slot_].block = flight_block_;
+        slots_[flight_slot_].unit = flight_unit_;
         flight_slot_ = 2;
       }
-      std::size_t k = holding(i);
+      std::size_t k = holding(u);
       if (k == 2) {
         k = slots_n_ == 1 ? 0 : 1 - current_;  // the slot not used last
-        slots_[k].block = none_;  // holds nothing whole until the gather completes
-        const shard_range r = t_.m_.block_parameters(i);
-        gather(r, slots_[k].base);
-        slots_[k].range = r;
-        slots_[k].block = i;
+        place(k, u);
+        gather(slots_[k]);
+        slots_[k].unit = u;
       }
       current_ = k;
       if constexpr (prefetching_communicator<Communicator>) {
-        if (slots_n_ == 2 && next < none_ && holding(next) == 2) {
+        if (slots_n_ == 2 && next != Model::no_unit && holding(next) == 2) {
           const std::size_t o = 1 - k;
-          const shard_range r = t_.m_.block_parameters(next);
-          slots_[o].block = none_;
-          copy_mine(r, slots_[o].base);
-          flight_ = t_.comm_.start_all_gather_blocks(slots_[o].base, t_.blocks_.data());
-          (void)flight_.test();  // MPI moves a started collective on only inside its calls: a first push
-          slots_[o].range = r;
-          flight_slot_ = o;
-          flight_block_ = next;
+          place(o, next);
+          copy_mine(slots_[o]);
+          if (unit_blocks(slots_[o])) {
+            flight_ = t_.comm_.start_all_gather_blocks(slots_[o].base, t_.blocks_.data());
+            (void)flight_.test();  // MPI moves a started collective on only inside its calls: a first push
+            flight_slot_ = o;
+            flight_unit_ = next;
+          }  // else: gathered part by part when it is used
         }
       }
     }
@@ -370,42 +359,82 @@ class gradient_exchange {
    private:
     struct slot {
       S* base = nullptr;
-      shard_range range{};
-      std::size_t block = 0;  // none_: nothing whole
+      std::array<shard_range, 2> parts{};  // the unit's parts, laid out one after the other from base
+      std::size_t unit = Model::no_unit;   // no_unit: nothing whole
     };
-    std::size_t holding(std::size_t i) const noexcept {
+    std::size_t holding(std::size_t u) const noexcept {
       for (std::size_t k = 0; k < slots_n_; ++k)
-        if (slots_[k].block == i) return k;
+        if (slots_[k].unit == u) return k;
       return 2;
     }
-    // Fills t_.blocks_ with every rank's part of r and copies this rank's into dst.
-    void copy_mine(shard_range r, S* dst) {
-      const shard_range mine = t_.range_blocks(r);
-      if (mine.size() != 0) {
-        std::memcpy(static_cast<void*>(dst + (mine.begin - r.begin)),
-                    static_cast<const void*>(shard_w_ + (mine.begin - t_.shard_.begin)), mine.size() * sizeof(S));
+    // Slot k takes unit u (holding nothing whole until its gather completes): slot 0 from the
+    // buffer's start, slot 1 ending at its end.
+    void place(std::size_t k, std::size_t u) {
+      slot& s = slots_[k];
+      s.unit = Model::no_unit;
+      s.parts = t_.m_.unit_parameters(u);
+      const std::size_t n = s.parts[0].size() + s.parts[1].size();
+      s.base = k == 0 ? buf_ : buf_ + (bytes_ / sizeof(S) - n);
+    }
+    // Copies this rank's part of the slot's unit into place.
+    void copy_mine(const slot& s) {
+      std::size_t at = 0;
+      for (const shard_range p : s.parts) {
+        const shard_range mine = overlap(t_.shard_, p.begin, p.end);
+        if (mine.size() != 0) {
+          std::memcpy(static_cast<void*>(s.base + at + (mine.begin - p.begin)),
+                      static_cast<const void*>(shard_w_ + (mine.begin - t_.shard_.begin)), mine.size() * sizeof(S));
+        }
+        at += p.size();
       }
     }
-    void gather(shard_range r, S* dst) {
+    // Fills t_.blocks_ with every rank's part of the slot's unit in its layout; false when a rank's
+    // part is two pieces there.
+    bool unit_blocks(const slot& s) {
+      const shard_range p0 = s.parts[0], p1 = s.parts[1];
+      const std::size_t N = t_.world();
+      for (std::size_t r = 0; r < N; ++r) {
+        const shard_range sh = shard_of(t_.n_, N, r);
+        const shard_range o0 = overlap(sh, p0.begin, p0.end), o1 = overlap(sh, p1.begin, p1.end);
+        const shard_range a0{o0.begin - p0.begin, o0.end - p0.begin};
+        const shard_range a1{p0.size() + (o1.begin - p1.begin), p0.size() + (o1.end - p1.begin)};
+        if (o1.size() == 0) {
+          t_.blocks_[r] = a0;
+        } else if (o0.size() == 0) {
+          t_.blocks_[r] = a1;
+        } else if (a0.end == a1.begin) {
+          t_.blocks_[r] = {a0.begin, a1.end};
+        } else {
+          return false;
+        }
+      }
+      return true;
+    }
+    void gather(const slot& s) {
       if constexpr (gathering_communicator<Communicator>) {
-        copy_mine(r, dst);
-        t_.comm_.all_gather_blocks(dst, t_.blocks_.data());
+        copy_mine(s);
+        if (unit_blocks(s)) {
+          t_.comm_.all_gather_blocks(s.base, t_.blocks_.data());
+          return;
+        }
+        for (std::size_t i = 0, at = 0; i < 2; at += s.parts[i].size(), ++i) {
+          if (s.parts[i].size() == 0) continue;
+          (void)t_.range_blocks(s.parts[i]);
+          t_.comm_.all_gather_blocks(s.base + at, t_.blocks_.data());
+        }
       } else {
-        (void)r;
-        (void)dst;  // the trainer refuses ZeRO-3 over a communicator without all_gather_blocks
+        (void)s;  // the trainer refuses ZeRO-3 over a communicator without all_gather_blocks
       }
     }
     gradient_exchange& t_;
     const S* shard_w_;
-    shard_range e_{}, h_{};
-    std::size_t none_ = 0;
     std::size_t bytes_ = 0;
     S* buf_ = nullptr;
     slot slots_[2];
     std::size_t slots_n_ = 1;
     std::size_t current_ = 1;  // the slot the current op reads (1: slot 0 is used first)
-    pending_gather flight_{};                     // a prefetch in flight
-    std::size_t flight_slot_ = 2, flight_block_ = 0;  // its slot (2: none) and block
+    pending_gather flight_{};                              // a prefetch in flight
+    std::size_t flight_slot_ = 2, flight_unit_ = 0;        // its slot (2: none) and unit
   };
 
   // ---- ZeRO-0/1 overlapped ------------------------------------------------------------------------
