@@ -213,8 +213,8 @@ static int bench_main(int argc, char** argv) {
                 "per rank %zu / %zu / %zu / %zu, measured == predicted: %s)\n",
                 steps, h0.ms, h1.ms, h2.ms, h3.ms, h0.sent, h1.sent, h2.sent, h3.sent, z0.sent, z1.sent, z2.sent, z3.sent,
                 h0.peak, h1.peak, h2.peak, h3.peak, exact16 ? "yes" : "NO");
-    std::printf("(ZeRO-3's model states exclude the weights it gathers in a step: %zu bytes in fp32, %zu in bf16, the "
-                "embedding's and head's and the largest block's)\n",
+    std::printf("(ZeRO-3's model states exclude the weights it gathers in a step: %zu bytes in fp32, %zu in bf16: one "
+                "slot of the largest weight unit: a block, the embedding or the head)\n",
                 z3.gathered, h3.gathered);
     std::printf("(P = %.0f parameter elements, s = %.0f the shard of rank 0 (P/N rounded up); bf16: Q = %.0f, q = %.0f "
                 "(each tensor padded to 64 bytes, so %.0f padding elements more); fp32 weights and gradients are 4 bytes "
