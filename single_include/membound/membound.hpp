@@ -2539,6 +2539,9 @@ struct memory_layout {
   // The first repeat_slots slots of the cycle are served `repeats` times in a row before the rest
   // (a step's identical micro-batches): the layout of one stands for all of them.
   std::size_t repeat_slots = 0, repeats = 1;
+  // The cycle's last tail_slots slots are one evaluation micro-batch (a run's tail), which a
+  // caller may repeat: caching_allocator::restart_tail points the cursor at them.
+  std::size_t tail_slots = 0;
   friend bool operator==(const memory_layout&, const memory_layout&) = default;
 };
 
@@ -3030,6 +3033,24 @@ class caching_allocator {
   const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
   // Requests served from the layout, and requests that did not follow it (ordinary path).
   std::size_t planned_hits() const noexcept { return plan_ ? plan_->hits : 0; }
+  // A step begins: its first request takes the cycle's first slot. Sizes alone cannot tell a step
+  // from the evaluation the layout places after the last micro-batch when both begin with a
+  // request of one size (ZeRO-3's gathered weights), so the trainer says where a step begins.
+  void restart_cycle() noexcept {
+    if (plan_) {
+      plan_->cursor = 0;
+      plan_->round = 0;
+    }
+  }
+  // An evaluation micro-batch begins: its first request takes the first of the layout's tail
+  // slots (memory_layout::tail_slots). Without it a second evaluation micro-batch in a row
+  // would find the cursor back at the cycle's start, and stray.
+  void restart_tail() noexcept {
+    if (plan_ && plan_->layout.tail_slots != 0) {
+      plan_->cursor = plan_->layout.cycle.size() - plan_->layout.tail_slots;
+      plan_->round = 0;
+    }
+  }
 
   // A ceiling on reserved bytes, normally set by a budget_allocator above. When the preferred
   // segment (2 MiB or 20 MiB) would cross it, the segment shrinks to the rounded request: near a
@@ -18627,6 +18648,7 @@ class request_recorder {
 struct run_requests {
   std::vector<recorded_request> prefix, micro, rest;
   std::size_t repeats = 0;
+  std::size_t evaluation = 0;  // rest's last requests that are one evaluation micro-batch
 
   // The cycle in full, each copy of `micro` under fresh ids.
   std::vector<recorded_request> cycle() const {
@@ -18865,10 +18887,12 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
                      memory_tag::workspace);
     }
   }
+  const std::size_t e0 = rec.requests().size();
   const std::size_t gather = gs.weights_sharded() ? weight_gather_bytes(m, gs.overlap) : 0;
   void* gathered = gather != 0 ? rec.allocate(gather, default_alignment, memory_tag::weights) : nullptr;
   m.loss_requests(micro, head_chunk, threads, rec);
   if (gathered != nullptr) rec.deallocate(gathered, gather, default_alignment, memory_tag::weights);
+  r.evaluation = rec.requests().size() - e0;
   r.rest.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k1), rec.requests().end());
   return r;
 }
@@ -18880,7 +18904,14 @@ run_requests record_run(const Model& m, const training_plan& p) {
 
 // The layout a planned allocator (caching_options::planned) serves a run from: one micro-batch's
 // slots serve every identical one (memory_layout::repeats).
-inline memory_layout run_layout(const run_requests& r) { return make_layout(r.prefix, r.micro, r.repeats, r.rest); }
+// An evaluation micro-batch's slots end the cycle (memory_layout::tail_slots).
+inline memory_layout run_layout(const run_requests& r) {
+  memory_layout l = make_layout(r.prefix, r.micro, r.repeats, r.rest);
+  for (std::size_t k = r.rest.size() - std::min(r.evaluation, r.rest.size()); k < r.rest.size(); ++k) {
+    if (!r.rest[k].free) ++l.tail_slots;
+  }
+  return l;
+}
 template <typename Model>
 memory_layout plan_layout(const Model& m, const training_plan& p) {
   return run_layout(record_run(m, p));
@@ -21235,6 +21266,7 @@ class trainer {
       // Weighted by counted targets (per sequence: b when nothing is ignored), so the result is
       // the mean over every counted target whatever the batches hold.
       const double counted = static_cast<double>(counted_host()) / static_cast<double>(T);
+      planned_restart(true);
       sum += counted * with_weights([&](auto& weights) {
         return m_.loss(weights, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
                        plan_.head_chunk, alloc_, ex_);
@@ -22074,14 +22106,21 @@ class trainer {
   // The plan's reserved peak on this stack (0 where the stack has no shadow).
   std::size_t reserve_of(const training_plan& p) const { return reserve_ ? reserve_(p) : 0; }
 
+  // A planned stack (caching_options::planned) is told where the layout resumes: at the cycle's
+  // start as a step begins, at its tail (one evaluation micro-batch) as an evaluation's does.
+  // Sizes alone cannot always tell (ZeRO-3's steps and evaluations both begin with the gathered
+  // weights; evaluation micro-batches in a row would wrap to the cycle's start).
+  void planned_restart(bool evaluation) noexcept {
+    if constexpr (has_planned_layer<Allocator>) {
+      if (auto* layer = planned_layer(alloc_)) evaluation ? layer->restart_tail() : layer->restart_cycle();
+    }
+  }
+
   // A planned stack (caching_options::planned) serves the run from the plan's layout.
   void use_layout(const training_plan& p) {
     if constexpr (has_planned_layer<Allocator>) {
-      if (zero2() && planned_layer(alloc_) != nullptr) {
-        throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
-                               std::to_string(o_.zero), "ZeRO-2's and 3's per-block buckets are not in the planned layout yet: use "
-                               "zero = 1, or an allocator stack without a planned layout");
-      }
+      // Every stage's requests are in the layout: ZeRO-2's buckets and ZeRO-3's gathered weights
+      // are recorded as the trainer makes them (reserve_plan's micro_batch_requests).
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p), mem_.stream());
     }
   }
@@ -22420,6 +22459,7 @@ class trainer {
 
   template <data_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
+    planned_restart(false);
     zero_gradients();
     double loss = 0;
     moe_ = {};

@@ -117,6 +117,7 @@ using text_source = membound_test::text_source<effective.seq>;
 
 using model_t = membound_test::hybrid<mb::fp32_precision>;
 using alloc_t = mb::budget_allocator<mb::system_allocator>;
+using planned_t = mb::budget_allocator<mb::caching_allocator<mb::system_allocator>>;
 
 mb::trainer_options options(std::size_t zero = 0, bool overlap = false) {
   mb::trainer_options o;
@@ -155,8 +156,8 @@ struct run {
   mb::rank_memory memory{};
 };
 
-template <typename Trainer>
-run finish(Trainer& t, alloc_t& a) {
+template <typename Trainer, typename Alloc>
+run finish(Trainer& t, Alloc& a) {
   text_source src(membound_test::small_config().vocab);
   run r;
   for (std::size_t k = 0; k < steps; ++k) r.losses.push_back(t.step(src).loss);
@@ -592,6 +593,38 @@ int main(int argc, char** argv) {
                       ov ? " overlapped" : "", A, z3.memory.weights, m.weight_bytes(), gather, z3.peak, z2.peak,
                       static_cast<double>(z3.bytes_sent) / steps, static_cast<double>(z2.bytes_sent) / steps);
         }
+      }
+    }
+    // On a planned caching stack (caching_options::planned: the run served from the plan's layout)
+    // ZeRO-2's buckets and ZeRO-3's gathered weights follow the layout: the reserved peak is the
+    // predicted one, and the bits are those of the unplanned stack. (ZeRO-3's steps and its
+    // evaluation both begin with the gathered buffer: the trainer restarts the layout's cycle at
+    // each step, caching_allocator::restart_cycle, which sizes alone could not tell.)
+    for (const std::size_t z : {std::size_t{2}, std::size_t{3}}) {
+      for (const bool ov : {false, true}) {
+        const std::string at = "ZeRO-" + std::to_string(z) + (ov ? " overlapped" : "") + " on a planned stack: ";
+        mb::caching_options co;
+        co.planned = true;
+        planned_t a(std::size_t{1} << 30, co);
+        mb::thread_pool pool(1);
+        const mb::gradient_shards gs = mb::gradient_exchange_of<float>(comm, z, ov);
+        mb::trainer t(m, effective, plan_for(m, effective.batch / N, shard.size(), gs), a, pool, options(z, ov),
+                      mb::null_monitor{}, comm);
+        const run r = finish(t, a);
+        const run flat = data_parallel(m, comm, z, 1, ov);
+        check(r.peak == r.predicted && r.reserved == r.predicted_reserve,
+              at + "measured peak " + std::to_string(r.peak) + " and reserve " + std::to_string(r.reserved) +
+                  " == predicted " + std::to_string(r.predicted) + ", " + std::to_string(r.predicted_reserve));
+        const mb::memory_layout* layout = mb::planned_layer(a)->layout();
+        check(layout != nullptr && r.reserved == layout->prefix_extent + layout->cycle_extent,
+              at + "reserved " + std::to_string(r.reserved) + " == the layout's two segments (no request strayed)");
+        check(same_bits(r.losses, flat.losses) && r.optimizer == flat.optimizer && r.weights == flat.weights,
+              at + "the unplanned stack's losses, optimizer state and weights, bit for bit");
+        // An evaluation after the step follows the layout's tail (its gathered weights included).
+        text_source src(membound_test::small_config().vocab);
+        (void)t.evaluate(src, 3, 7);
+        check(a.stats().peak_reserved == r.reserved, at + "an evaluation after the steps reserves nothing more (" +
+                                                         std::to_string(a.stats().peak_reserved) + ")");
       }
     }
     // The head's units on other models: an untied head (its own table, one piece), and a tied

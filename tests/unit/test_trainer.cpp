@@ -37,6 +37,7 @@
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/monitor/foreign_memory_monitor.hpp"
+#include "membound/memory/caching_allocator.hpp"
 #include "membound/monitor/pressure_monitor.hpp"
 #include "membound/train/checkpoint_file.hpp"
 #include "membound/train/trainer.hpp"
@@ -1348,6 +1349,43 @@ TEST_CASE("trainer: plans made by fit or make_plan for this model are taken and 
     for (const mb::step_result& r : {t.step(s), t.step(s)}) CHECK(r.replans.empty());
     CHECK(a.stats().peak_requested <= t.largest_predicted_peak());
     CHECK(t.largest_predicted_peak() == p->peak_bytes);
+  }
+}
+
+// A planned caching stack (caching_options::planned) serves every request of the steps and of
+// evaluations in the plan's micro-batches from the layout: the reserve is the layout's two
+// segments, the prediction, and the bits are the unplanned stack's. Evaluation micro-batches in a
+// row each restart at the layout's tail (caching_allocator::restart_tail).
+TEST_CASE("trainer: on a planned stack, steps and evaluations follow the layout, the reserve as predicted") {
+  using P = mb::fp32_precision;
+  using planned_alloc = mb::budget_allocator<mb::caching_allocator<mb::system_allocator>>;
+  const hybrid<P> m(small_config());
+  const text_source src(40);
+  mb::thread_pool pool(2);
+  for (const std::size_t micro : {std::size_t{1}, std::size_t{2}, std::size_t{4}}) {
+    CAPTURE(micro);
+    mb::plan_options po;
+    po.threads = 2;
+    po.head_chunk = 64;
+    po.accumulation = effective.batch / micro;
+    const mb::training_plan p = mb::make_plan(m, mb::batch_shape{micro, effective.seq}, mb::schedules::none{}, po);
+    mb::caching_options co;
+    co.planned = true;
+    planned_alloc a(std::size_t{1} << 30, co);
+    budget_alloc flat_a(std::size_t{1} << 30);
+    mb::trainer t(m, effective, p, a, pool, options());
+    mb::trainer flat(m, effective, p, flat_a, pool, options());
+    auto s = src, fs = src;
+    for (int k = 0; k < 3; ++k) CHECK(t.step(s).loss == flat.step(fs).loss);
+    auto es = src, fes = src;
+    CHECK(t.evaluate(es, 8, 5) == flat.evaluate(fes, 8, 5));
+    CHECK(t.step(s).loss == flat.step(fs).loss);
+    const mb::memory_layout* l = mb::planned_layer(a)->layout();
+    REQUIRE(l != nullptr);
+    CHECK(l->tail_slots > 0);
+    CHECK(a.stats().peak_reserved == l->prefix_extent + l->cycle_extent);
+    CHECK(a.stats().peak_reserved == t.largest_predicted_reserve());
+    CHECK(raw(t.weights(), m.weight_bytes()) == raw(flat.weights(), m.weight_bytes()));
   }
 }
 

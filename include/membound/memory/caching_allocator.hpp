@@ -411,6 +411,24 @@ class caching_allocator {
   const memory_layout* layout() const noexcept { return plan_ ? &plan_->layout : nullptr; }
   // Requests served from the layout, and requests that did not follow it (ordinary path).
   std::size_t planned_hits() const noexcept { return plan_ ? plan_->hits : 0; }
+  // A step begins: its first request takes the cycle's first slot. Sizes alone cannot tell a step
+  // from the evaluation the layout places after the last micro-batch when both begin with a
+  // request of one size (ZeRO-3's gathered weights), so the trainer says where a step begins.
+  void restart_cycle() noexcept {
+    if (plan_) {
+      plan_->cursor = 0;
+      plan_->round = 0;
+    }
+  }
+  // An evaluation micro-batch begins: its first request takes the first of the layout's tail
+  // slots (memory_layout::tail_slots). Without it a second evaluation micro-batch in a row
+  // would find the cursor back at the cycle's start, and stray.
+  void restart_tail() noexcept {
+    if (plan_ && plan_->layout.tail_slots != 0) {
+      plan_->cursor = plan_->layout.cycle.size() - plan_->layout.tail_slots;
+      plan_->round = 0;
+    }
+  }
 
   // A ceiling on reserved bytes, normally set by a budget_allocator above. When the preferred
   // segment (2 MiB or 20 MiB) would cross it, the segment shrinks to the rounded request: near a

@@ -57,6 +57,9 @@ struct memory_layout {
   // The first repeat_slots slots of the cycle are served `repeats` times in a row before the rest
   // (a step's identical micro-batches): the layout of one stands for all of them.
   std::size_t repeat_slots = 0, repeats = 1;
+  // The cycle's last tail_slots slots are one evaluation micro-batch (a run's tail), which a
+  // caller may repeat: caching_allocator::restart_tail points the cursor at them.
+  std::size_t tail_slots = 0;
   friend bool operator==(const memory_layout&, const memory_layout&) = default;
 };
 

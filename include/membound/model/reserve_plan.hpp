@@ -115,6 +115,7 @@ class request_recorder {
 struct run_requests {
   std::vector<recorded_request> prefix, micro, rest;
   std::size_t repeats = 0;
+  std::size_t evaluation = 0;  // rest's last requests that are one evaluation micro-batch
 
   // The cycle in full, each copy of `micro` under fresh ids.
   std::vector<recorded_request> cycle() const {
@@ -353,10 +354,12 @@ run_requests record_run(const Model& m, batch_shape micro, std::span<const chain
                      memory_tag::workspace);
     }
   }
+  const std::size_t e0 = rec.requests().size();
   const std::size_t gather = gs.weights_sharded() ? weight_gather_bytes(m, gs.overlap) : 0;
   void* gathered = gather != 0 ? rec.allocate(gather, default_alignment, memory_tag::weights) : nullptr;
   m.loss_requests(micro, head_chunk, threads, rec);
   if (gathered != nullptr) rec.deallocate(gathered, gather, default_alignment, memory_tag::weights);
+  r.evaluation = rec.requests().size() - e0;
   r.rest.assign(rec.requests().begin() + static_cast<std::ptrdiff_t>(k1), rec.requests().end());
   return r;
 }
@@ -368,7 +371,14 @@ run_requests record_run(const Model& m, const training_plan& p) {
 
 // The layout a planned allocator (caching_options::planned) serves a run from: one micro-batch's
 // slots serve every identical one (memory_layout::repeats).
-inline memory_layout run_layout(const run_requests& r) { return make_layout(r.prefix, r.micro, r.repeats, r.rest); }
+// An evaluation micro-batch's slots end the cycle (memory_layout::tail_slots).
+inline memory_layout run_layout(const run_requests& r) {
+  memory_layout l = make_layout(r.prefix, r.micro, r.repeats, r.rest);
+  for (std::size_t k = r.rest.size() - std::min(r.evaluation, r.rest.size()); k < r.rest.size(); ++k) {
+    if (!r.rest[k].free) ++l.tail_slots;
+  }
+  return l;
+}
 template <typename Model>
 memory_layout plan_layout(const Model& m, const training_plan& p) {
   return run_layout(record_run(m, p));

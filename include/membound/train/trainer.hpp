@@ -460,6 +460,7 @@ class trainer {
       // Weighted by counted targets (per sequence: b when nothing is ignored), so the result is
       // the mean over every counted target whatever the batches hold.
       const double counted = static_cast<double>(counted_host()) / static_cast<double>(T);
+      planned_restart(true);
       sum += counted * with_weights([&](auto& weights) {
         return m_.loss(weights, tokens_in(), targets_in(), micro_in(batch_shape{b, T, eff_.sequences}),
                        plan_.head_chunk, alloc_, ex_);
@@ -1300,14 +1301,21 @@ class trainer {
   // The plan's reserved peak on this stack (0 where the stack has no shadow).
   std::size_t reserve_of(const training_plan& p) const { return reserve_ ? reserve_(p) : 0; }
 
+  // A planned stack (caching_options::planned) is told where the layout resumes: at the cycle's
+  // start as a step begins, at its tail (one evaluation micro-batch) as an evaluation's does.
+  // Sizes alone cannot always tell (ZeRO-3's steps and evaluations both begin with the gathered
+  // weights; evaluation micro-batches in a row would wrap to the cycle's start).
+  void planned_restart(bool evaluation) noexcept {
+    if constexpr (has_planned_layer<Allocator>) {
+      if (auto* layer = planned_layer(alloc_)) evaluation ? layer->restart_tail() : layer->restart_cycle();
+    }
+  }
+
   // A planned stack (caching_options::planned) serves the run from the plan's layout.
   void use_layout(const training_plan& p) {
     if constexpr (has_planned_layer<Allocator>) {
-      if (zero2() && planned_layer(alloc_) != nullptr) {
-        throw invalid_argument("options.zero", "0 or 1 on a planned allocator stack (caching_options::planned)",
-                               std::to_string(o_.zero), "ZeRO-2's and 3's per-block buckets are not in the planned layout yet: use "
-                               "zero = 1, or an allocator stack without a planned layout");
-      }
+      // Every stage's requests are in the layout: ZeRO-2's buckets and ZeRO-3's gathered weights
+      // are recorded as the trainer makes them (reserve_plan's micro_batch_requests).
       if (auto* layer = planned_layer(alloc_)) layer->set_layout(plan_layout(m_, p), mem_.stream());
     }
   }
@@ -1646,6 +1654,7 @@ class trainer {
 
   template <data_source Source>
   double accumulate(Source& source, double scale, bool may_abandon, pressure_level& highest) {
+    planned_restart(false);
     zero_gradients();
     double loss = 0;
     moe_ = {};
