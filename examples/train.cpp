@@ -599,7 +599,7 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
   const bool sharded = o.zero >= 1 && N > 1;
   const std::size_t shard = sharded ? mb::shard_of(m.parameter_elements(), N, world.rank()).size() : 0;
   // ZeRO-2: the gradients too (each block's reduce-scattered at the end of its backward); ZeRO-3
-  // the weights too (each block's gathered before it runs).
+  // the weights too (each weight unit, a block, the embedding or the head, gathered before use).
   const mb::gradient_shards grad_shards =
       mb::gradient_exchange_of<typename net::storage_type>(world, o.zero, o.overlap != 0);
   const foreign_load foreign = o.foreign;
@@ -976,14 +976,14 @@ int main(int argc, char** argv) {
   flag("--threads", "1..256", "CPU threads (default 2)");
   flag("--zero", "0|1|2|3",
        "ZeRO stage under mpirun: 1 shards AdamW's state and the checkpoints over the ranks (each rank writes its "
-       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too, 3 the weights too, each block's gathered "
-       "as it runs (2 and 3: CPU ranks only); with one process 1, 2 and 3 are the same as 0 (default 0)");
+       "shard and rank 0 a manifest at --checkpoint), 2 the gradients too, 3 the weights too, each block's, "
+       "the embedding's and the head's gathered around their use (2 and 3: CPU ranks only); with one process 1, 2 and 3 are the same as 0 (default 0)");
   flag("--overlap", "0|1",
        "under mpirun, 1 starts each block's gradient exchange as its backward ends and completes it after the next "
        "block's, which runs meanwhile: with --zero 2 or 3 every micro-batch's reduce-scatter of the block (one bucket and "
        "its workspace more in flight), with --zero 0 or 1 the last micro-batch's all-reduce or reduce-scatter of the "
-       "block's accumulated gradients (one workspace more in flight); with --zero 3 also each block's weight gather "
-       "started as the block before it begins (a second block slot); the same sums, planned; CPU ranks only; "
+       "block's accumulated gradients (one workspace more in flight); with --zero 3 also the gather of the weights "
+       "the next op reads started as the op before it begins (a second slot); the same sums, planned; CPU ranks only; "
        "refused in one process, which exchanges nothing (default 0)");
   flag("--timeout", "0..86400",
        "under mpirun, the most seconds any collective may take (on GPU ranks from its enqueue, NCCL's watchdog): a "

@@ -8,7 +8,7 @@
 // bytes per rank (weights + gradients + optimizer, as the trainer holds them between steps)
 // against the formula for our fp32 and bf16 storage and DeepSpeed's published mixed-precision
 // formulas; bf16 storage is measured under each stage too (its layout is DeepSpeed's 2 + 2 + 12).
-// ZeRO-3 also gathers each block's weights as it runs: its peak holds the gathered ones
+// ZeRO-3 also gathers each weight unit (a block, the embedding, the head) around its use: its peak holds the gathered ones
 // (training_plan::weight_gather), and its bytes sent the gathers.
 // Each stage runs twice, blocking and overlapped (each block's exchange in flight through the next
 // block's backward: ZeRO-2's reduce-scatter of every micro-batch's bucket, ZeRO-0's all-reduce and

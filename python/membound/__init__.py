@@ -288,8 +288,8 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
     host_activations, offloaded_bytes per micro-batch).
     ranks > 1: the plan of rank `rank` of a data-parallel run over that many MPI ranks (the example
     trainer under mpirun), each taking batch / ranks sequences of the step, at ZeRO stage `zero`
-    (1: the optimizer state sharded, 2: the gradients too, 3: the weights too, each block gathered
-    as it runs: weight_gather) with overlapped exchanges when `overlap` (train's --zero, --overlap);
+    (1: the optimizer state sharded, 2: the gradients too, 3: the weights too, each block, the
+    embedding and the head gathered around their use: weight_gather) with overlapped exchanges when `overlap` (train's --zero, --overlap);
     budget is that rank's. No MPI is needed: the exchanges' sizes are mpi_communicator's.
     Raises BudgetTooSmall (with .minimum) when no plan fits, InvalidArgument naming host_budget
     when only offloaded plans fit and none fits the host budget."""

@@ -11,7 +11,8 @@ saved_bytes plus 256: the layers carve from a 256-byte boundary, PyTorch's host 
 Every buffer -- y, the saved bytes, the workspace -- is a tensor PyTorch allocates, sized by the
 layer's own size functions (`sizes`), so a budgeted allocator sees all of it; non-contiguous inputs
 (nn.Linear weights passed transposed) are also copied to contiguous ones for the call. The fake (meta)
-implementations give torch.compile the same shapes and saved sizes without running anything.
+implementations give torch.compile the same shapes and saved sizes without running anything (under
+dynamic shapes the saved size is an unbacked symbolic size: the layers' size functions are C++).
 
 Semantics are the C++ layers' (docs/concepts.md): attention with RoPE and GQA (window for
 sliding-window attention), the Mamba-1 block (mamba_simple without the fused kernels), TTT-Linear and
@@ -168,14 +169,31 @@ def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: to
     return dx, grads
 
 
+def _example_value(d: Any) -> Optional[int]:
+    """A size, or the example value a traced symbolic size stands for (None when it has none)."""
+    if isinstance(d, int):
+        return d
+    try:
+        hint = d.node.hint
+    except AttributeError:
+        return None
+    return None if hint is None else int(hint)
+
+
 def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
     # The saved size is the layer's own, so a traced graph holds the bytes the eager op would. Under
     # dynamic shapes (a symbolic batch or length) it is an unbacked size instead: the C++ size
     # functions are not symbolic, and int() on a symbolic length would specialise the graph to it,
     # tracing again for every shape. The eager call still allocates the layer's exact bytes.
     if any(isinstance(d, torch.SymInt) for d in x.shape):
-        saved_bytes = torch.library.get_ctx().new_dynamic_size()
-        torch._check(saved_bytes >= _ALIGN)
+        # The arguments are checked as eager would (dtype, rank, width, attributes, mini_batch) on
+        # a concrete stand-in shape, so a bad call fails while tracing, not inside the graph.
+        if len(x.shape) != 3:
+            raise invalid("x", "a tensor [batch, seq, width]", tuple(x.shape), "Reshape the input to three axes")
+        width = _example_value(x.shape[-1])
+        if width is not None:
+            _layer_call(_layers.sizes, _spec(kind, [1, 1, width], x.dtype, attrs))
+        saved_bytes = torch.library.get_ctx().new_dynamic_size(min=_ALIGN)
         return x.new_empty(x.shape), x.new_empty(saved_bytes, dtype=torch.uint8)
     saved_bytes = _layer_call(_layers.sizes, _spec(kind, list(x.shape), x.dtype, attrs))[0]
     return x.new_empty(x.shape), x.new_empty(saved_bytes + _ALIGN, dtype=torch.uint8)

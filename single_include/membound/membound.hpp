@@ -2980,6 +2980,17 @@ class caching_allocator {
       throw invalid_argument("caching_options::planned", "true to take a layout", "false",
                              "Construct the allocator with caching_options{.planned = true}");
     }
+    // The cursor moves within the cycle: its repeated span and its tail must lie inside it.
+    for (const auto& [name, slots] : {std::pair{"layout.repeat_slots", l.repeat_slots},
+                                      std::pair{"layout.tail_slots", l.tail_slots}}) {
+      if (slots > l.cycle.size()) {
+        throw invalid_argument(name, "at most the cycle's " + std::to_string(l.cycle.size()) + " slots",
+                               std::to_string(slots), "Make the layout with make_layout or run_layout");
+      }
+    }
+    if (l.repeats == 0) {
+      throw invalid_argument("layout.repeats", "at least 1", "0", "Make the layout with make_layout or run_layout");
+    }
     if (plan_ && stream != plan_->stream && !plan_->live.empty()) {
       throw invalid_argument("stream", "the layout's stream " + std::to_string(plan_->stream) +
                                            " while planned blocks are live",
@@ -17606,12 +17617,14 @@ struct schedule_choice {
 // follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
 //
 // zero = 3 (ZeRO-3): ZeRO-2's gradients, and the weights sharded the same way: a rank keeps the
-// weights of its shard_of the parameters only. Each micro-batch gathers (all-gather of every
-// rank's part, in place) the embedding's and head's weights, held through it, and before each op
-// that reads a block's weights that block's, into a slot the size of the largest block's
-// (training_plan::weight_gather): a block already in a slot is not gathered again. With overlap
-// a second slot takes the next block's gather, started non-blocking as the block before it
-// begins (and the gradients' reduce-scatters overlap as ZeRO-2's do).
+// weights of its shard_of the parameters only. Before each op that reads weights, the weight unit
+// it reads (Model::unit_parameters: a block, the embedding's table for the lookup, the head's
+// norm and table for the loss) is gathered (all-gather of every rank's part, in place) into a
+// slot of the micro-batch's gathered buffer (training_plan::weight_gather), unless a slot holds
+// it: one slot of the largest unit. With overlap a second slot takes the gather of the unit the
+// next op reads, started non-blocking as the op before it begins (and the gradients'
+// reduce-scatters overlap as ZeRO-2's do); the two slots start at the buffer's two ends, which
+// holds the largest pair of units read in a row (weight_gather_bytes).
 struct gradient_shards {
   // Processes sharing the gradients (off at 1 or fewer) and this process's index among them.
   std::size_t ranks = 0, rank = 0;
@@ -17733,8 +17746,9 @@ struct training_plan {
   // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
-  // ZeRO-3 (weights = this rank's shard): the gathered weights each micro-batch holds, the
-  // embedding's and head's and one slot of the largest block's (two with overlap: the prefetch).
+  // ZeRO-3 (weights = this rank's shard): the gathered weights each micro-batch holds: one slot of
+  // the largest weight unit; with overlap, the largest sum of two units read in a row
+  // (weight_gather_bytes).
   std::size_t weight_gather = 0;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   // Optimizer offload (plan_options::offload): then `optimizer` is 0 and the host space holds the
@@ -20137,7 +20151,8 @@ class gradient_exchange {
     }
     void use(std::size_t u, std::size_t next) {
       if (flight_slot_ < 2) {
-        // The prefetch (of u, as the op order said) completes here; another unit's is kept too.
+        // The prefetch of u (the op order names the next unit) completes here. The model's order
+        // guarantees it is u: another unit's would be overwritten below, outside the planner's pairs.
         flight_.wait();
         slots_[flight_slot_].unit = flight_unit_;
         flight_slot_ = 2;
@@ -21206,7 +21221,7 @@ class trainer {
                                                    std::span<const param_span>(opt_spans_), os);
       }
       // Every rank updated its shard: gather the whole model on every rank (in place). ZeRO-3
-      // keeps the shard: its steps gather each block as they read it.
+      // keeps the shard: its steps gather each weight unit as they read it.
       if (sharded() && !zero3()) comm_.all_gather(static_cast<const S*>(shard_w()), w_, n_);
       ++updates_;
     }
@@ -21245,8 +21260,8 @@ class trainer {
 
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
-  // plan's, and nothing of the training state is touched. Under ZeRO-3 a collective (each block's
-  // weights gathered as it is reached): every rank calls it with the same arguments, and a rank
+  // plan's, and nothing of the training state is touched. Under ZeRO-3 a collective (each weight
+  // unit gathered as it is reached): every rank calls it with the same arguments, and a rank
   // that fails in it leaves the others in a gather (until the communicator's timeout).
   // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows. The
   // result is the mean over every counted target (each batch weighted by its count).
@@ -21278,8 +21293,8 @@ class trainer {
 
   // The next-token logits of b's sequences under the current weights (model::next_token_logits,
   // on the trainer's allocator and executor; not part of the plan). Under ZeRO-3 a collective:
-  // every rank calls it with the same tokens and b, and each block's weights are gathered as it
-  // is reached (a rank that fails in it leaves the others in a gather, as evaluate does).
+  // every rank calls it with the same tokens and b, and each weight unit is gathered as it is
+  // reached (a rank that fails in it leaves the others in a gather, as evaluate does).
   void next_token_logits(const std::int32_t* tokens, batch_shape b, double* logits) {
     follow_stream();
     with_weights([&](auto& weights) { m_.next_token_logits(weights, tokens, b, logits, alloc_, ex_); });
@@ -21996,7 +22011,7 @@ class trainer {
   // The weights of this rank's optimizer shard.
   S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
   // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
-  // (their buffer from the allocator for the call; each block gathered as it is reached).
+  // (their buffer from the allocator for the call; each weight unit gathered as it is reached).
   template <typename F>
   decltype(auto) with_weights(F&& f) {
     if (zero3()) {

@@ -235,6 +235,21 @@ def test_opcheck(kind):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("kind", ["ttt_linear", "ttt_mlp"])
+def test_opcheck_at_another_mini_batch(kind):
+    kw = dict(CASES[kind], mini_batch=4)
+    attrs = [kw.get(n, v) for n, v in zip(ops._ATTRS[kind], _defaults(kind))]
+    gen = torch.Generator().manual_seed(5)
+    ws = [(0.3 * torch.randn(*shape, generator=gen, dtype=f64)).requires_grad_(True)
+          for _, shape in ops.parameters(kind, 16, **kw)]
+    x = torch.randn(2, 9, 16, dtype=f64, requires_grad=True)
+    # Not test_aot_dispatch_dynamic: it compares every output's values, and the saved bytes hold
+    # address-dependent padding; test_torch_compile_with_dynamic_shapes_traces_once compares y and
+    # the gradients instead.
+    torch.library.opcheck(ops._OPS[kind][0], (x, ws, *attrs),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_saved_bytes_survive_a_hook_that_moves_them(kind):
     """saved_tensors_hooks (and save_on_cpu, offloading hooks) copy saved tensors elsewhere: the
@@ -346,6 +361,13 @@ def test_torch_compile_with_dynamic_shapes_traces_once():
             want.square().sum().backward()
             assert rel(y.detach(), want.detach()) < 1e-12, backend
             assert all(rel(g, p.grad) < 1e-11 for g, p in zip(got, model.parameters())), backend
+    # A bad call fails while tracing, with membound's message (the fake checks the arguments on a
+    # concrete stand-in shape), not later inside the compiled graph.
+    torch._dynamo.reset()
+    ws = [torch.zeros(*shape, dtype=f64) for _, shape in ops.parameters("ttt_linear", 32, heads=4)]
+    bad = torch.compile(lambda x: ops.ttt_linear(x, ws, heads=4), dynamic=True, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="shape.width"):
+        bad(torch.randn(2, 9, 30, dtype=f64))
 
 
 @pytest.mark.parametrize("kind", list(CASES))

@@ -280,4 +280,41 @@ TEST_CASE("planned mode: set_layout is refused while the cycle is live, for a ne
   mb::caching_allocator<mb::system_allocator> plain;
   CHECK_THROWS_AS(plain.set_layout(l), mb::invalid_argument);
   CHECK(plain.layout() == nullptr);
+  // A hand-made layout whose repeated span or tail passes the cycle's end, or with no repeat, is
+  // refused by the field's name and the layout in use stays.
+  for (const char* field : {"layout.repeat_slots", "layout.tail_slots", "layout.repeats"}) {
+    mb::memory_layout bad = other;
+    if (std::string(field) == "layout.repeat_slots") bad.repeat_slots = bad.cycle.size() + 1;
+    if (std::string(field) == "layout.tail_slots") bad.tail_slots = bad.cycle.size() + 1;
+    if (std::string(field) == "layout.repeats") bad.repeats = 0;
+    try {
+      a.set_layout(bad);
+      FAIL("set_layout took a bad ", field);
+    } catch (const mb::invalid_argument& e) {
+      CHECK(std::string(e.argument()) == field);
+    }
+    CHECK(*a.layout() == other);
+  }
+  // restart_tail points the cursor at the tail: a cycle of a 1024-byte block, then a 2048-byte
+  // one (the tail) serves the tail again and again; without it the second would wrap to the
+  // cycle's start, which it does not follow, and stray.
+  const std::vector<mb::recorded_request> two{{0, false, 1024, mb::memory_tag::activations},
+                                              {0, true, 1024, mb::memory_tag::activations},
+                                              {1, false, 2048, mb::memory_tag::workspace},
+                                              {1, true, 2048, mb::memory_tag::workspace}};
+  mb::memory_layout tail = mb::make_layout(prefix2, two);
+  tail.tail_slots = 1;
+  for (const bool restart : {true, false}) {
+    a.set_layout(tail);
+    a.restart_cycle();
+    void* x0 = a.allocate(1024, mb::default_alignment, mb::memory_tag::activations);
+    a.deallocate(x0, 1024, mb::default_alignment, mb::memory_tag::activations);
+    const std::size_t hits = a.planned_hits();
+    for (int k = 0; k < 3; ++k) {
+      if (restart) a.restart_tail();
+      void* t = a.allocate(2048, mb::default_alignment, mb::memory_tag::workspace);
+      a.deallocate(t, 2048, mb::default_alignment, mb::memory_tag::workspace);
+    }
+    CHECK(a.planned_hits() == hits + (restart ? 3 : 1));
+  }
 }

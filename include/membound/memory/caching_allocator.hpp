@@ -358,6 +358,17 @@ class caching_allocator {
       throw invalid_argument("caching_options::planned", "true to take a layout", "false",
                              "Construct the allocator with caching_options{.planned = true}");
     }
+    // The cursor moves within the cycle: its repeated span and its tail must lie inside it.
+    for (const auto& [name, slots] : {std::pair{"layout.repeat_slots", l.repeat_slots},
+                                      std::pair{"layout.tail_slots", l.tail_slots}}) {
+      if (slots > l.cycle.size()) {
+        throw invalid_argument(name, "at most the cycle's " + std::to_string(l.cycle.size()) + " slots",
+                               std::to_string(slots), "Make the layout with make_layout or run_layout");
+      }
+    }
+    if (l.repeats == 0) {
+      throw invalid_argument("layout.repeats", "at least 1", "0", "Make the layout with make_layout or run_layout");
+    }
     if (plan_ && stream != plan_->stream && !plan_->live.empty()) {
       throw invalid_argument("stream", "the layout's stream " + std::to_string(plan_->stream) +
                                            " while planned blocks are live",

@@ -114,12 +114,14 @@ struct schedule_choice {
 // follow the micro-batch's backward, one at a time. Earlier micro-batches only accumulate.
 //
 // zero = 3 (ZeRO-3): ZeRO-2's gradients, and the weights sharded the same way: a rank keeps the
-// weights of its shard_of the parameters only. Each micro-batch gathers (all-gather of every
-// rank's part, in place) the embedding's and head's weights, held through it, and before each op
-// that reads a block's weights that block's, into a slot the size of the largest block's
-// (training_plan::weight_gather): a block already in a slot is not gathered again. With overlap
-// a second slot takes the next block's gather, started non-blocking as the block before it
-// begins (and the gradients' reduce-scatters overlap as ZeRO-2's do).
+// weights of its shard_of the parameters only. Before each op that reads weights, the weight unit
+// it reads (Model::unit_parameters: a block, the embedding's table for the lookup, the head's
+// norm and table for the loss) is gathered (all-gather of every rank's part, in place) into a
+// slot of the micro-batch's gathered buffer (training_plan::weight_gather), unless a slot holds
+// it: one slot of the largest unit. With overlap a second slot takes the gather of the unit the
+// next op reads, started non-blocking as the op before it begins (and the gradients'
+// reduce-scatters overlap as ZeRO-2's do); the two slots start at the buffer's two ends, which
+// holds the largest pair of units read in a row (weight_gather_bytes).
 struct gradient_shards {
   // Processes sharing the gradients (off at 1 or fewer) and this process's index among them.
   std::size_t ranks = 0, rank = 0;
@@ -241,8 +243,9 @@ struct training_plan {
   // ops, a bucket and its exchange's workspace (ZeRO-0/1 overlapped: the workspace only).
   std::size_t gradient_in_flight = 0;
   std::size_t gradient_ranks = 1;  // ranks sharing the gradients (1: not sharded)
-  // ZeRO-3 (weights = this rank's shard): the gathered weights each micro-batch holds, the
-  // embedding's and head's and one slot of the largest block's (two with overlap: the prefetch).
+  // ZeRO-3 (weights = this rank's shard): the gathered weights each micro-batch holds: one slot of
+  // the largest weight unit; with overlap, the largest sum of two units read in a row
+  // (weight_gather_bytes).
   std::size_t weight_gather = 0;
   gradient_shards gradient_sharding{};  // what it was made with (plan_options::gradients)
   // Optimizer offload (plan_options::offload): then `optimizer` is 0 and the host space holds the

@@ -328,7 +328,8 @@ class gradient_exchange {
     }
     void use(std::size_t u, std::size_t next) {
       if (flight_slot_ < 2) {
-        // The prefetch (of u, as the op order said) completes here; another unit's is kept too.
+        // The prefetch of u (the op order names the next unit) completes here. The model's order
+        // guarantees it is u: another unit's would be overwritten below, outside the planner's pairs.
         flight_.wait();
         slots_[flight_slot_].unit = flight_unit_;
         flight_slot_ = 2;

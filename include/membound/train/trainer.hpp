@@ -400,7 +400,7 @@ class trainer {
                                                    std::span<const param_span>(opt_spans_), os);
       }
       // Every rank updated its shard: gather the whole model on every rank (in place). ZeRO-3
-      // keeps the shard: its steps gather each block as they read it.
+      // keeps the shard: its steps gather each weight unit as they read it.
       if (sharded() && !zero3()) comm_.all_gather(static_cast<const S*>(shard_w()), w_, n_);
       ++updates_;
     }
@@ -439,8 +439,8 @@ class trainer {
 
   // The mean loss over `sequences` sequences of `source` (requests index k, random = a hash of
   // (seed, k)), in the plan's micro-batches, forward only (model::loss): its peak is below the
-  // plan's, and nothing of the training state is touched. Under ZeRO-3 a collective (each block's
-  // weights gathered as it is reached): every rank calls it with the same arguments, and a rank
+  // plan's, and nothing of the training state is touched. Under ZeRO-3 a collective (each weight
+  // unit gathered as it is reached): every rank calls it with the same arguments, and a rank
   // that fails in it leaves the others in a gather (until the communicator's timeout).
   // Packed (a packed_source for an effective batch with sequences): `sequences` packed rows. The
   // result is the mean over every counted target (each batch weighted by its count).
@@ -472,8 +472,8 @@ class trainer {
 
   // The next-token logits of b's sequences under the current weights (model::next_token_logits,
   // on the trainer's allocator and executor; not part of the plan). Under ZeRO-3 a collective:
-  // every rank calls it with the same tokens and b, and each block's weights are gathered as it
-  // is reached (a rank that fails in it leaves the others in a gather, as evaluate does).
+  // every rank calls it with the same tokens and b, and each weight unit is gathered as it is
+  // reached (a rank that fails in it leaves the others in a gather, as evaluate does).
   void next_token_logits(const std::int32_t* tokens, batch_shape b, double* logits) {
     follow_stream();
     with_weights([&](auto& weights) { m_.next_token_logits(weights, tokens, b, logits, alloc_, ex_); });
@@ -1191,7 +1191,7 @@ class trainer {
   // The weights of this rank's optimizer shard.
   S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
   // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
-  // (their buffer from the allocator for the call; each block gathered as it is reached).
+  // (their buffer from the allocator for the call; each weight unit gathered as it is reached).
   template <typename F>
   decltype(auto) with_weights(F&& f) {
     if (zero3()) {
