@@ -322,6 +322,17 @@ def test_torch_compile_traces_the_ops_in_one_graph():
         assert all(rel(p.grad, g) < 1e-11 for p, g in zip(model.parameters(), eager_grads)), backend
 
 
+def _compiled_and_eager(model, compiled, x):
+    """(y, gradients) of the compiled model and of the eager one, each from zeroed gradients."""
+    out = []
+    for f in (compiled, model):
+        model.zero_grad()
+        y = f(x)
+        y.square().sum().backward()
+        out.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
 def test_torch_compile_with_dynamic_shapes_traces_once():
     """dynamic=True: one graph for every batch and length (the saved bytes are an unbacked size in
     the trace; each eager call still allocates the layer's exact bytes)."""
@@ -336,31 +347,17 @@ def test_torch_compile_with_dynamic_shapes_traces_once():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counting, dynamic=True, fullgraph=True)
     for B, T in ((2, 24), (3, 40), (2, 7), (4, 100)):
-        x = torch.randn(B, T, 32, dtype=f64)
-        model.zero_grad()
-        y = compiled(x)
-        y.square().sum().backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad()
-        want = model(x)
-        want.square().sum().backward()
+        (y, got), (want, grads) = _compiled_and_eager(model, compiled, torch.randn(B, T, 32, dtype=f64))
         assert torch.equal(y, want)
-        assert all(torch.equal(g, p.grad) for g, p in zip(got, model.parameters()))
+        assert all(torch.equal(g, h) for g, h in zip(got, grads))
     assert len(graphs) == 1
     for backend in ("aot_eager", "inductor"):  # autograd through the unbacked size, and inductor's code
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
         for B, T in ((2, 24), (3, 41)):
-            x = torch.randn(B, T, 32, dtype=f64)
-            model.zero_grad()
-            y = compiled(x)
-            y.square().sum().backward()
-            got = [p.grad.clone() for p in model.parameters()]
-            model.zero_grad()
-            want = model(x)
-            want.square().sum().backward()
-            assert rel(y.detach(), want.detach()) < 1e-12, backend
-            assert all(rel(g, p.grad) < 1e-11 for g, p in zip(got, model.parameters())), backend
+            (y, got), (want, grads) = _compiled_and_eager(model, compiled, torch.randn(B, T, 32, dtype=f64))
+            assert rel(y, want) < 1e-12, backend
+            assert all(rel(g, h) < 1e-11 for g, h in zip(got, grads)), backend
     # A bad call fails while tracing, with membound's message (the fake checks the arguments on a
     # concrete stand-in shape), not later inside the compiled graph.
     torch._dynamo.reset()
