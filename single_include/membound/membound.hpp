@@ -16654,11 +16654,12 @@ class model {
   // The head's part: the final norm, then the LM head's table unless it is tied.
   shard_range head_parameters() const noexcept { return {params_[head_first_].offset, elements_}; }
 
-  // The weight units a weight source is asked for (use(unit, next), see forward_backward_routed):
-  // blocks 0 .. depth() - 1, embedding_unit() (the table, read by the lookup) and head_unit() (the
-  // final norm and the table it projects with); no_unit: no op follows.
+  // The weight units a weight source is asked for (use(unit, next), see forward_backward_routed)
+  // are blocks 0 .. depth() - 1 and these. The embedding's: its table, read by the lookup.
   std::size_t embedding_unit() const noexcept { return depth(); }
+  // The head's: the final norm and the table it projects with (the embedding's when tied).
   std::size_t head_unit() const noexcept { return depth() + 1; }
+  // No unit: the `next` of the last op that reads weights.
   static constexpr std::size_t no_unit = static_cast<std::size_t>(-1);
   // A unit's parts of the flat array, the second empty but for a tied head, whose table is the
   // embedding's: {head_parameters(), embedding_parameters()}, in that order (the flat array's
