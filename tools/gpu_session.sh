@@ -18,7 +18,7 @@
 #
 # Steps: train_ab (the example with and without --trace, and adamw8bit, 12 steps each),
 # torch_allocator (the Python package built there in the background, then
-# tests/python/gpu_torch_allocator.py), bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
+# tests/python/gpu_torch_allocator.py), torch_ops (the same build, then tests/python/test_ops_cuda.py), bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
 # builds when carried), tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
 # example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
@@ -142,21 +142,23 @@ if [[ -n "$build_arch" ]]; then
   fi
 fi
 
-# torch_allocator needs the Python package built for this machine's CPython (3.12 on the lent
-# image; a build here targets another): configure and build it in the background from the start,
-# so the compile overlaps the GPU steps before it. Eigen comes from .device_deps/python_deps.tgz
+# torch_allocator and torch_ops need the Python package built for this machine's CPython (3.12 on
+# the lent image; a build here targets another): configure and build it in the background from the
+# start, so the compile (the CUDA layers' nvcc unit: 177 s of one core on the 2-core machine)
+# overlaps the GPU steps before them. Eigen and pytest come from .device_deps/python_deps.tgz
 # (tools/stage_gpu_binaries.sh), nanobind from the machine's Python.
 pybuild=""
-if [[ " $steps " == *" torch_allocator "* ]]; then
+pyprefix="$(mktemp -d)"
+if [[ " $steps " == *" torch_allocator "* || " $steps " == *" torch_ops "* ]]; then
   pybuild="$work/py_build.rc"
+  [[ -f "$root/.device_deps/python_deps.tgz" ]] && tar -C "$pyprefix" -xzf "$root/.device_deps/python_deps.tgz"
   (
-    pyprefix="$(mktemp -d)"
-    [[ -f "$root/.device_deps/python_deps.tgz" ]] && tar -C "$pyprefix" -xzf "$root/.device_deps/python_deps.tgz"
     cmake -S "$root" -B "$root/build/gpu-python" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBOUND_BUILD_PYTHON=ON \
       -DMEMBOUND_BUILD_TESTS=OFF -DMEMBOUND_BUILD_EXAMPLES=OFF -DMEMBOUND_BUILD_BENCHMARKS=OFF \
-      -DMEMBOUND_BUILD_DOCS=OFF -DMEMBOUND_ENABLE_CUDA=OFF -DMEMBOUND_ENABLE_MPI=OFF \
+      -DMEMBOUND_BUILD_DOCS=OFF -DMEMBOUND_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DMEMBOUND_ENABLE_MPI=OFF \
       -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_PREFIX_PATH="$pyprefix/usr" > "$work/py_build.log" 2>&1 &&
-      cmake --build "$root/build/gpu-python" -j "$(nproc)" --target _core membound_alloc_cuda >> "$work/py_build.log" 2>&1
+      cmake --build "$root/build/gpu-python" -j "$(nproc)" \
+        --target _core _layers _layers_cuda membound_alloc_cuda >> "$work/py_build.log" 2>&1
     echo $? > "$pybuild.tmp" && mv "$pybuild.tmp" "$pybuild"
   ) &
 fi
@@ -361,6 +363,16 @@ PY
         PYTHONPATH="$root/build/gpu-python/python" step torch_allocator 120 python3 tests/python/gpu_torch_allocator.py "$work"
       else
         printf '%-40s %s\n' torch_allocator "not run (the Python build failed or did not finish: py_build.log)" |
+          tee -a "$work/summary.txt"
+      fi ;;
+    torch_ops)
+      # membound.ops on CUDA tensors against the CPU ops (tests/python/test_ops_cuda.py).
+      while [[ -n "$pybuild" && ! -f "$pybuild" ]] && (($(left) > 60)); do sleep 2; done
+      if [[ "$(cat "$pybuild" 2> /dev/null)" == 0 ]]; then
+        PYTHONPATH="$root/build/gpu-python/python:$pyprefix/pylib" step torch_ops 240 \
+          python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_ops_cuda.py
+      else
+        printf '%-40s %s\n' torch_ops "not run (the Python build failed or did not finish: py_build.log)" |
           tee -a "$work/summary.txt"
       fi ;;
     *) echo "gpu_session.sh: unknown step '$s'" >&2 ;;

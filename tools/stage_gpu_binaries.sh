@@ -5,7 +5,7 @@
 # .device_pack (ignored by git): bin.txz (the stripped binaries, xz: 62 MiB of them packed into
 # 7.7 MiB on 2026-11-29, under the device tool's 64 MiB carry limit), lib.tgz (the Debian
 # libraries they load) and python_deps.tgz (Eigen's headers and CMake files, for the Python
-# package that gpu_session.sh's torch_allocator step builds there):
+# package that gpu_session.sh's torch_allocator and torch_ops steps build there, and pytest):
 #
 #   bash tools/stage_gpu_binaries.sh [ARCH] [--before DIR]   # default 90-real (H100, H200)
 #   # --before DIR: a build of an earlier commit (e.g. a git worktree's build/gpu) whose
@@ -64,7 +64,16 @@ pack="$root/.device_pack"
 mkdir -p "$pack"
 tar -C "$root/.device_deps" -cJf "$pack/bin.txz" bin
 tar -C "$root/.device_deps" -czf "$pack/lib.tgz" usr/lib
-tar -C "$root/.device_deps" -czf "$pack/python_deps.tgz" usr/include/eigen3 usr/share/eigen3
+# pytest and its pure-Python dependencies for the torch_ops step (the lent image has no pytest).
+pylib="$root/.device_deps/pylib"
+rm -rf "$pylib" && mkdir -p "$pylib"
+python3 - "$pylib" <<'PY'
+import importlib, os, shutil, sys
+for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments"):
+    path = os.path.dirname(importlib.import_module(name).__file__)
+    shutil.copytree(path, os.path.join(sys.argv[1], name), ignore=shutil.ignore_patterns("__pycache__"))
+PY
+tar -C "$root/.device_deps" -czf "$pack/python_deps.tgz" usr/include/eigen3 usr/share/eigen3 pylib
 exclude="$root/.git/info/exclude"
 grep -qx '/.device_pack/' "$exclude" 2> /dev/null || echo '/.device_pack/' >> "$exclude"
 kib=$(du -s --apparent-size -B1K "$pack" | cut -f1)

@@ -26,6 +26,8 @@ class Spec:
     base_lr: float
     mini_batch: int
     threads: int
+    device: int
+    stream: int
     def __init__(self) -> None: ...
 
 def parameters(spec: Spec) -> list[tuple[str, list[int]]]: ...

@@ -22,7 +22,10 @@ modules with upstream parameter names are in membound.nn.
 Decoding, one token per sequence: decode_state() and decode_step() (membound.nn's step()), the
 state in a byte tensor PyTorch allocates, stepped outside autograd.
 
-CPU tensors (float32, float64, bfloat16) only: the CUDA layers are not bound to PyTorch yet.
+Devices: CPU tensors (float32, float64, bfloat16) run the host layers; CUDA tensors (float32,
+bfloat16) run membound's CUDA kernels (_layers_cuda, built where nvcc is found) on PyTorch's current
+stream, without waiting for the device, like PyTorch's own kernels. CUDA_AVAILABLE says whether this
+install has them. The CUDA path has been compiled but not yet run on a GPU (docs/python.md).
 """
 
 from __future__ import annotations
@@ -34,17 +37,37 @@ import torch
 from . import _layers
 from ._errors import InvalidArgument, invalid
 
+try:  # the CUDA layers, where the package was built with nvcc
+    from . import _layers_cuda
+except ImportError:
+    _layers_cuda = None
+
 __all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes", "DecodeState", "decode_state",
-           "decode_step", "TTT_MINI_BATCHES"]
+           "decode_step", "TTT_MINI_BATCHES", "CUDA_AVAILABLE"]
 
 # The TTT mini-batch sizes built into the extension (a compile-time policy of the C++ layer).
 TTT_MINI_BATCHES: tuple[int, ...] = tuple(_layers.ttt_mini_batches)
+# Whether this install has the CUDA layers (torch.cuda may still find no GPU).
+CUDA_AVAILABLE: bool = _layers_cuda is not None
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
 
-def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str, Any]) -> Any:
-    s = _layers.Spec()
+def _backend(device: Optional[torch.device]) -> Any:
+    """The extension module that runs a call on `device`: _layers for the host (and for the meta
+    and fake devices of a trace, except CUDA), _layers_cuda for CUDA tensors."""
+    if device is None or device.type != "cuda":
+        return _layers
+    if _layers_cuda is None:
+        raise invalid("x", "a CPU tensor (this membound was built without nvcc: no CUDA layers)", str(device),
+                      "Run the op on CPU tensors, or reinstall membound where nvcc is found (pip install .)")
+    return _layers_cuda
+
+
+def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str, Any],
+          device: Optional[torch.device] = None) -> Any:
+    on_cuda = device is not None and device.type == "cuda"
+    s = _backend(device).Spec()
     s.kind = kind
     if dtype not in _DTYPES:
         raise invalid("x", "a float32, float64 or bfloat16 tensor", str(dtype), "Cast the input and the parameters")
@@ -55,6 +78,20 @@ def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str
     for name, value in attrs.items():
         setattr(s, name, value)
     s.threads = torch.get_num_threads()
+    if on_cuda and dtype == torch.float64:
+        raise invalid("x", "a float32 or bfloat16 tensor on CUDA", str(dtype),
+                      "Cast to float32 (float64 runs on CPU tensors only)")
+    return s
+
+
+def _call_spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str, Any],
+               device: torch.device) -> Any:
+    """_spec for a call that runs: on CUDA with its device and PyTorch's current stream there (0:
+    the legacy default stream)."""
+    s = _spec(kind, x_shape, dtype, attrs, device)
+    if device.type == "cuda":
+        s.device = device.index if device.index is not None else torch.cuda.current_device()
+        s.stream = torch.cuda.current_stream(s.device).cuda_stream
     return s
 
 
@@ -93,79 +130,102 @@ def parameters(kind: str, width: int, **attrs: Any) -> list[tuple[str, list[int]
     return [(n, list(d)) for n, d in _layer_call(_layers.parameters, spec)]
 
 
-def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32, **attrs: Any) -> dict[str, int]:
-    """Bytes one call needs besides its inputs and y, from the layer's size functions: saved for
-    backward, and the workspaces. The op's saved tensor is saved + 256 bytes (_saved_layout)."""
-    saved, fws, bws = _layer_call(_layers.sizes, _spec(kind, x_shape, dtype, _with_defaults(kind, x_shape[-1], attrs)))
+def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32, device: Any = "cpu",
+          **attrs: Any) -> dict[str, int]:
+    """Bytes one call needs besides its inputs and y, from the layer's size functions on `device`'s
+    backend: saved for backward, and the workspaces. The op's saved tensor is saved + 256 bytes
+    (_saved_layout)."""
+    dev = torch.device(device)
+    s = _spec(kind, x_shape, dtype, _with_defaults(kind, x_shape[-1], attrs), dev)
+    saved, fws, bws = _layer_call(_backend(dev).sizes, s)
     return {"saved": saved, "forward_workspace": fws, "backward_workspace": bws}
 
 
-def _on_host(x: Optional[torch.Tensor], weights: Sequence[torch.Tensor], x_name: str = "x") -> None:
-    for name, t in ([(x_name, x)] if x is not None else []) + [(f"weights[{i}]", w) for i, w in enumerate(weights)]:
-        if t.device.type != "cpu":
-            raise invalid(name, "a CPU tensor (the CUDA layers are not bound to PyTorch yet)", str(t.device),
-                          "Run the op on CPU tensors, or the C++ CUDA layers from C++")
+def _placed(device: torch.device, tensors: Sequence[tuple[str, torch.Tensor]]) -> Any:
+    """The backend module for `device`, once every tensor is on it (one call runs on one device)."""
+    for name, t in tensors:
+        if t.device != device:
+            raise invalid(name, f"a tensor on {device} (the call's device)", str(t.device),
+                          "Move every tensor of one call to one device")
+    return _backend(device)
+
+
+def _named_tensors(x: Optional[torch.Tensor], weights: Sequence[torch.Tensor],
+                   x_name: str = "x") -> list[tuple[str, torch.Tensor]]:
+    return ([(x_name, x)] if x is not None else []) + [(f"weights[{i}]", w) for i, w in enumerate(weights)]
 
 
 # The layers carve their bytes from a 256-byte boundary; PyTorch's host allocator aligns to 64.
 _ALIGN = 256
 
 
-def _aligned(n: int) -> torch.Tensor:
+def _aligned(n: int, device: Optional[torch.device] = None) -> torch.Tensor:
     """n bytes starting at a 256-byte boundary: a view into a buffer 255 bytes longer."""
-    buf = torch.empty(n + _ALIGN - 1, dtype=torch.uint8)
+    buf = torch.empty(n + _ALIGN - 1, dtype=torch.uint8, device=device)
     start = -buf.data_ptr() % _ALIGN
     return buf[start:start + n]
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % _ALIGN == 0
 
 
 # The saved tensor (a forward output, so a fresh tensor at offset 0): byte 0 holds k - 1, where the
 # layer's bytes start at byte k in 1..256, a 256-byte boundary when forward wrote them. Hooks that
 # copy saved tensors (saved_tensors_hooks, save_on_cpu) move it to another address: backward then
-# finds the bytes by the header and copies them to a boundary again.
-def _saved_layout(n: int) -> torch.Tensor:
-    return torch.empty(n + _ALIGN, dtype=torch.uint8)
+# finds the bytes by the header and copies them to a boundary again. On CUDA the bytes always start
+# at byte 256 (k = 256, what a 256-byte-aligned buffer gives, as PyTorch's CUDA allocator's are),
+# so that backward never reads the header back from the device (a synchronization).
+def _saved_layout(n: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    return torch.empty(n + _ALIGN, dtype=torch.uint8, device=device)
 
 
 def _saved_payload_for_forward(saved: torch.Tensor) -> torch.Tensor:
-    k = -(saved.data_ptr() + 1) % _ALIGN + 1
+    k = _ALIGN if saved.is_cuda else -(saved.data_ptr() + 1) % _ALIGN + 1
     saved[0] = k - 1
     return saved[k:k + saved.numel() - _ALIGN]
 
 
 def _saved_payload_for_backward(saved: torch.Tensor) -> torch.Tensor:
-    k = int(saved[0]) + 1
+    k = _ALIGN if saved.is_cuda else int(saved[0]) + 1
     payload = saved[k:k + saved.numel() - _ALIGN]
-    if payload.is_contiguous() and payload.data_ptr() % _ALIGN == 0:
+    if payload.is_contiguous() and _is_aligned(payload):
         return payload
-    moved = _aligned(payload.numel())
+    moved = _aligned(payload.numel(), saved.device)
     moved.copy_(payload)
     return moved
 
 
 def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], attrs: dict[str, Any]):
-    _on_host(x, weights)
-    s = _spec(kind, x.shape, x.dtype, attrs)
-    saved_bytes, fws, _ = _layer_call(_layers.sizes, s)
+    layers = _placed(x.device, _named_tensors(x, weights))
+    s = _call_spec(kind, x.shape, x.dtype, attrs, x.device)
+    saved_bytes, fws, _ = _layer_call(layers.sizes, s)
     # The layers read contiguous arrays: a transposed nn.Linear weight is copied here (not counted
     # by sizes(); PyTorch frees the copy when the call returns).
     x = x.contiguous()
     ws = [w.contiguous() for w in weights]
     y = torch.empty_like(x)
-    saved = _saved_layout(saved_bytes)
-    _layer_call(_layers.forward, s, x, ws, y, _saved_payload_for_forward(saved), _aligned(fws))
+    saved = _saved_layout(saved_bytes, x.device)
+    payload = _saved_payload_for_forward(saved)
+    # A CUDA allocator that does not align to 256 bytes: the layer writes an aligned copy.
+    target = payload if _is_aligned(payload) else _aligned(saved_bytes, x.device)
+    _layer_call(layers.forward, s, x, ws, y, target, _aligned(fws, x.device))
+    if target is not payload:
+        payload.copy_(target)
     return y, saved
 
 
 def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
               attrs: dict[str, Any]):
-    _on_host(x, weights)
-    s = _spec(kind, x.shape, x.dtype, attrs)
-    _, _, bws = _layer_call(_layers.sizes, s)
+    layers = _placed(x.device, _named_tensors(x, weights) + [("saved", saved), ("dy", dy)])
+    s = _call_spec(kind, x.shape, x.dtype, attrs, x.device)
+    _, _, bws = _layer_call(layers.sizes, s)
     x, dy = x.contiguous(), dy.contiguous().to(x.dtype)
     ws = [w.contiguous() for w in weights]
     dx = torch.empty_like(x)
     grads = [torch.zeros_like(w) for w in ws]  # the layers add (+=) their gradients
-    _layer_call(_layers.backward, s, x, ws, _saved_payload_for_backward(saved), dy, dx, grads, _aligned(bws))
+    _layer_call(layers.backward, s, x, ws, _saved_payload_for_backward(saved), dy, dx, grads,
+                _aligned(bws, x.device))
     return dx, grads
 
 
@@ -192,10 +252,10 @@ def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
             raise invalid("x", "a tensor [batch, seq, width]", tuple(x.shape), "Reshape the input to three axes")
         width = _example_value(x.shape[-1])
         if width is not None:
-            _layer_call(_layers.sizes, _spec(kind, [1, 1, width], x.dtype, attrs))
+            _layer_call(_backend(x.device).sizes, _spec(kind, [1, 1, width], x.dtype, attrs, x.device))
         saved_bytes = torch.library.get_ctx().new_dynamic_size(min=_ALIGN)
         return x.new_empty(x.shape), x.new_empty(saved_bytes, dtype=torch.uint8)
-    saved_bytes = _layer_call(_layers.sizes, _spec(kind, list(x.shape), x.dtype, attrs))[0]
+    saved_bytes = _layer_call(_backend(x.device).sizes, _spec(kind, list(x.shape), x.dtype, attrs, x.device))[0]
     return x.new_empty(x.shape), x.new_empty(saved_bytes + _ALIGN, dtype=torch.uint8)
 
 
@@ -348,18 +408,19 @@ class DecodeState:
     keeps K, V of the weights that made them: after changing the parameters, make a new state."""
 
     def __init__(self, kind: str, batch: int, width: int, dtype: torch.dtype, attrs: dict[str, Any],
-                 max_len: int) -> None:
+                 max_len: int, device: torch.device) -> None:
         self.kind, self.batch, self.width, self.dtype = kind, batch, width, dtype
         self.attrs, self.max_len, self.position = _with_defaults(kind, width, attrs), max_len, 0
+        self.device, self._layers = device, _backend(device)
         # The pool's size is fixed with the state: the step workspace is sized for it.
         self.threads = torch.get_num_threads()
-        state_bytes, step_workspace = _layer_call(_layers.decode_sizes, self._spec(), max_len)
-        self.data, self.workspace_bytes = _aligned(state_bytes), step_workspace
+        state_bytes, step_workspace = _layer_call(self._layers.decode_sizes, self._spec(), max_len)
+        self.data, self.workspace_bytes = _aligned(state_bytes, device), step_workspace
         self._weights_key: Optional[tuple] = None
         self._weights: list[torch.Tensor] = []
 
     def _spec(self) -> Any:
-        s = _spec(self.kind, (self.batch, 1, self.width), self.dtype, self.attrs)
+        s = _call_spec(self.kind, (self.batch, 1, self.width), self.dtype, self.attrs, self.device)
         s.threads = self.threads
         return s
 
@@ -380,17 +441,18 @@ class DecodeState:
 
 def decode_state(kind: str, weights: Sequence[torch.Tensor], *, batch: int, width: int,
                  dtype: torch.dtype = torch.float32, max_len: int = 0, **attrs: Any) -> DecodeState:
-    """A started decoding state (TTT's from its weights): see DecodeState. Attention decodes causally,
-    at most max_len tokens (a window keeps only its last W of them)."""
+    """A started decoding state (TTT's from its weights) on the weights' device: see DecodeState.
+    Attention decodes causally, at most max_len tokens (a window keeps only its last W of them)."""
     if kind == "attention" and max_len <= 0:
         raise invalid("max_len", "the positions the KV cache holds, at least 1", max_len, "e.g. max_len=4096")
     if kind == "attention" and not attrs.get("causal", True):
         raise invalid("causal", "True (decoding generates one token after another)", False,
                       "Decode with a causal attention layer")
-    st = DecodeState(kind, batch, width, dtype, attrs, max_len)
+    device = weights[0].device if len(weights) > 0 else torch.device("cpu")
+    _placed(device, _named_tensors(None, weights))
+    st = DecodeState(kind, batch, width, dtype, attrs, max_len, device)
     with torch.no_grad():
-        _on_host(None, weights)
-        _layer_call(_layers.decode_reset, st._spec(), st._contiguous(weights), st.data, max_len)
+        _layer_call(st._layers.decode_reset, st._spec(), st._contiguous(weights), st.data, max_len)
     return st
 
 
@@ -401,10 +463,10 @@ def decode_step(x_t: torch.Tensor, weights: Sequence[torch.Tensor], state: Decod
         raise invalid("x_t", f"a {state.dtype} tensor [{state.batch}, {state.width}] (one token per sequence)",
                       f"{x_t.dtype} {tuple(x_t.shape)}", "Pass x[:, t] of the state's batch, width and dtype")
     with torch.no_grad():
-        _on_host(x_t, weights, "x_t")
+        _placed(state.device, _named_tensors(x_t, weights, "x_t"))
         x_t = x_t.detach().contiguous()
         y_t = torch.empty_like(x_t)
-        _layer_call(_layers.decode_step, state._spec(), state._contiguous(weights), state.data, state.position,
-                    state.max_len, x_t, y_t, _aligned(state.workspace_bytes))
+        _layer_call(state._layers.decode_step, state._spec(), state._contiguous(weights), state.data, state.position,
+                    state.max_len, x_t, y_t, _aligned(state.workspace_bytes, state.device))
     state.position += 1
     return y_t

@@ -24,9 +24,12 @@ def main() -> int:
     env = dict(os.environ)
     for name in ("MEMBOUND_REQUIRE_CUDA", "MEMBOUND_REQUIRE_MPI"):  # CI's; the wheel is CPU only
         env.pop(name, None)
+    # Without the CUDA layers (one nvcc unit of every layer's kernels, minutes on two cores): the ci
+    # build compiles them (python_layers_cuda_check), and a machine without a GPU cannot run them.
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet",
                     "--disable-pip-version-check", "-w", wheels,
-                    f"--config-settings=build-dir={os.path.join(work, 'build')}", source], check=True, env=env)
+                    f"--config-settings=build-dir={os.path.join(work, 'build')}",
+                    "--config-settings=cmake.define.MEMBOUND_ENABLE_CUDA=OFF", source], check=True, env=env)
     (wheel,) = glob.glob(os.path.join(wheels, "membound-*.whl"))
     names = sorted(zipfile.ZipFile(wheel).namelist())
     package = [n for n in names if not n.startswith("membound-")]

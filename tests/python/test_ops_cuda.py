@@ -1,0 +1,175 @@
+"""membound.ops on CUDA tensors (membound._layers_cuda) against the same ops on the CPU.
+
+Runs where this install has the CUDA layers (built where nvcc is found) and torch finds a GPU;
+everywhere else every test is skipped (CI's machine has nvcc but no GPU: there the module is
+compiled, never run).
+
+Tolerances, normwise (||ours - cpu|| / ||cpu||): float32 1e-5, the bar the C++ layers' CUDA tests
+hold the same kernels to against the CPU backend (tests/cuda/test_cuda_<layer>.cu: different
+orders of summation, TF32 off, no atomics); bfloat16 4e-2 against the CPU op in bfloat16, the
+attention test's bound for the tensor-core kernels (bf16 rounding of different intermediates).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import membound.nn as mnn  # noqa: E402
+import membound.ops as ops  # noqa: E402
+from membound import InvalidArgument  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (ops.CUDA_AVAILABLE and torch.cuda.is_available()),
+                                reason="needs membound's CUDA layers and a GPU")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
+
+# (kind, attributes, width): each layer at a shape whose TTT sequence crosses mini-batches.
+CASES = [
+    ("attention", {"heads": 4, "kv_heads": 2, "head_dim": 16}, 64),
+    ("attention", {"heads": 4, "kv_heads": 4, "head_dim": 16, "window": 5}, 64),
+    ("mamba", {"d_inner": 128, "d_state": 16, "d_conv": 4, "dt_rank": 4}, 64),
+    ("ttt_linear", {"heads": 4, "mini_batch": 16}, 64),
+    ("ttt_mlp", {"heads": 4, "mini_batch": 16, "use_gate": True}, 64),
+]
+# Each op's attributes in schema order (ops._ATTRS) with the public functions' defaults.
+DEFAULTS = {
+    "attention": (0, 0, 0, True, 0, 10000.0),
+    "mamba": (0, 16, 4, 0),
+    "ttt_linear": (0, False, 1.0, 10000.0, 16),
+    "ttt_mlp": (0, False, 1.0, 10000.0, 16),
+}
+OPS = {"attention": ops.attention, "mamba": ops.mamba, "ttt_linear": ops.ttt_linear, "ttt_mlp": ops.ttt_mlp}
+
+
+def normwise(ours: torch.Tensor, want: torch.Tensor) -> float:
+    d, w = ours.double().cpu(), want.double().cpu()
+    return ((d - w).norm() / max(w.norm().item(), 1e-30)).item()
+
+
+def weights_for(kind: str, attrs: dict, width: int, dtype: torch.dtype, device: str, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, shape in ops.parameters(kind, width, **attrs):
+        w = 0.2 * torch.randn(*shape, generator=gen, dtype=torch.float64)
+        if name in ("ttt_norm_w", "post_w"):
+            w = w * 0.5 + 1.0
+        if name == "a_log":
+            w = torch.log(torch.arange(1, shape[1] + 1, dtype=torch.float64)).expand(shape).clone()
+        out.append(w.to(dtype).to(device))
+    return out
+
+
+def run(kind: str, attrs: dict, x: torch.Tensor, weights: list, dy: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in weights]
+    y = OPS[kind](x, ws, **attrs)
+    y.backward(dy)
+    return y.detach(), x.grad, [w.grad for w in ws]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,attrs,width", CASES)
+def test_cuda_equals_cpu(kind, attrs, width, dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 37, width, generator=gen, dtype=torch.float64).to(dtype)
+    dy = torch.randn(2, 37, width, generator=gen, dtype=torch.float64).to(dtype)
+    wc = weights_for(kind, attrs, width, dtype, "cpu")
+    yc, dxc, gc = run(kind, attrs, x, wc, dy)
+    yg, dxg, gg = run(kind, attrs, x.cuda(), [w.cuda() for w in wc], dy.cuda())
+    assert yg.is_cuda and dxg.is_cuda and all(g.is_cuda for g in gg)
+    tol = TOL[dtype]
+    assert normwise(yg, yc) <= tol
+    assert normwise(dxg, dxc) <= tol
+    for (name, _), a, b in zip(ops.parameters(kind, width, **attrs), gg, gc):
+        assert normwise(a, b) <= tol, name
+
+
+@pytest.mark.parametrize("kind,attrs,width", CASES)
+def test_every_byte_from_pytorch(kind, attrs, width):
+    """Every byte a call takes comes from PyTorch's allocator: after a warm-up step (cuBLASLt's
+    plans, the kernels' modules loaded lazily), the device's free bytes move only with PyTorch's
+    reserve."""
+    x = torch.randn(2, 37, width, device="cuda", requires_grad=True)
+    ws = weights_for(kind, attrs, width, torch.float32, "cuda")
+
+    def step():
+        OPS[kind](x, ws, **attrs).sum().backward()
+        torch.cuda.synchronize()
+
+    step()
+    free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    step()
+    free1, reserved1 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+    assert free0 - free1 == reserved1 - reserved0
+
+
+@pytest.mark.parametrize("kind,attrs,width", CASES)
+def test_fake_tensors_on_cuda(kind, attrs, width):
+    """The fake implementation on CUDA: the CUDA layers' saved size, schema and autograd checks."""
+    x = torch.randn(2, 9, width, device="cuda", requires_grad=True)
+    ws = [w.requires_grad_(True) for w in weights_for(kind, attrs, width, torch.float32, "cuda")]
+    values = tuple(ops._with_defaults(kind, width, attrs).get(a, d) for a, d in zip(ops._ATTRS[kind], DEFAULTS[kind]))
+    torch.library.opcheck(ops._OPS[kind][0], (x, ws, *values),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("kind,attrs,width", CASES)
+def test_saved_bytes_through_save_on_cpu(kind, attrs, width):
+    """save_on_cpu moves the saved bytes to the host and back between forward and backward."""
+    x = torch.randn(2, 37, width, device="cuda")
+    ws = weights_for(kind, attrs, width, torch.float32, "cuda")
+    dy = torch.randn_like(x)
+    want = run(kind, attrs, x, ws, dy)
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        got = run(kind, attrs, x, ws, dy)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+
+
+@pytest.mark.parametrize("kind,attrs,width", CASES)
+def test_decode_equals_forward_rows(kind, attrs, width):
+    x = torch.randn(2, 21, width, device="cuda")
+    ws = weights_for(kind, attrs, width, torch.float32, "cuda")
+    with torch.no_grad():
+        y = OPS[kind](x, ws, **attrs)
+    state = ops.decode_state(kind, ws, batch=2, width=width, max_len=21, **attrs)
+    assert state.data.is_cuda
+    rows = torch.stack([ops.decode_step(x[:, t], ws, state) for t in range(21)], dim=1)
+    assert normwise(rows, y) <= 1e-5
+
+
+def test_side_stream_orders_like_pytorch():
+    """On a side stream the op runs on that stream: the same result, no synchronization needed."""
+    kind, attrs, width = CASES[3]
+    x = torch.randn(2, 37, width, device="cuda")
+    ws = weights_for(kind, attrs, width, torch.float32, "cuda")
+    want = OPS[kind](x, ws, **attrs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = OPS[kind](x * 1.0, ws, **attrs)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)  # the kernels are deterministic: bit for bit
+
+
+def test_compile_on_cuda():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(mnn.TTTLinear(64, 4), mnn.Attention(64, 4)).cuda()
+    x = torch.randn(2, 40, 64, device="cuda")
+    want = model(x)
+    got = torch.compile(model, fullgraph=True)(x)
+    assert normwise(got, want) <= 1e-6
+
+
+def test_bad_input_on_cuda():
+    kind, attrs, width = CASES[0]
+    x = torch.randn(1, 8, width, device="cuda")
+    ws = weights_for(kind, attrs, width, torch.float32, "cuda")
+    with pytest.raises(InvalidArgument) as e:
+        OPS[kind](x, [ws[0].cpu()] + ws[1:], **attrs)
+    assert e.value.argument == "weights[0]"
+    with pytest.raises(InvalidArgument) as e:
+        OPS[kind](x.double(), [w.double() for w in ws], **attrs)
+    assert e.value.argument == "x"
