@@ -108,9 +108,10 @@ class _TTT(nn.Module):
         """One token per sequence, x_t [batch, width]: forward's row at state.position."""
         return ops.decode_step(x_t, self.weights(), state)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, width]; or packed sequences, x [1, T, width] with cu_seqlens (membound.ops)."""
         op = ops.ttt_mlp if self._mlp else ops.ttt_linear
-        return op(x, self.weights(), **self._attrs())
+        return op(x, self.weights(), cu_seqlens=cu_seqlens, **self._attrs())
 
 
 class TTTLinear(_TTT):
@@ -184,8 +185,10 @@ class Mamba(nn.Module):
         mamba_simple's step computes, over membound's own state)."""
         return ops.decode_step(x_t, self.weights(), state)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.mamba(x, self.weights(), **self._attrs())
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, d_model]; or packed sequences, x [1, T, d_model] with cu_seqlens (mamba's seq_idx
+        in offset form)."""
+        return ops.mamba(x, self.weights(), cu_seqlens=cu_seqlens, **self._attrs())
 
 
 class Attention(nn.Module):
@@ -222,5 +225,7 @@ class Attention(nn.Module):
         """One token per sequence, x_t [batch, d_model]: causal forward's row at state.position."""
         return ops.decode_step(x_t, self.weights(), state)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.attention(x, self.weights(), **self._attrs())
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, d_model]; or packed sequences, x [1, T, d_model] with cu_seqlens (FlashAttention's
+        varlen convention)."""
+        return ops.attention(x, self.weights(), cu_seqlens=cu_seqlens, **self._attrs())

@@ -65,9 +65,10 @@ def _backend(device: Optional[torch.device]) -> Any:
 
 
 def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str, Any],
-          device: Optional[torch.device] = None) -> Any:
+          device: Optional[torch.device] = None, sequences: int = 0) -> Any:
     on_cuda = device is not None and device.type == "cuda"
     s = _backend(device).Spec()
+    s.sequences = sequences
     s.kind = kind
     if dtype not in _DTYPES:
         raise invalid("x", "a float32, float64 or bfloat16 tensor", str(dtype), "Cast the input and the parameters")
@@ -85,10 +86,10 @@ def _spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str
 
 
 def _call_spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dict[str, Any],
-               device: torch.device) -> Any:
+               device: torch.device, sequences: int = 0) -> Any:
     """_spec for a call that runs: on CUDA with its device and PyTorch's current stream there (0:
     the legacy default stream)."""
-    s = _spec(kind, x_shape, dtype, attrs, device)
+    s = _spec(kind, x_shape, dtype, attrs, device, sequences)
     if device.type == "cuda":
         s.device = device.index if device.index is not None else torch.cuda.current_device()
         s.stream = torch.cuda.current_stream(s.device).cuda_stream
@@ -98,15 +99,22 @@ def _call_spec(kind: str, x_shape: Sequence[int], dtype: torch.dtype, attrs: dic
 _X_FIELDS = ("shape.batch", "shape.seq", "shape.width", "shape.d_model")
 
 
-def _layer_call(fn, *args):
+# The packed sequences' fields in the C++ layers and the extension: this module's cu_seqlens.
+_PACKED_FIELDS = ("shape.offsets", "shape.sequences", "offsets")
+
+
+def _layer_call(fn, *args, **kwargs):
     """Calls _layers.fn; the C++ layers name shape fields (shape.kv_heads), which are this module's
-    arguments (kv_heads) or the input's axes (x)."""
+    arguments (kv_heads), the input's axes (x) or the packed sequences' offsets (cu_seqlens)."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except InvalidArgument as e:
-        if not e.argument.startswith("shape."):
+        if e.argument in _PACKED_FIELDS:
+            name = "cu_seqlens"
+        elif e.argument.startswith("shape."):
+            name = "x" if e.argument in _X_FIELDS else e.argument[len("shape."):]
+        else:
             raise
-        name = "x" if e.argument in _X_FIELDS else e.argument[len("shape."):]
         shown = f"{e.argument} (x's axes)" if name == "x" else name
         raise InvalidArgument(str(e).replace(f"'{e.argument}'", f"'{shown}'", 1), name, e.expected, e.got,
                               e.todo) from None
@@ -131,12 +139,13 @@ def parameters(kind: str, width: int, **attrs: Any) -> list[tuple[str, list[int]
 
 
 def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32, device: Any = "cpu",
-          **attrs: Any) -> dict[str, int]:
+          sequences: int = 0, **attrs: Any) -> dict[str, int]:
     """Bytes one call needs besides its inputs and y, from the layer's size functions on `device`'s
     backend: saved for backward, and the workspaces. The op's saved tensor is saved + 256 bytes
-    (_saved_layout)."""
+    (_saved_layout). sequences: packed sequences on x's token axis (x [1, T, C]); the bytes are the
+    worst case of any packing of T tokens into that many, so one size serves every batch of them."""
     dev = torch.device(device)
-    s = _spec(kind, x_shape, dtype, _with_defaults(kind, x_shape[-1], attrs), dev)
+    s = _spec(kind, x_shape, dtype, _with_defaults(kind, x_shape[-1], attrs), dev, sequences)
     saved, fws, bws = _layer_call(_backend(dev).sizes, s)
     return {"saved": saved, "forward_workspace": fws, "backward_workspace": bws}
 
@@ -196,9 +205,27 @@ def _saved_payload_for_backward(saved: torch.Tensor) -> torch.Tensor:
     return moved
 
 
-def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], attrs: dict[str, Any]):
+def _packed(cu_seqlens: Optional[torch.Tensor], device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
+    """(sequences, offsets) of the packed sequences, or (0, None): cu_seqlens as FlashAttention's
+    varlen functions take it, S + 1 int32 offsets, 0 first and the total last, here on the CPU."""
+    if cu_seqlens is None:
+        return 0, None
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise invalid("cu_seqlens", "a 1-D int32 tensor of S + 1 offsets (S >= 1): 0, the starts, the total",
+                      f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}", "Pass torch.tensor([0, len0, len0 + len1, ...], "
+                      "dtype=torch.int32)")
+    if device.type != "cpu" or cu_seqlens.device.type != "cpu":
+        raise invalid("cu_seqlens", "packed sequences on CPU tensors (the CUDA layers do not take them yet)",
+                      f"x on {device}, cu_seqlens on {cu_seqlens.device}",
+                      "Run packed batches on the CPU, or pad them on the GPU")
+    return cu_seqlens.numel() - 1, cu_seqlens.contiguous()
+
+
+def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+             attrs: dict[str, Any]):
     layers = _placed(x.device, _named_tensors(x, weights))
-    s = _call_spec(kind, x.shape, x.dtype, attrs, x.device)
+    sequences, offsets = _packed(cu_seqlens, x.device)
+    s = _call_spec(kind, x.shape, x.dtype, attrs, x.device, sequences)
     saved_bytes, fws, _ = _layer_call(layers.sizes, s)
     # The layers read contiguous arrays: a transposed nn.Linear weight is copied here (not counted
     # by sizes(); PyTorch frees the copy when the call returns).
@@ -209,23 +236,24 @@ def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], attrs: dic
     payload = _saved_payload_for_forward(saved)
     # A CUDA allocator that does not align to 256 bytes: the layer writes an aligned copy.
     target = payload if _is_aligned(payload) else _aligned(saved_bytes, x.device)
-    _layer_call(layers.forward, s, x, ws, y, target, _aligned(fws, x.device))
+    _layer_call(layers.forward, s, x, ws, y, target, _aligned(fws, x.device), offsets=offsets)
     if target is not payload:
         payload.copy_(target)
     return y, saved
 
 
-def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
-              attrs: dict[str, Any]):
+def _backward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+              saved: torch.Tensor, dy: torch.Tensor, attrs: dict[str, Any]):
     layers = _placed(x.device, _named_tensors(x, weights) + [("saved", saved), ("dy", dy)])
-    s = _call_spec(kind, x.shape, x.dtype, attrs, x.device)
+    sequences, offsets = _packed(cu_seqlens, x.device)
+    s = _call_spec(kind, x.shape, x.dtype, attrs, x.device, sequences)
     _, _, bws = _layer_call(layers.sizes, s)
     x, dy = x.contiguous(), dy.contiguous().to(x.dtype)
     ws = [w.contiguous() for w in weights]
     dx = torch.empty_like(x)
     grads = [torch.zeros_like(w) for w in ws]  # the layers add (+=) their gradients
     _layer_call(layers.backward, s, x, ws, _saved_payload_for_backward(saved), dy, dx, grads,
-                _aligned(bws, x.device))
+                _aligned(bws, x.device), offsets=offsets)
     return dx, grads
 
 
@@ -240,12 +268,18 @@ def _example_value(d: Any) -> Optional[int]:
     return None if hint is None else int(hint)
 
 
-def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
+def _fake_forward(kind: str, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor], attrs: dict[str, Any]):
     # The saved size is the layer's own, so a traced graph holds the bytes the eager op would. Under
     # dynamic shapes (a symbolic batch or length) it is an unbacked size instead: the C++ size
     # functions are not symbolic, and int() on a symbolic length would specialise the graph to it,
     # tracing again for every shape. The eager call still allocates the layer's exact bytes.
-    if any(isinstance(d, torch.SymInt) for d in x.shape):
+    symbolic = any(isinstance(d, torch.SymInt) for d in x.shape)
+    if cu_seqlens is not None:
+        symbolic = symbolic or isinstance(cu_seqlens.shape[0], torch.SymInt)
+        if not symbolic:
+            _packed(cu_seqlens, x.device)  # its dtype, rank and device, as eager checks them
+    sequences = 0 if cu_seqlens is None or symbolic else cu_seqlens.shape[0] - 1
+    if symbolic:
         # The arguments are checked as eager would (dtype, rank, width, attributes, mini_batch) on
         # a concrete stand-in shape, so a bad call fails while tracing, not inside the graph.
         if len(x.shape) != 3:
@@ -255,7 +289,8 @@ def _fake_forward(kind: str, x: torch.Tensor, attrs: dict[str, Any]):
             _layer_call(_backend(x.device).sizes, _spec(kind, [1, 1, width], x.dtype, attrs, x.device))
         saved_bytes = torch.library.get_ctx().new_dynamic_size(min=_ALIGN)
         return x.new_empty(x.shape), x.new_empty(saved_bytes, dtype=torch.uint8)
-    saved_bytes = _layer_call(_backend(x.device).sizes, _spec(kind, list(x.shape), x.dtype, attrs, x.device))[0]
+    saved_bytes = _layer_call(_backend(x.device).sizes,
+                              _spec(kind, list(x.shape), x.dtype, attrs, x.device, sequences))[0]
     return x.new_empty(x.shape), x.new_empty(saved_bytes + _ALIGN, dtype=torch.uint8)
 
 
@@ -280,45 +315,48 @@ def _named(kind: str, values: Sequence[Any]) -> dict[str, Any]:
 
 
 @torch.library.custom_op("membound::attention_forward", mutates_args=())
-def _attention_forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int,
-                       causal: bool, window: int, rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward("attention", x, weights, _named("attention", (heads, kv_heads, head_dim, causal, window,
-                                                                  rope_base)))
+def _attention_forward(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor], heads: int,
+                       kv_heads: int, head_dim: int, causal: bool, window: int,
+                       rope_base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward("attention", x, weights, cu_seqlens, _named("attention", (heads, kv_heads, head_dim, causal, window,
+                                                                              rope_base)))
 
 
 @torch.library.custom_op("membound::attention_backward", mutates_args=())
-def _attention_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
-                        heads: int, kv_heads: int, head_dim: int, causal: bool, window: int,
-                        rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return _backward("attention", x, weights, saved, dy,
+def _attention_backward(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                        saved: torch.Tensor, dy: torch.Tensor, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                        window: int, rope_base: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _backward("attention", x, weights, cu_seqlens, saved, dy,
                      _named("attention", (heads, kv_heads, head_dim, causal, window, rope_base)))
 
 
 @torch.library.custom_op("membound::mamba_forward", mutates_args=())
-def _mamba_forward(x: torch.Tensor, weights: list[torch.Tensor], d_inner: int, d_state: int, d_conv: int,
-                   dt_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward("mamba", x, weights, _named("mamba", (d_inner, d_state, d_conv, dt_rank)))
+def _mamba_forward(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor], d_inner: int,
+                   d_state: int, d_conv: int, dt_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward("mamba", x, weights, cu_seqlens, _named("mamba", (d_inner, d_state, d_conv, dt_rank)))
 
 
 @torch.library.custom_op("membound::mamba_backward", mutates_args=())
-def _mamba_backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor,
-                    d_inner: int, d_state: int, d_conv: int, dt_rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return _backward("mamba", x, weights, saved, dy, _named("mamba", (d_inner, d_state, d_conv, dt_rank)))
+def _mamba_backward(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                    saved: torch.Tensor, dy: torch.Tensor, d_inner: int, d_state: int, d_conv: int,
+                    dt_rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return _backward("mamba", x, weights, cu_seqlens, saved, dy, _named("mamba", (d_inner, d_state, d_conv, dt_rank)))
 
 
 def _ttt_ops(kind: str):
     """TTT-Linear's or TTT-MLP's two ops: the same schema under two names."""
 
     @torch.library.custom_op(f"membound::{kind}_forward", mutates_args=())
-    def forward(x: torch.Tensor, weights: list[torch.Tensor], heads: int, use_gate: bool, base_lr: float,
-                rope_base: float, mini_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(kind, x, weights, _named(kind, (heads, use_gate, base_lr, rope_base, mini_batch)))
+    def forward(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor], heads: int,
+                use_gate: bool, base_lr: float, rope_base: float, mini_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(kind, x, weights, cu_seqlens, _named(kind, (heads, use_gate, base_lr, rope_base, mini_batch)))
 
     @torch.library.custom_op(f"membound::{kind}_backward", mutates_args=())
-    def backward(x: torch.Tensor, weights: list[torch.Tensor], saved: torch.Tensor, dy: torch.Tensor, heads: int,
-                 use_gate: bool, base_lr: float, rope_base: float,
+    def backward(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor], saved: torch.Tensor,
+                 dy: torch.Tensor, heads: int, use_gate: bool, base_lr: float, rope_base: float,
                  mini_batch: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return _backward(kind, x, weights, saved, dy, _named(kind, (heads, use_gate, base_lr, rope_base, mini_batch)))
+        return _backward(kind, x, weights, cu_seqlens, saved, dy,
+                         _named(kind, (heads, use_gate, base_lr, rope_base, mini_batch)))
 
     return forward, backward
 
@@ -341,21 +379,21 @@ _OPS = {
 def _register(kind: str) -> None:
     fwd, bwd = _OPS[kind]
 
-    def fake_forward(x, weights, *attrs):
-        return _fake_forward(kind, x, _named(kind, attrs))
+    def fake_forward(x, weights, cu_seqlens, *attrs):
+        return _fake_forward(kind, x, cu_seqlens, _named(kind, attrs))
 
-    def fake_backward(x, weights, saved, dy, *attrs):
+    def fake_backward(x, weights, cu_seqlens, saved, dy, *attrs):
         return _fake_backward(x, weights)
 
     def setup_context(ctx, inputs, output):
-        x, weights, *attrs = inputs
-        ctx.save_for_backward(x, output[1], *weights)
+        x, weights, cu_seqlens, *attrs = inputs
+        ctx.save_for_backward(x, output[1], cu_seqlens, *weights)
         ctx.attrs = attrs
 
     def backward(ctx, dy, _dsaved):
-        x, saved, *weights = ctx.saved_tensors
-        dx, grads = bwd(x, list(weights), saved, dy, *ctx.attrs)
-        return (dx, list(grads)) + (None,) * len(ctx.attrs)
+        x, saved, cu_seqlens, *weights = ctx.saved_tensors
+        dx, grads = bwd(x, list(weights), cu_seqlens, saved, dy, *ctx.attrs)
+        return (dx, list(grads), None) + (None,) * len(ctx.attrs)
 
     fwd.register_fake(fake_forward)
     bwd.register_fake(fake_backward)
@@ -368,34 +406,44 @@ for _kind in _OPS:
 
 # ---- What users call ------------------------------------------------------------------------------
 
+# cu_seqlens (every op): packed variable-length sequences, FlashAttention's varlen convention. x is
+# [1, T, C] with the sequences end to end and cu_seqlens their S + 1 int32 offsets (0, the starts,
+# T); each sequence is computed as if alone: attention only inside it, Mamba's convolution and scan
+# from zero state at its start, TTT's inner state and mini-batches restarting with it, RoPE and
+# TTT's token positions from 0. CPU tensors only so far.
+
 def attention(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, kv_heads: int | None = None,
-              head_dim: int | None = None, causal: bool = True, window: int = 0,
-              rope_base: float = 10000.0) -> torch.Tensor:
+              head_dim: int | None = None, causal: bool = True, window: int = 0, rope_base: float = 10000.0,
+              cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Multi-head attention with RoPE and GQA: weights [wq, wk, wv, wo] ([in, out] each)."""
     kv = heads if kv_heads is None else kv_heads
     hd = x.shape[-1] // heads if head_dim is None else head_dim
-    return _attention_forward(x, list(weights), heads, kv, hd, causal, window, float(rope_base))[0]
+    return _attention_forward(x, list(weights), cu_seqlens, heads, kv, hd, causal, window, float(rope_base))[0]
 
 
 def mamba(x: torch.Tensor, weights: Sequence[torch.Tensor], *, d_inner: int, d_state: int = 16, d_conv: int = 4,
-          dt_rank: int | None = None) -> torch.Tensor:
+          dt_rank: int | None = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Mamba-1 block: weights as parameters("mamba", ...) lists them."""
     r = -(-x.shape[-1] // 16) if dt_rank is None else dt_rank
-    return _mamba_forward(x, list(weights), d_inner, d_state, d_conv, r)[0]
+    return _mamba_forward(x, list(weights), cu_seqlens, d_inner, d_state, d_conv, r)[0]
 
 
 def ttt_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use_gate: bool = False,
-               base_lr: float = 1.0, rope_base: float = 10000.0, mini_batch: int = 16) -> torch.Tensor:
+               base_lr: float = 1.0, rope_base: float = 10000.0, mini_batch: int = 16,
+               cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TTT-Linear with inner-loop mini-batches of mini_batch tokens (one of TTT_MINI_BATCHES; 16 is
     ttt-lm-pytorch's default): weights as parameters("ttt_linear", ...) lists them."""
-    return _ttt_linear_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base), mini_batch)[0]
+    return _ttt_linear_forward(x, list(weights), cu_seqlens, heads, use_gate, float(base_lr), float(rope_base),
+                               mini_batch)[0]
 
 
 def ttt_mlp(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, use_gate: bool = False,
-            base_lr: float = 1.0, rope_base: float = 10000.0, mini_batch: int = 16) -> torch.Tensor:
+            base_lr: float = 1.0, rope_base: float = 10000.0, mini_batch: int = 16,
+            cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TTT-MLP with inner-loop mini-batches of mini_batch tokens (one of TTT_MINI_BATCHES; 16 is
     ttt-lm-pytorch's default): weights as parameters("ttt_mlp", ...) lists them."""
-    return _ttt_mlp_forward(x, list(weights), heads, use_gate, float(base_lr), float(rope_base), mini_batch)[0]
+    return _ttt_mlp_forward(x, list(weights), cu_seqlens, heads, use_gate, float(base_lr), float(rope_base),
+                            mini_batch)[0]
 
 
 # ---- Decoding: one token per sequence ------------------------------------------------------------

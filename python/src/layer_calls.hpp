@@ -31,6 +31,7 @@ struct spec {
   bool use_gate = false;                                          // TTT
   double base_lr = 1.0;
   std::size_t mini_batch = 16;
+  std::size_t sequences = 0;  // packed sequences on one token axis (batch 1); 0: one per batch row
   std::size_t threads = 1;  // the host pool's size (its per-thread scratch is in the workspace)
   int device = 0;                // CUDA: the device of the call's tensors
   std::uintptr_t stream = 0;     // CUDA: the framework's current stream (0: its legacy default)
@@ -74,21 +75,26 @@ inline std::size_t checked_mini_batch(const spec& s) {
 
 // ---- The four families: shape, parameters, and the weight/gradient structs by name ----------------
 
-inline mb::attention_shape attention_shape_of(const spec& s) {
+// The shapes; offsets: the packed sequences' S + 1 offsets, or nullptr (unpacked, or a packed call
+// only sized: the layers size the worst case of any packing of the tokens into spec.sequences).
+inline mb::attention_shape attention_shape_of(const spec& s, const std::int32_t* offsets) {
   mb::attention_shape a;
+  a.offsets = offsets, a.sequences = s.sequences;
   a.batch = s.batch, a.seq = s.seq, a.d_model = s.width, a.heads = s.heads, a.kv_heads = s.kv_heads;
   a.head_dim = s.head_dim, a.causal = s.causal, a.rope_base = s.rope_base, a.window = s.window;
   return a;
 }
-inline mb::mamba_shape mamba_shape_of(const spec& s) {
+inline mb::mamba_shape mamba_shape_of(const spec& s, const std::int32_t* offsets) {
   mb::mamba_shape m;
+  m.offsets = offsets, m.sequences = s.sequences;
   m.batch = s.batch, m.seq = s.seq, m.d_model = s.width, m.d_inner = s.d_inner, m.d_state = s.d_state;
   m.d_conv = s.d_conv, m.dt_rank = s.dt_rank;
   return m;
 }
-inline mb::ttt_shape ttt_shape_of(const spec& s) {
+inline mb::ttt_shape ttt_shape_of(const spec& s, const std::int32_t* offsets) {
   (void)checked_mini_batch(s);
   mb::ttt_shape t;
+  t.offsets = offsets, t.sequences = s.sequences;
   t.batch = s.batch, t.seq = s.seq, t.width = s.width, t.heads = s.heads, t.use_gate = s.use_gate;
   t.base_lr = s.base_lr, t.rope_base = s.rope_base;
   return t;
@@ -166,23 +172,28 @@ struct ttt_fields {
 template <typename P, typename... Extra>
 struct layer_of {
   template <typename F, std::size_t B, std::size_t... Rest>
-  static decltype(auto) ttt(const spec& s, F&& f, bool mlp, std::index_sequence<B, Rest...>) {
+  static decltype(auto) ttt(const spec& s, const std::int32_t* offsets, F&& f, bool mlp,
+                            std::index_sequence<B, Rest...>) {
     if constexpr (sizeof...(Rest) > 0) {
-      if (s.mini_batch != B) return ttt(s, f, mlp, std::index_sequence<Rest...>{});
+      if (s.mini_batch != B) return ttt(s, offsets, f, mlp, std::index_sequence<Rest...>{});
     }
-    const mb::ttt_shape shape = ttt_shape_of(s);  // refuses a mini-batch that is not built
+    const mb::ttt_shape shape = ttt_shape_of(s, offsets);  // refuses a mini-batch that is not built
     using C = mb::ttt_mini_batch<B>;
     if (mlp) return f.template operator()<mb::ttt_mlp<P, C, Extra...>, ttt_fields>(shape);
     return f.template operator()<mb::ttt_linear<P, C, Extra...>, ttt_fields>(shape);
   }
 
   template <typename F>
-  static decltype(auto) with(const spec& s, F&& f) {
+  static decltype(auto) with(const spec& s, const std::int32_t* offsets, F&& f) {
     if (s.kind == "attention") {
-      return f.template operator()<mb::attention<P, Extra...>, attention_fields>(attention_shape_of(s));
+      return f.template operator()<mb::attention<P, Extra...>, attention_fields>(attention_shape_of(s, offsets));
     }
-    if (s.kind == "mamba") return f.template operator()<mb::mamba<P, Extra...>, mamba_fields>(mamba_shape_of(s));
-    if (s.kind == "ttt_linear" || s.kind == "ttt_mlp") return ttt(s, f, s.kind == "ttt_mlp", ttt_mini_batch_sizes{});
+    if (s.kind == "mamba") {
+      return f.template operator()<mb::mamba<P, Extra...>, mamba_fields>(mamba_shape_of(s, offsets));
+    }
+    if (s.kind == "ttt_linear" || s.kind == "ttt_mlp") {
+      return ttt(s, offsets, f, s.kind == "ttt_mlp", ttt_mini_batch_sizes{});
+    }
     (void)parameters_of(s);  // throws, naming `kind`
     throw mb::invalid_argument("kind", "attention, mamba, ttt_linear or ttt_mlp", s.kind, "Name one of the four layers");
   }
@@ -193,12 +204,12 @@ template <typename... Extra>
 inline constexpr bool runs_fp64 = sizeof...(Extra) == 0;
 
 template <typename... Extra, typename F>
-decltype(auto) with_precision(const spec& s, F&& f) {
-  if (s.dtype == "float32") return layer_of<mb::fp32_precision, Extra...>::with(s, f);
+decltype(auto) with_precision(const spec& s, const std::int32_t* offsets, F&& f) {
+  if (s.dtype == "float32") return layer_of<mb::fp32_precision, Extra...>::with(s, offsets, f);
   if constexpr (runs_fp64<Extra...>) {
-    if (s.dtype == "float64") return layer_of<mb::fp64_precision, Extra...>::with(s, f);
+    if (s.dtype == "float64") return layer_of<mb::fp64_precision, Extra...>::with(s, offsets, f);
   }
-  if (s.dtype == "bfloat16") return layer_of<mb::bf16_precision, Extra...>::with(s, f);
+  if (s.dtype == "bfloat16") return layer_of<mb::bf16_precision, Extra...>::with(s, offsets, f);
   if (!runs_fp64<Extra...> && s.dtype == "float64") {
     throw mb::invalid_argument("dtype", "float32 or bfloat16 on CUDA", s.dtype,
                                "Cast to float32 (float64 runs on CPU tensors only)");
@@ -222,14 +233,15 @@ Out fields_of(const std::vector<param>& params, const std::vector<P>& ptrs) {
 // One backend's calls. Exec is the backend's executor: mb::thread_pool or mb::cuda_executor.
 template <typename... Extra>
 struct layer_calls {
-  // L::check for the spec's layer (the typed errors name the shape's fields).
-  static void check(const spec& s) {
-    with_precision<Extra...>(s, [&]<typename L, typename>(const auto& shape) { L::check(shape); });
+  // L::check for the spec's layer (the typed errors name the shape's fields), with the packed
+  // sequences' offsets when the call has them.
+  static void check(const spec& s, const std::int32_t* offsets) {
+    with_precision<Extra...>(s, offsets, [&]<typename L, typename>(const auto& shape) { L::check(shape); });
   }
 
   // (saved, forward workspace, backward workspace) bytes.
   static std::tuple<std::size_t, std::size_t, std::size_t> sizes(const spec& s) {
-    return with_precision<Extra...>(s, [&]<typename L, typename>(const auto& shape) {
+    return with_precision<Extra...>(s, nullptr, [&]<typename L, typename>(const auto& shape) {
       L::check(shape);
       return std::tuple{L::saved_bytes(shape), L::forward_workspace_bytes(shape, s.threads),
                         L::backward_workspace_bytes(shape, s.threads)};
@@ -237,10 +249,10 @@ struct layer_calls {
   }
 
   template <typename Exec>
-  static void forward(const spec& s, const void* x, const std::vector<const void*>& weights, void* y, bytes saved,
-                      bytes workspace, Exec& ex) {
+  static void forward(const spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& weights,
+                      void* y, bytes saved, bytes workspace, Exec& ex) {
     const std::vector<param> params = parameters_of(s);
-    with_precision<Extra...>(s, [&]<typename L, typename Fields>(const auto& shape) {
+    with_precision<Extra...>(s, offsets, [&]<typename L, typename Fields>(const auto& shape) {
       using S = typename L::storage_type;
       const auto w = fields_of<typename L::weights, Fields>(params, typed<const S>(weights));
       L::forward(shape, w, static_cast<const S*>(x), static_cast<S*>(y), saved.data, saved.size, workspace.data,
@@ -249,10 +261,11 @@ struct layer_calls {
   }
 
   template <typename Exec>
-  static void backward(const spec& s, const void* x, const std::vector<const void*>& weights, bytes saved,
-                       const void* dy, void* dx, const std::vector<void*>& grads, bytes workspace, Exec& ex) {
+  static void backward(const spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& weights,
+                       bytes saved, const void* dy, void* dx, const std::vector<void*>& grads, bytes workspace,
+                       Exec& ex) {
     const std::vector<param> params = parameters_of(s);
-    with_precision<Extra...>(s, [&]<typename L, typename Fields>(const auto& shape) {
+    with_precision<Extra...>(s, offsets, [&]<typename L, typename Fields>(const auto& shape) {
       using S = typename L::storage_type;
       const auto w = fields_of<typename L::weights, Fields>(params, typed<const S>(weights));
       const auto g = fields_of<typename L::gradients, Fields>(params, typed<S>(grads));
@@ -265,7 +278,7 @@ struct layer_calls {
   // max_len positions (a ring of the window's under a window), Mamba's conv and scan state, TTT's
   // inner state and running sums.
   static std::tuple<std::size_t, std::size_t> decode_sizes(const spec& s, std::size_t max_len) {
-    return with_precision<Extra...>(s, [&]<typename L, typename>(const auto& shape) {
+    return with_precision<Extra...>(s, nullptr, [&]<typename L, typename>(const auto& shape) {
       L::check(shape);
       if constexpr (requires { L::kv_cache_bytes(shape, max_len); }) {
         return std::tuple{L::kv_cache_bytes(shape, max_len), L::step_workspace_bytes(shape, max_len, s.threads)};
@@ -280,7 +293,7 @@ struct layer_calls {
   static void decode_reset(const spec& s, const std::vector<const void*>& weights, bytes state, std::size_t max_len,
                            Exec& ex) {
     const std::vector<param> params = parameters_of(s);
-    with_precision<Extra...>(s, [&]<typename L, typename Fields>(const auto& shape) {
+    with_precision<Extra...>(s, nullptr, [&]<typename L, typename Fields>(const auto& shape) {
       using S = typename L::storage_type;
       L::check(shape);
       [[maybe_unused]] const auto w = fields_of<typename L::weights, Fields>(params, typed<const S>(weights));
@@ -303,7 +316,7 @@ struct layer_calls {
   static void decode_step(const spec& s, const std::vector<const void*>& weights, bytes state, std::size_t position,
                           std::size_t max_len, const void* x_t, void* y_t, bytes workspace, Exec& ex) {
     const std::vector<param> params = parameters_of(s);
-    with_precision<Extra...>(s, [&]<typename L, typename Fields>(const auto& shape) {
+    with_precision<Extra...>(s, nullptr, [&]<typename L, typename Fields>(const auto& shape) {
       using S = typename L::storage_type;
       L::check(shape);
       const auto w = fields_of<typename L::weights, Fields>(params, typed<const S>(weights));

@@ -58,7 +58,7 @@ void on_stream(const spec& s, F&& f) {
 
 }  // namespace
 
-void check(const spec& s) { calls::check(s); }
+void check(const spec& s, const std::int32_t* offsets) { calls::check(s, offsets); }
 
 std::tuple<std::size_t, std::size_t, std::size_t> sizes(const spec& s) { return calls::sizes(s); }
 
@@ -66,13 +66,14 @@ std::tuple<std::size_t, std::size_t> decode_sizes(const spec& s, std::size_t max
   return calls::decode_sizes(s, max_len);
 }
 
-void forward(const spec& s, const void* x, const std::vector<const void*>& w, void* y, bytes saved, bytes ws) {
-  on_stream(s, [&](auto& ex) { calls::forward(s, x, w, y, saved, ws, ex); });
+void forward(const spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& w, void* y,
+             bytes saved, bytes ws) {
+  on_stream(s, [&](auto& ex) { calls::forward(s, offsets, x, w, y, saved, ws, ex); });
 }
 
-void backward(const spec& s, const void* x, const std::vector<const void*>& w, bytes saved, const void* dy, void* dx,
-              const std::vector<void*>& g, bytes ws) {
-  on_stream(s, [&](auto& ex) { calls::backward(s, x, w, saved, dy, dx, g, ws, ex); });
+void backward(const spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& w,
+              bytes saved, const void* dy, void* dx, const std::vector<void*>& g, bytes ws) {
+  on_stream(s, [&](auto& ex) { calls::backward(s, offsets, x, w, saved, dy, dx, g, ws, ex); });
 }
 
 void decode_reset(const spec& s, const std::vector<const void*>& w, bytes state, std::size_t max_len) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
@@ -13,12 +14,13 @@
 
 namespace membound_python::cuda_calls {
 
-void check(const spec& s);
+void check(const spec& s, const std::int32_t* offsets);
 std::tuple<std::size_t, std::size_t, std::size_t> sizes(const spec& s);
 std::tuple<std::size_t, std::size_t> decode_sizes(const spec& s, std::size_t max_len);
-void forward(const spec& s, const void* x, const std::vector<const void*>& w, void* y, bytes saved, bytes ws);
-void backward(const spec& s, const void* x, const std::vector<const void*>& w, bytes saved, const void* dy, void* dx,
-              const std::vector<void*>& g, bytes ws);
+void forward(const spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& w, void* y,
+             bytes saved, bytes ws);
+void backward(const spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& w,
+              bytes saved, const void* dy, void* dx, const std::vector<void*>& g, bytes ws);
 void decode_reset(const spec& s, const std::vector<const void*>& w, bytes state, std::size_t max_len);
 void decode_step(const spec& s, const std::vector<const void*>& w, bytes state, std::size_t position,
                  std::size_t max_len, const void* x_t, void* y_t, bytes ws);

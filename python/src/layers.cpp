@@ -2,6 +2,7 @@
 // (DLPack), for membound.ops, the torch custom ops. The calls are layer_calls.hpp's, the module
 // layers_module.hpp's; this file gives them the host's thread pools.
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,18 +47,18 @@ void on_pool(const mp::spec& s, F&& f) {
 using calls = mp::layer_calls<>;
 
 struct host_calls {
-  static void check(const mp::spec& s) { calls::check(s); }
+  static void check(const mp::spec& s, const std::int32_t* offsets) { calls::check(s, offsets); }
   static std::tuple<std::size_t, std::size_t, std::size_t> sizes(const mp::spec& s) { return calls::sizes(s); }
   static std::tuple<std::size_t, std::size_t> decode_sizes(const mp::spec& s, std::size_t max_len) {
     return calls::decode_sizes(s, max_len);
   }
-  static void forward(const mp::spec& s, const void* x, const std::vector<const void*>& w, void* y, mp::bytes saved,
-                      mp::bytes ws) {
-    on_pool(s, [&](auto& pool) { calls::forward(s, x, w, y, saved, ws, pool); });
+  static void forward(const mp::spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& w,
+                      void* y, mp::bytes saved, mp::bytes ws) {
+    on_pool(s, [&](auto& pool) { calls::forward(s, offsets, x, w, y, saved, ws, pool); });
   }
-  static void backward(const mp::spec& s, const void* x, const std::vector<const void*>& w, mp::bytes saved,
-                       const void* dy, void* dx, const std::vector<void*>& g, mp::bytes ws) {
-    on_pool(s, [&](auto& pool) { calls::backward(s, x, w, saved, dy, dx, g, ws, pool); });
+  static void backward(const mp::spec& s, const std::int32_t* offsets, const void* x, const std::vector<const void*>& w,
+                       mp::bytes saved, const void* dy, void* dx, const std::vector<void*>& g, mp::bytes ws) {
+    on_pool(s, [&](auto& pool) { calls::backward(s, offsets, x, w, saved, dy, dx, g, ws, pool); });
   }
   static void decode_reset(const mp::spec& s, const std::vector<const void*>& w, mp::bytes state, std::size_t max_len) {
     on_pool(s, [&](auto& pool) { calls::decode_reset(s, w, state, max_len, pool); });

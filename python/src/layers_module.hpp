@@ -11,6 +11,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -18,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,6 +97,26 @@ struct arrays {
   }
 };
 
+// The packed sequences' offsets: S + 1 int32 on the host (for either module: the layers read them
+// on the host), present exactly when spec.sequences is S > 0.
+using offsets_array = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+
+inline const std::int32_t* offsets_of(const spec& s, const std::optional<offsets_array>& offsets) {
+  if (s.sequences == 0) {
+    if (offsets.has_value()) {
+      throw mb::invalid_argument("offsets", "None (spec.sequences is 0: one sequence per batch row)", "an array",
+                                 "Set spec.sequences to the packed sequences' count, or pass no offsets");
+    }
+    return nullptr;
+  }
+  if (!offsets.has_value() || offsets->size() != s.sequences + 1) {
+    throw mb::invalid_argument("offsets", std::to_string(s.sequences + 1) + " int32 offsets (spec.sequences + 1)",
+                               offsets.has_value() ? std::to_string(offsets->size()) : "None",
+                               "Pass the sequences' starts and the total, 0 first (FlashAttention's cu_seqlens)");
+  }
+  return offsets->data();
+}
+
 inline std::size_t tokens_by_width(const spec& s) { return mb::sat_mul(mb::sat_mul(s.batch, s.seq), s.width); }
 
 // The module's functions over Calls (see the top of this file) and arrays on Device.
@@ -123,6 +145,7 @@ void bind_layers(nb::module_& m, const char* where) {
       .def_rw("use_gate", &spec::use_gate)
       .def_rw("base_lr", &spec::base_lr)
       .def_rw("mini_batch", &spec::mini_batch)
+      .def_rw("sequences", &spec::sequences)
       .def_rw("threads", &spec::threads)
       .def_rw("device", &spec::device)
       .def_rw("stream", &spec::stream);
@@ -135,37 +158,47 @@ void bind_layers(nb::module_& m, const char* where) {
   m.def("sizes", [](const spec& s) { return Calls::sizes(s); }, nb::arg("spec"),
         "(saved, forward workspace, backward workspace) bytes of one call, from the layer's size functions.");
 
+  // What forward and backward check first, in this order: the layer's kind, the packed offsets,
+  // the shape, the weights, x. Returns (offsets, weights, x).
+  const auto inputs = [](checked& a, const std::optional<offsets_array>& offsets, const std::vector<array>& weights,
+                         const array& x) {
+    const std::vector<param> params = parameters_of(a.s);
+    const std::int32_t* packed = offsets_of(a.s, offsets);
+    Calls::check(a.s, packed);
+    auto w = a.template list<const void*>(params, weights, "weights");
+    const void* xp = a.in(x, "x", tokens_by_width(a.s));
+    return std::tuple{packed, std::move(w), xp};
+  };
+
   // Outputs never converted: a copy would take the results and be dropped.
-  m.def("forward", [where](const spec& s, const array& x, const std::vector<array>& weights, const array& y,
-                           const array& saved, const array& workspace) {
-    const std::vector<param> params = parameters_of(s);
-    Calls::check(s);
+  m.def("forward", [where, inputs](const spec& s, const array& x, const std::vector<array>& weights, const array& y,
+                                   const array& saved, const array& workspace,
+                                   const std::optional<offsets_array>& offsets) {
     checked a{s, where};
-    const auto w = a.template list<const void*>(params, weights, "weights");
-    const void* xp = a.in(x, "x", tokens_by_width(s));
+    const auto [packed, w, xp] = inputs(a, offsets, weights, x);
     void* yp = a.out(y, "y", tokens_by_width(s));
     const bytes sv = a.raw(saved, "saved"), ws = a.raw(workspace, "workspace");
     const nb::gil_scoped_release no_gil;
-    Calls::forward(s, xp, w, yp, sv, ws);
+    Calls::forward(s, packed, xp, w, yp, sv, ws);
   }, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("y").noconvert(), nb::arg("saved").noconvert(),
-        nb::arg("workspace").noconvert(), "y = layer(x); fills `saved` (saved_bytes, 256-byte aligned) for backward.");
+        nb::arg("workspace").noconvert(), nb::arg("offsets").none() = nb::none(),
+        "y = layer(x); fills `saved` (saved_bytes, 256-byte aligned) for backward. offsets: the packed sequences' "
+        "S + 1 int32 offsets when spec.sequences is S.");
 
-  m.def("backward", [where](const spec& s, const array& x, const std::vector<array>& weights, const array& saved,
-                            const array& dy, const array& dx, const std::vector<array>& grads,
-                            const array& workspace) {
-    const std::vector<param> params = parameters_of(s);
-    Calls::check(s);
+  m.def("backward", [where, inputs](const spec& s, const array& x, const std::vector<array>& weights,
+                                    const array& saved, const array& dy, const array& dx,
+                                    const std::vector<array>& grads, const array& workspace,
+                                    const std::optional<offsets_array>& offsets) {
     checked a{s, where};
-    const auto w = a.template list<const void*>(params, weights, "weights");
-    const void* xp = a.in(x, "x", tokens_by_width(s));
-    const auto g = a.template list<void*>(params, grads, "grads");
+    const auto [packed, w, xp] = inputs(a, offsets, weights, x);
+    const auto g = a.template list<void*>(parameters_of(s), grads, "grads");
     const void* dyp = a.in(dy, "dy", tokens_by_width(s));
     void* dxp = a.out(dx, "dx", tokens_by_width(s));
     const bytes sv = a.raw(saved, "saved"), ws = a.raw(workspace, "workspace");
     const nb::gil_scoped_release no_gil;
-    Calls::backward(s, xp, w, sv, dyp, dxp, g, ws);
+    Calls::backward(s, packed, xp, w, sv, dyp, dxp, g, ws);
   }, nb::arg("spec"), nb::arg("x"), nb::arg("weights"), nb::arg("saved"), nb::arg("dy"), nb::arg("dx").noconvert(),
-        nb::arg("grads").noconvert(), nb::arg("workspace").noconvert(),
+        nb::arg("grads").noconvert(), nb::arg("workspace").noconvert(), nb::arg("offsets").none() = nb::none(),
         "dx from dy (overwritten); the parameter gradients added (+=) to `grads`.");
 
   m.def("decode_sizes", [](const spec& s, std::size_t max_len) { return Calls::decode_sizes(s, max_len); },
@@ -175,7 +208,7 @@ void bind_layers(nb::module_& m, const char* where) {
   m.def("decode_reset", [where](const spec& s, const std::vector<array>& weights, const array& state,
                                 std::size_t max_len) {
     const std::vector<param> params = parameters_of(s);
-    Calls::check(s);
+    Calls::check(s, nullptr);
     // The weights are checked here for every layer, so that a wrong one is refused before any step.
     checked a{s, where};
     const auto w = a.template list<const void*>(params, weights, "weights");
@@ -191,7 +224,7 @@ void bind_layers(nb::module_& m, const char* where) {
     const std::vector<param> params = parameters_of(s);
     checked a{s, where};
     const auto w = a.template list<const void*>(params, weights, "weights");
-    Calls::check(s);
+    Calls::check(s, nullptr);
     const std::size_t n = mb::sat_mul(s.batch, s.width);
     const void* xp = a.in(x_t, "x_t", n);
     void* yp = a.out(y_t, "y_t", n);

@@ -220,18 +220,18 @@ def test_opcheck(kind):
     ws = random_weights(kind, 16)
     attrs = [CASES[kind].get(n, v) for n, v in zip(names, _defaults(kind))]
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(fwd, (x, ws, *attrs), test_utils=checks)
+    torch.library.opcheck(fwd, (x, ws, None, *attrs), test_utils=checks)
     # Inputs with other strides (nn.Linear weights arrive transposed): the fakes' outputs are
     # contiguous as the real ones are.
     x_t = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(True)
     ws_t = [w.detach().t().contiguous().t().requires_grad_(True) if w.dim() == 2 else w for w in ws]
     assert not x_t.is_contiguous() and any(not w.is_contiguous() for w in ws_t)
-    torch.library.opcheck(fwd, (x_t, ws_t, *attrs), test_utils=checks)
-    y, saved = fwd(x, ws, *attrs)
+    torch.library.opcheck(fwd, (x_t, ws_t, None, *attrs), test_utils=checks)
+    y, saved = fwd(x, ws, None, *attrs)
     assert saved.numel() == ops.sizes(kind, x.shape, f64, **CASES[kind])["saved"] + 256
-    torch.library.opcheck(bwd, (x.detach(), [w.detach() for w in ws], saved, torch.randn_like(y), *attrs),
+    torch.library.opcheck(bwd, (x.detach(), [w.detach() for w in ws], None, saved, torch.randn_like(y), *attrs),
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(bwd, (x_t.detach(), [w.detach() for w in ws_t], saved, torch.randn_like(y), *attrs),
+    torch.library.opcheck(bwd, (x_t.detach(), [w.detach() for w in ws_t], None, saved, torch.randn_like(y), *attrs),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -246,7 +246,7 @@ def test_opcheck_at_another_mini_batch(kind):
     # Not test_aot_dispatch_dynamic: it compares every output's values, and the saved bytes hold
     # address-dependent padding; test_torch_compile_with_dynamic_shapes_traces_once compares y and
     # the gradients instead.
-    torch.library.opcheck(ops._OPS[kind][0], (x, ws, *attrs),
+    torch.library.opcheck(ops._OPS[kind][0], (x, ws, None, *attrs),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -508,3 +508,119 @@ def test_decoding_keeps_its_thread_count():
     finally:
         torch.set_num_threads(before)
     assert rel(steps, m(x).detach()) < 1e-12
+
+
+# ---- Packed variable-length sequences (cu_seqlens) ------------------------------------------------
+
+PACKED_CASES = dict(CASES, attention_window=dict(heads=4, kv_heads=2, head_dim=8, window=5))
+
+
+def _packed_op(name):
+    kind = "attention" if name == "attention_window" else name
+    return kind, getattr(ops, kind), PACKED_CASES[name]
+
+
+def _offsets(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", list(PACKED_CASES))
+def test_packed_sequences_equal_each_sequence_alone(name):
+    """A packed batch computes what each of its sequences computes alone (FlashAttention's varlen,
+    Mamba's seq_idx, a per-sequence TTT run): lengths 1, b - 1, b, b + 1 (b = 16, TTT's mini-batch),
+    an empty one, and a long one among short ones; y, dx and the weight gradients (summed over the
+    sequences) within 1e-10 of the largest magnitude (float64, other orders of summation)."""
+    kind, f, attrs = _packed_op(name)
+    lengths = [1, 15, 16, 0, 17, 40, 3]
+    T = sum(lengths)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, T, 16, dtype=f64, generator=gen)
+    dy = torch.randn(1, T, 16, dtype=f64, generator=gen)
+    ws = random_weights(kind, 16)
+    xp = x.clone().requires_grad_(True)
+    yp = f(xp, ws, cu_seqlens=_offsets(lengths), **attrs)
+    (yp * dy).sum().backward()
+    packed_grads = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    ys, dxs = [], []
+    start = 0
+    for n in lengths:
+        if n == 0:
+            continue
+        xs = x[:, start:start + n].clone().requires_grad_(True)
+        y = f(xs, ws, **attrs)
+        (y * dy[:, start:start + n]).sum().backward()
+        ys.append(y.detach())
+        dxs.append(xs.grad)
+        start += n
+    assert rel(yp.detach(), torch.cat(ys, dim=1)) < TOL
+    assert rel(xp.grad, torch.cat(dxs, dim=1)) < TOL
+    for (pname, _), a, w in zip(ops.parameters(kind, 16, **attrs), packed_grads, ws):
+        assert rel(a, w.grad) < TOL, pname
+
+
+@pytest.mark.parametrize("name", list(PACKED_CASES))
+def test_packed_gradcheck_in_float64(name):
+    kind, f, attrs = _packed_op(name)
+    x = torch.randn(1, 12, 16, dtype=f64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    cu = _offsets([5, 1, 6])
+    ws = random_weights(kind, 16, scale=0.5)
+    assert torch.autograd.gradcheck(lambda x, *w: f(x, list(w), cu_seqlens=cu, **attrs), (x, *ws), eps=1e-6,
+                                    atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list(PACKED_CASES))
+def test_packed_opcheck_and_saved_size(name):
+    """The fake's saved size is the layer's for any packing of T tokens into S sequences (the
+    layers size the worst case), so a traced graph holds the bytes eager allocates."""
+    kind, _, attrs = _packed_op(name)
+    fwd = ops._OPS[kind][0]
+    x = torch.randn(1, 21, 16, dtype=f64, requires_grad=True)
+    ws = random_weights(kind, 16)
+    values = [attrs.get(n, v) for n, v in zip(ops._ATTRS[kind], _defaults(kind))]
+    cu = _offsets([4, 16, 1])
+    torch.library.opcheck(fwd, (x, ws, cu, *values), test_utils=("test_schema", "test_autograd_registration",
+                                                                   "test_faketensor"))
+    y, saved = fwd(x, ws, cu, *values)
+    assert saved.numel() == ops.sizes(kind, x.shape, f64, sequences=3, **attrs)["saved"] + 256
+    # Another packing of the same totals: the same bytes.
+    _, saved2 = fwd(x, ws, _offsets([1, 1, 19]), *values)
+    assert saved2.numel() == saved.numel()
+
+
+def test_packed_under_torch_compile():
+    torch.manual_seed(0)
+    model = Hybrid(f64)
+    cu = _offsets([7, 16, 1])
+    x = torch.randn(1, 24, 32, dtype=f64)
+
+    def run(m):
+        h = x
+        for layer in m.layers:
+            h = h + layer(h, cu)
+        return h
+
+    eager = run(model)
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(model)
+    assert rel(compiled, eager) < TOL
+
+
+def test_packed_bad_input_is_a_typed_error():
+    kind, f, attrs = _packed_op("ttt_linear")
+    ws = random_weights(kind, 16)
+    x = torch.randn(1, 10, 16, dtype=f64)
+    bad = {
+        "decreasing": torch.tensor([0, 6, 4, 10], dtype=torch.int32),
+        "not the total": torch.tensor([0, 4, 9], dtype=torch.int32),
+        "not from 0": torch.tensor([1, 4, 10], dtype=torch.int32),
+        "int64": torch.tensor([0, 4, 10]),
+        "one entry": torch.tensor([0], dtype=torch.int32),
+    }
+    for why, cu in bad.items():
+        with pytest.raises(membound.InvalidArgument) as e:
+            f(x, ws, cu_seqlens=cu, **attrs)
+        assert e.value.argument == "cu_seqlens", why
+    with pytest.raises(membound.InvalidArgument) as e:
+        f(torch.randn(2, 5, 16, dtype=f64), ws, cu_seqlens=_offsets([4, 6]), **attrs)
+    assert e.value.argument == "x"

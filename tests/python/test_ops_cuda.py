@@ -111,7 +111,7 @@ def test_fake_tensors_on_cuda(kind, attrs, width):
     x = torch.randn(2, 9, width, device="cuda", requires_grad=True)
     ws = [w.requires_grad_(True) for w in weights_for(kind, attrs, width, torch.float32, "cuda")]
     values = tuple(ops._with_defaults(kind, width, attrs).get(a, d) for a, d in zip(ops._ATTRS[kind], DEFAULTS[kind]))
-    torch.library.opcheck(ops._OPS[kind][0], (x, ws, *values),
+    torch.library.opcheck(ops._OPS[kind][0], (x, ws, None, *values),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
