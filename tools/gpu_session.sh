@@ -147,19 +147,23 @@ fi
 # start, so the compile (the CUDA layers' nvcc unit: 177 s of one core on the 2-core machine)
 # overlaps the GPU steps before them. Eigen and pytest come from .device_deps/python_deps.tgz
 # (tools/stage_gpu_binaries.sh), nanobind from the machine's Python.
-pybuild=""
+# Two results: py_build.rc (the planner and the allocator, for torch_allocator) first, then
+# py_layers.rc (the host and CUDA layers, for torch_ops), so that the allocator's step never waits
+# for the layers' nvcc unit.
+pybuild="" pylayers=""
 pyprefix="$(mktemp -d)"
 if [[ " $steps " == *" torch_allocator "* || " $steps " == *" torch_ops "* ]]; then
-  pybuild="$work/py_build.rc"
+  pybuild="$work/py_build.rc" pylayers="$work/py_layers.rc"
   [[ -f "$root/.device_deps/python_deps.tgz" ]] && tar -C "$pyprefix" -xzf "$root/.device_deps/python_deps.tgz"
   (
     cmake -S "$root" -B "$root/build/gpu-python" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMBOUND_BUILD_PYTHON=ON \
       -DMEMBOUND_BUILD_TESTS=OFF -DMEMBOUND_BUILD_EXAMPLES=OFF -DMEMBOUND_BUILD_BENCHMARKS=OFF \
       -DMEMBOUND_BUILD_DOCS=OFF -DMEMBOUND_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DMEMBOUND_ENABLE_MPI=OFF \
       -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_PREFIX_PATH="$pyprefix/usr" > "$work/py_build.log" 2>&1 &&
-      cmake --build "$root/build/gpu-python" -j "$(nproc)" \
-        --target _core _layers _layers_cuda membound_alloc_cuda >> "$work/py_build.log" 2>&1
+      cmake --build "$root/build/gpu-python" -j "$(nproc)" --target _core membound_alloc_cuda >> "$work/py_build.log" 2>&1
     echo $? > "$pybuild.tmp" && mv "$pybuild.tmp" "$pybuild"
+    cmake --build "$root/build/gpu-python" -j "$(nproc)" --target _layers _layers_cuda >> "$work/py_build.log" 2>&1
+    echo $? > "$pylayers.tmp" && mv "$pylayers.tmp" "$pylayers"
   ) &
 fi
 
@@ -366,11 +370,12 @@ PY
           tee -a "$work/summary.txt"
       fi ;;
     torch_ops)
-      # membound.ops on CUDA tensors against the CPU ops (tests/python/test_ops_cuda.py).
-      while [[ -n "$pybuild" && ! -f "$pybuild" ]] && (($(left) > 60)); do sleep 2; done
-      if [[ "$(cat "$pybuild" 2> /dev/null)" == 0 ]]; then
-        PYTHONPATH="$root/build/gpu-python/python:$pyprefix/pylib" step torch_ops 240 \
-          python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_ops_cuda.py
+      # membound.ops on CUDA tensors against the CPU ops (tests/python/test_ops_cuda.py). The module is
+      # imported first: one that does not load fails the step instead of skipping every test.
+      while [[ -n "$pylayers" && ! -f "$pylayers" ]] && (($(left) > 60)); do sleep 2; done
+      if [[ "$(cat "$pylayers" 2> /dev/null)" == 0 ]]; then
+        PYTHONPATH="$root/build/gpu-python/python:$pyprefix/pylib" step torch_ops 240 bash -c \
+          'python3 -c "import membound._layers_cuda" && python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_ops_cuda.py' 
       else
         printf '%-40s %s\n' torch_ops "not run (the Python build failed or did not finish: py_build.log)" |
           tee -a "$work/summary.txt"

@@ -70,7 +70,10 @@ rm -rf "$pylib" && mkdir -p "$pylib"
 python3 - "$pylib" <<'PY'
 import importlib, os, shutil, sys
 for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments"):
-    path = os.path.dirname(importlib.import_module(name).__file__)
+    try:  # pygments only from pytest 8.4
+        path = os.path.dirname(importlib.import_module(name).__file__)
+    except ImportError:
+        continue
     shutil.copytree(path, os.path.join(sys.argv[1], name), ignore=shutil.ignore_patterns("__pycache__"))
 PY
 tar -C "$root/.device_deps" -czf "$pack/python_deps.tgz" usr/include/eigen3 usr/share/eigen3 pylib

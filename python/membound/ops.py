@@ -30,6 +30,7 @@ install has them. The CUDA path has been compiled but not yet run on a GPU (docs
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional, Sequence
 
 import torch
@@ -37,10 +38,16 @@ import torch
 from . import _layers
 from ._errors import InvalidArgument, invalid
 
-try:  # the CUDA layers, where the package was built with nvcc
+# The CUDA layers, where the package was built with nvcc. _CUDA_IMPORT_ERROR: why a module that was
+# built did not load (a library missing), said when a CUDA tensor arrives; None when it loaded or
+# was never built.
+_CUDA_IMPORT_ERROR: Optional[ImportError] = None
+try:
     from . import _layers_cuda
-except ImportError:
+except ImportError as _e:
     _layers_cuda = None
+    if importlib.util.find_spec(f"{__package__}._layers_cuda") is not None:
+        _CUDA_IMPORT_ERROR = _e
 
 __all__ = ["attention", "mamba", "ttt_linear", "ttt_mlp", "parameters", "sizes", "DecodeState", "decode_state",
            "decode_step", "TTT_MINI_BATCHES", "CUDA_AVAILABLE"]
@@ -54,13 +61,17 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
 
 
 def _backend(device: Optional[torch.device]) -> Any:
-    """The extension module that runs a call on `device`: _layers for the host (and for the meta
-    and fake devices of a trace, except CUDA), _layers_cuda for CUDA tensors."""
-    if device is None or device.type != "cuda":
+    """The extension module that runs a call on `device`: _layers for the host (and the meta device),
+    _layers_cuda for CUDA tensors."""
+    if device is None or device.type in ("cpu", "meta"):
         return _layers
+    if device.type != "cuda":
+        raise invalid("x", "a CPU or CUDA tensor", str(device), "Move the call's tensors to the CPU or a CUDA device")
     if _layers_cuda is None:
-        raise invalid("x", "a CPU tensor (this membound was built without nvcc: no CUDA layers)", str(device),
-                      "Run the op on CPU tensors, or reinstall membound where nvcc is found (pip install .)")
+        why = ("it was built without nvcc" if _CUDA_IMPORT_ERROR is None
+               else f"its CUDA layers did not load: {_CUDA_IMPORT_ERROR}")
+        raise invalid("x", f"a CPU tensor (this membound has no CUDA layers: {why})", str(device),
+                      "Run the op on CPU tensors, or install membound where nvcc and the CUDA libraries are found")
     return _layers_cuda
 
 
@@ -152,6 +163,9 @@ def sizes(kind: str, x_shape: Sequence[int], dtype: torch.dtype = torch.float32,
 
 def _placed(device: torch.device, tensors: Sequence[tuple[str, torch.Tensor]]) -> Any:
     """The backend module for `device`, once every tensor is on it (one call runs on one device)."""
+    if device.type not in ("cpu", "cuda"):
+        raise invalid(tensors[0][0] if tensors else "x", "a CPU or CUDA tensor", str(device),
+                      "Move the call's tensors to the CPU or a CUDA device")
     for name, t in tensors:
         if t.device != device:
             raise invalid(name, f"a tensor on {device} (the call's device)", str(t.device),
@@ -205,12 +219,9 @@ def _saved_payload_for_backward(saved: torch.Tensor) -> torch.Tensor:
     return moved
 
 
-def _packed(cu_seqlens: Optional[torch.Tensor], device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
-    """(sequences, offsets) of the packed sequences, or (0, None): cu_seqlens as FlashAttention's
-    varlen functions take it, S + 1 int32 offsets, 0 first and the total last, here on the CPU."""
-    if cu_seqlens is None:
-        return 0, None
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
+    """What a trace can check of cu_seqlens without its values or (symbolic) length."""
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise invalid("cu_seqlens", "a 1-D int32 tensor of S + 1 offsets (S >= 1): 0, the starts, the total",
                       f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}", "Pass torch.tensor([0, len0, len0 + len1, ...], "
                       "dtype=torch.int32)")
@@ -218,6 +229,18 @@ def _packed(cu_seqlens: Optional[torch.Tensor], device: torch.device) -> tuple[i
         raise invalid("cu_seqlens", "packed sequences on CPU tensors (the CUDA layers do not take them yet)",
                       f"x on {device}, cu_seqlens on {cu_seqlens.device}",
                       "Run packed batches on the CPU, or pad them on the GPU")
+
+
+def _packed(cu_seqlens: Optional[torch.Tensor], device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
+    """(sequences, offsets) of the packed sequences, or (0, None): cu_seqlens as FlashAttention's
+    varlen functions take it, S + 1 int32 offsets, 0 first and the total last, here on the CPU."""
+    if cu_seqlens is None:
+        return 0, None
+    _check_cu_seqlens(cu_seqlens, device)
+    if cu_seqlens.numel() < 2:
+        raise invalid("cu_seqlens", "a 1-D int32 tensor of S + 1 offsets (S >= 1): 0, the starts, the total",
+                      f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}", "Pass torch.tensor([0, len0, len0 + len1, ...], "
+                      "dtype=torch.int32)")
     return cu_seqlens.numel() - 1, cu_seqlens.contiguous()
 
 
@@ -275,9 +298,10 @@ def _fake_forward(kind: str, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]
     # tracing again for every shape. The eager call still allocates the layer's exact bytes.
     symbolic = any(isinstance(d, torch.SymInt) for d in x.shape)
     if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, x.device)  # its dtype, rank and device, as eager checks them
         symbolic = symbolic or isinstance(cu_seqlens.shape[0], torch.SymInt)
         if not symbolic:
-            _packed(cu_seqlens, x.device)  # its dtype, rank and device, as eager checks them
+            _packed(cu_seqlens, x.device)  # and its length
     sequences = 0 if cu_seqlens is None or symbolic else cu_seqlens.shape[0] - 1
     if symbolic:
         # The arguments are checked as eager would (dtype, rank, width, attributes, mini_batch) on

@@ -26,22 +26,23 @@ struct executor_slot {
   std::unique_ptr<mb::cuda_executor> ex;
 };
 
-// The stream a call runs on: the framework's, or, for its legacy default stream (0), the calling
-// thread's default stream, which is ordered with the legacy one both ways (cuda_executor refuses
-// the legacy stream itself: its launches would wait for every other stream).
-cudaStream_t stream_of(const spec& s) {
-  return s.stream == 0 ? cudaStreamPerThread : reinterpret_cast<cudaStream_t>(s.stream);
-}
-
+// The executor of the spec's device and stream, made at its first call. PyTorch's default stream
+// is the legacy default stream (spec.stream 0): borrowed as such, so that our kernels are ordered
+// with PyTorch's on every thread (a per-thread stream would be ordered with it, but not with
+// another thread's).
 executor_slot& executor_for(const spec& s) {
   static std::mutex table_lock;
   // Leaked on purpose: the runtime may be torn down before static destructors run.
-  static auto& table = *new std::map<std::pair<int, cudaStream_t>, std::unique_ptr<executor_slot>>;
+  static auto& table = *new std::map<std::pair<int, std::uintptr_t>, std::unique_ptr<executor_slot>>;
   const std::lock_guard<std::mutex> guard(table_lock);
-  std::unique_ptr<executor_slot>& slot = table[{s.device, stream_of(s)}];
+  std::unique_ptr<executor_slot>& slot = table[{s.device, s.stream}];
   if (!slot) {
     auto made = std::make_unique<executor_slot>();
-    made->ex = std::make_unique<mb::cuda_executor>(stream_of(s), s.device);
+    if (s.stream == 0) {
+      made->ex = std::make_unique<mb::cuda_executor>(mb::cuda_executor::legacy_default_stream_t{}, s.device);
+    } else {
+      made->ex = std::make_unique<mb::cuda_executor>(reinterpret_cast<cudaStream_t>(s.stream), s.device);
+    }
     slot = std::move(made);
   }
   return *slot;

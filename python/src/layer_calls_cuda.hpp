@@ -1,8 +1,8 @@
 // The CUDA layers' entry points for membound._layers_cuda: declared here in plain C++ (the module's
 // nanobind half, layers_cuda.cpp, is compiled by the host compiler), defined in
 // layer_calls_cuda.cu under nvcc. Each runs on the spec's device and stream (spec::stream, the
-// framework's current stream; 0, its legacy default stream, runs on cudaStreamPerThread, which
-// is ordered with it) and returns without waiting for the device.
+// framework's current stream; 0 is the legacy default stream, PyTorch's default) and returns
+// without waiting for the device.
 #pragma once
 
 #include <cstddef>

@@ -44,13 +44,12 @@ struct arrays {
   using array = array_on<Device>;
   const spec& s;
   const char* where;
-  int device = -1;  // CUDA: the device of the first array checked; every other must be on it
 
+  // CUDA: every array on the call's device (spec.device, where the layer launches).
   void check_device(const array& a, const std::string& argument) {
     if constexpr (!std::is_same_v<Device, nb::device::cpu>) {
-      if (device < 0) device = a.device_id();
-      if (a.device_id() != device) {
-        throw mb::invalid_argument(argument, "a tensor on cuda:" + std::to_string(device) + " (as x)",
+      if (a.device_id() != s.device) {
+        throw mb::invalid_argument(argument, "a tensor on cuda:" + std::to_string(s.device) + " (spec.device)",
                                    "cuda:" + std::to_string(a.device_id()),
                                    "Move every tensor of one call to one device");
       }

@@ -572,8 +572,9 @@ def test_packed_gradcheck_in_float64(name):
 
 @pytest.mark.parametrize("name", list(PACKED_CASES))
 def test_packed_opcheck_and_saved_size(name):
-    """The fake's saved size is the layer's for any packing of T tokens into S sequences (the
-    layers size the worst case), so a traced graph holds the bytes eager allocates."""
+    """The fake's saved size is the layer's for T tokens in S sequences (the layers size the worst
+    case of any packing, so they need no offsets), so a traced graph holds the bytes eager
+    allocates."""
     kind, _, attrs = _packed_op(name)
     fwd = ops._OPS[kind][0]
     x = torch.randn(1, 21, 16, dtype=f64, requires_grad=True)
@@ -584,9 +585,6 @@ def test_packed_opcheck_and_saved_size(name):
                                                                    "test_faketensor"))
     y, saved = fwd(x, ws, cu, *values)
     assert saved.numel() == ops.sizes(kind, x.shape, f64, sequences=3, **attrs)["saved"] + 256
-    # Another packing of the same totals: the same bytes.
-    _, saved2 = fwd(x, ws, _offsets([1, 1, 19]), *values)
-    assert saved2.numel() == saved.numel()
 
 
 def test_packed_under_torch_compile():

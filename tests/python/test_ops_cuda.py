@@ -1,13 +1,15 @@
 """membound.ops on CUDA tensors (membound._layers_cuda) against the same ops on the CPU.
 
 Runs where this install has the CUDA layers (built where nvcc is found) and torch finds a GPU;
-everywhere else every test is skipped (CI's machine has nvcc but no GPU: there the module is
-compiled, never run).
+everywhere else every test is skipped (CI's machine has nvcc but no GPU: there the module's two
+halves are compiled, never linked or run; tools/gpu_session.sh's torch_ops step imports the module
+before it runs these, so that a module that does not load is a failure there, not a skip).
 
-Tolerances, normwise (||ours - cpu|| / ||cpu||): float32 1e-5, the bar the C++ layers' CUDA tests
-hold the same kernels to against the CPU backend (tests/cuda/test_cuda_<layer>.cu: different
-orders of summation, TF32 off, no atomics); bfloat16 4e-2 against the CPU op in bfloat16, the
-attention test's bound for the tensor-core kernels (bf16 rounding of different intermediates).
+The metric is the C++ CUDA tests' (tests/cuda/cuda_test_support.cuh): the largest absolute error
+over max(1e-2, the largest magnitude of the CPU's values). float32: 1e-5, their bar for the same
+kernels against the CPU backend (other orders of summation, TF32 off, no atomics). bfloat16: the
+CUDA op in bfloat16 against the CPU op in float32 on the same bf16-rounded inputs, 6.25e-2, their
+loosest bf16 bound (Mamba against the fp32 CPU, TTT's gradients).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from membound import InvalidArgument  # noqa: E402
 pytestmark = pytest.mark.skipif(not (ops.CUDA_AVAILABLE and torch.cuda.is_available()),
                                 reason="needs membound's CUDA layers and a GPU")
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 6.25e-2}
 
 # (kind, attributes, width): each layer at a shape whose TTT sequence crosses mini-batches.
 CASES = [
@@ -43,9 +45,10 @@ DEFAULTS = {
 OPS = {"attention": ops.attention, "mamba": ops.mamba, "ttt_linear": ops.ttt_linear, "ttt_mlp": ops.ttt_mlp}
 
 
-def normwise(ours: torch.Tensor, want: torch.Tensor) -> float:
+def error(ours: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute error over max(1e-2, the largest |want|), as the C++ CUDA tests."""
     d, w = ours.double().cpu(), want.double().cpu()
-    return ((d - w).norm() / max(w.norm().item(), 1e-30)).item()
+    return (d - w).abs().max().item() / max(1e-2, w.abs().max().item())
 
 
 def weights_for(kind: str, attrs: dict, width: int, dtype: torch.dtype, device: str, seed: int = 1):
@@ -76,14 +79,15 @@ def test_cuda_equals_cpu(kind, attrs, width, dtype):
     x = torch.randn(2, 37, width, generator=gen, dtype=torch.float64).to(dtype)
     dy = torch.randn(2, 37, width, generator=gen, dtype=torch.float64).to(dtype)
     wc = weights_for(kind, attrs, width, dtype, "cpu")
-    yc, dxc, gc = run(kind, attrs, x, wc, dy)
+    # The CPU reference in float32 on the same (for bfloat16: bf16-rounded) inputs.
+    yc, dxc, gc = run(kind, attrs, x.float(), [w.float() for w in wc], dy.float())
     yg, dxg, gg = run(kind, attrs, x.cuda(), [w.cuda() for w in wc], dy.cuda())
     assert yg.is_cuda and dxg.is_cuda and all(g.is_cuda for g in gg)
     tol = TOL[dtype]
-    assert normwise(yg, yc) <= tol
-    assert normwise(dxg, dxc) <= tol
+    assert error(yg, yc) <= tol
+    assert error(dxg, dxc) <= tol
     for (name, _), a, b in zip(ops.parameters(kind, width, **attrs), gg, gc):
-        assert normwise(a, b) <= tol, name
+        assert error(a, b) <= tol, name
 
 
 @pytest.mark.parametrize("kind,attrs,width", CASES)
@@ -137,7 +141,7 @@ def test_decode_equals_forward_rows(kind, attrs, width):
     state = ops.decode_state(kind, ws, batch=2, width=width, max_len=21, **attrs)
     assert state.data.is_cuda
     rows = torch.stack([ops.decode_step(x[:, t], ws, state) for t in range(21)], dim=1)
-    assert normwise(rows, y) <= 1e-5
+    assert error(rows, y) <= 1e-5
 
 
 def test_side_stream_orders_like_pytorch():
@@ -160,7 +164,7 @@ def test_compile_on_cuda():
     x = torch.randn(2, 40, 64, device="cuda")
     want = model(x)
     got = torch.compile(model, fullgraph=True)(x)
-    assert normwise(got, want) <= 1e-6
+    assert error(got, want) <= 1e-6
 
 
 def test_bad_input_on_cuda():

@@ -79,7 +79,8 @@ class cuda_executor {
   }
 
   // Borrows `stream` (e.g. a framework's current stream). The legacy default stream (0 or
-  // cudaStreamLegacy) is refused: launches on it would wait for, and block, every other stream.
+  // cudaStreamLegacy) is refused: launches on it would wait for, and block, every other stream
+  // (the constructor below borrows it when that is what the caller means).
   cuda_executor(cudaStream_t stream, int device) : device_(device), stream_(stream) {
     if (stream == nullptr || stream == cudaStreamLegacy) {
       throw invalid_argument("stream", "a stream created by the caller (or cudaStreamPerThread)",
@@ -87,6 +88,19 @@ class cuda_executor {
                              "Create one with cudaStreamCreateWithFlags(&s, "
                              "cudaStreamNonBlocking), or use cuda_executor(device) to own one");
     }
+    cuda_device_guard guard(device_);
+    cublas_check(cublasLtCreate(&lt_), "cublasLtCreate");
+  }
+
+  // The tag of the constructor below.
+  struct legacy_default_stream_t {
+    explicit legacy_default_stream_t() = default;
+  };
+  // Borrows the legacy default stream, asked for by name: for a framework whose own work runs there
+  // (PyTorch's default stream is it), so that our launches are ordered with the framework's on
+  // every host thread, as its own kernels are. They then also wait for, and block, the process's
+  // other blocking streams, which is what that framework's kernels do already.
+  cuda_executor(legacy_default_stream_t, int device) : device_(device), stream_(cudaStreamLegacy) {
     cuda_device_guard guard(device_);
     cublas_check(cublasLtCreate(&lt_), "cublasLtCreate");
   }
