@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,11 +56,6 @@ struct arrays {
       }
     }
   }
-
-  const void* in(const array& a, const std::string& argument, std::size_t elements) {
-    return data(a, argument, elements);
-  }
-  void* out(const array& a, const std::string& argument, std::size_t elements) { return data(a, argument, elements); }
 
   void* data(const array& a, const std::string& argument, std::size_t elements) {
     if (a.dtype() != dlpack_dtype(s.dtype)) {
@@ -165,7 +161,7 @@ void bind_layers(nb::module_& m, const char* where) {
     const std::int32_t* packed = offsets_of(a.s, offsets);
     Calls::check(a.s, packed);
     auto w = a.template list<const void*>(params, weights, "weights");
-    const void* xp = a.in(x, "x", tokens_by_width(a.s));
+    const void* xp = a.data(x, "x", tokens_by_width(a.s));
     return std::tuple{packed, std::move(w), xp};
   };
 
@@ -175,7 +171,7 @@ void bind_layers(nb::module_& m, const char* where) {
                                    const std::optional<offsets_array>& offsets) {
     checked a{s, where};
     const auto [packed, w, xp] = inputs(a, offsets, weights, x);
-    void* yp = a.out(y, "y", tokens_by_width(s));
+    void* yp = a.data(y, "y", tokens_by_width(s));
     const bytes sv = a.raw(saved, "saved"), ws = a.raw(workspace, "workspace");
     const nb::gil_scoped_release no_gil;
     Calls::forward(s, packed, xp, w, yp, sv, ws);
@@ -191,8 +187,8 @@ void bind_layers(nb::module_& m, const char* where) {
     checked a{s, where};
     const auto [packed, w, xp] = inputs(a, offsets, weights, x);
     const auto g = a.template list<void*>(parameters_of(s), grads, "grads");
-    const void* dyp = a.in(dy, "dy", tokens_by_width(s));
-    void* dxp = a.out(dx, "dx", tokens_by_width(s));
+    const void* dyp = a.data(dy, "dy", tokens_by_width(s));
+    void* dxp = a.data(dx, "dx", tokens_by_width(s));
     const bytes sv = a.raw(saved, "saved"), ws = a.raw(workspace, "workspace");
     const nb::gil_scoped_release no_gil;
     Calls::backward(s, packed, xp, w, sv, dyp, dxp, g, ws);
@@ -225,8 +221,8 @@ void bind_layers(nb::module_& m, const char* where) {
     const auto w = a.template list<const void*>(params, weights, "weights");
     Calls::check(s, nullptr);
     const std::size_t n = mb::sat_mul(s.batch, s.width);
-    const void* xp = a.in(x_t, "x_t", n);
-    void* yp = a.out(y_t, "y_t", n);
+    const void* xp = a.data(x_t, "x_t", n);
+    void* yp = a.data(y_t, "y_t", n);
     const bytes st = a.raw(state, "state"), ws = a.raw(workspace, "workspace");
     const nb::gil_scoped_release no_gil;
     Calls::decode_step(s, w, st, position, max_len, xp, yp, ws);
