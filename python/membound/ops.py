@@ -225,15 +225,16 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device) -> None:
         raise invalid("cu_seqlens", "a 1-D int32 tensor of S + 1 offsets (S >= 1): 0, the starts, the total",
                       f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}", "Pass torch.tensor([0, len0, len0 + len1, ...], "
                       "dtype=torch.int32)")
-    if device.type != "cpu" or cu_seqlens.device.type != "cpu":
-        raise invalid("cu_seqlens", "packed sequences on CPU tensors (the CUDA layers do not take them yet)",
-                      f"x on {device}, cu_seqlens on {cu_seqlens.device}",
-                      "Run packed batches on the CPU, or pad them on the GPU")
+    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
+        raise invalid("cu_seqlens", f"on the CPU or on x's device ({device})", str(cu_seqlens.device),
+                      "Keep cu_seqlens on the CPU (no copy) or beside x")
 
 
 def _packed(cu_seqlens: Optional[torch.Tensor], device: torch.device) -> tuple[int, Optional[torch.Tensor]]:
     """(sequences, offsets) of the packed sequences, or (0, None): cu_seqlens as FlashAttention's
-    varlen functions take it, S + 1 int32 offsets, 0 first and the total last, here on the CPU."""
+    varlen functions take it, S + 1 int32 offsets, 0 first and the total last. The layers read
+    them on the host (their checks and sizes need the values; the CUDA layers copy them into their
+    workspace), so cu_seqlens on a GPU costs one synchronizing copy per call: keep it on the CPU."""
     if cu_seqlens is None:
         return 0, None
     _check_cu_seqlens(cu_seqlens, device)
@@ -241,7 +242,7 @@ def _packed(cu_seqlens: Optional[torch.Tensor], device: torch.device) -> tuple[i
         raise invalid("cu_seqlens", "a 1-D int32 tensor of S + 1 offsets (S >= 1): 0, the starts, the total",
                       f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}", "Pass torch.tensor([0, len0, len0 + len1, ...], "
                       "dtype=torch.int32)")
-    return cu_seqlens.numel() - 1, cu_seqlens.contiguous()
+    return cu_seqlens.numel() - 1, cu_seqlens.to("cpu").contiguous()
 
 
 def _forward(kind: str, x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],

@@ -6559,7 +6559,27 @@ struct packed_sequences {
     }
     return lo;
   }
+  // The sequences that start among tokens [t0, t0 + n) as a mask, bit t − t0 for a start at t
+  // (n ≤ 32; 0 when not packed): a scan over a tile of steps resets its state where a bit is set.
+  MEMBOUND_HOST_DEVICE constexpr std::uint32_t starts_in(std::size_t t0, std::size_t n) const noexcept {
+    if (!packed()) return 0;
+    std::uint32_t mask = 0;
+    std::size_t q = index_of(t0);
+    if (static_cast<std::size_t>(offsets[q]) < t0) ++q;  // the first start at or after t0
+    for (; q < count && static_cast<std::size_t>(offsets[q]) < t0 + n; ++q) {
+      mask |= std::uint32_t{1} << (static_cast<std::size_t>(offsets[q]) - t0);
+    }
+    return mask;
+  }
 };
+
+// Bytes of the offsets of `sequences` packed sequences (S + 1 int32; 0 when not packed): the slot
+// a device backend copies them into, part of the workspace a layer reports.
+constexpr std::size_t packed_offsets_bytes(std::size_t sequences) noexcept {
+  constexpr std::size_t most = ~std::size_t{0} / sizeof(std::int32_t) - 1;
+  if (sequences > most) return ~std::size_t{0};  // SIZE_MAX: no workspace holds it
+  return sequences == 0 ? 0 : (sequences + 1) * sizeof(std::int32_t);
+}
 
 // Whether `offsets` and `sequences` describe a token axis of `seq` tokens in batch 1, and if not
 // the field at fault ("shape.offsets", "shape.sequences" or "shape.batch") and what it needed.
@@ -8232,7 +8252,9 @@ MEMBOUND_NAMESPACE_END
 //   shape.window = W > 0 keeps only keys i − W + 1 .. i (causal; |i − j| < W bidirectional):
 //   Mistral-style sliding-window attention in O(T·W) work, decoding over a ring of W positions.
 //   shape.offsets packs variable-length sequences on one token axis (FlashAttention's varlen):
-//   each attends inside itself from RoPE position 0, as if run alone (CPU backend so far).
+//   each attends inside itself from RoPE position 0, as if run alone. The offsets are host
+//   memory on both backends (checks and plans read them); the CUDA backend copies them into its
+//   workspace on every call (packed_offsets_bytes of it).
 //
 //   using attn = membound::attention<membound::bf16_precision>;
 //   attn::check(shape);                                          // throws, naming the argument
@@ -8333,20 +8355,13 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
                          what_to_do);
 }
 
-// A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer: refused by
-// name on a backend whose kernels do not take them yet, else check_packing's verdict. A shape
-// with `sequences` set and no offsets sizes a call for any packing of its tokens into that many
-// sequences (a plan made before the data exists): accepted here, and forward and backward refuse
-// it (need_offsets), since they need to know where each sequence starts.
-constexpr layer_support packing_support(bool backend_takes_them, const std::int32_t* offsets,
-                                        std::size_t sequences, std::size_t batch,
-                                        std::size_t seq) noexcept {
-  if (!backend_takes_them) {
-    return offsets == nullptr
-               ? layer_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
-                               static_cast<double>(sequences)}
-               : layer_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
-  }
+// A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer (every
+// layer takes them on both backends): check_packing's verdict. A shape with `sequences` set and
+// no offsets sizes a call for any packing of its tokens into that many sequences (a plan made
+// before the data exists): accepted here, and forward and backward refuse it (need_offsets),
+// since they need to know where each sequence starts.
+constexpr layer_support packing_support(const std::int32_t* offsets, std::size_t sequences,
+                                        std::size_t batch, std::size_t seq) noexcept {
   if (offsets == nullptr && batch != 1) {
     return layer_support{false, "shape.batch", "1 with packed sequences (they share one token axis)",
                          static_cast<double>(batch)};
@@ -8471,8 +8486,7 @@ class attention {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
     if (s.offsets != nullptr || s.sequences != 0) {
-      const attention_support r = detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets,
-                                                          s.sequences, s.batch, s.seq);
+      const attention_support r = detail::packing_support(s.offsets, s.sequences, s.batch, s.seq);
       if (!r.ok) return r;
     }
     // NaN fails the first comparison, +inf the second.
@@ -10061,8 +10075,7 @@ class mamba {
     if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
     if (s.offsets != nullptr || s.sequences != 0) {
-      return detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets, s.sequences, s.batch,
-                                     s.seq);
+      return detail::packing_support(s.offsets, s.sequences, s.batch, s.seq);
     }
     return {};
   }
@@ -11617,7 +11630,7 @@ MEMBOUND_NAMESPACE_END
 // ttt_state_groups_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its saved state, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
-// Packed sequences (ttt_shape::offsets, CPU): each starts from W1, b1 with mini-batches and RoPE
+// Packed sequences (ttt_shape::offsets, either backend): each starts from W1, b1 with mini-batches and RoPE
 // positions of its own, as if run alone; saved_bytes is the worst case over packings of the totals.
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
 // backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
@@ -11704,7 +11717,7 @@ class basic_ttt {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
     }
     if (s.offsets != nullptr || s.sequences != 0) {
-      return detail::packing_support(is_cpu_backend_v<backend>, s.offsets, s.sequences, s.batch, s.seq);
+      return detail::packing_support(s.offsets, s.sequences, s.batch, s.seq);
     }
     return {};
   }

@@ -2,7 +2,7 @@
 // same process: y, lse, dx and the four accumulated weight gradients; causal and bidirectional;
 // MHA, GQA, MQA; T = 1 and T not a multiple of the tiles; head_dim 8 to 256; recompute and
 // save_all; bit-identical repeats; no device memory beyond the caller's; step equals the causal
-// forward's rows; typed errors. Without a device it exits 77 (skipped).
+// forward's rows; sliding windows; packed sequences; typed errors. Without a device it exits 77 (skipped).
 //
 // Tolerances, |got - want| / (|want| + 1e-2):
 //   fp32: TF32 is off; sums in another order and the device's expf: 1e-5 relative.
@@ -255,6 +255,29 @@ void sliding_window_matches_cpu() {
   }
 }
 
+// Packed sequences on every kernel family (SIMT fp32, the WMMA/SIMT fallback, mma.sync) against
+// the CPU backend's packed call, which tests/unit/test_attention.cpp holds equal to each sequence
+// run alone. Lengths 1, 63, 0, 64, 65, 7 and 150 over T = 350: sequences that start and end inside
+// tiles, a tile that holds four of them, an empty one, a long one among short ones.
+void packed_matches_cpu() {
+  static const std::int32_t offsets[] = {0, 1, 64, 64, 128, 193, 200, 350};
+  const mb::gpu::kernel_choices fallback{.attention = mb::gpu::attention_kernels::simt_wmma};
+  const auto packed = [&](bool causal, std::size_t window, std::size_t heads, std::size_t kv_heads,
+                          std::size_t head_dim) {
+    mb::attention_shape s{1, 350, 64, heads, kv_heads, head_dim, causal, 10000.0, window};
+    s.offsets = offsets;
+    s.sequences = 7;
+    return s;
+  };
+  compare<mb::fp32_precision>(packed(true, 0, 4, 2, 64), 1e-5);
+  compare<mb::fp32_precision>(packed(false, 0, 4, 2, 64), 1e-5);
+  compare<mb::fp32_precision>(packed(true, 40, 4, 2, 64), 1e-5);  // a window inside sequences
+  compare<mb::bf16_precision>(packed(true, 0, 4, 2, 64), 4e-2);
+  compare<mb::bf16_precision>(packed(false, 0, 4, 1, 128), 4e-2);
+  compare<mb::bf16_precision>(packed(true, 0, 4, 2, 64), 4e-2, fallback);
+  compare<mb::fp16_precision, mb::save_all>(packed(true, 30, 2, 2, 40), 4e-2);
+}
+
 void typed_errors() {
   using gpu_attn = mb::attention<mb::fp32_precision, mb::cuda_backend>;
   const mb::attention_shape s{1, 4, 16, 2, 1, 8, true};
@@ -273,12 +296,15 @@ void typed_errors() {
   EXPECT_THROW(mb::invalid_argument, gpu_attn::check({1, 4, 16, 2, 1, 12, true}));
   EXPECT_THROW(mb::invalid_argument, gpu_attn::check({1, 4, 16, 3, 2, 8, true}));
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
-  // Packed sequences are the CPU backend's so far: refused by name, before anything runs.
-  const std::int32_t offsets[] = {0, 1, 4};
+  // Packed sequences: taken, and offsets that do not cover the tokens refused by name; the
+  // workspace holds their device copy.
+  const std::int32_t offsets[] = {0, 1, 4}, short_offsets[] = {0, 1, 3};
   mb::attention_shape packed = s;
   packed.offsets = offsets;
   packed.sequences = 2;
-  CHECK(!gpu_attn::can_implement(packed).ok);
+  CHECK(gpu_attn::can_implement(packed).ok);
+  CHECK(gpu_attn::forward_workspace_bytes(packed, 1) >= fws + 3 * sizeof(std::int32_t));
+  packed.offsets = short_offsets;
   CHECK(std::string(gpu_attn::can_implement(packed).argument) == "shape.offsets");
   EXPECT_THROW(mb::invalid_argument, gpu_attn::check(packed));
 }
@@ -293,6 +319,7 @@ int main() {
        tensor_core_matches_cpu},
       {"attention cuda_backend step equals the causal forward's rows", step_equals_forward},
       {"attention cuda_backend sliding windows equal the CPU backend's", sliding_window_matches_cpu},
+      {"attention cuda_backend packed sequences equal the CPU backend's", packed_matches_cpu},
       {"attention cuda_backend typed errors", typed_errors},
   };
   return mbt::run_suite("test_cuda_attention", cases);

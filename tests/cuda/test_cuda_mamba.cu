@@ -3,7 +3,7 @@
 // ten gradients of the issue), over chunks that do not divide T, chunk 1, chunk > T, T = 1,
 // d_state 1 and 16, d_inner not a multiple of the scan block (70: neither of the forward's 8 nor
 // of the backward's 64 channels), both recompute policies; bit-identical repeats; no device
-// memory beyond the caller's; decoding steps equal to the forward's rows; typed errors. Without a
+// memory beyond the caller's; decoding steps equal to the forward's rows; packed sequences; typed errors. Without a
 // device it exits 77 (skipped).
 //
 // The metric is the CPU tests' (tests/unit/test_mamba.cpp): max |got − want| / max |want| per
@@ -345,6 +345,21 @@ void half_precisions_within_the_cpu_bound() {
       "fp16 against fp32", s, 16.0 * 0x1.0p-11);
 }
 
+// Packed sequences against the CPU block's packed call (which tests/unit holds equal to each
+// sequence run alone): starts inside chunks and tiles and at a chunk's first step, sequences
+// shorter than the conv (1, 2), an empty one, one over several chunks.
+void packed_matches_cpu() {
+  static const std::int32_t offsets[] = {0, 1, 3, 3, 16, 24, 44, 47};
+  mb::mamba_shape s = shape_of(1, 47, 12, 70, 16, 4, 3);
+  s.offsets = offsets;
+  s.sequences = 7;
+  check_case<gpu_block<mb::scan_chunk<8>>, mb::mamba<mb::scan_chunk<8>>>("packed, chunk 8", s, 1e-5);
+  check_case<gpu_block<mb::scan_chunk<8>, mb::save_all>, mb::mamba<mb::scan_chunk<8>, mb::save_all>>(
+      "packed, chunk 8, save_all", s, 1e-5);
+  check_case<gpu_block<mb::bf16_precision, mb::scan_chunk<16>>, mb::mamba<mb::scan_chunk<16>>>(
+      "packed, bf16 against fp32", s, 16.0 * 0x1.0p-8);
+}
+
 // The saved states shrink with the chunk exactly as saved_state_bytes says; they are the ones
 // the GPU wrote (check_case compares them to the CPU's value for value).
 void saved_bytes_follow_the_chunk() {
@@ -529,11 +544,13 @@ void typed_errors() {
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
   CHECK(block::backward_workspace_bytes(s, 1) >= mb::gpu::gemm_workspace_bytes(ex));
   CHECK(block::step_workspace_bytes(s) >= mb::gpu::gemm_workspace_bytes(ex));
-  // Packed sequences are the CPU backend's so far: refused by name.
-  const std::int32_t offsets[] = {0, 3, 8};
+  // Packed sequences: taken; offsets that do not cover the tokens refused by name.
+  const std::int32_t offsets[] = {0, 3, 8}, short_offsets[] = {0, 3, 7};
   mb::mamba_shape packed = shape_of(1, 8, 8, 16, 16, 4, 1);
   packed.offsets = offsets;
   packed.sequences = 2;
+  CHECK(gpu_block<mb::scan_chunk<8>>::can_implement(packed).ok);
+  packed.offsets = short_offsets;
   CHECK(std::string(gpu_block<mb::scan_chunk<8>>::can_implement(packed).argument) == "shape.offsets");
 }
 
@@ -547,6 +564,7 @@ int main() {
       {"mamba cuda_backend fp32: chunk > T, T = 1", fp32_chunk_above_t_and_t_1},
       {"mamba cuda_backend bf16 and fp16 within the CPU's bounds (16u against fp32)",
        half_precisions_within_the_cpu_bound},
+      {"mamba cuda_backend packed sequences equal the CPU backend's", packed_matches_cpu},
       {"mamba cuda_backend saved bytes follow the chunk", saved_bytes_follow_the_chunk},
       {"mamba cuda_backend peak through a device budget is saved + the larger workspace",
        peak_is_saved_plus_workspace},

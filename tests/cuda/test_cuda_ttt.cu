@@ -4,8 +4,8 @@
 // every parameter's gradient (accumulated onto nonzero starting values), for fp32 and bf16
 // storage, with and without the gate, a short last mini-batch, b = 1, T < b, G = 1, 2 and all;
 // bit-identical repeats and bit-identical y, dx and gradients across G; the decoding step equals
-// the forward's row; the peak through a device budget is saved + the larger workspace; typed
-// errors. Without a device it exits 77.
+// the forward's row; the peak through a device budget is saved + the larger workspace; packed
+// sequences; typed errors. Without a device it exits 77.
 //
 // Tolerances, normwise (mbt::close_normwise), floor = 1e-2:
 //   fp32: TF32 is off in the GEMMs and the inner loop sums in fp32 in another order than Eigen:
@@ -347,6 +347,26 @@ void mlp_backward_bf16() {
   kind_backward_matches_cpu<true, mb::bf16_precision>(4e-2, bf16_grad_bound);
 }
 
+// Packed sequences of lengths 5, 0, 16, 17, 1 and 9 (a partial mini-batch, an empty sequence, one
+// of exactly b, one of b + 1, a single token) against the CPU's packed call, which
+// tests/unit/test_ttt.cpp holds equal to each sequence run alone: y, dx and every gradient; the
+// same bits across G (a group cut short at a sequence's end).
+template <bool Mlp>
+void packed_kind_matches_cpu() {
+  static const std::int32_t offsets[] = {0, 5, 5, 21, 38, 39, 48};
+  mb::ttt_shape s{1, 48, 32, 2};
+  s.offsets = offsets;
+  s.sequences = 6;
+  const auto g1 = compare_backward<Mlp, mb::fp32_precision, 16, 1>(s, 1e-5, 1e-5);
+  const auto g2 = compare_backward<Mlp, mb::fp32_precision, 16, 2>(s, 1e-5, 1e-5);
+  CHECK(g1 == g2);
+  compare_backward<Mlp, mb::bf16_precision, 16, 1>(s, 4e-2, bf16_grad_bound);
+}
+void packed_matches_cpu() {
+  packed_kind_matches_cpu<false>();
+  packed_kind_matches_cpu<true>();
+}
+
 // Saved and workspace from a device budget: the layer's peak is saved + the larger workspace (it
 // allocates nothing itself: the device's free memory does not move during the calls).
 template <bool Mlp, std::size_t G>
@@ -495,11 +515,15 @@ void typed_errors() {
   EXPECT_THROW(mb::workspace_too_small, gpu_l::make_state(s, wd, state.get(), state.size() - 1, ex));
   CHECK(fws >= mb::gpu::gemm_workspace_bytes(ex));
   CHECK(bws >= mb::gpu::gemm_workspace_bytes(ex));
-  // Packed sequences are the CPU backend's so far: refused by name.
-  const std::int32_t offsets[] = {0, 1, 4};
+  // Packed sequences: taken (batch 1); offsets that do not cover the tokens refused by name,
+  // before anything runs.
+  const std::int32_t offsets[] = {0, 1, static_cast<std::int32_t>(s.seq)}, short_offsets[] = {0, 1, 2};
   mb::ttt_shape packed = s;
+  packed.batch = 1;
   packed.offsets = offsets;
   packed.sequences = 2;
+  CHECK(gpu_l::can_implement(packed).ok);
+  packed.offsets = short_offsets;
   CHECK(std::string(gpu_l::can_implement(packed).argument) == "shape.offsets");
   EXPECT_THROW(mb::invalid_argument,
                gpu_l::forward(packed, wd, x.get(), y.get(), saved.get(), saved.size(), ws.get(), fws, ex));
@@ -584,6 +608,7 @@ int main() {
       {"ttt cuda_backend peak through a device budget is saved + the larger workspace",
        peak_is_saved_plus_workspace},
       {"ttt cuda_backend step equals the forward's row", step_fp32},
+      {"ttt cuda_backend packed sequences equal the CPU backend's", packed_matches_cpu},
       {"ttt cuda_backend typed errors", typed_errors},
   };
   return mbt::run_suite("test_cuda_ttt", cases);

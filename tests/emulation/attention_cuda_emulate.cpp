@@ -12,7 +12,7 @@
 // and fp16 operands: o, lse (forward), dq, dk, dv (backward, given the reference lse and Δ), at
 // shapes with T = 1, T a multiple of the tile and not, head_dim 8 to 128 (both DM), MHA, GQA and
 // MQA, causal and bidirectional, sliding windows (tiles outside the band skipped, edges inside
-// tiles, W = 2; bf16), batch 2; repeats bit-identical (bf16). What it cannot check: that the
+// tiles, W = 2; bf16), packed sequences (bf16), batch 2; repeats bit-identical (bf16). What it cannot check: that the
 // device's mma.sync matches the ISA's layouts as emulated here, its accumulation order, expf,
 // the launchers, occupancy and speed. None of it replaces a GPU run.
 #include <algorithm>
@@ -152,11 +152,21 @@ struct shape {
   std::size_t B, T, H, Hkv, D;
   bool causal;
   std::size_t window = 0;  // sliding window W (0: none)
+  const std::int32_t* offsets = nullptr;  // packed sequences (batch 1), or none
+  std::size_t sequences = 0;
 };
+
+// The packed sequence holding token i, by a linear walk (the kernels binary-search).
+std::size_t sequence_of(const shape& s, std::size_t i) {
+  std::size_t q = 0;
+  while (q + 1 < s.sequences && static_cast<std::size_t>(s.offsets[q + 1]) <= i) ++q;
+  return q;
+}
 
 // Whether query i sees key j, spelled out per pair (the kernels read attention_band's ranges).
 bool visible(const shape& s, std::size_t i, std::size_t j) {
   if (s.causal && j > i) return false;
+  if (s.offsets != nullptr && sequence_of(s, i) != sequence_of(s, j)) return false;
   return s.window == 0 || (i > j ? i - j : j - i) < s.window;
 }
 
@@ -261,7 +271,8 @@ void run_shape(const shape& s, double tol, double& worst, bool repeat) {
 
   const unsigned blocks = static_cast<unsigned>((T + emu::gpu::mma_tile - 1) / emu::gpu::mma_tile);
   const float fscale = static_cast<float>(scale);
-  const membound::attention_band band{T, s.window, s.causal};
+  const membound::attention_band band{T, s.window, s.causal,
+                                      membound::packed_sequences{s.offsets, s.sequences}};
   struct out {
     std::vector<S> o;
     std::vector<float> lse, dq, dk, dv;
@@ -305,8 +316,8 @@ void run_shape(const shape& s, double tol, double& worst, bool repeat) {
       ++failures;
     }
   }
-  std::printf("  B=%zu T=%zu H=%zu Hkv=%zu D=%zu %s W=%zu: worst %.3g\n", B, T, H, Hkv, D,
-              s.causal ? "causal" : "bidirectional", s.window, w);
+  std::printf("  B=%zu T=%zu H=%zu Hkv=%zu D=%zu %s W=%zu%s: worst %.3g\n", B, T, H, Hkv, D,
+              s.causal ? "causal" : "bidirectional", s.window, s.offsets ? " packed" : "", w);
   worst = std::max(worst, w);
 }
 
@@ -331,6 +342,12 @@ void run_all(double tol, bool full) {
     run_shape<S, 64>({1, 136, 1, 1, 32, true, 40}, tol, worst, full);
     run_shape<S, 64>({1, 136, 1, 1, 16, false, 30}, tol, worst, full);
     run_shape<S, 64>({1, 70, 1, 1, 16, true, 2}, tol, worst, full);
+    // Packed sequences of lengths 1, 63, 0, 40 and 32 over the same three tiles: tiles holding
+    // several sequences (masked per pair), tiles outside a query tile's sequences skipped, an
+    // empty sequence; causal, and bidirectional with a window inside the sequences.
+    static const std::int32_t offsets[] = {0, 1, 64, 64, 104, 136};
+    run_shape<S, 64>({1, 136, 1, 1, 16, true, 0, offsets, 5}, tol, worst, full);
+    run_shape<S, 64>({1, 136, 1, 1, 16, false, 20, offsets, 5}, tol, worst, full);
   }
   std::printf("worst normwise error %.3g (tolerance %.3g)\n", worst, tol);
 }

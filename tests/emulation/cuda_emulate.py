@@ -20,7 +20,7 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
              element path, every access inside its buffer
   attention  the tensor-core attention kernels (mma.sync forward, dQ, dK/dV), each lane a thread
              and mma.sync emulated from the PTX ISA's fragment layouts: against a double-precision
-             attention, bf16 operands at 9 shapes (3 sliding windows) run twice, bit-identical; fp16 at
+             attention, bf16 operands at 11 shapes (3 sliding windows, 2 packed) run twice, bit-identical; fp16 at
              the 6 full-attention shapes once
 
 Usage:

@@ -16,7 +16,7 @@
 // an overrun. The channels per CTA (cpb) are the launchers' (mamba_channels_per_block) unless
 // argv[1] caps them (the kernels take cpb as an argument). What it cannot check: the launchers
 // themselves (copied here by hand), cuBLASLt, the bf16/fp16 paths, the device's expf, warps, and
-// anything about speed.
+// anything about speed. Packed sequences: the same, against the CPU layer's packed call.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -47,6 +47,7 @@ static emu_support::barrier* g_bar = nullptr;
 #define __syncthreads() g_bar->arrive_and_wait()
 
 namespace emu {
+using membound::packed_sequences;
 template <class S> inline float ld(const S* p, std::size_t i) { return p[i]; }
 template <class S> inline void st(S* p, std::size_t i, float v) { p[i] = v; }
 #include "membound/backend/cuda/mamba_sizes.inl"
@@ -249,6 +250,7 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   const size_t B = s.batch, T = s.seq, N = B * T, C = s.d_model, Di = s.d_inner, Ns = s.d_state;
   const size_t R = s.dt_rank, K = s.d_conv, ldx = R + 2 * Ns;
   const size_t nch = mamba_chunks(T, L);
+  const packed_sequences pk = s.packing();  // host memory here, the device copy on a GPU
   size_t cpb = mamba_channels_per_block(Ns);
   if (g_cpb_cap != 0) cpb = std::min<size_t>(cpb, g_cpb_cap);
   const unsigned nt = static_cast<unsigned>(cpb * Ns);
@@ -266,14 +268,14 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
     float* cp = keep ? saved_c.data() : c.data();
     float* dp = keep ? saved_delta.data() : delta.data();
     mm(p.x.data(), w[in_proj], xz.data(), N, C, 2 * Di, false);
-    launch_flat(N * Di, [&] { conv_silu_kernel<float>(xz.data(), w[conv_w], w[conv_b], cp, u.data(), N, T, Di, K, true); });
+    launch_flat(N * Di, [&] { conv_silu_kernel<float>(xz.data(), w[conv_w], w[conv_b], cp, u.data(), N, T, Di, K, true, pk); });
     mm(u.data(), w[x_proj], xdbl.data(), N, Di, ldx, false);
     mm(xdbl.data(), w[dt_proj], dt.data(), N, R, Di, false, ldx, Di, Di);
     launch_flat(N * Di, [&] { delta_kernel<float>(dt.data(), w[dt_bias], dp, N, Di); });
     if (nch > 1) {
       launch_seq(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
         scan_chunk_local_kernel<float>(cp, dp, xdbl.data(), w[a_log], T, Di, Ns, R, L, cpb,
-                                       states.data(), dsum.data());
+                                       states.data(), dsum.data(), pk);
       });
       if (nch > 2)
         launch_flat(B * Di * Ns, [&] {
@@ -282,7 +284,7 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
     }
     launch_cta(dim3e{static_cast<unsigned>(nchb * nch), static_cast<unsigned>(B), 1}, nt, [&] {
       scan_forward_kernel<float>(xz.data(), cp, dp, xdbl.data(), w[a_log], w[dskip], T, Di, Ns, R,
-                                 L, cpb, states.data(), gated.data(), nullptr, nullptr);
+                                 L, cpb, states.data(), gated.data(), nullptr, nullptr, pk);
     });
     mm(gated.data(), w[out_proj], r.out.data(), N, Di, C, false);
     if (y_fwd) *y_fwd = gated;
@@ -304,25 +306,25 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   if (keep) {
     cp = saved_c.data();
     dp = saved_delta.data();
-    launch_flat(N * Di, [&] { conv_silu_kernel<float>(xz.data(), w[conv_w], w[conv_b], cp, u.data(), N, T, Di, K, false); });
+    launch_flat(N * Di, [&] { conv_silu_kernel<float>(xz.data(), w[conv_w], w[conv_b], cp, u.data(), N, T, Di, K, false, pk); });
   } else {
     cp = c.data();
     dp = delta.data();
-    launch_flat(N * Di, [&] { conv_silu_kernel<float>(xz.data(), w[conv_w], w[conv_b], cp, u.data(), N, T, Di, K, true); });
+    launch_flat(N * Di, [&] { conv_silu_kernel<float>(xz.data(), w[conv_w], w[conv_b], cp, u.data(), N, T, Di, K, true, pk); });
     mm(xdbl.data(), w[dt_proj], dt.data(), N, R, Di, false, ldx, Di, Di);
     launch_flat(N * Di, [&] { delta_kernel<float>(dt.data(), w[dt_bias], dp, N, Di); });
   }
   mm_bt(p.dout.data(), w[out_proj], dg.data(), N, C, Di, false);
   launch_cta(dim3e{static_cast<unsigned>(nchb * nch), static_cast<unsigned>(B), 1}, nt, [&] {
     scan_forward_kernel<float>(xz.data(), cp, dp, xdbl.data(), w[a_log], w[dskip], T, Di, Ns, R, L,
-                               cpb, states.data(), gated.data(), dg.data(), dxz.data());
+                               cpb, states.data(), gated.data(), dg.data(), dxz.data(), pk);
   });
   if (y_bwd) *y_bwd = gated;
   mm_at(gated.data(), p.dout.data(), r.g[out_proj].data(), N, Di, C, true);
   if (nch > 1) {  // the reverse scan: A' (chunk-local dL/dh, ΣΔ), B' (the carry over chunks), C'
     launch_seq(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
       scan_backward_local_kernel<float>(xz.data(), dp, xdbl.data(), w[a_log], dg.data(), T, Di, Ns,
-                                        R, L, cpb, carry.data(), bdsum.data());
+                                        R, L, cpb, carry.data(), bdsum.data(), pk);
     });
     if (nch > 2)
       launch_flat(B * Di * Ns, [&] {
@@ -332,7 +334,7 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   launch_cta(dim3e{static_cast<unsigned>(nblk * nch), static_cast<unsigned>(B), 1}, nt, [&] {
     scan_backward_kernel<float>(xz.data(), cp, dp, xdbl.data(), w[a_log], w[dskip], states.data(),
                                 carry.data(), dg.data(), T, Di, Ns, R, L, cpb, ddt.data(), du.data(),
-                                part.data(), small.data());
+                                part.data(), small.data(), pk);
   });
   launch_flat(N * 2 * Ns, [&] { reduce_bc_kernel<float>(part.data(), dxdbl.data(), N, Ns, R, nblk); });
   launch_flat(Di * (Ns + 2), [&] {
@@ -343,9 +345,9 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   mm_bt(ddt.data(), w[dt_proj], dxdbl.data(), N, Di, R, false, Di, Di, ldx);
   mm_at(u.data(), dxdbl.data(), r.g[x_proj].data(), N, Di, ldx, true);
   mm_bt(dxdbl.data(), w[x_proj], du.data(), N, ldx, Di, true);
-  launch_flat(N * Di, [&] { conv_backward_data_kernel<float>(du.data(), cp, w[conv_w], dxz.data(), N, T, Di, K); });
+  launch_flat(N * Di, [&] { conv_backward_data_kernel<float>(du.data(), cp, w[conv_w], dxz.data(), N, T, Di, K, pk); });
   launch_seq(dim3e{static_cast<unsigned>(mamba_blocks(Di, 128)), static_cast<unsigned>(nrb), 1}, 128, [&] {
-    conv_backward_weight_kernel<float>(du.data(), cp, xz.data(), cpart.data(), N, T, Di, K);
+    conv_backward_weight_kernel<float>(du.data(), cp, xz.data(), cpart.data(), N, T, Di, K, pk);
   });
   launch_flat(Di * (K + 1), [&] {
     conv_reduce_kernel<float>(cpart.data(), r.g[conv_w].data(), r.g[conv_b].data(), nrb, Di, K);
@@ -357,8 +359,12 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
 
 template <size_t L>
 void run_case(const char* name, size_t B, size_t T, size_t C, size_t Di, size_t Ns, size_t K,
-              size_t R) {
+              size_t R, const std::vector<std::int32_t>& offsets = {}) {
   mb::mamba_shape s;
+  if (!offsets.empty()) {
+    s.offsets = offsets.data();
+    s.sequences = offsets.size() - 1;
+  }
   s.batch = B;
   s.seq = T;
   s.d_model = C;
@@ -366,8 +372,8 @@ void run_case(const char* name, size_t B, size_t T, size_t C, size_t Di, size_t 
   s.d_state = Ns;
   s.d_conv = K;
   s.dt_rank = R;
-  std::printf("%s: B %zu T %zu Di %zu Ns %zu chunk %zu (%zu chunks)\n", name, B, T, Di, Ns, L,
-              mamba_chunks(T, L));
+  std::printf("%s: B %zu T %zu Di %zu Ns %zu chunk %zu (%zu chunks)%s\n", name, B, T, Di, Ns, L,
+              mamba_chunks(T, L), offsets.empty() ? "" : " packed");
   const problem p = make_problem(s, 7);
   const outputs want = run_cpu<L, mb::recompute>(p);
   const outputs want_keep = run_cpu<L, mb::save_all>(p);
@@ -434,6 +440,16 @@ int main(int argc, char** argv) {
   run_case<256>("chunk 256: runs of 2 tiles, then a short chunk", 1, 300, 8, 5, 4, 4, 2);
   run_case<512>("T < chunk, 26 tiles (runs of 2, the last one short)", 2, 203, 8, 3, 16, 4, 2);
   run_case<1024>("one chunk of 125 tiles (runs of 8, the last of 5)", 1, 1000, 8, 3, 2, 4, 2);
+  // Packed sequences (the CPU layer's packed call is the specification, itself equal to each
+  // sequence alone in tests/unit): starts inside chunks and tiles, at a chunk's first step (the
+  // carry cut exactly there), a chunk with two starts, sequences shorter than the conv (1, 2),
+  // an empty one, one spanning several chunks (the carry between them kept).
+  run_case<8>("packed: lengths 1, 2, 0, 13, 8, 20, 3", 1, 47, 8, 12, 16, 4, 2,
+              {0, 1, 3, 3, 16, 24, 44, 47});
+  run_case<16>("packed, chunk 16: lengths 40, 1, 30, 9", 1, 80, 8, 10, 4, 3, 2, {0, 40, 41, 71, 80});
+  run_case<1>("packed, chunk 1: lengths 3, 6", 1, 9, 8, 6, 2, 4, 1, {0, 3, 9});
+  run_case<256>("packed, chunk 256 (runs of 2 tiles): lengths 150, 150", 1, 300, 8, 5, 4, 4, 2,
+                {0, 150, 300});
   std::printf("%s (%d failures)\n", fails ? "FAILED" : "all passed", fails);
   return fails ? 1 : 0;
 }

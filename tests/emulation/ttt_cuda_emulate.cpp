@@ -7,7 +7,7 @@
 // (naive fp32 loops for the cuBLASLt GEMMs) drives them, against the CPU layer on the same inputs:
 // the saved checkpoints, y, dx and every gradient (normwise 1e-5), and bits across G and across
 // the inner loop's placements (shared memory: a buffer of the launch's exact size per CTA). What it
-// cannot check: the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths, CUB's
+// cannot check (packed sequences: the same, against the CPU layer's packed call): the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths, CUB's
 // block reductions (one thread here), and anything about the real device.
 #include <cmath>
 #include <cstdio>
@@ -32,6 +32,7 @@ static emu_support::barrier* g_bar = nullptr;
 #define __syncthreads() g_bar->arrive_and_wait()
 
 namespace emu {
+using membound::packed_sequences;
 using membound::gelu_tanh_f;
 using membound::gelu_tanh_d1;
 using membound::gelu_tanh_d2;
@@ -153,27 +154,29 @@ Out run(const mb::ttt_shape& s, int level = 3) {
   L::backward(s, lw, x.data(), svp, sb, dy.data(), dxc.data(), lg, wsp, wsb, pool);
 
   // Emulated device forward (the launcher's sequence)
-  const size_t nmb = T / MB + (T % MB != 0), ncp = nmb / G + (nmb % G != 0), gsz = std::min(G, nmb);
+  const packed_sequences pk = s.packing();  // host memory here, the device copy on a GPU
+  const size_t rows_n = pk.packed() ? s.sequences : B;  // the inner loop's rows: one CTA per (row, head)
+  const size_t nmb = T / MB + (T % MB != 0), ncp = mb::ttt_saved_states(s, MB, G), gsz = std::min(G, nmb);
   std::vector<float> q(N*C), k(N*C), v(N*C), lr(N*H), sig(N*H), tok(MB), ckpt(B*H*ncp*SZ), o(N*C), pn(N*C), y(N*C), gpre(N*C);
   auto project = [&]{
     mm(x.data(), w.wq.data(), q.data(), N, C, C, false); mm(x.data(), w.wk.data(), k.data(), N, C, C, false);
     mm(x.data(), w.wv.data(), v.data(), N, C, C, false);
     const size_t pairs = N*H*(D/2);
-    launch(pairs, [&]{ rope_kernel(q.data(), N, T, H, D, s.rope_base, MB, MB); });
-    launch(pairs, [&]{ rope_kernel(k.data(), N, T, H, D, s.rope_base, MB, MB); });
+    launch(pairs, [&]{ rope_kernel(q.data(), N, T, H, D, s.rope_base, MB, MB, false, pk); });
+    launch(pairs, [&]{ rope_kernel(k.data(), N, T, H, D, s.rope_base, MB, MB, false, pk); });
     mm_bt(x.data(), w.lr_w.data(), lr.data(), N, C, H, false);
     const float scale = float(s.base_lr / double(D));
     launch(std::max(N*H, MB), [&]{ rates_kernel<float>(lr.data(), w.lr_b.data(), N, H, scale, w.tok.data(), tok.data(), MB, sig.data()); });
   };
   project();
   {
-    std::vector<float> scratch(B*H*ttt_forward_elements(SZ, D, F, MB, Mlp));
+    std::vector<float> scratch(rows_n*H*ttt_forward_elements(SZ, D, F, MB, Mlp));
     const size_t rows = ttt_forward_rows(D, F, MB, Mlp);
     const size_t lim = level == 0 ? 0 : level == 1 ? rows*4 : level == 2 ? (rows+SZ)*4 : level == 4 ? SZ*4 : size_t(-1);
     const auto pl = ttt_placement(rows, SZ, 0, lim);
     if (pl.place != (level == 0 ? 0u : level == 1 ? 1u : level == 4 ? 2u : 3u)) { std::printf("  FAIL forward placement %u at level %d\n", pl.place, level); ++fails; }
-    const inner_args a{q.data(), k.data(), v.data(), lr.data(), tok.data(), T, H, D, F, SZ, MB, G, ncp, nmb, 1e-6f, pl.place};
-    launch_cta(B*H, pl.shared_bytes, [&]{ ttt_forward_kernel<Mlp, float>(a, w.nw.data(), w.nb.data(), w.w1.data(), w.b1.data(), w.w2.data(), w.b2.data(), o.data(), ckpt.data(), scratch.data()); });
+    const inner_args a{q.data(), k.data(), v.data(), lr.data(), tok.data(), T, H, D, F, SZ, MB, G, ncp, nmb, 1e-6f, pl.place, pk};
+    launch_cta(rows_n*H, pl.shared_bytes, [&]{ ttt_forward_kernel<Mlp, float>(a, w.nw.data(), w.nb.data(), w.w1.data(), w.b1.data(), w.w2.data(), w.b2.data(), o.data(), ckpt.data(), scratch.data()); });
     const float* gp = nullptr;
     if (s.use_gate) { mm(x.data(), w.wg.data(), gpre.data(), N, C, C, false); gp = gpre.data(); }
     launch(N, [&]{ ttt_post_norm_kernel<float>(o.data(), w.post_w.data(), w.post_b.data(), gp, pn.data(), C, 1e-6f); });
@@ -186,7 +189,7 @@ Out run(const mb::ttt_shape& s, int level = 3) {
   // Emulated device backward (the launcher's sequence)
   Out r; r.y = y; r.g = g0;
   std::vector<float> dx(N*C), dpn(N*C), xh(N*C), d_o(N*C), dq(N*C), dk(N*C), dv(N*C), pns(N*C), dlr(N*H);
-  std::vector<float> part(B*H*ttt_partial_elements(SZ, D, MB)), bscr(B*H*ttt_backward_scratch_elements(SZ, D, F, MB, gsz, Mlp));
+  std::vector<float> part(rows_n*H*ttt_partial_elements(SZ, D, MB)), bscr(rows_n*H*ttt_backward_scratch_elements(SZ, D, F, MB, gsz, Mlp));
   std::fill(q.begin(), q.end(), 0.f); std::fill(k.begin(), k.end(), 0.f); project();
   mm_bt(dy.data(), w.wo.data(), dpn.data(), N, C, C, false);
   float* gp = nullptr;
@@ -201,16 +204,16 @@ Out run(const mb::ttt_shape& s, int level = 3) {
   const auto bpl = ttt_placement(brows, 2*SZ, gsz*SZ, blim);
   if (bpl.place != (level == 0 ? 0u : level == 1 ? 1u : level == 2 ? 3u : level == 4 ? 2u : 7u)) { std::printf("  FAIL backward placement %u at level %d\n", bpl.place, level); ++fails; }
   const backward_args ba{q.data(), k.data(), v.data(), lr.data(), tok.data(), d_o.data(), ckpt.data(), dq.data(), dk.data(), dv.data(), dlr.data(),
-                         part.data(), bscr.data(), T, H, D, F, SZ, MB, G, gsz, ncp, nmb, 1e-6f, bpl.place};
-  launch_cta(B*H, bpl.shared_bytes, [&]{ ttt_backward_kernel<Mlp, float>(ba, w.nw.data(), w.nb.data()); });
+                         part.data(), bscr.data(), T, H, D, F, SZ, MB, G, gsz, ncp, nmb, 1e-6f, bpl.place, pk};
+  launch_cta(rows_n*H, bpl.shared_bytes, [&]{ ttt_backward_kernel<Mlp, float>(ba, w.nw.data(), w.nb.data()); });
   ttt_grad_targets<float> tg{r.g[5].data(), r.g[6].data(), Mlp ? r.g[14].data() : nullptr, Mlp ? r.g[15].data() : nullptr, r.g[3].data(), r.g[4].data(), r.g[9].data()};
-  launch(H*(SZ+2*D) + MB, [&]{ ttt_reduce_partials_kernel<float>(part.data(), B, H, D, F, SZ, MB, w.tok.data(), tg); });
+  launch(H*(SZ+2*D) + MB, [&]{ ttt_reduce_partials_kernel<float>(part.data(), rows_n, H, D, F, SZ, MB, w.tok.data(), tg); });
   launch(N*H, [&]{ ttt_rate_grad_kernel(dlr.data(), lr.data(), sig.data(), N*H); });
   launch(H*C + H, [&]{ ttt_rate_params_kernel<float>(dlr.data(), x.data(), N, H, C, r.g[7].data(), r.g[8].data()); });
   launch(N*C, [&]{ ttt_rate_dx_kernel<float>(dlr.data(), w.lr_w.data(), N, H, C, dx.data()); });
   const size_t pairs = N*H*(D/2);
-  launch(pairs, [&]{ rope_kernel(dq.data(), N, T, H, D, s.rope_base, MB, MB, true); });
-  launch(pairs, [&]{ rope_kernel(dk.data(), N, T, H, D, s.rope_base, MB, MB, true); });
+  launch(pairs, [&]{ rope_kernel(dq.data(), N, T, H, D, s.rope_base, MB, MB, true, pk); });
+  launch(pairs, [&]{ rope_kernel(dk.data(), N, T, H, D, s.rope_base, MB, MB, true, pk); });
   const float* gr[3] = {dq.data(), dk.data(), dv.data()}; const float* ws[3] = {w.wq.data(), w.wk.data(), w.wv.data()};
   for (int i = 0; i < 3; ++i) { mm_at(x.data(), gr[i], r.g[i].data(), N, C, C); mm_bt(gr[i], ws[i], dx.data(), N, C, C, true); }
   r.dx = dx;
@@ -245,6 +248,17 @@ template <bool Mlp> void kind() {
   run<Mlp, 1, 2>({1, 7, 16, 2});
   std::printf("%s T<b\n", Mlp ? "mlp" : "linear");
   run<Mlp, 16, 4>({3, 5, 16, 1});
+  // Packed sequences of lengths 5, 0, 16, 17, 1, 9 (a partial mini-batch, an empty sequence, one
+  // of exactly b, one of b + 1, a single token): each restarts the state from the weights, its
+  // mini-batches and RoPE positions start with it, its saved states follow the earlier ones'.
+  // G 1 and 2 (a group cut at a sequence's end) give the same bits; placement moves bytes only.
+  static const std::int32_t offsets[] = {0, 5, 5, 21, 38, 39, 48};
+  mb::ttt_shape p{1, 48, 32, 2};
+  p.offsets = offsets;
+  p.sequences = 6;
+  std::printf("%s packed\n", Mlp ? "mlp" : "linear");
+  auto pa = run<Mlp, 16, 1>(p), pb = run<Mlp, 16, 2>(p), pc = run<Mlp, 16, 1>(p, 0);
+  if (!same(pa, pb) || !same(pa, pc)) { std::printf("  FAIL packed: not bit-identical across G or placement\n"); ++fails; }
 }
 
 int main(int argc, char** argv) {

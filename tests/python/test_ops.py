@@ -614,6 +614,7 @@ def test_packed_bad_input_is_a_typed_error():
         "not from 0": torch.tensor([1, 4, 10], dtype=torch.int32),
         "int64": torch.tensor([0, 4, 10]),
         "one entry": torch.tensor([0], dtype=torch.int32),
+        "on another device": torch.tensor([0, 4, 10], dtype=torch.int32, device="meta"),
     }
     for why, cu in bad.items():
         with pytest.raises(membound.InvalidArgument) as e:

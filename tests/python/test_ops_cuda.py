@@ -64,10 +64,10 @@ def weights_for(kind: str, attrs: dict, width: int, dtype: torch.dtype, device: 
     return out
 
 
-def run(kind: str, attrs: dict, x: torch.Tensor, weights: list, dy: torch.Tensor):
+def run(kind: str, attrs: dict, x: torch.Tensor, weights: list, dy: torch.Tensor, cu_seqlens=None):
     x = x.clone().requires_grad_(True)
     ws = [w.clone().requires_grad_(True) for w in weights]
-    y = OPS[kind](x, ws, **attrs)
+    y = OPS[kind](x, ws, cu_seqlens=cu_seqlens, **attrs)
     y.backward(dy)
     return y.detach(), x.grad, [w.grad for w in ws]
 
@@ -84,6 +84,30 @@ def test_cuda_equals_cpu(kind, attrs, width, dtype):
     yg, dxg, gg = run(kind, attrs, x.cuda(), [w.cuda() for w in wc], dy.cuda())
     assert yg.is_cuda and dxg.is_cuda and all(g.is_cuda for g in gg)
     tol = TOL[dtype]
+    assert error(yg, yc) <= tol
+    assert error(dxg, dxc) <= tol
+    for (name, _), a, b in zip(ops.parameters(kind, width, **attrs), gg, gc):
+        assert error(a, b) <= tol, name
+
+
+# Packed sequences of lengths 5, 0, 16, 17, 1 and 9: a partial mini-batch, an empty sequence, one of
+# exactly a mini-batch and one of a mini-batch and a token, a single token.
+CU_SEQLENS = [0, 5, 5, 21, 38, 39, 48]
+
+
+@pytest.mark.parametrize("cu_on_gpu", [False, True])
+@pytest.mark.parametrize("kind,attrs,width", CASES)
+def test_packed_equals_cpu(kind, attrs, width, cu_on_gpu):
+    """Packed sequences on CUDA tensors against the CPU op's packed call (which test_ops.py holds
+    equal to each sequence run alone), in float32: cu_seqlens on the CPU, or beside x (one copy)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, CU_SEQLENS[-1], width, generator=gen)
+    dy = torch.randn(1, CU_SEQLENS[-1], width, generator=gen)
+    cu = torch.tensor(CU_SEQLENS, dtype=torch.int32)
+    wc = [w.float() for w in weights_for(kind, attrs, width, torch.float32, "cpu")]
+    yc, dxc, gc = run(kind, attrs, x, wc, dy, cu)
+    yg, dxg, gg = run(kind, attrs, x.cuda(), [w.cuda() for w in wc], dy.cuda(), cu.cuda() if cu_on_gpu else cu)
+    tol = TOL[torch.float32]
     assert error(yg, yc) <= tol
     assert error(dxg, dxc) <= tol
     for (name, _), a, b in zip(ops.parameters(kind, width, **attrs), gg, gc):

@@ -6,7 +6,9 @@
 //   shape.window = W > 0 keeps only keys i − W + 1 .. i (causal; |i − j| < W bidirectional):
 //   Mistral-style sliding-window attention in O(T·W) work, decoding over a ring of W positions.
 //   shape.offsets packs variable-length sequences on one token axis (FlashAttention's varlen):
-//   each attends inside itself from RoPE position 0, as if run alone (CPU backend so far).
+//   each attends inside itself from RoPE position 0, as if run alone. The offsets are host
+//   memory on both backends (checks and plans read them); the CUDA backend copies them into its
+//   workspace on every call (packed_offsets_bytes of it).
 //
 //   using attn = membound::attention<membound::bf16_precision>;
 //   attn::check(shape);                                          // throws, naming the argument
@@ -131,8 +133,7 @@ class attention {
       return no("shape.window", "at least 1 (a local_attention layer)", 0.0);
     }
     if (s.offsets != nullptr || s.sequences != 0) {
-      const attention_support r = detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets,
-                                                          s.sequences, s.batch, s.seq);
+      const attention_support r = detail::packing_support(s.offsets, s.sequences, s.batch, s.seq);
       if (!r.ok) return r;
     }
     // NaN fails the first comparison, +inf the second.

@@ -45,20 +45,13 @@ inline void throw_unsupported(const layer_support& r, bool real_valued, const ch
                          what_to_do);
 }
 
-// A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer: refused by
-// name on a backend whose kernels do not take them yet, else check_packing's verdict. A shape
-// with `sequences` set and no offsets sizes a call for any packing of its tokens into that many
-// sequences (a plan made before the data exists): accepted here, and forward and backward refuse
-// it (need_offsets), since they need to know where each sequence starts.
-constexpr layer_support packing_support(bool backend_takes_them, const std::int32_t* offsets,
-                                        std::size_t sequences, std::size_t batch,
-                                        std::size_t seq) noexcept {
-  if (!backend_takes_them) {
-    return offsets == nullptr
-               ? layer_support{false, "shape.sequences", "0: packed sequences run on the CPU backend so far",
-                               static_cast<double>(sequences)}
-               : layer_support{false, "shape.offsets", "nullptr: packed sequences run on the CPU backend so far", 1.0};
-  }
+// A shape's packed sequences (shape/packed_sequences.hpp) as can_implement's answer (every
+// layer takes them on both backends): check_packing's verdict. A shape with `sequences` set and
+// no offsets sizes a call for any packing of its tokens into that many sequences (a plan made
+// before the data exists): accepted here, and forward and backward refuse it (need_offsets),
+// since they need to know where each sequence starts.
+constexpr layer_support packing_support(const std::int32_t* offsets, std::size_t sequences,
+                                        std::size_t batch, std::size_t seq) noexcept {
   if (offsets == nullptr && batch != 1) {
     return layer_support{false, "shape.batch", "1 with packed sequences (they share one token axis)",
                          static_cast<double>(batch)};

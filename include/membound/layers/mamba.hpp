@@ -115,8 +115,7 @@ class mamba {
     if (s.d_conv == 0) return no("shape.d_conv", "at least 1", 0.0);
     if (s.dt_rank == 0) return no("shape.dt_rank", "at least 1 (mamba_shape::defaults: ceil(d_model / 16))", 0.0);
     if (s.offsets != nullptr || s.sequences != 0) {
-      return detail::packing_support(std::is_same_v<backend, cpu_backend>, s.offsets, s.sequences, s.batch,
-                                     s.seq);
+      return detail::packing_support(s.offsets, s.sequences, s.batch, s.seq);
     }
     return {};
   }

@@ -15,7 +15,7 @@
 // ttt_state_groups_all keeps only the first) plus the heads' output before the post norm. Backward
 // recomputes q, k, v from x and each group's states from its saved state, then runs the
 // hand-derived reverse of the inner loop. All weights are [in, out], row-major (y = x·W).
-// Packed sequences (ttt_shape::offsets, CPU): each starts from W1, b1 with mini-batches and RoPE
+// Packed sequences (ttt_shape::offsets, either backend): each starts from W1, b1 with mini-batches and RoPE
 // positions of its own, as if run alone; saved_bytes is the worst case over packings of the totals.
 // This file is the front (checks, sizes, the saved and state layouts) and makes one call into
 // backend_kernels<backend, ttt_shape> for every backend: backend/cpu/ttt.hpp on the host.
@@ -123,7 +123,7 @@ class basic_ttt {
       return no("shape.rope_base", "a finite value above 0", s.rope_base);
     }
     if (s.offsets != nullptr || s.sequences != 0) {
-      return detail::packing_support(is_cpu_backend_v<backend>, s.offsets, s.sequences, s.batch, s.seq);
+      return detail::packing_support(s.offsets, s.sequences, s.batch, s.seq);
     }
     return {};
   }

@@ -39,7 +39,27 @@ struct packed_sequences {
     }
     return lo;
   }
+  // The sequences that start among tokens [t0, t0 + n) as a mask, bit t − t0 for a start at t
+  // (n ≤ 32; 0 when not packed): a scan over a tile of steps resets its state where a bit is set.
+  MEMBOUND_HOST_DEVICE constexpr std::uint32_t starts_in(std::size_t t0, std::size_t n) const noexcept {
+    if (!packed()) return 0;
+    std::uint32_t mask = 0;
+    std::size_t q = index_of(t0);
+    if (static_cast<std::size_t>(offsets[q]) < t0) ++q;  // the first start at or after t0
+    for (; q < count && static_cast<std::size_t>(offsets[q]) < t0 + n; ++q) {
+      mask |= std::uint32_t{1} << (static_cast<std::size_t>(offsets[q]) - t0);
+    }
+    return mask;
+  }
 };
+
+// Bytes of the offsets of `sequences` packed sequences (S + 1 int32; 0 when not packed): the slot
+// a device backend copies them into, part of the workspace a layer reports.
+constexpr std::size_t packed_offsets_bytes(std::size_t sequences) noexcept {
+  constexpr std::size_t most = ~std::size_t{0} / sizeof(std::int32_t) - 1;
+  if (sequences > most) return ~std::size_t{0};  // SIZE_MAX: no workspace holds it
+  return sequences == 0 ? 0 : (sequences + 1) * sizeof(std::int32_t);
+}
 
 // Whether `offsets` and `sequences` describe a token axis of `seq` tokens in batch 1, and if not
 // the field at fault ("shape.offsets", "shape.sequences" or "shape.batch") and what it needed.

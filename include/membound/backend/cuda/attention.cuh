@@ -35,6 +35,7 @@
 #include "membound/backend/cuda/cuda_backend.cuh"
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model.cuh"
+#include "membound/backend/cuda/packing.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -99,25 +100,27 @@ struct backend_kernels<cuda_backend, attention_shape> {
 
   // cuBLASLt's workspace first (256-byte aligned); nothing shares bytes (the layouts are small
   // next to the saved O and the projections, and flat slots keep the proof of "exact" simple).
-  enum forward_slot : std::size_t { f_gemm, f_q, f_k, f_v };
+  // The last slot of forward's and backward's holds packed sequences' offsets (0 bytes if none).
+  enum forward_slot : std::size_t { f_gemm, f_q, f_k, f_v, f_offsets };
   template <typename S>
-  static constexpr workspace_layout<4> forward_layout(const attention_shape& s, bool keep_qkv) {
-    workspace_layout<4> l;
+  static constexpr workspace_layout<5> forward_layout(const attention_shape& s, bool keep_qkv) {
+    workspace_layout<5> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
     l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), hd(s)));
     l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
     l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
+    l.add(packed_offsets_bytes(s.sequences));
     return l;
   }
   // dq/dk/dv in fp32 for the flash kernels; their S copies feed the GEMMs (cuBLASLt takes both
   // operands in one type), and dx is summed in fp32 then rounded once (0 bytes for fp32).
   enum backward_slot : std::size_t {
-    b_gemm, b_q, b_k, b_v, b_dout, b_delta, b_dq, b_dk, b_dv, b_dqs, b_dks, b_dvs, b_dx
+    b_gemm, b_q, b_k, b_v, b_dout, b_delta, b_dq, b_dk, b_dv, b_dqs, b_dks, b_dvs, b_dx, b_offsets
   };
   template <typename S>
-  static constexpr workspace_layout<13> backward_layout(const attention_shape& s, bool keep_qkv) {
+  static constexpr workspace_layout<14> backward_layout(const attention_shape& s, bool keep_qkv) {
     constexpr bool narrow = !std::is_same_v<S, float>;
-    workspace_layout<13> l;
+    workspace_layout<14> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
     l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), hd(s)));
     l.add(keep_qkv ? 0 : bytes_of<float>(rows(s), kd(s)));
@@ -131,6 +134,7 @@ struct backend_kernels<cuda_backend, attention_shape> {
     l.add(narrow ? bytes_of<S>(rows(s), kd(s)) : 0);
     l.add(narrow ? bytes_of<S>(rows(s), kd(s)) : 0);
     l.add(narrow ? bytes_of<float>(rows(s), s.d_model) : 0);  // dx
+    l.add(packed_offsets_bytes(s.sequences));
     return l;
   }
   enum step_slot : std::size_t { st_gemm, st_q, st_k, st_v, st_scores, st_o };
@@ -202,17 +206,20 @@ namespace detail {
 // The per-thread fp32 row registers hold DM >= D values; D itself is a runtime multiple of 8.
 constexpr unsigned attn_dm(std::size_t D) noexcept { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
 
-// In-place rotate-half RoPE on x [N, heads·D] at position (n % T) + position0; inverse applies the
-// transpose (the angle negated), for dq and dk. Angles in double, as the CPU computes them.
+// In-place rotate-half RoPE on x [N, heads·D] at position (n % T) + position0, or under packed
+// sequences at n − its sequence's start; inverse applies the transpose (the angle negated), for
+// dq and dk. Angles in double, as the CPU computes them.
 template <int = 0>
 __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t heads,
-                            std::size_t D, double base, std::size_t position0, bool inverse) {
+                            std::size_t D, double base, std::size_t position0, bool inverse,
+                            packed_sequences packing) {
   const std::size_t half = D / 2;
   const std::size_t total = N * heads * half;
   for (std::size_t idx = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
        idx < total; idx += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
     const std::size_t i = idx % half, h = (idx / half) % heads, n = idx / (half * heads);
-    const double position = static_cast<double>(n % T + position0);
+    const double position =
+        static_cast<double>(packing.packed() ? n - packing.begin_of(n) : n % T + position0);
     const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
     const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
     const float c = static_cast<float>(cos(angle)), sn = static_cast<float>(sin(angle));
@@ -661,23 +668,31 @@ void set_smem(Kernel kernel, std::size_t bytes) {
 
 inline void rope(const cuda_executor& ex, float* x, std::size_t N, std::size_t T,
                  std::size_t heads, std::size_t D, double base, std::size_t position0,
-                 bool inverse) {
+                 bool inverse, const packed_sequences& packing = {}) {
   const std::size_t n = N * heads * (D / 2);
   if (n == 0) return;
   const unsigned grid = grid_for(n, 256) < 4096u ? grid_for(n, 256) : 4096u;
-  rope_kernel<<<grid, 256, 0, ex.stream()>>>(x, N, T, heads, D, base, position0, inverse);
+  rope_kernel<<<grid, 256, 0, ex.stream()>>>(x, N, T, heads, D, base, position0, inverse, packing);
   cuda_executor::check_launch("rope_kernel");
+}
+
+// The shape's band with its packed sequences' offsets staged into the workspace slot `offsets`.
+inline attention_band device_band(const cuda_executor& ex, const attention_shape& s,
+                                  std::int32_t* offsets) {
+  attention_band band = band_of(s);
+  band.packing = stage_packing(ex, band.packing, offsets);
+  return band;
 }
 
 template <typename S, unsigned DM>
 void launch_forward(const cuda_executor& ex, const attention_shape& s, const float* q,
-                    const float* k, const float* v, S* o, float* lse) {
+                    const float* k, const float* v, S* o, float* lse, const attention_band& band) {
   const std::size_t smem = attention_smem_bytes(s.head_dim);
   set_smem<DM>(flash_forward_kernel<S, DM>, smem);
   const dim3 grid(static_cast<unsigned>((s.seq + attn_rows - 1) / attn_rows),
                   static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
   flash_forward_kernel<S, DM><<<grid, attn_rows, smem, ex.stream()>>>(
-      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s),
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band,
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   cuda_executor::check_launch("flash_forward_kernel");
 }
@@ -685,13 +700,14 @@ void launch_forward(const cuda_executor& ex, const attention_shape& s, const flo
 // The tensor-core forward for bf16/fp16 at D <= 128 (DM 64 or 128).
 template <typename S, unsigned DM>
 void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, const float* q,
-                         const float* k, const float* v, S* o, float* lse) {
+                         const float* k, const float* v, S* o, float* lse,
+                         const attention_band& band) {
   const std::size_t smem = wmma_forward_smem_bytes(DM);  // 80.75 KiB (DM 64), 136.75 KiB (DM 128)
   set_smem<DM>(flash_forward_wmma_kernel<S, DM>, smem);
   const dim3 grid(static_cast<unsigned>((s.seq + wmma_rows - 1) / wmma_rows),
                   static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
   flash_forward_wmma_kernel<S, DM><<<grid, wmma_threads, smem, ex.stream()>>>(
-      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s),
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band,
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   cuda_executor::check_launch("flash_forward_wmma_kernel");
 }
@@ -722,13 +738,14 @@ bool use_mma(const cuda_executor& ex, std::size_t D) {
 
 template <typename S, unsigned DM>
 void launch_forward_mma(const cuda_executor& ex, const attention_shape& s, const float* q,
-                        const float* k, const float* v, S* o, float* lse) {
+                        const float* k, const float* v, S* o, float* lse,
+                        const attention_band& band) {
   const std::size_t smem = mma_forward_smem_bytes(DM);
   set_smem<DM>(flash_forward_mma_kernel<S, DM>, smem);
   const dim3 grid(static_cast<unsigned>((s.seq + mma_tile - 1) / mma_tile),
                   static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch));
   flash_forward_mma_kernel<S, DM><<<grid, mma_threads, smem, ex.stream()>>>(
-      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s),
+      q, k, v, o, lse, s.seq, s.heads, s.kv_heads, s.head_dim, band,
       static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   cuda_executor::check_launch("flash_forward_mma_kernel");
 }
@@ -736,7 +753,8 @@ void launch_forward_mma(const cuda_executor& ex, const attention_shape& s, const
 template <typename S, unsigned DM>
 void launch_backward_mma(const cuda_executor& ex, const attention_shape& s, const float* q,
                          const float* k, const float* v, const float* dout, const float* lse,
-                         const float* delta, float* dq, float* dk, float* dv) {
+                         const float* delta, float* dq, float* dk, float* dv,
+                         const attention_band& band) {
   const unsigned blocks = static_cast<unsigned>((s.seq + mma_tile - 1) / mma_tile);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
   const std::size_t smem_kv = mma_dkdv_smem_bytes(DM), smem_q = mma_dq_smem_bytes(DM);
@@ -744,20 +762,21 @@ void launch_backward_mma(const cuda_executor& ex, const attention_shape& s, cons
   flash_dkdv_mma_kernel<S, DM><<<dim3(blocks, static_cast<unsigned>(s.kv_heads),
                                       static_cast<unsigned>(s.batch)),
                                  mma_threads, smem_kv, ex.stream()>>>(
-      q, k, v, dout, lse, delta, dk, dv, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s), scale);
+      q, k, v, dout, lse, delta, dk, dv, s.seq, s.heads, s.kv_heads, s.head_dim, band, scale);
   cuda_executor::check_launch("flash_dkdv_mma_kernel");
   set_smem<DM>(flash_dq_mma_kernel<S, DM>, smem_q);
   flash_dq_mma_kernel<S, DM><<<dim3(blocks, static_cast<unsigned>(s.heads),
                                     static_cast<unsigned>(s.batch)),
                                mma_threads, smem_q, ex.stream()>>>(
-      q, k, v, dout, lse, delta, dq, s.seq, s.heads, s.kv_heads, s.head_dim, band_of(s), scale);
+      q, k, v, dout, lse, delta, dq, s.seq, s.heads, s.kv_heads, s.head_dim, band, scale);
   cuda_executor::check_launch("flash_dq_mma_kernel");
 }
 
 template <unsigned DM>
 void launch_backward(const cuda_executor& ex, const attention_shape& s, const float* q,
                      const float* k, const float* v, const float* dout, const float* lse,
-                     const float* delta, float* dq, float* dk, float* dv) {
+                     const float* delta, float* dq, float* dk, float* dv,
+                         const attention_band& band) {
   const std::size_t smem = attention_smem_bytes(s.head_dim);
   const unsigned blocks = static_cast<unsigned>((s.seq + attn_rows - 1) / attn_rows);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
@@ -766,13 +785,13 @@ void launch_backward(const cuda_executor& ex, const attention_shape& s, const fl
                                static_cast<unsigned>(s.batch)),
                           attn_rows, smem, ex.stream()>>>(q, k, v, dout, lse, delta, dk, dv, s.seq,
                                                           s.heads, s.kv_heads, s.head_dim,
-                                                          band_of(s), scale);
+                                                          band, scale);
   cuda_executor::check_launch("flash_dkdv_kernel");
   set_smem<DM>(flash_dq_kernel<DM>, smem);
   flash_dq_kernel<DM><<<dim3(blocks, static_cast<unsigned>(s.heads),
                              static_cast<unsigned>(s.batch)),
                         attn_rows, smem, ex.stream()>>>(q, k, v, dout, lse, delta, dq, s.seq,
-                                                        s.heads, s.kv_heads, s.head_dim, band_of(s),
+                                                        s.heads, s.kv_heads, s.head_dim, band,
                                                         scale);
   cuda_executor::check_launch("flash_dq_kernel");
 }
@@ -794,30 +813,31 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   float* q = keep ? q_saved : ws.template get<float>(f_q);
   float* k = keep ? k_saved : ws.template get<float>(f_k);
   float* v = keep ? v_saved : ws.template get<float>(f_v);
+  const attention_band band = gpu::detail::device_band(ex, s, ws.template get<std::int32_t>(f_offsets));
   gpu::matmul(ctx, x, wq, q, N, C, HD, false);
   gpu::matmul(ctx, x, wk, k, N, C, KD, false);
   gpu::matmul(ctx, x, wv, v, N, C, KD, false);
-  gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false);
-  gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
+  gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false, band.packing);
+  gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false, band.packing);
   if constexpr (!std::is_same_v<S, float>) {  // tensor cores: bf16/fp16 storage, D <= 128
     if (gpu::detail::use_mma<S>(ex, D)) {
       if (D <= 64) {
-        gpu::detail::launch_forward_mma<S, 64>(ex, s, q, k, v, o_s, lse);
+        gpu::detail::launch_forward_mma<S, 64>(ex, s, q, k, v, o_s, lse, band);
       } else {
-        gpu::detail::launch_forward_mma<S, 128>(ex, s, q, k, v, o_s, lse);
+        gpu::detail::launch_forward_mma<S, 128>(ex, s, q, k, v, o_s, lse, band);
       }
     } else if (D <= 64) {
-      gpu::detail::launch_forward_wmma<S, 64>(ex, s, q, k, v, o_s, lse);
+      gpu::detail::launch_forward_wmma<S, 64>(ex, s, q, k, v, o_s, lse, band);
     } else if (D <= 128) {
-      gpu::detail::launch_forward_wmma<S, 128>(ex, s, q, k, v, o_s, lse);
+      gpu::detail::launch_forward_wmma<S, 128>(ex, s, q, k, v, o_s, lse, band);
     } else {
-      gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse);
+      gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse, band);
     }
   } else {
   switch (gpu::detail::attn_dm(D)) {
-    case 64: gpu::detail::launch_forward<S, 64>(ex, s, q, k, v, o_s, lse); break;
-    case 128: gpu::detail::launch_forward<S, 128>(ex, s, q, k, v, o_s, lse); break;
-    default: gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse); break;
+    case 64: gpu::detail::launch_forward<S, 64>(ex, s, q, k, v, o_s, lse, band); break;
+    case 128: gpu::detail::launch_forward<S, 128>(ex, s, q, k, v, o_s, lse, band); break;
+    default: gpu::detail::launch_forward<S, 256>(ex, s, q, k, v, o_s, lse, band); break;
   }
   }
   gpu::matmul(ctx, static_cast<const S*>(o_s), wo, y, N, HD, C, false);
@@ -838,6 +858,7 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   const float* q = q_saved;
   const float* k = k_saved;
   const float* v = v_saved;
+  const attention_band band = gpu::detail::device_band(ex, s, ws.template get<std::int32_t>(b_offsets));
   if (!keep) {  // recompute exactly as forward did (same GEMMs, same RoPE kernel)
     float* qw = ws.template get<float>(b_q);
     float* kw = ws.template get<float>(b_k);
@@ -845,8 +866,8 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
     gpu::matmul(ctx, x, wq, qw, N, C, HD, false);
     gpu::matmul(ctx, x, wk, kw, N, C, KD, false);
     gpu::matmul(ctx, x, wv, vw, N, C, KD, false);
-    gpu::detail::rope(ex, qw, N, s.seq, s.heads, D, s.rope_base, 0, false);
-    gpu::detail::rope(ex, kw, N, s.seq, s.kv_heads, D, s.rope_base, 0, false);
+    gpu::detail::rope(ex, qw, N, s.seq, s.heads, D, s.rope_base, 0, false, band.packing);
+    gpu::detail::rope(ex, kw, N, s.seq, s.kv_heads, D, s.rope_base, 0, false, band.packing);
     q = qw;
     k = kw;
     v = vw;
@@ -867,22 +888,22 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   if constexpr (!std::is_same_v<S, float>) {
     if (gpu::detail::use_mma<S>(ex, D)) {
       if (D <= 64) {
-        gpu::detail::launch_backward_mma<S, 64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv);
+        gpu::detail::launch_backward_mma<S, 64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band);
       } else {
-        gpu::detail::launch_backward_mma<S, 128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv);
+        gpu::detail::launch_backward_mma<S, 128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band);
       }
       done = true;
     }
   }
   if (!done) {
     switch (gpu::detail::attn_dm(D)) {
-      case 64: gpu::detail::launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
-      case 128: gpu::detail::launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
-      default: gpu::detail::launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv); break;
+      case 64: gpu::detail::launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
+      case 128: gpu::detail::launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
+      default: gpu::detail::launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
     }
   }
-  gpu::detail::rope(ex, dq, N, s.seq, s.heads, D, s.rope_base, 0, true);
-  gpu::detail::rope(ex, dk, N, s.seq, s.kv_heads, D, s.rope_base, 0, true);
+  gpu::detail::rope(ex, dq, N, s.seq, s.heads, D, s.rope_base, 0, true, band.packing);
+  gpu::detail::rope(ex, dk, N, s.seq, s.kv_heads, D, s.rope_base, 0, true, band.packing);
 
   gpu::matmul_at(ctx, static_cast<const S*>(o_s), dy, gwo, N, HD, C, true);
   const S* dqs;

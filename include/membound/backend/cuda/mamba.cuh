@@ -51,6 +51,7 @@
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model.cuh"
+#include "membound/backend/cuda/packing.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -172,13 +173,14 @@ struct backend_kernels<cuda_backend, mamba_shape> {
 
   // ---- Layouts -------------------------------------------------------------------------------
   // cuBLASLt's workspace first: 256-byte aligned, as cuBLAS requires. Phases (forward): 0 in_proj
-  // and the conv, 1 x_proj, 2 dt and Δ, 3 the scan, 4 out_proj.
-  enum forward_slot : std::size_t { f_gemm, f_c, f_u, f_dt, f_delta, f_g, f_dsum };
+  // and the conv, 1 x_proj, 2 dt and Δ, 3 the scan, 4 out_proj. Packed sequences' offsets (their
+  // device copy) live through every phase.
+  enum forward_slot : std::size_t { f_gemm, f_c, f_u, f_dt, f_delta, f_g, f_dsum, f_offsets };
   template <typename S>
-  static constexpr workspace_layout<7> forward_layout(const mamba_shape& s, std::size_t L,
+  static constexpr workspace_layout<8> forward_layout(const mamba_shape& s, std::size_t L,
                                                       bool keep) {
     const std::size_t N = s.batch * s.seq, Di = s.d_inner;
-    workspace_layout<7> l;
+    workspace_layout<8> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment, {0, 4});
     l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 3});      // c
     l.add(bytes_of<S>(N, Di), default_alignment, {0, 1});                 // u (x_proj's input)
@@ -186,6 +188,7 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {2, 3});      // Δ
     l.add(bytes_of<S>(N, Di), default_alignment, {3, 4});                 // y ⊙ SiLU(z)
     l.add(forward_chunk_sum_bytes(s, L), default_alignment, {3, 3});      // the chunks' Σ Δ
+    l.add(packed_offsets_bytes(s.sequences), default_alignment, {0, 4});  // packed sequences
     return l;
   }
 
@@ -194,14 +197,14 @@ struct backend_kernels<cuda_backend, mamba_shape> {
   // and the conv's backward; 5 in_proj's gradient and dx.
   enum backward_slot : std::size_t {
     b_gemm, b_c, b_u, b_dt, b_delta, b_dg, b_g, b_dxz, b_carry, b_dsum, b_part, b_small, b_du,
-    b_ddt, b_dxdbl, b_cpart
+    b_ddt, b_dxdbl, b_cpart, b_offsets
   };
   template <typename S>
-  static constexpr workspace_layout<16> backward_layout(const mamba_shape& s, std::size_t L,
+  static constexpr workspace_layout<17> backward_layout(const mamba_shape& s, std::size_t L,
                                                         bool keep) {
     const std::size_t N = s.batch * s.seq, Di = s.d_inner, Ns = s.d_state, K = s.d_conv;
     const std::size_t ldx = s.dt_rank + 2 * Ns;
-    workspace_layout<16> l;
+    workspace_layout<17> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment, {0, 5});
     l.add(keep ? 0 : bytes_of<S>(N, Di), default_alignment, {0, 4});     // c
     l.add(bytes_of<S>(N, Di), default_alignment, {0, 3});                // u
@@ -219,6 +222,7 @@ struct backend_kernels<cuda_backend, mamba_shape> {
     l.add(bytes_of<S>(N, ldx), default_alignment, {3, 4});               // dx_dbl
     l.add(bytes_of<float>(gpu::mamba_blocks(N, gpu::mamba_conv_rows), Di, K + 1),
           default_alignment, {4, 4});                                    // conv weight partials
+    l.add(packed_offsets_bytes(s.sequences), default_alignment, {0, 5});  // packed sequences
     return l;
   }
 
@@ -299,10 +303,11 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
   float* const dt = ws.template get<float>(f_dt);
   S* const gated = ws.template get<S>(f_g);
   cudaStream_t st = ex.stream();
+  const packed_sequences pk = gpu::stage_packing(ex, s.packing(), ws.template get<std::int32_t>(f_offsets));
 
   gpu::matmul(ctx, x, w.in_proj, sv.xz, N, C, 2 * Di, false);
   md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const S*>(sv.xz), w.conv_w,
-                                                             w.conv_b, c, u, N, T, Di, K, true);
+                                                             w.conv_b, c, u, N, T, Di, K, true, pk);
   cuda_executor::check_launch("mamba conv_silu_kernel");
   gpu::matmul(ctx, static_cast<const S*>(u), w.x_proj, sv.xdbl, N, Di, ldx, false);
   gpu::matmul(ctx, static_cast<const S*>(sv.xdbl), w.dt_proj, dt, N, R, Di, false,
@@ -320,7 +325,7 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
     const dim3 grid_a(static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B));
     md::scan_chunk_local_kernel<<<grid_a, threads, 0, st>>>(
         static_cast<const S*>(c), static_cast<const S*>(delta), static_cast<const S*>(sv.xdbl),
-        w.a_log, T, Di, Ns, R, L, cpb, sv.states, dsum);
+        w.a_log, T, Di, Ns, R, L, cpb, sv.states, dsum, pk);
     cuda_executor::check_launch("mamba scan_chunk_local_kernel");
     if (nch > 2) {
       md::scan_chunk_combine_kernel<<<md::grid_for(B * Di * Ns), 256, 0, st>>>(
@@ -333,7 +338,7 @@ void backend_kernels<cuda_backend, mamba_shape>::forward(const mamba_shape& s, s
       static_cast<const S*>(sv.xz), static_cast<const S*>(c), static_cast<const S*>(delta),
       static_cast<const S*>(sv.xdbl), w.a_log, w.d, T, Di, Ns, R, L, cpb,
       static_cast<const float*>(sv.states), gated, static_cast<const float*>(nullptr),
-      static_cast<S*>(nullptr));
+      static_cast<S*>(nullptr), pk);
   cuda_executor::check_launch("mamba scan_forward_kernel");
   gpu::matmul(ctx, static_cast<const S*>(gated), w.out_proj, out, N, Di, C, false);
 }
@@ -363,6 +368,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
   const S* xz = sv.xz;
   const S* xdbl = sv.xdbl;
   S* const u = ws.template get<S>(b_u);
+  const packed_sequences pk = gpu::stage_packing(ex, s.packing(), ws.template get<std::int32_t>(b_offsets));
 
   // Phase 0: c and Δ as stored, or recomputed exactly as forward did; u = SiLU(c) for x_proj.
   S* c;
@@ -371,14 +377,14 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     c = sv.c;
     delta = sv.delta;
     md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(xz, w.conv_w, w.conv_b, c, u, N, T,
-                                                               Di, K, false);
+                                                               Di, K, false, pk);
     cuda_executor::check_launch("mamba conv_silu_kernel");
   } else {
     c = ws.template get<S>(b_c);
     delta = ws.template get<S>(b_delta);
     float* dt = ws.template get<float>(b_dt);
     md::conv_silu_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(xz, w.conv_w, w.conv_b, c, u, N, T,
-                                                               Di, K, true);
+                                                               Di, K, true, pk);
     cuda_executor::check_launch("mamba conv_silu_kernel");
     gpu::matmul(ctx, xdbl, w.dt_proj, dt, N, R, Di, false, ld3{ldx, Di, Di});
     md::delta_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(static_cast<const float*>(dt),
@@ -400,7 +406,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     md::scan_forward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
         xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d, T, Di, Ns,
         R, L, cpb, static_cast<const float*>(sv.states), gated, static_cast<const float*>(dg),
-        dxz);
+        dxz, pk);
     cuda_executor::check_launch("mamba scan_forward_kernel");
   }
   gpu::matmul_at(ctx, static_cast<const S*>(gated), dout, g.out_proj, N, Di, C, true);
@@ -421,7 +427,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
                       static_cast<unsigned>(B));
     md::scan_backward_local_kernel<<<grid_a, static_cast<unsigned>(cpb * Ns), 0, st>>>(
         xz, static_cast<const S*>(delta), xdbl, w.a_log, static_cast<const float*>(dg), T, Di, Ns,
-        R, L, cpb, carry, dsum);
+        R, L, cpb, carry, dsum, pk);
     cuda_executor::check_launch("mamba scan_backward_local_kernel");
     if (nch > 2) {
       md::scan_backward_combine_kernel<<<md::grid_for(B * Di * Ns), 256, 0, st>>>(
@@ -434,7 +440,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     md::scan_backward_kernel<<<grid, static_cast<unsigned>(cpb * Ns), 0, st>>>(
         xz, static_cast<const S*>(c), static_cast<const S*>(delta), xdbl, w.a_log, w.d,
         static_cast<const float*>(sv.states), carry, static_cast<const float*>(dg), T, Di, Ns, R,
-        L, cpb, ddt, du, part, small);
+        L, cpb, ddt, du, part, small, pk);
     cuda_executor::check_launch("mamba scan_backward_kernel");
   }
 
@@ -457,7 +463,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
   // Phase 4: du += dx_dbl·x_projᵀ; the conv's backward (dc = du ⊙ SiLU'(c) on the fly).
   gpu::matmul_bt(ctx, static_cast<const S*>(dxdbl), w.x_proj, du, N, ldx, Di, true);
   md::conv_backward_data_kernel<<<md::grid_for(N * Di), 256, 0, st>>>(
-      static_cast<const float*>(du), static_cast<const S*>(c), w.conv_w, dxz, N, T, Di, K);
+      static_cast<const float*>(du), static_cast<const S*>(c), w.conv_w, dxz, N, T, Di, K, pk);
   cuda_executor::check_launch("mamba conv_backward_data_kernel");
   const std::size_t nrb = gpu::mamba_blocks(N, gpu::mamba_conv_rows);
   float* const cpart = ws.template get<float>(b_cpart);
@@ -465,7 +471,7 @@ void backend_kernels<cuda_backend, mamba_shape>::backward(
     const dim3 grid(static_cast<unsigned>(gpu::mamba_blocks(Di, 128)), static_cast<unsigned>(nrb));
     md::conv_backward_weight_kernel<<<grid, 128, 0, st>>>(static_cast<const float*>(du),
                                                           static_cast<const S*>(c), xz, cpart, N,
-                                                          T, Di, K);
+                                                          T, Di, K, pk);
     cuda_executor::check_launch("mamba conv_backward_weight_kernel");
   }
   md::conv_reduce_kernel<<<md::grid_for(Di * (K + 1)), 256, 0, st>>>(

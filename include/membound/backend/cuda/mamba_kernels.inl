@@ -11,16 +11,32 @@ __device__ inline float round_to(float v) {
   return ld(&tmp, 0);
 }
 
+// Packed sequences (shape/packed_sequences.hpp; batch 1, the offsets in device memory): the conv
+// reads no token of another sequence, and the scan's state and its dL/dh restart at each start.
+// Token n's position in its sequence, and one past its sequence's last token.
+__device__ inline std::size_t token_position(const packed_sequences& pk, std::size_t n, std::size_t T) {
+  return pk.packed() ? n - pk.begin_of(n) : n % T;
+}
+__device__ inline std::size_t sequence_end(const packed_sequences& pk, std::size_t n, std::size_t T) {
+  return pk.packed() ? pk.end_of(n) : (n / T + 1) * T;
+}
+// The factor a state takes across a chunk: exp(a·ΣΔ), where ΣΔ ≥ 0 (Δ = softplus(·)), or 0 when a
+// packed sequence starts inside the chunk, which the chunk-local passes mark with ΣΔ = −1.
+inline constexpr float chunk_restarts = -1.0f;
+__device__ inline float chunk_decay(float a, float sum) {
+  return sum < 0.0f ? 0.0f : expf(a * sum);
+}
+
 // c = conv(xi) + conv_b (rounded to S; written to c when compute), u = SiLU(c) into u (S) and, when
 // given, uf (fp32). xi is the x half of xz (row stride 2·Di). When !compute, c is read.
 template <typename S>
 __global__ void conv_silu_kernel(const S* xz, const S* w, const S* bias, S* c, S* u,
                                  std::size_t N, std::size_t T, std::size_t Di, std::size_t K,
-                                 bool compute) {
+                                 bool compute, packed_sequences packing) {
   const std::size_t total = N * Di;
   for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
        idx += std::size_t{gridDim.x} * blockDim.x) {
-    const std::size_t n = idx / Di, i = idx % Di, t = n % T;
+    const std::size_t n = idx / Di, i = idx % Di, t = token_position(packing, n, T);
     float cv;
     if (compute) {
       cv = ld(bias, i);
@@ -70,8 +86,10 @@ template <typename S>
 __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_chunk_local_kernel(const S* c, const S* delta, const S* xdbl, const S* a_log,
                             std::size_t T, std::size_t Di, std::size_t Ns, std::size_t R,
-                            std::size_t L, std::size_t cpb, float* states, float* dsum) {
+                            std::size_t L, std::size_t cpb, float* states, float* dsum,
+                            packed_sequences packing) {
   constexpr std::size_t TT = mamba_forward_tile;
+  static_assert(TT <= 32, "membound: a tile's sequence starts are one 32-bit mask");
   const std::size_t tid = threadIdx.x, cl = tid / Ns, s = tid % Ns;
   const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb;
   const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
@@ -81,8 +99,11 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
   const float a = -expf(ld(a_log, ch * Ns + s));
   float h = 0, sum = 0;
+  bool restarts = false;
   for (std::size_t tb = t0; tb < t1; tb += TT) {
     const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
+    const std::uint32_t starts = packing.starts_in(tb, nt);
+    restarts = restarts || starts != 0;
     float dv[TT], uv[TT], bv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
@@ -99,13 +120,14 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
       if (tt < nt) {
+        if ((starts >> tt) & 1u) h = 0;  // a packed sequence starts here
         h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
         sum += dv[tt];
       }
     }
   }
   states[((b * (nch - 1) + k) * Di + ch) * Ns + s] = h;
-  if (s == 0 && k > 0) dsum[(b * (nch - 2) + k - 1) * Di + ch] = sum;
+  if (s == 0 && k > 0) dsum[(b * (nch - 2) + k - 1) * Di + ch] = restarts ? chunk_restarts : sum;
 }
 
 // Phase B. One thread per (b, channel, state): H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k for k = 1 ..
@@ -124,7 +146,7 @@ __global__ void scan_chunk_combine_kernel(const S* a_log, const float* dsum, flo
     const float* const sums = dsum + b * (nch - 2) * Di + ch;
     float h = slot[0];
     for (std::size_t k = 1; k + 1 < nch; ++k) {
-      h = expf(a * sums[(k - 1) * Di]) * h + slot[k * per];
+      h = chunk_decay(a, sums[(k - 1) * Di]) * h + slot[k * per];
       slot[k * per] = h;
     }
   }
@@ -141,7 +163,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_forward_kernel(const S* xz, const S* c, const S* delta, const S* xdbl, const S* a_log,
                         const S* dskip, std::size_t T, std::size_t Di, std::size_t Ns,
                         std::size_t R, std::size_t L, std::size_t cpb, const float* states,
-                        S* gated, const float* dg, S* dxz) {
+                        S* gated, const float* dg, S* dxz, packed_sequences packing) {
   constexpr std::size_t TT = mamba_forward_tile;
   // One row per step, padded by one word so that lanes reading different steps hit different banks.
   __shared__ float contrib[TT * (mamba_max_d_state + 1)];
@@ -157,6 +179,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   float h = (active && k > 0) ? states[((b * (nch - 1) + k - 1) * Di + ch) * Ns + s] : 0.0f;
   for (std::size_t t0 = c0; t0 < c1; t0 += TT) {
     const std::size_t nt = c1 - t0 < TT ? c1 - t0 : TT;
+    const std::uint32_t starts = packing.starts_in(t0, nt);
     float dv[TT], uv[TT], bv[TT], cv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
@@ -176,6 +199,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     for (std::size_t tt = 0; tt < TT; ++tt) {
       float q = 0;
       if (active && tt < nt) {
+        if ((starts >> tt) & 1u) h = 0;
         h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
         q = cv[tt] * h;
       }
@@ -223,8 +247,9 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     scan_backward_local_kernel(const S* xz, const S* delta, const S* xdbl, const S* a_log,
                                const float* dg, std::size_t T, std::size_t Di, std::size_t Ns,
                                std::size_t R, std::size_t L, std::size_t cpb, float* carry,
-                               float* dsum) {
+                               float* dsum, packed_sequences packing) {
   constexpr std::size_t TT = mamba_backward_tile;
+  static_assert(TT <= 32, "membound: a tile's sequence starts are one 32-bit mask");
   const std::size_t tid = threadIdx.x, cl = tid / Ns, s = tid % Ns;
   const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb + 1;
   const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
@@ -234,8 +259,11 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
   const float a = -expf(ld(a_log, ch * Ns + s));
   float dh = 0, sum = 0;
+  bool restarts = false;
   for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
     const std::size_t ts = te - t0 > TT ? te - TT : t0, nt = te - ts;
+    const std::uint32_t starts = packing.starts_in(ts, nt);
+    restarts = restarts || starts != 0;
     float dv[TT], gv[TT], cv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
@@ -254,14 +282,14 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
       const std::size_t tt = TT - 1 - q;  // last step first
       if (tt < nt) {
         dh += gv[tt] * cv[tt];
-        dh *= expf(a * dv[tt]);
+        dh = (starts >> tt) & 1u ? 0.0f : dh * expf(a * dv[tt]);  // no h before a start
         sum += dv[tt];
       }
     }
     te = ts;
   }
   carry[((b * nch + k - 1) * Di + ch) * Ns + s] = dh;
-  if (s == 0 && k + 1 < nch) dsum[(b * (nch - 2) + k - 1) * Di + ch] = sum;
+  if (s == 0 && k + 1 < nch) dsum[(b * (nch - 2) + k - 1) * Di + ch] = restarts ? chunk_restarts : sum;
 }
 
 // Phase B'. One thread per (b, channel, state), chunks right to left: D_{k−1} = exp(a·ΣΔ_k)·D_k +
@@ -279,7 +307,7 @@ __global__ void scan_backward_combine_kernel(const S* a_log, const float* dsum, 
     const float* const sums = dsum + b * (nch - 2) * Di + ch;
     float dh = slot[(nch - 2) * per];
     for (std::size_t k = nch - 2; k >= 1; --k) {
-      dh = expf(a * sums[(k - 1) * Di]) * dh + slot[(k - 1) * per];
+      dh = chunk_decay(a, sums[(k - 1) * Di]) * dh + slot[(k - 1) * per];
       slot[(k - 1) * per] = dh;
     }
   }
@@ -291,10 +319,12 @@ template <typename S>
 __device__ inline float mamba_advance(float h, float a, const S* c, const S* delta, const S* xdbl,
                                       std::size_t b, std::size_t ch, std::size_t s,
                                       std::size_t t0, std::size_t t1, std::size_t T,
-                                      std::size_t Di, std::size_t ldx, std::size_t R) {
+                                      std::size_t Di, std::size_t ldx, std::size_t R,
+                                      const packed_sequences& packing) {
   constexpr std::size_t TT = mamba_backward_tile;
   for (std::size_t tb = t0; tb < t1; tb += TT) {
     const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
+    const std::uint32_t starts = packing.starts_in(tb, nt);
     float dv[TT], uv[TT], bv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
@@ -310,7 +340,7 @@ __device__ inline float mamba_advance(float h, float a, const S* c, const S* del
     }
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
-      if (tt < nt) h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
+      if (tt < nt) h = expf(a * dv[tt]) * ((starts >> tt) & 1u ? 0.0f : h) + (dv[tt] * uv[tt]) * bv[tt];
     }
   }
   return h;
@@ -336,7 +366,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
                          const S* dskip, const float* states, float* carry, const float* dg,
                          std::size_t T, std::size_t Di, std::size_t Ns, std::size_t R,
                          std::size_t L, std::size_t cpb, S* ddt, float* du, float* part,
-                         float* small) {
+                         float* small, packed_sequences packing) {
   constexpr std::size_t TT = mamba_backward_tile, NCK = mamba_backward_saved_states;
   // One row per step, padded by one word so that lanes reading different steps hit different banks.
   __shared__ float q_dd[TT * (mamba_max_d_state + 1)];
@@ -371,7 +401,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
       float h = entry;
       for (std::size_t j = 1; j * m < ntiles; ++j) {
         const std::size_t rs = t0 + (j - 1) * m * TT;
-        h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, rs + m * TT, T, Di, ldx, R);
+        h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, rs + m * TT, T, Di, ldx, R, packing);
         ck[(j - 1) * nthr + tid] = h;
       }
     }
@@ -382,8 +412,9 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
       if (active) {
         const std::size_t j = ti / m, rs = t0 + j * m * TT;
         h = j == 0 ? entry : ck[(j - 1) * nthr + tid];
-        h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, ts, T, Di, ldx, R);
+        h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, ts, T, Di, ldx, R, packing);
       }
+      const std::uint32_t starts = packing.starts_in(ts, nt);
       const float h_before = h;
       // The tile's inputs first (tt = t − ts), its states in registers, then the reverse
       // recurrence over them.
@@ -407,6 +438,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
 #pragma unroll
       for (std::size_t tt = 0; tt < TT; ++tt) {  // the forward's formula: its bits
         ev[tt] = expf(a * dv[tt]);
+        if ((starts >> tt) & 1u) h = 0;
         h = ev[tt] * h + (dv[tt] * uv[tt]) * bv[tt];
         hv[tt] = h;
       }
@@ -416,7 +448,8 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
         float qdd = 0, qdu = 0, qb = 0, qc = 0;
         if (active && tt < nt) {
           const float d = dv[tt], u = uv[tt], gy = gv[tt], bt = bv[tt], ct = cv[tt];
-          const float hp = tt > 0 ? hv[tt - 1] : h_before;
+          const bool start = (starts >> tt) & 1u;  // h_t does not depend on h_{t−1}
+          const float hp = start ? 0.0f : (tt > 0 ? hv[tt - 1] : h_before);
           if (s == 0) dd_acc += gy * u;
           dh += gy * ct;  // y_t = C_t·h_t
           qc = gy * hv[tt];
@@ -425,7 +458,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
           da += dh * d * e * hp;
           qdu = dh * bt;
           qb = dh * (d * u);
-          dh *= e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
+          dh = start ? 0.0f : dh * e;  // h_t depends on h_{t−1} through exp(Δ_t·a)
         }
         q_dd[tt * pitch + tid] = qdd;
         q_du[tt * pitch + tid] = qdu;
@@ -532,14 +565,14 @@ __global__ void reduce_small_kernel(const float* da, const float* small, const S
 template <typename S>
 __global__ void conv_backward_data_kernel(const float* du, const S* c, const S* w, S* dxz,
                                           std::size_t N, std::size_t T, std::size_t Di,
-                                          std::size_t K) {
+                                          std::size_t K, packed_sequences packing) {
   const std::size_t total = N * Di;
   for (std::size_t idx = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; idx < total;
        idx += std::size_t{gridDim.x} * blockDim.x) {
-    const std::size_t n = idx / Di, i = idx % Di, t = n % T;
+    const std::size_t n = idx / Di, i = idx % Di, end = sequence_end(packing, n, T);
     float v = 0;
     for (std::size_t k = 0; k < K; ++k) {
-      if (t + K - 1 - k >= T) continue;  // that output lies past the sequence's end
+      if (n + K - 1 - k >= end) continue;  // that output lies past the sequence's end
       const std::size_t m = (n + K - 1 - k) * Di + i;
       v += ld(w, i * K + k) * (du[m] * membound::silu_grad(ld(c, m)));
     }
@@ -552,7 +585,7 @@ __global__ void conv_backward_data_kernel(const float* du, const S* c, const S* 
 template <typename S>
 __global__ void conv_backward_weight_kernel(const float* du, const S* c, const S* xz,
                                             float* part, std::size_t N, std::size_t T,
-                                            std::size_t Di, std::size_t K) {
+                                            std::size_t Di, std::size_t K, packed_sequences packing) {
   const std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   if (i >= Di) return;
   const std::size_t r0 = blockIdx.y * mamba_conv_rows;
@@ -560,7 +593,7 @@ __global__ void conv_backward_weight_kernel(const float* du, const S* c, const S
   float* out = part + (blockIdx.y * Di + i) * (K + 1);
   for (std::size_t k = 0; k <= K; ++k) out[k] = 0;
   for (std::size_t n = r0; n < r1; ++n) {
-    const std::size_t t = n % T;
+    const std::size_t t = token_position(packing, n, T);
     const float dc = du[n * Di + i] * membound::silu_grad(ld(c, n * Di + i));
     out[K] += dc;
     for (std::size_t k = 0; k < K; ++k) {

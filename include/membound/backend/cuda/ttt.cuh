@@ -53,6 +53,7 @@
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model.cuh"
+#include "membound/backend/cuda/packing.cuh"
 #include "membound/core/checked_math.hpp"
 #include "membound/core/config.hpp"
 #include "membound/core/dtype.hpp"
@@ -115,7 +116,8 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   }
 
 #if MEMBOUND_CUDA_COMPILER
-  // ckpt: the saved inner states [B·H, saved states, SZ] (fp32); o_s: the heads' output [N, C]
+  // ckpt: the saved inner states [B·H, saved states, SZ] (fp32; packed, each sequence's in order
+  // from its head's first slot, as on the CPU); o_s: the heads' output [N, C]
   // (storage). The layer checked the shape, the weights and the saved buffer.
   template <bool Mlp, std::size_t MB, std::size_t G, typename S, typename A, typename Weights>
   static void forward(const ttt_shape& s, const Weights& w, const S* x, S* y, A* ckpt, S* o_s,
@@ -177,7 +179,12 @@ struct backend_kernels<cuda_backend, ttt_shape> {
   }
 
  private:
-  // One (batch, head)'s slice of the forward's scratch: the inner loop's, or the decoding step's
+  // The inner loop's rows: one CTA per (row, head), a batch row or, packed, a sequence (the size
+  // holds for any packing of shape.sequences sequences).
+  static constexpr std::size_t inner_rows(const ttt_shape& s) noexcept {
+    return s.sequences != 0 ? s.sequences : s.batch;
+  }
+  // One (row, head)'s slice of the forward's scratch: the inner loop's, or the decoding step's
   // when that is larger (step_layout reuses this layout at T = 1).
   template <bool Mlp, std::size_t MB>
   static constexpr std::size_t forward_elements(const ttt_shape& s) noexcept {
@@ -194,7 +201,7 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     if (d.SZ >= (std::size_t{1} << 31) || MB >= (std::size_t{1} << 15)) return false;  // 32-bit indices
     const std::size_t per = forward_elements<Mlp, MB>(s);
     return bytes_of<float>(N, s.width) != std::numeric_limits<std::size_t>::max() &&
-           bytes_of<float>(s.batch * s.heads, per) != std::numeric_limits<std::size_t>::max();
+           bytes_of<float>(inner_rows(s), s.heads, per) != std::numeric_limits<std::size_t>::max();
   }
 
   // The group's entering states in use: min(G, mini-batches) (G is SIZE_MAX for ttt_state_groups_all).
@@ -209,46 +216,47 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     const std::size_t gsz = group_in_use<MB, G>(s);
     constexpr std::size_t m = std::numeric_limits<std::size_t>::max();
     if (d.SZ == 0 || gsz + 1 > m / d.SZ / 2) return false;  // (gsz + 1)·SZ and the rest below without wrapping
-    return bytes_of<float>(s.batch * s.heads, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB, gsz, Mlp)) != m &&
-           bytes_of<float>(s.batch * s.heads, gpu::ttt_partial_elements(d.SZ, d.D, MB)) != m;
+    return bytes_of<float>(inner_rows(s) * s.heads, gpu::ttt_backward_scratch_elements(d.SZ, d.D, d.F, MB, gsz, Mlp)) != m &&
+           bytes_of<float>(inner_rows(s) * s.heads, gpu::ttt_partial_elements(d.SZ, d.D, MB)) != m;
   }
 
  public:
   // cuBLASLt's workspace first (256-byte aligned); q, k (then the gate's pre-activation), v [N, C]
-  // fp32; lr [N, H]; tok [mb]; the inner loop's scratch [B·H, forward_elements]; pn [N, C] in
-  // storage (the output GEMM's operand).
-  enum forward_slot : std::size_t { f_gemm, f_q, f_k, f_v, f_lr, f_tok, f_scratch, f_pn };
+  // fp32; lr [N, H]; tok [mb]; the inner loop's scratch [rows·H, forward_elements]; pn [N, C] in
+  // storage (the output GEMM's operand); packed sequences' offsets (their device copy).
+  enum forward_slot : std::size_t { f_gemm, f_q, f_k, f_v, f_lr, f_tok, f_scratch, f_pn, f_offsets };
   template <bool Mlp, std::size_t MB, typename S>
-  static constexpr workspace_layout<8> forward_layout(const ttt_shape& s) {
+  static constexpr workspace_layout<9> forward_layout(const ttt_shape& s) {
     const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads;
-    workspace_layout<8> l;
+    workspace_layout<9> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
     l.add(bytes_of<float>(N, C));
     l.add(bytes_of<float>(N, C));
     l.add(bytes_of<float>(N, C));
     l.add(bytes_of<float>(N, H));
     l.add(bytes_of<float>(MB));
-    l.add(bytes_of<float>(s.batch * H, forward_elements<Mlp, MB>(s)));
+    l.add(bytes_of<float>(inner_rows(s) * H, forward_elements<Mlp, MB>(s)));
     l.add(bytes_of<S>(N, C));
+    l.add(packed_offsets_bytes(s.sequences));
     return l;
   }
   // cuBLASLt's workspace; q, k, v [N, C], lr, σ [N, H], tok [mb] (fp32, as forward); dpn (dy·Woᵀ,
   // then the post norm's output gradient), the gate's pre-activation (then its gradient), x̂ of
   // the post norm, d_o (the heads' output gradient), dq, dk, dv [N, C] fp32; the gated post norm
-  // output [N, C] in storage (d wo's operand); dlr [N, H]; the partials [B·H, partial_elements];
-  // the inner loop's scratch [B·H, backward_scratch_elements]; for bf16/fp16 a storage copy [N, C]
-  // of each row gradient in turn (the GEMMs' operand) and dx in fp32 [N, C]. Nothing shares
-  // bytes: the sizes are plain sums.
+  // output [N, C] in storage (d wo's operand); dlr [N, H]; the partials [rows·H, partial_elements];
+  // the inner loop's scratch [rows·H, backward_scratch_elements]; for bf16/fp16 a storage copy
+  // [N, C] of each row gradient in turn (the GEMMs' operand) and dx in fp32 [N, C]; packed
+  // sequences' offsets. Nothing shares bytes: the sizes are plain sums.
   enum backward_slot : std::size_t {
     b_gemm, b_q, b_k, b_v, b_lr, b_sig, b_tok, b_dpn, b_gpre, b_xh, b_do, b_dq, b_dk, b_dv, b_pn,
-    b_dlr, b_part, b_scratch, b_conv, b_dx
+    b_dlr, b_part, b_scratch, b_conv, b_dx, b_offsets
   };
   template <bool Mlp, std::size_t MB, std::size_t G, typename S>
-  static constexpr workspace_layout<20> backward_layout(const ttt_shape& s) {
+  static constexpr workspace_layout<21> backward_layout(const ttt_shape& s) {
     constexpr bool narrow = !std::is_same_v<S, float>;
     const auto d = gpu::ttt_dims::of(s, Mlp);
-    const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, BH = s.batch * H;
-    workspace_layout<20> l;
+    const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, BH = inner_rows(s) * H;
+    workspace_layout<21> l;
     l.add(gpu::gemm_workspace_bytes_max, gpu::gemm_workspace_alignment);
     l.add(bytes_of<float>(N, C));                      // q
     l.add(bytes_of<float>(N, C));                      // k
@@ -270,6 +278,7 @@ struct backend_kernels<cuda_backend, ttt_shape> {
                                                                  group_in_use<MB, G>(s), Mlp)));
     l.add(narrow ? bytes_of<S>(N, C) : 0);             // a row gradient in storage
     l.add(narrow ? bytes_of<float>(N, C) : 0);         // dx in fp32
+    l.add(packed_offsets_bytes(s.sequences));
     return l;
   }
   enum step_slot : std::size_t { s_forward, s_o };
@@ -311,15 +320,18 @@ inline unsigned blocks_for(std::size_t n, std::size_t threads) {
 template <typename S, typename Weights>
 void inner_inputs(const gemm_context& ctx, const ttt_shape& s, const ttt_dims& d, std::size_t MB,
                   const Weights& w, const S* x, std::size_t n, std::size_t T, std::size_t fixed,
-                  float* q, float* k, float* v, float* lr, float* tok, float* sig, cudaStream_t st) {
+                  float* q, float* k, float* v, float* lr, float* tok, float* sig, cudaStream_t st,
+                  const packed_sequences& packing = {}) {
   const std::size_t C = s.width, H = s.heads;
   matmul(ctx, x, w.wq, q, n, C, C, false);
   matmul(ctx, x, w.wk, k, n, C, C, false);
   matmul(ctx, x, w.wv, v, n, C, C, false);
   const std::size_t pairs = n * H * (d.D / 2);
-  rope_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(q, n, T, H, d.D, s.rope_base, MB, fixed);
+  rope_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(q, n, T, H, d.D, s.rope_base, MB, fixed, false,
+                                                      packing);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
-  rope_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(k, n, T, H, d.D, s.rope_base, MB, fixed);
+  rope_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(k, n, T, H, d.D, s.rope_base, MB, fixed, false,
+                                                      packing);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
   matmul_bt(ctx, x, w.lr_w, lr, n, C, H, false);
   const float scale = static_cast<float>(s.base_lr / static_cast<double>(d.D));
@@ -366,9 +378,10 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
   const auto d = gpu::ttt_dims::of(s, Mlp);
   const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, T = s.seq;
   // ceil without the overflow of nmb + G − 1 (ttt_state_groups_all is G = SIZE_MAX).
-  const std::size_t nmb = T / MB + (T % MB != 0), ncp = nmb / G + (nmb % G != 0);
+  const std::size_t nmb = T / MB + (T % MB != 0), ncp = ttt_saved_states(s, MB, G);
   const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(f_gemm),
                               gpu::gemm_workspace_bytes_max);
+  const packed_sequences pk = gpu::stage_packing(ex, s.packing(), ws.template get<std::int32_t>(f_offsets));
   float* q = ws.template get<float>(f_q);
   float* k = ws.template get<float>(f_k);
   float* v = ws.template get<float>(f_v);
@@ -378,13 +391,13 @@ void backend_kernels<cuda_backend, ttt_shape>::forward(const ttt_shape& s, const
   S* pn = ws.template get<S>(f_pn);
   const cudaStream_t st = ex.stream();
 
-  td::inner_inputs(ctx, s, d, MB, w, x, N, T, MB, q, k, v, lr, tok, nullptr, st);
+  td::inner_inputs(ctx, s, d, MB, w, x, N, T, MB, q, k, v, lr, tok, nullptr, st, pk);
 
   const auto place = on_chip<Mlp, MB, G>(s, td::inner_shared_limit(ex)).forward;
   td::allow_shared(td::ttt_forward_kernel<Mlp, S>, ex);
   const td::inner_args args{q,  k,  v,   lr,  tok, T,   H,   d.D,   d.F,
-                            d.SZ, MB, G, ncp, nmb, 1e-6f, place.place};
-  td::ttt_forward_kernel<Mlp, S><<<static_cast<unsigned>(s.batch * H), gpu::ttt_inner_threads,
+                            d.SZ, MB, G, ncp, nmb, 1e-6f, place.place, pk};
+  td::ttt_forward_kernel<Mlp, S><<<static_cast<unsigned>(inner_rows(s) * H), gpu::ttt_inner_threads,
                                    place.shared_bytes, st>>>(args, w.ttt_norm_w, w.ttt_norm_b,
                                                              w.w1, w.b1, w.w2, w.b2, o_s, ckpt,
                                                              scratch);
@@ -414,8 +427,8 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   constexpr bool narrow = !std::is_same_v<S, float>;
   const auto ws = carve(backward_layout<Mlp, MB, G, S>(s), workspace, workspace_size);
   const auto d = gpu::ttt_dims::of(s, Mlp);
-  const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, T = s.seq, B = s.batch;
-  const std::size_t nmb = T / MB + (T % MB != 0), ncp = nmb / G + (nmb % G != 0);
+  const std::size_t N = s.batch * s.seq, C = s.width, H = s.heads, T = s.seq, rows = inner_rows(s);
+  const std::size_t nmb = T / MB + (T % MB != 0), ncp = ttt_saved_states(s, MB, G);
   const std::size_t gsz = group_in_use<MB, G>(s);
   const gpu::gemm_context ctx(ex, gpu::shared_gemm_cache(), ws.template get<std::byte>(b_gemm),
                               gpu::gemm_workspace_bytes_max);
@@ -437,6 +450,7 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   float* part = ws.template get<float>(b_part);
   float* scratch = ws.template get<float>(b_scratch);
   const cudaStream_t st = ex.stream();
+  const packed_sequences pk = gpu::stage_packing(ex, s.packing(), ws.template get<std::int32_t>(b_offsets));
   // dx accumulates in fp32: the caller's buffer itself for fp32, else a workspace slot.
   float* dxf;
   if constexpr (narrow) {
@@ -457,7 +471,7 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   };
 
   // q, k, v, the rates and σ exactly as forward computed them (the same GEMMs and kernels).
-  td::inner_inputs(ctx, s, d, MB, w, x, N, T, MB, q, k, v, lr, tok, sig, st);
+  td::inner_inputs(ctx, s, d, MB, w, x, N, T, MB, q, k, v, lr, tok, sig, st, pk);
 
   // Output projection, gate and post norm backwards.
   gpu::matmul_bt(ctx, dy, w.wo, dpn, N, C, C, false);  // dL/d(gated)
@@ -478,20 +492,20 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
                                                                         g.post_b);
   cuda_check(cudaGetLastError(), "ttt_post_params_kernel launch");
 
-  // The inner loop backwards, then its partials summed over the batch.
+  // The inner loop backwards, then its partials summed over the rows.
   const auto place = on_chip<Mlp, MB, G>(s, td::inner_shared_limit(ex)).backward;
   td::allow_shared(td::ttt_backward_kernel<Mlp, S>, ex);
   const td::backward_args args{q,  k,  v,  lr,  tok,  d_o,  ckpt,  dq,  dk,  dv, dlr,
                                part, scratch, T, H, d.D, d.F, d.SZ, MB, G, gsz, ncp, nmb, 1e-6f,
-                               place.place};
-  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_backward_threads,
+                               place.place, pk};
+  td::ttt_backward_kernel<Mlp, S><<<static_cast<unsigned>(rows * H), gpu::ttt_backward_threads,
                                     place.shared_bytes, st>>>(args, w.ttt_norm_w, w.ttt_norm_b);
   cuda_check(cudaGetLastError(), "ttt_backward_kernel launch");
   const td::ttt_grad_targets<S> targets{g.w1, g.b1, g.w2, g.b2, g.ttt_norm_w, g.ttt_norm_b,
                                         g.tok_offset};
   const std::size_t red_n = H * (d.SZ + 2 * d.D) + MB;
   td::ttt_reduce_partials_kernel<S><<<td::blocks_for(red_n, 256), 256, 0, st>>>(
-      part, B, H, d.D, d.F, d.SZ, MB, w.tok_offset, targets);
+      part, rows, H, d.D, d.F, d.SZ, MB, w.tok_offset, targets);
   cuda_check(cudaGetLastError(), "ttt_reduce_partials_kernel launch");
 
   // The learning-rate gate: dpre = dlr·lr·(1 − σ); its parameters and its share of dx.
@@ -506,10 +520,10 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
   // RoPE's transpose, then the projections.
   const std::size_t pairs = N * H * (d.D / 2);
   td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(dq, N, T, H, d.D, s.rope_base, MB,
-                                                              MB, true);
+                                                              MB, true, pk);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
   td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(dk, N, T, H, d.D, s.rope_base, MB,
-                                                              MB, true);
+                                                              MB, true, pk);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
   const float* grads[3] = {dq, dk, dv};
   const S* weights[3] = {w.wq, w.wk, w.wv};
@@ -549,7 +563,7 @@ void backend_kernels<cuda_backend, ttt_shape>::step(const ttt_shape& s, const We
   const cudaStream_t st = ex.stream();
 
   td::inner_inputs(ctx, s, d, MB, w, x_t, B, 1, i, q, k, v, lr, tok, nullptr, st);
-  const td::inner_args args{q, k, v, lr, tok, 1, H, d.D, d.F, d.SZ, MB, 1, 1, 1, 1e-6f, 0};
+  const td::inner_args args{q, k, v, lr, tok, 1, H, d.D, d.F, d.SZ, MB, 1, 1, 1, 1e-6f, 0, {}};
   td::ttt_step_kernel<Mlp, S><<<static_cast<unsigned>(B * H), gpu::ttt_inner_threads, 0, st>>>(
       args, static_cast<unsigned>(i), w.ttt_norm_w, w.ttt_norm_b, state, o_s, scratch);
   cuda_check(cudaGetLastError(), "ttt_step_kernel launch");

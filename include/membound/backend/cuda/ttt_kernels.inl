@@ -3,17 +3,19 @@
 // tests/emulation/ttt_cuda_emulate.cpp includes the same text inside its emulation namespace,
 // where the CUDA built-ins are host threads (tests/emulation/cuda_emulate.py ttt). One text, compiled
 // by nvcc and by the emulation: change the kernels here.
-// RoPE on interleaved pairs at position (n mod T) mod period; one thread per (row, pair, head).
-// fixed < period: every row at that position instead (decoding). inverse: the transpose (the
-// backward's dq, dk), as cpu::rope_pairs.
+// RoPE on interleaved pairs at position (n mod T) mod period, or under packed sequences (n − its
+// sequence's start) mod period; one thread per (row, pair, head). fixed < period: every row at
+// that position instead (decoding). inverse: the transpose (the backward's dq, dk), as
+// cpu::rope_pairs.
 __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t H, std::size_t D,
-                            double base, std::size_t period, std::size_t fixed,
-                            bool inverse = false) {
+                            double base, std::size_t period, std::size_t fixed, bool inverse,
+                            packed_sequences packing) {
   const std::size_t half = D / 2;
   const std::size_t e = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= N * H * half) return;
   const std::size_t n = e / (H * half), h = (e / half) % H, i = e % half;
-  const double position = static_cast<double>(fixed < period ? fixed : (n % T) % period);
+  const std::size_t t = packing.packed() ? n - packing.begin_of(n) : n % T;
+  const double position = static_cast<double>(fixed < period ? fixed : t % period);
   const double inv_freq = ::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
   const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
   const float c = static_cast<float>(::cos(angle)), sn = static_cast<float>(::sin(angle));
@@ -41,12 +43,38 @@ __global__ void rates_kernel(float* lr, const S* lr_b, std::size_t N, std::size_
   }
 }
 
+// ncp: the saved states per (batch, head) (ttt_saved_states); nmb: a batch row's mini-batches.
+// packing: packed sequences (batch 1), each one task row of its own, or none.
 struct inner_args {
   const float *q, *k, *v, *lr, *tok;
   std::size_t T, H, D, F, SZ, mb, group, ncp, nmb;
   float eps;
   unsigned place;  // ttt_place bits: what the launcher gave shared memory
+  packed_sequences packing;
 };
+
+// The tokens one inner-loop CTA walks (task = row·H + h): batch row `row`, or under packed
+// sequences (batch 1) sequence `row`, whose state restarts from the weights and whose
+// mini-batches start with it, as on the CPU. Its first saved state is slot ckpt0 of the
+// [B·H, ncp] states: (row·H + h)·ncp, or packed h·ncp plus the states of the sequences before it
+// (ceil(ceil(L / mb) / group) each, the CPU's layout); it keeps ceil(nmb / group) of them.
+struct inner_row {
+  std::size_t begin, len, nmb, ckpt0, ncp;
+};
+__device__ inline inner_row inner_row_of(const packed_sequences& pk, std::size_t row, std::size_t h,
+                                         std::size_t T, std::size_t H, std::size_t mb,
+                                         std::size_t group, std::size_t ncp) {
+  const auto states = [&](std::size_t n) { return n == 0 ? 0 : (n - 1) / group + 1; };
+  const auto batches = [&](std::size_t len) { return len == 0 ? 0 : (len - 1) / mb + 1; };
+  if (!pk.packed()) return {row * T, T, batches(T), (row * H + h) * ncp, states(batches(T))};
+  std::size_t first = 0;
+  for (std::size_t q = 0; q < row; ++q) {
+    first += states(batches(static_cast<std::size_t>(pk.offsets[q + 1] - pk.offsets[q])));
+  }
+  const std::size_t begin = static_cast<std::size_t>(pk.offsets[row]);
+  const std::size_t len = static_cast<std::size_t>(pk.offsets[row + 1]) - begin;
+  return {begin, len, batches(len), h * ncp + first, states(batches(len))};
+}
 
 // Two-pass LayerNorm of one row (mean, then biased variance), as cpu::ln_row; returns σ.
 __device__ inline float ln_row(const float* z, std::size_t D, float eps, float* xh) {
@@ -336,7 +364,7 @@ __device__ __noinline__ void mb_update(const mb_ctx& m, float* W, const mb_fwd& 
   __syncthreads();
 }
 
-// The inner loop of one (batch, head) per CTA. Its rows and state live in shared memory or in
+// The inner loop of one (batch row or packed sequence, head) per CTA. Its rows and state live in shared memory or in
 // this CTA's slice of global scratch ([state | rows]) as a.place says.
 template <bool Mlp, typename S>
 __global__ void __launch_bounds__(ttt_inner_threads)
@@ -345,8 +373,8 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   // 32-bit indices inside a mini-batch (K·F, D·F < 2^32 for any head the launcher accepts;
   // 64-bit only for the row offsets into [B·T, C]): the MLP kernel spilled with 64-bit ones.
   const std::size_t task = blockIdx.x;
-  const std::size_t b = task / a.H;
   const unsigned h = static_cast<unsigned>(task % a.H);
+  const inner_row row = inner_row_of(a.packing, task / a.H, h, a.T, a.H, a.mb, a.group, a.ncp);
   const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
                  mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
                  tid = threadIdx.x, nt = blockDim.x;
@@ -374,15 +402,15 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   }
   __syncthreads();
 
-  for (std::size_t m = 0; m < a.nmb; ++m) {
+  for (std::size_t m = 0; m < row.nmb; ++m) {
     const std::size_t t0 = m * mb;
-    const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
-    const std::size_t r0 = (b * a.T + t0) * C + h * D;  // row i of q/k/v/o at r0 + i·C
+    const unsigned K = static_cast<unsigned>((row.len - t0 < mb) ? row.len - t0 : mb);
+    const std::size_t r0 = (row.begin + t0) * C + h * D;  // row i of q/k/v/o at r0 + i·C
     if (m % a.group == 0) {
-      float* dst = ckpt + (task * a.ncp + m / a.group) * a.SZ;
+      float* dst = ckpt + (row.ckpt0 + m / a.group) * a.SZ;
       for (unsigned e = tid; e < a.SZ; e += nt) dst[e] = W[e];
     }
-    for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+    for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(row.begin + t0 + i) * a.H + h];
     stage_rows(a.q + r0, C, K, D, rs.q);
     stage_rows(a.k + r0, C, K, D, rs.k);
     stage_rows(a.v + r0, C, K, D, rs.v);
@@ -741,18 +769,19 @@ struct backward_args {
   std::size_t T, H, D, F, SZ, mb, group, gsz, ncp, nmb;
   float eps;
   unsigned place;  // ttt_place bits: what the launcher gave shared memory
+  packed_sequences packing;
 };
 
-// The inner loop backwards, one (batch, head) per CTA: groups from the last; each group's
+// The inner loop backwards, one (batch row or packed sequence, head) per CTA: groups from the last; each group's
 // entering states recomputed from its checkpoint (the forward's functions, so the same bits),
 // then its mini-batches in reverse. part[task] = [dS (SZ), dγ (D), dβ (D), dtok (mb)], summed
-// over the batch afterwards in batch order (ttt_reduce_partials_kernel).
+// over the rows afterwards in row order (ttt_reduce_partials_kernel).
 template <bool Mlp, typename S>
 __global__ void __launch_bounds__(ttt_backward_threads, 1)
     ttt_backward_kernel(backward_args a, const S* norm_w, const S* norm_b) {
   const std::size_t task = blockIdx.x;
-  const std::size_t b = task / a.H;
   const unsigned h = static_cast<unsigned>(task % a.H);
+  const inner_row row = inner_row_of(a.packing, task / a.H, h, a.T, a.H, a.mb, a.group, a.ncp);
   const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
                  mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
                  SZ = static_cast<unsigned>(a.SZ), tid = threadIdx.x, nt = blockDim.x;
@@ -786,10 +815,10 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
   for (unsigned e = tid; e < 2 * D + mb; e += nt) pgam[e] = 0.0f;
   __syncthreads();
 
-  for (std::size_t c = a.ncp; c-- > 0;) {
+  for (std::size_t c = row.ncp; c-- > 0;) {
     const std::size_t m0 = c * a.group;
-    const std::size_t m1 = (a.nmb - m0 < a.gsz) ? a.nmb : m0 + a.gsz;
-    const float* src = a.ckpt + (task * a.ncp + c) * a.SZ;
+    const std::size_t m1 = (row.nmb - m0 < a.gsz) ? row.nmb : m0 + a.gsz;
+    const float* src = a.ckpt + (row.ckpt0 + c) * a.SZ;
     for (unsigned e = tid; e < SZ; e += nt) Wc[e] = src[e];
     __syncthreads();
     // Recompute the group's entering states (the last one's update is not needed).
@@ -798,9 +827,9 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
       for (unsigned e = tid; e < SZ; e += nt) dst[e] = Wc[e];
       if (m + 1 == m1) break;
       const std::size_t t0 = m * mb;
-      const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
-      const std::size_t r0 = (b * a.T + t0) * C + h * D;
-      for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+      const unsigned K = static_cast<unsigned>((row.len - t0 < mb) ? row.len - t0 : mb);
+      const std::size_t r0 = (row.begin + t0) * C + h * D;
+      for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(row.begin + t0 + i) * a.H + h];
       stage_rows(a.k + r0, C, K, D, rs.k);  // the gradients and the update read k and v only
       stage_rows(a.v + r0, C, K, D, rs.v);
       __syncthreads();
@@ -812,9 +841,9 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
     for (std::size_t m = m1; m-- > m0;) {
       const float* W = states + (m - m0) * a.SZ;
       const std::size_t t0 = m * mb;
-      const unsigned K = static_cast<unsigned>((a.T - t0 < mb) ? a.T - t0 : mb);
-      const std::size_t r0 = (b * a.T + t0) * C + h * D;
-      for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(b * a.T + t0 + i) * a.H + h];
+      const unsigned K = static_cast<unsigned>((row.len - t0 < mb) ? row.len - t0 : mb);
+      const std::size_t r0 = (row.begin + t0) * C + h * D;
+      for (unsigned i = tid; i < K; i += nt) lrm[i] = a.lr[(row.begin + t0 + i) * a.H + h];
       stage_rows(a.q + r0, C, K, D, rs.q);
       stage_rows(a.k + r0, C, K, D, rs.k);
       stage_rows(a.v + r0, C, K, D, rs.v);
@@ -824,7 +853,7 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
       mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
       mb_outputs<Mlp>(mc, W, bf);
       mb_backward<Mlp>(mc, norm_w, norm_b, W, bf, bb, d_out, dqs, dks, dvs, dS, pgam, pbet, ptok);
-      for (unsigned i = tid; i < K; i += nt) a.dlr[(b * a.T + t0 + i) * a.H + h] = bb.dl[i];
+      for (unsigned i = tid; i < K; i += nt) a.dlr[(row.begin + t0 + i) * a.H + h] = bb.dl[i];
       unstage_rows(dqs, C, K, D, a.dq + r0);
       unstage_rows(dks, C, K, D, a.dk + r0);
       unstage_rows(dvs, C, K, D, a.dv + r0);
