@@ -188,11 +188,11 @@ options checked_options(const flag_texts& f) {
                                           : "This build has no CUDA (nvcc was not found at configure time): configure "
                                             "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
   }
-  // auto picks the CPU for --pack, for attn_moe blocks and for --offload: packed sequences, the
-  // mixture of experts and optimizer offload run on the CPU backend so far.
+  // auto picks the CPU for attn_moe blocks and for --offload: the mixture of experts and optimizer
+  // offload run on the CPU backend so far.
   const bool lists_moe = f.given("--layers") && ("," + f["--layers"] + ",").find(",attn_moe,") != std::string::npos;
   const bool offloads = f.given("--offload") && f["--offload"] != "none";
-  o.device = device == "auto" ? (gpu && !f.given("--pack") && !lists_moe && !offloads ? "cuda" : "cpu") : device;
+  o.device = device == "auto" ? (gpu && !lists_moe && !offloads ? "cuda" : "cpu") : device;
   if (lists_moe && o.device == "cuda") {
     throw mb::invalid_argument("--layers", "no attn_moe blocks with --device cuda (the mixture of experts runs on the "
                                "CPU backend so far)",
@@ -245,10 +245,6 @@ options checked_options(const flag_texts& f) {
                                "Choose --width and --heads so that width / heads is the head size");
   }
   whole("--pack", o.pack, 1, 4096);
-  if (o.pack != 0 && o.device == "cuda") {
-    throw mb::invalid_argument("--pack", "only with --device cpu (packed sequences run on the CPU backend so far)",
-                               std::to_string(o.pack), "Leave --pack out, or add --device cpu");
-  }
   if (f.given("--seq") && f["--seq"] == "max") {
     if (o.device != "cuda" && o.pack == 0) {
       throw mb::invalid_argument("--seq", "a length from 1 to 2^20 on the CPU (max is for --device cuda or --pack)",
@@ -632,15 +628,7 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
   // --pack with --seq max: the most tokens per packed row (a multiple of 64) that a plan fits under
   // the emergency line, or under the budget when none does (as the device run's --seq max).
   if (o.pack != 0 && o.seq_max) {
-    // No longer than the --pack longest training paragraphs end to end (a longer row could only
-    // hold padding), a multiple of 64 from 64 to 65536.
-    std::vector<std::size_t> longest = paragraphs(std::vector<std::int32_t>(
-                                                      text.begin(), text.begin() + static_cast<std::ptrdiff_t>(text.size() * 9 / 10)))
-                                           .lengths;
-    std::sort(longest.begin(), longest.end(), std::greater<>());
-    std::size_t most = 0;
-    for (std::size_t k = 0; k < std::min(o.pack, longest.size()); ++k) most += longest[k];
-    most = std::clamp<std::size_t>((most + 63) / 64 * 64, 64, 65536);
+    const std::size_t most = longest_useful_row(text, o.pack);
     o.seq = under_flags(o, [&] {
       mb::fit_options fo = fit_opts();
       fo.prefer_below = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -203,6 +204,18 @@ struct paragraphs {
   }
   std::span<const std::int32_t> operator()(std::size_t k) const { return {text->data() + begin[k], lengths[k]}; }
 };
+
+// The longest packed row worth fitting (--pack with --seq max): the `pack` longest paragraphs of
+// the training text (its first nine tenths) end to end, a longer row could only hold padding; a
+// multiple of 64 from 64 to 65536.
+inline std::size_t longest_useful_row(const std::vector<std::int32_t>& text, std::size_t pack) {
+  const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(text.size() * 9 / 10));
+  std::vector<std::size_t> longest = paragraphs(train).lengths;
+  std::sort(longest.begin(), longest.end(), std::greater<>());
+  std::size_t most = 0;
+  for (std::size_t k = 0; k < std::min(pack, longest.size()); ++k) most += longest[k];
+  return std::clamp<std::size_t>((most + 63) / 64 * 64, 64, 65536);
+}
 
 // Packed rows of paragraphs (--pack): a row drawn from the trainer's generator, as windows are.
 struct packed_rows {

@@ -181,7 +181,29 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   // peak crosses its emergency line is abandoned in step 1, so plans aim under it where one fits.
   const std::size_t line = emergency_line(budget);
   const std::size_t below_line = line > held ? line - held : 0;
-  if (o.seq_max) {
+  if (o.seq_max && o.pack != 0) {
+    // Packed rows: the most tokens per row (a multiple of 64, no longer than the --pack longest
+    // training paragraphs end to end) whose plan fits under the line, else under the budget, as
+    // the CPU run's --pack --seq max.
+    mb::fit_options fo;
+    fo.reserve = reserve;
+    fo.optimizer_policy = mb::optimizer_of<optimizer>();
+    fo.optimizer_elements = shard;
+    const std::size_t most = longest_useful_row(text, o.pack);
+    bool under_line = below_line > 0;
+    o.seq = under_flags(o, [&] { return beside_held([&] {
+      if (under_line) {
+        try {
+          return mb::fit_tokens(m, most, o.pack, below_line, fo, 64, share).micro.seq;
+        } catch (const mb::budget_too_small&) {
+          under_line = false;
+        }
+      }
+      return mb::fit_tokens(m, most, o.pack, stack_budget, fo, 64, share).micro.seq;
+    }); });
+    std::printf("--seq max: %zu tokens per packed row, at most %zu paragraphs each (the most that fit %s)\n", o.seq,
+                o.pack, under_line ? "under the monitor's emergency line" : "the budget, above the monitor's emergency line");
+  } else if (o.seq_max) {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
@@ -210,8 +232,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
                 o.seq, mb::format_bytes(room, false).c_str(), where.c_str(), mb::format_bytes(held, false).c_str(),
                 share, N > 1 ? " on each rank" : "");
   }
-  const mb::batch_shape eff{o.batch, o.seq};
-  const mb::batch_shape rank_share{share, o.seq};
+  // Packed (--pack): rows of --seq tokens holding at most --pack paragraphs each.
+  const mb::batch_shape eff{o.batch, o.seq, o.pack};
+  const mb::batch_shape rank_share{share, o.seq, o.pack};
 
   mb::training_plan plan = under_flags(o, [&] { return beside_held([&] {
     if (!o.fixed_schedule) {
@@ -276,7 +299,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   t.monitor().inner().attach(recorder);
   resume_from(t, o);
 
-  windows train_src{&train, o.seq}, val_src{&val, o.seq};
+  // The steps over either kind of source: random windows of the text, or packed rows of its
+  // paragraphs (--pack).
+  const auto train_with = [&](auto& train_src, auto& val_src) -> int {
   auto eval = [&] { return t.evaluate(val_src, o.eval_sequences, o.seed); };
   progress bar(o.steps);
   const double first_eval = eval();
@@ -445,6 +470,25 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   }
   write_files(nullptr, st);
   return requested_ok && reserve_ok ? 0 : 3;
+  };
+  if (o.pack == 0) {
+    windows train_src{&train, o.seq}, val_src{&val, o.seq};
+    return train_with(train_src, val_src);
+  }
+  const paragraphs train_par(train), val_par(val);
+  const mb::token_packing train_pack(train_par.lengths, o.seq, o.pack), val_pack(val_par.lengths, o.seq, o.pack);
+  if (train_pack.rows() == 0 || val_pack.rows() == 0) {
+    throw mb::invalid_argument("--data", "paragraphs of at least 2 bytes in the training text and in its last tenth",
+                               std::to_string(train_pack.rows()) + " and " + std::to_string(val_pack.rows()) +
+                                   " packed rows",
+                               "Use a text of paragraphs separated by blank lines, or leave --pack out");
+  }
+  std::printf("packed: %zu paragraphs into %zu rows of %zu tokens, at most %zu per row, %.1f%% of the tokens data "
+              "(%zu padding); validation %zu rows\n",
+              train_par.lengths.size(), train_pack.rows(), o.seq, o.pack, 100.0 * train_pack.efficiency(),
+              train_pack.padding(), val_pack.rows());
+  packed_rows train_src{&train_pack, &train_par}, val_src{&val_pack, &val_par};
+  return train_with(train_src, val_src);
 }
 
 #if MEMBOUND_TRAIN_CUDA_NCCL

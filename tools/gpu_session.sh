@@ -21,7 +21,8 @@
 # tests/python/gpu_torch_allocator.py), torch_ops (the same build, then tests/python/test_ops_cuda.py), bench_kernels (bench_cuda_kernels and the model step at T = 2048, and their *_before
 # builds when carried), tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
-# example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else), bench_ttt, bench_mamba,
+# example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else,
+# packed paragraphs), bench_ttt, bench_mamba,
 # bench_model (bench_cuda_*), bench_model_wmma (bench_cuda_model's T = 2048 step with --attention-kernels=wmma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
 # T = 2048, 8192), peer_sdpa (PyTorch's SDPA on those shapes), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
 # model_cuda_peer.py, its --max-seq), long (train --seq max under --long-budget, with its trace for the plot),
@@ -202,7 +203,10 @@ PY
       step train_adamw8bit 90 "$prebuilt/train" "${train[@]}" --steps 30 --optimizer adamw8bit \
         --report "$work/train_adamw8bit.json"
       step train_foreign 90 "$prebuilt/train" "${train[@]}" --steps 30 --budget 4GiB --foreign 1GiB@15 \
-        --report "$work/train_foreign.json" ;;
+        --report "$work/train_foreign.json"
+      # Packed paragraphs on the device (exit 0: measured peaks within the predictions).
+      step train_packed 90 "$prebuilt/train" "${train[@]}" --steps 30 --pack 16 --seq 1024 \
+        --report "$work/train_packed.json" ;;
     bench_all)
       for f in "$prebuilt"/bench_cuda_*; do
         b="$(basename "$f")"

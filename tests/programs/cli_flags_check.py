@@ -230,8 +230,7 @@ def main():
             c.refuse(train, base, flag, change)
         if not os.path.exists("/dev/nvidia0"):  # no GPU here: --device cuda is refused, naming the flag
             c.refuse(train, base, "--device", {"--device": "cuda"})
-        else:  # packed sequences and the mixture of experts run on the CPU so far
-            c.refuse(train, base, "--pack", {"--device": "cuda", "--pack": "4"})
+        else:  # the mixture of experts and offload run on the CPU so far
             c.refuse(train, base, "--layers", {"--device": "cuda", "--layers": "attn_moe"})
             c.refuse(train, base, "--offload", {"--device": "cuda", "--offload": "auto"})
 
