@@ -33,6 +33,7 @@ LAYER_NAMES = ("ttt_linear", "ttt_mlp", "attention", "mamba", "local_attention",
 LAYER_SHORT = {"ttt": "ttt_linear", "attn": "attention", "swa": "local_attention", "attn_moe": "attention_moe"}
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLOCATORS = ("arena", "caching", "none")
+DEVICES = ("cpu", "cuda")
 OPTIMIZERS = ("adamw", "adamw8bit", "none")
 OFFLOADS = ("none", "auto", "optimizer", "activations", "all")
 
@@ -206,7 +207,7 @@ class Plan:
 def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precision: str,
              allocator: Optional[str], optimizer: str, threads: int, sequences: int = 0,
              offload: str = "none", host_budget: Optional[Size] = None, ranks: int = 1, rank: int = 0,
-             zero: int = 0, overlap: bool = False) -> _core.Request:
+             zero: int = 0, overlap: bool = False, device: str = "cpu") -> _core.Request:
     if not isinstance(model, Model):
         raise invalid("model", "a membound.Model", model, 'e.g. membound.Model(layers=["ttt", "attn"], width=256, heads=4)')
     r = _core.Request()
@@ -247,7 +248,32 @@ def _request(model: Model, batch: int, seq: int, budget: Optional[Size], precisi
     if r.batch % r.ranks != 0:
         raise invalid("batch", f"a multiple of ranks={r.ranks} (every rank takes an equal share)", batch,
                       f"e.g. batch={r.ranks * max(1, r.batch // r.ranks)}")
+    r.device = _one_of("device", device, DEVICES)
+    if r.device == "cuda":
+        _check_device_request(r, model)
     return r
+
+
+def _check_device_request(r: _core.Request, model: Model) -> None:
+    """What the GPU trainer (train --device cuda) runs, and so what a device plan may ask for."""
+    if "cuda" not in _core.plans_devices():
+        raise invalid("device", "cpu: this install was built without nvcc (no CUDA layers to plan)", "cuda",
+                      'Plan with device="cpu", or reinstall where nvcc 12 or newer is found')
+    if r.precision not in ("fp32", "bf16"):
+        raise invalid("precision", 'fp32 or bf16 with device="cuda" (the GPU trainer\'s)', r.precision,
+                      'e.g. precision="bf16"')
+    if "attention_moe" in r.layers:
+        raise invalid("layers", 'no attention_moe blocks with device="cuda" (the mixture of experts runs on the CPU '
+                      "backend so far)", model.layers, 'Use "attention" blocks, or device="cpu"')
+    if r.offload != "none":
+        raise invalid("offload", 'none with device="cuda" (offload runs on the CPU backend so far)', r.offload,
+                      'Leave offload out, or plan with device="cpu"')
+    if r.ranks > 1 and r.zero >= 2:
+        raise invalid("zero", '0 or 1 with device="cuda" over ranks (ZeRO-2 and 3 run on CPU ranks)', r.zero,
+                      "e.g. zero=1")
+    if r.overlap:
+        raise invalid("overlap", 'False with device="cuda" (the overlapped exchange runs on CPU ranks)', True,
+                      "e.g. overlap=False")
 
 
 def _plan(r: _core.Request) -> Plan:
@@ -271,14 +297,19 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
         allocator: Optional[str] = None, optimizer: str = "adamw", threads: int = 1,
         head_chunks: Sequence[int] = (256, 64), prefer_below: Union[Size, float, None] = None,
         sequences: int = 0, offload: str = "none", host_budget: Optional[Size] = None, ranks: int = 1,
-        rank: int = 0, zero: int = 0, overlap: bool = False) -> Plan:
+        rank: int = 0, zero: int = 0, overlap: bool = False, device: str = "cpu") -> Plan:
     """The plan with the least recompute whose peak fits `budget`: the micro-batch (dividing
     `batch`; gradient accumulation keeps the effective batch), the recompute schedule and the
     logit chunk. sequences > 0: `batch` packed rows of `seq` tokens, each holding at most that many
     variable-length sequences end to end (one row per micro-batch; the plan holds for any packing
     of them, as the example trainer's --pack). allocator: the stack whose reserve the plan counts ("arena", the default: one
     expandable range at page granularity, the example trainer's; "caching": a PyTorch-style
-    caching allocator; "none": requested bytes only); host stacks for now. prefer_below: a line under
+    caching allocator; "none": requested bytes only). device: "cpu" plans the CPU layers and host
+    stacks; "cuda" the CUDA layers (cuBLASLt's workspace included) and the device stacks
+    (expandable_arena over cuda_virtual_memory at 2 MiB granules, or caching_allocator over
+    cudaMalloc), as `train --device cuda --plan-only 1` does, with `budget` the stack's (that run
+    first counts what the CUDA context and executor hold outside the stack: about 0.5 GiB on an
+    H200). No GPU is needed; threads is ignored there. prefer_below: a line under
     the budget to stay under when some plan can, a size or a fraction of the budget (0.97 is the
     example trainer's emergency line: with it, the plan is the one `train --plan-only 1` prints).
     offload: "auto" puts the optimizer's state in a host space (host_budget: its budget) when no
@@ -297,7 +328,7 @@ def fit(model: Model, *, batch: int, seq: int, budget: Size, precision: str = "f
         raise invalid("budget", "a size: fit chooses the plan that fits it", budget,
                       'e.g. budget="24GiB"; membound.plan states the peak of one schedule without a budget')
     r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget,
-                 ranks, rank, zero, overlap)
+                 ranks, rank, zero, overlap, device)
     _fit_fields(r, head_chunks, prefer_below)
     return _plan(r)
 
@@ -307,18 +338,18 @@ def fit_tokens(model: Model, *, max_tokens: int, sequences: int, budget: Size, b
                optimizer: str = "adamw", threads: int = 1, head_chunks: Sequence[int] = (256, 64),
                prefer_below: Union[Size, float, None] = None, offload: str = "none",
                host_budget: Optional[Size] = None, ranks: int = 1, rank: int = 0, zero: int = 0,
-               overlap: bool = False) -> Plan:
+               overlap: bool = False, device: str = "cpu") -> Plan:
     """The plan for the most tokens per packed row that fit `budget`: rows of N tokens (a multiple
     of `multiple`, at most max_tokens) holding at most `sequences` sequences each, N chosen under
     prefer_below when some row fits there, else under the budget; then fit's plan for `batch` such
     rows (plan.seq is N). With prefer_below=0.97 it is `train --pack S --seq max --plan-only 1`'s.
-    offload, ranks, rank, zero, overlap: as fit's (batch is then every rank's rows together).
+    offload, ranks, rank, zero, overlap, device: as fit's (batch is then every rank's rows together).
     Raises BudgetTooSmall when not even a row of `multiple` tokens fits."""
     if budget is None:
         raise invalid("budget", "a size: fit_tokens chooses the row that fits it", budget, 'e.g. budget="24GiB"')
     r = _request(model, batch, 1, budget, precision, allocator, optimizer, threads,
                  _whole("sequences", sequences, 1, 1 << 20, "sequences=16"), offload, host_budget, ranks, rank, zero,
-                 overlap)
+                 overlap, device)
     r.max_tokens = _whole("max_tokens", max_tokens, 1, 1 << 20, "max_tokens=65536")
     r.multiple = _whole("multiple", multiple, 1, r.max_tokens, "multiple=64 (at most max_tokens)")
     _fit_fields(r, head_chunks, prefer_below)
@@ -349,16 +380,16 @@ def plan(model: Model, *, batch: int, seq: int, schedule: str = "none", budget: 
          precision: str = "fp32", allocator: Optional[str] = None, optimizer: str = "adamw",
          threads: int = 1, head_chunk: int = 256, sequences: int = 0, offload: str = "none",
          host_budget: Optional[Size] = None, ranks: int = 1, rank: int = 0, zero: int = 0,
-         overlap: bool = False) -> Plan:
+         overlap: bool = False, device: str = "cpu") -> Plan:
     """The plan of one fixed schedule for the whole batch in one micro-batch: "none" (keep every
     block's activations), "full" (recompute every block), "every:K" (keep every K-th block's
     input), "binomial:S" (Griewank's S slots). With a budget, raises BudgetTooSmall when the
     plan does not fit it; without one, only states the peak (allocator "none"). sequences > 0:
     one packed row (batch 1) of `seq` tokens holding at most that many sequences. offload: as fit's
     ("auto": offloaded when the plan does not fit the budget with the optimizer's state); ranks,
-    rank, zero, overlap: as fit's."""
+    rank, zero, overlap, device: as fit's."""
     r = _request(model, batch, seq, budget, precision, allocator, optimizer, threads, sequences, offload, host_budget,
-                 ranks, rank, zero, overlap)
+                 ranks, rank, zero, overlap, device)
     if r.sequences != 0 and r.batch != r.ranks:
         raise invalid("batch", f"{r.ranks} with sequences (one packed row per rank; fit plans several)", batch,
                       f"e.g. batch={r.ranks}")

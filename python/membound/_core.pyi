@@ -34,6 +34,7 @@ class Request:
     schedule: str
     schedule_param: int
     head_chunks: list[int]
+    device: str
     def __init__(self) -> None: ...
 
 class PlanResult:
@@ -106,6 +107,9 @@ class PlanResult:
 
 def make_plan(request: Request) -> PlanResult:
     """The plan for a checked request."""
+
+def plans_devices() -> list[str]:
+    """The backends this install plans for: cpu, and cuda where it was built with nvcc."""
 
 def version() -> str:
     """membound's version, MAJOR.MINOR.PATCH, as the C++ headers state it."""

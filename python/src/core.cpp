@@ -1,9 +1,7 @@
-// membound._core: the C++ planner for a model described at run time, for Python.
-//
-// A model here is the example trainer's: an embedding, a pattern of TTT-Linear, attention, Mamba
-// and TTT-MLP blocks chosen by name, and the LM head, at fp32, bf16 or fp16. The plan is made by
-// the same calls the trainer makes (fit, or make_plan with a fixed schedule, and the reserve of
-// its allocator stack replayed through a shadow), so its table is the C++ table to the byte.
+// membound._core: the C++ planner for a model described at run time, for Python (planner.hpp:
+// the example trainer's blocks, planned by the calls the trainer makes, so its table is the C++
+// table to the byte). Host plans here; device plans (request.device "cuda") in planner_cuda.cu,
+// linked in where the package is built with nvcc (MEMBOUND_PLAN_CUDA).
 // Arguments arrive checked by membound/__init__.py; the library checks them again and its typed
 // errors cross as membound.InvalidArgument / BudgetTooSmall / OutOfMemory with their fields.
 #include <nanobind/nanobind.h>
@@ -17,63 +15,22 @@
 
 #include "errors.hpp"
 #include "membound/membound.hpp"
+#include "planner.hpp"
 
 namespace nb = nanobind;
 namespace mb = membound;
 
 namespace {
 
+using namespace membound_python;
+
 template <typename P>
 using hybrid = mb::hybrid_model<P>;
-
-// adamw8bit at the example trainer's block (2048), named by a one-parameter template.
-template <typename S>
-using adamw8bit_2048 = mb::adamw8bit<S, 2048>;
-
-// What Python asks for; every field already checked there.
-struct request {
-  std::vector<std::string> layers;
-  std::size_t vocab = 256, width = 0, heads = 0, kv_heads = 0, mlp_hidden = 0, window = 0;
-  std::size_t experts = 8, top_k = 2;   // attention_moe blocks' mixture (model_config::moe)
-  double capacity = 1.25, aux = 0.01;
-  std::size_t batch = 1, seq = 1, budget = 0, threads = 1, prefer_below = 0;
-  std::size_t sequences = 0;    // packed rows: at most this many sequences per row of seq tokens
-  std::size_t max_tokens = 0;   // fit_tokens: the row length is chosen up to this (seq is ignored)
-  std::size_t multiple = 64;    // fit_tokens: the row length's step
-  std::string precision = "fp32";  // fp32 | bf16 | fp16
-  std::string allocator = "arena";  // arena | caching | none
-  std::string optimizer = "adamw";  // adamw | adamw8bit | none
-  std::string offload = "none";     // none | auto | optimizer | activations | all (train's --offload)
-  std::size_t host_budget = 0;      // the host space's budget (0: none)
-  // Data parallel over MPI ranks (train under mpirun): rank `rank` of `ranks`, ZeRO stage `zero`,
-  // overlapped exchanges; batch is the whole step's, each rank planning batch / ranks of it.
-  std::size_t ranks = 1, rank = 0, zero = 0;
-  bool overlap = false;
-  std::string schedule = "auto";    // auto | none | full | every | binomial (schedule_param: K or S)
-  std::size_t schedule_param = 0;
-  std::vector<std::size_t> head_chunks{256, 64};
-};
-
-// The plan and the model's own figures beside it.
-struct plan_result {
-  mb::training_plan plan;
-  std::size_t parameters = 0;  // the model's parameter count (without alignment padding)
-  std::string model_line;      // "4 blocks (ttt_linear,attention,...), width 128, 4 heads, fp32"
-};
-
-mb::schedule_choice schedule_of(const request& r) {
-  using K = mb::schedule_choice::kind;
-  if (r.schedule == "none") return {K::none, 0};
-  if (r.schedule == "full") return {K::full, 0};
-  if (r.schedule == "every") return {K::every, r.schedule_param};
-  if (r.schedule == "binomial") return {K::binomial, r.schedule_param};
-  throw mb::invalid_argument("schedule", "auto, none, full, every:K or binomial:S", r.schedule, "e.g. schedule=\"auto\"");
-}
 
 // Calls f with the reserve of the stack Python named (a shadow of it replays the plan's
 // requests; the stack must live while the reserve function is used).
 template <typename Model, typename F>
-plan_result with_reserve(const Model& m, const request& r, F&& f) {
+plan_result with_host_reserve(const Model& m, const request& r, F&& f) {
   if (r.allocator == "caching") {
     mb::budget_allocator<mb::caching_allocator<mb::system_allocator>> alloc(r.budget);
     return f(mb::reserve_model(m, alloc));
@@ -89,116 +46,17 @@ plan_result with_reserve(const Model& m, const request& r, F&& f) {
   return f(mb::reserve_function{});  // "none": requested bytes only
 }
 
-template <typename P, template <typename> class Opt>
-plan_result plan_for(const request& r) {
-  using net = hybrid<P>;
-  std::vector<std::size_t> pattern;
-  for (const std::string& name : r.layers) {
-    const std::size_t k = net::mixer_index(name);
-    if (k == net::block_types) {
-      throw mb::invalid_argument("layers", "names among ttt_linear, ttt_mlp, attention, mamba, local_attention, attention_moe", name,
-                                 "e.g. layers=[\"ttt_linear\", \"attention\"]");
-    }
-    pattern.push_back(k);
-  }
-  mb::model_config cfg;
-  cfg.vocab = r.vocab;
-  cfg.width = r.width;
-  cfg.heads = r.heads;
-  cfg.kv_heads = r.kv_heads;
-  cfg.mlp_hidden = r.mlp_hidden;
-  cfg.attention_window = r.window;
-  cfg.moe.experts = r.experts;
-  cfg.moe.top_k = r.top_k;
-  cfg.moe.capacity_factor = r.capacity;
-  cfg.moe.aux_loss_weight = r.aux;
-  const net m(cfg, pattern);
-  mb::batch_shape batch{r.batch / r.ranks, r.seq, r.sequences};  // this rank's share
-  const bool count_optimizer = r.optimizer != "none";
-  // As the example trainer over ranks: the optimizer shard under ZeRO-1 and above, the exchange's
-  // plan options with mpi_communicator's sizes (mpi_world: no MPI needed to plan a rank).
-  const std::size_t shard =
-      r.ranks > 1 && r.zero >= 1 ? mb::shard_of(m.parameter_elements(), r.ranks, r.rank).size() : 0;
-  const mb::gradient_shards exchange =
-      mb::gradient_exchange_of<typename net::storage_type>(mb::mpi_world{r.ranks, r.rank}, r.zero, r.overlap);
-  plan_result out = with_reserve(m, r, [&](const mb::reserve_function& reserve) {
-    plan_result o;
-    if (r.schedule == "auto") {
-      mb::fit_options fo;
-      fo.threads = r.threads;
-      fo.optimizer_elements = shard;
-      fo.gradients = exchange;
-      fo.optimizer = count_optimizer;
-      fo.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
-      fo.head_chunks = r.head_chunks;
-      fo.reserve = reserve;
-      fo.offload = {r.offload == "auto" || r.offload == "optimizer" || r.offload == "all", 0, r.host_budget,
-                    r.offload == "activations" || r.offload == "all"};
-      fo.offload_mode = r.offload == "auto" ? mb::fit_options::offload_choice::when_needed
-                                            : mb::fit_options::offload_choice::always;
-      if (r.max_tokens != 0) {
-        // As the example trainer's --pack with --seq max: the longest row under the line when one
-        // fits there, else under the budget; then fit's plan for the batch of such rows.
-        mb::fit_options rows = fo;
-        try {
-          // A line at or above the budget is none (as fit ignores it).
-          if (r.prefer_below == 0 || r.prefer_below >= r.budget) throw mb::budget_too_small(r.budget, 0);
-          batch.seq =
-              mb::fit_tokens(m, r.max_tokens, r.sequences, r.prefer_below, rows, r.multiple, batch.batch).micro.seq;
-        } catch (const mb::host_budget_too_small&) {
-          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, batch.batch).micro.seq;
-        } catch (const mb::budget_too_small&) {
-          batch.seq = mb::fit_tokens(m, r.max_tokens, r.sequences, r.budget, rows, r.multiple, batch.batch).micro.seq;
-        }
-      }
-      fo.prefer_below = r.prefer_below;
-      o.plan = mb::fit(m, batch, r.budget, fo);
-    } else {
-      mb::plan_options po;
-      po.threads = r.threads;
-      po.optimizer_elements = shard;
-      po.gradients = exchange;
-      po.optimizer = count_optimizer;
-      po.optimizer_policy = mb::optimizer_of<Opt<typename net::storage_type>>();
-      po.head_chunk = r.head_chunks.front();
-      po.offload = {r.offload == "optimizer" || r.offload == "all", 0, r.host_budget,
-                    r.offload == "activations" || r.offload == "all"};
-      o.plan = mb::make_plan(m, batch, schedule_of(r), po, r.budget);
-      if (reserve) o.plan.reserved_peak = reserve(o.plan);
-      // As the example trainer: auto offloads when the state does not fit beside the step.
-      if (!o.plan.fits() && r.offload == "auto") {
-        po.offload = {true, 0, r.host_budget};
-        o.plan = mb::make_plan(m, batch, schedule_of(r), po, r.budget);
-        if (reserve) o.plan.reserved_peak = reserve(o.plan);
-      }
-      if (!o.plan.device_fits()) throw mb::budget_too_small(r.budget, o.plan.budgeted_peak());
-      if (!o.plan.host_fits()) throw mb::host_budget_too_small(r.host_budget, o.plan.host_peak(), r.budget);
-    }
-    return o;
-  });
-  std::size_t named = 0;
-  for (const mb::param_entry& e : m.parameters()) named += e.count;
-  out.parameters = named;
-  std::string names;
-  for (const std::string& n : r.layers) names += (names.empty() ? "" : ",") + n;
-  out.model_line = std::to_string(r.layers.size()) + " blocks (" + names + "), width " + std::to_string(r.width) +
-                   ", " + std::to_string(r.heads) + " heads, " + r.precision;
-  return out;
-}
-
-template <template <typename> class Opt>
-plan_result plan_with(const request& r) {
-  if (r.precision == "bf16") return plan_for<mb::bf16_precision, Opt>(r);
-  if (r.precision == "fp16") return plan_for<mb::fp16_precision, Opt>(r);
-  if (r.precision == "fp32") return plan_for<mb::fp32_precision, Opt>(r);
-  throw mb::invalid_argument("precision", "fp32, bf16 or fp16", r.precision, "e.g. precision=\"bf16\"");
-}
-
 plan_result make(const request& r) {
-  if (r.optimizer == "adamw8bit") return plan_with<adamw8bit_2048>(r);
-  return plan_with<mb::adamw>(r);
+  if (r.device == "cuda") {
+#if MEMBOUND_PLAN_CUDA
+    return make_plan_cuda(r);
+#else
+    throw mb::invalid_argument("device", "cpu: this install was built without nvcc (no CUDA layers to plan)", r.device,
+                               "Plan with device=\"cpu\", or reinstall where nvcc 12 or newer is found");
+#endif
+  }
+  return plan_any<hybrid>(r, [](const auto& m, const request& q, auto&& f) { return with_host_reserve(m, q, f); });
 }
-
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -237,7 +95,8 @@ NB_MODULE(_core, m) {
       .def_rw("overlap", &request::overlap)
       .def_rw("schedule", &request::schedule)
       .def_rw("schedule_param", &request::schedule_param)
-      .def_rw("head_chunks", &request::head_chunks);
+      .def_rw("head_chunks", &request::head_chunks)
+      .def_rw("device", &request::device);
 
   nb::class_<plan_result>(m, "PlanResult")
       .def_prop_ro("table", [](const plan_result& r) { return r.plan.table(); })
@@ -276,6 +135,13 @@ NB_MODULE(_core, m) {
   // Without the GIL: a deep model's plan takes seconds, and other Python threads may run meanwhile.
   m.def("make_plan", &make, nb::arg("request"), nb::call_guard<nb::gil_scoped_release>(),
         "The plan for a checked request (membound.plan and membound.fit call it).");
+  m.def("plans_devices", [] {
+    return std::vector<std::string>{"cpu"
+#if MEMBOUND_PLAN_CUDA
+                                    , "cuda"
+#endif
+    };
+  }, "The backends this install plans for: cpu, and cuda where it was built with nvcc.");
   m.def("version", [] {
     return std::to_string(MEMBOUND_VERSION_MAJOR) + "." + std::to_string(MEMBOUND_VERSION_MINOR) + "." +
            std::to_string(MEMBOUND_VERSION_PATCH);

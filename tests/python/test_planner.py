@@ -356,3 +356,72 @@ def test_ranks_arguments_are_checked():
     assert r0.weights + r1.weights == one.weights
     assert r0.weight_gather == r1.weight_gather > 0
     assert r0.micro_batch == 2 and one.micro_batch == 4
+
+
+# ---- Device plans (device="cuda": the CUDA layers and the device stacks, no GPU needed) ----------
+
+plans_cuda = "cuda" in membound._core.plans_devices()
+needs_device_planner = pytest.mark.skipif(not plans_cuda, reason="this build has no device planner (no nvcc)")
+
+# The GPU example trainer's default model: 12 blocks of width 768, 12 heads.
+GPU_DEFAULT = membound.Model(layers=["ttt", "attn", "mamba", "attn"] * 3, width=768, heads=12)
+
+
+@needs_device_planner
+def test_device_plan_is_what_the_h200_runs_measured():
+    """The device plans of `train --device cuda` runs on an H200 whose measured peaks equalled
+    their predictions (bench/results/gpu_h200_2026-11-29.md, logged to 0.1 MB / 0.1 MiB): bf16,
+    8 GiB, the default 8 x 2048 tokens with AdamW (5017.6 MB) and 8-bit AdamW (4480.5 MB), and the
+    soak's 1 x 256 (1521.9 MB requested, 1452.0 MiB reserved by the arena after step 1)."""
+    runs = [(8, 2048, "adamw", 5017.6), (8, 2048, "adamw8bit", 4480.5), (1, 256, "adamw", 1521.9)]
+    for batch, seq, optimizer, measured_mb in runs:
+        p = membound.fit(GPU_DEFAULT, batch=batch, seq=seq, budget="8GiB", precision="bf16", optimizer=optimizer,
+                         prefer_below=0.97, device="cuda")
+        assert round(p.peak_bytes / 1e6, 1) == measured_mb, (batch, seq, optimizer, p.peak_bytes)
+        assert (p.micro_batch, p.accumulation, p.schedule) == (batch, 1, "none")
+    assert round(p.reserved_peak / 2**20, 1) == 1452.0, p.reserved_peak  # the soak's arena
+
+
+@needs_device_planner
+def test_device_plan_counts_the_device_layers():
+    """A device plan is the CUDA layers' (cuBLASLt's workspace in every layer's) and its stack's
+    2 MiB granules, not the CPU's: the same request differs, and its reserve is whole granules."""
+    model = membound.Model(layers=["ttt", "attn", "mamba"], width=128, heads=4)
+    cpu = membound.plan(model, batch=2, seq=256, precision="bf16", budget="1GiB")
+    gpu = membound.plan(model, batch=2, seq=256, precision="bf16", budget="1GiB", device="cuda")
+    assert gpu.workspace >= 32 << 20 > cpu.workspace  # cuBLASLt's 32 MiB on Hopper, reserved on every device
+    assert gpu.reserved_peak % (2 << 20) == 0 and gpu.reserved_peak >= gpu.peak_bytes
+    caching = membound.plan(model, batch=2, seq=256, precision="bf16", budget="1GiB", device="cuda",
+                            allocator="caching")
+    assert caching.peak_bytes == gpu.peak_bytes and caching.reserved_peak >= caching.peak_bytes
+    packed = membound.fit_tokens(model, max_tokens=4096, sequences=8, budget="256MiB", precision="bf16",
+                                 device="cuda")
+    assert packed.sequences == 8 and packed.seq % 64 == 0 and packed.reserved_peak <= 256 << 20
+
+
+@needs_device_planner
+def test_device_plan_refuses_what_the_gpu_trainer_does_not_run():
+    model = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
+    bad = [
+        ("precision", dict(precision="fp16")),
+        ("offload", dict(offload="auto")),
+        ("zero", dict(ranks=2, batch=2, zero=2)),
+        ("overlap", dict(ranks=2, batch=2, zero=1, overlap=True)),
+        ("device", dict(device="tpu")),
+    ]
+    for name, change in bad:
+        args = dict(batch=1, seq=64, budget="1GiB", device="cuda") | change
+        with pytest.raises(membound.InvalidArgument) as e:
+            membound.fit(model, **args)
+        assert e.value.argument == name, change
+    moe = membound.Model(layers=["attn_moe"], width=64, heads=2)
+    with pytest.raises(membound.InvalidArgument) as e:
+        membound.fit(moe, batch=1, seq=64, budget="1GiB", device="cuda")
+    assert e.value.argument == "layers"
+
+
+@pytest.mark.skipif(plans_cuda, reason="this build plans for devices")
+def test_device_plan_without_nvcc_is_a_typed_error():
+    with pytest.raises(membound.InvalidArgument) as e:
+        membound.fit(GPU_DEFAULT, batch=1, seq=64, budget="8GiB", device="cuda")
+    assert e.value.argument == "device"
