@@ -226,6 +226,30 @@ struct packed_rows {
   }
 };
 
+// --pack's data: the training and validation texts' paragraphs packed into rows of `seq` tokens, at
+// most `pack` each; refused by name when either text has none, else the packing's line printed.
+// The texts must outlive it.
+struct packed_corpus {
+  paragraphs train_par, val_par;
+  mb::token_packing train_pack, val_pack;
+  packed_corpus(const std::vector<std::int32_t>& train, const std::vector<std::int32_t>& val, std::size_t seq,
+                std::size_t pack)
+      : train_par(train), val_par(val), train_pack(train_par.lengths, seq, pack), val_pack(val_par.lengths, seq, pack) {
+    if (train_pack.rows() == 0 || val_pack.rows() == 0) {
+      throw mb::invalid_argument("--data", "paragraphs of at least 2 bytes in the training text and in its last tenth",
+                                 std::to_string(train_pack.rows()) + " and " + std::to_string(val_pack.rows()) +
+                                     " packed rows",
+                                 "Use a text of paragraphs separated by blank lines, or leave --pack out");
+    }
+    std::printf("packed: %zu paragraphs into %zu rows of %zu tokens, at most %zu per row, %.1f%% of the tokens data "
+                "(%zu padding); validation %zu rows\n",
+                train_par.lengths.size(), train_pack.rows(), seq, pack, 100.0 * train_pack.efficiency(),
+                train_pack.padding(), val_pack.rows());
+  }
+  packed_rows train_source() const { return {&train_pack, &train_par}; }
+  packed_rows val_source() const { return {&val_pack, &val_par}; }
+};
+
 // One step's line: plain for logs, or a bar redrawn in place on a terminal.
 class progress {
  public:

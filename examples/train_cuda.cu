@@ -475,19 +475,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
     windows train_src{&train, o.seq}, val_src{&val, o.seq};
     return train_with(train_src, val_src);
   }
-  const paragraphs train_par(train), val_par(val);
-  const mb::token_packing train_pack(train_par.lengths, o.seq, o.pack), val_pack(val_par.lengths, o.seq, o.pack);
-  if (train_pack.rows() == 0 || val_pack.rows() == 0) {
-    throw mb::invalid_argument("--data", "paragraphs of at least 2 bytes in the training text and in its last tenth",
-                               std::to_string(train_pack.rows()) + " and " + std::to_string(val_pack.rows()) +
-                                   " packed rows",
-                               "Use a text of paragraphs separated by blank lines, or leave --pack out");
-  }
-  std::printf("packed: %zu paragraphs into %zu rows of %zu tokens, at most %zu per row, %.1f%% of the tokens data "
-              "(%zu padding); validation %zu rows\n",
-              train_par.lengths.size(), train_pack.rows(), o.seq, o.pack, 100.0 * train_pack.efficiency(),
-              train_pack.padding(), val_pack.rows());
-  packed_rows train_src{&train_pack, &train_par}, val_src{&val_pack, &val_par};
+  const packed_corpus corpus(train, val, o.seq, o.pack);
+  packed_rows train_src = corpus.train_source(), val_src = corpus.val_source();
   return train_with(train_src, val_src);
 }
 

@@ -435,7 +435,7 @@ for _kind in _OPS:
 # [1, T, C] with the sequences end to end and cu_seqlens their S + 1 int32 offsets (0, the starts,
 # T); each sequence is computed as if alone: attention only inside it, Mamba's convolution and scan
 # from zero state at its start, TTT's inner state and mini-batches restarting with it, RoPE and
-# TTT's token positions from 0. CPU tensors only so far.
+# TTT's token positions from 0. On CPU and CUDA tensors alike (cu_seqlens best on the CPU: _packed).
 
 def attention(x: torch.Tensor, weights: Sequence[torch.Tensor], *, heads: int, kv_heads: int | None = None,
               head_dim: int | None = None, causal: bool = True, window: int = 0, rope_base: float = 10000.0,

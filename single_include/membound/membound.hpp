@@ -6528,8 +6528,9 @@ MEMBOUND_NAMESPACE_END
 // their total), sequence s at tokens [offsets[s], offsets[s + 1]) (FlashAttention's cu_seqlens,
 // Mamba's seq_idx in offset form). offsets has S + 1 entries, 0 first, the total last, never
 // decreasing (empty sequences are allowed). Every layer that takes them restarts at each start
-// (attention's keys and RoPE positions, Mamba's convolution and scan state), so a packed batch
-// computes what its sequences compute alone, with no padding. Shared by the shapes and the kernels.
+// (attention's keys and RoPE positions, Mamba's convolution and scan state, TTT's inner state,
+// mini-batches and positions), so a packed batch computes what its sequences compute alone, with
+// no padding. Shared by the shapes and the kernels of both backends.
 
 MEMBOUND_NAMESPACE_BEGIN
 

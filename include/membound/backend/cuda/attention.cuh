@@ -90,7 +90,8 @@ struct backend_kernels<cuda_backend, attention_shape> {
     constexpr std::size_t m = std::numeric_limits<std::size_t>::max();
     return bytes_of<float>(s.batch, s.seq, s.heads, s.head_dim) != m &&
            bytes_of<float>(s.batch, s.seq, s.d_model) != m &&
-           bytes_of<float>(s.d_model, s.heads, s.head_dim) != m;
+           bytes_of<float>(s.d_model, s.heads, s.head_dim) != m &&
+           packed_offsets_bytes(s.sequences) < detail::huge_slot;  // a sizing call's `sequences`
   }
   static constexpr std::size_t rows(const attention_shape& s) noexcept { return s.batch * s.seq; }
   static constexpr std::size_t hd(const attention_shape& s) noexcept { return s.heads * s.head_dim; }
@@ -256,6 +257,8 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
   const std::size_t HD = H * D, KD = Hkv * D;
   const std::size_t i = q0 + threadIdx.x;
   const bool row_ok = i < T;
+  // The row's keys [key_begin, key_end), read once (packed: a search of the offsets).
+  const std::size_t key_begin = row_ok ? band.key_begin(i) : 0, key_end = row_ok ? band.key_end(i) : 0;
   float qr[DM], acc[DM];
 #pragma unroll
   for (unsigned d = 0; d < DM; ++d) {
@@ -274,8 +277,8 @@ __global__ void __launch_bounds__(attn_rows) flash_forward_kernel(
     if (!row_ok) continue;
     for (unsigned jj = 0; jj < attn_tile; ++jj) {
       const std::size_t j = j0 + jj;
-      if (j >= band.key_end(i)) break;  // later keys of the tile are masked too
-      if (j < band.key_begin(i)) continue;
+      if (j >= key_end) break;  // later keys of the tile are masked too
+      if (j < key_begin) continue;
       const float* kr = ks + std::size_t{jj} * D;
       float sc = 0.0f;
 #pragma unroll
@@ -398,11 +401,13 @@ __global__ void __launch_bounds__(wmma_threads) flash_forward_wmma_kernel(
     if (threadIdx.x < wmma_rows) {
       const unsigned r = threadIdx.x;
       const std::size_t i = q0 + r;
+      // The row's keys [kb, ke), read once per tile (packed: a search of the offsets).
+      const std::size_t kb = i < T ? band.key_begin(i) : 0, ke = i < T ? band.key_end(i) : 0;
       float* srow = ss + std::size_t{r} * wmma_keys;
       float mt = -INFINITY;
       for (unsigned c = 0; c < wmma_keys; ++c) {
         const std::size_t j = j0 + c;
-        const bool ok = i < T && j < T && band.sees(i, j);
+        const bool ok = j < T && kb <= j && j < ke;
         srow[c] = ok ? srow[c] * scale : -INFINITY;
         mt = fmaxf(mt, srow[c]);
       }
@@ -487,6 +492,9 @@ __global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
   const std::size_t HD = H * D, KD = Hkv * D;
   const std::size_t j = k0 + threadIdx.x;
   const bool row_ok = j < T;
+  // The queries that see key j, [query_begin, query_end), read once.
+  const std::size_t query_begin = row_ok ? band.query_begin(j) : 0,
+                    query_end = row_ok ? band.query_end(j) : 0;
   float kr[DM], vr[DM], dkr[DM], dvr[DM];
 #pragma unroll
   for (unsigned d = 0; d < DM; ++d) {
@@ -514,8 +522,8 @@ __global__ void __launch_bounds__(attn_rows) flash_dkdv_kernel(
       if (!row_ok) continue;
       for (unsigned ii = 0; ii < attn_tile; ++ii) {
         const std::size_t i = i0 + ii;
-        if (i >= T) break;
-        if (!band.sees(i, j)) continue;
+        if (i >= query_end) break;  // query_end <= T
+        if (i < query_begin) continue;
         const float* qr = qs + std::size_t{ii} * D;
         const float* dor = dos + std::size_t{ii} * D;
         float sc = 0.0f, dp = 0.0f;
@@ -559,6 +567,8 @@ __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
   const std::size_t HD = H * D, KD = Hkv * D;
   const std::size_t i = q0 + threadIdx.x;
   const bool row_ok = i < T;
+  // The row's keys [key_begin, key_end), read once (packed: a search of the offsets).
+  const std::size_t key_begin = row_ok ? band.key_begin(i) : 0, key_end = row_ok ? band.key_end(i) : 0;
   float qr[DM], dor[DM], dqr[DM];
 #pragma unroll
   for (unsigned d = 0; d < DM; ++d) {
@@ -579,8 +589,8 @@ __global__ void __launch_bounds__(attn_rows) flash_dq_kernel(
     if (!row_ok) continue;
     for (unsigned jj = 0; jj < attn_tile; ++jj) {
       const std::size_t j = j0 + jj;
-      if (j >= band.key_end(i)) break;
-      if (j < band.key_begin(i)) continue;
+      if (j >= key_end) break;
+      if (j < key_begin) continue;
       const float* kr = ks + std::size_t{jj} * D;
       const float* vr = vs + std::size_t{jj} * D;
       float sc = 0.0f, dp = 0.0f;

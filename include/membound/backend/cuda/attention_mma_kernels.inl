@@ -124,6 +124,18 @@ __device__ inline void mma_store_rows(float* dst, const float (&acc)[DT][4], std
   }
 }
 
+// The keys that the warp's rows row0 and row0 + 8 see, [kb, ke), read once per kernel (packed: a
+// search of the offsets each); a row past T sees none. key_end(i) <= T.
+__device__ inline void mma_row_keys(const attention_band& band, std::size_t T, std::size_t row0,
+                                    std::size_t (&kb)[2], std::size_t (&ke)[2]) {
+#pragma unroll
+  for (unsigned r = 0; r < 2; ++r) {
+    const std::size_t i = row0 + 8 * r;
+    kb[r] = i < T ? band.key_begin(i) : 0;
+    ke[r] = i < T ? band.key_end(i) : 0;
+  }
+}
+
 // Forward: one CTA per (64 queries, head, batch), warp w owns query rows 16w..16w+15 of the
 // block. Same outputs as flash_forward_kernel: o (S) and lse (natural log of the unscaled-score
 // softmax sum plus the max, fp32). Causal: key tiles past the block's last row are never loaded.
@@ -145,6 +157,8 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
   const unsigned gr = lane >> 2, tq = lane & 3;
   mma_load_tile<Bf16, DM>(qs, nullptr, q, b, T, q0, HD, h * D, D);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows gr and gr + 8 of the warp
+  std::size_t kb[2], ke[2];
+  mma_row_keys(band, T, q0 + w0 + gr, kb, ke);
   float acc[DT][4];
 #pragma unroll
   for (unsigned n = 0; n < DT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -164,8 +178,8 @@ __global__ void __launch_bounds__(mma_threads) flash_forward_mma_kernel(
     for (unsigned n = 0; n < NT; ++n)
 #pragma unroll
       for (unsigned e = 0; e < 4; ++e) {
-        const std::size_t i = q0 + w0 + gr + 8 * (e >> 1), j = j0 + 8 * n + 2 * tq + (e & 1);
-        const bool ok = i < T && j < T && band.sees(i, j);
+        const std::size_t j = j0 + 8 * n + 2 * tq + (e & 1);
+        const bool ok = kb[e >> 1] <= j && j < ke[e >> 1];
         s[n][e] = ok ? s[n][e] * scale : -INFINITY;
         mt[e >> 1] = fmaxf(mt[e >> 1], s[n][e]);
       }
@@ -235,6 +249,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
   mma_load_tile<Bf16, DM>(qs, nullptr, q, b, T, q0, HD, h * D, D);
   mma_load_tile<Bf16, DM>(dos, nullptr, dout, b, T, q0, HD, h * D, D);
   float li[2], di[2];
+  std::size_t kb[2], ke[2];
+  mma_row_keys(band, T, q0 + w0 + gr, kb, ke);
 #pragma unroll
   for (unsigned r = 0; r < 2; ++r) {
     const std::size_t i = q0 + w0 + gr + 8 * r;
@@ -258,8 +274,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dq_mma_kernel(
     for (unsigned n = 0; n < NT; ++n)
 #pragma unroll
       for (unsigned e = 0; e < 4; ++e) {
-        const std::size_t i = q0 + w0 + gr + 8 * (e >> 1), j = j0 + 8 * n + 2 * tq + (e & 1);
-        const bool ok = i < T && j < T && band.sees(i, j);
+        const std::size_t j = j0 + 8 * n + 2 * tq + (e & 1);
+        const bool ok = kb[e >> 1] <= j && j < ke[e >> 1];
         const float p = ok ? expf(s[n][e] * scale - li[e >> 1]) : 0.0f;
         s[n][e] = p * (dp[n][e] - di[e >> 1]) * scale;  // dS
       }
@@ -296,6 +312,14 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
   mma_load_tile<Bf16, DM>(ks, nullptr, k, b, T, k0, KD, g * D, D);
   mma_load_tile<Bf16, DM>(vs, nullptr, v, b, T, k0, KD, g * D, D);
   float dka[DT][4], dva[DT][4];
+  // The queries that see the warp's keys gr and gr + 8, [qb, qe), read once.
+  std::size_t qb[2], qe[2];
+#pragma unroll
+  for (unsigned r = 0; r < 2; ++r) {
+    const std::size_t j = k0 + w0 + gr + 8 * r;
+    qb[r] = j < T ? band.query_begin(j) : 0;
+    qe[r] = j < T ? band.query_end(j) : 0;
+  }
 #pragma unroll
   for (unsigned n = 0; n < DT; ++n)
 #pragma unroll
@@ -323,8 +347,8 @@ __global__ void __launch_bounds__(mma_threads) flash_dkdv_mma_kernel(
 #pragma unroll
         for (unsigned e = 0; e < 4; ++e) {
           const unsigned c = 8 * n + 2 * tq + (e & 1);  // the query's row in the tile
-          const std::size_t j = k0 + w0 + gr + 8 * (e >> 1), i = i0 + c;
-          const bool ok = i < T && j < T && band.sees(i, j);
+          const std::size_t i = i0 + c;
+          const bool ok = qb[e >> 1] <= i && i < qe[e >> 1];
           const float p = ok ? expf(st_[n][e] * scale - ls[c]) : 0.0f;
           st_[n][e] = p;
           dpt[n][e] = p * (dpt[n][e] - dl[c]) * scale;  // dSᵀ

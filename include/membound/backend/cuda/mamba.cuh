@@ -244,12 +244,13 @@ struct backend_kernels<cuda_backend, mamba_shape> {
  private:
   // Every [N, ·] size fits, and the backward's [B, nch, Di, Ns] too for any L (nch ≤ T). Each
   // below SIZE_MAX / 32 (memory/workspace.hpp's detail::huge_slot), not merely below SIZE_MAX: the layouts
-  // add up to 15 such slots, and a sum that overflowed would make workspace_layout::add throw
+  // add up to 17 such slots (the packed offsets' among them), and a sum that overflowed would make workspace_layout::add throw
   // inside the layer's noexcept size functions (std::terminate) instead of reporting SIZE_MAX.
   static constexpr bool fits(const mamba_shape& s) noexcept {
     constexpr std::size_t huge = std::numeric_limits<std::size_t>::max() / 32;
     const std::size_t N = s.batch * s.seq;
     if (s.batch != 0 && N / s.batch != s.seq) return false;
+    if (packed_offsets_bytes(s.sequences) >= huge) return false;
     const std::size_t ldx = s.dt_rank + 2 * s.d_state;
     return bytes_of<float>(N, 2 * s.d_inner) < huge && bytes_of<float>(N, ldx) < huge &&
            bytes_of<float>(N, s.d_inner, s.d_state) < huge &&

@@ -76,6 +76,9 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
 //      H_{k+1} = exp(a·ΣΔ_k)·H_k + l_k, in place in the saved states (H_1 = l_0 already).
 //   C  scan_forward_kernel, per (b, chunk, channel, state): the chunk's recurrence from H_k, and
 //      the outputs. The backward's rerun for y is this kernel alone, on the saved states.
+// Packed sequences: A and C reset h to 0 at each start; A marks a chunk that holds a start with
+// ΣΔ = −1 (chunk_restarts), so B's decay there is 0 (chunk_decay) and H_{k+1} = l_k. The saved
+// entry states stay what the CPU saves, the state before any reset at the chunk's first step.
 // The first chunk's states come out of A as the serial scan's bits; later ones differ from a serial
 // scan by the rounding of the combine (a few ulps), and the backward recomputes from these very
 // states, so forward and backward agree on them.
@@ -235,7 +238,8 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
 //   C' scan_backward_kernel, per (b, chunk, 64-channel block): the chunk's reverse recurrence
 //      from D_k, on the chunk's states recomputed from its saved entry state, producing ddt, du,
 //      the dB/dC partials and the chunk's dA/dD/d dt_bias partials.
-// The decay is exp(a·ΣΔ), as in the forward's combine (same rounding bound). The carry buffer is
+// The decay is exp(a·ΣΔ), as in the forward's combine (same rounding bound), or 0 across a packed
+// sequence's start (chunk_decay), where A' and C' also cut dh to 0 (no h before a start). The carry buffer is
 // [B, nch, Di, Ns] fp32 (slot k: D_k; the last chunk's slot is not read, D_{nch−1} = 0) and C'
 // overwrites each word it read with the chunk's dA partial of that (channel, state).
 

@@ -18,9 +18,10 @@ MEMBOUND_NAMESPACE_BEGIN
 namespace gpu {
 
 // host's offsets copied to dst (host.count + 1 entries) on the executor's stream; the view the
-// kernels take. From pageable memory the runtime waits for the stream, then stages the bytes
-// before it returns, so the caller may change its array once the call is back. Not packed:
-// nothing is copied and the view stays empty.
+// kernels take. From pageable memory the runtime stages the bytes before it returns (and may wait
+// for the stream first, a stall of the host per call), so the caller may then change its array;
+// from pinned memory the copy is asynchronous, and the array must stay as it is until the stream
+// has run the call. Not packed: nothing is copied and the view stays empty.
 inline packed_sequences stage_packing(const cuda_executor& ex, const packed_sequences& host,
                                       std::int32_t* dst) {
   if (!host.packed()) return {};

@@ -4,13 +4,14 @@
 //   q, k, v = x·Wq, x·Wk, x·Wv            cuBLASLt (gpu::matmul), fp32 out
 //   RoPE at t mod b on q, k               rope kernel (angles in double, as the CPU)
 //   lr = base·σ(x·lr_wᵀ + lr_b)/D, tok    gpu::matmul_bt + one elementwise kernel
-//   the inner loop, dual form             one CTA per (batch, head), mini-batches in order
+//   the inner loop, dual form             one CTA per (batch row or packed sequence, head),
+//                                         mini-batches in order
 //   post LayerNorm, gate                  one CTA per row
 //   y = pn·Wo                             cuBLASLt
 // The saved buffer is the CPU's, byte for byte in layout: the inner state at the start of every
 // G-th mini-batch (fp32) and the heads' output before the post norm (storage type).
 //
-// What lives where (fp32 SIMT arithmetic; no tensor cores yet): each (batch, head)'s CTA stages
+// What lives where (fp32 SIMT arithmetic; no tensor cores yet): each (row, head)'s CTA stages
 // the mini-batch's q, k, v rows contiguously and keeps them, the mini-batch's intermediates (Z,
 // x̂, G, tril(XQ·XKᵀ), P, ...) and then the inner state W (W1, b1; W2, b2 for the MLP) in shared
 // memory as far as the device allows, hottest first (gpu::ttt_placement; on_chip() reports it
@@ -27,13 +28,16 @@
 // Backward, the CPU's algorithm step by step:
 //   q, k, v, lr, σ, tok recomputed          the forward's GEMMs and kernels
 //   dpn = dy·Woᵀ; gate; post norm backward  one CTA per row; d post_w, d post_b per column
-//   the inner loop backwards                one CTA per (batch, head): groups from the last, each
+//   the inner loop backwards                one CTA per (row, head): groups from the last, each
 //                                           group's entering states recomputed from its
 //                                           checkpoint with the forward's device functions
 //                                           (mb_gradients, mb_update), then its mini-batches in
 //                                           reverse (mb_outputs, mb_backward: the second-order
 //                                           LayerNorm term, GELU'' for the MLP)
-//   per-(batch, head) partials              summed over the batch in order, one thread each
+//   per-(row, head) partials                summed over the rows in order, one thread each
+// Packed sequences: each sequence is a row of its own (one CTA per (sequence, head), a scratch
+// slice and a partial each, as a batch of that many rows has), so the workspace grows with
+// shape.sequences as it grows with the batch; empty sequences included.
 //   the rate gate, RoPE's transpose         elementwise / per-column kernels
 //   d wq, wk, wv, wg, wo and dx             cuBLASLt (fp32 operands; bf16/fp16 rounded once)
 // Its workspace is a plain sum of slots (backward_layout), each sized exactly.
@@ -199,6 +203,7 @@ struct backend_kernels<cuda_backend, ttt_shape> {
     const std::size_t N = s.batch * s.seq;
     if (s.batch != 0 && N / s.batch != s.seq) return false;
     if (d.SZ >= (std::size_t{1} << 31) || MB >= (std::size_t{1} << 15)) return false;  // 32-bit indices
+    if (packed_offsets_bytes(s.sequences) >= detail::huge_slot) return false;
     const std::size_t per = forward_elements<Mlp, MB>(s);
     return bytes_of<float>(N, s.width) != std::numeric_limits<std::size_t>::max() &&
            bytes_of<float>(inner_rows(s), s.heads, per) != std::numeric_limits<std::size_t>::max();

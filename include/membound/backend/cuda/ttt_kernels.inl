@@ -956,7 +956,8 @@ __global__ void ttt_post_params_kernel(const float* dpn, const float* xh, std::s
   st(g_post_b, j, ld(g_post_b, j) + ab);
 }
 
-// The per-(batch, head) partials [B·H, SZ + 2D + mb] summed over the batch in order into the
+// The per-(row, head) partials [rows·H, SZ + 2D + mb] (rows: batch rows or packed sequences),
+// summed over the rows in order into the
 // inner state's initial weights and the inner norm's γ, β (one thread per (head, element)); the
 // token offsets summed over heads too (one thread each), zero where the clamp was active.
 template <typename S>
@@ -964,7 +965,7 @@ struct ttt_grad_targets {
   S *w1, *b1, *w2, *b2, *norm_w, *norm_b, *tok_offset;
 };
 template <typename S>
-__global__ void ttt_reduce_partials_kernel(const float* part, std::size_t B, std::size_t H,
+__global__ void ttt_reduce_partials_kernel(const float* part, std::size_t rows, std::size_t H,
                                            std::size_t D, std::size_t F, std::size_t SZ,
                                            std::size_t mb, const S* tok_offset,
                                            ttt_grad_targets<S> g) {
@@ -973,7 +974,7 @@ __global__ void ttt_reduce_partials_kernel(const float* part, std::size_t B, std
   if (e < H * per_head) {
     const std::size_t h = e / per_head, j = e % per_head;
     float acc = 0.0f;
-    for (std::size_t b = 0; b < B; ++b) acc += part[(b * H + h) * pe + j];
+    for (std::size_t b = 0; b < rows; ++b) acc += part[(b * H + h) * pe + j];
     S* dst;
     std::size_t i;
     if (j < D * F) {
@@ -995,7 +996,7 @@ __global__ void ttt_reduce_partials_kernel(const float* part, std::size_t B, std
     float acc = 0.0f;
     for (std::size_t h = 0; h < H; ++h) {
       float sh = 0.0f;
-      for (std::size_t b = 0; b < B; ++b) sh += part[(b * H + h) * pe + per_head + i];
+      for (std::size_t b = 0; b < rows; ++b) sh += part[(b * H + h) * pe + per_head + i];
       acc += sh;
     }
     const float raw = 1.0f / static_cast<float>(i + 1) + ld(tok_offset, i);
