@@ -188,16 +188,9 @@ options checked_options(const flag_texts& f) {
                                           : "This build has no CUDA (nvcc was not found at configure time): configure "
                                             "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
   }
-  // auto picks the CPU for attn_moe blocks and for --offload: the mixture of experts and optimizer
-  // offload run on the CPU backend so far.
-  const bool lists_moe = f.given("--layers") && ("," + f["--layers"] + ",").find(",attn_moe,") != std::string::npos;
+  // auto picks the CPU for --offload: optimizer offload runs on the CPU backend so far.
   const bool offloads = f.given("--offload") && f["--offload"] != "none";
-  o.device = device == "auto" ? (gpu && !lists_moe && !offloads ? "cuda" : "cpu") : device;
-  if (lists_moe && o.device == "cuda") {
-    throw mb::invalid_argument("--layers", "no attn_moe blocks with --device cuda (the mixture of experts runs on the "
-                               "CPU backend so far)",
-                               cli_checks::in_quotes(f["--layers"]), "Use attn blocks, or add --device cpu");
-  }
+  o.device = device == "auto" ? (gpu && !offloads ? "cuda" : "cpu") : device;
   if (o.device == "cuda") apply_device_defaults(o);
   const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,
                          const std::string& bound = {}) {
@@ -926,7 +919,7 @@ int main(int argc, char** argv) {
        "memory budget: a whole number of bytes with an optional unit B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, no space, "
        "or on cuda a fraction of the device's memory such as 0.9 (default 32MiB; 8GiB on cuda)");
   flag("--layers", "LIST",
-       "block pattern: ttt, ttt_mlp, attn, swa, mamba, attn_moe (attention with a mixture of experts, CPU), "
+       "block pattern: ttt, ttt_mlp, attn, swa, mamba, attn_moe (attention with a mixture of experts), "
        "comma-separated (default ttt,attn,mamba,attn)");
   flag("--window", "1..2^20", "swa blocks' sliding window: each token attends to itself and the W - 1 before it");
   flag("--experts", "2..256", "attn_moe blocks' experts (default 8), each a SwiGLU of the MLP's width");

@@ -103,6 +103,10 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   cfg.width = o.width;
   cfg.heads = o.heads;
   cfg.attention_window = o.window;
+  cfg.moe.experts = o.experts;
+  cfg.moe.top_k = o.top_k;
+  cfg.moe.capacity_factor = o.capacity;
+  cfg.moe.aux_loss_weight = o.aux;
   const net m = under_flags(o, [&] { return net(cfg, pattern); });
   const std::size_t budget = o.budget;
   const int device = mb::cuda_current_device();

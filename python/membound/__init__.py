@@ -262,9 +262,6 @@ def _check_device_request(r: _core.Request, model: Model) -> None:
     if r.precision not in ("fp32", "bf16"):
         raise invalid("precision", 'fp32 or bf16 with device="cuda" (the GPU trainer\'s)', r.precision,
                       'e.g. precision="bf16"')
-    if "attention_moe" in r.layers:
-        raise invalid("layers", 'no attention_moe blocks with device="cuda" (the mixture of experts runs on the CPU '
-                      "backend so far)", model.layers, 'Use "attention" blocks, or device="cpu"')
     if r.offload != "none":
         raise invalid("offload", 'none with device="cuda" (offload runs on the CPU backend so far)', r.offload,
                       'Leave offload out, or plan with device="cpu"')

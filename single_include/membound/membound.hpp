@@ -13065,8 +13065,10 @@ MEMBOUND_NAMESPACE_END
 // are exact for the worst router and the same for every other. backend/cpu/moe.hpp says what one
 // call computes (router, top-k, dispatch order, drops, combine) and how backward runs.
 //
-// CPU backend so far. Expert parallelism over ranks would plug in at the dispatch: the grouped
-// buffer's per-expert row ranges are what an all-to-all would exchange.
+// On cuda_backend (moe_mlp<P, cuda_backend>, include membound/backend/cuda.cuh and compile with
+// nvcc) every pointer is device memory and backend/cuda/moe.cuh runs the same steps; its models and
+// trainer do not take attention_moe blocks yet. Expert parallelism over ranks would plug in at the
+// dispatch: the grouped buffer's per-expert row ranges are what an all-to-all would exchange.
 
 // ---- begin membound/backend/cpu/moe.hpp ----
 // The mixture-of-experts feed-forward on the host (layers/moe_mlp.hpp is the front). One call:
@@ -13592,9 +13594,6 @@ class moe_mlp {
   using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
   using backend = get_policy<policies, backend_kind>;
-  static_assert(is_cpu_backend_v<backend>,
-                "membound: moe_mlp runs on the CPU backend so far (its CUDA kernels are not "
-                "written yet); use cpu_backend, or swiglu_mlp on cuda_backend.");
   using executor = typename backend::executor;
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
@@ -17498,11 +17497,11 @@ MEMBOUND_NAMESPACE_END
 // ---- end membound/model/model.hpp ----
 // ---- begin membound/model/hybrid.hpp ----
 // The hybrid whose blocks are chosen at run time: an embedding, a pattern of TTT-Linear,
-// attention, Mamba, TTT-MLP and sliding-window attention blocks (each with its SwiGLU MLP; on the
-// CPU also attention with a mixture of experts), and the LM head, at precision P on a backend.
+// attention, Mamba, TTT-MLP and sliding-window attention blocks (each with its SwiGLU MLP) and
+// attention with a mixture of experts, and the LM head, at precision P on a backend.
 // The example trainer (both halves), the benchmarks and the Python package build this one model;
 // model::mixer_index maps the names "ttt_linear", "attention", "mamba", "ttt_mlp",
-// "local_attention" (and on the CPU "attention_moe") to the pattern's indices. The local blocks'
+// "local_attention" and "attention_moe" to the pattern's indices. The local blocks'
 // window is model_config::attention_window, the mixture's settings model_config::moe.
 //
 //   membound::hybrid_model<membound::bf16_precision> m(config, {0, 1, 2, 1});
@@ -17514,11 +17513,10 @@ template <typename P, typename Backend>
 struct hybrid_of {
   using type = model<embedding<P>,
                      block_pattern<ttt_linear<P, Backend>, attention<P, Backend>, mamba<P, Backend>, ttt_mlp<P, Backend>,
-                                   attention<P, Backend, local_attention>>,
+                                   attention<P, Backend, local_attention>, block<attention<P, Backend>, moe_ffn>>,
                      lm_head<P, Backend>>;
 };
 // On the CPU the layers' own default: the very types the library's CPU models have always used.
-// and attention with a mixture-of-experts feed-forward (CPU only so far).
 template <typename P>
 struct hybrid_of<P, cpu_backend> {
   using type = model<embedding<P>,
@@ -17529,8 +17527,8 @@ struct hybrid_of<P, cpu_backend> {
 }  // namespace detail
 
 // The pattern's mixers in index order: 0 TTT-Linear, 1 attention, 2 Mamba, 3 TTT-MLP, 4 local
-// (sliding-window) attention; on the CPU 5 attention with a mixture of experts
-// ("attention_moe", model_config::moe). Backend:
+// (sliding-window) attention, 5 attention with a mixture of experts ("attention_moe",
+// model_config::moe). Backend:
 // cpu_backend, or cuda_backend (backend/cuda.cuh, in a .cu file).
 template <typename P = fp32_precision, typename Backend = cpu_backend>
 using hybrid_model = typename detail::hybrid_of<P, Backend>::type;

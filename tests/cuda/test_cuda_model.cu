@@ -214,6 +214,55 @@ void schedules_on_device(const mb::gpu::kernel_choices& k = {}) {
   }
 }
 void fp32_schedules() { schedules_on_device<mb::fp32_precision>(); }
+
+// A mixture of experts in a model on the device (attention with 4 experts, top-2, capacity 0.75:
+// choices dropped; a Mamba block after it): the loss and every gradient against the CPU model's,
+// the measured peak equal to the plan's (every buffer holds the routing's worst case, moe_rows),
+// and every schedule the same bits as `none` (a recomputed block routes its tokens the same way).
+template <typename P, typename B>
+using moe_hybrid = mb::model<mb::embedding<P>, mb::block<mb::attention<P, B>, mb::moe_ffn>, mb::block<mb::mamba<P, B>>,
+                             mb::lm_head<P, B>>;
+void moe_model_against_cpu() {
+  using P = mb::fp32_precision;
+  using K = mb::schedule_choice::kind;
+  mb::model_config c = config();
+  c.moe.experts = 4;
+  c.moe.top_k = 2;
+  c.moe.capacity_factor = 0.75;
+  c.moe.aux_loss_weight = 0.01;
+  const mb::batch_shape b{2, 40};
+  const moe_hybrid<P, mb::cpu_backend> cm(c);
+  const moe_hybrid<P, mb::cuda_backend> gm(c);
+  std::vector<float> w(cm.parameter_elements());
+  cm.init_weights(w.data(), 11);
+  const tokens t = make_tokens(b, c.vocab, 5);
+  double cpu_loss = 0;
+  const std::vector<float> want = cpu_step(cm, b, w, t, cpu_loss);
+  mb::plan_options o;
+  o.head_chunk = 16;
+  const mb::training_plan base = mb::make_plan(gm, b, mb::schedule_choice{K::none, 0}, o);
+  const gpu_step r = run_gpu(gm, base, w, t);
+  const std::vector<float> got = mbt::from_bytes<float>(r.grads);
+  std::printf("  loss (the balancing loss in it): cpu %.9g, gpu %.9g\n", cpu_loss, r.loss);
+  CHECK(std::abs(r.loss - cpu_loss) <= 1e-5 * std::abs(cpu_loss));
+  for (const mb::param_entry& e : cm.parameters()) {
+    const std::vector<float> gs(got.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                                got.begin() + static_cast<std::ptrdiff_t>(e.offset + e.count));
+    const std::vector<float> ws(want.begin() + static_cast<std::ptrdiff_t>(e.offset),
+                                want.begin() + static_cast<std::ptrdiff_t>(e.offset + e.count));
+    mbt::close_normwise(e.name.c_str(), mbt::as_double(gs), mbt::as_double(ws), 1e-4);
+  }
+  CHECK(r.measured_peak == base.peak_bytes);
+  CHECK(r.live_after == 0);
+  for (const mb::schedule_choice& s : {mb::schedule_choice{K::full, 0}, mb::schedule_choice{K::every, 2}}) {
+    const mb::training_plan p = mb::make_plan(gm, b, s, o);
+    const gpu_step q = run_gpu(gm, p, w, t);
+    std::printf("  %s: predicted peak %zu B, measured %zu B\n", s.name().c_str(), p.peak_bytes, q.measured_peak);
+    CHECK(q.measured_peak == p.peak_bytes);
+    CHECK(q.grads == r.grads);
+    CHECK(mbt::same_bits(q.loss, r.loss));
+  }
+}
 void bf16_schedules() { schedules_on_device<mb::bf16_precision>(); }
 // The two bf16 checks above run attention's default, the mma.sync kernels (attention_mma.cuh),
 // where the device can (on sm_80 and up they must be the ones that run). This case runs them
@@ -410,6 +459,8 @@ int main() {
       {"model cuda_backend bf16 on attention's fallback kernels (WMMA/SIMT): bounds, bits, measured = predicted",
        bf16_fallback_attention},
       {"model cuda_backend: reserve_model states each device stack's reserved peak", reserve_on_device_stacks},
+      {"model cuda_backend with a mixture of experts equals the CPU model; every schedule the same bits, measured = predicted",
+       moe_model_against_cpu},
       {"model cuda_backend refuses bad input and gives every byte back", bad_input},
   };
   return mbt::run_suite("test_cuda_model", cases);

@@ -18,6 +18,9 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
              gather, the fused cross-entropy, the norm's first pass, AdamW and its launches):
              against the CPU backend in fp32 and bf16, their 16-byte path bit-identical to their
              element path, every access inside its buffer
+  moe        the mixture of experts' router, dispatch, gathers, combines, gates' and router's
+             backward: against the CPU layer in fp32 (top-1/2, capacity binding or not, every
+             token to one expert), the statistics exactly
   attention  the tensor-core attention kernels (mma.sync forward, dQ, dK/dV), each lane a thread
              and mma.sync emulated from the PTX ISA's fragment layouts: against a double-precision
              attention, bf16 operands at 11 shapes (3 sliding windows, 2 packed) run twice, bit-identical; fp16 at
@@ -25,7 +28,7 @@ argument set. Each .cpp's header says what it checks and what it cannot; none re
 
 Usage:
 
-    python3 tests/emulation/cuda_emulate.py [ttt|mamba|adamw8bit|model|attention ...] [--args A B ...]
+    python3 tests/emulation/cuda_emulate.py [ttt|mamba|adamw8bit|model|moe|attention ...] [--args A B ...]
                                   [--sanitize thread|address|none] [-v]
 
 No target: all of them. --args replaces the target's argument sets (one argv[1] each). Exits 0
@@ -54,6 +57,9 @@ TARGETS = {
         args=[""],
         label=lambda a: "one run"),
     "model": dict(
+        args=[""],
+        label=lambda a: "one run"),
+    "moe": dict(
         args=[""],
         label=lambda a: "one run"),
     "attention": dict(

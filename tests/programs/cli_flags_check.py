@@ -230,8 +230,7 @@ def main():
             c.refuse(train, base, flag, change)
         if not os.path.exists("/dev/nvidia0"):  # no GPU here: --device cuda is refused, naming the flag
             c.refuse(train, base, "--device", {"--device": "cuda"})
-        else:  # the mixture of experts and offload run on the CPU so far
-            c.refuse(train, base, "--layers", {"--device": "cuda", "--layers": "attn_moe"})
+        else:  # offload runs on the CPU so far
             c.refuse(train, base, "--offload", {"--device": "cuda", "--offload": "auto"})
 
         # Valid edge cases still run, and sizes arrive in the report exactly.

@@ -15,6 +15,7 @@
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model.cuh"
 #include "membound/backend/cuda/mlp.cuh"
+#include "membound/backend/cuda/moe.cuh"
 #include "membound/backend/cuda/lm_head.cuh"
 #include "membound/backend/cuda/attention.cuh"
 #include "membound/backend/cuda/mamba.cuh"

@@ -14,8 +14,10 @@
 // are exact for the worst router and the same for every other. backend/cpu/moe.hpp says what one
 // call computes (router, top-k, dispatch order, drops, combine) and how backward runs.
 //
-// CPU backend so far. Expert parallelism over ranks would plug in at the dispatch: the grouped
-// buffer's per-expert row ranges are what an all-to-all would exchange.
+// On cuda_backend (moe_mlp<P, cuda_backend>, include membound/backend/cuda.cuh and compile with
+// nvcc) every pointer is device memory and backend/cuda/moe.cuh runs the same steps; its models and
+// trainer do not take attention_moe blocks yet. Expert parallelism over ranks would plug in at the
+// dispatch: the grouped buffer's per-expert row ranges are what an all-to-all would exchange.
 #pragma once
 
 #include <cstddef>
@@ -44,9 +46,6 @@ class moe_mlp {
   using policies = policy_set<type_list<fp32_precision, cpu_backend>, Policies...>;
   using precision = get_policy<policies, precision_kind>;
   using backend = get_policy<policies, backend_kind>;
-  static_assert(is_cpu_backend_v<backend>,
-                "membound: moe_mlp runs on the CPU backend so far (its CUDA kernels are not "
-                "written yet); use cpu_backend, or swiglu_mlp on cuda_backend.");
   using executor = typename backend::executor;
   using storage_type = typename precision::storage_type;
   using accum_type = typename precision::accum_type;
