@@ -13066,8 +13066,7 @@ MEMBOUND_NAMESPACE_END
 // call computes (router, top-k, dispatch order, drops, combine) and how backward runs.
 //
 // On cuda_backend (moe_mlp<P, cuda_backend>, include membound/backend/cuda.cuh and compile with
-// nvcc) every pointer is device memory and backend/cuda/moe.cuh runs the same steps; its models and
-// trainer do not take attention_moe blocks yet. Expert parallelism over ranks would plug in at the
+// nvcc) every pointer is device memory and backend/cuda/moe.cuh runs the same steps. Expert parallelism over ranks would plug in at the
 // dispatch: the grouped buffer's per-expert row ranges are what an all-to-all would exchange.
 
 // ---- begin membound/backend/cpu/moe.hpp ----

@@ -10,8 +10,8 @@
 // the balancing loss within 1e-6). The SwiGLU and the GEMMs are plain loops here (the model's
 // kernels have their own emulation). Cases: top-1 and top-2, with
 // and without renormalisation, capacity that binds and that does not, an adversarial router that
-// sends every token to expert 0 (drops at capacity), an expert that gets no row, the balancing
-// loss on and off. Under --sanitize address every buffer has its exact size. What it cannot
+// sends every token's first choice to expert 0 (drops at its capacity, checked to happen), the
+// balancing loss on and off. Under --sanitize address every buffer has its exact size. What it cannot
 // check: the launchers themselves (copied here by hand), cuBLASLt, bf16/fp16, the device.
 #include <algorithm>
 #include <cmath>
@@ -294,6 +294,11 @@ void run_case(const char* name, mb::moe_shape s, bool one_expert = false) {
     ++fails;
     std::printf("  FAIL stats: dropped %zu/%zu, tokens dropped %zu/%zu, max rows %zu/%zu, aux %.9g/%.9g\n", a.dropped,
                 b.dropped, a.tokens_dropped, b.tokens_dropped, a.max_expert_rows, b.max_expert_rows, a.aux_loss, b.aux_loss);
+  }
+  if (one_expert && a.dropped < s.tokens() - mb::moe_capacity(s)) {  // every first choice on expert 0
+    ++fails;
+    std::printf("  FAIL the adversarial router dropped %zu choices, expected at least %zu\n", a.dropped,
+                s.tokens() - mb::moe_capacity(s));
   }
   std::printf("%s: N %zu E %zu k %zu capacity %zu, %zu of %zu choices dropped (%zu tokens), worst %.3g, aux %.6g\n",
               name, s.tokens(), s.experts, s.top_k, mb::moe_capacity(s), a.dropped, a.choices, a.tokens_dropped,

@@ -6,8 +6,9 @@
 //             summed in order; the kept choices' rows;
 //   experts   the kept rows gathered by expert into one buffer of moe_rows(shape) rows, then per
 //             expert its SwiGLU as cuBLASLt GEMMs over exactly its rows (a grouped GEMM as E
-//             launches: the row counts come to the host, one copy of E + 1 ints and a wait for the
-//             stream per call, as grouped-GEMM MoE codes do with their batch sizes);
+//             launches: the row counts come to the host, a copy of E + 1 ints, and the statistics'
+//             32 bytes when asked for, then one wait for the stream per call, as grouped-GEMM MoE
+//             codes read their batch sizes);
 //   combine   y = Σ_j g_j·Y[row(t, j)], one thread per (token, column), j in order.
 // Backward recomputes the gathers, never keeps Y, and runs the CPU's order: the gates' gradient
 // dg = (dy·Wdᵀ)·act, the SwiGLU backward, the experts' weight gradients, dx scattered back, the
@@ -22,6 +23,12 @@
 // Memory: every buffer holds moe_rows(shape) rows whatever the routing, as on the CPU, so the
 // sizes are exact for the worst router. The host copy of the expert offsets is a vector of E + 1
 // ints (the one host allocation of a call).
+//
+// Costs not yet measured (no GPU run): the two waits per block and step; the dispatch and the
+// statistics run on E threads and one thread (O(N·k) and O(N·E) each); the gates' backward is a
+// thread per row (uncoalesced along F); and each expert's GEMMs take the expert's row count, which
+// changes with the routing, so the GEMM plan cache (keyed by shape) keeps adding plans, up to the
+// capacity's distinct counts per product.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -195,18 +202,18 @@ void backend_kernels<cuda_backend, moe_shape>::forward(const moe_shape& s, const
 
   // Router and dispatch.
   gpu::matmul(ctx, x, wr, r.p, N, C, E, false);
-  md::moe_route_kernel<<<md::grid_for(N), 256, 0, st>>>(r.p, r.choice, r.g, N, E, k, renormalized(s));
+  md::moe_route_kernel<><<<md::grid_for(N), 256, 0, st>>>(r.p, r.choice, r.g, N, E, k, renormalized(s));
   cuda_executor::check_launch("moe_route_kernel");
-  md::moe_dispatch_kernel<<<md::grid_for(E), 256, 0, st>>>(r.choice, r.row, r.off, named, N, E, k, moe_capacity(s));
+  md::moe_dispatch_kernel<><<<md::grid_for(E), 256, 0, st>>>(r.choice, r.row, r.off, named, N, E, k, moe_capacity(s));
   cuda_executor::check_launch("moe_dispatch_kernel");
-  md::moe_offsets_kernel<<<1, 1, 0, st>>>(r.off, E);
+  md::moe_offsets_kernel<><<<1, 1, 0, st>>>(r.off, E);
   cuda_executor::check_launch("moe_offsets_kernel");
-  md::moe_rows_kernel<<<md::grid_for(N * k), 256, 0, st>>>(r.choice, r.row, r.off, N * k);
+  md::moe_rows_kernel<><<<md::grid_for(N * k), 256, 0, st>>>(r.choice, r.row, r.off, N * k);
   cuda_executor::check_launch("moe_rows_kernel");
   md::moe_device_stats h{};
   if (stats != nullptr) {
     auto* dstats = ws.template get<md::moe_device_stats>(f_stats);
-    md::moe_stats_kernel<<<1, 1, 0, st>>>(r.p, named, r.row, r.off, N, E, k, s.aux_loss_weight, dstats);
+    md::moe_stats_kernel<><<<1, 1, 0, st>>>(r.p, named, r.row, r.off, N, E, k, s.aux_loss_weight, dstats);
     cuda_executor::check_launch("moe_stats_kernel");
     cuda_check(cudaMemcpyAsync(&h, dstats, sizeof h, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (the MoE statistics)");
   }
@@ -270,7 +277,7 @@ void backend_kernels<cuda_backend, moe_shape>::backward(const moe_shape& s, cons
   cuda_executor::check_launch("moe_gather_kernel");
   md::moe_gather_kernel<S><<<md::grid_for(N * k * C), 256, 0, st>>>(dy, r.row, dyg, N * k, k, C);
   cuda_executor::check_launch("moe_gather_kernel");
-  md::moe_sources_kernel<<<md::grid_for(N * k), 256, 0, st>>>(r.row, src, N * k);
+  md::moe_sources_kernel<><<<md::grid_for(N * k), 256, 0, st>>>(r.row, src, N * k);
   cuda_executor::check_launch("moe_sources_kernel");
   cuda_check(cudaMemsetAsync(dg, 0, N * k * sizeof(float), st), "cudaMemsetAsync (dg)");  // dropped: 0
   gpu::swiglu_forward(ex, a_s, b_s, act, kept * F);
@@ -304,14 +311,14 @@ void backend_kernels<cuda_backend, moe_shape>::backward(const moe_shape& s, cons
   } else {
     dxf = ws.template get<float>(b_dx);
   }
-  md::moe_scatter_back_kernel<<<md::grid_for(N * C), 256, 0, st>>>(dxg, r.row, dxf, N, k, C);
+  md::moe_scatter_back_kernel<><<<md::grid_for(N * C), 256, 0, st>>>(dxg, r.row, dxf, N, k, C);
   cuda_executor::check_launch("moe_scatter_back_kernel");
   // The balancing loss's count per expert, as the forward's dispatch counted it.
-  md::moe_count_kernel<<<md::grid_for(E), 256, 0, st>>>(r.choice, named, N * k, E);
+  md::moe_count_kernel<><<<md::grid_for(E), 256, 0, st>>>(r.choice, named, N * k, E);
   cuda_executor::check_launch("moe_count_kernel");
   const float aux_scale = static_cast<float>(s.aux_loss_weight * static_cast<double>(E) /
                                              (static_cast<double>(N) * static_cast<double>(N)));
-  md::moe_router_backward_kernel<<<md::grid_for(N), 256, 0, st>>>(r.p, r.choice, r.g, dg, named, aux_scale, dl, N,
+  md::moe_router_backward_kernel<><<<md::grid_for(N), 256, 0, st>>>(r.p, r.choice, r.g, dg, named, aux_scale, dl, N,
                                                                    E, k, renormalized(s));
   cuda_executor::check_launch("moe_router_backward_kernel");
   const S* dls;

@@ -4,10 +4,13 @@
 // tests/emulation/moe_cuda_emulate.cpp includes the same text inside its emulation namespace,
 // where the CUDA built-ins are host threads (tests/emulation/cuda_emulate.py moe). One text,
 // compiled by nvcc and by the emulation: change the kernels here. Every sum runs in one thread in
-// a fixed order (no atomics): repeated calls give the same bits.
+// a fixed order (no atomics): repeated calls give the same bits. Kernels that take no type are
+// templates all the same (template <int = 0>, launched as kernel<>): a header's plain __global__
+// would be an external symbol in every nvcc unit that includes it.
 
 // The router, one thread per token: p = softmax(logits) in place, the k largest in descending
 // order (a tie to the lower expert), gates g = p of those, divided by their sum when renorm.
+template <int = 0>
 __global__ void moe_route_kernel(float* p, std::int32_t* choice, float* g, std::size_t N, std::size_t E,
                                  std::size_t k, bool renorm) {
   for (std::size_t t = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; t < N;
@@ -39,6 +42,7 @@ __global__ void moe_route_kernel(float* p, std::int32_t* choice, float* g, std::
 // (moe_rows_kernel makes them rows), the rest dropped (row −1). off[e + 1] = e's kept choices
 // (moe_offsets_kernel sums them), named[e] = every choice of e, kept or not (the balancing loss's
 // count). A choice belongs to one expert, so each row is written by one thread.
+template <int = 0>
 __global__ void moe_dispatch_kernel(const std::int32_t* choice, std::int32_t* row, std::int32_t* off,
                                     std::int32_t* named, std::size_t N, std::size_t E, std::size_t k,
                                     std::size_t cap) {
@@ -59,6 +63,7 @@ __global__ void moe_dispatch_kernel(const std::int32_t* choice, std::int32_t* ro
 }
 
 // named[e] = the choices that name expert e (the balancing loss's count), one thread per expert.
+template <int = 0>
 __global__ void moe_count_kernel(const std::int32_t* choice, std::int32_t* named, std::size_t Nk, std::size_t E) {
   for (std::size_t e = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; e < E;
        e += std::size_t{gridDim.x} * blockDim.x) {
@@ -69,12 +74,14 @@ __global__ void moe_count_kernel(const std::int32_t* choice, std::int32_t* named
 }
 
 // off[e + 1] += off[e] in order (one thread): expert e's rows are [off[e], off[e + 1]).
+template <int = 0>
 __global__ void moe_offsets_kernel(std::int32_t* off, std::size_t E) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   for (std::size_t e = 0; e < E; ++e) off[e + 1] += off[e];
 }
 
 // A kept choice's rank within its expert made its row: row += off[choice], one thread per choice.
+template <int = 0>
 __global__ void moe_rows_kernel(const std::int32_t* choice, std::int32_t* row, const std::int32_t* off,
                                 std::size_t n) {
   for (std::size_t q = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; q < n;
@@ -90,6 +97,7 @@ struct moe_device_stats {
   double aux;
   std::int64_t dropped, tokens_dropped, max_rows;
 };
+template <int = 0>
 __global__ void moe_stats_kernel(const float* p, const std::int32_t* named, const std::int32_t* row,
                                  const std::int32_t* off, std::size_t N, std::size_t E, std::size_t k,
                                  double aux_weight, moe_device_stats* out) {
@@ -146,6 +154,7 @@ __global__ void moe_combine_kernel(const float* yg, const std::int32_t* row, con
 }
 
 // Backward: src[row(q)] = q for every kept choice (the choice each grouped row came from).
+template <int = 0>
 __global__ void moe_sources_kernel(const std::int32_t* row, std::int32_t* src, std::size_t Nk) {
   for (std::size_t q = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; q < Nk;
        q += std::size_t{gridDim.x} * blockDim.x) {
@@ -173,6 +182,7 @@ __global__ void moe_gate_backward_kernel(const float* u, const S* act, const std
 }
 
 // dx[t, c] = Σ_j dxg[row(t, j), c] over the kept choices, j in order (0 when none), fp32.
+template <int = 0>
 __global__ void moe_scatter_back_kernel(const float* dxg, const std::int32_t* row, float* dx,
                                         std::size_t N, std::size_t k, std::size_t C) {
   const std::size_t total = N * C;
@@ -191,6 +201,7 @@ __global__ void moe_scatter_back_kernel(const float* dxg, const std::int32_t* ro
 // The router's backward, one thread per token: dl[t, ·] = the logits' gradient from the gates'
 // dg [N, k] (through the renormalisation when renorm), plus the balancing loss's
 // aux_scale·named[e] on every p[t, e] (aux_scale = α·E/N²), then the softmax's backward.
+template <int = 0>
 __global__ void moe_router_backward_kernel(const float* p, const std::int32_t* choice, const float* g,
                                            const float* dg, const std::int32_t* named, float aux_scale,
                                            float* dl, std::size_t N, std::size_t E, std::size_t k,

@@ -332,10 +332,10 @@ void inner_inputs(const gemm_context& ctx, const ttt_shape& s, const ttt_dims& d
   matmul(ctx, x, w.wk, k, n, C, C, false);
   matmul(ctx, x, w.wv, v, n, C, C, false);
   const std::size_t pairs = n * H * (d.D / 2);
-  rope_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(q, n, T, H, d.D, s.rope_base, MB, fixed, false,
+  rope_kernel<><<<blocks_for(pairs, 256), 256, 0, st>>>(q, n, T, H, d.D, s.rope_base, MB, fixed, false,
                                                       packing);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
-  rope_kernel<<<blocks_for(pairs, 256), 256, 0, st>>>(k, n, T, H, d.D, s.rope_base, MB, fixed, false,
+  rope_kernel<><<<blocks_for(pairs, 256), 256, 0, st>>>(k, n, T, H, d.D, s.rope_base, MB, fixed, false,
                                                       packing);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
   matmul_bt(ctx, x, w.lr_w, lr, n, C, H, false);
@@ -524,10 +524,10 @@ void backend_kernels<cuda_backend, ttt_shape>::backward(const ttt_shape& s, cons
 
   // RoPE's transpose, then the projections.
   const std::size_t pairs = N * H * (d.D / 2);
-  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(dq, N, T, H, d.D, s.rope_base, MB,
+  td::rope_kernel<><<<td::blocks_for(pairs, 256), 256, 0, st>>>(dq, N, T, H, d.D, s.rope_base, MB,
                                                               MB, true, pk);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
-  td::rope_kernel<<<td::blocks_for(pairs, 256), 256, 0, st>>>(dk, N, T, H, d.D, s.rope_base, MB,
+  td::rope_kernel<><<<td::blocks_for(pairs, 256), 256, 0, st>>>(dk, N, T, H, d.D, s.rope_base, MB,
                                                               MB, true, pk);
   cuda_check(cudaGetLastError(), "ttt rope_kernel launch");
   const float* grads[3] = {dq, dk, dv};

@@ -7,6 +7,7 @@
 // sequence's start) mod period; one thread per (row, pair, head). fixed < period: every row at
 // that position instead (decoding). inverse: the transpose (the backward's dq, dk), as
 // cpu::rope_pairs.
+template <int = 0>  // inline for the linker (a header's plain __global__ is an external symbol)
 __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t H, std::size_t D,
                             double base, std::size_t period, std::size_t fixed, bool inverse,
                             packed_sequences packing) {
