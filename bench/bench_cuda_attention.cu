@@ -79,23 +79,24 @@ void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with
   }
   mb::bf16* o16 = nullptr;
   if (kernels != path::simt) mb::cuda_check(cudaMalloc(&o16, n * sizeof(mb::bf16)), "cudaMalloc");
+  const mb::attention_band band = mb::band_of(s);  // unpacked: no offsets to stage
   auto once = [&] {
     if (kernels == path::mma) {
-      gpu::detail::launch_forward_mma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p);
+      gpu::detail::launch_forward_mma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p, band);
       if (with_backward) {
         gpu::detail::launch_backward_mma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, dout.p, lse.p,
-                                                       delta.p, dq.p, dk.p, dv.p);
+                                                       delta.p, dq.p, dk.p, dv.p, band);
       }
       return;
     }
     if (kernels == path::wmma) {
-      gpu::detail::launch_forward_wmma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p);
+      gpu::detail::launch_forward_wmma<mb::bf16, DM>(ex, s, q.p, k.p, v.p, o16, lse.p, band);
     } else {
-      gpu::detail::launch_forward<float, DM>(ex, s, q.p, k.p, v.p, o.p, lse.p);
+      gpu::detail::launch_forward<float, DM>(ex, s, q.p, k.p, v.p, o.p, lse.p, band);
     }
     if (with_backward) {
       gpu::detail::launch_backward<DM>(ex, s, q.p, k.p, v.p, dout.p, lse.p, delta.p, dq.p, dk.p,
-                                       dv.p);
+                                       dv.p, band);
     }
   };
   once();  // warm-up (module load, smem attribute)

@@ -135,7 +135,7 @@ void bm_scan(benchmark::State& state) {
       const dim3 grid_a(static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B));
       gpu::mamba_detail::scan_chunk_local_kernel<<<grid_a, threads, 0, st>>>(
           static_cast<const S*>(c.p), static_cast<const S*>(delta.p), static_cast<const S*>(xdbl.p),
-          static_cast<const S*>(a_log.p), T, Di, Ns, R, L, cpb, states.p, dsum.p);
+          static_cast<const S*>(a_log.p), T, Di, Ns, R, L, cpb, states.p, dsum.p, mb::packed_sequences{});
       mb::cuda_executor::check_launch("scan_chunk_local_kernel");
     }
     if (nch > 2) {
@@ -147,7 +147,7 @@ void bm_scan(benchmark::State& state) {
     gpu::mamba_detail::scan_forward_kernel<<<grid, threads, 0, st>>>(
         xz.p, c.p, delta.p, xdbl.p, a_log.p, dskip.p, T, Di, Ns, R, L, cpb,
         static_cast<const float*>(states.p), gated.p, static_cast<const float*>(nullptr),
-        static_cast<S*>(nullptr));
+        static_cast<S*>(nullptr), mb::packed_sequences{});
     mb::cuda_executor::check_launch("scan_forward_kernel");
   };
   // What the scan must move: z, c, Δ in; B, C in; the gated y out; the chunk states out. (The
