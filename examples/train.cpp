@@ -565,18 +565,7 @@ template <typename P, template <typename> class Opt>
 int run(const options& flags, const std::vector<std::int32_t>& text, ranks& world) {
   options o = flags;  // --seq max with --pack: the row length chosen below
   using net = mb::hybrid_model<P>;
-  std::vector<std::size_t> pattern;
-  for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
-  mb::model_config cfg;
-  cfg.vocab = 256;
-  cfg.width = o.width;
-  cfg.heads = o.heads;
-  cfg.attention_window = o.window;
-  cfg.moe.experts = o.experts;
-  cfg.moe.top_k = o.top_k;
-  cfg.moe.capacity_factor = o.capacity;
-  cfg.moe.aux_loss_weight = o.aux;
-  const net m = under_flags(o, [&] { return net(cfg, pattern); });
+  const net m = under_flags(o, [&] { return model_of<net>(o); });
   const std::size_t budget = o.budget;
   // Data parallel: each rank plans and runs its share of every step's sequences.
   const std::size_t N = world.size();

@@ -226,6 +226,24 @@ struct packed_rows {
   }
 };
 
+// The byte-level hybrid the flags describe (--layers, --width, --heads, --window and the
+// mixture's --experts, --top-k, --capacity, --aux), as either trainer builds it.
+template <typename Net>
+Net model_of(const options& o) {
+  std::vector<std::size_t> pattern;
+  for (const std::string& name : o.blocks) pattern.push_back(Net::mixer_index(name));
+  mb::model_config cfg;
+  cfg.vocab = 256;
+  cfg.width = o.width;
+  cfg.heads = o.heads;
+  cfg.attention_window = o.window;
+  cfg.moe.experts = o.experts;
+  cfg.moe.top_k = o.top_k;
+  cfg.moe.capacity_factor = o.capacity;
+  cfg.moe.aux_loss_weight = o.aux;
+  return Net(cfg, pattern);
+}
+
 // --pack's data: the training and validation texts' paragraphs packed into rows of `seq` tokens, at
 // most `pack` each; refused by name when either text has none, else the packing's line printed.
 // The texts must outlive it.

@@ -96,18 +96,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   using net = mb::hybrid_model<P, B>;
   using S = typename net::storage_type;
   using optimizer = Opt<S>;
-  std::vector<std::size_t> pattern;
-  for (const std::string& name : o.blocks) pattern.push_back(net::mixer_index(name));
-  mb::model_config cfg;
-  cfg.vocab = 256;
-  cfg.width = o.width;
-  cfg.heads = o.heads;
-  cfg.attention_window = o.window;
-  cfg.moe.experts = o.experts;
-  cfg.moe.top_k = o.top_k;
-  cfg.moe.capacity_factor = o.capacity;
-  cfg.moe.aux_loss_weight = o.aux;
-  const net m = under_flags(o, [&] { return net(cfg, pattern); });
+  const net m = under_flags(o, [&] { return model_of<net>(o); });
   const std::size_t budget = o.budget;
   const int device = mb::cuda_current_device();
   // Data parallel: each rank plans and runs its share of every step's sequences; with --zero 1

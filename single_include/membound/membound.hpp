@@ -13136,6 +13136,16 @@ constexpr std::size_t moe_rows(const moe_shape& s) noexcept {
   return std::min(s.tokens() * s.top_k, s.experts * moe_capacity(s));
 }
 
+// The routing a forward keeps for its backward, in `saved` (the backend's memory).
+template <typename A>
+struct moe_routing {
+  A* p;                  // [N, E]: the router's probabilities
+  std::int32_t* choice;  // [N, k]: each token's experts, best first
+  std::int32_t* row;     // [N, k]: each choice's row of the grouped buffer, −1 when dropped
+  A* g;                  // [N, k]: the gates
+  std::int32_t* off;     // [E + 1]: expert e's rows are [off[e], off[e + 1])
+};
+
 // What forward did with its tokens (the caller's, optional): the load-balancing loss it adds and
 // the choices the capacity dropped. += sums calls (a model's blocks, a step's micro-batches).
 struct moe_stats {
@@ -13175,16 +13185,9 @@ struct backend_kernels<cpu_backend, moe_shape> {
     return fits<S, A>(s, threads) ? backward_layout<S, A>(s, threads).size() : too_large;
   }
 
-  // The routing forward keeps: p [N, E] (A), choice and row [N, k] (int32; row −1: dropped),
-  // g [N, k] (A), off [E + 1] (int32).
+  // The routing forward keeps (shape/moe_shape.hpp).
   template <typename A>
-  struct routing {
-    A* p;
-    std::int32_t* choice;
-    std::int32_t* row;
-    A* g;
-    std::int32_t* off;
-  };
+  using routing = moe_routing<A>;
 
   // a_s, b_s: the experts' pre-activations [moe_rows, F], written here (rows past off[E] unused).
   template <typename S, typename A>

@@ -32,6 +32,7 @@
 #include "membound/core/parallel.hpp"
 
 #include "cta_threads.hpp"
+#include "host_gemm.hpp"
 
 struct dim3e {
   unsigned x = 1, y = 1, z = 1;
@@ -94,44 +95,9 @@ void launch_cta(dim3e grid, unsigned nt, const std::function<void()>& f) {
   });
 }
 
-// The GEMMs, fp32 sums in k order. nn: y[N,M] (+)= x[N,K]·w[K,M]; bt: w is [M,K];
-// at: g[K,M] (+)= x[N,K]ᵀ·d[N,M]. lx, lw, ly: row strides (cpu::ld3's order).
-void mm(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc, size_t lx,
-        size_t lw, size_t ly) {
-  for (size_t n = 0; n < N; ++n)
-    for (size_t m = 0; m < M; ++m) {
-      float a = 0;
-      for (size_t k = 0; k < K; ++k) a += x[n * lx + k] * w[k * lw + m];
-      y[n * ly + m] = acc ? y[n * ly + m] + a : a;
-    }
-}
-void mm(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
-  mm(x, w, y, N, K, M, acc, K, M, M);
-}
-void mm_bt(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc,
-           size_t lx, size_t lw, size_t ly) {
-  for (size_t n = 0; n < N; ++n)
-    for (size_t m = 0; m < M; ++m) {
-      float a = 0;
-      for (size_t k = 0; k < K; ++k) a += x[n * lx + k] * w[m * lw + k];
-      y[n * ly + m] = acc ? y[n * ly + m] + a : a;
-    }
-}
-void mm_bt(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
-  mm_bt(x, w, y, N, K, M, acc, K, K, M);
-}
-void mm_at(const float* x, const float* d, float* g, size_t N, size_t K, size_t M, bool acc,
-           size_t lx, size_t ldd, size_t lg) {
-  for (size_t k = 0; k < K; ++k)
-    for (size_t m = 0; m < M; ++m) {
-      float a = 0;
-      for (size_t n = 0; n < N; ++n) a += x[n * lx + k] * d[n * ldd + m];
-      g[k * lg + m] = acc ? g[k * lg + m] + a : a;
-    }
-}
-void mm_at(const float* x, const float* d, float* g, size_t N, size_t K, size_t M, bool acc) {
-  mm_at(x, d, g, N, K, M, acc, K, M, M);
-}
+using emu_support::mm;
+using emu_support::mm_at;
+using emu_support::mm_bt;
 
 struct lcg {
   std::uint32_t s;

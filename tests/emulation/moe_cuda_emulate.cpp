@@ -24,6 +24,8 @@
 
 #include "membound/layers/moe_mlp.hpp"
 
+#include "host_gemm.hpp"
+
 struct dim3e {
   unsigned x = 1, y = 1, z = 1;
 };
@@ -57,32 +59,10 @@ void launch(size_t n, unsigned threads, const std::function<void()>& f) {
 void launch_grid(size_t n, const std::function<void()>& f) { launch(n, 256, f); }
 void launch_one(const std::function<void()>& f) { launch(1, 1, f); }
 
-// The GEMMs, fp32 sums in k order: nn y[N,M] (+)= x[N,K]·w[K,M]; bt: w is [M,K]; at: g[K,M] (+)=
-// x[N,K]ᵀ·d[N,M].
-void mm(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
-  for (size_t n = 0; n < N; ++n)
-    for (size_t m = 0; m < M; ++m) {
-      float a = 0;
-      for (size_t k = 0; k < K; ++k) a += x[n * K + k] * w[k * M + m];
-      y[n * M + m] = acc ? y[n * M + m] + a : a;
-    }
-}
-void mm_bt(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
-  for (size_t n = 0; n < N; ++n)
-    for (size_t m = 0; m < M; ++m) {
-      float a = 0;
-      for (size_t k = 0; k < K; ++k) a += x[n * K + k] * w[m * K + k];
-      y[n * M + m] = acc ? y[n * M + m] + a : a;
-    }
-}
-void mm_at(const float* x, const float* d, float* g, size_t N, size_t K, size_t M, bool acc) {
-  for (size_t k = 0; k < K; ++k)
-    for (size_t m = 0; m < M; ++m) {
-      float a = 0;
-      for (size_t n = 0; n < N; ++n) a += x[n * K + k] * d[n * M + m];
-      g[k * M + m] = acc ? g[k * M + m] + a : a;
-    }
-}
+using emu_support::mm;
+using emu_support::mm_at;
+using emu_support::mm_bt;
+
 void swiglu(const float* a, const float* b, float* act, size_t n) {
   for (size_t i = 0; i < n; ++i) act[i] = mb::silu(a[i]) * b[i];
 }

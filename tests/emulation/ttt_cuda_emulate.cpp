@@ -19,6 +19,7 @@
 #include "membound/membound.hpp"
 
 #include "cta_threads.hpp"
+#include "host_gemm.hpp"
 
 struct dim3e { unsigned x; };
 static thread_local dim3e threadIdx{0}, blockIdx{0};
@@ -83,22 +84,9 @@ template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f
   }
   blockDim.x = 1;
 }
-// y[N,M] (+)= x[N,K]·w[K,M]; bt: w is [M,K]; at: g[K,M] += x[N,K]ᵀ·d[N,M]
-void mm(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
-  for (size_t n = 0; n < N; ++n) for (size_t m = 0; m < M; ++m) {
-    float a = 0; for (size_t k = 0; k < K; ++k) a += x[n*K+k]*w[k*M+m];
-    y[n*M+m] = acc ? y[n*M+m] + a : a; }
-}
-void mm_bt(const float* x, const float* w, float* y, size_t N, size_t K, size_t M, bool acc) {
-  for (size_t n = 0; n < N; ++n) for (size_t m = 0; m < M; ++m) {
-    float a = 0; for (size_t k = 0; k < K; ++k) a += x[n*K+k]*w[m*K+k];
-    y[n*M+m] = acc ? y[n*M+m] + a : a; }
-}
-void mm_at(const float* x, const float* d, float* g, size_t N, size_t K, size_t M) {
-  for (size_t k = 0; k < K; ++k) for (size_t m = 0; m < M; ++m) {
-    float a = 0; for (size_t n = 0; n < N; ++n) a += x[n*K+k]*d[n*M+m];
-    g[k*M+m] += a; }
-}
+using emu_support::mm;
+using emu_support::mm_at;
+using emu_support::mm_bt;
 
 struct W { std::vector<float> wq, wk, wv, nw, nb, w1, b1, lr_w, lr_b, tok, post_w, post_b, wg, wo, w2, b2; };
 std::vector<float> rnd(size_t n, unsigned seed, float scale, float off = 0) {
@@ -195,8 +183,8 @@ Out run(const mb::ttt_shape& s, int level = 3) {
   float* gp = nullptr;
   if (s.use_gate) { mm(x.data(), w.wg.data(), gpre.data(), N, C, C, false); gp = gpre.data(); }
   launch(N, [&]{ ttt_post_norm_backward_kernel<float>(o.data(), w.post_w.data(), w.post_b.data(), gp, dpn.data(), pns.data(), xh.data(), d_o.data(), C, 1e-6f); });
-  mm_at(pns.data(), dy.data(), r.g[13].data(), N, C, C);
-  if (s.use_gate) { mm_at(x.data(), gpre.data(), r.g[12].data(), N, C, C); mm_bt(gpre.data(), w.wg.data(), dx.data(), N, C, C, false); }
+  mm_at(pns.data(), dy.data(), r.g[13].data(), N, C, C, true);
+  if (s.use_gate) { mm_at(x.data(), gpre.data(), r.g[12].data(), N, C, C, true); mm_bt(gpre.data(), w.wg.data(), dx.data(), N, C, C, false); }
   else std::fill(dx.begin(), dx.end(), 0.f);
   launch(C, [&]{ ttt_post_params_kernel<float>(dpn.data(), xh.data(), N, C, r.g[10].data(), r.g[11].data()); });
   const size_t brows = ttt_backward_rows(D, F, MB, Mlp);
@@ -215,7 +203,7 @@ Out run(const mb::ttt_shape& s, int level = 3) {
   launch(pairs, [&]{ rope_kernel(dq.data(), N, T, H, D, s.rope_base, MB, MB, true, pk); });
   launch(pairs, [&]{ rope_kernel(dk.data(), N, T, H, D, s.rope_base, MB, MB, true, pk); });
   const float* gr[3] = {dq.data(), dk.data(), dv.data()}; const float* ws[3] = {w.wq.data(), w.wk.data(), w.wv.data()};
-  for (int i = 0; i < 3; ++i) { mm_at(x.data(), gr[i], r.g[i].data(), N, C, C); mm_bt(gr[i], ws[i], dx.data(), N, C, C, true); }
+  for (int i = 0; i < 3; ++i) { mm_at(x.data(), gr[i], r.g[i].data(), N, C, C, true); mm_bt(gr[i], ws[i], dx.data(), N, C, C, true); }
   r.dx = dx;
   check("dx", dx, dxc, 1e-5);
   const char* names[16] = {"wq","wk","wv","nw","nb","w1","b1","lr_w","lr_b","tok","post_w","post_b","wg","wo","w2","b2"};

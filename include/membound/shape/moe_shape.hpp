@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 #include "membound/core/config.hpp"
 
@@ -51,6 +52,16 @@ constexpr std::size_t moe_capacity(const moe_shape& s) noexcept {
 constexpr std::size_t moe_rows(const moe_shape& s) noexcept {
   return std::min(s.tokens() * s.top_k, s.experts * moe_capacity(s));
 }
+
+// The routing a forward keeps for its backward, in `saved` (the backend's memory).
+template <typename A>
+struct moe_routing {
+  A* p;                  // [N, E]: the router's probabilities
+  std::int32_t* choice;  // [N, k]: each token's experts, best first
+  std::int32_t* row;     // [N, k]: each choice's row of the grouped buffer, −1 when dropped
+  A* g;                  // [N, k]: the gates
+  std::int32_t* off;     // [E + 1]: expert e's rows are [off[e], off[e + 1])
+};
 
 // What forward did with its tokens (the caller's, optional): the load-balancing loss it adds and
 // the choices the capacity dropped. += sums calls (a model's blocks, a step's micro-batches).

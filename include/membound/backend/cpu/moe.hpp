@@ -48,16 +48,9 @@ struct backend_kernels<cpu_backend, moe_shape> {
     return fits<S, A>(s, threads) ? backward_layout<S, A>(s, threads).size() : too_large;
   }
 
-  // The routing forward keeps: p [N, E] (A), choice and row [N, k] (int32; row −1: dropped),
-  // g [N, k] (A), off [E + 1] (int32).
+  // The routing forward keeps (shape/moe_shape.hpp).
   template <typename A>
-  struct routing {
-    A* p;
-    std::int32_t* choice;
-    std::int32_t* row;
-    A* g;
-    std::int32_t* off;
-  };
+  using routing = moe_routing<A>;
 
   // a_s, b_s: the experts' pre-activations [moe_rows, F], written here (rows past off[E] unused).
   template <typename S, typename A>

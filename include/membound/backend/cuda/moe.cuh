@@ -65,16 +65,9 @@ struct backend_kernels<cuda_backend, moe_shape> {
     return fits(s) ? backward_layout<S>(s).size() : std::numeric_limits<std::size_t>::max();
   }
 
-  // The routing forward keeps (device memory, the CPU's layout): p [N, E], choice and row [N, k]
-  // (int32; row −1: dropped), g [N, k], off [E + 1] (int32).
+  // The routing forward keeps (shape/moe_shape.hpp), in device memory.
   template <typename A>
-  struct routing {
-    A* p;
-    std::int32_t* choice;
-    std::int32_t* row;
-    A* g;
-    std::int32_t* off;
-  };
+  using routing = moe_routing<A>;
 
 #if MEMBOUND_CUDA_COMPILER
   // a_s, b_s: the experts' pre-activations [moe_rows, F], written here.
@@ -159,6 +152,14 @@ struct backend_kernels<cuda_backend, moe_shape> {
   }
 
 #if MEMBOUND_CUDA_COMPILER
+  // f(e, first row, rows) for every expert with rows, in order (off: the host's offsets).
+  template <typename F>
+  static void each_expert(const std::vector<std::int32_t>& off, F&& f) {
+    for (std::size_t e = 0; e + 1 < off.size(); ++e) {
+      const std::size_t r0 = static_cast<std::size_t>(off[e]), n = static_cast<std::size_t>(off[e + 1]) - r0;
+      if (n != 0) f(e, r0, n);
+    }
+  }
   // The expert offsets on the host (E + 1 ints): the grouped GEMMs' row counts. Waits for the stream.
   static std::vector<std::int32_t> host_offsets(const std::int32_t* off, std::size_t E, const cuda_executor& ex) {
     std::vector<std::int32_t> h(E + 1);
@@ -230,18 +231,14 @@ void backend_kernels<cuda_backend, moe_shape>::forward(const moe_shape& s, const
   float* yg = ws.template get<float>(f_yg);
   md::moe_gather_kernel<S><<<md::grid_for(N * k * C), 256, 0, st>>>(x, r.row, xg, N * k, k, C);
   cuda_executor::check_launch("moe_gather_kernel");
-  for (std::size_t e = 0; e < E; ++e) {
-    const std::size_t r0 = static_cast<std::size_t>(off[e]), n = static_cast<std::size_t>(off[e + 1]) - r0;
-    if (n == 0) continue;
+  each_expert(off, [&](std::size_t e, std::size_t r0, std::size_t n) {
     gpu::matmul(ctx, static_cast<const S*>(xg + r0 * C), wg + e * C * F, a_s + r0 * F, n, C, F, false);
     gpu::matmul(ctx, static_cast<const S*>(xg + r0 * C), wu + e * C * F, b_s + r0 * F, n, C, F, false);
-  }
+  });
   gpu::swiglu_forward(ex, static_cast<const S*>(a_s), static_cast<const S*>(b_s), act, kept * F);
-  for (std::size_t e = 0; e < E; ++e) {
-    const std::size_t r0 = static_cast<std::size_t>(off[e]), n = static_cast<std::size_t>(off[e + 1]) - r0;
-    if (n == 0) continue;
+  each_expert(off, [&](std::size_t e, std::size_t r0, std::size_t n) {
     gpu::matmul(ctx, static_cast<const S*>(act + r0 * F), wd + e * F * C, yg + r0 * C, n, F, C, false);
-  }
+  });
   md::moe_combine_kernel<S><<<md::grid_for(N * C), 256, 0, st>>>(yg, r.row, r.g, y, N, k, C);
   cuda_executor::check_launch("moe_combine_kernel");
 }
@@ -283,18 +280,14 @@ void backend_kernels<cuda_backend, moe_shape>::backward(const moe_shape& s, cons
   gpu::swiglu_forward(ex, a_s, b_s, act, kept * F);
 
   // u = dy·Wdᵀ per expert (ungated), then the gates' gradient, dact and the gated dy.
-  for (std::size_t e = 0; e < E; ++e) {
-    const std::size_t r0 = static_cast<std::size_t>(off[e]), n = static_cast<std::size_t>(off[e + 1]) - r0;
-    if (n == 0) continue;
+  each_expert(off, [&](std::size_t e, std::size_t r0, std::size_t n) {
     gpu::matmul_bt(ctx, static_cast<const S*>(dyg + r0 * C), wd + e * F * C, u + r0 * F, n, C, F, false);
-  }
+  });
   md::moe_gate_backward_kernel<S><<<md::grid_for(kept), 256, 0, st>>>(u, act, src, r.g, dg, dact, dyg, kept, F, C);
   cuda_executor::check_launch("moe_gate_backward_kernel");
   gpu::swiglu_backward(ex, a_s, b_s, static_cast<const S*>(dact), dact, db, kept * F);
   const S* da = dact;
-  for (std::size_t e = 0; e < E; ++e) {
-    const std::size_t r0 = static_cast<std::size_t>(off[e]), n = static_cast<std::size_t>(off[e + 1]) - r0;
-    if (n == 0) continue;
+  each_expert(off, [&](std::size_t e, std::size_t r0, std::size_t n) {
     gpu::matmul_at(ctx, static_cast<const S*>(act + r0 * F), static_cast<const S*>(dyg + r0 * C), gwd + e * F * C,
                    n, F, C, true);
     gpu::matmul_at(ctx, static_cast<const S*>(xg + r0 * C), da + r0 * F, gwg + e * C * F, n, C, F, true);
@@ -302,7 +295,7 @@ void backend_kernels<cuda_backend, moe_shape>::backward(const moe_shape& s, cons
                    n, C, F, true);
     gpu::matmul_bt(ctx, da + r0 * F, wg + e * C * F, dxg + r0 * C, n, F, C, false);
     gpu::matmul_bt(ctx, static_cast<const S*>(db + r0 * F), wu + e * C * F, dxg + r0 * C, n, F, C, true);
-  }
+  });
 
   // dx: the experts' rows back to their tokens, then the router's term dl·Wrᵀ.
   float* dxf;
