@@ -87,6 +87,44 @@ std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t b
   return lo * 256;
 }
 
+// One micro-batch (forward, loss, backward) of `rows` sequences of 256 tokens on device memory of
+// its own, given back before what is held outside the stack is measured. The CUDA runtime loads a
+// kernel's module at its first launch (lazy loading, its default since CUDA 12.2) and keeps device
+// memory for it; measured before any step ran, that memory was missing from the plan (the H200 run
+// of 2026-11-29: 2 MiB more outside the stack at step 1, whose peak then crossed the emergency line
+// and was retried). A step at another shape may still launch kernels this one did not (cuBLASLt
+// chooses by size); the monitor's probe sees those at its check points, as before. Skipped (false)
+// when the micro-batch does not fit the budget: the real plan would not either.
+template <typename Model>
+bool load_step_kernels(const Model& m, std::size_t rows, std::size_t budget, mb::cuda_executor& ex) {
+  using S = typename Model::storage_type;
+  const mb::batch_shape b{rows, 256};
+  mb::training_plan p;
+  try {
+    p = mb::fit(m, b, budget);
+  } catch (const mb::budget_too_small&) {
+    return false;
+  }
+  {
+    mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> alloc(budget);
+    mb::stream_view mem(alloc, mb::stream_of(ex));
+    S* w = static_cast<S*>(mem.allocate(m.weight_bytes(), mb::default_alignment, mb::memory_tag::weights));
+    S* g = static_cast<S*>(mem.allocate(m.weight_bytes(), mb::default_alignment, mb::memory_tag::gradients));
+    auto* ids = static_cast<std::int32_t*>(mem.allocate(2 * b.tokens() * sizeof(std::int32_t), mb::default_alignment,
+                                                        mb::memory_tag::other));
+    // Zero weights and token 0 everywhere: finite, and the values do not choose the kernels.
+    mb::cuda_check(cudaMemsetAsync(w, 0, m.weight_bytes(), ex.stream()), "cudaMemsetAsync");
+    mb::cuda_check(cudaMemsetAsync(g, 0, m.weight_bytes(), ex.stream()), "cudaMemsetAsync");
+    mb::cuda_check(cudaMemsetAsync(ids, 0, 2 * b.tokens() * sizeof(std::int32_t), ex.stream()), "cudaMemsetAsync");
+    (void)m.forward_backward(w, g, ids, ids + b.tokens(), p.micro, p.ops, p.head_chunk, 1.0, mem, ex);
+    mb::cuda_check(cudaStreamSynchronize(ex.stream()), "cudaStreamSynchronize");
+    mem.deallocate(ids, 2 * b.tokens() * sizeof(std::int32_t), mb::default_alignment);
+    mem.deallocate(g, m.weight_bytes(), mb::default_alignment);
+    mem.deallocate(w, m.weight_bytes(), mb::default_alignment);
+  }  // the caching allocator gives its blocks back to the device here
+  return true;
+}
+
 // Opt: the optimizer policy for P's storage (--optimizer): adamw or adamw8bit<S, 2048>.
 // Comm: local_communicator (one GPU) or nccl_communicator (a GPU per rank).
 template <typename P, template <typename> class Opt, typename Comm>
@@ -121,12 +159,19 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
 
   // Outside the stack, measured once: the context (and whatever others held then), then what the
   // executor's stream and cuBLASLt handle add.
+  // The step's kernels are loaded inside that measurement (load_step_kernels), so the memory the
+  // runtime keeps for them is counted there too.
   std::optional<mb::cuda_executor> exec;
-  const mb::runtime_memory outside = mb::measure_runtime_memory(device, [&] { exec.emplace(device); });
+  bool kernels_loaded = false;
+  const mb::runtime_memory outside = mb::measure_runtime_memory(device, [&] {
+    exec.emplace(device);
+    // The attention kernels of this run's executor (fp32 ignores the choice), before the
+    // kernels are loaded.
+    exec->set_kernels({.attention = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
+                                                                 : mb::gpu::attention_kernels::simt_wmma});
+    kernels_loaded = load_step_kernels(m, 1, budget, *exec);
+  });
   mb::cuda_executor& ex = *exec;
-  // The attention kernels of this run's executor; fp32 ignores the choice.
-  ex.set_kernels({.attention = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
-                                                            : mb::gpu::attention_kernels::simt_wmma});
   // What attention runs (the report says this, not what --attention-kernels asked for): the
   // mma.sync kernels only where use_mma allows them, else the WMMA/SIMT ones, fp32 always SIMT.
   const std::size_t head_dim = o.width / o.heads;
@@ -250,7 +295,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   plan.budget = budget;
   plan.outside_stack = held;
   plan.outside_note = "CUDA context " + mb::format_bytes(outside.resident, false) + " (with others' bytes then) + " +
-                      "executor " + mb::format_bytes(outside.setup, false) + ", cudaMemGetInfo";
+                      "executor " + mb::format_bytes(outside.setup, false) +
+                      (kernels_loaded ? " (with the step's kernels, loaded by a 256-token micro-batch)" : "") +
+                      ", cudaMemGetInfo";
   cudaDeviceProp prop{};
   mb::cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   std::printf("device: %s, %.1f GiB; budget %s%s\n", prop.name, static_cast<double>(total) / (1024.0 * 1024 * 1024),
@@ -339,6 +386,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       j["reserved_max_after_first_step_bytes"] = reserved_max_later;
       j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
       j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
+      j["step_kernels_loaded"] = kernels_loaded;  // whether runtime_bytes holds the step's kernels (load_step_kernels)
       j["ranks"] = N;
       j["zero"] = sharded ? 1 : 0;
       add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
