@@ -94,7 +94,7 @@ std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t b
 // of 2026-11-29: 2 MiB more outside the stack at step 1, whose peak then crossed the emergency line
 // and was retried). A step at another shape may still launch kernels this one did not (cuBLASLt
 // chooses by size); the monitor's probe sees those at its check points, as before. Skipped (false)
-// when the micro-batch does not fit the budget: the real plan would not either.
+// when the micro-batch does not fit the budget (the real plan would not either) or the device.
 template <typename Model>
 bool load_step_kernels(const Model& m, std::size_t rows, std::size_t budget, mb::cuda_executor& ex) {
   using S = typename Model::storage_type;
@@ -105,7 +105,7 @@ bool load_step_kernels(const Model& m, std::size_t rows, std::size_t budget, mb:
   } catch (const mb::budget_too_small&) {
     return false;
   }
-  {
+  try {
     mb::budget_allocator<mb::caching_allocator<mb::cuda_device_allocator>> alloc(budget);
     mb::stream_view mem(alloc, mb::stream_of(ex));
     S* w = static_cast<S*>(mem.allocate(m.weight_bytes(), mb::default_alignment, mb::memory_tag::weights));
@@ -121,7 +121,10 @@ bool load_step_kernels(const Model& m, std::size_t rows, std::size_t budget, mb:
     mem.deallocate(ids, 2 * b.tokens() * sizeof(std::int32_t), mb::default_alignment);
     mem.deallocate(g, m.weight_bytes(), mb::default_alignment);
     mem.deallocate(w, m.weight_bytes(), mb::default_alignment);
-  }  // the caching allocator gives its blocks back to the device here
+  } catch (const mb::out_of_memory&) {  // the device has less free than the budget: the plan says so later
+    mb::cuda_check(cudaStreamSynchronize(ex.stream()), "cudaStreamSynchronize");
+    return false;
+  }  // the caching allocator gives its blocks back to the device at the end of the try block
   return true;
 }
 

@@ -246,12 +246,15 @@ PY
     peer_ttt)
       step ttt_peer 120 python3 bench/peers/ttt_peer.py --device cuda --bench "$prebuilt/bench_cuda_ttt" ;;
     peer_model)
-      step model_cuda_peer 150 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" \
-        --seqs 2048 4096 --warmup 1 --reps 3 --timeout 60 ;;
+      # The honest peer (torch.compile, SDPA, mamba_ssm where it imports, else a compiled scan):
+      # whole optimizer steps on both sides; its warm-up steps hold the compile.
+      step model_cuda_peer 300 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" \
+        --seqs 2048 --optimizer --warmup 2 --reps 3 --timeout 240 ;;
     peer_maxseq)
-      # The longest sequence each side trains in 4 GiB (ours from the planner; PyTorch checkpointed).
+      # The longest sequence each side trains in 4 GiB (ours from the planner; PyTorch checkpointed,
+      # the honest peer's mixers eagerly: a compile per probed length would not fit the step's time).
       step model_cuda_peer_maxseq 300 python3 bench/peers/model_cuda_peer.py --max-seq 4 --train "$prebuilt/train" \
-        --checkpoint --timeout 60 ;;
+        --checkpoint --no-compile --timeout 60 ;;
     nccl)
       # The NCCL path with one rank and no MPI runtime (test_nccl_communicator started alone): NCCL
       # from wherever the machine has it (PyTorch's wheel carries one; 208 MB is too much to carry).

@@ -10,22 +10,33 @@ clip_grad_norm_(1.0) and a fused torch.optim.AdamW step on its fp32 parameters.
     cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-real
     ninja -C build/gpu bench_cuda_model
     python3 bench/peers/model_cuda_peer.py --ours build/gpu/bench/bench_cuda_model
-    python3 bench/peers/model_cuda_peer.py --ours PATH --seqs 2048 8192 --checkpoint
+    python3 bench/peers/model_cuda_peer.py --ours PATH --seqs 2048 8192 --optimizer
+    python3 bench/peers/model_cuda_peer.py --verify --device cpu --width 64 --heads 2   # no GPU needed
 
 The model (both sides): 12 blocks of width 768, 12 heads of 64, repeating TTT-Linear, attention,
 Mamba, attention (model_peer.py's block layout: pre-norm RMSNorm mixer + SwiGLU MLP, tied head),
-vocab 256, batch 1. PyTorch: model_peer.build_model's modules (attention_peer.TorchAttention with
-F.scaled_dot_product_attention, mamba_peer.TorchMamba = mamba_ssm's reference scan,
-ttt_peer.TorchTTT = ttt-lm-pytorch's dual form), fp32 parameters under
-torch.autocast("cuda", torch.bfloat16), as a PyTorch user trains in mixed precision; with
---checkpoint every block is wrapped in torch.utils.checkpoint (non-reentrant). Ours: bf16 storage,
-fp32 accumulation.
+vocab 256, batch 1. Ours: bf16 storage, fp32 accumulation.
 
-Columns: ms (median of --reps CUDA-event timings after --warmup steps), tokens/s, and memory:
-ours is the budget's measured peak of requested bytes (= the plan's prediction, both printed by
-the benchmark); torch is torch.cuda.max_memory_reserved() (what the caching allocator held: what
-the device must have) and max_memory_allocated(), from a reset before the timed steps. A shape
-whose PyTorch run does not fit is reported as OOM.
+PyTorch, --peer honest (the default; issue 40's peer): the same model as a user would run it at its
+fastest, fp32 parameters under torch.autocast("cuda", torch.bfloat16) (mixed precision with fp32
+masters), the whole model under torch.compile, and the mixers of fast_mixers.py: attention through
+F.scaled_dot_product_attention (--sdpa picks its backend; auto is PyTorch's choice), Mamba through
+mamba_ssm's fused CUDA path (mamba_inner_fn) where mamba_ssm imports, else through one associative
+scan that torch.compile lowers to a Triton kernel (which ran is printed: mamba_ssm must be built for
+the machine's torch, and PyPI has only its source), TTT through ttt-lm-pytorch's dual form with its
+mini-batch step compiled. A step that does not fit without is rerun with torch.utils.checkpoint
+around every block (non-reentrant), as its users do, and said so; --checkpoint forces it.
+`--verify` holds the honest peer to the reference peer's loss and gradients (float64, CPU).
+--peer reference: the eager reference mixers (mamba_ssm's selective_scan_ref, a Python loop over
+tokens; the dual form eagerly): a correctness oracle, not a speed peer; the earlier GPU logs'
+"x PyTorch" figures were against it.
+
+Columns: ms (median of --reps CUDA-event timings after --warmup steps, which include the compile),
+tokens/s, and memory: ours is the budget's measured peak of requested bytes (= the plan's
+prediction, both printed by the benchmark); torch is torch.cuda.max_memory_reserved() (what the
+caching allocator held: what the device must have) and max_memory_allocated(), from a reset before
+the timed steps, with a line per shape naming its parts (fp32 weights, gradients, AdamW's moments,
+the rest: activations and workspaces). A shape whose PyTorch run does not fit is reported as OOM.
 """
 import argparse
 import json
@@ -55,27 +66,52 @@ def child(args):
         raise
 
 
-def child_run(args, torch):
+def peer_model(torch, args, T, fast, dtype=None):
+    """The PyTorch model on args.device: model_peer's, its mixers fast_mixers' when `fast`."""
     sys.path.insert(0, HERE)
     import model_peer as MPR
-    blocks = [MPR.BLOCK_NAMES[b] for b in LAYERS.strip(",").split(",")]
-    C, H, T = WIDTH, HEADS, args.seq
+    blocks = [MPR.BLOCK_NAMES[b] for b in args.layers.strip(",").split(",")]
+    C, H = args.width, args.heads
     spec = MPR.model_spec(blocks, C, H)
     w = MPR.init_weights(torch, spec)
-    model = MPR.build_model(torch, blocks, C, H, T, w)
+    model = MPR.build_model(torch, blocks, C, H, T, w, fast=fast)
     dev = args.device
-    model = model.to(dev)
+    model = model.to(dev) if dtype is None else model.to(dev, dtype)
     for mod in model.modules():  # attention's RoPE tables are plain attributes, not buffers
         for name in ("cos", "sin"):
             if isinstance(getattr(mod, name, None), torch.Tensor):
-                setattr(mod, name, getattr(mod, name).to(dev))
+                t = getattr(mod, name).to(dev)
+                setattr(mod, name, t if dtype is None else t.to(dtype))
     if args.checkpoint:
         import torch.utils.checkpoint as ckpt
         for b in model.blocks:
             inner = b.forward
             b.forward = lambda x, inner=inner: ckpt.checkpoint(inner, x, use_reentrant=False)
+    return model, MPR
+
+
+def sdpa_context(torch, name):
+    """The SDPA backend the step runs under (--sdpa); "auto" is PyTorch's own choice."""
+    import contextlib
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name])
+
+
+def child_run(args, torch):
+    T, dev = args.seq, args.device
+    honest = args.peer == "honest"
+    model, MPR = peer_model(torch, args, T, honest)
+    runner = torch.compile(model) if honest and not args.no_compile else model
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, MPR.VOCAB, (1, T), generator=g).to(dev)
+    import fast_mixers as FM
+    ran = {"peer": args.peer, "compiled": honest and not args.no_compile, "sdpa": args.sdpa,
+           "checkpointed": bool(args.checkpoint),
+           "mamba": FM.mamba_backend(dev) if honest else "selective_scan_ref (Python loop)",
+           "ttt": "dual form, mini-batch step compiled" if honest and not args.no_compile else "dual form, eager"}
     y = torch.randint(0, MPR.VOCAB, (1, T), generator=g).to(dev)
     params = list(model.parameters())
     opt = None
@@ -85,8 +121,8 @@ def child_run(args, torch):
     def step():
         for p in params:
             p.grad = None
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            loss = model(x, y)
+        with torch.autocast(dev, dtype=torch.bfloat16), sdpa_context(torch, args.sdpa):
+            loss = runner(x, y)
         loss.backward()
         if opt is not None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -98,8 +134,12 @@ def child_run(args, torch):
         t0 = time.perf_counter()
         loss = step()
         print(json.dumps({"oom": False, "ms": [(time.perf_counter() - t0) * 1e3], "reserved": 1, "allocated": 1,
-                          "loss": loss.item(), "torch": torch.__version__, "device": "cpu"}))
+                          "loss": loss.item(), "torch": torch.__version__, "device": "cpu", **ran}))
         return 0
+    # The parts a step holds besides its activations: fp32 weights, their gradients, AdamW's two
+    # moments (fused AdamW keeps no more); the rest of max_memory_allocated is the step's own.
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    parts = {"weights": weight_bytes, "gradients": weight_bytes, "optimizer": 2 * weight_bytes if opt else 0}
     try:
         for _ in range(args.warmup):
             step()
@@ -116,9 +156,11 @@ def child_run(args, torch):
     except torch.OutOfMemoryError:
         print(json.dumps({"oom": True}))
         return 0
+    allocated = torch.cuda.max_memory_allocated()
+    parts["activations and workspaces"] = max(0, allocated - sum(parts.values()))
     print(json.dumps({"oom": False, "ms": ms, "reserved": torch.cuda.max_memory_reserved(),
-                      "allocated": torch.cuda.max_memory_allocated(), "torch": torch.__version__,
-                      "device": torch.cuda.get_device_name()}))
+                      "allocated": allocated, "parts": parts, "torch": torch.__version__,
+                      "device": torch.cuda.get_device_name(), **ran}))
     return 0
 
 
@@ -134,6 +176,17 @@ def ours(path, seqs, bench, extra=()):
         if T in seqs:
             rows[T] = b
     return rows, r.stderr
+
+
+def child_cmd(args, T, warmup, reps, checkpoint, optimizer, cap=0):
+    """The command line of one PyTorch child: this script with --child and the peer's flags."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", str(warmup),
+           "--reps", str(reps), "--peer", args.peer, "--sdpa", args.sdpa, "--layers", args.layers,
+           "--width", str(args.width), "--heads", str(args.heads), "--device", args.device]
+    if cap:
+        cmd += ["--cap", str(cap)]
+    return cmd + (["--checkpoint"] if checkpoint else []) + (["--optimizer"] if optimizer else []) + \
+        (["--no-compile"] if args.no_compile else [])
 
 
 def torch_child(cmd, timeout):
@@ -163,9 +216,7 @@ def max_seq(args):
     print(r.stdout, flush=True)
 
     def step_at(T, cap):  # whole optimizer steps, as ours plans them (AdamW's moments and masters held)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", "0", "--reps", "1",
-               "--cap", str(cap), "--optimizer"] + (["--checkpoint"] if args.checkpoint else [])
-        return torch_child(cmd, args.timeout)
+        return torch_child(child_cmd(args, T, 0, 1, args.checkpoint, True, cap), args.timeout)
 
     # PyTorch's reserved bytes are close to affine in T (SDPA keeps no T×T matrix): two probes, a line.
     probes = [1024, 2048]
@@ -216,6 +267,40 @@ def max_seq(args):
     return 0
 
 
+def verify(args):
+    """The honest peer computes the reference peer's model: loss and every gradient from the same
+    float64 weights and tokens. Bound 1e-5 relative: both sides run the Mamba scan in float32
+    (upstream's selective_scan_ref casts with .float(), and so does the associative scan), in
+    another order; everything else is float64. A wrong term moves a gradient by far more."""
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--verify --device cuda: no GPU here (pass --device cpu)")
+    T = args.verify_seq
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, (1, T), generator=g).to(args.device)
+    y = torch.randint(0, 256, (1, T), generator=g).to(args.device)
+    out = {}
+    for fast in (False, True):
+        model, _ = peer_model(torch, args, T, fast, torch.float64)
+        run = torch.compile(model) if fast and not args.no_compile else model
+        loss = run(x, y)
+        loss.backward()
+        out[fast] = (loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    import fast_mixers as FM
+    (l0, g0), (l1, g1) = out[False], out[True]
+    worst_name, worst = "loss", abs(l1 - l0).item() / abs(l0).item()
+    for n in g0:
+        e = ((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp_min(1e-300)).item()
+        if e > worst:
+            worst_name, worst = n, e
+    ok = worst <= 1e-5
+    print(f"honest peer ({'compiled' if not args.no_compile else 'eager'}, Mamba by "
+          f"{FM.mamba_backend(args.device)}) against the reference peer, float64, T = {T}, width {args.width}, "
+          f"{len(g0)} gradients: loss {l1.item():.12f} vs {l0.item():.12f}; worst relative difference {worst:.2e} "
+          f"({worst_name}): {'ok' if ok else 'FAIL'} (bound 1e-5: the scans are float32 on both sides)")
+    return 0 if ok else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +320,23 @@ def main():
                          "two lengths extrapolated, then one step at the estimate under that cap, stepping down "
                          "until one fits)")
     ap.add_argument("--train", help="with --max-seq: path of the example trainer (train)")
+    ap.add_argument("--peer", choices=["honest", "reference"], default="honest",
+                    help="honest (the default): the model as a PyTorch user runs it at its fastest (fast_mixers.py: "
+                         "mamba_ssm's kernels or a compiled associative scan, TTT's dual form with a compiled "
+                         "mini-batch step, SDPA, the whole model under torch.compile, per-block checkpointing only "
+                         "where a step does not fit without); reference: the eager reference mixers (Python loops: "
+                         "a correctness oracle, never a speed peer)")
+    ap.add_argument("--no-compile", action="store_true", help="the honest peer without torch.compile")
+    ap.add_argument("--sdpa", choices=["auto", "flash", "cudnn", "efficient", "math"], default="auto",
+                    help="the SDPA backend PyTorch's attention runs (auto: PyTorch's choice)")
+    ap.add_argument("--layers", default=LAYERS, help=argparse.SUPPRESS)
+    ap.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    ap.add_argument("--heads", type=int, default=HEADS, help=argparse.SUPPRESS)
+    ap.add_argument("--verify", action="store_true",
+                    help="instead of timing: the honest peer's loss and gradients against the reference peer's, "
+                         "same weights, float64, on --device (cpu by default here), at --verify-seq tokens and a "
+                         "small width; exits 1 past 1e-5 relative (the Mamba scans run in float32 on both sides)")
+    ap.add_argument("--verify-seq", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=int, default=0, help=argparse.SUPPRESS)  # bytes PyTorch may reserve
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
@@ -242,6 +344,8 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.verify:
+        return verify(args)
     if args.max_seq is not None:
         return max_seq(args)
     if not args.ours:
@@ -256,10 +360,13 @@ def main():
           "ours/torch memory |")
     print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for T in args.seqs:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--seq", str(T), "--warmup", str(args.warmup),
-               "--reps", str(args.reps)] + (["--checkpoint"] if args.checkpoint else []) + \
-              (["--optimizer"] if args.optimizer else [])
-        t = torch_child(cmd, args.timeout)
+        t = torch_child(child_cmd(args, T, args.warmup, args.reps, args.checkpoint, args.optimizer), args.timeout)
+        if t is not None and t["oom"] and not args.checkpoint and args.peer == "honest":
+            # As its users do: per-block activation checkpointing where the step does not fit without.
+            t = torch_child(child_cmd(args, T, args.warmup, args.reps, True, args.optimizer), args.timeout)
+        if t is not None and not t["oom"]:
+            print(f"T = {T}, PyTorch ran: " + json.dumps({k: t.get(k) for k in (
+                "peer", "compiled", "sdpa", "mamba", "ttt", "checkpointed", "parts", "torch", "device")}), flush=True)
         o = mine.get(T)
         if t is None:
             print(f"| {T} | {o['real_time'] if o else float('nan'):.2f} | timed out after {args.timeout:.0f} s | "

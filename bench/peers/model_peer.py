@@ -196,13 +196,18 @@ def load_weights(torch, spec, path, table):
 
 
 # ---- The PyTorch model ---------------------------------------------------------------------------
-def build_model(torch, blocks, C, H, T, w):
+def build_model(torch, blocks, C, H, T, w, fast=False):
+    """The PyTorch model; fast: its mixers as fast_mixers.py runs them (the same model)."""
     import torch.nn as nn
     import torch.nn.functional as F
     sys.path.insert(0, HERE)
     import attention_peer as AP
     import mamba_peer as MP
     import ttt_peer as TP
+    mamba_class, ttt_class = MP.TorchMamba, TP.TorchTTT
+    if fast:
+        import fast_mixers as FM
+        mamba_class, ttt_class = FM.FastMamba, FM.FastTTT
     # The per-layer peers hold their shapes as module constants: set them for this process's shape.
     AP.H = AP.HKV = H
     TP.H, TP.C, TP.D = H, C, C // H
@@ -225,11 +230,11 @@ def build_model(torch, blocks, C, H, T, w):
                 self.mixer = AP.TorchAttention({n: p(n) for n in ("wq", "wk", "wv", "wo")}, T, D, torch.float32,
                                                requires_grad=True)
             elif kind == "mamba":
-                self.mixer = MP.TorchMamba({n: p(n) for n in MP.WEIGHTS}, C, torch.float32, requires_grad=True)
+                self.mixer = mamba_class({n: p(n) for n in MP.WEIGHTS}, C, torch.float32, requires_grad=True)
             else:
                 names = [n for n, _, _ in block_spec(kind, C, H)[1:-4]]
-                self.mixer = TP.TorchTTT({n: p(n) for n in names}, torch.float32, 0,
-                                         "mlp" if kind == "ttt_mlp" else "linear")
+                self.mixer = ttt_class({n: p(n) for n in names}, torch.float32, 0,
+                                       "mlp" if kind == "ttt_mlp" else "linear")
             self.norm2 = nn.Parameter(p("norm2").clone())
             self.w_gate, self.w_up, self.w_down = linear(p("w_gate")), linear(p("w_up")), linear(p("w_down"))
 
