@@ -1,4 +1,5 @@
-"""What `pip install .` gives a user, end to end: the wheel built from this source tree
+"""What `pip install .` gives a user, end to end: the wheel built from this source tree, with its
+CUDA half where nvcc is found (required where MEMBOUND_REQUIRE_CUDA is set, as in CI)
 (`pip wheel --no-build-isolation`, the build `pip install .` runs, with the build tools already
 installed) holds the package and its module and nothing else (no headers, no CMake files), and,
 installed into an empty folder (WORK_DIR/site, kept: ctest's python_pytest runs against it),
@@ -22,14 +23,19 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     wheels, target = os.path.join(work, "wheels"), os.path.join(work, "site")
     env = dict(os.environ)
-    for name in ("MEMBOUND_REQUIRE_CUDA", "MEMBOUND_REQUIRE_MPI"):  # CI's; the wheel is CPU only
-        env.pop(name, None)
-    # Without the CUDA layers (one nvcc unit of every layer's kernels, minutes on two cores): the ci
-    # build compiles them (python_layers_cuda_check), and a machine without a GPU cannot run them.
+    # CI exports MEMBOUND_REQUIRE_CUDA: there the wheel must hold the CUDA half (the device planner
+    # in _core, _layers_cuda, the CUDA allocator), built through pip's CMake path as a user's
+    # `pip install .` builds it where nvcc is found; elsewhere the wheel is what that machine gives.
+    require_cuda = env.pop("MEMBOUND_REQUIRE_CUDA", "").upper() in ("1", "ON", "TRUE", "YES")
+    env.pop("MEMBOUND_REQUIRE_MPI", None)
+    # One architecture (sm_90, CI's) instead of the package's default two: the check is that it
+    # compiles, links and imports, with every warning an error (the nvcc units already are).
+    defines = ["CMAKE_CUDA_ARCHITECTURES=90-real", "CMAKE_COMPILE_WARNING_AS_ERROR=ON",
+               f"MEMBOUND_REQUIRE_CUDA={'ON' if require_cuda else 'OFF'}"]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet",
                     "--disable-pip-version-check", "-w", wheels,
                     f"--config-settings=build-dir={os.path.join(work, 'build')}",
-                    "--config-settings=cmake.define.MEMBOUND_ENABLE_CUDA=OFF", source], check=True, env=env)
+                    *[f"--config-settings=cmake.define.{d}" for d in defines], source], check=True, env=env)
     (wheel,) = glob.glob(os.path.join(wheels, "membound-*.whl"))
     names = sorted(zipfile.ZipFile(wheel).namelist())
     package = [n for n in names if not n.startswith("membound-")]
@@ -40,6 +46,11 @@ def main() -> int:
                    "membound/_service.py", "membound/torch.py", "membound/ops.py", "membound/nn.py", "membound/_layers.pyi", "membound/libmembound_alloc_host.so"):
         assert needed in package, f"{needed} missing from the wheel"
     assert all(n.startswith("membound/") for n in package), f"files outside the package: {package}"
+    cuda = any(n.startswith("membound/_layers_cuda.") for n in package)
+    if require_cuda:
+        for needed in ("membound/_layers_cuda.pyi", "membound/libmembound_alloc_cuda.so"):
+            assert needed in package, f"{needed} missing from the wheel (MEMBOUND_REQUIRE_CUDA)"
+        assert cuda, "membound/_layers_cuda missing from the wheel (MEMBOUND_REQUIRE_CUDA)"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
                     "--no-index", "--target", target, wheel], check=True, env={**env, "PIP_ROOT_USER_ACTION": "ignore"})
     probe = ("import membound; m = membound.Model(layers=['ttt', 'attn'], width=64, heads=2); "
@@ -49,7 +60,10 @@ def main() -> int:
              "a = s.malloc(4096); assert a and s.stats()['requested'] == 4096; s.free(a, 4096); "
              "from membound import _layers; sp = _layers.Spec(); sp.kind = 'mamba'; sp.width = 8; "
              "sp.d_inner = 16; sp.dt_rank = 1; assert _layers.sizes(sp)[0] > 0; "
-             "print(membound.__version__, p.schedule)")
+             "print(membound.__version__, p.schedule, membound._core.plans_devices())")
+    if cuda:  # imports without a GPU; the device planner is in _core
+        probe += ("; from membound import _layers_cuda; assert 'cuda' in membound._core.plans_devices(); "
+                  "d = membound.fit(m, batch=4, seq=64, budget='2GiB', device='cuda'); assert d.fits")
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     clean["PYTHONPATH"] = target
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, cwd=work, env=clean)
