@@ -168,6 +168,17 @@ if [[ " $steps " == *" torch_allocator "* || " $steps " == *" torch_ops "* ]]; t
   ) &
 fi
 
+# The honest PyTorch peer's Mamba kernels (mamba_ssm, causal_conv1d) built for this machine's torch
+# in the background from the sources stage_gpu_binaries.sh carried (tools/build_peer_kernels.sh);
+# peer_model waits for them a while, else runs the peer's compiled scan and says so.
+peer_site="$work/peer_site" peer_rc=""
+if [[ " $steps " == *" peer_model "* && -d "$root/.device_deps/peer_sdists" ]]; then
+  peer_rc="$work/peer_kernels.rc"
+  ( MAX_JOBS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) bash "$root/tools/build_peer_kernels.sh" \
+      "$root/.device_deps/peer_sdists" "$peer_site" 90 > "$work/peer_kernels.log" 2>&1
+    echo $? > "$peer_rc.tmp" && mv "$peer_rc.tmp" "$peer_rc" ) &
+fi
+
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$work/gpu.txt" 2>&1
 echo "== $(tail -1 "$work/gpu.txt")" | tee -a "$work/summary.txt"
 data="$root/examples/data/tinyshakespeare.txt"
@@ -248,8 +259,15 @@ PY
     peer_model)
       # The honest peer (torch.compile, SDPA, mamba_ssm where it imports, else a compiled scan):
       # whole optimizer steps on both sides; its warm-up steps hold the compile.
-      step model_cuda_peer 300 python3 bench/peers/model_cuda_peer.py --ours "$prebuilt/bench_cuda_model" \
-        --seqs 2048 --optimizer --warmup 2 --reps 3 --timeout 240 ;;
+      if [[ -n "$peer_rc" ]]; then
+        for _ in $(seq 120); do [[ -f "$peer_rc" ]] && break; sleep 1; done
+        echo "peer kernels (mamba_ssm for sm_90): $(cat "$peer_rc" 2> /dev/null || echo 'not built in time')" |
+          tee -a "$work/summary.txt"
+      fi
+      peer_path="$PYTHONPATH"
+      [[ -n "$peer_rc" && "$(cat "$peer_rc" 2> /dev/null)" == 0 ]] && peer_path="$peer_site${PYTHONPATH:+:$PYTHONPATH}"
+      PYTHONPATH="$peer_path" step model_cuda_peer 300 python3 bench/peers/model_cuda_peer.py \
+        --ours "$prebuilt/bench_cuda_model" --seqs 2048 --optimizer --warmup 2 --reps 3 --timeout 240 ;;
     peer_maxseq)
       # The longest sequence each side trains in 4 GiB (ours from the planner; PyTorch checkpointed,
       # the honest peer's mixers eagerly: a compile per probed length would not fit the step's time).
@@ -382,7 +400,11 @@ PY
       while [[ -n "$pylayers" && ! -f "$pylayers" ]] && (($(left) > 60)); do sleep 2; done
       if [[ "$(cat "$pylayers" 2> /dev/null)" == 0 ]]; then
         PYTHONPATH="$root/build/gpu-python/python:$pyprefix/pylib" step torch_ops 240 bash -c \
-          'python3 -c "import membound._layers_cuda" && python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_ops_cuda.py' 
+          'python3 -c "import membound._layers_cuda" && python3 -m pytest -q -rs -p no:cacheprovider tests/python/test_ops_cuda.py'
+        # The Python example under the budgeted allocator: TTT layers on CUDA tensors, the levels
+        # acted on, a spike of 768 MiB from step 20 to 40 (examples/python/train_under_budget.py).
+        PYTHONPATH="$root/build/gpu-python/python" step train_under_budget 120 python3 \
+          examples/python/train_under_budget.py --steps 60
       else
         printf '%-40s %s\n' torch_ops "not run (the Python build failed or did not finish: py_build.log)" |
           tee -a "$work/summary.txt"

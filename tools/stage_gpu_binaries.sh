@@ -12,7 +12,8 @@
 #   # bench_cuda_kernels and bench_cuda_model travel too, as *_before, for a before/after in one call
 #   # then, on the GPU machine (carry .device_pack):
 #   mkdir -p .device_deps && tar -xJf .device_pack/bin.txz -C .device_deps &&
-#     tar -xzf .device_pack/lib.tgz -C .device_deps && cp .device_pack/python_deps.tgz .device_deps/
+#     tar -xzf .device_pack/lib.tgz -C .device_deps && cp .device_pack/python_deps.tgz .device_deps/ &&
+#     { [ ! -f .device_pack/peer_sdists.tgz ] || tar -xzf .device_pack/peer_sdists.tgz -C .device_deps; }
 #   OUT=/tmp/g bash tools/gpu_session.sh --prebuilt .device_deps/bin --deadline 470
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -77,6 +78,16 @@ for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments"
     shutil.copytree(path, os.path.join(sys.argv[1], name), ignore=shutil.ignore_patterns("__pycache__"))
 PY
 tar -C "$root/.device_deps" -czf "$pack/python_deps.tgz" usr/include/eigen3 usr/share/eigen3 pylib
+# The honest PyTorch peer's Mamba kernels, as source (PyPI has no binary): gpu_session.sh builds
+# them there for sm_90 in the background (tools/build_peer_kernels.sh); 250 KB.
+sdists="$root/.device_deps/peer_sdists"
+rm -rf "$sdists" && mkdir -p "$sdists"
+if python3 -m pip download --quiet --no-deps --no-build-isolation --no-binary :all: -d "$sdists" \
+     mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0; then
+  tar -C "$root/.device_deps" -czf "$pack/peer_sdists.tgz" peer_sdists
+else
+  echo "stage_gpu_binaries.sh: PyPI unreachable: the honest peer will use its compiled scan, not mamba_ssm" >&2
+fi
 exclude="$root/.git/info/exclude"
 grep -qx '/.device_pack/' "$exclude" 2> /dev/null || echo '/.device_pack/' >> "$exclude"
 kib=$(du -s --apparent-size -B1K "$pack" | cut -f1)
