@@ -188,9 +188,10 @@ options checked_options(const flag_texts& f) {
                                           : "This build has no CUDA (nvcc was not found at configure time): configure "
                                             "with nvcc on PATH or at /usr/local/cuda, or pass --device cpu");
   }
-  // auto picks the CPU for --offload: optimizer offload runs on the CPU backend so far.
-  const bool offloads = f.given("--offload") && f["--offload"] != "none";
-  o.device = device == "auto" ? (gpu && !offloads ? "cuda" : "cpu") : device;
+  // auto picks the CPU for --offload activations|all: activation offload runs on the CPU backend
+  // so far (optimizer offload on both).
+  const bool offloads_activations = f.given("--offload") && (f["--offload"] == "activations" || f["--offload"] == "all");
+  o.device = device == "auto" ? (gpu && !offloads_activations ? "cuda" : "cpu") : device;
   if (o.device == "cuda") apply_device_defaults(o);
   const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,
                          const std::string& bound = {}) {
@@ -207,9 +208,10 @@ options checked_options(const flag_texts& f) {
   if (f.given("--optimizer")) o.optimizer = cc::one_of("--optimizer", f["--optimizer"], {"adamw", "adamw8bit"});
   if (f.given("--offload")) {
     o.offload = cc::one_of("--offload", f["--offload"], {"none", "auto", "optimizer", "activations", "all"});
-    if (o.offload != "none" && o.device == "cuda") {
-      throw mb::invalid_argument("--offload", "none with --device cuda (offload runs on the CPU backend so far)",
-                                 o.offload, "Leave --offload out, or use --device cpu or auto");
+    if ((o.offload == "activations" || o.offload == "all") && o.device == "cuda") {
+      throw mb::invalid_argument("--offload", "none, auto or optimizer with --device cuda (activation offload runs "
+                                 "on the CPU backend so far)", o.offload,
+                                 "Use --offload optimizer on the GPU, or --device cpu or auto");
     }
   }
   if (f.given("--host-budget")) {
@@ -956,7 +958,8 @@ int main(int argc, char** argv) {
        "optimizer: keep the optimizer's state (AdamW's m, v, fp32 masters) in a host space beside --budget, updated "
        "there bucket by bucket (the same bits); auto: only when no plan fits --budget with the state in it; "
        "activations: a budget schedule may keep block inputs there instead of recomputing (copied out in forward, "
-       "back before their backward); all: both; the plan table gives both spaces' bytes (CPU only; default none)");
+       "back before their backward); all: both; the plan table gives both spaces' bytes (on cuda the host space is "
+       "pinned memory and activations/all are refused: their device path is not built; default none)");
   flag("--host-budget", "SIZE", "with --offload, the host space's budget, e.g. 1GiB (default: none, measured)");
   flag("--attention-kernels", "mma|wmma",
        "on cuda with bf16 storage and head size <= 128: mma runs the mma.sync forward and backward with fragments "

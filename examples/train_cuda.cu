@@ -222,14 +222,24 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   // peak crosses its emergency line is abandoned in step 1, so plans aim under it where one fits.
   const std::size_t line = emergency_line(budget);
   const std::size_t below_line = line > held ? line - held : 0;
-  if (o.seq_max && o.pack != 0) {
-    // Packed rows: the most tokens per row (a multiple of 64, no longer than the --pack longest
-    // training paragraphs end to end) whose plan fits under the line, else under the budget, as
-    // the CPU run's --pack --seq max.
+  // Every fit of this run: the stack's reserve, this rank's optimizer shard, and --offload
+  // optimizer|auto (the state and its staging buffers in pinned host memory: auto only when the
+  // device cannot hold them).
+  const auto fit_opts = [&] {
     mb::fit_options fo;
     fo.reserve = reserve;
     fo.optimizer_policy = mb::optimizer_of<optimizer>();
     fo.optimizer_elements = shard;
+    fo.offload = {o.offload == "auto" || o.offload == "optimizer", 0, o.host_budget};
+    fo.offload_mode = o.offload == "auto" ? mb::fit_options::offload_choice::when_needed
+                                          : mb::fit_options::offload_choice::always;
+    return fo;
+  };
+  if (o.seq_max && o.pack != 0) {
+    // Packed rows: the most tokens per row (a multiple of 64, no longer than the --pack longest
+    // training paragraphs end to end) whose plan fits under the line, else under the budget, as
+    // the CPU run's --pack --seq max.
+    const mb::fit_options fo = fit_opts();
     const std::size_t most = longest_useful_row(text, o.pack);
     bool under_line = below_line > 0;
     o.seq = under_flags(o, [&] { return beside_held([&] {
@@ -245,10 +255,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
     std::printf("--seq max: %zu tokens per packed row, at most %zu paragraphs each (the most that fit %s)\n", o.seq,
                 o.pack, under_line ? "under the monitor's emergency line" : "the budget, above the monitor's emergency line");
   } else if (o.seq_max) {
-    mb::fit_options fo;
-    fo.reserve = reserve;
-    fo.optimizer_policy = mb::optimizer_of<optimizer>();
-    fo.optimizer_elements = shard;
+    const mb::fit_options fo = fit_opts();
     // The longest T under the line (the longest under the whole budget would sit above it: the H200
     // run of 2026-11-27 chose 1536 tokens at 99.9% of 2 GiB, and step 1 was retried); when not even
     // 256 tokens fit there, the longest under the budget.
@@ -279,19 +286,23 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
 
   mb::training_plan plan = under_flags(o, [&] { return beside_held([&] {
     if (!o.fixed_schedule) {
-      mb::fit_options fo;
-      fo.reserve = reserve;
-      fo.optimizer_policy = mb::optimizer_of<optimizer>();
-      fo.optimizer_elements = shard;
+      mb::fit_options fo = fit_opts();
       fo.prefer_below = below_line;
       return mb::fit(m, rank_share, stack_budget, fo);
     }
     mb::plan_options po;
     po.optimizer_policy = mb::optimizer_of<optimizer>();
     po.optimizer_elements = shard;
+    po.offload = {o.offload == "optimizer", 0, o.host_budget};
     mb::training_plan p = mb::make_plan(m, rank_share, *o.fixed_schedule, po, stack_budget);
     p.reserved_peak = reserve(p);
-    if (!p.fits()) throw mb::budget_too_small(stack_budget, p.budgeted_peak());
+    if (!p.device_fits() && o.offload == "auto") {  // the state beside it does not fit: on the host then
+      po.offload = {true, 0, o.host_budget};
+      p = mb::make_plan(m, rank_share, *o.fixed_schedule, po, stack_budget);
+      p.reserved_peak = reserve(p);
+    }
+    if (!p.device_fits()) throw mb::budget_too_small(stack_budget, p.budgeted_peak());
+    if (!p.host_fits()) throw mb::host_budget_too_small(o.host_budget, p.host_peak(), stack_budget);
     return p;
   }); });
   // The table shows the whole budget, with what is held outside the stack counted against it.
@@ -329,7 +340,11 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   const std::vector<std::int32_t> train(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(split));
   const std::vector<std::int32_t> val(text.begin() + static_cast<std::ptrdiff_t>(split), text.end());
 
-  const mb::trainer_options to = trainer_options_of(o, text);
+  mb::trainer_options to = trainer_options_of(o, text);
+  // The host space of --offload: pinned memory (the copies' other end) under --host-budget (none:
+  // unbounded, measured all the same).
+  mb::budget_allocator<mb::cuda_pinned_allocator> host_space(o.host_budget != 0 ? o.host_budget : SIZE_MAX);
+  to.host = mb::host_allocator_ref(host_space);
   using monitor = mb::foreign_memory_monitor<mb::pressure_monitor<mb::all_check_points>, mb::device_others_probe>;
   mb::trainer<net, stack, monitor, Comm, optimizer> t(m, eff, plan, alloc, ex, to,
                                                       monitor(mb::pressure_monitor<mb::all_check_points>(thresholds),
@@ -399,6 +414,10 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
       j["thresholds"] = {{"warning", thresholds.warning}, {"critical", thresholds.critical},
                          {"emergency", thresholds.emergency}};
+      j["host"] = {{"offload_optimizer", p.offload_optimizer},
+                   {"predicted_peak_bytes", t.largest_predicted_host_peak()},
+                   {"measured_peak_bytes", host_space.stats().peak_requested},
+                   {"budget_bytes", o.host_budget}};
       j["plan"] = {{"weights", p.weights},       {"gradients", p.gradients},
                    {"optimizer", p.optimizer},   {"step_buffers", p.step_buffers},
                    {"activations", p.activations},
@@ -507,13 +526,24 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
               "%.2f MiB\n",
               mib(st.peak_reserved), mib(predicted_reserve), reserve_ok ? "yes" : "NO", mib(reserved_after_first),
               mib(reserved_max_later));
+  // --offload: the optimizer's state and its staging buffers in the host space (pinned), made
+  // before step 1 and kept: its measured peak is its prediction exactly.
+  const std::size_t host_predicted = t.largest_predicted_host_peak();
+  const bool host_ok = host_space.stats().peak_requested <= host_predicted;
+  if (host_predicted != 0) {
+    std::printf("host space (--offload, pinned): measured peak %.2f MiB %s predicted %.2f MiB%s: %s\n",
+                mib(host_space.stats().peak_requested),
+                host_space.stats().peak_requested == host_predicted ? "=" : "<=", mib(host_predicted),
+                o.host_budget != 0 ? (" <= --host-budget " + mb::format_bytes(o.host_budget, false)).c_str() : "",
+                host_ok ? "yes" : "NO");
+  }
   if (step_s > 0) {
     std::printf("%.0f tokens/s, %.1f model TFLOP/s per step (%.1f%% of 989 bf16 TFLOP/s)\n",
                 static_cast<double>(tokens_done) / (total_ms / 1000.0), flops / step_s / 1e12,
                 100.0 * flops / step_s / 989e12);
   }
   write_files(nullptr, st);
-  return requested_ok && reserve_ok ? 0 : 3;
+  return requested_ok && reserve_ok && host_ok ? 0 : 3;
   };
   if (o.pack == 0) {
     windows train_src{&train, o.seq}, val_src{&val, o.seq};

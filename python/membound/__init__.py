@@ -262,9 +262,9 @@ def _check_device_request(r: _core.Request, model: Model) -> None:
     if r.precision not in ("fp32", "bf16"):
         raise invalid("precision", 'fp32 or bf16 with device="cuda" (the GPU trainer\'s)', r.precision,
                       'e.g. precision="bf16"')
-    if r.offload != "none":
-        raise invalid("offload", 'none with device="cuda" (offload runs on the CPU backend so far)', r.offload,
-                      'Leave offload out, or plan with device="cpu"')
+    if r.offload in ("activations", "all"):
+        raise invalid("offload", 'none, auto or optimizer with device="cuda" (activation offload runs on the CPU '
+                      'backend so far)', r.offload, 'e.g. offload="optimizer", or plan with device="cpu"')
     if r.ranks > 1 and r.zero >= 2:
         raise invalid("zero", '0 or 1 with device="cuda" over ranks (ZeRO-2 and 3 run on CPU ranks)', r.zero,
                       "e.g. zero=1")

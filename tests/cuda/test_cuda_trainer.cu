@@ -10,6 +10,8 @@
 //     predicted peak, to the byte, and the reserved peak stays within the reserve the plan states;
 //   - save, load and go on equals the uninterrupted run bit for bit; a corrupted checkpoint is
 //     refused with the trainer unchanged; a CPU checkpoint resumes on the device;
+//   - optimizer offload (the state in pinned host memory, the update on the host) agrees with the
+//     in-place run, both spaces' peaks are their predictions, its checkpoint loads in place;
 //   - a bad token id is refused on the host before the upload, with nothing consumed;
 //   - memory taken by someone else (a real cudaMalloc outside the budget, counted as the budget's
 //     external bytes) makes the next step retry under a stricter plan that fits beside it, and
@@ -280,6 +282,65 @@ void resume_and_corruption() {
   std::remove(path.c_str());
 }
 
+// Optimizer offload on the device (ZeRO-Offload's placement): AdamW's state and two staging
+// buckets in pinned host memory, the update on the host (the CPU optimizer's arithmetic) bucket
+// by bucket. Against the in-place device run: the same tolerance as against the CPU trainer (the
+// update's arithmetic is the CPU's, the gradients the device's); both spaces' measured peaks equal
+// their predictions; an offloaded run's checkpoint loads into an in-place trainer byte for byte.
+void offloaded_optimizer() {
+  constexpr std::size_t steps = 20, bucket = 4096;  // many buckets, the last one short
+  const std::string path = "test_cuda_trainer_offload.ckpt";
+  const run_result in_place = run_device(steps);
+  const gpu_model m(config());
+  mb::cuda_executor ex;
+  device_budget alloc(budget_bytes);
+  mb::budget_allocator<mb::cuda_pinned_allocator> pinned(budget_bytes);
+  text_source src;
+  mb::trainer_options o = options();
+  o.host = mb::host_allocator_ref(pinned);
+  mb::plan_options po;
+  po.head_chunk = 16;
+  po.accumulation = 2;
+  po.optimizer_policy = mb::optimizer_of<mb::adamw<float>>();
+  po.offload = {true, bucket, 0};
+  const mb::training_plan plan =
+      mb::make_plan(m, {2, effective.seq}, mb::schedule_choice{mb::schedule_choice::kind::none, 0}, po);
+  CHECK(plan.offload_optimizer && plan.optimizer == 0 && plan.host_peak() > 0);
+  CHECK(m.parameter_elements() > 4 * bucket);
+  std::vector<double> losses;
+  std::vector<std::uint8_t> weights, state;
+  std::size_t host_predicted = 0, predicted = 0;
+  {
+    mb::trainer<gpu_model, device_budget> t(m, effective, plan, alloc, ex, o);
+    for (std::size_t k = 0; k < steps; ++k) losses.push_back(t.step(src).loss);
+    weights = mbt::to_bytes(download(t.weights(), t.parameter_elements()));
+    const auto* h = static_cast<const std::uint8_t*>(t.optimizer_state());  // host memory: read in place
+    state.assign(h, h + mb::adamw<float>::state_bytes(t.parameter_elements()));
+    host_predicted = t.largest_predicted_host_peak();
+    predicted = t.largest_predicted_peak();
+    t.save(path);
+  }
+  for (std::size_t k = 0; k < steps; k += 4) {
+    std::printf("  step %2zu: in place %.9f  offloaded %.9f\n", k + 1, in_place.losses[k], losses[k]);
+  }
+  mbt::close("offloaded: step 1's loss, against in place", {losses[0]}, {in_place.losses[0]}, 1e-5);
+  mbt::close("offloaded: 20 steps' losses, against in place", losses, in_place.losses, 1e-3);
+  std::printf("  offloaded: device measured %zu B, predicted %zu B; host (pinned) measured %zu B, predicted %zu B\n",
+              alloc.stats().peak_requested, predicted, pinned.stats().peak_requested, host_predicted);
+  CHECK(alloc.stats().peak_requested == predicted);
+  CHECK(pinned.stats().peak_requested == host_predicted);
+  CHECK(pinned.stats().requested == 0 && alloc.stats().requested == 0);  // every byte given back
+  {  // the checkpoint into an in-place trainer: its weights and its device state are the saved bytes
+    mb::trainer<gpu_model, device_budget> t(m, effective, plan_for(m), alloc, ex, options());
+    (void)t.load(path);
+    CHECK(mbt::to_bytes(download(t.weights(), t.parameter_elements())) == weights);
+    const std::vector<std::uint8_t> loaded =
+        download(static_cast<const std::uint8_t*>(t.optimizer_state()), state.size());
+    CHECK(loaded == state);
+  }
+  std::remove(path.c_str());
+}
+
 // A CPU run's checkpoint goes on on the device (the same state layout, byte for byte): the next
 // step's loss is the CPU run's next step's within one step's fp32 tolerance.
 void cpu_checkpoint_on_device() {
@@ -439,6 +500,7 @@ int main() {
        adamw8bit_against_cpu},
       {"trainer cuda_backend: resume = uninterrupted, corrupt checkpoint refused", resume_and_corruption},
       {"trainer cuda_backend: a CPU checkpoint resumes on the device", cpu_checkpoint_on_device},
+      {"trainer cuda_backend: optimizer offload to pinned memory agrees, both peaks = predicted", offloaded_optimizer},
       {"trainer cuda_backend: a bad token id is refused before the upload", bad_token_refused},
       {"trainer cuda_backend: foreign device memory makes the step retry under a stricter plan", pressure_retry},
       {"device_others_probe sees device memory taken outside the budget, not the budget's own", probe_sees_device_memory},

@@ -230,8 +230,8 @@ def main():
             c.refuse(train, base, flag, change)
         if not os.path.exists("/dev/nvidia0"):  # no GPU here: --device cuda is refused, naming the flag
             c.refuse(train, base, "--device", {"--device": "cuda"})
-        else:  # offload runs on the CPU so far
-            c.refuse(train, base, "--offload", {"--device": "cuda", "--offload": "auto"})
+        else:  # activation offload runs on the CPU so far (optimizer offload on both)
+            c.refuse(train, base, "--offload", {"--device": "cuda", "--offload": "activations"})
 
         # Valid edge cases still run, and sizes arrive in the report exactly.
         def report_says(**want):

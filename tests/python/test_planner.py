@@ -404,7 +404,8 @@ def test_device_plan_refuses_what_the_gpu_trainer_does_not_run():
     model = membound.Model(layers=["ttt", "attn"], width=64, heads=2)
     bad = [
         ("precision", dict(precision="fp16")),
-        ("offload", dict(offload="auto")),
+        ("offload", dict(offload="activations")),
+        ("offload", dict(offload="all")),
         ("zero", dict(ranks=2, batch=2, zero=2)),
         ("overlap", dict(ranks=2, batch=2, zero=1, overlap=True)),
         ("device", dict(device="tpu")),
@@ -414,6 +415,26 @@ def test_device_plan_refuses_what_the_gpu_trainer_does_not_run():
         with pytest.raises(membound.InvalidArgument) as e:
             membound.fit(model, **args)
         assert e.value.argument == name, change
+
+
+@needs_device_planner
+def test_device_plan_offloads_the_optimizer():
+    """train --device cuda --offload optimizer: AdamW's state and two staging buckets in the host
+    space (pinned), none of it on the device; the host part is the CPU plan's (the same state
+    layout and buckets); auto offloads only when the device cannot hold the state beside the step."""
+    model = membound.Model(layers=["ttt", "attn", "mamba"], width=256, heads=4)
+    args = dict(batch=2, seq=256, precision="bf16", budget="1GiB", device="cuda")
+    on = membound.fit(model, offload="optimizer", **args)
+    off = membound.fit(model, **args)
+    cpu = membound.fit(model, offload="optimizer", **(args | dict(device="cpu")))
+    assert on.offload_optimizer and on.optimizer == 0 and off.optimizer > 0 and not off.offload_optimizer
+    assert (on.host_optimizer, on.host_staging) == (cpu.host_optimizer, cpu.host_staging) and on.host_optimizer > 0
+    assert on.host_peak == on.host_optimizer + on.host_staging
+    assert on.peak_bytes < off.peak_bytes
+    assert not membound.fit(model, offload="auto", **args).offload_optimizer  # 1 GiB holds the state
+    # A budget that holds the step but not the state beside it: auto takes the host.
+    tight = membound.fit(model, offload="auto", **(args | dict(budget=on.reserved_peak)))
+    assert tight.offload_optimizer and tight.reserved_peak <= on.reserved_peak
 
 
 @pytest.mark.skipif(plans_cuda, reason="this build plans for devices")

@@ -80,8 +80,11 @@
 // the gradient norm each bucket of gradients and weights is copied there, updated by the policy's
 // update_range and the weights copied back: the same bits as the in-place step, so checkpoints
 // move between offloaded and in-place runs. The placement is the trainer's for its lifetime: the
-// plans it takes later (set_plan, load, a retry) keep it. cpu_backend only so far (the device's
-// copies and a host update overlapped with them are not built).
+// plans it takes later (set_plan, load, a retry) keep it. On cuda_backend the buckets are copied
+// between the device and the host space (pinned memory, the caller's allocator) and updated on
+// the executor's host threads: the CPU optimizer's arithmetic, not the device kernel's (within
+// the trainer tests' tolerance of an in-place device run); the copies and the update take turns
+// (not overlapped yet).
 //
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the
@@ -291,7 +294,7 @@ class trainer {
         S* w = static_cast<S*>(wh);
         // Under ZeRO-3 this rank's shard only, the same bits as its part of the whole.
         m_.init_weights(w, o_.seed, zero3() ? opt_shard_ : shard_range{0, n_});
-        glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* state) {
+        fill_optimizer_state([&](void* state) {
           Optimizer::init(exchange_->shard_weights(w), opt_shard_.size(), state, opt_bytes());
         });
       });
@@ -496,8 +499,7 @@ class trainer {
     }
     checkpoint_writer cw;
     glue::read_via_host(ex_, w_, m_.weight_bytes(), [&](const void* w) {
-      glue::read_via_host(ex_, opt_, opt_bytes(),
-                          [&](const void* state) { write_state(cw, w, m_.weight_bytes(), state); });
+      read_optimizer_state([&](const void* state) { write_state(cw, w, m_.weight_bytes(), state); });
     });
     cw.commit(path);
     // A whole checkpoint at `path` names no shard file: any left beside it are garbage.
@@ -855,7 +857,7 @@ class trainer {
   template <typename CopyWeights>
   void commit_state(std::span<const std::byte> state, const std::string& path, staged& st, CopyWeights&& copy_weights) {
     try {
-      glue::write_via_host(ex_, opt_, opt_bytes(), [&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
+      fill_optimizer_state([&](void* h) { Optimizer::load_state(state, h, opt_shard_.size()); });
     } catch (const invalid_argument& e) {
       throw corrupt_checkpoint(path, std::string("its optimizer state is refused: ") + e.what());
     }
@@ -907,8 +909,7 @@ class trainer {
       checkpoint_writer cw;
       const std::size_t shard_bytes = opt_shard_.size() * sizeof(S);
       glue::read_via_host(ex_, shard_w(), shard_bytes, [&](const void* w) {
-        glue::read_via_host(ex_, opt_, opt_bytes(),
-                            [&](const void* state) { write_state(cw, w, shard_bytes, state); });
+        read_optimizer_state([&](const void* state) { write_state(cw, w, shard_bytes, state); });
       });
       cw.commit(file);
     } catch (...) {
@@ -1094,6 +1095,19 @@ class trainer {
   }
 
   std::size_t opt_bytes() const noexcept { return Optimizer::state_bytes(opt_shard_.size()); }
+  // The optimizer state's bytes for the host to write (fill) or read: the state itself where it
+  // lives in the host space (offloaded), else a host copy through the backend's glue (on a
+  // device, a copy; on the CPU, the state again).
+  template <typename Fill>
+  void fill_optimizer_state(Fill&& fill) {
+    if (offload_.optimizer) fill(opt_);
+    else glue::write_via_host(ex_, opt_, opt_bytes(), fill);
+  }
+  template <typename Read>
+  void read_optimizer_state(Read&& read) const {
+    if (offload_.optimizer) read(static_cast<const void*>(opt_));
+    else glue::read_via_host(ex_, opt_, opt_bytes(), read);
+  }
   // One staging buffer of the offloaded update: a bucket of parameters.
   std::size_t stage_bytes() const noexcept { return bytes_of<S>(offload_.bucket); }
 
@@ -1122,8 +1136,8 @@ class trainer {
     }
     if (!p.offload_optimizer) return;
     if (!glue::offloads_optimizer) {
-      throw invalid_argument("plan.offload_optimizer", "false on this backend (offload runs on cpu_backend only)",
-                             "true", "Plan without offload: the device path of optimizer offload is not built yet");
+      throw invalid_argument("plan.offload_optimizer", "false on this backend (it does not offload)", "true",
+                             "Plan without offload on this backend");
     }
     if (!offloadable_optimizer<Optimizer, S>) {
       throw invalid_argument("plan.offload_optimizer", "false for an optimizer policy without update_range", "true",

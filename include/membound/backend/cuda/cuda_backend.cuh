@@ -22,12 +22,14 @@
 
 #include <cstddef>
 #include <limits>
+#include <memory>
 #include <string>
 
 #include "membound/backend/cuda/cuda_check.cuh"
 #include "membound/core/config.hpp"
 #include "membound/core/error.hpp"
 #include "membound/core/memory_tag.hpp"
+#include "membound/core/parallel.hpp"
 #include "membound/policy/backend.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
@@ -122,6 +124,25 @@ class cuda_executor {
   const gpu::kernel_choices& kernels() const noexcept { return kernels_; }
   void set_kernels(const gpu::kernel_choices& k) noexcept { kernels_ = k; }
 
+  // The host threads of the work this executor runs on the CPU (the offloaded optimizer's update,
+  // backend/cuda/model.cuh), made at the first use: thread_pool::default_threads() of them, or
+  // set_host_threads' count (before that use).
+  thread_pool& host_pool() {
+    if (!host_pool_) host_pool_ = std::make_unique<thread_pool>(host_threads_ != 0 ? host_threads_ : thread_pool::default_threads());
+    return *host_pool_;
+  }
+  void set_host_threads(std::size_t threads) {
+    if (host_pool_) {
+      throw invalid_argument("threads", "set before the executor's host pool is first used", std::to_string(threads),
+                             "Call set_host_threads right after making the executor");
+    }
+    if (threads == 0 || threads > thread_pool::max_threads) {
+      throw invalid_argument("threads", "between 1 and " + std::to_string(thread_pool::max_threads),
+                             std::to_string(threads), "Pass thread_pool::default_threads() for one per core");
+    }
+    host_threads_ = threads;
+  }
+
   // Waits for everything launched on the stream; reports an asynchronous kernel error as a
   // backend_error. For tests and step boundaries, never inside a layer.
   void synchronize() const { cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
@@ -135,6 +156,8 @@ class cuda_executor {
   bool owns_stream_ = false;
   cublasLtHandle_t lt_ = nullptr;
   gpu::kernel_choices kernels_{};
+  std::size_t host_threads_ = 0;
+  std::unique_ptr<thread_pool> host_pool_;
 };
 
 // The device's workspaces do not grow with host threads: its size functions ignore the count,

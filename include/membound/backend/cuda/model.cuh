@@ -22,6 +22,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <concepts>
@@ -801,9 +802,27 @@ struct backend_kernels<cuda_backend, model_glue> {
     return buffer.data();
   }
 
-  // Optimizer offload (the state in pinned host memory, the update on the host) is not built on
-  // the device yet: the trainer refuses an offloaded plan here.
-  static constexpr bool offloads_optimizer = false;
+  // Optimizer offload (planner: offload_options; ZeRO-Offload's placement): the state lives in the
+  // host space (pinned memory: the trainer's host allocator), and bucket by bucket the gradients
+  // and weights come down into its two staging buffers, the policy's update_range runs there on
+  // the executor's host threads (the CPU optimizer's arithmetic, the bits of a cpu_backend
+  // trainer's update), and the weights go back up. Each bucket waits for its download; the
+  // upload is stream-ordered before the next download into the same buffer and before the next
+  // step's kernels. (Not overlapped yet: the copies and the host update of one bucket take turns.)
+  static constexpr bool offloads_optimizer = true;
+  template <typename Optimizer, typename S, typename Spans, typename Step>
+  static void offloaded_update(cuda_executor& ex, S* w, const S* g, void* host_state, std::size_t n, Spans spans,
+                               const Step& step, S* stage_w, S* stage_g, std::size_t bucket) {
+    for (std::size_t a = 0; a < n; a += bucket) {
+      const std::size_t k = std::min(bucket, n - a);
+      cuda_check(cudaMemcpyAsync(stage_g, g + a, k * sizeof(S), cudaMemcpyDeviceToHost, ex.stream()),
+                 "cudaMemcpyAsync (gradients to the host)");
+      copy_to_host(ex, stage_w, w + a, k * sizeof(S));  // both downloads done on return
+      Optimizer::update_range(stage_w, stage_g, host_state, n, a, k, spans, step, ex.host_pool());
+      cuda_check(cudaMemcpyAsync(w + a, stage_w, k * sizeof(S), cudaMemcpyHostToDevice, ex.stream()),
+                 "cudaMemcpyAsync (weights to the device)");
+    }
+  }
   // Activation offload (kept block inputs in pinned host memory, copied on a copy stream) is not
   // built on the device yet either: forward_backward refuses a schedule that offloads.
   static constexpr bool offloads_activations = false;
