@@ -217,7 +217,11 @@ PY
         --report "$work/train_foreign.json"
       # Packed paragraphs on the device (exit 0: measured peaks within the predictions).
       step train_packed 90 "$prebuilt/train" "${train[@]}" --steps 30 --pack 16 --seq 1024 \
-        --report "$work/train_packed.json" ;;
+        --report "$work/train_packed.json"
+      # Optimizer offload to pinned memory (exit 0: both spaces' peaks within their predictions);
+      # its tokens/s beside train's is the offload's step-time overhead (not overlapped yet).
+      step train_offload 120 "$prebuilt/train" "${train[@]}" --steps 30 --offload optimizer \
+        --report "$work/train_offload.json" ;;
     bench_all)
       for f in "$prebuilt"/bench_cuda_*; do
         b="$(basename "$f")"
