@@ -33,7 +33,18 @@ done
 exec "$nvcc_real" "\${args[@]}"
 EOF
 chmod +x "$work/nvcc"
-export PYTORCH_NVCC="$work/nvcc" TORCH_CUDA_ARCH_LIST="${arch:0:1}.${arch:1}"
+# PyTorch from 2.10 needs C++20 in every unit that includes it; mamba_ssm 2.3.2 compiles its host
+# file with -std=c++17 (its build against torch 2.15 failed so, 2026-11-30): the host compiler
+# gets c++20 instead.
+cxx_real="$(command -v "${CXX:-c++}")"
+cat > "$work/c++" << EOF
+#!/usr/bin/env bash
+args=()
+for a in "\$@"; do [[ "\$a" == -std=c++17 ]] && a=-std=c++20; args+=("\$a"); done
+exec "$cxx_real" "\${args[@]}"
+EOF
+chmod +x "$work/c++"
+export PYTORCH_NVCC="$work/nvcc" CXX="$work/c++" TORCH_CUDA_ARCH_LIST="${arch:0:1}.${arch:1}"
 export MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 mkdir -p "$target"
 for name in causal_conv1d mamba_ssm; do
