@@ -721,6 +721,7 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     bar.note(eval_line(t.steps_done(), o, first_eval));
     double last_loss = 0, last_eval = first_eval, total_ms = 0;
     std::size_t tokens_done = 0, skipped = 0, replans = 0;
+    mb::moe_stats moe_total{};  // the mixture blocks' counts over the run (the report's "moe")
     std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop
     const std::uint64_t stop = o.stop_after == 0 ? o.steps : std::min<std::uint64_t>(o.steps, t.steps_done() + o.stop_after);
     bool foreign_taken = false;
@@ -750,7 +751,9 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
   #else
         j["address_sanitizer"] = false;
   #endif
-        add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
+        add_run_fields(j,
+                       {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step,
+                        moe_total},
                        t.steps_done(), stopped_by);
         j["foreign_bytes"] = alloc.external();
         j["loss_scale"] = t.loss_scaling_on() ? t.scaler().scale : 1.0;
@@ -803,6 +806,7 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
         }
         total_ms += r.ms;
         tokens_done += r.tokens;
+        moe_total += r.moe;
         last_loss = r.loss;
         skipped += r.applied ? 0 : 1;
         const auto st = alloc.stats();

@@ -449,6 +449,7 @@ struct run_tally {
   double first_eval = 0, last_eval = 0, last_loss = 0, total_ms = 0;
   std::size_t tokens = 0, skipped = 0, replans = 0;
   std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop (0: none)
+  mb::moe_stats moe{};               // the mixture blocks' counts summed over the run's steps
 };
 // stopped_by: null after a whole run, else the error that ended it (the report then covers the
 // steps before it, and no final evaluation ran).
@@ -472,6 +473,16 @@ inline void add_run_fields(nlohmann::json& j, const run_tally& r, std::uint64_t 
   j["tokens_per_second"] = r.total_ms > 0 ? static_cast<double>(r.tokens) / (r.total_ms / 1000.0) : 0.0;
   j["skipped_steps"] = r.skipped;
   j["replans"] = r.replans;
+  // A mixture of experts (attn_moe blocks): what the capacity dropped over the run, summed over
+  // its steps, micro-batches and blocks (the step lines give each step's share and balancing loss).
+  if (r.moe.choices != 0) {
+    j["moe"] = {{"choices", r.moe.choices},
+                {"dropped_choices", r.moe.dropped},
+                {"dropped_fraction", static_cast<double>(r.moe.dropped) / static_cast<double>(r.moe.choices)},
+                {"tokens", r.moe.tokens},
+                {"tokens_dropped", r.moe.tokens_dropped},
+                {"max_expert_rows", r.moe.max_expert_rows}};
+  }
 }
 
 inline std::string eval_line(std::uint64_t step, const options& o, double loss) {

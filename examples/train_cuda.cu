@@ -366,6 +366,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   bar.note(eval_line(t.steps_done(), o, first_eval));
   double last_loss = 0, last_eval = first_eval, total_ms = 0;
   std::size_t tokens_done = 0, skipped = 0, replans = 0;
+  mb::moe_stats moe_total{};  // the mixture blocks' counts over the run (the report's "moe")
   std::uint64_t last_eval_step = 0;  // the step of the last evaluation in the loop
   // Reserved bytes after each step: flat after the first step, or the stack creeps.
   std::size_t reserved_after_first = 0, reserved_max_later = 0;
@@ -407,7 +408,9 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       j["step_kernels_loaded"] = kernels_loaded;  // whether runtime_bytes holds the step's kernels (load_step_kernels)
       j["ranks"] = N;
       j["zero"] = sharded ? 1 : 0;
-      add_run_fields(j, {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step},
+      add_run_fields(j,
+                     {first_eval, last_eval, last_loss, total_ms, tokens_done, skipped, replans, last_eval_step,
+                      moe_total},
                      t.steps_done(), stopped_by);
       j["model_tflops_per_second"] = step_s > 0 ? flops / step_s / 1e12 : 0.0;
       j["foreign_bytes"] = alloc.external();
@@ -455,6 +458,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       }
       total_ms += r.ms;
       tokens_done += r.tokens;
+      moe_total += r.moe;
       last_loss = r.loss;
       skipped += r.applied ? 0 : 1;
       const auto st = alloc.stats();

@@ -253,8 +253,18 @@ def main():
         c.accept(train, base, {"--layers": "swa,attn,swa", "--window": "4"})  # local and global layers
         c.accept(train, base, {"--layers": "swa", "--window": "1048576"})    # a window past the sequence
         c.accept(train, base, {"--pack": "3", "--eval-every": "1"})           # paragraphs packed into rows
+        def moe_says(choices):  # the report counts the mixtures' choices and drops over the run
+            def check(r):
+                m = json.load(open(os.path.join(out, "report.json"))).get("moe")
+                if not m or m["choices"] != choices or not 0 <= m["dropped_choices"] <= choices or \
+                        abs(m["dropped_fraction"] - m["dropped_choices"] / choices) > 1e-12 or \
+                        not 0 < m["max_expert_rows"] <= 2 * 16:
+                    return f"report's moe is {m}, expected {choices} choices"
+                return None
+            return check
+        # 2 steps x 2 x 16 tokens x top-1 x 2 mixture blocks = 128 choices.
         c.accept(train, base, {"--layers": "attn_moe,mamba,attn_moe", "--experts": "4", "--top-k": "1",
-                               "--capacity": "1.5", "--aux": "0.05"})  # mixtures of experts
+                               "--capacity": "1.5", "--aux": "0.05"}, moe_says(128))  # mixtures of experts
         # the longest row that fits; one evaluation row (two of 32 rows of 6144 tokens took half the 60 s
         # limit alone at -O1, and passed it under ctest -j2's load)
         c.accept(train, base, {"--pack": "4096", "--seq": "max", "--steps": "1", "--eval-sequences": "1"})
