@@ -74,6 +74,8 @@ std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t b
       return true;
     } catch (const mb::budget_too_small&) {
       return false;
+    } catch (const mb::host_budget_too_small&) {  // --offload auto: the state fits neither space at T
+      return false;
     }
   };
   // read_data holds out a tenth of the text and needs T + 2 bytes of it.
@@ -93,7 +95,8 @@ std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t b
 // memory for it; measured before any step ran, that memory was missing from the plan (the H200 run
 // of 2026-11-29: 2 MiB more outside the stack at step 1, whose peak then crossed the emergency line
 // and was retried). A step at another shape may still launch kernels this one did not (cuBLASLt
-// chooses by size); the monitor's probe sees those at its check points, as before. Skipped (false)
+// chooses by size), and the gradient norm's and the optimizer's load at step 1; the monitor's probe
+// sees those at its check points, as before. Skipped (false)
 // when the micro-batch does not fit the budget (the real plan would not either) or the device.
 template <typename Model>
 bool load_step_kernels(const Model& m, std::size_t rows, std::size_t budget, mb::cuda_executor& ex) {
@@ -248,6 +251,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
           return mb::fit_tokens(m, most, o.pack, below_line, fo, 64, share).micro.seq;
         } catch (const mb::budget_too_small&) {
           under_line = false;
+        } catch (const mb::host_budget_too_small&) {
+          under_line = false;
         }
       }
       return mb::fit_tokens(m, most, o.pack, stack_budget, fo, 64, share).micro.seq;
@@ -310,7 +315,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   plan.outside_stack = held;
   plan.outside_note = "CUDA context " + mb::format_bytes(outside.resident, false) + " (with others' bytes then) + " +
                       "executor " + mb::format_bytes(outside.setup, false) +
-                      (kernels_loaded ? " (with the step's kernels, loaded by a 256-token micro-batch)" : "") +
+                      (kernels_loaded ? " (with the forward and backward kernels a 256-token micro-batch loaded)" : "") +
                       ", cudaMemGetInfo";
   cudaDeviceProp prop{};
   mb::cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
@@ -405,7 +410,7 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       j["reserved_max_after_first_step_bytes"] = reserved_max_later;
       j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
       j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
-      j["step_kernels_loaded"] = kernels_loaded;  // whether runtime_bytes holds the step's kernels (load_step_kernels)
+      j["step_kernels_loaded"] = kernels_loaded;  // whether runtime_bytes holds forward's and backward's kernels
       j["ranks"] = N;
       j["zero"] = sharded ? 1 : 0;
       add_run_fields(j,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the PyTorch peers' CUDA kernels that PyPI has only as source (mamba_ssm's selective scan,
 # causal_conv1d) for one GPU architecture, against the python3 and torch where it runs, and
-# installs them into a folder for PYTHONPATH. For the honest peer of bench/peers/model_cuda_peer.py
+# installs them into a folder for PYTHONPATH. mamba_ssm imports einops, triton, huggingface_hub and
+# transformers (the lent GPU image has them; elsewhere install them first). For the honest peer of bench/peers/model_cuda_peer.py
 # (fast_mixers.py uses mamba_ssm's fused path when it imports). Nothing of theirs is kept in this
 # repository: the source distributions come from PyPI (tools/stage_gpu_binaries.sh carries them).
 #
@@ -44,7 +45,7 @@ for a in "\$@"; do [[ "\$a" == -std=c++17 ]] && a=-std=c++20; args+=("\$a"); don
 exec "$cxx_real" "\${args[@]}"
 EOF
 chmod +x "$work/c++"
-export PYTORCH_NVCC="$work/nvcc" CXX="$work/c++" TORCH_CUDA_ARCH_LIST="${arch:0:1}.${arch:1}"
+export PYTORCH_NVCC="$work/nvcc" CXX="$work/c++" TORCH_CUDA_ARCH_LIST="${arch:0:-1}.${arch: -1}"
 export MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 mkdir -p "$target"
 for name in causal_conv1d mamba_ssm; do
@@ -56,6 +57,7 @@ done
 python3 -m pip install --no-deps --no-index --quiet --target "$target" "$work"/wheels/*.whl
 PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" python3 -c "
 from mamba_ssm.ops import selective_scan_interface as s
-assert s.causal_conv1d_cuda is not None, 'causal_conv1d did not import'
+conv = getattr(s, 'causal_conv1d_fwd_function', None) or getattr(s, 'causal_conv1d_cuda', None)
+assert conv is not None, 'causal_conv1d did not import'
 import selective_scan_cuda
 print('mamba_ssm', s.__file__)"

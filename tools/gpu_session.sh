@@ -219,7 +219,8 @@ PY
       step train_packed 90 "$prebuilt/train" "${train[@]}" --steps 30 --pack 16 --seq 1024 \
         --report "$work/train_packed.json"
       # Optimizer offload to pinned memory (exit 0: both spaces' peaks within their predictions);
-      # its tokens/s beside train's is the offload's step-time overhead (not overlapped yet).
+      # its tokens/s beside train's is the offload's step-time overhead (each chunk's host update
+      # overlaps its neighbours' copies, all after the backward).
       step train_offload 120 "$prebuilt/train" "${train[@]}" --steps 30 --offload optimizer \
         --report "$work/train_offload.json" ;;
     bench_all)
@@ -268,7 +269,7 @@ PY
         echo "peer kernels (mamba_ssm for sm_90): $(cat "$peer_rc" 2> /dev/null || echo 'not built in time')" |
           tee -a "$work/summary.txt"
       fi
-      peer_path="$PYTHONPATH"
+      peer_path="${PYTHONPATH:-}"
       [[ -n "$peer_rc" && "$(cat "$peer_rc" 2> /dev/null)" == 0 ]] && peer_path="$peer_site${PYTHONPATH:+:$PYTHONPATH}"
       PYTHONPATH="$peer_path" step model_cuda_peer 300 python3 bench/peers/model_cuda_peer.py \
         --ours "$prebuilt/bench_cuda_model" --seqs 2048 --optimizer --warmup 2 --reps 3 --timeout 240 ;;

@@ -86,7 +86,8 @@ if python3 -m pip download --quiet --no-deps --no-build-isolation --no-binary :a
      mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0; then
   tar -C "$root/.device_deps" -czf "$pack/peer_sdists.tgz" peer_sdists
 else
-  echo "stage_gpu_binaries.sh: PyPI unreachable: the honest peer will use its compiled scan, not mamba_ssm" >&2
+  echo "stage_gpu_binaries.sh: mamba-ssm's or causal-conv1d's source did not download (pip's error above): the" \
+       "honest peer will use its compiled scan, not mamba_ssm" >&2
 fi
 exclude="$root/.git/info/exclude"
 grep -qx '/.device_pack/' "$exclude" 2> /dev/null || echo '/.device_pack/' >> "$exclude"

@@ -1,9 +1,10 @@
 """The hybrid model's mixers as a PyTorch user runs them at their fastest: the honest peer of
-issue 40 (model_cuda_peer.py --peer honest). The same weights and the same arithmetic as the
-reference mixers they subclass (mamba_peer.TorchMamba, ttt_peer.TorchTTT); only how it runs differs.
+issue 40 (model_cuda_peer.py --peer honest). The same weights and the same model as the
+reference mixers they subclass (mamba_peer.TorchMamba, ttt_peer.TorchTTT); how it runs differs, and
+with it the order of the scan's sums (model_cuda_peer.py --verify bounds the difference).
 
 - Mamba: mamba_ssm's fused training path (`mamba_inner_fn`: causal_conv1d's kernel, the selective
-  scan's CUDA kernels, the projections), exactly what mamba_simple.Mamba runs with use_fast_path,
+  scan's CUDA kernels, the projections), what mamba_simple.Mamba runs with use_fast_path,
   when mamba_ssm imports and the tensors are on a GPU. Otherwise the strongest scan PyTorch itself
   has: `torch._higher_order_ops.associative_scan` over the (exp(ΔA), ΔBu) pairs, which
   torch.compile lowers to one Triton scan kernel on a GPU (combine_mode "pointwise"); eager
@@ -28,8 +29,10 @@ def _mamba_inner_fn():
         from mamba_ssm.ops import selective_scan_interface as ssi
     except Exception:  # not installed, or built for another torch: the fallback below runs
         return None
-    # mamba_inner_fn needs causal_conv1d's kernel too (upstream imports it optionally).
-    return ssi.mamba_inner_fn if getattr(ssi, "causal_conv1d_cuda", None) is not None else None
+    # mamba_inner_fn needs causal_conv1d's kernel too, which upstream imports optionally: as
+    # causal_conv1d_fwd_function from 2.3 (causal_conv1d.cpp_functions), causal_conv1d_cuda before.
+    conv = getattr(ssi, "causal_conv1d_fwd_function", None) or getattr(ssi, "causal_conv1d_cuda", None)
+    return ssi.mamba_inner_fn if conv is not None else None
 
 
 def mamba_backend(device):
@@ -54,7 +57,7 @@ def selective_scan_assoc(u, delta, A, B, C, D, z, delta_bias):
     mode = "pointwise" if u.is_cuda else "generic"
     _, h = associative_scan(_combine, (dA, dBu), dim=2, combine_mode=mode)
     y = torch.einsum("bdln,bnl->bdl", h, C.float())
-    out = (y + u * D[:, None]) * F.silu(z.float())
+    out = (y + u * D[:, None]) * F.silu(z)  # as selective_scan_ref: the gate in z's own type
     return out.to(dtype_in)
 
 

@@ -74,7 +74,7 @@ def peer_model(torch, args, T, fast, dtype=None):
     C, H = args.width, args.heads
     spec = MPR.model_spec(blocks, C, H)
     w = MPR.init_weights(torch, spec)
-    model = MPR.build_model(torch, blocks, C, H, T, w, fast=fast)
+    model = MPR.build_model(torch, blocks, C, H, T, w, fast=fast, compile_step=not args.no_compile)
     dev = args.device
     model = model.to(dev) if dtype is None else model.to(dev, dtype)
     for mod in model.modules():  # attention's RoPE tables are plain attributes, not buffers
@@ -273,8 +273,9 @@ def verify(args):
     (upstream's selective_scan_ref casts with .float(), and so does the associative scan), in
     another order; everything else is float64. A wrong term moves a gradient by far more."""
     import torch
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--verify --device cuda: no GPU here (pass --device cpu)")
+    if args.device != "cpu":
+        raise SystemExit("--verify runs on the CPU (float64, which mamba_ssm's kernels do not take): "
+                         "leave --device out")
     T = args.verify_seq
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 256, (1, T), generator=g).to(args.device)
@@ -334,14 +335,16 @@ def main():
     ap.add_argument("--heads", type=int, default=HEADS, help=argparse.SUPPRESS)
     ap.add_argument("--verify", action="store_true",
                     help="instead of timing: the honest peer's loss and gradients against the reference peer's, "
-                         "same weights, float64, on --device (cpu by default here), at --verify-seq tokens and a "
+                         "same weights, float64, on the CPU, at --verify-seq tokens and a "
                          "small width; exits 1 past 1e-5 relative (the Mamba scans run in float32 on both sides)")
     ap.add_argument("--verify-seq", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap", type=int, default=0, help=argparse.SUPPRESS)  # bytes PyTorch may reserve
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke test of the child
+    ap.add_argument("--device", help=argparse.SUPPRESS)  # cuda, or cpu: --verify's, and the child's smoke test
     args = ap.parse_args()
+    if args.device is None:
+        args.device = "cpu" if args.verify else "cuda"
     if args.child:
         return child(args)
     if args.verify:

@@ -196,8 +196,9 @@ def load_weights(torch, spec, path, table):
 
 
 # ---- The PyTorch model ---------------------------------------------------------------------------
-def build_model(torch, blocks, C, H, T, w, fast=False):
-    """The PyTorch model; fast: its mixers as fast_mixers.py runs them (the same model)."""
+def build_model(torch, blocks, C, H, T, w, fast=False, compile_step=True):
+    """The PyTorch model; fast: its mixers as fast_mixers.py runs them (the same model), TTT's
+    mini-batch step compiled unless compile_step is False."""
     import torch.nn as nn
     import torch.nn.functional as F
     sys.path.insert(0, HERE)
@@ -207,7 +208,8 @@ def build_model(torch, blocks, C, H, T, w, fast=False):
     mamba_class, ttt_class = MP.TorchMamba, TP.TorchTTT
     if fast:
         import fast_mixers as FM
-        mamba_class, ttt_class = FM.FastMamba, FM.FastTTT
+        mamba_class = FM.FastMamba
+        ttt_class = lambda *a, **k: FM.FastTTT(*a, compile_step=compile_step, **k)  # noqa: E731
     # The per-layer peers hold their shapes as module constants: set them for this process's shape.
     AP.H = AP.HKV = H
     TP.H, TP.C, TP.D = H, C, C // H

@@ -12380,6 +12380,43 @@ MEMBOUND_NAMESPACE_END
 
 #include <numeric>
 
+// ---- begin membound/shape/offload_chunks.hpp ----
+// The chunks of an offloaded optimizer update (planner: offload_options; the trainer's two staging
+// buffers of one bucket each): the parameters go through in chunks of half a bucket, each half of
+// the two buffers a slot, so that a device can copy one chunk in and the previous one out while
+// the host updates the chunk between (backend/cuda/model.cuh). Chunks are whole multiples of the
+// policy's range_granule, so update_range gives the bits of one whole update; a bucket of a
+// single granule is one slot, unsplit. Both backends walk the same chunks, so the CPU's offload
+// tests (bit for bit against the in-place step) hold the schedule the device runs.
+
+MEMBOUND_NAMESPACE_BEGIN
+
+struct offload_chunks {
+  std::size_t n = 0;       // the parameters updated
+  std::size_t chunk = 0;   // parameters per chunk (the last may hold fewer)
+  std::size_t slots = 0;   // 2 (halves of the staging buffers), or 1 (a single-granule bucket)
+  std::size_t count = 0;   // chunks
+
+  // bucket: parameters per staging buffer (a multiple of granule, or all of n), granule: the
+  // policy's range_granule.
+  static constexpr offload_chunks of(std::size_t n, std::size_t bucket, std::size_t granule) noexcept {
+    const std::size_t half = granule == 0 ? 0 : bucket / 2 / granule * granule;
+    offload_chunks c;
+    c.n = n;
+    c.chunk = half != 0 ? half : std::max<std::size_t>(bucket, 1);
+    c.slots = half != 0 ? 2 : 1;
+    c.count = n == 0 ? 0 : (n - 1) / c.chunk + 1;
+    return c;
+  }
+  constexpr std::size_t first(std::size_t c) const noexcept { return c * chunk; }
+  constexpr std::size_t size(std::size_t c) const noexcept { return std::min(chunk, n - first(c)); }
+  // Chunk c's slot: its offset (in parameters) into each staging buffer.
+  constexpr std::size_t slot_offset(std::size_t c) const noexcept { return (c % slots) * chunk; }
+};
+
+MEMBOUND_NAMESPACE_END
+// ---- end membound/shape/offload_chunks.hpp ----
+
 MEMBOUND_NAMESPACE_BEGIN
 
 namespace cpu {
@@ -12683,19 +12720,22 @@ struct backend_kernels<cpu_backend, model_glue> {
     Optimizer::update(w, g, state, n, spans, step, ex);
   }
   // Optimizer offload (planner: offload_options) runs here. The state is in the host space;
-  // bucket by bucket the gradients and weights are copied into its staging buffers (a device's
-  // copies to the host; here between the two host arenas), updated there by update_range, and the
-  // weights copied back: the bits of optimizer_update.
+  // chunk by chunk (offload_chunks: the device's schedule, here in turn) the gradients and weights
+  // are copied into a slot of its staging buffers (a device's copies to the host; here between the
+  // two host arenas), updated there by update_range, and the weights copied back: the bits of
+  // optimizer_update.
   static constexpr bool offloads_optimizer = true;
   template <typename Optimizer, typename S, typename Spans, typename Step>
   static void offloaded_update(thread_pool& ex, S* w, const S* g, void* host_state, std::size_t n, Spans spans,
                                const Step& step, S* stage_w, S* stage_g, std::size_t bucket) {
-    for (std::size_t a = 0; a < n; a += bucket) {
-      const std::size_t k = std::min(bucket, n - a);
-      std::memcpy(stage_g, g + a, k * sizeof(S));
-      std::memcpy(stage_w, w + a, k * sizeof(S));
-      Optimizer::update_range(stage_w, stage_g, host_state, n, a, k, spans, step, ex);
-      std::memcpy(w + a, stage_w, k * sizeof(S));
+    const offload_chunks k = offload_chunks::of(n, bucket, Optimizer::range_granule);
+    for (std::size_t c = 0; c < k.count; ++c) {
+      S* const sw = stage_w + k.slot_offset(c);
+      S* const sg = stage_g + k.slot_offset(c);
+      std::memcpy(sg, g + k.first(c), k.size(c) * sizeof(S));
+      std::memcpy(sw, w + k.first(c), k.size(c) * sizeof(S));
+      Optimizer::update_range(sw, sg, host_state, n, k.first(c), k.size(c), spans, step, ex);
+      std::memcpy(w + k.first(c), sw, k.size(c) * sizeof(S));
     }
   }
 
@@ -19274,8 +19314,8 @@ MEMBOUND_NAMESPACE_END
 // plans it takes later (set_plan, load, a retry) keep it. On cuda_backend the buckets are copied
 // between the device and the host space (pinned memory, the caller's allocator) and updated on
 // the executor's host threads: the CPU optimizer's arithmetic, not the device kernel's (within
-// the trainer tests' tolerance of an in-place device run); the copies and the update take turns
-// (not overlapped yet).
+// the trainer tests' tolerance of an in-place device run), each chunk's update overlapping its
+// neighbours' copies (backend/cuda/model.cuh).
 //
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the

@@ -214,12 +214,14 @@ def main():
             ("--capacity", {"--layers": "attn_moe", "--capacity": "nan"}),
             ("--capacity", {"--layers": "attn_moe", "--capacity": "0.001"}),  # no slot for an expert
             ("--aux", {"--layers": "attn_moe", "--aux": "inf"}),
-            ("--host-budget", {"--offload": "auto", "--host-budget": "-1"}),
-            ("--host-budget", {"--offload": "auto", "--host-budget": "1.2MiB"}),  # not a whole number of bytes
+            ("--host-budget", {"--device": "cpu", "--offload": "auto", "--host-budget": "-1"}),
+            # not a whole number of bytes
+            ("--host-budget", {"--device": "cpu", "--offload": "auto", "--host-budget": "1.2MiB"}),
             # 1 MiB fits this model only with the optimizer's state offloaded; 100 KiB cannot hold it.
             ("--budget", {"--budget": "1MiB"}),
-            ("--host-budget", {"--budget": "1MiB", "--offload": "auto", "--host-budget": "100KiB"}),
-            ("--host-budget", {"--offload": "optimizer", "--schedule": "none", "--host-budget": "100KiB"}),
+            ("--host-budget", {"--device": "cpu", "--budget": "1MiB", "--offload": "auto", "--host-budget": "100KiB"}),
+            ("--host-budget", {"--device": "cpu", "--offload": "optimizer", "--schedule": "none",
+                               "--host-budget": "100KiB"}),
             ("--seq", {"--seq": "max"}),                            # max on the CPU needs --pack
             ("--seq", {"--pack": "4", "--seq": "1"}),                # a packed row needs a token and its target
             ("--data", {"--pack": "4", "--data": p("blank.txt")}),  # no paragraph to pack
@@ -279,18 +281,19 @@ def main():
                 return None
             return check
         # Only an offloaded plan fits 1 MiB here: auto takes it, and the host's peak is its prediction.
-        c.accept(train, base, {"--budget": "1MiB", "--offload": "auto", "--host-budget": "1MiB"},
+        c.accept(train, base, {"--device": "cpu", "--budget": "1MiB", "--offload": "auto", "--host-budget": "1MiB"},
                  host_says(offload_optimizer=True, budget_bytes=MIB))
-        c.accept(train, base, {"--offload": "auto"}, host_says(offload_optimizer=False, predicted_peak_bytes=0))
-        c.accept(train, base, {"--offload": "optimizer", "--optimizer": "adamw8bit", "--precision": "bf16"},
-                 host_says(offload_optimizer=True))
+        c.accept(train, base, {"--device": "cpu", "--offload": "auto"},
+                 host_says(offload_optimizer=False, predicted_peak_bytes=0))
+        c.accept(train, base, {"--device": "cpu", "--offload": "optimizer", "--optimizer": "adamw8bit",
+                               "--precision": "bf16"}, host_says(offload_optimizer=True))
         # At 40 MiB this model (one row of 1024 tokens) recomputes 47.5% of its forward with every
         # block input on the device and 18.6% with one of them on the host: activations offload it.
         tight = {"--data": p("long.txt"), "--width": "128", "--seq": "1024", "--batch": "1", "--budget": "40MiB"}
-        c.accept(train, base, {**tight, "--offload": "activations"},
+        c.accept(train, base, {**tight, "--device": "cpu", "--offload": "activations"},
                  host_says(offload_optimizer=False, activations_bytes=512 << 10))
         # all: the optimizer's state on the host frees the device enough to keep every input there.
-        c.accept(train, base, {**tight, "--offload": "all", "--host-budget": "16MiB"},
+        c.accept(train, base, {**tight, "--device": "cpu", "--offload": "all", "--host-budget": "16MiB"},
                  host_says(offload_optimizer=True, activations_bytes=0))
         c.accept(train, base, {"--zero": "1"})  # one process: ZeRO-1 is ZeRO-0
         c.accept(train, base, {"--zero": "2", "--timeout": "30"})  # and ZeRO-2 too; the timeout is MPI's only

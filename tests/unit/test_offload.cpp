@@ -30,6 +30,7 @@
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/planner.hpp"
 #include "membound/optimizer/adamw8bit.hpp"
+#include "membound/shape/offload_chunks.hpp"
 #include "membound/train/trainer.hpp"
 
 #include "../support/small_models.hpp"
@@ -148,6 +149,33 @@ TEST_CASE("offload: bf16 with fp32 masters equals the in-place run bit for bit")
 
 TEST_CASE("offload: adamw8bit's buckets are whole quantization blocks and equal the in-place run") {
   check_offload_equals_in_place<mb::bf16_precision, mb::adamw8bit<mb::bf16, 256>>(300);  // rounded to 512
+}
+
+TEST_CASE("offload: the chunks cover every parameter once, in granule multiples, each within its slot") {
+  // Both backends walk these (the device overlaps a chunk's update with its neighbours' copies).
+  for (const std::size_t granule : {std::size_t{1}, std::size_t{256}, std::size_t{2048}}) {
+    for (const std::size_t buckets : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{7}}) {
+      const std::size_t bucket = buckets * granule;
+      for (const std::size_t n : {std::size_t{0}, std::size_t{1}, granule, bucket - 1, bucket, bucket + 1,
+                                  5 * bucket + 3}) {
+        const mb::offload_chunks k = mb::offload_chunks::of(n, bucket, granule);
+        CHECK(k.slots == (buckets >= 2 ? 2u : 1u));
+        std::size_t covered = 0;
+        for (std::size_t c = 0; c < k.count; ++c) {
+          CHECK(k.first(c) == covered);
+          CHECK(k.first(c) % granule == 0);
+          CHECK(k.size(c) > 0);
+          const bool whole = k.size(c) % granule == 0 || k.first(c) + k.size(c) == n;
+          CHECK(whole);
+          CHECK(k.slot_offset(c) + k.size(c) <= bucket);  // inside one staging buffer
+          const bool apart = c == 0 || k.slots == 1 || k.slot_offset(c) != k.slot_offset(c - 1);
+          CHECK(apart);  // neighbours in different slots
+          covered += k.size(c);
+        }
+        CHECK(covered == n);
+      }
+    }
+  }
 }
 
 TEST_CASE("offload: the bucket is at most the parameters, and the default is 1 Mi parameters") {

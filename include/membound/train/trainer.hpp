@@ -83,8 +83,8 @@
 // plans it takes later (set_plan, load, a retry) keep it. On cuda_backend the buckets are copied
 // between the device and the host space (pinned memory, the caller's allocator) and updated on
 // the executor's host threads: the CPU optimizer's arithmetic, not the device kernel's (within
-// the trainer tests' tolerance of an in-place device run); the copies and the update take turns
-// (not overlapped yet).
+// the trainer tests' tolerance of an in-place device run), each chunk's update overlapping its
+// neighbours' copies (backend/cuda/model.cuh).
 //
 // Pressure over ranks: one rank cannot change its plan alone (the ranks' collectives must match),
 // so the ranks agree. At every point of a step that still comes before a gradient exchange of the

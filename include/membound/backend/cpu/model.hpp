@@ -20,6 +20,7 @@
 #include "membound/core/parallel.hpp"
 #include "membound/policy/backend.hpp"
 #include "membound/shape/lm_head_shape.hpp"
+#include "membound/shape/offload_chunks.hpp"
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -324,19 +325,22 @@ struct backend_kernels<cpu_backend, model_glue> {
     Optimizer::update(w, g, state, n, spans, step, ex);
   }
   // Optimizer offload (planner: offload_options) runs here. The state is in the host space;
-  // bucket by bucket the gradients and weights are copied into its staging buffers (a device's
-  // copies to the host; here between the two host arenas), updated there by update_range, and the
-  // weights copied back: the bits of optimizer_update.
+  // chunk by chunk (offload_chunks: the device's schedule, here in turn) the gradients and weights
+  // are copied into a slot of its staging buffers (a device's copies to the host; here between the
+  // two host arenas), updated there by update_range, and the weights copied back: the bits of
+  // optimizer_update.
   static constexpr bool offloads_optimizer = true;
   template <typename Optimizer, typename S, typename Spans, typename Step>
   static void offloaded_update(thread_pool& ex, S* w, const S* g, void* host_state, std::size_t n, Spans spans,
                                const Step& step, S* stage_w, S* stage_g, std::size_t bucket) {
-    for (std::size_t a = 0; a < n; a += bucket) {
-      const std::size_t k = std::min(bucket, n - a);
-      std::memcpy(stage_g, g + a, k * sizeof(S));
-      std::memcpy(stage_w, w + a, k * sizeof(S));
-      Optimizer::update_range(stage_w, stage_g, host_state, n, a, k, spans, step, ex);
-      std::memcpy(w + a, stage_w, k * sizeof(S));
+    const offload_chunks k = offload_chunks::of(n, bucket, Optimizer::range_granule);
+    for (std::size_t c = 0; c < k.count; ++c) {
+      S* const sw = stage_w + k.slot_offset(c);
+      S* const sg = stage_g + k.slot_offset(c);
+      std::memcpy(sg, g + k.first(c), k.size(c) * sizeof(S));
+      std::memcpy(sw, w + k.first(c), k.size(c) * sizeof(S));
+      Optimizer::update_range(sw, sg, host_state, n, k.first(c), k.size(c), spans, step, ex);
+      std::memcpy(w + k.first(c), sw, k.size(c) * sizeof(S));
     }
   }
 

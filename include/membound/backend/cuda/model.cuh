@@ -46,6 +46,7 @@
 #include "membound/optimizer/adamw8bit.hpp"
 #include "membound/optimizer/optimizer_policy.hpp"
 #include "membound/shape/lm_head_shape.hpp"
+#include "membound/shape/offload_chunks.hpp"
 
 #if MEMBOUND_CUDA_COMPILER
 #include <cub/block/block_reduce.cuh>
@@ -752,6 +753,27 @@ struct backend_kernels<cuda_backend, model_glue> {
     ex.synchronize();
   }
   static void synchronize(cuda_executor& ex) { ex.synchronize(); }
+  // Two events without timing, destroyed with the scope (the offloaded update's chunk downloads).
+  struct copy_events {
+    cudaEvent_t e[2] = {nullptr, nullptr};
+    copy_events() {
+      try {
+        for (cudaEvent_t& x : e) cuda_check(cudaEventCreateWithFlags(&x, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+      } catch (...) {
+        destroy();
+        throw;
+      }
+    }
+    ~copy_events() { destroy(); }
+    copy_events(const copy_events&) = delete;
+    copy_events& operator=(const copy_events&) = delete;
+    void destroy() noexcept {
+      for (cudaEvent_t& x : e) {
+        if (x != nullptr) (void)cudaEventDestroy(x);
+        x = nullptr;
+      }
+    }
+  };
   // fill(p) writes `bytes` at dst: p is a host buffer, uploaded to dst when fill returns.
   template <typename Fill>
   static void write_via_host(cuda_executor& ex, void* dst, std::size_t bytes, Fill&& fill) {
@@ -803,26 +825,42 @@ struct backend_kernels<cuda_backend, model_glue> {
   }
 
   // Optimizer offload (planner: offload_options; ZeRO-Offload's placement): the state lives in the
-  // host space (pinned memory: the trainer's host allocator), and bucket by bucket the gradients
-  // and weights come down into its two staging buffers, the policy's update_range runs there on
-  // the executor's host threads (the CPU optimizer's arithmetic, the bits of a cpu_backend
-  // trainer's update), and the weights go back up. Each bucket waits for its download; the
-  // upload is stream-ordered before the next download into the same buffer and before the next
-  // step's kernels. (Not overlapped yet: the copies and the host update of one bucket take turns.)
+  // host space (pinned memory: the trainer's host allocator), and the parameters go through in
+  // offload_chunks (half a bucket each, a slot of the two staging buffers apiece), so that the next
+  // chunk's download and the last chunk's upload run on the stream while the host updates this one:
+  //   download chunk 0; for each chunk c: queue chunk c + 1's download into the other slot (after
+  //   chunk c − 1's upload from it, in stream order), wait for chunk c's download (its slot's
+  //   event), run the policy's update_range there on the executor's host threads (the CPU
+  //   optimizer's arithmetic), queue its upload.
+  // With one slot (a bucket of one granule) the next download is queued after the upload. The
+  // uploads end stream-ordered before the next step's kernels and the next step's downloads.
   static constexpr bool offloads_optimizer = true;
   template <typename Optimizer, typename S, typename Spans, typename Step>
   static void offloaded_update(cuda_executor& ex, S* w, const S* g, void* host_state, std::size_t n, Spans spans,
                                const Step& step, S* stage_w, S* stage_g, std::size_t bucket) {
-    for (std::size_t a = 0; a < n; a += bucket) {
-      const std::size_t k = std::min(bucket, n - a);
-      cuda_check(cudaMemcpyAsync(stage_g, g + a, k * sizeof(S), cudaMemcpyDeviceToHost, ex.stream()),
+    const offload_chunks k = offload_chunks::of(n, bucket, Optimizer::range_granule);
+    const copy_events downloaded;
+    const auto download = [&](std::size_t c) {
+      const std::size_t bytes = k.size(c) * sizeof(S), at = k.slot_offset(c);
+      cuda_check(cudaMemcpyAsync(stage_g + at, g + k.first(c), bytes, cudaMemcpyDeviceToHost, ex.stream()),
                  "cudaMemcpyAsync (gradients to the host)");
-      copy_to_host(ex, stage_w, w + a, k * sizeof(S));  // both downloads done on return
-      Optimizer::update_range(stage_w, stage_g, host_state, n, a, k, spans, step, ex.host_pool());
-      cuda_check(cudaMemcpyAsync(w + a, stage_w, k * sizeof(S), cudaMemcpyHostToDevice, ex.stream()),
+      cuda_check(cudaMemcpyAsync(stage_w + at, w + k.first(c), bytes, cudaMemcpyDeviceToHost, ex.stream()),
+                 "cudaMemcpyAsync (weights to the host)");
+      cuda_check(cudaEventRecord(downloaded.e[c % k.slots], ex.stream()), "cudaEventRecord");
+    };
+    if (k.count != 0) download(0);
+    for (std::size_t c = 0; c < k.count; ++c) {
+      if (k.slots == 2 && c + 1 < k.count) download(c + 1);
+      cuda_check(cudaEventSynchronize(downloaded.e[c % k.slots]), "cudaEventSynchronize (a chunk's download)");
+      S* const sw = stage_w + k.slot_offset(c);
+      Optimizer::update_range(sw, stage_g + k.slot_offset(c), host_state, n, k.first(c), k.size(c), spans, step,
+                              ex.host_pool());
+      cuda_check(cudaMemcpyAsync(w + k.first(c), sw, k.size(c) * sizeof(S), cudaMemcpyHostToDevice, ex.stream()),
                  "cudaMemcpyAsync (weights to the device)");
+      if (k.slots == 1 && c + 1 < k.count) download(c + 1);
     }
   }
+
   // Activation offload (kept block inputs in pinned host memory, copied on a copy stream) is not
   // built on the device yet either: forward_backward refuses a schedule that offloads.
   static constexpr bool offloads_activations = false;
