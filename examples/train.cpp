@@ -859,18 +859,12 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
                 first_eval, last_eval, mib(st.peak_requested), mib(predicted), mib(budget), requested_ok ? "yes" : "NO");
     std::printf("reserved by the arena: measured %.2f MiB <= predicted %.2f MiB: %s", mib(st.peak_reserved),
                 mib(predicted_reserve), reserve_ok ? "yes" : "NO");
-    // The offloaded state and its staging buffers (made before step 1 and kept) and the block
-    // inputs a step offloads: the host space's measured peak is its prediction exactly.
     // Every plan it ran under (a replan may change the offloaded inputs) stays within the largest.
     const std::size_t host_predicted = t.largest_predicted_host_peak();
     const bool host_ok = host_space.stats().peak_requested <= host_predicted;
-    if (host_predicted != 0) {
-      std::printf("\nhost space (--offload): measured peak %.2f MiB %s predicted %.2f MiB%s: %s",
-                  mib(host_space.stats().peak_requested),
-                  host_space.stats().peak_requested == host_predicted ? "=" : "<=", mib(host_predicted),
-                  o.host_budget != 0 ? (" <= --host-budget " + mb::format_bytes(o.host_budget, false)).c_str() : "",
-                  host_ok ? "yes" : "NO");
-    }
+    const std::string host_line =
+        host_space_line(host_space.stats().peak_requested, host_predicted, o.host_budget, "--offload");
+    if (!host_line.empty()) std::printf("\n%s", host_line.c_str());
     if (rss.known && baseline.known) {
       // Beyond the baseline and the reserve: thread stacks and the heap's own bookkeeping.
       // The host space (--offload) is the process's memory too.

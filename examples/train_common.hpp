@@ -154,6 +154,20 @@ auto under_flags(const options& o, F make) -> decltype(make()) {
 
 inline double mib(std::size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
 
+// The end of a run with --offload: the host space's measured peak against the largest prediction
+// of the plans it ran under (the offloaded state and its staging buffers, made before step 1 and
+// kept, and the block inputs a step offloads: measured = predicted exactly); empty without one.
+inline std::string host_space_line(std::size_t measured, std::size_t predicted, std::size_t host_budget,
+                                   const char* what) {
+  if (predicted == 0) return {};
+  char line[256];
+  std::snprintf(line, sizeof line, "host space (%s): measured peak %.2f MiB %s predicted %.2f MiB%s: %s", what,
+                mib(measured), measured == predicted ? "=" : "<=", mib(predicted),
+                host_budget != 0 ? (" <= --host-budget " + mb::format_bytes(host_budget, false)).c_str() : "",
+                measured <= predicted ? "yes" : "NO");
+  return line;
+}
+
 // "  moe drop 3.1% aux 0.0213": the choices a mixture of experts dropped, and its balancing loss.
 inline std::string moe_text(const mb::moe_stats& m) {
   char s[64];

@@ -535,17 +535,11 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
               "%.2f MiB\n",
               mib(st.peak_reserved), mib(predicted_reserve), reserve_ok ? "yes" : "NO", mib(reserved_after_first),
               mib(reserved_max_later));
-  // --offload: the optimizer's state and its staging buffers in the host space (pinned), made
-  // before step 1 and kept: its measured peak is its prediction exactly.
-  const std::size_t host_predicted = t.largest_predicted_host_peak();
-  const bool host_ok = host_space.stats().peak_requested <= host_predicted;
-  if (host_predicted != 0) {
-    std::printf("host space (--offload, pinned): measured peak %.2f MiB %s predicted %.2f MiB%s: %s\n",
-                mib(host_space.stats().peak_requested),
-                host_space.stats().peak_requested == host_predicted ? "=" : "<=", mib(host_predicted),
-                o.host_budget != 0 ? (" <= --host-budget " + mb::format_bytes(o.host_budget, false)).c_str() : "",
-                host_ok ? "yes" : "NO");
-  }
+  // --offload: the optimizer's state and its staging buffers in the host space (pinned).
+  const bool host_ok = host_space.stats().peak_requested <= t.largest_predicted_host_peak();
+  const std::string host_line = host_space_line(host_space.stats().peak_requested, t.largest_predicted_host_peak(),
+                                                o.host_budget, "--offload, pinned");
+  if (!host_line.empty()) std::printf("%s\n", host_line.c_str());
   if (step_s > 0) {
     std::printf("%.0f tokens/s, %.1f model TFLOP/s per step (%.1f%% of 989 bf16 TFLOP/s)\n",
                 static_cast<double>(tokens_done) / (total_ms / 1000.0), flops / step_s / 1e12,
