@@ -96,8 +96,8 @@ std::size_t largest_fitting_seq(const Model& m, std::size_t batch, std::size_t b
 // of 2026-11-29: 2 MiB more outside the stack at step 1, whose peak then crossed the emergency line
 // and was retried). A step at another shape may still launch kernels this one did not (cuBLASLt
 // chooses by size), and the gradient norm's and the optimizer's load at step 1; the monitor's probe
-// sees those at its check points, as before. Skipped (false)
-// when the micro-batch does not fit the budget (the real plan would not either) or the device.
+// sees those at its check points, as before. Skipped (false) when the micro-batch does not fit the
+// budget (the real plan would not either) or the device.
 template <typename Model>
 bool load_step_kernels(const Model& m, std::size_t rows, std::size_t budget, mb::cuda_executor& ex) {
   using S = typename Model::storage_type;
@@ -165,8 +165,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
 
   // Outside the stack, measured once: the context (and whatever others held then), then what the
   // executor's stream and cuBLASLt handle add.
-  // The step's kernels are loaded inside that measurement (load_step_kernels), so the memory the
-  // runtime keeps for them is counted there too.
+  // The forward and backward kernels are loaded inside that measurement (load_step_kernels), so
+  // the memory the runtime keeps for them is counted there too.
   std::optional<mb::cuda_executor> exec;
   bool kernels_loaded = false;
   const mb::runtime_memory outside = mb::measure_runtime_memory(device, [&] {

@@ -13,6 +13,11 @@
 # -gencode pair, so each file compiles once. Needs torch with CUDA, nvcc of torch's CUDA major
 # version, ninja (parallel jobs: MAX_JOBS, default the machine's cores).
 set -euo pipefail
+if (($# < 2)) || [[ ! -d "$1" ]]; then
+  echo "usage: bash tools/build_peer_kernels.sh SDIST_DIR TARGET_DIR [ARCH]  (SDIST_DIR: the folder of" \
+       "mamba_ssm-*.tar.gz and causal_conv1d-*.tar.gz)" >&2
+  exit 2
+fi
 sdists="$(cd "$1" && pwd)"
 target="$2"
 arch="${3:-90}"

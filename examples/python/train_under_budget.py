@@ -67,6 +67,10 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--spike", default="768MiB@20:40", help="SIZE@FIRST:LAST held through the allocator ('' none)")
     args = ap.parse_args()
+    for flag in ("steps", "batch", "seq", "width", "heads", "blocks"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"train_under_budget.py: --{flag}: expected a whole number of at least 1, "
+                             f"got {getattr(args, flag)}")
     spike = parse_spike(args.spike) if args.spike else None
     budget = membound.parse_size(args.budget, "--budget")
 
