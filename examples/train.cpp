@@ -190,7 +190,8 @@ options checked_options(const flag_texts& f) {
   }
   // auto picks the CPU for --offload activations|all: activation offload runs on the CPU backend
   // so far (optimizer offload on both).
-  const bool offloads_activations = f.given("--offload") && (f["--offload"] == "activations" || f["--offload"] == "all");
+  const bool offloads_activations =
+      f.given("--offload") && (f["--offload"] == "activations" || f["--offload"] == "all");
   o.device = device == "auto" ? (gpu && !offloads_activations ? "cuda" : "cpu") : device;
   if (o.device == "cuda") apply_device_defaults(o);
   const auto whole = [&](const char* flag, auto& to, std::uint64_t lo, std::uint64_t hi,

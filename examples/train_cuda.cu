@@ -315,7 +315,8 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   plan.outside_stack = held;
   plan.outside_note = "CUDA context " + mb::format_bytes(outside.resident, false) + " (with others' bytes then) + " +
                       "executor " + mb::format_bytes(outside.setup, false) +
-                      (kernels_loaded ? " (with the forward and backward kernels a 256-token micro-batch loaded)" : "") +
+                      (kernels_loaded ? " (with the forward and backward kernels a 256-token micro-batch loaded)"
+                                      : "") +
                       ", cudaMemGetInfo";
   cudaDeviceProp prop{};
   mb::cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");

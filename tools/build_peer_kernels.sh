@@ -2,8 +2,9 @@
 # Builds the PyTorch peers' CUDA kernels that PyPI has only as source (mamba_ssm's selective scan,
 # causal_conv1d) for one GPU architecture, against the python3 and torch where it runs, and
 # installs them into a folder for PYTHONPATH. mamba_ssm imports einops, triton, huggingface_hub and
-# transformers (the lent GPU image has them; elsewhere install them first). For the honest peer of bench/peers/model_cuda_peer.py
-# (fast_mixers.py uses mamba_ssm's fused path when it imports). Nothing of theirs is kept in this
+# transformers (the lent GPU image has them; elsewhere install them first). For the honest peer of
+# bench/peers/model_cuda_peer.py (fast_mixers.py uses mamba_ssm's fused path when it imports).
+# Nothing of theirs is kept in this
 # repository: the source distributions come from PyPI (tools/stage_gpu_binaries.sh carries them).
 #
 #   bash tools/build_peer_kernels.sh SDIST_DIR TARGET_DIR [ARCH]     # ARCH default 90 (H100/H200)

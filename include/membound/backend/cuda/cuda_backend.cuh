@@ -128,7 +128,9 @@ class cuda_executor {
   // backend/cuda/model.cuh), made at the first use: thread_pool::default_threads() of them, or
   // set_host_threads' count (before that use).
   thread_pool& host_pool() {
-    if (!host_pool_) host_pool_ = std::make_unique<thread_pool>(host_threads_ != 0 ? host_threads_ : thread_pool::default_threads());
+    if (!host_pool_) {
+      host_pool_ = std::make_unique<thread_pool>(host_threads_ != 0 ? host_threads_ : thread_pool::default_threads());
+    }
     return *host_pool_;
   }
   void set_host_threads(std::size_t threads) {

@@ -758,7 +758,9 @@ struct backend_kernels<cuda_backend, model_glue> {
     cudaEvent_t e[2] = {nullptr, nullptr};
     copy_events() {
       try {
-        for (cudaEvent_t& x : e) cuda_check(cudaEventCreateWithFlags(&x, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+        for (cudaEvent_t& x : e) {
+          cuda_check(cudaEventCreateWithFlags(&x, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+        }
       } catch (...) {
         destroy();
         throw;
