@@ -5,15 +5,20 @@
 //
 // fwd_*/fwdbwd_* time the fp32 SIMT kernels; *_wmma_bf16_* the first bf16 path (the WMMA forward,
 // and the SIMT backward, now the fallback); *_mma_bf16_* attention_mma.cuh's mma.sync kernels
-// (forward, dK/dV and dQ with fragments in registers, the bf16 default). Same shapes and data in one run, so the
-// ratios between them hold on a noisy machine. No cp.async/TMA yet; bench/peers/sdpa_peer.py
+// (forward, dK/dV and dQ with fragments in registers, the bf16 default); *_cudnn_bf16_* cuDNN's fused
+// flash attention (backend/cuda/cudnn_attention.cuh, where the build has it) on bf16 q, k, v, with its
+// deterministic backward, and *_cudnn_atomic_bf16_* with its default one (atomic dQ, what PyTorch's
+// cuDNN SDPA backend runs). Same shapes and data in one run, so the ratios between them hold on a
+// noisy machine. No cp.async/TMA yet; bench/peers/sdpa_peer.py
 // prints PyTorch's SDPA on the same shapes for the side-by-side. Without a device each benchmark
 // is skipped.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <unordered_map>
 
 #include "membound/backend/cuda.cuh"
 
@@ -155,6 +160,84 @@ void fwdbwd_mma_bf16_d128(benchmark::State& st, bool causal) {
   bm_attention<128>(st, 128, causal, true, path::mma);
 }
 
+#if defined(MEMBOUND_WITH_CUDNN)
+// cuDNN's graphs on 16-bit tensors (what attention.cuh hands it), their workspace allocated here at
+// the size cuDNN asks for (a counter), timed as the kernels above.
+void bm_cudnn(benchmark::State& state, std::size_t D, bool causal, bool with_backward, bool deterministic) {
+  if (!have_device()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::size_t T = static_cast<std::size_t>(state.range(0));
+  const std::size_t H = 16, B = (16384 / T) > 0 ? 16384 / T : 1;
+  const mb::attention_shape s{B, T, H * D, H, H, D, causal, 10000.0};
+  mb::cuda_executor ex;
+  ex.set_kernels({.attention = gpu::attention_kernels::cudnn, .cudnn_deterministic = deterministic});
+  const std::size_t n = B * T * H * D, rows = B * H * T;
+  const mb::attention_band band = mb::band_of(s);
+  const std::size_t cap = std::size_t{4} << 30;  // the plan's slots bound it in attention.cuh; not here
+  cudnnHandle_t h = nullptr;
+  const auto fwd = gpu::cudnn_sdpa_plan<mb::bf16>(ex, s, band, false, cap, &h);
+  const auto bwd = with_backward ? gpu::cudnn_sdpa_plan<mb::bf16>(ex, s, band, true, cap, &h) : nullptr;
+  if (!fwd || (with_backward && !bwd)) {
+    state.SkipWithError(("cuDNN does not run it: " + gpu::cudnn_attention_report().last_fallback).c_str());
+    return;
+  }
+  device_floats f(n, ex.stream(), 1), lse(rows, ex.stream(), 6);
+  mb::bf16* t16[8] = {};  // q, k, v, o, dO, dq, dk, dv
+  for (auto*& p : t16) {
+    mb::cuda_check(cudaMalloc(&p, n * sizeof(mb::bf16)), "cudaMalloc");
+    gpu::convert(ex, static_cast<const float*>(f.p), p, n);
+  }
+  const std::size_t ws_bytes = static_cast<std::size_t>(std::max(fwd->workspace, bwd ? bwd->workspace : 0));
+  void* ws = nullptr;
+  if (ws_bytes > 0) mb::cuda_check(cudaMalloc(&ws, ws_bytes), "cudaMalloc");
+  namespace cd = gpu::cudnn_detail;
+  std::unordered_map<std::int64_t, void*> fpack{
+      {cd::u_q, t16[0]}, {cd::u_k, t16[1]}, {cd::u_v, t16[2]}, {cd::u_o, t16[3]}, {cd::u_stats, lse.p}};
+  std::unordered_map<std::int64_t, void*> bpack = fpack;
+  bpack.insert({{cd::u_do, t16[4]}, {cd::u_dq, t16[5]}, {cd::u_dk, t16[6]}, {cd::u_dv, t16[7]}});
+  auto once = [&] {
+    cd::execute(ex, *fwd, h, fpack, ws, false);
+    if (with_backward) cd::execute(ex, *bwd, h, bpack, ws, true);
+  };
+  once();
+  ex.synchronize();
+  cudaEvent_t start = nullptr, stop = nullptr;
+  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  double seconds = 0.0;
+  std::size_t iters = 0;
+  for (auto _ : state) {
+    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
+    once();
+    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
+    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0.0f;
+    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(ms / 1e3);
+    seconds += ms / 1e3;
+    ++iters;
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  for (auto* p : t16) (void)cudaFree(p);
+  if (ws != nullptr) (void)cudaFree(ws);
+  double flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(T) * static_cast<double>(T) *
+                 static_cast<double>(D) * (causal ? 0.5 : 1.0);
+  if (with_backward) flops *= 3.5;
+  if (seconds > 0.0) state.counters["TFLOP/s"] = flops * static_cast<double>(iters) / seconds / 1e12;
+  state.counters["workspace_MiB"] = static_cast<double>(ws_bytes) / (1024.0 * 1024.0);
+  state.counters["cudnn_version"] = static_cast<double>(gpu::cudnn_attention_report().version);
+}
+void fwd_cudnn_bf16_d64(benchmark::State& st, bool causal) { bm_cudnn(st, 64, causal, false, true); }
+void fwd_cudnn_bf16_d128(benchmark::State& st, bool causal) { bm_cudnn(st, 128, causal, false, true); }
+void fwdbwd_cudnn_bf16_d64(benchmark::State& st, bool causal) { bm_cudnn(st, 64, causal, true, true); }
+void fwdbwd_cudnn_bf16_d128(benchmark::State& st, bool causal) { bm_cudnn(st, 128, causal, true, true); }
+void fwdbwd_cudnn_atomic_bf16_d64(benchmark::State& st, bool causal) { bm_cudnn(st, 64, causal, true, false); }
+void fwdbwd_cudnn_atomic_bf16_d128(benchmark::State& st, bool causal) { bm_cudnn(st, 128, causal, true, false); }
+#endif
+
 }  // namespace
 
 #define MEMBOUND_ATTN_BENCH(fn)                                                            \
@@ -172,5 +255,13 @@ MEMBOUND_ATTN_BENCH(fwd_mma_bf16_d64)
 MEMBOUND_ATTN_BENCH(fwd_mma_bf16_d128)
 MEMBOUND_ATTN_BENCH(fwdbwd_mma_bf16_d64)
 MEMBOUND_ATTN_BENCH(fwdbwd_mma_bf16_d128)
+#if defined(MEMBOUND_WITH_CUDNN)
+MEMBOUND_ATTN_BENCH(fwd_cudnn_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwd_cudnn_bf16_d128)
+MEMBOUND_ATTN_BENCH(fwdbwd_cudnn_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwdbwd_cudnn_bf16_d128)
+MEMBOUND_ATTN_BENCH(fwdbwd_cudnn_atomic_bf16_d64)
+MEMBOUND_ATTN_BENCH(fwdbwd_cudnn_atomic_bf16_d128)
+#endif
 
 int main(int argc, char** argv) { return bench_flags::benchmark_main(argc, argv); }

@@ -223,7 +223,7 @@ options checked_options(const flag_texts& f) {
     o.host_budget = cc::size("--host-budget", f["--host-budget"], "--host-budget 1GiB");
   }
   if (f.given("--attention-kernels")) {
-    o.attention_kernels = cc::one_of("--attention-kernels", f["--attention-kernels"], {"wmma", "mma"});
+    o.attention_kernels = cc::one_of("--attention-kernels", f["--attention-kernels"], {"wmma", "mma", "cudnn", "cudnn-atomic"});
     if (o.device != "cuda") {
       throw mb::invalid_argument("--attention-kernels", "only with --device cuda (the CPU has one attention kernel)",
                                  o.attention_kernels, "Leave the flag out, or add --device cuda");
@@ -960,10 +960,12 @@ int main(int argc, char** argv) {
        "back before their backward); all: both; the plan table gives both spaces' bytes (on cuda the host space is "
        "pinned memory and activations/all are refused: their device path is not built; default none)");
   flag("--host-budget", "SIZE", "with --offload, the host space's budget, e.g. 1GiB (default: none, measured)");
-  flag("--attention-kernels", "mma|wmma",
+  flag("--attention-kernels", "mma|wmma|cudnn|cudnn-atomic",
        "on cuda with bf16 storage and head size <= 128: mma runs the mma.sync forward and backward with fragments "
        "in registers (sm_80 and up; elsewhere wmma runs); wmma the first kernels (a WMMA forward, a SIMT backward); "
-       "fp32 and larger heads always run the SIMT kernels; the first lines say which ran (default mma)");
+       "cudnn cuDNN's fused flash attention where the build has it and libcudnn.so.9 loads, else mma, with its "
+       "deterministic backward; cudnn-atomic with its faster atomic one (repeats differ in the last bits; both never "
+       "run on a GPU yet); fp32 and larger heads always run the SIMT kernels; the first lines say which ran (default mma)");
   flag("--clip", "[0,10^6]", "global gradient-norm clip, 0: off (default 1)");
   flag("--warmup", "0..steps", "warm-up steps, at most --steps (default 30, or --steps if fewer)");
   flag("--eval-every", "0..steps", "steps between validation losses, 0: at the end only (default 50)");

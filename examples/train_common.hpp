@@ -76,7 +76,7 @@ struct options {
   bool seq_max = false;        // --seq max: the longest length fit() admits under the emergency line (cuda, or --pack)
   std::size_t plan_only = 0;   // --plan-only 1: print the plan (and --seq max's length) and stop
   std::size_t accept_changes = 0;  // --resume under flags that change the run: refused (0) or taken (1)
-  std::string attention_kernels = "mma";  // cuda, bf16: mma (mma.sync, the default) or wmma (the fallback)
+  std::string attention_kernels = "mma";  // cuda, bf16: mma (mma.sync, the default), wmma (the fallback), cudnn, cudnn-atomic
   bool saves() const { return save_every != 0 || stop_after != 0; }
 };
 

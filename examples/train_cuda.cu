@@ -173,8 +173,11 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
     exec.emplace(device);
     // The attention kernels of this run's executor (fp32 ignores the choice), before the
     // kernels are loaded.
+    const bool cudnn = o.attention_kernels.starts_with("cudnn");
     exec->set_kernels({.attention = o.attention_kernels == "mma" ? mb::gpu::attention_kernels::tensor_core
-                                                                 : mb::gpu::attention_kernels::simt_wmma});
+                                    : cudnn                      ? mb::gpu::attention_kernels::cudnn
+                                                                 : mb::gpu::attention_kernels::simt_wmma,
+                       .cudnn_deterministic = o.attention_kernels != "cudnn-atomic"});
     kernels_loaded = load_step_kernels(m, 1, budget, *exec);
   });
   mb::cuda_executor& ex = *exec;
@@ -184,6 +187,10 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   std::string attention_ran = "simt";
   if constexpr (!std::is_same_v<S, float>) {
     attention_ran = mb::gpu::detail::use_mma<S>(ex, head_dim) ? "mma" : (head_dim <= 128 ? "wmma" : "simt");
+    // cuDNN: what it ran is counted per call (the cudnn line at the end), mma where it did not.
+    if (ex.kernels().attention == mb::gpu::attention_kernels::cudnn && mb::gpu::cudnn_attention_report().compiled) {
+      attention_ran = "cudnn, else " + attention_ran;
+    }
   }
 
   mb::trace_recorder recorder(o.trace.empty() ? std::size_t{4096} : std::size_t{1} << 20);
@@ -412,6 +419,12 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
       j["outside_stack_bytes"] = held;  // the budget's external bytes at the start (the plan's line)
       j["runtime_bytes"] = outside.total();  // of which: the context and the executor, as measured
       j["step_kernels_loaded"] = kernels_loaded;  // whether runtime_bytes holds forward's and backward's kernels
+      if (const auto c = mb::gpu::cudnn_attention_report(); c.compiled) {  // attention's cuDNN path, this run
+        j["cudnn"] = {{"loaded", c.loaded},           {"version", c.version},
+                      {"library", c.library},         {"forward_calls", c.forward_calls},
+                      {"backward_calls", c.backward_calls}, {"fallbacks", c.fallbacks},
+                      {"last_fallback", c.last_fallback}};
+      }
       j["ranks"] = N;
       j["zero"] = sharded ? 1 : 0;
       add_run_fields(j,
@@ -541,6 +554,13 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
   const std::string host_line = host_space_line(host_space.stats().peak_requested, t.largest_predicted_host_peak(),
                                                 o.host_budget, "--offload, pinned");
   if (!host_line.empty()) std::printf("%s\n", host_line.c_str());
+  if (const auto c = mb::gpu::cudnn_attention_report(); c.compiled && o.attention_kernels.starts_with("cudnn")) {
+    std::printf("cudnn: %s%s; attention calls on cuDNN: %llu forward, %llu backward; %llu on ours%s%s\n",
+                c.loaded ? "cuDNN " : "", c.loaded ? std::to_string(c.version).c_str() : c.library.c_str(),
+                static_cast<unsigned long long>(c.forward_calls), static_cast<unsigned long long>(c.backward_calls),
+                static_cast<unsigned long long>(c.fallbacks), c.fallbacks > 0 ? " (last: " : "",
+                c.fallbacks > 0 ? (c.last_fallback + ")").c_str() : "");
+  }
   if (step_s > 0) {
     std::printf("%.0f tokens/s, %.1f model TFLOP/s per step (%.1f%% of 989 bf16 TFLOP/s)\n",
                 static_cast<double>(tokens_done) / (total_ms / 1000.0), flops / step_s / 1e12,

@@ -3,7 +3,8 @@
 # Python package's build and test tools, which Debian 12 lacks (nanobind, scikit-build-core; pytest
 # and PyTorch, whose ops membound.ops registers and tests against, with them), from PyPI for the
 # python3 on PATH. PyPI's torch wheel brings its CUDA libraries (~5 GB installed, about a minute);
-# the tests run it on the CPU. Idempotent: nothing is updated or installed when
+# the tests run it on the CPU; nvidia-cudnn-frontend's headers (~50 MB wheel) for attention's cuDNN
+# path. Idempotent: nothing is updated or installed when
 # everything is already there.
 set -euo pipefail
 
@@ -38,8 +39,12 @@ wanted=()
 for m in "${modules[@]}"; do
   python3 -c "import ${m%%=*}" 2>/dev/null || wanted+=("${m#*=}")
 done
+# Header-only: cudnn_frontend's C++ headers for attention's cuDNN path (CMake finds them through
+# the distribution; importing its Python module would load cuDNN).
+python3 -c "import importlib.metadata as m; m.distribution('nvidia-cudnn-frontend')" 2>/dev/null ||
+  wanted+=(nvidia-cudnn-frontend)
 if ((${#wanted[@]} == 0)); then
-  echo "deps.sh: python3 has nanobind, scikit-build-core, pytest, numpy and torch"
+  echo "deps.sh: python3 has nanobind, scikit-build-core, pytest, numpy, torch and nvidia-cudnn-frontend"
 else
   echo "deps.sh: pip installing ${wanted[*]} for $(command -v python3)"
   pip_args=(--quiet --disable-pip-version-check)

@@ -68,6 +68,12 @@ deps="$root/.device_deps/usr/lib/x86_64-linux-gnu"
 lt="$(find /usr/local/cuda* /usr/lib /usr/local/lib -name 'libcublasLt.so.13' 2> /dev/null | head -1)"
 export LD_LIBRARY_PATH="$deps${lt:+:$(dirname "$lt")}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1
+# libcudnn.so.9 for attention's cuDNN path (dlopened, never linked): PyTorch's wheel brings it. Found,
+# test_cuda_attention's cuDNN case must load it and run its forwards on it (MEMBOUND_EXPECT_CUDNN).
+cudnn_lib="$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2> /dev/null)"
+if [[ -n "$cudnn_lib" && -e "$cudnn_lib/libcudnn.so.9" ]]; then
+  export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cudnn_lib" MEMBOUND_EXPECT_CUDNN=1
+fi
 
 pack() {
   cp "$work/summary.txt" "$out/summary.txt" 2> /dev/null
@@ -209,6 +215,26 @@ try:
           f" tokens/s {jb['tokens_per_second']:.0f} vs {ja['tokens_per_second']:.0f} (train ran first)")
 except Exception as e:  # a report missing: its step failed, and says so above
     print(f"{'train_wmma loss vs train':<40} not compared ({e})")
+PY
+      tail -1 "$work/summary.txt"
+      # cuDNN's attention (where libtrain_cuda was built with it), its atomic backward (the deterministic
+      # one wants a B·H·T² workspace before cuDNN 9.25; test_cuda_attention covers it): the same loss
+      # within 3%, and the report's cudnn field says how many calls cuDNN ran and why the others did not.
+      step train_cudnn 120 "$prebuilt/train" "${train[@]}" --steps 30 --attention-kernels cudnn-atomic \
+        --report "$work/train_cudnn.json"
+      python3 - "$work/train.json" "$work/train_cudnn.json" >> "$work/summary.txt" 2>&1 <<'PY'
+import json, sys
+try:
+    ja, jb = (json.load(open(f)) for f in sys.argv[1:3])
+    a, b = ja["final_train_loss"], jb["final_train_loss"]
+    d = abs(b - a) / abs(a)
+    c = jb.get("cudnn", {})
+    print(f"{'train_cudnn loss vs train':<40} {b:.4f} vs {a:.4f}: {d:.2%} {'ok' if d <= 0.03 else 'MISMATCH (over 3%)'};"
+          f" tokens/s {jb['tokens_per_second']:.0f} vs {ja['tokens_per_second']:.0f}; cuDNN {c.get('version')}"
+          f" ran {c.get('forward_calls')} fwd / {c.get('backward_calls')} bwd, ours {c.get('fallbacks')}"
+          f" (last: {c.get('last_fallback')})")
+except Exception as e:
+    print(f"{'train_cudnn loss vs train':<40} not compared ({e})")
 PY
       tail -1 "$work/summary.txt"
       step train_adamw8bit 90 "$prebuilt/train" "${train[@]}" --steps 30 --optimizer adamw8bit \

@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -200,8 +202,14 @@ void bf16_matches_cpu() {
 // covers (the host emulation measures 2.8e-3 for bf16 against a double attention on rounded
 // inputs). On sm_80 and up they must be the ones that run.
 void tensor_core_matches_cpu() {
+  // The default without cuDNN; with it (this test links membound::cudnn where CMake found it),
+  // the cuDNN path, whose own case is below: this one asks for the mma kernels by name.
+  const mb::gpu::kernel_choices mma{.attention = mb::gpu::attention_kernels::tensor_core};
   mb::cuda_executor ex;
-  CHECK(ex.kernels().attention == mb::gpu::attention_kernels::tensor_core);  // the default
+  ex.set_kernels(mma);
+#if !defined(MEMBOUND_WITH_CUDNN)
+  CHECK(mb::cuda_executor{}.kernels().attention == mb::gpu::attention_kernels::tensor_core);
+#endif
   int major = 0, optin = 0;
   mb::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
                  "cudaDeviceGetAttribute");
@@ -223,14 +231,51 @@ void tensor_core_matches_cpu() {
     }
   }
   CHECK(!gd::use_mma<mb::bf16>(ex, 256));  // D = 256 stays on the SIMT kernels
-  compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2);
-  compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2);
-  compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2);
-  compare<mb::bf16_precision>({1, 1, 32, 2, 1, 64, true}, 4e-2);
-  compare<mb::bf16_precision>({1, 150, 64, 4, 1, 40, true}, 4e-2);
-  compare<mb::fp16_precision>({2, 70, 64, 2, 2, 96, false}, 4e-2);
-  compare<mb::bf16_precision, mb::save_all>({2, 65, 32, 4, 2, 64, true}, 4e-2);
-  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2);  // falls back: SIMT
+  compare<mb::bf16_precision>({2, 37, 32, 4, 2, 64, true}, 4e-2, mma);
+  compare<mb::bf16_precision>({1, 80, 64, 4, 4, 128, false}, 4e-2, mma);
+  compare<mb::fp16_precision>({1, 50, 32, 2, 1, 64, true}, 4e-2, mma);
+  compare<mb::bf16_precision>({1, 1, 32, 2, 1, 64, true}, 4e-2, mma);
+  compare<mb::bf16_precision>({1, 150, 64, 4, 1, 40, true}, 4e-2, mma);
+  compare<mb::fp16_precision>({2, 70, 64, 2, 2, 96, false}, 4e-2, mma);
+  compare<mb::bf16_precision, mb::save_all>({2, 65, 32, 4, 2, 64, true}, 4e-2, mma);
+  compare<mb::bf16_precision>({1, 40, 32, 2, 1, 256, true}, 4e-2, mma);  // falls back: SIMT
+}
+
+// cuDNN's fused attention (backend/cuda/cudnn_attention.cuh), where this test is built with it,
+// on compare's checks (bit-identical repeats: its deterministic backward, the default; no device
+// memory beyond the plan's slots). Tolerance: cuDNN rounds q, k, v, dO and P to 16 bits as the mma
+// kernels do, and dq/dk once more before RoPE's inverse: the 4e-2 of the chain above. Where
+// cuDNN cannot run a call (a window, packed sequences, save_all's forward, a plan that wants more
+// workspace than the slots hold), our kernels run it and the report counts why. With
+// MEMBOUND_EXPECT_CUDNN=1 (tools/gpu_session.sh sets it) libcudnn must load and run the forwards.
+void cudnn_matches_cpu() {
+  const mb::gpu::cudnn_attention_counts before = mb::gpu::cudnn_attention_report();
+  if (!before.compiled) {
+    std::printf("  note: built without cuDNN (no cudnn_frontend at configure): nothing to check\n");
+    return;
+  }
+  const mb::gpu::kernel_choices use{.attention = mb::gpu::attention_kernels::cudnn};
+  compare<mb::bf16_precision>({2, 128, 64, 4, 2, 64, true}, 4e-2, use);
+  compare<mb::bf16_precision>({1, 256, 64, 4, 4, 128, false}, 4e-2, use);
+  compare<mb::fp16_precision>({1, 37, 32, 2, 1, 64, true}, 4e-2, use);  // T not a multiple of any tile
+  compare<mb::bf16_precision>({1, 1, 32, 2, 1, 64, true}, 4e-2, use);
+  const mb::gpu::cudnn_attention_counts ran = mb::gpu::cudnn_attention_report();
+  // Calls cuDNN cannot take: ours run them, counted.
+  compare<mb::bf16_precision>({1, 150, 64, 4, 2, 64, true, 10000.0, 40}, 4e-2, use);  // a window
+  compare<mb::bf16_precision, mb::save_all>({2, 65, 32, 4, 2, 64, true}, 4e-2, use);  // the forward
+  compare<mb::fp32_precision>({1, 40, 32, 2, 1, 64, true}, 1e-5, use);  // fp32 storage: the SIMT kernels
+  const mb::gpu::cudnn_attention_counts after = mb::gpu::cudnn_attention_report();
+  std::printf("  cuDNN: %s %ld; calls on cuDNN: %llu forward, %llu backward; on ours: %llu (last: %s)\n",
+              after.loaded ? "loaded" : "not loaded:", after.loaded ? after.version : 0L,
+              static_cast<unsigned long long>(after.forward_calls - before.forward_calls),
+              static_cast<unsigned long long>(after.backward_calls - before.backward_calls),
+              static_cast<unsigned long long>(after.fallbacks - before.fallbacks), after.last_fallback.c_str());
+  CHECK(after.fallbacks >= ran.fallbacks + 6);  // the window's four calls, save_all's two forwards
+  const char* expect = std::getenv("MEMBOUND_EXPECT_CUDNN");
+  if (expect != nullptr && std::string(expect) == "1") {
+    CHECK(after.loaded);
+    CHECK(ran.forward_calls >= before.forward_calls + 8);  // every forward of the first four shapes (two runs each)
+  }
 }
 
 void step_equals_forward() {
@@ -317,6 +362,7 @@ int main() {
       {"attention cuda_backend bf16/fp16 on the fallback kernels (WMMA/SIMT) within the stated bound", bf16_matches_cpu},
       {"attention cuda_backend tensor-core (mma.sync) kernels within the stated bound",
        tensor_core_matches_cpu},
+      {"attention cuda_backend on cuDNN (where built with it) within the stated bound", cudnn_matches_cpu},
       {"attention cuda_backend step equals the causal forward's rows", step_equals_forward},
       {"attention cuda_backend sliding windows equal the CPU backend's", sliding_window_matches_cpu},
       {"attention cuda_backend packed sequences equal the CPU backend's", packed_matches_cpu},

@@ -33,6 +33,7 @@
 
 #include "membound/backend/cuda/attention_mma.cuh"
 #include "membound/backend/cuda/cuda_backend.cuh"
+#include "membound/backend/cuda/cudnn_attention.cuh"
 #include "membound/backend/cuda/gemm.cuh"
 #include "membound/backend/cuda/model.cuh"
 #include "membound/backend/cuda/packing.cuh"
@@ -209,9 +210,10 @@ constexpr unsigned attn_dm(std::size_t D) noexcept { return D <= 64 ? 64 : (D <=
 
 // In-place rotate-half RoPE on x [N, heads·D] at position (n % T) + position0, or under packed
 // sequences at n − its sequence's start; inverse applies the transpose (the angle negated), for
-// dq and dk. Angles in double, as the CPU computes them.
-template <int = 0>
-__global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t heads,
+// dq and dk. Angles in double, as the CPU computes them. X: fp32, or the storage type (cuDNN's
+// 16-bit dq and dk, rotated back in place).
+template <typename X>
+__global__ void rope_kernel(X* x, std::size_t N, std::size_t T, std::size_t heads,
                             std::size_t D, double base, std::size_t position0, bool inverse,
                             packed_sequences packing) {
   const std::size_t half = D / 2;
@@ -224,10 +226,10 @@ __global__ void rope_kernel(float* x, std::size_t N, std::size_t T, std::size_t 
     const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
     const double angle = position * inv_freq * (inverse ? -1.0 : 1.0);
     const float c = static_cast<float>(cos(angle)), sn = static_cast<float>(sin(angle));
-    float* head = x + n * heads * D + h * D;
-    const float x1 = head[i], x2 = head[i + half];
-    head[i] = x1 * c - x2 * sn;
-    head[i + half] = x2 * c + x1 * sn;
+    X* head = x + n * heads * D + h * D;
+    const float x1 = ld(head, i), x2 = ld(head, i + half);
+    st(head, i, x1 * c - x2 * sn);
+    st(head, i + half, x2 * c + x1 * sn);
   }
 }
 
@@ -676,7 +678,8 @@ void set_smem(Kernel kernel, std::size_t bytes) {
              "cudaFuncSetAttribute(attention)");
 }
 
-inline void rope(const cuda_executor& ex, float* x, std::size_t N, std::size_t T,
+template <typename X>
+void rope(const cuda_executor& ex, X* x, std::size_t N, std::size_t T,
                  std::size_t heads, std::size_t D, double base, std::size_t position0,
                  bool inverse, const packed_sequences& packing = {}) {
   const std::size_t n = N * heads * (D / 2);
@@ -729,7 +732,8 @@ void launch_forward_wmma(const cuda_executor& ex, const attention_shape& s, cons
 // JIT-compiled on a newer card, holds a trap where the mma.sync would be).
 template <typename S>
 bool use_mma(const cuda_executor& ex, std::size_t D) {
-  if (ex.kernels().attention != attention_kernels::tensor_core || D > 128) return false;
+  // cudnn falls back to these where cuDNN does not run.
+  if (ex.kernels().attention == attention_kernels::simt_wmma || D > 128) return false;
   int major = 0, optin = 0;
   cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ex.device()),
              "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
@@ -806,6 +810,112 @@ void launch_backward(const cuda_executor& ex, const attention_shape& s, const fl
   cuda_executor::check_launch("flash_dq_kernel");
 }
 
+// Our kernels' backward (Δ, then dK/dV and dQ: tensor-core or SIMT), with dq and dk rotated back.
+template <typename S>
+void backward_kernels(const cuda_executor& ex, const attention_shape& s, const attention_band& band,
+                      const float* q, const float* k, const float* v, const S* o_s, const float* dout,
+                      const float* lse, float* delta, float* dq, float* dk, float* dv) {
+  const std::size_t N = s.batch * s.seq, D = s.head_dim;
+  {
+    const std::size_t n = N * s.heads;
+    attention_delta_kernel<S><<<grid_for(n, 256), 256, 0, ex.stream()>>>(dout, o_s, delta, s.batch, s.seq,
+                                                                         s.heads, D);
+    cuda_executor::check_launch("attention_delta_kernel");
+  }
+  bool done = false;
+  if constexpr (!std::is_same_v<S, float>) {
+    if (use_mma<S>(ex, D)) {
+      if (D <= 64) {
+        launch_backward_mma<S, 64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band);
+      } else {
+        launch_backward_mma<S, 128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band);
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+    switch (attn_dm(D)) {
+      case 64: launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
+      case 128: launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
+      default: launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
+    }
+  }
+  rope(ex, dq, N, s.seq, s.heads, D, s.rope_base, 0, true, band.packing);
+  rope(ex, dk, N, s.seq, s.kv_heads, D, s.rope_base, 0, true, band.packing);
+}
+
+#if defined(MEMBOUND_WITH_CUDNN)
+// x (fp32, n values) rounded to S into the first half of its own bytes, through `via` (n values
+// of S that are free until the caller writes them): a conversion in place would race.
+template <typename S>
+S* narrow_in_place(const cuda_executor& ex, float* x, S* via, std::size_t n) {
+  convert(ex, static_cast<const float*>(x), via, n);
+  S* out = reinterpret_cast<S*>(x);
+  cuda_check(cudaMemcpyAsync(out, via, n * sizeof(S), cudaMemcpyDeviceToDevice, ex.stream()),
+             "cudaMemcpyAsync(attention: 16-bit copy for cuDNN)");
+  return out;
+}
+
+// `bytes` bytes from p rounded up to 256: cuDNN's workspace.
+inline std::pair<void*, std::size_t> aligned_region(std::byte* p, std::size_t bytes) {
+  const std::size_t pad = (256 - reinterpret_cast<std::uintptr_t>(p) % 256) % 256;
+  return {p + pad, bytes > pad ? bytes - pad : 0};
+}
+
+// The forward through cuDNN where it runs: q, k, v (fp32, rotated, in the workspace's own slots)
+// become 16-bit copies in the first halves of their slots (through o_s, which the attention writes
+// last), and cuDNN's workspace is the q slot's second half. False, with nothing written, otherwise.
+template <typename S>
+bool cudnn_forward(const cuda_executor& ex, const attention_shape& s, const attention_band& band, float* q,
+                   float* k, float* v, S* o_s, float* lse) {
+  const std::size_t N = s.batch * s.seq, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  const auto [ws, cap] = aligned_region(reinterpret_cast<std::byte*>(q) + N * HD * sizeof(S),
+                                        N * HD * (sizeof(float) - sizeof(S)));
+  cudnnHandle_t h = nullptr;
+  const auto g = cudnn_sdpa_plan<S>(ex, s, band, false, cap, &h);
+  if (!g) return false;
+  std::unordered_map<std::int64_t, void*> pack{
+      {cudnn_detail::u_q, narrow_in_place(ex, q, o_s, N * HD)},
+      {cudnn_detail::u_k, narrow_in_place(ex, k, o_s, N * KD)},
+      {cudnn_detail::u_v, narrow_in_place(ex, v, o_s, N * KD)},
+      {cudnn_detail::u_o, o_s},
+      {cudnn_detail::u_stats, lse}};
+  cudnn_detail::execute(ex, *g, h, pack, ws, false);
+  return true;
+}
+
+// The backward through cuDNN where it runs, writing dq, dk, dv in S (the slots dqs, dks, dvs) still
+// rotated. Its 16-bit inputs go to the fp32 dq/dk/dv slots' first halves (dO beside q), and its
+// workspace is [region, region + region_bytes): the fp32 q/k/v (when recomputed), dO and Δ slots,
+// free once the copies are made. False, with nothing written, otherwise.
+template <typename S>
+bool cudnn_backward(const cuda_executor& ex, const attention_shape& s, const attention_band& band,
+                    const float* q, const float* k, const float* v, const S* o_s, const float* dout,
+                    const float* lse, float* dq, float* dk, float* dv, S* dqs, S* dks, S* dvs,
+                    std::byte* region, std::size_t region_bytes) {
+  const std::size_t N = s.batch * s.seq, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
+  const auto [ws, cap] = aligned_region(region, region_bytes);
+  cudnnHandle_t h = nullptr;
+  const auto g = cudnn_sdpa_plan<S>(ex, s, band, true, cap, &h);
+  if (!g) return false;
+  S* qs = reinterpret_cast<S*>(dq);
+  S* dos = qs + N * HD;
+  S* ks = reinterpret_cast<S*>(dk);
+  S* vs = reinterpret_cast<S*>(dv);
+  convert(ex, q, qs, N * HD);
+  convert(ex, dout, dos, N * HD);
+  convert(ex, k, ks, N * KD);
+  convert(ex, v, vs, N * KD);
+  std::unordered_map<std::int64_t, void*> pack{
+      {cudnn_detail::u_q, qs},   {cudnn_detail::u_k, ks},   {cudnn_detail::u_v, vs},
+      {cudnn_detail::u_o, const_cast<S*>(o_s)}, {cudnn_detail::u_do, dos},
+      {cudnn_detail::u_stats, const_cast<float*>(lse)},
+      {cudnn_detail::u_dq, dqs}, {cudnn_detail::u_dk, dks}, {cudnn_detail::u_dv, dvs}};
+  cudnn_detail::execute(ex, *g, h, pack, ws, true);
+  return true;
+}
+#endif
+
 }  // namespace detail
 }  // namespace gpu
 
@@ -829,6 +939,19 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::matmul(ctx, x, wv, v, N, C, KD, false);
   gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false, band.packing);
   gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false, band.packing);
+#if defined(MEMBOUND_WITH_CUDNN)
+  if constexpr (!std::is_same_v<S, float>) {
+    // save_all keeps q, k, v in fp32 for the backward: no slot of ours then holds cuDNN's copies.
+    if (keep) {
+      if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
+        gpu::cudnn_detail::note_fallback("save_all (q, k, v kept in fp32)");
+      }
+    } else if (gpu::detail::cudnn_forward<S>(ex, s, band, q, k, v, o_s, lse)) {
+      gpu::matmul(ctx, static_cast<const S*>(o_s), wo, y, N, HD, C, false);
+      return;
+    }
+  }
+#endif
   if constexpr (!std::is_same_v<S, float>) {  // tensor cores: bf16/fp16 storage, D <= 128
     if (gpu::detail::use_mma<S>(ex, D)) {
       if (D <= 64) {
@@ -885,35 +1008,25 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   float* dout = ws.template get<float>(b_dout);
   float* delta = ws.template get<float>(b_delta);
   gpu::matmul_bt(ctx, dy, wo, dout, N, C, HD, false);
-  {
-    const std::size_t n = N * s.heads;
-    gpu::detail::attention_delta_kernel<S><<<gpu::detail::grid_for(n, 256), 256, 0, ex.stream()>>>(
-        dout, o_s, delta, s.batch, s.seq, s.heads, D);
-    cuda_executor::check_launch("attention_delta_kernel");
-  }
   float* dq = ws.template get<float>(b_dq);
   float* dk = ws.template get<float>(b_dk);
   float* dv = ws.template get<float>(b_dv);
-  bool done = false;
+  bool in_storage = false;  // dq, dk, dv already in S in the dqs/dks/dvs slots (cuDNN)
+#if defined(MEMBOUND_WITH_CUDNN)
   if constexpr (!std::is_same_v<S, float>) {
-    if (gpu::detail::use_mma<S>(ex, D)) {
-      if (D <= 64) {
-        gpu::detail::launch_backward_mma<S, 64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band);
-      } else {
-        gpu::detail::launch_backward_mma<S, 128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band);
-      }
-      done = true;
-    }
+    std::byte* region = keep ? ws.template get<std::byte>(b_dout) : ws.template get<std::byte>(b_q);
+    std::byte* region_end = ws.template get<std::byte>(b_delta) + bytes_of<float>(s.batch, s.heads, s.seq);
+    in_storage = gpu::detail::cudnn_backward<S>(
+        ex, s, band, q, k, v, o_s, dout, lse, dq, dk, dv, ws.template get<S>(b_dqs), ws.template get<S>(b_dks),
+        ws.template get<S>(b_dvs), region, static_cast<std::size_t>(region_end - region));
   }
-  if (!done) {
-    switch (gpu::detail::attn_dm(D)) {
-      case 64: gpu::detail::launch_backward<64>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
-      case 128: gpu::detail::launch_backward<128>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
-      default: gpu::detail::launch_backward<256>(ex, s, q, k, v, dout, lse, delta, dq, dk, dv, band); break;
-    }
+#endif
+  if (in_storage) {
+    gpu::detail::rope(ex, ws.template get<S>(b_dqs), N, s.seq, s.heads, D, s.rope_base, 0, true, band.packing);
+    gpu::detail::rope(ex, ws.template get<S>(b_dks), N, s.seq, s.kv_heads, D, s.rope_base, 0, true, band.packing);
+  } else {
+    gpu::detail::backward_kernels<S>(ex, s, band, q, k, v, o_s, dout, lse, delta, dq, dk, dv);
   }
-  gpu::detail::rope(ex, dq, N, s.seq, s.heads, D, s.rope_base, 0, true, band.packing);
-  gpu::detail::rope(ex, dk, N, s.seq, s.kv_heads, D, s.rope_base, 0, true, band.packing);
 
   gpu::matmul_at(ctx, static_cast<const S*>(o_s), dy, gwo, N, HD, C, true);
   const S* dqs;
@@ -927,9 +1040,11 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
     S* a = ws.template get<S>(b_dqs);
     S* bk = ws.template get<S>(b_dks);
     S* c = ws.template get<S>(b_dvs);
-    gpu::convert(ex, static_cast<const float*>(dq), a, N * HD);
-    gpu::convert(ex, static_cast<const float*>(dk), bk, N * KD);
-    gpu::convert(ex, static_cast<const float*>(dv), c, N * KD);
+    if (!in_storage) {
+      gpu::convert(ex, static_cast<const float*>(dq), a, N * HD);
+      gpu::convert(ex, static_cast<const float*>(dk), bk, N * KD);
+      gpu::convert(ex, static_cast<const float*>(dv), c, N * KD);
+    }
     dqs = a;
     dks = bk;
     dvs = c;

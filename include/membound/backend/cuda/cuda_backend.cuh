@@ -46,12 +46,22 @@ namespace gpu {
 // WMMA/SIMT pair's TFLOP/s at T = 2k-8k, the trainer's loss within 0.73% after 30 steps): the
 // mma.sync kernels of attention_mma.cuh, where the device can run them (sm_80 and up with the
 // dK/dV pass's shared memory; else the others run). simt_wmma: the first kernels (a WMMA forward,
-// the SIMT backward). fp32 storage and larger heads always run the SIMT kernels.
-enum class attention_kernels : unsigned { simt_wmma = 0, tensor_core = 1 };
+// the SIMT backward). fp32 storage and larger heads always run the SIMT kernels. cudnn (the default
+// in a program built with MEMBOUND_WITH_CUDNN): cuDNN's fused flash attention
+// (backend/cuda/cudnn_attention.cuh) where cuDNN loads and can run the call inside the plan's
+// slots, else the tensor-core kernels as above.
+enum class attention_kernels : unsigned { simt_wmma = 0, tensor_core = 1, cudnn = 2 };
 
 // A cuda_executor's kernel choices (see the top of this file).
 struct kernel_choices {
+#if defined(MEMBOUND_WITH_CUDNN)
+  attention_kernels attention = attention_kernels::cudnn;
+#else
   attention_kernels attention = attention_kernels::tensor_core;
+#endif
+  // With cudnn: ask for cuDNN's deterministic backward (bit-identical repeats; before cuDNN 9.25
+  // its B·H·T² workspace rarely fits, and our kernels run the backward). False: its atomic dQ.
+  bool cudnn_deterministic = true;
   // The most dynamic shared memory the TTT inner loop takes, under the device's own opt-in limit
   // (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89; the default: all of it). Lower, its
   // buffers move to global scratch, coldest first (gpu::ttt_placement); the results do not change
