@@ -2,11 +2,12 @@
 // run by `tests/emulation/cuda_emulate.py mamba`, which compiles the kernels (backend/cuda/mamba_kernels.inl)
 // and the chunk sizes they share with the launchers (mamba_sizes.inl), nvcc's text, here as
 // plain C++: __global__/__device__ vanish, threadIdx/blockIdx are thread_locals. A kernel with
-// __syncthreads (the forward scan's output pass, the reverse scan) runs its cpb·Ns threads as host
-// threads, one CTA after another, __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing
-// barrier shows as a data race); every barrier-free kernel (the chunk-local pass, the combine over
-// chunks, the reverse scan's chunk-local pass and its carry over chunks, the reductions, the conv)
-// runs one thread at a time. A host copy of the launchers'
+// __syncthreads (the forward scan's chunk-local pass and output pass, whose lanes share a tile's
+// SiLU through shared memory, and the reverse scan) runs its cpb·Ns threads as host threads, one
+// CTA after another, __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing
+// barrier shows as a data race); every barrier-free kernel (the combine over chunks, the reverse
+// scan's chunk-local pass and its carry over chunks, the reductions, the conv) runs one thread at a
+// time. A host copy of the launchers'
 // sequence (naive fp32 loops for the cuBLASLt GEMMs) drives them, forward then backward, against
 // the CPU layer (mamba<scan_chunk<L>>, cpu_backend) on the same inputs: out, the saved chunk-entry
 // states, dx and the nine gradients within 1e-5 (normwise) of the fp32 block, with each side's
@@ -239,7 +240,7 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
     mm(xdbl.data(), w[dt_proj], dt.data(), N, R, Di, false, ldx, Di, Di);
     launch_flat(N * Di, [&] { delta_kernel<float>(dt.data(), w[dt_bias], dp, N, Di); });
     if (nch > 1) {
-      launch_seq(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
+      launch_cta(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
         scan_chunk_local_kernel<float>(cp, dp, xdbl.data(), w[a_log], T, Di, Ns, R, L, cpb,
                                        states.data(), dsum.data(), pk);
       });

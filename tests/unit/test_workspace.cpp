@@ -175,6 +175,46 @@ TEST_CASE("workspace: greedy placement never overlaps live slots (random layouts
   }
 }
 
+// largest_gap against a byte map: the range it returns holds no live slot's byte, and no longer
+// range of such bytes exists (random layouts, random live subsets, overlapping lifetimes too).
+TEST_CASE("workspace: largest_gap is the longest run of bytes no live slot holds") {
+  std::mt19937 rng(11);
+  for (int round = 0; round < 300; ++round) {
+    workspace_layout<10> l;
+    const std::size_t n = 1 + rng() % 10;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t first = rng() % 3;
+      l.add(rng() % 4 == 0 ? 0 : rng() % 2000, std::size_t{1} << (rng() % 9), {first, first + rng() % 2});
+    }
+    std::vector<std::size_t> live;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (rng() % 2 == 0) live.push_back(i);
+    }
+    std::vector<char> held(l.size(), 0);
+    for (const std::size_t i : live) {
+      for (std::size_t b = 0; b < l.slot_bytes(i); ++b) held[l.offset(i) + b] = 1;
+    }
+    std::size_t longest = 0, run = 0;
+    for (const char h : held) {
+      run = h ? 0 : run + 1;
+      longest = std::max(longest, run);
+    }
+    const auto gap = l.largest_gap(live);
+    REQUIRE(gap.bytes == longest);
+    REQUIRE(gap.offset + gap.bytes <= l.size());
+    for (std::size_t b = 0; b < gap.bytes; ++b) REQUIRE(held[gap.offset + b] == 0);
+  }
+  // In the order slots lie, not the order they were added: the second (larger) slot lies first.
+  workspace_layout<3> l;
+  const std::size_t small = l.add(256), large = l.add(1024), last = l.add(512);
+  CHECK(l.offset(large) == 0);
+  const std::size_t live[] = {small};
+  const auto g = l.largest_gap(live);
+  CHECK(g.offset == 0);
+  CHECK(g.bytes == l.offset(small));  // the large slot's and the last one's bytes before it
+  CHECK(g.bytes >= l.slot_bytes(large) + l.slot_bytes(last));
+}
+
 TEST_CASE("workspace: too small, null and misaligned buffers are typed errors") {
   const workspace_layout<3> l = shared_slots();
   aligned_buffer buf(l.size() + 256);

@@ -113,6 +113,37 @@ class workspace_layout {
   // Phases the slot was added with.
   constexpr slot_lifetime lifetime(std::size_t slot) const { return at(slot).life; }
 
+  // The longest byte range [offset, offset + bytes) of [0, size()) that none of the non-empty
+  // slots in `live` overlaps: scratch for a callee (a library's workspace) while only those slots
+  // hold data. By offset, not by order of addition: place() lays slots out largest first.
+  struct byte_range {
+    std::size_t offset = 0, bytes = 0;
+  };
+  template <typename Slots>
+  constexpr byte_range largest_gap(const Slots& live) const {
+    std::array<byte_range, MaxSlots> taken{};
+    std::size_t n = 0;
+    for (const std::size_t i : live) {
+      const slot& s = at(i);
+      if (s.bytes != 0) taken[n++] = byte_range{s.offset, s.bytes};
+    }
+    for (std::size_t i = 1; i < n; ++i) {  // insertion sort by offset: constexpr and tiny n
+      for (std::size_t j = i; j > 0 && taken[j - 1].offset > taken[j].offset; --j) {
+        const byte_range t = taken[j];
+        taken[j] = taken[j - 1];
+        taken[j - 1] = t;
+      }
+    }
+    byte_range best{};
+    std::size_t from = 0;  // the first byte no slot seen so far holds
+    for (std::size_t i = 0; i <= n; ++i) {
+      const std::size_t to = i < n ? taken[i].offset : size_;
+      if (to > from && to - from > best.bytes) best = byte_range{from, to - from};
+      if (i < n && taken[i].offset + taken[i].bytes > from) from = taken[i].offset + taken[i].bytes;
+    }
+    return best;
+  }
+
  private:
   struct slot {
     std::size_t bytes = 0;

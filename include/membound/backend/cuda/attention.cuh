@@ -856,6 +856,16 @@ S* narrow_in_place(const cuda_executor& ex, float* x, S* via, std::size_t n) {
   return out;
 }
 
+// cuDNN's tensors must start on 16 bytes: checked (after the plan, which writes nothing) before
+// anything is converted, so that a caller's misaligned buffer means our kernels, not a failed call
+// after the fp32 copies are gone.
+template <typename... P>
+bool cudnn_aligned(const P*... p) {
+  if (((reinterpret_cast<std::uintptr_t>(p) % 16 == 0) && ...)) return true;
+  cudnn_detail::note_fallback("a tensor not aligned to 16 bytes");
+  return false;
+}
+
 // `bytes` bytes from p rounded up to 256: cuDNN's workspace.
 inline std::pair<void*, std::size_t> aligned_region(std::byte* p, std::size_t bytes) {
   const std::size_t pad = (256 - reinterpret_cast<std::uintptr_t>(p) % 256) % 256;
@@ -873,7 +883,7 @@ bool cudnn_forward(const cuda_executor& ex, const attention_shape& s, const atte
                                         N * HD * (sizeof(float) - sizeof(S)));
   cudnnHandle_t h = nullptr;
   const auto g = cudnn_sdpa_plan<S>(ex, s, band, false, cap, &h);
-  if (!g) return false;
+  if (!g || !cudnn_aligned(q, k, v, o_s, lse)) return false;
   std::unordered_map<std::int64_t, void*> pack{
       {cudnn_detail::u_q, narrow_in_place(ex, q, o_s, N * HD)},
       {cudnn_detail::u_k, narrow_in_place(ex, k, o_s, N * KD)},
@@ -886,8 +896,8 @@ bool cudnn_forward(const cuda_executor& ex, const attention_shape& s, const atte
 
 // The backward through cuDNN where it runs, writing dq, dk, dv in S (the slots dqs, dks, dvs) still
 // rotated. Its 16-bit inputs go to the fp32 dq/dk/dv slots' first halves (dO beside q), and its
-// workspace is [region, region + region_bytes): the fp32 q/k/v (when recomputed), dO and Δ slots,
-// free once the copies are made. False, with nothing written, otherwise.
+// workspace is [region, region + region_bytes), bytes no live slot holds (the caller's choice).
+// False, with nothing written, otherwise.
 template <typename S>
 bool cudnn_backward(const cuda_executor& ex, const attention_shape& s, const attention_band& band,
                     const float* q, const float* k, const float* v, const S* o_s, const float* dout,
@@ -895,11 +905,11 @@ bool cudnn_backward(const cuda_executor& ex, const attention_shape& s, const att
                     std::byte* region, std::size_t region_bytes) {
   const std::size_t N = s.batch * s.seq, HD = s.heads * s.head_dim, KD = s.kv_heads * s.head_dim;
   const auto [ws, cap] = aligned_region(region, region_bytes);
-  cudnnHandle_t h = nullptr;
-  const auto g = cudnn_sdpa_plan<S>(ex, s, band, true, cap, &h);
-  if (!g) return false;
   S* qs = reinterpret_cast<S*>(dq);
   S* dos = qs + N * HD;
+  cudnnHandle_t h = nullptr;
+  const auto g = cudnn_sdpa_plan<S>(ex, s, band, true, cap, &h);
+  if (!g || !cudnn_aligned(qs, dos, dk, dv, o_s, lse, dqs, dks, dvs)) return false;
   S* ks = reinterpret_cast<S*>(dk);
   S* vs = reinterpret_cast<S*>(dv);
   convert(ex, q, qs, N * HD);
@@ -1014,11 +1024,16 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   bool in_storage = false;  // dq, dk, dv already in S in the dqs/dks/dvs slots (cuDNN)
 #if defined(MEMBOUND_WITH_CUDNN)
   if constexpr (!std::is_same_v<S, float>) {
-    std::byte* region = keep ? ws.template get<std::byte>(b_dout) : ws.template get<std::byte>(b_q);
-    std::byte* region_end = ws.template get<std::byte>(b_delta) + bytes_of<float>(s.batch, s.heads, s.seq);
+    // cuDNN's workspace: the longest run of bytes that none of the slots live during its call holds
+    // (its 16-bit inputs, its outputs, the offsets). The others are dead then: the fp32 q, k, v and
+    // dO are copied, Δ is ours alone, dx and cuBLASLt's workspace are used before and after on the
+    // same stream. By offset: the layout places slots largest first, not in the order added.
+    const std::size_t live[] = {b_dq, b_dk, b_dv, b_dqs, b_dks, b_dvs, b_offsets};
+    const auto gap = ws.layout().largest_gap(live);
     in_storage = gpu::detail::cudnn_backward<S>(
         ex, s, band, q, k, v, o_s, dout, lse, dq, dk, dv, ws.template get<S>(b_dqs), ws.template get<S>(b_dks),
-        ws.template get<S>(b_dvs), region, static_cast<std::size_t>(region_end - region));
+        ws.template get<S>(b_dvs), static_cast<std::byte*>(ws.data()) + gap.offset,
+        gap.bytes);
   }
 #endif
   if (in_storage) {

@@ -59,8 +59,9 @@ struct kernel_choices {
 #else
   attention_kernels attention = attention_kernels::tensor_core;
 #endif
-  // With cudnn: ask for cuDNN's deterministic backward (bit-identical repeats; before cuDNN 9.25
-  // its B·H·T² workspace rarely fits, and our kernels run the backward). False: its atomic dQ.
+  // With cudnn: ask for cuDNN's deterministic backward (bit-identical repeats; on Hopper it takes
+  // a B·H·T²·2-byte workspace, and where that does not fit our kernels run the backward). False:
+  // its atomic dQ (faster; repeats differ in the last bits).
   bool cudnn_deterministic = true;
   // The most dynamic shared memory the TTT inner loop takes, under the device's own opt-in limit
   // (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89; the default: all of it). Lower, its

@@ -6,7 +6,10 @@
 //
 // libcudnn is opened with dlopen on first use (libcudnn.so.9, or MEMBOUND_CUDNN_LIBRARY), never
 // linked: one binary runs where cuDNN is absent (our kernels run, and the report says why) or
-// lives elsewhere (PyTorch's wheel: put its nvidia/cudnn/lib on LD_LIBRARY_PATH).
+// lives elsewhere (PyTorch's wheel: put its nvidia/cudnn/lib on LD_LIBRARY_PATH; libcudnn opens
+// its engine libraries by name, so their folder must be on the path even when
+// MEMBOUND_CUDNN_LIBRARY names the file). Every unit of a program must agree on
+// MEMBOUND_WITH_CUDNN: the executor's default choice and attention's launchers depend on it.
 //
 // The plan does not change with it: cuDNN reads and writes 16-bit tensors and its workspace, and
 // attention.cuh carves all of them from slots its layouts already hold (the fp32 q/k/v/dO and
@@ -18,9 +21,9 @@
 //
 // Determinism: cuDNN's default backward accumulates dQ with atomics, so repeats differ in the last
 // bits. kernel_choices::cudnn_deterministic (the default) asks for its deterministic backward,
-// which cuDNN before 9.25 runs with a B·H·T² workspace: at training lengths that does not fit the
-// slots above and the backward falls back to our (deterministic) kernels. Set it to false to take
-// cuDNN's faster backward and give up bit-identical repeats.
+// which on Hopper takes a dP workspace of about B·H·T²·2 bytes (cudnn_frontend 1.32): where that
+// does not fit the backward's free slots, ours runs. Set it to false to take cuDNN's faster
+// backward and give up bit-identical repeats.
 //
 // State: one cuDNN handle per device and one built graph per (shape, direction, storage type),
 // process-wide, behind one mutex (a cuDNN handle is not safe to use from two threads at once);
@@ -125,8 +128,10 @@ struct sdpa_state {
   std::string handle_failure;
   std::map<sdpa_key, std::shared_ptr<sdpa_graph>> graphs;
 };
+// Never destroyed: at exit libcudnn's own statics may be gone before ours, and destroying a graph
+// calls into it (the frontend leaks its statics for the same reason).
 inline sdpa_state& state() {
-  static sdpa_state s;
+  static sdpa_state& s = *new sdpa_state;
   return s;
 }
 
@@ -148,6 +153,14 @@ inline bool load_library(sdpa_state& st) {
     return false;
   }
   fe::cudnn_dlhandle = handle;
+  // The frontend opens a CUDA runtime of its own (libcudart.so.12 before .13, the first found):
+  // point it at the one this program runs on, where that is a shared library.
+  Dl_info rt{};
+  if (std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME") == nullptr &&
+      dladdr(reinterpret_cast<void*>(&cudaGetDevice), &rt) != 0 && rt.dli_fname != nullptr &&
+      std::string(rt.dli_fname).find("libcudart") != std::string::npos) {
+    setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", rt.dli_fname, 0);
+  }
   try {
     st.counts.version = static_cast<long>(fe::detail::get_backend_version());
   } catch (const std::exception& e) {
@@ -232,6 +245,9 @@ inline std::shared_ptr<sdpa_graph> build(const sdpa_key& k, cudnnHandle_t h) {
       failed(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans")) {
     return out;
   }
+  // This deselects on the engines' own workspace; the frontend adds its own (dQ's fp32
+  // accumulator, a row vector) on top, which its public API does not give apart: the total is
+  // checked below, and over the cap our kernels run (a smaller engine might have fit: not tried).
   g->deselect_workspace_greater_than(k.workspace_cap);
   if (failed(g->check_support(), "check_support (within the plan's workspace)") ||
       failed(g->build_plans(), "build_plans")) {
@@ -253,7 +269,6 @@ inline std::shared_ptr<sdpa_graph> build(const sdpa_key& k, cudnnHandle_t h) {
 template <typename S>
 const char* unsupported(const cuda_executor& ex, const attention_shape& s, const attention_band& band) {
   if (ex.kernels().attention != attention_kernels::cudnn) return "the executor asks for other kernels";
-  if constexpr (std::is_same_v<S, float>) return "fp32 storage (cuDNN's flash attention takes bf16/fp16)";
   if (band.packing.packed()) return "packed sequences";
   if (s.window != 0) return "a sliding window";
   if (s.head_dim % 8 != 0 || s.head_dim > 128) return "head_dim not a multiple of 8 up to 128";

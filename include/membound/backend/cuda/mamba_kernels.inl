@@ -83,6 +83,26 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
 // scan by the rounding of the combine (a few ulps), and the backward recomputes from these very
 // states, so forward and backward agree on them.
 
+// u = SiLU(c) of a tile's TT steps from row0 for the block's channels, into u_tile[cl·TT + tt],
+// and with g_tile (the reverse scan) dL/dy = dg·SiLU(z) into it: once per (channel, step), lane s
+// of a channel taking steps s, s + Ns, ... (each state lane computing all of them was an exp and a
+// division per state and step, on the unit the scan is bound by). The same formula on the same
+// operands: the same bits as before. Ends with a barrier; every thread of the block calls it,
+// active or not, and the caller puts another barrier before the next tile's call rewrites them.
+template <std::size_t TT, typename S>
+__device__ inline void stage_silu(float* u_tile, const S* c, std::size_t row0, std::size_t nt, std::size_t Di,
+                                  std::size_t ch, std::size_t cl, std::size_t s, std::size_t Ns, bool active,
+                                  float* g_tile = nullptr, const float* dg = nullptr, const S* xz = nullptr) {
+  if (active) {
+    for (std::size_t tt = s; tt < nt; tt += Ns) {
+      const std::size_t n = row0 + tt;
+      u_tile[cl * TT + tt] = membound::silu(ld(c, n * Di + ch));
+      if (g_tile != nullptr) g_tile[cl * TT + tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
+    }
+  }
+  __syncthreads();
+}
+
 // Phase A. Grid (channel blocks · (nch − 1), B), block cpb·Ns threads, thread = (channel, state);
 // blockIdx.x = k·(channel blocks) + channel block. Inputs loaded per tile of TT steps first.
 template <typename S>
@@ -93,42 +113,46 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
                             packed_sequences packing) {
   constexpr std::size_t TT = mamba_forward_tile;
   static_assert(TT <= 32, "membound: a tile's sequence starts are one 32-bit mask");
+  __shared__ float u_tile[mamba_scan_channels * TT];
   const std::size_t tid = threadIdx.x, cl = tid / Ns, s = tid % Ns;
   const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb;
   const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
   const std::size_t b = blockIdx.y;
-  if (cl >= cpb || ch >= Di) return;  // no barrier below
+  const bool active = cl < cpb && ch < Di;  // the others only meet the barriers
   const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
   const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
-  const float a = -expf(ld(a_log, ch * Ns + s));
+  const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
   float h = 0, sum = 0;
   bool restarts = false;
   for (std::size_t tb = t0; tb < t1; tb += TT) {
     const std::size_t nt = t1 - tb < TT ? t1 - tb : TT;
     const std::uint32_t starts = packing.starts_in(tb, nt);
     restarts = restarts || starts != 0;
+    stage_silu<TT>(u_tile, c, b * T + tb, nt, Di, ch, cl, s, Ns, active);
     float dv[TT], uv[TT], bv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
       dv[tt] = 0;
       uv[tt] = 0;
       bv[tt] = 0;
-      if (tt < nt) {
+      if (active && tt < nt) {
         const std::size_t n = b * T + tb + tt;
         dv[tt] = ld(delta, n * Di + ch);
-        uv[tt] = membound::silu(ld(c, n * Di + ch));
+        uv[tt] = u_tile[cl * TT + tt];
         bv[tt] = ld(xdbl, n * ldx + R + s);
       }
     }
+    __syncthreads();  // u_tile is rewritten by the next tile
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
-      if (tt < nt) {
+      if (active && tt < nt) {
         if ((starts >> tt) & 1u) h = 0;  // a packed sequence starts here
         h = expf(a * dv[tt]) * h + (dv[tt] * uv[tt]) * bv[tt];
         sum += dv[tt];
       }
     }
   }
+  if (!active) return;
   states[((b * (nch - 1) + k) * Di + ch) * Ns + s] = h;
   if (s == 0 && k > 0) dsum[(b * (nch - 2) + k - 1) * Di + ch] = restarts ? chunk_restarts : sum;
 }
@@ -170,6 +194,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   constexpr std::size_t TT = mamba_forward_tile;
   // One row per step, padded by one word so that lanes reading different steps hit different banks.
   __shared__ float contrib[TT * (mamba_max_d_state + 1)];
+  __shared__ float u_tile[mamba_scan_channels * TT];
   const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
   const std::size_t cl = tid / Ns, s = tid % Ns;
   const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb;
@@ -183,6 +208,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   for (std::size_t t0 = c0; t0 < c1; t0 += TT) {
     const std::size_t nt = c1 - t0 < TT ? c1 - t0 : TT;
     const std::uint32_t starts = packing.starts_in(t0, nt);
+    stage_silu<TT>(u_tile, c, b * T + t0, nt, Di, ch, cl, s, Ns, active);
     float dv[TT], uv[TT], bv[TT], cv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
@@ -193,7 +219,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
       if (active && tt < nt) {
         const std::size_t n = b * T + t0 + tt;
         dv[tt] = ld(delta, n * Di + ch);
-        uv[tt] = membound::silu(ld(c, n * Di + ch));
+        uv[tt] = u_tile[cl * TT + tt];
         bv[tt] = ld(xdbl, n * ldx + R + s);
         cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
       }
@@ -215,13 +241,13 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
         const std::size_t n = b * T + t0 + tt;
         float y = 0;
         for (std::size_t j = 0; j < Ns; ++j) y += contrib[tt * pitch + cl * Ns + j];
-        y += dk * membound::silu(ld(c, n * Di + ch));
+        y += dk * u_tile[cl * TT + tt];
         const float z = ld(xz, n * 2 * Di + Di + ch);
         st(gated, n * Di + ch, y * membound::silu(z));
         if (dg != nullptr) st(dxz, n * 2 * Di + Di + ch, dg[n * Di + ch] * y * membound::silu_grad(z));
       }
     }
-    __syncthreads();  // contrib is overwritten by the next tile
+    __syncthreads();  // contrib and u_tile are overwritten by the next tile
   }
 }
 
@@ -379,6 +405,12 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
   __shared__ float q_c[TT * (mamba_max_d_state + 1)];
   // The runs' entry states 1 .. NCK − 1: ck[(j − 1)·threads + tid] (each thread its own words).
   __shared__ float ck[(NCK - 1) * mamba_max_d_state];
+  // A tile's SiLU(c) and dL/dy per (channel, step) (stage_silu) live in q_b and q_c's words until
+  // the tile's inputs are in registers (static shared memory is capped at 48 KiB: no room for two
+  // more arrays).
+  static_assert(mamba_scan_channels * TT <= TT * (mamba_max_d_state + 1), "membound: the staged tiles fit q_b");
+  float* const u_tile = q_b;
+  float* const g_tile = q_c;
   const std::size_t nthr = blockDim.x, pitch = nthr + 1, tid = threadIdx.x;
   const std::size_t cl = tid / Ns, s = tid % Ns;
   const std::size_t b = blockIdx.y, B = gridDim.y, N = B * T;
@@ -419,6 +451,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
         h = mamba_advance(h, a, c, delta, xdbl, b, ch, s, rs, ts, T, Di, ldx, R, packing);
       }
       const std::uint32_t starts = packing.starts_in(ts, nt);
+      stage_silu<TT>(u_tile, c, b * T + ts, nt, Di, ch, cl, s, Ns, active, g_tile, dg, xz);
       const float h_before = h;
       // The tile's inputs first (tt = t − ts), its states in registers, then the reverse
       // recurrence over them.
@@ -433,12 +466,13 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
         if (active && tt < nt) {
           const std::size_t n = b * T + ts + tt;
           dv[tt] = ld(delta, n * Di + ch);
-          uv[tt] = membound::silu(ld(c, n * Di + ch));
-          gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));  // dL/dy
+          uv[tt] = u_tile[cl * TT + tt];
+          gv[tt] = g_tile[cl * TT + tt];  // dL/dy
           bv[tt] = ld(xdbl, n * ldx + R + s);
           cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
         }
       }
+      __syncthreads();  // q_b and q_c are written below
 #pragma unroll
       for (std::size_t tt = 0; tt < TT; ++tt) {  // the forward's formula: its bits
         ev[tt] = expf(a * dv[tt]);
