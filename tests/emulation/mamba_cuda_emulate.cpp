@@ -2,12 +2,11 @@
 // run by `tests/emulation/cuda_emulate.py mamba`, which compiles the kernels (backend/cuda/mamba_kernels.inl)
 // and the chunk sizes they share with the launchers (mamba_sizes.inl), nvcc's text, here as
 // plain C++: __global__/__device__ vanish, threadIdx/blockIdx are thread_locals. A kernel with
-// __syncthreads (the forward scan's chunk-local pass and output pass, whose lanes share a tile's
-// SiLU through shared memory, and the reverse scan) runs its cpb·Ns threads as host threads, one
-// CTA after another, __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing
-// barrier shows as a data race); every barrier-free kernel (the combine over chunks, the reverse
-// scan's chunk-local pass and its carry over chunks, the reductions, the conv) runs one thread at a
-// time. A host copy of the launchers'
+// __syncthreads (the scans' chunk-local passes and their outputs, whose lanes share a tile's SiLU
+// through shared memory) runs its cpb·Ns threads as host threads, one CTA after another,
+// __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing barrier shows as a
+// data race); every barrier-free kernel (the combines over chunks, the reductions, the conv) runs
+// one thread at a time. A host copy of the launchers'
 // sequence (naive fp32 loops for the cuBLASLt GEMMs) drives them, forward then backward, against
 // the CPU layer (mamba<scan_chunk<L>>, cpu_backend) on the same inputs: out, the saved chunk-entry
 // states, dx and the nine gradients within 1e-5 (normwise) of the fp32 block, with each side's
@@ -289,7 +288,7 @@ outputs run_emu(const problem& p, size_t L, bool keep, std::vector<float>* y_fwd
   if (y_bwd) *y_bwd = gated;
   mm_at(gated.data(), p.dout.data(), r.g[out_proj].data(), N, Di, C, true);
   if (nch > 1) {  // the reverse scan: A' (chunk-local dL/dh, ΣΔ), B' (the carry over chunks), C'
-    launch_seq(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
+    launch_cta(dim3e{static_cast<unsigned>(nchb * (nch - 1)), static_cast<unsigned>(B), 1}, nt, [&] {
       scan_backward_local_kernel<float>(xz.data(), dp, xdbl.data(), w[a_log], dg.data(), T, Di, Ns,
                                         R, L, cpb, carry.data(), bdsum.data(), pk);
     });

@@ -83,8 +83,8 @@ __global__ void delta_kernel(const float* dt, const S* bias, S* delta, std::size
 // scan by the rounding of the combine (a few ulps), and the backward recomputes from these very
 // states, so forward and backward agree on them.
 
-// u = SiLU(c) of a tile's TT steps from row0 for the block's channels, into u_tile[cl·TT + tt],
-// and with g_tile (the reverse scan) dL/dy = dg·SiLU(z) into it: once per (channel, step), lane s
+// u = SiLU(c) of a tile's TT steps from row0 for the block's channels, into u_tile[cl·TT + tt]
+// (when given), and with g_tile (the reverse scan) dL/dy = dg·SiLU(z) into it: once per (channel, step), lane s
 // of a channel taking steps s, s + Ns, ... (each state lane computing all of them was an exp and a
 // division per state and step, on the unit the scan is bound by). The same formula on the same
 // operands: the same bits as before. Ends with a barrier; every thread of the block calls it,
@@ -96,7 +96,7 @@ __device__ inline void stage_silu(float* u_tile, const S* c, std::size_t row0, s
   if (active) {
     for (std::size_t tt = s; tt < nt; tt += Ns) {
       const std::size_t n = row0 + tt;
-      u_tile[cl * TT + tt] = membound::silu(ld(c, n * Di + ch));
+      if (u_tile != nullptr) u_tile[cl * TT + tt] = membound::silu(ld(c, n * Di + ch));
       if (g_tile != nullptr) g_tile[cl * TT + tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
     }
   }
@@ -280,37 +280,41 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
                                float* dsum, packed_sequences packing) {
   constexpr std::size_t TT = mamba_backward_tile;
   static_assert(TT <= 32, "membound: a tile's sequence starts are one 32-bit mask");
+  __shared__ float g_tile[mamba_scan_channels * TT];
   const std::size_t tid = threadIdx.x, cl = tid / Ns, s = tid % Ns;
   const std::size_t nchb = (Di + cpb - 1) / cpb, k = blockIdx.x / nchb + 1;
   const std::size_t ch = (blockIdx.x % nchb) * cpb + cl;
   const std::size_t b = blockIdx.y;
-  if (cl >= cpb || ch >= Di) return;  // no barrier below
+  const bool active = cl < cpb && ch < Di;  // the others only meet the barriers
   const std::size_t ldx = R + 2 * Ns, nch = (T + L - 1) / L;
   const std::size_t t0 = k * L, t1 = t0 + L < T ? t0 + L : T;
-  const float a = -expf(ld(a_log, ch * Ns + s));
+  const float a = active ? -expf(ld(a_log, ch * Ns + s)) : 0.0f;
   float dh = 0, sum = 0;
   bool restarts = false;
   for (std::size_t te = t1; te > t0;) {  // tiles of TT steps, last first
     const std::size_t ts = te - t0 > TT ? te - TT : t0, nt = te - ts;
     const std::uint32_t starts = packing.starts_in(ts, nt);
     restarts = restarts || starts != 0;
+    stage_silu<TT>(nullptr, static_cast<const S*>(nullptr), b * T + ts, nt, Di, ch, cl, s, Ns, active, g_tile, dg,
+                   xz);
     float dv[TT], gv[TT], cv[TT];
 #pragma unroll
     for (std::size_t tt = 0; tt < TT; ++tt) {
       dv[tt] = 0;
       gv[tt] = 0;
       cv[tt] = 0;
-      if (tt < nt) {
+      if (active && tt < nt) {
         const std::size_t n = b * T + ts + tt;
         dv[tt] = ld(delta, n * Di + ch);
-        gv[tt] = dg[n * Di + ch] * membound::silu(ld(xz, n * 2 * Di + Di + ch));
+        gv[tt] = g_tile[cl * TT + tt];  // dL/dy
         cv[tt] = ld(xdbl, n * ldx + R + Ns + s);
       }
     }
+    __syncthreads();  // g_tile is rewritten by the next tile
 #pragma unroll
     for (std::size_t q = 0; q < TT; ++q) {
       const std::size_t tt = TT - 1 - q;  // last step first
-      if (tt < nt) {
+      if (active && tt < nt) {
         dh += gv[tt] * cv[tt];
         dh = (starts >> tt) & 1u ? 0.0f : dh * expf(a * dv[tt]);  // no h before a start
         sum += dv[tt];
@@ -318,6 +322,7 @@ __global__ void __launch_bounds__(mamba_max_d_state, 1)
     }
     te = ts;
   }
+  if (!active) return;
   carry[((b * nch + k - 1) * Di + ch) * Ns + s] = dh;
   if (s == 0 && k + 1 < nch) dsum[(b * (nch - 2) + k - 1) * Di + ch] = restarts ? chunk_restarts : sum;
 }
