@@ -265,12 +265,13 @@ void cudnn_matches_cpu() {
   compare<mb::bf16_precision, mb::save_all>({2, 65, 32, 4, 2, 64, true}, 4e-2, use);  // the forward
   compare<mb::fp32_precision>({1, 40, 32, 2, 1, 64, true}, 1e-5, use);  // fp32 storage: the SIMT kernels
   const mb::gpu::cudnn_attention_counts after = mb::gpu::cudnn_attention_report();
-  std::printf("  cuDNN: %s %ld; calls on cuDNN: %llu forward, %llu backward; on ours: %llu (last: %s)\n",
-              after.loaded ? "loaded" : "not loaded:", after.loaded ? after.version : 0L,
+  std::printf("  cuDNN: %s %s; calls on cuDNN: %llu forward, %llu backward; on ours: %llu (last: %s)\n",
+              after.loaded ? "loaded, version" : "not loaded:",
+              after.loaded ? std::to_string(after.version).c_str() : after.library.c_str(),
               static_cast<unsigned long long>(after.forward_calls - before.forward_calls),
               static_cast<unsigned long long>(after.backward_calls - before.backward_calls),
               static_cast<unsigned long long>(after.fallbacks - before.fallbacks), after.last_fallback.c_str());
-  CHECK(after.fallbacks >= ran.fallbacks + 6);  // the window's four calls, save_all's two forwards
+  CHECK(after.fallbacks >= ran.fallbacks + 10);  // the window's 4 calls, save_all's 2 forwards, fp32's 4
   const char* expect = std::getenv("MEMBOUND_EXPECT_CUDNN");
   if (expect != nullptr && std::string(expect) == "1") {
     CHECK(after.loaded);

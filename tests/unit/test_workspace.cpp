@@ -213,6 +213,9 @@ TEST_CASE("workspace: largest_gap is the longest run of bytes no live slot holds
   CHECK(g.offset == 0);
   CHECK(g.bytes == l.offset(small));  // the large slot's and the last one's bytes before it
   CHECK(g.bytes >= l.slot_bytes(large) + l.slot_bytes(last));
+  // More live entries than the layout has slots (one listed twice): named, not an overrun.
+  const std::size_t twice[] = {small, large, last, small};
+  CHECK_THROWS_AS(l.largest_gap(twice), invalid_argument);
 }
 
 TEST_CASE("workspace: too small, null and misaligned buffers are typed errors") {

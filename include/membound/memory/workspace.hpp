@@ -125,7 +125,12 @@ class workspace_layout {
     std::size_t n = 0;
     for (const std::size_t i : live) {
       const slot& s = at(i);
-      if (s.bytes != 0) taken[n++] = byte_range{s.offset, s.bytes};
+      if (s.bytes == 0) continue;
+      if (n == MaxSlots) {
+        throw invalid_argument("live", "at most " + std::to_string(MaxSlots) + " non-empty slots",
+                               "more (a slot listed twice?)", "List each live slot once");
+      }
+      taken[n++] = byte_range{s.offset, s.bytes};
     }
     for (std::size_t i = 1; i < n; ++i) {  // insertion sort by offset: constexpr and tiny n
       for (std::size_t j = i; j > 0 && taken[j - 1].offset > taken[j].offset; --j) {

@@ -950,7 +950,11 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::detail::rope(ex, q, N, s.seq, s.heads, D, s.rope_base, 0, false, band.packing);
   gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false, band.packing);
 #if defined(MEMBOUND_WITH_CUDNN)
-  if constexpr (!std::is_same_v<S, float>) {
+  if constexpr (std::is_same_v<S, float>) {
+    if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
+      gpu::cudnn_detail::note_fallback("fp32 storage (cuDNN's flash attention takes bf16/fp16)");
+    }
+  } else {
     // save_all keeps q, k, v in fp32 for the backward: no slot of ours then holds cuDNN's copies.
     if (keep) {
       if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
@@ -1023,7 +1027,11 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   float* dv = ws.template get<float>(b_dv);
   bool in_storage = false;  // dq, dk, dv already in S in the dqs/dks/dvs slots (cuDNN)
 #if defined(MEMBOUND_WITH_CUDNN)
-  if constexpr (!std::is_same_v<S, float>) {
+  if constexpr (std::is_same_v<S, float>) {
+    if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
+      gpu::cudnn_detail::note_fallback("fp32 storage (cuDNN's flash attention takes bf16/fp16)");
+    }
+  } else {
     // cuDNN's workspace: the longest run of bytes that none of the slots live during its call holds
     // (its 16-bit inputs, its outputs, the offsets). The others are dead then: the fp32 q, k, v and
     // dO are copied, Δ is ours alone, dx and cuBLASLt's workspace are used before and after on the

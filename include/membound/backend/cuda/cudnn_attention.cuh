@@ -154,12 +154,18 @@ inline bool load_library(sdpa_state& st) {
   }
   fe::cudnn_dlhandle = handle;
   // The frontend opens a CUDA runtime of its own (libcudart.so.12 before .13, the first found):
-  // point it at the one this program runs on, where that is a shared library.
+  // point it at the one this program runs on, where that is a shared library, by the variable it
+  // reads, set only while it opens the runtime (here, once) so that child processes do not inherit it.
   Dl_info rt{};
   if (std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME") == nullptr &&
       dladdr(reinterpret_cast<void*>(&cudaGetDevice), &rt) != 0 && rt.dli_fname != nullptr &&
       std::string(rt.dli_fname).find("libcudart") != std::string::npos) {
     setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", rt.dli_fname, 0);
+    try {
+      (void)fe::detail::loaded_cudart_version();
+    } catch (const std::exception&) {  // it says so again, with the reason, at its first use
+    }
+    unsetenv("CUDNN_FRONTEND_CUDART_LIB_NAME");
   }
   try {
     st.counts.version = static_cast<long>(fe::detail::get_backend_version());
@@ -350,6 +356,7 @@ template <typename S>
 std::shared_ptr<cudnn_detail::sdpa_graph> cudnn_sdpa_plan(const cuda_executor& ex, const attention_shape& s,
                                                           const attention_band& band, bool backward,
                                                           std::size_t workspace_cap, cudnnHandle_t* handle) {
+  static_assert(!std::is_same_v<S, float>, "membound: cuDNN's flash attention takes bf16/fp16 storage");
   if (const char* why = cudnn_detail::unsupported<S>(ex, s, band)) {
     if (ex.kernels().attention == attention_kernels::cudnn) cudnn_detail::note_fallback(why);
     return nullptr;
