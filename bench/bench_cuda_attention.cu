@@ -57,6 +57,38 @@ struct device_floats {
 };
 
 // simt: fp32 O, the SIMT forward and backward; wmma: bf16 O, the WMMA forward, the SIMT backward;
+// once() after a warm-up call (module load, smem attribute), each iteration timed by events on
+// the executor's stream; TFLOP/s as FlashAttention counts: 4·BH·T²·D forward, halved when causal,
+// backward 2.5× forward.
+template <typename Once>
+void timed_tflops(benchmark::State& state, const mb::cuda_executor& ex, Once&& once, std::size_t bh, std::size_t T,
+                  std::size_t D, bool causal, bool with_backward) {
+  once();
+  ex.synchronize();
+  cudaEvent_t start = nullptr, stop = nullptr;
+  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  double seconds = 0.0;
+  std::size_t iters = 0;
+  for (auto _ : state) {
+    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
+    once();
+    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
+    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0.0f;
+    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(ms / 1e3);
+    seconds += ms / 1e3;
+    ++iters;
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  double flops = 4.0 * static_cast<double>(bh) * static_cast<double>(T) * static_cast<double>(T) *
+                 static_cast<double>(D) * (causal ? 0.5 : 1.0);
+  if (with_backward) flops *= 3.5;
+  if (seconds > 0.0) state.counters["TFLOP/s"] = flops * static_cast<double>(iters) / seconds / 1e12;
+}
+
 // mma: bf16 O, the mma.sync forward and backward.
 enum class path { simt, wmma, mma };
 template <unsigned DM>
@@ -104,31 +136,8 @@ void bm_attention(benchmark::State& state, std::size_t D, bool causal, bool with
                                        dv.p, band);
     }
   };
-  once();  // warm-up (module load, smem attribute)
-  ex.synchronize();
-  cudaEvent_t start = nullptr, stop = nullptr;
-  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-  double seconds = 0.0;
-  std::size_t iters = 0;
-  for (auto _ : state) {
-    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
-    once();
-    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
-    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0.0f;
-    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    state.SetIterationTime(ms / 1e3);
-    seconds += ms / 1e3;
-    ++iters;
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
+  timed_tflops(state, ex, once, B * H, T, D, causal, with_backward);
   if (o16 != nullptr) (void)cudaFree(o16);
-  double flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(T) *
-                 static_cast<double>(T) * static_cast<double>(D) * (causal ? 0.5 : 1.0);
-  if (with_backward) flops *= 3.5;  // forward + 2.5× forward
-  if (seconds > 0.0) state.counters["TFLOP/s"] = flops * static_cast<double>(iters) / seconds / 1e12;
 }
 
 void fwd_d64(benchmark::State& st, bool causal) { bm_attention<64>(st, 64, causal, false); }
@@ -201,32 +210,9 @@ void bm_cudnn(benchmark::State& state, std::size_t D, bool causal, bool with_bac
     cd::execute(ex, *fwd, h, fpack, ws, false);
     if (with_backward) cd::execute(ex, *bwd, h, bpack, ws, true);
   };
-  once();
-  ex.synchronize();
-  cudaEvent_t start = nullptr, stop = nullptr;
-  mb::cuda_check(cudaEventCreate(&start), "cudaEventCreate");
-  mb::cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
-  double seconds = 0.0;
-  std::size_t iters = 0;
-  for (auto _ : state) {
-    mb::cuda_check(cudaEventRecord(start, ex.stream()), "cudaEventRecord");
-    once();
-    mb::cuda_check(cudaEventRecord(stop, ex.stream()), "cudaEventRecord");
-    mb::cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0.0f;
-    mb::cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    state.SetIterationTime(ms / 1e3);
-    seconds += ms / 1e3;
-    ++iters;
-  }
-  (void)cudaEventDestroy(start);
-  (void)cudaEventDestroy(stop);
+  timed_tflops(state, ex, once, B * H, T, D, causal, with_backward);
   for (auto* p : t16) (void)cudaFree(p);
   if (ws != nullptr) (void)cudaFree(ws);
-  double flops = 4.0 * static_cast<double>(B * H) * static_cast<double>(T) * static_cast<double>(T) *
-                 static_cast<double>(D) * (causal ? 0.5 : 1.0);
-  if (with_backward) flops *= 3.5;
-  if (seconds > 0.0) state.counters["TFLOP/s"] = flops * static_cast<double>(iters) / seconds / 1e12;
   state.counters["workspace_MiB"] = static_cast<double>(ws_bytes) / (1024.0 * 1024.0);
   state.counters["cudnn_version"] = static_cast<double>(gpu::cudnn_attention_report().version);
 }
