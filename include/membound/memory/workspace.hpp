@@ -113,12 +113,15 @@ class workspace_layout {
   // Phases the slot was added with.
   constexpr slot_lifetime lifetime(std::size_t slot) const { return at(slot).life; }
 
-  // The longest byte range [offset, offset + bytes) of [0, size()) that none of the non-empty
-  // slots in `live` overlaps: scratch for a callee (a library's workspace) while only those slots
-  // hold data. By offset, not by order of addition: place() lays slots out largest first.
+  // A range of a layout's bytes: [offset, offset + bytes).
   struct byte_range {
-    std::size_t offset = 0, bytes = 0;
+    std::size_t offset = 0;  // its first byte, from the buffer's base
+    std::size_t bytes = 0;   // its length
   };
+  // The longest byte range of [0, size()) that none of the non-empty slots in `live` (indices
+  // add() returned, each once) overlaps: scratch for a callee (a library's workspace) while only
+  // those slots hold data. By offset, not by order of addition: place() lays slots out largest
+  // first.
   template <typename Slots>
   constexpr byte_range largest_gap(const Slots& live) const {
     std::array<byte_range, MaxSlots> taken{};
