@@ -860,9 +860,9 @@ S* narrow_in_place(const cuda_executor& ex, float* x, S* via, std::size_t n) {
 // anything is converted, so that a caller's misaligned buffer means our kernels, not a failed call
 // after the fp32 copies are gone.
 template <typename... P>
-bool cudnn_aligned(const P*... p) {
+bool cudnn_aligned(const cuda_executor& ex, const P*... p) {
   if (((reinterpret_cast<std::uintptr_t>(p) % 16 == 0) && ...)) return true;
-  cudnn_detail::note_fallback("a tensor not aligned to 16 bytes");
+  cudnn_detail::note_fallback(ex, "a tensor not aligned to 16 bytes");
   return false;
 }
 
@@ -883,7 +883,7 @@ bool cudnn_forward(const cuda_executor& ex, const attention_shape& s, const atte
                                         N * HD * (sizeof(float) - sizeof(S)));
   cudnnHandle_t h = nullptr;
   const auto g = cudnn_sdpa_plan<S>(ex, s, band, false, cap, &h);
-  if (!g || !cudnn_aligned(q, k, v, o_s, lse)) return false;
+  if (!g || !cudnn_aligned(ex, q, k, v, o_s, lse)) return false;
   std::unordered_map<std::int64_t, void*> pack{
       {cudnn_detail::u_q, narrow_in_place(ex, q, o_s, N * HD)},
       {cudnn_detail::u_k, narrow_in_place(ex, k, o_s, N * KD)},
@@ -909,7 +909,7 @@ bool cudnn_backward(const cuda_executor& ex, const attention_shape& s, const att
   S* dos = qs + N * HD;
   cudnnHandle_t h = nullptr;
   const auto g = cudnn_sdpa_plan<S>(ex, s, band, true, cap, &h);
-  if (!g || !cudnn_aligned(qs, dos, dk, dv, o_s, lse, dqs, dks, dvs)) return false;
+  if (!g || !cudnn_aligned(ex, qs, dos, dk, dv, o_s, lse, dqs, dks, dvs)) return false;
   S* ks = reinterpret_cast<S*>(dk);
   S* vs = reinterpret_cast<S*>(dv);
   convert(ex, q, qs, N * HD);
@@ -951,15 +951,11 @@ void backend_kernels<cuda_backend, attention_shape>::forward(
   gpu::detail::rope(ex, k, N, s.seq, s.kv_heads, D, s.rope_base, 0, false, band.packing);
 #if defined(MEMBOUND_WITH_CUDNN)
   if constexpr (std::is_same_v<S, float>) {
-    if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
-      gpu::cudnn_detail::note_fallback("fp32 storage (cuDNN's flash attention takes bf16/fp16)");
-    }
+    gpu::cudnn_detail::note_fallback(ex, "fp32 storage (cuDNN's flash attention takes bf16/fp16)");
   } else {
     // save_all keeps q, k, v in fp32 for the backward: no slot of ours then holds cuDNN's copies.
     if (keep) {
-      if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
-        gpu::cudnn_detail::note_fallback("save_all (q, k, v kept in fp32)");
-      }
+      gpu::cudnn_detail::note_fallback(ex, "save_all (q, k, v kept in fp32)");
     } else if (gpu::detail::cudnn_forward<S>(ex, s, band, q, k, v, o_s, lse)) {
       gpu::matmul(ctx, static_cast<const S*>(o_s), wo, y, N, HD, C, false);
       return;
@@ -1028,9 +1024,7 @@ void backend_kernels<cuda_backend, attention_shape>::backward(
   bool in_storage = false;  // dq, dk, dv already in S in the dqs/dks/dvs slots (cuDNN)
 #if defined(MEMBOUND_WITH_CUDNN)
   if constexpr (std::is_same_v<S, float>) {
-    if (ex.kernels().attention == gpu::attention_kernels::cudnn) {
-      gpu::cudnn_detail::note_fallback("fp32 storage (cuDNN's flash attention takes bf16/fp16)");
-    }
+    gpu::cudnn_detail::note_fallback(ex, "fp32 storage (cuDNN's flash attention takes bf16/fp16)");
   } else {
     // cuDNN's workspace: the longest run of bytes that none of the slots live during its call holds
     // (its 16-bit inputs, its outputs, the offsets). The others are dead then: the fp32 q, k, v and

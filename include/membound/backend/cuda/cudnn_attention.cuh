@@ -316,7 +316,9 @@ inline std::shared_ptr<sdpa_graph> graph_for(const cuda_executor& ex, const sdpa
   return g;
 }
 
-inline void note_fallback(const char* why) {
+// A call that asked for cuDNN (the executor's choice) and runs our kernels: counted, with why.
+inline void note_fallback(const cuda_executor& ex, const char* why) {
+  if (ex.kernels().attention != attention_kernels::cudnn) return;
   sdpa_state& st = state();
   const std::lock_guard<std::mutex> lock(st.m);
   ++st.counts.fallbacks;
@@ -358,7 +360,7 @@ std::shared_ptr<cudnn_detail::sdpa_graph> cudnn_sdpa_plan(const cuda_executor& e
                                                           std::size_t workspace_cap, cudnnHandle_t* handle) {
   static_assert(!std::is_same_v<S, float>, "membound: cuDNN's flash attention takes bf16/fp16 storage");
   if (const char* why = cudnn_detail::unsupported<S>(ex, s, band)) {
-    if (ex.kernels().attention == attention_kernels::cudnn) cudnn_detail::note_fallback(why);
+    cudnn_detail::note_fallback(ex, why);
     return nullptr;
   }
   cudnn_detail::sdpa_key key;
