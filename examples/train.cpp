@@ -844,9 +844,8 @@ int run(const options& flags, const std::vector<std::int32_t>& text, ranks& worl
     // fresh pages below the training peak.
     alloc.release_cached();
     if (o.sample > 0) {
-      const std::string out = sample_text(val, o, o.seq, [&](const std::int32_t* ids, std::size_t T, double* logits) {
-        t.next_token_logits(ids, {1, T}, logits);  // under ZeRO-3 every rank gathers each block
-      });
+      // One sequence of at most o.seq tokens; under ZeRO-3 every rank gathers each block per token.
+      const std::string out = t.decode(1, o.seq, [&](auto& d) { return sample_text(val, o, d); });
       std::printf("\nsample:\n%s\n\n", out.c_str());
     }
 

@@ -559,17 +559,24 @@ inline bool nccl_asked_from_environment() {
   return v && cli_checks::one_of("MEMBOUND_EXAMPLE_NCCL", *v, {"1", "0"}, "=") == "1";
 }
 
-// --sample: o.sample bytes drawn at temperature 0.8 from 32 bytes of `val` on, each from
-// logits_of(ids, T, logits) (the last T ≤ max_T ids; 256 logits), with the run's seed.
-template <typename Logits>
-std::string sample_text(const std::vector<std::int32_t>& val, const options& o, std::size_t max_T, Logits&& logits_of) {
-  std::vector<std::int32_t> ctx(val.begin(), val.begin() + 32);
+// --sample: o.sample bytes drawn at temperature 0.8 from 32 bytes of `val` on, with the run's
+// seed, decoded one byte at a time by `d` (a trainer's decoder: step(ids, logits), restart(),
+// length(), max_len(); 256 logits). When d is full it starts again from the last half of its
+// context: the model never sees more than the max_len() tokens it was trained on.
+template <typename Decoder>
+std::string sample_text(const std::vector<std::int32_t>& val, const options& o, Decoder& d) {
+  const std::size_t L = d.max_len();
+  std::vector<std::int32_t> ctx(val.begin(), val.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(32, L)));
   std::vector<double> logits(256);
+  // From position 0: ctx's last n tokens, the logits after the last.
+  auto feed_last = [&](std::size_t n) {
+    d.restart();
+    for (std::size_t i = ctx.size() - n; i < ctx.size(); ++i) d.step(&ctx[i], i + 1 == ctx.size() ? logits.data() : nullptr);
+  };
+  feed_last(ctx.size());
   mb::random_state rs{o.seed};
   std::string out;
   for (std::size_t i = 0; i < o.sample; ++i) {
-    const std::size_t T = std::min<std::size_t>(ctx.size(), max_T);
-    logits_of(ctx.data() + (ctx.size() - T), T, logits.data());
     double mx = -1e300, z = 0;
     for (double l : logits) mx = std::max(mx, l);
     for (double& l : logits) z += (l = std::exp((l - mx) / 0.8));
@@ -585,6 +592,12 @@ std::string sample_text(const std::vector<std::int32_t>& val, const options& o, 
       out += esc;
     } else {
       out.push_back(static_cast<char>(v));
+    }
+    if (i + 1 == o.sample) break;
+    if (d.length() == L) {
+      feed_last(std::max<std::size_t>(1, L / 2));
+    } else {
+      d.step(&ctx.back(), logits.data());
     }
   }
   return out;

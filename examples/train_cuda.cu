@@ -513,26 +513,37 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
 
   // What the report and the checks below say is the training's: taken before the sample.
   const auto st = alloc.stats();
-  // The sample runs on the device (the model's forward over at most one training sequence of
-  // context, the head's logits on the host), its token buffer and activations from the same stack.
+  // The sample is decoded on the device, one token at a time (the head's logits on the host), its
+  // state, workspace and one-token buffer from the same stack.
   if (o.sample > 0) {
-    const std::size_t max_T = std::min<std::size_t>(256, o.seq);
-    void* ids = alloc.allocate(max_T * sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
+    void* id = alloc.allocate(sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
     try {
-      const std::string out = sample_text(val, o, max_T, [&](const std::int32_t* host_ids, std::size_t T, double* logits) {
-        // On the model's stream, after the last forward's reads of ids; done before host_ids changes.
-        m.check_tokens(host_ids, T);
-        mb::cuda_check(cudaMemcpyAsync(ids, host_ids, T * sizeof(std::int32_t), cudaMemcpyHostToDevice, ex.stream()),
-                       "cudaMemcpyAsync (ids)");
-        ex.synchronize();
-        m.next_token_logits(t.weights(), static_cast<const std::int32_t*>(ids), {1, T}, logits, alloc, ex);
+      const std::string out = t.decode(1, std::min<std::size_t>(256, o.seq), [&](auto& session) {
+        // The sampler's host ids, one at a time to the device on the model's stream.
+        struct uploading {
+          decltype(session)& d;
+          void* id;
+          const net& m;
+          mb::cuda_executor& ex;
+          void step(const std::int32_t* host_id, double* logits) {
+            m.check_tokens(host_id, 1);
+            // Pageable memory: the copy has left host_id when the call returns.
+            mb::cuda_check(cudaMemcpyAsync(id, host_id, sizeof(std::int32_t), cudaMemcpyHostToDevice, ex.stream()),
+                           "cudaMemcpyAsync (id)");
+            d.step(static_cast<const std::int32_t*>(id), logits);
+          }
+          void restart() { d.restart(); }
+          std::size_t length() const { return d.length(); }
+          std::size_t max_len() const { return d.max_len(); }
+        } up{session, id, m, ex};
+        return sample_text(val, o, up);
       });
       std::printf("\nsample:\n%s\n\n", out.c_str());
     } catch (...) {
-      alloc.deallocate(ids, max_T * sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
+      alloc.deallocate(id, sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
       throw;
     }
-    alloc.deallocate(ids, max_T * sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
+    alloc.deallocate(id, sizeof(std::int32_t), mb::default_alignment, mb::memory_tag::other);
   }
 
   const std::size_t predicted = t.largest_predicted_peak();

@@ -14793,8 +14793,9 @@ MEMBOUND_NAMESPACE_END
 // How a block drives its sequence mixer: the mixer's shape from the model's sizes, its parameter
 // tensors (name, size, initialization) in the order of its `weights` struct, the binding of a
 // flat parameter list to that struct, and its identity: the family and every policy or fixed
-// setting that changes what it computes (a checkpoint's fingerprint compares it). One
-// specialization per layer family; a new mixer plugs into blocks by providing one.
+// setting that changes what it computes (a checkpoint's fingerprint compares it); for a sequence
+// mixer, its decoding state (sizes, start, one step over the model's bytes). One specialization
+// per layer family; a new mixer plugs into blocks by providing one.
 
 MEMBOUND_NAMESPACE_BEGIN
 
@@ -14876,6 +14877,26 @@ struct mixer_traits<attention<P...>> {
       return typename layer::gradients{p[0], p[1], p[2], p[3]};
     }
   }
+
+  // Decoding (model::decode_step): the KV cache of max_len positions (the window's under one).
+  static constexpr std::size_t decode_state_bytes(const shape_type& s, std::size_t max_len) noexcept {
+    return layer::kv_cache_bytes(s, max_len);
+  }
+  static constexpr std::size_t decode_workspace_bytes(const shape_type& s, std::size_t max_len,
+                                                      std::size_t threads) noexcept {
+    return layer::step_workspace_bytes(s, max_len, threads);
+  }
+  // Nothing to write: a cache is empty at length 0. Checks the bytes.
+  static void start_decoding(const shape_type& s, const typename layer::weights&, void* data, std::size_t bytes,
+                             std::size_t max_len, typename layer::executor&) {
+    (void)layer::make_kv_cache(s, data, bytes, max_len);
+  }
+  static void decode_step(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                          std::size_t max_len, std::size_t position, const S* x_t, S* y_t, void* workspace,
+                          std::size_t workspace_size, typename layer::executor& ex) {
+    typename layer::kv_cache cache{data, bytes, max_len, position};
+    layer::step(s, w, cache, x_t, y_t, workspace, workspace_size, ex);
+  }
 };
 
 template <typename... P>
@@ -14925,6 +14946,24 @@ struct mixer_traits<mamba<P...>> {
     } else {
       return typename layer::gradients{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
     }
+  }
+  // Decoding: the convolution's last inputs and the scan's state, whatever the length.
+  static constexpr std::size_t decode_state_bytes(const shape_type& s, std::size_t) noexcept {
+    return layer::state_bytes(s);
+  }
+  static constexpr std::size_t decode_workspace_bytes(const shape_type& s, std::size_t, std::size_t) noexcept {
+    return layer::step_workspace_bytes(s);
+  }
+  // Zeroed on the executor (a device state on its stream).
+  static void start_decoding(const shape_type& s, const typename layer::weights&, void* data, std::size_t bytes,
+                             std::size_t, typename layer::executor& ex) {
+    (void)layer::make_state(s, data, bytes, ex);
+  }
+  static void decode_step(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                          std::size_t, std::size_t position, const S* x_t, S* y_t, void* workspace,
+                          std::size_t workspace_size, typename layer::executor& ex) {
+    typename layer::state st{data, bytes, position};
+    layer::step(s, w, st, x_t, y_t, workspace, workspace_size, ex);
   }
 };
 
@@ -15007,6 +15046,24 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
       r.b2 = p[15];
     }
     return r;
+  }
+  // Decoding: the inner model and the running sums of its mini-batch, whatever the length.
+  static constexpr std::size_t decode_state_bytes(const shape_type& s, std::size_t) noexcept {
+    return layer::state_bytes(s);
+  }
+  static constexpr std::size_t decode_workspace_bytes(const shape_type& s, std::size_t, std::size_t) noexcept {
+    return layer::step_workspace_bytes(s);
+  }
+  // The inner model starts from the layer's W1, b1 (W2, b2), written on the executor.
+  static void start_decoding(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                             std::size_t, typename layer::executor& ex) {
+    (void)layer::make_state(s, w, data, bytes, ex);
+  }
+  static void decode_step(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                          std::size_t, std::size_t position, const S* x_t, S* y_t, void* workspace,
+                          std::size_t workspace_size, typename layer::executor& ex) {
+    typename layer::state st{data, bytes, position};
+    layer::step(s, w, st, x_t, y_t, workspace, workspace_size, ex);
   }
 };
 
@@ -15229,6 +15286,32 @@ struct part {
     glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
   }
 
+  // ---- Decoding: one token per row, the layer's state carried in `state` -----------------------
+  // Phases: 0 the norm, 1 the layer's step, 2 the residual add (as forward's, without saved).
+  enum decode_slot : std::size_t { d_n, d_rstd, d_ws, d_m };
+  static constexpr workspace_layout<4> decode_layout(const dims& d, std::size_t max_len, std::size_t threads) {
+    workspace_layout<4> l;
+    l.add(act_bytes(d), default_alignment, {0, 1});
+    l.add(rstd_bytes(d), default_alignment, {0, 0});
+    l.add(traits::decode_workspace_bytes(d.layer, max_len, threads), default_alignment, {1, 1});
+    l.add(act_bytes(d), default_alignment, {1, 2});
+    return l;
+  }
+  // y = x + L.step(RMSNorm(x)) at `position`; d.rows = the sequences, d.layer's batch the same.
+  static void decode_step(const dims& d, const weight_ptrs& w, void* state, std::size_t state_size,
+                          std::size_t max_len, std::size_t position, const S* x, S* y, void* workspace,
+                          executor& ex) {
+    const std::size_t threads = workspace_threads(ex);
+    const auto dl = decode_layout(d, max_len, threads);
+    const auto ws = carve(dl, workspace, dl.size());
+    S* n = ws.template get<S>(d_n);
+    S* m = ws.template get<S>(d_m);
+    glue::template rmsnorm_forward<A>(ex, x, w[0], n, ws.template get<A>(d_rstd), d.rows, d.width, d.eps);
+    traits::decode_step(d.layer, layer_weights(w), state, state_size, max_len, position, n, m,
+                        ws.template get<std::byte>(d_ws), traits::decode_workspace_bytes(d.layer, max_len, threads), ex);
+    glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
+  }
+
   // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
                        const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
@@ -15302,6 +15385,9 @@ class block {
   using A = accum_type;
   using part1 = detail::part<Mixer>;
   using part2 = detail::part<mlp>;
+  static constexpr bool decodes = requires(const typename part1::shape_type& s) {
+    mixer_traits<Mixer>::decode_state_bytes(s, std::size_t{});
+  };
 
  public:
   // The mixer's name, "_moe" after it with a mixture of experts ("attention_moe"): the block's
@@ -15354,6 +15440,50 @@ class block {
     } else {
       (void)d;
     }
+  }
+
+  // ---- Decoding: one token per sequence (model::decode_step) -----------------------------------
+  // The dims of a decoding step over `batch` sequences: one position each; a mixture computes
+  // every choice (as next_token_logits: a lone token would otherwise find no slot).
+  static constexpr dims decode_dims(const model_config& c, std::size_t batch) {
+    dims d = make_dims(c, {batch, 1});
+    without_capacity(d);
+    return d;
+  }
+  // The mixer's state for sequences up to max_len positions (a KV cache; Mamba's and TTT's are
+  // the same at any length).
+  static constexpr std::size_t decode_state_bytes(const dims& d, std::size_t max_len) {
+    static_assert(decodes, "membound: decoding through block<M> needs mixer_traits<M>::decode_state_bytes, "
+                           "decode_workspace_bytes, start_decoding and decode_step (see model/mixer_traits.hpp).");
+    return mixer_traits<Mixer>::decode_state_bytes(d.p1.layer, max_len);
+  }
+  // Phase 0 the mixer half (its state stepped), phase 1 the MLP half (forward over one row each).
+  enum decode_slot : std::size_t { d_h, d_p1, d_p2 };
+  static constexpr workspace_layout<3> decode_layout(const dims& d, std::size_t max_len, std::size_t threads) {
+    workspace_layout<3> l;
+    l.add(activation_bytes(d), default_alignment, {0, 1});
+    l.add(part1::decode_layout(d.p1, max_len, threads).size(), default_alignment, {0, 0});
+    l.add(part2::forward_layout(d.p2, threads, false).size(), default_alignment, {1, 1});
+    return l;
+  }
+  static constexpr std::size_t decode_workspace_bytes(const dims& d, std::size_t max_len, std::size_t threads) {
+    return decode_layout(d, max_len, threads).size();
+  }
+  // The mixer's state over decode_state_bytes(d, max_len) bytes at `state`, ready for position 0.
+  static void start_decoding(const dims& d, const weight_ptrs& w, void* state, std::size_t state_size,
+                             std::size_t max_len, executor& ex) {
+    mixer_traits<Mixer>::start_decoding(d.p1.layer, part1::layer_weights(first(w)), state, state_size, max_len, ex);
+  }
+  // y [B, C] from x [B, C] at `position` (< max_len), the mixer's state advanced by one.
+  static void decode_step(const dims& d, const weight_ptrs& w, void* state, std::size_t state_size,
+                          std::size_t max_len, std::size_t position, const S* x, S* y, void* workspace,
+                          executor& ex) {
+    const std::size_t threads = workspace_threads(ex);
+    const auto dl = decode_layout(d, max_len, threads);
+    const auto ws = carve(dl, workspace, dl.size());
+    S* h = ws.template get<S>(d_h);
+    part1::decode_step(d.p1, first(w), state, state_size, max_len, position, x, h, ws.template get<std::byte>(d_p1), ex);
+    part2::forward(d.p2, second(w), h, y, nullptr, ws.template get<std::byte>(d_p2), false, ex);
   }
 
   // Throws invalid_argument naming the mixer's or the MLP's shape argument.
@@ -17060,6 +17190,105 @@ class model {
     }
   }
 
+  // ---- Decoding: one token per sequence, each block carrying its state ------------------------
+  // Generation without recomputing the past. start_decoding lays every block's state over the
+  // caller's decode_state_bytes(batch, max_len) bytes: attention's KV cache of max_len positions
+  // (of its window W under one, so flat at any length), Mamba's convolution and scan state and
+  // TTT's inner model (the same at any length). Each decode_step feeds one token per sequence
+  // and gives the next-token logits: next_token_logits over every token fed so far, within the
+  // order of sums (decoding's attention sums keys one by one, forward's by tiles; a mixture of
+  // experts computes every choice, as there). A prompt is fed by steps, logits nullptr until its
+  // last token (no parallel prefill yet). A step's buffers are the caller's workspace of
+  // decode_workspace_bytes(batch, max_len, threads); nothing is allocated, except the head's host
+  // copies on a device (as next_token_logits).
+  struct decoding {
+    void* state = nullptr;    // the caller's bytes: every block's state, block after block
+    std::size_t bytes = 0;    // their size, at least decode_state_bytes(batch, max_len)
+    std::size_t batch = 0;    // sequences decoded together: the rows of tokens and logits
+    std::size_t max_len = 0;  // tokens each sequence can take
+    std::size_t length = 0;   // tokens fed to each sequence; the next one goes to position `length`
+  };
+  // Bytes of every block's decoding state for `batch` sequences of up to max_len tokens.
+  std::size_t decode_state_bytes(std::size_t batch, std::size_t max_len) const {
+    std::size_t total = 0;
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      total = sat_add(aligned_end(total), B::decode_state_bytes(B::decode_dims(cfg_, batch), max_len));
+    });
+    return total;
+  }
+  // Workspace bytes of one decode_step: the step's input and output rows and the largest block's.
+  std::size_t decode_workspace_bytes(std::size_t batch, std::size_t max_len, std::size_t threads) const {
+    return decode_layout(batch, max_len, threads).size();
+  }
+  // A decoding of `batch` sequences over `state` (decode_state_bytes(batch, max_len) bytes,
+  // aligned to accum_type), at position 0; again on the same bytes to start over. Checks
+  // everything before writing. w: the weights, or a weight source (TTT's state starts from them).
+  template <typename Weights>
+  decoding start_decoding(Weights&& weights, void* state, std::size_t bytes, std::size_t batch,
+                          std::size_t max_len, executor& ex) const {
+    auto&& w = weight_source(weights);
+    check_decoding({state, bytes, batch, max_len, 0});
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < depth(); ++i) {
+      w.use(i, i + 1 < depth() ? i + 1 : no_unit);
+      visit_block(i, [&]<typename B>(B*) {
+        const auto d = B::decode_dims(cfg_, batch);
+        const std::size_t n = B::decode_state_bytes(d, max_len);
+        offset = aligned_end(offset);
+        B::start_decoding(d, block_weights<B>(w, i), static_cast<std::byte*>(state) + offset, n, max_len, ex);
+        offset += n;
+      });
+    }
+    return {state, bytes, batch, max_len, 0};
+  }
+  // Feeds tokens [batch] (one per sequence, in the backend's memory; ids checked on the host, a
+  // device caller checks them before the upload) at position d.length, and writes the logits of
+  // the next token [batch, V] (double, host) unless `logits` is nullptr. Checks everything
+  // (room for the token included) before writing; d.length advances by one.
+  template <typename Weights>
+  void decode_step(Weights&& weights, decoding& d, const std::int32_t* tokens, double* logits, void* workspace,
+                   std::size_t workspace_size, executor& ex) const {
+    auto&& w = weight_source(weights);
+    check_decoding(d);
+    detail::need_pointer(tokens, "tokens");
+    if (d.length >= d.max_len) {
+      throw invalid_argument("decoding.length", "below max_len " + std::to_string(d.max_len),
+                             std::to_string(d.length),
+                             "Start the decoding again (start_decoding) with a larger max_len, or from the last tokens");
+    }
+    const std::size_t B = d.batch, C = cfg_.width, V = cfg_.vocab, threads = workspace_threads(ex);
+    const auto dl = decode_layout(B, d.max_len, threads);
+    detail::check_workspace_size(dl.size(), workspace, workspace_size);
+    if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, B);
+    const auto ws = carve(dl, workspace, dl.size());
+    S* x = ws.template get<S>(dw_x);
+    S* y = ws.template get<S>(dw_y);
+    void* bws = ws.template get<std::byte>(dw_block);
+    w.use(embedding_unit(), depth() > 0 ? 0 : head_unit());
+    glue::template embedding_gather<A>(ex, tokens, w.at(params_[0].offset), x, B, C, V);
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < depth(); ++i) {
+      w.use(i, i + 1 < depth() ? i + 1 : (logits != nullptr ? head_unit() : no_unit));
+      visit_block(i, [&]<typename B_>(B_*) {
+        const auto bd = B_::decode_dims(cfg_, B);
+        const std::size_t n = B_::decode_state_bytes(bd, d.max_len);
+        offset = aligned_end(offset);
+        B_::decode_step(bd, block_weights<B_>(w, i), static_cast<std::byte*>(d.state) + offset, n, d.max_len,
+                        d.length, x, y, bws, ex);
+        offset += n;
+      });
+      std::swap(x, y);
+    }
+    ++d.length;
+    if (logits == nullptr) return;
+    w.use(head_unit(), no_unit);
+    const auto hw = head_weights(w);
+    std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
+    const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
+    const S* head = glue::host_view(ex, hw.w, V * C, head_copy);
+    for (std::size_t s = 0; s < B; ++s) head_logits(glue::host_view(ex, x + s * C, C, row_copy), norm, head, logits + s * V);
+  }
+
   // ---- Evaluation: the mean cross-entropy without a backward pass ------------------------------
   // The same value, to the bit, as forward_backward's (a mixture's balancing loss included; moe
   // as there); forward only, each block's input freed once its output exists, so the peak is two
@@ -17338,6 +17567,37 @@ class model {
       });
     }
     return x;
+  }
+
+  // Where the next block's decoding state starts after `end` bytes.
+  static constexpr std::size_t aligned_end(std::size_t end) noexcept {
+    return end > size_max - default_alignment ? size_max : align_up(end, default_alignment);
+  }
+  // decode_step's workspace: the rows in and out (swapped block by block), one block's step.
+  enum decode_slot : std::size_t { dw_x, dw_y, dw_block };
+  workspace_layout<3> decode_layout(std::size_t batch, std::size_t max_len, std::size_t threads) const {
+    std::size_t block = 0;
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      block = std::max(block, B::decode_workspace_bytes(B::decode_dims(cfg_, batch), max_len, threads));
+    });
+    workspace_layout<3> l;
+    l.add(bytes_of<S>(batch, cfg_.width));
+    l.add(bytes_of<S>(batch, cfg_.width));
+    l.add(block);
+    return l;
+  }
+  // A decoding's arguments, as start_decoding and decode_step take them.
+  void check_decoding(const decoding& d) const {
+    if (d.batch == 0) {
+      throw invalid_argument("batch", "at least 1", "0", "Decode at least one sequence");
+    }
+    if (d.max_len == 0) {
+      throw invalid_argument("max_len", "at least 1", "0", "A decoding holds at least the token being fed");
+    }
+    for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::decode_dims(cfg_, d.batch)); });
+    const std::size_t need = decode_state_bytes(d.batch, d.max_len);
+    if (d.state == nullptr || d.bytes < need) throw workspace_too_small("state", need, d.state == nullptr ? 0 : d.bytes);
+    detail::need_aligned(d.state, alignof(A), "state");
   }
 
   // A schedule that offloads needs a backend that can and a host space apart from the device's.
@@ -21397,6 +21657,53 @@ class trainer {
     with_weights([&](auto& weights) { m_.next_token_logits(weights, tokens, b, logits, alloc_, ex_); });
   }
 
+  // One token per sequence at a time under the current weights: model::start_decoding and
+  // decode_step over a state and a workspace from the trainer's allocator (not part of the plan;
+  // model::decode_state_bytes and decode_workspace_bytes of them, given back when f returns or
+  // throws). f(d) with d.step(tokens [batch] in the trainer's memory, logits [batch, V] on the
+  // host or nullptr), d.restart() to begin again at position 0, d.length(). Under ZeRO-3 a
+  // collective, as next_token_logits (every rank calls it with the same tokens).
+  template <typename F>
+  decltype(auto) decode(std::size_t batch, std::size_t max_len, F&& f) {
+    follow_stream();
+    return with_weights([&](auto& weights) -> decltype(auto) {
+      using W = std::remove_reference_t<decltype(weights)>;
+      const std::size_t state_bytes = m_.decode_state_bytes(batch, max_len);
+      const std::size_t ws_bytes = m_.decode_workspace_bytes(batch, max_len, workspace_threads(ex_));
+      owned_block state(mem_, state_bytes, memory_tag::activations);
+      owned_block ws(mem_, ws_bytes, memory_tag::workspace);
+      decoder<W> d(m_, weights, m_.start_decoding(weights, state.p, state_bytes, batch, max_len, ex_), ws.p, ws_bytes,
+                   ex_);
+      return f(d);
+    });
+  }
+  // What decode hands f: a decoding over the trainer's weights and buffers.
+  template <typename Weights>
+  class decoder {
+   public:
+    // Over the model, the weights (or ZeRO-3's gathering source), a started decoding and its
+    // step's workspace; decode builds it.
+    decoder(const Model& m, Weights& w, typename Model::decoding d, void* ws, std::size_t ws_bytes,
+            executor& ex) noexcept
+        : m_(m), w_(w), d_(d), ws_(ws), ws_bytes_(ws_bytes), ex_(ex) {}
+    // Feeds one token per sequence at position length(); the next-token logits unless nullptr.
+    void step(const std::int32_t* tokens, double* logits) { m_.decode_step(w_, d_, tokens, logits, ws_, ws_bytes_, ex_); }
+    // Back to position 0: every block's state rewritten.
+    void restart() { d_ = m_.start_decoding(w_, d_.state, d_.bytes, d_.batch, d_.max_len, ex_); }
+    // Tokens fed to each sequence since the start.
+    std::size_t length() const noexcept { return d_.length; }
+    // Tokens each sequence can take.
+    std::size_t max_len() const noexcept { return d_.max_len; }
+
+   private:
+    const Model& m_;
+    Weights& w_;
+    typename Model::decoding d_;
+    void* ws_;
+    std::size_t ws_bytes_;
+    executor& ex_;
+  };
+
   // ---- Checkpoints ------------------------------------------------------------------------------
   // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1/2 a
   // collective (the same files for both: gradients are not saved): every rank writes its shard
@@ -22120,6 +22427,18 @@ class trainer {
   S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
   // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
   // (their buffer from the allocator for the call; each weight unit gathered as it is reached).
+  // A block of mem_ given back on every exit.
+  struct owned_block {
+    stream_view<Allocator>& a;
+    std::size_t bytes;
+    memory_tag tag;
+    void* p;
+    owned_block(stream_view<Allocator>& from, std::size_t n, memory_tag t)
+        : a(from), bytes(n), tag(t), p(from.allocate(n, default_alignment, t)) {}
+    ~owned_block() { a.deallocate(p, bytes, default_alignment, tag); }
+    owned_block(const owned_block&) = delete;
+    owned_block& operator=(const owned_block&) = delete;
+  };
   template <typename F>
   decltype(auto) with_weights(F&& f) {
     if (zero3()) {

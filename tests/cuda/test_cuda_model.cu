@@ -446,12 +446,60 @@ void next_token_logits_against_cpu(double tolerance) {
 void fp32_next_token_logits() { next_token_logits_against_cpu<mb::fp32_precision>(1e-4); }
 void bf16_next_token_logits() { next_token_logits_against_cpu<mb::bf16_precision>(5e-2); }
 
+// Decoding on the device, one token per sequence at a time, against the CPU model's decoding at
+// every position of both sequences; the state and the workspace are the only bytes it takes
+// besides the weights. Tolerances as next_token_logits'.
+template <typename P>
+void decoding_against_cpu(double tolerance) {
+  using S = typename P::storage_type;
+  const std::size_t B = 2, T = 21, V = config().vocab;  // 21: a partial TTT mini-batch at the end
+  const cpu_model<P> cm(config());
+  const gpu_model<P> gm(config());
+  std::vector<S> w(cm.parameter_elements());
+  cm.init_weights(w.data(), 13);
+  const tokens t = make_tokens({B, T}, V, 9);
+  std::vector<std::int32_t> columns(B * T);  // step k's tokens at [k·B, (k + 1)·B)
+  for (std::size_t k = 0; k < T; ++k)
+    for (std::size_t s = 0; s < B; ++s) columns[k * B + s] = t.tokens[s * T + k];
+  std::vector<double> want(T * B * V), got(want.size());
+  {
+    mb::system_allocator host;
+    mb::thread_pool pool(2);
+    const std::size_t sb = cm.decode_state_bytes(B, T), wsb = cm.decode_workspace_bytes(B, T, pool.size());
+    void* state = host.allocate(sb, mb::default_alignment);
+    void* ws = host.allocate(wsb, mb::default_alignment);
+    auto d = cm.start_decoding(w.data(), state, sb, B, T, pool);
+    for (std::size_t k = 0; k < T; ++k) cm.decode_step(w.data(), d, &columns[k * B], &want[k * B * V], ws, wsb, pool);
+    host.deallocate(ws, wsb, mb::default_alignment);
+    host.deallocate(state, sb, mb::default_alignment);
+  }
+  mbt::device_buffer<std::int32_t> ids(columns);
+  mb::cuda_executor ex;
+  device_budget alloc(budget_bytes);
+  const std::size_t wb = gm.weight_bytes(), sb = gm.decode_state_bytes(B, T), wsb = gm.decode_workspace_bytes(B, T, 1);
+  auto* dw = static_cast<S*>(alloc.allocate(wb, mb::default_alignment, mb::memory_tag::weights));
+  upload(dw, w.data(), w.size());
+  void* state = alloc.allocate(sb, mb::default_alignment, mb::memory_tag::activations);
+  void* ws = alloc.allocate(wsb, mb::default_alignment, mb::memory_tag::workspace);
+  auto d = gm.start_decoding(dw, state, sb, B, T, ex);
+  for (std::size_t k = 0; k < T; ++k) gm.decode_step(dw, d, ids.get() + k * B, &got[k * B * V], ws, wsb, ex);
+  CHECK(alloc.stats().peak_requested == wb + sb + wsb);
+  alloc.deallocate(ws, wsb, mb::default_alignment, mb::memory_tag::workspace);
+  alloc.deallocate(state, sb, mb::default_alignment, mb::memory_tag::activations);
+  alloc.deallocate(dw, wb, mb::default_alignment, mb::memory_tag::weights);
+  mbt::close_normwise("decoded logits", got, want, tolerance);
+}
+void fp32_decoding() { decoding_against_cpu<mb::fp32_precision>(1e-4); }
+void bf16_decoding() { decoding_against_cpu<mb::bf16_precision>(5e-2); }
+
 }  // namespace
 
 int main() {
   static const mbt::test_case cases[] = {
       {"model cuda_backend fp32 next_token_logits equals the CPU model's (the example's sample)", fp32_next_token_logits},
       {"model cuda_backend bf16 next_token_logits within bf16 bounds", bf16_next_token_logits},
+      {"model cuda_backend fp32 decoding token by token equals the CPU model's decoding", fp32_decoding},
+      {"model cuda_backend bf16 decoding within bf16 bounds", bf16_decoding},
       {"model cuda_backend fp32 equals the CPU model (loss, every gradient, peak)", fp32_against_cpu},
       {"model cuda_backend bf16 equals the CPU model within bf16 bounds", bf16_against_cpu},
       {"model cuda_backend fp32: every schedule the same bits, measured = predicted", fp32_schedules},

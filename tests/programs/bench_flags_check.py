@@ -26,6 +26,8 @@ BAD = {
                       ("--data", ["--data"]), ("--bogus", ["--bogus"])],
     "bench_moe": [("--experts", ["--experts", "1"]), ("--seq", ["--seq", "abc"]), ("--data", ["--data", "/nonexistent"]),
                   ("--bogus", ["--bogus"])],
+    "bench_decode": [("--tokens", ["--tokens", "0"]), ("--window", ["--window", "abc"]), ("--batch", ["--batch"]),
+                     ("--bogus", ["--bogus"])],
     # Google Benchmark's programs (bench/benchmark_main.hpp): its --benchmark_* flags go to it,
     # anything else is refused by name before a benchmark runs (no GPU needed to be refused).
     "bench_cuda_model": [("--attention-kernels", ["--attention-kernels=simt"]),

@@ -129,6 +129,32 @@ struct part {
     glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
   }
 
+  // ---- Decoding: one token per row, the layer's state carried in `state` -----------------------
+  // Phases: 0 the norm, 1 the layer's step, 2 the residual add (as forward's, without saved).
+  enum decode_slot : std::size_t { d_n, d_rstd, d_ws, d_m };
+  static constexpr workspace_layout<4> decode_layout(const dims& d, std::size_t max_len, std::size_t threads) {
+    workspace_layout<4> l;
+    l.add(act_bytes(d), default_alignment, {0, 1});
+    l.add(rstd_bytes(d), default_alignment, {0, 0});
+    l.add(traits::decode_workspace_bytes(d.layer, max_len, threads), default_alignment, {1, 1});
+    l.add(act_bytes(d), default_alignment, {1, 2});
+    return l;
+  }
+  // y = x + L.step(RMSNorm(x)) at `position`; d.rows = the sequences, d.layer's batch the same.
+  static void decode_step(const dims& d, const weight_ptrs& w, void* state, std::size_t state_size,
+                          std::size_t max_len, std::size_t position, const S* x, S* y, void* workspace,
+                          executor& ex) {
+    const std::size_t threads = workspace_threads(ex);
+    const auto dl = decode_layout(d, max_len, threads);
+    const auto ws = carve(dl, workspace, dl.size());
+    S* n = ws.template get<S>(d_n);
+    S* m = ws.template get<S>(d_m);
+    glue::template rmsnorm_forward<A>(ex, x, w[0], n, ws.template get<A>(d_rstd), d.rows, d.width, d.eps);
+    traits::decode_step(d.layer, layer_weights(w), state, state_size, max_len, position, n, m,
+                        ws.template get<std::byte>(d_ws), traits::decode_workspace_bytes(d.layer, max_len, threads), ex);
+    glue::template add_rows<A>(ex, x, m, y, d.rows, d.width);
+  }
+
   // dx = dy + RMSNorm'ᵀ(L'ᵀ(dy)); gradients accumulate.
   static void backward(const dims& d, const weight_ptrs& w, const grad_ptrs& g, const S* x,
                        const void* saved, const S* dy, S* dx, void* workspace, executor& ex) {
@@ -202,6 +228,9 @@ class block {
   using A = accum_type;
   using part1 = detail::part<Mixer>;
   using part2 = detail::part<mlp>;
+  static constexpr bool decodes = requires(const typename part1::shape_type& s) {
+    mixer_traits<Mixer>::decode_state_bytes(s, std::size_t{});
+  };
 
  public:
   // The mixer's name, "_moe" after it with a mixture of experts ("attention_moe"): the block's
@@ -254,6 +283,50 @@ class block {
     } else {
       (void)d;
     }
+  }
+
+  // ---- Decoding: one token per sequence (model::decode_step) -----------------------------------
+  // The dims of a decoding step over `batch` sequences: one position each; a mixture computes
+  // every choice (as next_token_logits: a lone token would otherwise find no slot).
+  static constexpr dims decode_dims(const model_config& c, std::size_t batch) {
+    dims d = make_dims(c, {batch, 1});
+    without_capacity(d);
+    return d;
+  }
+  // The mixer's state for sequences up to max_len positions (a KV cache; Mamba's and TTT's are
+  // the same at any length).
+  static constexpr std::size_t decode_state_bytes(const dims& d, std::size_t max_len) {
+    static_assert(decodes, "membound: decoding through block<M> needs mixer_traits<M>::decode_state_bytes, "
+                           "decode_workspace_bytes, start_decoding and decode_step (see model/mixer_traits.hpp).");
+    return mixer_traits<Mixer>::decode_state_bytes(d.p1.layer, max_len);
+  }
+  // Phase 0 the mixer half (its state stepped), phase 1 the MLP half (forward over one row each).
+  enum decode_slot : std::size_t { d_h, d_p1, d_p2 };
+  static constexpr workspace_layout<3> decode_layout(const dims& d, std::size_t max_len, std::size_t threads) {
+    workspace_layout<3> l;
+    l.add(activation_bytes(d), default_alignment, {0, 1});
+    l.add(part1::decode_layout(d.p1, max_len, threads).size(), default_alignment, {0, 0});
+    l.add(part2::forward_layout(d.p2, threads, false).size(), default_alignment, {1, 1});
+    return l;
+  }
+  static constexpr std::size_t decode_workspace_bytes(const dims& d, std::size_t max_len, std::size_t threads) {
+    return decode_layout(d, max_len, threads).size();
+  }
+  // The mixer's state over decode_state_bytes(d, max_len) bytes at `state`, ready for position 0.
+  static void start_decoding(const dims& d, const weight_ptrs& w, void* state, std::size_t state_size,
+                             std::size_t max_len, executor& ex) {
+    mixer_traits<Mixer>::start_decoding(d.p1.layer, part1::layer_weights(first(w)), state, state_size, max_len, ex);
+  }
+  // y [B, C] from x [B, C] at `position` (< max_len), the mixer's state advanced by one.
+  static void decode_step(const dims& d, const weight_ptrs& w, void* state, std::size_t state_size,
+                          std::size_t max_len, std::size_t position, const S* x, S* y, void* workspace,
+                          executor& ex) {
+    const std::size_t threads = workspace_threads(ex);
+    const auto dl = decode_layout(d, max_len, threads);
+    const auto ws = carve(dl, workspace, dl.size());
+    S* h = ws.template get<S>(d_h);
+    part1::decode_step(d.p1, first(w), state, state_size, max_len, position, x, h, ws.template get<std::byte>(d_p1), ex);
+    part2::forward(d.p2, second(w), h, y, nullptr, ws.template get<std::byte>(d_p2), false, ex);
   }
 
   // Throws invalid_argument naming the mixer's or the MLP's shape argument.

@@ -1,8 +1,9 @@
 // How a block drives its sequence mixer: the mixer's shape from the model's sizes, its parameter
 // tensors (name, size, initialization) in the order of its `weights` struct, the binding of a
 // flat parameter list to that struct, and its identity: the family and every policy or fixed
-// setting that changes what it computes (a checkpoint's fingerprint compares it). One
-// specialization per layer family; a new mixer plugs into blocks by providing one.
+// setting that changes what it computes (a checkpoint's fingerprint compares it); for a sequence
+// mixer, its decoding state (sizes, start, one step over the model's bytes). One specialization
+// per layer family; a new mixer plugs into blocks by providing one.
 #pragma once
 
 #include <array>
@@ -102,6 +103,26 @@ struct mixer_traits<attention<P...>> {
       return typename layer::gradients{p[0], p[1], p[2], p[3]};
     }
   }
+
+  // Decoding (model::decode_step): the KV cache of max_len positions (the window's under one).
+  static constexpr std::size_t decode_state_bytes(const shape_type& s, std::size_t max_len) noexcept {
+    return layer::kv_cache_bytes(s, max_len);
+  }
+  static constexpr std::size_t decode_workspace_bytes(const shape_type& s, std::size_t max_len,
+                                                      std::size_t threads) noexcept {
+    return layer::step_workspace_bytes(s, max_len, threads);
+  }
+  // Nothing to write: a cache is empty at length 0. Checks the bytes.
+  static void start_decoding(const shape_type& s, const typename layer::weights&, void* data, std::size_t bytes,
+                             std::size_t max_len, typename layer::executor&) {
+    (void)layer::make_kv_cache(s, data, bytes, max_len);
+  }
+  static void decode_step(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                          std::size_t max_len, std::size_t position, const S* x_t, S* y_t, void* workspace,
+                          std::size_t workspace_size, typename layer::executor& ex) {
+    typename layer::kv_cache cache{data, bytes, max_len, position};
+    layer::step(s, w, cache, x_t, y_t, workspace, workspace_size, ex);
+  }
 };
 
 template <typename... P>
@@ -151,6 +172,24 @@ struct mixer_traits<mamba<P...>> {
     } else {
       return typename layer::gradients{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
     }
+  }
+  // Decoding: the convolution's last inputs and the scan's state, whatever the length.
+  static constexpr std::size_t decode_state_bytes(const shape_type& s, std::size_t) noexcept {
+    return layer::state_bytes(s);
+  }
+  static constexpr std::size_t decode_workspace_bytes(const shape_type& s, std::size_t, std::size_t) noexcept {
+    return layer::step_workspace_bytes(s);
+  }
+  // Zeroed on the executor (a device state on its stream).
+  static void start_decoding(const shape_type& s, const typename layer::weights&, void* data, std::size_t bytes,
+                             std::size_t, typename layer::executor& ex) {
+    (void)layer::make_state(s, data, bytes, ex);
+  }
+  static void decode_step(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                          std::size_t, std::size_t position, const S* x_t, S* y_t, void* workspace,
+                          std::size_t workspace_size, typename layer::executor& ex) {
+    typename layer::state st{data, bytes, position};
+    layer::step(s, w, st, x_t, y_t, workspace, workspace_size, ex);
   }
 };
 
@@ -233,6 +272,24 @@ struct mixer_traits<basic_ttt<Mlp, P...>> {
       r.b2 = p[15];
     }
     return r;
+  }
+  // Decoding: the inner model and the running sums of its mini-batch, whatever the length.
+  static constexpr std::size_t decode_state_bytes(const shape_type& s, std::size_t) noexcept {
+    return layer::state_bytes(s);
+  }
+  static constexpr std::size_t decode_workspace_bytes(const shape_type& s, std::size_t, std::size_t) noexcept {
+    return layer::step_workspace_bytes(s);
+  }
+  // The inner model starts from the layer's W1, b1 (W2, b2), written on the executor.
+  static void start_decoding(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                             std::size_t, typename layer::executor& ex) {
+    (void)layer::make_state(s, w, data, bytes, ex);
+  }
+  static void decode_step(const shape_type& s, const typename layer::weights& w, void* data, std::size_t bytes,
+                          std::size_t, std::size_t position, const S* x_t, S* y_t, void* workspace,
+                          std::size_t workspace_size, typename layer::executor& ex) {
+    typename layer::state st{data, bytes, position};
+    layer::step(s, w, st, x_t, y_t, workspace, workspace_size, ex);
   }
 };
 

@@ -15,6 +15,7 @@
 // predicted peak is the allocator's measured one.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -620,6 +621,105 @@ class model {
     }
   }
 
+  // ---- Decoding: one token per sequence, each block carrying its state ------------------------
+  // Generation without recomputing the past. start_decoding lays every block's state over the
+  // caller's decode_state_bytes(batch, max_len) bytes: attention's KV cache of max_len positions
+  // (of its window W under one, so flat at any length), Mamba's convolution and scan state and
+  // TTT's inner model (the same at any length). Each decode_step feeds one token per sequence
+  // and gives the next-token logits: next_token_logits over every token fed so far, within the
+  // order of sums (decoding's attention sums keys one by one, forward's by tiles; a mixture of
+  // experts computes every choice, as there). A prompt is fed by steps, logits nullptr until its
+  // last token (no parallel prefill yet). A step's buffers are the caller's workspace of
+  // decode_workspace_bytes(batch, max_len, threads); nothing is allocated, except the head's host
+  // copies on a device (as next_token_logits).
+  struct decoding {
+    void* state = nullptr;    // the caller's bytes: every block's state, block after block
+    std::size_t bytes = 0;    // their size, at least decode_state_bytes(batch, max_len)
+    std::size_t batch = 0;    // sequences decoded together: the rows of tokens and logits
+    std::size_t max_len = 0;  // tokens each sequence can take
+    std::size_t length = 0;   // tokens fed to each sequence; the next one goes to position `length`
+  };
+  // Bytes of every block's decoding state for `batch` sequences of up to max_len tokens.
+  std::size_t decode_state_bytes(std::size_t batch, std::size_t max_len) const {
+    std::size_t total = 0;
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      total = sat_add(aligned_end(total), B::decode_state_bytes(B::decode_dims(cfg_, batch), max_len));
+    });
+    return total;
+  }
+  // Workspace bytes of one decode_step: the step's input and output rows and the largest block's.
+  std::size_t decode_workspace_bytes(std::size_t batch, std::size_t max_len, std::size_t threads) const {
+    return decode_layout(batch, max_len, threads).size();
+  }
+  // A decoding of `batch` sequences over `state` (decode_state_bytes(batch, max_len) bytes,
+  // aligned to accum_type), at position 0; again on the same bytes to start over. Checks
+  // everything before writing. w: the weights, or a weight source (TTT's state starts from them).
+  template <typename Weights>
+  decoding start_decoding(Weights&& weights, void* state, std::size_t bytes, std::size_t batch,
+                          std::size_t max_len, executor& ex) const {
+    auto&& w = weight_source(weights);
+    check_decoding({state, bytes, batch, max_len, 0});
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < depth(); ++i) {
+      w.use(i, i + 1 < depth() ? i + 1 : no_unit);
+      visit_block(i, [&]<typename B>(B*) {
+        const auto d = B::decode_dims(cfg_, batch);
+        const std::size_t n = B::decode_state_bytes(d, max_len);
+        offset = aligned_end(offset);
+        B::start_decoding(d, block_weights<B>(w, i), static_cast<std::byte*>(state) + offset, n, max_len, ex);
+        offset += n;
+      });
+    }
+    return {state, bytes, batch, max_len, 0};
+  }
+  // Feeds tokens [batch] (one per sequence, in the backend's memory; ids checked on the host, a
+  // device caller checks them before the upload) at position d.length, and writes the logits of
+  // the next token [batch, V] (double, host) unless `logits` is nullptr. Checks everything
+  // (room for the token included) before writing; d.length advances by one.
+  template <typename Weights>
+  void decode_step(Weights&& weights, decoding& d, const std::int32_t* tokens, double* logits, void* workspace,
+                   std::size_t workspace_size, executor& ex) const {
+    auto&& w = weight_source(weights);
+    check_decoding(d);
+    detail::need_pointer(tokens, "tokens");
+    if (d.length >= d.max_len) {
+      throw invalid_argument("decoding.length", "below max_len " + std::to_string(d.max_len),
+                             std::to_string(d.length),
+                             "Start the decoding again (start_decoding) with a larger max_len, or from the last tokens");
+    }
+    const std::size_t B = d.batch, C = cfg_.width, V = cfg_.vocab, threads = workspace_threads(ex);
+    const auto dl = decode_layout(B, d.max_len, threads);
+    detail::check_workspace_size(dl.size(), workspace, workspace_size);
+    if (const std::int32_t* t = glue::host_ids(tokens)) check_tokens(t, B);
+    const auto ws = carve(dl, workspace, dl.size());
+    S* x = ws.template get<S>(dw_x);
+    S* y = ws.template get<S>(dw_y);
+    void* bws = ws.template get<std::byte>(dw_block);
+    w.use(embedding_unit(), depth() > 0 ? 0 : head_unit());
+    glue::template embedding_gather<A>(ex, tokens, w.at(params_[0].offset), x, B, C, V);
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < depth(); ++i) {
+      w.use(i, i + 1 < depth() ? i + 1 : (logits != nullptr ? head_unit() : no_unit));
+      visit_block(i, [&]<typename B_>(B_*) {
+        const auto bd = B_::decode_dims(cfg_, B);
+        const std::size_t n = B_::decode_state_bytes(bd, d.max_len);
+        offset = aligned_end(offset);
+        B_::decode_step(bd, block_weights<B_>(w, i), static_cast<std::byte*>(d.state) + offset, n, d.max_len,
+                        d.length, x, y, bws, ex);
+        offset += n;
+      });
+      std::swap(x, y);
+    }
+    ++d.length;
+    if (logits == nullptr) return;
+    w.use(head_unit(), no_unit);
+    const auto hw = head_weights(w);
+    std::vector<S> row_copy, norm_copy, head_copy;  // stay empty where the host reads in place
+    const S* norm = glue::host_view(ex, hw.norm, C, norm_copy);
+    const S* head = glue::host_view(ex, hw.w, V * C, head_copy);
+    for (std::size_t s = 0; s < B; ++s) head_logits(glue::host_view(ex, x + s * C, C, row_copy), norm, head, logits + s * V);
+  }
+
   // ---- Evaluation: the mean cross-entropy without a backward pass ------------------------------
   // The same value, to the bit, as forward_backward's (a mixture's balancing loss included; moe
   // as there); forward only, each block's input freed once its output exists, so the peak is two
@@ -898,6 +998,37 @@ class model {
       });
     }
     return x;
+  }
+
+  // Where the next block's decoding state starts after `end` bytes.
+  static constexpr std::size_t aligned_end(std::size_t end) noexcept {
+    return end > size_max - default_alignment ? size_max : align_up(end, default_alignment);
+  }
+  // decode_step's workspace: the rows in and out (swapped block by block), one block's step.
+  enum decode_slot : std::size_t { dw_x, dw_y, dw_block };
+  workspace_layout<3> decode_layout(std::size_t batch, std::size_t max_len, std::size_t threads) const {
+    std::size_t block = 0;
+    for_each_block([&]<typename B>(std::size_t, B*) {
+      block = std::max(block, B::decode_workspace_bytes(B::decode_dims(cfg_, batch), max_len, threads));
+    });
+    workspace_layout<3> l;
+    l.add(bytes_of<S>(batch, cfg_.width));
+    l.add(bytes_of<S>(batch, cfg_.width));
+    l.add(block);
+    return l;
+  }
+  // A decoding's arguments, as start_decoding and decode_step take them.
+  void check_decoding(const decoding& d) const {
+    if (d.batch == 0) {
+      throw invalid_argument("batch", "at least 1", "0", "Decode at least one sequence");
+    }
+    if (d.max_len == 0) {
+      throw invalid_argument("max_len", "at least 1", "0", "A decoding holds at least the token being fed");
+    }
+    for_each_block([&]<typename B>(std::size_t, B*) { B::check(B::decode_dims(cfg_, d.batch)); });
+    const std::size_t need = decode_state_bytes(d.batch, d.max_len);
+    if (d.state == nullptr || d.bytes < need) throw workspace_too_small("state", need, d.state == nullptr ? 0 : d.bytes);
+    detail::need_aligned(d.state, alignof(A), "state");
   }
 
   // A schedule that offloads needs a backend that can and a host space apart from the device's.

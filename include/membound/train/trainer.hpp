@@ -482,6 +482,53 @@ class trainer {
     with_weights([&](auto& weights) { m_.next_token_logits(weights, tokens, b, logits, alloc_, ex_); });
   }
 
+  // One token per sequence at a time under the current weights: model::start_decoding and
+  // decode_step over a state and a workspace from the trainer's allocator (not part of the plan;
+  // model::decode_state_bytes and decode_workspace_bytes of them, given back when f returns or
+  // throws). f(d) with d.step(tokens [batch] in the trainer's memory, logits [batch, V] on the
+  // host or nullptr), d.restart() to begin again at position 0, d.length(). Under ZeRO-3 a
+  // collective, as next_token_logits (every rank calls it with the same tokens).
+  template <typename F>
+  decltype(auto) decode(std::size_t batch, std::size_t max_len, F&& f) {
+    follow_stream();
+    return with_weights([&](auto& weights) -> decltype(auto) {
+      using W = std::remove_reference_t<decltype(weights)>;
+      const std::size_t state_bytes = m_.decode_state_bytes(batch, max_len);
+      const std::size_t ws_bytes = m_.decode_workspace_bytes(batch, max_len, workspace_threads(ex_));
+      owned_block state(mem_, state_bytes, memory_tag::activations);
+      owned_block ws(mem_, ws_bytes, memory_tag::workspace);
+      decoder<W> d(m_, weights, m_.start_decoding(weights, state.p, state_bytes, batch, max_len, ex_), ws.p, ws_bytes,
+                   ex_);
+      return f(d);
+    });
+  }
+  // What decode hands f: a decoding over the trainer's weights and buffers.
+  template <typename Weights>
+  class decoder {
+   public:
+    // Over the model, the weights (or ZeRO-3's gathering source), a started decoding and its
+    // step's workspace; decode builds it.
+    decoder(const Model& m, Weights& w, typename Model::decoding d, void* ws, std::size_t ws_bytes,
+            executor& ex) noexcept
+        : m_(m), w_(w), d_(d), ws_(ws), ws_bytes_(ws_bytes), ex_(ex) {}
+    // Feeds one token per sequence at position length(); the next-token logits unless nullptr.
+    void step(const std::int32_t* tokens, double* logits) { m_.decode_step(w_, d_, tokens, logits, ws_, ws_bytes_, ex_); }
+    // Back to position 0: every block's state rewritten.
+    void restart() { d_ = m_.start_decoding(w_, d_.state, d_.bytes, d_.batch, d_.max_len, ex_); }
+    // Tokens fed to each sequence since the start.
+    std::size_t length() const noexcept { return d_.length; }
+    // Tokens each sequence can take.
+    std::size_t max_len() const noexcept { return d_.max_len; }
+
+   private:
+    const Model& m_;
+    Weights& w_;
+    typename Model::decoding d_;
+    void* ws_;
+    std::size_t ws_bytes_;
+    executor& ex_;
+  };
+
   // ---- Checkpoints ------------------------------------------------------------------------------
   // Everything a step depends on, written atomically (see checkpoint_file.hpp). Under ZeRO-1/2 a
   // collective (the same files for both: gradients are not saved): every rank writes its shard
@@ -1206,6 +1253,18 @@ class trainer {
   S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
   // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
   // (their buffer from the allocator for the call; each weight unit gathered as it is reached).
+  // A block of mem_ given back on every exit.
+  struct owned_block {
+    stream_view<Allocator>& a;
+    std::size_t bytes;
+    memory_tag tag;
+    void* p;
+    owned_block(stream_view<Allocator>& from, std::size_t n, memory_tag t)
+        : a(from), bytes(n), tag(t), p(from.allocate(n, default_alignment, t)) {}
+    ~owned_block() { a.deallocate(p, bytes, default_alignment, tag); }
+    owned_block(const owned_block&) = delete;
+    owned_block& operator=(const owned_block&) = delete;
+  };
   template <typename F>
   decltype(auto) with_weights(F&& f) {
     if (zero3()) {
