@@ -8,8 +8,8 @@
 //   - the state and workspace are all it needs: nothing else is allocated, and a local layer's
 //     state is the same at any max_len;
 //   - start_decoding again on the same bytes repeats the run bit for bit;
-//   - bad input is refused by name before anything is written, and the decoding goes on unharmed;
-//   - a trainer decodes its current weights on its allocator and gives every byte back.
+//   - bad input is refused by name before anything is written, and the decoding goes on unharmed.
+// (trainer::decode: test_trainer.)
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -21,11 +21,8 @@
 #include "membound/memory/budget.hpp"
 #include "membound/memory/system_allocator.hpp"
 #include "membound/model/model.hpp"
-#include "membound/model/planner.hpp"
-#include "membound/train/trainer.hpp"
 
 #include "../support/small_models.hpp"
-#include "../support/text_source.hpp"
 
 namespace mb = membound;
 
@@ -254,46 +251,4 @@ TEST_CASE("decoding: bad input is refused by name and leaves the decoding as it 
   CHECK_THROWS_WITH_AS(m.decode_step(w.data(), fresh, next, nullptr, buf.ws, buf.ws_bytes, pool),
                        doctest::Contains("decoding.length"), mb::invalid_argument);
   CHECK(fresh.length == L);
-}
-
-TEST_CASE("decoding: a trainer decodes its current weights on its allocator and gives every byte back") {
-  using P = mb::fp32_precision;  // a trainer stores fp32 at most
-  using net = membound_test::hybrid<P>;
-  const net m(membound_test::small_config());
-  mb::thread_pool pool(2);
-  mb::budget_allocator<mb::system_allocator> a(std::size_t{1} << 30);
-  mb::plan_options po;
-  po.threads = 2;
-  po.head_chunk = 64;
-  mb::trainer_options o;
-  o.seed = 3;
-  mb::trainer t(m, {2, 16}, mb::make_plan(m, {2, 16}, mb::schedules::none{}, po), a, pool, o);
-  membound_test::text_source<16> src(40);
-  (void)t.step(src);  // weights that are not the initial ones
-  const std::size_t held = a.stats().requested, V = m.config().vocab, L = 7;
-  const auto tok = make_tokens(1, L, V, 23);
-  std::vector<double> logits(V), ref(V);
-  t.decode(1, L, [&](auto& d) {
-    CHECK(a.stats().requested == held + m.decode_state_bytes(1, L) + m.decode_workspace_bytes(1, L, 2));
-    for (int pass = 0; pass < 2; ++pass) {  // the second after restart(): the same logits again
-      for (std::size_t k = 0; k < L; ++k) {
-        d.step(&tok[k], logits.data());
-        t.next_token_logits(tok.data(), {1, k + 1}, ref.data());
-        double err = 0, scale = 0;
-        for (std::size_t v = 0; v < V; ++v) {
-          err = std::max(err, std::abs(logits[v] - ref[v]));
-          scale = std::max(scale, std::abs(ref[v]));
-        }
-        CHECK(err <= 1e-5 * scale);  // fp32, as above
-      }
-      CHECK(d.length() == L);
-      d.restart();
-      CHECK(d.length() == 0);
-    }
-  });
-  CHECK(a.stats().requested == held);
-  // Refused by name, nothing kept.
-  CHECK_THROWS_WITH_AS(t.decode(1, 0, [](auto&) {}), doctest::Contains("max_len"), mb::invalid_argument);
-  CHECK_THROWS_AS(t.decode(1, L, [](auto& d) { d.step(nullptr, nullptr); }), mb::invalid_argument);
-  CHECK(a.stats().requested == held);
 }

@@ -14,13 +14,15 @@
 //   - an unscaled run whose gradient is NaN stops with a typed error and nothing updated;
 //   - memory pressure (a tight budget plus bytes held by someone else) makes the step retry under
 //     a stricter plan, and the run then equals an unpressured run under that plan, bit for bit;
-//     with no smaller plan left the step fails with budget_too_small and nothing lost.
+//     with no smaller plan left the step fails with budget_too_small and nothing lost;
+//   - decode runs over the current weights on the trainer's allocator and gives every byte back.
 #include <doctest/doctest.h>
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wfree-nonheap-object"
 #endif
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -1429,4 +1431,40 @@ TEST_CASE("trainer: the plan load() restores is the trainer's own, made again fo
   MESSAGE(tried << " unusable saved plans kept out");
   std::filesystem::remove(path);
   std::filesystem::remove(bad);
+}
+
+TEST_CASE("trainer: decode runs over the current weights on the trainer's allocator and gives every byte back") {
+  const hybrid<mb::fp32_precision> m(small_config());
+  mb::thread_pool pool(2);
+  budget_alloc a(1ull << 30);
+  mb::trainer t(m, effective, plan_none(m, 2), a, pool, options());
+  text_source src(40);
+  run_steps(t, src, 1);  // weights that are not the initial ones
+  const std::size_t held = a.stats().requested, V = m.config().vocab, L = 7;
+  const std::vector<std::int32_t> tok{3, 17, 0, 39, 8, 8, 21};
+  std::vector<double> logits(V), ref(V);
+  t.decode(1, L, [&](auto& d) {
+    CHECK(a.stats().requested == held + m.decode_state_bytes(1, L) + m.decode_workspace_bytes(1, L, 2));
+    for (int pass = 0; pass < 2; ++pass) {  // the second after restart(): the same logits again
+      for (std::size_t k = 0; k < L; ++k) {
+        d.step(&tok[k], logits.data());
+        t.next_token_logits(tok.data(), {1, k + 1}, ref.data());
+        double err = 0, scale = 0;
+        for (std::size_t v = 0; v < V; ++v) {
+          err = std::max(err, std::abs(logits[v] - ref[v]));
+          scale = std::max(scale, std::abs(ref[v]));
+        }
+        CHECK(err <= 1e-5 * scale);  // fp32, as test_decoding
+      }
+      CHECK(d.length() == L);
+      d.restart();
+      CHECK(d.length() == 0);
+    }
+  });
+  CHECK(a.stats().requested == held);
+  // Refused by name, nothing kept.
+  CHECK_THROWS_WITH_AS(t.decode(1, 0, [](auto&) {}), doctest::Contains("max_len"), mb::invalid_argument);
+  CHECK_THROWS_WITH_AS(t.decode(1, L, [](auto& d) { d.step(nullptr, nullptr); }), doctest::Contains("tokens"),
+                       mb::invalid_argument);
+  CHECK(a.stats().requested == held);
 }
