@@ -527,9 +527,11 @@ int run_device(const options& given, const std::vector<std::int32_t>& text, Comm
           mb::cuda_executor& ex;
           void step(const std::int32_t* host_id, double* logits) {
             m.check_tokens(host_id, 1);
-            // Pageable memory: the copy has left host_id when the call returns.
+            // On the model's stream, after the last step's reads of id; done before host_id may
+            // move (the sampler's context grows): a copy from pageable memory may be deferred.
             mb::cuda_check(cudaMemcpyAsync(id, host_id, sizeof(std::int32_t), cudaMemcpyHostToDevice, ex.stream()),
                            "cudaMemcpyAsync (id)");
+            ex.synchronize();
             d.step(static_cast<const std::int32_t*>(id), logits);
           }
           void restart() { d.restart(); }

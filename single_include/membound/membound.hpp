@@ -21686,6 +21686,9 @@ class trainer {
     decoder(const Model& m, Weights& w, typename Model::decoding d, void* ws, std::size_t ws_bytes,
             executor& ex) noexcept
         : m_(m), w_(w), d_(d), ws_(ws), ws_bytes_(ws_bytes), ex_(ex) {}
+    // It refers to buffers that live only while decode's f runs: not copied out of it.
+    decoder(const decoder&) = delete;
+    decoder& operator=(const decoder&) = delete;
     // Feeds one token per sequence at position length(); the next-token logits unless nullptr.
     void step(const std::int32_t* tokens, double* logits) { m_.decode_step(w_, d_, tokens, logits, ws_, ws_bytes_, ex_); }
     // Back to position 0: every block's state rewritten.
@@ -22425,8 +22428,6 @@ class trainer {
   std::size_t weight_bytes() const noexcept { return exchange_->weight_bytes(); }
   // The weights of this rank's optimizer shard.
   S* shard_w() const noexcept { return exchange_->shard_weights(w_); }
-  // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
-  // (their buffer from the allocator for the call; each weight unit gathered as it is reached).
   // A block of mem_ given back on every exit.
   struct owned_block {
     stream_view<Allocator>& a;
@@ -22439,6 +22440,8 @@ class trainer {
     owned_block(const owned_block&) = delete;
     owned_block& operator=(const owned_block&) = delete;
   };
+  // f(weights) with the weights a forward reads: the array, or under ZeRO-3 the gathered ones
+  // (their buffer from the allocator for the call; each weight unit gathered as it is reached).
   template <typename F>
   decltype(auto) with_weights(F&& f) {
     if (zero3()) {

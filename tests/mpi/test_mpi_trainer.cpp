@@ -79,7 +79,8 @@
 //     prefetched when overlapped): ZeRO-2's losses and optimizer state and this rank's shard of its
 //     weights bit for bit, blocking and overlapped, one and two micro-batches per rank; measured
 //     peak == predicted == ZeRO-2's less the weights others hold plus the gathered buffer; bytes
-//     sent exactly; evaluation ZeRO-2's loss; a ZeRO-2 plan refused; offload under it as above.
+//     sent exactly; evaluation ZeRO-2's loss and decoding its logits; a ZeRO-2 plan refused; offload under
+//     it as above.
 //     With no plan fitting what the last rank has left, every rank throws rank_budget_too_small
 //     naming it, with nothing lost (weights, optimizer state, step count, bytes held).
 //   - Refusals: an effective batch the ranks cannot share, a typed error naming the argument.
@@ -660,10 +661,12 @@ int main(int argc, char** argv) {
       }
       check(threw, "ZeRO-3 given a ZeRO-2 plan: invalid_argument naming the plan");
     }
-    // Evaluation under ZeRO-3 gathers each block and gives ZeRO-2's loss, bit for bit, at the plan's peak or below.
+    // Evaluation under ZeRO-3 gathers each block and gives ZeRO-2's loss, bit for bit, at the plan's peak or below;
+    // so does decoding (steps with and without the head's logits, a restart) give ZeRO-2's logits.
     {
       double losses[2] = {0, 0};
       std::size_t peaks[2] = {0, 0}, predicted[2] = {0, 0};
+      std::vector<double> decoded[2];
       for (const std::size_t z : {std::size_t{2}, std::size_t{3}}) {
         alloc_t a(std::size_t{1} << 30);
         mb::thread_pool pool(1);
@@ -676,9 +679,21 @@ int main(int argc, char** argv) {
         losses[z - 2] = t.evaluate(src, 3, 7);
         peaks[z - 2] = a.stats().peak_requested;
         predicted[z - 2] = t.largest_predicted_peak();
+        const std::int32_t ids[5] = {3, 17, 0, 39, 8};
+        std::vector<double> logits(m.config().vocab);
+        t.decode(1, 5, [&](auto& d) {
+          for (int pass = 0; pass < 2; ++pass) {
+            for (std::size_t k = 0; k < 5; ++k) {
+              d.step(&ids[k], k == 1 || k == 4 ? logits.data() : nullptr);
+              decoded[z - 2].insert(decoded[z - 2].end(), logits.begin(), logits.end());
+            }
+            d.restart();
+          }
+        });
       }
       check(same_bits(std::vector<double>{losses[1]}, std::vector<double>{losses[0]}),
             "ZeRO-3 evaluate: ZeRO-2's loss, bit for bit");
+      check(same_bits(decoded[1], decoded[0]), "ZeRO-3 decode: ZeRO-2's logits, bit for bit");
       check(peaks[1] <= predicted[1], "ZeRO-3 evaluate: its peak " + std::to_string(peaks[1]) + " within the plan's " +
                                           std::to_string(predicted[1]));
     }
