@@ -17210,11 +17210,7 @@ class model {
   };
   // Bytes of every block's decoding state for `batch` sequences of up to max_len tokens.
   std::size_t decode_state_bytes(std::size_t batch, std::size_t max_len) const {
-    std::size_t total = 0;
-    for_each_block([&]<typename B>(std::size_t, B*) {
-      total = sat_add(aligned_end(total), B::decode_state_bytes(B::decode_dims(cfg_, batch), max_len));
-    });
-    return total;
+    return for_each_decode_state(batch, max_len, []<typename B>(std::size_t, B*, const auto&, std::size_t, std::size_t) {});
   }
   // Workspace bytes of one decode_step: the step's input and output rows and the largest block's.
   std::size_t decode_workspace_bytes(std::size_t batch, std::size_t max_len, std::size_t threads) const {
@@ -17228,17 +17224,10 @@ class model {
                           std::size_t max_len, executor& ex) const {
     auto&& w = weight_source(weights);
     check_decoding({state, bytes, batch, max_len, 0});
-    std::size_t offset = 0;
-    for (std::size_t i = 0; i < depth(); ++i) {
+    for_each_decode_state(batch, max_len, [&]<typename B>(std::size_t i, B*, const auto& d, std::size_t at, std::size_t n) {
       w.use(i, i + 1 < depth() ? i + 1 : no_unit);
-      visit_block(i, [&]<typename B>(B*) {
-        const auto d = B::decode_dims(cfg_, batch);
-        const std::size_t n = B::decode_state_bytes(d, max_len);
-        offset = aligned_end(offset);
-        B::start_decoding(d, block_weights<B>(w, i), static_cast<std::byte*>(state) + offset, n, max_len, ex);
-        offset += n;
-      });
-    }
+      B::start_decoding(d, block_weights<B>(w, i), static_cast<std::byte*>(state) + at, n, max_len, ex);
+    });
     return {state, bytes, batch, max_len, 0};
   }
   // Feeds tokens [batch] (one per sequence, in the backend's memory; ids checked on the host, a
@@ -17266,19 +17255,12 @@ class model {
     void* bws = ws.template get<std::byte>(dw_block);
     w.use(embedding_unit(), depth() > 0 ? 0 : head_unit());
     glue::template embedding_gather<A>(ex, tokens, w.at(params_[0].offset), x, B, C, V);
-    std::size_t offset = 0;
-    for (std::size_t i = 0; i < depth(); ++i) {
+    for_each_decode_state(B, d.max_len, [&]<typename B_>(std::size_t i, B_*, const auto& bd, std::size_t at, std::size_t n) {
       w.use(i, i + 1 < depth() ? i + 1 : (logits != nullptr ? head_unit() : no_unit));
-      visit_block(i, [&]<typename B_>(B_*) {
-        const auto bd = B_::decode_dims(cfg_, B);
-        const std::size_t n = B_::decode_state_bytes(bd, d.max_len);
-        offset = aligned_end(offset);
-        B_::decode_step(bd, block_weights<B_>(w, i), static_cast<std::byte*>(d.state) + offset, n, d.max_len,
-                        d.length, x, y, bws, ex);
-        offset += n;
-      });
+      B_::decode_step(bd, block_weights<B_>(w, i), static_cast<std::byte*>(d.state) + at, n, d.max_len, d.length, x,
+                      y, bws, ex);
       std::swap(x, y);
-    }
+    });
     ++d.length;
     if (logits == nullptr) return;
     w.use(head_unit(), no_unit);
@@ -17569,9 +17551,20 @@ class model {
     return x;
   }
 
-  // Where the next block's decoding state starts after `end` bytes.
-  static constexpr std::size_t aligned_end(std::size_t end) noexcept {
-    return end > size_max - default_alignment ? size_max : align_up(end, default_alignment);
+  // f(i, (B*)nullptr, block i's decode dims, where its state starts, its bytes) for every block,
+  // in order: the one layout of a decoding's state, block after block, each start aligned to
+  // default_alignment. Returns the bytes of all (saturated).
+  template <typename F>
+  std::size_t for_each_decode_state(std::size_t batch, std::size_t max_len, F&& f) const {
+    std::size_t end = 0;
+    for_each_block([&]<typename B>(std::size_t i, B* tag) {
+      const auto d = B::decode_dims(cfg_, batch);
+      const std::size_t n = B::decode_state_bytes(d, max_len);
+      const std::size_t at = end > size_max - default_alignment ? size_max : align_up(end, default_alignment);
+      end = sat_add(at, n);
+      f(i, tag, d, at, n);
+    });
+    return end;
   }
   // decode_step's workspace: the rows in and out (swapped block by block), one block's step.
   enum decode_slot : std::size_t { dw_x, dw_y, dw_block };
