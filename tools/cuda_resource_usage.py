@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
+PROPS = re.compile(r"Function properties for (\S+)")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+CUMULATIVE = re.compile(r"(\d+) bytes cumulative stack size")
 USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
 
 
@@ -61,18 +63,26 @@ def compile_one(nvcc: str, src: Path, arch: str) -> tuple[list[dict], str]:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         return [], res.stderr
-    kernels, cur = [], None
+    # ptxas prints each entry's "Function properties" and then those of the __noinline__ functions
+    # it calls: a frame line belongs to the function named just before it (a callee's 0-byte frame
+    # once overwrote its kernel's 176). The stack column is the entry's cumulative stack size, its
+    # callees' frames included.
+    kernels, cur, props = [], None, None
     for line in res.stderr.splitlines():
         if m := ENTRY.search(line):
             cur = {"name": m.group(1), "arch": m.group(2), "src": src.name, "regs": 0, "stack": 0,
                    "spill_st": 0, "spill_ld": 0, "smem": 0, "barriers": 0}
             kernels.append(cur)
-        elif cur and (m := FRAME.search(line)):
+        elif m := PROPS.search(line):
+            props = m.group(1)
+        elif cur and props == cur["name"] and (m := FRAME.search(line)):
             cur["stack"], cur["spill_st"], cur["spill_ld"] = map(int, m.groups())
         elif cur and (m := USED.search(line)):
             cur["regs"] = int(m.group(1))
             cur["barriers"] = int(m.group(2) or 0)
             cur["smem"] = int(m.group(3) or 0)
+            if c := CUMULATIVE.search(line):
+                cur["stack"] = max(cur["stack"], int(c.group(1)))
     return kernels, ""
 
 

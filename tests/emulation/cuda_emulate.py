@@ -8,9 +8,9 @@ C++ (g++, -fsanitize=thread by default, so a missing barrier is a data race; --s
 launchers' exact size, so a kernel that indexes past one shows) and runs the result once per
 argument set. Each .cpp's header says what it checks and what it cannot; none replaces a GPU run.
 
-  ttt        the TTT inner loop, forward and backward, at 1, 5 and 32 threads per CTA: against
-             the CPU layer in fp32, bits across the state group and the inner loop's
-             shared-memory placements
+  ttt        the TTT inner loop, forward, backward and the decoding step, at 32 threads per CTA
+             (one warp): against the CPU layer in fp32, bits across the state group, the inner
+             loop's shared-memory placements and 64 threads (two warps)
   mamba      the chunk-parallel selective scan, forward and reverse, with the launchers' channels
              per CTA and at most 3: against the CPU layer in fp32 at 13 shapes
   adamw8bit  the 8-bit AdamW step: against adamw8bit::update on the CPU, bit for bit
@@ -48,8 +48,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # argument sets and what one argument means
 TARGETS = {
     "ttt": dict(
-        args=["1", "5", "32"],
-        label=lambda a: f"{a} threads per CTA"),
+        args=[""],
+        label=lambda a: "32 threads per CTA, then 64"),
     "mamba": dict(
         args=["0", "3"],
         label=lambda a: "the launchers' channels per CTA" if a == "0" else f"at most {a} channels per CTA"),

@@ -1,14 +1,20 @@
-// Host emulation of backend/cuda/ttt.cuh's kernels, for a machine without a GPU. Built and run
-// by `tests/emulation/cuda_emulate.py ttt`, which compiles the kernels' text (backend/cuda/ttt_sizes.inl,
-// ttt_kernels.inl, what nvcc compiles) here as plain C++: __global__/__device__ vanish, threadIdx is a
-// thread_local, each CTA of the inner loop's kernels (forward and backward) runs as `nt` host
-// threads with __syncthreads a barrier (cta_threads.hpp) (under -fsanitize=thread a missing barrier shows as
-// a data race), every other kernel one thread per CTA. A host copy of the launchers' sequence
-// (naive fp32 loops for the cuBLASLt GEMMs) drives them, against the CPU layer on the same inputs:
-// the saved checkpoints, y, dx and every gradient (normwise 1e-5), and bits across G and across
-// the inner loop's placements (shared memory: a buffer of the launch's exact size per CTA). What it
-// cannot check (packed sequences: the same, against the CPU layer's packed call): the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths, CUB's
-// block reductions (one thread here), and anything about the real device.
+// Host emulation of backend/cuda/ttt.cuh's kernels, for a machine without a GPU. Built and run by
+// `tests/emulation/cuda_emulate.py ttt`, which compiles the kernels' text (backend/cuda/ttt_sizes.inl,
+// ttt_kernels.inl, what nvcc compiles) here as plain C++: __global__/__device__ vanish, threadIdx is
+// a thread_local, each CTA of the inner loop's kernels (forward, backward and the decoding step)
+// runs as 32 host threads (one warp; 64 where it says) with __syncthreads a barrier
+// (cta_threads.hpp; under -fsanitize=thread a missing barrier shows as a data race) and a lane
+// group's row_sums a rendezvous of its warp's threads; every other kernel runs one thread per CTA.
+// A host copy of the launchers' sequence (naive fp32 loops for the cuBLASLt GEMMs) drives them:
+// - against the fp32 CPU layer on the same inputs: the saved checkpoints, y, dx and the decoded
+//   outputs (normwise 1e-5);
+// - against the CPU layer in float64: y, dx and every gradient (5e-5, see run());
+// - bit for bit across G, the inner loop's placements (shared memory: a buffer of the launch's
+//   exact size per CTA) and 64 threads against 32;
+// - packed sequences the same way, against the CPU layer's packed call.
+// What it cannot check: the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths,
+// CUB's block reductions (one thread here), row_sums' shuffles (replayed, not shuffled), and
+// anything about the real device.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,6 +39,13 @@ static emu_support::barrier* g_bar = nullptr;
 #define __syncthreads() g_bar->arrive_and_wait()
 
 namespace emu {
+// One warp's rendezvous: each lane posts its value and waits; then reads and waits again (so the
+// next post never overwrites a value still being read).
+struct warp_state {
+  emu_support::barrier bar{32};
+  float v[4][32];  // up to 4 values a lane
+};
+static warp_state* g_warps = nullptr;
 using membound::packed_sequences;
 using membound::gelu_tanh_f;
 using membound::gelu_tanh_d1;
@@ -47,6 +60,28 @@ template <class T, unsigned N> struct block_allreduce {
   template <class Op> static T run(T v, Op, storage&) { return v; }
 };
 }  // namespace detail
+// ttt.cuh's row_sums (for m = 4, 2, 1: v[k] += lane_xor(v[k], m)) in one rendezvous of the warp
+// instead of one per shuffle: each lane replays its group's butterfly over the posted values,
+// the same additions in the same order, so the same bits. A rendezvous per shuffle made this
+// emulation minutes long.
+constexpr unsigned row_lanes = 8, rows_per_warp = 32 / row_lanes;
+template <unsigned N>
+inline void row_sums(float (&v)[N]) {
+  warp_state& w = g_warps[threadIdx.x / 32];
+  const unsigned lane = threadIdx.x % 32, base = lane - lane % row_lanes;
+  for (unsigned k = 0; k < N; ++k) w.v[k][lane] = v[k];
+  w.bar.arrive_and_wait();
+  for (unsigned k = 0; k < N; ++k) {
+    float t[row_lanes], u[row_lanes];
+    for (unsigned l = 0; l < row_lanes; ++l) t[l] = w.v[k][base + l];
+    for (unsigned m = row_lanes / 2; m >= 1; m /= 2) {
+      for (unsigned l = 0; l < row_lanes; ++l) u[l] = t[l] + t[l ^ m];
+      std::copy_n(u, row_lanes, t);
+    }
+    v[k] = t[lane % row_lanes];
+  }
+  w.bar.arrive_and_wait();
+}
 constexpr unsigned ttt_inner_threads = 1, ttt_backward_threads = 1;
 // The CTA's dynamic shared memory: its own buffer of exactly the launch's size (ASan sees a
 // carve past it), shared by the CTA's threads.
@@ -66,8 +101,9 @@ template <class F> void launch(std::size_t grid, F f) {
   g_bar = &bar;
   for (std::size_t b = 0; b < grid; ++b) { blockIdx.x = static_cast<unsigned>(b); f(); }
 }
-// One CTA of nt threads at a time (a kept team, cta_threads.hpp), __syncthreads a barrier (cta_threads.hpp) (races show under TSan).
-unsigned g_nt = 7;
+// One CTA of nt threads (whole warps) at a time (a kept team, cta_threads.hpp), __syncthreads a
+// barrier (races show under TSan).
+unsigned g_nt = 32;
 template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f) {
   const unsigned nt = g_nt;
   blockDim.x = nt;
@@ -76,6 +112,8 @@ template <class F> void launch_cta(std::size_t grid, std::size_t smem_bytes, F f
     g_smem = smem_bytes ? sm.get() : nullptr;
     emu_support::barrier bar(nt);
     g_bar = &bar;
+    std::vector<warp_state> warps(nt / 32);
+    g_warps = warps.data();
     emu_support::cta_team(nt).run([&](unsigned t) {
       threadIdx.x = t;
       blockIdx.x = static_cast<unsigned>(b);
@@ -105,13 +143,55 @@ void check(const char* what, const std::vector<float>& got, const std::vector<fl
   else if (e > tol / 10) std::printf("  %s: %.3g\n", what, e);
 }
 
-struct Out { std::vector<float> y, dx; std::vector<std::vector<float>> g; };
+struct Out { std::vector<float> y, dx, dec; std::vector<std::vector<float>> g; };
+struct Ref { std::vector<double> y, dx; std::vector<std::vector<double>> g; };
+double rel64(const std::vector<float>& a, const std::vector<double>& b) {
+  double d = 0, sc = 1e-2; for (size_t i = 0; i < a.size(); ++i) { d = std::max(d, std::fabs(a[i]-b[i])); sc = std::max(sc, std::fabs(b[i])); }
+  return d / sc;
+}
+double g_worst64 = 0;
+void check64(const char* what, const std::vector<float>& got, const std::vector<double>& want, double tol) {
+  const double e = rel64(got, want);
+  g_worst64 = std::max(g_worst64, e);
+  if (!(e <= tol)) { std::printf("  FAIL %s against float64: %.3g\n", what, e); ++fails; }
+}
+
+// The CPU layer in float64 on the same inputs: y, dx and every gradient (from zero).
+template <bool Mlp, size_t MB, size_t G>
+Ref reference64(const mb::ttt_shape& s, const std::vector<const std::vector<float>*>& wl,
+                const std::vector<float>& x, const std::vector<float>& dy) {
+  using L = mb::basic_ttt<Mlp, mb::fp64_precision, mb::ttt_mini_batch<MB>, mb::ttt_state_groups<G>>;
+  std::vector<std::vector<double>> w, g;
+  for (const auto* v : wl) { w.emplace_back(v->begin(), v->end()); g.emplace_back(v->size(), 0.0); }
+  typename L::weights lw{w[0].data(), w[1].data(), w[2].data(), w[3].data(), w[4].data(), w[5].data(), w[6].data(),
+      w[7].data(), w[8].data(), w[9].data(), w[10].data(), w[11].data(), w[12].data(), w[13].data()};
+  typename L::gradients lg{g[0].data(), g[1].data(), g[2].data(), g[3].data(), g[4].data(), g[5].data(), g[6].data(),
+      g[7].data(), g[8].data(), g[9].data(), g[10].data(), g[11].data(), g[12].data(), g[13].data()};
+  if (Mlp) { lw.w2 = w[14].data(); lw.b2 = w[15].data(); lg.w2 = g[14].data(); lg.b2 = g[15].data(); }
+  mb::thread_pool pool(1);
+  const size_t sb = L::saved_bytes(s), wsb = std::max(L::forward_workspace_bytes(s, 1), L::backward_workspace_bytes(s, 1));
+  std::vector<double> saved(sb / 8 + 64), ws(wsb / 8 + 64);
+  auto al = [](std::vector<double>& v) { void* p = v.data(); size_t sp = v.size() * 8; return std::align(256, 1, p, sp); };
+  void* svp = al(saved); void* wsp = al(ws);
+  const std::vector<double> xd(x.begin(), x.end()), dyd(dy.begin(), dy.end());
+  Ref r{std::vector<double>(x.size()), std::vector<double>(x.size()), {}};
+  L::forward(s, lw, xd.data(), r.y.data(), svp, sb, wsp, wsb, pool);
+  L::backward(s, lw, xd.data(), svp, sb, dyd.data(), r.dx.data(), lg, wsp, wsb, pool);
+  r.g = std::move(g);
+  return r;
+}
+// Bit for bit (the decoded outputs where both runs decoded).
+bool same(const Out& p, const Out& q) {
+  return p.y == q.y && p.dx == q.dx && p.g == q.g && (p.dec.empty() || q.dec.empty() || p.dec == q.dec);
+}
 
 // level: how much of the inner loop's working set the launch puts on chip, as a device limit
 // would: 0 nothing, 1 the rows, 2 the rows and the running state, 3 everything (as much as fits),
 // 4 the running state alone.
+// decode: also the decoding step, token by token (on the runs that say so: it is a third of the
+// emulation's time).
 template <bool Mlp, size_t MB, size_t G>
-Out run(const mb::ttt_shape& s, int level = 3) {
+Out run(const mb::ttt_shape& s, int level = 3, bool decode = false) {
   using L = mb::basic_ttt<Mlp, mb::fp32_precision, mb::ttt_mini_batch<MB>, mb::ttt_state_groups<G>>;
   const size_t B = s.batch, T = s.seq, C = s.width, H = s.heads, D = s.head_dim(), F = Mlp ? 4*D : D, N = B*T;
   const size_t SZ = Mlp ? 2*D*F + F + D : D*D + D;
@@ -207,10 +287,51 @@ Out run(const mb::ttt_shape& s, int level = 3) {
   r.dx = dx;
   check("dx", dx, dxc, 1e-5);
   const char* names[16] = {"wq","wk","wv","nw","nb","w1","b1","lr_w","lr_b","tok","post_w","post_b","wg","wo","w2","b2"};
-  for (int i = 0; i < (Mlp ? 16 : 14); ++i) {
-    std::vector<float> a = r.g[i], b = gc[i];
-    for (size_t e = 0; e < a.size(); ++e) { a[e] -= g0[i][e]; b[e] -= g0[i][e]; }
-    check(names[i], a, b, 1e-5);
+  // The gradients (and y, dx again) against the layer in float64. Some are sums over every token
+  // with cancellation (lr_b: 2.2e-5 between the fp32 CPU layer and float64), so the emulation's
+  // sums, in another order than the CPU's, are held to 5e-5 against the exact values instead of
+  // 1e-5 against the fp32 CPU layer's roundings (measured: 4.7e-6 at worst).
+  {
+    const Ref ref = reference64<Mlp, MB, G>(s, std::vector<const std::vector<float>*>(wl.begin(), wl.end()), x, dy);
+    const double tol = 5e-5;
+    check64("y", y, ref.y, tol);
+    check64("dx", dx, ref.dx, tol);
+    for (int i = 0; i < (Mlp ? 16 : 14); ++i) {
+      std::vector<float> a = r.g[i];
+      for (size_t e = 0; e < a.size(); ++e) a[e] -= g0[i][e];
+      check64(names[i], a, ref.g[i], tol);
+    }
+  }
+  // Emulated decoding (the step launcher's sequence), token by token from the reset state, against
+  // the CPU layer's step on the same tokens.
+  if (decode) {
+    std::vector<float> cst(L::state_bytes(s) / 4 + 1), cws(L::step_workspace_bytes(s) / 4 + 64);
+    void* cwp = al(cws);
+    auto st = L::make_state(s, lw, cst.data(), L::state_bytes(s));
+    std::vector<float> state(B*H*2*SZ), sscr(B*H*ttt_step_elements(SZ, D, F, Mlp));
+    launch(B*H, [&]{ ttt_reset_kernel<float>(state.data(), H, D, F, SZ, Mlp, w.w1.data(), w.b1.data(), w.w2.data(), w.b2.data()); });
+    std::vector<float> xt(B*C), yc_t(B*C), qt(B*C), kt(B*C), vt(B*C), lrt(B*H), tokt(MB), ot(B*C), pnt(B*C), yt(B*C), gt(B*C), want;
+    const float scale = float(s.base_lr / double(D));
+    for (size_t t = 0; t < T; ++t) {
+      for (size_t b = 0; b < B; ++b) std::copy_n(x.data() + (b*T + t)*C, C, xt.data() + b*C);
+      L::step(s, lw, st, xt.data(), yc_t.data(), cwp, L::step_workspace_bytes(s), pool);
+      want.insert(want.end(), yc_t.begin(), yc_t.end());
+      const unsigned i = static_cast<unsigned>(t % MB);
+      mm(xt.data(), w.wq.data(), qt.data(), B, C, C, false); mm(xt.data(), w.wk.data(), kt.data(), B, C, C, false);
+      mm(xt.data(), w.wv.data(), vt.data(), B, C, C, false);
+      launch(B*H*(D/2), [&]{ rope_kernel(qt.data(), B, 1, H, D, s.rope_base, MB, i, false, packed_sequences{}); });
+      launch(B*H*(D/2), [&]{ rope_kernel(kt.data(), B, 1, H, D, s.rope_base, MB, i, false, packed_sequences{}); });
+      mm_bt(xt.data(), w.lr_w.data(), lrt.data(), B, C, H, false);
+      launch(std::max(B*H, MB), [&]{ rates_kernel<float>(lrt.data(), w.lr_b.data(), B, H, scale, w.tok.data(), tokt.data(), MB); });
+      const inner_args sa{qt.data(), kt.data(), vt.data(), lrt.data(), tokt.data(), 1, H, D, F, SZ, MB, 1, 1, 1, 1e-6f, 0, {}};
+      launch_cta(B*H, 0, [&]{ ttt_step_kernel<Mlp, float>(sa, i, w.nw.data(), w.nb.data(), state.data(), ot.data(), sscr.data()); });
+      const float* gp = nullptr;
+      if (s.use_gate) { mm(xt.data(), w.wg.data(), gt.data(), B, C, C, false); gp = gt.data(); }
+      launch(B, [&]{ ttt_post_norm_kernel<float>(ot.data(), w.post_w.data(), w.post_b.data(), gp, pnt.data(), C, 1e-6f); });
+      mm(pnt.data(), w.wo.data(), yt.data(), B, C, C, false);
+      r.dec.insert(r.dec.end(), yt.begin(), yt.end());
+    }
+    check("decoding y", r.dec, want, 1e-5);
   }
   return r;
 }
@@ -219,8 +340,7 @@ template <bool Mlp> void kind() {
   constexpr size_t all = size_t(-1);
   mb::ttt_shape s{2, 37, 32, 2};
   std::printf("%s gate 0\n", Mlp ? "mlp" : "linear");
-  auto a = run<Mlp, 16, 1>(s), b = run<Mlp, 16, 2>(s), c = run<Mlp, 16, all>(s);
-  auto same = [](const Out& p, const Out& q) { return p.y == q.y && p.dx == q.dx && p.g == q.g; };
+  auto a = run<Mlp, 16, 1>(s, 3, true), b = run<Mlp, 16, 2>(s), c = run<Mlp, 16, all>(s);
   if (!same(a, b) || !same(a, c)) { std::printf("  FAIL not bit-identical across G\n"); ++fails; }
   // Placement moves bytes only: the global-memory paths give the on-chip one's bits.
   for (int level : {0, 1, 2, 4}) {
@@ -230,10 +350,10 @@ template <bool Mlp> void kind() {
   }
   s.use_gate = true;
   std::printf("%s gate 1\n", Mlp ? "mlp" : "linear");
-  auto d = run<Mlp, 16, 1>(s), e = run<Mlp, 16, all>(s);
+  auto d = run<Mlp, 16, 1>(s, 3, true), e = run<Mlp, 16, all>(s);
   if (!same(d, e)) { std::printf("  FAIL not bit-identical across G (gate)\n"); ++fails; }
   std::printf("%s b=1\n", Mlp ? "mlp" : "linear");
-  run<Mlp, 1, 2>({1, 7, 16, 2});
+  run<Mlp, 1, 2>({1, 7, 16, 2}, 3, true);
   std::printf("%s T<b\n", Mlp ? "mlp" : "linear");
   run<Mlp, 16, 4>({3, 5, 16, 1});
   // Packed sequences of lengths 5, 0, 16, 17, 1, 9 (a partial mini-batch, an empty sequence, one
@@ -247,13 +367,19 @@ template <bool Mlp> void kind() {
   std::printf("%s packed\n", Mlp ? "mlp" : "linear");
   auto pa = run<Mlp, 16, 1>(p), pb = run<Mlp, 16, 2>(p), pc = run<Mlp, 16, 1>(p, 0);
   if (!same(pa, pb) || !same(pa, pc)) { std::printf("  FAIL packed: not bit-identical across G or placement\n"); ++fails; }
+  // The CTA's size changes no bits: two warps against one (the gate and the decoding step included).
+  std::printf("%s 64 threads\n", Mlp ? "mlp" : "linear");
+  g_nt = 64;
+  const Out d64 = run<Mlp, 16, 1>(s, 3, true);
+  g_nt = 32;
+  if (!same(d, d64)) { std::printf("  FAIL 64 threads changed bits\n"); ++fails; }
 }
 
-int main(int argc, char** argv) {
-  if (argc > 1) g_nt = static_cast<unsigned>(std::atoi(argv[1]));
-  std::printf("threads per CTA: %u\n", g_nt);
+int main() {
+  std::printf("threads per CTA: %u (and 64 where it says)\n", g_nt);
   kind<false>();
   kind<true>();
+  std::printf("worst against float64: %.3g\n", g_worst64);
   std::printf("%s (%d failures)\n", fails ? "FAILED" : "all passed", fails);
   return fails ? 1 : 0;
 }

@@ -87,6 +87,8 @@ inline constexpr unsigned ttt_inner_threads = 256;
 // The backward's inner kernel: fewer threads leave ptxas registers for its many live buffer
 // pointers (at 256 the TTT-MLP kernel spilled).
 inline constexpr unsigned ttt_backward_threads = 128;
+static_assert(ttt_inner_threads % 32 == 0 && ttt_backward_threads % 32 == 0,
+              "the TTT kernels' row phases run one row per warp (ttt_kernels.inl): whole warps only");
 
 }  // namespace gpu
 
@@ -309,6 +311,21 @@ using detail::st;
 __device__ inline float* ttt_smem() {
   extern __shared__ float4 ttt_smem_f4[];
   return reinterpret_cast<float*>(ttt_smem_f4);
+}
+
+// A row phase's lane group (ttt_kernels.inl, "Rows on lane groups"): 8 lanes a row, 4 rows a warp.
+inline constexpr unsigned row_lanes = 8, rows_per_warp = 32 / row_lanes;
+// Σ over the calling lane's group of row_lanes lanes, of each of v's N values: a butterfly (lanes
+// l and l ^ m add the same two numbers at each step, and a + b == b + a), so every lane of the
+// group gets the same bits. Outside ttt_kernels.inl: the host emulation replays this butterfly in
+// one rendezvous of the warp's threads instead of one per shuffle.
+template <unsigned N>
+__device__ inline void row_sums(float (&v)[N]) {
+#pragma unroll
+  for (unsigned m = row_lanes / 2; m >= 1; m /= 2) {
+#pragma unroll
+    for (unsigned k = 0; k < N; ++k) v[k] += detail::lane_xor(v[k], m);
+  }
 }
 
 #include "membound/backend/cuda/ttt_kernels.inl"

@@ -77,53 +77,98 @@ __device__ inline inner_row inner_row_of(const packed_sequences& pk, std::size_t
   return {begin, len, batches(len), h * ncp + first, states(batches(len))};
 }
 
-// Two-pass LayerNorm of one row (mean, then biased variance), as cpu::ln_row; returns σ.
-__device__ inline float ln_row(const float* z, std::size_t D, float eps, float* xh) {
-  float mu = 0.0f;
-  for (std::size_t j = 0; j < D; ++j) mu += z[j];
-  mu /= static_cast<float>(D);
-  float var = 0.0f;
-  for (std::size_t j = 0; j < D; ++j) var += (z[j] - mu) * (z[j] - mu);
-  var /= static_cast<float>(D);
-  const float sigma = ::sqrtf(var + eps);
-  if (xh != nullptr)
-    for (std::size_t j = 0; j < D; ++j) xh[j] = (z[j] - mu) / sigma;
+// ---- Rows on lane groups --------------------------------------------------------------------
+// A per-row phase (the inner norms and their backward) runs each row on a group of row_lanes
+// lanes: warp w's groups take rows 4w .. 4w + 3, then 4(w + warps) .., and lane l of a group the
+// columns l, l + 8, ...; a row's sums are each lane's partial in column order, then row_sums'
+// butterfly over the group, so its lanes hold the same bits, and the bits do not depend on the
+// CTA's size (the forward's 256 threads and the backward's 128 recompute the same states). Every
+// lane of a warp takes every step of the loop (the shuffles need the whole warp): a group past the
+// last row (not `live`) reads and writes nothing and sums zeros. blockDim.x is a multiple of 32
+// (ttt.cuh asserts it).
+struct row_slot {
+  unsigned lane, group, first, step;  // lane in the group, group in the warp, the loop's start and step
+};
+__device__ inline row_slot row_slot_of() {
+  const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  return {l % row_lanes, l / row_lanes, w * rows_per_warp, blockDim.x / 32 * rows_per_warp};
+}
+
+// Two-pass LayerNorm of one row (mean, then biased variance), as cpu::ln_row, on its lane group;
+// returns σ. x̂ into xh (which may be z: a lane overwrites only its own columns, after its last
+// read).
+__device__ inline float ln_row(const float* z, unsigned D, float eps, float* xh, unsigned lane,
+                               bool live) {
+  float mu[1] = {0.0f};
+  if (live)
+    for (unsigned j = lane; j < D; j += row_lanes) mu[0] += z[j];
+  row_sums(mu);
+  const float mean = mu[0] / static_cast<float>(D);
+  float var[1] = {0.0f};
+  if (live)
+    for (unsigned j = lane; j < D; j += row_lanes) var[0] += (z[j] - mean) * (z[j] - mean);
+  row_sums(var);
+  const float sigma = ::sqrtf(var[0] / static_cast<float>(D) + eps);
+  if (xh != nullptr && live)
+    for (unsigned j = lane; j < D; j += row_lanes) xh[j] = (z[j] - mean) / sigma;
   return sigma;
 }
 
-// The backward of x̂ = LN(z) given dL/dx̂ and an explicit dL/dσ, as cpu::ln_row_backward.
+// The backward of x̂ = LN(z) given dL/dx̂ and an explicit dL/dσ, as cpu::ln_row_backward, on the
+// row's lane group (a lane reads dxhat at its own columns only: dz may alias it).
 __device__ inline void ln_row_backward(const float* xhat, float sigma, const float* dxhat,
-                                       float dsigma, unsigned D, float* dz) {
-  float m1 = 0.0f, m2 = 0.0f;
-  for (unsigned j = 0; j < D; ++j) {
-    m1 += dxhat[j];
-    m2 += dxhat[j] * xhat[j];
-  }
-  m1 /= static_cast<float>(D);
-  m2 /= static_cast<float>(D);
-  for (unsigned j = 0; j < D; ++j)
-    dz[j] = (dxhat[j] - m1 - xhat[j] * m2) / sigma + dsigma * xhat[j] / static_cast<float>(D);
+                                       float dsigma, unsigned D, float* dz, unsigned lane,
+                                       bool live) {
+  float m[2] = {0.0f, 0.0f};
+  if (live)
+    for (unsigned j = lane; j < D; j += row_lanes) {
+      m[0] += dxhat[j];
+      m[1] += dxhat[j] * xhat[j];
+    }
+  row_sums(m);
+  const float m1 = m[0] / static_cast<float>(D), m2 = m[1] / static_cast<float>(D);
+  if (live)
+    for (unsigned j = lane; j < D; j += row_lanes)
+      dz[j] = (dxhat[j] - m1 - xhat[j] * m2) / sigma + dsigma * xhat[j] / static_cast<float>(D);
 }
 
-// G = ∇_z ½‖γ x̂ + β − (v − k)‖² with x̂ = LN(z), for one row (one thread), as a row of
+// G = ∇_z ½‖γ x̂ + β − (v − k)‖² with x̂ = LN(z), for one row on its lane group, as a row of
 // cpu::ttt_ln_l2: writes x̂ and G, returns σ. The inner loop and the decoding step share it.
 template <typename S>
 __device__ inline float ln_l2_grad_row(const float* z, const float* k, const float* v,
                                        const S* gamma, const S* beta, unsigned D, float eps,
-                                       float* xh, float* g) {
-  const float sg = ln_row(z, D, eps, xh);
-  float s1 = 0.0f, s2 = 0.0f;
-  for (unsigned j = 0; j < D; ++j) {
-    const float gam = ld(gamma, j);
-    const float r = gam * xh[j] + ld(beta, j) - (v[j] - k[j]);
-    g[j] = r * gam;
-    s1 += g[j];
-    s2 += g[j] * xh[j];
+                                       float* xh, float* g, unsigned lane, bool live) {
+  const float sg = ln_row(z, D, eps, xh, lane, live);
+  float s[2] = {0.0f, 0.0f};
+  if (live) {
+    for (unsigned j = lane; j < D; j += row_lanes) {
+      const float gam = ld(gamma, j);
+      const float r = gam * xh[j] + ld(beta, j) - (v[j] - k[j]);
+      g[j] = r * gam;
+      s[0] += g[j];
+      s[1] += g[j] * xh[j];
+    }
   }
-  s1 /= static_cast<float>(D);
-  s2 /= static_cast<float>(D);
-  for (unsigned j = 0; j < D; ++j) g[j] = (g[j] - s1 - xh[j] * s2) / sg;
+  row_sums(s);
+  const float s1 = s[0] / static_cast<float>(D), s2 = s[1] / static_cast<float>(D);
+  if (live)
+    for (unsigned j = lane; j < D; j += row_lanes) g[j] = (g[j] - s1 - xh[j] * s2) / sg;
   return sg;
+}
+
+// ---- Sums that read across rows -------------------------------------------------------------
+// A product phase hands consecutive outputs to consecutive threads. Where those outputs differ in
+// a row of a row-major operand in shared memory (A·Bᵀ, a row of B per output), the lanes of a warp
+// would read one column of rows n floats apart: the same bank whenever 32 divides n, a 32-way
+// conflict. Each output instead starts its sum at column r = (its row) mod n and wraps around, so
+// the lanes read 32 different banks. One thread still makes each sum, in a fixed order: the bits
+// do not depend on the CTA's size, and the forward and the backward's recomputation agree.
+template <typename F>
+__device__ inline float rotated_sum(unsigned n, unsigned r, F term) {
+  float acc = 0.0f;
+  for (unsigned o = r; o < n; ++o) acc += term(o);
+  for (unsigned o = 0; o < r; ++o) acc += term(o);
+  return acc;
 }
 
 // One mini-batch of one (batch, head), as the CTA that owns it sees it. Forward and backward run
@@ -236,16 +281,21 @@ __device__ __noinline__ void mb_gradients(const mb_ctx& m, const float* W, const
     }
   }
   __syncthreads();
-  // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one thread per row (as ttt_ln_l2).
-  for (unsigned i = tid; i < K; i += nt)
-    b.sig2[i] = ln_l2_grad_row(b.z2 + i * D, k + i * C, v + i * C, norm_w + h * D,
-                               norm_b + h * D, D, m.eps, b.xh2 + i * D, b.g2 + i * D);
+  // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one warp per row (as ttt_ln_l2).
+  const row_slot rs = row_slot_of();
+  for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
+    const bool live = i0 + rs.group < K;
+    const unsigned i = live ? i0 + rs.group : i0;
+    const float sg = ln_l2_grad_row(b.z2 + i * D, k + i * C, v + i * C, norm_w + h * D, norm_b + h * D,
+                                    D, m.eps, b.xh2 + i * D, b.g2 + i * D, rs.lane, live);
+    if (live && rs.lane == 0) b.sig2[i] = sg;
+  }
   __syncthreads();
   if constexpr (Mlp) {
     for (unsigned e = tid; e < K * F; e += nt) {
       const unsigned i = e / F, f = e % F;
-      float acc = 0.0f;
-      for (unsigned j = 0; j < D; ++j) acc += b.g2[i * D + j] * W2[f * D + j];
+      const float acc =
+          rotated_sum(D, f % D, [&](unsigned j) { return b.g2[i * D + j] * W2[f * D + j]; });
       b.g1[e] = acc * gelu_tanh_d1(b.z1[e]);
     }
     __syncthreads();
@@ -270,8 +320,8 @@ __device__ void mb_outputs(const mb_ctx& m, const float* W, const mb_fwd& b) {
       b.att1[e] = 0.0f;
       b.p1[e] = 0.0f;
     } else {
-      float acc = 0.0f;
-      for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * k[s * C + c];
+      const float acc =
+          rotated_sum(D, s % D, [&](unsigned c) { return q[i * C + c] * k[s * C + c]; });
       b.att1[e] = acc;
       b.p1[e] = m.tok[i] * m.lrm[s] * (acc + 1.0f);
     }
@@ -295,8 +345,8 @@ __device__ void mb_outputs(const mb_ctx& m, const float* W, const mb_fwd& b) {
         b.att2[e] = 0.0f;
         b.p2[e] = 0.0f;
       } else {
-        float acc = 0.0f;
-        for (unsigned f = 0; f < F; ++f) acc += b.x2b[i * F + f] * b.x2[s * F + f];
+        const float acc = rotated_sum(
+            F, s % F, [&](unsigned f) { return b.x2b[i * F + f] * b.x2[s * F + f]; });
         b.att2[e] = acc;
         b.p2[e] = m.tok[i] * m.lrm[s] * (acc + 1.0f);
       }
@@ -419,17 +469,21 @@ __global__ void __launch_bounds__(ttt_inner_threads)
     const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
     mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
     mb_outputs<Mlp>(mc, W, bf);
-    // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; one thread per row
+    // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; one warp per row
     // (x̂ overwrites Zbar's row: nothing reads it later). No barrier before the update: this
     // phase does not read the state.
-    for (unsigned i = tid; i < K; i += nt) {
+    const row_slot rs = row_slot_of();
+    for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
+      const bool live = i0 + rs.group < K;
+      const unsigned i = live ? i0 + rs.group : i0;
       float* zr = bf.zb + i * D;
-      ln_row(zr, D, a.eps, zr);
+      ln_row(zr, D, a.eps, zr, rs.lane, live);
       const std::size_t r = r0 + i * C;
-      for (unsigned j = 0; j < D; ++j) {
-        const float out = mc.q[i * D + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
-        st(o_s, r + j, out);
-      }
+      if (live)
+        for (unsigned j = rs.lane; j < D; j += row_lanes) {
+          const float out = mc.q[i * D + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
+          st(o_s, r + j, out);
+        }
     }
     mb_update<Mlp>(mc, W, bf);
   }
@@ -452,9 +506,7 @@ __device__ inline void update_backward(const float* x, unsigned ldx, unsigned K,
   }
   for (unsigned e = tid; e < K * nin; e += nt) {  // s2 = G·dW'ᵀ
     const unsigned i = e / nin, a = e % nin;
-    float acc = 0.0f;
-    for (unsigned o = 0; o < nout; ++o) acc += g[i * nout + o] * dWn[a * nout + o];
-    s2[e] = acc;
+    s2[e] = rotated_sum(nout, a % nout, [&](unsigned o) { return g[i * nout + o] * dWn[a * nout + o]; });
   }
   __syncthreads();
   for (unsigned e = tid; e < K * nout; e += nt) {
@@ -466,9 +518,8 @@ __device__ inline void update_backward(const float* x, unsigned ldx, unsigned K,
     dx[i * lddx + a] -= tl * lr[i] * s2[e];
   }
   for (unsigned i = tid; i < K; i += nt) {
-    float d = 0.0f;
-    for (unsigned o = 0; o < nout; ++o) d -= (s1[i * nout + o] + dbn[o]) * g[i * nout + o];
-    de[i] += d;
+    de[i] -= rotated_sum(nout, i % nout,
+                         [&](unsigned o) { return (s1[i * nout + o] + dbn[o]) * g[i * nout + o]; });
   }
   __syncthreads();
 }
@@ -480,9 +531,8 @@ __device__ inline void linear_rows_backward(const float* x, unsigned ldx, unsign
   const unsigned tid = threadIdx.x, nt = blockDim.x;
   for (unsigned e = tid; e < K * nin; e += nt) {
     const unsigned i = e / nin, a = e % nin;
-    float acc = 0.0f;
-    for (unsigned o = 0; o < nout; ++o) acc += dz[i * nout + o] * W[a * nout + o];
-    dx[i * lddx + a] += acc;
+    dx[i * lddx + a] +=
+        rotated_sum(nout, a % nout, [&](unsigned o) { return dz[i * nout + o] * W[a * nout + o]; });
   }
   for (unsigned e = tid; e < nin * nout; e += nt) {
     const unsigned a = e / nout, o = e % nout;
@@ -517,10 +567,9 @@ __device__ inline void dual_rows_backward(const float* x, unsigned ldx, unsigned
   }
   for (unsigned e = tid; e < K * K; e += nt) {
     const unsigned i = e / K, s = e % K;
-    float acc = 0.0f;
-    if (s <= i)
-      for (unsigned o = 0; o < nout; ++o) acc += dzb[i * nout + o] * g[s * nout + o];
-    dp[e] = s <= i ? -acc : 0.0f;
+    dp[e] = s <= i ? -rotated_sum(nout, s % nout,
+                                  [&](unsigned o) { return dzb[i * nout + o] * g[s * nout + o]; })
+                   : 0.0f;
   }
   __syncthreads();
 }
@@ -564,45 +613,50 @@ __device__ inline void att_backward(const float* x, unsigned ldx, const float* y
 }
 
 // The backward of G2 = ∇ ½‖γ x̂ + β − (v − k)‖² (cpu::ttt_ln_l2_backward) given dG2: dZ2
-// (written), the target's gradient into dk (+) and dv (−), dγ, dβ (accumulated). One thread per
-// row, then one per column for dγ, dβ (rows in order, no shared accumulator); rowd [K, 3·D] keeps
-// each row's r and dgx for that second phase.
+// (written), the target's gradient into dk (+) and dv (−), dγ, dβ (accumulated). One lane group
+// per row, then one thread per column for dγ, dβ (rows in order, no shared accumulator); rowd [K, 3·D]
+// keeps each row's r and dgx for that second phase.
 template <typename S>
 __device__ void ln_l2_backward(const mb_ctx& m, const S* norm_w, const S* norm_b, const float* xh,
                                const float* sig, const float* g, const float* dg, float* dz,
                                float* dk, float* dv, float* pgam, float* pbet, float* rowd) {
   const unsigned K = m.K, D = m.D, C = m.C, h = m.h, tid = threadIdx.x, nt = blockDim.x;
   const float invD = 1.0f / static_cast<float>(D);
-  for (unsigned i = tid; i < K; i += nt) {
+  const row_slot rs = row_slot_of();
+  for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
+    const bool live = i0 + rs.group < K;
+    const unsigned i = live ? i0 + rs.group : i0;
     const float* xr = xh + i * D;
     const float* g_r = g + i * D;
     const float* dg_r = dg + i * D;
     float* r = rowd + i * 3 * D;
     float* dgx = r + D;
     float* dxh = r + 2 * D;
-    float cc = 0.0f, m1 = 0.0f, sdx = 0.0f, dsig = 0.0f;
-    for (unsigned j = 0; j < D; ++j) {
-      const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
-      r[j] = gam * xr[j] + bet - (m.v[i * C + j] - m.k[i * C + j]);
-      cc += r[j] * gam * xr[j];
-      m1 += dg_r[j];
-      sdx += dg_r[j] * xr[j];
-      dsig -= dg_r[j] * g_r[j];
-    }
-    cc *= invD;
-    m1 *= invD;
-    dsig /= sig[i];
-    for (unsigned j = 0; j < D; ++j) {
-      const float gam = ld(norm_w, h * D + j);
-      const float gx = r[j] * gam;
-      dgx[j] = (dg_r[j] - m1 - xr[j] * sdx * invD) / sig[i];
-      dxh[j] = -(dg_r[j] * cc) / sig[i] - sdx / sig[i] * gx * invD;
-      const float dr = dgx[j] * gam;
-      dv[i * C + j] -= dr;  // the target is v − k
-      dk[i * C + j] += dr;
-      dxh[j] += dr * gam;
-    }
-    ln_row_backward(xr, sig[i], dxh, dsig, D, dz + i * D);
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the row's cc, m1, sdx, −dσ·σ
+    if (live)
+      for (unsigned j = rs.lane; j < D; j += row_lanes) {
+        const float gam = ld(norm_w, h * D + j), bet = ld(norm_b, h * D + j);
+        r[j] = gam * xr[j] + bet - (m.v[i * C + j] - m.k[i * C + j]);
+        sums[0] += r[j] * gam * xr[j];
+        sums[1] += dg_r[j];
+        sums[2] += dg_r[j] * xr[j];
+        sums[3] += dg_r[j] * g_r[j];
+      }
+    row_sums(sums);
+    const float sg = live ? sig[i] : 1.0f;
+    const float cc = sums[0] * invD, m1 = sums[1] * invD, sdx = sums[2], dsig = -sums[3] / sg;
+    if (live)
+      for (unsigned j = rs.lane; j < D; j += row_lanes) {
+        const float gam = ld(norm_w, h * D + j);
+        const float gx = r[j] * gam;
+        dgx[j] = (dg_r[j] - m1 - xr[j] * sdx * invD) / sg;
+        dxh[j] = -(dg_r[j] * cc) / sg - sdx / sg * gx * invD;
+        const float dr = dgx[j] * gam;
+        dv[i * C + j] -= dr;  // the target is v − k
+        dk[i * C + j] += dr;
+        dxh[j] += dr * gam;
+      }
+    ln_row_backward(xr, sg, dxh, dsig, D, dz + i * D, rs.lane, live);
   }
   __syncthreads();
   for (unsigned j = tid; j < D; j += nt) {
@@ -619,7 +673,7 @@ __device__ void ln_l2_backward(const mb_ctx& m, const S* norm_w, const S* norm_b
 
 // The mini-batch's backward buffers.
 struct mb_bwd {
-  float *xhb, *sigb, *dx2b, *dz1b, *dg1, *dx2, *dz1, *s1, *s2, *dzb, *dg2, *dz2, *dp1, *dp2, *de,
+  float *xhb, *dx2b, *dz1b, *dg1, *dx2, *dz1, *s1, *s2, *dzb, *dg2, *dz2, *dp1, *dp2, *de,
       *dl, *rowd;
 };
 // Carves the backward's own rows from p (after the forward's) in ttt_backward_rows' order, then
@@ -630,7 +684,6 @@ __device__ inline void carve_backward(float* p, unsigned D, unsigned F, unsigned
   const unsigned fw = Mlp ? mb * F : 0;
   carver c{p};
   b.xhb = c.take(mb * D);
-  b.sigb = c.take(mb);
   b.dx2b = c.take(fw);
   b.dz1b = c.take(fw);
   b.dg1 = c.take(fw);
@@ -671,17 +724,22 @@ __device__ void mb_backward(const mb_ctx& m, const S* norm_w, const S* norm_b, c
   const float tl = m.tok[K - 1];
   const float* q = m.q;
   const float* k = m.k;
-  // out = XQ + γ ⊙ x̂(Zbar) + β: dZbar per row; the residual XQ's gradient; dk, dv start at 0.
-  for (unsigned i = tid; i < K; i += nt) {
-    b.sigb[i] = ln_row(f.zb + i * D, D, m.eps, b.xhb + i * D);
+  // out = XQ + γ ⊙ x̂(Zbar) + β: dZbar per row, on lane groups; the residual XQ's gradient; dk,
+  // dv start at 0.
+  const row_slot rs = row_slot_of();
+  for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
+    const bool live = i0 + rs.group < K;
+    const unsigned i = live ? i0 + rs.group : i0;
+    const float sg = ln_row(f.zb + i * D, D, m.eps, b.xhb + i * D, rs.lane, live);
     float* dxh = b.rowd + i * 3 * D;
-    for (unsigned j = 0; j < D; ++j) {
-      dxh[j] = d_out[i * C + j] * ld(norm_w, h * D + j);
-      dq[i * C + j] = d_out[i * C + j];
-      dk[i * C + j] = 0.0f;
-      dv[i * C + j] = 0.0f;
-    }
-    ln_row_backward(b.xhb + i * D, b.sigb[i], dxh, 0.0f, D, b.dzb + i * D);
+    if (live)
+      for (unsigned j = rs.lane; j < D; j += row_lanes) {
+        dxh[j] = d_out[i * C + j] * ld(norm_w, h * D + j);
+        dq[i * C + j] = d_out[i * C + j];
+        dk[i * C + j] = 0.0f;
+        dv[i * C + j] = 0.0f;
+      }
+    ln_row_backward(b.xhb + i * D, sg, dxh, 0.0f, D, b.dzb + i * D, rs.lane, live);
   }
   for (unsigned i = tid; i < K; i += nt) {
     b.de[i] = 0.0f;
@@ -720,8 +778,8 @@ __device__ void mb_backward(const mb_ctx& m, const S* norm_w, const S* norm_b, c
     // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ: dZ1 gets the GELU'' term, s2 = dL/dHm.
     for (unsigned e = tid; e < K * F; e += nt) {
       const unsigned i = e / F, fo = e % F;
-      float hm = 0.0f;
-      for (unsigned j = 0; j < D; ++j) hm += f.g2[i * D + j] * W2[fo * D + j];
+      const float hm =
+          rotated_sum(D, fo % D, [&](unsigned j) { return f.g2[i * D + j] * W2[fo * D + j]; });
       b.s1[e] = hm;
       const float z = f.z1[e];
       b.dz1[e] = b.dg1[e] * hm * gelu_tanh_d2(z);
@@ -1108,8 +1166,9 @@ __global__ void __launch_bounds__(ttt_inner_threads)
 
   inner_row_forward<Mlp>(k, W, D, F, z1, x2, z2, tid, nt);
   __syncthreads();
-  if (tid == 0)  // the inner loss's gradient through the LayerNorm (one row)
-    ln_l2_grad_row(z2, k, v, norm_w + h * D, norm_b + h * D, D, a.eps, xh2, g2);
+  if (tid < 32)  // the inner loss's gradient through the LayerNorm: one row, warp 0's first group
+    ln_l2_grad_row(z2, k, v, norm_w + h * D, norm_b + h * D, D, a.eps, xh2, g2, tid % row_lanes,
+                   tid < row_lanes);
   __syncthreads();
   if constexpr (Mlp) {
     for (unsigned f = tid; f < F; f += nt) {
@@ -1138,10 +1197,11 @@ __global__ void __launch_bounds__(ttt_inner_threads)
   __syncthreads();
   inner_row_forward<Mlp>(q, We, D, F, z1b, x2b, zb, tid, nt);
   __syncthreads();
-  if (tid == 0) {
-    ln_row(zb, D, a.eps, zb);
-    for (unsigned j = 0; j < D; ++j)
-      st(o_s, r0 + j, q[j] + ld(norm_w, h * D + j) * zb[j] + ld(norm_b, h * D + j));
+  if (tid < 32) {
+    ln_row(zb, D, a.eps, zb, tid % row_lanes, tid < row_lanes);
+    if (tid < row_lanes)
+      for (unsigned j = tid; j < D; j += row_lanes)
+        st(o_s, r0 + j, q[j] + ld(norm_w, h * D + j) * zb[j] + ld(norm_b, h * D + j));
   }
   if (i_pos + 1 == a.mb) {  // the mini-batch ends: its last effective state starts the next
     for (unsigned e = tid; e < SZ; e += nt) {

@@ -32,13 +32,13 @@ constexpr std::size_t ttt_forward_rows(std::size_t D, std::size_t F, std::size_t
   const std::size_t f = mlp ? mb * F : 0, a2 = mlp ? mb * mb : 0;
   return 5 * f + 4 * mb * D + 2 * mb * mb + 2 * a2 + 2 * mb + 3 * mb * D;
 }
-// The backward's rows: the forward's, then (ttt_detail::carve_backward) xhb [mb, D], sigb [mb];
+// The backward's rows: the forward's, then (ttt_detail::carve_backward) xhb [mb, D];
 // dx2b, dz1b, dg1, dx2, dz1 [mb, F] (MLP); s1, s2 [mb, F]; dzb, dg2, dz2 [mb, D]; dp1 [mb, mb],
 // dp2 [mb, mb] (MLP); de, dl [mb]; rowd [mb, 3·D]; the staged d_out, dq, dk, dv [mb, D].
 constexpr std::size_t ttt_backward_rows(std::size_t D, std::size_t F, std::size_t mb,
                                         bool mlp) noexcept {
   const std::size_t f = mlp ? mb * F : 0, a2 = mlp ? mb * mb : 0;
-  return ttt_forward_rows(D, F, mb, mlp) + mb * D + mb + 5 * f + 2 * mb * F + 3 * mb * D +
+  return ttt_forward_rows(D, F, mb, mlp) + mb * D + 5 * f + 2 * mb * F + 3 * mb * D +
          mb * mb + a2 + 2 * mb + 3 * mb * D + 4 * mb * D;
 }
 // One (batch, head)'s slice of the forward's global scratch: the running state, then the rows.
