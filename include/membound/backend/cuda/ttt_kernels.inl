@@ -246,10 +246,12 @@ __device__ inline void unstage_rows(const float* src, std::size_t C, unsigned K,
 // The inner gradients at state W: Z (Z1, X2 = GELU(Z1) for the MLP), G2 through the LayerNorm,
 // and G1 = (G2·W2ᵀ) ⊙ GELU'(Z1) for the MLP.
 // Not inlined, as mb_update: one body of machine code serves the forward and the backward's
-// recomputation, so no caller's context can change how its sums are contracted or ordered.
+// recomputation, so no caller's context can change how its sums are contracted or ordered. The
+// structs come by value, in registers: by reference the callers kept them in a stack frame (176
+// bytes in the forward, 240 in the backward, read from local memory in every phase).
 template <bool Mlp, typename S>
-__device__ __noinline__ void mb_gradients(const mb_ctx& m, const float* W, const mb_fwd& b, const S* norm_w,
-                             const S* norm_b) {
+__device__ __noinline__ void mb_gradients(mb_ctx m, const float* W, mb_fwd b, const S* norm_w,
+                                          const S* norm_b) {
   const unsigned K = m.K, D = m.D, F = m.F, C = m.C, h = m.h, tid = threadIdx.x, nt = blockDim.x;
   const float* W1 = W;
   const float* B1 = W + D * F;
@@ -379,7 +381,7 @@ __device__ void mb_outputs(const mb_ctx& m, const float* W, const mb_fwd& b) {
 // TTT-Linear); for the MLP also W2 −= X2ᵀ·diag(e)·G2, b2 −= Σ e_s G2_s. In place: it starts
 // without a barrier (callers put it after the last phase that reads W) and ends with one.
 template <bool Mlp>
-__device__ __noinline__ void mb_update(const mb_ctx& m, float* W, const mb_fwd& b) {
+__device__ __noinline__ void mb_update(mb_ctx m, float* W, mb_fwd b) {
   const unsigned K = m.K, D = m.D, F = m.F, C = m.C, tid = threadIdx.x, nt = blockDim.x;
   float* W1 = W;
   float* B1 = W + D * F;
@@ -416,9 +418,10 @@ __device__ __noinline__ void mb_update(const mb_ctx& m, float* W, const mb_fwd& 
 }
 
 // The inner loop of one (batch row or packed sequence, head) per CTA. Its rows and state live in shared memory or in
-// this CTA's slice of global scratch ([state | rows]) as a.place says.
+// this CTA's slice of global scratch ([state | rows]) as a.place says. Two CTAs an SM: ptxas may
+// take 128 registers (at its own 80, TTT-MLP's call of mb_gradients spilled 4 bytes).
 template <bool Mlp, typename S>
-__global__ void __launch_bounds__(ttt_inner_threads)
+__global__ void __launch_bounds__(ttt_inner_threads, 2)
     ttt_forward_kernel(inner_args a, const S* norm_w, const S* norm_b, const S* w1, const S* b1,
                        const S* w2, const S* b2, S* o_s, float* ckpt, float* scratch) {
   // 32-bit indices inside a mini-batch (K·F, D·F < 2^32 for any head the launcher accepts;
