@@ -178,6 +178,11 @@ void against_cpu(double tolerance, double loss_tolerance, const mb::gpu::kernel_
   std::vector<double> exact;
   if constexpr (fp32) {
     const cpu_model<mb::fp64_precision> cm64(config());
+    CHECK(cm64.parameters().size() == cm.parameters().size());
+    for (std::size_t k = 0; k < cm.parameters().size(); ++k) {
+      CHECK(cm64.parameters()[k].name == cm.parameters()[k].name);
+      CHECK(cm64.parameters()[k].count == cm.parameters()[k].count);
+    }
     std::vector<double> w64(cm64.parameter_elements(), 0.0);
     for (std::size_t k = 0; k < cm.parameters().size(); ++k)
       std::copy_n(w.begin() + static_cast<std::ptrdiff_t>(cm.parameters()[k].offset), cm.parameters()[k].count,

@@ -67,6 +67,7 @@ template <class T, unsigned N> struct block_allreduce {
 constexpr unsigned row_lanes = 8, rows_per_warp = 32 / row_lanes;
 template <unsigned N>
 inline void row_sums(float (&v)[N]) {
+  static_assert(N <= 4, "warp_state holds 4 values a lane");
   warp_state& w = g_warps[threadIdx.x / 32];
   const unsigned lane = threadIdx.x % 32, base = lane - lane % row_lanes;
   for (unsigned k = 0; k < N; ++k) w.v[k][lane] = v[k];

@@ -88,7 +88,8 @@ inline constexpr unsigned ttt_inner_threads = 256;
 // pointers (at 256 the TTT-MLP kernel spilled).
 inline constexpr unsigned ttt_backward_threads = 128;
 static_assert(ttt_inner_threads % 32 == 0 && ttt_backward_threads % 32 == 0,
-              "the TTT kernels' row phases run one row per warp (ttt_kernels.inl): whole warps only");
+              "the TTT kernels' row phases run on lane groups with full-warp shuffles "
+              "(ttt_kernels.inl): whole warps only");
 
 }  // namespace gpu
 

@@ -239,9 +239,10 @@ __device__ inline void unstage_rows(const float* src, std::size_t C, unsigned K,
   for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[(e / D) * C + e % D] = src[e];
 }
 
-// Each phase below is a strided loop over its outputs, every output summed by one thread in index
-// order, phases separated by __syncthreads (every thread reaches every one: the loop bounds are
-// uniform across the CTA). A function ends with a barrier unless it says otherwise.
+// Each phase below is a strided loop over its outputs, every output summed by one thread in a
+// fixed order (index order, or rotated_sum's), or a row phase on lane groups (its loop uniform
+// within each warp); phases are separated by __syncthreads, which every thread reaches. A
+// function ends with a barrier unless it says otherwise.
 
 // The inner gradients at state W: Z (Z1, X2 = GELU(Z1) for the MLP), G2 through the LayerNorm,
 // and G1 = (G2·W2ᵀ) ⊙ GELU'(Z1) for the MLP.
@@ -283,7 +284,7 @@ __device__ __noinline__ void mb_gradients(mb_ctx m, const float* W, mb_fwd b, co
     }
   }
   __syncthreads();
-  // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, one warp per row (as ttt_ln_l2).
+  // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, a lane group per row (as ttt_ln_l2).
   const row_slot rs = row_slot_of();
   for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
     const bool live = i0 + rs.group < K;
@@ -472,18 +473,18 @@ __global__ void __launch_bounds__(ttt_inner_threads, 2)
     const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
     mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
     mb_outputs<Mlp>(mc, W, bf);
-    // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; one warp per row
-    // (x̂ overwrites Zbar's row: nothing reads it later). No barrier before the update: this
+    // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; a lane group per
+    // row (x̂ overwrites Zbar's row: nothing reads it later). No barrier before the update: this
     // phase does not read the state.
-    const row_slot rs = row_slot_of();
-    for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
-      const bool live = i0 + rs.group < K;
-      const unsigned i = live ? i0 + rs.group : i0;
+    const row_slot slot = row_slot_of();
+    for (unsigned i0 = slot.first; i0 < K; i0 += slot.step) {
+      const bool live = i0 + slot.group < K;
+      const unsigned i = live ? i0 + slot.group : i0;
       float* zr = bf.zb + i * D;
-      ln_row(zr, D, a.eps, zr, rs.lane, live);
+      ln_row(zr, D, a.eps, zr, slot.lane, live);
       const std::size_t r = r0 + i * C;
       if (live)
-        for (unsigned j = rs.lane; j < D; j += row_lanes) {
+        for (unsigned j = slot.lane; j < D; j += row_lanes) {
           const float out = mc.q[i * D + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
           st(o_s, r + j, out);
         }
