@@ -329,6 +329,70 @@ __device__ inline void row_sums(float (&v)[N]) {
   }
 }
 
+// ---- Products on the tensor cores (ttt_kernels.inl, "Products on the tensor cores") ----------
+// d += a·b for one warp's 16×8 tile: a 16×8, b 8×8, in fp32, in the PTX ISA's m16n8k8 fragment
+// layouts (block_product, ttt_kernels.inl). sm_80 and up: three TF32 products (3xTF32): x = hi +
+// lo, each TF32 (cvt.rna), and a·b ≈ a_hi·b_hi into d plus a_lo·b_hi + a_hi·b_lo into ds (small
+// terms kept apart, added once at the tile's end; two chains of dependent mma, not one); the
+// dropped a_lo·b_lo is below 2^-21 of |a|·|b|, so the sums keep fp32's accuracy, not TF32's 2^-11.
+// Below sm_80: the same sums in fp32 on the CUDA cores into d, operands gathered by shuffles.
+__device__ inline void mma_tf32x3(float (&d)[4], float (&ds)[4], const float (&a)[4],
+                                  const float (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  std::uint32_t ah[4], al[4], bh[2], bl[2];
+  const auto split = [](float x, std::uint32_t& hi, std::uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  };
+#pragma unroll
+  for (int r = 0; r < 4; ++r) split(a[r], ah[r], al[r]);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) split(b[r], bh[r], bl[r]);
+  const auto mma = [](float (&c)[4], const std::uint32_t (&x)[4], const std::uint32_t (&y)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(y[0]), "r"(y[1]));
+  };
+  mma(ds, al, bh);
+  mma(ds, ah, bl);
+  mma(d, ah, bh);
+#else
+  (void)ds;
+  // Lane (g, t) = (lane / 4, lane % 4) holds a(g, t), a(g + 8, t), a(g, t + 4), a(g + 8, t + 4),
+  // b(t, g), b(t + 4, g) and sums d at (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (unsigned k = 0; k < 8; ++k) {
+    const bool high = k >= 4;  // uniform: every lane sends the same register
+    const int ra = static_cast<int>(g * 4 + k % 4);
+    const float a0 = __shfl_sync(0xffffffffu, high ? a[2] : a[0], ra);
+    const float a8 = __shfl_sync(0xffffffffu, high ? a[3] : a[1], ra);
+    const float b0 = __shfl_sync(0xffffffffu, high ? b[1] : b[0], static_cast<int>(2 * t * 4 + k % 4));
+    const float b1 = __shfl_sync(0xffffffffu, high ? b[1] : b[0], static_cast<int>((2 * t + 1) * 4 + k % 4));
+    d[0] += a0 * b0;
+    d[1] += a0 * b1;
+    d[2] += a8 * b0;
+    d[3] += a8 * b1;
+  }
+#endif
+}
+// d += Σ over ksteps steps of 8 of the fragments frag(step, a, b) writes: one output tile's whole
+// sum. Outside ttt_kernels.inl: the host emulation gathers a tile's fragments and meets its warp
+// once per tile instead of once per step.
+template <typename Frag>
+__device__ inline void mma_tile(float (&d)[4], unsigned ksteps, Frag frag) {
+  float ds[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (unsigned s = 0; s < ksteps; ++s) {
+    float a[4], b[2];
+    frag(s, a, b);
+    mma_tf32x3(d, ds, a, b);
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) d[r] += ds[r];
+}
+
 #include "membound/backend/cuda/ttt_kernels.inl"
 
 inline unsigned blocks_for(std::size_t n, std::size_t threads) {

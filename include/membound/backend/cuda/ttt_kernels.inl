@@ -171,6 +171,42 @@ __device__ inline float rotated_sum(unsigned n, unsigned r, F term) {
   return acc;
 }
 
+// ---- Products on the tensor cores -----------------------------------------------------------
+// out(i, j, Σ_k a(i, k)·b(k, j)) for i < M, j < N, k < Kd: each product of the inner loop, on
+// the tensor cores (mma_tile, ttt.cuh: fp32-class sums from three TF32 products). Warp w takes
+// the 16×8 output tiles w, w + warps, ... (row tiles outer); a tile's lanes load their fragments
+// through a and b (any layout, transpose or scale: the accessors say it) and out gets each sum
+// once, from the lane that holds it. The tiles pad M to 16, N to 8 and Kd to 8 with zeros, never
+// reading a or b there. A tile's sum has one order whatever the CTA's size or the placement, so
+// the forward and the backward's recomputation agree bit for bit. No barrier: the caller's phase
+// ends with one.
+template <typename A, typename B, typename E>
+__device__ inline void block_product(unsigned M, unsigned N, unsigned Kd, A a, B b, E out) {
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const unsigned tn = (N + 7) / 8, tiles = (M + 15) / 16 * tn, ksteps = (Kd + 7) / 8;
+  for (unsigned tile = threadIdx.x / 32; tile < tiles; tile += blockDim.x / 32) {
+    const unsigned i0 = tile / tn * 16, j0 = tile % tn * 8;
+    const auto av = [&](unsigned i, unsigned k) { return i < M && k < Kd ? a(i, k) : 0.0f; };
+    const auto bv = [&](unsigned k, unsigned j) { return j < N && k < Kd ? b(k, j) : 0.0f; };
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // The PTX ISA's m16n8k8 layouts: lane (g, t) holds a(g, t), a(g + 8, t), a(g, t + 4),
+    // a(g + 8, t + 4), b(t, g), b(t + 4, g) and sums (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+    mma_tile(d, ksteps, [&](unsigned s, float (&fa)[4], float (&fb)[2]) {
+      const unsigned k0 = s * 8;
+      fa[0] = av(i0 + g, k0 + t);
+      fa[1] = av(i0 + g + 8, k0 + t);
+      fa[2] = av(i0 + g, k0 + t + 4);
+      fa[3] = av(i0 + g + 8, k0 + t + 4);
+      fb[0] = bv(k0 + t, j0 + g);
+      fb[1] = bv(k0 + t + 4, j0 + g);
+    });
+    for (unsigned r = 0; r < 4; ++r) {
+      const unsigned i = i0 + g + (r / 2) * 8, j = j0 + 2 * t + r % 2;
+      if (i < M && j < N) out(i, j, d[r]);
+    }
+  }
+}
+
 // One mini-batch of one (batch, head), as the CTA that owns it sees it. Forward and backward run
 // the same device functions below on it, so the states the backward recomputes from a checkpoint
 // are the forward's bits, whatever G is.
@@ -253,7 +289,7 @@ __device__ inline void unstage_rows(const float* src, std::size_t C, unsigned K,
 template <bool Mlp, typename S>
 __device__ __noinline__ void mb_gradients(mb_ctx m, const float* W, mb_fwd b, const S* norm_w,
                                           const S* norm_b) {
-  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, h = m.h, tid = threadIdx.x, nt = blockDim.x;
+  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, h = m.h;
   const float* W1 = W;
   const float* B1 = W + D * F;
   const float* W2 = B1 + F;
@@ -261,27 +297,24 @@ __device__ __noinline__ void mb_gradients(mb_ctx m, const float* W, mb_fwd b, co
   const float* k = m.k;
   const float* v = m.v;
   if constexpr (Mlp) {
-    for (unsigned e = tid; e < K * F; e += nt) {
-      const unsigned i = e / F, f = e % F;
-      float acc = 0.0f;
-      for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * F + f];
-      b.z1[e] = acc + B1[f];
-      b.x2[e] = gelu_tanh_f(b.z1[e]);
-    }
+    block_product(
+        K, F, D, [&](unsigned i, unsigned c) { return k[i * C + c]; },
+        [&](unsigned c, unsigned f) { return W1[c * F + f]; },
+        [&](unsigned i, unsigned f, float acc) {
+          const float z = acc + B1[f];
+          b.z1[i * F + f] = z;
+          b.x2[i * F + f] = gelu_tanh_f(z);
+        });
     __syncthreads();
-    for (unsigned e = tid; e < K * D; e += nt) {
-      const unsigned i = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned f = 0; f < F; ++f) acc += b.x2[i * F + f] * W2[f * D + j];
-      b.z2[e] = acc + B2[j];
-    }
+    block_product(
+        K, D, F, [&](unsigned i, unsigned f) { return b.x2[i * F + f]; },
+        [&](unsigned f, unsigned j) { return W2[f * D + j]; },
+        [&](unsigned i, unsigned j, float acc) { b.z2[i * D + j] = acc + B2[j]; });
   } else {
-    for (unsigned e = tid; e < K * D; e += nt) {
-      const unsigned i = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned c = 0; c < D; ++c) acc += k[i * C + c] * W1[c * D + j];
-      b.z2[e] = acc + B1[j];
-    }
+    block_product(
+        K, D, D, [&](unsigned i, unsigned c) { return k[i * C + c]; },
+        [&](unsigned c, unsigned j) { return W1[c * D + j]; },
+        [&](unsigned i, unsigned j, float acc) { b.z2[i * D + j] = acc + B1[j]; });
   }
   __syncthreads();
   // G2 = ∇ ½‖γ x̂ + β − (v − k)‖² through the LayerNorm, a lane group per row (as ttt_ln_l2).
@@ -295,12 +328,10 @@ __device__ __noinline__ void mb_gradients(mb_ctx m, const float* W, mb_fwd b, co
   }
   __syncthreads();
   if constexpr (Mlp) {
-    for (unsigned e = tid; e < K * F; e += nt) {
-      const unsigned i = e / F, f = e % F;
-      const float acc =
-          rotated_sum(D, f % D, [&](unsigned j) { return b.g2[i * D + j] * W2[f * D + j]; });
-      b.g1[e] = acc * gelu_tanh_d1(b.z1[e]);
-    }
+    block_product(
+        K, F, D, [&](unsigned i, unsigned j) { return b.g2[i * D + j]; },
+        [&](unsigned j, unsigned f) { return W2[f * D + j]; },
+        [&](unsigned i, unsigned f, float acc) { b.g1[i * F + f] = acc * gelu_tanh_d1(b.z1[i * F + f]); });
     __syncthreads();
   }
 }
@@ -310,70 +341,48 @@ __device__ __noinline__ void mb_gradients(mb_ctx m, const float* W, mb_fwd b, co
 // X2bar = GELU(Zbar1), P2 from tril(X2bar·X2ᵀ), Zbar = X2bar·W2 + b2 − P2·G2.
 template <bool Mlp>
 __device__ void mb_outputs(const mb_ctx& m, const float* W, const mb_fwd& b) {
-  const unsigned K = m.K, D = m.D, F = m.F, C = m.C, tid = threadIdx.x, nt = blockDim.x;
+  const unsigned K = m.K, D = m.D, F = m.F, C = m.C;
   const float* W1 = W;
   const float* B1 = W + D * F;
   const float* W2 = B1 + F;
   const float* B2 = W2 + F * D;
   const float* q = m.q;
   const float* k = m.k;
-  for (unsigned e = tid; e < K * K; e += nt) {
-    const unsigned i = e / K, s = e % K;
-    if (s > i) {
-      b.att1[e] = 0.0f;
-      b.p1[e] = 0.0f;
-    } else {
-      const float acc =
-          rotated_sum(D, s % D, [&](unsigned c) { return q[i * C + c] * k[s * C + c]; });
-      b.att1[e] = acc;
-      b.p1[e] = m.tok[i] * m.lrm[s] * (acc + 1.0f);
-    }
-  }
+  // att = tril(X·Yᵀ) (zero above the diagonal) and P = η ⊙ (att + 1) there.
+  const auto att_out = [&](float* att, float* p) {
+    return [=, &m](unsigned i, unsigned s, float acc) {
+      att[i * K + s] = s > i ? 0.0f : acc;
+      p[i * K + s] = s > i ? 0.0f : m.tok[i] * m.lrm[s] * (acc + 1.0f);
+    };
+  };
+  block_product(
+      K, K, D, [&](unsigned i, unsigned c) { return q[i * C + c]; },
+      [&](unsigned c, unsigned s) { return k[s * C + c]; }, att_out(b.att1, b.p1));
   __syncthreads();
+  // X·W + b − P·G as one product over [X | P]·[W; −G] (k < nin: X·W, then P·G).
+  const auto dual = [&](unsigned nin, unsigned nout, const float* x, unsigned ldx, const float* w,
+                        const float* bias, const float* p, const float* g, auto store) {
+    block_product(
+        K, nout, nin + K,
+        [&](unsigned i, unsigned c) { return c < nin ? x[i * ldx + c] : p[i * K + c - nin]; },
+        [&](unsigned c, unsigned j) { return c < nin ? w[c * nout + j] : -g[(c - nin) * nout + j]; },
+        [&](unsigned i, unsigned j, float acc) { store(i, j, acc + bias[j]); });
+  };
   if constexpr (Mlp) {
-    for (unsigned e = tid; e < K * F; e += nt) {
-      const unsigned i = e / F, f = e % F;
-      float acc = 0.0f;
-      for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * F + f];
-      acc += B1[f];
-      float pg = 0.0f;
-      for (unsigned s = 0; s <= i; ++s) pg += b.p1[i * K + s] * b.g1[s * F + f];
-      b.z1b[e] = acc - pg;
-      b.x2b[e] = gelu_tanh_f(b.z1b[e]);
-    }
+    dual(D, F, q, C, W1, B1, b.p1, b.g1, [&](unsigned i, unsigned f, float z) {
+      b.z1b[i * F + f] = z;
+      b.x2b[i * F + f] = gelu_tanh_f(z);
+    });
     __syncthreads();
-    for (unsigned e = tid; e < K * K; e += nt) {
-      const unsigned i = e / K, s = e % K;
-      if (s > i) {
-        b.att2[e] = 0.0f;
-        b.p2[e] = 0.0f;
-      } else {
-        const float acc = rotated_sum(
-            F, s % F, [&](unsigned f) { return b.x2b[i * F + f] * b.x2[s * F + f]; });
-        b.att2[e] = acc;
-        b.p2[e] = m.tok[i] * m.lrm[s] * (acc + 1.0f);
-      }
-    }
+    block_product(
+        K, K, F, [&](unsigned i, unsigned f) { return b.x2b[i * F + f]; },
+        [&](unsigned f, unsigned s) { return b.x2[s * F + f]; }, att_out(b.att2, b.p2));
     __syncthreads();
-    for (unsigned e = tid; e < K * D; e += nt) {
-      const unsigned i = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned f = 0; f < F; ++f) acc += b.x2b[i * F + f] * W2[f * D + j];
-      acc += B2[j];
-      float pg = 0.0f;
-      for (unsigned s = 0; s <= i; ++s) pg += b.p2[i * K + s] * b.g2[s * D + j];
-      b.zb[e] = acc - pg;
-    }
+    dual(F, D, b.x2b, F, W2, B2, b.p2, b.g2,
+         [&](unsigned i, unsigned j, float z) { b.zb[i * D + j] = z; });
   } else {
-    for (unsigned e = tid; e < K * D; e += nt) {
-      const unsigned i = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned c = 0; c < D; ++c) acc += q[i * C + c] * W1[c * D + j];
-      acc += B1[j];
-      float pg = 0.0f;
-      for (unsigned s = 0; s <= i; ++s) pg += b.p1[i * K + s] * b.g2[s * D + j];
-      b.zb[e] = acc - pg;
-    }
+    dual(D, D, q, C, W1, B1, b.p1, b.g2,
+         [&](unsigned i, unsigned j, float z) { b.zb[i * D + j] = z; });
   }
   __syncthreads();
 }
@@ -391,24 +400,20 @@ __device__ __noinline__ void mb_update(mb_ctx m, float* W, mb_fwd b) {
   const float* k = m.k;
   const float tl = m.tok[K - 1];
   const float* ga = Mlp ? b.g1 : b.g2;
-  for (unsigned e = tid; e < D * F; e += nt) {
-    const unsigned c = e / F, f = e % F;
-    float acc = 0.0f;
-    for (unsigned s = 0; s < K; ++s) acc += k[s * C + c] * (tl * m.lrm[s] * ga[s * F + f]);
-    W1[e] -= acc;
-  }
+  block_product(
+      D, F, K, [&](unsigned c, unsigned s) { return k[s * C + c]; },
+      [&](unsigned s, unsigned f) { return tl * m.lrm[s] * ga[s * F + f]; },
+      [&](unsigned c, unsigned f, float acc) { W1[c * F + f] -= acc; });
   for (unsigned f = tid; f < F; f += nt) {
     float acc = B1[f];
     for (unsigned s = 0; s < K; ++s) acc -= tl * m.lrm[s] * ga[s * F + f];
     B1[f] = acc;
   }
   if constexpr (Mlp) {
-    for (unsigned e = tid; e < F * D; e += nt) {
-      const unsigned f = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned s = 0; s < K; ++s) acc += b.x2[s * F + f] * (tl * m.lrm[s] * b.g2[s * D + j]);
-      W2[e] -= acc;
-    }
+    block_product(
+        F, D, K, [&](unsigned f, unsigned s) { return b.x2[s * F + f]; },
+        [&](unsigned s, unsigned j) { return tl * m.lrm[s] * b.g2[s * D + j]; },
+        [&](unsigned f, unsigned j, float acc) { W2[f * D + j] -= acc; });
     for (unsigned j = tid; j < D; j += nt) {
       float acc = B2[j];
       for (unsigned s = 0; s < K; ++s) acc -= tl * m.lrm[s] * b.g2[s * D + j];
@@ -502,16 +507,14 @@ __device__ inline void update_backward(const float* x, unsigned ldx, unsigned K,
                                        const float* dWn, const float* dbn, float* dx,
                                        unsigned lddx, float* dg, float* de, float* s1, float* s2) {
   const unsigned tid = threadIdx.x, nt = blockDim.x;
-  for (unsigned e = tid; e < K * nout; e += nt) {  // s1 = X·dW'
-    const unsigned i = e / nout, o = e % nout;
-    float acc = 0.0f;
-    for (unsigned a = 0; a < nin; ++a) acc += x[i * ldx + a] * dWn[a * nout + o];
-    s1[e] = acc;
-  }
-  for (unsigned e = tid; e < K * nin; e += nt) {  // s2 = G·dW'ᵀ
-    const unsigned i = e / nin, a = e % nin;
-    s2[e] = rotated_sum(nout, a % nout, [&](unsigned o) { return g[i * nout + o] * dWn[a * nout + o]; });
-  }
+  block_product(  // s1 = X·dW'
+      K, nout, nin, [&](unsigned i, unsigned a) { return x[i * ldx + a]; },
+      [&](unsigned a, unsigned o) { return dWn[a * nout + o]; },
+      [&](unsigned i, unsigned o, float acc) { s1[i * nout + o] = acc; });
+  block_product(  // s2 = G·dW'ᵀ
+      K, nin, nout, [&](unsigned i, unsigned o) { return g[i * nout + o]; },
+      [&](unsigned o, unsigned a) { return dWn[a * nout + o]; },
+      [&](unsigned i, unsigned a, float acc) { s2[i * nin + a] = acc; });
   __syncthreads();
   for (unsigned e = tid; e < K * nout; e += nt) {
     const unsigned i = e / nout, o = e % nout;
@@ -533,17 +536,14 @@ __device__ inline void linear_rows_backward(const float* x, unsigned ldx, unsign
                                             unsigned nout, const float* W, const float* dz,
                                             float* dx, unsigned lddx, float* dW, float* db) {
   const unsigned tid = threadIdx.x, nt = blockDim.x;
-  for (unsigned e = tid; e < K * nin; e += nt) {
-    const unsigned i = e / nin, a = e % nin;
-    dx[i * lddx + a] +=
-        rotated_sum(nout, a % nout, [&](unsigned o) { return dz[i * nout + o] * W[a * nout + o]; });
-  }
-  for (unsigned e = tid; e < nin * nout; e += nt) {
-    const unsigned a = e / nout, o = e % nout;
-    float acc = 0.0f;
-    for (unsigned i = 0; i < K; ++i) acc += x[i * ldx + a] * dz[i * nout + o];
-    dW[e] += acc;
-  }
+  block_product(
+      K, nin, nout, [&](unsigned i, unsigned o) { return dz[i * nout + o]; },
+      [&](unsigned o, unsigned a) { return W[a * nout + o]; },
+      [&](unsigned i, unsigned a, float acc) { dx[i * lddx + a] += acc; });
+  block_product(
+      nin, nout, K, [&](unsigned a, unsigned i) { return x[i * ldx + a]; },
+      [&](unsigned i, unsigned o) { return dz[i * nout + o]; },
+      [&](unsigned a, unsigned o, float acc) { dW[a * nout + o] += acc; });
   for (unsigned o = tid; o < nout; o += nt) {
     float acc = 0.0f;
     for (unsigned i = 0; i < K; ++i) acc += dz[i * nout + o];
@@ -562,19 +562,14 @@ __device__ inline void dual_rows_backward(const float* x, unsigned ldx, unsigned
   // The X·W + b part is linear_rows_backward's (its barrier ends it; the P·G part reads none of
   // what it writes).
   linear_rows_backward(x, ldx, K, nin, nout, W, dzb, dx, lddx, dW, db);
-  const unsigned tid = threadIdx.x, nt = blockDim.x;
-  for (unsigned e = tid; e < K * nout; e += nt) {  // P is zero above the diagonal: i ≥ s
-    const unsigned s = e / nout, o = e % nout;
-    float acc = 0.0f;
-    for (unsigned i = s; i < K; ++i) acc += p[i * K + s] * dzb[i * nout + o];
-    dg[e] -= acc;
-  }
-  for (unsigned e = tid; e < K * K; e += nt) {
-    const unsigned i = e / K, s = e % K;
-    dp[e] = s <= i ? -rotated_sum(nout, s % nout,
-                                  [&](unsigned o) { return dzb[i * nout + o] * g[s * nout + o]; })
-                   : 0.0f;
-  }
+  block_product(  // dG −= Pᵀ·dZbar (P is zero above the diagonal)
+      K, nout, K, [&](unsigned s, unsigned i) { return p[i * K + s]; },
+      [&](unsigned i, unsigned o) { return dzb[i * nout + o]; },
+      [&](unsigned s, unsigned o, float acc) { dg[s * nout + o] -= acc; });
+  block_product(  // dP = −dZbar·Gᵀ on the lower triangle
+      K, K, nout, [&](unsigned i, unsigned o) { return dzb[i * nout + o]; },
+      [&](unsigned o, unsigned s) { return g[s * nout + o]; },
+      [&](unsigned i, unsigned s, float acc) { dp[i * K + s] = s <= i ? -acc : 0.0f; });
   __syncthreads();
 }
 
@@ -600,19 +595,14 @@ __device__ inline void p_backward(unsigned K, const float* tok, const float* lr,
 __device__ inline void att_backward(const float* x, unsigned ldx, const float* y, unsigned ldy,
                                     unsigned K, unsigned n, const float* datt, float* dx,
                                     unsigned lddx, float* dy, unsigned lddy) {
-  const unsigned tid = threadIdx.x, nt = blockDim.x;
-  for (unsigned e = tid; e < K * n; e += nt) {
-    const unsigned i = e / n, c = e % n;
-    float acc = 0.0f;
-    for (unsigned s = 0; s <= i; ++s) acc += datt[i * K + s] * y[s * ldy + c];
-    dx[i * lddx + c] += acc;
-  }
-  for (unsigned e = tid; e < K * n; e += nt) {
-    const unsigned s = e / n, c = e % n;
-    float acc = 0.0f;
-    for (unsigned i = s; i < K; ++i) acc += datt[i * K + s] * x[i * ldx + c];
-    dy[s * lddy + c] += acc;
-  }
+  block_product(
+      K, n, K, [&](unsigned i, unsigned s) { return datt[i * K + s]; },
+      [&](unsigned s, unsigned c) { return y[s * ldy + c]; },
+      [&](unsigned i, unsigned c, float acc) { dx[i * lddx + c] += acc; });
+  block_product(
+      K, n, K, [&](unsigned s, unsigned i) { return datt[i * K + s]; },
+      [&](unsigned i, unsigned c) { return x[i * ldx + c]; },
+      [&](unsigned s, unsigned c, float acc) { dy[s * lddy + c] += acc; });
   __syncthreads();
 }
 
@@ -780,28 +770,25 @@ __device__ void mb_backward(const mb_ctx& m, const S* norm_w, const S* norm_b, c
     p_backward(K, m.tok, m.lrm, f.att1, b.dp1, ptok, b.dl);
     att_backward(q, C, k, C, K, D, b.dp1, dq, C, dk, C);
     // G1 = Hm ⊙ GELU'(Z1) with Hm = G2·W2ᵀ: dZ1 gets the GELU'' term, s2 = dL/dHm.
-    for (unsigned e = tid; e < K * F; e += nt) {
-      const unsigned i = e / F, fo = e % F;
-      const float hm =
-          rotated_sum(D, fo % D, [&](unsigned j) { return f.g2[i * D + j] * W2[fo * D + j]; });
-      b.s1[e] = hm;
-      const float z = f.z1[e];
-      b.dz1[e] = b.dg1[e] * hm * gelu_tanh_d2(z);
-      b.s2[e] = b.dg1[e] * gelu_tanh_d1(z);
-    }
+    block_product(
+        K, F, D, [&](unsigned i, unsigned j) { return f.g2[i * D + j]; },
+        [&](unsigned j, unsigned fo) { return W2[fo * D + j]; },
+        [&](unsigned i, unsigned fo, float hm) {
+          const unsigned e = i * F + fo;
+          b.s1[e] = hm;
+          const float z = f.z1[e];
+          b.dz1[e] = b.dg1[e] * hm * gelu_tanh_d2(z);
+          b.s2[e] = b.dg1[e] * gelu_tanh_d1(z);
+        });
     __syncthreads();
-    for (unsigned e = tid; e < K * D; e += nt) {  // dG2 += dHm·W2
-      const unsigned i = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned fo = 0; fo < F; ++fo) acc += b.s2[i * F + fo] * W2[fo * D + j];
-      b.dg2[e] += acc;
-    }
-    for (unsigned e = tid; e < F * D; e += nt) {  // dW2 += dHmᵀ·G2
-      const unsigned fo = e / D, j = e % D;
-      float acc = 0.0f;
-      for (unsigned i = 0; i < K; ++i) acc += b.s2[i * F + fo] * f.g2[i * D + j];
-      dW2[e] += acc;
-    }
+    block_product(  // dG2 += dHm·W2
+        K, D, F, [&](unsigned i, unsigned fo) { return b.s2[i * F + fo]; },
+        [&](unsigned fo, unsigned j) { return W2[fo * D + j]; },
+        [&](unsigned i, unsigned j, float acc) { b.dg2[i * D + j] += acc; });
+    block_product(  // dW2 += dHmᵀ·G2
+        F, D, K, [&](unsigned fo, unsigned i) { return b.s2[i * F + fo]; },
+        [&](unsigned i, unsigned j) { return f.g2[i * D + j]; },
+        [&](unsigned fo, unsigned j, float acc) { dW2[fo * D + j] += acc; });
     __syncthreads();
     // G2 = ∇ of the inner loss at Z2 = X2·W2 + b2, X2 = GELU(Z1), Z1 = XK·W1 + b1.
     ln_l2_backward(m, norm_w, norm_b, f.xh2, f.sig2, f.g2, b.dg2, b.dz2, dk, dv, pgam, pbet,
