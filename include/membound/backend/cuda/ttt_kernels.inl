@@ -257,22 +257,25 @@ __device__ inline float* carve_forward(float* p, unsigned D, unsigned F, unsigne
   f.p2 = c.take(a2);
   f.sig2 = c.take(mb);
   lrm = c.take(mb);
-  r.q = c.take(mb * D);
-  r.k = c.take(mb * D);
-  r.v = c.take(mb * D);
+  r.q = c.take(mb * ttt_row_stride(D));
+  r.k = c.take(mb * ttt_row_stride(D));
+  r.v = c.take(mb * ttt_row_stride(D));
   return c.p;
 }
 
-// K rows of D from src (row stride C, global) into dst (row stride D). No barrier: coalesced
-// loads once per mini-batch instead of strided ones in every product.
+// K rows of D from src (row stride C, global) into dst (row stride ttt_row_stride(D); its pad
+// columns are never read). No barrier: coalesced loads once per mini-batch instead of strided
+// ones in every product.
 __device__ inline void stage_rows(const float* src, std::size_t C, unsigned K, unsigned D,
                                   float* dst) {
-  for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[e] = src[(e / D) * C + e % D];
+  const unsigned ls = static_cast<unsigned>(ttt_row_stride(D));
+  for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[(e / D) * ls + e % D] = src[(e / D) * C + e % D];
 }
-// The reverse: K rows of D from src (stride D) into dst (row stride C). No barrier.
+// The reverse: K rows of D from src (stride ttt_row_stride(D)) into dst (row stride C). No barrier.
 __device__ inline void unstage_rows(const float* src, std::size_t C, unsigned K, unsigned D,
                                     float* dst) {
-  for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[(e / D) * C + e % D] = src[e];
+  const unsigned ls = static_cast<unsigned>(ttt_row_stride(D));
+  for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[(e / D) * C + e % D] = src[(e / D) * ls + e % D];
 }
 
 // Each phase below is a strided loop over its outputs, every output summed by one thread in a
@@ -437,7 +440,7 @@ __global__ void __launch_bounds__(ttt_inner_threads, 2)
   const inner_row row = inner_row_of(a.packing, task / a.H, h, a.T, a.H, a.mb, a.group, a.ncp);
   const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
                  mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
-                 tid = threadIdx.x, nt = blockDim.x;
+                 ls = static_cast<unsigned>(ttt_row_stride(a.D)), tid = threadIdx.x, nt = blockDim.x;
   float* slice = scratch + task * ttt_forward_elements(a.SZ, D, F, mb, Mlp);
   float* sm = ttt_smem();
   float* rows = (a.place & ttt_rows_on_chip) ? sm : slice + a.SZ;
@@ -475,7 +478,7 @@ __global__ void __launch_bounds__(ttt_inner_threads, 2)
     stage_rows(a.k + r0, C, K, D, rs.k);
     stage_rows(a.v + r0, C, K, D, rs.v);
     __syncthreads();
-    const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
+    const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, ls, h, a.eps};
     mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
     mb_outputs<Mlp>(mc, W, bf);
     // out = XQ + γ ⊙ LN(Zbar) + β, rounded to storage straight into `saved`; a lane group per
@@ -490,7 +493,7 @@ __global__ void __launch_bounds__(ttt_inner_threads, 2)
       const std::size_t r = r0 + i * C;
       if (live)
         for (unsigned j = slot.lane; j < D; j += row_lanes) {
-          const float out = mc.q[i * D + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
+          const float out = mc.q[i * mc.C + j] + ld(norm_w, h * D + j) * zr[j] + ld(norm_b, h * D + j);
           st(o_s, r + j, out);
         }
     }
@@ -693,10 +696,11 @@ __device__ inline void carve_backward(float* p, unsigned D, unsigned F, unsigned
   b.de = c.take(mb);
   b.dl = c.take(mb);
   b.rowd = c.take(mb * 3 * D);
-  d_out = c.take(mb * D);
-  dq = c.take(mb * D);
-  dk = c.take(mb * D);
-  dv = c.take(mb * D);
+  const std::size_t staged = mb * ttt_row_stride(D);
+  d_out = c.take(staged);
+  dq = c.take(staged);
+  dk = c.take(staged);
+  dv = c.take(staged);
 }
 
 // One mini-batch backwards (the CPU layer's mb_backward), after mb_gradients and mb_outputs at
@@ -834,7 +838,8 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
   const inner_row row = inner_row_of(a.packing, task / a.H, h, a.T, a.H, a.mb, a.group, a.ncp);
   const unsigned D = static_cast<unsigned>(a.D), F = static_cast<unsigned>(a.F),
                  mb = static_cast<unsigned>(a.mb), C = static_cast<unsigned>(a.H * a.D),
-                 SZ = static_cast<unsigned>(a.SZ), tid = threadIdx.x, nt = blockDim.x;
+                 SZ = static_cast<unsigned>(a.SZ), ls = static_cast<unsigned>(ttt_row_stride(a.D)),
+                 tid = threadIdx.x, nt = blockDim.x;
   // Global slice [group states | running state | rows]; on chip [rows | running state, dS |
   // group states], each part there when a.place says so.
   float* slice = a.scratch + task * ttt_backward_scratch_elements(a.SZ, D, F, mb, a.gsz, Mlp);
@@ -883,7 +888,7 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
       stage_rows(a.k + r0, C, K, D, rs.k);  // the gradients and the update read k and v only
       stage_rows(a.v + r0, C, K, D, rs.v);
       __syncthreads();
-      const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
+      const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, ls, h, a.eps};
       mb_gradients<Mlp>(mc, Wc, bf, norm_w, norm_b);
       mb_update<Mlp>(mc, Wc, bf);
     }
@@ -899,7 +904,7 @@ __global__ void __launch_bounds__(ttt_backward_threads, 1)
       stage_rows(a.v + r0, C, K, D, rs.v);
       stage_rows(a.d_o + r0, C, K, D, d_out);
       __syncthreads();
-      const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, D, h, a.eps};
+      const mb_ctx mc{rs.q, rs.k, rs.v, lrm, a.tok, K, D, F, ls, h, a.eps};
       mb_gradients<Mlp>(mc, W, bf, norm_w, norm_b);
       mb_outputs<Mlp>(mc, W, bf);
       mb_backward<Mlp>(mc, norm_w, norm_b, W, bf, bb, d_out, dqs, dks, dvs, dS, pgam, pbet, ptok);

@@ -11,6 +11,11 @@ constexpr std::size_t ttt_step_elements(std::size_t SZ, std::size_t D, std::size
   return SZ + (mlp ? 5 * F : 0) + 4 * D;
 }
 
+// The row stride of the staged q, k, v (and in the backward d_out, dq, dk, dv) rows: D rounded up
+// to 8, plus 4. The tensor-core products read a fragment's 8 rows at one column; at a stride ≡ 4
+// (mod 8) they fall in 8 different banks, where at D = 64 they fell in one (an 8-way conflict).
+constexpr std::size_t ttt_row_stride(std::size_t D) noexcept { return (D + 7) / 8 * 8 + 4; }
+
 // The inner loop (forward and backward kernels) keeps one (batch, head)'s working set in two
 // parts: its "rows" (the mini-batch's q, k, v rows staged contiguously, [mb, D] each, and every
 // per-mini-batch buffer) and its inner states (the running state [SZ]; in the backward also the
@@ -26,20 +31,21 @@ constexpr std::size_t ttt_step_elements(std::size_t SZ, std::size_t D, std::size
 //
 // The forward's rows in fp32 elements, in carve order (ttt_detail::carve_forward): z1, x2, g1,
 // z1b, x2b [mb, F] (MLP); z2, xh2, g2, zb [mb, D]; att1, p1 [mb, mb]; att2, p2 [mb, mb] (MLP);
-// sig2, lrm [mb]; the staged q, k, v [mb, D].
+// sig2, lrm [mb]; the staged q, k, v [mb, ttt_row_stride(D)].
 constexpr std::size_t ttt_forward_rows(std::size_t D, std::size_t F, std::size_t mb,
                                        bool mlp) noexcept {
   const std::size_t f = mlp ? mb * F : 0, a2 = mlp ? mb * mb : 0;
-  return 5 * f + 4 * mb * D + 2 * mb * mb + 2 * a2 + 2 * mb + 3 * mb * D;
+  return 5 * f + 4 * mb * D + 2 * mb * mb + 2 * a2 + 2 * mb + 3 * mb * ttt_row_stride(D);
 }
 // The backward's rows: the forward's, then (ttt_detail::carve_backward) xhb [mb, D];
 // dx2b, dz1b, dg1, dx2, dz1 [mb, F] (MLP); s1, s2 [mb, F]; dzb, dg2, dz2 [mb, D]; dp1 [mb, mb],
-// dp2 [mb, mb] (MLP); de, dl [mb]; rowd [mb, 3·D]; the staged d_out, dq, dk, dv [mb, D].
+// dp2 [mb, mb] (MLP); de, dl [mb]; rowd [mb, 3·D]; the staged d_out, dq, dk, dv
+// [mb, ttt_row_stride(D)].
 constexpr std::size_t ttt_backward_rows(std::size_t D, std::size_t F, std::size_t mb,
                                         bool mlp) noexcept {
   const std::size_t f = mlp ? mb * F : 0, a2 = mlp ? mb * mb : 0;
   return ttt_forward_rows(D, F, mb, mlp) + mb * D + 5 * f + 2 * mb * F + 3 * mb * D +
-         mb * mb + a2 + 2 * mb + 3 * mb * D + 4 * mb * D;
+         mb * mb + a2 + 2 * mb + 3 * mb * D + 4 * mb * ttt_row_stride(D);
 }
 // One (batch, head)'s slice of the forward's global scratch: the running state, then the rows.
 constexpr std::size_t ttt_forward_elements(std::size_t SZ, std::size_t D, std::size_t F,
