@@ -9,8 +9,9 @@ launchers' exact size, so a kernel that indexes past one shows) and runs the res
 argument set. Each .cpp's header says what it checks and what it cannot; none replaces a GPU run.
 
   ttt        the TTT inner loop, forward, backward and the decoding step, at 32 threads per CTA
-             (one warp): against the CPU layer in fp32, bits across the state group, the inner
-             loop's shared-memory placements and 64 threads (two warps)
+             (one warp), its tensor-core products' mma.sync emulated from the PTX ISA's fragment
+             layouts: against the CPU layer in fp32 and float64 (head_dim 16, 12 and 64), bits
+             across the state group, the inner loop's shared-memory placements and 64 threads
   mamba      the chunk-parallel selective scan, forward and reverse, with the launchers' channels
              per CTA and at most 3: against the CPU layer in fp32 at 13 shapes
   adamw8bit  the 8-bit AdamW step: against adamw8bit::update on the CPU, bit for bit

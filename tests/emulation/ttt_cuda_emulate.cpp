@@ -11,7 +11,9 @@
 // - against the CPU layer in float64: y, dx and every gradient (5e-5, see run());
 // - bit for bit across G, the inner loop's placements (shared memory: a buffer of the launch's
 //   exact size per CTA) and 64 threads against 32;
-// - packed sequences the same way, against the CPU layer's packed call.
+// - packed sequences the same way, against the CPU layer's packed call;
+// - the tensor-core products (mma_tile below, from the PTX ISA's fragment layouts) at head_dim 16,
+//   12 (padded tiles and steps) and 64.
 // What it cannot check: the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths,
 // CUB's block reductions (one thread here), row_sums' shuffles (replayed, not shuffled), and
 // anything about the real device.
@@ -417,6 +419,13 @@ template <bool Mlp> void kind() {
   run<Mlp, 1, 2>({1, 7, 16, 2}, 3, true);
   std::printf("%s T<b\n", Mlp ? "mlp" : "linear");
   run<Mlp, 16, 4>({3, 5, 16, 1});
+  // The tensor-core products' edges: head_dim 12 (no multiple of 8: every product pads its tiles
+  // and steps) and 64 (the models' head: 8 steps a tile, more tiles than warps), a short last
+  // mini-batch each.
+  std::printf("%s head_dim 12\n", Mlp ? "mlp" : "linear");
+  run<Mlp, 16, 1>({1, 21, 24, 2});
+  std::printf("%s head_dim 64\n", Mlp ? "mlp" : "linear");
+  run<Mlp, 16, 2>({1, 37, 64, 1});
   // Packed sequences of lengths 5, 0, 16, 17, 1, 9 (a partial mini-batch, an empty sequence, one
   // of exactly b, one of b + 1, a single token): each restarts the state from the weights, its
   // mini-batches and RoPE positions start with it, its saved states follow the earlier ones'.
