@@ -12,7 +12,7 @@
 // - bit for bit across G, the inner loop's placements (shared memory: a buffer of the launch's
 //   exact size per CTA) and 64 threads against 32;
 // - packed sequences the same way, against the CPU layer's packed call;
-// - the tensor-core products (mma_tile below, from the PTX ISA's fragment layouts) at head_dim 16,
+// - the tensor-core products (mma_strip below, from the PTX ISA's fragment layouts) at head_dim 16,
 //   12 (padded tiles and steps) and 64.
 // What it cannot check: the launchers themselves (copied here by hand), cuBLASLt, the bf16 paths,
 // CUB's block reductions (one thread here), row_sums' shuffles (replayed, not shuffled), and
@@ -46,7 +46,7 @@ namespace emu {
 struct warp_state {
   emu_support::barrier bar{32};
   float v[4][32];  // up to 4 values a lane
-  // a lane's mma_tile fragments (6 floats a step), in two sets used in turn: a lane posts into
+  // a lane's mma_strip fragments (4 + 2·NT floats a step), in two sets used in turn: a lane posts into
   // one only after the warp's previous rendezvous, which every lane reaches after its last read
   // of that set, so one rendezvous a tile suffices
   std::vector<float> frag[2][32];
@@ -90,15 +90,16 @@ inline void row_sums(float (&v)[N]) {
   }
   w.bar.arrive_and_wait();
 }
-// ttt.cuh's mma_tile in one rendezvous of the warp per tile (one barrier): each lane gathers its fragments of
-// every step through the kernels' own frag (their tile_frags layout), posts them, and sums its
-// four outputs from every lane's posts by the PTX ISA's m16n8k8 layouts, written here from the
-// ISA and not from the kernels: a(r, k) is lane (r mod 8)·4 + k mod 4's register
-// [r ≥ 8] + 2·[k ≥ 4], b(k, n) lane 4n + k mod 4's [k ≥ 4], and d[q] is (g + 8·[q ≥ 2], 2t + q mod 2).
-// Each step is mma_tf32x3's three products: operands split as cvt.rna.tf32 does (nearest, ties
-// away, 10 mantissa bits), hi·hi into d, lo·hi then hi·lo into ds, each product's 8 terms and its
-// accumulator summed in double and rounded once; d + ds at the tile's end. The device's tensor cores add in their own order and rounding: its bits
-// differ from these by rounding (the tests bound both against float64).
+// ttt.cuh's mma_strip in one rendezvous of the warp per strip (one barrier): each lane gathers its
+// fragments of every step through the kernels' own frag (block_strips' layout), posts them, and
+// sums its outputs from every lane's posts by the PTX ISA's m16n8k8 layouts, written here from the
+// ISA and not from the kernels: a(r, k) is lane (r mod 8)·4 + k mod 4's register [r ≥ 8] +
+// 2·[k ≥ 4], b(k, n) lane 4n + k mod 4's [k ≥ 4], and d[q] is (g + 8·[q ≥ 2], 2t + q mod 2).
+// Each step is mma_strip's three products a tile: operands split as cvt.rna.tf32 does (nearest,
+// ties away, 10 mantissa bits), hi·hi into d, lo·hi then hi·lo into ds, each product's 8 terms
+// and its accumulator summed in double and rounded once; d + ds at the end. The device's tensor
+// cores add in their own order and rounding: its bits differ from these by rounding (the tests
+// bound both against float64).
 inline float tf32_rna(float x) {
   if (!std::isfinite(x)) return x;
   std::uint32_t u;
@@ -107,43 +108,46 @@ inline float tf32_rna(float x) {
   std::memcpy(&x, &u, 4);
   return x;
 }
-template <class Frag>
-inline void mma_tile(float (&d)[4], unsigned ksteps, Frag frag) {
+template <unsigned NT, class Frag>
+inline void mma_strip(float (&d)[NT][4], unsigned ksteps, Frag frag) {
   warp_state& w = g_warps[threadIdx.x / 32];
-  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, per = 4 + 2 * NT;
   const std::vector<float>* posts = w.frag[w.turn[lane]];
   std::vector<float>& mine = w.frag[w.turn[lane]][lane];
   w.turn[lane] ^= 1u;
-  mine.resize(ksteps * 6);
+  mine.resize(ksteps * per);
   for (unsigned s = 0; s < ksteps; ++s) {
-    float a[4], b[2];
+    float a[4], b[NT][2];
     frag(s, a, b);
-    std::copy_n(a, 4, &mine[s * 6]);
-    std::copy_n(b, 2, &mine[s * 6 + 4]);
+    std::copy_n(a, 4, &mine[s * per]);
+    for (unsigned n = 0; n < NT; ++n) std::copy_n(b[n], 2, &mine[s * per + 4 + 2 * n]);
   }
   w.bar.arrive_and_wait();
   const auto A = [&](unsigned s, unsigned r, unsigned k) {
-    return posts[(r % 8) * 4 + k % 4][s * 6 + (r >= 8) + 2 * (k >= 4)];
+    return posts[(r % 8) * 4 + k % 4][s * per + (r >= 8) + 2 * (k >= 4)];
   };
-  const auto B = [&](unsigned s, unsigned k, unsigned n) { return posts[4 * n + k % 4][s * 6 + 4 + (k >= 4)]; };
-  for (unsigned q = 0; q < 4; ++q) {
-    const unsigned r = g + 8 * (q >= 2), n = 2 * t + q % 2;
-    float ds = 0.0f;
-    for (unsigned s = 0; s < ksteps; ++s) {
-      for (int part = 0; part < 3; ++part) {  // lo·hi, hi·lo into ds; hi·hi into d
-        float& c = part < 2 ? ds : d[q];
-        double acc = c;
-        for (unsigned k = 0; k < 8; ++k) {
-          const float x = A(s, r, k), y = B(s, k, n);
-          const float xh = tf32_rna(x), yh = tf32_rna(y);
-          const float xp = part == 0 ? tf32_rna(x - xh) : xh, yp = part == 1 ? tf32_rna(y - yh) : yh;
-          acc += double(xp) * double(yp);
+  const auto B = [&](unsigned s, unsigned tile, unsigned k, unsigned n) {
+    return posts[4 * n + k % 4][s * per + 4 + 2 * tile + (k >= 4)];
+  };
+  for (unsigned tile = 0; tile < NT; ++tile)
+    for (unsigned q = 0; q < 4; ++q) {
+      const unsigned r = g + 8 * (q >= 2), n = 2 * t + q % 2;
+      float ds = 0.0f;
+      for (unsigned s = 0; s < ksteps; ++s) {
+        for (int part = 0; part < 3; ++part) {  // lo·hi, hi·lo into ds; hi·hi into d
+          float& c = part < 2 ? ds : d[tile][q];
+          double acc = c;
+          for (unsigned k = 0; k < 8; ++k) {
+            const float x = A(s, r, k), y = B(s, tile, k, n);
+            const float xh = tf32_rna(x), yh = tf32_rna(y);
+            const float xp = part == 0 ? tf32_rna(x - xh) : xh, yp = part == 1 ? tf32_rna(y - yh) : yh;
+            acc += double(xp) * double(yp);
+          }
+          c = static_cast<float>(acc);
         }
-        c = static_cast<float>(acc);
       }
+      d[tile][q] += ds;
     }
-    d[q] += ds;
-  }
 }
 constexpr unsigned ttt_inner_threads = 1, ttt_backward_threads = 1;
 // The CTA's dynamic shared memory: its own buffer of exactly the launch's size (ASan sees a

@@ -330,38 +330,34 @@ __device__ inline void row_sums(float (&v)[N]) {
 }
 
 // ---- Products on the tensor cores (ttt_kernels.inl, "Products on the tensor cores") ----------
-// d += a·b for one warp's 16×8 tile: a 16×8, b 8×8, in fp32, in the PTX ISA's m16n8k8 fragment
-// layouts (block_product, ttt_kernels.inl). sm_80 and up: three TF32 products (3xTF32): x = hi +
-// lo, each TF32 (cvt.rna), and a·b ≈ a_hi·b_hi into d plus a_lo·b_hi + a_hi·b_lo into ds (small
-// terms kept apart, added once at the tile's end; two chains of dependent mma, not one); the
-// dropped a_lo·b_lo is below 2^-21 of |a|·|b|, so the sums keep fp32's accuracy, not TF32's 2^-11.
-// Below sm_80: the same sums in fp32 on the CUDA cores into d, operands gathered by shuffles.
-__device__ inline void mma_tf32x3(float (&d)[4], float (&ds)[4], const float (&a)[4],
-                                  const float (&b)[2]) {
+// mma.sync.m16n8k8 on TF32 operands as 3xTF32: each fp32 operand x = hi + lo, both TF32
+// (cvt.rna), and a·b ≈ a_hi·b_hi into d plus a_lo·b_hi + a_hi·b_lo into ds (the small terms kept
+// apart and added once at the end: two chains of dependent mma, not one); the dropped a_lo·b_lo
+// is below 2^-21 of |a|·|b|, so the sums keep fp32's accuracy, not TF32's 2^-11. sm_80 and up.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  std::uint32_t ah[4], al[4], bh[2], bl[2];
-  const auto split = [](float x, std::uint32_t& hi, std::uint32_t& lo) {
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
-  };
-#pragma unroll
-  for (int r = 0; r < 4; ++r) split(a[r], ah[r], al[r]);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) split(b[r], bh[r], bl[r]);
-  const auto mma = [](float (&c)[4], const std::uint32_t (&x)[4], const std::uint32_t (&y)[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(y[0]), "r"(y[1]));
-  };
-  mma(ds, al, bh);
-  mma(ds, ah, bl);
-  mma(d, ah, bh);
+struct tf32_parts {
+  std::uint32_t hi, lo;
+};
+__device__ inline tf32_parts tf32_split(float x) {
+  tf32_parts p;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(p.hi) : "f"(x));
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(p.lo) : "f"(x - __uint_as_float(p.hi)));
+  return p;
+}
+__device__ inline void mma_tf32(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 #else
-  (void)ds;
-  // Lane (g, t) = (lane / 4, lane % 4) holds a(g, t), a(g + 8, t), a(g, t + 4), a(g + 8, t + 4),
-  // b(t, g), b(t + 4, g) and sums d at (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+// Below sm_80: d += a·b in fp32 on the CUDA cores, each lane gathering its rows of a and columns
+// of b from the fragments by shuffles. Lane (g, t) = (lane / 4, lane % 4) holds a(g, t),
+// a(g + 8, t), a(g, t + 4), a(g + 8, t + 4), b(t, g), b(t + 4, g) and sums (g, 2t), (g, 2t + 1),
+// (g + 8, 2t), (g + 8, 2t + 1).
+__device__ inline void mma_fp32_shuffled(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
   const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (unsigned k = 0; k < 8; ++k) {
@@ -376,21 +372,44 @@ __device__ inline void mma_tf32x3(float (&d)[4], float (&ds)[4], const float (&a
     d[2] += a8 * b0;
     d[3] += a8 * b1;
   }
-#endif
 }
-// d += Σ over ksteps steps of 8 of the fragments frag(step, a, b) writes: one output tile's whole
-// sum. Outside ttt_kernels.inl: the host emulation gathers a tile's fragments and meets its warp
-// once per tile instead of once per step.
-template <typename Frag>
-__device__ inline void mma_tile(float (&d)[4], unsigned ksteps, Frag frag) {
-  float ds[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#endif
+// d[n] += the sum over ksteps steps of 8 of a·b[n], for NT 16×8 output tiles that share their
+// rows: frag(step, a, b) writes the calling lane's fragments of a (16×8, loaded once a step for
+// all NT tiles) and of each tile's b (8×8), in the PTX ISA's m16n8k8 layouts (block_product,
+// ttt_kernels.inl). Each tile's sum is the same sequence of operations whatever NT, so NT changes
+// no bits. Outside ttt_kernels.inl: the host emulation gathers a strip's fragments and meets its
+// warp once per strip instead of once per step.
+template <unsigned NT, typename Frag>
+__device__ inline void mma_strip(float (&d)[NT][4], unsigned ksteps, Frag frag) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float ds[NT][4] = {};
   for (unsigned s = 0; s < ksteps; ++s) {
-    float a[4], b[2];
+    float a[4], b[NT][2];
     frag(s, a, b);
-    mma_tf32x3(d, ds, a, b);
+    tf32_parts pa[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[r] = tf32_split(a[r]);
+#pragma unroll
+    for (unsigned n = 0; n < NT; ++n) {
+      const tf32_parts b0 = tf32_split(b[n][0]), b1 = tf32_split(b[n][1]);
+      mma_tf32(ds[n], pa[0].lo, pa[1].lo, pa[2].lo, pa[3].lo, b0.hi, b1.hi);
+      mma_tf32(ds[n], pa[0].hi, pa[1].hi, pa[2].hi, pa[3].hi, b0.lo, b1.lo);
+      mma_tf32(d[n], pa[0].hi, pa[1].hi, pa[2].hi, pa[3].hi, b0.hi, b1.hi);
+    }
   }
 #pragma unroll
-  for (int r = 0; r < 4; ++r) d[r] += ds[r];
+  for (unsigned n = 0; n < NT; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) d[n][r] += ds[n][r];
+#else
+  for (unsigned s = 0; s < ksteps; ++s) {
+    float a[4], b[NT][2];
+    frag(s, a, b);
+#pragma unroll
+    for (unsigned n = 0; n < NT; ++n) mma_fp32_shuffled(d[n], a, b[n]);
+  }
+#endif
 }
 
 #include "membound/backend/cuda/ttt_kernels.inl"

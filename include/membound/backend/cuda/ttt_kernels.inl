@@ -173,38 +173,55 @@ __device__ inline float rotated_sum(unsigned n, unsigned r, F term) {
 
 // ---- Products on the tensor cores -----------------------------------------------------------
 // out(i, j, Σ_k a(i, k)·b(k, j)) for i < M, j < N, k < Kd: each product of the inner loop, on
-// the tensor cores (mma_tile, ttt.cuh: fp32-class sums from three TF32 products). Warp w takes
-// the 16×8 output tiles w, w + warps, ... (row tiles outer); a tile's lanes load their fragments
-// through a and b (any layout, transpose or scale: the accessors say it) and out gets each sum
-// once, from the lane that holds it. The tiles pad M to 16, N to 8 and Kd to 8 with zeros, never
-// reading a or b there. A tile's sum has one order whatever the CTA's size or the placement, so
-// the forward and the backward's recomputation agree bit for bit. No barrier: the caller's phase
-// ends with one.
-template <typename A, typename B, typename E>
-__device__ inline void block_product(unsigned M, unsigned N, unsigned Kd, A a, B b, E out) {
+// the tensor cores (mma_strip, ttt.cuh: fp32-class sums from three TF32 products). The output is
+// cut into 16×8 tiles and the tiles into strips of NT along a row; warp w takes strips w,
+// w + warps, ... A strip's lanes load their fragments through a and b (any layout, transpose or
+// scale: the accessors say it), a's once a step for the whole strip, and out gets each sum once,
+// from the lane that holds it. The tiles pad M to 16, N to 8·NT and Kd to 8 with zeros, never
+// reading a or b there. A tile's sum has one order whatever NT, the CTA's size or the placement,
+// so the forward and the backward's recomputation agree bit for bit. No barrier: the caller's
+// phase ends with one.
+template <unsigned NT, typename A, typename B, typename E>
+__device__ inline void block_strips(unsigned M, unsigned N, unsigned Kd, A a, B b, E out) {
   const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const unsigned tn = (N + 7) / 8, tiles = (M + 15) / 16 * tn, ksteps = (Kd + 7) / 8;
-  for (unsigned tile = threadIdx.x / 32; tile < tiles; tile += blockDim.x / 32) {
-    const unsigned i0 = tile / tn * 16, j0 = tile % tn * 8;
+  const unsigned sn = ((N + 7) / 8 + NT - 1) / NT, strips = (M + 15) / 16 * sn, ksteps = (Kd + 7) / 8;
+  for (unsigned strip = threadIdx.x / 32; strip < strips; strip += blockDim.x / 32) {
+    const unsigned i0 = strip / sn * 16, j0 = strip % sn * 8 * NT;
     const auto av = [&](unsigned i, unsigned k) { return i < M && k < Kd ? a(i, k) : 0.0f; };
     const auto bv = [&](unsigned k, unsigned j) { return j < N && k < Kd ? b(k, j) : 0.0f; };
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float d[NT][4] = {};
     // The PTX ISA's m16n8k8 layouts: lane (g, t) holds a(g, t), a(g + 8, t), a(g, t + 4),
     // a(g + 8, t + 4), b(t, g), b(t + 4, g) and sums (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
-    mma_tile(d, ksteps, [&](unsigned s, float (&fa)[4], float (&fb)[2]) {
+    mma_strip<NT>(d, ksteps, [&](unsigned s, float (&fa)[4], float (&fb)[NT][2]) {
       const unsigned k0 = s * 8;
       fa[0] = av(i0 + g, k0 + t);
       fa[1] = av(i0 + g + 8, k0 + t);
       fa[2] = av(i0 + g, k0 + t + 4);
       fa[3] = av(i0 + g + 8, k0 + t + 4);
-      fb[0] = bv(k0 + t, j0 + g);
-      fb[1] = bv(k0 + t + 4, j0 + g);
+#pragma unroll
+      for (unsigned n = 0; n < NT; ++n) {
+        fb[n][0] = bv(k0 + t, j0 + 8 * n + g);
+        fb[n][1] = bv(k0 + t + 4, j0 + 8 * n + g);
+      }
     });
-    for (unsigned r = 0; r < 4; ++r) {
-      const unsigned i = i0 + g + (r / 2) * 8, j = j0 + 2 * t + r % 2;
-      if (i < M && j < N) out(i, j, d[r]);
-    }
+#pragma unroll
+    for (unsigned n = 0; n < NT; ++n)
+#pragma unroll
+      for (unsigned r = 0; r < 4; ++r) {
+        const unsigned i = i0 + g + (r / 2) * 8, j = j0 + 8 * n + 2 * t + r % 2;
+        if (i < M && j < N) out(i, j, d[n][r]);
+      }
   }
+}
+// Strips of two tiles where that still leaves every warp one (an A fragment read once for two
+// tiles, and two independent chains of mma), else single tiles: the same bits either way.
+template <typename A, typename B, typename E>
+__device__ inline void block_product(unsigned M, unsigned N, unsigned Kd, A a, B b, E out) {
+  const unsigned tiles = (M + 15) / 16 * ((N + 7) / 8);
+  if (tiles >= 2 * (blockDim.x / 32))
+    block_strips<2>(M, N, Kd, a, b, out);
+  else
+    block_strips<1>(M, N, Kd, a, b, out);
 }
 
 // One mini-batch of one (batch, head), as the CTA that owns it sees it. Forward and backward run
