@@ -22,7 +22,7 @@
 # builds when carried), tests (each GPU test program, one at a time: they compare cudaMemGetInfo), nccl (the
 # NCCL communicator's test, fp32 to fp16, and the device trainer's plumbing over NCCL, one rank, no MPI), train (the
 # example trainer: default (attention's mma.sync kernels), the WMMA/SIMT fallback, 8-bit AdamW, memory taken by someone else,
-# packed paragraphs), bench_ttt, bench_mamba,
+# packed paragraphs), bench_ttt (and bench_cuda_ttt_before when carried), bench_mamba,
 # bench_model (bench_cuda_*), bench_model_wmma (bench_cuda_model's T = 2048 step with --attention-kernels=wmma), bench_attn (bench_cuda_attention: the SIMT, WMMA and mma.sync kernels at
 # T = 2048, 8192), peer_sdpa (PyTorch's SDPA on those shapes), peer_ttt, peer_model, peer_maxseq (PyTorch on the same GPU: ttt_peer.py,
 # model_cuda_peer.py, its --max-seq), long (train --seq max under --long-budget, with its trace for the plot),
@@ -273,7 +273,13 @@ PY
     bench_ttt|bench_mamba|bench_model)
       b="bench_cuda_${s#bench_}"
       step "$b" 120 "$prebuilt/$b" --benchmark_min_time=0.05 --benchmark_counters_tabular=true \
-        --benchmark_out="$work/$b.json" --benchmark_out_format=json ;;
+        --benchmark_out="$work/$b.json" --benchmark_out_format=json
+      # The TTT kernels' before/after in one call (stage_gpu_binaries.sh --before).
+      if [[ "$b" == bench_cuda_ttt && -x "$prebuilt/${b}_before" ]]; then
+        step "${b}_before" 120 "$prebuilt/${b}_before" --benchmark_min_time=0.05 \
+          --benchmark_counters_tabular=true --benchmark_out="$work/${b}_before.json" \
+          --benchmark_out_format=json
+      fi ;;
     bench_attn)
       step bench_cuda_attention 120 "$prebuilt/bench_cuda_attention" --benchmark_min_time=0.05 \
         '--benchmark_filter=(_bf16_d(64|128)/(causal|full)|^fwd(bwd)?_d(64|128)/causal)/(2048|8192)/' \

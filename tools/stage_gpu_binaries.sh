@@ -9,7 +9,8 @@
 #
 #   bash tools/stage_gpu_binaries.sh [ARCH] [--before DIR]   # default 90-real (H100, H200)
 #   # --before DIR: a build of an earlier commit (e.g. a git worktree's build/gpu) whose
-#   # bench_cuda_kernels and bench_cuda_model travel too, as *_before, for a before/after in one call
+#   # bench_cuda_kernels, bench_cuda_model and bench_cuda_ttt travel too, as *_before, for a
+#   # before/after in one call
 #   # then, on the GPU machine (carry .device_pack):
 #   mkdir -p .device_deps && tar -xJf .device_pack/bin.txz -C .device_deps &&
 #     tar -xzf .device_pack/lib.tgz -C .device_deps && cp .device_pack/python_deps.tgz .device_deps/ &&
@@ -57,7 +58,8 @@ for f in "$bin"/*; do { ldd "$f" 2> /dev/null || true; }; done |
 # Symbols are not needed there.
 strip --strip-unneeded "$bin"/*
 if [[ -n "$before" ]]; then
-  for b in bench_cuda_kernels bench_cuda_model; do
+  for b in bench_cuda_kernels bench_cuda_model bench_cuda_ttt; do
+    [[ -x "$before/bench/$b" ]] || continue  # bench_cuda_ttt: a build from 2026-11-29 on
     strip --strip-unneeded "$before/bench/$b" -o "$bin/${b}_before"
   done
 fi
