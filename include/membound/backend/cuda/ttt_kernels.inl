@@ -156,21 +156,6 @@ __device__ inline float ln_l2_grad_row(const float* z, const float* k, const flo
   return sg;
 }
 
-// ---- Sums that read across rows -------------------------------------------------------------
-// A product phase hands consecutive outputs to consecutive threads. Where those outputs differ in
-// a row of a row-major operand in shared memory (A·Bᵀ, a row of B per output), the lanes of a warp
-// would read one column of rows n floats apart: the same bank whenever 32 divides n, a 32-way
-// conflict. Each output instead starts its sum at column r = (its row) mod n and wraps around, so
-// the lanes read 32 different banks. One thread still makes each sum, in a fixed order: the bits
-// do not depend on the CTA's size, and the forward and the backward's recomputation agree.
-template <typename F>
-__device__ inline float rotated_sum(unsigned n, unsigned r, F term) {
-  float acc = 0.0f;
-  for (unsigned o = r; o < n; ++o) acc += term(o);
-  for (unsigned o = 0; o < r; ++o) acc += term(o);
-  return acc;
-}
-
 // ---- Products on the tensor cores -----------------------------------------------------------
 // out(i, j, Σ_k a(i, k)·b(k, j)) for i < M, j < N, k < Kd: each product of the inner loop, on
 // the tensor cores (mma_strip, ttt.cuh: fp32-class sums from three TF32 products). The output is
@@ -295,9 +280,9 @@ __device__ inline void unstage_rows(const float* src, std::size_t C, unsigned K,
   for (unsigned e = threadIdx.x; e < K * D; e += blockDim.x) dst[(e / D) * C + e % D] = src[(e / D) * ls + e % D];
 }
 
-// Each phase below is a strided loop over its outputs, every output summed by one thread in a
-// fixed order (index order, or rotated_sum's), or a row phase on lane groups (its loop uniform
-// within each warp); phases are separated by __syncthreads, which every thread reaches. A
+// Each phase below is a product on the tensor cores (block_product), a strided loop over its
+// outputs, every output summed by one thread in index order, or a row phase on lane groups (its
+// loop uniform within each warp); phases are separated by __syncthreads, which every thread reaches. A
 // function ends with a barrier unless it says otherwise.
 
 // The inner gradients at state W: Z (Z1, X2 = GELU(Z1) for the MLP), G2 through the LayerNorm,
@@ -544,9 +529,16 @@ __device__ inline void update_backward(const float* x, unsigned ldx, unsigned K,
     const unsigned i = e / nin, a = e % nin;
     dx[i * lddx + a] -= tl * lr[i] * s2[e];
   }
-  for (unsigned i = tid; i < K; i += nt) {
-    de[i] -= rotated_sum(nout, i % nout,
-                         [&](unsigned o) { return (s1[i * nout + o] + dbn[o]) * g[i * nout + o]; });
+  // de_i −= (s1_i + db')·g_i, a row per lane group (a warp's loop is uniform: row_sums).
+  const row_slot rs = row_slot_of();
+  for (unsigned i0 = rs.first; i0 < K; i0 += rs.step) {
+    const bool live = i0 + rs.group < K;
+    const unsigned i = live ? i0 + rs.group : i0;
+    float v[1] = {0.0f};
+    if (live)
+      for (unsigned o = rs.lane; o < nout; o += row_lanes) v[0] += (s1[i * nout + o] + dbn[o]) * g[i * nout + o];
+    row_sums(v);
+    if (live && rs.lane == 0) de[i] -= v[0];
   }
   __syncthreads();
 }
