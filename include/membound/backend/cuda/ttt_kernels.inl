@@ -223,7 +223,7 @@ struct mb_ctx {
 struct mb_fwd {
   float *z1, *x2, *g1, *z1b, *x2b, *z2, *xh2, *g2, *zb, *att1, *p1, *att2, *p2, *sig2;
 };
-// The mini-batch's rows of q, k, v staged contiguously ([mb, D], row stride D).
+// The mini-batch's rows of q, k, v staged contiguously ([mb, D] at row stride ttt_row_stride(D)).
 struct mb_rows {
   float *q, *k, *v;
 };
@@ -683,7 +683,7 @@ struct mb_bwd {
       *dl, *rowd;
 };
 // Carves the backward's own rows from p (after the forward's) in ttt_backward_rows' order, then
-// the staged rows of d_o, dq, dk, dv [mb, D].
+// the staged rows of d_o, dq, dk, dv [mb, D] at row stride ttt_row_stride(D).
 template <bool Mlp>
 __device__ inline void carve_backward(float* p, unsigned D, unsigned F, unsigned mb, mb_bwd& b,
                                       float*& d_out, float*& dq, float*& dk, float*& dv) {

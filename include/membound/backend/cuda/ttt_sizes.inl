@@ -13,11 +13,12 @@ constexpr std::size_t ttt_step_elements(std::size_t SZ, std::size_t D, std::size
 
 // The row stride of the staged q, k, v (and in the backward d_out, dq, dk, dv) rows: D rounded up
 // to 8, plus 4. The tensor-core products read a fragment's 8 rows at one column; at a stride ≡ 4
-// (mod 8) they fall in 8 different banks, where at D = 64 they fell in one (an 8-way conflict).
+// (mod 8) they fall in 8 different banks (2-way where a product reads the rows transposed), where
+// at D = 64 they fell in one (8-way; 4-way transposed).
 constexpr std::size_t ttt_row_stride(std::size_t D) noexcept { return (D + 7) / 8 * 8 + 4; }
 
 // The inner loop (forward and backward kernels) keeps one (batch, head)'s working set in two
-// parts: its "rows" (the mini-batch's q, k, v rows staged contiguously, [mb, D] each, and every
+// parts: its "rows" (the mini-batch's q, k, v rows staged contiguously, [mb, D] each at row stride ttt_row_stride(D), and every
 // per-mini-batch buffer) and its inner states (the running state [SZ]; in the backward also the
 // group's entering states [gsz, SZ]; the running dL/d(state) [SZ] goes with the running state,
 // else it stays in the partials). The launcher puts them in shared memory, hottest first
